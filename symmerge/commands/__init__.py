@@ -1,0 +1,1 @@
+"""CLI commands, one module each: add_arguments(parser) and run(args) -> exit code."""

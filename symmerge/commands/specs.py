@@ -1,0 +1,16 @@
+"""List the supported architecture families and the symmetry groups of each."""
+
+from ..spec import SPECS
+
+
+def add_arguments(parser) -> None:
+    pass
+
+
+def run(args) -> int:
+    for spec in SPECS:
+        print(f"{spec.family}  (model_type: {', '.join(spec.model_types)})")
+        for g in spec.groups:
+            members = ", ".join(f"{m.name}[axis {m.axis}, a^{m.power:+d}]" for m in g.members)
+            print(f"  {g.name:8s} {g.kind:16s} {members}")
+    return 0

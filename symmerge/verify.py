@@ -1,0 +1,51 @@
+"""Check that two models compute the same function: run both on the same inputs, compare outputs."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .spec import Spec
+
+
+def sample_inputs(model, spec: Spec, batch: int = 2, length: int = 16, seed: int = 0) -> dict:
+    """Random but valid inputs: token ids with a padded row, or pixels of the configured size."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    if spec.input_kind == "image":
+        size = cfg.image_size
+        return {"pixel_values": torch.randn(batch, cfg.num_channels, size, size, generator=g)}
+    ids = torch.randint(0, cfg.vocab_size, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[-1, length // 2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _outputs(model, inputs) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = model(**inputs)
+    values = out.values() if hasattr(out, "values") else (out if isinstance(out, tuple) else [out])
+    return [v for v in values if torch.is_tensor(v) and v.is_floating_point()]
+
+
+def with_state_dict(model, state_dict: dict):
+    """A copy of ``model`` holding ``state_dict`` (the original is left untouched)."""
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(state_dict)
+    return clone.eval()
+
+
+def compare(model_a, model_b, inputs: dict) -> dict:
+    """Max absolute and relative (to the largest output magnitude) difference over all outputs."""
+    device = next(model_a.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    max_abs, scale = 0.0, 0.0
+    for a, b in zip(_outputs(model_a.eval(), inputs), _outputs(model_b.eval(), inputs)):
+        max_abs = max(max_abs, (a.double() - b.double()).abs().max().item())
+        scale = max(scale, a.double().abs().max().item())
+    return {"max_abs_diff": max_abs, "max_rel_diff": max_abs / scale if scale else max_abs}
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    return {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 5e-2)
