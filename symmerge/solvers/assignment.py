@@ -19,10 +19,13 @@ def match_permutation(C: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(perm).long()
 
 
-def solve_assignments(costs: list[torch.Tensor], workers: int | None = None) -> list[torch.Tensor]:
-    """Solve many assignment problems; scipy releases the GIL, so threads use every core."""
+def solve_assignments(costs, workers: int | None = None) -> list[torch.Tensor]:
+    """Solve many assignment problems. ``costs`` may be a lazy iterable: each problem is handed to
+    a thread as soon as its cost exists, so the next cost GEMM overlaps the running assignments
+    (scipy releases the GIL)."""
     workers = workers or os.cpu_count() or 1
-    if workers == 1 or len(costs) == 1:
+    if workers == 1:
         return [match_permutation(c) for c in costs]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(match_permutation, costs))
+        futures = [pool.submit(match_permutation, c) for c in costs]
+        return [f.result() for f in futures]

@@ -10,10 +10,10 @@ For one head, with the moved model's blocks ``X1`` and the anchor's ``X2`` split
 * sequential (paper eq. 11–12): that ``R``, then the best ``a`` for it, a root of the quartic
   ``n1p a⁴ − cp a³ + cm a − n1m = 0`` with ``cp = tr(RᵀMp)``, ``cm = tr(RᵀMm)``;
 * joint: ``min_a F(a)``, ``F(a) = a² n1p + n1m / a² − 2 ‖a Mp + Mm / a‖_*`` (for fixed ``a`` the best
-  ``R`` is Procrustes of ``a Mp + Mm / a``). Solved by alternating exact R- and a-steps from the
-  sequential solution (monotone, ends at a stationary point), then a bounded search: F on a log grid
-  over a bracket that provably contains the minimiser, restarting from any grid point that is
-  lower, and golden-section refinement around the best point.
+  ``R`` is Procrustes of ``a Mp + Mm / a``). Solved from the sequential solution by safeguarded
+  Newton (exact first and second derivatives of the nuclear norm from one SVD per step), then a
+  bounded search: F on a log grid over a bracket that provably contains the minimiser; heads with a
+  lower grid point are refined there (golden section, then Newton).
 """
 
 from __future__ import annotations
@@ -85,43 +85,83 @@ def _bracket(Mp, Mm, n1p, n1m, n2p, n2m):
     return lo.clamp_min(1e-8), hi.clamp(max=1e8)
 
 
-def joint_scale(Mp, Mm, n1p, n1m, n2p, n2m, grid: int = 16, tol: float = 1e-12, max_iter: int = 200):
-    """Jointly optimal (R, a) per head; F(joint) ≤ F(sequential) by construction."""
+def _derivatives(a, Mp, Mm, n1p, n1m):
+    """F(a), F'(a), F''(a) and the optimal R(a) from one batched SVD.
+
+    With M(a) = a Mp + Mm/a = U Σ Vᵀ: d‖M‖_*/da = tr(Rᵀ M'), and the curvature of the nuclear norm
+    along D = M' is Σ_{i<j} (D̃ᵢⱼ − D̃ⱼᵢ)² / (σᵢ + σⱼ) with D̃ = Uᵀ D V (plus tr(Rᵀ M'') from M's own curvature).
+    """
+    s = a[:, None, None]
+    U, S, Vh = torch.linalg.svd(s * Mp + Mm / s)
+    R = U @ Vh
+    D1, D2 = Mp - Mm / s**2, 2 * Mm / s**3
+    Dt = U.mT @ D1 @ Vh.mT
+    skew = (Dt - Dt.mT).square()
+    denom = S[:, :, None] + S[:, None, :]
+    curvature = 0.5 * (skew / denom.clamp_min(torch.finfo(S.dtype).tiny)).sum((1, 2))
+    F = a * a * n1p + n1m / (a * a) - 2 * S.sum(-1)
+    dF = 2 * a * n1p - 2 * n1m / a**3 - 2 * torch.einsum("bij,bij->b", R, D1)
+    d2F = 2 * n1p + 6 * n1m / a**4 - 2 * (torch.einsum("bij,bij->b", R, D2) + curvature)
+    return F, dF, d2F, R
+
+
+def _refine(a, ok, Mp, Mm, n1p, n1m, tol: float, max_iter: int):
+    """Damped Newton on F from ``a`` (per head). A step that raises F beyond rounding is rejected and
+    the damping halved; where F is not convex the exact a-step for the current R is taken instead
+    (it never raises F). Stops when the step or the predicted decrease is at rounding level."""
+    F, dF, d2F, R = _derivatives(a, Mp, Mm, n1p, n1m)
+    damp = torch.ones_like(a)
+    eps = torch.finfo(a.dtype).eps
+    for _ in range(max_iter):
+        convex = d2F > 0
+        newton = a - damp * dF / torch.where(convex, d2F, torch.ones_like(d2F))
+        step = torch.where(convex, newton.clamp(a / 2, 2 * a), scale_for_rotation(R, Mp, Mm, n1p, n1m))
+        negligible = convex & (dF.square() <= 2 * d2F * 64 * eps * F.abs().clamp_min(1.0))
+        active = ok & ~negligible & (torch.abs(step - a) > tol * a)
+        if not active.any():
+            break
+        step = torch.where(active, step, a)
+        F2, dF2, d2F2, R2 = _derivatives(step, Mp, Mm, n1p, n1m)
+        accept = active & (F2 <= F + 64 * eps * F.abs().clamp_min(1.0))
+        a = torch.where(accept, step, a)
+        F, dF, d2F = (torch.where(accept, new, old) for new, old in ((F2, F), (dF2, dF), (d2F2, d2F)))
+        R = torch.where(accept[:, None, None], R2, R)
+        damp = torch.where(accept, torch.ones_like(damp), damp / 2)
+    return a, R, F
+
+
+def joint_scale(Mp, Mm, n1p, n1m, n2p, n2m, grid: int = 8, tol: float = 1e-13, max_iter: int = 50):
+    """Jointly optimal (R, a) per head; F(joint) ≤ F(sequential) by construction.
+
+    Newton refinement from the sequential solution, then a bounded search: F on a log grid over a
+    bracket that provably holds the minimiser; heads where a grid point is lower are refined again
+    by golden section + Newton from there.
+    """
     R, a = sequential_scale(Mp, Mm, n1p, n1m)
     ok = (n1p > 0) & (n1m > 0)
     if not ok.any():
         return R, a
-
-    def descend(a):
-        for _ in range(max_iter):
-            R, _ = procrustes(a[:, None, None] * Mp + Mm / a[:, None, None])
-            new = torch.where(ok, scale_for_rotation(R, Mp, Mm, n1p, n1m), a)
-            if torch.max(torch.abs(torch.log(new / a))) < tol:
-                return new
-            a = new
-        return a
-
-    a = descend(a)
+    a, R, current = _refine(a, ok, Mp, Mm, n1p, n1m, tol, max_iter)
     lo, hi = _bracket(Mp, Mm, n1p, n1m, n2p, n2m)
     t = torch.linspace(0, 1, grid, dtype=torch.float64)[:, None]
     candidates = torch.exp(torch.log(lo) + t * (torch.log(hi) - torch.log(lo)))  # (grid, B)
     values = _profile(candidates, Mp, Mm, n1p, n1m)
-    current = _profile(a, Mp, Mm, n1p, n1m)
     best_val, best_idx = values.min(0)
     worse = ok & (best_val < current - 1e-12 * current.abs().clamp_min(1.0))
-    if worse.any():  # another basin is lower: refine there by golden section, then descend again
-        idx = best_idx.clamp(1, grid - 2)
-        left = candidates[idx - 1, torch.arange(len(idx))].log()
-        right = candidates[idx + 1, torch.arange(len(idx))].log()
+    if worse.any():  # another basin is lower: golden section around the best grid point, then Newton
+        cols = torch.arange(len(best_idx))
+        left = candidates[(best_idx - 1).clamp(0, grid - 1), cols].log()
+        right = candidates[(best_idx + 1).clamp(0, grid - 1), cols].log()
         golden = (math.sqrt(5) - 1) / 2
-        for _ in range(60):
+        for _ in range(40):
             x1 = right - golden * (right - left)
             x2 = left + golden * (right - left)
-            f1 = _profile(x1.exp(), Mp, Mm, n1p, n1m)
-            f2 = _profile(x2.exp(), Mp, Mm, n1p, n1m)
-            right = torch.where(f1 < f2, x2, right)
-            left = torch.where(f1 < f2, left, x1)
-        refined = descend(torch.where(worse, ((left + right) / 2).exp(), a))
-        a = torch.where(worse & (_profile(refined, Mp, Mm, n1p, n1m) < current), refined, a)
-    R, _ = procrustes(a[:, None, None] * Mp + Mm / a[:, None, None])
+            lower = _profile(x1.exp(), Mp, Mm, n1p, n1m) < _profile(x2.exp(), Mp, Mm, n1p, n1m)
+            right = torch.where(lower, x2, right)
+            left = torch.where(lower, left, x1)
+        start = torch.where(worse, ((left + right) / 2).exp(), a)
+        a2, R2, F2 = _refine(start, worse, Mp, Mm, n1p, n1m, tol, max_iter)
+        take = worse & (F2 < current)
+        a = torch.where(take, a2, a)
+        R = torch.where(take[:, None, None], R2, R)
     return R, torch.where(ok, a, torch.ones_like(a))
