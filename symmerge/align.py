@@ -37,6 +37,9 @@ def check_compatible(model, anchor) -> None:
     ta, tb = model.config.model_type, anchor.config.model_type
     if ta != tb:
         raise SymmergeError(f"architectures differ: model is {ta!r}, anchor is {tb!r}")
+    ha, hb = model.config.num_attention_heads, anchor.config.num_attention_heads
+    if ha != hb:  # same shapes, but the head blocks would not correspond
+        raise SymmergeError(f"architectures differ: model has {ha} attention heads, anchor has {hb}")
     sa, sb = model.state_dict(), anchor.state_dict()
     if sa.keys() != sb.keys():
         only = sorted(set(sa) ^ set(sb))[:3]

@@ -94,6 +94,23 @@ def model_class(config: dict):
     return transformers.AutoModel
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """Silence transformers' warnings and its 'Loading weights' / 'Writing model shards' bars on
+    stderr (symmerge reports errors itself), restoring both settings afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(path, allow_pickle: bool = False, device: str = "cpu"):
     """Load and validate an HF model folder; returns the model in eval mode."""
     path = Path(path)
@@ -101,20 +118,15 @@ def load_model(path, allow_pickle: bool = False, device: str = "cpu"):
     files, safe = weight_files(path, allow_pickle)
     if safe:
         check_safetensors(files)
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
     try:
-        model = model_class(config).from_pretrained(
-            str(path), use_safetensors=safe, local_files_only=True, dtype="auto"
-        )
+        with quiet_transformers():
+            model = model_class(config).from_pretrained(
+                str(path), use_safetensors=safe, local_files_only=True, dtype="auto"
+            )
     except SymmergeError:
         raise
     except Exception as e:
         raise SymmergeError(f"{path}: transformers could not load the model ({type(e).__name__}: {e})") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
     check_finite(model.state_dict(), str(path))
     return model.to(device).eval()
 
@@ -163,7 +175,8 @@ def save_model(model, out, src=None, report: dict | None = None, report_name: st
     """Write ``model`` as an HF folder at ``out`` atomically, with side files and the report."""
     out = Path(out)
     with atomic_dir(out) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        with quiet_transformers():
+            model.save_pretrained(str(tmp), safe_serialization=True)
         if src is not None:
             copy_side_files(Path(src), tmp)
         if report is not None:
