@@ -11,7 +11,9 @@ from .errors import SymmergeError
 # command name -> module in symmerge.commands defining add_arguments(parser) and run(args)
 COMMANDS = {
     "align": "align",
+    "barrier": "barrier",
     "demo": "demo",
+    "merge": "merge",
     "specs": "specs",
 }
 
