@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"symmerge.commands.{module_name}")
-        p = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0], description=module.__doc__)
+        p = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0], description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(handler=module.run)
     return parser
