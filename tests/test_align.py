@@ -12,6 +12,7 @@ from conftest import ARCHS, add_noise, make_inputs, make_model, output_rel_diff,
 from symmerge.align import align, instances_for
 from symmerge.apply import apply, random_elements
 from symmerge.errors import SymmergeError
+from symmerge.evaluate import layer_of
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -141,14 +142,6 @@ def test_model_and_anchor_are_not_modified():
 
 
 # ------------------------------------------------------------------ layers=[...]
-
-
-def layer_of(key: str):
-    parts = key.split(".")
-    for i, p in enumerate(parts[:-1]):
-        if p in ("layer", "layers") and parts[i + 1].isdigit():
-            return int(parts[i + 1])
-    return None
 
 
 @pytest.mark.parametrize("layers", [[1], [0, 2]])
