@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .apply import apply
+from .apply import apply, fold_norms
 from .distance import distance, parameter_keys, per_module
 from .errors import SymmergeError
 from .io import load_model
-from .resolve import resolve
+from .resolve import config_sizes, resolve
 from .solve import RESCALE_MODES, solve
 from .spec import SYMMETRIES, spec_for
 from .verify import compare, default_tolerance, sample_inputs, with_state_dict
@@ -51,8 +51,8 @@ def check_compatible(model, anchor) -> None:
 
 def instances_for(model, layers=None):
     spec = spec_for(model.config.model_type)
-    cfg = model.config
-    return spec, resolve(spec, model.state_dict(), cfg.num_hidden_layers, cfg.num_attention_heads, layers)
+    sizes = config_sizes(spec, model.config)
+    return spec, resolve(spec, model.state_dict(), sizes.pop("num_layers"), sizes.pop("num_heads"), layers, **sizes)
 
 
 def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", verify: bool = True,
@@ -61,8 +61,12 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
     """Move ``model`` inside its symmetry orbit as close as possible (L2) to ``anchor``.
 
     ``model``/``anchor``: transformers models or HF folder paths. ``symmetries``: subset of
-    ``attn`` (per-head QK and VO rotations), ``ffn`` (hidden-unit permutation), ``rescale``
-    (per-head QK/VO scales, solved ``joint``ly or ``sequential``ly as in the paper).
+    ``attn`` (per-head QK and VO rotations; RoPE models: per frequency pair), ``ffn`` (hidden-unit
+    permutation), ``rescale`` (per-head QK/VO scales, solved ``joint``ly or ``sequential``ly as in
+    the paper; RoPE pair scales; SwiGLU unit scales), ``residual`` (opt-in, pre-RMSNorm decoders with
+    their head: one orthogonal transform of the residual stream after folding the norm weights into
+    their readers — the aligned model is returned folded, and distances compare it with the folded
+    anchor: fold the anchor with :func:`symmerge.apply.fold_norms` before merging the two).
     ``layers``: only align these layer indices. Returns ``(aligned_model, report)``; raises
     :class:`SymmergeError` if ``verify`` and the aligned model's outputs differ beyond tolerance.
     """
@@ -74,7 +78,12 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
     start = time.perf_counter()
     spec, instances = instances_for(model, layers)
     sd_a, sd_b = model.state_dict(), anchor.state_dict()
-    elements = solve(instances, sd_a, sd_b, symmetries, rescale, progress=progress)
+    unfolded = (sd_a, sd_b)
+    folded = "residual" in symmetries and any(i.folds for i in instances)
+    if folded:  # the residual symmetry acts on the folded parameterisation (norm weights = 1), anchor too
+        sd_a, sd_b = fold_norms(sd_a, instances), fold_norms(sd_b, instances)
+    sweeps: list[float] = []
+    elements = solve(instances, sd_a, sd_b, symmetries, rescale, progress=progress, history=sweeps)
     aligned_sd = apply(sd_a, instances, elements)
     match_seconds = time.perf_counter() - start
     aligned = with_state_dict(model, aligned_sd)
@@ -95,6 +104,12 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
         },
         "match_seconds": match_seconds,
     }
+    if "residual" in symmetries:
+        report["residual_variant"] = next(i.variant for i in instances if i.name == "residual")
+        report["residual_sweeps_sq_distance"] = sweeps
+        report["norms_folded"] = folded
+        if folded:  # distances above compare folded A/B; the anchor must be folded too before merging
+            report["distance_before_unfolded"] = distance(*unfolded, keys)
     if verify:
         dtype = next(model.parameters()).dtype
         tol = default_tolerance(dtype) if verify_tol is None else verify_tol

@@ -10,7 +10,27 @@ Group kinds:
   head block ``X_h`` (``d_h`` x rest, head index on the member's axis) becomes ``a_h**power R_hᵀ X_h``.
   QK: ``W_Q, b_Q`` (power +1) and ``W_K, b_K`` (power -1) — ``(aQR)(KR/a)ᵀ = QKᵀ``.
   VO: ``W_V, b_V`` (power +1) and the head's column block of ``W_O`` (power -1).
-* ``permutation``: one permutation of the units on the member axis (FFN hidden units).
+* ``permutation``: one permutation of the units on the member axis (FFN hidden units). With
+  ``Group.unit_scale`` set, also a per-unit scale ``s`` applied as ``s**power`` (SwiGLU: ``up`` rows
+  power +1, ``down`` columns power -1, ``gate`` power 0; ``"nonzero"``: any real ``s != 0``).
+* ``rope_pairs``: the QK group of a rotary-embedding attention (``transformers``' ``rotate_half``
+  layout). Per head and per frequency pair (dims ``j`` and ``j + r/2`` of the ``r`` rotary dims) a 2-D
+  rotation by ``θ_j`` and a scale ``ρ_j > 0`` (Q rows ``ρ R(θ)ᵀ``, K rows ``R(θ)ᵀ / ρ``: a complex
+  scalar per pair, the only transforms commuting with every position's rotation); the ``d - r``
+  non-rotated dims keep the full orthogonal group + scale.
+* ``residual``: one orthogonal ``Q`` on the whole residual stream of a pre-RMSNorm decoder, applied
+  to every member as ``X → Qᵀ X`` along its axis (embeddings and readers: columns, ``W → WQ``;
+  writers: rows and biases, ``W → QᵀW``). Valid after the norm weights are folded into their readers
+  (``Spec.folds``); ``diag`` members (norm weights) transform as ``γ → diag(Qᵀ diag(γ) Q)``.
+
+Member options for fused and grouped layouts:
+
+* ``chunk=(k, n)``: the member is the ``k``-th of ``n`` equal consecutive slices along its axis (GPT-2's
+  ``c_attn`` holds Q, K, V as column blocks 0, 1, 2 of 3).
+* ``heads="query"`` / ``"kv"``: which head count the member is split into. Groups act per *group
+  head* (``Group.heads``): ``"kv"`` groups (GQA) share one element among the ``H / H_kv`` query heads
+  of a KV head (query head ``h`` uses KV head ``h // (H / H_kv)``).
+* ``root=True``: the name is a full state-dict key outside the base model (``lm_head.weight``).
 """
 
 from __future__ import annotations
@@ -19,6 +39,8 @@ from dataclasses import dataclass
 
 HEAD_ORTHOGONAL = "head_orthogonal"
 PERMUTATION = "permutation"
+ROPE_PAIRS = "rope_pairs"
+RESIDUAL = "residual"
 
 
 @dataclass(frozen=True)
@@ -29,6 +51,18 @@ class Member:
     axis: int
     power: int = 1
     optional: bool = False  # biases may be absent (bias=False configs)
+    chunk: tuple[int, int] = (0, 1)  # (k, n): k-th of n equal consecutive slices along the axis
+    heads: str = "query"  # head count the member is split into: "query" or "kv"
+    root: bool = False  # name is a full key outside the base model (task heads)
+    diag: bool = False  # residual group: a norm weight, transformed as a diagonal matrix
+
+
+@dataclass(frozen=True)
+class Fold:
+    """A norm whose weight folds into the tensors that read its output (weight columns)."""
+
+    norm: str
+    readers: tuple[Member, ...]
 
 
 @dataclass(frozen=True)
@@ -39,6 +73,8 @@ class Group:
     kind: str
     symmetry: str
     members: tuple[Member, ...]
+    heads: str = "query"  # head groups: one element per query head or per KV head (GQA)
+    unit_scale: str | None = None  # permutation groups: None or "nonzero" (per-unit scale s**power)
 
 
 @dataclass(frozen=True)
@@ -47,6 +83,9 @@ class Spec:
     model_types: tuple[str, ...]
     groups: tuple[Group, ...]
     input_kind: str = "text"  # "text" (input_ids) or "image" (pixel_values)
+    folds: tuple[Fold, ...] = ()  # norms folded into their readers before the residual group acts
+    partial_rotary: bool = False  # the model honours rope_parameters["partial_rotary_factor"]
+    unsupported: tuple[tuple[str, str], ...] = ()  # (tensor template, reason): refuse checkpoints holding it
 
 
 def linear_rows(module: str, power: int = 1) -> tuple[Member, ...]:
@@ -80,6 +119,58 @@ def _bert_like(family: str, model_types: tuple[str, ...], layer: str, q, k, v, o
     return Spec(family, model_types, attn + (ffn_group((p + ffn_in,), p + ffn_out),), input_kind)
 
 
+def _rows(module: str, power: int, heads: str = "query") -> tuple[Member, ...]:
+    return (Member(f"{module}.weight", 0, power, heads=heads), Member(f"{module}.bias", 0, power, optional=True, heads=heads))
+
+
+def _gpt2() -> Spec:
+    """GPT-2: Conv1D layers (weight in × out, so outputs are columns); ``c_attn`` fuses Q, K, V."""
+    p = "h.{i}."
+
+    def qkv(k: int, power: int) -> tuple[Member, ...]:
+        return (Member(p + "attn.c_attn.weight", 1, power, chunk=(k, 3)),
+                Member(p + "attn.c_attn.bias", 0, power, optional=True, chunk=(k, 3)))
+
+    qk = Group("attn.qk", HEAD_ORTHOGONAL, "attn", qkv(0, +1) + qkv(1, -1))
+    vo = Group("attn.vo", HEAD_ORTHOGONAL, "attn", qkv(2, +1) + (Member(p + "attn.c_proj.weight", 0, -1),))
+    ffn = Group("ffn", PERMUTATION, "ffn", (Member(p + "mlp.c_fc.weight", 1), Member(p + "mlp.c_fc.bias", 0, optional=True),
+                                            Member(p + "mlp.c_proj.weight", 0)))
+    return Spec("gpt2", ("gpt2",), (qk, vo, ffn))
+
+
+def _rope_attention(a: str, o: str) -> tuple[Group, Group]:
+    """RoPE QK pairs and VO rotations per KV head (GQA): q/o split into query heads, k/v into KV heads."""
+    qk = Group("attn.qk", ROPE_PAIRS, "attn", _rows(a + "q_proj", +1) + _rows(a + "k_proj", -1, "kv"), heads="kv")
+    vo = Group("attn.vo", HEAD_ORTHOGONAL, "attn", _rows(a + "v_proj", +1, "kv") + (Member(a + o, 1, -1),), heads="kv")
+    return qk, vo
+
+
+def _llama() -> Spec:
+    """Llama / Mistral / Qwen2: RoPE + GQA attention, SwiGLU FFN, pre-RMSNorm residual stream."""
+    a, m = "layers.{i}.self_attn.", "layers.{i}.mlp."
+    ffn = Group("ffn", PERMUTATION, "ffn", _rows(m + "gate_proj", 0) + _rows(m + "up_proj", +1)
+                + (Member(m + "down_proj.weight", 1, -1),), unit_scale="nonzero")
+    attn_in = tuple(Member(a + n + ".weight", 1, 0) for n in ("q_proj", "k_proj", "v_proj"))
+    ffn_in = tuple(Member(m + n + ".weight", 1, 0) for n in ("gate_proj", "up_proj"))
+    heads = tuple(Member(n, 1, 0, optional=True, root=True) for n in ("lm_head.weight", "score.weight"))
+    writers = (Member(a + "o_proj.weight", 0, 0), Member(a + "o_proj.bias", 0, 0, optional=True),
+               Member(m + "down_proj.weight", 0, 0), Member(m + "down_proj.bias", 0, 0, optional=True))
+    norms = ("layers.{i}.input_layernorm.weight", "layers.{i}.post_attention_layernorm.weight", "norm.weight")
+    residual = Group("residual", RESIDUAL, "residual", (Member("embed_tokens.weight", 1, 0),) + attn_in + ffn_in
+                     + writers + tuple(Member(n, 0, 0, diag=True) for n in norms) + heads)
+    folds = (Fold(norms[0], attn_in), Fold(norms[1], ffn_in), Fold(norms[2], heads))
+    return Spec("llama", ("llama", "mistral", "qwen2"), _rope_attention(a, "o_proj.weight") + (ffn, residual),
+                folds=folds)
+
+
+def _phi() -> Spec:
+    """Phi(-1/2): partial RoPE (``partial_rotary_factor``), parallel attention + GELU MLP, LayerNorm."""
+    a, m = "layers.{i}.self_attn.", "layers.{i}.mlp."
+    ffn = ffn_group((m + "fc1",), m + "fc2")
+    return Spec("phi", ("phi",), _rope_attention(a, "dense.weight") + (ffn,), partial_rotary=True,
+                unsupported=((a + "q_layernorm.weight", "qk_layernorm=True (a LayerNorm on each query/key head)"),))
+
+
 SPECS: tuple[Spec, ...] = (
     _bert_like("bert", ("bert", "roberta", "xlm-roberta", "camembert"), "encoder.layer.{i}",
                "attention.self.query", "attention.self.key", "attention.self.value",
@@ -96,9 +187,12 @@ SPECS: tuple[Spec, ...] = (
     _bert_like("vit", ("vit",), "layers.{i}",
                "attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
                "mlp.fc1", "mlp.fc2", input_kind="image"),
+    _gpt2(),
+    _llama(),
+    _phi(),
 )
 
-SYMMETRIES = ("attn", "ffn", "rescale")
+SYMMETRIES = ("attn", "ffn", "rescale", "residual")
 
 
 def supported_model_types() -> list[str]:

@@ -114,10 +114,10 @@ def test_mismatched_head_count(tmp_path, anchor_dir, out, capsys):
     assert_clean_failure(rc, err, out, "architectures differ", "heads")
 
 
-def _gpt2(path):
-    from transformers import GPT2Config, GPT2Model
+def _bloom(path):
+    from transformers import BloomConfig, BloomModel
 
-    return save(GPT2Model(GPT2Config(n_embd=24, n_layer=1, n_head=3, vocab_size=60, n_positions=32)), path)
+    return save(BloomModel(BloomConfig(hidden_size=24, n_layer=1, n_head=3, vocab_size=60)), path)
 
 
 def _t5(path):
@@ -127,7 +127,7 @@ def _t5(path):
 
 
 @pytest.mark.parametrize("which", ["model", "anchor"])
-@pytest.mark.parametrize("maker,model_type", [(_gpt2, "gpt2"), (_t5, "t5")])
+@pytest.mark.parametrize("maker,model_type", [(_bloom, "bloom"), (_t5, "t5")])
 def test_unsupported_model_type(tmp_path, anchor_dir, out, capsys, maker, model_type, which):
     bad = maker(tmp_path / model_type)
     args = (bad, anchor_dir) if which == "model" else (anchor_dir, bad)

@@ -41,9 +41,16 @@ def _profile(a, Mp, Mm, n1p, n1m) -> torch.Tensor:
 
 def scale_for_rotation(R, Mp, Mm, n1p, n1m) -> torch.Tensor:
     """Best ``a > 0`` for fixed rotations: the positive root of eq. 12 with the lowest objective."""
-    cp = torch.einsum("bij,bij->b", R, Mp).numpy()
-    cm = torch.einsum("bij,bij->b", R, Mm).numpy()
-    p, m = n1p.numpy(), n1m.numpy()
+    cp = torch.einsum("bij,bij->b", R, Mp)
+    cm = torch.einsum("bij,bij->b", R, Mm)
+    return quartic_scale(cp, cm, n1p, n1m)
+
+
+def quartic_scale(cp, cm, p, m, signed: bool = False) -> torch.Tensor:
+    """Per entry, the scale ``a`` minimising ``a² p − 2 a cp + m / a² − 2 cm / a`` (``p, m ≥ 0``): the
+    real root of ``p a⁴ − cp a³ + cm a − m = 0`` with the lowest objective; ``a > 0``, or any ``a ≠ 0``
+    when ``signed``. Entries with ``p = 0`` or ``m = 0`` get 1."""
+    cp, cm, p, m = (torch.as_tensor(x, dtype=torch.float64).numpy() for x in (cp, cm, p, m))
     out = np.ones_like(p)
     ok = (p > 0) & (m > 0)
     if ok.any():
@@ -54,7 +61,7 @@ def scale_for_rotation(R, Mp, Mm, n1p, n1m) -> torch.Tensor:
         comp[:, 0, :] = -np.stack([c3, np.zeros_like(c3), c1, c0], axis=1)
         roots = np.linalg.eigvals(comp)
         real = roots.real
-        usable = (np.abs(roots.imag) <= 1e-7 * np.maximum(1.0, np.abs(real))) & (real > 0)
+        usable = (np.abs(roots.imag) <= 1e-7 * np.maximum(1.0, np.abs(real))) & ((real != 0) if signed else (real > 0))
         a = np.where(usable, real, np.nan)
         # polish each candidate with Newton steps on the quartic
         for _ in range(3):
@@ -62,7 +69,7 @@ def scale_for_rotation(R, Mp, Mm, n1p, n1m) -> torch.Tensor:
             der = 4 * a**3 + 3 * c3[:, None] * a**2 + c1[:, None]
             a = np.where(der != 0, a - poly / np.where(der != 0, der, 1), a)
         g = a * a * p[ok, None] - 2 * a * cp[ok, None] + m[ok, None] / (a * a) - 2 * cm[ok, None] / a
-        g = np.where(np.isfinite(g) & (a > 0), g, np.inf)
+        g = np.where(np.isfinite(g) & ((a != 0) if signed else (a > 0)), g, np.inf)
         best = np.argmin(g, axis=1)
         chosen = a[np.arange(len(best)), best]
         out[ok] = np.where(np.isfinite(chosen), chosen, 1.0)
