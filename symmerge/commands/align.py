@@ -18,7 +18,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("anchor", help="HF model folder of the anchor (left unchanged)")
     parser.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
     parser.add_argument("--symmetries", default="attn,ffn,rescale",
-                        help="comma list of attn, ffn, rescale (default: all), or 'none'")
+                        help="comma list of attn, ffn, rescale, residual (default: attn,ffn,rescale; residual is opt-in), or 'none'")
     parser.add_argument("--rescale", choices=["joint", "sequential", "none"], default="joint",
                         help="how per-head scales are solved: joint optimum (default) or the paper's sequential")
     parser.add_argument("--layers", default=None, help="only align these layers, e.g. '0,1,5' (default: all)")
