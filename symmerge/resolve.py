@@ -132,10 +132,12 @@ def config_sizes(spec: Spec, config) -> dict:
 
 
 def resolve(spec: Spec, state_dict, num_layers: int, num_heads: int, layers=None, *, num_kv_heads: int | None = None,
-            rotary_dim: int | None = None) -> list[Instance]:
+            rotary_dim: int | None = None, residual: bool = True) -> list[Instance]:
     """All group instances of ``spec`` in ``state_dict`` (optionally only the given ``layers``; the
     model-wide residual group always spans every layer). ``num_kv_heads``: KV heads (GQA; default
-    ``num_heads``); ``rotary_dim``: rotary dims per head of rope groups (default: the head dim)."""
+    ``num_heads``); ``rotary_dim``: rotary dims per head of rope groups (default: the head dim);
+    ``residual=False``: leave out the model-wide residual group (it reads norm values, so it needs
+    real tensors, not shape-only ones)."""
     prefix = find_prefix(spec, state_dict.keys())
     for template, reason in spec.unsupported:
         if any(prefix + template.format(i=i) in state_dict for i in range(num_layers)):
@@ -178,7 +180,7 @@ def resolve(spec: Spec, state_dict, num_layers: int, num_heads: int, layers=None
                     raise SymmergeError(f"rotary dims {rotary} do not fit head dim {size} in pairs")
             out.append(Instance(f"layer.{i}.{group.name}", i, group, tuple(slots), blocks, size, rotary))
     for group in spec.groups:
-        if group.kind == RESIDUAL:
+        if group.kind == RESIDUAL and residual:
             inst = _residual(spec, group, state_dict, prefix, num_layers)
             if inst is not None:
                 out.append(inst)

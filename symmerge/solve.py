@@ -55,25 +55,37 @@ def _unit_matrix(t: torch.Tensor, slot, dtype) -> torch.Tensor:
     return x.reshape(x.shape[0], -1).to(dtype)
 
 
-def permutation_cost(inst: Instance, sd_a: dict, sd_b: dict, signed: bool = False) -> torch.Tensor:
+def permutation_cost(inst: Instance, sd_a: dict, sd_b: dict, signed: bool = False, device=None) -> torch.Tensor:
     """C[i, j] = Σ_members ⟨unit i of A, unit j of B⟩, one GEMM over the stacked members.
 
     ``signed`` (units that may also flip sign, SwiGLU under ``rescale``): the members that the unit
     scale acts on count with the better sign, ``C₀ + |C_±|`` (the cost at the best ``s = ±1``).
     Computed in float64 for float64 models, else in float32: the assignment needs only the order
-    of the costs, and float32 halves the GEMM time on large FFNs."""
+    of the costs, and float32 halves the GEMM time on large FFNs. ``device``: where the GEMMs run
+    (e.g. ``cuda``; the result comes back to the CPU for the assignment)."""
     dtype = torch.float64 if any(sd_a[s.key].dtype == torch.float64 for s in inst.slots) else torch.float32
     parts = [[s for s in inst.slots if not (signed and s.power)], [s for s in inst.slots if signed and s.power]]
     C = None
     for k, slots in enumerate(parts):
         if not slots:
             continue
-        x1 = torch.cat([_unit_matrix(sd_a[s.key], s, dtype) for s in slots], dim=1)
-        x2 = torch.cat([_unit_matrix(sd_b[s.key], s, dtype) for s in slots], dim=1)
-        c = x1 @ x2.T
-        c = c.abs() if k else c
-        C = c if C is None else C + c
-    return C
+        c = None
+        for s in slots:  # one GEMM per member, accumulated: no concatenated copies of the members
+            x1 = _unit_matrix(sd_a[s.key], s, dtype).to(device)
+            x2 = _unit_matrix(sd_b[s.key], s, dtype).to(device)
+            c = x1 @ x2.T if c is None else c.addmm_(x1, x2.T)
+            del x1, x2
+        c = c.abs_() if k else c
+        C = c if C is None else C.add_(c)
+    return C.cpu()
+
+
+def permutation_plan(group, symmetries, scale_mode: str) -> tuple[bool, bool, bool]:
+    """(permute, scaled, signed) for a permutation group: whether its units are matched, whether
+    they also get a unit scale (SwiGLU under ``rescale``), and whether that scale may flip signs."""
+    permute = group.symmetry in symmetries
+    scaled = group.unit_scale is not None and scale_mode != "none"
+    return permute, scaled, scaled and group.unit_scale == "nonzero"
 
 
 def unit_scales(inst: Instance, sd_a: dict, sd_b: dict, perm: torch.Tensor) -> torch.Tensor:
@@ -174,12 +186,10 @@ def solve_local(instances: list[Instance], sd_a: dict, sd_b: dict, symmetries, s
                     sl = slice(k * inst.blocks, (k + 1) * inst.blocks)
                     elements[inst.name] = HeadElement(R[sl], a[sl])
         elif group.kind == PERMUTATION:
-            permute = group.symmetry in symmetries
-            scaled = group.unit_scale is not None and scale_mode != "none"
+            permute, scaled, signed = permutation_plan(group, symmetries, scale_mode)
             if not permute and not scaled:
                 continue
             if permute:
-                signed = scaled and group.unit_scale == "nonzero"
                 costs = (permutation_cost(i, sd_a, sd_b, signed) for i in group_insts)
                 perms = solve_assignments(costs)
             else:

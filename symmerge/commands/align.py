@@ -4,6 +4,11 @@ The output computes the same function as MODEL (verified on sample inputs before
 written) and lies as close as possible, in L2 over the matched parameters, to ANCHOR.
 OUT_DIR/symmerge_report.json records distances before/after, per-module distances, the
 verification difference and timings.
+
+With --stream neither model is loaded whole: the checkpoints (safetensors, one file or shards) are
+read layer by layer, solved and written shard by shard, with reads, GEMMs, assignments and writes
+overlapped (memory: a few layers, whatever the depth). Use it for checkpoints near or above RAM.
+--device cuda runs the cost GEMMs on a GPU (streaming mode).
 """
 
 from pathlib import Path
@@ -25,6 +30,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-verify", action="store_true", help="skip the equivalence check (not recommended)")
     parser.add_argument("--verify-tol", type=float, default=None,
                         help="max relative output difference accepted (default: 1e-4 fp32, 5e-2 half)")
+    parser.add_argument("--stream", action="store_true",
+                        help="layer by layer from safetensors shards, never holding a whole model in memory "
+                             "(attn, ffn, rescale; not residual)")
+    parser.add_argument("--shard-size", default="1GB", help="with --stream: largest output shard (default 1GB)")
+    parser.add_argument("--device", default="cpu",
+                        help="with --stream: where the cost GEMMs run: cpu (default), cuda, cuda:N or auto")
+    parser.add_argument("--verify-forward", action="store_true",
+                        help="with --stream: also load both models at the end and compare outputs (needs the RAM)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="accept pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True))")
 
@@ -43,6 +56,8 @@ def parse_layers(value):
 def run(args) -> int:
     out = Path(args.output)
     ensure_output_dir(out)  # fail before any expensive work
+    if args.stream:
+        return run_streaming(args, out)
     aligned, report = align(
         args.model, args.anchor, symmetries=args.symmetries, rescale=args.rescale,
         verify=not args.no_verify, layers=parse_layers(args.layers), verify_tol=args.verify_tol,
@@ -55,4 +70,23 @@ def run(args) -> int:
         print(f"equivalence: max |Δoutput| = {report['verify_max_abs_diff']:.3g} "
               f"(relative {report['verify_max_rel_diff']:.3g})")
     print(f"wrote {out} in {report['seconds']:.2f} s")
+    return 0
+
+
+def run_streaming(args, out: Path) -> int:
+    from ..errors import SymmergeError
+    from ..stream import align_streaming
+
+    if args.allow_pickle:
+        raise SymmergeError("--stream reads safetensors only; convert pickle checkpoints first")
+    if args.no_verify:
+        raise SymmergeError("--stream always checks its group elements; --no-verify does not apply")
+    report = align_streaming(args.model, args.anchor, out, symmetries=args.symmetries, rescale=args.rescale,
+                             layers=parse_layers(args.layers), device=args.device, shard_size=args.shard_size,
+                             verify_forward=args.verify_forward, verify_tol=args.verify_tol)
+    print(f"distance to anchor: {report['distance_before']:.4f} -> {report['distance_after']:.4f}")
+    if "verify_max_abs_diff" in report:
+        print(f"equivalence: max |Δoutput| = {report['verify_max_abs_diff']:.3g} "
+              f"(relative {report['verify_max_rel_diff']:.3g})")
+    print(f"wrote {out} ({len(report['shards'])} shard(s)) in {report['seconds']:.2f} s")
     return 0

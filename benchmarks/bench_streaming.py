@@ -1,0 +1,230 @@
+"""Streaming alignment at scale: two random Llama-architecture checkpoints (bf16 safetensors shards),
+the first aligned to the second with ``symmerge align --stream``.
+
+    python -m benchmarks.bench_streaming [--dir /tmp/symmerge-bench-streaming] [--json out.json] [--small]
+
+Default size: hidden 3200, 26 layers, FFN 8640, 32 heads, vocab 32000 (OpenLLaMA-3B's shape): 3.43 B
+parameters, 6.9 GB per checkpoint. Prints, each step in its own process (peak RSS from ``wait4``):
+
+* ``wall_s`` / ``peak_rss_gb``: the streaming alignment (attn, ffn, rescale), end to end;
+* ``read_write_s``: merely reading both checkpoints' tensors layer by layer and writing one of them
+  back as shards (the I/O floor);
+* ``compute_s``: the same matching (heads, FFN cost GEMMs, assignments, unit scales, application) on
+  tensors already in memory, one layer at a time, summed;
+* the goals: peak RSS ≤ 2 × largest layer + 1 GB, wall ≤ 1.3 × max(read_write, compute), and where the
+  streaming time goes (per-stage seconds from the report; the stages run concurrently).
+
+Checkpoints are generated once into ``--dir`` and reused (``--fresh`` regenerates them). ``--small``
+runs the same pipeline on a 2-layer toy (seconds; the smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LARGE = dict(hidden_size=3200, num_hidden_layers=26, intermediate_size=8640, num_attention_heads=32,
+             num_key_value_heads=32, vocab_size=32000)
+SMALL = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=344, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1000)
+
+
+def generate(folder: Path, dims: dict, seed: int, shard: str) -> dict:
+    """A random bf16 LlamaForCausalLM checkpoint written tensor by tensor (never a whole model in memory)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from symmerge.checkpoint import ShardWriter, parse_size
+    from symmerge.io import atomic_dir
+
+    config = LlamaConfig(**dims, tie_word_embeddings=False, max_position_embeddings=2048, dtype="bfloat16",
+                         architectures=["LlamaForCausalLM"])
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    n = 0
+    with atomic_dir(folder) as tmp:
+        w = ShardWriter(tmp, parse_size(shard))
+        for k, shape in shapes.items():
+            if k.endswith("norm.weight"):
+                t = (1 + 0.1 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+            else:
+                t = (0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+            n += t.numel()
+            w.add(k, t)
+            del t
+        w.close()
+        config.save_pretrained(str(tmp))
+    return {"parameters": n}
+
+
+def run_measured(args: list[str]) -> tuple[float, float, str]:
+    """Run a child process; returns (wall seconds, peak RSS in GB from wait4, stdout)."""
+    t = time.perf_counter()
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed ({p.returncode}):\n{out[-3000:]}")
+    return wall, usage.ru_maxrss / 2 ** 20, out  # ru_maxrss: KiB on Linux
+
+
+# ------------------------------------------------------------ child steps (run in their own process)
+
+def _layer_jobs(a, b):
+    from symmerge.resolve import config_sizes, resolve
+    from symmerge.spec import spec_for
+    from symmerge.stream import _Config
+    from collections import defaultdict
+
+    spec = spec_for(a.config["model_type"])
+    sizes = config_sizes(spec, _Config(a.config))
+    insts = resolve(spec, a.meta(), sizes.pop("num_layers"), sizes.pop("num_heads"), residual=False, **sizes)
+    by_layer = defaultdict(list)
+    for i in insts:
+        by_layer[i.layer].append(i)
+    return by_layer
+
+
+def child_read_write(model: str, anchor: str, out: str, shard: str) -> None:
+    """Read both checkpoints layer by layer, write the first back: the I/O the alignment must do."""
+    from symmerge.checkpoint import LazyCheckpoint, ShardWriter, parse_size
+    from symmerge.io import atomic_dir
+
+    a, b = LazyCheckpoint(model), LazyCheckpoint(anchor)
+    t = time.perf_counter()
+    by_layer = _layer_jobs(a, b)
+    touched = {s.key for insts in by_layer.values() for i in insts for s in i.slots}
+    groups = [[k] for k in a.keys() if k not in touched]
+    groups += [sorted({s.key for i in insts for s in i.slots}) for _, insts in sorted(by_layer.items())]
+    with atomic_dir(out) as tmp:
+        w = ShardWriter(tmp, parse_size(shard))
+        for keys in groups:
+            sa, _ = a.read(keys), b.read(keys)
+            for k in keys:
+                w.add(a.disk_name[k], sa[k])
+            del sa, _
+        w.close()
+    print(json.dumps({"read_write_s": time.perf_counter() - t}))
+
+
+def child_compute(model: str, anchor: str) -> None:
+    """The matching of every layer on tensors already in memory (reads not timed), one layer at a time."""
+    from symmerge.apply import PermElement, apply
+    from symmerge.checkpoint import LazyCheckpoint
+    from symmerge.solve import permutation_cost, permutation_plan, solve_local, unit_scales
+    from symmerge.solvers.assignment import match_permutation
+    from symmerge.spec import PERMUTATION
+
+    a, b = LazyCheckpoint(model), LazyCheckpoint(anchor)
+    syms, mode = ("attn", "ffn", "rescale"), "joint"
+    parts = {"heads": 0.0, "cost_gemms": 0.0, "assignments": 0.0, "apply": 0.0}
+    for layer, insts in sorted(_layer_jobs(a, b).items()):
+        keys = sorted({s.key for i in insts for s in i.slots})
+        sa, sb = a.read(keys), b.read(keys)
+        t0 = time.perf_counter()
+        el = solve_local([i for i in insts if i.group.kind != PERMUTATION], sa, sb, syms, mode)
+        t1 = time.perf_counter()
+        parts["heads"] += t1 - t0
+        for inst in insts:
+            if inst.group.kind == PERMUTATION:
+                _, scaled, signed = permutation_plan(inst.group, syms, mode)
+                t1 = time.perf_counter()
+                C = permutation_cost(inst, sa, sb, signed)
+                t2 = time.perf_counter()
+                perm = match_permutation(C)
+                el[inst.name] = PermElement(perm, unit_scales(inst, sa, sb, perm) if scaled else None)
+                parts["cost_gemms"] += t2 - t1
+                parts["assignments"] += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        apply(sa, insts, el)
+        parts["apply"] += time.perf_counter() - t3
+        del sa, sb
+    print(json.dumps({"compute_s": sum(parts.values()), "compute_parts": parts}))
+
+
+# ------------------------------------------------------------ driver
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_streaming", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default="/tmp/symmerge-bench-streaming", help="where the checkpoints are generated")
+    p.add_argument("--small", action="store_true", help="a 2-layer toy instead of the 3.4 B model (smoke test)")
+    p.add_argument("--fresh", action="store_true", help="regenerate the checkpoints")
+    p.add_argument("--shard-size", default="2GB", help="shard size of the inputs and the output (default 2GB)")
+    p.add_argument("--json", help="also write the figures to this JSON file")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        {"read_write": child_read_write, "compute": child_compute}[args.child[0]](*args.child[1:])
+        return 0
+
+    import shutil
+
+    from symmerge.checkpoint import LazyCheckpoint
+
+    dims = SMALL if args.small else LARGE
+    root = Path(args.dir) / ("small" if args.small else "large")
+    a_dir, b_dir, out, copy = root / "a", root / "b", root / "aligned", root / "copy"
+    tag = root / "dims.json"
+    if args.fresh or not tag.is_file() or json.loads(tag.read_text()) != dims:
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        t = time.perf_counter()
+        info = generate(a_dir, dims, 0, args.shard_size)
+        generate(b_dir, dims, 1, args.shard_size)
+        tag.write_text(json.dumps(dims))
+        print(f"generated two checkpoints of {info['parameters'] / 1e9:.2f} B parameters in "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
+    for d in (out, copy):
+        shutil.rmtree(d, ignore_errors=True)
+    ck = LazyCheckpoint(a_dir)
+    n_params = sum(ck.nbytes(k) for k in ck.keys()) // 2
+    file_bytes = sum(f.stat().st_size for f in a_dir.glob("*.safetensors"))
+    py = sys.executable
+
+    base_wall, base_rss, _ = run_measured([py, "-c", "import symmerge.stream, symmerge.cli, transformers"])
+    rw_wall, rw_rss, rw_out = run_measured([py, "-m", "benchmarks.bench_streaming", "--child", "read_write",
+                                            str(a_dir), str(b_dir), str(copy), args.shard_size])
+    read_write = json.loads(rw_out.strip().splitlines()[-1])["read_write_s"]
+    shutil.rmtree(copy, ignore_errors=True)
+    print(f"read + write: {read_write:.1f} s", flush=True)
+    c_wall, c_rss, c_out = run_measured([py, "-m", "benchmarks.bench_streaming", "--child", "compute",
+                                         str(a_dir), str(b_dir)])
+    compute = json.loads(c_out.strip().splitlines()[-1])
+    print(f"compute on in-memory tensors: {compute['compute_s']:.1f} s", flush=True)
+    s_wall, s_rss, _ = run_measured([py, "-m", "symmerge.cli", "align", str(a_dir), str(b_dir), "-o", str(out),
+                                     "--stream", "--shard-size", args.shard_size])
+    report = json.loads((out / "symmerge_report.json").read_text())
+    shutil.rmtree(out, ignore_errors=True)
+
+    largest = report["largest_layer_bytes"] / 1e9
+    stream_s = report["seconds"]
+    floor = max(read_write, compute["compute_s"])
+    figures = {
+        "model": {**dims, "parameters_b": n_params / 1e9, "checkpoint_gb": file_bytes / 1e9, "dtype": "bfloat16"},
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+        "wall_s": s_wall, "align_s": stream_s, "peak_rss_gb": s_rss, "python_torch_import_rss_gb": base_rss,
+        "largest_layer_gb": largest, "rss_goal_gb": 2 * largest + 1, "rss_ratio_to_goal": s_rss / (2 * largest + 1),
+        "read_write_s": read_write, "read_write_peak_rss_gb": rw_rss, "compute_s": compute["compute_s"],
+        "compute_parts_s": compute["compute_parts"], "compute_peak_rss_gb": c_rss,
+        "wall_over_max_rw_compute": stream_s / floor, "wall_goal_ratio": 1.3,
+        "stream_stage_s": report["timings"], "distance_before": report["distance_before"],
+        "distance_after": report["distance_after"], "shards": len(report["shards"]),
+    }
+    for k, v in figures.items():
+        print(f"{k}: {json.dumps(v) if isinstance(v, dict) else (f'{v:.3f}' if isinstance(v, float) else v)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

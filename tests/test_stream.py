@@ -1,0 +1,148 @@
+"""Streaming alignment (``align --stream``): layer by layer from safetensors shards.
+
+It must give the same aligned weights as the in-memory alignment (same solvers, same elements), keep
+the function, write valid sharded HF folders, and refuse what it cannot do with one clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import add_noise, make_inputs, make_model, output_rel_diff, with_weights
+from symmerge.align import align, instances_for
+from symmerge.apply import apply, random_elements
+from symmerge.checkpoint import LazyCheckpoint, ShardWriter, parse_size
+from symmerge.cli import main
+from symmerge.errors import SymmergeError
+from symmerge.io import load_model
+from symmerge.stream import align_streaming, check_element
+from symmerge.apply import HeadElement, PermElement
+from test_llama_family import decoder
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _save(model, folder, shard="20KB"):
+    model.save_pretrained(str(folder), safe_serialization=True, max_shard_size=shard)
+    return folder
+
+
+def _pair(kind, dtype, tmp_path):
+    """A model and a disguised noisy copy (hidden group element + noise), saved sharded."""
+    anchor = decoder("llama", dtype=dtype, seed=0) if kind == "llama" else make_model(kind, dtype=dtype, seed=0)
+    _, insts = instances_for(anchor)
+    local = [i for i in insts if i.group.kind != "residual"]
+    sd = apply(anchor.state_dict(), local, random_elements(local, torch.Generator().manual_seed(3)))
+    model = with_weights(anchor, add_noise(sd, 0.01, seed=4)[0])
+    return _save(model, tmp_path / "model"), _save(anchor, tmp_path / "anchor"), model, anchor
+
+
+def _state(folder):
+    ck = LazyCheckpoint(folder)
+    return ck.read(ck.keys())
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert", "vit"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_stream_equals_in_memory_alignment(kind, dtype, tmp_path):
+    model_dir, anchor_dir, model, anchor = _pair(kind, dtype, tmp_path)
+    expected, rep_mem = align(model, anchor, ("attn", "ffn", "rescale"))
+    report = align_streaming(model_dir, anchor_dir, tmp_path / "out", shard_size="30KB", progress=False)
+    out = tmp_path / "out"
+    assert (out / "model.safetensors.index.json").is_file() and len(report["shards"]) > 1
+    got = _state(out)
+    want = expected.state_dict()
+    for k, t in got.items():
+        torch.testing.assert_close(t, want[k], rtol=1e-9 if dtype == torch.float64 else 1e-5,
+                                   atol=1e-12 if dtype == torch.float64 else 1e-6)
+    assert report["distance_after"] == pytest.approx(rep_mem["distance_after"], rel=1e-6)
+    assert report["distance_after"] < 0.2 * report["distance_before"]
+    reloaded = load_model(out)  # a valid HF folder of the same class
+    assert type(reloaded) is type(model)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    if kind != "llama" or dtype == torch.float32:  # RMSNorm computes in fp32 even in fp64 models
+        assert output_rel_diff(model, reloaded, make_inputs(model)) < tol
+    assert json.loads((out / "symmerge_report.json").read_text())["streamed"] is True
+
+
+def test_stream_layers_subset_and_passthrough(tmp_path):
+    model_dir, anchor_dir, model, _ = _pair("bert", torch.float64, tmp_path)
+    align_streaming(model_dir, anchor_dir, tmp_path / "out", layers=[1], progress=False)
+    got, orig = _state(tmp_path / "out"), model.state_dict()
+    assert torch.equal(got["encoder.layer.0.attention.self.query.weight"], orig["encoder.layer.0.attention.self.query.weight"])
+    assert not torch.equal(got["encoder.layer.1.attention.self.query.weight"], orig["encoder.layer.1.attention.self.query.weight"])
+    assert torch.equal(got["embeddings.word_embeddings.weight"], orig["embeddings.word_embeddings.weight"])
+
+
+def test_stream_cli_and_bf16(tmp_path):
+    model_dir, anchor_dir, model, anchor = _pair("llama", torch.float32, tmp_path)
+    bf = {}
+    for name, folder in (("m16", model_dir), ("a16", anchor_dir)):
+        m = load_model(folder).to(torch.bfloat16)
+        bf[name] = _save(m, tmp_path / name, shard="50KB")
+    assert main(["align", str(bf["m16"]), str(bf["a16"]), "-o", str(tmp_path / "o16"), "--stream",
+                 "--shard-size", "40KB", "--verify-forward", "--verify-tol", "5e-2"]) == 0
+    out = _state(tmp_path / "o16")
+    assert all(t.dtype == torch.bfloat16 for t in out.values())
+    rep = json.loads((tmp_path / "o16" / "symmerge_report.json").read_text())
+    assert rep["distance_after"] < 0.5 * rep["distance_before"]
+    assert rep["verify_max_rel_diff"] < 5e-2
+
+
+def test_stream_refuses_bad_input(tmp_path):
+    model_dir, anchor_dir, model, _ = _pair("bert", torch.float32, tmp_path)
+    with pytest.raises(SymmergeError, match="residual"):
+        align_streaming(model_dir, anchor_dir, tmp_path / "o1", symmetries="attn,residual", progress=False)
+    assert not (tmp_path / "o1").exists()
+    other = _save(make_model("bert", dtype=torch.float32, intermediate_size=48), tmp_path / "other")
+    with pytest.raises(SymmergeError, match="shapes differ"):
+        align_streaming(model_dir, other, tmp_path / "o2", progress=False)
+    # a NaN in one shard: one clear error, no output folder left behind
+    bad = tmp_path / "bad"
+    _save(model, bad, shard="20KB")
+    shard = sorted(bad.glob("model-*.safetensors"))[-1]
+    sd = load_file(str(shard))
+    k = next(iter(sd))
+    sd[k] = sd[k].clone()
+    sd[k].view(-1)[0] = float("nan")
+    save_file(sd, str(shard), metadata={"format": "pt"})
+    with pytest.raises(SymmergeError, match="NaN"):
+        align_streaming(bad, anchor_dir, tmp_path / "o3", progress=False)
+    assert not (tmp_path / "o3").exists() and not list(tmp_path.glob(".o3*"))
+    # a truncated shard
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(SymmergeError, match="truncated or corrupt"):
+        align_streaming(bad, anchor_dir, tmp_path / "o4", progress=False)
+    with pytest.raises(SymmergeError, match="not an empty directory"):
+        align_streaming(model_dir, anchor_dir, anchor_dir, progress=False)
+
+
+def test_check_element_rejects_invalid_elements():
+    check_element("ok", HeadElement(torch.eye(3, dtype=torch.float64)[None], torch.ones(1, dtype=torch.float64)))
+    with pytest.raises(SymmergeError, match="invalid element"):
+        check_element("r", HeadElement(2 * torch.eye(3, dtype=torch.float64)[None], torch.ones(1, dtype=torch.float64)))
+    with pytest.raises(SymmergeError, match="invalid element"):
+        check_element("a", HeadElement(torch.eye(3, dtype=torch.float64)[None], -torch.ones(1, dtype=torch.float64)))
+    with pytest.raises(SymmergeError, match="bijective"):
+        check_element("p", PermElement(torch.tensor([0, 0, 2])))
+    with pytest.raises(SymmergeError, match="unit scale"):
+        check_element("s", PermElement(torch.tensor([1, 0, 2]), torch.tensor([1.0, 0.0, 2.0])))
+
+
+def test_shard_writer_and_sizes(tmp_path):
+    assert parse_size("500MB") == 500 * 10 ** 6 and parse_size("1GiB") == 2 ** 30 and parse_size(123) == 123
+    with pytest.raises(SymmergeError):
+        parse_size("lots")
+    w = ShardWriter(tmp_path, max_bytes=1000)
+    tensors = {f"t{i}": torch.full((100,), float(i)) for i in range(5)}  # 400 bytes each
+    for k, t in tensors.items():
+        w.add(k, t)
+    names = w.close()
+    assert len(names) == 3  # 2 + 2 + 1 tensors
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 2000 and set(index["weight_map"]) == set(tensors)
+    got = {k: v for n in names for k, v in load_file(str(tmp_path / n)).items()}
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
