@@ -55,6 +55,15 @@ def instances_for(model, layers=None):
     return spec, resolve(spec, model.state_dict(), sizes.pop("num_layers"), sizes.pop("num_heads"), layers, **sizes)
 
 
+def folded(model):
+    """``model`` with its norm weights folded into their readers (the same function, a copy; the
+    parameterisation the ``residual`` symmetry acts on), or ``model`` itself when nothing folds."""
+    _, instances = instances_for(model)
+    if not any(i.folds for i in instances):
+        return model
+    return with_state_dict(model, fold_norms(model.state_dict(), instances))
+
+
 def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", verify: bool = True,
           layers=None, verify_tol: float | None = None, inputs: dict | None = None, allow_pickle: bool = False,
           progress=None):
@@ -66,7 +75,7 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
     the paper; RoPE pair scales; SwiGLU unit scales), ``residual`` (opt-in, pre-RMSNorm decoders with
     their head: one orthogonal transform of the residual stream after folding the norm weights into
     their readers — the aligned model is returned folded, and distances compare it with the folded
-    anchor: fold the anchor with :func:`symmerge.apply.fold_norms` before merging the two).
+    anchor: :func:`folded` gives the anchor in that form; ``merge_models`` and ``barrier_study`` fold it themselves).
     ``layers``: only align these layer indices. Returns ``(aligned_model, report)``; raises
     :class:`SymmergeError` if ``verify`` and the aligned model's outputs differ beyond tolerance.
     """
@@ -79,8 +88,8 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
     spec, instances = instances_for(model, layers)
     sd_a, sd_b = model.state_dict(), anchor.state_dict()
     unfolded = (sd_a, sd_b)
-    folded = "residual" in symmetries and any(i.folds for i in instances)
-    if folded:  # the residual symmetry acts on the folded parameterisation (norm weights = 1), anchor too
+    fold = "residual" in symmetries and any(i.folds for i in instances)
+    if fold:  # the residual symmetry acts on the folded parameterisation (norm weights = 1), anchor too
         sd_a, sd_b = fold_norms(sd_a, instances), fold_norms(sd_b, instances)
     sweeps: list[float] = []
     elements = solve(instances, sd_a, sd_b, symmetries, rescale, progress=progress, history=sweeps)
@@ -107,8 +116,8 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
     if "residual" in symmetries:
         report["residual_variant"] = next(i.variant for i in instances if i.name == "residual")
         report["residual_sweeps_sq_distance"] = sweeps
-        report["norms_folded"] = folded
-        if folded:  # distances above compare folded A/B; the anchor must be folded too before merging
+        report["norms_folded"] = fold
+        if fold:  # distances above compare folded A/B; the anchor must be folded too before merging
             report["distance_before_unfolded"] = distance(*unfolded, keys)
     if verify:
         dtype = next(model.parameters()).dtype

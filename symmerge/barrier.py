@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .align import align, as_model, instances_for, parse_symmetries
+from .align import align, as_model, folded, instances_for, parse_symmetries
 from .data import Data, check_data, check_data_path, load_data
 from .evaluate import (alpha_grid, check_same_shapes, distance_before_after, evaluate, interpolation_curve,
                        plot_curves, plot_subsets, subset_matching)
@@ -59,8 +59,10 @@ def barrier_study(model_a, model_b, data, aligns=("attn,ffn,rescale",), points: 
             info = {"distance_before": rep["distance_before"], "distance_after": rep["distance_after"],
                     "verify_max_rel_diff": rep.get("verify_max_rel_diff")}
             result["distances"][v] = distance_before_after(a, b, moved, instances)
-        curve = interpolation_curve(moved, b, d, alphas, device=dev, progress=progress, label=v)
-        moved.to("cpu"), b.to("cpu")
+        # the residual symmetry returns A folded (norm weights in their readers): interpolate with B folded too
+        end_b = folded(b) if "residual" in v.split(",") else b
+        curve = interpolation_curve(moved, end_b, d, alphas, device=dev, progress=progress, label=v)
+        moved.to("cpu"), end_b.to("cpu")
         result["curves"][v] = {**curve, **info, "seconds": time.perf_counter() - t}
     if subsets:
         syms = next((parse_symmetries(v) for v in variants if v != "none"), ("attn",))

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from .align import align as align_model
-from .align import as_model, instances_for, parse_symmetries
+from .align import as_model, folded, instances_for, parse_symmetries
 from .data import Data, check_data, check_data_path, load_data
 from .device import resolve_device
 from .distance import distance
@@ -85,12 +85,17 @@ def align_all(targets, anchor_model, body, symmetries, rescale, verify):
     """Align every (name, model) of ``targets`` except the anchor itself; (models, per-model reports)."""
     moved, reports = [], []
     for name, x in targets:
-        if x is anchor_model:
-            moved.append(x)
+        if x is anchor_model:  # the residual group acts on the folded form: the anchor is folded too
+            moved.append(folded(x) if "residual" in symmetries else x)
             reports.append({"model": name, "anchor": True})
             continue
         _, instances = instances_for(x)
-        proxy = anchor_proxy(x, anchor_model, set(body))
+        if "residual" in symmetries:  # the head reads the stream: it is matched too, so heads must agree
+            check_heads_mergeable([x, anchor_model], [name, "the anchor"], labels=False,
+                                  why="the residual symmetry rotates the heads' input; leave it out")
+            proxy = anchor_model
+        else:
+            proxy = anchor_proxy(x, anchor_model, set(body))
         y, rep = align_model(x, proxy, symmetries, rescale=rescale, verify=verify)
         moved.append(y)
         reports.append({"model": name, "anchor": False, "distance_before": rep["distance_before"],

@@ -61,13 +61,16 @@ def check_bodies(models, names) -> list[str]:
     return body
 
 
-def check_heads_mergeable(models, names) -> None:
+def check_heads_mergeable(models, names, labels: bool = True, why: str = "use --heads keep") -> None:
+    """Same head tensors (names and shapes) everywhere, and with ``labels`` the same label names."""
     keys = [sorted(head_keys(m)) for m in models]
     sds = [m.state_dict() for m in models]
     for i in range(1, len(models)):
         if keys[i] != keys[0] or any(sds[i][k].shape != sds[0][k].shape for k in keys[0]):
             raise SymmergeError(f"cannot merge task heads: {names[0]} and {names[i]} have different heads/label "
-                                "spaces (use --heads keep)")
+                                f"spaces ({why})")
+        if not labels:
+            continue
         l0, li = models[0].config.id2label, models[i].config.id2label
         if l0 != li:
             raise SymmergeError(f"cannot merge task heads: label names differ between {names[0]} ({l0}) and "
