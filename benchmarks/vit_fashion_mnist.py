@@ -1,0 +1,461 @@
+"""B1 (paper Table 2, Fig. 3, 4, 5; runtimes of Table 3): two ViTs trained from different seeds on
+Fashion-MNIST, merged with average, Fisher and RegMean under every matching variant.
+
+    python -m benchmarks.vit_fashion_mnist [--out results/vit-fashion-mnist] [--steps N] [--patch 4] [--tiny]
+
+1. Fashion-MNIST (Debian package ``dataset-fashion-mnist``; fetched once into the cache) — 60 000
+   train / 10 000 test images.
+2. Two ``ViTForImageClassification`` models (hidden 128, 6 layers, 4 heads by default) trained from
+   seeds 0 and 1 (``symmerge.train``; cached under ~/.cache/symmerge/vit and reused).
+3. Matching variants (model A aligned to model B): none; full (attn+ffn+rescale); w/o ATTN (ffn
+   only); w/o FFN (attn+rescale); w/o rescale (attn+ffn); and a permutation-only baseline (whole
+   attention heads permuted by linear assignment, plus the FFN permutation — the Git Re-Basin-style
+   counterpart of rotation matching).
+   Extra: "head perm + full" — heads first paired by a rotation-aware assignment (score: the Procrustes
+   optimum ‖Σ B_j A_iᵀ‖_* per QK/VO group), then the full matching; the paper pairs heads by index.
+4. Each variant × {average, Fisher, RegMean} (statistics on training images, gathered on the aligned
+   models; the classifier is merged too: both models share the label space and these symmetries do
+   not touch the residual stream the classifier reads). Test accuracy and loss on the full test set;
+   parameter distance between A (matched) and B.
+5. LMC curves (loss along θ(α) = α·θ_A + (1−α)·θ_B) for none, attention-only, FFN-only, full, perm.
+6. Runtimes: training, matching, simple merge, Fisher (statistics + merge), RegMean (statistics + merge).
+
+Writes ``results.json``, ``lmc.png`` (Fig. 5), ``ablation.png`` (Table 2 / Fig. 3) and ``distance.png``
+(Fig. 4) into ``--out``. ``--tiny`` runs the whole pipeline on a tiny model and data subset (< 60 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from symmerge.align import align, instances_for
+from symmerge.barrier import barrier_study
+from symmerge.data import load_data
+from symmerge.datasets import FASHION_CLASSES, cache_dir, fashion_mnist, write_npz
+from symmerge.distance import distance, parameter_keys
+from symmerge.evaluate import evaluate, interpolation_curve
+from symmerge.fuse import merge_models
+from symmerge.io import atomic_dir, load_model, write_json
+from symmerge.solvers.assignment import match_permutation
+from symmerge.train import TrainSettings, load_report, train_vit, vit_config
+from symmerge.verify import compare, sample_inputs, with_state_dict
+
+METHODS = ("average", "fisher", "regmean")
+# label -> (symmetries passed to the alignment, whole-head permutation applied first: None, "plain" or "rotation")
+VARIANTS = {
+    "none": ("none", None),
+    "full (attn+ffn+rescale)": ("attn,ffn,rescale", None),
+    "w/o ATTN (ffn)": ("ffn", None),
+    "w/o FFN (attn+rescale)": ("attn,rescale", None),
+    "w/o rescale (attn+ffn)": ("attn,ffn", None),
+    "perm baseline (head perm+ffn)": ("ffn", "plain"),
+    "head perm + full": ("attn,ffn,rescale", "rotation"),
+}
+# Fig. 5 curves: label -> variant label above
+LMC_VARIANTS = {"none": "none", "attention-only (attn+rescale)": "w/o FFN (attn+rescale)",
+                "FFN-only (ffn)": "w/o ATTN (ffn)", "full (attn+ffn+rescale)": "full (attn+ffn+rescale)",
+                "perm baseline (head perm+ffn)": "perm baseline (head perm+ffn)", "head perm + full": "head perm + full"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vit_fashion_mnist", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/vit-fashion-mnist", help="output folder (must not exist or be empty)")
+    p.add_argument("--tiny", action="store_true", help="tiny model, data subset, few steps: the smoke test")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=256, help="FFN width (default 256)")
+    p.add_argument("--patch", type=int, default=7, help="patch size (default 7: 16 patches; patch 4 costs 3.5x more per step on CPU)")
+    p.add_argument("--steps", type=int, default=5000,
+                   help="training steps per model (default 5000: 10.7 epochs, ~0.17 s/step on one CPU thread)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seeds", default="0,1", help="seeds of models A and B")
+    p.add_argument("--train-only", choices=("A", "B"), help="only train (or find cached) model A or B and stop: "
+                   "run the two in parallel processes, then the benchmark reuses both")
+    p.add_argument("--gram-examples", type=int, default=2000, help="training images for RegMean's Gram matrices")
+    p.add_argument("--fisher-examples", type=int, default=500, help="training images for the Fisher (per-example)")
+    p.add_argument("--test-examples", type=int, default=10000, help="test images for the merged models' scores")
+    p.add_argument("--curve-examples", type=int, default=2000, help="test images for the LMC curves")
+    p.add_argument("--points", type=int, default=11, help="α values on each LMC curve")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1; 0: torch's default). On the shared 2-core CPU one thread trained "
+                        "3x faster than two (1.6 vs 5.2 s/step under load: OpenMP threads wait for each other)")
+    p.add_argument("--plot-only", metavar="RESULTS_JSON", help="only print the tables and redraw the figures of "
+                   "an earlier results.json into --out")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.hidden, args.layers, args.heads, args.intermediate, args.patch = 16, 1, 2, 32, 7
+        args.steps, args.batch_size, args.gram_examples, args.fisher_examples = 30, 64, 128, 16
+        args.test_examples, args.curve_examples, args.points = 256, 128, 3
+        args.train_examples = 2000
+    else:
+        args.train_examples = None
+    return args
+
+
+# ---------------------------------------------------------------- head permutation baseline
+
+
+def head_permutation(model, anchor, rotation_aware: bool = False):
+    """Permute ``model``'s attention heads (QK and VO blocks together, layer by layer) by an exact linear
+    assignment — a symmetry of the network. Score of pairing B's head j with A's head i: the inner
+    product of their blocks (plain permutation matching), or with ``rotation_aware`` the best inner
+    product over per-head rotations, Σ_groups ‖Σ_slots B_j A_iᵀ‖_* (nuclear norm: the Procrustes
+    optimum), so that the per-head rotation matching that follows starts from the right head pairing."""
+    spec, instances = instances_for(model)
+    sd_a, sd_b = model.state_dict(), anchor.state_dict()
+    out = dict(sd_a)
+    by_layer: dict[int, list] = {}
+    for inst in instances:
+        if inst.group.symmetry == "attn":
+            by_layer.setdefault(inst.layer, []).append(inst)
+    perms = {}
+    for layer, insts in sorted(by_layer.items()):
+        heads = insts[0].blocks
+        sim = torch.zeros(heads, heads, dtype=torch.float64)
+        for inst in insts:
+            cross = 0.0
+            for s in inst.slots:
+                if s.repeat != 1 or s.length is not None or s.diag:
+                    raise ValueError("head permutation baseline supports plain head layouts only")
+                a, b = (sd[s.key].double().movedim(s.axis, 0) for sd in (sd_a, sd_b))
+                a, b = a.reshape(heads, inst.size, -1), b.reshape(heads, inst.size, -1)
+                if rotation_aware:
+                    cross = cross + torch.einsum("jdr,ier->jide", b, a)  # [j, i] = B_j A_iᵀ (d × d)
+                else:
+                    sim += b.flatten(1) @ a.flatten(1).T  # sim[j, i] = <B head j, A head i>
+            if rotation_aware:
+                sim += torch.linalg.matrix_norm(cross, ord="nuc")
+        perm = match_permutation(sim.T)  # maximises Σ_j sim[j, perm[j]]: new head j of A = old head perm[j]
+        perms[layer] = [int(p) for p in perm]
+        for inst in insts:
+            for s in inst.slots:
+                t = sd_a[s.key].movedim(s.axis, 0)
+                blocks = t.reshape(heads, t.shape[0] // heads, *t.shape[1:])[perm]
+                out[s.key] = blocks.reshape(t.shape).movedim(0, s.axis).contiguous()
+    moved = with_state_dict(model, out)
+    check = compare(model, moved, sample_inputs(model, spec))
+    if check["max_rel_diff"] > 1e-4:
+        raise RuntimeError(f"head permutation changed the function (max rel diff {check['max_rel_diff']:.2e})")
+    return moved, {"perms": perms, "verify_max_rel_diff": check["max_rel_diff"]}
+
+
+# ---------------------------------------------------------------- pipeline
+
+
+def prepare_data(args, folder: Path):
+    x_tr, y_tr = fashion_mnist("train")
+    x_te, y_te = fashion_mnist("test")
+    if args.train_examples:
+        x_tr, y_tr = x_tr[:args.train_examples], y_tr[:args.train_examples]
+    rng = np.random.default_rng(0)
+    stats_idx = rng.permutation(len(y_tr))[:max(args.gram_examples, args.fisher_examples)]
+    test_idx = np.arange(min(args.test_examples, len(y_te)))
+    curve_idx = rng.permutation(len(y_te))[:args.curve_examples]
+    files = {"stats": write_npz(folder / "stats.npz", x_tr[stats_idx], y_tr[stats_idx]),
+             "test": write_npz(folder / "test.npz", x_te[test_idx], y_te[test_idx]),
+             "curve": write_npz(folder / "curve.npz", x_te[curve_idx], y_te[curve_idx])}
+    return (x_tr, y_tr, x_te, y_te), files
+
+
+def train_pair(args, arrays, log):
+    x_tr, y_tr, x_te, y_te = arrays
+    config = vit_config(args.hidden, args.layers, args.heads, args.intermediate, args.patch,
+                        labels=FASHION_CLASSES)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    folders = []
+    for name, seed in zip("AB", seeds):
+        if getattr(args, "train_only", None) not in (None, name):
+            continue
+        settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=seed)
+        folders.append(train_vit(config, x_tr, y_tr, settings, name=f"fmnist-{'tiny-' if args.tiny else ''}{name}",
+                                 eval_images=x_te[:2000], eval_labels=y_te[:2000], log=log,
+                                 eval_every=0 if args.tiny else max(50, args.steps // 6)))
+    return config, seeds, folders
+
+
+def run(args, log=print) -> dict:
+    t_start = time.perf_counter()
+    work = cache_dir() / "benchmarks" / ("vit-fashion-mnist-tiny" if args.tiny else "vit-fashion-mnist")
+    arrays, files = prepare_data(args, work)
+    config, seeds, folders = train_pair(args, arrays, log)
+    a, b = (load_model(f) for f in folders)
+    test = load_data(files["test"], a, batch_size=500)
+    curve = load_data(files["curve"], a, batch_size=500)
+    gram = load_data(files["stats"], a, batch_size=100, max_examples=args.gram_examples)
+    fisher = load_data(files["stats"], a, batch_size=100, max_examples=args.fisher_examples)
+    log(f"data: {test.n} test images for scores, {curve.n} for curves, {gram.n} / {fisher.n} training images "
+        "for Gram / Fisher statistics")
+
+    endpoints = {}
+    for name, m, f, s in (("A", a, folders[0], seeds[0]), ("B", b, folders[1], seeds[1])):
+        rep = load_report(f)
+        endpoints[name] = {"seed": s, "folder": str(f), "train_seconds": rep["seconds"],
+                           "seconds_per_step": rep["seconds_per_step"], "epochs": rep["epochs"],
+                           "eval_curve": rep.get("eval_curve", []), **evaluate(m, test, progress=False)}
+        log(f"model {name} (seed {s}): test accuracy {endpoints[name]['accuracy']:.4f}, "
+            f"loss {endpoints[name]['loss']:.4f}, trained {rep['seconds']:.0f} s")
+
+    sources, perm_info, perm_seconds = {None: a}, {}, {None: 0.0}
+    for mode in ("plain", "rotation"):
+        t = time.perf_counter()
+        sources[mode], perm_info[mode] = head_permutation(a, b, rotation_aware=mode == "rotation")
+        perm_seconds[mode] = time.perf_counter() - t
+    keys = parameter_keys(a)  # the whole model (Fig. 4), and without the classifier (the merges' tables)
+    body = [k for k in keys if k.startswith("vit.")]
+    sd_b = b.state_dict()
+    rows, matching = [], {}
+    moved_by = {}
+    for label, (syms, perm_first) in VARIANTS.items():
+        src = sources[perm_first]
+        # distance of the matched A to B (the paper's Fig. 4), from one alignment outside the merges
+        t = time.perf_counter()
+        moved = src if syms == "none" else align(src, b, syms.split(","))[0]
+        secs = time.perf_counter() - t + perm_seconds[perm_first]
+        moved_by[label] = moved
+        matching[label] = {"symmetries": syms, "head_permutation": perm_first, "seconds": secs,
+                           "distance": distance(moved.state_dict(), sd_b, keys),
+                           "distance_body": distance(moved.state_dict(), sd_b, body)}
+        for method in METHODS:
+            data = {"average": None, "fisher": fisher, "regmean": gram}[method]
+            merged, rep = merge_models([src, b], method, align=syms, data=data, heads="merge",
+                                       evaluate_result=False, progress=False)
+            score = evaluate(merged, test, progress=False)
+            rows.append({"method": method, "variant": label, "symmetries": syms, "head_permutation": perm_first,
+                         "test_accuracy": score["accuracy"], "test_loss": score["loss"],
+                         "distance_after": next(iter(rep["distances_between_inputs"]["after_alignment"].values())),
+                         "timings": rep["timings"]})
+            log(f"  {method:8s} {label:31s} accuracy {score['accuracy']:.4f}  loss {score['loss']:.4f}  "
+                f"distance {rows[-1]['distance_after']:.2f}")
+
+    study = barrier_study(a, b, curve, aligns=("attn,rescale", "ffn", "attn,ffn,rescale"), points=args.points,
+                          progress=False)
+    curves = {}
+    for label, v in LMC_VARIANTS.items():
+        syms, perm_first = VARIANTS[v]
+        if perm_first:
+            curves[label] = interpolation_curve(moved_by[v], b, curve, study["alphas"], progress=False)
+        else:
+            curves[label] = {k: study["curves"][syms][k] for k in ("loss", "accuracy", "barrier")}
+        log(f"  LMC {label:31s} barrier {curves[label]['barrier']:.4f}")
+
+    def mean_timing(method, syms, key):
+        vals = [r["timings"][key] for r in rows if r["method"] == method and r["symmetries"] == syms
+                and not r["head_permutation"]]
+        return float(np.mean(vals))
+
+    runtimes = {
+        "training_per_model": float(np.mean([endpoints[n]["train_seconds"] for n in "AB"])),
+        "matching_full": matching["full (attn+ffn+rescale)"]["seconds"],
+        "matching_in_merge_full": float(np.mean([r["timings"]["align"] for r in rows
+                                                 if r["symmetries"] == "attn,ffn,rescale"
+                                                 and not r["head_permutation"]])),
+        "simple_merge": mean_timing("average", "none", "merge"),
+        "fisher_statistics": mean_timing("fisher", "none", "statistics"),
+        "fisher_merge": mean_timing("fisher", "none", "statistics") + mean_timing("fisher", "none", "merge"),
+        "regmean_statistics": mean_timing("regmean", "none", "statistics"),
+        "regmean_merge": mean_timing("regmean", "none", "statistics") + mean_timing("regmean", "none", "merge"),
+        "head_permutation": perm_seconds["plain"],
+        "head_permutation_rotation_aware": perm_seconds["rotation"],
+    }
+    return {
+        "benchmark": "B1 vit_fashion_mnist", "tiny": args.tiny, "command": " ".join(["python -m benchmarks.vit_fashion_mnist"] + sys.argv[1:]),
+        "machine": machine(), "config": {k: getattr(config, k) for k in (
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size",
+            "image_size", "num_labels")},
+        "training": {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seeds": seeds,
+                     "train_examples": len(arrays[1])},
+        "data": {"test": test.n, "curve": curve.n, "gram": gram.n, "fisher": fisher.n},
+        "endpoints": endpoints, "merges": rows, "matching": matching,
+        "head_permutation": perm_info, "alphas": study["alphas"], "curves": curves, "runtimes": runtimes,
+        "seconds_total": time.perf_counter() - t_start,
+    }
+
+
+def machine() -> dict:
+    info = {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        info["load_average"] = os.getloadavg()
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return info
+
+
+# ---------------------------------------------------------------- output
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    with atomic_dir(out) as tmp:
+        write_json(tmp / "results.json", result)
+        plot_lmc(result, tmp / "lmc.png")
+        plot_ablation(result, tmp / "ablation.png")
+        plot_distance(result, tmp / "distance.png")
+        (tmp / "tables.md").write_text(markdown_tables(result))
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_lmc(result: dict, path) -> None:
+    """Paper Fig. 5: test loss (and accuracy) along θ(α) for each matching variant."""
+    plt = _pyplot()
+    fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, c in result["curves"].items():
+        ax_l.plot(result["alphas"], c["loss"], marker="o", ms=4, label=f"{name}: LB {c['barrier']:.3f}")
+        ax_a.plot(result["alphas"], c["accuracy"], marker="o", ms=4, label=name)
+    ax_l.set(xlabel="α (0 = model B, 1 = model A matched to B)", ylabel="test loss (cross-entropy)",
+             title="loss along θ(α) = α·θ_A + (1−α)·θ_B")
+    ax_a.set(xlabel="α (0 = model B, 1 = model A matched to B)", ylabel="test accuracy", title="accuracy")
+    ax_l.legend(fontsize=8, loc="upper left")
+    ax_a.legend(fontsize=8, loc="lower left")
+    fig.suptitle(f"two ViTs from different seeds on Fashion-MNIST ({result['data']['curve']} test images)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ablation(result: dict, path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    variants = list(result["matching"])
+    width = 0.8 / len(variants)
+    for k, v in enumerate(variants):
+        vals = [next(r["test_accuracy"] for r in result["merges"] if r["method"] == m and r["variant"] == v)
+                for m in METHODS]
+        ax.bar([i + (k - (len(variants) - 1) / 2) * width for i in range(len(METHODS))], vals, width, label=v)
+    for name, style in (("A", "--"), ("B", ":")):
+        ax.axhline(result["endpoints"][name]["accuracy"], color="grey", ls=style, label=f"model {name}")
+    ax.set_xticks(range(len(METHODS)), METHODS)
+    ax.set(ylabel="test accuracy", ylim=(0, 1), title="merged ViTs on Fashion-MNIST: matching ablation")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_distance(result: dict, path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = list(result["matching"])
+    ax.barh(labels, [result["matching"][v]["distance"] for v in labels])
+    ax.invert_yaxis()
+    ax.set(xlabel="L2 distance ‖θ_A(matched) − θ_B‖", title="distance between the end models after matching")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_tables(r: dict, log=print) -> None:
+    log(f"\nTable 2 layout — merged test accuracy (%) on {r['data']['test']} Fashion-MNIST test images "
+        f"(A {100 * r['endpoints']['A']['accuracy']:.2f}, B {100 * r['endpoints']['B']['accuracy']:.2f})")
+    cols = ["none", "w/o rescale (attn+ffn)", "full (attn+ffn+rescale)"]
+    log(f"{'method':10s}" + "".join(f"{c:>26s}" for c in cols))
+    for m in METHODS:
+        acc = {x["variant"]: x["test_accuracy"] for x in r["merges"] if x["method"] == m}
+        log(f"{m:10s}" + "".join(f"{100 * acc[c]:26.2f}" for c in cols))
+    log("\nFig. 3 layout — accuracy (%) / loss per matching variant")
+    log(f"{'variant':32s}" + "".join(f"{m:>18s}" for m in METHODS))
+    for v in r["matching"]:
+        cells = []
+        for m in METHODS:
+            x = next(x for x in r["merges"] if x["method"] == m and x["variant"] == v)
+            cells.append(f"{100 * x['test_accuracy']:8.2f} / {x['test_loss']:6.3f}")
+        log(f"{v:32s}" + "".join(f"{c:>18s}" for c in cells))
+    log("\nFig. 4 layout — distance ‖θ_A(matched) − θ_B‖")
+    for v, info in r["matching"].items():
+        log(f"  {v:32s} {info['distance']:10.3f}   ({info['seconds']:.2f} s)")
+    log("\nFig. 5 — loss barriers")
+    for v, c in r["curves"].items():
+        log(f"  {v:32s} {c['barrier']:10.4f}")
+    log("\nTable 3 layout — runtimes (s)")
+    for k, v in r["runtimes"].items():
+        log(f"  {k:28s} {v:10.2f}")
+
+
+def markdown_tables(r: dict) -> str:
+    """The tables of docs/results.md (paper Table 2, Fig. 3, Fig. 4, Fig. 5, Table 3 layouts)."""
+    pct = lambda x: f"{100 * x:.2f}"  # noqa: E731
+    acc = {(x["method"], x["variant"]): x for x in r["merges"]}
+    names = {"average": "Simple", "fisher": "Fisher", "regmean": "RegMean"}
+    out = [f"Models: A {pct(r['endpoints']['A']['accuracy'])} %, B {pct(r['endpoints']['B']['accuracy'])} % "
+           f"test accuracy ({r['data']['test']} test images).", "",
+           "**Table 2 layout** — merged test accuracy (%)", "",
+           "| | w/o match | w/o rescale | match |", "|---|---|---|---|"]
+    for m in METHODS:
+        out.append(f"| {names[m]} | " + " | ".join(pct(acc[m, v]["test_accuracy"]) for v in (
+            "none", "w/o rescale (attn+ffn)", "full (attn+ffn+rescale)")) + " |")
+    out += ["", "**Fig. 3 layout** — merged test accuracy (%) / test loss for every matching variant", "",
+            "| matching | " + " | ".join(names[m] for m in METHODS) + " |", "|---|---|---|---|"]
+    for v in r["matching"]:
+        out.append(f"| {v} | " + " | ".join(f"{pct(acc[m, v]['test_accuracy'])} / {acc[m, v]['test_loss']:.3f}"
+                                            for m in METHODS) + " |")
+    out += ["", "**Fig. 4 layout** — L2 distance ‖θ_A(matched) − θ_B‖ over all parameters, and matching time", "",
+            "| matching | distance | change | seconds |", "|---|---|---|---|"]
+    base = r["matching"]["none"]["distance"]
+    for v, x in r["matching"].items():
+        out.append(f"| {v} | {x['distance']:.3f} | {100 * (x['distance'] / base - 1):+.1f} % | {x['seconds']:.2f} |")
+    out += ["", f"**Fig. 5** — loss barrier along θ(α) ({r['data']['curve']} test images, {len(r['alphas'])} points); "
+            "midpoint (α = 0.5) accuracy", "", "| matching | loss barrier | midpoint accuracy (%) |", "|---|---|---|"]
+    mid = r["alphas"].index(0.5) if 0.5 in r["alphas"] else len(r["alphas"]) // 2
+    for v, c in r["curves"].items():
+        out.append(f"| {v} | {c['barrier']:.4f} | {pct(c['accuracy'][mid])} |")
+    rt = r["runtimes"]
+    out += ["", "**Table 3 layout** — seconds", "", "| stage | seconds |", "|---|---|",
+            f"| training (per model, {r['training']['steps']} steps) | {rt['training_per_model']:.1f} |",
+            f"| matching (attn+ffn+rescale, per pair) | {rt['matching_full']:.2f} |",
+            f"| simple merging | {rt['simple_merge']:.3f} |",
+            f"| Fisher merging (statistics {rt['fisher_statistics']:.1f} + merge) | {rt['fisher_merge']:.2f} |",
+            f"| RegMean merging (statistics {rt['regmean_statistics']:.1f} + merge) | {rt['regmean_merge']:.2f} |"]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.plot_only:  # redraw the tables and figures of an earlier run
+        result = json.loads(Path(args.plot_only).read_text())
+        print_tables(result)
+        write_outputs(result, Path(args.out))
+        return 0
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        if args.train_only:
+            work = cache_dir() / "benchmarks" / ("vit-fashion-mnist-tiny" if args.tiny else "vit-fashion-mnist")
+            train_pair(args, prepare_data(args, work)[0], print)
+            return 0
+        out = Path(args.out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise SystemExit(f"{out}: exists and is not empty; choose another --out")
+        result = run(args)
+        print_tables(result)
+        write_outputs(result, out)
+        print(f"\nwrote {out / 'results.json'}, lmc.png, ablation.png, distance.png ({result['seconds_total']:.0f} s)")
+    finally:
+        torch.set_num_threads(before)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

