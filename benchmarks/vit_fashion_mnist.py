@@ -10,7 +10,9 @@ Fashion-MNIST, merged with average, Fisher and RegMean under every matching vari
 3. Matching variants (model A aligned to model B): none; full (attn+ffn+rescale); w/o ATTN (ffn
    only); w/o FFN (attn+rescale); w/o rescale (attn+ffn); and a permutation-only baseline (whole
    attention heads permuted by linear assignment, plus the FFN permutation — the Git Re-Basin-style
-   counterpart of rotation matching).
+   counterpart of rotation matching). Beyond the paper: the same two with the residual stream
+   permuted too (``residual``: one permutation of the hidden dims through embeddings, every layer,
+   every LayerNorm and the classifier), which is what independently trained models need most.
    Extra: "head perm + full" — heads first paired by a rotation-aware assignment (score: the Procrustes
    optimum ‖Σ B_j A_iᵀ‖_* per QK/VO group), then the full matching; the paper pairs heads by index.
 4. Each variant × {average, Fisher, RegMean} (statistics on training images, gathered on the aligned
@@ -58,11 +60,16 @@ VARIANTS = {
     "w/o rescale (attn+ffn)": ("attn,ffn", None),
     "perm baseline (head perm+ffn)": ("ffn", "plain"),
     "head perm + full": ("attn,ffn,rescale", "rotation"),
+    # beyond the paper: the residual stream permuted too (LayerNorm commutes with permutations)
+    "perm baseline + residual (head perm+ffn+residual)": ("ffn,residual", "plain"),
+    "full + residual (attn+ffn+rescale+residual)": ("attn,ffn,rescale,residual", None),
 }
 # Fig. 5 curves: label -> variant label above
 LMC_VARIANTS = {"none": "none", "attention-only (attn+rescale)": "w/o FFN (attn+rescale)",
                 "FFN-only (ffn)": "w/o ATTN (ffn)", "full (attn+ffn+rescale)": "full (attn+ffn+rescale)",
-                "perm baseline (head perm+ffn)": "perm baseline (head perm+ffn)", "head perm + full": "head perm + full"}
+                "perm baseline (head perm+ffn)": "perm baseline (head perm+ffn)", "head perm + full": "head perm + full",
+                "perm baseline + residual": "perm baseline + residual (head perm+ffn+residual)",
+                "full + residual": "full + residual (attn+ffn+rescale+residual)"}
 
 
 def parse_args(argv=None):
@@ -238,7 +245,8 @@ def run(args, log=print) -> dict:
             log(f"  {method:8s} {label:31s} accuracy {score['accuracy']:.4f}  loss {score['loss']:.4f}  "
                 f"distance {rows[-1]['distance_after']:.2f}")
 
-    study = barrier_study(a, b, curve, aligns=("attn,rescale", "ffn", "attn,ffn,rescale"), points=args.points,
+    study = barrier_study(a, b, curve, aligns=("attn,rescale", "ffn", "attn,ffn,rescale", "attn,ffn,rescale,residual"),
+                          points=args.points,
                           progress=False)
     curves = {}
     for label, v in LMC_VARIANTS.items():

@@ -105,6 +105,8 @@ def _residual(spec: Spec, group: Group, state_dict, prefix: str, num_layers: int
     for s in slots:
         if _length(state_dict, s) != d:
             raise SymmergeError(f"{s.key}: axis {s.axis} has size {_length(state_dict, s)}, expected {d}")
+    if spec.residual_kind == "permutation":  # LayerNorm: permutations only, nothing to fold
+        return Instance("residual", -1, group, tuple(slots), 1, d, variant="permutation")
     streams = [s.key for s in slots if not s.diag]
     folds, blocked = [], []
     for f in spec.folds:

@@ -17,7 +17,7 @@ from .errors import SymmergeError
 from .resolve import Instance
 from .solvers import joint_scale, procrustes, scale_for_rotation, sequential_scale, solve_assignments
 from .solvers.rescale import quartic_scale
-from .solvers.residual import orthogonal_residual, signed_permutation_residual
+from .solvers.residual import orthogonal_residual, permutation_residual, signed_permutation_residual
 from .solvers.rope import pair_products, rope_element, solve_pairs
 from .spec import HEAD_ORTHOGONAL, PERMUTATION, RESIDUAL, ROPE_PAIRS
 
@@ -157,6 +157,8 @@ def solve_residual(inst: Instance, sd_a: dict, sd_b: dict, keys=None) -> HeadEle
     C, D = residual_cost(inst, sd_a, sd_b, keys)
     if inst.variant == "signed_permutation":
         Q = signed_permutation_residual(C, D)
+    elif inst.variant == "permutation":
+        Q = permutation_residual(C, D)
     else:
         Q = orthogonal_residual(C)
     return HeadElement(Q[None], torch.ones(1, dtype=torch.float64))
@@ -229,8 +231,9 @@ def solve(instances: list[Instance], sd_a: dict, sd_b: dict, symmetries, rescale
     if "residual" not in symmetries:
         return solve_local(local, sd_a, sd_b, symmetries, scale_mode, progress)
     if not residual:
-        raise SymmergeError("the residual symmetry needs a pre-RMSNorm decoder with its head reading the final "
-                            "hidden states (e.g. LlamaForCausalLM); this model has no residual group")
+        raise SymmergeError("the residual symmetry needs a model whose outputs do not expose the residual stream "
+                            "(a head reads it: e.g. LlamaForCausalLM, ViTForImageClassification) of a family "
+                            "with a residual spec (llama, mistral, qwen2, vit); this model has no residual group")
     res = residual[0]
     local_keys = {s.key for i in local for s in i.slots}
     pure = {s.key for s in res.slots if s.key not in local_keys} or None

@@ -86,6 +86,7 @@ class Spec:
     folds: tuple[Fold, ...] = ()  # norms folded into their readers before the residual group acts
     partial_rotary: bool = False  # the model honours rope_parameters["partial_rotary_factor"]
     unsupported: tuple[tuple[str, str], ...] = ()  # (tensor template, reason): refuse checkpoints holding it
+    residual_kind: str = "orthogonal"  # "orthogonal" (RMSNorm, after folding) or "permutation" (LayerNorm)
 
 
 def linear_rows(module: str, power: int = 1) -> tuple[Member, ...]:
@@ -113,10 +114,29 @@ def ffn_group(inputs: tuple[str, ...], output: str) -> Group:
 
 
 def _bert_like(family: str, model_types: tuple[str, ...], layer: str, q, k, v, o, ffn_in, ffn_out,
-               extra_q=(), extra_k=(), input_kind="text") -> Spec:
+               extra_q=(), extra_k=(), input_kind="text", residual: Group | None = None) -> Spec:
     p = layer + "."
     attn = attention_groups(p + q, p + k, p + v, p + o, [p + n for n in extra_q], [p + n for n in extra_k])
-    return Spec(family, model_types, attn + (ffn_group((p + ffn_in,), p + ffn_out),), input_kind)
+    groups = attn + (ffn_group((p + ffn_in,), p + ffn_out),) + ((residual,) if residual else ())
+    return Spec(family, model_types, groups, input_kind, residual_kind="permutation")
+
+
+def layernorm_residual(stream: tuple[Member, ...], layer: str, readers, writers, norms, final_norms,
+                       heads) -> Group:
+    """The residual stream of a LayerNorm transformer: one permutation of the hidden dims everywhere
+    (LayerNorm is permutation-equivariant: ``LN(Px) = P LN(x)`` with ``γ, β`` permuted; no sign flips,
+    no rotations for generic ``γ``). ``stream``: tensors writing the stream outside the layers
+    (embeddings), ``readers``/``writers``: layer modules reading (weight columns) or writing (weight rows
+    and bias) it, ``norms``: the layers' LayerNorm modules (weight and bias move with the stream),
+    ``final_norms``: LayerNorms outside the layers, ``heads``: full keys of task-head weights reading it."""
+    p = layer + "."
+    members = stream + tuple(Member(p + r + ".weight", 1, 0) for r in readers)
+    for w in writers:
+        members += (Member(p + w + ".weight", 0, 0), Member(p + w + ".bias", 0, 0, optional=True))
+    for n in [p + n for n in norms] + list(final_norms):
+        members += (Member(n + ".weight", 0, 0, diag=True), Member(n + ".bias", 0, 0, optional=True, diag=True))
+    members += tuple(Member(h, 1, 0, optional=True, root=True) for h in heads)
+    return Group("residual", RESIDUAL, "residual", members)
 
 
 def _rows(module: str, power: int, heads: str = "query") -> tuple[Member, ...]:
@@ -186,7 +206,14 @@ SPECS: tuple[Spec, ...] = (
                extra_q=("attention.self.pos_query_proj",), extra_k=("attention.self.pos_key_proj",)),
     _bert_like("vit", ("vit",), "layers.{i}",
                "attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
-               "mlp.fc1", "mlp.fc2", input_kind="image"),
+               "mlp.fc1", "mlp.fc2", input_kind="image",
+               residual=layernorm_residual(
+                   (Member("embeddings.cls_token", 2, 0), Member("embeddings.position_embeddings", 2, 0),
+                    Member("embeddings.patch_embeddings.projection.weight", 0, 0),
+                    Member("embeddings.patch_embeddings.projection.bias", 0, 0, optional=True)),
+                   "layers.{i}", ("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1"),
+                   ("attention.o_proj", "mlp.fc2"), ("layernorm_before", "layernorm_after"), ("layernorm",),
+                   ("classifier.weight",))),
     _gpt2(),
     _llama(),
     _phi(),

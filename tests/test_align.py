@@ -23,6 +23,7 @@ def disguised(anchor, seed=1, noise=0.0, head_model=False):
     """(model, ‖N‖): a hidden random element applied to anchor + N (N only on the matched tensors,
     Gaussian, ``noise`` × each tensor's std). With noise 0 it is the same function as the anchor."""
     _, instances = instances_for(anchor)
+    instances = [i for i in instances if i.group.kind != "residual"]  # opt-in; tested in test_vit_residual
     sd = anchor.state_dict()
     noise_norm = 0.0
     if noise:

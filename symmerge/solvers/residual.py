@@ -9,6 +9,8 @@ with the hidden index first, so the distance to the anchor is ``const − 2 tr(Q
   survives only signed permutations (``γ`` is permuted with the stream): ``Q[π(j), j] = s_j``; the
   best is a linear assignment on ``|C| + D`` (``D = Σ γ₁ γ₂ᵀ`` over the norm weights), ``s_j`` the
   sign of ``C[π(j), j]``.
+* LayerNorm models: only permutations (LayerNorm commutes with them, ``γ`` and ``β`` permuted with the
+  stream); the best is a linear assignment on ``C + D``.
 """
 
 from __future__ import annotations
@@ -32,4 +34,13 @@ def signed_permutation_residual(C: torch.Tensor, D: torch.Tensor | None = None) 
     signs = torch.where(C[perm, cols] < 0, -1.0, 1.0).to(torch.float64)
     Q = torch.zeros_like(C)
     Q[perm, cols] = signs
+    return Q
+
+
+def permutation_residual(C: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
+    """Permutation matrix ``Q`` (d × d) maximising ``tr(Qᵀ (C + D))``."""
+    C = C.to(torch.float64)
+    perm = match_permutation(C + (0 if D is None else D.to(torch.float64)))
+    Q = torch.zeros_like(C)
+    Q[perm, torch.arange(C.shape[0])] = 1.0
     return Q
