@@ -64,17 +64,45 @@ def generate(folder: Path, dims: dict, seed: int, shard: str) -> dict:
     return {"parameters": n}
 
 
+def peak_rss_gb() -> float:
+    """This process's own peak RSS (VmHWM). Not getrusage: a child's ru_maxrss starts at its parent's
+    high-water mark at fork time, which the checkpoint generator has driven up."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2 ** 20  # kB
+    return float("nan")
+
+
 def run_measured(args: list[str]) -> tuple[float, float, str]:
-    """Run a child process; returns (wall seconds, peak RSS in GB from wait4, stdout)."""
+    """Run a child step (``--child ...``); returns (wall seconds, its peak RSS in GB, stdout). The
+    child prints its VmHWM as the last line."""
     t = time.perf_counter()
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = p.stdout.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
+    p = subprocess.run([sys.executable, "-m", "benchmarks.bench_streaming", "--child", *args],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t
     if p.returncode != 0:
-        raise SystemExit(f"{' '.join(args)} failed ({p.returncode}):\n{out[-3000:]}")
-    return wall, usage.ru_maxrss / 2 ** 20, out  # ru_maxrss: KiB on Linux
+        raise SystemExit(f"{' '.join(args)} failed ({p.returncode}):\n{p.stdout[-3000:]}")
+    lines = p.stdout.strip().splitlines()
+    return wall, json.loads(lines[-1])["peak_rss_gb"], "\n".join(lines[:-1])
+
+
+def child(argv: list[str]) -> None:
+    """``--child STEP ARGS...``: one measured step, then its peak RSS as a JSON line."""
+    step, rest = argv[0], argv[1:]
+    if step == "read_write":
+        child_read_write(*rest)
+    elif step == "compute":
+        child_compute(*rest)
+    elif step == "cli":
+        from symmerge.cli import main as cli_main
+
+        if cli_main(rest) != 0:
+            raise SystemExit(1)
+    elif step == "imports":
+        import symmerge.cli  # noqa: F401
+        import symmerge.stream  # noqa: F401
+        import transformers  # noqa: F401
+    print(json.dumps({"peak_rss_gb": peak_rss_gb()}))
 
 
 # ------------------------------------------------------------ child steps (run in their own process)
@@ -154,17 +182,20 @@ def child_compute(model: str, anchor: str) -> None:
 # ------------------------------------------------------------ driver
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--child"]:
+        child(argv[1:])
+        return 0
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_streaming", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/tmp/symmerge-bench-streaming", help="where the checkpoints are generated")
     p.add_argument("--small", action="store_true", help="a 2-layer toy instead of the 3.4 B model (smoke test)")
     p.add_argument("--fresh", action="store_true", help="regenerate the checkpoints")
-    p.add_argument("--shard-size", default="2GB", help="shard size of the inputs and the output (default 2GB)")
+    p.add_argument("--shard-size", default="500MB", help="shard size of the inputs and the output (default 500MB; "
+                   "the writer holds up to one shard in memory)")
     p.add_argument("--json", help="also write the figures to this JSON file")
-    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--floors", metavar="JSON", help="reuse read_write_s and compute_s from an earlier --json of the "
+                   "same checkpoints; only the streamed alignment is measured")
     args = p.parse_args(argv)
-    if args.child:
-        {"read_write": child_read_write, "compute": child_compute}[args.child[0]](*args.child[1:])
-        return 0
 
     import shutil
 
@@ -188,20 +219,22 @@ def main(argv=None) -> int:
     ck = LazyCheckpoint(a_dir)
     n_params = sum(ck.nbytes(k) for k in ck.keys()) // 2
     file_bytes = sum(f.stat().st_size for f in a_dir.glob("*.safetensors"))
-    py = sys.executable
-
-    base_wall, base_rss, _ = run_measured([py, "-c", "import symmerge.stream, symmerge.cli, transformers"])
-    rw_wall, rw_rss, rw_out = run_measured([py, "-m", "benchmarks.bench_streaming", "--child", "read_write",
-                                            str(a_dir), str(b_dir), str(copy), args.shard_size])
-    read_write = json.loads(rw_out.strip().splitlines()[-1])["read_write_s"]
-    shutil.rmtree(copy, ignore_errors=True)
-    print(f"read + write: {read_write:.1f} s", flush=True)
-    c_wall, c_rss, c_out = run_measured([py, "-m", "benchmarks.bench_streaming", "--child", "compute",
-                                         str(a_dir), str(b_dir)])
-    compute = json.loads(c_out.strip().splitlines()[-1])
-    print(f"compute on in-memory tensors: {compute['compute_s']:.1f} s", flush=True)
-    s_wall, s_rss, _ = run_measured([py, "-m", "symmerge.cli", "align", str(a_dir), str(b_dir), "-o", str(out),
-                                     "--stream", "--shard-size", args.shard_size])
+    _, base_rss, _ = run_measured(["imports"])
+    if args.floors:
+        old = json.loads(Path(args.floors).read_text())
+        read_write, rw_rss = old["read_write_s"], old.get("read_write_peak_rss_gb")
+        compute = {"compute_s": old["compute_s"], "compute_parts": old["compute_parts_s"]}
+        c_rss = old.get("compute_peak_rss_gb")
+    else:
+        _, rw_rss, rw_out = run_measured(["read_write", str(a_dir), str(b_dir), str(copy), args.shard_size])
+        read_write = json.loads(rw_out.strip().splitlines()[-1])["read_write_s"]
+        shutil.rmtree(copy, ignore_errors=True)
+        print(f"read + write: {read_write:.1f} s", flush=True)
+        _, c_rss, c_out = run_measured(["compute", str(a_dir), str(b_dir)])
+        compute = json.loads(c_out.strip().splitlines()[-1])
+        print(f"compute on in-memory tensors: {compute['compute_s']:.1f} s", flush=True)
+    s_wall, s_rss, _ = run_measured(["cli", "align", str(a_dir), str(b_dir), "-o", str(out), "--stream",
+                                     "--shard-size", args.shard_size])
     report = json.loads((out / "symmerge_report.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
 

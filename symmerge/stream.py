@@ -10,7 +10,7 @@ three-stage pipeline runs over the layers:
    the group elements and their validity check; and
 3. a writer thread writes the aligned tensors into bounded safetensors shards.
 
-Every queue holds at most one layer, so memory is a few layers' worth whatever the depth. Tensors no
+Every queue holds at most one layer, so memory is a few layers' worth whatever the depth (the reader stays one layer ahead). Tensors no
 group touches (embeddings, norms, heads) are copied through one by one. The per-layer symmetries
 (attn, ffn, rescale) are supported; the residual symmetry couples every layer and is refused here.
 The equivalence check is per group element (orthogonal, finite, positive or non-zero scales,
@@ -76,9 +76,13 @@ class _Failure:
         self.exc = exc
 
 
-def _reader(jobs, ckpt_a: LazyCheckpoint, ckpt_b: LazyCheckpoint, out: queue.Queue, stop: threading.Event):
+def _reader(jobs, ckpt_a: LazyCheckpoint, ckpt_b: LazyCheckpoint, out: queue.Queue, stop: threading.Event,
+            ahead: threading.Semaphore):
     try:
         for layer, keys in jobs:
+            while not ahead.acquire(timeout=0.2):  # read layer i + 1 only once layer i is taken: one layer ahead
+                if stop.is_set():
+                    return
             if stop.is_set():
                 return
             item = (layer, keys, ckpt_a.read(keys), ckpt_b.read(keys))
@@ -161,7 +165,8 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
         stop, errors = threading.Event(), []
         layers_q: queue.Queue = queue.Queue(maxsize=1)
         write_q: queue.Queue = queue.Queue(maxsize=1)
-        reader = threading.Thread(target=_reader, args=(jobs, ckpt_a, ckpt_b, layers_q, stop), daemon=True)
+        ahead = threading.Semaphore(1)
+        reader = threading.Thread(target=_reader, args=(jobs, ckpt_a, ckpt_b, layers_q, stop, ahead), daemon=True)
         writer_t = threading.Thread(target=_writer, args=(writer, write_q, errors), daemon=True)
         reader.start()
         writer_t.start()
@@ -192,6 +197,7 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
                 while True:
                     t_wait = time.perf_counter()
                     item = layers_q.get()
+                    ahead.release()
                     timings["waiting_for_reads"] += time.perf_counter() - t_wait
                     if item is None:
                         break

@@ -146,3 +146,18 @@ def test_shard_writer_and_sizes(tmp_path):
     assert index["metadata"]["total_size"] == 2000 and set(index["weight_map"]) == set(tensors)
     got = {k: v for n in names for k, v in load_file(str(tmp_path / n)).items()}
     assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+
+
+def test_bench_streaming_small_end_to_end(tmp_path, capsys):
+    """The streaming benchmark's whole pipeline (generate, read+write floor, compute floor, streamed
+    alignment in a child process with its peak RSS) on its 2-layer toy."""
+    from benchmarks import bench_streaming
+
+    out = tmp_path / "figures.json"
+    assert bench_streaming.main(["--small", "--dir", str(tmp_path / "ckpt"), "--json", str(out)]) == 0
+    fig = json.loads(out.read_text())
+    assert fig["model"]["num_hidden_layers"] == 2 and fig["shards"] >= 1
+    assert fig["peak_rss_gb"] > 0 and fig["read_write_s"] > 0 and fig["compute_s"] > 0
+    assert fig["distance_after"] < fig["distance_before"]
+    assert set(fig["stream_stage_s"]) >= {"heads", "cost_gemms", "assignments", "apply_and_check"}
+    assert "peak_rss_gb" in capsys.readouterr().out
