@@ -71,6 +71,24 @@ def _sq(sd_a: dict, sd_b: dict, keys) -> float:
     return sum((sd_a[k].double() - sd_b[k].double()).square().sum().item() for k in keys)
 
 
+def _bound_malloc() -> None:
+    """glibc only: serve every allocation over 1 MB by its own mmap (returned to the OS when freed)
+    and cap the malloc arenas at 2. Otherwise the dynamic mmap threshold grows after the first large
+    frees and per-thread arenas keep freed layer tensors as fragmented heap: peak RSS then counts
+    layers long gone. A no-op elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "mallopt"):
+            libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+            libc.mallopt(-8, 2)  # M_ARENA_MAX
+    except OSError:
+        pass
+
+
 class _Failure:
     def __init__(self, exc: BaseException):
         self.exc = exc
@@ -130,6 +148,7 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
                             "cannot be streamed; align it in memory (without --stream) or leave it out")
     dev = resolve_device(device)
     max_bytes = parse_size(shard_size)
+    _bound_malloc()
     ckpt_a, ckpt_b = LazyCheckpoint(model), LazyCheckpoint(anchor)
     check_same_layout(ckpt_a, ckpt_b)
     spec = spec_for(ckpt_a.config["model_type"])
