@@ -107,29 +107,16 @@ def child(argv: list[str]) -> None:
 
 # ------------------------------------------------------------ child steps (run in their own process)
 
-def _layer_jobs(a, b):
-    from symmerge.resolve import config_sizes, resolve
-    from symmerge.spec import spec_for
-    from symmerge.stream import _Config
-    from collections import defaultdict
-
-    spec = spec_for(a.config["model_type"])
-    sizes = config_sizes(spec, _Config(a.config))
-    insts = resolve(spec, a.meta(), sizes.pop("num_layers"), sizes.pop("num_heads"), residual=False, **sizes)
-    by_layer = defaultdict(list)
-    for i in insts:
-        by_layer[i.layer].append(i)
-    return by_layer
-
-
 def child_read_write(model: str, anchor: str, out: str, shard: str) -> None:
     """Read both checkpoints layer by layer, write the first back: the I/O the alignment must do."""
     from symmerge.checkpoint import LazyCheckpoint, ShardWriter, parse_size
     from symmerge.io import atomic_dir
 
+    from symmerge.stream import layer_instances
+
     a, b = LazyCheckpoint(model), LazyCheckpoint(anchor)
     t = time.perf_counter()
-    by_layer = _layer_jobs(a, b)
+    _, by_layer = layer_instances(a)
     touched = {s.key for insts in by_layer.values() for i in insts for s in i.slots}
     groups = [[k] for k in a.keys() if k not in touched]
     groups += [sorted({s.key for i in insts for s in i.slots}) for _, insts in sorted(by_layer.items())]
@@ -146,36 +133,19 @@ def child_read_write(model: str, anchor: str, out: str, shard: str) -> None:
 
 def child_compute(model: str, anchor: str) -> None:
     """The matching of every layer on tensors already in memory (reads not timed), one layer at a time."""
-    from symmerge.apply import PermElement, apply
     from symmerge.checkpoint import LazyCheckpoint
-    from symmerge.solve import permutation_cost, permutation_plan, solve_local, unit_scales
-    from symmerge.solvers.assignment import match_permutation
-    from symmerge.spec import PERMUTATION
+    from symmerge.stream import complete_layer, layer_instances, prepare_layer
 
     a, b = LazyCheckpoint(model), LazyCheckpoint(anchor)
-    syms, mode = ("attn", "ffn", "rescale"), "joint"
     parts = {"heads": 0.0, "cost_gemms": 0.0, "assignments": 0.0, "apply": 0.0}
-    for layer, insts in sorted(_layer_jobs(a, b).items()):
+    for layer, insts in layer_instances(a)[1].items():
         keys = sorted({s.key for i in insts for s in i.slots})
         sa, sb = a.read(keys), b.read(keys)
-        t0 = time.perf_counter()
-        el = solve_local([i for i in insts if i.group.kind != PERMUTATION], sa, sb, syms, mode)
-        t1 = time.perf_counter()
-        parts["heads"] += t1 - t0
-        for inst in insts:
-            if inst.group.kind == PERMUTATION:
-                _, scaled, signed = permutation_plan(inst.group, syms, mode)
-                t1 = time.perf_counter()
-                C = permutation_cost(inst, sa, sb, signed)
-                t2 = time.perf_counter()
-                perm = match_permutation(C)
-                el[inst.name] = PermElement(perm, unit_scales(inst, sa, sb, perm) if scaled else None)
-                parts["cost_gemms"] += t2 - t1
-                parts["assignments"] += time.perf_counter() - t2
-        t3 = time.perf_counter()
-        apply(sa, insts, el)
-        parts["apply"] += time.perf_counter() - t3
-        del sa, sb
+        elements, costs, t_heads, t_costs = prepare_layer(insts, sa, sb, ("attn", "ffn", "rescale"), "joint")
+        _, t_assign, t_apply = complete_layer(insts, sa, sb, elements, costs)
+        for k, v in zip(parts, (t_heads, t_costs, t_assign, t_apply)):
+            parts[k] += v
+        del sa, sb, elements, costs
     print(json.dumps({"compute_s": sum(parts.values()), "compute_parts": parts}))
 
 

@@ -32,21 +32,27 @@ def as_model(model, allow_pickle: bool = False):
     return load_model(model, allow_pickle=allow_pickle) if isinstance(model, (str, Path)) else model
 
 
-def check_compatible(model, anchor) -> None:
-    """Same model_type, same tensor names and shapes, else one clear error."""
-    ta, tb = model.config.model_type, anchor.config.model_type
+def check_layouts(types, heads, shapes) -> None:
+    """Model and anchor layouts given as pairs: model types, attention-head counts and
+    ``{tensor name: shape}``; anything different raises one clear error."""
+    (ta, tb), (ha, hb), (sa, sb) = types, heads, shapes
     if ta != tb:
         raise SymmergeError(f"architectures differ: model is {ta!r}, anchor is {tb!r}")
-    ha, hb = model.config.num_attention_heads, anchor.config.num_attention_heads
     if ha != hb:  # same shapes, but the head blocks would not correspond
         raise SymmergeError(f"architectures differ: model has {ha} attention heads, anchor has {hb}")
-    sa, sb = model.state_dict(), anchor.state_dict()
     if sa.keys() != sb.keys():
         only = sorted(set(sa) ^ set(sb))[:3]
         raise SymmergeError(f"architectures differ: tensors present in only one model, e.g. {only}")
     for k in sa:
-        if sa[k].shape != sb[k].shape:
-            raise SymmergeError(f"shapes differ for {k}: {tuple(sa[k].shape)} vs {tuple(sb[k].shape)}")
+        if tuple(sa[k]) != tuple(sb[k]):
+            raise SymmergeError(f"shapes differ for {k}: {tuple(sa[k])} vs {tuple(sb[k])}")
+
+
+def check_compatible(model, anchor) -> None:
+    """Same model_type, same tensor names and shapes, else one clear error."""
+    pair = (model, anchor)
+    check_layouts([m.config.model_type for m in pair], [m.config.num_attention_heads for m in pair],
+                  [{k: t.shape for k, t in m.state_dict().items()} for m in pair])
 
 
 def instances_for(model, layers=None):

@@ -182,13 +182,10 @@ def random_elements(instances: list[Instance], generator: torch.Generator, scale
                 s = signs * _scales(inst.size, g, True)
             elements[inst.name] = PermElement(perm, s)
         elif kind == RESIDUAL:
-            if inst.variant == "permutation":
+            if inst.variant in ("permutation", "signed_permutation"):
                 Q = torch.zeros(inst.size, inst.size, dtype=torch.float64)
-                Q[torch.randperm(inst.size, generator=g), torch.arange(inst.size)] = 1.0
-                Q = Q[None]
-            elif inst.variant == "signed_permutation":
-                Q = torch.zeros(inst.size, inst.size, dtype=torch.float64)
-                signs = torch.randint(0, 2, (inst.size,), generator=g).to(torch.float64) * 2 - 1
+                signs = (torch.randint(0, 2, (inst.size,), generator=g).to(torch.float64) * 2 - 1
+                         if inst.variant == "signed_permutation" else torch.ones(inst.size, dtype=torch.float64))
                 Q[torch.randperm(inst.size, generator=g), torch.arange(inst.size)] = signs
                 Q = Q[None]
             else:

@@ -141,18 +141,11 @@ class LazyCheckpoint:
 
 def check_same_layout(a: LazyCheckpoint, b: LazyCheckpoint) -> None:
     """Same model type, heads, tensor names and shapes (from headers only), else one clear error."""
-    ta, tb = a.config["model_type"], b.config["model_type"]
-    if ta != tb:
-        raise SymmergeError(f"architectures differ: model is {ta!r}, anchor is {tb!r}")
-    ha, hb = a.config.get("num_attention_heads"), b.config.get("num_attention_heads")
-    if ha != hb:
-        raise SymmergeError(f"architectures differ: model has {ha} attention heads, anchor has {hb}")
-    if set(a.shape) != set(b.shape):
-        only = sorted(set(a.shape) ^ set(b.shape))[:3]
-        raise SymmergeError(f"architectures differ: tensors present in only one model, e.g. {only}")
-    for k, s in a.shape.items():
-        if b.shape[k] != s:
-            raise SymmergeError(f"shapes differ for {k}: {s} vs {b.shape[k]}")
+    from .align import check_layouts
+
+    pair = (a, b)
+    check_layouts([c.config["model_type"] for c in pair], [c.config.get("num_attention_heads") for c in pair],
+                  [c.shape for c in pair])
 
 
 class ShardWriter:

@@ -33,6 +33,7 @@ import torch
 
 from .apply import HeadElement, PermElement, apply
 from .checkpoint import LazyCheckpoint, ShardWriter, check_same_layout, parse_size
+from .distance import sq_distance
 from .errors import SymmergeError
 from .io import atomic_dir, copy_side_files, write_json
 from .resolve import config_sizes, resolve
@@ -67,10 +68,6 @@ def check_element(name: str, element, tol: float = 1e-6) -> None:
             raise SymmergeError(f"{name}: solver returned a zero or non-finite unit scale")
 
 
-def _sq(sd_a: dict, sd_b: dict, keys) -> float:
-    return sum((sd_a[k].double() - sd_b[k].double()).square().sum().item() for k in keys)
-
-
 def _bound_malloc() -> None:
     """glibc only: serve every allocation over 1 MB by its own mmap (returned to the OS when freed)
     and cap the malloc arenas at 2. Otherwise the dynamic mmap threshold grows after the first large
@@ -87,6 +84,52 @@ def _bound_malloc() -> None:
             libc.mallopt(-8, 2)  # M_ARENA_MAX
     except OSError:
         pass
+
+
+def layer_instances(ckpt: LazyCheckpoint, layers=None):
+    """(spec, {layer: its group instances}) resolved against the checkpoint's headers (no residual)."""
+    spec = spec_for(ckpt.config["model_type"])
+    sizes = config_sizes(spec, _Config(ckpt.config))
+    instances = resolve(spec, ckpt.meta(), sizes.pop("num_layers"), sizes.pop("num_heads"), layers,
+                        residual=False, **sizes)
+    by_layer: dict[int, list] = defaultdict(list)
+    for inst in instances:
+        by_layer[inst.layer].append(inst)
+    return spec, dict(sorted(by_layer.items()))
+
+
+def prepare_layer(insts, sd_a: dict, sd_b: dict, symmetries, scale_mode: str, device=None):
+    """First half of one layer's matching: the head groups' elements (batched SVD) and the FFN cost
+    matrices (GEMMs on ``device``). Returns (elements, {instance: (cost, scaled)}, head s, GEMM s)."""
+    t0 = time.perf_counter()
+    elements = solve_local([i for i in insts if i.group.kind != PERMUTATION], sd_a, sd_b, symmetries, scale_mode)
+    t1 = time.perf_counter()
+    costs = {}
+    for inst in insts:
+        if inst.group.kind != PERMUTATION:
+            continue
+        permute, scaled, signed = permutation_plan(inst.group, symmetries, scale_mode)
+        if permute:
+            costs[inst] = (permutation_cost(inst, sd_a, sd_b, signed, device=device), scaled)
+        elif scaled:
+            perm = torch.arange(inst.size)
+            elements[inst.name] = PermElement(perm, unit_scales(inst, sd_a, sd_b, perm))
+    return elements, costs, t1 - t0, time.perf_counter() - t1
+
+
+def complete_layer(insts, sd_a: dict, sd_b: dict, elements: dict, costs: dict):
+    """Second half: the linear assignments and unit scales, the validity check of every element and
+    its application. Returns (aligned layer state dict, assignment s, check + apply s)."""
+    t0 = time.perf_counter()
+    for inst, (C, scaled) in costs.items():
+        perm = match_permutation(C)
+        elements[inst.name] = PermElement(perm, unit_scales(inst, sd_a, sd_b, perm) if scaled else None)
+    t1 = time.perf_counter()
+    for inst in insts:
+        if inst.name in elements:
+            check_element(inst.name, elements[inst.name])
+    new = apply(sd_a, insts, elements)
+    return new, t1 - t0, time.perf_counter() - t1
 
 
 class _Failure:
@@ -151,16 +194,9 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
     _bound_malloc()
     ckpt_a, ckpt_b = LazyCheckpoint(model), LazyCheckpoint(anchor)
     check_same_layout(ckpt_a, ckpt_b)
-    spec = spec_for(ckpt_a.config["model_type"])
-    sizes = config_sizes(spec, _Config(ckpt_a.config))
-    instances = resolve(spec, ckpt_a.meta(), sizes.pop("num_layers"), sizes.pop("num_heads"), layers,
-                        residual=False, **sizes)
+    spec, by_layer = layer_instances(ckpt_a, layers)
     scale_mode = rescale if "rescale" in symmetries else "none"
-
-    by_layer: dict[int, list] = defaultdict(list)
-    for inst in instances:
-        by_layer[inst.layer].append(inst)
-    jobs = [(layer, sorted({s.key for i in insts for s in i.slots})) for layer, insts in sorted(by_layer.items())]
+    jobs = [(layer, sorted({s.key for i in insts for s in i.slots})) for layer, insts in by_layer.items()]
     touched = {k for _, keys in jobs for k in keys}
     passthrough = [k for k in ckpt_a.keys() if k not in touched]
     largest_layer = max([sum(ckpt_a.nbytes(k) for k in keys) for _, keys in jobs], default=0)
@@ -172,13 +208,12 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
         writer = ShardWriter(tmp, max_bytes)
         # tensors no group touches: one at a time, straight through
         for k in passthrough:
-            t = ckpt_a.read([k])[k]
-            tb = ckpt_b.read([k])[k]
-            d = (t.double() - tb.double()).square().sum().item()
+            ta, tb = ckpt_a.read([k]), ckpt_b.read([k])
+            d = sq_distance(ta, tb, [k])
             sq_before += d
             sq_after += d
-            writer.add(ckpt_a.disk_name[k], t)
-            del t, tb
+            writer.add(ckpt_a.disk_name[k], ta[k])
+            del ta, tb
         writer.flush()
 
         stop, errors = threading.Event(), []
@@ -192,23 +227,16 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
         pbar = bar(total=len(jobs), desc="aligning layers", unit="layer", disable=None if progress else True)
 
         def finish(layer, insts, sd_a, sd_b, elements, costs):
+            new, t_assign, t_apply = complete_layer(insts, sd_a, sd_b, elements, costs)
             t0 = time.perf_counter()
-            for inst, (C, scaled) in costs.items():
-                perm = match_permutation(C)
-                elements[inst.name] = PermElement(perm, unit_scales(inst, sd_a, sd_b, perm) if scaled else None)
-            t1 = time.perf_counter()
-            for inst in insts:
-                if inst.name in elements:
-                    check_element(inst.name, elements[inst.name])
-            new = apply(sd_a, insts, elements)
             keys = list(sd_a)
-            before, after = _sq(sd_a, sd_b, keys), _sq(new, sd_b, keys)
+            before, after = sq_distance(sd_a, sd_b, keys), sq_distance(new, sd_b, keys)
             for k in keys:
                 if new[k].is_floating_point() and not torch.isfinite(new[k]).all():
                     raise SymmergeError(f"{k}: aligned tensor is not finite")
-            t2 = time.perf_counter()
+            t_apply += time.perf_counter() - t0
             write_q.put({ckpt_a.disk_name[k]: new[k] for k in keys})
-            return layer, before, after, t1 - t0, t2 - t1
+            return layer, before, after, t_assign, t_apply
 
         pending = None
         try:
@@ -224,23 +252,9 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
                         raise item.exc
                     layer, keys, sd_a, sd_b = item
                     insts = by_layer[layer]
-                    t0 = time.perf_counter()
-                    heads = [i for i in insts if i.group.kind != PERMUTATION]
-                    elements = solve_local(heads, sd_a, sd_b, symmetries, scale_mode)
-                    t1 = time.perf_counter()
-                    costs = {}
-                    for inst in insts:
-                        if inst.group.kind != PERMUTATION:
-                            continue
-                        permute, scaled, signed = permutation_plan(inst.group, symmetries, scale_mode)
-                        if permute:
-                            costs[inst] = (permutation_cost(inst, sd_a, sd_b, signed, device=dev), scaled)
-                        elif scaled:
-                            perm = torch.arange(inst.size)
-                            elements[inst.name] = PermElement(perm, unit_scales(inst, sd_a, sd_b, perm))
-                    t2 = time.perf_counter()
-                    timings["heads"] += t1 - t0
-                    timings["cost_gemms"] += t2 - t1
+                    elements, costs, t_heads, t_costs = prepare_layer(insts, sd_a, sd_b, symmetries, scale_mode, dev)
+                    timings["heads"] += t_heads
+                    timings["cost_gemms"] += t_costs
                     if pending is not None:  # at most one layer in the worker
                         _collect(pending.result(), per_layer, timings)
                         pbar.update(1)
