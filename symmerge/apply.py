@@ -108,9 +108,11 @@ def transform_tensor(t: torch.Tensor, slot: Slot, inst: Instance, element) -> to
         return _permute_in_place_axis(t, slot, element)
     x = t.detach().movedim(slot.axis, 0)
     seg = segment(t, slot)
-    # float64 arithmetic, except the residual's dense d × d product on lower-precision tensors (the
-    # bulk of a large model's work), which runs in float32
-    work = torch.float32 if inst.group.kind == RESIDUAL and t.dtype != torch.float64 else torch.float64
+    # float64 arithmetic for float32/float64 tensors; 16-bit tensors (whose result is rounded to 8 or 11
+    # mantissa bits anyway) and the residual's dense d × d product on float32 ones run in float32
+    work = torch.float64
+    if t.dtype in (torch.float16, torch.bfloat16) or (inst.group.kind == RESIDUAL and t.dtype != torch.float64):
+        work = torch.float32
     new = _transform_segment(seg if exact else seg.to(work), slot, inst, element).to(t.dtype)
     if slot.length is None:
         out = new

@@ -44,6 +44,18 @@ def parse_size(value) -> int:
     return size
 
 
+def hf_config(config: dict):
+    """The transformers config object of a config.json dict (its class knows aliases such as GPT-2's
+    ``n_head`` for ``num_attention_heads``)."""
+    import transformers
+
+    cls = model_class(config)
+    cfg_cls = getattr(cls, "config_class", None) or transformers.AutoConfig
+    if cfg_cls is transformers.AutoConfig:
+        return transformers.AutoConfig.for_model(**config)
+    return cfg_cls.from_dict(dict(config))
+
+
 def disk_to_memory_names(config: dict) -> dict[str, str]:
     """Checkpoint tensor name → the model's ``state_dict`` name. transformers 5 renames some
     families' weights on load and back on save (ViT: ``encoder.layer.0.attention.attention.query``
@@ -53,11 +65,9 @@ def disk_to_memory_names(config: dict) -> dict[str, str]:
     from transformers.core_model_loading import revert_weight_conversion
 
     cls = model_class(config)
-    cfg_cls = getattr(cls, "config_class", None) or transformers.AutoConfig
     try:
         with quiet_transformers():
-            cfg = (cfg_cls.from_dict(dict(config)) if cfg_cls is not transformers.AutoConfig
-                   else transformers.AutoConfig.for_model(**config))
+            cfg = hf_config(config)
             with torch.device("meta"):
                 model = cls(cfg) if cls is not transformers.AutoModel else transformers.AutoModel.from_config(cfg)
             sd = model.state_dict()
@@ -144,8 +154,9 @@ def check_same_layout(a: LazyCheckpoint, b: LazyCheckpoint) -> None:
     from .align import check_layouts
 
     pair = (a, b)
-    check_layouts([c.config["model_type"] for c in pair], [c.config.get("num_attention_heads") for c in pair],
-                  [c.shape for c in pair])
+    with quiet_transformers():
+        heads = [getattr(hf_config(c.config), "num_attention_heads", None) for c in pair]
+    check_layouts([c.config["model_type"] for c in pair], heads, [c.shape for c in pair])
 
 
 class ShardWriter:

@@ -51,33 +51,47 @@ def head_costs(inst: Instance, sd_a: dict, sd_b: dict, rows: slice = slice(None)
 
 
 def _unit_matrix(t: torch.Tensor, slot, dtype) -> torch.Tensor:
+    """The slot's units as rows (n, rest), converted to ``dtype`` (None: as stored, a view if it can)."""
     x = segment(t, slot)
-    return x.reshape(x.shape[0], -1).to(dtype)
+    x = x.reshape(x.shape[0], -1)
+    return x if dtype is None else x.to(dtype)
+
+
+def _work_dtype(tensors) -> torch.dtype:
+    """float64 if any tensor is float64, else float32 (16-bit checkpoints are computed in float32)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _row_chunks(n: int, width: int, budget: int = 1 << 24):
+    """Row slices of an (n, width) matrix holding about ``budget`` elements each."""
+    step = max(256, budget // max(width, 1))
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 def permutation_cost(inst: Instance, sd_a: dict, sd_b: dict, signed: bool = False, device=None) -> torch.Tensor:
-    """C[i, j] = Σ_members ⟨unit i of A, unit j of B⟩, one GEMM over the stacked members.
+    """C[i, j] = Σ_members ⟨unit i of A, unit j of B⟩ (n × n, float64, CPU), built block of rows by
+    block of rows with one GEMM per member.
 
     ``signed`` (units that may also flip sign, SwiGLU under ``rescale``): the members that the unit
     scale acts on count with the better sign, ``C₀ + |C_±|`` (the cost at the best ``s = ±1``).
-    Computed in float64 for float64 models, else in float32: the assignment needs only the order
-    of the costs, and float32 halves the GEMM time on large FFNs. ``device``: where the GEMMs run
-    (e.g. ``cuda``; the result comes back to the CPU for the assignment)."""
-    dtype = torch.float64 if any(sd_a[s.key].dtype == torch.float64 for s in inst.slots) else torch.float32
-    parts = [[s for s in inst.slots if not (signed and s.power)], [s for s in inst.slots if signed and s.power]]
-    C = None
-    for k, slots in enumerate(parts):
-        if not slots:
-            continue
-        c = None
-        for s in slots:  # one GEMM per member, accumulated: no concatenated copies of the members
+    The GEMMs run in float64 for float64 models, else in float32 (the assignment needs only the order
+    of the costs; float32 halves the GEMM time on large FFNs), on ``device`` (e.g. ``cuda``); each block
+    is accumulated straight into the float64 result, which is what the assignment consumes, so no
+    full-size float32 copy or scipy conversion ever exists."""
+    dtype = _work_dtype([sd_a[s.key] for s in inst.slots])
+    n = inst.size
+    C = torch.zeros(n, n, dtype=torch.float64)
+    parts = [[s for s in inst.slots if signed and s.power], [s for s in inst.slots if not (signed and s.power)]]
+    for k, slots in enumerate(parts):  # the signed members first: |C_±| is taken before C₀ is added
+        for s in slots:
             x1 = _unit_matrix(sd_a[s.key], s, dtype).to(device)
-            x2 = _unit_matrix(sd_b[s.key], s, dtype).to(device)
-            c = x1 @ x2.T if c is None else c.addmm_(x1, x2.T)
-            del x1, x2
-        c = c.abs_() if k else c
-        C = c if C is None else C.add_(c)
-    return C.cpu()
+            x2t = _unit_matrix(sd_b[s.key], s, dtype).to(device).T
+            for rows in _row_chunks(n, n):
+                C[rows] += (x1[rows] @ x2t).cpu()
+            del x1, x2t
+        if k == 0 and slots:
+            C.abs_()
+    return C
 
 
 def permutation_plan(group, symmetries, scale_mode: str) -> tuple[bool, bool, bool]:
@@ -89,17 +103,19 @@ def permutation_plan(group, symmetries, scale_mode: str) -> tuple[bool, bool, bo
 
 
 def unit_scales(inst: Instance, sd_a: dict, sd_b: dict, perm: torch.Tensor) -> torch.Tensor:
-    """Per unit after ``perm``, the scale ``s ≠ 0`` (``s**power`` on each member) closest to B."""
+    """Per unit after ``perm``, the scale ``s ≠ 0`` (``s**power`` on each member) closest to B
+    (float64 sums, a block of units at a time)."""
     n = len(perm)
     sums = {k: torch.zeros(n, dtype=torch.float64) for k in ("p", "m", "cp", "cm")}
     for s in inst.slots:
         if not s.power:
             continue
-        x1 = _unit_matrix(sd_a[s.key], s, torch.float64)[perm]
-        x2 = _unit_matrix(sd_b[s.key], s, torch.float64)
+        ua, ub = _unit_matrix(sd_a[s.key], s, None), _unit_matrix(sd_b[s.key], s, None)
         side = "p" if s.power > 0 else "m"
-        sums[side] += x1.square().sum(1)
-        sums["c" + side] += (x1 * x2).sum(1)
+        for rows in _row_chunks(n, ua.shape[1]):
+            x1, x2 = ua[perm[rows]].to(torch.float64), ub[rows].to(torch.float64)
+            sums[side][rows] += x1.square().sum(1)
+            sums["c" + side][rows] += (x1 * x2).sum(1)
     return quartic_scale(sums["cp"], sums["cm"], sums["p"], sums["m"], signed=inst.group.unit_scale == "nonzero")
 
 
@@ -139,7 +155,7 @@ def solve_rope(insts: list[Instance], sd_a: dict, sd_b: dict, rotate: bool, resc
 def residual_cost(inst: Instance, sd_a: dict, sd_b: dict, keys=None):
     """``C = Σ X₁ X₂ᵀ`` (d × d) over the stream members (optionally only ``keys``) and ``D = Σ γ₁ γ₂ᵀ``
     over the norm weights; float32 for non-float64 models (only the optimum's direction matters)."""
-    dtype = torch.float64 if any(sd_a[s.key].dtype == torch.float64 for s in inst.slots) else torch.float32
+    dtype = _work_dtype([sd_a[s.key] for s in inst.slots])
     C = torch.zeros(inst.size, inst.size, dtype=dtype)
     D = torch.zeros(inst.size, inst.size, dtype=torch.float64)
     for s in inst.slots:
@@ -193,7 +209,7 @@ def solve_local(instances: list[Instance], sd_a: dict, sd_b: dict, symmetries, s
                 continue
             if permute:
                 costs = (permutation_cost(i, sd_a, sd_b, signed) for i in group_insts)
-                perms = solve_assignments(costs)
+                perms = solve_assignments(costs, consume=True)  # fresh costs, negated in place
             else:
                 perms = [torch.arange(i.size) for i in group_insts]
             for inst, perm in zip(group_insts, perms):

@@ -1,22 +1,23 @@
 """Streaming alignment: checkpoints larger than memory, aligned layer by layer.
 
-Neither model is ever loaded whole. The spec is resolved against the safetensors headers; then a
-three-stage pipeline runs over the layers:
+Neither model is ever loaded whole. The spec is resolved against the safetensors headers. Tensors no
+group touches (embeddings, norms, heads) are copied through one by one; then the layers, in one of
+two modes:
 
-1. a reader thread reads layer ``i + 1`` of the model and of the anchor (``safe_open``) while
-2. the main thread solves layer ``i``'s head groups (batched SVD) and computes its FFN cost matrices
-   (GEMMs, on ``device``), and a worker thread finishes layer ``i - 1``: its linear assignments
-   (scipy, single-threaded — so it overlaps the next layer's GEMMs), unit scales, the application of
-   the group elements and their validity check; and
-3. a writer thread writes the aligned tensors into bounded safetensors shards.
+* **low memory** (default): each layer is split into parts that share no tensor (attention QK, VO,
+  FFN); one part at a time is read from both models (``safe_open``), solved (batched SVD for heads;
+  for the FFN a float64 cost built block by block from GEMMs on ``device``, consumed in place by the
+  exact assignment), applied, checked and handed to the shard writer, whose shards are cut at about
+  one layer. Peak memory ≈ interpreter + the largest part of both models + its n × n cost.
+* **pipeline**: a reader thread stays one layer ahead, the main thread solves heads and cost GEMMs,
+  a worker thread runs the assignments (scipy, single-threaded, overlapping the next GEMMs) and the
+  application, and a writer thread writes shards; a few layers in memory, I/O hidden behind compute.
 
-Every queue holds at most one layer, so memory is a few layers' worth whatever the depth (the reader stays one layer ahead). Tensors no
-group touches (embeddings, norms, heads) are copied through one by one. The per-layer symmetries
-(attn, ffn, rescale) are supported; the residual symmetry couples every layer and is refused here.
-The equivalence check is per group element (orthogonal, finite, positive or non-zero scales,
-bijective permutations: each such element preserves the function exactly — the in-memory tests
-prove that for every spec); ``verify_forward`` additionally loads both models afterwards and
-compares their outputs, for checkpoints that fit in memory.
+Both use the per-layer symmetries (attn, ffn, rescale); the residual symmetry couples every layer
+and is refused here. The equivalence check is per group element (orthogonal, finite, positive or
+non-zero scales, bijective permutations: each such element preserves the function exactly — the
+in-memory tests prove that for every spec); ``verify_forward`` additionally loads both models
+afterwards and compares their outputs, for checkpoints that fit in memory.
 """
 
 from __future__ import annotations
@@ -32,23 +33,17 @@ from pathlib import Path
 import torch
 
 from .apply import HeadElement, PermElement, apply
-from .checkpoint import LazyCheckpoint, ShardWriter, check_same_layout, parse_size
+from .checkpoint import LazyCheckpoint, ShardWriter, check_same_layout, hf_config, parse_size
 from .distance import sq_distance
 from .errors import SymmergeError
-from .io import atomic_dir, copy_side_files, write_json
+from .io import atomic_dir, copy_side_files, quiet_transformers, write_json
 from .resolve import config_sizes, resolve
 from .solve import RESCALE_MODES, permutation_cost, permutation_plan, solve_local, unit_scales
 from .solvers.assignment import match_permutation
 from .spec import PERMUTATION, spec_for
 
 DEFAULT_SHARD = "1GB"
-
-
-class _Config:
-    """Attribute view of a config.json dict (what ``config_sizes`` reads)."""
-
-    def __init__(self, d: dict):
-        self.__dict__.update(d)
+MIN_LOW_MEMORY_SHARD = 64 * 2 ** 20  # low-memory mode: shards of about one layer, not smaller than this
 
 
 def check_element(name: str, element, tol: float = 1e-6) -> None:
@@ -89,7 +84,8 @@ def _bound_malloc() -> None:
 def layer_instances(ckpt: LazyCheckpoint, layers=None):
     """(spec, {layer: its group instances}) resolved against the checkpoint's headers (no residual)."""
     spec = spec_for(ckpt.config["model_type"])
-    sizes = config_sizes(spec, _Config(ckpt.config))
+    with quiet_transformers():
+        sizes = config_sizes(spec, hf_config(ckpt.config))
     instances = resolve(spec, ckpt.meta(), sizes.pop("num_layers"), sizes.pop("num_heads"), layers,
                         residual=False, **sizes)
     by_layer: dict[int, list] = defaultdict(list)
@@ -119,10 +115,13 @@ def prepare_layer(insts, sd_a: dict, sd_b: dict, symmetries, scale_mode: str, de
 
 def complete_layer(insts, sd_a: dict, sd_b: dict, elements: dict, costs: dict):
     """Second half: the linear assignments and unit scales, the validity check of every element and
-    its application. Returns (aligned layer state dict, assignment s, check + apply s)."""
+    its application. ``costs`` is emptied (its matrices consumed). Returns (aligned layer state
+    dict, assignment s, check + apply s)."""
     t0 = time.perf_counter()
-    for inst, (C, scaled) in costs.items():
-        perm = match_permutation(C)
+    while costs:  # popped: each cost matrix is consumed by its assignment and freed before the next step
+        inst, (C, scaled) = costs.popitem()
+        perm = match_permutation(C, consume=True)
+        del C
         elements[inst.name] = PermElement(perm, unit_scales(inst, sd_a, sd_b, perm) if scaled else None)
     t1 = time.perf_counter()
     for inst in insts:
@@ -172,12 +171,131 @@ def _writer(writer: ShardWriter, inbox: queue.Queue, errors: list):
             errors.append(e)
 
 
+def components(insts) -> list[list]:
+    """A layer's group instances split into sets that share no tensor (attention QK, VO, FFN...):
+    each set is solved, applied and written on its own, so only its tensors are ever in memory."""
+    parent = list(range(len(insts)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[str, int] = {}
+    for i, inst in enumerate(insts):
+        for s in inst.slots:
+            j = owner.setdefault(s.key, i)
+            parent[root(i)] = root(j)
+    groups: dict[int, list] = defaultdict(list)
+    for i, inst in enumerate(insts):
+        groups[root(i)].append(inst)
+    return list(groups.values())
+
+
+def _finish(ckpt_a: LazyCheckpoint, sd_a: dict, sd_b: dict, new: dict):
+    """Distances before/after and the finiteness check of an aligned part; its tensors by disk name."""
+    keys = list(sd_a)
+    before, after = sq_distance(sd_a, sd_b, keys), sq_distance(new, sd_b, keys)
+    for k in keys:
+        if new[k].is_floating_point() and not torch.isfinite(new[k]).all():
+            raise SymmergeError(f"{k}: aligned tensor is not finite")
+    return before, after, {ckpt_a.disk_name[k]: new[k] for k in keys}
+
+
+def _run_serial(by_layer, ckpt_a, ckpt_b, writer, symmetries, scale_mode, dev, pbar, per_layer, timings):
+    """Low-memory mode: one tensor-disjoint part of one layer at a time (read, solve, apply, write)."""
+    for layer, insts in by_layer.items():
+        before = after = 0.0
+        for part in components(insts):
+            keys = sorted({s.key for i in part for s in i.slots})
+            t0 = time.perf_counter()
+            sd_a, sd_b = ckpt_a.read(keys), ckpt_b.read(keys)
+            timings["read"] += time.perf_counter() - t0
+            elements, costs, t_heads, t_costs = prepare_layer(part, sd_a, sd_b, symmetries, scale_mode, dev)
+            new, t_assign, t_apply = complete_layer(part, sd_a, sd_b, elements, costs)
+            t0 = time.perf_counter()
+            b, a, tensors = _finish(ckpt_a, sd_a, sd_b, new)
+            del sd_a, sd_b, new, elements
+            t1 = time.perf_counter()
+            for k, t in tensors.items():
+                writer.add(k, t)
+            del tensors
+            timings["write"] += time.perf_counter() - t1
+            for k, v in (("heads", t_heads), ("cost_gemms", t_costs), ("assignments", t_assign),
+                         ("apply_and_check", t_apply + t1 - t0)):
+                timings[k] += v
+            before, after = before + b, after + a
+        per_layer[layer] = {"sq_before": before, "sq_after": after}
+        pbar.update(1)
+
+
+def _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, symmetries, scale_mode, dev, pbar, per_layer, timings):
+    """Overlapped mode: reader thread, main thread (heads, cost GEMMs), worker (assignments, apply),
+    writer thread; each queue holds one layer."""
+    jobs = [(layer, sorted({s.key for i in insts for s in i.slots})) for layer, insts in by_layer.items()]
+    stop, errors = threading.Event(), []
+    layers_q: queue.Queue = queue.Queue(maxsize=1)
+    write_q: queue.Queue = queue.Queue(maxsize=1)
+    ahead = threading.Semaphore(1)
+    reader = threading.Thread(target=_reader, args=(jobs, ckpt_a, ckpt_b, layers_q, stop, ahead), daemon=True)
+    writer_t = threading.Thread(target=_writer, args=(writer, write_q, errors), daemon=True)
+    reader.start()
+    writer_t.start()
+
+    def finish(layer, insts, sd_a, sd_b, elements, costs):
+        new, t_assign, t_apply = complete_layer(insts, sd_a, sd_b, elements, costs)
+        t0 = time.perf_counter()
+        before, after, tensors = _finish(ckpt_a, sd_a, sd_b, new)
+        write_q.put(tensors)
+        return layer, before, after, t_assign, t_apply + time.perf_counter() - t0
+
+    pending = None
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            while True:
+                t_wait = time.perf_counter()
+                item = layers_q.get()
+                ahead.release()
+                timings["waiting_for_reads"] += time.perf_counter() - t_wait
+                if item is None:
+                    break
+                if isinstance(item, _Failure):
+                    raise item.exc
+                layer, keys, sd_a, sd_b = item
+                insts = by_layer[layer]
+                elements, costs, t_heads, t_costs = prepare_layer(insts, sd_a, sd_b, symmetries, scale_mode, dev)
+                timings["heads"] += t_heads
+                timings["cost_gemms"] += t_costs
+                if pending is not None:  # at most one layer in the worker
+                    _collect(pending.result(), per_layer, timings)
+                    pbar.update(1)
+                pending = pool.submit(finish, layer, insts, sd_a, sd_b, elements, costs)
+                del sd_a, sd_b, elements, costs, item
+            if pending is not None:
+                _collect(pending.result(), per_layer, timings)
+                pbar.update(1)
+    except BaseException:
+        stop.set()
+        write_q.put(None)
+        raise
+    write_q.put(None)
+    writer_t.join()
+    if errors:
+        raise errors[0]
+
+
 def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), rescale: str = "joint",
                     layers=None, device="cpu", shard_size=DEFAULT_SHARD, progress: bool = True,
-                    verify_forward: bool = False, verify_tol: float | None = None, log=None) -> dict:
+                    verify_forward: bool = False, verify_tol: float | None = None, log=None,
+                    pipeline: bool = False) -> dict:
     """Align the safetensors checkpoint folder ``model`` to ``anchor`` layer by layer and write the
     result to the folder ``out`` (atomically, in shards of at most ``shard_size``). Returns the report
-    (also written as ``out/symmerge_report.json``)."""
+    (also written as ``out/symmerge_report.json``).
+
+    Default (low memory): one tensor-disjoint part of a layer at a time, shards cut at about one
+    layer; peak memory ≈ the largest part of both models + its cost matrix. ``pipeline=True``
+    overlaps reading, matching, assignments and writing across layers (a few layers in memory)."""
     from .align import parse_symmetries
     from .device import resolve_device
     from .progress import bar
@@ -196,10 +314,12 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
     check_same_layout(ckpt_a, ckpt_b)
     spec, by_layer = layer_instances(ckpt_a, layers)
     scale_mode = rescale if "rescale" in symmetries else "none"
-    jobs = [(layer, sorted({s.key for i in insts for s in i.slots})) for layer, insts in by_layer.items()]
-    touched = {k for _, keys in jobs for k in keys}
+    layer_keys = [{s.key for i in insts for s in i.slots} for insts in by_layer.values()]
+    touched = set().union(*layer_keys)
     passthrough = [k for k in ckpt_a.keys() if k not in touched]
-    largest_layer = max([sum(ckpt_a.nbytes(k) for k in keys) for _, keys in jobs], default=0)
+    largest_layer = max([sum(ckpt_a.nbytes(k) for k in keys) for keys in layer_keys], default=0)
+    if not pipeline:  # the writer's buffer is memory too: cut shards at about one layer
+        max_bytes = min(max_bytes, max(largest_layer, MIN_LOW_MEMORY_SHARD))
 
     timings = defaultdict(float)
     sq_before = sq_after = 0.0
@@ -215,64 +335,12 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
             writer.add(ckpt_a.disk_name[k], ta[k])
             del ta, tb
         writer.flush()
-
-        stop, errors = threading.Event(), []
-        layers_q: queue.Queue = queue.Queue(maxsize=1)
-        write_q: queue.Queue = queue.Queue(maxsize=1)
-        ahead = threading.Semaphore(1)
-        reader = threading.Thread(target=_reader, args=(jobs, ckpt_a, ckpt_b, layers_q, stop, ahead), daemon=True)
-        writer_t = threading.Thread(target=_writer, args=(writer, write_q, errors), daemon=True)
-        reader.start()
-        writer_t.start()
-        pbar = bar(total=len(jobs), desc="aligning layers", unit="layer", disable=None if progress else True)
-
-        def finish(layer, insts, sd_a, sd_b, elements, costs):
-            new, t_assign, t_apply = complete_layer(insts, sd_a, sd_b, elements, costs)
-            t0 = time.perf_counter()
-            keys = list(sd_a)
-            before, after = sq_distance(sd_a, sd_b, keys), sq_distance(new, sd_b, keys)
-            for k in keys:
-                if new[k].is_floating_point() and not torch.isfinite(new[k]).all():
-                    raise SymmergeError(f"{k}: aligned tensor is not finite")
-            t_apply += time.perf_counter() - t0
-            write_q.put({ckpt_a.disk_name[k]: new[k] for k in keys})
-            return layer, before, after, t_assign, t_apply
-
-        pending = None
+        pbar = bar(total=len(by_layer), desc="aligning layers", unit="layer", disable=None if progress else True)
+        run = _run_pipelined if pipeline else _run_serial
         try:
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                while True:
-                    t_wait = time.perf_counter()
-                    item = layers_q.get()
-                    ahead.release()
-                    timings["waiting_for_reads"] += time.perf_counter() - t_wait
-                    if item is None:
-                        break
-                    if isinstance(item, _Failure):
-                        raise item.exc
-                    layer, keys, sd_a, sd_b = item
-                    insts = by_layer[layer]
-                    elements, costs, t_heads, t_costs = prepare_layer(insts, sd_a, sd_b, symmetries, scale_mode, dev)
-                    timings["heads"] += t_heads
-                    timings["cost_gemms"] += t_costs
-                    if pending is not None:  # at most one layer in the worker
-                        _collect(pending.result(), per_layer, timings)
-                        pbar.update(1)
-                    pending = pool.submit(finish, layer, insts, sd_a, sd_b, elements, costs)
-                    del sd_a, sd_b, elements, costs, item
-                if pending is not None:
-                    _collect(pending.result(), per_layer, timings)
-                    pbar.update(1)
-        except BaseException:
-            stop.set()
-            write_q.put(None)
-            raise
+            run(by_layer, ckpt_a, ckpt_b, writer, symmetries, scale_mode, dev, pbar, per_layer, timings)
         finally:
             pbar.close()
-        write_q.put(None)
-        writer_t.join()
-        if errors:
-            raise errors[0]
         names = writer.close()
         sq_before += sum(v["sq_before"] for v in per_layer.values())
         sq_after += sum(v["sq_after"] for v in per_layer.values())
@@ -280,8 +348,8 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
         (tmp / "config.json").write_text((Path(model) / "config.json").read_text())
         report = {
             "family": spec.family, "model_type": ckpt_a.config["model_type"], "model": str(model),
-            "anchor": str(anchor), "streamed": True, "symmetries": list(symmetries),
-            "rescale": rescale if "rescale" in symmetries else "none",
+            "anchor": str(anchor), "streamed": True, "mode": "pipeline" if pipeline else "low-memory",
+            "symmetries": list(symmetries), "rescale": rescale if "rescale" in symmetries else "none",
             "layers": list(layers) if layers is not None else "all", "device": str(dev),
             "distance_before": math.sqrt(sq_before), "distance_after": math.sqrt(sq_after),
             "per_layer": {str(k): {"before": math.sqrt(v["sq_before"]), "after": math.sqrt(v["sq_after"])}

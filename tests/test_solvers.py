@@ -294,3 +294,22 @@ def test_joint_finds_global_minimum_of_two_basin_profile():
             break
     if not found:
         pytest.skip("no two-basin profile among the random heads")
+
+
+def test_match_permutation_consume_negates_in_place_and_agrees():
+    """consume=True hands scipy the cost negated in place (no float64 copy): same optimum, cost spent;
+    the default leaves the caller's cost untouched."""
+    g = torch.Generator().manual_seed(5)
+    C = torch.randn(40, 40, dtype=F64, generator=g)
+    keep = C.clone()
+    perm = match_permutation(C)
+    assert torch.equal(C, keep)
+    assert torch.equal(match_permutation(C, consume=True), perm)
+    assert torch.equal(C, -keep)  # consumed
+    best = keep[perm, torch.arange(40)].sum()
+    for _ in range(200):  # no random permutation beats it
+        p = torch.randperm(40, generator=g)
+        assert keep[p, torch.arange(40)].sum() <= best + 1e-12
+    # float32 costs are converted (never consumed)
+    C32 = keep.float()
+    assert torch.equal(match_permutation(C32, consume=True), perm) and torch.equal(C32, keep.float())

@@ -32,7 +32,14 @@ def _save(model, folder, shard="20KB"):
 
 def _pair(kind, dtype, tmp_path):
     """A model and a disguised noisy copy (hidden group element + noise), saved sharded."""
-    anchor = decoder("llama", dtype=dtype, seed=0) if kind == "llama" else make_model(kind, dtype=dtype, seed=0)
+    if kind == "llama":
+        anchor = decoder("llama", dtype=dtype, seed=0)
+    elif kind == "gpt2":
+        from test_gpt2 import gpt2
+
+        anchor = gpt2(dtype=dtype, seed=0)
+    else:
+        anchor = make_model(kind, dtype=dtype, seed=0)
     _, insts = instances_for(anchor)
     local = [i for i in insts if i.group.kind != "residual"]
     sd = apply(anchor.state_dict(), local, random_elements(local, torch.Generator().manual_seed(3)))
@@ -45,12 +52,15 @@ def _state(folder):
     return ck.read(ck.keys())
 
 
-@pytest.mark.parametrize("kind", ["llama", "bert", "vit"])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["low-memory", "pipeline"])
+@pytest.mark.parametrize("kind", ["llama", "bert", "vit", "gpt2"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_stream_equals_in_memory_alignment(kind, dtype, tmp_path):
+def test_stream_equals_in_memory_alignment(kind, dtype, pipeline, tmp_path):
     model_dir, anchor_dir, model, anchor = _pair(kind, dtype, tmp_path)
     expected, rep_mem = align(model, anchor, ("attn", "ffn", "rescale"))
-    report = align_streaming(model_dir, anchor_dir, tmp_path / "out", shard_size="30KB", progress=False)
+    report = align_streaming(model_dir, anchor_dir, tmp_path / "out", shard_size="30KB", progress=False,
+                             pipeline=pipeline)
+    assert report["mode"] == ("pipeline" if pipeline else "low-memory")
     out = tmp_path / "out"
     assert (out / "model.safetensors.index.json").is_file() and len(report["shards"]) > 1
     got = _state(out)
@@ -66,6 +76,25 @@ def test_stream_equals_in_memory_alignment(kind, dtype, tmp_path):
     if kind != "llama" or dtype == torch.float32:  # RMSNorm computes in fp32 even in fp64 models
         assert output_rel_diff(model, reloaded, make_inputs(model)) < tol
     assert json.loads((out / "symmerge_report.json").read_text())["streamed"] is True
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert", "gpt2"])
+def test_components_split_a_layer_into_tensor_disjoint_parts(kind, tmp_path):
+    from symmerge.stream import components, layer_instances
+
+    model_dir, _, _, _ = _pair(kind, torch.float32, tmp_path)
+    for insts in layer_instances(LazyCheckpoint(model_dir))[1].values():
+        parts = components(insts)
+        keys = [{s.key for i in part for s in i.slots} for part in parts]
+        assert sorted(i.name for p in parts for i in p) == sorted(i.name for i in insts)
+        assert all(not (keys[i] & keys[j]) for i in range(len(keys)) for j in range(i + 1, len(keys)))
+        # a part is connected: no split of it is tensor-disjoint
+        for part in parts:
+            for cut in range(1, len(part)):
+                left = {s.key for i in part[:cut] for s in i.slots}
+                assert left & {s.key for i in part[cut:] for s in i.slots}
+        # separate QK / VO / FFN parts, except GPT-2's fused c_attn which couples QK and VO
+        assert len(parts) == (2 if kind == "gpt2" else 3)
 
 
 def test_stream_layers_subset_and_passthrough(tmp_path):
@@ -161,3 +190,19 @@ def test_bench_streaming_small_end_to_end(tmp_path, capsys):
     assert fig["distance_after"] < fig["distance_before"]
     assert set(fig["stream_stage_s"]) >= {"heads", "cost_gemms", "assignments", "apply_and_check"}
     assert "peak_rss_gb" in capsys.readouterr().out
+
+
+def test_stream_refuses_head_count_mismatch_under_config_aliases(tmp_path):
+    """GPT-2 spells the head count ``n_head``: a pair with the same shapes but different head counts
+    is refused (one error, no output), not aligned with the wrong head blocks."""
+    from test_gpt2 import gpt2
+
+    a = gpt2(dtype=torch.float32, seed=0)
+    cfg = a.config.to_dict()
+    cfg["n_head"] = a.config.n_head // 2
+    b_dir = _save(a, tmp_path / "b")
+    (b_dir / "config.json").write_text(json.dumps(cfg))
+    a_dir = _save(a, tmp_path / "a")
+    with pytest.raises(SymmergeError, match="head"):
+        align_streaming(a_dir, b_dir, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

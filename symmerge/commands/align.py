@@ -6,9 +6,10 @@ OUT_DIR/symmerge_report.json records distances before/after, per-module distance
 verification difference and timings.
 
 With --stream neither model is loaded whole: the checkpoints (safetensors, one file or shards) are
-read layer by layer, solved and written shard by shard, with reads, GEMMs, assignments and writes
-overlapped (memory: a few layers, whatever the depth). Use it for checkpoints near or above RAM.
---device cuda runs the cost GEMMs on a GPU (streaming mode).
+read one part of a layer at a time (attention QK, VO, FFN), solved and written shard by shard (memory:
+about the largest part of both models plus its cost matrix, whatever the depth). --pipeline overlaps
+reads, GEMMs, assignments and writes across layers instead (a few layers in memory). Use streaming
+for checkpoints near or above RAM. --device cuda runs the cost GEMMs on a GPU (streaming mode).
 """
 
 from pathlib import Path
@@ -33,7 +34,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--stream", action="store_true",
                         help="layer by layer from safetensors shards, never holding a whole model in memory "
                              "(attn, ffn, rescale; not residual)")
-    parser.add_argument("--shard-size", default="1GB", help="with --stream: largest output shard (default 1GB)")
+    parser.add_argument("--shard-size", default="1GB",
+                        help="with --stream: largest output shard (default 1GB; without --pipeline shards are "
+                             "also cut at about one layer, to bound memory)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="with --stream: overlap reads, matching and writes across layers (faster when I/O "
+                             "is slow; holds a few layers in memory instead of one part of one)")
     parser.add_argument("--device", default="cpu",
                         help="with --stream: where the cost GEMMs run: cpu (default), cuda, cuda:N or auto")
     parser.add_argument("--verify-forward", action="store_true",
@@ -54,6 +60,11 @@ def parse_layers(value):
 
 
 def run(args) -> int:
+    for flag in ("pipeline", "verify_forward"):
+        if getattr(args, flag) and not args.stream:
+            from ..errors import SymmergeError
+
+            raise SymmergeError(f"--{flag.replace('_', '-')} applies to --stream only")
     out = Path(args.output)
     ensure_output_dir(out)  # fail before any expensive work
     if args.stream:
@@ -83,7 +94,7 @@ def run_streaming(args, out: Path) -> int:
         raise SymmergeError("--stream always checks its group elements; --no-verify does not apply")
     report = align_streaming(args.model, args.anchor, out, symmetries=args.symmetries, rescale=args.rescale,
                              layers=parse_layers(args.layers), device=args.device, shard_size=args.shard_size,
-                             verify_forward=args.verify_forward, verify_tol=args.verify_tol)
+                             verify_forward=args.verify_forward, verify_tol=args.verify_tol, pipeline=args.pipeline)
     print(f"distance to anchor: {report['distance_before']:.4f} -> {report['distance_after']:.4f}")
     if "verify_max_abs_diff" in report:
         print(f"equivalence: max |Δoutput| = {report['verify_max_abs_diff']:.3g} "

@@ -29,7 +29,7 @@ def orthogonal_residual(C: torch.Tensor) -> torch.Tensor:
 def signed_permutation_residual(C: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
     """Signed permutation ``Q`` (d × d) maximising ``tr(Qᵀ C) + tr(Pᵀ D)`` (P: Q's pattern)."""
     C = C.to(torch.float64)
-    perm = match_permutation(C.abs() + (0 if D is None else D.to(torch.float64)))
+    perm = match_permutation(C.abs() + (0 if D is None else D.to(torch.float64)), consume=True)
     cols = torch.arange(C.shape[0])
     signs = torch.where(C[perm, cols] < 0, -1.0, 1.0).to(torch.float64)
     Q = torch.zeros_like(C)
@@ -40,7 +40,7 @@ def signed_permutation_residual(C: torch.Tensor, D: torch.Tensor | None = None) 
 def permutation_residual(C: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
     """Permutation matrix ``Q`` (d × d) maximising ``tr(Qᵀ (C + D))``."""
     C = C.to(torch.float64)
-    perm = match_permutation(C + (0 if D is None else D.to(torch.float64)))
+    perm = match_permutation(C + (0 if D is None else D.to(torch.float64)), consume=True)
     Q = torch.zeros_like(C)
     Q[perm, torch.arange(C.shape[0])] = 1.0
     return Q
