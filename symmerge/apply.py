@@ -41,10 +41,10 @@ def segment(t: torch.Tensor, slot: Slot) -> torch.Tensor:
     return x if slot.length is None else x[slot.start: slot.start + slot.length]
 
 
-def slot_blocks(t: torch.Tensor, slot: Slot, blocks: int) -> torch.Tensor:
-    """The slot as (blocks, block_size, rest) in float64; with ``repeat`` r > 1 the r member heads of
+def slot_blocks(t: torch.Tensor, slot: Slot, blocks: int, dtype=torch.float64) -> torch.Tensor:
+    """The slot as (blocks, block_size, rest) in ``dtype``; with ``repeat`` r > 1 the r member heads of
     a group head are stacked along ``rest`` (GQA: query heads sharing a KV head's element)."""
-    x = segment(t, slot).to(torch.float64)
+    x = segment(t, slot).to(dtype)
     r = slot.repeat
     x = x.reshape(blocks, r, x.shape[0] // (blocks * r), -1)
     return x.transpose(1, 2).reshape(blocks, x.shape[2], -1)
@@ -173,7 +173,10 @@ def random_elements(instances: list[Instance], generator: torch.Generator, scale
         elif kind == ROPE_PAIRS:
             half, rest = inst.rotary // 2, inst.size - inst.rotary
             theta = 2 * torch.pi * torch.rand(inst.blocks, half, dtype=torch.float64, generator=g)
-            rho = _scales(inst.blocks, g, scale, half)
+            rho = _scales(inst.blocks, g, scale and not inst.group.pair_norms, half)
+            if inst.locked:  # per-head norms: these pairs may only flip sign
+                flips = torch.randint(0, 2, (inst.blocks, len(inst.locked)), generator=g).to(torch.float64)
+                theta[:, list(inst.locked)] = torch.pi * flips
             R_pass, a_pass = (haar(inst.blocks, rest, g), _scales(inst.blocks, g, scale)) if rest else (None, None)
             elements[inst.name] = HeadElement(*rope_element(theta, rho, R_pass, a_pass, inst.size))
         elif kind == PERMUTATION:

@@ -174,11 +174,16 @@ class ShardWriter:
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self.flush()
+        self.make_room(size)
         self.pending[key] = tensor.detach().contiguous()
         self.pending_bytes += size
         self.total_bytes += size
+
+    def make_room(self, nbytes: int) -> None:
+        """Flush now if ``nbytes`` more would not fit the current shard (call before reading them, so
+        the pending shard is not held alongside)."""
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self.flush()
 
     def flush(self) -> None:
         from safetensors.torch import save_file

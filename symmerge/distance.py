@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import math
 
+import torch
 
-def sq_distance(sd_a: dict, sd_b: dict, keys) -> float:
-    return sum((sd_a[k].double() - sd_b[k].double()).square().sum().item() for k in keys)
+
+def sq_distance(sd_a: dict, sd_b: dict, keys, block: int = 1 << 22) -> float:
+    """Squared L2 distance, summed in float64, a block of ``block`` elements at a time (a float64 copy
+    of a whole 100 M-element embedding would be 0.8 GB per operand). Differences of 16-bit tensors
+    are taken in float32, where they are exact; float32/float64 ones in float64."""
+    total = 0.0
+    for k in keys:
+        a, b = sd_a[k].detach().reshape(-1), sd_b[k].detach().reshape(-1)
+        wide = torch.float32 if {a.dtype, b.dtype} <= {torch.float16, torch.bfloat16} else torch.float64
+        for i in range(0, a.numel(), block):
+            d = a[i:i + block].to(wide) - b[i:i + block].to(wide)
+            total += d.square().sum(dtype=torch.float64).item()
+    return total
 
 
 def distance(sd_a: dict, sd_b: dict, keys) -> float:

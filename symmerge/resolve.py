@@ -40,6 +40,7 @@ class Instance:
     rotary: int = 0  # rope groups: rotary dims per head (pairs j, j + rotary/2); the rest are not rotated
     variant: str = ""  # residual: "orthogonal" (norms folded) or "signed_permutation" (tied, unfoldable norm)
     folds: tuple[tuple[str, tuple[str, ...]], ...] = ()  # residual: (norm key, reader keys) to fold first
+    locked: tuple[int, ...] = ()  # rope groups with pair norms: pairs restricted to θ ∈ {0, π}
 
 
 HEAD_KINDS = (HEAD_ORTHOGONAL, ROPE_PAIRS)
@@ -121,6 +122,36 @@ def _residual(spec: Spec, group: Group, state_dict, prefix: str, num_layers: int
     return Instance("residual", -1, group, tuple(slots), 1, d, variant="orthogonal", folds=tuple(folds))
 
 
+def _locked_pairs(state_dict, norm_keys: list[str], size: int, rotary: int) -> tuple[int, ...]:
+    """Rotary pairs ``(j, j + r/2)`` whose per-head norm weights differ in some norm: only a sign flip
+    (θ = π) commutes with ``diag(w)`` there."""
+    if not norm_keys:
+        return ()
+    if rotary != size:
+        raise SymmergeError("per-head query/key norms with partial rotary embeddings are not supported")
+    h = rotary // 2
+    locked = torch.zeros(h, dtype=torch.bool)
+    for key in norm_keys:
+        w = state_dict.get(key)
+        if w is None:
+            raise SymmergeError(f"checkpoint lacks tensor {key!r} (a per-head query/key norm)")
+        if w.is_meta:
+            raise SymmergeError(f"{key}: the QK group depends on this norm's values; resolve against real weights")
+        if tuple(w.shape) != (size,):
+            raise SymmergeError(f"{key}: shape {tuple(w.shape)}, expected ({size},) (one weight per head dim)")
+        locked |= w[:h] != w[h:rotary]
+    return tuple(int(j) for j in torch.nonzero(locked).flatten())
+
+
+def value_keys(spec: Spec, keys, num_layers: int) -> list[str]:
+    """Tensors whose values (not only shapes) ``resolve`` reads: the per-head QK norms (Qwen3)."""
+    norms = [n for g in spec.groups for n in g.pair_norms]
+    if not norms:
+        return []
+    prefix = find_prefix(spec, keys)
+    return [k for i in range(num_layers) for n in norms if (k := prefix + n.format(i=i)) in set(keys)]
+
+
 def config_sizes(spec: Spec, config) -> dict:
     """Layer and head counts (and rotary dims) from a transformers config, as ``resolve`` keywords."""
     heads = config.num_attention_heads
@@ -175,12 +206,14 @@ def resolve(spec: Spec, state_dict, num_layers: int, num_heads: int, layers=None
                 bad = next(s for s, z in zip(slots, sizes) if z != sizes[0])
                 raise SymmergeError(f"{bad.key}: axis {bad.axis} does not match {slots[0].key} ({sizes})")
             size = sizes[0]
-            rotary = 0
+            rotary, locked = 0, ()
             if group.kind == ROPE_PAIRS:
                 rotary = size if rotary_dim is None else rotary_dim
                 if rotary % 2 or not 0 < rotary <= size:
                     raise SymmergeError(f"rotary dims {rotary} do not fit head dim {size} in pairs")
-            out.append(Instance(f"layer.{i}.{group.name}", i, group, tuple(slots), blocks, size, rotary))
+                locked = _locked_pairs(state_dict, [prefix + n.format(i=i) for n in group.pair_norms], size, rotary)
+            out.append(Instance(f"layer.{i}.{group.name}", i, group, tuple(slots), blocks, size, rotary,
+                                locked=locked))
     for group in spec.groups:
         if group.kind == RESIDUAL and residual:
             inst = _residual(spec, group, state_dict, prefix, num_layers)

@@ -25,11 +25,15 @@ RESCALE_MODES = ("joint", "sequential", "none")
 
 
 def stacked_blocks(inst: Instance, sd: dict, power: int) -> torch.Tensor | None:
-    """All slots of one scale power as (H, d, n) (float64), or None if there are none."""
+    """All slots of one scale power as (H, d, n), or None if there are none. float64, except for
+    16-bit checkpoints (float32: half the memory of a large layer's head blocks; the products and
+    norms computed from them are handed to the solvers in float64)."""
     slots = [s for s in inst.slots if s.power == power]
     if not slots:
         return None
-    return torch.cat([slot_blocks(sd[s.key], s, inst.blocks) for s in slots], dim=2)
+    half = all(sd[s.key].dtype in (torch.float16, torch.bfloat16) for s in inst.slots)
+    dtype = torch.float32 if half else torch.float64
+    return torch.cat([slot_blocks(sd[s.key], s, inst.blocks, dtype) for s in slots], dim=2)
 
 
 def head_costs(inst: Instance, sd_a: dict, sd_b: dict, rows: slice = slice(None)):
@@ -44,9 +48,9 @@ def head_costs(inst: Instance, sd_a: dict, sd_b: dict, rows: slice = slice(None)
         if x1 is None:
             continue
         x1, x2 = x1[:, rows], stacked_blocks(inst, sd_b, p)[:, rows]
-        M[p] = x1 @ x2.mT
-        n1[p] = x1.square().sum((1, 2))
-        n2[p] = x2.square().sum((1, 2))
+        M[p] = (x1 @ x2.mT).double()
+        n1[p] = x1.square().sum((1, 2), dtype=torch.float64)
+        n2[p] = x2.square().sum((1, 2), dtype=torch.float64)
     return M[1], M[-1], n1[1], n1[-1], n2[1], n2[-1]
 
 
@@ -69,26 +73,31 @@ def _row_chunks(n: int, width: int, budget: int = 1 << 24):
 
 
 def permutation_cost(inst: Instance, sd_a: dict, sd_b: dict, signed: bool = False, device=None) -> torch.Tensor:
-    """C[i, j] = Σ_members ⟨unit i of A, unit j of B⟩ (n × n, float64, CPU), built block of rows by
-    block of rows with one GEMM per member.
+    """C[i, j] = Σ_members ⟨unit i of A, unit j of B⟩ (n × n, float64, CPU), built block by block
+    with one GEMM per block and member.
 
     ``signed`` (units that may also flip sign, SwiGLU under ``rescale``): the members that the unit
     scale acts on count with the better sign, ``C₀ + |C_±|`` (the cost at the best ``s = ±1``).
-    The GEMMs run in float64 for float64 models, else in float32 (the assignment needs only the order
-    of the costs; float32 halves the GEMM time on large FFNs), on ``device`` (e.g. ``cuda``); each block
-    is accumulated straight into the float64 result, which is what the assignment consumes, so no
-    full-size float32 copy or scipy conversion ever exists."""
-    dtype = _work_dtype([sd_a[s.key] for s in inst.slots])
+    The GEMMs run in float64 for float64 members, else in float32 (the assignment needs only the order
+    of the costs; float32 halves the GEMM time on large FFNs), on ``device`` (e.g. ``cuda``). Members
+    are converted a block of units at a time and each product is accumulated straight into the
+    float64 result, which the assignment consumes: besides the result, memory holds one member of
+    each model as stored and a few ~30 MB blocks. Each member is read from ``sd_a``/``sd_b`` once
+    (they may be on-demand mappings)."""
     n = inst.size
     C = torch.zeros(n, n, dtype=torch.float64)
     parts = [[s for s in inst.slots if signed and s.power], [s for s in inst.slots if not (signed and s.power)]]
     for k, slots in enumerate(parts):  # the signed members first: |C_±| is taken before C₀ is added
         for s in slots:
-            x1 = _unit_matrix(sd_a[s.key], s, dtype).to(device)
-            x2t = _unit_matrix(sd_b[s.key], s, dtype).to(device).T
-            for rows in _row_chunks(n, n):
-                C[rows] += (x1[rows] @ x2t).cpu()
-            del x1, x2t
+            ua, ub = _unit_matrix(sd_a[s.key], s, None), _unit_matrix(sd_b[s.key], s, None)
+            work = _work_dtype([ua])
+            blocks = _row_chunks(n, ua.shape[1], 1 << 22)
+            for cols in blocks:
+                x2t = ub[cols].to(device=device, dtype=work).T
+                for rows in blocks:
+                    C[rows, cols] += (ua[rows].to(device=device, dtype=work) @ x2t).cpu()
+                del x2t
+            del ua, ub
         if k == 0 and slots:
             C.abs_()
     return C
@@ -112,7 +121,7 @@ def unit_scales(inst: Instance, sd_a: dict, sd_b: dict, perm: torch.Tensor) -> t
             continue
         ua, ub = _unit_matrix(sd_a[s.key], s, None), _unit_matrix(sd_b[s.key], s, None)
         side = "p" if s.power > 0 else "m"
-        for rows in _row_chunks(n, ua.shape[1]):
+        for rows in _row_chunks(n, ua.shape[1], 1 << 22):
             x1, x2 = ua[perm[rows]].to(torch.float64), ub[rows].to(torch.float64)
             sums[side][rows] += x1.square().sum(1)
             sums["c" + side][rows] += (x1 * x2).sum(1)
@@ -136,6 +145,9 @@ def solve_heads(Mp, Mm, n1p, n1m, n2p, n2m, rotate: bool, rescale: str):
 def solve_rope(insts: list[Instance], sd_a: dict, sd_b: dict, rotate: bool, rescale: str) -> list[HeadElement]:
     """RoPE QK groups of many layers at once: per pair in closed form, non-rotated dims as heads."""
     r, d = insts[0].rotary, insts[0].size
+    normed = bool(insts[0].group.pair_norms)  # per-head norms: no scale, locked pairs only flip sign
+    if normed:
+        rescale = "none"
     products = []
     for inst in insts:
         x1p, x2p = stacked_blocks(inst, sd_a, 1), stacked_blocks(inst, sd_b, 1)
@@ -143,6 +155,13 @@ def solve_rope(insts: list[Instance], sd_a: dict, sd_b: dict, rotate: bool, resc
         products.append(pair_products(x1p, x2p, r) + pair_products(x1m, x2m, r))
     cp, P, cm, M = (torch.cat(x) for x in zip(*products))
     theta, rho = solve_pairs(cp, cm, P, M, rotate, rescale)
+    if normed:
+        H = insts[0].blocks
+        locked = torch.zeros(theta.shape, dtype=torch.bool)
+        for k, inst in enumerate(insts):
+            locked[k * H:(k + 1) * H, list(inst.locked)] = True
+        flip = ((cp + cm).real < 0).to(theta.dtype) * torch.pi  # best of θ ∈ {0, π} (π in float64)
+        theta = torch.where(locked, flip, theta)
     R_pass, a_pass = None, None
     if r < d:  # partial rotary: the non-rotated dims keep the full orthogonal group + scale
         parts = [head_costs(i, sd_a, sd_b, slice(r, None)) for i in insts]
@@ -191,7 +210,7 @@ def solve_local(instances: list[Instance], sd_a: dict, sd_b: dict, symmetries, s
     for name, group_insts in by_group.items():
         group = group_insts[0].group
         if group.kind in (HEAD_ORTHOGONAL, ROPE_PAIRS):
-            if not rotate and scale_mode == "none":
+            if not rotate and (scale_mode == "none" or group.pair_norms):
                 continue
             if group.kind == ROPE_PAIRS:
                 elements.update(zip([i.name for i in group_insts],

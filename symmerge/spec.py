@@ -17,7 +17,11 @@ Group kinds:
   layout). Per head and per frequency pair (dims ``j`` and ``j + r/2`` of the ``r`` rotary dims) a 2-D
   rotation by ``θ_j`` and a scale ``ρ_j > 0`` (Q rows ``ρ R(θ)ᵀ``, K rows ``R(θ)ᵀ / ρ``: a complex
   scalar per pair, the only transforms commuting with every position's rotation); the ``d - r``
-  non-rotated dims keep the full orthogonal group + scale.
+  non-rotated dims keep the full orthogonal group + scale. With ``Group.pair_norms`` (Qwen3's
+  ``q_norm``/``k_norm``: an RMSNorm with weight ``w`` over each head's dims between the projection and
+  the rotary embedding) the element must also commute with ``diag(w)`` and keep each head's norm:
+  no scale (``ρ = 1``), and a pair keeps its free rotation only where ``w_j = w_{j+r/2}`` for every such
+  norm; elsewhere only ``θ ∈ {0, π}`` (a sign flip of the pair) remains.
 * ``residual``: one orthogonal ``Q`` on the whole residual stream of a pre-RMSNorm decoder, applied
   to every member as ``X → Qᵀ X`` along its axis (embeddings and readers: columns, ``W → WQ``;
   writers: rows and biases, ``W → QᵀW``). Valid after the norm weights are folded into their readers
@@ -75,6 +79,7 @@ class Group:
     members: tuple[Member, ...]
     heads: str = "query"  # head groups: one element per query head or per KV head (GQA)
     unit_scale: str | None = None  # permutation groups: None or "nonzero" (per-unit scale s**power)
+    pair_norms: tuple[str, ...] = ()  # rope groups: per-head norms before the rotary embedding (Qwen3)
 
 
 @dataclass(frozen=True)
@@ -122,17 +127,19 @@ def _bert_like(family: str, model_types: tuple[str, ...], layer: str, q, k, v, o
 
 
 def layernorm_residual(stream: tuple[Member, ...], layer: str, readers, writers, norms, final_norms,
-                       heads) -> Group:
+                       heads, conv1d: bool = False) -> Group:
     """The residual stream of a LayerNorm transformer: one permutation of the hidden dims everywhere
     (LayerNorm is permutation-equivariant: ``LN(Px) = P LN(x)`` with ``γ, β`` permuted; no sign flips,
     no rotations for generic ``γ``). ``stream``: tensors writing the stream outside the layers
     (embeddings), ``readers``/``writers``: layer modules reading (weight columns) or writing (weight rows
     and bias) it, ``norms``: the layers' LayerNorm modules (weight and bias move with the stream),
-    ``final_norms``: LayerNorms outside the layers, ``heads``: full keys of task-head weights reading it."""
+    ``final_norms``: LayerNorms outside the layers, ``heads``: full keys of task-head weights reading it.
+    ``conv1d``: the layers are GPT-2 ``Conv1D`` (weight in × out: inputs on axis 0, outputs on axis 1)."""
     p = layer + "."
-    members = stream + tuple(Member(p + r + ".weight", 1, 0) for r in readers)
+    w_in, w_out = (0, 1) if conv1d else (1, 0)
+    members = stream + tuple(Member(p + r + ".weight", w_in, 0) for r in readers)
     for w in writers:
-        members += (Member(p + w + ".weight", 0, 0), Member(p + w + ".bias", 0, 0, optional=True))
+        members += (Member(p + w + ".weight", w_out, 0), Member(p + w + ".bias", 0, 0, optional=True))
     for n in [p + n for n in norms] + list(final_norms):
         members += (Member(n + ".weight", 0, 0, diag=True), Member(n + ".bias", 0, 0, optional=True, diag=True))
     members += tuple(Member(h, 1, 0, optional=True, root=True) for h in heads)
@@ -155,18 +162,24 @@ def _gpt2() -> Spec:
     vo = Group("attn.vo", HEAD_ORTHOGONAL, "attn", qkv(2, +1) + (Member(p + "attn.c_proj.weight", 0, -1),))
     ffn = Group("ffn", PERMUTATION, "ffn", (Member(p + "mlp.c_fc.weight", 1), Member(p + "mlp.c_fc.bias", 0, optional=True),
                                             Member(p + "mlp.c_proj.weight", 0)))
-    return Spec("gpt2", ("gpt2",), (qk, vo, ffn))
+    # LayerNorm stream: one permutation of the hidden dims (the LM head is tied to wte: both move alike)
+    residual = layernorm_residual((Member("wte.weight", 1, 0), Member("wpe.weight", 1, 0)), "h.{i}",
+                                  ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj"), ("ln_1", "ln_2"),
+                                  ("ln_f",), ("lm_head.weight", "score.weight"), conv1d=True)
+    return Spec("gpt2", ("gpt2",), (qk, vo, ffn, residual), residual_kind="permutation")
 
 
-def _rope_attention(a: str, o: str) -> tuple[Group, Group]:
+def _rope_attention(a: str, o: str, pair_norms=()) -> tuple[Group, Group]:
     """RoPE QK pairs and VO rotations per KV head (GQA): q/o split into query heads, k/v into KV heads."""
-    qk = Group("attn.qk", ROPE_PAIRS, "attn", _rows(a + "q_proj", +1) + _rows(a + "k_proj", -1, "kv"), heads="kv")
+    qk = Group("attn.qk", ROPE_PAIRS, "attn", _rows(a + "q_proj", +1) + _rows(a + "k_proj", -1, "kv"), heads="kv",
+               pair_norms=tuple(a + n for n in pair_norms))
     vo = Group("attn.vo", HEAD_ORTHOGONAL, "attn", _rows(a + "v_proj", +1, "kv") + (Member(a + o, 1, -1),), heads="kv")
     return qk, vo
 
 
-def _llama() -> Spec:
-    """Llama / Mistral / Qwen2: RoPE + GQA attention, SwiGLU FFN, pre-RMSNorm residual stream."""
+def _llama(family: str = "llama", model_types=("llama", "mistral", "qwen2"), pair_norms=()) -> Spec:
+    """Llama / Mistral / Qwen2: RoPE + GQA attention, SwiGLU FFN, pre-RMSNorm residual stream.
+    Qwen3: the same plus ``pair_norms`` (q_norm/k_norm), which restrict the QK group."""
     a, m = "layers.{i}.self_attn.", "layers.{i}.mlp."
     ffn = Group("ffn", PERMUTATION, "ffn", _rows(m + "gate_proj", 0) + _rows(m + "up_proj", +1)
                 + (Member(m + "down_proj.weight", 1, -1),), unit_scale="nonzero")
@@ -179,7 +192,7 @@ def _llama() -> Spec:
     residual = Group("residual", RESIDUAL, "residual", (Member("embed_tokens.weight", 1, 0),) + attn_in + ffn_in
                      + writers + tuple(Member(n, 0, 0, diag=True) for n in norms) + heads)
     folds = (Fold(norms[0], attn_in), Fold(norms[1], ffn_in), Fold(norms[2], heads))
-    return Spec("llama", ("llama", "mistral", "qwen2"), _rope_attention(a, "o_proj.weight") + (ffn, residual),
+    return Spec(family, tuple(model_types), _rope_attention(a, "o_proj.weight", pair_norms) + (ffn, residual),
                 folds=folds)
 
 
@@ -216,6 +229,7 @@ SPECS: tuple[Spec, ...] = (
                    ("classifier.weight",))),
     _gpt2(),
     _llama(),
+    _llama("qwen3", ("qwen3",), pair_norms=("q_norm.weight", "k_norm.weight")),
     _phi(),
 )
 

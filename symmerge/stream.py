@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from .checkpoint import LazyCheckpoint, ShardWriter, check_same_layout, hf_confi
 from .distance import sq_distance
 from .errors import SymmergeError
 from .io import atomic_dir, copy_side_files, quiet_transformers, write_json
-from .resolve import config_sizes, resolve
+from .resolve import config_sizes, resolve, value_keys
 from .solve import RESCALE_MODES, permutation_cost, permutation_plan, solve_local, unit_scales
 from .solvers.assignment import match_permutation
 from .spec import PERMUTATION, spec_for
@@ -86,7 +87,9 @@ def layer_instances(ckpt: LazyCheckpoint, layers=None):
     spec = spec_for(ckpt.config["model_type"])
     with quiet_transformers():
         sizes = config_sizes(spec, hf_config(ckpt.config))
-    instances = resolve(spec, ckpt.meta(), sizes.pop("num_layers"), sizes.pop("num_heads"), layers,
+    shapes = ckpt.meta()
+    shapes.update(ckpt.read(value_keys(spec, list(shapes), sizes["num_layers"])))  # a few small tensors
+    instances = resolve(spec, shapes, sizes.pop("num_layers"), sizes.pop("num_heads"), layers,
                         residual=False, **sizes)
     by_layer: dict[int, list] = defaultdict(list)
     for inst in instances:
@@ -113,15 +116,24 @@ def prepare_layer(insts, sd_a: dict, sd_b: dict, symmetries, scale_mode: str, de
     return elements, costs, t1 - t0, time.perf_counter() - t1
 
 
-def complete_layer(insts, sd_a: dict, sd_b: dict, elements: dict, costs: dict):
-    """Second half: the linear assignments and unit scales, the validity check of every element and
-    its application. ``costs`` is emptied (its matrices consumed). Returns (aligned layer state
-    dict, assignment s, check + apply s)."""
-    t0 = time.perf_counter()
-    while costs:  # popped: each cost matrix is consumed by its assignment and freed before the next step
+def assign(costs: dict) -> dict:
+    """The linear assignment of every cost matrix, ``{instance: (perm, scaled)}``; ``costs`` is
+    emptied, each matrix consumed by its assignment and freed before the next one."""
+    out = {}
+    while costs:
         inst, (C, scaled) = costs.popitem()
-        perm = match_permutation(C, consume=True)
+        out[inst] = (match_permutation(C, consume=True), scaled)
         del C
+    return out
+
+
+def complete_layer(insts, sd_a: dict, sd_b: dict, elements: dict, costs: dict, assigned: dict | None = None):
+    """Second half: the linear assignments (or the ``assigned`` result of :func:`assign`) and unit
+    scales, the validity check of every element and its application. ``costs`` is emptied (its
+    matrices consumed). Returns (aligned layer state dict, assignment s, check + apply s)."""
+    t0 = time.perf_counter()
+    assigned = {**(assigned or {}), **assign(costs)}
+    for inst, (perm, scaled) in assigned.items():
         elements[inst.name] = PermElement(perm, unit_scales(inst, sd_a, sd_b, perm) if scaled else None)
     t1 = time.perf_counter()
     for inst in insts:
@@ -129,6 +141,28 @@ def complete_layer(insts, sd_a: dict, sd_b: dict, elements: dict, costs: dict):
             check_element(inst.name, elements[inst.name])
     new = apply(sd_a, insts, elements)
     return new, t1 - t0, time.perf_counter() - t1
+
+
+class _OnDemand(Mapping):
+    """A checkpoint's tensors ``keys`` as a read-only mapping that reads a tensor each time it is asked
+    for and keeps nothing (the FFN cost GEMMs use each member once)."""
+
+    def __init__(self, ckpt: LazyCheckpoint, keys):
+        self.ckpt, self.names, self.seconds = ckpt, list(keys), 0.0
+
+    def __getitem__(self, key):
+        if key not in self.names:
+            raise KeyError(key)
+        t0 = time.perf_counter()
+        tensor = self.ckpt.read([key])[key]
+        self.seconds += time.perf_counter() - t0
+        return tensor
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
 
 
 class _Failure:
@@ -204,30 +238,81 @@ def _finish(ckpt_a: LazyCheckpoint, sd_a: dict, sd_b: dict, new: dict):
 
 
 def _run_serial(by_layer, ckpt_a, ckpt_b, writer, symmetries, scale_mode, dev, pbar, per_layer, timings):
-    """Low-memory mode: one tensor-disjoint part of one layer at a time (read, solve, apply, write)."""
-    for layer, insts in by_layer.items():
-        before = after = 0.0
-        for part in components(insts):
-            keys = sorted({s.key for i in part for s in i.slots})
-            t0 = time.perf_counter()
-            sd_a, sd_b = ckpt_a.read(keys), ckpt_b.read(keys)
-            timings["read"] += time.perf_counter() - t0
+    """Low-memory mode: one tensor-disjoint part of one layer at a time. A part with a unit
+    permutation (the FFN) builds its cost one member at a time (read on demand); its assignment
+    (scipy, one core) then runs on a worker thread while the main thread aligns the next layer's
+    attention parts, and only then is the part read whole for the unit scales and the application.
+    At most one cost matrix and one part of each model exist at a time."""
+    left = {layer: 0 for layer in by_layer}
+    sums = {layer: [0.0, 0.0] for layer in by_layer}
+
+    def run_part(layer, part, keys, elements=None, assigned=None):
+        writer.make_room(sum(ckpt_a.nbytes(k) for k in keys))
+        t0 = time.perf_counter()
+        sd_a, sd_b = ckpt_a.read(keys), ckpt_b.read(keys)
+        timings["read"] += time.perf_counter() - t0
+        costs = {}
+        if elements is None:
             elements, costs, t_heads, t_costs = prepare_layer(part, sd_a, sd_b, symmetries, scale_mode, dev)
-            new, t_assign, t_apply = complete_layer(part, sd_a, sd_b, elements, costs)
-            t0 = time.perf_counter()
-            b, a, tensors = _finish(ckpt_a, sd_a, sd_b, new)
-            del sd_a, sd_b, new, elements
-            t1 = time.perf_counter()
-            for k, t in tensors.items():
-                writer.add(k, t)
-            del tensors
-            timings["write"] += time.perf_counter() - t1
-            for k, v in (("heads", t_heads), ("cost_gemms", t_costs), ("assignments", t_assign),
-                         ("apply_and_check", t_apply + t1 - t0)):
-                timings[k] += v
-            before, after = before + b, after + a
-        per_layer[layer] = {"sq_before": before, "sq_after": after}
-        pbar.update(1)
+            timings["heads"] += t_heads
+            timings["cost_gemms"] += t_costs
+        new, t_scales, t_apply = complete_layer(part, sd_a, sd_b, elements, costs, assigned)
+        t0 = time.perf_counter()
+        before, after, tensors = _finish(ckpt_a, sd_a, sd_b, new)
+        del sd_a, sd_b, new, elements
+        t1 = time.perf_counter()
+        for k, t in tensors.items():
+            writer.add(k, t)
+        del tensors
+        timings["write"] += time.perf_counter() - t1
+        timings["assignments"] += t_scales
+        timings["apply_and_check"] += t_apply + t1 - t0
+        sums[layer][0] += before
+        sums[layer][1] += after
+        left[layer] -= 1
+        if not left[layer]:
+            per_layer[layer] = {"sq_before": sums[layer][0], "sq_after": sums[layer][1]}
+            pbar.update(1)
+
+    def timed_assign(costs):
+        t0 = time.perf_counter()
+        return assign(costs), time.perf_counter() - t0
+
+    def finish_pending(pending):
+        layer, part, keys, elements, future = pending
+        t0 = time.perf_counter()
+        assigned, seconds = future.result()
+        timings["waiting_for_assignments"] += time.perf_counter() - t0
+        timings["assignments"] += seconds
+        run_part(layer, part, keys, elements, assigned)
+
+    pending = None
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for layer, insts in by_layer.items():
+            parts = components(insts)
+            left[layer] = len(parts)
+            lazy = [any(i.group.kind == PERMUTATION and permutation_plan(i.group, symmetries, scale_mode)[0]
+                        for i in part) for part in parts]
+            for part, is_lazy in zip(parts, lazy):  # attention first: it overlaps the pending assignment
+                if not is_lazy:
+                    run_part(layer, part, sorted({s.key for i in part for s in i.slots}))
+            for part, is_lazy in zip(parts, lazy):
+                if not is_lazy:
+                    continue
+                if pending is not None:  # one cost matrix at a time
+                    finish_pending(pending)
+                    pending = None
+                keys = sorted({s.key for i in part for s in i.slots})
+                writer.flush()  # no pending shard beside the cost matrix (shards: about one layer each)
+                lazy_a, lazy_b = _OnDemand(ckpt_a, keys), _OnDemand(ckpt_b, keys)
+                elements, costs, t_heads, t_costs = prepare_layer(part, lazy_a, lazy_b, symmetries, scale_mode, dev)
+                timings["heads"] += t_heads
+                timings["cost_gemms"] += t_costs - lazy_a.seconds - lazy_b.seconds
+                timings["read"] += lazy_a.seconds + lazy_b.seconds
+                pending = (layer, part, keys, elements, pool.submit(timed_assign, costs))
+                del costs
+        if pending is not None:
+            finish_pending(pending)
 
 
 def _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, symmetries, scale_mode, dev, pbar, per_layer, timings):
@@ -328,6 +413,7 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
         writer = ShardWriter(tmp, max_bytes)
         # tensors no group touches: one at a time, straight through
         for k in passthrough:
+            writer.make_room(ckpt_a.nbytes(k))
             ta, tb = ckpt_a.read([k]), ckpt_b.read([k])
             d = sq_distance(ta, tb, [k])
             sq_before += d

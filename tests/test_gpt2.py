@@ -38,6 +38,11 @@ def gpt2(head: bool = True, dtype=torch.float64, seed: int = 0):
     return model.to(dtype).eval()
 
 
+def local_instances(model):
+    """The per-layer instances (QK, VO, FFN); the opt-in residual group is tested on its own below."""
+    return [i for i in instances_for(model)[1] if i.group.kind != "residual"]
+
+
 def elements_for(instances, symmetry: str, seed: int = 0) -> dict:
     """A random element of one symmetry only: ``attn`` (rotations), ``rescale`` (scales), ``ffn``."""
     g = torch.Generator().manual_seed(seed)
@@ -61,7 +66,7 @@ def elements_for(instances, symmetry: str, seed: int = 0) -> dict:
 def test_random_element_preserves_outputs(symmetry, head, dtype):
     model = gpt2(head, dtype)
     inputs = make_inputs(model)
-    _, instances = instances_for(model)
+    instances = local_instances(model)
     assert len(instances) == 3 * LAYERS
     for seed in (0, 1):
         if symmetry == "all":
@@ -78,7 +83,7 @@ def test_element_moves_exactly_the_fused_blocks():
     of c_fc and rows of mlp.c_proj permuted; nothing else changes."""
     model = gpt2(head=True)
     sd = model.state_dict()
-    _, instances = instances_for(model)
+    instances = local_instances(model)
     elements = random_elements(instances, torch.Generator().manual_seed(3))
     new = apply(sd, instances, elements)
     touched = set()
@@ -142,8 +147,8 @@ def test_misplaced_transforms_break_the_model(how):
     assert output_rel_diff(model, wrong, inputs) > 1e-3
 
 
-def disguised(anchor, seed=1, noise=0.0):
-    _, instances = instances_for(anchor)
+def disguised(anchor, seed=1, noise=0.0, residual=False):
+    instances = instances_for(anchor)[1] if residual else local_instances(anchor)
     sd, noise_norm = anchor.state_dict(), 0.0
     if noise:
         sd, noise_norm = add_noise(sd, noise, seed + 100, sorted({s.key for i in instances for s in i.slots}))
@@ -171,3 +176,81 @@ def test_noisy_copy_aligns_to_noise_level():
     assert report["distance_before"] > 20 * noise
     assert 0.9 * noise <= report["distance_after"] <= noise * (1 + 1e-5)
     assert report["verify_max_rel_diff"] <= 1e-5
+
+
+# ------------------------------------------------------------------ residual stream (LayerNorm: permutations)
+
+
+def residual_of(model):
+    _, instances = instances_for(model)
+    return [i for i in instances if i.group.kind == "residual"], instances
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("cls", ["GPT2LMHeadModel", "GPT2ForSequenceClassification"])
+def test_residual_permutation_preserves_outputs(cls, dtype):
+    """One permutation of the hidden dims through wte, wpe, every c_attn/c_fc row (Conv1D inputs), every
+    c_proj column and bias (outputs), every LayerNorm's γ and β, and the (tied) LM head or score head."""
+    import transformers
+
+    model = gpt2(head=True, dtype=dtype)
+    if cls != "GPT2LMHeadModel":
+        torch.manual_seed(0)
+        cfg = model.config
+        cfg.num_labels, cfg.pad_token_id = 3, 0
+        clf = getattr(transformers, cls)(cfg).to(dtype).eval()
+        clf.transformer.load_state_dict(model.transformer.state_dict())
+        model = clf
+    (res,), instances = residual_of(model)
+    assert res.variant == "permutation" and res.size == HIDDEN
+    head = "lm_head.weight" if cls == "GPT2LMHeadModel" else "score.weight"
+    keys = {s.key for s in res.slots}
+    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.h.1.attn.c_attn.weight",
+            "transformer.h.0.mlp.c_proj.bias", "transformer.h.1.ln_2.bias", "transformer.ln_f.weight", head} <= keys
+    x = make_inputs(model)
+    sd = model.state_dict()
+    for seed in (0, 1):
+        for which in ([res], instances):  # the residual alone, then every group at once
+            el = random_elements(which, torch.Generator().manual_seed(seed))
+            new = apply(sd, which, el)
+            assert not torch.equal(new["transformer.h.0.attn.c_attn.weight"], sd["transformer.h.0.attn.c_attn.weight"])
+            moved = with_weights(model, new)
+            assert output_rel_diff(model, moved, x) <= TOL[dtype]
+            if cls == "GPT2LMHeadModel":  # the head stays tied to the (moved) embeddings
+                assert moved.lm_head.weight.data_ptr() == moved.transformer.wte.weight.data_ptr()
+                assert torch.equal(moved.lm_head.weight, new["transformer.wte.weight"])
+
+
+@pytest.mark.parametrize("how", ["rotation", "norms_left_alone"])
+def test_misplaced_residual_transforms_break_gpt2(how):
+    """Negative controls: a rotation of the stream (LayerNorm centring does not commute with it), and a
+    permutation of every stream tensor except the LayerNorms' γ and β."""
+    from symmerge.apply import haar
+
+    model = gpt2(head=True)
+    (res,), _ = residual_of(model)
+    dense = dataclasses.replace(res, slots=tuple(s for s in res.slots if not s.diag))
+    if how == "rotation":
+        Q = haar(1, res.size, torch.Generator().manual_seed(0))
+        element = HeadElement(Q, torch.ones(1, dtype=torch.float64))
+        new = apply(model.state_dict(), [dataclasses.replace(dense, variant="orthogonal")], {res.name: element})
+    else:
+        new = apply(model.state_dict(), [dense], random_elements([res], torch.Generator().manual_seed(0)))
+    assert output_rel_diff(model, with_weights(model, new), make_inputs(model)) > 1e-3
+
+
+def test_gpt2_base_model_has_no_residual_group():
+    assert residual_of(gpt2(head=False))[0] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_alignment_recovers_a_hidden_residual_permutation(dtype):
+    anchor = gpt2(head=True, dtype=dtype)
+    model, noise = disguised(anchor, seed=4, noise=0.01, residual=True)
+    aligned, rep = align(model, anchor, ("attn", "ffn", "rescale", "residual"))
+    assert rep["residual_variant"] == "permutation"
+    assert rep["distance_after"] == pytest.approx(noise, rel=0.2)  # the hidden element is undone
+    _, rep0 = align(model, anchor, ("attn", "ffn", "rescale"))
+    assert rep0["distance_after"] > 5 * rep["distance_after"]
+    assert output_rel_diff(model, aligned, make_inputs(model)) <= TOL[dtype] * 10
+    assert aligned.lm_head.weight.data_ptr() == aligned.transformer.wte.weight.data_ptr()

@@ -1,6 +1,6 @@
-"""Llama / Mistral / Qwen2 (and Phi's partial RoPE): RoPE-pair QK group, GQA-shared VO rotations,
-SwiGLU permutation + unit scales, RMSNorm residual stream (folded norms, orthogonal Q; signed
-permutations when a tied LM head keeps a non-uniform final norm).
+"""Llama / Mistral / Qwen2 / Qwen3 (and Phi's partial RoPE): RoPE-pair QK group (Qwen3: restricted by its
+per-head q_norm/k_norm), GQA-shared VO rotations, SwiGLU permutation + unit scales, RMSNorm residual
+stream (folded norms, orthogonal Q; signed permutations when a tied LM head keeps a non-uniform final norm).
 
 transformers' RMSNorm computes in float32 even for a float64 model (``hidden.to(torch.float32)``),
 which caps any fp64 equivalence check at ~1e-7. The fp64 tests therefore replace its forward by the
@@ -23,6 +23,7 @@ from conftest import add_noise, make_inputs, output_rel_diff, sq_dist, with_weig
 from symmerge.align import align, instances_for
 from symmerge.apply import HeadElement, PermElement, apply, fold_norms, haar, random_elements
 from symmerge.errors import SymmergeError
+from symmerge.solve import solve_local
 from symmerge.solvers.residual import signed_permutation_residual
 from symmerge.solvers.rope import pair_objective, pair_products, rope_element, solve_pairs
 from symmerge.solvers.rescale import quartic_scale
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 HIDDEN, HEADS, KV, FFN, LAYERS, VOCAB = 32, 4, 2, 40, 2, 64
-FAMILIES = ("llama", "mistral", "qwen2", "llama-bias")
+FAMILIES = ("llama", "mistral", "qwen2", "llama-bias", "qwen3")
 
 
 def _classes(family):
@@ -41,6 +42,7 @@ def _classes(family):
             "llama-bias": (T.LlamaConfig, T.LlamaForCausalLM, T.LlamaModel),
             "mistral": (T.MistralConfig, T.MistralForCausalLM, T.MistralModel),
             "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, T.Qwen2Model),
+            "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, T.Qwen3Model),
             "phi": (T.PhiConfig, T.PhiForCausalLM, T.PhiModel)}[family]
 
 
@@ -54,6 +56,8 @@ def decoder(family="llama", tied=False, dtype=torch.float64, seed=0, base=False,
         kw.update(attention_bias=True, mlp_bias=True)
     if family == "phi":
         kw.update(partial_rotary_factor=0.5)
+    if family == "qwen3":  # Qwen3Config defaults to head_dim 128 whatever the hidden size
+        kw.update(head_dim=HIDDEN // HEADS)
     torch.manual_seed(seed)
     model = (base_cls if base else lm_cls)(config_cls(**{**kw, **overrides}))
     g = torch.Generator().manual_seed(seed + 1000)
@@ -70,11 +74,12 @@ def fp64_rmsnorm(monkeypatch):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     def forward(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
-    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm):
+    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm):
         monkeypatch.setattr(cls, "forward", forward)
 
 
@@ -415,7 +420,7 @@ def test_recovers_transformed_copy(family, tied, fp64_rmsnorm):
     else:
         assert report["residual_variant"] == "orthogonal"
         for k, v in aligned.state_dict().items():
-            if "norm" in k:
+            if "norm" in k and not k.endswith(("q_norm.weight", "k_norm.weight")):  # per-head norms stay
                 assert torch.equal(v, torch.ones_like(v)), k
 
 
@@ -440,3 +445,92 @@ def test_independent_models_coordinate_descent(fp64_rmsnorm):
     assert output_rel_diff(a, aligned, inputs) <= 1e-10
     _, local = align(a, b, ("attn", "ffn", "rescale"), inputs=inputs)
     assert local["distance_after"] < local["distance_before"]
+
+
+# ------------------------------------------------------------------ Qwen3: per-head q_norm / k_norm
+
+
+def _tie_pairs(model, pairs):
+    """Make q_norm/k_norm weights equal on rotary pairs ``pairs`` (j and j + d/2) in every layer."""
+    d = model.config.head_dim
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight[[j + d // 2 for j in pairs]] = norm.weight[list(pairs)]
+    return model
+
+
+def _qk(model):
+    return [i for i in instances_for(model)[1] if i.group.kind == "rope_pairs"]
+
+
+def test_qwen3_locked_pairs_follow_the_norm_weights():
+    model = decoder("qwen3")
+    d = model.config.head_dim
+    assert all(i.locked == tuple(range(d // 2)) for i in _qk(model))  # generic weights: every pair locked
+    _tie_pairs(model, [0, 2])
+    assert all(i.locked == tuple(j for j in range(d // 2) if j not in (0, 2)) for i in _qk(model))
+    with torch.no_grad():  # a difference in k_norm alone locks the pair again
+        model.model.layers[1].self_attn.k_norm.weight[d // 2] += 0.1
+    assert [i.locked for i in _qk(model)][1] == tuple(j for j in range(d // 2) if j != 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_qwen3_free_rotation_on_tied_pairs_preserves_outputs(dtype, request):
+    if dtype == torch.float64:
+        request.getfixturevalue("fp64_rmsnorm")
+    model = _tie_pairs(decoder("qwen3", dtype=dtype), [0, 1, 3])
+    inputs = make_inputs(model)
+    qk = _qk(model)
+    els = random_elements(qk, torch.Generator().manual_seed(3))
+    for inst in qk:
+        R = els[inst.name].R
+        assert R[:, 0, 0].abs().max() < 1 and torch.all(els[inst.name].a == 1)  # a real rotation, no scale
+        assert torch.all(R[:, 2, 2].abs() == 1)  # locked pair 2: a sign flip only
+    assert output_rel_diff(model, with_weights(model, apply(model.state_dict(), qk, els)), inputs) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("how", ["rotate_locked_pair", "pair_scale", "llama_group"])
+def test_qwen3_negative_controls(how, fp64_rmsnorm):
+    """Breaking the restriction changes outputs: a rotation of a pair whose norm weights differ, a
+    per-pair scale (the norm divides it out unevenly), or Llama's whole QK group (rotation + scale)."""
+    model = _tie_pairs(decoder("qwen3"), [0, 1, 3])
+    inputs = make_inputs(model)
+    qk = _qk(model)
+    free = [dataclasses.replace(i, locked=()) for i in qk]
+    els = random_elements(free, torch.Generator().manual_seed(4), scale=False)
+    if how == "rotate_locked_pair":  # identity except pair 2 (locked), rotated by 1 rad
+        for e in els.values():
+            theta = torch.zeros(e.R.shape[0], e.R.shape[-1] // 2, dtype=torch.float64)
+            theta[:, 2] = 1.0
+            e.R, _ = rope_element(theta, torch.ones_like(theta), None, None, e.R.shape[-1])
+    elif how == "pair_scale":  # a scale on the (tied, free) pair 0 only
+        for e in els.values():
+            e.R = HeadElement.identity(e.R.shape[0], e.R.shape[-1]).R
+            e.a = torch.ones(e.R.shape[0], e.R.shape[-1], dtype=torch.float64)
+            e.a[:, [0, e.R.shape[-1] // 2]] = 1.7
+    else:
+        els = random_elements(free, torch.Generator().manual_seed(4), scale=True)
+    diff = output_rel_diff(model, with_weights(model, apply(model.state_dict(), free, els)), inputs)
+    assert diff > 1e-3, f"{how} changed outputs by only {diff:.3g}"
+
+
+def test_qwen3_sign_choice_equals_brute_force():
+    """All pairs locked: per KV head the solver's flips equal the best of all 2^(d/2) patterns."""
+    anchor, model = decoder("qwen3", seed=0), decoder("qwen3", seed=5)
+    qk = [i for i in _qk(model) if i.layer == 0]
+    (inst,) = qk
+    elements = solve_local(qk, model.state_dict(), anchor.state_dict(), ("attn",), "joint")
+    R = elements[inst.name].R
+    d = inst.size
+    h = d // 2
+    sd_a, sd_b = model.state_dict(), anchor.state_dict()
+    for head in range(inst.blocks):
+        def dist(signs):
+            el = HeadElement.identity(inst.blocks, d)
+            el.R[head] = torch.diag(torch.tensor(list(signs) * 2, dtype=torch.float64))
+            new = apply(sd_a, [inst], {inst.name: el})
+            return sum((new[s.key] - sd_b[s.key]).square().sum().item() for s in inst.slots)
+        best = min(itertools.product((1.0, -1.0), repeat=h), key=dist)
+        assert torch.equal(torch.diagonal(R[head])[:h].sign(), torch.tensor(best, dtype=torch.float64))
+        assert dist(torch.diagonal(R[head])[:h].tolist()) == pytest.approx(dist(best), rel=1e-12)

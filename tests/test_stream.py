@@ -32,8 +32,8 @@ def _save(model, folder, shard="20KB"):
 
 def _pair(kind, dtype, tmp_path):
     """A model and a disguised noisy copy (hidden group element + noise), saved sharded."""
-    if kind == "llama":
-        anchor = decoder("llama", dtype=dtype, seed=0)
+    if kind in ("llama", "qwen3"):
+        anchor = decoder(kind, dtype=dtype, seed=0)
     elif kind == "gpt2":
         from test_gpt2 import gpt2
 
@@ -53,7 +53,7 @@ def _state(folder):
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["low-memory", "pipeline"])
-@pytest.mark.parametrize("kind", ["llama", "bert", "vit", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "bert", "vit", "gpt2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_stream_equals_in_memory_alignment(kind, dtype, pipeline, tmp_path):
     model_dir, anchor_dir, model, anchor = _pair(kind, dtype, tmp_path)
@@ -73,7 +73,7 @@ def test_stream_equals_in_memory_alignment(kind, dtype, pipeline, tmp_path):
     reloaded = load_model(out)  # a valid HF folder of the same class
     assert type(reloaded) is type(model)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
-    if kind != "llama" or dtype == torch.float32:  # RMSNorm computes in fp32 even in fp64 models
+    if kind not in ("llama", "qwen3") or dtype == torch.float32:  # RMSNorm computes in fp32 even in fp64 models
         assert output_rel_diff(model, reloaded, make_inputs(model)) < tol
     assert json.loads((out / "symmerge_report.json").read_text())["streamed"] is True
 

@@ -30,9 +30,10 @@ def pair_products(x1: torch.Tensor, x2: torch.Tensor, rotary: int):
     and ``‖z₁‖²`` (B, r/2) per rotary pair."""
     h = rotary // 2
     a1, b1, a2, b2 = x1[:, :h], x1[:, h:rotary], x2[:, :h], x2[:, h:rotary]
-    re = (a1 * a2).sum(-1) + (b1 * b2).sum(-1)
-    im = (b1 * a2).sum(-1) - (a1 * b2).sum(-1)
-    return torch.complex(re, im), (a1.square() + b1.square()).sum(-1)
+    f64 = torch.float64
+    re = (a1 * a2).sum(-1, dtype=f64) + (b1 * b2).sum(-1, dtype=f64)
+    im = (b1 * a2).sum(-1, dtype=f64) - (a1 * b2).sum(-1, dtype=f64)
+    return torch.complex(re, im), (a1.square() + b1.square()).sum(-1, dtype=f64)
 
 
 def pair_objective(rho, theta, cp, cm, P, M) -> torch.Tensor:
