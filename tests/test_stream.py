@@ -175,6 +175,14 @@ def test_shard_writer_and_sizes(tmp_path):
     assert index["metadata"]["total_size"] == 2000 and set(index["weight_map"]) == set(tensors)
     got = {k: v for n in names for k, v in load_file(str(tmp_path / n)).items()}
     assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+    # make_room flushes before data that would not fit is even read, and only then
+    w2 = ShardWriter(tmp_path / "w2", max_bytes=1000)
+    (tmp_path / "w2").mkdir()
+    w2.add("a", tensors["t0"])
+    w2.make_room(600)
+    assert w2.pending_bytes == 400 and not w2.shards
+    w2.make_room(601)
+    assert w2.pending_bytes == 0 and len(w2.shards) == 1
 
 
 def test_bench_streaming_small_end_to_end(tmp_path, capsys):
