@@ -56,7 +56,7 @@ def hf_config(config: dict):
     return cfg_cls.from_dict(dict(config))
 
 
-def disk_to_memory_names(config: dict) -> dict[str, str]:
+def disk_to_memory_names(config: dict, cfg=None) -> dict[str, str]:
     """Checkpoint tensor name → the model's ``state_dict`` name. transformers 5 renames some
     families' weights on load and back on save (ViT: ``encoder.layer.0.attention.attention.query``
     on disk is ``layers.0.attention.q_proj`` in memory); the specs use the in-memory names. Derived
@@ -67,7 +67,7 @@ def disk_to_memory_names(config: dict) -> dict[str, str]:
     cls = model_class(config)
     try:
         with quiet_transformers():
-            cfg = hf_config(config)
+            cfg = hf_config(config) if cfg is None else cfg
             with torch.device("meta"):
                 model = cls(cfg) if cls is not transformers.AutoModel else transformers.AutoModel.from_config(cfg)
             sd = model.state_dict()
@@ -94,7 +94,15 @@ class LazyCheckpoint:
         if not safe:  # pragma: no cover - weight_files refuses pickle without allow_pickle
             raise SymmergeError(f"{self.folder}: streaming needs safetensors weights")
         check_safetensors(files)
-        rename = disk_to_memory_names(self.config)
+        try:
+            with quiet_transformers():
+                self.hf_config = hf_config(self.config)  # the config object (knows aliases such as n_head)
+        except SymmergeError:
+            raise
+        except Exception as e:
+            raise SymmergeError(f"transformers cannot read this {self.config.get('model_type')} config "
+                                f"({type(e).__name__}: {e})") from None
+        rename = disk_to_memory_names(self.config, self.hf_config)
         self.disk_name: dict[str, str] = {}
         self.file_of: dict[str, Path] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
@@ -154,8 +162,7 @@ def check_same_layout(a: LazyCheckpoint, b: LazyCheckpoint) -> None:
     from .align import check_layouts
 
     pair = (a, b)
-    with quiet_transformers():
-        heads = [getattr(hf_config(c.config), "num_attention_heads", None) for c in pair]
+    heads = [getattr(c.hf_config, "num_attention_heads", None) for c in pair]
     check_layouts([c.config["model_type"] for c in pair], heads, [c.shape for c in pair])
 
 

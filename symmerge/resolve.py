@@ -148,8 +148,9 @@ def value_keys(spec: Spec, keys, num_layers: int) -> list[str]:
     norms = [n for g in spec.groups for n in g.pair_norms]
     if not norms:
         return []
+    keys = set(keys)
     prefix = find_prefix(spec, keys)
-    return [k for i in range(num_layers) for n in norms if (k := prefix + n.format(i=i)) in set(keys)]
+    return [k for i in range(num_layers) for n in norms if (k := prefix + n.format(i=i)) in keys]
 
 
 def config_sizes(spec: Spec, config) -> dict:

@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from .apply import HeadElement, PermElement, apply
-from .checkpoint import LazyCheckpoint, ShardWriter, check_same_layout, hf_config, parse_size
+from .checkpoint import LazyCheckpoint, ShardWriter, check_same_layout, parse_size
 from .distance import sq_distance
 from .errors import SymmergeError
-from .io import atomic_dir, copy_side_files, quiet_transformers, write_json
+from .io import atomic_dir, copy_side_files, write_json
 from .resolve import config_sizes, resolve, value_keys
 from .solve import RESCALE_MODES, permutation_cost, permutation_plan, solve_local, unit_scales
 from .solvers.assignment import match_permutation
@@ -88,8 +88,7 @@ def _bound_malloc(mmap_threshold: int):
 def layer_instances(ckpt: LazyCheckpoint, layers=None):
     """(spec, {layer: its group instances}) resolved against the checkpoint's headers (no residual)."""
     spec = spec_for(ckpt.config["model_type"])
-    with quiet_transformers():
-        sizes = config_sizes(spec, hf_config(ckpt.config))
+    sizes = config_sizes(spec, ckpt.hf_config)
     shapes = ckpt.meta()
     shapes.update(ckpt.read(value_keys(spec, list(shapes), sizes["num_layers"])))  # a few small tensors
     instances = resolve(spec, shapes, sizes.pop("num_layers"), sizes.pop("num_heads"), layers,
@@ -247,10 +246,8 @@ def _run_serial(by_layer, ckpt_a, ckpt_b, writer, symmetries, scale_mode, dev, p
     assignment (scipy) before the part is read whole for the unit scales and the application: the
     cost matrix never shares memory with the part's tensors. (Overlapping the assignment with the
     next layer's attention saved 3 s a layer but let the two meet: 1.75 GB peak instead of ~1.3.)"""
-    left = {layer: 0 for layer in by_layer}
-    sums = {layer: [0.0, 0.0] for layer in by_layer}
-
-    def run_part(layer, part, keys, elements=None, assigned=None):
+    def run_part(part, keys, elements=None, assigned=None) -> tuple[float, float]:
+        """Read, (solve,) apply, check and write one part; its squared distances before/after."""
         writer.make_room(sum(ckpt_a.nbytes(k) for k in keys))
         t0 = time.perf_counter()
         sd_a, sd_b = ckpt_a.read(keys), ckpt_b.read(keys)
@@ -272,34 +269,31 @@ def _run_serial(by_layer, ckpt_a, ckpt_b, writer, symmetries, scale_mode, dev, p
         timings["write"] += time.perf_counter() - t1
         timings["assignments"] += t_scales
         timings["apply_and_check"] += t_apply + t1 - t0
-        sums[layer][0] += before
-        sums[layer][1] += after
         trim()
-        left[layer] -= 1
-        if not left[layer]:
-            per_layer[layer] = {"sq_before": sums[layer][0], "sq_after": sums[layer][1]}
-            pbar.update(1)
+        return before, after
 
     for layer, insts in by_layer.items():
-        parts = components(insts)
-        left[layer] = len(parts)
-        for part in parts:
+        before = after = 0.0
+        for part in components(insts):
             keys = sorted({s.key for i in part for s in i.slots})
             if not any(i.group.kind == PERMUTATION and permutation_plan(i.group, symmetries, scale_mode)[0]
                        for i in part):
-                run_part(layer, part, keys)
-                continue
-            writer.flush()  # no pending shard beside the cost matrix (shards: about one layer each)
-            trim()
-            lazy_a, lazy_b = _OnDemand(ckpt_a, keys), _OnDemand(ckpt_b, keys)
-            elements, costs, t_heads, t_costs = prepare_layer(part, lazy_a, lazy_b, symmetries, scale_mode, dev)
-            timings["heads"] += t_heads
-            timings["cost_gemms"] += t_costs - lazy_a.seconds - lazy_b.seconds
-            timings["read"] += lazy_a.seconds + lazy_b.seconds
-            t0 = time.perf_counter()
-            assigned = assign(costs)
-            timings["assignments"] += time.perf_counter() - t0
-            run_part(layer, part, keys, elements, assigned)
+                b, a = run_part(part, keys)
+            else:
+                writer.flush()  # no pending shard beside the cost matrix (shards: about one layer each)
+                trim()
+                lazy_a, lazy_b = _OnDemand(ckpt_a, keys), _OnDemand(ckpt_b, keys)
+                elements, costs, t_heads, t_costs = prepare_layer(part, lazy_a, lazy_b, symmetries, scale_mode, dev)
+                timings["heads"] += t_heads
+                timings["cost_gemms"] += t_costs - lazy_a.seconds - lazy_b.seconds
+                timings["read"] += lazy_a.seconds + lazy_b.seconds
+                t0 = time.perf_counter()
+                assigned = assign(costs)
+                timings["assignments"] += time.perf_counter() - t0
+                b, a = run_part(part, keys, elements, assigned)
+            before, after = before + b, after + a
+        per_layer[layer] = {"sq_before": before, "sq_after": after}
+        pbar.update(1)
 
 
 def _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, symmetries, scale_mode, dev, pbar, per_layer, timings):
