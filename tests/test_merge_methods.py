@@ -9,8 +9,10 @@ import torch
 
 from symmerge.errors import SymmergeError
 from symmerge.fuse import merge_models
-from symmerge.merge import METHODS, get_method
+from symmerge.merge import METHODS, STATISTICS, Method, get_method, merge_state_dicts, register
 from symmerge.merge import average, dare, fisher, regmean, task_arithmetic, ties
+from symmerge.merge.base import check_layout
+from symmerge.merge.parts import dare_keep_mask
 
 
 def mm_bert(seed: int, num_labels: int = 3):
@@ -114,6 +116,118 @@ def test_dare_drops_with_probability_p_and_rescales_survivors():
     m1, m2, b = sd_of(1), sd_of(2), sd_of(0)
     d0, ta = dare.merge([m1, m2], base=b, drop=0.0), task_arithmetic.merge([m1, m2], base=b)
     assert all(torch.allclose(d0[k], ta[k]) for k in b)
+
+
+def test_dare_masks_depend_on_seed_model_and_key_not_on_key_order():
+    g = torch.Generator().manual_seed(0)
+    keys = ["a", "b.weight", "c.bias", "d"]
+    base = {k: torch.randn(50, generator=g) for k in keys}
+    models = [{k: base[k] + torch.randn(50, generator=g) for k in keys} for _ in range(2)]
+    for method in (dare,):
+        out = method.merge(models, base=base, drop=0.5, seed=7)
+        perm = [2, 0, 3, 1]
+        shuffled = [{keys[j]: sd[keys[j]] for j in perm} for sd in models]
+        out_s = method.merge(shuffled, base={keys[j]: base[keys[j]] for j in perm}, drop=0.5, seed=7)
+        assert list(out_s) == [keys[j] for j in perm]
+        assert all(torch.equal(out[k], out_s[k]) for k in keys)
+        # merging a subset of the tensors draws the same masks for them
+        sub = method.merge([{"c.bias": sd["c.bias"]} for sd in models], base={"c.bias": base["c.bias"]},
+                           drop=0.5, seed=7)
+        assert torch.equal(sub["c.bias"], out["c.bias"])
+    # the mask differs between keys, models and seeds
+    m = dare_keep_mask((200,), 0.5, 7, 0, "a")
+    assert torch.equal(m, dare_keep_mask((200,), 0.5, 7, 0, "a"))
+    for other in (dare_keep_mask((200,), 0.5, 7, 0, "b.weight"), dare_keep_mask((200,), 0.5, 7, 1, "a"),
+                  dare_keep_mask((200,), 0.5, 8, 0, "a")):
+        assert not torch.equal(m, other)
+    # the result follows the documented masks: model i's survivors of key k are mask(seed, i, k)
+    out = dare.merge(models, base=base, drop=0.5, seed=7)
+    for k in keys:
+        expect = base[k].double() + sum(dare_keep_mask((50,), 0.5, 7, i, k) * (sd[k].double() - base[k].double())
+                                        / 0.5 for i, sd in enumerate(models))
+        assert torch.allclose(out[k], expect.float(), atol=1e-6), k
+
+
+# ------------------------------------------------------------------ the shared loop
+
+
+def test_loop_copies_non_floating_tensors_from_the_base_else_the_first_model_and_keeps_dtypes():
+    ids = [torch.arange(5, dtype=torch.int64) + i for i in range(3)]  # base, model 0, model 1
+    base = {"w": torch.zeros(3), "h": torch.zeros(2, dtype=torch.float16), "position_ids": ids[0]}
+    m0 = {"w": torch.tensor([1.0, 2.0, 3.0]), "h": torch.tensor([1.0, 2.0], dtype=torch.float16),
+          "position_ids": ids[1]}
+    m1 = {"w": torch.tensor([3.0, 2.0, 1.0]), "h": torch.tensor([3.0, 4.0], dtype=torch.float16),
+          "position_ids": ids[2]}
+    for method in (task_arithmetic, ties, dare):
+        out = method.merge([m0, m1], base=base)
+        assert torch.equal(out["position_ids"], ids[0]) and out["position_ids"].dtype == torch.int64
+        assert out["position_ids"] is not base["position_ids"]  # a copy
+        assert out["h"].dtype == torch.float16 and out["w"].dtype == torch.float32
+    avg = average.merge([m0, m1])
+    assert torch.equal(avg["position_ids"], ids[1]) and avg["position_ids"] is not m0["position_ids"]
+    assert torch.equal(avg["w"], torch.tensor([2.0, 2.0, 2.0])) and avg["h"].dtype == torch.float16
+    assert torch.equal(avg["h"], torch.tensor([2.0, 3.0], dtype=torch.float16))
+    ta = task_arithmetic.merge([m0, m1], base=base, weights=[1.0, 0.5])
+    assert torch.equal(ta["w"], torch.tensor([2.5, 3.0, 3.5]))
+
+
+def test_layout_check_rejects_mismatched_keys_shapes_and_base():
+    a = {"w": torch.zeros(3), "b": torch.zeros(2)}
+    assert check_layout([a, {"w": torch.ones(3), "b": torch.ones(2)}]) == ["w", "b"]
+    cases = [
+        (lambda: average.merge([a, {"w": torch.zeros(3)}]), "model 1 has different tensors"),
+        (lambda: average.merge([a, {"w": torch.zeros(3), "b": torch.zeros(3)}]), "shapes differ for b: model 1"),
+        (lambda: average.merge([]), "no models"),
+        (lambda: ties.merge([a, a]), "needs a base model"),
+        (lambda: dare.merge([a], base={"w": torch.zeros(3)}), "base model lacks tensor 'b'"),
+        (lambda: dare.merge([a], base={"w": torch.zeros(3), "b": torch.zeros(1, 2)}), "shapes differ for b: base"),
+        (lambda: average.merge([a], base=a), "does not use a base model"),
+        (lambda: regmean.merge([a, a], stats=[{}]), "Gram matrices of every model"),
+        (lambda: ties.merge([a], base=a, density=0.0), "density"),
+        (lambda: ties.merge([a], base=a, scope="layer"), "scope"),
+        (lambda: dare.merge([a], base=a, drop=1.0), "drop"),
+        (lambda: dare.merge([a], base=a, density=0.5), "no parameter 'density'"),
+        (lambda: regmean.merge([a], stats=[{}], alpha=2.0), "alpha"),
+    ]
+    for call, message in cases:
+        with pytest.raises(SymmergeError, match=message):
+            call()
+
+
+def test_merge_state_dicts_runs_prepare_once_and_passes_its_context():
+    calls = []
+
+    def prepare(state_dicts, base, weights, params):
+        calls.append(weights)
+        return max(sd[k].abs().max().item() for sd in state_dicts for k in sd)  # a whole-model quantity
+
+    def tensor(key, tensors, weights, stats, base, params, context):
+        return weighted_sum_of(tensors, weights) / context * params["gain"]
+
+    def weighted_sum_of(tensors, weights):
+        return sum(w * t.double() for t, w in zip(tensors, weights))
+
+    m = Method("scaled", tensor, params={"gain": 1.0}, prepare=prepare)
+    sds = [{"x": torch.tensor([1.0, -4.0]), "y": torch.tensor([2.0])},
+           {"x": torch.tensor([3.0, 0.0]), "y": torch.tensor([0.0])}]
+    out = merge_state_dicts(m, sds, weights=[1.0, 3.0], gain=2.0)
+    assert calls == [[0.25, 0.75]]  # weights normalised once, prepare called once
+    assert torch.allclose(out["x"], torch.tensor([2.5, -1.0]) / 4.0 * 2.0)
+    assert torch.allclose(out["y"], torch.tensor([0.5]) / 4.0 * 2.0)
+    assert torch.equal(m.merge(sds, weights=[1.0, 3.0], gain=2.0)["x"], out["x"])
+
+
+def test_registering_a_method_with_unknown_statistics_fails():
+    assert STATISTICS == ("gram", "fisher")
+    assert all(m.needs in (None, *STATISTICS) for m in METHODS.values())
+    with pytest.raises(SymmergeError, match="unknown statistics 'hessian'"):
+        register(Method("hessian_average", average.METHOD.tensor, needs="hessian"))
+    assert "hessian_average" not in METHODS
+    ok = register(Method("fisher_copy_for_test", fisher.METHOD.tensor, needs="fisher", params={"eps": 1e-8}))
+    try:
+        assert get_method("fisher_copy_for_test") is ok
+    finally:
+        del METHODS["fisher_copy_for_test"]
 
 
 # ------------------------------------------------------------------ Fisher

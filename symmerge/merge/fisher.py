@@ -7,30 +7,16 @@ fall back to the weighted average. Tensors without a Fisher (buffers) are averag
 
 from __future__ import annotations
 
-from ..errors import SymmergeError
-from .common import check_state_dicts, normalized_weights, weighted_sum
-
-NAME = "fisher"
-NEEDS = "fisher"
-PARAMS = {"eps": 1e-8}
+from .base import Method, weighted_sum
 
 
-def merge(state_dicts, weights=None, stats=None, eps: float = 1e-8) -> dict:
-    keys = check_state_dicts(state_dicts)
-    if stats is None or len(stats) != len(state_dicts):
-        raise SymmergeError("fisher merging needs one Fisher per model (gather them with data: --data)")
-    w = normalized_weights(weights, len(state_dicts))
-    out = {}
-    for k in keys:
-        first = state_dicts[0][k]
-        if not first.is_floating_point():
-            out[k] = first.clone()
-            continue
-        if any(k not in s for s in stats):
-            out[k] = weighted_sum([sd[k] for sd in state_dicts], w).to(first.dtype)
-            continue
-        fishers = [s[k].double().to(first.device) + float(eps) for s in stats]
-        num = weighted_sum([f * sd[k].double() for f, sd in zip(fishers, state_dicts)], w)
-        den = weighted_sum(fishers, w)
-        out[k] = (num / den).to(first.dtype)
-    return out
+def tensor(key, tensors, weights, stats, base, params, context):
+    if stats is None:  # no Fisher for this tensor (a buffer): weighted average
+        return weighted_sum(tensors, weights)
+    fishers = [f.double().to(tensors[0].device) + float(params["eps"]) for f in stats]
+    num = weighted_sum([f * t.double() for f, t in zip(fishers, tensors)], weights)
+    return num / weighted_sum(fishers, weights)
+
+
+METHOD = Method("fisher", tensor, needs="fisher", params={"eps": 1e-8}, doc=__doc__)
+merge = METHOD.merge

@@ -14,11 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SymmergeError
-from .common import check_state_dicts, normalized_weights, weighted_sum
-
-NAME = "regmean"
-NEEDS = "gram"
-PARAMS = {"alpha": 0.9}
+from .base import Method, weighted_sum
 
 
 def reduce(gram: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -38,25 +34,20 @@ def solve_layer(weights_in_out, grams, w, alpha: float) -> torch.Tensor:
     return sol
 
 
-def merge(state_dicts, weights=None, stats=None, alpha: float = 0.9) -> dict:
-    keys = check_state_dicts(state_dicts)
-    if stats is None or len(stats) != len(state_dicts):
-        raise SymmergeError("regmean needs the Gram matrices of every model (gather them with data: --data)")
-    alpha = float(alpha)
-    if not 0.0 <= alpha <= 1.0:
-        raise SymmergeError(f"regmean: alpha must be in [0, 1], got {alpha}")
-    w = normalized_weights(weights, len(state_dicts))
-    out = {}
-    for k in keys:
-        first = state_dicts[0][k]
-        if not first.is_floating_point():
-            out[k] = first.clone()
-            continue
-        if first.dim() == 2 and all(k in s for s in stats):
-            grams = [s[k].to(first.device) for s in stats]
-            if any(g.shape != (first.shape[1], first.shape[1]) for g in grams):
-                raise SymmergeError(f"regmean: Gram of {k} is {tuple(grams[0].shape)}, weight is {tuple(first.shape)}")
-            out[k] = solve_layer([sd[k].T for sd in state_dicts], grams, w, alpha).T.contiguous().to(first.dtype)
-            continue
-        out[k] = weighted_sum([sd[k] for sd in state_dicts], w).to(first.dtype)
-    return out
+def prepare(state_dicts, base, weights, params):
+    if not 0.0 <= float(params["alpha"]) <= 1.0:
+        raise SymmergeError(f"regmean: alpha must be in [0, 1], got {params['alpha']}")
+
+
+def tensor(key, tensors, weights, stats, base, params, context):
+    first = tensors[0]
+    if first.dim() != 2 or stats is None:  # biases, embeddings, norms, …: weighted average
+        return weighted_sum(tensors, weights)
+    grams = [g.to(first.device) for g in stats]
+    if any(g.shape != (first.shape[1], first.shape[1]) for g in grams):
+        raise SymmergeError(f"regmean: Gram of {key} is {tuple(grams[0].shape)}, weight is {tuple(first.shape)}")
+    return solve_layer([t.T for t in tensors], grams, weights, float(params["alpha"])).T.contiguous()
+
+
+METHOD = Method("regmean", tensor, needs="gram", params={"alpha": 0.9}, doc=__doc__, prepare=prepare)
+merge = METHOD.merge

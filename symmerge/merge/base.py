@@ -1,0 +1,151 @@
+"""The merge loop, written once: a method is a per-tensor function plus an optional whole-model hook.
+
+A :class:`Method` supplies
+
+* ``tensor(key, tensors, weights, stats, base, params, context) -> tensor``: the merged value of one
+  floating-point tensor, from the models' ``tensors`` (same shape, model order), the (possibly
+  normalised) ``weights``, the models' statistics for ``key`` (a list, one per model, or ``None`` when
+  the method needs none or some model has none for ``key``), the base model's tensor (``None``
+  without a base), the method's ``params`` (defaults filled in) and ``context``; any float dtype may
+  be returned, the loop casts back to the input dtype;
+* optionally ``prepare(state_dicts, base, weights, params) -> context``: run once before the loop,
+  to check parameter values and compute whole-model quantities (e.g. TIES's model-wide magnitude
+  thresholds); its result is passed to every ``tensor`` call.
+
+:func:`merge_state_dicts` validates everything once (:func:`check_layout` for keys, shapes and the
+base model; the weights; the statistics) and copies non-floating tensors (integer buffers such as
+``position_ids``) from the base model when one is given, else from the first model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import SymmergeError
+
+# the statistics a method may consume (``Method.needs``); gathered by the caller on the aligned models
+STATISTICS = ("gram", "fisher")
+_STAT_NAMES = {"gram": "Gram matrices", "fisher": "Fisher diagonals"}
+
+
+def check_needs(name: str, needs) -> None:
+    """``needs`` must be ``None`` or one of :data:`STATISTICS`."""
+    if needs is not None and needs not in STATISTICS:
+        raise SymmergeError(f"method {name!r} needs unknown statistics {needs!r} "
+                            f"(known: {', '.join(STATISTICS)}, or None)")
+
+
+def normalized_weights(weights, n: int, normalize: bool = True) -> list[float]:
+    """``n`` weights (uniform when ``None``), finite and non-negative, summing to 1 if ``normalize``."""
+    if weights is None:
+        weights = [1.0] * n
+    weights = [float(w) for w in weights]
+    if len(weights) != n:
+        raise SymmergeError(f"got {len(weights)} weights for {n} models")
+    if any(not (w >= 0.0 and w < float("inf")) for w in weights) or sum(weights) <= 0:
+        raise SymmergeError(f"weights must be finite, non-negative and not all zero, got {weights}")
+    total = sum(weights) if normalize else 1.0
+    return [w / total for w in weights]
+
+
+def weighted_sum(tensors, weights) -> torch.Tensor:
+    """Σ w_i t_i in float64 (exact enough for any input dtype); caller casts back."""
+    out = torch.zeros_like(tensors[0], dtype=torch.float64)
+    for t, w in zip(tensors, weights):
+        out.add_(t.double(), alpha=w)
+    return out
+
+
+def check_layout(state_dicts, base=None, needs_base: bool = False, method: str = "merge") -> list[str]:
+    """Keys of the first state dict, after checking that all models agree in keys and shapes, and that
+    ``base`` is given exactly when the method uses one and holds every key with the same shape."""
+    if not state_dicts:
+        raise SymmergeError("nothing to merge: no models given")
+    first = state_dicts[0]
+    keys = list(first)
+    for i, sd in enumerate(state_dicts[1:], 1):
+        if sd.keys() != first.keys():
+            raise SymmergeError(f"model {i} has different tensors than model 0")
+    if needs_base and base is None:
+        raise SymmergeError(f"method {method!r} needs a base model (the common pre-trained model): pass base=/--base")
+    if base is not None and not needs_base:
+        raise SymmergeError(f"method {method!r} does not use a base model")
+    if base is not None:
+        missing = [k for k in keys if k not in base]
+        if missing:
+            raise SymmergeError(f"base model lacks tensor {missing[0]!r}")
+    others = [(f"model {i}", sd) for i, sd in enumerate(state_dicts[1:], 1)]
+    if base is not None:
+        others.append(("base", base))
+    for k in keys:
+        for what, sd in others:
+            if sd[k].shape != first[k].shape:
+                raise SymmergeError(f"shapes differ for {k}: {what} has {tuple(sd[k].shape)}, "
+                                    f"model 0 has {tuple(first[k].shape)}")
+    return keys
+
+
+def check_stats(method: str, needs, stats, n: int):
+    """``stats`` (one dict per model) when the method needs statistics; ``None`` otherwise."""
+    if needs is None:
+        return None
+    if stats is None or len(stats) != n:
+        raise SymmergeError(f"method {method!r} needs the {_STAT_NAMES[needs]} of every model "
+                            f"(gather them with data: --data)")
+    return stats
+
+
+@dataclass(frozen=True)
+class Method:
+    """A merge method: per-tensor rule, optional whole-model ``prepare`` hook, and its metadata.
+
+    ``doc`` keeps the first line of the text given (e.g. a module docstring). ``normalize_weights``:
+    weights are scaled to sum to 1 (averaging methods) or used as given (multipliers of task vectors).
+    """
+
+    name: str
+    tensor: Callable
+    needs: str | None = None
+    needs_base: bool = False
+    params: dict = field(default_factory=dict)
+    doc: str = ""
+    prepare: Callable | None = None
+    normalize_weights: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "doc", ((self.doc or "").strip().splitlines() or [""])[0])
+
+    def check_params(self, params: dict) -> dict:
+        """Known parameters with defaults filled in; unknown names → SymmergeError."""
+        unknown = sorted(set(params) - set(self.params))
+        if unknown:
+            known = ", ".join(self.params) or "none"
+            raise SymmergeError(f"method {self.name!r} has no parameter {unknown[0]!r} (parameters: {known})")
+        return {**self.params, **params}
+
+    def merge(self, state_dicts, weights=None, stats=None, base=None, **params) -> dict:
+        """The merged state dict: :func:`merge_state_dicts` with this method."""
+        return merge_state_dicts(self, state_dicts, weights=weights, stats=stats, base=base, **params)
+
+
+def merge_state_dicts(method: Method, state_dicts, weights=None, stats=None, base=None, **params) -> dict:
+    """Merge ``state_dicts`` (same keys and shapes) tensor by tensor with ``method``."""
+    params = method.check_params(params)
+    keys = check_layout(state_dicts, base, method.needs_base, method.name)
+    w = normalized_weights(weights, len(state_dicts), normalize=method.normalize_weights)
+    stats = check_stats(method.name, method.needs, stats, len(state_dicts))
+    context = method.prepare(state_dicts, base, w, params) if method.prepare is not None else None
+    out = {}
+    for k in keys:
+        ref = (state_dicts[0] if base is None else base)[k]
+        if not ref.is_floating_point():
+            out[k] = ref.clone()  # integer buffers (ids): from the base, else the first model
+            continue
+        st = None if stats is None or any(k not in s for s in stats) else [s[k] for s in stats]
+        value = method.tensor(k, [sd[k] for sd in state_dicts], w, st, None if base is None else base[k], params,
+                              context)
+        out[k] = value.to(ref.dtype)
+    return out

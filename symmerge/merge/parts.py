@@ -1,0 +1,157 @@
+"""Task-vector merging from composable parts: a sparsifier and a sign consensus.
+
+With task vectors τ_i = θ_i − θ_base scaled by the weights w_i (multipliers, not normalised):
+
+    θ = θ_base + λ · consensus(sparsify(w_1 τ_1), …, sparsify(w_n τ_n))        (λ = ``scale``)
+
+Sparsifiers (:data:`SPARSIFIERS`), applied to each weighted task vector on its own:
+
+* ``none``: unchanged;
+* ``magnitude``: keep the ``density`` fraction of entries of largest magnitude, zero the rest; the
+  threshold is taken over every floating tensor of the model's task vector (``scope="model"``) or
+  over each tensor alone (``scope="tensor"``); ties at the threshold are kept;
+* ``dare``: drop each entry with probability ``drop``, rescale the survivors by 1/(1 − ``drop``)
+  (the expectation is unchanged).
+
+Consensus (:data:`CONSENSUS`):
+
+* ``sum``: Σ_i τ̂_i;
+* ``ties``: elect γ = sign(Σ_i τ̂_i) per entry, then the disjoint mean: the mean of the non-zero
+  τ̂_i whose sign equals γ (0 where none does).
+
+The registered methods are ``task_arithmetic`` = (none, sum), ``ties`` = (magnitude, ties) and
+``dare`` = (dare, sum); see :func:`task_vector_method`.
+
+DARE masks: the mask of model ``i`` (its index in the list of models) for tensor ``key`` comes from
+its own generator, seeded with a hash of (``seed``, ``i``, ``key``) (:func:`dare_keep_mask`). It
+depends on nothing else: not on the order of the keys in the state dict or of the loop over them,
+nor on which other tensors or models are merged. Drawn on the CPU in float64 (a survivor where
+U[0, 1) ≥ ``drop``), so the same seed gives the same masks on every device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+
+from ..errors import SymmergeError
+from .base import Method, weighted_sum
+
+
+@dataclass(frozen=True)
+class Sparsifier:
+    """``apply(key, taus, params, context) -> taus``; ``prepare(state_dicts, base, weights, params)``
+    checks the parameters and returns the ``context`` (whole-model quantities)."""
+
+    apply: Callable
+    prepare: Callable | None = None
+
+
+# ------------------------------------------------------------------ sparsifiers
+
+
+def magnitude_threshold(tensors, density: float) -> float:
+    """The smallest magnitude kept when keeping the top ``density`` fraction of all entries of ``tensors``."""
+    flat = torch.cat([t.reshape(-1).abs().float() for t in tensors])
+    k = max(1, int(round(density * flat.numel())))
+    return flat.kthvalue(flat.numel() - k + 1).values.item()
+
+
+def _magnitude_prepare(state_dicts, base, weights, params):
+    """Per model, the threshold over its whole weighted task vector (``scope="model"``), else ``None``."""
+    density, scope = float(params["density"]), params["scope"]
+    if not 0.0 < density <= 1.0:
+        raise SymmergeError(f"density must be in (0, 1], got {params['density']}")
+    if scope not in ("model", "tensor"):
+        raise SymmergeError(f"scope must be 'model' or 'tensor', got {scope!r}")
+    keys = [k for k in state_dicts[0] if base[k].is_floating_point()]
+    if scope == "tensor" or density >= 1.0 or not keys:
+        return None
+    return [magnitude_threshold(((sd[k].double() - base[k].double()) * w for k in keys), density)
+            for sd, w in zip(state_dicts, weights)]
+
+
+def _magnitude_apply(key, taus, params, context):
+    density = float(params["density"])
+    if density >= 1.0:
+        return list(taus)
+    thresholds = context if params["scope"] == "model" else [magnitude_threshold([t], density) for t in taus]
+    return [torch.where(t.abs() >= thr, t, torch.zeros_like(t)) for t, thr in zip(taus, thresholds)]
+
+
+def dare_seed(seed: int, model: int, key: str) -> int:
+    """A 63-bit generator seed from (``seed``, model index, tensor name), the same in every process."""
+    digest = hashlib.blake2b(f"{int(seed)}\x00{int(model)}\x00{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def dare_keep_mask(shape, drop: float, seed: int, model: int, key: str) -> torch.Tensor:
+    """Boolean CPU mask of the entries of model ``model``'s tensor ``key`` that DARE keeps."""
+    g = torch.Generator().manual_seed(dare_seed(seed, model, key))
+    return torch.rand(tuple(shape), generator=g, dtype=torch.float64) >= float(drop)
+
+
+def _dare_prepare(state_dicts, base, weights, params):
+    if not 0.0 <= float(params["drop"]) < 1.0:
+        raise SymmergeError(f"drop probability must be in [0, 1), got {params['drop']}")
+    return None
+
+
+def _dare_apply(key, taus, params, context):
+    p = float(params["drop"])
+    if p == 0.0:
+        return list(taus)
+    return [torch.where(dare_keep_mask(t.shape, p, params["seed"], i, key).to(t.device), t / (1.0 - p),
+                        torch.zeros_like(t))
+            for i, t in enumerate(taus)]
+
+
+SPARSIFIERS = {
+    "none": Sparsifier(lambda key, taus, params, context: list(taus)),
+    "magnitude": Sparsifier(_magnitude_apply, _magnitude_prepare),
+    "dare": Sparsifier(_dare_apply, _dare_prepare),
+}
+
+
+# ------------------------------------------------------------------ consensus
+
+
+def disjoint_mean(vectors) -> torch.Tensor:
+    """Elect γ = sign(Σ τ̂_i) and average the entries agreeing with γ (non-zero ones only)."""
+    stacked = torch.stack(vectors)
+    elected = torch.sign(stacked.sum(0))
+    agree = (torch.sign(stacked) == elected) & (stacked != 0)
+    count = agree.sum(0)
+    total = torch.where(agree, stacked, torch.zeros_like(stacked)).sum(0)
+    return torch.where(count > 0, total / count.clamp(min=1), torch.zeros_like(total))
+
+
+CONSENSUS = {
+    "sum": lambda taus: weighted_sum(taus, [1.0] * len(taus)),
+    "ties": disjoint_mean,
+}
+
+
+# ------------------------------------------------------------------ the generic task-vector method
+
+
+def _task_vector_tensor(sparsify: Sparsifier, consensus: Callable, key, tensors, weights, stats, base, params,
+                        context):
+    b = base.double()
+    taus = [(t.double() - b) * w for t, w in zip(tensors, weights)]
+    return b + float(params["scale"]) * consensus(sparsify.apply(key, taus, params, context))
+
+
+def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict, doc: str = "") -> Method:
+    """The method θ_base + scale · ``consensus``(``sparsifier``(w_i τ_i)); ``params`` (defaults) must
+    name ``scale`` and whatever the sparsifier reads (``density``/``scope``, ``drop``/``seed``)."""
+    if sparsifier not in SPARSIFIERS or consensus not in CONSENSUS:
+        raise SymmergeError(f"unknown parts ({sparsifier!r}, {consensus!r}); sparsifiers: "
+                            f"{', '.join(SPARSIFIERS)}; consensus: {', '.join(CONSENSUS)}")
+    sp = SPARSIFIERS[sparsifier]
+    return Method(name, partial(_task_vector_tensor, sp, CONSENSUS[consensus]), needs=None, needs_base=True,
+                  params=dict(params), doc=doc, prepare=sp.prepare, normalize_weights=False)
