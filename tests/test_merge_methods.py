@@ -10,7 +10,7 @@ import torch
 from symmerge.errors import SymmergeError
 from symmerge.fuse import merge_models
 from symmerge.merge import METHODS, STATISTICS, Method, get_method, merge_state_dicts, register
-from symmerge.merge import average, dare, fisher, regmean, task_arithmetic, ties
+from symmerge.merge import average, dare, dare_ties, fisher, regmean, task_arithmetic, ties
 from symmerge.merge.base import check_layout
 from symmerge.merge.parts import dare_keep_mask
 
@@ -33,6 +33,10 @@ def sd_of(seed: int) -> dict:
 
 def test_registry_knows_every_method_and_rejects_unknown_ones():
     assert {"average", "task_arithmetic", "ties", "dare", "fisher", "regmean"} <= set(METHODS)
+    assert "dare_ties" in METHODS and get_method("dare_ties") is dare_ties.METHOD
+    m = get_method("dare_ties")
+    assert m.params == {"drop": 0.9, "scale": 1.0, "seed": 0} and m.needs_base and m.needs is None
+    assert m.doc.startswith("DARE-TIES") and "\n" not in m.doc
     with pytest.raises(SymmergeError, match="known methods: .*average.*regmean"):
         get_method("soup")
     with pytest.raises(SymmergeError, match="no parameter 'alpah'"):
@@ -118,12 +122,57 @@ def test_dare_drops_with_probability_p_and_rescales_survivors():
     assert all(torch.allclose(d0[k], ta[k]) for k in b)
 
 
+def test_dare_ties_without_drop_is_ties_without_trimming():
+    base = {"w": torch.ones(4)}
+    t1 = {"w": torch.tensor([3.0, -1.0, 0.5, -4.0])}
+    t3 = {"w": torch.tensor([1.0, 4.0, 0.0, 0.0])}
+    out = dare_ties.merge([t1, t3], base=base, drop=0.0, scale=2.0)
+    # τ1 = [2, -2, -0.5, -5], τ3 = [0, 3, -1, -1]: elected (+, +, -, -), disjoint means [2, 3, -0.75, -3]
+    assert torch.allclose(out["w"], 1.0 + 2.0 * torch.tensor([2.0, 3.0, -0.75, -3.0]))
+    assert torch.equal(out["w"], ties.merge([t1, t3], base=base, density=1.0, scale=2.0)["w"])
+    m1, m2, b = sd_of(1), sd_of(2), sd_of(0)
+    d0 = dare_ties.merge([m1, m2], base=b, drop=0.0, scale=0.5)
+    t0 = ties.merge([m1, m2], base=b, density=1.0, scale=0.5)
+    assert all(torch.equal(d0[k], t0[k]) for k in b)
+
+
+def test_dare_ties_drops_at_rate_p_then_elects_signs_of_the_rescaled_survivors():
+    n, p, seed = 20000, 0.6, 5
+    base = {"w": torch.zeros(n, dtype=torch.float64)}
+    t1 = {"w": torch.ones(n, dtype=torch.float64)}
+    t2 = {"w": torch.full((n,), -3.0, dtype=torch.float64)}
+    keep1, keep2 = dare_keep_mask((n,), p, seed, 0, "w"), dare_keep_mask((n,), p, seed, 1, "w")
+    # each model keeps 1 − p of its entries, independently of the other model
+    assert abs(keep1.double().mean().item() - (1 - p)) < 0.015
+    assert abs(keep2.double().mean().item() - (1 - p)) < 0.015
+    assert abs((keep1 & keep2).double().mean().item() - (1 - p) ** 2) < 0.015
+    # weights 2 and 0.5: survivors 2/(1−p) and −1.5/(1−p); where both survive the sum is positive,
+    # so γ = + and only model 0's entry is averaged (model 1 disagrees)
+    out = dare_ties.merge([t1, t2], base=base, weights=[2.0, 0.5], drop=p, seed=seed)["w"]
+    a, b = 2.0 / (1 - p), -1.5 / (1 - p)
+    expect = torch.where(keep1, torch.full((n,), a, dtype=torch.float64),
+                         torch.where(keep2, torch.full((n,), b, dtype=torch.float64),
+                                     torch.zeros(n, dtype=torch.float64)))
+    assert torch.allclose(out, expect, rtol=0, atol=1e-12)
+    # the weights flip the election: equal weights make model 1 win where both survive
+    out = dare_ties.merge([t1, t2], base=base, drop=p, seed=seed)["w"]
+    expect = torch.where(keep2, torch.full((n,), -3.0 / (1 - p), dtype=torch.float64),
+                         torch.where(keep1, torch.full((n,), 1.0 / (1 - p), dtype=torch.float64),
+                                     torch.zeros(n, dtype=torch.float64)))
+    assert torch.allclose(out, expect, rtol=0, atol=1e-12)
+    # an entry is zero only where both models dropped it: rate p²
+    assert abs((out == 0).double().mean().item() - p ** 2) < 0.015
+    # DARE (sum consensus) with the same masks adds the survivors instead
+    summed = dare.merge([t1, t2], base=base, drop=p, seed=seed)["w"]
+    assert torch.allclose(summed, (keep1.double() - 3.0 * keep2.double()) / (1 - p), rtol=0, atol=1e-12)
+
+
 def test_dare_masks_depend_on_seed_model_and_key_not_on_key_order():
     g = torch.Generator().manual_seed(0)
     keys = ["a", "b.weight", "c.bias", "d"]
     base = {k: torch.randn(50, generator=g) for k in keys}
     models = [{k: base[k] + torch.randn(50, generator=g) for k in keys} for _ in range(2)]
-    for method in (dare,):
+    for method in (dare, dare_ties):
         out = method.merge(models, base=base, drop=0.5, seed=7)
         perm = [2, 0, 3, 1]
         shuffled = [{keys[j]: sd[keys[j]] for j in perm} for sd in models]
@@ -158,7 +207,7 @@ def test_loop_copies_non_floating_tensors_from_the_base_else_the_first_model_and
           "position_ids": ids[1]}
     m1 = {"w": torch.tensor([3.0, 2.0, 1.0]), "h": torch.tensor([3.0, 4.0], dtype=torch.float16),
           "position_ids": ids[2]}
-    for method in (task_arithmetic, ties, dare):
+    for method in (task_arithmetic, ties, dare, dare_ties):
         out = method.merge([m0, m1], base=base)
         assert torch.equal(out["position_ids"], ids[0]) and out["position_ids"].dtype == torch.int64
         assert out["position_ids"] is not base["position_ids"]  # a copy
@@ -179,14 +228,14 @@ def test_layout_check_rejects_mismatched_keys_shapes_and_base():
         (lambda: average.merge([a, {"w": torch.zeros(3), "b": torch.zeros(3)}]), "shapes differ for b: model 1"),
         (lambda: average.merge([]), "no models"),
         (lambda: ties.merge([a, a]), "needs a base model"),
-        (lambda: dare.merge([a], base={"w": torch.zeros(3)}), "base model lacks tensor 'b'"),
+        (lambda: dare_ties.merge([a], base={"w": torch.zeros(3)}), "base model lacks tensor 'b'"),
         (lambda: dare.merge([a], base={"w": torch.zeros(3), "b": torch.zeros(1, 2)}), "shapes differ for b: base"),
         (lambda: average.merge([a], base=a), "does not use a base model"),
         (lambda: regmean.merge([a, a], stats=[{}]), "Gram matrices of every model"),
         (lambda: ties.merge([a], base=a, density=0.0), "density"),
         (lambda: ties.merge([a], base=a, scope="layer"), "scope"),
-        (lambda: dare.merge([a], base=a, drop=1.0), "drop"),
-        (lambda: dare.merge([a], base=a, density=0.5), "no parameter 'density'"),
+        (lambda: dare_ties.merge([a], base=a, drop=1.0), "drop"),
+        (lambda: dare_ties.merge([a], base=a, density=0.5), "no parameter 'density'"),
         (lambda: regmean.merge([a], stats=[{}], alpha=2.0), "alpha"),
     ]
     for call, message in cases:

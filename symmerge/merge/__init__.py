@@ -35,9 +35,9 @@ def get_method(name: str) -> Method:
         raise SymmergeError(f"unknown merge method {name!r}; known methods: {', '.join(sorted(METHODS))}") from None
 
 
-from . import average, dare, fisher, regmean, task_arithmetic, ties  # noqa: E402
+from . import average, dare, dare_ties, fisher, regmean, task_arithmetic, ties  # noqa: E402
 
-for _m in (average, task_arithmetic, ties, dare, fisher, regmean):
+for _m in (average, task_arithmetic, ties, dare, dare_ties, fisher, regmean):
     register(_m)
 
 __all__ = ["METHODS", "STATISTICS", "Method", "get_method", "merge_state_dicts", "register"]

@@ -19,8 +19,8 @@ Consensus (:data:`CONSENSUS`):
 * ``ties``: elect γ = sign(Σ_i τ̂_i) per entry, then the disjoint mean: the mean of the non-zero
   τ̂_i whose sign equals γ (0 where none does).
 
-The registered methods are ``task_arithmetic`` = (none, sum), ``ties`` = (magnitude, ties) and
-``dare`` = (dare, sum); see :func:`task_vector_method`.
+The registered methods are ``task_arithmetic`` = (none, sum), ``ties`` = (magnitude, ties),
+``dare`` = (dare, sum) and ``dare_ties`` = (dare, ties); see :func:`task_vector_method`.
 
 DARE masks: the mask of model ``i`` (its index in the list of models) for tensor ``key`` comes from
 its own generator, seeded with a hash of (``seed``, ``i``, ``key``) (:func:`dare_keep_mask`). It
