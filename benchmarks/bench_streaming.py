@@ -41,8 +41,8 @@ def generate(folder: Path, dims: dict, seed: int, shard: str) -> dict:
     """A random bf16 LlamaForCausalLM checkpoint written tensor by tensor (never a whole model in memory)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from symmerge.checkpoint import ShardWriter, parse_size
-    from symmerge.io import atomic_dir
+    from symmerge.io.checkpoint import ShardWriter, parse_size
+    from symmerge.io.model import atomic_dir
 
     config = LlamaConfig(**dims, tie_word_embeddings=False, max_position_embeddings=2048, dtype="bfloat16",
                          architectures=["LlamaForCausalLM"])
@@ -101,7 +101,7 @@ def child(argv: list[str]) -> None:
             raise SystemExit(1)
     elif step == "imports":
         import symmerge.cli  # noqa: F401
-        import symmerge.stream  # noqa: F401
+        import symmerge.pipeline.stream  # noqa: F401
         import transformers  # noqa: F401
     print(json.dumps({"peak_rss_gb": peak_rss_gb()}))
 
@@ -110,10 +110,10 @@ def child(argv: list[str]) -> None:
 
 def child_read_write(model: str, anchor: str, out: str, shard: str) -> None:
     """Read both checkpoints layer by layer, write the first back: the I/O the alignment must do."""
-    from symmerge.checkpoint import LazyCheckpoint, ShardWriter, parse_size
-    from symmerge.io import atomic_dir
+    from symmerge.io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
+    from symmerge.io.model import atomic_dir
 
-    from symmerge.stream import layer_instances
+    from symmerge.pipeline.stream import layer_instances
 
     a, b = LazyCheckpoint(model), LazyCheckpoint(anchor)
     t = time.perf_counter()
@@ -133,21 +133,28 @@ def child_read_write(model: str, anchor: str, out: str, shard: str) -> None:
 
 
 def child_compute(model: str, anchor: str) -> None:
-    """The matching of every layer on tensors already in memory (reads not timed), one layer at a time."""
-    from symmerge.checkpoint import LazyCheckpoint
-    from symmerge.stream import complete_layer, layer_instances, prepare_layer
+    """The matching of every layer on tensors already in memory (reads not timed), one layer at a time,
+    through the same engine as the streamed alignment."""
+    from collections import defaultdict
 
+    from symmerge.core.apply import apply
+    from symmerge.io.checkpoint import LazyCheckpoint
+    from symmerge.pipeline.engine import solve_local
+    from symmerge.pipeline.options import AlignOptions
+    from symmerge.pipeline.stream import layer_instances
+
+    opts = AlignOptions().solver_options()
     a, b = LazyCheckpoint(model), LazyCheckpoint(anchor)
-    parts = {"heads": 0.0, "cost_gemms": 0.0, "assignments": 0.0, "apply": 0.0}
-    for layer, insts in layer_instances(a)[1].items():
+    parts: dict = defaultdict(float)
+    for layer, insts in layer_instances(a, opts=opts)[1].items():
         keys = sorted({s.key for i in insts for s in i.slots})
         sa, sb = a.read(keys), b.read(keys)
-        elements, costs, t_heads, t_costs = prepare_layer(insts, sa, sb, ("attn", "ffn", "rescale"), "joint")
-        _, t_assign, t_apply = complete_layer(insts, sa, sb, elements, costs)
-        for k, v in zip(parts, (t_heads, t_costs, t_assign, t_apply)):
-            parts[k] += v
-        del sa, sb, elements, costs
-    print(json.dumps({"compute_s": sum(parts.values()), "compute_parts": parts}))
+        elements = solve_local(insts, sa, sb, opts, timings=parts)
+        t0 = time.perf_counter()
+        apply(sa, insts, elements)
+        parts["apply"] += time.perf_counter() - t0
+        del sa, sb, elements
+    print(json.dumps({"compute_s": sum(parts.values()), "compute_parts": dict(parts)}))
 
 
 # ------------------------------------------------------------ driver
@@ -173,7 +180,7 @@ def main(argv=None) -> int:
 
     import shutil
 
-    from symmerge.checkpoint import LazyCheckpoint
+    from symmerge.io.checkpoint import LazyCheckpoint
 
     dims = SMALL if args.small else LARGE
     root = Path(args.dir) / ("small" if args.small else "large")

@@ -29,22 +29,16 @@ from pathlib import Path
 
 import torch
 
-from symmerge.assets import minilm_path
-from symmerge.data import load_data
-from symmerge.align import align
-from symmerge.evaluate import evaluate
-from symmerge.fuse import merge_models
-from symmerge.io import load_model, save_model
+from symmerge.demo.assets import cache_dir, minilm_path
+from symmerge.io.data import load_data
+from symmerge.pipeline.align import align
+from symmerge.evaluate.metrics import evaluate
+from symmerge.merge.fuse import merge_models
+from symmerge.io.model import load_model, save_model
 from symmerge.progress import bar
 
 CORPORA = {"polarity": "polarity-en-pang&lee2.csv", "uncertainty": "uncertainty-conll2010.csv"}
 METHODS = ("average", "fisher", "regmean")
-
-
-def cache_dir() -> Path:
-    path = Path(os.environ.get("SYMMERGE_CACHE", Path.home() / ".cache" / "symmerge"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def fetch_corpus(task: str) -> list[tuple[str, int]]:

@@ -38,31 +38,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from symmerge.align import align, instances_for
-from symmerge.barrier import barrier_study
-from symmerge.data import load_data
-from symmerge.datasets import FASHION_CLASSES, cache_dir, fashion_mnist, write_npz
-from symmerge.distance import distance, parameter_keys
-from symmerge.evaluate import evaluate, interpolation_curve
-from symmerge.fuse import merge_models
-from symmerge.io import atomic_dir, load_model, write_json
-from symmerge.solvers.assignment import match_permutation
-from symmerge.train import TrainSettings, load_report, train_vit, vit_config
-from symmerge.verify import compare, sample_inputs, with_state_dict
+from symmerge.pipeline.align import align
+from symmerge.evaluate.barrier import barrier_study
+from symmerge.io.data import load_data
+from symmerge.demo.datasets import FASHION_CLASSES, cache_dir, fashion_mnist, write_npz
+from symmerge.core.distance import distance, parameter_keys
+from symmerge.evaluate.metrics import evaluate, interpolation_curve
+from symmerge.merge.fuse import merge_models
+from symmerge.io.model import atomic_dir, load_model, write_json
+from symmerge.demo.train import TrainSettings, load_report, train_vit, vit_config
 
 METHODS = ("average", "fisher", "regmean")
-# label -> (symmetries passed to the alignment, whole-head permutation applied first: None, "plain" or "rotation")
+# label -> symmetries passed to the alignment (``heads``: whole attention heads permuted by an exact
+# assignment; with ``attn`` the pairing cost is each pair's optimal rotation/rescale objective, without it
+# the plain distance: the Git Re-Basin-style counterpart of rotation matching)
 VARIANTS = {
-    "none": ("none", None),
-    "full (attn+ffn+rescale)": ("attn,ffn,rescale", None),
-    "w/o ATTN (ffn)": ("ffn", None),
-    "w/o FFN (attn+rescale)": ("attn,rescale", None),
-    "w/o rescale (attn+ffn)": ("attn,ffn", None),
-    "perm baseline (head perm+ffn)": ("ffn", "plain"),
-    "head perm + full": ("attn,ffn,rescale", "rotation"),
+    "none": "none",
+    "full (attn+ffn+rescale)": "attn,ffn,rescale",
+    "w/o ATTN (ffn)": "ffn",
+    "w/o FFN (attn+rescale)": "attn,rescale",
+    "w/o rescale (attn+ffn)": "attn,ffn",
+    "perm baseline (head perm+ffn)": "heads,ffn",
+    "head perm + full": "heads,attn,ffn,rescale",
     # beyond the paper: the residual stream permuted too (LayerNorm commutes with permutations)
-    "perm baseline + residual (head perm+ffn+residual)": ("ffn,residual", "plain"),
-    "full + residual (attn+ffn+rescale+residual)": ("attn,ffn,rescale,residual", None),
+    "perm baseline + residual (head perm+ffn+residual)": "heads,ffn,residual",
+    "full + residual (attn+ffn+rescale+residual)": "attn,ffn,rescale,residual",
 }
 # Fig. 5 curves: label -> variant label above
 LMC_VARIANTS = {"none": "none", "attention-only (attn+rescale)": "w/o FFN (attn+rescale)",
@@ -108,53 +108,6 @@ def parse_args(argv=None):
     else:
         args.train_examples = None
     return args
-
-
-# ---------------------------------------------------------------- head permutation baseline
-
-
-def head_permutation(model, anchor, rotation_aware: bool = False):
-    """Permute ``model``'s attention heads (QK and VO blocks together, layer by layer) by an exact linear
-    assignment — a symmetry of the network. Score of pairing B's head j with A's head i: the inner
-    product of their blocks (plain permutation matching), or with ``rotation_aware`` the best inner
-    product over per-head rotations, Σ_groups ‖Σ_slots B_j A_iᵀ‖_* (nuclear norm: the Procrustes
-    optimum), so that the per-head rotation matching that follows starts from the right head pairing."""
-    spec, instances = instances_for(model)
-    sd_a, sd_b = model.state_dict(), anchor.state_dict()
-    out = dict(sd_a)
-    by_layer: dict[int, list] = {}
-    for inst in instances:
-        if inst.group.symmetry == "attn":
-            by_layer.setdefault(inst.layer, []).append(inst)
-    perms = {}
-    for layer, insts in sorted(by_layer.items()):
-        heads = insts[0].blocks
-        sim = torch.zeros(heads, heads, dtype=torch.float64)
-        for inst in insts:
-            cross = 0.0
-            for s in inst.slots:
-                if s.repeat != 1 or s.length is not None or s.diag:
-                    raise ValueError("head permutation baseline supports plain head layouts only")
-                a, b = (sd[s.key].double().movedim(s.axis, 0) for sd in (sd_a, sd_b))
-                a, b = a.reshape(heads, inst.size, -1), b.reshape(heads, inst.size, -1)
-                if rotation_aware:
-                    cross = cross + torch.einsum("jdr,ier->jide", b, a)  # [j, i] = B_j A_iᵀ (d × d)
-                else:
-                    sim += b.flatten(1) @ a.flatten(1).T  # sim[j, i] = <B head j, A head i>
-            if rotation_aware:
-                sim += torch.linalg.matrix_norm(cross, ord="nuc")
-        perm = match_permutation(sim.T)  # maximises Σ_j sim[j, perm[j]]: new head j of A = old head perm[j]
-        perms[layer] = [int(p) for p in perm]
-        for inst in insts:
-            for s in inst.slots:
-                t = sd_a[s.key].movedim(s.axis, 0)
-                blocks = t.reshape(heads, t.shape[0] // heads, *t.shape[1:])[perm]
-                out[s.key] = blocks.reshape(t.shape).movedim(0, s.axis).contiguous()
-    moved = with_state_dict(model, out)
-    check = compare(model, moved, sample_inputs(model, spec))
-    if check["max_rel_diff"] > 1e-4:
-        raise RuntimeError(f"head permutation changed the function (max rel diff {check['max_rel_diff']:.2e})")
-    return moved, {"perms": perms, "verify_max_rel_diff": check["max_rel_diff"]}
 
 
 # ---------------------------------------------------------------- pipeline
@@ -213,32 +166,26 @@ def run(args, log=print) -> dict:
         log(f"model {name} (seed {s}): test accuracy {endpoints[name]['accuracy']:.4f}, "
             f"loss {endpoints[name]['loss']:.4f}, trained {rep['seconds']:.0f} s")
 
-    sources, perm_info, perm_seconds = {None: a}, {}, {None: 0.0}
-    for mode in ("plain", "rotation"):
-        t = time.perf_counter()
-        sources[mode], perm_info[mode] = head_permutation(a, b, rotation_aware=mode == "rotation")
-        perm_seconds[mode] = time.perf_counter() - t
     keys = parameter_keys(a)  # the whole model (Fig. 4), and without the classifier (the merges' tables)
     body = [k for k in keys if k.startswith("vit.")]
     sd_b = b.state_dict()
     rows, matching = [], {}
     moved_by = {}
-    for label, (syms, perm_first) in VARIANTS.items():
-        src = sources[perm_first]
+    for label, syms in VARIANTS.items():
         # distance of the matched A to B (the paper's Fig. 4), from one alignment outside the merges
         t = time.perf_counter()
-        moved = src if syms == "none" else align(src, b, syms.split(","))[0]
-        secs = time.perf_counter() - t + perm_seconds[perm_first]
+        moved = a if syms == "none" else align(a, b, syms.split(","))[0]
+        secs = time.perf_counter() - t
         moved_by[label] = moved
-        matching[label] = {"symmetries": syms, "head_permutation": perm_first, "seconds": secs,
+        matching[label] = {"symmetries": syms, "seconds": secs,
                            "distance": distance(moved.state_dict(), sd_b, keys),
                            "distance_body": distance(moved.state_dict(), sd_b, body)}
         for method in METHODS:
             data = {"average": None, "fisher": fisher, "regmean": gram}[method]
-            merged, rep = merge_models([src, b], method, align=syms, data=data, heads="merge",
+            merged, rep = merge_models([a, b], method, align=syms, data=data, heads="merge",
                                        evaluate_result=False, progress=False)
             score = evaluate(merged, test, progress=False)
-            rows.append({"method": method, "variant": label, "symmetries": syms, "head_permutation": perm_first,
+            rows.append({"method": method, "variant": label, "symmetries": syms,
                          "test_accuracy": score["accuracy"], "test_loss": score["loss"],
                          "distance_after": next(iter(rep["distances_between_inputs"]["after_alignment"].values())),
                          "timings": rep["timings"]})
@@ -250,31 +197,29 @@ def run(args, log=print) -> dict:
                           progress=False)
     curves = {}
     for label, v in LMC_VARIANTS.items():
-        syms, perm_first = VARIANTS[v]
-        if perm_first:
-            curves[label] = interpolation_curve(moved_by[v], b, curve, study["alphas"], progress=False)
-        else:
+        syms = VARIANTS[v]
+        if syms in study["curves"]:
             curves[label] = {k: study["curves"][syms][k] for k in ("loss", "accuracy", "barrier")}
+        else:
+            curves[label] = interpolation_curve(moved_by[v], b, curve, study["alphas"], progress=False)
         log(f"  LMC {label:31s} barrier {curves[label]['barrier']:.4f}")
 
     def mean_timing(method, syms, key):
-        vals = [r["timings"][key] for r in rows if r["method"] == method and r["symmetries"] == syms
-                and not r["head_permutation"]]
+        vals = [r["timings"][key] for r in rows if r["method"] == method and r["symmetries"] == syms]
         return float(np.mean(vals))
 
     runtimes = {
         "training_per_model": float(np.mean([endpoints[n]["train_seconds"] for n in "AB"])),
         "matching_full": matching["full (attn+ffn+rescale)"]["seconds"],
         "matching_in_merge_full": float(np.mean([r["timings"]["align"] for r in rows
-                                                 if r["symmetries"] == "attn,ffn,rescale"
-                                                 and not r["head_permutation"]])),
+                                                 if r["symmetries"] == "attn,ffn,rescale"])),
         "simple_merge": mean_timing("average", "none", "merge"),
         "fisher_statistics": mean_timing("fisher", "none", "statistics"),
         "fisher_merge": mean_timing("fisher", "none", "statistics") + mean_timing("fisher", "none", "merge"),
         "regmean_statistics": mean_timing("regmean", "none", "statistics"),
         "regmean_merge": mean_timing("regmean", "none", "statistics") + mean_timing("regmean", "none", "merge"),
-        "head_permutation": perm_seconds["plain"],
-        "head_permutation_rotation_aware": perm_seconds["rotation"],
+        "head_permutation": matching["perm baseline (head perm+ffn)"]["seconds"],
+        "head_permutation_rotation_aware": matching["head perm + full"]["seconds"],
     }
     return {
         "benchmark": "B1 vit_fashion_mnist", "tiny": args.tiny, "command": " ".join(["python -m benchmarks.vit_fashion_mnist"] + sys.argv[1:]),
@@ -285,7 +230,7 @@ def run(args, log=print) -> dict:
                      "train_examples": len(arrays[1])},
         "data": {"test": test.n, "curve": curve.n, "gram": gram.n, "fisher": fisher.n},
         "endpoints": endpoints, "merges": rows, "matching": matching,
-        "head_permutation": perm_info, "alphas": study["alphas"], "curves": curves, "runtimes": runtimes,
+        "alphas": study["alphas"], "curves": curves, "runtimes": runtimes,
         "seconds_total": time.perf_counter() - t_start,
     }
 

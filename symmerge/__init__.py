@@ -1,8 +1,17 @@
-"""symmerge: symmetry-aware fusion of transformer models."""
+"""symmerge: symmetry-aware fusion of transformer models.
 
-from .align import align
+The package follows the data path: ``io`` (load) → ``families`` (spec from roles) → ``core`` (bind,
+apply, distances, solvers) with ``groups`` (one module per group kind) → ``pipeline`` (solve, verify,
+report; in memory or streamed) → ``merge`` (methods, statistics, fusion) → ``evaluate``.
+"""
+
 from .errors import SymmergeError
-from .spec import SPECS, spec_for, supported_model_types
+from .evaluate.barrier import barrier_study
+from .families import SPECS, spec_for, supported_model_types
+from .merge.fuse import MergeOptions, merge_models
+from .pipeline.align import Alignment, align, align_pair
+from .pipeline.options import AlignOptions
 
-__all__ = ["align", "SymmergeError", "SPECS", "spec_for", "supported_model_types"]
+__all__ = ["align", "align_pair", "Alignment", "AlignOptions", "merge_models", "MergeOptions", "barrier_study",
+           "SymmergeError", "SPECS", "spec_for", "supported_model_types"]
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
-"""Shared helpers for the alignment tests: tiny random models of every supported family,
-inputs, an independent output comparison, and the real all-MiniLM-L6-v2 (loaded once)."""
+"""Shared helpers for the tests: inputs, an independent output comparison, noise, thread control, the
+real all-MiniLM-L6-v2 (loaded once), and RMSNorm evaluated in the input dtype for fp64 checks. The
+tiny models of every family and ``disguised`` are in ``factories.py``."""
 
 from __future__ import annotations
 
@@ -13,64 +14,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# name -> (config class, config kwargs, base class, head class)
-HIDDEN, HEADS, FFN, VOCAB = 24, 3, 40, 60
-
-
-def _configs():
-    from transformers import BertConfig, DebertaV2Config, DistilBertConfig, RobertaConfig, ViTConfig
-
-    common = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=FFN,
-                  initializer_range=0.35)
-    text = dict(common, vocab_size=VOCAB, max_position_embeddings=40)
-    deberta = dict(text, relative_attention=True, pos_att_type=["p2c", "c2p"], max_relative_positions=16,
-                   position_biased_input=False)
-    return {
-        "bert": (BertConfig, text),
-        "roberta": (RobertaConfig, dict(text, pad_token_id=1)),
-        "distilbert": (DistilBertConfig, dict(vocab_size=VOCAB, dim=HIDDEN, n_layers=2, n_heads=HEADS,
-                                              hidden_dim=FFN, max_position_embeddings=40, initializer_range=0.35)),
-        # DeBERTa-v2 with separate relative-position projections (pos_key_proj / pos_query_proj) ...
-        "deberta-v2": (DebertaV2Config, dict(deberta, share_att_key=False)),
-        # ... and DeBERTa-v3 style: shared keys, log buckets, LayerNorm on the relative embeddings
-        "deberta-v2-shared": (DebertaV2Config, dict(deberta, share_att_key=True, position_buckets=8,
-                                                    norm_rel_ebd="layer_norm")),
-        "vit": (ViTConfig, dict(common, image_size=8, patch_size=4, num_channels=3)),
-    }
-
-
-ARCHS = ("bert", "roberta", "distilbert", "deberta-v2", "deberta-v2-shared", "vit")
-
-
-def make_config(arch: str, **overrides):
-    cls, kwargs = _configs()[arch]
-    return cls(**{**kwargs, **overrides})
-
-
-def make_model(arch: str, head: bool = False, dtype=torch.float64, seed: int = 0, **overrides):
-    """A tiny random model; every 1-D parameter (biases, LayerNorms) gets random values too, so that
-    bias handling is exercised (transformers initialises biases to zero)."""
-    from transformers import (AutoModel, AutoModelForSequenceClassification, ViTForImageClassification)
-
-    torch.manual_seed(seed)
-    config = make_config(arch, **overrides)
-    if head:
-        config.num_labels = 3
-        model = ViTForImageClassification(config) if arch == "vit" else AutoModelForSequenceClassification.from_config(config)
-    else:
-        model = AutoModel.from_config(config)
-    g = torch.Generator().manual_seed(seed + 1000)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return model.to(dtype).eval()
-
-
 def make_inputs(model, seed: int = 0, batch: int = 3, length: int = 11) -> dict:
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
-    if cfg.model_type == "vit":
+    if hasattr(cfg, "image_size"):
         return {"pixel_values": torch.randn(batch, cfg.num_channels, cfg.image_size, cfg.image_size,
                                             generator=g, dtype=next(model.parameters()).dtype)}
     ids = torch.randint(3, cfg.vocab_size, (batch, length), generator=g)
@@ -152,3 +99,20 @@ def single_thread():
     """Use with ``pytestmark = pytest.mark.usefixtures("single_thread")`` in a test module."""
     with one_thread():
         yield
+
+
+@pytest.fixture
+def fp64_rmsnorm(monkeypatch):
+    """transformers' RMSNorm computes in float32 even for a float64 model (``hidden.to(torch.float32)``),
+    which caps any fp64 equivalence check at ~1e-7. This replaces its forward by the same formula in
+    the input dtype (identical for float32 inputs); the fp32 tests run the unmodified classes."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm):
+        monkeypatch.setattr(cls, "forward", forward)

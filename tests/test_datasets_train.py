@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from symmerge import datasets
-from symmerge.data import load_data
+from symmerge.demo import datasets
+from symmerge.io.data import load_data
 from symmerge.errors import SymmergeError
-from symmerge.train import TrainSettings, accuracy, cache_key, lr_factor, train_vit, vit_config
+from symmerge.demo.train import TrainSettings, accuracy, cache_key, lr_factor, train_vit, vit_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -142,7 +142,7 @@ def test_write_npz_is_the_data_format(tmp_path):
     torch.manual_seed(0)
     model = ViTForImageClassification(vit_config(16, 1, 2, 32, patch=1, image_size=2, num_labels=3))
     data = load_data(path, model)  # symmerge's own --data reader accepts it
-    assert data.n == 3 and data.kind == "image"
+    assert data.n == 3 and data.format == "image"
     with pytest.raises(SymmergeError, match="labels"):
         datasets.write_npz(tmp_path / "e.npz", images, [0, 1])
 
@@ -183,7 +183,7 @@ def test_training_learns_saves_and_reuses_the_cache(tmp_path):
     assert report["eval_loss"] < 0.5 * loss0 and report["eval_accuracy"] > 0.9
     assert report["loss_last_50"] < report["loss_first"]
     assert folder.name == f"t-{cache_key(config, x, y, settings)[:12]}"
-    from symmerge.io import load_model
+    from symmerge.io.model import load_model
 
     model = load_model(folder)
     assert accuracy(model, xt, yt) == pytest.approx((report["eval_loss"], report["eval_accuracy"]))

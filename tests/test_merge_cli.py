@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from symmerge.cli import main
-from symmerge.io import load_model
+from symmerge.io.model import load_model
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from symmerge.errors import SymmergeError
-from symmerge.fuse import merge_models
+from symmerge.merge.fuse import merge_models
 from symmerge.merge import METHODS, STATISTICS, Method, get_method, merge_state_dicts, register
 from symmerge.merge import average, dare, dare_ties, fisher, regmean, task_arithmetic, ties
 from symmerge.merge.base import check_layout

@@ -8,18 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_inputs, output_rel_diff, with_weights
-from symmerge.barrier import barrier_study
-from symmerge.data import Batch, Data
-from symmerge.fuse import merge_models
-from test_llama_family import decoder, transformed
+from conftest import make_inputs, output_rel_diff
+from factories import disguised, make_model
+from symmerge.evaluate.barrier import barrier_study
+from symmerge.io.data import Batch, Data
+from symmerge.merge.fuse import merge_models
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _pair():
-    a = decoder("llama", tied=False, dtype=torch.float32, seed=0)
-    b = with_weights(a, transformed(a, "all", seed=5))
+    a = make_model("llama", head=True, dtype=torch.float32, seed=0)
+    b = disguised(a, ("attn", "ffn", "rescale", "residual"), seed=5)[0]
     a.config.name_or_path = b.config.name_or_path = ""
     return a, b
 

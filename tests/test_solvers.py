@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from symmerge.solvers import (head_objective, joint_scale, match_permutation, procrustes, scale_for_rotation,
+from symmerge.core.solvers import (head_objective, joint_scale, match_permutation, procrustes, scale_for_rotation,
                               sequential_scale, solve_assignments)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -313,3 +313,186 @@ def test_match_permutation_consume_negates_in_place_and_agrees():
     # float32 costs are converted (never consumed)
     C32 = keep.float()
     assert torch.equal(match_permutation(C32, consume=True), perm) and torch.equal(C32, keep.float())
+
+
+# ------------------------------------------------------------------ RoPE pairs (closed form per pair)
+
+
+def _pair_case(seed, n=5, pairs=6):
+    """Random head blocks (rotate_half layout: pair j = rows j, j + pairs) of a moved (1) and an anchor
+    (2) model, Q rows (power +1) and K rows (-1); the per-pair products the solver works from."""
+    from symmerge.core.solvers.rope import pair_products
+
+    g = torch.Generator().manual_seed(seed)
+    q1, q2, k1, k2 = (torch.randn(1, 2 * pairs, n, dtype=torch.float64, generator=g) for _ in range(4))
+    cp, P = pair_products(2.5 * q1, q2, 2 * pairs)  # unequal Q/K norms: the optimal scale is far from 1
+    cm, M = pair_products(k1, k2, 2 * pairs)
+    return cp[0], cm[0], P[0], M[0]
+
+
+def _brute(f, theta_fixed=None, rho_fixed=None):
+    """min f(ρ, θ) over a dense grid, refined by Nelder–Mead from the best grid point."""
+    from scipy.optimize import minimize
+
+    thetas = np.linspace(-math.pi, math.pi, 721) if theta_fixed is None else np.array([theta_fixed])
+    logs = np.linspace(-4, 4, 801) if rho_fixed is None else np.array([math.log(rho_fixed)])
+    T, L = np.meshgrid(thetas, logs)
+    values = f(np.exp(L), T)
+    k = np.unravel_index(values.argmin(), values.shape)
+    free = [v is None for v in (theta_fixed, rho_fixed)]
+
+    def obj(z):
+        t = z[0] if free[0] else theta_fixed
+        r = math.exp(z[-1]) if free[1] else rho_fixed
+        return f(np.array(r), np.array(t))
+
+    x0 = [v for v, keep in zip((T[k], L[k]), free) if keep]
+    if not x0:
+        return float(values[k])
+    return minimize(obj, x0, method="Nelder-Mead", options=dict(xatol=1e-12, fatol=1e-14, maxiter=4000)).fun
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rope_pair_solver_equals_brute_force(seed):
+    from symmerge.core.solvers.rope import pair_objective, solve_pairs
+
+    cp, cm, P, M = _pair_case(seed)
+    results = {mode: solve_pairs(cp, cm, P, M, True, mode) for mode in ("none", "sequential", "joint")}
+    values = {m: pair_objective(r[1], r[0], cp, cm, P, M) for m, r in results.items()}
+    for j in range(len(cp)):
+        def f(rho, theta):
+            w = np.exp(-1j * theta)
+            return rho**2 * P[j].item() + M[j].item() / rho**2 - 2 * (w * (rho * complex(cp[j]) + complex(cm[j]) / rho)).real
+        scale = P[j].item() + M[j].item()
+        assert values["none"][j].item() == pytest.approx(_brute(f, rho_fixed=1.0), abs=1e-9 * scale)
+        theta_seq = results["sequential"][0][j].item()
+        assert values["sequential"][j].item() == pytest.approx(_brute(f, theta_fixed=theta_seq), abs=1e-9 * scale)
+        best = _brute(f)
+        assert values["joint"][j].item() <= best + 1e-9 * scale
+        assert values["joint"][j].item() == pytest.approx(best, abs=1e-7 * scale)
+        assert values["joint"][j] <= values["sequential"][j] + 1e-12 * scale
+        assert values["sequential"][j] <= values["none"][j] + 1e-12 * scale
+
+
+def test_rope_pair_solver_degenerate_cases():
+    from symmerge.core.solvers.rope import solve_pairs
+
+    z = torch.zeros(3, dtype=torch.complex128)
+    P, M = torch.tensor([1.0, 4.0, 2.0], dtype=torch.float64), torch.tensor([16.0, 1.0, 2.0], dtype=torch.float64)
+    theta, rho = solve_pairs(z, z, P, M, True, "joint")
+    torch.testing.assert_close(rho, (M / P) ** 0.25)  # only ρ²P + M/ρ² is left
+    theta, rho = solve_pairs(torch.tensor([1j]), torch.tensor([1j]), torch.ones(1, dtype=torch.float64),
+                             torch.ones(1, dtype=torch.float64), True, "none")
+    assert theta.item() == pytest.approx(math.pi / 2) and rho.item() == 1.0
+
+
+def test_rope_solution_minimises_the_actual_distance():
+    """Solver conventions agree with ``apply``: the solved element, applied to the weights, is closer
+    to the anchor than many random RoPE-commuting elements, and small perturbations only increase it."""
+    from factories import make_model
+    from symmerge.core.apply import apply, random_elements
+    from symmerge.core.solvers.rope import rope_element
+    from symmerge.groups import Options
+    from symmerge.groups.head_orthogonal import HeadElement
+    from symmerge.pipeline.align import instances_for
+    from symmerge.pipeline.engine import solve_local
+
+    a, b = make_model("qwen2", seed=0), make_model("qwen2", seed=5)
+    qk = [i for i in instances_for(a)[1] if i.group.kind == "rope_pairs"]
+    keys = [s.key for i in qk for s in i.slots]
+    sa, sb = a.state_dict(), b.state_dict()
+
+    def dist(sd):
+        return sum((sd[k] - sb[k]).square().sum().item() for k in keys)
+
+    found = solve_local(qk, sa, sb, Options(frozenset({"attn", "rescale"}), "joint"))
+    best = dist(apply(sa, qk, found))
+    assert best < dist(sa)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        assert best <= dist(apply(sa, qk, random_elements(qk, g)))
+    for inst in qk:
+        e = found[inst.name]
+        half = inst.info.rotary // 2
+        tweak = rope_element(torch.full((inst.blocks, half), 1e-3, dtype=torch.float64),
+                             torch.full((inst.blocks, half), 1.001, dtype=torch.float64), None, None, inst.size)
+        moved = dict(found)
+        moved[inst.name] = HeadElement(e.R @ tweak[0], e.a * tweak[1])
+        assert dist(apply(sa, qk, moved)) > best
+
+
+def test_signed_unit_scale_is_brute_force_optimal():
+    from symmerge.core.solvers.rescale import quartic_scale
+
+    g = torch.Generator().manual_seed(1)
+    cp, cm = torch.randn(20, generator=g, dtype=torch.float64), torch.randn(20, generator=g, dtype=torch.float64)
+    p, m = torch.rand(20, generator=g, dtype=torch.float64) + 0.1, torch.rand(20, generator=g, dtype=torch.float64) + 0.1
+    s = quartic_scale(cp, cm, p, m, signed=True)
+    grid = torch.cat([-torch.logspace(-3, 3, 20001, dtype=torch.float64), torch.logspace(-3, 3, 20001, dtype=torch.float64)])
+    f = lambda a: a * a * p[:, None] - 2 * a * cp[:, None] + m[:, None] / (a * a) - 2 * cm[:, None] / a  # noqa: E731
+    assert (f(s[:, None])[:, 0] <= f(grid[None]).min(1).values + 1e-12).all()
+    assert ((s < 0) == (f(grid[None, :20001]).min(1).values < f(grid[None, 20001:]).min(1).values)).all()
+
+
+# ------------------------------------------------------------------ the residual stream's groups
+
+
+def test_signed_permutation_residual_equals_brute_force():
+    from symmerge.core.solvers import signed_permutation_residual
+
+    g = torch.Generator().manual_seed(0)
+    d = 4
+    for _ in range(5):
+        C = torch.randn(d, d, dtype=torch.float64, generator=g)
+        D = torch.rand(d, d, dtype=torch.float64, generator=g)
+        perm, signs = signed_permutation_residual(C, D)
+        mine = sum(signs[j] * C[perm[j], j] + D[perm[j], j] for j in range(d))
+        best = max(sum(s[j] * C[p[j], j] + D[p[j], j] for j in range(d))
+                   for p in itertools.permutations(range(d)) for s in itertools.product((-1, 1), repeat=d))
+        assert mine.item() == pytest.approx(best.item(), abs=1e-12)
+
+
+def test_permutation_residual_equals_brute_force():
+    from symmerge.core.solvers import permutation_residual
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        C, D = torch.randn(5, 5, generator=g, dtype=torch.float64), torch.randn(5, 5, generator=g, dtype=torch.float64)
+        perm = permutation_residual(C, D)
+        best = max(sum(C[p[j], j] + D[p[j], j] for j in range(5)).item() for p in itertools.permutations(range(5)))
+        assert sum(C[perm[j], j] + D[perm[j], j] for j in range(5)).item() == pytest.approx(best, rel=1e-12)
+        assert torch.equal(torch.sort(perm).values, torch.arange(5))
+
+
+# ------------------------------------------------------------------ head permutation × per-head groups
+
+
+@pytest.mark.parametrize("rescale", ["none", "joint"])
+def test_head_pairing_with_per_head_rotations_is_jointly_optimal(rescale):
+    """3 heads: heads + attn (+ rescale) reaches the minimum over all 6 head permutations, each followed
+    by the exactly solved per-head groups: pairing by the optimal per-pair values is exact."""
+    from factories import make_model
+    from symmerge.core.apply import apply
+    from symmerge.core.distance import sq_distance
+    from symmerge.groups import Options
+    from symmerge.groups.heads import HeadPerm
+    from symmerge.pipeline.align import instances_for
+    from symmerge.pipeline.engine import solve_local
+
+    a, b = make_model("bert", seed=0), make_model("bert", seed=4)
+    _, instances = instances_for(a)
+    layer = [i for i in instances if i.layer == 0 and i.group.symmetry in ("heads", "attn")]
+    heads, attn = layer[0], layer[1:]
+    keys = sorted({s.key for i in layer for s in i.slots})
+    sa, sb = a.state_dict(), b.state_dict()
+    syms = {"heads", "attn"} | ({"rescale"} if rescale != "none" else set())
+    found = solve_local(layer, sa, sb, Options(frozenset(syms), rescale))
+    got = sq_distance(apply(sa, layer, found), sb, keys)
+    values = []
+    for p in itertools.permutations(range(3)):
+        perm = torch.tensor(p)
+        moved = apply(sa, [heads], {heads.name: HeadPerm(perm, perm)})
+        rest = solve_local(attn, moved, sb, Options(frozenset(syms - {"heads"}), rescale))
+        values.append(sq_distance(apply(moved, attn, rest), sb, keys))
+    assert got == pytest.approx(min(values), rel=1e-10)
+    assert min(values) < max(values)  # the pairing matters here

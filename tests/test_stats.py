@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from symmerge.align import align
-from symmerge.data import Batch, Data, load_data
-from symmerge.fuse import merge_models
-from symmerge.heads import head_keys
+from symmerge.pipeline.align import align
+from symmerge.io.data import Batch, Data, load_data
+from symmerge.merge.fuse import merge_models
+from symmerge.merge.heads import head_keys
 from symmerge.merge import regmean
-from symmerge.stats import fisher_stats, gram_stats
+from symmerge.merge.statistics import fisher_stats, gram_stats
 
 
 def st_vit(seed: int, dtype=torch.float32):

@@ -11,16 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import add_noise, make_inputs, make_model, output_rel_diff, with_weights
-from symmerge.align import align, instances_for
-from symmerge.apply import apply, random_elements
-from symmerge.checkpoint import LazyCheckpoint, ShardWriter, parse_size
+from conftest import add_noise, make_inputs, output_rel_diff, with_weights
+from factories import make_model
+from symmerge.pipeline.align import align, instances_for
+from symmerge.core.apply import apply, random_elements
+from symmerge.io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
 from symmerge.cli import main
 from symmerge.errors import SymmergeError
-from symmerge.io import load_model
-from symmerge.stream import align_streaming, check_element
-from symmerge.apply import HeadElement, PermElement
-from test_llama_family import decoder
+from symmerge.io.model import load_model
+from symmerge.pipeline.stream import align_streaming
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -30,18 +29,12 @@ def _save(model, folder, shard="20KB"):
     return folder
 
 
-def _pair(kind, dtype, tmp_path):
+def _pair(kind, dtype, tmp_path, symmetries=("attn", "ffn", "rescale")):
     """A model and a disguised noisy copy (hidden group element + noise), saved sharded."""
-    if kind in ("llama", "qwen3"):
-        anchor = decoder(kind, dtype=dtype, seed=0)
-    elif kind == "gpt2":
-        from test_gpt2 import gpt2
-
-        anchor = gpt2(dtype=dtype, seed=0)
-    else:
-        anchor = make_model(kind, dtype=dtype, seed=0)
+    decoder = kind in ("llama", "qwen3", "gpt2")
+    anchor = make_model(kind, head=decoder, dtype=dtype, seed=0, tied=kind == "gpt2" if decoder else None)
     _, insts = instances_for(anchor)
-    local = [i for i in insts if i.group.kind != "residual"]
+    local = [i for i in insts if i.group.symmetry in symmetries and i.kind.per_layer]
     sd = apply(anchor.state_dict(), local, random_elements(local, torch.Generator().manual_seed(3)))
     model = with_weights(anchor, add_noise(sd, 0.01, seed=4)[0])
     return _save(model, tmp_path / "model"), _save(anchor, tmp_path / "anchor"), model, anchor
@@ -78,23 +71,55 @@ def test_stream_equals_in_memory_alignment(kind, dtype, pipeline, tmp_path):
     assert json.loads((out / "symmerge_report.json").read_text())["streamed"] is True
 
 
+@pytest.mark.parametrize("heads", [False, True], ids=["paper", "heads"])
 @pytest.mark.parametrize("kind", ["llama", "bert", "gpt2"])
-def test_components_split_a_layer_into_tensor_disjoint_parts(kind, tmp_path):
-    from symmerge.stream import components, layer_instances
+def test_parts_split_a_layer_into_tensor_disjoint_parts(kind, heads, tmp_path):
+    from symmerge.pipeline.engine import parts
+    from symmerge.pipeline.options import AlignOptions
+    from symmerge.pipeline.stream import layer_instances
 
     model_dir, _, _, _ = _pair(kind, torch.float32, tmp_path)
-    for insts in layer_instances(LazyCheckpoint(model_dir))[1].values():
-        parts = components(insts)
-        keys = [{s.key for i in part for s in i.slots} for part in parts]
-        assert sorted(i.name for p in parts for i in p) == sorted(i.name for i in insts)
+    opts = AlignOptions(symmetries=("heads", "attn", "ffn", "rescale") if heads else ("attn", "ffn", "rescale"))
+    for insts in layer_instances(LazyCheckpoint(model_dir), opts=opts.solver_options())[1].values():
+        split = parts(insts)
+        keys = [{s.key for i in part for s in i.slots} for part in split]
+        assert sorted(i.name for p in split for i in p) == sorted(i.name for i in insts)
         assert all(not (keys[i] & keys[j]) for i in range(len(keys)) for j in range(i + 1, len(keys)))
         # a part is connected: no split of it is tensor-disjoint
-        for part in parts:
+        for part in split:
             for cut in range(1, len(part)):
                 left = {s.key for i in part[:cut] for s in i.slots}
                 assert left & {s.key for i in part[cut:] for s in i.slots}
-        # separate QK / VO / FFN parts, except GPT-2's fused c_attn which couples QK and VO
-        assert len(parts) == (2 if kind == "gpt2" else 3)
+        # separate QK / VO / FFN parts, except where the head permutation couples QK and VO or GPT-2's
+        # fused c_attn does
+        assert len(split) == (2 if kind == "gpt2" or heads else 3)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_stream_with_head_permutation_equals_in_memory(kind, tmp_path):
+    syms = ("heads", "attn", "ffn", "rescale")
+    model_dir, anchor_dir, model, anchor = _pair(kind, torch.float64, tmp_path, symmetries=syms)
+    expected, rep_mem = align(model, anchor, syms)
+    report = align_streaming(model_dir, anchor_dir, tmp_path / "out", symmetries=syms, shard_size="30KB",
+                             progress=False)
+    got, want = _state(tmp_path / "out"), expected.state_dict()
+    for k, t in got.items():
+        torch.testing.assert_close(t, want[k], rtol=1e-9, atol=1e-12)
+    assert report["distance_after"] == pytest.approx(rep_mem["distance_after"], rel=1e-6)
+    assert report["distance_after"] < 0.2 * report["distance_before"]
+
+
+def test_stream_and_in_memory_reports_share_one_schema(tmp_path):
+    model_dir, anchor_dir, model, anchor = _pair("bert", torch.float32, tmp_path)
+    _, mem = align(model, anchor)
+    streamed = align_streaming(model_dir, anchor_dir, tmp_path / "out", progress=False)
+    common = {"family", "model_type", "symmetries", "rescale", "layers", "distance_before", "distance_after",
+              "per_module", "per_layer", "streamed", "mode", "verify", "match_seconds", "seconds"}
+    assert common <= set(mem) and common <= set(streamed)
+    assert mem["streamed"] is False and streamed["streamed"] is True
+    assert set(mem["per_module"]) == set(streamed["per_module"]) and set(mem["per_layer"]) == set(streamed["per_layer"])
+    for name, d in mem["per_module"].items():
+        assert streamed["per_module"][name]["after"] == pytest.approx(d["after"], rel=1e-5), name
 
 
 def test_stream_layers_subset_and_passthrough(tmp_path):
@@ -149,18 +174,6 @@ def test_stream_refuses_bad_input(tmp_path):
         align_streaming(model_dir, anchor_dir, anchor_dir, progress=False)
 
 
-def test_check_element_rejects_invalid_elements():
-    check_element("ok", HeadElement(torch.eye(3, dtype=torch.float64)[None], torch.ones(1, dtype=torch.float64)))
-    with pytest.raises(SymmergeError, match="invalid element"):
-        check_element("r", HeadElement(2 * torch.eye(3, dtype=torch.float64)[None], torch.ones(1, dtype=torch.float64)))
-    with pytest.raises(SymmergeError, match="invalid element"):
-        check_element("a", HeadElement(torch.eye(3, dtype=torch.float64)[None], -torch.ones(1, dtype=torch.float64)))
-    with pytest.raises(SymmergeError, match="bijective"):
-        check_element("p", PermElement(torch.tensor([0, 0, 2])))
-    with pytest.raises(SymmergeError, match="unit scale"):
-        check_element("s", PermElement(torch.tensor([1, 0, 2]), torch.tensor([1.0, 0.0, 2.0])))
-
-
 def test_shard_writer_and_sizes(tmp_path):
     assert parse_size("500MB") == 500 * 10 ** 6 and parse_size("1GiB") == 2 ** 30 and parse_size(123) == 123
     with pytest.raises(SymmergeError):
@@ -196,16 +209,15 @@ def test_bench_streaming_small_end_to_end(tmp_path, capsys):
     assert fig["model"]["num_hidden_layers"] == 2 and fig["shards"] >= 1
     assert fig["peak_rss_gb"] > 0 and fig["read_write_s"] > 0 and fig["compute_s"] > 0
     assert fig["distance_after"] < fig["distance_before"]
-    assert set(fig["stream_stage_s"]) >= {"heads", "cost_gemms", "assignments", "apply_and_check"}
+    assert set(fig["stream_stage_s"]) >= {"read", "write", "costs_and_assignments", "solve attn.qk",
+                                          "check_apply_distances"}
     assert "peak_rss_gb" in capsys.readouterr().out
 
 
 def test_stream_refuses_head_count_mismatch_under_config_aliases(tmp_path):
     """GPT-2 spells the head count ``n_head``: a pair with the same shapes but different head counts
     is refused (one error, no output), not aligned with the wrong head blocks."""
-    from test_gpt2 import gpt2
-
-    a = gpt2(dtype=torch.float32, seed=0)
+    a = make_model("gpt2", head=True, dtype=torch.float32, tied=True)
     cfg = a.config.to_dict()
     cfg["n_head"] = a.config.n_head // 2
     b_dir = _save(a, tmp_path / "b")

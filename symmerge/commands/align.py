@@ -14,8 +14,9 @@ for checkpoints near or above RAM. --device cuda runs the cost GEMMs on a GPU (s
 
 from pathlib import Path
 
-from ..align import align
-from ..io import ensure_output_dir, save_model
+from ..io.model import ensure_output_dir, save_model
+from ..pipeline.align import align_pair
+from ..pipeline.options import AlignOptions
 from ..progress import stage_printer
 
 
@@ -24,7 +25,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("anchor", help="HF model folder of the anchor (left unchanged)")
     parser.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
     parser.add_argument("--symmetries", default="attn,ffn,rescale",
-                        help="comma list of attn, ffn, rescale, residual (default: attn,ffn,rescale; residual is opt-in), or 'none'")
+                        help="comma list of heads, attn, ffn, rescale, residual (default: attn,ffn,rescale; heads and "
+                             "residual are opt-in), or 'none'")
     parser.add_argument("--rescale", choices=["joint", "sequential", "none"], default="joint",
                         help="how per-head scales are solved: joint optimum (default) or the paper's sequential")
     parser.add_argument("--layers", default=None, help="only align these layers, e.g. '0,1,5' (default: all)")
@@ -69,13 +71,12 @@ def run(args) -> int:
     ensure_output_dir(out)  # fail before any expensive work
     if args.stream:
         return run_streaming(args, out)
-    aligned, report = align(
-        args.model, args.anchor, symmetries=args.symmetries, rescale=args.rescale,
-        verify=not args.no_verify, layers=parse_layers(args.layers), verify_tol=args.verify_tol,
-        allow_pickle=args.allow_pickle, progress=stage_printer(),
-    )
+    options = AlignOptions(symmetries=args.symmetries, rescale=args.rescale, verify=not args.no_verify,
+                           layers=parse_layers(args.layers), verify_tol=args.verify_tol)
+    result = align_pair(args.model, args.anchor, options, progress=stage_printer(), allow_pickle=args.allow_pickle)
+    report = result.report
     report.update(model=str(args.model), anchor=str(args.anchor))
-    save_model(aligned, out, src=args.model, report=report)
+    save_model(result.model, out, src=args.model, report=report)
     print(f"distance to anchor: {report['distance_before']:.4f} -> {report['distance_after']:.4f}")
     if report["verify_max_abs_diff"] is not None:
         print(f"equivalence: max |Δoutput| = {report['verify_max_abs_diff']:.3g} "
@@ -86,7 +87,7 @@ def run(args) -> int:
 
 def run_streaming(args, out: Path) -> int:
     from ..errors import SymmergeError
-    from ..stream import align_streaming
+    from ..pipeline.stream import align_streaming
 
     if args.allow_pickle:
         raise SymmergeError("--stream reads safetensors only; convert pickle checkpoints first")

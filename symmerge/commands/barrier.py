@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..io import ensure_output_dir
+from ..io.model import ensure_output_dir
 
 
 def add_arguments(parser) -> None:
@@ -34,7 +34,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..barrier import barrier_study, write_study
+    from ..evaluate.barrier import barrier_study, write_study
 
     out = Path(args.output)
     ensure_output_dir(out)

@@ -25,7 +25,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..demo import run_demo
+    from ..demo.demo import run_demo
 
     run_demo(Path(args.output), seed=args.seed, quick=args.quick, threads=args.threads)
     return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SymmergeError
-from ..io import ensure_output_dir, save_model
+from ..io.model import ensure_output_dir, save_model
 from ..merge import METHODS
 
 
@@ -22,7 +22,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
     parser.add_argument("--method", required=True, help=f"fusion method: {', '.join(sorted(METHODS))}")
     parser.add_argument("--align", default="none",
-                        help="symmetries to align before merging: none (default), attn, attn,ffn, attn,ffn,rescale")
+                        help="symmetries to align before merging: none (default), or a comma list of heads, attn, ffn, "
+                             "rescale, residual (e.g. attn,ffn,rescale)")
     parser.add_argument("--rescale", choices=["joint", "sequential"], default="joint",
                         help="how per-head scales are solved when 'rescale' is aligned")
     parser.add_argument("--anchor", default=None,
@@ -92,23 +93,30 @@ def parse_anchor(text):
         return text
 
 
+def options_from(args):
+    """The :class:`~symmerge.merge.fuse.MergeOptions` the Python API takes, from the parsed arguments."""
+    from ..merge.fuse import MergeOptions
+    from ..pipeline.options import AlignOptions
+
+    return MergeOptions(
+        method=args.method, align=AlignOptions(symmetries=args.align, rescale=args.rescale, verify=not args.no_verify),
+        anchor=parse_anchor(args.anchor), data=list(args.data or []), weights=parse_weights(args.weights),
+        params=parse_params(args.param), base=args.base, heads=args.heads, head_from=args.head_from,
+        device=args.device, fisher_variant=args.fisher, fisher_normalize=args.fisher_normalize,
+        fisher_samples=args.fisher_samples, gram_normalize=not args.gram_sum, batch_size=args.batch_size,
+        max_examples=args.max_examples, max_length=args.max_length, allow_pickle=args.allow_pickle)
+
+
 def run(args) -> int:
-    from ..fuse import merge_models
     from ..merge import get_method
+    from ..merge.fuse import merge_models
 
     out = Path(args.output)
     ensure_output_dir(out)  # fail before any expensive work
     get_method(args.method)
     if len(args.models) < 2:
         raise SymmergeError("merge needs at least two models")
-    model, report = merge_models(
-        args.models, method=args.method, align=args.align, anchor=parse_anchor(args.anchor), data=args.data,
-        weights=parse_weights(args.weights), params=parse_params(args.param), base=args.base, rescale=args.rescale,
-        heads=args.heads, head_from=args.head_from, device=args.device, fisher_variant=args.fisher,
-        fisher_normalize=args.fisher_normalize, fisher_samples=args.fisher_samples, gram_normalize=not args.gram_sum,
-        batch_size=args.batch_size, max_examples=args.max_examples, max_length=args.max_length,
-        verify=not args.no_verify, allow_pickle=args.allow_pickle,
-    )
+    model, report = merge_models(args.models, options=options_from(args))
     src = args.models[report["head"].get("from_index", 0) or 0]
     save_model(model, out, src=src, report=report)
     print(f"merged {len(args.models)} models with {report['method']} "

@@ -1,0 +1,49 @@
+"""Apply group elements to a state dict — the only code that changes weights — and the other loops
+over elements (canonical form, random and identity elements, validity checks). Kind-agnostic: each
+instance's kind does the work."""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply(state_dict: dict, instances, elements: dict) -> dict:
+    """A new state dict with every instance's element applied, in instance order (untouched tensors
+    are shared; a tensor's declared aliases receive the same new tensor)."""
+    out = dict(state_dict)
+    for inst in instances:
+        element = elements.get(inst.name)
+        if element is None:
+            continue
+        kind = inst.kind
+        for slot in inst.slots:
+            new = kind.transform(out[slot.key], slot, inst, element)
+            out[slot.key] = new
+            for alias in slot.aliases:
+                out[alias] = new
+    return out
+
+
+def canonicalize(state_dict: dict, instances) -> dict:
+    """The same function in the parameterisation the instances' groups act on (the residual stream
+    folds its norms into their readers); a no-op for most kinds."""
+    out = state_dict
+    for inst in instances:
+        out = inst.kind.canonicalize(out, inst)
+    return out
+
+
+def random_elements(instances, generator: torch.Generator, scale: bool = True) -> dict:
+    """A random group element for every instance (Haar rotations, log-normal scales, permutations)."""
+    return {inst.name: inst.kind.random(inst, generator, scale) for inst in instances}
+
+
+def identity_elements(instances) -> dict:
+    return {inst.name: inst.kind.identity(inst) for inst in instances}
+
+
+def check_elements(instances, elements: dict, tol: float = 1e-6) -> None:
+    """Raise unless every element is a valid group element (hence function-preserving when applied)."""
+    for inst in instances:
+        if inst.name in elements:
+            inst.kind.check(inst, elements[inst.name], tol)

@@ -1,0 +1,205 @@
+"""Bind a spec to a concrete state dict: real tensor names, layers, head counts — for every kind.
+
+:func:`resolve` loops over layers and groups and asks each group's kind to bind it
+(:meth:`symmerge.groups.base.Kind.bind`); kinds use the generic helpers of :class:`Binding` (slots of
+one layer, slots of the whole model, key templates, declared ties). Nothing here knows a kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..errors import SymmergeError
+from .instance import Instance, Slot
+from .spec import Group, Member, Spec
+
+
+def find_prefix(spec: Spec, keys) -> str:
+    """Prefix of the base model inside the state dict ('' for AutoModel, 'bert.' for task models)."""
+    probe = spec.probe.format(i=0)
+    hits = sorted(k[: -len(probe)] for k in keys if k.endswith(probe) and (k == probe or k[-len(probe) - 1] == "."))
+    if len(hits) != 1:
+        raise SymmergeError(
+            f"cannot locate the {spec.family} layers in the checkpoint (looked for '*{probe}', found {len(hits)})"
+        )
+    return hits[0]
+
+
+@dataclass
+class Binding:
+    """What a kind needs to bind a group: the state dict (real or shape-only ``meta`` tensors), the
+    base-model prefix, layer and head counts, rotary dims, declared ties ``{alias: source}``, and the
+    residual-group choice (``largest`` or ``permutation``)."""
+
+    spec: Spec
+    state_dict: dict
+    prefix: str
+    num_layers: int
+    heads: dict
+    rotary_dim: int | None = None
+    ties: dict = field(default_factory=dict)
+    residual: str = "permutation"
+    disk_names: dict = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- names
+    def key_of(self, template: str, layer=None, root: bool = False) -> str:
+        name = template if root else self.prefix + template
+        return name.format(i=layer) if "{i}" in name else name
+
+    def disk(self, key: str) -> str:
+        """The name a tensor has in the checkpoint files (for messages)."""
+        return self.disk_names.get(key, key)
+
+    def layers_of(self, template: str) -> list:
+        return list(range(self.num_layers)) if "{i}" in template else [None]
+
+    def alias_source(self, key: str) -> str | None:
+        return self.ties.get(key)
+
+    def aliases_of(self, key: str) -> tuple[str, ...]:
+        return tuple(a for a, s in self.ties.items() if s == key and a in self.state_dict)
+
+    def reads_stream(self, group: Group) -> bool:
+        """Whether a task head (a member outside the base model) reads the group's stream: without
+        one, the model's output is the stream itself."""
+        return any(self.key_of(m.name, i, True) in self.state_dict
+                   for m in group.members if m.root for i in self.layers_of(m.name))
+
+    def with_info(self, inst: Instance, info) -> Instance:
+        return replace(inst, info=info)
+
+    # ---------------------------------------------------------------- slots
+    def _length(self, s: Slot) -> int:
+        return s.length if s.length is not None else self.state_dict[s.key].shape[s.axis]
+
+    def _slot(self, key: str, m: Member, blocks: int | None) -> Slot:
+        t = self.state_dict[key]
+        if not 0 <= m.axis < t.dim():
+            raise SymmergeError(f"{self.disk(key)}: has no axis {m.axis}")
+        k, n = m.chunk
+        total = t.shape[m.axis]
+        if total % n:
+            raise SymmergeError(f"{self.disk(key)}: axis {m.axis} of size {total} does not split into {n} equal parts")
+        repeat = 1
+        if blocks is not None:
+            if self.heads[m.heads] % blocks:
+                raise SymmergeError(f"{self.disk(key)}: {self.heads[m.heads]} heads cannot share {blocks} group elements")
+            repeat = self.heads[m.heads] // blocks
+        length = total // n
+        return Slot(key, m.axis, m.power, k * length, length if n > 1 else None, repeat, m.diag,
+                    self.aliases_of(key))
+
+    def _missing(self, key: str) -> SymmergeError:
+        return SymmergeError(f"checkpoint lacks tensor {self.disk(key)!r} expected by the {self.spec.family} spec")
+
+    def instance(self, group: Group, layer: int, blocked: bool) -> Instance:
+        """The instance of a per-layer group: its slots in ``layer``, split into head blocks when
+        ``blocked`` (all members must agree on the block size)."""
+        blocks = self.heads[group.heads] if blocked else 1
+        slots = []
+        for m in group.members:
+            key = self.key_of(m.name, layer, m.root)
+            if key not in self.state_dict:
+                if m.optional:
+                    continue
+                raise self._missing(key)
+            slots.append(self._slot(key, m, blocks if blocked else None))
+        sizes = []
+        for s in slots:
+            member_heads = blocks * s.repeat
+            n = self._length(s)
+            if n % member_heads:
+                raise SymmergeError(f"{self.disk(s.key)}: {n} rows do not split into {member_heads} heads")
+            sizes.append(n // member_heads)
+        if len(set(sizes)) != 1:
+            bad = next(s for s, z in zip(slots, sizes) if z != sizes[0])
+            raise SymmergeError(f"{self.disk(bad.key)}: axis {bad.axis} does not match {self.disk(slots[0].key)} ({sizes})")
+        return Instance(f"layer.{layer}.{group.name}", layer, group, tuple(slots), blocks, sizes[0])
+
+    def model_instance(self, group: Group) -> Instance:
+        """The model-wide instance of a group whose members span every layer and the tensors outside
+        them; declared aliases (tied copies) are not slots of their own but follow their source."""
+        slots = []
+        for m in group.members:
+            for i in self.layers_of(m.name):
+                key = self.key_of(m.name, i, m.root)
+                if key in self.state_dict:
+                    if self.alias_source(key) is None:
+                        slots.append(self._slot(key, m, None))
+                elif not m.optional:
+                    raise self._missing(key)
+        d = self._length(slots[0])
+        for s in slots:
+            if self._length(s) != d:
+                raise SymmergeError(f"{self.disk(s.key)}: axis {s.axis} has size {self._length(s)}, expected {d}")
+        return Instance(group.name, -1, group, tuple(slots), 1, d)
+
+
+def declared_ties(model) -> dict:
+    """``{alias: source}`` of the weights the model class declares tied under its config
+    (transformers' ``all_tied_weights_keys``: e.g. ``lm_head.weight`` → ``model.embed_tokens.weight``
+    when ``tie_word_embeddings`` is set)."""
+    ties = getattr(model, "all_tied_weights_keys", None) or {}
+    return {str(a): str(s) for a, s in dict(ties).items()}
+
+
+def config_sizes(spec: Spec, config) -> dict:
+    """Layer and head counts (and rotary dims) from a transformers config, as ``resolve`` keywords."""
+    heads = config.num_attention_heads
+    sizes = dict(num_layers=config.num_hidden_layers, num_heads=heads,
+                 num_kv_heads=getattr(config, "num_key_value_heads", None) or heads)
+    if spec.partial_rotary:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+        sizes["rotary_dim"] = int(head_dim * factor)
+    return sizes
+
+
+def value_keys(spec: Spec, keys, num_layers: int) -> list[str]:
+    """Tensors whose values (not only shapes) binding reads: per-head QK norms (Qwen3)."""
+    norms = [n for g in spec.groups for n in g.param("pair_norms", ())]
+    if not norms:
+        return []
+    keys = set(keys)
+    prefix = find_prefix(spec, keys)
+    return [k for i in range(num_layers) for n in norms if (k := prefix + n.format(i=i)) in keys]
+
+
+def resolve(spec: Spec, state_dict, num_layers: int, num_heads: int, layers=None, *, num_kv_heads: int | None = None,
+            rotary_dim: int | None = None, model_wide: bool = True, ties: dict | None = None,
+            residual: str = "permutation", disk_names: dict | None = None) -> list[Instance]:
+    """All group instances of ``spec`` in ``state_dict``, per-layer groups first (in the spec's order)
+    and model-wide groups last. ``layers``: only these layer indices (model-wide groups always span
+    every layer); ``num_kv_heads``: KV heads (GQA; default ``num_heads``); ``rotary_dim``: rotary dims
+    per head (default: the head dim); ``model_wide=False``: leave the model-wide groups out (they read
+    norm values, so they need real tensors); ``ties``: declared ``{alias: source}``."""
+    from ..groups import get_kind
+
+    prefix = find_prefix(spec, state_dict.keys())
+    heads = {"query": num_heads, "kv": num_kv_heads or num_heads}
+    ctx = Binding(spec, state_dict, prefix, num_layers, heads, rotary_dim, dict(ties or {}), residual,
+                  dict(disk_names or {}))
+    for template, reason in spec.unsupported:
+        if any(ctx.key_of(template, i) in state_dict for i in range(num_layers)):
+            raise SymmergeError(f"{spec.family} models with {reason} are not supported")
+    if heads["query"] % heads["kv"]:
+        raise SymmergeError(f"{num_heads} attention heads do not split into {heads['kv']} key/value heads")
+    chosen = range(num_layers) if layers is None else layers
+    out = []
+    for i in chosen:
+        if not 0 <= i < num_layers:
+            raise SymmergeError(f"layer {i} out of range: the model has {num_layers} layers")
+        for group in spec.groups:
+            kind = get_kind(group.kind)
+            if kind.per_layer:
+                inst = kind.bind(group, ctx, i)
+                if inst is not None:
+                    out.append(inst)
+    if model_wide:
+        for group in spec.groups:
+            kind = get_kind(group.kind)
+            if not kind.per_layer:
+                inst = kind.bind(group, ctx, None)
+                if inst is not None:
+                    out.append(inst)
+    return out

@@ -1,0 +1,84 @@
+"""Tensor views of a slot (the part of a tensor a group acts on) and the working precisions.
+
+Two precision rules, written once:
+
+* :func:`precise_dtype` — for group elements and transforms: float64, except for checkpoints held
+  in 16 bits (float32 there: the result is rounded to 8 or 11 mantissa bits anyway, and a float64
+  copy of a large layer would double its memory).
+* :func:`fast_dtype` — for cost matrices whose optimum only needs the order of the costs
+  (assignments, the residual stream's direction): float64 if any operand is float64, else float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .instance import Slot
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def precise_dtype(*tensors) -> torch.dtype:
+    return torch.float32 if tensors and all(t.dtype in HALF for t in tensors) else torch.float64
+
+
+def fast_dtype(*tensors) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def segment(t: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """The slot's slice of its axis, moved first (a view)."""
+    x = t.detach().movedim(slot.axis, 0)
+    return x if slot.length is None else x[slot.start: slot.start + slot.length]
+
+
+def slot_length(t: torch.Tensor, slot: Slot) -> int:
+    return slot.length if slot.length is not None else t.shape[slot.axis]
+
+
+def slot_blocks(t: torch.Tensor, slot: Slot, blocks: int, dtype=torch.float64) -> torch.Tensor:
+    """The slot as (blocks, block_size, rest) in ``dtype``; with ``repeat`` r > 1 the r member heads of
+    a group head are stacked along ``rest`` (GQA: query heads sharing a KV head's element)."""
+    x = segment(t, slot).to(dtype)
+    r = slot.repeat
+    x = x.reshape(blocks, r, x.shape[0] // (blocks * r), -1)
+    return x.transpose(1, 2).reshape(blocks, x.shape[2], -1)
+
+
+def unit_matrix(t: torch.Tensor, slot: Slot, dtype=None) -> torch.Tensor:
+    """The slot's units as rows (n, rest), converted to ``dtype`` (None: as stored, a view if it can)."""
+    x = segment(t, slot)
+    x = x.reshape(x.shape[0], -1)
+    return x if dtype is None else x.to(dtype)
+
+
+def with_segment(t: torch.Tensor, slot: Slot, new: torch.Tensor) -> torch.Tensor:
+    """A new tensor: ``t`` with the slot's segment replaced by ``new`` (axis first, any dtype)."""
+    new = new.to(t.dtype)
+    if slot.length is None:
+        return new.movedim(0, slot.axis).contiguous()
+    out = t.detach().movedim(slot.axis, 0).clone()
+    out[slot.start: slot.start + slot.length] = new
+    return out.movedim(0, slot.axis).contiguous()
+
+
+def index_axis(t: torch.Tensor, slot: Slot, index: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of the slot's axis re-indexed (``new[j] = old[index[j]]``), optionally times ``factor[j]``:
+    exact (no arithmetic unless a factor is given), and without transposed copies of whole tensors."""
+    if slot.length is None:
+        y = t.detach().index_select(slot.axis, index.to(t.device))
+        if factor is not None:
+            shape = [1] * y.dim()
+            shape[slot.axis] = -1
+            y = y * factor.to(device=y.device, dtype=precise_dtype(t)).reshape(shape)
+        return y.to(t.dtype).contiguous()
+    seg = segment(t, slot).index_select(0, index.to(t.device))
+    if factor is not None:
+        seg = seg.to(precise_dtype(t)) * factor.to(device=seg.device, dtype=precise_dtype(t)).reshape(
+            -1, *([1] * (seg.dim() - 1)))
+    return with_segment(t, slot, seg)
+
+
+def block_index(perm: torch.Tensor, block: int) -> torch.Tensor:
+    """Row index that moves whole blocks of ``block`` rows: new block j = old block ``perm[j]``."""
+    return (perm[:, None] * block + torch.arange(block)[None]).reshape(-1)

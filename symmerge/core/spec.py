@@ -1,0 +1,80 @@
+"""Symmetry specs as data: which tensors and axes each symmetry group acts on.
+
+A spec is generated from a family's *roles* (:mod:`symmerge.families`); nothing here knows a model.
+Every group acts on a list of *members*; a member is one tensor and the axis that carries the
+group's index (axis 0: output rows of a ``nn.Linear`` weight, or a bias; axis 1: input columns of a
+weight). ``power`` is the exponent of the group's scalar rescale on that tensor. What a group *does*
+to its members is its kind's business (:mod:`symmerge.groups`, one module per kind).
+
+Member options for fused and grouped layouts:
+
+* ``chunk=(k, n)``: the member is the ``k``-th of ``n`` equal consecutive slices along its axis (GPT-2's
+  ``c_attn`` holds Q, K, V as column blocks 0, 1, 2 of 3).
+* ``heads="query"`` / ``"kv"``: which head count the member is split into. Head groups act per *group
+  head* (``Group.heads``): ``"kv"`` groups (GQA) share one element among the ``H / H_kv`` query heads
+  of a KV head (query head ``h`` uses KV head ``h // (H / H_kv)``).
+* ``root=True``: the name is a full state-dict key outside the base model (``lm_head.weight``).
+* ``diag=True``: a norm weight, transformed by the residual stream's group as a diagonal matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Member:
+    """One tensor a group acts on; ``name`` is a template with ``{i}`` for the layer index."""
+
+    name: str
+    axis: int
+    power: int = 1
+    optional: bool = False  # biases may be absent (bias=False configs), task heads may be absent
+    chunk: tuple[int, int] = (0, 1)  # (k, n): k-th of n equal consecutive slices along the axis
+    heads: str = "query"  # head count the member is split into: "query" or "kv"
+    root: bool = False  # name is a full key outside the base model (task heads)
+    diag: bool = False  # a norm weight (residual group): transformed as a diagonal matrix
+
+
+@dataclass(frozen=True)
+class Fold:
+    """A norm whose weight (``γ``) and bias (``β``, LayerNorm) fold into the tensors that read its
+    output: ``W ← W diag(γ)`` on the reader's input axis, ``b ← b + W β`` where the reader has a bias."""
+
+    weight: str
+    readers: tuple[Member, ...]
+    bias: str | None = None  # LayerNorm's β (None: RMSNorm)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A symmetry group (per layer, or model-wide for the residual stream).
+
+    ``kind`` names the group kind (:mod:`symmerge.groups`); ``symmetry`` is the user-facing switch
+    (``--symmetries``) that turns it on; ``params`` holds kind-specific options as (name, value)
+    pairs (e.g. ``unit_scale``, ``pair_norms``, ``couples``)."""
+
+    name: str
+    kind: str
+    symmetry: str
+    members: tuple[Member, ...]
+    heads: str = "query"  # head groups: one element per query head or per KV head (GQA)
+    params: tuple[tuple[str, object], ...] = ()
+
+    def param(self, key: str, default=None):
+        return dict(self.params).get(key, default)
+
+
+@dataclass(frozen=True)
+class Spec:
+    family: str
+    model_types: tuple[str, ...]
+    groups: tuple[Group, ...]
+    inputs: str = "text"  # "text" (input_ids) or "image" (pixel_values)
+    folds: tuple[Fold, ...] = ()  # norms folded into their readers before an orthogonal stream transform
+    partial_rotary: bool = False  # the model honours rope_parameters["partial_rotary_factor"]
+    unsupported: tuple[tuple[str, str], ...] = ()  # (tensor template, reason): refuse checkpoints holding it
+    probe: str = ""  # a tensor template every checkpoint of the family holds (locates the base model)
+
+    def group(self, name: str) -> Group | None:
+        return next((g for g in self.groups if g.name == name), None)

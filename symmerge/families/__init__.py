@@ -1,0 +1,28 @@
+"""Architecture families: one module each, stating the roles of the family's tensors
+(:mod:`symmerge.families.roles`); the symmetry groups are generated from them."""
+
+from __future__ import annotations
+
+from ..core.spec import Spec
+from ..errors import SymmergeError
+from . import bert, deberta, distilbert, gpt2, llama, phi, vit
+
+SPECS: tuple[Spec, ...] = (bert.SPEC, distilbert.SPEC, deberta.SPEC, vit.SPEC, gpt2.SPEC, llama.LLAMA, llama.QWEN3,
+                           phi.SPEC)
+
+# user-facing symmetry names (``--symmetries``), in the order groups are solved
+SYMMETRIES = ("heads", "attn", "ffn", "rescale", "residual")
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for s in SPECS for t in s.model_types)
+
+
+def spec_for(model_type: str) -> Spec:
+    for spec in SPECS:
+        if model_type in spec.model_types:
+            return spec
+    raise SymmergeError(f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}")
+
+
+__all__ = ["SPECS", "SYMMETRIES", "spec_for", "supported_model_types"]

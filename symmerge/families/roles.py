@@ -1,0 +1,155 @@
+"""Families as data: a family states the *roles* of its tensors once; its symmetry groups follow.
+
+Roles (module names relative to one layer, ``{i}`` filled in later):
+
+* :class:`Attention` — the query/key/value inputs and the output (or GPT-2's fused ``c_attn``),
+  rotary embeddings, grouped key/value heads, per-head q/k norms, DeBERTa's relative-position
+  projections;
+* :class:`MLP` — the modules producing the hidden units (``up``/``fc1``, SwiGLU's ``gate``) and the one
+  consuming them;
+* :class:`Stream` — the residual stream: its norm (LayerNorm / RMSNorm, pre / post), the layer norms and
+  which block each feeds, the embeddings writing the stream, the final norm and the task heads and
+  other tensors reading it.
+
+:func:`build` turns them into a :class:`~symmerge.core.spec.Spec`: head permutation (``heads``), the
+QK and VO groups (``attn``; RoPE pairs where there are rotary embeddings), the FFN permutation
+(``ffn``; with a unit scale for SwiGLU) and the residual stream (``residual``), plus the norm folds.
+Tied weights are not stated here: they are what the model class declares (``all_tied_weights_keys``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.spec import Fold, Group, Member, Spec
+
+
+@dataclass(frozen=True)
+class Attention:
+    q: str = ""
+    k: str = ""
+    v: str = ""
+    o: str = ""
+    fused: str = ""  # one module holding Q, K, V as thirds of its output (GPT-2's Conv1D c_attn)
+    extra_q: tuple[str, ...] = ()  # optional modules in the query head space (DeBERTa pos_query_proj)
+    extra_k: tuple[str, ...] = ()  # ... and in the key head space (pos_key_proj)
+    rope: bool = False  # rotary position embeddings (rotate_half layout)
+    grouped: bool = False  # k, v split into key/value heads (GQA): one element per KV head
+    pair_norms: tuple[str, ...] = ()  # per-head norms between the projection and RoPE (Qwen3 q_norm/k_norm)
+
+
+@dataclass(frozen=True)
+class MLP:
+    inputs: tuple[str, ...]  # modules producing the hidden units from the stream (fc1 / up)
+    output: str  # the module consuming them (fc2 / down)
+    gate: str = ""  # SwiGLU's gate: permuted with the units, no scale; 'inputs' get a unit scale s ≠ 0
+
+
+@dataclass(frozen=True)
+class Stream:
+    norm: str  # "layernorm" or "rmsnorm"
+    placement: str  # "pre" (norm before each block, a final norm) or "post" (norm after each residual add)
+    embeddings: tuple[Member, ...]  # tensors writing the stream outside the layers (axis: the hidden one)
+    norms: tuple[tuple[str, str], ...]  # per layer: (norm module, the block it feeds: "attn", "mlp", "both")
+    final: str = ""  # final norm module (pre-LN), read by the heads
+    heads: tuple[Member, ...] = ()  # tensors outside the layers reading the stream (root: task heads)
+    others: tuple[Member, ...] = ()  # further stream members outside the layers (e.g. embedding norms)
+
+
+@dataclass(frozen=True)
+class Layout:
+    conv1d: bool = False  # GPT-2's Conv1D: weight is in × out (outputs on axis 1, inputs on axis 0)
+
+    @property
+    def out_axis(self) -> int:
+        return 1 if self.conv1d else 0
+
+    @property
+    def in_axis(self) -> int:
+        return 0 if self.conv1d else 1
+
+
+def rows(module: str, power: int = 1, heads: str = "query", layout: Layout = Layout(), chunk=(0, 1),
+         optional: bool = False) -> tuple[Member, ...]:
+    """A Linear's outputs: its weight on the output axis and its (optional) bias."""
+    return (Member(f"{module}.weight", layout.out_axis, power, optional=optional, chunk=chunk, heads=heads),
+            Member(f"{module}.bias", 0, power, optional=True, chunk=chunk, heads=heads))
+
+
+def columns(module: str, power: int = 1, heads: str = "query", layout: Layout = Layout()) -> tuple[Member, ...]:
+    """A Linear's inputs: its weight on the input axis."""
+    return (Member(f"{module}.weight", layout.in_axis, power, heads=heads),)
+
+
+def _attention_groups(p: str, att: Attention, layout: Layout) -> tuple[Group, ...]:
+    kv = "kv" if att.grouped else "query"
+    if att.fused:
+        q, k, v = (rows(p + att.fused, power, layout=layout, chunk=(c, 3)) for c, power in ((0, 1), (1, -1), (2, 1)))
+    else:
+        q, k, v = rows(p + att.q, 1), rows(p + att.k, -1, kv), rows(p + att.v, 1, kv)
+    for name in att.extra_q:
+        q += rows(p + name, 1, optional=True)
+    for name in att.extra_k:
+        k += rows(p + name, -1, optional=True)
+    o = columns(p + att.o, -1, layout=layout)
+    qk_kind = "rope_pairs" if att.rope else "head_orthogonal"
+    params = (("pair_norms", tuple(p + n for n in att.pair_norms)),) if att.pair_norms else ()
+    qk = Group("attn.qk", qk_kind, "attn", q + k, heads=kv, params=params)
+    vo = Group("attn.vo", "head_orthogonal", "attn", v + o, heads=kv)
+    heads = Group("heads", "heads", "heads", q + k + v + o, heads=kv, params=(("couples", ("attn.qk", "attn.vo")),))
+    return heads, qk, vo
+
+
+def _mlp_group(p: str, mlp: MLP, layout: Layout) -> Group:
+    members: tuple[Member, ...] = rows(p + mlp.gate, 0, layout=layout) if mlp.gate else ()
+    for name in mlp.inputs:
+        members += rows(p + name, 1, layout=layout)
+    members += columns(p + mlp.output, -1, layout=layout)
+    return Group("ffn", "permutation", "ffn", members, params=(("unit_scale", "nonzero"),) if mlp.gate else ())
+
+
+def _readers(p: str, att: Attention, mlp: MLP, block: str, layout: Layout) -> tuple[Member, ...]:
+    """The weights reading the output of a norm that feeds ``block`` ("attn", "mlp" or "both"), at
+    their input axis (power 0: a scale of the stream does not reach them through the norm)."""
+    attn = (att.fused,) if att.fused else (att.q, att.k, att.v)
+    mods = (attn if block in ("attn", "both") else ()) + \
+        ((mlp.gate,) * bool(mlp.gate) + mlp.inputs if block in ("mlp", "both") else ())
+    return tuple(m for name in mods for m in columns(p + name, 0, layout=layout))
+
+
+def _stream_group(p: str, att: Attention, mlp: MLP, stream: Stream, layout: Layout) -> tuple[Group, tuple[Fold, ...]]:
+    members = tuple(stream.embeddings)
+    members += _readers(p, att, mlp, "both", layout)
+    for w in (att.o, mlp.output):  # writers: output rows and bias (power +1: they carry a scale of the stream)
+        members += rows(p + w, 1, layout=layout)
+    norms = [p + n for n, _ in stream.norms] + ([stream.final] if stream.final else [])
+    for n in norms:
+        members += (Member(n + ".weight", 0, 0, diag=True),)
+        if stream.norm == "layernorm":
+            members += (Member(n + ".bias", 0, 0, optional=True),)
+    members += tuple(stream.heads) + tuple(stream.others)
+    params = (("norm", stream.norm), ("placement", stream.placement))
+    folds: tuple[Fold, ...] = ()
+    if stream.placement == "pre":
+        bias = (lambda n: n + ".bias") if stream.norm == "layernorm" else (lambda n: None)
+        folds = tuple(Fold(p + n + ".weight", _readers(p, att, mlp, block, layout), bias(p + n))
+                      for n, block in stream.norms)
+        if stream.final:
+            folds += (Fold(stream.final + ".weight", tuple(stream.heads), bias(stream.final)),)
+    return Group("residual", "residual", "residual", members, params=params), folds
+
+
+def build(family: str, model_types: tuple[str, ...], layer: str, attention: Attention, mlp: MLP,
+          stream: Stream | None = None, inputs: str = "text", conv1d: bool = False,
+          partial_rotary: bool = False, unsupported: tuple[tuple[str, str], ...] = ()) -> Spec:
+    """The spec of a family from its roles; ``layer`` is the template of one layer's module path."""
+    layout = Layout(conv1d)
+    p = layer + "."
+    groups = _attention_groups(p, attention, layout) + (_mlp_group(p, mlp, layout),)
+    folds: tuple[Fold, ...] = ()
+    if stream is not None:
+        residual, folds = _stream_group(p, attention, mlp, stream, layout)
+        groups += (residual,)
+    probe = f"{p}{attention.fused or attention.q}.weight"
+    return Spec(family, tuple(model_types), groups, inputs, folds, partial_rotary,
+                tuple((p + t if not t.startswith("/") else t[1:], r) for t, r in unsupported), probe)

@@ -1,0 +1,122 @@
+"""What a group kind is: one class per kind, one module per class, one registry.
+
+A kind owns everything that depends on what its group *does*:
+
+* its element type (a small dataclass in the kind's module) and :meth:`Kind.identity`;
+* :meth:`Kind.bind` — how a :class:`~symmerge.core.spec.Group` binds to a concrete state dict
+  (slots, head blocks, kind-specific facts such as RoPE pairs or which norms fold);
+* :meth:`Kind.active` — whether the chosen options (``--symmetries``, ``--rescale``) ask for it;
+* :meth:`Kind.prepare` / :meth:`Kind.complete` — its cost and exact solver, batched over instances.
+  ``prepare`` does the costly, read-once part (for a permutation: the cost matrix and its
+  assignment; it may be handed on-demand mappings that read a tensor each time it is asked for),
+  ``complete`` the rest (unit scales) with the tensors in memory;
+* :meth:`Kind.transform` — how an element changes one member tensor;
+* :meth:`Kind.random` and :meth:`Kind.check` — a random element (tests) and a validity check (a valid
+  element preserves the function exactly; the tests prove it for every family);
+* :meth:`Kind.canonicalize` — a function-preserving change of parameterisation done before solving
+  (the residual stream folds its norms);
+* optionally :meth:`Kind.block_costs` — for head kinds, the exact optimum of the group for any pairing
+  of a head of the moved model with a head of the anchor (used to pair heads: the ``heads`` kind).
+
+The loops over kinds (:mod:`symmerge.core.resolve`, :mod:`symmerge.core.apply`,
+:mod:`symmerge.pipeline.engine`) know no kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+RESCALE_MODES = ("joint", "sequential", "none")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the solvers need to know: the user-facing symmetries turned on, the rescale mode (``none``
+    unless ``rescale`` is among the symmetries) and where cost GEMMs run."""
+
+    symmetries: frozenset = field(default_factory=frozenset)
+    rescale: str = "none"
+    device: object = None
+
+    @property
+    def rotate(self) -> bool:
+        return "attn" in self.symmetries
+
+
+class Kind:
+    name = ""
+    per_layer = True  # False: one model-wide instance (the residual stream)
+    blocked = False  # the group is split into per-head blocks (blocks = the group's head count)
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, group, ctx, layer):
+        """The instance of ``group`` in ``layer`` (or model-wide when not ``per_layer``), or None when
+        the group does not apply to this checkpoint. ``ctx`` is a :class:`symmerge.core.resolve.Binding`."""
+        return ctx.instance(group, layer, blocked=self.blocked)
+
+    def active(self, inst, opts: Options) -> bool:
+        return inst.group.symmetry in opts.symmetries
+
+    # ------------------------------------------------------------------ solving
+    def prepare(self, insts, sd_a, sd_b, opts: Options, ctx=None):
+        """Costly part of the solve (default: nothing)."""
+        return None
+
+    def complete(self, insts, prepared, sd_a, sd_b, opts: Options, ctx=None) -> dict:
+        """``{instance name: element}`` moving ``sd_a`` closest (L2) to ``sd_b``."""
+        raise NotImplementedError
+
+    def solve(self, insts, sd_a, sd_b, opts: Options, ctx=None) -> dict:
+        return self.complete(insts, self.prepare(insts, sd_a, sd_b, opts, ctx), sd_a, sd_b, opts, ctx)
+
+    streams_costs = False  # prepare() reads each member once and may be given on-demand mappings
+
+    # ------------------------------------------------------------------ elements
+    def identity(self, inst):
+        raise NotImplementedError
+
+    def random(self, inst, generator: torch.Generator, scale: bool = True):
+        raise NotImplementedError
+
+    def check(self, inst, element, tol: float = 1e-6) -> None:
+        """Raise :class:`~symmerge.errors.SymmergeError` unless ``element`` is a valid element."""
+
+    def transform(self, t: torch.Tensor, slot, inst, element) -> torch.Tensor:
+        raise NotImplementedError
+
+    def canonicalize(self, state_dict: dict, inst) -> dict:
+        return state_dict
+
+    def sides(self, inst) -> list[tuple]:
+        """The slots grouped by the role they play (e.g. Q side / K side): applying an element to
+        some sides only must break the function (the tests' generic negative control)."""
+        keys = sorted({(s.power, s.diag) for s in inst.slots})
+        return [tuple(s for s in inst.slots if (s.power, s.diag) == k) for k in keys]
+
+
+def scales(n, generator, scale: bool, *shape) -> torch.Tensor:
+    """Log-normal random scales (ones when ``scale`` is False)."""
+    if not scale:
+        return torch.ones(n, *shape, dtype=torch.float64)
+    return torch.exp(0.3 * torch.randn(n, *shape, dtype=torch.float64, generator=generator))
+
+
+def haar(n: int, d: int, generator: torch.Generator) -> torch.Tensor:
+    """``n`` Haar-random orthogonal d × d matrices."""
+    g = torch.randn(n, d, d, dtype=torch.float64, generator=generator)
+    q, r = torch.linalg.qr(g)
+    return q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]
+
+
+def orthogonality_error(R: torch.Tensor) -> float:
+    R = R.double()
+    if not R.numel():
+        return 0.0
+    eye = torch.eye(R.shape[-1], dtype=torch.float64)
+    return (R.mT @ R - eye).abs().max().item()
+
+
+def is_permutation(p: torch.Tensor, n: int) -> bool:
+    return p.dim() == 1 and len(p) == n and torch.equal(torch.sort(p).values, torch.arange(n))

@@ -1,0 +1,162 @@
+"""Per-head orthogonal rotation + scalar rescale (the paper's attention symmetry).
+
+Per head ``h`` an orthogonal ``R_h`` and a scale ``a_h > 0``. Each member's head block ``X_h``
+(``d_h`` x rest, head index on the member's axis) becomes ``a_h**power R_hᵀ X_h``.
+QK: ``W_Q, b_Q`` (power +1) and ``W_K, b_K`` (power -1) — ``(aQR)(KR/a)ᵀ = QKᵀ``.
+VO: ``W_V, b_V`` (power +1) and the head's column block of ``W_O`` (power -1).
+
+Best element (moved model 1 to anchor 2), with ``Mp = Σ₊ X1 X2ᵀ``, ``Mm = Σ₋ X1 X2ᵀ`` and the
+squared norms ``n1p, n1m`` of the moved blocks: rotation only — Procrustes of ``Mp + Mm`` (paper
+Algorithm 1); ``sequential`` — that rotation, then the best scale (paper eq. 11–12); ``joint`` — the
+exact joint optimum (:mod:`symmerge.core.solvers.rescale`). All heads of all given instances are
+solved in one batched SVD.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..core.slots import precise_dtype, segment, slot_blocks, with_segment
+from ..core.solvers import joint_scale, procrustes, scale_for_rotation, sequential_scale
+from ..core.solvers.rescale import head_objective
+from ..errors import SymmergeError
+from .base import Kind, haar, orthogonality_error, scales
+
+
+@dataclass
+class HeadElement:
+    """Per group head: orthogonal ``R`` (H, d, d) and scale ``a`` (H,), or per dimension (H, d)
+    (RoPE groups: one scale per frequency pair)."""
+
+    R: torch.Tensor
+    a: torch.Tensor
+
+    @staticmethod
+    def identity(heads: int, d: int) -> "HeadElement":
+        eye = torch.eye(d, dtype=torch.float64).expand(heads, d, d).clone()
+        return HeadElement(eye, torch.ones(heads, dtype=torch.float64))
+
+
+def stacked(inst, sd: dict, power: int, rows: slice = slice(None), sub: torch.Tensor | None = None):
+    """All slots of one scale power as (H, d, n) (optionally a subset of each head's ``rows``), or None.
+    ``sub`` (H, r): for members repeated r times per group head (GQA query heads), the order of the r
+    member heads within each group head (the ``heads`` kind tries pairings with it)."""
+    slots = [s for s in inst.slots if s.power == power]
+    if not slots:
+        return None
+    dtype = precise_dtype(*(sd[s.key] for s in inst.slots))
+    parts = []
+    for s in slots:
+        x = slot_blocks(sd[s.key], s, inst.blocks, dtype)
+        if sub is not None and s.repeat > 1:
+            H, d = x.shape[0], x.shape[1]
+            x = x.reshape(H, d, s.repeat, -1)
+            x = x[torch.arange(H)[:, None], :, sub].permute(0, 2, 1, 3).reshape(H, d, -1)
+        parts.append(x)
+    return torch.cat(parts, dim=2)[:, rows]
+
+
+def blocks(inst, sd: dict, rows: slice = slice(None), sub: torch.Tensor | None = None) -> dict:
+    """``{power: (H, d, n)}`` for the powers present (+1 and/or -1)."""
+    out = {}
+    for p in (1, -1):
+        x = stacked(inst, sd, p, rows, sub)
+        if x is not None:
+            out[p] = x
+    return out
+
+
+def products(xa: dict, xb: dict):
+    """Per head ``Mp, Mm`` (B, d, d) and squared norms ``n1p, n1m, n2p, n2m`` (B,), float64."""
+    some = next(iter(xa.values()))
+    B, d = some.shape[0], some.shape[1]
+    M = {p: torch.zeros(B, d, d, dtype=torch.float64) for p in (1, -1)}
+    n1 = {p: torch.zeros(B, dtype=torch.float64) for p in (1, -1)}
+    n2 = {p: torch.zeros(B, dtype=torch.float64) for p in (1, -1)}
+    for p, x1 in xa.items():
+        x2 = xb[p]
+        M[p] = (x1 @ x2.mT).double()
+        n1[p] = x1.square().sum((1, 2), dtype=torch.float64)
+        n2[p] = x2.square().sum((1, 2), dtype=torch.float64)
+    return M[1], M[-1], n1[1], n1[-1], n2[1], n2[-1]
+
+
+def solve_heads(Mp, Mm, n1p, n1m, n2p, n2m, rotate: bool, rescale: str):
+    """(R, a) for a batch of heads under the chosen rotation/rescale options."""
+    B, d = Mp.shape[0], Mp.shape[-1]
+    if not rotate:
+        R = torch.eye(d, dtype=torch.float64).expand(B, d, d).clone()
+        a = scale_for_rotation(R, Mp, Mm, n1p, n1m) if rescale != "none" else torch.ones(B, dtype=torch.float64)
+        return R, a
+    if rescale == "none":
+        return procrustes(Mp + Mm)[0], torch.ones(B, dtype=torch.float64)
+    if rescale == "sequential":
+        return sequential_scale(Mp, Mm, n1p, n1m)
+    return joint_scale(Mp, Mm, n1p, n1m, n2p, n2m)
+
+
+def head_values(xa: dict, xb: dict, rotate: bool, rescale: str) -> torch.Tensor:
+    """Squared distance over the blocks after the best element, per block pair (B,)."""
+    Mp, Mm, n1p, n1m, n2p, n2m = products(xa, xb)
+    R, a = solve_heads(Mp, Mm, n1p, n1m, n2p, n2m, rotate, rescale)
+    return head_objective(a, R, Mp, Mm, n1p, n1m) + n2p + n2m
+
+
+def transform_blocks(x: torch.Tensor, slot, inst, element: HeadElement) -> torch.Tensor:
+    """A segment (axis first) after ``X_h → a_h**power R_hᵀ X_h`` per block (GQA: repeated blocks)."""
+    R = element.R.to(x)
+    xb = x.reshape(inst.blocks, slot.repeat, R.shape[-1], -1)
+    y = R.mT[:, None] @ xb
+    if slot.power:
+        a = element.a.to(y).pow(slot.power)
+        y = y * (a[:, None, None, None] if a.dim() == 1 else a[:, None, :, None])
+    return y.reshape(x.shape)
+
+
+class HeadOrthogonal(Kind):
+    name = "head_orthogonal"
+    blocked = True
+
+    def active(self, inst, opts) -> bool:
+        return opts.rotate or opts.rescale != "none"
+
+    def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
+        parts = [products(blocks(i, sd_a), blocks(i, sd_b)) for i in insts]
+        R, a = solve_heads(*(torch.cat(x) for x in zip(*parts)), rotate=opts.rotate, rescale=opts.rescale)
+        out, k = {}, 0
+        for inst in insts:
+            out[inst.name] = HeadElement(R[k:k + inst.blocks], a[k:k + inst.blocks])
+            k += inst.blocks
+        return out
+
+    # pairing heads (used by the ``heads`` kind)
+    def block_values(self, inst, xa: dict, xb: dict, opts) -> torch.Tensor:
+        """Squared distance after this group's best element, for block pairs stacked along dim 0."""
+        return head_values(xa, xb, opts.rotate, opts.rescale)
+
+    # elements
+    def identity(self, inst) -> HeadElement:
+        return HeadElement.identity(inst.blocks, inst.size)
+
+    def random(self, inst, generator, scale: bool = True) -> HeadElement:
+        return HeadElement(haar(inst.blocks, inst.size, generator), scales(inst.blocks, generator, scale))
+
+    def check(self, inst, element, tol: float = 1e-6) -> None:
+        check_head_element(inst.name, element, tol)
+
+    def transform(self, t, slot, inst, element) -> torch.Tensor:
+        seg = segment(t, slot).to(precise_dtype(t))
+        return with_segment(t, slot, transform_blocks(seg, slot, inst, element))
+
+
+def check_head_element(name: str, element: HeadElement, tol: float) -> None:
+    err = orthogonality_error(element.R)
+    a = element.a.double()
+    if not (math.isfinite(err) and err <= tol) or not bool(torch.isfinite(a).all()) or not bool((a > 0).all()):
+        raise SymmergeError(f"{name}: solver returned an invalid element (orthogonality error {err:.2e})")
+
+
+KIND = HeadOrthogonal()

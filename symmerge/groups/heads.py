@@ -1,0 +1,155 @@
+"""Head permutation: whole attention heads reordered (the user-facing symmetry ``heads``).
+
+Attention is a sum over heads, so permuting the heads — the rows of ``W_Q``, ``W_K``, ``W_V`` (and their
+biases) and the column blocks of ``W_O``, all with one permutation — preserves the function. With GQA
+the key/value heads are permuted as whole groups (with their query heads), and the query heads
+within a group among themselves.
+
+Best element, combined with the per-head groups it couples (group parameter ``couples``: the layer's
+QK and VO groups, e.g. rotations and scales): pairing A's head ``i`` with B's head ``j`` costs the
+squared distance left after the *best* per-head element for that pair (each coupled kind's
+``block_values``), so one exact linear assignment on those ``H × H`` costs solves head pairing and
+per-head elements jointly (without GQA). With GQA the query heads within each candidate pair of KV
+groups are first paired by an assignment on the rotation-invariant similarity of their blocks (the
+nuclear norm of their cross products, ``‖X_A X_Bᵀ‖_*``), then the KV groups by the exact group costs.
+The coupled groups are solved afterwards on the permuted model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.slots import block_index, index_axis, precise_dtype, segment, slot_blocks, slot_length
+from ..core.solvers import match_permutation
+from ..errors import SymmergeError
+from .base import Kind, is_permutation
+from .head_orthogonal import blocks
+
+
+@dataclass
+class HeadPerm:
+    """``kv`` (H_kv,): new KV head j is old KV head ``kv[j]``; ``query`` (H,): new query head j is old
+    query head ``query[j]`` (for plain multi-head attention ``kv`` and ``query`` are the same)."""
+
+    kv: torch.Tensor
+    query: torch.Tensor
+
+
+PAIR_BUDGET = 1 << 25  # elements of head blocks materialised at once when pairing heads
+
+
+class Heads(Kind):
+    name = "heads"
+    blocked = True
+
+    def siblings(self, inst, ctx) -> list:
+        names = set(inst.group.param("couples", ()))
+        return [i for i in ctx.instances if i.layer == inst.layer and i.group.name in names]
+
+    def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
+        return {inst.name: self._solve(inst, self.siblings(inst, ctx), sd_a, sd_b, opts) for inst in insts}
+
+    def _solve(self, inst, siblings, sd_a, sd_b, opts) -> HeadPerm:
+        G = inst.blocks
+        rep = max(s.repeat for s in inst.slots)
+        sub = None
+        if rep > 1:  # GQA: pair the query heads inside every candidate pair of KV groups
+            sub = self._query_pairing(inst, siblings, sd_a, sd_b, opts, rep)  # (G, G, rep)
+        cost = torch.zeros(G, G, dtype=torch.float64)
+        for sib in siblings:
+            xb = blocks(sib, sd_b)
+            xa_all = blocks(sib, sd_a)
+            width = sum(x.shape[1] * x.shape[2] for x in xa_all.values())
+            step = max(1, PAIR_BUDGET // max(G * width, 1))
+            for i0 in range(0, G, step):
+                ia = torch.arange(i0, min(G, i0 + step))
+                if sub is None:
+                    xa = {p: x[ia].repeat_interleave(G, 0) for p, x in xa_all.items()}
+                else:  # A's group i with its query heads ordered for B's group j
+                    xa = self._reordered(sib, sd_a, ia, G, sub[ia].reshape(-1, rep))
+                xbb = {p: x.repeat(len(ia), 1, 1) for p, x in xb.items()}
+                cost[ia] += sib.kind.block_values(sib, xa, xbb, opts).reshape(len(ia), G)
+        kv = match_permutation(-cost)  # new group j = old group kv[j]
+        if sub is None:
+            return HeadPerm(kv, kv.clone())
+        query = torch.cat([kv[j] * rep + sub[kv[j], j] for j in range(G)])
+        return HeadPerm(kv, query)
+
+    @staticmethod
+    def _reordered(sib, sd_a, ia, G, order) -> dict:
+        """A's blocks of groups ``ia`` (each repeated for every B group) with their query heads in
+        ``order`` ((len(ia)·G, rep): for the pair (i, j), the order of i's query heads)."""
+        idx = ia.repeat_interleave(G)
+        dtype = precise_dtype(*(sd_a[s.key] for s in sib.slots))
+        out = {}
+        for p in sorted({s.power for s in sib.slots}, reverse=True):
+            parts = []
+            for s in [s for s in sib.slots if s.power == p]:
+                x = slot_blocks(sd_a[s.key], s, sib.blocks, dtype)[idx]
+                if s.repeat > 1:
+                    P, d = x.shape[0], x.shape[1]
+                    x = x.reshape(P, d, s.repeat, -1)
+                    x = x[torch.arange(P)[:, None], :, order].permute(0, 2, 1, 3).reshape(P, d, -1)
+                parts.append(x)
+            out[p] = torch.cat(parts, dim=2)
+        return out
+
+    @staticmethod
+    def _query_pairing(inst, siblings, sd_a, sd_b, opts, rep) -> torch.Tensor:
+        """``sub[i, j]`` (rep,): for A's KV group i paired with B's group j, which of i's query heads
+        goes to each of j's positions (assignment on Σ ‖X_A X_Bᵀ‖_* over the query members; plain
+        inner products when rotations are off)."""
+        G = inst.blocks
+        H = G * rep
+        sim = torch.zeros(H, H, dtype=torch.float64)
+        for sib in siblings:
+            for s in sib.slots:
+                if s.repeat == 1:
+                    continue
+                dtype = precise_dtype(sd_a[s.key])
+                xa = _query_blocks(sd_a[s.key], s, H, dtype)
+                xb = _query_blocks(sd_b[s.key], s, H, dtype)
+                cross = torch.einsum("adn,ben->abde", xa, xb).double()
+                sim += torch.linalg.matrix_norm(cross, ord="nuc") if opts.rotate else \
+                    torch.diagonal(cross, dim1=-2, dim2=-1).sum(-1)
+        sub = torch.empty(G, G, rep, dtype=torch.long)
+        for i in range(G):
+            for j in range(G):
+                block = sim[i * rep:(i + 1) * rep, j * rep:(j + 1) * rep]
+                sub[i, j] = match_permutation(block)
+        return sub
+
+    # elements
+    def identity(self, inst) -> HeadPerm:
+        rep = max(s.repeat for s in inst.slots)
+        return HeadPerm(torch.arange(inst.blocks), torch.arange(inst.blocks * rep))
+
+    def random(self, inst, generator, scale: bool = True) -> HeadPerm:
+        rep = max(s.repeat for s in inst.slots)
+        kv = torch.randperm(inst.blocks, generator=generator)
+        query = torch.cat([kv[j] * rep + torch.randperm(rep, generator=generator) for j in range(inst.blocks)])
+        return HeadPerm(kv, query)
+
+    def check(self, inst, element, tol: float = 1e-6) -> None:
+        rep = max(s.repeat for s in inst.slots)
+        G = inst.blocks
+        if not (is_permutation(element.kv, G) and is_permutation(element.query, G * rep)):
+            raise SymmergeError(f"{inst.name}: solver returned a non-bijective head permutation")
+        if not torch.equal(element.query // rep, element.kv.repeat_interleave(rep)):
+            raise SymmergeError(f"{inst.name}: query heads were moved out of their key/value group")
+
+    def transform(self, t, slot, inst, element) -> torch.Tensor:
+        perm = element.query if slot.repeat > 1 else element.kv
+        heads = inst.blocks * slot.repeat
+        return index_axis(t, slot, block_index(perm, slot_length(t, slot) // heads))
+
+
+def _query_blocks(t, slot, heads: int, dtype) -> torch.Tensor:
+    """A member's query heads as (H, d, rest)."""
+    x = segment(t, slot).to(dtype)
+    return x.reshape(heads, x.shape[0] // heads, -1)
+
+
+KIND = Heads()

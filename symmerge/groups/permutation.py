@@ -1,0 +1,138 @@
+"""Permutation of FFN hidden units, with an optional per-unit scale.
+
+One permutation of the units on every member's axis: rows of every input Linear and their biases
+(power +1; SwiGLU's ``gate`` power 0), columns of the output Linear (power -1). With the group
+parameter ``unit_scale="nonzero"`` (SwiGLU: ``up`` is linear in its output) a per-unit scale
+``s ≠ 0`` is also solved under ``rescale``, applied as ``s**power``.
+
+Best element: the exact linear assignment of ``C[i, j] = Σ_members ⟨unit i of A, unit j of B⟩``
+(one GEMM per block and member, accumulated in float64), then per unit the scale in closed form
+(a quartic). When the scale may flip signs, the scaled members count with the better sign
+(``C₀ + |C_±|``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.slots import fast_dtype, index_axis, unit_matrix
+from ..core.solvers import solve_assignments
+from ..core.solvers.rescale import quartic_scale
+from ..errors import SymmergeError
+from .base import Kind, is_permutation, scales
+
+
+@dataclass
+class PermElement:
+    """A permutation ``perm`` (n,): new unit ``j`` is old unit ``perm[j]``, times ``scale[j]**power``
+    when ``scale`` (n,) is given (SwiGLU unit scales)."""
+
+    perm: torch.Tensor
+    scale: torch.Tensor | None = None
+
+
+def row_chunks(n: int, width: int, budget: int = 1 << 24):
+    """Row slices of an (n, width) matrix holding about ``budget`` elements each."""
+    step = max(256, budget // max(width, 1))
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def permutation_cost(inst, sd_a: dict, sd_b: dict, signed: bool = False, device=None) -> torch.Tensor:
+    """C[i, j] = Σ_members ⟨unit i of A, unit j of B⟩ (n × n, float64, CPU), built block by block
+    with one GEMM per block and member (float32 unless a member is float64; on ``device``). Each
+    member is read from ``sd_a``/``sd_b`` once (they may be on-demand mappings); memory holds one
+    member of each model as stored and a few ~30 MB blocks besides the result."""
+    n = inst.size
+    C = torch.zeros(n, n, dtype=torch.float64)
+    parts = [[s for s in inst.slots if signed and s.power], [s for s in inst.slots if not (signed and s.power)]]
+    for k, slots in enumerate(parts):  # the signed members first: |C_±| is taken before C₀ is added
+        for s in slots:
+            ua, ub = unit_matrix(sd_a[s.key], s), unit_matrix(sd_b[s.key], s)
+            work = fast_dtype(ua)
+            chunks = row_chunks(n, ua.shape[1], 1 << 22)
+            for cols in chunks:
+                x2t = ub[cols].to(device=device, dtype=work).T
+                for rows in chunks:
+                    C[rows, cols] += (ua[rows].to(device=device, dtype=work) @ x2t).cpu()
+                del x2t
+            del ua, ub
+        if k == 0 and slots:
+            C.abs_()
+    return C
+
+
+def unit_scales(inst, sd_a: dict, sd_b: dict, perm: torch.Tensor) -> torch.Tensor:
+    """Per unit after ``perm``, the scale ``s ≠ 0`` (``s**power`` on each member) closest to B
+    (float64 sums, a block of units at a time)."""
+    n = len(perm)
+    sums = {k: torch.zeros(n, dtype=torch.float64) for k in ("p", "m", "cp", "cm")}
+    for s in inst.slots:
+        if not s.power:
+            continue
+        ua, ub = unit_matrix(sd_a[s.key], s), unit_matrix(sd_b[s.key], s)
+        side = "p" if s.power > 0 else "m"
+        for rows in row_chunks(n, ua.shape[1], 1 << 22):
+            x1, x2 = ua[perm[rows]].to(torch.float64), ub[rows].to(torch.float64)
+            sums[side][rows] += x1.square().sum(1)
+            sums["c" + side][rows] += (x1 * x2).sum(1)
+    return quartic_scale(sums["cp"], sums["cm"], sums["p"], sums["m"], signed=inst.group.param("unit_scale") == "nonzero")
+
+
+class Permutation(Kind):
+    name = "permutation"
+    streams_costs = True
+
+    @staticmethod
+    def plan(inst, opts) -> tuple[bool, bool, bool]:
+        """(permute, scaled, signed): whether units are matched, whether they also get a unit scale
+        (SwiGLU under ``rescale``), and whether that scale may flip signs."""
+        permute = inst.group.symmetry in opts.symmetries
+        scaled = inst.group.param("unit_scale") is not None and opts.rescale != "none"
+        return permute, scaled, scaled and inst.group.param("unit_scale") == "nonzero"
+
+    def active(self, inst, opts) -> bool:
+        permute, scaled, _ = self.plan(inst, opts)
+        return permute or scaled
+
+    def prepare(self, insts, sd_a, sd_b, opts, ctx=None) -> dict:
+        """``{name: perm}``: cost matrices and their exact assignments (a thread pool overlaps the
+        assignments with the next cost's GEMMs; each cost is consumed by its assignment)."""
+        todo = [i for i in insts if self.plan(i, opts)[0]]
+        costs = (permutation_cost(i, sd_a, sd_b, self.plan(i, opts)[2], device=opts.device) for i in todo)
+        perms = solve_assignments(costs, consume=True, workers=getattr(ctx, "assignment_workers", None))
+        return dict(zip([i.name for i in todo], perms))
+
+    def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
+        out = {}
+        for inst in insts:
+            _, scaled, _ = self.plan(inst, opts)
+            perm = (prepared or {}).get(inst.name, torch.arange(inst.size))
+            out[inst.name] = PermElement(perm, unit_scales(inst, sd_a, sd_b, perm) if scaled else None)
+        return out
+
+    def identity(self, inst) -> PermElement:
+        return PermElement(torch.arange(inst.size))
+
+    def random(self, inst, generator, scale: bool = True) -> PermElement:
+        perm = torch.randperm(inst.size, generator=generator)
+        s = None
+        if inst.group.param("unit_scale") and scale:
+            signs = torch.randint(0, 2, (inst.size,), generator=generator).to(torch.float64) * 2 - 1
+            s = signs * scales(inst.size, generator, True)
+        return PermElement(perm, s)
+
+    def check(self, inst, element, tol: float = 1e-6) -> None:
+        if not is_permutation(element.perm, inst.size):
+            raise SymmergeError(f"{inst.name}: solver returned a non-bijective permutation")
+        s = element.scale
+        if s is not None and (not bool(torch.isfinite(s).all()) or bool((s == 0).any())):
+            raise SymmergeError(f"{inst.name}: solver returned a zero or non-finite unit scale")
+
+    def transform(self, t, slot, inst, element) -> torch.Tensor:
+        factor = element.scale.pow(slot.power) if element.scale is not None and slot.power else None
+        return index_axis(t, slot, element.perm, factor)
+
+
+KIND = Permutation()

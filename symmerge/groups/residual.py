@@ -1,0 +1,211 @@
+"""The residual stream: one transform of the hidden dims, model-wide.
+
+Every stream member moves as ``X → Qᵀ X`` along its hidden axis: embeddings and the readers' input
+columns (``W → W Q``), the writers' output rows and biases (``W → Qᵀ W``), LayerNorm biases, and the
+task heads reading the stream. Which ``Q`` preserve the function depends on the norm (the family's
+group parameters ``norm`` and ``placement``), so the kind binds one of four *variants*:
+
+* ``orthogonal`` — RMSNorm, its weights folded into their readers (``W ← W diag(γ)``, ``γ ← 1``): any
+  orthogonal ``Q`` (RMSNorm commutes with it);
+* ``centered`` — pre-LN LayerNorm, ``γ`` folded into the readers and ``β`` into their biases
+  (``b ← b + W β``; kept as the norm's bias, a stream vector, where a reader has no bias): any
+  orthogonal ``Q`` with ``Q·1 = ±1`` (it commutes with mean-centring and the RMS), the group O(d−1) × {±1};
+* ``permutation`` — LayerNorm left as it is (post-LN, or when asked for): permutations only, ``γ`` and
+  ``β`` permuted with the stream;
+* ``signed_permutation`` — RMSNorm whose norm cannot be folded (a final norm before an LM head tied to
+  the embeddings) and is not uniform: signed permutations, ``γ`` permuted.
+
+A model whose output *is* the stream (a base model without a task head) has no residual group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..core.slots import fast_dtype, index_axis, segment, unit_matrix, with_segment
+from ..core.solvers import (centered_residual, orthogonal_residual, permutation_residual,
+                            signed_permutation_residual)
+from ..errors import SymmergeError
+from .base import Kind, haar, is_permutation, orthogonality_error
+
+VARIANTS = ("orthogonal", "centered", "permutation", "signed_permutation")
+DENSE = ("orthogonal", "centered")
+
+
+@dataclass(frozen=True)
+class FoldBinding:
+    weight: str  # the norm's γ
+    bias: str | None  # the norm's β (LayerNorm)
+    readers: tuple[tuple[str, int], ...]  # (key, input axis) of the tensors reading the norm's output
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    variant: str
+    folds: tuple[FoldBinding, ...] = ()
+
+
+@dataclass
+class StreamElement:
+    """A dense orthogonal ``Q`` (d × d), or a permutation ``perm`` (new dim j = old dim perm[j]) with
+    optional ``signs``."""
+
+    Q: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+    signs: torch.Tensor | None = None
+
+
+def _uniform(t: torch.Tensor) -> bool:
+    return bool((t == t.reshape(-1)[0]).all())
+
+
+class Residual(Kind):
+    name = "residual"
+    per_layer = False
+
+    def bind(self, group, ctx, layer=None):
+        inst = ctx.model_instance(group)
+        if not ctx.reads_stream(group):
+            return None  # a base model: moving the stream would move its output hidden states
+        norm, placement = group.param("norm", "rmsnorm"), group.param("placement", "pre")
+        if norm == "layernorm" and (placement == "post" or ctx.residual == "permutation"):
+            return ctx.with_info(inst, StreamInfo("permutation"))
+        folds, blocked = [], []
+        for f in ctx.spec.folds:
+            for i in ctx.layers_of(f.weight):
+                readers = [(ctx.key_of(m.name, i, m.root), m.axis) for m in f.readers]
+                readers = [(k, a) for k, a in readers if k in ctx.state_dict]
+                binding = FoldBinding(ctx.key_of(f.weight, i), ctx.key_of(f.bias, i) if f.bias else None,
+                                      tuple(readers))
+                # a reader tied to another tensor (an LM head sharing the embeddings) cannot absorb the norm
+                (blocked if any(ctx.alias_source(k) for k, _ in readers) else folds).append(binding)
+        if any(not _uniform(ctx.state_dict[b.weight]) for b in blocked):
+            return ctx.with_info(inst, StreamInfo("signed_permutation" if norm == "rmsnorm" else "permutation"))
+        return ctx.with_info(inst, StreamInfo("orthogonal" if norm == "rmsnorm" else "centered", tuple(folds)))
+
+    # ------------------------------------------------------------------ canonical form
+    def canonicalize(self, state_dict: dict, inst) -> dict:
+        """Fold each norm into its readers (same function; the parameterisation on which the dense
+        variants act). A no-op for the permutation variants."""
+        out = dict(state_dict)
+        for f in inst.info.folds:
+            gamma = out[f.weight].detach().to(torch.float64)
+            if f.bias is not None and f.bias in out:
+                beta = out[f.bias].detach().to(torch.float64)
+                biases = [_bias_key(k) for k, _ in f.readers]
+                if all(b in out for b in biases):  # b ← b + W β, the norm's bias ← 0
+                    for (k, axis), b in zip(f.readers, biases):
+                        w = out[k].detach().to(torch.float64)
+                        out[b] = (out[b].detach().to(torch.float64)
+                                  + torch.tensordot(w, beta, dims=([axis], [0]))).to(out[b].dtype)
+                    out[f.bias] = torch.zeros_like(out[f.bias])
+                else:  # a reader without a bias: β/γ stays in the norm, where the stream transform moves it
+                    if bool((gamma == 0).any()):
+                        raise SymmergeError(f"{f.weight}: a zero norm weight cannot be folded into its readers")
+                    out[f.bias] = (beta / gamma).to(out[f.bias].dtype)
+            for k, axis in f.readers:
+                shape = [1] * out[k].dim()
+                shape[axis] = -1
+                out[k] = (out[k].detach().to(torch.float64) * gamma.reshape(shape)).to(out[k].dtype)
+            out[f.weight] = torch.ones_like(out[f.weight])
+        return out
+
+    # ------------------------------------------------------------------ solving
+    def cost(self, inst, sd_a: dict, sd_b: dict, keys=None):
+        """``C = Σ X₁ X₂ᵀ`` (d × d) over the stream members (optionally only ``keys``) and
+        ``D = Σ γ₁ γ₂ᵀ`` over the norm weights; float32 for non-float64 models."""
+        dtype = fast_dtype(*(sd_a[s.key] for s in inst.slots))
+        C = torch.zeros(inst.size, inst.size, dtype=dtype)
+        D = torch.zeros(inst.size, inst.size, dtype=torch.float64)
+        for s in inst.slots:
+            if keys is not None and s.key not in keys:
+                continue
+            x1, x2 = unit_matrix(sd_a[s.key], s, dtype), unit_matrix(sd_b[s.key], s, dtype)
+            if s.diag:
+                D += x1.double() @ x2.double().T
+            else:
+                C += x1 @ x2.T
+        return C.double(), D
+
+    def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
+        out = {}
+        for inst in insts:
+            C, D = self.cost(inst, sd_a, sd_b, getattr(ctx, "only_keys", None))
+            variant = inst.info.variant
+            if variant == "orthogonal":
+                out[inst.name] = StreamElement(Q=orthogonal_residual(C))
+            elif variant == "centered":
+                out[inst.name] = StreamElement(Q=centered_residual(C))
+            elif variant == "signed_permutation":
+                perm, signs = signed_permutation_residual(C, D)
+                out[inst.name] = StreamElement(perm=perm, signs=signs)
+            else:
+                out[inst.name] = StreamElement(perm=permutation_residual(C, D))
+        return out
+
+    # ------------------------------------------------------------------ elements
+    def identity(self, inst) -> StreamElement:
+        if inst.info.variant in DENSE:
+            return StreamElement(Q=torch.eye(inst.size, dtype=torch.float64))
+        return StreamElement(perm=torch.arange(inst.size))
+
+    def random(self, inst, generator, scale: bool = True) -> StreamElement:
+        d, variant = inst.size, inst.info.variant
+        if variant == "orthogonal":
+            return StreamElement(Q=haar(1, d, generator)[0])
+        if variant == "centered":
+            from ..core.solvers import complement_basis
+
+            B = complement_basis(d)
+            u = torch.full((d, 1), 1 / math.sqrt(d), dtype=torch.float64)
+            s = 1.0 if torch.rand(1, generator=generator).item() < 0.5 else -1.0
+            return StreamElement(Q=s * (u @ u.T) + B @ haar(1, d - 1, generator)[0] @ B.T)
+        perm = torch.randperm(d, generator=generator)
+        if variant == "signed_permutation":
+            signs = torch.randint(0, 2, (d,), generator=generator).to(torch.float64) * 2 - 1
+            return StreamElement(perm=perm, signs=signs)
+        return StreamElement(perm=perm)
+
+    def check(self, inst, element, tol: float = 1e-6) -> None:
+        variant = inst.info.variant
+        if variant in DENSE:
+            Q = element.Q
+            err = orthogonality_error(Q[None]) if Q is not None else math.inf
+            if not (math.isfinite(err) and err <= tol):
+                raise SymmergeError(f"{inst.name}: solver returned an invalid element (orthogonality error {err:.2e})")
+            if variant == "centered":
+                ones = torch.ones(inst.size, dtype=torch.float64)
+                q1 = Q.double() @ ones
+                if min((q1 - ones).abs().max().item(), (q1 + ones).abs().max().item()) > tol * math.sqrt(inst.size):
+                    raise SymmergeError(f"{inst.name}: the stream transform does not map the all-ones vector to ±1")
+        else:
+            if element.perm is None or not is_permutation(element.perm, inst.size):
+                raise SymmergeError(f"{inst.name}: solver returned a non-bijective permutation")
+            if element.signs is not None and not bool((element.signs.abs() == 1).all()):
+                raise SymmergeError(f"{inst.name}: signs of a signed permutation must be ±1")
+            if variant == "permutation" and element.signs is not None and bool((element.signs < 0).any()):
+                raise SymmergeError(f"{inst.name}: LayerNorm commutes with permutations only, not sign flips")
+
+    def transform(self, t, slot, inst, element) -> torch.Tensor:
+        if element.Q is None:  # exact, by indexing; a norm weight moves with the stream, its signs drop out
+            signs = None if slot.diag else element.signs
+            return index_axis(t, slot, element.perm, signs)
+        if slot.diag:  # diag(Qᵀ diag(γ) Q) is diagonal only for uniform γ
+            if not _uniform(t):
+                raise SymmergeError(f"{slot.key}: an orthogonal residual transform needs the norm weights folded "
+                                    "first (canonicalize)")
+            return t.detach().clone()
+        x = segment(t, slot)
+        work = fast_dtype(t)
+        y = element.Q.to(device=x.device, dtype=work).mT @ x.to(work).reshape(x.shape[0], -1)
+        return with_segment(t, slot, y.reshape(x.shape))
+
+
+def _bias_key(weight_key: str) -> str:
+    return weight_key[: -len("weight")] + "bias" if weight_key.endswith("weight") else weight_key + ".bias"
+
+
+KIND = Residual()

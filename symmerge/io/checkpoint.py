@@ -1,0 +1,222 @@
+"""Safetensors checkpoints read lazily and written shard by shard (streaming alignment's I/O).
+
+:class:`LazyCheckpoint` knows every tensor's shard, shape and dtype from the safetensors headers and
+reads only the tensors asked for (``safe_open``; each shard's memory map is closed after the read,
+so pages touched once do not stay in the process). :class:`ShardWriter` writes tensors as they come
+into shards of bounded size and finishes with the standard ``model.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from ..errors import SymmergeError
+from .model import SAFE_INDEX, SAFE_SINGLE, check_safetensors, model_class, quiet_transformers, read_config, weight_files
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def parse_size(value) -> int:
+    """'500MB', '2GB', '1.5GiB' or a number of bytes → bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = str(value).strip().upper().replace(" ", "")
+    units = {"KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            text, mult = text[: -len(unit)], factor
+            break
+    else:
+        mult = 1
+    try:
+        size = int(float(text) * mult)
+    except ValueError:
+        raise SymmergeError(f"cannot read size {value!r}; use e.g. 500MB or 2GB") from None
+    if size <= 0:
+        raise SymmergeError(f"size must be positive, got {value!r}")
+    return size
+
+
+def hf_config(config: dict):
+    """The transformers config object of a config.json dict (its class knows aliases such as GPT-2's
+    ``n_head`` for ``num_attention_heads``)."""
+    import transformers
+
+    cls = model_class(config)
+    cfg_cls = getattr(cls, "config_class", None) or transformers.AutoConfig
+    if cfg_cls is transformers.AutoConfig:
+        return transformers.AutoConfig.for_model(**config)
+    return cfg_cls.from_dict(dict(config))
+
+
+def disk_to_memory_names(config: dict, cfg=None) -> tuple[dict[str, str], dict[str, str]]:
+    """(checkpoint tensor name → the model's ``state_dict`` name, the model's declared ties
+    ``{alias: source}``). transformers 5 renames some families' weights on load and back on save
+    (ViT: ``encoder.layer.0.attention.attention.query`` on disk is ``layers.0.attention.q_proj`` in
+    memory); the specs use the in-memory names. Derived from transformers' own reverse conversion
+    applied to a weightless (``meta``) model, whose class also declares the ties."""
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    cls = model_class(config)
+    try:
+        with quiet_transformers():
+            cfg = hf_config(config) if cfg is None else cfg
+            with torch.device("meta"):
+                model = cls(cfg) if cls is not transformers.AutoModel else transformers.AutoModel.from_config(cfg)
+            sd = model.state_dict()
+            reverted = revert_weight_conversion(model, sd)
+    except Exception as e:
+        raise SymmergeError(f"transformers cannot build a {config.get('model_type')} model from this config "
+                            f"({type(e).__name__}: {e})") from None
+    names_of: dict[int, str] = {}
+    for k, t in sd.items():
+        names_of.setdefault(id(t), k)
+    from ..core.resolve import declared_ties
+
+    return {disk: names_of[id(t)] for disk, t in reverted.items() if id(t) in names_of}, declared_ties(model)
+
+
+class LazyCheckpoint:
+    """An HF safetensors folder whose tensors are read on demand, named as in the model's
+    ``state_dict`` (``disk_name`` gives each tensor's name in the files)."""
+
+    def __init__(self, folder):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self.config = read_config(self.folder)
+        files, safe = weight_files(self.folder)
+        if not safe:  # pragma: no cover - weight_files refuses pickle without allow_pickle
+            raise SymmergeError(f"{self.folder}: streaming needs safetensors weights")
+        check_safetensors(files)
+        try:
+            with quiet_transformers():
+                self.hf_config = hf_config(self.config)  # the config object (knows aliases such as n_head)
+        except SymmergeError:
+            raise
+        except Exception as e:
+            raise SymmergeError(f"transformers cannot read this {self.config.get('model_type')} config "
+                                f"({type(e).__name__}: {e})") from None
+        rename, self.ties = disk_to_memory_names(self.config, self.hf_config)
+        self.disk_name: dict[str, str] = {}
+        self.file_of: dict[str, Path] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.dtype: dict[str, torch.dtype] = {}
+        for f in files:
+            with safe_open(str(f), "pt") as handle:
+                for disk in handle.keys():
+                    sl = handle.get_slice(disk)
+                    dtype = _DTYPES.get(sl.get_dtype())
+                    if dtype is None:
+                        raise SymmergeError(f"{f}: tensor {disk!r} has unsupported dtype {sl.get_dtype()}")
+                    key = rename.get(disk, disk)
+                    if key in self.file_of:
+                        raise SymmergeError(f"{f}: tensor {key!r} stored twice")
+                    self.disk_name[key] = disk
+                    self.file_of[key], self.shape[key], self.dtype[key] = f, tuple(sl.get_shape()), dtype
+
+    def keys(self) -> list[str]:
+        return list(self.file_of)
+
+    def nbytes(self, key: str) -> int:
+        n = 1
+        for d in self.shape[key]:
+            n *= d
+        return n * self.dtype[key].itemsize
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Shape-only stand-ins (``meta`` tensors) for resolving a spec without reading weights."""
+        return {k: torch.empty(self.shape[k], dtype=self.dtype[k], device="meta") for k in self.file_of}
+
+    def read(self, keys) -> dict[str, torch.Tensor]:
+        """The named tensors (copies, so no memory map outlives the call); NaN/Inf refused."""
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for k in keys:
+            by_file[self.file_of[k]].append(k)
+        out = {}
+        for f, names in by_file.items():
+            try:
+                with safe_open(str(f), "pt") as handle:
+                    for k in names:
+                        out[k] = handle.get_tensor(self.disk_name[k]).clone()
+            except SymmergeError:
+                raise
+            except Exception as e:
+                raise SymmergeError(f"{f}: cannot read tensor data, truncated or corrupt ({e})") from None
+        for k in keys:
+            t = out[k]
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise SymmergeError(f"{self.folder}: tensor {k!r} holds NaN or Inf values")
+        return {k: out[k] for k in keys}
+
+
+    def layout(self, name: str):
+        """The checkpoint's layout (from headers only) for :func:`symmerge.core.layout.check_layouts`."""
+        from ..core.layout import Layout
+
+        return Layout(name, self.config["model_type"], getattr(self.hf_config, "num_attention_heads", None),
+                      dict(self.shape), self.disk_name)
+
+
+class ShardWriter:
+    """Write tensors into ``folder`` as ``model-XXXXX-of-YYYYY.safetensors`` shards of at most
+    ``max_bytes`` (a larger single tensor gets a shard of its own) plus the index; a checkpoint
+    that fits one shard is written as ``model.safetensors``. At most one shard is held in memory."""
+
+    def __init__(self, folder, max_bytes: int, metadata: dict | None = None):
+        self.folder, self.max_bytes = Path(folder), max_bytes
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        self.make_room(size)
+        self.pending[key] = tensor.detach().contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def make_room(self, nbytes: int) -> None:
+        """Flush now if ``nbytes`` more would not fit the current shard (call before reading them, so
+        the pending shard is not held alongside)."""
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        save_file(self.pending, str(self.folder / f".shard-{len(self.shards):05d}.safetensors"),
+                  metadata=self.metadata)
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """Flush, give the shards their final names, write the index; returns the file names."""
+        self.flush()
+        n = len(self.shards)
+        if n == 1:
+            os.replace(self.folder / ".shard-00000.safetensors", self.folder / SAFE_SINGLE)
+            return [SAFE_SINGLE]
+        names, weight_map = [], {}
+        for i, keys in enumerate(self.shards):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.folder / f".shard-{i:05d}.safetensors", self.folder / name)
+            names.append(name)
+            weight_map.update(dict.fromkeys(keys, name))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return names

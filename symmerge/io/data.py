@@ -1,0 +1,271 @@
+"""``--data FILE`` loaders: ``.npz`` images, ``.jsonl`` labelled texts, ``.txt`` causal-LM lines.
+
+* ``.npz``: arrays ``pixel_values`` (N, C, H, W) floating and ``labels`` (N,) integer — image classification;
+* ``.jsonl``: one JSON object per line with ``text`` (string) and ``label`` (int) — sequence
+  classification, tokenized with the model folder's tokenizer;
+* ``.txt``: one text per non-empty line — causal-LM loss (next-token cross-entropy).
+
+Everything is validated against the model that will consume it (labels < ``num_labels``, channel
+count and image size, token ids < ``vocab_size``, the right kind of head); problems raise one
+:class:`SymmergeError`. Batches are built once and kept on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import SymmergeError
+
+FORMATS = {".npz": "image", ".jsonl": "text", ".txt": "lm"}
+
+
+@dataclass
+class Batch:
+    inputs: dict  # keyword arguments of the model's forward
+    labels: torch.Tensor  # (B,) class ids, or (B, T) token ids with -100 where ignored (lm)
+    mask: torch.Tensor | None = None  # (B, T) bool: real (non-padding) tokens; None for images
+
+    def to(self, device) -> "Batch":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Batch({k: move(v) for k, v in self.inputs.items()}, move(self.labels), move(self.mask))
+
+
+@dataclass
+class Data:
+    path: str
+    format: str  # "image" | "text" | "lm"
+    batches: list = field(default_factory=list)
+    n: int = 0  # examples (images, texts or lines)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+# ---------------------------------------------------------------- model checks
+
+
+def head_kind(model) -> str:
+    """'classification', 'lm' or 'none' from the model class (transformers naming)."""
+    name = type(model).__name__
+    if name.endswith(("ForSequenceClassification", "ForImageClassification")):
+        return "classification"
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "lm"
+    return "none"
+
+
+def _need_classifier(model, path: str) -> int:
+    if head_kind(model) != "classification":
+        raise SymmergeError(f"{path}: labelled data needs a classification model, got {type(model).__name__}")
+    n = int(model.config.num_labels)
+    if n < 2:
+        raise SymmergeError(f"{path}: the model has num_labels={n} (a regression head); cross-entropy needs >= 2")
+    return n
+
+
+def _check_labels(labels: np.ndarray, num_labels: int, path: str) -> None:
+    bad = np.flatnonzero((labels < 0) | (labels >= num_labels))
+    if bad.size:
+        i = int(bad[0])
+        raise SymmergeError(f"{path}: label {int(labels[i])} of example {i} is out of range for a model with "
+                            f"num_labels={num_labels} (labels must be 0..{num_labels - 1})")
+
+
+def check_data(data: Data, model, labels: np.ndarray | None = None) -> None:
+    """Validate ``data`` against ``model`` (called by :func:`load_data`; call again for other models)."""
+    cfg = model.config
+    if data.format == "image":
+        if not hasattr(cfg, "image_size") or not hasattr(cfg, "num_channels"):
+            raise SymmergeError(f"{data.path}: image data (.npz) but the model ({cfg.model_type}) takes text")
+        n_labels = _need_classifier(model, data.path)
+        size = cfg.image_size if isinstance(cfg.image_size, (list, tuple)) else (cfg.image_size, cfg.image_size)
+        shape = tuple(data.batches[0].inputs["pixel_values"].shape[1:])
+        if shape[0] != cfg.num_channels:
+            raise SymmergeError(f"{data.path}: pixel_values have {shape[0]} channels, the model expects {cfg.num_channels}")
+        if tuple(shape[1:]) != tuple(size):
+            raise SymmergeError(f"{data.path}: images are {shape[1]}x{shape[2]}, the model expects {size[0]}x{size[1]}")
+    else:
+        if hasattr(cfg, "image_size") and not hasattr(cfg, "vocab_size"):
+            raise SymmergeError(f"{data.path}: text data but the model ({cfg.model_type}) takes images")
+        if data.format == "text":
+            n_labels = _need_classifier(model, data.path)
+        elif head_kind(model) != "lm" and not getattr(cfg, "is_decoder", False):
+            raise SymmergeError(f"{data.path}: .txt data (causal-LM loss) needs a causal language model, "
+                                f"got {type(model).__name__}")
+        top = max(int(b.inputs["input_ids"].max()) for b in data.batches)
+        if top >= cfg.vocab_size:
+            raise SymmergeError(f"{data.path}: token id {top} >= the model's vocab_size {cfg.vocab_size} "
+                                "(tokenizer does not match the model)")
+    if data.format in ("image", "text"):
+        labels = torch.cat([b.labels for b in data.batches]).numpy()
+        _check_labels(labels, n_labels, data.path)
+
+
+# ---------------------------------------------------------------- readers
+
+
+def _read_npz(path: Path, batch_size: int, max_examples):
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as e:
+        raise SymmergeError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
+    for key in ("pixel_values", "labels"):
+        if key not in arrays:
+            raise SymmergeError(f"{path}: missing array {key!r} (found {', '.join(arrays) or 'none'})")
+    x, y = arrays["pixel_values"], arrays["labels"]
+    if x.ndim != 4:
+        raise SymmergeError(f"{path}: pixel_values must be (N, C, H, W), got shape {x.shape}")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise SymmergeError(f"{path}: pixel_values must be floating point (float32), got {x.dtype}")
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise SymmergeError(f"{path}: labels must be a 1-D integer array, got shape {y.shape} dtype {y.dtype}")
+    if len(x) != len(y):
+        raise SymmergeError(f"{path}: {len(x)} images but {len(y)} labels")
+    if len(x) == 0:
+        raise SymmergeError(f"{path}: no examples")
+    if not np.isfinite(x).all():
+        raise SymmergeError(f"{path}: pixel_values hold NaN or Inf")
+    if max_examples:
+        x, y = x[:max_examples], y[:max_examples]
+    xt, yt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(y.astype(np.int64))
+    batches = [Batch({"pixel_values": xt[i:i + batch_size]}, yt[i:i + batch_size]) for i in range(0, len(xt), batch_size)]
+    return batches, len(xt)
+
+
+def _read_jsonl(path: Path, max_examples):
+    texts, labels = [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SymmergeError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise SymmergeError(f"{path}:{lineno}: expected an object with a string field 'text'")
+            label = obj.get("label")
+            if isinstance(label, bool) or not isinstance(label, int):
+                raise SymmergeError(f"{path}:{lineno}: field 'label' must be an integer, got {label!r}")
+            texts.append(obj["text"])
+            labels.append(label)
+            if max_examples and len(texts) >= max_examples:
+                break
+    if not texts:
+        raise SymmergeError(f"{path}: no examples")
+    return texts, labels
+
+
+def _read_txt(path: Path, max_examples):
+    try:
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    except UnicodeDecodeError as e:
+        raise SymmergeError(f"{path}: not UTF-8 text ({e})") from None
+    lines = [ln for ln in lines if ln]
+    if not lines:
+        raise SymmergeError(f"{path}: no non-empty lines")
+    return lines[:max_examples] if max_examples else lines
+
+
+def load_tokenizer(source):
+    """A tokenizer object, or one loaded (offline) from a model folder."""
+    if source is None:
+        raise SymmergeError("text data needs a tokenizer: the model folder has none and none was given")
+    if not isinstance(source, (str, Path)):
+        return source
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    except Exception as e:
+        raise SymmergeError(f"{source}: no usable tokenizer in the model folder ({type(e).__name__}: {e})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _max_length(model, tokenizer, max_length) -> int:
+    limits = [max_length or 512, getattr(model.config, "max_position_embeddings", None) if model is not None else None,
+              getattr(tokenizer, "model_max_length", None)]
+    return int(min(x for x in limits if isinstance(x, int) and x > 0))
+
+
+def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool):
+    if lm and tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    batches = []
+    for i in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+        inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).bool()
+        batches.append(Batch(inputs, inputs["input_ids"].masked_fill(~mask, -100) if lm else None, mask))
+    return batches
+
+
+def check_data_path(path) -> Path:
+    """Fail early (before loading any model) on a missing file or an unknown format."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise SymmergeError(f"{path}: unknown data format {path.suffix!r}; use .npz (images), .jsonl (text, label) "
+                            "or .txt (causal-LM lines)")
+    if not path.is_file():
+        raise SymmergeError(f"{path}: data file not found")
+    return path
+
+
+def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length: int | None = None,
+              max_examples: int | None = None) -> Data:
+    """Read ``path`` (format from its suffix), batch it, and validate it against ``model`` if given.
+
+    ``tokenizer``: a tokenizer or a folder holding one (default: the model's own folder,
+    ``model.name_or_path``); only text formats use it.
+    """
+    path = check_data_path(path)
+    fmt = FORMATS[path.suffix.lower()]
+    if batch_size < 1:
+        raise SymmergeError(f"batch size must be >= 1, got {batch_size}")
+    if fmt == "image":
+        batches, n = _read_npz(path, batch_size, max_examples)
+    else:
+        if tokenizer is None and model is not None and getattr(model, "name_or_path", ""):
+            tokenizer = model.name_or_path
+        tok = load_tokenizer(tokenizer)
+        max_len = _max_length(model, tok, max_length)
+        if fmt == "text":
+            texts, labels = _read_jsonl(path, max_examples)
+            batches = _tokenize(texts, tok, batch_size, max_len, lm=False)
+            y = torch.tensor(labels, dtype=torch.int64)
+            for j, b in enumerate(batches):
+                b.labels = y[j * batch_size:(j + 1) * batch_size]
+        else:
+            texts = _read_txt(path, max_examples)
+            batches = _tokenize(texts, tok, batch_size, max_len, lm=True)
+        n = len(texts)
+    data = Data(str(path), fmt, batches, n)
+    if model is not None:
+        check_data(data, model)
+    return data
+
+
+# ---------------------------------------------------------------- predictions
+
+
+def predictions(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (M, C), targets (M,)) over the batch's scored items: examples, or next tokens (lm)."""
+    logits = model(**batch.inputs).logits
+    if batch.labels.dim() == 1:
+        return logits, batch.labels
+    logits, targets = logits[:, :-1], batch.labels[:, 1:]
+    keep = targets != -100
+    return logits[keep], targets[keep]

@@ -1,0 +1,184 @@
+"""HF model folders in and out: validated loading, atomic writing."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import SymmergeError
+from ..families import spec_for
+
+SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLE_SINGLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+WEIGHT_NAMES = {SAFE_SINGLE, SAFE_INDEX, PICKLE_SINGLE, PICKLE_INDEX}
+
+
+def read_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise SymmergeError(f"{path}: not a directory (expected a Hugging Face model folder)")
+    if not cfg_file.is_file():
+        raise SymmergeError(f"{path}: no config.json (expected a Hugging Face model folder)")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SymmergeError(f"{cfg_file}: not valid JSON ({e})") from None
+    if "model_type" not in config:
+        raise SymmergeError(f"{cfg_file}: no model_type")
+    spec_for(config["model_type"])  # unsupported types fail here, before any weights are read
+    return config
+
+
+def _shards(path: Path, index_name: str) -> list[Path]:
+    try:
+        index = json.loads((path / index_name).read_text())
+        return [path / f for f in sorted(set(index["weight_map"].values()))]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SymmergeError(f"{path / index_name}: malformed shard index ({e})") from None
+
+
+def weight_files(path: Path, allow_pickle: bool = False) -> tuple[list[Path], bool]:
+    """The checkpoint's weight files and whether they are safetensors; refuses pickle by default."""
+    if (path / SAFE_SINGLE).is_file():
+        files, safe = [path / SAFE_SINGLE], True
+    elif (path / SAFE_INDEX).is_file():
+        files, safe = _shards(path, SAFE_INDEX), True
+    elif (path / PICKLE_SINGLE).is_file() or (path / PICKLE_INDEX).is_file():
+        if not allow_pickle:
+            raise SymmergeError(
+                f"{path}: only pickle weights (pytorch_model.bin); refusing to unpickle untrusted files. "
+                "Convert to safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)"
+            )
+        files = [path / PICKLE_SINGLE] if (path / PICKLE_SINGLE).is_file() else _shards(path, PICKLE_INDEX)
+        safe = False
+    else:
+        raise SymmergeError(f"{path}: no weights (model.safetensors or a shard index)")
+    for f in files:
+        if not f.is_file():
+            raise SymmergeError(f"{f}: weight shard missing")
+    return files, safe
+
+
+def check_safetensors(files: list[Path]) -> None:
+    """Open each file's header: truncated or corrupt files fail here with one clear message."""
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except Exception as e:  # safetensors raises its own error type for every header problem
+            raise SymmergeError(f"{f}: unreadable safetensors file, truncated or corrupt ({e})") from None
+
+
+def check_finite(state_dict: dict, where: str) -> None:
+    for key, t in state_dict.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise SymmergeError(f"{where}: tensor {key!r} holds NaN or Inf values")
+
+
+def model_class(config: dict):
+    """The transformers class named by the config's ``architectures`` (AutoModel if absent)."""
+    import transformers
+
+    for name in config.get("architectures") or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """Silence transformers' warnings and its 'Loading weights' / 'Writing model shards' bars on
+    stderr (symmerge reports errors itself), restoring both settings afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def load_model(path, allow_pickle: bool = False, device: str = "cpu"):
+    """Load and validate an HF model folder; returns the model in eval mode."""
+    path = Path(path)
+    config = read_config(path)
+    files, safe = weight_files(path, allow_pickle)
+    if safe:
+        check_safetensors(files)
+    try:
+        with quiet_transformers():
+            model = model_class(config).from_pretrained(
+                str(path), use_safetensors=safe, local_files_only=True, dtype="auto"
+            )
+    except SymmergeError:
+        raise
+    except Exception as e:
+        raise SymmergeError(f"{path}: transformers could not load the model ({type(e).__name__}: {e})") from None
+    check_finite(model.state_dict(), str(path))
+    return model.to(device).eval()
+
+
+def ensure_output_dir(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SymmergeError(f"{out}: output exists and is not an empty directory; refusing to overwrite")
+
+
+@contextlib.contextmanager
+def atomic_dir(out):
+    """Yield a temp dir beside ``out``; on success rename it to ``out``, on failure remove it."""
+    out = Path(out)
+    ensure_output_dir(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Copy tokenizer and other non-weight files (config comes from the saved model)."""
+    for item in Path(src).iterdir():
+        if item.name in WEIGHT_NAMES or item.name == "config.json" or item.suffix in (".safetensors", ".bin"):
+            continue
+        target = dst / item.name
+        if target.exists():
+            continue
+        if item.is_dir():
+            shutil.copytree(item, target)
+        else:
+            shutil.copy2(item, target)
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def save_model(model, out, src=None, report: dict | None = None, report_name: str = "symmerge_report.json") -> Path:
+    """Write ``model`` as an HF folder at ``out`` atomically, with side files and the report."""
+    out = Path(out)
+    with atomic_dir(out) as tmp:
+        with quiet_transformers():
+            model.save_pretrained(str(tmp), safe_serialization=True)
+        if src is not None:
+            copy_side_files(Path(src), tmp)
+        if report is not None:
+            write_json(tmp / report_name, report)
+    return out

@@ -1,0 +1,332 @@
+"""High-level fusion, the Python API behind ``symmerge merge``: a short pipeline over one options object
+(:class:`MergeOptions`, shared with the CLI):
+
+    load → choose anchor → align → statistics (on the aligned models) → merge → task heads → evaluate
+
+Anchor (left unchanged, every other model aligned to it): the given one; else the base model for
+task-vector methods (task arithmetic, TIES, DARE, DARE-TIES); else, for two models, the second (the
+paper's convention, as in ``symmerge barrier``); else the model closest (L2) to the plain average of
+all models. Alignment returns every model — the anchor too — in the same parameterisation (norms
+folded when the residual stream's group needs it). Task heads (parameters outside the base model, e.g.
+``classifier.*``) are kept from one model (``head_from``), or merged when every model has the same
+label space.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ..core.distance import distance
+from ..device import resolve_device
+from ..errors import SymmergeError
+from ..evaluate.barrier import distance_before_after
+from ..evaluate.metrics import evaluate
+from ..io.data import Data, check_data, check_data_path, load_data
+from ..pipeline.align import align_pair, as_model, canonical
+from ..pipeline.options import AlignOptions
+from ..pipeline.verify import with_state_dict
+from . import get_method
+from .heads import anchor_proxy, check_bodies, check_heads_mergeable, head_keys, untied, with_tied
+from .statistics import gather
+
+HEAD_POLICIES = ("keep", "merge")
+
+
+@dataclass
+class MergeOptions:
+    """Everything a merge needs besides the models. ``align``: the alignment options (no symmetries:
+    no alignment); ``data``: one data file (or :class:`~symmerge.io.data.Data`) for all models or one
+    per model, used for statistics and, with ``evaluate``, to score the inputs and the result."""
+
+    method: str = "average"
+    align: AlignOptions = field(default_factory=lambda: AlignOptions(symmetries=()))
+    anchor: object = None
+    data: list = field(default_factory=list)
+    weights: list | None = None
+    params: dict = field(default_factory=dict)
+    base: object = None
+    heads: str = "keep"
+    head_from: int = 0
+    device: object = "cpu"
+    fisher_variant: str = "empirical"
+    fisher_normalize: bool = False
+    fisher_samples: int = 1
+    gram_normalize: bool = True
+    batch_size: int = 32
+    max_examples: int | None = None
+    max_length: int | None = None
+    allow_pickle: bool = False
+    evaluate: bool = True
+    progress: bool = True
+
+    @classmethod
+    def from_keywords(cls, method: str = "average", align="none", rescale: str = "joint", verify: bool = True,
+                      evaluate_result: bool = True, data=None, **kw) -> "MergeOptions":
+        """The keyword form of :func:`merge_models` (``align``: a symmetry list or AlignOptions)."""
+        unknown = set(kw) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"merge_models() got unexpected keyword {sorted(unknown)[0]!r}")
+        if not isinstance(align, AlignOptions):
+            align = AlignOptions(symmetries=align, rescale=rescale, verify=verify)
+        items = [] if data is None else list(data) if isinstance(data, (list, tuple)) else [data]
+        return cls(method=method, align=align, data=items, evaluate=evaluate_result, **kw)
+
+    def check(self, n: int):
+        """Validate against ``n`` models before any expensive step; returns the method."""
+        m = get_method(self.method)
+        self.params = m.check_params(dict(self.params or {}))
+        if self.heads not in HEAD_POLICIES:
+            raise SymmergeError(f"unknown head policy {self.heads!r}; choose keep or merge")
+        if n == 0:
+            raise SymmergeError("nothing to merge: no models given")
+        if len(self.data) not in (0, 1, n):
+            raise SymmergeError(f"give one data file for all models or one per model ({n}), got {len(self.data)}")
+        for spec in self.data:
+            if not isinstance(spec, Data):
+                check_data_path(spec)
+        if m.needs and not self.data:
+            raise SymmergeError(f"method {m.name!r} needs data for its {m.needs} statistics: pass --data FILE")
+        if m.needs_base and self.base is None:
+            raise SymmergeError(f"method {m.name!r} needs a base model (the common pre-trained model): pass --base")
+        if self.base is not None and not m.needs_base:
+            raise SymmergeError(f"method {m.name!r} does not use a base model")
+        if not -n <= self.head_from < n:
+            raise SymmergeError(f"--head-from {self.head_from} out of range for {n} models")
+        self.head_from %= n
+        if self.weights is not None and len(self.weights) != n:
+            raise SymmergeError(f"got {len(self.weights)} weights for {n} models")
+        return m
+
+    def load_kw(self) -> dict:
+        return {"batch_size": self.batch_size, "max_examples": self.max_examples, "max_length": self.max_length}
+
+
+def _name(x, i) -> str:
+    return str(x) if isinstance(x, (str, Path)) else f"model {i}"
+
+
+class _DataCache:
+    """Data files loaded once each and validated against every model that uses them."""
+
+    def __init__(self, opts: MergeOptions):
+        self.opts, self.loaded = opts, {}
+
+    def for_model(self, i: int, model) -> Data:
+        spec = self.opts.data[i if len(self.opts.data) > 1 else 0]
+        return self.get(spec, model)
+
+    def get(self, spec, model) -> Data:
+        if isinstance(spec, Data):
+            check_data(spec, model)
+            return spec
+        key = str(spec)
+        if key not in self.loaded:
+            self.loaded[key] = load_data(spec, model, **self.opts.load_kw())
+        else:
+            check_data(self.loaded[key], model)
+        return self.loaded[key]
+
+
+def closest_to_average(state_dicts, keys) -> tuple[int, list[float]]:
+    avg = {k: sum(sd[k].double() for sd in state_dicts) / len(state_dicts) for k in keys}
+    dists = [distance(sd, avg, keys) for sd in state_dicts]
+    return min(range(len(dists)), key=dists.__getitem__), dists
+
+
+def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pickle=False):
+    """(anchor model, info) by the module's rule; ``anchor``: None, an index, or a model/folder."""
+    if anchor is None and base_model is not None:
+        return base_model, {"index": None, "name": base_name, "rule": "base model"}
+    if anchor is None and len(models) == 2:
+        return models[1], {"index": 1, "name": names[1], "rule": "second of two"}
+    if anchor is None:
+        idx, dists = closest_to_average([x.state_dict() for x in models], body)
+        return models[idx], {"index": idx, "name": names[idx], "rule": "closest to the average",
+                             "distances_to_average": dists}
+    if isinstance(anchor, int):
+        if not -len(models) <= anchor < len(models):
+            raise SymmergeError(f"anchor index {anchor} out of range for {len(models)} models")
+        anchor %= len(models)
+        return models[anchor], {"index": anchor, "name": names[anchor], "rule": "given"}
+    anchor_model = as_model(anchor, allow_pickle)
+    check_bodies([models[0], anchor_model], [names[0], _name(anchor, "anchor")])
+    return anchor_model, {"index": None, "name": _name(anchor, "anchor"), "rule": "given"}
+
+
+def align_all(targets, anchor_model, body, options: AlignOptions):
+    """Align every (name, model) of ``targets`` to the anchor; the anchor itself is brought into the
+    same parameterisation. Returns (models, per-model reports)."""
+    moved, reports = [], []
+    anchor_form = canonical(anchor_model, options)
+    for name, x in targets:
+        if x is anchor_model:
+            moved.append(anchor_form)
+            reports.append({"model": name, "anchor": True})
+            continue
+        if "residual" in options.symmetries:  # the head reads the stream: it is matched too, so heads must agree
+            check_heads_mergeable([x, anchor_model], [name, "the anchor"], labels=False,
+                                  why="the residual symmetry moves the heads' input; leave it out")
+            proxy = anchor_model
+        else:
+            proxy = anchor_proxy(x, anchor_model, set(body))
+        res = align_pair(x, proxy, options)
+        moved.append(res.model)
+        rep = res.report
+        reports.append({"model": name, "anchor": False, "distance_before": rep["distance_before"],
+                        "distance_after": rep["distance_after"], "verify_max_rel_diff": rep.get("verify_max_rel_diff"),
+                        "seconds": rep["seconds"],
+                        "distances": distance_before_after(x, proxy, res.model, res.instances, res.anchor)})
+    return moved, reports
+
+
+def gather_stats(needs, models, names, cache: _DataCache, opts: MergeOptions, dev):
+    """Per model (already aligned): the statistics a method ``needs`` on its data file; (stats, rows)."""
+    stats, info = [], []
+    for i, x in enumerate(models):
+        d = cache.for_model(i, x)
+        s = gather(needs, x, d, device=dev, progress=opts.progress, variant=opts.fisher_variant,
+                   normalize=opts.fisher_normalize, samples=opts.fisher_samples)
+        stats.append(s.means() if needs == "gram" and opts.gram_normalize else s.tensors)
+        info.append({"model": names[i], "data": d.path, "examples": s.examples, "seconds": s.seconds})
+        x.to("cpu")
+    return stats, info
+
+
+def merge_models(models, method: str | None = None, options: MergeOptions | None = None, **keywords):
+    """Merge ``models`` (transformers models or HF folders); returns ``(model, report)``.
+
+    Give a :class:`MergeOptions`, or the same as keywords: ``method``; ``align`` (``"none"`` or a
+    symmetry list such as ``"attn,ffn,rescale"``, or an :class:`AlignOptions`) with ``rescale`` and
+    ``verify``; ``anchor`` (index into ``models``, a model/folder, or ``None`` for the default rule);
+    ``data`` (a file or :class:`~symmerge.io.data.Data` for all models, or one per model; statistics
+    and, with ``evaluate_result``, evaluation — with one file per model, the merged body is evaluated on
+    file i with model i's head); ``weights``, ``params``, ``base``, ``heads``, ``head_from``, ``device``,
+    the statistics options, ``batch_size``, ``max_examples``, ``max_length``, ``allow_pickle``, ``progress``.
+    """
+    t0 = time.perf_counter()
+    if options is None:
+        options = MergeOptions.from_keywords(method=method or "average", **keywords)
+    elif method is not None or keywords:
+        raise TypeError("give either a MergeOptions or keywords, not both")
+    opts = options
+    m = opts.check(len(models))
+    dev = resolve_device(opts.device)
+    names = [_name(x, i) for i, x in enumerate(models)]
+    timings: dict[str, float] = {}
+
+    # ------------------------------------------------ load and check everything before any expensive step
+    models = [as_model(x, opts.allow_pickle) for x in models]
+    base_name = _name(opts.base, "base") if opts.base is not None else None
+    base_model = as_model(opts.base, opts.allow_pickle) if opts.base is not None else None
+    everything = models + ([base_model] if base_model is not None else [])
+    body = check_bodies(everything, names + ([base_name] if base_model is not None else []))
+    if opts.heads == "merge":
+        check_heads_mergeable(models, names)
+    cache = _DataCache(opts)
+    for i, x in enumerate(models):
+        if m.needs or (opts.evaluate and (i == opts.head_from or len(opts.data) > 1)):
+            for j, spec in enumerate(opts.data):
+                if len(opts.data) == 1 or j == i:
+                    cache.get(spec, x)
+    timings["load"] = time.perf_counter() - t0
+
+    # ------------------------------------------------ alignment
+    t = time.perf_counter()
+    symmetries = opts.align.symmetries
+    alignment: dict = {"symmetries": list(symmetries), "rescale": opts.align.effective_rescale,
+                       "anchor": {"index": None, "name": None, "rule": None}, "models": []}
+    aligned, aligned_base = list(models), base_model
+    if symmetries:
+        anchor_model, alignment["anchor"] = choose_anchor(models, names, body, opts.anchor, base_model, base_name,
+                                                          opts.allow_pickle)
+        targets = list(zip(names, models)) + ([(base_name, base_model)] if base_model is not None else [])
+        moved, alignment["models"] = align_all(targets, anchor_model, body, opts.align)
+        aligned, aligned_base = moved[:len(models)], moved[len(models)] if base_model is not None else None
+    timings["align"] = time.perf_counter() - t
+
+    # ------------------------------------------------ statistics on the aligned models
+    t = time.perf_counter()
+    stats, stats_info = None, None
+    if m.needs:
+        stats, stats_info = gather_stats(m.needs, aligned, names, cache, opts, dev)
+    timings["statistics"] = time.perf_counter() - t
+
+    # ------------------------------------------------ merge
+    t = time.perf_counter()
+    keys = untied(models[0], body + (sorted(head_keys(models[0])) if opts.heads == "merge" else []))
+    sds = [x.state_dict() for x in aligned]
+    sub = [{k: sd[k] for k in keys} for sd in sds]
+    stats_sub = None if stats is None else [{k: s[k] for k in keys if k in s} for s in stats]
+    extra = {"base": {k: aligned_base.state_dict()[k] for k in keys}} if m.needs_base else {}
+    merged_sd = m.merge(sub, weights=opts.weights, stats=stats_sub, **extra, **opts.params)
+    holder = aligned[opts.head_from]
+    out = with_state_dict(holder, with_tied(holder, merged_sd))
+    timings["merge"] = time.perf_counter() - t
+
+    hk = head_keys(models[0])
+    head_info = ({"policy": "none", "note": "base models without a task head"} if not hk else
+                 {"policy": "merge", "keys": sorted(hk)} if opts.heads == "merge" else
+                 {"policy": "keep", "from_index": opts.head_from, "from": names[opts.head_from],
+                  "keys": sorted(head_keys(holder))})
+    report = {
+        "method": m.name,
+        "params": opts.params,
+        "weights": list(opts.weights) if opts.weights is not None else None,
+        "models": names,
+        "base": base_name,
+        "model_type": models[0].config.model_type,
+        "alignment": alignment,
+        "head": head_info,
+        "statistics": None if stats_info is None else {
+            "kind": m.needs, "per_model": stats_info,
+            **({"gram_normalize": opts.gram_normalize} if m.needs == "gram" else
+               {"fisher_variant": opts.fisher_variant, "fisher_normalize": opts.fisher_normalize,
+                "fisher_samples": opts.fisher_samples}),
+        },
+        "distances_between_inputs": {"before_alignment": _pairwise([x.state_dict() for x in models], body, names),
+                                     "after_alignment": _pairwise(sds, body, names)},
+        "distance_result_to_inputs": {n: distance(out.state_dict(), sd, body) for n, sd in zip(names, sds)},
+        "device": str(dev),
+    }
+
+    # ------------------------------------------------ evaluation
+    t = time.perf_counter()
+    if opts.evaluate and opts.data:
+        report["evaluation"] = _evaluate_all(out, models, aligned, merged_sd, names, cache, opts, dev)
+    timings["evaluate"] = time.perf_counter() - t
+    timings["total"] = time.perf_counter() - t0
+    report["timings"] = timings
+    return out.to("cpu").eval(), report
+
+
+def _pairwise(sds, keys, names) -> dict:
+    return {f"{names[i]} | {names[j]}": distance(sds[i], sds[j], keys)
+            for i in range(len(sds)) for j in range(i + 1, len(sds))}
+
+
+def _evaluate_all(out, models, aligned, merged_sd, names, cache: _DataCache, opts: MergeOptions, dev) -> dict:
+    result = {"merged": [], "models": []}
+    per_model = len(opts.data) > 1 or len(models) == 1
+    for j, spec in enumerate(opts.data):
+        # with one file per model, file j is scored with model j's head (the paper's protocol)
+        owner = j if per_model else opts.head_from
+        probe = out if (opts.heads == "merge" or owner == opts.head_from) else with_state_dict(
+            aligned[owner], with_tied(aligned[owner], merged_sd))
+        d = cache.get(spec, probe)
+        r = evaluate(probe, d, device=dev, progress=opts.progress, desc="evaluating merged")
+        probe.to("cpu")
+        result["merged"].append({"data": d.path, "head_from": names[owner] if opts.heads == "keep" else "merged", **r})
+        for i, x in enumerate(models):
+            if per_model and i != j:
+                continue
+            try:
+                check_data(d, x)
+            except SymmergeError as e:
+                result["models"].append({"model": names[i], "data": d.path, "skipped": str(e)})
+                continue
+            r = evaluate(x, d, device=dev, progress=opts.progress, desc=f"evaluating {names[i]}")
+            x.to("cpu")
+            result["models"].append({"model": names[i], "data": d.path, **r})
+    return result

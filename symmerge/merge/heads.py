@@ -1,0 +1,77 @@
+"""Task heads and body compatibility of models to be merged.
+
+The *body* is everything under the transformers base model (``model.base_model_prefix``, e.g.
+``bert.``, ``vit.``); the *head* is the rest (``classifier.*``, ``cls.*``). Bodies must agree in
+tensor names and shapes; heads may differ (different label spaces) unless they are merged. A head
+tensor the model class declares tied to a body tensor (an LM decoder sharing the word embeddings)
+follows the body.
+"""
+
+from __future__ import annotations
+
+from ..core.layout import check_layouts, layout_of
+from ..core.resolve import declared_ties
+from ..errors import SymmergeError
+from ..pipeline.verify import with_state_dict
+
+
+def head_keys(model) -> list[str]:
+    """State-dict keys outside the base model (task heads), e.g. ``classifier.weight``, without the
+    ones declared tied to a base-model tensor."""
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    sd = model.state_dict()
+    if prefix == "." or not any(k.startswith(prefix) for k in sd):
+        return []
+    ties = declared_ties(model)
+    return [k for k in sd if not k.startswith(prefix) and not ties.get(k, "").startswith(prefix)]
+
+
+def untied(model, keys) -> list[str]:
+    """``keys`` without declared aliases (each tied group is merged once, through its source)."""
+    ties = declared_ties(model)
+    return [k for k in keys if k not in ties]
+
+
+def with_tied(model, merged: dict) -> dict:
+    """The model's full state dict with ``merged`` written in, declared aliases of merged keys included."""
+    ties = declared_ties(model)
+    out = {}
+    for k, t in model.state_dict().items():
+        source = ties.get(k)
+        out[k] = merged[k] if k in merged else merged[source] if source in merged else t.detach()
+    return out
+
+
+def check_bodies(models, names) -> list[str]:
+    """Same model type, heads and body tensors (names, shapes) everywhere; returns the body keys."""
+    ref = models[0]
+    body = [k for k in ref.state_dict() if k not in set(head_keys(ref))]
+    layouts = []
+    for m, name in zip(models, names):
+        heads = set(head_keys(m))
+        layouts.append(layout_of(m, name, [k for k in m.state_dict() if k not in heads]))
+    check_layouts(layouts)
+    return body
+
+
+def check_heads_mergeable(models, names, labels: bool = True, why: str = "use --heads keep") -> None:
+    """Same head tensors (names and shapes) everywhere, and with ``labels`` the same label names."""
+    keys = [sorted(head_keys(m)) for m in models]
+    sds = [m.state_dict() for m in models]
+    for i in range(1, len(models)):
+        if keys[i] != keys[0] or any(sds[i][k].shape != sds[0][k].shape for k in keys[0]):
+            raise SymmergeError(f"cannot merge task heads: {names[0]} and {names[i]} have different heads/label "
+                                f"spaces ({why})")
+        if not labels:
+            continue
+        l0, li = models[0].config.id2label, models[i].config.id2label
+        if l0 != li:
+            raise SymmergeError(f"cannot merge task heads: label names differ between {names[0]} ({l0}) and "
+                                f"{names[i]} ({li}); use --heads keep")
+
+
+def anchor_proxy(model, anchor, body):
+    """``model`` carrying the anchor's body weights: lets models with different heads be aligned."""
+    sd = model.state_dict()
+    asd = anchor.state_dict()
+    return with_state_dict(model, {k: (asd[k] if k in body else v) for k, v in sd.items()})

@@ -1,0 +1,147 @@
+"""The solver engine: find the group elements that move model A closest (L2) to the anchor B.
+
+One engine serves in-memory and streamed alignment:
+
+* :func:`solve_local` — the per-layer groups of any set of layers: group by group in the spec's order
+  (head permutation before the head groups it couples, then QK, VO, FFN), each group's kind solving
+  all its instances at once (batched SVDs, assignments on a thread pool) on A moved by the groups
+  before it. In-memory alignment hands it every layer; streaming one tensor-disjoint part of a layer
+  (:func:`parts`), whose costly read-once step (:func:`prepare_costly`) may run on on-demand tensors.
+* :func:`solve` — adds the model-wide groups (the residual stream), which couple every layer: they act
+  on the other axis of the same tensors and commute with the per-layer groups, so they are solved by
+  coordinate descent, each step exact for its group given the rest, until the objective (the squared
+  distance over the matched tensors) stops decreasing — monotone by construction; a cap with a warning.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..core.apply import apply
+from ..core.distance import sq_distance
+from ..groups import Options
+
+DESCENT_TOL = 1e-9  # a sweep must lower the objective by more than this (relative) to continue
+
+
+@dataclass
+class SolveContext:
+    """What a kind may look up while solving: all instances of the solve (e.g. the head groups a head
+    permutation couples), a key restriction for the model-wide cost, assignment threads."""
+
+    instances: list = field(default_factory=list)
+    only_keys: set | None = None
+    assignment_workers: int | None = None
+
+
+def by_group(instances) -> dict[str, list]:
+    """Instances grouped by group name, groups in first-appearance (= spec) order."""
+    out: dict[str, list] = {}
+    for inst in instances:
+        out.setdefault(inst.group.name, []).append(inst)
+    return out
+
+
+def active(instances, opts: Options) -> list:
+    return [i for i in instances if i.kind.active(i, opts)]
+
+
+def prepare_costly(instances, sd_a, sd_b, opts: Options, ctx: SolveContext | None = None) -> dict:
+    """The read-once costly step of the kinds that have one (cost matrices and their assignments),
+    ``{group name: prepared}``; ``sd_a``/``sd_b`` may read tensors on demand."""
+    ctx = ctx or SolveContext(list(instances))
+    out = {}
+    for name, insts in by_group(active(instances, opts)).items():
+        kind = insts[0].kind
+        if kind.streams_costs:
+            out[name] = kind.prepare(insts, sd_a, sd_b, opts, ctx)
+    return out
+
+
+def solve_local(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, prepared: dict | None = None,
+                ctx: SolveContext | None = None, timings: dict | None = None) -> dict:
+    """Elements of the per-layer groups among ``instances`` (``{instance name: element}``); seconds
+    per group are added to ``timings``."""
+    ctx = ctx or SolveContext(list(instances))
+    groups = list(by_group(active(instances, opts)).items())
+    elements: dict = {}
+    moved = sd_a
+    for k, (name, insts) in enumerate(groups):
+        t0 = time.perf_counter()
+        kind = insts[0].kind
+        pre = prepared[name] if prepared and name in prepared else kind.prepare(insts, moved, sd_b, opts, ctx)
+        found = kind.complete(insts, pre, moved, sd_b, opts, ctx)
+        elements.update(found)
+        later = {s.key for _, g in groups[k + 1:] for i in g for s in i.slots}
+        if later & {s.key for i in insts for s in i.slots}:  # a later group acts on these tensors too
+            moved = apply(moved, insts, found)
+        if timings is not None:
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+        if progress is not None:
+            progress(name)
+    return elements
+
+
+def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, history: list | None = None,
+          max_sweeps: int = 50, init: str = "stream") -> dict:
+    """Group elements ``{instance name: element}`` aligning ``sd_a`` to the anchor ``sd_b``.
+
+    Model-wide groups need both state dicts in their canonical form
+    (:func:`symmerge.core.apply.canonicalize`). They and the per-layer groups are solved by
+    coordinate descent; the squared distance over the matched tensors after each sweep is appended
+    to ``history``, and the best sweep's elements are returned. ``init``: the first model-wide step
+    uses only the tensors no per-layer group touches (``stream``: embeddings, heads, norms), or all of
+    them (``all``), or follows a first per-layer solve (``local``)."""
+    local = [i for i in instances if i.kind.per_layer]
+    wide = active([i for i in instances if not i.kind.per_layer], opts)
+    if not wide:
+        return solve_local(local, sd_a, sd_b, opts, progress)
+    local_keys = {s.key for i in active(local, opts) for s in i.slots}
+    pure = {s.key for i in wide for s in i.slots if s.key not in local_keys}
+    matched = sorted(local_keys | {s.key for i in wide for s in i.slots})
+    elements: dict = solve_local(local, sd_a, sd_b, opts) if init == "local" else {}
+    best, best_value = dict(elements), float("inf")
+    for sweep in range(max_sweeps):
+        moved = apply(sd_a, local, elements)
+        ctx = SolveContext(list(instances), only_keys=(pure or None) if sweep == 0 and init == "stream" else None)
+        for name, insts in by_group(wide).items():
+            elements.update(insts[0].kind.solve(insts, moved, sd_b, opts, ctx))
+        moved = apply(sd_a, wide, elements)
+        elements.update(solve_local(local, moved, sd_b, opts))
+        value = sq_distance(apply(moved, local, elements), sd_b, matched)
+        if history is not None:
+            history.append(value)
+        if progress is not None:
+            progress(f"sweep {sweep + 1}")
+        if value >= best_value * (1 - DESCENT_TOL):
+            break
+        best, best_value = dict(elements), value
+    else:
+        warnings.warn(f"coordinate descent stopped at the cap of {max_sweeps} sweeps while still improving "
+                      f"(last {history[-1] if history else value:.6g}); raise max_sweeps to go on", stacklevel=2)
+    return best
+
+
+def parts(instances) -> list[list]:
+    """A layer's group instances split into sets that share no tensor (attention, FFN...): each set is
+    solved, applied and written on its own, so only its tensors are ever in memory."""
+    parent = list(range(len(instances)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[str, int] = {}
+    for i, inst in enumerate(instances):
+        for s in inst.slots:
+            j = owner.setdefault(s.key, i)
+            parent[root(i)] = root(j)
+    groups: dict[int, list] = defaultdict(list)
+    for i, inst in enumerate(instances):
+        groups[root(i)].append(inst)
+    return list(groups.values())

@@ -1,0 +1,58 @@
+"""The alignment report (``symmerge_report.json``): one schema for in-memory and streamed alignment.
+
+Distances come from per-tensor squared distances before and after, collected as the work goes
+(streaming: part by part), then summed: the whole model, each group instance (``per_module``) and
+each layer (``per_layer``: the union of its instances' tensors).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class Distances:
+    """Per-tensor squared distances to the anchor, before and after alignment."""
+
+    def __init__(self):
+        self.before: dict[str, float] = {}
+        self.after: dict[str, float] = {}
+
+    def add(self, key: str, before: float, after: float) -> None:
+        self.before[key], self.after[key] = before, after
+
+    def total(self, keys=None) -> tuple[float, float]:
+        keys = self.before.keys() if keys is None else keys
+        return (math.sqrt(sum(self.before.get(k, 0.0) for k in keys)),
+                math.sqrt(sum(self.after.get(k, 0.0) for k in keys)))
+
+    def tables(self, instances) -> dict:
+        per_module, layer_keys = {}, {}
+        for inst in instances:
+            keys = inst.keys()
+            b, a = self.total(keys)
+            per_module[inst.name] = {"before": b, "after": a}
+            if inst.layer >= 0:
+                layer_keys.setdefault(inst.layer, set()).update(keys)
+        per_layer = {}
+        for layer, keys in sorted(layer_keys.items()):
+            b, a = self.total(keys)
+            per_layer[str(layer)] = {"before": b, "after": a}
+        return {"per_module": per_module, "per_layer": per_layer}
+
+
+def alignment_report(spec, model_type: str, opts, instances, distances: Distances, keys=None, **fields) -> dict:
+    """The report's common fields; ``fields`` adds the mode-specific ones (verification, timings,
+    shards...). ``keys``: the tensors the whole-model distance runs over (default: every tensor seen)."""
+    before, after = distances.total(keys)
+    report = {
+        "family": spec.family,
+        "model_type": model_type,
+        "symmetries": list(opts.symmetries),
+        "rescale": opts.effective_rescale,
+        "layers": list(opts.layers) if opts.layers is not None else "all",
+        "distance_before": before,
+        "distance_after": after,
+        **distances.tables(instances),
+    }
+    report.update(fields)
+    return report

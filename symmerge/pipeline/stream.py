@@ -1,0 +1,328 @@
+"""Streaming alignment: checkpoints larger than memory, aligned layer by layer.
+
+Neither model is ever loaded whole. The spec is resolved against the safetensors headers. Tensors no
+group touches (embeddings, norms, heads) are copied through one by one; then the layers go through
+the same engine as in-memory alignment (:mod:`symmerge.pipeline.engine`), in one of two modes:
+
+* **low memory** (default): each layer is split into parts that share no tensor (attention, FFN);
+  one part at a time is read from both models (``safe_open``), solved, checked, applied and handed to
+  the shard writer, whose shards are cut at about one layer. A part whose kind has a read-once costly
+  step (the FFN permutation: its float64 cost built block by block from GEMMs on ``device``, consumed
+  in place by the exact assignment) runs that step first on tensors read on demand, before the part
+  is read whole. Peak memory ≈ interpreter + the largest part of both models + its n × n cost.
+* **pipeline**: a reader thread stays one layer ahead, layers are solved on a pool of threads
+  (the GEMMs of one layer overlap another's assignment), and a writer thread writes shards; a few
+  layers in memory, I/O hidden behind compute.
+
+Both use the per-layer symmetries; the residual stream couples every layer and is refused here.
+Every group element is checked to be valid (hence function-preserving); ``verify_forward``
+additionally loads both models afterwards and compares their outputs, for checkpoints that fit.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ..core.apply import apply
+from ..core.distance import sq_distance
+from ..core.layout import check_layouts
+from ..core.resolve import config_sizes, resolve, value_keys
+from ..errors import SymmergeError
+from ..families import spec_for
+from ..io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
+from ..io.model import atomic_dir, copy_side_files, write_json
+from .engine import SolveContext, active, parts, prepare_costly, solve_local
+from .options import AlignOptions
+from .report import Distances, alignment_report
+from .verify import ELEMENT_CHECK, verify_elements
+
+DEFAULT_SHARD = "1GB"
+MIN_LOW_MEMORY_SHARD = 64 * 2 ** 20  # low-memory mode: shards of about one layer, not smaller than this
+
+
+def _bound_malloc(mmap_threshold: int):
+    """glibc only: serve every allocation over ``mmap_threshold`` bytes by its own mmap (returned to the
+    OS when freed) and cap the malloc arenas at 2. Otherwise the dynamic mmap threshold grows after the
+    first large frees and per-thread arenas keep freed layer tensors as fragmented heap: peak RSS then
+    counts layers long gone. Returns a function that hands the heap's free pages back to the OS
+    (``malloc_trim``); both are no-ops elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim"):
+            libc.mallopt(-3, int(mmap_threshold))  # M_MMAP_THRESHOLD
+            libc.mallopt(-8, 2)  # M_ARENA_MAX
+            return lambda: libc.malloc_trim(0)
+    except OSError:
+        pass
+    return lambda: None
+
+
+def layer_instances(ckpt: LazyCheckpoint, layers=None, opts=None):
+    """(spec, {layer: its active group instances}) resolved against the checkpoint's headers (the
+    per-layer groups; the few tensors whose values binding needs are read)."""
+    spec = spec_for(ckpt.config["model_type"])
+    sizes = config_sizes(spec, ckpt.hf_config)
+    shapes = ckpt.meta()
+    shapes.update(ckpt.read(value_keys(spec, list(shapes), sizes["num_layers"])))  # a few small tensors
+    instances = resolve(spec, shapes, sizes.pop("num_layers"), sizes.pop("num_heads"), layers, model_wide=False,
+                        ties=ckpt.ties, disk_names=ckpt.disk_name, **sizes)
+    if opts is not None:
+        instances = active(instances, opts)
+    by_layer: dict[int, list] = defaultdict(list)
+    for inst in instances:
+        by_layer[inst.layer].append(inst)
+    return spec, dict(sorted(by_layer.items()))
+
+
+class OnDemand(Mapping):
+    """A checkpoint's tensors ``keys`` as a read-only mapping that reads a tensor each time it is asked
+    for and keeps nothing (a cost GEMM uses each member once)."""
+
+    def __init__(self, ckpt: LazyCheckpoint, keys):
+        self.ckpt, self.names, self.seconds = ckpt, list(keys), 0.0
+
+    def __getitem__(self, key):
+        if key not in self.names:
+            raise KeyError(key)
+        t0 = time.perf_counter()
+        tensor = self.ckpt.read([key])[key]
+        self.seconds += time.perf_counter() - t0
+        return tensor
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _part_keys(part) -> list[str]:
+    return sorted({s.key for i in part for s in i.slots})
+
+
+class _Job:
+    """Solving one part (or layer): solve, check, apply, distances; the new tensors by disk name."""
+
+    def __init__(self, ckpt_a, opts, timings, distances, lock):
+        self.ckpt_a, self.opts, self.timings, self.distances, self.lock = ckpt_a, opts, timings, distances, lock
+
+    def __call__(self, part, sd_a, sd_b, prepared=None) -> dict:
+        t0 = time.perf_counter()
+        group_times: dict = defaultdict(float)
+        elements = solve_local(part, sd_a, sd_b, self.opts, prepared=prepared, ctx=SolveContext(list(part)),
+                               timings=group_times)
+        t1 = time.perf_counter()
+        verify_elements(part, elements)
+        new = apply(sd_a, part, elements)
+        out = {}
+        for k in sd_a:
+            if new[k].is_floating_point() and not torch.isfinite(new[k]).all():
+                raise SymmergeError(f"{self.ckpt_a.disk_name[k]}: aligned tensor is not finite")
+            with self.lock:
+                self.distances.add(k, sq_distance(sd_a, sd_b, [k]), sq_distance(new, sd_b, [k]))
+            out[self.ckpt_a.disk_name[k]] = new[k]
+        with self.lock:
+            for name, sec in group_times.items():
+                self.timings[f"solve {name}"] += sec
+            self.timings["check_apply_distances"] += time.perf_counter() - t1
+        return out
+
+
+def _run_low_memory(by_layer, ckpt_a, ckpt_b, writer, job: _Job, opts, pbar, timings, trim):
+    """One tensor-disjoint part of one layer at a time. A part with a read-once costly step (the FFN
+    assignment) runs it on tensors read on demand before the part is read whole: the cost matrix never
+    shares memory with the part's tensors."""
+    for layer, insts in by_layer.items():
+        for part in parts(insts):
+            keys = _part_keys(part)
+            prepared = None
+            if any(i.kind.streams_costs for i in part):
+                writer.flush()  # no pending shard beside the cost matrix (shards: about one layer each)
+                trim()
+                lazy_a, lazy_b = OnDemand(ckpt_a, keys), OnDemand(ckpt_b, keys)
+                t0 = time.perf_counter()
+                prepared = prepare_costly(part, lazy_a, lazy_b, opts, SolveContext(list(part)))
+                timings["read"] += lazy_a.seconds + lazy_b.seconds
+                timings["costs_and_assignments"] += time.perf_counter() - t0 - lazy_a.seconds - lazy_b.seconds
+                trim()
+            writer.make_room(sum(ckpt_a.nbytes(k) for k in keys))
+            t0 = time.perf_counter()
+            sd_a, sd_b = ckpt_a.read(keys), ckpt_b.read(keys)
+            timings["read"] += time.perf_counter() - t0
+            tensors = job(part, sd_a, sd_b, prepared)
+            del sd_a, sd_b
+            t0 = time.perf_counter()
+            for k, t in tensors.items():
+                writer.add(k, t)
+            del tensors
+            timings["write"] += time.perf_counter() - t0
+            trim()
+        pbar.update(1)
+
+
+def _reader(jobs, ckpt_a: LazyCheckpoint, ckpt_b: LazyCheckpoint, out: queue.Queue, stop: threading.Event,
+            ahead: threading.Semaphore):
+    try:
+        for layer, keys in jobs:
+            while not ahead.acquire(timeout=0.2):  # stay a bounded number of layers ahead
+                if stop.is_set():
+                    return
+            if stop.is_set():
+                return
+            item = (layer, ckpt_a.read(keys), ckpt_b.read(keys))
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+        out.put(None)
+    except BaseException as e:  # handed to the main thread, which raises it
+        out.put(_Failure(e))
+
+
+def _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, job: _Job, pbar, timings, workers: int):
+    """Reader thread one layer ahead, ``workers`` layers solved at once, results written in layer order."""
+    jobs = [(layer, _part_keys(insts)) for layer, insts in by_layer.items()]
+    stop = threading.Event()
+    layers_q: queue.Queue = queue.Queue(maxsize=1)
+    ahead = threading.Semaphore(workers)
+    reader = threading.Thread(target=_reader, args=(jobs, ckpt_a, ckpt_b, layers_q, stop, ahead), daemon=True)
+    reader.start()
+    pending: list = []
+
+    def drain(limit: int):
+        while len(pending) > limit:
+            result = pending.pop(0).result()
+            t0 = time.perf_counter()
+            for k, t in result.items():
+                writer.add(k, t)
+            timings["write"] += time.perf_counter() - t0
+            pbar.update(1)
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            while True:
+                t_wait = time.perf_counter()
+                item = layers_q.get()
+                timings["waiting_for_reads"] += time.perf_counter() - t_wait
+                if item is None:
+                    break
+                if isinstance(item, _Failure):
+                    raise item.exc
+                layer, sd_a, sd_b = item
+                future = pool.submit(job, by_layer[layer], sd_a, sd_b)
+                future.add_done_callback(lambda _: ahead.release())
+                pending.append(future)
+                del sd_a, sd_b, item
+                drain(workers)
+            drain(0)
+    except BaseException:
+        stop.set()
+        raise
+
+
+def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), rescale: str = "joint",
+                    layers=None, device="cpu", shard_size=DEFAULT_SHARD, progress: bool = True,
+                    verify_forward: bool = False, verify_tol: float | None = None, log=None,
+                    pipeline: bool = False, workers: int | None = None, options: AlignOptions | None = None) -> dict:
+    """Align the safetensors checkpoint folder ``model`` to ``anchor`` layer by layer and write the
+    result to the folder ``out`` (atomically, in shards of at most ``shard_size``). Returns the report
+    (also written as ``out/symmerge_report.json``).
+
+    Default (low memory): one tensor-disjoint part of a layer at a time, shards cut at about one
+    layer; peak memory ≈ the largest part of both models + its cost matrix. ``pipeline=True``
+    overlaps reading, solving (``workers`` layers at once, default 2) and writing across layers."""
+    from ..device import resolve_device
+    from ..progress import bar
+
+    start = time.perf_counter()
+    options = options or AlignOptions(symmetries=symmetries, rescale=rescale, layers=layers, device=device,
+                                      verify_tol=verify_tol)
+    if "residual" in options.symmetries:
+        raise SymmergeError("the residual symmetry couples every layer (one transform of the whole stream) and "
+                            "cannot be streamed; align it in memory (without --stream) or leave it out")
+    dev = resolve_device(options.device)
+    opts = options.solver_options(dev)
+    max_bytes = parse_size(shard_size)
+    workers = workers or 2
+    # pipeline: every allocation over 1 MB is its own mmap. Low memory: temporaries up to 32 MB (GEMM and
+    # head blocks) are reused from the heap (a fresh mmap costs page faults on every block), whose free
+    # pages are handed back after each part
+    trim = _bound_malloc((1 if pipeline else 32) << 20)
+    ckpt_a, ckpt_b = LazyCheckpoint(model), LazyCheckpoint(anchor)
+    check_layouts([ckpt_a.layout("model"), ckpt_b.layout("anchor")])
+    spec, by_layer = layer_instances(ckpt_a, options.layers, opts)
+    trim()  # the weightless model built to map tensor names is garbage now
+    layer_keys = [set(_part_keys(insts)) for insts in by_layer.values()]
+    touched = set().union(*layer_keys)
+    passthrough = [k for k in ckpt_a.keys() if k not in touched]
+    largest_layer = max([sum(ckpt_a.nbytes(k) for k in keys) for keys in layer_keys], default=0)
+    if not pipeline:  # the writer's buffer is memory too: cut shards at about one layer
+        max_bytes = min(max_bytes, max(largest_layer, MIN_LOW_MEMORY_SHARD))
+
+    timings: dict = defaultdict(float)
+    distances = Distances()
+    job = _Job(ckpt_a, opts, timings, distances, threading.Lock())
+    with atomic_dir(out) as tmp:
+        writer = ShardWriter(tmp, max_bytes)
+        # tensors no group touches: one at a time, straight through
+        for k in passthrough:
+            writer.make_room(ckpt_a.nbytes(k))
+            ta, tb = ckpt_a.read([k]), ckpt_b.read([k])
+            d = sq_distance(ta, tb, [k])
+            distances.add(k, d, d)
+            writer.add(ckpt_a.disk_name[k], ta[k])
+            del ta, tb
+        writer.flush()
+        pbar = bar(total=len(by_layer), desc="aligning layers", unit="layer", disable=None if progress else True)
+        try:
+            if pipeline:
+                _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, job, pbar, timings, workers)
+            else:
+                _run_low_memory(by_layer, ckpt_a, ckpt_b, writer, job, opts, pbar, timings, trim)
+        finally:
+            pbar.close()
+        names = writer.close()
+        copy_side_files(Path(model), tmp)
+        (tmp / "config.json").write_text((Path(model) / "config.json").read_text())
+        instances = [i for insts in by_layer.values() for i in insts]
+        report = alignment_report(
+            spec, ckpt_a.config["model_type"], options, instances, distances, model=str(model), anchor=str(anchor),
+            streamed=True, mode="pipeline" if pipeline else "low-memory", device=str(dev), verify=ELEMENT_CHECK,
+            shards=names, bytes_written=writer.total_bytes, largest_layer_bytes=largest_layer,
+            timings={k: round(v, 4) for k, v in timings.items()})
+        report["match_seconds"] = time.perf_counter() - start
+        if verify_forward:
+            report.update(_verify_forward(model, tmp, options.verify_tol))
+        report["seconds"] = time.perf_counter() - start
+        write_json(tmp / "symmerge_report.json", report)
+    if log is not None:
+        log(f"wrote {out}: {len(names)} shard(s), {writer.total_bytes / 1e9:.2f} GB")
+    return report
+
+
+def _verify_forward(model, aligned_dir, verify_tol) -> dict:
+    """Load the original and the aligned folder and compare outputs (needs both in memory)."""
+    from ..io.model import load_model
+    from .verify import verify_forward
+
+    a, b = load_model(model), load_model(aligned_dir)
+    return verify_forward(a, b, spec_for(a.config.model_type), verify_tol)

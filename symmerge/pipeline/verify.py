@@ -1,0 +1,78 @@
+"""Check that an alignment preserved the function, in one place for in-memory and streamed alignment:
+
+* every group element is checked to be a valid element of its group (orthogonal, finite positive or
+  non-zero scales, bijective permutations...): a valid element preserves the function exactly, which
+  the tests prove for every family and kind;
+* where both models are in memory, they are run on the same inputs and their outputs compared.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..core.apply import check_elements
+from ..core.spec import Spec
+from ..errors import SymmergeError
+
+ELEMENT_CHECK = "group elements (orthogonal, valid scales, bijective permutations)"
+
+
+def sample_inputs(model, spec: Spec, batch: int = 2, length: int = 16, seed: int = 0) -> dict:
+    """Random but valid inputs: token ids with a padded row, or pixels of the configured size."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    if spec.inputs == "image":
+        size = cfg.image_size
+        return {"pixel_values": torch.randn(batch, cfg.num_channels, size, size, generator=g)}
+    ids = torch.randint(0, cfg.vocab_size, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[-1, length // 2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _outputs(model, inputs) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = model(**inputs)
+    values = out.values() if hasattr(out, "values") else (out if isinstance(out, tuple) else [out])
+    return [v for v in values if torch.is_tensor(v) and v.is_floating_point()]
+
+
+def with_state_dict(model, state_dict: dict):
+    """A copy of ``model`` holding ``state_dict`` (the original is left untouched)."""
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(state_dict)
+    return clone.eval()
+
+
+def compare(model_a, model_b, inputs: dict) -> dict:
+    """Max absolute and relative (to the largest output magnitude) difference over all outputs."""
+    device = next(model_a.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    max_abs, scale = 0.0, 0.0
+    for a, b in zip(_outputs(model_a.eval(), inputs), _outputs(model_b.eval(), inputs)):
+        max_abs = max(max_abs, (a.double() - b.double()).abs().max().item())
+        scale = max(scale, a.double().abs().max().item())
+    return {"max_abs_diff": max_abs, "max_rel_diff": max_abs / scale if scale else max_abs}
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    return {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 5e-2)
+
+
+def verify_elements(instances, elements: dict) -> None:
+    check_elements(instances, elements)
+
+
+def verify_forward(model, aligned, spec: Spec, tol: float | None = None, inputs: dict | None = None) -> dict:
+    """Compare the outputs of ``model`` and ``aligned``; the report's ``verify_*`` fields. Raises
+    :class:`SymmergeError` beyond the tolerance (default by dtype)."""
+    dtype = next(model.parameters()).dtype
+    tol = default_tolerance(dtype) if tol is None else tol
+    diff = compare(model, aligned, inputs or sample_inputs(model, spec))
+    if not diff["max_rel_diff"] <= tol:
+        raise SymmergeError(f"aligned model is not equivalent: max relative output difference "
+                            f"{diff['max_rel_diff']:.3g} > {tol:.3g}")
+    return {"verify_max_abs_diff": diff["max_abs_diff"], "verify_max_rel_diff": diff["max_rel_diff"],
+            "verify_tolerance": tol}
