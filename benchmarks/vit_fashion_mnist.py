@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from symmerge.pipeline.align import align
+from symmerge.pipeline.align import align_pair
+from symmerge.pipeline.options import AlignOptions
 from symmerge.evaluate.barrier import barrier_study
 from symmerge.io.data import load_data
 from symmerge.demo.datasets import FASHION_CLASSES, cache_dir, fashion_mnist, write_npz
@@ -168,18 +169,18 @@ def run(args, log=print) -> dict:
 
     keys = parameter_keys(a)  # the whole model (Fig. 4), and without the classifier (the merges' tables)
     body = [k for k in keys if k.startswith("vit.")]
-    sd_b = b.state_dict()
     rows, matching = [], {}
     moved_by = {}
     for label, syms in VARIANTS.items():
         # distance of the matched A to B (the paper's Fig. 4), from one alignment outside the merges
         t = time.perf_counter()
-        moved = a if syms == "none" else align(a, b, syms.split(","))[0]
+        res = None if syms == "none" else align_pair(a, b, AlignOptions(symmetries=syms))
+        moved, end_b = (a, b) if res is None else (res.model, res.anchor)  # B in A's parameterisation
         secs = time.perf_counter() - t
-        moved_by[label] = moved
+        moved_by[label] = (moved, end_b)
         matching[label] = {"symmetries": syms, "seconds": secs,
-                           "distance": distance(moved.state_dict(), sd_b, keys),
-                           "distance_body": distance(moved.state_dict(), sd_b, body)}
+                           "distance": distance(moved.state_dict(), end_b.state_dict(), keys),
+                           "distance_body": distance(moved.state_dict(), end_b.state_dict(), body)}
         for method in METHODS:
             data = {"average": None, "fisher": fisher, "regmean": gram}[method]
             merged, rep = merge_models([a, b], method, align=syms, data=data, heads="merge",
@@ -201,7 +202,7 @@ def run(args, log=print) -> dict:
         if syms in study["curves"]:
             curves[label] = {k: study["curves"][syms][k] for k in ("loss", "accuracy", "barrier")}
         else:
-            curves[label] = interpolation_curve(moved_by[v], b, curve, study["alphas"], progress=False)
+            curves[label] = interpolation_curve(*moved_by[v], curve, study["alphas"], progress=False)
         log(f"  LMC {label:31s} barrier {curves[label]['barrier']:.4f}")
 
     def mean_timing(method, syms, key):

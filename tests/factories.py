@@ -68,7 +68,8 @@ FAMILIES = ("bert", "roberta", "electra", "distilbert", "deberta-v2", "deberta-v
             "llama-bias", "mistral", "qwen2", "qwen3", "phi")
 DECODERS = ("gpt2", "llama", "llama-bias", "mistral", "qwen2", "qwen3", "phi")
 RMSNORM = ("llama", "llama-bias", "mistral", "qwen2", "qwen3")
-WITH_RESIDUAL = ("vit", "gpt2") + RMSNORM  # families whose task models have a residual-stream group
+PRE_LAYERNORM = ("vit", "gpt2", "phi")  # pre-LN LayerNorm: O(d-1) after folding ("largest"), or permutations
+WITH_RESIDUAL = FAMILIES  # every family's task models have a residual-stream group
 
 
 def make_model(family: str, head: bool = False, dtype=torch.float64, seed: int = 0, tied: bool | None = None,
@@ -95,7 +96,7 @@ def make_model(family: str, head: bool = False, dtype=torch.float64, seed: int =
 
 
 def disguised(anchor, symmetries=("heads", "attn", "ffn", "rescale", "residual"), seed: int = 1, noise: float = 0.0,
-              residual: str = "permutation"):
+              residual: str = "largest"):
     """``(model, noise norm, canonical anchor state dict)``: a hidden random element of every group of
     ``symmetries`` (with scales if ``rescale``) applied to the anchor in canonical form, plus Gaussian
     noise (``noise`` × each matched tensor's std) on the matched tensors. With noise 0 the model computes

@@ -50,9 +50,11 @@ def test_demo_quick_end_to_end(tmp_path, monkeypatch, capsys):
     assert ea["accuracy"] > 0.3 and eb["accuracy"] > 0.3  # trained: far above chance (0.1)
     curves, alphas = result["curves"], result["alphas"]
     assert set(curves) == {"none", "attn,ffn,rescale", "attn,ffn,rescale,residual"} and alphas[0] == 0.0 and alphas[-1] == 1.0
-    for c in curves.values():  # α = 1 is model A, α = 0 is model B (alignment does not change the function)
+    for name, c in curves.items():  # α = 1 is model A, α = 0 is model B (alignment does not change the function)
         assert c["loss"][-1] == pytest.approx(ea["loss"], rel=1e-5)
-        assert c["loss"][0] == pytest.approx(eb["loss"], rel=1e-9)
+        # the residual variant interpolates towards B with its LayerNorms folded: the same function, rounded
+        # differently in fp32; the others towards B itself
+        assert c["loss"][0] == pytest.approx(eb["loss"], rel=1e-5 if "residual" in name else 1e-9)
         assert c["barrier"] >= 0
     for m in result["merges"]:
         assert 0 <= m["test_accuracy"] <= 1 and m["test_loss"] > 0

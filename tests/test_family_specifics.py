@@ -34,8 +34,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 CONTROL_MIN = 1e-3
 
 
-def of(model, *kinds, names=()):
-    _, instances = instances_for(model)
+def of(model, *kinds, names=(), residual="largest"):
+    _, instances = instances_for(model, residual=residual)
     return [i for i in instances if i.group.kind in kinds or i.group.name in names]
 
 
@@ -223,7 +223,7 @@ def test_gpt2_residual_permutation_keeps_the_tie_and_the_score_head(cls, dtype):
         clf = getattr(transformers, cls)(cfg).to(dtype).eval()
         clf.transformer.load_state_dict(model.transformer.state_dict())
         model = clf
-    (res,) = of(model, "residual")
+    (res,) = of(model, "residual", residual="permutation")
     assert res.info.variant == "permutation" and res.size == HIDDEN
     keys = {k for s in res.slots for k in (s.key, *s.aliases)}
     head = "lm_head.weight" if cls == "GPT2LMHeadModel" else "score.weight"
@@ -238,7 +238,7 @@ def test_gpt2_residual_permutation_keeps_the_tie_and_the_score_head(cls, dtype):
 
 def test_vit_residual_permutation_names_the_whole_stream():
     model = make_model("vit", head=True)
-    (res,) = of(model, "residual")
+    (res,) = of(model, "residual", residual="permutation")
     assert res.info.variant == "permutation" and res.size == model.config.hidden_size
     keys = {s.key for s in res.slots}
     assert {"vit.embeddings.cls_token", "vit.embeddings.position_embeddings", "vit.layernorm.bias",
@@ -249,17 +249,54 @@ def test_vit_residual_permutation_names_the_whole_stream():
     assert all(not torch.equal(new[k], sd[k]) for k in keys if sd[k].numel() > 1)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "vit"])
-def test_a_rotation_of_a_layernorm_stream_breaks_it(family):
-    """Negative control: an orthogonal Q on every stream tensor (LayerNorm parameters left alone, as for
-    RMSNorm after folding) changes a LayerNorm model's function: mean-centring does not commute."""
+@pytest.mark.parametrize("family", ["gpt2", "vit", "phi"])
+def test_layernorm_stream_rotations_must_fix_the_all_ones_direction(family):
+    """After folding, an orthogonal Q with Q·1 = ±1 preserves a LayerNorm model (mean-centring and the
+    RMS commute with it); a Haar-random Q (which moves 1) breaks it, and so does a permutation of the
+    unfolded stream that leaves the LayerNorms' γ and β alone."""
     model = make_model(family, head=True)
     (res,) = of(model, "residual")
-    dense = dataclasses.replace(res, slots=tuple(s for s in res.slots if not s.diag))
+    assert res.info.variant == "centered" and res.info.folds
+    folded = canonicalize(model.state_dict(), [res])
+    assert breaks(model, folded) <= 1e-10
+    good = random_elements([res], torch.Generator().manual_seed(0))
+    ones = torch.ones(res.size, dtype=torch.float64)
+    assert (good[res.name].Q @ ones).abs().sub(1).abs().max() < 1e-12
+    assert breaks(model, apply(folded, [res], good)) <= 1e-10
     Q = haar(1, res.size, torch.Generator().manual_seed(0))[0]
-    assert breaks(model, apply(model.state_dict(), [dense], {res.name: StreamElement(Q=Q)})) > 1e-2
-    # and a permutation that leaves the LayerNorms' γ and β alone
-    assert breaks(model, apply(model.state_dict(), [dense], random_elements([res], torch.Generator()))) > CONTROL_MIN
+    assert (Q @ ones - ones).abs().max() > 0.1 and (Q @ ones + ones).abs().max() > 0.1
+    assert breaks(model, apply(folded, [res], {res.name: StreamElement(Q=Q)})) > 1e-2
+    (perm,) = of(model, "residual", residual="permutation")
+    no_norms = dataclasses.replace(perm, slots=tuple(s for s in perm.slots if ("norm" not in s.key.lower()
+                                                                               and "ln_" not in s.key)))
+    assert breaks(model, apply(model.state_dict(), [no_norms], random_elements([perm], torch.Generator()))) > CONTROL_MIN
+
+
+def test_tied_gpt2_keeps_to_permutations_unless_untied():
+    """ln_f cannot fold into an LM head tied to wte: the stream group stays permutations; untied, the
+    final norm folds into the head and the O(d-1) group acts (exactly)."""
+    from symmerge.pipeline.align import untied
+
+    model = make_model("gpt2", head=True, tied=True)
+    (res,) = of(model, "residual")
+    assert res.info.variant == "permutation"
+    free = untied(model)
+    assert free.lm_head.weight is not free.transformer.wte.weight
+    assert breaks(model, free.state_dict()) <= 1e-12
+    (res,) = of(free, "residual")
+    assert res.info.variant == "centered"
+    assert any(f.weight == "transformer.ln_f.weight" and f.readers == (("lm_head.weight", 1),) for f in res.info.folds)
+    new = apply(canonicalize(free.state_dict(), [res]), [res], random_elements([res], torch.Generator().manual_seed(1)))
+    assert breaks(free, new) <= 1e-10
+    aligned, report = align(disguised_ln(free), model, ("attn", "ffn", "rescale", "residual"), untie=True)
+    assert report["untied"] and report["residual_variant"] == "centered"
+    assert aligned.lm_head.weight is not aligned.transformer.wte.weight
+
+
+def disguised_ln(model):
+    from factories import disguised
+
+    return disguised(model, ("attn", "ffn", "rescale", "residual"), seed=3)[0]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "vit", "llama", "qwen3"])
@@ -402,7 +439,7 @@ def test_partial_rotary_phi():
 
 def test_phi_partial_rotary_alignment_recovers_the_pass_through_dims():
     anchor = make_model("phi", head=True)
-    _, instances = instances_for(anchor)
+    instances = [i for i in instances_for(anchor)[1] if i.kind.per_layer]
     moved = with_weights(anchor, apply(anchor.state_dict(), instances,
                                        random_elements(instances, torch.Generator().manual_seed(4))))
     aligned, report = align(moved, anchor, ("heads", "attn", "ffn", "rescale"))
@@ -503,11 +540,11 @@ def test_qwen3_sign_choice_equals_brute_force():
 @pytest.mark.parametrize("family", ["vit", "gpt2"])
 def test_layernorm_stream_alignment_undoes_a_hidden_permutation_that_local_groups_cannot(family):
     b = make_model(family, head=True, seed=0)
-    instances = [i for i in instances_for(b)[1] if i.group.kind != "heads"]
+    instances = [i for i in instances_for(b, residual="permutation")[1] if i.group.kind != "heads"]
     el = random_elements(instances, torch.Generator().manual_seed(7))
     noisy, noise = add_noise(apply(b.state_dict(), instances, el), 0.01, seed=8)
     a = with_weights(b, noisy)
-    aligned, rep = align(a, b, ("attn", "ffn", "rescale", "residual"))
+    aligned, rep = align(a, b, ("attn", "ffn", "rescale", "residual"), residual="permutation")
     assert rep["residual_variant"] == "permutation"
     assert rep["distance_after"] == pytest.approx(noise, rel=0.2)  # the hidden element is undone
     _, rep0 = align(a, b, ("attn", "ffn", "rescale"))

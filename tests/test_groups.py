@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import make_inputs, output_rel_diff, sq_dist, with_weights
-from factories import DEC_HEADS, DECODERS, FAMILIES, RMSNORM, WITH_RESIDUAL, disguised, make_model
+from factories import DEC_HEADS, DECODERS, FAMILIES, PRE_LAYERNORM, RMSNORM, WITH_RESIDUAL, disguised, make_model
 from symmerge.core.apply import apply, canonicalize, check_elements, identity_elements, random_elements
 from symmerge.groups import KINDS
 from symmerge.pipeline.align import align, instances_for
@@ -39,18 +39,19 @@ def kinds_of(family: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(i.group.kind for i in instances))
 
 
-CASES = [(f, k) for f in FAMILIES for k in kinds_of(f)]
+# (family, kind, residual group choice): LayerNorm streams in both groups
+CASES = [(f, k, "largest") for f in FAMILIES for k in kinds_of(f)] + [(f, "residual", "permutation") for f in PRE_LAYERNORM]
 
 
 def test_every_kind_is_exercised():
-    assert {k for _, k in CASES} == set(KINDS)
+    assert {k for _, k, _ in CASES} == set(KINDS)
 
 
-def _setup(family, kind, dtype=torch.float64, tied=False, request=None):
+def _setup(family, kind, residual="largest", dtype=torch.float64, tied=False, request=None):
     if dtype == torch.float64 and family in RMSNORM and request is not None:
         request.getfixturevalue("fp64_rmsnorm")
     model = make_model(family, head=True, dtype=dtype, tied=tied if family in DECODERS else None)
-    _, instances = instances_for(model)
+    _, instances = instances_for(model, residual=residual)
     chosen = [i for i in instances if i.group.kind == kind]
     assert chosen, f"{family} has no {kind} group"
     sd = canonicalize(model.state_dict(), [i for i in chosen if not i.kind.per_layer])
@@ -58,9 +59,9 @@ def _setup(family, kind, dtype=torch.float64, tied=False, request=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("family,kind", CASES)
-def test_random_element_preserves_outputs(family, kind, dtype, request):
-    model, chosen, sd = _setup(family, kind, dtype, request=request)
+@pytest.mark.parametrize("family,kind,residual", CASES)
+def test_random_element_preserves_outputs(family, kind, residual, dtype, request):
+    model, chosen, sd = _setup(family, kind, residual, dtype, request=request)
     inputs = make_inputs(model)
     assert output_rel_diff(model, with_weights(model, sd), inputs) <= TOL[dtype]  # the canonical form
     for seed in (0, 1):
@@ -86,27 +87,28 @@ def test_all_kinds_at_once(family, head, dtype, request):
         assert output_rel_diff(model, with_weights(model, new), make_inputs(model)) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("family,kind", CASES)
-def test_element_moves_exactly_its_group_tensors(family, kind):
-    model, chosen, sd = _setup(family, kind)
+@pytest.mark.parametrize("family,kind,residual", CASES)
+def test_element_moves_exactly_its_group_tensors(family, kind, residual):
+    model, chosen, sd = _setup(family, kind, residual)
     new = apply(sd, chosen, random_elements(chosen, torch.Generator().manual_seed(5)))
     members = {k for i in chosen for s in i.slots for k in (s.key, *s.aliases)}
     changed = {k for k in sd if not torch.equal(sd[k], new[k])}
     assert changed <= members
-    for i in chosen:  # every member materially (norm weights of a dense stream transform stay uniform)
+    for i in chosen:  # every member materially (folded norms stay uniform, folded norm biases zero)
         for s in i.slots:
-            if not (s.diag and bool((sd[s.key] == sd[s.key].reshape(-1)[0]).all())):
+            t = sd[s.key]
+            if not ((s.diag and bool((t == t.reshape(-1)[0]).all())) or not bool(t.any())):
                 assert (new[s.key] - sd[s.key]).norm() > 1e-3 * sd[s.key].norm(), s.key
     for k in set(sd) - members:
         assert torch.equal(sd[k], new[k]), k
 
 
-@pytest.mark.parametrize("family,kind", CASES)
-def test_applying_an_element_to_part_of_the_group_breaks_the_model(family, kind, request):
+@pytest.mark.parametrize("family,kind,residual", CASES)
+def test_applying_an_element_to_part_of_the_group_breaks_the_model(family, kind, residual, request):
     """The negative control, generic: every side of the group is needed."""
     import dataclasses
 
-    model, chosen, sd = _setup(family, kind, request=request)
+    model, chosen, sd = _setup(family, kind, residual, request=request)
     inputs = make_inputs(model)
     elements = random_elements(chosen, torch.Generator().manual_seed(7))
     full = apply(sd, chosen, elements)

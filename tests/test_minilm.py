@@ -80,3 +80,30 @@ def test_align_real_minilm_back(disguised):
     _, seq = align(model, anchor, rescale="sequential", inputs=inputs)
     assert after <= seq["distance_after"] * (1 + 1e-6)
     assert seq["distance_after"] <= 1.01 * noise_norm
+
+
+def test_full_group_recovery_on_real_minilm_with_a_task_head(minilm):
+    """The real all-MiniLM-L6-v2 with a classification head (post-LN: the residual stream's group is one
+    permutation of the hidden dims through the embeddings, every LayerNorm, every layer, the pooler),
+    disguised by a hidden residual permutation + head permutation + per-head rotations and scales + FFN
+    permutation + noise, is brought back to the noise level by alignment in the full group."""
+    from transformers import AutoModelForSequenceClassification
+
+    from factories import disguised as hide
+
+    path, _, tokenizer = minilm
+    with one_thread():
+        anchor = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2, local_files_only=True).eval()
+        full = ("heads", "attn", "ffn", "rescale", "residual")
+        model, noise_norm, canonical = hide(anchor, full, seed=7, noise=NOISE)
+        inputs = dict(tokenizer(SENTENCES, padding=True, return_tensors="pt"))
+        aligned, report = align(model, anchor, full, inputs=inputs)
+    assert report["residual_variant"] == "permutation"
+    assert report["distance_before"] > 50 * noise_norm
+    assert report["distance_after"] <= 1.02 * noise_norm
+    keys = [n for n, _ in anchor.named_parameters()]
+    assert sq_dist(aligned.state_dict(), canonical, keys) ** 0.5 == pytest.approx(report["distance_after"], rel=1e-5)
+    assert output_rel_diff(model, aligned, inputs) <= 1e-5
+    # the paper's groups alone cannot undo the hidden stream permutation and head pairing
+    _, paper = align(model, anchor, ("attn", "ffn", "rescale"), inputs=inputs)
+    assert paper["distance_after"] > 10 * report["distance_after"]

@@ -38,8 +38,9 @@ class Binding:
     heads: dict
     rotary_dim: int | None = None
     ties: dict = field(default_factory=dict)
-    residual: str = "permutation"
+    residual: str = "largest"
     disk_names: dict = field(default_factory=dict)
+    architecture: str = ""  # the model's class name (task-head-specific roles)
 
     # ---------------------------------------------------------------- names
     def key_of(self, template: str, layer=None, root: bool = False) -> str:
@@ -59,11 +60,16 @@ class Binding:
     def aliases_of(self, key: str) -> tuple[str, ...]:
         return tuple(a for a, s in self.ties.items() if s == key and a in self.state_dict)
 
-    def reads_stream(self, group: Group) -> bool:
-        """Whether a task head (a member outside the base model) reads the group's stream: without
-        one, the model's output is the stream itself."""
-        return any(self.key_of(m.name, i, True) in self.state_dict
-                   for m in group.members if m.root for i in self.layers_of(m.name))
+    @property
+    def task_model(self) -> bool:
+        """A model with a task head around its base model: its output is not the residual stream."""
+        return self.prefix != ""
+
+    def applies(self, m: Member, layer=None) -> bool:
+        """Whether the member's role holds in this model (its head class, the tensors present)."""
+        if m.classes and not self.architecture.endswith(m.classes):
+            return False
+        return not (m.unless and self.key_of(m.unless, layer) in self.state_dict)
 
     def with_info(self, inst: Instance, info) -> Instance:
         return replace(inst, info=info)
@@ -98,6 +104,8 @@ class Binding:
         blocks = self.heads[group.heads] if blocked else 1
         slots = []
         for m in group.members:
+            if not self.applies(m, layer):
+                continue
             key = self.key_of(m.name, layer, m.root)
             if key not in self.state_dict:
                 if m.optional:
@@ -122,6 +130,8 @@ class Binding:
         slots = []
         for m in group.members:
             for i in self.layers_of(m.name):
+                if not self.applies(m, i):
+                    continue
                 key = self.key_of(m.name, i, m.root)
                 if key in self.state_dict:
                     if self.alias_source(key) is None:
@@ -167,18 +177,21 @@ def value_keys(spec: Spec, keys, num_layers: int) -> list[str]:
 
 def resolve(spec: Spec, state_dict, num_layers: int, num_heads: int, layers=None, *, num_kv_heads: int | None = None,
             rotary_dim: int | None = None, model_wide: bool = True, ties: dict | None = None,
-            residual: str = "permutation", disk_names: dict | None = None) -> list[Instance]:
+            residual: str = "largest", disk_names: dict | None = None,
+            architecture: str = "") -> list[Instance]:
     """All group instances of ``spec`` in ``state_dict``, per-layer groups first (in the spec's order)
     and model-wide groups last. ``layers``: only these layer indices (model-wide groups always span
     every layer); ``num_kv_heads``: KV heads (GQA; default ``num_heads``); ``rotary_dim``: rotary dims
     per head (default: the head dim); ``model_wide=False``: leave the model-wide groups out (they read
-    norm values, so they need real tensors); ``ties``: declared ``{alias: source}``."""
+    norm values, so they need real tensors); ``ties``: declared ``{alias: source}``;
+    ``architecture``: the model's class name;
+    ``residual``: ``permutation`` or ``largest`` (the residual stream's group for LayerNorm models)."""
     from ..groups import get_kind
 
     prefix = find_prefix(spec, state_dict.keys())
     heads = {"query": num_heads, "kv": num_kv_heads or num_heads}
     ctx = Binding(spec, state_dict, prefix, num_layers, heads, rotary_dim, dict(ties or {}), residual,
-                  dict(disk_names or {}))
+                  dict(disk_names or {}), architecture)
     for template, reason in spec.unsupported:
         if any(ctx.key_of(template, i) in state_dict for i in range(num_layers)):
             raise SymmergeError(f"{spec.family} models with {reason} are not supported")

@@ -15,6 +15,10 @@ Member options for fused and grouped layouts:
   of a KV head (query head ``h`` uses KV head ``h // (H / H_kv)``).
 * ``root=True``: the name is a full state-dict key outside the base model (``lm_head.weight``).
 * ``diag=True``: a norm weight, transformed by the residual stream's group as a diagonal matrix.
+* ``classes=(...)``: a role that depends on the task head (``classifier.weight`` reads the stream in a
+  ``...ForTokenClassification`` model but the pooler's output in a ``...ForSequenceClassification``).
+* ``unless="..."``: a role that depends on another tensor's presence (ELECTRA's embeddings write the
+  stream only when there is no ``embeddings_project``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class Member:
     heads: str = "query"  # head count the member is split into: "query" or "kv"
     root: bool = False  # name is a full key outside the base model (task heads)
     diag: bool = False  # a norm weight (residual group): transformed as a diagonal matrix
+    classes: tuple[str, ...] = ()  # only in models whose class name ends with one of these (head-specific roles)
+    unless: str = ""  # not a member when this tensor (a template of the same kind) is present
 
 
 @dataclass(frozen=True)

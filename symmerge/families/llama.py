@@ -2,7 +2,7 @@
 q_norm/k_norm, which restrict the QK group)."""
 
 from ..core.spec import Member
-from .roles import MLP, Attention, Stream, build
+from .roles import DECODER_HEADS, MLP, Attention, Stream, build
 
 
 def _llama(family: str, model_types: tuple[str, ...], pair_norms: tuple[str, ...] = ()):
@@ -13,7 +13,7 @@ def _llama(family: str, model_types: tuple[str, ...], pair_norms: tuple[str, ...
         MLP(inputs=("mlp.up_proj",), output="mlp.down_proj", gate="mlp.gate_proj"),
         Stream("rmsnorm", "pre", embeddings=(Member("embed_tokens.weight", 1),),
                norms=(("input_layernorm", "attn"), ("post_attention_layernorm", "mlp")), final="norm",
-               heads=tuple(Member(h, 1, 0, optional=True, root=True) for h in ("lm_head.weight", "score.weight"))),
+               heads=tuple(Member(h, 1, 0, optional=True, root=True) for h in DECODER_HEADS)),
     )
 
 

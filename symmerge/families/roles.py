@@ -54,6 +54,11 @@ class Stream:
     final: str = ""  # final norm module (pre-LN), read by the heads
     heads: tuple[Member, ...] = ()  # tensors outside the layers reading the stream (root: task heads)
     others: tuple[Member, ...] = ()  # further stream members outside the layers (e.g. embedding norms)
+    extra_readers: tuple[str, ...] = ()  # optional layer modules reading stream-space inputs (DeBERTa's rel. pos.)
+
+
+# task heads of decoders reading the final norm's output: LM, sequence / token classification, QA
+DECODER_HEADS = ("lm_head.weight", "score.weight", "classifier.weight", "qa_outputs.weight")
 
 
 @dataclass(frozen=True)
@@ -117,9 +122,23 @@ def _readers(p: str, att: Attention, mlp: MLP, block: str, layout: Layout) -> tu
     return tuple(m for name in mods for m in columns(p + name, 0, layout=layout))
 
 
+def mlm_transform(dense: str, norm: str, decoder: str, unless: str = "", reader: bool = True) -> tuple[Member, ...]:
+    """A masked-LM head ``dense → norm → decoder`` whose decoder is (usually) tied to the word
+    embeddings: the transform's output and norm then live in the stream's basis too, so ``dense``
+    moves on both axes and the decoder on its input axis (a tied decoder follows the embeddings).
+    ``reader``: name ``dense``'s input axis too (False when another role already does)."""
+    out = (Member(f"{dense}.weight", 1, 0, optional=True, root=True),) if reader else ()
+    return out + (Member(f"{dense}.weight", 0, 1, optional=True, root=True, unless=unless),
+                  Member(f"{dense}.bias", 0, 1, optional=True, root=True, unless=unless),
+                  Member(f"{norm}.weight", 0, 0, optional=True, root=True, diag=True, unless=unless),
+                  Member(f"{norm}.bias", 0, 0, optional=True, root=True, unless=unless),
+                  Member(f"{decoder}.weight", 1, 0, optional=True, root=True, unless=unless))
+
+
 def _stream_group(p: str, att: Attention, mlp: MLP, stream: Stream, layout: Layout) -> tuple[Group, tuple[Fold, ...]]:
     members = tuple(stream.embeddings)
     members += _readers(p, att, mlp, "both", layout)
+    members += tuple(Member(f"{p}{n}.weight", layout.in_axis, 0, optional=True) for n in stream.extra_readers)
     for w in (att.o, mlp.output):  # writers: output rows and bias (power +1: they carry a scale of the stream)
         members += rows(p + w, 1, layout=layout)
     norms = [p + n for n, _ in stream.norms] + ([stream.final] if stream.final else [])

@@ -67,9 +67,9 @@ class Residual(Kind):
     per_layer = False
 
     def bind(self, group, ctx, layer=None):
-        inst = ctx.model_instance(group)
-        if not ctx.reads_stream(group):
+        if not ctx.task_model:
             return None  # a base model: moving the stream would move its output hidden states
+        inst = ctx.model_instance(group)
         norm, placement = group.param("norm", "rmsnorm"), group.param("placement", "pre")
         if norm == "layernorm" and (placement == "post" or ctx.residual == "permutation"):
             return ctx.with_info(inst, StreamInfo("permutation"))

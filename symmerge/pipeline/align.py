@@ -24,12 +24,26 @@ def as_model(model, allow_pickle: bool = False):
     return load_model(model, allow_pickle=allow_pickle) if isinstance(model, (str, Path)) else model
 
 
-def instances_for(model, layers=None, residual: str = "permutation"):
+def instances_for(model, layers=None, residual: str = "largest"):
     """(spec, instances) of a transformers model, ties as the model class declares them."""
     spec = spec_for(model.config.model_type)
     sizes = config_sizes(spec, model.config)
     return spec, resolve(spec, model.state_dict(), sizes.pop("num_layers"), sizes.pop("num_heads"), layers,
-                         ties=declared_ties(model), residual=residual, **sizes)
+                         ties=declared_ties(model), residual=residual, architecture=type(model).__name__, **sizes)
+
+
+def untied(model):
+    """``model`` itself, or — when its class ties weights (an LM head sharing the embeddings) — an equal
+    copy of a class instance built with ``tie_word_embeddings=False``, every alias a tensor of its own."""
+    if not declared_ties(model):
+        return model
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.tie_word_embeddings = False
+    clone = type(model)(config).to(next(model.parameters()).dtype)
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()
 
 
 def check_compatible(model, anchor) -> None:
@@ -42,13 +56,20 @@ def _model_wide(instances, opts) -> list:
 
 
 def canonical(model, options: AlignOptions):
-    """``model`` in the parameterisation the options' groups act on (norms folded into their readers
-    when the residual stream's group needs it; the same function), or ``model`` itself."""
+    """``model`` in the parameterisation the options' groups act on (untied with ``untie``; norms folded
+    into their readers when the residual stream's group needs it; the same function), or ``model``."""
+    model = untied(model) if options.untie else model
     _, instances = instances_for(model, residual=options.residual)
     wide = _model_wide(instances, options.solver_options())
     sd = model.state_dict()
     new = canonicalize(sd, wide)
     return model if all(new[k] is sd[k] for k in sd) else with_state_dict(model, new)
+
+
+_GROUP_NAMES = {"orthogonal": "O(d) (RMSNorm, norms folded)",
+                "centered": "O(d-1) x {+-1}: orthogonal maps fixing the all-ones direction (LayerNorm, norms folded)",
+                "permutation": "permutations (LayerNorm kept)",
+                "signed_permutation": "signed permutations (a norm that cannot be folded: tied head)"}
 
 
 @dataclass
@@ -88,6 +109,9 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     model, anchor = as_model(model, allow_pickle), as_model(anchor, allow_pickle)
     check_compatible(model, anchor)
     start = time.perf_counter()
+    was_tied = bool(declared_ties(model) or declared_ties(anchor))
+    if options.untie:
+        model, anchor = untied(model), untied(anchor)
     spec, instances = instances_for(model, options.layers, options.residual)
     _require_groups(spec, instances, options.symmetries)
     opts = options.solver_options()
@@ -108,7 +132,9 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     fields = {"streamed": False, "mode": "in-memory", "verify": ELEMENT_CHECK, "match_seconds": match_seconds}
     if "residual" in options.symmetries:
         res = next(i for i in wide if i.group.symmetry == "residual")
-        fields.update(residual_variant=res.info.variant, residual_sweeps_sq_distance=sweeps, norms_folded=folded)
+        fields.update(residual_variant=res.info.variant, residual_group=_GROUP_NAMES[res.info.variant],
+                      residual_sweeps_sq_distance=sweeps, sweeps=len(sweeps), norms_folded=folded,
+                      untied=options.untie and was_tied)
         if folded:  # the distances above compare folded A and B; merging needs the anchor folded too
             fields["distance_before_unfolded"] = sq_distance(sd_a, sd_b, keys) ** 0.5
     solved = [i for i in instances if i.kind.active(i, opts)]

@@ -86,7 +86,7 @@ def solve_local(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None,
 
 
 def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, history: list | None = None,
-          max_sweeps: int = 50, init: str = "stream") -> dict:
+          max_sweeps: int = 50, init: str = "stream", start: dict | None = None) -> dict:
     """Group elements ``{instance name: element}`` aligning ``sd_a`` to the anchor ``sd_b``.
 
     Model-wide groups need both state dicts in their canonical form
@@ -94,7 +94,8 @@ def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, histo
     coordinate descent; the squared distance over the matched tensors after each sweep is appended
     to ``history``, and the best sweep's elements are returned. ``init``: the first model-wide step
     uses only the tensors no per-layer group touches (``stream``: embeddings, heads, norms), or all of
-    them (``all``), or follows a first per-layer solve (``local``)."""
+    them (``all``), or follows a first per-layer solve (``local``); ``start``: elements to start from
+    (the first model-wide step then uses all tensors, given the per-layer elements of ``start``)."""
     local = [i for i in instances if i.kind.per_layer]
     wide = active([i for i in instances if not i.kind.per_layer], opts)
     if not wide:
@@ -103,6 +104,8 @@ def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, histo
     pure = {s.key for i in wide for s in i.slots if s.key not in local_keys}
     matched = sorted(local_keys | {s.key for i in wide for s in i.slots})
     elements: dict = solve_local(local, sd_a, sd_b, opts) if init == "local" else {}
+    if start:
+        elements, init = {k: v for k, v in start.items() if k not in {i.name for i in wide}}, "all"
     best, best_value = dict(elements), float("inf")
     for sweep in range(max_sweeps):
         moved = apply(sd_a, local, elements)

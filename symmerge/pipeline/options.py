@@ -9,17 +9,23 @@ from ..errors import SymmergeError
 from ..families import SYMMETRIES
 from ..groups import RESCALE_MODES, Options
 
-DEFAULT_SYMMETRIES = ("attn", "ffn", "rescale")
+PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations and scales, FFN permutations
+DEFAULT_SYMMETRIES = PAPER
+ALIASES = {"paper": PAPER}
 RESIDUAL_CHOICES = ("largest", "permutation")
 
 
 def parse_symmetries(value) -> tuple[str, ...]:
-    """'attn,ffn' or an iterable → a validated tuple; 'none' or '' → ()."""
+    """'attn,ffn' or an iterable → a validated tuple; 'none' or '' → (); ``paper`` names the paper's
+    set (attn, ffn, rescale) and may be combined (``paper,heads``)."""
     if value is None:
         return ()
     if isinstance(value, str):
         value = [] if value.strip() in ("", "none") else value.split(",")
-    names = tuple(dict.fromkeys(v.strip() for v in value if v.strip()))
+    expanded = []
+    for v in value:
+        expanded += list(ALIASES.get(v.strip(), (v,)))
+    names = tuple(dict.fromkeys(v.strip() for v in expanded if v.strip()))
     unknown = [n for n in names if n not in SYMMETRIES]
     if unknown:
         raise SymmergeError(f"unknown symmetry {unknown[0]!r}; choose from {', '.join(SYMMETRIES)} (or none)")
@@ -30,14 +36,18 @@ def parse_symmetries(value) -> tuple[str, ...]:
 class AlignOptions:
     """How to align: ``symmetries`` (``--symmetries``), ``rescale`` (``joint``, ``sequential`` or
     ``none``; only used when ``rescale`` is among the symmetries), ``layers`` (only these layers),
-    ``residual`` (``permutation``: LayerNorm streams keep to permutations; ``largest``: the largest
-    function-preserving group of the family), ``max_sweeps`` (cap of the coordinate descent over
-    coupled groups), ``verify`` / ``verify_tol`` (the equivalence check), ``device`` (cost GEMMs)."""
+    ``residual`` (``largest``: the largest function-preserving group of the family's residual stream —
+    O(d) for RMSNorm, O(d−1) for pre-LN LayerNorm after folding the norms, permutations for post-LN;
+    ``permutation``: LayerNorm streams keep to permutations), ``untie`` (tied LM heads become heads of
+    their own, so that the final norm can fold into them: the output then has an untied head),
+    ``max_sweeps`` (cap of the coordinate descent over coupled groups), ``verify`` / ``verify_tol``
+    (the equivalence check), ``device`` (cost GEMMs)."""
 
     symmetries: tuple = DEFAULT_SYMMETRIES
     rescale: str = "joint"
     layers: tuple | None = None
-    residual: str = "permutation"
+    residual: str = "largest"
+    untie: bool = False
     max_sweeps: int = 50
     verify: bool = True
     verify_tol: float | None = None
