@@ -7,19 +7,20 @@ Fashion-MNIST, merged with average, Fisher and RegMean under every matching vari
    train / 10 000 test images.
 2. Two ``ViTForImageClassification`` models (hidden 128, 6 layers, 4 heads by default) trained from
    seeds 0 and 1 (``symmerge.train``; cached under ~/.cache/symmerge/vit and reused).
-3. Matching variants (model A aligned to model B): none; full (attn+ffn+rescale); w/o ATTN (ffn
-   only); w/o FFN (attn+rescale); w/o rescale (attn+ffn); and a permutation-only baseline (whole
-   attention heads permuted by linear assignment, plus the FFN permutation — the Git Re-Basin-style
-   counterpart of rotation matching). Beyond the paper: the same two with the residual stream
-   permuted too (``residual``: one permutation of the hidden dims through embeddings, every layer,
-   every LayerNorm and the classifier), which is what independently trained models need most.
-   Extra: "head perm + full" — heads first paired by a rotation-aware assignment (score: the Procrustes
-   optimum ‖Σ B_j A_iᵀ‖_* per QK/VO group), then the full matching; the paper pairs heads by index.
+3. Matching variants (model A aligned to model B): none; full (attn+ffn+rescale, the paper's); w/o ATTN
+   (ffn only); w/o FFN (attn+rescale); w/o rescale (attn+ffn); a permutation-only baseline (whole
+   attention heads permuted by an exact assignment on plain distances, plus the FFN permutation — the
+   Git Re-Basin-style counterpart of rotation matching); head pairing + full (heads paired by each
+   pair's optimal rotation/rescale objective, jointly exact). Beyond the paper: the residual stream as
+   one permutation through every layer, LayerNorm and the classifier, or in its largest group (the
+   LayerNorms folded into their readers, then an orthogonal map fixing the all-ones direction), and
+   all groups together, solved by coordinate descent until the distance stops decreasing.
 4. Each variant × {average, Fisher, RegMean} (statistics on training images, gathered on the aligned
    models; the classifier is merged too: both models share the label space and these symmetries do
    not touch the residual stream the classifier reads). Test accuracy and loss on the full test set;
    parameter distance between A (matched) and B.
-5. LMC curves (loss along θ(α) = α·θ_A + (1−α)·θ_B) for none, attention-only, FFN-only, full, perm.
+5. LMC curves (loss along θ(α) = α·θ_A + (1−α)·θ_B, between the aligned A and B in A's
+   parameterisation) for the variants of LMC_VARIANTS.
 6. Runtimes: training, matching, simple merge, Fisher (statistics + merge), RegMean (statistics + merge).
 
 Writes ``results.json``, ``lmc.png`` (Fig. 5), ``ablation.png`` (Table 2 / Fig. 3) and ``distance.png``
@@ -40,7 +41,6 @@ import torch
 
 from symmerge.pipeline.align import align_pair
 from symmerge.pipeline.options import AlignOptions
-from symmerge.evaluate.barrier import barrier_study
 from symmerge.io.data import load_data
 from symmerge.demo.datasets import FASHION_CLASSES, cache_dir, fashion_mnist, write_npz
 from symmerge.core.distance import distance, parameter_keys
@@ -50,9 +50,11 @@ from symmerge.io.model import atomic_dir, load_model, write_json
 from symmerge.demo.train import TrainSettings, load_report, train_vit, vit_config
 
 METHODS = ("average", "fisher", "regmean")
-# label -> symmetries passed to the alignment (``heads``: whole attention heads permuted by an exact
-# assignment; with ``attn`` the pairing cost is each pair's optimal rotation/rescale objective, without it
-# the plain distance: the Git Re-Basin-style counterpart of rotation matching)
+# label -> the alignment: symmetries, and "@permutation" where the residual stream keeps to permutations
+# (LayerNorm commutes with them) instead of the largest group (O(d-1) after folding the LayerNorms).
+# ``heads``: whole attention heads permuted by an exact assignment; with ``attn`` the pairing cost is each
+# pair's optimal rotation/rescale objective, without it the plain distance (the Git Re-Basin-style
+# counterpart of rotation matching).
 VARIANTS = {
     "none": "none",
     "full (attn+ffn+rescale)": "attn,ffn,rescale",
@@ -61,17 +63,25 @@ VARIANTS = {
     "w/o rescale (attn+ffn)": "attn,ffn",
     "perm baseline (head perm+ffn)": "heads,ffn",
     "head perm + full": "heads,attn,ffn,rescale",
-    # beyond the paper: the residual stream permuted too (LayerNorm commutes with permutations)
-    "perm baseline + residual (head perm+ffn+residual)": "heads,ffn,residual",
-    "full + residual (attn+ffn+rescale+residual)": "attn,ffn,rescale,residual",
+    # beyond the paper: the residual stream, as permutations and in its largest group
+    "perm baseline + residual (head perm+ffn+residual perm)": "heads,ffn,residual@permutation",
+    "full + residual permutation": "attn,ffn,rescale,residual@permutation",
+    "full + residual LayerNorm rotation": "attn,ffn,rescale,residual",
+    "all groups (heads+attn+ffn+rescale+residual rotation)": "heads,attn,ffn,rescale,residual",
 }
 # Fig. 5 curves: label -> variant label above
 LMC_VARIANTS = {"none": "none", "attention-only (attn+rescale)": "w/o FFN (attn+rescale)",
                 "FFN-only (ffn)": "w/o ATTN (ffn)", "full (attn+ffn+rescale)": "full (attn+ffn+rescale)",
                 "perm baseline (head perm+ffn)": "perm baseline (head perm+ffn)", "head perm + full": "head perm + full",
-                "perm baseline + residual": "perm baseline + residual (head perm+ffn+residual)",
-                "full + residual": "full + residual (attn+ffn+rescale+residual)"}
+                "full + residual permutation": "full + residual permutation",
+                "full + residual LayerNorm rotation": "full + residual LayerNorm rotation",
+                "all groups": "all groups (heads+attn+ffn+rescale+residual rotation)"}
 
+
+def options_of(variant: str) -> AlignOptions:
+    """The alignment options of a VARIANTS value ("none": no symmetries)."""
+    syms, _, residual = variant.partition("@")
+    return AlignOptions(symmetries=syms, residual=residual or "largest")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.vit_fashion_mnist", description=__doc__.split("\n\n")[0],
@@ -174,7 +184,7 @@ def run(args, log=print) -> dict:
     for label, syms in VARIANTS.items():
         # distance of the matched A to B (the paper's Fig. 4), from one alignment outside the merges
         t = time.perf_counter()
-        res = None if syms == "none" else align_pair(a, b, AlignOptions(symmetries=syms))
+        res = None if syms == "none" else align_pair(a, b, options_of(syms))
         moved, end_b = (a, b) if res is None else (res.model, res.anchor)  # B in A's parameterisation
         secs = time.perf_counter() - t
         moved_by[label] = (moved, end_b)
@@ -183,7 +193,7 @@ def run(args, log=print) -> dict:
                            "distance_body": distance(moved.state_dict(), end_b.state_dict(), body)}
         for method in METHODS:
             data = {"average": None, "fisher": fisher, "regmean": gram}[method]
-            merged, rep = merge_models([a, b], method, align=syms, data=data, heads="merge",
+            merged, rep = merge_models([a, b], method, align=options_of(syms), data=data, heads="merge",
                                        evaluate_result=False, progress=False)
             score = evaluate(merged, test, progress=False)
             rows.append({"method": method, "variant": label, "symmetries": syms,
@@ -193,16 +203,10 @@ def run(args, log=print) -> dict:
             log(f"  {method:8s} {label:31s} accuracy {score['accuracy']:.4f}  loss {score['loss']:.4f}  "
                 f"distance {rows[-1]['distance_after']:.2f}")
 
-    study = barrier_study(a, b, curve, aligns=("attn,rescale", "ffn", "attn,ffn,rescale", "attn,ffn,rescale,residual"),
-                          points=args.points,
-                          progress=False)
     curves = {}
+    alphas = [i / (args.points - 1) for i in range(args.points)]
     for label, v in LMC_VARIANTS.items():
-        syms = VARIANTS[v]
-        if syms in study["curves"]:
-            curves[label] = {k: study["curves"][syms][k] for k in ("loss", "accuracy", "barrier")}
-        else:
-            curves[label] = interpolation_curve(*moved_by[v], curve, study["alphas"], progress=False)
+        curves[label] = interpolation_curve(*moved_by[v], curve, alphas, progress=False)
         log(f"  LMC {label:31s} barrier {curves[label]['barrier']:.4f}")
 
     def mean_timing(method, syms, key):
@@ -219,6 +223,7 @@ def run(args, log=print) -> dict:
         "fisher_merge": mean_timing("fisher", "none", "statistics") + mean_timing("fisher", "none", "merge"),
         "regmean_statistics": mean_timing("regmean", "none", "statistics"),
         "regmean_merge": mean_timing("regmean", "none", "statistics") + mean_timing("regmean", "none", "merge"),
+        "matching_all_groups": matching["all groups (heads+attn+ffn+rescale+residual rotation)"]["seconds"],
         "head_permutation": matching["perm baseline (head perm+ffn)"]["seconds"],
         "head_permutation_rotation_aware": matching["head perm + full"]["seconds"],
     }
@@ -231,7 +236,7 @@ def run(args, log=print) -> dict:
                      "train_examples": len(arrays[1])},
         "data": {"test": test.n, "curve": curve.n, "gram": gram.n, "fisher": fisher.n},
         "endpoints": endpoints, "merges": rows, "matching": matching,
-        "alphas": study["alphas"], "curves": curves, "runtimes": runtimes,
+        "alphas": alphas, "curves": curves, "runtimes": runtimes,
         "seconds_total": time.perf_counter() - t_start,
     }
 

@@ -84,6 +84,30 @@ def products(xa: dict, xb: dict):
     return M[1], M[-1], n1[1], n1[-1], n2[1], n2[-1]
 
 
+def all_pair_products(xa: dict, xb: dict):
+    """``products`` for every pairing of a block of A with a block of B, without materialising the pairs:
+    blocks (L, H, d, n) → ``Mp, Mm`` (L·H·H, d, d) and norms (L·H·H,), pair (i, j) of layer l at
+    ``l·H² + i·H + j``."""
+    some = next(iter(xa.values()))
+    L, H, d = some.shape[0], some.shape[1], some.shape[2]
+    zero_m = torch.zeros(L, H, H, d, d, dtype=torch.float64)
+    zero_n = torch.zeros(L, H, H, dtype=torch.float64)
+    M, n1, n2 = {1: zero_m, -1: zero_m}, {1: zero_n, -1: zero_n}, {1: zero_n, -1: zero_n}
+    for p, x1 in xa.items():
+        x2 = xb[p]
+        M[p] = torch.einsum("lidn,ljen->lijde", x1, x2).double()
+        n1[p] = x1.square().sum((2, 3), dtype=torch.float64)[:, :, None].expand(L, H, H)
+        n2[p] = x2.square().sum((2, 3), dtype=torch.float64)[:, None, :].expand(L, H, H)
+    flat = lambda t: t.reshape(L * H * H, *t.shape[3:])  # noqa: E731
+    return flat(M[1]), flat(M[-1]), flat(n1[1]), flat(n1[-1]), flat(n2[1]), flat(n2[-1])
+
+
+def stack_blocks(insts, sd: dict) -> dict:
+    """``blocks`` of instances of one group (same shapes) stacked: {power: (L, H, d, n)}."""
+    parts = [blocks(i, sd) for i in insts]
+    return {p: torch.stack([x[p] for x in parts]) for p in parts[0]}
+
+
 def solve_heads(Mp, Mm, n1p, n1m, n2p, n2m, rotate: bool, rescale: str):
     """(R, a) for a batch of heads under the chosen rotation/rescale options."""
     B, d = Mp.shape[0], Mp.shape[-1]
@@ -136,6 +160,16 @@ class HeadOrthogonal(Kind):
     def block_values(self, inst, xa: dict, xb: dict, opts) -> torch.Tensor:
         """Squared distance after this group's best element, for block pairs stacked along dim 0."""
         return head_values(xa, xb, opts.rotate, opts.rescale)
+
+    def pair_value_matrices(self, insts, sd_a: dict, sd_b: dict, opts) -> torch.Tensor:
+        """(L, H, H): for each instance, the squared distance left after the best element when A's head i
+        is paired with B's head j — every pair of every instance in one batched solve."""
+        products_ = all_pair_products(stack_blocks(insts, sd_a), stack_blocks(insts, sd_b))
+        R, a = solve_heads(*products_, rotate=opts.rotate, rescale=opts.rescale)
+        Mp, Mm, n1p, n1m, n2p, n2m = products_
+        values = head_objective(a, R, Mp, Mm, n1p, n1m) + n2p + n2m
+        H = insts[0].blocks
+        return values.reshape(len(insts), H, H)
 
     # elements
     def identity(self, inst) -> HeadElement:

@@ -49,7 +49,44 @@ class Heads(Kind):
         return [i for i in ctx.instances if i.layer == inst.layer and i.group.name in names]
 
     def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
-        return {inst.name: self._solve(inst, self.siblings(inst, ctx), sd_a, sd_b, opts) for inst in insts}
+        out = {}
+        plain = [i for i in insts if max(s.repeat for s in i.slots) == 1]
+        if plain:  # without GQA: every pair of every layer's heads valued in one batched solve per coupled group
+            cost = 0
+            for name in plain[0].group.param("couples", ()):
+                sibs = [next(s for s in self.siblings(i, ctx) if s.group.name == name) for i in plain]
+                kind = sibs[0].kind
+                if hasattr(kind, "pair_value_matrices"):
+                    cost = cost + kind.pair_value_matrices(sibs, sd_a, sd_b, opts)
+                else:
+                    cost = cost + torch.stack([self._cost(s, sd_a, sd_b, opts) for s in sibs])
+            for inst, c in zip(plain, cost):
+                kv = match_permutation(-c)
+                out[inst.name] = HeadPerm(kv, kv.clone())
+        for inst in insts:
+            if inst.name not in out:
+                out[inst.name] = self._solve(inst, self.siblings(inst, ctx), sd_a, sd_b, opts)
+        return out
+
+    def _cost(self, sib, sd_a, sd_b, opts, sub=None) -> torch.Tensor:
+        """(G, G): the coupled group's best squared distance for each pairing of A's group head i with
+        B's group head j (with GQA, A's query heads in the order ``sub[i, j]``)."""
+        G = sib.blocks
+        rep = sub.shape[-1] if sub is not None else 1
+        cost = torch.zeros(G, G, dtype=torch.float64)
+        xb = blocks(sib, sd_b)
+        xa_all = blocks(sib, sd_a)
+        width = sum(x.shape[1] * x.shape[2] for x in xa_all.values())
+        step = max(1, PAIR_BUDGET // max(G * width, 1))
+        for i0 in range(0, G, step):
+            ia = torch.arange(i0, min(G, i0 + step))
+            if sub is None:
+                xa = {p: x[ia].repeat_interleave(G, 0) for p, x in xa_all.items()}
+            else:  # A's group i with its query heads ordered for B's group j
+                xa = self._reordered(sib, sd_a, ia, G, sub[ia].reshape(-1, rep))
+            xbb = {p: x.repeat(len(ia), 1, 1) for p, x in xb.items()}
+            cost[ia] += sib.kind.block_values(sib, xa, xbb, opts).reshape(len(ia), G)
+        return cost
 
     def _solve(self, inst, siblings, sd_a, sd_b, opts) -> HeadPerm:
         G = inst.blocks
@@ -57,20 +94,7 @@ class Heads(Kind):
         sub = None
         if rep > 1:  # GQA: pair the query heads inside every candidate pair of KV groups
             sub = self._query_pairing(inst, siblings, sd_a, sd_b, opts, rep)  # (G, G, rep)
-        cost = torch.zeros(G, G, dtype=torch.float64)
-        for sib in siblings:
-            xb = blocks(sib, sd_b)
-            xa_all = blocks(sib, sd_a)
-            width = sum(x.shape[1] * x.shape[2] for x in xa_all.values())
-            step = max(1, PAIR_BUDGET // max(G * width, 1))
-            for i0 in range(0, G, step):
-                ia = torch.arange(i0, min(G, i0 + step))
-                if sub is None:
-                    xa = {p: x[ia].repeat_interleave(G, 0) for p, x in xa_all.items()}
-                else:  # A's group i with its query heads ordered for B's group j
-                    xa = self._reordered(sib, sd_a, ia, G, sub[ia].reshape(-1, rep))
-                xbb = {p: x.repeat(len(ia), 1, 1) for p, x in xb.items()}
-                cost[ia] += sib.kind.block_values(sib, xa, xbb, opts).reshape(len(ia), G)
+        cost = sum(self._cost(sib, sd_a, sd_b, opts, sub) for sib in siblings)
         kv = match_permutation(-cost)  # new group j = old group kv[j]
         if sub is None:
             return HeadPerm(kv, kv.clone())
