@@ -7,9 +7,15 @@ from __future__ import annotations
 import torch
 
 
+def stages(element) -> tuple:
+    """An element, or a composition given as a tuple of elements applied first to last."""
+    return element if isinstance(element, tuple) else (element,)
+
+
 def apply(state_dict: dict, instances, elements: dict) -> dict:
     """A new state dict with every instance's element applied, in instance order (untouched tensors
-    are shared; a tensor's declared aliases receive the same new tensor)."""
+    are shared; a tensor's declared aliases receive the same new tensor). An element may be a tuple of
+    elements of the instance's kind, applied first to last (a closed-form solution then a learned one)."""
     out = dict(state_dict)
     for inst in instances:
         element = elements.get(inst.name)
@@ -17,7 +23,9 @@ def apply(state_dict: dict, instances, elements: dict) -> dict:
             continue
         kind = inst.kind
         for slot in inst.slots:
-            new = kind.transform(out[slot.key], slot, inst, element)
+            new = out[slot.key]
+            for stage in stages(element):
+                new = kind.transform(new, slot, inst, stage)
             out[slot.key] = new
             for alias in slot.aliases:
                 out[alias] = new
@@ -45,5 +53,5 @@ def identity_elements(instances) -> dict:
 def check_elements(instances, elements: dict, tol: float = 1e-6) -> None:
     """Raise unless every element is a valid group element (hence function-preserving when applied)."""
     for inst in instances:
-        if inst.name in elements:
-            inst.kind.check(inst, elements[inst.name], tol)
+        for stage in stages(elements.get(inst.name, ())):
+            inst.kind.check(inst, stage, tol)

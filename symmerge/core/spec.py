@@ -81,6 +81,7 @@ class Spec:
     partial_rotary: bool = False  # the model honours rope_parameters["partial_rotary_factor"]
     unsupported: tuple[tuple[str, str], ...] = ()  # (tensor template, reason): refuse checkpoints holding it
     probe: str = ""  # a tensor template every checkpoint of the family holds (locates the base model)
+    layer: str = ""  # module path template of one layer (``encoder.layer.{i}``): its output is the stream
 
     def group(self, name: str) -> Group | None:
         return next((g for g in self.groups if g.name == name), None)

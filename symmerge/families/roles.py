@@ -171,4 +171,4 @@ def build(family: str, model_types: tuple[str, ...], layer: str, attention: Atte
         groups += (residual,)
     probe = f"{p}{attention.fused or attention.q}.weight"
     return Spec(family, tuple(model_types), groups, inputs, folds, partial_rotary,
-                tuple((p + t if not t.startswith("/") else t[1:], r) for t, r in unsupported), probe)
+                tuple((p + t if not t.startswith("/") else t[1:], r) for t, r in unsupported), probe, layer)

@@ -40,6 +40,39 @@ class HeadElement:
         return HeadElement(eye, torch.ones(heads, dtype=torch.float64))
 
 
+@dataclass
+class HeadGL:
+    """Per group head an invertible ``M`` (H, d, d): the full group of a head's bilinear form — power +1
+    members become ``Mᵀ X``, power -1 members ``M⁻¹ X`` (``(QM)(KM⁻ᵀ)ᵀ = QKᵀ``, ``(VM)(W_O M⁻ᵀ)ᵀ = V W_Oᵀ``);
+    rotations and scales are special cases. Learned alignment produces it (no closed form)."""
+
+    M: torch.Tensor
+
+
+COND_LIMIT = 1e8  # an invertible map whose condition number exceeds this is refused as numerically singular
+
+
+def check_gl(name: str, element: HeadGL) -> None:
+    M = element.M.double()
+    if not bool(torch.isfinite(M).all()):
+        raise SymmergeError(f"{name}: invalid element (non-finite invertible map)")
+    cond = torch.linalg.cond(M)
+    if not bool((cond < COND_LIMIT).all()):
+        raise SymmergeError(f"{name}: invalid element (invertible map with condition number {cond.max().item():.3g})")
+
+
+def transform_gl(x: torch.Tensor, slot, inst, element: HeadGL) -> torch.Tensor:
+    M = element.M.to(x)
+    xb = x.reshape(inst.blocks, slot.repeat, M.shape[-1], -1)
+    if slot.power > 0:
+        y = M.mT[:, None] @ xb
+    elif slot.power < 0:
+        y = torch.linalg.solve(M[:, None], xb)
+    else:
+        y = xb
+    return y.reshape(x.shape)
+
+
 def stacked(inst, sd: dict, power: int, rows: slice = slice(None), sub: torch.Tensor | None = None):
     """All slots of one scale power as (H, d, n) (optionally a subset of each head's ``rows``), or None.
     ``sub`` (H, r): for members repeated r times per group head (GQA query heads), the order of the r
@@ -179,11 +212,15 @@ class HeadOrthogonal(Kind):
         return HeadElement(haar(inst.blocks, inst.size, generator), scales(inst.blocks, generator, scale))
 
     def check(self, inst, element, tol: float = 1e-6) -> None:
-        check_head_element(inst.name, element, tol)
+        if isinstance(element, HeadGL):
+            check_gl(inst.name, element)
+        else:
+            check_head_element(inst.name, element, tol)
 
     def transform(self, t, slot, inst, element) -> torch.Tensor:
         seg = segment(t, slot).to(precise_dtype(t))
-        return with_segment(t, slot, transform_blocks(seg, slot, inst, element))
+        fn = transform_gl if isinstance(element, HeadGL) else transform_blocks
+        return with_segment(t, slot, fn(seg, slot, inst, element))
 
 
 def check_head_element(name: str, element: HeadElement, tol: float) -> None:

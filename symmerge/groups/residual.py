@@ -51,11 +51,13 @@ class StreamInfo:
 @dataclass
 class StreamElement:
     """A dense orthogonal ``Q`` (d × d), or a permutation ``perm`` (new dim j = old dim perm[j]) with
-    optional ``signs``."""
+    optional ``signs``; optionally a scale ``c > 0`` of the whole stream (every writer times ``c``: exact
+    for a pre-LN stream up to the norms' ε, as ``LN(c·x) = LN(x)``; learned alignment uses it)."""
 
     Q: torch.Tensor | None = None
     perm: torch.Tensor | None = None
     signs: torch.Tensor | None = None
+    scale: float | None = None
 
 
 def _uniform(t: torch.Tensor) -> bool:
@@ -171,6 +173,12 @@ class Residual(Kind):
 
     def check(self, inst, element, tol: float = 1e-6) -> None:
         variant = inst.info.variant
+        if element.scale is not None and not (math.isfinite(float(element.scale)) and float(element.scale) > 0):
+            raise SymmergeError(f"{inst.name}: the stream scale must be finite and positive")
+        if element.scale is not None and inst.group.param("placement") == "post":
+            raise SymmergeError(f"{inst.name}: a post-LN stream has no scale symmetry")
+        if element.Q is None and element.perm is None:
+            return  # a scale only
         if variant in DENSE:
             Q = element.Q
             err = orthogonality_error(Q[None]) if Q is not None else math.inf
@@ -190,6 +198,14 @@ class Residual(Kind):
                 raise SymmergeError(f"{inst.name}: LayerNorm commutes with permutations only, not sign flips")
 
     def transform(self, t, slot, inst, element) -> torch.Tensor:
+        out = self._rotate(t, slot, element)
+        if element.scale is not None and slot.power > 0 and not slot.diag:  # a writer of the stream
+            out = (out.to(torch.float64) * float(element.scale)).to(t.dtype)
+        return out
+
+    def _rotate(self, t, slot, element) -> torch.Tensor:
+        if element.Q is None and element.perm is None:
+            return t
         if element.Q is None:  # exact, by indexing; a norm weight moves with the stream, its signs drop out
             signs = None if slot.diag else element.signs
             return index_axis(t, slot, element.perm, signs)

@@ -22,8 +22,8 @@ from ..core.slots import precise_dtype, segment, with_segment
 from ..core.solvers.rope import pair_objective, pair_products, rope_element, solve_pairs
 from ..errors import SymmergeError
 from .base import Kind, haar, scales
-from .head_orthogonal import HeadElement, blocks, check_head_element, head_values, products, solve_heads, \
-    transform_blocks
+from .head_orthogonal import HeadElement, HeadGL, blocks, check_gl, check_head_element, head_values, products, \
+    solve_heads, transform_blocks, transform_gl
 
 
 @dataclass(frozen=True)
@@ -131,11 +131,23 @@ class RopePairs(Kind):
         return HeadElement(*rope_element(theta, rho, R_pass, a_pass, inst.size))
 
     def check(self, inst, element, tol: float = 1e-6) -> None:
-        check_head_element(inst.name, element, tol)
+        if isinstance(element, HeadGL):  # must commute with every position's rotation of the rotary pairs
+            check_gl(inst.name, element)
+            r, h = inst.info.rotary, inst.info.rotary // 2
+            J = torch.zeros(inst.size, inst.size, dtype=torch.float64)
+            j = torch.arange(h)
+            J[j + h, j], J[j, j + h] = 1.0, -1.0
+            M = element.M.double()
+            err = (M @ J - J @ M)[:, :r].abs().max().item() / max(M.abs().max().item(), 1e-300)
+            if err > tol or (r < inst.size and M[:, :r, r:].abs().max().item() > tol * M.abs().max().item()):
+                raise SymmergeError(f"{inst.name}: invalid element (does not commute with the rotary embedding)")
+        else:
+            check_head_element(inst.name, element, tol)
 
     def transform(self, t, slot, inst, element) -> torch.Tensor:
         seg = segment(t, slot).to(precise_dtype(t))
-        return with_segment(t, slot, transform_blocks(seg, slot, inst, element))
+        fn = transform_gl if isinstance(element, HeadGL) else transform_blocks
+        return with_segment(t, slot, fn(seg, slot, inst, element))
 
 
 KIND = RopePairs()

@@ -32,6 +32,18 @@ def instances_for(model, layers=None, residual: str = "largest"):
                          ties=declared_ties(model), residual=residual, architecture=type(model).__name__, **sizes)
 
 
+def load_align_data(options: AlignOptions, model):
+    """The unlabeled alignment data (``align_data``: a path or a loaded Data), at most ``align_samples``
+    examples, validated against ``model`` (labels, if present, are not used)."""
+    from ..io.data import Data, check_data, load_data
+
+    if isinstance(options.align_data, Data):
+        check_data(options.align_data, model)
+        return options.align_data
+    return load_data(options.align_data, model, max_examples=options.align_samples,
+                     batch_size=min(options.learn.batch, options.align_samples))
+
+
 def untied(model):
     """``model`` itself, or — when its class ties weights (an LM head sharing the embeddings) — an equal
     copy of a class instance built with ``tie_word_embeddings=False``, every alias a tensor of its own."""
@@ -120,7 +132,22 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     ca, cb = canonicalize(sd_a, wide), canonicalize(sd_b, wide)
     folded = any(ca[k] is not sd_a[k] for k in sd_a)
     sweeps: list[float] = []
-    elements = solve(instances, ca, cb, opts, progress=progress, history=sweeps, max_sweeps=options.max_sweeps)
+    fields: dict = {"match": options.match}
+    if options.match == "weights":
+        elements = solve(instances, ca, cb, opts, progress=progress, history=sweeps, max_sweeps=options.max_sweeps)
+    else:
+        data = load_align_data(options, model)
+        fields["align_samples_used"] = data.n
+        if options.match == "activations":
+            from .activations import match_activations
+
+            elements = match_activations(instances, with_state_dict(model, ca), with_state_dict(anchor, cb), data,
+                                         opts, progress=progress)
+        else:
+            from .learn import learn_alignment
+
+            elements, fields["learned"] = learn_alignment(instances, model, anchor, ca, cb, data, options,
+                                                          progress=progress)
     verify_elements(instances, elements)
     aligned_sd = apply(ca, instances, elements)
     match_seconds = time.perf_counter() - start
@@ -129,7 +156,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     distances = Distances()
     for k in keys:
         distances.add(k, sq_distance(ca, cb, [k]), sq_distance(aligned_sd, cb, [k]))
-    fields = {"streamed": False, "mode": "in-memory", "verify": ELEMENT_CHECK, "match_seconds": match_seconds}
+    fields.update(streamed=False, mode="in-memory", verify=ELEMENT_CHECK, match_seconds=match_seconds)
     if "residual" in options.symmetries:
         res = next(i for i in wide if i.group.symmetry == "residual")
         fields.update(residual_variant=res.info.variant, residual_group=_GROUP_NAMES[res.info.variant],

@@ -13,6 +13,7 @@ PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations a
 DEFAULT_SYMMETRIES = PAPER
 ALIASES = {"paper": PAPER}
 RESIDUAL_CHOICES = ("largest", "permutation")
+MATCH_MODES = ("weights", "activations", "learned")
 
 
 def parse_symmetries(value) -> tuple[str, ...]:
@@ -33,6 +34,34 @@ def parse_symmetries(value) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class LearnSettings:
+    """Learned alignment: Adam on the continuous group elements, ``steps`` of ``batch`` examples, learning
+    rate ``lr`` with cosine decay, α drawn from U(``alpha_low``, ``alpha_high``) at every step, a
+    ``holdout`` fraction of the unlabeled data for early stopping (checked every ``check_every`` steps,
+    stopping after ``patience`` checks without improvement), a ``seed``, and an optional time budget in
+    seconds (``budget``)."""
+
+    steps: int = 600
+    batch: int = 250
+    lr: float = 1e-2
+    alpha_low: float = 0.1
+    alpha_high: float = 0.9
+    holdout: float = 0.1
+    check_every: int = 25
+    patience: int = 6
+    seed: int = 0
+    budget: float | None = None
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch < 1 or not self.lr > 0:
+            raise SymmergeError("learned alignment needs steps >= 1, batch >= 1 and lr > 0")
+        if not 0.0 <= self.alpha_low < self.alpha_high <= 1.0:
+            raise SymmergeError(f"alpha range must satisfy 0 <= low < high <= 1, got {self.alpha_low}, {self.alpha_high}")
+        if not 0.0 <= self.holdout < 1.0:
+            raise SymmergeError(f"holdout fraction must be in [0, 1), got {self.holdout}")
+
+
+@dataclass(frozen=True)
 class AlignOptions:
     """How to align: ``symmetries`` (``--symmetries``), ``rescale`` (``joint``, ``sequential`` or
     ``none``; only used when ``rescale`` is among the symmetries), ``layers`` (only these layers),
@@ -41,7 +70,16 @@ class AlignOptions:
     ``permutation``: LayerNorm streams keep to permutations), ``untie`` (tied LM heads become heads of
     their own, so that the final norm can fold into them: the output then has an untied head),
     ``max_sweeps`` (cap of the coordinate descent over coupled groups), ``verify`` / ``verify_tol``
-    (the equivalence check), ``device`` (cost GEMMs)."""
+    (the equivalence check), ``device`` (cost GEMMs).
+
+    ``match``: what the elements are fitted to — ``weights`` (data-free: the L2 distance of the
+    weights), ``activations`` (statistics of both models' activations on ``align_data``: the residual
+    stream, per-head queries/keys/values, FFN units), ``learned`` (starting from the best closed form,
+    the continuous elements — the residual transform, per-head invertible maps, scales — optimised so
+    that the interpolated model matches the interpolated predictions on ``align_data``; see
+    :mod:`symmerge.pipeline.learn`). ``align_data``: a data file or :class:`~symmerge.io.data.Data` (the
+    same formats as ``--data``; labels, if present, are ignored), of which ``align_samples`` examples
+    are used; ``learn``: settings of the learned alignment (:class:`LearnSettings`)."""
 
     symmetries: tuple = DEFAULT_SYMMETRIES
     rescale: str = "joint"
@@ -49,6 +87,10 @@ class AlignOptions:
     residual: str = "largest"
     untie: bool = False
     max_sweeps: int = 50
+    match: str = "weights"
+    align_data: object = None
+    align_samples: int = 1000
+    learn: "LearnSettings" = None
     verify: bool = True
     verify_tol: float | None = None
     device: object = "cpu"
@@ -60,6 +102,14 @@ class AlignOptions:
             raise SymmergeError(f"unknown rescale mode {self.rescale!r}; choose one of {', '.join(RESCALE_MODES)}")
         if self.residual not in RESIDUAL_CHOICES:
             raise SymmergeError(f"unknown residual group {self.residual!r}; choose {' or '.join(RESIDUAL_CHOICES)}")
+        if self.match not in MATCH_MODES:
+            raise SymmergeError(f"unknown match mode {self.match!r}; choose one of {', '.join(MATCH_MODES)}")
+        if self.match != "weights" and self.align_data is None:
+            raise SymmergeError(f"--match {self.match} needs unlabeled data: pass --align-data FILE")
+        if self.align_samples < 1:
+            raise SymmergeError(f"--align-samples must be >= 1, got {self.align_samples}")
+        if self.learn is None:
+            object.__setattr__(self, "learn", LearnSettings())
         if self.max_sweeps < 1:
             raise SymmergeError(f"max_sweeps must be >= 1, got {self.max_sweeps}")
         if self.layers is not None:
