@@ -89,11 +89,39 @@ class Kind:
     def canonicalize(self, state_dict: dict, inst) -> dict:
         return state_dict
 
+    # ------------------------------------------------------------------ learned alignment
+    # A kind with continuous freedom beyond its closed-form solution exposes it here (see
+    # symmerge.pipeline.learn): named parameter tensors (zeros = the identity), a differentiable
+    # ``learn_prepare`` computing the element's matrices once per step, ``learn_apply`` on one slot of a
+    # tensor, and ``learn_element`` turning the values into a group element of the kind.
+    def learn_init(self, inst, opts: Options, dtype, model_facts: dict) -> dict | None:
+        """``model_facts``: e.g. ``norm_eps`` (the model's norm epsilon)."""
+        return None
+
+    def learn_prepare(self, inst, values: dict):
+        return values
+
+    def learn_apply(self, t: torch.Tensor, slot, inst, prepared) -> torch.Tensor:
+        return t
+
+    def learn_element(self, inst, values: dict):
+        raise NotImplementedError
+
     def sides(self, inst) -> list[tuple]:
         """The slots grouped by the role they play (e.g. Q side / K side): applying an element to
         some sides only must break the function (the tests' generic negative control)."""
         keys = sorted({(s.power, s.diag) for s in inst.slots})
         return [tuple(s for s in inst.slots if (s.power, s.diag) == k) for k in keys]
+
+
+def segment_update(t: torch.Tensor, slot, fn) -> torch.Tensor:
+    """``t`` with ``fn`` applied to the slot's segment (axis first), differentiably (learned alignment)."""
+    x = t.movedim(slot.axis, 0)
+    if slot.length is None:
+        new = fn(x)
+    else:
+        new = torch.cat([x[:slot.start], fn(x[slot.start: slot.start + slot.length]), x[slot.start + slot.length:]])
+    return new.movedim(0, slot.axis)
 
 
 def scales(n, generator, scale: bool, *shape) -> torch.Tensor:

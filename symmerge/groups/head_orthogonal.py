@@ -23,7 +23,7 @@ from ..core.slots import precise_dtype, segment, slot_blocks, with_segment
 from ..core.solvers import joint_scale, procrustes, scale_for_rotation, sequential_scale
 from ..core.solvers.rescale import head_objective
 from ..errors import SymmergeError
-from .base import Kind, haar, orthogonality_error, scales
+from .base import Kind, haar, orthogonality_error, scales, segment_update
 
 
 @dataclass
@@ -62,6 +62,7 @@ def check_gl(name: str, element: HeadGL) -> None:
 
 
 def transform_gl(x: torch.Tensor, slot, inst, element: HeadGL) -> torch.Tensor:
+    """A segment (axis first) after the invertible maps (differentiable in ``element.M``)."""
     M = element.M.to(x)
     xb = x.reshape(inst.blocks, slot.repeat, M.shape[-1], -1)
     if slot.power > 0:
@@ -203,6 +204,19 @@ class HeadOrthogonal(Kind):
         values = head_objective(a, R, Mp, Mm, n1p, n1m) + n2p + n2m
         H = insts[0].blocks
         return values.reshape(len(insts), H, H)
+
+    # learned alignment: per head a general invertible map M = exp(A)
+    def learn_init(self, inst, opts, dtype, model_facts):
+        return {"gl": torch.zeros(inst.blocks, inst.size, inst.size, dtype=dtype)}
+
+    def learn_prepare(self, inst, values) -> HeadGL:
+        return HeadGL(torch.linalg.matrix_exp(values["gl"]))
+
+    def learn_apply(self, t, slot, inst, prepared):
+        return segment_update(t, slot, lambda x: transform_gl(x, slot, inst, prepared))
+
+    def learn_element(self, inst, values) -> HeadGL:
+        return HeadGL(self.learn_prepare(inst, values).M.double())
 
     # elements
     def identity(self, inst) -> HeadElement:

@@ -21,7 +21,7 @@ from ..core.slots import fast_dtype, index_axis, unit_matrix
 from ..core.solvers import solve_assignments
 from ..core.solvers.rescale import quartic_scale
 from ..errors import SymmergeError
-from .base import Kind, is_permutation, scales
+from .base import Kind, is_permutation, scales, segment_update
 
 
 @dataclass
@@ -111,6 +111,22 @@ class Permutation(Kind):
             perm = (prepared or {}).get(inst.name, torch.arange(inst.size))
             out[inst.name] = PermElement(perm, unit_scales(inst, sd_a, sd_b, perm) if scaled else None)
         return out
+
+    # learned alignment: the unit scales s = e^σ (their signs stay as solved)
+    def learn_init(self, inst, opts, dtype, model_facts):
+        return {"logs": torch.zeros(inst.size, dtype=dtype)} if inst.group.param("unit_scale") else None
+
+    def learn_prepare(self, inst, values):
+        return values["logs"].exp()
+
+    def learn_apply(self, t, slot, inst, prepared):
+        if not slot.power:
+            return t
+        f = prepared.pow(slot.power)
+        return segment_update(t, slot, lambda x: x * f.to(x).reshape(-1, *([1] * (x.dim() - 1))))
+
+    def learn_element(self, inst, values) -> PermElement:
+        return PermElement(torch.arange(inst.size), values["logs"].detach().double().exp())
 
     def identity(self, inst) -> PermElement:
         return PermElement(torch.arange(inst.size))

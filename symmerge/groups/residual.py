@@ -29,9 +29,10 @@ from ..core.slots import fast_dtype, index_axis, segment, unit_matrix, with_segm
 from ..core.solvers import (centered_residual, orthogonal_residual, permutation_residual,
                             signed_permutation_residual)
 from ..errors import SymmergeError
-from .base import Kind, haar, is_permutation, orthogonality_error
+from .base import Kind, haar, is_permutation, orthogonality_error, segment_update
 
 VARIANTS = ("orthogonal", "centered", "permutation", "signed_permutation")
+EXACT_EPS = 1e-9  # a stream scale is learned only where the norms' ε is this small (exact to double precision)
 DENSE = ("orthogonal", "centered")
 
 
@@ -147,6 +148,42 @@ class Residual(Kind):
             else:
                 out[inst.name] = StreamElement(perm=permutation_residual(C, D))
         return out
+
+    # ------------------------------------------------------------------ learned alignment
+    # an orthogonal map exp(S − Sᵀ) (on the complement of the all-ones direction for LayerNorm) and, for a
+    # pre-norm stream whose norms' ε is negligible (≤ EXACT_EPS), a scale c = e^γ of every writer: the
+    # norm removes it exactly only up to ε (LN(c·x) is LN(x) with ε/c² in place of ε)
+    def learn_init(self, inst, opts, dtype, model_facts):
+        if inst.info.variant not in DENSE:
+            return None
+        k = inst.size - (1 if inst.info.variant == "centered" else 0)
+        values = {"skew": torch.zeros(k, k, dtype=dtype)}
+        if inst.group.param("placement") == "pre" and model_facts.get("norm_eps", 1.0) <= EXACT_EPS:
+            values["logc"] = torch.zeros((), dtype=dtype)
+        return values
+
+    def learn_prepare(self, inst, values):
+        S = values["skew"]
+        R = torch.linalg.matrix_exp(S - S.mT)
+        if inst.info.variant == "centered":
+            from ..core.solvers import complement_basis
+
+            d = inst.size
+            B = complement_basis(d).to(R)
+            u = torch.full((d, 1), 1 / math.sqrt(d), dtype=R.dtype)
+            R = u @ u.T + B @ R @ B.T
+        return R, values["logc"].exp() if "logc" in values else None
+
+    def learn_apply(self, t, slot, inst, prepared):
+        if slot.diag:
+            return t
+        Q, c = prepared
+        new = segment_update(t, slot, lambda x: (Q.mT.to(x) @ x.reshape(x.shape[0], -1)).reshape(x.shape))
+        return new * c.to(new) if c is not None and slot.power > 0 else new
+
+    def learn_element(self, inst, values) -> StreamElement:
+        Q, c = self.learn_prepare(inst, {k: v.detach().double() for k, v in values.items()})
+        return StreamElement(Q=Q, scale=None if c is None else float(c))
 
     # ------------------------------------------------------------------ elements
     def identity(self, inst) -> StreamElement:

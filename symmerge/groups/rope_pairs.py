@@ -21,7 +21,7 @@ import torch
 from ..core.slots import precise_dtype, segment, with_segment
 from ..core.solvers.rope import pair_objective, pair_products, rope_element, solve_pairs
 from ..errors import SymmergeError
-from .base import Kind, haar, scales
+from .base import Kind, haar, scales, segment_update
 from .head_orthogonal import HeadElement, HeadGL, blocks, check_gl, check_head_element, head_values, products, \
     solve_heads, transform_blocks, transform_gl
 
@@ -114,6 +114,37 @@ class RopePairs(Kind):
     def block_values(self, inst, xa: dict, xb: dict, opts) -> torch.Tensor:
         return _solve(xa, xb, inst.info, inst.size, opts.rotate, opts.rescale,
                       bool(inst.group.param("pair_norms")))[2]
+
+    # learned alignment: the complex scalar of each pair (rotation + scale), a general map on non-rotated dims
+    def learn_init(self, inst, opts, dtype, model_facts):
+        if inst.group.param("pair_norms"):
+            return None  # norm-locked pairs: only the sign flips solved in closed form
+        h, rest = inst.info.rotary // 2, inst.size - inst.info.rotary
+        values = {"theta": torch.zeros(inst.blocks, h, dtype=dtype), "logrho": torch.zeros(inst.blocks, h, dtype=dtype)}
+        if rest:
+            values["gl"] = torch.zeros(inst.blocks, rest, rest, dtype=dtype)
+        return values
+
+    def learn_prepare(self, inst, values) -> HeadGL:
+        theta, rho = values["theta"], values["logrho"].exp()
+        H, h = theta.shape
+        r, d = 2 * h, inst.size
+        c, s = rho * torch.cos(theta), rho * torch.sin(theta)
+        M = torch.zeros(H, d, d, dtype=theta.dtype)
+        j = torch.arange(h)
+        M[:, j, j] = c
+        M[:, j + h, j + h] = c
+        M[:, j + h, j] = s
+        M[:, j, j + h] = -s
+        if "gl" in values:
+            M[:, r:, r:] = torch.linalg.matrix_exp(values["gl"])
+        return HeadGL(M)
+
+    def learn_apply(self, t, slot, inst, prepared):
+        return segment_update(t, slot, lambda x: transform_gl(x, slot, inst, prepared))
+
+    def learn_element(self, inst, values) -> HeadGL:
+        return HeadGL(self.learn_prepare(inst, values).M.double())
 
     def identity(self, inst) -> HeadElement:
         return HeadElement.identity(inst.blocks, inst.size)

@@ -1,0 +1,108 @@
+"""Learned alignment: every step's element is exactly function-preserving (fp64), the result never ends
+worse than its start on its own held-out objective, and it works across families (LayerNorm, RMSNorm
+with RoPE/GQA/SwiGLU, GPT-2's fused layout, post-LN encoders)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_inputs, output_rel_diff, with_weights
+from factories import make_model
+from symmerge.core.apply import apply, canonicalize
+from symmerge.io.data import Batch, Data
+from symmerge.pipeline.align import align_pair, instances_for
+from symmerge.pipeline.learn import learn_alignment
+from symmerge.pipeline.options import AlignOptions, LearnSettings
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+FULL = "heads,attn,ffn,rescale,residual"
+
+
+def unlabeled(model, n_batches: int = 4, batch: int = 8, seed: int = 0) -> Data:
+    """Random but valid inputs as a Data set: images, token ids for LMs (next-token targets), or text."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n_batches):
+        x = make_inputs(model, seed=int(torch.randint(0, 10 ** 6, (1,), generator=g)), batch=batch)
+        if "pixel_values" in x:
+            batches.append(Batch(x, torch.zeros(batch, dtype=torch.long)))
+        else:
+            mask = x["attention_mask"].bool()
+            labels = x["input_ids"].masked_fill(~mask, -100)
+            batches.append(Batch(x, labels if type(model).__name__.endswith(("LMHeadModel", "CausalLM"))
+                                 else torch.zeros(batch, dtype=torch.long), mask))
+    fmt = "image" if "pixel_values" in batches[0].inputs else "lm"
+    return Data("synthetic", fmt, batches, n_batches * batch)
+
+
+@pytest.mark.parametrize("family", ["vit", "llama", "gpt2", "bert"])
+def test_every_learned_step_is_exactly_function_preserving(family, request):
+    if family == "llama":
+        request.getfixturevalue("fp64_rmsnorm")
+    a, b = make_model(family, head=True, seed=0), make_model(family, head=True, seed=3)
+    options = AlignOptions(symmetries=FULL, match="learned", align_data="unused",
+                           learn=LearnSettings(steps=6, batch=8, lr=0.05, check_every=2, patience=100))
+    _, instances = instances_for(a)
+    wide = [i for i in instances if not i.kind.per_layer]
+    ca, cb = canonicalize(a.state_dict(), wide), canonicalize(b.state_dict(), wide)
+    data = unlabeled(a)
+    inputs = make_inputs(a)
+    checked = []
+
+    def on_step(step, params):
+        learned = params.elements()
+        assert learned, "nothing learned"
+        moved = apply(ca, instances, learned)  # the learned deltas alone, in float64
+        changed = [k for k in ca if not torch.equal(moved[k], ca[k])]
+        assert changed
+        assert output_rel_diff(a, with_weights(a, moved), inputs) <= 1e-10
+        checked.append(step)
+
+    elements, report = learn_alignment(instances, a, b, ca, cb, data, options, start={}, on_step=on_step)
+    assert checked == list(range(6))
+    assert report["held_out_best"] <= report["held_out_start"] + 1e-12
+    final = with_weights(a, apply(ca, instances, elements))
+    assert output_rel_diff(a, final, inputs) <= 1e-10
+
+
+def test_learned_alignment_lowers_its_objective_and_verifies():
+    a, b = make_model("vit", head=True, seed=0, dtype=torch.float32), make_model("vit", head=True, seed=3,
+                                                                             dtype=torch.float32)
+    data = unlabeled(a, n_batches=6, batch=16)
+    options = AlignOptions(symmetries=FULL, match="learned", align_data=data,
+                           learn=LearnSettings(steps=40, batch=16, lr=0.05, check_every=5, patience=100))
+    result = align_pair(a, b, options)
+    learned = result.report["learned"]
+    assert result.report["match"] == "learned" and result.report["align_samples_used"] == 96
+    assert learned["held_out_best"] < learned["held_out_start"]  # it learns something on held-out data
+    assert learned["history"]["held_out"] and learned["steps"] == 40
+    assert result.report["verify_max_rel_diff"] <= 1e-4  # the written model is still A's function
+    # the anchor in A's parameterisation computes B's function
+    assert output_rel_diff(b, result.anchor, make_inputs(b)) <= 1e-5
+
+
+def test_learned_alignment_keeps_its_start_when_learning_cannot_help():
+    """A and B the same function in different weights: the closed form already reaches B exactly, the
+    objective cannot go lower, and the start is kept (never worse than the initialisation)."""
+    from factories import disguised
+
+    b = make_model("vit", head=True, seed=0)
+    a = disguised(b, ("heads", "attn", "ffn", "rescale", "residual"), seed=2)[0]
+    options = AlignOptions(symmetries=FULL, match="learned", align_data=unlabeled(a),
+                           learn=LearnSettings(steps=10, batch=8, lr=0.05, check_every=2, patience=2))
+    result = align_pair(a, b, options)
+    learned = result.report["learned"]
+    assert learned["held_out_best"] <= learned["held_out_start"] + 1e-9
+    assert result.report["distance_after"] <= 1e-6 * result.report["distance_before"]
+
+
+def test_learn_settings_are_validated():
+    from symmerge.errors import SymmergeError
+
+    with pytest.raises(SymmergeError, match="align-data"):
+        AlignOptions(match="learned")
+    with pytest.raises(SymmergeError, match="alpha"):
+        LearnSettings(alpha_low=0.9, alpha_high=0.1)
+    with pytest.raises(SymmergeError, match="match mode"):
+        AlignOptions(match="vibes", align_data="x")
