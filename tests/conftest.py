@@ -231,3 +231,9 @@ def hf_load(folder):
 def body_keys(sd, head=("classifier.",)) -> list[str]:
     """The state-dict keys outside the task head (prefixes ``head``)."""
     return [k for k in sd if not k.startswith(head)]
+
+
+def barrier_by_definition(alphas, losses) -> float:
+    """max over α of L(α) − (α·L(1) + (1 − α)·L(0)), for losses listed in the order of ``alphas``."""
+    at = dict(zip(alphas, losses))
+    return max(loss - (a * at[1.0] + (1 - a) * at[0.0]) for a, loss in zip(alphas, losses))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import body_keys, hf_load, jsonl_eval, npz_eval, npz_file, run_cli, sq_dist, vit_folder
+from conftest import (barrier_by_definition, body_keys, hf_load, jsonl_eval, npz_eval, npz_file, run_cli, sq_dist,
+                      vit_folder)
 from symmerge.io.model import load_model
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -145,8 +146,7 @@ def test_barrier_cli_contract(cli_vits, tmp_path):
     for c in res["curves"].values():
         assert len(c["loss"]) == len(c["accuracy"]) == 5
         assert isinstance(c["barrier"], float)
-        assert c["barrier"] == pytest.approx(max(l - (a * c["loss"][-1] + (1 - a) * c["loss"][0])
-                                                 for a, l in zip(res["alphas"], c["loss"])))
+        assert c["barrier"] == pytest.approx(barrier_by_definition(res["alphas"], c["loss"]))
     assert (out / "barrier.png").stat().st_size > 1000
     # every point of each curve is an independent evaluation of α·A + (1 − α)·B, with A aligned to B
     # (the same alignment as `symmerge align A B --symmetries attn,ffn`) on the aligned curve
