@@ -116,3 +116,124 @@ def fp64_rmsnorm(monkeypatch):
 
     for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm):
         monkeypatch.setattr(cls, "forward", forward)
+
+
+# ------------------------------------------------------------------ CLI: model folders, data files, evaluation
+
+
+def run_cli(*argv) -> int:
+    """``symmerge ARGV...`` in this process; the exit code."""
+    from symmerge.cli import main
+
+    return main([str(a) for a in argv])
+
+
+def save_folder(model, path):
+    """``model`` in float32 as an HF folder at ``path``."""
+    model.to(torch.float32).save_pretrained(str(path))
+    return path
+
+
+def vit_folder(path, seed: int, **overrides):
+    """A tiny ViTForImageClassification (1 channel, 8x8 images, 3 labels) saved at ``path``."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(seed)
+    kw = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24, image_size=8,
+              patch_size=4, num_channels=1, num_labels=3, initializer_range=0.4)
+    ViTForImageClassification(ViTConfig(**{**kw, **overrides})).save_pretrained(path)
+    return path
+
+
+def npz_file(path, n=20, channels=1, size=8, labels=3, seed=0):
+    """An image-classification ``--data`` file: random images, labels in 0..labels-1."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    np.savez(path, pixel_values=rng.standard_normal((n, channels, size, size)).astype(np.float32),
+             labels=rng.integers(0, labels, n))
+    return str(path)
+
+
+def write_tokenizer(folder) -> list[str]:
+    """A small WordPiece tokenizer saved into the model folder (no hub access needed); the files added."""
+    from pathlib import Path
+
+    from transformers import BertTokenizer
+
+    folder = Path(folder)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a cat dog sat on mat ran fast slow".split()
+    vocab = folder.parent / f"{folder.name}-vocab.txt"
+    vocab.write_text("\n".join(words) + "\n")
+    before = set(p.name for p in folder.iterdir())
+    BertTokenizer(vocab_file=str(vocab)).save_pretrained(str(folder))
+    vocab.unlink()
+    added = sorted(set(p.name for p in folder.iterdir()) - before)
+    assert added, "tokenizer wrote no files"
+    return added
+
+
+def classifier_eval(model, inputs: dict, labels) -> tuple[float, float]:
+    """Independent of symmerge.evaluate: one forward pass over everything, torch's mean cross-entropy
+    and the fraction of correct argmaxes."""
+    with torch.no_grad():
+        logits = model.eval()(**inputs).logits
+    y = torch.as_tensor(labels, dtype=torch.long)
+    return (torch.nn.functional.cross_entropy(logits.double(), y).item(),
+            (logits.argmax(-1) == y).double().mean().item())
+
+
+def npz_eval(model, path) -> tuple[float, float]:
+    """(loss, accuracy) of an image classifier on an .npz ``--data`` file, in one batch."""
+    import numpy as np
+
+    z = np.load(path)
+    return classifier_eval(model, {"pixel_values": torch.from_numpy(z["pixel_values"])}, z["labels"])
+
+
+def jsonl_eval(model, path, tokenizer_folder) -> tuple[float, float]:
+    """(loss, accuracy) of a sequence classifier on a .jsonl ``--data`` file, one padded batch."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    enc = AutoTokenizer.from_pretrained(str(tokenizer_folder))([r["text"] for r in rows], padding=True,
+                                                              truncation=True, max_length=512, return_tensors="pt")
+    return classifier_eval(model, dict(enc), [r["label"] for r in rows])
+
+
+def lm_eval(model, path, tokenizer_folder) -> tuple[float, int]:
+    """(the model's own mean next-token loss, number of scored tokens) on a .txt ``--data`` file."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    lines = [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_folder))
+    enc = tok(lines, padding=True, return_tensors="pt")
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        loss = model.eval()(**inputs, labels=labels).loss.item()
+    return loss, int(enc["attention_mask"].sum()) - len(lines)
+
+
+def hf_load(folder):
+    """The folder loaded by transformers itself (the class its config names), in eval mode."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(str(folder))
+    return getattr(transformers, cfg.architectures[0]).from_pretrained(str(folder)).eval()
+
+
+def body_keys(sd, head=("classifier.",)) -> list[str]:
+    """The state-dict keys outside the task head (prefixes ``head``)."""
+    return [k for k in sd if not k.startswith(head)]
+
+
+def barrier_by_definition(alphas, losses) -> float:
+    """max over α of L(α) − (α·L(1) + (1 − α)·L(0)), for losses listed in the order of ``alphas``."""
+    at = dict(zip(alphas, losses))
+    return max(loss - (a * at[1.0] + (1 - a) * at[0.0]) for a, loss in zip(alphas, losses))

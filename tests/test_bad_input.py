@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_inputs, output_rel_diff, with_weights
+from conftest import make_inputs, output_rel_diff, save_folder, with_weights, write_tokenizer
 from factories import make_model
 from symmerge.pipeline.align import instances_for
 from symmerge.core.apply import apply, random_elements
@@ -24,35 +24,15 @@ SUPPORTED = ("bert", "roberta", "distilbert", "deberta-v2", "vit")
 # ------------------------------------------------------------------ helpers
 
 
-def save(model, path: Path) -> Path:
-    model.to(torch.float32).save_pretrained(str(path))
-    return path
-
-
 def bert_folder(path: Path, seed=0, **overrides) -> Path:
-    return save(make_model("bert", seed=seed, **overrides), path)
+    return save_folder(make_model("bert", seed=seed, **overrides), path)
 
 
 def disguised_folder(anchor, path: Path, seed=1) -> Path:
     _, instances = instances_for(anchor)
     instances = [i for i in instances if i.group.symmetry in ("attn", "ffn")]  # the default symmetries
     elements = random_elements(instances, torch.Generator().manual_seed(seed))
-    return save(with_weights(anchor, apply(anchor.state_dict(), instances, elements)), path)
-
-
-def write_tokenizer(folder: Path) -> list[str]:
-    """A small WordPiece tokenizer saved into the model folder (no hub access needed)."""
-    from transformers import BertTokenizer
-
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a cat dog sat on mat ran fast slow".split()
-    vocab = folder.parent / f"{folder.name}-vocab.txt"
-    vocab.write_text("\n".join(words) + "\n")
-    before = set(p.name for p in folder.iterdir())
-    BertTokenizer(vocab_file=str(vocab)).save_pretrained(str(folder))
-    vocab.unlink()
-    added = sorted(set(p.name for p in folder.iterdir()) - before)
-    assert added, "tokenizer wrote no files"
-    return added
+    return save_folder(with_weights(anchor, apply(anchor.state_dict(), instances, elements)), path)
 
 
 def tree_hash(folder: Path) -> dict[str, str]:
@@ -98,20 +78,20 @@ def out(tmp_path):
 
 
 def test_mismatched_architectures(tmp_path, anchor_dir, out, capsys):
-    other = save(make_model("distilbert"), tmp_path / "distil")
+    other = save_folder(make_model("distilbert"), tmp_path / "distil")
     rc, _, err = run_cli(capsys, "align", other, anchor_dir, "-o", out)
     assert_clean_failure(rc, err, out, "architectures differ", "distilbert", "bert")
 
 
 def test_mismatched_shapes(tmp_path, anchor_dir, out, capsys):
-    wide = save(make_model("bert", hidden_size=36, num_attention_heads=3), tmp_path / "wide")
+    wide = save_folder(make_model("bert", hidden_size=36, num_attention_heads=3), tmp_path / "wide")
     rc, _, err = run_cli(capsys, "align", wide, anchor_dir, "-o", out)
     assert_clean_failure(rc, err, out, "shapes differ")
 
 
 def test_mismatched_head_count(tmp_path, anchor_dir, out, capsys):
     """Same tensor shapes, different head split: the head groups would not correspond."""
-    other = save(make_model("bert", num_attention_heads=4), tmp_path / "heads4")
+    other = save_folder(make_model("bert", num_attention_heads=4), tmp_path / "heads4")
     rc, _, err = run_cli(capsys, "align", other, anchor_dir, "-o", out)
     assert_clean_failure(rc, err, out, "architectures differ", "heads")
 
@@ -119,13 +99,13 @@ def test_mismatched_head_count(tmp_path, anchor_dir, out, capsys):
 def _bloom(path):
     from transformers import BloomConfig, BloomModel
 
-    return save(BloomModel(BloomConfig(hidden_size=24, n_layer=1, n_head=3, vocab_size=60)), path)
+    return save_folder(BloomModel(BloomConfig(hidden_size=24, n_layer=1, n_head=3, vocab_size=60)), path)
 
 
 def _t5(path):
     from transformers import T5Config, T5Model
 
-    return save(T5Model(T5Config(d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, vocab_size=60)), path)
+    return save_folder(T5Model(T5Config(d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, vocab_size=60)), path)
 
 
 @pytest.mark.parametrize("which", ["model", "anchor"])
@@ -142,7 +122,7 @@ def test_non_finite_weights(tmp_path, anchor_dir, out, capsys, value):
     model = make_model("bert", seed=3)
     with torch.no_grad():
         model.encoder.layer[1].intermediate.dense.weight[3, 5] = value
-    bad = save(model, tmp_path / "bad")
+    bad = save_folder(model, tmp_path / "bad")
     rc, _, err = run_cli(capsys, "align", bad, anchor_dir, "-o", out)
     assert_clean_failure(rc, err, out, "NaN or Inf", "intermediate.dense.weight")
     # also as the anchor
@@ -177,7 +157,7 @@ def test_truncated_safetensors(tmp_path, anchor_dir, out, capsys, keep):
 
 
 def _pickle_only(model, path: Path) -> Path:
-    save(model, path)
+    save_folder(model, path)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     torch.save(state, path / "pytorch_model.bin")
     (path / "model.safetensors").unlink()
@@ -186,7 +166,7 @@ def _pickle_only(model, path: Path) -> Path:
 
 def test_pickle_only_checkpoint(tmp_path, out, capsys):
     anchor = make_model("bert", dtype=torch.float32)
-    anchor_dir = save(anchor, tmp_path / "anchor")
+    anchor_dir = save_folder(anchor, tmp_path / "anchor")
     model_dir = disguised_folder(anchor, tmp_path / "model_st")
     from transformers import AutoModel
 
@@ -248,7 +228,7 @@ def test_align_happy_path(tmp_path, out, capsys):
     from transformers import AutoModel, AutoTokenizer
 
     anchor = make_model("bert", dtype=torch.float32)
-    anchor_dir = save(anchor, tmp_path / "anchor")
+    anchor_dir = save_folder(anchor, tmp_path / "anchor")
     model_dir = disguised_folder(anchor, tmp_path / "model", seed=11)
     tok_files = write_tokenizer(model_dir)
     hashes = {d: tree_hash(d) for d in (model_dir, anchor_dir)}
@@ -297,7 +277,7 @@ def test_align_task_model_options(tmp_path, out, capsys):
     from transformers import AutoModelForSequenceClassification
 
     anchor = make_model("bert", head=True, dtype=torch.float32)
-    anchor_dir = save(anchor, tmp_path / "anchor")
+    anchor_dir = save_folder(anchor, tmp_path / "anchor")
     model_dir = disguised_folder(anchor, tmp_path / "model", seed=12)
     rc, _, err = run_cli(capsys, "align", model_dir, anchor_dir, "-o", out, "--layers", "1",
                          "--symmetries", "attn,ffn", "--rescale", "sequential")

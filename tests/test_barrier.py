@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import lm_eval, npz_eval
 from symmerge.evaluate.barrier import barrier_study, write_study
 from symmerge.io.data import load_data
 from symmerge.errors import SymmergeError
@@ -34,15 +35,6 @@ def br_npz(tmp_path):
     return path
 
 
-def manual_eval(model, path):
-    """Independent: the whole file in one forward pass, torch's mean cross-entropy."""
-    z = np.load(path)
-    with torch.no_grad():
-        logits = model.eval()(pixel_values=torch.from_numpy(z["pixel_values"])).logits
-    y = torch.from_numpy(z["labels"])
-    return torch.nn.functional.cross_entropy(logits, y).item(), (logits.argmax(-1) == y).double().mean().item()
-
-
 def test_barrier_formula_on_hand_made_losses():
     assert barrier([0.0, 0.5, 1.0], [1.0, 3.0, 2.0]) == pytest.approx(1.5)
     assert barrier([0.0, 0.25, 0.5, 0.75, 1.0], [2.0, 1.0, 1.0, 1.0, 1.0]) == 0.0  # convex path: endpoints only
@@ -53,14 +45,14 @@ def test_barrier_formula_on_hand_made_losses():
 def test_evaluate_matches_a_single_full_batch_cross_entropy(br_npz):
     model = br_vit(0)
     r = evaluate(model, load_data(br_npz, model, batch_size=7), progress=False)
-    loss, acc = manual_eval(model, br_npz)
+    loss, acc = npz_eval(model, br_npz)
     assert r["n"] == 30 and r["loss"] == pytest.approx(loss, abs=1e-5) and r["accuracy"] == pytest.approx(acc)
 
 
 def test_barrier_of_identical_models_is_zero(br_npz):
     a = br_vit(0)
     res = barrier_study(a, copy.deepcopy(a), str(br_npz), aligns=["attn,ffn,rescale"], points=5, progress=False)
-    loss, acc = manual_eval(a, br_npz)
+    loss, acc = npz_eval(a, br_npz)
     assert set(res["curves"]) == {"none", "attn,ffn,rescale"}
     assert res["curves"]["none"]["barrier"] == 0.0  # θ(α) is exactly θ: lerp of equal tensors
     for c in res["curves"].values():
@@ -76,12 +68,12 @@ def test_curve_points_are_the_interpolated_models(br_npz, tmp_path):
     assert res["alphas"] == [0.0, 0.5, 1.0]
     none, al = res["curves"]["none"], res["curves"]["attn,ffn"]
     # α = 1 is A, α = 0 is B; the aligned A computes the same function as A
-    assert none["loss"][2] == pytest.approx(manual_eval(a, br_npz)[0], abs=1e-5)
-    assert none["loss"][0] == pytest.approx(manual_eval(b, br_npz)[0], abs=1e-5)
+    assert none["loss"][2] == pytest.approx(npz_eval(a, br_npz)[0], abs=1e-5)
+    assert none["loss"][0] == pytest.approx(npz_eval(b, br_npz)[0], abs=1e-5)
     assert al["loss"][2] == pytest.approx(none["loss"][2], abs=1e-4)
     mid = copy.deepcopy(b)
     mid.load_state_dict({k: (a.state_dict()[k] + v) / 2 for k, v in b.state_dict().items()})
-    assert none["loss"][1] == pytest.approx(manual_eval(mid, br_npz)[0], abs=1e-5)
+    assert none["loss"][1] == pytest.approx(npz_eval(mid, br_npz)[0], abs=1e-5)
     expect = none["loss"][1] - (none["loss"][0] + none["loss"][2]) / 2
     assert none["barrier"] == pytest.approx(max(expect, 0.0), abs=1e-9)
     # alignment moves A closer to B
@@ -139,13 +131,8 @@ def test_txt_data_scores_next_tokens_like_the_models_own_lm_loss(tmp_path):
     assert data.format == "lm" and data.n == 3
     r = evaluate(model, data, progress=False)
     # independent: one padded batch, the model's own shifted LM loss (mean over real next tokens)
-    from transformers import AutoTokenizer
-
-    enc = AutoTokenizer.from_pretrained(str(folder))([ln for ln in lines if ln], padding=True, return_tensors="pt")
-    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-    with torch.no_grad():
-        loss = model(**enc, labels=labels).loss.item()
-    assert r["n"] == int(enc["attention_mask"].sum()) - 3
+    loss, n_tokens = lm_eval(model, path, folder)
+    assert r["n"] == n_tokens
     assert r["loss"] == pytest.approx(loss, abs=1e-5)
     with pytest.raises(SymmergeError, match="takes images"):
         load_data(path, br_vit(0), tokenizer=folder)

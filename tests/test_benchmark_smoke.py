@@ -5,12 +5,14 @@ both) and is skipped otherwise. Trained models and outputs go to a temporary cac
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
 
 import pytest
 
+from conftest import barrier_by_definition, hf_load, npz_eval
 from symmerge.demo import datasets
 from symmerge.errors import SymmergeError
 
@@ -55,7 +57,18 @@ def test_demo_quick_end_to_end(tmp_path, monkeypatch, capsys):
         # the residual variant interpolates towards B with its LayerNorms folded: the same function, rounded
         # differently in fp32; the others towards B itself
         assert c["loss"][0] == pytest.approx(eb["loss"], rel=1e-5 if "residual" in name else 1e-9)
-        assert c["barrier"] >= 0
+        assert c["barrier"] == pytest.approx(barrier_by_definition(alphas, c["loss"]), abs=1e-12)
+    # endpoints and the plain average, evaluated independently on the test file (one batch)
+    test_npz = result["data"]["test_npz"]
+    a, b = (hf_load(e["folder"]) for e in (ea, eb))
+    for e, model in ((ea, a), (eb, b)):
+        loss, acc = npz_eval(model, test_npz)
+        assert e["loss"] == pytest.approx(loss, abs=1e-5) and e["accuracy"] == pytest.approx(acc)
+    mid = copy.deepcopy(b)
+    mid.load_state_dict({k: (v + a.state_dict()[k]) / 2 for k, v in b.state_dict().items()})
+    loss, acc = npz_eval(mid, test_npz)
+    (avg,) = [m for m in result["merges"] if (m["method"], m["align"]) == ("average", "none")]
+    assert avg["test_loss"] == pytest.approx(loss, abs=1e-5) and avg["test_accuracy"] == pytest.approx(acc)
     for m in result["merges"]:
         assert 0 <= m["test_accuracy"] <= 1 and m["test_loss"] > 0
         if m["align"] == "none":

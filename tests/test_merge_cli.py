@@ -9,32 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from symmerge.cli import main
+from conftest import (barrier_by_definition, body_keys, hf_load, jsonl_eval, npz_eval, npz_file, run_cli, sq_dist,
+                      vit_folder)
 from symmerge.io.model import load_model
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def cli_vit(path, seed: int, **overrides):
-    from transformers import ViTConfig, ViTForImageClassification
-
-    torch.manual_seed(seed)
-    kw = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24, image_size=8,
-              patch_size=4, num_channels=1, num_labels=3, initializer_range=0.4)
-    ViTForImageClassification(ViTConfig(**{**kw, **overrides})).save_pretrained(path)
-    return path
-
-
 @pytest.fixture
 def cli_vits(tmp_path):
-    return [str(cli_vit(tmp_path / f"vit{s}", s)) for s in (0, 1, 2)]
-
-
-def cli_npz(path, n=20, channels=1, size=8, labels=3):
-    rng = np.random.default_rng(0)
-    np.savez(path, pixel_values=rng.standard_normal((n, channels, size, size)).astype(np.float32),
-             labels=rng.integers(0, labels, n))
-    return str(path)
+    return [str(vit_folder(tmp_path / f"vit{s}", s)) for s in (0, 1, 2)]
 
 
 @pytest.fixture
@@ -61,12 +45,8 @@ def cli_berts(tmp_path):
     return paths, str(data)
 
 
-def run_cli(*argv) -> int:
-    return main([str(a) for a in argv])
-
-
 def test_merge_average_writes_model_and_report(cli_vits, tmp_path):
-    data = cli_npz(tmp_path / "d.npz")
+    data = npz_file(tmp_path / "d.npz")
     out = tmp_path / "merged"
     assert run_cli("merge", *cli_vits[:2], "--method", "average", "--data", data, "-o", out) == 0
     report = json.loads((out / "symmerge_report.json").read_text())
@@ -80,6 +60,24 @@ def test_merge_average_writes_model_and_report(cli_vits, tmp_path):
         expect = sa[k] if k.startswith("classifier") else (sa[k] + sb[k]) / 2  # head kept from model 0
         assert torch.allclose(sm[k], expect, atol=1e-6), k
     assert report["head"]["from"] == cli_vits[0]
+    # distances: recomputed from the state dicts (no alignment: before = after)
+    body, pair = body_keys(sa), f"{cli_vits[0]} | {cli_vits[1]}"
+    dist = report["distances_between_inputs"]
+    assert dist["before_alignment"] == {pair: pytest.approx(sq_dist(sa, sb, body) ** 0.5, rel=1e-9)}
+    assert dist["after_alignment"] == {pair: pytest.approx(sq_dist(sa, sb, body) ** 0.5, rel=1e-9)}
+    assert report["distance_result_to_inputs"] == {name: pytest.approx(sq_dist(sm, sd, body) ** 0.5, rel=1e-6)
+                                                  for name, sd in zip(cli_vits, (sa, sb))}
+    # evaluation numbers: an independent evaluation of the written folder and of each input
+    loss, acc = npz_eval(hf_load(out), data)
+    (merged_row,) = report["evaluation"]["merged"]
+    assert merged_row["loss"] == pytest.approx(loss, abs=1e-5) and merged_row["accuracy"] == pytest.approx(acc)
+    assert merged_row["head_from"] == cli_vits[0]
+    rows = {r["model"]: r for r in report["evaluation"]["models"]}
+    assert set(rows) == set(cli_vits[:2])
+    for name in cli_vits[:2]:
+        loss, acc = npz_eval(hf_load(name), data)
+        assert rows[name]["n"] == 20 and rows[name]["loss"] == pytest.approx(loss, abs=1e-5)
+        assert rows[name]["accuracy"] == pytest.approx(acc)
 
 
 def test_merge_three_models_aligned_to_the_closest_to_average(cli_vits, tmp_path):
@@ -92,6 +90,29 @@ def test_merge_three_models_aligned_to_the_closest_to_average(cli_vits, tmp_path
     assert anchor["index"] == int(np.argmin(d))
     moved = [m for m in report["alignment"]["models"] if not m["anchor"]]
     assert len(moved) == 2 and all(m["distance_after"] < m["distance_before"] for m in moved)
+    # the anchor rule, recomputed: distances of each body to the plain average of the three bodies
+    sds = [hf_load(v).state_dict() for v in cli_vits]
+    body = body_keys(sds[0])
+    avg = {k: sum(sd[k].double() for sd in sds) / 3 for k in body}
+    assert d == pytest.approx([sq_dist(sd, avg, body) ** 0.5 for sd in sds], rel=1e-9)
+    # the merge equals the average of the same alignments made one by one with `symmerge align`
+    idx = anchor["index"]
+    aligned = []
+    for i, folder in enumerate(cli_vits):
+        if i == idx:
+            aligned.append(sds[i])
+            continue
+        one = tmp_path / f"aligned{i}"
+        assert run_cli("align", folder, cli_vits[idx], "-o", one, "--symmetries", "attn,ffn") == 0
+        aligned.append(hf_load(one).state_dict())
+        rep = report["alignment"]["models"][i]
+        assert rep["model"] == folder and not rep["anchor"]
+        assert rep["distance_before"] == pytest.approx(sq_dist(sds[i], sds[idx], body) ** 0.5, rel=1e-6)
+        assert rep["distance_after"] == pytest.approx(sq_dist(aligned[i], sds[idx], body) ** 0.5, rel=1e-5)
+    sm = hf_load(out).state_dict()
+    for k in body:
+        torch.testing.assert_close(sm[k], sum(sd[k] for sd in aligned) / 3, rtol=0, atol=2e-6, msg=k)
+    assert torch.equal(sm["classifier.weight"], sds[0]["classifier.weight"])  # head of model 0, never moved
 
 
 def test_merge_regmean_on_text_with_alignment(cli_berts, tmp_path):
@@ -103,13 +124,19 @@ def test_merge_regmean_on_text_with_alignment(cli_berts, tmp_path):
     assert report["params"] == {"alpha": 0.8} and report["statistics"]["kind"] == "gram"
     assert [s["examples"] for s in report["statistics"]["per_model"]] == [5, 5]
     r = report["evaluation"]["merged"][0]
-    assert r["n"] == 5 and 0.0 <= r["accuracy"] <= 1.0 and r["loss"] > 0
     assert (out / "tokenizer.json").is_file()
     load_model(out)
+    # the evaluation is that of the written folder, tokenized with its own (copied) tokenizer
+    loss, acc = jsonl_eval(hf_load(out), data, out)
+    assert r["n"] == 5 and r["loss"] == pytest.approx(loss, abs=1e-5) and r["accuracy"] == pytest.approx(acc)
+    for row, folder in zip(report["evaluation"]["models"], (m0, m1)):
+        loss, acc = jsonl_eval(hf_load(folder), data, folder)
+        assert row["model"] == folder and row["loss"] == pytest.approx(loss, abs=1e-5)
+        assert row["accuracy"] == pytest.approx(acc)
 
 
 def test_barrier_cli_contract(cli_vits, tmp_path):
-    data = cli_npz(tmp_path / "d.npz")
+    data = npz_file(tmp_path / "d.npz")
     out = tmp_path / "bar"
     assert run_cli("barrier", cli_vits[0], cli_vits[1], "--data", data, "--align", "attn,ffn", "--points", "5",
                    "-o", out) == 0
@@ -118,10 +145,28 @@ def test_barrier_cli_contract(cli_vits, tmp_path):
     assert set(res["curves"]) == {"none", "attn,ffn"}
     for c in res["curves"].values():
         assert len(c["loss"]) == len(c["accuracy"]) == 5
-        assert isinstance(c["barrier"], float) and c["barrier"] >= 0
-        assert c["barrier"] == pytest.approx(max(l - (a * c["loss"][-1] + (1 - a) * c["loss"][0])
-                                                 for a, l in zip(res["alphas"], c["loss"])))
+        assert isinstance(c["barrier"], float)
+        assert c["barrier"] == pytest.approx(barrier_by_definition(res["alphas"], c["loss"]))
     assert (out / "barrier.png").stat().st_size > 1000
+    # every point of each curve is an independent evaluation of α·A + (1 − α)·B, with A aligned to B
+    # (the same alignment as `symmerge align A B --symmetries attn,ffn`) on the aligned curve
+    model_a, model_b = hf_load(cli_vits[0]), hf_load(cli_vits[1])
+    assert run_cli("align", cli_vits[0], cli_vits[1], "-o", tmp_path / "a_aligned", "--symmetries", "attn,ffn") == 0
+    ends = {"none": model_a, "attn,ffn": hf_load(tmp_path / "a_aligned")}
+    for name, end_a in ends.items():
+        sa, sb, probe = end_a.state_dict(), model_b.state_dict(), hf_load(cli_vits[1])
+        for alpha, loss, acc in zip(res["alphas"], res["curves"][name]["loss"], res["curves"][name]["accuracy"]):
+            probe.load_state_dict({k: alpha * sa[k] + (1 - alpha) * sb[k] for k in sb})
+            expect_loss, expect_acc = npz_eval(probe, data)
+            assert loss == pytest.approx(expect_loss, abs=1e-5), (name, alpha)
+            assert acc == pytest.approx(expect_acc), (name, alpha)
+    # endpoints: A (α = 1) and B (α = 0) themselves; aligning A does not change its function
+    for end, folder in (("A", cli_vits[0]), ("B", cli_vits[1])):
+        loss, acc = npz_eval(hf_load(folder), data)
+        assert res["endpoints"][end]["loss"] == pytest.approx(loss, abs=1e-5)
+        assert res["endpoints"][end]["accuracy"] == pytest.approx(acc)
+    assert res["curves"]["attn,ffn"]["loss"][-1] == pytest.approx(res["endpoints"]["A"]["loss"], abs=1e-5)
+    assert res["curves"]["none"]["loss"][0] == res["curves"]["attn,ffn"]["loss"][0]  # B, bit for bit
 
 
 def _no_output(tmp_path, out) -> bool:
@@ -132,20 +177,20 @@ def _no_output(tmp_path, out) -> bool:
                                   "bad_jsonl_label"])
 def test_bad_input_fails_cleanly(case, cli_vits, tmp_path, capsys, request):
     out = tmp_path / "out"
-    good = cli_npz(tmp_path / "good.npz")
+    good = npz_file(tmp_path / "good.npz")
     models, extra = cli_vits[:2], []
     method = "regmean"
     if case == "unknown_method":
         method, extra = "soup", ["--data", good]
     elif case == "labels":
-        extra = ["--data", cli_npz(tmp_path / "bad.npz", labels=7)]
+        extra = ["--data", npz_file(tmp_path / "bad.npz", labels=7)]
     elif case == "channels":
-        extra = ["--data", cli_npz(tmp_path / "bad.npz", channels=3)]
+        extra = ["--data", npz_file(tmp_path / "bad.npz", channels=3)]
     elif case == "architecture":
-        models, extra = [cli_vits[0], str(cli_vit(tmp_path / "wide", 5, hidden_size=20, num_attention_heads=2))], \
+        models, extra = [cli_vits[0], str(vit_folder(tmp_path / "wide", 5, hidden_size=20, num_attention_heads=2))], \
             ["--data", good]
     elif case == "heads":
-        models = [cli_vits[0], str(cli_vit(tmp_path / "five", 5, num_labels=5))]
+        models = [cli_vits[0], str(vit_folder(tmp_path / "five", 5, num_labels=5))]
         method, extra = "average", ["--heads", "merge"]
     elif case == "bad_jsonl_label":
         (m0, m1), _ = request.getfixturevalue("cli_berts")
@@ -163,10 +208,10 @@ def test_bad_input_fails_cleanly(case, cli_vits, tmp_path, capsys, request):
 
 def test_barrier_cli_rejects_bad_data(cli_vits, tmp_path, capsys):
     out = tmp_path / "bar"
-    bad = cli_npz(tmp_path / "small.npz", size=4)
+    bad = npz_file(tmp_path / "small.npz", size=4)
     assert run_cli("barrier", *cli_vits[:2], "--data", bad, "-o", out) == 2
     assert "4x4" in capsys.readouterr().err and _no_output(tmp_path, out)
     if not torch.cuda.is_available():
-        assert run_cli("barrier", *cli_vits[:2], "--data", cli_npz(tmp_path / "g.npz"), "--device", "cuda",
+        assert run_cli("barrier", *cli_vits[:2], "--data", npz_file(tmp_path / "g.npz"), "--device", "cuda",
                        "-o", out) == 2
         assert "CUDA" in capsys.readouterr().err and _no_output(tmp_path, out)

@@ -105,6 +105,17 @@ def test_ties_trims_over_the_whole_model_or_per_tensor():
     assert torch.equal(per["a"], torch.tensor([10.0, 0.0])) and torch.equal(per["b"], torch.tensor([0.0, 2.0]))
 
 
+def test_ties_keeps_the_kth_entry_even_when_float32_rounds_it_up():
+    """The k-th largest magnitude v = 1 + 2^-23 - 2^-30 rounds *up* to float32 (1 + 2^-23): compared in
+    float64 against that rounded threshold, v itself would be dropped and only k - 1 entries kept."""
+    v = 1.0 + 2.0 ** -23 - 2.0 ** -30
+    assert torch.tensor(v, dtype=torch.float32).item() > v
+    t = {"w": torch.tensor([3.0, v, 0.5, -0.25], dtype=torch.float64)}
+    for scope in ("model", "tensor"):  # density 0.5 of 4 entries: keep 3 and v
+        out = ties.merge([t], base={"w": torch.zeros(4, dtype=torch.float64)}, density=0.5, scope=scope)
+        assert torch.equal(out["w"], torch.tensor([3.0, v, 0.0, 0.0], dtype=torch.float64)), scope
+
+
 def test_dare_drops_with_probability_p_and_rescales_survivors():
     n, p = 20000, 0.7
     base = {"w": torch.full((n,), 0.5, dtype=torch.float64)}

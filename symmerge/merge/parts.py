@@ -55,7 +55,8 @@ class Sparsifier:
 
 
 def magnitude_threshold(tensors, density: float) -> float:
-    """The smallest magnitude kept when keeping the top ``density`` fraction of all entries of ``tensors``."""
+    """The smallest magnitude kept when keeping the top ``density`` fraction of all entries of ``tensors``
+    (magnitudes in float32: half the memory of float64 for a model-wide threshold; compare in float32)."""
     flat = torch.cat([t.reshape(-1).abs().float() for t in tensors])
     k = max(1, int(round(density * flat.numel())))
     return flat.kthvalue(flat.numel() - k + 1).values.item()
@@ -80,7 +81,9 @@ def _magnitude_apply(key, taus, params, context):
     if density >= 1.0:
         return list(taus)
     thresholds = context if params["scope"] == "model" else [magnitude_threshold([t], density) for t in taus]
-    return [torch.where(t.abs() >= thr, t, torch.zeros_like(t)) for t, thr in zip(taus, thresholds)]
+    # compared in float32, the precision the threshold was found in: a float64 magnitude just below its
+    # float32 rounding would otherwise drop the k-th entry itself
+    return [torch.where(t.abs().float() >= thr, t, torch.zeros_like(t)) for t, thr in zip(taus, thresholds)]
 
 
 def dare_seed(seed: int, model: int, key: str) -> int:
