@@ -385,8 +385,8 @@ def plot_distance(result: dict, path) -> None:
     colors = ["tab:orange" if v in result.get("ot_distance", {}) else "tab:blue" for v in labels]
     ax.barh(labels, [rows[v]["distance"] for v in labels], color=colors)
     ax.invert_yaxis()
-    ax.set(xlabel="L2 distance ‖θ_A(matched) − θ_B‖", title="distance between the end models after matching "
-           "(orange: OT fusion's FFN alignment)")
+    ax.set(xlabel="L2 distance ‖θ_A(matched) − θ_B‖",
+           title="distance between the end models after matching\n(orange: OT fusion's alignment of the FFN units)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
