@@ -1,5 +1,6 @@
 """B1 (paper Table 2, Fig. 3, 4, 5; runtimes of Table 3): two ViTs trained from different seeds on
-Fashion-MNIST, merged with average, Fisher and RegMean under every matching variant.
+Fashion-MNIST, merged with the paper's six fusion methods — average (Simple), Fisher, RegMean and the
+three OT fusions of Imfeld et al. (OT-WTS, OT-ACTS, OT-ACTS-EMD) — under every matching variant.
 
     python -m benchmarks.vit_fashion_mnist [--out results/vit-fashion-mnist] [--steps N] [--patch 4] [--tiny]
 
@@ -15,13 +16,18 @@ Fashion-MNIST, merged with average, Fisher and RegMean under every matching vari
    one permutation through every layer, LayerNorm and the classifier, or in its largest group (the
    LayerNorms folded into their readers, then an orthogonal map fixing the all-ones direction), and
    all groups together, solved by coordinate descent until the distance stops decreasing.
-4. Each variant × {average, Fisher, RegMean} (statistics on training images, gathered on the aligned
-   models; the classifier is merged too: both models share the label space and these symmetries do
-   not touch the residual stream the classifier reads). Test accuracy and loss on the full test set;
-   parameter distance between A (matched) and B.
+   Our best alignment (``BEST_ALIGN``, one constant) is the last, "all groups".
+4. Each variant × {average, Fisher, RegMean, OT-WTS, OT-ACTS, OT-ACTS-EMD} (statistics on training
+   images, gathered on the aligned models: Fisher diagonals, Gram matrices, and for OT-ACTS the
+   activations of ``--acts-examples`` images; the classifier is merged too: both models share the
+   label space, and OT fusion transports the residual stream the classifier reads). Test accuracy
+   and loss on the full test set; parameter distance between A (matched) and B.
 5. LMC curves (loss along θ(α) = α·θ_A + (1−α)·θ_B, between the aligned A and B in A's
    parameterisation) for the variants of LMC_VARIANTS.
-6. Runtimes: training, matching, simple merge, Fisher (statistics + merge), RegMean (statistics + merge).
+6. Fig. 4's external baseline: OT fusion's alignment on the FFN only (as the paper applies it), A
+   transported to B by exact EMD (a permutation: the same function) from activations and from weights,
+   and by the entropic plan of OT-ACTS (soft: not the same function), beside the matchings' distances.
+7. Runtimes: training, matching, simple merge, Fisher, RegMean and the OT fusions (statistics + merge).
 
 Writes ``results.json``, ``lmc.png`` (Fig. 5), ``ablation.png`` (Table 2 / Fig. 3) and ``distance.png``
 (Fig. 4) into ``--out``. ``--tiny`` runs the whole pipeline on a tiny model and data subset (< 60 s).
@@ -49,7 +55,13 @@ from symmerge.merge.fuse import merge_models
 from symmerge.io.model import atomic_dir, load_model, write_json
 from symmerge.demo.train import TrainSettings, load_report, train_vit, vit_config
 
-METHODS = ("average", "fisher", "regmean")
+METHODS = ("average", "fisher", "regmean", "ot_wts", "ot_acts", "ot_acts_emd")
+NAMES = {"average": "Simple", "fisher": "Fisher", "regmean": "RegMean", "ot_wts": "OT-WTS", "ot_acts": "OT-ACTS",
+         "ot_acts_emd": "OT-ACTS-EMD"}
+# our best alignment, the third column of the Table 2 layout (one constant: change it here)
+BEST_ALIGN = "heads,attn,ffn,rescale,residual"
+BEST = f"all groups ({BEST_ALIGN.replace(',', '+')} rotation)"
+PAPER = "full (attn+ffn+rescale)"
 # label -> the alignment: symmetries, and "@permutation" where the residual stream keeps to permutations
 # (LayerNorm commutes with them) instead of the largest group (O(d-1) after folding the LayerNorms).
 # ``heads``: whole attention heads permuted by an exact assignment; with ``attn`` the pairing cost is each
@@ -67,7 +79,13 @@ VARIANTS = {
     "perm baseline + residual (head perm+ffn+residual perm)": "heads,ffn,residual@permutation",
     "full + residual permutation": "attn,ffn,rescale,residual@permutation",
     "full + residual LayerNorm rotation": "attn,ffn,rescale,residual",
-    "all groups (heads+attn+ffn+rescale+residual rotation)": "heads,attn,ffn,rescale,residual",
+    BEST: BEST_ALIGN,
+}
+# Fig. 4's OT baseline (the paper applies OT fusion to the FFN only): label -> (method, extra parameters)
+OT_BASELINES = {
+    "OT-FFN baseline (acts, exact EMD)": ("ot_acts_emd", {}),
+    "OT-FFN baseline (wts, exact EMD)": ("ot_wts", {"reg": 0.0}),
+    "OT-FFN baseline (acts, Sinkhorn; soft)": ("ot_acts", {}),
 }
 # Fig. 5 curves: label -> variant label above
 LMC_VARIANTS = {"none": "none", "attention-only (attn+rescale)": "w/o FFN (attn+rescale)",
@@ -75,7 +93,7 @@ LMC_VARIANTS = {"none": "none", "attention-only (attn+rescale)": "w/o FFN (attn+
                 "perm baseline (head perm+ffn)": "perm baseline (head perm+ffn)", "head perm + full": "head perm + full",
                 "full + residual permutation": "full + residual permutation",
                 "full + residual LayerNorm rotation": "full + residual LayerNorm rotation",
-                "all groups": "all groups (heads+attn+ffn+rescale+residual rotation)"}
+                "all groups": BEST}
 
 
 def options_of(variant: str) -> AlignOptions:
@@ -102,6 +120,8 @@ def parse_args(argv=None):
                    "run the two in parallel processes, then the benchmark reuses both")
     p.add_argument("--gram-examples", type=int, default=2000, help="training images for RegMean's Gram matrices")
     p.add_argument("--fisher-examples", type=int, default=500, help="training images for the Fisher (per-example)")
+    p.add_argument("--acts-examples", type=int, default=200,
+                   help="training images for OT-ACTS's activations (default 200, as Imfeld et al.; all tokens)")
     p.add_argument("--test-examples", type=int, default=10000, help="test images for the merged models' scores")
     p.add_argument("--curve-examples", type=int, default=2000, help="test images for the LMC curves")
     p.add_argument("--points", type=int, default=11, help="α values on each LMC curve")
@@ -114,6 +134,7 @@ def parse_args(argv=None):
     if args.tiny:
         args.hidden, args.layers, args.heads, args.intermediate, args.patch = 16, 1, 2, 32, 7
         args.steps, args.batch_size, args.gram_examples, args.fisher_examples = 30, 64, 128, 16
+        args.acts_examples = 16
         args.test_examples, args.curve_examples, args.points = 256, 128, 3
         args.train_examples = 2000
     else:
@@ -130,7 +151,7 @@ def prepare_data(args, folder: Path):
     if args.train_examples:
         x_tr, y_tr = x_tr[:args.train_examples], y_tr[:args.train_examples]
     rng = np.random.default_rng(0)
-    stats_idx = rng.permutation(len(y_tr))[:max(args.gram_examples, args.fisher_examples)]
+    stats_idx = rng.permutation(len(y_tr))[:max(args.gram_examples, args.fisher_examples, args.acts_examples)]
     test_idx = np.arange(min(args.test_examples, len(y_te)))
     curve_idx = rng.permutation(len(y_te))[:args.curve_examples]
     files = {"stats": write_npz(folder / "stats.npz", x_tr[stats_idx], y_tr[stats_idx]),
@@ -157,6 +178,7 @@ def train_pair(args, arrays, log):
 
 def run(args, log=print) -> dict:
     t_start = time.perf_counter()
+    import ot  # noqa: F401  POT's first import takes seconds: kept out of the OT merges' timings
     work = cache_dir() / "benchmarks" / ("vit-fashion-mnist-tiny" if args.tiny else "vit-fashion-mnist")
     arrays, files = prepare_data(args, work)
     config, seeds, folders = train_pair(args, arrays, log)
@@ -165,8 +187,9 @@ def run(args, log=print) -> dict:
     curve = load_data(files["curve"], a, batch_size=500)
     gram = load_data(files["stats"], a, batch_size=100, max_examples=args.gram_examples)
     fisher = load_data(files["stats"], a, batch_size=100, max_examples=args.fisher_examples)
-    log(f"data: {test.n} test images for scores, {curve.n} for curves, {gram.n} / {fisher.n} training images "
-        "for Gram / Fisher statistics")
+    acts = load_data(files["stats"], a, batch_size=100, max_examples=args.acts_examples)
+    log(f"data: {test.n} test images for scores, {curve.n} for curves, {gram.n} / {fisher.n} / {acts.n} training "
+        "images for Gram / Fisher / activation statistics")
 
     endpoints = {}
     for name, m, f, s in (("A", a, folders[0], seeds[0]), ("B", b, folders[1], seeds[1])):
@@ -192,7 +215,8 @@ def run(args, log=print) -> dict:
                            "distance": distance(moved.state_dict(), end_b.state_dict(), keys),
                            "distance_body": distance(moved.state_dict(), end_b.state_dict(), body)}
         for method in METHODS:
-            data = {"average": None, "fisher": fisher, "regmean": gram}[method]
+            data = {"average": None, "fisher": fisher, "regmean": gram, "ot_wts": None, "ot_acts": acts,
+                    "ot_acts_emd": acts}[method]
             merged, rep = merge_models([a, b], method, align=options_of(syms), data=data, heads="merge",
                                        evaluate_result=False, progress=False)
             score = evaluate(merged, test, progress=False)
@@ -200,8 +224,9 @@ def run(args, log=print) -> dict:
                          "test_accuracy": score["accuracy"], "test_loss": score["loss"],
                          "distance_after": next(iter(rep["distances_between_inputs"]["after_alignment"].values())),
                          "timings": rep["timings"]})
-            log(f"  {method:8s} {label:31s} accuracy {score['accuracy']:.4f}  loss {score['loss']:.4f}  "
+            log(f"  {method:11s} {label:31s} accuracy {score['accuracy']:.4f}  loss {score['loss']:.4f}  "
                 f"distance {rows[-1]['distance_after']:.2f}")
+    ot_distance = ot_baselines(a, b, acts, keys, body, log)
 
     curves = {}
     alphas = [i / (args.points - 1) for i in range(args.points)]
@@ -223,9 +248,14 @@ def run(args, log=print) -> dict:
         "fisher_merge": mean_timing("fisher", "none", "statistics") + mean_timing("fisher", "none", "merge"),
         "regmean_statistics": mean_timing("regmean", "none", "statistics"),
         "regmean_merge": mean_timing("regmean", "none", "statistics") + mean_timing("regmean", "none", "merge"),
-        "matching_all_groups": matching["all groups (heads+attn+ffn+rescale+residual rotation)"]["seconds"],
+        "matching_all_groups": matching[BEST]["seconds"],
         "head_permutation": matching["perm baseline (head perm+ffn)"]["seconds"],
         "head_permutation_rotation_aware": matching["head perm + full"]["seconds"],
+        "ot_wts_merge": mean_timing("ot_wts", "none", "merge"),
+        "ot_acts_statistics": mean_timing("ot_acts", "none", "statistics"),
+        "ot_acts_merge": mean_timing("ot_acts", "none", "statistics") + mean_timing("ot_acts", "none", "merge"),
+        "ot_acts_emd_merge": mean_timing("ot_acts_emd", "none", "statistics") + mean_timing("ot_acts_emd", "none",
+                                                                                              "merge"),
     }
     return {
         "benchmark": "B1 vit_fashion_mnist", "tiny": args.tiny, "command": " ".join(["python -m benchmarks.vit_fashion_mnist"] + sys.argv[1:]),
@@ -234,11 +264,32 @@ def run(args, log=print) -> dict:
             "image_size", "num_labels")},
         "training": {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seeds": seeds,
                      "train_examples": len(arrays[1])},
-        "data": {"test": test.n, "curve": curve.n, "gram": gram.n, "fisher": fisher.n},
-        "endpoints": endpoints, "merges": rows, "matching": matching,
+        "data": {"test": test.n, "curve": curve.n, "gram": gram.n, "fisher": fisher.n, "acts": acts.n},
+        "best_align": BEST_ALIGN, "endpoints": endpoints, "merges": rows, "matching": matching,
+        "ot_distance": ot_distance,
         "alphas": alphas, "curves": curves, "runtimes": runtimes,
         "seconds_total": time.perf_counter() - t_start,
     }
+
+
+def ot_baselines(a, b, acts, keys, body, log=print) -> dict:
+    """Fig. 4's OT baseline: A transported onto B by OT fusion on the FFN units only (no averaging),
+    and its distance to B — over all parameters and over the body."""
+    from symmerge.merge.ot_fusion import transported
+    from symmerge.merge.statistics import activation_stats
+
+    sd_a, sd_b = a.state_dict(), b.state_dict()
+    out, stats = {}, None
+    for label, (method, extra) in OT_BASELINES.items():
+        t = time.perf_counter()
+        if method != "ot_wts" and stats is None:
+            stats = [activation_stats(x, acts, progress=False).tensors for x in (a, b)]
+        moved = transported(method, [sd_a, sd_b], a, stats=None if method == "ot_wts" else stats, units="ffn",
+                            **extra)[0]
+        out[label] = {"method": method, "params": {"units": "ffn", **extra}, "seconds": time.perf_counter() - t,
+                      "distance": distance(moved, sd_b, keys), "distance_body": distance(moved, sd_b, body)}
+        log(f"  {label:40s} distance {out[label]['distance']:.3f}")
+    return out
 
 
 def machine() -> dict:
@@ -293,20 +344,38 @@ def plot_lmc(result: dict, path) -> None:
     plt.close(fig)
 
 
+def _methods(r: dict) -> list[str]:
+    """The fusion methods of a results file (older files have only the first three)."""
+    return [m for m in METHODS if any(x["method"] == m for x in r["merges"])]
+
+
+def _table2_columns(r: dict) -> list[tuple[str, str]]:
+    """(header, variant) of the Table 2 layout present in ``r``."""
+    cols = [("w/o match", "none"), ("w/o rescale", "w/o rescale (attn+ffn)"), ("match (paper)", PAPER),
+            (f"best ({r.get('best_align', BEST_ALIGN)})", BEST)]
+    return [(h, v) for h, v in cols if v in r["matching"]]
+
+
+def _distances(r: dict) -> dict:
+    """Fig. 4 rows: every matching, then the OT baselines (label -> entry with distance and seconds)."""
+    return {**r["matching"], **r.get("ot_distance", {})}
+
+
 def plot_ablation(result: dict, path) -> None:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    methods = _methods(result)
+    fig, ax = plt.subplots(figsize=(14, 5))
     variants = list(result["matching"])
     width = 0.8 / len(variants)
     for k, v in enumerate(variants):
         vals = [next(r["test_accuracy"] for r in result["merges"] if r["method"] == m and r["variant"] == v)
-                for m in METHODS]
-        ax.bar([i + (k - (len(variants) - 1) / 2) * width for i in range(len(METHODS))], vals, width, label=v)
+                for m in methods]
+        ax.bar([i + (k - (len(variants) - 1) / 2) * width for i in range(len(methods))], vals, width, label=v)
     for name, style in (("A", "--"), ("B", ":")):
         ax.axhline(result["endpoints"][name]["accuracy"], color="grey", ls=style, label=f"model {name}")
-    ax.set_xticks(range(len(METHODS)), METHODS)
+    ax.set_xticks(range(len(methods)), [NAMES[m] for m in methods])
     ax.set(ylabel="test accuracy", ylim=(0, 1), title="merged ViTs on Fashion-MNIST: matching ablation")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -314,64 +383,68 @@ def plot_ablation(result: dict, path) -> None:
 
 def plot_distance(result: dict, path) -> None:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = list(result["matching"])
-    ax.barh(labels, [result["matching"][v]["distance"] for v in labels])
+    rows = _distances(result)
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
+    labels = list(rows)
+    colors = ["tab:orange" if v in result.get("ot_distance", {}) else "tab:blue" for v in labels]
+    ax.barh(labels, [rows[v]["distance"] for v in labels], color=colors)
     ax.invert_yaxis()
-    ax.set(xlabel="L2 distance ‖θ_A(matched) − θ_B‖", title="distance between the end models after matching")
+    ax.set(xlabel="L2 distance ‖θ_A(matched) − θ_B‖",
+           title="distance between the end models after matching\n(orange: OT fusion's alignment of the FFN units)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def print_tables(r: dict, log=print) -> None:
+    methods = _methods(r)
+    cols = _table2_columns(r)
     log(f"\nTable 2 layout — merged test accuracy (%) on {r['data']['test']} Fashion-MNIST test images "
         f"(A {100 * r['endpoints']['A']['accuracy']:.2f}, B {100 * r['endpoints']['B']['accuracy']:.2f})")
-    cols = ["none", "w/o rescale (attn+ffn)", "full (attn+ffn+rescale)"]
-    log(f"{'method':10s}" + "".join(f"{c:>26s}" for c in cols))
-    for m in METHODS:
+    log(f"{'method':12s}" + "".join(f"{h:>24s}" for h, _ in cols))
+    for m in methods:
         acc = {x["variant"]: x["test_accuracy"] for x in r["merges"] if x["method"] == m}
-        log(f"{m:10s}" + "".join(f"{100 * acc[c]:26.2f}" for c in cols))
+        log(f"{NAMES[m]:12s}" + "".join(f"{100 * acc[v]:24.2f}" for _, v in cols))
     log("\nFig. 3 layout — accuracy (%) / loss per matching variant")
-    log(f"{'variant':32s}" + "".join(f"{m:>18s}" for m in METHODS))
+    log(f"{'variant':32s}" + "".join(f"{NAMES[m]:>18s}" for m in methods))
     for v in r["matching"]:
         cells = []
-        for m in METHODS:
+        for m in methods:
             x = next(x for x in r["merges"] if x["method"] == m and x["variant"] == v)
             cells.append(f"{100 * x['test_accuracy']:8.2f} / {x['test_loss']:6.3f}")
         log(f"{v:32s}" + "".join(f"{c:>18s}" for c in cells))
     log("\nFig. 4 layout — distance ‖θ_A(matched) − θ_B‖")
-    for v, info in r["matching"].items():
-        log(f"  {v:32s} {info['distance']:10.3f}   ({info['seconds']:.2f} s)")
+    for v, info in _distances(r).items():
+        log(f"  {v:40s} {info['distance']:10.3f}   ({info['seconds']:.2f} s)")
     log("\nFig. 5 — loss barriers")
     for v, c in r["curves"].items():
         log(f"  {v:32s} {c['barrier']:10.4f}")
     log("\nTable 3 layout — runtimes (s)")
     for k, v in r["runtimes"].items():
-        log(f"  {k:28s} {v:10.2f}")
+        log(f"  {k:32s} {v:10.2f}")
 
 
 def markdown_tables(r: dict) -> str:
     """The tables of docs/results.md (paper Table 2, Fig. 3, Fig. 4, Fig. 5, Table 3 layouts)."""
     pct = lambda x: f"{100 * x:.2f}"  # noqa: E731
     acc = {(x["method"], x["variant"]): x for x in r["merges"]}
-    names = {"average": "Simple", "fisher": "Fisher", "regmean": "RegMean"}
+    methods = _methods(r)
+    cols = _table2_columns(r)
     out = [f"Models: A {pct(r['endpoints']['A']['accuracy'])} %, B {pct(r['endpoints']['B']['accuracy'])} % "
            f"test accuracy ({r['data']['test']} test images).", "",
            "**Table 2 layout** — merged test accuracy (%)", "",
-           "| | w/o match | w/o rescale | match |", "|---|---|---|---|"]
-    for m in METHODS:
-        out.append(f"| {names[m]} | " + " | ".join(pct(acc[m, v]["test_accuracy"]) for v in (
-            "none", "w/o rescale (attn+ffn)", "full (attn+ffn+rescale)")) + " |")
+           "| | " + " | ".join(h for h, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for m in methods:
+        out.append(f"| {NAMES[m]} | " + " | ".join(pct(acc[m, v]["test_accuracy"]) for _, v in cols) + " |")
     out += ["", "**Fig. 3 layout** — merged test accuracy (%) / test loss for every matching variant", "",
-            "| matching | " + " | ".join(names[m] for m in METHODS) + " |", "|---|---|---|---|"]
+            "| matching | " + " | ".join(NAMES[m] for m in methods) + " |", "|---" * (len(methods) + 1) + "|"]
     for v in r["matching"]:
         out.append(f"| {v} | " + " | ".join(f"{pct(acc[m, v]['test_accuracy'])} / {acc[m, v]['test_loss']:.3f}"
-                                            for m in METHODS) + " |")
+                                            for m in methods) + " |")
     out += ["", "**Fig. 4 layout** — L2 distance ‖θ_A(matched) − θ_B‖ over all parameters, and matching time", "",
             "| matching | distance | change | seconds |", "|---|---|---|---|"]
     base = r["matching"]["none"]["distance"]
-    for v, x in r["matching"].items():
+    for v, x in _distances(r).items():
         out.append(f"| {v} | {x['distance']:.3f} | {100 * (x['distance'] / base - 1):+.1f} % | {x['seconds']:.2f} |")
     out += ["", f"**Fig. 5** — loss barrier along θ(α) ({r['data']['curve']} test images, {len(r['alphas'])} points); "
             "midpoint (α = 0.5) accuracy", "", "| matching | loss barrier | midpoint accuracy (%) |", "|---|---|---|"]
@@ -385,6 +458,10 @@ def markdown_tables(r: dict) -> str:
             f"| simple merging | {rt['simple_merge']:.3f} |",
             f"| Fisher merging (statistics {rt['fisher_statistics']:.1f} + merge) | {rt['fisher_merge']:.2f} |",
             f"| RegMean merging (statistics {rt['regmean_statistics']:.1f} + merge) | {rt['regmean_merge']:.2f} |"]
+    if "ot_wts_merge" in rt:
+        out += [f"| OT-WTS merging | {rt['ot_wts_merge']:.2f} |",
+                f"| OT-ACTS merging (statistics {rt['ot_acts_statistics']:.2f} + merge) | {rt['ot_acts_merge']:.2f} |",
+                f"| OT-ACTS-EMD merging (statistics + merge) | {rt['ot_acts_emd_merge']:.2f} |"]
     return "\n".join(out) + "\n"
 
 

@@ -109,6 +109,17 @@ def test_vit_fashion_mnist_tiny_end_to_end(tmp_path, monkeypatch):
     assert d["perm baseline (head perm+ffn)"] <= d["w/o ATTN (ffn)"] + 1e-6
     for m in r["merges"]:  # the merge's own alignment gives the same distance as the separate one
         assert m["distance_after"] == pytest.approx(r["matching"][m["variant"]]["distance_body"], rel=1e-6)
-    for k in ("matching_full", "simple_merge", "fisher_merge", "regmean_merge"):
+    for k in ("matching_full", "simple_merge", "fisher_merge", "regmean_merge", "ot_wts_merge", "ot_acts_merge",
+              "ot_acts_emd_merge"):
         assert r["runtimes"][k] >= 0
+    assert set(bench.METHODS) == {"average", "fisher", "regmean", "ot_wts", "ot_acts", "ot_acts_emd"}
+    assert r["matching"][bench.BEST]["symmetries"] == bench.BEST_ALIGN
+    # Fig. 4's OT baseline: an exact plan on the FFN units is an FFN permutation, and the ffn alignment is the
+    # L2-closest of all FFN permutations, so neither exact OT baseline can end closer to B
+    ot_d = {v: x["distance"] for v, x in r["ot_distance"].items()}
+    assert set(ot_d) == set(bench.OT_BASELINES)
+    assert ot_d["OT-FFN baseline (acts, exact EMD)"] >= d["w/o ATTN (ffn)"] - 1e-6
+    assert ot_d["OT-FFN baseline (wts, exact EMD)"] >= d["w/o ATTN (ffn)"] - 1e-6
+    tables = (out / "tables.md").read_text()
+    assert "OT-ACTS-EMD" in tables and "best (heads,attn,ffn,rescale,residual)" in tables
     assert r["endpoints"]["A"]["accuracy"] > 0.2  # trained beyond chance even in the tiny setting

@@ -278,7 +278,7 @@ def test_merge_state_dicts_runs_prepare_once_and_passes_its_context():
 
 
 def test_registering_a_method_with_unknown_statistics_fails():
-    assert STATISTICS == ("gram", "fisher")
+    assert STATISTICS == ("gram", "fisher", "activations")
     assert all(m.needs in (None, *STATISTICS) for m in METHODS.values())
     with pytest.raises(SymmergeError, match="unknown statistics 'hessian'"):
         register(Method("hessian_average", average.METHOD.tensor, needs="hessian"))

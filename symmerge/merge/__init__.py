@@ -2,6 +2,8 @@
 
 Every method module defines ``METHOD`` (its :class:`Method`, see :mod:`.base`: ``name``, the
 per-tensor rule, ``needs`` — ``None`` or one of :data:`STATISTICS`, the statistics it consumes —,
+``needs_model`` — the method needs the architecture (OT fusion, :mod:`.ot_fusion`, which defines
+three methods in ``METHODS``) —,
 ``needs_base`` — task-vector methods need a base model —, ``params`` — defaults of its keyword
 parameters — and ``doc``) and ``merge(state_dicts, weights=None, stats=None, **params)`` (that is
 ``METHOD.merge``; task-vector methods take ``base=``). ``state_dicts`` hold the same keys and
@@ -35,9 +37,9 @@ def get_method(name: str) -> Method:
         raise SymmergeError(f"unknown merge method {name!r}; known methods: {', '.join(sorted(METHODS))}") from None
 
 
-from . import average, dare, dare_ties, fisher, regmean, task_arithmetic, ties  # noqa: E402
+from . import average, dare, dare_ties, fisher, ot_fusion, regmean, task_arithmetic, ties  # noqa: E402
 
-for _m in (average, task_arithmetic, ties, dare, dare_ties, fisher, regmean):
+for _m in (average, task_arithmetic, ties, dare, dare_ties, fisher, regmean, *ot_fusion.METHODS):
     register(_m)
 
 __all__ = ["METHODS", "STATISTICS", "Method", "get_method", "merge_state_dicts", "register"]

@@ -10,7 +10,10 @@ A :class:`Method` supplies
   be returned, the loop casts back to the input dtype;
 * optionally ``prepare(state_dicts, base, weights, params) -> context``: run once before the loop,
   to check parameter values and compute whole-model quantities (e.g. TIES's model-wide magnitude
-  thresholds); its result is passed to every ``tensor`` call.
+  thresholds); its result is passed to every ``tensor`` call. A method with ``needs_model`` (it
+  needs the architecture, e.g. OT fusion) gets three more keywords: ``stats`` (as checked), ``model``
+  (a model of the merged checkpoints' architecture) and ``anchor`` (the index of the model the
+  others were aligned to, or None).
 
 :func:`merge_state_dicts` validates everything once (:func:`check_layout` for keys, shapes and the
 base model; the weights; the statistics) and copies non-floating tensors (integer buffers such as
@@ -27,8 +30,8 @@ import torch
 from ..errors import SymmergeError
 
 # the statistics a method may consume (``Method.needs``); gathered by the caller on the aligned models
-STATISTICS = ("gram", "fisher")
-_STAT_NAMES = {"gram": "Gram matrices", "fisher": "Fisher diagonals"}
+STATISTICS = ("gram", "fisher", "activations")
+_STAT_NAMES = {"gram": "Gram matrices", "fisher": "Fisher diagonals", "activations": "activations"}
 
 
 def check_needs(name: str, needs) -> None:
@@ -104,6 +107,7 @@ class Method:
 
     ``doc`` keeps the first line of the text given (e.g. a module docstring). ``normalize_weights``:
     weights are scaled to sum to 1 (averaging methods) or used as given (multipliers of task vectors).
+    ``needs_model``: ``merge`` must be given ``model=`` (see the module docstring).
     """
 
     name: str
@@ -114,6 +118,7 @@ class Method:
     doc: str = ""
     prepare: Callable | None = None
     normalize_weights: bool = True
+    needs_model: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "doc", ((self.doc or "").strip().splitlines() or [""])[0])
@@ -126,18 +131,27 @@ class Method:
             raise SymmergeError(f"method {self.name!r} has no parameter {unknown[0]!r} (parameters: {known})")
         return {**self.params, **params}
 
-    def merge(self, state_dicts, weights=None, stats=None, base=None, **params) -> dict:
+    def merge(self, state_dicts, weights=None, stats=None, base=None, model=None, anchor=None, **params) -> dict:
         """The merged state dict: :func:`merge_state_dicts` with this method."""
-        return merge_state_dicts(self, state_dicts, weights=weights, stats=stats, base=base, **params)
+        return merge_state_dicts(self, state_dicts, weights=weights, stats=stats, base=base, model=model,
+                                 anchor=anchor, **params)
 
 
-def merge_state_dicts(method: Method, state_dicts, weights=None, stats=None, base=None, **params) -> dict:
-    """Merge ``state_dicts`` (same keys and shapes) tensor by tensor with ``method``."""
+def merge_state_dicts(method: Method, state_dicts, weights=None, stats=None, base=None, model=None, anchor=None,
+                      **params) -> dict:
+    """Merge ``state_dicts`` (same keys and shapes) tensor by tensor with ``method``. ``model`` and
+    ``anchor`` are passed to the ``prepare`` of methods with ``needs_model`` (ignored otherwise)."""
     params = method.check_params(params)
     keys = check_layout(state_dicts, base, method.needs_base, method.name)
     w = normalized_weights(weights, len(state_dicts), normalize=method.normalize_weights)
     stats = check_stats(method.name, method.needs, stats, len(state_dicts))
-    context = method.prepare(state_dicts, base, w, params) if method.prepare is not None else None
+    extra = {}
+    if method.needs_model:
+        if model is None:
+            raise SymmergeError(f"method {method.name!r} needs the architecture: pass model= (a model of the merged "
+                                "checkpoints)")
+        extra = {"stats": stats, "model": model, "anchor": anchor}
+    context = method.prepare(state_dicts, base, w, params, **extra) if method.prepare is not None else None
     out = {}
     for k in keys:
         ref = (state_dicts[0] if base is None else base)[k]

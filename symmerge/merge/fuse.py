@@ -88,6 +88,9 @@ class MergeOptions:
                 check_data_path(spec)
         if m.needs and not self.data:
             raise SymmergeError(f"method {m.name!r} needs data for its {m.needs} statistics: pass --data FILE")
+        if m.needs == "activations" and len(self.data) > 1:
+            raise SymmergeError(f"method {m.name!r} compares the models' activations on the same inputs: "
+                                "give one --data")
         if m.needs_base and self.base is None:
             raise SymmergeError(f"method {m.name!r} needs a base model (the common pre-trained model): pass --base")
         if self.base is not None and not m.needs_base:
@@ -258,8 +261,11 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     keys = untied(models[0], body + (sorted(head_keys(models[0])) if opts.heads == "merge" else []))
     sds = [x.state_dict() for x in aligned]
     sub = [{k: sd[k] for k in keys} for sd in sds]
-    stats_sub = None if stats is None else [{k: s[k] for k in keys if k in s} for s in stats]
+    stats_sub = (None if stats is None else stats if m.needs_model
+                 else [{k: s[k] for k in keys if k in s} for s in stats])
     extra = {"base": {k: aligned_base.state_dict()[k] for k in keys}} if m.needs_base else {}
+    if m.needs_model:  # the architecture, and the model the others were aligned to
+        extra.update(model=aligned[0], anchor=alignment["anchor"]["index"])
     merged_sd = m.merge(sub, weights=opts.weights, stats=stats_sub, **extra, **opts.params)
     holder = aligned[opts.head_from]
     out = with_state_dict(holder, with_tied(holder, merged_sd))
@@ -283,7 +289,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
             "kind": m.needs, "per_model": stats_info,
             **({"gram_normalize": opts.gram_normalize} if m.needs == "gram" else
                {"fisher_variant": opts.fisher_variant, "fisher_normalize": opts.fisher_normalize,
-                "fisher_samples": opts.fisher_samples}),
+                "fisher_samples": opts.fisher_samples} if m.needs == "fisher" else {}),
         },
         "distances_between_inputs": {"before_alignment": _pairwise([x.state_dict() for x in models], body, names),
                                      "after_alignment": _pairwise(sds, body, names)},

@@ -6,8 +6,11 @@
 * :func:`fisher_stats`: the diagonal Fisher E_x[(∂ log p(y|x)/∂θ)²] per parameter, from
   per-example gradients, with y the data's label (``empirical``) or drawn from the model's own
   predictive distribution (``sampled``); optional normalisation to mean 1.
+* :func:`activation_stats`: per token (padding excluded), the outputs of every linear layer of the
+  base model and the residual stream's hidden states (OT fusion's activation costs), the first
+  ``max_rows`` tokens in data order.
 
-Both must run on the aligned models: a Gram matrix of rotated/permuted inputs is the rotated/permuted
+All must run on the aligned models: a Gram matrix of rotated/permuted inputs is the rotated/permuted
 Gram matrix, so statistics taken before alignment are expressed in the wrong basis.
 """
 
@@ -27,8 +30,9 @@ FISHER_VARIANTS = ("empirical", "sampled")
 
 @dataclass
 class Stats:
-    kind: str  # "gram" | "fisher"
-    tensors: dict  # state-dict key -> Gram (in × in) of that weight's inputs, or Fisher (param shape)
+    kind: str  # "gram" | "fisher" | "activations"
+    tensors: dict  # state-dict key -> Gram (in × in) of that weight's inputs, Fisher (param shape), or
+    # activations (tokens × out features) of that weight's layer ("hidden_states.k": the stream, tokens × hidden)
     counts: dict = field(default_factory=dict)  # key -> rows (tokens/samples) accumulated
     examples: int = 0
     seconds: float = 0.0
@@ -206,10 +210,88 @@ def forward_seconds(model, data: Data, device=None, max_batches: int | None = No
     return time.perf_counter() - start
 
 
+def _producers(model) -> dict:
+    """Linear layers (``nn.Linear``, transformers' ``Conv1D``) of the base model (of the whole model
+    when it has no base-model prefix): their outputs are the units OT fusion transports."""
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    mods = {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
+    inside = {n: m for n, m in mods.items() if n.startswith(prefix)}
+    return inside or mods
+
+
+def _token_rows(x: torch.Tensor, mask) -> torch.Tensor:
+    """(batch, tokens, features) → (real tokens, features), padding dropped."""
+    if mask is not None and x.shape[:2] == mask.shape:
+        return x[mask.bool()]
+    return x.reshape(-1, x.shape[-1])
+
+
+def activation_stats(model, data: Data, device=None, max_rows: int | None = 4096, progress: bool = True) -> Stats:
+    """Per token, the outputs of every linear layer of the base model (key ``<module>.weight``) and
+    the hidden states the model returns with ``output_hidden_states`` (key ``hidden_states.k``; k = 0:
+    the embeddings' output), for the first ``max_rows`` real tokens of ``data`` in order (None: all).
+    Layers whose outputs are not per token (e.g. relative-position projections) are left out. Float32
+    (float64 for float64 models), on the CPU."""
+    if max_rows is not None and max_rows < 1:
+        raise SymmergeError(f"activation rows must be >= 1, got {max_rows}")
+    device = device or _model_device(model)
+    model = model.to(device).eval()
+    mods = _producers(model)
+    parts: dict = {}
+    seen: dict = {}  # module -> (tokens, rows) of the current batch
+    state = {"mask": None}
+
+    def hook_for(name):
+        def hook(module, args, output):
+            y = output[0] if isinstance(output, tuple) else output
+            if torch.is_tensor(y) and y.dim() == 3:
+                seen[name] = (y.shape[1], _token_rows(y.detach(), state["mask"]))
+
+        return hook
+
+    handles = [m.register_forward_hook(hook_for(n)) for n, m in mods.items()]
+    start, examples, rows = time.perf_counter(), 0, 0
+    try:
+        with torch.no_grad():
+            for batch in bar(data, desc="activations", total=len(data), unit="batch",
+                             disable=None if progress else True):
+                if max_rows is not None and rows >= max_rows:
+                    break
+                batch = batch.to(device)
+                seen.clear()
+                state["mask"] = batch.mask
+                out = model(**batch.inputs, output_hidden_states=True)
+                states = getattr(out, "hidden_states", None)
+                if not states:
+                    raise SymmergeError(f"{type(model).__name__} returns no hidden states: activations need them")
+                tokens = states[0].shape[1]
+                got = {f"hidden_states.{k}": _token_rows(h, batch.mask) for k, h in enumerate(states)}
+                got.update({f"{n}.weight": r for n, (t, r) in seen.items() if t == tokens})
+                take = next(iter(got.values())).shape[0]
+                if max_rows is not None:
+                    take = min(take, max_rows - rows)
+                for k, r in got.items():
+                    dtype = torch.float64 if r.dtype == torch.float64 else torch.float32
+                    parts.setdefault(k, []).append(r[:take].to("cpu", dtype))
+                rows += take
+                examples += len(batch.labels)
+    finally:
+        for h in handles:
+            h.remove()
+        seen.clear()
+    if rows == 0:
+        raise SymmergeError(f"{data.path}: no tokens for the activations")
+    tensors = {k: torch.cat(v) for k, v in parts.items()}
+    return Stats("activations", tensors, dict.fromkeys(tensors, rows), examples, time.perf_counter() - start)
+
+
 def gather(needs: str, model, data: Data, device=None, progress: bool = True, variant: str = "empirical",
            normalize: bool = False, samples: int = 1) -> Stats:
     """The statistics a merge method ``needs`` (one of :data:`symmerge.merge.STATISTICS`), on ``model``
     (already aligned); an unknown kind is an error."""
+    if needs == "activations":
+        return activation_stats(model, data, device=device, progress=progress)
     if needs == "gram":
         return gram_stats(model, data, device=device, progress=progress)
     if needs == "fisher":

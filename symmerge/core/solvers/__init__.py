@@ -1,6 +1,6 @@
 """Closed-form solvers (pure mathematics on tensors): orthogonal Procrustes, scalar rescale, linear
 assignment, RoPE frequency pairs, the residual stream's groups. The group kinds (symmerge.groups)
-build their costs and call these."""
+build their costs and call these. Also the optimal transport plans (POT) of OT fusion (symmerge.merge.ot)."""
 
 from .assignment import match_permutation, solve_assignments
 from .procrustes import procrustes
@@ -8,6 +8,7 @@ from .rescale import head_objective, joint_scale, quartic_scale, scale_for_rotat
 from .residual import (centered_residual, complement_basis, orthogonal_residual, permutation_residual,
                        signed_permutation_residual)
 from .rope import pair_products, rope_element, solve_pairs
+from .transport import as_permutation, column_map, ground_cost, transport_plan
 
 __all__ = [
     "procrustes",
@@ -26,4 +27,8 @@ __all__ = [
     "signed_permutation_residual",
     "match_permutation",
     "solve_assignments",
+    "ground_cost",
+    "transport_plan",
+    "column_map",
+    "as_permutation",
 ]
