@@ -88,7 +88,7 @@ def test_the_three_methods_are_registered_with_their_statistics_and_defaults():
     assert wts.needs is None and acts.needs == "activations" and emd.needs == "activations"
     assert all(m.needs_model and not m.needs_base for m in (wts, acts, emd))
     assert wts.params["reg"] == 0.06 and acts.params["reg"] == 0.08 and "reg" not in emd.params
-    assert wts.params["units"] == "ffn,attn,residual" and wts.params["residual"] == "mean"
+    assert wts.params["units"] == "ffn,attn,residual" and wts.params["residual"] == "auto"
     assert {"ot_wts", "ot_acts", "ot_acts_emd"} <= set(METHODS)
     # a method consuming activations registers; the kind is known to the registration check
     m = register(Method("test_acts", lambda *a: a[1][0], needs="activations"))
@@ -342,7 +342,7 @@ def test_activations_are_gathered_on_the_aligned_models(tmp_path, monkeypatch):
     ({"reg": "x"}, "reg must be a number"), ({"units": "ffn,foo"}, "units must be"), ({"units": ""}, "units must be"),
     ({"units": 3}, "units must be"), ({"qk": "both"}, "qk must be separate or joint"),
     ({"cross_heads": "within"}, "cross_heads must be true or false"),
-    ({"residual": "sum"}, "residual must be mean or single"),
+    ({"residual": "sum"}, "residual must be auto or mean or single"),
     ({"cost": "cosine"}, "cost must be euclidean or sqeuclidean"), ({"normalize": "yes"}, "normalize must be"),
 ])
 def test_bad_parameters_are_refused(bad, message):
@@ -396,3 +396,18 @@ def test_cli_merges_with_ot_acts_after_the_paper_alignment(tmp_path):
     assert "fisher_variant" not in report["statistics"]
     assert 0 <= report["evaluation"]["merged"][0]["accuracy"] <= 1
     assert main(["merge", *paths, "--method", "ot_acts", "--data", data, "-o", str(tmp_path / "o2")]) == 2
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert", "phi"])
+def test_the_default_residual_policy_follows_the_family(family):
+    """``auto``: Imfeld et al.'s mean policy needs sequential pre-norm blocks; post-LN encoders and Phi's
+    parallel blocks get one plan for the whole stream instead of an error."""
+    from symmerge.errors import SymmergeError
+    from symmerge.merge.ot_fusion import COMMON, build_flow, settings
+
+    model = make_model(family, head=True, dtype=torch.float32)
+    params = {**COMMON, "reg": 0.05, "units": "ffn,residual"}
+    flow = build_flow(model, settings(params, activations=False))
+    assert "residual" in [getattr(u, "name", None) for u in flow]  # one plan for the whole stream
+    with pytest.raises(SymmergeError, match="residual=single"):
+        build_flow(model, settings({**params, "residual": "mean"}, activations=False))

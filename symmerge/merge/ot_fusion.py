@@ -27,7 +27,8 @@ dims of each attention layer, one plan over all heads (``cross_heads=True``, Imf
 cross-head alignment) or one per head pair (``False``: head i of A with head i of B), Q and K with
 separate plans (``qk="separate"``, Imfeld et al.'s default) or one joint plan (``"joint"``: keeps QKᵀ
 intact under an exact plan), W_O's input columns with V's plan; ``residual`` — the residual stream, where the model has a residual
-group (a task head reading the stream): ``residual="mean"`` (Imfeld et al.): the embeddings get a
+group (a task head reading the stream): ``residual="auto"`` (default) is ``mean`` for pre-norm families
+with sequential blocks and ``single`` otherwise; ``residual="mean"`` (Imfeld et al.): the embeddings get a
 plan, every block writer (attention output, FFN output) gets its own plan for its output rows, and
 the stream after the residual addition carries the mean of the incoming map and the writer's map;
 LayerNorms, the next block's readers and the task head's input columns are transported with the map
@@ -56,8 +57,8 @@ from .base import Method, weighted_sum
 
 UNITS = ("ffn", "attn", "residual")
 QK_MODES = ("separate", "joint")
-RESIDUAL_POLICIES = ("mean", "single")
-COMMON = {"units": "ffn,attn,residual", "qk": "separate", "cross_heads": True, "residual": "mean",
+RESIDUAL_POLICIES = ("auto", "mean", "single")
+COMMON = {"units": "ffn,attn,residual", "qk": "separate", "cross_heads": True, "residual": "auto",
           "cost": "euclidean", "normalize": True}
 
 
@@ -156,7 +157,7 @@ def _attention(model, layer: dict, s: Settings) -> list:
     qk, vo = layer.get("attn.qk"), layer.get("attn.vo")
     if qk is None or vo is None:
         return []
-    if qk.group.kind != "head_orthogonal":
+    if getattr(qk.info, "rotary", None):  # RoPE pairs
         raise SymmergeError("OT fusion cannot transport the attention of RoPE models (a query/key dim belongs to a "
                             "frequency pair); leave attn out: --param units=ffn,residual")
     if any(sl.repeat != 1 for sl in qk.slots + vo.slots):
@@ -216,6 +217,12 @@ def _stream_layout(spec, model, layers: dict, stream) -> dict:
     return out
 
 
+def _parallel_blocks(spec) -> bool:
+    """One norm feeding attention and MLP together (Phi): no sequential flow for the mean policy."""
+    return any(len(f.readers) and any("mlp" in m.name for m in f.readers) and any("attn" in m.name for m in f.readers)
+               for f in spec.folds)
+
+
 def build_flow(model, s: Settings) -> list:
     """The unit sets to solve and the stream maps to carry, in data-flow order."""
     from ..pipeline.align import instances_for
@@ -223,14 +230,18 @@ def build_flow(model, s: Settings) -> list:
     spec, instances = instances_for(model)
     layers: dict = {}
     for inst in instances:
-        if inst.layer >= 0 and inst.group.kind != "heads":
+        if inst.layer >= 0 and inst.group.symmetry != "heads":
             layers.setdefault(inst.layer, {})[inst.group.name] = inst
-    stream = next((i for i in instances if i.group.kind == "residual"), None) if "residual" in s.units else None
+    stream = next((i for i in instances if not i.kind.per_layer), None) if "residual" in s.units else None
+    policy = s.residual
+    if policy == "auto":  # Imfeld et al.'s mean policy where the stream is pre-norm, else one plan for it all
+        pre = stream is not None and stream.group.param("placement") == "pre" and not _parallel_blocks(spec)
+        policy = "mean" if pre else "single"
     n_states = len(layers) + 1
     flow: list = []
-    if stream is not None and s.residual == "single":
+    if stream is not None and policy == "single":
         flow.append(Units("residual", stream.slots, tuple((f"hidden_states.{k}", 0, None) for k in range(n_states))))
-    layout = _stream_layout(spec, model, layers, stream) if stream is not None and s.residual == "mean" else None
+    layout = _stream_layout(spec, model, layers, stream) if stream is not None and policy == "mean" else None
     if layout is not None:
         flow.append(Units("embeddings", tuple(layout["embeddings"]), (("hidden_states.0", 0, None),), state=0))
     for i in sorted(layers):
