@@ -68,7 +68,8 @@ def run_cli(*argv) -> int:
 def test_merge_average_writes_model_and_report(cli_vits, tmp_path):
     data = cli_npz(tmp_path / "d.npz")
     out = tmp_path / "merged"
-    assert run_cli("merge", *cli_vits[:2], "--method", "average", "--data", data, "-o", out) == 0
+    assert run_cli("merge", *cli_vits[:2], "--method", "average", "--align", "none", "--eval-data", data,
+                   "-o", out) == 0
     report = json.loads((out / "symmerge_report.json").read_text())
     for field in ("method", "alignment", "distances_between_inputs", "timings", "evaluation", "head"):
         assert field in report, field
