@@ -91,7 +91,8 @@ class LineBar:
     def update(self, n=1) -> None:
         self.n += n
         now = time.perf_counter()
-        if now - self.last >= _state["heartbeat"]:
+        done = self.total is not None and self.n >= self.total  # close() says it
+        if not done and now - self.last >= _state["heartbeat"]:
             self.last = now
             line(self._text(now - self.t0, running=True))
 

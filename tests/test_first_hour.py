@@ -158,12 +158,13 @@ def test_lines_mode_heartbeat_for_a_long_stage():
     try:
         b = progress.bar(total=3, desc="aligning layers", unit="layers")
         b.update(1)
+        b.update(2)  # the last update: no interim line, the closing one says it
         b.close()
     finally:
         progress.configure("auto")
     first, last = stream.getvalue().splitlines()
     assert "aligning layers: 1/3 layers" in first and "so far" in first
-    assert "so far" not in last
+    assert "aligning layers: 3/3 layers" in last and "so far" not in last
 
 
 class _Terminal(io.StringIO):

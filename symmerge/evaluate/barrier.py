@@ -72,12 +72,13 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
         a, b = as_model(model_a, allow_pickle), as_model(model_b, allow_pickle)
     check_same_shapes(a, b)
     variants = _variants(aligns, base, a)
-    if isinstance(data, Data):
-        check_data(data, a)
-        d = data
-    else:
-        d = load_data(data, a, batch_size=batch_size, max_examples=max_examples)
-    check_data(d, b)
+    with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
+        if isinstance(data, Data):
+            check_data(data, a)
+            d = data
+        else:
+            d = load_data(data, a, batch_size=batch_size, max_examples=max_examples)
+        check_data(d, b)
     result = {"model_a": names[0], "model_b": names[1], "data": d.path, "examples": d.n, "alphas": alphas,
               "convention": "theta(alpha) = alpha*A + (1-alpha)*B; alpha=1 is A (aligned to B), alpha=0 is B",
               "rescale": base.rescale, "device": str(dev),
@@ -130,7 +131,7 @@ def subset_matching(model_a, model_b, data: Data, symmetries=("attn",), mode: st
 
     ref = midpoint_eval(None)
     rows = []
-    for layers in bar(subsets, desc=f"subset matching ({mode})", unit="subset", disable=None if progress else True):
+    for layers in bar(subsets, desc=f"subset matching ({mode})", unit="subsets", disable=None if progress else True):
         res = align_pair(model_a, model_b, opts.with_(layers=layers))
         r = midpoint_eval(res)
         rows.append({"layers": layers, "loss": r["loss"], "accuracy": r["accuracy"],

@@ -26,7 +26,7 @@ from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..pipeline.align import align_pair, as_model, canonical
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
-from ..progress import stage, stage_printer
+from ..progress import line, stage, stage_printer
 from ..pipeline.verify import with_state_dict
 from . import get_method
 from .heads import anchor_proxy, check_bodies, check_heads_mergeable, head_keys, untied, with_tied
@@ -228,6 +228,8 @@ def gather_stats(needs, models, names, cache: _DataCache, opts: MergeOptions, de
     stats, info = [], []
     for i, x in enumerate(models):
         d = cache.for_model(i, x)
+        if opts.progress:
+            line(f"{needs} statistics of {names[i]} on {d.path} ({d.n} examples)")
         s = gather(needs, x, d, device=dev, progress=opts.progress, variant=opts.fisher_variant,
                    normalize=opts.fisher_normalize, samples=opts.fisher_samples)
         stats.append(s.means() if needs == "gram" and opts.gram_normalize else s.tensors)
@@ -261,20 +263,22 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     timings: dict[str, float] = {}
 
     # ------------------------------------------------ load and check everything before any expensive step
-    models = [as_model(x, opts.allow_pickle) for x in models]
-    base_name = _name(opts.base, "base") if opts.base is not None else None
-    base_model = as_model(opts.base, opts.allow_pickle) if opts.base is not None else None
+    with stage(f"loaded {len(models)} models{' and the base' if opts.base is not None else ''}", enabled=opts.progress):
+        models = [as_model(x, opts.allow_pickle) for x in models]
+        base_name = _name(opts.base, "base") if opts.base is not None else None
+        base_model = as_model(opts.base, opts.allow_pickle) if opts.base is not None else None
     everything = models + ([base_model] if base_model is not None else [])
     body = check_bodies(everything, names + ([base_name] if base_model is not None else []))
     if opts.heads == "merge":
         check_heads_mergeable(models, names)
     cache = _DataCache(opts)
     eval_files, eval_note = opts.evaluation_data(m.needs) if opts.evaluate else ([], None)
-    for i, x in enumerate(models):  # every file against every model that uses it, before any expensive step
-        stats_files = _files_of(opts.data, i) if m.needs else []
-        scored = _files_of(eval_files, i) if i == opts.head_from or len(eval_files) > 1 else []
-        for spec in stats_files + scored:
-            cache.get(spec, x)
+    with stage("loaded and checked the data", enabled=opts.progress and bool(opts.data or eval_files)):
+        for i, x in enumerate(models):  # every file against every model that uses it, before any expensive step
+            stats_files = _files_of(opts.data, i) if m.needs else []
+            scored = _files_of(eval_files, i) if i == opts.head_from or len(eval_files) > 1 else []
+            for spec in stats_files + scored:
+                cache.get(spec, x)
     timings["load"] = time.perf_counter() - t0
 
     # ------------------------------------------------ alignment
