@@ -165,7 +165,8 @@ def stage(desc: str, enabled: bool = True):
 def stage_printer(total: int | None = None, desc: str = "solving"):
     """A callback ``progress(stage_name)`` for the solver engine, called after each group is solved
     (and after each coordinate-descent sweep): a bar ticking once per call, or in lines mode one
-    line per call with the seconds since the previous one."""
+    line per call with the seconds since the previous one (the first: since ``progress.start()``,
+    which the caller calls when solving begins, else since the callback was made)."""
     if mode() == "lines":
         last = [time.perf_counter()]
 
@@ -174,6 +175,7 @@ def stage_printer(total: int | None = None, desc: str = "solving"):
             line(f"{desc}: {name} ({now - last[0]:.1f} s)")
             last[0] = now
 
+        progress_line.start = lambda: last.__setitem__(0, time.perf_counter())
         return progress_line
     pbar = bar(total=total, desc=desc, unit="group")
 

@@ -52,8 +52,9 @@ def run(args) -> int:
                            batch_size=args.batch_size, max_examples=args.max_examples, verify=not args.no_verify,
                            allow_pickle=args.allow_pickle)
     write_study(result, out)
+    width = max(len(name) for name in result["curves"])
     for name, c in result["curves"].items():
-        print(f"{name:20s} barrier {c['barrier']:.4f}  loss(0.5) {c['loss'][len(c['loss']) // 2]:.4f}")
+        print(f"{name:{width}s}  barrier {c['barrier']:.4f}  loss(0.5) {c['loss'][len(c['loss']) // 2]:.4f}")
     aligning = sum(c.get("align_seconds", 0.0) for c in result["curves"].values())
     print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} (alignment {aligning:.2f} s, "
           f"total {elapsed():.2f} s)")

@@ -68,7 +68,7 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
     if not isinstance(data, Data):
         check_data_path(data)
     names = [str(x) if isinstance(x, (str, Path)) else label for x, label in ((model_a, "A"), (model_b, "B"))]
-    with stage(f"loaded {names[0]} and {names[1]}", enabled=progress):
+    with stage(f"loaded {names[0]} and {names[1]}", enabled=progress and isinstance(model_a, (str, Path))):
         a, b = as_model(model_a, allow_pickle), as_model(model_b, allow_pickle)
     check_same_shapes(a, b)
     variants = _variants(aligns, base, a)

@@ -109,6 +109,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     ca, cb = canonicalize(sd_a, wide), canonicalize(sd_b, wide)
     folded = any(ca[k] is not sd_a[k] for k in sd_a)
     sweeps: list[float] = []
+    getattr(progress, "start", lambda: None)()  # the engine's progress lines count from here
     elements = solve(instances, ca, cb, opts, progress=progress, history=sweeps, max_sweeps=options.max_sweeps)
     verify_elements(instances, elements)
     aligned_sd = apply(ca, instances, elements)
