@@ -473,3 +473,25 @@ def test_align_pair_accepts_recommended_options_objects():
     model, anchor = make_model("gpt2", head=True), make_model("gpt2", head=True, seed=1)
     result = align_pair(model, anchor, AlignOptions(symmetries="recommended", verify=False))
     assert tuple(result.report["symmetries"]) == RECOMMENDED
+
+
+def test_streamed_recommended_keeps_the_groups_that_stream(vits, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc, stdout, _ = run(capsys, "align", *vits, "--symmetries", "recommended", "--stream", "-o", out)
+    assert rc == 0
+    report = json.loads((out / "symmerge_report.json").read_text())
+    assert report["symmetries"] == ["heads", "attn", "ffn", "rescale"]  # residual couples every layer
+    assert report["symmetries_requested"] == "recommended" and "(= recommended)" in stdout
+    rc, _, err = run(capsys, "align", *vits, "--symmetries", "attn,residual", "--stream", "-o", tmp_path / "o2")
+    assert rc == 2 and "cannot be streamed" in err
+
+
+def test_merge_models_api_aligns_by_default():
+    from symmerge.merge.fuse import merge_models
+
+    a, b = make_model("vit", head=True), make_model("vit", head=True, seed=1)
+    _, report = merge_models([a, b], "average", progress=False)
+    assert report["alignment"]["requested"] == "recommended"
+    assert tuple(report["alignment"]["symmetries"]) == RECOMMENDED
+    _, plain = merge_models([a, b], "average", align="none", progress=False)
+    assert plain["alignment"]["symmetries"] == [] and plain["alignment"]["requested"] == "none"
