@@ -250,8 +250,8 @@ def test_errors_name_tensors_as_the_checkpoint_does(tmp_path, capsys):
 
 SIDE = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "special_tokens_map.json": "{}",
         "preprocessor_config.json": "{}", "chat_template.jinja": "{{ x }}", "README.md": "# card\n"}
-JUNK = {"optimizer.pt": "x", "train_report.json": "{}", "symmerge_report.json": "{}", "original/consolidated.00.pth": "x",
-        "training_args.bin": "x"}
+JUNK = {"optimizer.pt": "x", "train_report.json": "{}", "symmerge_report.json": "{}",
+        "original/consolidated.00.pth": "x", "training_args.bin": "x"}
 
 
 def with_side_files(folder):

@@ -114,7 +114,8 @@ def options_from(args):
 
     return MergeOptions(
         method=args.method, align=AlignOptions(symmetries=args.align, rescale=args.rescale, verify=not args.no_verify),
-        anchor=parse_anchor(args.anchor), data=list(args.data or []), eval_data=list(args.eval_data or []), weights=parse_weights(args.weights),
+        anchor=parse_anchor(args.anchor), data=list(args.data or []), eval_data=list(args.eval_data or []),
+        weights=parse_weights(args.weights),
         params=parse_params(args.param), base=args.base, heads=args.heads, head_from=args.head_from,
         device=args.device, fisher_variant=args.fisher, fisher_normalize=args.fisher_normalize,
         fisher_samples=args.fisher_samples, gram_normalize=not args.gram_sum, batch_size=args.batch_size,

@@ -1,4 +1,4 @@
-"""List the supported architecture families, the symmetry groups of each and the checkpoint tensors they act on."""
+"""List the supported families, the symmetry groups of each and the checkpoint tensors they act on."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ KIND_TEXT = {
     "rope_pairs": "per-head 2x2 rotation of each RoPE frequency pair",
     "permutation": "permutation of the FFN hidden units",
     "residual": "one transform of the residual stream through every layer, norm and task head: a permutation "
-                "(LayerNorm models) or an orthogonal map with the norms folded into their readers (RMSNorm models; signed "
-                "permutations where a tied LM head keeps the final norm from folding)",
+                "(LayerNorm models) or an orthogonal map with the norms folded into their readers (RMSNorm "
+                "models; signed permutations where a tied LM head keeps the final norm from folding)",
 }
 
 

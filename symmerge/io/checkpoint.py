@@ -298,8 +298,9 @@ def _task_class(model_type: str, image: bool) -> str:
 
     if image:
         return auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES[model_type]
-    if model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-        return auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    causal, masked = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    if model_type in causal and model_type not in masked:
+        return causal[model_type]
     return auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[model_type]
 
 

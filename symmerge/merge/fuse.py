@@ -38,10 +38,10 @@ HEAD_POLICIES = ("keep", "merge")
 @dataclass
 class MergeOptions:
     """Everything a merge needs besides the models. ``align``: the alignment options (default: the
-    recommended set, resolved against the anchor; no symmetries: no alignment); ``data``: one data file (or :class:`~symmerge.io.data.Data`) for all models or one
-    per model, for the statistics; ``eval_data``: the same for evaluation (scoring the inputs and the
-    result, with ``evaluate``). Without ``eval_data``, evaluation falls back to ``data`` and says so
-    (:meth:`evaluation_data`)."""
+    recommended set, resolved against the anchor; no symmetries: no alignment); ``data``: one data file
+    (or :class:`~symmerge.io.data.Data`) for all models or one per model, for the statistics;
+    ``eval_data``: the same for evaluation (scoring the inputs and the result, with ``evaluate``).
+    Without ``eval_data``, evaluation falls back to ``data`` and says so (:meth:`evaluation_data`)."""
 
     method: str = "average"
     align: AlignOptions = field(default_factory=lambda: AlignOptions(symmetries=RECOMMENDED_NAME))
@@ -66,14 +66,16 @@ class MergeOptions:
     progress: bool = True
 
     @classmethod
-    def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint", verify: bool = True,
-                      evaluate_result: bool = True, data=None, eval_data=None, **kw) -> "MergeOptions":
+    def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",
+                      verify: bool = True, evaluate_result: bool = True, data=None, eval_data=None,
+                      **kw) -> "MergeOptions":
         """The keyword form of :func:`merge_models` (``align``: a symmetry list or AlignOptions)."""
         unknown = set(kw) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"merge_models() got unexpected keyword {sorted(unknown)[0]!r}")
         if not isinstance(align, AlignOptions):
             align = AlignOptions(symmetries=align, rescale=rescale, verify=verify)
+
         def items(x):
             return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
@@ -243,13 +245,14 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
 
     Give a :class:`MergeOptions`, or the same as keywords: ``method``; ``align`` (``"none"`` or a
     symmetry list such as ``"attn,ffn,rescale"``, ``"recommended"`` (default: the groups of
-    :data:`~symmerge.pipeline.options.RECOMMENDED` the models have), or an :class:`AlignOptions`) with ``rescale`` and
-    ``verify``; ``anchor`` (index into ``models``, a model/folder, or ``None`` for the default rule);
+    :data:`~symmerge.pipeline.options.RECOMMENDED` the models have), or an :class:`AlignOptions`) with
+    ``rescale`` and ``verify``; ``anchor`` (index into ``models``, a model/folder, or ``None`` for the default rule);
     ``data`` (a file or :class:`~symmerge.io.data.Data` for all models, or one per model: statistics);
     ``eval_data`` (the same, for evaluation with ``evaluate_result`` — with one file per model, the merged
     body is evaluated on file i with model i's head; without it, evaluation falls back to ``data`` and the
-    report's ``evaluation.note`` says so); ``weights``, ``params``, ``base``, ``heads``, ``head_from``, ``device``,
-    the statistics options, ``batch_size``, ``max_examples``, ``max_length``, ``allow_pickle``, ``progress``.
+    report's ``evaluation.note`` says so); ``weights``, ``params``, ``base``, ``heads``, ``head_from``,
+    ``device``, the statistics options, ``batch_size``, ``max_examples``, ``max_length``, ``allow_pickle``,
+    ``progress``.
     """
     t0 = time.perf_counter()
     if options is None:
@@ -263,7 +266,8 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     timings: dict[str, float] = {}
 
     # ------------------------------------------------ load and check everything before any expensive step
-    with stage(f"loaded {len(models)} models{' and the base' if opts.base is not None else ''}", enabled=opts.progress):
+    what = f"{len(models)} models" + (" and the base" if opts.base is not None else "")
+    with stage(f"loaded {what}", enabled=opts.progress):
         models = [as_model(x, opts.allow_pickle) for x in models]
         base_name = _name(opts.base, "base") if opts.base is not None else None
         base_model = as_model(opts.base, opts.allow_pickle) if opts.base is not None else None
