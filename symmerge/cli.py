@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from .errors import SymmergeError
+from .progress import configure
 
 # command name -> module in symmerge.commands defining add_arguments(parser) and run(args)
 COMMANDS = {
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
         return args.handler(args) or 0
     except SymmergeError as e:
         print(f"symmerge: error: {e}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -47,14 +48,17 @@ def run_cli(capsys, *argv):
     return rc, captured.out, captured.err
 
 
+PROGRESS_LINE = re.compile(r"^\[\d+\.\d s\] ")  # symmerge.progress in lines mode (stderr is not a terminal)
+
+
 def temp_leftovers(parent: Path) -> list[str]:
     return [p.name for p in parent.iterdir() if ".tmp-" in p.name]
 
 
 def assert_clean_failure(rc, err, out: Path, *needles):
     assert rc != 0
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected one error line on stderr, got: {err!r}"
+    lines = [line for line in err.splitlines() if line.strip() and not PROGRESS_LINE.match(line)]
+    assert len(lines) == 1, f"expected one error line on stderr (besides progress lines), got: {err!r}"
     assert lines[0].startswith("symmerge: error:"), lines[0]
     for needle in needles:
         assert needle.lower() in lines[0].lower(), (needle, lines[0])

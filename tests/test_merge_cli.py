@@ -48,7 +48,8 @@ def cli_berts(tmp_path):
 def test_merge_average_writes_model_and_report(cli_vits, tmp_path):
     data = npz_file(tmp_path / "d.npz")
     out = tmp_path / "merged"
-    assert run_cli("merge", *cli_vits[:2], "--method", "average", "--data", data, "-o", out) == 0
+    assert run_cli("merge", *cli_vits[:2], "--method", "average", "--align", "none", "--eval-data", data,
+                   "-o", out) == 0
     report = json.loads((out / "symmerge_report.json").read_text())
     for field in ("method", "alignment", "distances_between_inputs", "timings", "evaluation", "head"):
         assert field in report, field

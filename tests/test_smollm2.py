@@ -168,3 +168,16 @@ def test_general_qk_rotation_breaks_smollm2(smollm2):
                                rtol=1e-5, atol=1e-5)
     broken = token_losses(with_weights(model, apply(sd, qk, general)), tokenizer)
     assert (broken - base).abs().max() > 0.5
+
+
+def test_smollm2_folder_is_stored_as_save_pretrained_stores_it(smollm2):
+    """Tied embeddings once, under the source's name (mergekit and align --stream read it); a folder
+    cached by an earlier version (``lm_head.weight`` plus an alias in the metadata) is rewritten."""
+    from safetensors import safe_open
+
+    model, _ = smollm2
+    with safe_open(str(smollm2_path() / "model.safetensors"), "pt") as h:
+        keys, metadata = set(h.keys()), h.metadata()
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    assert metadata == {"format": "pt"}
+    assert keys == {k for k in model.state_dict() if k != "lm_head.weight"}

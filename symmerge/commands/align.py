@@ -16,19 +16,23 @@ from pathlib import Path
 
 from ..io.model import ensure_output_dir, save_model
 from ..pipeline.align import align_pair
-from ..pipeline.options import AlignOptions
-from ..progress import stage_printer
+from ..groups import RESCALE_MODES
+from ..pipeline.options import DEFAULT_SYMMETRIES, RECOMMENDED_NAME, AlignOptions, describe_symmetries
+from ..progress import add_argument as add_progress_argument
+from ..progress import elapsed, stage, stage_printer
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="HF model folder to align (config.json + safetensors)")
     parser.add_argument("anchor", help="HF model folder of the anchor (left unchanged)")
     parser.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
-    parser.add_argument("--symmetries", default="attn,ffn,rescale",
-                        help="comma list of heads, attn, ffn, rescale, residual (default: attn,ffn,rescale; heads and "
-                             "residual are opt-in), or 'none'")
-    parser.add_argument("--rescale", choices=["joint", "sequential", "none"], default="joint",
-                        help="how per-head scales are solved: joint optimum (default) or the paper's sequential")
+    parser.add_argument("--symmetries", default=",".join(DEFAULT_SYMMETRIES),
+                        help=describe_symmetries(f"{','.join(DEFAULT_SYMMETRIES)} (the paper's matching; merge and "
+                                                 f"barrier default to {RECOMMENDED_NAME}). With --stream, "
+                                                 f"{RECOMMENDED_NAME} leaves residual out (it cannot stream)"))
+    parser.add_argument("--rescale", choices=list(RESCALE_MODES), default="joint",
+                        help="how per-head scales are solved when 'rescale' is aligned: joint optimum (default), the "
+                             "paper's sequential, or none")
     parser.add_argument("--layers", default=None, help="only align these layers, e.g. '0,1,5' (default: all)")
     parser.add_argument("--no-verify", action="store_true", help="skip the equivalence check (not recommended)")
     parser.add_argument("--verify-tol", type=float, default=None,
@@ -48,6 +52,7 @@ def add_arguments(parser) -> None:
                         help="with --stream: also load both models at the end and compare outputs (needs the RAM)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="accept pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True))")
+    add_progress_argument(parser)
 
 
 def parse_layers(value):
@@ -76,13 +81,26 @@ def run(args) -> int:
     result = align_pair(args.model, args.anchor, options, progress=stage_printer(), allow_pickle=args.allow_pickle)
     report = result.report
     report.update(model=str(args.model), anchor=str(args.anchor))
-    save_model(result.model, out, src=args.model, report=report)
-    print(f"distance to anchor: {report['distance_before']:.4f} -> {report['distance_after']:.4f}")
-    if report["verify_max_abs_diff"] is not None:
+    with stage(f"wrote {out}"):
+        save_model(result.model, out, src=args.model, report=report)
+    _summary(report, out, f"alignment {report['match_seconds']:.2f} s, alignment and verification "
+                          f"{report['seconds']:.2f} s, total {elapsed():.2f} s")
+    return 0
+
+
+def _summary(report: dict, out: Path, timing: str) -> None:
+    print(f"aligned with {','.join(report['symmetries']) or 'nothing'}"
+          f"{' (= recommended)' if report.get('symmetries_requested') == RECOMMENDED_NAME else ''}")
+    print(f"distance to anchor (all parameters, head included): {report['distance_before']:.4f} -> "
+          f"{report['distance_after']:.4f}")
+    if report.get("verify_max_abs_diff") is not None:
         print(f"equivalence: max |Δoutput| = {report['verify_max_abs_diff']:.3g} "
               f"(relative {report['verify_max_rel_diff']:.3g})")
-    print(f"wrote {out} in {report['seconds']:.2f} s")
-    return 0
+    left_out = report.get("side_files", {}).get("left_out", [])
+    if left_out:
+        print(f"left out of the output (not model files): {', '.join(left_out[:5])}"
+              f"{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''} (see the report's side_files)")
+    print(f"wrote {out} ({timing})")
 
 
 def run_streaming(args, out: Path) -> int:
@@ -96,9 +114,6 @@ def run_streaming(args, out: Path) -> int:
     report = align_streaming(args.model, args.anchor, out, symmetries=args.symmetries, rescale=args.rescale,
                              layers=parse_layers(args.layers), device=args.device, shard_size=args.shard_size,
                              verify_forward=args.verify_forward, verify_tol=args.verify_tol, pipeline=args.pipeline)
-    print(f"distance to anchor: {report['distance_before']:.4f} -> {report['distance_after']:.4f}")
-    if "verify_max_abs_diff" in report:
-        print(f"equivalence: max |Δoutput| = {report['verify_max_abs_diff']:.3g} "
-              f"(relative {report['verify_max_rel_diff']:.3g})")
-    print(f"wrote {out} ({len(report['shards'])} shard(s)) in {report['seconds']:.2f} s")
+    _summary(report, out, f"{len(report['shards'])} shard(s); reading, alignment and writing "
+                          f"{report['match_seconds']:.2f} s, total {elapsed():.2f} s")
     return 0

@@ -1,29 +1,37 @@
 """Loss barrier between two models along θ(α) = α·θ_A + (1−α)·θ_B, with and without aligning A to B.
 
-symmerge barrier A B --data FILE [--align attn,ffn,rescale] [--points 11] -o DIR
+symmerge barrier A B --data FILE [--align recommended|LIST ...] [--points 11] -o DIR
 
 Writes DIR/barrier.json (alphas, where α = 1 is A and α = 0 is B; curves: one per variant, "none"
-plus each --align spec, with loss and accuracy lists and the scalar barrier; distance tables) and
-DIR/barrier.png. --subsets single|last adds subset-of-layers matching (DIR/subsets.png).
+plus each --align spec, named by the symmetries it aligned, with loss and accuracy lists and the
+scalar barrier; distance tables) and DIR/barrier.png. --data is the evaluation data (use held-out
+data). --subsets single|last adds subset-of-layers matching (DIR/subsets.png).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..groups import RESCALE_MODES
 from ..io.model import ensure_output_dir
+from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
+from ..progress import add_argument as add_progress_argument
+from ..progress import elapsed
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("model_a", help="HF model folder A (aligned to B in the aligned variants)")
     parser.add_argument("model_b", help="HF model folder B (the anchor)")
-    parser.add_argument("--data", required=True, help="data file: .npz (images), .jsonl (text, label) or .txt (LM)")
+    parser.add_argument("--data", required=True,
+                        help="evaluation data (held out): .npz (images), .jsonl (text, label) or .txt (LM)")
     parser.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
     parser.add_argument("--align", action="append", default=None,
-                        help="alignment variant(s) to compare with no alignment, e.g. attn,ffn (repeatable; "
-                             "default attn,ffn,rescale)")
+                        help="alignment variant(s) compared with no alignment (repeatable): " + describe_symmetries(
+                            f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them)"))
     parser.add_argument("--points", type=int, default=11, help="number of α values in [0, 1] (default 11)")
-    parser.add_argument("--rescale", choices=["joint", "sequential"], default="joint")
+    parser.add_argument("--rescale", choices=list(RESCALE_MODES), default="joint",
+                        help="how per-head scales are solved when 'rescale' is aligned: joint optimum (default), the "
+                             "paper's sequential, or none")
     parser.add_argument("--subsets", choices=["single", "last"], default=None,
                         help="also match only layer i (single) or only the last k layers (last); loss at α = 0.5")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -31,6 +39,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     parser.add_argument("--no-verify", action="store_true", help="skip the equivalence check of each alignment")
     parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin checkpoints")
+    add_progress_argument(parser)
 
 
 def run(args) -> int:
@@ -38,12 +47,15 @@ def run(args) -> int:
 
     out = Path(args.output)
     ensure_output_dir(out)
-    result = barrier_study(args.model_a, args.model_b, args.data, aligns=args.align or ["attn,ffn,rescale"],
+    result = barrier_study(args.model_a, args.model_b, args.data, aligns=args.align or [RECOMMENDED_NAME],
                            points=args.points, rescale=args.rescale, subsets=args.subsets, device=args.device,
                            batch_size=args.batch_size, max_examples=args.max_examples, verify=not args.no_verify,
                            allow_pickle=args.allow_pickle)
     write_study(result, out)
+    width = max(len(name) for name in result["curves"])
     for name, c in result["curves"].items():
-        print(f"{name:20s} barrier {c['barrier']:.4f}  loss(0.5) {c['loss'][len(c['loss']) // 2]:.4f}")
-    print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'}")
+        print(f"{name:{width}s}  barrier {c['barrier']:.4f}  loss(0.5) {c['loss'][len(c['loss']) // 2]:.4f}")
+    aligning = sum(c.get("align_seconds", 0.0) for c in result["curves"].values())
+    print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} (alignment {aligning:.2f} s, "
+          f"total {elapsed():.2f} s)")
     return 0

@@ -12,6 +12,8 @@ trained models.
 
 from pathlib import Path
 
+from ..progress import add_argument as add_progress_argument
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("-o", "--output", default="symmerge-demo",
@@ -22,6 +24,7 @@ def add_arguments(parser) -> None:
                         help="a smaller model and shorter training (seconds; for smoke tests)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: fastest for these tiny models on a shared CPU)")
+    add_progress_argument(parser)
 
 
 def run(args) -> int:

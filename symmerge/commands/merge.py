@@ -1,38 +1,51 @@
-"""Merge models (optionally aligned first) with a fusion method; write an HF folder + report.
+"""Align models to an anchor, then merge them with a fusion method; write an HF folder + report.
 
-symmerge merge M1 M2 [...] --method NAME [--align none|attn|attn,ffn|attn,ffn,rescale] [--data FILE] -o OUT_DIR
+symmerge merge M1 M2 [...] --method NAME [--align recommended|none|LIST] [--data FILE] [--eval-data FILE] -o OUT_DIR
 
-Every model except the anchor is aligned to it inside its symmetry orbit, statistics (RegMean
-Grams, Fishers) are gathered on the aligned models, the method merges them, and the task head of
-one model is kept (default: the first; --head-from) unless --heads merge. OUT_DIR/symmerge_report.json
-records the method, alignment, distances, timings and, with --data, evaluation results.
+Every model except the anchor is aligned to it inside its symmetry orbit (default --align recommended:
+the groups of heads,attn,ffn,rescale,residual the models have), statistics (RegMean Grams, Fishers)
+are gathered on the aligned models from --data, the method merges them, and the task head of one
+model is kept (default: the first; --head-from) unless --heads merge. The merged model is evaluated
+on --eval-data (held-out data; without it, on --data, with a warning). OUT_DIR/symmerge_report.json
+records the method, alignment, distances, timings and evaluation results.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ..errors import SymmergeError
 from ..io.model import ensure_output_dir, save_model
+from ..groups import RESCALE_MODES
 from ..merge import METHODS
+from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
+from ..progress import add_argument as add_progress_argument
+from ..progress import elapsed, stage
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("models", nargs="+", help="HF model folders to merge (two or more)")
     parser.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
     parser.add_argument("--method", required=True, help=f"fusion method: {', '.join(sorted(METHODS))}")
-    parser.add_argument("--align", default="none",
-                        help="symmetries to align before merging: none (default), or a comma list of heads, attn, ffn, "
-                             "rescale, residual (e.g. attn,ffn,rescale)")
-    parser.add_argument("--rescale", choices=["joint", "sequential"], default="joint",
-                        help="how per-head scales are solved when 'rescale' is aligned")
+    parser.add_argument("--align", default=RECOMMENDED_NAME,
+                        help="symmetries to align before merging: " + describe_symmetries(
+                            f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them; residual is "
+                            "also left out when the task heads differ)"))
+    parser.add_argument("--rescale", choices=list(RESCALE_MODES), default="joint",
+                        help="how per-head scales are solved when 'rescale' is aligned: joint optimum (default), the "
+                             "paper's sequential, or none")
     parser.add_argument("--anchor", default=None,
                         help="anchor: index of a model (0-based) or a folder (default: base model for task-vector "
                              "methods; the second of two models; else the model closest to the average)")
     parser.add_argument("--base", default=None, help="base (pre-trained) model folder for task_arithmetic, ties, dare")
     parser.add_argument("--data", action="append", default=None, metavar="FILE",
-                        help="data (.npz, .jsonl, .txt) for statistics and evaluation; give it once for all models "
-                             "or once per model (in model order)")
+                        help="data (.npz, .jsonl, .txt) for the statistics of fisher and regmean (training data); "
+                             "give it once for all models or once per model (in model order)")
+    parser.add_argument("--eval-data", action="append", default=None, metavar="FILE",
+                        help="held-out data (.npz, .jsonl, .txt) the merged model and the inputs are scored on; once "
+                             "for all models or once per model (file i scored with model i's head). Without it the "
+                             "evaluation uses --data, and the report and stderr say so")
     parser.add_argument("--weights", default=None, help="comma-separated model weights, e.g. 0.7,0.3")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="method parameter, e.g. alpha=0.9 (regmean), scale=0.5, density=0.2, drop=0.9, seed=1")
@@ -51,6 +64,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     parser.add_argument("--no-verify", action="store_true", help="skip the equivalence check of each alignment")
     parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin checkpoints")
+    add_progress_argument(parser)
 
 
 def parse_value(text: str):
@@ -100,7 +114,8 @@ def options_from(args):
 
     return MergeOptions(
         method=args.method, align=AlignOptions(symmetries=args.align, rescale=args.rescale, verify=not args.no_verify),
-        anchor=parse_anchor(args.anchor), data=list(args.data or []), weights=parse_weights(args.weights),
+        anchor=parse_anchor(args.anchor), data=list(args.data or []), eval_data=list(args.eval_data or []),
+        weights=parse_weights(args.weights),
         params=parse_params(args.param), base=args.base, heads=args.heads, head_from=args.head_from,
         device=args.device, fisher_variant=args.fisher, fisher_normalize=args.fisher_normalize,
         fisher_samples=args.fisher_samples, gram_normalize=not args.gram_sum, batch_size=args.batch_size,
@@ -118,10 +133,20 @@ def run(args) -> int:
         raise SymmergeError("merge needs at least two models")
     model, report = merge_models(args.models, options=options_from(args))
     src = args.models[report["head"].get("from_index", 0) or 0]
-    save_model(model, out, src=src, report=report)
+    with stage(f"wrote {out}"):
+        save_model(model, out, src=src, report=report)
+    alignment = report["alignment"]
     print(f"merged {len(args.models)} models with {report['method']} "
-          f"(alignment: {','.join(report['alignment']['symmetries']) or 'none'})")
-    for r in report.get("evaluation", {}).get("merged", []):
+          f"(alignment: {','.join(alignment['symmetries']) or 'none'}"
+          f"{' = recommended' if alignment['requested'] == RECOMMENDED_NAME else ''})")
+    if alignment.get("note"):
+        print(f"note: {alignment['note']}", file=sys.stderr)
+    evaluation = report.get("evaluation", {})
+    if evaluation.get("note"):
+        print(f"warning: {evaluation['note']}", file=sys.stderr)
+    for r in evaluation.get("merged", []):
         print(f"  {r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']})")
-    print(f"wrote {out} in {report['timings']['total']:.2f} s")
+    t = report["timings"]
+    print(f"wrote {out} (alignment {t['align']:.2f} s, statistics {t['statistics']:.2f} s, evaluation "
+          f"{t['evaluate']:.2f} s, total {elapsed():.2f} s)")
     return 0

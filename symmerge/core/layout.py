@@ -14,15 +14,20 @@ class Layout:
     model_type: str | None
     heads: int | None
     shapes: dict  # {tensor name: shape}
-    disk_names: dict | None = None  # in-memory → on-disk tensor names, for messages
+    disk_names: object = None  # in-memory → on-disk tensor names (a mapping), for messages
+
+    def disk(self, key: str) -> str:
+        return (self.disk_names or {}).get(key, key)
 
 
 def layout_of(model, name: str, keys=None) -> Layout:
     """The layout of a transformers model (optionally only ``keys``)."""
+    from ..io.checkpoint import DiskNames
+
     sd = model.state_dict()
     keys = sd.keys() if keys is None else keys
     return Layout(name, model.config.model_type, getattr(model.config, "num_attention_heads", None),
-                  {k: tuple(sd[k].shape) for k in keys})
+                  {k: tuple(sd[k].shape) for k in keys}, DiskNames(model))
 
 
 def check_layouts(layouts: list[Layout], hint: str = "") -> None:
@@ -36,12 +41,13 @@ def check_layouts(layouts: list[Layout], hint: str = "") -> None:
             raise SymmergeError(f"architectures differ: {ref.name} has {ref.heads} attention heads, "
                                 f"{other.name} has {other.heads}")
         if ref.shapes.keys() != other.shapes.keys():
-            only = sorted(set(ref.shapes) ^ set(other.shapes))[:3]
-            names = ref.disk_names or {}
-            raise SymmergeError(f"architectures differ: tensors present in only one of {ref.name} and {other.name}, "
-                                f"e.g. {[names.get(k, k) for k in only]}")
+            only_ref = sorted(set(ref.shapes) - set(other.shapes))[:3]
+            only_other = sorted(set(other.shapes) - set(ref.shapes))[:3]
+            where = [f"only in {x.name}: {[x.disk(k) for k in keys]}" for x, keys in ((ref, only_ref),
+                                                                                   (other, only_other)) if keys]
+            raise SymmergeError(f"architectures differ: tensors present in only one of {ref.name} and {other.name} "
+                                f"({'; '.join(where)})")
         for k, shape in ref.shapes.items():
             if tuple(shape) != tuple(other.shapes[k]):
-                disk = (ref.disk_names or {}).get(k, k)
-                raise SymmergeError(f"shapes differ for {disk}: {tuple(shape)} in {ref.name}, "
+                raise SymmergeError(f"shapes differ for {ref.disk(k)}: {tuple(shape)} in {ref.name}, "
                                     f"{tuple(other.shapes[k])} in {other.name}{hint}")

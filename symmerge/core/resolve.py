@@ -14,13 +14,15 @@ from .instance import Instance, Slot
 from .spec import Group, Member, Spec
 
 
-def find_prefix(spec: Spec, keys) -> str:
+def find_prefix(spec: Spec, keys, disk_names=None) -> str:
     """Prefix of the base model inside the state dict ('' for AutoModel, 'bert.' for task models)."""
     probe = spec.probe.format(i=0)
     hits = sorted(k[: -len(probe)] for k in keys if k.endswith(probe) and (k == probe or k[-len(probe) - 1] == "."))
     if len(hits) != 1:
+        found = f": {', '.join((disk_names or {}).get(h + probe, h + probe) for h in hits)}" if hits else ""
         raise SymmergeError(
-            f"cannot locate the {spec.family} layers in the checkpoint (looked for '*{probe}', found {len(hits)})"
+            f"cannot locate the {spec.family} layers in the checkpoint (looked for its layer 0's attention "
+            f"query weight, found {len(hits)}{found})"
         )
     return hits[0]
 
@@ -39,7 +41,7 @@ class Binding:
     rotary_dim: int | None = None
     ties: dict = field(default_factory=dict)
     residual: str = "largest"
-    disk_names: dict = field(default_factory=dict)
+    disk_names: object = field(default_factory=dict)  # a mapping: in-memory -> on-disk names (messages)
     architecture: str = ""  # the model's class name (task-head-specific roles)
 
     # ---------------------------------------------------------------- names
@@ -188,10 +190,10 @@ def resolve(spec: Spec, state_dict, num_layers: int, num_heads: int, layers=None
     ``residual``: ``permutation`` or ``largest`` (the residual stream's group for LayerNorm models)."""
     from ..groups import get_kind
 
-    prefix = find_prefix(spec, state_dict.keys())
+    prefix = find_prefix(spec, state_dict.keys(), disk_names)
     heads = {"query": num_heads, "kv": num_kv_heads or num_heads}
     ctx = Binding(spec, state_dict, prefix, num_layers, heads, rotary_dim, dict(ties or {}), residual,
-                  dict(disk_names or {}), architecture)
+                  disk_names if disk_names is not None else {}, architecture)
     for template, reason in spec.unsupported:
         if any(ctx.key_of(template, i) in state_dict for i in range(num_layers)):
             raise SymmergeError(f"{spec.family} models with {reason} are not supported")

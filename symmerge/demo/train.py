@@ -159,7 +159,7 @@ def train_vit(config, images, labels, settings: TrainSettings, name: str = "vit"
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, settings))
     n, perm, pos = len(x), torch.randperm(len(x), generator=order), 0
     losses, start = [], time.perf_counter()
-    pbar = bar(range(settings.steps), desc=f"training {name}", unit="step", disable=None if progress else True)
+    pbar = bar(range(settings.steps), desc=f"training {name}", unit="steps", disable=None if progress else True)
     running, curve = None, []
     for step in pbar:
         if pos + settings.batch_size > n:  # a fresh permutation per epoch; the last partial batch is dropped

@@ -20,15 +20,29 @@ from ..errors import SymmergeError
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
 from ..pipeline.align import align_pair, as_model
-from ..pipeline.options import AlignOptions, parse_symmetries
-from ..progress import bar
+from ..pipeline.options import RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries
+from ..progress import bar, stage, stage_printer
 from .metrics import alpha_grid, check_same_shapes, evaluate, interpolate, interpolation_curve
 from .plots import plot_curves, plot_subsets
 
 
 def variant_name(spec) -> str:
+    if is_recommended(spec):
+        return RECOMMENDED_NAME
     names = parse_symmetries(spec)
     return ",".join(names) if names else "none"
+
+
+def _variants(aligns, base: AlignOptions, model) -> dict:
+    """{curve name: AlignOptions} for ``aligns``: 'none' first; 'recommended' resolved against ``model``
+    and named by the groups it resolved to."""
+    out = {"none": None}
+    for spec in aligns:
+        if variant_name(spec) == "none":
+            continue
+        opts = base.with_(symmetries=spec).for_model(model)
+        out.setdefault(",".join(opts.symmetries) or "none", opts)
+    return out
 
 
 def distance_before_after(model, anchor, aligned, instances=(), aligned_anchor=None) -> dict:
@@ -39,28 +53,32 @@ def distance_before_after(model, anchor, aligned, instances=(), aligned_anchor=N
             "after": distance_table(aligned.state_dict(), after_anchor, keys, instances)}
 
 
-def barrier_study(model_a, model_b, data, aligns=("attn,ffn,rescale",), points: int = 11, rescale: str = "joint",
+def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: int = 11, rescale: str = "joint",
                   subsets: str | None = None, device="cpu", batch_size: int = 32, max_examples: int | None = None,
                   verify: bool = True, allow_pickle: bool = False, progress: bool = True,
                   options: AlignOptions | None = None) -> dict:
     """Interpolation curves and barriers of A and B, for no alignment and each variant of ``aligns``
-    (symmetry lists); ``options`` gives the other alignment options (``symmetries`` is overridden)."""
+    (symmetry lists, or 'recommended': the groups of the recommended set the models have; a curve is
+    named by the symmetries it aligned); ``options`` gives the other alignment options (``symmetries``
+    is overridden)."""
     t0 = time.perf_counter()
     alphas = alpha_grid(points)
     base = options or AlignOptions(rescale=rescale, verify=verify)
-    variants = ["none"] + [v for v in dict.fromkeys(variant_name(s) for s in aligns) if v != "none"]
     dev = resolve_device(device)
     if not isinstance(data, Data):
         check_data_path(data)
     names = [str(x) if isinstance(x, (str, Path)) else label for x, label in ((model_a, "A"), (model_b, "B"))]
-    a, b = as_model(model_a, allow_pickle), as_model(model_b, allow_pickle)
+    with stage(f"loaded {names[0]} and {names[1]}", enabled=progress and isinstance(model_a, (str, Path))):
+        a, b = as_model(model_a, allow_pickle), as_model(model_b, allow_pickle)
     check_same_shapes(a, b)
-    if isinstance(data, Data):
-        check_data(data, a)
-        d = data
-    else:
-        d = load_data(data, a, batch_size=batch_size, max_examples=max_examples)
-    check_data(d, b)
+    variants = _variants(aligns, base, a)
+    with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
+        if isinstance(data, Data):
+            check_data(data, a)
+            d = data
+        else:
+            d = load_data(data, a, batch_size=batch_size, max_examples=max_examples)
+        check_data(d, b)
     result = {"model_a": names[0], "model_b": names[1], "data": d.path, "examples": d.n, "alphas": alphas,
               "convention": "theta(alpha) = alpha*A + (1-alpha)*B; alpha=1 is A (aligned to B), alpha=0 is B",
               "rescale": base.rescale, "device": str(dev),
@@ -68,21 +86,22 @@ def barrier_study(model_a, model_b, data, aligns=("attn,ffn,rescale",), points: 
                             "B": evaluate(b, d, device=dev, progress=progress, desc="evaluating B")},
               "curves": {}, "distances": {}}
     a.to("cpu"), b.to("cpu")
-    for v in variants:
+    for v, opts in variants.items():
         t = time.perf_counter()
-        if v == "none":
+        if opts is None:
             moved, end_b, info = a, b, {}
         else:
-            res = align_pair(a, b, base.with_(symmetries=v))
+            with stage(f"aligned A to B ({v})", enabled=progress):
+                res = align_pair(a, b, opts, progress=stage_printer(desc=f"aligning ({v})") if progress else None)
             moved, end_b, rep = res.model, res.anchor, res.report
             info = {"distance_before": rep["distance_before"], "distance_after": rep["distance_after"],
-                    "verify_max_rel_diff": rep.get("verify_max_rel_diff")}
+                    "verify_max_rel_diff": rep.get("verify_max_rel_diff"), "align_seconds": rep["seconds"]}
             result["distances"][v] = distance_before_after(a, b, moved, res.instances, end_b)
         curve = interpolation_curve(moved, end_b, d, alphas, device=dev, progress=progress, label=v)
         moved.to("cpu"), end_b.to("cpu")
         result["curves"][v] = {**curve, **info, "seconds": time.perf_counter() - t}
     if subsets:
-        syms = next((parse_symmetries(v) for v in variants if v != "none"), ("attn",))
+        syms = next((o.symmetries for o in variants.values() if o is not None), ("attn",))
         result["subsets"] = subset_matching(a, b, d, syms, mode=subsets, device=dev, progress=progress,
                                             options=base)
     result["seconds"] = time.perf_counter() - t0
@@ -112,7 +131,7 @@ def subset_matching(model_a, model_b, data: Data, symmetries=("attn",), mode: st
 
     ref = midpoint_eval(None)
     rows = []
-    for layers in bar(subsets, desc=f"subset matching ({mode})", unit="subset", disable=None if progress else True):
+    for layers in bar(subsets, desc=f"subset matching ({mode})", unit="subsets", disable=None if progress else True):
         res = align_pair(model_a, model_b, opts.with_(layers=layers))
         r = midpoint_eval(res)
         rows.append({"layers": layers, "loss": r["loss"], "accuracy": r["accuracy"],

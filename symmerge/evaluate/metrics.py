@@ -23,7 +23,7 @@ def evaluate(model, data: Data, device=None, progress: bool = True, desc: str = 
     model = model.to(device).eval()
     loss_sum, correct, count = 0.0, 0, 0
     with torch.no_grad():
-        for batch in bar(data, desc=desc, total=len(data), unit="batch", disable=None if progress else True):
+        for batch in bar(data, desc=desc, total=len(data), unit="batches", disable=None if progress else True):
             logits, targets = predictions(model, batch.to(device))
             loss_sum += torch.nn.functional.cross_entropy(logits.double(), targets, reduction="sum").item()
             correct += (logits.argmax(-1) == targets).sum().item()
@@ -66,7 +66,7 @@ def interpolation_curve(model_a, model_b, data: Data, alphas, device=None, progr
     sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
     probe = copy.deepcopy(model_b)
     loss, acc = [], []
-    for a in bar(alphas, desc=f"interpolating {label}".strip(), unit="α", disable=None if progress else True):
+    for a in bar(alphas, desc=f"interpolating {label}".strip(), unit="points", disable=None if progress else True):
         probe.load_state_dict(interpolate(sd_a, sd_b, a))
         r = evaluate(probe, data, device=device, progress=False)
         loss.append(r["loss"])

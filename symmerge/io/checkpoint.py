@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -63,7 +64,6 @@ def disk_to_memory_names(config: dict, cfg=None) -> tuple[dict[str, str], dict[s
     memory); the specs use the in-memory names. Derived from transformers' own reverse conversion
     applied to a weightless (``meta``) model, whose class also declares the ties."""
     import transformers
-    from transformers.core_model_loading import revert_weight_conversion
 
     cls = model_class(config)
     try:
@@ -71,17 +71,51 @@ def disk_to_memory_names(config: dict, cfg=None) -> tuple[dict[str, str], dict[s
             cfg = hf_config(config) if cfg is None else cfg
             with torch.device("meta"):
                 model = cls(cfg) if cls is not transformers.AutoModel else transformers.AutoModel.from_config(cfg)
-            sd = model.state_dict()
-            reverted = revert_weight_conversion(model, sd)
+            rename = _disk_to_memory(model)
     except Exception as e:
         raise SymmergeError(f"transformers cannot build a {config.get('model_type')} model from this config "
                             f"({type(e).__name__}: {e})") from None
+    from ..core.resolve import declared_ties
+
+    return rename, declared_ties(model)
+
+
+def _disk_to_memory(model) -> dict[str, str]:
+    """{name in a checkpoint ``save_pretrained`` writes: ``state_dict`` name} of a transformers model."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    sd = model.state_dict()
+    reverted = revert_weight_conversion(model, sd)
     names_of: dict[int, str] = {}
     for k, t in sd.items():
         names_of.setdefault(id(t), k)
-    from ..core.resolve import declared_ties
+    return {disk: names_of[id(t)] for disk, t in reverted.items() if id(t) in names_of}
 
-    return {disk: names_of[id(t)] for disk, t in reverted.items() if id(t) in names_of}, declared_ties(model)
+
+class DiskNames(Mapping):
+    """A loaded model's ``{state_dict name: name in its checkpoint}``, worked out on first use (error
+    messages name tensors as the user's checkpoint does: ViT's ``layers.0.mlp.fc1.weight`` in memory is
+    ``vit.encoder.layer.0.intermediate.dense.weight`` on disk)."""
+
+    def __init__(self, model):
+        self._model, self._names = model, None
+
+    def _table(self) -> dict:
+        if self._names is None:
+            try:
+                self._names = {m: d for d, m in _disk_to_memory(self._model).items()}
+            except Exception:  # messages fall back to the in-memory names
+                self._names = {}
+        return self._names
+
+    def __getitem__(self, key):
+        return self._table()[key]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self):
+        return len(self._table())
 
 
 class LazyCheckpoint:
@@ -106,12 +140,17 @@ class LazyCheckpoint:
             raise SymmergeError(f"transformers cannot read this {self.config.get('model_type')} config "
                                 f"({type(e).__name__}: {e})") from None
         rename, self.ties = disk_to_memory_names(self.config, self.hf_config)
+        self.save_names: dict[str, str] = {}  # in-memory name -> the name save_pretrained writes
+        for disk, key in rename.items():
+            self.save_names.setdefault(key, disk)
         self.disk_name: dict[str, str] = {}
         self.file_of: dict[str, Path] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, torch.dtype] = {}
+        aliases: list[tuple[str, str]] = []  # (alias, in-memory name of the stored tensor) from file metadata
         for f in files:
             with safe_open(str(f), "pt") as handle:
+                stored = set(handle.keys())
                 for disk in handle.keys():
                     sl = handle.get_slice(disk)
                     dtype = _DTYPES.get(sl.get_dtype())
@@ -119,9 +158,39 @@ class LazyCheckpoint:
                         raise SymmergeError(f"{f}: tensor {disk!r} has unsupported dtype {sl.get_dtype()}")
                     key = rename.get(disk, disk)
                     if key in self.file_of:
-                        raise SymmergeError(f"{f}: tensor {key!r} stored twice")
+                        raise SymmergeError(f"{f}: tensor {disk!r} stored twice")
                     self.disk_name[key] = disk
                     self.file_of[key], self.shape[key], self.dtype[key] = f, tuple(sl.get_shape()), dtype
+                # safetensors' save_model stores a shared tensor once and names the others in the metadata
+                aliases += [(rename.get(name, name), rename.get(target, target))
+                            for name, target in (handle.metadata() or {}).items()
+                            if isinstance(target, str) and target in stored and name not in stored]
+        for alias, key in aliases:
+            if alias not in self.file_of:
+                self._same_as(alias, key)
+        self._fold_ties()
+
+    def _same_as(self, key: str, stored: str) -> None:
+        """``key`` reads the tensor stored as ``stored``."""
+        self.disk_name[key], self.file_of[key] = self.disk_name[stored], self.file_of[stored]
+        self.shape[key], self.dtype[key] = self.shape[stored], self.dtype[stored]
+
+    def _fold_ties(self) -> None:
+        """Each declared tie ``{alias: source}`` becomes the source alone, as ``save_pretrained`` writes it,
+        however the checkpoint stored it: the source only, the alias only (read as the source), both
+        (the source is kept; transformers ties the alias to it when loading), or one tensor named twice
+        in the safetensors metadata."""
+        for alias, source in self.ties.items():
+            if alias not in self.file_of:
+                continue
+            if source not in self.file_of:
+                self._same_as(source, alias)
+            for table in (self.disk_name, self.file_of, self.shape, self.dtype):
+                del table[alias]
+
+    def save_name(self, key: str) -> str:
+        """The name ``save_pretrained`` gives the in-memory tensor ``key`` on disk (output shards)."""
+        return self.save_names.get(key, self.disk_name.get(key, key))
 
     def keys(self) -> list[str]:
         return list(self.file_of)
@@ -156,7 +225,7 @@ class LazyCheckpoint:
         for k in keys:
             t = out[k]
             if t.is_floating_point() and not torch.isfinite(t).all():
-                raise SymmergeError(f"{self.folder}: tensor {k!r} holds NaN or Inf values")
+                raise SymmergeError(f"{self.folder}: tensor {self.disk_name[k]!r} holds NaN or Inf values")
         return {k: out[k] for k in keys}
 
 
@@ -220,3 +289,64 @@ class ShardWriter:
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (self.folder / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         return names
+
+
+def _task_class(model_type: str, image: bool) -> str:
+    """The usual task class of a model type: image classification for image models, the causal LM for
+    decoder-only families (no masked-LM class), sequence classification for the other encoders."""
+    from transformers.models.auto import modeling_auto as auto
+
+    if image:
+        return auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES[model_type]
+    causal, masked = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    if model_type in causal and model_type not in masked:
+        return causal[model_type]
+    return auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[model_type]
+
+
+def template_disk_names(spec) -> tuple[str, dict]:
+    """(task class, ``{(member template, root): the template as stored on disk}``) for ``symmerge specs``:
+    the spec's in-memory templates mapped through transformers' own conversion, applied to a weightless
+    two-layer model of the family's first model type (``{i}`` kept where the layer index goes). A
+    template whose tensor this small config lacks (an optional bias) is mapped like its module's other
+    tensors, or shown as it is."""
+    import transformers
+
+    from ..core.resolve import find_prefix
+
+    model_type = spec.model_types[0]
+    task = _task_class(model_type, spec.inputs == "image")
+    with quiet_transformers():
+        cfg = transformers.AutoConfig.for_model(model_type)
+        for attr, value in (("num_hidden_layers", 2), ("tie_word_embeddings", False)):
+            setattr(cfg, attr, value)
+        cls = getattr(transformers, task)
+        with torch.device("meta"):
+            model = cls(cfg)
+        to_disk = {m: d for d, m in _disk_to_memory(model).items()}
+    prefix = find_prefix(spec, to_disk.keys())
+    modules = {}
+    for m, d in to_disk.items():  # module path in memory -> on disk, for tensors this config lacks
+        if m.rsplit(".", 1)[-1] == d.rsplit(".", 1)[-1]:
+            modules.setdefault(m.rsplit(".", 1)[0], d.rsplit(".", 1)[0])
+
+    def disk(key: str) -> str:
+        if key in to_disk:
+            return to_disk[key]
+        module, _, leaf = key.rpartition(".")
+        return f"{modules[module]}.{leaf}" if module in modules else key
+
+    names = {}
+    members = [(m.name, m.root) for g in spec.groups for m in g.members]
+    members += [(n, False) for g in spec.groups for n in g.param("pair_norms", ())]
+    for template, root in members:
+        full = template if root else prefix + template
+        if "{i}" not in full:
+            names[(template, root)] = disk(full)
+            continue
+        first, second = disk(full.format(i=0)).split("."), disk(full.format(i=1)).split(".")
+        if len(first) != len(second):
+            names[(template, root)] = full
+            continue
+        names[(template, root)] = ".".join("{i}" if a != b else a for a, b in zip(first, second))
+    return task, names

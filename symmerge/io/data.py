@@ -79,22 +79,51 @@ def _check_labels(labels: np.ndarray, num_labels: int, path: str) -> None:
                             f"num_labels={num_labels} (labels must be 0..{num_labels - 1})")
 
 
+def takes_images(model) -> bool:
+    cfg = model.config
+    return hasattr(cfg, "image_size") and hasattr(cfg, "num_channels") and not hasattr(cfg, "vocab_size")
+
+
+def check_modality(fmt: str, model, path) -> None:
+    """Images for an image model, text for a text model: checked before anything is read or tokenized."""
+    kind = {"image": "image data (.npz)", "text": "text data (.jsonl)", "lm": "text data (.txt)"}[fmt]
+    if fmt == "image" and not takes_images(model):
+        raise SymmergeError(f"{path}: {kind} but the model ({model.config.model_type}) takes text; give it .jsonl "
+                            "(text, label) or .txt (causal-LM lines)")
+    if fmt != "image" and takes_images(model):
+        raise SymmergeError(f"{path}: {kind} but the model ({model.config.model_type}) takes images; give it .npz "
+                            "with pixel_values (N, C, H, W) and labels (N,)")
+
+
+def _check_pixels(path, shape: tuple, channels: int, size: tuple) -> None:
+    """``shape`` = (N, C, H, W) of the model's channels and size, else a message naming the layout expected."""
+    expected = f"(N, {channels}, {size[0]}, {size[1]})"
+    if len(shape) == 3 and tuple(shape[1:]) == tuple(size):
+        raise SymmergeError(f"{path}: pixel_values must be (N, C, H, W) = {expected}; got {shape}, with no channel "
+                            "axis — add it with x[:, None]")
+    if len(shape) != 4:
+        raise SymmergeError(f"{path}: pixel_values must be (N, C, H, W) = {expected}; got {shape}")
+    if shape[1] != channels and shape[3] == channels and tuple(shape[1:3]) == tuple(size):
+        raise SymmergeError(f"{path}: pixel_values must be (N, C, H, W) = {expected}; got {shape}, which looks like "
+                            "NHWC — transpose with x.transpose(0, 3, 1, 2)")
+    if shape[1] != channels:
+        raise SymmergeError(f"{path}: pixel_values must be (N, C, H, W) = {expected}; got {shape}: {shape[1]} "
+                            f"channels, the model expects {channels}")
+    if tuple(shape[2:]) != tuple(size):
+        raise SymmergeError(f"{path}: images are {shape[2]}x{shape[3]}, the model expects {size[0]}x{size[1]} "
+                            f"(pixel_values must be {expected})")
+
+
 def check_data(data: Data, model, labels: np.ndarray | None = None) -> None:
     """Validate ``data`` against ``model`` (called by :func:`load_data`; call again for other models)."""
     cfg = model.config
+    check_modality(data.format, model, data.path)
     if data.format == "image":
-        if not hasattr(cfg, "image_size") or not hasattr(cfg, "num_channels"):
-            raise SymmergeError(f"{data.path}: image data (.npz) but the model ({cfg.model_type}) takes text")
         n_labels = _need_classifier(model, data.path)
         size = cfg.image_size if isinstance(cfg.image_size, (list, tuple)) else (cfg.image_size, cfg.image_size)
-        shape = tuple(data.batches[0].inputs["pixel_values"].shape[1:])
-        if shape[0] != cfg.num_channels:
-            raise SymmergeError(f"{data.path}: pixel_values have {shape[0]} channels, the model expects {cfg.num_channels}")
-        if tuple(shape[1:]) != tuple(size):
-            raise SymmergeError(f"{data.path}: images are {shape[1]}x{shape[2]}, the model expects {size[0]}x{size[1]}")
+        first = data.batches[0].inputs["pixel_values"]
+        _check_pixels(data.path, (data.n,) + tuple(first.shape[1:]), cfg.num_channels, size)
     else:
-        if hasattr(cfg, "image_size") and not hasattr(cfg, "vocab_size"):
-            raise SymmergeError(f"{data.path}: text data but the model ({cfg.model_type}) takes images")
         if data.format == "text":
             n_labels = _need_classifier(model, data.path)
         elif head_kind(model) != "lm" and not getattr(cfg, "is_decoder", False):
@@ -122,7 +151,7 @@ def _read_npz(path: Path, batch_size: int, max_examples):
         if key not in arrays:
             raise SymmergeError(f"{path}: missing array {key!r} (found {', '.join(arrays) or 'none'})")
     x, y = arrays["pixel_values"], arrays["labels"]
-    if x.ndim != 4:
+    if x.ndim not in (3, 4):
         raise SymmergeError(f"{path}: pixel_values must be (N, C, H, W), got shape {x.shape}")
     if not np.issubdtype(x.dtype, np.floating):
         raise SymmergeError(f"{path}: pixel_values must be floating point (float32), got {x.dtype}")
@@ -233,6 +262,8 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
     """
     path = check_data_path(path)
     fmt = FORMATS[path.suffix.lower()]
+    if model is not None:
+        check_modality(fmt, model, path)
     if batch_size < 1:
         raise SymmergeError(f"batch size must be >= 1, got {batch_size}")
     if fmt == "image":

@@ -77,10 +77,12 @@ def check_safetensors(files: list[Path]) -> None:
             raise SymmergeError(f"{f}: unreadable safetensors file, truncated or corrupt ({e})") from None
 
 
-def check_finite(state_dict: dict, where: str) -> None:
+def check_finite(state_dict: dict, where: str, disk_names=None) -> None:
+    """NaN/Inf refused, naming the tensor as the checkpoint does (``disk_names``: in-memory → on-disk)."""
     for key, t in state_dict.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
-            raise SymmergeError(f"{where}: tensor {key!r} holds NaN or Inf values")
+            name = (disk_names or {}).get(key, key)
+            raise SymmergeError(f"{where}: tensor {name!r} holds NaN or Inf values")
 
 
 def model_class(config: dict):
@@ -127,7 +129,9 @@ def load_model(path, allow_pickle: bool = False, device: str = "cpu"):
         raise
     except Exception as e:
         raise SymmergeError(f"{path}: transformers could not load the model ({type(e).__name__}: {e})") from None
-    check_finite(model.state_dict(), str(path))
+    from .checkpoint import DiskNames
+
+    check_finite(model.state_dict(), str(path), DiskNames(model))
     return model.to(device).eval()
 
 
@@ -153,18 +157,47 @@ def atomic_dir(out):
         raise
 
 
-def copy_side_files(src: Path, dst: Path) -> None:
-    """Copy tokenizer and other non-weight files (config comes from the saved model)."""
-    for item in Path(src).iterdir():
-        if item.name in WEIGHT_NAMES or item.name == "config.json" or item.suffix in (".safetensors", ".bin"):
+# Files an output folder takes over from its source model: what loading and using the model needs
+# besides its weights and config (tokenizer, processors, generation settings, chat template, model card).
+# Everything else (optimizer states, original/ checkpoints in other formats, another tool's reports...)
+# would describe the unaligned model, and is left out.
+SIDE_FILES = frozenset({
+    # tokenizers
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+    "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "spm.model", "sentencepiece.bpe.model",
+    "sentencepiece.model", "bpe.codes", "tokenizer.tiktoken",
+    # processors
+    "preprocessor_config.json", "image_processor_config.json", "processor_config.json",
+    "feature_extractor_config.json", "video_preprocessor_config.json",
+    # generation, chat template, model card
+    "generation_config.json", "chat_template.jinja", "chat_template.json", "README.md",
+})
+SIDE_FOLDERS = frozenset({"additional_chat_templates"})  # transformers 5: extra named chat templates
+
+
+def copy_side_files(src: Path, dst: Path) -> dict:
+    """Copy the allowed side files (:data:`SIDE_FILES`, :data:`SIDE_FOLDERS`) of ``src`` into ``dst``;
+    returns ``{"copied": [...], "left_out": [...]}`` (folders with a trailing ``/``; the weights,
+    config.json and a generation_config.json the output already has are written anew, and in neither)."""
+    copied, left_out = [], []
+    for item in sorted(Path(src).iterdir()):
+        name = item.name
+        if name in WEIGHT_NAMES or name == "config.json" or (item.is_file() and item.suffix == ".safetensors"):
             continue
-        target = dst / item.name
-        if target.exists():
+        allowed = name in SIDE_FOLDERS if item.is_dir() else name in SIDE_FILES
+        label = name + "/" if item.is_dir() else name
+        if not allowed:
+            left_out.append(label)
+            continue
+        target = dst / name
+        if target.exists():  # the output's own, written with the weights (generation_config.json)
             continue
         if item.is_dir():
             shutil.copytree(item, target)
         else:
             shutil.copy2(item, target)
+        copied.append(label)
+    return {"copied": copied, "left_out": left_out}
 
 
 def write_json(path: Path, obj) -> None:
@@ -172,13 +205,16 @@ def write_json(path: Path, obj) -> None:
 
 
 def save_model(model, out, src=None, report: dict | None = None, report_name: str = "symmerge_report.json") -> Path:
-    """Write ``model`` as an HF folder at ``out`` atomically, with side files and the report."""
+    """Write ``model`` as an HF folder at ``out`` atomically, with the allowed side files of ``src`` and the
+    report (which gains ``side_files``: what was copied and what was left out)."""
     out = Path(out)
     with atomic_dir(out) as tmp:
         with quiet_transformers():
             model.save_pretrained(str(tmp), safe_serialization=True)
         if src is not None:
-            copy_side_files(Path(src), tmp)
+            side = copy_side_files(Path(src), tmp)
+            if report is not None:
+                report["side_files"] = side
         if report is not None:
             write_json(tmp / report_name, report)
     return out

@@ -25,7 +25,8 @@ from ..evaluate.barrier import distance_before_after
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..pipeline.align import align_pair, as_model, canonical
-from ..pipeline.options import AlignOptions
+from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
+from ..progress import line, stage, stage_printer
 from ..pipeline.verify import with_state_dict
 from . import get_method
 from .heads import anchor_proxy, check_bodies, check_heads_mergeable, head_keys, untied, with_tied
@@ -36,14 +37,17 @@ HEAD_POLICIES = ("keep", "merge")
 
 @dataclass
 class MergeOptions:
-    """Everything a merge needs besides the models. ``align``: the alignment options (no symmetries:
-    no alignment); ``data``: one data file (or :class:`~symmerge.io.data.Data`) for all models or one
-    per model, used for statistics and, with ``evaluate``, to score the inputs and the result."""
+    """Everything a merge needs besides the models. ``align``: the alignment options (default: the
+    recommended set, resolved against the anchor; no symmetries: no alignment); ``data``: one data file
+    (or :class:`~symmerge.io.data.Data`) for all models or one per model, for the statistics;
+    ``eval_data``: the same for evaluation (scoring the inputs and the result, with ``evaluate``).
+    Without ``eval_data``, evaluation falls back to ``data`` and says so (:meth:`evaluation_data`)."""
 
     method: str = "average"
-    align: AlignOptions = field(default_factory=lambda: AlignOptions(symmetries=()))
+    align: AlignOptions = field(default_factory=lambda: AlignOptions(symmetries=RECOMMENDED_NAME))
     anchor: object = None
     data: list = field(default_factory=list)
+    eval_data: list = field(default_factory=list)
     weights: list | None = None
     params: dict = field(default_factory=dict)
     base: object = None
@@ -62,16 +66,21 @@ class MergeOptions:
     progress: bool = True
 
     @classmethod
-    def from_keywords(cls, method: str = "average", align="none", rescale: str = "joint", verify: bool = True,
-                      evaluate_result: bool = True, data=None, **kw) -> "MergeOptions":
+    def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",
+                      verify: bool = True, evaluate_result: bool = True, data=None, eval_data=None,
+                      **kw) -> "MergeOptions":
         """The keyword form of :func:`merge_models` (``align``: a symmetry list or AlignOptions)."""
         unknown = set(kw) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"merge_models() got unexpected keyword {sorted(unknown)[0]!r}")
         if not isinstance(align, AlignOptions):
             align = AlignOptions(symmetries=align, rescale=rescale, verify=verify)
-        items = [] if data is None else list(data) if isinstance(data, (list, tuple)) else [data]
-        return cls(method=method, align=align, data=items, evaluate=evaluate_result, **kw)
+
+        def items(x):
+            return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+        return cls(method=method, align=align, data=items(data), eval_data=items(eval_data), evaluate=evaluate_result,
+                   **kw)
 
     def check(self, n: int):
         """Validate against ``n`` models before any expensive step; returns the method."""
@@ -81,11 +90,13 @@ class MergeOptions:
             raise SymmergeError(f"unknown head policy {self.heads!r}; choose keep or merge")
         if n == 0:
             raise SymmergeError("nothing to merge: no models given")
-        if len(self.data) not in (0, 1, n):
-            raise SymmergeError(f"give one data file for all models or one per model ({n}), got {len(self.data)}")
-        for spec in self.data:
-            if not isinstance(spec, Data):
-                check_data_path(spec)
+        for flag, files in (("--data", self.data), ("--eval-data", self.eval_data)):
+            if len(files) not in (0, 1, n):
+                raise SymmergeError(f"{flag}: give one data file for all models or one per model ({n}), "
+                                    f"got {len(files)}")
+            for spec in files:
+                if not isinstance(spec, Data):
+                    check_data_path(spec)
         if m.needs and not self.data:
             raise SymmergeError(f"method {m.name!r} needs data for its {m.needs} statistics: pass --data FILE")
         if m.needs == "activations" and len(self.data) > 1:
@@ -102,6 +113,17 @@ class MergeOptions:
             raise SymmergeError(f"got {len(self.weights)} weights for {n} models")
         return m
 
+    def evaluation_data(self, needs) -> tuple[list, str | None]:
+        """(the files evaluation runs on, a note when they are the ``--data`` files): ``eval_data``;
+        else ``data``, which for a method with statistics means scoring on the statistics' own data."""
+        if self.eval_data or not self.data:
+            return list(self.eval_data), None
+        if needs:
+            return list(self.data), ("no --eval-data given: the evaluation used the statistics data (--data), so its "
+                                     "scores are not held-out scores; pass held-out data with --eval-data")
+        return list(self.data), ("no --eval-data given: the evaluation used --data (the method gathers no "
+                                 "statistics from it)")
+
     def load_kw(self) -> dict:
         return {"batch_size": self.batch_size, "max_examples": self.max_examples, "max_length": self.max_length}
 
@@ -117,8 +139,7 @@ class _DataCache:
         self.opts, self.loaded = opts, {}
 
     def for_model(self, i: int, model) -> Data:
-        spec = self.opts.data[i if len(self.opts.data) > 1 else 0]
-        return self.get(spec, model)
+        return self.get(_files_of(self.opts.data, i)[0], model)
 
     def get(self, spec, model) -> Data:
         if isinstance(spec, Data):
@@ -130,6 +151,11 @@ class _DataCache:
         else:
             check_data(self.loaded[key], model)
         return self.loaded[key]
+
+
+def _files_of(files, i: int) -> list:
+    """The files model ``i`` uses: the one file for all, or its own."""
+    return list(files) if len(files) == 1 else [files[i]] if len(files) > 1 else []
 
 
 def closest_to_average(state_dicts, keys) -> tuple[int, list[float]]:
@@ -158,9 +184,31 @@ def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pick
     return anchor_model, {"index": None, "name": _name(anchor, "anchor"), "rule": "given"}
 
 
-def align_all(targets, anchor_model, body, options: AlignOptions):
-    """Align every (name, model) of ``targets`` to the anchor; the anchor itself is brought into the
-    same parameterisation. Returns (models, per-model reports)."""
+def resolve_alignment(targets, anchor_model, options: AlignOptions) -> tuple[AlignOptions, str | None]:
+    """The options every model is aligned with, and a note when 'recommended' had to leave a group out:
+    'recommended' resolves against the anchor (the models share its body); its residual group, which
+    moves the heads' input, is left out when the heads differ (named explicitly, that is an error)."""
+    resolved = options.for_model(anchor_model)
+    if "residual" not in resolved.symmetries:
+        return resolved, None
+    for name, x in targets:
+        if x is anchor_model:
+            continue
+        try:  # the head reads the stream: it is matched too, so heads must agree
+            check_heads_mergeable([x, anchor_model], [name, "the anchor"], labels=False,
+                                  why="the residual symmetry moves the heads' input; leave it out")
+        except SymmergeError as e:
+            if not options.recommended:
+                raise
+            return resolved.with_(symmetries=tuple(s for s in resolved.symmetries if s != "residual")), \
+                f"residual left out of 'recommended': {e}"
+    return resolved, None
+
+
+def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool = False):
+    """Align every (name, model) of ``targets`` to the anchor (``options`` resolved, see
+    :func:`resolve_alignment`); the anchor itself is brought into the same parameterisation. Returns
+    (models, per-model reports)."""
     moved, reports = [], []
     anchor_form = canonical(anchor_model, options)
     for name, x in targets:
@@ -168,13 +216,9 @@ def align_all(targets, anchor_model, body, options: AlignOptions):
             moved.append(anchor_form)
             reports.append({"model": name, "anchor": True})
             continue
-        if "residual" in options.symmetries:  # the head reads the stream: it is matched too, so heads must agree
-            check_heads_mergeable([x, anchor_model], [name, "the anchor"], labels=False,
-                                  why="the residual symmetry moves the heads' input; leave it out")
-            proxy = anchor_model
-        else:
-            proxy = anchor_proxy(x, anchor_model, set(body))
-        res = align_pair(x, proxy, options)
+        proxy = anchor_model if "residual" in options.symmetries else anchor_proxy(x, anchor_model, set(body))
+        with stage(f"aligned {name} to the anchor", enabled=progress):
+            res = align_pair(x, proxy, options, progress=stage_printer(desc=f"aligning {name}") if progress else None)
         moved.append(res.model)
         rep = res.report
         reports.append({"model": name, "anchor": False, "distance_before": rep["distance_before"],
@@ -189,6 +233,8 @@ def gather_stats(needs, models, names, cache: _DataCache, opts: MergeOptions, de
     stats, info = [], []
     for i, x in enumerate(models):
         d = cache.for_model(i, x)
+        if opts.progress:
+            line(f"{needs} statistics of {names[i]} on {d.path} ({d.n} examples)")
         s = gather(needs, x, d, device=dev, progress=opts.progress, variant=opts.fisher_variant,
                    normalize=opts.fisher_normalize, samples=opts.fisher_samples)
         stats.append(s.means() if needs == "gram" and opts.gram_normalize else s.tensors)
@@ -201,12 +247,15 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     """Merge ``models`` (transformers models or HF folders); returns ``(model, report)``.
 
     Give a :class:`MergeOptions`, or the same as keywords: ``method``; ``align`` (``"none"`` or a
-    symmetry list such as ``"attn,ffn,rescale"``, or an :class:`AlignOptions`) with ``rescale`` and
-    ``verify``; ``anchor`` (index into ``models``, a model/folder, or ``None`` for the default rule);
-    ``data`` (a file or :class:`~symmerge.io.data.Data` for all models, or one per model; statistics
-    and, with ``evaluate_result``, evaluation — with one file per model, the merged body is evaluated on
-    file i with model i's head); ``weights``, ``params``, ``base``, ``heads``, ``head_from``, ``device``,
-    the statistics options, ``batch_size``, ``max_examples``, ``max_length``, ``allow_pickle``, ``progress``.
+    symmetry list such as ``"attn,ffn,rescale"``, ``"recommended"`` (default: the groups of
+    :data:`~symmerge.pipeline.options.RECOMMENDED` the models have), or an :class:`AlignOptions`) with
+    ``rescale`` and ``verify``; ``anchor`` (index into ``models``, a model/folder, or ``None`` for the default rule);
+    ``data`` (a file or :class:`~symmerge.io.data.Data` for all models, or one per model: statistics);
+    ``eval_data`` (the same, for evaluation with ``evaluate_result`` — with one file per model, the merged
+    body is evaluated on file i with model i's head; without it, evaluation falls back to ``data`` and the
+    report's ``evaluation.note`` says so); ``weights``, ``params``, ``base``, ``heads``, ``head_from``,
+    ``device``, the statistics options, ``batch_size``, ``max_examples``, ``max_length``, ``allow_pickle``,
+    ``progress``.
     """
     t0 = time.perf_counter()
     if options is None:
@@ -220,32 +269,41 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     timings: dict[str, float] = {}
 
     # ------------------------------------------------ load and check everything before any expensive step
-    models = [as_model(x, opts.allow_pickle) for x in models]
-    base_name = _name(opts.base, "base") if opts.base is not None else None
-    base_model = as_model(opts.base, opts.allow_pickle) if opts.base is not None else None
+    what = f"{len(models)} models" + (" and the base" if opts.base is not None else "")
+    with stage(f"loaded {what}", enabled=opts.progress):
+        models = [as_model(x, opts.allow_pickle) for x in models]
+        base_name = _name(opts.base, "base") if opts.base is not None else None
+        base_model = as_model(opts.base, opts.allow_pickle) if opts.base is not None else None
     everything = models + ([base_model] if base_model is not None else [])
     body = check_bodies(everything, names + ([base_name] if base_model is not None else []))
     if opts.heads == "merge":
         check_heads_mergeable(models, names)
     cache = _DataCache(opts)
-    for i, x in enumerate(models):
-        if m.needs or (opts.evaluate and (i == opts.head_from or len(opts.data) > 1)):
-            for j, spec in enumerate(opts.data):
-                if len(opts.data) == 1 or j == i:
-                    cache.get(spec, x)
+    eval_files, eval_note = opts.evaluation_data(m.needs) if opts.evaluate else ([], None)
+    with stage("loaded and checked the data", enabled=opts.progress and bool(opts.data or eval_files)):
+        for i, x in enumerate(models):  # every file against every model that uses it, before any expensive step
+            stats_files = _files_of(opts.data, i) if m.needs else []
+            scored = _files_of(eval_files, i) if i == opts.head_from or len(eval_files) > 1 else []
+            for spec in stats_files + scored:
+                cache.get(spec, x)
     timings["load"] = time.perf_counter() - t0
 
     # ------------------------------------------------ alignment
     t = time.perf_counter()
-    symmetries = opts.align.symmetries
-    alignment: dict = {"symmetries": list(symmetries), "rescale": opts.align.effective_rescale,
+    align_opts = opts.align
+    alignment: dict = {"symmetries": list(align_opts.symmetries), "requested": align_opts.requested,
+                       "rescale": align_opts.effective_rescale,
                        "anchor": {"index": None, "name": None, "rule": None}, "models": []}
     aligned, aligned_base = list(models), base_model
-    if symmetries:
+    if align_opts.symmetries:
         anchor_model, alignment["anchor"] = choose_anchor(models, names, body, opts.anchor, base_model, base_name,
                                                           opts.allow_pickle)
         targets = list(zip(names, models)) + ([(base_name, base_model)] if base_model is not None else [])
-        moved, alignment["models"] = align_all(targets, anchor_model, body, opts.align)
+        align_opts, note = resolve_alignment(targets, anchor_model, align_opts)
+        alignment.update(symmetries=list(align_opts.symmetries), rescale=align_opts.effective_rescale)
+        if note:
+            alignment["note"] = note
+        moved, alignment["models"] = align_all(targets, anchor_model, body, align_opts, progress=opts.progress)
         aligned, aligned_base = moved[:len(models)], moved[len(models)] if base_model is not None else None
     timings["align"] = time.perf_counter() - t
 
@@ -299,8 +357,11 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
 
     # ------------------------------------------------ evaluation
     t = time.perf_counter()
-    if opts.evaluate and opts.data:
-        report["evaluation"] = _evaluate_all(out, models, aligned, merged_sd, names, cache, opts, dev)
+    if eval_files:
+        report["evaluation"] = _evaluate_all(out, models, aligned, merged_sd, names, cache, opts, dev, eval_files)
+        report["evaluation"]["data_role"] = "--eval-data" if opts.eval_data else "--data"
+        if eval_note:
+            report["evaluation"]["note"] = eval_note
     timings["evaluate"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - t0
     report["timings"] = timings
@@ -312,10 +373,11 @@ def _pairwise(sds, keys, names) -> dict:
             for i in range(len(sds)) for j in range(i + 1, len(sds))}
 
 
-def _evaluate_all(out, models, aligned, merged_sd, names, cache: _DataCache, opts: MergeOptions, dev) -> dict:
+def _evaluate_all(out, models, aligned, merged_sd, names, cache: _DataCache, opts: MergeOptions, dev,
+                  files) -> dict:
     result = {"merged": [], "models": []}
-    per_model = len(opts.data) > 1 or len(models) == 1
-    for j, spec in enumerate(opts.data):
+    per_model = len(files) > 1 or len(models) == 1
+    for j, spec in enumerate(files):
         # with one file per model, file j is scored with model j's head (the paper's protocol)
         owner = j if per_model else opts.head_from
         probe = out if (opts.heads == "merge" or owner == opts.head_from) else with_state_dict(

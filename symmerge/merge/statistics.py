@@ -86,7 +86,7 @@ def gram_stats(model, data: Data, device=None, modules=None, max_batches: int | 
     start, examples = time.perf_counter(), 0
     try:
         with torch.no_grad():
-            for i, batch in enumerate(bar(data, desc="gram statistics", total=len(data), unit="batch",
+            for i, batch in enumerate(bar(data, desc="gram statistics", total=len(data), unit="batches",
                                           disable=None if progress else True)):
                 if max_batches is not None and i >= max_batches:
                     break
@@ -155,7 +155,7 @@ def fisher_stats(model, data: Data, variant: str = "empirical", normalize: bool 
     g = torch.Generator().manual_seed(seed)
     start, count = time.perf_counter(), 0
     total = data.n if max_examples is None else min(data.n, max_examples)
-    pbar = bar(total=total, desc=f"fisher ({variant})", unit="ex", disable=None if progress else True)
+    pbar = bar(total=total, desc=f"fisher statistics ({variant})", unit="examples", disable=None if progress else True)
     try:
         for p in params.values():
             p.requires_grad_(True)

@@ -14,10 +14,19 @@ from ..core.resolve import config_sizes, declared_ties, resolve
 from ..errors import SymmergeError
 from ..families import spec_for
 from ..io.model import load_model
+from ..progress import stage
 from .engine import solve
 from .options import DEFAULT_SYMMETRIES, AlignOptions
 from .report import Distances, alignment_report
 from .verify import ELEMENT_CHECK, verify_elements, verify_forward, with_state_dict
+
+
+def _load(x, allow_pickle: bool, progress: bool):
+    """``as_model``, with a progress line when a folder is read."""
+    if not isinstance(x, (str, Path)):
+        return x
+    with stage(f"loaded {x}", enabled=progress):
+        return load_model(x, allow_pickle=allow_pickle)
 
 
 def as_model(model, allow_pickle: bool = False):
@@ -26,10 +35,13 @@ def as_model(model, allow_pickle: bool = False):
 
 def instances_for(model, layers=None, residual: str = "largest"):
     """(spec, instances) of a transformers model, ties as the model class declares them."""
+    from ..io.checkpoint import DiskNames
+
     spec = spec_for(model.config.model_type)
     sizes = config_sizes(spec, model.config)
     return spec, resolve(spec, model.state_dict(), sizes.pop("num_layers"), sizes.pop("num_heads"), layers,
-                         ties=declared_ties(model), residual=residual, architecture=type(model).__name__, **sizes)
+                         ties=declared_ties(model), residual=residual, architecture=type(model).__name__,
+                         disk_names=DiskNames(model), **sizes)
 
 
 def load_align_data(options: AlignOptions, model):
@@ -118,13 +130,15 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     ``model``/``anchor``: transformers models or HF folder paths. Returns an :class:`Alignment`; raises
     :class:`SymmergeError` if the options' verification fails."""
     options = options or AlignOptions()
-    model, anchor = as_model(model, allow_pickle), as_model(anchor, allow_pickle)
+    model, anchor = (_load(x, allow_pickle, progress is not None) for x in (model, anchor))
     check_compatible(model, anchor)
     start = time.perf_counter()
     was_tied = bool(declared_ties(model) or declared_ties(anchor))
     if options.untie:
         model, anchor = untied(model), untied(anchor)
     spec, instances = instances_for(model, options.layers, options.residual)
+    requested = options.requested
+    options = options.resolved(i.group.symmetry for i in instances)
     _require_groups(spec, instances, options.symmetries)
     opts = options.solver_options()
     sd_a, sd_b = model.state_dict(), anchor.state_dict()
@@ -133,6 +147,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     folded = any(ca[k] is not sd_a[k] for k in sd_a)
     sweeps: list[float] = []
     fields: dict = {"match": options.match}
+    getattr(progress, "start", lambda: None)()  # the engine's progress lines count from here
     if options.match == "weights":
         elements = solve(instances, ca, cb, opts, progress=progress, history=sweeps, max_sweeps=options.max_sweeps)
     else:
@@ -165,9 +180,11 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
         if folded:  # the distances above compare folded A and B; merging needs the anchor folded too
             fields["distance_before_unfolded"] = sq_distance(sd_a, sd_b, keys) ** 0.5
     solved = [i for i in instances if i.kind.active(i, opts)]
-    report = alignment_report(spec, model.config.model_type, options, solved, distances, keys, **fields)
+    report = alignment_report(spec, model.config.model_type, options, solved, distances, keys,
+                              symmetries_requested=requested, **fields)
     if options.verify:
-        report.update(verify_forward(model, aligned, spec, options.verify_tol, inputs))
+        with stage("verified the aligned model's outputs", enabled=progress is not None):
+            report.update(verify_forward(model, aligned, spec, options.verify_tol, inputs))
     else:
         report.update(verify_max_abs_diff=None, verify_max_rel_diff=None)
     report["seconds"] = time.perf_counter() - start

@@ -69,20 +69,27 @@ def _bound_malloc(mmap_threshold: int):
     return lambda: None
 
 
-def layer_instances(ckpt: LazyCheckpoint, layers=None, opts=None):
+def layer_instances(ckpt: LazyCheckpoint, layers=None, opts=None, options: AlignOptions | None = None):
     """(spec, {layer: its active group instances}) resolved against the checkpoint's headers (the
-    per-layer groups; the few tensors whose values binding needs are read)."""
+    per-layer groups; the few tensors whose values binding needs are read). With ``options`` instead of
+    ``opts``: (spec, instances, ``options`` resolved against them — 'recommended' keeps the symmetries
+    whose groups stream)."""
     spec = spec_for(ckpt.config["model_type"])
     sizes = config_sizes(spec, ckpt.hf_config)
     shapes = ckpt.meta()
     shapes.update(ckpt.read(value_keys(spec, list(shapes), sizes["num_layers"])))  # a few small tensors
     instances = resolve(spec, shapes, sizes.pop("num_layers"), sizes.pop("num_heads"), layers, model_wide=False,
                         ties=ckpt.ties, disk_names=ckpt.disk_name, **sizes)
+    if options is not None:
+        options = options.resolved(i.group.symmetry for i in instances)
+        opts = options.solver_options(opts.device if opts is not None else None)
     if opts is not None:
         instances = active(instances, opts)
     by_layer: dict[int, list] = defaultdict(list)
     for inst in instances:
         by_layer[inst.layer].append(inst)
+    if options is not None:
+        return spec, dict(sorted(by_layer.items())), options
     return spec, dict(sorted(by_layer.items()))
 
 
@@ -137,7 +144,7 @@ class _Job:
                 raise SymmergeError(f"{self.ckpt_a.disk_name[k]}: aligned tensor is not finite")
             with self.lock:
                 self.distances.add(k, sq_distance(sd_a, sd_b, [k]), sq_distance(new, sd_b, [k]))
-            out[self.ckpt_a.disk_name[k]] = new[k]
+            out[self.ckpt_a.save_name(k)] = new[k]
         with self.lock:
             for name, sec in group_times.items():
                 self.timings[f"solve {name}"] += sec
@@ -251,25 +258,27 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
     layer; peak memory ≈ the largest part of both models + its cost matrix. ``pipeline=True``
     overlaps reading, solving (``workers`` layers at once, default 2) and writing across layers."""
     from ..device import resolve_device
-    from ..progress import bar
+    from ..progress import bar, stage
 
     start = time.perf_counter()
     options = options or AlignOptions(symmetries=symmetries, rescale=rescale, layers=layers, device=device,
                                       verify_tol=verify_tol)
-    if "residual" in options.symmetries:
+    if "residual" in options.symmetries and not options.recommended:
         raise SymmergeError("the residual symmetry couples every layer (one transform of the whole stream) and "
                             "cannot be streamed; align it in memory (without --stream) or leave it out")
     dev = resolve_device(options.device)
-    opts = options.solver_options(dev)
     max_bytes = parse_size(shard_size)
     workers = workers or 2
     # pipeline: every allocation over 1 MB is its own mmap. Low memory: temporaries up to 32 MB (GEMM and
     # head blocks) are reused from the heap (a fresh mmap costs page faults on every block), whose free
     # pages are handed back after each part
     trim = _bound_malloc((1 if pipeline else 32) << 20)
-    ckpt_a, ckpt_b = LazyCheckpoint(model), LazyCheckpoint(anchor)
+    with stage("read the checkpoint headers", enabled=progress):
+        ckpt_a, ckpt_b = LazyCheckpoint(model), LazyCheckpoint(anchor)
     check_layouts([ckpt_a.layout("model"), ckpt_b.layout("anchor")])
-    spec, by_layer = layer_instances(ckpt_a, options.layers, opts)
+    requested = options.requested
+    spec, by_layer, options = layer_instances(ckpt_a, options.layers, options.solver_options(dev), options=options)
+    opts = options.solver_options(dev)
     trim()  # the weightless model built to map tensor names is garbage now
     layer_keys = [set(_part_keys(insts)) for insts in by_layer.values()]
     touched = set().union(*layer_keys)
@@ -284,15 +293,15 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
     with atomic_dir(out) as tmp:
         writer = ShardWriter(tmp, max_bytes)
         # tensors no group touches: one at a time, straight through
-        for k in passthrough:
+        for k in bar(passthrough, desc="copying untouched tensors", unit="tensors", enabled=progress):
             writer.make_room(ckpt_a.nbytes(k))
             ta, tb = ckpt_a.read([k]), ckpt_b.read([k])
             d = sq_distance(ta, tb, [k])
             distances.add(k, d, d)
-            writer.add(ckpt_a.disk_name[k], ta[k])
+            writer.add(ckpt_a.save_name(k), ta[k])
             del ta, tb
         writer.flush()
-        pbar = bar(total=len(by_layer), desc="aligning layers", unit="layer", disable=None if progress else True)
+        pbar = bar(total=len(by_layer), desc="aligning layers", unit="layers", enabled=progress)
         try:
             if pipeline:
                 _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, job, pbar, timings, workers)
@@ -301,17 +310,19 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
         finally:
             pbar.close()
         names = writer.close()
-        copy_side_files(Path(model), tmp)
+        side_files = copy_side_files(Path(model), tmp)
         (tmp / "config.json").write_text((Path(model) / "config.json").read_text())
         instances = [i for insts in by_layer.values() for i in insts]
         report = alignment_report(
             spec, ckpt_a.config["model_type"], options, instances, distances, model=str(model), anchor=str(anchor),
             streamed=True, mode="pipeline" if pipeline else "low-memory", device=str(dev), verify=ELEMENT_CHECK,
             shards=names, bytes_written=writer.total_bytes, largest_layer_bytes=largest_layer,
-            timings={k: round(v, 4) for k, v in timings.items()})
+            timings={k: round(v, 4) for k, v in timings.items()}, symmetries_requested=requested,
+            side_files=side_files)
         report["match_seconds"] = time.perf_counter() - start
         if verify_forward:
-            report.update(_verify_forward(model, tmp, options.verify_tol))
+            with stage("verified the aligned model's outputs", enabled=progress):
+                report.update(_verify_forward(model, tmp, options.verify_tol))
         report["seconds"] = time.perf_counter() - start
         write_json(tmp / "symmerge_report.json", report)
     if log is not None:
