@@ -76,7 +76,7 @@ def barrier_study(model_a, model_b, data, aligns=("attn,ffn,rescale",), points: 
             res = align_pair(a, b, base.with_(symmetries=v))
             moved, end_b, rep = res.model, res.anchor, res.report
             info = {"distance_before": rep["distance_before"], "distance_after": rep["distance_after"],
-                    "verify_max_rel_diff": rep.get("verify_max_rel_diff")}
+                    "verify_max_rel_diff": rep.get("verify_max_rel_diff"), "match_seconds": rep.get("match_seconds")}
             result["distances"][v] = distance_before_after(a, b, moved, res.instances, end_b)
         curve = interpolation_curve(moved, end_b, d, alphas, device=dev, progress=progress, label=v)
         moved.to("cpu"), end_b.to("cpu")
