@@ -36,7 +36,6 @@ Writes ``results.json``, ``lmc.png`` (Fig. 5), ``ablation.png`` (Table 2 / Fig. 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.common import add_run_args, bench_main
 from symmerge.pipeline.align import align_pair
 from symmerge.pipeline.options import AlignOptions
 from symmerge.io.data import load_data
@@ -116,8 +116,6 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seeds", default="0,1", help="seeds of models A and B")
-    p.add_argument("--train-only", choices=("A", "B"), help="only train (or find cached) model A or B and stop: "
-                   "run the two in parallel processes, then the benchmark reuses both")
     p.add_argument("--gram-examples", type=int, default=2000, help="training images for RegMean's Gram matrices")
     p.add_argument("--fisher-examples", type=int, default=500, help="training images for the Fisher (per-example)")
     p.add_argument("--acts-examples", type=int, default=200,
@@ -125,11 +123,7 @@ def parse_args(argv=None):
     p.add_argument("--test-examples", type=int, default=10000, help="test images for the merged models' scores")
     p.add_argument("--curve-examples", type=int, default=2000, help="test images for the LMC curves")
     p.add_argument("--points", type=int, default=11, help="α values on each LMC curve")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1; 0: torch's default). On the shared 2-core CPU one thread trained "
-                        "3x faster than two (1.6 vs 5.2 s/step under load: OpenMP threads wait for each other)")
-    p.add_argument("--plot-only", metavar="RESULTS_JSON", help="only print the tables and redraw the figures of "
-                   "an earlier results.json into --out")
+    add_run_args(p)
     args = p.parse_args(argv)
     if args.tiny:
         args.hidden, args.layers, args.heads, args.intermediate, args.patch = 16, 1, 2, 32, 7
@@ -143,6 +137,10 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------- pipeline
+
+
+def work_dir(args) -> Path:
+    return cache_dir() / "benchmarks" / ("vit-fashion-mnist-tiny" if args.tiny else "vit-fashion-mnist")
 
 
 def prepare_data(args, folder: Path):
@@ -179,8 +177,7 @@ def train_pair(args, arrays, log):
 def run(args, log=print) -> dict:
     t_start = time.perf_counter()
     import ot  # noqa: F401  POT's first import takes seconds: kept out of the OT merges' timings
-    work = cache_dir() / "benchmarks" / ("vit-fashion-mnist-tiny" if args.tiny else "vit-fashion-mnist")
-    arrays, files = prepare_data(args, work)
+    arrays, files = prepare_data(args, work_dir(args))
     config, seeds, folders = train_pair(args, arrays, log)
     a, b = (load_model(f) for f in folders)
     test = load_data(files["test"], a, batch_size=500)
@@ -467,30 +464,8 @@ def markdown_tables(r: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.plot_only:  # redraw the tables and figures of an earlier run
-        result = json.loads(Path(args.plot_only).read_text())
-        print_tables(result)
-        write_outputs(result, Path(args.out))
-        return 0
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    before = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        if args.train_only:
-            work = cache_dir() / "benchmarks" / ("vit-fashion-mnist-tiny" if args.tiny else "vit-fashion-mnist")
-            train_pair(args, prepare_data(args, work)[0], print)
-            return 0
-        out = Path(args.out)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise SystemExit(f"{out}: exists and is not empty; choose another --out")
-        result = run(args)
-        print_tables(result)
-        write_outputs(result, out)
-        print(f"\nwrote {out / 'results.json'}, lmc.png, ablation.png, distance.png ({result['seconds_total']:.0f} s)")
-    finally:
-        torch.set_num_threads(before)
-    return 0
+    return bench_main(args, lambda: train_pair(args, prepare_data(args, work_dir(args))[0], print), run,
+                      print_tables, write_outputs, "lmc.png, ablation.png, distance.png")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""Smoke tests, end to end on real data: ``symmerge demo --quick`` (MNIST-5k) and
-``python -m benchmarks.vit_fashion_mnist --tiny`` (Fashion-MNIST). Nothing is downloaded here: each
-test runs only when its data set is already in the cache (``python -m symmerge.demo.datasets`` fetches
-both) and is skipped otherwise. Trained models and outputs go to a temporary cache."""
+"""Smoke tests, end to end on real data: ``symmerge demo --quick`` (MNIST-5k),
+``python -m benchmarks.vit_fashion_mnist --tiny`` (Fashion-MNIST) and ``python -m benchmarks.gpt2_text
+--tiny`` (the Python documentation corpus). Nothing is downloaded here: each
+test runs only when its data set is already in the cache (``python -m symmerge.demo.datasets mnist-5k fashion-mnist python-docs``
+fetches them) and is skipped otherwise. Trained models and outputs go to a temporary cache."""
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
 
@@ -84,17 +86,25 @@ def test_demo_quick_end_to_end(tmp_path, monkeypatch, capsys):
     assert main(["demo", "--quick", "-o", str(out)]) == 2  # a folder with other files is refused
 
 
-def test_vit_fashion_mnist_tiny_end_to_end(tmp_path, monkeypatch):
-    try:
-        datasets.fashion_mnist_dir(fetch=False)
-    except SymmergeError:
-        pytest.skip("Fashion-MNIST not available (run: python -m symmerge.demo.datasets)")
-    isolated_cache(tmp_path, monkeypatch, "fashion-mnist")
-    from benchmarks import vit_fashion_mnist as bench
+def run_tiny(tmp_path, monkeypatch, available, link: str, what: str, module: str):
+    """``python -m benchmarks.MODULE --tiny`` in an isolated cache that sees the fetched data set
+    ``link``; skipped when ``available(fetch=False)`` fails. Returns (module, out folder, results)."""
+    import importlib
 
+    try:
+        available(fetch=False)
+    except SymmergeError:
+        pytest.skip(f"{what} not available (run: python -m symmerge.demo.datasets {link})")
+    isolated_cache(tmp_path, monkeypatch, link)
+    bench = importlib.import_module(f"benchmarks.{module}")
     out = tmp_path / "out"
     assert bench.main(["--tiny", "--out", str(out)]) == 0
-    r = json.loads((out / "results.json").read_text())
+    return bench, out, json.loads((out / "results.json").read_text())
+
+
+def test_vit_fashion_mnist_tiny_end_to_end(tmp_path, monkeypatch):
+    bench, out, r = run_tiny(tmp_path, monkeypatch, datasets.fashion_mnist_dir, "fashion-mnist", "Fashion-MNIST",
+                             "vit_fashion_mnist")
     for name in ("lmc.png", "ablation.png", "distance.png"):
         assert (out / name).stat().st_size > 10_000
     assert {(m["method"], m["variant"]) for m in r["merges"]} == {
@@ -123,3 +133,30 @@ def test_vit_fashion_mnist_tiny_end_to_end(tmp_path, monkeypatch):
     tables = (out / "tables.md").read_text()
     assert "OT-ACTS-EMD" in tables and "best (heads,attn,ffn,rescale,residual)" in tables
     assert r["endpoints"]["A"]["accuracy"] > 0.2  # trained beyond chance even in the tiny setting
+
+
+def test_gpt2_text_tiny_end_to_end(tmp_path, monkeypatch):
+    from symmerge.demo import text
+
+    bench, out, r = run_tiny(tmp_path, monkeypatch, text.python_docs_dir, "python-docs",
+                             "the Python documentation corpus", "gpt2_text")
+    assert (out / "lmc.png").stat().st_size > 10_000
+    table = (out / "tables.md").read_text()
+    rows = {x["variant"]: x for x in r["variants"]}
+    assert list(rows) == list(bench.VARIANTS)
+    for v in bench.VARIANTS:
+        assert f"| {v} |" in table
+    ea, eb = r["endpoints"]["A"], r["endpoints"]["B"]
+    assert ea["seed"] == 0 and eb["seed"] == 1 and ea["test_loss"] != eb["test_loss"]
+    chance = math.log(r["config"]["vocab_size"])
+    assert ea["test_loss"] < chance - 0.3 and eb["validation_loss"] < chance - 0.3  # trained beyond uniform
+    assert [p["step"] for p in ea["eval_curve"]] == [20]
+    for x in rows.values():  # α = 1 is A (aligned: the same function), α = 0 is B
+        assert x["loss"][-1] == pytest.approx(rows["none"]["loss"][-1], rel=1e-4)
+        assert x["loss"][0] == pytest.approx(rows["none"]["loss"][0], rel=1e-9)
+        assert x["barrier"] >= 0 and x["distance"] <= rows["none"]["distance"] + 1e-6
+        assert (x["match_seconds"] > 0) == (x["variant"] != "none")
+    assert rows["attn,ffn,rescale,residual"]["distance"] < rows["attn,ffn,rescale"]["distance"]
+    assert rows["heads,attn,ffn,rescale"]["distance"] <= rows["attn,ffn,rescale"]["distance"] + 1e-6
+    with pytest.raises(SystemExit, match="not empty"):  # never writes over an earlier run
+        bench.main(["--tiny", "--out", str(out)])

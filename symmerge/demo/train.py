@@ -81,16 +81,23 @@ def _config_dict(config) -> dict:
     return d
 
 
-def cache_key(config, images, labels, settings: TrainSettings) -> str:
-    """sha256 over (config, data, seed and every setting, cache format)."""
+def inputs_key(config, settings, arrays, extra: dict | None = None) -> str:
+    """sha256 over (cache format, config, every setting, ``extra``), the first array's shape, and the
+    bytes of every array: the cache key of a training run."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
     h = hashlib.sha256()
     h.update(json.dumps({"format": CACHE_FORMAT, "config": _config_dict(config),
-                         "settings": dataclasses.asdict(settings)}, sort_keys=True, default=str).encode())
-    x, y = _as_pixels(images), np.asarray(labels, np.int64)
-    h.update(str(x.shape).encode())
-    h.update(np.ascontiguousarray(x).tobytes())
-    h.update(np.ascontiguousarray(y).tobytes())
+                         "settings": dataclasses.asdict(settings), **(extra or {})},
+                        sort_keys=True, default=str).encode())
+    h.update(str(arrays[0].shape).encode())
+    for a in arrays:
+        h.update(a.tobytes())
     return h.hexdigest()
+
+
+def cache_key(config, images, labels, settings: TrainSettings) -> str:
+    """sha256 over (config, data, seed and every setting, cache format)."""
+    return inputs_key(config, settings, [_as_pixels(images), np.asarray(labels, np.int64)])
 
 
 def lr_factor(step: int, settings: TrainSettings) -> float:
@@ -113,6 +120,78 @@ def accuracy(model, images, labels, batch_size: int = 500) -> tuple[float, float
             loss += torch.nn.functional.cross_entropy(logits.double(), y[i:i + batch_size], reduction="sum").item()
             correct += (logits.argmax(-1) == y[i:i + batch_size]).sum().item()
     return loss / len(x), correct / len(x)
+
+
+def cached_folder(root, subdir: str, name: str, key: str, cache: bool, log=print) -> tuple[Path, bool]:
+    """``(<root or cache_dir()/subdir>/<name>-<key[:12]>, found)``: ``found`` when a complete earlier run
+    is there and ``cache`` is on; otherwise an incomplete folder (or one to replace) is removed."""
+    out = (Path(root) if root is not None else cache_dir() / subdir) / f"{name}-{key[:12]}"
+    if (out / "model.safetensors").is_file() and (out / "train_report.json").is_file() and cache:
+        log(f"reusing cached {name} ({out})")
+        return out, True
+    if out.exists():  # an incomplete earlier run, or cache=False
+        shutil.rmtree(out)
+    return out, False
+
+
+def _decays(name: str, p) -> bool:
+    return p.dim() >= 2 and not any(e in name for e in ("embeddings", "wte", "wpe"))
+
+
+def fit(model, settings: TrainSettings, n: int, batch_loss, name: str, evaluate=None, eval_every: int = 0,
+        progress: bool = True, log=print) -> dict:
+    """The shared training loop: ``batch_loss(indices)`` → scalar loss over training examples
+    ``indices`` (a fresh seeded permutation of ``range(n)`` per epoch, last partial batch dropped;
+    the order generator is seeded with ``settings.seed + 1``); AdamW (no weight decay on biases,
+    norms and embeddings), :func:`lr_factor` schedule, gradient clipping. ``evaluate()`` → dict with
+    ``loss`` (and more), called every ``eval_every`` steps (the training is unaffected: the model is
+    put back into train mode). Returns the report fields: seconds, losses, ``eval_curve``."""
+    model.train()
+    order = torch.Generator().manual_seed(settings.seed + 1)
+    params = list(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for k, p in params if _decays(k, p)], "weight_decay": settings.weight_decay},
+                             {"params": [p for k, p in params if not _decays(k, p)], "weight_decay": 0.0}],
+                            lr=settings.lr, betas=(0.9, 0.999))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, settings))
+    perm, pos = torch.randperm(n, generator=order), 0
+    losses, start = [], time.perf_counter()
+    pbar = bar(range(settings.steps), desc=f"training {name}", unit="steps", disable=None if progress else True)
+    running, curve = None, []
+    for step in pbar:
+        if pos + settings.batch_size > n:  # a fresh permutation per epoch; the last partial batch is dropped
+            perm, pos = torch.randperm(n, generator=order), 0
+        idx = perm[pos:pos + min(settings.batch_size, n)]
+        pos += len(idx)
+        loss = batch_loss(idx)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if settings.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip)
+        opt.step()
+        sched.step()
+        value = loss.item()
+        if not math.isfinite(value):
+            raise SymmergeError(f"training {name} diverged at step {step} (loss {value}); lower the learning rate")
+        losses.append(value)
+        running = value if running is None else 0.95 * running + 0.05 * value
+        pbar.set_postfix(loss=f"{running:.3f}", refresh=False)
+        if eval_every and evaluate is not None and (step + 1) % eval_every == 0 and step + 1 < settings.steps:
+            point = {"step": step + 1, "seconds": time.perf_counter() - start, **evaluate()}
+            curve.append(point)
+            log(f"  {name} step {step + 1}: " + ", ".join(f"eval {k} {v:.4f}" for k, v in point.items()
+                                                          if k not in ("step", "seconds"))
+                + f" ({point['seconds']:.0f} s)")
+            model.train()
+    pbar.close()
+    seconds = time.perf_counter() - start
+    model.eval()
+    report = {"name": name, "settings": dataclasses.asdict(settings), "train_examples": n,
+              "epochs": settings.steps * settings.batch_size / n, "seconds": seconds,
+              "seconds_per_step": seconds / settings.steps, "loss_first": losses[0],
+              "loss_last_50": float(np.mean(losses[-50:])), "losses": losses[:: max(1, len(losses) // 200)]}
+    if curve:
+        report["eval_curve"] = curve
+    return report
 
 
 def train_vit(config, images, labels, settings: TrainSettings, name: str = "vit", eval_images=None,
@@ -140,61 +219,24 @@ def train_vit(config, images, labels, settings: TrainSettings, name: str = "vit"
         raise SymmergeError(f"images are {tuple(x.shape[1:])}, the config expects "
                             f"{(config.num_channels, config.image_size, config.image_size)}")
     key = cache_key(config, images, labels, settings)
-    out = Path(root) if root is not None else cache_dir() / "vit"
-    out = out / f"{name}-{key[:12]}"
-    if (out / "model.safetensors").is_file() and (out / "train_report.json").is_file():
-        if cache:
-            log(f"reusing cached {name} ({out})")
-            return out
-    if out.exists():  # an incomplete earlier run, or cache=False
-        shutil.rmtree(out)
+    out, found = cached_folder(root, "vit", name, key, cache, log)
+    if found:
+        return out
 
     torch.manual_seed(settings.seed)
     model = ViTForImageClassification(config).float().train()
-    order = torch.Generator().manual_seed(settings.seed + 1)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embeddings" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embeddings" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.999))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, settings))
-    n, perm, pos = len(x), torch.randperm(len(x), generator=order), 0
-    losses, start = [], time.perf_counter()
-    pbar = bar(range(settings.steps), desc=f"training {name}", unit="steps", disable=None if progress else True)
-    running, curve = None, []
-    for step in pbar:
-        if pos + settings.batch_size > n:  # a fresh permutation per epoch; the last partial batch is dropped
-            perm, pos = torch.randperm(n, generator=order), 0
-        idx = perm[pos:pos + min(settings.batch_size, n)]
-        pos += len(idx)
+
+    def batch_loss(idx):
         logits = model(pixel_values=x[idx]).logits
-        loss = torch.nn.functional.cross_entropy(logits, y[idx], label_smoothing=settings.label_smoothing)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if settings.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip)
-        opt.step()
-        sched.step()
-        value = loss.item()
-        if not math.isfinite(value):
-            raise SymmergeError(f"training {name} diverged at step {step} (loss {value}); lower the learning rate")
-        losses.append(value)
-        running = value if running is None else 0.95 * running + 0.05 * value
-        pbar.set_postfix(loss=f"{running:.3f}", refresh=False)
-        if eval_every and eval_images is not None and (step + 1) % eval_every == 0 and step + 1 < settings.steps:
-            l_eval, a_eval = accuracy(model, eval_images[:2000], eval_labels[:2000])
-            curve.append({"step": step + 1, "seconds": time.perf_counter() - start, "loss": l_eval, "accuracy": a_eval})
-            log(f"  {name} step {step + 1}: eval accuracy {a_eval:.4f} (loss {l_eval:.4f}, {curve[-1]['seconds']:.0f} s)")
-            model.train()
-    pbar.close()
-    seconds = time.perf_counter() - start
-    model.eval()
-    report = {"name": name, "key": key, "settings": dataclasses.asdict(settings), "train_examples": n,
-              "epochs": settings.steps * settings.batch_size / n, "seconds": seconds,
-              "seconds_per_step": seconds / settings.steps, "loss_first": losses[0],
-              "loss_last_50": float(np.mean(losses[-50:])), "losses": losses[:: max(1, len(losses) // 200)],
-              "pixel_normalisation": {"mean": PIXEL_MEAN, "std": PIXEL_STD}}
-    if curve:
-        report["eval_curve"] = curve
+        return torch.nn.functional.cross_entropy(logits, y[idx], label_smoothing=settings.label_smoothing)
+
+    def evaluate():
+        loss, acc = accuracy(model, eval_images[:2000], eval_labels[:2000])
+        return {"loss": loss, "accuracy": acc}
+
+    report = fit(model, settings, len(x), batch_loss, name, evaluate if eval_images is not None else None,
+                 eval_every, progress, log)
+    report = {"name": name, "key": key, **report, "pixel_normalisation": {"mean": PIXEL_MEAN, "std": PIXEL_STD}}
     if eval_images is not None:
         report["eval_loss"], report["eval_accuracy"] = accuracy(model, eval_images, eval_labels)
     with tempfile.TemporaryDirectory() as side:  # written inside the atomic save, beside the weights
@@ -205,7 +247,7 @@ def train_vit(config, images, labels, settings: TrainSettings, name: str = "vit"
             "size": {"height": config.image_size, "width": config.image_size}}, indent=2) + "\n")
         save_model(model, out, src=side, report=report, report_name="train_report.json")
     extra = f", eval accuracy {report['eval_accuracy']:.4f}" if "eval_accuracy" in report else ""
-    log(f"trained {name} in {seconds:.0f} s ({seconds / settings.steps:.3f} s/step){extra} -> {out}")
+    log(f"trained {name} in {report['seconds']:.0f} s ({report['seconds_per_step']:.3f} s/step){extra} -> {out}")
     return out
 
 

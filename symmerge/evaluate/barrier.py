@@ -95,7 +95,8 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
                 res = align_pair(a, b, opts, progress=stage_printer(desc=f"aligning ({v})") if progress else None)
             moved, end_b, rep = res.model, res.anchor, res.report
             info = {"distance_before": rep["distance_before"], "distance_after": rep["distance_after"],
-                    "verify_max_rel_diff": rep.get("verify_max_rel_diff"), "align_seconds": rep["seconds"]}
+                    "verify_max_rel_diff": rep.get("verify_max_rel_diff"), "align_seconds": rep["seconds"],
+                    "match_seconds": rep.get("match_seconds")}
             result["distances"][v] = distance_before_after(a, b, moved, res.instances, end_b)
         curve = interpolation_curve(moved, end_b, d, alphas, device=dev, progress=progress, label=v)
         moved.to("cpu"), end_b.to("cpu")
