@@ -35,6 +35,14 @@ map projected to the nearest orthogonal matrix (``C = Σ_A⁻¹ Σ H_A H_Bᵀ``)
 the complement of the all-ones vector; the sign on it (invisible to every LayerNorm) is taken from the
 weights. Permutation variants (post-LN, signed): assignment on the correlation matrix.
 
+**Which groups come from activations** (``weights_for``; default None). With the residual stream among
+the groups, the stream is fitted to activations and every per-layer group is then solved exactly on the
+weights, given the stream element (the engine's per-layer solve, once: no coordinate descent); without
+it, every per-layer group is fitted to activations (two models' weights live in different stream bases,
+activations do not depend on them). Measured on B1 (docs/merge.md): the default split 0.557 loss at
+α = 0.5 against 0.706 with every group from activations and 0.658 for data-free weight matching; without
+the stream group 0.945 from activations against 1.549 from weights. A tuple of group names overrides it.
+
 **Scales** (``rescale``; ``rescale_from``): ``weights`` (default) — rotations and permutations from the
 activations, then per head (per RoPE pair) the scale closest in the weights for that rotation, on A's
 weights moved by the stream transform and head pairing (a quartic); ``activations`` — the kinds' joint

@@ -142,7 +142,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
             from .activations import match_activations
 
             elements = match_activations(instances, with_state_dict(model, ca), with_state_dict(anchor, cb), data,
-                                         opts, progress=progress)
+                                         opts, progress=progress, timings=fields.setdefault("activation_seconds", {}))
         else:
             from .learn import learn_alignment
 
