@@ -11,7 +11,7 @@ from factories import make_model
 from symmerge.evaluate.barrier import barrier_study
 from symmerge.evaluate.metrics import interpolate
 from symmerge.merge.fuse import merge_models
-from symmerge.merge.repair import repair
+from symmerge.merge.repair import CHANNELS, _sites, repair
 from symmerge.pipeline.options import AlignOptions
 from symmerge.pipeline.verify import with_state_dict
 from test_activations import unlabeled
@@ -61,8 +61,7 @@ def test_every_corrected_channel_has_the_target_statistics(family):
     data = unlabeled(a, batches=2)
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (a, b)]
     merged = with_state_dict(b, interpolate(a.state_dict(), b.state_dict(), 0.3))
-    fixed, report = repair(merged, [a, b], [0.3, 0.7], data, remeasure="site")
-    from symmerge.merge.repair import _sites
+    fixed, report = repair(merged, [a, b], [0.3, 0.7], data, channels=CHANNELS, remeasure="site")
 
     names = list(_sites(a))
     assert report["modules"] == len(names) and set(report["std_ratio_before"]) == {"ffn", "attn_out", "mlp_out", "norm"}

@@ -14,6 +14,10 @@ the parameters that produce ``y``, so the architecture is unchanged. Which chann
 * ``norm`` — the outputs of every LayerNorm / RMSNorm of the layers and the final norm (what the
   next block and the head read): an affine map after the norm folds into its weight and bias.
 
+Default ``ffn`` and ``norm``: on B1 they helped after activation matching and after weight matching;
+the stream writers (``attn_out``, ``mlp_out``) helped only where the stream channels correspond well
+(docs/merge.md has the table).
+
 Not corrected, and why: the residual stream itself (a norm's input) — a per-channel affine map of the
 stream cannot be folded (the identity path carries every earlier term uncorrected; the writers and the
 norms' outputs above are the foldable places on it); queries, keys and values (the softmax and the
@@ -38,7 +42,7 @@ from ..errors import SymmergeError
 from .base import normalized_weights
 
 CHANNELS = ("ffn", "attn_out", "mlp_out", "norm")
-DEFAULT_CHANNELS = CHANNELS
+DEFAULT_CHANNELS = ("ffn", "norm")  # the channels that helped after every alignment measured (docs/merge.md)
 REMEASURE = ("none", "layer", "site")
 
 

@@ -108,10 +108,6 @@ class Joint:
     def f(self) -> int:
         return self.gram.shape[0] // 2
 
-    def cross(self) -> torch.Tensor:
-        """``Σ a bᵀ`` (f × f)."""
-        return self.gram[:self.f, self.f:]
-
     def correlation(self) -> torch.Tensor:
         """The joint Gram standardised: correlations of every pair of columns of ``[a; b]`` (2f × 2f); a
         constant column has correlation 0 with everything."""
