@@ -56,15 +56,21 @@ def distance_before_after(model, anchor, aligned, instances=(), aligned_anchor=N
 def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: int = 11, rescale: str = "joint",
                   subsets: str | None = None, device="cpu", batch_size: int = 32, max_examples: int | None = None,
                   verify: bool = True, allow_pickle: bool = False, progress: bool = True,
-                  options: AlignOptions | None = None) -> dict:
+                  options: AlignOptions | None = None, repair: bool = False, align_data=None) -> dict:
     """Interpolation curves and barriers of A and B, for no alignment and each variant of ``aligns``
     (symmetry lists, or 'recommended': the groups of the recommended set the models have; a curve is
     named by the symmetries it aligned); ``options`` gives the other alignment options (``symmetries``
-    is overridden)."""
+    is overridden). ``repair``: each variant also gets a curve ``"<variant>+repair"`` with REPAIR applied
+    at every α (:mod:`symmerge.merge.repair`), its statistics on ``align_data`` (unlabeled; default
+    ``options.align_data``; kept apart from the evaluation ``data``)."""
     t0 = time.perf_counter()
     alphas = alpha_grid(points)
     base = options or AlignOptions(rescale=rescale, verify=verify)
     dev = resolve_device(device)
+    if repair:
+        base = base.with_(align_data=align_data if align_data is not None else base.align_data)
+        if base.align_data is None:
+            raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass align_data (--align-data)")
     if not isinstance(data, Data):
         check_data_path(data)
     names = [str(x) if isinstance(x, (str, Path)) else label for x, label in ((model_a, "A"), (model_b, "B"))]
@@ -101,12 +107,34 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
         curve = interpolation_curve(moved, end_b, d, alphas, device=dev, progress=progress, label=v)
         moved.to("cpu"), end_b.to("cpu")
         result["curves"][v] = {**curve, **info, "seconds": time.perf_counter() - t}
+        if repair:
+            t = time.perf_counter()
+            result["curves"][v + "+repair"] = {**repaired_curve(moved, end_b, d, alphas, base, dev, progress, v),
+                                               **info, "seconds": time.perf_counter() - t}
     if subsets:
         syms = next((o.symmetries for o in variants.values() if o is not None), ("attn",))
         result["subsets"] = subset_matching(a, b, d, syms, mode=subsets, device=dev, progress=progress,
                                             options=base)
     result["seconds"] = time.perf_counter() - t0
     return result
+
+
+def repaired_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, device=None, progress: bool = True,
+                   label: str = "") -> dict:
+    """:func:`interpolation_curve` with REPAIR at every α (endpoint statistics gathered once on the
+    alignment data of ``options``)."""
+    from ..merge.repair import endpoint_stats, repair
+    from ..pipeline.align import load_align_data
+
+    stats_data = load_align_data(options, model_b)
+    endpoints = [model_a.to(device), model_b.to(device)]
+    stats = endpoint_stats(endpoints, stats_data)
+
+    def repaired(probe, alpha):
+        return repair(probe, endpoints, [alpha, 1.0 - alpha], stats_data, stats=stats)[0]
+
+    return interpolation_curve(model_a, model_b, data, alphas, device=device, progress=progress,
+                               label=f"{label}+repair", transform=repaired)
 
 
 def subset_matching(model_a, model_b, data: Data, symmetries=("attn",), mode: str = "single",

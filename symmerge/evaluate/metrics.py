@@ -60,15 +60,16 @@ def check_same_shapes(model_a, model_b) -> None:
 
 
 def interpolation_curve(model_a, model_b, data: Data, alphas, device=None, progress: bool = True,
-                        label: str = "") -> dict:
-    """Loss and accuracy of θ(α) for each α, and the barrier."""
+                        label: str = "", transform=None) -> dict:
+    """Loss and accuracy of θ(α) for each α, and the barrier; ``transform(model, α)`` (e.g. REPAIR)
+    returns the model to evaluate in place of θ(α)."""
     check_same_shapes(model_a, model_b)
     sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
     probe = copy.deepcopy(model_b)
     loss, acc = [], []
     for a in bar(alphas, desc=f"interpolating {label}".strip(), unit="points", disable=None if progress else True):
         probe.load_state_dict(interpolate(sd_a, sd_b, a))
-        r = evaluate(probe, data, device=device, progress=False)
+        r = evaluate(probe if transform is None else transform(probe, a), data, device=device, progress=False)
         loss.append(r["loss"])
         acc.append(r["accuracy"])
     return {"loss": loss, "accuracy": acc, "barrier": barrier(alphas, loss)}

@@ -5,6 +5,10 @@
   classification, tokenized with the model folder's tokenizer;
 * ``.txt``: one text per non-empty line — causal-LM loss (next-token cross-entropy).
 
+Unlabeled data (``load_data(..., labels=False)``: alignment statistics, REPAIR): ``.npz`` needs only
+``pixel_values`` and ``.jsonl`` only ``text``; labels, where present, are ignored (``Batch.labels`` is
+None), and any model taking the inputs is accepted (no classification or LM head needed).
+
 Everything is validated against the model that will consume it (labels < ``num_labels``, channel
 count and image size, token ids < ``vocab_size``, the right kind of head); problems raise one
 :class:`SymmergeError`. Batches are built once and kept on the CPU.
@@ -27,12 +31,17 @@ FORMATS = {".npz": "image", ".jsonl": "text", ".txt": "lm"}
 @dataclass
 class Batch:
     inputs: dict  # keyword arguments of the model's forward
-    labels: torch.Tensor  # (B,) class ids, or (B, T) token ids with -100 where ignored (lm)
+    labels: torch.Tensor | None  # (B,) class ids, or (B, T) token ids with -100 where ignored (lm); None: unlabeled
     mask: torch.Tensor | None = None  # (B, T) bool: real (non-padding) tokens; None for images
 
     def to(self, device) -> "Batch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Batch({k: move(v) for k, v in self.inputs.items()}, move(self.labels), move(self.mask))
+
+    @property
+    def size(self) -> int:
+        """Examples in the batch."""
+        return len(next(iter(self.inputs.values())))
 
 
 @dataclass
@@ -41,6 +50,7 @@ class Data:
     format: str  # "image" | "text" | "lm"
     batches: list = field(default_factory=list)
     n: int = 0  # examples (images, texts or lines)
+    labeled: bool = True  # False: loaded with ``labels=False`` (inputs only)
 
     def __iter__(self):
         return iter(self.batches)
@@ -114,26 +124,28 @@ def _check_pixels(path, shape: tuple, channels: int, size: tuple) -> None:
                             f"(pixel_values must be {expected})")
 
 
-def check_data(data: Data, model, labels: np.ndarray | None = None) -> None:
-    """Validate ``data`` against ``model`` (called by :func:`load_data`; call again for other models)."""
+def check_data(data: Data, model, labels: np.ndarray | None = None, use_labels: bool = True) -> None:
+    """Validate ``data`` against ``model`` (called by :func:`load_data`; call again for other models).
+    ``use_labels=False`` (or unlabeled data): only the inputs are checked (any model taking them)."""
     cfg = model.config
+    use_labels = use_labels and data.labeled
     check_modality(data.format, model, data.path)
     if data.format == "image":
-        n_labels = _need_classifier(model, data.path)
+        n_labels = _need_classifier(model, data.path) if use_labels else 0
         size = cfg.image_size if isinstance(cfg.image_size, (list, tuple)) else (cfg.image_size, cfg.image_size)
         first = data.batches[0].inputs["pixel_values"]
         _check_pixels(data.path, (data.n,) + tuple(first.shape[1:]), cfg.num_channels, size)
     else:
         if data.format == "text":
-            n_labels = _need_classifier(model, data.path)
-        elif head_kind(model) != "lm" and not getattr(cfg, "is_decoder", False):
+            n_labels = _need_classifier(model, data.path) if use_labels else 0
+        elif use_labels and head_kind(model) != "lm" and not getattr(cfg, "is_decoder", False):
             raise SymmergeError(f"{data.path}: .txt data (causal-LM loss) needs a causal language model, "
                                 f"got {type(model).__name__}")
         top = max(int(b.inputs["input_ids"].max()) for b in data.batches)
         if top >= cfg.vocab_size:
             raise SymmergeError(f"{data.path}: token id {top} >= the model's vocab_size {cfg.vocab_size} "
                                 "(tokenizer does not match the model)")
-    if data.format in ("image", "text"):
+    if use_labels and data.format in ("image", "text"):
         labels = torch.cat([b.labels for b in data.batches]).numpy()
         _check_labels(labels, n_labels, data.path)
 
@@ -141,16 +153,17 @@ def check_data(data: Data, model, labels: np.ndarray | None = None) -> None:
 # ---------------------------------------------------------------- readers
 
 
-def _read_npz(path: Path, batch_size: int, max_examples):
+def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except Exception as e:
         raise SymmergeError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
-    for key in ("pixel_values", "labels"):
+    for key in ("pixel_values", "labels") if labels else ("pixel_values",):
         if key not in arrays:
             raise SymmergeError(f"{path}: missing array {key!r} (found {', '.join(arrays) or 'none'})")
-    x, y = arrays["pixel_values"], arrays["labels"]
+    x = arrays["pixel_values"]
+    y = arrays["labels"] if labels else np.zeros(len(x), dtype=np.int64)
     if x.ndim not in (3, 4):
         raise SymmergeError(f"{path}: pixel_values must be (N, C, H, W), got shape {x.shape}")
     if not np.issubdtype(x.dtype, np.floating):
@@ -166,12 +179,13 @@ def _read_npz(path: Path, batch_size: int, max_examples):
     if max_examples:
         x, y = x[:max_examples], y[:max_examples]
     xt, yt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(y.astype(np.int64))
-    batches = [Batch({"pixel_values": xt[i:i + batch_size]}, yt[i:i + batch_size]) for i in range(0, len(xt), batch_size)]
+    batches = [Batch({"pixel_values": xt[i:i + batch_size]}, yt[i:i + batch_size] if labels else None)
+               for i in range(0, len(xt), batch_size)]
     return batches, len(xt)
 
 
-def _read_jsonl(path: Path, max_examples):
-    texts, labels = [], []
+def _read_jsonl(path: Path, max_examples, labels: bool = True):
+    texts, ys = [], []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -182,16 +196,16 @@ def _read_jsonl(path: Path, max_examples):
                 raise SymmergeError(f"{path}:{lineno}: not valid JSON ({e})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise SymmergeError(f"{path}:{lineno}: expected an object with a string field 'text'")
-            label = obj.get("label")
+            label = obj.get("label") if labels else 0
             if isinstance(label, bool) or not isinstance(label, int):
                 raise SymmergeError(f"{path}:{lineno}: field 'label' must be an integer, got {label!r}")
             texts.append(obj["text"])
-            labels.append(label)
+            ys.append(label)
             if max_examples and len(texts) >= max_examples:
                 break
     if not texts:
         raise SymmergeError(f"{path}: no examples")
-    return texts, labels
+    return texts, ys
 
 
 def _read_txt(path: Path, max_examples):
@@ -254,11 +268,12 @@ def check_data_path(path) -> Path:
 
 
 def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length: int | None = None,
-              max_examples: int | None = None) -> Data:
+              max_examples: int | None = None, labels: bool = True) -> Data:
     """Read ``path`` (format from its suffix), batch it, and validate it against ``model`` if given.
 
     ``tokenizer``: a tokenizer or a folder holding one (default: the model's own folder,
-    ``model.name_or_path``); only text formats use it.
+    ``model.name_or_path``); only text formats use it. ``labels=False``: inputs only (``.npz`` without
+    ``labels``, ``.jsonl`` without ``label``; labels present are ignored; batches have ``labels=None``).
     """
     path = check_data_path(path)
     fmt = FORMATS[path.suffix.lower()]
@@ -267,26 +282,45 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
     if batch_size < 1:
         raise SymmergeError(f"batch size must be >= 1, got {batch_size}")
     if fmt == "image":
-        batches, n = _read_npz(path, batch_size, max_examples)
+        batches, n = _read_npz(path, batch_size, max_examples, labels)
     else:
         if tokenizer is None and model is not None and getattr(model, "name_or_path", ""):
             tokenizer = model.name_or_path
         tok = load_tokenizer(tokenizer)
         max_len = _max_length(model, tok, max_length)
         if fmt == "text":
-            texts, labels = _read_jsonl(path, max_examples)
+            texts, ys = _read_jsonl(path, max_examples, labels)
             batches = _tokenize(texts, tok, batch_size, max_len, lm=False)
-            y = torch.tensor(labels, dtype=torch.int64)
+            y = torch.tensor(ys, dtype=torch.int64)
             for j, b in enumerate(batches):
-                b.labels = y[j * batch_size:(j + 1) * batch_size]
+                b.labels = y[j * batch_size:(j + 1) * batch_size] if labels else None
         else:
             texts = _read_txt(path, max_examples)
             batches = _tokenize(texts, tok, batch_size, max_len, lm=True)
+            if not labels:
+                for b in batches:
+                    b.labels = None
         n = len(texts)
-    data = Data(str(path), fmt, batches, n)
+    data = Data(str(path), fmt, batches, n, labeled=labels)
     if model is not None:
         check_data(data, model)
     return data
+
+
+def take(data: Data, n: int) -> Data:
+    """The first ``n`` examples of ``data`` (``data`` itself when it has no more)."""
+    if data.n <= n:
+        return data
+    batches, left = [], n
+    for b in data.batches:
+        if left <= 0:
+            break
+        if b.size > left:
+            cut = lambda t: None if t is None else t[:left]  # noqa: E731
+            b = Batch({k: cut(v) for k, v in b.inputs.items()}, cut(b.labels), cut(b.mask))
+        batches.append(b)
+        left -= b.size
+    return Data(data.path, data.format, batches, n, data.labeled)
 
 
 # ---------------------------------------------------------------- predictions

@@ -1,7 +1,7 @@
 """High-level fusion, the Python API behind ``symmerge merge``: a short pipeline over one options object
 (:class:`MergeOptions`, shared with the CLI):
 
-    load → choose anchor → align → statistics (on the aligned models) → merge → task heads → evaluate
+    load → choose anchor → align → statistics (on the aligned models) → merge (→ REPAIR) → task heads → evaluate
 
 Anchor (left unchanged, every other model aligned to it): the given one; else the base model for
 task-vector methods (task arithmetic, TIES, DARE, DARE-TIES); else, for two models, the second (the
@@ -24,11 +24,12 @@ from ..errors import SymmergeError
 from ..evaluate.barrier import distance_before_after
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
-from ..pipeline.align import align_pair, as_model, canonical
+from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
 from ..progress import line, stage, stage_printer
 from ..pipeline.verify import with_state_dict
 from . import get_method
+from .repair import repair
 from .heads import anchor_proxy, check_bodies, check_heads_mergeable, head_keys, untied, with_tied
 from .statistics import gather
 
@@ -64,6 +65,7 @@ class MergeOptions:
     allow_pickle: bool = False
     evaluate: bool = True
     progress: bool = True
+    repair: bool = False  # REPAIR the merged model on the alignment's unlabeled data (``align.align_data``)
 
     @classmethod
     def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",
@@ -111,6 +113,8 @@ class MergeOptions:
         self.head_from %= n
         if self.weights is not None and len(self.weights) != n:
             raise SymmergeError(f"got {len(self.weights)} weights for {n} models")
+        if self.repair and self.align.align_data is None:
+            raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass --align-data FILE")
         return m
 
     def evaluation_data(self, needs) -> tuple[list, str | None]:
@@ -328,6 +332,11 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     holder = aligned[opts.head_from]
     out = with_state_dict(holder, with_tied(holder, merged_sd))
     timings["merge"] = time.perf_counter() - t
+    repair_info = None
+    if opts.repair:
+        t = time.perf_counter()
+        out, repair_info = repair(out, aligned, opts.weights, load_align_data(opts.align, out), progress=opts.progress)
+        timings["repair"] = time.perf_counter() - t
 
     hk = head_keys(models[0])
     head_info = ({"policy": "none", "note": "base models without a task head"} if not hk else
@@ -353,6 +362,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
                                      "after_alignment": _pairwise(sds, body, names)},
         "distance_result_to_inputs": {n: distance(out.state_dict(), sd, body) for n, sd in zip(names, sds)},
         "device": str(dev),
+        "repair": repair_info,
     }
 
     # ------------------------------------------------ evaluation

@@ -47,13 +47,13 @@ def instances_for(model, layers=None, residual: str = "largest"):
 def load_align_data(options: AlignOptions, model):
     """The unlabeled alignment data (``align_data``: a path or a loaded Data), at most ``align_samples``
     examples, validated against ``model`` (labels, if present, are not used)."""
-    from ..io.data import Data, check_data, load_data
+    from ..io.data import Data, check_data, load_data, take
 
     if isinstance(options.align_data, Data):
-        check_data(options.align_data, model)
-        return options.align_data
+        check_data(options.align_data, model, use_labels=False)
+        return take(options.align_data, options.align_samples)
     return load_data(options.align_data, model, max_examples=options.align_samples,
-                     batch_size=min(options.learn.batch, options.align_samples))
+                     batch_size=min(options.learn.batch, options.align_samples), labels=False)
 
 
 def untied(model):
@@ -157,7 +157,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
             from .activations import match_activations
 
             elements = match_activations(instances, with_state_dict(model, ca), with_state_dict(anchor, cb), data,
-                                         opts, progress=progress)
+                                         opts, progress=progress, timings=fields.setdefault("activation_seconds", {}))
         else:
             from .learn import learn_alignment
 

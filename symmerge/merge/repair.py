@@ -1,0 +1,217 @@
+"""REPAIR (Jordan et al., ICLR 2023) for transformers: undo the variance collapse of a merged model.
+
+Interpolating two networks shrinks the spread of their channels (averaged neurons that are not
+perfectly correlated cancel in part). REPAIR resets, channel by channel, the merged model's mean and
+standard deviation over data to the interpolation of the endpoints' — ``μ* = Σ w_k μ_k``,
+``σ* = Σ w_k σ_k`` with the merge weights ``w`` — by an affine map ``y → (y − μ) σ*/σ + μ*`` folded into
+the parameters that produce ``y``, so the architecture is unchanged. Which channels (``channels``):
+
+* ``ffn`` — the FFN pre-activations: the outputs of the FFN input modules (``fc1``; SwiGLU's ``gate`` and
+  ``up``), folded into their weight rows and biases (the channels before the non-linearity: the
+  closest analogue of the paper's pre-BN channels);
+* ``attn_out`` — the attention output per stream channel: the O projection's outputs (its rows + bias);
+* ``mlp_out`` — the FFN output per stream channel: the output module's outputs (rows + bias);
+* ``norm`` — the outputs of every LayerNorm / RMSNorm of the layers and the final norm (what the
+  next block and the head read): an affine map after the norm folds into its weight and bias.
+
+Default ``ffn`` and ``norm``: on B1 they helped after activation matching and after weight matching;
+the stream writers (``attn_out``, ``mlp_out``) helped only where the stream channels correspond well
+(docs/merge.md has the table).
+
+Not corrected, and why: the residual stream itself (a norm's input) — a per-channel affine map of the
+stream cannot be folded (the identity path carries every earlier term uncorrected; the writers and the
+norms' outputs above are the foldable places on it); queries, keys and values (the softmax and the
+per-head products are not per-channel); the embeddings and the task head. A module without a bias
+(``bias=False``; RMSNorm) gets the scale only (the mean cannot be moved without a bias); the report
+lists them.
+
+Statistics (per channel over the unlabeled data's tokens, padding excluded): the endpoints once each;
+the merged model ``remeasure``\\ d: ``none`` — one pass, every channel corrected from it; ``layer`` — the
+channels of one layer at a time, measured after the corrections of the layers before; ``site`` — each
+module in forward order, after all corrections before it (each pass stops once its modules ran).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from ..errors import SymmergeError
+from .base import normalized_weights
+
+CHANNELS = ("ffn", "attn_out", "mlp_out", "norm")
+DEFAULT_CHANNELS = ("ffn", "norm")  # the channels that helped after every alignment measured (docs/merge.md)
+REMEASURE = ("none", "layer", "site")
+
+
+def _sites(model) -> dict[str, str]:
+    """``{module path: channel kind}`` of the modules whose outputs REPAIR may correct."""
+    from ..core.resolve import find_prefix
+    from ..families import spec_for
+    from ..pipeline.activations import activation_slot, boundaries
+    from ..pipeline.align import instances_for
+
+    spec = spec_for(model.config.model_type)
+    _, instances = instances_for(model)
+    out: dict[str, str] = {}
+    for inst in instances:
+        for slot in inst.slots:
+            if inst.group.name not in ("ffn", "attn.vo") or (found := activation_slot(model, slot)) is None:
+                continue
+            site, _ = found
+            if inst.group.name == "ffn":
+                out[site.module] = "ffn" if site.side == "out" else "mlp_out"
+            elif site.side == "in":
+                out[site.module] = "attn_out"
+    prefix = find_prefix(spec, model.state_dict().keys())
+    modules = dict(model.named_modules())
+    n = len(boundaries(model))
+    for g in spec.groups:  # the stream's norms (not the task heads' own): the residual group's norm weights
+        for m in g.members:
+            if g.kind != "residual" or not m.diag or m.root:
+                continue
+            for name in [m.name.format(i=i) for i in range(n)] if "{i}" in m.name else [m.name]:
+                path = prefix + name[: -len(".weight")]
+                if path in modules:
+                    out[path] = "norm"
+    return out
+
+
+def _order(model, data, modules) -> list[str]:
+    """``modules`` in the order one forward pass calls them."""
+    seen: list[str] = []
+    handles = [model.get_submodule(n).register_forward_hook(lambda mod, a, o, n=n: seen.append(n) if n not in seen
+                                                            else None) for n in modules]
+    try:
+        with torch.no_grad():
+            batch = next(iter(data)).to(next(model.parameters()).device)
+            model.eval()(**batch.inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen + [n for n in modules if n not in seen]
+
+
+class _Stop(Exception):
+    pass
+
+
+def channel_stats(model, data, modules, progress: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{module: (mean, std)}`` of every output channel over the data's tokens (padding excluded), in
+    one pass that stops each forward once all ``modules`` ran."""
+    from ..pipeline.activations import _first, _tokens, batches_on
+
+    sums: dict = {}
+    state = {"mask": None, "left": 0}
+
+    def hook(name):
+        def fn(mod, args, output):
+            x = _tokens(_first(output).detach(), state["mask"]).double()
+            s = sums.setdefault(name, [0, torch.zeros(x.shape[1], dtype=torch.float64),
+                                       torch.zeros(x.shape[1], dtype=torch.float64)])
+            s[0] += x.shape[0]
+            s[1] += x.sum(0).cpu()
+            s[2] += x.square().sum(0).cpu()
+            state["left"] -= 1
+            if state["left"] == 0:
+                raise _Stop
+        return fn
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in modules]
+    try:
+        with torch.no_grad():
+            for batch in batches_on(model, data, "REPAIR statistics", progress):
+                state["mask"], state["left"] = batch.mask, len(modules)
+                try:
+                    model.eval()(**batch.inputs)
+                except _Stop:
+                    pass
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for name, (n, s1, s2) in sums.items():
+        mean = s1 / max(n, 1)
+        out[name] = (mean, (s2 / max(n, 1) - mean.square()).clamp_min(0).sqrt())
+    missing = [n for n in modules if n not in out]
+    if missing:
+        raise SymmergeError(f"REPAIR: module {missing[0]} did not run on the data")
+    return out
+
+
+def _fold(module, mean, std, target_mean, target_std, kind: str) -> bool:
+    """Fold ``y → (y − mean)·s + target_mean``, ``s = target_std / std``, into the module's parameters;
+    False when only the scale could be folded (no bias)."""
+    s = torch.where(std > 1e-12 * std.max().clamp_min(1e-300), target_std / std, torch.ones_like(std))
+    weight = module.weight
+    bias = getattr(module, "bias", None)
+    with torch.no_grad():
+        w = weight.double()
+        if kind == "norm" or weight.dim() == 1:
+            w = w * s
+        else:
+            from ..pipeline.activations import _out_axis
+
+            axis = _out_axis(module, kind)
+            w = w * (s[:, None] if axis == 0 else s[None, :])
+        weight.copy_(w.to(weight.dtype))
+        if bias is None:
+            return False
+        bias.copy_(((bias.double() - mean) * s + target_mean).to(bias.dtype))
+    return True
+
+
+def endpoint_stats(endpoints, data, modules=None, progress: bool = False) -> list[dict]:
+    """Per endpoint the channel statistics REPAIR needs (compute once, reuse along a curve)."""
+    modules = list(_sites(endpoints[0])) if modules is None else modules
+    return [channel_stats(m, data, modules, progress) for m in endpoints]
+
+
+def repair(merged, endpoints, weights=None, data=None, channels=DEFAULT_CHANNELS, remeasure: str = "layer",
+           stats: list | None = None, progress: bool = False):
+    """``(model, report)``: a copy of ``merged`` whose channels (``channels``, see the module text) have
+    the interpolation (``weights``: the merge weights, normalised; uniform when None) of the
+    ``endpoints``' means and standard deviations on ``data`` (unlabeled), folded into its weights and
+    biases. ``endpoints``: the aligned input models, in the merged model's parameterisation;
+    ``stats``: their :func:`endpoint_stats` (computed when None)."""
+    if data is None:
+        raise SymmergeError("REPAIR needs unlabeled data for its statistics (align_data)")
+    unknown = [c for c in channels if c not in CHANNELS]
+    if unknown:
+        raise SymmergeError(f"unknown REPAIR channels {unknown[0]!r}; choose from {', '.join(CHANNELS)}")
+    if remeasure not in REMEASURE:
+        raise SymmergeError(f"unknown REPAIR remeasure {remeasure!r}; choose one of {', '.join(REMEASURE)}")
+    t0 = time.perf_counter()
+    w = normalized_weights(weights, len(endpoints))
+    model = copy.deepcopy(merged).eval()
+    kinds = {n: k for n, k in _sites(model).items() if k in channels}
+    order = _order(model, data, list(kinds))
+    stats = stats or endpoint_stats(endpoints, data, order, progress)
+    if remeasure == "none":
+        stages = [order]
+    elif remeasure == "site":
+        stages = [[n] for n in order]
+    else:
+        from ..pipeline.activations import boundaries
+
+        layers = boundaries(model)
+        index = {n: next((i for i, b in enumerate(layers) if n.startswith(b + ".")), len(layers)) for n in order}
+        stages = [[n for n in order if index[n] == i] for i in sorted(set(index.values()))]
+    ratios: dict = {k: [] for k in channels}
+    scale_only = []
+    for stage in stages:
+        current = channel_stats(model, data, stage)
+        for name in stage:
+            mean, std = current[name]
+            t_mean = sum(wk * s[name][0] for wk, s in zip(w, stats))
+            t_std = sum(wk * s[name][1] for wk, s in zip(w, stats))
+            ratios[kinds[name]].append((std / t_std.clamp_min(1e-300)).mean().item())
+            if not _fold(model.get_submodule(name), mean, std, t_mean, t_std, kinds[name]):
+                scale_only.append(name)
+    report = {"channels": list(channels), "remeasure": remeasure, "modules": len(order), "passes": len(stages),
+              "examples": data.n, "weights": w, "scale_only": scale_only,
+              "std_ratio_before": {k: sum(v) / len(v) for k, v in ratios.items() if v},
+              "seconds": time.perf_counter() - t0}
+    return model, report

@@ -1,0 +1,453 @@
+"""Activation matching: the group elements fitted to both models' activations on unlabeled data.
+
+One pass over the data runs both models (in the canonical form the groups act on) with forward hooks
+and accumulates, per activation, the *joint Gram* ``G = Σ_t [a_t; b_t][a_t; b_t]ᵀ`` of model A's (``a``)
+and the anchor B's (``b``) activations over the tokens ``t`` (padding excluded), their sums and count:
+
+* the residual stream — the hidden states at every block boundary (the input of the first layer and
+  the output of every layer, ``Spec.layer``), summed over boundaries;
+* per-layer groups — a member slot on a ``Linear``'s output axis (weight axis 0; GPT-2's ``Conv1D``:
+  axis 1, chunks = slices of the output) stands for that module's output, a slot on the input axis for
+  its input (biases add nothing). So the QK group sees the per-head queries and keys (pre-RoPE), the VO
+  group the values and the O projection's per-head inputs, the FFN group its units (the input of the
+  output module: post-activation, SwiGLU's ``down_proj`` input).
+
+**The kinds' own solvers on activations.** Every cost a kind minimises is a function of per-block
+cross products ``Σ x₁ x₂ᵀ`` and norms ``‖x₁‖²``; for activations these are blocks of ``G``. Factoring
+``G = L Lᵀ`` (eigendecomposition; ``L`` is 2f × 2f) and taking ``L``'s first ``f`` rows as A's activation
+matrix and the last ``f`` as B's gives matrices with exactly these products. They stand in for the weights
+in a state dict of pseudo-tensors, one per activation, with one slot each (axis 0, the slot's chunk, its
+GQA ``repeat``, and the power with which the activation moves: a module's output moves like the weight
+rows (``a^p Rᵀ``), its input like the inverse of the weight columns (``a^{-p} Rᵀ``)). Head pairing
+(``heads``, every pair valued by its per-head optimum), per-head Procrustes (``attn``), RoPE pairs and
+GQA sharing then run unchanged through :func:`symmerge.pipeline.engine.solve_local`; memory is ``(2f)²``
+per activation whatever the number of tokens. FFN units: the joint Gram is standardised first
+(correlations, the usual choice for matching units), then the exact assignment.
+
+**Residual stream.** Per-layer activations are invariant under the stream transform and the stream
+under the per-layer groups, so the two are fitted independently (no coordinate descent). The stream's
+states are compared as the norms' readers see them (``stream="normalized"``: per token centred for
+LayerNorm, divided by the RMS; ``raw``: as they are, centred for LayerNorm), and ``Q`` maximises
+``tr(Qᵀ C)`` in the family's group (:mod:`symmerge.core.solvers.residual`) with ``C`` from
+``residual_fit``: ``procrustes`` — ``C = Σ H_A H_Bᵀ`` (orthogonal Procrustes); ``lstsq`` — the least-squares
+map projected to the nearest orthogonal matrix (``C = Σ_A⁻¹ Σ H_A H_Bᵀ``); ``cca`` — the CCA map
+(whitened Procrustes, ``C = Σ_A^{-1/2} U Vᵀ Σ_B^{1/2}``). LayerNorm (O(d−1) × {±1}): the fit lives in
+the complement of the all-ones vector; the sign on it (invisible to every LayerNorm) is taken from the
+weights. Permutation variants (post-LN, signed): assignment on the correlation matrix.
+
+**Which groups come from activations** (``weights_for``; default None). With the residual stream among
+the groups, the stream is fitted to activations and every per-layer group is then solved exactly on the
+weights, given the stream element (the engine's per-layer solve, once: no coordinate descent); without
+it, every per-layer group is fitted to activations (two models' weights live in different stream bases,
+activations do not depend on them). Measured on B1 (docs/merge.md): the default split 0.557 loss at
+α = 0.5 against 0.706 with every group from activations and 0.658 for data-free weight matching; without
+the stream group 0.945 from activations against 1.549 from weights. A tuple of group names overrides it.
+
+**Scales** (``rescale``; ``rescale_from``): ``weights`` (default) — rotations and permutations from the
+activations, then per head (per RoPE pair) the scale closest in the weights for that rotation, on A's
+weights moved by the stream transform and head pairing (a quartic); ``activations`` — the kinds' joint
+solve on the activation statistics (QK: a two-sided fit of queries and keys; VO: only the + side moves
+in activation space, where the solvers' convention leaves the scale at 1). SwiGLU unit scales always
+come from the weights (the assignment ran on correlations, which carry no scale; under ``rescale`` a
+unit's scale may be negative, so the assignment maximises ``|correlation|`` there).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..core.apply import apply
+from ..core.instance import Slot
+from ..core.resolve import config_sizes, find_prefix
+from ..core.solvers import (centered_residual, complement_basis, orthogonal_residual, permutation_residual,
+                            signed_permutation_residual)
+from ..core.solvers.rescale import quartic_scale, scale_for_rotation
+from ..core.solvers.rope import pair_products, rope_element
+from ..errors import SymmergeError
+from ..families import spec_for
+from ..groups import Options
+from ..groups.head_orthogonal import HeadElement, blocks, products
+from ..groups.permutation import PermElement, unit_scales
+from ..groups.residual import StreamElement
+from ..progress import bar
+from .engine import SolveContext, by_group, solve_local
+
+RESIDUAL_FITS = ("procrustes", "lstsq", "cca")
+STREAM_MODES = ("normalized", "raw")
+SCALE_SOURCES = ("weights", "activations")
+STREAM = "<stream>"  # the key of the residual stream's statistics
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class Joint:
+    """Joint second moments of A's and B's activations ``[a; b]`` (2f): Gram, sums, token count."""
+
+    gram: torch.Tensor
+    sums: torch.Tensor
+    count: int = 0
+
+    @classmethod
+    def empty(cls, f: int) -> "Joint":
+        return cls(torch.zeros(2 * f, 2 * f, dtype=torch.float64), torch.zeros(2 * f, dtype=torch.float64))
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        z = torch.cat([a, b], dim=1)
+        z = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32)
+        self.gram += (z.T @ z).double().cpu()
+        self.sums += z.sum(0, dtype=torch.float64).cpu()
+        self.count += z.shape[0]
+
+    @property
+    def f(self) -> int:
+        return self.gram.shape[0] // 2
+
+    def correlation(self) -> torch.Tensor:
+        """The joint Gram standardised: correlations of every pair of columns of ``[a; b]`` (2f × 2f); a
+        constant column has correlation 0 with everything."""
+        n = max(self.count, 1)
+        mean = self.sums / n
+        cov = self.gram / n - torch.outer(mean, mean)
+        std = cov.diagonal().clamp_min(0).sqrt()
+        std = torch.where(std > 1e-12 * std.max().clamp_min(1e-300), std, torch.full_like(std, math.inf))
+        return cov / std[:, None] / std[None, :]
+
+
+def factor(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(L_a, L_b)``, each f × 2f, with ``L_a L_bᵀ``, ``L_a L_aᵀ``, ``L_b L_bᵀ`` the blocks of the
+    positive semi-definite ``gram`` (2f × 2f)."""
+    gram = (gram + gram.T) / 2
+    lam, V = torch.linalg.eigh(gram)
+    L = V * lam.clamp_min(0).sqrt()
+    f = gram.shape[0] // 2
+    return L[:f].contiguous(), L[f:].contiguous()
+
+
+def _tokens(x: torch.Tensor, mask) -> torch.Tensor:
+    """Activations (..., f) → (tokens, f), padding tokens dropped where the batch mask fits."""
+    if mask is not None and x.dim() == mask.dim() + 1 and x.shape[:-1] == mask.shape:
+        return x[mask]
+    return x.reshape(-1, x.shape[-1])
+
+
+def _first(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where an activation is read: a module's output (``out``) or input (``in``)."""
+
+    module: str
+    side: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}@{self.side}"
+
+
+def _out_axis(module, name: str) -> int:
+    """The weight axis of a module's outputs: 0 for ``nn.Linear``, 1 for GPT-2's ``Conv1D``."""
+    if isinstance(module, torch.nn.Linear):
+        return 0
+    if hasattr(module, "nf") and module.weight.dim() == 2 and module.weight.shape[1] == module.nf:
+        return 1
+    raise SymmergeError(f"{name}: activation matching reads Linear (or Conv1D) modules, got {type(module).__name__}")
+
+
+def activation_slot(model, slot: Slot) -> tuple[Site, Slot] | None:
+    """The activation a weight slot stands for, and the slot on it (axis 0 of a features × tokens
+    matrix, with the power the activation moves with); None for biases and norm weights."""
+    if slot.diag or not slot.key.endswith(".weight"):
+        return None
+    name = slot.key[: -len(".weight")]
+    out = slot.axis == _out_axis(model.get_submodule(name), name)
+    site = Site(name, "out" if out else "in")
+    return site, Slot(site.key, 0, slot.power if out else -slot.power, slot.start, slot.length, slot.repeat)
+
+
+def boundaries(model) -> list[str]:
+    """Module paths of the layers (their outputs are the stream at every block boundary)."""
+    spec = spec_for(model.config.model_type)
+    if not spec.layer:
+        raise SymmergeError(f"the {spec.family} spec names no layer module: activation matching needs it")
+    prefix = find_prefix(spec, model.state_dict().keys())
+    n = config_sizes(spec, model.config)["num_layers"]
+    return [(prefix + spec.layer.format(i=i)).rstrip(".") for i in range(n)]
+
+
+def _stream_view(h: torch.Tensor, variant: str, stream: str) -> torch.Tensor:
+    """The stream's tokens (n, d) as compared: centred per token for LayerNorm, and (``normalized``)
+    divided by their RMS; post-LN and signed permutations are compared by correlation (as they are)."""
+    h = h.double() if h.dtype == torch.float64 else h.float()
+    if variant == "centered":
+        h = h - h.mean(-1, keepdim=True)
+    if stream == "normalized" and variant in ("centered", "orthogonal"):
+        h = h / h.square().mean(-1, keepdim=True).add(1e-12).sqrt()
+    return h
+
+
+def batches_on(model, data, desc: str, progress: bool):
+    """The data's batches moved to the model's device, behind a progress bar (hook passes)."""
+    device = next(model.parameters()).device
+    for batch in bar(data, desc=desc, total=len(data), unit="batch", disable=None if progress else True):
+        yield batch.to(device)
+
+
+def gather(model_a, model_b, data, sites, stream_variant: str | None, stream: str = "normalized",
+           progress: bool = True) -> dict:
+    """One pass over ``data``: ``{site key: Joint}`` for every :class:`Site` and, with a
+    ``stream_variant``, the stream's boundaries summed under :data:`STREAM`."""
+    cur: list[dict] = [{}, {}]
+    state = {"mask": None}
+    handles = []
+
+    def keep(k, key):
+        def store(x):
+            cur[k].setdefault(key, []).append(_tokens(x.detach(), state["mask"]))
+        return store
+
+    def out_hook(store):
+        return lambda module, args, output: store(_first(output))
+
+    def in_hook(store):
+        return lambda module, args, kwargs: store(args[0] if args else kwargs["hidden_states"])
+
+    layers = boundaries(model_a) if stream_variant is not None else []
+    for k, model in enumerate((model_a, model_b)):
+        for site in sites:
+            mod = model.get_submodule(site.module)
+            store = keep(k, site.key)
+            handles.append(mod.register_forward_hook(out_hook(store)) if site.side == "out" else
+                           mod.register_forward_pre_hook(in_hook(store), with_kwargs=True))
+        for i, name in enumerate(layers):
+            mod = model.get_submodule(name)
+            if i == 0:
+                handles.append(mod.register_forward_pre_hook(in_hook(keep(k, STREAM)), with_kwargs=True))
+            handles.append(mod.register_forward_hook(out_hook(keep(k, STREAM))))
+    stats: dict = {}
+    try:
+        with torch.no_grad():
+            for batch in batches_on(model_a, data, "activation statistics", progress):
+                state["mask"] = batch.mask
+                for k, model in enumerate((model_a, model_b)):
+                    cur[k] = {}
+                    model.eval()(**batch.inputs)
+                for key, parts_a in cur[0].items():
+                    parts_b = cur[1][key]
+                    if key == STREAM:
+                        parts_a = [_stream_view(x, stream_variant, stream) for x in parts_a]
+                        parts_b = [_stream_view(x, stream_variant, stream) for x in parts_b]
+                    a, b = torch.cat(parts_a), torch.cat(parts_b)
+                    if key not in stats:
+                        stats[key] = Joint.empty(a.shape[1])
+                    stats[key].add(a, b)
+                cur = [{}, {}]
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+# ---------------------------------------------------------------------------- residual stream
+
+
+def _inv_sqrt(S: torch.Tensor, power: float) -> torch.Tensor:
+    """``S^power`` of a symmetric PSD matrix, with a small ridge (1e-8 of the mean eigenvalue)."""
+    lam, V = torch.linalg.eigh((S + S.T) / 2)
+    lam = lam.clamp_min(0) + 1e-8 * lam.clamp_min(0).mean().clamp_min(1e-300)
+    return (V * lam.pow(power)) @ V.T
+
+
+def residual_cost(joint: Joint, fit: str, basis: torch.Tensor | None = None) -> torch.Tensor:
+    """The d × d matrix whose orthogonal Procrustes is the fitted stream map (see the module text);
+    ``basis``: an orthonormal basis of the subspace the fit lives in (LayerNorm: the complement of 1)."""
+    if fit not in RESIDUAL_FITS:
+        raise SymmergeError(f"unknown residual fit {fit!r}; choose one of {', '.join(RESIDUAL_FITS)}")
+    d = joint.f
+    B = torch.eye(d, dtype=torch.float64) if basis is None else basis
+    G = joint.gram
+    C, Sa, Sb = (B.T @ X @ B for X in (G[:d, d:], G[:d, :d], G[d:, d:]))
+    if fit == "lstsq":
+        C = _inv_sqrt(Sa, -1.0) @ C
+    elif fit == "cca":
+        Sa_h, Sb_h = _inv_sqrt(Sa, -0.5), _inv_sqrt(Sb, -0.5)
+        U, _, Vh = torch.linalg.svd(Sa_h @ C @ Sb_h)
+        C = Sa_h @ U @ Vh @ _inv_sqrt(Sb, 0.5)
+    return B @ C @ B.T
+
+
+def residual_element(inst, joint: Joint, fit: str, sd_a: dict, sd_b: dict) -> StreamElement:
+    """The stream element in the instance's variant from the boundary statistics."""
+    variant = inst.info.variant
+    d = joint.f
+    if variant in ("permutation", "signed_permutation"):
+        corr = joint.correlation()[:d, d:]
+        if variant == "permutation":
+            return StreamElement(perm=permutation_residual(corr))
+        perm, signs = signed_permutation_residual(corr)
+        return StreamElement(perm=perm, signs=signs)
+    if variant == "orthogonal":
+        return StreamElement(Q=orthogonal_residual(residual_cost(joint, fit)))
+    B = complement_basis(d)
+    C = residual_cost(joint, fit, B)
+    u = torch.full((d, 1), 1 / math.sqrt(d), dtype=torch.float64)
+    weights_cost, _ = inst.kind.cost(inst, sd_a, sd_b)  # the sign on the all-ones direction: from the weights
+    C = C + (u.T @ weights_cost @ u) * (u @ u.T)
+    return StreamElement(Q=centered_residual(C))
+
+
+# ---------------------------------------------------------------------------- scales from the weights
+
+
+def _head_scales(insts, elements, sd_a, sd_b) -> None:
+    """Per head the scale closest in the weights for the head's (activation-fitted) rotation."""
+    if not insts:
+        return
+    parts = [products(blocks(i, sd_a), blocks(i, sd_b)) for i in insts]
+    Mp, Mm, n1p, n1m, _, _ = (torch.cat(x) for x in zip(*parts))
+    R = torch.cat([elements[i.name].R for i in insts])
+    a = scale_for_rotation(R, Mp, Mm, n1p, n1m)
+    k = 0
+    for inst in insts:
+        elements[inst.name] = HeadElement(elements[inst.name].R, a[k:k + inst.blocks])
+        k += inst.blocks
+
+
+def _rope_scales(inst, element: HeadElement, sd_a, sd_b) -> HeadElement:
+    """Per rotary pair the scale closest in the weights for the pair's rotation (the non-rotated dims:
+    as a head)."""
+    if inst.group.param("pair_norms"):
+        return element
+    r, d = inst.info.rotary, inst.size
+    h = r // 2
+    j = torch.arange(h)
+    R = element.R.double()
+    theta = torch.atan2(R[:, j + h, j], R[:, j, j])
+    xa, xb = blocks(inst, sd_a), blocks(inst, sd_b)
+    cp, P = pair_products(xa[1], xb[1], r)
+    cm, M = pair_products(xa[-1], xb[-1], r)
+    w = torch.polar(torch.ones_like(theta), -theta)
+    rho = quartic_scale((w * cp).real, (w * cm).real, P, M).reshape(theta.shape)
+    R_pass = a_pass = None
+    if r < d:
+        R_pass = R[:, r:, r:]
+        Mp, Mm, n1p, n1m, _, _ = products({p: x[:, r:] for p, x in xa.items()}, {p: x[:, r:] for p, x in xb.items()})
+        a_pass = scale_for_rotation(R_pass, Mp, Mm, n1p, n1m)
+    return HeadElement(*rope_element(theta, rho, R_pass, a_pass, d))
+
+
+# ---------------------------------------------------------------------------- the matching
+
+
+def _pseudo(model, inst, units_only: bool):
+    """The instance on activation slots (one per weight slot that stands for an activation; FFN: only
+    the units, the output module's input), and the sites it reads."""
+    slots, sites = [], []
+    for s in inst.slots:
+        found = activation_slot(model, s)
+        if found is None:
+            continue
+        site, slot = found
+        if units_only and site.side != "in":
+            continue
+        slots.append(slot)
+        sites.append(site)
+    if not slots:
+        raise SymmergeError(f"{inst.name}: no activation stands for this group's tensors")
+    return replace(inst, slots=tuple(slots)), sites
+
+
+def _present(inst, tensors: dict):
+    """The instance restricted to the slots whose tensors exist (activations gathered)."""
+    return replace(inst, slots=tuple(s for s in inst.slots if s.key in tensors))
+
+
+def match_activations(instances, model_a, model_b, data, opts: Options, progress=None, residual_fit: str = "procrustes",
+                      stream: str = "normalized", rescale_from: str = "weights", weights_for: tuple | None = None,
+                      timings: dict | None = None) -> dict:
+    """``{instance name: element}`` for the instances active under ``opts``, fitted to the activations of
+    ``model_a`` (moved) and ``model_b`` (anchor) — both in the canonical form the groups act on — on the
+    unlabeled ``data``; see the module text for ``residual_fit``, ``stream`` and ``rescale_from``.
+    ``weights_for``: names of per-layer groups solved on the weights instead (exactly, given the stream
+    element and the groups before them); None: all of them when the residual stream is among the
+    groups, none otherwise (see the module text). ``timings``: seconds of the statistics pass and of the
+    solve are added to it."""
+    for value, allowed, what in ((residual_fit, RESIDUAL_FITS, "residual fit"), (stream, STREAM_MODES, "stream mode"),
+                                 (rescale_from, SCALE_SOURCES, "scale source")):
+        if value not in allowed:
+            raise SymmergeError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+    t0 = time.perf_counter()
+    active = [i for i in instances if i.kind.active(i, opts)]
+    local = [i for i in active if i.kind.per_layer]
+    wide = [i for i in active if not i.kind.per_layer]
+    if weights_for is None:
+        weights_for = tuple({i.group.name for i in local}) if wide else ()
+    if any(i.kind.name != "residual" for i in wide):
+        raise SymmergeError("activation matching knows one model-wide group: the residual stream")
+    pseudo, sites = {}, {}
+    for inst in local:
+        pseudo[inst.name], found = _pseudo(model_a, inst, units_only=inst.kind.name == "permutation")
+        if inst.group.name not in weights_for:
+            sites.update({s.key: s for s in found})
+    variant = wide[0].info.variant if wide else None
+    stats = gather(model_a, model_b, data, list(sites.values()), variant, stream, progress=progress is not None)
+    if wide and STREAM not in stats:
+        raise SymmergeError("no hidden states reached the layers: check the data")
+    t1 = time.perf_counter()
+    if progress is not None:
+        progress("activation statistics")
+
+    sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
+    elements = {inst.name: residual_element(inst, stats[STREAM], residual_fit, sd_a, sd_b) for inst in wide}
+    # pseudo-tensors: A's and B's factors of every joint Gram (FFN units: of the correlations)
+    ffn_keys = {s.key for i in local if i.kind.name == "permutation" for s in pseudo[i.name].slots}
+    act_a, act_b = {}, {}
+    for key, joint in stats.items():
+        if key != STREAM:
+            act_a[key], act_b[key] = factor(joint.correlation() if key in ffn_keys else joint.gram)
+    rotations = opts if rescale_from == "activations" else replace(opts, rescale="none")
+    moved_w, moved_act = apply(sd_a, wide, elements), act_a
+    by_weights = SolveContext(local)
+    by_acts = SolveContext(list(pseudo.values()))
+    fitted = []  # instances fitted to activations (their scales follow)
+    for name, insts in by_group(local).items():  # in the spec's order: head pairing first
+        kind = insts[0].kind
+        if name in weights_for:  # the exact optimum in the weights, given the stream and the groups before
+            found = solve_local(insts, moved_w, sd_b, opts, ctx=by_weights)
+        elif kind.name == "permutation":  # exact assignment on (|where unit scales may flip|) correlations
+            perms = kind.prepare([pseudo[i.name] for i in insts], moved_act, act_b, opts)
+            found = {i.name: PermElement(perms[i.name]) for i in insts if i.name in perms}
+            fitted += insts
+        else:
+            found = solve_local([pseudo[i.name] for i in insts], moved_act, act_b, rotations, ctx=by_acts)
+            fitted += insts
+        for inst in insts:  # inactive without scales (rescale only): scales alone below
+            found.setdefault(inst.name, kind.identity(inst))
+        elements.update(found)
+        moved_w = apply(moved_w, insts, found)
+        moved_act = apply(moved_act, [_present(pseudo[i.name], moved_act) for i in insts], found)
+        if progress is not None:
+            progress(name)
+
+    if opts.rescale != "none":  # scales from the weights, on A moved by the stream and head pairing
+        first = [i for i in active if not i.kind.per_layer or i.kind.name == "heads"]
+        moved = apply(sd_a, first, elements)
+        if rescale_from == "weights":
+            _head_scales([i for i in fitted if i.kind.name == "head_orthogonal"], elements, moved, sd_b)
+            for inst in (i for i in fitted if i.kind.name == "rope_pairs"):
+                elements[inst.name] = _rope_scales(inst, elements[inst.name], moved, sd_b)
+        for inst in (i for i in fitted if i.kind.name == "permutation"):
+            if inst.kind.plan(inst, opts)[1]:  # SwiGLU unit scales
+                perm = elements[inst.name].perm
+                elements[inst.name] = PermElement(perm, unit_scales(inst, moved, sd_b, perm))
+    if timings is not None:
+        timings["statistics"] = timings.get("statistics", 0.0) + t1 - t0
+        timings["solve"] = timings.get("solve", 0.0) + time.perf_counter() - t1
+    return elements

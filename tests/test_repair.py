@@ -1,0 +1,116 @@
+"""REPAIR (symmerge.merge.repair): channel statistics reset to the interpolated endpoints', folded into
+weights and biases; wired into merge_models and barrier_study."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import output_rel_diff
+from factories import make_model
+from symmerge.evaluate.barrier import barrier_study
+from symmerge.evaluate.metrics import interpolate
+from symmerge.merge.fuse import merge_models
+from symmerge.merge.repair import CHANNELS, _sites, repair
+from symmerge.pipeline.options import AlignOptions
+from symmerge.pipeline.verify import with_state_dict
+from test_activations import unlabeled
+
+
+def _stats(model, data, names):
+    """Independent per-channel mean and std of module outputs over all tokens of ``data``."""
+    got = {n: [] for n in names}
+    hooks = [model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: got[n].append(o.detach()))
+             for n in names]
+    masks = []
+    with torch.no_grad():
+        for b in data:
+            model(**b.inputs)
+            masks.append(b.mask)
+    for h in hooks:
+        h.remove()
+    out = {}
+    for n, xs in got.items():  # padding tokens excluded
+        x = torch.cat([x[m] if m is not None else x.reshape(-1, x.shape[-1]) for x, m in zip(xs, masks)]).double()
+        out[n] = (x.mean(0), x.std(0, unbiased=False))
+    return out
+
+
+def test_a_known_affine_damage_of_one_layer_is_undone_exactly():
+    """Merged = endpoint A with layer 0's fc1 outputs mapped y → 0.5 y − 0.2 b + 1 (a per-channel affine
+    map): REPAIR towards A (weights 1, 0) restores A's fc1 weight and bias, and leaves everything else."""
+    a, b = make_model("vit", head=True, seed=0), make_model("vit", head=True, seed=4)
+    data = unlabeled(a, batches=2)
+    sd = {k: v.clone() for k, v in a.state_dict().items()}
+    w, bias = "vit.layers.0.mlp.fc1.weight", "vit.layers.0.mlp.fc1.bias"
+    sd[w], sd[bias] = 0.5 * sd[w], 0.3 * sd[bias] + 1.0
+    damaged = with_state_dict(a, sd)
+    fixed, report = repair(damaged, [a, b], [1.0, 0.0], data, channels=("ffn",))
+    out = fixed.state_dict()
+    for k, v in a.state_dict().items():
+        torch.testing.assert_close(out[k], v, atol=1e-9, rtol=1e-9)
+    assert report["std_ratio_before"]["ffn"] < 1.0 and report["scale_only"] == []
+
+
+@pytest.mark.parametrize("family", ["vit", "bert", "gpt2"])
+def test_every_corrected_channel_has_the_target_statistics(family):
+    """Fully sequential REPAIR (``site``): each corrected module's output mean and std equal the
+    interpolated endpoint statistics (measured independently); the endpoints are untouched and the
+    architecture (keys, shapes, dtypes) is unchanged."""
+    a, b = make_model(family, head=True, seed=0), make_model(family, head=True, seed=4)
+    data = unlabeled(a, batches=2)
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (a, b)]
+    merged = with_state_dict(b, interpolate(a.state_dict(), b.state_dict(), 0.3))
+    fixed, report = repair(merged, [a, b], [0.3, 0.7], data, channels=CHANNELS, remeasure="site")
+
+    names = list(_sites(a))
+    assert report["modules"] == len(names) and set(report["std_ratio_before"]) == {"ffn", "attn_out", "mlp_out", "norm"}
+    sa, sb, sf = (_stats(m, data, names) for m in (a, b, fixed))
+    for n in names:
+        target_mean = 0.3 * sa[n][0] + 0.7 * sb[n][0]
+        target_std = 0.3 * sa[n][1] + 0.7 * sb[n][1]
+        if n in report["scale_only"]:
+            continue
+        torch.testing.assert_close(sf[n][0], target_mean, atol=1e-8, rtol=0)
+        torch.testing.assert_close(sf[n][1], target_std, atol=1e-8, rtol=1e-8)
+    for m, sd in zip((a, b), before):
+        assert all(torch.equal(m.state_dict()[k], v) for k, v in sd.items())
+    new, old = fixed.state_dict(), merged.state_dict()
+    assert type(fixed) is type(merged) and list(new) == list(old)
+    assert all(new[k].shape == old[k].shape and new[k].dtype == old[k].dtype for k in old)
+    sm = _stats(merged, data, names)
+    assert any(not torch.allclose(sm[n][1], sf[n][1]) for n in names)  # it did change something
+
+
+def test_repair_at_an_endpoint_is_the_endpoint():
+    a, b = make_model("llama", head=True, seed=0), make_model("llama", head=True, seed=4)
+    data = unlabeled(a, batches=2)
+    fixed, report = repair(a, [a, b], [1.0, 0.0], data)
+    assert output_rel_diff(a, fixed, data.batches[0].inputs) < 1e-9
+    assert report["scale_only"]  # RMSNorm and bias-free Linears: scale only, and said so
+
+
+def test_merge_models_and_barrier_study_repair(tmp_path):
+    a, b = make_model("vit", head=True, seed=0, dtype=torch.float32), make_model("vit", head=True, seed=4,
+                                                                                  dtype=torch.float32)
+    align = unlabeled(a, batches=2)
+    opts = AlignOptions(symmetries=("attn", "ffn"), align_data=align)
+    plain, _ = merge_models([a, b], "average", align=opts, evaluate_result=False, progress=False)
+    fixed, rep = merge_models([a, b], "average", align=opts, evaluate_result=False, progress=False, repair=True)
+    assert rep["repair"]["modules"] > 0 and "repair" in rep["timings"]
+    assert list(fixed.state_dict()) == list(plain.state_dict())
+    assert any(not torch.equal(fixed.state_dict()[k], plain.state_dict()[k]) for k in plain.state_dict())
+    with pytest.raises(Exception, match="align-data"):
+        merge_models([a, b], "average", align=AlignOptions(symmetries=("attn",)), evaluate_result=False, repair=True)
+    import numpy as np
+
+    x = torch.cat([bt.inputs["pixel_values"] for bt in unlabeled(a, batches=1, seed=9)]).numpy()
+    np.savez(tmp_path / "test.npz", pixel_values=x, labels=np.arange(len(x)) % 3)
+    study = barrier_study(a, b, tmp_path / "test.npz", aligns=("attn,ffn",), points=3, progress=False,
+                          repair=True, align_data=align)
+    assert set(study["curves"]) == {"none", "attn,ffn", "none+repair", "attn,ffn+repair"}
+    for v in ("none", "attn,ffn"):  # REPAIR at the endpoints changes nothing
+        plain_c, rep_c = study["curves"][v], study["curves"][v + "+repair"]
+        assert rep_c["loss"][0] == pytest.approx(plain_c["loss"][0], rel=1e-4)
+        assert rep_c["loss"][-1] == pytest.approx(plain_c["loss"][-1], rel=1e-4)
+        assert rep_c["loss"][1] != pytest.approx(plain_c["loss"][1], rel=1e-6)
