@@ -162,18 +162,26 @@ def stage(desc: str, enabled: bool = True):
         line(f"{desc} ({time.perf_counter() - t0:.1f} s)")
 
 
+LINE_EVERY = 5.0  # seconds between two lines of a stage_printer in lines mode
+
+
 def stage_printer(total: int | None = None, desc: str = "solving"):
     """A callback ``progress(stage_name)`` for the solver engine, called after each group is solved
-    (and after each coordinate-descent sweep): a bar ticking once per call, or in lines mode one
-    line per call with the seconds since the previous one (the first: since ``progress.start()``,
-    which the caller calls when solving begins, else since the callback was made)."""
+    (and after each coordinate-descent sweep): a bar ticking once per call, or in lines mode a line
+    for the first call and then at most one every :data:`LINE_EVERY` seconds, with the seconds and
+    the calls since the previous line (the first: since ``progress.start()``, which the caller calls
+    when solving begins, else since the callback was made)."""
     if mode() == "lines":
-        last = [time.perf_counter()]
+        last, calls = [time.perf_counter(), None], [0]
 
         def progress_line(name: str) -> None:
             now = time.perf_counter()
-            line(f"{desc}: {name} ({now - last[0]:.1f} s)")
-            last[0] = now
+            calls[0] += 1
+            if last[1] is not None and now - last[1] < LINE_EVERY:  # at most one line every LINE_EVERY s
+                return
+            steps = f", {calls[0]} steps" if calls[0] > 1 else ""
+            line(f"{desc}: {name} ({now - last[0]:.1f} s{steps})")
+            last[0], last[1], calls[0] = now, now, 0
 
         progress_line.start = lambda: last.__setitem__(0, time.perf_counter())
         return progress_line

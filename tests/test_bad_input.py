@@ -267,7 +267,7 @@ def test_align_happy_path(tmp_path, out, capsys):
     assert report["distance_after"] < 1e-4 * report["distance_before"]
     assert 0 <= report["verify_max_abs_diff"] < 1e-3
     assert report["seconds"] > 0
-    assert set(report["per_module"]) == {f"layer.{i}.{g}" for i in range(2) for g in ("attn.qk", "attn.vo", "ffn")}
+    assert set(report["per_module"]) == {f"layer.{i}.{g}" for i in range(2) for g in ("heads", "attn.qk", "attn.vo", "ffn")}
     for d in report["per_module"].values():
         assert d["after"] <= d["before"]
     # the report's distance is the real distance of the written weights

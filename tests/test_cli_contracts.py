@@ -197,7 +197,7 @@ def test_head_from_and_weights(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in rows))
     out = tmp_path / "out"
-    assert run_cli("merge", m0, m1, "--method", "average", "--weights", "0.7,0.3", "--head-from", "1",
+    assert run_cli("merge", m0, m1, "--method", "average", "--align", "none", "--weights", "0.7,0.3", "--head-from", "1",
                    "--data", data, "-o", out) == 0
     report = read_report(out)
     assert report["weights"] == [0.7, 0.3]
@@ -265,9 +265,10 @@ def test_specs_lists_every_model_type_and_group(capsys):
     for line in text.splitlines():
         if "(model_type:" in line:
             family = line.split()[0]
-            listed |= {t.strip() for t in line.split("(model_type:")[1].rstrip(")").split(",")}
+            types = line.split("(model_type:")[1].split(";")[0].rstrip(")")
+            listed |= {t.strip() for t in types.split(",")}
             groups[family] = []
-        elif line.startswith("  ") and line.split() and "restricted by" not in line:
+        elif family and line.startswith("  ") and line[2:3].strip() and "restricted by" not in line:
             groups[family].append(line.split()[0])
     assert sorted(listed) == supported_model_types()
     # the model types of every tiny model the tests build, whatever the spec tables say

@@ -17,18 +17,19 @@ from pathlib import Path
 from ..io.model import ensure_output_dir, save_model
 from ..pipeline.align import align_pair
 from ..groups import RESCALE_MODES
-from ..pipeline.options import DEFAULT_SYMMETRIES, RECOMMENDED_NAME, AlignOptions, describe_symmetries
+from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed, stage, stage_printer
+from .alignment_args import add_alignment_arguments, alignment_options
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="HF model folder to align (config.json + safetensors)")
     parser.add_argument("anchor", help="HF model folder of the anchor (left unchanged)")
     parser.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
-    parser.add_argument("--symmetries", default=",".join(DEFAULT_SYMMETRIES),
-                        help=describe_symmetries(f"{','.join(DEFAULT_SYMMETRIES)} (the paper's matching; merge and "
-                                                 f"barrier default to {RECOMMENDED_NAME}). With --stream, "
+    parser.add_argument("--symmetries", default=RECOMMENDED_NAME,
+                        help=describe_symmetries(f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model "
+                                                 "has them; as for merge and barrier). With --stream, "
                                                  f"{RECOMMENDED_NAME} leaves residual out (it cannot stream)"))
     parser.add_argument("--rescale", choices=list(RESCALE_MODES), default="joint",
                         help="how per-head scales are solved when 'rescale' is aligned: joint optimum (default), the "
@@ -52,6 +53,7 @@ def add_arguments(parser) -> None:
                         help="with --stream: also load both models at the end and compare outputs (needs the RAM)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="accept pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True))")
+    add_alignment_arguments(parser, repair=False)
     add_progress_argument(parser)
 
 
@@ -76,8 +78,8 @@ def run(args) -> int:
     ensure_output_dir(out)  # fail before any expensive work
     if args.stream:
         return run_streaming(args, out)
-    options = AlignOptions(symmetries=args.symmetries, rescale=args.rescale, verify=not args.no_verify,
-                           layers=parse_layers(args.layers), verify_tol=args.verify_tol)
+    options = alignment_options(args, args.symmetries, verify=not args.no_verify, layers=parse_layers(args.layers),
+                                verify_tol=args.verify_tol)
     result = align_pair(args.model, args.anchor, options, progress=stage_printer(), allow_pickle=args.allow_pickle)
     report = result.report
     report.update(model=str(args.model), anchor=str(args.anchor))
@@ -111,6 +113,11 @@ def run_streaming(args, out: Path) -> int:
         raise SymmergeError("--stream reads safetensors only; convert pickle checkpoints first")
     if args.no_verify:
         raise SymmergeError("--stream always checks its group elements; --no-verify does not apply")
+    if args.match != "weights" or args.align_data is not None:
+        raise SymmergeError("--stream matches weights only (data-free); --match activations|learned and "
+                            "--align-data need the models in memory: leave out --stream")
+    if args.untie or args.residual != "largest":
+        raise SymmergeError("--stream does not align the residual stream; --untie and --residual do not apply")
     report = align_streaming(args.model, args.anchor, out, symmetries=args.symmetries, rescale=args.rescale,
                              layers=parse_layers(args.layers), device=args.device, shard_size=args.shard_size,
                              verify_forward=args.verify_forward, verify_tol=args.verify_tol, pipeline=args.pipeline)

@@ -17,6 +17,7 @@ from ..io.model import ensure_output_dir
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed
+from .alignment_args import add_alignment_arguments, alignment_options
 
 
 def add_arguments(parser) -> None:
@@ -39,6 +40,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     parser.add_argument("--no-verify", action="store_true", help="skip the equivalence check of each alignment")
     parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin checkpoints")
+    add_alignment_arguments(parser)
     add_progress_argument(parser)
 
 
@@ -47,10 +49,11 @@ def run(args) -> int:
 
     out = Path(args.output)
     ensure_output_dir(out)
+    options = alignment_options(args, RECOMMENDED_NAME, verify=not args.no_verify)
     result = barrier_study(args.model_a, args.model_b, args.data, aligns=args.align or [RECOMMENDED_NAME],
-                           points=args.points, rescale=args.rescale, subsets=args.subsets, device=args.device,
-                           batch_size=args.batch_size, max_examples=args.max_examples, verify=not args.no_verify,
-                           allow_pickle=args.allow_pickle)
+                           points=args.points, subsets=args.subsets, device=args.device,
+                           batch_size=args.batch_size, max_examples=args.max_examples,
+                           allow_pickle=args.allow_pickle, options=options, repair=args.repair)
     write_study(result, out)
     width = max(len(name) for name in result["curves"])
     for name, c in result["curves"].items():

@@ -22,6 +22,7 @@ from ..merge import METHODS
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed, stage
+from .alignment_args import add_alignment_arguments, alignment_options
 
 
 def add_arguments(parser) -> None:
@@ -64,6 +65,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     parser.add_argument("--no-verify", action="store_true", help="skip the equivalence check of each alignment")
     parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin checkpoints")
+    add_alignment_arguments(parser)
     add_progress_argument(parser)
 
 
@@ -110,10 +112,8 @@ def parse_anchor(text):
 def options_from(args):
     """The :class:`~symmerge.merge.fuse.MergeOptions` the Python API takes, from the parsed arguments."""
     from ..merge.fuse import MergeOptions
-    from ..pipeline.options import AlignOptions
-
     return MergeOptions(
-        method=args.method, align=AlignOptions(symmetries=args.align, rescale=args.rescale, verify=not args.no_verify),
+        method=args.method, align=alignment_options(args, args.align, verify=not args.no_verify), repair=args.repair,
         anchor=parse_anchor(args.anchor), data=list(args.data or []), eval_data=list(args.eval_data or []),
         weights=parse_weights(args.weights),
         params=parse_params(args.param), base=args.base, heads=args.heads, head_from=args.head_from,

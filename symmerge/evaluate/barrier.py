@@ -102,7 +102,8 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
             moved, end_b, rep = res.model, res.anchor, res.report
             info = {"distance_before": rep["distance_before"], "distance_after": rep["distance_after"],
                     "verify_max_rel_diff": rep.get("verify_max_rel_diff"), "align_seconds": rep["seconds"],
-                    "match_seconds": rep.get("match_seconds")}
+                    "match_seconds": rep.get("match_seconds"), "match": rep.get("match", "weights")}
+            info.update({k: rep[k] for k in ("align_samples_used", "learned", "residual_group", "sweeps") if k in rep})
             result["distances"][v] = distance_before_after(a, b, moved, res.instances, end_b)
         curve = interpolation_curve(moved, end_b, d, alphas, device=dev, progress=progress, label=v)
         moved.to("cpu"), end_b.to("cpu")

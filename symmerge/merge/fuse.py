@@ -227,7 +227,8 @@ def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool
         rep = res.report
         reports.append({"model": name, "anchor": False, "distance_before": rep["distance_before"],
                         "distance_after": rep["distance_after"], "verify_max_rel_diff": rep.get("verify_max_rel_diff"),
-                        "seconds": rep["seconds"],
+                        "seconds": rep["seconds"], "match": rep.get("match", "weights"),
+                        **{k: rep[k] for k in ("align_samples_used", "learned", "residual_group", "sweeps") if k in rep},
                         "distances": distance_before_after(x, proxy, res.model, res.instances, res.anchor)})
     return moved, reports
 
@@ -299,6 +300,12 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
                        "rescale": align_opts.effective_rescale,
                        "anchor": {"index": None, "name": None, "rule": None}, "models": []}
     aligned, aligned_base = list(models), base_model
+    if base_model is not None and align_opts.recommended:  # fine-tunes of one base already share its frame
+        align_opts = align_opts.with_(symmetries=())
+        alignment.update(symmetries=[], rescale="none",
+                         note="'recommended' aligns nothing when a --base is given: models fine-tuned from one base "
+                              "share its parameterisation (B2: matching changed no accuracy); name symmetries to "
+                              "align anyway")
     if align_opts.symmetries:
         anchor_model, alignment["anchor"] = choose_anchor(models, names, body, opts.anchor, base_model, base_name,
                                                           opts.allow_pickle)

@@ -116,7 +116,7 @@ class AlignOptions:
     layers: tuple | None = None
     residual: str = "largest"
     untie: bool = False
-    max_sweeps: int = 50
+    max_sweeps: int = 200
     match: str = "weights"
     align_data: object = None
     align_samples: int = 1000

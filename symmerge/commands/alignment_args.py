@@ -1,0 +1,64 @@
+"""The alignment flags ``align``, ``merge`` and ``barrier`` share, written once: which residual group,
+untying, the coordinate-descent cap, what the elements are fitted to (``--match``), the unlabeled data
+(``--align-data``, ``--align-samples``), the learned alignment's settings and ``--repair``."""
+
+from __future__ import annotations
+
+from ..errors import SymmergeError
+from ..pipeline.options import MATCH_MODES, RESIDUAL_CHOICES, AlignOptions, LearnSettings
+
+
+def add_alignment_arguments(parser, repair: bool = True) -> None:
+    parser.add_argument("--residual", choices=list(RESIDUAL_CHOICES), default="largest",
+                        help="with the residual symmetry: largest (default: the largest function-preserving group "
+                             "of the family's stream — O(d-1) for pre-LN LayerNorm with the norms folded, O(d) for "
+                             "RMSNorm, permutations for post-LN) or permutation (permutations of the stream only)")
+    parser.add_argument("--untie", action="store_true",
+                        help="untie a tied LM head so the final norm can fold into it and the stream gets its "
+                             "largest group (the output then stores the head separately)")
+    parser.add_argument("--max-sweeps", type=int, default=200,
+                        help="cap on the coordinate-descent sweeps over the coupled groups (default 200; it stops "
+                             "earlier when the objective stops decreasing, and warns at the cap)")
+    parser.add_argument("--match", choices=list(MATCH_MODES), default="weights",
+                        help="what the group elements are fitted to: weights (data-free, default), activations "
+                             "(statistics of both models on --align-data) or learned (from the closed form, the "
+                             "continuous elements optimised so the interpolated model matches the interpolated "
+                             "predictions on --align-data; no labels)")
+    parser.add_argument("--align-data", default=None, metavar="FILE",
+                        help="unlabeled data for --match activations|learned and --repair: the formats of --data "
+                             "(.npz images, .jsonl text, .txt LM lines); labels, if present, are ignored")
+    parser.add_argument("--align-samples", type=int, default=1000,
+                        help="use at most this many examples of --align-data (default 1000)")
+    parser.add_argument("--learn-steps", type=int, default=None,
+                        help=f"--match learned: optimiser steps (default {LearnSettings.steps}; early stopping on a "
+                             "held-out part of the data may end sooner)")
+    parser.add_argument("--learn-budget", type=float, default=None, metavar="SECONDS",
+                        help="--match learned: stop after this many seconds of optimisation (default: no limit)")
+    parser.add_argument("--learn-seed", type=int, default=None, help="--match learned: seed (default 0)")
+    if repair:
+        parser.add_argument("--repair", action="store_true",
+                            help="REPAIR: reset the per-channel means and standard deviations of the merged model "
+                                 "(FFN pre-activations, norm outputs) to the interpolation of the endpoints', on "
+                                 "--align-data, folded into weights and biases (architecture unchanged)")
+
+
+def learn_settings(args) -> LearnSettings:
+    changes = {k: v for k, v in (("steps", args.learn_steps), ("budget", args.learn_budget),
+                                  ("seed", args.learn_seed)) if v is not None}
+    return LearnSettings(**changes)
+
+
+def alignment_options(args, symmetries, **extra) -> AlignOptions:
+    """The :class:`AlignOptions` of the parsed flags, for ``symmetries``."""
+    if args.align_data is None and (args.match != "weights" or getattr(args, "repair", False)):
+        need = f"--match {args.match}" if args.match != "weights" else "--repair"
+        raise SymmergeError(f"{need} needs unlabeled data: pass --align-data FILE (labels, if present, are ignored)")
+    if args.match != "learned" and any(v is not None for v in (args.learn_steps, args.learn_budget, args.learn_seed)):
+        raise SymmergeError("--learn-steps, --learn-budget and --learn-seed apply to --match learned only")
+    if args.align_data is not None:
+        from ..io.data import check_data_path
+
+        check_data_path(args.align_data)  # fail before loading any model
+    return AlignOptions(symmetries=symmetries, rescale=args.rescale, residual=args.residual, untie=args.untie,
+                        max_sweeps=args.max_sweeps, match=args.match, align_data=args.align_data,
+                        align_samples=args.align_samples, learn=learn_settings(args), **extra)
