@@ -81,6 +81,9 @@ VARIANTS = {
     "full + residual LayerNorm rotation": "attn,ffn,rescale,residual",
     BEST: BEST_ALIGN,
 }
+# ``--variants full-group``: the rows of the full-symmetry-group study (the paper's set, then each group added)
+FULL_GROUP = ("none", "full (attn+ffn+rescale)", "head perm + full", "full + residual permutation",
+              "full + residual LayerNorm rotation", BEST)
 # Fig. 4's OT baseline (the paper applies OT fusion to the FFN only): label -> (method, extra parameters)
 OT_BASELINES = {
     "OT-FFN baseline (acts, exact EMD)": ("ot_acts_emd", {}),
@@ -123,6 +126,10 @@ def parse_args(argv=None):
     p.add_argument("--test-examples", type=int, default=10000, help="test images for the merged models' scores")
     p.add_argument("--curve-examples", type=int, default=2000, help="test images for the LMC curves")
     p.add_argument("--points", type=int, default=11, help="α values on each LMC curve")
+    p.add_argument("--variants", choices=("all", "full-group"), default="all",
+                   help="alignment variants: all (default: the paper's Table 2/Fig. 4-5 rows and ours) or full-group "
+                        "(none, the paper's set, + head permutation, + residual permutation, + residual rotation, all "
+                        "groups; no OT baselines)")
     add_run_args(p)
     args = p.parse_args(argv)
     if args.tiny:
@@ -201,7 +208,8 @@ def run(args, log=print) -> dict:
     body = [k for k in keys if k.startswith("vit.")]
     rows, matching = [], {}
     moved_by = {}
-    for label, syms in VARIANTS.items():
+    variants = VARIANTS if args.variants == "all" else {k: VARIANTS[k] for k in FULL_GROUP}
+    for label, syms in variants.items():
         # distance of the matched A to B (the paper's Fig. 4), from one alignment outside the merges
         t = time.perf_counter()
         res = None if syms == "none" else align_pair(a, b, options_of(syms))
@@ -223,11 +231,13 @@ def run(args, log=print) -> dict:
                          "timings": rep["timings"]})
             log(f"  {method:11s} {label:31s} accuracy {score['accuracy']:.4f}  loss {score['loss']:.4f}  "
                 f"distance {rows[-1]['distance_after']:.2f}")
-    ot_distance = ot_baselines(a, b, acts, keys, body, log)
+    ot_distance = ot_baselines(a, b, acts, keys, body, log) if args.variants == "all" else {}
 
     curves = {}
     alphas = [i / (args.points - 1) for i in range(args.points)]
     for label, v in LMC_VARIANTS.items():
+        if v not in moved_by:
+            continue
         curves[label] = interpolation_curve(*moved_by[v], curve, alphas, progress=False)
         log(f"  LMC {label:31s} barrier {curves[label]['barrier']:.4f}")
 
@@ -246,7 +256,7 @@ def run(args, log=print) -> dict:
         "regmean_statistics": mean_timing("regmean", "none", "statistics"),
         "regmean_merge": mean_timing("regmean", "none", "statistics") + mean_timing("regmean", "none", "merge"),
         "matching_all_groups": matching[BEST]["seconds"],
-        "head_permutation": matching["perm baseline (head perm+ffn)"]["seconds"],
+        "head_permutation": matching.get("perm baseline (head perm+ffn)", {}).get("seconds"),
         "head_permutation_rotation_aware": matching["head perm + full"]["seconds"],
         "ot_wts_merge": mean_timing("ot_wts", "none", "merge"),
         "ot_acts_statistics": mean_timing("ot_acts", "none", "statistics"),
@@ -418,7 +428,8 @@ def print_tables(r: dict, log=print) -> None:
         log(f"  {v:32s} {c['barrier']:10.4f}")
     log("\nTable 3 layout — runtimes (s)")
     for k, v in r["runtimes"].items():
-        log(f"  {k:32s} {v:10.2f}")
+        if v is not None:  # a variant not run (--variants full-group)
+            log(f"  {k:32s} {v:10.2f}")
 
 
 def markdown_tables(r: dict) -> str:
