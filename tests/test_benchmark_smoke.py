@@ -47,18 +47,24 @@ def test_demo_quick_end_to_end(tmp_path, monkeypatch, capsys):
     assert main(["demo", "--quick", "-o", str(out)]) == 0
     result = json.loads((out / "demo.json").read_text())
     assert (out / "demo.png").stat().st_size > 10_000
+    best = "heads,attn,ffn,rescale,residual"
     assert {(m["method"], m["align"]) for m in result["merges"]} == {
-        (m, a) for m in ("average", "fisher", "regmean") for a in ("none", "attn,ffn,rescale", "attn,ffn,rescale,residual")}
+        (m, a) for m in ("average", "fisher", "regmean") for a in ("none", "attn,ffn,rescale", best)} | {
+        ("average", "learned")}
     ea, eb = result["endpoints"]["A"], result["endpoints"]["B"]
     assert ea["seed"] == 0 and eb["seed"] == 1 and ea["accuracy"] != eb["accuracy"]
     assert ea["accuracy"] > 0.3 and eb["accuracy"] > 0.3  # trained: far above chance (0.1)
     curves, alphas = result["curves"], result["alphas"]
-    assert set(curves) == {"none", "attn,ffn,rescale", "attn,ffn,rescale,residual"} and alphas[0] == 0.0 and alphas[-1] == 1.0
+    assert set(curves) == {"none", "attn,ffn,rescale", best, "learned"} and alphas[0] == 0.0 and alphas[-1] == 1.0
+    (learned,) = [m for m in result["merges"] if m["align"] == "learned"]
+    assert learned["unlabeled_images"] == 100 and learned["learned"]["steps"] <= 5
+    mid = len(alphas) // 2  # the learned row is the learned curve's midpoint, evaluated on its own
+    assert learned["test_loss"] == pytest.approx(curves["learned"]["loss"][mid], rel=1e-6)
     for name, c in curves.items():  # α = 1 is model A, α = 0 is model B (alignment does not change the function)
         assert c["loss"][-1] == pytest.approx(ea["loss"], rel=1e-5)
         # the residual variant interpolates towards B with its LayerNorms folded: the same function, rounded
         # differently in fp32; the others towards B itself
-        assert c["loss"][0] == pytest.approx(eb["loss"], rel=1e-5 if "residual" in name else 1e-9)
+        assert c["loss"][0] == pytest.approx(eb["loss"], rel=1e-5 if name in (best, "learned") else 1e-9)
         assert c["barrier"] == pytest.approx(barrier_by_definition(alphas, c["loss"]), abs=1e-12)
     # endpoints and the plain average, evaluated independently on the test file (one batch)
     test_npz = result["data"]["test_npz"]
