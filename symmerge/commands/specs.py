@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..families import SPECS
+from ..groups import get_kind
 
 NOTATION = """\
 Each group below acts on the tensors listed under it, named as they are stored in a checkpoint
@@ -16,30 +17,15 @@ has the same names without the base-model prefix, e.g. 'vit.').
                residual stream have none.
 """
 
-KIND_TEXT = {
-    "heads": "permutation of the attention heads (GQA: of the key/value heads with their query heads)",
-    "head_orthogonal": "per-head orthogonal rotation",
-    "rope_pairs": "per-head 2x2 rotation of each RoPE frequency pair",
-    "permutation": "permutation of the FFN hidden units",
-    "residual": "one transform of the residual stream through every layer, norm and task head: a permutation "
-                "(LayerNorm models) or an orthogonal map with the norms folded into their readers (RMSNorm "
-                "models; signed permutations where a tied LM head keeps the final norm from folding)",
-}
-
-
 def has_scale(group) -> bool:
     """Whether ``rescale`` gives the group a scale (per head, per RoPE pair or per SwiGLU unit)."""
-    if group.kind == "head_orthogonal":
-        return True
-    if group.kind == "rope_pairs":
-        return not group.param("pair_norms")
-    return group.kind == "permutation" and bool(group.param("unit_scale"))
+    return get_kind(group.kind).scale_text(group) is not None
 
 
 def describe(group) -> str:
-    text = KIND_TEXT.get(group.kind, group.kind)
-    if has_scale(group):
-        text += ", and a scale s ≠ 0 per unit" if group.kind == "permutation" else ", and a scale s > 0"
+    kind = get_kind(group.kind)
+    scale = kind.scale_text(group)
+    text = kind.description + (f", and {scale}" if scale else "")
     return f"{group.name}  (symmetry '{group.symmetry}'; {text})"
 
 

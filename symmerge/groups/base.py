@@ -49,6 +49,11 @@ class Kind:
     name = ""
     per_layer = True  # False: one model-wide instance (the residual stream)
     blocked = False  # the group is split into per-head blocks (blocks = the group's head count)
+    description = ""  # what an element does, in words (``symmerge specs``)
+
+    def scale_text(self, group) -> str | None:
+        """With ``rescale``: the scale the group's elements carry, in words (``symmerge specs``), or None."""
+        return None
 
     # ------------------------------------------------------------------ binding
     def bind(self, group, ctx, layer):

@@ -176,6 +176,10 @@ def transform_blocks(x: torch.Tensor, slot, inst, element: HeadElement) -> torch
 
 class HeadOrthogonal(Kind):
     name = "head_orthogonal"
+    description = "per-head orthogonal rotation"
+
+    def scale_text(self, group) -> str | None:
+        return "a scale s > 0"
     blocked = True
 
     def active(self, inst, opts) -> bool:

@@ -42,6 +42,7 @@ PAIR_BUDGET = 1 << 25  # elements of head blocks materialised at once when pairi
 
 class Heads(Kind):
     name = "heads"
+    description = "permutation of the attention heads (GQA: of the key/value heads with their query heads)"
     blocked = True
 
     def siblings(self, inst, ctx) -> list:

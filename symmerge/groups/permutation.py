@@ -82,6 +82,10 @@ def unit_scales(inst, sd_a: dict, sd_b: dict, perm: torch.Tensor) -> torch.Tenso
 
 class Permutation(Kind):
     name = "permutation"
+    description = "permutation of the FFN hidden units"
+
+    def scale_text(self, group) -> str | None:
+        return "a scale s ≠ 0 per unit" if group.param("unit_scale") else None
     streams_costs = True
 
     @staticmethod

@@ -68,6 +68,10 @@ def _uniform(t: torch.Tensor) -> bool:
 class Residual(Kind):
     name = "residual"
     per_layer = False
+    description = ("one transform of the residual stream through every layer, norm and task head, in the largest "
+                   "group the family allows: orthogonal maps fixing the all-ones direction (pre-LN LayerNorm, norms "
+                   "folded), orthogonal maps (RMSNorm, norms folded), permutations (post-LN LayerNorm, or with "
+                   "--residual permutation), signed permutations (a tied LM head keeps the final norm from folding)")
 
     def bind(self, group, ctx, layer=None):
         if not ctx.task_model:

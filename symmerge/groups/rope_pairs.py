@@ -81,6 +81,10 @@ def _solve(xa: dict, xb: dict, info: RopeInfo, size: int, rotate: bool, rescale:
 
 class RopePairs(Kind):
     name = "rope_pairs"
+    description = "per-head 2x2 rotation of each RoPE frequency pair"
+
+    def scale_text(self, group) -> str | None:
+        return None if group.param("pair_norms") else "a scale s > 0"
     blocked = True
 
     def bind(self, group, ctx, layer):
