@@ -48,3 +48,14 @@ def bench_main(args, train_only, run, print_tables, write_outputs, written: str)
     finally:
         torch.set_num_threads(before)
     return 0
+
+
+def pair_settings(args):
+    """The seeds of models A and B (``--seeds``), and for each model to train now — both, or the one
+    ``--train-only`` names — its name and :class:`~symmerge.demo.train.TrainSettings`."""
+    from symmerge.demo.train import TrainSettings
+
+    seeds = [int(s) for s in args.seeds.split(",")]
+    todo = [(name, TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=seed))
+            for name, seed in zip("AB", seeds) if getattr(args, "train_only", None) in (None, name)]
+    return seeds, todo

@@ -31,13 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import add_run_args, bench_main
+from benchmarks.common import add_run_args, bench_main, pair_settings
 from benchmarks.vit_fashion_mnist import _pyplot, machine
 from symmerge.core.distance import distance, parameter_keys
 from symmerge.demo import text
 from symmerge.demo.datasets import cache_dir
 from symmerge.demo.lm import gpt2_config, train_gpt2
-from symmerge.demo.train import TrainSettings, load_report
+from symmerge.demo.train import load_report
 from symmerge.evaluate.barrier import barrier_study
 from symmerge.evaluate.metrics import evaluate
 from symmerge.io.data import load_data
@@ -116,12 +116,9 @@ def train_pair(args, data: dict, log):
     tok = data["tokenizer"]
     config = gpt2_config(len(tok), args.context, args.hidden, args.layers, args.heads,
                          eos_token_id=tok.eos_token_id, tie=not args.untied)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds, todo = pair_settings(args)
     folders = []
-    for name, seed in zip("AB", seeds):
-        if getattr(args, "train_only", None) not in (None, name):
-            continue
-        settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=seed)
+    for name, settings in todo:
         folders.append(train_gpt2(config, data["train"], settings, tok, name=f"pydocs-{'tiny-' if args.tiny else ''}{name}",
                                   eval_blocks=data["validation"], eval_every=args.eval_every, log=log))
     return config, seeds, folders

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import add_run_args, bench_main
+from benchmarks.common import add_run_args, bench_main, pair_settings
 from symmerge.pipeline.align import align_pair
 from symmerge.pipeline.options import AlignOptions
 from symmerge.io.data import load_data
@@ -53,7 +53,7 @@ from symmerge.core.distance import distance, parameter_keys
 from symmerge.evaluate.metrics import evaluate, interpolation_curve
 from symmerge.merge.fuse import merge_models
 from symmerge.io.model import atomic_dir, load_model, write_json
-from symmerge.demo.train import TrainSettings, load_report, train_vit, vit_config
+from symmerge.demo.train import load_report, train_vit, vit_config
 
 METHODS = ("average", "fisher", "regmean", "ot_wts", "ot_acts", "ot_acts_emd")
 NAMES = {"average": "Simple", "fisher": "Fisher", "regmean": "RegMean", "ot_wts": "OT-WTS", "ot_acts": "OT-ACTS",
@@ -169,12 +169,9 @@ def train_pair(args, arrays, log):
     x_tr, y_tr, x_te, y_te = arrays
     config = vit_config(args.hidden, args.layers, args.heads, args.intermediate, args.patch,
                         labels=FASHION_CLASSES)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds, todo = pair_settings(args)
     folders = []
-    for name, seed in zip("AB", seeds):
-        if getattr(args, "train_only", None) not in (None, name):
-            continue
-        settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=seed)
+    for name, settings in todo:
         folders.append(train_vit(config, x_tr, y_tr, settings, name=f"fmnist-{'tiny-' if args.tiny else ''}{name}",
                                  eval_images=x_te[:2000], eval_labels=y_te[:2000], log=log,
                                  eval_every=0 if args.tiny else max(50, args.steps // 6)))
