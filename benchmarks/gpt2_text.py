@@ -75,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--points", type=int, default=11, help="α values on each LMC curve")
     p.add_argument("--residual", choices=RESIDUAL_CHOICES, default="permutation",
                    help="the residual-stream group of the '…residual' variants (AlignOptions.residual)")
+    p.add_argument("--untie", action="store_true",
+                   help="untie the LM head in the aligned variants (AlignOptions.untie), so that ln_f folds into it and "
+                        "the stream gets its largest group with --residual largest")
     add_run_args(p)
     args = p.parse_args(argv)
     if args.tiny:
@@ -146,7 +149,7 @@ def run(args, log=print) -> dict:
         log(f"model {name} (seed {s}): validation loss {rep['eval_loss']:.4f}, test loss {score['loss']:.4f}, "
             f"next-token accuracy {score['accuracy']:.4f}, trained {rep['seconds']:.0f} s")
 
-    options = AlignOptions(residual=args.residual)
+    options = AlignOptions(residual=args.residual, untie=args.untie)
     study = barrier_study(a, b, curve, aligns=VARIANTS[1:], points=args.points, options=options, progress=False)
     mid = study["alphas"].index(0.5) if 0.5 in study["alphas"] else len(study["alphas"]) // 2
     none_distance = distance(a.state_dict(), b.state_dict(), parameter_keys(a))
