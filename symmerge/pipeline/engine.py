@@ -4,9 +4,11 @@ One engine serves in-memory and streamed alignment:
 
 * :func:`solve_local` — the per-layer groups of any set of layers: group by group in the spec's order
   (head permutation before the head groups it couples, then QK, VO, FFN), each group's kind solving
-  all its instances at once (batched SVDs, assignments on a thread pool) on A moved by the groups
-  before it. In-memory alignment hands it every layer; streaming one tensor-disjoint part of a layer
-  (:func:`parts`), whose costly read-once step (:func:`prepare_costly`) may run on on-demand tensors.
+  all its instances of the layer at once (batched SVDs, exact assignments) on A moved by the groups
+  before it; the layers, independent problems, on a pool of ``Options.workers`` threads with results
+  identical to one layer after another. In-memory alignment hands it every layer; streaming one
+  tensor-disjoint part of a layer (:func:`parts`), whose costly read-once step
+  (:func:`prepare_costly`) may run on on-demand tensors.
 * :func:`solve` — adds the model-wide groups (the residual stream), which couple every layer: they act
   on the other axis of the same tensors and commute with the per-layer groups, so they are solved by
   coordinate descent, each step exact for its group given the rest, until the objective (the squared
@@ -15,9 +17,11 @@ One engine serves in-memory and streamed alignment:
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..core.apply import apply
@@ -30,7 +34,8 @@ DESCENT_TOL = 1e-9  # a sweep must lower the objective by more than this (relati
 @dataclass
 class SolveContext:
     """What a kind may look up while solving: all instances of the solve (e.g. the head groups a head
-    permutation couples), a key restriction for the model-wide cost, assignment threads."""
+    permutation couples), a key restriction for the model-wide cost, assignment threads (None: one per
+    core; the engine sets 1 inside its layer threads)."""
 
     instances: list = field(default_factory=list)
     only_keys: set | None = None
@@ -61,11 +66,28 @@ def prepare_costly(instances, sd_a, sd_b, opts: Options, ctx: SolveContext | Non
     return out
 
 
-def solve_local(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, prepared: dict | None = None,
-                ctx: SolveContext | None = None, timings: dict | None = None) -> dict:
-    """Elements of the per-layer groups among ``instances`` (``{instance name: element}``); seconds
-    per group are added to ``timings``."""
-    ctx = ctx or SolveContext(list(instances))
+def pool_size(workers: int | None) -> int:
+    """Threads for ``workers`` (None: one per core this process may use)."""
+    if workers:
+        return int(workers)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def by_layer(instances) -> list[list]:
+    """Instances grouped by layer, layers in first-appearance order, each keeping the given order."""
+    out: dict[int, list] = {}
+    for inst in instances:
+        out.setdefault(inst.layer, []).append(inst)
+    return list(out.values())
+
+
+def _solve_groups(instances, sd_a: dict, sd_b: dict, opts: Options, prepared: dict | None, ctx: SolveContext,
+                  timings: dict) -> dict:
+    """The per-layer groups among ``instances`` one group after another (spec order), each on A moved by
+    the groups before it; seconds per group are added to ``timings``."""
     groups = list(by_group(active(instances, opts)).items())
     elements: dict = {}
     moved = sd_a
@@ -78,10 +100,52 @@ def solve_local(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None,
         later = {s.key for _, g in groups[k + 1:] for i in g for s in i.slots}
         if later & {s.key for i in insts for s in i.slots}:  # a later group acts on these tensors too
             moved = apply(moved, insts, found)
-        if timings is not None:
-            timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+    return elements
+
+
+def solve_local(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, prepared: dict | None = None,
+                ctx: SolveContext | None = None, timings: dict | None = None) -> dict:
+    """Elements of the per-layer groups among ``instances`` (``{instance name: element}``); seconds
+    per group are added to ``timings`` (summed over layers: with several workers, more than the wall time).
+
+    The layers are independent problems (given the model-wide groups): each is solved on its own, on a
+    pool of ``opts.workers`` threads (None: one per core; 1: one layer after another) — the GEMMs, SVDs
+    and exact assignments release the GIL. Every layer runs the same code whatever the pool, so the
+    elements are bit-identical to the serial path. ``progress`` is called once per layer, in order."""
+    ctx = ctx or SolveContext(list(instances))
+    layers = by_layer(active(instances, opts))
+    workers = min(pool_size(opts.workers), len(layers))
+    # one layer per thread: its assignments run on that thread (no pool inside a pool)
+    inner = SolveContext(ctx.instances, ctx.only_keys, 1) if workers > 1 else ctx
+    elements: dict = {}
+    per_layer = [dict() for _ in layers]
+
+    def run(k: int) -> dict:
+        return _solve_groups(layers[k], sd_a, sd_b, opts, prepared, inner, per_layer[k])
+
+    def done(k: int, found: dict) -> None:
+        elements.update(found)
         if progress is not None:
-            progress(name)
+            progress(f"layer {layers[k][0].layer}")
+
+    if workers <= 1:
+        for k in range(len(layers)):
+            done(k, run(k))
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(run, k) for k in range(len(layers))]
+            try:
+                for k, future in enumerate(futures):
+                    done(k, future.result())
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+    if timings is not None:
+        for t in per_layer:
+            for name, sec in t.items():
+                timings[name] = timings.get(name, 0.0) + sec
     return elements
 
 
