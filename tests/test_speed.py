@@ -18,6 +18,8 @@ from symmerge.pipeline.align import align_pair, instances_for
 from symmerge.pipeline.engine import solve_local
 from symmerge.pipeline.options import AlignOptions
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # the shared CPU: OpenMP teams wait for each other
+
 HAS_LAPX = assignment_solver() == "lapx.lapjvh"
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -115,8 +117,8 @@ def test_parallel_layers_are_bit_identical_to_serial(family, symmetries):
     anchor = make_model(family, head=family != "bert", num_hidden_layers=5)
     model, _, _ = disguised(anchor, symmetries=symmetries, seed=3, noise=0.3)
     results = {}
-    for workers in (1, 2, 4, None):
-        options = AlignOptions(symmetries=symmetries, workers=workers, verify=False)
+    for workers in (1, 2, 4, None):  # a few sweeps of the coordinate descent are enough to compare
+        options = AlignOptions(symmetries=symmetries, workers=workers, verify=False, max_sweeps=3)
         results[workers] = align_pair(model, anchor, options)
     serial = results.pop(1)
     for res in results.values():
@@ -125,15 +127,17 @@ def test_parallel_layers_are_bit_identical_to_serial(family, symmetries):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_solve_local_progress_once_per_layer_in_order():
+def test_solve_local_progress_once_per_layer_in_order_and_threads_restored():
     anchor = make_model("bert", num_hidden_layers=4)
     model, _, _ = disguised(anchor, symmetries=("attn", "ffn"), seed=2)
     _, instances = instances_for(model)
     seen, timings = [], {}
+    threads = torch.get_num_threads()
     opts = AlignOptions(symmetries=("attn", "ffn"), workers=3).solver_options()
     solve_local([i for i in instances if i.kind.per_layer], model.state_dict(), anchor.state_dict(), opts,
                 progress=seen.append, timings=timings)
     assert seen == [f"layer {i}" for i in range(4)]
+    assert torch.get_num_threads() == threads, "the layers' one-thread setting must not leak to the caller"
     assert timings and all(v >= 0 for v in timings.values())
 
 

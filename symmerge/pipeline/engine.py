@@ -5,8 +5,8 @@ One engine serves in-memory and streamed alignment:
 * :func:`solve_local` — the per-layer groups of any set of layers: group by group in the spec's order
   (head permutation before the head groups it couples, then QK, VO, FFN), each group's kind solving
   all its instances of the layer at once (batched SVDs, exact assignments) on A moved by the groups
-  before it; the layers, independent problems, on a pool of ``Options.workers`` threads with results
-  identical to one layer after another. In-memory alignment hands it every layer; streaming one
+  before it; the layers, independent problems, on a pool of ``Options.workers`` threads (one torch
+  thread each) with results identical to one layer after another. In-memory alignment hands it every layer; streaming one
   tensor-disjoint part of a layer (:func:`parts`), whose costly read-once step
   (:func:`prepare_costly`) may run on on-demand tensors.
 * :func:`solve` — adds the model-wide groups (the residual stream), which couple every layer: they act
@@ -23,6 +23,8 @@ import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import torch
 
 from ..core.apply import apply
 from ..core.distance import sq_distance
@@ -109,19 +111,29 @@ def solve_local(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None,
     """Elements of the per-layer groups among ``instances`` (``{instance name: element}``); seconds
     per group are added to ``timings`` (summed over layers: with several workers, more than the wall time).
 
-    The layers are independent problems (given the model-wide groups): each is solved on its own, on a
-    pool of ``opts.workers`` threads (None: one per core; 1: one layer after another) — the GEMMs, SVDs
-    and exact assignments release the GIL. Every layer runs the same code whatever the pool, so the
-    elements are bit-identical to the serial path. ``progress`` is called once per layer, in order."""
+    The layers are independent problems (given the model-wide groups). With more than one layer, each is
+    solved on its own with one torch thread, on a pool of ``opts.workers`` threads (None: one per core;
+    1: one layer after another in the calling thread): the cores go to layers instead of to the
+    intra-op threads of small SVDs and GEMMs, whose OpenMP teams wait for each other on a shared machine.
+    Every layer runs the same code on one thread whatever the pool size, so the elements are
+    bit-identical to the serial path. A single layer (a streamed part) keeps torch's intra-op threads.
+    ``progress`` is called once per layer, in order."""
     ctx = ctx or SolveContext(list(instances))
     layers = by_layer(active(instances, opts))
+    if len(layers) <= 1:
+        found = _solve_groups(layers[0], sd_a, sd_b, opts, prepared, ctx, timings if timings is not None else {}) \
+            if layers else {}
+        if progress is not None and layers:
+            progress(f"layer {layers[0][0].layer}")
+        return found
     workers = min(pool_size(opts.workers), len(layers))
-    # one layer per thread: its assignments run on that thread (no pool inside a pool)
-    inner = SolveContext(ctx.instances, ctx.only_keys, 1) if workers > 1 else ctx
+    # one layer per thread, one torch thread per layer, its assignments on that thread (no pool in a pool)
+    inner = SolveContext(ctx.instances, ctx.only_keys, 1)
     elements: dict = {}
     per_layer = [dict() for _ in layers]
 
     def run(k: int) -> dict:
+        torch.set_num_threads(1)  # this thread's OpenMP/MKL threads (restored for the caller below)
         return _solve_groups(layers[k], sd_a, sd_b, opts, prepared, inner, per_layer[k])
 
     def done(k: int, found: dict) -> None:
@@ -129,19 +141,23 @@ def solve_local(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None,
         if progress is not None:
             progress(f"layer {layers[k][0].layer}")
 
-    if workers <= 1:
-        for k in range(len(layers)):
-            done(k, run(k))
-    else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(run, k) for k in range(len(layers))]
-            try:
-                for k, future in enumerate(futures):
-                    done(k, future.result())
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
+    threads = torch.get_num_threads()
+    try:
+        if workers == 1:
+            for k in range(len(layers)):
+                done(k, run(k))
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                futures = [pool.submit(run, k) for k in range(len(layers))]
+                try:
+                    for k, future in enumerate(futures):
+                        done(k, future.result())
+                except BaseException:
+                    for future in futures:
+                        future.cancel()
+                    raise
+    finally:
+        torch.set_num_threads(threads)
     if timings is not None:
         for t in per_layer:
             for name, sec in t.items():
