@@ -15,7 +15,7 @@ other processes hits them alike; the load average is printed too):
   jobs the wall time says more about the load than about the code);
 * ``--extra``: also sequential rescale, FFN only, attn + joint rescale (parallel).
 
-Usage: python -m benchmarks.bench_matching [--repeats 3] [--layers 12] [--extra]
+Usage: python -m benchmarks.bench_matching [--repeats 3] [--layers 12] [--hidden 768] [--ffn 3072] [--extra]
 """
 
 from __future__ import annotations
@@ -78,9 +78,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768, help="hidden size (64 per head; smoke test: smaller)")
+    parser.add_argument("--ffn", type=int, default=3072, help="FFN width")
     parser.add_argument("--extra", action="store_true", help="also time sequential rescale, FFN only, attn + rescale")
     args = parser.parse_args()
-    cfg = RobertaConfig(hidden_size=768, num_hidden_layers=args.layers, num_attention_heads=12, intermediate_size=3072)
+    cfg = RobertaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers,
+                        num_attention_heads=max(1, args.hidden // 64), intermediate_size=args.ffn)
     torch.manual_seed(0)
     a, b = RobertaModel(cfg), RobertaModel(cfg)
     sd_a, sd_b = a.state_dict(), b.state_dict()
@@ -92,7 +95,8 @@ def main() -> None:
 
     full = ("attn", "ffn", "rescale")
     result = {
-        "shape": f"roberta-base ({args.layers} layers, 768 hidden, 12 heads, FFN 3072)",
+        "shape": f"roberta-base ({args.layers} layers, {args.hidden} hidden, {cfg.num_attention_heads} heads, "
+                 f"FFN {args.ffn})",
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
         "workers": pool_size(None),

@@ -200,3 +200,20 @@ def test_statistics_and_evaluation_on_cuda_equal_cpu():
     assert on_cpu.keys() == on_gpu.keys()
     for k in on_cpu:
         assert on_cpu[k] == pytest.approx(on_gpu[k], rel=1e-6, abs=1e-9), k
+
+
+def test_bench_matching_runs(monkeypatch, capsys):
+    """``python -m benchmarks.bench_matching`` runs on the current API and prints its fields (2 small layers)."""
+    import json
+    import sys
+
+    from benchmarks import bench_matching
+
+    monkeypatch.setattr(sys, "argv", ["bench_matching", "--layers", "2", "--repeats", "1", "--hidden", "128",
+                                      "--ffn", "256"])
+    bench_matching.main()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("full_match_s", "full_match_serial_s", "full_match_serial_scipy_s", "attn_match_s",
+                "attn_match_serial_s", "ffn_assignment_s_per_layer", "load_avg_start"):
+        assert key in result
+    assert "scipy" in result["ffn_assignment_s_per_layer"]
