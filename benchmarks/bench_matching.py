@@ -34,7 +34,8 @@ from symmerge.core.solvers import match_permutation
 from symmerge.core.solvers.assignment import assignment_solver
 from symmerge.groups.permutation import permutation_cost
 from symmerge.pipeline.align import instances_for
-from symmerge.pipeline.engine import pool_size, solve
+from symmerge.core.parallel import pool_size
+from symmerge.pipeline.engine import solve
 from symmerge.pipeline.options import AlignOptions
 
 

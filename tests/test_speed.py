@@ -127,18 +127,27 @@ def test_parallel_layers_are_bit_identical_to_serial(family, symmetries):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_solve_local_progress_once_per_layer_in_order_and_threads_restored():
+def test_solve_local_restores_the_callers_threads():
     anchor = make_model("bert", num_hidden_layers=4)
     model, _, _ = disguised(anchor, symmetries=("attn", "ffn"), seed=2)
     _, instances = instances_for(model)
-    seen, timings = [], {}
-    threads = torch.get_num_threads()
+    threads, timings = torch.get_num_threads(), {}
     opts = AlignOptions(symmetries=("attn", "ffn"), workers=3).solver_options()
-    solve_local([i for i in instances if i.kind.per_layer], model.state_dict(), anchor.state_dict(), opts,
-                progress=seen.append, timings=timings)
-    assert seen == [f"layer {i}" for i in range(4)]
+    found = solve_local([i for i in instances if i.kind.per_layer], model.state_dict(), anchor.state_dict(), opts,
+                        timings=timings)
     assert torch.get_num_threads() == threads, "the layers' one-thread setting must not leak to the caller"
-    assert timings and all(v >= 0 for v in timings.values())
+    assert sum(1 for i in instances if i.kind.name == "permutation" and i.name in found) == 4
+
+
+def test_layer_map_order_threads_and_errors():
+    from symmerge.core.parallel import layer_map
+
+    threads = torch.get_num_threads()
+    assert layer_map(lambda x: (x, torch.get_num_threads()), range(5), 3) == [(x, 1) for x in range(5)]
+    assert layer_map(lambda x: torch.get_num_threads(), [0], 3) == [threads]  # one item: torch's threads
+    with pytest.raises(ValueError, match="bad 2"):
+        layer_map(lambda x: (_ for _ in ()).throw(ValueError(f"bad {x}")) if x == 2 else x, range(4), 2)
+    assert torch.get_num_threads() == threads
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])

@@ -9,8 +9,8 @@ With --stream neither model is loaded whole: the checkpoints (safetensors, one f
 read one part of a layer at a time (attention QK, VO, FFN), solved and written shard by shard (memory:
 about the largest part of both models plus its cost matrix, whatever the depth). --pipeline overlaps
 reads, GEMMs, assignments and writes across layers instead (a few layers in memory). Use streaming
-for checkpoints near or above RAM. --device cuda runs the FFN cost GEMMs on a GPU. In memory the layers
-are solved on a pool of one thread per core (--workers).
+for checkpoints near or above RAM. --device cuda runs the FFN cost GEMMs on a GPU. In memory the FFN
+layers are solved on a pool of one thread per core (--workers).
 """
 
 from pathlib import Path
@@ -50,7 +50,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="where the FFN cost GEMMs run: cpu (default), cuda, cuda:N or auto")
     parser.add_argument("--workers", type=int, default=None,
-                        help="layers solved at once on a thread pool (default: one per core; 1: one after another; "
+                        help="FFN layers (cost GEMM + exact assignment) solved at once on a thread pool (default: one "
+                             "per core; 1: one after another; "
                              "the result is the same). With --stream only with --pipeline (default 2 there): the "
                              "low-memory mode solves one part of one layer at a time")
     parser.add_argument("--verify-forward", action="store_true",

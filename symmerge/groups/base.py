@@ -34,8 +34,9 @@ RESCALE_MODES = ("joint", "sequential", "none")
 @dataclass(frozen=True)
 class Options:
     """What the solvers need to know: the user-facing symmetries turned on, the rescale mode (``none``
-    unless ``rescale`` is among the symmetries), where cost GEMMs run, and how many layers are solved
-    at once (``workers``: None = one per core, 1 = one layer after another; the results are the same)."""
+    unless ``rescale`` is among the symmetries), where cost GEMMs run, and how many layers' costly
+    problems (FFN cost + assignment) are solved at once (``workers``: None = one per core, 1 = one
+    layer after another; the results are the same)."""
 
     symmetries: frozenset = field(default_factory=frozenset)
     rescale: str = "none"

@@ -4,11 +4,12 @@ One engine serves in-memory and streamed alignment:
 
 * :func:`solve_local` — the per-layer groups of any set of layers: group by group in the spec's order
   (head permutation before the head groups it couples, then QK, VO, FFN), each group's kind solving
-  all its instances of the layer at once (batched SVDs, exact assignments) on A moved by the groups
-  before it; the layers, independent problems, on a pool of ``Options.workers`` threads (one torch
-  thread each) with results identical to one layer after another. In-memory alignment hands it every layer; streaming one
-  tensor-disjoint part of a layer (:func:`parts`), whose costly read-once step
-  (:func:`prepare_costly`) may run on on-demand tensors.
+  all its instances at once (batched SVDs) on A moved by the groups before it. A kind whose
+  instances are costly independent problems (the FFN permutation: a cost GEMM and an exact assignment
+  per layer) solves them on a pool of ``Options.workers`` threads, one torch thread each
+  (:func:`symmerge.core.parallel.layer_map`), bit-identical to one after another. In-memory alignment
+  hands it every layer; streaming one tensor-disjoint part of a layer (:func:`parts`), whose costly
+  read-once step (:func:`prepare_costly`) may run on on-demand tensors.
 * :func:`solve` — adds the model-wide groups (the residual stream), which couple every layer: they act
   on the other axis of the same tensors and commute with the per-layer groups, so they are solved by
   coordinate descent, each step exact for its group given the rest, until the objective (the squared
@@ -17,14 +18,10 @@ One engine serves in-memory and streamed alignment:
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-
-import torch
 
 from ..core.apply import apply
 from ..core.distance import sq_distance
@@ -36,12 +33,10 @@ DESCENT_TOL = 1e-9  # a sweep must lower the objective by more than this (relati
 @dataclass
 class SolveContext:
     """What a kind may look up while solving: all instances of the solve (e.g. the head groups a head
-    permutation couples), a key restriction for the model-wide cost, assignment threads (None: one per
-    core; the engine sets 1 inside its layer threads)."""
+    permutation couples) and a key restriction for the model-wide cost."""
 
     instances: list = field(default_factory=list)
     only_keys: set | None = None
-    assignment_workers: int | None = None
 
 
 def by_group(instances) -> dict[str, list]:
@@ -68,28 +63,11 @@ def prepare_costly(instances, sd_a, sd_b, opts: Options, ctx: SolveContext | Non
     return out
 
 
-def pool_size(workers: int | None) -> int:
-    """Threads for ``workers`` (None: one per core this process may use)."""
-    if workers:
-        return int(workers)
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def by_layer(instances) -> list[list]:
-    """Instances grouped by layer, layers in first-appearance order, each keeping the given order."""
-    out: dict[int, list] = {}
-    for inst in instances:
-        out.setdefault(inst.layer, []).append(inst)
-    return list(out.values())
-
-
-def _solve_groups(instances, sd_a: dict, sd_b: dict, opts: Options, prepared: dict | None, ctx: SolveContext,
-                  timings: dict) -> dict:
-    """The per-layer groups among ``instances`` one group after another (spec order), each on A moved by
-    the groups before it; seconds per group are added to ``timings``."""
+def solve_local(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, prepared: dict | None = None,
+                ctx: SolveContext | None = None, timings: dict | None = None) -> dict:
+    """Elements of the per-layer groups among ``instances`` (``{instance name: element}``); seconds
+    per group are added to ``timings``."""
+    ctx = ctx or SolveContext(list(instances))
     groups = list(by_group(active(instances, opts)).items())
     elements: dict = {}
     moved = sd_a
@@ -102,66 +80,10 @@ def _solve_groups(instances, sd_a: dict, sd_b: dict, opts: Options, prepared: di
         later = {s.key for _, g in groups[k + 1:] for i in g for s in i.slots}
         if later & {s.key for i in insts for s in i.slots}:  # a later group acts on these tensors too
             moved = apply(moved, insts, found)
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
-    return elements
-
-
-def solve_local(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, prepared: dict | None = None,
-                ctx: SolveContext | None = None, timings: dict | None = None) -> dict:
-    """Elements of the per-layer groups among ``instances`` (``{instance name: element}``); seconds
-    per group are added to ``timings`` (summed over layers: with several workers, more than the wall time).
-
-    The layers are independent problems (given the model-wide groups). With more than one layer, each is
-    solved on its own with one torch thread, on a pool of ``opts.workers`` threads (None: one per core;
-    1: one layer after another in the calling thread): the cores go to layers instead of to the
-    intra-op threads of small SVDs and GEMMs, whose OpenMP teams wait for each other on a shared machine.
-    Every layer runs the same code on one thread whatever the pool size, so the elements are
-    bit-identical to the serial path. A single layer (a streamed part) keeps torch's intra-op threads.
-    ``progress`` is called once per layer, in order."""
-    ctx = ctx or SolveContext(list(instances))
-    layers = by_layer(active(instances, opts))
-    if len(layers) <= 1:
-        found = _solve_groups(layers[0], sd_a, sd_b, opts, prepared, ctx, timings if timings is not None else {}) \
-            if layers else {}
-        if progress is not None and layers:
-            progress(f"layer {layers[0][0].layer}")
-        return found
-    workers = min(pool_size(opts.workers), len(layers))
-    # one layer per thread, one torch thread per layer, its assignments on that thread (no pool in a pool)
-    inner = SolveContext(ctx.instances, ctx.only_keys, 1)
-    elements: dict = {}
-    per_layer = [dict() for _ in layers]
-
-    def run(k: int) -> dict:
-        torch.set_num_threads(1)  # this thread's OpenMP/MKL threads (restored for the caller below)
-        return _solve_groups(layers[k], sd_a, sd_b, opts, prepared, inner, per_layer[k])
-
-    def done(k: int, found: dict) -> None:
-        elements.update(found)
+        if timings is not None:
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
         if progress is not None:
-            progress(f"layer {layers[k][0].layer}")
-
-    threads = torch.get_num_threads()
-    try:
-        if workers == 1:
-            for k in range(len(layers)):
-                done(k, run(k))
-        else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                futures = [pool.submit(run, k) for k in range(len(layers))]
-                try:
-                    for k, future in enumerate(futures):
-                        done(k, future.result())
-                except BaseException:
-                    for future in futures:
-                        future.cancel()
-                    raise
-    finally:
-        torch.set_num_threads(threads)
-    if timings is not None:
-        for t in per_layer:
-            for name, sec in t.items():
-                timings[name] = timings.get(name, 0.0) + sec
+            progress(name)
     return elements
 
 

@@ -100,8 +100,9 @@ class AlignOptions:
     ``permutation``: LayerNorm streams keep to permutations), ``untie`` (tied LM heads become heads of
     their own, so that the final norm can fold into them: the output then has an untied head),
     ``max_sweeps`` (cap of the coordinate descent over coupled groups), ``verify`` / ``verify_tol``
-    (the equivalence check), ``device`` (cost GEMMs), ``workers`` (layers solved at once on a thread pool
-    in memory: None = one per core, 1 = one after another; the elements are bit-identical either way).
+    (the equivalence check), ``device`` (cost GEMMs), ``workers`` (layers whose FFN cost GEMM and exact
+    assignment are solved at once on a thread pool: None = one per core, 1 = one after another; the
+    elements are bit-identical either way).
 
     ``match``: what the elements are fitted to — ``weights`` (data-free: the L2 distance of the
     weights), ``activations`` (statistics of both models' activations on ``align_data``: the residual
