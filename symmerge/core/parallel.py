@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
@@ -17,6 +18,20 @@ def pool_size(workers: int | None) -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+@contextmanager
+def torch_threads(n: int | None):
+    """Run the block with ``n`` torch intra-op threads in this thread (None: unchanged), then restore."""
+    if n is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def layer_map(fn, items, workers: int | None = None) -> list:
