@@ -9,7 +9,8 @@ With --stream neither model is loaded whole: the checkpoints (safetensors, one f
 read one part of a layer at a time (attention QK, VO, FFN), solved and written shard by shard (memory:
 about the largest part of both models plus its cost matrix, whatever the depth). --pipeline overlaps
 reads, GEMMs, assignments and writes across layers instead (a few layers in memory). Use streaming
-for checkpoints near or above RAM. --device cuda runs the cost GEMMs on a GPU (streaming mode).
+for checkpoints near or above RAM. --device cuda runs the FFN cost GEMMs on a GPU. In memory the FFN
+layers are solved on a pool of one thread per core (--workers).
 """
 
 from pathlib import Path
@@ -48,7 +49,12 @@ def add_arguments(parser) -> None:
                         help="with --stream: overlap reads, matching and writes across layers (faster when I/O "
                              "is slow; holds a few layers in memory instead of one part of one)")
     parser.add_argument("--device", default="cpu",
-                        help="with --stream: where the cost GEMMs run: cpu (default), cuda, cuda:N or auto")
+                        help="where the FFN cost GEMMs run: cpu (default), cuda, cuda:N or auto")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="FFN layers (cost GEMM + exact assignment) solved at once on a thread pool (default: one "
+                             "per core; 1: one after another; "
+                             "the result is the same). With --stream only with --pipeline (default 2 there): the "
+                             "low-memory mode solves one part of one layer at a time")
     parser.add_argument("--verify-forward", action="store_true",
                         help="with --stream: also load both models at the end and compare outputs (needs the RAM)")
     parser.add_argument("--allow-pickle", action="store_true",
@@ -76,10 +82,15 @@ def run(args) -> int:
             raise SymmergeError(f"--{flag.replace('_', '-')} applies to --stream only")
     out = Path(args.output)
     ensure_output_dir(out)  # fail before any expensive work
+    if args.workers is not None and args.stream and not args.pipeline:
+        from ..errors import SymmergeError
+
+        raise SymmergeError("--workers with --stream needs --pipeline (the low-memory mode solves one part of one "
+                            "layer at a time, to bound memory)")
     if args.stream:
         return run_streaming(args, out)
     options = alignment_options(args, args.symmetries, verify=not args.no_verify, layers=parse_layers(args.layers),
-                                verify_tol=args.verify_tol)
+                                verify_tol=args.verify_tol, device=args.device, workers=args.workers)
     result = align_pair(args.model, args.anchor, options, progress=stage_printer(), allow_pickle=args.allow_pickle)
     report = result.report
     report.update(model=str(args.model), anchor=str(args.anchor))
@@ -120,7 +131,8 @@ def run_streaming(args, out: Path) -> int:
         raise SymmergeError("--stream does not align the residual stream; --untie and --residual do not apply")
     report = align_streaming(args.model, args.anchor, out, symmetries=args.symmetries, rescale=args.rescale,
                              layers=parse_layers(args.layers), device=args.device, shard_size=args.shard_size,
-                             verify_forward=args.verify_forward, verify_tol=args.verify_tol, pipeline=args.pipeline)
+                             verify_forward=args.verify_forward, verify_tol=args.verify_tol, pipeline=args.pipeline,
+                             workers=args.workers)
     _summary(report, out, f"{len(report['shards'])} shard(s); reading, alignment and writing "
                           f"{report['match_seconds']:.2f} s, total {elapsed():.2f} s")
     return 0

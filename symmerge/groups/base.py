@@ -34,11 +34,14 @@ RESCALE_MODES = ("joint", "sequential", "none")
 @dataclass(frozen=True)
 class Options:
     """What the solvers need to know: the user-facing symmetries turned on, the rescale mode (``none``
-    unless ``rescale`` is among the symmetries) and where cost GEMMs run."""
+    unless ``rescale`` is among the symmetries), where cost GEMMs run, and how many layers' costly
+    problems (FFN cost + assignment) are solved at once (``workers``: None = one per core, 1 = one
+    layer after another; the results are the same)."""
 
     symmetries: frozenset = field(default_factory=frozenset)
     rescale: str = "none"
     device: object = None
+    workers: int | None = None
 
     @property
     def rotate(self) -> bool:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ..core.slots import fast_dtype, index_axis, unit_matrix
-from ..core.solvers import solve_assignments
+from ..core.parallel import layer_map
+from ..core.solvers import match_permutation
 from ..core.solvers.rescale import quartic_scale
 from ..errors import SymmergeError
 from .base import Kind, is_permutation, scales, segment_update
@@ -101,12 +102,16 @@ class Permutation(Kind):
         return permute or scaled
 
     def prepare(self, insts, sd_a, sd_b, opts, ctx=None) -> dict:
-        """``{name: perm}``: cost matrices and their exact assignments (a thread pool overlaps the
-        assignments with the next cost's GEMMs; each cost is consumed by its assignment)."""
+        """``{name: perm}``: per instance (layer) its cost matrix and exact assignment, the layers on a
+        pool of ``opts.workers`` threads (:func:`~symmerge.core.parallel.layer_map`); each cost is
+        consumed by its assignment, so memory holds one cost per thread."""
         todo = [i for i in insts if self.plan(i, opts)[0]]
-        costs = (permutation_cost(i, sd_a, sd_b, self.plan(i, opts)[2], device=opts.device) for i in todo)
-        perms = solve_assignments(costs, consume=True, workers=getattr(ctx, "assignment_workers", None))
-        return dict(zip([i.name for i in todo], perms))
+
+        def solve_one(inst):
+            cost = permutation_cost(inst, sd_a, sd_b, self.plan(inst, opts)[2], device=opts.device)
+            return match_permutation(cost, consume=True)
+
+        return dict(zip([i.name for i in todo], layer_map(solve_one, todo, opts.workers)))
 
     def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
         out = {}

@@ -11,6 +11,7 @@ from ..core.apply import apply, canonicalize
 from ..core.distance import parameter_keys, sq_distance
 from ..core.layout import check_layouts, layout_of
 from ..core.resolve import config_sizes, declared_ties, resolve
+from ..device import resolve_device
 from ..errors import SymmergeError
 from ..families import spec_for
 from ..io.model import load_model
@@ -140,7 +141,9 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     requested = options.requested
     options = options.resolved(i.group.symmetry for i in instances)
     _require_groups(spec, instances, options.symmetries)
-    opts = options.solver_options()
+    # cost GEMMs on ``options.device`` (default cpu: where the tensors are)
+    gemm_device = None if options.device in (None, "cpu") else resolve_device(options.device)
+    opts = options.solver_options(gemm_device)
     sd_a, sd_b = model.state_dict(), anchor.state_dict()
     wide = _model_wide(instances, opts)
     ca, cb = canonicalize(sd_a, wide), canonicalize(sd_b, wide)

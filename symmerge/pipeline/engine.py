@@ -4,9 +4,12 @@ One engine serves in-memory and streamed alignment:
 
 * :func:`solve_local` — the per-layer groups of any set of layers: group by group in the spec's order
   (head permutation before the head groups it couples, then QK, VO, FFN), each group's kind solving
-  all its instances at once (batched SVDs, assignments on a thread pool) on A moved by the groups
-  before it. In-memory alignment hands it every layer; streaming one tensor-disjoint part of a layer
-  (:func:`parts`), whose costly read-once step (:func:`prepare_costly`) may run on on-demand tensors.
+  all its instances at once (batched SVDs) on A moved by the groups before it. A kind whose
+  instances are costly independent problems (the FFN permutation: a cost GEMM and an exact assignment
+  per layer) solves them on a pool of ``Options.workers`` threads, one torch thread each
+  (:func:`symmerge.core.parallel.layer_map`), bit-identical to one after another. In-memory alignment
+  hands it every layer; streaming one tensor-disjoint part of a layer (:func:`parts`), whose costly
+  read-once step (:func:`prepare_costly`) may run on on-demand tensors.
 * :func:`solve` — adds the model-wide groups (the residual stream), which couple every layer: they act
   on the other axis of the same tensors and commute with the per-layer groups, so they are solved by
   coordinate descent, each step exact for its group given the rest, until the objective (the squared
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ..core.apply import apply
 from ..core.distance import sq_distance
+from ..core.parallel import torch_threads
 from ..groups import Options
 
 DESCENT_TOL = 1e-9  # a sweep must lower the objective by more than this (relative) to continue
@@ -30,11 +34,10 @@ DESCENT_TOL = 1e-9  # a sweep must lower the objective by more than this (relati
 @dataclass
 class SolveContext:
     """What a kind may look up while solving: all instances of the solve (e.g. the head groups a head
-    permutation couples), a key restriction for the model-wide cost, assignment threads."""
+    permutation couples) and a key restriction for the model-wide cost."""
 
     instances: list = field(default_factory=list)
     only_keys: set | None = None
-    assignment_workers: int | None = None
 
 
 def by_group(instances) -> dict[str, list]:
@@ -64,9 +67,19 @@ def prepare_costly(instances, sd_a, sd_b, opts: Options, ctx: SolveContext | Non
 def solve_local(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, prepared: dict | None = None,
                 ctx: SolveContext | None = None, timings: dict | None = None) -> dict:
     """Elements of the per-layer groups among ``instances`` (``{instance name: element}``); seconds
-    per group are added to ``timings``."""
+    per group are added to ``timings``. With several layers everything runs with one torch thread
+    (restored afterwards): the batched head groups gain little from OpenMP teams, which stall on a
+    shared machine (0.35 s against 6.7 s for one layer's head groups under load), and the FFN layers
+    take the cores through their pool. One layer (a streamed part) keeps torch's threads."""
     ctx = ctx or SolveContext(list(instances))
     groups = list(by_group(active(instances, opts)).items())
+    # several layers (in memory): one torch thread; the cores go to the FFN layers' pool
+    many = len({i.layer for _, insts in groups for i in insts}) > 1
+    with torch_threads(1 if many else None):
+        return _solve_groups(groups, sd_a, sd_b, opts, progress, prepared, ctx, timings)
+
+
+def _solve_groups(groups, sd_a, sd_b, opts, progress, prepared, ctx, timings) -> dict:
     elements: dict = {}
     moved = sd_a
     for k, (name, insts) in enumerate(groups):

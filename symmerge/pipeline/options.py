@@ -100,7 +100,9 @@ class AlignOptions:
     ``permutation``: LayerNorm streams keep to permutations), ``untie`` (tied LM heads become heads of
     their own, so that the final norm can fold into them: the output then has an untied head),
     ``max_sweeps`` (cap of the coordinate descent over coupled groups), ``verify`` / ``verify_tol``
-    (the equivalence check), ``device`` (cost GEMMs).
+    (the equivalence check), ``device`` (cost GEMMs), ``workers`` (layers whose FFN cost GEMM and exact
+    assignment are solved at once on a thread pool: None = one per core, 1 = one after another; the
+    elements are bit-identical either way).
 
     ``match``: what the elements are fitted to — ``weights`` (data-free: the L2 distance of the
     weights), ``activations`` (statistics of both models' activations on ``align_data``: the residual
@@ -124,6 +126,7 @@ class AlignOptions:
     verify: bool = True
     verify_tol: float | None = None
     device: object = "cpu"
+    workers: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
     recommended: bool = False  # symmetries came from 'recommended': resolve against each model
 
@@ -147,13 +150,16 @@ class AlignOptions:
             raise SymmergeError(f"max_sweeps must be >= 1, got {self.max_sweeps}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise SymmergeError(f"workers must be a whole number >= 1 (or None: one per core), got {self.workers!r}")
 
     @property
     def effective_rescale(self) -> str:
         return self.rescale if "rescale" in self.symmetries else "none"
 
     def solver_options(self, device=None) -> Options:
-        return Options(frozenset(self.symmetries), self.effective_rescale, device)
+        return Options(frozenset(self.symmetries), self.effective_rescale, device, self.workers)
 
     def with_(self, **changes) -> "AlignOptions":
         if "symmetries" in changes:

@@ -10,9 +10,13 @@ the same engine as in-memory alignment (:mod:`symmerge.pipeline.engine`), in one
   step (the FFN permutation: its float64 cost built block by block from GEMMs on ``device``, consumed
   in place by the exact assignment) runs that step first on tensors read on demand, before the part
   is read whole. Peak memory ≈ interpreter + the largest part of both models + its n × n cost.
+  The engine's layer pool does not apply here: the engine is handed one part of one layer at a time,
+  which it solves in the calling thread with torch's intra-op threads (the GEMMs use every core), so
+  memory stays bounded by one part whatever ``workers`` is.
 * **pipeline**: a reader thread stays one layer ahead, layers are solved on a pool of threads
   (the GEMMs of one layer overlap another's assignment), and a writer thread writes shards; a few
-  layers in memory, I/O hidden behind compute.
+  layers in memory (``workers``, default 2, layers solved at once; the reader stays at most that many
+  layers ahead), I/O hidden behind compute.
 
 Both use the per-layer symmetries; the residual stream couples every layer and is refused here.
 Every group element is checked to be valid (hence function-preserving); ``verify_forward``
