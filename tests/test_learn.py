@@ -152,3 +152,13 @@ def test_augmented_views_are_image_batches_only():
     assert len(views) == 6 and all(v.inputs["pixel_values"].shape == img.batches[0].inputs["pixel_values"].shape
                                    for v in views)
     assert not augmented(unlabeled(make_model("gpt2", head=True, seed=0)).batches, 3, torch.Generator())
+
+
+def test_learned_alignment_of_a_tied_lm_head():
+    """GPT-2 with its LM head tied to the embeddings (both names in the state dict): learning runs, and the
+    aligned model is still A's function."""
+    a, b = make_model("gpt2", head=True, seed=0, tied=True), make_model("gpt2", head=True, seed=3, tied=True)
+    options = AlignOptions(symmetries=FULL, match="learned", align_data=unlabeled(a),
+                           learn=LearnSettings(steps=3, batch=8, lr=0.05))
+    result = align_pair(a, b, options)
+    assert result.report["learned"]["steps"] == 3 and result.report["verify_max_rel_diff"] <= 1e-10

@@ -200,7 +200,8 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     train = train + augmented(train, settings.augment, g)
 
     def forward(sd, batch):
-        out = torch.func.functional_call(skeleton, sd, args=(), kwargs=batch.inputs)
+        # tied weights (an LM head sharing the embeddings) arrive under both names, with the same values
+        out = torch.func.functional_call(skeleton, sd, args=(), kwargs=batch.inputs, tie_weights=False)
         return scored_logits(out.logits, batch)
 
     with torch.no_grad():  # the endpoints' predictions: fixed, alignment does not change them
