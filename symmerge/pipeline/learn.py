@@ -22,7 +22,8 @@ probabilities, or next-token distributions for language models; ``target="log-pr
 normalised geometric mean softmax(α·log p_A + (1 − α)·log p_B)) on the unlabeled set — no labels.
 Image batches can be augmented (``augment`` views per image: random flips and shifts; the endpoints'
 predictions on each view are its target), and the steps split into ``rounds`` between which the FFN
-unit permutations are re-solved exactly on the weights of the learned A.
+unit permutations of the learned A are re-solved exactly (``repermute``: on its weights, or on the
+correlations of its units' activations).
 Adam with cosine decay, one forward and backward of the interpolated model per step, early stopping on
 a held-out part of the set, a seed and an optional time budget. The result is returned as group
 elements composed after the closed-form ones, so the usual validity check and verification apply;
@@ -127,15 +128,25 @@ def _split(data: Data, holdout: float) -> tuple[list, list]:
     return batches[: len(batches) - n_hold], batches[len(batches) - n_hold:]
 
 
-def _resolve_permutations(instances, sd_a: dict, sd_b: dict, opts: Options) -> dict:
-    """Exact FFN unit permutations of the current (learned) A to B on the weights, given everything else:
-    ``{instance name: PermElement}`` (unit scales kept as learned: identity scales here)."""
+def _resolve_permutations(instances, sd_a: dict, sd_b: dict, opts: Options, how: str = "weights",
+                          models=None, data=None) -> dict:
+    """Exact FFN unit permutations of the current (learned) A to B, given everything else —
+    ``how="weights"``: on the weights; ``"activations"``: on the correlations of the units' activations
+    on ``data`` (``models``: A's and B's modules, to run them) — ``{instance name: PermElement}`` (unit
+    scales kept as learned: identity scales here)."""
     from dataclasses import replace
 
     perm_insts = [i for i in instances if i.kind.name == "permutation" and i.kind.plan(i, opts)[0]]
     if not perm_insts:
         return {}
-    return solve_local(perm_insts, sd_a, sd_b, replace(opts, rescale="none"))
+    ffn_only = replace(opts, symmetries=frozenset({"ffn"}), rescale="none")
+    if how == "activations":
+        from .activations import match_activations
+        from .verify import with_state_dict
+
+        return match_activations(perm_insts, with_state_dict(models[0], sd_a), with_state_dict(models[1], sd_b),
+                                 data, ffn_only)
+    return solve_local(perm_insts, sd_a, sd_b, ffn_only)
 
 
 def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, options, progress=None,
@@ -163,7 +174,7 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
     for r, steps in enumerate(per_round):
         if r:
             moved = apply(ca, instances, elements)
-            perms = _resolve_permutations(instances, moved, cb, opts)
+            perms = _resolve_permutations(instances, moved, cb, opts, settings.repermute, (model, anchor), data)
             changed = sum(int((el.perm != torch.arange(el.perm.numel())).sum()) for el in perms.values())
             for name, el in perms.items():
                 elements[name] = (*stages(elements[name]), el) if name in elements else el

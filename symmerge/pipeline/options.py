@@ -76,7 +76,8 @@ class LearnSettings:
     not worse), a ``seed``, and an optional time budget in
     seconds (``budget``). ``start``: the closed form learning starts from (``activations``: activation
     matching on the same data; ``weights``: data-free weight matching); ``rounds``: the steps split into
-    rounds with the FFN permutations re-solved between them; ``augment``: randomly flipped and shifted
+    rounds with the FFN permutations re-solved between them (``repermute``: from the activations' unit
+    correlations, or the weights); ``augment``: randomly flipped and shifted
     views of every training image (images only); ``target``: ``probabilities`` (α·p_A + (1−α)·p_B) or
     ``log-probabilities`` (their normalised geometric mean). See :mod:`symmerge.pipeline.learn`; the
     defaults are the best recipe measured on B1 (docs/results.md, "B1 with unlabeled data")."""
@@ -95,12 +96,15 @@ class LearnSettings:
     rounds: int = 1
     augment: int = 4
     target: str = "log-probabilities"
+    repermute: str = "activations"
 
     def __post_init__(self):
         if self.start not in LEARN_STARTS:
             raise SymmergeError(f"unknown learned-alignment start {self.start!r}; choose one of {', '.join(LEARN_STARTS)}")
         if self.target not in LEARN_TARGETS:
             raise SymmergeError(f"unknown learned-alignment target {self.target!r}; choose one of {', '.join(LEARN_TARGETS)}")
+        if self.repermute not in ("weights", "activations"):
+            raise SymmergeError(f"unknown repermute source {self.repermute!r}; choose weights or activations")
         if self.rounds < 1 or self.augment < 0:
             raise SymmergeError(f"learned alignment needs rounds >= 1 and augment >= 0, got {self.rounds}, "
                                 f"{self.augment}")
