@@ -155,7 +155,8 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
     ``(elements, report)``. ``start``: closed-form elements to start from (default: data-free weight
     matching); ``on_step(step, parameters)`` is called after every update (tests). With
     ``settings.rounds`` > 1 the steps are split into rounds, and between rounds the FFN unit permutations
-    are re-solved exactly on the weights of the learned A (composed after the elements so far)."""
+    of the learned A are re-solved exactly (``settings.repermute``: from activation correlations on
+    ``data``, or on the weights; composed after the elements so far)."""
     settings = options.learn
     t0 = time.perf_counter()
     opts = options.solver_options()
@@ -188,7 +189,7 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
     report.update(parameters=first.get("parameters"), held_out_start=first.get("held_out_start"), history=history,
                   steps=sum(x.get("steps", 0) for x in round_reports), held_out_best=last.get("held_out_best"),
                   rounds=round_reports if rounds > 1 else None, seconds=time.perf_counter() - t0,
-                  learned_instances=first.get("learned_instances", 0))
+                  learned_instances=first.get("learned_instances", 0), checked_on=first.get("checked_on"))
     for key in ("stopped", "note"):
         if key in last:
             report[key] = last[key]
