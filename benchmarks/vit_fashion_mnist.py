@@ -36,6 +36,7 @@ Writes ``results.json``, ``lmc.png`` (Fig. 5), ``ablation.png`` (Table 2 / Fig. 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -130,6 +131,13 @@ def parse_args(argv=None):
                    help="alignment variants: all (default: the paper's Table 2/Fig. 4-5 rows and ours) or full-group "
                         "(none, the paper's set, + head permutation, + residual permutation, + residual rotation, all "
                         "groups; no OT baselines)")
+    p.add_argument("--data-driven", action="store_true",
+                   help="only the unlabeled-data table (issue 13): none, the paper's matching, the best data-free, "
+                        "activation matching and learned alignment, each with and without REPAIR, merged with "
+                        "average, Fisher and RegMean (benchmarks/unlabeled.py); writes results.json, lmc.png, "
+                        "tables.md")
+    p.add_argument("--align-samples", type=int, default=1000,
+                   help="unlabeled training images for alignment and REPAIR (--data-driven; default 1000)")
     add_run_args(p)
     args = p.parse_args(argv)
     if args.tiny:
@@ -470,8 +478,64 @@ def markdown_tables(r: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+# ---------------------------------------------------------------- unlabeled data (issue 13)
+
+
+def run_data_driven(args, log=print) -> dict:
+    """The unlabeled-data table: alignment on ``--align-samples`` unlabeled training images (the first of
+    the statistics file), curves on the curve set, merges scored on the test set."""
+    from benchmarks import unlabeled
+
+    t_start = time.perf_counter()
+    arrays, files = prepare_data(args, work_dir(args))
+    config, seeds, folders = train_pair(args, arrays, log)
+    a, b = (load_model(f) for f in folders)
+    test = load_data(files["test"], a, batch_size=500)
+    curve = load_data(files["curve"], a, batch_size=500)
+    stats = {"fisher": load_data(files["stats"], a, batch_size=100, max_examples=args.fisher_examples),
+             "regmean": load_data(files["stats"], a, batch_size=100, max_examples=args.gram_examples)}
+    endpoints = {n: evaluate(m, test, progress=False) for n, m in (("A", a), ("B", b))}
+    log(f"endpoints: A {endpoints['A']['accuracy']:.4f}, B {endpoints['B']['accuracy']:.4f} test accuracy")
+    alphas = [i / (args.points - 1) for i in range(args.points)]
+    result = unlabeled.run_rows(a, b, files["stats"], args.align_samples, curve, test, stats, alphas, log=log)
+    return {"benchmark": "B1 vit_fashion_mnist --data-driven", "tiny": args.tiny,
+            "command": " ".join(["python -m benchmarks.vit_fashion_mnist"] + sys.argv[1:]), "machine": machine(),
+            "config": {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                         "intermediate_size", "patch_size")},
+            "data": {"test": test.n, "curve": curve.n, "align": args.align_samples,
+                     "fisher": stats["fisher"].n, "regmean": stats["regmean"].n},
+            "endpoints": endpoints, "alphas": alphas, **result, "seconds_total": time.perf_counter() - t_start}
+
+
+def _endpoints_mean(r: dict) -> float:
+    return (r["endpoints"]["A"]["accuracy"] + r["endpoints"]["B"]["accuracy"]) / 2
+
+
+def print_data_driven(r: dict, log=print) -> None:
+    from benchmarks import unlabeled
+
+    log(f"\nunlabeled data — endpoints A {100 * r['endpoints']['A']['accuracy']:.2f} %, "
+        f"B {100 * r['endpoints']['B']['accuracy']:.2f} % ({r['data']['test']} test images); in brackets: "
+        "% of the endpoints' mean")
+    log(unlabeled.markdown(r, _endpoints_mean(r)))
+
+
+def write_data_driven(r: dict, out: Path) -> None:
+    from benchmarks import unlabeled
+
+    with atomic_dir(out) as tmp:
+        write_json(tmp / "results.json", r)
+        unlabeled.plot(r, tmp / "lmc.png", f"two ViTs on Fashion-MNIST, {r['data']['align']} unlabeled training "
+                       f"images for alignment ({r['data']['curve']} test images)")
+        (tmp / "tables.md").write_text(unlabeled.markdown(r, _endpoints_mean(r)))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.data_driven or (args.plot_only and "--data-driven" in
+                            json.loads(Path(args.plot_only).read_text()).get("benchmark", "")):
+        return bench_main(args, lambda: None, run_data_driven, print_data_driven, write_data_driven,
+                          "lmc.png, tables.md")
     return bench_main(args, lambda: train_pair(args, prepare_data(args, work_dir(args))[0], print), run,
                       print_tables, write_outputs, "lmc.png, ablation.png, distance.png")
 

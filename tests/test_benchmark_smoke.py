@@ -92,7 +92,7 @@ def test_demo_quick_end_to_end(tmp_path, monkeypatch, capsys):
     assert main(["demo", "--quick", "-o", str(out)]) == 2  # a folder with other files is refused
 
 
-def run_tiny(tmp_path, monkeypatch, available, link: str, what: str, module: str):
+def run_tiny(tmp_path, monkeypatch, available, link: str, what: str, module: str, extra=()):
     """``python -m benchmarks.MODULE --tiny`` in an isolated cache that sees the fetched data set
     ``link``; skipped when ``available(fetch=False)`` fails. Returns (module, out folder, results)."""
     import importlib
@@ -104,7 +104,7 @@ def run_tiny(tmp_path, monkeypatch, available, link: str, what: str, module: str
     isolated_cache(tmp_path, monkeypatch, link)
     bench = importlib.import_module(f"benchmarks.{module}")
     out = tmp_path / "out"
-    assert bench.main(["--tiny", "--out", str(out)]) == 0
+    assert bench.main(["--tiny", *extra, "--out", str(out)]) == 0
     return bench, out, json.loads((out / "results.json").read_text())
 
 
@@ -139,6 +139,29 @@ def test_vit_fashion_mnist_tiny_end_to_end(tmp_path, monkeypatch):
     tables = (out / "tables.md").read_text()
     assert "OT-ACTS-EMD" in tables and "best (heads,attn,ffn,rescale,residual)" in tables
     assert r["endpoints"]["A"]["accuracy"] > 0.2  # trained beyond chance even in the tiny setting
+
+
+def test_vit_fashion_mnist_data_driven_tiny(tmp_path, monkeypatch):
+    """``--data-driven``: every row of the unlabeled-data table, the REPAIR rows sharing their alignment, the
+    curves ending at the endpoints (alignment keeps A's function), and ``--plot-only`` redraws it."""
+    from benchmarks import unlabeled
+
+    bench, out, r = run_tiny(tmp_path, monkeypatch, datasets.fashion_mnist_dir, "fashion-mnist", "Fashion-MNIST",
+                             "vit_fashion_mnist", extra=("--data-driven", "--align-samples", "64"))
+    assert set(r["rows"]) == set(unlabeled.ROWS) == set(r["curves"])
+    assert (out / "lmc.png").stat().st_size > 10_000 and "learned + REPAIR" in (out / "tables.md").read_text()
+    for label, row in r["rows"].items():
+        assert set(row["merges"]) == {"average", "fisher", "regmean"}
+        assert row["unlabeled_images"] == (64 if row["match"] in ("activations", "learned") else 0)
+        if not row["repair"]:  # α = 1: A itself (aligned: the same function), α = 0: B
+            c, none = r["curves"][label], r["curves"]["none"]
+            assert c["loss"][-1] == pytest.approx(none["loss"][-1], rel=1e-4)
+            assert c["loss"][0] == pytest.approx(none["loss"][0], rel=1e-4)
+    assert r["rows"]["learned + REPAIR"]["align_seconds"] == r["rows"]["learned"]["align_seconds"]
+    assert r["rows"]["learned"]["learned"]["start"].startswith("activations")
+    again = tmp_path / "again"
+    assert bench.main(["--plot-only", str(out / "results.json"), "--out", str(again)]) == 0
+    assert (again / "tables.md").read_text() == (out / "tables.md").read_text()
 
 
 def test_gpt2_text_tiny_end_to_end(tmp_path, monkeypatch):

@@ -71,7 +71,7 @@ def test_learned_alignment_lowers_its_objective_and_verifies():
                                                                              dtype=torch.float32)
     data = unlabeled(a, n_batches=6, batch=16)
     options = AlignOptions(symmetries=FULL, match="learned", align_data=data,
-                           learn=LearnSettings(steps=40, batch=16, lr=0.05, check_every=5, patience=100))
+                           learn=LearnSettings(steps=40, batch=16, lr=0.05, check_every=5, patience=100, holdout=0.2))
     result = align_pair(a, b, options)
     learned = result.report["learned"]
     assert result.report["match"] == "learned" and result.report["align_samples_used"] == 96
@@ -106,3 +106,59 @@ def test_learn_settings_are_validated():
         LearnSettings(alpha_low=0.9, alpha_high=0.1)
     with pytest.raises(SymmergeError, match="match mode"):
         AlignOptions(match="vibes", align_data="x")
+    with pytest.raises(SymmergeError, match="start"):
+        LearnSettings(start="random")
+    with pytest.raises(SymmergeError, match="target"):
+        LearnSettings(target="labels")
+    with pytest.raises(SymmergeError, match="rounds"):
+        LearnSettings(rounds=0)
+
+
+def test_learned_alignment_from_activations_in_rounds_with_augmented_images():
+    """Starting from activation matching, two rounds (FFN permutations re-solved between them), augmented
+    images and log-probability targets: every step function-preserving (fp64), the result verified."""
+    a, b = make_model("vit", head=True, seed=0), make_model("vit", head=True, seed=3)
+    data = unlabeled(a, n_batches=4, batch=8)
+    inputs = make_inputs(a)
+    _, instances = instances_for(a)
+    wide = [i for i in instances if not i.kind.per_layer]
+    ca = canonicalize(a.state_dict(), wide)
+    steps = []
+
+    def on_step(step, params):
+        assert output_rel_diff(a, with_weights(a, apply(ca, instances, params.elements())), inputs) <= 1e-10
+        steps.append(step)
+
+    settings = LearnSettings(steps=6, batch=8, lr=0.05, check_every=2, patience=100, start="activations", rounds=2,
+                             augment=1, target="log-probabilities")
+    options = AlignOptions(symmetries=FULL, match="learned", align_data=data, learn=settings)
+    result = align_pair(a, b, options)
+    learned = result.report["learned"]
+    assert learned["start"].startswith("activations") and learned["steps"] == 6
+    assert len(learned["rounds"]) == 2 and "units_repermuted_after" in learned["rounds"][0]
+    assert result.report["verify_max_rel_diff"] <= 1e-10
+    cb = canonicalize(b.state_dict(), wide)
+    from symmerge.pipeline.learn import learn_alignment as learn
+
+    learn(instances, a, b, ca, cb, data, options, start={}, on_step=on_step)
+    assert steps == list(range(6))
+
+
+def test_augmented_views_are_image_batches_only():
+    from symmerge.pipeline.learn import augmented
+
+    img = unlabeled(make_model("vit", head=True, seed=0), n_batches=2, batch=4)
+    views = augmented(img.batches, 3, torch.Generator().manual_seed(0))
+    assert len(views) == 6 and all(v.inputs["pixel_values"].shape == img.batches[0].inputs["pixel_values"].shape
+                                   for v in views)
+    assert not augmented(unlabeled(make_model("gpt2", head=True, seed=0)).batches, 3, torch.Generator())
+
+
+def test_learned_alignment_of_a_tied_lm_head():
+    """GPT-2 with its LM head tied to the embeddings (both names in the state dict): learning runs, and the
+    aligned model is still A's function."""
+    a, b = make_model("gpt2", head=True, seed=0, tied=True), make_model("gpt2", head=True, seed=3, tied=True)
+    options = AlignOptions(symmetries=FULL, match="learned", align_data=unlabeled(a),
+                           learn=LearnSettings(steps=3, batch=8, lr=0.05))
+    result = align_pair(a, b, options)
+    assert result.report["learned"]["steps"] == 3 and result.report["verify_max_rel_diff"] <= 1e-10

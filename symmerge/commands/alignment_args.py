@@ -30,8 +30,8 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
     parser.add_argument("--align-samples", type=int, default=1000,
                         help="use at most this many examples of --align-data (default 1000)")
     parser.add_argument("--learn-steps", type=int, default=None,
-                        help=f"--match learned: optimiser steps (default {LearnSettings.steps}; early stopping on a "
-                             "held-out part of the data may end sooner)")
+                        help=f"--match learned: optimiser steps (default {LearnSettings.steps} of "
+                             f"{LearnSettings.batch} examples; the start is kept if the end is not better)")
     parser.add_argument("--learn-budget", type=float, default=None, metavar="SECONDS",
                         help="--match learned: stop after this many seconds of optimisation (default: no limit)")
     parser.add_argument("--learn-seed", type=int, default=None, help="--match learned: seed (default 0)")

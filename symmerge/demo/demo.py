@@ -51,7 +51,7 @@ class DemoSetup:
     lr: float = 2e-3
     stats_examples: int = 1000  # training images for the Fisher / Gram statistics, unlabeled for --match learned
     points: int = 11
-    learn_steps: int = 300  # learned alignment: optimiser steps (early stopping may end sooner)
+    learn_steps: int = 200  # learned alignment: optimiser steps (LearnSettings' default)
 
 
 FULL = DemoSetup()

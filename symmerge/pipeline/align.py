@@ -164,8 +164,15 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
         else:
             from .learn import learn_alignment
 
+            start_elements = None
+            if options.learn.start == "activations":
+                from .activations import match_activations
+
+                start_elements = match_activations(instances, with_state_dict(model, ca), with_state_dict(anchor, cb),
+                                                   data, opts, progress=progress,
+                                                   timings=fields.setdefault("activation_seconds", {}))
             elements, fields["learned"] = learn_alignment(instances, model, anchor, ca, cb, data, options,
-                                                          progress=progress)
+                                                          progress=progress, start=start_elements)
     verify_elements(instances, elements)
     aligned_sd = apply(ca, instances, elements)
     match_seconds = time.perf_counter() - start

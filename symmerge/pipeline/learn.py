@@ -1,7 +1,8 @@
 """Learned alignment: the continuous group elements optimised on a little unlabeled data.
 
-Start from the best closed-form alignment (data-free weight matching, every group iterated to
-convergence). Then, keeping the permutations fixed, optimise the continuous elements of the full
+Start from a closed-form alignment (``LearnSettings.start``: activation matching on the same unlabeled
+data — one pass, seconds — or data-free weight matching, every group iterated to convergence). Then,
+keeping the permutations fixed, optimise the continuous elements of the full
 symmetry group — each exactly function-preserving whatever its value:
 
 * the residual stream: an orthogonal map through the exponential of a skew matrix — acting only on the
@@ -17,7 +18,12 @@ symmetry group — each exactly function-preserving whatever its value:
 
 so that the interpolated model θ(α) = α·θ_A + (1 − α)·θ_B, with α drawn from U(low, high) at every
 step, minimises the soft cross-entropy against α·p_A + (1 − α)·p_B (the endpoints' predictions: class
-probabilities, or next-token distributions for language models) on the unlabeled set — no labels.
+probabilities, or next-token distributions for language models; ``target="log-probabilities"``: their
+normalised geometric mean softmax(α·log p_A + (1 − α)·log p_B)) on the unlabeled set — no labels.
+Image batches can be augmented (``augment`` views per image: random flips and shifts; the endpoints'
+predictions on each view are its target), and the steps split into ``rounds`` between which the FFN
+unit permutations of the learned A are re-solved exactly (``repermute``: on its weights, or on the
+correlations of its units' activations).
 Adam with cosine decay, one forward and backward of the interpolated model per step, early stopping on
 a held-out part of the set, a seed and an optional time budget. The result is returned as group
 elements composed after the closed-form ones, so the usual validity check and verification apply;
@@ -32,10 +38,10 @@ import time
 
 import torch
 
-from ..core.apply import apply
+from ..core.apply import apply, stages
 from ..groups.base import Options
-from ..io.data import Data
-from .engine import solve
+from ..io.data import Batch, Data
+from .engine import solve, solve_local
 
 
 def scored_logits(logits: torch.Tensor, batch) -> torch.Tensor:
@@ -96,6 +102,25 @@ def norm_eps(config) -> float:
     return 1.0
 
 
+def augmented(batches: list, views: int, generator: torch.Generator) -> list:
+    """``views`` randomly transformed copies of every image batch (a horizontal flip with probability ½ and
+    a shift of up to 2 pixels each way, wrapping around; per image): more inputs for the same unlabeled
+    images, the endpoints' predictions on them the targets. Batches without ``pixel_values`` (text) get
+    none."""
+    out = []
+    for _ in range(views):
+        for b in batches:
+            x = b.inputs.get("pixel_values")
+            if x is None or x.dim() != 4:
+                continue
+            flip = torch.rand(len(x), generator=generator) < 0.5
+            x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+            shifts = torch.randint(-2, 3, (len(x), 2), generator=generator)
+            x = torch.stack([torch.roll(xi, (int(dy), int(dx)), dims=(-2, -1)) for xi, (dy, dx) in zip(x, shifts)])
+            out.append(Batch({**b.inputs, "pixel_values": x}, None, b.mask))
+    return out
+
+
 def _split(data: Data, holdout: float) -> tuple[list, list]:
     batches = list(data.batches)
     n_hold = int(round(holdout * len(batches))) if len(batches) > 1 else 0
@@ -103,38 +128,97 @@ def _split(data: Data, holdout: float) -> tuple[list, list]:
     return batches[: len(batches) - n_hold], batches[len(batches) - n_hold:]
 
 
+def _resolve_permutations(instances, sd_a: dict, sd_b: dict, opts: Options, how: str = "weights",
+                          models=None, data=None) -> dict:
+    """Exact FFN unit permutations of the current (learned) A to B, given everything else —
+    ``how="weights"``: on the weights; ``"activations"``: on the correlations of the units' activations
+    on ``data`` (``models``: A's and B's modules, to run them) — ``{instance name: PermElement}`` (unit
+    scales kept as learned: identity scales here)."""
+    from dataclasses import replace
+
+    perm_insts = [i for i in instances if i.kind.name == "permutation" and i.kind.plan(i, opts)[0]]
+    if not perm_insts:
+        return {}
+    ffn_only = replace(opts, symmetries=frozenset({"ffn"}), rescale="none")
+    if how == "activations":
+        from .activations import match_activations
+        from .verify import with_state_dict
+
+        return match_activations(perm_insts, with_state_dict(models[0], sd_a), with_state_dict(models[1], sd_b),
+                                 data, ffn_only)
+    return solve_local(perm_insts, sd_a, sd_b, ffn_only)
+
+
 def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, options, progress=None,
                     start: dict | None = None, on_step=None):
     """Elements aligning A (``ca``, canonical) to B (``cb``) learned on ``data``; returns
     ``(elements, report)``. ``start``: closed-form elements to start from (default: data-free weight
-    matching); ``on_step(step, transformed_state_dict)`` is called after every update (tests)."""
-    from ..progress import bar
-
+    matching); ``on_step(step, parameters)`` is called after every update (tests). With
+    ``settings.rounds`` > 1 the steps are split into rounds, and between rounds the FFN unit permutations
+    of the learned A are re-solved exactly (``settings.repermute``: from activation correlations on
+    ``data``, or on the weights; composed after the elements so far)."""
     settings = options.learn
     t0 = time.perf_counter()
     opts = options.solver_options()
     given = start is not None
     if start is None:
         start = solve(instances, ca, cb, opts, max_sweeps=options.max_sweeps)
-    a0 = apply(ca, instances, start)
-    closed_seconds = time.perf_counter() - t0
+    report = {"start": (f"{settings.start} (closed form)" if given else
+                        "weights (data-free, every group to convergence)"),
+              "closed_form_seconds": time.perf_counter() - t0}
+    rounds = max(1, min(settings.rounds, settings.steps))
+    per_round = [settings.steps // rounds + (1 if r < settings.steps % rounds else 0) for r in range(rounds)]
+    elements, history, round_reports = dict(start), {"step": [], "train": [], "held_out": []}, []
+    skeleton = copy.deepcopy(anchor).to(torch.float32).eval()
+    for p in skeleton.parameters():
+        p.requires_grad_(False)
+    for r, steps in enumerate(per_round):
+        if r:
+            moved = apply(ca, instances, elements)
+            perms = _resolve_permutations(instances, moved, cb, opts, settings.repermute, (model, anchor), data)
+            changed = sum(int((el.perm != torch.arange(el.perm.numel())).sum()) for el in perms.values())
+            for name, el in perms.items():
+                elements[name] = (*stages(elements[name]), el) if name in elements else el
+            round_reports[-1]["units_repermuted_after"] = changed
+        elements, info = _learn_round(instances, skeleton, model, elements, ca, cb, data, settings, opts, steps,
+                                      progress, on_step, t0, history, offset=sum(per_round[:r]))
+        round_reports.append(info)
+        if "stopped" in info and info["stopped"].startswith("time budget"):
+            break
+    first, last = round_reports[0], round_reports[-1]
+    report.update(parameters=first.get("parameters"), held_out_start=first.get("held_out_start"), history=history,
+                  steps=sum(x.get("steps", 0) for x in round_reports), held_out_best=last.get("held_out_best"),
+                  rounds=round_reports if rounds > 1 else None, seconds=time.perf_counter() - t0,
+                  learned_instances=first.get("learned_instances", 0), checked_on=first.get("checked_on"))
+    for key in ("stopped", "note"):
+        if key in last:
+            report[key] = last[key]
+    return elements, report
 
+
+def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts, steps, progress, on_step, t0,
+                 history, offset: int = 0):
+    """One round of learning from ``start``: ``(elements, info)``."""
+    from ..progress import bar
+
+    a0 = apply(ca, instances, start)
     dtype = torch.float32
     work_a = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in a0.items()}
     work_b = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in cb.items()}
-    skeleton = copy.deepcopy(anchor).to(dtype).eval()
-    for p in skeleton.parameters():
-        p.requires_grad_(False)
     params = _Parameters(instances, opts, dtype, {"norm_eps": norm_eps(model.config)})
     train, held = _split(data, settings.holdout)
-    g = torch.Generator().manual_seed(settings.seed)
+    g = torch.Generator().manual_seed(settings.seed + offset)
+    n_original = len(train)
+    train = train + augmented(train, settings.augment, g)
 
     def forward(sd, batch):
-        out = torch.func.functional_call(skeleton, sd, args=(), kwargs=batch.inputs)
+        # tied weights (an LM head sharing the embeddings) arrive under both names, with the same values
+        out = torch.func.functional_call(skeleton, sd, args=(), kwargs=batch.inputs, tie_weights=False)
         return scored_logits(out.logits, batch)
 
     with torch.no_grad():  # the endpoints' predictions: fixed, alignment does not change them
-        targets = [(torch.softmax(forward(work_a, b).float(), -1), torch.softmax(forward(work_b, b).float(), -1))
+        norm = torch.softmax if settings.target == "probabilities" else torch.log_softmax
+        targets = [(norm(forward(work_a, b).float(), -1), norm(forward(work_b, b).float(), -1))
                    for b in train + held]
     t_train, t_held = targets[:len(train)], targets[len(train):]
 
@@ -145,32 +229,34 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
     def objective(alpha, batch, target) -> torch.Tensor:
         logp = torch.log_softmax(forward(interpolated(alpha, params.transform(work_a)), batch).float(), -1)
         t = alpha * target[0] + (1 - alpha) * target[1]
+        if settings.target != "probabilities":  # the normalised geometric mean of the endpoints' predictions
+            t = torch.softmax(t, -1)
         return -(t * logp).sum(-1).mean()
 
+    # the objective at α = ¼, ½, ¾ on the held-out batches (checked every ``check_every`` steps), or without
+    # a held-out part on the (unaugmented) training batches, at the start and the end only
+    check, t_check = (held, t_held) if held else (train[:n_original], t_train[:n_original])
+
     def held_out() -> float:
-        if not held:
-            return float("nan")
         with torch.no_grad():
-            values = [objective(al, b, t).item() for al in (0.25, 0.5, 0.75) for b, t in zip(held, t_held)]
+            values = [objective(al, b, t).item() for al in (0.25, 0.5, 0.75) for b, t in zip(check, t_check)]
         return sum(values) / len(values)
 
-    history = {"step": [], "train": [], "held_out": []}
     best_state = {k: v.detach().clone() for k, v in params.state_dict().items()}
     best = start_value = held_out()
-    report = {"start": "given" if given else "weights (data-free, every group to convergence)",
-              "closed_form_seconds": closed_seconds, "parameters": sum(p.numel() for p in params.parameters()),
-              "held_out_start": start_value, "history": history}
+    info = {"parameters": sum(p.numel() for p in params.parameters()), "held_out_start": start_value,
+            "checked_on": "held-out part" if held else "training images (no held-out part: start and end only)"}
     if not params.p:
-        report.update(steps=0, note="no continuous group elements to learn", seconds=time.perf_counter() - t0)
-        return start, report
+        info.update(steps=0, note="no continuous group elements to learn")
+        return start, info
     opt = torch.optim.Adam(params.parameters(), lr=settings.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, settings.steps) / settings.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     order, pos, stale, step = torch.randperm(len(train), generator=g), 0, 0, 0
     running = None
-    pbar = bar(range(settings.steps), desc="learned alignment", unit="step", disable=None if progress else True)
+    pbar = bar(range(steps), desc="learned alignment", unit="step", disable=None if progress else True)
     for step in pbar:
         if settings.budget is not None and time.perf_counter() - t0 > settings.budget:
-            report["stopped"] = f"time budget of {settings.budget} s"
+            info["stopped"] = f"time budget of {settings.budget} s"
             break
         if pos >= len(train):
             order, pos = torch.randperm(len(train), generator=g), 0
@@ -185,26 +271,31 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
         running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
         pbar.set_postfix(loss=f"{running:.4f}", refresh=False)
         if on_step is not None:
-            on_step(step, params)
-        if (step + 1) % settings.check_every == 0 or step + 1 == settings.steps:
-            value = held_out()
-            history["step"].append(step + 1)
+            on_step(offset + step, params)
+        if (step + 1) % settings.check_every == 0 or step + 1 == steps:
+            value = held_out() if held else float("nan")
+            history["step"].append(offset + step + 1)
             history["train"].append(running)
             history["held_out"].append(value)
-            if not held or value < best - 1e-7 * abs(best):
+            if not held:
+                continue
+            if value < best - 1e-7 * abs(best):
                 best, stale = value, 0
                 best_state = {k: v.detach().clone() for k, v in params.state_dict().items()}
             else:
                 stale += 1
                 if stale >= settings.patience:
-                    report["stopped"] = f"early stopping after {settings.patience} checks without improvement"
+                    info["stopped"] = f"early stopping after {settings.patience} checks without improvement"
                     break
     pbar.close()
+    if not held:  # never worse than the start on the objective
+        value = held_out()
+        if value <= best:
+            best, best_state = value, {k: v.detach().clone() for k, v in params.state_dict().items()}
     params.load_state_dict(best_state)
     learned = params.elements()
     elements = dict(start)
     for name, el in learned.items():
-        elements[name] = (start[name], el) if name in start else el
-    report.update(steps=step + 1, held_out_best=best, seconds=time.perf_counter() - t0,
-                  learned_instances=len(learned))
-    return elements, report
+        elements[name] = (*stages(start[name]), el) if name in start else el
+    info.update(steps=step + 1, held_out_best=best, learned_instances=len(learned))
+    return elements, info

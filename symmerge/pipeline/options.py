@@ -19,6 +19,9 @@ RECOMMENDED = ("heads", "attn", "ffn", "rescale", "residual")
 RECOMMENDED_NAME = "recommended"
 RESIDUAL_CHOICES = ("largest", "permutation")
 MATCH_MODES = ("weights", "activations", "learned")
+LEARN_STARTS = ("weights", "activations")  # the closed form a learned alignment starts from
+# what the interpolated model learns to predict: α·p_A + (1−α)·p_B, or softmax(α·log p_A + (1−α)·log p_B)
+LEARN_TARGETS = ("probabilities", "log-probabilities")
 
 
 def _names(value) -> tuple[str, ...]:
@@ -68,21 +71,43 @@ class LearnSettings:
     """Learned alignment: Adam on the continuous group elements, ``steps`` of ``batch`` examples, learning
     rate ``lr`` with cosine decay, α drawn from U(``alpha_low``, ``alpha_high``) at every step, a
     ``holdout`` fraction of the unlabeled data for early stopping (checked every ``check_every`` steps,
-    stopping after ``patience`` checks without improvement), a ``seed``, and an optional time budget in
-    seconds (``budget``)."""
+    stopping after ``patience`` checks without improvement; 0, the default: every image trains, and the
+    objective is checked on the training images at the start and the end only — the end is kept only if
+    not worse), a ``seed``, and an optional time budget in
+    seconds (``budget``). ``start``: the closed form learning starts from (``activations``: activation
+    matching on the same data; ``weights``: data-free weight matching); ``rounds``: the steps split into
+    rounds with the FFN permutations re-solved between them (``repermute``: from the activations' unit
+    correlations, or the weights); ``augment``: randomly flipped and shifted
+    views of every training image (images only); ``target``: ``probabilities`` (α·p_A + (1−α)·p_B) or
+    ``log-probabilities`` (their normalised geometric mean). See :mod:`symmerge.pipeline.learn`; the
+    defaults are the best recipe measured on B1 (docs/results.md, "B1 with unlabeled data")."""
 
-    steps: int = 600
-    batch: int = 250
+    steps: int = 200
+    batch: int = 100
     lr: float = 1e-2
     alpha_low: float = 0.1
     alpha_high: float = 0.9
-    holdout: float = 0.1
+    holdout: float = 0.0
     check_every: int = 25
     patience: int = 6
     seed: int = 0
     budget: float | None = None
+    start: str = "activations"
+    rounds: int = 1
+    augment: int = 4
+    target: str = "log-probabilities"
+    repermute: str = "activations"
 
     def __post_init__(self):
+        if self.start not in LEARN_STARTS:
+            raise SymmergeError(f"unknown learned-alignment start {self.start!r}; choose one of {', '.join(LEARN_STARTS)}")
+        if self.target not in LEARN_TARGETS:
+            raise SymmergeError(f"unknown learned-alignment target {self.target!r}; choose one of {', '.join(LEARN_TARGETS)}")
+        if self.repermute not in ("weights", "activations"):
+            raise SymmergeError(f"unknown repermute source {self.repermute!r}; choose weights or activations")
+        if self.rounds < 1 or self.augment < 0:
+            raise SymmergeError(f"learned alignment needs rounds >= 1 and augment >= 0, got {self.rounds}, "
+                                f"{self.augment}")
         if self.steps < 1 or self.batch < 1 or not self.lr > 0:
             raise SymmergeError("learned alignment needs steps >= 1, batch >= 1 and lr > 0")
         if not 0.0 <= self.alpha_low < self.alpha_high <= 1.0:
