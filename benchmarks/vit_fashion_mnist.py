@@ -186,14 +186,19 @@ def train_pair(args, arrays, log):
     return config, seeds, folders
 
 
-def run(args, log=print) -> dict:
-    t_start = time.perf_counter()
-    import ot  # noqa: F401  POT's first import takes seconds: kept out of the OT merges' timings
+def load_pair(args, log):
+    """The data files, the trained (or cached) pair, and the test and curve sets."""
     arrays, files = prepare_data(args, work_dir(args))
     config, seeds, folders = train_pair(args, arrays, log)
     a, b = (load_model(f) for f in folders)
-    test = load_data(files["test"], a, batch_size=500)
-    curve = load_data(files["curve"], a, batch_size=500)
+    return (config, seeds, folders, arrays, files, a, b, load_data(files["test"], a, batch_size=500),
+            load_data(files["curve"], a, batch_size=500))
+
+
+def run(args, log=print) -> dict:
+    t_start = time.perf_counter()
+    import ot  # noqa: F401  POT's first import takes seconds: kept out of the OT merges' timings
+    config, seeds, folders, arrays, files, a, b, test, curve = load_pair(args, log)
     gram = load_data(files["stats"], a, batch_size=100, max_examples=args.gram_examples)
     fisher = load_data(files["stats"], a, batch_size=100, max_examples=args.fisher_examples)
     acts = load_data(files["stats"], a, batch_size=100, max_examples=args.acts_examples)
@@ -487,11 +492,7 @@ def run_data_driven(args, log=print) -> dict:
     from benchmarks import unlabeled
 
     t_start = time.perf_counter()
-    arrays, files = prepare_data(args, work_dir(args))
-    config, seeds, folders = train_pair(args, arrays, log)
-    a, b = (load_model(f) for f in folders)
-    test = load_data(files["test"], a, batch_size=500)
-    curve = load_data(files["curve"], a, batch_size=500)
+    config, seeds, folders, arrays, files, a, b, test, curve = load_pair(args, log)
     stats = {"fisher": load_data(files["stats"], a, batch_size=100, max_examples=args.fisher_examples),
              "regmean": load_data(files["stats"], a, batch_size=100, max_examples=args.gram_examples)}
     endpoints = {n: evaluate(m, test, progress=False) for n, m in (("A", a), ("B", b))}

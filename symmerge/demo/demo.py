@@ -13,14 +13,13 @@ plain average. Every result is scored on the test images; the loss barrier along
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 
+from ..core.parallel import torch_threads
 from ..evaluate.barrier import barrier_study
 from ..io.data import load_data
 from .datasets import cache_dir, mnist_5k_split, write_npz
@@ -59,18 +58,6 @@ QUICK = DemoSetup(hidden=32, layers=1, heads=2, intermediate=64, n_train=4000, s
                   points=5, learn_steps=5)
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    """Tiny models gain nothing from several threads, and on a shared machine OpenMP spin-waiting can make
-    them much slower; restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _check_output(out: Path) -> bool:
     """May the demo write ``out``? Only a missing or empty folder, or an earlier demo's own output
     (which is then replaced); True when such an earlier output is there."""
@@ -89,7 +76,7 @@ def run_demo(out: Path, seed: int = 0, quick: bool = False, threads: int | None 
     _check_output(out)  # before any work
     setup = QUICK if quick else FULL
     t0 = time.perf_counter()
-    with _threads(threads or torch.get_num_threads()):
+    with torch_threads(threads or None):  # tiny models gain nothing from several threads
         result = _run(setup, seed, progress, log)
     result["seconds_total"] = time.perf_counter() - t0
     _print_table(result, log)
