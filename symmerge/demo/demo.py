@@ -18,7 +18,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
 from ..core.parallel import torch_threads
 from ..evaluate.barrier import barrier_study
 from ..io.data import load_data
