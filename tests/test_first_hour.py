@@ -496,3 +496,28 @@ def test_merge_models_api_aligns_by_default():
     assert tuple(report["alignment"]["symmetries"]) == RECOMMENDED
     _, plain = merge_models([a, b], "average", align="none", progress=False)
     assert plain["alignment"]["symmetries"] == [] and plain["alignment"]["requested"] == "none"
+
+
+def test_solver_progress_in_lines_mode_prints_at_most_one_line_per_interval(monkeypatch):
+    """A coordinate descent of hundreds of sweeps must not print hundreds of lines: the first call
+    prints, then at most one line per LINE_EVERY seconds, counting the calls it stands for."""
+    import io
+
+    from symmerge import progress
+
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    out = io.StringIO()
+    progress.configure("lines", stream=out)
+    try:
+        printer = progress.stage_printer(desc="solving")
+        for sweep in range(1, 31):  # 30 sweeps, one every 0.5 s: 15 s in all
+            clock[0] += 0.5
+            printer(f"sweep {sweep}")
+    finally:
+        progress.configure("auto")
+    lines = out.getvalue().splitlines()
+    # sweep 1, then one line per 5 s (the last 9 sweeps fall inside an interval: the stage's own closing
+    # line reports the end)
+    assert [ln.split("solving: ")[1] for ln in lines] == [
+        "sweep 1 (0.5 s)", "sweep 11 (5.0 s, 10 steps)", "sweep 21 (5.0 s, 10 steps)"]
