@@ -10,8 +10,8 @@ from .evaluate.barrier import barrier_study
 from .families import SPECS, spec_for, supported_model_types
 from .merge.fuse import MergeOptions, merge_models
 from .pipeline.align import Alignment, align, align_pair
-from .pipeline.options import AlignOptions
+from .pipeline.options import AlignOptions, LearnSettings
 
-__all__ = ["align", "align_pair", "Alignment", "AlignOptions", "merge_models", "MergeOptions", "barrier_study",
+__all__ = ["align", "align_pair", "Alignment", "AlignOptions", "LearnSettings", "merge_models", "MergeOptions", "barrier_study",
            "SymmergeError", "SPECS", "spec_for", "supported_model_types"]
 __version__ = "0.1.0"
