@@ -17,7 +17,6 @@ from pathlib import Path
 
 from ..io.model import ensure_output_dir, save_model
 from ..pipeline.align import align_pair
-from ..groups import RESCALE_MODES
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed, stage, stage_printer
@@ -32,9 +31,6 @@ def add_arguments(parser) -> None:
                         help=describe_symmetries(f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model "
                                                  "has them; as for merge and barrier). With --stream, "
                                                  f"{RECOMMENDED_NAME} leaves residual out (it cannot stream)"))
-    parser.add_argument("--rescale", choices=list(RESCALE_MODES), default="joint",
-                        help="how per-head scales are solved when 'rescale' is aligned: joint optimum (default), the "
-                             "paper's sequential, or none")
     parser.add_argument("--layers", default=None, help="only align these layers, e.g. '0,1,5' (default: all)")
     parser.add_argument("--no-verify", action="store_true", help="skip the equivalence check (not recommended)")
     parser.add_argument("--verify-tol", type=float, default=None,

@@ -1,14 +1,19 @@
-"""The alignment flags ``align``, ``merge`` and ``barrier`` share, written once: which residual group,
+"""The alignment flags ``align``, ``merge`` and ``barrier`` share, written once: how scales are solved,
+which residual group,
 untying, the coordinate-descent cap, what the elements are fitted to (``--match``), the unlabeled data
 (``--align-data``, ``--align-samples``), the learned alignment's settings and ``--repair``."""
 
 from __future__ import annotations
 
 from ..errors import SymmergeError
+from ..groups import RESCALE_MODES
 from ..pipeline.options import MATCH_MODES, RESIDUAL_CHOICES, AlignOptions, LearnSettings
 
 
 def add_alignment_arguments(parser, repair: bool = True) -> None:
+    parser.add_argument("--rescale", choices=list(RESCALE_MODES), default="joint",
+                        help="how per-head scales are solved when 'rescale' is aligned: joint optimum (default), the "
+                             "paper's sequential, or none")
     parser.add_argument("--residual", choices=list(RESIDUAL_CHOICES), default="largest",
                         help="with the residual symmetry: largest (default: the largest function-preserving group "
                              "of the family's stream — O(d-1) for pre-LN LayerNorm with the norms folded, O(d) for "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..groups import RESCALE_MODES
 from ..io.model import ensure_output_dir
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
@@ -30,9 +29,6 @@ def add_arguments(parser) -> None:
                         help="alignment variant(s) compared with no alignment (repeatable): " + describe_symmetries(
                             f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them)"))
     parser.add_argument("--points", type=int, default=11, help="number of α values in [0, 1] (default 11)")
-    parser.add_argument("--rescale", choices=list(RESCALE_MODES), default="joint",
-                        help="how per-head scales are solved when 'rescale' is aligned: joint optimum (default), the "
-                             "paper's sequential, or none")
     parser.add_argument("--subsets", choices=["single", "last"], default=None,
                         help="also match only layer i (single) or only the last k layers (last); loss at α = 0.5")
     parser.add_argument("--batch-size", type=int, default=32)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from ..errors import SymmergeError
 from ..io.model import ensure_output_dir, save_model
-from ..groups import RESCALE_MODES
 from ..merge import METHODS
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
@@ -33,9 +32,6 @@ def add_arguments(parser) -> None:
                         help="symmetries to align before merging: " + describe_symmetries(
                             f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them; residual is "
                             "also left out when the task heads differ)"))
-    parser.add_argument("--rescale", choices=list(RESCALE_MODES), default="joint",
-                        help="how per-head scales are solved when 'rescale' is aligned: joint optimum (default), the "
-                             "paper's sequential, or none")
     parser.add_argument("--anchor", default=None,
                         help="anchor: index of a model (0-based) or a folder (default: base model for task-vector "
                              "methods; the second of two models; else the model closest to the average)")

@@ -21,6 +21,7 @@ from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
 from ..pipeline.align import align_pair, as_model
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries
+from ..pipeline.report import match_fields
 from ..progress import bar, stage, stage_printer
 from .metrics import alpha_grid, check_same_shapes, evaluate, interpolate, interpolation_curve
 from .plots import plot_curves, plot_subsets
@@ -102,8 +103,7 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
             moved, end_b, rep = res.model, res.anchor, res.report
             info = {"distance_before": rep["distance_before"], "distance_after": rep["distance_after"],
                     "verify_max_rel_diff": rep.get("verify_max_rel_diff"), "align_seconds": rep["seconds"],
-                    "match_seconds": rep.get("match_seconds"), "match": rep.get("match", "weights")}
-            info.update({k: rep[k] for k in ("align_samples_used", "learned", "residual_group", "sweeps") if k in rep})
+                    "match_seconds": rep.get("match_seconds"), **match_fields(rep)}
             result["distances"][v] = distance_before_after(a, b, moved, res.instances, end_b)
         curve = interpolation_curve(moved, end_b, d, alphas, device=dev, progress=progress, label=v)
         moved.to("cpu"), end_b.to("cpu")

@@ -26,6 +26,7 @@ from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
+from ..pipeline.report import match_fields
 from ..progress import line, stage, stage_printer
 from ..pipeline.verify import with_state_dict
 from . import get_method
@@ -227,8 +228,7 @@ def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool
         rep = res.report
         reports.append({"model": name, "anchor": False, "distance_before": rep["distance_before"],
                         "distance_after": rep["distance_after"], "verify_max_rel_diff": rep.get("verify_max_rel_diff"),
-                        "seconds": rep["seconds"], "match": rep.get("match", "weights"),
-                        **{k: rep[k] for k in ("align_samples_used", "learned", "residual_group", "sweeps") if k in rep},
+                        "seconds": rep["seconds"], **match_fields(rep),
                         "distances": distance_before_after(x, proxy, res.model, res.instances, res.anchor)})
     return moved, reports
 

@@ -56,3 +56,13 @@ def alignment_report(spec, model_type: str, opts, instances, distances: Distance
     }
     report.update(fields)
     return report
+
+
+MATCH_FIELDS = ("align_samples_used", "learned", "residual_group", "sweeps")
+
+
+def match_fields(report: dict) -> dict:
+    """How an alignment was found, from its report: ``match`` and, where they apply, the unlabeled
+    samples used, the learned alignment's record, the residual group and the sweeps (the per-model
+    entries of a merge report and the curves of a barrier study carry them)."""
+    return {"match": report.get("match", "weights"), **{k: report[k] for k in MATCH_FIELDS if k in report}}
