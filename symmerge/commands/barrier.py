@@ -54,7 +54,8 @@ def run(args) -> int:
     width = max(len(name) for name in result["curves"])
     for name, c in result["curves"].items():
         print(f"{name:{width}s}  barrier {c['barrier']:.4f}  loss(0.5) {c['loss'][len(c['loss']) // 2]:.4f}")
-    aligning = sum(c.get("align_seconds", 0.0) for c in result["curves"].values())
+    aligning = sum(c.get("align_seconds", 0.0) for name, c in result["curves"].items()
+                   if not name.endswith("+repair"))  # a +repair curve repeats its variant's alignment info
     print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} (alignment {aligning:.2f} s, "
           f"total {elapsed():.2f} s)")
     return 0

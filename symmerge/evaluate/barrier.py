@@ -19,7 +19,7 @@ from ..device import resolve_device
 from ..errors import SymmergeError
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
-from ..pipeline.align import align_pair, as_model
+from ..pipeline.align import align_pair, as_model, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries
 from ..pipeline.report import match_fields
 from ..progress import bar, stage, stage_printer
@@ -78,6 +78,8 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
     with stage(f"loaded {names[0]} and {names[1]}", enabled=progress and isinstance(model_a, (str, Path))):
         a, b = as_model(model_a, allow_pickle), as_model(model_b, allow_pickle)
     check_same_shapes(a, b)
+    if base.align_data is not None and not isinstance(base.align_data, Data):  # read once for every variant
+        base = base.with_(align_data=load_align_data(base, a))
     variants = _variants(aligns, base, a)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
         if isinstance(data, Data):
@@ -125,7 +127,6 @@ def repaired_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, 
     """:func:`interpolation_curve` with REPAIR at every α (endpoint statistics gathered once on the
     alignment data of ``options``)."""
     from ..merge.repair import endpoint_stats, repair
-    from ..pipeline.align import load_align_data
 
     stats_data = load_align_data(options, model_b)
     endpoints = [model_a.to(device), model_b.to(device)]
