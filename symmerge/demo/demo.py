@@ -140,9 +140,10 @@ def _run(setup: DemoSetup, seed: int, progress: bool, log) -> dict:
 
 
 def _learned(a, b, unlabeled, test, alphas, setup: DemoSetup, progress: bool) -> tuple[dict, dict]:
-    """A aligned to B by the learned alignment (from the data-free all-groups solution, on the training
-    images without their labels), then the plain average: its row and its interpolation curve (the
-    average is the curve's α = 0.5 point, evaluated on its own as well)."""
+    """A aligned to B by the learned alignment in the best data-free set's groups (LearnSettings' default
+    start and recipe, on the training images without their labels), then the plain average: its row and
+    its interpolation curve (the average is the curve's α = 0.5 point, evaluated on its own as well).
+    The row's distances are the alignment report's (all parameters, head included)."""
     import copy
 
     from ..evaluate.metrics import interpolate, interpolation_curve

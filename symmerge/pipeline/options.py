@@ -10,10 +10,10 @@ from ..families import SYMMETRIES
 from ..groups import RESCALE_MODES, Options
 
 PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations and scales, FFN permutations
-DEFAULT_SYMMETRIES = PAPER  # ``align``'s default
+DEFAULT_SYMMETRIES = PAPER  # the default of the Python ``align()`` and of AlignOptions (the CLI: 'recommended')
 ALIASES = {"paper": PAPER}
-# The symmetry set that merges best in the project's measurements (docs/results.md): ``merge`` and
-# ``barrier`` align with it by default, as ``--align recommended``, which resolves per model to the
+# The symmetry set that merges best in the project's measurements (docs/results.md): ``align``, ``merge``
+# and ``barrier`` align with it by default (``recommended``), which resolves per model to the
 # groups of this set the model has (:meth:`AlignOptions.for_model`).
 RECOMMENDED = ("heads", "attn", "ffn", "rescale", "residual")
 RECOMMENDED_NAME = "recommended"
