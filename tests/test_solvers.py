@@ -297,8 +297,9 @@ def test_joint_finds_global_minimum_of_two_basin_profile():
 
 
 def test_match_permutation_consume_negates_in_place_and_agrees():
-    """consume=True hands scipy the cost negated in place (no float64 copy): same optimum, cost spent;
-    the default leaves the caller's cost untouched."""
+    """consume=True hands the solver the cost negated in place (no copy): same optimum, cost spent;
+    the default leaves the caller's cost untouched; float32 costs are solved as float32, other dtypes
+    (half) converted to float64, never touching the caller's tensor."""
     g = torch.Generator().manual_seed(5)
     C = torch.randn(40, 40, dtype=F64, generator=g)
     keep = C.clone()
@@ -310,9 +311,12 @@ def test_match_permutation_consume_negates_in_place_and_agrees():
     for _ in range(200):  # no random permutation beats it
         p = torch.randperm(40, generator=g)
         assert keep[p, torch.arange(40)].sum() <= best + 1e-12
-    # float32 costs are converted (never consumed)
     C32 = keep.float()
-    assert torch.equal(match_permutation(C32, consume=True), perm) and torch.equal(C32, keep.float())
+    assert torch.equal(match_permutation(C32), perm) and torch.equal(C32, keep.float())
+    assert torch.equal(match_permutation(C32, consume=True), perm) and torch.equal(C32, -keep.float())
+    C16 = keep.half()
+    assert torch.equal(match_permutation(C16, consume=True), match_permutation(C16.double()))
+    assert torch.equal(C16, keep.half())
 
 
 # ------------------------------------------------------------------ RoPE pairs (closed form per pair)

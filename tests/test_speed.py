@@ -47,6 +47,7 @@ def _costs():
         "tall": rng.standard_normal((90, 40)),
         "wide_ties": rng.integers(0, 2, (30, 70)).astype(np.float64),
         "one": np.array([[3.0]]),
+        "large_offset": 1e4 + rng.standard_normal((200, 200)),  # float32 keeps ~3 digits of the spread
     }
 
 
@@ -59,16 +60,21 @@ def _check_assignment(cost, rows, cols):
     return float(cost[rows, cols].sum())
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("solver", ["lapx", None, "scipy"])
 @pytest.mark.parametrize("name", list(_costs()))
-def test_assignment_optimum_equals_scipy(name, solver):
+def test_assignment_optimum_equals_scipy(name, solver, dtype):
+    """The optimum equals scipy's float64 optimum of the same values, for float32 costs too (lapx
+    solves those in float32)."""
     if solver == "lapx" and not HAS_LAPX:
         pytest.skip("lapx (lap.lapjvh) is not installed")
-    cost = _costs()[name]
+    cost = _costs()[name].astype(dtype)
     before = cost.copy()
-    value = _check_assignment(cost, *linear_assignment(cost, solver=solver))
+    rows, cols = linear_assignment(cost, solver=solver)
+    cost = cost.astype(np.float64)  # both objectives summed in float64 from the same values
+    value = _check_assignment(cost, rows, cols)
     reference = float(cost[linear_sum_assignment(cost)].sum())
-    assert np.array_equal(cost, before), "the solver must not change its input"
+    assert np.array_equal(cost, before.astype(np.float64)), "the solver must not change its input"
     assert value == pytest.approx(reference, rel=1e-12, abs=1e-9 * max(1.0, np.abs(cost).max()))
 
 
