@@ -7,7 +7,9 @@ One engine serves in-memory and streamed alignment:
   all its instances at once (batched SVDs) on A moved by the groups before it. A kind whose
   instances are costly independent problems (the FFN permutation: a cost GEMM and an exact assignment
   per layer) solves them on a pool of ``Options.workers`` threads, one torch thread each
-  (:func:`symmerge.core.parallel.layer_map`), bit-identical to one after another. In-memory alignment
+  (:func:`symmerge.core.parallel.layer_map`), bit-identical to one after another; when no earlier group
+  touches its tensors it starts at once, on its own thread beside the earlier groups (the FFN layers
+  while the head groups are solved; not with ``workers=1``). In-memory alignment
   hands it every layer; streaming one tensor-disjoint part of a layer (:func:`parts`), whose costly
   read-once step (:func:`prepare_costly`) may run on on-demand tensors.
 * :func:`solve` — adds the model-wide groups (the residual stream), which couple every layer: they act
@@ -21,11 +23,12 @@ from __future__ import annotations
 import time
 import warnings
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..core.apply import apply
 from ..core.distance import sq_distance
-from ..core.parallel import torch_threads
+from ..core.parallel import pool_size, torch_threads
 from ..groups import Options
 
 DESCENT_TOL = 1e-9  # a sweep must lower the objective by more than this (relative) to continue
@@ -79,20 +82,56 @@ def solve_local(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None,
         return _solve_groups(groups, sd_a, sd_b, opts, progress, prepared, ctx, timings)
 
 
+def _early_prepares(groups, prepared, sd_a, sd_b, opts, ctx, pool) -> dict:
+    """``{group name: future of (prepared, seconds)}`` for the costly read-once steps that can start at
+    once: a kind with one (``streams_costs``) whose tensors no earlier group touches sees ``sd_a`` as it
+    is, so its cost matrices and assignments (the FFN layers, on their own pool) run while the earlier
+    groups (the batched head groups) are solved — the cores are never idle waiting for one of them."""
+    out, touched = {}, set()
+    for name, insts in groups:
+        keys = {s.key for i in insts for s in i.slots}
+        kind = insts[0].kind
+        if kind.streams_costs and not (prepared and name in prepared) and touched and not keys & touched:
+            def run(kind=kind, insts=insts):
+                t0 = time.perf_counter()
+                return kind.prepare(insts, sd_a, sd_b, opts, ctx), time.perf_counter() - t0
+            out[name] = pool.submit(run)
+        touched |= keys
+    return out
+
+
 def _solve_groups(groups, sd_a, sd_b, opts, progress, prepared, ctx, timings) -> dict:
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        overlap = len(groups) > 1 and pool_size(opts.workers) > 1  # workers=1: one thread, one thing at a time
+        early = _early_prepares(groups, prepared, sd_a, sd_b, opts, ctx, pool) if overlap else {}
+        try:
+            return _solve_in_order(groups, sd_a, sd_b, opts, progress, prepared, ctx, timings, early)
+        finally:
+            for future in early.values():
+                future.cancel()
+
+
+def _solve_in_order(groups, sd_a, sd_b, opts, progress, prepared, ctx, timings, early) -> dict:
     elements: dict = {}
     moved = sd_a
     for k, (name, insts) in enumerate(groups):
         t0 = time.perf_counter()
         kind = insts[0].kind
-        pre = prepared[name] if prepared and name in prepared else kind.prepare(insts, moved, sd_b, opts, ctx)
+        ahead = 0.0  # seconds its early prepare ran in the background
+        if name in early:
+            pre, ahead = early[name].result()
+            t0 = time.perf_counter()
+        elif prepared and name in prepared:
+            pre = prepared[name]
+        else:
+            pre = kind.prepare(insts, moved, sd_b, opts, ctx)
         found = kind.complete(insts, pre, moved, sd_b, opts, ctx)
         elements.update(found)
         later = {s.key for _, g in groups[k + 1:] for i in g for s in i.slots}
         if later & {s.key for i in insts for s in i.slots}:  # a later group acts on these tensors too
             moved = apply(moved, insts, found)
         if timings is not None:
-            timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+            timings[name] = timings.get(name, 0.0) + ahead + time.perf_counter() - t0
         if progress is not None:
             progress(name)
     return elements
