@@ -160,3 +160,29 @@ def test_merge_repair_needs_align_data(pair, tmp_path, capsys):
     assert run_cli("merge", a, b, "--method", "average", "--repair", "-o", tmp_path / "m") != 0
     assert "--repair needs unlabeled data" in capsys.readouterr().err
     assert not (tmp_path / "m").exists() or not any((tmp_path / "m").iterdir())
+
+
+def test_workers_flag_on_merge_and_barrier_changes_nothing_but_the_threads(pair, tmp_path, capsys):
+    """``--workers`` (shared by align, merge and barrier): one thread or a pool, the same merged weights
+    and the same barrier; a count below 1 is one clear error."""
+    from safetensors.torch import load_file
+
+    a, b = pair
+    for w in ("1", "3"):
+        assert run_cli("merge", a, b, "--method", "average", "--workers", w, "-o", tmp_path / f"m{w}") == 0
+    one, three = (load_file(str(tmp_path / f"m{w}" / "model.safetensors")) for w in ("1", "3"))
+    assert one.keys() == three.keys() and all(torch.equal(one[k], three[k]) for k in one)
+    data = npz_file(tmp_path / "eval.npz", n=16)
+    curves = {}
+    for w in ("1", "2"):
+        out = tmp_path / f"b{w}"
+        assert run_cli("barrier", a, b, "--data", data, "--points", "3", "--workers", w, "-o", out) == 0
+        curves[w] = json.loads((out / "barrier.json").read_text())
+    assert set(curves["1"]["curves"]) == set(curves["2"]["curves"]) == {"none", "heads,attn,ffn,rescale,residual"}
+    for name in curves["1"]["curves"]:
+        c1, c2 = curves["1"]["curves"][name], curves["2"]["curves"][name]
+        assert c1["loss"] == c2["loss"] and c1["barrier"] == c2["barrier"]
+    capsys.readouterr()
+    assert run_cli("merge", a, b, "--method", "average", "--workers", "0", "-o", tmp_path / "bad") != 0
+    assert "workers must be a whole number >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -46,11 +46,6 @@ def add_arguments(parser) -> None:
                              "is slow; holds a few layers in memory instead of one part of one)")
     parser.add_argument("--device", default="cpu",
                         help="where the FFN cost GEMMs run: cpu (default), cuda, cuda:N or auto")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="FFN layers (cost GEMM + exact assignment) solved at once on a thread pool (default: one "
-                             "per core; 1: one after another; "
-                             "the result is the same). With --stream only with --pipeline (default 2 there): the "
-                             "low-memory mode solves one part of one layer at a time")
     parser.add_argument("--verify-forward", action="store_true",
                         help="with --stream: also load both models at the end and compare outputs (needs the RAM)")
     parser.add_argument("--allow-pickle", action="store_true",
@@ -86,7 +81,7 @@ def run(args) -> int:
     if args.stream:
         return run_streaming(args, out)
     options = alignment_options(args, args.symmetries, verify=not args.no_verify, layers=parse_layers(args.layers),
-                                verify_tol=args.verify_tol, device=args.device, workers=args.workers)
+                                verify_tol=args.verify_tol, device=args.device)
     result = align_pair(args.model, args.anchor, options, progress=stage_printer(), allow_pickle=args.allow_pickle)
     report = result.report
     report.update(model=str(args.model), anchor=str(args.anchor))

@@ -1,7 +1,7 @@
 """The alignment flags ``align``, ``merge`` and ``barrier`` share, written once: how scales are solved,
 which residual group,
 untying, the coordinate-descent cap, what the elements are fitted to (``--match``), the unlabeled data
-(``--align-data``, ``--align-samples``), the learned alignment's settings and ``--repair``."""
+(``--align-data``, ``--align-samples``), the learned alignment's settings, ``--workers`` and ``--repair``."""
 
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
     parser.add_argument("--learn-budget", type=float, default=None, metavar="SECONDS",
                         help="--match learned: stop after this many seconds of optimisation (default: no limit)")
     parser.add_argument("--learn-seed", type=int, default=None, help="--match learned: seed (default 0)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="FFN layers (cost GEMM + exact assignment) solved at once on a thread pool, beside the "
+                             "head groups (default: one per core; 1: one thing after another on one thread; the "
+                             "result is the same). align --stream: only with --pipeline (default 2 there), the "
+                             "low-memory mode solves one part of one layer at a time")
     if repair:
         parser.add_argument("--repair", action="store_true",
                             help="REPAIR: reset the per-channel means and standard deviations of the merged model "
@@ -64,6 +69,7 @@ def alignment_options(args, symmetries, **extra) -> AlignOptions:
         from ..io.data import check_data_path
 
         check_data_path(args.align_data)  # fail before loading any model
+    extra.setdefault("workers", args.workers)
     return AlignOptions(symmetries=symmetries, rescale=args.rescale, residual=args.residual, untie=args.untie,
                         max_sweeps=args.max_sweeps, match=args.match, align_data=args.align_data,
                         align_samples=args.align_samples, learn=learn_settings(args), **extra)
