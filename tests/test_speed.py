@@ -232,3 +232,35 @@ def test_bench_matching_runs(monkeypatch, capsys):
                 "attn_match_serial_s", "ffn_assignment_s_per_layer", "load_avg_start"):
         assert key in result
     assert "scipy" in result["ffn_assignment_s_per_layer"]
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("budget", [None, 1 << 12])  # one block, or blocks of 256 rows (the streamed path)
+def test_permutation_cost_equals_the_float64_sum_of_member_products(family, dtype, budget, monkeypatch):
+    """The FFN cost built block by block and member by member (first member written, the others added
+    in place; signed SwiGLU members as |C±| + C₀) equals the float64 reference, in the members' precision."""
+    import symmerge.groups.permutation as P
+
+    if budget is not None:
+        real = P.row_chunks
+        monkeypatch.setattr(P, "row_chunks", lambda n, width, b=0: real(n, width, budget))
+    model = make_model(family, intermediate_size=600).to(dtype)
+    other = make_model(family, intermediate_size=600, seed=1).to(dtype)
+    sa, sb = model.state_dict(), other.state_dict()
+    _, instances = instances_for(model)
+    ffn = next(i for i in instances if i.group.kind == "permutation")
+    signed = ffn.group.param("unit_scale") == "nonzero"
+    assert signed == (family == "llama")
+    cost = P.permutation_cost(ffn, sa, sb, signed=signed)
+    assert cost.dtype == dtype and cost.shape == (600, 600)
+
+    def prod(s):
+        x1 = sa[s.key].movedim(s.axis, 0).reshape(600, -1).double()
+        x2 = sb[s.key].movedim(s.axis, 0).reshape(600, -1).double()
+        return x1 @ x2.T
+
+    scaled = sum(prod(s) for s in ffn.slots if signed and s.power)
+    ref = (scaled.abs() if signed else 0) + sum(prod(s) for s in ffn.slots if not (signed and s.power))
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert (cost.double() - ref).abs().max() <= tol * ref.abs().max()

@@ -57,8 +57,9 @@ def permutation_cost(inst, sd_a: dict, sd_b: dict, signed: bool = False, device=
         for s in slots:
             ua, ub = unit_matrix(sd_a[s.key], s), unit_matrix(sd_b[s.key], s)
             work = fast_dtype(ua, ub)
-            if C is None:
-                C = torch.zeros(n, n, dtype=work)
+            first = C is None  # the first member's blocks are written, not added (no zero fill)
+            if first:
+                C = torch.empty(n, n, dtype=work)
             elif work == torch.float64 and C.dtype != work:  # a float64 member: the whole cost in float64
                 C = C.to(work)
             chunks = row_chunks(n, ua.shape[1], 1 << 22)
@@ -66,10 +67,15 @@ def permutation_cost(inst, sd_a: dict, sd_b: dict, signed: bool = False, device=
                 x2t = ub[cols].to(device=device, dtype=C.dtype).T
                 for rows in chunks:
                     x1 = ua[rows].to(device=device, dtype=C.dtype)
-                    if on_cpu:
-                        C[rows, cols].addmm_(x1, x2t)
+                    block = C[rows, cols]
+                    if not on_cpu:
+                        block.copy_((x1 @ x2t).cpu()) if first else block.add_((x1 @ x2t).cpu())
+                    elif first and block.is_contiguous():
+                        torch.mm(x1, x2t, out=block)
+                    elif first:
+                        block.copy_(x1 @ x2t)
                     else:
-                        C[rows, cols] += (x1 @ x2t).cpu()
+                        block.addmm_(x1, x2t)
                 del x2t
             del ua, ub
         if k == 0 and slots:
