@@ -68,14 +68,12 @@ def permutation_cost(inst, sd_a: dict, sd_b: dict, signed: bool = False, device=
                 for rows in chunks:
                     x1 = ua[rows].to(device=device, dtype=C.dtype)
                     block = C[rows, cols]
-                    if not on_cpu:
-                        block.copy_((x1 @ x2t).cpu()) if first else block.add_((x1 @ x2t).cpu())
-                    elif first and block.is_contiguous():
-                        torch.mm(x1, x2t, out=block)
+                    if on_cpu:  # beta=0: the uninitialised block is ignored, not read
+                        block.addmm_(x1, x2t, beta=0 if first else 1)
                     elif first:
-                        block.copy_(x1 @ x2t)
+                        block.copy_((x1 @ x2t).cpu())
                     else:
-                        block.addmm_(x1, x2t)
+                        block.add_((x1 @ x2t).cpu())
                 del x2t
             del ua, ub
         if k == 0 and slots:
