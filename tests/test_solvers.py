@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from symmerge.core.solvers import (head_objective, joint_scale, match_permutation, procrustes, scale_for_rotation,
-                              sequential_scale, solve_assignments)
+                              sequential_scale)
+from symmerge.core.parallel import layer_map
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -98,7 +99,7 @@ def test_match_permutation_semantics_and_batch():
         costs.append(X1 @ X2.T)
         truths.append(hidden)
         units.append((X1, X2))
-    for perm, (X1, X2) in zip(solve_assignments(costs, workers=2), units):
+    for perm, (X1, X2) in zip(layer_map(match_permutation, costs, workers=2), units):
         assert torch.equal(X1.index_select(0, perm), X2)
     for C, (X1, X2) in zip(costs, units):
         assert torch.equal(X1.index_select(0, match_permutation(C)), X2)

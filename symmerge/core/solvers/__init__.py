@@ -2,7 +2,7 @@
 assignment, RoPE frequency pairs, the residual stream's groups. The group kinds (symmerge.groups)
 build their costs and call these. Also the optimal transport plans (POT) of OT fusion (symmerge.merge.ot)."""
 
-from .assignment import match_permutation, solve_assignments
+from .assignment import match_permutation
 from .procrustes import procrustes
 from .rescale import head_objective, joint_scale, quartic_scale, scale_for_rotation, sequential_scale
 from .residual import (centered_residual, complement_basis, orthogonal_residual, permutation_residual,
@@ -26,7 +26,6 @@ __all__ = [
     "permutation_residual",
     "signed_permutation_residual",
     "match_permutation",
-    "solve_assignments",
     "ground_cost",
     "transport_plan",
     "column_map",

@@ -12,7 +12,6 @@ ones (tests/test_solvers.py checks random, structured, integer-tied and constant
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -75,15 +74,3 @@ def match_permutation(C: torch.Tensor, consume: bool = False) -> torch.Tensor:
     perm = np.empty_like(rows)
     perm[cols] = rows
     return torch.from_numpy(perm).long()
-
-
-def solve_assignments(costs, workers: int | None = None, consume: bool = False) -> list[torch.Tensor]:
-    """Solve many assignment problems. ``costs`` may be a lazy iterable: each problem is handed to
-    a thread as soon as its cost exists, so the next cost GEMM overlaps the running assignments
-    (both solvers release the GIL). ``consume``: as in :func:`match_permutation`."""
-    workers = workers or os.cpu_count() or 1
-    if workers == 1:
-        return [match_permutation(c, consume) for c in costs]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(match_permutation, c, consume) for c in costs]
-        return [f.result() for f in futures]
