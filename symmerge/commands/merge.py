@@ -61,6 +61,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     parser.add_argument("--no-verify", action="store_true", help="skip the equivalence check of each alignment")
     parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin checkpoints")
+    parser.add_argument("--mode", choices=["auto", "stream", "memory"], default="auto",
+                        help="stream: merge tensor by tensor from the safetensors files (memory ~ the largest "
+                             "tensors, any model size; per-tensor methods without alignment); memory: load the "
+                             "models; auto (default): stream whatever can stream, else load")
+    parser.add_argument("--shard-size", default="2GB", help="streamed output: largest shard (default 2GB)")
     add_alignment_arguments(parser)
     add_progress_argument(parser)
 
@@ -121,16 +126,22 @@ def options_from(args):
 def run(args) -> int:
     from ..merge import get_method
     from ..merge.fuse import merge_models
+    from ..merge.stream import aligns, choose_mode, merge_streaming
 
     out = Path(args.output)
     ensure_output_dir(out)  # fail before any expensive work
     get_method(args.method)
     if len(args.models) < 2:
         raise SymmergeError("merge needs at least two models")
-    model, report = merge_models(args.models, options=options_from(args))
-    src = args.models[report["head"].get("from_index", 0) or 0]
-    with stage(f"wrote {out}"):
-        save_model(model, out, src=src, report=report)
+    options = options_from(args)
+    mode, why = choose_mode(args.mode, get_method(args.method), options, args.models, aligns(options, args.models))
+    if mode == "stream":
+        report = merge_streaming(args.models, out, options, shard_size=args.shard_size)
+    else:
+        model, report = merge_models(args.models, options=options)
+        src = args.models[report["head"].get("from_index", 0) or 0]
+        with stage(f"wrote {out}"):
+            save_model(model, out, src=src, report=report)
     alignment = report["alignment"]
     print(f"merged {len(args.models)} models with {report['method']} "
           f"(alignment: {','.join(alignment['symmetries']) or 'none'}"
@@ -143,6 +154,7 @@ def run(args) -> int:
     for r in evaluation.get("merged", []):
         print(f"  {r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']})")
     t = report["timings"]
-    print(f"wrote {out} (alignment {t['align']:.2f} s, statistics {t['statistics']:.2f} s, evaluation "
-          f"{t['evaluate']:.2f} s, total {elapsed():.2f} s)")
+    print(f"wrote {out} ({report['mode']}: load {t['load']:.2f} s, alignment {t['align']:.2f} s, statistics "
+          f"{t['statistics']:.2f} s, merge {t['merge']:.2f} s, evaluation {t['evaluate']:.2f} s, total "
+          f"{elapsed():.2f} s)")
     return 0

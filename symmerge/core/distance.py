@@ -10,7 +10,7 @@ import torch
 from .slots import precise_dtype
 
 
-def sq_distance(sd_a: dict, sd_b: dict, keys, block: int = 1 << 22) -> float:
+def sq_distance(sd_a: dict, sd_b: dict, keys, block: int = 1 << 15) -> float:
     """Squared L2 distance, summed in float64, a block of ``block`` elements at a time (a float64 copy
     of a whole 100 M-element embedding would be 0.8 GB per operand). Differences of 16-bit tensors
     are taken in float32, where they are exact; float32/float64 ones in float64."""

@@ -65,13 +65,18 @@ def _convert_gguf(src: Path, name: str, dst: Path) -> None:
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=name)
-        model.save_pretrained(str(dst))
+        try:
+            model.save_pretrained(str(dst))
+        except ValueError:  # transformers 5 refuses to serialize a GGUF-loaded model: write the tensors directly
+            from safetensors.torch import save_model
+            save_model(model, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(model).__name__]
     config["dtype"] = "float32"
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(str(dst))
+    rewrite_ties(dst)
 
 
 def rewrite_ties(folder: Path) -> bool:

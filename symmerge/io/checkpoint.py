@@ -122,15 +122,20 @@ class LazyCheckpoint:
     """An HF safetensors folder whose tensors are read on demand, named as in the model's
     ``state_dict`` (``disk_name`` gives each tensor's name in the files)."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, spec: bool = True):
         from safetensors import safe_open
 
         self.folder = Path(folder)
-        self.config = read_config(self.folder)
+        self.config = read_config(self.folder, spec=spec)
         files, safe = weight_files(self.folder)
         if not safe:  # pragma: no cover - weight_files refuses pickle without allow_pickle
             raise SymmergeError(f"{self.folder}: streaming needs safetensors weights")
         check_safetensors(files)
+        self.files = files
+        if not self.config.get("architectures"):
+            from .architecture import infer_architecture
+
+            self.config["architectures"] = [infer_architecture(self.config, files, str(self.folder))]
         try:
             with quiet_transformers():
                 self.hf_config = hf_config(self.config)  # the config object (knows aliases such as n_head)
@@ -224,10 +229,30 @@ class LazyCheckpoint:
                 raise SymmergeError(f"{f}: cannot read tensor data, truncated or corrupt ({e})") from None
         for k in keys:
             t = out[k]
-            if t.is_floating_point() and not torch.isfinite(t).all():
+            if t.is_floating_point() and not torch.isfinite(t.reshape(-1).sum()) and not torch.isfinite(t).all():
                 raise SymmergeError(f"{self.folder}: tensor {self.disk_name[k]!r} holds NaN or Inf values")
         return {k: out[k] for k in keys}
 
+
+    def read_direct(self, key: str, check: bool = True) -> torch.Tensor:
+        """One tensor read straight from its file into a fresh tensor (one copy, no memory map: the
+        pages read do not count in the process's memory); NaN/Inf refused with ``check``. Threads may
+        call it at once (each read opens its own file handle; the read releases the GIL)."""
+        f, disk = self.file_of[key], self.disk_name[key]
+        start, end = _offsets(f)[disk]
+        out = torch.empty(self.shape[key], dtype=self.dtype[key])
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        try:
+            with open(f, "rb", buffering=0) as handle:
+                handle.seek(start)
+                got = handle.readinto(view) if len(view) else 0
+        except OSError as e:
+            raise SymmergeError(f"{f}: cannot read tensor {disk!r} ({e})") from None
+        if got != end - start:
+            raise SymmergeError(f"{f}: tensor {disk!r} truncated ({got} of {end - start} bytes)")
+        if check and out.is_floating_point() and not torch.isfinite(out.reshape(-1).sum()) and not torch.isfinite(out).all():
+            raise SymmergeError(f"{self.folder}: tensor {disk!r} holds NaN or Inf values")
+        return out
 
     def layout(self, name: str):
         """The checkpoint's layout (from headers only) for :func:`symmerge.core.layout.check_layouts`."""
@@ -235,6 +260,123 @@ class LazyCheckpoint:
 
         return Layout(name, self.config["model_type"], getattr(self.hf_config, "num_attention_heads", None),
                       dict(self.shape), self.disk_name)
+
+
+_OFFSETS: dict = {}
+
+
+def _offsets(file: Path) -> dict[str, tuple[int, int]]:
+    """{tensor name: (first byte, end byte) in the file} from a safetensors header (cached per file,
+    size and modification time)."""
+    st = os.stat(file)
+    cache_key = (str(file), st.st_size, st.st_mtime_ns)
+    if cache_key not in _OFFSETS:
+        with open(file, "rb") as handle:
+            n = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(n))
+        base = 8 + n
+        _OFFSETS[cache_key] = {name: (base + v["data_offsets"][0], base + v["data_offsets"][1])
+                               for name, v in header.items() if name != "__metadata__"}
+    return _OFFSETS[cache_key]
+
+
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+class PlannedWriter:
+    """Safetensors shards written as the tensors come, never held: every tensor's name, dtype and shape
+    are known in advance (``plan``, in the order :meth:`add` will be called), so each shard's header is
+    written first and each tensor's bytes go straight to the file. Shards of at most ``max_bytes`` (a
+    larger tensor gets one of its own), named as :class:`ShardWriter` names them, with the index when
+    there are several. Files are written under temporary names in ``folder``; :meth:`close` renames them."""
+
+    def __init__(self, folder, plan, max_bytes: int, metadata: dict | None = None):
+        self.folder = Path(folder)
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.shards: list[list[tuple[str, torch.dtype, tuple]]] = []
+        size = None
+        for name, dtype, shape in plan:
+            n = _numel(shape) * dtype.itemsize
+            if size is None or (size + n > max_bytes and self.shards[-1]):
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append((name, dtype, tuple(shape)))
+            size += n
+        self.order = [name for shard in self.shards for name, _, _ in shard]
+        self.total_bytes = sum(_numel(shape) * dtype.itemsize for shard in self.shards for _, dtype, shape in shard)
+        self._next, self._shard, self._handle, self._left = 0, -1, None, 0
+
+    def _open_next(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+        self._shard += 1
+        header, offset = {}, 0
+        for name, dtype, shape in self.shards[self._shard]:
+            n = _numel(shape) * dtype.itemsize
+            header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        header["__metadata__"] = self.metadata
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        self._handle = open(self.folder / f".shard-{self._shard:05d}.safetensors", "wb")
+        self._handle.write(len(text).to_bytes(8, "little") + text)
+        self._left = len(self.shards[self._shard])
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor of the plan (its name, dtype and shape must be the planned ones)."""
+        if self._next >= len(self.order) or self.order[self._next] != name:
+            raise SymmergeError(f"internal error: tensor {name!r} written out of the planned order")
+        if self._left == 0:
+            self._open_next()
+        _, dtype, shape = self.shards[self._shard][len(self.shards[self._shard]) - self._left]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise SymmergeError(f"internal error: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+                                f"planned {dtype} {shape}")
+        t = tensor.detach().contiguous()
+        if t.numel():
+            self._handle.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        self._next += 1
+        self._left -= 1
+
+    def close(self) -> list[str]:
+        """Close the last shard, give the shards their final names, write the index; the file names."""
+        if self._next != len(self.order):
+            raise SymmergeError(f"internal error: {len(self.order) - self._next} planned tensors never written")
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        return _final_names(self.folder, [[name for name, _, _ in shard] for shard in self.shards],
+                            self.total_bytes)
+
+    def abort(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _final_names(folder: Path, shards: list[list[str]], total_bytes: int) -> list[str]:
+    """Rename ``.shard-i`` files to their final names (one: ``model.safetensors``; else numbered, with
+    the index); returns the file names."""
+    n = len(shards)
+    if n == 1:
+        os.replace(folder / ".shard-00000.safetensors", folder / SAFE_SINGLE)
+        return [SAFE_SINGLE]
+    names, weight_map = [], {}
+    for i, keys in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(folder / f".shard-{i:05d}.safetensors", folder / name)
+        names.append(name)
+        weight_map.update(dict.fromkeys(keys, name))
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return names
 
 
 class ShardWriter:
@@ -276,19 +418,7 @@ class ShardWriter:
     def close(self) -> list[str]:
         """Flush, give the shards their final names, write the index; returns the file names."""
         self.flush()
-        n = len(self.shards)
-        if n == 1:
-            os.replace(self.folder / ".shard-00000.safetensors", self.folder / SAFE_SINGLE)
-            return [SAFE_SINGLE]
-        names, weight_map = [], {}
-        for i, keys in enumerate(self.shards):
-            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self.folder / f".shard-{i:05d}.safetensors", self.folder / name)
-            names.append(name)
-            weight_map.update(dict.fromkeys(keys, name))
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.folder / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        return names
+        return _final_names(self.folder, self.shards, self.total_bytes)
 
 
 def _task_class(model_type: str, image: bool) -> str:

@@ -19,7 +19,9 @@ PICKLE_SINGLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json
 WEIGHT_NAMES = {SAFE_SINGLE, SAFE_INDEX, PICKLE_SINGLE, PICKLE_INDEX}
 
 
-def read_config(path: Path) -> dict:
+def read_config(path: Path, spec: bool = True) -> dict:
+    """The folder's config.json as a dict; with ``spec``, an unsupported ``model_type`` (no symmetry spec)
+    fails here, before any weights are read (plain merges pass ``spec=False``)."""
     cfg_file = path / "config.json"
     if not path.is_dir():
         raise SymmergeError(f"{path}: not a directory (expected a Hugging Face model folder)")
@@ -31,7 +33,8 @@ def read_config(path: Path) -> dict:
         raise SymmergeError(f"{cfg_file}: not valid JSON ({e})") from None
     if "model_type" not in config:
         raise SymmergeError(f"{cfg_file}: no model_type")
-    spec_for(config["model_type"])  # unsupported types fail here, before any weights are read
+    if spec:
+        spec_for(config["model_type"])  # unsupported types fail here, before any weights are read
     return config
 
 
@@ -80,7 +83,9 @@ def check_safetensors(files: list[Path]) -> None:
 def check_finite(state_dict: dict, where: str, disk_names=None) -> None:
     """NaN/Inf refused, naming the tensor as the checkpoint does (``disk_names``: in-memory → on-disk)."""
     for key, t in state_dict.items():
-        if t.is_floating_point() and not torch.isfinite(t).all():
+        # a finite sum proves every entry finite (NaN and Inf propagate) at the speed of one read; a sum
+        # that overflowed is checked entry by entry
+        if t.is_floating_point() and not torch.isfinite(t.reshape(-1).sum()) and not torch.isfinite(t).all():
             name = (disk_names or {}).get(key, key)
             raise SymmergeError(f"{where}: tensor {name!r} holds NaN or Inf values")
 
@@ -113,13 +118,18 @@ def quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def load_model(path, allow_pickle: bool = False, device: str = "cpu"):
-    """Load and validate an HF model folder; returns the model in eval mode."""
+def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool = True):
+    """Load and validate an HF model folder; returns the model in eval mode. ``spec=False``: any model
+    type transformers loads (plain merges), not only those with a symmetry spec."""
     path = Path(path)
-    config = read_config(path)
+    config = read_config(path, spec=spec)
     files, safe = weight_files(path, allow_pickle)
     if safe:
         check_safetensors(files)
+        if not config.get("architectures"):
+            from .architecture import infer_architecture
+
+            config["architectures"] = [infer_architecture(config, files, str(path))]
     try:
         with quiet_transformers():
             model = model_class(config).from_pretrained(

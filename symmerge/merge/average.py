@@ -9,5 +9,5 @@ def tensor(key, tensors, weights, stats, base, params, context):
     return weighted_sum(tensors, weights)
 
 
-METHOD = Method("average", tensor, doc=__doc__)
+METHOD = Method("average", tensor, doc=__doc__, elementwise=True)
 merge = METHOD.merge

@@ -56,10 +56,14 @@ def normalized_weights(weights, n: int, normalize: bool = True) -> list[float]:
 
 def weighted_sum(tensors, weights) -> torch.Tensor:
     """Σ w_i t_i in float64 (exact enough for any input dtype); caller casts back."""
-    out = torch.zeros_like(tensors[0], dtype=torch.float64)
-    for t, w in zip(tensors, weights):
+    out = tensors[0].double() * weights[0]
+    for t, w in zip(tensors[1:], weights[1:]):
         out.add_(t.double(), alpha=w)
     return out
+
+
+CHUNK = 1 << 15  # entries per chunk of an elementwise merge: cache-sized float64 temporaries, one thread (torch runs
+# an op of at most 32768 entries, its parallel grain size, in the calling thread: no pool to wake per chunk)
 
 
 def check_layout(state_dicts, base=None, needs_base: bool = False, method: str = "merge") -> list[str]:
@@ -107,7 +111,13 @@ class Method:
 
     ``doc`` keeps the first line of the text given (e.g. a module docstring). ``normalize_weights``:
     weights are scaled to sum to 1 (averaging methods) or used as given (multipliers of task vectors).
-    ``needs_model``: ``merge`` must be given ``model=`` (see the module docstring).
+    ``needs_model``: ``merge`` must be given ``model=`` (see the module docstring). ``elementwise``:
+    each entry of the result depends only on the same entry of the inputs (given ``context`` and the
+    per-tensor context), so :func:`merge_tensor` runs the rule on chunks of :data:`CHUNK` entries
+    (cache-sized float64 temporaries instead of whole-tensor ones; the same values). ``tensor_context``
+    (optional, elementwise methods): ``(key, tensors, base, weights, params, context) -> context`` run
+    once per tensor on the whole tensors; its result replaces ``context`` for that tensor's chunks
+    (per-tensor thresholds, random generators that draw the chunks in order).
     """
 
     name: str
@@ -119,6 +129,8 @@ class Method:
     prepare: Callable | None = None
     normalize_weights: bool = True
     needs_model: bool = False
+    elementwise: bool = False
+    tensor_context: Callable | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "doc", ((self.doc or "").strip().splitlines() or [""])[0])
@@ -154,12 +166,31 @@ def merge_state_dicts(method: Method, state_dicts, weights=None, stats=None, bas
     context = method.prepare(state_dicts, base, w, params, **extra) if method.prepare is not None else None
     out = {}
     for k in keys:
-        ref = (state_dicts[0] if base is None else base)[k]
-        if not ref.is_floating_point():
-            out[k] = ref.clone()  # integer buffers (ids): from the base, else the first model
-            continue
         st = None if stats is None or any(k not in s for s in stats) else [s[k] for s in stats]
-        value = method.tensor(k, [sd[k] for sd in state_dicts], w, st, None if base is None else base[k], params,
-                              context)
-        out[k] = value.to(ref.dtype)
+        out[k] = merge_tensor(method, k, [sd[k] for sd in state_dicts], w, st, None if base is None else base[k],
+                              params, context)
+    return out
+
+
+def merge_tensor(method: Method, key: str, tensors, weights, stats, base, params, context) -> torch.Tensor:
+    """One merged tensor, in the inputs' dtype: the one step shared by the in-memory loop
+    (:func:`merge_state_dicts`) and the streamed one (:mod:`symmerge.merge.stream`), so both give the
+    same bits. A non-floating tensor (an integer buffer) is taken from the base, else the first model.
+    Elementwise methods without statistics run on chunks of :data:`CHUNK` entries."""
+    ref = tensors[0] if base is None else base
+    if not ref.is_floating_point():
+        return ref.clone()
+    if not method.elementwise or stats is not None:
+        return method.tensor(key, tensors, weights, stats, base, params, context).to(ref.dtype)
+    if method.tensor_context is not None:
+        context = method.tensor_context(key, tensors, base, weights, params, context)
+    out = torch.empty(ref.shape, dtype=ref.dtype)
+    flat_out = out.view(-1)
+    flat = [t.reshape(-1) for t in tensors]
+    flat_base = None if base is None else base.reshape(-1)
+    for i in range(0, flat_out.numel(), CHUNK):
+        s = slice(i, i + CHUNK)
+        value = method.tensor(key, [t[s] for t in flat], weights, None, None if flat_base is None else flat_base[s],
+                              params, context)
+        flat_out[s].copy_(value)
     return out

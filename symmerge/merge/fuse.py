@@ -24,6 +24,7 @@ from ..errors import SymmergeError
 from ..evaluate.barrier import distance_before_after
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
+from ..io.model import load_model
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
 from ..pipeline.report import match_fields
@@ -33,6 +34,7 @@ from . import get_method
 from .repair import repair
 from .heads import anchor_proxy, check_bodies, check_heads_mergeable, head_keys, untied, with_tied
 from .statistics import gather
+from .stream import plain_fallback
 
 HEAD_POLICIES = ("keep", "merge")
 
@@ -275,10 +277,10 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
 
     # ------------------------------------------------ load and check everything before any expensive step
     what = f"{len(models)} models" + (" and the base" if opts.base is not None else "")
-    with stage(f"loaded {what}", enabled=opts.progress):
-        models = [as_model(x, opts.allow_pickle) for x in models]
+    with stage(f"loaded {what}", enabled=opts.progress):  # any model type: a plain merge needs no spec
+        models = [_load(x, opts.allow_pickle) for x in models]
         base_name = _name(opts.base, "base") if opts.base is not None else None
-        base_model = as_model(opts.base, opts.allow_pickle) if opts.base is not None else None
+        base_model = _load(opts.base, opts.allow_pickle) if opts.base is not None else None
     everything = models + ([base_model] if base_model is not None else [])
     body = check_bodies(everything, names + ([base_name] if base_model is not None else []))
     if opts.heads == "merge":
@@ -295,17 +297,19 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
 
     # ------------------------------------------------ alignment
     t = time.perf_counter()
-    align_opts = opts.align
+    align_opts, fallback = plain_fallback(opts.align, models[0].config.model_type)
     alignment: dict = {"symmetries": list(align_opts.symmetries), "requested": align_opts.requested,
                        "rescale": align_opts.effective_rescale,
                        "anchor": {"index": None, "name": None, "rule": None}, "models": []}
-    aligned, aligned_base = list(models), base_model
+    aligned, aligned_base = models, base_model
     if base_model is not None and align_opts.recommended:  # fine-tunes of one base already share its frame
         align_opts = align_opts.with_(symmetries=())
         alignment.update(symmetries=[], rescale="none",
                          note="'recommended' aligns nothing when a --base is given: models fine-tuned from one base "
                               "share its parameterisation (B2: matching changed no accuracy); name symmetries to "
                               "align anyway")
+    if fallback:
+        alignment.update(symmetries=[], rescale="none", note=fallback)
     if align_opts.symmetries:
         anchor_model, alignment["anchor"] = choose_anchor(models, names, body, opts.anchor, base_model, base_name,
                                                           opts.allow_pickle)
@@ -350,6 +354,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
                  {"policy": "merge", "keys": sorted(hk)} if opts.heads == "merge" else
                  {"policy": "keep", "from_index": opts.head_from, "from": names[opts.head_from],
                   "keys": sorted(head_keys(holder))})
+    before = _pairwise([x.state_dict() for x in models], body, names)
     report = {
         "method": m.name,
         "params": opts.params,
@@ -365,11 +370,12 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
                {"fisher_variant": opts.fisher_variant, "fisher_normalize": opts.fisher_normalize,
                 "fisher_samples": opts.fisher_samples} if m.needs == "fisher" else {}),
         },
-        "distances_between_inputs": {"before_alignment": _pairwise([x.state_dict() for x in models], body, names),
-                                     "after_alignment": _pairwise(sds, body, names)},
+        "distances_between_inputs": {"before_alignment": before,
+                                     "after_alignment": before if aligned is models else _pairwise(sds, body, names)},
         "distance_result_to_inputs": {n: distance(out.state_dict(), sd, body) for n, sd in zip(names, sds)},
         "device": str(dev),
         "repair": repair_info,
+        "mode": "memory",
     }
 
     # ------------------------------------------------ evaluation
@@ -383,6 +389,11 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     timings["total"] = time.perf_counter() - t0
     report["timings"] = timings
     return out.to("cpu").eval(), report
+
+
+def _load(x, allow_pickle: bool):
+    """A folder loaded as any transformers model (no symmetry spec needed), or the model given."""
+    return load_model(x, allow_pickle=allow_pickle, spec=False) if isinstance(x, (str, Path)) else x
 
 
 def _pairwise(sds, keys, names) -> dict:

@@ -44,46 +44,97 @@ from .base import Method, weighted_sum
 
 @dataclass(frozen=True)
 class Sparsifier:
-    """``apply(key, taus, params, context) -> taus``; ``prepare(state_dicts, base, weights, params)``
-    checks the parameters and returns the ``context`` (whole-model quantities)."""
+    """``apply(key, taus, params, context) -> taus``, on whole tensors or on chunks of them (the same
+    entries give the same values); ``prepare(state_dicts, base, weights, params)`` checks the parameters
+    and returns the model-wide ``context`` (``state_dicts`` and ``base`` may be mappings that read each
+    tensor on demand: it visits them one tensor at a time); ``tensor_context(key, tensors, base, weights,
+    params, context)`` the context of one tensor's chunks."""
 
     apply: Callable
     prepare: Callable | None = None
+    tensor_context: Callable | None = None
 
 
 # ------------------------------------------------------------------ sparsifiers
 
+_HALF = 1 << 16
+
 
 def magnitude_threshold(tensors, density: float) -> float:
     """The smallest magnitude kept when keeping the top ``density`` fraction of all entries of ``tensors``
-    (magnitudes in float32: half the memory of float64 for a model-wide threshold; compare in float32)."""
-    flat = torch.cat([t.reshape(-1).abs().float() for t in tensors])
-    k = max(1, int(round(density * flat.numel())))
-    return flat.kthvalue(flat.numel() - k + 1).values.item()
+    (magnitudes in float32, compared in float32). ``tensors``: a list, or a function returning a fresh
+    iterable of them, visited twice one tensor at a time (a model-wide threshold never holds the model's
+    magnitudes at once). Exact: a radix select on the float32 bit patterns (monotonic for magnitudes),
+    the high 16 bits counted on the first visit, the low 16 bits of the entries in the chosen high bin
+    on the second."""
+    visit = tensors if callable(tensors) else (lambda: tensors)
+
+    def chunks():
+        for t in visit():
+            flat = t.reshape(-1)
+            for i in range(0, flat.numel(), _HALF):
+                yield flat[i:i + _HALF].abs().float().view(torch.int32)
+
+    high = torch.zeros(_HALF, dtype=torch.int64)
+    for bits in chunks():
+        high += torch.bincount(bits >> 16, minlength=_HALF)
+    total = int(high.sum())
+    if total == 0:
+        raise SymmergeError("magnitude threshold of no entries")
+    k = max(1, int(round(density * total)))  # the k-th largest is the threshold
+    above = high.flip(0).cumsum(0)  # entries in bins >= (HALF - 1 - j)
+    j = int(torch.searchsorted(above, torch.tensor(k)))
+    top_bin = _HALF - 1 - j
+    k -= int(above[j - 1]) if j > 0 else 0  # rank inside the chosen bin
+    low = torch.zeros(_HALF, dtype=torch.int64)
+    for bits in chunks():
+        inside = bits[(bits >> 16) == top_bin]
+        if inside.numel():
+            low += torch.bincount(inside & 0xFFFF, minlength=_HALF)
+    j = int(torch.searchsorted(low.flip(0).cumsum(0), torch.tensor(k)))
+    value = torch.tensor([(top_bin << 16) | (_HALF - 1 - j)], dtype=torch.int32).view(torch.float32)
+    return value.item()
 
 
-def _magnitude_prepare(state_dicts, base, weights, params):
-    """Per model, the threshold over its whole weighted task vector (``scope="model"``), else ``None``."""
+def _magnitude_check(params):
     density, scope = float(params["density"]), params["scope"]
     if not 0.0 < density <= 1.0:
         raise SymmergeError(f"density must be in (0, 1], got {params['density']}")
     if scope not in ("model", "tensor"):
         raise SymmergeError(f"scope must be 'model' or 'tensor', got {scope!r}")
-    keys = [k for k in state_dicts[0] if base[k].is_floating_point()]
-    if scope == "tensor" or density >= 1.0 or not keys:
+    return density, scope
+
+
+def _magnitude_prepare(state_dicts, base, weights, params):
+    """Per model, the threshold over its whole weighted task vector (``scope="model"``), else ``None``."""
+    density, scope = _magnitude_check(params)
+    if scope == "tensor" or density >= 1.0:
         return None
-    return [magnitude_threshold(((sd[k].double() - base[k].double()) * w for k in keys), density)
-            for sd, w in zip(state_dicts, weights)]
+    keys = [k for k in state_dicts[0] if base[k].is_floating_point()]
+    if not keys:
+        return None
+
+    def task_vector(sd, w):
+        return lambda: ((sd[k].double() - base[k].double()) * w for k in keys)
+
+    return [magnitude_threshold(task_vector(sd, w), density) for sd, w in zip(state_dicts, weights)]
+
+
+def _magnitude_tensor_context(key, tensors, base, weights, params, context):
+    """``scope="tensor"``: each model's threshold over this tensor's weighted task vector."""
+    density = float(params["density"])
+    if params["scope"] != "tensor" or density >= 1.0:
+        return context
+    b = base.double()
+    return [magnitude_threshold([(t.double() - b) * w], density) for t, w in zip(tensors, weights)]
 
 
 def _magnitude_apply(key, taus, params, context):
-    density = float(params["density"])
-    if density >= 1.0:
+    if float(params["density"]) >= 1.0:
         return list(taus)
-    thresholds = context if params["scope"] == "model" else [magnitude_threshold([t], density) for t in taus]
     # compared in float32, the precision the threshold was found in: a float64 magnitude just below its
     # float32 rounding would otherwise drop the k-th entry itself
-    return [torch.where(t.abs().float() >= thr, t, torch.zeros_like(t)) for t, thr in zip(taus, thresholds)]
+    return [torch.where(t.abs().float() >= thr, t, torch.zeros_like(t)) for t, thr in zip(taus, context)]
 
 
 def dare_seed(seed: int, model: int, key: str) -> int:
@@ -104,19 +155,30 @@ def _dare_prepare(state_dicts, base, weights, params):
     return None
 
 
+def _dare_tensor_context(key, tensors, base, weights, params, context):
+    """One generator per model, seeded as :func:`dare_keep_mask` seeds it; the chunks, visited in order,
+    draw the mask's uniforms in order (CPU draws are sequential: the same mask as drawn at once)."""
+    return [torch.Generator().manual_seed(dare_seed(params["seed"], i, key)) for i in range(len(tensors))]
+
+
 def _dare_apply(key, taus, params, context):
     p = float(params["drop"])
     if p == 0.0:
         return list(taus)
-    return [torch.where(dare_keep_mask(t.shape, p, params["seed"], i, key).to(t.device), t / (1.0 - p),
-                        torch.zeros_like(t))
-            for i, t in enumerate(taus)]
+    out = []
+    for i, t in enumerate(taus):
+        if context is None:  # a whole tensor (a method not run chunk by chunk)
+            keep = dare_keep_mask(t.shape, p, params["seed"], i, key)
+        else:
+            keep = torch.rand(t.shape, generator=context[i], dtype=torch.float64) >= p
+        out.append(torch.where(keep.to(t.device), t / (1.0 - p), torch.zeros_like(t)))
+    return out
 
 
 SPARSIFIERS = {
     "none": Sparsifier(lambda key, taus, params, context: list(taus)),
-    "magnitude": Sparsifier(_magnitude_apply, _magnitude_prepare),
-    "dare": Sparsifier(_dare_apply, _dare_prepare),
+    "magnitude": Sparsifier(_magnitude_apply, _magnitude_prepare, _magnitude_tensor_context),
+    "dare": Sparsifier(_dare_apply, _dare_prepare, _dare_tensor_context),
 }
 
 
@@ -157,4 +219,5 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
                             f"{', '.join(SPARSIFIERS)}; consensus: {', '.join(CONSENSUS)}")
     sp = SPARSIFIERS[sparsifier]
     return Method(name, partial(_task_vector_tensor, sp, CONSENSUS[consensus]), needs=None, needs_base=True,
-                  params=dict(params), doc=doc, prepare=sp.prepare, normalize_weights=False)
+                  params=dict(params), doc=doc, prepare=sp.prepare, normalize_weights=False, elementwise=True,
+                  tensor_context=sp.tensor_context)

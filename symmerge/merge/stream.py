@@ -1,0 +1,429 @@
+"""Streamed merges: checkpoints merged tensor by tensor from their safetensors files, never loaded whole.
+
+``symmerge merge --mode stream`` (or ``auto``, see :func:`choose_mode`) runs every per-tensor method
+(average, task arithmetic, TIES, DARE, DARE-TIES) this way, for any number of models and any model type
+transformers knows (no symmetry spec needed):
+
+* the inputs' headers give every tensor's name, shape and dtype; bodies must agree (names, shapes), the
+  task head is kept from ``head_from`` (or merged, with ``heads="merge"``), as in memory;
+* a method's model-wide quantities (TIES's magnitude threshold, ``scope="model"``) are found first by
+  its ``prepare`` hook over mappings that read one tensor at a time (a radix select, two visits);
+* then a reader thread reads the next tensors of every model (straight from the files, no memory map),
+  the calling thread merges them with :func:`~symmerge.merge.base.merge_tensor` — the very function
+  the in-memory loop runs, so both give the same bits — and a writer thread appends each result to the
+  output shard, whose header was written first (:class:`~symmerge.io.checkpoint.PlannedWriter`); the
+  reader stays at most a byte budget ahead (about twice the largest tensor of all models together).
+
+Peak memory ≈ interpreter + N × the largest tensor × a small factor, whatever the model size. The
+output is written atomically (a temporary folder renamed at the end: an interrupted merge leaves none).
+Methods that need statistics (Fisher, RegMean: activations of the models run on data), the architecture
+(OT fusion), REPAIR and evaluation need the models in memory: ``--mode memory``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..core.distance import sq_distance
+from ..core.layout import Layout, check_layouts
+from ..errors import SymmergeError
+from ..families import spec_for, supported_model_types
+from ..io.checkpoint import LazyCheckpoint, PlannedWriter, parse_size
+from ..io.model import atomic_dir, copy_side_files, model_class, weight_files, write_json
+from ..progress import bar, stage
+from .base import merge_tensor, normalized_weights
+
+MODES = ("auto", "stream", "memory")
+DEFAULT_SHARD = "2GB"  # output shards: written as they come, never held, so their size costs no memory
+MEMORY_FRACTION = 0.5  # auto: models larger than this fraction of the available memory are streamed
+
+
+def has_spec(model_type: str) -> bool:
+    try:
+        spec_for(model_type)
+        return True
+    except SymmergeError:
+        return False
+
+
+def plain_fallback(align, model_type: str):
+    """(alignment options, note) for a model type without a symmetry spec: 'recommended' falls back to no
+    alignment with a note; an explicit list is refused naming the supported types; 'none' stays."""
+    if not align.symmetries or has_spec(model_type):
+        return align, None
+    if align.recommended:
+        return align.with_(symmetries=()), (f"no symmetry spec for model_type {model_type!r}: merged without "
+                                            f"alignment (symmetry alignment supports: "
+                                            f"{', '.join(supported_model_types())})")
+    spec_for(model_type)  # raises the one clear error naming the supported types
+    return align, None
+
+
+def aligns(options, models) -> bool:
+    """Whether the merge of the folders ``models`` will align anything (read from the first config.json):
+    not with ``--align none``, nor with 'recommended' and a base, nor for a model type without a spec."""
+    from ..io.model import read_config
+
+    align = options.align
+    if not align.symmetries or (align.recommended and options.base is not None):
+        return False
+    first = models[0]
+    if not isinstance(first, (str, Path)):
+        return True
+    align, _ = plain_fallback(align, read_config(Path(first), spec=False)["model_type"])
+    return bool(align.symmetries)
+
+
+def stream_refusal(method, options) -> str | None:
+    """Why this merge needs the models in memory (``None``: it can stream)."""
+    if method.needs:
+        return (f"method {method.name!r} needs the models in memory (its {method.needs} statistics come from "
+                "running them on data)")
+    if method.needs_model:
+        return f"method {method.name!r} needs the models in memory (it reads the architecture)"
+    if options.repair:
+        return "REPAIR needs the models in memory (it runs them on data)"
+    if options.data or options.eval_data:
+        return "evaluating the merged model on data needs it in memory"
+    return None
+
+
+def checkpoint_bytes(folder) -> int:
+    """Bytes of a folder's weight files (0 when it is not a folder of safetensors weights)."""
+    try:
+        files, safe = weight_files(Path(folder))
+    except SymmergeError:
+        return 0
+    return sum(os.path.getsize(f) for f in files) if safe else 0
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
+    try:
+        for row in Path("/proc/meminfo").read_text().splitlines():
+            if row.startswith("MemAvailable:"):
+                return int(row.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def choose_mode(mode: str, method, options, models, aligns: bool) -> tuple[str, str]:
+    """('stream' or 'memory', why) for ``--mode`` ``mode``. ``auto`` streams every merge that can
+    stream and aligns nothing (reading each tensor once is faster and smaller than loading the models),
+    and refuses an aligned or statistics merge whose models would not fit in memory; ``stream`` refuses
+    what cannot stream; ``memory`` always loads the models."""
+    if mode not in MODES:
+        raise SymmergeError(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "memory":
+        return "memory", "--mode memory"
+    refusal = stream_refusal(method, options)
+    if refusal is None and aligns:
+        refusal = "aligned merges load the models (streamed alignment: symmerge align --stream, then merge them)"
+    if any(not isinstance(x, (str, Path)) for x in models) or (options.base is not None and
+                                                                not isinstance(options.base, (str, Path))):
+        refusal = refusal or "models given as objects are already in memory"
+    if refusal is None and any(checkpoint_bytes(x) == 0 for x in models):
+        refusal = "streaming reads safetensors folders"
+    if mode == "stream":
+        if refusal:
+            raise SymmergeError(f"--mode stream: {refusal}; use --mode memory")
+        return "stream", "--mode stream"
+    if refusal is None:
+        return "stream", "auto: a per-tensor merge without alignment streams"
+    total = sum(checkpoint_bytes(x) for x in models if isinstance(x, (str, Path)))
+    free = available_memory()
+    if free is not None and total > MEMORY_FRACTION * free:
+        raise SymmergeError(f"the models ({total / 1e9:.1f} GB) would not fit in memory ({free / 1e9:.1f} GB "
+                            f"available) and this merge cannot stream: {refusal}")
+    return "memory", f"auto: {refusal}"
+
+
+class _Lazy(Mapping):
+    """A checkpoint's tensors ``keys`` read one at a time (for a method's ``prepare`` hook)."""
+
+    def __init__(self, ckpt: LazyCheckpoint, keys):
+        self.ckpt, self.names = ckpt, list(keys)
+
+    def __getitem__(self, key):
+        return self.ckpt.read_direct(key)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+
+def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
+    """Tensors outside the base model (``base_model_prefix``), as :func:`symmerge.merge.heads.head_keys`
+    finds them in memory (tied aliases are already folded into their sources)."""
+    prefix = getattr(model_class(ckpt.config), "base_model_prefix", "") + "."
+    keys = ckpt.keys()
+    if prefix == "." or not any(k.startswith(prefix) for k in keys):
+        return []
+    return [k for k in keys if not k.startswith(prefix)]
+
+
+def _body_layout(ckpt: LazyCheckpoint, name: str, heads) -> Layout:
+    heads = set(heads)
+    return Layout(name, ckpt.config["model_type"], getattr(ckpt.hf_config, "num_attention_heads", None),
+                  {k: ckpt.shape[k] for k in ckpt.keys() if k not in heads}, ckpt.disk_name)
+
+
+class _Budget:
+    """Bytes read but not yet written; the reader waits while a new read would pass ``limit`` (one item
+    is always allowed, so a tensor larger than the budget still goes through)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.cond, self.peak = limit, 0, threading.Condition(), 0
+
+    def take(self, n: int, stop: threading.Event) -> bool:
+        with self.cond:
+            while self.used and self.used + n > self.limit:
+                if stop.is_set():
+                    return False
+                self.cond.wait(0.2)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+            return not stop.is_set()
+
+    def give(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.2)
+            return
+        except queue.Full:
+            continue
+
+
+def merge_streaming(models, out, options, shard_size=DEFAULT_SHARD, budget=None, write_hook=None) -> dict:
+    """Merge the safetensors folders ``models`` tensor by tensor into the folder ``out`` (atomically)
+    with a per-tensor method of ``options`` (a :class:`~symmerge.merge.fuse.MergeOptions`); returns the
+    report (also written as ``out/symmerge_report.json``). ``budget``: bytes the reader may hold ahead
+    (default: twice the largest tensor of all models together, at least 64 MB). ``write_hook(tmp)``,
+    if given, runs on the finished temporary folder before it is renamed (extra files)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # parallel work: the reader, merging and writer threads (chunks are single-threaded)
+    try:
+        return _merge_streaming(models, out, options, shard_size, budget, write_hook)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> dict:
+    t0 = time.perf_counter()
+    m = options.check(len(models))
+    refusal = stream_refusal(m, options)
+    if refusal:
+        raise SymmergeError(f"streamed merge: {refusal}; use --mode memory")
+    names = [str(x) for x in models]
+    timings = {"load": 0.0, "align": 0.0, "statistics": 0.0, "merge": 0.0, "evaluate": 0.0}
+    with stage("read the checkpoint headers", enabled=options.progress):
+        ckpts = [LazyCheckpoint(x, spec=False) for x in models]
+        base = LazyCheckpoint(options.base, spec=False) if options.base is not None else None
+    model_type = ckpts[0].config["model_type"]
+    align, note = plain_fallback(options.align, model_type)
+    alignment = {"symmetries": [], "requested": align.requested, "rescale": "none",
+                 "anchor": {"index": None, "name": None, "rule": None}, "models": []}
+    if align.symmetries and base is not None and align.recommended:
+        align = align.with_(symmetries=())
+        note = ("'recommended' aligns nothing when a --base is given: models fine-tuned from one base share its "
+                "parameterisation (B2: matching changed no accuracy); name symmetries to align anyway")
+    if align.symmetries:
+        raise SymmergeError("streamed merge: aligned merges load the models; use --align none, or --mode memory "
+                            "(or align each model with symmerge align --stream first)")
+    if note:
+        alignment["note"] = note
+
+    # ------------------------------------------------ layouts: bodies agree; heads kept or merged
+    heads = [head_keys_of(c) for c in ckpts]
+    everything = ckpts + ([base] if base is not None else [])
+    labels = names + (["base"] if base is not None else [])
+    check_layouts([_body_layout(c, n, head_keys_of(c)) for c, n in zip(everything, labels)])
+    holder = ckpts[options.head_from]
+    body = [k for k in ckpts[0].keys() if k not in set(heads[0])]
+    merged_keys = list(body)
+    if options.heads == "merge":
+        for i in range(1, len(ckpts)):
+            if sorted(heads[i]) != sorted(heads[0]) or any(ckpts[i].shape[k] != ckpts[0].shape[k] for k in heads[0]):
+                raise SymmergeError(f"cannot merge task heads: {names[0]} and {names[i]} have different heads/label "
+                                    "spaces (use --heads keep)")
+            if ckpts[i].config.get("id2label") != ckpts[0].config.get("id2label"):
+                raise SymmergeError(f"cannot merge task heads: label names differ between {names[0]} and "
+                                    f"{names[i]}; use --heads keep")
+        merged_keys += heads[0]
+        if base is not None:
+            missing = [k for k in heads[0] if k not in base.shape]
+            if missing:
+                raise SymmergeError(f"base model lacks tensor {base.disk_name.get(missing[0], missing[0])!r}")
+    merged_set = set(merged_keys)
+    order = [k for k in holder.keys() if k in merged_set or k in set(heads[options.head_from])]
+    ref = base if base is not None else ckpts[0]
+    plan = [(holder.save_name(k), (ref if k in merged_set else holder).dtype[k], holder.shape[k]) for k in order]
+    weights = normalized_weights(options.weights, len(models), normalize=m.normalize_weights)
+    params = options.params
+
+    # ------------------------------------------------ model-wide quantities (TIES's threshold), streamed
+    t = time.perf_counter()
+    context = None
+    if m.prepare is not None:
+        lazies = [_Lazy(c, merged_keys) for c in ckpts]
+        with stage(f"{m.name}: model-wide quantities (two reads of every model)", enabled=options.progress):
+            context = m.prepare(lazies, _Lazy(base, merged_keys) if base is not None else None, weights, params)
+    timings["prepare"] = time.perf_counter() - t
+
+    # ------------------------------------------------ read ahead, merge, write behind
+    def sources(k):
+        return [holder] if k not in merged_set else ckpts + ([base] if base is not None else [])
+
+    sizes = {k: sum(c.nbytes(k) for c in sources(k)) + holder.nbytes(k) for k in order}
+    limit = budget if budget is not None else max(2 * max(sizes.values(), default=0), 64 * 2 ** 20)
+    gate, stop = _Budget(int(limit)), threading.Event()
+    read_q: queue.Queue = queue.Queue(maxsize=4)
+    write_q: queue.Queue = queue.Queue(maxsize=4)
+    clock = {"read": 0.0, "write": 0.0, "waiting_for_reads": 0.0}
+    n = len(ckpts)
+    pair_sq = {(i, j): 0.0 for i in range(n) for j in range(i + 1, n)}
+    result_sq = [0.0] * n
+    largest = max((max(c.nbytes(k) for c in sources(k)) for k in order), default=0)
+
+    def reader():
+        try:
+            for k in order:
+                if not gate.take(sizes[k], stop):
+                    return
+                t1 = time.perf_counter()
+                tensors = [c.read_direct(k) for c in sources(k)]
+                clock["read"] += time.perf_counter() - t1
+                _put(read_q, (k, tensors), stop)
+            _put(read_q, None, stop)
+        except BaseException as e:  # raised in the calling thread
+            _put(read_q, _Failure(e), stop)
+
+    def writer(target: PlannedWriter):
+        try:
+            while True:
+                item = write_q.get()
+                if item is None:
+                    return
+                k, tensor = item
+                t1 = time.perf_counter()
+                target.add(holder.save_name(k), tensor)
+                clock["write"] += time.perf_counter() - t1
+                del tensor, item
+                gate.give(sizes[k])
+        except BaseException as e:
+            failures.append(e)
+            stop.set()
+
+    failures: list = []
+    with atomic_dir(out) as tmp:
+        target = PlannedWriter(tmp, plan, parse_size(shard_size))
+        threads = [threading.Thread(target=reader, daemon=True), threading.Thread(target=writer, args=(target,),
+                                                                                    daemon=True)]
+        for th in threads:
+            th.start()
+        pbar = bar(total=len(order), desc=f"merging tensors ({m.name})", unit="tensors", enabled=options.progress)
+        t = time.perf_counter()
+        try:
+            while True:
+                t1 = time.perf_counter()
+                item = read_q.get()
+                clock["waiting_for_reads"] += time.perf_counter() - t1
+                if item is None:
+                    break
+                if isinstance(item, _Failure):
+                    raise item.exc
+                if failures:
+                    raise failures[0]
+                k, tensors = item
+                del item
+                if k in merged_set:
+                    inputs, b = tensors[:n], (tensors[n] if base is not None else None)
+                    value = merge_tensor(m, k, inputs, weights, None, b, params, context)
+                    if value.is_floating_point():
+                        one = {"x": value}
+                        for i in range(n):
+                            result_sq[i] += sq_distance(one, {"x": inputs[i]}, ["x"])
+                        for i, j in pair_sq:
+                            pair_sq[i, j] += sq_distance({"x": inputs[i]}, {"x": inputs[j]}, ["x"])
+                    del inputs, b
+                else:
+                    value = tensors[0]
+                del tensors
+                _put(write_q, (k, value), stop)
+                del value
+                pbar.update(1)
+            write_q.put(None)
+            threads[1].join()
+            if failures:
+                raise failures[0]
+        except BaseException:
+            stop.set()
+            target.abort()
+            raise
+        finally:
+            pbar.close()
+        timings["merge"] = time.perf_counter() - t
+        files = target.close()
+        (tmp / "config.json").write_text(_config_text(holder))
+        side = copy_side_files(holder.folder, tmp)
+        hk = heads[0]
+        head_info = ({"policy": "none", "note": "base models without a task head"} if not hk else
+                     {"policy": "merge", "keys": sorted(hk)} if options.heads == "merge" else
+                     {"policy": "keep", "from_index": options.head_from, "from": names[options.head_from],
+                      "keys": sorted(heads[options.head_from])})
+        import math
+
+        pairs = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in pair_sq.items()}
+        report = {
+            "method": m.name, "params": params,
+            "weights": list(options.weights) if options.weights is not None else None,
+            "models": names, "base": str(options.base) if options.base is not None else None,
+            "model_type": model_type, "alignment": alignment, "head": head_info, "statistics": None,
+            "distances_between_inputs": {"before_alignment": pairs, "after_alignment": dict(pairs)},
+            "distance_result_to_inputs": {nm: math.sqrt(v) for nm, v in zip(names, result_sq)},
+            "device": "cpu", "repair": None,
+            "mode": "stream",
+            "stream": {"shards": files, "bytes_written": target.total_bytes, "largest_tensor_bytes": largest,
+                       "read_ahead_budget_bytes": int(limit), "read_ahead_peak_bytes": gate.peak,
+                       "seconds": {k: round(v, 4) for k, v in clock.items()}},
+            "side_files": side,
+        }
+        timings["total"] = time.perf_counter() - t0
+        report["timings"] = timings
+        if write_hook is not None:
+            write_hook(tmp, report)
+        write_json(tmp / "symmerge_report.json", report)
+    return report
+
+
+def _config_text(ckpt: LazyCheckpoint) -> str:
+    """The holder's config.json, with the inferred ``architectures`` written in when it had none."""
+    import json
+
+    text = (ckpt.folder / "config.json").read_text()
+    config = json.loads(text)
+    if not config.get("architectures") and ckpt.config.get("architectures"):
+        config["architectures"] = ckpt.config["architectures"]
+        return json.dumps(config, indent=2, sort_keys=True) + "\n"
+    return text
