@@ -153,3 +153,17 @@ def test_config_without_architectures_names_what_is_missing(tmp_path, capsys):
     rc, _, err = run(capsys, "merge", *folders, "--method", "average", "--align", "none", "-o", tmp_path / "out")
     assert rc == 2 and "no architectures" in err and "model.norm.weight" in err and "LlamaForCausalLM" in err
     assert "only in anchor" not in err
+
+
+def test_barrier_of_a_family_without_spec(tmp_path, capsys):
+    """``barrier`` on folders of a model type without a spec: the plain curve; 'recommended' adds none."""
+    from symmerge.evaluate.barrier import barrier_study
+    from symmerge.io.data import Batch, Data
+
+    folders = save_pair(tmp_path, "stablelm")
+    ids = torch.randint(3, 128, (4, 9), generator=torch.Generator().manual_seed(0))
+    data = Data("random ids", "lm", [Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ids.clone(),
+                                           torch.ones_like(ids, dtype=torch.bool))], n=4)
+    res = barrier_study(str(folders[0]), str(folders[1]), data, points=3, progress=False)
+    assert list(res["curves"]) == ["none"] and len(res["curves"]["none"]["loss"]) == 3
+    assert "no symmetry spec for model_type 'stablelm'" in capsys.readouterr().err

@@ -11,6 +11,7 @@ aligned variant interpolates between the aligned A and the anchor B *in the same
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from pathlib import Path
 
@@ -37,11 +38,17 @@ def variant_name(spec) -> str:
 def _variants(aligns, base: AlignOptions, model) -> dict:
     """{curve name: AlignOptions} for ``aligns``: 'none' first; 'recommended' resolved against ``model``
     and named by the groups it resolved to."""
+    from ..merge.stream import plain_fallback
+
     out = {"none": None}
     for spec in aligns:
         if variant_name(spec) == "none":
             continue
-        opts = base.with_(symmetries=spec).for_model(model)
+        opts, note = plain_fallback(base.with_(symmetries=spec), model.config.model_type)
+        if note:  # no spec: 'recommended' is the plain curve
+            print(f"note: {note}", file=sys.stderr)
+            continue
+        opts = opts.for_model(model)
         out.setdefault(",".join(opts.symmetries) or "none", opts)
     return out
 
@@ -76,7 +83,7 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
         check_data_path(data)
     names = [str(x) if isinstance(x, (str, Path)) else label for x, label in ((model_a, "A"), (model_b, "B"))]
     with stage(f"loaded {names[0]} and {names[1]}", enabled=progress and isinstance(model_a, (str, Path))):
-        a, b = as_model(model_a, allow_pickle), as_model(model_b, allow_pickle)
+        a, b = as_model(model_a, allow_pickle, spec=False), as_model(model_b, allow_pickle, spec=False)
     check_same_shapes(a, b)
     if base.align_data is not None and not isinstance(base.align_data, Data):  # read once for every variant
         base = base.with_(align_data=load_align_data(base, a))

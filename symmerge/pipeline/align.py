@@ -30,8 +30,9 @@ def _load(x, allow_pickle: bool, progress: bool):
         return load_model(x, allow_pickle=allow_pickle)
 
 
-def as_model(model, allow_pickle: bool = False):
-    return load_model(model, allow_pickle=allow_pickle) if isinstance(model, (str, Path)) else model
+def as_model(model, allow_pickle: bool = False, spec: bool = True):
+    """A folder loaded (``spec=False``: any model type, for plain merges and curves), or the model given."""
+    return load_model(model, allow_pickle=allow_pickle, spec=spec) if isinstance(model, (str, Path)) else model
 
 
 def instances_for(model, layers=None, residual: str = "largest"):

@@ -1,0 +1,188 @@
+"""Streamed merges (``merge --mode stream``): bit for bit the in-memory merge for every per-tensor method
+and for sharded inputs; memory bounded by the read-ahead budget on a model many times larger; an
+interrupted write leaves no output folder; the chunked rules and the streamed TIES threshold agree
+with their whole-tensor definitions."""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from symmerge.cli import main
+from symmerge.io.checkpoint import LazyCheckpoint
+from symmerge.merge.base import CHUNK
+from symmerge.merge.parts import dare_keep_mask, magnitude_threshold
+
+METHODS = [("average", []), ("task_arithmetic", ["--param", "scale=0.7"]), ("ties", ["--param", "density=0.3"]),
+           ("ties", ["--param", "density=0.3", "--param", "scope=tensor"]), ("dare", ["--param", "drop=0.5"]),
+           ("dare_ties", ["--param", "drop=0.3", "--param", "seed=4"])]
+
+
+def llama(seed: int, vocab: int = 2304, layers: int = 2):
+    """A small Llama whose embedding (vocab x 32) spans several chunks of the elementwise loop."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream-merge")
+    base = llama(0)
+    out = {"base": root / "base"}
+    base.save_pretrained(str(out["base"]))
+    for i in (1, 2, 3):  # fine-tunes of the base; the second one sharded
+        m = llama(0)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.02)
+        out[i] = root / f"m{i}"
+        m.save_pretrained(str(out[i]), max_shard_size="100KB" if i == 2 else "1GB")
+    assert (out[2] / "model.safetensors.index.json").is_file()
+    return out
+
+
+def run(capsys, *argv):
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    return rc, *capsys.readouterr()
+
+
+def tensors(folder) -> dict:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("method,params", METHODS, ids=[f"{m}{'-' + p[-1] if p else ''}" for m, p in METHODS])
+def test_streamed_merge_equals_in_memory_merge_bit_for_bit(folders, tmp_path, capsys, method, params):
+    models = [folders[1], folders[2], folders[3]]
+    base = ["--base", folders["base"]] if method != "average" else []
+    result = {}
+    for mode in ("memory", "stream"):
+        out = tmp_path / mode
+        rc, _, err = run(capsys, "merge", *models, "--method", method, *params, *base, "--align", "none",
+                         "--heads", "merge", "--mode", mode, "--progress", "none", "-o", out,
+                         *(["--shard-size", "150KB"] if mode == "stream" else []))
+        assert rc == 0, err
+        result[mode] = tensors(out)
+    assert (tmp_path / "stream" / "model.safetensors.index.json").is_file()  # the output is sharded too
+    assert result["memory"].keys() == result["stream"].keys()
+    for k, t in result["memory"].items():
+        assert t.dtype == result["stream"][k].dtype and torch.equal(t, result["stream"][k]), k
+    inputs = [tensors(f) for f in models]
+    k = "model.embed_tokens.weight"
+    assert all(not torch.equal(result["stream"][k], x[k]) for x in inputs)  # a real merge, not a copy
+
+
+def test_auto_streams_plain_merges_and_loads_aligned_ones(folders, tmp_path, capsys):
+    rc, _, err = run(capsys, "merge", folders[1], folders[2], "--method", "average", "--align", "none",
+                     "--progress", "none", "-o", tmp_path / "a")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "a" / "symmerge_report.json").read_text())["mode"] == "stream"
+    rc, _, err = run(capsys, "merge", folders[1], folders[2], "--method", "average", "--align", "attn",
+                     "--progress", "none", "-o", tmp_path / "b")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "b" / "symmerge_report.json").read_text())["mode"] == "memory"
+
+
+@pytest.mark.parametrize("argv,why", [(("--method", "average", "--align", "attn"), "aligned merges load the models"),
+                                      (("--method", "fisher", "--align", "none", "--data", "x.txt"),
+                                       "needs the models in memory")])
+def test_stream_mode_refuses_what_needs_memory(folders, tmp_path, capsys, argv, why):
+    (tmp_path / "x.txt").write_text("hello\n")
+    argv = tuple(str(tmp_path / a) if a == "x.txt" else a for a in argv)
+    rc, _, err = run(capsys, "merge", folders[1], folders[2], *argv, "--mode", "stream", "-o", tmp_path / "o")
+    assert rc == 2 and why in err and "--mode memory" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_memory_stays_within_the_read_ahead_budget(tmp_path, capsys, monkeypatch):
+    """A 'large' model (many layers) merged under a small budget: the bytes of tensors read and still
+    alive at any moment (counted independently, by finalizers on every tensor read) stay within the
+    budget plus one tensor set, a small fraction of the model."""
+    models = []
+    for seed in (0, 1):
+        folder = tmp_path / f"big{seed}"
+        llama(seed, vocab=256, layers=24).save_pretrained(str(folder))
+        models.append(folder)
+    ckpt = LazyCheckpoint(models[0], spec=False)
+    total = sum(ckpt.nbytes(k) for k in ckpt.keys())
+    largest = max(ckpt.nbytes(k) for k in ckpt.keys())
+    budget = 3 * 2 * largest  # bytes: three tensors of both models (inputs + output accounted)
+    live = {"now": 0, "peak": 0}
+    original = LazyCheckpoint.read_direct
+
+    def counted(self, key, check=True):
+        t = original(self, key, check)
+        n = t.numel() * t.element_size()
+        live["now"] += n
+        live["peak"] = max(live["peak"], live["now"])
+        weakref.finalize(t, lambda: live.__setitem__("now", live["now"] - n))
+        return t
+
+    monkeypatch.setattr(LazyCheckpoint, "read_direct", counted)
+    from symmerge.merge import stream
+
+    real = stream.merge_streaming
+    monkeypatch.setattr(stream, "merge_streaming", lambda *a, **k: real(*a, **{**k, "budget": budget}))
+    rc, _, err = run(capsys, "merge", *models, "--method", "average", "--align", "none", "--mode", "stream",
+                     "--progress", "none", "-o", tmp_path / "out")
+    assert rc == 0, err
+    assert live["now"] == 0
+    assert 2 * total > 8 * budget  # the inputs are much larger than the bound
+    assert live["peak"] <= budget + 3 * largest, (live, budget)
+
+
+def test_interrupted_write_leaves_no_output_folder(folders, tmp_path, capsys, monkeypatch):
+    from symmerge.io.checkpoint import PlannedWriter
+
+    calls = {"n": 0}
+    original = PlannedWriter.add
+
+    def failing(self, name, tensor):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return original(self, name, tensor)
+
+    monkeypatch.setattr(PlannedWriter, "add", failing)
+    out = tmp_path / "out"
+    rc = main(["merge", str(folders[1]), str(folders[2]), "--method", "average", "--align", "none", "--mode", "stream",
+              "--progress", "none", "-o", str(out)])
+    assert rc != 0 and calls["n"] == 5
+    assert "interrupted" in capsys.readouterr().err
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # no temporary folder left either
+
+
+def test_radix_threshold_equals_kthvalue():
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(5000, generator=g), torch.randn(40, 70, generator=g).double() * 3,
+             torch.zeros(300), torch.full((200,), 0.125)]  # zeros and repeated values
+    flat = torch.cat([p.reshape(-1).abs().float() for p in parts])
+    for density in (1e-4, 0.01, 0.2, 0.5, 0.9, 0.97, 1.0):
+        k = max(1, int(round(density * flat.numel())))
+        expected = flat.kthvalue(flat.numel() - k + 1).values.item()
+        assert magnitude_threshold(parts, density) == expected
+        assert magnitude_threshold(lambda: iter(parts), density) == expected
+
+
+def test_chunked_dare_draws_the_whole_tensor_mask():
+    from symmerge.merge import get_method
+
+    n = 3 * CHUNK + 123
+    base = {"w": torch.zeros(n)}
+    sds = [{"w": torch.randn(n, generator=torch.Generator().manual_seed(i))} for i in (1, 2)]
+    out = get_method("dare").merge(sds, base=base, drop=0.5, seed=7)["w"]
+    expect = sum(torch.where(dare_keep_mask((n,), 0.5, 7, i, "w"), sd["w"].double() / 0.5, 0.0)
+                 for i, sd in enumerate(sds)).float()
+    assert torch.equal(out, expect)
