@@ -167,3 +167,4 @@ def test_barrier_of_a_family_without_spec(tmp_path, capsys):
     res = barrier_study(str(folders[0]), str(folders[1]), data, points=3, progress=False)
     assert list(res["curves"]) == ["none"] and len(res["curves"]["none"]["loss"]) == 3
     assert "no symmetry spec for model_type 'stablelm'" in capsys.readouterr().err
+

@@ -154,7 +154,7 @@ def run(args) -> int:
     for r in evaluation.get("merged", []):
         print(f"  {r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']})")
     t = report["timings"]
-    print(f"wrote {out} ({report['mode']}: load {t['load']:.2f} s, alignment {t['align']:.2f} s, statistics "
-          f"{t['statistics']:.2f} s, merge {t['merge']:.2f} s, evaluation {t['evaluate']:.2f} s, total "
-          f"{elapsed():.2f} s)")
+    print(f"{'streamed' if report['mode'] == 'stream' else 'in memory'} ({why}): merge {t['merge']:.2f} s")
+    print(f"wrote {out} (alignment {t['align']:.2f} s, statistics {t['statistics']:.2f} s, evaluation "
+          f"{t['evaluate']:.2f} s, total {elapsed():.2f} s)")
     return 0
