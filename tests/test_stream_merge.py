@@ -94,9 +94,12 @@ def test_auto_streams_plain_merges_and_loads_aligned_ones(folders, tmp_path, cap
     assert json.loads((tmp_path / "b" / "symmerge_report.json").read_text())["mode"] == "memory"
 
 
-@pytest.mark.parametrize("argv,why", [(("--method", "average", "--align", "attn"), "aligned merges load the models"),
+@pytest.mark.parametrize("argv,why", [(("--method", "regmean", "--align", "none", "--data", "x.txt"),
+                                       "needs the models in memory"),
                                       (("--method", "fisher", "--align", "none", "--data", "x.txt"),
-                                       "needs the models in memory")])
+                                       "needs the models in memory"),
+                                      (("--method", "average", "--align", "none", "--eval-data", "x.txt"),
+                                       "needs it in memory")])
 def test_stream_mode_refuses_what_needs_memory(folders, tmp_path, capsys, argv, why):
     (tmp_path / "x.txt").write_text("hello\n")
     argv = tuple(str(tmp_path / a) if a == "x.txt" else a for a in argv)
@@ -186,3 +189,55 @@ def test_chunked_dare_draws_the_whole_tensor_mask():
     expect = sum(torch.where(dare_keep_mask((n,), 0.5, 7, i, "w"), sd["w"].double() / 0.5, 0.0)
                  for i, sd in enumerate(sds)).float()
     assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_aligned_streamed_merge_equals_in_memory_aligned_merge(folders, tmp_path, capsys, n):
+    """Each model aligned as align --stream aligns it, then merged tensor by tensor: the same result as
+    aligning and merging in memory (same groups); the temporary aligned folders are removed."""
+    models = [folders[1], permuted(folders[3], tmp_path / "perm"), folders[2]][:n]
+    result = {}
+    for mode in ("memory", "stream"):
+        out = tmp_path / mode
+        rc, _, err = run(capsys, "merge", *models, "--method", "average", "--align", "attn,ffn", "--heads", "merge",
+                         "--mode", mode, "--progress", "none", "-o", out)
+        assert rc == 0, err
+        result[mode] = tensors(out)
+        report = json.loads((out / "symmerge_report.json").read_text())
+        assert report["mode"] == mode and report["alignment"]["symmetries"] == ["attn", "ffn"]
+        assert report["models"] == [str(m) for m in models]
+        anchor = report["alignment"]["anchor"]
+        assert anchor["rule"] == ("second of two" if n == 2 else "closest to the average"), anchor
+        result[mode + "-anchor"] = anchor["index"]
+    assert result["memory-anchor"] == result["stream-anchor"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory", "perm", "stream"]  # no temporary folder left
+    for k, t in result["memory"].items():
+        torch.testing.assert_close(result["stream"][k], t, rtol=0, atol=1e-6, msg=k)
+    plain = tensors_of_plain_merge(models, tmp_path / "plain", capsys)
+    k = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.allclose(plain[k], result["stream"][k], atol=1e-4)  # the alignment changed the merge
+
+
+def tensors_of_plain_merge(models, out, capsys):
+    rc, _, err = run(capsys, "merge", *models, "--method", "average", "--align", "none", "--heads", "merge",
+                     "--progress", "none", "-o", out)
+    assert rc == 0, err
+    return tensors(out)
+
+
+def permuted(folder, out):
+    """A copy of ``folder`` with every layer's FFN units permuted (the same function, other weights)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(folder, out)
+    sd = load_file(out / "model.safetensors")
+    for i in range(2):
+        p = torch.randperm(64, generator=torch.Generator().manual_seed(10 + i))
+        pre = f"model.layers.{i}.mlp."
+        sd[pre + "gate_proj.weight"] = sd[pre + "gate_proj.weight"][p].contiguous()
+        sd[pre + "up_proj.weight"] = sd[pre + "up_proj.weight"][p].contiguous()
+        sd[pre + "down_proj.weight"] = sd[pre + "down_proj.weight"][:, p].contiguous()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -298,7 +298,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     # ------------------------------------------------ alignment
     t = time.perf_counter()
     align_opts, fallback = plain_fallback(opts.align, models[0].config.model_type)
-    alignment: dict = {"symmetries": list(align_opts.symmetries), "requested": align_opts.requested,
+    alignment: dict = {"symmetries": list(align_opts.symmetries), "requested": opts.align.requested,
                        "rescale": align_opts.effective_rescale,
                        "anchor": {"index": None, "name": None, "rule": None}, "models": []}
     aligned, aligned_base = models, base_model

@@ -114,17 +114,16 @@ def available_memory() -> int | None:
 
 
 def choose_mode(mode: str, method, options, models, aligns: bool) -> tuple[str, str]:
-    """('stream' or 'memory', why) for ``--mode`` ``mode``. ``auto`` streams every merge that can
-    stream and aligns nothing (reading each tensor once is faster and smaller than loading the models),
-    and refuses an aligned or statistics merge whose models would not fit in memory; ``stream`` refuses
-    what cannot stream; ``memory`` always loads the models."""
+    """('stream' or 'memory', why) for ``--mode`` ``mode``. ``auto`` streams every per-tensor merge that
+    aligns nothing (reading each tensor once is faster and smaller than loading the models); an aligned
+    one is loaded when the models fit in half the available memory, else streamed (each model aligned by
+    ``align --stream``'s engine); a merge that cannot stream (statistics, REPAIR, evaluation) is loaded,
+    or refused when it would not fit. ``stream`` refuses what cannot stream; ``memory`` always loads."""
     if mode not in MODES:
         raise SymmergeError(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "memory":
         return "memory", "--mode memory"
     refusal = stream_refusal(method, options)
-    if refusal is None and aligns:
-        refusal = "aligned merges load the models (streamed alignment: symmerge align --stream, then merge them)"
     if any(not isinstance(x, (str, Path)) for x in models) or (options.base is not None and
                                                                 not isinstance(options.base, (str, Path))):
         refusal = refusal or "models given as objects are already in memory"
@@ -134,11 +133,17 @@ def choose_mode(mode: str, method, options, models, aligns: bool) -> tuple[str, 
         if refusal:
             raise SymmergeError(f"--mode stream: {refusal}; use --mode memory")
         return "stream", "--mode stream"
-    if refusal is None:
+    if refusal is None and not aligns:
         return "stream", "auto: a per-tensor merge without alignment streams"
     total = sum(checkpoint_bytes(x) for x in models if isinstance(x, (str, Path)))
     free = available_memory()
-    if free is not None and total > MEMORY_FRACTION * free:
+    too_big = free is not None and total > MEMORY_FRACTION * free
+    if refusal is None:  # aligned: in memory (every group, residual included) unless the models do not fit
+        if too_big:
+            return "stream", (f"auto: the models ({total / 1e9:.1f} GB) exceed half the available memory: each "
+                              "is aligned streamed (the groups that stream), then merged tensor by tensor")
+        return "memory", "auto: aligned merges load the models when they fit"
+    if too_big:
         raise SymmergeError(f"the models ({total / 1e9:.1f} GB) would not fit in memory ({free / 1e9:.1f} GB "
                             f"available) and this merge cannot stream: {refusal}")
     return "memory", f"auto: {refusal}"
@@ -242,15 +247,14 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
         base = LazyCheckpoint(options.base, spec=False) if options.base is not None else None
     model_type = ckpts[0].config["model_type"]
     align, note = plain_fallback(options.align, model_type)
-    alignment = {"symmetries": [], "requested": align.requested, "rescale": "none",
+    alignment = {"symmetries": [], "requested": options.align.requested, "rescale": "none",
                  "anchor": {"index": None, "name": None, "rule": None}, "models": []}
     if align.symmetries and base is not None and align.recommended:
         align = align.with_(symmetries=())
         note = ("'recommended' aligns nothing when a --base is given: models fine-tuned from one base share its "
                 "parameterisation (B2: matching changed no accuracy); name symmetries to align anyway")
     if align.symmetries:
-        raise SymmergeError("streamed merge: aligned merges load the models; use --align none, or --mode memory "
-                            "(or align each model with symmerge align --stream first)")
+        return _aligned_streaming(models, out, options, align, ckpts, base, shard_size, budget, write_hook, t0)
     if note:
         alignment["note"] = note
 
@@ -415,6 +419,108 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
             write_hook(tmp, report)
         write_json(tmp / "symmerge_report.json", report)
     return report
+
+
+def _closest_to_average(ckpts) -> tuple[int, list[float]]:
+    """(index of the model closest (L2) to the plain average, every model's distance), one tensor at a time."""
+    import math
+
+    sq = [0.0] * len(ckpts)
+    for k in ckpts[0].keys():
+        ts = [c.read_direct(k) for c in ckpts]
+        if not ts[0].is_floating_point():
+            continue
+        avg = {"x": sum(t.double() for t in ts) / len(ts)}
+        for i, t in enumerate(ts):
+            sq[i] += sq_distance({"x": t}, avg, ["x"])
+    dists = [math.sqrt(v) for v in sq]
+    return min(range(len(dists)), key=dists.__getitem__), dists
+
+
+def _aligned_streaming(models, out, options, align, ckpts, base, shard_size, budget, write_hook, t0) -> dict:
+    """Each model aligned to the anchor with :func:`symmerge.pipeline.stream.align_streaming` (one part of
+    a layer at a time, into temporary shards beside ``out``), then the aligned folders merged tensor by
+    tensor; the temporary folders are removed whatever happens."""
+    import shutil
+    import tempfile
+    from dataclasses import replace
+
+    from ..pipeline.options import AlignOptions
+    from ..pipeline.stream import align_streaming
+
+    names = [str(x) for x in models]
+    anchor = options.anchor
+    if isinstance(anchor, int):
+        if not -len(models) <= anchor < len(models):
+            raise SymmergeError(f"anchor index {anchor} out of range for {len(models)} models")
+        idx, info = anchor % len(models), {"rule": "given"}
+    elif anchor is not None:
+        idx, info = None, {"rule": "given"}
+    elif base is not None:
+        idx, info = None, {"rule": "base model"}
+        anchor = options.base
+    elif len(models) == 2:
+        idx, info = 1, {"rule": "second of two"}
+    else:
+        with stage("chose the anchor (closest to the average)", enabled=options.progress):
+            idx, dists = _closest_to_average(ckpts)
+        info = {"rule": "closest to the average", "distances_to_average": dists}
+    anchor_path = Path(models[idx]) if idx is not None else Path(anchor)
+    info = {"index": idx, "name": str(anchor_path), **info}
+    targets = [(i, Path(x)) for i, x in enumerate(models) if i != idx]
+    if options.base is not None and Path(options.base) != anchor_path:
+        targets.append(("base", Path(options.base)))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.aligned-", dir=out.parent))
+    t = time.perf_counter()
+    try:
+        aligned, base_path, rows, resolved = list(models), options.base, [], None
+        for i, path in targets:
+            with stage(f"aligned {path} to the anchor (streamed)", enabled=options.progress):
+                rep = align_streaming(path, anchor_path, work / f"model-{i}", options=align,
+                                      progress=options.progress)
+            resolved = rep.get("symmetries", resolved)
+            if i == "base":
+                base_path = work / f"model-{i}"
+            else:
+                aligned[i] = work / f"model-{i}"
+            rows.append({"model": str(path), "anchor": False, "distance_before": rep["distance_before"],
+                         "distance_after": rep["distance_after"], "verify_max_rel_diff": None,
+                         "seconds": rep.get("seconds")})
+        if idx is not None:
+            rows.insert(idx, {"model": names[idx], "anchor": True})
+        alignment = {"symmetries": list(resolved or []), "requested": options.align.requested,
+                     "rescale": align.effective_rescale, "anchor": info, "models": rows, "streamed": True}
+        timings = {"align": time.perf_counter() - t}
+        plain = replace(options, align=AlignOptions(symmetries="none"), base=base_path, anchor=None)
+        report = _merge_streaming(aligned, out, plain, shard_size, budget,
+                                  _renamed(names, options, write_hook, alignment, timings, t0))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def _renamed(names, options, write_hook, alignment, timings, t0):
+    """A write hook that gives the merged report the input models' names (not the temporary aligned
+    folders'), the alignment and its time before calling ``write_hook``."""
+    def hook(tmp, report):
+        report["alignment"] = alignment
+        report["timings"].update(timings, total=time.perf_counter() - t0)
+        aligned = report["models"]
+        rename = dict(zip(aligned, names))
+        report["models"] = list(names)
+        report["base"] = str(options.base) if options.base is not None else None
+        after = report["distances_between_inputs"]["after_alignment"]
+        report["distances_between_inputs"] = {  # before alignment: per model, alignment.models' distance_before
+            "before_alignment": None,
+            "after_alignment": {" | ".join(rename.get(p, p) for p in pair.split(" | ")): v for pair, v in after.items()}}
+        report["distance_result_to_inputs"] = {rename.get(k, k): v for k, v in report["distance_result_to_inputs"].items()}
+        if report["head"].get("from"):
+            report["head"]["from"] = names[options.head_from]
+        if write_hook is not None:
+            write_hook(tmp, report)
+    return hook
 
 
 def _config_text(ckpt: LazyCheckpoint) -> str:
