@@ -339,9 +339,10 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     extra = {"base": {k: aligned_base.state_dict()[k] for k in keys}} if m.needs_base else {}
     if m.needs_model:  # the architecture, and the model the others were aligned to
         extra.update(model=aligned[0], anchor=alignment["anchor"]["index"])
-    merged_sd = m.merge(sub, weights=opts.weights, stats=stats_sub, **extra, **opts.params)
-    holder = aligned[opts.head_from]
-    out = with_state_dict(holder, with_tied(holder, merged_sd))
+    with stage(f"merged ({m.name})", enabled=opts.progress):
+        merged_sd = m.merge(sub, weights=opts.weights, stats=stats_sub, **extra, **opts.params)
+        holder = aligned[opts.head_from]
+        out = with_state_dict(holder, with_tied(holder, merged_sd))
     timings["merge"] = time.perf_counter() - t
     repair_info = None
     if opts.repair:
@@ -354,7 +355,10 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
                  {"policy": "merge", "keys": sorted(hk)} if opts.heads == "merge" else
                  {"policy": "keep", "from_index": opts.head_from, "from": names[opts.head_from],
                   "keys": sorted(head_keys(holder))})
-    before = _pairwise([x.state_dict() for x in models], body, names)
+    with stage("distances between the inputs and to the result", enabled=opts.progress):
+        before = _pairwise([x.state_dict() for x in models], body, names)
+        after = before if aligned is models else _pairwise(sds, body, names)
+        to_result = {n: distance(out.state_dict(), sd, body) for n, sd in zip(names, sds)}
     report = {
         "method": m.name,
         "params": opts.params,
@@ -370,9 +374,8 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
                {"fisher_variant": opts.fisher_variant, "fisher_normalize": opts.fisher_normalize,
                 "fisher_samples": opts.fisher_samples} if m.needs == "fisher" else {}),
         },
-        "distances_between_inputs": {"before_alignment": before,
-                                     "after_alignment": before if aligned is models else _pairwise(sds, body, names)},
-        "distance_result_to_inputs": {n: distance(out.state_dict(), sd, body) for n, sd in zip(names, sds)},
+        "distances_between_inputs": {"before_alignment": before, "after_alignment": after},
+        "distance_result_to_inputs": to_result,
         "device": str(dev),
         "repair": repair_info,
         "mode": "memory",

@@ -63,37 +63,54 @@ _HALF = 1 << 16
 def magnitude_threshold(tensors, density: float) -> float:
     """The smallest magnitude kept when keeping the top ``density`` fraction of all entries of ``tensors``
     (magnitudes in float32, compared in float32). ``tensors``: a list, or a function returning a fresh
-    iterable of them, visited twice one tensor at a time (a model-wide threshold never holds the model's
-    magnitudes at once). Exact: a radix select on the float32 bit patterns (monotonic for magnitudes),
-    the high 16 bits counted on the first visit, the low 16 bits of the entries in the chosen high bin
-    on the second."""
+    iterable of them; see :func:`magnitude_thresholds`."""
     visit = tensors if callable(tensors) else (lambda: tensors)
+    return magnitude_thresholds(lambda: ((t,) for t in visit()), 1, density)[0]
 
-    def chunks():
-        for t in visit():
-            flat = t.reshape(-1)
-            for i in range(0, flat.numel(), _HALF):
-                yield flat[i:i + _HALF].abs().float().view(torch.int32)
 
-    high = torch.zeros(_HALF, dtype=torch.int64)
-    for bits in chunks():
-        high += torch.bincount(bits >> 16, minlength=_HALF)
-    total = int(high.sum())
-    if total == 0:
-        raise SymmergeError("magnitude threshold of no entries")
-    k = max(1, int(round(density * total)))  # the k-th largest is the threshold
-    above = high.flip(0).cumsum(0)  # entries in bins >= (HALF - 1 - j)
-    j = int(torch.searchsorted(above, torch.tensor(k)))
-    top_bin = _HALF - 1 - j
-    k -= int(above[j - 1]) if j > 0 else 0  # rank inside the chosen bin
-    low = torch.zeros(_HALF, dtype=torch.int64)
-    for bits in chunks():
-        inside = bits[(bits >> 16) == top_bin]
-        if inside.numel():
-            low += torch.bincount(inside & 0xFFFF, minlength=_HALF)
-    j = int(torch.searchsorted(low.flip(0).cumsum(0), torch.tensor(k)))
-    value = torch.tensor([(top_bin << 16) | (_HALF - 1 - j)], dtype=torch.int32).view(torch.float32)
-    return value.item()
+def _bits(t: torch.Tensor):
+    """float32 bit patterns of |t| (monotonic in the magnitude), chunk by chunk."""
+    flat = t.reshape(-1)
+    for i in range(0, flat.numel(), _HALF):
+        yield flat[i:i + _HALF].abs().float().view(torch.int32)
+
+
+def magnitude_thresholds(visit, n: int, density: float) -> list[float]:
+    """Per model, the smallest magnitude kept when keeping the top ``density`` fraction of its entries.
+    ``visit()`` returns a fresh iterable of tuples of ``n`` same-shaped tensors (one per model, e.g. the
+    chunks of each model's task vector for one tensor); it is visited twice, one tuple at a time (a
+    model-wide threshold never holds the model's magnitudes at once; every input read once per visit for
+    all models). Exact: a radix select on the float32 bit patterns (monotonic for magnitudes), the high 16
+    bits counted on the first visit, the low 16 bits of the entries in each model's chosen high bin on
+    the second."""
+    high = torch.zeros(n, _HALF, dtype=torch.int64)
+    for group in visit():
+        for i, t in enumerate(group):
+            for bits in _bits(t):
+                high[i] += torch.bincount(bits >> 16, minlength=_HALF)
+    bins, ranks = [], []
+    for i in range(n):
+        total = int(high[i].sum())
+        if total == 0:
+            raise SymmergeError("magnitude threshold of no entries")
+        k = max(1, int(round(density * total)))  # the k-th largest is the threshold
+        above = high[i].flip(0).cumsum(0)  # entries in bins >= (HALF - 1 - j)
+        j = int(torch.searchsorted(above, torch.tensor(k)))
+        bins.append(_HALF - 1 - j)
+        ranks.append(k - (int(above[j - 1]) if j > 0 else 0))  # rank inside the chosen bin
+    low = torch.zeros(n, _HALF, dtype=torch.int64)
+    for group in visit():
+        for i, t in enumerate(group):
+            for bits in _bits(t):
+                inside = bits[(bits >> 16) == bins[i]]
+                if inside.numel():
+                    low[i] += torch.bincount(inside & 0xFFFF, minlength=_HALF)
+    out = []
+    for i in range(n):
+        j = int(torch.searchsorted(low[i].flip(0).cumsum(0), torch.tensor(ranks[i])))
+        value = torch.tensor([(bins[i] << 16) | (_HALF - 1 - j)], dtype=torch.int32).view(torch.float32)
+        out.append(value.item())
+    return out
 
 
 def _magnitude_check(params):
@@ -114,10 +131,15 @@ def _magnitude_prepare(state_dicts, base, weights, params):
     if not keys:
         return None
 
-    def task_vector(sd, w):
-        return lambda: ((sd[k].double() - base[k].double()) * w for k in keys)
+    def task_vectors():  # chunk by chunk, every model at once: each tensor read once per visit
+        for k in keys:
+            b = base[k].reshape(-1)
+            ts = [sd[k].reshape(-1) for sd in state_dicts]
+            for i in range(0, b.numel(), _HALF):
+                bb = b[i:i + _HALF].double()
+                yield tuple((t[i:i + _HALF].double() - bb) * w for t, w in zip(ts, weights))
 
-    return [magnitude_threshold(task_vector(sd, w), density) for sd, w in zip(state_dicts, weights)]
+    return magnitude_thresholds(task_vectors, len(state_dicts), density)
 
 
 def _magnitude_tensor_context(key, tensors, base, weights, params, context):
