@@ -163,7 +163,7 @@ def test_alignment_recovers_a_hidden_element_of_every_kind(family, tied, request
     if family in RMSNORM:
         request.getfixturevalue("fp64_rmsnorm")
     anchor = make_model(family, head=True, tied=tied if family in DECODERS else None)
-    _, instances = instances_for(anchor)
+    spec, instances = instances_for(anchor)
     symmetries = tuple(s for s in ALL if s != "residual" or any(not i.kind.per_layer for i in instances))
     model, _, canonical = disguised(anchor, symmetries)
     inputs = make_inputs(anchor)
@@ -183,9 +183,10 @@ def test_alignment_recovers_a_hidden_element_of_every_kind(family, tied, request
         sweeps = report["residual_sweeps_sq_distance"]
         assert sweeps[-1] <= 1e-18 * report["distance_before"] ** 2 + 1e-24
         if report["residual_variant"] == "orthogonal":  # RMSNorm weights folded into their readers
+            neutral = 1.0 - spec.folds[0].offset  # the weight of a norm multiplying by 1 (Gemma's 1 + w: w = 0)
             for k, v in aligned.state_dict().items():
                 if "norm" in k and not k.endswith(("q_norm.weight", "k_norm.weight")):
-                    assert torch.equal(v, torch.ones_like(v)), k
+                    assert torch.equal(v, torch.full_like(v, neutral)), k
 
 
 @pytest.mark.parametrize("kv", [DEC_HEADS, 1], ids=["mha", "one-kv-head"])
