@@ -155,7 +155,7 @@ def _params(model) -> list[str]:
     return [n for n, _ in model.named_parameters()]
 
 
-RECOVERY = [(f, False) for f in FAMILIES] + [(f, True) for f in ("gpt2", "llama", "qwen3")]
+RECOVERY = [(f, False) for f in FAMILIES] + [(f, True) for f in ("gpt2", "llama", "qwen3", "gemma", "gemma3", "gpt_neox")]
 
 
 @pytest.mark.parametrize("family,tied", RECOVERY)
@@ -199,7 +199,8 @@ def test_decoders_without_gqa_and_with_one_kv_head(family, kv, fp64_rmsnorm):
     assert report["distance_after"] <= 1e-9 * report["distance_before"]
 
 
-NOISY = [("bert", False), ("vit", False), ("gpt2", True), ("qwen2", False), ("qwen2", True), ("deberta-v2", False)]
+NOISY = [("bert", False), ("vit", False), ("gpt2", True), ("qwen2", False), ("qwen2", True), ("deberta-v2", False),
+         ("gemma2", True), ("gpt_neox", False), ("phi3", False), ("olmo2", False)]
 
 
 @pytest.mark.parametrize("family,tied", NOISY)
