@@ -18,7 +18,8 @@ Member options for fused and grouped layouts:
   head* (``Group.heads``): ``"kv"`` groups (GQA) share one element among the ``H / H_kv`` query heads
   of a KV head (query head ``h`` uses KV head ``h // (H / H_kv)``).
 * ``root=True``: the name is a full state-dict key outside the base model (``lm_head.weight``).
-* ``diag=True``: a norm weight, transformed by the residual stream's group as a diagonal matrix.
+* ``diag=True``: a norm weight, transformed by the residual stream's group as a diagonal matrix (other
+  groups move it like any member; it is never an activation site).
 * ``classes=(...)``: a role that depends on the task head (``classifier.weight`` reads the stream in a
   ``...ForTokenClassification`` model but the pooler's output in a ``...ForSequenceClassification``).
 * ``unless="..."``: a role that depends on another tensor's presence (ELECTRA's embeddings write the

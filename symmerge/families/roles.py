@@ -112,7 +112,7 @@ def _attention_groups(p: str, att: Attention, layout: Layout) -> tuple[Group, ..
     params = (("pair_norms", tuple(p + n for n in att.pair_norms)),) if att.pair_norms else ()
     qk = Group("attn.qk", qk_kind, "attn", q + k, heads=kv, params=params)
     vo = Group("attn.vo", "head_orthogonal", "attn", v + o, heads=kv)
-    norms = tuple(Member(p + n, 0, 0, heads=h) for n, h in zip(att.pair_norms, ("query", kv))) \
+    norms = tuple(Member(p + n, 0, 0, heads=h, diag=True) for n, h in zip(att.pair_norms, ("query", kv))) \
         if att.pair_norms_span_heads else ()
     heads = Group("heads", "heads", "heads", q + k + v + o + norms, heads=kv,
                   params=(("couples", ("attn.qk", "attn.vo")),))
