@@ -165,7 +165,8 @@ def _stream_group(p: str, att: Attention, mlp: MLP, stream: Stream, layout: Layo
         if stream.norm == "layernorm":
             members += (Member(n + ".bias", 0, 0, optional=True),)
     members += tuple(stream.heads) + tuple(stream.others)
-    params = (("norm", stream.norm), ("placement", stream.placement)) + ((("fixed_norms", fixed),) if fixed else ())
+    params = (("norm", stream.norm), ("placement", stream.placement)) + ((("fixed_norms", fixed),) if fixed else ()) \
+        + ((("norm_offset", stream.offset),) if stream.offset else ())
     folds: tuple[Fold, ...] = ()
     if stream.placement == "pre":
         bias = (lambda n: n + ".bias") if stream.norm == "layernorm" else (lambda n: None)
