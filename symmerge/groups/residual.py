@@ -17,10 +17,13 @@ group parameters ``norm`` and ``placement``), so the kind binds one of four *var
 
 Norms on a block's *output* before the residual add (group parameter ``fixed_norms``: Gemma 2/3's
 sandwich norms, OLMo 2's post-norms) cannot be folded either: the block writes ``γ ⊙ RMS(y)`` to the
-stream, and with the writer moved (``y → Qᵀ y``, ``RMS(Qᵀ y) = Qᵀ RMS(y)``) the function is kept only if
-``Qᵀ diag(γ) = diag(γ') Qᵀ``: ``Q`` must map each eigenspace of ``diag(γ)`` to one of ``diag(γ')``. For
-distinct weights (trained models) that is a signed permutation with ``γ' = Pγ``; the group keeps the
-orthogonal variant only when every such norm is uniform. A family whose norms multiply by
+stream, which must become ``Qᵀ (γ ⊙ RMS(y))``. The writer's output may move by any ``M``, but ``RMS(M y)``
+is a function of ``RMS(y)`` for every ``y`` only for ``M = cR`` (``R`` orthogonal), where it is ``±R RMS(y)``;
+so some ``γ'`` must give ``diag(γ') R = Qᵀ diag(γ)``, i.e. ``R = diag(γ')⁻¹ Qᵀ diag(γ)`` orthogonal, i.e.
+``Qᵀ diag(γ²) Q`` diagonal. Where the ``|γ_i|`` are distinct (trained weights) that makes ``Q`` a signed
+permutation (``R = Qᵀ``, ``γ' = Pγ``), the variant bound here; the orthogonal variant is kept when every
+such norm is uniform (then any ``Q``, with ``R = Qᵀ``). Rotations inside sets of equal ``|γ_i|`` (in every
+such norm at once) are not used. A family whose norms multiply by
 ``offset + γ`` (Gemma: ``1 + w``) folds ``offset + γ`` and leaves ``γ = 1 − offset``.
 
 A model whose output *is* the stream (a base model without a task head) has no residual group.
