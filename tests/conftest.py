@@ -116,6 +116,24 @@ def fp64_rmsnorm(monkeypatch):
 
     for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm):
         monkeypatch.setattr(cls, "forward", forward)
+    _fp64_dense_families(monkeypatch, forward)
+
+
+def _fp64_dense_families(monkeypatch, forward):
+    """The same for the RMSNorms of Phi-3 and OLMo 2, and Gemma's ``(1 + w)`` RMSNorm (Gemma 1-3)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
+
+    def gemma_forward(self, x):
+        return (1.0 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    for cls in (Phi3RMSNorm, Olmo2RMSNorm):
+        monkeypatch.setattr(cls, "forward", forward)
+    for cls in (GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm):
+        monkeypatch.setattr(cls, "forward", gemma_forward)
 
 
 # ------------------------------------------------------------------ CLI: model folders, data files, evaluation

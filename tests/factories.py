@@ -61,14 +61,39 @@ def _configs():
         # Qwen3Config defaults to head_dim 128 whatever the hidden size
         "qwen3": (lambda: T.Qwen3Config(**decoder, head_dim=DEC_HIDDEN // DEC_HEADS), T.Qwen3Model, T.Qwen3ForCausalLM),
         "phi": (lambda: T.PhiConfig(**decoder, partial_rotary_factor=0.5), T.PhiModel, T.PhiForCausalLM),
+        **_dense_configs(T, decoder),
     }
 
 
+def _dense_configs(T, decoder):
+    """Gemma 1-3, GPT-NeoX, Phi-3, OLMo 2 (issue 22). Gemma defaults to head_dim 256: set to d / H."""
+    head_dim = DEC_HIDDEN // DEC_HEADS
+    gemma = dict(decoder, head_dim=head_dim)
+    sandwich = dict(gemma, query_pre_attn_scalar=head_dim, sliding_window=6, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=3.0)
+    neox = dict(vocab_size=64, hidden_size=DEC_HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                num_attention_heads=DEC_HEADS, rotary_pct=0.5, initializer_range=0.3, bos_token_id=1, eos_token_id=2,
+                attention_bias=True)
+    return {
+        "gemma": (lambda: T.GemmaConfig(**gemma), T.GemmaModel, T.GemmaForCausalLM),
+        "gemma2": (lambda: T.Gemma2Config(**sandwich), T.Gemma2Model, T.Gemma2ForCausalLM),
+        "gemma3": (lambda: T.Gemma3TextConfig(**sandwich), T.Gemma3TextModel, T.Gemma3ForCausalLM),
+        "gpt_neox": (lambda: T.GPTNeoXConfig(**neox), T.GPTNeoXModel, T.GPTNeoXForCausalLM),
+        "gpt_neox-serial": (lambda: T.GPTNeoXConfig(**neox, use_parallel_residual=False), T.GPTNeoXModel,
+                            T.GPTNeoXForCausalLM),
+        "phi3": (lambda: T.Phi3Config(**decoder, partial_rotary_factor=0.5), T.Phi3Model, T.Phi3ForCausalLM),
+        "olmo2": (lambda: T.Olmo2Config(**decoder), T.Olmo2Model, T.Olmo2ForCausalLM),
+    }
+
+
+DENSE = ("gemma", "gemma2", "gemma3", "gpt_neox", "gpt_neox-serial", "phi3", "olmo2")
+
+
 FAMILIES = ("bert", "roberta", "electra", "distilbert", "deberta-v2", "deberta-v2-shared", "vit", "gpt2", "llama",
-            "llama-bias", "mistral", "qwen2", "qwen3", "phi")
-DECODERS = ("gpt2", "llama", "llama-bias", "mistral", "qwen2", "qwen3", "phi")
-RMSNORM = ("llama", "llama-bias", "mistral", "qwen2", "qwen3")
-PRE_LAYERNORM = ("vit", "gpt2", "phi")  # pre-LN LayerNorm: O(d-1) after folding ("largest"), or permutations
+            "llama-bias", "mistral", "qwen2", "qwen3", "phi") + DENSE
+DECODERS = ("gpt2", "llama", "llama-bias", "mistral", "qwen2", "qwen3", "phi") + DENSE
+RMSNORM = ("llama", "llama-bias", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2")
+PRE_LAYERNORM = ("vit", "gpt2", "phi", "gpt_neox")  # pre-LN LayerNorm: O(d-1) after folding ("largest"), or permutations
 WITH_RESIDUAL = FAMILIES  # every family's task models have a residual-stream group
 
 

@@ -50,7 +50,8 @@ def max_error(instances, elements, ca, cb) -> float:
 # ------------------------------------------------------------------ recovery of a hidden element
 
 
-@pytest.mark.parametrize("family", ["vit", "gpt2", "bert", "llama", "qwen3", "phi"])
+@pytest.mark.parametrize("family", ["vit", "gpt2", "bert", "llama", "qwen3", "phi", "gemma", "gemma2", "gemma3", "gpt_neox",
+                                    "phi3", "olmo2"])
 @pytest.mark.parametrize("weights_for", [(), None], ids=["activations-only", "default"])
 def test_activation_matching_recovers_a_hidden_element_exactly(family, weights_for):
     """A copy moved by a random element of every group (head permutation, rotations, scales, FFN

@@ -155,7 +155,7 @@ def _params(model) -> list[str]:
     return [n for n, _ in model.named_parameters()]
 
 
-RECOVERY = [(f, False) for f in FAMILIES] + [(f, True) for f in ("gpt2", "llama", "qwen3")]
+RECOVERY = [(f, False) for f in FAMILIES] + [(f, True) for f in ("gpt2", "llama", "qwen3", "gemma", "gemma3", "gpt_neox")]
 
 
 @pytest.mark.parametrize("family,tied", RECOVERY)
@@ -163,7 +163,7 @@ def test_alignment_recovers_a_hidden_element_of_every_kind(family, tied, request
     if family in RMSNORM:
         request.getfixturevalue("fp64_rmsnorm")
     anchor = make_model(family, head=True, tied=tied if family in DECODERS else None)
-    _, instances = instances_for(anchor)
+    spec, instances = instances_for(anchor)
     symmetries = tuple(s for s in ALL if s != "residual" or any(not i.kind.per_layer for i in instances))
     model, _, canonical = disguised(anchor, symmetries)
     inputs = make_inputs(anchor)
@@ -183,9 +183,10 @@ def test_alignment_recovers_a_hidden_element_of_every_kind(family, tied, request
         sweeps = report["residual_sweeps_sq_distance"]
         assert sweeps[-1] <= 1e-18 * report["distance_before"] ** 2 + 1e-24
         if report["residual_variant"] == "orthogonal":  # RMSNorm weights folded into their readers
+            neutral = 1.0 - spec.folds[0].offset  # the weight of a norm multiplying by 1 (Gemma's 1 + w: w = 0)
             for k, v in aligned.state_dict().items():
                 if "norm" in k and not k.endswith(("q_norm.weight", "k_norm.weight")):
-                    assert torch.equal(v, torch.ones_like(v)), k
+                    assert torch.equal(v, torch.full_like(v, neutral)), k
 
 
 @pytest.mark.parametrize("kv", [DEC_HEADS, 1], ids=["mha", "one-kv-head"])
@@ -198,7 +199,8 @@ def test_decoders_without_gqa_and_with_one_kv_head(family, kv, fp64_rmsnorm):
     assert report["distance_after"] <= 1e-9 * report["distance_before"]
 
 
-NOISY = [("bert", False), ("vit", False), ("gpt2", True), ("qwen2", False), ("qwen2", True), ("deberta-v2", False)]
+NOISY = [("bert", False), ("vit", False), ("gpt2", True), ("qwen2", False), ("qwen2", True), ("deberta-v2", False),
+         ("gemma2", True), ("gpt_neox", False), ("phi3", False), ("olmo2", False)]
 
 
 @pytest.mark.parametrize("family,tied", NOISY)

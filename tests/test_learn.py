@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_inputs, output_rel_diff, with_weights
-from factories import make_model
+from factories import RMSNORM, make_model
 from symmerge.core.apply import apply, canonicalize
 from symmerge.io.data import Batch, Data
 from symmerge.pipeline.align import align_pair, instances_for
@@ -36,9 +36,9 @@ def unlabeled(model, n_batches: int = 4, batch: int = 8, seed: int = 0) -> Data:
     return Data("synthetic", fmt, batches, n_batches * batch)
 
 
-@pytest.mark.parametrize("family", ["vit", "llama", "gpt2", "bert"])
+@pytest.mark.parametrize("family", ["vit", "llama", "gpt2", "bert", "gemma2", "gpt_neox", "phi3", "olmo2"])
 def test_every_learned_step_is_exactly_function_preserving(family, request):
-    if family == "llama":
+    if family in RMSNORM:
         request.getfixturevalue("fp64_rmsnorm")
     a, b = make_model(family, head=True, seed=0), make_model(family, head=True, seed=3)
     options = AlignOptions(symmetries=FULL, match="learned", align_data="unused",

@@ -114,3 +114,18 @@ def test_merge_models_and_barrier_study_repair(tmp_path):
         assert rep_c["loss"][0] == pytest.approx(plain_c["loss"][0], rel=1e-4)
         assert rep_c["loss"][-1] == pytest.approx(plain_c["loss"][-1], rel=1e-4)
         assert rep_c["loss"][1] != pytest.approx(plain_c["loss"][1], rel=1e-6)
+
+
+def test_one_plus_w_norms_get_their_scale_folded_as_one_plus_w(fp64_rmsnorm):
+    """Gemma's RMSNorm multiplies by 1 + w: REPAIR's scale s must give (1 + w)·s, i.e. w → (1 + w)·s − 1
+    (w·s would be wrong). Without a bias the fold is scale only, so each norm's output std (not its mean)
+    reaches the interpolated target."""
+    a, b = make_model("gemma2", head=True, seed=0), make_model("gemma2", head=True, seed=4)
+    data = unlabeled(a, batches=2)
+    merged = with_state_dict(b, interpolate(a.state_dict(), b.state_dict(), 0.3))
+    fixed, report = repair(merged, [a, b], [0.3, 0.7], data, channels=("norm",), remeasure="site")
+    names = [n for n, k in _sites(a).items() if k == "norm"]
+    assert names and set(report["scale_only"]) == set(names)
+    sa, sb, sf = (_stats(m, data, names) for m in (a, b, fixed))
+    for n in names:
+        torch.testing.assert_close(sf[n][1], 0.3 * sa[n][1] + 0.7 * sb[n][1], atol=1e-8, rtol=1e-8)

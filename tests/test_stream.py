@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import add_noise, make_inputs, output_rel_diff, sq_dist, with_weights
-from factories import make_model
+from factories import DECODERS, DENSE, RMSNORM, make_model
 from symmerge.pipeline.align import align, instances_for
 from symmerge.core.apply import apply, random_elements
 from symmerge.io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
@@ -31,7 +31,7 @@ def _save(model, folder, shard="20KB"):
 
 def _pair(kind, dtype, tmp_path, symmetries=("attn", "ffn", "rescale")):
     """A model and a disguised noisy copy (hidden group element + noise), saved sharded."""
-    decoder = kind in ("llama", "qwen3", "gpt2")
+    decoder = kind in DECODERS
     anchor = make_model(kind, head=decoder, dtype=dtype, seed=0, tied=kind == "gpt2" if decoder else None)
     _, insts = instances_for(anchor)
     local = [i for i in insts if i.group.symmetry in symmetries and i.kind.per_layer]
@@ -46,7 +46,7 @@ def _state(folder):
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["low-memory", "pipeline"])
-@pytest.mark.parametrize("kind", ["llama", "bert", "vit", "gpt2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "bert", "vit", "gpt2", "qwen3", *DENSE])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_stream_equals_in_memory_alignment(kind, dtype, pipeline, tmp_path):
     model_dir, anchor_dir, model, anchor = _pair(kind, dtype, tmp_path)
@@ -66,7 +66,7 @@ def test_stream_equals_in_memory_alignment(kind, dtype, pipeline, tmp_path):
     reloaded = load_model(out)  # a valid HF folder of the same class
     assert type(reloaded) is type(model)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
-    if kind not in ("llama", "qwen3") or dtype == torch.float32:  # RMSNorm computes in fp32 even in fp64 models
+    if kind not in RMSNORM or dtype == torch.float32:  # RMSNorm computes in fp32 even in fp64 models
         assert output_rel_diff(model, reloaded, make_inputs(model)) < tol
     assert json.loads((out / "symmerge_report.json").read_text())["streamed"] is True
 

@@ -46,10 +46,24 @@ def run(args) -> int:
             for m in g.members:
                 marks = [f"axis {m.axis}"] + ([f"s^{m.power:+d}"] if scale and m.power else [])
                 extra = f", part {m.chunk[0] + 1} of {m.chunk[1]}" if m.chunk[1] > 1 else ""
+                extra += f" sized {'/'.join(m.parts)} heads" if m.parts else ""
+                extra += " of every head" if m.interleaved else ""
                 print(f"      {names.get((m.name, m.root), m.name)}  [{', '.join(marks)}{extra}]")
             if g.param("pair_norms"):
                 norms = ", ".join(names.get((n, False), n) for n in g.param("pair_norms"))
-                print(f"      restricted by the per-head norms {norms}: no scale; a free pair rotation only where "
-                      "their weights on j and j + r/2 are equal, else a sign flip")
+                print(f"      restricted by the query/key norms {norms} (per head, or over all heads): no scale; a free "
+                      "pair rotation only where their weights on j and j + r/2 are equal in every head, else a sign flip")
+            _residual_notes(g, spec, names)
         print()
     return 0
+
+
+def _residual_notes(group, spec, names) -> None:
+    """What restricts or reshapes a residual group beyond its norm type (norms on block outputs, 1 + w)."""
+    if group.param("fixed_norms"):
+        norms = ", ".join(names.get((n, False), n) for n in group.param("fixed_norms"))
+        print(f"      restricted by the norms on the blocks' outputs {norms}: signed permutations of the stream "
+              "(the norm weights permuted), orthogonal maps only where all of them are uniform")
+    offsets = {f.offset for f in spec.folds if f.offset}
+    if offsets and group.param("norm"):
+        print(f"      the norms multiply by {offsets.pop():g} + weight: folded as such, leaving the weight at 0")

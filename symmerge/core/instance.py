@@ -14,7 +14,8 @@ class Slot:
     ``start``/``length``: the slice of the axis the group acts on (``length`` None: the whole axis);
     ``repeat``: member heads per group head (GQA: a query-head member of a KV-head group has
     ``H / H_kv``); ``diag``: a norm weight transformed as a diagonal matrix (residual group);
-    ``aliases``: keys declared tied to this one (they receive the same new tensor)."""
+    ``aliases``: keys declared tied to this one (they receive the same new tensor); ``period``: a strided
+    slice (head-interleaved fused layouts): ``start``/``length`` repeat in every ``period`` rows of the axis."""
 
     key: str
     axis: int
@@ -24,6 +25,7 @@ class Slot:
     repeat: int = 1
     diag: bool = False
     aliases: tuple[str, ...] = ()
+    period: int | None = None
 
 
 @dataclass(frozen=True)

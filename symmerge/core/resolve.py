@@ -78,7 +78,10 @@ class Binding:
 
     # ---------------------------------------------------------------- slots
     def _length(self, s: Slot) -> int:
-        return s.length if s.length is not None else self.state_dict[s.key].shape[s.axis]
+        total = self.state_dict[s.key].shape[s.axis]
+        if s.length is None:
+            return total
+        return s.length * (total // s.period if s.period is not None else 1)
 
     def _slot(self, key: str, m: Member, blocks: int | None) -> Slot:
         t = self.state_dict[key]
@@ -86,16 +89,30 @@ class Binding:
             raise SymmergeError(f"{self.disk(key)}: has no axis {m.axis}")
         k, n = m.chunk
         total = t.shape[m.axis]
-        if total % n:
+        if total % n and not m.parts:
             raise SymmergeError(f"{self.disk(key)}: axis {m.axis} of size {total} does not split into {n} equal parts")
         repeat = 1
         if blocks is not None:
             if self.heads[m.heads] % blocks:
                 raise SymmergeError(f"{self.disk(key)}: {self.heads[m.heads]} heads cannot share {blocks} group elements")
             repeat = self.heads[m.heads] // blocks
-        length = total // n
-        return Slot(key, m.axis, m.power, k * length, length if n > 1 else None, repeat, m.diag,
-                    self.aliases_of(key))
+        length, start, period = total // n, k * (total // n), None
+        if m.parts:  # consecutive slices sized by head counts (fused GQA projections)
+            counts = [self.heads[p] for p in m.parts]
+            unit, rem = divmod(total, sum(counts))
+            if rem or len(counts) != n:
+                raise SymmergeError(f"{self.disk(key)}: axis {m.axis} of size {total} does not split into parts of "
+                                    f"{'/'.join(map(str, counts))} heads")
+            start, length = unit * sum(counts[:k]), unit * counts[k]
+        elif m.interleaved:  # the k-th of n parts of every head's block
+            period, rem = divmod(total, self.heads[m.heads])
+            if rem or period % n:
+                raise SymmergeError(f"{self.disk(key)}: axis {m.axis} of size {total} does not split into "
+                                    f"{self.heads[m.heads]} heads of {n} equal parts")
+            length = period // n
+            start = k * length
+        return Slot(key, m.axis, m.power, start, length if n > 1 else None, repeat, m.diag,
+                    self.aliases_of(key), period)
 
     def _missing(self, key: str) -> SymmergeError:
         return SymmergeError(f"checkpoint lacks tensor {self.disk(key)!r} expected by the {self.spec.family} spec")

@@ -27,13 +27,19 @@ def fast_dtype(*tensors) -> torch.dtype:
 
 
 def segment(t: torch.Tensor, slot: Slot) -> torch.Tensor:
-    """The slot's slice of its axis, moved first (a view)."""
+    """The slot's slice of its axis, moved first (a view; a copy for a strided slot)."""
     x = t.detach().movedim(slot.axis, 0)
-    return x if slot.length is None else x[slot.start: slot.start + slot.length]
+    if slot.length is None:
+        return x
+    if slot.period is not None:
+        return x.unflatten(0, (-1, slot.period))[:, slot.start: slot.start + slot.length].flatten(0, 1)
+    return x[slot.start: slot.start + slot.length]
 
 
 def slot_length(t: torch.Tensor, slot: Slot) -> int:
-    return slot.length if slot.length is not None else t.shape[slot.axis]
+    if slot.length is None:
+        return t.shape[slot.axis]
+    return slot.length * (t.shape[slot.axis] // slot.period if slot.period is not None else 1)
 
 
 def slot_blocks(t: torch.Tensor, slot: Slot, blocks: int, dtype=torch.float64) -> torch.Tensor:
@@ -58,7 +64,10 @@ def with_segment(t: torch.Tensor, slot: Slot, new: torch.Tensor) -> torch.Tensor
     if slot.length is None:
         return new.movedim(0, slot.axis).contiguous()
     out = t.detach().movedim(slot.axis, 0).clone()
-    out[slot.start: slot.start + slot.length] = new
+    if slot.period is not None:
+        out.unflatten(0, (-1, slot.period))[:, slot.start: slot.start + slot.length] = new.unflatten(0, (-1, slot.length))
+    else:
+        out[slot.start: slot.start + slot.length] = new
     return out.movedim(0, slot.axis).contiguous()
 
 

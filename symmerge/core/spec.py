@@ -10,11 +10,16 @@ Member options for fused and grouped layouts:
 
 * ``chunk=(k, n)``: the member is the ``k``-th of ``n`` equal consecutive slices along its axis (GPT-2's
   ``c_attn`` holds Q, K, V as column blocks 0, 1, 2 of 3).
+* ``parts=("query", "kv", "kv")``: with ``chunk=(k, n)``, the ``n`` consecutive slices are not equal but
+  sized by these head counts (Phi-3's ``qkv_proj`` holds H query heads, then H_kv key and H_kv value heads).
+* ``interleaved=True``: with ``chunk=(k, n)``, the slice is the ``k``-th of ``n`` equal parts *of every head*
+  (GPT-NeoX's ``query_key_value`` holds ``[q_h, k_h, v_h]`` head after head).
 * ``heads="query"`` / ``"kv"``: which head count the member is split into. Head groups act per *group
   head* (``Group.heads``): ``"kv"`` groups (GQA) share one element among the ``H / H_kv`` query heads
   of a KV head (query head ``h`` uses KV head ``h // (H / H_kv)``).
 * ``root=True``: the name is a full state-dict key outside the base model (``lm_head.weight``).
-* ``diag=True``: a norm weight, transformed by the residual stream's group as a diagonal matrix.
+* ``diag=True``: a norm weight, transformed by the residual stream's group as a diagonal matrix (other
+  groups move it like any member; it is never an activation site).
 * ``classes=(...)``: a role that depends on the task head (``classifier.weight`` reads the stream in a
   ``...ForTokenClassification`` model but the pooler's output in a ``...ForSequenceClassification``).
 * ``unless="..."``: a role that depends on another tensor's presence (ELECTRA's embeddings write the
@@ -40,6 +45,8 @@ class Member:
     diag: bool = False  # a norm weight (residual group): transformed as a diagonal matrix
     classes: tuple[str, ...] = ()  # only in models whose class name ends with one of these (head-specific roles)
     unless: str = ""  # not a member when this tensor (a template of the same kind) is present
+    parts: tuple[str, ...] = ()  # chunk slices sized by these head counts ("query"/"kv") instead of equal
+    interleaved: bool = False  # chunk k of n inside each head's block (head-interleaved fused layouts)
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,7 @@ class Fold:
     weight: str
     readers: tuple[Member, ...]
     bias: str | None = None  # LayerNorm's β (None: RMSNorm)
+    offset: float = 0.0  # the norm multiplies by offset + weight (Gemma's RMSNorm: 1 + w)
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from ..core.spec import Spec
 from ..errors import SymmergeError
-from . import bert, deberta, distilbert, gpt2, llama, phi, vit
+from . import bert, deberta, distilbert, gemma, gpt2, gpt_neox, llama, olmo2, phi, phi3, vit
 
 SPECS: tuple[Spec, ...] = (bert.SPEC, distilbert.SPEC, deberta.SPEC, vit.SPEC, gpt2.SPEC, llama.LLAMA, llama.QWEN3,
                            phi.SPEC)
+# dense decoder families of issue 22 (kept as a separate line: other additions go on their own lines)
+SPECS += (gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3, gpt_neox.SPEC, phi3.SPEC, olmo2.SPEC)
 
 # user-facing symmetry names (``--symmetries``), in the order groups are solved
 SYMMETRIES = ("heads", "attn", "ffn", "rescale", "residual")

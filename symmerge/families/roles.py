@@ -31,11 +31,15 @@ class Attention:
     v: str = ""
     o: str = ""
     fused: str = ""  # one module holding Q, K, V as thirds of its output (GPT-2's Conv1D c_attn)
+    fused_parts: tuple[str, ...] = ()  # ... as parts sized by head counts instead (Phi-3: ("query", "kv", "kv"))
+    fused_interleaved: bool = False  # ... as [q_h, k_h, v_h] head after head instead (GPT-NeoX)
     extra_q: tuple[str, ...] = ()  # optional modules in the query head space (DeBERTa pos_query_proj)
     extra_k: tuple[str, ...] = ()  # ... and in the key head space (pos_key_proj)
     rope: bool = False  # rotary position embeddings (rotate_half layout)
     grouped: bool = False  # k, v split into key/value heads (GQA): one element per KV head
     pair_norms: tuple[str, ...] = ()  # per-head norms between the projection and RoPE (Qwen3 q_norm/k_norm)
+    pair_norms_span_heads: bool = False  # the pair norms normalise the whole projection (OLMo 2): one weight
+    # per dim of every head, so they also move with the head permutation
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class MLP:
     inputs: tuple[str, ...]  # modules producing the hidden units from the stream (fc1 / up)
     output: str  # the module consuming them (fc2 / down)
     gate: str = ""  # SwiGLU's gate: permuted with the units, no scale; 'inputs' get a unit scale s ≠ 0
+    fused: str = ""  # one module holding the gate then the up projection as halves of its output (Phi-3)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,9 @@ class Stream:
     heads: tuple[Member, ...] = ()  # tensors outside the layers reading the stream (root: task heads)
     others: tuple[Member, ...] = ()  # further stream members outside the layers (e.g. embedding norms)
     extra_readers: tuple[str, ...] = ()  # optional layer modules reading stream-space inputs (DeBERTa's rel. pos.)
+    writer_norms: tuple[str, ...] = ()  # per layer: norms on a block's output before the residual add (Gemma 2/3
+    # sandwich norms, OLMo 2): they cannot fold, so the stream keeps to signed permutations unless they are uniform
+    offset: float = 0.0  # the norms multiply by offset + weight (Gemma's RMSNorm: 1 + w)
 
 
 # task heads of decoders reading the final norm's output: LM, sequence / token classification, QA
@@ -75,10 +83,11 @@ class Layout:
 
 
 def rows(module: str, power: int = 1, heads: str = "query", layout: Layout = Layout(), chunk=(0, 1),
-         optional: bool = False) -> tuple[Member, ...]:
-    """A Linear's outputs: its weight on the output axis and its (optional) bias."""
-    return (Member(f"{module}.weight", layout.out_axis, power, optional=optional, chunk=chunk, heads=heads),
-            Member(f"{module}.bias", 0, power, optional=True, chunk=chunk, heads=heads))
+         optional: bool = False, **fused) -> tuple[Member, ...]:
+    """A Linear's outputs: its weight on the output axis and its (optional) bias; ``fused``: the
+    member options of fused layouts (``parts``, ``interleaved``)."""
+    return (Member(f"{module}.weight", layout.out_axis, power, optional=optional, chunk=chunk, heads=heads, **fused),
+            Member(f"{module}.bias", 0, power, optional=True, chunk=chunk, heads=heads, **fused))
 
 
 def columns(module: str, power: int = 1, heads: str = "query", layout: Layout = Layout()) -> tuple[Member, ...]:
@@ -89,7 +98,9 @@ def columns(module: str, power: int = 1, heads: str = "query", layout: Layout = 
 def _attention_groups(p: str, att: Attention, layout: Layout) -> tuple[Group, ...]:
     kv = "kv" if att.grouped else "query"
     if att.fused:
-        q, k, v = (rows(p + att.fused, power, layout=layout, chunk=(c, 3)) for c, power in ((0, 1), (1, -1), (2, 1)))
+        q, k, v = (rows(p + att.fused, power, h, layout, (c, 3),
+                        parts=att.fused_parts, interleaved=att.fused_interleaved)
+                   for c, power, h in ((0, 1, "query"), (1, -1, kv), (2, 1, kv)))
     else:
         q, k, v = rows(p + att.q, 1), rows(p + att.k, -1, kv), rows(p + att.v, 1, kv)
     for name in att.extra_q:
@@ -101,16 +112,22 @@ def _attention_groups(p: str, att: Attention, layout: Layout) -> tuple[Group, ..
     params = (("pair_norms", tuple(p + n for n in att.pair_norms)),) if att.pair_norms else ()
     qk = Group("attn.qk", qk_kind, "attn", q + k, heads=kv, params=params)
     vo = Group("attn.vo", "head_orthogonal", "attn", v + o, heads=kv)
-    heads = Group("heads", "heads", "heads", q + k + v + o, heads=kv, params=(("couples", ("attn.qk", "attn.vo")),))
+    norms = tuple(Member(p + n, 0, 0, heads=h, diag=True) for n, h in zip(att.pair_norms, ("query", kv))) \
+        if att.pair_norms_span_heads else ()
+    heads = Group("heads", "heads", "heads", q + k + v + o + norms, heads=kv,
+                  params=(("couples", ("attn.qk", "attn.vo")),))
     return heads, qk, vo
 
 
 def _mlp_group(p: str, mlp: MLP, layout: Layout) -> Group:
     members: tuple[Member, ...] = rows(p + mlp.gate, 0, layout=layout) if mlp.gate else ()
+    if mlp.fused:
+        members += rows(p + mlp.fused, 0, layout=layout, chunk=(0, 2)) + rows(p + mlp.fused, 1, layout=layout, chunk=(1, 2))
     for name in mlp.inputs:
         members += rows(p + name, 1, layout=layout)
     members += columns(p + mlp.output, -1, layout=layout)
-    return Group("ffn", "permutation", "ffn", members, params=(("unit_scale", "nonzero"),) if mlp.gate else ())
+    gated = bool(mlp.gate or mlp.fused)
+    return Group("ffn", "permutation", "ffn", members, params=(("unit_scale", "nonzero"),) if gated else ())
 
 
 def _readers(p: str, att: Attention, mlp: MLP, block: str, layout: Layout) -> tuple[Member, ...]:
@@ -118,7 +135,7 @@ def _readers(p: str, att: Attention, mlp: MLP, block: str, layout: Layout) -> tu
     their input axis (power 0: a scale of the stream does not reach them through the norm)."""
     attn = (att.fused,) if att.fused else (att.q, att.k, att.v)
     mods = (attn if block in ("attn", "both") else ()) + \
-        ((mlp.gate,) * bool(mlp.gate) + mlp.inputs if block in ("mlp", "both") else ())
+        ((mlp.gate,) * bool(mlp.gate) + (mlp.fused,) * bool(mlp.fused) + mlp.inputs if block in ("mlp", "both") else ())
     return tuple(m for name in mods for m in columns(p + name, 0, layout=layout))
 
 
@@ -142,19 +159,21 @@ def _stream_group(p: str, att: Attention, mlp: MLP, stream: Stream, layout: Layo
     for w in (att.o, mlp.output):  # writers: output rows and bias (power +1: they carry a scale of the stream)
         members += rows(p + w, 1, layout=layout)
     norms = [p + n for n, _ in stream.norms] + ([stream.final] if stream.final else [])
-    for n in norms:
+    fixed = tuple(p + n + ".weight" for n in stream.writer_norms)
+    for n in norms + [p + n for n in stream.writer_norms]:
         members += (Member(n + ".weight", 0, 0, diag=True),)
         if stream.norm == "layernorm":
             members += (Member(n + ".bias", 0, 0, optional=True),)
     members += tuple(stream.heads) + tuple(stream.others)
-    params = (("norm", stream.norm), ("placement", stream.placement))
+    params = (("norm", stream.norm), ("placement", stream.placement)) + ((("fixed_norms", fixed),) if fixed else ()) \
+        + ((("norm_offset", stream.offset),) if stream.offset else ())
     folds: tuple[Fold, ...] = ()
     if stream.placement == "pre":
         bias = (lambda n: n + ".bias") if stream.norm == "layernorm" else (lambda n: None)
-        folds = tuple(Fold(p + n + ".weight", _readers(p, att, mlp, block, layout), bias(p + n))
+        folds = tuple(Fold(p + n + ".weight", _readers(p, att, mlp, block, layout), bias(p + n), stream.offset)
                       for n, block in stream.norms)
         if stream.final:
-            folds += (Fold(stream.final + ".weight", tuple(stream.heads), bias(stream.final)),)
+            folds += (Fold(stream.final + ".weight", tuple(stream.heads), bias(stream.final), stream.offset),)
     return Group("residual", "residual", "residual", members, params=params), folds
 
 

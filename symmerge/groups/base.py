@@ -127,6 +127,10 @@ def segment_update(t: torch.Tensor, slot, fn) -> torch.Tensor:
     x = t.movedim(slot.axis, 0)
     if slot.length is None:
         new = fn(x)
+    elif slot.period is not None:  # strided: the slice in every period of the axis
+        y = x.unflatten(0, (-1, slot.period))
+        mid = fn(y[:, slot.start: slot.start + slot.length].flatten(0, 1)).unflatten(0, (-1, slot.length))
+        new = torch.cat([y[:, :slot.start], mid, y[:, slot.start + slot.length:]], dim=1).flatten(0, 1)
     else:
         new = torch.cat([x[:slot.start], fn(x[slot.start: slot.start + slot.length]), x[slot.start + slot.length:]])
     return new.movedim(0, slot.axis)

@@ -15,6 +15,17 @@ group parameters ``norm`` and ``placement``), so the kind binds one of four *var
 * ``signed_permutation`` — RMSNorm whose norm cannot be folded (a final norm before an LM head tied to
   the embeddings) and is not uniform: signed permutations, ``γ`` permuted.
 
+Norms on a block's *output* before the residual add (group parameter ``fixed_norms``: Gemma 2/3's
+sandwich norms, OLMo 2's post-norms) cannot be folded either: the block writes ``γ ⊙ RMS(y)`` to the
+stream, which must become ``Qᵀ (γ ⊙ RMS(y))``. The writer's output may move by any ``M``, but ``RMS(M y)``
+is a function of ``RMS(y)`` for every ``y`` only for ``M = cR`` (``R`` orthogonal), where it is ``±R RMS(y)``;
+so some ``γ'`` must give ``diag(γ') R = Qᵀ diag(γ)``, i.e. ``R = diag(γ')⁻¹ Qᵀ diag(γ)`` orthogonal, i.e.
+``Qᵀ diag(γ²) Q`` diagonal. Where the ``|γ_i|`` are distinct (trained weights) that makes ``Q`` a signed
+permutation (``R = Qᵀ``, ``γ' = Pγ``), the variant bound here; the orthogonal variant is kept when every
+such norm is uniform (then any ``Q``, with ``R = Qᵀ``). Rotations inside sets of equal ``|γ_i|`` (in every
+such norm at once) are not used. A family whose norms multiply by
+``offset + γ`` (Gemma: ``1 + w``) folds ``offset + γ`` and leaves ``γ = 1 − offset``.
+
 A model whose output *is* the stream (a base model without a task head) has no residual group.
 """
 
@@ -41,6 +52,7 @@ class FoldBinding:
     weight: str  # the norm's γ
     bias: str | None  # the norm's β (LayerNorm)
     readers: tuple[tuple[str, int], ...]  # (key, input axis) of the tensors reading the norm's output
+    offset: float = 0.0  # the norm multiplies by offset + γ
 
 
 @dataclass(frozen=True)
@@ -86,10 +98,15 @@ class Residual(Kind):
                 readers = [(ctx.key_of(m.name, i, m.root), m.axis) for m in f.readers]
                 readers = [(k, a) for k, a in readers if k in ctx.state_dict]
                 binding = FoldBinding(ctx.key_of(f.weight, i), ctx.key_of(f.bias, i) if f.bias else None,
-                                      tuple(readers))
+                                      tuple(readers), f.offset)
                 # a reader tied to another tensor (an LM head sharing the embeddings) cannot absorb the norm
                 (blocked if any(ctx.alias_source(k) for k, _ in readers) else folds).append(binding)
-        if any(not _uniform(ctx.state_dict[b.weight]) for b in blocked):
+        fixed = [ctx.key_of(n, i) for n in group.param("fixed_norms", ()) for i in ctx.layers_of(n)]
+        for key in fixed:  # members of the group: present (binding the instance checked it)
+            if ctx.state_dict[key].is_meta:
+                raise SymmergeError(f"{ctx.disk(key)}: the residual group depends on this norm's values; resolve "
+                                    "against real weights")
+        if any(not _uniform(ctx.state_dict[k]) for k in [b.weight for b in blocked] + fixed):
             return ctx.with_info(inst, StreamInfo("signed_permutation" if norm == "rmsnorm" else "permutation"))
         return ctx.with_info(inst, StreamInfo("orthogonal" if norm == "rmsnorm" else "centered", tuple(folds)))
 
@@ -99,7 +116,7 @@ class Residual(Kind):
         variants act). A no-op for the permutation variants."""
         out = dict(state_dict)
         for f in inst.info.folds:
-            gamma = out[f.weight].detach().to(torch.float64)
+            gamma = out[f.weight].detach().to(torch.float64) + f.offset
             if f.bias is not None and f.bias in out:
                 beta = out[f.bias].detach().to(torch.float64)
                 biases = [_bias_key(k) for k, _ in f.readers]
@@ -117,7 +134,7 @@ class Residual(Kind):
                 shape = [1] * out[k].dim()
                 shape[axis] = -1
                 out[k] = (out[k].detach().to(torch.float64) * gamma.reshape(shape)).to(out[k].dtype)
-            out[f.weight] = torch.ones_like(out[f.weight])
+            out[f.weight] = torch.full_like(out[f.weight], 1.0 - f.offset)
         return out
 
     # ------------------------------------------------------------------ solving
@@ -162,7 +179,8 @@ class Residual(Kind):
             return None
         k = inst.size - (1 if inst.info.variant == "centered" else 0)
         values = {"skew": torch.zeros(k, k, dtype=dtype)}
-        if inst.group.param("placement") == "pre" and model_facts.get("norm_eps", 1.0) <= EXACT_EPS:
+        if inst.group.param("placement") == "pre" and not inst.group.param("fixed_norms") \
+                and model_facts.get("norm_eps", 1.0) <= EXACT_EPS:  # a norm on a writer's output removes c
             values["logc"] = torch.zeros((), dtype=dtype)
         return values
 
@@ -216,7 +234,7 @@ class Residual(Kind):
         variant = inst.info.variant
         if element.scale is not None and not (math.isfinite(float(element.scale)) and float(element.scale) > 0):
             raise SymmergeError(f"{inst.name}: the stream scale must be finite and positive")
-        if element.scale is not None and inst.group.param("placement") == "post":
+        if element.scale is not None and (inst.group.param("placement") == "post" or inst.group.param("fixed_norms")):
             raise SymmergeError(f"{inst.name}: a post-LN stream has no scale symmetry")
         if element.Q is None and element.perm is None:
             return  # a scale only

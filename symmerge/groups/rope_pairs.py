@@ -9,6 +9,10 @@ With ``pair_norms`` (Qwen3's ``q_norm``/``k_norm``: an RMSNorm with weight ``w``
 between the projection and the rotary embedding) the element must also commute with ``diag(w)`` and
 keep each head's norm: no scale (``ρ = 1``), and a pair keeps its free rotation only where
 ``w_j = w_{j+r/2}`` for every such norm; elsewhere only ``θ ∈ {0, π}`` (a sign flip of the pair).
+A norm over the whole projection (OLMo 2: one weight per dim of every head, the RMS over all heads)
+is kept by per-head orthogonal maps without scale that commute with each head's ``diag(w_h)``: a pair
+is locked when its weights differ in any head (the same locked set for every head, so it does not
+change under the head permutation, which moves such norm weights with their heads).
 The element is a :class:`~symmerge.groups.head_orthogonal.HeadElement` with a per-dimension scale.
 """
 
@@ -48,10 +52,11 @@ def locked_pairs(ctx, norm_keys: list[str], size: int, rotary: int) -> tuple[int
         if w.is_meta:
             raise SymmergeError(f"{ctx.disk(key)}: the QK group depends on this norm's values; resolve against "
                                 "real weights")
-        if tuple(w.shape) != (size,):
+        if w.dim() != 1 or w.shape[0] % size:
             raise SymmergeError(f"{ctx.disk(key)}: shape {tuple(w.shape)}, expected ({size},) (one weight per "
-                                "head dim)")
-        locked |= w[:h] != w[h:rotary]
+                                "head dim) or a multiple (one per dim of every head)")
+        w = w.reshape(-1, size)  # a norm over the whole projection: a pair is locked if it is in any head
+        locked |= (w[:, :h] != w[:, h:rotary]).any(0)
     return tuple(int(j) for j in torch.nonzero(locked).flatten())
 
 

@@ -79,6 +79,14 @@ def _sites(model) -> dict[str, str]:
     return out
 
 
+def _norm_offset(model) -> float:
+    """What the family's stream norms add to their weight before multiplying (Gemma: 1; else 0)."""
+    from ..families import spec_for
+
+    return next((g.param("norm_offset") for g in spec_for(model.config.model_type).groups
+                 if g.param("norm_offset") is not None), 0.0)
+
+
 def _order(model, data, modules) -> list[str]:
     """``modules`` in the order one forward pass calls them."""
     seen: list[str] = []
@@ -141,16 +149,17 @@ def channel_stats(model, data, modules, progress: bool = False) -> dict[str, tup
     return out
 
 
-def _fold(module, mean, std, target_mean, target_std, kind: str) -> bool:
+def _fold(module, mean, std, target_mean, target_std, kind: str, offset: float = 0.0) -> bool:
     """Fold ``y → (y − mean)·s + target_mean``, ``s = target_std / std``, into the module's parameters;
-    False when only the scale could be folded (no bias)."""
+    False when only the scale could be folded (no bias). ``offset``: a norm multiplies by ``offset + w``
+    (Gemma's ``1 + w``), so its scaled weight is ``(offset + w)·s − offset``."""
     s = torch.where(std > 1e-12 * std.max().clamp_min(1e-300), target_std / std, torch.ones_like(std))
     weight = module.weight
     bias = getattr(module, "bias", None)
     with torch.no_grad():
         w = weight.double()
         if kind == "norm" or weight.dim() == 1:
-            w = w * s
+            w = (w + offset) * s - offset if kind == "norm" else w * s
         else:
             from ..pipeline.activations import _out_axis
 
@@ -187,6 +196,7 @@ def repair(merged, endpoints, weights=None, data=None, channels=DEFAULT_CHANNELS
     w = normalized_weights(weights, len(endpoints))
     model = copy.deepcopy(merged).eval()
     kinds = {n: k for n, k in _sites(model).items() if k in channels}
+    offset = _norm_offset(model)
     order = _order(model, data, list(kinds))
     stats = stats or endpoint_stats(endpoints, data, order, progress)
     if remeasure == "none":
@@ -208,7 +218,7 @@ def repair(merged, endpoints, weights=None, data=None, channels=DEFAULT_CHANNELS
             t_mean = sum(wk * s[name][0] for wk, s in zip(w, stats))
             t_std = sum(wk * s[name][1] for wk, s in zip(w, stats))
             ratios[kinds[name]].append((std / t_std.clamp_min(1e-300)).mean().item())
-            if not _fold(model.get_submodule(name), mean, std, t_mean, t_std, kinds[name]):
+            if not _fold(model.get_submodule(name), mean, std, t_mean, t_std, kinds[name], offset):
                 scale_only.append(name)
     report = {"channels": list(channels), "remeasure": remeasure, "modules": len(order), "passes": len(stages),
               "examples": data.n, "weights": w, "scale_only": scale_only,

@@ -169,7 +169,8 @@ def activation_slot(model, slot: Slot) -> tuple[Site, Slot] | None:
     name = slot.key[: -len(".weight")]
     out = slot.axis == _out_axis(model.get_submodule(name), name)
     site = Site(name, "out" if out else "in")
-    return site, Slot(site.key, 0, slot.power if out else -slot.power, slot.start, slot.length, slot.repeat)
+    return site, Slot(site.key, 0, slot.power if out else -slot.power, slot.start, slot.length, slot.repeat,
+                      period=slot.period)
 
 
 def boundaries(model) -> list[str]:

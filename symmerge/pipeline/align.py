@@ -95,7 +95,8 @@ def canonical(model, options: AlignOptions):
 _GROUP_NAMES = {"orthogonal": "O(d) (RMSNorm, norms folded)",
                 "centered": "O(d-1) x {+-1}: orthogonal maps fixing the all-ones direction (LayerNorm, norms folded)",
                 "permutation": "permutations (LayerNorm kept)",
-                "signed_permutation": "signed permutations (a norm that cannot be folded: tied head)"}
+                "signed_permutation": "signed permutations (a norm that cannot be folded: a tied head's final norm, "
+                                      "or norms on the blocks' outputs)"}
 
 
 @dataclass
