@@ -24,6 +24,7 @@ from ..errors import SymmergeError
 from ..evaluate.barrier import distance_before_after
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
+from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
 from ..pipeline.report import match_fields
@@ -64,6 +65,7 @@ class MergeOptions:
     max_examples: int | None = None
     max_length: int | None = None
     allow_pickle: bool = False
+    allow_tokenizer_mismatch: bool = False  # merge models whose tokenizers differ (the report records it)
     evaluate: bool = True
     progress: bool = True
     repair: bool = False  # REPAIR the merged model on the alignment's unlabeled data (``align.align_data``)
@@ -156,6 +158,14 @@ class _DataCache:
         else:
             check_data(self.loaded[key], model)
         return self.loaded[key]
+
+
+def tokenizer_inputs(models, names, opts: MergeOptions) -> list:
+    """(name, model or folder) of every input whose tokenizer must agree: the models, the base, a given
+    anchor folder."""
+    extra = [(_name(x, label), x) for x, label in ((opts.base, "base"), (opts.anchor, "anchor"))
+             if isinstance(x, (str, Path)) or (label == "base" and x is not None)]
+    return list(zip(names, models)) + extra
 
 
 def _files_of(files, i: int) -> list:
@@ -271,6 +281,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     m = opts.check(len(models))
     dev = resolve_device(opts.device)
     names = [_name(x, i) for i, x in enumerate(models)]
+    tokenizer = check_tokenizers(tokenizer_inputs(models, names, opts), opts.allow_tokenizer_mismatch)
     timings: dict[str, float] = {}
 
     # ------------------------------------------------ load and check everything before any expensive step
@@ -370,6 +381,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
         "distance_result_to_inputs": {n: distance(out.state_dict(), sd, body) for n, sd in zip(names, sds)},
         "device": str(dev),
         "repair": repair_info,
+        "tokenizer": tokenizer,
     }
 
     # ------------------------------------------------ evaluation
