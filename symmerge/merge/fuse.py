@@ -24,6 +24,7 @@ from ..errors import SymmergeError
 from ..evaluate.barrier import distance_before_after
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
+from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
@@ -282,6 +283,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     dev = resolve_device(opts.device)
     names = [_name(x, i) for i, x in enumerate(models)]
     tokenizer = check_tokenizers(tokenizer_inputs(models, names, opts), opts.allow_tokenizer_mismatch)
+    pipeline = check_pipelines(list(zip(names, models)), m, opts.base, opts.allow_pickle)  # sentence-transformers
     timings: dict[str, float] = {}
 
     # ------------------------------------------------ load and check everything before any expensive step
@@ -322,6 +324,8 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
                                                           opts.allow_pickle)
         targets = list(zip(names, models)) + ([(base_name, base_model)] if base_model is not None else [])
         align_opts, note = resolve_alignment(targets, anchor_model, align_opts)
+        align_opts, kept = keep_output_frame(align_opts, opts.align.recommended, pipeline)
+        note = "; ".join(n for n in (note, kept) if n)
         alignment.update(symmetries=list(align_opts.symmetries), rescale=align_opts.effective_rescale)
         if note:
             alignment["note"] = note
@@ -382,6 +386,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
         "device": str(dev),
         "repair": repair_info,
         "tokenizer": tokenizer,
+        **({"sentence_transformers": pipeline} if pipeline else {}),
     }
 
     # ------------------------------------------------ evaluation

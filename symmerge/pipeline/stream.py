@@ -43,6 +43,8 @@ from ..errors import SymmergeError
 from ..families import spec_for
 from ..io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
 from ..io.model import atomic_dir, copy_side_files, write_json
+from ..io.card import write_card
+from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from .engine import SolveContext, active, parts, prepare_costly, solve_local
 from .options import AlignOptions
@@ -268,6 +270,7 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
 
     start = time.perf_counter()
     tokenizer = check_tokenizers([(str(model), model), (str(anchor), anchor)], allow_tokenizer_mismatch)
+    pipeline = check_pipelines([(str(model), model)])  # residual never streams: the pipeline's input is kept
     options = options or AlignOptions(symmetries=symmetries, rescale=rescale, layers=layers, device=device,
                                       verify_tol=verify_tol)
     if "residual" in options.symmetries and not options.recommended:
@@ -317,7 +320,7 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
         finally:
             pbar.close()
         names = writer.close()
-        side_files = copy_side_files(Path(model), tmp)
+        side_files = copy_side_files(Path(model), tmp, {"sentence_transformers": pipeline})
         (tmp / "config.json").write_text((Path(model) / "config.json").read_text())
         instances = [i for insts in by_layer.values() for i in insts]
         report = alignment_report(
@@ -325,12 +328,14 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
             streamed=True, mode="pipeline" if pipeline else "low-memory", device=str(dev), verify=ELEMENT_CHECK,
             shards=names, bytes_written=writer.total_bytes, largest_layer_bytes=largest_layer,
             timings={k: round(v, 4) for k, v in timings.items()}, symmetries_requested=requested,
-            side_files=side_files, tokenizer=tokenizer)
+            side_files=side_files, tokenizer=tokenizer,
+            **({"sentence_transformers": pipeline} if pipeline else {}))
         report["match_seconds"] = time.perf_counter() - start
         if verify_forward:
             with stage("verified the aligned model's outputs", enabled=progress):
                 report.update(_verify_forward(model, tmp, options.verify_tol))
         report["seconds"] = time.perf_counter() - start
+        write_card(tmp, report)  # README.md, the output's own model card
         write_json(tmp / "symmerge_report.json", report)
     if log is not None:
         log(f"wrote {out}: {len(names)} shard(s), {writer.total_bytes / 1e9:.2f} GB")
