@@ -165,12 +165,25 @@ def test_a_dense_module_is_merged_with_the_method(dense, tmp_path):
     for k in expect:
         assert torch.equal(got[k], expect[k]), k
     assert not torch.equal(got["linear.weight"], dense_weights(a)["linear.weight"])
+    # methods with statistics have none for the Dense: it is averaged with the merge's weights, and said so
+    from symmerge.io.sentence_transformers import check_pipelines, merge_module_weights
+
+    entry = check_pipelines([("a", a), ("b", b)], get_method("regmean"))
+    assert entry["weighted_method"] == "average" and "2_Dense: averaged" in entry["note"]
+    fallback = merge_module_weights(entry, [a, b], get_method("regmean"), weights=[0.7, 0.3])["2_Dense"]
+    torch.testing.assert_close(fallback["linear.weight"], 0.7 * wa["linear.weight"] + 0.3 * wb["linear.weight"],
+                               rtol=0, atol=1e-6)
     # the aligned copy of a Dense pipeline keeps its Dense as it is
     out = tmp_path / "aligned"
     assert run_cli("align", a, b, "--symmetries", "attn", "-o", out, "--progress", "none") == 0
     assert torch.equal(dense_weights(out)["linear.weight"], wa["linear.weight"])
     assert json.loads((out / "symmerge_report.json").read_text())["sentence_transformers"]["copied_modules"] == \
         ["2_Dense"]
+    streamed = tmp_path / "streamed"
+    assert run_cli("align", a, b, "--symmetries", "attn", "--stream", "-o", streamed, "--progress", "none") == 0
+    assert encode(streamed)[0] == ["Transformer", "Pooling", "Dense", "Normalize"]
+    assert torch.equal(dense_weights(streamed)["linear.weight"], wa["linear.weight"])
+    assert "symmerge align --stream" in (streamed / "README.md").read_text()
 
 
 def test_mismatched_pipelines_are_refused(minilm, dense, tmp_path, capsys):

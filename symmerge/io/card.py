@@ -81,7 +81,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def _align_sections(r: dict) -> list[str]:
     out = ["## Method", "",
-           f"`symmerge align`{' --stream' if r.get('streamed') else ''}: the model was moved inside its symmetry "
+           f"`symmerge align{' --stream' if r.get('streamed') else ''}`: the model was moved inside its symmetry "
            "orbit — transformations that leave its outputs unchanged — as close as possible (L2) to the anchor. "
            "It computes the same function as the input model.", "",
            f"- symmetries aligned: `{','.join(r.get('symmetries') or []) or 'none'}` (requested: "
@@ -143,11 +143,11 @@ def _merge_sections(r: dict) -> list[str]:
     return out
 
 
-def card_text(report: dict | None, folder_name: str = "model") -> str:
-    """The model card for an output folder, from its report (``None``: what little is known)."""
+def card_text(report: dict, folder_name: str = "model") -> str:
+    """The model card of an output folder, from its align or merge report."""
     from .. import __version__
 
-    r = report or {}
+    r = report
     inputs = _inputs(r)
     cards = [(name, role, input_card(name)) for name, role in inputs]
     licences = {c["license"] for _, _, c in cards if c and c.get("license")}
@@ -174,10 +174,7 @@ def card_text(report: dict | None, folder_name: str = "model") -> str:
                   ""]
         if len(licences) > 1:
             lines += ["The inputs declare different licences: check each before using or sharing this model.", ""]
-    if "method" in r:
-        lines += _merge_sections(r)
-    elif r:
-        lines += _align_sections(r)
+    lines += _merge_sections(r) if "method" in r else _align_sections(r)
     tok = r.get("tokenizer")
     if tok:
         source = "those of the model whose head is kept" if "method" in r else "the aligned model's"
@@ -196,8 +193,11 @@ def card_text(report: dict | None, folder_name: str = "model") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_card(folder, report: dict | None) -> Path:
-    """Write ``folder/README.md`` (the output's model card) from ``report``."""
+def write_card(folder, report: dict | None) -> Path | None:
+    """Write ``folder/README.md`` (the output's model card) from ``report``, an align or merge report;
+    other folders written by :func:`~symmerge.io.model.save_model` (the demo's trained models) get none."""
+    if not report or not ("method" in report or "distance_before" in report):
+        return None
     folder = Path(folder)
     name = folder.name.split(".tmp-")[0].lstrip(".") or "model"  # atomic writes happen in '.<out>.tmp-XXXX'
     path = folder / CARD
