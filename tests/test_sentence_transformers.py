@@ -197,7 +197,7 @@ def test_mismatched_pipelines_are_refused(minilm, dense, tmp_path, capsys):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.txt"):
         (plain / name).symlink_to(f"{path}/{name}")
-    cases = [(cls, "1_Pooling/config.json: pooling_mode_cls_token is False in one and True in the other"),
+    cases = [(cls, "1_Pooling/config.json: pooling_mode is 'mean' in one and 'cls' in the other"),
              (dense[0], "has [Transformer, Pooling, Normalize], " + f"{dense[0]} has [Transformer, Pooling, Dense, "
                                                                     "Normalize]"),
              (plain, "is a plain model folder (no modules.json)")]
@@ -207,6 +207,17 @@ def test_mismatched_pipelines_are_refused(minilm, dense, tmp_path, capsys):
         err = capsys.readouterr().err
         assert "sentence-transformers pipelines" in err and message in err, err
         assert not out.exists()
+    # the same pipeline saved by sentence-transformers 6 (other config formats, more settings) merges
+    resaved = tmp_path / "resaved"
+    st.SentenceTransformer(str(path), device="cpu", local_files_only=True).save(str(resaved))
+    assert "pooling_mode" in json.loads((resaved / "1_Pooling" / "config.json").read_text())
+    from symmerge.io.sentence_transformers import check_pipelines
+
+    assert check_pipelines([("a", path), ("b", resaved)])["modules"] == ["Transformer", "Pooling", "Normalize"]
+    config = json.loads((resaved / "1_Pooling" / "config.json").read_text())
+    (resaved / "1_Pooling" / "config.json").write_text(json.dumps({**config, "pooling_mode": "max"}))
+    with pytest.raises(Exception, match="pooling_mode is 'mean' in one and 'max' in the other"):
+        check_pipelines([("a", path), ("b", resaved)])
 
 
 def test_the_residual_stream_the_pipeline_reads_is_kept(tmp_path, capsys):

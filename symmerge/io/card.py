@@ -55,7 +55,7 @@ def input_card(folder) -> dict | None:
 def _fmt(x, digits: int = 4) -> str:
     if isinstance(x, float):
         return f"{x:.{digits}g}" if abs(x) < 1e-3 and x else f"{x:.{digits}f}"
-    return "–" if x is None else str(x)
+    return "–" if x is None else str(x).replace("|", "\\|")  # a table cell: pipes escaped
 
 
 def _inputs(report: dict) -> list[tuple[str, str]]:

@@ -7,9 +7,10 @@ a pipeline that reads its output: ``modules.json`` lists the modules, each in it
 that pipeline:
 
 * **checked**: every input of a merge must have the same pipeline — the same module types in the same
-  folders, the same module configs, the same settings (``__version__`` aside), the same tensors in
-  modules with weights — or none; anything else is one error naming the difference
-  (:func:`check_pipelines`);
+  folders, the same module configs, the same settings (``__version__`` aside; a setting only one input
+  has is its library version's default, and not compared; legacy Pooling flags read as
+  ``pooling_mode``), the same tensors in modules with weights — or none; anything else is one error
+  naming the difference (:func:`check_pipelines`);
 * **copied**: the output gets the configs of the model its side files come from
   (:func:`write_pipeline`, called by :func:`symmerge.io.model.copy_side_files`);
 * **merged**: the weights of modules beyond the transformer (``2_Dense/model.safetensors``) are merged
@@ -41,6 +42,25 @@ MODULES = "modules.json"
 ROOT_CONFIGS = ("modules.json", "config_sentence_transformers.json")
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 IGNORED_SETTINGS = ("__version__",)  # which library versions saved the model: not part of the pipeline
+# sentence-transformers < 6 wrote a Pooling's mode as one flag per mode, 6 as one ``pooling_mode``
+# (as sentence-transformers itself converts them when it loads an old config)
+LEGACY_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                  "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                  "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+
+
+def _pooling(config: dict) -> dict:
+    """A Pooling config in sentence-transformers 6's form, whichever version wrote it."""
+    config = dict(config)
+    if "word_embedding_dimension" in config:
+        config.setdefault("embedding_dimension", config.pop("word_embedding_dimension"))
+    flags = [k for k in LEGACY_POOLING if k in config]
+    if flags:
+        modes = [mode for k, mode in LEGACY_POOLING.items() if config.get(k)] or ["mean"]
+        for k in flags:
+            del config[k]
+        config.setdefault("pooling_mode", modes[0] if len(modes) == 1 else modes)
+    return config
 
 
 def short_type(entry: dict) -> str:
@@ -91,9 +111,11 @@ class Pipeline:
             if isinstance(value, dict):
                 value = {k: v for k, v in value.items() if k not in IGNORED_SETTINGS}
             out[name] = value
+        pooling = {m.get("path") for m in self.modules if short_type(m) == "Pooling"}
         for m in self.module_folders():
             for f in sorted((self.folder / m).glob("*.json")):
-                out[f"{m}/{f.name}"] = _json(f)
+                value = _json(f)
+                out[f"{m}/{f.name}"] = _pooling(value) if m in pooling and isinstance(value, dict) else value
         if MODULES in out:  # module types compared by class name, whichever library version wrote them
             out[MODULES] = [{**e, "type": short_type(e)} for e in out[MODULES]]
         return out
@@ -126,11 +148,10 @@ def read_pipeline(path, allow_nested: bool = False) -> Pipeline | None:
 
 
 def _first_difference(a, b, where: str = "") -> str | None:
-    """Where two parsed JSON values first differ, in words."""
+    """Where two parsed JSON values first differ, in words. Of two objects only the keys both have are
+    compared: a key only one has was written by another library version, which reads it as its default."""
     if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(a.keys() | b.keys(), key=str):
-            if k not in a or k not in b:
-                return f"{where}{k} is set in {'one' if k in a else 'the other'} only"
+        for k in sorted(a.keys() & b.keys(), key=str):
             d = _first_difference(a[k], b[k], f"{where}{k}.")
             if d:
                 return d
@@ -178,11 +199,13 @@ def check_pipelines(named, method=None, base=None, allow_pickle: bool = False) -
             raise SymmergeError(f"the sentence-transformers pipelines differ: {first_name} has {first.describe()}, "
                                 f"{name} has {p.describe()} (modules.json)")
         sa, sb = first.settings(), p.settings()
-        for key in sorted(sa.keys() | sb.keys()):
-            d = ("present in one only" if key not in sa or key not in sb else
-                 _first_difference(sa[key], sb[key]))
+        for key in sorted(sa.keys() & sb.keys()):  # a file only one has: its module's defaults
+            d = _first_difference(sa[key], sb[key])
             if d:
                 raise SymmergeError(f"the sentence-transformers pipelines of {first_name} and {name} differ: {key}: {d}")
+        if p.weighted() != first.weighted():
+            raise SymmergeError(f"the sentence-transformers pipelines of {first_name} and {name} differ: modules with "
+                                f"weights {first.weighted()} and {p.weighted()}")
     entry = {"modules": first.names, "module_folders": first.module_folders(), "weighted_modules": first.weighted()}
     if entry["weighted_modules"] and method is not None:
         shapes = {}

@@ -283,7 +283,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     dev = resolve_device(opts.device)
     names = [_name(x, i) for i, x in enumerate(models)]
     tokenizer = check_tokenizers(tokenizer_inputs(models, names, opts), opts.allow_tokenizer_mismatch)
-    pipeline = check_pipelines(list(zip(names, models)), m, opts.base, opts.allow_pickle)  # sentence-transformers
+    embedding = check_pipelines(list(zip(names, models)), m, opts.base, opts.allow_pickle)  # sentence-transformers
     timings: dict[str, float] = {}
 
     # ------------------------------------------------ load and check everything before any expensive step
@@ -324,7 +324,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
                                                           opts.allow_pickle)
         targets = list(zip(names, models)) + ([(base_name, base_model)] if base_model is not None else [])
         align_opts, note = resolve_alignment(targets, anchor_model, align_opts)
-        align_opts, kept = keep_output_frame(align_opts, opts.align.recommended, pipeline)
+        align_opts, kept = keep_output_frame(align_opts, opts.align.recommended, embedding)
         note = "; ".join(n for n in (note, kept) if n)
         alignment.update(symmetries=list(align_opts.symmetries), rescale=align_opts.effective_rescale)
         if note:
@@ -386,7 +386,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
         "device": str(dev),
         "repair": repair_info,
         "tokenizer": tokenizer,
-        **({"sentence_transformers": pipeline} if pipeline else {}),
+        **({"sentence_transformers": embedding} if embedding else {}),
     }
 
     # ------------------------------------------------ evaluation

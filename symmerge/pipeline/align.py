@@ -137,7 +137,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     options = options or AlignOptions()
     tokenizer = check_tokenizers([(str(x) if isinstance(x, (str, Path)) else label, x)
                                   for x, label in ((model, "model"), (anchor, "anchor"))], allow_tokenizer_mismatch)
-    pipeline = check_pipelines([(str(model), model)]) if isinstance(model, (str, Path)) else None
+    embedding = check_pipelines([(str(model), model)]) if isinstance(model, (str, Path)) else None
     model, anchor = (_load(x, allow_pickle, progress is not None) for x in (model, anchor))
     check_compatible(model, anchor)
     start = time.perf_counter()
@@ -147,7 +147,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     spec, instances = instances_for(model, options.layers, options.residual)
     requested, recommended = options.requested, options.recommended
     options = options.resolved(i.group.symmetry for i in instances)
-    options, pipeline_note = keep_output_frame(options, recommended, pipeline)
+    options, embedding_note = keep_output_frame(options, recommended, embedding)
     _require_groups(spec, instances, options.symmetries)
     # cost GEMMs on ``options.device`` (default cpu: where the tensors are)
     gemm_device = None if options.device in (None, "cpu") else resolve_device(options.device)
@@ -207,8 +207,8 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
         report.update(verify_max_abs_diff=None, verify_max_rel_diff=None)
     report["seconds"] = time.perf_counter() - start
     report["tokenizer"] = tokenizer
-    if pipeline is not None:
-        report["sentence_transformers"] = {**pipeline, **({"note": pipeline_note} if pipeline_note else {})}
+    if embedding is not None:
+        report["sentence_transformers"] = {**embedding, **({"note": embedding_note} if embedding_note else {})}
     anchor_out = with_state_dict(anchor, cb) if folded else anchor
     return Alignment(aligned, anchor_out, report, elements, instances)
 

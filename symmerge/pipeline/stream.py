@@ -270,7 +270,7 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
 
     start = time.perf_counter()
     tokenizer = check_tokenizers([(str(model), model), (str(anchor), anchor)], allow_tokenizer_mismatch)
-    pipeline = check_pipelines([(str(model), model)])  # residual never streams: the pipeline's input is kept
+    embedding = check_pipelines([(str(model), model)])  # sentence-transformers; residual never streams
     options = options or AlignOptions(symmetries=symmetries, rescale=rescale, layers=layers, device=device,
                                       verify_tol=verify_tol)
     if "residual" in options.symmetries and not options.recommended:
@@ -320,7 +320,7 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
         finally:
             pbar.close()
         names = writer.close()
-        side_files = copy_side_files(Path(model), tmp, {"sentence_transformers": pipeline})
+        side_files = copy_side_files(Path(model), tmp, {"sentence_transformers": embedding})
         (tmp / "config.json").write_text((Path(model) / "config.json").read_text())
         instances = [i for insts in by_layer.values() for i in insts]
         report = alignment_report(
@@ -329,7 +329,7 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
             shards=names, bytes_written=writer.total_bytes, largest_layer_bytes=largest_layer,
             timings={k: round(v, 4) for k, v in timings.items()}, symmetries_requested=requested,
             side_files=side_files, tokenizer=tokenizer,
-            **({"sentence_transformers": pipeline} if pipeline else {}))
+            **({"sentence_transformers": embedding} if embedding else {}))
         report["match_seconds"] = time.perf_counter() - start
         if verify_forward:
             with stage("verified the aligned model's outputs", enabled=progress):
