@@ -90,12 +90,15 @@ def check_output(out, original, inputs):
     return report
 
 
-def test_merge_minilm_with_itself_keeps_the_pipeline(minilm, original, tmp_path):
+def test_merge_and_align_minilm_with_itself_keep_the_pipeline(minilm, original, tmp_path):
     path = minilm[0]
     out = tmp_path / "merged"
-    assert run_cli("merge", path, path, "--method", "average", "--align", "none", "-o", out, "--progress",
-                   "none") == 0
+    assert run_cli("merge", path, path, "--method", "average", "-o", out, "--progress", "none") == 0
     check_output(out, original, Path(path))
+    out = tmp_path / "aligned"  # streamed: the other writing path
+    assert run_cli("align", path, path, "--stream", "-o", out, "--progress", "none") == 0
+    report = check_output(out, original, Path(path))
+    assert report["streamed"] is True and report["sentence_transformers"]["copied_modules"] == []
 
 
 def test_merge_and_align_minilm_with_a_disguised_copy(minilm, original, hidden, tmp_path):
@@ -246,6 +249,8 @@ def test_the_residual_stream_the_pipeline_reads_is_kept(tmp_path, capsys):
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
     with pytest.raises(SymmergeError, match="residual transform would change the coordinates of every embedding"):
         align_pair(*folders, AlignOptions(symmetries="attn,residual"))
+    assert run_cli("align", *folders, "-o", tmp_path / "out") == 0
+    assert "note: residual left out of 'recommended'" in capsys.readouterr().err
     _, report = merge_models(folders, "average", progress=False)
     assert "residual" not in report["alignment"]["symmetries"] and "sentence-transformers" in report["alignment"]["note"]
     # without the pipeline, the same models get the residual group

@@ -13,6 +13,7 @@ for checkpoints near or above RAM. --device cuda runs the FFN cost GEMMs on a GP
 layers are solved on a pool of one thread per core (--workers).
 """
 
+import sys
 from pathlib import Path
 
 from ..io.model import ensure_output_dir, save_model
@@ -96,6 +97,8 @@ def run(args) -> int:
 
 def _summary(report: dict, out: Path, timing: str) -> None:
     print_note(report.get("tokenizer"))
+    if (report.get("sentence_transformers") or {}).get("note"):
+        print(f"note: {report['sentence_transformers']['note']}", file=sys.stderr)
     print(f"aligned with {','.join(report['symmetries']) or 'nothing'}"
           f"{' (= recommended)' if report.get('symmetries_requested') == RECOMMENDED_NAME else ''}")
     print(f"distance to anchor (all parameters, head included): {report['distance_before']:.4f} -> "
