@@ -13,9 +13,11 @@ for checkpoints near or above RAM. --device cuda runs the FFN cost GEMMs on a GP
 layers are solved on a pool of one thread per core (--workers).
 """
 
+import sys
 from pathlib import Path
 
 from ..io.model import ensure_output_dir, save_model
+from ..io.tokenizers import print_note
 from ..pipeline.align import align_pair
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
@@ -82,7 +84,8 @@ def run(args) -> int:
         return run_streaming(args, out)
     options = alignment_options(args, args.symmetries, verify=not args.no_verify, layers=parse_layers(args.layers),
                                 verify_tol=args.verify_tol, device=args.device)
-    result = align_pair(args.model, args.anchor, options, progress=stage_printer(), allow_pickle=args.allow_pickle)
+    result = align_pair(args.model, args.anchor, options, progress=stage_printer(), allow_pickle=args.allow_pickle,
+                        allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
     report = result.report
     report.update(model=str(args.model), anchor=str(args.anchor))
     with stage(f"wrote {out}"):
@@ -93,6 +96,9 @@ def run(args) -> int:
 
 
 def _summary(report: dict, out: Path, timing: str) -> None:
+    print_note(report.get("tokenizer"))
+    if (report.get("sentence_transformers") or {}).get("note"):
+        print(f"note: {report['sentence_transformers']['note']}", file=sys.stderr)
     print(f"aligned with {','.join(report['symmetries']) or 'nothing'}"
           f"{' (= recommended)' if report.get('symmetries_requested') == RECOMMENDED_NAME else ''}")
     print(f"distance to anchor (all parameters, head included): {report['distance_before']:.4f} -> "
@@ -123,7 +129,7 @@ def run_streaming(args, out: Path) -> int:
     report = align_streaming(args.model, args.anchor, out, symmetries=args.symmetries, rescale=args.rescale,
                              layers=parse_layers(args.layers), device=args.device, shard_size=args.shard_size,
                              verify_forward=args.verify_forward, verify_tol=args.verify_tol, pipeline=args.pipeline,
-                             workers=args.workers)
+                             workers=args.workers, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
     _summary(report, out, f"{len(report['shards'])} shard(s); reading, alignment and writing "
                           f"{report['match_seconds']:.2f} s, total {elapsed():.2f} s")
     return 0

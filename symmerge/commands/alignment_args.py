@@ -1,7 +1,8 @@
 """The alignment flags ``align``, ``merge`` and ``barrier`` share, written once: how scales are solved,
 which residual group,
 untying, the coordinate-descent cap, what the elements are fitted to (``--match``), the unlabeled data
-(``--align-data``, ``--align-samples``), the learned alignment's settings, ``--workers`` and ``--repair``."""
+(``--align-data``, ``--align-samples``), the learned alignment's settings, ``--workers``,
+``--allow-tokenizer-mismatch`` and ``--repair``."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                              "head groups (default: one per core; 1: one thing after another on one thread; the "
                              "result is the same). align --stream: only with --pipeline (default 2 there), the "
                              "low-memory mode solves one part of one layer at a time")
+    parser.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                        help="go on when the models' tokenizers differ (vocabulary, special or added tokens); by "
+                             "default that is an error naming the first differing tokens. The report's tokenizer "
+                             "entry records the differences")
     if repair:
         parser.add_argument("--repair", action="store_true",
                             help="REPAIR: reset the per-channel means and standard deviations of the merged model "

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..io.model import ensure_output_dir
+from ..io.tokenizers import print_note
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed
@@ -49,8 +50,10 @@ def run(args) -> int:
     result = barrier_study(args.model_a, args.model_b, args.data, aligns=args.align or [RECOMMENDED_NAME],
                            points=args.points, subsets=args.subsets, device=args.device,
                            batch_size=args.batch_size, max_examples=args.max_examples,
-                           allow_pickle=args.allow_pickle, options=options, repair=args.repair)
+                           allow_pickle=args.allow_pickle, options=options, repair=args.repair,
+                           allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
     write_study(result, out)
+    print_note(result.get("tokenizer"))
     width = max(len(name) for name in result["curves"])
     for name, c in result["curves"].items():
         print(f"{name:{width}s}  barrier {c['barrier']:.4f}  loss(0.5) {c['loss'][len(c['loss']) // 2]:.4f}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..errors import SymmergeError
 from ..io.model import ensure_output_dir, save_model
+from ..io.tokenizers import print_note
 from ..merge import METHODS
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
@@ -120,7 +121,8 @@ def options_from(args):
         params=parse_params(args.param), base=args.base, heads=args.heads, head_from=args.head_from,
         device=args.device, fisher_variant=args.fisher, fisher_normalize=args.fisher_normalize,
         fisher_samples=args.fisher_samples, gram_normalize=not args.gram_sum, batch_size=args.batch_size,
-        max_examples=args.max_examples, max_length=args.max_length, allow_pickle=args.allow_pickle)
+        max_examples=args.max_examples, max_length=args.max_length, allow_pickle=args.allow_pickle,
+        allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
 
 
 def run(args) -> int:
@@ -148,6 +150,7 @@ def run(args) -> int:
           f"{' = recommended' if alignment['requested'] == RECOMMENDED_NAME else ''})")
     if alignment.get("note"):
         print(f"note: {alignment['note']}", file=sys.stderr)
+    print_note(report.get("tokenizer"))
     evaluation = report.get("evaluation", {})
     if evaluation.get("note"):
         print(f"warning: {evaluation['note']}", file=sys.stderr)

@@ -20,6 +20,7 @@ from ..device import resolve_device
 from ..errors import SymmergeError
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
+from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries
 from ..pipeline.report import match_fields
@@ -64,7 +65,8 @@ def distance_before_after(model, anchor, aligned, instances=(), aligned_anchor=N
 def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: int = 11, rescale: str = "joint",
                   subsets: str | None = None, device="cpu", batch_size: int = 32, max_examples: int | None = None,
                   verify: bool = True, allow_pickle: bool = False, progress: bool = True,
-                  options: AlignOptions | None = None, repair: bool = False, align_data=None) -> dict:
+                  options: AlignOptions | None = None, repair: bool = False, align_data=None,
+                  allow_tokenizer_mismatch: bool = False) -> dict:
     """Interpolation curves and barriers of A and B, for no alignment and each variant of ``aligns``
     (symmetry lists, or 'recommended': the groups of the recommended set the models have; a curve is
     named by the symmetries it aligned); ``options`` gives the other alignment options (``symmetries``
@@ -82,6 +84,7 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
     if not isinstance(data, Data):
         check_data_path(data)
     names = [str(x) if isinstance(x, (str, Path)) else label for x, label in ((model_a, "A"), (model_b, "B"))]
+    tokenizer = check_tokenizers(list(zip(names, (model_a, model_b))), allow_tokenizer_mismatch)
     with stage(f"loaded {names[0]} and {names[1]}", enabled=progress and isinstance(model_a, (str, Path))):
         a, b = as_model(model_a, allow_pickle, spec=False), as_model(model_b, allow_pickle, spec=False)
     check_same_shapes(a, b)
@@ -100,7 +103,7 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
               "rescale": base.rescale, "device": str(dev),
               "endpoints": {"A": evaluate(a, d, device=dev, progress=progress, desc="evaluating A"),
                             "B": evaluate(b, d, device=dev, progress=progress, desc="evaluating B")},
-              "curves": {}, "distances": {}}
+              "curves": {}, "distances": {}, "tokenizer": tokenizer}
     a.to("cpu"), b.to("cpu")
     for v, opts in variants.items():
         t = time.perf_counter()

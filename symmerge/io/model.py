@@ -179,35 +179,41 @@ SIDE_FILES = frozenset({
     # processors
     "preprocessor_config.json", "image_processor_config.json", "processor_config.json",
     "feature_extractor_config.json", "video_preprocessor_config.json",
-    # generation, chat template, model card
-    "generation_config.json", "chat_template.jinja", "chat_template.json", "README.md",
+    # generation, chat template
+    "generation_config.json", "chat_template.jinja", "chat_template.json",
 })
+# The input's model card describes the input: the output gets its own (symmerge.io.card), never a copy.
+REPLACED = frozenset({"README.md"})
 SIDE_FOLDERS = frozenset({"additional_chat_templates"})  # transformers 5: extra named chat templates
 
 
-def copy_side_files(src: Path, dst: Path) -> dict:
-    """Copy the allowed side files (:data:`SIDE_FILES`, :data:`SIDE_FOLDERS`) of ``src`` into ``dst``;
-    returns ``{"copied": [...], "left_out": [...]}`` (folders with a trailing ``/``; the weights,
-    config.json and a generation_config.json the output already has are written anew, and in neither)."""
-    copied, left_out = [], []
+def copy_side_files(src: Path, dst: Path, report: dict | None = None) -> dict:
+    """Copy the allowed side files (:data:`SIDE_FILES`, :data:`SIDE_FOLDERS`) of ``src`` into ``dst``, and
+    a sentence-transformers pipeline whole (:mod:`symmerge.io.sentence_transformers`; its module weights
+    merged when ``report`` is a merge's); returns ``{"copied": [...], "left_out": [...]}`` (folders with
+    a trailing ``/``; the weights, config.json, a generation_config.json the output already has and the
+    model card, README.md, are written anew, and in neither)."""
+    from .sentence_transformers import write_pipeline
+
+    copied, left_out = write_pipeline(Path(dst), Path(src), report), []
     for item in sorted(Path(src).iterdir()):
         name = item.name
         if name in WEIGHT_NAMES or name == "config.json" or (item.is_file() and item.suffix == ".safetensors"):
+            continue
+        target = dst / name
+        if name in REPLACED or target.exists():  # the output's own (generation_config.json, the pipeline)
             continue
         allowed = name in SIDE_FOLDERS if item.is_dir() else name in SIDE_FILES
         label = name + "/" if item.is_dir() else name
         if not allowed:
             left_out.append(label)
             continue
-        target = dst / name
-        if target.exists():  # the output's own, written with the weights (generation_config.json)
-            continue
         if item.is_dir():
             shutil.copytree(item, target)
         else:
             shutil.copy2(item, target)
         copied.append(label)
-    return {"copied": copied, "left_out": left_out}
+    return {"copied": sorted(copied), "left_out": left_out}
 
 
 def write_json(path: Path, obj) -> None:
@@ -215,16 +221,20 @@ def write_json(path: Path, obj) -> None:
 
 
 def save_model(model, out, src=None, report: dict | None = None, report_name: str = "symmerge_report.json") -> Path:
-    """Write ``model`` as an HF folder at ``out`` atomically, with the allowed side files of ``src`` and the
-    report (which gains ``side_files``: what was copied and what was left out)."""
+    """Write ``model`` as an HF folder at ``out`` atomically, with the allowed side files of ``src``, a
+    model card (README.md) and the report (which gains ``side_files``: what was copied and what was left
+    out)."""
+    from .card import write_card
+
     out = Path(out)
     with atomic_dir(out) as tmp:
         with quiet_transformers():
             model.save_pretrained(str(tmp), safe_serialization=True)
         if src is not None:
-            side = copy_side_files(Path(src), tmp)
+            side = copy_side_files(Path(src), tmp, report)
             if report is not None:
                 report["side_files"] = side
+        write_card(tmp, report)  # README.md, the output's own model card (symmerge/io/card.py)
         if report is not None:
             write_json(tmp / report_name, report)
     return out

@@ -25,6 +25,8 @@ from ..evaluate.barrier import distance_before_after
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import load_model
+from ..io.sentence_transformers import check_pipelines, keep_output_frame
+from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
 from ..pipeline.report import match_fields
@@ -66,6 +68,7 @@ class MergeOptions:
     max_examples: int | None = None
     max_length: int | None = None
     allow_pickle: bool = False
+    allow_tokenizer_mismatch: bool = False  # merge models whose tokenizers differ (the report records it)
     evaluate: bool = True
     progress: bool = True
     repair: bool = False  # REPAIR the merged model on the alignment's unlabeled data (``align.align_data``)
@@ -158,6 +161,14 @@ class _DataCache:
         else:
             check_data(self.loaded[key], model)
         return self.loaded[key]
+
+
+def tokenizer_inputs(models, names, opts: MergeOptions) -> list:
+    """(name, model or folder) of every input whose tokenizer must agree: the models, the base, a given
+    anchor folder."""
+    extra = [(_name(x, label), x) for x, label in ((opts.base, "base"), (opts.anchor, "anchor"))
+             if isinstance(x, (str, Path)) or (label == "base" and x is not None)]
+    return list(zip(names, models)) + extra
 
 
 def _files_of(files, i: int) -> list:
@@ -273,6 +284,8 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     m = opts.check(len(models))
     dev = resolve_device(opts.device)
     names = [_name(x, i) for i, x in enumerate(models)]
+    tokenizer = check_tokenizers(tokenizer_inputs(models, names, opts), opts.allow_tokenizer_mismatch)
+    embedding = check_pipelines(list(zip(names, models)), m, opts.base, opts.allow_pickle)  # sentence-transformers
     timings: dict[str, float] = {}
 
     # ------------------------------------------------ load and check everything before any expensive step
@@ -315,6 +328,8 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
                                                           opts.allow_pickle)
         targets = list(zip(names, models)) + ([(base_name, base_model)] if base_model is not None else [])
         align_opts, note = resolve_alignment(targets, anchor_model, align_opts)
+        align_opts, kept = keep_output_frame(align_opts, opts.align.recommended, embedding)
+        note = "; ".join(n for n in (note, kept) if n)
         alignment.update(symmetries=list(align_opts.symmetries), rescale=align_opts.effective_rescale)
         if note:
             alignment["note"] = note
@@ -379,6 +394,8 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
         "device": str(dev),
         "repair": repair_info,
         "mode": "memory",
+        "tokenizer": tokenizer,
+        **({"sentence_transformers": embedding} if embedding else {}),
     }
 
     # ------------------------------------------------ evaluation

@@ -15,6 +15,8 @@ from ..device import resolve_device
 from ..errors import SymmergeError
 from ..families import spec_for
 from ..io.model import load_model
+from ..io.sentence_transformers import check_pipelines, keep_output_frame
+from ..io.tokenizers import check_tokenizers
 from ..progress import stage
 from .engine import solve
 from .options import DEFAULT_SYMMETRIES, AlignOptions
@@ -127,12 +129,17 @@ def _require_groups(spec, instances, symmetries) -> None:
 
 
 def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict | None = None, progress=None,
-               allow_pickle: bool = False) -> Alignment:
+               allow_pickle: bool = False, allow_tokenizer_mismatch: bool = False) -> Alignment:
     """Move ``model`` inside its symmetry orbit as close as possible (L2) to ``anchor``.
 
-    ``model``/``anchor``: transformers models or HF folder paths. Returns an :class:`Alignment`; raises
-    :class:`SymmergeError` if the options' verification fails."""
+    ``model``/``anchor``: transformers models or HF folder paths (folders: their tokenizers are compared
+    first, see :mod:`symmerge.io.tokenizers`). Returns an :class:`Alignment`; raises
+    :class:`SymmergeError` if the tokenizers differ (unless ``allow_tokenizer_mismatch``) or the options'
+    verification fails."""
     options = options or AlignOptions()
+    tokenizer = check_tokenizers([(str(x) if isinstance(x, (str, Path)) else label, x)
+                                  for x, label in ((model, "model"), (anchor, "anchor"))], allow_tokenizer_mismatch)
+    embedding = check_pipelines([(str(model), model)]) if isinstance(model, (str, Path)) else None
     model, anchor = (_load(x, allow_pickle, progress is not None) for x in (model, anchor))
     check_compatible(model, anchor)
     start = time.perf_counter()
@@ -140,8 +147,9 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     if options.untie:
         model, anchor = untied(model), untied(anchor)
     spec, instances = instances_for(model, options.layers, options.residual)
-    requested = options.requested
+    requested, recommended = options.requested, options.recommended
     options = options.resolved(i.group.symmetry for i in instances)
+    options, embedding_note = keep_output_frame(options, recommended, embedding)
     _require_groups(spec, instances, options.symmetries)
     # cost GEMMs on ``options.device`` (default cpu: where the tensors are)
     gemm_device = None if options.device in (None, "cpu") else resolve_device(options.device)
@@ -200,13 +208,16 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     else:
         report.update(verify_max_abs_diff=None, verify_max_rel_diff=None)
     report["seconds"] = time.perf_counter() - start
+    report["tokenizer"] = tokenizer
+    if embedding is not None:
+        report["sentence_transformers"] = {**embedding, **({"note": embedding_note} if embedding_note else {})}
     anchor_out = with_state_dict(anchor, cb) if folded else anchor
     return Alignment(aligned, anchor_out, report, elements, instances)
 
 
 def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", verify: bool = True, layers=None,
           verify_tol: float | None = None, inputs: dict | None = None, allow_pickle: bool = False, progress=None,
-          **options):
+          allow_tokenizer_mismatch: bool = False, **options):
     """``(aligned_model, report)``: :func:`align_pair` with keyword options (``symmetries``: subset of
     ``heads`` (head permutation), ``attn`` (per-head QK and VO rotations; RoPE models: per frequency
     pair), ``ffn`` (hidden-unit permutation), ``rescale`` (per-head QK/VO scales, solved ``joint``ly or
@@ -215,5 +226,6 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
     also returns the anchor in that form). Further keywords: see :class:`AlignOptions`."""
     opts = AlignOptions(symmetries=symmetries, rescale=rescale, layers=layers, verify=verify, verify_tol=verify_tol,
                         **options)
-    result = align_pair(model, anchor, opts, inputs=inputs, progress=progress, allow_pickle=allow_pickle)
+    result = align_pair(model, anchor, opts, inputs=inputs, progress=progress, allow_pickle=allow_pickle,
+                        allow_tokenizer_mismatch=allow_tokenizer_mismatch)
     return result.model, result.report

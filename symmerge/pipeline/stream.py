@@ -43,6 +43,9 @@ from ..errors import SymmergeError
 from ..families import spec_for
 from ..io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
 from ..io.model import atomic_dir, copy_side_files, write_json
+from ..io.card import write_card
+from ..io.sentence_transformers import check_pipelines
+from ..io.tokenizers import check_tokenizers
 from .engine import SolveContext, active, parts, prepare_costly, solve_local
 from .options import AlignOptions
 from .report import Distances, alignment_report
@@ -253,7 +256,8 @@ def _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, job: _Job, pbar, timings, w
 def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), rescale: str = "joint",
                     layers=None, device="cpu", shard_size=DEFAULT_SHARD, progress: bool = True,
                     verify_forward: bool = False, verify_tol: float | None = None, log=None,
-                    pipeline: bool = False, workers: int | None = None, options: AlignOptions | None = None) -> dict:
+                    pipeline: bool = False, workers: int | None = None, options: AlignOptions | None = None,
+                    allow_tokenizer_mismatch: bool = False) -> dict:
     """Align the safetensors checkpoint folder ``model`` to ``anchor`` layer by layer and write the
     result to the folder ``out`` (atomically, in shards of at most ``shard_size``). Returns the report
     (also written as ``out/symmerge_report.json``).
@@ -265,6 +269,8 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
     from ..progress import bar, stage
 
     start = time.perf_counter()
+    tokenizer = check_tokenizers([(str(model), model), (str(anchor), anchor)], allow_tokenizer_mismatch)
+    embedding = check_pipelines([(str(model), model)])  # sentence-transformers; residual never streams
     options = options or AlignOptions(symmetries=symmetries, rescale=rescale, layers=layers, device=device,
                                       verify_tol=verify_tol)
     if "residual" in options.symmetries and not options.recommended:
@@ -314,7 +320,7 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
         finally:
             pbar.close()
         names = writer.close()
-        side_files = copy_side_files(Path(model), tmp)
+        side_files = copy_side_files(Path(model), tmp, {"sentence_transformers": embedding})
         (tmp / "config.json").write_text((Path(model) / "config.json").read_text())
         instances = [i for insts in by_layer.values() for i in insts]
         report = alignment_report(
@@ -322,12 +328,14 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
             streamed=True, mode="pipeline" if pipeline else "low-memory", device=str(dev), verify=ELEMENT_CHECK,
             shards=names, bytes_written=writer.total_bytes, largest_layer_bytes=largest_layer,
             timings={k: round(v, 4) for k, v in timings.items()}, symmetries_requested=requested,
-            side_files=side_files)
+            side_files=side_files, tokenizer=tokenizer,
+            **({"sentence_transformers": embedding} if embedding else {}))
         report["match_seconds"] = time.perf_counter() - start
         if verify_forward:
             with stage("verified the aligned model's outputs", enabled=progress):
                 report.update(_verify_forward(model, tmp, options.verify_tol))
         report["seconds"] = time.perf_counter() - start
+        write_card(tmp, report)  # README.md, the output's own model card
         write_json(tmp / "symmerge_report.json", report)
     if log is not None:
         log(f"wrote {out}: {len(names)} shard(s), {writer.total_bytes / 1e9:.2f} GB")

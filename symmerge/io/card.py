@@ -1,0 +1,205 @@
+"""The model card (``README.md``) of every folder ``align`` and ``merge`` write.
+
+An input's own card describes the input, not the aligned or merged model, so it is never copied
+(:data:`symmerge.io.model.REPLACED`). The output's card is written from the run's report instead: the
+inputs (with the names and licences their cards declare, quoted from their YAML front matter or first
+heading), the method, the alignment, what was measured (distances, verification, evaluation), the
+tokenizer check, the sentence-transformers pipeline, and the symmerge version. The report
+(``symmerge_report.json``) beside it has every figure in full.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CARD = "README.md"
+
+
+def _front_matter(text: str) -> dict:
+    """The YAML front matter of a model card (``---`` ... ``---``), ``{}`` if absent or unreadable."""
+    if not text.startswith("---"):
+        return {}
+    end = text.find("\n---", 3)
+    if end < 0:
+        return {}
+    try:
+        import yaml
+
+        data = yaml.safe_load(text[3:end])
+    except Exception:  # a malformed card is quoted as having no metadata, not an error
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def input_card(folder) -> dict | None:
+    """What an input's card says of itself: ``name`` (``model_name``, the model index's name, or the
+    first heading) and ``license``; ``None`` for an input without a card (or not a folder)."""
+    if not isinstance(folder, (str, Path)) or not (Path(folder) / CARD).is_file():
+        return None
+    try:
+        text = (Path(folder) / CARD).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    meta = _front_matter(text)
+    name = meta.get("model_name")
+    index = meta.get("model-index")
+    if not name and isinstance(index, list) and index and isinstance(index[0], dict):
+        name = index[0].get("name")
+    if not name:
+        name = next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), None)
+    licence = meta.get("license")
+    return {"name": str(name) if name else None,
+            "license": ", ".join(map(str, licence)) if isinstance(licence, list) else licence}
+
+
+def _fmt(x, digits: int = 4) -> str:
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e-3 and x else f"{x:.{digits}f}"
+    return "–" if x is None else str(x).replace("|", "\\|")  # a table cell: pipes escaped
+
+
+def _inputs(report: dict) -> list[tuple[str, str]]:
+    """(folder or name, role) of every input the report names."""
+    if "method" in report:  # a merge
+        rows = [(m, "merged") for m in report.get("models") or []]
+        anchor = (report.get("alignment") or {}).get("anchor") or {}
+        if anchor.get("name") is not None:
+            rows = [(m, role + (" (anchor)" if i == anchor.get("index") else "")) for i, (m, role) in enumerate(rows)]
+            if anchor.get("index") is None and anchor.get("name") != report.get("base"):
+                rows.append((anchor["name"], "anchor"))
+        if report.get("base"):
+            rows.append((report["base"], "base (task vectors)"))
+        return rows
+    return [(report[k], role) for k, role in (("model", "aligned (its function is kept)"),
+                                               ("anchor", "anchor (the target)")) if report.get(k)]
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+        ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+
+
+def _align_sections(r: dict) -> list[str]:
+    out = ["## Method", "",
+           f"`symmerge align{' --stream' if r.get('streamed') else ''}`: the model was moved inside its symmetry "
+           "orbit — transformations that leave its outputs unchanged — as close as possible (L2) to the anchor. "
+           "It computes the same function as the input model.", "",
+           f"- symmetries aligned: `{','.join(r.get('symmetries') or []) or 'none'}` (requested: "
+           f"`{r.get('symmetries_requested', '–')}`)",
+           f"- rescale: `{r.get('rescale', '–')}`; match: `{r.get('match', 'weights')}`"]
+    if r.get("residual_variant"):
+        out.append(f"- residual stream: `{r['residual_variant']}` ({r.get('residual_group', '')})")
+    out += ["", "## Measured", "",
+            *_table(["quantity", "value"], [
+                ["L2 distance to the anchor, before", r.get("distance_before")],
+                ["L2 distance to the anchor, after", r.get("distance_after")],
+                ["output difference to the input model, max abs", r.get("verify_max_abs_diff")],
+                ["output difference to the input model, max relative", r.get("verify_max_rel_diff")],
+                ["verification tolerance", r.get("verify_tolerance")],
+                ["seconds", r.get("seconds")]]), ""]
+    return out
+
+
+def _merge_sections(r: dict) -> list[str]:
+    a = r.get("alignment") or {}
+    params = ", ".join(f"{k}={v}" for k, v in (r.get("params") or {}).items()) or "none"
+    out = ["## Method", "",
+           f"`symmerge merge --method {r['method']}` (parameters: {params}; weights: {r.get('weights') or 'equal'}).",
+           "",
+           f"- alignment before merging: `{','.join(a.get('symmetries') or []) or 'none'}` (requested: "
+           f"`{a.get('requested', '–')}`), rescale `{a.get('rescale', '–')}`; anchor: "
+           f"{(a.get('anchor') or {}).get('name') or '–'} ({(a.get('anchor') or {}).get('rule') or 'no alignment'})"]
+    if a.get("note"):
+        out.append(f"- note: {a['note']}")
+    head = r.get("head") or {}
+    out.append(f"- task head: {head.get('policy', '–')}" + (f" (from {head['from']})" if head.get("from") else ""))
+    if r.get("statistics"):
+        out.append(f"- statistics: {r['statistics'].get('kind')} on "
+                   + ", ".join(f"{s['data']} ({s['examples']} examples)" for s in r["statistics"]["per_model"]))
+    if r.get("repair"):
+        out.append("- REPAIR: channel statistics reset to the endpoints' interpolation")
+    out += ["", "## Measured", ""]
+    rows = [[m.get("model"), "anchor" if m.get("anchor") else "aligned", m.get("distance_before"),
+             m.get("distance_after"), m.get("verify_max_rel_diff")] for m in a.get("models") or []]
+    if rows:
+        out += ["Alignment (L2 distance to the anchor over the body; output difference of the aligned model to its "
+                "input):", "", *_table(["model", "role", "distance before", "distance after",
+                                        "max relative output difference"], rows), ""]
+    pairs = r.get("distances_between_inputs") or {}
+    if pairs.get("before_alignment"):
+        out += ["Distances between the inputs (L2, body):", "",
+                *_table(["pair", "before alignment", "after alignment"],
+                        [[k, v, (pairs.get("after_alignment") or {}).get(k)] for k, v in pairs["before_alignment"].items()]),
+                ""]
+    ev = r.get("evaluation") or {}
+    if ev.get("merged"):
+        rows = [["merged", e.get("data"), e.get("loss"), e.get("accuracy"), e.get("n")] for e in ev["merged"]]
+        rows += [[e.get("model"), e.get("data"), e.get("loss"), e.get("accuracy"), e.get("n")]
+                 for e in ev.get("models") or [] if "skipped" not in e]
+        out += [f"Evaluation ({ev.get('data_role', 'data')}):", "",
+                *_table(["model", "data", "loss", "accuracy", "examples"], rows), ""]
+        if ev.get("note"):
+            out += [f"Note: {ev['note']}", ""]
+    return out
+
+
+def card_text(report: dict, folder_name: str = "model") -> str:
+    """The model card of an output folder, from its align or merge report."""
+    from .. import __version__
+
+    r = report
+    inputs = _inputs(r)
+    cards = [(name, role, input_card(name)) for name, role in inputs]
+    licences = {c["license"] for _, _, c in cards if c and c.get("license")}
+    pipeline = r.get("sentence_transformers")
+    tags = ["symmerge", "merge" if "method" in r else "aligned"] + (["sentence-transformers"] if pipeline else [])
+    front = ["---", f"library_name: {'sentence-transformers' if pipeline else 'transformers'}"]
+    if len(licences) == 1:
+        front.append(f"license: {next(iter(licences))}")
+    front += ["tags:", *[f"- {t}" for t in tags], "---", ""]
+    what = "merged" if "method" in r else "aligned"
+    lines = front + [f"# {folder_name}", "",
+                     f"This model was {what} by symmerge {__version__}"
+                     f"{' (symmetry-aware fusion of transformer models)' if what == 'merged' else ''}. It is not any "
+                     "of its inputs: their model cards are not copied; what they declare is quoted below. Every "
+                     "figure of the run is in `symmerge_report.json`.", ""]
+    if r.get("model_type"):
+        lines += [f"Architecture: `{r['model_type']}`" + (f" ({r['family']} family)" if r.get("family") else "")
+                  + (f"; sentence-transformers pipeline: {', '.join(pipeline['modules'])}" if pipeline else "") + ".",
+                  ""]
+    if inputs:
+        lines += ["## Inputs", "",
+                  *_table(["model", "role", "its card's name", "its card's licence"],
+                          [[f"`{n}`", role, (c or {}).get("name"), (c or {}).get("license")] for n, role, c in cards]),
+                  ""]
+        if len(licences) > 1:
+            lines += ["The inputs declare different licences: check each before using or sharing this model.", ""]
+    lines += _merge_sections(r) if "method" in r else _align_sections(r)
+    tok = r.get("tokenizer")
+    if tok:
+        source = "those of the model whose head is kept" if "method" in r else "the aligned model's"
+        lines += ["## Tokenizer", "", f"Tokenizer check: `{tok.get('status')}`"
+                  + (f" ({tok['note']})" if tok.get("note") else "") + f". The tokenizer files are {source}.", ""]
+        lines += [f"- {m['models'][0]} vs {m['models'][1]}: " + "; ".join(m["differences"])
+                  for m in tok.get("mismatches") or []]
+    if pipeline:
+        merged = pipeline.get("merged_modules")
+        lines += ["## sentence-transformers", "",
+                  f"Modules: {', '.join(pipeline['modules'])} (`modules.json` and the module configs copied"
+                  + (f"; {', '.join(merged)} merged with `{pipeline.get('weighted_method')}`" if merged else "")
+                  + "). Load it with `SentenceTransformer(folder)`.", ""]
+        if pipeline.get("note"):
+            lines += [f"Note: {pipeline['note']}", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_card(folder, report: dict | None) -> Path | None:
+    """Write ``folder/README.md`` (the output's model card) from ``report``, an align or merge report;
+    other folders written by :func:`~symmerge.io.model.save_model` (the demo's trained models) get none."""
+    if not report or not ("method" in report or "distance_before" in report):
+        return None
+    folder = Path(folder)
+    name = folder.name.split(".tmp-")[0].lstrip(".") or "model"  # atomic writes happen in '.<out>.tmp-XXXX'
+    path = folder / CARD
+    path.write_text(card_text(report, name), encoding="utf-8")
+    return path
