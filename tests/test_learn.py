@@ -162,3 +162,30 @@ def test_learned_alignment_of_a_tied_lm_head():
                            learn=LearnSettings(steps=3, batch=8, lr=0.05))
     result = align_pair(a, b, options)
     assert result.report["learned"]["steps"] == 3 and result.report["verify_max_rel_diff"] <= 1e-10
+
+
+@pytest.mark.parametrize("family, word", [("gpt2", "texts"), ("vit", "images")])
+def test_learned_report_names_the_data_and_leaves_out_an_empty_held_out_history(family, word):
+    """Without a held-out part the objective is checked on the training examples, named by the data's
+    modality (texts for token data, images for pixels), and the history has no held-out column (not a
+    column of NaN); with one, the column is there and finite."""
+    import math
+
+    a, b = make_model(family, head=True, seed=0, dtype=torch.float32), make_model(family, head=True, seed=3,
+                                                                             dtype=torch.float32)
+    data = unlabeled(a, n_batches=4, batch=8)
+    assert data.format == ("image" if family == "vit" else "lm")
+    for holdout in (0.0, 0.25):
+        options = AlignOptions(symmetries=FULL, match="learned", align_data=data,
+                               learn=LearnSettings(steps=4, batch=8, lr=0.05, check_every=2, holdout=holdout))
+        learned = align_pair(a, b, options).report["learned"]
+        history = learned["history"]
+        assert history["step"] == [2, 4] and len(history["train"]) == 2
+        if holdout:
+            assert learned["checked_on"] == "held-out part"
+            assert len(history["held_out"]) == 2 and all(math.isfinite(v) for v in history["held_out"])
+        else:
+            assert learned["checked_on"].startswith(f"training {word} (")
+            assert "held_out" not in history
+            other = "images" if word == "texts" else "texts"
+            assert other not in learned["checked_on"]

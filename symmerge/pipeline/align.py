@@ -93,8 +93,9 @@ def canonical(model, options: AlignOptions):
 
 _GROUP_NAMES = {"orthogonal": "O(d) (RMSNorm, norms folded)",
                 "centered": "O(d-1) x {+-1}: orthogonal maps fixing the all-ones direction (LayerNorm, norms folded)",
-                "permutation": "permutations (LayerNorm kept)",
-                "signed_permutation": "signed permutations (a norm that cannot be folded: tied head)"}
+                "permutation": "S_d: permutations (LayerNorm kept: post-LN, or --residual permutation)",
+                "signed_permutation": "signed permutations (RMSNorm kept: --residual permutation, or a final norm "
+                                      "that cannot fold into a tied head)"}
 
 
 @dataclass

@@ -71,9 +71,9 @@ class LearnSettings:
     """Learned alignment: Adam on the continuous group elements, ``steps`` of ``batch`` examples, learning
     rate ``lr`` with cosine decay, α drawn from U(``alpha_low``, ``alpha_high``) at every step, a
     ``holdout`` fraction of the unlabeled data for early stopping (checked every ``check_every`` steps,
-    stopping after ``patience`` checks without improvement; 0, the default: every image trains, and the
-    objective is checked on the training images at the start and the end only — the end is kept only if
-    not worse), a ``seed``, and an optional time budget in
+    stopping after ``patience`` checks without improvement; 0, the default: every example trains, and the
+    objective is checked on the training examples at the start and the end only — the end is kept only if
+    not worse; the history then has no held-out column), a ``seed``, and an optional time budget in
     seconds (``budget``). ``start``: the closed form learning starts from (``activations``: activation
     matching on the same data; ``weights``: data-free weight matching); ``rounds``: the steps split into
     rounds with the FFN permutations re-solved between them (``repermute``: from the activations' unit
