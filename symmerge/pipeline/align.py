@@ -53,7 +53,8 @@ def load_align_data(options: AlignOptions, model):
     if isinstance(options.align_data, Data):
         check_data(options.align_data, model, use_labels=False)
         return take(options.align_data, options.align_samples)
-    return load_data(options.align_data, model, max_examples=options.align_samples,
+    max_length = options.learn.max_length if options.match == "learned" else None
+    return load_data(options.align_data, model, max_examples=options.align_samples, max_length=max_length,
                      batch_size=min(options.learn.batch, options.align_samples), labels=False)
 
 

@@ -129,6 +129,22 @@ def examples_word(data: Data) -> str:
     return EXAMPLE_WORDS.get(getattr(data, "format", None), "examples")
 
 
+def subsample_positions(batch: Batch, k: int, generator: torch.Generator) -> Batch:
+    """``batch`` scored on at most ``k`` of its next-token positions (drawn at random among the real
+    ones): a copy whose scoring mask keeps only those (the inputs, and so the forward, are unchanged).
+    Batches without a sequence mask (images) and batches with at most ``k`` positions come back as they are."""
+    if k <= 0 or batch.mask is None or batch.mask.dim() != 2:
+        return batch
+    scored = batch.mask[:, 1:].reshape(-1)
+    where = scored.nonzero().flatten()
+    if len(where) <= k:
+        return batch
+    keep = torch.zeros_like(scored)
+    keep[where[torch.randperm(len(where), generator=generator)[:k]]] = True
+    mask = torch.cat([torch.zeros_like(batch.mask[:, :1]), keep.reshape(batch.mask[:, 1:].shape)], 1)
+    return Batch(batch.inputs, batch.labels, mask)
+
+
 def _split(data: Data, holdout: float) -> tuple[list, list]:
     batches = list(data.batches)
     n_hold = int(round(holdout * len(batches))) if len(batches) > 1 else 0
@@ -218,6 +234,8 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     g = torch.Generator().manual_seed(settings.seed + offset)
     n_original = len(train)
     train = train + augmented(train, settings.augment, g)
+    train = [subsample_positions(b, settings.positions, g) for b in train]
+    held = [subsample_positions(b, settings.positions, g) for b in held]
 
     def forward(sd, batch):
         # tied weights (an LM head sharing the embeddings) arrive under both names, with the same values

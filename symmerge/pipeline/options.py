@@ -79,7 +79,10 @@ class LearnSettings:
     rounds with the FFN permutations re-solved between them (``repermute``: from the activations' unit
     correlations, or the weights); ``augment``: randomly flipped and shifted
     views of every training image (images only); ``target``: ``probabilities`` (α·p_A + (1−α)·p_B) or
-    ``log-probabilities`` (their normalised geometric mean). See :mod:`symmerge.pipeline.learn`; the
+    ``log-probabilities`` (their normalised geometric mean); ``positions`` (sequence models): the
+    objective on at most this many randomly chosen scored positions of each batch (drawn once, so the
+    endpoints' predictions are computed and cached there only; 0: every position); ``max_length``:
+    the alignment texts truncated to this many tokens (None: the model's context). See :mod:`symmerge.pipeline.learn`; the
     defaults are the best recipe measured on B1 (docs/results.md, "B1 with unlabeled data")."""
 
     steps: int = 200
@@ -97,6 +100,8 @@ class LearnSettings:
     augment: int = 4
     target: str = "log-probabilities"
     repermute: str = "activations"
+    positions: int = 0
+    max_length: int | None = None
 
     def __post_init__(self):
         if self.start not in LEARN_STARTS:
@@ -108,6 +113,9 @@ class LearnSettings:
         if self.rounds < 1 or self.augment < 0:
             raise SymmergeError(f"learned alignment needs rounds >= 1 and augment >= 0, got {self.rounds}, "
                                 f"{self.augment}")
+        if self.positions < 0 or (self.max_length is not None and self.max_length < 2):
+            raise SymmergeError(f"learned alignment needs positions >= 0 and max_length >= 2, got {self.positions}, "
+                                f"{self.max_length}")
         if self.steps < 1 or self.batch < 1 or not self.lr > 0:
             raise SymmergeError("learned alignment needs steps >= 1, batch >= 1 and lr > 0")
         if not 0.0 <= self.alpha_low < self.alpha_high <= 1.0:
