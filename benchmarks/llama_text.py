@@ -24,6 +24,7 @@ Writes ``results.json`` and ``tables.md`` into ``--out``; timings are also given
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -78,6 +79,11 @@ def parse_args(argv=None):
     p.add_argument("--points", type=int, default=5, help="α values on each LMC curve")
     p.add_argument("--learn-steps", type=int, default=None, help="learned alignment steps (default: LearnSettings')")
     p.add_argument("--learn-batch", type=int, default=None, help="paragraphs per learned step")
+    p.add_argument("--learn-positions", type=int, default=None,
+                   help="learned: the objective on this many random positions per batch (LearnSettings.positions)")
+    p.add_argument("--learn-max-length", type=int, default=None,
+                   help="learned: alignment texts truncated to this many tokens (LearnSettings.max_length)")
+    p.add_argument("--learn-lr", type=float, default=None, help="learned: Adam's learning rate")
     add_run_args(p)
     args = p.parse_args(argv)
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -119,7 +125,9 @@ def row_options(args, name: str, align_file) -> AlignOptions | None:
     spec = ROWS[name]
     if spec is None:
         return None
-    learn = LearnSettings(**{k: v for k, v in (("steps", args.learn_steps), ("batch", args.learn_batch))
+    learn = LearnSettings(**{k: v for k, v in (("steps", args.learn_steps), ("batch", args.learn_batch),
+                                               ("positions", args.learn_positions),
+                                               ("max_length", args.learn_max_length), ("lr", args.learn_lr))
                              if v is not None})
     return AlignOptions(**spec, align_data=align_file if spec.get("match", "weights") != "weights" else None,
                         align_samples=args.align_examples, learn=learn)
@@ -162,19 +170,22 @@ def run(args, log=print) -> dict:
             for _ in range(max(1, args.repeats)):
                 load = os.getloadavg()[0]
                 t0 = time.perf_counter()
-                res = align_pair(a, b, opts, progress=False)
+                res = align_pair(a, b, opts)
                 times.append(time.perf_counter() - t0)
             aligned, rep = res.model, res.report
             row.update({"align_seconds": statistics.median(times), "align_seconds_all": times, "load_average": load,
                         "verify_max_abs_diff": rep.get("verify_max_abs_diff"), "symmetries": rep.get("symmetries"),
                         "residual_group": rep.get("residual_group"), "match_seconds": rep.get("match_seconds"),
                         "function_check": function_check(aligned, a, curve.batches[0])})
+            if opts.match == "learned":
+                row["learn_settings"] = dataclasses.asdict(opts.learn)
             if "learned" in rep:
                 row["learned"] = {k: v for k, v in rep["learned"].items() if k != "history"}
         c = interpolation_curve(aligned, b, curve, alphas, progress=False)
         row.update({"loss": c["loss"], "barrier": c["barrier"], "loss_mid": c["loss"][mid]})
         if not args.no_repair:
-            r = repaired_curve(aligned, b, curve, alphas, opts or repair_opts, progress=False)
+            stats_opts = repair_opts if opts is None or opts.align_data is None else opts
+            r = repaired_curve(aligned, b, curve, alphas, stats_opts, progress=False)
             row.update({"repair_loss": r["loss"], "repair_barrier": r["barrier"], "repair_loss_mid": r["loss"][mid]})
         rows.append(row)
         log(f"  {name:22s} barrier {row['barrier']:.4f}  loss(0.5) {row['loss_mid']:.4f}"
