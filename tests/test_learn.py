@@ -162,3 +162,59 @@ def test_learned_alignment_of_a_tied_lm_head():
                            learn=LearnSettings(steps=3, batch=8, lr=0.05))
     result = align_pair(a, b, options)
     assert result.report["learned"]["steps"] == 3 and result.report["verify_max_rel_diff"] <= 1e-10
+
+
+@pytest.mark.parametrize("family, word", [("gpt2", "texts"), ("vit", "images")])
+def test_learned_report_names_the_data_and_leaves_out_an_empty_held_out_history(family, word):
+    """Without a held-out part the objective is checked on the training examples, named by the data's
+    modality (texts for token data, images for pixels), and the history has no held-out column (not a
+    column of NaN); with one, the column is there and finite."""
+    import math
+
+    a, b = make_model(family, head=True, seed=0, dtype=torch.float32), make_model(family, head=True, seed=3,
+                                                                             dtype=torch.float32)
+    data = unlabeled(a, n_batches=4, batch=8)
+    assert data.format == ("image" if family == "vit" else "lm")
+    for holdout in (0.0, 0.25):
+        options = AlignOptions(symmetries=FULL, match="learned", align_data=data,
+                               learn=LearnSettings(steps=4, batch=8, lr=0.05, check_every=2, holdout=holdout))
+        learned = align_pair(a, b, options).report["learned"]
+        history = learned["history"]
+        assert history["step"] == [2, 4] and len(history["train"]) == 2
+        if holdout:
+            assert learned["checked_on"] == "held-out part"
+            assert len(history["held_out"]) == 2 and all(math.isfinite(v) for v in history["held_out"])
+        else:
+            assert learned["checked_on"].startswith(f"training {word} (")
+            assert "held_out" not in history
+            other = "images" if word == "texts" else "texts"
+            assert other not in learned["checked_on"]
+
+
+def test_learned_objective_on_a_subset_of_positions():
+    """``positions``: each batch scored on at most that many real next-token positions (never padding),
+    drawn once; images are left alone; the alignment still verifies and never ends worse than its start."""
+    from symmerge.errors import SymmergeError
+    from symmerge.pipeline.learn import subsample_positions
+
+    a, b = make_model("gpt2", head=True, seed=0, dtype=torch.float32), make_model("gpt2", head=True, seed=3,
+                                                                              dtype=torch.float32)
+    data = unlabeled(a, n_batches=3, batch=8)
+    g = torch.Generator().manual_seed(0)
+    batch = data.batches[0]
+    sub = subsample_positions(batch, 5, g)
+    assert int(sub.mask[:, 1:].sum()) == 5 and not bool(sub.mask[:, 0].any())
+    assert bool((batch.mask[:, 1:] | ~sub.mask[:, 1:]).all())  # only real positions are kept
+    assert sub.inputs is batch.inputs and torch.equal(batch.mask, data.batches[0].mask)  # input unchanged
+    assert subsample_positions(batch, 10 ** 6, g) is batch and subsample_positions(batch, 0, g) is batch
+    image = unlabeled(make_model("vit", head=True), n_batches=1).batches[0]
+    assert subsample_positions(image, 3, g) is image
+    options = AlignOptions(symmetries=FULL, match="learned", align_data=data,
+                           learn=LearnSettings(steps=4, batch=8, lr=0.05, positions=6))
+    result = align_pair(a, b, options)
+    learned = result.report["learned"]
+    assert learned["held_out_best"] <= learned["held_out_start"] + 1e-12
+    assert result.report["verify_max_rel_diff"] <= 1e-4
+    for bad in ({"positions": -1}, {"max_length": 1}):
+        with pytest.raises(SymmergeError):
+            LearnSettings(**bad)

@@ -18,7 +18,8 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
     parser.add_argument("--residual", choices=list(RESIDUAL_CHOICES), default="largest",
                         help="with the residual symmetry: largest (default: the largest function-preserving group "
                              "of the family's stream — O(d-1) for pre-LN LayerNorm with the norms folded, O(d) for "
-                             "RMSNorm, permutations for post-LN) or permutation (permutations of the stream only)")
+                             "RMSNorm, permutations for post-LN) or permutation (the norms kept as they are: permutations of "
+                             "the stream for LayerNorm, signed permutations for RMSNorm)")
     parser.add_argument("--untie", action="store_true",
                         help="untie a tied LM head so the final norm can fold into it and the stream gets its "
                              "largest group (the output then stores the head separately)")

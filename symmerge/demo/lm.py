@@ -63,6 +63,31 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
 
 
+def llama_config(vocab_size: int, context: int = 128, hidden: int = 256, layers: int = 4, heads: int = 4,
+                 kv_heads: int | None = None, inner: int = 688, eos_token_id: int = 0, tie: bool = False,
+                 initializer_range: float = 0.02, rope_theta: float = 10000.0):
+    """A small ``LlamaConfig`` for ``LlamaForCausalLM`` (RMSNorm, SwiGLU FFN of width ``inner``, RoPE,
+    ``kv_heads`` key/value heads — GQA when fewer than ``heads``, MHA by default —, no bias, no
+    dropout, an untied LM head unless ``tie``)."""
+    from transformers import LlamaConfig
+
+    kv_heads = heads if kv_heads is None else kv_heads
+    if hidden % heads or heads % kv_heads:
+        raise SymmergeError(f"hidden size {hidden}, {heads} heads and {kv_heads} KV heads do not divide")
+    if not 0 <= eos_token_id < vocab_size:
+        raise SymmergeError(f"eos token id {eos_token_id} outside the vocabulary of {vocab_size}")
+    return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=context, hidden_size=hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       intermediate_size=inner, hidden_act="silu", attention_dropout=0.0,
+                       initializer_range=initializer_range, rope_theta=rope_theta, bos_token_id=eos_token_id,
+                       eos_token_id=eos_token_id, pad_token_id=eos_token_id, tie_word_embeddings=tie,
+                       architectures=["LlamaForCausalLM"])
+
+
+def _context(config) -> int:
+    return getattr(config, "n_positions", None) or config.max_position_embeddings
+
+
 def train_gpt2(config, blocks, settings: TrainSettings, tokenizer, name: str = "gpt2", eval_blocks=None,
                eval_every: int = 0, eval_max: int = 128, cache: bool = True, root=None, progress: bool = True,
                log=print) -> Path:
@@ -73,23 +98,43 @@ def train_gpt2(config, blocks, settings: TrainSettings, tokenizer, name: str = "
     unaffected). ``root``: cache root (default ``<cache_dir()>/gpt2``)."""
     from transformers import GPT2LMHeadModel
 
+    return train_causal_lm(GPT2LMHeadModel, "gpt2-lm", "gpt2", config, blocks, settings, tokenizer, name,
+                           eval_blocks, eval_every, eval_max, cache, root, progress, log)
+
+
+def train_llama(config, blocks, settings: TrainSettings, tokenizer, name: str = "llama", eval_blocks=None,
+                eval_every: int = 0, eval_max: int = 128, cache: bool = True, root=None, progress: bool = True,
+                log=print) -> Path:
+    """:func:`train_gpt2` for a ``LlamaForCausalLM`` (:func:`llama_config`); cached under
+    ``<cache_dir()>/llama`` unless ``root``."""
+    from transformers import LlamaForCausalLM
+
+    return train_causal_lm(LlamaForCausalLM, "llama-lm", "llama", config, blocks, settings, tokenizer, name,
+                           eval_blocks, eval_every, eval_max, cache, root, progress, log)
+
+
+def train_causal_lm(model_class, kind: str, subdir: str, config, blocks, settings: TrainSettings, tokenizer,
+                    name: str, eval_blocks=None, eval_every: int = 0, eval_max: int = 128, cache: bool = True,
+                    root=None, progress: bool = True, log=print) -> Path:
+    """The loop of :func:`train_gpt2` / :func:`train_llama` for any ``transformers`` causal LM class;
+    ``kind`` goes into the cache key, ``subdir`` names the cache folder."""
     x = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.int64))
     if x.ndim != 2 or len(x) == 0 or x.shape[1] < 2:
         raise SymmergeError(f"token blocks must be (N >= 1, T >= 2), got shape {tuple(x.shape)}")
-    if x.shape[1] > config.n_positions:
-        raise SymmergeError(f"blocks of {x.shape[1]} tokens exceed the model's context of {config.n_positions}")
+    if x.shape[1] > _context(config):
+        raise SymmergeError(f"blocks of {x.shape[1]} tokens exceed the model's context of {_context(config)}")
     if int(x.min()) < 0 or int(x.max()) >= config.vocab_size:
         raise SymmergeError(f"token ids must lie in 0..{config.vocab_size - 1}, got {int(x.min())}..{int(x.max())}")
     if len(tokenizer) != config.vocab_size:
         raise SymmergeError(f"the tokenizer has {len(tokenizer)} tokens, the config {config.vocab_size}")
-    key = inputs_key(config, settings, [x.numpy()], extra={"kind": "gpt2-lm", "tokenizer": tokenizer_hash(tokenizer)})
-    out, found = cached_folder(root, "gpt2", name, key, cache, log)
+    key = inputs_key(config, settings, [x.numpy()], extra={"kind": kind, "tokenizer": tokenizer_hash(tokenizer)})
+    out, found = cached_folder(root, subdir, name, key, cache, log)
     if found:
         return out
 
     torch.manual_seed(settings.seed)
     with quiet_transformers():
-        model = GPT2LMHeadModel(config).float()
+        model = model_class(config).float()
 
     def batch_loss(idx):
         ids = x[idx]

@@ -53,6 +53,9 @@ class Kind:
     per_layer = True  # False: one model-wide instance (the residual stream)
     blocked = False  # the group is split into per-head blocks (blocks = the group's head count)
     description = ""  # what an element does, in words (``symmerge specs``)
+    # a costly discrete choice the descent over coupled groups (:func:`symmerge.pipeline.engine.solve`)
+    # re-solves only on its first sweep and once the other groups have converged with it held fixed
+    lazy = False
 
     def scale_text(self, group) -> str | None:
         """With ``rescale``: the scale the group's elements carry, in words (``symmerge specs``), or None."""

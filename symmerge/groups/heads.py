@@ -44,6 +44,7 @@ class Heads(Kind):
     name = "heads"
     description = "permutation of the attention heads (GQA: of the key/value heads with their query heads)"
     blocked = True
+    lazy = True  # valuing every pairing is most of a sweep; the pairing rarely changes once the stream settles
 
     def siblings(self, inst, ctx) -> list:
         names = set(inst.group.param("couples", ()))

@@ -10,10 +10,11 @@ group parameters ``norm`` and ``placement``), so the kind binds one of four *var
 * ``centered`` — pre-LN LayerNorm, ``γ`` folded into the readers and ``β`` into their biases
   (``b ← b + W β``; kept as the norm's bias, a stream vector, where a reader has no bias): any
   orthogonal ``Q`` with ``Q·1 = ±1`` (it commutes with mean-centring and the RMS), the group O(d−1) × {±1};
-* ``permutation`` — LayerNorm left as it is (post-LN, or when asked for): permutations only, ``γ`` and
-  ``β`` permuted with the stream;
-* ``signed_permutation`` — RMSNorm whose norm cannot be folded (a final norm before an LM head tied to
-  the embeddings) and is not uniform: signed permutations, ``γ`` permuted.
+* ``permutation`` — LayerNorm left as it is (post-LN, or ``--residual permutation``): permutations
+  only, ``γ`` and ``β`` permuted with the stream;
+* ``signed_permutation`` — RMSNorm left as it is (``--residual permutation``, or a norm that cannot be
+  folded: a final norm before an LM head tied to the embeddings, not uniform): signed permutations,
+  ``γ`` permuted (RMSNorm commutes with sign flips, LayerNorm's mean-centring does not).
 
 Norms on a block's *output* before the residual add (group parameter ``fixed_norms``: Gemma 2/3's
 sandwich norms, OLMo 2's post-norms) cannot be folded either: the block writes ``γ ⊙ RMS(y)`` to the
@@ -90,8 +91,9 @@ class Residual(Kind):
             return None  # a base model: moving the stream would move its output hidden states
         inst = ctx.model_instance(group)
         norm, placement = group.param("norm", "rmsnorm"), group.param("placement", "pre")
-        if norm == "layernorm" and (placement == "post" or ctx.residual == "permutation"):
-            return ctx.with_info(inst, StreamInfo("permutation"))
+        if ctx.residual == "permutation" or (norm == "layernorm" and placement == "post"):
+            # the norms stay as they are: LayerNorm commutes with permutations, RMSNorm with signed ones
+            return ctx.with_info(inst, StreamInfo("signed_permutation" if norm == "rmsnorm" else "permutation"))
         folds, blocked = [], []
         for f in ctx.spec.folds:
             for i in ctx.layers_of(f.weight):

@@ -56,7 +56,8 @@ def load_align_data(options: AlignOptions, model):
     if isinstance(options.align_data, Data):
         check_data(options.align_data, model, use_labels=False)
         return take(options.align_data, options.align_samples)
-    return load_data(options.align_data, model, max_examples=options.align_samples,
+    max_length = options.learn.max_length if options.match == "learned" else None
+    return load_data(options.align_data, model, max_examples=options.align_samples, max_length=max_length,
                      batch_size=min(options.learn.batch, options.align_samples), labels=False)
 
 
@@ -96,9 +97,9 @@ def canonical(model, options: AlignOptions):
 
 _GROUP_NAMES = {"orthogonal": "O(d) (RMSNorm, norms folded)",
                 "centered": "O(d-1) x {+-1}: orthogonal maps fixing the all-ones direction (LayerNorm, norms folded)",
-                "permutation": "permutations (LayerNorm kept)",
-                "signed_permutation": "signed permutations (a norm that cannot be folded: a tied head's final norm, "
-                                      "or norms on the blocks' outputs)"}
+                "permutation": "S_d: permutations (LayerNorm kept: post-LN, or --residual permutation)",
+                "signed_permutation": "signed permutations (a norm kept: --residual permutation, a final norm that "
+                                      "cannot fold into a tied head, or norms on the blocks' outputs)"}
 
 
 @dataclass

@@ -16,6 +16,7 @@ One engine serves in-memory and streamed alignment:
   on the other axis of the same tensors and commute with the per-layer groups, so they are solved by
   coordinate descent, each step exact for its group given the rest, until the objective (the squared
   distance over the matched tensors) stops decreasing — monotone by construction; a cap with a warning.
+  Costly discrete groups (``Kind.lazy``: the head pairing) are held fixed between full sweeps.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def _solve_in_order(groups, sd_a, sd_b, opts, progress, prepared, ctx, timings, 
 
 
 def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, history: list | None = None,
-          max_sweeps: int = 50, init: str = "stream", start: dict | None = None) -> dict:
+          max_sweeps: int = 50, init: str = "stream", start: dict | None = None, tol: float = DESCENT_TOL,
+          lazy: bool = True) -> dict:
     """Group elements ``{instance name: element}`` aligning ``sd_a`` to the anchor ``sd_b``.
 
     Model-wide groups need both state dicts in their canonical form
@@ -147,7 +149,12 @@ def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, histo
     to ``history``, and the best sweep's elements are returned. ``init``: the first model-wide step
     uses only the tensors no per-layer group touches (``stream``: embeddings, heads, norms), or all of
     them (``all``), or follows a first per-layer solve (``local``); ``start``: elements to start from
-    (the first model-wide step then uses all tensors, given the per-layer elements of ``start``)."""
+    (the first model-wide step then uses all tensors, given the per-layer elements of ``start``).
+    ``tol``: a sweep must lower the objective by more than this fraction to go on. ``lazy``: the lazy
+    kinds' groups (head pairings: valuing every pairing is most of a sweep) are re-solved only on full
+    sweeps — the first, and one whenever the rest has converged with them held fixed — and the descent
+    ends when a full sweep gains nothing: the same stopping point as re-solving them every sweep (a full
+    sweep that keeps the pairing is a sweep with it held), at a fraction of the cost per sweep."""
     local = [i for i in instances if i.kind.per_layer]
     wide = active([i for i in instances if not i.kind.per_layer], opts)
     if not wide:
@@ -158,22 +165,32 @@ def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, histo
     elements: dict = solve_local(local, sd_a, sd_b, opts) if init == "local" else {}
     if start:
         elements, init = {k: v for k, v in start.items() if k not in {i.name for i in wide}}, "all"
-    best, best_value = dict(elements), float("inf")
+    # lazy groups (head pairings) are solved on full sweeps only: the first, and one after the others have
+    # converged with them held fixed; the descent ends when a full sweep gains nothing
+    held = [i for i in active(local, opts) if i.kind.lazy] if lazy else []
+    rest = [i for i in local if i not in held]
+    best, best_value, full = dict(elements), float("inf"), True
     for sweep in range(max_sweeps):
         moved = apply(sd_a, local, elements)
         ctx = SolveContext(list(instances), only_keys=(pure or None) if sweep == 0 and init == "stream" else None)
         for name, insts in by_group(wide).items():
             elements.update(insts[0].kind.solve(insts, moved, sd_b, opts, ctx))
         moved = apply(sd_a, wide, elements)
-        elements.update(solve_local(local, moved, sd_b, opts))
+        if full or not held:
+            elements.update(solve_local(local, moved, sd_b, opts))
+        else:
+            elements.update(solve_local(rest, apply(moved, held, elements), sd_b, opts))
         value = sq_distance(apply(moved, local, elements), sd_b, matched)
         if history is not None:
             history.append(value)
         if progress is not None:
             progress(f"sweep {sweep + 1}")
-        if value >= best_value * (1 - DESCENT_TOL):
-            break
-        best, best_value = dict(elements), value
+        if value >= best_value * (1 - tol):
+            if full or not held:
+                break
+            full = True  # converged with the lazy groups held: re-solve them once
+            continue
+        best, best_value, full = dict(elements), value, not held
     else:
         warnings.warn(f"coordinate descent stopped at the cap of {max_sweeps} sweeps while still improving "
                       f"(last {history[-1] if history else value:.6g}); raise max_sweeps to go on", stacklevel=2)

@@ -121,6 +121,30 @@ def augmented(batches: list, views: int, generator: torch.Generator) -> list:
     return out
 
 
+EXAMPLE_WORDS = {"image": "images", "text": "texts", "lm": "texts"}  # Data.format → what its examples are
+
+
+def examples_word(data: Data) -> str:
+    """What ``data``'s examples are called in reports: images, or texts (``.jsonl`` / ``.txt`` lines)."""
+    return EXAMPLE_WORDS.get(getattr(data, "format", None), "examples")
+
+
+def subsample_positions(batch: Batch, k: int, generator: torch.Generator) -> Batch:
+    """``batch`` scored on at most ``k`` of its next-token positions (drawn at random among the real
+    ones): a copy whose scoring mask keeps only those (the inputs, and so the forward, are unchanged).
+    Batches without a sequence mask (images) and batches with at most ``k`` positions come back as they are."""
+    if k <= 0 or batch.mask is None or batch.mask.dim() != 2:
+        return batch
+    scored = batch.mask[:, 1:].reshape(-1)
+    where = scored.nonzero().flatten()
+    if len(where) <= k:
+        return batch
+    keep = torch.zeros_like(scored)
+    keep[where[torch.randperm(len(where), generator=generator)[:k]]] = True
+    mask = torch.cat([torch.zeros_like(batch.mask[:, :1]), keep.reshape(batch.mask[:, 1:].shape)], 1)
+    return Batch(batch.inputs, batch.labels, mask)
+
+
 def _split(data: Data, holdout: float) -> tuple[list, list]:
     batches = list(data.batches)
     n_hold = int(round(holdout * len(batches))) if len(batches) > 1 else 0
@@ -168,7 +192,7 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
               "closed_form_seconds": time.perf_counter() - t0}
     rounds = max(1, min(settings.rounds, settings.steps))
     per_round = [settings.steps // rounds + (1 if r < settings.steps % rounds else 0) for r in range(rounds)]
-    elements, history, round_reports = dict(start), {"step": [], "train": [], "held_out": []}, []
+    elements, history, round_reports = dict(start), {"step": [], "train": []}, []
     skeleton = copy.deepcopy(anchor).to(torch.float32).eval()
     for p in skeleton.parameters():
         p.requires_grad_(False)
@@ -210,6 +234,8 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     g = torch.Generator().manual_seed(settings.seed + offset)
     n_original = len(train)
     train = train + augmented(train, settings.augment, g)
+    train = [subsample_positions(b, settings.positions, g) for b in train]
+    held = [subsample_positions(b, settings.positions, g) for b in held]
 
     def forward(sd, batch):
         # tied weights (an LM head sharing the embeddings) arrive under both names, with the same values
@@ -245,7 +271,8 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     best_state = {k: v.detach().clone() for k, v in params.state_dict().items()}
     best = start_value = held_out()
     info = {"parameters": sum(p.numel() for p in params.parameters()), "held_out_start": start_value,
-            "checked_on": "held-out part" if held else "training images (no held-out part: start and end only)"}
+            "checked_on": "held-out part" if held else f"training {examples_word(data)} (no held-out part: start and "
+                                                       "end only)"}
     if not params.p:
         info.update(steps=0, note="no continuous group elements to learn")
         return start, info
@@ -273,12 +300,12 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
         if on_step is not None:
             on_step(offset + step, params)
         if (step + 1) % settings.check_every == 0 or step + 1 == steps:
-            value = held_out() if held else float("nan")
             history["step"].append(offset + step + 1)
             history["train"].append(running)
-            history["held_out"].append(value)
-            if not held:
+            if not held:  # nothing held out: the history has no held-out column (not NaN)
                 continue
+            value = held_out()
+            history.setdefault("held_out", []).append(value)
             if value < best - 1e-7 * abs(best):
                 best, stale = value, 0
                 best_state = {k: v.detach().clone() for k, v in params.state_dict().items()}

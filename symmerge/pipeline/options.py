@@ -71,15 +71,18 @@ class LearnSettings:
     """Learned alignment: Adam on the continuous group elements, ``steps`` of ``batch`` examples, learning
     rate ``lr`` with cosine decay, α drawn from U(``alpha_low``, ``alpha_high``) at every step, a
     ``holdout`` fraction of the unlabeled data for early stopping (checked every ``check_every`` steps,
-    stopping after ``patience`` checks without improvement; 0, the default: every image trains, and the
-    objective is checked on the training images at the start and the end only — the end is kept only if
-    not worse), a ``seed``, and an optional time budget in
+    stopping after ``patience`` checks without improvement; 0, the default: every example trains, and the
+    objective is checked on the training examples at the start and the end only — the end is kept only if
+    not worse; the history then has no held-out column), a ``seed``, and an optional time budget in
     seconds (``budget``). ``start``: the closed form learning starts from (``activations``: activation
     matching on the same data; ``weights``: data-free weight matching); ``rounds``: the steps split into
     rounds with the FFN permutations re-solved between them (``repermute``: from the activations' unit
     correlations, or the weights); ``augment``: randomly flipped and shifted
     views of every training image (images only); ``target``: ``probabilities`` (α·p_A + (1−α)·p_B) or
-    ``log-probabilities`` (their normalised geometric mean). See :mod:`symmerge.pipeline.learn`; the
+    ``log-probabilities`` (their normalised geometric mean); ``positions`` (sequence models): the
+    objective on at most this many randomly chosen scored positions of each batch (drawn once, so the
+    endpoints' predictions are computed and cached there only; 0: every position); ``max_length``:
+    the alignment texts truncated to this many tokens (None: the model's context). See :mod:`symmerge.pipeline.learn`; the
     defaults are the best recipe measured on B1 (docs/results.md, "B1 with unlabeled data")."""
 
     steps: int = 200
@@ -97,6 +100,8 @@ class LearnSettings:
     augment: int = 4
     target: str = "log-probabilities"
     repermute: str = "activations"
+    positions: int = 0
+    max_length: int | None = None
 
     def __post_init__(self):
         if self.start not in LEARN_STARTS:
@@ -108,6 +113,9 @@ class LearnSettings:
         if self.rounds < 1 or self.augment < 0:
             raise SymmergeError(f"learned alignment needs rounds >= 1 and augment >= 0, got {self.rounds}, "
                                 f"{self.augment}")
+        if self.positions < 0 or (self.max_length is not None and self.max_length < 2):
+            raise SymmergeError(f"learned alignment needs positions >= 0 and max_length >= 2, got {self.positions}, "
+                                f"{self.max_length}")
         if self.steps < 1 or self.batch < 1 or not self.lr > 0:
             raise SymmergeError("learned alignment needs steps >= 1, batch >= 1 and lr > 0")
         if not 0.0 <= self.alpha_low < self.alpha_high <= 1.0:

@@ -1,0 +1,118 @@
+"""Data-free alignment time on the B7 pair (two Llamas, ``benchmarks.llama_text``), before and after the
+descent changes, in one run: where the seconds go and how the variants compare.
+
+Prints one JSON line. The variants take turns within each repeat (load from other processes hits them
+alike); medians over ``--repeats`` and ratios to ``eager`` (the descent before issue 25: head pairing
+re-solved on every sweep, relative stopping tolerance 1e-9):
+
+* ``eager``: ``solve(lazy=False, tol=1e-9)``;
+* ``lazy``: the default — head pairing held between full sweeps, tolerance 1e-9;
+* ``lazy_tol<T>`` for each ``--tols`` value: the lazy descent stopping when a sweep gains less than T
+  (relative) — early exit; its objective's excess over ``eager``'s is printed (``excess``).
+
+For each: wall seconds of ``align_pair`` (``recommended``, verification included), sweeps, the final
+squared distance over the matched tensors; and, once, the split of one ``align_pair``: set-up
+(binding, folding), the descent, the report's distances, the verification forward.
+
+    python -m benchmarks.bench_llama_align [--pair pydocs] [--random] [--repeats 3] [--tols 1e-6,1e-4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import json
+import os
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def load_pair(name: str, random: bool):
+    from symmerge.demo.datasets import cache_dir
+    from symmerge.io.model import load_model
+
+    if random:
+        from transformers import LlamaForCausalLM
+
+        from symmerge.demo.lm import llama_config
+
+        cfg = llama_config(4096)
+        torch.manual_seed(0)
+        a = LlamaForCausalLM(cfg).eval()
+        torch.manual_seed(1)
+        return a, LlamaForCausalLM(cfg).eval()
+    root = cache_dir() / "llama"
+    folders = [sorted(glob.glob(str(root / f"{name}-{m}-*")))[-1:] for m in "AB"]
+    if not all(folders):
+        raise SystemExit(f"no cached pair {name}-A/B under {root}: run python -m benchmarks.llama_text --train-only A "
+                         "(and B) first")
+    return tuple(load_model(Path(f[0])) for f in folders)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_llama_align")
+    p.add_argument("--pair", default="pydocs", help="cached pair name under ~/.cache/symmerge/llama (default pydocs)")
+    p.add_argument("--random", action="store_true", help="a random-init pair of the B7 shape instead")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tols", default="1e-6,1e-4", help="relative stopping tolerances of the early-exit variants")
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(a.threads)
+    warnings.simplefilter("ignore")
+    import symmerge.pipeline.align as align_mod
+    from symmerge.pipeline import engine
+    from symmerge.pipeline.options import AlignOptions
+
+    model, anchor = load_pair(a.pair, a.random)
+    options = AlignOptions(symmetries="recommended")
+    variants = {"eager": {"lazy": False, "tol": 1e-9}, "lazy": {"lazy": True, "tol": 1e-9}}
+    for t in [float(x) for x in a.tols.split(",") if x.strip()]:
+        variants[f"lazy_tol{t:g}"] = {"lazy": True, "tol": t}
+    original = engine.solve
+    runs = {k: [] for k in variants}
+    info = {}
+    try:
+        for _ in range(a.repeats):
+            for name, kw in variants.items():
+                align_mod.solve = functools.partial(original, **kw)
+                t0 = time.perf_counter()
+                res = align_mod.align_pair(model, anchor, options)
+                runs[name].append(time.perf_counter() - t0)
+                r = res.report
+                info[name] = {"sweeps": r["sweeps"], "objective": min(r["residual_sweeps_sq_distance"]),
+                              "match_seconds": r["match_seconds"], "verify_max_abs_diff": r["verify_max_abs_diff"]}
+        # where one default alignment's seconds go
+        align_mod.solve = original
+        stages = {}
+        t0 = time.perf_counter()
+        res = align_mod.align_pair(model, anchor, options.with_(verify=False))
+        no_verify = time.perf_counter() - t0
+        from symmerge.families import spec_for
+        from symmerge.pipeline.verify import verify_forward
+
+        t1 = time.perf_counter()
+        verify_forward(model, res.model, spec_for(model.config.model_type))
+        stages["verify_forward_s"] = time.perf_counter() - t1
+        stages["descent_s"] = res.report["match_seconds"]
+        stages["report_and_setup_s"] = no_verify - res.report["match_seconds"]
+    finally:
+        align_mod.solve = original
+    base = statistics.median(runs["eager"])
+    out = {"pair": "random" if a.random else a.pair, "load_average": os.getloadavg()[0], "repeats": a.repeats,
+           "stages_of_lazy": stages}
+    for name in variants:
+        med = statistics.median(runs[name])
+        out[name] = {"seconds": round(med, 3), "ratio": round(med / base, 3), **info[name],
+                     "excess": info[name]["objective"] / info["eager"]["objective"] - 1}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
