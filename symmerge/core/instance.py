@@ -14,7 +14,9 @@ class Slot:
     ``start``/``length``: the slice of the axis the group acts on (``length`` None: the whole axis);
     ``repeat``: member heads per group head (GQA: a query-head member of a KV-head group has
     ``H / H_kv``); ``diag``: a norm weight transformed as a diagonal matrix (residual group);
-    ``aliases``: keys declared tied to this one (they receive the same new tensor)."""
+    ``aliases``: keys declared tied to this one (they receive the same new tensor);
+    ``index``: the slot lies in the sub-tensor ``t[index]`` of a stacked tensor (one expert of fused
+    experts); ``axis`` counts the whole tensor's axes."""
 
     key: str
     axis: int
@@ -24,6 +26,7 @@ class Slot:
     repeat: int = 1
     diag: bool = False
     aliases: tuple[str, ...] = ()
+    index: int | None = None
 
 
 @dataclass(frozen=True)

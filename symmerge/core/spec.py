@@ -19,6 +19,9 @@ Member options for fused and grouped layouts:
   ``...ForTokenClassification`` model but the pooler's output in a ``...ForSequenceClassification``).
 * ``unless="..."``: a role that depends on another tensor's presence (ELECTRA's embeddings write the
   stream only when there is no ``embeddings_project``).
+* ``stacked=True``: the tensor stacks one copy of the role per index of its axis 0 (the fused experts of
+  a mixture of experts, ``(E, 2I, d)``): a group of such members binds one instance per index, each
+  acting on its own sub-tensor ``t[e]``; ``axis`` still counts the whole tensor's axes (≥ 1).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Member:
     diag: bool = False  # a norm weight (residual group): transformed as a diagonal matrix
     classes: tuple[str, ...] = ()  # only in models whose class name ends with one of these (head-specific roles)
     unless: str = ""  # not a member when this tensor (a template of the same kind) is present
+    stacked: bool = False  # one copy of the role per index of axis 0: one instance per index (fused experts)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class Spec:
     unsupported: tuple[tuple[str, str], ...] = ()  # (tensor template, reason): refuse checkpoints holding it
     probe: str = ""  # a tensor template every checkpoint of the family holds (locates the base model)
     layer: str = ""  # module path template of one layer (``encoder.layer.{i}``): its output is the stream
+    # why streamed alignment refuses the family ('' : it streams): transformers 5 fuses MoE experts in memory
+    # ((E, 2I, d) tensors) but saves them one tensor per expert, so the spec's names exist only in memory
+    in_memory_only: str = ""
 
     def group(self, name: str) -> Group | None:
         return next((g for g in self.groups if g.name == name), None)

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from ..core.spec import Spec
 from ..errors import SymmergeError
-from . import bert, deberta, distilbert, gpt2, llama, phi, vit
+from . import bert, deberta, distilbert, gpt2, llama, moe, phi, vit
 
 SPECS: tuple[Spec, ...] = (bert.SPEC, distilbert.SPEC, deberta.SPEC, vit.SPEC, gpt2.SPEC, llama.LLAMA, llama.QWEN3,
                            phi.SPEC)
+SPECS += (moe.MIXTRAL, moe.QWEN2_MOE, moe.QWEN3_MOE, moe.OLMOE)  # mixtures of experts
 
 # user-facing symmetry names (``--symmetries``), in the order groups are solved
 SYMMETRIES = ("heads", "attn", "ffn", "rescale", "residual")
+SYMMETRIES += ("experts",)  # mixtures of experts: the experts of a layer, with the router's rows
 
 
 def supported_model_types() -> list[str]:
