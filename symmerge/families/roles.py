@@ -134,8 +134,8 @@ def _expert_groups(p: str, moe: Experts) -> tuple[Group, ...]:
                   (Member(gate_up, 1, 0, chunk=(0, 2), stacked=True), Member(gate_up, 1, 1, chunk=(1, 2), stacked=True),
                    Member(down, 2, -1, stacked=True)), params=(("unit_scale", "nonzero"),))
     experts = Group("experts", "experts", "experts",
-                    (Member(f"{p}{moe.router}.weight", 0, 0), Member(f"{p}{moe.router}.bias", 0, 0, optional=True),
-                     Member(gate_up, 0, 0), Member(down, 0, 0)), params=(("inner", inner.name),))
+                    (Member(f"{p}{moe.router}.weight", 0, 0), Member(gate_up, 0, 0), Member(down, 0, 0)),
+                    params=(("inner", inner.name),))
     return experts, inner
 
 
