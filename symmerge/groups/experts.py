@@ -16,7 +16,8 @@ inner FFN permutations is maximising ``Σ_e S[π(e), e]`` with ``S[e, f]`` = the
 E² of them). One exact E × E assignment on ``S`` then gives the joint optimum; the inner group, solved
 next on the permuted model, finds the chosen pairs' inner permutations again (the same costs; unit
 scales too with ``rescale``). Without the ``ffn`` symmetry the inner permutations stay the identity and
-``S`` uses the unpermuted inner products.
+``S`` uses the unpermuted inner products. Cost: E² inner assignments per layer (64 for 8 experts, on
+``Options.workers`` threads), against E for the inner group alone.
 """
 
 from __future__ import annotations
