@@ -54,25 +54,31 @@ VARIANTS = (
 )
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpt2_text", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="results/gpt2-text", help="output folder (must not exist or be empty)")
+def add_text_args(p, out: str, hidden: int, layers: int, steps: int, lr: float) -> None:
+    """The options the Python-docs LM benchmarks share (B4, B6): output, corpus, model size, training,
+    held-out data (``hidden``, ``layers``, ``steps``, ``lr``: the benchmark's defaults)."""
+    p.add_argument("--out", default=out, help="output folder (must not exist or be empty)")
     p.add_argument("--tiny", action="store_true", help="tiny model, corpus subset, few steps: the smoke test")
     p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size (default 4096)")
-    p.add_argument("--context", type=int, default=128, help="tokens per training block = n_positions (default 128)")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--context", type=int, default=128, help="tokens per training block = the context (default 128)")
+    p.add_argument("--hidden", type=int, default=hidden)
+    p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--untied", action="store_true", help="an LM head of its own (default: tied to the embedding)")
-    p.add_argument("--steps", type=int, default=600, help="training steps per model (default 600)")
+    p.add_argument("--steps", type=int, default=steps, help=f"training steps per model (default {steps})")
     p.add_argument("--batch-size", type=int, default=16, help="blocks per step (default 16)")
-    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps (default 50)")
     p.add_argument("--seeds", default="0,1", help="seeds of models A and B")
     p.add_argument("--test-examples", type=int, default=1000, help="held-out paragraphs for the endpoints' scores")
     p.add_argument("--curve-examples", type=int, default=300, help="held-out paragraphs for the LMC curves")
     p.add_argument("--points", type=int, default=11, help="α values on each LMC curve")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpt2_text", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_text_args(p, "results/gpt2-text", hidden=256, layers=6, steps=600, lr=1.5e-3)
+    p.add_argument("--untied", action="store_true", help="an LM head of its own (default: tied to the embedding)")
     p.add_argument("--residual", choices=RESIDUAL_CHOICES, default="permutation",
                    help="the residual-stream group of the '…residual' variants (AlignOptions.residual)")
     p.add_argument("--untie", action="store_true",

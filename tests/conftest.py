@@ -117,6 +117,7 @@ def fp64_rmsnorm(monkeypatch):
     for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm):
         monkeypatch.setattr(cls, "forward", forward)
     _fp64_dense_families(monkeypatch, forward)
+    _fp64_moe(monkeypatch, forward)
 
 
 def _fp64_dense_families(monkeypatch, forward):
@@ -134,6 +135,29 @@ def _fp64_dense_families(monkeypatch, forward):
         monkeypatch.setattr(cls, "forward", forward)
     for cls in (GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm):
         monkeypatch.setattr(cls, "forward", gemma_forward)
+
+
+def _fp64_moe(monkeypatch, norm_forward):
+    """The same for the mixtures of experts' RMSNorms, and their routers, which take the softmax of the
+    router logits in float32 (``router_logits.float()``): here in the logits' dtype (float32 inputs:
+    identical)."""
+    import importlib
+
+    for name, prefix in (("mixtral", "Mixtral"), ("qwen2_moe", "Qwen2Moe"), ("qwen3_moe", "Qwen3Moe"), ("olmoe", "Olmoe")):
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        monkeypatch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", norm_forward)
+        router = getattr(module, f"{prefix}TopKRouter")
+
+        def route(self, hidden_states):
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            logits = torch.nn.functional.linear(hidden_states, self.weight)
+            probs = torch.softmax(logits, dim=-1)
+            top, index = torch.topk(probs, self.top_k, dim=-1)
+            if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), index
+
+        monkeypatch.setattr(router, "forward", route)
 
 
 # ------------------------------------------------------------------ CLI: model folders, data files, evaluation

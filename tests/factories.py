@@ -62,6 +62,21 @@ def _configs():
         "qwen3": (lambda: T.Qwen3Config(**decoder, head_dim=DEC_HIDDEN // DEC_HEADS), T.Qwen3Model, T.Qwen3ForCausalLM),
         "phi": (lambda: T.PhiConfig(**decoder, partial_rotary_factor=0.5), T.PhiModel, T.PhiForCausalLM),
         **_dense_configs(T, decoder),
+        **_moe_configs(T, decoder),
+    }
+
+
+def _moe_configs(T, decoder: dict) -> dict:
+    """Mixtures of experts: 4 experts of 16 units, top-2; the routing normalisation both ways."""
+    moe = {**decoder, "intermediate_size": 16, "num_experts_per_tok": 2}
+    qwen = dict(num_experts=4, moe_intermediate_size=16, head_dim=DEC_HIDDEN // DEC_HEADS)
+    return {
+        "mixtral": (lambda: T.MixtralConfig(**moe, num_local_experts=4), T.MixtralModel, T.MixtralForCausalLM),
+        "qwen2_moe": (lambda: T.Qwen2MoeConfig(**moe, **qwen, shared_expert_intermediate_size=20, norm_topk_prob=False),
+                      T.Qwen2MoeModel, T.Qwen2MoeForCausalLM),
+        "qwen3_moe": (lambda: T.Qwen3MoeConfig(**moe, **qwen, norm_topk_prob=True), T.Qwen3MoeModel,
+                      T.Qwen3MoeForCausalLM),
+        "olmoe": (lambda: T.OlmoeConfig(**moe, num_experts=4, norm_topk_prob=False), T.OlmoeModel, T.OlmoeForCausalLM),
     }
 
 
@@ -93,6 +108,10 @@ FAMILIES = ("bert", "roberta", "electra", "distilbert", "deberta-v2", "deberta-v
             "llama-bias", "mistral", "qwen2", "qwen3", "phi") + DENSE
 DECODERS = ("gpt2", "llama", "llama-bias", "mistral", "qwen2", "qwen3", "phi") + DENSE
 RMSNORM = ("llama", "llama-bias", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # mixtures of experts (decoders with RMSNorm)
+FAMILIES += MOE
+DECODERS += MOE
+RMSNORM += MOE
 PRE_LAYERNORM = ("vit", "gpt2", "phi", "gpt_neox")  # pre-LN LayerNorm: O(d-1) after folding ("largest"), or permutations
 WITH_RESIDUAL = FAMILIES  # every family's task models have a residual-stream group
 
@@ -110,6 +129,8 @@ def make_model(family: str, head: bool = False, dtype=torch.float64, seed: int =
         config.tie_word_embeddings = bool(tied)
     if head and family not in DECODERS:
         config.num_labels = 3
+    if family in MOE and dtype == torch.float64:  # the default grouped_mm experts take no float64
+        config._experts_implementation = "eager"
     torch.manual_seed(seed)
     model = (head_cls if head else base_cls)(config)
     g = torch.Generator().manual_seed(seed + 1000)
@@ -120,7 +141,7 @@ def make_model(family: str, head: bool = False, dtype=torch.float64, seed: int =
     return model.to(dtype).eval()
 
 
-def disguised(anchor, symmetries=("heads", "attn", "ffn", "rescale", "residual"), seed: int = 1, noise: float = 0.0,
+def disguised(anchor, symmetries=("heads", "attn", "ffn", "rescale", "residual", "experts"), seed: int = 1, noise: float = 0.0,
               residual: str = "largest"):
     """``(model, noise norm, canonical anchor state dict)``: a hidden random element of every group of
     ``symmetries`` (with scales if ``rescale``) applied to the anchor in canonical form, plus Gaussian

@@ -211,3 +211,24 @@ def test_width_study_small_end_to_end(tmp_path, mnist_5k_cache):
         for c in row["curves"].values():
             assert c["barrier"] >= -1e-9 and 0 <= c["accuracy_mid"] <= 1 and c["loss_mid"] > 0
     assert "| 16 |" in (out / "tables.md").read_text()
+
+
+def test_moe_text_tiny_end_to_end(tmp_path, monkeypatch):
+    """B6's pipeline on a tiny Mixtral pair: every variant (learned included) aligns without changing A's
+    function, and adding ``experts`` never moves A further from B than the dense groups alone."""
+    from symmerge.demo import text
+
+    bench, out, r = run_tiny(tmp_path, monkeypatch, text.python_docs_dir, "python-docs",
+                             "the Python documentation corpus", "moe_text", extra=("--learn-steps", "3"))
+    rows = {x["variant"]: x for x in r["variants"]}
+    assert list(rows) == list(bench.VARIANTS) + ["learned"]
+    table = (out / "tables.md").read_text()
+    for v in rows:
+        assert f"| {v} |" in table
+    ea, eb = r["endpoints"]["A"], r["endpoints"]["B"]
+    assert ea["test_loss"] < math.log(r["config"]["vocab_size"]) - 0.3 and ea["test_loss"] != eb["test_loss"]
+    for x in rows.values():  # α = 1 is A (aligned: the same function), α = 0 is B
+        assert x["loss"][-1] == pytest.approx(rows["none"]["loss"][-1], rel=1e-4)
+        assert x["loss"][0] == pytest.approx(rows["none"]["loss"][0], rel=1e-9)
+        assert (x["match_seconds"] > 0) == (x["variant"] != "none")
+    assert rows[bench.EXPERTS]["distance"] <= rows[bench.DENSE]["distance"] + 1e-6 < rows["none"]["distance"]

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 CONTROL_MIN = 1e-3  # a broken transform must change outputs by at least this (relative)
-ALL = ("heads", "attn", "ffn", "rescale", "residual")
+ALL = ("heads", "attn", "ffn", "rescale", "residual", "experts")
 
 
 @functools.cache

@@ -15,6 +15,9 @@ has the same names without the base-model prefix, e.g. 'vit.').
                group's scale s: per head (attention), per RoPE frequency pair, per SwiGLU unit. Shown
                only on groups that have a scale; permutations of heads, of plain FFN units and of the
                residual stream have none.
+  per expert   mixtures of experts: the tensor stacks the experts on its axis 0 (as transformers fuses
+               them in memory; checkpoints store one tensor per expert); the group has one instance per
+               expert, acting on that expert's slice (axis N counts the whole tensor's axes).
 """
 
 def has_scale(group) -> bool:
@@ -40,6 +43,8 @@ def run(args) -> int:
     for spec in SPECS:
         task_class, names = template_disk_names(spec)
         print(f"{spec.family}  (model_type: {', '.join(spec.model_types)}; names as in a {task_class} checkpoint)")
+        if spec.in_memory_only:
+            print(f"    in memory only: {spec.in_memory_only}")
         for g in spec.groups:
             print(f"  {describe(g)}")
             scale = has_scale(g)
@@ -48,6 +53,7 @@ def run(args) -> int:
                 extra = f", part {m.chunk[0] + 1} of {m.chunk[1]}" if m.chunk[1] > 1 else ""
                 extra += f" sized {'/'.join(m.parts)} heads" if m.parts else ""
                 extra += " of every head" if m.interleaved else ""
+                extra += ", per expert" if m.stacked else ""
                 print(f"      {names.get((m.name, m.root), m.name)}  [{', '.join(marks)}{extra}]")
             if g.param("pair_norms"):
                 norms = ", ".join(names.get((n, False), n) for n in g.param("pair_norms"))

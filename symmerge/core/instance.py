@@ -15,7 +15,9 @@ class Slot:
     ``repeat``: member heads per group head (GQA: a query-head member of a KV-head group has
     ``H / H_kv``); ``diag``: a norm weight transformed as a diagonal matrix (residual group);
     ``aliases``: keys declared tied to this one (they receive the same new tensor); ``period``: a strided
-    slice (head-interleaved fused layouts): ``start``/``length`` repeat in every ``period`` rows of the axis."""
+    slice (head-interleaved fused layouts): ``start``/``length`` repeat in every ``period`` rows of the axis;
+    ``index``: the slot lies in the sub-tensor ``t[index]`` of a stacked tensor (one expert of fused
+    experts); ``axis`` counts the whole tensor's axes."""
 
     key: str
     axis: int
@@ -26,6 +28,7 @@ class Slot:
     diag: bool = False
     aliases: tuple[str, ...] = ()
     period: int | None = None
+    index: int | None = None
 
 
 @dataclass(frozen=True)

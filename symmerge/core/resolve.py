@@ -85,8 +85,8 @@ class Binding:
 
     def _slot(self, key: str, m: Member, blocks: int | None) -> Slot:
         t = self.state_dict[key]
-        if not 0 <= m.axis < t.dim():
-            raise SymmergeError(f"{self.disk(key)}: has no axis {m.axis}")
+        if not 0 <= m.axis < t.dim() or (m.stacked and m.axis == 0):
+            raise SymmergeError(f"{self.disk(key)}: has no axis {m.axis}" + " below its stacking axis" * m.stacked)
         k, n = m.chunk
         total = t.shape[m.axis]
         if total % n and not m.parts:
@@ -142,6 +142,18 @@ class Binding:
             bad = next(s for s, z in zip(slots, sizes) if z != sizes[0])
             raise SymmergeError(f"{self.disk(bad.key)}: axis {bad.axis} does not match {self.disk(slots[0].key)} ({sizes})")
         return Instance(f"layer.{layer}.{group.name}", layer, group, tuple(slots), blocks, sizes[0])
+
+    def stacked_instances(self, group: Group, layer: int) -> list[Instance]:
+        """One instance per index ``e`` of axis 0 of the group's stacked members (fused experts
+        ``(E, ...)``: the FFN inside each expert), named ``layer.{i}.{group}.{e}``, whose slots lie in the
+        sub-tensors ``t[e]``. Every member must be stacked, and all on the same number of experts."""
+        base = self.instance(group, layer, blocked=False)
+        counts = {self.state_dict[s.key].shape[0] for s in base.slots}
+        if not all(m.stacked for m in group.members) or len(counts) != 1:
+            raise SymmergeError(f"{group.name}: its stacked tensors do not hold one common number of experts "
+                                f"({', '.join(self.disk(s.key) for s in base.slots)})")
+        return [replace(base, name=f"{base.name}.{e}", slots=tuple(replace(s, index=e) for s in base.slots))
+                for e in range(counts.pop())]
 
     def model_instance(self, group: Group) -> Instance:
         """The model-wide instance of a group whose members span every layer and the tensors outside
@@ -225,7 +237,9 @@ def resolve(spec: Spec, state_dict, num_layers: int, num_heads: int, layers=None
             kind = get_kind(group.kind)
             if kind.per_layer:
                 inst = kind.bind(group, ctx, i)
-                if inst is not None:
+                if isinstance(inst, list):  # one instance per expert (stacked members)
+                    out += inst
+                elif inst is not None:
                     out.append(inst)
     if model_wide:
         for group in spec.groups:

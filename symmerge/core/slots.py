@@ -26,9 +26,16 @@ def fast_dtype(*tensors) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def sub_tensor(t: torch.Tensor, slot: Slot) -> tuple[torch.Tensor, int]:
+    """(the tensor the slot lies in, the slot's axis there): ``t[index]`` of a stacked tensor (one expert
+    of fused experts) and the axis one lower, else ``t`` itself (a view either way)."""
+    return (t, slot.axis) if slot.index is None else (t[slot.index], slot.axis - 1)
+
+
 def segment(t: torch.Tensor, slot: Slot) -> torch.Tensor:
     """The slot's slice of its axis, moved first (a view; a copy for a strided slot)."""
-    x = t.detach().movedim(slot.axis, 0)
+    sub, axis = sub_tensor(t.detach(), slot)
+    x = sub.movedim(axis, 0)
     if slot.length is None:
         return x
     if slot.period is not None:
@@ -61,6 +68,10 @@ def unit_matrix(t: torch.Tensor, slot: Slot, dtype=None) -> torch.Tensor:
 def with_segment(t: torch.Tensor, slot: Slot, new: torch.Tensor) -> torch.Tensor:
     """A new tensor: ``t`` with the slot's segment replaced by ``new`` (axis first, any dtype)."""
     new = new.to(t.dtype)
+    if slot.index is not None:  # written through a view of a copy of the whole stacked tensor
+        out = t.detach().clone()
+        segment(out, slot).copy_(new)
+        return out
     if slot.length is None:
         return new.movedim(0, slot.axis).contiguous()
     out = t.detach().movedim(slot.axis, 0).clone()
@@ -74,7 +85,7 @@ def with_segment(t: torch.Tensor, slot: Slot, new: torch.Tensor) -> torch.Tensor
 def index_axis(t: torch.Tensor, slot: Slot, index: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of the slot's axis re-indexed (``new[j] = old[index[j]]``), optionally times ``factor[j]``:
     exact (no arithmetic unless a factor is given), and without transposed copies of whole tensors."""
-    if slot.length is None:
+    if slot.length is None and slot.index is None:
         y = t.detach().index_select(slot.axis, index.to(t.device))
         if factor is not None:
             shape = [1] * y.dim()

@@ -24,6 +24,9 @@ Member options for fused and grouped layouts:
   ``...ForTokenClassification`` model but the pooler's output in a ``...ForSequenceClassification``).
 * ``unless="..."``: a role that depends on another tensor's presence (ELECTRA's embeddings write the
   stream only when there is no ``embeddings_project``).
+* ``stacked=True``: the tensor stacks one copy of the role per index of its axis 0 (the fused experts of
+  a mixture of experts, ``(E, 2I, d)``): a group of such members binds one instance per index, each
+  acting on its own sub-tensor ``t[e]``; ``axis`` still counts the whole tensor's axes (≥ 1).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Member:
     unless: str = ""  # not a member when this tensor (a template of the same kind) is present
     parts: tuple[str, ...] = ()  # chunk slices sized by these head counts ("query"/"kv") instead of equal
     interleaved: bool = False  # chunk k of n inside each head's block (head-interleaved fused layouts)
+    stacked: bool = False  # one copy of the role per index of axis 0: one instance per index (fused experts)
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ class Spec:
     unsupported: tuple[tuple[str, str], ...] = ()  # (tensor template, reason): refuse checkpoints holding it
     probe: str = ""  # a tensor template every checkpoint of the family holds (locates the base model)
     layer: str = ""  # module path template of one layer (``encoder.layer.{i}``): its output is the stream
+    # why streamed alignment refuses the family ('' : it streams): transformers 5 fuses MoE experts in memory
+    # ((E, 2I, d) tensors) but saves them one tensor per expert, so the spec's names exist only in memory
+    in_memory_only: str = ""
 
     def group(self, name: str) -> Group | None:
         return next((g for g in self.groups if g.name == name), None)

@@ -1,7 +1,8 @@
-"""Train small ``transformers`` GPT-2 language models from scratch, reproducibly, with a cache.
+"""Train small ``transformers`` language models from scratch, reproducibly, with a cache.
 
 :func:`train_gpt2` trains a ``GPT2LMHeadModel`` built from a small :class:`GPT2Config`
-(:func:`gpt2_config`) on token blocks (int (N, T): non-overlapping windows of a token stream, see
+(:func:`gpt2_config`), :func:`train_lm` any causal LM class its config names (a small Mixtral from
+:func:`mixtral_config`: benchmark B6), on token blocks (int (N, T): non-overlapping windows of a token stream, see
 :func:`symmerge.demo.text.blocks`) with the loop of :func:`symmerge.demo.train.fit` — fixed seed for
 the initialisation and the block order, AdamW with warm-up then cosine decay, gradient clipping,
 periodic validation loss. The result is an HF folder with the tokenizer and ``train_report.json``,
@@ -37,6 +38,25 @@ def gpt2_config(vocab_size: int, context: int = 128, hidden: int = 256, layers: 
                       n_inner=inner, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                       initializer_range=initializer_range, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
                       pad_token_id=eos_token_id, tie_word_embeddings=tie, architectures=["GPT2LMHeadModel"])
+
+
+def mixtral_config(vocab_size: int, context: int = 128, hidden: int = 128, layers: int = 4, heads: int = 4,
+                   experts: int = 8, top_k: int = 2, inner: int | None = None, eos_token_id: int = 0,
+                   initializer_range: float = 0.02):
+    """A small ``MixtralConfig`` for ``MixtralForCausalLM``: ``experts`` SwiGLU experts of ``inner`` units
+    (default hidden) per layer, ``top_k`` of them per token, untied LM head, no dropout or router jitter;
+    the router's load-balancing loss is added in training (``router_aux_loss_coef``, 0.001)."""
+    from transformers import MixtralConfig
+
+    if hidden % heads:
+        raise SymmergeError(f"hidden size {hidden} is not divisible by {heads} heads")
+    if not 0 <= eos_token_id < vocab_size:
+        raise SymmergeError(f"eos token id {eos_token_id} outside the vocabulary of {vocab_size}")
+    return MixtralConfig(vocab_size=vocab_size, max_position_embeddings=context, hidden_size=hidden,
+                         intermediate_size=inner or hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=heads, num_local_experts=experts, num_experts_per_tok=top_k,
+                         initializer_range=initializer_range, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
+                         pad_token_id=eos_token_id, tie_word_embeddings=False, architectures=["MixtralForCausalLM"])
 
 
 def lm_scores(model, blocks, batch_size: int = 32) -> tuple[float, float]:
@@ -98,8 +118,8 @@ def train_gpt2(config, blocks, settings: TrainSettings, tokenizer, name: str = "
     unaffected). ``root``: cache root (default ``<cache_dir()>/gpt2``)."""
     from transformers import GPT2LMHeadModel
 
-    return train_causal_lm(GPT2LMHeadModel, "gpt2-lm", "gpt2", config, blocks, settings, tokenizer, name,
-                           eval_blocks, eval_every, eval_max, cache, root, progress, log)
+    return train_lm(config, blocks, settings, tokenizer, name, eval_blocks, eval_every, eval_max, cache, root,
+                    progress, log, subdir="gpt2", kind="gpt2-lm", model_class=GPT2LMHeadModel)
 
 
 def train_llama(config, blocks, settings: TrainSettings, tokenizer, name: str = "llama", eval_blocks=None,
@@ -109,15 +129,20 @@ def train_llama(config, blocks, settings: TrainSettings, tokenizer, name: str = 
     ``<cache_dir()>/llama`` unless ``root``."""
     from transformers import LlamaForCausalLM
 
-    return train_causal_lm(LlamaForCausalLM, "llama-lm", "llama", config, blocks, settings, tokenizer, name,
-                           eval_blocks, eval_every, eval_max, cache, root, progress, log)
+    return train_lm(config, blocks, settings, tokenizer, name, eval_blocks, eval_every, eval_max, cache, root,
+                    progress, log, subdir="llama", kind="llama-lm", model_class=LlamaForCausalLM)
 
 
-def train_causal_lm(model_class, kind: str, subdir: str, config, blocks, settings: TrainSettings, tokenizer,
-                    name: str, eval_blocks=None, eval_every: int = 0, eval_max: int = 128, cache: bool = True,
-                    root=None, progress: bool = True, log=print) -> Path:
-    """The loop of :func:`train_gpt2` / :func:`train_llama` for any ``transformers`` causal LM class;
-    ``kind`` goes into the cache key, ``subdir`` names the cache folder."""
+def train_lm(config, blocks, settings: TrainSettings, tokenizer, name: str = "lm", eval_blocks=None,
+             eval_every: int = 0, eval_max: int = 128, cache: bool = True, root=None, progress: bool = True,
+             log=print, subdir: str = "lm", kind: str = "causal-lm", train_kwargs: dict | None = None,
+             model_class=None) -> Path:
+    """The loop of :func:`train_gpt2` / :func:`train_llama` for ``model_class`` (default: the causal LM
+    class ``config.architectures[0]`` names), cached under ``<cache_dir()>/<subdir>``; ``kind`` goes into
+    the cache key; ``train_kwargs``: extra forward arguments in training (a mixture of experts:
+    ``output_router_logits=True`` adds the router's load-balancing loss to the loss)."""
+    import transformers
+
     x = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.int64))
     if x.ndim != 2 or len(x) == 0 or x.shape[1] < 2:
         raise SymmergeError(f"token blocks must be (N >= 1, T >= 2), got shape {tuple(x.shape)}")
@@ -127,18 +152,19 @@ def train_causal_lm(model_class, kind: str, subdir: str, config, blocks, setting
         raise SymmergeError(f"token ids must lie in 0..{config.vocab_size - 1}, got {int(x.min())}..{int(x.max())}")
     if len(tokenizer) != config.vocab_size:
         raise SymmergeError(f"the tokenizer has {len(tokenizer)} tokens, the config {config.vocab_size}")
-    key = inputs_key(config, settings, [x.numpy()], extra={"kind": kind, "tokenizer": tokenizer_hash(tokenizer)})
+    extra = {"kind": kind, "tokenizer": tokenizer_hash(tokenizer), **({"train_kwargs": train_kwargs} if train_kwargs else {})}
+    key = inputs_key(config, settings, [x.numpy()], extra=extra)
     out, found = cached_folder(root, subdir, name, key, cache, log)
     if found:
         return out
 
     torch.manual_seed(settings.seed)
     with quiet_transformers():
-        model = model_class(config).float()
+        model = (model_class or getattr(transformers, config.architectures[0]))(config).float()
 
     def batch_loss(idx):
         ids = x[idx]
-        return model(input_ids=ids, labels=ids).loss
+        return model(input_ids=ids, labels=ids, **(train_kwargs or {})).loss
 
     def evaluate():
         loss, acc = lm_scores(model, eval_blocks[:eval_max])

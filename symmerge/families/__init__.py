@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from ..core.spec import Spec
 from ..errors import SymmergeError
-from . import bert, deberta, distilbert, gemma, gpt2, gpt_neox, llama, olmo2, phi, phi3, vit
+from . import bert, deberta, distilbert, gemma, gpt2, gpt_neox, llama, moe, olmo2, phi, phi3, vit
 
 SPECS: tuple[Spec, ...] = (bert.SPEC, distilbert.SPEC, deberta.SPEC, vit.SPEC, gpt2.SPEC, llama.LLAMA, llama.QWEN3,
                            phi.SPEC)
-# dense decoder families of issue 22 (kept as a separate line: other additions go on their own lines)
+# dense decoder families of issue 22
 SPECS += (gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3, gpt_neox.SPEC, phi3.SPEC, olmo2.SPEC)
+SPECS += (moe.MIXTRAL, moe.QWEN2_MOE, moe.QWEN3_MOE, moe.OLMOE)  # mixtures of experts
 
 # user-facing symmetry names (``--symmetries``), in the order groups are solved
 SYMMETRIES = ("heads", "attn", "ffn", "rescale", "residual")
+SYMMETRIES += ("experts",)  # mixtures of experts: the experts of a layer, with the router's rows
 
 
 def supported_model_types() -> list[str]:

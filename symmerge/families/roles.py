@@ -40,6 +40,10 @@ class Attention:
     pair_norms: tuple[str, ...] = ()  # per-head norms between the projection and RoPE (Qwen3 q_norm/k_norm)
     pair_norms_span_heads: bool = False  # the pair norms normalise the whole projection (OLMo 2): one weight
     # per dim of every head, so they also move with the head permutation
+    # (q norm, k norm) over the whole q and k, all heads together (OLMoE): permuted with the heads; they
+    # leave no QK group (a rotation inside a head does not commute with their elementwise weight, and
+    # the norm removes a QK scale, so its inverse on K would change the scores)
+    whole_norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,19 @@ class Stream:
     writer_norms: tuple[str, ...] = ()  # per layer: norms on a block's output before the residual add (Gemma 2/3
     # sandwich norms, OLMo 2): they cannot fold, so the stream keeps to signed permutations unless they are uniform
     offset: float = 0.0  # the norms multiply by offset + weight (Gemma's RMSNorm: 1 + w)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts block as transformers 5 holds it in memory: the ``router`` module (a weight of
+    one row per expert), the experts' SwiGLU FFNs fused in 3-D tensors ``gate_up`` ((E, 2I, d): each
+    expert's gate rows, then its up rows) and ``down`` ((E, d, I)), and other modules of the block reading
+    the stream (``readers``: Qwen2-MoE's shared-expert gate). A shared expert is the family's ``MLP``."""
+
+    router: str
+    gate_up: str
+    down: str
+    readers: tuple[str, ...] = ()
 
 
 # task heads of decoders reading the final norm's output: LM, sequence / token classification, QA
@@ -114,9 +131,26 @@ def _attention_groups(p: str, att: Attention, layout: Layout) -> tuple[Group, ..
     vo = Group("attn.vo", "head_orthogonal", "attn", v + o, heads=kv)
     norms = tuple(Member(p + n, 0, 0, heads=h, diag=True) for n, h in zip(att.pair_norms, ("query", kv))) \
         if att.pair_norms_span_heads else ()
+    if att.whole_norms:
+        qn, kn = att.whole_norms
+        norms = (Member(f"{p}{qn}.weight", 0, 0), Member(f"{p}{kn}.weight", 0, 0, heads=kv))
+        return Group("heads", "heads", "heads", q + k + v + o + norms, heads=kv, params=(("couples", ("attn.vo",)),)), vo
     heads = Group("heads", "heads", "heads", q + k + v + o + norms, heads=kv,
                   params=(("couples", ("attn.qk", "attn.vo")),))
     return heads, qk, vo
+
+
+def _expert_groups(p: str, moe: Experts) -> tuple[Group, ...]:
+    """The permutation of the experts (router rows and the fused tensors' axis 0 together), then the FFN
+    permutation inside each expert (one instance per expert, SwiGLU: the up rows with a unit scale)."""
+    gate_up, down = p + moe.gate_up, p + moe.down
+    inner = Group("expert_ffn", "permutation", "ffn",
+                  (Member(gate_up, 1, 0, chunk=(0, 2), stacked=True), Member(gate_up, 1, 1, chunk=(1, 2), stacked=True),
+                   Member(down, 2, -1, stacked=True)), params=(("unit_scale", "nonzero"),))
+    experts = Group("experts", "experts", "experts",
+                    (Member(f"{p}{moe.router}.weight", 0, 0), Member(gate_up, 0, 0), Member(down, 0, 0)),
+                    params=(("inner", inner.name),))
+    return experts, inner
 
 
 def _mlp_group(p: str, mlp: MLP, layout: Layout) -> Group:
@@ -130,13 +164,16 @@ def _mlp_group(p: str, mlp: MLP, layout: Layout) -> Group:
     return Group("ffn", "permutation", "ffn", members, params=(("unit_scale", "nonzero"),) if gated else ())
 
 
-def _readers(p: str, att: Attention, mlp: MLP, block: str, layout: Layout) -> tuple[Member, ...]:
+def _readers(p: str, att: Attention, mlp: MLP | None, block: str, layout: Layout,
+             moe: Experts | None = None) -> tuple[Member, ...]:
     """The weights reading the output of a norm that feeds ``block`` ("attn", "mlp" or "both"), at
     their input axis (power 0: a scale of the stream does not reach them through the norm)."""
     attn = (att.fused,) if att.fused else (att.q, att.k, att.v)
-    mods = (attn if block in ("attn", "both") else ()) + \
-        ((mlp.gate,) * bool(mlp.gate) + (mlp.fused,) * bool(mlp.fused) + mlp.inputs if block in ("mlp", "both") else ())
-    return tuple(m for name in mods for m in columns(p + name, 0, layout=layout))
+    ffn = ((mlp.gate,) * bool(mlp.gate) + (mlp.fused,) * bool(mlp.fused) + mlp.inputs if mlp else ()) + \
+        ((moe.router,) + moe.readers if moe else ())
+    mods = (attn if block in ("attn", "both") else ()) + (ffn if block in ("mlp", "both") else ())
+    experts = (Member(p + moe.gate_up, 2, 0),) if moe and block in ("mlp", "both") else ()
+    return tuple(m for name in mods for m in columns(p + name, 0, layout=layout)) + experts
 
 
 def mlm_transform(dense: str, norm: str, decoder: str, unless: str = "", reader: bool = True) -> tuple[Member, ...]:
@@ -152,12 +189,14 @@ def mlm_transform(dense: str, norm: str, decoder: str, unless: str = "", reader:
                   Member(f"{decoder}.weight", 1, 0, optional=True, root=True, unless=unless))
 
 
-def _stream_group(p: str, att: Attention, mlp: MLP, stream: Stream, layout: Layout) -> tuple[Group, tuple[Fold, ...]]:
+def _stream_group(p: str, att: Attention, mlp: MLP | None, stream: Stream, layout: Layout,
+                  moe: Experts | None = None) -> tuple[Group, tuple[Fold, ...]]:
     members = tuple(stream.embeddings)
-    members += _readers(p, att, mlp, "both", layout)
+    members += _readers(p, att, mlp, "both", layout, moe)
     members += tuple(Member(f"{p}{n}.weight", layout.in_axis, 0, optional=True) for n in stream.extra_readers)
-    for w in (att.o, mlp.output):  # writers: output rows and bias (power +1: they carry a scale of the stream)
+    for w in (att.o,) + ((mlp.output,) if mlp else ()):  # writers: output rows and bias (power +1: they carry a scale of the stream)
         members += rows(p + w, 1, layout=layout)
+    members += (Member(p + moe.down, 1, 1),) if moe else ()  # each expert's output rows
     norms = [p + n for n, _ in stream.norms] + ([stream.final] if stream.final else [])
     fixed = tuple(p + n + ".weight" for n in stream.writer_norms)
     for n in norms + [p + n for n in stream.writer_norms]:
@@ -170,24 +209,28 @@ def _stream_group(p: str, att: Attention, mlp: MLP, stream: Stream, layout: Layo
     folds: tuple[Fold, ...] = ()
     if stream.placement == "pre":
         bias = (lambda n: n + ".bias") if stream.norm == "layernorm" else (lambda n: None)
-        folds = tuple(Fold(p + n + ".weight", _readers(p, att, mlp, block, layout), bias(p + n), stream.offset)
+        folds = tuple(Fold(p + n + ".weight", _readers(p, att, mlp, block, layout, moe), bias(p + n), stream.offset)
                       for n, block in stream.norms)
         if stream.final:
             folds += (Fold(stream.final + ".weight", tuple(stream.heads), bias(stream.final), stream.offset),)
     return Group("residual", "residual", "residual", members, params=params), folds
 
 
-def build(family: str, model_types: tuple[str, ...], layer: str, attention: Attention, mlp: MLP,
+def build(family: str, model_types: tuple[str, ...], layer: str, attention: Attention, mlp: MLP | None,
           stream: Stream | None = None, inputs: str = "text", conv1d: bool = False,
-          partial_rotary: bool = False, unsupported: tuple[tuple[str, str], ...] = ()) -> Spec:
-    """The spec of a family from its roles; ``layer`` is the template of one layer's module path."""
+          partial_rotary: bool = False, unsupported: tuple[tuple[str, str], ...] = (),
+          moe: Experts | None = None, in_memory_only: str = "") -> Spec:
+    """The spec of a family from its roles; ``layer`` is the template of one layer's module path; ``mlp``
+    may be None with ``moe`` (a mixture of experts; ``mlp`` is then its shared expert, if any)."""
     layout = Layout(conv1d)
     p = layer + "."
-    groups = _attention_groups(p, attention, layout) + (_mlp_group(p, mlp, layout),)
+    groups = _attention_groups(p, attention, layout) + (_expert_groups(p, moe) if moe else ())
+    groups += (_mlp_group(p, mlp, layout),) if mlp else ()
     folds: tuple[Fold, ...] = ()
     if stream is not None:
-        residual, folds = _stream_group(p, attention, mlp, stream, layout)
+        residual, folds = _stream_group(p, attention, mlp, stream, layout, moe)
         groups += (residual,)
     probe = f"{p}{attention.fused or attention.q}.weight"
     return Spec(family, tuple(model_types), groups, inputs, folds, partial_rotary,
-                tuple((p + t if not t.startswith("/") else t[1:], r) for t, r in unsupported), probe, layer)
+                tuple((p + t if not t.startswith("/") else t[1:], r) for t, r in unsupported), probe, layer,
+                in_memory_only)

@@ -33,4 +33,8 @@ from . import head_orthogonal, heads, permutation, residual, rope_pairs  # noqa:
 for _module in (heads, head_orthogonal, rope_pairs, permutation, residual):
     register(_module.KIND)
 
+from . import experts  # noqa: E402  (mixtures of experts)
+
+register(experts.KIND)
+
 __all__ = ["Kind", "Options", "RESCALE_MODES", "KINDS", "register", "get_kind"]

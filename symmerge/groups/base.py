@@ -64,7 +64,10 @@ class Kind:
     # ------------------------------------------------------------------ binding
     def bind(self, group, ctx, layer):
         """The instance of ``group`` in ``layer`` (or model-wide when not ``per_layer``), or None when
-        the group does not apply to this checkpoint. ``ctx`` is a :class:`symmerge.core.resolve.Binding`."""
+        the group does not apply to this checkpoint, or a list of instances (a group of stacked members:
+        one per expert). ``ctx`` is a :class:`symmerge.core.resolve.Binding`."""
+        if any(m.stacked for m in group.members):
+            return ctx.stacked_instances(group, layer)
         return ctx.instance(group, layer, blocked=self.blocked)
 
     def active(self, inst, opts: Options) -> bool:
@@ -127,6 +130,12 @@ class Kind:
 
 def segment_update(t: torch.Tensor, slot, fn) -> torch.Tensor:
     """``t`` with ``fn`` applied to the slot's segment (axis first), differentiably (learned alignment)."""
+    if slot.index is not None:  # one sub-tensor of a stacked tensor (an expert of fused experts)
+        from dataclasses import replace
+
+        subs = list(t.unbind(0))
+        subs[slot.index] = segment_update(subs[slot.index], replace(slot, index=None, axis=slot.axis - 1), fn)
+        return torch.stack(subs)
     x = t.movedim(slot.axis, 0)
     if slot.length is None:
         new = fn(x)

@@ -42,6 +42,9 @@ it, every per-layer group is fitted to activations (two models' weights live in 
 activations do not depend on them). Measured on B1 (docs/merge.md): the default split 0.557 loss at
 α = 0.5 against 0.706 with every group from activations and 0.658 for data-free weight matching; without
 the stream group 0.945 from activations against 1.549 from weights. A tuple of group names overrides it.
+Groups no activation stands for — a mixture of experts' ``experts`` group (a router is no ``Linear``) and
+the FFN inside each expert (slices of fused 3-D tensors) — are always solved on the weights, exactly,
+given the groups before them (:func:`reads_activations`).
 
 **Scales** (``rescale``; ``rescale_from``): ``weights`` (default) — rotations and permutations from the
 activations, then per head (per RoPE pair) the scale closest in the weights for that rotation, on A's
@@ -365,6 +368,21 @@ def _pseudo(model, inst, units_only: bool):
     return replace(inst, slots=tuple(slots)), sites
 
 
+def reads_activations(model, inst) -> bool:
+    """Whether activations stand for the group's tensors: each weight is a ``Linear`` (or ``Conv1D``)
+    module's, not a router's or one expert's slice of fused experts (a mixture of experts' ``experts``
+    group and the FFN inside each expert, which :func:`match_activations` solves on the weights)."""
+    for s in inst.slots:
+        if s.index is not None:
+            return False
+        if s.diag or not s.key.endswith(".weight"):
+            continue
+        module = model.get_submodule(s.key[: -len(".weight")])
+        if not (isinstance(module, torch.nn.Linear) or hasattr(module, "nf")):
+            return False
+    return True
+
+
 def _present(inst, tensors: dict):
     """The instance restricted to the slots whose tensors exist (activations gathered)."""
     return replace(inst, slots=tuple(s for s in inst.slots if s.key in tensors))
@@ -392,8 +410,14 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
         weights_for = tuple({i.group.name for i in local}) if wide else ()
     if any(i.kind.name != "residual" for i in wide):
         raise SymmergeError("activation matching knows one model-wide group: the residual stream")
+    # groups no activation stands for (experts): on the weights, exactly, given the groups before them
+    no_sites = {i.group.name for i in local if not reads_activations(model_a, i)}
+    weights_for = tuple(weights_for) + tuple(sorted(no_sites - set(weights_for)))
     pseudo, sites = {}, {}
     for inst in local:
+        if inst.group.name in no_sites:
+            pseudo[inst.name] = replace(inst, slots=())
+            continue
         pseudo[inst.name], found = _pseudo(model_a, inst, units_only=inst.kind.name == "permutation")
         if inst.group.name not in weights_for:
             sites.update({s.key: s for s in found})

@@ -16,6 +16,7 @@ ALIASES = {"paper": PAPER}
 # and ``barrier`` align with it by default (``recommended``), which resolves per model to the
 # groups of this set the model has (:meth:`AlignOptions.for_model`).
 RECOMMENDED = ("heads", "attn", "ffn", "rescale", "residual")
+RECOMMENDED += ("experts",)  # mixtures of experts
 RECOMMENDED_NAME = "recommended"
 RESIDUAL_CHOICES = ("largest", "permutation")
 MATCH_MODES = ("weights", "activations", "learned")

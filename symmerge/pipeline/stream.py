@@ -82,6 +82,8 @@ def layer_instances(ckpt: LazyCheckpoint, layers=None, opts=None, options: Align
     ``opts``: (spec, instances, ``options`` resolved against them — 'recommended' keeps the symmetries
     whose groups stream)."""
     spec = spec_for(ckpt.config["model_type"])
+    if spec.in_memory_only:
+        raise SymmergeError(f"streamed alignment does not support {spec.family} models: {spec.in_memory_only}")
     sizes = config_sizes(spec, ckpt.hf_config)
     shapes = ckpt.meta()
     shapes.update(ckpt.read(value_keys(spec, list(shapes), sizes["num_layers"])))  # a few small tensors
