@@ -211,3 +211,21 @@ def test_width_study_small_end_to_end(tmp_path, mnist_5k_cache):
         for c in row["curves"].values():
             assert c["barrier"] >= -1e-9 and 0 <= c["accuracy_mid"] <= 1 and c["loss_mid"] > 0
     assert "| 16 |" in (out / "tables.md").read_text()
+
+
+def test_many_models_small_end_to_end(tmp_path, mnist_5k_cache):
+    """``python -m benchmarks.many_models`` on three narrow ViTs with few steps: rows for none, star and
+    joint at N = 2 and 3, values in range, the joint rows with a spread that did not grow."""
+    from benchmarks import many_models
+
+    out = tmp_path / "out"
+    assert many_models.main(["--n", "2,3", "--hidden", "8", "--steps", "20", "--match", "weights",
+                             "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert [(r["n"], r["variant"]) for r in result["rows"]] == [
+        (n, v) for n in (2, 3) for v in ("none", "star weights", "joint weights")]
+    for row in result["rows"]:
+        assert 0 <= row["accuracy"] <= 1 and row["loss"] > 0 and 0 <= row["ensemble_accuracy"] <= 1
+        if row["variant"].startswith("joint"):
+            assert row["spread"][1] <= row["spread"][0]
+    assert "| 3 | joint weights |" in (out / "tables.md").read_text()
