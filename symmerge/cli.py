@@ -15,6 +15,7 @@ COMMANDS = {
     "barrier": "barrier",
     "demo": "demo",
     "merge": "merge",
+    "run": "run",
     "specs": "specs",
 }
 

@@ -142,3 +142,49 @@ def test_txt_data_scores_next_tokens_like_the_models_own_lm_loss(tmp_path):
                                                           num_attention_heads=2, intermediate_size=24))
     with pytest.raises(SymmergeError, match="causal language model"):
         load_data(path, classifier, tokenizer=folder)
+
+
+def test_barrier_of_three_models_matrix_average_and_ensemble(tmp_path, br_npz):
+    """N = 3: the pairwise matrix, the 3-way average and the ensemble, against independent computations;
+    the aligned variant's models are brought into one frame jointly (its spread never increases)."""
+    from conftest import barrier_by_definition, run_cli, vit_folder
+    from symmerge.pipeline.joint import align_joint, mean_state_dict
+    from symmerge.pipeline.options import AlignOptions
+    from symmerge.pipeline.verify import with_state_dict
+
+    folders = [str(vit_folder(tmp_path / f"v{s}", s)) for s in range(3)]
+    out = tmp_path / "b3"
+    assert run_cli("barrier", *folders, "--data", br_npz, "--align", "attn,ffn", "--points", "3", "-o", out) == 0
+    assert (out / "barrier.png").stat().st_size > 0
+    r = json.loads((out / "barrier.json").read_text())
+    assert set(r["variants"]) == {"none", "attn,ffn"}
+    from symmerge.io.model import load_model
+
+    models = [load_model(f) for f in folders]
+    z = np.load(br_npz)
+    y = torch.as_tensor(z["labels"])
+    with torch.no_grad():  # the ensemble, by hand: the mean of the three models' probabilities
+        probs = sum(torch.softmax(m(pixel_values=torch.from_numpy(z["pixel_values"])).logits.double(), -1)
+                    for m in models) / 3
+    assert r["ensemble"]["loss"] == pytest.approx(-probs[torch.arange(len(y)), y].log().mean().item(), rel=1e-6)
+    assert r["ensemble"]["accuracy"] == pytest.approx((probs.argmax(-1) == y).double().mean().item())
+    for name, m in zip(folders, models):
+        assert r["endpoints"][name]["loss"] == pytest.approx(npz_eval(m, br_npz)[0], abs=1e-5)
+    joint = align_joint(models, AlignOptions(symmetries="attn,ffn"))
+    for v, frames in (("none", models), ("attn,ffn", joint.models)):
+        res = r["variants"][v]
+        m = res["barrier_matrix"]
+        assert all(m[i][i] == 0 and m[i][j] == m[j][i] for i in range(3) for j in range(3))
+        for (i, j), curve in zip([(0, 1), (0, 2), (1, 2)], res["pairs"].values()):
+            assert m[i][j] == pytest.approx(barrier_by_definition(r["alphas"], curve["loss"]))
+            mid = with_state_dict(frames[j], {k: (frames[i].state_dict()[k] + frames[j].state_dict()[k]) / 2
+                                              for k in frames[j].state_dict()})
+            assert curve["loss"][1] == pytest.approx(npz_eval(mid, br_npz)[0], abs=1e-5)
+        keys = [k for k, _ in frames[0].named_parameters()]
+        avg = with_state_dict(frames[0], mean_state_dict([f.state_dict() for f in frames], keys))
+        loss, acc = npz_eval(avg, br_npz)
+        assert res["average"]["loss"] == pytest.approx(loss, abs=1e-5) and res["average"]["accuracy"] == acc
+    j = r["variants"]["attn,ffn"]["joint"]
+    assert j["objective"] == sorted(j["objective"], reverse=True)
+    assert run_cli("barrier", *folders, "--data", br_npz, "--subsets", "single", "-o", tmp_path / "x") == 2
+    assert not (tmp_path / "x").exists()

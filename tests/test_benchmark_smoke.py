@@ -232,3 +232,21 @@ def test_moe_text_tiny_end_to_end(tmp_path, monkeypatch):
         assert x["loss"][0] == pytest.approx(rows["none"]["loss"][0], rel=1e-9)
         assert (x["match_seconds"] > 0) == (x["variant"] != "none")
     assert rows[bench.EXPERTS]["distance"] <= rows[bench.DENSE]["distance"] + 1e-6 < rows["none"]["distance"]
+
+
+def test_many_models_small_end_to_end(tmp_path, mnist_5k_cache):
+    """``python -m benchmarks.many_models`` on three narrow ViTs with few steps: rows for none, star and
+    joint at N = 2 and 3, values in range, the joint rows with a spread that did not grow."""
+    from benchmarks import many_models
+
+    out = tmp_path / "out"
+    assert many_models.main(["--n", "2,3", "--hidden", "8", "--steps", "20", "--match", "weights",
+                             "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert [(r["n"], r["variant"]) for r in result["rows"]] == [
+        (n, v) for n in (2, 3) for v in ("none", "star weights", "joint weights")]
+    for row in result["rows"]:
+        assert 0 <= row["accuracy"] <= 1 and row["loss"] > 0 and 0 <= row["ensemble_accuracy"] <= 1
+        if row["variant"].startswith("joint"):
+            assert row["spread"][1] <= row["spread"][0]
+    assert "| 3 | joint weights |" in (out / "tables.md").read_text()

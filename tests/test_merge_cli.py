@@ -83,7 +83,7 @@ def test_merge_average_writes_model_and_report(cli_vits, tmp_path):
 
 def test_merge_three_models_aligned_to_the_closest_to_average(cli_vits, tmp_path):
     out = tmp_path / "m3"
-    assert run_cli("merge", *cli_vits, "--method", "average", "--align", "attn,ffn", "-o", out) == 0
+    assert run_cli("merge", *cli_vits, "--method", "average", "--align", "attn,ffn", "--star", "-o", out) == 0
     report = json.loads((out / "symmerge_report.json").read_text())
     anchor = report["alignment"]["anchor"]
     assert anchor["rule"] == "closest to the average"
@@ -114,6 +114,44 @@ def test_merge_three_models_aligned_to_the_closest_to_average(cli_vits, tmp_path
     for k in body:
         torch.testing.assert_close(sm[k], sum(sd[k] for sd in aligned) / 3, rtol=0, atol=2e-6, msg=k)
     assert torch.equal(sm["classifier.weight"], sds[0]["classifier.weight"])  # head of model 0, never moved
+
+
+def test_merge_three_models_jointly_by_default(cli_vits, tmp_path, capsys):
+    """More than two models without --anchor: joint alignment, whose spread is below the star's, and the
+    merge is the average of the jointly aligned models, each still computing its own function."""
+    from symmerge.pipeline.joint import spread
+
+    joint, star = tmp_path / "joint", tmp_path / "star"
+    assert run_cli("merge", *cli_vits, "--method", "average", "--align", "attn,ffn", "-o", joint) == 0
+    assert "joint alignment:" in capsys.readouterr().out
+    assert run_cli("merge", *cli_vits, "--method", "average", "--align", "attn,ffn", "--star", "-o", star) == 0
+    rj, rs = (json.loads((p / "symmerge_report.json").read_text()) for p in (joint, star))
+    j = rj["alignment"]["joint"]
+    assert "joint" not in rs["alignment"]
+    assert j["objective"] == sorted(j["objective"], reverse=True) and j["rounds"] >= 1
+    assert all(m["verify_max_rel_diff"] <= 1e-4 for m in rj["alignment"]["models"])
+    # the merge, recomputed: the average of the models jointly aligned through the Python API
+    from symmerge.pipeline.joint import align_joint
+    from symmerge.pipeline.options import AlignOptions
+
+    models = [hf_load(v) for v in cli_vits]
+    again = align_joint(models, AlignOptions(symmetries="attn,ffn"), anchor=j["anchor_index"])
+    assert again.report["objective"] == pytest.approx(j["objective"], rel=1e-9)
+    sm = hf_load(joint).state_dict()
+    aligned = [x.state_dict() for x in again.models]
+    for k in body_keys(aligned[0]):
+        torch.testing.assert_close(sm[k], sum(sd[k] for sd in aligned) / 3, rtol=0, atol=2e-6, msg=k)
+    # the rounds spread the models less than the star (objective[0]), which spreads them less than no alignment
+    unaligned = spread([hf_load(v).state_dict() for v in cli_vits], [k for k, _ in models[0].named_parameters()])
+    assert j["objective"][-1] < j["objective"][0] < unaligned
+    # --anchor keeps the star; --joint-rounds 0 is the star inside the joint report
+    anchored = tmp_path / "anchored"
+    assert run_cli("merge", *cli_vits, "--method", "average", "--align", "attn,ffn", "--anchor", "1",
+                   "-o", anchored) == 0
+    assert "joint" not in json.loads((anchored / "symmerge_report.json").read_text())["alignment"]
+    assert run_cli("merge", *cli_vits, "--method", "average", "--align", "attn,ffn", "--joint-rounds", "-1",
+                   "-o", tmp_path / "bad") == 2
+    assert not (tmp_path / "bad").exists()
 
 
 def test_merge_regmean_on_text_with_alignment(cli_berts, tmp_path):

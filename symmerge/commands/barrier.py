@@ -1,17 +1,24 @@
 """Loss barrier between two models along θ(α) = α·θ_A + (1−α)·θ_B, with and without aligning A to B.
 
 symmerge barrier A B --data FILE [--align recommended|LIST ...] [--points 11] -o DIR
+symmerge barrier M1 M2 M3 ... --data FILE [--align ...] -o DIR
+
 
 Writes DIR/barrier.json (alphas, where α = 1 is A and α = 0 is B; curves: one per variant, "none"
 plus each --align spec, named by the symmetries it aligned, with loss and accuracy lists and the
 scalar barrier; distance tables) and DIR/barrier.png. --data is the evaluation data (use held-out
 data). --subsets single|last adds subset-of-layers matching (DIR/subsets.png).
+
+With more than two models: for no alignment and each --align spec (all models brought into one frame
+by joint alignment), the pairwise barrier matrix, and the N-way plain average's loss and accuracy
+beside each model's and the ensemble's (mean predicted probabilities).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import SymmergeError
 from ..io.model import ensure_output_dir
 from ..io.tokenizers import print_note
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
@@ -21,8 +28,9 @@ from .alignment_args import add_alignment_arguments, alignment_options
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("model_a", help="HF model folder A (aligned to B in the aligned variants)")
-    parser.add_argument("model_b", help="HF model folder B (the anchor)")
+    parser.add_argument("models", nargs="+", metavar="MODEL",
+                        help="HF model folders: A B (A aligned to B, the anchor, in the aligned variants), or three "
+                             "or more (aligned jointly into one frame)")
     parser.add_argument("--data", required=True,
                         help="evaluation data (held out): .npz (images), .jsonl (text, label) or .txt (LM)")
     parser.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
@@ -30,6 +38,8 @@ def add_arguments(parser) -> None:
                         help="alignment variant(s) compared with no alignment (repeatable): " + describe_symmetries(
                             f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them)"))
     parser.add_argument("--points", type=int, default=11, help="number of α values in [0, 1] (default 11)")
+    parser.add_argument("--joint-rounds", type=int, default=10, metavar="N",
+                        help="more than two models: rounds of the joint alignment after the star (default 10)")
     parser.add_argument("--subsets", choices=["single", "last"], default=None,
                         help="also match only layer i (single) or only the last k layers (last); loss at α = 0.5")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -45,9 +55,17 @@ def run(args) -> int:
     from ..evaluate.barrier import barrier_study, write_study
 
     out = Path(args.output)
+    if len(args.models) < 2:
+        raise SymmergeError(f"barrier needs at least two models, got {len(args.models)}")
+    if len(args.models) > 2 and args.subsets:
+        raise SymmergeError("--subsets compares two models; give exactly two")
+    if args.joint_rounds < 0:
+        raise SymmergeError(f"--joint-rounds must be >= 0, got {args.joint_rounds}")
     ensure_output_dir(out)
     options = alignment_options(args, RECOMMENDED_NAME, verify=not args.no_verify)
-    result = barrier_study(args.model_a, args.model_b, args.data, aligns=args.align or [RECOMMENDED_NAME],
+    if len(args.models) > 2:
+        return _run_many(args, out, options)
+    result = barrier_study(args.models[0], args.models[1], args.data, aligns=args.align or [RECOMMENDED_NAME],
                            points=args.points, subsets=args.subsets, device=args.device,
                            batch_size=args.batch_size, max_examples=args.max_examples,
                            allow_pickle=args.allow_pickle, options=options, repair=args.repair,
@@ -61,4 +79,24 @@ def run(args) -> int:
                    if not name.endswith("+repair"))  # a +repair curve repeats its variant's alignment info
     print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} (alignment {aligning:.2f} s, "
           f"total {elapsed():.2f} s)")
+    return 0
+
+
+def _run_many(args, out: Path, options) -> int:
+    from ..evaluate.barrier import barrier_many, write_many
+
+    result = barrier_many(args.models, args.data, aligns=args.align or [RECOMMENDED_NAME], points=args.points,
+                          device=args.device, batch_size=args.batch_size, max_examples=args.max_examples,
+                          allow_pickle=args.allow_pickle, options=options, joint_rounds=args.joint_rounds)
+    write_many(result, out)
+    n = len(result["models"])
+    mean, ens = result["endpoints_mean"], result["ensemble"]
+    print(f"endpoints (mean)  loss {mean['loss']:.4f}  accuracy {mean['accuracy']:.4f}")
+    print(f"ensemble          loss {ens['loss']:.4f}  accuracy {ens['accuracy']:.4f}")
+    width = max(len(name) for name in result["variants"])
+    for name, v in result["variants"].items():
+        avg = v["average"]
+        print(f"{name:{width}s}  mean pairwise barrier {v['mean_barrier']:.4f}  {n}-way average: loss "
+              f"{avg['loss']:.4f}, accuracy {avg['accuracy']:.4f}")
+    print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} (total {elapsed():.2f} s)")
     return 0

@@ -35,7 +35,17 @@ def add_arguments(parser) -> None:
                             "also left out when the task heads differ)"))
     parser.add_argument("--anchor", default=None,
                         help="anchor: index of a model (0-based) or a folder (default: base model for task-vector "
-                             "methods; the second of two models; else the model closest to the average)")
+                             "methods; the second of two models; else the model closest to the average). With more "
+                             "than two models and no anchor, every model is aligned jointly into one frame (each to "
+                             "the mean of the others, from the star on the model closest to the average); an anchor "
+                             "keeps the star: every model aligned to it")
+    parser.add_argument("--star", action="store_true",
+                        help="with more than two models: align every model to one anchor (the default rule's, or "
+                             "--anchor) instead of jointly into one frame")
+    parser.add_argument("--joint-rounds", type=int, default=10, metavar="N",
+                        help="joint alignment (more than two models, no --anchor): at most N rounds of 'each model "
+                             "to the mean of the others' after the star (default 10; it stops when a round lowers the "
+                             "spread by less than 1e-4)")
     parser.add_argument("--base", default=None, help="base (pre-trained) model folder for task_arithmetic, ties, dare")
     parser.add_argument("--data", action="append", default=None, metavar="FILE",
                         help="data (.npz, .jsonl, .txt) for the statistics of fisher and regmean (training data); "
@@ -122,7 +132,8 @@ def options_from(args):
         device=args.device, fisher_variant=args.fisher, fisher_normalize=args.fisher_normalize,
         fisher_samples=args.fisher_samples, gram_normalize=not args.gram_sum, batch_size=args.batch_size,
         max_examples=args.max_examples, max_length=args.max_length, allow_pickle=args.allow_pickle,
-        allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
+        allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, joint=False if args.star else None,
+        joint_rounds=args.joint_rounds)
 
 
 def run(args) -> int:
@@ -151,6 +162,10 @@ def run(args) -> int:
     if alignment.get("note"):
         print(f"note: {alignment['note']}", file=sys.stderr)
     print_note(report.get("tokenizer"))
+    if alignment.get("joint"):
+        j = alignment["joint"]
+        print(f"joint alignment: {j['rounds']} round(s) after the star, spread {j['objective'][0]:.6g} -> "
+              f"{j['objective'][-1]:.6g}")
     evaluation = report.get("evaluation", {})
     if evaluation.get("note"):
         print(f"warning: {evaluation['note']}", file=sys.stderr)

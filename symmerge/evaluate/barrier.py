@@ -193,3 +193,92 @@ def write_study(result: dict, out) -> Path:
         if "subsets" in result:
             plot_subsets(result["subsets"], tmp / "subsets.png")
     return out
+
+
+def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, device="cpu", batch_size: int = 32,
+                 max_examples: int | None = None, allow_pickle: bool = False, progress: bool = True,
+                 options: AlignOptions | None = None, joint_rounds: int = 10) -> dict:
+    """N ≥ 2 models: for no alignment and each variant of ``aligns`` (every model brought into one frame
+    by joint alignment, :func:`~symmerge.pipeline.joint.align_joint`), the pairwise barrier matrix (the
+    interpolation curve of every pair), the N-way plain average's loss and accuracy, beside each
+    model's and the ensemble's (mean predicted probabilities)."""
+    from ..pipeline.joint import align_joint, mean_state_dict
+    from .metrics import evaluate_ensemble
+    from ..pipeline.verify import with_state_dict
+
+    t0 = time.perf_counter()
+    alphas = alpha_grid(points)
+    base = options or AlignOptions()
+    dev = resolve_device(device)
+    if not isinstance(data, Data):
+        check_data_path(data)
+    names = [str(x) if isinstance(x, (str, Path)) else f"model {i}" for i, x in enumerate(models)]
+    if len(models) < 2:
+        raise SymmergeError(f"a barrier needs at least two models, got {len(models)}")
+    with stage(f"loaded {len(models)} models", enabled=progress):
+        loaded = [as_model(x, allow_pickle) for x in models]
+    for i in range(1, len(loaded)):
+        check_same_shapes(loaded[i], loaded[0])
+    if base.align_data is not None and not isinstance(base.align_data, Data):
+        base = base.with_(align_data=load_align_data(base, loaded[0]))
+    variants = _variants(aligns, base, loaded[0])
+    with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
+        d = data if isinstance(data, Data) else load_data(data, loaded[0], batch_size=batch_size,
+                                                          max_examples=max_examples)
+        for x in loaded:
+            check_data(d, x)
+    endpoints = [evaluate(x, d, device=dev, progress=progress, desc=f"evaluating {n}") for x, n in zip(loaded, names)]
+    for x in loaded:
+        x.to("cpu")
+    result = {"models": names, "data": d.path, "examples": d.n, "alphas": alphas,
+              "convention": "pair 'i|j': theta(alpha) = alpha*model_i + (1-alpha)*model_j in the variant's frame",
+              "device": str(dev), "endpoints": dict(zip(names, endpoints)),
+              "endpoints_mean": {k: sum(e[k] for e in endpoints) / len(endpoints) for k in ("loss", "accuracy")},
+              "ensemble": evaluate_ensemble(loaded, d, device=dev, progress=progress), "variants": {}}
+    for x in loaded:
+        x.to("cpu")
+    n = len(loaded)
+    for v, opts in variants.items():
+        t = time.perf_counter()
+        info: dict = {}
+        if opts is None:
+            frames = loaded
+        else:
+            with stage(f"aligned {n} models jointly ({v})", enabled=progress):
+                joint = align_joint(loaded, opts, names=names, max_rounds=joint_rounds, progress=progress)
+            frames = joint.models
+            info = {"joint": {k: val for k, val in joint.report.items() if k != "models"},
+                    "verify_max_rel_diff": max((m["verify_max_rel_diff"] or 0.0) for m in joint.report["models"])}
+        matrix = [[0.0] * n for _ in range(n)]
+        pairs = {}
+        for i in range(n):
+            for j in range(i + 1, n):
+                curve = interpolation_curve(frames[i], frames[j], d, alphas, device=dev, progress=progress,
+                                            label=f"{v} {i}|{j}")
+                pairs[f"{i}|{j}"] = curve
+                matrix[i][j] = matrix[j][i] = curve["barrier"]
+        keys = [k for k, p in frames[0].state_dict().items() if p.is_floating_point()]
+        average = with_state_dict(frames[0], mean_state_dict([f.state_dict() for f in frames], keys))
+        avg = evaluate(average, d, device=dev, progress=progress, desc=f"evaluating the {n}-way average ({v})")
+        mean_acc = result["endpoints_mean"]["accuracy"]
+        result["variants"][v] = {
+            "barrier_matrix": matrix, "pairs": pairs,
+            "mean_barrier": sum(matrix[i][j] for i in range(n) for j in range(i + 1, n)) / (n * (n - 1) / 2),
+            "average": {**avg, "accuracy_vs_endpoints_mean": avg["accuracy"] / mean_acc if mean_acc else None,
+                        "loss_minus_best_endpoint": avg["loss"] - min(e["loss"] for e in endpoints)},
+            **info, "seconds": time.perf_counter() - t}
+        for f in frames:
+            f.to("cpu")
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def write_many(result: dict, out) -> Path:
+    """Atomically write ``out/barrier.json`` and ``out/barrier.png`` of :func:`barrier_many`."""
+    from .plots import plot_many
+
+    out = Path(out)
+    with atomic_dir(out) as tmp:
+        write_json(tmp / "barrier.json", result)
+        plot_many(result, tmp / "barrier.png")
+    return out

@@ -33,6 +33,29 @@ def evaluate(model, data: Data, device=None, progress: bool = True, desc: str = 
     return {"loss": loss_sum / count, "accuracy": correct / count, "n": count}
 
 
+def evaluate_ensemble(models, data: Data, device=None, progress: bool = True, desc: str = "evaluating the ensemble") -> dict:
+    """The ensemble of ``models`` (the mean of their predicted probabilities): cross-entropy of the mean
+    probabilities and accuracy of their argmax, as :func:`evaluate` scores one model."""
+    device = device or next(models[0].parameters()).device
+    models = [m.to(device).eval() for m in models]
+    loss_sum, correct, count = 0.0, 0, 0
+    with torch.no_grad():
+        for batch in bar(data, desc=desc, total=len(data), unit="batches", disable=None if progress else True):
+            batch = batch.to(device)
+            probs, targets = None, None
+            for m in models:
+                logits, targets = predictions(m, batch)
+                p = torch.softmax(logits.double(), -1)
+                probs = p if probs is None else probs + p
+            probs /= len(models)
+            loss_sum += -probs.gather(-1, targets[:, None]).clamp_min(1e-300).log().sum().item()
+            correct += (probs.argmax(-1) == targets).sum().item()
+            count += targets.numel()
+    if count == 0:
+        raise SymmergeError(f"{data.path}: nothing to evaluate")
+    return {"loss": loss_sum / count, "accuracy": correct / count, "n": count}
+
+
 def interpolate(sd_a: dict, sd_b: dict, alpha: float) -> dict:
     """α·θ_A + (1 − α)·θ_B for floating tensors (others from B)."""
     return {k: torch.lerp(b, sd_a[k].to(b.dtype), float(alpha)) if b.is_floating_point() else b.clone()

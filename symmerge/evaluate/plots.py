@@ -44,3 +44,27 @@ def plot_subsets(result: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_many(result: dict, path) -> None:
+    """N models: the mean pairwise interpolation loss per variant, and the accuracy of each variant's
+    N-way average beside the endpoints' mean and the ensemble's."""
+    plt = _pyplot()
+    fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
+    alphas = result["alphas"]
+    names = list(result["variants"])
+    for name in names:
+        pairs = list(result["variants"][name]["pairs"].values())
+        mean = [sum(p["loss"][k] for p in pairs) / len(pairs) for k in range(len(alphas))]
+        ax_l.plot(alphas, mean, marker="o",
+                  label=f"{name} (mean barrier {result['variants'][name]['mean_barrier']:.3g})")
+    ax_l.set(xlabel="α along each pair (0 = j, 1 = i)", ylabel="loss, mean over pairs", title="pairwise interpolation")
+    ax_l.legend()
+    labels = ["endpoints (mean)", "ensemble"] + [f"average ({n})" for n in names]
+    values = [result["endpoints_mean"]["accuracy"], result["ensemble"]["accuracy"]] + \
+        [result["variants"][n]["average"]["accuracy"] for n in names]
+    ax_a.barh(labels, values, color=["grey", "black"] + ["C%d" % i for i in range(len(names))])
+    ax_a.set(xlabel="accuracy", title=f"{len(result['models'])}-way average")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -16,7 +16,15 @@ A kind owns everything that depends on what its group *does*:
 * :meth:`Kind.canonicalize` — a function-preserving change of parameterisation done before solving
   (the residual stream folds its norms);
 * optionally :meth:`Kind.block_costs` — for head kinds, the exact optimum of the group for any pairing
-  of a head of the moved model with a head of the anchor (used to pair heads: the ``heads`` kind).
+  of a head of the moved model with a head of the anchor (used to pair heads: the ``heads`` kind);
+* its *matcher capabilities* — what the activation matcher (:mod:`symmerge.pipeline.activations`) and
+  the learned alignment (:mod:`symmerge.pipeline.learn`) may do with it: the activation sites it reads
+  (:attr:`Kind.activation_sites`), the statistic its solver sees (:attr:`Kind.activation_statistic`),
+  its own solve from activations (:meth:`Kind.fit_activations`), its scales fitted in the weights
+  after an activation fit (:meth:`Kind.weight_scales`), whether it moves before those scales
+  (:attr:`Kind.moves_before_scales`), its continuous parameterisation (``learn_*``) and whether it is
+  re-solved between rounds of the learned alignment (:meth:`Kind.resolvable`). The matchers read these,
+  never a kind's name; a kind that lacks a capability a matcher needs is refused by name.
 
 The loops over kinds (:mod:`symmerge.core.resolve`, :mod:`symmerge.core.apply`,
 :mod:`symmerge.pipeline.engine`) know no kind.
@@ -102,6 +110,39 @@ class Kind:
 
     def canonicalize(self, state_dict: dict, inst) -> dict:
         return state_dict
+
+    # ------------------------------------------------------------------ matchers' capabilities
+    # ``activation_sites``: which activations stand for the group's tensors under ``--match activations``
+    #   "slots" — each weight slot's activation (a Linear's output for a slot on its output axis, its
+    #   input for one on its input axis); "units" — only the hidden units (the input of the module that
+    #   consumes them); "stream" — the hidden states at every block boundary (a model-wide group);
+    #   "weights" — none, and the activation matcher solves the kind on the weights instead (exactly, given
+    #   the groups before it); "" — none: the activation matcher refuses the kind by name.
+    activation_sites = "slots"
+    # ``activation_statistic``: what the kind's solver sees of the activations: "gram" (joint second
+    # moments, factored into pseudo-tensors) or "correlation" (the Gram standardised first)
+    activation_statistic = "gram"
+    # ``moves_before_scales``: after an activation fit, its element is applied before the other kinds'
+    # scales are fitted in the weights (head pairing: the scales are those of the paired heads)
+    moves_before_scales = False
+
+    def fit_activations(self, insts, act_a: dict, act_b: dict, opts: Options) -> dict | None:
+        """``{instance name: element}`` from the activation pseudo-tensors ``act_a``/``act_b`` (the instances'
+        slots address them) by a solver of the kind's own; None (default): the matcher runs the kind's
+        weight solver on them unchanged."""
+        return None
+
+    def weight_scales(self, insts, elements: dict, sd_a: dict, sd_b: dict, opts: Options,
+                      scales_fitted: bool) -> None:
+        """After an activation fit of ``insts``: replace their ``elements`` by the same rotations or
+        permutations with the scales closest in the weights (``sd_a`` already moved by the kinds that
+        ``moves_before_scales``). ``scales_fitted``: the activation fit already solved the scales the
+        activations determine. Default: nothing to do."""
+
+    def resolvable(self, inst, opts: Options) -> bool:
+        """Whether the learned alignment may re-solve this instance exactly between its rounds (a discrete
+        element that the continuous steps cannot move)."""
+        return False
 
     # ------------------------------------------------------------------ learned alignment
     # A kind with continuous freedom beyond its closed-form solution exposes it here (see

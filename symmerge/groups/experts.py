@@ -85,6 +85,8 @@ def expert_scores(inst, sd_a: dict, sd_b: dict, opts) -> torch.Tensor:
 
 class ExpertsKind(Kind):
     name = "experts"
+    activation_sites = "weights"  # the router and fused experts are no Linear modules: activation matching
+    # solves the experts' permutation on the weights, exactly, given the groups before it
     description = ("permutation of a layer's experts, the router's rows with them (top-k and the routing "
                    "normalisation are permutation-equivariant); matched jointly with the FFN permutation "
                    "inside each expert")

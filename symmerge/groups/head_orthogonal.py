@@ -194,6 +194,19 @@ class HeadOrthogonal(Kind):
             k += inst.blocks
         return out
 
+    def weight_scales(self, insts, elements, sd_a, sd_b, opts, scales_fitted) -> None:
+        """Per head the scale closest in the weights for the head's (activation-fitted) rotation."""
+        if scales_fitted or not insts:
+            return
+        parts = [products(blocks(i, sd_a), blocks(i, sd_b)) for i in insts]
+        Mp, Mm, n1p, n1m, _, _ = (torch.cat(x) for x in zip(*parts))
+        R = torch.cat([elements[i.name].R for i in insts])
+        a = scale_for_rotation(R, Mp, Mm, n1p, n1m)
+        k = 0
+        for inst in insts:
+            elements[inst.name] = HeadElement(elements[inst.name].R, a[k:k + inst.blocks])
+            k += inst.blocks
+
     # pairing heads (used by the ``heads`` kind)
     def block_values(self, inst, xa: dict, xb: dict, opts) -> torch.Tensor:
         """Squared distance after this group's best element, for block pairs stacked along dim 0."""

@@ -42,6 +42,7 @@ PAIR_BUDGET = 1 << 25  # elements of head blocks materialised at once when pairi
 
 class Heads(Kind):
     name = "heads"
+    moves_before_scales = True  # after an activation fit, the per-head scales are those of the paired heads
     description = "permutation of the attention heads (GQA: of the key/value heads with their query heads)"
     blocked = True
     lazy = True  # valuing every pairing is most of a sweep; the pairing rarely changes once the stream settles

@@ -130,6 +130,24 @@ class Permutation(Kind):
 
         return dict(zip([i.name for i in todo], layer_map(solve_one, todo, opts.workers)))
 
+    # activation matching: the units only, by exact assignment on their correlations (|correlation| where
+    # unit scales may flip signs); SwiGLU unit scales from the weights afterwards
+    activation_sites = "units"
+    activation_statistic = "correlation"
+
+    def fit_activations(self, insts, act_a, act_b, opts) -> dict:
+        perms = self.prepare(insts, act_a, act_b, opts)
+        return {i.name: PermElement(perms[i.name]) for i in insts if i.name in perms}
+
+    def weight_scales(self, insts, elements, sd_a, sd_b, opts, scales_fitted) -> None:
+        for inst in insts:  # the assignment ran on correlations, which carry no scale: always from the weights
+            if self.plan(inst, opts)[1]:
+                perm = elements[inst.name].perm
+                elements[inst.name] = PermElement(perm, unit_scales(inst, sd_a, sd_b, perm))
+
+    def resolvable(self, inst, opts) -> bool:
+        return self.plan(inst, opts)[0]
+
     def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
         out = {}
         for inst in insts:

@@ -81,6 +81,7 @@ def _uniform(t: torch.Tensor) -> bool:
 class Residual(Kind):
     name = "residual"
     per_layer = False
+    activation_sites = "stream"  # activation matching: the hidden states at every block boundary
     description = ("one transform of the residual stream through every layer, norm and task head, in the largest "
                    "group the family allows: orthogonal maps fixing the all-ones direction (pre-LN LayerNorm, norms "
                    "folded), orthogonal maps (RMSNorm, norms folded), permutations (post-LN LayerNorm, or with "

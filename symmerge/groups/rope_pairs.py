@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..core.slots import precise_dtype, segment, with_segment
+from ..core.solvers import scale_for_rotation
+from ..core.solvers.rescale import quartic_scale
 from ..core.solvers.rope import pair_objective, pair_products, rope_element, solve_pairs
 from ..errors import SymmergeError
 from .base import Kind, haar, scales, segment_update
@@ -119,6 +121,35 @@ class RopePairs(Kind):
                 out[inst.name] = HeadElement(R[k:k + inst.blocks], a[k:k + inst.blocks])
                 k += inst.blocks
         return out
+
+    def weight_scales(self, insts, elements, sd_a, sd_b, opts, scales_fitted) -> None:
+        """Per rotary pair the scale closest in the weights for the pair's (activation-fitted) rotation;
+        the non-rotated dims as a head. Pairs locked by per-head norms keep their scales."""
+        if scales_fitted:
+            return
+        for inst in insts:
+            if not inst.group.param("pair_norms"):
+                elements[inst.name] = self._pair_scales(inst, elements[inst.name], sd_a, sd_b)
+
+    @staticmethod
+    def _pair_scales(inst, element: HeadElement, sd_a, sd_b) -> HeadElement:
+        r, d = inst.info.rotary, inst.size
+        h = r // 2
+        j = torch.arange(h)
+        R = element.R.double()
+        theta = torch.atan2(R[:, j + h, j], R[:, j, j])
+        xa, xb = blocks(inst, sd_a), blocks(inst, sd_b)
+        cp, P = pair_products(xa[1], xb[1], r)
+        cm, M = pair_products(xa[-1], xb[-1], r)
+        w = torch.polar(torch.ones_like(theta), -theta)
+        rho = quartic_scale((w * cp).real, (w * cm).real, P, M).reshape(theta.shape)
+        R_pass = a_pass = None
+        if r < d:
+            R_pass = R[:, r:, r:]
+            Mp, Mm, n1p, n1m, _, _ = products({p: x[:, r:] for p, x in xa.items()},
+                                              {p: x[:, r:] for p, x in xb.items()})
+            a_pass = scale_for_rotation(R_pass, Mp, Mm, n1p, n1m)
+        return HeadElement(*rope_element(theta, rho, R_pass, a_pass, d))
 
     def block_values(self, inst, xa: dict, xb: dict, opts) -> torch.Tensor:
         return _solve(xa, xb, inst.info, inst.size, opts.rotate, opts.rescale,

@@ -28,6 +28,7 @@ from ..io.model import load_model
 from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
+from ..pipeline.joint import JOINT_MATCHES, align_joint
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
 from ..pipeline.report import match_fields
 from ..progress import line, stage, stage_printer
@@ -72,6 +73,8 @@ class MergeOptions:
     evaluate: bool = True
     progress: bool = True
     repair: bool = False  # REPAIR the merged model on the alignment's unlabeled data (``align.align_data``)
+    joint: bool | None = None  # N models in one frame (None: when more than two models and no anchor/base)
+    joint_rounds: int = 10  # cap on the joint alignment's rounds after the star
 
     @classmethod
     def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",
@@ -121,7 +124,19 @@ class MergeOptions:
             raise SymmergeError(f"got {len(self.weights)} weights for {n} models")
         if self.repair and self.align.align_data is None:
             raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass --align-data FILE")
+        if self.joint and (self.anchor is not None or self.base is not None):
+            raise SymmergeError("joint alignment brings every model into one common frame: it takes no --anchor "
+                                "or --base (an anchor means the star: every model aligned to it)")
+        if self.joint_rounds < 0:
+            raise SymmergeError(f"--joint-rounds must be >= 0, got {self.joint_rounds}")
         return m
+
+    def use_joint(self, n: int) -> bool:
+        """Joint alignment (every model to the mean of the others) rather than the star: asked for, or by
+        default for more than two models without an anchor or a base, with a matcher that takes any anchor."""
+        if self.joint is not None:
+            return self.joint
+        return n > 2 and self.anchor is None and self.base is None and self.align.match in JOINT_MATCHES
 
     def evaluation_data(self, needs) -> tuple[list, str | None]:
         """(the files evaluation runs on, a note when they are the ``--data`` files): ``eval_data``;
@@ -333,8 +348,17 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
         alignment.update(symmetries=list(align_opts.symmetries), rescale=align_opts.effective_rescale)
         if note:
             alignment["note"] = note
-        moved, alignment["models"] = align_all(targets, anchor_model, body, align_opts, progress=opts.progress)
-        aligned, aligned_base = moved[:len(models)], moved[len(models)] if base_model is not None else None
+        if opts.use_joint(len(models)):
+            joint = align_joint(models, align_opts, anchor=alignment["anchor"]["index"], names=names,
+                                max_rounds=opts.joint_rounds, progress=opts.progress)
+            aligned = joint.models
+            alignment["anchor"]["rule"] += " (the star's anchor; then every model to the mean of the others)"
+            alignment["joint"] = {k: v for k, v in joint.report.items() if k != "models"}
+            alignment["models"] = [{**r, "anchor": i == alignment["anchor"]["index"]}
+                                   for i, r in enumerate(joint.report["models"])]
+        else:
+            moved, alignment["models"] = align_all(targets, anchor_model, body, align_opts, progress=opts.progress)
+            aligned, aligned_base = moved[:len(models)], moved[len(models)] if base_model is not None else None
     timings["align"] = time.perf_counter() - t
 
     # ------------------------------------------------ statistics on the aligned models

@@ -39,6 +39,7 @@ import time
 import torch
 
 from ..errors import SymmergeError
+from ..groups import get_kind
 from .base import normalized_weights
 
 CHANNELS = ("ffn", "attn_out", "mlp_out", "norm")
@@ -70,7 +71,7 @@ def _sites(model) -> dict[str, str]:
     n = len(boundaries(model))
     for g in spec.groups:  # the stream's norms (not the task heads' own): the residual group's norm weights
         for m in g.members:
-            if g.kind != "residual" or not m.diag or m.root:
+            if get_kind(g.kind).per_layer or not m.diag or m.root:
                 continue
             for name in [m.name.format(i=i) for i in range(n)] if "{i}" in m.name else [m.name]:
                 path = prefix + name[: -len(".weight")]

@@ -68,13 +68,9 @@ from ..core.instance import Slot
 from ..core.resolve import config_sizes, find_prefix
 from ..core.solvers import (centered_residual, complement_basis, orthogonal_residual, permutation_residual,
                             signed_permutation_residual)
-from ..core.solvers.rescale import quartic_scale, scale_for_rotation
-from ..core.solvers.rope import pair_products, rope_element
 from ..errors import SymmergeError
 from ..families import spec_for
 from ..groups import Options
-from ..groups.head_orthogonal import HeadElement, blocks, products
-from ..groups.permutation import PermElement, unit_scales
 from ..groups.residual import StreamElement
 from ..progress import bar
 from .engine import SolveContext, by_group, solve_local
@@ -307,52 +303,17 @@ def residual_element(inst, joint: Joint, fit: str, sd_a: dict, sd_b: dict) -> St
     return StreamElement(Q=centered_residual(C))
 
 
-# ---------------------------------------------------------------------------- scales from the weights
-
-
-def _head_scales(insts, elements, sd_a, sd_b) -> None:
-    """Per head the scale closest in the weights for the head's (activation-fitted) rotation."""
-    if not insts:
-        return
-    parts = [products(blocks(i, sd_a), blocks(i, sd_b)) for i in insts]
-    Mp, Mm, n1p, n1m, _, _ = (torch.cat(x) for x in zip(*parts))
-    R = torch.cat([elements[i.name].R for i in insts])
-    a = scale_for_rotation(R, Mp, Mm, n1p, n1m)
-    k = 0
-    for inst in insts:
-        elements[inst.name] = HeadElement(elements[inst.name].R, a[k:k + inst.blocks])
-        k += inst.blocks
-
-
-def _rope_scales(inst, element: HeadElement, sd_a, sd_b) -> HeadElement:
-    """Per rotary pair the scale closest in the weights for the pair's rotation (the non-rotated dims:
-    as a head)."""
-    if inst.group.param("pair_norms"):
-        return element
-    r, d = inst.info.rotary, inst.size
-    h = r // 2
-    j = torch.arange(h)
-    R = element.R.double()
-    theta = torch.atan2(R[:, j + h, j], R[:, j, j])
-    xa, xb = blocks(inst, sd_a), blocks(inst, sd_b)
-    cp, P = pair_products(xa[1], xb[1], r)
-    cm, M = pair_products(xa[-1], xb[-1], r)
-    w = torch.polar(torch.ones_like(theta), -theta)
-    rho = quartic_scale((w * cp).real, (w * cm).real, P, M).reshape(theta.shape)
-    R_pass = a_pass = None
-    if r < d:
-        R_pass = R[:, r:, r:]
-        Mp, Mm, n1p, n1m, _, _ = products({p: x[:, r:] for p, x in xa.items()}, {p: x[:, r:] for p, x in xb.items()})
-        a_pass = scale_for_rotation(R_pass, Mp, Mm, n1p, n1m)
-    return HeadElement(*rope_element(theta, rho, R_pass, a_pass, d))
-
-
 # ---------------------------------------------------------------------------- the matching
 
 
-def _pseudo(model, inst, units_only: bool):
-    """The instance on activation slots (one per weight slot that stands for an activation; FFN: only
-    the units, the output module's input), and the sites it reads."""
+def _pseudo(model, inst):
+    """The instance on activation slots (one per weight slot that stands for an activation; a kind whose
+    ``activation_sites`` are the "units": only the input of the module consuming them), and the sites it
+    reads."""
+    if inst.kind.activation_sites not in ("slots", "units"):
+        raise SymmergeError(f"{inst.name}: the {inst.kind.name!r} group kind declares no per-layer activation "
+                            "sites, so --match activations cannot align it; use --match weights")
+    units_only = inst.kind.activation_sites == "units"
     slots, sites = [], []
     for s in inst.slots:
         found = activation_slot(model, s)
@@ -408,17 +369,21 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
     wide = [i for i in active if not i.kind.per_layer]
     if weights_for is None:
         weights_for = tuple({i.group.name for i in local}) if wide else ()
-    if any(i.kind.name != "residual" for i in wide):
-        raise SymmergeError("activation matching knows one model-wide group: the residual stream")
-    # groups no activation stands for (experts): on the weights, exactly, given the groups before them
-    no_sites = {i.group.name for i in local if not reads_activations(model_a, i)}
+    for inst in wide:
+        if inst.kind.activation_sites != "stream":
+            raise SymmergeError(f"{inst.name}: activation matching fits a model-wide group from the hidden states at "
+                                f"the block boundaries; the {inst.kind.name!r} group kind does not declare them")
+    # groups solved on the weights, exactly, given the groups before them: kinds that declare so (experts),
+    # and instances no activation stands for (one expert's slice of fused experts)
+    no_sites = {i.group.name for i in local
+                if i.kind.activation_sites == "weights" or not reads_activations(model_a, i)}
     weights_for = tuple(weights_for) + tuple(sorted(no_sites - set(weights_for)))
     pseudo, sites = {}, {}
     for inst in local:
         if inst.group.name in no_sites:
             pseudo[inst.name] = replace(inst, slots=())
             continue
-        pseudo[inst.name], found = _pseudo(model_a, inst, units_only=inst.kind.name == "permutation")
+        pseudo[inst.name], found = _pseudo(model_a, inst)
         if inst.group.name not in weights_for:
             sites.update({s.key: s for s in found})
     variant = wide[0].info.variant if wide else None
@@ -431,12 +396,13 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
 
     sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
     elements = {inst.name: residual_element(inst, stats[STREAM], residual_fit, sd_a, sd_b) for inst in wide}
-    # pseudo-tensors: A's and B's factors of every joint Gram (FFN units: of the correlations)
-    ffn_keys = {s.key for i in local if i.kind.name == "permutation" for s in pseudo[i.name].slots}
+    # pseudo-tensors: A's and B's factors of every joint Gram (of the correlations, for the kinds whose
+    # solver sees those: FFN units)
+    corr_keys = {s.key for i in local if i.kind.activation_statistic == "correlation" for s in pseudo[i.name].slots}
     act_a, act_b = {}, {}
     for key, joint in stats.items():
         if key != STREAM:
-            act_a[key], act_b[key] = factor(joint.correlation() if key in ffn_keys else joint.gram)
+            act_a[key], act_b[key] = factor(joint.correlation() if key in corr_keys else joint.gram)
     rotations = opts if rescale_from == "activations" else replace(opts, rescale="none")
     moved_w, moved_act = apply(sd_a, wide, elements), act_a
     by_weights = SolveContext(local)
@@ -446,12 +412,11 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
         kind = insts[0].kind
         if name in weights_for:  # the exact optimum in the weights, given the stream and the groups before
             found = solve_local(insts, moved_w, sd_b, opts, ctx=by_weights)
-        elif kind.name == "permutation":  # exact assignment on (|where unit scales may flip|) correlations
-            perms = kind.prepare([pseudo[i.name] for i in insts], moved_act, act_b, opts)
-            found = {i.name: PermElement(perms[i.name]) for i in insts if i.name in perms}
-            fitted += insts
-        else:
-            found = solve_local([pseudo[i.name] for i in insts], moved_act, act_b, rotations, ctx=by_acts)
+        else:  # the kind's own activation solver, else its weight solver on the pseudo-tensors
+            on_acts = [pseudo[i.name] for i in insts]
+            found = kind.fit_activations(on_acts, moved_act, act_b, opts)
+            if found is None:
+                found = solve_local(on_acts, moved_act, act_b, rotations, ctx=by_acts)
             fitted += insts
         for inst in insts:  # inactive without scales (rescale only): scales alone below
             found.setdefault(inst.name, kind.identity(inst))
@@ -462,16 +427,11 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
             progress(name)
 
     if opts.rescale != "none":  # scales from the weights, on A moved by the stream and head pairing
-        first = [i for i in active if not i.kind.per_layer or i.kind.name == "heads"]
+        first = [i for i in active if not i.kind.per_layer or i.kind.moves_before_scales]
         moved = apply(sd_a, first, elements)
-        if rescale_from == "weights":
-            _head_scales([i for i in fitted if i.kind.name == "head_orthogonal"], elements, moved, sd_b)
-            for inst in (i for i in fitted if i.kind.name == "rope_pairs"):
-                elements[inst.name] = _rope_scales(inst, elements[inst.name], moved, sd_b)
-        for inst in (i for i in fitted if i.kind.name == "permutation"):
-            if inst.kind.plan(inst, opts)[1]:  # SwiGLU unit scales
-                perm = elements[inst.name].perm
-                elements[inst.name] = PermElement(perm, unit_scales(inst, moved, sd_b, perm))
+        for insts in by_group(fitted).values():
+            insts[0].kind.weight_scales(insts, elements, moved, sd_b, opts,
+                                        scales_fitted=rescale_from == "activations")
     if timings is not None:
         timings["statistics"] = timings.get("statistics", 0.0) + t1 - t0
         timings["solve"] = timings.get("solve", 0.0) + time.perf_counter() - t1

@@ -18,7 +18,7 @@ from ..io.model import load_model
 from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
 from ..progress import stage
-from .engine import solve
+from .matchers import MATCHERS, MatchContext
 from .options import DEFAULT_SYMMETRIES, AlignOptions
 from .report import Distances, alignment_report
 from .verify import ELEMENT_CHECK, verify_elements, verify_forward, with_state_dict
@@ -159,31 +159,10 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     wide = _model_wide(instances, opts)
     ca, cb = canonicalize(sd_a, wide), canonicalize(sd_b, wide)
     folded = any(ca[k] is not sd_a[k] for k in sd_a)
-    sweeps: list[float] = []
-    fields: dict = {"match": options.match}
+    ctx = MatchContext(instances, model, anchor, ca, cb, options, opts, progress, {"match": options.match})
     getattr(progress, "start", lambda: None)()  # the engine's progress lines count from here
-    if options.match == "weights":
-        elements = solve(instances, ca, cb, opts, progress=progress, history=sweeps, max_sweeps=options.max_sweeps)
-    else:
-        data = load_align_data(options, model)
-        fields["align_samples_used"] = data.n
-        if options.match == "activations":
-            from .activations import match_activations
-
-            elements = match_activations(instances, with_state_dict(model, ca), with_state_dict(anchor, cb), data,
-                                         opts, progress=progress, timings=fields.setdefault("activation_seconds", {}))
-        else:
-            from .learn import learn_alignment
-
-            start_elements = None
-            if options.learn.start == "activations":
-                from .activations import match_activations
-
-                start_elements = match_activations(instances, with_state_dict(model, ca), with_state_dict(anchor, cb),
-                                                   data, opts, progress=progress,
-                                                   timings=fields.setdefault("activation_seconds", {}))
-            elements, fields["learned"] = learn_alignment(instances, model, anchor, ca, cb, data, options,
-                                                          progress=progress, start=start_elements)
+    elements = MATCHERS[options.match](ctx)
+    fields, sweeps = ctx.fields, ctx.history
     verify_elements(instances, elements)
     aligned_sd = apply(ca, instances, elements)
     match_seconds = time.perf_counter() - start

@@ -160,7 +160,7 @@ def _resolve_permutations(instances, sd_a: dict, sd_b: dict, opts: Options, how:
     scales kept as learned: identity scales here)."""
     from dataclasses import replace
 
-    perm_insts = [i for i in instances if i.kind.name == "permutation" and i.kind.plan(i, opts)[0]]
+    perm_insts = [i for i in instances if i.kind.resolvable(i, opts)]
     if not perm_insts:
         return {}
     ffn_only = replace(opts, symmetries=frozenset({"ffn"}), rescale="none")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import SymmergeError
 from ..families import SYMMETRIES
 from ..groups import RESCALE_MODES, Options
+from .matchers import MATCHERS
 
 PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations and scales, FFN permutations
 DEFAULT_SYMMETRIES = PAPER  # the default of the Python ``align()`` and of AlignOptions (the CLI: 'recommended')
@@ -19,7 +20,7 @@ RECOMMENDED = ("heads", "attn", "ffn", "rescale", "residual")
 RECOMMENDED += ("experts",)  # mixtures of experts
 RECOMMENDED_NAME = "recommended"
 RESIDUAL_CHOICES = ("largest", "permutation")
-MATCH_MODES = ("weights", "activations", "learned")
+MATCH_MODES = tuple(MATCHERS)  # weights, activations, learned: the matcher plug-ins (pipeline/matchers.py)
 LEARN_STARTS = ("weights", "activations")  # the closed form a learned alignment starts from
 # what the interpolated model learns to predict: α·p_A + (1−α)·p_B, or softmax(α·log p_A + (1−α)·log p_B)
 LEARN_TARGETS = ("probabilities", "log-probabilities")

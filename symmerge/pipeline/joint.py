@@ -1,0 +1,146 @@
+"""Joint alignment of N models into one common frame (MergeMany, Ainsworth et al. 2023, Alg. 3; for
+the continuous groups, generalized Procrustes).
+
+The objective is the spread of the models around their mean, in the parameterisation the groups act
+on (norms folded where the residual group needs it)::
+
+    J(g_1, ..., g_N) = Σ_i ‖g_i·θ_i − θ̄‖²,   θ̄ = (1/N) Σ_j g_j·θ_j.
+
+With the others fixed, J as a function of model i alone is ``(N−1)/N · ‖g_i·θ_i − m_{−i}‖² + const``,
+where ``m_{−i}`` is the mean of the *other* models. So aligning model i to ``m_{−i}`` (one pairwise
+alignment, :func:`~symmerge.pipeline.align.align_pair`, with ``m_{−i}`` as the anchor) lowers J, and a
+result that would not lower it is rejected: J never increases. The start is the star (every model
+aligned to one anchor); rounds of "each model to the mean of the others" follow until a round lowers J
+by less than ``tol`` (relative) or nothing is accepted.
+
+Every model stays in its own orbit throughout: its final form is checked against the model it came
+from (outputs on sample inputs) once, at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..core.distance import parameter_keys, sq_distance
+from ..errors import SymmergeError
+from ..families import spec_for
+from ..progress import line, stage
+from .align import align_pair, canonical, check_compatible
+from .options import AlignOptions
+from .verify import verify_forward, with_state_dict
+
+JOINT_MATCHES = ("weights", "activations")  # pairwise matchers that take any anchor (here: a mean model)
+
+
+@dataclass
+class JointAlignment:
+    """Every model in the common frame (the canonical parameterisation of the options' groups), in input
+    order, and the report (``objective`` per round, rounds, per-model seconds and verification)."""
+
+    models: list
+    report: dict
+
+
+def mean_state_dict(state_dicts: list[dict], keys) -> dict:
+    """The element-wise mean of ``keys`` over ``state_dicts`` (summed in float64, stored in each tensor's
+    own dtype); other entries (buffers) are taken from the first."""
+    out = dict(state_dicts[0])
+    for k in keys:
+        acc = state_dicts[0][k].to(torch.float64).clone()
+        for sd in state_dicts[1:]:
+            acc += sd[k].to(torch.float64)
+        out[k] = (acc / len(state_dicts)).to(state_dicts[0][k].dtype)
+    return out
+
+
+def spread(state_dicts: list[dict], keys) -> float:
+    """J = Σ_i ‖θ_i − θ̄‖² over ``keys``."""
+    mean = mean_state_dict(state_dicts, keys)
+    return sum(sq_distance(sd, mean, keys) for sd in state_dicts)
+
+
+def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_rounds: int = 10,
+                tol: float = 1e-4, inputs: dict | None = None, progress: bool = False) -> JointAlignment:
+    """Bring ``models`` (loaded transformers models of one architecture) into one frame; ``options``
+    already resolved against the models (no 'recommended' left). ``anchor``: the model the star step
+    aligns to. ``max_rounds``: cap on the rounds after the star; ``tol``: a round that lowers the
+    objective by less than this fraction ends the descent."""
+    n = len(models)
+    if n < 2:
+        raise SymmergeError(f"joint alignment needs at least 2 models, got {n}")
+    if not -n <= anchor < n:
+        raise SymmergeError(f"anchor index {anchor} out of range for {n} models")
+    anchor %= n
+    if options.match not in JOINT_MATCHES:
+        raise SymmergeError(f"joint alignment runs the {' and '.join(JOINT_MATCHES)} matchers; --match "
+                            f"{options.match} aligns pairwise to one anchor (pass --anchor to merge that way)")
+    if max_rounds < 0 or not tol >= 0:
+        raise SymmergeError(f"joint alignment needs max_rounds >= 0 and tol >= 0, got {max_rounds}, {tol}")
+    names = list(names) if names is not None else [f"model {i}" for i in range(n)]
+    for i, x in enumerate(models):
+        if i != anchor:
+            check_compatible(x, models[anchor])
+    t0 = time.perf_counter()
+    quiet = options.with_(verify=False)
+    seconds = [0.0] * n
+
+    # ---------------------------------------------------------------- the star: everyone to the anchor
+    frame = canonical(models[anchor], options)
+    current = []
+    for i, x in enumerate(models):
+        if i == anchor:
+            current.append(frame)
+            continue
+        t = time.perf_counter()
+        with stage(f"joint alignment, star: {names[i]} to {names[anchor]}", enabled=progress):
+            current.append(align_pair(x, frame, quiet).model)
+        seconds[i] += time.perf_counter() - t
+    keys = parameter_keys(current[0])
+    sds = [x.state_dict() for x in current]
+    objective = [spread(sds, keys)]
+    accepted_per_round: list[int] = []
+
+    # ---------------------------------------------------------------- rounds: each to the mean of the others
+    for r in range(max_rounds):
+        accepted = 0
+        for i in range(n):
+            others = [sds[j] for j in range(n) if j != i]
+            target = with_state_dict(current[i], mean_state_dict(others, keys))
+            t = time.perf_counter()
+            moved = align_pair(current[i], target, quiet).model
+            seconds[i] += time.perf_counter() - t
+            new_sd = moved.state_dict()
+            target_sd = target.state_dict()
+            if sq_distance(new_sd, target_sd, keys) < sq_distance(sds[i], target_sd, keys):
+                current[i], sds[i] = moved, new_sd
+                accepted += 1
+        objective.append(spread(sds, keys))
+        accepted_per_round.append(accepted)
+        if progress:
+            line(f"joint alignment, round {r + 1}: spread {objective[-1]:.6g} ({accepted}/{n} models moved)")
+        if accepted == 0 or objective[-2] - objective[-1] <= tol * objective[-2]:
+            break
+
+    # ---------------------------------------------------------------- each model still computes its function
+    spec = spec_for(models[0].config.model_type)
+    verification = []
+    for i, x in enumerate(models):
+        if options.verify:
+            verification.append(verify_forward(x, current[i], spec, options.verify_tol, inputs))
+        else:
+            verification.append({"verify_max_abs_diff": None, "verify_max_rel_diff": None})
+    report = {
+        "mode": "joint",
+        "anchor_index": anchor,
+        "rounds": len(accepted_per_round),
+        "objective": objective,
+        "objective_note": "sum over models of the squared L2 distance to their mean (all parameters, in the "
+                          "aligned parameterisation); [0] after the star alignment, then after each round",
+        "moved_per_round": accepted_per_round,
+        "models": [{"model": names[i], "seconds": seconds[i], **verification[i]} for i in range(n)],
+        "seconds": time.perf_counter() - t0,
+    }
+    return JointAlignment(current, report)

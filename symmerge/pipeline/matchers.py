@@ -1,0 +1,79 @@
+"""Matchers: what a pairwise alignment's group elements are fitted to, one plug-in each behind one
+protocol. A matcher is a function
+
+    match(ctx: MatchContext) -> {instance name: element}
+
+that finds, for the instances active under ``ctx.opts``, the elements moving ``ctx.model`` (in the
+canonical form ``ctx.ca``) towards ``ctx.anchor`` (``ctx.cb``). It reads only the group kinds'
+declared capabilities (:mod:`symmerge.groups.base`), never a kind's name, and adds its report fields to
+``ctx.fields``. Registered here by name (``--match NAME``):
+
+* ``weights`` — data-free weight matching (:func:`symmerge.pipeline.engine.solve`: every kind's exact
+  solver, coordinate descent with the model-wide groups);
+* ``activations`` — the kinds' solvers on both models' activation statistics over unlabeled data
+  (:mod:`symmerge.pipeline.activations`);
+* ``learned`` — from a closed form, the kinds' continuous parameterisations optimised so that the
+  interpolated model matches the interpolated predictions (:mod:`symmerge.pipeline.learn`).
+
+Adding a matcher: write ``match(ctx)`` and register it in :data:`MATCHERS`; ``AlignOptions`` and the
+CLI's ``--match`` accept its name (``options.MATCH_MODES`` is this registry's keys), and ``align``,
+``merge`` and ``barrier`` then run it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MatchContext:
+    """What a matcher is given: the bound instances, both models and their canonical state dicts, the
+    alignment options (``options``) and the solvers' options (``opts``), a progress callback or None,
+    and the report fields it may add to."""
+
+    instances: list
+    model: object
+    anchor: object
+    ca: dict
+    cb: dict
+    options: object
+    opts: object
+    progress: object = None
+    fields: dict = field(default_factory=dict)
+    history: list = field(default_factory=list)  # the weight matcher's objective per descent sweep
+
+    def data(self):
+        """The unlabeled alignment data (loaded once, recorded in the report)."""
+        if "_data" not in self.__dict__:
+            from .align import load_align_data
+
+            self._data = load_align_data(self.options, self.model)
+            self.fields["align_samples_used"] = self._data.n
+        return self._data
+
+
+def match_weights(ctx: MatchContext) -> dict:
+    from .engine import solve
+
+    return solve(ctx.instances, ctx.ca, ctx.cb, ctx.opts, progress=ctx.progress, history=ctx.history,
+                 max_sweeps=ctx.options.max_sweeps)
+
+
+def match_activations(ctx: MatchContext) -> dict:
+    from .activations import match_activations as fit
+    from .verify import with_state_dict
+
+    return fit(ctx.instances, with_state_dict(ctx.model, ctx.ca), with_state_dict(ctx.anchor, ctx.cb), ctx.data(),
+               ctx.opts, progress=ctx.progress, timings=ctx.fields.setdefault("activation_seconds", {}))
+
+
+def match_learned(ctx: MatchContext) -> dict:
+    from .learn import learn_alignment
+
+    start = match_activations(ctx) if ctx.options.learn.start == "activations" else None  # else: from the weights
+    elements, ctx.fields["learned"] = learn_alignment(ctx.instances, ctx.model, ctx.anchor, ctx.ca, ctx.cb, ctx.data(),
+                                                      ctx.options, progress=ctx.progress, start=start)
+    return elements
+
+
+MATCHERS = {"weights": match_weights, "activations": match_activations, "learned": match_learned}

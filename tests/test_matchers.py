@@ -1,0 +1,86 @@
+"""Matchers on the group-kind plug-ins: every kind declares the capabilities the activation and learned
+matchers read; every matcher runs on every kind (a family using each kind, all groups at once, the
+result function-preserving and moving each kind's tensors); a kind without a capability is refused by
+name; no code outside symmerge/groups/ branches on a kind's name."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import make_inputs, output_rel_diff
+from factories import FAMILIES, RMSNORM, make_model
+from symmerge.errors import SymmergeError
+from symmerge.groups import KINDS
+from symmerge.pipeline.align import align_pair, instances_for
+from symmerge.pipeline.options import AlignOptions, LearnSettings
+from test_activations import unlabeled
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+FULL = "heads,attn,ffn,rescale,residual"
+
+
+def test_every_kind_declares_its_matcher_capabilities():
+    for name, kind in KINDS.items():
+        assert kind.activation_sites in ("slots", "units", "stream", ""), name
+        assert kind.activation_statistic in ("gram", "correlation"), name
+        assert isinstance(kind.moves_before_scales, bool), name
+        # a model-wide kind is read at the block boundaries, a per-layer one at its slots or units
+        assert (kind.activation_sites == "stream") == (not kind.per_layer) or kind.activation_sites == "", name
+        for method in ("fit_activations", "weight_scales", "resolvable", "learn_init"):
+            assert callable(getattr(kind, method)), (name, method)
+
+
+def _family_of_each_kind() -> dict[str, str]:
+    """For every registered kind, the first test family whose task model binds an instance of it."""
+    found = {}
+    for family in FAMILIES:
+        _, instances = instances_for(make_model(family, head=True))
+        for inst in instances:
+            found.setdefault(inst.kind.name, family)
+    return found
+
+
+def test_every_kind_is_used_by_a_test_family():
+    assert set(_family_of_each_kind()) == set(KINDS)
+
+
+@pytest.mark.parametrize("match", ["activations", "learned"])
+@pytest.mark.parametrize("family", sorted(set(_family_of_each_kind().values())))
+def test_every_matcher_runs_on_every_kind(family, match, request):
+    if family in RMSNORM:
+        request.getfixturevalue("fp64_rmsnorm")
+    a, b = make_model(family, head=True, seed=0), make_model(family, head=True, seed=5)
+    options = AlignOptions(symmetries=FULL, match=match, align_data=unlabeled(a),
+                           learn=LearnSettings(steps=3, batch=4, start="activations"))
+    result = align_pair(a, b, options, inputs=make_inputs(a))
+    assert output_rel_diff(a, result.model, make_inputs(a)) <= 1e-9
+    moved = {k for k, v in result.model.state_dict().items()
+             if k in a.state_dict() and v.shape == a.state_dict()[k].shape and not v.equal(a.state_dict()[k])}
+    for inst in result.instances:  # every kind's element was solved and moved its tensors
+        assert inst.name in result.elements, (family, match, inst.name)
+    kinds = {i.kind.name for i in result.instances}
+    for kind in kinds:
+        keys = {s.key for i in result.instances if i.kind.name == kind for s in i.slots}
+        assert keys & moved, (family, match, kind)
+
+
+def test_a_kind_without_activation_sites_is_refused_by_name(monkeypatch):
+    a, b = make_model("vit", head=True, seed=0), make_model("vit", head=True, seed=1)
+    monkeypatch.setattr(KINDS["permutation"], "activation_sites", "")
+    with pytest.raises(SymmergeError, match="'permutation' group kind declares no per-layer activation sites"):
+        align_pair(a, b, AlignOptions(symmetries="attn,ffn", match="activations", align_data=unlabeled(a)))
+    monkeypatch.undo()
+    monkeypatch.setattr(KINDS["residual"], "activation_sites", "")
+    with pytest.raises(SymmergeError, match="'residual' group kind does not declare them"):
+        align_pair(a, b, AlignOptions(symmetries=FULL, match="activations", align_data=unlabeled(a)))
+
+
+def test_no_code_outside_groups_branches_on_a_kind_name():
+    root = Path(__file__).parent.parent / "symmerge"
+    pattern = re.compile(r"(kind\.name|\.kind) *(==|!=|in) ")
+    leaks = [f"{p}:{n}" for p in root.rglob("*.py") if "groups" not in p.relative_to(root).parts[:1]
+             for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not leaks, leaks
