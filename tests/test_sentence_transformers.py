@@ -153,6 +153,13 @@ def test_a_dense_module_is_merged_with_the_method(dense, tmp_path):
                    "--progress", "none") == 0
     names, _ = encode(out)
     assert names == ["Transformer", "Pooling", "Dense", "Normalize"]
+    assert json.loads((out / "symmerge_report.json").read_text())["mode"] == "stream"  # --align none streams
+    memory = tmp_path / "avg-memory"
+    assert run_cli("merge", a, b, "--method", "average", "--weights", "0.7,0.3", "--align", "none", "--mode", "memory",
+                   "-o", memory, "--progress", "none") == 0
+    assert dense_weights(memory).keys() == dense_weights(out).keys()
+    assert all(torch.equal(dense_weights(memory)[k], dense_weights(out)[k]) for k in dense_weights(out))
+    assert "symmerge" in (out / "README.md").read_text()
     got, wa, wb = dense_weights(out), dense_weights(a), dense_weights(b)
     assert set(got) == {"linear.weight", "linear.bias"}
     for k in got:

@@ -200,7 +200,7 @@ def test_aligned_streamed_merge_equals_in_memory_aligned_merge(folders, tmp_path
     for mode in ("memory", "stream"):
         out = tmp_path / mode
         rc, _, err = run(capsys, "merge", *models, "--method", "average", "--align", "attn,ffn", "--heads", "merge",
-                         "--mode", mode, "--progress", "none", "-o", out)
+                         "--mode", mode, "--star", "--progress", "none", "-o", out)
         assert rc == 0, err
         result[mode] = tensors(out)
         report = json.loads((out / "symmerge_report.json").read_text())
@@ -210,6 +210,15 @@ def test_aligned_streamed_merge_equals_in_memory_aligned_merge(folders, tmp_path
         assert anchor["rule"] == ("second of two" if n == 2 else "closest to the average"), anchor
         result[mode + "-anchor"] = anchor["index"]
     assert result["memory-anchor"] == result["stream-anchor"]
+    if n == 3:  # without --star, a streamed merge of three still uses the star, and says so
+        out = tmp_path / "auto"
+        rc, _, err = run(capsys, "merge", *models, "--method", "average", "--align", "attn,ffn", "--heads", "merge",
+                         "--mode", "stream", "--progress", "none", "-o", out)
+        assert rc == 0 and "joint alignment into one frame needs the models in memory" in err
+        assert torch.equal(tensors(out)[k0 := next(iter(result["stream"]))], result["stream"][k0])
+        import shutil
+
+        shutil.rmtree(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory", "perm", "stream"]  # no temporary folder left
     for k, t in result["memory"].items():
         torch.testing.assert_close(result["stream"][k], t, rtol=0, atol=1e-6, msg=k)

@@ -63,7 +63,9 @@ def test_same_size_different_ids_is_one_clear_error(tmp_path, capsys, swapped):
     assert len(read_tokenizer(a).vocab) == len(read_tokenizer(b).vocab)
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "w0 w1", "label": 0}\n')
-    for argv in (["merge", a, b, "--method", "average"], ["align", a, b], ["align", a, b, "--stream"],
+    for argv in (["merge", a, b, "--method", "average"], ["merge", a, b, "--method", "average", "--align", "none",
+                                                             "--mode", "stream"],
+                 ["align", a, b], ["align", a, b, "--stream"],
                  ["barrier", a, b, "--data", data]):
         out = tmp_path / f"out-{argv[0]}"
         assert run_cli(*argv, "-o", out) == 2

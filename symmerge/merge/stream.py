@@ -34,7 +34,10 @@ from ..core.layout import Layout, check_layouts
 from ..errors import SymmergeError
 from ..families import spec_for, supported_model_types
 from ..io.checkpoint import LazyCheckpoint, PlannedWriter, parse_size
+from ..io.card import write_card
 from ..io.model import atomic_dir, copy_side_files, model_class, weight_files, write_json
+from ..io.sentence_transformers import check_pipelines
+from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
 from .base import merge_tensor, normalized_weights
 
@@ -88,6 +91,8 @@ def stream_refusal(method, options) -> str | None:
         return f"method {method.name!r} needs the models in memory (it reads the architecture)"
     if options.repair:
         return "REPAIR needs the models in memory (it runs them on data)"
+    if options.joint:
+        return "joint alignment (every model to the mean of the others) needs the models in memory"
     if options.data or options.eval_data:
         return "evaluating the merged model on data needs it in memory"
     return None
@@ -241,6 +246,11 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
     if refusal:
         raise SymmergeError(f"streamed merge: {refusal}; use --mode memory")
     names = [str(x) for x in models]
+    # the same checks as in memory, before anything is read: tokenizers, sentence-transformers pipelines
+    tokenizer = check_tokenizers([(n, x) for n, x in zip(names, models)] +
+                                 [(str(x), x) for x in (options.base, options.anchor) if isinstance(x, (str, Path))],
+                                 options.allow_tokenizer_mismatch)
+    embedding = check_pipelines(list(zip(names, models)), m, options.base, options.allow_pickle)
     timings = {"load": 0.0, "align": 0.0, "statistics": 0.0, "merge": 0.0, "evaluate": 0.0}
     with stage("read the checkpoint headers", enabled=options.progress):
         ckpts = [LazyCheckpoint(x, spec=False) for x in models]
@@ -390,7 +400,6 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
         timings["merge"] = time.perf_counter() - t
         files = target.close()
         (tmp / "config.json").write_text(_config_text(holder))
-        side = copy_side_files(holder.folder, tmp)
         hk = heads[0]
         head_info = ({"policy": "none", "note": "base models without a task head"} if not hk else
                      {"policy": "merge", "keys": sorted(hk)} if options.heads == "merge" else
@@ -411,12 +420,16 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
             "stream": {"shards": files, "bytes_written": target.total_bytes, "largest_tensor_bytes": largest,
                        "read_ahead_budget_bytes": int(limit), "read_ahead_peak_bytes": gate.peak,
                        "seconds": {k: round(v, 4) for k, v in clock.items()}},
-            "side_files": side,
+            "tokenizer": tokenizer,
+            **({"sentence_transformers": embedding} if embedding else {}),
         }
+        # side files, and a sentence-transformers pipeline with its module weights merged by the same method
+        report["side_files"] = copy_side_files(holder.folder, tmp, report)
         timings["total"] = time.perf_counter() - t0
         report["timings"] = timings
         if write_hook is not None:
             write_hook(tmp, report)
+        write_card(tmp, report)  # README.md, the output's own model card
         write_json(tmp / "symmerge_report.json", report)
     return report
 
@@ -492,6 +505,9 @@ def _aligned_streaming(models, out, options, align, ckpts, base, shard_size, bud
             rows.insert(idx, {"model": names[idx], "anchor": True})
         alignment = {"symmetries": list(resolved or []), "requested": options.align.requested,
                      "rescale": align.effective_rescale, "anchor": info, "models": rows, "streamed": True}
+        if options.use_joint(len(models)):  # auto: more than two models, no anchor
+            alignment["note"] = ("streamed: every model was aligned to one anchor (the star); joint alignment into "
+                                 "one frame needs the models in memory (--mode memory)")
         timings = {"align": time.perf_counter() - t}
         plain = replace(options, align=AlignOptions(symmetries="none"), base=base_path, anchor=None)
         report = _merge_streaming(aligned, out, plain, shard_size, budget,
