@@ -20,6 +20,7 @@ from (outputs on sample inputs) once, at the end.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +63,18 @@ def spread(state_dicts: list[dict], keys) -> float:
     return sum(sq_distance(sd, mean, keys) for sd in state_dicts)
 
 
+ROUND_SWEEPS = 10  # cap on the coordinate-descent sweeps of each step after the star (it starts near its optimum)
+
+
 def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_rounds: int = 10,
-                tol: float = 1e-4, inputs: dict | None = None, progress: bool = False) -> JointAlignment:
+                tol: float = 1e-4, inputs: dict | None = None, progress: bool = False,
+                round_sweeps: int = ROUND_SWEEPS) -> JointAlignment:
     """Bring ``models`` (loaded transformers models of one architecture) into one frame; ``options``
     already resolved against the models (no 'recommended' left). ``anchor``: the model the star step
     aligns to. ``max_rounds``: cap on the rounds after the star; ``tol``: a round that lowers the
-    objective by less than this fraction ends the descent."""
+    objective by less than this fraction ends the descent; ``round_sweeps``: cap on the descent sweeps
+    of each step after the star (the step starts near its optimum; a step that does not lower the
+    objective is rejected whatever the cap)."""
     n = len(models)
     if n < 2:
         raise SymmergeError(f"joint alignment needs at least 2 models, got {n}")
@@ -85,6 +92,7 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
             check_compatible(x, models[anchor])
     t0 = time.perf_counter()
     quiet = options.with_(verify=False)
+    step = quiet.with_(max_sweeps=max(1, min(options.max_sweeps, round_sweeps)))
     seconds = [0.0] * n
 
     # ---------------------------------------------------------------- the star: everyone to the anchor
@@ -110,7 +118,9 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
             others = [sds[j] for j in range(n) if j != i]
             target = with_state_dict(current[i], mean_state_dict(others, keys))
             t = time.perf_counter()
-            moved = align_pair(current[i], target, quiet).model
+            with warnings.catch_warnings():  # the sweep cap of a step is deliberate (see round_sweeps)
+                warnings.simplefilter("ignore")
+                moved = align_pair(current[i], target, step).model
             seconds[i] += time.perf_counter() - t
             new_sd = moved.state_dict()
             target_sd = target.state_dict()
