@@ -217,6 +217,9 @@ def test_mismatched_pipelines_are_refused(minilm, dense, tmp_path, capsys):
         err = capsys.readouterr().err
         assert "sentence-transformers pipelines" in err and message in err, err
         assert not out.exists()
+    # a task-vector method needs the Dense of the base too
+    assert run_cli("merge", *dense[:2], "--method", "task_arithmetic", "--base", path, "-o", tmp_path / "tv") == 2
+    assert "the base has no 2_Dense/ weights" in capsys.readouterr().err and not (tmp_path / "tv").exists()
     # the same pipeline saved by sentence-transformers 6 (other config formats, more settings) merges
     resaved = tmp_path / "resaved"
     st.SentenceTransformer(str(path), device="cpu", local_files_only=True).save(str(resaved))

@@ -112,6 +112,18 @@ def test_an_added_special_token_is_an_error(tmp_path, capsys):
         check_tokenizers([("a", a), ("c", c)])
 
 
+def test_malformed_tokenizer_files_are_one_clear_error(tmp_path):
+    a, b = bert_folder(tmp_path / "a", 0, tokenizer()), bert_folder(tmp_path / "b", 1, tokenizer())
+    tj = json.loads((b / "tokenizer.json").read_text())
+    tj["added_tokens"] = [{"id": "x"}]
+    (b / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(SymmergeError, match="malformed tokenizer files"):
+        check_tokenizers([("a", a), ("b", b)])
+    (b / "tokenizer.json").write_text("{not json")
+    with pytest.raises(SymmergeError, match="tokenizer.json: unreadable tokenizer file"):
+        check_tokenizers([("a", a), ("b", b)])
+
+
 def test_a_folder_without_tokenizer_is_allowed_with_a_note(tmp_path, capsys):
     a, b = bert_folder(tmp_path / "a", 0, tokenizer()), bert_folder(tmp_path / "b", 1)
     out = tmp_path / "out"

@@ -104,6 +104,13 @@ def read_tokenizer(path) -> TokenizerView | None:
     path = Path(path)
     if not any((path / f).is_file() for f in VOCAB_FILES):
         return None
+    try:
+        return _read(path)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # well-formed JSON, wrong shape
+        raise SymmergeError(f"{path}: malformed tokenizer files ({type(e).__name__}: {e})") from None
+
+
+def _read(path: Path) -> TokenizerView:
     added: dict = {}
     if (path / "tokenizer.json").is_file():
         tj = _json(path / "tokenizer.json")
