@@ -149,6 +149,20 @@ def choose_mode(mode: str, method, options, models, aligns: bool) -> tuple[str, 
     return "memory", f"auto: {refusal}"
 
 
+def _sq(a, b, block: int = 1 << 16) -> float:
+    """Squared L2 distance of two tensors for the report: differences in float32 (float64 inputs in
+    float64), each block's sum of squares by a dot product, the blocks summed in float64."""
+    import torch
+
+    wide = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    total = 0.0
+    for i in range(0, fa.numel(), block):
+        d = fa[i:i + block].to(wide) - fb[i:i + block].to(wide)
+        total += float(torch.dot(d, d))
+    return total
+
+
 class _Lazy(Mapping):
     """A checkpoint's tensors ``keys`` read one at a time (for a method's ``prepare`` hook)."""
 
@@ -365,11 +379,10 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                     inputs, b = tensors[:n], (tensors[n] if base is not None else None)
                     value = merge_tensor(m, k, inputs, weights, None, b, params, context)
                     if value.is_floating_point():
-                        one = {"x": value}
                         for i in range(n):
-                            result_sq[i] += sq_distance(one, {"x": inputs[i]}, ["x"])
+                            result_sq[i] += _sq(value, inputs[i])
                         for i, j in pair_sq:
-                            pair_sq[i, j] += sq_distance({"x": inputs[i]}, {"x": inputs[j]}, ["x"])
+                            pair_sq[i, j] += _sq(inputs[i], inputs[j])
                     del inputs, b
                 else:
                     value = tensors[0]
