@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..core.distance import sq_distance
@@ -318,11 +319,13 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
     gate, stop = _Budget(int(limit)), threading.Event()
     read_q: queue.Queue = queue.Queue(maxsize=4)
     write_q: queue.Queue = queue.Queue(maxsize=4)
-    clock = {"read": 0.0, "write": 0.0, "waiting_for_reads": 0.0}
+    clock = {"read": 0.0, "write": 0.0, "distances": 0.0, "waiting_for_reads": 0.0}
     n = len(ckpts)
     pair_sq = {(i, j): 0.0 for i in range(n) for j in range(i + 1, n)}
     result_sq = [0.0] * n
     largest = max((max(c.nbytes(k) for c in sources(k)) for k in order), default=0)
+
+    pool = ThreadPoolExecutor(max_workers=len(everything))  # one read per model at once: a deeper I/O queue
 
     def reader():
         try:
@@ -330,7 +333,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                 if not gate.take(sizes[k], stop):
                     return
                 t1 = time.perf_counter()
-                tensors = [c.read_direct(k) for c in sources(k)]
+                tensors = list(pool.map(lambda c: c.read_direct(k), sources(k)))
                 clock["read"] += time.perf_counter() - t1
                 _put(read_q, (k, tensors), stop)
             _put(read_q, None, stop)
@@ -343,11 +346,18 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                 item = write_q.get()
                 if item is None:
                     return
-                k, tensor = item
+                k, tensor, inputs = item
+                if inputs is not None:  # the report's distances, beside the merge on the other core
+                    t1 = time.perf_counter()
+                    for i in range(n):
+                        result_sq[i] += _sq(tensor, inputs[i])
+                    for i, j in pair_sq:
+                        pair_sq[i, j] += _sq(inputs[i], inputs[j])
+                    clock["distances"] += time.perf_counter() - t1
                 t1 = time.perf_counter()
                 target.add(holder.save_name(k), tensor)
                 clock["write"] += time.perf_counter() - t1
-                del tensor, item
+                del tensor, item, inputs
                 gate.give(sizes[k])
         except BaseException as e:
             failures.append(e)
@@ -375,20 +385,18 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                     raise failures[0]
                 k, tensors = item
                 del item
+                inputs = None
                 if k in merged_set:
                     inputs, b = tensors[:n], (tensors[n] if base is not None else None)
                     value = merge_tensor(m, k, inputs, weights, None, b, params, context)
-                    if value.is_floating_point():
-                        for i in range(n):
-                            result_sq[i] += _sq(value, inputs[i])
-                        for i, j in pair_sq:
-                            pair_sq[i, j] += _sq(inputs[i], inputs[j])
-                    del inputs, b
+                    if not value.is_floating_point():
+                        inputs = None
+                    del b
                 else:
                     value = tensors[0]
                 del tensors
-                _put(write_q, (k, value), stop)
-                del value
+                _put(write_q, (k, value, inputs), stop)  # inputs: held (within the budget) until written
+                del value, inputs
                 pbar.update(1)
             write_q.put(None)
             threads[1].join()
@@ -400,6 +408,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
             raise
         finally:
             pbar.close()
+            pool.shutdown(wait=False)
         timings["merge"] = time.perf_counter() - t
         files = target.close()
         (tmp / "config.json").write_text(_config_text(holder))
