@@ -18,7 +18,7 @@ parent, CPU time (user + system) and peak RSS from ``wait4`` of that child:
   medians and symmerge/mergekit ratios; whether the outputs are equal bit for bit;
 * ``ties`` / ``dare_ties`` on three models (base: the original) against the plain average of the same
   three (symmerge only: mergekit's TIES trims per tensor, symmerge's over the whole model);
-* ``--large``: the disk's sequential read rate (``dd`` on the input shards, page cache dropped first
+* ``--large``: the disk's sequential read rate (``dd`` on both inputs' shards, page cache dropped first
   where permitted) and the streamed average of the pair: wall, peak RSS, and its read rate (input bytes
   / wall) as a fraction of ``dd``'s.
 
@@ -243,7 +243,7 @@ def bench_large(root: Path, args, mergekit: str | None, env) -> dict:
     files = sorted(a.glob("*.safetensors")) + sorted(b.glob("*.safetensors"))
     input_bytes = sum(os.path.getsize(f) for f in files)
     dropped = drop_caches()
-    rate = dd_rate(sorted(a.glob("*.safetensors")))
+    rate = dd_rate(files)
     result = {"input_bytes": input_bytes, "page_cache_dropped": dropped, "dd_read_rate_mb_s": rate / 1e6}
     out = root / "out"
     tools = ["symmerge"] + (["mergekit"] if mergekit is not None and args.large_mergekit else [])
@@ -277,6 +277,7 @@ def main(argv=None) -> int:
     p.add_argument("--large", action="store_true", help="also the 3.4 B bf16 pair (generated once, 14 GB of disk)")
     p.add_argument("--large-mergekit", action="store_true", help="also run mergekit on the 3.4 B pair")
     p.add_argument("--skip-ties", action="store_true", help="leave out TIES / DARE-TIES on three models")
+    p.add_argument("--only-large", action="store_true", help="only the 3.4 B pair (implies --large)")
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     env = python_env()
@@ -284,15 +285,17 @@ def main(argv=None) -> int:
     kind = "tiny" if args.tiny else "smollm2"
     root = Path(args.dir) / kind
     root.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "benchmarks.bench_merge", "--child", "generate", kind, str(root)],
-                   check=True, env=env)
-    print(f"inputs ready ({time.perf_counter() - t:.0f} s)", flush=True)
-    figures = {"inputs": kind, "load_average": os.getloadavg(), "cpus": os.cpu_count(), "repeats": args.repeats,
-               "average": bench_average(root, args, mergekit, env)}
-    if not args.skip_ties:
-        figures["three_models"] = bench_ties(root, args, env)
-    if args.large:
+    figures = {"inputs": "large" if args.only_large else kind, "load_average": os.getloadavg(),
+               "cpus": os.cpu_count(), "repeats": args.repeats}
+    if not args.only_large:
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_merge", "--child", "generate", kind, str(root)],
+                       check=True, env=env)
+        print(f"inputs ready ({time.perf_counter() - t:.0f} s)", flush=True)
+        figures["average"] = bench_average(root, args, mergekit, env)
+        if not args.skip_ties:
+            figures["three_models"] = bench_ties(root, args, env)
+    if args.large or args.only_large:
         figures["large"] = bench_large(Path(args.dir) / "large", args, mergekit, env)
     figures["load_average_after"] = os.getloadavg()
     for k, v in figures.items():

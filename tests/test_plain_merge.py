@@ -168,3 +168,27 @@ def test_barrier_of_a_family_without_spec(tmp_path, capsys):
     assert list(res["curves"]) == ["none"] and len(res["curves"]["none"]["loss"]) == 3
     assert "no symmetry spec for model_type 'stablelm'" in capsys.readouterr().err
 
+
+
+def test_regmean_solves_conv1d_layers_found_by_module_type():
+    """GPT-2's Conv1D layers (weights stored in x out) get RegMean's least-squares solution: the merged
+    weight satisfies the normal equations (sum G_i) W = sum G_i W_i; before, they were only averaged."""
+    from symmerge.io.data import Batch, Data
+    from symmerge.merge import get_method
+    from symmerge.merge.statistics import InOutGram, gram_stats
+
+    models = [tiny("gpt2", s).double() for s in (0, 1)]
+    ids = torch.randint(3, 128, (6, 10), generator=torch.Generator().manual_seed(0))
+    data = Data("ids", "lm", [Batch({"input_ids": ids}, ids.clone(), torch.ones_like(ids, dtype=torch.bool))], n=6)
+    stats = [gram_stats(m, data, progress=False).means() for m in models]
+    key = "transformer.h.0.attn.c_attn.weight"
+    assert isinstance(stats[0][key], InOutGram) and stats[0][key].shape == (32, 32)
+    sds = [m.state_dict() for m in models]
+    keys = [k for k in sds[0] if k != "lm_head.weight"]
+    merged = get_method("regmean").merge([{k: sd[k] for k in keys} for sd in sds],
+                                         stats=[{k: s[k] for k in keys if k in s} for s in stats], alpha=1.0)
+    grams = [s[key].as_subclass(torch.Tensor) for s in stats]
+    lhs = (grams[0] + grams[1]) @ merged[key]
+    rhs = grams[0] @ sds[0][key] + grams[1] @ sds[1][key]
+    torch.testing.assert_close(lhs, rhs, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(merged[key], (sds[0][key] + sds[1][key]) / 2, atol=1e-6)  # not the plain mean

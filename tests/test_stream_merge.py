@@ -250,3 +250,32 @@ def permuted(folder, out):
         sd[pre + "down_proj.weight"] = sd[pre + "down_proj.weight"][:, p].contiguous()
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def test_streamed_merge_keeps_a_task_head_of_another_label_space(tmp_path, capsys):
+    """Classifiers with 2 and 3 labels: the bodies are merged, the head is model --head-from's, as in memory."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    folders = []
+    for seed, labels in ((0, 2), (1, 3)):
+        torch.manual_seed(seed)
+        config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=32, num_labels=labels)
+        folders.append(tmp_path / f"bert{seed}")
+        BertForSequenceClassification(config).save_pretrained(str(folders[-1]))
+    result = {}
+    for mode in ("memory", "stream"):
+        out = tmp_path / mode
+        rc, _, err = run(capsys, "merge", *folders, "--method", "average", "--align", "none", "--head-from", "1",
+                         "--mode", mode, "--progress", "none", "-o", out)
+        assert rc == 0, err
+        result[mode] = tensors(out)
+        report = json.loads((out / "symmerge_report.json").read_text())
+        assert report["head"]["policy"] == "keep" and report["head"]["from_index"] == 1
+    assert result["memory"].keys() == result["stream"].keys()
+    for k, t in result["memory"].items():
+        assert torch.equal(t, result["stream"][k]), k
+    assert torch.equal(result["stream"]["classifier.weight"], tensors(folders[1])["classifier.weight"])
+    rc, _, err = run(capsys, "merge", *folders, "--method", "average", "--align", "none", "--heads", "merge",
+                     "--mode", "stream", "-o", tmp_path / "bad")
+    assert rc == 2 and "cannot merge task heads" in err and not (tmp_path / "bad").exists()

@@ -156,7 +156,7 @@ def _magnitude_apply(key, taus, params, context):
         return list(taus)
     # compared in float32, the precision the threshold was found in: a float64 magnitude just below its
     # float32 rounding would otherwise drop the k-th entry itself
-    return [torch.where(t.abs().float() >= thr, t, torch.zeros_like(t)) for t, thr in zip(taus, context)]
+    return [t.masked_fill(t.abs().float() < thr, 0.0) for t, thr in zip(taus, context)]
 
 
 def dare_seed(seed: int, model: int, key: str) -> int:
@@ -193,7 +193,7 @@ def _dare_apply(key, taus, params, context):
             keep = dare_keep_mask(t.shape, p, params["seed"], i, key)
         else:
             keep = torch.rand(t.shape, generator=context[i], dtype=torch.float64) >= p
-        out.append(torch.where(keep.to(t.device), t / (1.0 - p), torch.zeros_like(t)))
+        out.append((t / (1.0 - p)).masked_fill(~keep.to(t.device), 0.0))
     return out
 
 
@@ -213,8 +213,8 @@ def disjoint_mean(vectors) -> torch.Tensor:
     elected = torch.sign(stacked.sum(0))
     agree = (torch.sign(stacked) == elected) & (stacked != 0)
     count = agree.sum(0)
-    total = torch.where(agree, stacked, torch.zeros_like(stacked)).sum(0)
-    return torch.where(count > 0, total / count.clamp(min=1), torch.zeros_like(total))
+    total = stacked.masked_fill(~agree, 0.0).sum(0)  # masked_fill: torch.where's values, vectorized on CPU
+    return (total / count.clamp(min=1)).masked_fill(count == 0, 0.0)
 
 
 CONSENSUS = {

@@ -6,7 +6,9 @@ W* = argmin_W Σ_i w_i ‖X_i Wᵀ − X_i W_iᵀ‖², i.e. (Σ_i w_i G̃_i) W*
 non-diagonal reduction G̃ = α G + (1 − α) diag(G) interpolates between the exact solution (α = 1)
 and a per-input-column weighted average (α = 0). Biases and all non-linear parameters (embeddings,
 LayerNorms, convolutions) are averaged with the weights. ``stats[i]`` maps the weight name of each
-``nn.Linear`` (``<module>.weight``, out × in) to G_i (in × in), see :func:`symmerge.stats.gram_stats`.
+``nn.Linear`` (``<module>.weight``, out × in) or ``Conv1D`` (in × out; its Gram an
+:class:`~symmerge.merge.statistics.InOutGram`) to G_i (in × in), see
+:func:`symmerge.merge.statistics.gram_stats`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from ..errors import SymmergeError
 from .base import Method, weighted_sum
+from .statistics import InOutGram
 
 
 def reduce(gram: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -43,9 +46,13 @@ def tensor(key, tensors, weights, stats, base, params, context):
     first = tensors[0]
     if first.dim() != 2 or stats is None:  # biases, embeddings, norms, …: weighted average
         return weighted_sum(tensors, weights)
-    grams = [g.to(first.device) for g in stats]
-    if any(g.shape != (first.shape[1], first.shape[1]) for g in grams):
+    in_out = isinstance(stats[0], InOutGram)  # a Conv1D weight (in × out): no transpose
+    grams = [g.as_subclass(torch.Tensor).to(first.device) for g in stats]
+    n_in = first.shape[0] if in_out else first.shape[1]
+    if any(g.shape != (n_in, n_in) for g in grams):
         raise SymmergeError(f"regmean: Gram of {key} is {tuple(grams[0].shape)}, weight is {tuple(first.shape)}")
+    if in_out:
+        return solve_layer(list(tensors), grams, weights, float(params["alpha"]))
     return solve_layer([t.T for t in tensors], grams, weights, float(params["alpha"])).T.contiguous()
 
 

@@ -1,6 +1,7 @@
 """Statistics for data-dependent merges, gathered with hooks on the (already aligned) models.
 
-* :func:`gram_stats`: for every ``nn.Linear``, the Gram matrix XᵀX of its inputs (RegMean). Padding
+* :func:`gram_stats`: for every ``nn.Linear`` and ``Conv1D`` (found by module type, any architecture),
+  the Gram matrix XᵀX of its inputs (RegMean; a ``Conv1D``'s as :class:`InOutGram`). Padding
   tokens are excluded using the batch's attention mask; products are formed per batch in float32
   (float64 for float64 models) and accumulated in float64. Linear layers fed the same tensor (Q, K and V) share one product.
 * :func:`fisher_stats`: the diagonal Fisher E_x[(∂ log p(y|x)/∂θ)²] per parameter, from
@@ -46,8 +47,22 @@ def _model_device(model):
     return next(model.parameters()).device
 
 
-def linear_modules(model) -> dict[str, torch.nn.Linear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+class InOutGram(torch.Tensor):
+    """The Gram matrix of a layer whose weight is stored in × out (transformers' ``Conv1D``, GPT-2):
+    a marker subclass (arithmetic and ``.to`` keep it) that tells RegMean not to transpose the weight."""
+
+
+def is_conv1d(module) -> bool:
+    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
+
+
+def linear_modules(model) -> dict:
+    """Every linear layer, found by module type: ``nn.Linear`` and transformers' ``Conv1D``."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) or is_conv1d(m)}
+
+
+def in_features(module) -> int:
+    return module.weight.shape[0] if is_conv1d(module) else module.in_features
 
 
 def gram_stats(model, data: Data, device=None, modules=None, max_batches: int | None = None,
@@ -58,7 +73,8 @@ def gram_stats(model, data: Data, device=None, modules=None, max_batches: int | 
     mods = linear_modules(model)
     if modules is not None:
         mods = {n: m for n, m in mods.items() if n in set(modules)}
-    grams = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64, device=device) for n, m in mods.items()}
+    grams = {n: torch.zeros(in_features(m), in_features(m), dtype=torch.float64, device=device)
+             for n, m in mods.items()}
     counts = dict.fromkeys(mods, 0)
     state = {"mask": None, "cache": {}}
 
@@ -98,7 +114,8 @@ def gram_stats(model, data: Data, device=None, modules=None, max_batches: int | 
         for h in handles:
             h.remove()
         state["cache"] = {}
-    return Stats("gram", {f"{n}.weight": g.cpu() for n, g in grams.items()},
+    return Stats("gram", {f"{n}.weight": g.cpu().as_subclass(InOutGram) if is_conv1d(mods[n]) else g.cpu()
+                          for n, g in grams.items()},
                  {f"{n}.weight": c for n, c in counts.items()}, examples, time.perf_counter() - start)
 
 

@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..core.distance import sq_distance
@@ -152,6 +153,20 @@ def choose_mode(mode: str, method, options, models, aligns: bool) -> tuple[str, 
         raise SymmergeError(f"the models ({total / 1e9:.1f} GB) would not fit in memory ({free / 1e9:.1f} GB "
                             f"available) and this merge cannot stream: {refusal}")
     return "memory", f"auto: {refusal}"
+
+
+def _sq(a, b, block: int = 1 << 16) -> float:
+    """Squared L2 distance of two tensors for the report: differences in float32 (float64 inputs in
+    float64), each block's sum of squares by a dot product, the blocks summed in float64."""
+    import torch
+
+    wide = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    total = 0.0
+    for i in range(0, fa.numel(), block):
+        d = fa[i:i + block].to(wide) - fb[i:i + block].to(wide)
+        total += float(torch.dot(d, d))
+    return total
 
 
 class _Lazy(Mapping):
@@ -314,11 +329,13 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
     gate, stop = _Budget(int(limit)), threading.Event()
     read_q: queue.Queue = queue.Queue(maxsize=4)
     write_q: queue.Queue = queue.Queue(maxsize=4)
-    clock = {"read": 0.0, "write": 0.0, "waiting_for_reads": 0.0}
+    clock = {"read": 0.0, "write": 0.0, "distances": 0.0, "waiting_for_reads": 0.0}
     n = len(ckpts)
     pair_sq = {(i, j): 0.0 for i in range(n) for j in range(i + 1, n)}
     result_sq = [0.0] * n
     largest = max((max(c.nbytes(k) for c in sources(k)) for k in order), default=0)
+
+    pool = ThreadPoolExecutor(max_workers=len(everything))  # one read per model at once: a deeper I/O queue
 
     def reader():
         try:
@@ -326,7 +343,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                 if not gate.take(sizes[k], stop):
                     return
                 t1 = time.perf_counter()
-                tensors = [c.read_direct(k) for c in sources(k)]
+                tensors = list(pool.map(lambda c: c.read_direct(k), sources(k)))
                 clock["read"] += time.perf_counter() - t1
                 _put(read_q, (k, tensors), stop)
             _put(read_q, None, stop)
@@ -339,11 +356,18 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                 item = write_q.get()
                 if item is None:
                     return
-                k, tensor = item
+                k, tensor, inputs = item
+                if inputs is not None:  # the report's distances, beside the merge on the other core
+                    t1 = time.perf_counter()
+                    for i in range(n):
+                        result_sq[i] += _sq(tensor, inputs[i])
+                    for i, j in pair_sq:
+                        pair_sq[i, j] += _sq(inputs[i], inputs[j])
+                    clock["distances"] += time.perf_counter() - t1
                 t1 = time.perf_counter()
                 target.add(holder.save_name(k), tensor)
                 clock["write"] += time.perf_counter() - t1
-                del tensor, item
+                del tensor, item, inputs
                 gate.give(sizes[k])
         except BaseException as e:
             failures.append(e)
@@ -371,21 +395,18 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                     raise failures[0]
                 k, tensors = item
                 del item
+                inputs = None
                 if k in merged_set:
                     inputs, b = tensors[:n], (tensors[n] if base is not None else None)
                     value = merge_tensor(m, k, inputs, weights, None, b, params, context)
-                    if value.is_floating_point():
-                        one = {"x": value}
-                        for i in range(n):
-                            result_sq[i] += sq_distance(one, {"x": inputs[i]}, ["x"])
-                        for i, j in pair_sq:
-                            pair_sq[i, j] += sq_distance({"x": inputs[i]}, {"x": inputs[j]}, ["x"])
-                    del inputs, b
+                    if not value.is_floating_point():
+                        inputs = None
+                    del b
                 else:
                     value = tensors[0]
                 del tensors
-                _put(write_q, (k, value), stop)
-                del value
+                _put(write_q, (k, value, inputs), stop)  # inputs: held (within the budget) until written
+                del value, inputs
                 pbar.update(1)
             write_q.put(None)
             threads[1].join()
@@ -397,6 +418,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
             raise
         finally:
             pbar.close()
+            pool.shutdown(wait=False)
         timings["merge"] = time.perf_counter() - t
         files = target.close()
         (tmp / "config.json").write_text(_config_text(holder))
