@@ -154,7 +154,8 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     fields: dict = {"match": options.match}
     getattr(progress, "start", lambda: None)()  # the engine's progress lines count from here
     if options.match == "weights":
-        elements = solve(instances, ca, cb, opts, progress=progress, history=sweeps, max_sweeps=options.max_sweeps)
+        elements = solve(instances, ca, cb, opts, progress=progress, history=sweeps, max_sweeps=options.max_sweeps,
+                         tol=options.descent_tol)
     else:
         data = load_align_data(options, model)
         fields["align_samples_used"] = data.n
