@@ -25,7 +25,7 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                              "largest group (the output then stores the head separately)")
     parser.add_argument("--max-sweeps", type=int, default=200,
                         help="cap on the coordinate-descent sweeps over the coupled groups (default 200; it stops "
-                             "earlier when the objective stops decreasing, and warns at the cap)")
+                             "earlier when a sweep lowers the objective by less than 1e-4 of it, and warns at the cap)")
     parser.add_argument("--match", choices=list(MATCH_MODES), default="weights",
                         help="what the group elements are fitted to: weights (data-free, default), activations "
                              "(statistics of both models on --align-data) or learned (from the closed form, the "

@@ -186,7 +186,7 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
     opts = options.solver_options()
     given = start is not None
     if start is None:
-        start = solve(instances, ca, cb, opts, max_sweeps=options.max_sweeps)
+        start = solve(instances, ca, cb, opts, max_sweeps=options.max_sweeps, tol=options.descent_tol)
     report = {"start": (f"{settings.start} (closed form)" if given else
                         "weights (data-free, every group to convergence)"),
               "closed_form_seconds": time.perf_counter() - t0}

@@ -56,7 +56,7 @@ def match_weights(ctx: MatchContext) -> dict:
     from .engine import solve
 
     return solve(ctx.instances, ctx.ca, ctx.cb, ctx.opts, progress=ctx.progress, history=ctx.history,
-                 max_sweeps=ctx.options.max_sweeps)
+                 max_sweeps=ctx.options.max_sweeps, tol=ctx.options.descent_tol)
 
 
 def match_activations(ctx: MatchContext) -> dict:

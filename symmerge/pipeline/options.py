@@ -21,6 +21,9 @@ RECOMMENDED += ("experts",)  # mixtures of experts
 RECOMMENDED_NAME = "recommended"
 RESIDUAL_CHOICES = ("largest", "permutation")
 MATCH_MODES = tuple(MATCHERS)  # weights, activations, learned: the matcher plug-ins (pipeline/matchers.py)
+# the descent over coupled groups stops when a sweep gains less than this fraction of the objective: on B7
+# (two Llamas) the sweeps after that gain 0.04 % in all over 50 more sweeps (docs/results.md, B7)
+DESCENT_TOL = 1e-4
 LEARN_STARTS = ("weights", "activations")  # the closed form a learned alignment starts from
 # what the interpolated model learns to predict: α·p_A + (1−α)·p_B, or softmax(α·log p_A + (1−α)·log p_B)
 LEARN_TARGETS = ("probabilities", "log-probabilities")
@@ -134,7 +137,8 @@ class AlignOptions:
     O(d) for RMSNorm, O(d−1) for pre-LN LayerNorm after folding the norms, permutations for post-LN;
     ``permutation``: LayerNorm streams keep to permutations), ``untie`` (tied LM heads become heads of
     their own, so that the final norm can fold into them: the output then has an untied head),
-    ``max_sweeps`` (cap of the coordinate descent over coupled groups), ``verify`` / ``verify_tol``
+    ``max_sweeps`` (cap of the coordinate descent over coupled groups), ``descent_tol`` (it stops when a
+    sweep lowers the objective by less than this fraction: :data:`DESCENT_TOL`), ``verify`` / ``verify_tol``
     (the equivalence check), ``device`` (cost GEMMs), ``workers`` (layers whose FFN cost GEMM and exact
     assignment are solved at once on a thread pool: None = one per core, 1 = one after another; the
     elements are bit-identical either way).
@@ -154,6 +158,7 @@ class AlignOptions:
     residual: str = "largest"
     untie: bool = False
     max_sweeps: int = 200
+    descent_tol: float = DESCENT_TOL
     match: str = "weights"
     align_data: object = None
     align_samples: int = 1000
@@ -181,6 +186,8 @@ class AlignOptions:
             raise SymmergeError(f"--align-samples must be >= 1, got {self.align_samples}")
         if self.learn is None:
             object.__setattr__(self, "learn", LearnSettings())
+        if not 0.0 <= self.descent_tol < 1.0:
+            raise SymmergeError(f"descent_tol must be in [0, 1), got {self.descent_tol}")
         if self.max_sweeps < 1:
             raise SymmergeError(f"max_sweeps must be >= 1, got {self.max_sweeps}")
         if self.layers is not None:
