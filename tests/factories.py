@@ -112,7 +112,9 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # mixtures of experts (dec
 FAMILIES += MOE
 DECODERS += MOE
 RMSNORM += MOE
-PRE_LAYERNORM = ("vit", "gpt2", "phi", "gpt_neox")  # pre-LN LayerNorm: O(d-1) after folding ("largest"), or permutations
+PRE_LAYERNORM = ("vit", "gpt2", "phi", "gpt_neox", "gpt_neox-serial")  # pre-LN LayerNorm: O(d-1) after folding
+# ("largest"), or permutations
+WRITER_NORMS = ("gemma2", "gemma3", "olmo2")  # norms on the blocks' outputs: signed permutations of the stream
 WITH_RESIDUAL = FAMILIES  # every family's task models have a residual-stream group
 
 
