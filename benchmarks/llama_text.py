@@ -14,7 +14,7 @@ Python documentation (B4's corpus, split and BPE), aligned data-free and from un
    ``--repeats`` runs), checks the function (max |logits(aligned A) − logits(A)| on the first held-out
    batch, and the report's own ``verify_max_abs_diff``), and walks θ(α) = α·θ_A + (1−α)·θ_B on
    ``--curve-examples`` held-out paragraphs (``curve.txt``), plain and with REPAIR at every α
-   (statistics on the alignment data). The unlabeled alignment data are the first
+   (statistics on the first ``--repair-examples`` alignment paragraphs). The unlabeled alignment data are the first
    ``--align-examples`` paragraphs of the validation split (never the evaluation set).
 
 Writes ``results.json`` and ``tables.md`` into ``--out``; timings are also given as ratios to the
@@ -77,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--curve-examples", type=int, default=200, help="held-out paragraphs for the LMC curves")
     p.add_argument("--align-examples", type=int, default=500, help="unlabeled validation paragraphs for alignment")
     p.add_argument("--points", type=int, default=5, help="α values on each LMC curve")
+    p.add_argument("--repair-examples", type=int, default=100,
+                   help="validation paragraphs for REPAIR's statistics (the first of the alignment data; default 100)")
     p.add_argument("--learn-steps", type=int, default=None, help="learned alignment steps (default: LearnSettings')")
     p.add_argument("--learn-batch", type=int, default=None, help="paragraphs per learned step")
     p.add_argument("--learn-positions", type=int, default=None,
@@ -94,7 +96,7 @@ def parse_args(argv=None):
     if args.tiny:
         args.vocab, args.context, args.hidden, args.layers, args.heads, args.inner = 384, 32, 32, 2, 2, 64
         args.steps, args.batch_size, args.eval_every, args.points = 40, 16, 20, 3
-        args.curve_examples, args.align_examples, args.train_lines = 40, 60, 3000
+        args.curve_examples, args.align_examples, args.train_lines, args.repair_examples = 40, 60, 3000, 30
         args.learn_steps, args.learn_batch = args.learn_steps or 5, args.learn_batch or 20
     else:
         args.train_lines = None
@@ -155,7 +157,7 @@ def run(args, log=print) -> dict:
     align_file = data["files"]["validation"]
     alphas = [i / (args.points - 1) for i in range(args.points)]
     mid = alphas.index(0.5) if 0.5 in alphas else len(alphas) // 2
-    repair_opts = AlignOptions(symmetries="none", align_data=align_file, align_samples=args.align_examples)
+    repair_opts = AlignOptions(symmetries="none", align_data=align_file, align_samples=args.repair_examples)
     endpoints = {n: {"seed": s, "folder": str(f), **{k: load_report(f).get(k) for k in
                                                        ("seconds", "seconds_per_step", "eval_loss", "eval_accuracy")}}
                  for n, s, f in (("A", seeds[0], folders[0]), ("B", seeds[1], folders[1]))}
@@ -184,8 +186,7 @@ def run(args, log=print) -> dict:
         c = interpolation_curve(aligned, b, curve, alphas, progress=False)
         row.update({"loss": c["loss"], "barrier": c["barrier"], "loss_mid": c["loss"][mid]})
         if not args.no_repair:
-            stats_opts = repair_opts if opts is None or opts.align_data is None else opts
-            r = repaired_curve(aligned, b, curve, alphas, stats_opts, progress=False)
+            r = repaired_curve(aligned, b, curve, alphas, repair_opts, progress=False)
             row.update({"repair_loss": r["loss"], "repair_barrier": r["barrier"], "repair_loss_mid": r["loss"][mid]})
         rows.append(row)
         log(f"  {name:22s} barrier {row['barrier']:.4f}  loss(0.5) {row['loss_mid']:.4f}"

@@ -185,12 +185,15 @@ def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, histo
             history.append(value)
         if progress is not None:
             progress(f"sweep {sweep + 1}")
-        if value >= best_value * (1 - tol):
+        gained = value < best_value * (1 - tol)
+        if value < best_value:  # the best sweep is kept, even one that gains too little to go on
+            best, best_value = dict(elements), value
+        if not gained:
             if full or not held:
                 break
             full = True  # converged with the lazy groups held: re-solve them once
             continue
-        best, best_value, full = dict(elements), value, not held
+        full = not held
     else:
         warnings.warn(f"coordinate descent stopped at the cap of {max_sweeps} sweeps while still improving "
                       f"(last {history[-1] if history else value:.6g}); raise max_sweeps to go on", stacklevel=2)
