@@ -273,6 +273,36 @@ def test_a_bad_reply_is_left_out_and_never_reaches_the_global_model(world, clean
     assert any("node 9" in r.getMessage() for r in caplog.records)  # the logged reason names the node
 
 
+@pytest.mark.parametrize("scale", [1e30, 3e38])
+def test_huge_finite_weights_are_left_out(world, clean_sha, scale):
+    """Finite values that overflow the solvers or the distances: left out, the round goes on."""
+    g, clients, _ = world
+    TRIED["huge_values"] += 1
+    s = strategy(g)
+    arrays, _ = s.aggregate_train(1, good_replies(world) + [reply(9, {k: v * scale for k, v in clients[3].items()})])
+    assert [x["node"] for x in s.rounds[-1]["left_out"]] == [9]
+    assert s.rounds[-1]["left_out"][0]["kind"] in ("alignment", "non_finite", "norm")
+    assert sha(arrays) == clean_sha
+
+
+def test_a_non_finite_aggregate_keeps_the_previous_model(world, monkeypatch):
+    """The last safety net (the mean of finite values stays finite, so a rule gone wrong is simulated)."""
+    import symmerge.federated.strategy as strategy_module
+
+    g, _, _ = world
+    real = strategy_module.aggregate
+
+    def broken(*a, **kw):
+        out = real(*a, **kw)
+        return {k: v * float("inf") if v.is_floating_point() else v for k, v in out.items()}
+
+    monkeypatch.setattr(strategy_module, "aggregate", broken)
+    s = strategy(g, alignment="none")
+    before = sha(s.global_arrays)
+    arrays, metrics = s.aggregate_train(1, good_replies(world))
+    assert sha(arrays) == before and metrics["symmerge-kept-previous"] == 1
+
+
 def test_a_missing_reply_is_counted(world):
     g, _, _ = world
     s = strategy(g)

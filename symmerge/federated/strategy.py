@@ -43,6 +43,8 @@ import math
 import time
 from logging import INFO, WARNING
 
+import torch
+
 try:
     from flwr.app import ArrayRecord, MetricRecord
     from flwr.serverapp.strategy import FedAvg
@@ -210,8 +212,11 @@ class AlignedFedAvg(FedAvg):
                 else:
                     sd = model.state_dict()
                     before = after = sq_distance(sd, anchor_sd, keys) ** 0.5
-            except SymmergeError as e:
-                self._left_out(left_out, node, "alignment", f"alignment failed: {e}")
+            except Exception as e:  # noqa: BLE001 - a client's weights must not crash the server's solvers
+                self._left_out(left_out, node, "alignment", f"alignment failed: {type(e).__name__}: {e}")
+                continue
+            if not math.isfinite(after):
+                self._left_out(left_out, node, "non_finite", f"its distance to the global model overflows ({after})")
                 continue
             aligned.append((msg, sd, weight, float(before), float(after)))
         align_seconds = time.perf_counter() - t_align
@@ -228,6 +233,10 @@ class AlignedFedAvg(FedAvg):
             return self._keep_previous(record, kept, t0, align_seconds)
 
         merged = aggregate([k[1] for k in kept], [k[2] for k in kept], keys, anchor_sd, self.aggregation, self.trim)
+        if not all(bool(torch.isfinite(merged[k]).all()) for k in keys):  # e.g. huge finite values that overflow
+            log(WARNING, "aggregate_train: round %d: the aggregate is not finite", server_round)
+            record["note"] = "the aggregate was not finite: the previous global model is kept"
+            return self._keep_previous(record, [], t0, align_seconds)
         arrays = ArrayRecord({k: v.detach().contiguous() for k, v in merged.items()})
         record.update(accepted=[k[0].metadata.src_node_id for k in kept], weights=[k[2] for k in kept],
                       distance_before=[k[3] for k in kept], distance_after=[k[4] for k in kept],
