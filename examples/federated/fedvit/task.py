@@ -1,0 +1,132 @@
+"""The model, the data shards, local training and evaluation of the fedvit app.
+
+Every setting has a default here (:data:`DEFAULTS`); ``flwr run`` overrides them from
+``[tool.flwr.app.config]`` in pyproject.toml (and ``--run-config``), a test from its own dict."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+DEFAULTS = {
+    "num-server-rounds": 3,
+    "dataset": "fashion-mnist",  # or "synthetic": random class-coloured images (tests, no data needed)
+    "examples-per-client": 2000,
+    "test-examples": 2000,
+    "dirichlet-alpha": 0.5,  # label skew of the shards (smaller: more skewed)
+    "data-seed": 0,
+    "hidden": 64,
+    "layers": 4,
+    "heads": 4,
+    "patch": 7,
+    "image-size": 28,
+    "init-seed": 0,
+    "local-steps": 50,
+    "batch-size": 64,
+    "lr": 1e-3,
+    "align": "heads,attn,ffn,rescale",  # symmerge symmetries ("none": plain FedAvg with the checks)
+    "aggregation": "mean",  # mean | median | trimmed_mean
+    "trim": 0.2,
+    "norm-factor": 10.0,  # 0: no update-norm rule
+    "min-clients": 2,
+    "fraction-train": 1.0,
+    "fraction-evaluate": 0.0,
+    "attack-partition": -1,  # a partition that misbehaves (demonstrates the server's checks; -1: none)
+    "attack": "scale100",  # scale100: sends global + 100 x its update; nan: sends NaN weights
+    "attack-round": 1,  # first round the attacker misbehaves in
+}
+
+
+def settings(*configs) -> dict:
+    """:data:`DEFAULTS` updated by each of ``configs`` (unknown keys are an error: a typo is not ignored)."""
+    out = dict(DEFAULTS)
+    for c in configs:
+        unknown = set(c or {}) - set(DEFAULTS)
+        if unknown:
+            raise KeyError(f"unknown fedvit setting(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+        out.update(c or {})
+    return out
+
+
+def load_model(cfg: dict):
+    """A fresh ``ViTForImageClassification`` (10 classes, 1 channel), initialised from ``init-seed``."""
+    from transformers import ViTForImageClassification
+
+    from symmerge.demo.train import vit_config
+
+    config = vit_config(hidden=int(cfg["hidden"]), layers=int(cfg["layers"]), heads=int(cfg["heads"]),
+                        patch=int(cfg["patch"]), image_size=int(cfg["image-size"]))
+    torch.manual_seed(int(cfg["init-seed"]))
+    return ViTForImageClassification(config).float().eval()
+
+
+def _synthetic(n: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, n)
+    base = np.random.default_rng(1234).uniform(0, 255, (10, size, size))  # one pattern per class
+    images = np.clip(base[labels] + rng.normal(0, 60, (n, size, size)), 0, 255).astype(np.uint8)
+    return images, labels.astype(np.int64)
+
+
+def _dataset(cfg: dict, split: str) -> tuple[np.ndarray, np.ndarray]:
+    if cfg["dataset"] == "synthetic":
+        n = 6000 if split == "train" else 1000
+        return _synthetic(n, int(cfg["image-size"]), 0 if split == "train" else 1)
+    if cfg["dataset"] != "fashion-mnist":
+        raise ValueError(f"unknown dataset {cfg['dataset']!r}; choose fashion-mnist or synthetic")
+    from symmerge.demo.datasets import fashion_mnist
+
+    return fashion_mnist(split)
+
+
+def dirichlet_shards(labels: np.ndarray, num_partitions: int, alpha: float, seed: int) -> list[np.ndarray]:
+    """Indices of ``num_partitions`` label-skewed shards: each class split by Dirichlet(``alpha``) shares."""
+    rng = np.random.default_rng(seed)
+    shards: list[list[int]] = [[] for _ in range(num_partitions)]
+    for c in range(int(labels.max()) + 1):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        cuts = (np.cumsum(rng.dirichlet([alpha] * num_partitions)) * len(idx)).astype(int)[:-1]
+        for shard, part in zip(shards, np.split(idx, cuts)):
+            shard.extend(part.tolist())
+    return [rng.permutation(np.asarray(s, dtype=np.int64)) for s in shards]
+
+
+def load_partition(partition_id: int, num_partitions: int, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Client ``partition_id``'s shard: at most ``examples-per-client`` images (normalised) and labels."""
+    from symmerge.demo.datasets import pixel_values
+
+    images, labels = _dataset(cfg, "train")
+    idx = dirichlet_shards(labels, num_partitions, float(cfg["dirichlet-alpha"]), int(cfg["data-seed"]))[partition_id]
+    idx = idx[: int(cfg["examples-per-client"])]
+    return torch.from_numpy(pixel_values(images[idx])), torch.from_numpy(labels[idx])
+
+
+def load_test(cfg: dict) -> tuple[np.ndarray, np.ndarray]:
+    images, labels = _dataset(cfg, "test")
+    return images[: int(cfg["test-examples"])], labels[: int(cfg["test-examples"])]
+
+
+def train(model, x: torch.Tensor, y: torch.Tensor, cfg: dict, seed: int = 0) -> float:
+    """``local-steps`` of Adam on random batches; returns the mean training loss."""
+    if len(x) == 0:
+        return float("nan")
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=float(cfg["lr"]), weight_decay=0.0)
+    model.train()
+    total = 0.0
+    for _ in range(int(cfg["local-steps"])):
+        idx = torch.randint(0, len(x), (min(int(cfg["batch-size"]), len(x)),), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(pixel_values=x[idx]).logits, y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total += loss.item()
+    model.eval()
+    return total / int(cfg["local-steps"])
+
+
+def evaluate(model, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+    """(loss, accuracy) on uint8 images."""
+    from symmerge.demo.train import accuracy
+
+    return accuracy(model, images, labels)

@@ -1,0 +1,107 @@
+"""The server-side checks and aggregation rules of :class:`~symmerge.federated.AlignedFedAvg`, on plain
+PyTorch state dicts (no Flower needed here).
+
+A client's state dict is accepted only if it has exactly the global model's tensor names, shapes and
+dtypes, and only finite values (:func:`check_state_dict`); an accepted client whose distance to the
+global model (after alignment) is beyond ``factor`` × the median of the other clients' distances is
+left out too (:func:`norm_outliers`). The survivors are combined by :func:`aggregate`: the weighted
+mean (FedAvg's rule, weights = example counts), the coordinate-wise median, or the coordinate-wise
+trimmed mean (``trim`` of the values cut from each end, as Flower's ``FedTrimmedAvg``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import SymmergeError
+
+AGGREGATIONS = ("mean", "median", "trimmed_mean")
+# the kinds of reasons a client's reply is left out for (the per-round metrics count each kind)
+LEFT_OUT_KINDS = ("missing", "error", "malformed", "keys", "shapes", "non_finite", "alignment", "norm")
+
+
+def _names(keys, limit: int = 3) -> str:
+    keys = sorted(keys)
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(repr(k) for k in keys[:limit]) + more
+
+
+def check_state_dict(state_dict: dict, reference: dict) -> tuple[str, str] | None:
+    """``None`` if ``state_dict`` matches ``reference`` (same tensor names, shapes and dtypes; every
+    floating value finite), else ``(kind, reason)`` with kind one of :data:`LEFT_OUT_KINDS`."""
+    missing, extra = set(reference) - set(state_dict), set(state_dict) - set(reference)
+    if missing or extra:
+        parts = ([f"missing {_names(missing)}"] if missing else []) + ([f"unexpected {_names(extra)}"] if extra else [])
+        return "keys", "wrong tensor names (another architecture?): " + "; ".join(parts)
+    for k, ref in reference.items():
+        t = state_dict[k]
+        if not isinstance(t, torch.Tensor):
+            return "malformed", f"{k!r} is not a tensor"
+        if tuple(t.shape) != tuple(ref.shape):
+            return "shapes", f"{k!r} has shape {tuple(t.shape)}, the global model's is {tuple(ref.shape)}"
+        if t.dtype != ref.dtype:
+            return "shapes", f"{k!r} has dtype {t.dtype}, the global model's is {ref.dtype}"
+    for k, t in state_dict.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            return "non_finite", f"{k!r} holds {n_nan} NaN and {n_inf} Inf values"
+    return None
+
+
+def norm_outliers(distances: list[float], factor: float | None) -> list[str | None]:
+    """For each distance, a reason if it is beyond ``factor`` × the median of the others' (``None``:
+    kept). No rule without a factor, with fewer than 2 distances, or where the others' median is 0."""
+    out: list[str | None] = [None] * len(distances)
+    if factor is None or len(distances) < 2:
+        return out
+    for i, d in enumerate(distances):
+        others = sorted(distances[:i] + distances[i + 1:])
+        m = len(others)
+        median = others[m // 2] if m % 2 else 0.5 * (others[m // 2 - 1] + others[m // 2])
+        if median > 0 and d > factor * median:
+            out[i] = (f"update norm {d:.4g} (distance to the global model, aligned) is {d / median:.3g} x the "
+                      f"median of the others ({median:.4g}), beyond norm_factor {factor:g}")
+    return out
+
+
+def check_aggregation(aggregation: str, trim: float) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise SymmergeError(f"unknown aggregation {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+    if not 0.0 <= trim < 0.5:
+        raise SymmergeError(f"trim fraction must be in [0, 0.5), got {trim}")
+
+
+def _sorted_stack(tensors) -> torch.Tensor:
+    return torch.stack([t.double() for t in tensors]).sort(dim=0).values
+
+
+def aggregate(state_dicts: list[dict], weights: list[float], keys, base: dict, aggregation: str = "mean",
+              trim: float = 0.2) -> dict:
+    """The aggregate of ``keys`` over ``state_dicts`` (float64 inside, each tensor's dtype out); every
+    other entry is ``base``'s. ``mean``: Σ w_i θ_i / Σ w_i; ``median``: coordinate-wise median (the
+    mean of the two middle values for an even count); ``trimmed_mean``: per coordinate, the
+    ⌊trim·n⌋ smallest and largest values dropped, the rest averaged (unweighted)."""
+    check_aggregation(aggregation, trim)
+    n = len(state_dicts)
+    if n == 0 or len(weights) != n:
+        raise SymmergeError(f"aggregation needs one weight per model, got {len(weights)} for {n}")
+    total = float(sum(weights))
+    if not (total > 0 and math.isfinite(total)) or any(w < 0 for w in weights):
+        raise SymmergeError(f"aggregation weights must be >= 0 with a positive sum, got {weights}")
+    cut = int(math.floor(trim * n)) if aggregation == "trimmed_mean" else 0
+    out = dict(base)
+    for k in keys:
+        dtype = state_dicts[0][k].dtype
+        if aggregation == "mean":
+            acc = state_dicts[0][k].double() * (weights[0] / total)
+            for sd, w in zip(state_dicts[1:], weights[1:]):
+                acc.add_(sd[k].double(), alpha=w / total)
+        elif aggregation == "median":
+            s = _sorted_stack([sd[k] for sd in state_dicts])
+            acc = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+        else:
+            acc = _sorted_stack([sd[k] for sd in state_dicts])[cut:n - cut].mean(dim=0)
+        out[k] = acc.to(dtype)
+    return out

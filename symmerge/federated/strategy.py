@@ -1,0 +1,278 @@
+"""``AlignedFedAvg``: Flower's message-API ``FedAvg`` with the clients' models aligned into the global
+model's frame before they are aggregated, and every reply checked first.
+
+Used exactly like ``flwr.serverapp.strategy.FedAvg`` in a ``ServerApp``::
+
+    strategy = AlignedFedAvg(template=model, fraction_evaluate=0.0, min_clients=2)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=3)
+
+Clients reply as in Flower's PyTorch quickstart: the model's state dict as the ``arrays`` ArrayRecord
+and ``num-examples`` in their MetricRecord.
+
+One round of :meth:`AlignedFedAvg.aggregate_train`:
+
+1. every reply is checked; a reply is left out, with a logged reason naming its node, when it is an
+   error or missing (sampled but no reply), malformed (no ArrayRecord / no positive ``num-examples``),
+   has other tensor names, shapes or dtypes than the global model (another architecture), or holds
+   NaN/Inf (:func:`~symmerge.federated.aggregate.check_state_dict`);
+2. every accepted client's model is aligned to the **current global model**, the fixed anchor
+   (:func:`~symmerge.pipeline.align.align_pair`: the star of the N-model alignment with the global
+   model as its centre; the global model is never moved, so the global frame stays fixed from round to
+   round and the clients, who all start the round from the global model, are pulled back into it);
+3. a client whose aligned distance to the global model (its update norm) is beyond ``norm_factor`` ×
+   the median of the others' is left out;
+4. if fewer than ``min_clients`` remain, the previous global model is returned unchanged (the same
+   ArrayRecord, byte for byte); otherwise the aligned models are aggregated: the mean weighted by
+   ``num-examples`` (FedAvg), the coordinate-wise ``median`` or the ``trimmed_mean``.
+
+The parameterisation. Alignment acts on the canonical parameterisation of the chosen groups. The
+default symmetries (:data:`FEDERATED_SYMMETRIES`: head permutations, per-head rotations, FFN
+permutations, rescalings) need none: the aligned models are the clients' models in the same
+parameterisation, and the global model that goes back to the clients is an ordinary checkpoint of the
+template's class. A residual-stream group that folds the norms into their readers (``residual`` with
+``residual="largest"`` on LayerNorm/RMSNorm models) is allowed too: then the global model is kept in the
+folded parameterisation from the first aggregation on (the same function; the norms' gains are 1 and
+their biases 0, and clients train them from there), each round's clients are folded the same way
+before alignment, and the aggregate is folded. ``residual`` with ``residual="permutation"`` needs no
+folding for LayerNorm models. ``AlignedFedAvg.folds`` tells which case holds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from logging import INFO, WARNING
+
+import torch
+
+try:
+    from flwr.app import ArrayRecord, MetricRecord
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.supercore import log
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("symmerge.federated needs Flower: pip install 'symmerge[flower]'") from e
+
+from ..core.distance import sq_distance
+from ..errors import SymmergeError
+from ..pipeline.align import align_pair, as_model, canonical
+from ..pipeline.options import AlignOptions
+from ..pipeline.verify import with_state_dict
+from .aggregate import LEFT_OUT_KINDS, aggregate, check_aggregation, check_state_dict, norm_outliers
+
+# the recommended set without the residual stream: groups that need no change of parameterisation
+FEDERATED_SYMMETRIES = ("heads", "attn", "ffn", "rescale")
+PREFIX = "symmerge-"  # the strategy's own keys in the round's MetricRecord
+
+
+class _LeftOut(Exception):
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+def alignment_options(alignment) -> AlignOptions:
+    """``None`` → data-free alignment over :data:`FEDERATED_SYMMETRIES`; a symmetries string (``"none"``:
+    no alignment, plain robust FedAvg) → those, data-free; an :class:`AlignOptions` as given."""
+    if alignment is None:
+        return AlignOptions(symmetries=FEDERATED_SYMMETRIES)
+    if isinstance(alignment, AlignOptions):
+        return alignment
+    return AlignOptions(symmetries=alignment)
+
+
+class AlignedFedAvg(FedAvg):
+    """FedAvg with symmetry-aligned, checked aggregation (see the module docstring).
+
+    ``template``: a transformers model (or HF folder) of the federation's architecture, held by the
+    server: client state dicts are loaded into copies of it for alignment, and its tensor names, shapes
+    and dtypes are the contract every reply is checked against. ``alignment``: :class:`AlignOptions`
+    or a symmetries string (default: data-free, :data:`FEDERATED_SYMMETRIES`; ``match="activations"``
+    or ``"learned"`` with ``align_data``: unlabeled data held by the server). ``aggregation``: ``mean``
+    (weighted by ``num-examples``), ``median`` or ``trimmed_mean`` (``trim``: the fraction cut from each
+    end). ``norm_factor``: a client whose update norm exceeds this multiple of the median of the others'
+    is left out (``None``: no such rule). ``min_clients``: fewer accepted clients keep the previous
+    global model. Every other keyword goes to ``FedAvg``.
+
+    After each round, :attr:`rounds` holds its full record (accepted and left-out node ids with reasons,
+    distances, seconds); the returned MetricRecord carries the numeric part (keys ``symmerge-*``)."""
+
+    def __init__(self, template, *, alignment=None, aggregation: str = "mean", trim: float = 0.2,
+                 norm_factor: float | None = 10.0, min_clients: int = 2, **fedavg_kwargs):
+        super().__init__(**fedavg_kwargs)
+        check_aggregation(aggregation, trim)
+        if isinstance(min_clients, bool) or not isinstance(min_clients, int) or min_clients < 1:
+            raise SymmergeError(f"min_clients must be a whole number >= 1, got {min_clients!r}")
+        if norm_factor is not None and not (norm_factor > 1 and math.isfinite(norm_factor)):
+            raise SymmergeError(f"norm_factor must be a number > 1 (or None), got {norm_factor!r}")
+        self.template = as_model(template).eval()
+        self.alignment = alignment_options(alignment).for_model(self.template)
+        self.aggregation, self.trim = aggregation, trim
+        self.norm_factor, self.min_clients = norm_factor, min_clients
+        self.reference = {k: v.detach() for k, v in self.template.state_dict().items()}
+        self.folds = bool(self.alignment.symmetries) and canonical(self.template, self.alignment) is not self.template
+        self.global_arrays: ArrayRecord | None = None  # set by configure_train: the model sent this round
+        self.sampled_nodes: list[int] = []
+        self.rounds: list[dict] = []
+
+    def summary(self) -> None:
+        super().summary()
+        log(INFO, "\t└──> symmerge: align %s (match %s), aggregation %s%s, norm_factor %s, min_clients %d%s",
+            ",".join(self.alignment.symmetries) or "none", self.alignment.match, self.aggregation,
+            f" (trim {self.trim:g})" if self.aggregation == "trimmed_mean" else "", self.norm_factor,
+            self.min_clients, ", global model kept with its norms folded" if self.folds else "")
+
+    def configure_train(self, server_round, arrays, config, grid):
+        """FedAvg's, remembering the global model and the nodes sampled (the anchor and the roll call)."""
+        self.global_arrays = arrays
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self.sampled_nodes = [m.metadata.dst_node_id for m in messages]
+        return messages
+
+    # ------------------------------------------------------------------ checks
+    def _unpack(self, msg) -> tuple[dict, float]:
+        content = msg.content
+        arrays = content.array_records
+        if self.arrayrecord_key in arrays:
+            record = arrays[self.arrayrecord_key]
+        elif len(arrays) == 1:
+            record = next(iter(arrays.values()))
+        else:
+            raise _LeftOut("malformed", f"no {self.arrayrecord_key!r} ArrayRecord in the reply "
+                                        f"(array records: {sorted(arrays)})")
+        weight = None
+        for metrics in content.metric_records.values():
+            if self.weighted_by_key in metrics:
+                weight = metrics[self.weighted_by_key]
+                break
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight > 0):
+            raise _LeftOut("malformed", f"no positive {self.weighted_by_key!r} in the reply's metrics (got {weight!r})")
+        try:
+            state_dict = record.to_torch_state_dict()
+        except Exception as e:  # noqa: BLE001 - whatever a client sent, the round goes on
+            raise _LeftOut("malformed", f"arrays do not convert to tensors: {e}") from e
+        return state_dict, float(weight)
+
+    def _left_out(self, record: list, node: int, kind: str, reason: str) -> None:
+        log(WARNING, "aggregate_train: left out node %s (%s): %s", node, kind, reason)
+        record.append({"node": node, "kind": kind, "reason": reason})
+
+    # ------------------------------------------------------------------ the round
+    def aggregate_train(self, server_round, replies):
+        """Check, align into the global frame, aggregate; ``(ArrayRecord, MetricRecord)`` as FedAvg."""
+        t0 = time.perf_counter()
+        if self.global_arrays is None:
+            raise SymmergeError("AlignedFedAvg.aggregate_train needs the round's global model: configure_train sets "
+                                "it (or set strategy.global_arrays)")
+        global_sd = self.global_arrays.to_torch_state_dict()
+        problem = check_state_dict(global_sd, self.reference)
+        if problem is not None:
+            raise SymmergeError(f"the global model does not match the template: {problem[1]}")
+        replies = list(replies)
+        valid, errors = self._check_and_log_replies(replies, is_train=True, validate=False)
+        left_out: list[dict] = []
+        replied = {m.metadata.src_node_id for m in replies}
+        for node in self.sampled_nodes:
+            if node not in replied:
+                self._left_out(left_out, node, "missing", "sampled for this round but sent no reply")
+        for msg in errors:
+            self._left_out(left_out, msg.metadata.src_node_id, "error",
+                           f"error reply (code {msg.error.code}): {msg.error.reason}")
+        candidates = []
+        for msg in valid:
+            node = msg.metadata.src_node_id
+            try:
+                state_dict, weight = self._unpack(msg)
+                problem = check_state_dict(state_dict, self.reference)
+                if problem is not None:
+                    raise _LeftOut(*problem)
+            except _LeftOut as e:
+                self._left_out(left_out, node, e.kind, e.reason)
+                continue
+            candidates.append((msg, state_dict, weight))
+
+        record = {"round": server_round, "left_out": left_out, "kept_previous": False, "folded": self.folds,
+                  "symmetries": list(self.alignment.symmetries), "aggregation": self.aggregation}
+        if len(candidates) < self.min_clients:
+            return self._keep_previous(record, candidates, t0)
+
+        # ---------------------------------------------------------------- align into the global frame
+        t_align = time.perf_counter()
+        anchor = with_state_dict(self.template, global_sd)
+        anchor = canonical(anchor, self.alignment) if self.alignment.symmetries else anchor
+        anchor_sd = anchor.state_dict()
+        keys = [k for k, v in anchor_sd.items() if v.is_floating_point()]
+        aligned = []
+        for msg, state_dict, weight in candidates:
+            node = msg.metadata.src_node_id
+            model = with_state_dict(self.template, state_dict)
+            try:
+                if self.alignment.symmetries:
+                    res = align_pair(model, anchor, self.alignment)
+                    sd, before, after = res.model.state_dict(), res.report["distance_before"], res.report["distance_after"]
+                else:
+                    sd = model.state_dict()
+                    before = after = sq_distance(sd, anchor_sd, keys) ** 0.5
+            except Exception as e:  # noqa: BLE001 - a client's weights must not crash the server's solvers
+                self._left_out(left_out, node, "alignment", f"alignment failed: {type(e).__name__}: {e}")
+                continue
+            if not math.isfinite(after):
+                self._left_out(left_out, node, "non_finite", f"its distance to the global model overflows ({after})")
+                continue
+            aligned.append((msg, sd, weight, float(before), float(after)))
+        align_seconds = time.perf_counter() - t_align
+
+        # ---------------------------------------------------------------- the norm rule, on aligned updates
+        outliers = norm_outliers([a[4] for a in aligned], self.norm_factor)
+        kept = []
+        for item, reason in zip(aligned, outliers):
+            if reason is None:
+                kept.append(item)
+            else:
+                self._left_out(left_out, item[0].metadata.src_node_id, "norm", reason)
+        if len(kept) < self.min_clients:
+            return self._keep_previous(record, kept, t0, align_seconds)
+
+        merged = aggregate([k[1] for k in kept], [k[2] for k in kept], keys, anchor_sd, self.aggregation, self.trim)
+        if not all(bool(torch.isfinite(merged[k]).all()) for k in keys):  # e.g. huge finite values that overflow
+            log(WARNING, "aggregate_train: round %d: the aggregate is not finite", server_round)
+            record["note"] = "the aggregate was not finite: the previous global model is kept"
+            return self._keep_previous(record, [], t0, align_seconds)
+        arrays = ArrayRecord({k: v.detach().contiguous() for k, v in merged.items()})
+        record.update(accepted=[k[0].metadata.src_node_id for k in kept], weights=[k[2] for k in kept],
+                      distance_before=[k[3] for k in kept], distance_after=[k[4] for k in kept],
+                      align_seconds=align_seconds)
+        metrics = self._client_metrics([k[0] for k in kept])
+        return arrays, self._finish(record, metrics, t0)
+
+    def _keep_previous(self, record: dict, accepted, t0: float, align_seconds: float = 0.0):
+        log(WARNING, "aggregate_train: round %d keeps the previous global model: %d client(s) accepted, "
+                     "min_clients is %d", record["round"], len(accepted), self.min_clients)
+        record.update(kept_previous=True, accepted=[], weights=[], distance_before=[], distance_after=[],
+                      align_seconds=align_seconds)
+        return self.global_arrays, self._finish(record, MetricRecord(), t0)
+
+    def _client_metrics(self, messages) -> MetricRecord:
+        """The clients' own train metrics, aggregated by FedAvg's function over the accepted replies."""
+        try:
+            return self.train_metrics_aggr_fn([m.content for m in messages], self.weighted_by_key)
+        except Exception as e:  # noqa: BLE001 - clients' extra metrics must not break the round
+            log(WARNING, "aggregate_train: the clients' metrics were not aggregated: %s", e)
+            return MetricRecord()
+
+    def _finish(self, record: dict, metrics: MetricRecord, t0: float) -> MetricRecord:
+        record["seconds"] = time.perf_counter() - t0
+        self.rounds.append(record)
+        before, after = record["distance_before"], record["distance_after"]
+        metrics[PREFIX + "clients-aggregated"] = len(record["accepted"])
+        metrics[PREFIX + "clients-left-out"] = len(record["left_out"])
+        for kind in LEFT_OUT_KINDS:
+            metrics[f"{PREFIX}left-out-{kind.replace('_', '-')}"] = sum(x["kind"] == kind for x in record["left_out"])
+        metrics[PREFIX + "kept-previous"] = int(record["kept_previous"])
+        metrics[PREFIX + "distance-before"] = float(sum(before) / len(before)) if before else 0.0
+        metrics[PREFIX + "distance-after"] = float(sum(after) / len(after)) if after else 0.0
+        metrics[PREFIX + "align-seconds"] = float(record["align_seconds"])
+        metrics[PREFIX + "seconds"] = float(record["seconds"])
+        log(INFO, "aggregate_train: round %d: %d aggregated, %d left out, distance to the global model %.4g -> "
+                  "%.4g (mean, aligned), %.2f s", record["round"], len(record["accepted"]), len(record["left_out"]),
+            metrics[PREFIX + "distance-before"], metrics[PREFIX + "distance-after"], record["seconds"])
+        return metrics

@@ -1,0 +1,425 @@
+"""symmerge.federated.AlignedFedAvg: the aggregate equals symmerge's own merge of the same client
+weights; every bad reply is left out (its node named) and never reaches the global model; too few
+clients keep the previous global model byte for byte; a 2-round, 3-client run through Flower's
+simulation engine (Ray). Skipped only where Flower is not installed (``pip install 'symmerge[flower]'``)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+flwr = pytest.importorskip("flwr")
+
+import transformers as T  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+
+from symmerge import MergeOptions, SymmergeError, merge_models  # noqa: E402
+from symmerge.federated import LEFT_OUT_KINDS, AlignedFedAvg, aggregate, norm_outliers  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "federated"
+TRIED: Counter = Counter()  # bad replies tried in this module, by kind (printed by the last test)
+
+
+def tiny_vit(seed: int = 0, num_labels: int = 3):
+    cfg = T.ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, image_size=8,
+                      patch_size=4, num_channels=1, num_labels=num_labels, initializer_range=0.3)
+    torch.manual_seed(seed)
+    return T.ViTForImageClassification(cfg).eval()
+
+
+def permute_ffn(sd: dict, seed: int) -> dict:
+    """The same function with every layer's FFN units permuted (a symmetry the alignment undoes)."""
+    g = torch.Generator().manual_seed(seed)
+    out = dict(sd)
+    for layer in range(2):
+        p = f"vit.layers.{layer}."
+        perm = torch.randperm(sd[p + "mlp.fc1.weight"].shape[0], generator=g)
+        out[p + "mlp.fc1.weight"] = sd[p + "mlp.fc1.weight"][perm]
+        out[p + "mlp.fc1.bias"] = sd[p + "mlp.fc1.bias"][perm]
+        out[p + "mlp.fc2.weight"] = sd[p + "mlp.fc2.weight"][:, perm]
+    return out
+
+
+def client_sd(global_model, node: int, scale: float = 0.05) -> dict:
+    """A client's model: the global model plus a small update, then FFN-permuted."""
+    g = torch.Generator().manual_seed(100 + node)
+    sd = {k: v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+          for k, v in global_model.state_dict().items()}
+    return permute_ffn(sd, node)
+
+
+def _metadata(node: int) -> Metadata:
+    return Metadata(run_id=1, message_id=f"reply-{node}", src_node_id=node, dst_node_id=0, reply_to_message_id="m",
+                    group_id="1", created_at=time.time(), ttl=600.0, message_type=MessageType.TRAIN)
+
+
+def reply(node: int, state_dict: dict | None, num_examples=10, arrays: ArrayRecord | None = None) -> Message:
+    records = {"arrays": arrays if arrays is not None else ArrayRecord(state_dict)}
+    metrics = {"train_loss": 1.0} if num_examples is None else {"train_loss": 1.0, "num-examples": num_examples}
+    records["metrics"] = MetricRecord(metrics)
+    return Message(content=RecordDict(records), metadata=_metadata(node))
+
+
+def error_reply(node: int) -> Message:
+    return Message(error=Error(code=1, reason="client crashed: out of memory"), metadata=_metadata(node))
+
+
+def sha(arrays: ArrayRecord) -> str:
+    h = hashlib.sha256()
+    for k, a in arrays.items():
+        h.update(k.encode())
+        h.update(a.data)
+    return h.hexdigest()
+
+
+def strategy(global_model, **kw) -> AlignedFedAvg:
+    s = AlignedFedAvg(global_model, fraction_evaluate=0.0, **kw)
+    s.global_arrays = ArrayRecord(global_model.state_dict())
+    return s
+
+
+@pytest.fixture(scope="module")
+def world():
+    g = tiny_vit(0)
+    clients = {node: client_sd(g, node) for node in (1, 2, 3)}
+    examples = {1: 10, 2: 30, 3: 60}
+    return g, clients, examples
+
+
+@pytest.fixture(scope="module")
+def clean_sha(world):
+    """The hash of the round with only the three good replies."""
+    return sha(strategy(world[0]).aggregate_train(1, good_replies(world))[0])
+
+
+def good_replies(world, nodes=(1, 2, 3)):
+    _, clients, examples = world
+    return [reply(n, clients[n], examples[n]) for n in nodes]
+
+
+def close(a: dict, b: dict, atol=1e-6) -> bool:
+    return set(a) == set(b) and all(torch.allclose(a[k].double(), b[k].double(), atol=atol, rtol=0) for k in a)
+
+
+# ---------------------------------------------------------------- the aggregate
+
+
+def test_aggregate_equals_symmerge_merge_aligned_to_the_global_model(world):
+    g, clients, examples = world
+    s = strategy(g)
+    arrays, metrics = s.aggregate_train(1, good_replies(world))
+    got = arrays.to_torch_state_dict()
+    models = [tiny_vit(0) for _ in clients]
+    for m, sd in zip(models, clients.values()):
+        m.load_state_dict(sd)
+    merged, report = merge_models(models, options=MergeOptions(
+        method="average", align=s.alignment, anchor=g, weights=[examples[n] for n in clients], heads="merge",
+        evaluate=False, progress=False))
+    assert close(got, merged.state_dict(), atol=1e-5)
+    # alignment did something: plain FedAvg of the same replies is far from it and from the global model
+    plain = FedAvg(fraction_evaluate=0.0).aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
+    dist = lambda a, b: sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a) ** 0.5  # noqa: E731
+    assert dist(got, g.state_dict()) < 0.5 * dist(plain, g.state_dict())
+    assert metrics["symmerge-distance-after"] < 0.5 * metrics["symmerge-distance-before"]
+    assert metrics["symmerge-clients-aggregated"] == 3 and metrics["symmerge-clients-left-out"] == 0
+    assert metrics["train_loss"] == pytest.approx(1.0)  # the clients' own metrics, FedAvg-aggregated
+    rec = s.rounds[-1]
+    assert rec["accepted"] == [1, 2, 3] and rec["weights"] == [10.0, 30.0, 60.0] and not rec["kept_previous"]
+
+
+def test_without_alignment_it_is_flowers_fedavg(world):
+    g, _, _ = world
+    s = strategy(g, alignment="none")
+    got = s.aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
+    ref = FedAvg(fraction_evaluate=0.0).aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
+    assert close(got, ref, atol=1e-6)
+
+
+def outputs(sd: dict) -> torch.Tensor:
+    m = tiny_vit(0)
+    m.load_state_dict(sd)
+    with torch.no_grad():
+        return m(pixel_values=torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(5))).logits
+
+
+def test_clients_in_one_orbit_aggregate_to_that_function(world):
+    """Clients that are differently permuted copies of one model all align to the same point of its
+    orbit: the aggregate computes that model's function (plain averaging does not)."""
+    g, _, _ = world
+    gen = torch.Generator().manual_seed(3)
+    sd = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in g.state_dict().items()}
+    replies = [reply(n, permute_ffn(sd, n), 10 * n) for n in (1, 2, 3)]
+    s = strategy(g)
+    got = s.aggregate_train(1, replies)[0].to_torch_state_dict()
+    assert torch.allclose(outputs(got), outputs(sd), atol=1e-4)
+    after = s.rounds[-1]["distance_after"]
+    assert max(after) - min(after) < 1e-6 * max(after)
+    plain = FedAvg(fraction_evaluate=0.0).aggregate_train(1, replies)[0].to_torch_state_dict()
+    assert not torch.allclose(outputs(plain), outputs(sd), atol=1e-2)
+
+
+def test_median_and_trimmed_mean_against_numpy():
+    rng = np.random.default_rng(0)
+    sds = [{"w": torch.from_numpy(rng.normal(size=(4, 5))), "b": torch.tensor([i])} for i in range(5)]
+    stack = np.stack([sd["w"].numpy() for sd in sds])
+    base = {"w": torch.zeros(4, 5, dtype=torch.float64), "b": torch.tensor([7])}
+    med = aggregate(sds, [1] * 5, ["w"], base, "median")
+    assert np.allclose(med["w"].numpy(), np.median(stack, axis=0)) and med["b"].item() == 7
+    even = aggregate(sds[:4], [1] * 4, ["w"], base, "median")
+    assert np.allclose(even["w"].numpy(), np.median(stack[:4], axis=0))
+    trimmed = aggregate(sds, [1] * 5, ["w"], base, "trimmed_mean", trim=0.2)
+    assert np.allclose(trimmed["w"].numpy(), np.sort(stack, axis=0)[1:4].mean(axis=0))
+    mean = aggregate(sds, [1, 2, 3, 4, 0], ["w"], base, "mean")
+    assert np.allclose(mean["w"].numpy(), np.tensordot([0.1, 0.2, 0.3, 0.4, 0.0], stack, axes=1))
+    with pytest.raises(SymmergeError):
+        aggregate(sds, [1] * 5, ["w"], base, "mode")
+
+
+def test_norm_rule():
+    assert norm_outliers([1.0, 1.2, 0.9, 50.0], 10.0) == [None, None, None, norm_outliers([1.0, 1.2, 0.9, 50.0], 10.0)[3]]
+    assert "beyond norm_factor 10" in norm_outliers([1.0, 1.2, 0.9, 50.0], 10.0)[3]
+    assert norm_outliers([1.0, 3.0, 9.0], 10.0) == [None] * 3  # honest spread is kept
+    assert norm_outliers([1.0, 500.0], None) == [None, None]
+
+
+def test_median_aggregation_resists_a_scaled_client_without_the_norm_rule(world):
+    g, clients, _ = world
+    bad = {k: g.state_dict()[k] + 100 * (v - g.state_dict()[k]) for k, v in clients[3].items()}
+    replies = good_replies(world, (1, 2)) + [reply(3, bad, 60), reply(4, clients[1], 10)]
+    s = strategy(g, aggregation="median", norm_factor=None)
+    got = s.aggregate_train(1, replies)[0].to_torch_state_dict()
+    mean = strategy(g, norm_factor=None).aggregate_train(1, replies)[0].to_torch_state_dict()
+    d = lambda a: sum(((a[k] - g.state_dict()[k]) ** 2).sum() for k in a) ** 0.5  # noqa: E731
+    honest = [x for n, x in zip(s.rounds[-1]["accepted"], s.rounds[-1]["distance_after"]) if n != 3]
+    assert d(got) < 1.5 * max(honest) and d(got) < 0.05 * d(mean)
+
+
+# ---------------------------------------------------------------- bad clients
+
+
+def _bad(kind: str, g, good: dict):
+    """(message, expected left-out kind) for one bad reply from node 9."""
+    sd = dict(good)
+    key = "vit.layers.0.attention.q_proj.weight"
+    if kind == "nan":
+        sd[key] = sd[key].clone()
+        sd[key][0, 0] = float("nan")
+        return reply(9, sd), "non_finite"
+    if kind == "inf":
+        sd[key] = sd[key].clone()
+        sd[key][1, 2] = float("-inf")
+        return reply(9, sd), "non_finite"
+    if kind == "missing_key":
+        del sd[key]
+        return reply(9, sd), "keys"
+    if kind == "extra_key":
+        sd["vit.layers.2.mlp.fc2.weight"] = sd[key]
+        return reply(9, sd), "keys"
+    if kind == "other_architecture":
+        bert = T.BertForSequenceClassification(T.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                                                            num_attention_heads=2, intermediate_size=32))
+        return reply(9, bert.state_dict()), "keys"
+    if kind == "wrong_shape":
+        sd[key] = sd[key][:, :8]
+        return reply(9, sd), "shapes"
+    if kind == "other_head_size":  # same names, another number of labels
+        return reply(9, tiny_vit(0, num_labels=5).state_dict()), "shapes"
+    if kind == "wrong_dtype":
+        sd[key] = sd[key].double()
+        return reply(9, sd), "shapes"
+    if kind == "scaled_x100":
+        base = g.state_dict()
+        return reply(9, {k: base[k] + 100 * (v - base[k]) for k, v in good.items()}), "norm"
+    if kind == "error":
+        return error_reply(9), "error"
+    if kind == "no_num_examples":
+        return reply(9, sd, num_examples=None), "malformed"
+    if kind == "zero_examples":
+        return reply(9, sd, num_examples=0), "malformed"
+    if kind == "nan_examples":
+        return reply(9, sd, num_examples=float("nan")), "malformed"
+    if kind == "not_float_array":
+        arrays = ArrayRecord(sd)
+        arrays[key] = Array(np.array(["a", "b"]))
+        return reply(9, None, arrays=arrays), "malformed"
+    raise AssertionError(kind)
+
+
+BAD = ("nan", "inf", "missing_key", "extra_key", "other_architecture", "wrong_shape", "other_head_size", "wrong_dtype",
+       "scaled_x100", "error", "no_num_examples", "zero_examples", "nan_examples", "not_float_array")
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_a_bad_reply_is_left_out_and_never_reaches_the_global_model(world, clean_sha, kind, caplog):
+    g, clients, _ = world
+    msg, expected = _bad(kind, g, clients[3])
+    TRIED[kind] += 1
+    s = strategy(g)
+    arrays, metrics = s.aggregate_train(1, good_replies(world) + [msg])
+    rec = s.rounds[-1]
+    assert [x["node"] for x in rec["left_out"]] == [9] and rec["left_out"][0]["kind"] == expected
+    assert metrics[f"symmerge-left-out-{expected.replace('_', '-')}"] == 1 and metrics["symmerge-clients-aggregated"] == 3
+    assert sha(arrays) == clean_sha  # exactly the round without the bad reply
+    assert any("node 9" in r.getMessage() for r in caplog.records)  # the logged reason names the node
+
+
+@pytest.mark.parametrize("scale", [1e30, 3e38])
+def test_huge_finite_weights_are_left_out(world, clean_sha, scale):
+    """Finite values that overflow the solvers or the distances: left out, the round goes on."""
+    g, clients, _ = world
+    TRIED["huge_values"] += 1
+    s = strategy(g)
+    arrays, _ = s.aggregate_train(1, good_replies(world) + [reply(9, {k: v * scale for k, v in clients[3].items()})])
+    assert [x["node"] for x in s.rounds[-1]["left_out"]] == [9]
+    assert s.rounds[-1]["left_out"][0]["kind"] in ("alignment", "non_finite", "norm")
+    assert sha(arrays) == clean_sha
+
+
+def test_a_non_finite_aggregate_keeps_the_previous_model(world, monkeypatch):
+    """The last safety net (the mean of finite values stays finite, so a rule gone wrong is simulated)."""
+    import symmerge.federated.strategy as strategy_module
+
+    g, _, _ = world
+    real = strategy_module.aggregate
+
+    def broken(*a, **kw):
+        out = real(*a, **kw)
+        return {k: v * float("inf") if v.is_floating_point() else v for k, v in out.items()}
+
+    monkeypatch.setattr(strategy_module, "aggregate", broken)
+    s = strategy(g, alignment="none")
+    before = sha(s.global_arrays)
+    arrays, metrics = s.aggregate_train(1, good_replies(world))
+    assert sha(arrays) == before and metrics["symmerge-kept-previous"] == 1
+
+
+def test_a_missing_reply_is_counted(world):
+    g, _, _ = world
+    s = strategy(g)
+    s.sampled_nodes = [1, 2, 3, 9]
+    TRIED["missing"] += 1
+    _, metrics = s.aggregate_train(1, good_replies(world))
+    assert metrics["symmerge-left-out-missing"] == 1 and s.rounds[-1]["left_out"][0]["node"] == 9
+
+
+def test_every_bad_kind_in_one_round(world, clean_sha):
+    """All the bad replies at once beside three good ones: the round aggregates exactly the good three."""
+    g, clients, _ = world
+    replies = good_replies(world)
+    expected = Counter()
+    for i, kind in enumerate(BAD):
+        msg, exp = _bad(kind, g, clients[3])
+        msg.metadata._src_node_id = 100 + i  # noqa: SLF001 - a node of its own per bad reply
+        replies.append(msg)
+        expected[exp] += 1
+        TRIED[kind] += 1
+    s = strategy(g)
+    arrays, metrics = s.aggregate_train(1, replies)
+    assert Counter(x["kind"] for x in s.rounds[-1]["left_out"]) == expected
+    assert sha(arrays) == clean_sha
+    for kind in LEFT_OUT_KINDS:
+        assert metrics[f"symmerge-left-out-{kind.replace('_', '-')}"] == expected.get(kind, 0)
+
+
+@pytest.mark.parametrize("kind", ["nan", "scaled_x100", "error"])
+def test_too_few_clients_keep_the_previous_global_model(world, kind):
+    g, clients, _ = world
+    s = strategy(g, min_clients=2)
+    before = sha(s.global_arrays)
+    msg, _ = _bad(kind, g, clients[3])
+    TRIED[kind] += 1
+    TRIED["too_few_rounds"] += 1
+    arrays, metrics = s.aggregate_train(1, good_replies(world, (1,)) + [msg])
+    assert arrays is s.global_arrays and sha(arrays) == before
+    assert metrics["symmerge-kept-previous"] == 1 and s.rounds[-1]["kept_previous"]
+
+
+def test_no_replies_at_all_keep_the_previous_global_model(world):
+    g, _, _ = world
+    s = strategy(g)
+    s.sampled_nodes = [1, 2]
+    before = sha(s.global_arrays)
+    arrays, metrics = s.aggregate_train(1, [])
+    TRIED["too_few_rounds"] += 1
+    assert sha(arrays) == before and metrics["symmerge-left-out-missing"] == 2
+
+
+def test_bad_options_are_one_clear_error(world):
+    g, _, _ = world
+    for kw in ({"aggregation": "mode"}, {"trim": 0.6}, {"min_clients": 0}, {"norm_factor": 0.5},
+               {"alignment": "spin"}):
+        with pytest.raises(SymmergeError):
+            AlignedFedAvg(g, **kw)
+    s = AlignedFedAvg(g)
+    with pytest.raises(SymmergeError, match="configure_train"):
+        s.aggregate_train(1, good_replies(world))
+
+
+def test_residual_group_that_folds_norms_keeps_the_global_model_folded(world):
+    """With the residual group of a pre-LN ViT (LayerNorm, folded), the aggregate is in the folded
+    parameterisation and still computes what the clients compute when they all agree."""
+    g, _, _ = world
+    s = strategy(g, alignment="heads,attn,ffn,rescale,residual")
+    assert s.folds
+    gen = torch.Generator().manual_seed(4)
+    sd = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in g.state_dict().items()}
+    arrays, _ = s.aggregate_train(1, [reply(n, permute_ffn(sd, n), 10) for n in (1, 2, 3)])
+    assert torch.allclose(outputs(arrays.to_torch_state_dict()), outputs(sd), atol=1e-4)
+    assert not strategy(g, alignment=__import__("symmerge").AlignOptions(
+        symmetries="heads,attn,ffn,rescale,residual", residual="permutation")).folds
+
+
+# ---------------------------------------------------------------- Flower's simulation engine
+
+
+@pytest.fixture()
+def example_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    path = os.pathsep.join([str(ROOT), str(EXAMPLE), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)  # Ray's workers import the apps' modules
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    for name in [m for m in sys.modules if m == "fedvit" or m.startswith("fedvit.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_two_rounds_three_clients_through_the_simulation_engine(example_on_path):
+    pytest.importorskip("ray")
+    from flwr.simulation import run_simulation
+
+    from fedvit import client_app, server_app
+
+    tiny = {"dataset": "synthetic", "hidden": 16, "layers": 2, "heads": 2, "examples-per-client": 200,
+            "test-examples": 200, "local-steps": 3, "batch-size": 32, "num-server-rounds": 2,
+            "attack-partition": 2, "attack-round": 2}  # partition 2 sends a x100-scaled update in round 2
+    server_app.LAST_RUN.clear()
+    run_simulation(server_app.make_app(tiny), client_app.make_app(tiny), num_supernodes=3,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}})
+    if not server_app.LAST_RUN:
+        pytest.fail("the ServerApp did not finish (see the simulation's log)")
+    TRIED["scaled_x100_simulated"] += 1
+    rounds = server_app.LAST_RUN["strategy"].rounds
+    assert len(rounds) == 2
+    assert len(rounds[0]["accepted"]) == 3 and not rounds[0]["left_out"]
+    assert len(rounds[1]["accepted"]) == 2 and [x["kind"] for x in rounds[1]["left_out"]] == ["norm"]
+    result = server_app.LAST_RUN["result"]
+    final = result.arrays.to_torch_state_dict()
+    assert all(torch.isfinite(v).all() for v in final.values())
+    assert set(result.evaluate_metrics_serverapp) == {0, 1, 2}
+
+
+def test_zz_bad_replies_tried():
+    """The reliability figure: how many bad replies of each kind the tests above sent (printed)."""
+    if not set(BAD) <= set(TRIED):
+        pytest.skip("counts the bad replies of the whole module: run it all")
+    print("bad replies tried:", dict(sorted(TRIED.items())), "total", sum(TRIED.values()))
+    assert all(TRIED[k] >= 2 for k in BAD)  # each alone and all together
