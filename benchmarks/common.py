@@ -59,3 +59,19 @@ def pair_settings(args):
     todo = [(name, TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=seed))
             for name, seed in zip("AB", seeds) if getattr(args, "train_only", None) in (None, name)]
     return seeds, todo
+
+
+def write_results(out: Path, result: dict, tables: str) -> None:
+    """``out/results.json`` and ``out/tables.md`` (the tables as printed), written atomically."""
+    from symmerge.io.model import atomic_dir, write_json
+
+    with atomic_dir(Path(out)) as tmp:
+        write_json(tmp / "results.json", result)
+        (tmp / "tables.md").write_text(tables)
+
+
+def printed(print_tables, result: dict) -> str:
+    """What ``print_tables(result, log=...)`` prints, as one text."""
+    lines: list[str] = []
+    print_tables(result, log=lines.append)
+    return "\n".join(lines).lstrip("\n") + "\n"

@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import add_run_args, bench_main, pair_settings
+from benchmarks.common import add_run_args, bench_main, pair_settings, write_results
 from benchmarks.gpt2_text import prepare_data
 from benchmarks.vit_fashion_mnist import machine
 from symmerge.demo.datasets import cache_dir
 from symmerge.demo.lm import llama_config, train_llama
 from symmerge.demo.train import load_report
-from symmerge.io.model import atomic_dir, load_model, write_json
+from symmerge.io.model import load_model
 from symmerge.pipeline.options import AlignOptions, LearnSettings
 
 # row name -> AlignOptions arguments (None: no alignment); extend here
@@ -242,9 +242,7 @@ def markdown_tables(r: dict) -> str:
 
 
 def write_outputs(result: dict, out: Path) -> None:
-    with atomic_dir(out) as tmp:
-        write_json(tmp / "results.json", result)
-        (tmp / "tables.md").write_text(markdown_tables(result))
+    write_results(out, result, markdown_tables(result))
 
 
 def main(argv=None) -> int:

@@ -16,12 +16,12 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.common import add_run_args, bench_main
+from benchmarks.common import add_run_args, bench_main, printed, write_results
 from symmerge.demo.datasets import cache_dir, mnist_5k_split, write_npz
 from symmerge.demo.train import TrainSettings, train_vit, vit_config
 from symmerge.evaluate.metrics import evaluate, evaluate_ensemble
 from symmerge.io.data import load_data
-from symmerge.io.model import atomic_dir, load_model, write_json
+from symmerge.io.model import load_model
 from symmerge.merge.fuse import MergeOptions, merge_models
 from symmerge.pipeline.options import AlignOptions
 
@@ -108,11 +108,7 @@ def print_tables(r: dict, log=print) -> None:
 
 
 def write_outputs(r: dict, out: Path) -> None:
-    with atomic_dir(out) as tmp:
-        write_json(tmp / "results.json", r)
-        lines = []
-        print_tables(r, log=lines.append)
-        (tmp / "tables.md").write_text("\n".join(lines).lstrip("\n") + "\n")
+    write_results(out, r, printed(print_tables, r))
 
 
 def main(argv=None) -> int:

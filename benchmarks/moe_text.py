@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import add_run_args, bench_main, pair_settings
+from benchmarks.common import add_run_args, bench_main, pair_settings, write_results
 from benchmarks.gpt2_text import HEADER, add_text_args, prepare_data, print_tables, table_rows
 from benchmarks.vit_fashion_mnist import machine
 from symmerge.core.distance import distance, parameter_keys
@@ -43,7 +43,7 @@ from symmerge.demo.train import load_report
 from symmerge.evaluate.barrier import barrier_study
 from symmerge.evaluate.metrics import evaluate
 from symmerge.io.data import load_data
-from symmerge.io.model import atomic_dir, load_model, write_json
+from symmerge.io.model import load_model
 from symmerge.pipeline.options import AlignOptions, LearnSettings
 
 DENSE = "heads,attn,ffn,rescale,residual"
@@ -158,9 +158,7 @@ def markdown_tables(r: dict) -> str:
 
 
 def write_outputs(result: dict, out: Path) -> None:
-    with atomic_dir(out) as tmp:
-        write_json(tmp / "results.json", result)
-        (tmp / "tables.md").write_text(markdown_tables(result))
+    write_results(out, result, markdown_tables(result))
 
 
 def main(argv=None) -> int:
