@@ -385,7 +385,13 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
         try:
             while True:
                 t1 = time.perf_counter()
-                item = read_q.get()
+                try:  # a failed writer stops the reader, which then sends nothing more: look at failures too
+                    item = read_q.get(timeout=0.2)
+                except queue.Empty:
+                    clock["waiting_for_reads"] += time.perf_counter() - t1
+                    if failures:
+                        raise failures[0]
+                    continue
                 clock["waiting_for_reads"] += time.perf_counter() - t1
                 if item is None:
                     break
