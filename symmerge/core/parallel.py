@@ -59,3 +59,17 @@ def layer_map(fn, items, workers: int | None = None) -> list:
             return list(pool.map(run, items))
     finally:
         torch.set_num_threads(threads)
+
+
+def put_until_stopped(q, item, stop) -> bool:
+    """Put ``item`` on the bounded queue ``q``, waiting for room unless the event ``stop`` is set (then the
+    item is dropped: the consumer is going away); whether it was put."""
+    import queue
+
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.2)
+            return True
+        except queue.Full:
+            continue
+    return False

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..core.distance import sq_distance
+from ..core.parallel import put_until_stopped
 from ..core.layout import Layout, check_layouts
 from ..errors import SymmergeError
 from ..families import spec_for, supported_model_types
@@ -229,15 +230,6 @@ class _Failure:
         self.exc = exc
 
 
-def _put(q: queue.Queue, item, stop: threading.Event) -> None:
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=0.2)
-            return
-        except queue.Full:
-            continue
-
-
 def merge_streaming(models, out, options, shard_size=DEFAULT_SHARD, budget=None, write_hook=None) -> dict:
     """Merge the safetensors folders ``models`` tensor by tensor into the folder ``out`` (atomically)
     with a per-tensor method of ``options`` (a :class:`~symmerge.merge.fuse.MergeOptions`); returns the
@@ -345,10 +337,10 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                 t1 = time.perf_counter()
                 tensors = list(pool.map(lambda c: c.read_direct(k), sources(k)))
                 clock["read"] += time.perf_counter() - t1
-                _put(read_q, (k, tensors), stop)
-            _put(read_q, None, stop)
+                put_until_stopped(read_q, (k, tensors), stop)
+            put_until_stopped(read_q, None, stop)
         except BaseException as e:  # raised in the calling thread
-            _put(read_q, _Failure(e), stop)
+            put_until_stopped(read_q, _Failure(e), stop)
 
     def writer(target: PlannedWriter):
         try:
@@ -411,7 +403,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                 else:
                     value = tensors[0]
                 del tensors
-                _put(write_q, (k, value, inputs), stop)  # inputs: held (within the budget) until written
+                put_until_stopped(write_q, (k, value, inputs), stop)  # inputs: held (within the budget) until written
                 del value, inputs
                 pbar.update(1)
             write_q.put(None)

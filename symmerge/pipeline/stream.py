@@ -38,6 +38,7 @@ import torch
 from ..core.apply import apply
 from ..core.distance import sq_distance
 from ..core.layout import check_layouts
+from ..core.parallel import put_until_stopped
 from ..core.resolve import config_sizes, resolve, value_keys
 from ..errors import SymmergeError
 from ..families import spec_for
@@ -202,13 +203,7 @@ def _reader(jobs, ckpt_a: LazyCheckpoint, ckpt_b: LazyCheckpoint, out: queue.Que
                     return
             if stop.is_set():
                 return
-            item = (layer, ckpt_a.read(keys), ckpt_b.read(keys))
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
+            put_until_stopped(out, (layer, ckpt_a.read(keys), ckpt_b.read(keys)), stop)
         out.put(None)
     except BaseException as e:  # handed to the main thread, which raises it
         out.put(_Failure(e))
