@@ -16,7 +16,7 @@ the Python documentation, aligned under several symmetry variants, loss barriers
    endpoints' scores, ``curve.txt`` for the interpolation curves, ``validation.txt``.
 5. For every variant of :data:`VARIANTS` (model A aligned to model B): L2 distance to the anchor,
    matching seconds (the alignment report's ``match_seconds``), the loss along θ(α) = α·θ_A + (1−α)·θ_B,
-   its barrier and the α = 0.5 loss (``symmerge.evaluate.barrier.barrier_study``).
+   its barrier and the α = 0.5 loss (``symmerge.merge.barrier.barrier_study``).
 
 Writes ``results.json``, ``lmc.png`` and ``tables.md`` into ``--out``. ``--tiny`` runs the whole
 pipeline on a tiny model and a corpus subset (< 60 s).
@@ -38,7 +38,7 @@ from symmerge.demo import text
 from symmerge.demo.datasets import cache_dir
 from symmerge.demo.lm import gpt2_config, train_gpt2
 from symmerge.demo.train import load_report
-from symmerge.evaluate.barrier import barrier_study
+from symmerge.merge.barrier import barrier_study
 from symmerge.evaluate.metrics import evaluate
 from symmerge.io.data import load_data
 from symmerge.io.model import atomic_dir, load_model, write_json

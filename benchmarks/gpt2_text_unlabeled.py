@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(a.threads)
     from symmerge.demo.datasets import cache_dir
-    from symmerge.evaluate.barrier import repaired_curve
+    from symmerge.merge.barrier import repaired_curve
     from symmerge.evaluate.metrics import interpolation_curve
     from symmerge.io.data import load_data
     from symmerge.io.model import load_model

@@ -144,7 +144,7 @@ def function_check(aligned, original, batch) -> float:
 
 
 def run(args, log=print) -> dict:
-    from symmerge.evaluate.barrier import repaired_curve
+    from symmerge.merge.barrier import repaired_curve
     from symmerge.evaluate.metrics import interpolation_curve
     from symmerge.io.data import load_data
     from symmerge.pipeline.align import align_pair

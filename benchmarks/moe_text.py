@@ -40,7 +40,7 @@ from symmerge.demo import text
 from symmerge.demo.datasets import cache_dir
 from symmerge.demo.lm import mixtral_config, train_lm
 from symmerge.demo.train import load_report
-from symmerge.evaluate.barrier import barrier_study
+from symmerge.merge.barrier import barrier_study
 from symmerge.evaluate.metrics import evaluate
 from symmerge.io.data import load_data
 from symmerge.io.model import load_model

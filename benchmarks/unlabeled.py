@@ -49,7 +49,7 @@ def run_rows(a, b, align_data, samples: int, curve, test, stats: dict, alphas, l
     """``{"rows": {label: {...}}, "curves": {label: curve}}``. ``stats``: method → Data for its statistics
     (None for the average). ``test``: None skips the merges (language models: the α = 0.5 point of the
     curve is the plain average's loss)."""
-    from symmerge.evaluate.barrier import repaired_curve
+    from symmerge.merge.barrier import repaired_curve
     from symmerge.merge.repair import repair
 
     rows = list(rows or ROWS)

@@ -18,7 +18,7 @@ from pathlib import Path
 from benchmarks.common import add_run_args, bench_main, printed, write_results
 from symmerge.demo.datasets import cache_dir, mnist_5k_split, write_npz
 from symmerge.demo.train import TrainSettings, train_vit, vit_config
-from symmerge.evaluate.barrier import barrier_study
+from symmerge.merge.barrier import barrier_study
 from symmerge.io.data import load_data
 from symmerge.io.model import load_model
 from symmerge.pipeline.options import AlignOptions

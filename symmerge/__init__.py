@@ -5,8 +5,10 @@ apply, distances, solvers) with ``groups`` (one module per group kind) → ``pip
 report; in memory or streamed) → ``merge`` (methods, statistics, fusion) → ``evaluate``.
 """
 
+from ._version import __version__
 from .errors import SymmergeError
-from .evaluate.barrier import barrier_study
+from . import groups as _groups  # noqa: F401  (registers the group kinds: symmerge.core.kinds)
+from .merge.barrier import barrier_study
 from .families import SPECS, spec_for, supported_model_types
 from .merge.fuse import MergeOptions, merge_models
 from .pipeline.align import Alignment, align, align_pair
@@ -14,4 +16,3 @@ from .pipeline.options import AlignOptions, LearnSettings
 
 __all__ = ["align", "align_pair", "Alignment", "AlignOptions", "LearnSettings", "merge_models", "MergeOptions", "barrier_study",
            "SymmergeError", "SPECS", "spec_for", "supported_model_types"]
-__version__ = "0.1.0"

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import lm_eval, npz_eval
-from symmerge.evaluate.barrier import barrier_study, write_study
+from symmerge.merge.barrier import barrier_study, write_study
 from symmerge.io.data import load_data
 from symmerge.errors import SymmergeError
 from symmerge.core.distance import distance_table
-from symmerge.evaluate.barrier import subset_matching
+from symmerge.merge.barrier import subset_matching
 from symmerge.evaluate.metrics import barrier, evaluate
 
 

@@ -157,7 +157,7 @@ def test_config_without_architectures_names_what_is_missing(tmp_path, capsys):
 
 def test_barrier_of_a_family_without_spec(tmp_path, capsys):
     """``barrier`` on folders of a model type without a spec: the plain curve; 'recommended' adds none."""
-    from symmerge.evaluate.barrier import barrier_study
+    from symmerge.merge.barrier import barrier_study
     from symmerge.io.data import Batch, Data
 
     folders = save_pair(tmp_path, "stablelm")

@@ -8,7 +8,7 @@ import torch
 
 from conftest import output_rel_diff
 from factories import make_model
-from symmerge.evaluate.barrier import barrier_study
+from symmerge.merge.barrier import barrier_study
 from symmerge.evaluate.metrics import interpolate
 from symmerge.merge.fuse import merge_models
 from symmerge.merge.repair import CHANNELS, _sites, repair

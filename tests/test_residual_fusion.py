@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_inputs, output_rel_diff
 from factories import disguised, make_model
-from symmerge.evaluate.barrier import barrier_study
+from symmerge.merge.barrier import barrier_study
 from symmerge.io.data import Batch, Data
 from symmerge.merge.fuse import merge_models
 

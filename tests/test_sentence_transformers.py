@@ -176,7 +176,8 @@ def test_a_dense_module_is_merged_with_the_method(dense, tmp_path):
         assert torch.equal(got[k], expect[k]), k
     assert not torch.equal(got["linear.weight"], dense_weights(a)["linear.weight"])
     # methods with statistics have none for the Dense: it is averaged with the merge's weights, and said so
-    from symmerge.io.sentence_transformers import check_pipelines, merge_module_weights
+    from symmerge.io.sentence_transformers import check_pipelines
+    from symmerge.merge.modules import merge_module_weights
 
     entry = check_pipelines([("a", a), ("b", b)], get_method("regmean"))
     assert entry["weighted_method"] == "average" and "2_Dense: averaged" in entry["note"]

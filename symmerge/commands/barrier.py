@@ -52,7 +52,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..evaluate.barrier import barrier_study, write_study
+    from ..merge.barrier import barrier_study, write_study
 
     out = Path(args.output)
     if len(args.models) < 2:
@@ -83,7 +83,7 @@ def run(args) -> int:
 
 
 def _run_many(args, out: Path, options) -> int:
-    from ..evaluate.barrier import barrier_many, write_many
+    from ..merge.barrier import barrier_many, write_many
 
     result = barrier_many(args.models, args.data, aligns=args.align or [RECOMMENDED_NAME], points=args.points,
                           device=args.device, batch_size=args.batch_size, max_examples=args.max_examples,

@@ -139,6 +139,7 @@ def options_from(args):
 def run(args) -> int:
     from ..merge import get_method
     from ..merge.fuse import merge_models
+    from ..merge.modules import merge_pipeline_modules
     from ..merge.stream import aligns, choose_mode, merge_streaming
 
     out = Path(args.output)
@@ -154,7 +155,7 @@ def run(args) -> int:
         model, report = merge_models(args.models, options=options)
         src = args.models[report["head"].get("from_index", 0) or 0]
         with stage(f"wrote {out}"):
-            save_model(model, out, src=src, report=report)
+            save_model(model, out, src=src, report=report, merge_modules=merge_pipeline_modules)
     alignment = report["alignment"]
     print(f"merged {len(args.models)} models with {report['method']} "
           f"(alignment: {','.join(alignment['symmetries']) or 'none'}"

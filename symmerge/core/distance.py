@@ -60,3 +60,11 @@ def distance_table(sd_a: dict, sd_b: dict, keys, instances=()) -> dict:
         "per_layer": {str(i): math.sqrt(v) for i, v in sorted(per_layer.items())},
         "per_module": per_module(instances, sd_a, sd_b),
     }
+
+
+def distance_before_after(model, anchor, aligned, instances=(), aligned_anchor=None) -> dict:
+    """{"before": table(model, anchor), "after": table(aligned, anchor in aligned's parameterisation)}."""
+    keys = parameter_keys(model)
+    after_anchor = (aligned_anchor or anchor).state_dict()
+    return {"before": distance_table(model.state_dict(), anchor.state_dict(), keys, instances),
+            "after": distance_table(aligned.state_dict(), after_anchor, keys, instances)}

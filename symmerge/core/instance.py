@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .kinds import get_kind
 from .spec import Group
 
 
@@ -48,8 +49,6 @@ class Instance:
 
     @property
     def kind(self):
-        from ..groups import get_kind
-
         return get_kind(self.group.kind)
 
     def keys(self) -> list[str]:

@@ -1,5 +1,6 @@
 """The one layout check: models that are aligned, merged or interpolated together must agree in model
-type, attention heads, tensor names and shapes — else one clear error naming the two models."""
+type, attention heads, tensor names and shapes — else one clear error naming the two models. The
+layout of a loaded model is :func:`symmerge.io.layout.layout_of`."""
 
 from __future__ import annotations
 
@@ -18,16 +19,6 @@ class Layout:
 
     def disk(self, key: str) -> str:
         return (self.disk_names or {}).get(key, key)
-
-
-def layout_of(model, name: str, keys=None) -> Layout:
-    """The layout of a transformers model (optionally only ``keys``)."""
-    from ..io.checkpoint import DiskNames
-
-    sd = model.state_dict()
-    keys = sd.keys() if keys is None else keys
-    return Layout(name, model.config.model_type, getattr(model.config, "num_attention_heads", None),
-                  {k: tuple(sd[k].shape) for k in keys}, DiskNames(model))
 
 
 def check_layouts(layouts: list[Layout], hint: str = "") -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import SymmergeError
 from .instance import Instance, Slot
+from .kinds import get_kind
 from .spec import Group, Member, Spec
 
 
@@ -217,8 +218,6 @@ def resolve(spec: Spec, state_dict, num_layers: int, num_heads: int, layers=None
     norm values, so they need real tensors); ``ties``: declared ``{alias: source}``;
     ``architecture``: the model's class name;
     ``residual``: ``permutation`` or ``largest`` (the residual stream's group for LayerNorm models)."""
-    from ..groups import get_kind
-
     prefix = find_prefix(spec, state_dict.keys(), disk_names)
     heads = {"query": num_heads, "kv": num_kv_heads or num_heads}
     ctx = Binding(spec, state_dict, prefix, num_layers, heads, rotary_dim, dict(ties or {}), residual,

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..core.parallel import torch_threads
-from ..evaluate.barrier import barrier_study
+from ..merge.barrier import barrier_study
 from ..io.data import load_data
 from .datasets import cache_dir, mnist_5k_split, write_npz
 from ..errors import SymmergeError

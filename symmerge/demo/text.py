@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .assets import cache_dir
-from .datasets import deb_data_dir
+from .debian import deb_data_dir
 from ..errors import SymmergeError
 
 PYDOCS_PACKAGE = "python3.11-doc"

@@ -12,7 +12,8 @@ import copy
 import torch
 
 from ..io.data import Data, predictions
-from ..core.layout import check_layouts, layout_of
+from ..core.layout import check_layouts
+from ..io.layout import layout_of
 from ..errors import SymmergeError
 from ..progress import bar
 

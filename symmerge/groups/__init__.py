@@ -2,31 +2,15 @@
 
 Adding a kind = writing a module with a :class:`~symmerge.groups.base.Kind` subclass (element type,
 binding, cost and solver, transform, random element, validity check) and registering its instance
-here. Families name kinds in their groups; resolve, apply, the solver engine and the tests loop over
+here (the registry itself is :mod:`symmerge.core.kinds`, which the core reads without importing
+the kinds). Families name kinds in their groups; resolve, apply, the solver engine and the tests loop over
 kinds without knowing any.
 """
 
 from __future__ import annotations
 
-from ..errors import SymmergeError
+from ..core.kinds import KINDS, get_kind, register
 from .base import Kind, Options, RESCALE_MODES
-
-KINDS: dict[str, Kind] = {}
-
-
-def register(kind: Kind) -> Kind:
-    if not kind.name or kind.name in KINDS:
-        raise ValueError(f"group kind {kind.name!r} is unnamed or registered twice")
-    KINDS[kind.name] = kind
-    return kind
-
-
-def get_kind(name: str) -> Kind:
-    try:
-        return KINDS[name]
-    except KeyError:
-        raise SymmergeError(f"unknown group kind {name!r}; known: {', '.join(sorted(KINDS))}") from None
-
 
 from . import head_orthogonal, heads, permutation, residual, rope_pairs  # noqa: E402
 

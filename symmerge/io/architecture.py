@@ -52,15 +52,14 @@ def stored_names(files) -> set[str]:
 def saved_names(cls, config: dict) -> tuple[set[str], set[str]]:
     """(names ``save_pretrained`` writes for a ``cls`` model of ``config``, their tied aliases) from a
     weightless model."""
-    from .checkpoint import _disk_to_memory, hf_config
+    from .hf import disk_to_memory, hf_config, quiet_transformers
     from ..core.resolve import declared_ties
-    from .model import quiet_transformers
 
     with quiet_transformers():
         cfg = hf_config({**config, "architectures": [cls.__name__]})
         with torch.device("meta"):
             model = cls(cfg)
-        names = set(_disk_to_memory(model))
+        names = set(disk_to_memory(model))
         ties = declared_ties(model)
     aliases = {a for a in ties if a in names}
     return names, aliases

@@ -145,7 +145,7 @@ def _merge_sections(r: dict) -> list[str]:
 
 def card_text(report: dict, folder_name: str = "model") -> str:
     """The model card of an output folder, from its align or merge report."""
-    from .. import __version__
+    from .._version import __version__
 
     r = report
     inputs = _inputs(r)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from ..errors import SymmergeError
-from .model import SAFE_INDEX, SAFE_SINGLE, check_safetensors, model_class, quiet_transformers, read_config, weight_files
+from .hf import DiskNames, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
+from .model import SAFE_INDEX, SAFE_SINGLE, check_safetensors, read_config, weight_files
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -43,79 +43,6 @@ def parse_size(value) -> int:
     if size <= 0:
         raise SymmergeError(f"size must be positive, got {value!r}")
     return size
-
-
-def hf_config(config: dict):
-    """The transformers config object of a config.json dict (its class knows aliases such as GPT-2's
-    ``n_head`` for ``num_attention_heads``)."""
-    import transformers
-
-    cls = model_class(config)
-    cfg_cls = getattr(cls, "config_class", None) or transformers.AutoConfig
-    if cfg_cls is transformers.AutoConfig:
-        return transformers.AutoConfig.for_model(**config)
-    return cfg_cls.from_dict(dict(config))
-
-
-def disk_to_memory_names(config: dict, cfg=None) -> tuple[dict[str, str], dict[str, str]]:
-    """(checkpoint tensor name → the model's ``state_dict`` name, the model's declared ties
-    ``{alias: source}``). transformers 5 renames some families' weights on load and back on save
-    (ViT: ``encoder.layer.0.attention.attention.query`` on disk is ``layers.0.attention.q_proj`` in
-    memory); the specs use the in-memory names. Derived from transformers' own reverse conversion
-    applied to a weightless (``meta``) model, whose class also declares the ties."""
-    import transformers
-
-    cls = model_class(config)
-    try:
-        with quiet_transformers():
-            cfg = hf_config(config) if cfg is None else cfg
-            with torch.device("meta"):
-                model = cls(cfg) if cls is not transformers.AutoModel else transformers.AutoModel.from_config(cfg)
-            rename = _disk_to_memory(model)
-    except Exception as e:
-        raise SymmergeError(f"transformers cannot build a {config.get('model_type')} model from this config "
-                            f"({type(e).__name__}: {e})") from None
-    from ..core.resolve import declared_ties
-
-    return rename, declared_ties(model)
-
-
-def _disk_to_memory(model) -> dict[str, str]:
-    """{name in a checkpoint ``save_pretrained`` writes: ``state_dict`` name} of a transformers model."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    sd = model.state_dict()
-    reverted = revert_weight_conversion(model, sd)
-    names_of: dict[int, str] = {}
-    for k, t in sd.items():
-        names_of.setdefault(id(t), k)
-    return {disk: names_of[id(t)] for disk, t in reverted.items() if id(t) in names_of}
-
-
-class DiskNames(Mapping):
-    """A loaded model's ``{state_dict name: name in its checkpoint}``, worked out on first use (error
-    messages name tensors as the user's checkpoint does: ViT's ``layers.0.mlp.fc1.weight`` in memory is
-    ``vit.encoder.layer.0.intermediate.dense.weight`` on disk)."""
-
-    def __init__(self, model):
-        self._model, self._names = model, None
-
-    def _table(self) -> dict:
-        if self._names is None:
-            try:
-                self._names = {m: d for d, m in _disk_to_memory(self._model).items()}
-            except Exception:  # messages fall back to the in-memory names
-                self._names = {}
-        return self._names
-
-    def __getitem__(self, key):
-        return self._table()[key]
-
-    def __iter__(self):
-        return iter(self._table())
-
-    def __len__(self):
-        return len(self._table())
 
 
 class LazyCheckpoint:
@@ -455,7 +382,7 @@ def template_disk_names(spec) -> tuple[str, dict]:
         cls = getattr(transformers, task)
         with torch.device("meta"):
             model = cls(cfg)
-        to_disk = {m: d for d, m in _disk_to_memory(model).items()}
+        to_disk = {m: d for d, m in disk_to_memory(model).items()}
     prefix = find_prefix(spec, to_disk.keys())
     modules = {}
     for m, d in to_disk.items():  # module path in memory -> on disk, for tensors this config lacks

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import SymmergeError
 from ..families import spec_for
+from .hf import DiskNames, model_class, quiet_transformers  # noqa: F401  (re-exported: io.model's API)
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SINGLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -90,34 +91,6 @@ def check_finite(state_dict: dict, where: str, disk_names=None) -> None:
             raise SymmergeError(f"{where}: tensor {name!r} holds NaN or Inf values")
 
 
-def model_class(config: dict):
-    """The transformers class named by the config's ``architectures`` (AutoModel if absent)."""
-    import transformers
-
-    for name in config.get("architectures") or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    return transformers.AutoModel
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """Silence transformers' warnings and its 'Loading weights' / 'Writing model shards' bars on
-    stderr (symmerge reports errors itself), restoring both settings afterwards."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool = True):
     """Load and validate an HF model folder; returns the model in eval mode. ``spec=False``: any model
     type transformers loads (plain merges), not only those with a symmetry spec."""
@@ -139,8 +112,6 @@ def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool
         raise
     except Exception as e:
         raise SymmergeError(f"{path}: transformers could not load the model ({type(e).__name__}: {e})") from None
-    from .checkpoint import DiskNames
-
     check_finite(model.state_dict(), str(path), DiskNames(model))
     return model.to(device).eval()
 
@@ -187,15 +158,15 @@ REPLACED = frozenset({"README.md"})
 SIDE_FOLDERS = frozenset({"additional_chat_templates"})  # transformers 5: extra named chat templates
 
 
-def copy_side_files(src: Path, dst: Path, report: dict | None = None) -> dict:
+def copy_side_files(src: Path, dst: Path, report: dict | None = None, merge_modules=None) -> dict:
     """Copy the allowed side files (:data:`SIDE_FILES`, :data:`SIDE_FOLDERS`) of ``src`` into ``dst``, and
     a sentence-transformers pipeline whole (:mod:`symmerge.io.sentence_transformers`; its module weights
-    merged when ``report`` is a merge's); returns ``{"copied": [...], "left_out": [...]}`` (folders with
+    merged by ``merge_modules`` when ``report`` is a merge's); returns ``{"copied": [...], "left_out": [...]}`` (folders with
     a trailing ``/``; the weights, config.json, a generation_config.json the output already has and the
     model card, README.md, are written anew, and in neither)."""
     from .sentence_transformers import write_pipeline
 
-    copied, left_out = write_pipeline(Path(dst), Path(src), report), []
+    copied, left_out = write_pipeline(Path(dst), Path(src), report, merge_modules), []
     for item in sorted(Path(src).iterdir()):
         name = item.name
         if name in WEIGHT_NAMES or name == "config.json" or (item.is_file() and item.suffix == ".safetensors"):
@@ -220,7 +191,8 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def save_model(model, out, src=None, report: dict | None = None, report_name: str = "symmerge_report.json") -> Path:
+def save_model(model, out, src=None, report: dict | None = None, report_name: str = "symmerge_report.json",
+               merge_modules=None) -> Path:
     """Write ``model`` as an HF folder at ``out`` atomically, with the allowed side files of ``src``, a
     model card (README.md) and the report (which gains ``side_files``: what was copied and what was left
     out)."""
@@ -231,7 +203,7 @@ def save_model(model, out, src=None, report: dict | None = None, report_name: st
         with quiet_transformers():
             model.save_pretrained(str(tmp), safe_serialization=True)
         if src is not None:
-            side = copy_side_files(Path(src), tmp, report)
+            side = copy_side_files(Path(src), tmp, report, merge_modules)
             if report is not None:
                 report["side_files"] = side
         write_card(tmp, report)  # README.md, the output's own model card (symmerge/io/card.py)

@@ -14,7 +14,8 @@ that pipeline:
 * **copied**: the output gets the configs of the model its side files come from
   (:func:`write_pipeline`, called by :func:`symmerge.io.model.copy_side_files`);
 * **merged**: the weights of modules beyond the transformer (``2_Dense/model.safetensors``) are merged
-  with the merge's method, tensor by tensor (:func:`merge_module_weights`); methods that need statistics
+  with the merge's method, tensor by tensor (:func:`symmerge.merge.modules.merge_module_weights`,
+  passed in by the merge as ``merge_modules``: io never imports the merge methods); methods that need statistics
   or the architecture (``fisher``, ``regmean``, ``ot_*``) have none for these modules, and their tensors
   are averaged with the merge's weights instead (the report says so). ``align`` copies them: the
   aligned transformer computes the same output, so they still fit;
@@ -159,7 +160,7 @@ def _first_difference(a, b, where: str = "") -> str | None:
     return None if a == b else f"{where.rstrip('.')} is {a!r} in one and {b!r} in the other"
 
 
-def _tensors(path: Path, allow_pickle: bool) -> dict:
+def module_tensors(path: Path, allow_pickle: bool) -> dict:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -211,7 +212,7 @@ def check_pipelines(named, method=None, base=None, allow_pickle: bool = False) -
         shapes = {}
         for name, p in pipes:
             for m in p.weighted():
-                sd = _tensors(p.weight_file(m), allow_pickle)
+                sd = module_tensors(p.weight_file(m), allow_pickle)
                 got = {k: tuple(t.shape) for k, t in sd.items()}
                 if shapes.setdefault(m, got) != got:
                     raise SymmergeError(f"the sentence-transformers pipelines of {first_name} and {name} differ: "
@@ -248,25 +249,7 @@ def keep_output_frame(options, recommended: bool, entry: dict | None):
         f"residual left out of 'recommended': {why}"
 
 
-def merge_module_weights(entry: dict, folders, method, weights=None, params=None, base=None,
-                         allow_pickle: bool = False) -> dict:
-    """The merged weights of every module with weights: ``{module folder: state dict}``."""
-    from ..merge import get_method
-
-    out = {}
-    m = get_method(entry.get("weighted_method", "average")) if method.needs or method.needs_model else method
-    pipes = [read_pipeline(f) for f in folders]
-    base_pipe = read_pipeline(base) if m.needs_base else None
-    for module in entry["weighted_modules"]:
-        sds = [_tensors(p.weight_file(module), allow_pickle) for p in pipes]
-        kw = dict(params or {}) if m is method else {}
-        if m.needs_base:
-            kw["base"] = _tensors(base_pipe.weight_file(module), allow_pickle)
-        out[module] = m.merge(sds, weights=weights, **kw)
-    return out
-
-
-def write_pipeline(dst: Path, src: Path, report: dict | None) -> list[str]:
+def write_pipeline(dst: Path, src: Path, report: dict | None, merge_modules=None) -> list[str]:
     """Write the pipeline of ``src`` into the output folder ``dst``: its settings and module folders, the
     weights of its modules merged (a merge report, with ``sentence_transformers``) or copied; returns
     the names written (folders with a trailing ``/``), ``[]`` when ``src`` is no sentence-transformers
@@ -277,11 +260,10 @@ def write_pipeline(dst: Path, src: Path, report: dict | None) -> list[str]:
     entry = (report or {}).get("sentence_transformers")
     merged = {}
     if entry and entry.get("weighted_modules") and report.get("method"):
-        from ..merge import get_method
-
-        # pickle module weights were refused by check_pipelines unless --allow-pickle was given
-        merged = merge_module_weights(entry, report["models"], get_method(report["method"]), report.get("weights"),
-                                      report.get("params"), report.get("base"), allow_pickle=True)
+        if merge_modules is None:  # a programming error: the merge's module weights would be silently copied
+            raise SymmergeError("writing a merged sentence-transformers pipeline needs merge_modules="
+                                "symmerge.merge.modules.merge_pipeline_modules")
+        merged = merge_modules(entry, report)
     written = []
     for name in pipe.root_configs():
         shutil.copy2(src / name, dst / name)

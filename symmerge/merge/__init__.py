@@ -13,29 +13,8 @@ caller). Task-vector methods are built from a sparsifier and a consensus (:mod:`
 
 from __future__ import annotations
 
-from types import ModuleType
-
-from ..errors import SymmergeError
-from .base import STATISTICS, Method, check_needs, merge_state_dicts
-
-METHODS: dict[str, Method] = {}
-
-
-def register(module: ModuleType | Method) -> Method:
-    """Add a method module (its ``METHOD``) or a ready :class:`Method` to :data:`METHODS`; a method
-    whose ``needs`` is not ``None`` or one of :data:`STATISTICS` is refused (SymmergeError)."""
-    method = module if isinstance(module, Method) else module.METHOD
-    check_needs(method.name, method.needs)
-    METHODS[method.name] = method
-    return method
-
-
-def get_method(name: str) -> Method:
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise SymmergeError(f"unknown merge method {name!r}; known methods: {', '.join(sorted(METHODS))}") from None
-
+from .base import STATISTICS, Method, merge_state_dicts
+from .registry import METHODS, get_method, register
 
 from . import average, dare, dare_ties, fisher, ot_fusion, regmean, task_arithmetic, ties  # noqa: E402
 

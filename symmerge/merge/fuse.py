@@ -18,10 +18,9 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ..core.distance import distance
+from ..core.distance import distance, distance_before_after
 from ..device import resolve_device
 from ..errors import SymmergeError
-from ..evaluate.barrier import distance_before_after
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import load_model
@@ -33,7 +32,7 @@ from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
 from ..pipeline.report import match_fields
 from ..progress import line, stage, stage_printer
 from ..pipeline.verify import with_state_dict
-from . import get_method
+from .registry import get_method
 from .repair import repair
 from .heads import anchor_proxy, check_bodies, check_heads_mergeable, head_keys, untied, with_tied
 from .statistics import gather

@@ -9,7 +9,8 @@ follows the body.
 
 from __future__ import annotations
 
-from ..core.layout import check_layouts, layout_of
+from ..core.layout import check_layouts
+from ..io.layout import layout_of
 from ..core.resolve import declared_ties
 from ..errors import SymmergeError
 from ..pipeline.verify import with_state_dict

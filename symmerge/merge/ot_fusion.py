@@ -386,7 +386,7 @@ def _prepare(state_dicts, base, weights, params, stats=None, model=None, anchor=
 def transported(method, state_dicts, model, stats=None, anchor=None, **params) -> list[dict]:
     """The state dicts as OT fusion ``method`` (a name or Method of :data:`METHODS`) aligns them onto the
     anchor, before averaging (e.g. to measure the distance the alignment leaves)."""
-    from . import get_method
+    from .registry import get_method
 
     m = get_method(method) if isinstance(method, str) else method
     if m.name not in {x.name for x in METHODS}:

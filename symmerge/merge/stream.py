@@ -41,6 +41,7 @@ from ..io.model import atomic_dir, copy_side_files, model_class, weight_files, w
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
+from .modules import merge_pipeline_modules
 from .base import merge_tensor, normalized_weights
 
 MODES = ("auto", "stream", "memory")
@@ -444,7 +445,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
             **({"sentence_transformers": embedding} if embedding else {}),
         }
         # side files, and a sentence-transformers pipeline with its module weights merged by the same method
-        report["side_files"] = copy_side_files(holder.folder, tmp, report)
+        report["side_files"] = copy_side_files(holder.folder, tmp, report, merge_pipeline_modules)
         timings["total"] = time.perf_counter() - t0
         report["timings"] = timings
         if write_hook is not None:

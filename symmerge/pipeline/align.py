@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..core.apply import apply, canonicalize
 from ..core.distance import parameter_keys, sq_distance
-from ..core.layout import check_layouts, layout_of
+from ..core.layout import check_layouts
+from ..io.layout import layout_of
 from ..core.resolve import config_sizes, declared_ties, resolve
 from ..device import resolve_device
 from ..errors import SymmergeError
@@ -18,6 +19,8 @@ from ..io.model import load_model
 from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
 from ..progress import stage
+from .bound import bind, instances_for  # noqa: F401  (instances_for: the public (spec, instances) shortcut)
+from .data import load_align_data  # noqa: F401  (re-exported)
 from .matchers import MATCHERS, MatchContext
 from .options import DEFAULT_SYMMETRIES, AlignOptions
 from .report import Distances, alignment_report
@@ -35,30 +38,6 @@ def _load(x, allow_pickle: bool, progress: bool):
 def as_model(model, allow_pickle: bool = False, spec: bool = True):
     """A folder loaded (``spec=False``: any model type, for plain merges and curves), or the model given."""
     return load_model(model, allow_pickle=allow_pickle, spec=spec) if isinstance(model, (str, Path)) else model
-
-
-def instances_for(model, layers=None, residual: str = "largest"):
-    """(spec, instances) of a transformers model, ties as the model class declares them."""
-    from ..io.checkpoint import DiskNames
-
-    spec = spec_for(model.config.model_type)
-    sizes = config_sizes(spec, model.config)
-    return spec, resolve(spec, model.state_dict(), sizes.pop("num_layers"), sizes.pop("num_heads"), layers,
-                         ties=declared_ties(model), residual=residual, architecture=type(model).__name__,
-                         disk_names=DiskNames(model), **sizes)
-
-
-def load_align_data(options: AlignOptions, model):
-    """The unlabeled alignment data (``align_data``: a path or a loaded Data), at most ``align_samples``
-    examples, validated against ``model`` (labels, if present, are not used)."""
-    from ..io.data import Data, check_data, load_data, take
-
-    if isinstance(options.align_data, Data):
-        check_data(options.align_data, model, use_labels=False)
-        return take(options.align_data, options.align_samples)
-    max_length = options.learn.max_length if options.match == "learned" else None
-    return load_data(options.align_data, model, max_examples=options.align_samples, max_length=max_length,
-                     batch_size=min(options.learn.batch, options.align_samples), labels=False)
 
 
 def untied(model):
@@ -88,7 +67,7 @@ def canonical(model, options: AlignOptions):
     """``model`` in the parameterisation the options' groups act on (untied with ``untie``; norms folded
     into their readers when the residual stream's group needs it; the same function), or ``model``."""
     model = untied(model) if options.untie else model
-    _, instances = instances_for(model, residual=options.residual)
+    instances = bind(model, residual=options.residual).instances
     wide = _model_wide(instances, options.solver_options())
     sd = model.state_dict()
     new = canonicalize(sd, wide)
@@ -105,13 +84,15 @@ _GROUP_NAMES = {"orthogonal": "O(d) (RMSNorm, norms folded)",
 @dataclass
 class Alignment:
     """The result of :func:`align_pair`: the aligned model, the anchor in the same parameterisation
-    (its norms folded when the aligned model's are), the report, and the solved elements."""
+    (its norms folded when the aligned model's are), the report, the solved elements, their instances and
+    the bound model."""
 
     model: object
     anchor: object
     report: dict
     elements: dict
     instances: list
+    bound: object = None  # the model's BoundModel (symmerge.pipeline.bound): spec, layers, output axes
 
 
 def _require_groups(spec, instances, symmetries) -> None:
@@ -147,7 +128,8 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     was_tied = bool(declared_ties(model) or declared_ties(anchor))
     if options.untie:
         model, anchor = untied(model), untied(anchor)
-    spec, instances = instances_for(model, options.layers, options.residual)
+    bound = bind(model, options.layers, options.residual)
+    spec, instances = bound.spec, bound.instances
     requested, recommended = options.requested, options.recommended
     options = options.resolved(i.group.symmetry for i in instances)
     options, embedding_note = keep_output_frame(options, recommended, embedding)
@@ -159,7 +141,8 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     wide = _model_wide(instances, opts)
     ca, cb = canonicalize(sd_a, wide), canonicalize(sd_b, wide)
     folded = any(ca[k] is not sd_a[k] for k in sd_a)
-    ctx = MatchContext(instances, model, anchor, ca, cb, options, opts, progress, {"match": options.match})
+    ctx = MatchContext(instances, model, anchor, ca, cb, options, opts, progress, {"match": options.match},
+                       bound=bound)
     getattr(progress, "start", lambda: None)()  # the engine's progress lines count from here
     elements = MATCHERS[options.match](ctx)
     fields, sweeps = ctx.fields, ctx.history
@@ -192,7 +175,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     if embedding is not None:
         report["sentence_transformers"] = {**embedding, **({"note": embedding_note} if embedding_note else {})}
     anchor_out = with_state_dict(anchor, cb) if folded else anchor
-    return Alignment(aligned, anchor_out, report, elements, instances)
+    return Alignment(aligned, anchor_out, report, elements, instances, bound)
 
 
 def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", verify: bool = True, layers=None,

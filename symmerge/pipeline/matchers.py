@@ -41,11 +41,12 @@ class MatchContext:
     progress: object = None
     fields: dict = field(default_factory=dict)
     history: list = field(default_factory=list)  # the weight matcher's objective per descent sweep
+    bound: object = None  # the model's BoundModel (symmerge.pipeline.bound), where the caller bound it
 
     def data(self):
         """The unlabeled alignment data (loaded once, recorded in the report)."""
         if "_data" not in self.__dict__:
-            from .align import load_align_data
+            from .data import load_align_data
 
             self._data = load_align_data(self.options, self.model)
             self.fields["align_samples_used"] = self._data.n

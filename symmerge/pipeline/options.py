@@ -226,7 +226,6 @@ class AlignOptions:
         """:meth:`resolved` against the groups ``model`` (a transformers model) has."""
         if not self.recommended:
             return self
-        from .align import instances_for
+        from .bound import bind
 
-        _, instances = instances_for(model, self.layers, self.residual)
-        return self.resolved(i.group.symmetry for i in instances)
+        return self.resolved(bind(model, self.layers, self.residual).symmetries)

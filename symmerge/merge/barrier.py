@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..core.distance import distance_table, parameter_keys
+from ..core.distance import distance_before_after
 from ..device import resolve_device
 from ..errors import SymmergeError
 from ..io.data import Data, check_data, check_data_path, load_data
@@ -25,8 +25,8 @@ from ..pipeline.align import align_pair, as_model, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries
 from ..pipeline.report import match_fields
 from ..progress import bar, stage, stage_printer
-from .metrics import alpha_grid, check_same_shapes, evaluate, interpolate, interpolation_curve
-from .plots import plot_curves, plot_subsets
+from ..evaluate.metrics import alpha_grid, check_same_shapes, evaluate, interpolate, interpolation_curve
+from ..evaluate.plots import plot_curves, plot_subsets
 
 
 def variant_name(spec) -> str:
@@ -39,7 +39,7 @@ def variant_name(spec) -> str:
 def _variants(aligns, base: AlignOptions, model) -> dict:
     """{curve name: AlignOptions} for ``aligns``: 'none' first; 'recommended' resolved against ``model``
     and named by the groups it resolved to."""
-    from ..merge.stream import plain_fallback
+    from .stream import plain_fallback
 
     out = {"none": None}
     for spec in aligns:
@@ -52,14 +52,6 @@ def _variants(aligns, base: AlignOptions, model) -> dict:
         opts = opts.for_model(model)
         out.setdefault(",".join(opts.symmetries) or "none", opts)
     return out
-
-
-def distance_before_after(model, anchor, aligned, instances=(), aligned_anchor=None) -> dict:
-    """{"before": table(model, anchor), "after": table(aligned, anchor in aligned's parameterisation)}."""
-    keys = parameter_keys(model)
-    after_anchor = (aligned_anchor or anchor).state_dict()
-    return {"before": distance_table(model.state_dict(), anchor.state_dict(), keys, instances),
-            "after": distance_table(aligned.state_dict(), after_anchor, keys, instances)}
 
 
 def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: int = 11, rescale: str = "joint",
@@ -136,7 +128,7 @@ def repaired_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, 
                    label: str = "") -> dict:
     """:func:`interpolation_curve` with REPAIR at every α (endpoint statistics gathered once on the
     alignment data of ``options``)."""
-    from ..merge.repair import endpoint_stats, repair
+    from .repair import endpoint_stats, repair
 
     stats_data = load_align_data(options, model_b)
     endpoints = [model_a.to(device), model_b.to(device)]
@@ -203,7 +195,7 @@ def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, dev
     interpolation curve of every pair), the N-way plain average's loss and accuracy, beside each
     model's and the ensemble's (mean predicted probabilities)."""
     from ..pipeline.joint import align_joint, mean_state_dict
-    from .metrics import evaluate_ensemble
+    from ..evaluate.metrics import evaluate_ensemble
     from ..pipeline.verify import with_state_dict
 
     t0 = time.perf_counter()
@@ -275,7 +267,7 @@ def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, dev
 
 def write_many(result: dict, out) -> Path:
     """Atomically write ``out/barrier.json`` and ``out/barrier.png`` of :func:`barrier_many`."""
-    from .plots import plot_many
+    from ..evaluate.plots import plot_many
 
     out = Path(out)
     with atomic_dir(out) as tmp:

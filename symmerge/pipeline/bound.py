@@ -1,0 +1,100 @@
+"""A model bound to its symmetry spec, built once: what the matchers, REPAIR, OT fusion, the statistics and
+the distance tables used to rediscover each on their own.
+
+:func:`bind` reads a transformers model's family spec, finds the base model's prefix, binds every group
+(:func:`symmerge.core.resolve.resolve`, ties as the model class declares them) and keeps:
+
+* ``spec``, ``prefix``, ``instances``, ``ties`` and the layer count;
+* the layers' module paths (:meth:`BoundModel.layer_paths`, from the spec's ``layer`` template) and the
+  layer a tensor belongs to (:meth:`BoundModel.layer_of`, by those paths: no guessing from names such as
+  ``layer``/``layers``/``h``);
+* the output axis of every linear weight (:meth:`BoundModel.output_axis`: 0 for ``nn.Linear``, 1 for
+  GPT-2's ``Conv1D``, which stores in × out), found by module type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from ..core.resolve import config_sizes, declared_ties, find_prefix, resolve
+from ..errors import SymmergeError
+from ..families import spec_for
+from ..io.hf import DiskNames
+
+
+@dataclass(eq=False)
+class BoundModel:
+    model: object  # the transformers model the spec is bound to
+    spec: object  # its family's Spec
+    prefix: str  # the base model inside the state dict ('' or 'bert.' ...)
+    instances: list  # every group instance (per-layer first, model-wide last)
+    ties: dict = field(default_factory=dict)  # declared {alias: source}
+    num_layers: int = 0
+
+    @property
+    def symmetries(self) -> set:
+        """The symmetries whose groups this model binds."""
+        return {i.group.symmetry for i in self.instances}
+
+    def layer_paths(self) -> list[str]:
+        """Module paths of the layers, in order (their outputs are the stream at every block boundary)."""
+        if not self.spec.layer:
+            raise SymmergeError(f"the {self.spec.family} spec names no layer module")
+        return [(self.prefix + self.spec.layer.format(i=i)).rstrip(".") for i in range(self.num_layers)]
+
+    @cached_property
+    def _layer_index(self) -> dict:
+        return {path + ".": i for i, path in enumerate(self.layer_paths())} if self.spec.layer else {}
+
+    def layer_of(self, key: str) -> int | None:
+        """The layer whose module holds the tensor ``key``, else None (embeddings, final norm, heads)."""
+        head = key
+        while "." in head:
+            head = head.rsplit(".", 1)[0]
+            i = self._layer_index.get(head + ".")
+            if i is not None:
+                return i
+        return None
+
+    @cached_property
+    def _modules(self) -> dict:
+        return dict(self.model.named_modules())
+
+    def output_axis(self, key: str) -> int | None:
+        """The output axis of the linear layer whose weight is ``key`` (``nn.Linear``: 0, ``Conv1D``: 1),
+        else None (biases, norms, embeddings, anything else)."""
+        if not key.endswith(".weight"):
+            return None
+        module = self._modules.get(key[: -len(".weight")])
+        return linear_output_axis(module)
+
+
+def linear_output_axis(module) -> int | None:
+    """0 for an ``nn.Linear``, 1 for transformers' ``Conv1D`` (weight in × out), else None."""
+    if isinstance(module, torch.nn.Linear):
+        return 0
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return 1
+    return None
+
+
+def bind(model, layers=None, residual: str = "largest") -> BoundModel:
+    """The :class:`BoundModel` of a transformers model (``layers``: only these layer indices;
+    ``residual``: the residual stream's group for LayerNorm models, ``largest`` or ``permutation``)."""
+    spec = spec_for(model.config.model_type)
+    sizes = config_sizes(spec, model.config)
+    num_layers = sizes.pop("num_layers")
+    ties = declared_ties(model)
+    sd = model.state_dict()
+    instances = resolve(spec, sd, num_layers, sizes.pop("num_heads"), layers, ties=ties, residual=residual,
+                        architecture=type(model).__name__, disk_names=DiskNames(model), **sizes)
+    return BoundModel(model, spec, find_prefix(spec, sd.keys()), instances, ties, num_layers)
+
+
+def instances_for(model, layers=None, residual: str = "largest"):
+    """``(spec, instances)`` of a transformers model: the shortcut to :func:`bind`'s two most used parts."""
+    bound = bind(model, layers, residual)
+    return bound.spec, bound.instances
