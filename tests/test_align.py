@@ -11,9 +11,9 @@ import torch
 from conftest import add_noise, make_inputs, output_rel_diff, sq_dist, with_weights
 from factories import make_model
 from symmerge.core.apply import apply, random_elements
-from symmerge.core.distance import layer_of
 from symmerge.errors import SymmergeError
 from symmerge.pipeline.align import align, instances_for
+from symmerge.pipeline.bound import bind
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -156,6 +156,8 @@ def test_layers_only_changes_chosen_layers(arch, layers):
     assert report["layers"] == layers
     assert {int(n.split(".")[1]) for n in report["per_module"]} == set(layers)
     sd_m, sd_al, sd_an = model.state_dict(), aligned.state_dict(), anchor.state_dict()
+    layer_of = bind(model).layer_of
+    assert {layer_of(k) for k in sd_m} == {None, 0, 1, 2}
     moved = set()
     for k in sd_m:
         if layer_of(k) in layers:

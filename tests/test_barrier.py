@@ -14,6 +14,7 @@ from symmerge.merge.barrier import barrier_study, write_study
 from symmerge.io.data import load_data
 from symmerge.errors import SymmergeError
 from symmerge.core.distance import distance_table
+from symmerge.pipeline.bound import bind
 from symmerge.merge.barrier import subset_matching
 from symmerge.evaluate.metrics import barrier, evaluate
 
@@ -87,11 +88,17 @@ def test_curve_points_are_the_interpolated_models(br_npz, tmp_path):
 
 
 def test_distance_table_parts_add_up():
-    a, b = br_vit(1).state_dict(), br_vit(2).state_dict()
+    model = br_vit(1)
+    a, b = model.state_dict(), br_vit(2).state_dict()
     keys = list(a)
-    t = distance_table(a, b, keys)
-    sq = {i: sum(((a[k] - b[k]) ** 2).sum().item() for k in keys if f"layers.{i}." in k) for i in (0, 1)}
+    bound = bind(model)
+    t = distance_table(a, b, keys, layer_of=bound.layer_of)
+    paths = bound.layer_paths()
+    assert len(paths) == 2 and all(model.get_submodule(p) for p in paths)
+    sq = {i: sum(((a[k] - b[k]) ** 2).sum().item() for k in keys if k.startswith(paths[i] + ".")) for i in (0, 1)}
     assert t["per_layer"]["0"] == pytest.approx(sq[0] ** 0.5) and t["per_layer"]["1"] == pytest.approx(sq[1] ** 0.5)
+    assert sq[0] > 0 and sq[1] > 0 and bound.layer_of("vit.embeddings.cls_token") is None
+    assert distance_table(a, b, keys)["per_layer"] == {}  # no bound model: no per-layer part
     total = sum(((a[k] - b[k]) ** 2).sum().item() for k in keys) ** 0.5
     assert t["whole"] == pytest.approx(total)
 

@@ -12,6 +12,7 @@ from symmerge.merge.barrier import barrier_study
 from symmerge.evaluate.metrics import interpolate
 from symmerge.merge.fuse import merge_models
 from symmerge.merge.repair import CHANNELS, _sites, repair
+from symmerge.pipeline.bound import bind
 from symmerge.pipeline.options import AlignOptions
 from symmerge.pipeline.verify import with_state_dict
 from test_activations import unlabeled
@@ -63,7 +64,7 @@ def test_every_corrected_channel_has_the_target_statistics(family):
     merged = with_state_dict(b, interpolate(a.state_dict(), b.state_dict(), 0.3))
     fixed, report = repair(merged, [a, b], [0.3, 0.7], data, channels=CHANNELS, remeasure="site")
 
-    names = list(_sites(a))
+    names = list(_sites(bind(a)))
     assert report["modules"] == len(names) and set(report["std_ratio_before"]) == {"ffn", "attn_out", "mlp_out", "norm"}
     sa, sb, sf = (_stats(m, data, names) for m in (a, b, fixed))
     for n in names:
@@ -124,7 +125,7 @@ def test_one_plus_w_norms_get_their_scale_folded_as_one_plus_w(fp64_rmsnorm):
     data = unlabeled(a, batches=2)
     merged = with_state_dict(b, interpolate(a.state_dict(), b.state_dict(), 0.3))
     fixed, report = repair(merged, [a, b], [0.3, 0.7], data, channels=("norm",), remeasure="site")
-    names = [n for n, k in _sites(a).items() if k == "norm"]
+    names = [n for n, k in _sites(bind(a)).items() if k == "norm"]
     assert names and set(report["scale_only"]) == set(names)
     sa, sb, sf = (_stats(m, data, names) for m in (a, b, fixed))
     for n in names:

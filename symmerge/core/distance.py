@@ -1,5 +1,6 @@
 """L2 distances between state dicts: whole model, per group instance, per layer (one squared-distance
-function; everything else sums it)."""
+function; everything else sums it). Which layer a tensor belongs to is the bound model's knowledge
+(:class:`symmerge.pipeline.bound.BoundModel`), passed in as ``layer_of``."""
 
 from __future__ import annotations
 
@@ -38,21 +39,14 @@ def per_module(instances, sd_a: dict, sd_b: dict) -> dict[str, float]:
     return {inst.name: distance(sd_a, sd_b, [s.key for s in inst.slots]) for inst in instances}
 
 
-def layer_of(key: str):
-    """Layer index of a state-dict key (``...layer.3.`` / ``...layers.3.`` / ``h.3.``), else None."""
-    parts = key.split(".")
-    for i, p in enumerate(parts[:-1]):
-        if p in ("layer", "layers", "h") and parts[i + 1].isdigit():
-            return int(parts[i + 1])
-    return None
-
-
-def distance_table(sd_a: dict, sd_b: dict, keys, instances=()) -> dict:
-    """L2 distance A–B over the whole model, per layer (all of a layer's tensors), per group instance."""
+def distance_table(sd_a: dict, sd_b: dict, keys, instances=(), layer_of=None) -> dict:
+    """L2 distance A–B over the whole model, per layer (all of a layer's tensors; ``layer_of(key)`` gives a
+    tensor's layer or None, e.g. :meth:`symmerge.pipeline.bound.BoundModel.layer_of`; without it there
+    is no per-layer part), per group instance."""
     per_key = {k: sq_distance(sd_a, sd_b, [k]) for k in keys}
     per_layer: dict[int, float] = {}
     for k, v in per_key.items():
-        layer = layer_of(k)
+        layer = layer_of(k) if layer_of is not None else None
         if layer is not None:
             per_layer[layer] = per_layer.get(layer, 0.0) + v
     return {
@@ -62,9 +56,9 @@ def distance_table(sd_a: dict, sd_b: dict, keys, instances=()) -> dict:
     }
 
 
-def distance_before_after(model, anchor, aligned, instances=(), aligned_anchor=None) -> dict:
+def distance_before_after(model, anchor, aligned, instances=(), aligned_anchor=None, layer_of=None) -> dict:
     """{"before": table(model, anchor), "after": table(aligned, anchor in aligned's parameterisation)}."""
     keys = parameter_keys(model)
     after_anchor = (aligned_anchor or anchor).state_dict()
-    return {"before": distance_table(model.state_dict(), anchor.state_dict(), keys, instances),
-            "after": distance_table(aligned.state_dict(), after_anchor, keys, instances)}
+    return {"before": distance_table(model.state_dict(), anchor.state_dict(), keys, instances, layer_of),
+            "after": distance_table(aligned.state_dict(), after_anchor, keys, instances, layer_of)}

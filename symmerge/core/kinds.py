@@ -10,9 +10,10 @@ KINDS: dict = {}  # name -> a symmerge.groups.base.Kind instance
 
 
 def register(kind):
-    if not kind.name or kind.name in KINDS:
-        raise ValueError(f"group kind {kind.name!r} is unnamed or registered twice")
-    KINDS[kind.name] = kind
+    name = kind.name
+    if not name or name in KINDS:
+        raise ValueError(f"group kind {name!r} is unnamed or registered twice")
+    KINDS[name] = kind
     return kind
 
 

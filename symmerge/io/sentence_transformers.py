@@ -225,7 +225,7 @@ def check_pipelines(named, method=None, base=None, allow_pickle: bool = False) -
                                     "weights to take them from: give a sentence-transformers base with the same "
                                     "pipeline")
             for m in first.weighted():
-                got = {k: tuple(t.shape) for k, t in _tensors(base_pipe.weight_file(m), allow_pickle).items()}
+                got = {k: tuple(t.shape) for k, t in module_tensors(base_pipe.weight_file(m), allow_pickle).items()}
                 if got != shapes[m]:
                     raise SymmergeError(f"the base's {m}/ holds other tensors or shapes than the models'")
         entry["weighted_method"] = (method.name if not (method.needs or method.needs_model) else "average")

@@ -108,7 +108,7 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
             info = {"distance_before": rep["distance_before"], "distance_after": rep["distance_after"],
                     "verify_max_rel_diff": rep.get("verify_max_rel_diff"), "align_seconds": rep["seconds"],
                     "match_seconds": rep.get("match_seconds"), **match_fields(rep)}
-            result["distances"][v] = distance_before_after(a, b, moved, res.instances, end_b)
+            result["distances"][v] = distance_before_after(a, b, moved, res.instances, end_b, res.bound.layer_of)
         curve = interpolation_curve(moved, end_b, d, alphas, device=dev, progress=progress, label=v)
         moved.to("cpu"), end_b.to("cpu")
         result["curves"][v] = {**curve, **info, "seconds": time.perf_counter() - t}

@@ -256,7 +256,8 @@ def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool
         reports.append({"model": name, "anchor": False, "distance_before": rep["distance_before"],
                         "distance_after": rep["distance_after"], "verify_max_rel_diff": rep.get("verify_max_rel_diff"),
                         "seconds": rep["seconds"], **match_fields(rep),
-                        "distances": distance_before_after(x, proxy, res.model, res.instances, res.anchor)})
+                        "distances": distance_before_after(x, proxy, res.model, res.instances, res.anchor,
+                                                                       res.bound.layer_of)})
     return moved, reports
 
 

@@ -49,10 +49,10 @@ from functools import partial
 
 import torch
 
-from ..core.resolve import find_prefix
 from ..core.slots import index_axis, precise_dtype, segment, unit_matrix, with_segment
 from ..core.solvers.transport import METRICS, as_permutation, check_reg, column_map, ground_cost, transport_plan
 from ..errors import SymmergeError
+from ..pipeline.bound import bind
 from .base import Method, weighted_sum
 
 UNITS = ("ffn", "attn", "residual")
@@ -135,25 +135,12 @@ def _module(key: str) -> str:
     return key.rsplit(".", 1)[0]
 
 
-def _output_axis(model, key: str):
-    """The output axis of the linear layer whose weight is ``key`` (Linear: 0, Conv1D: 1), else None."""
-    if not key.endswith(".weight"):
-        return None
-    try:
-        mod = model.get_submodule(_module(key))
-    except AttributeError:
-        return None
-    if isinstance(mod, torch.nn.Linear):
-        return 0
-    return 1 if type(mod).__name__ == "Conv1D" else None
-
-
-def _sources(model, slots) -> tuple:
+def _sources(bound, slots) -> tuple:
     """Activation columns of the producing layers among ``slots`` (weights on their output axis)."""
-    return tuple((s.key, s.start, s.length) for s in slots if _output_axis(model, s.key) == s.axis)
+    return tuple((s.key, s.start, s.length) for s in slots if bound.output_axis(s.key) == s.axis)
 
 
-def _attention(model, layer: dict, s: Settings) -> list:
+def _attention(bound, layer: dict, s: Settings) -> list:
     qk, vo = layer.get("attn.qk"), layer.get("attn.vo")
     if qk is None or vo is None:
         return []
@@ -170,14 +157,14 @@ def _attention(model, layer: dict, s: Settings) -> list:
         sets = [(qk.name + ".q", tuple(sl for sl in qk.slots if sl.power > 0)),
                 (qk.name + ".k", tuple(sl for sl in qk.slots if sl.power < 0))]
     sets.append((vo.name, vo.slots))
-    return [Units(name, slots, _sources(model, slots), blocks) for name, slots in sets]
+    return [Units(name, slots, _sources(bound, slots), blocks) for name, slots in sets]
 
 
-def _stream_layout(spec, model, layers: dict, stream) -> dict:
+def _stream_layout(bound, layers: dict, stream) -> dict:
     """Where each slot of the residual stream sits in a pre-norm flow: ``embeddings`` (writing state
     0), per block (layer i, "attn"|"mlp") its ``readers`` (with the norm it reads) and ``writers``,
     and ``final`` (the final norm and the task heads)."""
-    prefix = find_prefix(spec, model.state_dict().keys())
+    spec, prefix = bound.spec, bound.prefix
     block_of = {}
     for i, groups in layers.items():
         for inst in groups.values():
@@ -225,9 +212,8 @@ def _parallel_blocks(spec) -> bool:
 
 def build_flow(model, s: Settings) -> list:
     """The unit sets to solve and the stream maps to carry, in data-flow order."""
-    from ..pipeline.align import instances_for
-
-    spec, instances = instances_for(model)
+    bound = bind(model)
+    spec, instances = bound.spec, bound.instances
     layers: dict = {}
     for inst in instances:
         if inst.layer >= 0 and inst.group.symmetry != "heads":
@@ -241,7 +227,7 @@ def build_flow(model, s: Settings) -> list:
     flow: list = []
     if stream is not None and policy == "single":
         flow.append(Units("residual", stream.slots, tuple((f"hidden_states.{k}", 0, None) for k in range(n_states))))
-    layout = _stream_layout(spec, model, layers, stream) if stream is not None and policy == "mean" else None
+    layout = _stream_layout(bound, layers, stream) if stream is not None and policy == "mean" else None
     if layout is not None:
         flow.append(Units("embeddings", tuple(layout["embeddings"]), (("hidden_states.0", 0, None),), state=0))
     for i in sorted(layers):
@@ -249,13 +235,13 @@ def build_flow(model, s: Settings) -> list:
             if layout is not None:
                 flow.append(Carry(state, tuple(layout["readers"].get((i, block), ()))))
             if block == "attn" and "attn" in s.units:
-                flow += _attention(model, layers[i], s)
+                flow += _attention(bound, layers[i], s)
             if block == "mlp" and "ffn" in s.units and "ffn" in layers[i]:
                 ffn = layers[i]["ffn"]
-                flow.append(Units(ffn.name, ffn.slots, _sources(model, ffn.slots)))
+                flow.append(Units(ffn.name, ffn.slots, _sources(bound, ffn.slots)))
             writers = tuple(layout["writers"].get((i, block), ())) if layout is not None else ()
             if writers:
-                flow.append(Units(f"layer.{i}.{block}.out", writers, _sources(model, writers), state=state + 1))
+                flow.append(Units(f"layer.{i}.{block}.out", writers, _sources(bound, writers), state=state + 1))
     if layout is not None:
         flow.append(Carry(2 * len(layers), tuple(layout["final"])))
     return flow

@@ -40,6 +40,7 @@ import torch
 
 from ..errors import SymmergeError
 from ..groups import get_kind
+from ..pipeline.bound import bind, linear_output_axis
 from .base import normalized_weights
 
 CHANNELS = ("ffn", "attn_out", "mlp_out", "norm")
@@ -47,17 +48,14 @@ DEFAULT_CHANNELS = ("ffn", "norm")  # the channels that helped after every align
 REMEASURE = ("none", "layer", "site")
 
 
-def _sites(model) -> dict[str, str]:
-    """``{module path: channel kind}`` of the modules whose outputs REPAIR may correct."""
-    from ..core.resolve import find_prefix
-    from ..families import spec_for
-    from ..pipeline.activations import activation_slot, boundaries
-    from ..pipeline.align import instances_for
+def _sites(bound) -> dict[str, str]:
+    """``{module path: channel kind}`` of the modules whose outputs REPAIR may correct (``bound``: the
+    model's :class:`~symmerge.pipeline.bound.BoundModel`)."""
+    from ..pipeline.activations import activation_slot
 
-    spec = spec_for(model.config.model_type)
-    _, instances = instances_for(model)
+    model, spec = bound.model, bound.spec
     out: dict[str, str] = {}
-    for inst in instances:
+    for inst in bound.instances:
         for slot in inst.slots:
             if inst.group.name not in ("ffn", "attn.vo") or (found := activation_slot(model, slot)) is None:
                 continue
@@ -66,25 +64,21 @@ def _sites(model) -> dict[str, str]:
                 out[site.module] = "ffn" if site.side == "out" else "mlp_out"
             elif site.side == "in":
                 out[site.module] = "attn_out"
-    prefix = find_prefix(spec, model.state_dict().keys())
     modules = dict(model.named_modules())
-    n = len(boundaries(model))
     for g in spec.groups:  # the stream's norms (not the task heads' own): the residual group's norm weights
         for m in g.members:
             if get_kind(g.kind).per_layer or not m.diag or m.root:
                 continue
-            for name in [m.name.format(i=i) for i in range(n)] if "{i}" in m.name else [m.name]:
-                path = prefix + name[: -len(".weight")]
+            for name in [m.name.format(i=i) for i in range(bound.num_layers)] if "{i}" in m.name else [m.name]:
+                path = bound.prefix + name[: -len(".weight")]
                 if path in modules:
                     out[path] = "norm"
     return out
 
 
-def _norm_offset(model) -> float:
+def _norm_offset(spec) -> float:
     """What the family's stream norms add to their weight before multiplying (Gemma: 1; else 0)."""
-    from ..families import spec_for
-
-    return next((g.param("norm_offset") for g in spec_for(model.config.model_type).groups
+    return next((g.param("norm_offset") for g in spec.groups
                  if g.param("norm_offset") is not None), 0.0)
 
 
@@ -162,9 +156,7 @@ def _fold(module, mean, std, target_mean, target_std, kind: str, offset: float =
         if kind == "norm" or weight.dim() == 1:
             w = (w + offset) * s - offset if kind == "norm" else w * s
         else:
-            from ..pipeline.activations import _out_axis
-
-            axis = _out_axis(module, kind)
+            axis = linear_output_axis(module)
             w = w * (s[:, None] if axis == 0 else s[None, :])
         weight.copy_(w.to(weight.dtype))
         if bias is None:
@@ -175,7 +167,7 @@ def _fold(module, mean, std, target_mean, target_std, kind: str, offset: float =
 
 def endpoint_stats(endpoints, data, modules=None, progress: bool = False) -> list[dict]:
     """Per endpoint the channel statistics REPAIR needs (compute once, reuse along a curve)."""
-    modules = list(_sites(endpoints[0])) if modules is None else modules
+    modules = list(_sites(bind(endpoints[0]))) if modules is None else modules
     return [channel_stats(m, data, modules, progress) for m in endpoints]
 
 
@@ -196,8 +188,9 @@ def repair(merged, endpoints, weights=None, data=None, channels=DEFAULT_CHANNELS
     t0 = time.perf_counter()
     w = normalized_weights(weights, len(endpoints))
     model = copy.deepcopy(merged).eval()
-    kinds = {n: k for n, k in _sites(model).items() if k in channels}
-    offset = _norm_offset(model)
+    bound = bind(model)
+    kinds = {n: k for n, k in _sites(bound).items() if k in channels}
+    offset = _norm_offset(bound.spec)
     order = _order(model, data, list(kinds))
     stats = stats or endpoint_stats(endpoints, data, order, progress)
     if remeasure == "none":
@@ -205,9 +198,7 @@ def repair(merged, endpoints, weights=None, data=None, channels=DEFAULT_CHANNELS
     elif remeasure == "site":
         stages = [[n] for n in order]
     else:
-        from ..pipeline.activations import boundaries
-
-        layers = boundaries(model)
+        layers = bound.layer_paths()
         index = {n: next((i for i, b in enumerate(layers) if n.startswith(b + ".")), len(layers)) for n in order}
         stages = [[n for n in order if index[n] == i] for i in sorted(set(index.values()))]
     ratios: dict = {k: [] for k in channels}

@@ -65,13 +65,12 @@ import torch
 
 from ..core.apply import apply
 from ..core.instance import Slot
-from ..core.resolve import config_sizes, find_prefix
 from ..core.solvers import (centered_residual, complement_basis, orthogonal_residual, permutation_residual,
                             signed_permutation_residual)
 from ..errors import SymmergeError
-from ..families import spec_for
 from ..groups import Options
 from ..groups.residual import StreamElement
+from .bound import bind, linear_output_axis
 from ..progress import bar
 from .engine import SolveContext, by_group, solve_local
 
@@ -153,11 +152,10 @@ class Site:
 
 def _out_axis(module, name: str) -> int:
     """The weight axis of a module's outputs: 0 for ``nn.Linear``, 1 for GPT-2's ``Conv1D``."""
-    if isinstance(module, torch.nn.Linear):
-        return 0
-    if hasattr(module, "nf") and module.weight.dim() == 2 and module.weight.shape[1] == module.nf:
-        return 1
-    raise SymmergeError(f"{name}: activation matching reads Linear (or Conv1D) modules, got {type(module).__name__}")
+    axis = linear_output_axis(module)
+    if axis is None:
+        raise SymmergeError(f"{name}: activation matching reads Linear (or Conv1D) modules, got {type(module).__name__}")
+    return axis
 
 
 def activation_slot(model, slot: Slot) -> tuple[Site, Slot] | None:
@@ -172,14 +170,13 @@ def activation_slot(model, slot: Slot) -> tuple[Site, Slot] | None:
                       period=slot.period)
 
 
-def boundaries(model) -> list[str]:
-    """Module paths of the layers (their outputs are the stream at every block boundary)."""
-    spec = spec_for(model.config.model_type)
-    if not spec.layer:
-        raise SymmergeError(f"the {spec.family} spec names no layer module: activation matching needs it")
-    prefix = find_prefix(spec, model.state_dict().keys())
-    n = config_sizes(spec, model.config)["num_layers"]
-    return [(prefix + spec.layer.format(i=i)).rstrip(".") for i in range(n)]
+def boundaries(model, bound=None) -> list[str]:
+    """Module paths of the layers (their outputs are the stream at every block boundary): ``bound``'s
+    (:class:`~symmerge.pipeline.bound.BoundModel`), or ``model``'s bound here."""
+    bound = bound if bound is not None else bind(model)
+    if not bound.spec.layer:
+        raise SymmergeError(f"the {bound.spec.family} spec names no layer module: activation matching needs it")
+    return bound.layer_paths()
 
 
 def _stream_view(h: torch.Tensor, variant: str, stream: str) -> torch.Tensor:
@@ -201,7 +198,7 @@ def batches_on(model, data, desc: str, progress: bool):
 
 
 def gather(model_a, model_b, data, sites, stream_variant: str | None, stream: str = "normalized",
-           progress: bool = True) -> dict:
+           progress: bool = True, bound=None) -> dict:
     """One pass over ``data``: ``{site key: Joint}`` for every :class:`Site` and, with a
     ``stream_variant``, the stream's boundaries summed under :data:`STREAM`."""
     cur: list[dict] = [{}, {}]
@@ -219,7 +216,7 @@ def gather(model_a, model_b, data, sites, stream_variant: str | None, stream: st
     def in_hook(store):
         return lambda module, args, kwargs: store(args[0] if args else kwargs["hidden_states"])
 
-    layers = boundaries(model_a) if stream_variant is not None else []
+    layers = boundaries(model_a, bound) if stream_variant is not None else []
     for k, model in enumerate((model_a, model_b)):
         for site in sites:
             mod = model.get_submodule(site.module)
@@ -351,14 +348,15 @@ def _present(inst, tensors: dict):
 
 def match_activations(instances, model_a, model_b, data, opts: Options, progress=None, residual_fit: str = "procrustes",
                       stream: str = "normalized", rescale_from: str = "weights", weights_for: tuple | None = None,
-                      timings: dict | None = None) -> dict:
+                      timings: dict | None = None, bound=None) -> dict:
     """``{instance name: element}`` for the instances active under ``opts``, fitted to the activations of
     ``model_a`` (moved) and ``model_b`` (anchor) — both in the canonical form the groups act on — on the
     unlabeled ``data``; see the module text for ``residual_fit``, ``stream`` and ``rescale_from``.
     ``weights_for``: names of per-layer groups solved on the weights instead (exactly, given the stream
     element and the groups before them); None: all of them when the residual stream is among the
     groups, none otherwise (see the module text). ``timings``: seconds of the statistics pass and of the
-    solve are added to it."""
+    solve are added to it. ``bound``: ``model_a``'s :class:`~symmerge.pipeline.bound.BoundModel` (bound
+    here when None)."""
     for value, allowed, what in ((residual_fit, RESIDUAL_FITS, "residual fit"), (stream, STREAM_MODES, "stream mode"),
                                  (rescale_from, SCALE_SOURCES, "scale source")):
         if value not in allowed:
@@ -387,7 +385,8 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
         if inst.group.name not in weights_for:
             sites.update({s.key: s for s in found})
     variant = wide[0].info.variant if wide else None
-    stats = gather(model_a, model_b, data, list(sites.values()), variant, stream, progress=progress is not None)
+    stats = gather(model_a, model_b, data, list(sites.values()), variant, stream, progress=progress is not None,
+                   bound=bound)
     if wide and STREAM not in stats:
         raise SymmergeError("no hidden states reached the layers: check the data")
     t1 = time.perf_counter()

@@ -11,10 +11,9 @@ from ..core.apply import apply, canonicalize
 from ..core.distance import parameter_keys, sq_distance
 from ..core.layout import check_layouts
 from ..io.layout import layout_of
-from ..core.resolve import config_sizes, declared_ties, resolve
+from ..core.resolve import declared_ties
 from ..device import resolve_device
 from ..errors import SymmergeError
-from ..families import spec_for
 from ..io.model import load_model
 from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers

@@ -65,7 +65,7 @@ def match_activations(ctx: MatchContext) -> dict:
     from .verify import with_state_dict
 
     return fit(ctx.instances, with_state_dict(ctx.model, ctx.ca), with_state_dict(ctx.anchor, ctx.cb), ctx.data(),
-               ctx.opts, progress=ctx.progress, timings=ctx.fields.setdefault("activation_seconds", {}))
+               ctx.opts, progress=ctx.progress, timings=ctx.fields.setdefault("activation_seconds", {}), bound=ctx.bound)
 
 
 def match_learned(ctx: MatchContext) -> dict:
