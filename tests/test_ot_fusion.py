@@ -411,3 +411,15 @@ def test_the_default_residual_policy_follows_the_family(family):
     assert "residual" in [getattr(u, "name", None) for u in flow]  # one plan for the whole stream
     with pytest.raises(SymmergeError, match="residual=single"):
         build_flow(model, settings({**params, "residual": "mean"}, activations=False))
+
+
+def test_mixtures_of_experts_are_refused_with_what_to_do_instead():
+    """It used to fail with a message about parallel attention: the experts' router was placed in the attention
+    block."""
+    a, b = make_model("mixtral", head=True, seed=0), make_model("mixtral", head=True, seed=1)
+    for units in ("ffn,attn,residual", "ffn"):
+        with pytest.raises(SymmergeError, match="mixtures of experts.*--method average") as err:
+            merge_models([a, b], "ot_wts", align="none", params={"units": units})
+        assert "parallel" not in str(err.value)
+    merge_models([make_model("llama", head=True, seed=0), make_model("llama", head=True, seed=1)], "ot_wts",
+                 align="none", params={"units": "ffn"})  # a dense decoder still transports
