@@ -4,8 +4,9 @@ symmerge merge M1 M2 [...] --method NAME [--align recommended|none|LIST] [--data
 
 Every model except the anchor is aligned to it inside its symmetry orbit (default --align recommended:
 the groups of heads,attn,ffn,rescale,residual the models have), statistics (RegMean Grams, Fishers)
-are gathered on the aligned models from --data, the method merges them, and the task head of one
-model is kept (default: the first; --head-from) unless --heads merge. The merged model is evaluated
+are gathered on the aligned models from --data, the method merges them; a language model's head (its
+rows are the vocabulary) is merged with the rest, a task head is kept from one model (default: the
+first; --head-from) unless --heads merge. The merged model is evaluated
 on --eval-data (held-out data; without it, on --data, with a warning). OUT_DIR/symmerge_report.json
 records the method, alignment, distances, timings and evaluation results.
 """
@@ -57,8 +58,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--weights", default=None, help="comma-separated model weights, e.g. 0.7,0.3")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="method parameter, e.g. alpha=0.9 (regmean), scale=0.5, density=0.2, drop=0.9, seed=1")
-    parser.add_argument("--heads", choices=["keep", "merge"], default="keep",
-                        help="task heads: keep one model's (default) or merge them (same label space only)")
+    parser.add_argument("--heads", choices=["auto", "keep", "merge"], default="auto",
+                        help="heads outside the base model: auto (default: a language model's head, whose rows are "
+                             "the vocabulary, is merged like the embeddings; a task head is kept), keep one model's "
+                             "(--head-from), or merge them (same label space only)")
     parser.add_argument("--head-from", type=int, default=0, help="index of the model whose head is kept (default 0)")
     parser.add_argument("--fisher", choices=["empirical", "sampled"], default="empirical",
                         help="Fisher variant: true labels (empirical) or labels sampled from the model")

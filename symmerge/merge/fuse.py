@@ -7,15 +7,16 @@ Anchor (left unchanged, every other model aligned to it): the given one; else th
 task-vector methods (task arithmetic, TIES, DARE, DARE-TIES); else, for two models, the second (the
 paper's convention, as in ``symmerge barrier``); else the model closest (L2) to the plain average of
 all models. Alignment returns every model — the anchor too — in the same parameterisation (norms
-folded when the residual stream's group needs it). Task heads (parameters outside the base model, e.g.
-``classifier.*``) are kept from one model (``head_from``), or merged when every model has the same
-label space.
+folded when the residual stream's group needs it). Heads (parameters outside the base model): a
+language model's (``lm_head``: its rows are the vocabulary) is merged like the body; a task head
+(``classifier.*``) is kept from one model (``head_from``), or merged when every model has the same label
+space (``heads``: ``auto``, ``keep``, ``merge``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from ..core.distance import distance, distance_before_after
@@ -34,11 +35,11 @@ from ..progress import line, stage, stage_printer
 from ..pipeline.verify import with_state_dict
 from .registry import get_method
 from .repair import repair
-from .heads import anchor_proxy, check_bodies, check_heads_mergeable, head_keys, untied, with_tied
+from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_mergeable, head_keys, head_policy,
+                    untied, with_tied)
 from .statistics import gather
 from .stream import plain_fallback
 
-HEAD_POLICIES = ("keep", "merge")
 
 
 @dataclass
@@ -57,7 +58,7 @@ class MergeOptions:
     weights: list | None = None
     params: dict = field(default_factory=dict)
     base: object = None
-    heads: str = "keep"
+    heads: str = "auto"
     head_from: int = 0
     device: object = "cpu"
     fisher_variant: str = "empirical"
@@ -97,7 +98,7 @@ class MergeOptions:
         m = get_method(self.method)
         self.params = m.check_params(dict(self.params or {}))
         if self.heads not in HEAD_POLICIES:
-            raise SymmergeError(f"unknown head policy {self.heads!r}; choose keep or merge")
+            raise SymmergeError(f"unknown head policy {self.heads!r}; choose {', '.join(HEAD_POLICIES)}")
         if n == 0:
             raise SymmergeError("nothing to merge: no models given")
         for flag, files in (("--data", self.data), ("--eval-data", self.eval_data)):
@@ -311,6 +312,8 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
         base_model = _load(opts.base, opts.allow_pickle) if opts.base is not None else None
     everything = models + ([base_model] if base_model is not None else [])
     body = check_bodies(everything, names + ([base_name] if base_model is not None else []))
+    requested_heads = opts.heads
+    opts = replace(opts, heads=head_policy(opts.heads, type(models[0])))  # 'auto': by the model class
     if opts.heads == "merge":
         check_heads_mergeable(models, names)
     cache = _DataCache(opts)
@@ -391,9 +394,9 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
 
     hk = head_keys(models[0])
     head_info = ({"policy": "none", "note": "base models without a task head"} if not hk else
-                 {"policy": "merge", "keys": sorted(hk)} if opts.heads == "merge" else
-                 {"policy": "keep", "from_index": opts.head_from, "from": names[opts.head_from],
-                  "keys": sorted(head_keys(holder))})
+                 {"policy": "merge", "requested": requested_heads, "keys": sorted(hk)} if opts.heads == "merge" else
+                 {"policy": "keep", "requested": requested_heads, "from_index": opts.head_from,
+                  "from": names[opts.head_from], "keys": sorted(head_keys(holder))})
     with stage("distances between the inputs and to the result", enabled=opts.progress):
         before = _pairwise([x.state_dict() for x in models], body, names)
         after = before if aligned is models else _pairwise(sds, body, names)

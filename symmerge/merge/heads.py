@@ -15,6 +15,23 @@ from ..core.resolve import declared_ties
 from ..errors import SymmergeError
 from ..pipeline.verify import with_state_dict
 
+HEAD_POLICIES = ("auto", "keep", "merge")
+# classes whose head maps the stream to the vocabulary: rows indexed by tokens, which the tokenizer check
+# finds the same in every model (or the user allowed the difference), so averaging it is as sound as
+# averaging the embeddings (mergekit merges it too)
+LANGUAGE_MODELS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")
+
+
+def head_policy(requested: str, cls) -> str:
+    """The head policy a merge of ``cls`` models applies: ``requested`` itself, or for ``auto`` ``merge``
+    for a language model's head (:data:`LANGUAGE_MODELS`) and ``keep`` for a task head, whose label space
+    may differ between the models."""
+    if requested not in HEAD_POLICIES:
+        raise SymmergeError(f"unknown head policy {requested!r}; choose {', '.join(HEAD_POLICIES)}")
+    if requested != "auto":
+        return requested
+    return "merge" if cls.__name__.endswith(LANGUAGE_MODELS) else "keep"
+
 
 def head_keys(model) -> list[str]:
     """State-dict keys outside the base model (task heads), e.g. ``classifier.weight``, without the

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from ..core.distance import sq_distance
@@ -41,6 +42,7 @@ from ..io.model import atomic_dir, copy_side_files, model_class, weight_files, w
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
+from .heads import head_policy
 from .modules import merge_pipeline_modules
 from .base import merge_tensor, normalized_weights
 
@@ -277,6 +279,8 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
         alignment["note"] = note
 
     # ------------------------------------------------ layouts: bodies agree; heads kept or merged
+    requested_heads = options.heads
+    options = replace(options, heads=head_policy(options.heads, model_class(ckpts[0].config)))  # 'auto': by class
     heads = [head_keys_of(c) for c in ckpts]
     everything = ckpts + ([base] if base is not None else [])
     labels = names + (["base"] if base is not None else [])
@@ -423,9 +427,10 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
         (tmp / "config.json").write_text(_config_text(holder))
         hk = heads[0]
         head_info = ({"policy": "none", "note": "base models without a task head"} if not hk else
-                     {"policy": "merge", "keys": sorted(hk)} if options.heads == "merge" else
-                     {"policy": "keep", "from_index": options.head_from, "from": names[options.head_from],
-                      "keys": sorted(heads[options.head_from])})
+                     {"policy": "merge", "requested": requested_heads, "keys": sorted(hk)}
+                     if options.heads == "merge" else
+                     {"policy": "keep", "requested": requested_heads, "from_index": options.head_from,
+                      "from": names[options.head_from], "keys": sorted(heads[options.head_from])})
         import math
 
         pairs = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in pair_sq.items()}
@@ -477,7 +482,6 @@ def _aligned_streaming(models, out, options, align, ckpts, base, shard_size, bud
     tensor; the temporary folders are removed whatever happens."""
     import shutil
     import tempfile
-    from dataclasses import replace
 
     from ..pipeline.options import AlignOptions
     from ..pipeline.stream import align_streaming
