@@ -126,8 +126,8 @@ def test_task_arithmetic_with_alignment_uses_the_base_as_anchor(finetuned, tmp_p
 
 
 def test_task_arithmetic_on_a_decoder_scores_lm_lines(tmp_path):
-    """Causal LMs with .txt data: the merged body is the task-arithmetic one, the LM head model 0's,
-    and the evaluation is the written folder's own next-token loss."""
+    """Causal LMs with .txt data: the merged body and the LM head (--heads auto merges a language model's
+    head) are the task-arithmetic ones, and the evaluation is the written folder's own next-token loss."""
     base = str(save_folder(make_model("llama", head=True, dtype=torch.float32), tmp_path / "base"))
     m0, m1 = (finetune_like(base, tmp_path / f"ft{i}", seed=i, rel=0.1) for i in (1, 2))
     for folder in (base, m0, m1):
@@ -138,11 +138,11 @@ def test_task_arithmetic_on_a_decoder_scores_lm_lines(tmp_path):
     assert run_cli("merge", m0, m1, "--base", base, "--method", "task_arithmetic", "--data", lines, "-o", out) == 0
     report = read_report(out)
     sds, base_sd, got = [hf_load(m).state_dict() for m in (m0, m1)], hf_load(base).state_dict(), hf_load(out)
-    body = [k for k in base_sd if k.startswith("model.")]
+    body = [k for k in base_sd if k.startswith("model.")] + ["lm_head.weight"]
     for k in body:
         expect = sds[0][k].double() + sds[1][k].double() - base_sd[k].double()
         torch.testing.assert_close(got.state_dict()[k].double(), expect, rtol=0, atol=2e-6, msg=k)
-    assert torch.equal(got.state_dict()["lm_head.weight"], sds[0]["lm_head.weight"])
+    assert report["head"]["policy"] == "merge" and report["head"]["requested"] == "auto"
     loss, n_tokens = lm_eval(got, lines, out)
     (row,) = report["evaluation"]["merged"]
     assert row["n"] == n_tokens and row["loss"] == pytest.approx(loss, abs=1e-5)
