@@ -124,8 +124,8 @@ def test_memory_stays_within_the_read_ahead_budget(tmp_path, capsys, monkeypatch
     live = {"now": 0, "peak": 0}
     original = LazyCheckpoint.read_direct
 
-    def counted(self, key, check=True):
-        t = original(self, key, check)
+    def counted(self, key, check=True, buffer=None):
+        t = original(self, key, check, buffer)
         n = t.numel() * t.element_size()
         live["now"] += n
         live["peak"] = max(live["peak"], live["now"])

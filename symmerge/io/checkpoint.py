@@ -234,13 +234,18 @@ class LazyCheckpoint:
         return {k: out[k] for k in keys}
 
 
-    def read_direct(self, key: str, check: bool = True) -> torch.Tensor:
+    def read_direct(self, key: str, check: bool = True, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """One tensor read straight from its file into a fresh tensor (one copy, no memory map: the
         pages read do not count in the process's memory); NaN/Inf refused with ``check``. Threads may
-        call it at once (each read opens its own file handle; the read releases the GIL)."""
+        call it at once (each read opens its own file handle; the read releases the GIL). ``buffer``: a
+        uint8 tensor of at least :meth:`nbytes` bytes to read into instead (reused memory: no page
+        faults on fresh pages); the result is a view of it."""
         f, disk = self.file_of[key], self.disk_name[key]
         start, end = _offsets(f)[disk]
-        out = torch.empty(self.shape[key], dtype=self.dtype[key])
+        if buffer is not None and buffer.numel() >= end - start:
+            out = buffer[:end - start].view(self.dtype[key]).view(self.shape[key])
+        else:
+            out = torch.empty(self.shape[key], dtype=self.dtype[key])
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         try:
             with open(f, "rb", buffering=0) as handle:
