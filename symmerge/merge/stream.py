@@ -7,12 +7,13 @@ transformers knows (no symmetry spec needed):
 * the inputs' headers give every tensor's name, shape and dtype; bodies must agree (names, shapes), the
   task head is kept from ``head_from`` (or merged, with ``heads="merge"``), as in memory;
 * a method's model-wide quantities (TIES's magnitude threshold, ``scope="model"``) are found first by
-  its ``prepare`` hook over mappings that read one tensor at a time (a radix select, two visits);
-* then a reader thread reads the next tensors of every model (straight from the files, no memory map),
-  the calling thread merges them with :func:`~symmerge.merge.base.merge_tensor` — the very function
-  the in-memory loop runs, so both give the same bits — and a writer thread appends each result to the
-  output shard, whose header was written first (:class:`~symmerge.io.checkpoint.PlannedWriter`); the
-  reader stays at most a byte budget ahead (about twice the largest tensor of all models together).
+  its ``prepare`` hook over mappings that map one tensor at a time (a radix select, two visits);
+* then a reader thread reads the next tensors of every model (straight from the files, no memory map)
+  into a ring buffer of the read-ahead budget (:func:`default_budget`), the calling thread merges them
+  with :func:`~symmerge.merge.base.merge_tensor` into the ring — the very function the in-memory loop
+  runs, so both give the same bits — and a writer thread appends each result to the output shard,
+  whose header was written first (:class:`~symmerge.io.checkpoint.PlannedWriter`), then frees its part
+  of the ring (reused memory: no page faults on fresh pages for every tensor).
 
 Peak memory ≈ interpreter + N × the largest tensor × a small factor, whatever the model size. The
 output is written atomically (a temporary folder renamed at the end: an interrupted merge leaves none).
@@ -171,23 +172,15 @@ def _sq(a, b, block: int = 1 << 16) -> float:
 
 
 class _Lazy(Mapping):
-    """A checkpoint's tensors ``keys`` read one at a time (for a method's ``prepare`` hook), into two
-    buffers used in turn: a tensor it returns stays valid until the next-but-one read (the hooks'
-    visits hold one key while reading the next), and reading a model twice faults in no fresh pages."""
+    """A checkpoint's tensors ``keys`` read one at a time (for a method's ``prepare`` hook), each
+    mapped from its file (:meth:`~symmerge.io.checkpoint.LazyCheckpoint.map_direct`: a model visited
+    twice is read from the page cache in place, not copied twice)."""
 
     def __init__(self, ckpt: LazyCheckpoint, keys):
         self.ckpt, self.names = ckpt, list(keys)
-        self.buffers, self.turn = [None, None], 0
 
     def __getitem__(self, key):
-        import torch
-
-        slot, self.turn = self.turn, 1 - self.turn
-        n = self.ckpt.nbytes(key)
-        if self.buffers[slot] is None or self.buffers[slot].numel() < n:
-            self.buffers[slot] = None
-            self.buffers[slot] = torch.empty(n, dtype=torch.uint8)
-        return self.ckpt.read_direct(key, buffer=self.buffers[slot])
+        return self.ckpt.map_direct(key, check=False)  # NaN/Inf: refused by the merge loop's reads, before any output
 
     def __iter__(self):
         return iter(self.names)
@@ -277,11 +270,20 @@ class _Failure:
         self.exc = exc
 
 
+def default_budget(sizes: list[int]) -> int:
+    """Read-ahead bytes for keys of ``sizes`` bytes (inputs + output): the largest key and two of the
+    next largest (the reader, the merging thread and the writer each hold one), at most twice the
+    largest, at least 64 MB. The ring is allocated whole, so this is the merge's memory beyond the
+    interpreter's: one embedding-sized key need not double it."""
+    top = sorted(sizes, reverse=True)[:2] + [0, 0]
+    return max(min(2 * top[0], top[0] + 2 * top[1]), 64 * 2 ** 20)
+
+
 def merge_streaming(models, out, options, shard_size=DEFAULT_SHARD, budget=None, write_hook=None) -> dict:
     """Merge the safetensors folders ``models`` tensor by tensor into the folder ``out`` (atomically)
     with a per-tensor method of ``options`` (a :class:`~symmerge.merge.fuse.MergeOptions`); returns the
-    report (also written as ``out/symmerge_report.json``). ``budget``: bytes the reader may hold ahead
-    (default: twice the largest tensor of all models together, at least 64 MB). ``write_hook(tmp)``,
+    report (also written as ``out/symmerge_report.json``). ``budget``: bytes the reader may hold ahead,
+    the size of its ring buffer (default: :func:`default_budget`). ``write_hook(tmp)``,
     if given, runs on the finished temporary folder before it is renamed (extra files)."""
     import torch
 
@@ -357,7 +359,6 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
         lazies = [_Lazy(c, merged_keys) for c in ckpts]
         with stage(f"{m.name}: model-wide quantities (two reads of every model)", enabled=options.progress):
             context = m.prepare(lazies, _Lazy(base, merged_keys) if base is not None else None, weights, params)
-        del lazies  # and their read buffers
     timings["prepare"] = time.perf_counter() - t
 
     # ------------------------------------------------ read ahead, merge, write behind
@@ -365,7 +366,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
         return [holder] if k not in merged_set else ckpts + ([base] if base is not None else [])
 
     sizes = {k: sum(_aligned(c.nbytes(k)) for c in sources(k)) + _aligned(holder.nbytes(k)) for k in order}
-    limit = budget if budget is not None else max(2 * max(sizes.values(), default=0), 64 * 2 ** 20)
+    limit = budget if budget is not None else default_budget(list(sizes.values()))
     gate, stop = _Budget(int(limit)), threading.Event()
     read_q: queue.Queue = queue.Queue(maxsize=4)
     write_q: queue.Queue = queue.Queue(maxsize=4)
