@@ -154,3 +154,17 @@ def test_fused_dare_ties_uses_the_documented_masks():
     k0, k1 = dare_keep_mask((n,), 0.5, 11, 0, "w"), dare_keep_mask((n,), 0.5, 11, 1, "w")
     expect = torch.where(k0, 2.0, torch.where(k1, -1.0, 0.0))  # model 0 wins where both survive
     assert torch.equal(out, expect)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fused_report_distances_equal_float64_sums(dtype):
+    g = torch.Generator().manual_seed(4)
+    xs = [(torch.randn(10007, generator=g) * (i + 1)).to(dtype) for i in range(3)]
+    y = (sum(x.double() for x in xs) / 3).to(dtype)
+    pairs, to_result = kernels.sq_distances(xs, y)
+    for (i, j), v in pairs.items():
+        assert v == pytest.approx(((xs[i].double() - xs[j].double()) ** 2).sum().item(), rel=1e-12)
+    for i, v in enumerate(to_result):
+        assert v == pytest.approx(((y.double() - xs[i].double()) ** 2).sum().item(), rel=1e-12)
+    assert kernels.sq_distances([xs[0].half()], y.half()) is None  # float16: the caller's torch code

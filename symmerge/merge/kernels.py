@@ -94,8 +94,51 @@ def _ties(ts, us, b, w, thr, drop, scale, out):  # pragma: no cover - compiled
         out[j] = np.float64(b[j]) + scale * mean
 
 
+def _sq_diff(a, b):  # pragma: no cover - compiled
+    acc = 0.0
+    for j in range(a.shape[0]):
+        d = np.float64(a[j]) - np.float64(b[j])
+        acc += d * d
+    return acc
+
+
+def _widen(a, out):  # pragma: no cover - compiled
+    for j in range(a.shape[0]):
+        out[j] = np.uint32(a[j]) << np.uint32(16)
+
+
+def _sq_sums(arrays, half, pairs, to_result):  # pragma: no cover - compiled
+    """Σ (a_i − a_k)² for every pair i < k of the inputs ``arrays[:-1]`` (into ``pairs[i·n + k]``) and
+    Σ (a_i − result)² with the result ``arrays[-1]`` (into ``to_result[i]``), in float64, block by
+    block; ``half``: the arrays hold bfloat16 bit patterns (uint16), widened exactly to float32."""
+    n = len(arrays) - 1
+    m = arrays[0].shape[0]
+    block = 1 << 14
+    bits = np.empty((n + 1) * block, dtype=np.uint32)
+    widened = bits.view(np.float32)
+    for start in range(0, m, block):
+        size = min(m, start + block) - start
+        if half:
+            for i in range(n + 1):
+                _widen_jit(arrays[i][start:start + size], bits[i * block:i * block + size])
+        for i in range(n):
+            for k in range(i + 1, n + 1):
+                if half:
+                    acc = _sq_diff_jit(widened[i * block:i * block + size], widened[k * block:k * block + size])
+                else:
+                    acc = _sq_diff_jit(arrays[i][start:start + size], arrays[k][start:start + size])
+                if k == n:
+                    to_result[i] += acc
+                else:
+                    pairs[i * n + k] += acc
+
+
 _histogram_jit = _jit(_histogram)
 _ties_jit = _jit(_ties)
+# the report's distances need no fixed summation order: reassociated (vectorized) sums
+_sq_diff_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_diff) if AVAILABLE else None
+_widen_jit = _jit(_widen)
+_sq_sums_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_sums) if AVAILABLE else None
 
 
 def _np(t):
@@ -132,3 +175,24 @@ def ties_chunk(tensors, base, weights, thresholds=None, uniforms=None, drop: flo
     _ties_jit(ts, us, _np(base), np.array(weights, dtype=np.float64), thr, float(drop), float(scale),
               out.reshape(-1).numpy())
     return out
+
+
+def sq_distances(inputs, result):
+    """(squared L2 distance of every pair i < j of ``inputs``: a dict, to ``result``: a list), in float64,
+    reading each tensor once; ``None`` when the dtypes are mixed or not float32/float64/bfloat16 (the
+    caller's torch code then runs)."""
+    import torch
+
+    dtype = result.dtype
+    if any(t.dtype != dtype for t in inputs) or dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        return None
+    half = dtype == torch.bfloat16
+
+    def flat(t):
+        t = t.reshape(-1).contiguous()
+        return t.view(torch.int16).numpy().view(np.uint16) if half else t.numpy()
+
+    n = len(inputs)
+    pairs, to_result = np.zeros(n * n, dtype=np.float64), np.zeros(n, dtype=np.float64)
+    _sq_sums_jit(tuple(flat(t) for t in (*inputs, result)), half, pairs, to_result)
+    return {(i, k): float(pairs[i * n + k]) for i in range(n) for k in range(i + 1, n)}, [float(v) for v in to_result]

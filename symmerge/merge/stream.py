@@ -42,6 +42,7 @@ from ..io.model import atomic_dir, copy_side_files, model_class, weight_files, w
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
+from . import kernels
 from .base import merge_tensor, normalized_weights
 
 MODES = ("auto", "stream", "memory")
@@ -406,10 +407,11 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                 k, tensor, inputs = item
                 if inputs is not None:  # the report's distances, beside the merge on the other core
                     t1 = time.perf_counter()
+                    fused = kernels.sq_distances(inputs, tensor) if kernels.AVAILABLE else None
                     for i in range(n):
-                        result_sq[i] += _sq(tensor, inputs[i])
+                        result_sq[i] += fused[1][i] if fused else _sq(tensor, inputs[i])
                     for i, j in pair_sq:
-                        pair_sq[i, j] += _sq(inputs[i], inputs[j])
+                        pair_sq[i, j] += fused[0][i, j] if fused else _sq(inputs[i], inputs[j])
                     clock["distances"] += time.perf_counter() - t1
                 t1 = time.perf_counter()
                 target.add(holder.save_name(k), tensor)
