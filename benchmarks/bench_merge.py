@@ -1,7 +1,7 @@
 """Plain merges against mergekit: the same inputs, the same 50/50 average, in one run, alternating.
 
     python -m benchmarks.bench_merge [--dir /tmp/symmerge-bench-merge] [--repeats 3] [--large] [--json out.json]
-                                     [--tiny]
+                                     [--tiny] [--only-ties] [--only-large] [--large-repeats N]
 
 Inputs (generated once into ``--dir``, reused):
 
@@ -18,9 +18,13 @@ parent, CPU time (user + system) and peak RSS from ``wait4`` of that child:
   medians and symmerge/mergekit ratios; whether the outputs are equal bit for bit;
 * ``ties`` / ``dare_ties`` on three models (base: the original) against the plain average of the same
   three (symmerge only: mergekit's TIES trims per tensor, symmerge's over the whole model);
-* ``--large``: the disk's sequential read rate (``dd`` on both inputs' shards, page cache dropped first
-  where permitted) and the streamed average of the pair: wall, peak RSS, and its read rate (input bytes
-  / wall) as a fraction of ``dd``'s.
+* ``--large``: the streamed average of the pair against the disk's sequential read rate: before each
+  run (``--large-repeats``), the inputs are evicted from the page cache (``posix_fadvise(DONTNEED)`` on
+  these files only, never the system's caches) and ``dd`` reads their shards, evicted again, then the
+  merge runs: wall, CPU, peak RSS, and its read rate (input bytes / wall) as a fraction of that ``dd``'s.
+
+The fused kernels (numba, when installed) are compiled once before any timed run (``--child warm``).
+``--only-ties``: only the three-model TIES / DARE-TIES / average runs.
 
 mergekit comes from its own venv (``--mergekit``, default ``/tmp/symmerge-mergekit/bin/mergekit-yaml``, as
 ``.ci/run`` builds it); without it the mergekit columns are skipped with a note.
@@ -153,24 +157,32 @@ def mergekit_cmd(mergekit: str, models, out: Path, dtype: str) -> list[str]:
     return [mergekit, str(config), str(out), "--quiet"]
 
 
-def drop_caches() -> bool:
-    """Drop the page cache (root only); True when it worked."""
+def evict(files) -> bool:
+    """Evict ``files`` (the benchmark's own inputs) from the page cache, so that the next read comes from
+    the disk: ``posix_fadvise(DONTNEED)`` on each file, never the whole system's caches (other jobs may
+    be measuring too). True when it worked. A virtual disk may still be cached by its host."""
     try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
         return True
-    except OSError:
+    except (OSError, AttributeError):
         return False
 
 
 def dd_rate(files) -> float:
-    """Sequential read rate (bytes/s) of ``files`` with dd (cold when the page cache can be dropped)."""
+    """Sequential read rate (bytes/s) of ``files`` with dd, from the disk (evicted first)."""
+    evict(files)
     total, seconds = 0, 0.0
     for f in files:
         t = time.perf_counter()
         subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
         seconds += time.perf_counter() - t
         total += os.path.getsize(f)
+    evict(files)
     return total / seconds
 
 
@@ -226,48 +238,81 @@ def bench_ties(root: Path, args, env) -> dict:
         for method in runs:
             shutil.rmtree(out, ignore_errors=True)
             runs[method].append(measure(symmerge_cmd(models, out, method, base if method != "average" else None), env))
-            print(f"  three models, {method}: {runs[method][-1]['wall_s']:.2f} s wall", flush=True)
+            print(f"  three models, {method}: {runs[method][-1]['wall_s']:.2f} s wall, {runs[method][-1]['cpu_s']:.2f} s "
+                  f"CPU, {runs[method][-1]['peak_rss_gb']:.2f} GB; load {os.getloadavg()[0]:.1f}", flush=True)
     shutil.rmtree(out, ignore_errors=True)
     result = {m: summarize(r) for m, r in runs.items()}
     for m in ("ties", "dare_ties"):
         result[f"{m}_over_average_wall"] = result[m]["wall_s"] / result["average"]["wall_s"]
+        result[f"{m}_over_average_cpu"] = result[m]["cpu_s"] / result["average"]["cpu_s"]
     result["goal"] = {"ratio_max": 1.5, "met": max(result["ties_over_average_wall"],
                                                    result["dare_ties_over_average_wall"]) <= 1.5}
     return result
 
 
 def bench_large(root: Path, args, mergekit: str | None, env) -> dict:
+    """The 3.4 B pair, inputs evicted from the page cache before every run; ``dd`` on the same shards
+    right before each merge run (alternating), so each run's read rate is compared with the disk's rate
+    at that moment (other jobs share the disk)."""
     subprocess.run([sys.executable, "-m", "benchmarks.bench_merge", "--child", "generate", "large", str(root)],
                    check=True, env=env)
     a, b = root / "a", root / "b"
     files = sorted(a.glob("*.safetensors")) + sorted(b.glob("*.safetensors"))
     input_bytes = sum(os.path.getsize(f) for f in files)
-    dropped = drop_caches()
-    rate = dd_rate(files)
-    result = {"input_bytes": input_bytes, "page_cache_dropped": dropped, "dd_read_rate_mb_s": rate / 1e6}
+    result: dict = {"input_bytes": input_bytes, "evicted_with_fadvise": evict(files)}
     out = root / "out"
     tools = ["symmerge"] + (["mergekit"] if mergekit is not None and args.large_mergekit else [])
-    for tool in tools:
-        shutil.rmtree(out, ignore_errors=True)
-        drop_caches()
-        cmd = symmerge_cmd([a, b], out) if tool == "symmerge" else mergekit_cmd(mergekit, [a, b], out, "bfloat16")
-        r = measure(cmd, env)
-        r["read_rate_mb_s"] = input_bytes / r["wall_s"] / 1e6
-        r["fraction_of_dd"] = r["read_rate_mb_s"] / result["dd_read_rate_mb_s"]
-        result[tool] = r
-        print(f"  large pair, {tool}: {r['wall_s']:.1f} s, {r['peak_rss_gb']:.2f} GB, "
-              f"{r['fraction_of_dd']:.2f} of dd", flush=True)
+    runs: dict = {tool: [] for tool in tools}
+    for _ in range(args.large_repeats):
+        for tool in tools:
+            shutil.rmtree(out, ignore_errors=True)
+            rate = dd_rate(files) / 1e6  # evicts before and after
+            cmd = symmerge_cmd([a, b], out) if tool == "symmerge" else mergekit_cmd(mergekit, [a, b], out, "bfloat16")
+            r = measure(cmd, env)
+            evict(files)
+            r["dd_read_rate_mb_s"] = rate
+            r["read_rate_mb_s"] = input_bytes / r["wall_s"] / 1e6
+            r["fraction_of_dd"] = r["read_rate_mb_s"] / rate
+            r["load_average"] = os.getloadavg()
+            runs[tool].append(r)
+            print(f"  large pair, {tool}: {r['wall_s']:.1f} s, {r['cpu_s']:.1f} s CPU, {r['peak_rss_gb']:.2f} GB, "
+                  f"{r['read_rate_mb_s']:.0f} MB/s = {r['fraction_of_dd']:.2f} of dd ({rate:.0f} MB/s just before); "
+                  f"load {r['load_average'][0]:.1f}", flush=True)
     shutil.rmtree(out, ignore_errors=True)
+    for tool, rows in runs.items():
+        result[tool] = {k: median(rows, k) for k in ("wall_s", "cpu_s", "peak_rss_gb", "read_rate_mb_s",
+                                                     "dd_read_rate_mb_s", "fraction_of_dd")} | {"runs": rows}
     s = result["symmerge"]
     result["goal"] = {"rss_max_gb": 2.0, "fraction_of_dd_min": 0.8,
                       "met": s["peak_rss_gb"] <= 2.0 and s["fraction_of_dd"] >= 0.8}
     return result
 
 
+def child_warm() -> None:
+    """Compile (or load from numba's cache) the fused kernels for the benchmarks' dtypes and model counts,
+    so that no timed run pays for compiling them."""
+    import torch
+
+    from symmerge.merge import kernels
+
+    if not kernels.AVAILABLE:
+        return
+    import numpy as np
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (2, 3):
+            ts, b = [torch.randn(64).to(dtype) for _ in range(n)], torch.randn(64).to(dtype)
+            kernels.ties_chunk(ts, b, [1.0] * n, thresholds=[0.5] * n)
+            kernels.ties_chunk(ts, b, [1.0] * n, uniforms=[torch.rand(64, dtype=torch.float64)] * n, drop=0.5)
+            kernels.sq_distances(ts, b)
+        kernels.magnitude_histogram(ts[0], b, 1.0, np.zeros(1 << 16, dtype=np.int64))
+        kernels.magnitude_histogram(ts[0], b, 1.0, np.zeros(1 << 16, dtype=np.int64), 5)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--child"]:
-        {"generate": child_generate, "equal": child_equal}[argv[1]](*argv[2:])
+        {"generate": child_generate, "equal": child_equal, "warm": child_warm}[argv[1]](*argv[2:])
         return 0
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_merge", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/tmp/symmerge-bench-merge", help="where the inputs are generated")
@@ -276,6 +321,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2 (smoke test)")
     p.add_argument("--large", action="store_true", help="also the 3.4 B bf16 pair (generated once, 14 GB of disk)")
     p.add_argument("--large-mergekit", action="store_true", help="also run mergekit on the 3.4 B pair")
+    p.add_argument("--large-repeats", type=int, default=1, help="runs on the 3.4 B pair (each after a dd)")
+    p.add_argument("--only-ties", action="store_true", help="only TIES / DARE-TIES against the average (three models)")
     p.add_argument("--skip-ties", action="store_true", help="leave out TIES / DARE-TIES on three models")
     p.add_argument("--only-large", action="store_true", help="only the 3.4 B pair (implies --large)")
     p.add_argument("--json", help="also write the figures to this JSON file")
@@ -287,12 +334,14 @@ def main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     figures = {"inputs": "large" if args.only_large else kind, "load_average": os.getloadavg(),
                "cpus": os.cpu_count(), "repeats": args.repeats}
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_merge", "--child", "warm"], check=True, env=env)
     if not args.only_large:
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "benchmarks.bench_merge", "--child", "generate", kind, str(root)],
                        check=True, env=env)
         print(f"inputs ready ({time.perf_counter() - t:.0f} s)", flush=True)
-        figures["average"] = bench_average(root, args, mergekit, env)
+        if not args.only_ties:
+            figures["average"] = bench_average(root, args, mergekit, env)
         if not args.skip_ties:
             figures["three_models"] = bench_ties(root, args, env)
     if args.large or args.only_large:

@@ -124,8 +124,8 @@ def test_memory_stays_within_the_read_ahead_budget(tmp_path, capsys, monkeypatch
     live = {"now": 0, "peak": 0}
     original = LazyCheckpoint.read_direct
 
-    def counted(self, key, check=True):
-        t = original(self, key, check)
+    def counted(self, key, check=True, buffer=None):
+        t = original(self, key, check, buffer)
         n = t.numel() * t.element_size()
         live["now"] += n
         live["peak"] = max(live["peak"], live["now"])
@@ -279,3 +279,32 @@ def test_streamed_merge_keeps_a_task_head_of_another_label_space(tmp_path, capsy
     rc, _, err = run(capsys, "merge", *folders, "--method", "average", "--align", "none", "--heads", "merge",
                      "--mode", "stream", "-o", tmp_path / "bad")
     assert rc == 2 and "cannot merge task heads" in err and not (tmp_path / "bad").exists()
+
+
+def test_read_ahead_ring_hands_out_disjoint_regions_in_order():
+    """The streamed merge's ring buffer: regions in flight never overlap and stay inside the ring, are
+    freed oldest first, wrap around, and a key larger than the ring gets fresh memory when alone."""
+    import random
+    import threading
+
+    from symmerge.merge.stream import _Budget
+
+    gate, stop, rng = _Budget(1000), threading.Event(), random.Random(0)
+    live, placed_at_zero_after_wrap = [], 0
+    for _ in range(3000):
+        n = rng.choice([1, 7, 64, 200, 333, 999])
+        while gate._place(n) is None:  # full: the writer frees the oldest region
+            m, _ = live.pop(0)
+            gate.give(m)
+        region = gate.take(n, stop)
+        start = region.data_ptr() - gate.ring.data_ptr()
+        placed_at_zero_after_wrap += start == 0 and bool(live)
+        assert 0 <= start and start + n <= 1000
+        for m, s in live:
+            assert start + n <= s or s + m <= start, (start, n, s, m)
+        live.append((n, start))
+    assert placed_at_zero_after_wrap > 100  # it wrapped around many times
+    while live:
+        gate.give(live.pop(0)[0])
+    big = gate.take(5000, stop)
+    assert big.numel() == 5000 and gate.regions == [(-1, 4999)]

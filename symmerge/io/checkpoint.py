@@ -161,13 +161,44 @@ class LazyCheckpoint:
         return {k: out[k] for k in keys}
 
 
-    def read_direct(self, key: str, check: bool = True) -> torch.Tensor:
-        """One tensor read straight from its file into a fresh tensor (one copy, no memory map: the
-        pages read do not count in the process's memory); NaN/Inf refused with ``check``. Threads may
-        call it at once (each read opens its own file handle; the read releases the GIL)."""
+    def map_direct(self, key: str, check: bool = True) -> torch.Tensor:
+        """One tensor mapped from its file (private, read-only use: no copy; the file's cached pages are
+        read in place, and count in the process's memory only while the tensor lives: one mapping per
+        tensor, unmapped when it is freed); NaN/Inf refused with ``check``. Falls back to
+        :meth:`read_direct` where the tensor's offset does not suit its dtype."""
+        import mmap
+
         f, disk = self.file_of[key], self.disk_name[key]
         start, end = _offsets(f)[disk]
-        out = torch.empty(self.shape[key], dtype=self.dtype[key])
+        dtype = self.dtype[key]
+        if end == start or start % dtype.itemsize:
+            return self.read_direct(key, check)
+        first = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open(f, "rb") as handle:
+                mapped = mmap.mmap(handle.fileno(), end - first, access=mmap.ACCESS_COPY, offset=first)
+        except (OSError, ValueError) as e:
+            raise SymmergeError(f"{f}: cannot read tensor {disk!r} ({e})") from None
+        if hasattr(mapped, "madvise"):
+            mapped.madvise(mmap.MADV_WILLNEED)
+        out = torch.frombuffer(mapped, dtype=torch.uint8)[start - first:].view(dtype).view(self.shape[key])
+        del mapped  # the tensor holds the mapping
+        if check and out.is_floating_point() and not torch.isfinite(out.reshape(-1).sum()) and not torch.isfinite(out).all():
+            raise SymmergeError(f"{self.folder}: tensor {disk!r} holds NaN or Inf values")
+        return out
+
+    def read_direct(self, key: str, check: bool = True, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """One tensor read straight from its file into a fresh tensor (one copy, no memory map: the
+        pages read do not count in the process's memory); NaN/Inf refused with ``check``. Threads may
+        call it at once (each read opens its own file handle; the read releases the GIL). ``buffer``: a
+        uint8 tensor of at least :meth:`nbytes` bytes to read into instead (reused memory: no page
+        faults on fresh pages); the result is a view of it."""
+        f, disk = self.file_of[key], self.disk_name[key]
+        start, end = _offsets(f)[disk]
+        if buffer is not None and buffer.numel() >= end - start:
+            out = buffer[:end - start].view(self.dtype[key]).view(self.shape[key])
+        else:
+            out = torch.empty(self.shape[key], dtype=self.dtype[key])
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         try:
             with open(f, "rb", buffering=0) as handle:

@@ -172,11 +172,13 @@ def merge_state_dicts(method: Method, state_dicts, weights=None, stats=None, bas
     return out
 
 
-def merge_tensor(method: Method, key: str, tensors, weights, stats, base, params, context) -> torch.Tensor:
+def merge_tensor(method: Method, key: str, tensors, weights, stats, base, params, context,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """One merged tensor, in the inputs' dtype: the one step shared by the in-memory loop
     (:func:`merge_state_dicts`) and the streamed one (:mod:`symmerge.merge.stream`), so both give the
     same bits. A non-floating tensor (an integer buffer) is taken from the base, else the first model.
-    Elementwise methods without statistics run on chunks of :data:`CHUNK` entries."""
+    Elementwise methods without statistics run on chunks of :data:`CHUNK` entries, written into
+    ``out`` when given (uint8 memory of at least the result's bytes: the streamed merge's ring)."""
     ref = tensors[0] if base is None else base
     if not ref.is_floating_point():
         return ref.clone()
@@ -184,7 +186,11 @@ def merge_tensor(method: Method, key: str, tensors, weights, stats, base, params
         return method.tensor(key, tensors, weights, stats, base, params, context).to(ref.dtype)
     if method.tensor_context is not None:
         context = method.tensor_context(key, tensors, base, weights, params, context)
-    out = torch.empty(ref.shape, dtype=ref.dtype)
+    nbytes = ref.numel() * ref.element_size()
+    if out is not None and out.dtype == torch.uint8 and out.numel() >= nbytes:
+        out = out[:nbytes].view(ref.dtype).view(ref.shape)
+    else:
+        out = torch.empty(ref.shape, dtype=ref.dtype)
     flat_out = out.view(-1)
     flat = [t.reshape(-1) for t in tensors]
     flat_base = None if base is None else base.reshape(-1)

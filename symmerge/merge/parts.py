@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from ..errors import SymmergeError
+from . import kernels
 from .base import Method, weighted_sum
 
 
@@ -88,8 +89,22 @@ def magnitude_thresholds(visit, n: int, density: float) -> list[float]:
         for i, t in enumerate(group):
             for bits in _bits(t):
                 high[i] += torch.bincount(bits >> 16, minlength=_HALF)
+    bins, ranks = _high_bins(high, density)
+    low = torch.zeros(n, _HALF, dtype=torch.int64)
+    for group in visit():
+        for i, t in enumerate(group):
+            for bits in _bits(t):
+                inside = bits[(bits >> 16) == bins[i]]
+                if inside.numel():
+                    low[i] += torch.bincount(inside & 0xFFFF, minlength=_HALF)
+    return _radix_values(low, bins, ranks)
+
+
+def _high_bins(high: torch.Tensor, density: float) -> tuple[list[int], list[int]]:
+    """Per row of ``high`` (counts by the high 16 bits): the bin holding the k-th largest entry and its
+    rank inside that bin (k = round(density × entries), at least 1)."""
     bins, ranks = [], []
-    for i in range(n):
+    for i in range(high.shape[0]):
         total = int(high[i].sum())
         if total == 0:
             raise SymmergeError("magnitude threshold of no entries")
@@ -98,19 +113,66 @@ def magnitude_thresholds(visit, n: int, density: float) -> list[float]:
         j = int(torch.searchsorted(above, torch.tensor(k)))
         bins.append(_HALF - 1 - j)
         ranks.append(k - (int(above[j - 1]) if j > 0 else 0))  # rank inside the chosen bin
-    low = torch.zeros(n, _HALF, dtype=torch.int64)
-    for group in visit():
-        for i, t in enumerate(group):
-            for bits in _bits(t):
-                inside = bits[(bits >> 16) == bins[i]]
-                if inside.numel():
-                    low[i] += torch.bincount(inside & 0xFFFF, minlength=_HALF)
+    return bins, ranks
+
+
+def _radix_values(low: torch.Tensor, bins, ranks) -> list[float]:
+    """The float32 values whose high 16 bits are ``bins`` and whose low 16 bits hold rank ``ranks``
+    (from the largest) in the rows of ``low``."""
     out = []
-    for i in range(n):
+    for i in range(low.shape[0]):
         j = int(torch.searchsorted(low[i].flip(0).cumsum(0), torch.tensor(ranks[i])))
         value = torch.tensor([(bins[i] << 16) | (_HALF - 1 - j)], dtype=torch.int32).view(torch.float32)
         out.append(value.item())
     return out
+
+
+def task_vector_thresholds(visit, weights, density: float) -> list[float]:
+    """:func:`magnitude_thresholds` of the weighted task vectors (θ_i − θ_base)·w_i formed in float64, from
+    ``visit()``: a fresh iterable of (tensors of the models, base tensor) pairs, visited twice. With the
+    fused kernels (:mod:`symmerge.merge.kernels`) each pair is counted in one pass without temporaries;
+    the same values either way."""
+    n = len(weights)
+    if not kernels.AVAILABLE:
+        def task_vectors():  # chunk by chunk, every model at once: each tensor read once per visit
+            for ts, base in visit():
+                b = base.reshape(-1)
+                ts = [t.reshape(-1) for t in ts]
+                for i in range(0, b.numel(), _HALF):
+                    bb = b[i:i + _HALF].double()
+                    yield tuple((t[i:i + _HALF].double() - bb) * w for t, w in zip(ts, weights))
+
+        return magnitude_thresholds(task_vectors, n, density)
+    import numpy as np
+
+    high = np.zeros((n, _HALF), dtype=np.int64)
+    for ts, base in visit():
+        for i, (t, w) in enumerate(zip(ts, weights)):
+            kernels.magnitude_histogram(t, base, w, high[i])
+    bins, ranks = _high_bins(torch.from_numpy(high), density)
+    low = np.zeros((n, _HALF), dtype=np.int64)
+    for ts, base in visit():
+        for i, (t, w) in enumerate(zip(ts, weights)):
+            kernels.magnitude_histogram(t, base, w, low[i], bins[i])
+    return _radix_values(torch.from_numpy(low), bins, ranks)
+
+
+def _read_ahead(keys, fetch):
+    """``fetch(k)`` for every key in order, the next one fetched by a thread while the caller works on
+    the current one (reads from files overlap the counting)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys = list(keys)
+    if not keys:
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ahead = pool.submit(fetch, keys[0])
+        for i in range(len(keys)):
+            current = ahead.result()
+            if i + 1 < len(keys):
+                ahead = pool.submit(fetch, keys[i + 1])
+            yield current
+            del current
 
 
 def _magnitude_check(params):
@@ -131,15 +193,10 @@ def _magnitude_prepare(state_dicts, base, weights, params):
     if not keys:
         return None
 
-    def task_vectors():  # chunk by chunk, every model at once: each tensor read once per visit
-        for k in keys:
-            b = base[k].reshape(-1)
-            ts = [sd[k].reshape(-1) for sd in state_dicts]
-            for i in range(0, b.numel(), _HALF):
-                bb = b[i:i + _HALF].double()
-                yield tuple((t[i:i + _HALF].double() - bb) * w for t, w in zip(ts, weights))
+    def visit():  # every model's tensor and the base's, one key at a time, the next key read ahead
+        return _read_ahead(keys, lambda k: ([sd[k] for sd in state_dicts], base[k]))
 
-    return magnitude_thresholds(task_vectors, len(state_dicts), density)
+    return task_vector_thresholds(visit, weights, density)
 
 
 def _magnitude_tensor_context(key, tensors, base, weights, params, context):
@@ -147,8 +204,7 @@ def _magnitude_tensor_context(key, tensors, base, weights, params, context):
     density = float(params["density"])
     if params["scope"] != "tensor" or density >= 1.0:
         return context
-    b = base.double()
-    return [magnitude_threshold([(t.double() - b) * w], density) for t, w in zip(tensors, weights)]
+    return [task_vector_thresholds(lambda: [([t], base)], [w], density)[0] for t, w in zip(tensors, weights)]
 
 
 def _magnitude_apply(key, taus, params, context):
@@ -227,10 +283,32 @@ CONSENSUS = {
 
 
 def _task_vector_tensor(sparsify: Sparsifier, consensus: Callable, key, tensors, weights, stats, base, params,
-                        context):
+                        context, fused=None):
+    if fused is not None and kernels.AVAILABLE and all(t.device.type == "cpu" for t in (base, *tensors)):
+        return fused(key, tensors, weights, base, params, context)
     b = base.double()
     taus = [(t.double() - b) * w for t, w in zip(tensors, weights)]
     return b + float(params["scale"]) * consensus(sparsify.apply(key, taus, params, context))
+
+
+def _fused_magnitude_ties(key, tensors, weights, base, params, context):
+    """TIES (magnitude trim, ties consensus) in one pass: :func:`symmerge.merge.kernels.ties_chunk`."""
+    thresholds = None if float(params["density"]) >= 1.0 else context
+    return kernels.ties_chunk(tensors, base, weights, thresholds=thresholds, scale=float(params["scale"]))
+
+
+def _fused_dare_ties(key, tensors, weights, base, params, context):
+    """DARE-TIES in one pass over the entries, the uniforms drawn as :func:`_dare_apply` draws them."""
+    p = float(params["drop"])
+    if p == 0.0:
+        return kernels.ties_chunk(tensors, base, weights, scale=float(params["scale"]))
+    uniforms = [torch.rand(base.shape, generator=context[i] if context is not None else
+                           torch.Generator().manual_seed(dare_seed(params["seed"], i, key)), dtype=torch.float64)
+                for i in range(len(tensors))]
+    return kernels.ties_chunk(tensors, base, weights, uniforms=uniforms, drop=p, scale=float(params["scale"]))
+
+
+_FUSED = {("magnitude", "ties"): _fused_magnitude_ties, ("dare", "ties"): _fused_dare_ties}
 
 
 def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict, doc: str = "") -> Method:
@@ -240,6 +318,7 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
         raise SymmergeError(f"unknown parts ({sparsifier!r}, {consensus!r}); sparsifiers: "
                             f"{', '.join(SPARSIFIERS)}; consensus: {', '.join(CONSENSUS)}")
     sp = SPARSIFIERS[sparsifier]
-    return Method(name, partial(_task_vector_tensor, sp, CONSENSUS[consensus]), needs=None, needs_base=True,
+    tensor = partial(_task_vector_tensor, sp, CONSENSUS[consensus], fused=_FUSED.get((sparsifier, consensus)))
+    return Method(name, tensor, needs=None, needs_base=True,
                   params=dict(params), doc=doc, prepare=sp.prepare, normalize_weights=False, elementwise=True,
                   tensor_context=sp.tensor_context)

@@ -7,12 +7,13 @@ transformers knows (no symmetry spec needed):
 * the inputs' headers give every tensor's name, shape and dtype; bodies must agree (names, shapes), the
   task head is kept from ``head_from`` (or merged, with ``heads="merge"``), as in memory;
 * a method's model-wide quantities (TIES's magnitude threshold, ``scope="model"``) are found first by
-  its ``prepare`` hook over mappings that read one tensor at a time (a radix select, two visits);
-* then a reader thread reads the next tensors of every model (straight from the files, no memory map),
-  the calling thread merges them with :func:`~symmerge.merge.base.merge_tensor` — the very function
-  the in-memory loop runs, so both give the same bits — and a writer thread appends each result to the
-  output shard, whose header was written first (:class:`~symmerge.io.checkpoint.PlannedWriter`); the
-  reader stays at most a byte budget ahead (about twice the largest tensor of all models together).
+  its ``prepare`` hook over mappings that map one tensor at a time (a radix select, two visits);
+* then a reader thread reads the next tensors of every model (straight from the files, no memory map)
+  into a ring buffer of the read-ahead budget (:func:`default_budget`), the calling thread merges them
+  with :func:`~symmerge.merge.base.merge_tensor` into the ring — the very function the in-memory loop
+  runs, so both give the same bits — and a writer thread appends each result to the output shard,
+  whose header was written first (:class:`~symmerge.io.checkpoint.PlannedWriter`), then frees its part
+  of the ring (reused memory: no page faults on fresh pages for every tensor).
 
 Peak memory ≈ interpreter + N × the largest tensor × a small factor, whatever the model size. The
 output is written atomically (a temporary folder renamed at the end: an interrupted merge leaves none).
@@ -42,6 +43,7 @@ from ..io.model import atomic_dir, copy_side_files, model_class, weight_files, w
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
+from . import kernels
 from .heads import head_policy
 from .modules import merge_pipeline_modules
 from .base import merge_tensor, normalized_weights
@@ -174,13 +176,15 @@ def _sq(a, b, block: int = 1 << 16) -> float:
 
 
 class _Lazy(Mapping):
-    """A checkpoint's tensors ``keys`` read one at a time (for a method's ``prepare`` hook)."""
+    """A checkpoint's tensors ``keys`` read one at a time (for a method's ``prepare`` hook), each
+    mapped from its file (:meth:`~symmerge.io.checkpoint.LazyCheckpoint.map_direct`: a model visited
+    twice is read from the page cache in place, not copied twice)."""
 
     def __init__(self, ckpt: LazyCheckpoint, keys):
         self.ckpt, self.names = ckpt, list(keys)
 
     def __getitem__(self, key):
-        return self.ckpt.read_direct(key)
+        return self.ckpt.map_direct(key, check=False)  # NaN/Inf: refused by the merge loop's reads, before any output
 
     def __iter__(self):
         return iter(self.names)
@@ -205,25 +209,62 @@ def _body_layout(ckpt: LazyCheckpoint, name: str, heads) -> Layout:
                   {k: ckpt.shape[k] for k in ckpt.keys() if k not in heads}, ckpt.disk_name)
 
 
+_ALIGN = 64  # bytes: every tensor placed in the read-ahead ring starts on a cache line
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 class _Budget:
-    """Bytes read but not yet written; the reader waits while a new read would pass ``limit`` (one item
-    is always allowed, so a tensor larger than the budget still goes through)."""
+    """Bytes read but not yet written, in one preallocated ring buffer of ``limit`` bytes: the reader
+    takes a region per key (its inputs and the merged output), the writer gives it back when written,
+    in the same order. Reused memory: no page faults on fresh pages for every tensor read (on a large
+    merge those cost more CPU than the merge itself). The reader waits while the region does not fit;
+    a key larger than the ring gets fresh memory once nothing else is in flight."""
 
     def __init__(self, limit: int):
         self.limit, self.used, self.cond, self.peak = limit, 0, threading.Condition(), 0
+        self.ring = None
+        self.regions: list = []  # (start, end) of the regions in flight, oldest first; start -1: fresh memory
 
-    def take(self, n: int, stop: threading.Event) -> bool:
+    def _place(self, n: int):
+        """Start of a free region of ``n`` bytes, -1 for fresh memory, None to wait."""
+        if n > self.limit:
+            return None if self.regions else -1
+        live = [r for r in self.regions if r[0] >= 0]
+        if not live:
+            return 0
+        tail, head = live[0][0], live[-1][1]
+        if live[-1][0] >= tail:  # in flight: [tail, head); free: [head, limit) and [0, tail)
+            if head + n <= self.limit:
+                return head
+            return 0 if n <= tail else None
+        return head if head + n <= tail else None  # wrapped: free [head, tail)
+
+    def take(self, n: int, stop: threading.Event):
+        """A uint8 tensor of ``n`` bytes (a view of the ring, or fresh), or None when stopped."""
+        import torch
+
         with self.cond:
-            while self.used and self.used + n > self.limit:
+            while (start := self._place(n)) is None:
                 if stop.is_set():
-                    return False
+                    return None
                 self.cond.wait(0.2)
+            if stop.is_set():
+                return None
+            self.regions.append((start, start + n))
             self.used += n
             self.peak = max(self.peak, self.used)
-            return not stop.is_set()
+        if start < 0:
+            return torch.empty(n, dtype=torch.uint8)
+        if self.ring is None:
+            self.ring = torch.empty(self.limit, dtype=torch.uint8)
+        return self.ring[start:start + n]
 
     def give(self, n: int) -> None:
         with self.cond:
+            self.regions.pop(0)
             self.used -= n
             self.cond.notify_all()
 
@@ -233,11 +274,20 @@ class _Failure:
         self.exc = exc
 
 
+def default_budget(sizes: list[int]) -> int:
+    """Read-ahead bytes for keys of ``sizes`` bytes (inputs + output): the largest key and two of the
+    next largest (the reader, the merging thread and the writer each hold one), at most twice the
+    largest, at least 64 MB. The ring is allocated whole, so this is the merge's memory beyond the
+    interpreter's: one embedding-sized key need not double it."""
+    top = sorted(sizes, reverse=True)[:2] + [0, 0]
+    return max(min(2 * top[0], top[0] + 2 * top[1]), 64 * 2 ** 20)
+
+
 def merge_streaming(models, out, options, shard_size=DEFAULT_SHARD, budget=None, write_hook=None) -> dict:
     """Merge the safetensors folders ``models`` tensor by tensor into the folder ``out`` (atomically)
     with a per-tensor method of ``options`` (a :class:`~symmerge.merge.fuse.MergeOptions`); returns the
-    report (also written as ``out/symmerge_report.json``). ``budget``: bytes the reader may hold ahead
-    (default: twice the largest tensor of all models together, at least 64 MB). ``write_hook(tmp)``,
+    report (also written as ``out/symmerge_report.json``). ``budget``: bytes the reader may hold ahead,
+    the size of its ring buffer (default: :func:`default_budget`). ``write_hook(tmp)``,
     if given, runs on the finished temporary folder before it is renamed (extra files)."""
     import torch
 
@@ -321,8 +371,8 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
     def sources(k):
         return [holder] if k not in merged_set else ckpts + ([base] if base is not None else [])
 
-    sizes = {k: sum(c.nbytes(k) for c in sources(k)) + holder.nbytes(k) for k in order}
-    limit = budget if budget is not None else max(2 * max(sizes.values(), default=0), 64 * 2 ** 20)
+    sizes = {k: sum(_aligned(c.nbytes(k)) for c in sources(k)) + _aligned(holder.nbytes(k)) for k in order}
+    limit = budget if budget is not None else default_budget(list(sizes.values()))
     gate, stop = _Budget(int(limit)), threading.Event()
     read_q: queue.Queue = queue.Queue(maxsize=4)
     write_q: queue.Queue = queue.Queue(maxsize=4)
@@ -337,12 +387,18 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
     def reader():
         try:
             for k in order:
-                if not gate.take(sizes[k], stop):
+                region = gate.take(sizes[k], stop)  # the inputs' bytes, then the merged output's
+                if region is None:
                     return
+                places, at = [], 0
+                for c in sources(k):
+                    places.append((c, region[at:at + c.nbytes(k)]))
+                    at += _aligned(c.nbytes(k))
                 t1 = time.perf_counter()
-                tensors = list(pool.map(lambda c: c.read_direct(k), sources(k)))
+                tensors = list(pool.map(lambda cb: cb[0].read_direct(k, buffer=cb[1]), places))
                 clock["read"] += time.perf_counter() - t1
-                put_until_stopped(read_q, (k, tensors), stop)
+                put_until_stopped(read_q, (k, tensors, region[at:]), stop)
+                del region, places
             put_until_stopped(read_q, None, stop)
         except BaseException as e:  # raised in the calling thread
             put_until_stopped(read_q, _Failure(e), stop)
@@ -356,10 +412,11 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                 k, tensor, inputs = item
                 if inputs is not None:  # the report's distances, beside the merge on the other core
                     t1 = time.perf_counter()
+                    fused = kernels.sq_distances(inputs, tensor) if kernels.AVAILABLE else None
                     for i in range(n):
-                        result_sq[i] += _sq(tensor, inputs[i])
+                        result_sq[i] += fused[1][i] if fused else _sq(tensor, inputs[i])
                     for i, j in pair_sq:
-                        pair_sq[i, j] += _sq(inputs[i], inputs[j])
+                        pair_sq[i, j] += fused[0][i, j] if fused else _sq(inputs[i], inputs[j])
                     clock["distances"] += time.perf_counter() - t1
                 t1 = time.perf_counter()
                 target.add(holder.save_name(k), tensor)
@@ -396,18 +453,18 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                     raise item.exc
                 if failures:
                     raise failures[0]
-                k, tensors = item
+                k, tensors, room = item
                 del item
                 inputs = None
                 if k in merged_set:
                     inputs, b = tensors[:n], (tensors[n] if base is not None else None)
-                    value = merge_tensor(m, k, inputs, weights, None, b, params, context)
+                    value = merge_tensor(m, k, inputs, weights, None, b, params, context, out=room)
                     if not value.is_floating_point():
                         inputs = None
                     del b
                 else:
                     value = tensors[0]
-                del tensors
+                del tensors, room
                 put_until_stopped(write_q, (k, value, inputs), stop)  # inputs: held (within the budget) until written
                 del value, inputs
                 pbar.update(1)

@@ -1,0 +1,198 @@
+"""Fused kernels for the task-vector methods' hot loops (optional: numba, ``pip install 'symmerge[fast]'``).
+
+The torch code in :mod:`symmerge.merge.parts` is the definition; these loops compute the same values,
+bit for bit, in one pass over the entries instead of some forty tensor operations (each reading and
+writing float64 temporaries):
+
+* :func:`magnitude_histogram`: the radix select's histograms of float32(|(θ_i − θ_base) · w_i|), the
+  task vector formed in float64 as the torch code forms it;
+* :func:`ties_chunk`: trim (float32 magnitude against the model's threshold), or DARE's drop and
+  rescale from uniforms drawn by torch, then sign election and disjoint mean, in float64, the sums
+  taken in model order as ``torch.sum(dim=0)`` takes them.
+
+Without numba (or with ``SYMMERGE_NO_NUMBA=1``) :data:`AVAILABLE` is False and the torch code runs.
+``tests/test_merge_kernels.py`` compares both on adversarial values. Kernels are compiled on first use
+and cached on disk by numba (``cache=True``); they release the GIL, so the streamed merge's reader and
+writer threads run beside them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:  # pragma: no cover - depends on the environment
+    if os.environ.get("SYMMERGE_NO_NUMBA"):
+        raise ImportError("SYMMERGE_NO_NUMBA is set")
+    import numba
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover
+    numba = None
+    AVAILABLE = False
+
+_BLOCK = 4096  # entries converted to float32 at once before their bits are counted
+
+
+def _jit(f):
+    return numba.njit(cache=True, nogil=True)(f) if AVAILABLE else None
+
+
+def _histogram(t, b, w, high_bin, hist, scratch):  # pragma: no cover - compiled
+    """Count the float32 bit patterns of |(t − b)·w|: by their high 16 bits (``high_bin`` < 0), else
+    the low 16 bits of those whose high 16 bits equal ``high_bin``."""
+    n = t.shape[0]
+    bits = scratch.view(np.uint32)
+    for start in range(0, n, scratch.shape[0]):
+        stop = min(n, start + scratch.shape[0])
+        for j in range(start, stop):
+            scratch[j - start] = np.float32(abs((np.float64(t[j]) - np.float64(b[j])) * w))
+        if high_bin < 0:
+            for j in range(stop - start):
+                hist[bits[j] >> 16] += 1
+        else:
+            for j in range(stop - start):
+                v = bits[j]
+                if (v >> 16) == high_bin:
+                    hist[v & 0xFFFF] += 1
+
+
+def _ties(ts, us, b, w, thr, drop, scale, out):  # pragma: no cover - compiled
+    """out[j] = b + scale · disjoint_mean_i(sparsified (t_i − b)·w_i), in float64 (see the module doc)."""
+    n = len(ts)
+    m = b.shape[0]
+    x = np.empty((n, m), dtype=np.float64)
+    total = np.empty(m, dtype=np.float64)
+    rescale = 1.0 - drop
+    for i in range(n):  # one model at a time: the sparsified task vector and the running sum
+        t = ts[i]
+        u = us[i]
+        wi = w[i]
+        cut = thr[i]
+        xi = x[i]
+        for j in range(m):
+            v = (np.float64(t[j]) - np.float64(b[j])) * wi
+            if drop > 0.0:  # DARE: keep where U[0, 1) >= drop, rescaled
+                v = v / rescale if u[j] >= drop else 0.0
+            elif np.float32(abs(v)) < cut:  # magnitude trim, compared in float32
+                v = 0.0
+            xi[j] = v
+            total[j] = v if i == 0 else total[j] + v
+    for j in range(m):  # elect the sign, average the agreeing entries
+        s = total[j]
+        agree = 0
+        kept = 0.0
+        for i in range(n):
+            v = x[i, j]
+            a = (v > 0.0 and s > 0.0) or (v < 0.0 and s < 0.0)
+            if a:
+                agree += 1
+            term = v if a else 0.0
+            kept = term if i == 0 else kept + term
+        mean = kept / agree if agree > 0 else 0.0
+        out[j] = np.float64(b[j]) + scale * mean
+
+
+def _sq_diff(a, b):  # pragma: no cover - compiled
+    acc = 0.0
+    for j in range(a.shape[0]):
+        d = np.float64(a[j]) - np.float64(b[j])
+        acc += d * d
+    return acc
+
+
+def _widen(a, out):  # pragma: no cover - compiled
+    for j in range(a.shape[0]):
+        out[j] = np.uint32(a[j]) << np.uint32(16)
+
+
+def _sq_sums(arrays, half, pairs, to_result):  # pragma: no cover - compiled
+    """Σ (a_i − a_k)² for every pair i < k of the inputs ``arrays[:-1]`` (into ``pairs[i·n + k]``) and
+    Σ (a_i − result)² with the result ``arrays[-1]`` (into ``to_result[i]``), in float64, block by
+    block; ``half``: the arrays hold bfloat16 bit patterns (uint16), widened exactly to float32."""
+    n = len(arrays) - 1
+    m = arrays[0].shape[0]
+    block = 1 << 14
+    bits = np.empty((n + 1) * block, dtype=np.uint32)
+    widened = bits.view(np.float32)
+    for start in range(0, m, block):
+        size = min(m, start + block) - start
+        if half:
+            for i in range(n + 1):
+                _widen_jit(arrays[i][start:start + size], bits[i * block:i * block + size])
+        for i in range(n):
+            for k in range(i + 1, n + 1):
+                if half:
+                    acc = _sq_diff_jit(widened[i * block:i * block + size], widened[k * block:k * block + size])
+                else:
+                    acc = _sq_diff_jit(arrays[i][start:start + size], arrays[k][start:start + size])
+                if k == n:
+                    to_result[i] += acc
+                else:
+                    pairs[i * n + k] += acc
+
+
+_histogram_jit = _jit(_histogram)
+_ties_jit = _jit(_ties)
+# the report's distances need no fixed summation order: reassociated (vectorized) sums
+_sq_diff_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_diff) if AVAILABLE else None
+_widen_jit = _jit(_widen)
+_sq_sums_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_sums) if AVAILABLE else None
+
+
+def _np(t):
+    """A 1-D numpy view of a CPU tensor (float32/float64 as they are; half precisions widened, exactly)."""
+    import torch
+
+    t = t.reshape(-1)
+    if t.dtype not in (torch.float32, torch.float64):
+        t = t.float()
+    return t.contiguous().numpy()
+
+
+def magnitude_histogram(t, b, w: float, hist, high_bin: int = -1) -> None:
+    """Add to ``hist`` (an int64 numpy array of 65536 counts) the high (``high_bin`` < 0) or low 16-bit
+    histogram of float32(|(t − b)·w|), the difference and product in float64."""
+    _histogram_jit(_np(t), _np(b), float(w), int(high_bin), hist, np.empty(_BLOCK, dtype=np.float32))
+
+
+def ties_chunk(tensors, base, weights, thresholds=None, uniforms=None, drop: float = 0.0, scale: float = 1.0):
+    """θ_base + scale · disjoint mean of the sparsified weighted task vectors, as a float64 tensor:
+    magnitude-trimmed by ``thresholds`` (float32 values, one per model; ``None``: no trim), or, with
+    ``drop`` > 0, DARE-dropped where ``uniforms`` (float64 tensors, one per model) are below ``drop``."""
+    import torch
+
+    n = len(tensors)
+    out = torch.empty(base.shape, dtype=torch.float64)
+    wide = any(t.dtype == torch.float64 for t in tensors)  # one dtype for all models (exact widening)
+    ts = tuple(_np(t.double() if wide else t) for t in tensors)
+    if drop > 0.0:
+        us = tuple(u.reshape(-1).numpy() for u in uniforms)
+    else:
+        us = tuple(np.empty(0, dtype=np.float64) for _ in range(n))
+    thr = np.array([-1.0] * n if thresholds is None else thresholds, dtype=np.float32)
+    _ties_jit(ts, us, _np(base), np.array(weights, dtype=np.float64), thr, float(drop), float(scale),
+              out.reshape(-1).numpy())
+    return out
+
+
+def sq_distances(inputs, result):
+    """(squared L2 distance of every pair i < j of ``inputs``: a dict, to ``result``: a list), in float64,
+    reading each tensor once; ``None`` when the dtypes are mixed or not float32/float64/bfloat16 (the
+    caller's torch code then runs)."""
+    import torch
+
+    dtype = result.dtype
+    if any(t.dtype != dtype for t in inputs) or dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        return None
+    half = dtype == torch.bfloat16
+
+    def flat(t):
+        t = t.reshape(-1).contiguous()
+        return t.view(torch.int16).numpy().view(np.uint16) if half else t.numpy()
+
+    n = len(inputs)
+    pairs, to_result = np.zeros(n * n, dtype=np.float64), np.zeros(n, dtype=np.float64)
+    _sq_sums_jit(tuple(flat(t) for t in (*inputs, result)), half, pairs, to_result)
+    return {(i, k): float(pairs[i * n + k]) for i in range(n) for k in range(i + 1, n)}, [float(v) for v in to_result]

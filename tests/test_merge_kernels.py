@@ -1,0 +1,170 @@
+"""The fused TIES / DARE-TIES kernels (numba) against the torch definition, bit for bit, on adversarial
+values; and TIES against a from-definition reference written here without the library's parts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from symmerge.merge import get_method, kernels
+from symmerge.merge.parts import dare_keep_mask
+
+needs_numba = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed (symmerge[fast])")
+
+
+def adversarial(n: int, size: int, dtype, seed: int) -> list[torch.Tensor]:
+    """A base and ``n`` models whose task vectors mix signs, exact zeros, exact cancellations, ties in
+    magnitude, huge exponent gaps and subnormal differences."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(size, generator=g, dtype=torch.float64)
+    base[: size // 8] = 0.0
+    out = [base]
+    for i in range(n):
+        tau = torch.randn(size, generator=g, dtype=torch.float64) * torch.logspace(-30, 3, size, dtype=torch.float64)[
+            torch.randperm(size, generator=g)]
+        tau[torch.rand(size, generator=g) < 0.15] = 0.0  # unchanged entries
+        tau[torch.rand(size, generator=g) < 0.1] = 0.125 * (-1) ** i  # ties in magnitude, opposite signs
+        if i == 1:
+            tau[: size // 10] = -(out[1][: size // 10] - base[: size // 10])  # cancels model 0 exactly
+        out.append(base + tau)
+    return [t.to(dtype) for t in out]
+
+
+def both(method: str, models, base, weights, **params):
+    """The merge of ``method`` with the fused kernels and with the torch code."""
+    m = get_method(method)
+    sds = [{"w": t.reshape(-1, 40) if t.numel() % 40 == 0 else t} for t in models]
+    b = {"w": base.reshape(-1, 40) if base.numel() % 40 == 0 else base}
+    saved = kernels.AVAILABLE
+    try:
+        kernels.AVAILABLE = True
+        fused = m.merge(sds, base=b, weights=weights, **params)["w"]
+        kernels.AVAILABLE = False
+        plain = m.merge(sds, base=b, weights=weights, **params)["w"]
+    finally:
+        kernels.AVAILABLE = saved
+    return fused, plain
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (signed zeros included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.float64:
+        return torch.equal(a.view(torch.int64), b.view(torch.int64))
+    if a.dtype == torch.float32:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_fused_ties_and_dare_ties_equal_the_torch_code_bit_for_bit(dtype, n):
+    tensors = adversarial(n, 3 * 32768 + 200, dtype, seed=n)  # several chunks of the elementwise loop
+    base, models = tensors[0], tensors[1:]
+    cases = [("ties", None, dict(density=0.3)), ("ties", [0.7, 1.3, 2.0, 0.5, 1.0][:n], dict(density=0.05, scale=0.6)),
+             ("ties", None, dict(density=0.5, scope="tensor")), ("ties", None, dict(density=1.0)),
+             ("dare_ties", None, dict(drop=0.6, seed=3)), ("dare_ties", [0.7, 1.3, 2.0, 0.5, 1.0][:n],
+                                                          dict(drop=0.9, seed=1, scale=1.7)),
+             ("dare_ties", None, dict(drop=0.0))]
+    for method, weights, params in cases:
+        fused, plain = both(method, models, base, weights, **params)
+        assert fused.dtype == dtype
+        assert bits_equal(fused, plain), (method, weights, params)
+        assert not torch.equal(fused, base.reshape(fused.shape))  # a real merge
+
+
+@needs_numba
+def test_fused_threshold_equals_the_torch_radix_select():
+    from symmerge.merge.parts import task_vector_thresholds
+
+    tensors = adversarial(3, 50000, torch.float32, seed=9)
+    base, models = tensors[0], tensors[1:]
+    halves = [(list(t[:20000] for t in models), base[:20000]), (list(t[20000:] for t in models), base[20000:])]
+    for weights in ([1.0, 1.0, 1.0], [0.3, 2.5, 1.0]):
+        for density in (1e-4, 0.01, 0.2, 0.77):
+            got = {}
+            for avail in (True, False):
+                kernels.AVAILABLE, saved = avail, kernels.AVAILABLE
+                try:
+                    got[avail] = task_vector_thresholds(lambda: iter(halves), weights, density)
+                finally:
+                    kernels.AVAILABLE = saved
+            assert got[True] == got[False]
+            for i, w in enumerate(weights):  # and the k-th largest float32 magnitude by a sort
+                mags = ((models[i].double() - base.double()) * w).abs().float()
+                k = max(1, round(density * mags.numel()))
+                assert got[True][i] == mags.sort(descending=True).values[k - 1].item()
+
+
+def ties_by_definition(models, base, density: float, scale: float) -> torch.Tensor:
+    """TIES written from its definition, entry by entry in Python floats (float64): each task vector
+    keeps its k = round(density·size) entries of largest float32 magnitude (ties at the k-th value
+    kept); the sign of the sum is elected; the kept entries of that sign are averaged."""
+    taus = [[float(t) - float(b) for t, b in zip(m.tolist(), base.tolist())] for m in models]
+    trimmed = []
+    for tau in taus:
+        mags = sorted((abs(torch.tensor(v, dtype=torch.float32).item()) for v in tau), reverse=True)
+        kth = mags[max(1, round(density * len(tau))) - 1]
+        trimmed.append([v if abs(torch.tensor(v, dtype=torch.float32).item()) >= kth else 0.0 for v in tau])
+    out = []
+    for j, b in enumerate(base.tolist()):
+        values = [t[j] for t in trimmed]
+        total = 0.0
+        for v in values:
+            total += v
+        agreeing = [v for v in values if v != 0.0 and (v > 0) == (total > 0)] if total != 0.0 else []
+        mean = 0.0
+        for v in agreeing:
+            mean += v
+        out.append(b + scale * (mean / len(agreeing) if agreeing else 0.0))
+    return torch.tensor(out, dtype=torch.float64).to(base.dtype)
+
+
+@pytest.mark.parametrize("fused", [True, False] if kernels.AVAILABLE else [False])
+def test_ties_equals_its_definition_entry_by_entry(fused):
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(3000, generator=g)
+    models = [base + torch.randn(3000, generator=g) * 0.1 for _ in range(3)]
+    models[1][:300] = models[0][:300]  # equal entries, and opposite ones that cancel in the sum
+    models[2][:300] = 2 * base[:300] - models[0][:300]
+    saved = kernels.AVAILABLE
+    kernels.AVAILABLE = fused
+    try:
+        got = get_method("ties").merge([{"w": m} for m in models], base={"w": base}, density=0.3, scale=0.8)["w"]
+        wrong = get_method("ties").merge([{"w": m} for m in models], base={"w": base}, density=0.31, scale=0.8)["w"]
+    finally:
+        kernels.AVAILABLE = saved
+    expected = ties_by_definition(models, base, 0.3, 0.8)
+    assert torch.equal(got, expected)
+    assert not torch.equal(wrong, expected)  # the reference tells densities apart
+
+
+@needs_numba
+def test_fused_dare_ties_uses_the_documented_masks():
+    n = 40000
+    base = torch.zeros(n)
+    models = [torch.full((n,), 1.0), torch.full((n,), -0.5)]
+    kernels.AVAILABLE, saved = True, kernels.AVAILABLE
+    try:
+        out = get_method("dare_ties").merge([{"w": m} for m in models], base={"w": base}, drop=0.5, seed=11)["w"]
+    finally:
+        kernels.AVAILABLE = saved
+    k0, k1 = dare_keep_mask((n,), 0.5, 11, 0, "w"), dare_keep_mask((n,), 0.5, 11, 1, "w")
+    expect = torch.where(k0, 2.0, torch.where(k1, -1.0, 0.0))  # model 0 wins where both survive
+    assert torch.equal(out, expect)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fused_report_distances_equal_float64_sums(dtype):
+    g = torch.Generator().manual_seed(4)
+    xs = [(torch.randn(10007, generator=g) * (i + 1)).to(dtype) for i in range(3)]
+    y = (sum(x.double() for x in xs) / 3).to(dtype)
+    pairs, to_result = kernels.sq_distances(xs, y)
+    for (i, j), v in pairs.items():
+        assert v == pytest.approx(((xs[i].double() - xs[j].double()) ** 2).sum().item(), rel=1e-12)
+    for i, v in enumerate(to_result):
+        assert v == pytest.approx(((y.double() - xs[i].double()) ** 2).sum().item(), rel=1e-12)
+    assert kernels.sq_distances([xs[0].half()], y.half()) is None  # float16: the caller's torch code
