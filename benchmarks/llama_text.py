@@ -86,6 +86,11 @@ def parse_args(argv=None):
     p.add_argument("--learn-max-length", type=int, default=None,
                    help="learned: alignment texts truncated to this many tokens (LearnSettings.max_length)")
     p.add_argument("--learn-lr", type=float, default=None, help="learned: Adam's learning rate")
+    p.add_argument("--learn-precision", choices=("float32", "bfloat16"), default=None,
+                   help="learned: the training steps' precision (LearnSettings.precision)")
+    p.add_argument("--learn-check-batches", type=int, default=None,
+                   help="learned: the start/end objective checks on at most this many batches "
+                        "(LearnSettings.check_batches)")
     add_run_args(p)
     args = p.parse_args(argv)
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -129,7 +134,9 @@ def row_options(args, name: str, align_file) -> AlignOptions | None:
         return None
     learn = LearnSettings(**{k: v for k, v in (("steps", args.learn_steps), ("batch", args.learn_batch),
                                                ("positions", args.learn_positions),
-                                               ("max_length", args.learn_max_length), ("lr", args.learn_lr))
+                                               ("max_length", args.learn_max_length), ("lr", args.learn_lr),
+                                               ("precision", args.learn_precision),
+                                               ("check_batches", args.learn_check_batches))
                              if v is not None})
     return AlignOptions(**spec, align_data=align_file if spec.get("match", "weights") != "weights" else None,
                         align_samples=args.align_examples, learn=learn)
