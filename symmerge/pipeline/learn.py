@@ -288,7 +288,9 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
 
     clock = {"targets": 0.0, "checks": 0.0, "steps": 0.0}  # wall seconds by stage
     tick = time.perf_counter()
-    with torch.no_grad():  # the endpoints' predictions: fixed, alignment does not change them
+    fast = settings.precision == "bfloat16"  # the training steps (and the targets) under bf16 autocast
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+        # the endpoints' predictions: fixed, alignment does not change them
         norm = torch.softmax if settings.target == "probabilities" else torch.log_softmax
         targets = [(norm(forward(work_a, b).float(), -1), norm(forward(work_b, b).float(), -1))
                    for b in train + held]
@@ -299,11 +301,11 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
         return {k: alpha * changed.get(k, v) + (1 - alpha) * work_b[k] if v.is_floating_point() else work_b[k]
                 for k, v in work_a.items()}
 
-    def objective(alpha, batch, target, sd=None, fast: bool = False) -> torch.Tensor:
-        """The soft cross-entropy at ``alpha`` on ``batch`` (``sd``: θ(α) already built); ``fast``: the
-        forward in ``settings.precision`` (training steps), else in float32 (the checks)."""
-        sd = interpolated(alpha, params.transform(work_a)) if sd is None else sd
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast and settings.precision == "bfloat16"):
+    def objective(alpha, batch, target, sd=None, step: bool = False) -> torch.Tensor:
+        """The soft cross-entropy at ``alpha`` on ``batch`` (``sd``: θ(α) already built); ``step``: a
+        training step, whose transform and forward run in ``settings.precision``; the checks: float32."""
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step and fast):
+            sd = interpolated(alpha, params.transform(work_a)) if sd is None else sd
             logits = forward(sd, batch)
         logp = torch.log_softmax(logits.float(), -1)
         t = alpha * target[0] + (1 - alpha) * target[1]
@@ -353,7 +355,7 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
         pos += 1
         alpha = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g).item()
         tick = time.perf_counter()
-        loss = objective(alpha, train[i], t_train[i], fast=True)
+        loss = objective(alpha, train[i], t_train[i], step=True)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
