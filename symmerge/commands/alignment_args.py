@@ -52,8 +52,9 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                         help="--match learned, text: the alignment texts truncated to this many tokens (default: the "
                              "model's context)")
     parser.add_argument("--learn-precision", choices=list(LEARN_PRECISIONS), default=None,
-                        help="--match learned: the training steps in float32 (default) or under bfloat16 autocast "
-                             "(faster on CPUs with bf16 instructions; checks and results stay float32/float64)")
+                        help="--match learned: the training steps and the endpoints' predictions in float32 "
+                             "(default) or under bfloat16 autocast (faster on CPUs with bf16 instructions; the checks "
+                             "stay float32, the elements are applied and verified in float64)")
     parser.add_argument("--learn-check-batches", type=int, default=None, metavar="N",
                         help="--match learned: the objective checks (start/end, or held-out) on at most N batches "
                              f"(default {LearnSettings.check_batches}: all)")

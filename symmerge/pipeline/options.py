@@ -89,8 +89,9 @@ class LearnSettings:
     objective on at most this many randomly chosen scored positions of each batch (drawn once, so the
     endpoints' predictions are computed and cached there only; 0: every position); ``max_length``:
     the alignment texts truncated to this many tokens (None: the model's context); ``precision``: the
-    training steps' forward and backward in ``float32`` or under ``bfloat16`` autocast (CPU; the endpoints'
-    predictions and the checks stay float32, and every element is applied and verified in float64);
+    training steps (the elements' transform, forward and backward) and the endpoints' predictions in
+    ``float32`` or under ``bfloat16`` autocast (CPU; the checks stay float32, and the learned elements are
+    applied and verified in float64 as always);
     ``check_batches``: the objective checks on at most this many batches (the first; 0: every batch of
     the held-out part, or of the training set without one). See :mod:`symmerge.pipeline.learn`; the
     defaults are the best recipe measured on B1 (docs/results.md, "B1 with unlabeled data")."""
