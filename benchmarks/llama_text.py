@@ -11,7 +11,9 @@ Python documentation (B4's corpus, split and BPE), aligned data-free and from un
    SwiGLU FFN 688, RMSNorm, RoPE, untied LM head), trained 400 steps of 16 × 128 tokens from seeds 0 and
    1 (``symmerge.demo.lm.train_llama``, cached under ~/.cache/symmerge/llama and reused).
 3. Every row of :data:`ROWS` aligns model A to model B (``align_pair``, wall seconds: the median of
-   ``--repeats`` runs), checks the function (max |logits(aligned A) − logits(A)| on the first held-out
+   ``--repeats`` runs; also the process's CPU seconds — user + system of all its threads, what a quiet
+   machine would take with one torch thread and no worker pool —, and the load average before and
+   after), checks the function (max |logits(aligned A) − logits(A)| on the first held-out
    batch, and the report's own ``verify_max_abs_diff``), and walks θ(α) = α·θ_A + (1−α)·θ_B on
    ``--curve-examples`` held-out paragraphs (``curve.txt``), plain and with REPAIR at every α
    (statistics on the first ``--repair-examples`` alignment paragraphs). The unlabeled alignment data are the first
@@ -86,6 +88,11 @@ def parse_args(argv=None):
     p.add_argument("--learn-max-length", type=int, default=None,
                    help="learned: alignment texts truncated to this many tokens (LearnSettings.max_length)")
     p.add_argument("--learn-lr", type=float, default=None, help="learned: Adam's learning rate")
+    p.add_argument("--learn-precision", choices=("float32", "bfloat16"), default=None,
+                   help="learned: the training steps' precision (LearnSettings.precision)")
+    p.add_argument("--learn-check-batches", type=int, default=None,
+                   help="learned: the start/end objective checks on at most this many batches "
+                        "(LearnSettings.check_batches)")
     add_run_args(p)
     args = p.parse_args(argv)
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -129,7 +136,9 @@ def row_options(args, name: str, align_file) -> AlignOptions | None:
         return None
     learn = LearnSettings(**{k: v for k, v in (("steps", args.learn_steps), ("batch", args.learn_batch),
                                                ("positions", args.learn_positions),
-                                               ("max_length", args.learn_max_length), ("lr", args.learn_lr))
+                                               ("max_length", args.learn_max_length), ("lr", args.learn_lr),
+                                               ("precision", args.learn_precision),
+                                               ("check_batches", args.learn_check_batches))
                              if v is not None})
     return AlignOptions(**spec, align_data=align_file if spec.get("match", "weights") != "weights" else None,
                         align_samples=args.align_examples, learn=learn)
@@ -168,14 +177,16 @@ def run(args, log=print) -> dict:
         if opts is None:
             aligned, times = a, []
         else:
-            times = []
+            times, cpu = [], []
             for _ in range(max(1, args.repeats)):
                 load = os.getloadavg()[0]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 res = align_pair(a, b, opts)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             aligned, rep = res.model, res.report
             row.update({"align_seconds": statistics.median(times), "align_seconds_all": times, "load_average": load,
+                        "align_cpu_seconds": statistics.median(cpu), "load_average_after": os.getloadavg()[0],
                         "verify_max_abs_diff": rep.get("verify_max_abs_diff"), "symmetries": rep.get("symmetries"),
                         "residual_group": rep.get("residual_group"), "match_seconds": rep.get("match_seconds"),
                         "function_check": function_check(aligned, a, curve.batches[0])})
@@ -210,14 +221,16 @@ def run(args, log=print) -> dict:
 
 # ---------------------------------------------------------------- output
 
-HEADER = ("row", "barrier", "α = ½ loss", "+REPAIR barrier", "+REPAIR α = ½ loss", "align s", "ratio", "function check")
+HEADER = ("row", "barrier", "α = ½ loss", "+REPAIR barrier", "+REPAIR α = ½ loss", "align s", "CPU s", "load",
+          "ratio", "function check")
 
 
 def table_rows(r: dict) -> list[tuple]:
     def f(x, fmt):
         return "—" if x is None else format(x, fmt)
     return [(x["row"], f(x["barrier"], ".4f"), f(x["loss_mid"], ".4f"), f(x.get("repair_barrier"), ".4f"),
-             f(x.get("repair_loss_mid"), ".4f"), f(x.get("align_seconds"), ".2f"), f(x.get("align_ratio"), ".2f"),
+             f(x.get("repair_loss_mid"), ".4f"), f(x.get("align_seconds"), ".2f"), f(x.get("align_cpu_seconds"), ".2f"),
+             f(x.get("load_average"), ".1f"), f(x.get("align_ratio"), ".2f"),
              f(x.get("function_check"), ".1e")) for x in r["rows"]]
 
 

@@ -186,3 +186,31 @@ def test_workers_flag_on_merge_and_barrier_changes_nothing_but_the_threads(pair,
     assert run_cli("merge", a, b, "--method", "average", "--workers", "0", "-o", tmp_path / "bad") != 0
     assert "workers must be a whole number >= 1" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_learn_flags_map_to_learn_settings_with_the_same_defaults(tmp_path):
+    """Every ``--learn-*`` flag sets its LearnSettings field; left out, the field keeps its Python default;
+    given without ``--match learned`` it is one clear error naming the flag."""
+    import argparse
+    import dataclasses
+
+    from symmerge.commands.alignment_args import LEARN_FLAGS, add_alignment_arguments, alignment_options
+    from symmerge.errors import SymmergeError
+    from symmerge.pipeline.options import LearnSettings
+
+    parser = argparse.ArgumentParser()
+    add_alignment_arguments(parser)
+    lines = tmp_path / "lines.txt"
+    lines.write_text("some text\n")
+    assert alignment_options(parser.parse_args(["--match", "learned", "--align-data", str(lines)]),
+                             "recommended").learn == LearnSettings()
+    values = {"steps": "7", "budget": "9.5", "seed": "3", "batch": "5", "positions": "11", "max_length": "33",
+              "precision": "bfloat16", "check_batches": "2"}
+    assert set(values) == set(LEARN_FLAGS) and set(LEARN_FLAGS) <= {f.name for f in dataclasses.fields(LearnSettings)}
+    argv = [x for k, v in values.items() for x in (LEARN_FLAGS[k], v)]
+    learn = alignment_options(parser.parse_args(["--match", "learned", "--align-data", str(lines), *argv]),
+                              "recommended").learn
+    for k, v in values.items():
+        assert str(getattr(learn, k)) == v, k
+    with pytest.raises(SymmergeError, match="--learn-positions"):
+        alignment_options(parser.parse_args(["--learn-positions", "4"]), "recommended")

@@ -218,3 +218,53 @@ def test_learned_objective_on_a_subset_of_positions():
     for bad in ({"positions": -1}, {"max_length": 1}):
         with pytest.raises(SymmergeError):
             LearnSettings(**bad)
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("gpt2", True)])
+def test_head_on_scored_positions_gives_the_scored_logits_of_the_full_output(family, tied):
+    """``head_forward`` projects only the scored positions' hidden states through the LM head (a
+    pre-hook): exactly the logits ``scored_logits`` picks from the full output, in the same order, also with
+    a position subset and a tied head; image batches (no sequence mask) run in full. Negative control: the
+    rows do not match the full output's unscored positions."""
+    from symmerge.pipeline.learn import head_forward, scored_logits, subsample_positions
+
+    kwargs = {"tied": True} if tied else {}
+    model = make_model(family, head=True, seed=0, dtype=torch.float64, **kwargs).eval()
+    data = unlabeled(model, n_batches=1, batch=6)
+    sd = dict(model.state_dict())
+    for batch in (data.batches[0], subsample_positions(data.batches[0], 7, torch.Generator().manual_seed(1))):
+        with torch.no_grad():
+            full = scored_logits(model(**batch.inputs).logits, batch)
+            fast = head_forward(model, sd, batch)
+        assert fast.shape == full.shape and (fast - full).abs().max() < 1e-12
+        assert fast.shape[0] == int(batch.mask[:, 1:].sum())
+        with torch.no_grad():
+            shifted = model(**batch.inputs).logits[:, 1:][batch.mask[:, 1:]]  # the wrong positions
+        assert (shifted - fast).abs().max() > 1e-3
+    vit = make_model("vit", head=True, dtype=torch.float64).eval()
+    image = unlabeled(vit, n_batches=1).batches[0]
+    with torch.no_grad():
+        assert torch.equal(head_forward(vit, dict(vit.state_dict()), image), vit(**image.inputs).logits)
+
+
+def test_learned_in_bfloat16_with_fewer_checks_still_verifies():
+    """``precision="bfloat16"``: the steps under bf16 autocast move the elements (the objective is still
+    checked in float32, never worse than the start), the result is exactly A's function; ``check_batches``
+    limits the checks, and the report says so and gives its seconds by stage."""
+    from symmerge.errors import SymmergeError
+
+    a, b = make_model("llama", head=True, seed=0, dtype=torch.float32), make_model("llama", head=True, seed=3,
+                                                                               dtype=torch.float32)
+    data = unlabeled(a, n_batches=4, batch=8)
+    options = AlignOptions(symmetries=FULL, match="learned", align_data=data,
+                           learn=LearnSettings(steps=6, batch=8, lr=0.05, precision="bfloat16", check_batches=2))
+    result = align_pair(a, b, options)
+    learned = result.report["learned"]
+    assert learned["steps"] == 6 and learned["held_out_best"] < learned["held_out_start"]  # it learned
+    assert learned["checked_on"].endswith("its first 2 batches")
+    assert set(learned["seconds_by_stage"]) == {"targets", "checks", "steps"}
+    assert all(v >= 0 for v in learned["seconds_by_stage"].values())
+    assert result.report["verify_max_rel_diff"] <= 1e-4
+    for bad in ({"precision": "float16"}, {"check_batches": -1}):
+        with pytest.raises(SymmergeError):
+            LearnSettings(**bad)

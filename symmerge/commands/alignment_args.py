@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import SymmergeError
 from ..groups import RESCALE_MODES
-from ..pipeline.options import MATCH_MODES, RESIDUAL_CHOICES, AlignOptions, LearnSettings
+from ..pipeline.options import LEARN_PRECISIONS, MATCH_MODES, RESIDUAL_CHOICES, AlignOptions, LearnSettings
 
 
 def add_alignment_arguments(parser, repair: bool = True) -> None:
@@ -42,6 +42,22 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
     parser.add_argument("--learn-budget", type=float, default=None, metavar="SECONDS",
                         help="--match learned: stop after this many seconds of optimisation (default: no limit)")
     parser.add_argument("--learn-seed", type=int, default=None, help="--match learned: seed (default 0)")
+    parser.add_argument("--learn-batch", type=int, default=None,
+                        help=f"--match learned: examples per step (default {LearnSettings.batch})")
+    parser.add_argument("--learn-positions", type=int, default=None,
+                        help="--match learned, text: the objective on this many random next-token positions of each "
+                             f"batch, the endpoints' predictions cached there only (default {LearnSettings.positions}:"
+                             " every position)")
+    parser.add_argument("--learn-max-length", type=int, default=None, metavar="TOKENS",
+                        help="--match learned, text: the alignment texts truncated to this many tokens (default: the "
+                             "model's context)")
+    parser.add_argument("--learn-precision", choices=list(LEARN_PRECISIONS), default=None,
+                        help="--match learned: the training steps and the endpoints' predictions in float32 "
+                             "(default) or under bfloat16 autocast (faster on CPUs with bf16 instructions; the checks "
+                             "stay float32, the elements are applied and verified in float64)")
+    parser.add_argument("--learn-check-batches", type=int, default=None, metavar="N",
+                        help="--match learned: the objective checks (start/end, or held-out) on at most N batches "
+                             f"(default {LearnSettings.check_batches}: all)")
     parser.add_argument("--workers", type=int, default=None,
                         help="FFN layers (cost GEMM + exact assignment) solved at once on a thread pool, beside the "
                              "head groups (default: one per core; 1: one thing after another on one thread; the "
@@ -58,10 +74,17 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                                  "--align-data, folded into weights and biases (architecture unchanged)")
 
 
+LEARN_FLAGS = {"steps": "--learn-steps", "budget": "--learn-budget", "seed": "--learn-seed", "batch": "--learn-batch",
+               "positions": "--learn-positions", "max_length": "--learn-max-length",
+               "precision": "--learn-precision", "check_batches": "--learn-check-batches"}  # LearnSettings field → flag
+
+
+def _learn_values(args) -> dict:
+    return {k: getattr(args, flag[2:].replace("-", "_")) for k, flag in LEARN_FLAGS.items()}
+
+
 def learn_settings(args) -> LearnSettings:
-    changes = {k: v for k, v in (("steps", args.learn_steps), ("budget", args.learn_budget),
-                                  ("seed", args.learn_seed)) if v is not None}
-    return LearnSettings(**changes)
+    return LearnSettings(**{k: v for k, v in _learn_values(args).items() if v is not None})
 
 
 def alignment_options(args, symmetries, **extra) -> AlignOptions:
@@ -69,8 +92,9 @@ def alignment_options(args, symmetries, **extra) -> AlignOptions:
     if args.align_data is None and (args.match != "weights" or getattr(args, "repair", False)):
         need = f"--match {args.match}" if args.match != "weights" else "--repair"
         raise SymmergeError(f"{need} needs unlabeled data: pass --align-data FILE (labels, if present, are ignored)")
-    if args.match != "learned" and any(v is not None for v in (args.learn_steps, args.learn_budget, args.learn_seed)):
-        raise SymmergeError("--learn-steps, --learn-budget and --learn-seed apply to --match learned only")
+    given = [LEARN_FLAGS[k] for k, v in _learn_values(args).items() if v is not None]
+    if args.match != "learned" and given:
+        raise SymmergeError(f"{', '.join(given)}: the --learn-* flags apply to --match learned only")
     if args.align_data is not None:
         from ..io.data import check_data_path
 

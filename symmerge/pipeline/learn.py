@@ -53,6 +53,49 @@ def scored_logits(logits: torch.Tensor, batch) -> torch.Tensor:
     return logits[:, :-1][keep]
 
 
+def scored_positions(batch) -> torch.Tensor | None:
+    """The (B, T) positions whose outputs are scored — position t predicts token t + 1, so t is scored when
+    token t + 1 is —, in the order of :func:`scored_logits`; None for batches without a sequence mask."""
+    if batch.mask is None or batch.mask.dim() != 2:
+        return None
+    return torch.cat([batch.mask[:, 1:].bool(), torch.zeros_like(batch.mask[:, :1], dtype=torch.bool)], 1)
+
+
+def head_forward(model, sd: dict, batch) -> torch.Tensor:
+    """The logits (M, C) of ``batch``'s scored items under the parameters ``sd`` (``functional_call``).
+
+    For sequence batches the output layer (``get_output_embeddings()``) is fed the hidden states of the
+    scored positions only, through a pre-hook: the same logits as :func:`scored_logits` of the full
+    output, without the vocabulary-wide projection (and its gradient) at the positions that are not
+    scored. Models whose output layer sees other shapes are run in full."""
+    def call():
+        # tied weights (an LM head sharing the embeddings) arrive under both names, with the same values
+        out = torch.func.functional_call(model, sd, args=(), kwargs=batch.inputs, tie_weights=False)
+        return out.logits
+
+    keep = scored_positions(batch)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if keep is None or not isinstance(head, torch.nn.Module):
+        return scored_logits(call(), batch)
+    hit = []
+
+    def gather(module, args):
+        x = args[0]
+        if x.dim() == 3 and tuple(x.shape[:2]) == tuple(keep.shape):
+            hit.append(True)
+            return (x[keep],) + tuple(args[1:])
+        return None
+
+    handle = head.register_forward_pre_hook(gather)
+    try:
+        logits = call()
+    finally:
+        handle.remove()
+    if hit and logits.dim() == 2 and len(logits) == int(keep.sum()):
+        return logits
+    return scored_logits(call(), batch)
+
+
 class _Parameters(torch.nn.Module):
     """The learned deltas: for every active instance whose kind has continuous freedom, the kind's
     named tensors (zeros: the identity), as parameters."""
@@ -214,6 +257,9 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
                   steps=sum(x.get("steps", 0) for x in round_reports), held_out_best=last.get("held_out_best"),
                   rounds=round_reports if rounds > 1 else None, seconds=time.perf_counter() - t0,
                   learned_instances=first.get("learned_instances", 0), checked_on=first.get("checked_on"))
+    by_stage = [x["seconds_by_stage"] for x in round_reports if "seconds_by_stage" in x]
+    if by_stage:
+        report["seconds_by_stage"] = {k: sum(x[k] for x in by_stage) for k in by_stage[0]}
     for key in ("stopped", "note"):
         if key in last:
             report[key] = last[key]
@@ -238,22 +284,30 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     held = [subsample_positions(b, settings.positions, g) for b in held]
 
     def forward(sd, batch):
-        # tied weights (an LM head sharing the embeddings) arrive under both names, with the same values
-        out = torch.func.functional_call(skeleton, sd, args=(), kwargs=batch.inputs, tie_weights=False)
-        return scored_logits(out.logits, batch)
+        return head_forward(skeleton, sd, batch)
 
-    with torch.no_grad():  # the endpoints' predictions: fixed, alignment does not change them
+    clock = {"targets": 0.0, "checks": 0.0, "steps": 0.0}  # wall seconds by stage
+    tick = time.perf_counter()
+    fast = settings.precision == "bfloat16"  # the training steps (and the targets) under bf16 autocast
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+        # the endpoints' predictions: fixed, alignment does not change them
         norm = torch.softmax if settings.target == "probabilities" else torch.log_softmax
         targets = [(norm(forward(work_a, b).float(), -1), norm(forward(work_b, b).float(), -1))
                    for b in train + held]
+    clock["targets"] = time.perf_counter() - tick
     t_train, t_held = targets[:len(train)], targets[len(train):]
 
     def interpolated(alpha: float, changed: dict) -> dict:
         return {k: alpha * changed.get(k, v) + (1 - alpha) * work_b[k] if v.is_floating_point() else work_b[k]
                 for k, v in work_a.items()}
 
-    def objective(alpha, batch, target) -> torch.Tensor:
-        logp = torch.log_softmax(forward(interpolated(alpha, params.transform(work_a)), batch).float(), -1)
+    def objective(alpha, batch, target, sd=None, step: bool = False) -> torch.Tensor:
+        """The soft cross-entropy at ``alpha`` on ``batch`` (``sd``: θ(α) already built); ``step``: a
+        training step, whose transform and forward run in ``settings.precision``; the checks: float32."""
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step and fast):
+            sd = interpolated(alpha, params.transform(work_a)) if sd is None else sd
+            logits = forward(sd, batch)
+        logp = torch.log_softmax(logits.float(), -1)
         t = alpha * target[0] + (1 - alpha) * target[1]
         if settings.target != "probabilities":  # the normalised geometric mean of the endpoints' predictions
             t = torch.softmax(t, -1)
@@ -262,10 +316,18 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     # the objective at α = ¼, ½, ¾ on the held-out batches (checked every ``check_every`` steps), or without
     # a held-out part on the (unaugmented) training batches, at the start and the end only
     check, t_check = (held, t_held) if held else (train[:n_original], t_train[:n_original])
+    if settings.check_batches:
+        check, t_check = check[:settings.check_batches], t_check[:settings.check_batches]
 
     def held_out() -> float:
+        tick = time.perf_counter()
         with torch.no_grad():
-            values = [objective(al, b, t).item() for al in (0.25, 0.5, 0.75) for b, t in zip(check, t_check)]
+            moved = params.transform(work_a)  # the same for every batch and α of the check: built once
+            values = []
+            for al in (0.25, 0.5, 0.75):
+                sd = interpolated(al, moved)
+                values += [objective(al, b, t, sd).item() for b, t in zip(check, t_check)]
+        clock["checks"] += time.perf_counter() - tick
         return sum(values) / len(values)
 
     best_state = {k: v.detach().clone() for k, v in params.state_dict().items()}
@@ -273,6 +335,8 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     info = {"parameters": sum(p.numel() for p in params.parameters()), "held_out_start": start_value,
             "checked_on": "held-out part" if held else f"training {examples_word(data)} (no held-out part: start and "
                                                        "end only)"}
+    if settings.check_batches and len(check) < len(held or train[:n_original]):
+        info["checked_on"] += f", its first {len(check)} batches"
     if not params.p:
         info.update(steps=0, note="no continuous group elements to learn")
         return start, info
@@ -290,11 +354,13 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
         i = order[pos].item()
         pos += 1
         alpha = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g).item()
-        loss = objective(alpha, train[i], t_train[i])
+        tick = time.perf_counter()
+        loss = objective(alpha, train[i], t_train[i], step=True)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
+        clock["steps"] += time.perf_counter() - tick
         running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
         pbar.set_postfix(loss=f"{running:.4f}", refresh=False)
         if on_step is not None:
@@ -324,5 +390,5 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     elements = dict(start)
     for name, el in learned.items():
         elements[name] = (*stages(start[name]), el) if name in start else el
-    info.update(steps=step + 1, held_out_best=best, learned_instances=len(learned))
+    info.update(steps=step + 1, held_out_best=best, learned_instances=len(learned), seconds_by_stage=clock)
     return elements, info

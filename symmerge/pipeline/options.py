@@ -27,6 +27,7 @@ DESCENT_TOL = 1e-4
 LEARN_STARTS = ("weights", "activations")  # the closed form a learned alignment starts from
 # what the interpolated model learns to predict: α·p_A + (1−α)·p_B, or softmax(α·log p_A + (1−α)·log p_B)
 LEARN_TARGETS = ("probabilities", "log-probabilities")
+LEARN_PRECISIONS = ("float32", "bfloat16")  # the training steps' forward and backward (checks: float32)
 
 
 def _names(value) -> tuple[str, ...]:
@@ -87,7 +88,12 @@ class LearnSettings:
     ``log-probabilities`` (their normalised geometric mean); ``positions`` (sequence models): the
     objective on at most this many randomly chosen scored positions of each batch (drawn once, so the
     endpoints' predictions are computed and cached there only; 0: every position); ``max_length``:
-    the alignment texts truncated to this many tokens (None: the model's context). See :mod:`symmerge.pipeline.learn`; the
+    the alignment texts truncated to this many tokens (None: the model's context); ``precision``: the
+    training steps (the elements' transform, forward and backward) and the endpoints' predictions in
+    ``float32`` or under ``bfloat16`` autocast (CPU; the checks stay float32, and the learned elements are
+    applied and verified in float64 as always);
+    ``check_batches``: the objective checks on at most this many batches (the first; 0: every batch of
+    the held-out part, or of the training set without one). See :mod:`symmerge.pipeline.learn`; the
     defaults are the best recipe measured on B1 (docs/results.md, "B1 with unlabeled data")."""
 
     steps: int = 200
@@ -107,6 +113,8 @@ class LearnSettings:
     repermute: str = "activations"
     positions: int = 0
     max_length: int | None = None
+    precision: str = "float32"
+    check_batches: int = 0
 
     def __post_init__(self):
         if self.start not in LEARN_STARTS:
@@ -118,6 +126,11 @@ class LearnSettings:
         if self.rounds < 1 or self.augment < 0:
             raise SymmergeError(f"learned alignment needs rounds >= 1 and augment >= 0, got {self.rounds}, "
                                 f"{self.augment}")
+        if self.precision not in LEARN_PRECISIONS:
+            raise SymmergeError(f"unknown learned-alignment precision {self.precision!r}; choose one of "
+                                f"{', '.join(LEARN_PRECISIONS)}")
+        if self.check_batches < 0:
+            raise SymmergeError(f"learned alignment needs check_batches >= 0, got {self.check_batches}")
         if self.positions < 0 or (self.max_length is not None and self.max_length < 2):
             raise SymmergeError(f"learned alignment needs positions >= 0 and max_length >= 2, got {self.positions}, "
                                 f"{self.max_length}")
