@@ -12,7 +12,9 @@ and the accuracy per round.
 Run: ``FLWR_TELEMETRY_ENABLED=0 python -m benchmarks.federated_rounds --runs clean:mean,scale100:mean,scale100:robust``
 (``mean``: weighted mean, no norm rule; ``robust``: coordinate-wise median and norm_factor 10;
 ``filtered``: weighted mean, norm_factor 10 and the outlier rule on the aligned updates
-(``--outlier-rule``, default ``krum``, ``--outlier-threshold``, default 3.5); ``fedavg``: no
+(``--outlier-rule``, default ``krum``, ``--outlier-threshold``, default 3.5); ``clipped``: the same,
+with ``norm_clip`` (an update beyond the norm rule is scaled down to the others' median norm, not left
+out); ``fedavg``: no
 alignment, weighted mean, no norm rule).
 """
 
@@ -32,7 +34,8 @@ from .bench_federated import EXAMPLE, replies_for
 ARMS = {"fedavg": {"alignment": "none", "norm_factor": None},
         "mean": {"norm_factor": None},
         "robust": {"aggregation": "median", "norm_factor": 10.0},
-        "filtered": {"norm_factor": 10.0, "outlier_rule": "krum", "outlier_threshold": 3.5}}
+        "filtered": {"norm_factor": 10.0, "outlier_rule": "krum", "outlier_threshold": 3.5},
+        "clipped": {"norm_factor": 10.0, "norm_clip": True, "outlier_rule": "krum", "outlier_threshold": 3.5}}
 ATTACKS = ("clean", "scale100", "flip", "absent")
 
 
@@ -69,7 +72,8 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
         accs.append(accuracy(model, *test)[1])
         rec = strategy.rounds[-1]
         log(f"  {attack}:{arm} round {r}: accuracy {accs[-1]:.4f}, left out "
-            f"{[(pids[x['node'] - 1], x['kind']) for x in rec['left_out']]} (client, kind), {rec['seconds']:.1f} s "
+            f"{[(pids[x['node'] - 1], x['kind']) for x in rec['left_out']]} (client, kind), clipped "
+            f"{[pids[x['node'] - 1] for x in rec['clipped']]}, {rec['seconds']:.1f} s "
             f"aggregation", flush=True)
     return accs
 
@@ -88,7 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--outlier-threshold", type=float, default=3.5, help="the filtered arm's robust z threshold")
     p.add_argument("--out", help="folder for results.json")
     args = p.parse_args(argv)
-    ARMS["filtered"].update(outlier_rule=args.outlier_rule, outlier_threshold=args.outlier_threshold)
+    for arm in ("filtered", "clipped"):
+        ARMS[arm].update(outlier_rule=args.outlier_rule, outlier_threshold=args.outlier_threshold)
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(EXAMPLE))
     from fedvit import task

@@ -309,6 +309,29 @@ def test_outlier_rule_with_too_few_left_keeps_the_previous_global_model():
     assert metrics["symmerge-kept-previous"] == 1 and metrics["symmerge-left-out-outlier"] == 1
 
 
+def test_norm_clip_keeps_a_scaled_client_at_an_ordinary_norm(world, caplog):
+    """With norm_clip, a x100-scaled update is kept: its update scaled down to the others' median norm
+    (before alignment: the huge update would steer the alignment), then aligned; the aggregate stays
+    near the global model."""
+    g, clients, _ = world
+    base = g.state_dict()
+    bad = {k: base[k] + 100 * (v - base[k]) for k, v in clients[3].items()}
+    s = strategy(g, norm_clip=True)
+    arrays, metrics = s.aggregate_train(1, good_replies(world, (1, 2)) + [reply(3, bad, 60)])
+    rec = s.rounds[-1]
+    assert not rec["left_out"] and [c["node"] for c in rec["clipped"]] == [3] and metrics["symmerge-clients-clipped"] == 1
+    # its raw update scaled to the others' median norm, then aligned (which can only shorten it)
+    assert rec["accepted"] == [1, 2, 3]
+    assert 0.5 * (rec["distance_after"][0] + rec["distance_after"][1]) * 0.8 < rec["distance_after"][2] <= 0.5 * (
+        rec["distance_after"][0] + rec["distance_after"][1]) * (1 + 1e-9)
+    assert any("clipped node 3" in r.getMessage() for r in caplog.records)
+    assert 0 < rec["clipped"][0]["scale"] < 0.1
+    got = arrays.to_torch_state_dict()
+    assert all(torch.isfinite(v).all() for v in got.values())
+    d = lambda a: sum(((a[k].double() - base[k].double()) ** 2).sum() for k in a) ** 0.5  # noqa: E731
+    assert d(got) < 2 * max(rec["distance_after"])
+
+
 # ---------------------------------------------------------------- bad clients
 
 

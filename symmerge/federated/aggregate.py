@@ -66,13 +66,26 @@ def norm_outliers(distances: list[float], factor: float | None) -> list[str | No
     if factor is None or len(distances) < 2:
         return out
     for i, d in enumerate(distances):
-        others = sorted(distances[:i] + distances[i + 1:])
-        m = len(others)
-        median = others[m // 2] if m % 2 else 0.5 * (others[m // 2 - 1] + others[m // 2])
+        median = median_of_others(distances, i)
         if median > 0 and d > factor * median:
             out[i] = (f"update norm {d:.4g} (distance to the global model, aligned) is {d / median:.3g} x the "
                       f"median of the others ({median:.4g}), beyond norm_factor {factor:g}")
     return out
+
+
+def scale_update(state_dict: dict, base: dict, keys, factor: float) -> dict:
+    """``base + factor · (state_dict - base)`` on ``keys`` (in float64, each tensor's dtype out); every other
+    entry is ``state_dict``'s. The norm rule's clipping: an update scaled down to an ordinary norm."""
+    out = dict(state_dict)
+    for k in keys:
+        b = base[k].double()
+        out[k] = (b + factor * (state_dict[k].double() - b)).to(state_dict[k].dtype)
+    return out
+
+
+def median_of_others(values: list[float], i: int) -> float:
+    """The median of ``values`` without its ``i``-th (the norm rule's reference)."""
+    return _median(values[:i] + values[i + 1:])
 
 
 def check_outlier_rule(rule: str | None, threshold: float) -> None:
