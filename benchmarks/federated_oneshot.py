@@ -39,15 +39,19 @@ def more_rows(clients, sizes, unlabeled, args, test_x, test_y):
         return AlignOptions(symmetries="recommended", match=match, align_data=unlabeled,
                             align_samples=args.align_samples, **kw)
 
-    cases = [("FedAvg + REPAIR", AlignOptions(symmetries="none", align_data=unlabeled,
-                                              align_samples=args.align_samples), False, True),
-             ("aligned data-free (recommended) + REPAIR", opts("weights"), False, True),
-             ("aligned activations (recommended) + REPAIR", opts("activations"), False, True),
-             ("joint activations (recommended)", opts("activations"), True, False),
-             ("joint activations (recommended) + REPAIR", opts("activations"), True, True)]
-    if not args.skip_learned:
-        cases += [("aligned learned (recommended) + REPAIR", opts("learned"), False, True),
-                  (f"aligned learned {args.learn_steps} steps + REPAIR", opts("learned", args.learn_steps), False, True)]
+    groups = {"repair": [("FedAvg + REPAIR", AlignOptions(symmetries="none", align_data=unlabeled,
+                                                          align_samples=args.align_samples), False, True),
+                         ("aligned data-free (recommended) + REPAIR", opts("weights"), False, True),
+                         ("aligned activations (recommended) + REPAIR", opts("activations"), False, True)],
+              "joint": [("joint activations (recommended)", opts("activations"), True, False),
+                        ("joint activations (recommended) + REPAIR", opts("activations"), True, True)],
+              "learned": [("aligned learned (recommended) + REPAIR", opts("learned"), False, True),
+                          (f"aligned learned (recommended), {args.learn_steps} steps", opts("learned", args.learn_steps),
+                           False, False)]}
+    chosen = args.more_cases.split(",")
+    if args.skip_learned and "learned" in chosen:
+        chosen.remove("learned")
+    cases = [case for name in chosen for case in groups[name]]
     for label, align, joint, repair in cases:
         t = time.perf_counter()
         merged, _ = merge_models(clients, options=MergeOptions(
@@ -69,6 +73,7 @@ def main(argv=None) -> int:
                         "(every client to the mean of the others), more learned steps")
     p.add_argument("--only-more", action="store_true", help="the --more rows only (the strategy's rows skipped)")
     p.add_argument("--learn-steps", type=int, default=600, help="the --more rows' longer learned alignment")
+    p.add_argument("--more-cases", default="repair,joint,learned", help="which --more rows: repair, joint, learned")
     p.add_argument("--out", help="folder for results.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

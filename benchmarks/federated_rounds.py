@@ -14,7 +14,7 @@ Run: ``FLWR_TELEMETRY_ENABLED=0 python -m benchmarks.federated_rounds --runs cle
 ``filtered``: weighted mean, norm_factor 10 and the outlier rule on the aligned updates
 (``--outlier-rule``, default ``krum``, ``--outlier-threshold``, default 3.5); ``clipped``: the same,
 with ``norm_clip`` (an update beyond the norm rule is scaled down to the others' median norm, not left
-out); ``fedavg``: no
+out); ``clip``: weighted mean and ``norm_clip``, no outlier rule; ``fedavg``: no
 alignment, weighted mean, no norm rule).
 """
 
@@ -35,7 +35,8 @@ ARMS = {"fedavg": {"alignment": "none", "norm_factor": None},
         "mean": {"norm_factor": None},
         "robust": {"aggregation": "median", "norm_factor": 10.0},
         "filtered": {"norm_factor": 10.0, "outlier_rule": "krum", "outlier_threshold": 3.5},
-        "clipped": {"norm_factor": 10.0, "norm_clip": True, "outlier_rule": "krum", "outlier_threshold": 3.5}}
+        "clipped": {"norm_factor": 10.0, "norm_clip": True, "outlier_rule": "krum", "outlier_threshold": 3.5},
+        "clip": {"norm_factor": 10.0, "norm_clip": True}}
 ATTACKS = ("clean", "scale100", "flip", "absent")
 
 
