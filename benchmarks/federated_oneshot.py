@@ -26,6 +26,40 @@ import torch
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "federated"
 
 
+def more_rows(clients, sizes, unlabeled, args, test_x, test_y):
+    """(label, accuracy, seconds) of symmerge's own N-model merge (``merge_models``, what the strategy's
+    aggregate equals) with the steps B5 (a) had not tried: REPAIR after the aggregation, the joint
+    alignment (each client to the mean of the others, no fixed frame), a longer learned alignment."""
+    from symmerge import AlignOptions, MergeOptions, merge_models
+    from symmerge.demo.train import accuracy
+    from symmerge.pipeline.options import LearnSettings
+
+    def opts(match, steps=None):
+        kw = {"learn": LearnSettings(steps=steps)} if steps else {}
+        return AlignOptions(symmetries="recommended", match=match, align_data=unlabeled,
+                            align_samples=args.align_samples, **kw)
+
+    groups = {"repair": [("FedAvg + REPAIR", AlignOptions(symmetries="none", align_data=unlabeled,
+                                                          align_samples=args.align_samples), False, True),
+                         ("aligned data-free (recommended) + REPAIR", opts("weights"), False, True),
+                         ("aligned activations (recommended) + REPAIR", opts("activations"), False, True)],
+              "joint": [("joint activations (recommended)", opts("activations"), True, False),
+                        ("joint activations (recommended) + REPAIR", opts("activations"), True, True)],
+              "learned": [("aligned learned (recommended) + REPAIR", opts("learned"), False, True),
+                          (f"aligned learned (recommended), {args.learn_steps} steps", opts("learned", args.learn_steps),
+                           False, False)]}
+    chosen = args.more_cases.split(",")
+    if args.skip_learned and "learned" in chosen:
+        chosen.remove("learned")
+    cases = [case for name in chosen for case in groups[name]]
+    for label, align, joint, repair in cases:
+        t = time.perf_counter()
+        merged, _ = merge_models(clients, options=MergeOptions(
+            method="average", align=align, anchor=None if joint else clients[0], joint=joint, weights=sizes,
+            heads="merge", repair=repair, evaluate=False, progress=False))
+        yield label, accuracy(merged, test_x, test_y)[1], time.perf_counter() - t
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=4)
@@ -34,6 +68,12 @@ def main(argv=None) -> int:
     p.add_argument("--align-samples", type=int, default=1000)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip-learned", action="store_true")
+    p.add_argument("--more", action="store_true",
+                   help="also the rows that try to close the gap: REPAIR after the aggregation, joint alignment "
+                        "(every client to the mean of the others), more learned steps")
+    p.add_argument("--only-more", action="store_true", help="the --more rows only (the strategy's rows skipped)")
+    p.add_argument("--learn-steps", type=int, default=600, help="the --more rows' longer learned alignment")
+    p.add_argument("--more-cases", default="repair,joint,learned", help="which --more rows: repair, joint, learned")
     p.add_argument("--out", help="folder for results.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -87,6 +127,8 @@ def main(argv=None) -> int:
             settings.append(("aligned learned (recommended)", AlignOptions(
                 symmetries="recommended", match="learned", align_data=unlabeled, align_samples=args.align_samples)))
         seconds = {}
+        if args.only_more:
+            settings = []
         for label, alignment in settings:
             strategy = AlignedFedAvg(clients[0], alignment=alignment, norm_factor=None, fraction_evaluate=0.0)
             strategy.global_arrays = ArrayRecord(clients[0].state_dict())
@@ -96,6 +138,10 @@ def main(argv=None) -> int:
             rows[label] = accuracy(merged, test_x, test_y)[1]
             seconds[label] = strategy.rounds[-1]["seconds"]
             print(f"{label:<46} accuracy {rows[label]:.4f}  ({seconds[label]:.1f} s)", flush=True)
+        if args.more or args.only_more:
+            for label, acc, secs in more_rows(clients, sizes, unlabeled, args, test_x, test_y):
+                rows[label], seconds[label] = acc, secs
+                print(f"{label:<46} accuracy {acc:.4f}  ({secs:.1f} s)", flush=True)
     print()
     ceiling = rows["ensemble of the clients (ceiling)"]
     best_client = max(rows[f"client {i}"] for i in range(args.clients))

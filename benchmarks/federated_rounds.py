@@ -5,12 +5,17 @@ shards and ViT); every round each trains ``--local-steps`` steps from the global
 ``AlignedFedAvg.aggregate_train`` (the very strategy a Flower ServerApp runs; the rounds are driven
 here without Ray, to keep the benchmark cheap) builds the next global model, scored on ``--test``
 test images after each round. ``--attack scale100``: client 0 sends global + 100 x its update;
-``--attack flip``: client 0 trains on flipped labels (9 - y). Each run is one row: its settings and the
-accuracy per round.
+``flip``: client 0 trains on flipped labels (9 - y); ``absent``: client 0 sends nothing (the clean
+run without the attacker's shard: what a perfect filter can reach). Each run is one row: its settings
+and the accuracy per round.
 
 Run: ``FLWR_TELEMETRY_ENABLED=0 python -m benchmarks.federated_rounds --runs clean:mean,scale100:mean,scale100:robust``
 (``mean``: weighted mean, no norm rule; ``robust``: coordinate-wise median and norm_factor 10;
-``fedavg``: no alignment, weighted mean, no norm rule).
+``filtered``: weighted mean, norm_factor 10 and the outlier rule on the aligned updates
+(``--outlier-rule``, default ``krum``, ``--outlier-threshold``, default 3.5); ``clipped``: the same,
+with ``norm_clip`` (an update beyond the norm rule is scaled down to the others' median norm, not left
+out); ``clip``: weighted mean and ``norm_clip``, no outlier rule; ``fedavg``: no
+alignment, weighted mean, no norm rule).
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ from .bench_federated import EXAMPLE, replies_for
 
 ARMS = {"fedavg": {"alignment": "none", "norm_factor": None},
         "mean": {"norm_factor": None},
-        "robust": {"aggregation": "median", "norm_factor": 10.0}}
+        "robust": {"aggregation": "median", "norm_factor": 10.0},
+        "filtered": {"norm_factor": 10.0, "outlier_rule": "krum", "outlier_threshold": 3.5},
+        "clipped": {"norm_factor": 10.0, "norm_clip": True, "outlier_rule": "krum", "outlier_threshold": 3.5},
+        "clip": {"norm_factor": 10.0, "norm_clip": True}}
+ATTACKS = ("clean", "scale100", "flip", "absent")
 
 
 def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, log=print) -> list[float]:
@@ -44,8 +53,10 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
     accs = []
     for r in range(1, rounds + 1):
         start = arrays.to_torch_state_dict()
-        states, sizes = [], []
+        states, sizes, pids = [], [], []
         for pid, (x, y) in enumerate(data):
+            if attack == "absent" and pid == 0:
+                continue
             local = task.load_model(cfg)
             local.load_state_dict(start)
             flip = attack == "flip" and pid == 0
@@ -55,13 +66,16 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
                 sd = {k: start[k] + 100.0 * (v - start[k]) for k, v in sd.items()}
             states.append(sd)
             sizes.append(len(x))
+            pids.append(pid)
         strategy.global_arrays = arrays
         arrays, _ = strategy.aggregate_train(r, replies_for(states, sizes))
         model.load_state_dict(arrays.to_torch_state_dict())
         accs.append(accuracy(model, *test)[1])
         rec = strategy.rounds[-1]
         log(f"  {attack}:{arm} round {r}: accuracy {accs[-1]:.4f}, left out "
-            f"{[x['kind'] for x in rec['left_out']]}, {rec['seconds']:.1f} s aggregation")
+            f"{[(pids[x['node'] - 1], x['kind']) for x in rec['left_out']]} (client, kind), clipped "
+            f"{[pids[x['node'] - 1] for x in rec['clipped']]}, {rec['seconds']:.1f} s "
+            f"aggregation", flush=True)
     return accs
 
 
@@ -75,8 +89,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="init and data seed")
     p.add_argument("--test", type=int, default=2000, help="test images scored after each round")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--outlier-rule", default="krum", help="the filtered arm's outlier rule: distance, cosine, krum")
+    p.add_argument("--outlier-threshold", type=float, default=3.5, help="the filtered arm's robust z threshold")
     p.add_argument("--out", help="folder for results.json")
     args = p.parse_args(argv)
+    for arm in ("filtered", "clipped"):
+        ARMS[arm].update(outlier_rule=args.outlier_rule, outlier_threshold=args.outlier_threshold)
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(EXAMPLE))
     from fedvit import task
@@ -88,8 +106,8 @@ def main(argv=None) -> int:
     results = {}
     for spec in args.runs.split(","):
         attack, arm = spec.split(":")
-        if attack not in ("clean", "scale100", "flip") or arm not in ARMS:
-            raise SystemExit(f"bad run {spec!r}: ATTACK:ARM with ATTACK in clean, scale100, flip and ARM in {list(ARMS)}")
+        if attack not in ATTACKS or arm not in ARMS:
+            raise SystemExit(f"bad run {spec!r}: ATTACK:ARM with ATTACK in {list(ATTACKS)} and ARM in {list(ARMS)}")
         results[spec] = run_one(task, cfg, attack, arm, args.rounds, args.clients, (test_x, test_y))
     print(f"\n{'run':<18}" + "".join(f"{'round ' + str(r):>10}" for r in range(1, args.rounds + 1)))
     for spec, accs in results.items():

@@ -23,7 +23,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from symmerge import MergeOptions, SymmergeError, merge_models  # noqa: E402
-from symmerge.federated import LEFT_OUT_KINDS, AlignedFedAvg, aggregate, norm_outliers  # noqa: E402
+from symmerge.federated import (LEFT_OUT_KINDS, OUTLIER_RULES, AlignedFedAvg, aggregate, norm_outliers,  # noqa: E402
+                                update_outliers, update_scores)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "federated"
@@ -204,6 +205,133 @@ def test_median_aggregation_resists_a_scaled_client_without_the_norm_rule(world)
     assert d(got) < 1.5 * max(honest) and d(got) < 0.05 * d(mean)
 
 
+# ---------------------------------------------------------------- the outlier rule on aligned updates
+
+
+def _flat_updates(sds: list[dict], base: dict) -> np.ndarray:
+    return np.stack([np.concatenate([(sd[k].double() - base[k].double()).reshape(-1).numpy() for k in base])
+                     for sd in sds])
+
+
+@pytest.mark.parametrize("n", [3, 4, 7])
+def test_update_scores_against_numpy(n):
+    gen = torch.Generator().manual_seed(n)
+    base = {"a": torch.randn(3, 4, generator=gen), "b": torch.randn(5, generator=gen)}
+    sds = [{k: v + torch.randn(v.shape, generator=gen) * (1 + i) for k, v in base.items()} for i in range(n)]
+    u = _flat_updates(sds, base)
+    s = np.sort(u, axis=0)
+    med = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+    np.testing.assert_allclose(update_scores(sds, base, base, "distance"), np.linalg.norm(u - med, axis=1), rtol=1e-10)
+    cos = u @ med / (np.linalg.norm(u, axis=1) * np.linalg.norm(med))
+    np.testing.assert_allclose(update_scores(sds, base, base, "cosine"), 1 - cos, rtol=1e-10)
+    d = ((u[:, None, :] - u[None, :, :]) ** 2).sum(-1)
+    m = n - (n - 3) // 2 - 2  # Krum's n - f - 2 nearest, f = (n - 3) // 2
+    krum = [np.sort(np.delete(d[i], i))[:m].sum() for i in range(n)]
+    np.testing.assert_allclose(update_scores(sds, base, base, "krum"), krum, rtol=1e-9)
+
+
+def test_update_outliers_robust_z():
+    scores = [1.0, 1.1, 0.9, 1.05, 0.95, 3.0]
+    flags = update_outliers(scores, 3.5, "krum")
+    med, mad = 1.025, 0.075  # the median, and the median of |s - med|
+    assert flags[5][0] == pytest.approx(0.6745 * (3.0 - med) / mad) and "outlier_threshold 3.5" in flags[5][1]
+    assert [r for _, r in flags[:5]] == [None] * 5  # low scores are never flagged
+    assert update_outliers(scores, 30.0)[5][1] is None  # a higher threshold keeps it
+    assert update_outliers([1.0, 50.0], 3.5) == [(0.0, None)] * 2  # fewer than 3: no rule
+    assert update_outliers([2.0, 2.0, 2.0, 7.0], 3.5)[3][0] == float("inf")  # MAD 0: the odd one out
+    assert [r for _, r in update_outliers([2.0, 2.0, 2.0], 3.5)] == [None] * 3
+
+
+def flipped_world(n_honest: int = 5, flipped: int = 9):
+    """Honest clients: the global model + a shared direction + noise; client ``flipped``: the same
+    norm, the opposite direction (what training on flipped labels does); every client FFN-permuted,
+    so that only after alignment the updates compare coordinate by coordinate."""
+    g = tiny_vit(0)
+    base = g.state_dict()
+    gen = torch.Generator().manual_seed(7)
+    direction = {k: 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+
+    def client(node, sign):
+        ng = torch.Generator().manual_seed(200 + node)
+        sd = {k: v + sign * direction[k] + 0.02 * torch.randn(v.shape, generator=ng) for k, v in base.items()}
+        return permute_ffn(sd, node)
+
+    replies = [reply(n, client(n, 1.0), 10 + n) for n in range(1, n_honest + 1)]
+    return g, replies, reply(flipped, client(flipped, -1.0), 20)
+
+
+@pytest.mark.parametrize("rule", OUTLIER_RULES)
+def test_outlier_rule_leaves_out_a_flipped_client_and_names_it(rule, caplog):
+    g, honest, bad = flipped_world()
+    TRIED["flipped"] += 1
+    # the norm rule alone lets it through: its update norm is ordinary
+    s = strategy(g)
+    s.aggregate_train(1, honest + [bad])
+    assert not s.rounds[-1]["left_out"]
+    s = strategy(g, outlier_rule=rule)
+    arrays, metrics = s.aggregate_train(1, honest + [bad])
+    rec = s.rounds[-1]
+    assert [(x["node"], x["kind"]) for x in rec["left_out"]] == [(9, "outlier")]
+    assert rec["accepted"] == [1, 2, 3, 4, 5] and metrics["symmerge-left-out-outlier"] == 1
+    assert rec["outlier_z"][9] > 3.5 and max(z for n, z in rec["outlier_z"].items() if n != 9) < 3.5
+    assert any("node 9" in r.getMessage() and "outlier" in r.getMessage() for r in caplog.records)
+    # the round aggregates exactly the honest clients
+    assert sha(arrays) == sha(strategy(g, outlier_rule=rule).aggregate_train(1, honest)[0])
+
+
+@pytest.mark.parametrize("rule", OUTLIER_RULES)
+def test_outlier_rule_keeps_every_clean_client(rule):
+    g, honest, _ = flipped_world(n_honest=6)
+    s = strategy(g, outlier_rule=rule)
+    arrays, metrics = s.aggregate_train(1, honest)
+    assert s.rounds[-1]["accepted"] == [1, 2, 3, 4, 5, 6] and not s.rounds[-1]["left_out"]
+    assert sha(arrays) == sha(strategy(g).aggregate_train(1, honest)[0])  # the rule off: the same round
+
+
+def test_outlier_rule_needs_the_alignment():
+    """Negative control: without alignment the permuted honest clients differ by their permutations, and
+    the flipped client no longer stands out (its z is far lower than after alignment)."""
+    g, honest, bad = flipped_world()
+    aligned = strategy(g, outlier_rule="distance")
+    aligned.aggregate_train(1, honest + [bad])
+    plain = strategy(g, alignment="none", outlier_rule="distance")
+    plain.aggregate_train(1, honest + [bad])
+    assert plain.rounds[-1]["outlier_z"][9] < 0.25 * aligned.rounds[-1]["outlier_z"][9]
+
+
+def test_outlier_rule_with_too_few_left_keeps_the_previous_global_model():
+    g, honest, bad = flipped_world(n_honest=3)
+    s = strategy(g, outlier_rule="krum", min_clients=4)
+    before = sha(s.global_arrays)
+    TRIED["too_few_rounds"] += 1
+    arrays, metrics = s.aggregate_train(1, honest + [bad])
+    assert arrays is s.global_arrays and sha(arrays) == before
+    assert metrics["symmerge-kept-previous"] == 1 and metrics["symmerge-left-out-outlier"] == 1
+
+
+def test_norm_clip_keeps_a_scaled_client_at_an_ordinary_norm(world, caplog):
+    """With norm_clip, a x100-scaled update is kept: its update scaled down to the others' median norm
+    (before alignment: the huge update would steer the alignment), then aligned; the aggregate stays
+    near the global model."""
+    g, clients, _ = world
+    base = g.state_dict()
+    bad = {k: base[k] + 100 * (v - base[k]) for k, v in clients[3].items()}
+    s = strategy(g, norm_clip=True)
+    arrays, metrics = s.aggregate_train(1, good_replies(world, (1, 2)) + [reply(3, bad, 60)])
+    rec = s.rounds[-1]
+    assert not rec["left_out"] and [c["node"] for c in rec["clipped"]] == [3] and metrics["symmerge-clients-clipped"] == 1
+    # its raw update scaled to the others' median norm, then aligned (which can only shorten it)
+    assert rec["accepted"] == [1, 2, 3]
+    assert 0.5 * (rec["distance_after"][0] + rec["distance_after"][1]) * 0.8 < rec["distance_after"][2] <= 0.5 * (
+        rec["distance_after"][0] + rec["distance_after"][1]) * (1 + 1e-9)
+    assert any("clipped node 3" in r.getMessage() for r in caplog.records)
+    assert 0 < rec["clipped"][0]["scale"] < 0.1
+    got = arrays.to_torch_state_dict()
+    assert all(torch.isfinite(v).all() for v in got.values())
+    d = lambda a: sum(((a[k].double() - base[k].double()) ** 2).sum() for k in a) ** 0.5  # noqa: E731
+    assert d(got) < 2 * max(rec["distance_after"])
+
+
 # ---------------------------------------------------------------- bad clients
 
 
@@ -357,7 +485,8 @@ def test_no_replies_at_all_keep_the_previous_global_model(world):
 def test_bad_options_are_one_clear_error(world):
     g, _, _ = world
     for kw in ({"aggregation": "mode"}, {"trim": 0.6}, {"min_clients": 0}, {"norm_factor": 0.5},
-               {"alignment": "spin"}):
+               {"alignment": "spin"}, {"outlier_rule": "zscore"}, {"outlier_rule": "krum", "outlier_threshold": 0},
+               {"outlier_rule": "krum", "outlier_threshold": float("nan")}):
         with pytest.raises(SymmergeError):
             AlignedFedAvg(g, **kw)
     s = AlignedFedAvg(g)

@@ -2,8 +2,10 @@
 Flower's message API (``pip install 'symmerge[flower]'``). The checks and aggregation rules, which
 need no Flower, are in :mod:`symmerge.federated.aggregate`."""
 
-from .aggregate import AGGREGATIONS, LEFT_OUT_KINDS, aggregate, check_state_dict, norm_outliers
+from .aggregate import (AGGREGATIONS, LEFT_OUT_KINDS, OUTLIER_RULES, aggregate, check_state_dict, norm_outliers,
+                        update_outliers, update_scores)
 from .strategy import FEDERATED_SYMMETRIES, AlignedFedAvg, alignment_options
 
 __all__ = ["AlignedFedAvg", "AGGREGATIONS", "FEDERATED_SYMMETRIES", "LEFT_OUT_KINDS", "aggregate",
-           "alignment_options", "check_state_dict", "norm_outliers"]
+           "OUTLIER_RULES", "alignment_options", "check_state_dict", "norm_outliers", "update_outliers",
+           "update_scores"]

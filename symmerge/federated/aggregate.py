@@ -7,6 +7,14 @@ global model (after alignment) is beyond ``factor`` × the median of the other c
 left out too (:func:`norm_outliers`). The survivors are combined by :func:`aggregate`: the weighted
 mean (FedAvg's rule, weights = example counts), the coordinate-wise median, or the coordinate-wise
 trimmed mean (``trim`` of the values cut from each end, as Flower's ``FedTrimmedAvg``).
+
+:func:`update_outliers` is the rule for updates that are ordinary in norm but point elsewhere (a client
+trained on flipped labels): every aligned client's update (its aligned model minus the global model) gets
+a score (``distance``: its L2 distance to the coordinate-wise median update; ``cosine``: 1 - its cosine
+to that median update; ``krum``: the sum of its squared distances to its n - f - 2 nearest other
+updates, f = ⌊(n - 3)/2⌋, as Krum), and a client whose robust z-score of that score, 0.6745 (s - median)
+/ MAD, exceeds ``threshold`` is left out. It is meaningful only after alignment: in one frame the
+clients' tensors can be compared coordinate by coordinate.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from ..errors import SymmergeError
 
 AGGREGATIONS = ("mean", "median", "trimmed_mean")
 # the kinds of reasons a client's reply is left out for (the per-round metrics count each kind)
-LEFT_OUT_KINDS = ("missing", "error", "malformed", "keys", "shapes", "non_finite", "alignment", "norm")
+LEFT_OUT_KINDS = ("missing", "error", "malformed", "keys", "shapes", "non_finite", "alignment", "norm", "outlier")
+OUTLIER_RULES = ("distance", "cosine", "krum")
 
 
 def _names(keys, limit: int = 3) -> str:
@@ -57,12 +66,102 @@ def norm_outliers(distances: list[float], factor: float | None) -> list[str | No
     if factor is None or len(distances) < 2:
         return out
     for i, d in enumerate(distances):
-        others = sorted(distances[:i] + distances[i + 1:])
-        m = len(others)
-        median = others[m // 2] if m % 2 else 0.5 * (others[m // 2 - 1] + others[m // 2])
+        median = median_of_others(distances, i)
         if median > 0 and d > factor * median:
             out[i] = (f"update norm {d:.4g} (distance to the global model, aligned) is {d / median:.3g} x the "
                       f"median of the others ({median:.4g}), beyond norm_factor {factor:g}")
+    return out
+
+
+def scale_update(state_dict: dict, base: dict, keys, factor: float) -> dict:
+    """``base + factor · (state_dict - base)`` on ``keys`` (in float64, each tensor's dtype out); every other
+    entry is ``state_dict``'s. The norm rule's clipping: an update scaled down to an ordinary norm."""
+    out = dict(state_dict)
+    for k in keys:
+        b = base[k].double()
+        out[k] = (b + factor * (state_dict[k].double() - b)).to(state_dict[k].dtype)
+    return out
+
+
+def median_of_others(values: list[float], i: int) -> float:
+    """The median of ``values`` without its ``i``-th (the norm rule's reference)."""
+    return _median(values[:i] + values[i + 1:])
+
+
+def check_outlier_rule(rule: str | None, threshold: float) -> None:
+    if rule is not None and rule not in OUTLIER_RULES:
+        raise SymmergeError(f"unknown outlier_rule {rule!r}; choose one of {', '.join(OUTLIER_RULES)} (or None: off)")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+            math.isfinite(threshold) and threshold > 0):
+        raise SymmergeError(f"outlier_threshold must be a number > 0, got {threshold!r}")
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    m = len(v)
+    return v[m // 2] if m % 2 else 0.5 * (v[m // 2 - 1] + v[m // 2])
+
+
+def update_scores(state_dicts: list[dict], base: dict, keys, rule: str) -> list[float]:
+    """Each model's outlier score under ``rule`` (see the module docstring), from its update
+    ``state_dict - base`` over ``keys``; computed key by key in float64 (no model-sized copy of all
+    updates at once). Larger: more outlying."""
+    check_outlier_rule(rule, 1.0)
+    n = len(state_dicts)
+    sq = torch.zeros(n, dtype=torch.float64)  # distance: squared distance to the median update
+    dot = torch.zeros(n, dtype=torch.float64)  # cosine: <u_i, median>
+    gram = torch.zeros(n, n, dtype=torch.float64)  # krum (and the cosine's norms): <u_i, u_j>
+    med_sq = 0.0
+    for k in keys:
+        b = base[k].double().reshape(-1)
+        u = torch.stack([sd[k].double().reshape(-1) - b for sd in state_dicts])
+        if rule == "krum":
+            gram += u @ u.T
+            continue
+        s = u.sort(dim=0).values
+        med = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+        if rule == "distance":
+            sq += ((u - med) ** 2).sum(dim=1)
+        else:
+            dot += u @ med
+            gram.diagonal().add_((u * u).sum(dim=1))
+            med_sq += float((med * med).sum())
+    if rule == "distance":
+        return sq.sqrt().tolist()
+    if rule == "cosine":
+        denom = (gram.diagonal() * med_sq).sqrt()
+        cos = torch.where(denom > 0, dot / denom.clamp_min(1e-300), torch.zeros_like(dot))
+        return (1.0 - cos).tolist()
+    diag = gram.diagonal()
+    dist = (diag[:, None] + diag[None, :] - 2 * gram).clamp_min(0.0)
+    neighbours = max(1, n - (n - 3) // 2 - 2) if n >= 3 else 1
+    scores = []
+    for i in range(n):
+        others = torch.cat([dist[i, :i], dist[i, i + 1:]]).sort().values
+        scores.append(float(others[:neighbours].sum()))
+    return scores
+
+
+def update_outliers(scores: list[float], threshold: float | None, rule: str = "score") -> list[tuple[float, str | None]]:
+    """For each score, ``(z, reason)``: its robust z-score 0.6745 (s - median) / MAD, and a reason if
+    z > ``threshold`` (``None``: kept). Only high scores are flagged. No rule with fewer than 3 scores
+    or without a threshold (z 0). Where the MAD is 0, a score above the median has z = inf."""
+    n = len(scores)
+    if threshold is None or n < 3:
+        return [(0.0, None)] * n
+    med = _median(scores)
+    mad = _median([abs(s - med) for s in scores])
+    out = []
+    for s in scores:
+        if s <= med:
+            z = 0.0 if mad == 0 else 0.6745 * (s - med) / mad
+        else:
+            z = math.inf if mad == 0 else 0.6745 * (s - med) / mad
+        reason = None
+        if z > threshold:
+            reason = (f"its aligned update is an outlier: {rule} score {s:.4g} against the clients' median {med:.4g} "
+                      f"(robust z {z:.3g}), beyond outlier_threshold {threshold:g}")
+        out.append((z, reason))
     return out
 
 

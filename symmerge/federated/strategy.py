@@ -20,8 +20,12 @@ One round of :meth:`AlignedFedAvg.aggregate_train`:
    model as its centre; the global model is never moved, so the global frame stays fixed from round to
    round and the clients, who all start the round from the global model, are pulled back into it);
 3. a client whose aligned distance to the global model (its update norm) is beyond ``norm_factor`` ×
-   the median of the others' is left out;
-4. if fewer than ``min_clients`` remain, the previous global model is returned unchanged (the same
+   the median of the others' is left out (with ``norm_clip``: kept, its update scaled down to that
+   median norm);
+4. with ``outlier_rule`` set, a client whose aligned update is an outlier among the remaining ones
+   (robust z-score of its ``distance`` / ``cosine`` / ``krum`` score beyond ``outlier_threshold``:
+   :func:`~symmerge.federated.aggregate.update_outliers`) is left out (kind ``outlier``);
+5. if fewer than ``min_clients`` remain, the previous global model is returned unchanged (the same
    ArrayRecord, byte for byte); otherwise the aligned models are aggregated: the mean weighted by
    ``num-examples`` (FedAvg), the coordinate-wise ``median`` or the ``trimmed_mean``.
 
@@ -57,7 +61,8 @@ from ..errors import SymmergeError
 from ..pipeline.align import align_pair, as_model, canonical
 from ..pipeline.options import AlignOptions
 from ..pipeline.verify import with_state_dict
-from .aggregate import LEFT_OUT_KINDS, aggregate, check_aggregation, check_state_dict, norm_outliers
+from .aggregate import (LEFT_OUT_KINDS, aggregate, check_aggregation, check_outlier_rule, check_state_dict,
+                        median_of_others, norm_outliers, scale_update, update_outliers, update_scores)
 
 # the recommended set without the residual stream: groups that need no change of parameterisation
 FEDERATED_SYMMETRIES = ("heads", "attn", "ffn", "rescale")
@@ -90,16 +95,22 @@ class AlignedFedAvg(FedAvg):
     or ``"learned"`` with ``align_data``: unlabeled data held by the server). ``aggregation``: ``mean``
     (weighted by ``num-examples``), ``median`` or ``trimmed_mean`` (``trim``: the fraction cut from each
     end). ``norm_factor``: a client whose update norm exceeds this multiple of the median of the others'
-    is left out (``None``: no such rule). ``min_clients``: fewer accepted clients keep the previous
+    is left out (``None``: no such rule); with ``norm_clip`` it is kept instead, its aligned update
+    scaled down to the median of the others' norms (logged; ``clipped`` in the round's record).
+    ``outlier_rule`` (``distance``, ``cosine`` or ``krum``; ``None``,
+    the default: off) with ``outlier_threshold`` (default 3.5): a client whose aligned update's score has
+    a robust z-score beyond the threshold is left out. ``min_clients``: fewer accepted clients keep the previous
     global model. Every other keyword goes to ``FedAvg``.
 
     After each round, :attr:`rounds` holds its full record (accepted and left-out node ids with reasons,
     distances, seconds); the returned MetricRecord carries the numeric part (keys ``symmerge-*``)."""
 
     def __init__(self, template, *, alignment=None, aggregation: str = "mean", trim: float = 0.2,
-                 norm_factor: float | None = 10.0, min_clients: int = 2, **fedavg_kwargs):
+                 norm_factor: float | None = 10.0, norm_clip: bool = False, outlier_rule: str | None = None,
+                 outlier_threshold: float = 3.5, min_clients: int = 2, **fedavg_kwargs):
         super().__init__(**fedavg_kwargs)
         check_aggregation(aggregation, trim)
+        check_outlier_rule(outlier_rule, outlier_threshold)
         if isinstance(min_clients, bool) or not isinstance(min_clients, int) or min_clients < 1:
             raise SymmergeError(f"min_clients must be a whole number >= 1, got {min_clients!r}")
         if norm_factor is not None and not (norm_factor > 1 and math.isfinite(norm_factor)):
@@ -108,6 +119,8 @@ class AlignedFedAvg(FedAvg):
         self.alignment = alignment_options(alignment).for_model(self.template)
         self.aggregation, self.trim = aggregation, trim
         self.norm_factor, self.min_clients = norm_factor, min_clients
+        self.outlier_rule, self.outlier_threshold = outlier_rule, float(outlier_threshold)
+        self.norm_clip = bool(norm_clip)
         self.reference = {k: v.detach() for k, v in self.template.state_dict().items()}
         self.folds = bool(self.alignment.symmetries) and canonical(self.template, self.alignment) is not self.template
         self.global_arrays: ArrayRecord | None = None  # set by configure_train: the model sent this round
@@ -116,10 +129,13 @@ class AlignedFedAvg(FedAvg):
 
     def summary(self) -> None:
         super().summary()
-        log(INFO, "\t└──> symmerge: align %s (match %s), aggregation %s%s, norm_factor %s, min_clients %d%s",
+        log(INFO, "\t└──> symmerge: align %s (match %s), aggregation %s%s, norm_factor %s%s, outlier_rule %s%s, "
+                  "min_clients %d%s",
             ",".join(self.alignment.symmetries) or "none", self.alignment.match, self.aggregation,
             f" (trim {self.trim:g})" if self.aggregation == "trimmed_mean" else "", self.norm_factor,
-            self.min_clients, ", global model kept with its norms folded" if self.folds else "")
+            " (clip)" if self.norm_clip else "", self.outlier_rule,
+            f" (threshold {self.outlier_threshold:g})" if self.outlier_rule else "", self.min_clients,
+            ", global model kept with its norms folded" if self.folds else "")
 
     def configure_train(self, server_round, arrays, config, grid):
         """FedAvg's, remembering the global model and the nodes sampled (the anchor and the roll call)."""
@@ -191,7 +207,8 @@ class AlignedFedAvg(FedAvg):
             candidates.append((msg, state_dict, weight))
 
         record = {"round": server_round, "left_out": left_out, "kept_previous": False, "folded": self.folds,
-                  "symmetries": list(self.alignment.symmetries), "aggregation": self.aggregation}
+                  "symmetries": list(self.alignment.symmetries), "aggregation": self.aggregation,
+                  "outlier_rule": self.outlier_rule, "outlier_z": {}, "clipped": []}
         if len(candidates) < self.min_clients:
             return self._keep_previous(record, candidates, t0)
 
@@ -202,33 +219,46 @@ class AlignedFedAvg(FedAvg):
         anchor_sd = anchor.state_dict()
         keys = [k for k, v in anchor_sd.items() if v.is_floating_point()]
         aligned = []
+        raw = {}
         for msg, state_dict, weight in candidates:
             node = msg.metadata.src_node_id
-            model = with_state_dict(self.template, state_dict)
             try:
-                if self.alignment.symmetries:
-                    res = align_pair(model, anchor, self.alignment)
-                    sd, before, after = res.model.state_dict(), res.report["distance_before"], res.report["distance_after"]
-                else:
-                    sd = model.state_dict()
-                    before = after = sq_distance(sd, anchor_sd, keys) ** 0.5
+                sd, before, after = self._align(state_dict, anchor, anchor_sd, keys)
             except Exception as e:  # noqa: BLE001 - a client's weights must not crash the server's solvers
                 self._left_out(left_out, node, "alignment", f"alignment failed: {type(e).__name__}: {e}")
                 continue
             if not math.isfinite(after):
                 self._left_out(left_out, node, "non_finite", f"its distance to the global model overflows ({after})")
                 continue
-            aligned.append((msg, sd, weight, float(before), float(after)))
+            aligned.append((msg, sd, weight, before, after))
+            raw[node] = state_dict
         align_seconds = time.perf_counter() - t_align
 
         # ---------------------------------------------------------------- the norm rule, on aligned updates
-        outliers = norm_outliers([a[4] for a in aligned], self.norm_factor)
+        distances = [a[4] for a in aligned]
         kept = []
-        for item, reason in zip(aligned, outliers):
+        for i, (item, reason) in enumerate(zip(aligned, norm_outliers(distances, self.norm_factor))):
             if reason is None:
                 kept.append(item)
+            elif self.norm_clip:
+                # the client's own update (before alignment: a huge update would steer the alignment) scaled
+                # down to the others' median norm, then aligned like the others
+                node, target = item[0].metadata.src_node_id, median_of_others(distances, i)
+                state_dict = raw[node]
+                float_keys = [k for k, v in global_sd.items() if v.is_floating_point()]
+                scale = target / max(sq_distance(state_dict, global_sd, float_keys) ** 0.5, 1e-300)
+                log(WARNING, "aggregate_train: clipped node %s: %s; its update scaled by %.4g", node, reason, scale)
+                record["clipped"].append({"node": node, "reason": reason, "scale": scale})
+                try:
+                    sd, _, after = self._align(scale_update(state_dict, global_sd, float_keys, scale), anchor,
+                                               anchor_sd, keys)
+                except Exception as e:  # noqa: BLE001
+                    self._left_out(left_out, node, "alignment", f"alignment failed: {type(e).__name__}: {e}")
+                    continue
+                kept.append((item[0], sd, item[2], item[3], after))
             else:
                 self._left_out(left_out, item[0].metadata.src_node_id, "norm", reason)
+        kept = self._outlier_rule(kept, anchor_sd, keys, left_out, record)
         if len(kept) < self.min_clients:
             return self._keep_previous(record, kept, t0, align_seconds)
 
@@ -243,6 +273,31 @@ class AlignedFedAvg(FedAvg):
                       align_seconds=align_seconds)
         metrics = self._client_metrics([k[0] for k in kept])
         return arrays, self._finish(record, metrics, t0)
+
+    def _align(self, state_dict: dict, anchor, anchor_sd: dict, keys) -> tuple[dict, float, float]:
+        """A client's model aligned to the global model: (state dict, distance before, distance after)."""
+        model = with_state_dict(self.template, state_dict)
+        if not self.alignment.symmetries:
+            sd = model.state_dict()
+            d = sq_distance(sd, anchor_sd, keys) ** 0.5
+            return sd, float(d), float(d)
+        res = align_pair(model, anchor, self.alignment)
+        return res.model.state_dict(), float(res.report["distance_before"]), float(res.report["distance_after"])
+
+    def _outlier_rule(self, kept: list, anchor_sd: dict, keys, left_out: list, record: dict) -> list:
+        """The clients of ``kept`` whose aligned update is not an outlier (the others are left out)."""
+        if self.outlier_rule is None or len(kept) < 3:
+            return kept
+        scores = update_scores([k[1] for k in kept], anchor_sd, keys, self.outlier_rule)
+        flags = update_outliers(scores, self.outlier_threshold, self.outlier_rule)
+        record["outlier_z"] = {k[0].metadata.src_node_id: z for k, (z, _) in zip(kept, flags)}
+        out = []
+        for item, (_, reason) in zip(kept, flags):
+            if reason is None:
+                out.append(item)
+            else:
+                self._left_out(left_out, item[0].metadata.src_node_id, "outlier", reason)
+        return out
 
     def _keep_previous(self, record: dict, accepted, t0: float, align_seconds: float = 0.0):
         log(WARNING, "aggregate_train: round %d keeps the previous global model: %d client(s) accepted, "
@@ -267,6 +322,7 @@ class AlignedFedAvg(FedAvg):
         metrics[PREFIX + "clients-left-out"] = len(record["left_out"])
         for kind in LEFT_OUT_KINDS:
             metrics[f"{PREFIX}left-out-{kind.replace('_', '-')}"] = sum(x["kind"] == kind for x in record["left_out"])
+        metrics[PREFIX + "clients-clipped"] = len(record["clipped"])
         metrics[PREFIX + "kept-previous"] = int(record["kept_previous"])
         metrics[PREFIX + "distance-before"] = float(sum(before) / len(before)) if before else 0.0
         metrics[PREFIX + "distance-after"] = float(sum(after) / len(after)) if after else 0.0
