@@ -192,3 +192,5 @@ def test_merge_cli_runs_the_learned_joint_alignment(tmp_path, capsys):
     assert run_cli("merge", *vits, *common, "--star", "-o", tmp_path / "star") == 0
     star = json.loads((tmp_path / "star" / "symmerge_report.json").read_text())["alignment"]
     assert "joint" not in star and [m["learned"]["steps"] for m in star["models"] if not m["anchor"]] == [3, 3]
+    card = (tmp_path / "joint" / "README.md").read_text()
+    assert "joint alignment into one frame" in card and "then learned (3 steps on 24 unlabeled examples" in card
