@@ -96,13 +96,9 @@ def print_tables(r: dict, log=print) -> None:
             f"{100 * x['accuracy']:.2f} | {100 * x['accuracy_vs_endpoints']:.1f} | {x['loss']:.4f} | {x['seconds']:.1f} |")
 
 
-def write_outputs(r: dict, out) -> None:
-    write_results(out, r, printed(print_tables, r))
-
-
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    return bench_main(args, lambda: None, run, print_tables, write_outputs, "tables.md")
+    return bench_main(parse_args(argv), lambda: None, run, print_tables,
+                      lambda r, out: write_results(out, r, printed(print_tables, r)), "tables.md")
 
 
 if __name__ == "__main__":
