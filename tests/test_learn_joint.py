@@ -194,3 +194,19 @@ def test_merge_cli_runs_the_learned_joint_alignment(tmp_path, capsys):
     assert "joint" not in star and [m["learned"]["steps"] for m in star["models"] if not m["anchor"]] == [3, 3]
     card = (tmp_path / "joint" / "README.md").read_text()
     assert "joint alignment into one frame" in card and "then learned (3 steps on 24 unlabeled examples" in card
+
+
+def test_barrier_of_three_models_runs_the_learned_joint_alignment(tmp_path):
+    """`barrier M1 M2 M3 --match learned`: the N-way average in the learned joint frame, every model
+    verified (the variant's `joint` holds the learned report)."""
+    import json
+
+    from conftest import npz_file, run_cli, vit_folder
+
+    vits = [str(vit_folder(tmp_path / f"vit{s}", s)) for s in (0, 1, 2)]
+    data, unlabeled_file = npz_file(tmp_path / "eval.npz", n=24), npz_file(tmp_path / "u.npz", n=24, seed=1)
+    assert run_cli("barrier", *vits, "--data", data, "--align", "attn,ffn,rescale", "--match", "learned",
+                   "--align-data", unlabeled_file, "--learn-steps", "2", "--points", "3", "-o", tmp_path / "b") == 0
+    variant = json.loads((tmp_path / "b" / "barrier.json").read_text())["variants"]["attn,ffn,rescale"]
+    assert variant["joint"]["match"] == "learned" and variant["joint"]["learned"]["steps"] == 2
+    assert variant["verify_max_rel_diff"] <= 1e-4 and len(variant["barrier_matrix"]) == 3
