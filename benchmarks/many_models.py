@@ -7,6 +7,12 @@ recipe (4 000 training digits, 800 steps of 64, cached); models 0..N−1 are mer
 digits, beside the endpoints' mean and the ensemble (mean predicted probabilities).
 
     .venv/bin/python -m benchmarks.many_models --out DIR [--n 2,3,4,8] [--hidden 64] [--match weights,activations]
+        [--heads keep|merge]
+
+``--match learned`` adds the learned alignment (star: each model learned pairwise to the anchor; joint:
+the Dirichlet mixtures of all N, :mod:`symmerge.pipeline.learn_joint`) on the same unlabeled digits.
+``--heads merge`` averages the classifiers too (the plain average of all parameters, which the learned
+alignment's mixtures are trained as); ``keep`` (default) keeps model 0's classifier, as ``merge`` does.
 """
 
 from __future__ import annotations
@@ -36,7 +42,10 @@ def parse_args(argv=None):
     p.add_argument("--match", default="weights,activations", help="matchers compared, star and joint each")
     p.add_argument("--methods", default="average", help="merge methods (average, fisher, regmean), comma list")
     p.add_argument("--methods-at", type=int, default=4, help="N at which the other --methods run (default 4)")
-    p.add_argument("--align-samples", type=int, default=1000, help="unlabeled training digits for activations")
+    p.add_argument("--align-samples", type=int, default=1000,
+                   help="unlabeled training digits for activations and learned")
+    p.add_argument("--heads", choices=("keep", "merge"), default="keep",
+                   help="the classifiers: model 0's kept (default, as merge does) or merged with the rest")
     add_run_args(p)
     return p.parse_args(argv)
 
@@ -74,7 +83,7 @@ def run(args, log=print) -> dict:
                          AlignOptions(symmetries="recommended", match=match,
                                       align_data=train_npz if match != "weights" else None,
                                       align_samples=args.align_samples))
-                opts = MergeOptions(method=method, align=align, joint=mode == "joint" if mode else None,
+                opts = MergeOptions(method=method, align=align, joint=mode == "joint" if mode else None, heads=args.heads,
                                     data=[train_npz] if method != "average" else [], eval_data=[test],
                                     max_examples=1000, progress=False)
                 t = time.perf_counter()
@@ -87,12 +96,15 @@ def run(args, log=print) -> dict:
                        "ensemble_accuracy": ens["accuracy"], "ensemble_loss": ens["loss"],
                        "align_seconds": report["timings"]["align"], "seconds": time.perf_counter() - t,
                        "joint_rounds": joint["rounds"] if joint else None,
-                       "spread": (joint["objective"][0], joint["objective"][-1]) if joint else None}
+                       "spread": (joint["objective"][0], joint["objective"][-1]) if joint else None,
+                       "anchor": report["alignment"]["anchor"]["index"],
+                       "learned_seconds": joint["learned"]["seconds"] if joint and "learned" in joint else None}
                 rows.append(row)
                 log(f"N={n} {label:18s} {method:8s} acc {100 * row['accuracy']:.2f} % "
                     f"({100 * row['accuracy_vs_endpoints']:.1f} % of endpoints), loss {row['loss']:.4f} "
                     f"(best endpoint {best_loss:.4f}), align {row['align_seconds']:.1f} s")
     return {"benchmark": "N models in one frame (MNIST-5k ViTs)", "hidden": args.hidden, "layers": args.layers,
+            "heads": args.heads,
             "steps": args.steps, "endpoints": [{"folder": str(f), **s} for f, s in zip(folders, singles)],
             "rows": rows, "load_average": os.getloadavg(), "seconds_total": time.perf_counter() - t0}
 

@@ -250,3 +250,18 @@ def test_many_models_small_end_to_end(tmp_path, mnist_5k_cache):
         if row["variant"].startswith("joint"):
             assert row["spread"][1] <= row["spread"][0]
     assert "| 3 | joint weights |" in (out / "tables.md").read_text()
+
+
+def test_joint_learned_variants_small_end_to_end(tmp_path, mnist_5k_cache):
+    """``python -m benchmarks.joint_learned_variants`` on three narrow ViTs: one row per variant, the
+    variant's settings recorded, the learned objective not above its start."""
+    from benchmarks import joint_learned_variants
+
+    out = tmp_path / "out"
+    assert joint_learned_variants.main(["--n", "3", "--hidden", "8", "--steps", "20", "--align-samples", "40",
+                                        "--variants", "anchor=1,steps=3;dirichlet=3,steps=2", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["anchor"], r["steps"], r["dirichlet"]) for r in rows] == [(1, 3, 1.0), (0, 2, 3.0)]
+    for row in rows:
+        assert 0 <= row["accuracy"] <= 1 and row["objective"][1] <= row["objective"][0] + 1e-9
+    assert "| 1 | 0 | 3 | 1 | activations |" in (out / "tables.md").read_text()

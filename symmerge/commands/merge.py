@@ -38,8 +38,9 @@ def add_arguments(parser) -> None:
                         help="anchor: index of a model (0-based) or a folder (default: base model for task-vector "
                              "methods; the second of two models; else the model closest to the average). With more "
                              "than two models and no anchor, every model is aligned jointly into one frame (each to "
-                             "the mean of the others, from the star on the model closest to the average); an anchor "
-                             "keeps the star: every model aligned to it")
+                             "the mean of the others, from the star on the model closest to the average; with --match "
+                             "learned, then random convex combinations of the models learned against the same "
+                             "combinations of their predictions); an anchor keeps the star: every model aligned to it")
     parser.add_argument("--star", action="store_true",
                         help="with more than two models: align every model to one anchor (the default rule's, or "
                              "--anchor) instead of jointly into one frame")
@@ -170,6 +171,10 @@ def run(args) -> int:
         j = alignment["joint"]
         print(f"joint alignment: {j['rounds']} round(s) after the star, spread {j['objective'][0]:.6g} -> "
               f"{j['objective'][-1]:.6g}")
+        if j.get("learned"):
+            lj = j["learned"]
+            print(f"learned joint alignment: {lj['steps']} step(s), objective {lj['held_out_start']:.4f} -> "
+                  f"{lj['held_out_best']:.4f}")
     evaluation = report.get("evaluation", {})
     if evaluation.get("note"):
         print(f"warning: {evaluation['note']}", file=sys.stderr)

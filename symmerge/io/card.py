@@ -111,6 +111,16 @@ def _merge_sections(r: dict) -> list[str]:
            f"{(a.get('anchor') or {}).get('name') or '–'} ({(a.get('anchor') or {}).get('rule') or 'no alignment'})"]
     if a.get("note"):
         out.append(f"- note: {a['note']}")
+    if a.get("joint"):
+        j = a["joint"]
+        line = (f"- joint alignment into one frame: {j['rounds']} round(s) after the star, spread "
+                f"{j['objective'][0]:.6g} → {j['objective'][-1]:.6g}")
+        if j.get("learned"):
+            lj = j["learned"]
+            line += (f"; then learned ({lj['steps']} steps on {j['align_samples_used']} unlabeled examples, random "
+                     f"convex combinations of the models): objective {lj['held_out_start']:.4f} → "
+                     f"{lj['held_out_best']:.4f}")
+        out.append(line)
     head = r.get("head") or {}
     out.append(f"- task head: {head.get('policy', '–')}" + (f" (from {head['from']})" if head.get("from") else ""))
     if r.get("statistics"):

@@ -133,7 +133,8 @@ class MergeOptions:
 
     def use_joint(self, n: int) -> bool:
         """Joint alignment (every model to the mean of the others) rather than the star: asked for, or by
-        default for more than two models without an anchor or a base, with a matcher that takes any anchor."""
+        default for more than two models without an anchor or a base, with a matcher that runs jointly (all three:
+        ``learned`` learns random convex combinations of the N models, :mod:`symmerge.pipeline.learn_joint`)."""
         if self.joint is not None:
             return self.joint
         return n > 2 and self.anchor is None and self.base is None and self.align.match in JOINT_MATCHES

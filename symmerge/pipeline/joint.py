@@ -15,6 +15,11 @@ by less than ``tol`` (relative) or nothing is accepted.
 
 Every model stays in its own orbit throughout: its final form is checked against the model it came
 from (outputs on sample inputs) once, at the end.
+
+``--match learned`` starts from this closed form (with the matcher ``LearnSettings.start``) and then
+learns every model's continuous elements but the anchor's so that random convex combinations of the N
+models (Dirichlet weights) predict the same combination of their predictions
+(:mod:`symmerge.pipeline.learn_joint`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from .align import align_pair, canonical, check_compatible
 from .options import AlignOptions
 from .verify import verify_forward, with_state_dict
 
-JOINT_MATCHES = ("weights", "activations")  # pairwise matchers that take any anchor (here: a mean model)
+# the matchers joint alignment runs: weights and activations align each model to the mean of the others (any
+# anchor); learned starts from one of them and learns random convex combinations (pipeline/learn_joint.py)
+JOINT_MATCHES = ("weights", "activations", "learned")
 
 
 @dataclass
@@ -82,7 +89,7 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
         raise SymmergeError(f"anchor index {anchor} out of range for {n} models")
     anchor %= n
     if options.match not in JOINT_MATCHES:
-        raise SymmergeError(f"joint alignment runs the {' and '.join(JOINT_MATCHES)} matchers; --match "
+        raise SymmergeError(f"joint alignment runs the {', '.join(JOINT_MATCHES)} matchers; --match "
                             f"{options.match} aligns pairwise to one anchor (pass --anchor to merge that way)")
     if max_rounds < 0 or not tol >= 0:
         raise SymmergeError(f"joint alignment needs max_rounds >= 0 and tol >= 0, got {max_rounds}, {tol}")
@@ -90,6 +97,10 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     for i, x in enumerate(models):
         if i != anchor:
             check_compatible(x, models[anchor])
+    if options.match == "learned":  # a closed-form joint alignment, then the mixtures learned
+        from .learn_joint import align_joint_learned
+
+        return align_joint_learned(models, options, anchor, names, max_rounds, tol, inputs, progress, round_sweeps)
     t0 = time.perf_counter()
     quiet = options.with_(verify=False)
     step = quiet.with_(max_sweeps=max(1, min(options.max_sweeps, round_sweeps)))

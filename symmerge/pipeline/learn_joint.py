@@ -1,0 +1,258 @@
+"""Learned joint alignment of N models: the continuous group elements of every model but one, optimised
+together so that random convex combinations of the N models predict the same combination of their
+predictions.
+
+The pairwise learned alignment (:mod:`symmerge.pipeline.learn`) trains the interpolated model
+α·θ_A + (1 − α)·θ_B against α·p_A + (1 − α)·p_B. With N models in one frame the interpolation is a
+point of the simplex: at every step a weight vector w ~ Dirichlet(c·1_N) is drawn, and the mixture
+
+    θ(w) = Σ_i w_i · T_i(θ_i)
+
+(``T_i``: model i's learned element, through each group kind's declared continuous parameterisation,
+``Kind.learn_*``; the identity for the frame model, which fixes the common frame) is trained with soft
+cross-entropy against Σ_i w_i · p_i (``LearnSettings.target="probabilities"``) or the normalised
+geometric mean softmax(Σ_i w_i · log p_i) (``"log-probabilities"``, the default). The endpoints'
+predictions p_i do not depend on the elements (each T_i preserves model i's function): they are computed
+once per batch. For N = 2 and w = (α, 1 − α) this is the pairwise objective; the weights are
+Dirichlet(1) = U(0, 1) there instead of U(``alpha_low``, ``alpha_high``).
+
+The start is the closed-form joint alignment (:func:`symmerge.pipeline.joint.align_joint` with the
+matcher ``LearnSettings.start``: ``activations`` on the same unlabeled data, or ``weights``), the FFN and
+head permutations of which stay fixed. Adam with cosine decay on all N − 1 models' parameters at once,
+one forward and backward of the mixture per step, the same settings as the pairwise case (steps, batch,
+lr, hold-out and patience, augmented image views, positions, seed, time budget); the objective is
+checked at the uniform average and at the points halfway between it and each model, which for N = 2
+are the pairwise check points α = ½, ¾, ¼. The end is kept only if that check is not
+worse than at the start. Every learned element is then rounded back to an exact element of its group
+(``Kind.learn_element``, float64), checked as a group element, and every model's final form is run
+against the model it came from.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import numpy as np
+import torch
+
+from ..core.apply import apply
+from ..core.distance import parameter_keys
+from ..errors import SymmergeError
+from ..families import spec_for
+from ..progress import bar, stage
+from .align import instances_for, load_align_data, untied
+from .learn import _Parameters, _split, augmented, examples_word, norm_eps, scored_logits, subsample_positions
+from .verify import verify_elements, verify_forward, with_state_dict
+
+DIRICHLET = 1.0  # concentration of the mixture weights: Dirichlet(1) is uniform on the simplex
+
+
+def check_points(n: int) -> list[torch.Tensor]:
+    """The fixed mixture weights the objective is checked at: the uniform average, and for every model
+    the point halfway between it and the uniform average (for N = 2: α = ½, ¾, ¼)."""
+    uniform = torch.full((n,), 1.0 / n)
+    return [uniform] + [0.5 * uniform + 0.5 * torch.eye(n)[i] for i in range(n)]
+
+
+class Mixture:
+    """The N models (state dicts in one frame, float32 for learning) and the skeleton that runs any
+    state dict of their architecture: the mixture θ(w) and its loss against the mixed predictions."""
+
+    def __init__(self, skeleton, state_dicts: list[dict], frame: int, target: str):
+        self.skeleton = copy.deepcopy(skeleton).to(torch.float32).eval()
+        for p in self.skeleton.parameters():
+            p.requires_grad_(False)
+        self.work = [{k: v.detach().to(torch.float32) if v.is_floating_point() else v for k, v in sd.items()}
+                     for sd in state_dicts]
+        self.frame, self.target = frame, target
+
+    def forward(self, sd: dict, batch) -> torch.Tensor:
+        # tied weights (an LM head sharing the embeddings) arrive under both names, with the same values
+        out = torch.func.functional_call(self.skeleton, sd, args=(), kwargs=batch.inputs, tie_weights=False)
+        return scored_logits(out.logits, batch)
+
+    def predictions(self, batch) -> torch.Tensor:
+        """(N, M, C): every model's probabilities (``target="probabilities"``) or log-probabilities on
+        ``batch``'s scored items; fixed, since the elements preserve each model's function."""
+        norm = torch.softmax if self.target == "probabilities" else torch.log_softmax
+        with torch.no_grad():
+            return torch.stack([norm(self.forward(sd, batch).float(), -1) for sd in self.work])
+
+    def mixed(self, w: torch.Tensor, changed: list[dict]) -> dict:
+        """θ(w) = Σ_i w_i · θ_i, with ``changed[i]`` (the tensors model i's learned element changes)
+        replacing model i's own; integer buffers from the frame model."""
+        out = {}
+        for k, v in self.work[self.frame].items():
+            if not v.is_floating_point():
+                out[k] = v
+                continue
+            acc = None
+            for i, sd in enumerate(self.work):
+                term = w[i] * changed[i].get(k, sd[k])
+                acc = term if acc is None else acc + term
+            out[k] = acc
+        return out
+
+    def loss(self, w: torch.Tensor, changed: list[dict], batch, predictions: torch.Tensor) -> torch.Tensor:
+        """Soft cross-entropy of θ(w) against the same mixture of the models' predictions."""
+        logp = torch.log_softmax(self.forward(self.mixed(w, changed), batch).float(), -1)
+        t = (w.to(predictions.dtype)[:, None, None] * predictions).sum(0)
+        if self.target != "probabilities":  # the normalised geometric mean of the predictions
+            t = torch.softmax(t, -1)
+        return -(t * logp).sum(-1).mean()
+
+
+def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data, settings, opts,
+                  model_facts: dict, progress: bool = False, concentration: float = DIRICHLET, on_step=None):
+    """Learn every model's continuous elements but the ``frame`` model's, in the parameterisation of
+    ``state_dicts`` (one frame); returns ``(elements, info)``: ``elements[i]`` is model i's
+    ``{instance name: element}`` (empty for the frame model and when nothing can be learned), to be
+    applied to ``state_dicts[i]``. ``on_step(step, parameters)`` is called after every update (tests;
+    ``parameters``: one :class:`~symmerge.pipeline.learn._Parameters` per model, None for the frame)."""
+    t0 = time.perf_counter()
+    n = len(state_dicts)
+    mix = Mixture(skeleton, state_dicts, frame, settings.target)
+    params = [None if i == frame else _Parameters(instances, opts, torch.float32, model_facts) for i in range(n)]
+    learners = [p for p in params if p is not None]
+    train, held = _split(data, settings.holdout)
+    g = torch.Generator().manual_seed(settings.seed)
+    rng = np.random.default_rng(settings.seed)
+    n_original = len(train)
+    train = train + augmented(train, settings.augment, g)
+    train = [subsample_positions(b, settings.positions, g) for b in train]
+    held = [subsample_positions(b, settings.positions, g) for b in held]
+    predictions = [mix.predictions(b) for b in train + held]
+    p_train, p_held = predictions[:len(train)], predictions[len(train):]
+
+    def changed() -> list[dict]:
+        return [{} if p is None else p.transform(mix.work[i]) for i, p in enumerate(params)]
+
+    check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
+    points = check_points(n)
+
+    def held_out() -> float:
+        with torch.no_grad():
+            moved = changed()
+            values = [mix.loss(w, moved, b, p).item() for w in points for b, p in zip(check, p_check)]
+        return sum(values) / len(values)
+
+    def snapshot() -> list:
+        return [None if p is None else {k: v.detach().clone() for k, v in p.state_dict().items()} for p in params]
+
+    best_state, best = snapshot(), held_out()
+    info = {"models_learned": len(learners), "dirichlet": concentration, "weights_checked": len(points),
+            "parameters": sum(x.numel() for p in learners for x in p.parameters()), "held_out_start": best,
+            "checked_on": "held-out part" if held else f"training {examples_word(data)} (no held-out part: start "
+                                                       "and end only)"}
+    history: dict = {"step": [], "train": []}
+    everything = [x for p in learners for x in p.parameters()]
+    if not everything:
+        info.update(steps=0, held_out_best=best, history=history, seconds=time.perf_counter() - t0,
+                    note="no continuous group elements to learn")
+        return [{} for _ in range(n)], info
+    steps = settings.steps
+    opt = torch.optim.Adam(everything, lr=settings.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    order, pos, stale, step, running = torch.randperm(len(train), generator=g), 0, 0, 0, None
+    pbar = bar(range(steps), desc=f"joint learned alignment ({n} models)", unit="step",
+               disable=None if progress else True)
+    for step in pbar:
+        if settings.budget is not None and time.perf_counter() - t0 > settings.budget:
+            info["stopped"] = f"time budget of {settings.budget} s"
+            break
+        if pos >= len(train):
+            order, pos = torch.randperm(len(train), generator=g), 0
+        i = order[pos].item()
+        pos += 1
+        w = torch.as_tensor(rng.dirichlet(np.full(n, concentration)), dtype=torch.float32)
+        loss = mix.loss(w, changed(), train[i], p_train[i])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+        pbar.set_postfix(loss=f"{running:.4f}", refresh=False)
+        if on_step is not None:
+            on_step(step, params)
+        if (step + 1) % settings.check_every == 0 or step + 1 == steps:
+            history["step"].append(step + 1)
+            history["train"].append(running)
+            if not held:  # nothing held out: no held-out column, the check runs at the end only
+                continue
+            value = held_out()
+            history.setdefault("held_out", []).append(value)
+            if value < best - 1e-7 * abs(best):
+                best, stale, best_state = value, 0, snapshot()
+            else:
+                stale += 1
+                if stale >= settings.patience:
+                    info["stopped"] = f"early stopping after {settings.patience} checks without improvement"
+                    break
+    pbar.close()
+    if not held:  # never worse than the start on the objective
+        value = held_out()
+        if value <= best:
+            best, best_state = value, snapshot()
+    for p, state in zip(params, best_state):
+        if p is not None:
+            p.load_state_dict(state)
+    elements = [{} if p is None else p.elements() for p in params]
+    info.update(steps=step + 1, held_out_best=best, history=history, seconds=time.perf_counter() - t0)
+    return elements, info
+
+
+def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds: int = 10, tol: float = 1e-4,
+                        inputs: dict | None = None, progress: bool = False, round_sweeps: int | None = None,
+                        concentration: float = DIRICHLET):
+    """:func:`~symmerge.pipeline.joint.align_joint` for ``options.match == "learned"`` (called from it,
+    arguments already checked): the closed-form joint alignment with the matcher
+    ``options.learn.start``, then :func:`learn_mixture` on ``options.align_data``; the frame is the
+    star's anchor's. Returns a :class:`~symmerge.pipeline.joint.JointAlignment` whose report adds
+    ``match``, ``start`` and ``learned``."""
+    from .joint import ROUND_SWEEPS, JointAlignment, align_joint, spread
+
+    settings = options.learn
+    if settings.rounds != 1:
+        raise SymmergeError(f"the joint learned alignment runs one round of steps (rounds=1), got rounds="
+                            f"{settings.rounds}: re-solving the permutations between rounds is pairwise only "
+                            "(pass --anchor for the star)")
+    if not concentration > 0:
+        raise SymmergeError(f"the Dirichlet concentration must be > 0, got {concentration}")
+    n = len(models)
+    anchor %= n
+    names = list(names) if names is not None else [f"model {i}" for i in range(n)]
+    t0 = time.perf_counter()
+    with stage(f"loaded the alignment data ({options.align_data})", enabled=progress):
+        data = load_align_data(options, models[anchor])
+    closed = options.with_(match=settings.start, align_data=data if settings.start != "weights" else None,
+                           verify=False)
+    start = align_joint(models, closed, anchor=anchor, names=names, max_rounds=max_rounds, tol=tol,
+                        progress=progress, round_sweeps=ROUND_SWEEPS if round_sweeps is None else round_sweeps)
+    base = untied(models[anchor]) if options.untie else models[anchor]
+    spec, instances = instances_for(base, options.layers, options.residual)
+    sds = [x.state_dict() for x in start.models]
+    elements, info = learn_mixture(instances, start.models[anchor], sds, anchor, data, settings,
+                                   options.solver_options(), {"norm_eps": norm_eps(models[anchor].config)},
+                                   progress=progress, concentration=concentration)
+    final = []
+    for i, x in enumerate(start.models):
+        if elements[i]:
+            verify_elements(instances, elements[i])  # exact elements of their groups
+            x = with_state_dict(x, apply(sds[i], instances, elements[i]))
+        final.append(x)
+    keys = parameter_keys(final[0])
+    info["spread_after"] = spread([x.state_dict() for x in final], keys)
+    spec = spec_for(models[0].config.model_type)
+    seconds = [m["seconds"] for m in start.report["models"]]
+    report_models = []
+    for i, x in enumerate(models):
+        check = (verify_forward(x, final[i], spec, options.verify_tol, inputs) if options.verify
+                 else {"verify_max_abs_diff": None, "verify_max_rel_diff": None})
+        report_models.append({"model": names[i], "seconds": seconds[i], **check})
+    report = {**{k: v for k, v in start.report.items() if k not in ("models", "seconds")},
+              "match": "learned", "start": f"{settings.start} (closed-form joint alignment)",
+              "align_samples_used": data.n, "learned": info, "models": report_models,
+              "seconds": time.perf_counter() - t0}
+    return JointAlignment(final, report)
