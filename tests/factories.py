@@ -63,6 +63,23 @@ def _configs():
         "phi": (lambda: T.PhiConfig(**decoder, partial_rotary_factor=0.5), T.PhiModel, T.PhiForCausalLM),
         **_dense_configs(T, decoder),
         **_moe_configs(T, decoder),
+        **_stack_configs(T),
+    }
+
+
+def _stack_configs(T) -> dict:
+    """Families with several layer stacks: T5 v1.1 (gated GELU; 2 encoder and 3 decoder layers), T5 v1.0
+    (ReLU), mT5."""
+    t5 = dict(vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=FFN, num_layers=LAYERS, num_decoder_layers=LAYERS + 1,
+              num_heads=HEADS, relative_attention_num_buckets=8, relative_attention_max_distance=20,
+              decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return {
+        # v1.1 / Flan: gated GELU, no d^-0.5 scaling of the decoder output (transformers ties the LM head anyway)
+        "t5": (lambda: T.T5Config(**t5, feed_forward_proj="gated-gelu", tie_word_embeddings=False), T.T5EncoderModel,
+               T.T5ForConditionalGeneration),
+        "t5-relu": (lambda: T.T5Config(**t5, feed_forward_proj="relu"), T.T5Model, T.T5ForConditionalGeneration),
+        "mt5": (lambda: T.MT5Config(**t5, feed_forward_proj="gated-gelu"), T.MT5EncoderModel,
+                T.MT5ForConditionalGeneration),
     }
 
 
@@ -115,6 +132,9 @@ RMSNORM += MOE
 PRE_LAYERNORM = ("vit", "gpt2", "phi", "gpt_neox", "gpt_neox-serial")  # pre-LN LayerNorm: O(d-1) after folding
 # ("largest"), or permutations
 WRITER_NORMS = ("gemma2", "gemma3", "olmo2")  # norms on the blocks' outputs: signed permutations of the stream
+STACKS = ("t5", "t5-relu", "mt5")  # several layer stacks (encoder-decoder)
+FAMILIES += STACKS
+RMSNORM += ("t5", "t5-relu", "mt5")
 WITH_RESIDUAL = FAMILIES  # every family's task models have a residual-stream group
 
 

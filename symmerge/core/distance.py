@@ -38,21 +38,35 @@ def per_module(instances, sd_a: dict, sd_b: dict) -> dict[str, float]:
     return {inst.name: distance(sd_a, sd_b, [s.key for s in inst.slots]) for inst in instances}
 
 
-def layer_of(key: str):
-    """Layer index of a state-dict key (``...layer.3.`` / ``...layers.3.`` / ``h.3.``), else None."""
+LAYER_WORDS = ("layer", "layers", "h", "block")
+
+
+def _layer_module(key: str):
+    """(module path of the layer holding a state-dict key, its index), e.g. ``encoder.block.3`` → 3, or None."""
     parts = key.split(".")
     for i, p in enumerate(parts[:-1]):
-        if p in ("layer", "layers", "h") and parts[i + 1].isdigit():
-            return int(parts[i + 1])
+        if p in LAYER_WORDS and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2]), int(parts[i + 1])
     return None
 
 
+def layer_of(key: str):
+    """Layer index of a state-dict key (``...layer.3.`` / ``...layers.3.`` / ``h.3.`` / ``block.3.``), else None."""
+    found = _layer_module(key)
+    return found[1] if found else None
+
+
 def distance_table(sd_a: dict, sd_b: dict, keys, instances=()) -> dict:
-    """L2 distance A–B over the whole model, per layer (all of a layer's tensors), per group instance."""
+    """L2 distance A–B over the whole model, per layer (all of a layer's tensors), per group instance.
+    A layer is numbered as its group instances number it (several stacks: T5's decoder layers follow the
+    encoder's), else by its key."""
     per_key = {k: sq_distance(sd_a, sd_b, [k]) for k in keys}
+    numbered = {m[0]: i.layer for i in instances if i.layer >= 0 for s in i.slots
+                if (m := _layer_module(s.key)) is not None}
     per_layer: dict[int, float] = {}
     for k, v in per_key.items():
-        layer = layer_of(k)
+        found = _layer_module(k)
+        layer = None if found is None else numbered.get(found[0], found[1])
         if layer is not None:
             per_layer[layer] = per_layer.get(layer, 0.0) + v
     return {

@@ -19,7 +19,7 @@ Tied weights are not stated here: they are what the model class declares (``all_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.spec import Fold, Group, Member, Spec
 
@@ -234,3 +234,25 @@ def build(family: str, model_types: tuple[str, ...], layer: str, attention: Atte
     return Spec(family, tuple(model_types), groups, inputs, folds, partial_rotary,
                 tuple((p + t if not t.startswith("/") else t[1:], r) for t, r in unsupported), probe, layer,
                 in_memory_only)
+
+
+# ------------------------------------------------------------------ families with several layer stacks
+
+
+def scoped(scope: str, groups) -> tuple[Group, ...]:
+    """The groups of one stack (or block) of a family with several, named ``{scope}.{name}``, with their
+    references to each other (a head permutation's ``couples``, the experts' ``inner``) renamed alike."""
+    def name(n: str) -> str:
+        return f"{scope}.{n}"
+
+    def param(key, value):
+        return tuple(map(name, value)) if key == "couples" else name(value) if key == "inner" else value
+
+    return tuple(replace(g, name=name(g.name), params=tuple((k, param(k, v)) for k, v in g.params)) for g in groups)
+
+
+def attention_groups(layer: str, att: Attention, heads: bool = True) -> tuple[Group, ...]:
+    """The head groups of one attention block of a layer template; ``heads=False`` leaves out the head
+    permutation (T5's self-attention: its relative position bias is shared by every layer of the stack)."""
+    groups = _attention_groups(layer + ".", att, Layout())
+    return groups if heads else tuple(g for g in groups if g.name != "heads")

@@ -436,6 +436,12 @@ def _task_class(model_type: str, image: bool) -> str:
     return auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[model_type]
 
 
+def _stacks_class(model_type: str) -> str:
+    from transformers.models.auto import modeling_auto as auto
+
+    return auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(model_type) or auto.MODEL_MAPPING_NAMES[model_type]
+
+
 def template_disk_names(spec) -> tuple[str, dict]:
     """(task class, ``{(member template, root): the template as stored on disk}``) for ``symmerge specs``:
     the spec's in-memory templates mapped through transformers' own conversion, applied to a weightless
@@ -447,7 +453,8 @@ def template_disk_names(spec) -> tuple[str, dict]:
     from ..core.resolve import find_prefix
 
     model_type = spec.model_types[0]
-    task = _task_class(model_type, spec.inputs == "image")
+    # a family of several stacks: its generation model (T5) or its base model holding every stack (CLIPModel)
+    task = _task_class(model_type, spec.inputs == "image") if not spec.stacks else _stacks_class(model_type)
     with quiet_transformers():
         cfg = transformers.AutoConfig.for_model(model_type)
         for attr, value in (("num_hidden_layers", 2), ("tie_word_embeddings", False)):

@@ -69,6 +69,8 @@ def head_kind(model) -> str:
         return "classification"
     if name.endswith(("ForCausalLM", "LMHeadModel")):
         return "lm"
+    if name.endswith("ForConditionalGeneration") and getattr(model.config, "is_encoder_decoder", False):
+        return "lm"  # a sequence-to-sequence LM (T5): lm data is scored as reconstruction (see predictions)
     return "none"
 
 
@@ -327,7 +329,13 @@ def take(data: Data, n: int) -> Data:
 
 
 def predictions(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits (M, C), targets (M,)) over the batch's scored items: examples, or next tokens (lm)."""
+    """(logits (M, C), targets (M,)) over the batch's scored items: examples, or next tokens (lm). An
+    encoder-decoder (T5) scores lm data as reconstruction: the text into the encoder, every token of it
+    predicted by the decoder from the ones before (teacher forcing: ``labels`` shifted right inside)."""
+    if batch.labels.dim() == 2 and getattr(model.config, "is_encoder_decoder", False):
+        logits = model(**batch.inputs, labels=batch.labels).logits
+        keep = batch.labels != -100
+        return logits[keep], batch.labels[keep]
     logits = model(**batch.inputs).logits
     if batch.labels.dim() == 1:
         return logits, batch.labels

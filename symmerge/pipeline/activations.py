@@ -65,7 +65,7 @@ import torch
 
 from ..core.apply import apply
 from ..core.instance import Slot
-from ..core.resolve import config_sizes, find_prefix
+from ..core.resolve import config_sizes, layer_paths
 from ..core.solvers import (centered_residual, complement_basis, orthogonal_residual, permutation_residual,
                             signed_permutation_residual)
 from ..errors import SymmergeError
@@ -175,11 +175,9 @@ def activation_slot(model, slot: Slot) -> tuple[Site, Slot] | None:
 def boundaries(model) -> list[str]:
     """Module paths of the layers (their outputs are the stream at every block boundary)."""
     spec = spec_for(model.config.model_type)
-    if not spec.layer:
+    if not spec.layer and not spec.stacks:
         raise SymmergeError(f"the {spec.family} spec names no layer module: activation matching needs it")
-    prefix = find_prefix(spec, model.state_dict().keys())
-    n = config_sizes(spec, model.config)["num_layers"]
-    return [(prefix + spec.layer.format(i=i)).rstrip(".") for i in range(n)]
+    return layer_paths(spec, model.state_dict().keys(), config_sizes(spec, model.config))
 
 
 def _stream_view(h: torch.Tensor, variant: str, stream: str) -> torch.Tensor:
