@@ -40,7 +40,8 @@ def make_inputs(model, seed: int = 0, batch: int = 3, length: int = 11) -> dict:
 
 # the outputs that are the model's function where the others are internal states a model-wide group moves
 FUNCTION_OUTPUTS = {"T5ForConditionalGeneration": ("logits",), "MT5ForConditionalGeneration": ("logits",),
-                    "CLIPModel": ("logits_per_image", "logits_per_text")}
+                    "CLIPModel": ("logits_per_image", "logits_per_text"),
+                    "CLIPTextModelWithProjection": ("text_embeds",), "CLIPVisionModelWithProjection": ("image_embeds",)}
 
 
 def model_outputs(model, inputs) -> list[torch.Tensor]:

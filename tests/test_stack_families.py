@@ -3,7 +3,10 @@
 * T5: why self-attention keeps its heads (the relative position bias of layer 0 serves every layer of a
   stack), the one residual group of both streams (the shared embedding), the encoder's final norm folded
   into every decoder layer's cross-attention, the layer numbering through the stacks, the function
-  verified on the logits, and merge / barrier end to end on saved checkpoints.
+  verified on the logits, and merge / barrier end to end on saved checkpoints;
+* CLIP: the shared embedding space (both projections rotated together keep the logits, one alone does
+  not), the two towers as two stacks with their own sizes, the vision stream behind ``pre_layrnorm``,
+  and align on saved checkpoints verified on the logits.
 """
 
 from __future__ import annotations
@@ -187,3 +190,94 @@ def test_t5_merge_and_barrier_end_to_end(tmp_path):
     assert set(curves) == {"none", "heads,attn,ffn,rescale,residual"}
     for curve in curves.values():
         assert len(curve["loss"]) == 3 and all(torch.isfinite(torch.tensor(curve["loss"])))
+
+
+# ------------------------------------------------------------------ CLIP
+
+
+def _rotate_rows(sd: dict, keys, Q: torch.Tensor) -> dict:
+    return {**sd, **{k: (Q.T.to(sd[k]) @ sd[k]) for k in keys}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_clip_shared_space_rotates_both_projections_together(dtype):
+    """One orthogonal map on the outputs of text_projection and visual_projection keeps logits_per_image
+    and logits_per_text (cosine similarities times the untouched logit_scale) while the embeddings
+    move; the same map on one projection only changes the logits."""
+    from symmerge.groups.base import haar
+
+    model = make_model("clip", head=True, dtype=dtype)
+    sd, inputs = model.state_dict(), make_inputs(model)
+    Q = haar(1, model.config.projection_dim, torch.Generator().manual_seed(0))[0]
+    both = _rotate_rows(sd, ("text_projection.weight", "visual_projection.weight"), Q)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert output_rel_diff(model, with_weights(model, both), inputs) <= tol
+    with torch.no_grad():
+        a, b = model(**inputs), with_weights(model, both)(**inputs)
+    assert (a.text_embeds - b.text_embeds).abs().max() > 1e-2  # the embeddings moved; their similarities did not
+    torch.testing.assert_close(b.text_embeds, a.text_embeds @ Q.to(dtype), rtol=0, atol=tol * 10)
+    for one in ("text_projection.weight", "visual_projection.weight"):
+        assert output_rel_diff(model, with_weights(model, _rotate_rows(sd, (one,), Q)), inputs) > 1e-3
+    _, instances = instances_for(model)
+    (proj,) = [i for i in instances if i.name == "projection"]
+    assert {(s.key, s.axis) for s in proj.slots} == {("text_projection.weight", 0), ("visual_projection.weight", 0)}
+    assert proj.info.variant == "orthogonal" and "logit_scale" not in {s.key for s in proj.slots}
+
+
+def test_clip_towers_are_two_stacks_with_their_own_sizes():
+    """Text layers first, then vision layers (different widths and head counts); a residual group per
+    tower and the shared space; a single tower has no model-wide group, with its projection one."""
+    model = make_model("clip", head=True)
+    _, instances = instances_for(model)
+    by_layer = {}
+    for i in instances:
+        by_layer.setdefault(i.layer, set()).add(i.name.split(".layer.")[0] if i.layer >= 0 else i.name)
+    assert by_layer == {0: {"text"}, 1: {"text"}, 2: {"vision"}, 3: {"vision"}, 4: {"vision"},
+                        -1: {"text.residual", "vision.residual", "projection"}}
+    heads = {i.name.split(".")[0]: i.blocks for i in instances if i.name.endswith(".heads")}
+    assert heads == {"text": 3, "vision": 4}
+    sizes = {i.name: i.size for i in instances if i.layer < 0}
+    assert sizes == {"text.residual": 24, "vision.residual": 20, "projection": 12}
+    for family in ("clip_text", "clip_vision"):
+        assert all(i.kind.per_layer for i in instances_for(make_model(family))[1])
+        wide = [i for i in instances_for(make_model(family, head=True))[1] if not i.kind.per_layer]
+        assert [i.name for i in wide] == ["residual"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_clip_vision_pre_layernorm_restricts_its_stream_unless_uniform(dtype):
+    """pre_layrnorm's output is the vision stream: a non-uniform γ leaves permutations (the suite's
+    random models), a uniform one the O(d-1) group, whose random element keeps the logits."""
+    model = make_model("clip", head=True, dtype=dtype)
+    variants = {i.name: i.info.variant for i in instances_for(model)[1] if i.layer < 0}
+    assert variants == {"text.residual": "centered", "vision.residual": "permutation", "projection": "orthogonal"}
+    with torch.no_grad():
+        model.vision_model.pre_layrnorm.weight.fill_(1.3)
+    _, instances = instances_for(model)
+    (vision,) = [i for i in instances if i.name == "vision.residual"]
+    assert vision.info.variant == "centered"
+    sd = canonicalize(model.state_dict(), [vision])
+    new = apply(sd, [vision], random_elements([vision], torch.Generator().manual_seed(2)))
+    assert not torch.equal(new["vision_model.embeddings.class_embedding"], sd["vision_model.embeddings.class_embedding"])
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    assert output_rel_diff(model, with_weights(model, new), make_inputs(model)) <= tol
+    with torch.no_grad():  # the control: a non-uniform pre_layrnorm does not commute with the rotation
+        changed = with_weights(model, new)
+        changed.vision_model.pre_layrnorm.weight.copy_(torch.linspace(0.5, 1.5, 20, dtype=dtype))
+        model.vision_model.pre_layrnorm.weight.copy_(torch.linspace(0.5, 1.5, 20, dtype=dtype))
+    assert output_rel_diff(model, changed, make_inputs(model)) > 1e-3
+
+
+def test_clip_align_cli_verifies_the_logits(tmp_path):
+    """align on saved CLIPModel folders: every group, the report's verification on the logits."""
+    anchor = make_model("clip", head=True, dtype=torch.float32)
+    model, _, _ = disguised(anchor, ("heads", "attn", "ffn", "residual"), seed=3)
+    a, m = tmp_path / "anchor", tmp_path / "model"
+    anchor.save_pretrained(str(a))
+    model.save_pretrained(str(m))
+    out = tmp_path / "out"
+    assert run_cli("align", m, a, "--symmetries", "heads,attn,ffn,rescale,residual", "--progress", "none",
+                   "-o", out) == 0
+    report = json.loads((out / "symmerge_report.json").read_text())
+    assert report["distance_after"] <= 1e-4 * report["distance_before"]
+    assert report["verify_max_rel_diff"] <= 1e-5 and "projection" in report["per_module"]

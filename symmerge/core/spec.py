@@ -71,7 +71,8 @@ class Group:
 
     ``kind`` names the group kind (:mod:`symmerge.groups`); ``symmetry`` is the user-facing switch
     (``--symmetries``) that turns it on; ``params`` holds kind-specific options as (name, value)
-    pairs (e.g. ``unit_scale``, ``pair_norms``, ``couples``)."""
+    pairs (e.g. ``unit_scale``, ``pair_norms``, ``couples``; ``description``: the group in words for ``symmerge
+    specs`` where the kind's own description would mislead, as for CLIP's shared space)."""
 
     name: str
     kind: str

@@ -67,6 +67,9 @@ class Stream:
     writer_norms: tuple[str, ...] = ()  # per layer: norms on a block's output before the residual add (Gemma 2/3
     # sandwich norms, OLMo 2): they cannot fold, so the stream keeps to signed permutations unless they are uniform
     offset: float = 0.0  # the norms multiply by offset + weight (Gemma's RMSNorm: 1 + w)
+    # norms between the embeddings and the first layer (CLIP's vision ``pre_layrnorm``): the stream is their
+    # output, so like writer_norms they cannot fold (permutations of the stream unless they are uniform)
+    input_norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -198,8 +201,8 @@ def _stream_group(p: str, att: Attention, mlp: MLP | None, stream: Stream, layou
         members += rows(p + w, 1, layout=layout)
     members += (Member(p + moe.down, 1, 1),) if moe else ()  # each expert's output rows
     norms = [p + n for n, _ in stream.norms] + ([stream.final] if stream.final else [])
-    fixed = tuple(p + n + ".weight" for n in stream.writer_norms)
-    for n in norms + [p + n for n in stream.writer_norms]:
+    fixed = tuple(p + n + ".weight" for n in stream.writer_norms) + tuple(n + ".weight" for n in stream.input_norms)
+    for n in norms + [p + n for n in stream.writer_norms] + list(stream.input_norms):
         members += (Member(n + ".weight", 0, 0, diag=True),)
         if stream.norm == "layernorm":
             members += (Member(n + ".bias", 0, 0, optional=True),)

@@ -453,8 +453,12 @@ def template_disk_names(spec) -> tuple[str, dict]:
     from ..core.resolve import find_prefix
 
     model_type = spec.model_types[0]
-    # a family of several stacks: its generation model (T5) or its base model holding every stack (CLIPModel)
-    task = _task_class(model_type, spec.inputs == "image") if not spec.stacks else _stacks_class(model_type)
+    # a family of several stacks: its generation model (T5) or its base model holding every stack (CLIPModel);
+    # a type with no task class of its kind (CLIP's single towers): its base model
+    try:
+        task = _task_class(model_type, spec.inputs == "image") if not spec.stacks else _stacks_class(model_type)
+    except KeyError:
+        task = _stacks_class(model_type)
     with quiet_transformers():
         cfg = transformers.AutoConfig.for_model(model_type)
         for attr, value in (("num_hidden_layers", 2), ("tie_word_embeddings", False)):
