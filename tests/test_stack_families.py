@@ -281,3 +281,36 @@ def test_clip_align_cli_verifies_the_logits(tmp_path):
     report = json.loads((out / "symmerge_report.json").read_text())
     assert report["distance_after"] <= 1e-4 * report["distance_before"]
     assert report["verify_max_rel_diff"] <= 1e-5 and "projection" in report["per_module"]
+
+
+# ------------------------------------------------------------------ matchers
+
+
+def test_t5_activation_matcher_solves_every_group(fp64_rmsnorm):
+    """--match activations on T5: every kind solved (the stream's boundaries run through both stacks),
+    the function kept; learned alignment is refused by name (its loss scores one sequence)."""
+    from symmerge.errors import SymmergeError
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.options import AlignOptions
+    from test_matchers import unlabeled
+
+    a, b = make_model("t5", head=True, seed=0), make_model("t5", head=True, seed=5)
+    result = align_pair(a, b, AlignOptions(symmetries="recommended", match="activations", align_data=unlabeled(a)),
+                        inputs=make_inputs(a))
+    assert output_rel_diff(a, result.model, make_inputs(a)) <= 1e-9
+    assert {i.name for i in result.instances} <= set(result.elements)
+    assert result.report["distance_after"] < result.report["distance_before"]
+    with pytest.raises(SymmergeError, match="learned alignment does not support encoder-decoder"):
+        align_pair(a, b, AlignOptions(symmetries="recommended", match="learned", align_data=unlabeled(a)))
+
+
+def test_clip_data_is_refused_by_name(tmp_path):
+    from symmerge.errors import SymmergeError
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.options import AlignOptions
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("the cat sat\n")
+    a, b = make_model("clip", head=True, seed=0), make_model("clip", head=True, seed=5)
+    with pytest.raises(SymmergeError, match="takes text and images together"):
+        align_pair(a, b, AlignOptions(symmetries="recommended", match="activations", align_data=str(lines)))

@@ -99,6 +99,10 @@ def takes_images(model) -> bool:
 def check_modality(fmt: str, model, path) -> None:
     """Images for an image model, text for a text model: checked before anything is read or tokenized."""
     kind = {"image": "image data (.npz)", "text": "text data (.jsonl)", "lm": "text data (.txt)"}[fmt]
+    if hasattr(model.config, "text_config") and hasattr(model.config, "vision_config"):
+        raise SymmergeError(f"{path}: a {model.config.model_type} model takes text and images together, and the data "
+                            "formats hold one of them; align it on the weights (--match weights) and merge it "
+                            "without --data")
     if fmt == "image" and not takes_images(model):
         raise SymmergeError(f"{path}: {kind} but the model ({model.config.model_type}) takes text; give it .jsonl "
                             "(text, label) or .txt (causal-LM lines)")
