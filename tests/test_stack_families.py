@@ -314,3 +314,25 @@ def test_clip_data_is_refused_by_name(tmp_path):
     a, b = make_model("clip", head=True, seed=0), make_model("clip", head=True, seed=5)
     with pytest.raises(SymmergeError, match="takes text and images together"):
         align_pair(a, b, AlignOptions(symmetries="recommended", match="activations", align_data=str(lines)))
+
+
+def test_t5_classification_model_keeps_its_stream(fp64_rmsnorm):
+    """T5ForSequenceClassification (under a ``transformer.`` prefix) reads the decoder's stream with a head
+    the spec does not name: it gets the per-layer groups only, which keep its function."""
+    import transformers
+
+    from factories import _configs
+
+    config = _configs()["t5"][0]()
+    config.num_labels = 3
+    torch.manual_seed(0)
+    model = transformers.T5ForSequenceClassification(config).double().eval()
+    _, instances = instances_for(model)
+    assert instances and all(i.kind.per_layer for i in instances)
+    inputs = make_inputs(model)
+    ids = inputs["input_ids"]
+    ids[:, -1] = config.eos_token_id  # the head reads the last eos token
+    inputs = {"input_ids": ids, "decoder_input_ids": ids}  # (it needs every row to end in one)
+    sd = model.state_dict()
+    new = apply(sd, instances, random_elements(instances, torch.Generator().manual_seed(0)))
+    assert output_rel_diff(model, with_weights(model, new), inputs) <= 1e-10

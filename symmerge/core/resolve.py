@@ -103,7 +103,9 @@ class Binding:
     @property
     def task_model(self) -> bool:
         """A model with a task head around its base model: its output is not the residual stream."""
-        return self.prefix != "" or bool(self.spec.task_classes and self.architecture.endswith(self.spec.task_classes))
+        if self.spec.task_classes:  # named where a prefix does not tell (T5ForSequenceClassification has one, but
+            return self.architecture.endswith(self.spec.task_classes)  # its head reads no stream the spec names)
+        return self.prefix != ""
 
     def applies(self, m: Member, layer=None) -> bool:
         """Whether the member's role holds in this model (its head class, the tensors present)."""

@@ -122,7 +122,7 @@ class Spec:
     # prefixes its members; instances are numbered through the stacks in this order (``layer`` of an instance)
     stacks: tuple[Stack, ...] = ()
     # class-name endings of the models whose output is read through a head although they have no base-model
-    # prefix (T5ForConditionalGeneration, CLIPModel): they get the model-wide groups
+    # prefix (T5ForConditionalGeneration, CLIPModel): they, and only they, get the model-wide groups
     task_classes: tuple[str, ...] = ()
     # the outputs that are the model's function where others are internal states a model-wide group moves
     # (T5's encoder_last_hidden_state, CLIP's text_embeds): verification compares these ('' : every output)
