@@ -15,22 +15,42 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def make_inputs(model, seed: int = 0, batch: int = 3, length: int = 11) -> dict:
+    """Token ids with a padded row, or pixels; both for a model taking both (CLIP), and decoder ids for
+    an encoder-decoder (T5)."""
+    import inspect
+
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
-    if hasattr(cfg, "image_size"):
-        return {"pixel_values": torch.randn(batch, cfg.num_channels, cfg.image_size, cfg.image_size,
-                                            generator=g, dtype=next(model.parameters()).dtype)}
-    ids = torch.randint(3, cfg.vocab_size, (batch, length), generator=g)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    mask[-1, length - 4:] = 0  # a padded row
-    return {"input_ids": ids, "attention_mask": mask}
+    takes = inspect.signature(model.forward).parameters
+    vision = getattr(cfg, "vision_config", None) or cfg
+    out = {}
+    if "pixel_values" in takes:
+        out["pixel_values"] = torch.randn(batch, vision.num_channels, vision.image_size, vision.image_size,
+                                          generator=g, dtype=next(model.parameters()).dtype)
+    if "input_ids" in takes:
+        text = getattr(cfg, "text_config", None) or cfg
+        ids = torch.randint(3, text.vocab_size, (batch, length), generator=g)
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[-1, length - 4:] = 0  # a padded row
+        out.update(input_ids=ids, attention_mask=mask)
+        if "decoder_input_ids" in takes:
+            out["decoder_input_ids"] = torch.randint(3, text.vocab_size, (batch, length - 3), generator=g)
+    return out
+
+
+# the outputs that are the model's function where the others are internal states a model-wide group moves
+FUNCTION_OUTPUTS = {"T5ForConditionalGeneration": ("logits",), "MT5ForConditionalGeneration": ("logits",),
+                    "CLIPModel": ("logits_per_image", "logits_per_text"),
+                    "CLIPTextModelWithProjection": ("text_embeds",), "CLIPVisionModelWithProjection": ("image_embeds",)}
 
 
 def model_outputs(model, inputs) -> list[torch.Tensor]:
-    """Every floating tensor the model returns (hidden states, pooler output, logits)."""
+    """Every floating tensor the model returns (hidden states, pooler output, logits); for the models of
+    FUNCTION_OUTPUTS only those."""
     with torch.no_grad():
         out = model.eval()(**inputs)
-    tensors = [v for v in out.values() if torch.is_tensor(v) and v.is_floating_point()]
+    names = FUNCTION_OUTPUTS.get(type(model).__name__)
+    tensors = [v for k, v in out.items() if torch.is_tensor(v) and v.is_floating_point() and (not names or k in names)]
     assert tensors, "model returned no floating outputs"
     return tensors
 
@@ -121,7 +141,7 @@ def fp64_rmsnorm(monkeypatch):
 
 
 def _fp64_dense_families(monkeypatch, forward):
-    """The same for the RMSNorms of Phi-3 and OLMo 2, and Gemma's ``(1 + w)`` RMSNorm (Gemma 1-3)."""
+    """The same for the RMSNorms of Phi-3, OLMo 2 and T5, and Gemma's ``(1 + w)`` RMSNorm (Gemma 1-3)."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
@@ -131,7 +151,10 @@ def _fp64_dense_families(monkeypatch, forward):
     def gemma_forward(self, x):
         return (1.0 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
-    for cls in (Phi3RMSNorm, Olmo2RMSNorm):
+    from transformers.models.mt5.modeling_mt5 import MT5LayerNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    for cls in (Phi3RMSNorm, Olmo2RMSNorm, T5LayerNorm, MT5LayerNorm):
         monkeypatch.setattr(cls, "forward", forward)
     for cls in (GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm):
         monkeypatch.setattr(cls, "forward", gemma_forward)

@@ -63,7 +63,41 @@ def _configs():
         "phi": (lambda: T.PhiConfig(**decoder, partial_rotary_factor=0.5), T.PhiModel, T.PhiForCausalLM),
         **_dense_configs(T, decoder),
         **_moe_configs(T, decoder),
+        **_stack_configs(T),
     }
+
+
+def _stack_configs(T) -> dict:
+    """Families with several layer stacks: T5 v1.1 (gated GELU; 2 encoder and 3 decoder layers), T5 v1.0
+    (ReLU), mT5."""
+    t5 = dict(vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=FFN, num_layers=LAYERS, num_decoder_layers=LAYERS + 1,
+              num_heads=HEADS, relative_attention_num_buckets=8, relative_attention_max_distance=20,
+              decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return {
+        # v1.1 / Flan: gated GELU, no d^-0.5 scaling of the decoder output (transformers ties the LM head anyway)
+        "t5": (lambda: T.T5Config(**t5, feed_forward_proj="gated-gelu", tie_word_embeddings=False), T.T5EncoderModel,
+               T.T5ForConditionalGeneration),
+        "t5-relu": (lambda: T.T5Config(**t5, feed_forward_proj="relu"), T.T5Model, T.T5ForConditionalGeneration),
+        "mt5": (lambda: T.MT5Config(**t5, feed_forward_proj="gated-gelu"), T.MT5EncoderModel,
+                T.MT5ForConditionalGeneration),
+        # CLIP: towers of different widths, heads and depths; a single tower is the base model
+        "clip": (lambda: T.CLIPConfig(text_config=_clip_text(), vision_config=_clip_vision(), projection_dim=12,
+                                      initializer_factor=2.0),
+                 lambda c: T.CLIPTextModel(c.text_config), T.CLIPModel),
+        "clip_text": (lambda: T.CLIPTextConfig(**_clip_text()), T.CLIPTextModel, T.CLIPTextModelWithProjection),
+        "clip_vision": (lambda: T.CLIPVisionConfig(**_clip_vision()), T.CLIPVisionModel, T.CLIPVisionModelWithProjection),
+    }
+
+
+def _clip_text() -> dict:
+    return dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
+                vocab_size=VOCAB, max_position_embeddings=16, projection_dim=12, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2, initializer_factor=2.0)
+
+
+def _clip_vision() -> dict:
+    return dict(hidden_size=20, num_hidden_layers=LAYERS + 1, num_attention_heads=4, intermediate_size=28,
+                image_size=8, patch_size=4, num_channels=3, projection_dim=12, initializer_factor=2.0)
 
 
 def _moe_configs(T, decoder: dict) -> dict:
@@ -115,6 +149,12 @@ RMSNORM += MOE
 PRE_LAYERNORM = ("vit", "gpt2", "phi", "gpt_neox", "gpt_neox-serial")  # pre-LN LayerNorm: O(d-1) after folding
 # ("largest"), or permutations
 WRITER_NORMS = ("gemma2", "gemma3", "olmo2")  # norms on the blocks' outputs: signed permutations of the stream
+STACKS = ("t5", "t5-relu", "mt5", "clip")  # several layer stacks (encoder-decoder, two towers)
+FAMILIES += STACKS + ("clip_text", "clip_vision")
+RMSNORM += ("t5", "t5-relu", "mt5")
+PRE_LAYERNORM += ("clip", "clip_text", "clip_vision")
+TIED_FINAL_NORM = ("t5", "t5-relu", "mt5")  # the LM head is always tied, the decoder's final norm cannot fold
+INPUT_NORMS = ("clip_vision",)  # a norm on the embeddings' sum (CLIP's pre_layrnorm): a permutation stream
 WITH_RESIDUAL = FAMILIES  # every family's task models have a residual-stream group
 
 

@@ -106,14 +106,18 @@ def _bloom(path):
     return save_folder(BloomModel(BloomConfig(hidden_size=24, n_layer=1, n_head=3, vocab_size=60)), path)
 
 
-def _t5(path):
-    from transformers import T5Config, T5Model
+def _whisper(path):
+    from transformers import WhisperConfig, WhisperModel
 
-    return save_folder(T5Model(T5Config(d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, vocab_size=60)), path)
+    return save_folder(WhisperModel(WhisperConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                                                  decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                                  vocab_size=60, num_mel_bins=8, max_source_positions=16,
+                                                  max_target_positions=16, pad_token_id=0, bos_token_id=1,
+                                                  eos_token_id=2, decoder_start_token_id=1)), path)
 
 
 @pytest.mark.parametrize("which", ["model", "anchor"])
-@pytest.mark.parametrize("maker,model_type", [(_bloom, "bloom"), (_t5, "t5")])
+@pytest.mark.parametrize("maker,model_type", [(_bloom, "bloom"), (_whisper, "whisper")])
 def test_unsupported_model_type(tmp_path, anchor_dir, out, capsys, maker, model_type, which):
     bad = maker(tmp_path / model_type)
     args = (bad, anchor_dir) if which == "model" else (anchor_dir, bad)

@@ -200,7 +200,7 @@ def test_decoders_without_gqa_and_with_one_kv_head(family, kv, fp64_rmsnorm):
 
 
 NOISY = [("bert", False), ("vit", False), ("gpt2", True), ("qwen2", False), ("qwen2", True), ("deberta-v2", False),
-         ("gemma2", True), ("gpt_neox", False), ("phi3", False), ("olmo2", False)]
+         ("gemma2", True), ("gpt_neox", False), ("phi3", False), ("olmo2", False), ("t5", False)]
 
 
 @pytest.mark.parametrize("family,tied", NOISY)

@@ -100,23 +100,23 @@ def test_plain_average_of_every_model_type(tmp_path, capsys, model_type):
 
 
 def test_recommended_falls_back_to_no_alignment_without_a_spec(tmp_path, capsys):
-    folders = save_pair(tmp_path, "t5")
+    folders = save_pair(tmp_path, "whisper")
     out = tmp_path / "out"
     rc, _, err = run(capsys, "merge", *folders, "--method", "average", "--heads", "merge", "--progress", "none",
                      "-o", out)
     assert rc == 0, err
     report = json.loads((out / "symmerge_report.json").read_text())
     assert report["alignment"]["symmetries"] == [] and "no symmetry spec" in report["alignment"]["note"]
-    assert "no symmetry spec for model_type 't5'" in err
+    assert "no symmetry spec for model_type 'whisper'" in err
     assert_mean(out, folders)
 
 
 @pytest.mark.parametrize("argv", [("merge", "--method", "average", "--align", "attn"), ("align",)])
 def test_explicit_alignment_of_a_family_without_spec_is_one_clear_error(tmp_path, capsys, argv):
-    folders = save_pair(tmp_path, "t5")
+    folders = save_pair(tmp_path, "whisper")
     out = tmp_path / "out"
     rc, _, err = run(capsys, argv[0], *folders, *argv[1:], "-o", out)
-    assert rc == 2 and "unsupported model_type 't5'; supported: " in err and "llama" in err
+    assert rc == 2 and "unsupported model_type 'whisper'; supported: " in err and "llama" in err
     assert not out.exists()
 
 

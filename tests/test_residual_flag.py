@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_inputs, output_rel_diff, sq_dist, with_weights
-from factories import FAMILIES, PRE_LAYERNORM, RMSNORM, WRITER_NORMS, make_model
+from factories import FAMILIES, INPUT_NORMS, PRE_LAYERNORM, RMSNORM, TIED_FINAL_NORM, WRITER_NORMS, make_model
 from symmerge.core.apply import apply, random_elements
 from symmerge.core.slots import unit_matrix
 from symmerge.groups.residual import StreamElement
@@ -18,6 +18,10 @@ from symmerge.pipeline.options import AlignOptions
 
 def expected_variant(family: str, residual: str) -> str:
     if family in WRITER_NORMS:  # random (non-uniform) output norms allow no rotation of the stream
+        return "signed_permutation"
+    if family in INPUT_NORMS:  # so does a random norm on the embeddings' sum
+        return "permutation"
+    if family in TIED_FINAL_NORM:  # and a random final norm before a tied LM head
         return "signed_permutation"
     if family in RMSNORM:
         return "orthogonal" if residual == "largest" else "signed_permutation"
@@ -66,7 +70,8 @@ def test_every_family_gets_the_stream_group_it_asks_for(family, residual, fp64_r
             assert rep["residual_group"].startswith("S_d")
         # every member of the stream (embeddings first) is moved exactly: rows re-indexed, signs only
         sd_a, sd_out = model.state_dict(), res.model.state_dict()
-        members = [s for s in inst.slots if not s.diag]
+        shared = {s.key for i in res.instances if not i.kind.per_layer and i is not inst for s in i.slots}
+        members = [s for s in inst.slots if not s.diag and s.key not in shared]  # CLIP's projections: two groups
         assert members
         for s in members:
             before, after = unit_matrix(sd_a[s.key], s).double(), unit_matrix(sd_out[s.key], s).double()

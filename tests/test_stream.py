@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import add_noise, make_inputs, output_rel_diff, sq_dist, with_weights
-from factories import DECODERS, DENSE, RMSNORM, make_model
+from factories import DECODERS, DENSE, RMSNORM, STACKS, make_model
 from symmerge.pipeline.align import align, instances_for
 from symmerge.core.apply import apply, random_elements
 from symmerge.io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
@@ -32,7 +32,8 @@ def _save(model, folder, shard="20KB"):
 def _pair(kind, dtype, tmp_path, symmetries=("attn", "ffn", "rescale")):
     """A model and a disguised noisy copy (hidden group element + noise), saved sharded."""
     decoder = kind in DECODERS
-    anchor = make_model(kind, head=decoder, dtype=dtype, seed=0, tied=kind == "gpt2" if decoder else None)
+    anchor = make_model(kind, head=decoder or kind in STACKS, dtype=dtype, seed=0,
+                        tied=kind == "gpt2" if decoder else None)
     _, insts = instances_for(anchor)
     local = [i for i in insts if i.group.symmetry in symmetries and i.kind.per_layer]
     sd = apply(anchor.state_dict(), local, random_elements(local, torch.Generator().manual_seed(3)))
@@ -46,7 +47,7 @@ def _state(folder):
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["low-memory", "pipeline"])
-@pytest.mark.parametrize("kind", ["llama", "bert", "vit", "gpt2", "qwen3", *DENSE])
+@pytest.mark.parametrize("kind", ["llama", "bert", "vit", "gpt2", "qwen3", *DENSE, *STACKS])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_stream_equals_in_memory_alignment(kind, dtype, pipeline, tmp_path):
     model_dir, anchor_dir, model, anchor = _pair(kind, dtype, tmp_path)
@@ -95,7 +96,7 @@ def test_parts_split_a_layer_into_tensor_disjoint_parts(kind, heads, tmp_path):
         assert len(split) == (2 if kind == "gpt2" or heads else 3)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
 def test_stream_with_head_permutation_equals_in_memory(kind, tmp_path):
     syms = ("heads", "attn", "ffn", "rescale")
     model_dir, anchor_dir, model, anchor = _pair(kind, torch.float64, tmp_path, symmetries=syms)

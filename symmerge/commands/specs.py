@@ -28,7 +28,7 @@ def has_scale(group) -> bool:
 def describe(group) -> str:
     kind = get_kind(group.kind)
     scale = kind.scale_text(group)
-    text = kind.description + (f", and {scale}" if scale else "")
+    text = group.param("description") or kind.description + (f", and {scale}" if scale else "")
     return f"{group.name}  (symmetry '{group.symmetry}'; {text})"
 
 

@@ -17,15 +17,40 @@ from .spec import Group, Member, Spec
 
 def find_prefix(spec: Spec, keys, disk_names=None) -> str:
     """Prefix of the base model inside the state dict ('' for AutoModel, 'bert.' for task models)."""
+    return _locate(spec, keys, disk_names)[0]
+
+
+def _probe_hits(probe: str, keys) -> list[str]:
+    return sorted(k[: -len(probe)] for k in keys if k.endswith(probe) and (k == probe or k[-len(probe) - 1] == "."))
+
+
+def _locate(spec: Spec, keys, disk_names=None) -> tuple[str, tuple]:
+    """(prefix, the stacks present): a family with several stacks needs one of them (its others may be
+    absent: T5EncoderModel, CLIPTextModel), all under one prefix."""
+    keys = list(keys)
+    if spec.stacks:
+        found = {s.name: _probe_hits(s.probe.format(i=0), keys) for s in spec.stacks}
+        present = tuple(s for s in spec.stacks if found[s.name])
+        prefixes = {p for s in present for p in found[s.name]}
+        if len(prefixes) == 1 and all(len(found[s.name]) == 1 for s in present):
+            return prefixes.pop(), present
+        raise SymmergeError(f"cannot locate the {spec.family} layers in the checkpoint (looked for layer 0 of its "
+                            f"{', '.join(s.name for s in spec.stacks)} stacks, found "
+                            f"{', '.join(p + s.probe.format(i=0) for s in spec.stacks for p in found[s.name]) or 'none'})")
     probe = spec.probe.format(i=0)
-    hits = sorted(k[: -len(probe)] for k in keys if k.endswith(probe) and (k == probe or k[-len(probe) - 1] == "."))
+    hits = _probe_hits(probe, keys)
     if len(hits) != 1:
         found = f": {', '.join((disk_names or {}).get(h + probe, h + probe) for h in hits)}" if hits else ""
         raise SymmergeError(
             f"cannot locate the {spec.family} layers in the checkpoint (looked for its layer 0's attention "
             f"query weight, found {len(hits)}{found})"
         )
-    return hits[0]
+    return hits[0], ()
+
+
+def stack_of(spec: Spec, template: str):
+    """The stack whose layers a template's ``{i}`` counts (None: a single-stack family)."""
+    return next((s for s in spec.stacks if template.startswith(s.layer + ".")), None)
 
 
 @dataclass
@@ -44,6 +69,12 @@ class Binding:
     residual: str = "largest"
     disk_names: object = field(default_factory=dict)  # a mapping: in-memory -> on-disk names (messages)
     architecture: str = ""  # the model's class name (task-head-specific roles)
+    # several stacks (T5, CLIP): per-layer binding of one stack names its instances ``{scope}.layer.{i}.…``
+    # and numbers them from ``offset``; ``stack_layers`` (layer template -> count, 0 for an absent stack)
+    # says how many layers a model-wide member's ``{i}`` runs over
+    scope: str = ""
+    offset: int = 0
+    stack_layers: dict = field(default_factory=dict)
 
     # ---------------------------------------------------------------- names
     def key_of(self, template: str, layer=None, root: bool = False) -> str:
@@ -55,7 +86,14 @@ class Binding:
         return self.disk_names.get(key, key)
 
     def layers_of(self, template: str) -> list:
-        return list(range(self.num_layers)) if "{i}" in template else [None]
+        if "{i}" not in template:
+            return [None]
+        if self.spec.stacks:
+            stack = stack_of(self.spec, template)
+            if stack is None:
+                raise SymmergeError(f"{template}: a {self.spec.family} template with a layer index lies in no stack")
+            return list(range(self.stack_layers.get(stack.layer, 0)))
+        return list(range(self.num_layers))
 
     def alias_source(self, key: str) -> str | None:
         return self.ties.get(key)
@@ -66,6 +104,8 @@ class Binding:
     @property
     def task_model(self) -> bool:
         """A model with a task head around its base model: its output is not the residual stream."""
+        if self.spec.task_classes:  # named where a prefix does not tell (T5ForSequenceClassification has one, but
+            return self.architecture.endswith(self.spec.task_classes)  # its head reads no stream the spec names)
         return self.prefix != ""
 
     def applies(self, m: Member, layer=None) -> bool:
@@ -142,7 +182,9 @@ class Binding:
         if len(set(sizes)) != 1:
             bad = next(s for s, z in zip(slots, sizes) if z != sizes[0])
             raise SymmergeError(f"{self.disk(bad.key)}: axis {bad.axis} does not match {self.disk(slots[0].key)} ({sizes})")
-        return Instance(f"layer.{layer}.{group.name}", layer, group, tuple(slots), blocks, sizes[0])
+        name = f"{self.scope}.layer.{layer}.{group.name.removeprefix(self.scope + '.')}" if self.scope \
+            else f"layer.{layer}.{group.name}"
+        return Instance(name, self.offset + layer, group, tuple(slots), blocks, sizes[0])
 
     def stacked_instances(self, group: Group, layer: int) -> list[Instance]:
         """One instance per index ``e`` of axis 0 of the group's stacked members (fused experts
@@ -186,7 +228,19 @@ def declared_ties(model) -> dict:
 
 
 def config_sizes(spec: Spec, config) -> dict:
-    """Layer and head counts (and rotary dims) from a transformers config, as ``resolve`` keywords."""
+    """Layer and head counts (and rotary dims) from a transformers config, as ``resolve`` keywords. A
+    family with several stacks adds ``stacks`` (per stack: its layer and head counts); its
+    ``num_layers`` counts the layers of every stack."""
+    if spec.stacks:
+        stacks = {}
+        for s in spec.stacks:
+            c = (getattr(config, s.config, None) if s.config else None) or config
+            heads = getattr(c, s.heads)
+            stacks[s.name] = dict(num_layers=getattr(c, s.layers), num_heads=heads,
+                                  num_kv_heads=getattr(c, "num_key_value_heads", None) or heads)
+        first = stacks[spec.stacks[0].name]
+        return dict(num_layers=sum(v["num_layers"] for v in stacks.values()), num_heads=first["num_heads"],
+                    stacks=stacks)
     heads = config.num_attention_heads
     sizes = dict(num_layers=config.num_hidden_layers, num_heads=heads,
                  num_kv_heads=getattr(config, "num_key_value_heads", None) or heads)
@@ -195,6 +249,14 @@ def config_sizes(spec: Spec, config) -> dict:
         factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
         sizes["rotary_dim"] = int(head_dim * factor)
     return sizes
+
+
+def layer_paths(spec: Spec, keys, sizes: dict) -> list[str]:
+    """Module paths of every layer of the stacks present, in the order instances number them."""
+    prefix, present = _locate(spec, keys)
+    if not spec.stacks:
+        return [(prefix + spec.layer.format(i=i)).rstrip(".") for i in range(sizes["num_layers"])]
+    return [prefix + s.layer.format(i=i) for s in present for i in range(sizes["stacks"][s.name]["num_layers"])]
 
 
 def value_keys(spec: Spec, keys, num_layers: int) -> list[str]:
@@ -207,44 +269,66 @@ def value_keys(spec: Spec, keys, num_layers: int) -> list[str]:
     return [k for i in range(num_layers) for n in norms if (k := prefix + n.format(i=i)) in keys]
 
 
+def _bind_all(out: list, group: Group, ctx: Binding, layer) -> None:
+    inst = get_kind(group.kind).bind(group, ctx, layer)
+    if isinstance(inst, list):  # one instance per expert (stacked members)
+        out += inst
+    elif inst is not None:
+        out.append(inst)
+
+
 def resolve(spec: Spec, state_dict, num_layers: int, num_heads: int, layers=None, *, num_kv_heads: int | None = None,
             rotary_dim: int | None = None, model_wide: bool = True, ties: dict | None = None,
             residual: str = "largest", disk_names: dict | None = None,
-            architecture: str = "") -> list[Instance]:
+            architecture: str = "", stacks: dict | None = None) -> list[Instance]:
     """All group instances of ``spec`` in ``state_dict``, per-layer groups first (in the spec's order)
     and model-wide groups last. ``layers``: only these layer indices (model-wide groups always span
     every layer); ``num_kv_heads``: KV heads (GQA; default ``num_heads``); ``rotary_dim``: rotary dims
     per head (default: the head dim); ``model_wide=False``: leave the model-wide groups out (they read
     norm values, so they need real tensors); ``ties``: declared ``{alias: source}``;
     ``architecture``: the model's class name;
-    ``residual``: ``permutation`` or ``largest`` (the residual stream's group for LayerNorm models)."""
-    prefix = find_prefix(spec, state_dict.keys(), disk_names)
+    ``residual``: ``permutation`` or ``largest`` (the residual stream's group for LayerNorm models);
+    ``stacks``: a family with several stacks, per stack name its ``num_layers``/``num_heads``/``num_kv_heads``
+    (:func:`config_sizes`): the layers of the stacks present are numbered one after another (T5: the
+    encoder's, then the decoder's), ``layers`` and the instances' ``layer`` count in that numbering."""
+    prefix, present = _locate(spec, state_dict.keys(), disk_names)
     heads = {"query": num_heads, "kv": num_kv_heads or num_heads}
     ctx = Binding(spec, state_dict, prefix, num_layers, heads, rotary_dim, dict(ties or {}), residual,
                   disk_names if disk_names is not None else {}, architecture)
+    # (binding, its first global layer index, its layer count, its per-layer groups) of every stack
+    parts = [(ctx, 0, num_layers, [g for g in spec.groups if get_kind(g.kind).per_layer])]
+    if spec.stacks:
+        if stacks is None:
+            raise SymmergeError(f"{spec.family}: resolve needs the sizes of each stack (config_sizes)")
+        parts, offset = [], 0
+        for s in present:
+            n, h = stacks[s.name]["num_layers"], stacks[s.name]["num_heads"]
+            kv = stacks[s.name].get("num_kv_heads") or h
+            own = [g for g in spec.groups if get_kind(g.kind).per_layer and stack_of(spec, g.members[0].name) is s]
+            parts.append((replace(ctx, num_layers=n, heads={"query": h, "kv": kv}, scope=s.name, offset=offset),
+                          offset, n, own))
+            offset += n
+        ctx = replace(ctx, num_layers=offset, stack_layers={s.layer: stacks[s.name]["num_layers"] if s in present else 0
+                                                            for s in spec.stacks})
+        num_layers = offset
     for template, reason in spec.unsupported:
         if any(ctx.key_of(template, i) in state_dict for i in range(num_layers)):
             raise SymmergeError(f"{spec.family} models with {reason} are not supported")
-    if heads["query"] % heads["kv"]:
-        raise SymmergeError(f"{num_heads} attention heads do not split into {heads['kv']} key/value heads")
-    chosen = range(num_layers) if layers is None else layers
-    out = []
-    for i in chosen:
+    for part, _, _, _ in parts:
+        if part.heads["query"] % part.heads["kv"]:
+            raise SymmergeError(f"{part.heads['query']} attention heads do not split into {part.heads['kv']} "
+                                "key/value heads")
+    for i in (layers or ()):
         if not 0 <= i < num_layers:
             raise SymmergeError(f"layer {i} out of range: the model has {num_layers} layers")
-        for group in spec.groups:
-            kind = get_kind(group.kind)
-            if kind.per_layer:
-                inst = kind.bind(group, ctx, i)
-                if isinstance(inst, list):  # one instance per expert (stacked members)
-                    out += inst
-                elif inst is not None:
-                    out.append(inst)
+    where = {offset + i: (part, i, groups) for part, offset, n, groups in parts for i in range(n)}
+    out = []
+    for g in range(num_layers) if layers is None else layers:
+        part, i, groups = where[g]
+        for group in groups:
+            _bind_all(out, group, part, i)
     if model_wide:
         for group in spec.groups:
-            kind = get_kind(group.kind)
-            if not kind.per_layer:
-                inst = kind.bind(group, ctx, None)
-                if inst is not None:
-                    out.append(inst)
+            if not get_kind(group.kind).per_layer:
+                _bind_all(out, group, ctx, None)
     return out

@@ -62,6 +62,7 @@ class Fold:
     readers: tuple[Member, ...]
     bias: str | None = None  # LayerNorm's β (None: RMSNorm)
     offset: float = 0.0  # the norm multiplies by offset + weight (Gemma's RMSNorm: 1 + w)
+    group: str = ""  # the residual group whose stream the norm reads ('' : the family's only one)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ class Group:
 
     ``kind`` names the group kind (:mod:`symmerge.groups`); ``symmetry`` is the user-facing switch
     (``--symmetries``) that turns it on; ``params`` holds kind-specific options as (name, value)
-    pairs (e.g. ``unit_scale``, ``pair_norms``, ``couples``)."""
+    pairs (e.g. ``unit_scale``, ``pair_norms``, ``couples``; ``description``: the group in words for ``symmerge
+    specs`` where the kind's own description would mislead, as for CLIP's shared space)."""
 
     name: str
     kind: str
@@ -81,6 +83,25 @@ class Group:
 
     def param(self, key: str, default=None):
         return dict(self.params).get(key, default)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One layer stack of a family with several (T5's encoder and decoder, CLIP's text and vision towers).
+
+    ``layer``: the module path template of one of its layers; a member template under it (``{layer}.…``)
+    counts this stack's layers with ``{i}``. ``probe``: a tensor template of its layer 0 (the stack is
+    present where the checkpoint holds it: T5EncoderModel has no decoder, CLIPTextModel no vision tower).
+    Its sizes are the config attributes ``layers`` and ``heads`` of the sub-config ``config`` (CLIP's
+    ``text_config``), or of the model's config where it has no such sub-config (CLIPTextModel's config
+    is the text config itself)."""
+
+    name: str
+    layer: str
+    probe: str
+    config: str = ""
+    layers: str = "num_hidden_layers"
+    heads: str = "num_attention_heads"
 
 
 @dataclass(frozen=True)
@@ -97,6 +118,15 @@ class Spec:
     # why streamed alignment refuses the family ('' : it streams): transformers 5 fuses MoE experts in memory
     # ((E, 2I, d) tensors) but saves them one tensor per expert, so the spec's names exist only in memory
     in_memory_only: str = ""
+    # several layer stacks (T5, CLIP): each per-layer group belongs to the stack whose ``layer`` template
+    # prefixes its members; instances are numbered through the stacks in this order (``layer`` of an instance)
+    stacks: tuple[Stack, ...] = ()
+    # class-name endings of the models whose output is read through a head although they have no base-model
+    # prefix (T5ForConditionalGeneration, CLIPModel): they, and only they, get the model-wide groups
+    task_classes: tuple[str, ...] = ()
+    # the outputs that are the model's function where others are internal states a model-wide group moves
+    # (T5's encoder_last_hidden_state, CLIP's text_embeds): verification compares these ('' : every output)
+    outputs: tuple[str, ...] = ()
 
     def group(self, name: str) -> Group | None:
         return next((g for g in self.groups if g.name == name), None)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from ..core.spec import Spec
 from ..errors import SymmergeError
-from . import bert, deberta, distilbert, gemma, gpt2, gpt_neox, llama, moe, olmo2, phi, phi3, vit
+from . import bert, clip, deberta, distilbert, gemma, gpt2, gpt_neox, llama, moe, olmo2, phi, phi3, t5, vit
 
 SPECS: tuple[Spec, ...] = (bert.SPEC, distilbert.SPEC, deberta.SPEC, vit.SPEC, gpt2.SPEC, llama.LLAMA, llama.QWEN3,
                            phi.SPEC)
 # dense decoder families of issue 22
 SPECS += (gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3, gpt_neox.SPEC, phi3.SPEC, olmo2.SPEC)
 SPECS += (moe.MIXTRAL, moe.QWEN2_MOE, moe.QWEN3_MOE, moe.OLMOE)  # mixtures of experts
+SPECS += (t5.SPEC, clip.SPEC, clip.TEXT, clip.VISION)  # several layer stacks (and CLIP's single towers)
 
 # user-facing symmetry names (``--symmetries``), in the order groups are solved
 SYMMETRIES = ("heads", "attn", "ffn", "rescale", "residual")

@@ -19,7 +19,7 @@ Tied weights are not stated here: they are what the model class declares (``all_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.spec import Fold, Group, Member, Spec
 
@@ -67,6 +67,9 @@ class Stream:
     writer_norms: tuple[str, ...] = ()  # per layer: norms on a block's output before the residual add (Gemma 2/3
     # sandwich norms, OLMo 2): they cannot fold, so the stream keeps to signed permutations unless they are uniform
     offset: float = 0.0  # the norms multiply by offset + weight (Gemma's RMSNorm: 1 + w)
+    # norms between the embeddings and the first layer (CLIP's vision ``pre_layrnorm``): the stream is their
+    # output, so like writer_norms they cannot fold (permutations of the stream unless they are uniform)
+    input_norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -198,8 +201,8 @@ def _stream_group(p: str, att: Attention, mlp: MLP | None, stream: Stream, layou
         members += rows(p + w, 1, layout=layout)
     members += (Member(p + moe.down, 1, 1),) if moe else ()  # each expert's output rows
     norms = [p + n for n, _ in stream.norms] + ([stream.final] if stream.final else [])
-    fixed = tuple(p + n + ".weight" for n in stream.writer_norms)
-    for n in norms + [p + n for n in stream.writer_norms]:
+    fixed = tuple(p + n + ".weight" for n in stream.writer_norms) + tuple(n + ".weight" for n in stream.input_norms)
+    for n in norms + [p + n for n in stream.writer_norms] + list(stream.input_norms):
         members += (Member(n + ".weight", 0, 0, diag=True),)
         if stream.norm == "layernorm":
             members += (Member(n + ".bias", 0, 0, optional=True),)
@@ -234,3 +237,25 @@ def build(family: str, model_types: tuple[str, ...], layer: str, attention: Atte
     return Spec(family, tuple(model_types), groups, inputs, folds, partial_rotary,
                 tuple((p + t if not t.startswith("/") else t[1:], r) for t, r in unsupported), probe, layer,
                 in_memory_only)
+
+
+# ------------------------------------------------------------------ families with several layer stacks
+
+
+def scoped(scope: str, groups) -> tuple[Group, ...]:
+    """The groups of one stack (or block) of a family with several, named ``{scope}.{name}``, with their
+    references to each other (a head permutation's ``couples``, the experts' ``inner``) renamed alike."""
+    def name(n: str) -> str:
+        return f"{scope}.{n}"
+
+    def param(key, value):
+        return tuple(map(name, value)) if key == "couples" else name(value) if key == "inner" else value
+
+    return tuple(replace(g, name=name(g.name), params=tuple((k, param(k, v)) for k, v in g.params)) for g in groups)
+
+
+def attention_groups(layer: str, att: Attention, heads: bool = True) -> tuple[Group, ...]:
+    """The head groups of one attention block of a layer template; ``heads=False`` leaves out the head
+    permutation (T5's self-attention: its relative position bias is shared by every layer of the stack)."""
+    groups = _attention_groups(layer + ".", att, Layout())
+    return groups if heads else tuple(g for g in groups if g.name != "heads")

@@ -97,8 +97,13 @@ class Residual(Kind):
             return ctx.with_info(inst, StreamInfo("signed_permutation" if norm == "rmsnorm" else "permutation"))
         folds, blocked = [], []
         for f in ctx.spec.folds:
+            if f.group and f.group != group.name:
+                continue  # a norm of another stream (CLIP's other tower)
             for i in ctx.layers_of(f.weight):
-                readers = [(ctx.key_of(m.name, i, m.root), m.axis) for m in f.readers]
+                # a norm outside the layers may feed readers in every layer (T5's encoder output: the
+                # decoder's cross-attention keys and values)
+                readers = [(ctx.key_of(m.name, j, m.root), m.axis) for m in f.readers
+                           for j in ([i] if i is not None else ctx.layers_of(m.name))]
                 readers = [(k, a) for k, a in readers if k in ctx.state_dict]
                 binding = FoldBinding(ctx.key_of(f.weight, i), ctx.key_of(f.bias, i) if f.bias else None,
                                       tuple(readers), f.offset)

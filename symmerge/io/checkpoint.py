@@ -394,6 +394,12 @@ def _task_class(model_type: str, image: bool) -> str:
     return auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[model_type]
 
 
+def _stacks_class(model_type: str) -> str:
+    from transformers.models.auto import modeling_auto as auto
+
+    return auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(model_type) or auto.MODEL_MAPPING_NAMES[model_type]
+
+
 def template_disk_names(spec) -> tuple[str, dict]:
     """(task class, ``{(member template, root): the template as stored on disk}``) for ``symmerge specs``:
     the spec's in-memory templates mapped through transformers' own conversion, applied to a weightless
@@ -405,7 +411,12 @@ def template_disk_names(spec) -> tuple[str, dict]:
     from ..core.resolve import find_prefix
 
     model_type = spec.model_types[0]
-    task = _task_class(model_type, spec.inputs == "image")
+    # a family of several stacks: its generation model (T5) or its base model holding every stack (CLIPModel);
+    # a type with no task class of its kind (CLIP's single towers): its base model
+    try:
+        task = _task_class(model_type, spec.inputs == "image") if not spec.stacks else _stacks_class(model_type)
+    except KeyError:
+        task = _stacks_class(model_type)
     with quiet_transformers():
         cfg = transformers.AutoConfig.for_model(model_type)
         for attr, value in (("num_hidden_layers", 2), ("tie_word_embeddings", False)):

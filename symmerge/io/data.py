@@ -69,6 +69,8 @@ def head_kind(model) -> str:
         return "classification"
     if name.endswith(("ForCausalLM", "LMHeadModel")):
         return "lm"
+    if name.endswith("ForConditionalGeneration") and getattr(model.config, "is_encoder_decoder", False):
+        return "lm"  # a sequence-to-sequence LM (T5): lm data is scored as reconstruction (see predictions)
     return "none"
 
 
@@ -97,6 +99,10 @@ def takes_images(model) -> bool:
 def check_modality(fmt: str, model, path) -> None:
     """Images for an image model, text for a text model: checked before anything is read or tokenized."""
     kind = {"image": "image data (.npz)", "text": "text data (.jsonl)", "lm": "text data (.txt)"}[fmt]
+    if hasattr(model.config, "text_config") and hasattr(model.config, "vision_config"):
+        raise SymmergeError(f"{path}: a {model.config.model_type} model takes text and images together, and the data "
+                            "formats hold one of them; align it on the weights (--match weights) and merge it "
+                            "without --data")
     if fmt == "image" and not takes_images(model):
         raise SymmergeError(f"{path}: {kind} but the model ({model.config.model_type}) takes text; give it .jsonl "
                             "(text, label) or .txt (causal-LM lines)")
@@ -327,7 +333,13 @@ def take(data: Data, n: int) -> Data:
 
 
 def predictions(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits (M, C), targets (M,)) over the batch's scored items: examples, or next tokens (lm)."""
+    """(logits (M, C), targets (M,)) over the batch's scored items: examples, or next tokens (lm). An
+    encoder-decoder (T5) scores lm data as reconstruction: the text into the encoder, every token of it
+    predicted by the decoder from the ones before (teacher forcing: ``labels`` shifted right inside)."""
+    if batch.labels.dim() == 2 and getattr(model.config, "is_encoder_decoder", False):
+        logits = model(**batch.inputs, labels=batch.labels).logits
+        keep = batch.labels != -100
+        return logits[keep], batch.labels[keep]
     logits = model(**batch.inputs).logits
     if batch.labels.dim() == 1:
         return logits, batch.labels

@@ -174,7 +174,7 @@ def boundaries(model, bound=None) -> list[str]:
     """Module paths of the layers (their outputs are the stream at every block boundary): ``bound``'s
     (:class:`~symmerge.pipeline.bound.BoundModel`), or ``model``'s bound here."""
     bound = bound if bound is not None else bind(model)
-    if not bound.spec.layer:
+    if not bound.spec.layer and not bound.spec.stacks:
         raise SymmergeError(f"the {bound.spec.family} spec names no layer module: activation matching needs it")
     return bound.layer_paths()
 

@@ -19,7 +19,7 @@ from functools import cached_property
 
 import torch
 
-from ..core.resolve import config_sizes, declared_ties, find_prefix, resolve
+from ..core.resolve import config_sizes, declared_ties, find_prefix, layer_paths, resolve
 from ..errors import SymmergeError
 from ..families import spec_for
 from ..io.hf import DiskNames
@@ -32,7 +32,8 @@ class BoundModel:
     prefix: str  # the base model inside the state dict ('' or 'bert.' ...)
     instances: list  # every group instance (per-layer first, model-wide last)
     ties: dict = field(default_factory=dict)  # declared {alias: source}
-    num_layers: int = 0
+    num_layers: int = 0  # every stack's layers (T5: the encoder's, then the decoder's)
+    sizes: dict = field(default_factory=dict)  # config_sizes: layer and head counts (per stack where several)
 
     @property
     def symmetries(self) -> set:
@@ -40,14 +41,17 @@ class BoundModel:
         return {i.group.symmetry for i in self.instances}
 
     def layer_paths(self) -> list[str]:
-        """Module paths of the layers, in order (their outputs are the stream at every block boundary)."""
-        if not self.spec.layer:
+        """Module paths of the layers, in the order the instances number them (several stacks: T5's
+        encoder layers, then its decoder's); their outputs are the stream at every block boundary."""
+        if not self.spec.layer and not self.spec.stacks:
             raise SymmergeError(f"the {self.spec.family} spec names no layer module")
-        return [(self.prefix + self.spec.layer.format(i=i)).rstrip(".") for i in range(self.num_layers)]
+        return layer_paths(self.spec, self.model.state_dict().keys(), self.sizes)
 
     @cached_property
     def _layer_index(self) -> dict:
-        return {path + ".": i for i, path in enumerate(self.layer_paths())} if self.spec.layer else {}
+        if not self.spec.layer and not self.spec.stacks:
+            return {}
+        return {path + ".": i for i, path in enumerate(self.layer_paths())}
 
     def layer_of(self, key: str) -> int | None:
         """The layer whose module holds the tensor ``key``, else None (embeddings, final norm, heads)."""
@@ -86,12 +90,13 @@ def bind(model, layers=None, residual: str = "largest") -> BoundModel:
     ``residual``: the residual stream's group for LayerNorm models, ``largest`` or ``permutation``)."""
     spec = spec_for(model.config.model_type)
     sizes = config_sizes(spec, model.config)
-    num_layers = sizes.pop("num_layers")
+    rest = dict(sizes)
+    num_layers = rest.pop("num_layers")
     ties = declared_ties(model)
     sd = model.state_dict()
-    instances = resolve(spec, sd, num_layers, sizes.pop("num_heads"), layers, ties=ties, residual=residual,
-                        architecture=type(model).__name__, disk_names=DiskNames(model), **sizes)
-    return BoundModel(model, spec, find_prefix(spec, sd.keys()), instances, ties, num_layers)
+    instances = resolve(spec, sd, num_layers, rest.pop("num_heads"), layers, ties=ties, residual=residual,
+                        architecture=type(model).__name__, disk_names=DiskNames(model), **rest)
+    return BoundModel(model, spec, find_prefix(spec, sd.keys()), instances, ties, num_layers, sizes)
 
 
 def instances_for(model, layers=None, residual: str = "largest"):

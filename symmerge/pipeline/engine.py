@@ -171,10 +171,18 @@ def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, histo
     rest = [i for i in local if i not in held]
     best, best_value, full = dict(elements), float("inf"), True
     for sweep in range(max_sweeps):
-        moved = apply(sd_a, local, elements)
-        ctx = SolveContext(list(instances), only_keys=(pure or None) if sweep == 0 and init == "stream" else None)
-        for name, insts in by_group(wide).items():
-            elements.update(insts[0].kind.solve(insts, moved, sd_b, opts, ctx))
+        base = apply(sd_a, local, elements)
+        first = sweep == 0 and init == "stream"
+        # several model-wide groups (CLIP: each tower's stream and the shared space, which meet in the
+        # projections, on their two axes) are solved one after another, each given the others' current
+        # elements; on the first sweep a group leaves out the tensors a later one has still to move
+        wide_groups = list(by_group(wide).values())
+        for k, insts in enumerate(wide_groups):
+            others = [i for j, g in enumerate(wide_groups) if j != k for i in g if i.name in elements]
+            moved = apply(base, others, elements) if others else base
+            later = {s.key for g in wide_groups[k + 1:] for i in g for s in i.slots}
+            only = (pure - later or pure or None) if first else None
+            elements.update(insts[0].kind.solve(insts, moved, sd_b, opts, SolveContext(list(instances), only_keys=only)))
         moved = apply(sd_a, wide, elements)
         if full or not held:
             elements.update(solve_local(local, moved, sd_b, opts))

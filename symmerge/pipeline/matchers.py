@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import SymmergeError
+
 
 @dataclass
 class MatchContext:
@@ -71,6 +73,9 @@ def match_activations(ctx: MatchContext) -> dict:
 def match_learned(ctx: MatchContext) -> dict:
     from .learn import learn_alignment
 
+    if getattr(ctx.model.config, "is_encoder_decoder", False):  # its loss scores next tokens of one sequence
+        raise SymmergeError(f"learned alignment does not support encoder-decoder models ({type(ctx.model).__name__}) "
+                            "yet; use --match weights or --match activations")
     start = match_activations(ctx) if ctx.options.learn.start == "activations" else None  # else: from the weights
     elements, ctx.fields["learned"] = learn_alignment(ctx.instances, ctx.model, ctx.anchor, ctx.ca, ctx.cb, ctx.data(),
                                                       ctx.options, progress=ctx.progress, start=start)

@@ -20,21 +20,37 @@ ELEMENT_CHECK = "group elements (orthogonal, valid scales, bijective permutation
 
 
 def sample_inputs(model, spec: Spec, batch: int = 2, length: int = 16, seed: int = 0) -> dict:
-    """Random but valid inputs: token ids with a padded row, or pixels of the configured size."""
+    """Random but valid inputs: token ids with a padded row, or pixels of the configured size; a model
+    taking both (CLIP) gets both, an encoder-decoder (T5) decoder ids too."""
+    import inspect
+
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
-    if spec.inputs == "image":
-        size = cfg.image_size
-        return {"pixel_values": torch.randn(batch, cfg.num_channels, size, size, generator=g)}
-    ids = torch.randint(0, cfg.vocab_size, (batch, length), generator=g)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    mask[-1, length // 2:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
+    takes = inspect.signature(model.forward).parameters
+    out = {}
+    if spec.inputs == "image" or ("pixel_values" in takes and spec.inputs != "text"):
+        vision = getattr(cfg, "vision_config", None) or cfg
+        size = vision.image_size
+        out["pixel_values"] = torch.randn(batch, vision.num_channels, size, size, generator=g)
+    if spec.inputs != "image" and "input_ids" in takes:
+        text = getattr(cfg, "text_config", None) or cfg
+        ids = torch.randint(0, text.vocab_size, (batch, length), generator=g)
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[-1, length // 2:] = 0
+        out.update(input_ids=ids, attention_mask=mask)
+        if "decoder_input_ids" in takes and getattr(cfg, "is_encoder_decoder", False):
+            out["decoder_input_ids"] = torch.randint(0, text.vocab_size, (batch, length // 2), generator=g)
+    return out
 
 
-def _outputs(model, inputs) -> list[torch.Tensor]:
+def _outputs(model, inputs, names: tuple[str, ...] = ()) -> list[torch.Tensor]:
+    """The model's floating outputs (only ``names`` where the model returns some of them: the spec's
+    ``outputs``; T5EncoderModel has no logits, its every output is its function)."""
     with torch.no_grad():
         out = model(**inputs)
+    picked = [v for k, v in out.items() if k in names and torch.is_tensor(v)] if hasattr(out, "items") else []
+    if picked:
+        return [v for v in picked if v.is_floating_point()]
     values = out.values() if hasattr(out, "values") else (out if isinstance(out, tuple) else [out])
     return [v for v in values if torch.is_tensor(v) and v.is_floating_point()]
 
@@ -46,12 +62,13 @@ def with_state_dict(model, state_dict: dict):
     return clone.eval()
 
 
-def compare(model_a, model_b, inputs: dict) -> dict:
-    """Max absolute and relative (to the largest output magnitude) difference over all outputs."""
+def compare(model_a, model_b, inputs: dict, names: tuple[str, ...] = ()) -> dict:
+    """Max absolute and relative (to the largest output magnitude) difference over all outputs (``names``:
+    only these)."""
     device = next(model_a.parameters()).device
     inputs = {k: v.to(device) for k, v in inputs.items()}
     max_abs, scale = 0.0, 0.0
-    for a, b in zip(_outputs(model_a.eval(), inputs), _outputs(model_b.eval(), inputs)):
+    for a, b in zip(_outputs(model_a.eval(), inputs, names), _outputs(model_b.eval(), inputs, names)):
         max_abs = max(max_abs, (a.double() - b.double()).abs().max().item())
         scale = max(scale, a.double().abs().max().item())
     return {"max_abs_diff": max_abs, "max_rel_diff": max_abs / scale if scale else max_abs}
@@ -70,7 +87,7 @@ def verify_forward(model, aligned, spec: Spec, tol: float | None = None, inputs:
     :class:`SymmergeError` beyond the tolerance (default by dtype)."""
     dtype = next(model.parameters()).dtype
     tol = default_tolerance(dtype) if tol is None else tol
-    diff = compare(model, aligned, inputs or sample_inputs(model, spec))
+    diff = compare(model, aligned, inputs or sample_inputs(model, spec), spec.outputs)
     if not diff["max_rel_diff"] <= tol:
         raise SymmergeError(f"aligned model is not equivalent: max relative output difference "
                             f"{diff['max_rel_diff']:.3g} > {tol:.3g}")
