@@ -15,7 +15,8 @@ def test_layers_and_output_axes_of_every_family(family):
     model = make_model(family, head=True)
     bound = bind(model)
     paths = bound.layer_paths()
-    assert len(paths) == bound.num_layers == model.config.num_hidden_layers
+    assert len(paths) == bound.num_layers == 1 + max(i.layer for i in bound.instances)  # every stack's layers
+    assert len(set(paths)) == len(paths)
     modules = dict(model.named_modules())
     assert all(p in modules for p in paths), paths
     # every tensor below a layer's module belongs to that layer, the rest (embeddings, final norm, head) to none

@@ -34,7 +34,8 @@ def _graph() -> dict[str, set[str]]:
                     target = node.module
                 else:
                     continue
-                targets = [target] + [f"{target}.{a.name}" for a in node.names]
+                # ``from . import kernels`` needs the submodule; ``from . import get_method`` the package itself
+                targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names if a.name.startswith("symmerge")]
             else:

@@ -169,7 +169,8 @@ def test_bad_learned_joint_calls_are_refused():
     from symmerge.pipeline.learn_joint import align_joint_learned
 
     with pytest.raises(SymmergeError, match="concentration"):
-        align_joint_learned(models, AlignOptions(symmetries=FULL, match="learned", align_data=data), concentration=0)
+        align_joint_learned(models, AlignOptions(symmetries=FULL, match="learned", align_data=data), concentration=0,
+                            closed_form=align_joint)
 
 
 

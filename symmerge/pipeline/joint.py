@@ -26,48 +26,18 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
-
-import torch
-
 from ..core.distance import parameter_keys, sq_distance
 from ..errors import SymmergeError
 from ..families import spec_for
 from ..progress import line, stage
 from .align import align_pair, canonical, check_compatible
+from .frame import JointAlignment, mean_state_dict, spread  # noqa: F401  (re-exported)
 from .options import AlignOptions
 from .verify import verify_forward, with_state_dict
 
 # the matchers joint alignment runs: weights and activations align each model to the mean of the others (any
 # anchor); learned starts from one of them and learns random convex combinations (pipeline/learn_joint.py)
 JOINT_MATCHES = ("weights", "activations", "learned")
-
-
-@dataclass
-class JointAlignment:
-    """Every model in the common frame (the canonical parameterisation of the options' groups), in input
-    order, and the report (``objective`` per round, rounds, per-model seconds and verification)."""
-
-    models: list
-    report: dict
-
-
-def mean_state_dict(state_dicts: list[dict], keys) -> dict:
-    """The element-wise mean of ``keys`` over ``state_dicts`` (summed in float64, stored in each tensor's
-    own dtype); other entries (buffers) are taken from the first."""
-    out = dict(state_dicts[0])
-    for k in keys:
-        acc = state_dicts[0][k].to(torch.float64).clone()
-        for sd in state_dicts[1:]:
-            acc += sd[k].to(torch.float64)
-        out[k] = (acc / len(state_dicts)).to(state_dicts[0][k].dtype)
-    return out
-
-
-def spread(state_dicts: list[dict], keys) -> float:
-    """J = Σ_i ‖θ_i − θ̄‖² over ``keys``."""
-    mean = mean_state_dict(state_dicts, keys)
-    return sum(sq_distance(sd, mean, keys) for sd in state_dicts)
 
 
 ROUND_SWEEPS = 10  # cap on the coordinate-descent sweeps of each step after the star (it starts near its optimum)
@@ -100,7 +70,8 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     if options.match == "learned":  # a closed-form joint alignment, then the mixtures learned
         from .learn_joint import align_joint_learned
 
-        return align_joint_learned(models, options, anchor, names, max_rounds, tol, inputs, progress, round_sweeps)
+        return align_joint_learned(models, options, anchor, names, max_rounds, tol, inputs, progress, round_sweeps,
+                                   closed_form=align_joint)
     t0 = time.perf_counter()
     quiet = options.with_(verify=False)
     step = quiet.with_(max_sweeps=max(1, min(options.max_sweeps, round_sweeps)))

@@ -44,6 +44,7 @@ from ..families import spec_for
 from ..progress import bar, stage
 from .align import instances_for, load_align_data, untied
 from .learn import _Parameters, _split, augmented, examples_word, norm_eps, scored_logits, subsample_positions
+from .frame import JointAlignment, spread
 from .verify import verify_elements, verify_forward, with_state_dict
 
 DIRICHLET = 1.0  # concentration of the mixture weights: Dirichlet(1) is uniform on the simplex
@@ -205,14 +206,13 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
 
 def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds: int = 10, tol: float = 1e-4,
                         inputs: dict | None = None, progress: bool = False, round_sweeps: int | None = None,
-                        concentration: float = DIRICHLET):
+                        concentration: float = DIRICHLET, *, closed_form):
     """:func:`~symmerge.pipeline.joint.align_joint` for ``options.match == "learned"`` (called from it,
     arguments already checked): the closed-form joint alignment with the matcher
     ``options.learn.start``, then :func:`learn_mixture` on ``options.align_data``; the frame is the
     star's anchor's. Returns a :class:`~symmerge.pipeline.joint.JointAlignment` whose report adds
-    ``match``, ``start`` and ``learned``."""
-    from .joint import ROUND_SWEEPS, JointAlignment, align_joint, spread
-
+    ``match``, ``start`` and ``learned``. ``closed_form``: the closed-form joint alignment the start comes from
+    (:func:`~symmerge.pipeline.joint.align_joint`, passed in by it: this module does not import it back)."""
     settings = options.learn
     if settings.rounds != 1:
         raise SymmergeError(f"the joint learned alignment runs one round of steps (rounds=1), got rounds="
@@ -228,8 +228,8 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
         data = load_align_data(options, models[anchor])
     closed = options.with_(match=settings.start, align_data=data if settings.start != "weights" else None,
                            verify=False)
-    start = align_joint(models, closed, anchor=anchor, names=names, max_rounds=max_rounds, tol=tol,
-                        progress=progress, round_sweeps=ROUND_SWEEPS if round_sweeps is None else round_sweeps)
+    start = closed_form(models, closed, anchor=anchor, names=names, max_rounds=max_rounds, tol=tol, progress=progress,
+                        **({} if round_sweeps is None else {"round_sweeps": round_sweeps}))
     base = untied(models[anchor]) if options.untie else models[anchor]
     spec, instances = instances_for(base, options.layers, options.residual)
     sds = [x.state_dict() for x in start.models]
