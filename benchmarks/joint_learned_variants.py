@@ -20,7 +20,7 @@ from symmerge.demo.datasets import cache_dir, mnist_5k_split, write_npz
 from symmerge.evaluate.metrics import evaluate
 from symmerge.io.data import load_data
 from symmerge.io.model import load_model
-from symmerge.pipeline.joint import mean_state_dict
+from symmerge.pipeline.joint import align_joint, mean_state_dict
 from symmerge.pipeline.learn_joint import DIRICHLET, align_joint_learned
 from symmerge.pipeline.options import AlignOptions, LearnSettings
 from symmerge.pipeline.verify import with_state_dict
@@ -71,7 +71,8 @@ def run(args, log=print) -> dict:
                                learn=LearnSettings(steps=v["steps"], seed=v["seed"], start=v["start"])
                                ).for_model(models[0])
         t = time.perf_counter()
-        result = align_joint_learned(models, options, anchor=v["anchor"], concentration=v["dirichlet"])
+        result = align_joint_learned(models, options, anchor=v["anchor"], concentration=v["dirichlet"],
+                                     closed_form=align_joint)
         seconds = time.perf_counter() - t
         keys = [k for k, p in result.models[0].state_dict().items() if p.is_floating_point()]
         average = with_state_dict(result.models[0], mean_state_dict([m.state_dict() for m in result.models], keys))
