@@ -216,6 +216,51 @@ def _resolve_permutations(instances, sd_a: dict, sd_b: dict, opts: Options, how:
     return solve_local(perm_insts, sd_a, sd_b, ffn_only)
 
 
+class Checks:
+    """The objective checks of a learning loop: the history (``step``, ``train``, ``held_out`` when a
+    held-out part exists), the best value and the state it was reached in (``snapshot()``), early stopping
+    after ``settings.patience`` checks without improvement, and — with nothing held out — the one check at
+    the end, kept only if it is not worse than the start (shared by the pairwise and the joint learned
+    alignments)."""
+
+    def __init__(self, settings, held: bool, held_out, snapshot, history: dict, info: dict):
+        self.settings, self.held, self.held_out, self.snapshot = settings, held, held_out, snapshot
+        self.history, self.info, self.stale = history, info, 0
+        self.best_state = snapshot()
+        self.best = self.start = held_out()
+
+    def after(self, step: int, running: float) -> bool:
+        """Record a check after ``step`` steps (training loss ``running``); True: stop early."""
+        self.history["step"].append(step)
+        self.history["train"].append(running)
+        if not self.held:  # nothing held out: the history has no held-out column (not NaN)
+            return False
+        value = self.held_out()
+        self.history.setdefault("held_out", []).append(value)
+        if value < self.best - 1e-7 * abs(self.best):
+            self.best, self.stale, self.best_state = value, 0, self.snapshot()
+            return False
+        self.stale += 1
+        if self.stale >= self.settings.patience:
+            self.info["stopped"] = f"early stopping after {self.settings.patience} checks without improvement"
+            return True
+        return False
+
+    def finish(self):
+        """``(best value, its state)``; with nothing held out, the end's check against the start's."""
+        if not self.held:
+            value = self.held_out()
+            if value <= self.best:
+                self.best, self.best_state = value, self.snapshot()
+        return self.best, self.best_state
+
+
+def cosine_adam(parameters, lr: float, steps: int):
+    """Adam at ``lr`` with a cosine decay to 0 over ``steps``: ``(optimizer, scheduler)``."""
+    opt = torch.optim.Adam(parameters, lr=lr)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+
+
 def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, options, progress=None,
                     start: dict | None = None, on_step=None):
     """Elements aligning A (``ca``, canonical) to B (``cb``) learned on ``data``; returns
@@ -330,19 +375,19 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
         clock["checks"] += time.perf_counter() - tick
         return sum(values) / len(values)
 
-    best_state = {k: v.detach().clone() for k, v in params.state_dict().items()}
-    best = start_value = held_out()
-    info = {"parameters": sum(p.numel() for p in params.parameters()), "held_out_start": start_value,
-            "checked_on": "held-out part" if held else f"training {examples_word(data)} (no held-out part: start and "
-                                                       "end only)"}
+    info = {"parameters": sum(p.numel() for p in params.parameters())}
+    checks = Checks(settings, bool(held), held_out,
+                    lambda: {k: v.detach().clone() for k, v in params.state_dict().items()}, history, info)
+    info.update(held_out_start=checks.start,
+                checked_on="held-out part" if held else f"training {examples_word(data)} (no held-out part: start "
+                                                         "and end only)")
     if settings.check_batches and len(check) < len(held or train[:n_original]):
         info["checked_on"] += f", its first {len(check)} batches"
     if not params.p:
         info.update(steps=0, note="no continuous group elements to learn")
         return start, info
-    opt = torch.optim.Adam(params.parameters(), lr=settings.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    order, pos, stale, step = torch.randperm(len(train), generator=g), 0, 0, 0
+    opt, sched = cosine_adam(params.parameters(), settings.lr, steps)
+    order, pos, step = torch.randperm(len(train), generator=g), 0, 0
     running = None
     pbar = bar(range(steps), desc="learned alignment", unit="step", disable=None if progress else True)
     for step in pbar:
@@ -365,26 +410,10 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
         pbar.set_postfix(loss=f"{running:.4f}", refresh=False)
         if on_step is not None:
             on_step(offset + step, params)
-        if (step + 1) % settings.check_every == 0 or step + 1 == steps:
-            history["step"].append(offset + step + 1)
-            history["train"].append(running)
-            if not held:  # nothing held out: the history has no held-out column (not NaN)
-                continue
-            value = held_out()
-            history.setdefault("held_out", []).append(value)
-            if value < best - 1e-7 * abs(best):
-                best, stale = value, 0
-                best_state = {k: v.detach().clone() for k, v in params.state_dict().items()}
-            else:
-                stale += 1
-                if stale >= settings.patience:
-                    info["stopped"] = f"early stopping after {settings.patience} checks without improvement"
-                    break
+        if ((step + 1) % settings.check_every == 0 or step + 1 == steps) and checks.after(offset + step + 1, running):
+            break
     pbar.close()
-    if not held:  # never worse than the start on the objective
-        value = held_out()
-        if value <= best:
-            best, best_state = value, {k: v.detach().clone() for k, v in params.state_dict().items()}
+    best, best_state = checks.finish()  # never worse than the start on the objective
     params.load_state_dict(best_state)
     learned = params.elements()
     elements = dict(start)

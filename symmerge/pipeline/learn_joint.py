@@ -31,7 +31,6 @@ against the model it came from.
 from __future__ import annotations
 
 import copy
-import math
 import time
 
 import numpy as np
@@ -43,7 +42,8 @@ from ..errors import SymmergeError
 from ..families import spec_for
 from ..progress import bar, stage
 from .align import instances_for, load_align_data, untied
-from .learn import _Parameters, _split, augmented, examples_word, norm_eps, scored_logits, subsample_positions
+from .learn import (Checks, _Parameters, _split, augmented, cosine_adam, examples_word, norm_eps, scored_logits,
+                    subsample_positions)
 from .frame import JointAlignment, spread
 from .verify import verify_elements, verify_forward, with_state_dict
 
@@ -142,21 +142,21 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
     def snapshot() -> list:
         return [None if p is None else {k: v.detach().clone() for k, v in p.state_dict().items()} for p in params]
 
-    best_state, best = snapshot(), held_out()
-    info = {"models_learned": len(learners), "dirichlet": concentration, "weights_checked": len(points),
-            "parameters": sum(x.numel() for p in learners for x in p.parameters()), "held_out_start": best,
-            "checked_on": "held-out part" if held else f"training {examples_word(data)} (no held-out part: start "
-                                                       "and end only)"}
     history: dict = {"step": [], "train": []}
+    info = {"models_learned": len(learners), "dirichlet": concentration, "weights_checked": len(points),
+            "parameters": sum(x.numel() for p in learners for x in p.parameters())}
+    checks = Checks(settings, bool(held), held_out, snapshot, history, info)
+    best = checks.start
+    info.update(held_out_start=best, checked_on="held-out part" if held else f"training {examples_word(data)} (no "
+                                                                            "held-out part: start and end only)")
     everything = [x for p in learners for x in p.parameters()]
     if not everything:
         info.update(steps=0, held_out_best=best, history=history, seconds=time.perf_counter() - t0,
                     note="no continuous group elements to learn")
         return [{} for _ in range(n)], info
     steps = settings.steps
-    opt = torch.optim.Adam(everything, lr=settings.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    order, pos, stale, step, running = torch.randperm(len(train), generator=g), 0, 0, 0, None
+    opt, sched = cosine_adam(everything, settings.lr, steps)
+    order, pos, step, running = torch.randperm(len(train), generator=g), 0, 0, None
     pbar = bar(range(steps), desc=f"joint learned alignment ({n} models)", unit="step",
                disable=None if progress else True)
     for step in pbar:
@@ -177,25 +177,10 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
         pbar.set_postfix(loss=f"{running:.4f}", refresh=False)
         if on_step is not None:
             on_step(step, params)
-        if (step + 1) % settings.check_every == 0 or step + 1 == steps:
-            history["step"].append(step + 1)
-            history["train"].append(running)
-            if not held:  # nothing held out: no held-out column, the check runs at the end only
-                continue
-            value = held_out()
-            history.setdefault("held_out", []).append(value)
-            if value < best - 1e-7 * abs(best):
-                best, stale, best_state = value, 0, snapshot()
-            else:
-                stale += 1
-                if stale >= settings.patience:
-                    info["stopped"] = f"early stopping after {settings.patience} checks without improvement"
-                    break
+        if ((step + 1) % settings.check_every == 0 or step + 1 == steps) and checks.after(step + 1, running):
+            break
     pbar.close()
-    if not held:  # never worse than the start on the objective
-        value = held_out()
-        if value <= best:
-            best, best_state = value, snapshot()
+    best, best_state = checks.finish()  # never worse than the start on the objective
     for p, state in zip(params, best_state):
         if p is not None:
             p.load_state_dict(state)
