@@ -423,3 +423,9 @@ def test_mixtures_of_experts_are_refused_with_what_to_do_instead():
         assert "parallel" not in str(err.value)
     merge_models([make_model("llama", head=True, seed=0), make_model("llama", head=True, seed=1)], "ot_wts",
                  align="none", params={"units": "ffn"})  # a dense decoder still transports
+
+
+def test_families_with_several_stacks_are_refused():
+    a, b = make_model("t5", head=True, seed=0), make_model("t5", head=True, seed=1)
+    with pytest.raises(SymmergeError, match="one layer stack.*encoder, decoder"):
+        merge_models([a, b], "ot_wts", align="none", params={"units": "ffn"})

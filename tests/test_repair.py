@@ -130,3 +130,13 @@ def test_one_plus_w_norms_get_their_scale_folded_as_one_plus_w(fp64_rmsnorm):
     sa, sb, sf = (_stats(m, data, names) for m in (a, b, fixed))
     for n in names:
         torch.testing.assert_close(sf[n][1], 0.3 * sa[n][1] + 0.7 * sb[n][1], atol=1e-8, rtol=1e-8)
+
+
+def test_the_channels_of_a_family_with_several_stacks_are_found():
+    """T5's groups are named per stack (encoder.ffn, decoder.cross.attn.vo): REPAIR still finds their FFN and
+    attention-output channels, in both stacks."""
+    model = make_model("t5", head=True)
+    kinds = _sites(bind(model))
+    ffn = [n for n, k in kinds.items() if k == "ffn"]
+    assert any(n.startswith("encoder.") for n in ffn) and any(n.startswith("decoder.") for n in ffn)
+    assert any(k == "attn_out" and n.startswith("decoder.") for n, k in kinds.items())

@@ -214,6 +214,10 @@ def build_flow(model, s: Settings) -> list:
     """The unit sets to solve and the stream maps to carry, in data-flow order."""
     bound = bind(model)
     spec, instances = bound.spec, bound.instances
+    if spec.stacks:
+        raise SymmergeError(f"OT fusion transports one layer stack; {spec.family} models have "
+                            f"{len(spec.stacks)} ({', '.join(s.name for s in spec.stacks)}); merge with --method "
+                            "average, task arithmetic, TIES or DARE after --align recommended")
     if any(m.stacked for g in spec.groups for m in g.members):
         raise SymmergeError(f"OT fusion does not transport mixtures of experts ({spec.family}: the experts' fused FFN "
                             "tensors and their router would need a plan of their own); merge with --method average, "

@@ -48,6 +48,14 @@ DEFAULT_CHANNELS = ("ffn", "norm")  # the channels that helped after every align
 REMEASURE = ("none", "layer", "site")
 
 
+def _role(group_name: str) -> str:
+    """A group's name without its stack's scope (T5's ``decoder.cross.attn.vo`` is an ``attn.vo``)."""
+    for role in ("ffn", "attn.vo"):
+        if group_name == role or group_name.endswith("." + role):
+            return role
+    return group_name
+
+
 def _sites(bound) -> dict[str, str]:
     """``{module path: channel kind}`` of the modules whose outputs REPAIR may correct (``bound``: the
     model's :class:`~symmerge.pipeline.bound.BoundModel`)."""
@@ -57,10 +65,11 @@ def _sites(bound) -> dict[str, str]:
     out: dict[str, str] = {}
     for inst in bound.instances:
         for slot in inst.slots:
-            if inst.group.name not in ("ffn", "attn.vo") or (found := activation_slot(model, slot)) is None:
+            role = _role(inst.group.name)
+            if role not in ("ffn", "attn.vo") or (found := activation_slot(model, slot)) is None:
                 continue
             site, _ = found
-            if inst.group.name == "ffn":
+            if role == "ffn":
                 out[site.module] = "ffn" if site.side == "out" else "mlp_out"
             elif site.side == "in":
                 out[site.module] = "attn_out"
