@@ -46,8 +46,8 @@ def more_rows(clients, sizes, unlabeled, args, test_x, test_y):
               "joint": [("joint activations (recommended)", opts("activations"), True, False),
                         ("joint activations (recommended) + REPAIR", opts("activations"), True, True)],
               "learned": [("aligned learned (recommended) + REPAIR", opts("learned"), False, True),
-                          (f"aligned learned (recommended), {args.learn_steps} steps", opts("learned", args.learn_steps),
-                           False, False)]}
+                          (f"aligned learned (recommended), {args.learn_steps} steps",
+                           opts("learned", args.learn_steps), False, False)]}
     chosen = args.more_cases.split(",")
     if args.skip_learned and "learned" in chosen:
         chosen.remove("learned")

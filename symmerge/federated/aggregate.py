@@ -142,7 +142,8 @@ def update_scores(state_dicts: list[dict], base: dict, keys, rule: str) -> list[
     return scores
 
 
-def update_outliers(scores: list[float], threshold: float | None, rule: str = "score") -> list[tuple[float, str | None]]:
+def update_outliers(scores: list[float], threshold: float | None,
+                    rule: str = "score") -> list[tuple[float, str | None]]:
     """For each score, ``(z, reason)``: its robust z-score 0.6745 (s - median) / MAD, and a reason if
     z > ``threshold`` (``None``: kept). Only high scores are flagged. No rule with fewer than 3 scores
     or without a threshold (z 0). Where the MAD is 0, a score above the median has z = inf."""
