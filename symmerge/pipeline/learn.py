@@ -255,6 +255,20 @@ class Checks:
         return self.best, self.best_state
 
 
+def shuffled(n: int, generator: torch.Generator):
+    """Batch indices for ever: each pass over ``range(n)`` in a fresh random order."""
+    while True:
+        yield from torch.randperm(n, generator=generator).tolist()
+
+
+def budget_spent(settings, t0: float, info: dict) -> bool:
+    """Whether ``settings.budget`` seconds have passed since ``t0`` (then ``info["stopped"]`` says so)."""
+    if settings.budget is not None and time.perf_counter() - t0 > settings.budget:
+        info["stopped"] = f"time budget of {settings.budget} s"
+        return True
+    return False
+
+
 def cosine_adam(parameters, lr: float, steps: int):
     """Adam at ``lr`` with a cosine decay to 0 over ``steps``: ``(optimizer, scheduler)``."""
     opt = torch.optim.Adam(parameters, lr=lr)
@@ -387,17 +401,12 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
         info.update(steps=0, note="no continuous group elements to learn")
         return start, info
     opt, sched = cosine_adam(params.parameters(), settings.lr, steps)
-    order, pos, step = torch.randperm(len(train), generator=g), 0, 0
-    running = None
+    order, step, running = shuffled(len(train), g), 0, None
     pbar = bar(range(steps), desc="learned alignment", unit="step", disable=None if progress else True)
     for step in pbar:
-        if settings.budget is not None and time.perf_counter() - t0 > settings.budget:
-            info["stopped"] = f"time budget of {settings.budget} s"
+        if budget_spent(settings, t0, info):
             break
-        if pos >= len(train):
-            order, pos = torch.randperm(len(train), generator=g), 0
-        i = order[pos].item()
-        pos += 1
+        i = next(order)
         alpha = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g).item()
         tick = time.perf_counter()
         loss = objective(alpha, train[i], t_train[i], step=True)

@@ -42,8 +42,8 @@ from ..errors import SymmergeError
 from ..families import spec_for
 from ..progress import bar, stage
 from .align import instances_for, load_align_data, untied
-from .learn import (Checks, _Parameters, _split, augmented, cosine_adam, examples_word, norm_eps, scored_logits,
-                    subsample_positions)
+from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, norm_eps,
+                    scored_logits, shuffled, subsample_positions)
 from .frame import JointAlignment, spread
 from .verify import verify_elements, verify_forward, with_state_dict
 
@@ -156,17 +156,13 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
         return [{} for _ in range(n)], info
     steps = settings.steps
     opt, sched = cosine_adam(everything, settings.lr, steps)
-    order, pos, step, running = torch.randperm(len(train), generator=g), 0, 0, None
+    order, step, running = shuffled(len(train), g), 0, None
     pbar = bar(range(steps), desc=f"joint learned alignment ({n} models)", unit="step",
                disable=None if progress else True)
     for step in pbar:
-        if settings.budget is not None and time.perf_counter() - t0 > settings.budget:
-            info["stopped"] = f"time budget of {settings.budget} s"
+        if budget_spent(settings, t0, info):
             break
-        if pos >= len(train):
-            order, pos = torch.randperm(len(train), generator=g), 0
-        i = order[pos].item()
-        pos += 1
+        i = next(order)
         w = torch.as_tensor(rng.dirichlet(np.full(n, concentration)), dtype=torch.float32)
         loss = mix.loss(w, changed(), train[i], p_train[i])
         opt.zero_grad(set_to_none=True)
