@@ -211,3 +211,21 @@ def test_barrier_of_three_models_runs_the_learned_joint_alignment(tmp_path):
     variant = json.loads((tmp_path / "b" / "barrier.json").read_text())["variants"]["attn,ffn,rescale"]
     assert variant["joint"]["match"] == "learned" and variant["joint"]["learned"]["steps"] == 2
     assert variant["verify_max_rel_diff"] <= 1e-4 and len(variant["barrier_matrix"]) == 3
+
+
+def test_the_dirichlet_concentration_comes_from_the_settings_and_the_cli():
+    from symmerge.cli import build_parser
+    from symmerge.commands.alignment_args import learn_settings
+
+    args = build_parser().parse_args(["merge", "a", "b", "c", "-o", "out", "--method", "average", "--match", "learned",
+                                      "--align-data", "x.npz", "--learn-dirichlet", "3"])
+    assert learn_settings(args).dirichlet == 3.0
+    assert LearnSettings().dirichlet == 1.0
+    with pytest.raises(SymmergeError, match="Dirichlet concentration must be > 0"):
+        LearnSettings(dirichlet=0)
+    models = [make_model("vit", head=True, seed=s, dtype=torch.float32) for s in range(3)]
+    data = unlabeled(models[0])
+    options = AlignOptions(symmetries=FULL, match="learned", align_data=data,
+                           learn=_settings(steps=2, dirichlet=3.0))
+    result = align_joint(models, options)
+    assert result.report["learned"]["dirichlet"] == 3.0

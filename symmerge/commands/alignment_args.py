@@ -58,6 +58,10 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
     parser.add_argument("--learn-check-batches", type=int, default=None, metavar="N",
                         help="--match learned: the objective checks (start/end, or held-out) on at most N batches "
                              f"(default {LearnSettings.check_batches}: all)")
+    parser.add_argument("--learn-dirichlet", type=float, default=None, metavar="C",
+                        help="--match learned with more than two models (joint): the mixture weights drawn from "
+                             f"Dirichlet(C, ..., C) (default {LearnSettings.dirichlet}: uniform on the simplex; larger "
+                             "C: mixtures nearer the plain average)")
     parser.add_argument("--workers", type=int, default=None,
                         help="FFN layers (cost GEMM + exact assignment) solved at once on a thread pool, beside the "
                              "head groups (default: one per core; 1: one thing after another on one thread; the "
@@ -76,7 +80,8 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
 
 LEARN_FLAGS = {"steps": "--learn-steps", "budget": "--learn-budget", "seed": "--learn-seed", "batch": "--learn-batch",
                "positions": "--learn-positions", "max_length": "--learn-max-length",
-               "precision": "--learn-precision", "check_batches": "--learn-check-batches"}  # LearnSettings field → flag
+               "precision": "--learn-precision", "check_batches": "--learn-check-batches",
+               "dirichlet": "--learn-dirichlet"}  # LearnSettings field → flag
 
 
 def _learn_values(args) -> dict:

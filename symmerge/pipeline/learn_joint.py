@@ -45,9 +45,10 @@ from .align import instances_for, load_align_data, untied
 from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, norm_eps,
                     scored_logits, shuffled, subsample_positions)
 from .frame import JointAlignment, spread
+from .options import LearnSettings
 from .verify import verify_elements, verify_forward, with_state_dict
 
-DIRICHLET = 1.0  # concentration of the mixture weights: Dirichlet(1) is uniform on the simplex
+DIRICHLET = LearnSettings.dirichlet  # concentration of the mixture weights: Dirichlet(1) is uniform on the simplex
 
 
 def check_points(n: int) -> list[torch.Tensor]:
@@ -187,14 +188,16 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
 
 def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds: int = 10, tol: float = 1e-4,
                         inputs: dict | None = None, progress: bool = False, round_sweeps: int | None = None,
-                        concentration: float = DIRICHLET, *, closed_form):
+                        concentration: float | None = None, *, closed_form):
     """:func:`~symmerge.pipeline.joint.align_joint` for ``options.match == "learned"`` (called from it,
     arguments already checked): the closed-form joint alignment with the matcher
     ``options.learn.start``, then :func:`learn_mixture` on ``options.align_data``; the frame is the
     star's anchor's. Returns a :class:`~symmerge.pipeline.joint.JointAlignment` whose report adds
-    ``match``, ``start`` and ``learned``. ``closed_form``: the closed-form joint alignment the start comes from
+    ``match``, ``start`` and ``learned``. ``concentration``: the Dirichlet's (default
+    ``options.learn.dirichlet``). ``closed_form``: the closed-form joint alignment the start comes from
     (:func:`~symmerge.pipeline.joint.align_joint`, passed in by it: this module does not import it back)."""
     settings = options.learn
+    concentration = settings.dirichlet if concentration is None else concentration  # --learn-dirichlet
     if settings.rounds != 1:
         raise SymmergeError(f"the joint learned alignment runs one round of steps (rounds=1), got rounds="
                             f"{settings.rounds}: re-solving the permutations between rounds is pairwise only "

@@ -93,7 +93,9 @@ class LearnSettings:
     ``float32`` or under ``bfloat16`` autocast (CPU; the checks stay float32, and the learned elements are
     applied and verified in float64 as always);
     ``check_batches``: the objective checks on at most this many batches (the first; 0: every batch of
-    the held-out part, or of the training set without one). See :mod:`symmerge.pipeline.learn`; the
+    the held-out part, or of the training set without one); ``dirichlet``: the concentration of the mixture
+    weights of the joint learned alignment of N models (w ~ Dirichlet(dirichlet, …); 1: uniform on the
+    simplex; larger: mixtures nearer the plain average). See :mod:`symmerge.pipeline.learn`; the
     defaults are the best recipe measured on B1 (docs/results.md, "B1 with unlabeled data")."""
 
     steps: int = 200
@@ -115,6 +117,7 @@ class LearnSettings:
     max_length: int | None = None
     precision: str = "float32"
     check_batches: int = 0
+    dirichlet: float = 1.0
 
     def __post_init__(self):
         if self.start not in LEARN_STARTS:
@@ -129,6 +132,8 @@ class LearnSettings:
         if self.precision not in LEARN_PRECISIONS:
             raise SymmergeError(f"unknown learned-alignment precision {self.precision!r}; choose one of "
                                 f"{', '.join(LEARN_PRECISIONS)}")
+        if not self.dirichlet > 0:
+            raise SymmergeError(f"the Dirichlet concentration must be > 0, got {self.dirichlet}")
         if self.check_batches < 0:
             raise SymmergeError(f"learned alignment needs check_batches >= 0, got {self.check_batches}")
         if self.positions < 0 or (self.max_length is not None and self.max_length < 2):
