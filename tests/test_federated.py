@@ -522,6 +522,23 @@ def example_on_path(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
 
 
+def test_the_example_app_passes_its_robust_options_to_the_strategy(example_on_path):
+    """fedvit's settings (pyproject's [tool.flwr.app.config]) reach AlignedFedAvg: the norm clip and the
+    outlier rule, 'none' meaning off; a typo in a setting is an error, not ignored."""
+    from fedvit import server_app, task
+
+    model = task.load_model(task.settings({"hidden": 16, "layers": 1, "heads": 2}))
+    default = AlignedFedAvg(template=model, **server_app.strategy_options(task.settings()))
+    assert default.norm_clip is False and default.outlier_rule is None
+    cfg = task.settings({"norm-clip": True, "outlier-rule": "krum", "outlier-threshold": 2.5})
+    options = server_app.strategy_options(cfg)
+    assert options["norm_clip"] is True and options["outlier_rule"] == "krum" and options["outlier_threshold"] == 2.5
+    strategy = AlignedFedAvg(template=model, **options)
+    assert strategy.norm_clip is True and strategy.outlier_rule == "krum" and strategy.outlier_threshold == 2.5
+    with pytest.raises(KeyError, match="outlier-rules"):
+        task.settings({"outlier-rules": "krum"})
+
+
 def test_two_rounds_three_clients_through_the_simulation_engine(example_on_path):
     pytest.importorskip("ray")
     from flwr.simulation import run_simulation

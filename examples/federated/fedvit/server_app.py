@@ -15,6 +15,16 @@ from symmerge.federated import AlignedFedAvg
 LAST_RUN: dict = {}  # the latest run's strategy and result (for a caller in the same process)
 
 
+def strategy_options(cfg: dict) -> dict:
+    """:class:`AlignedFedAvg`'s keyword arguments (besides the template) from the app's settings."""
+    rule = str(cfg["outlier-rule"])
+    return dict(alignment=cfg["align"], aggregation=cfg["aggregation"], trim=float(cfg["trim"]),
+                norm_factor=float(cfg["norm-factor"]) or None, norm_clip=bool(cfg["norm-clip"]),
+                outlier_rule=None if rule == "none" else rule, outlier_threshold=float(cfg["outlier-threshold"]),
+                min_clients=int(cfg["min-clients"]), fraction_train=float(cfg["fraction-train"]),
+                fraction_evaluate=float(cfg["fraction-evaluate"]))
+
+
 def make_app(overrides: dict | None = None, output: str | None = None) -> ServerApp:
     """A ServerApp whose settings are :data:`task.DEFAULTS` < the run config < ``overrides``;
     ``output``: a JSON file for the per-round record."""
@@ -32,10 +42,7 @@ def make_app(overrides: dict | None = None, output: str | None = None) -> Server
             loss, acc = task.evaluate(m, test_images, test_labels)
             return MetricRecord({"test_loss": loss, "test_acc": acc})
 
-        strategy = AlignedFedAvg(
-            template=model, alignment=cfg["align"], aggregation=cfg["aggregation"], trim=float(cfg["trim"]),
-            norm_factor=float(cfg["norm-factor"]) or None, min_clients=int(cfg["min-clients"]),
-            fraction_train=float(cfg["fraction-train"]), fraction_evaluate=float(cfg["fraction-evaluate"]))
+        strategy = AlignedFedAvg(template=model, **strategy_options(cfg))
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
                                 num_rounds=int(cfg["num-server-rounds"]), evaluate_fn=central_evaluate)
         LAST_RUN.update(strategy=strategy, result=result, settings=cfg)

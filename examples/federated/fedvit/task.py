@@ -28,6 +28,9 @@ DEFAULTS = {
     "aggregation": "mean",  # mean | median | trimmed_mean
     "trim": 0.2,
     "norm-factor": 10.0,  # 0: no update-norm rule
+    "norm-clip": False,  # a client caught by the norm rule: kept, its update scaled to the others' median norm
+    "outlier-rule": "none",  # none | distance | cosine | krum: outliers among the aligned updates left out
+    "outlier-threshold": 3.5,  # robust z-score beyond which the outlier rule leaves a client out
     "min-clients": 2,
     "fraction-train": 1.0,
     "fraction-evaluate": 0.0,
