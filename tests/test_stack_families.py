@@ -336,3 +336,33 @@ def test_t5_classification_model_keeps_its_stream(fp64_rmsnorm):
     sd = model.state_dict()
     new = apply(sd, instances, random_elements(instances, torch.Generator().manual_seed(0)))
     assert output_rel_diff(model, with_weights(model, new), inputs) <= 1e-10
+
+
+def test_clip_models_with_other_head_counts_are_refused(tmp_path, capsys):
+    """CLIPConfig has no num_attention_heads of its own: the layout check compares each tower's. Same
+    shapes, other head counts: the head blocks would not correspond, so merge (in memory and streamed)
+    and align refuse with one error, and write nothing."""
+    from transformers import CLIPConfig, CLIPModel
+
+    from symmerge.cli import main as cli_main
+
+    folders = []
+    for i, heads in enumerate((2, 4)):
+        torch.manual_seed(i)
+        config = CLIPConfig(text_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=heads, vocab_size=40, max_position_embeddings=16,
+                                             bos_token_id=0, eos_token_id=1, pad_token_id=1),
+                            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=8, patch_size=4),
+                            projection_dim=8)
+        CLIPModel(config).save_pretrained(str(tmp_path / f"c{i}"))
+        folders.append(str(tmp_path / f"c{i}"))
+    for extra in (["--mode", "memory"], ["--mode", "stream"]):
+        out = tmp_path / f"out{extra[-1]}"
+        assert cli_main(["merge", *folders, "--method", "average", "--align", "none", *extra, "--progress", "none",
+                         "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "attention heads" in err and "text_config 4" in err and not out.exists()
+    assert cli_main(["align", *folders, "-o", str(tmp_path / "aligned"), "--progress", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "attention heads" in err and "text_config 4" in err and not (tmp_path / "aligned").exists()

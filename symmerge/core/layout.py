@@ -29,8 +29,8 @@ def check_layouts(layouts: list[Layout], hint: str = "") -> None:
             raise SymmergeError(f"architectures differ: {ref.name} is {ref.model_type!r}, "
                                 f"{other.name} is {other.model_type!r}")
         if ref.heads != other.heads:  # same shapes, but the head blocks would not correspond
-            raise SymmergeError(f"architectures differ: {ref.name} has {ref.heads} attention heads, "
-                                f"{other.name} has {other.heads}")
+            raise SymmergeError(f"architectures differ: {ref.name} has {_heads(ref.heads)} attention heads, "
+                                f"{other.name} has {_heads(other.heads)}")
         if ref.shapes.keys() != other.shapes.keys():
             only_ref = sorted(set(ref.shapes) - set(other.shapes))[:3]
             only_other = sorted(set(other.shapes) - set(ref.shapes))[:3]
@@ -42,3 +42,8 @@ def check_layouts(layouts: list[Layout], hint: str = "") -> None:
             if tuple(shape) != tuple(other.shapes[k]):
                 raise SymmergeError(f"shapes differ for {ref.disk(k)}: {tuple(shape)} in {ref.name}, "
                                     f"{tuple(other.shapes[k])} in {other.name}{hint}")
+
+
+def _heads(heads) -> str:
+    """A head count, or the per-sub-config counts of a model made of several (CLIP: text_config 8, ...)."""
+    return ", ".join(f"{name} {h}" for name, h in heads) if isinstance(heads, tuple) else str(heads)

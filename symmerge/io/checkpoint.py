@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SymmergeError
-from .hf import DiskNames, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
+from .hf import DiskNames, attention_heads, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
 from .model import SAFE_INDEX, SAFE_SINGLE, check_safetensors, read_config, weight_files
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -218,7 +218,7 @@ class LazyCheckpoint:
         """The checkpoint's layout (from headers only) for :func:`symmerge.core.layout.check_layouts`."""
         from ..core.layout import Layout
 
-        return Layout(name, self.config["model_type"], getattr(self.hf_config, "num_attention_heads", None),
+        return Layout(name, self.config["model_type"], attention_heads(self.hf_config),
                       dict(self.shape), self.disk_name)
 
 

@@ -109,3 +109,16 @@ class DiskNames(Mapping):
 
     def __len__(self):
         return len(self._table())
+
+
+def attention_heads(config):
+    """The attention-head count(s) a layout check compares: the config's ``num_attention_heads``, or — for a
+    config made of sub-configs without one of its own (CLIP: ``text_config``, ``vision_config``) — a tuple of
+    ``(sub-config, heads)``; None when the model has no attention heads."""
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is not None:
+        return heads
+    subs = tuple((name, getattr(getattr(config, name, None), "num_attention_heads", None))
+                 for name in sorted(getattr(type(config), "sub_configs", {}) or {}))
+    subs = tuple((name, h) for name, h in subs if h is not None)
+    return subs or None

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from ..core.layout import Layout
-from .hf import DiskNames
+from .hf import DiskNames, attention_heads
 
 
 def layout_of(model, name: str, keys=None) -> Layout:
     """The layout of a transformers model (optionally only ``keys``)."""
     sd = model.state_dict()
     keys = sd.keys() if keys is None else keys
-    return Layout(name, model.config.model_type, getattr(model.config, "num_attention_heads", None),
+    return Layout(name, model.config.model_type, attention_heads(model.config),
                   {k: tuple(sd[k].shape) for k in keys}, DiskNames(model))

@@ -38,6 +38,7 @@ from ..core.layout import Layout, check_layouts
 from ..errors import SymmergeError
 from ..families import spec_for, supported_model_types
 from ..io.checkpoint import LazyCheckpoint, PlannedWriter, parse_size
+from ..io.hf import attention_heads
 from ..io.card import write_card
 from ..io.model import atomic_dir, copy_side_files, model_class, weight_files, write_json
 from ..io.sentence_transformers import check_pipelines
@@ -205,7 +206,7 @@ def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
 
 def _body_layout(ckpt: LazyCheckpoint, name: str, heads) -> Layout:
     heads = set(heads)
-    return Layout(name, ckpt.config["model_type"], getattr(ckpt.hf_config, "num_attention_heads", None),
+    return Layout(name, ckpt.config["model_type"], attention_heads(ckpt.hf_config),
                   {k: ckpt.shape[k] for k in ckpt.keys() if k not in heads}, ckpt.disk_name)
 
 
