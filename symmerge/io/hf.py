@@ -122,3 +122,15 @@ def attention_heads(config):
                  for name in sorted(getattr(type(config), "sub_configs", {}) or {}))
     subs = tuple((name, h) for name, h in subs if h is not None)
     return subs or None
+
+
+def is_conv1d(module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): a linear layer whose weight is stored in × out."""
+    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
+
+
+def linear_output_axis(module) -> int | None:
+    """The weight axis of a linear layer's outputs: 0 for an ``nn.Linear``, 1 for a ``Conv1D``; else None."""
+    if isinstance(module, torch.nn.Linear):
+        return 0
+    return 1 if is_conv1d(module) else None

@@ -36,7 +36,7 @@ from ..pipeline.verify import with_state_dict
 from .registry import get_method
 from .repair import repair
 from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_mergeable, head_keys, head_policy,
-                    untied, with_tied)
+                    head_report, untied, with_tied)
 from .statistics import gather
 from .stream import plain_fallback
 
@@ -394,10 +394,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
         timings["repair"] = time.perf_counter() - t
 
     hk = head_keys(models[0])
-    head_info = ({"policy": "none", "note": "base models without a task head"} if not hk else
-                 {"policy": "merge", "requested": requested_heads, "keys": sorted(hk)} if opts.heads == "merge" else
-                 {"policy": "keep", "requested": requested_heads, "from_index": opts.head_from,
-                  "from": names[opts.head_from], "keys": sorted(head_keys(holder))})
+    head_info = head_report(hk, opts.heads, requested_heads, opts.head_from, names, head_keys(holder))
     with stage("distances between the inputs and to the result", enabled=opts.progress):
         before = _pairwise([x.state_dict() for x in models], body, names)
         after = before if aligned is models else _pairwise(sds, body, names)

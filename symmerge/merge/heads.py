@@ -33,6 +33,17 @@ def head_policy(requested: str, cls) -> str:
     return "merge" if cls.__name__.endswith(LANGUAGE_MODELS) else "keep"
 
 
+def head_report(head_keys: list, policy: str, requested: str, head_from: int, names, kept_keys) -> dict:
+    """The report's ``head`` entry (in memory and streamed): ``none`` for base models, else the policy
+    applied, the one requested, and the head's tensors (kept: whose, ``kept_keys`` being that model's)."""
+    if not head_keys:
+        return {"policy": "none", "note": "base models without a task head"}
+    if policy == "merge":
+        return {"policy": "merge", "requested": requested, "keys": sorted(head_keys)}
+    return {"policy": "keep", "requested": requested, "from_index": head_from, "from": names[head_from],
+            "keys": sorted(kept_keys)}
+
+
 def head_keys(model) -> list[str]:
     """State-dict keys outside the base model (task heads), e.g. ``classifier.weight``, without the
     ones declared tied to a base-model tensor."""

@@ -40,7 +40,8 @@ import torch
 
 from ..errors import SymmergeError
 from ..groups import get_kind
-from ..pipeline.bound import bind, linear_output_axis
+from ..io.hf import linear_output_axis
+from ..pipeline.bound import bind
 from .base import normalized_weights
 
 CHANNELS = ("ffn", "attn_out", "mlp_out", "norm")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..io.data import Batch, Data, predictions
+from ..io.hf import is_conv1d, linear_output_axis
 from ..errors import SymmergeError
 from ..progress import bar
 
@@ -52,13 +53,9 @@ class InOutGram(torch.Tensor):
     a marker subclass (arithmetic and ``.to`` keep it) that tells RegMean not to transpose the weight."""
 
 
-def is_conv1d(module) -> bool:
-    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
-
-
 def linear_modules(model) -> dict:
     """Every linear layer, found by module type: ``nn.Linear`` and transformers' ``Conv1D``."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) or is_conv1d(m)}
+    return {name: m for name, m in model.named_modules() if linear_output_axis(m) is not None}
 
 
 def in_features(module) -> int:
@@ -231,8 +228,7 @@ def _producers(model) -> dict:
     """Linear layers (``nn.Linear``, transformers' ``Conv1D``) of the base model (of the whole model
     when it has no base-model prefix): their outputs are the units OT fusion transports."""
     prefix = getattr(model, "base_model_prefix", "") + "."
-    mods = {n: m for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
+    mods = linear_modules(model)
     inside = {n: m for n, m in mods.items() if n.startswith(prefix)}
     return inside or mods
 

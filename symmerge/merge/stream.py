@@ -45,7 +45,7 @@ from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
 from . import kernels
-from .heads import head_policy
+from .heads import head_policy, head_report
 from .modules import merge_pipeline_modules
 from .base import merge_tensor, normalized_weights
 
@@ -484,11 +484,8 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
         files = target.close()
         (tmp / "config.json").write_text(_config_text(holder))
         hk = heads[0]
-        head_info = ({"policy": "none", "note": "base models without a task head"} if not hk else
-                     {"policy": "merge", "requested": requested_heads, "keys": sorted(hk)}
-                     if options.heads == "merge" else
-                     {"policy": "keep", "requested": requested_heads, "from_index": options.head_from,
-                      "from": names[options.head_from], "keys": sorted(heads[options.head_from])})
+        head_info = head_report(hk, options.heads, requested_heads, options.head_from, names,
+                                heads[options.head_from])
         import math
 
         pairs = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in pair_sq.items()}

@@ -70,7 +70,8 @@ from ..core.solvers import (centered_residual, complement_basis, orthogonal_resi
 from ..errors import SymmergeError
 from ..groups import Options
 from ..groups.residual import StreamElement
-from .bound import bind, linear_output_axis
+from ..io.hf import linear_output_axis
+from .bound import bind
 from ..progress import bar
 from .engine import SolveContext, by_group, solve_local
 

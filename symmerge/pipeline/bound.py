@@ -17,12 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import torch
-
 from ..core.resolve import config_sizes, declared_ties, find_prefix, layer_paths, resolve
 from ..errors import SymmergeError
 from ..families import spec_for
-from ..io.hf import DiskNames
+from ..io.hf import DiskNames, linear_output_axis
 
 
 @dataclass(eq=False)
@@ -32,8 +30,12 @@ class BoundModel:
     prefix: str  # the base model inside the state dict ('' or 'bert.' ...)
     instances: list  # every group instance (per-layer first, model-wide last)
     ties: dict = field(default_factory=dict)  # declared {alias: source}
-    num_layers: int = 0  # every stack's layers (T5: the encoder's, then the decoder's)
     sizes: dict = field(default_factory=dict)  # config_sizes: layer and head counts (per stack where several)
+
+    @property
+    def num_layers(self) -> int:
+        """Every stack's layers (T5: the encoder's, then the decoder's)."""
+        return self.sizes["num_layers"]
 
     @property
     def symmetries(self) -> set:
@@ -43,15 +45,19 @@ class BoundModel:
     def layer_paths(self) -> list[str]:
         """Module paths of the layers, in the order the instances number them (several stacks: T5's
         encoder layers, then its decoder's); their outputs are the stream at every block boundary."""
-        if not self.spec.layer and not self.spec.stacks:
+        if self._paths is None:
             raise SymmergeError(f"the {self.spec.family} spec names no layer module")
-        return layer_paths(self.spec, self.model.state_dict().keys(), self.sizes)
+        return list(self._paths)
+
+    @cached_property
+    def _paths(self) -> tuple | None:
+        if not self.spec.layer and not self.spec.stacks:
+            return None
+        return tuple(layer_paths(self.spec, self.model.state_dict().keys(), self.sizes))
 
     @cached_property
     def _layer_index(self) -> dict:
-        if not self.spec.layer and not self.spec.stacks:
-            return {}
-        return {path + ".": i for i, path in enumerate(self.layer_paths())}
+        return {path + ".": i for i, path in enumerate(self._paths or ())}
 
     def layer_of(self, key: str) -> int | None:
         """The layer whose module holds the tensor ``key``, else None (embeddings, final norm, heads)."""
@@ -76,15 +82,6 @@ class BoundModel:
         return linear_output_axis(module)
 
 
-def linear_output_axis(module) -> int | None:
-    """0 for an ``nn.Linear``, 1 for transformers' ``Conv1D`` (weight in × out), else None."""
-    if isinstance(module, torch.nn.Linear):
-        return 0
-    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
-        return 1
-    return None
-
-
 def bind(model, layers=None, residual: str = "largest") -> BoundModel:
     """The :class:`BoundModel` of a transformers model (``layers``: only these layer indices;
     ``residual``: the residual stream's group for LayerNorm models, ``largest`` or ``permutation``)."""
@@ -96,7 +93,7 @@ def bind(model, layers=None, residual: str = "largest") -> BoundModel:
     sd = model.state_dict()
     instances = resolve(spec, sd, num_layers, rest.pop("num_heads"), layers, ties=ties, residual=residual,
                         architecture=type(model).__name__, disk_names=DiskNames(model), **rest)
-    return BoundModel(model, spec, find_prefix(spec, sd.keys()), instances, ties, num_layers, sizes)
+    return BoundModel(model, spec, find_prefix(spec, sd.keys()), instances, ties, sizes)
 
 
 def instances_for(model, layers=None, residual: str = "largest"):
