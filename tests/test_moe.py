@@ -3,8 +3,8 @@
 The parametrized suite (test_groups.py) covers every MoE family's kinds (fp64/fp32 equivalence, exact
 tensors moved, negative controls, recovery). Here: the routing normalisation both ways, the negative
 control of the experts group by name (experts without the router's rows), the joint expert + inner FFN
-matching against brute force, the fused-in-memory / per-expert-on-disk layout through the CLI, the
-streamed path's refusal and activation matching's fallback to the weights.
+matching against brute force, the fused-in-memory / per-expert-on-disk layout through the CLI and
+activation matching's fallback to the weights (the streamed path: test_moe_stream.py).
 """
 
 from __future__ import annotations
@@ -156,16 +156,6 @@ def test_fused_experts_round_trip_through_the_cli(tmp_path, fp64_rmsnorm):
     assert output_rel_diff(model, aligned, make_inputs(model)) <= 1e-4
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in f.keys()
-
-
-def test_streamed_alignment_refuses_moe_models_clearly(tmp_path, capsys):
-    anchor = make_model("qwen3_moe", head=True, dtype=torch.float32)
-    anchor.save_pretrained(tmp_path / "a")
-    make_model("qwen3_moe", head=True, dtype=torch.float32, seed=1).save_pretrained(tmp_path / "b")
-    assert run_cli("align", tmp_path / "b", tmp_path / "a", "--stream", "-o", tmp_path / "out") != 0
-    err = capsys.readouterr().err
-    assert "streamed alignment does not support qwen3_moe" in err and "--align none" in err
-    assert not (tmp_path / "out").exists()
 
 
 def test_activation_matching_solves_the_experts_on_the_weights(fp64_rmsnorm):

@@ -115,8 +115,8 @@ class Spec:
     unsupported: tuple[tuple[str, str], ...] = ()  # (tensor template, reason): refuse checkpoints holding it
     probe: str = ""  # a tensor template every checkpoint of the family holds (locates the base model)
     layer: str = ""  # module path template of one layer (``encoder.layer.{i}``): its output is the stream
-    # why streamed alignment refuses the family ('' : it streams): transformers 5 fuses MoE experts in memory
-    # ((E, 2I, d) tensors) but saves them one tensor per expert, so the spec's names exist only in memory
+    # why streamed alignment refuses the family ('' : it streams; MoE experts fused in memory but stored per
+    # expert stream as virtual tensors, see symmerge.io.fused)
     in_memory_only: str = ""
     # several layer stacks (T5, CLIP): each per-layer group belongs to the stack whose ``layer`` template
     # prefixes its members; instances are numbered through the stacks in this order (``layer`` of an instance)

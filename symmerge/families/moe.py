@@ -8,15 +8,14 @@ expert (Qwen2-MoE) gets the plain FFN permutation, its scalar gate reads the str
 
 transformers 5 fuses the experts in memory (``mlp.experts.gate_up_proj`` (E, 2I, d), ``down_proj``
 (E, d, I)) but saves them one tensor per expert (Mixtral: ``block_sparse_moe.experts.{e}.w1/w2/w3``;
-the others: ``mlp.experts.{e}.gate_proj/up_proj/down_proj``): the specs name the in-memory tensors, so
-these families align in memory; streamed alignment refuses them (``Spec.in_memory_only``).
+the others: ``mlp.experts.{e}.gate_proj/up_proj/down_proj``), as the released checkpoints store them.
+The specs name the in-memory tensors; streamed alignment reads them as virtual tensors stacked from the
+stored ones and writes them back split, in the checkpoint's own names (:mod:`symmerge.io.fused`).
 """
 
 from ..core.spec import Member
 from .roles import DECODER_HEADS, MLP, Attention, Experts, Stream, build
 
-FUSED = ("transformers fuses the experts in memory but stores one tensor per expert on disk; align in memory "
-         "(without --stream), or merge without alignment (--align none)")
 DENSE_LAYERS = (("mlp.gate_proj.weight", "dense layers among the sparse ones (mlp_only_layers, decoder_sparse_step)"),)
 STREAM = Stream("rmsnorm", "pre", embeddings=(Member("embed_tokens.weight", 1),),
                 norms=(("input_layernorm", "attn"), ("post_attention_layernorm", "mlp")), final="norm",
@@ -29,14 +28,14 @@ def _attention(**kw) -> Attention:
                      rope=True, grouped=True, **kw)
 
 
-MIXTRAL = build("mixtral", ("mixtral",), "layers.{i}", _attention(), None, STREAM, moe=EXPERTS, in_memory_only=FUSED)
+MIXTRAL = build("mixtral", ("mixtral",), "layers.{i}", _attention(), None, STREAM, moe=EXPERTS)
 QWEN2_MOE = build(
     "qwen2_moe", ("qwen2_moe",), "layers.{i}", _attention(),
     MLP(inputs=("mlp.shared_expert.up_proj",), output="mlp.shared_expert.down_proj", gate="mlp.shared_expert.gate_proj"),
     STREAM, moe=Experts(EXPERTS.router, EXPERTS.gate_up, EXPERTS.down, readers=("mlp.shared_expert_gate",)),
-    unsupported=DENSE_LAYERS, in_memory_only=FUSED)
+    unsupported=DENSE_LAYERS)
 QWEN3_MOE = build("qwen3_moe", ("qwen3_moe",), "layers.{i}",
                   _attention(pair_norms=("self_attn.q_norm.weight", "self_attn.k_norm.weight")), None, STREAM,
-                  moe=EXPERTS, unsupported=DENSE_LAYERS, in_memory_only=FUSED)
+                  moe=EXPERTS, unsupported=DENSE_LAYERS)
 OLMOE = build("olmoe", ("olmoe",), "layers.{i}", _attention(whole_norms=("self_attn.q_norm", "self_attn.k_norm")),
-              None, STREAM, moe=EXPERTS, in_memory_only=FUSED)
+              None, STREAM, moe=EXPERTS)

@@ -49,7 +49,11 @@ class LazyCheckpoint:
     """An HF safetensors folder whose tensors are read on demand, named as in the model's
     ``state_dict`` (``disk_name`` gives each tensor's name in the files)."""
 
-    def __init__(self, folder, spec: bool = True):
+    def __init__(self, folder, spec: bool = True, fused: bool = False):
+        """``fused``: present the tensors transformers fuses in memory from several stored ones (a mixture
+        of experts' ``mlp.experts.gate_up_proj`` from ``experts.{e}.gate_proj/up_proj``) as one virtual
+        tensor each, under its in-memory name: read by stacking the stored tensors, written back split
+        (:meth:`to_disk`) under the checkpoint's own names and layout."""
         from safetensors import safe_open
 
         self.folder = Path(folder)
@@ -71,7 +75,11 @@ class LazyCheckpoint:
         except Exception as e:
             raise SymmergeError(f"transformers cannot read this {self.config.get('model_type')} config "
                                 f"({type(e).__name__}: {e})") from None
-        rename, self.ties = disk_to_memory_names(self.config, self.hf_config)
+        if fused:
+            rename, self.ties, fusions = disk_to_memory_names(self.config, self.hf_config, fused=True)
+        else:
+            (rename, self.ties), fusions = disk_to_memory_names(self.config, self.hf_config), {}
+        self.virtual: dict = {}  # in-memory name -> symmerge.io.fused.Fused, for the fused tensors read as one
         self.save_names: dict[str, str] = {}  # in-memory name -> the name save_pretrained writes
         for disk, key in rename.items():
             self.save_names.setdefault(key, disk)
@@ -101,6 +109,68 @@ class LazyCheckpoint:
             if alias not in self.file_of:
                 self._same_as(alias, key)
         self._fold_ties()
+        self._fuse(fusions)
+
+    def _fuse(self, fusions: dict) -> None:
+        """Replace each complete set of stored tensors of a fused tensor by the fused tensor (at the place of
+        its first stored tensor); a partial set is a truncated or mismatched checkpoint: refused."""
+        where: dict[str, str] = {}
+        for key, fz in fusions.items():
+            names = [p.name for p in fz.parts]
+            present = [n for n in names if n in self.file_of]
+            if not present:
+                continue  # stored fused (under the in-memory name), or absent: the spec's resolution says
+            if key in self.file_of:
+                raise SymmergeError(f"{self.folder}: {key!r} is stored both fused and as {present[0]!r}")
+            if len(present) != len(names):
+                missing = next(n for n in names if n not in self.file_of)
+                raise SymmergeError(f"{self.folder}: holds {len(present)} of the {len(names)} tensors of {key!r} "
+                                    f"(missing {missing!r}): truncated or mismatched checkpoint")
+            for p in fz.parts:
+                if self.shape[p.name] != p.shape:
+                    raise SymmergeError(f"{self.folder}: tensor {p.name!r} is {self.shape[p.name]}, {p.shape} "
+                                        f"expected (a part of {key!r} {fz.shape}): mismatched checkpoint")
+            dtypes = {self.dtype[n] for n in names}
+            if len(dtypes) != 1:
+                raise SymmergeError(f"{self.folder}: the tensors of {key!r} have different dtypes {sorted(map(str, dtypes))}")
+            self.virtual[key] = fz
+            where[names[0]] = key
+        if not self.virtual:
+            return
+        parts = {p.name for fz in self.virtual.values() for p in fz.parts}
+        self._part_files = {n: self.file_of[n] for n in parts}
+        tables = (self.disk_name, self.file_of, self.shape, self.dtype)
+        old = [dict(t) for t in tables]
+        for t in tables:
+            t.clear()
+        for k in old[1]:
+            if k in where:
+                fz = self.virtual[where[k]]
+                first, last = fz.parts[0].name, fz.parts[-1].name
+                self.disk_name[fz.key] = f"{first} … {last} ({len(fz.parts)} tensors)"
+                self.file_of[fz.key], self.shape[fz.key], self.dtype[fz.key] = old[1][k], fz.shape, old[3][k]
+            elif k not in parts:
+                for t, o in zip(tables, old):
+                    t[k] = o[k]
+
+    def to_disk(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """``[(name on disk, tensor)]`` to write the in-memory tensor ``key`` as ``save_pretrained`` does (a
+        fused tensor: its stored tensors, split again)."""
+        if key in self.virtual:
+            return self.virtual[key].split(tensor)
+        return [(self.save_name(key), tensor)]
+
+    def _part_file(self, name: str) -> Path:
+        return self._part_files[name]
+
+    def _read_virtual(self, key: str) -> torch.Tensor:
+        fz = self.virtual[key]
+        stored = {}
+        for p in fz.parts:
+            stored[p.name] = self.read([p.name], _stored=True)[p.name]
+        out = fz.stack(stored, self.dtype[key])
+        del stored
+        return out
 
     def _same_as(self, key: str, stored: str) -> None:
         """``key`` reads the tensor stored as ``stored``."""
@@ -137,19 +207,25 @@ class LazyCheckpoint:
         """Shape-only stand-ins (``meta`` tensors) for resolving a spec without reading weights."""
         return {k: torch.empty(self.shape[k], dtype=self.dtype[k], device="meta") for k in self.file_of}
 
-    def read(self, keys) -> dict[str, torch.Tensor]:
-        """The named tensors (copies, so no memory map outlives the call); NaN/Inf refused."""
+    def read(self, keys, _stored: bool = False) -> dict[str, torch.Tensor]:
+        """The named tensors (copies, so no memory map outlives the call); NaN/Inf refused. A fused tensor
+        (``virtual``) is stacked from its stored tensors (``_stored``: ``keys`` are stored names of those)."""
         from safetensors import safe_open
 
         by_file: dict[Path, list[str]] = defaultdict(list)
-        for k in keys:
-            by_file[self.file_of[k]].append(k)
         out = {}
+        for k in keys:
+            if _stored:
+                by_file[self._part_file(k)].append(k)
+            elif k in self.virtual:
+                out[k] = self._read_virtual(k)
+            else:
+                by_file[self.file_of[k]].append(k)
         for f, names in by_file.items():
             try:
                 with safe_open(str(f), "pt") as handle:
                     for k in names:
-                        out[k] = handle.get_tensor(self.disk_name[k]).clone()
+                        out[k] = handle.get_tensor(k if _stored else self.disk_name[k]).clone()
             except SymmergeError:
                 raise
             except Exception as e:
@@ -157,7 +233,7 @@ class LazyCheckpoint:
         for k in keys:
             t = out[k]
             if t.is_floating_point() and not torch.isfinite(t.reshape(-1).sum()) and not torch.isfinite(t).all():
-                raise SymmergeError(f"{self.folder}: tensor {self.disk_name[k]!r} holds NaN or Inf values")
+                raise SymmergeError(f"{self.folder}: tensor {k if _stored else self.disk_name[k]!r} holds NaN or Inf values")
         return {k: out[k] for k in keys}
 
 
@@ -168,6 +244,8 @@ class LazyCheckpoint:
         :meth:`read_direct` where the tensor's offset does not suit its dtype."""
         import mmap
 
+        if key in self.virtual:
+            return self._read_virtual(key)
         f, disk = self.file_of[key], self.disk_name[key]
         start, end = _offsets(f)[disk]
         dtype = self.dtype[key]
@@ -193,6 +271,8 @@ class LazyCheckpoint:
         call it at once (each read opens its own file handle; the read releases the GIL). ``buffer``: a
         uint8 tensor of at least :meth:`nbytes` bytes to read into instead (reused memory: no page
         faults on fresh pages); the result is a view of it."""
+        if key in self.virtual:
+            return self._read_virtual(key)
         f, disk = self.file_of[key], self.disk_name[key]
         start, end = _offsets(f)[disk]
         if buffer is not None and buffer.numel() >= end - start:

@@ -52,12 +52,13 @@ def hf_config(config: dict):
     return cfg_cls.from_dict(dict(config))
 
 
-def disk_to_memory_names(config: dict, cfg=None) -> tuple[dict[str, str], dict[str, str]]:
+def disk_to_memory_names(config: dict, cfg=None, fused: bool = False) -> tuple:
     """(checkpoint tensor name → the model's ``state_dict`` name, the model's declared ties
     ``{alias: source}``). transformers 5 renames some families' weights on load and back on save
     (ViT: ``encoder.layer.0.attention.attention.query`` on disk is ``layers.0.attention.q_proj`` in
     memory); the specs use the in-memory names. Derived from transformers' own reverse conversion
-    applied to a weightless (``meta``) model, whose class also declares the ties."""
+    applied to a weightless (``meta``) model, whose class also declares the ties. ``fused``: a third item,
+    the in-memory tensors stored as several tensors (:func:`symmerge.io.fused.fused_parts`)."""
     import transformers
 
     cls = model_class(config)
@@ -67,9 +68,17 @@ def disk_to_memory_names(config: dict, cfg=None) -> tuple[dict[str, str], dict[s
             with torch.device("meta"):
                 model = cls(cfg) if cls is not transformers.AutoModel else transformers.AutoModel.from_config(cfg)
             rename = disk_to_memory(model)
+            if fused:
+                from .fused import fused_parts
+
+                parts = fused_parts(model, rename.values())
+    except SymmergeError:
+        raise
     except Exception as e:
         raise SymmergeError(f"transformers cannot build a {config.get('model_type')} model from this config "
                             f"({type(e).__name__}: {e})") from None
+    if fused:
+        return rename, declared_ties(model), parts
     return rename, declared_ties(model)
 
 

@@ -58,13 +58,17 @@ def active(instances, opts: Options) -> list:
 
 def prepare_costly(instances, sd_a, sd_b, opts: Options, ctx: SolveContext | None = None) -> dict:
     """The read-once costly step of the kinds that have one (cost matrices and their assignments),
-    ``{group name: prepared}``; ``sd_a``/``sd_b`` may read tensors on demand."""
+    ``{group name: prepared}``; ``sd_a``/``sd_b`` may read tensors on demand. Only for a group whose
+    tensors no group solved before it moves (the FFN inside each expert comes after the experts'
+    permutation: it is prepared when solved, on the moved tensors)."""
     ctx = ctx or SolveContext(list(instances))
-    out = {}
+    out, touched = {}, set()
     for name, insts in by_group(active(instances, opts)).items():
         kind = insts[0].kind
-        if kind.streams_costs:
+        keys = {s.key for i in insts for s in i.slots}
+        if kind.streams_costs and not keys & touched:
             out[name] = kind.prepare(insts, sd_a, sd_b, opts, ctx)
+        touched |= keys
     return out
 
 

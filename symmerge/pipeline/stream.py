@@ -154,7 +154,7 @@ class _Job:
                 raise SymmergeError(f"{self.ckpt_a.disk_name[k]}: aligned tensor is not finite")
             with self.lock:
                 self.distances.add(k, sq_distance(sd_a, sd_b, [k]), sq_distance(new, sd_b, [k]))
-            out[self.ckpt_a.save_name(k)] = new[k]
+            out.update(self.ckpt_a.to_disk(k, new[k]))
         with self.lock:
             for name, sec in group_times.items():
                 self.timings[f"solve {name}"] += sec
@@ -281,7 +281,7 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
     # pages are handed back after each part
     trim = _bound_malloc((1 if pipeline else 32) << 20)
     with stage("read the checkpoint headers", enabled=progress):
-        ckpt_a, ckpt_b = LazyCheckpoint(model), LazyCheckpoint(anchor)
+        ckpt_a, ckpt_b = LazyCheckpoint(model, fused=True), LazyCheckpoint(anchor, fused=True)
     check_layouts([ckpt_a.layout("model"), ckpt_b.layout("anchor")])
     requested = options.requested
     spec, by_layer, options = layer_instances(ckpt_a, options.layers, options.solver_options(dev), options=options)
@@ -305,7 +305,8 @@ def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), r
             ta, tb = ckpt_a.read([k]), ckpt_b.read([k])
             d = sq_distance(ta, tb, [k])
             distances.add(k, d, d)
-            writer.add(ckpt_a.save_name(k), ta[k])
+            for name, t in ckpt_a.to_disk(k, ta[k]):
+                writer.add(name, t)
             del ta, tb
         writer.flush()
         pbar = bar(total=len(by_layer), desc="aligning layers", unit="layers", enabled=progress)
