@@ -13,7 +13,7 @@ import pytest
 from conftest import make_inputs, output_rel_diff
 from factories import FAMILIES, RMSNORM, make_model
 from symmerge.errors import SymmergeError
-from symmerge.groups import KINDS
+from symmerge.groups import KINDS, Kind
 from symmerge.pipeline.align import align_pair, instances_for
 from symmerge.pipeline.options import AlignOptions, LearnSettings
 from test_activations import unlabeled
@@ -24,13 +24,16 @@ FULL = "heads,attn,ffn,rescale,residual"
 
 def test_every_kind_declares_its_matcher_capabilities():
     for name, kind in KINDS.items():
-        assert kind.activation_sites in ("slots", "units", "stream", "weights", ""), name
+        assert kind.activation_sites in ("slots", "units", "stream", "inputs", "weights", ""), name
         assert kind.activation_statistic in ("gram", "correlation"), name
         assert isinstance(kind.moves_before_scales, bool), name
         # a model-wide kind is read at the block boundaries, a per-layer one at its slots or units
         assert (kind.activation_sites == "stream") == (not kind.per_layer) or kind.activation_sites in ("weights", ""), name
         for method in ("fit_activations", "weight_scales", "resolvable", "learn_init"):
             assert callable(getattr(kind, method)), (name, method)
+        if kind.activation_sites == "inputs":  # its own statistics from a module's input: all three overridden
+            for method in ("activation_input", "observe", "fit_observed"):
+                assert getattr(type(kind), method) is not getattr(Kind, method), (name, method)
 
 
 def _family_of_each_kind() -> dict[str, str]:

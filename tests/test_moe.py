@@ -4,7 +4,8 @@ The parametrized suite (test_groups.py) covers every MoE family's kinds (fp64/fp
 tensors moved, negative controls, recovery). Here: the routing normalisation both ways, the negative
 control of the experts group by name (experts without the router's rows), the joint expert + inner FFN
 matching against brute force, the fused-in-memory / per-expert-on-disk layout through the CLI and
-activation matching's fallback to the weights (the streamed path: test_moe_stream.py).
+activation matching through ``align`` (the streamed path: test_moe_stream.py; activation matching:
+test_moe_activations.py).
 """
 
 from __future__ import annotations
@@ -158,9 +159,9 @@ def test_fused_experts_round_trip_through_the_cli(tmp_path, fp64_rmsnorm):
         assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in f.keys()
 
 
-def test_activation_matching_solves_the_experts_on_the_weights(fp64_rmsnorm):
-    """``--match activations``: the experts group and the FFN inside each expert (no Linear module stands
-    for them) are solved on the weights; a hidden element is still undone exactly."""
+def test_activation_matching_undoes_a_hidden_element_through_align(fp64_rmsnorm):
+    """``--match activations`` through ``align``: the experts and the FFN inside each expert from the
+    router's logits and the experts' units (test_moe_activations.py); a hidden element is undone exactly."""
     anchor = make_model("mixtral", head=True)
     symmetries = ("heads", "attn", "ffn", "experts")
     model, _, _ = disguised(anchor, symmetries, seed=5)

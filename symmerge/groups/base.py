@@ -116,6 +116,9 @@ class Kind:
     #   "slots" — each weight slot's activation (a Linear's output for a slot on its output axis, its
     #   input for one on its input axis); "units" — only the hidden units (the input of the module that
     #   consumes them); "stream" — the hidden states at every block boundary (a model-wide group);
+    #   "inputs" — the input of one module per instance (:meth:`Kind.activation_input`: the tokens' hidden
+    #   states where the group's tensors read them), from which the kind computes statistics of its own
+    #   (:meth:`Kind.observe`, batch by batch) and solves on them (:meth:`Kind.fit_observed`);
     #   "weights" — none, and the activation matcher solves the kind on the weights instead (exactly, given
     #   the groups before it); "" — none: the activation matcher refuses the kind by name.
     activation_sites = "slots"
@@ -131,6 +134,23 @@ class Kind:
         slots address them) by a solver of the kind's own; None (default): the matcher runs the kind's
         weight solver on them unchanged."""
         return None
+
+    def activation_input(self, inst) -> str:
+        """``activation_sites == "inputs"``: the module whose input (tokens × features) :meth:`observe` reads."""
+        raise NotImplementedError
+
+    def observe(self, inst, stats, x_a: torch.Tensor, x_b: torch.Tensor, model_a, model_b):
+        """``activation_sites == "inputs"``: one batch added to the instance's statistics ``stats`` (None at
+        the first batch; returned): ``x_a``/``x_b`` the two models' inputs of :meth:`activation_input` on
+        the same tokens (tokens × features, padding dropped), the models to read their own tensors from."""
+        raise NotImplementedError
+
+    def fit_observed(self, insts, stats: dict, opts: Options) -> dict:
+        """``activation_sites == "inputs"``: ``{instance name: element}`` from ``stats`` ``{instance name: the
+        statistics of :meth:`observe`}``. It may hold the elements of instances of other groups solved
+        jointly with these (the FFN inside each expert): the matcher takes them as they are, in their
+        group's turn, and fits their scales in the weights afterwards."""
+        raise NotImplementedError
 
     def weight_scales(self, insts, elements: dict, sd_a: dict, sd_b: dict, opts: Options,
                       scales_fitted: bool) -> None:

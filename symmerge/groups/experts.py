@@ -22,6 +22,7 @@ scales too with ``rescale``). Without the ``ffn`` symmetry the inner permutation
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -83,10 +84,107 @@ def expert_scores(inst, sd_a: dict, sd_b: dict, opts) -> torch.Tensor:
     return S
 
 
+@dataclass
+class Moments:
+    """Cross second moments of A's and B's features on the same tokens, with their sums and squares
+    (enough for the correlation of every feature of A with every feature of B)."""
+
+    cross: torch.Tensor
+    sums: tuple
+    squares: tuple
+    count: int = 0
+
+    @classmethod
+    def of(cls, a: torch.Tensor, b: torch.Tensor) -> "Moments":
+        m = cls(torch.zeros(a.shape[1], b.shape[1], dtype=torch.float64),
+                (torch.zeros(a.shape[1], dtype=torch.float64), torch.zeros(b.shape[1], dtype=torch.float64)),
+                (torch.zeros(a.shape[1], dtype=torch.float64), torch.zeros(b.shape[1], dtype=torch.float64)))
+        return m.add(a, b)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> "Moments":
+        self.cross += (a.T @ b).double().cpu()
+        for k, x in enumerate((a, b)):
+            self.sums[k].add_(x.sum(0, dtype=torch.float64).cpu())
+            self.squares[k].add_(x.double().square().sum(0).cpu())
+        self.count += a.shape[0]
+        return self
+
+    def correlation(self) -> torch.Tensor:
+        """corr(A's feature i, B's feature j) (a constant feature: correlation 0)."""
+        n = max(self.count, 1)
+        mean = [s / n for s in self.sums]
+        std = [(q / n - m.square()).clamp_min(0).sqrt() for q, m in zip(self.squares, mean)]
+        std = [torch.where(x > 1e-12 * x.max().clamp_min(1e-300), x, torch.full_like(x, math.inf)) for x in std]
+        return (self.cross / n - torch.outer(mean[0], mean[1])) / std[0][:, None] / std[1][None, :]
+
+
+def _module(key: str) -> str:
+    return key.rsplit(".", 1)[0]
+
+
+def _segments(inst):
+    """(router slot, gate slot, up slot) of an experts instance, the gate and up segments of the fused
+    ``gate_up`` tensor read from the inner FFN group's slots (power 0: the gate; the other: the up rows)."""
+    router = [s for s in inst.slots if s.key not in {t.key for i in inst.info.inner for t in i.slots}]
+    if len(router) != 1 or not inst.info.inner:
+        raise SymmergeError(f"{inst.name}: activation matching of the experts needs the router's rows and the "
+                            "FFN group inside each expert; use --match weights")
+    flat = _flat(inst.info.inner[0])
+    rows = [s for s in flat.slots if s.axis == 0]  # the gate and up rows (down: its columns, axis 1)
+    gate = [s for s in rows if s.power == 0]
+    up = [s for s in rows if s.power != 0]
+    if len(gate) != 1 or len(up) != 1 or gate[0].key != up[0].key:
+        raise SymmergeError(f"{inst.name}: activation matching of the experts reads gated experts (gate and up "
+                            "rows of one fused tensor); use --match weights")
+    return router[0], gate[0], up[0]
+
+
+def expert_features(inst, x: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(router logits (n, E), every expert's hidden units (n, E·I))`` of ``model`` on the tokens ``x``
+    (n × d, the router's input): each expert evaluated on every token, ``act(x W_gateᵀ) ⊙ (x W_upᵀ)``
+    with the activation of the experts' module."""
+    router, gate, up = _segments(inst)
+    W = model.get_parameter(gate.key).detach()
+    x = x.to(W.dtype)
+    logits = x @ model.get_parameter(router.key).detach().T
+    act = model.get_submodule(_module(gate.key)).act_fn
+    g = torch.einsum("nd,eid->nei", x, W[:, gate.start: gate.start + gate.length])
+    u = torch.einsum("nd,eid->nei", x, W[:, up.start: up.start + up.length])
+    return logits, (act(g) * u).flatten(1)
+
+
+def observed_scores(inst, stats: dict, opts) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(S, inner)`` from the activation statistics: ``S[e, f]`` (E × E) = the correlation of A's router
+    logit for expert e with B's for expert f, plus the mean correlation of their hidden units paired by
+    the best inner assignment (the identity's without the ``ffn`` symmetry; ``|correlation|`` where unit
+    scales may flip signs); ``inner[e, f]`` (E × E × I) that assignment (None without ``ffn``)."""
+    from .permutation import KIND as PERMUTATION
+
+    E = inst.size
+    permute, _, signed = PERMUTATION.plan(inst.info.inner[0], opts)
+    S = stats["router"].correlation().clone()
+    U = stats["units"].correlation()
+    n = U.shape[0] // E
+    U = U.view(E, n, E, n)
+    inner = torch.empty(E, E, n, dtype=torch.long) if permute else None
+    for e in range(E):
+        for f in range(E):
+            C = U[e, :, f, :].abs() if signed else U[e, :, f, :].clone()
+            if permute:
+                inner[e, f] = match_permutation(C.clone())
+                S[e, f] += C[inner[e, f], torch.arange(n)].sum() / n
+            else:
+                S[e, f] += C.diagonal().sum() / n
+    return S, inner
+
+
 class ExpertsKind(Kind):
     name = "experts"
-    activation_sites = "weights"  # the router and fused experts are no Linear modules: activation matching
-    # solves the experts' permutation on the weights, exactly, given the groups before it
+    # activation matching: the router's input (the tokens as the layer's experts see them); per pair of
+    # experts the correlation of their router logits and of their hidden units (every expert on every
+    # token), one exact E × E assignment jointly with the inner FFN assignment of each pair
+    activation_sites = "inputs"
+    moves_before_scales = True  # the unit scales inside each expert are fitted on the matched experts
     description = ("permutation of a layer's experts, the router's rows with them (top-k and the routing "
                    "normalisation are permutation-equivariant); matched jointly with the FFN permutation "
                    "inside each expert")
@@ -102,6 +200,30 @@ class ExpertsKind(Kind):
     def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
         return {inst.name: ExpertsElement(match_permutation(expert_scores(inst, sd_a, sd_b, opts)))
                 for inst in insts}
+
+    def activation_input(self, inst) -> str:
+        return _module(_segments(inst)[0].key)
+
+    def observe(self, inst, stats, x_a, x_b, model_a, model_b):
+        with torch.no_grad():
+            (la, ha), (lb, hb) = expert_features(inst, x_a, model_a), expert_features(inst, x_b, model_b)
+        if stats is None:
+            return {"router": Moments.of(la, lb), "units": Moments.of(ha, hb)}
+        stats["router"].add(la, lb)
+        stats["units"].add(ha, hb)
+        return stats
+
+    def fit_observed(self, insts, stats, opts) -> dict:
+        from .permutation import PermElement
+
+        out = {}
+        for inst in insts:
+            S, inner = observed_scores(inst, stats[inst.name], opts)
+            perm = match_permutation(S)
+            out[inst.name] = ExpertsElement(perm)
+            if inner is not None:  # expert j of the moved model is A's expert perm[j], paired with B's j
+                out.update({unit.name: PermElement(inner[perm[j], j]) for j, unit in enumerate(inst.info.inner)})
+        return out
 
     def identity(self, inst) -> ExpertsElement:
         return ExpertsElement(torch.arange(inst.size))

@@ -42,9 +42,12 @@ it, every per-layer group is fitted to activations (two models' weights live in 
 activations do not depend on them). Measured on B1 (docs/merge.md): the default split 0.557 loss at
 α = 0.5 against 0.706 with every group from activations and 0.658 for data-free weight matching; without
 the stream group 0.945 from activations against 1.549 from weights. A tuple of group names overrides it.
-Groups no activation stands for — a mixture of experts' ``experts`` group (a router is no ``Linear``) and
-the FFN inside each expert (slices of fused 3-D tensors) — are always solved on the weights, exactly,
-given the groups before them (:func:`reads_activations`).
+A kind whose ``activation_sites`` are its "inputs" (a mixture of experts' ``experts``: the router's
+input) computes statistics of its own from that module's input on the same tokens in both models
+(``Kind.observe``) and solves on them (``Kind.fit_observed``): the experts' permutation jointly with the
+FFN inside each expert, whose elements it returns too. Groups no activation stands for (the FFN inside
+each expert without the ``experts`` group) are solved on the weights, exactly, given the groups before
+them (:func:`reads_activations`).
 
 **Scales** (``rescale``; ``rescale_from``): ``weights`` (default) — rotations and permutations from the
 activations, then per head (per RoPE pair) the scale closest in the weights for that rotation, on A's
@@ -132,6 +135,8 @@ def _tokens(x: torch.Tensor, mask) -> torch.Tensor:
     """Activations (..., f) → (tokens, f), padding tokens dropped where the batch mask fits."""
     if mask is not None and x.dim() == mask.dim() + 1 and x.shape[:-1] == mask.shape:
         return x[mask]
+    if mask is not None and x.dim() == 2 and x.shape[0] == mask.numel():  # tokens flattened (a MoE router's input)
+        return x[mask.reshape(-1)]
     return x.reshape(-1, x.shape[-1])
 
 
@@ -199,9 +204,14 @@ def batches_on(model, data, desc: str, progress: bool):
 
 
 def gather(model_a, model_b, data, sites, stream_variant: str | None, stream: str = "normalized",
-           progress: bool = True, bound=None) -> dict:
+           progress: bool = True, bound=None, observers=()) -> dict:
     """One pass over ``data``: ``{site key: Joint}`` for every :class:`Site` and, with a
-    ``stream_variant``, the stream's boundaries summed under :data:`STREAM`."""
+    ``stream_variant``, the stream's boundaries summed under :data:`STREAM`. ``observers``: instances of
+    kinds whose ``activation_sites`` are their "inputs": each one's statistics (:meth:`Kind.observe` on
+    the input of its :meth:`Kind.activation_input`, batch by batch) under its instance name."""
+    observed = {i.name: Site(i.kind.activation_input(i), "in") for i in observers}
+    given = set(sites)
+    sites = list({s.key: s for s in list(sites) + list(observed.values())}.values())
     cur: list[dict] = [{}, {}]
     state = {"mask": None}
     handles = []
@@ -230,6 +240,7 @@ def gather(model_a, model_b, data, sites, stream_variant: str | None, stream: st
                 handles.append(mod.register_forward_pre_hook(in_hook(keep(k, STREAM)), with_kwargs=True))
             handles.append(mod.register_forward_hook(out_hook(keep(k, STREAM))))
     stats: dict = {}
+    wanted = {s.key for s in given} | {STREAM}  # Joint statistics of these; the observed sites feed their kinds
     try:
         with torch.no_grad():
             for batch in batches_on(model_a, data, "activation statistics", progress):
@@ -237,7 +248,14 @@ def gather(model_a, model_b, data, sites, stream_variant: str | None, stream: st
                 for k, model in enumerate((model_a, model_b)):
                     cur[k] = {}
                     model.eval()(**batch.inputs)
+                for inst in observers:
+                    key = observed[inst.name].key
+                    xa, xb = torch.cat(cur[0][key]), torch.cat(cur[1][key])
+                    if len(xa):
+                        stats[inst.name] = inst.kind.observe(inst, stats.get(inst.name), xa, xb, model_a, model_b)
                 for key, parts_a in cur[0].items():
+                    if key not in wanted:
+                        continue
                     parts_b = cur[1][key]
                     if key == STREAM:
                         parts_a = [_stream_view(x, stream_variant, stream) for x in parts_a]
@@ -374,9 +392,10 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
                                 f"the block boundaries; the {inst.kind.name!r} group kind does not declare them")
     # groups solved on the weights, exactly, given the groups before them: kinds that declare so (experts),
     # and instances no activation stands for (one expert's slice of fused experts)
-    no_sites = {i.group.name for i in local
-                if i.kind.activation_sites == "weights" or not reads_activations(model_a, i)}
-    weights_for = tuple(weights_for) + tuple(sorted(no_sites - set(weights_for)))
+    observing = [i for i in local if i.kind.activation_sites == "inputs" and i.group.name not in weights_for]
+    no_sites = {i.group.name for i in local if i.kind.activation_sites in ("weights", "inputs")
+                or not reads_activations(model_a, i)}
+    weights_for = tuple(weights_for) + tuple(sorted(no_sites - set(weights_for) - {i.group.name for i in observing}))
     pseudo, sites = {}, {}
     for inst in local:
         if inst.group.name in no_sites:
@@ -387,7 +406,8 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
             sites.update({s.key: s for s in found})
     variant = wide[0].info.variant if wide else None
     stats = gather(model_a, model_b, data, list(sites.values()), variant, stream, progress=progress is not None,
-                   bound=bound)
+                   bound=bound, observers=observing)
+    observed = {i.name: stats.pop(i.name) for i in observing if i.name in stats}
     if wide and STREAM not in stats:
         raise SymmergeError("no hidden states reached the layers: check the data")
     t1 = time.perf_counter()
@@ -408,9 +428,21 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
     by_weights = SolveContext(local)
     by_acts = SolveContext(list(pseudo.values()))
     fitted = []  # instances fitted to activations (their scales follow)
+    joint: dict = {}  # elements of groups solved jointly with an earlier one (the FFN inside each expert)
     for name, insts in by_group(local).items():  # in the spec's order: head pairing first
         kind = insts[0].kind
-        if name in weights_for:  # the exact optimum in the weights, given the stream and the groups before
+        if all(i.name in joint for i in insts):  # solved with an earlier group, from the activations
+            found = {i.name: joint.pop(i.name) for i in insts}
+            fitted += insts
+        elif kind.activation_sites == "inputs" and name not in weights_for:  # the kind's own statistics
+            if not all(i.name in observed for i in insts):
+                raise SymmergeError(f"{insts[0].name}: no tokens reached {kind.activation_input(insts[0])}: "
+                                    "check the data")
+            found = kind.fit_observed(insts, observed, opts)
+            joint.update({k: v for k, v in found.items() if k not in {i.name for i in insts}})
+            found = {i.name: found[i.name] for i in insts}
+            fitted += insts
+        elif name in weights_for:  # the exact optimum in the weights, given the stream and the groups before
             found = solve_local(insts, moved_w, sd_b, opts, ctx=by_weights)
         else:  # the kind's own activation solver, else its weight solver on the pseudo-tensors
             on_acts = [pseudo[i.name] for i in insts]
