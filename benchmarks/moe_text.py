@@ -3,7 +3,7 @@ the Python documentation (the B4 corpus and tokenizer), aligned with and without
 loss barriers on held-out text.
 
     python -m benchmarks.moe_text [--out results/moe-text] [--steps N] [--tiny] [--train-only A|B]
-                                  [--learn-steps N]
+                                  [--learn-steps N] [--activations]
 
 1. Data as in B4 (:mod:`benchmarks.gpt2_text`): the Python 3.11 documentation's prose, split by
    document, a byte-level BPE (4 096 tokens), blocks of ``--context`` tokens.
@@ -16,6 +16,10 @@ loss barriers on held-out text.
    inside each expert is permuted, but expert e of A stays paired with expert e of B); plus ``experts``
    (the experts permuted with the router's rows, matched jointly with the FFN inside them); and, with
    ``--learn-steps`` > 0, that alignment refined by learned alignment on unlabeled training paragraphs.
+   ``--activations``: the per-layer groups without the residual stream (``heads,attn,ffn,rescale,experts``)
+   from the weights and from activations on the unlabeled paragraphs (the experts from the correlations
+   of their router logits and hidden units), and the full set with the stream from activations (the
+   per-layer groups then from the weights, given it).
 4. For each: the L2 distance to the anchor, matching seconds, the loss along θ(α) = α·θ_A + (1−α)·θ_B,
    its barrier and the α = 0.5 loss.
 
@@ -49,6 +53,7 @@ from symmerge.pipeline.options import AlignOptions, LearnSettings
 DENSE = "heads,attn,ffn,rescale,residual"
 EXPERTS = DENSE + ",experts"
 VARIANTS = ("none", DENSE, EXPERTS)
+LOCAL = "heads,attn,ffn,rescale,experts"  # every per-layer group, no residual stream (activations: all of them)
 
 
 def parse_args(argv=None):
@@ -60,7 +65,13 @@ def parse_args(argv=None):
     p.add_argument("--inner", type=int, default=128, help="units per expert (default 128)")
     p.add_argument("--learn-steps", type=int, default=0,
                    help="learned alignment steps after the closed form with experts (0: no learned variant)")
-    p.add_argument("--learn-examples", type=int, default=400, help="unlabeled training paragraphs for learning")
+    p.add_argument("--learn-examples", type=int, default=400,
+                   help="unlabeled training paragraphs for learning and for --activations")
+    p.add_argument("--activations", action="store_true",
+                   help="also the rows matched from activations on the unlabeled paragraphs: without the residual "
+                        "stream, the per-layer groups with experts from activations against the same groups from "
+                        "the weights (the experts from the router's logits and their units' correlations); with it, "
+                        "the stream from activations and the per-layer groups from the weights")
     add_run_args(p)
     args = p.parse_args(argv)
     if args.tiny:
@@ -112,11 +123,20 @@ def run(args, log=print) -> dict:
     options = AlignOptions(residual="largest")
     study = barrier_study(a, b, curve, aligns=VARIANTS[1:], points=args.points, options=options, progress=False)
     curves = dict(study["curves"])
-    if args.learn_steps:
+    if args.learn_steps or args.activations:
         lines = text.read_lines(data["splits"]["train"])
         rng = np.random.default_rng(1)
         unlabeled = text.write_lines(folder / "unlabeled.txt",
                                      [lines[i] for i in sorted(rng.permutation(len(lines))[:args.learn_examples])])
+    if args.activations:
+        on_acts = options.with_(match="activations", align_data=str(unlabeled), align_samples=args.learn_examples)
+        weights = barrier_study(a, b, curve, aligns=(LOCAL,), points=args.points, options=options, progress=False)
+        curves[f"{LOCAL} (weights)"] = weights["curves"][LOCAL]
+        acts = barrier_study(a, b, curve, aligns=(LOCAL, EXPERTS), points=args.points, options=on_acts,
+                             progress=False)
+        curves[f"{LOCAL} (activations)"] = acts["curves"][LOCAL]
+        curves[f"{EXPERTS} (activations: stream)"] = acts["curves"][EXPERTS]
+    if args.learn_steps:
         learned = options.with_(match="learned", align_data=str(unlabeled), align_samples=args.learn_examples,
                                 learn=LearnSettings(steps=args.learn_steps, batch=32, start="weights"))
         extra = barrier_study(a, b, curve, aligns=(EXPERTS,), points=args.points, options=learned, progress=False)

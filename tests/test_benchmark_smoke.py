@@ -214,14 +214,17 @@ def test_width_study_small_end_to_end(tmp_path, mnist_5k_cache):
 
 
 def test_moe_text_tiny_end_to_end(tmp_path, monkeypatch):
-    """B6's pipeline on a tiny Mixtral pair: every variant (learned included) aligns without changing A's
-    function, and adding ``experts`` never moves A further from B than the dense groups alone."""
+    """B6's pipeline on a tiny Mixtral pair: every variant (learned and the activation rows included) aligns
+    without changing A's function, and adding ``experts`` never moves A further from B than the dense
+    groups alone."""
     from symmerge.demo import text
 
     bench, out, r = run_tiny(tmp_path, monkeypatch, text.python_docs_dir, "python-docs",
-                             "the Python documentation corpus", "moe_text", extra=("--learn-steps", "3"))
+                             "the Python documentation corpus", "moe_text",
+                             extra=("--learn-steps", "3", "--activations"))
     rows = {x["variant"]: x for x in r["variants"]}
-    assert list(rows) == list(bench.VARIANTS) + ["learned"]
+    assert list(rows) == list(bench.VARIANTS) + [f"{bench.LOCAL} (weights)", f"{bench.LOCAL} (activations)",
+                                                  f"{bench.EXPERTS} (activations: stream)", "learned"]
     table = (out / "tables.md").read_text()
     for v in rows:
         assert f"| {v} |" in table

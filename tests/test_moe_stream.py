@@ -161,3 +161,15 @@ def test_streamed_aligned_merge_of_moe_models_equals_in_memory(tmp_path):
     assert set(result["stream"]) == set(result["memory"]) == _stored_names(model_dir)
     for k, t in result["memory"].items():
         torch.testing.assert_close(result["stream"][k], t, rtol=0, atol=1e-6, msg=k)
+
+
+def test_experts_untouched_are_copied_through_split(tmp_path):
+    """Without ``experts``/``ffn`` the fused tensors pass through: stacked on read, split on write, bit for bit."""
+    model_dir, anchor_dir, model, _ = _pair("mixtral", tmp_path)
+    align_streaming(model_dir, anchor_dir, tmp_path / "out", symmetries="attn", progress=False)
+    got = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    stored = {k: v for f in model_dir.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert set(got) == set(stored)
+    assert all(torch.equal(got[k], stored[k]) for k in stored if ".experts." in k)
+    reloaded = type(model).from_pretrained(tmp_path / "out").eval()
+    assert output_rel_diff(model, reloaded, make_inputs(model)) < 1e-5

@@ -14,7 +14,7 @@ indices each stored tensor receives give its box. The stand-in keeps every axis 
 its greatest common divisor with 720720 (= lcm(1..16), so a split into up to 16 equal chunks, as a
 concatenation of gate and up is, lands on the same fractions); the boxes found are scaled back, and each
 is checked against the shape and name the reverse conversion gives the real (weightless) tensor. A
-conversion that is not a split into boxes (a transpose, an interleave) is refused by name.
+conversion that is not a split into boxes (a transpose, an interleave) gives no virtual tensor.
 """
 
 from __future__ import annotations
@@ -104,6 +104,10 @@ def fused_parts(model, mapped) -> dict[str, Fused]:
         if k in mapped:
             continue
         real = _revert(model, k, torch.empty(t.shape, device="meta"))
-        if set(real) != {k}:  # stored as other tensors
+        if set(real) == {k}:
+            continue
+        try:  # stored as other tensors
             out[k] = _trace(model, k, tuple(t.shape), real)
+        except SymmergeError:  # not a split into boxes: not virtual (a spec naming it fails to resolve)
+            continue
     return out
