@@ -18,6 +18,14 @@ next on the permuted model, finds the chosen pairs' inner permutations again (th
 scales too with ``rescale``). Without the ``ffn`` symmetry the inner permutations stay the identity and
 ``S`` uses the unpermuted inner products. Cost: E² inner assignments per layer (64 for 8 experts, on
 ``Options.workers`` threads), against E for the inner group alone.
+
+From activations (``--match activations``; ``activation_sites = "inputs"``): the router's input ``x`` on the
+same tokens in both models gives each model's router logits and every expert's hidden units
+``act(x W_gateᵀ) ⊙ (x W_upᵀ)`` (each expert on every token; :func:`expert_features`), accumulated as cross
+moments (:class:`Moments`, (E·I)² per layer). ``S[e, f]`` = the correlation of the two router logits + the
+mean unit correlation under the exact inner assignment of the pair (:func:`observed_scores`); one exact
+E × E assignment on ``S`` is the joint optimum of that score, and the chosen pairs' inner assignments are
+returned as the inner group's elements (its unit scales then come from the weights).
 """
 
 from __future__ import annotations
