@@ -107,6 +107,17 @@ def _widen(a, out):  # pragma: no cover - compiled
         out[j] = np.uint32(a[j]) << np.uint32(16)
 
 
+def _sq_three(a, b, r):  # pragma: no cover - compiled
+    """(Σ (a − b)², Σ (a − r)², Σ (b − r)²) in one pass (two inputs and their result)."""
+    ab = ar = br = 0.0
+    for j in range(a.shape[0]):
+        x, y, z = np.float64(a[j]), np.float64(b[j]), np.float64(r[j])
+        ab += (x - y) * (x - y)
+        ar += (x - z) * (x - z)
+        br += (y - z) * (y - z)
+    return ab, ar, br
+
+
 def _sq_sums(arrays, half, pairs, to_result):  # pragma: no cover - compiled
     """Σ (a_i − a_k)² for every pair i < k of the inputs ``arrays[:-1]`` (into ``pairs[i·n + k]``) and
     Σ (a_i − result)² with the result ``arrays[-1]`` (into ``to_result[i]``), in float64, block by
@@ -121,6 +132,17 @@ def _sq_sums(arrays, half, pairs, to_result):  # pragma: no cover - compiled
         if half:
             for i in range(n + 1):
                 _widen_jit(arrays[i][start:start + size], bits[i * block:i * block + size])
+        if n == 2:  # two inputs: the three sums in one pass
+            if half:
+                ab, ar, br = _sq_three_jit(widened[:size], widened[block:block + size],
+                                           widened[2 * block:2 * block + size])
+            else:
+                ab, ar, br = _sq_three_jit(arrays[0][start:start + size], arrays[1][start:start + size],
+                                           arrays[2][start:start + size])
+            pairs[1] += ab
+            to_result[0] += ar
+            to_result[1] += br
+            continue
         for i in range(n):
             for k in range(i + 1, n + 1):
                 if half:
@@ -137,6 +159,7 @@ _histogram_jit = _jit(_histogram)
 _ties_jit = _jit(_ties)
 # the report's distances need no fixed summation order: reassociated (vectorized) sums
 _sq_diff_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_diff) if AVAILABLE else None
+_sq_three_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_three) if AVAILABLE else None
 _widen_jit = _jit(_widen)
 _sq_sums_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_sums) if AVAILABLE else None
 
