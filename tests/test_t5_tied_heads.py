@@ -231,3 +231,19 @@ def test_streamed_recommended_equals_in_memory_without_the_tied_groups(tmp_path)
     for k, t in got.items():
         torch.testing.assert_close(t, want[k], rtol=1e-9, atol=1e-12)
     assert set(report["per_module"]) == {i.name for i in chosen}
+
+
+@pytest.mark.parametrize("match", ["weights", "activations"])
+def test_heads_alone_without_their_coupled_groups(match, fp64_rmsnorm):
+    """'heads' without 'attn' (the coupled QK/VO groups not among the activation matcher's instances): the
+    pairing falls back to the plain distances of the members (was a StopIteration under activations)."""
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.options import AlignOptions
+    from test_matchers import unlabeled
+
+    anchor = make_model("t5", head=True)
+    model, _, canonical = disguised(anchor, ("heads",), seed=6)
+    result = align_pair(model, anchor, AlignOptions(symmetries=("heads",), match=match, align_data=unlabeled(anchor)),
+                        inputs=make_inputs(anchor))
+    assert result.report["distance_before"] > 1
+    assert result.report["distance_after"] <= 1e-9 * result.report["distance_before"]

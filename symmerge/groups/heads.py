@@ -88,38 +88,38 @@ class Heads(Kind):
 
     def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
         out = {}
-        tied = [i for i in insts if isinstance(i.info, Tied)]
-        for inst in tied:  # one assignment on the values summed over the stack's layers (+ its own members)
-            sibs = self.siblings(inst, ctx)
-            cost = sum(self._values(name, [s for s in sibs if s.group.name == name], sd_a, sd_b, opts).sum(0)
-                       for name in inst.group.param("couples", ()))
-            covered = {slot.key for sib in sibs for slot in sib.slots}
-            cost = cost + _block_distances(inst, [s for s in inst.slots if s.key not in covered], sd_a, sd_b)
+        # without GQA (and every tied group): one assignment per instance on its pairing values
+        plain = [i for i in insts if isinstance(i.info, Tied) or max(s.repeat for s in i.slots) == 1]
+        for inst, cost in zip(plain, self._pair_costs(plain, sd_a, sd_b, opts, ctx)):
             kv = match_permutation(-cost)
             out[inst.name] = HeadPerm(kv, kv.clone())
-        plain = [i for i in insts if i not in tied and max(s.repeat for s in i.slots) == 1]
-        if plain:  # without GQA: every pair of every layer's heads valued in one batched solve per coupled group
-            cost = 0
-            for name in plain[0].group.param("couples", ()):
-                sibs = [next(s for s in self.siblings(i, ctx) if s.group.name == name) for i in plain]
-                cost = cost + self._values(name, sibs, sd_a, sd_b, opts)
-            for inst, c in zip(plain, cost):
-                kv = match_permutation(-c)
-                out[inst.name] = HeadPerm(kv, kv.clone())
         for inst in insts:
             if inst.name not in out:
                 out[inst.name] = self._solve(inst, self.siblings(inst, ctx), sd_a, sd_b, opts)
         return out
 
-    def _values(self, name, sibs, sd_a, sd_b, opts) -> torch.Tensor:
-        """(L, H, H): for each instance of the coupled group ``name``, its best squared distance for each
-        pairing of A's head i with B's head j."""
-        if not sibs:
-            raise SymmergeError(f"the head permutation couples {name}, which is not bound here")
-        kind = sibs[0].kind
-        if hasattr(kind, "pair_value_matrices"):
-            return kind.pair_value_matrices(sibs, sd_a, sd_b, opts)
-        return torch.stack([self._cost(s, sd_a, sd_b, opts) for s in sibs])
+    def _pair_costs(self, insts, sd_a, sd_b, opts, ctx) -> list:
+        """(H, H) per instance: the squared distance over its members when A's head i is paired with B's head
+        j — the coupled groups' best (every pair of every layer valued in one batched solve per coupled
+        group; a tied instance sums its stack's layers), and the plain distance of the members no coupled
+        group given here covers (a tied group's bias columns; q, k, v, o where the coupled groups are not
+        among the instances, as under the activation matcher without them)."""
+        sibs = [self.siblings(i, ctx) for i in insts]
+        cost = [torch.zeros(i.blocks, i.blocks, dtype=torch.float64) for i in insts]
+        pairs = [(k, s) for k, found in enumerate(sibs) for s in found]
+        for name in dict.fromkeys(s.group.name for _, s in pairs):
+            same = [(k, s) for k, s in pairs if s.group.name == name]
+            kind = same[0][1].kind
+            if hasattr(kind, "pair_value_matrices"):
+                values = kind.pair_value_matrices([s for _, s in same], sd_a, sd_b, opts)
+            else:
+                values = [self._cost(s, sd_a, sd_b, opts) for _, s in same]
+            for (k, _), v in zip(same, values):
+                cost[k] += v
+        for k, inst in enumerate(insts):
+            covered = {slot.key for sib in sibs[k] for slot in sib.slots}
+            cost[k] += _block_distances(inst, [s for s in inst.slots if s.key not in covered], sd_a, sd_b)
+        return cost
 
     def _cost(self, sib, sd_a, sd_b, opts, sub=None) -> torch.Tensor:
         """(G, G): the coupled group's best squared distance for each pairing of A's group head i with
