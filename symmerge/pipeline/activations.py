@@ -42,9 +42,11 @@ it, every per-layer group is fitted to activations (two models' weights live in 
 activations do not depend on them). Measured on B1 (docs/merge.md): the default split 0.557 loss at
 α = 0.5 against 0.706 with every group from activations and 0.658 for data-free weight matching; without
 the stream group 0.945 from activations against 1.549 from weights. A tuple of group names overrides it.
-Groups no activation stands for — a mixture of experts' ``experts`` group (a router is no ``Linear``) and
-the FFN inside each expert (slices of fused 3-D tensors) — are always solved on the weights, exactly,
-given the groups before them (:func:`reads_activations`).
+Groups no activation stands for — a mixture of experts' ``experts`` group (a router is no ``Linear``), the
+FFN inside each expert (slices of fused 3-D tensors) and T5's self-attention head permutation tied with the
+relative attention bias (an embedding's columns) — are always solved on the weights, exactly, given the
+groups before them (:func:`reads_activations`); their elements still move the activations of their
+``Linear`` members (the tied heads' q, k, v, o) before the groups after them are fitted.
 
 **Scales** (``rescale``; ``rescale_from``): ``weights`` (default) — rotations and permutations from the
 activations, then per head (per RoPE pair) the scale closest in the weights for that rotation, on A's
