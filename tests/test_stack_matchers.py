@@ -4,8 +4,9 @@
   the text as reconstruction (``decoder_input_ids``: the text shifted right), so both stacks run;
 * CLIP's single towers (``CLIPTextModel`` with text, ``CLIPVisionModel`` with images) under
   ``--match activations``;
-* what stays refused, with one clear error each: ``--match learned`` on an encoder-decoder, on a model
-  whose output has no logits (a base model, a CLIP tower), and data of one modality for ``CLIPModel``.
+* ``--match learned`` on T5 (the decoder's predictions of the reconstructed text scored);
+* what stays refused, with one clear error each: ``--match learned`` on a model whose output has no logits
+  (a base model, a CLIP tower) and on an encoder-decoder given data without decoder inputs.
 """
 
 from __future__ import annotations
@@ -72,7 +73,6 @@ def test_activation_matching_from_the_cli(folders, tmp_path, name, data):
 
 
 @pytest.mark.parametrize("name,data,message", [
-    ("t5-task", "lines.txt", "learned alignment does not support encoder-decoder models"),
     ("t5-base", "lines.txt", "learned alignment matches the models' predictions (their logits); T5EncoderModel outputs none"),
     ("clip_text-base", "lines.txt", "CLIPTextModel outputs none"),
     ("clip_vision-base", "images.npz", "CLIPVisionModel outputs none")])
@@ -82,3 +82,25 @@ def test_learned_alignment_is_refused_by_name(folders, tmp_path, capsys, name, d
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_learned_alignment_on_t5_scores_the_decoder(folders, tmp_path):
+    out = tmp_path / "out"
+    assert _align(folders, "t5-task", "lines.txt", "learned", out, "--learn-steps", "6", "--learn-batch", "4") == 0
+    report = json.loads((out / "symmerge_report.json").read_text())
+    assert report["match"] == "learned" and report["learned"]["steps"] == 6
+    assert report["verify_max_rel_diff"] <= 1e-5 and report["distance_after"] < report["distance_before"]
+
+
+def test_learned_alignment_on_an_encoder_decoder_needs_decoder_inputs(fp64_rmsnorm):
+    from symmerge.errors import SymmergeError
+    from symmerge.io.data import Batch, Data
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.options import AlignOptions
+
+    a, b = make_model("t5", head=True, seed=0), make_model("t5", head=True, seed=5)
+    ids = torch.randint(2, 60, (4, 7))
+    data = Data("memory", "text", [Batch({"input_ids": ids}, None, torch.ones_like(ids, dtype=torch.bool))], 4,
+                labeled=False)
+    with pytest.raises(SymmergeError, match="carries no decoder inputs"):
+        align_pair(a, b, AlignOptions(symmetries="recommended", match="learned", align_data=data))
