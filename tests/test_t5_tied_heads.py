@@ -68,15 +68,32 @@ def test_tied_group_binds_only_with_every_layer_of_its_stack():
     assert not [i for i in bind(model, (0, 2, 3)).instances if isinstance(i.info, Tied)]
 
 
+def _t5(family: str, cls: str, dtype):
+    """A tiny random ``cls`` on the factory's ``family`` config (1-D parameters randomised as make_model does)."""
+    import transformers
+
+    from factories import _configs
+
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(_configs()[family][0]())
+    g = torch.Generator().manual_seed(1000)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model.to(dtype).eval()
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("head", [False, True], ids=["encoder", "generation"])
+@pytest.mark.parametrize("cls", ["T5EncoderModel", "T5ForConditionalGeneration", "T5Model"])
 @pytest.mark.parametrize("family", ["t5", "t5-relu"])
-def test_random_tied_element_preserves_the_function(family, head, dtype, request):
-    """v1.1 (gated GELU) and v1.0 (ReLU); T5EncoderModel / T5Model and T5ForConditionalGeneration."""
+def test_random_tied_element_preserves_the_function(family, cls, dtype, request):
+    """v1.1 (gated GELU) and v1.0 (ReLU); T5EncoderModel, T5ForConditionalGeneration and T5Model."""
     if dtype == torch.float64:
         request.getfixturevalue("fp64_rmsnorm")
-    model = make_model(family, head=head, dtype=dtype)
+    model = _t5(family, cls, dtype)
     _, tied = _tied(model)
+    assert [i.name for i in tied] == ["encoder.heads"] + ["decoder.heads"] * (cls != "T5EncoderModel")
     sd, inputs = model.state_dict(), make_inputs(model)
     for seed in range(3):
         elements = random_elements(tied, torch.Generator().manual_seed(seed))
