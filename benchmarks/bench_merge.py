@@ -20,8 +20,9 @@ parent, CPU time (user + system) and peak RSS from ``wait4`` of that child:
   three (symmerge only: mergekit's TIES trims per tensor, symmerge's over the whole model);
 * ``--large``: the streamed average of the pair against the disk's sequential read rate: before each
   run (``--large-repeats``), the inputs are evicted from the page cache (``posix_fadvise(DONTNEED)`` on
-  these files only, never the system's caches) and ``dd`` reads their shards, evicted again, then the
-  merge runs: wall, CPU, peak RSS, and its read rate (input bytes / wall) as a fraction of that ``dd``'s.
+  these files only, never the system's caches) and ``dd`` reads their shards twice (buffered, then
+  ``iflag=direct``; evicted before and after each), then the merge runs: wall, CPU, peak RSS, and its
+  read rate (input bytes / wall) as a fraction of the faster ``dd``'s.
 
 The fused kernels (numba, when installed) are compiled once before any timed run (``--child warm``).
 ``--only-ties``: only the three-model TIES / DARE-TIES / average runs.
@@ -173,13 +174,15 @@ def evict(files) -> bool:
         return False
 
 
-def dd_rate(files) -> float:
-    """Sequential read rate (bytes/s) of ``files`` with dd, from the disk (evicted first)."""
+def dd_rate(files, direct: bool = False) -> float:
+    """Sequential read rate (bytes/s) of ``files`` with dd, from the disk (evicted first); ``direct``:
+    ``iflag=direct`` (no page cache: the device's rate without the kernel's copying)."""
     evict(files)
     total, seconds = 0, 0.0
     for f in files:
         t = time.perf_counter()
-        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
+        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M", *(["iflag=direct"] if direct else [])],
+                       check=True, capture_output=True)
         seconds += time.perf_counter() - t
         total += os.path.getsize(f)
     evict(files)
@@ -266,17 +269,21 @@ def bench_large(root: Path, args, mergekit: str | None, env) -> dict:
     for _ in range(args.large_repeats):
         for tool in tools:
             shutil.rmtree(out, ignore_errors=True)
-            rate = dd_rate(files) / 1e6  # evicts before and after
+            buffered = dd_rate(files) / 1e6  # evicts before and after
+            direct = dd_rate(files, direct=True) / 1e6
+            rate = max(buffered, direct)  # the disk's rate: the faster of the two reads
             cmd = symmerge_cmd([a, b], out) if tool == "symmerge" else mergekit_cmd(mergekit, [a, b], out, "bfloat16")
             r = measure(cmd, env)
             evict(files)
             r["dd_read_rate_mb_s"] = rate
+            r["dd_buffered_mb_s"], r["dd_direct_mb_s"] = buffered, direct
             r["read_rate_mb_s"] = input_bytes / r["wall_s"] / 1e6
             r["fraction_of_dd"] = r["read_rate_mb_s"] / rate
             r["load_average"] = os.getloadavg()
             runs[tool].append(r)
             print(f"  large pair, {tool}: {r['wall_s']:.1f} s, {r['cpu_s']:.1f} s CPU, {r['peak_rss_gb']:.2f} GB, "
-                  f"{r['read_rate_mb_s']:.0f} MB/s = {r['fraction_of_dd']:.2f} of dd ({rate:.0f} MB/s just before); "
+                  f"{r['read_rate_mb_s']:.0f} MB/s = {r['fraction_of_dd']:.2f} of dd ({buffered:.0f} MB/s buffered, "
+                  f"{direct:.0f} MB/s iflag=direct just before); "
                   f"load {r['load_average'][0]:.1f}", flush=True)
     shutil.rmtree(out, ignore_errors=True)
     for tool, rows in runs.items():

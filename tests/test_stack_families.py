@@ -1,7 +1,7 @@
 """Families with several layer stacks (the generic kind suite of test_groups.py covers their groups):
 
-* T5: why self-attention keeps its heads (the relative position bias of layer 0 serves every layer of a
-  stack), the one residual group of both streams (the shared embedding), the encoder's final norm folded
+* T5: why self-attention's heads move by one permutation per stack (the relative position bias of layer 0
+  serves every layer of a stack; the tied group itself: test_t5_tied_heads.py), the one residual group of both streams (the shared embedding), the encoder's final norm folded
   into every decoder layer's cross-attention, the layer numbering through the stacks, the function
   verified on the logits, and merge / barrier end to end on saved checkpoints;
 * CLIP: the shared embedding space (both projections rotated together keep the logits, one alone does
@@ -44,7 +44,7 @@ def _permute_heads(sd: dict, module: str, perm: torch.Tensor, d_head: int, bias:
 def test_t5_self_attention_heads_move_only_together_through_a_stack(family, fp64_rmsnorm):
     """Permuting the heads of every encoder layer and the bias columns by one permutation preserves the
     function; the same permutation in one layer only does not (the bias of layer 0 is added in every
-    layer): hence no per-layer head group for self-attention. The bias is live in the test config."""
+    layer): hence one head group per stack for self-attention. The bias is live in the test config."""
     model = make_model(family, head=True)
     cfg, sd, inputs = model.config, model.state_dict(), make_inputs(model)
     perm = torch.tensor([2, 0, 1])
@@ -58,8 +58,8 @@ def test_t5_self_attention_heads_move_only_together_through_a_stack(family, fp64
     key = ATTN.format(i=0) + ".relative_attention_bias.weight"
     assert output_rel_diff(model, with_weights(model, {**sd, key: torch.zeros_like(sd[key])}), inputs) > 1e-3
     _, instances = instances_for(model)
-    heads = [i for i in instances if i.group.symmetry == "heads"]
-    assert heads and all(".cross." in i.name for i in heads)  # cross-attention only
+    heads = [i for i in instances if i.group.symmetry == "heads" and ".cross." not in i.name]
+    assert [i.name for i in heads] == ["encoder.heads", "decoder.heads"]  # one per stack (test_t5_tied_heads.py)
 
 
 def test_t5_cross_attention_heads_are_permuted_per_layer(fp64_rmsnorm):
@@ -142,7 +142,8 @@ def test_t5_layers_are_numbered_through_the_stacks():
         "attn.qk", "attn.vo", "cross.heads", "cross.attn.qk", "cross.attn.vo", "ffn")}
     encoder_only = make_model("t5")  # T5EncoderModel: its stream is its output, no residual group
     _, instances = instances_for(encoder_only)
-    assert {i.layer for i in instances} == {0, 1} and all(i.kind.per_layer for i in instances)
+    assert {i.layer for i in instances} == {-1, 0, 1} and all(i.kind.per_layer for i in instances)
+    assert [i.name for i in instances if i.layer < 0] == ["encoder.heads"]  # tied across the stack
 
 
 def test_t5_verification_compares_the_logits_and_refuses_a_broken_model(fp64_rmsnorm):
@@ -288,8 +289,7 @@ def test_clip_align_cli_verifies_the_logits(tmp_path):
 
 def test_t5_activation_matcher_solves_every_group(fp64_rmsnorm):
     """--match activations on T5: every kind solved (the stream's boundaries run through both stacks),
-    the function kept; learned alignment is refused by name (its loss scores one sequence)."""
-    from symmerge.errors import SymmergeError
+    the function kept (learned alignment on T5: test_stack_matchers.py)."""
     from symmerge.pipeline.align import align_pair
     from symmerge.pipeline.options import AlignOptions
     from test_matchers import unlabeled
@@ -300,8 +300,6 @@ def test_t5_activation_matcher_solves_every_group(fp64_rmsnorm):
     assert output_rel_diff(a, result.model, make_inputs(a)) <= 1e-9
     assert {i.name for i in result.instances} <= set(result.elements)
     assert result.report["distance_after"] < result.report["distance_before"]
-    with pytest.raises(SymmergeError, match="learned alignment does not support encoder-decoder"):
-        align_pair(a, b, AlignOptions(symmetries="recommended", match="learned", align_data=unlabeled(a)))
 
 
 def test_clip_data_is_refused_by_name(tmp_path):

@@ -75,6 +75,9 @@ class Binding:
     scope: str = ""
     offset: int = 0
     stack_layers: dict = field(default_factory=dict)
+    # the global layer indices being bound (``layers`` of :func:`resolve`; None: all): a group tied across
+    # a stack binds only where every layer of its stack is among them
+    selected: frozenset | None = None
 
     # ---------------------------------------------------------------- names
     def key_of(self, template: str, layer=None, root: bool = False) -> str:
@@ -294,7 +297,8 @@ def resolve(spec: Spec, state_dict, num_layers: int, num_heads: int, layers=None
     prefix, present = _locate(spec, state_dict.keys(), disk_names)
     heads = {"query": num_heads, "kv": num_kv_heads or num_heads}
     ctx = Binding(spec, state_dict, prefix, num_layers, heads, rotary_dim, dict(ties or {}), residual,
-                  disk_names if disk_names is not None else {}, architecture)
+                  disk_names if disk_names is not None else {}, architecture,
+                  selected=frozenset(layers) if layers is not None else None)
     # (binding, its first global layer index, its layer count, its per-layer groups) of every stack
     parts = [(ctx, 0, num_layers, [g for g in spec.groups if get_kind(g.kind).per_layer])]
     if spec.stacks:

@@ -254,8 +254,15 @@ def scoped(scope: str, groups) -> tuple[Group, ...]:
     return tuple(replace(g, name=name(g.name), params=tuple((k, param(k, v)) for k, v in g.params)) for g in groups)
 
 
-def attention_groups(layer: str, att: Attention, heads: bool = True) -> tuple[Group, ...]:
+def attention_groups(layer: str, att: Attention, heads: bool = True, tied: tuple[Member, ...] = ()) -> tuple[Group, ...]:
     """The head groups of one attention block of a layer template; ``heads=False`` leaves out the head
-    permutation (T5's self-attention: its relative position bias is shared by every layer of the stack)."""
+    permutation; ``tied``: the head permutation is one for every layer of the stack and also moves these
+    members, one block per head (T5's self-attention: its relative position bias, one column per head in
+    layer 0, is added to the scores of every layer of the stack)."""
     groups = _attention_groups(layer + ".", att, Layout())
+    if tied:
+        what = ("one permutation of the attention heads of every layer of the stack at once, and of the per-head "
+                "columns of the tensors listed without a layer index")
+        groups = tuple(replace(g, members=g.members + tuple(tied), params=g.params + (("tied", "stack"), ("description", what)))
+                       if g.name == "heads" else g for g in groups)
     return groups if heads else tuple(g for g in groups if g.name != "heads")

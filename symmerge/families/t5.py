@@ -3,10 +3,13 @@
 * The encoder and the decoder each have their own per-layer groups: the QK and VO rotations (+ scales)
   of every attention block, the FFN permutation. T5 does not scale its scores by ``1/sqrt(d_head)``: a
   scalar, which no group touches.
-* Self-attention keeps its heads in place. Its relative position bias (``relative_attention_bias``, one
-  column per head) lives in layer 0 of each stack and is added to the scores of *every* layer of the
-  stack, so a head permutation would have to be one permutation of every layer at once; a rotation or
-  scale inside a head leaves each head's scores, hence the bias, alone.
+* Self-attention's head permutation is tied across each stack. Its relative position bias
+  (``relative_attention_bias``, an embedding with one column per head) lives in layer 0 of each stack and
+  is added to the scores of *every* layer of the stack, so the heads move by one permutation of every
+  layer at once, with the bias's columns (``encoder.heads``, ``decoder.heads``: one instance per stack,
+  valued by the sum over the stack's layers of the per-layer head pairings, one exact assignment); a
+  rotation or scale inside a head leaves each head's scores, hence the bias, alone (per layer, as
+  elsewhere). The tied group needs the whole stack in memory: streamed alignment leaves it out.
 * Cross-attention (decoder layers, ``layer.1.EncDecAttention``) has no position bias: its heads are
   permuted per layer, with per-head QK rotations that turn the decoder-side ``q`` and the encoder-side
   ``k`` together, and VO rotations between ``v`` (reading the encoder's output) and ``o`` (writing the
@@ -54,6 +57,11 @@ def _writers(layer: str, *modules: str) -> tuple[Member, ...]:
     return tuple(m for mod in modules for m in rows(f"{layer}.{mod}", 1))
 
 
+def _bias(layer: str) -> tuple[Member, ...]:
+    """The relative position bias (num_buckets, heads) of the stack's layer 0: its columns move with the heads."""
+    return (Member(f"{layer.format(i=0)}.layer.0.SelfAttention.relative_attention_bias.weight", 1, 0),)
+
+
 def _norm(name: str) -> Member:
     return Member(f"{name}.weight", 0, 0, diag=True)
 
@@ -79,8 +87,8 @@ STREAM = Group(
 
 SPEC = Spec(
     "t5", ("t5", "mt5"),
-    scoped("encoder", attention_groups(ENC, _attention("0", "SelfAttention"), heads=False) + (_ffn(ENC, 1),))
-    + scoped("decoder", attention_groups(DEC, _attention("0", "SelfAttention"), heads=False)
+    scoped("encoder", attention_groups(ENC, _attention("0", "SelfAttention"), tied=_bias(ENC)) + (_ffn(ENC, 1),))
+    + scoped("decoder", attention_groups(DEC, _attention("0", "SelfAttention"), tied=_bias(DEC))
              + scoped("cross", attention_groups(DEC, _attention("1", "EncDecAttention"))) + (_ffn(DEC, 2),))
     + (STREAM,),
     folds=tuple(Fold(f"{n}.weight", readers) for n, readers in ENC_NORMS + DEC_NORMS)

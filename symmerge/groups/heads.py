@@ -13,11 +13,20 @@ per-head elements jointly (without GQA). With GQA the query heads within each ca
 groups are first paired by an assignment on the rotation-invariant similarity of their blocks (the
 nuclear norm of their cross products, ``‖X_A X_Bᵀ‖_*``), then the KV groups by the exact group costs.
 The coupled groups are solved afterwards on the permuted model.
+
+**Tied across a stack** (group parameter ``tied="stack"``; T5's self-attention, whose relative position
+bias ``relative_attention_bias`` — one column per head, in layer 0 — is added to the scores of *every*
+layer of the stack): one permutation of every layer's heads at once and of the members without a layer
+index (the bias's columns, one block per head). The group binds one instance per stack (layer -1: it
+lies in no one layer; bound only where every layer of its stack is), and its best element is one exact
+assignment on the sum over the stack's layers of the per-layer pairing values above (each layer's coupled
+per-head elements solved per pair) plus, for the members no coupled group covers, the squared distance
+between A's block i and B's block j. Plain multi-head attention only (no GQA).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,6 +46,13 @@ class HeadPerm:
     query: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Tied:
+    """The binding of a head permutation tied across a stack: the (global) layers its instance spans."""
+
+    layers: tuple[int, ...]
+
+
 PAIR_BUDGET = 1 << 25  # elements of head blocks materialised at once when pairing heads
 
 
@@ -47,29 +63,63 @@ class Heads(Kind):
     blocked = True
     lazy = True  # valuing every pairing is most of a sweep; the pairing rarely changes once the stream settles
 
+    def bind(self, group, ctx, layer):
+        if group.param("tied") != "stack":
+            return super().bind(group, ctx, layer)
+        # one instance per stack, bound with its layer 0 where every layer of the stack is being bound
+        layers = tuple(range(ctx.offset, ctx.offset + ctx.num_layers))
+        if layer != 0 or (ctx.selected is not None and not ctx.selected.issuperset(layers)):
+            return None
+        per_layer = replace(group, members=tuple(m for m in group.members if "{i}" in m.name))
+        once = replace(group, members=tuple(m for m in group.members if "{i}" not in m.name))
+        insts = [ctx.instance(per_layer, i, blocked=True) for i in range(ctx.num_layers)]
+        slots = tuple(s for i in insts for s in i.slots)
+        if once.members:  # e.g. the relative attention bias: one column per head
+            slots += ctx.instance(once, 0, blocked=True).slots
+        if any(s.repeat > 1 for s in slots):
+            raise SymmergeError(f"{group.name}: a head permutation tied across a stack needs plain multi-head "
+                                "attention (no grouped key/value heads)")
+        return ctx.with_info(replace(insts[0], name=group.name, layer=-1, slots=slots), Tied(layers))
+
     def siblings(self, inst, ctx) -> list:
         names = set(inst.group.param("couples", ()))
-        return [i for i in ctx.instances if i.layer == inst.layer and i.group.name in names]
+        layers = inst.info.layers if isinstance(inst.info, Tied) else (inst.layer,)
+        return [i for i in ctx.instances if i.layer in layers and i.group.name in names]
 
     def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
         out = {}
-        plain = [i for i in insts if max(s.repeat for s in i.slots) == 1]
-        if plain:  # without GQA: every pair of every layer's heads valued in one batched solve per coupled group
-            cost = 0
-            for name in plain[0].group.param("couples", ()):
-                sibs = [next(s for s in self.siblings(i, ctx) if s.group.name == name) for i in plain]
-                kind = sibs[0].kind
-                if hasattr(kind, "pair_value_matrices"):
-                    cost = cost + kind.pair_value_matrices(sibs, sd_a, sd_b, opts)
-                else:
-                    cost = cost + torch.stack([self._cost(s, sd_a, sd_b, opts) for s in sibs])
-            for inst, c in zip(plain, cost):
-                kv = match_permutation(-c)
-                out[inst.name] = HeadPerm(kv, kv.clone())
+        # without GQA (and every tied group): one assignment per instance on its pairing values
+        plain = [i for i in insts if isinstance(i.info, Tied) or max(s.repeat for s in i.slots) == 1]
+        for inst, cost in zip(plain, self._pair_costs(plain, sd_a, sd_b, opts, ctx)):
+            kv = match_permutation(-cost)
+            out[inst.name] = HeadPerm(kv, kv.clone())
         for inst in insts:
             if inst.name not in out:
                 out[inst.name] = self._solve(inst, self.siblings(inst, ctx), sd_a, sd_b, opts)
         return out
+
+    def _pair_costs(self, insts, sd_a, sd_b, opts, ctx) -> list:
+        """(H, H) per instance: the squared distance over its members when A's head i is paired with B's head
+        j — the coupled groups' best (every pair of every layer valued in one batched solve per coupled
+        group; a tied instance sums its stack's layers), and the plain distance of the members no coupled
+        group given here covers (a tied group's bias columns; q, k, v, o where the coupled groups are not
+        among the instances, as under the activation matcher without them)."""
+        sibs = [self.siblings(i, ctx) for i in insts]
+        cost = [torch.zeros(i.blocks, i.blocks, dtype=torch.float64) for i in insts]
+        pairs = [(k, s) for k, found in enumerate(sibs) for s in found]
+        for name in dict.fromkeys(s.group.name for _, s in pairs):
+            same = [(k, s) for k, s in pairs if s.group.name == name]
+            kind = same[0][1].kind
+            if hasattr(kind, "pair_value_matrices"):
+                values = kind.pair_value_matrices([s for _, s in same], sd_a, sd_b, opts)
+            else:
+                values = [self._cost(s, sd_a, sd_b, opts) for _, s in same]
+            for (k, _), v in zip(same, values):
+                cost[k] += v
+        for k, inst in enumerate(insts):
+            covered = {slot.key for sib in sibs[k] for slot in sib.slots}
+            cost[k] += _block_distances(inst, [s for s in inst.slots if s.key not in covered], sd_a, sd_b)
+        return cost
 
     def _cost(self, sib, sd_a, sd_b, opts, sub=None) -> torch.Tensor:
         """(G, G): the coupled group's best squared distance for each pairing of A's group head i with
@@ -171,6 +221,17 @@ class Heads(Kind):
         perm = element.query if slot.repeat > 1 else element.kv
         heads = inst.blocks * slot.repeat
         return index_axis(t, slot, block_index(perm, slot_length(t, slot) // heads))
+
+
+def _block_distances(inst, slots, sd_a, sd_b) -> torch.Tensor:
+    """(H, H): the squared distance between A's head block i and B's head block j over ``slots``."""
+    H = inst.blocks
+    cost = torch.zeros(H, H, dtype=torch.float64)
+    for s in slots:
+        xa = slot_blocks(sd_a[s.key], s, H).reshape(H, -1)
+        xb = slot_blocks(sd_b[s.key], s, H).reshape(H, -1)
+        cost += xa.square().sum(1)[:, None] + xb.square().sum(1)[None, :] - 2 * xa @ xb.T
+    return cost
 
 
 def _query_blocks(t, slot, heads: int, dtype) -> torch.Tensor:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SymmergeError
+from . import direct
 from .hf import DiskNames, attention_heads, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
 from .model import SAFE_INDEX, SAFE_SINGLE, check_safetensors, read_config, weight_files
 
@@ -203,6 +204,12 @@ class LazyCheckpoint:
             n *= d
         return n * self.dtype[key].itemsize
 
+    def room(self, key: str) -> int:
+        """Bytes a buffer for :meth:`read_direct` of ``key`` should have: its bytes, plus
+        :data:`~symmerge.io.direct.SLACK` where the file is read with ``O_DIRECT``."""
+        n = self.nbytes(key)
+        return n + direct.SLACK if n and direct.reads_directly(self.file_of[key]) else n
+
     def meta(self) -> dict[str, torch.Tensor]:
         """Shape-only stand-ins (``meta`` tensors) for resolving a spec without reading weights."""
         return {k: torch.empty(self.shape[k], dtype=self.dtype[k], device="meta") for k in self.file_of}
@@ -275,6 +282,19 @@ class LazyCheckpoint:
             return self._read_virtual(key)
         f, disk = self.file_of[key], self.disk_name[key]
         start, end = _offsets(f)[disk]
+        if buffer is not None and end > start and buffer.numel() >= end - start + direct.SLACK \
+                and direct.reads_directly(f):
+            try:
+                at, got = direct.read_into(f, start, end, buffer)
+            except OSError as e:
+                raise SymmergeError(f"{f}: cannot read tensor {disk!r} ({e})") from None
+            if got != end - start:
+                raise SymmergeError(f"{f}: tensor {disk!r} truncated ({got} of {end - start} bytes)")
+            out = buffer[at:at + end - start].view(self.dtype[key]).view(self.shape[key])
+            if check and out.is_floating_point() and not torch.isfinite(out.reshape(-1).sum()) \
+                    and not torch.isfinite(out).all():
+                raise SymmergeError(f"{self.folder}: tensor {disk!r} holds NaN or Inf values")
+            return out
         if buffer is not None and buffer.numel() >= end - start:
             out = buffer[:end - start].view(self.dtype[key]).view(self.shape[key])
         else:
@@ -345,10 +365,14 @@ class PlannedWriter:
         self.order = [name for shard in self.shards for name, _, _ in shard]
         self.total_bytes = sum(_numel(shape) * dtype.itemsize for shard in self.shards for _, dtype, shape in shard)
         self._next, self._shard, self._handle, self._left = 0, -1, None, 0
+        m = direct.mode()  # O_DIRECT for a large output (falls back to buffered where unsupported)
+        self.direct = m == "on" or (m == "auto" and self.total_bytes >= direct.WRITE_MIN_BYTES)
+        self.wrote_directly = False
 
     def _open_next(self) -> None:
         if self._handle is not None:
             self._handle.close()
+            self.wrote_directly |= self._handle.direct
         self._shard += 1
         header, offset = {}, 0
         for name, dtype, shape in self.shards[self._shard]:
@@ -358,7 +382,7 @@ class PlannedWriter:
         header["__metadata__"] = self.metadata
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
-        self._handle = open(self.folder / f".shard-{self._shard:05d}.safetensors", "wb")
+        self._handle = direct.Output(self.folder / f".shard-{self._shard:05d}.safetensors", self.direct)
         self._handle.write(len(text).to_bytes(8, "little") + text)
         self._left = len(self.shards[self._shard])
 
@@ -384,6 +408,7 @@ class PlannedWriter:
             raise SymmergeError(f"internal error: {len(self.order) - self._next} planned tensors never written")
         if self._handle is not None:
             self._handle.close()
+            self.wrote_directly |= self._handle.direct
             self._handle = None
         return _final_names(self.folder, [[name for name, _, _ in shard] for shard in self.shards],
                             self.total_bytes)

@@ -306,6 +306,12 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
             if not labels:
                 for b in batches:
                     b.labels = None
+        if not labels and model is not None and hasattr(model, "prepare_decoder_input_ids_from_labels") \
+                and getattr(model.config, "is_encoder_decoder", False):
+            for b in batches:  # an encoder-decoder (T5) reads unlabeled text as reconstruction, as predictions does:
+                # the decoder fed the text shifted right (teacher forcing), so both stacks run
+                b.inputs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(
+                    labels=b.inputs["input_ids"].masked_fill(~b.mask, -100))
         n = len(texts)
     data = Data(str(path), fmt, batches, n, labeled=labels)
     if model is not None:

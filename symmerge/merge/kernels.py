@@ -46,8 +46,9 @@ def _histogram(t, b, w, high_bin, hist, scratch):  # pragma: no cover - compiled
     bits = scratch.view(np.uint32)
     for start in range(0, n, scratch.shape[0]):
         stop = min(n, start + scratch.shape[0])
-        for j in range(start, stop):
-            scratch[j - start] = np.float32(abs((np.float64(t[j]) - np.float64(b[j])) * w))
+        tb, bb = t[start:stop], b[start:stop]  # block slices indexed from 0: the loop vectorizes (4x)
+        for j in range(stop - start):
+            scratch[j] = np.float32(abs((np.float64(tb[j]) - np.float64(bb[j])) * w))
         if high_bin < 0:
             for j in range(stop - start):
                 hist[bits[j] >> 16] += 1
@@ -59,11 +60,15 @@ def _histogram(t, b, w, high_bin, hist, scratch):  # pragma: no cover - compiled
 
 
 def _ties(ts, us, b, w, thr, drop, scale, out):  # pragma: no cover - compiled
-    """out[j] = b + scale · disjoint_mean_i(sparsified (t_i − b)·w_i), in float64 (see the module doc)."""
+    """out[j] = b + scale · disjoint_mean_i(sparsified (t_i − b)·w_i), in float64 (see the module doc).
+    Every loop runs over the entries with the loop-invariant choices hoisted out (so it vectorizes); the
+    per-entry arithmetic and its order are those of the torch code."""
     n = len(ts)
     m = b.shape[0]
     x = np.empty((n, m), dtype=np.float64)
     total = np.empty(m, dtype=np.float64)
+    agree = np.zeros(m, dtype=np.int64)
+    kept = np.empty(m, dtype=np.float64)
     rescale = 1.0 - drop
     for i in range(n):  # one model at a time: the sparsified task vector and the running sum
         t = ts[i]
@@ -71,26 +76,31 @@ def _ties(ts, us, b, w, thr, drop, scale, out):  # pragma: no cover - compiled
         wi = w[i]
         cut = thr[i]
         xi = x[i]
+        if drop > 0.0:  # DARE: keep where U[0, 1) >= drop, rescaled
+            for j in range(m):
+                v = (np.float64(t[j]) - np.float64(b[j])) * wi
+                xi[j] = v / rescale if u[j] >= drop else 0.0
+        else:  # magnitude trim, compared in float32 (NaN magnitudes are kept, as ``<`` is False for them)
+            for j in range(m):
+                v = (np.float64(t[j]) - np.float64(b[j])) * wi
+                xi[j] = 0.0 if np.float32(abs(v)) < cut else v
+        if i == 0:
+            for j in range(m):
+                total[j] = xi[j]
+        else:
+            for j in range(m):
+                total[j] = total[j] + xi[j]
+    for i in range(n):  # elect the sign, sum the agreeing entries (model order, as torch.sum(dim=0))
+        xi = x[i]
         for j in range(m):
-            v = (np.float64(t[j]) - np.float64(b[j])) * wi
-            if drop > 0.0:  # DARE: keep where U[0, 1) >= drop, rescaled
-                v = v / rescale if u[j] >= drop else 0.0
-            elif np.float32(abs(v)) < cut:  # magnitude trim, compared in float32
-                v = 0.0
-            xi[j] = v
-            total[j] = v if i == 0 else total[j] + v
-    for j in range(m):  # elect the sign, average the agreeing entries
-        s = total[j]
-        agree = 0
-        kept = 0.0
-        for i in range(n):
-            v = x[i, j]
-            a = (v > 0.0 and s > 0.0) or (v < 0.0 and s < 0.0)
-            if a:
-                agree += 1
+            v = xi[j]
+            sj = total[j]
+            a = (v > 0.0 and sj > 0.0) or (v < 0.0 and sj < 0.0)
+            agree[j] += 1 if a else 0
             term = v if a else 0.0
-            kept = term if i == 0 else kept + term
-        mean = kept / agree if agree > 0 else 0.0
+            kept[j] = term if i == 0 else kept[j] + term
+    for j in range(m):
+        mean = kept[j] / agree[j] if agree[j] > 0 else 0.0
         out[j] = np.float64(b[j]) + scale * mean
 
 
@@ -107,6 +117,17 @@ def _widen(a, out):  # pragma: no cover - compiled
         out[j] = np.uint32(a[j]) << np.uint32(16)
 
 
+def _sq_three(a, b, r):  # pragma: no cover - compiled
+    """(Σ (a − b)², Σ (a − r)², Σ (b − r)²) in one pass (two inputs and their result)."""
+    ab = ar = br = 0.0
+    for j in range(a.shape[0]):
+        x, y, z = np.float64(a[j]), np.float64(b[j]), np.float64(r[j])
+        ab += (x - y) * (x - y)
+        ar += (x - z) * (x - z)
+        br += (y - z) * (y - z)
+    return ab, ar, br
+
+
 def _sq_sums(arrays, half, pairs, to_result):  # pragma: no cover - compiled
     """Σ (a_i − a_k)² for every pair i < k of the inputs ``arrays[:-1]`` (into ``pairs[i·n + k]``) and
     Σ (a_i − result)² with the result ``arrays[-1]`` (into ``to_result[i]``), in float64, block by
@@ -121,6 +142,17 @@ def _sq_sums(arrays, half, pairs, to_result):  # pragma: no cover - compiled
         if half:
             for i in range(n + 1):
                 _widen_jit(arrays[i][start:start + size], bits[i * block:i * block + size])
+        if n == 2:  # two inputs: the three sums in one pass
+            if half:
+                ab, ar, br = _sq_three_jit(widened[:size], widened[block:block + size],
+                                           widened[2 * block:2 * block + size])
+            else:
+                ab, ar, br = _sq_three_jit(arrays[0][start:start + size], arrays[1][start:start + size],
+                                           arrays[2][start:start + size])
+            pairs[1] += ab
+            to_result[0] += ar
+            to_result[1] += br
+            continue
         for i in range(n):
             for k in range(i + 1, n + 1):
                 if half:
@@ -137,6 +169,7 @@ _histogram_jit = _jit(_histogram)
 _ties_jit = _jit(_ties)
 # the report's distances need no fixed summation order: reassociated (vectorized) sums
 _sq_diff_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_diff) if AVAILABLE else None
+_sq_three_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_three) if AVAILABLE else None
 _widen_jit = _jit(_widen)
 _sq_sums_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_sums) if AVAILABLE else None
 

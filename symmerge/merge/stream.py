@@ -37,6 +37,7 @@ from ..core.parallel import put_until_stopped
 from ..core.layout import Layout, check_layouts
 from ..errors import SymmergeError
 from ..families import spec_for, supported_model_types
+from ..io import direct
 from ..io.checkpoint import LazyCheckpoint, PlannedWriter, parse_size
 from ..io.hf import attention_heads
 from ..io.card import write_card
@@ -372,7 +373,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
     def sources(k):
         return [holder] if k not in merged_set else ckpts + ([base] if base is not None else [])
 
-    sizes = {k: sum(_aligned(c.nbytes(k)) for c in sources(k)) + _aligned(holder.nbytes(k)) for k in order}
+    sizes = {k: sum(_aligned(c.room(k)) for c in sources(k)) + _aligned(holder.nbytes(k)) for k in order}
     limit = budget if budget is not None else default_budget(list(sizes.values()))
     gate, stop = _Budget(int(limit)), threading.Event()
     read_q: queue.Queue = queue.Queue(maxsize=4)
@@ -393,8 +394,8 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                     return
                 places, at = [], 0
                 for c in sources(k):
-                    places.append((c, region[at:at + c.nbytes(k)]))
-                    at += _aligned(c.nbytes(k))
+                    places.append((c, region[at:at + c.room(k)]))
+                    at += _aligned(c.room(k))
                 t1 = time.perf_counter()
                 tensors = list(pool.map(lambda cb: cb[0].read_direct(k, buffer=cb[1]), places))
                 clock["read"] += time.perf_counter() - t1
@@ -500,6 +501,9 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
             "mode": "stream",
             "stream": {"shards": files, "bytes_written": target.total_bytes, "largest_tensor_bytes": largest,
                        "read_ahead_budget_bytes": int(limit), "read_ahead_peak_bytes": gate.peak,
+                       "direct_io": {"reads": sum(any(direct.reads_directly(f) for f in set(c.file_of.values()))
+                                                  for c in everything),
+                                     "writes": target.wrote_directly},
                        "seconds": {k: round(v, 4) for k, v in clock.items()}},
             "tokenizer": tokenizer,
             **({"sentence_transformers": embedding} if embedding else {}),

@@ -45,9 +45,11 @@ the stream group 0.945 from activations against 1.549 from weights. A tuple of g
 A kind whose ``activation_sites`` are its "inputs" (a mixture of experts' ``experts``: the router's
 input) computes statistics of its own from that module's input on the same tokens in both models
 (``Kind.observe``) and solves on them (``Kind.fit_observed``): the experts' permutation jointly with the
-FFN inside each expert, whose elements it returns too. Groups no activation stands for (the FFN inside
-each expert without the ``experts`` group) are solved on the weights, exactly, given the groups before
-them (:func:`reads_activations`).
+FFN inside each expert, whose elements it returns too. Groups no activation stands for — the FFN inside
+each expert without the ``experts`` group (slices of fused 3-D tensors) and T5's self-attention head
+permutation tied with the relative attention bias (an embedding's columns) — are always solved on the
+weights, exactly, given the groups before them (:func:`reads_activations`); their elements still move the
+activations of their ``Linear`` members (the tied heads' q, k, v, o) before the groups after them are fitted.
 
 **Scales** (``rescale``; ``rescale_from``): ``weights`` (default) — rotations and permutations from the
 activations, then per head (per RoPE pair) the scale closest in the weights for that rotation, on A's
@@ -345,19 +347,31 @@ def _pseudo(model, inst):
     return replace(inst, slots=tuple(slots)), sites
 
 
+def _linear(model, slot) -> bool:
+    """Whether the slot is a whole ``Linear`` (or ``Conv1D``) module's weight (not a router's or one expert's
+    slice of fused experts, nor an embedding)."""
+    if slot.index is not None:
+        return False
+    module = model.get_submodule(slot.key[: -len(".weight")])
+    return isinstance(module, torch.nn.Linear) or hasattr(module, "nf")
+
+
+def _weight(slot) -> bool:
+    return not slot.diag and slot.key.endswith(".weight")
+
+
 def reads_activations(model, inst) -> bool:
     """Whether activations stand for the group's tensors: each weight is a ``Linear`` (or ``Conv1D``)
     module's, not a router's or one expert's slice of fused experts (a mixture of experts' ``experts``
-    group and the FFN inside each expert, which :func:`match_activations` solves on the weights)."""
-    for s in inst.slots:
-        if s.index is not None:
-            return False
-        if s.diag or not s.key.endswith(".weight"):
-            continue
-        module = model.get_submodule(s.key[: -len(".weight")])
-        if not (isinstance(module, torch.nn.Linear) or hasattr(module, "nf")):
-            return False
-    return True
+    group and the FFN inside each expert, which :func:`match_activations` solves on the weights) nor an
+    embedding's (T5's relative attention bias, whose tied head permutation is solved on the weights)."""
+    return all(_linear(model, s) for s in inst.slots if s.index is not None or _weight(s))
+
+
+def _movable(model, inst):
+    """The instance on the activation slots of its members that are whole ``Linear`` (or ``Conv1D``) weights
+    (the others stand for no activation: an embedding's columns, one expert's slice of fused experts)."""
+    return replace(inst, slots=tuple(activation_slot(model, s)[1] for s in inst.slots if _weight(s) and _linear(model, s)))
 
 
 def _present(inst, tensors: dict):
@@ -398,8 +412,8 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
     weights_for = tuple(weights_for) + tuple(sorted(no_sites - set(weights_for) - {i.group.name for i in observing}))
     pseudo, sites = {}, {}
     for inst in local:
-        if inst.group.name in no_sites:
-            pseudo[inst.name] = replace(inst, slots=())
+        if inst.group.name in no_sites:  # solved on the weights; it still moves the activations that stand for
+            pseudo[inst.name] = _movable(model_a, inst)  # its Linear members (a tied head permutation's q, k, v, o)
             continue
         pseudo[inst.name], found = _pseudo(model_a, inst)
         if inst.group.name not in weights_for:

@@ -39,6 +39,7 @@ import time
 import torch
 
 from ..core.apply import apply, stages
+from ..errors import SymmergeError
 from ..groups.base import Options
 from ..io.data import Batch, Data
 from .engine import solve, solve_local
@@ -71,6 +72,10 @@ def head_forward(model, sd: dict, batch) -> torch.Tensor:
     def call():
         # tied weights (an LM head sharing the embeddings) arrive under both names, with the same values
         out = torch.func.functional_call(model, sd, args=(), kwargs=batch.inputs, tie_weights=False)
+        if getattr(out, "logits", None) is None:  # a base model (T5EncoderModel, CLIPTextModel): hidden states
+            raise SymmergeError(f"learned alignment matches the models' predictions (their logits); "
+                                f"{type(model).__name__} outputs none ({type(out).__name__}): use --match weights "
+                                "or --match activations, or align a model with its task head")
         return out.logits
 
     keep = scored_positions(batch)

@@ -73,9 +73,12 @@ def match_activations(ctx: MatchContext) -> dict:
 def match_learned(ctx: MatchContext) -> dict:
     from .learn import learn_alignment
 
-    if getattr(ctx.model.config, "is_encoder_decoder", False):  # its loss scores next tokens of one sequence
-        raise SymmergeError(f"learned alignment does not support encoder-decoder models ({type(ctx.model).__name__}) "
-                            "yet; use --match weights or --match activations")
+    if getattr(ctx.model.config, "is_encoder_decoder", False) and \
+            not all("decoder_input_ids" in b.inputs for b in ctx.data().batches):
+        # its loss scores the decoder's predictions: text files are read as reconstruction (io.data)
+        raise SymmergeError(f"learned alignment on an encoder-decoder ({type(ctx.model).__name__}) scores the "
+                            "decoder's predictions, and the alignment data carries no decoder inputs "
+                            "(decoder_input_ids); give --align-data a .txt or .jsonl file (read as reconstruction)")
     start = match_activations(ctx) if ctx.options.learn.start == "activations" else None  # else: from the weights
     elements, ctx.fields["learned"] = learn_alignment(ctx.instances, ctx.model, ctx.anchor, ctx.ca, ctx.cb, ctx.data(),
                                                       ctx.options, progress=ctx.progress, start=start)

@@ -18,7 +18,8 @@ the same engine as in-memory alignment (:mod:`symmerge.pipeline.engine`), in one
   layers in memory (``workers``, default 2, layers solved at once; the reader stays at most that many
   layers ahead), I/O hidden behind compute.
 
-Both use the per-layer symmetries; the residual stream couples every layer and is refused here.
+Both use the per-layer symmetries; the residual stream couples every layer and is refused here, and so is
+a group tied across a stack (T5's self-attention heads; 'recommended' leaves it out).
 Every group element is checked to be valid (hence function-preserving); ``verify_forward``
 additionally loads both models afterwards and compares their outputs, for checkpoints that fit.
 """
@@ -90,11 +91,21 @@ def layer_instances(ckpt: LazyCheckpoint, layers=None, opts=None, options: Align
     shapes.update(ckpt.read(value_keys(spec, list(shapes), sizes["num_layers"])))  # a few small tensors
     instances = resolve(spec, shapes, sizes.pop("num_layers"), sizes.pop("num_heads"), layers, model_wide=False,
                         ties=ckpt.ties, disk_names=ckpt.disk_name, **sizes)
+    recommended = options is not None and options.recommended
     if options is not None:
         options = options.resolved(i.group.symmetry for i in instances)
         opts = options.solver_options(opts.device if opts is not None else None)
     if opts is not None:
         instances = active(instances, opts)
+    # a per-layer kind's instance bound over a whole stack (layer -1: T5's self-attention heads, tied by the
+    # relative attention bias) acts on every layer of it at once: never streamed; 'recommended' leaves it out
+    tied = [i for i in instances if i.layer < 0]
+    if tied and not recommended:
+        raise SymmergeError(f"{', '.join(i.name for i in tied)}: one element for every layer of a stack at once "
+                            f"({tied[0].group.param('description') or tied[0].kind.description}), which streamed "
+                            "alignment, one layer at a time, cannot solve; align in memory (without --stream) or "
+                            f"leave '{tied[0].group.symmetry}' out of --symmetries")
+    instances = [i for i in instances if i.layer >= 0]
     by_layer: dict[int, list] = defaultdict(list)
     for inst in instances:
         by_layer[inst.layer].append(inst)
