@@ -50,7 +50,7 @@ def _stored_names(folder):
 
 
 @pytest.mark.parametrize("family,pipeline", [("mixtral", False), ("mixtral", True), ("qwen3_moe", False),
-                                             ("qwen2_moe", False)])
+                                             ("qwen2_moe", False), ("olmoe", False)])
 def test_streamed_moe_alignment_equals_in_memory(family, pipeline, tmp_path):
     model_dir, anchor_dir, model, anchor = _pair(family, tmp_path)
     expected, rep_mem = align(model, anchor, SYMS)
