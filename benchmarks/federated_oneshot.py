@@ -29,16 +29,20 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "federated"
 def more_rows(clients, sizes, unlabeled, args, test_x, test_y):
     """(label, accuracy, seconds) of symmerge's own N-model merge (``merge_models``, what the strategy's
     aggregate equals) with the steps B5 (a) had not tried: REPAIR after the aggregation, the joint
-    alignment (each client to the mean of the others, no fixed frame), a longer learned alignment."""
+    alignment (each client to the mean of the others, no fixed frame), a longer learned alignment, the
+    learned joint alignment (Dirichlet mixtures of the N clients, ``joint-learned``)."""
     from symmerge import AlignOptions, MergeOptions, merge_models
     from symmerge.demo.train import accuracy
     from symmerge.pipeline.options import LearnSettings
 
-    def opts(match, steps=None):
-        kw = {"learn": LearnSettings(steps=steps)} if steps else {}
+    def opts(match, steps=None, **learn):
+        kw = {"learn": LearnSettings(**({"steps": steps} if steps else {}), **learn)} if steps or learn else {}
         return AlignOptions(symmetries="recommended", match=match, align_data=unlabeled,
                             align_samples=args.align_samples, **kw)
 
+    joint_learn = {k: v for k, v in (("dirichlet", args.learn_dirichlet), ("target", args.learn_target),
+                                     ("steps", args.joint_learn_steps)) if v is not None}
+    joint_learn_label = "".join(f", {k} {v}" for k, v in joint_learn.items())
     groups = {"repair": [("FedAvg + REPAIR", AlignOptions(symmetries="none", align_data=unlabeled,
                                                           align_samples=args.align_samples), False, True),
                          ("aligned data-free (recommended) + REPAIR", opts("weights"), False, True),
@@ -47,7 +51,11 @@ def more_rows(clients, sizes, unlabeled, args, test_x, test_y):
                         ("joint activations (recommended) + REPAIR", opts("activations"), True, True)],
               "learned": [("aligned learned (recommended) + REPAIR", opts("learned"), False, True),
                           (f"aligned learned (recommended), {args.learn_steps} steps",
-                           opts("learned", args.learn_steps), False, False)]}
+                           opts("learned", args.learn_steps), False, False)],
+              # the learned JOINT alignment: every client's continuous elements learned together so that random
+              # convex combinations of the 4 (Dirichlet weights) predict the same combination of their predictions
+              "joint-learned": [(f"joint learned (recommended){joint_learn_label}", opts("learned", **joint_learn), True,
+                                 False)]}
     chosen = args.more_cases.split(",")
     if args.skip_learned and "learned" in chosen:
         chosen.remove("learned")
@@ -73,7 +81,10 @@ def main(argv=None) -> int:
                         "(every client to the mean of the others), more learned steps")
     p.add_argument("--only-more", action="store_true", help="the --more rows only (the strategy's rows skipped)")
     p.add_argument("--learn-steps", type=int, default=600, help="the --more rows' longer learned alignment")
-    p.add_argument("--more-cases", default="repair,joint,learned", help="which --more rows: repair, joint, learned")
+    p.add_argument("--more-cases", default="repair,joint,learned", help="which --more rows: repair, joint, learned, joint-learned")
+    p.add_argument("--learn-dirichlet", type=float, help="the joint-learned row's Dirichlet concentration (default 1)")
+    p.add_argument("--learn-target", help="the joint-learned row's target: log-probabilities (default) or probabilities")
+    p.add_argument("--joint-learn-steps", type=int, help="the joint-learned row's learning steps (default 200)")
     p.add_argument("--out", help="folder for results.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -47,6 +47,9 @@ class Heads(Kind):
     blocked = True
     lazy = True  # valuing every pairing is most of a sweep; the pairing rarely changes once the stream settles
 
+    def discrete(self, inst) -> bool:
+        return True
+
     def siblings(self, inst, ctx) -> list:
         names = set(inst.group.param("couples", ()))
         return [i for i in ctx.instances if i.layer == inst.layer and i.group.name in names]
