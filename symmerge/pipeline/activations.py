@@ -378,7 +378,11 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
                 if i.kind.activation_sites == "weights" or not reads_activations(model_a, i)}
     weights_for = tuple(weights_for) + tuple(sorted(no_sites - set(weights_for)))
     pseudo, sites = {}, {}
-    for inst in local:
+    # inactive groups an active one is valued through (head pairing through the heads' QK/VO blocks): their
+    # pseudo-tensors are the siblings it reads (``--symmetries heads`` without ``attn``)
+    coupled = {name for i in local for name in i.group.param("couples", ())}
+    siblings = [i for i in instances if i.kind.per_layer and i not in local and i.group.name in coupled]
+    for inst in local + siblings:
         if inst.group.name in no_sites:
             pseudo[inst.name] = replace(inst, slots=())
             continue
