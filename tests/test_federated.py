@@ -138,6 +138,37 @@ def test_aggregate_equals_symmerge_merge_aligned_to_the_global_model(world):
     assert rec["accepted"] == [1, 2, 3] and rec["weights"] == [10.0, 30.0, 60.0] and not rec["kept_previous"]
 
 
+def test_joint_aggregate_is_symmerges_joint_merge_in_the_global_frame(world):
+    """``joint=True``: the clients aligned jointly (not each to the global model) and averaged compute the
+    function of ``merge_models(..., joint=True)`` of the same weights; the aggregate is then expressed in the
+    global model's frame (closer to it than in the joint frame, the same function)."""
+    g, clients, examples = world
+    s = strategy(g, joint=True)
+    got = s.aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
+    models = [tiny_vit(0) for _ in clients]
+    for m, sd in zip(models, clients.values()):
+        m.load_state_dict(sd)
+    merged, report = merge_models(models, options=MergeOptions(
+        method="average", align=s.alignment, joint=True, weights=[examples[n] for n in clients], heads="merge",
+        evaluate=False, progress=False))
+    assert "joint" in report["alignment"]
+    out = tiny_vit(0)
+    out.load_state_dict(got)
+    x = torch.randn(5, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = out(pixel_values=x).logits, merged(pixel_values=x).logits
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    rec = s.rounds[-1]["joint"]
+    assert rec["mode"] == "joint" and rec["distance_to_global_after"] <= rec["distance_to_global_before"] + 1e-9
+    # negative control: the star's aggregate (each client aligned to the global model) is another model
+    star = strategy(g).aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
+    assert not close(star, got, atol=1e-6)
+    with pytest.raises(SymmergeError, match="joint"):
+        strategy(g, alignment="none", joint=True)
+    with pytest.raises(SymmergeError, match="joint_rounds"):
+        strategy(g, joint=True, joint_rounds=-1)
+
+
 def test_without_alignment_it_is_flowers_fedavg(world):
     g, _, _ = world
     s = strategy(g, alignment="none")
