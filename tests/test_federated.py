@@ -115,17 +115,22 @@ def close(a: dict, b: dict, atol=1e-6) -> bool:
 # ---------------------------------------------------------------- the aggregate
 
 
+def symmerge_merge(world, alignment, **options):
+    """symmerge's own N-model merge (``merge_models``, plain weighted average, heads merged) of the clients."""
+    _, clients, examples = world
+    models = [tiny_vit(0) for _ in clients]
+    for m, sd in zip(models, clients.values()):
+        m.load_state_dict(sd)
+    return merge_models(models, options=MergeOptions(method="average", align=alignment, heads="merge", evaluate=False,
+                                                     weights=[examples[n] for n in clients], progress=False, **options))
+
+
 def test_aggregate_equals_symmerge_merge_aligned_to_the_global_model(world):
     g, clients, examples = world
     s = strategy(g)
     arrays, metrics = s.aggregate_train(1, good_replies(world))
     got = arrays.to_torch_state_dict()
-    models = [tiny_vit(0) for _ in clients]
-    for m, sd in zip(models, clients.values()):
-        m.load_state_dict(sd)
-    merged, report = merge_models(models, options=MergeOptions(
-        method="average", align=s.alignment, anchor=g, weights=[examples[n] for n in clients], heads="merge",
-        evaluate=False, progress=False))
+    merged, report = symmerge_merge(world, s.alignment, anchor=g)
     assert close(got, merged.state_dict(), atol=1e-5)
     # alignment did something: plain FedAvg of the same replies is far from it and from the global model
     plain = FedAvg(fraction_evaluate=0.0).aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
@@ -145,12 +150,7 @@ def test_joint_aggregate_is_symmerges_joint_merge_in_the_global_frame(world):
     g, clients, examples = world
     s = strategy(g, joint=True)
     got = s.aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
-    models = [tiny_vit(0) for _ in clients]
-    for m, sd in zip(models, clients.values()):
-        m.load_state_dict(sd)
-    merged, report = merge_models(models, options=MergeOptions(
-        method="average", align=s.alignment, joint=True, weights=[examples[n] for n in clients], heads="merge",
-        evaluate=False, progress=False))
+    merged, report = symmerge_merge(world, s.alignment, joint=True)
     assert "joint" in report["alignment"]
     out = tiny_vit(0)
     out.load_state_dict(got)
