@@ -155,3 +155,7 @@ def test_discrete_symmetries_are_the_permutation_groups():
     assert discrete_symmetries(vit, permuted) == ("heads", "ffn", "residual")
     with pytest.raises(SymmergeError, match="joint refinement"):
         align_joint([vit, make_model("vit", head=True, seed=1)], AlignOptions(symmetries="ffn"), refine="some")
+    from symmerge.merge.fuse import MergeOptions, merge_models
+
+    with pytest.raises(SymmergeError, match="--joint-refine"):
+        merge_models([vit] * 3, options=MergeOptions(joint_refine="some"))
