@@ -8,7 +8,9 @@ aligned data-free (the strategy's default groups; the recommended set with the r
 learned (on at most 1 000 unlabeled server images, taken from the training set without labels); the
 ensemble of the 4 (mean of their probabilities) as the ceiling.
 
-Run: ``FLWR_TELEMETRY_ENABLED=0 python -m benchmarks.federated_oneshot [--steps 600] [--out DIR]``.
+Run: ``FLWR_TELEMETRY_ENABLED=0 python -m benchmarks.federated_oneshot [--steps 600] [--out DIR]``;
+``--strategy-joint``: the strategy with ``joint=True`` (the clients aligned jointly, data-free and learned)
+in place of its default rows.
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ def main(argv=None) -> int:
     p.add_argument("--only-more", action="store_true", help="the --more rows only (the strategy's rows skipped)")
     p.add_argument("--learn-steps", type=int, default=600, help="the --more rows' longer learned alignment")
     p.add_argument("--more-cases", default="repair,joint,learned", help="which --more rows: repair, joint, learned, joint-learned")
+    p.add_argument("--strategy-joint", action="store_true",
+                   help="the strategy's rows with joint=True (data-free and learned) instead of its default rows")
+    p.add_argument("--joint-refine", default="all", choices=("all", "discrete"),
+                   help="--strategy-joint rows: what the joint rounds re-solve (AlignedFedAvg's joint_refine)")
+    p.add_argument("--strategy-cases", default="data-free,learned", help="--strategy-joint rows: data-free, learned")
     p.add_argument("--learn-dirichlet", type=float, help="the joint-learned row's Dirichlet concentration (default 1)")
     p.add_argument("--learn-target", help="the joint-learned row's target: log-probabilities (default) or probabilities")
     p.add_argument("--joint-learn-steps", type=int, help="the joint-learned row's learning steps (default 200)")
@@ -137,11 +144,20 @@ def main(argv=None) -> int:
         if not args.skip_learned:
             settings.append(("aligned learned (recommended)", AlignOptions(
                 symmetries="recommended", match="learned", align_data=unlabeled, align_samples=args.align_samples)))
+        settings = [(label, alignment, False) for label, alignment in settings]
+        if args.strategy_joint:  # the strategy's joint aggregation in place of its default rows
+            learned = AlignOptions(symmetries="recommended", match="learned", align_data=unlabeled,
+                                   align_samples=args.align_samples)
+            cases = {"data-free": (f"AlignedFedAvg(joint=True), data-free (recommended), refine {args.joint_refine}",
+                                   AlignOptions(symmetries="recommended"), True),
+                     "learned": ("AlignedFedAvg(joint=True), learned (recommended)", learned, True)}
+            settings = [cases[c] for c in args.strategy_cases.split(",")]
         seconds = {}
         if args.only_more:
             settings = []
-        for label, alignment in settings:
-            strategy = AlignedFedAvg(clients[0], alignment=alignment, norm_factor=None, fraction_evaluate=0.0)
+        for label, alignment, joint in settings:
+            strategy = AlignedFedAvg(clients[0], alignment=alignment, norm_factor=None, fraction_evaluate=0.0,
+                                     joint=joint, **({"joint_refine": args.joint_refine} if joint else {}))
             strategy.global_arrays = ArrayRecord(clients[0].state_dict())
             arrays, _ = strategy.aggregate_train(1, replies_for([m.state_dict() for m in clients], sizes))
             merged = load_trained(folder)

@@ -35,7 +35,7 @@ One round of :meth:`AlignedFedAvg.aggregate_train`:
    their predictions on the server's unlabeled data), and the aggregate is then moved into the global
    model's frame by one data-free alignment to it (the same function): the global frame stays fixed.
    Steps 2–4 (the distances, the norm and outlier rules) still use each client aligned to the global
-   model.
+   model, data-free (the matcher runs once, in the joint alignment).
 
 The parameterisation. Alignment acts on the canonical parameterisation of the chosen groups. The
 default symmetries (:data:`FEDERATED_SYMMETRIES`: head permutations, per-head rotations, FFN
@@ -67,7 +67,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ..core.distance import sq_distance
 from ..errors import SymmergeError
 from ..pipeline.align import align_pair, as_model, canonical
-from ..pipeline.options import AlignOptions
+from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, AlignOptions
 from ..pipeline.verify import with_state_dict
 from .aggregate import (LEFT_OUT_KINDS, aggregate, check_aggregation, check_outlier_rule, check_state_dict,
                         median_of_others, norm_outliers, scale_update, update_outliers, update_scores)
@@ -109,7 +109,8 @@ class AlignedFedAvg(FedAvg):
     the default: off) with ``outlier_threshold`` (default 3.5): a client whose aligned update's score has
     a robust z-score beyond the threshold is left out. ``min_clients``: fewer accepted clients keep the previous
     global model. ``joint``: aggregate the accepted clients in their joint frame (step 6 of the module text;
-    ``joint_rounds``: the joint alignment's cap on rounds; the round's record gets ``joint``, the joint
+    ``joint_rounds``, ``joint_refine``: the joint alignment's cap on rounds and what they re-solve (as
+    ``merge --joint-rounds/--joint-refine``); the round's record gets ``joint``, the joint
     alignment's report). Every other keyword goes to ``FedAvg``.
 
     After each round, :attr:`rounds` holds its full record (accepted and left-out node ids with reasons,
@@ -118,7 +119,7 @@ class AlignedFedAvg(FedAvg):
     def __init__(self, template, *, alignment=None, aggregation: str = "mean", trim: float = 0.2,
                  norm_factor: float | None = 10.0, norm_clip: bool = False, outlier_rule: str | None = None,
                  outlier_threshold: float = 3.5, min_clients: int = 2, joint: bool = False, joint_rounds: int = 10,
-                 **fedavg_kwargs):
+                 joint_refine: str = DEFAULT_REFINE, **fedavg_kwargs):
         super().__init__(**fedavg_kwargs)
         check_aggregation(aggregation, trim)
         check_outlier_rule(outlier_rule, outlier_threshold)
@@ -136,7 +137,9 @@ class AlignedFedAvg(FedAvg):
             raise SymmergeError("joint=True aligns the clients jointly: it needs symmetries (alignment is 'none')")
         if isinstance(joint_rounds, bool) or not isinstance(joint_rounds, int) or joint_rounds < 0:
             raise SymmergeError(f"joint_rounds must be a whole number >= 0, got {joint_rounds!r}")
-        self.joint, self.joint_rounds = bool(joint), joint_rounds
+        if joint_refine not in JOINT_REFINE:
+            raise SymmergeError(f"unknown joint_refine {joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
+        self.joint, self.joint_rounds, self.joint_refine = bool(joint), joint_rounds, joint_refine
         self.reference = {k: v.detach() for k, v in self.template.state_dict().items()}
         self.folds = bool(self.alignment.symmetries) and canonical(self.template, self.alignment) is not self.template
         self.global_arrays: ArrayRecord | None = None  # set by configure_train: the model sent this round
@@ -309,7 +312,9 @@ class AlignedFedAvg(FedAvg):
             sd = model.state_dict()
             d = sq_distance(sd, anchor_sd, keys) ** 0.5
             return sd, float(d), float(d)
-        res = align_pair(model, anchor, self.alignment)
+        # joint: this alignment only feeds the distances and the rules (the aggregate comes from the joint one),
+        # so it is data-free whatever the matcher
+        res = align_pair(model, anchor, self.alignment.with_(match="weights") if self.joint else self.alignment)
         return res.model.state_dict(), float(res.report["distance_before"]), float(res.report["distance_after"])
 
     def _joint_aggregate(self, state_dicts: list, weights: list, anchor, keys, record: dict) -> dict:
@@ -323,7 +328,8 @@ class AlignedFedAvg(FedAvg):
         models = [with_state_dict(self.template, sd) for sd in state_dicts]
         heads = set(head_keys(self.template))
         star, _ = closest_to_average(state_dicts, [k for k in keys if k not in heads])
-        joint = align_joint(models, self.alignment.with_(verify=False), anchor=star, max_rounds=self.joint_rounds)
+        joint = align_joint(models, self.alignment.with_(verify=False), anchor=star, max_rounds=self.joint_rounds,
+                            refine=self.joint_refine)
         sds = [x.state_dict() for x in joint.models]
         merged = aggregate(sds, weights, keys, sds[star], self.aggregation, self.trim)
         back = align_pair(with_state_dict(joint.models[star], merged), anchor,

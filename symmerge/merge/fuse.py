@@ -131,7 +131,7 @@ class MergeOptions:
         if self.joint_rounds < 0:
             raise SymmergeError(f"--joint-rounds must be >= 0, got {self.joint_rounds}")
         if self.joint_refine not in JOINT_REFINE:
-            raise SymmergeError(f"unknown --joint-refine {self.joint_refine!r}; choose {' or '.join(JOINT_REFINE)}")
+            raise SymmergeError(f"unknown --joint-refine {self.joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
         return m
 
     def use_joint(self, n: int) -> bool:

@@ -77,7 +77,7 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
         raise SymmergeError(f"joint alignment runs the {', '.join(JOINT_MATCHES)} matchers; --match "
                             f"{options.match} aligns pairwise to one anchor (pass --anchor to merge that way)")
     if refine not in JOINT_REFINE:
-        raise SymmergeError(f"unknown joint refinement {refine!r}; choose {' or '.join(JOINT_REFINE)}")
+        raise SymmergeError(f"unknown joint refinement {refine!r}; choose {', '.join(JOINT_REFINE)}")
     if max_rounds < 0 or not tol >= 0:
         raise SymmergeError(f"joint alignment needs max_rounds >= 0 and tol >= 0, got {max_rounds}, {tol}")
     names = list(names) if names is not None else [f"model {i}" for i in range(n)]
