@@ -169,6 +169,35 @@ def test_joint_aggregate_is_symmerges_joint_merge_in_the_global_frame(world):
         strategy(g, joint=True, joint_rounds=-1)
 
 
+def test_joint_learned_aggregate_is_symmerges_learned_joint_merge(world, tmp_path):
+    """``joint=True`` with ``match="learned"`` (unlabeled server images): the strategy's aggregate computes the
+    function of ``merge_models(..., joint=True)`` with the learned joint alignment (Dirichlet mixtures)."""
+    from symmerge.demo.datasets import write_npz
+    from symmerge.pipeline.options import AlignOptions, LearnSettings
+
+    g = world[0]
+    images = np.random.default_rng(0).random((24, 8, 8)).astype(np.float32)
+    server = write_npz(tmp_path / "server.npz", images, np.zeros(24, np.int64))
+    learned = AlignOptions(symmetries="heads,attn,ffn,rescale", match="learned", align_data=server, align_samples=24,
+                           learn=LearnSettings(steps=4, batch=8, augment=1, start="weights"))
+    s = strategy(g, alignment=learned, joint=True)
+    got = s.aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
+    rec = s.rounds[-1]["joint"]
+    assert rec["match"] == "learned" and rec["learned"]["steps"] >= 1
+    merged, _ = symmerge_merge(world, learned, joint=True)
+    out = tiny_vit(0)
+    out.load_state_dict(got)
+    x = torch.randn(5, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = out(pixel_values=x).logits, merged(pixel_values=x).logits
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    # negative control: the learning moved the aggregate away from its closed-form (data-free joint) start
+    start = strategy(g, alignment=learned.with_(match="weights"), joint=True).aggregate_train(1, good_replies(world))[0]
+    out.load_state_dict(start.to_torch_state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(out(pixel_values=x).logits, a, atol=1e-5, rtol=1e-5)
+
+
 def test_without_alignment_it_is_flowers_fedavg(world):
     g, _, _ = world
     s = strategy(g, alignment="none")
