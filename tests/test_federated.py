@@ -115,6 +115,14 @@ def close(a: dict, b: dict, atol=1e-6) -> bool:
 # ---------------------------------------------------------------- the aggregate
 
 
+def logits(state_dict: dict) -> torch.Tensor:
+    """The tiny ViT's logits with ``state_dict`` on five fixed random images."""
+    model = tiny_vit(0)
+    model.load_state_dict(state_dict)
+    with torch.no_grad():
+        return model(pixel_values=torch.randn(5, 1, 8, 8, generator=torch.Generator().manual_seed(0))).logits
+
+
 def symmerge_merge(world, alignment, **options):
     """symmerge's own N-model merge (``merge_models``, plain weighted average, heads merged) of the clients."""
     _, clients, examples = world
@@ -152,11 +160,7 @@ def test_joint_aggregate_is_symmerges_joint_merge_in_the_global_frame(world):
     got = s.aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
     merged, report = symmerge_merge(world, s.alignment, joint=True)
     assert "joint" in report["alignment"]
-    out = tiny_vit(0)
-    out.load_state_dict(got)
-    x = torch.randn(5, 1, 8, 8, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = out(pixel_values=x).logits, merged(pixel_values=x).logits
+    a, b = logits(got), logits(merged.state_dict())
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
     rec = s.rounds[-1]["joint"]
     assert rec["mode"] == "joint" and rec["distance_to_global_after"] <= rec["distance_to_global_before"] + 1e-9
@@ -185,17 +189,11 @@ def test_joint_learned_aggregate_is_symmerges_learned_joint_merge(world, tmp_pat
     rec = s.rounds[-1]["joint"]
     assert rec["match"] == "learned" and rec["learned"]["steps"] >= 1
     merged, _ = symmerge_merge(world, learned, joint=True)
-    out = tiny_vit(0)
-    out.load_state_dict(got)
-    x = torch.randn(5, 1, 8, 8, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = out(pixel_values=x).logits, merged(pixel_values=x).logits
+    a, b = logits(got), logits(merged.state_dict())
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
     # negative control: the learning moved the aggregate away from its closed-form (data-free joint) start
     start = strategy(g, alignment=learned.with_(match="weights"), joint=True).aggregate_train(1, good_replies(world))[0]
-    out.load_state_dict(start.to_torch_state_dict())
-    with torch.no_grad():
-        assert not torch.allclose(out(pixel_values=x).logits, a, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits(start.to_torch_state_dict()), a, atol=1e-5, rtol=1e-5)
 
 
 def test_without_alignment_it_is_flowers_fedavg(world):
