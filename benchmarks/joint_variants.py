@@ -16,7 +16,12 @@ as ``merge`` chooses), the plain average of **all** parameters is scored on the 
   the target is the anchor, as in the star, half the mean of the rest).
 
     .venv/bin/python -m benchmarks.joint_variants --out DIR [--subsets 0123,4567] [--match weights]
-        [--variants star,all,discrete] [--rounds 2]
+        [--variants star,all,discrete] [--rounds 2] [--timing REPEATS]
+
+``--timing R``: instead, the seconds (best of R, in one process) of one pairwise alignment (the first
+subset's second model to its first) against the joint alignment of the first subset with ``refine``
+``all`` and ``discrete`` (rounds up to 10, as ``merge``), and their ratios (issue 20's speed goal:
+joint data-free alignment of four models in at most 3× one pairwise alignment).
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--align-samples", type=int, default=1000)
+    p.add_argument("--timing", type=int, default=0, metavar="REPEATS",
+                   help="time one pairwise against the joint alignments of the first subset instead")
     add_run_args(p)
     return p.parse_args(argv)
 
@@ -88,6 +95,8 @@ def run(args, log=print) -> dict:
         return r["accuracy"], r["loss"]
 
     rows = []
+    if args.timing:
+        return timing(args, [models[i] for i in subsets[0]], options(), t0)
     for subset in subsets:
         group = [models[i] for i in subset]
         n, keys = len(group), parameter_keys(group[0])
@@ -151,7 +160,34 @@ def run(args, log=print) -> dict:
             "seconds_total": time.perf_counter() - t0}
 
 
+def timing(args, group, opts, t0) -> dict:
+    """Best-of-``args.timing`` seconds of one pairwise alignment and of the joint alignments of ``group``."""
+    def best(fn):
+        times = []
+        for _ in range(args.timing):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    anchor, _ = closest_to_average([x.state_dict() for x in group], parameter_keys(group[0]))
+    seconds = {"pairwise": best(lambda: align_pair(group[1], group[0], opts))}
+    for refine in ("discrete", "all"):
+        seconds[f"joint {refine}"] = best(lambda refine=refine: align_joint(group, opts, anchor=anchor, refine=refine))
+    rows = [{"what": k, "seconds": v, "ratio_to_pairwise": v / seconds["pairwise"]} for k, v in seconds.items()]
+    return {"benchmark": "joint alignment timing (MNIST-5k ViTs)", "match": args.match, "n": len(group),
+            "repeats": args.timing, "rows": rows, "load_average": os.getloadavg(),
+            "threads": torch.get_num_threads(), "seconds_total": time.perf_counter() - t0}
+
+
 def print_tables(r: dict, log=print) -> None:
+    if "repeats" in r:
+        log(f"\nmatch {r['match']}; best of {r['repeats']}; N = {r['n']}; load {r['load_average']}\n")
+        log("| alignment | seconds | × one pairwise |")
+        log("|---|---|---|")
+        for row in r["rows"]:
+            log(f"| {row['what']} | {row['seconds']:.2f} | {row['ratio_to_pairwise']:.2f} |")
+        return
     log(f"\nmatch {r['match']}; plain average of all parameters, test accuracy (%)\n")
     log("| subset | anchor | variant | step | average (%) | loss | spread | s |")
     log("|---|---|---|---|---|---|---|---|")
