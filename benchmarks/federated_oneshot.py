@@ -8,7 +8,9 @@ aligned data-free (the strategy's default groups; the recommended set with the r
 learned (on at most 1 000 unlabeled server images, taken from the training set without labels); the
 ensemble of the 4 (mean of their probabilities) as the ceiling.
 
-Run: ``FLWR_TELEMETRY_ENABLED=0 python -m benchmarks.federated_oneshot [--steps 600] [--out DIR]``.
+Run: ``FLWR_TELEMETRY_ENABLED=0 python -m benchmarks.federated_oneshot [--steps 600] [--out DIR]``;
+``--strategy-joint``: the strategy with ``joint=True`` (the clients aligned jointly, data-free and learned)
+in place of its default rows.
 """
 
 from __future__ import annotations
@@ -29,16 +31,20 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "federated"
 def more_rows(clients, sizes, unlabeled, args, test_x, test_y):
     """(label, accuracy, seconds) of symmerge's own N-model merge (``merge_models``, what the strategy's
     aggregate equals) with the steps B5 (a) had not tried: REPAIR after the aggregation, the joint
-    alignment (each client to the mean of the others, no fixed frame), a longer learned alignment."""
+    alignment (each client to the mean of the others, no fixed frame), a longer learned alignment, the
+    learned joint alignment (Dirichlet mixtures of the N clients, ``joint-learned``)."""
     from symmerge import AlignOptions, MergeOptions, merge_models
     from symmerge.demo.train import accuracy
     from symmerge.pipeline.options import LearnSettings
 
-    def opts(match, steps=None):
-        kw = {"learn": LearnSettings(steps=steps)} if steps else {}
+    def opts(match, steps=None, **learn):
+        kw = {"learn": LearnSettings(**({"steps": steps} if steps else {}), **learn)} if steps or learn else {}
         return AlignOptions(symmetries="recommended", match=match, align_data=unlabeled,
                             align_samples=args.align_samples, **kw)
 
+    joint_learn = {k: v for k, v in (("dirichlet", args.learn_dirichlet), ("target", args.learn_target),
+                                     ("steps", args.joint_learn_steps)) if v is not None}
+    joint_learn_label = "".join(f", {k} {v}" for k, v in joint_learn.items())
     groups = {"repair": [("FedAvg + REPAIR", AlignOptions(symmetries="none", align_data=unlabeled,
                                                           align_samples=args.align_samples), False, True),
                          ("aligned data-free (recommended) + REPAIR", opts("weights"), False, True),
@@ -47,7 +53,11 @@ def more_rows(clients, sizes, unlabeled, args, test_x, test_y):
                         ("joint activations (recommended) + REPAIR", opts("activations"), True, True)],
               "learned": [("aligned learned (recommended) + REPAIR", opts("learned"), False, True),
                           (f"aligned learned (recommended), {args.learn_steps} steps",
-                           opts("learned", args.learn_steps), False, False)]}
+                           opts("learned", args.learn_steps), False, False)],
+              # the learned JOINT alignment: every client's continuous elements learned together so that random
+              # convex combinations of the 4 (Dirichlet weights) predict the same combination of their predictions
+              "joint-learned": [(f"joint learned (recommended){joint_learn_label}", opts("learned", **joint_learn), True,
+                                 False)]}
     chosen = args.more_cases.split(",")
     if args.skip_learned and "learned" in chosen:
         chosen.remove("learned")
@@ -73,7 +83,15 @@ def main(argv=None) -> int:
                         "(every client to the mean of the others), more learned steps")
     p.add_argument("--only-more", action="store_true", help="the --more rows only (the strategy's rows skipped)")
     p.add_argument("--learn-steps", type=int, default=600, help="the --more rows' longer learned alignment")
-    p.add_argument("--more-cases", default="repair,joint,learned", help="which --more rows: repair, joint, learned")
+    p.add_argument("--more-cases", default="repair,joint,learned", help="which --more rows: repair, joint, learned, joint-learned")
+    p.add_argument("--strategy-joint", action="store_true",
+                   help="the strategy's rows with joint=True (data-free and learned) instead of its default rows")
+    p.add_argument("--joint-refine", default="all", choices=("all", "discrete"),
+                   help="--strategy-joint rows: what the joint rounds re-solve (AlignedFedAvg's joint_refine)")
+    p.add_argument("--strategy-cases", default="data-free,learned", help="--strategy-joint rows: data-free, learned")
+    p.add_argument("--learn-dirichlet", type=float, help="the joint-learned row's Dirichlet concentration (default 1)")
+    p.add_argument("--learn-target", help="the joint-learned row's target: log-probabilities (default) or probabilities")
+    p.add_argument("--joint-learn-steps", type=int, help="the joint-learned row's learning steps (default 200)")
     p.add_argument("--out", help="folder for results.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -126,11 +144,20 @@ def main(argv=None) -> int:
         if not args.skip_learned:
             settings.append(("aligned learned (recommended)", AlignOptions(
                 symmetries="recommended", match="learned", align_data=unlabeled, align_samples=args.align_samples)))
+        settings = [(label, alignment, False) for label, alignment in settings]
+        if args.strategy_joint:  # the strategy's joint aggregation in place of its default rows
+            learned = AlignOptions(symmetries="recommended", match="learned", align_data=unlabeled,
+                                   align_samples=args.align_samples)
+            cases = {"data-free": (f"AlignedFedAvg(joint=True), data-free (recommended), refine {args.joint_refine}",
+                                   AlignOptions(symmetries="recommended"), True),
+                     "learned": ("AlignedFedAvg(joint=True), learned (recommended)", learned, True)}
+            settings = [cases[c] for c in args.strategy_cases.split(",")]
         seconds = {}
         if args.only_more:
             settings = []
-        for label, alignment in settings:
-            strategy = AlignedFedAvg(clients[0], alignment=alignment, norm_factor=None, fraction_evaluate=0.0)
+        for label, alignment, joint in settings:
+            strategy = AlignedFedAvg(clients[0], alignment=alignment, norm_factor=None, fraction_evaluate=0.0,
+                                     joint=joint, **({"joint_refine": args.joint_refine} if joint else {}))
             strategy.global_arrays = ArrayRecord(clients[0].state_dict())
             arrays, _ = strategy.aggregate_train(1, replies_for([m.state_dict() for m in clients], sizes))
             merged = load_trained(folder)

@@ -247,12 +247,12 @@ def test_many_models_small_end_to_end(tmp_path, mnist_5k_cache):
                              "--out", str(out)]) == 0
     result = json.loads((out / "results.json").read_text())
     assert [(r["n"], r["variant"]) for r in result["rows"]] == [
-        (n, v) for n in (2, 3) for v in ("none", "star weights", "joint weights")]
+        (n, v) for n in (2, 3) for v in ("none", "star weights", "joint weights (all)", "joint weights (discrete)")]
     for row in result["rows"]:
         assert 0 <= row["accuracy"] <= 1 and row["loss"] > 0 and 0 <= row["ensemble_accuracy"] <= 1
         if row["variant"].startswith("joint"):
             assert row["spread"][1] <= row["spread"][0]
-    assert "| 3 | joint weights |" in (out / "tables.md").read_text()
+    assert "| 3 | joint weights (discrete) |" in (out / "tables.md").read_text()
 
 
 def test_joint_learned_variants_small_end_to_end(tmp_path, mnist_5k_cache):

@@ -115,17 +115,30 @@ def close(a: dict, b: dict, atol=1e-6) -> bool:
 # ---------------------------------------------------------------- the aggregate
 
 
+def logits(state_dict: dict) -> torch.Tensor:
+    """The tiny ViT's logits with ``state_dict`` on five fixed random images."""
+    model = tiny_vit(0)
+    model.load_state_dict(state_dict)
+    with torch.no_grad():
+        return model(pixel_values=torch.randn(5, 1, 8, 8, generator=torch.Generator().manual_seed(0))).logits
+
+
+def symmerge_merge(world, alignment, **options):
+    """symmerge's own N-model merge (``merge_models``, plain weighted average, heads merged) of the clients."""
+    _, clients, examples = world
+    models = [tiny_vit(0) for _ in clients]
+    for m, sd in zip(models, clients.values()):
+        m.load_state_dict(sd)
+    return merge_models(models, options=MergeOptions(method="average", align=alignment, heads="merge", evaluate=False,
+                                                     weights=[examples[n] for n in clients], progress=False, **options))
+
+
 def test_aggregate_equals_symmerge_merge_aligned_to_the_global_model(world):
     g, clients, examples = world
     s = strategy(g)
     arrays, metrics = s.aggregate_train(1, good_replies(world))
     got = arrays.to_torch_state_dict()
-    models = [tiny_vit(0) for _ in clients]
-    for m, sd in zip(models, clients.values()):
-        m.load_state_dict(sd)
-    merged, report = merge_models(models, options=MergeOptions(
-        method="average", align=s.alignment, anchor=g, weights=[examples[n] for n in clients], heads="merge",
-        evaluate=False, progress=False))
+    merged, report = symmerge_merge(world, s.alignment, anchor=g)
     assert close(got, merged.state_dict(), atol=1e-5)
     # alignment did something: plain FedAvg of the same replies is far from it and from the global model
     plain = FedAvg(fraction_evaluate=0.0).aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
@@ -136,6 +149,51 @@ def test_aggregate_equals_symmerge_merge_aligned_to_the_global_model(world):
     assert metrics["train_loss"] == pytest.approx(1.0)  # the clients' own metrics, FedAvg-aggregated
     rec = s.rounds[-1]
     assert rec["accepted"] == [1, 2, 3] and rec["weights"] == [10.0, 30.0, 60.0] and not rec["kept_previous"]
+
+
+def test_joint_aggregate_is_symmerges_joint_merge_in_the_global_frame(world):
+    """``joint=True``: the clients aligned jointly (not each to the global model) and averaged compute the
+    function of ``merge_models(..., joint=True)`` of the same weights; the aggregate is then expressed in the
+    global model's frame (closer to it than in the joint frame, the same function)."""
+    g, clients, examples = world
+    s = strategy(g, joint=True)
+    got = s.aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
+    merged, report = symmerge_merge(world, s.alignment, joint=True)
+    assert "joint" in report["alignment"]
+    a, b = logits(got), logits(merged.state_dict())
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    rec = s.rounds[-1]["joint"]
+    assert rec["mode"] == "joint" and rec["distance_to_global_after"] <= rec["distance_to_global_before"] + 1e-9
+    # negative control: the star's aggregate (each client aligned to the global model) is another model
+    star = strategy(g).aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
+    assert not close(star, got, atol=1e-6)
+    with pytest.raises(SymmergeError, match="joint"):
+        strategy(g, alignment="none", joint=True)
+    with pytest.raises(SymmergeError, match="joint_rounds"):
+        strategy(g, joint=True, joint_rounds=-1)
+
+
+def test_joint_learned_aggregate_is_symmerges_learned_joint_merge(world, tmp_path):
+    """``joint=True`` with ``match="learned"`` (unlabeled server images): the strategy's aggregate computes the
+    function of ``merge_models(..., joint=True)`` with the learned joint alignment (Dirichlet mixtures)."""
+    from symmerge.demo.datasets import write_npz
+    from symmerge.pipeline.options import AlignOptions, LearnSettings
+
+    g = world[0]
+    images = np.random.default_rng(0).random((24, 8, 8)).astype(np.float32)
+    server = write_npz(tmp_path / "server.npz", images, np.zeros(24, np.int64))
+    learned = AlignOptions(symmetries="heads,attn,ffn,rescale", match="learned", align_data=server, align_samples=24,
+                           learn=LearnSettings(steps=4, batch=8, augment=1, start="weights"))
+    s = strategy(g, alignment=learned, joint=True)
+    got = s.aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
+    rec = s.rounds[-1]["joint"]
+    assert rec["match"] == "learned" and rec["learned"]["steps"] >= 1
+    merged, _ = symmerge_merge(world, learned, joint=True)
+    a, b = logits(got), logits(merged.state_dict())
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    # negative control: the learning moved the aggregate away from its closed-form (data-free joint) start
+    start = strategy(g, alignment=learned.with_(match="weights"), joint=True).aggregate_train(1, good_replies(world))[0]
+    assert not torch.allclose(logits(start.to_torch_state_dict()), a, atol=1e-5, rtol=1e-5)
 
 
 def test_without_alignment_it_is_flowers_fedavg(world):

@@ -11,7 +11,7 @@ from conftest import make_inputs, output_rel_diff, sq_dist
 from factories import DECODERS, FAMILIES, RMSNORM, disguised, make_model
 from symmerge.errors import SymmergeError
 from symmerge.pipeline.align import align_pair, instances_for
-from symmerge.pipeline.joint import align_joint, mean_state_dict, spread
+from symmerge.pipeline.joint import align_joint, discrete_symmetries, mean_state_dict, spread
 from symmerge.pipeline.options import RECOMMENDED, AlignOptions
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -111,3 +111,51 @@ def test_bad_calls_are_refused():
     other = make_model("bert", seed=3, num_attention_heads=2, hidden_size=24)
     with pytest.raises(SymmergeError):
         align_joint(models[:2] + [other], opts)
+
+
+@pytest.mark.parametrize("family", ["vit", "gpt2", "llama"])
+def test_discrete_rounds_move_only_permutations_and_never_raise_the_spread(family, request):
+    """``refine="discrete"``: the rounds after the star re-solve the head and unit permutations only. The
+    spread never increases, every model keeps its function, and each model's tensors after the rounds are
+    its star form with rows/columns permuted: the continuous elements (rotations, scales, the residual
+    map) the star found are kept, so sorted values per tensor are unchanged."""
+    if family in RMSNORM:
+        request.getfixturevalue("fp64_rmsnorm")
+    models = [make_model(family, head=True, seed=s) for s in range(3)]
+    opts = AlignOptions(symmetries=_symmetries(models[0]), max_sweeps=10)
+    star = align_joint(models, opts, max_rounds=0)
+    moved = align_joint(models, opts, max_rounds=3, refine="discrete")
+    assert moved.report["refine"] == "discrete"
+    obj = moved.report["objective"]
+    assert obj[0] == pytest.approx(star.report["objective"][0], rel=1e-12)  # the same star
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(obj, obj[1:]))
+    assert sum(moved.report["moved_per_round"]) > 0  # unrelated models: some permutation does move
+    keys = _params(models[0])
+    for s, m in zip(star.models, moved.models):
+        for k in keys:
+            a, b = s.state_dict()[k].flatten().sort().values, m.state_dict()[k].flatten().sort().values
+            assert (a - b).abs().max() <= 1e-6 * (1 + a.abs().max()), k
+    inputs = make_inputs(models[0])
+    for x, y in zip(models, moved.models):
+        assert output_rel_diff(x, y, inputs) <= 1e-6
+    # negative control: rounds that re-solve every group (MergeMany) do change the continuous elements
+    everything = align_joint(models, opts, max_rounds=1, refine="all")
+    changed = [(s.state_dict()[k].flatten().sort().values - m.state_dict()[k].flatten().sort().values).abs().max()
+               for s, m in zip(star.models, everything.models) for k in keys]
+    assert max(changed) > 1e-3
+
+
+def test_discrete_symmetries_are_the_permutation_groups():
+    """``Kind.discrete`` decides which symmetries the discrete rounds re-solve: head and FFN permutations,
+    the residual stream only in its permutation variant; never the rotations or the scales."""
+    vit = make_model("vit", head=True)
+    assert discrete_symmetries(vit, AlignOptions(symmetries=RECOMMENDED).for_model(vit)) == ("heads", "ffn")
+    assert discrete_symmetries(vit, AlignOptions(symmetries="attn,rescale")) == ()
+    permuted = AlignOptions(symmetries="heads,ffn,residual", residual="permutation")
+    assert discrete_symmetries(vit, permuted) == ("heads", "ffn", "residual")
+    with pytest.raises(SymmergeError, match="joint refinement"):
+        align_joint([vit, make_model("vit", head=True, seed=1)], AlignOptions(symmetries="ffn"), refine="some")
+    from symmerge.merge.fuse import MergeOptions, merge_models
+
+    with pytest.raises(SymmergeError, match="--joint-refine"):
+        merge_models([vit] * 3, options=MergeOptions(joint_refine="some"))

@@ -89,3 +89,15 @@ def test_no_code_outside_groups_branches_on_a_kind_name():
     leaks = [f"{p}:{n}" for p in root.rglob("*.py") if "groups" not in p.relative_to(root).parts[:1]
              for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not leaks, leaks
+
+
+@pytest.mark.parametrize("family", ["vit", "gpt2"])
+def test_activations_pair_heads_without_their_rotations(family):
+    """``--match activations --symmetries heads,ffn`` (head pairing without ``attn``: the joint alignment's
+    discrete rounds): the pairing is valued through the heads' QK/VO blocks even though their rotations are
+    not solved; the result keeps the function and is not farther from the anchor than before."""
+    a, b = make_model(family, head=True, seed=0), make_model(family, head=True, seed=1)
+    result = align_pair(a, b, AlignOptions(symmetries="heads,ffn", match="activations", align_data=unlabeled(a)))
+    assert output_rel_diff(a, result.model, make_inputs(a)) <= 1e-5
+    assert any(i.group.symmetry == "heads" for i in result.instances if i.name in result.elements)
+    assert result.report["distance_after"] <= result.report["distance_before"] * (1 + 1e-9)

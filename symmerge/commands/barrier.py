@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import SymmergeError
 from ..io.model import ensure_output_dir
 from ..io.tokenizers import print_note
-from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
+from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed
 from .alignment_args import add_alignment_arguments, alignment_options
@@ -40,6 +40,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--points", type=int, default=11, help="number of α values in [0, 1] (default 11)")
     parser.add_argument("--joint-rounds", type=int, default=10, metavar="N",
                         help="more than two models: rounds of the joint alignment after the star (default 10)")
+    parser.add_argument("--joint-refine", choices=JOINT_REFINE, default=DEFAULT_REFINE,
+                        help="more than two models: what the joint alignment's rounds re-solve, 'all' the groups or "
+                             f"'discrete' the permutations only (default {DEFAULT_REFINE})")
     parser.add_argument("--subsets", choices=["single", "last"], default=None,
                         help="also match only layer i (single) or only the last k layers (last); loss at α = 0.5")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -87,7 +90,8 @@ def _run_many(args, out: Path, options) -> int:
 
     result = barrier_many(args.models, args.data, aligns=args.align or [RECOMMENDED_NAME], points=args.points,
                           device=args.device, batch_size=args.batch_size, max_examples=args.max_examples,
-                          allow_pickle=args.allow_pickle, options=options, joint_rounds=args.joint_rounds)
+                          allow_pickle=args.allow_pickle, options=options, joint_rounds=args.joint_rounds,
+                          joint_refine=args.joint_refine)
     write_many(result, out)
     n = len(result["models"])
     mean, ens = result["endpoints_mean"], result["ensemble"]

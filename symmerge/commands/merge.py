@@ -20,7 +20,7 @@ from ..errors import SymmergeError
 from ..io.model import ensure_output_dir, save_model
 from ..io.tokenizers import print_note
 from ..merge import METHODS
-from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
+from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed, stage
 from .alignment_args import add_alignment_arguments, alignment_options
@@ -48,6 +48,10 @@ def add_arguments(parser) -> None:
                         help="joint alignment (more than two models, no --anchor): at most N rounds of 'each model "
                              "to the mean of the others' after the star (default 10; it stops when a round lowers the "
                              "spread by less than 1e-4)")
+    parser.add_argument("--joint-refine", choices=JOINT_REFINE, default=DEFAULT_REFINE,
+                        help="what the joint alignment's rounds re-solve: 'all' the groups (MergeMany; for the "
+                             "continuous groups generalized Procrustes) or 'discrete' only the head and unit "
+                             f"permutations, keeping the star's rotations and scales (default {DEFAULT_REFINE})")
     parser.add_argument("--base", default=None, help="base (pre-trained) model folder for task_arithmetic, ties, dare")
     parser.add_argument("--data", action="append", default=None, metavar="FILE",
                         help="data (.npz, .jsonl, .txt) for the statistics of fisher and regmean (training data); "
@@ -137,7 +141,7 @@ def options_from(args):
         fisher_samples=args.fisher_samples, gram_normalize=not args.gram_sum, batch_size=args.batch_size,
         max_examples=args.max_examples, max_length=args.max_length, allow_pickle=args.allow_pickle,
         allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, joint=False if args.star else None,
-        joint_rounds=args.joint_rounds)
+        joint_rounds=args.joint_rounds, joint_refine=args.joint_refine)
 
 
 def run(args) -> int:

@@ -28,6 +28,14 @@ One round of :meth:`AlignedFedAvg.aggregate_train`:
 5. if fewer than ``min_clients`` remain, the previous global model is returned unchanged (the same
    ArrayRecord, byte for byte); otherwise the aligned models are aggregated: the mean weighted by
    ``num-examples`` (FedAvg), the coordinate-wise ``median`` or the ``trimmed_mean``.
+6. with ``joint=True``, step 5 aggregates the remaining clients in their **joint** frame instead
+   (:func:`~symmerge.pipeline.joint.align_joint` on the clients' own models, from the star on the client
+   closest to their average, as ``merge_models(..., joint=True)``; with ``match="learned"`` the learned
+   joint alignment: random convex combinations of the clients trained against the same combinations of
+   their predictions on the server's unlabeled data), and the aggregate is then moved into the global
+   model's frame by one data-free alignment to it (the same function): the global frame stays fixed.
+   Steps 2–4 (the distances, the norm and outlier rules) still use each client aligned to the global
+   model, data-free (the matcher runs once, in the joint alignment).
 
 The parameterisation. Alignment acts on the canonical parameterisation of the chosen groups. The
 default symmetries (:data:`FEDERATED_SYMMETRIES`: head permutations, per-head rotations, FFN
@@ -59,7 +67,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ..core.distance import sq_distance
 from ..errors import SymmergeError
 from ..pipeline.align import align_pair, as_model, canonical
-from ..pipeline.options import AlignOptions
+from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, AlignOptions
 from ..pipeline.verify import with_state_dict
 from .aggregate import (LEFT_OUT_KINDS, aggregate, check_aggregation, check_outlier_rule, check_state_dict,
                         median_of_others, norm_outliers, scale_update, update_outliers, update_scores)
@@ -100,14 +108,18 @@ class AlignedFedAvg(FedAvg):
     ``outlier_rule`` (``distance``, ``cosine`` or ``krum``; ``None``,
     the default: off) with ``outlier_threshold`` (default 3.5): a client whose aligned update's score has
     a robust z-score beyond the threshold is left out. ``min_clients``: fewer accepted clients keep the previous
-    global model. Every other keyword goes to ``FedAvg``.
+    global model. ``joint``: aggregate the accepted clients in their joint frame (step 6 of the module text;
+    ``joint_rounds``, ``joint_refine``: the joint alignment's cap on rounds and what they re-solve (as
+    ``merge --joint-rounds/--joint-refine``); the round's record gets ``joint``, the joint
+    alignment's report). Every other keyword goes to ``FedAvg``.
 
     After each round, :attr:`rounds` holds its full record (accepted and left-out node ids with reasons,
     distances, seconds); the returned MetricRecord carries the numeric part (keys ``symmerge-*``)."""
 
     def __init__(self, template, *, alignment=None, aggregation: str = "mean", trim: float = 0.2,
                  norm_factor: float | None = 10.0, norm_clip: bool = False, outlier_rule: str | None = None,
-                 outlier_threshold: float = 3.5, min_clients: int = 2, **fedavg_kwargs):
+                 outlier_threshold: float = 3.5, min_clients: int = 2, joint: bool = False, joint_rounds: int = 10,
+                 joint_refine: str = DEFAULT_REFINE, **fedavg_kwargs):
         super().__init__(**fedavg_kwargs)
         check_aggregation(aggregation, trim)
         check_outlier_rule(outlier_rule, outlier_threshold)
@@ -121,6 +133,13 @@ class AlignedFedAvg(FedAvg):
         self.norm_factor, self.min_clients = norm_factor, min_clients
         self.outlier_rule, self.outlier_threshold = outlier_rule, float(outlier_threshold)
         self.norm_clip = bool(norm_clip)
+        if joint and not self.alignment.symmetries:
+            raise SymmergeError("joint=True aligns the clients jointly: it needs symmetries (alignment is 'none')")
+        if isinstance(joint_rounds, bool) or not isinstance(joint_rounds, int) or joint_rounds < 0:
+            raise SymmergeError(f"joint_rounds must be a whole number >= 0, got {joint_rounds!r}")
+        if joint_refine not in JOINT_REFINE:
+            raise SymmergeError(f"unknown joint_refine {joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
+        self.joint, self.joint_rounds, self.joint_refine = bool(joint), joint_rounds, joint_refine
         self.reference = {k: v.detach() for k, v in self.template.state_dict().items()}
         self.folds = bool(self.alignment.symmetries) and canonical(self.template, self.alignment) is not self.template
         self.global_arrays: ArrayRecord | None = None  # set by configure_train: the model sent this round
@@ -231,7 +250,7 @@ class AlignedFedAvg(FedAvg):
                 self._left_out(left_out, node, "non_finite", f"its distance to the global model overflows ({after})")
                 continue
             aligned.append((msg, sd, weight, before, after))
-            raw[node] = state_dict
+            raw[node] = state_dict  # the client's own model (its update scaled down when clipped)
         align_seconds = time.perf_counter() - t_align
 
         # ---------------------------------------------------------------- the norm rule, on aligned updates
@@ -256,13 +275,25 @@ class AlignedFedAvg(FedAvg):
                     self._left_out(left_out, node, "alignment", f"alignment failed: {type(e).__name__}: {e}")
                     continue
                 kept.append((item[0], sd, item[2], item[3], after))
+                raw[node] = scale_update(state_dict, global_sd, float_keys, scale)
             else:
                 self._left_out(left_out, item[0].metadata.src_node_id, "norm", reason)
         kept = self._outlier_rule(kept, anchor_sd, keys, left_out, record)
         if len(kept) < self.min_clients:
             return self._keep_previous(record, kept, t0, align_seconds)
 
-        merged = aggregate([k[1] for k in kept], [k[2] for k in kept], keys, anchor_sd, self.aggregation, self.trim)
+        if self.joint:
+            try:
+                merged = self._joint_aggregate([raw[k[0].metadata.src_node_id] for k in kept], [k[2] for k in kept],
+                                               anchor, keys, record)
+            except Exception as e:  # noqa: BLE001 - the clients' weights must not crash the server's solvers
+                log(WARNING, "aggregate_train: round %d: the joint alignment failed (%s: %s); the previous global "
+                             "model is kept", server_round, type(e).__name__, e)
+                record["note"] = f"the joint alignment failed: {type(e).__name__}: {e}"
+                return self._keep_previous(record, [], t0, align_seconds)
+        else:
+            merged = aggregate([k[1] for k in kept], [k[2] for k in kept], keys, anchor_sd, self.aggregation,
+                               self.trim)
         if not all(bool(torch.isfinite(merged[k]).all()) for k in keys):  # e.g. huge finite values that overflow
             log(WARNING, "aggregate_train: round %d: the aggregate is not finite", server_round)
             record["note"] = "the aggregate was not finite: the previous global model is kept"
@@ -281,8 +312,33 @@ class AlignedFedAvg(FedAvg):
             sd = model.state_dict()
             d = sq_distance(sd, anchor_sd, keys) ** 0.5
             return sd, float(d), float(d)
-        res = align_pair(model, anchor, self.alignment)
+        # joint: this alignment only feeds the distances and the rules (the aggregate comes from the joint one),
+        # so it is data-free whatever the matcher
+        res = align_pair(model, anchor, self.alignment.with_(match="weights") if self.joint else self.alignment)
         return res.model.state_dict(), float(res.report["distance_before"]), float(res.report["distance_after"])
+
+    def _joint_aggregate(self, state_dicts: list, weights: list, anchor, keys, record: dict) -> dict:
+        """The clients aligned jointly (anchor: the client closest to their average), aggregated, then moved into
+        the global model's frame by a data-free alignment of the aggregate to it (its function unchanged)."""
+        from ..merge.fuse import closest_to_average
+        from ..merge.heads import head_keys
+        from ..pipeline.joint import align_joint
+
+        t = time.perf_counter()
+        models = [with_state_dict(self.template, sd) for sd in state_dicts]
+        heads = set(head_keys(self.template))
+        star, _ = closest_to_average(state_dicts, [k for k in keys if k not in heads])
+        joint = align_joint(models, self.alignment.with_(verify=False), anchor=star, max_rounds=self.joint_rounds,
+                            refine=self.joint_refine)
+        sds = [x.state_dict() for x in joint.models]
+        merged = aggregate(sds, weights, keys, sds[star], self.aggregation, self.trim)
+        back = align_pair(with_state_dict(joint.models[star], merged), anchor,
+                          self.alignment.with_(match="weights", verify=False))
+        record["joint"] = {**{k: v for k, v in joint.report.items() if k != "models"},
+                           "seconds": time.perf_counter() - t,
+                           "distance_to_global_before": float(back.report["distance_before"]),
+                           "distance_to_global_after": float(back.report["distance_after"])}
+        return back.model.state_dict()
 
     def _outlier_rule(self, kept: list, anchor_sd: dict, keys, left_out: list, record: dict) -> list:
         """The clients of ``kept`` whose aligned update is not an outlier (the others are left out)."""

@@ -159,6 +159,12 @@ class Kind:
         ``moves_before_scales``). ``scales_fitted``: the activation fit already solved the scales the
         activations determine. Default: nothing to do."""
 
+    def discrete(self, inst) -> bool:
+        """Whether the instance's elements form a finite set (permutations, signed permutations): the joint
+        alignment's rounds re-solve only these with ``refine="discrete"``, keeping the continuous elements
+        the star found (:mod:`symmerge.pipeline.joint`)."""
+        return False
+
     def resolvable(self, inst, opts: Options) -> bool:
         """Whether the learned alignment may re-solve this instance exactly between its rounds (a discrete
         element that the continuous steps cannot move)."""

@@ -63,6 +63,9 @@ class Heads(Kind):
     blocked = True
     lazy = True  # valuing every pairing is most of a sweep; the pairing rarely changes once the stream settles
 
+    def discrete(self, inst) -> bool:
+        return True
+
     def bind(self, group, ctx, layer):
         if group.param("tied") != "stack":
             return super().bind(group, ctx, layer)

@@ -148,6 +148,9 @@ class Permutation(Kind):
     def resolvable(self, inst, opts) -> bool:
         return self.plan(inst, opts)[0]
 
+    def discrete(self, inst) -> bool:  # the unit permutation (SwiGLU unit scales come with ``rescale``)
+        return True
+
     def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
         out = {}
         for inst in insts:

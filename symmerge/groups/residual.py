@@ -178,6 +178,9 @@ class Residual(Kind):
                 out[inst.name] = StreamElement(perm=permutation_residual(C, D))
         return out
 
+    def discrete(self, inst) -> bool:  # the (signed) permutation variants; the dense ones are rotations
+        return inst.info.variant not in DENSE
+
     # ------------------------------------------------------------------ learned alignment
     # an orthogonal map exp(S − Sᵀ) (on the complement of the all-ones direction for LayerNorm) and, for a
     # pre-norm stream whose norms' ε is negligible (≤ EXACT_EPS), a scale c = e^γ of every writer: the

@@ -189,7 +189,7 @@ def write_study(result: dict, out) -> Path:
 
 def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, device="cpu", batch_size: int = 32,
                  max_examples: int | None = None, allow_pickle: bool = False, progress: bool = True,
-                 options: AlignOptions | None = None, joint_rounds: int = 10) -> dict:
+                 options: AlignOptions | None = None, joint_rounds: int = 10, joint_refine: str | None = None) -> dict:
     """N ≥ 2 models: for no alignment and each variant of ``aligns`` (every model brought into one frame
     by joint alignment, :func:`~symmerge.pipeline.joint.align_joint`), the pairwise barrier matrix (the
     interpolation curve of every pair), the N-way plain average's loss and accuracy, beside each
@@ -237,7 +237,8 @@ def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, dev
             frames = loaded
         else:
             with stage(f"aligned {n} models jointly ({v})", enabled=progress):
-                joint = align_joint(loaded, opts, names=names, max_rounds=joint_rounds, progress=progress)
+                joint = align_joint(loaded, opts, names=names, max_rounds=joint_rounds, progress=progress,
+                                    **({} if joint_refine is None else {"refine": joint_refine}))
             frames = joint.models
             info = {"joint": {k: val for k, val in joint.report.items() if k != "models"},
                     "verify_max_rel_diff": max((m["verify_max_rel_diff"] or 0.0) for m in joint.report["models"])}

@@ -29,7 +29,7 @@ from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.joint import JOINT_MATCHES, align_joint
-from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
+from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
 from ..pipeline.report import match_fields
 from ..progress import line, stage, stage_printer
 from ..pipeline.verify import with_state_dict
@@ -75,6 +75,7 @@ class MergeOptions:
     repair: bool = False  # REPAIR the merged model on the alignment's unlabeled data (``align.align_data``)
     joint: bool | None = None  # N models in one frame (None: when more than two models and no anchor/base)
     joint_rounds: int = 10  # cap on the joint alignment's rounds after the star
+    joint_refine: str = DEFAULT_REFINE  # what those rounds re-solve: every group, or the permutations only
 
     @classmethod
     def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",
@@ -129,6 +130,8 @@ class MergeOptions:
                                 "or --base (an anchor means the star: every model aligned to it)")
         if self.joint_rounds < 0:
             raise SymmergeError(f"--joint-rounds must be >= 0, got {self.joint_rounds}")
+        if self.joint_refine not in JOINT_REFINE:
+            raise SymmergeError(f"unknown --joint-refine {self.joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
         return m
 
     def use_joint(self, n: int) -> bool:
@@ -354,7 +357,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
             alignment["note"] = note
         if opts.use_joint(len(models)):
             joint = align_joint(models, align_opts, anchor=alignment["anchor"]["index"], names=names,
-                                max_rounds=opts.joint_rounds, progress=opts.progress)
+                                max_rounds=opts.joint_rounds, progress=opts.progress, refine=opts.joint_refine)
             aligned = joint.models
             alignment["anchor"]["rule"] += " (the star's anchor; then every model to the mean of the others)"
             alignment["joint"] = {k: v for k, v in joint.report.items() if k != "models"}

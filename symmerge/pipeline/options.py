@@ -24,6 +24,13 @@ MATCH_MODES = tuple(MATCHERS)  # weights, activations, learned: the matcher plug
 # the descent over coupled groups stops when a sweep gains less than this fraction of the objective: on B7
 # (two Llamas) the sweeps after that gain 0.04 % in all over 50 more sweeps (docs/results.md, B7)
 DESCENT_TOL = 1e-4
+# what the joint alignment's rounds after the star re-solve (symmerge.pipeline.joint): "all" — every group of
+# the options (MergeMany; for the continuous groups generalized Procrustes); "discrete" — only the groups whose
+# elements form a finite set (head and unit permutations, a permutation residual group: ``Kind.discrete``),
+# the star's rotations and scales kept. Neither merges better everywhere (docs/results.md: discrete on the
+# MNIST-5k ViTs with --match weights, all on B5's label-skewed clients): the issue's MergeMany stays the default
+JOINT_REFINE = ("all", "discrete")
+DEFAULT_REFINE = "all"
 LEARN_STARTS = ("weights", "activations")  # the closed form a learned alignment starts from
 # what the interpolated model learns to predict: α·p_A + (1−α)·p_B, or softmax(α·log p_A + (1−α)·log p_B)
 LEARN_TARGETS = ("probabilities", "log-probabilities")
