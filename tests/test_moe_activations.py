@@ -139,3 +139,20 @@ def test_activation_matching_of_experts_refuses_empty_data():
     empty.batches[0].mask[:] = False  # every token padding
     with pytest.raises(SymmergeError, match="no tokens reached"):
         match_activations(instances, ma, mb, empty, opts)
+
+
+def test_statistics_too_large_for_memory_are_refused_before_any_forward(monkeypatch):
+    """(E·I)² float64 cross moments per layer: refused by name when over half the available memory."""
+    from symmerge.groups import experts as experts_module
+
+    anchor = make_model("mixtral", head=True)
+    instances, opts, ca, cb, ma, mb = canonical_pair(anchor, anchor, ("experts", "ffn"))
+    inst = next(i for i in instances if i.group.name == "experts")
+    units = inst.size * inst.info.inner[0].size
+    need = units * units * 8
+    experts_module.check_statistics_memory(inst, available=2 * need)  # fits: no error
+    with pytest.raises(SymmergeError, match="statistics per layer"):
+        experts_module.check_statistics_memory(inst, available=2 * need - 1)
+    monkeypatch.setattr("symmerge.core.memory.available_memory", lambda: need)  # what match_activations asks
+    with pytest.raises(SymmergeError, match="use --match weights"):
+        match_activations(instances, ma, mb, unlabeled(anchor), opts)

@@ -186,6 +186,22 @@ def observed_scores(inst, stats: dict, opts) -> tuple[torch.Tensor, torch.Tensor
     return S, inner
 
 
+def check_statistics_memory(inst, available: int | None = None) -> None:
+    """Refuse, before any statistic is gathered, an experts layer whose unit cross moments (float64,
+    (E·I)² numbers: every hidden unit of every expert of A against every one of B) would take more than
+    half the available memory (Mixtral-8x7B: 105 GB a layer)."""
+    from ..core.memory import available_memory
+
+    units = inst.size * (inst.info.inner[0].size if inst.info.inner else 0)
+    need = units * units * 8
+    free = available_memory() if available is None else available
+    if free is not None and need > free // 2:
+        raise SymmergeError(f"{inst.name}: activation matching of the experts needs {need / 2 ** 30:.1f} GiB of "
+                            f"statistics per layer ({inst.size} experts x {units // max(inst.size, 1)} units, "
+                            f"squared, float64) and {free / 2 ** 30:.1f} GiB is available; use --match weights for "
+                            "the experts")
+
+
 class ExpertsKind(Kind):
     name = "experts"
     # activation matching: the router's input (the tokens as the layer's experts see them); per pair of
@@ -213,6 +229,8 @@ class ExpertsKind(Kind):
         return _module(_segments(inst)[0].key)
 
     def observe(self, inst, stats, x_a, x_b, model_a, model_b):
+        if stats is None:
+            check_statistics_memory(inst)
         with torch.no_grad():
             (la, ha), (lb, hb) = expert_features(inst, x_a, model_a), expert_features(inst, x_b, model_b)
         if stats is None:

@@ -35,6 +35,7 @@ from pathlib import Path
 from ..core.distance import sq_distance
 from ..core.parallel import put_until_stopped
 from ..core.layout import Layout, check_layouts
+from ..core.memory import available_memory
 from ..errors import SymmergeError
 from ..families import spec_for, supported_model_types
 from ..io import direct
@@ -114,17 +115,6 @@ def checkpoint_bytes(folder) -> int:
     except SymmergeError:
         return 0
     return sum(os.path.getsize(f) for f in files) if safe else 0
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
-    try:
-        for row in Path("/proc/meminfo").read_text().splitlines():
-            if row.startswith("MemAvailable:"):
-                return int(row.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def choose_mode(mode: str, method, options, models, aligns: bool) -> tuple[str, str]:
