@@ -142,8 +142,9 @@ def read_into(path, start: int, end: int, buffer) -> tuple[int, int]:
 
 
 class Output:
-    """A file written sequentially, directly (``O_DIRECT`` through an aligned staging buffer) or
-    buffered: ``write`` and ``close`` as a file's. ``direct``: whether it writes directly."""
+    """A file written sequentially, directly (``O_DIRECT`` through two aligned staging buffers: one fills
+    while a background thread writes the other, so copying and the device's writing overlap) or buffered:
+    ``write`` and ``close`` as a file's. ``direct``: whether it writes directly."""
 
     def __init__(self, path, direct: bool):
         self.path, self.direct, self.size = Path(path), False, 0
@@ -156,9 +157,12 @@ class Output:
         if not self.direct:
             self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             return
-        self.stage = mmap.mmap(-1, STAGING_BYTES)  # page-aligned
-        self.view = memoryview(self.stage)
-        self.used = 0
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.stages = [mmap.mmap(-1, STAGING_BYTES) for _ in range(2)]  # page-aligned
+        self.views = [memoryview(m) for m in self.stages]
+        self.current, self.used, self.offset, self.pending = 0, 0, 0, None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="symmerge-direct-write")
 
     def write(self, data) -> None:
         data = memoryview(data).cast("B")
@@ -170,18 +174,29 @@ class Output:
             return
         done = 0
         while done < len(data):
+            view = self.views[self.current]
             take = min(len(data) - done, STAGING_BYTES - self.used)
-            self.view[self.used:self.used + take] = data[done:done + take]
+            view[self.used:self.used + take] = data[done:done + take]
             self.used += take
             done += take
             if self.used == STAGING_BYTES:
                 self._flush(self.used)
 
-    def _flush(self, n: int) -> None:
+    def _write_at(self, view, offset: int) -> None:
         done = 0
-        while done < n:
-            done += os.write(self.fd, self.view[done:n])
-        self.used = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()  # a failed write raises here, in the writing thread
+
+    def _flush(self, n: int) -> None:
+        self._wait()  # the other buffer is free again
+        self.pending = self.pool.submit(self._write_at, self.views[self.current][:n], self.offset)
+        self.offset += n
+        self.current, self.used = 1 - self.current, 0
 
     def close(self) -> None:
         if self.fd < 0:
@@ -190,12 +205,20 @@ class Output:
             if self.direct:
                 if self.used:
                     padded = -(-self.used // BLOCK) * BLOCK
-                    self.view[self.used:padded] = bytes(padded - self.used)
+                    self.views[self.current][self.used:padded] = bytes(padded - self.used)
                     self._flush(padded)
+                self._wait()
                 os.ftruncate(self.fd, self.size)
         finally:
+            if self.direct:
+                try:
+                    self._wait()  # never free the buffers under a running write
+                except OSError:
+                    pass
+                self.pool.shutdown(wait=True)
             os.close(self.fd)
             self.fd = -1
             if self.direct:
-                self.view.release()
-                self.stage.close()
+                for v, m in zip(self.views, self.stages):
+                    v.release()
+                    m.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import kernels
 from .base import Method, weighted_sum
 
 
@@ -9,5 +10,10 @@ def tensor(key, tensors, weights, stats, base, params, context):
     return weighted_sum(tensors, weights)
 
 
-METHOD = Method("average", tensor, doc=__doc__, elementwise=True)
+def fused_into(tensors, weights, params, out) -> bool:
+    """The weighted sum and its cast in one pass (:func:`symmerge.merge.kernels.average_into`)."""
+    return kernels.average_into(tensors, weights, out)
+
+
+METHOD = Method("average", tensor, doc=__doc__, elementwise=True, fused_into=fused_into)
 merge = METHOD.merge

@@ -165,6 +165,57 @@ def _sq_sums(arrays, half, pairs, to_result):  # pragma: no cover - compiled
                     pairs[i * n + k] += acc
 
 
+def _average(arrays, half, w, out_kind, out, wide, acc):  # pragma: no cover - compiled
+    """out = cast(Σ_i w_i · float64(a_i)), block by block, as :func:`symmerge.merge.base.weighted_sum`
+    and the cast compute it: the first product, then ``a_i · w_i + sum`` fused (torch's ``add_(t, alpha=w)``
+    is a fused multiply-add), rounded to float32 (``out_kind`` 1), to bfloat16 through float32 with
+    round-to-nearest-even on the bits (2: ``out`` holds uint16 bit patterns; NaN: 0x7FC0, as c10 does), or
+    kept (0). ``half``: the inputs are bfloat16 bit patterns (uint16), widened exactly."""
+    n = len(arrays)
+    m = arrays[0].shape[0]
+    block = acc.shape[0]
+    wide_f = wide.view(np.float32)
+    for start in range(0, m, block):
+        size = min(m, start + block) - start
+        for i in range(n):
+            wi = w[i]
+            if half:
+                a16 = arrays[i][start:start + size]
+                for j in range(size):
+                    wide[j] = np.uint32(a16[j]) << np.uint32(16)
+                src = wide_f[:size]
+                if i == 0:
+                    for j in range(size):
+                        acc[j] = np.float64(src[j]) * wi
+                else:
+                    for j in range(size):
+                        acc[j] = np.float64(src[j]) * wi + acc[j]
+            else:
+                src2 = arrays[i][start:start + size]
+                if i == 0:
+                    for j in range(size):
+                        acc[j] = np.float64(src2[j]) * wi
+                else:
+                    for j in range(size):
+                        acc[j] = np.float64(src2[j]) * wi + acc[j]
+        dst = out[start:start + size]
+        if out_kind == 0:
+            for j in range(size):
+                dst[j] = acc[j]
+        elif out_kind == 1:
+            for j in range(size):
+                dst[j] = np.float32(acc[j])
+        else:
+            for j in range(size):
+                wide_f[j] = np.float32(acc[j])
+            for j in range(size):
+                u = wide[j]
+                if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                    dst[j] = np.uint16(0x7FC0)
+                else:
+                    dst[j] = np.uint16((u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16))
+
+
 _histogram_jit = _jit(_histogram)
 _ties_jit = _jit(_ties)
 # the report's distances need no fixed summation order: reassociated (vectorized) sums
@@ -172,6 +223,62 @@ _sq_diff_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_diff) if AV
 _sq_three_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_three) if AVAILABLE else None
 _widen_jit = _jit(_widen)
 _sq_sums_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_sums) if AVAILABLE else None
+# 'contract' only: a·w + s may become one fused multiply-add, as torch's vectorized add computes it
+_average_jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})(_average) if AVAILABLE else None
+_AVERAGE_BLOCK = 4096
+_average_checked: list = []  # [bool]: the kernel gave torch's bits on this machine (checked once)
+
+
+def _average_run(tensors, weights, out) -> None:
+    import torch
+
+    half = tensors[0].dtype == torch.bfloat16
+    arrays = tuple(t.reshape(-1).view(torch.int16).numpy().view(np.uint16) if half else t.reshape(-1).numpy()
+                   for t in tensors)
+    kind = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2}[out.dtype]
+    flat = out.view(-1)
+    dst = flat.view(torch.int16).numpy().view(np.uint16) if kind == 2 else flat.numpy()
+    _average_jit(arrays, half, np.array(weights, dtype=np.float64), kind, dst,
+                 np.empty(_AVERAGE_BLOCK, dtype=np.uint32), np.empty(_AVERAGE_BLOCK, dtype=np.float64))
+
+
+def _average_agrees() -> bool:
+    """Whether the kernel gives torch's bits here (fused multiply-add or not, the compiler and the CPU
+    decide): checked once per process on values whose products and sums round, in every dtype."""
+    if not _average_checked:
+        import torch
+
+        from .base import weighted_sum
+
+        g = torch.Generator().manual_seed(0)
+        ok = True
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            xs = [(torch.randn(5003, generator=g, dtype=torch.float64) *
+                   10.0 ** torch.randint(-6, 6, (5003,), generator=g)).to(dtype) for _ in range(3)]
+            w = [0.3, 0.45, 0.25]
+            out = torch.empty(5003, dtype=dtype)
+            _average_run(xs, w, out)
+            ok = ok and torch.equal(out.view(torch.uint8), weighted_sum(xs, w).to(dtype).view(torch.uint8))
+        _average_checked.append(ok)
+    return _average_checked[0]
+
+
+def average_into(tensors, weights, out) -> bool:
+    """``out`` ← Σ w_i t_i cast to ``out``'s dtype, the bits of ``weighted_sum(tensors, weights).to(dtype)``,
+    in one pass; False (nothing written) where it does not apply: numba missing, mixed or other dtypes,
+    non-CPU or non-contiguous tensors, or a machine where the kernel's rounding differs from torch's."""
+    import torch
+
+    dtype = out.dtype
+    if not AVAILABLE or dtype not in (torch.float32, torch.float64, torch.bfloat16) or not out.is_contiguous():
+        return False
+    if any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.shape != out.shape
+           for t in tensors):
+        return False
+    if not _average_agrees():
+        return False
+    _average_run(tensors, weights, out)
+    return True
 
 
 def _np(t):

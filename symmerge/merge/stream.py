@@ -395,6 +395,20 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
         except BaseException as e:  # raised in the calling thread
             put_until_stopped(read_q, _Failure(e), stop)
 
+    def distances(tensor, inputs):
+        """The report's distances of one key (squared, summed into pair_sq and result_sq)."""
+        t1 = time.perf_counter()
+        fused = kernels.sq_distances(inputs, tensor) if kernels.AVAILABLE else None
+        for i in range(n):
+            result_sq[i] += fused[1][i] if fused else _sq(tensor, inputs[i])
+        for i, j in pair_sq:
+            pair_sq[i, j] += fused[0][i, j] if fused else _sq(inputs[i], inputs[j])
+        clock["distances"] += time.perf_counter() - t1
+
+    # the distances run where there is time: in the merging thread when the fused kernels make the merge
+    # cheap (the writer's O_DIRECT writes then set the pace), else in the writer thread beside the merge
+    distances_in_writer = not kernels.AVAILABLE
+
     def writer(target: PlannedWriter):
         try:
             while True:
@@ -402,14 +416,8 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                 if item is None:
                     return
                 k, tensor, inputs = item
-                if inputs is not None:  # the report's distances, beside the merge on the other core
-                    t1 = time.perf_counter()
-                    fused = kernels.sq_distances(inputs, tensor) if kernels.AVAILABLE else None
-                    for i in range(n):
-                        result_sq[i] += fused[1][i] if fused else _sq(tensor, inputs[i])
-                    for i, j in pair_sq:
-                        pair_sq[i, j] += fused[0][i, j] if fused else _sq(inputs[i], inputs[j])
-                    clock["distances"] += time.perf_counter() - t1
+                if inputs is not None:
+                    distances(tensor, inputs)
                 t1 = time.perf_counter()
                 target.add(holder.save_name(k), tensor)
                 clock["write"] += time.perf_counter() - t1
@@ -457,6 +465,9 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                 else:
                     value = tensors[0]
                 del tensors, room
+                if inputs is not None and not distances_in_writer:
+                    distances(value, inputs)
+                    inputs = None
                 put_until_stopped(write_q, (k, value, inputs), stop)  # inputs: held (within the budget) until written
                 del value, inputs
                 pbar.update(1)
