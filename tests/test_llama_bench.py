@@ -104,3 +104,19 @@ def test_qk_norm_restores_the_interpolated_norms_only_on_q_and_k():
         target = 0.25 * sa[k].norm() + 0.75 * sb[k].norm()
         assert out[k].norm().item() == pytest.approx(target.item(), rel=1e-12)
         assert mixed[k].norm() < target  # negative control: plain interpolation shrinks them
+
+
+def test_solve_with_reaches_the_weight_matcher(monkeypatch):
+    """The benchmarks' variants (``solve_with``; ``bench_llama_align``'s eager/lazy) patch ``engine.solve``:
+    the weight matcher must look it up there at call time."""
+    from symmerge.pipeline import engine
+
+    a, b = _pair()
+    original, seen = engine.solve, []
+    monkeypatch.setattr(engine, "solve", lambda *x, **kw: seen.append(kw) or original(*x, **kw))
+    with ld.solve_with(init="all"):
+        assert engine.solve.keywords == {"init": "all"}
+        ld.align_once(a, b, "recommended")
+    assert seen and seen[0]["init"] == "all"
+    ld.align_once(a, b, "recommended")
+    assert "init" not in seen[-1]  # restored
