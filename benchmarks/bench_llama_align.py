@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import json
 import os
 import statistics
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
 
-def load_pair(name: str, random: bool):
-    from symmerge.demo.datasets import cache_dir
+def load_pair(name: str, random: bool, kv_heads: int | None = None):
     from symmerge.io.model import load_model
 
     if random:
@@ -47,18 +44,16 @@ def load_pair(name: str, random: bool):
         a = LlamaForCausalLM(cfg).eval()
         torch.manual_seed(1)
         return a, LlamaForCausalLM(cfg).eval()
-    root = cache_dir() / "llama"
-    folders = [sorted(glob.glob(str(root / f"{name}-{m}-*")))[-1:] for m in "AB"]
-    if not all(folders):
-        raise SystemExit(f"no cached pair {name}-A/B under {root}: run python -m benchmarks.llama_text --train-only A "
-                         "(and B) first")
-    return tuple(load_model(Path(f[0])) for f in folders)
+    from benchmarks.llama_datafree import pair_folders
+
+    return tuple(load_model(f) for f in pair_folders(kv_heads, name=name))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_llama_align")
     p.add_argument("--pair", default="pydocs", help="cached pair name under ~/.cache/symmerge/llama (default pydocs)")
     p.add_argument("--random", action="store_true", help="a random-init pair of the B7 shape instead")
+    p.add_argument("--kv-heads", type=int, default=None, help="the GQA pair (2; default: the MHA pair)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--tols", default="1e-5,1e-4", help="relative stopping tolerances of the early-exit variants")
     p.add_argument("--threads", type=int, default=1)
@@ -70,7 +65,7 @@ def main(argv=None) -> int:
     from symmerge.pipeline import engine
     from symmerge.pipeline.options import AlignOptions
 
-    model, anchor = load_pair(a.pair, a.random)
+    model, anchor = load_pair(a.pair, a.random, a.kv_heads)
     options = AlignOptions(symmetries="recommended")
     variants = {"eager": (False, 1e-9)}
     for t in [float(x) for x in a.tols.split(",") if x.strip()]:
@@ -82,7 +77,7 @@ def main(argv=None) -> int:
     try:
         for _ in range(a.repeats):
             for name, (lazy, tol) in variants.items():
-                align_mod.solve = functools.partial(original, lazy=lazy)
+                engine.solve = functools.partial(original, lazy=lazy)
                 t0 = time.perf_counter()
                 res = align_mod.align_pair(model, anchor, options.with_(descent_tol=tol))
                 runs[name].append(time.perf_counter() - t0)
@@ -90,7 +85,7 @@ def main(argv=None) -> int:
                 info[name] = {"sweeps": r["sweeps"], "objective": min(r["residual_sweeps_sq_distance"]),
                               "match_seconds": r["match_seconds"], "verify_max_abs_diff": r["verify_max_abs_diff"]}
         # where one default alignment's seconds go
-        align_mod.solve = original
+        engine.solve = original
         stages = {}
         t0 = time.perf_counter()
         res = align_mod.align_pair(model, anchor, options.with_(verify=False))  # the defaults
@@ -104,7 +99,7 @@ def main(argv=None) -> int:
         stages["descent_s"] = res.report["match_seconds"]
         stages["report_and_setup_s"] = no_verify - res.report["match_seconds"]
     finally:
-        align_mod.solve = original
+        engine.solve = original
     base = statistics.median(runs["eager"])
     out = {"pair": "random" if a.random else a.pair, "load_average": os.getloadavg()[0], "repeats": a.repeats,
            "stages_of_default": stages}

@@ -14,7 +14,8 @@ Python documentation (B4's corpus, split and BPE), aligned data-free and from un
    ``--repeats`` runs; also the process's CPU seconds — user + system of all its threads, what a quiet
    machine would take with one torch thread and no worker pool —, and the load average before and
    after), checks the function (max |logits(aligned A) − logits(A)| on the first held-out
-   batch, and the report's own ``verify_max_abs_diff``), and walks θ(α) = α·θ_A + (1−α)·θ_B on
+   batch, and the report's own ``verify_max_abs_diff``), and walks θ(α) = α·θ_A + (1−α)·θ_B (θ_B: the
+   alignment's anchor, its norms folded where the aligned model's are — what ``merge`` interpolates) on
    ``--curve-examples`` held-out paragraphs (``curve.txt``), plain and with REPAIR at every α
    (statistics on the first ``--repair-examples`` alignment paragraphs). The unlabeled alignment data are the first
    ``--align-examples`` paragraphs of the validation split (never the evaluation set).
@@ -175,7 +176,7 @@ def run(args, log=print) -> dict:
         opts = row_options(args, name, align_file)
         row = {"row": name}
         if opts is None:
-            aligned, times = a, []
+            aligned, end_b, times = a, b, []
         else:
             times, cpu = [], []
             for _ in range(max(1, args.repeats)):
@@ -185,6 +186,7 @@ def run(args, log=print) -> dict:
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
             aligned, rep = res.model, res.report
+            end_b = res.anchor  # B in the aligned model's parameterisation (norms folded as A's), as merge
             row.update({"align_seconds": statistics.median(times), "align_seconds_all": times, "load_average": load,
                         "align_cpu_seconds": statistics.median(cpu), "load_average_after": os.getloadavg()[0],
                         "verify_max_abs_diff": rep.get("verify_max_abs_diff"), "symmetries": rep.get("symmetries"),
@@ -194,10 +196,10 @@ def run(args, log=print) -> dict:
                 row["learn_settings"] = dataclasses.asdict(opts.learn)
             if "learned" in rep:
                 row["learned"] = {k: v for k, v in rep["learned"].items() if k != "history"}
-        c = interpolation_curve(aligned, b, curve, alphas, progress=False)
+        c = interpolation_curve(aligned, end_b, curve, alphas, progress=False)
         row.update({"loss": c["loss"], "barrier": c["barrier"], "loss_mid": c["loss"][mid]})
         if not args.no_repair:
-            r = repaired_curve(aligned, b, curve, alphas, repair_opts, progress=False)
+            r = repaired_curve(aligned, end_b, curve, alphas, repair_opts, progress=False)
             row.update({"repair_loss": r["loss"], "repair_barrier": r["barrier"], "repair_loss_mid": r["loss"][mid]})
         rows.append(row)
         log(f"  {name:22s} barrier {row['barrier']:.4f}  loss(0.5) {row['loss_mid']:.4f}"
