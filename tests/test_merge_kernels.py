@@ -158,13 +158,47 @@ def test_fused_dare_ties_uses_the_documented_masks():
 
 @needs_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_fused_report_distances_equal_float64_sums(dtype):
+@pytest.mark.parametrize("n", [2, 3])  # two inputs: the three sums in one pass
+def test_fused_report_distances_equal_float64_sums(dtype, n):
     g = torch.Generator().manual_seed(4)
-    xs = [(torch.randn(10007, generator=g) * (i + 1)).to(dtype) for i in range(3)]
-    y = (sum(x.double() for x in xs) / 3).to(dtype)
+    xs = [(torch.randn(40007, generator=g) * (i + 1)).to(dtype) for i in range(n)]
+    y = (sum(x.double() for x in xs) / n).to(dtype)
     pairs, to_result = kernels.sq_distances(xs, y)
     for (i, j), v in pairs.items():
         assert v == pytest.approx(((xs[i].double() - xs[j].double()) ** 2).sum().item(), rel=1e-12)
     for i, v in enumerate(to_result):
         assert v == pytest.approx(((y.double() - xs[i].double()) ** 2).sum().item(), rel=1e-12)
     assert kernels.sq_distances([xs[0].half()], y.half()) is None  # float16: the caller's torch code
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_fused_average_equals_the_torch_code_bit_for_bit(dtype, n):
+    """The one-pass average (weighted sum with torch's fused multiply-adds, then the cast, bfloat16 by
+    round-to-nearest-even through float32) against the chunked torch rule, on adversarial values."""
+    models = adversarial(n, 3 * 32768 + 200, dtype, seed=10 + n)[1:]  # several chunks of the torch loop
+    m, sds = get_method("average"), [{"w": t.reshape(-1, 8)} for t in models]
+    saved = kernels.AVAILABLE
+    for weights in (None, [0.7, 1.3, 2.0, 0.5, 1.0][:n], [1e-30, 1.0, 3.0, 1e-3, 7.0][:n]):
+        try:
+            kernels.AVAILABLE = True
+            fused = m.merge(sds, weights=weights)["w"]
+            kernels.AVAILABLE = False
+            plain = m.merge(sds, weights=weights)["w"]
+        finally:
+            kernels.AVAILABLE = saved
+        assert fused.dtype == dtype and bits_equal(fused, plain), weights
+        if n > 1:
+            assert not torch.equal(fused, models[0].reshape(fused.shape))  # a real merge
+    assert kernels._average_agrees()  # this machine gives torch's bits, so the kernel really ran above
+
+
+@needs_numba
+def test_fused_average_declines_what_it_does_not_cover():
+    x = torch.randn(100)
+    out = torch.empty(100)
+    assert kernels.average_into([x, x], [0.5, 0.5], out) and torch.equal(out, x)
+    assert not kernels.average_into([x.half(), x.half()], [0.5, 0.5], out.half())  # float16: the torch chunks
+    assert not kernels.average_into([x, x.double()], [0.5, 0.5], out)  # mixed dtypes
+    assert not kernels.average_into([x[::2], x[::2]], [0.5, 0.5], torch.empty(50))  # not contiguous

@@ -226,7 +226,7 @@ _sq_sums_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_sums) if AV
 # 'contract' only: a·w + s may become one fused multiply-add, as torch's vectorized add computes it
 _average_jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})(_average) if AVAILABLE else None
 _AVERAGE_BLOCK = 4096
-_average_checked: list = []  # [bool]: the kernel gave torch's bits on this machine (checked once)
+_average_checked: dict = {}  # dtype -> the kernel gave torch's bits on this machine (checked once per dtype)
 
 
 def _average_run(tensors, weights, out) -> None:
@@ -242,25 +242,25 @@ def _average_run(tensors, weights, out) -> None:
                  np.empty(_AVERAGE_BLOCK, dtype=np.uint32), np.empty(_AVERAGE_BLOCK, dtype=np.float64))
 
 
-def _average_agrees() -> bool:
+def _average_agrees(dtype=None) -> bool:
     """Whether the kernel gives torch's bits here (fused multiply-add or not, the compiler and the CPU
-    decide): checked once per process on values whose products and sums round, in every dtype."""
-    if not _average_checked:
-        import torch
+    decide): checked once per process and dtype (all three when None) on values whose products and sums
+    round."""
+    import torch
 
-        from .base import weighted_sum
+    from .base import weighted_sum
 
-        g = torch.Generator().manual_seed(0)
-        ok = True
-        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+    dtypes = (torch.float32, torch.bfloat16, torch.float64) if dtype is None else (dtype,)
+    for dt in dtypes:
+        if dt not in _average_checked:
+            g = torch.Generator().manual_seed(0)
             xs = [(torch.randn(5003, generator=g, dtype=torch.float64) *
-                   10.0 ** torch.randint(-6, 6, (5003,), generator=g)).to(dtype) for _ in range(3)]
+                   10.0 ** torch.randint(-6, 6, (5003,), generator=g)).to(dt) for _ in range(3)]
             w = [0.3, 0.45, 0.25]
-            out = torch.empty(5003, dtype=dtype)
+            out = torch.empty(5003, dtype=dt)
             _average_run(xs, w, out)
-            ok = ok and torch.equal(out.view(torch.uint8), weighted_sum(xs, w).to(dtype).view(torch.uint8))
-        _average_checked.append(ok)
-    return _average_checked[0]
+            _average_checked[dt] = torch.equal(out.view(torch.uint8), weighted_sum(xs, w).to(dt).view(torch.uint8))
+    return all(_average_checked[dt] for dt in dtypes)
 
 
 def average_into(tensors, weights, out) -> bool:
@@ -275,7 +275,7 @@ def average_into(tensors, weights, out) -> bool:
     if any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.shape != out.shape
            for t in tensors):
         return False
-    if not _average_agrees():
+    if not _average_agrees(dtype):
         return False
     _average_run(tensors, weights, out)
     return True

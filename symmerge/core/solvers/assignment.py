@@ -15,7 +15,6 @@ import os
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 
 
 def _lapx():
@@ -49,6 +48,8 @@ def linear_assignment(cost: np.ndarray, solver: str | None = None) -> tuple[np.n
     if cost.dtype not in (np.float32, np.float64):
         cost = cost.astype(np.float64)
     if lapjvh is None or min(cost.shape, default=0) == 0:
+        from scipy.optimize import linear_sum_assignment  # imported on first use: a plain merge never pays it
+
         return linear_sum_assignment(cost)
     rows, cols = lapjvh(cost, extend_cost=cost.shape[0] != cost.shape[1], return_cost=False, precision="native")
     return np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
