@@ -302,3 +302,18 @@ def barrier_by_definition(alphas, losses) -> float:
     """max over α of L(α) − (α·L(1) + (1 − α)·L(0)), for losses listed in the order of ``alphas``."""
     at = dict(zip(alphas, losses))
     return max(loss - (a * at[1.0] + (1 - a) * at[0.0]) for a, loss in zip(alphas, losses))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_name_cache(tmp_path_factory):
+    """The tensor-name cache (symmerge.io.names_cache) of the test session: its own folder, never the
+    user's ~/.cache."""
+    import os
+
+    before = os.environ.get("SYMMERGE_CACHE_DIR")
+    os.environ["SYMMERGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("symmerge-cache"))
+    yield
+    if before is None:
+        os.environ.pop("SYMMERGE_CACHE_DIR", None)
+    else:
+        os.environ["SYMMERGE_CACHE_DIR"] = before

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SymmergeError
-from . import direct
+from . import direct, names_cache
 from .hf import DiskNames, attention_heads, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
 from .model import SAFE_INDEX, SAFE_SINGLE, check_safetensors, read_config, weight_files
 
@@ -68,18 +68,23 @@ class LazyCheckpoint:
             from .architecture import infer_architecture
 
             self.config["architectures"] = [infer_architecture(self.config, files, str(self.folder))]
-        try:
-            with quiet_transformers():
-                self.hf_config = hf_config(self.config)  # the config object (knows aliases such as n_head)
-        except SymmergeError:
-            raise
-        except Exception as e:
-            raise SymmergeError(f"transformers cannot read this {self.config.get('model_type')} config "
-                                f"({type(e).__name__}: {e})") from None
-        if fused:
-            rename, self.ties, fusions = disk_to_memory_names(self.config, self.hf_config, fused=True)
-        else:
-            (rename, self.ties), fusions = disk_to_memory_names(self.config, self.hf_config), {}
+        self._hf_config = None
+
+        def build() -> dict:
+            cls = model_class(self.config)
+            cfg = self.hf_config
+            if fused:
+                rename, ties, parts = disk_to_memory_names(self.config, cfg, fused=True)
+            else:
+                (rename, ties), parts = disk_to_memory_names(self.config, cfg), {}
+            return {"rename": rename, "ties": ties, "parts": parts, "class": cls.__name__,
+                    "prefix": getattr(cls, "base_model_prefix", "") or "", "heads": attention_heads(cfg)}
+
+        # the names, ties, class and head counts: cached per transformers version and config (building the
+        # weightless model that gives them imports transformers' modeling stack: most of a small merge's time)
+        known = names_cache.facts(self.config, fused, build)
+        rename, self.ties, fusions = known["rename"], known["ties"], known["parts"]
+        self.class_name, self.base_model_prefix, self.heads = known["class"], known["prefix"], known["heads"]
         self.virtual: dict = {}  # in-memory name -> symmerge.io.fused.Fused, for the fused tensors read as one
         self.save_names: dict[str, str] = {}  # in-memory name -> the name save_pretrained writes
         for disk, key in rename.items():
@@ -204,6 +209,20 @@ class LazyCheckpoint:
             n *= d
         return n * self.dtype[key].itemsize
 
+    @property
+    def hf_config(self):
+        """The transformers config object (knows aliases such as GPT-2's ``n_head``), built on first use."""
+        if self._hf_config is None:
+            try:
+                with quiet_transformers():
+                    self._hf_config = hf_config(self.config)
+            except SymmergeError:
+                raise
+            except Exception as e:
+                raise SymmergeError(f"transformers cannot read this {self.config.get('model_type')} config "
+                                    f"({type(e).__name__}: {e})") from None
+        return self._hf_config
+
     def room(self, key: str) -> int:
         """Bytes a buffer for :meth:`read_direct` of ``key`` should have: its bytes, plus
         :data:`~symmerge.io.direct.SLACK` where the file is read with ``O_DIRECT``."""
@@ -318,7 +337,7 @@ class LazyCheckpoint:
         """The checkpoint's layout (from headers only) for :func:`symmerge.core.layout.check_layouts`."""
         from ..core.layout import Layout
 
-        return Layout(name, self.config["model_type"], attention_heads(self.hf_config),
+        return Layout(name, self.config["model_type"], self.heads,
                       dict(self.shape), self.disk_name)
 
 

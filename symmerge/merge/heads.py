@@ -30,7 +30,8 @@ def head_policy(requested: str, cls) -> str:
         raise SymmergeError(f"unknown head policy {requested!r}; choose {', '.join(HEAD_POLICIES)}")
     if requested != "auto":
         return requested
-    return "merge" if cls.__name__.endswith(LANGUAGE_MODELS) else "keep"
+    name = cls if isinstance(cls, str) else cls.__name__  # a class or its name
+    return "merge" if name.endswith(LANGUAGE_MODELS) else "keep"
 
 
 def head_report(head_keys: list, policy: str, requested: str, head_from: int, names, kept_keys) -> dict:

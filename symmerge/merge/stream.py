@@ -40,9 +40,8 @@ from ..errors import SymmergeError
 from ..families import spec_for, supported_model_types
 from ..io import direct
 from ..io.checkpoint import LazyCheckpoint, PlannedWriter, parse_size
-from ..io.hf import attention_heads
 from ..io.card import write_card
-from ..io.model import atomic_dir, copy_side_files, model_class, weight_files, write_json
+from ..io.model import atomic_dir, copy_side_files, weight_files, write_json
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
@@ -188,7 +187,7 @@ class _Lazy(Mapping):
 def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
     """Tensors outside the base model (``base_model_prefix``), as :func:`symmerge.merge.heads.head_keys`
     finds them in memory (tied aliases are already folded into their sources)."""
-    prefix = getattr(model_class(ckpt.config), "base_model_prefix", "") + "."
+    prefix = ckpt.base_model_prefix + "."
     keys = ckpt.keys()
     if prefix == "." or not any(k.startswith(prefix) for k in keys):
         return []
@@ -197,7 +196,7 @@ def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
 
 def _body_layout(ckpt: LazyCheckpoint, name: str, heads) -> Layout:
     heads = set(heads)
-    return Layout(name, ckpt.config["model_type"], attention_heads(ckpt.hf_config),
+    return Layout(name, ckpt.config["model_type"], ckpt.heads,
                   {k: ckpt.shape[k] for k in ckpt.keys() if k not in heads}, ckpt.disk_name)
 
 
@@ -322,7 +321,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
 
     # ------------------------------------------------ layouts: bodies agree; heads kept or merged
     requested_heads = options.heads
-    options = replace(options, heads=head_policy(options.heads, model_class(ckpts[0].config)))  # 'auto': by class
+    options = replace(options, heads=head_policy(options.heads, ckpts[0].class_name))  # 'auto': by class
     heads = [head_keys_of(c) for c in ckpts]
     everything = ckpts + ([base] if base is not None else [])
     labels = names + (["base"] if base is not None else [])
