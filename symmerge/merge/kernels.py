@@ -19,6 +19,7 @@ writer threads run beside them.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -59,16 +60,18 @@ def _histogram(t, b, w, high_bin, hist, scratch):  # pragma: no cover - compiled
                     hist[v & 0xFFFF] += 1
 
 
-def _ties(ts, us, b, w, thr, drop, scale, out):  # pragma: no cover - compiled
+def _ties(ts, us, b, w, thr, drop, scale, out, scratch, counts):  # pragma: no cover - compiled
     """out[j] = b + scale · disjoint_mean_i(sparsified (t_i − b)·w_i), in float64 (see the module doc).
-    Every loop runs over the entries with the loop-invariant choices hoisted out (so it vectorizes); the
-    per-entry arithmetic and its order are those of the torch code."""
+    Every loop runs over the entries with the loop-invariant choices hoisted out and no short-circuit
+    branches (so it vectorizes); the per-entry arithmetic and its order are those of the torch code.
+    ``scratch`` (float64, at least (n + 2)·m) and ``counts`` (int64, at least m): reused memory."""
     n = len(ts)
     m = b.shape[0]
-    x = np.empty((n, m), dtype=np.float64)
-    total = np.empty(m, dtype=np.float64)
-    agree = np.zeros(m, dtype=np.int64)
-    kept = np.empty(m, dtype=np.float64)
+    x = scratch[:n * m].reshape((n, m))
+    total = scratch[n * m:(n + 1) * m]
+    kept = scratch[(n + 1) * m:(n + 2) * m]
+    agree = counts[:m]
+    agree[:] = 0
     rescale = 1.0 - drop
     for i in range(n):  # one model at a time: the sparsified task vector and the running sum
         t = ts[i]
@@ -95,7 +98,7 @@ def _ties(ts, us, b, w, thr, drop, scale, out):  # pragma: no cover - compiled
         for j in range(m):
             v = xi[j]
             sj = total[j]
-            a = (v > 0.0 and sj > 0.0) or (v < 0.0 and sj < 0.0)
+            a = ((v > 0.0) & (sj > 0.0)) | ((v < 0.0) & (sj < 0.0))
             agree[j] += 1 if a else 0
             term = v if a else 0.0
             kept[j] = term if i == 0 else kept[j] + term
@@ -165,6 +168,28 @@ def _sq_sums(arrays, half, pairs, to_result):  # pragma: no cover - compiled
                     pairs[i * n + k] += acc
 
 
+def _histogram_window(t, b, w, stride, lo, hist, window, scratch):  # pragma: no cover - compiled
+    """The high 16-bit histogram of float32(|(t − b)·w|) into ``hist`` and, for the entries whose high
+    bits lie in ``[lo, lo + window.shape[0])``, their low 16-bit histograms into ``window`` (one row per
+    high bin); ``stride`` > 1: only every stride-th block of the scratch's length (a sample)."""
+    n = t.shape[0]
+    bits = scratch.view(np.uint32)
+    size_w = window.shape[0]
+    block = scratch.shape[0]
+    for start in range(0, n, block * stride):
+        stop = min(n, start + block)
+        tb, bb = t[start:stop], b[start:stop]
+        for j in range(stop - start):
+            scratch[j] = np.float32(abs((np.float64(tb[j]) - np.float64(bb[j])) * w))
+        for j in range(stop - start):
+            v = bits[j]
+            h = v >> 16
+            hist[h] += 1
+            r = np.int64(h) - lo
+            if r >= 0 and r < size_w:
+                window[r, v & 0xFFFF] += 1
+
+
 def _average(arrays, half, w, out_kind, out, wide, acc):  # pragma: no cover - compiled
     """out = cast(Σ_i w_i · float64(a_i)), block by block, as :func:`symmerge.merge.base.weighted_sum`
     and the cast compute it: the first product, then ``a_i · w_i + sum`` fused (torch's ``add_(t, alpha=w)``
@@ -217,6 +242,7 @@ def _average(arrays, half, w, out_kind, out, wide, acc):  # pragma: no cover - c
 
 
 _histogram_jit = _jit(_histogram)
+_histogram_window_jit = _jit(_histogram_window)
 _ties_jit = _jit(_ties)
 # the report's distances need no fixed summation order: reassociated (vectorized) sums
 _sq_diff_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_diff) if AVAILABLE else None
@@ -297,6 +323,14 @@ def magnitude_histogram(t, b, w: float, hist, high_bin: int = -1) -> None:
     _histogram_jit(_np(t), _np(b), float(w), int(high_bin), hist, np.empty(_BLOCK, dtype=np.float32))
 
 
+def magnitude_histogram_window(t, b, w: float, hist, window, lo: int, stride: int = 1) -> None:
+    """Add to ``hist`` the high 16-bit histogram of float32(|(t − b)·w|) and to ``window`` (an int64
+    array of shape (bins, 65536)) the low 16-bit histograms of its entries whose high bits are ``lo``,
+    ``lo + 1``, …; ``stride``: only every stride-th block of 4096 entries (a sample)."""
+    _histogram_window_jit(_np(t), _np(b), float(w), int(stride), int(lo), hist, window,
+                          np.empty(_BLOCK, dtype=np.float32))
+
+
 def ties_chunk(tensors, base, weights, thresholds=None, uniforms=None, drop: float = 0.0, scale: float = 1.0):
     """θ_base + scale · disjoint mean of the sparsified weighted task vectors, as a float64 tensor:
     magnitude-trimmed by ``thresholds`` (float32 values, one per model; ``None``: no trim), or, with
@@ -312,9 +346,25 @@ def ties_chunk(tensors, base, weights, thresholds=None, uniforms=None, drop: flo
     else:
         us = tuple(np.empty(0, dtype=np.float64) for _ in range(n))
     thr = np.array([-1.0] * n if thresholds is None else thresholds, dtype=np.float32)
+    m = out.numel()
+    scratch, counts = _scratch((n + 2) * m, m)
     _ties_jit(ts, us, _np(base), np.array(weights, dtype=np.float64), thr, float(drop), float(scale),
-              out.reshape(-1).numpy())
+              out.reshape(-1).numpy(), scratch, counts)
     return out
+
+
+_local = threading.local()
+
+
+def _scratch(floats: int, ints: int):
+    """Per-thread reused float64 and int64 buffers of at least these sizes (fresh ones per call cost page
+    faults: more than the kernel's arithmetic on a 32 768-entry chunk)."""
+    have = getattr(_local, "buffers", None)
+    if have is None or have[0].shape[0] < floats or have[1].shape[0] < ints:
+        have = (np.empty(max(floats, 1), dtype=np.float64), np.empty(max(ints, 1), dtype=np.int64))
+        if floats <= (1 << 22):  # keep chunk-sized buffers, not whole-tensor ones
+            _local.buffers = have
+    return have
 
 
 def sq_distances(inputs, result):
