@@ -168,28 +168,6 @@ def _sq_sums(arrays, half, pairs, to_result):  # pragma: no cover - compiled
                     pairs[i * n + k] += acc
 
 
-def _histogram_window(t, b, w, stride, lo, hist, window, scratch):  # pragma: no cover - compiled
-    """The high 16-bit histogram of float32(|(t − b)·w|) into ``hist`` and, for the entries whose high
-    bits lie in ``[lo, lo + window.shape[0])``, their low 16-bit histograms into ``window`` (one row per
-    high bin); ``stride`` > 1: only every stride-th block of the scratch's length (a sample)."""
-    n = t.shape[0]
-    bits = scratch.view(np.uint32)
-    size_w = window.shape[0]
-    block = scratch.shape[0]
-    for start in range(0, n, block * stride):
-        stop = min(n, start + block)
-        tb, bb = t[start:stop], b[start:stop]
-        for j in range(stop - start):
-            scratch[j] = np.float32(abs((np.float64(tb[j]) - np.float64(bb[j])) * w))
-        for j in range(stop - start):
-            v = bits[j]
-            h = v >> 16
-            hist[h] += 1
-            r = np.int64(h) - lo
-            if r >= 0 and r < size_w:
-                window[r, v & 0xFFFF] += 1
-
-
 def _average(arrays, half, w, out_kind, out, wide, acc):  # pragma: no cover - compiled
     """out = cast(Σ_i w_i · float64(a_i)), block by block, as :func:`symmerge.merge.base.weighted_sum`
     and the cast compute it: the first product, then ``a_i · w_i + sum`` fused (torch's ``add_(t, alpha=w)``
@@ -242,7 +220,6 @@ def _average(arrays, half, w, out_kind, out, wide, acc):  # pragma: no cover - c
 
 
 _histogram_jit = _jit(_histogram)
-_histogram_window_jit = _jit(_histogram_window)
 _ties_jit = _jit(_ties)
 # the report's distances need no fixed summation order: reassociated (vectorized) sums
 _sq_diff_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_diff) if AVAILABLE else None
@@ -321,14 +298,6 @@ def magnitude_histogram(t, b, w: float, hist, high_bin: int = -1) -> None:
     """Add to ``hist`` (an int64 numpy array of 65536 counts) the high (``high_bin`` < 0) or low 16-bit
     histogram of float32(|(t − b)·w|), the difference and product in float64."""
     _histogram_jit(_np(t), _np(b), float(w), int(high_bin), hist, np.empty(_BLOCK, dtype=np.float32))
-
-
-def magnitude_histogram_window(t, b, w: float, hist, window, lo: int, stride: int = 1) -> None:
-    """Add to ``hist`` the high 16-bit histogram of float32(|(t − b)·w|) and to ``window`` (an int64
-    array of shape (bins, 65536)) the low 16-bit histograms of its entries whose high bits are ``lo``,
-    ``lo + 1``, …; ``stride``: only every stride-th block of 4096 entries (a sample)."""
-    _histogram_window_jit(_np(t), _np(b), float(w), int(stride), int(lo), hist, window,
-                          np.empty(_BLOCK, dtype=np.float32))
 
 
 def ties_chunk(tensors, base, weights, thresholds=None, uniforms=None, drop: float = 0.0, scale: float = 1.0):

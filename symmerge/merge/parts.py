@@ -100,21 +100,12 @@ def magnitude_thresholds(visit, n: int, density: float) -> list[float]:
     return _radix_values(low, bins, ranks)
 
 
-_SAMPLE_STRIDE = 64  # the sample of the one-visit threshold: every 64th block of 4096 entries
-_WINDOW = 8  # high bins counted in full on each side of the sample's guess (1/128 of an octave each)
-
-
-def _high_bins(high: torch.Tensor, density: float, allow_empty: bool = False) -> tuple[list[int], list[int]]:
+def _high_bins(high: torch.Tensor, density: float) -> tuple[list[int], list[int]]:
     """Per row of ``high`` (counts by the high 16 bits): the bin holding the k-th largest entry and its
-    rank inside that bin (k = round(density × entries), at least 1). ``allow_empty``: a row without
-    entries gives bin 0 (a guess), else it is an error."""
+    rank inside that bin (k = round(density × entries), at least 1)."""
     bins, ranks = [], []
     for i in range(high.shape[0]):
         total = int(high[i].sum())
-        if total == 0 and allow_empty:
-            bins.append(0)
-            ranks.append(0)
-            continue
         if total == 0:
             raise SymmergeError("magnitude threshold of no entries")
         k = max(1, int(round(density * total)))  # the k-th largest is the threshold
@@ -154,30 +145,15 @@ def task_vector_thresholds(visit, weights, density: float) -> list[float]:
         return magnitude_thresholds(task_vectors, n, density)
     import numpy as np
 
-    # one visit instead of two, exactly: a sample (every 64th block of 4096 entries) guesses each model's
-    # high bin; the full visit counts the high bits and the low bits of a window of bins around the guess;
-    # a model whose bin falls outside its window is visited a second time (the two-visit radix select)
-    sample, no_window = np.zeros((n, _HALF), dtype=np.int64), np.zeros((0, _HALF), dtype=np.int64)
-    for ts, base in visit():
-        for i, (t, w) in enumerate(zip(ts, weights)):
-            kernels.magnitude_histogram_window(t, base, w, sample[i], no_window, 0, stride=_SAMPLE_STRIDE)
-    guess = _high_bins(torch.from_numpy(sample), density, allow_empty=True)[0]
-    lo = [max(0, g - _WINDOW) for g in guess]
     high = np.zeros((n, _HALF), dtype=np.int64)
-    window = np.zeros((n, 2 * _WINDOW + 1, _HALF), dtype=np.int64)
     for ts, base in visit():
         for i, (t, w) in enumerate(zip(ts, weights)):
-            kernels.magnitude_histogram_window(t, base, w, high[i], window[i], lo[i])
+            kernels.magnitude_histogram(t, base, w, high[i])
     bins, ranks = _high_bins(torch.from_numpy(high), density)
     low = np.zeros((n, _HALF), dtype=np.int64)
-    missed = [i for i in range(n) if not lo[i] <= bins[i] < lo[i] + window.shape[1]]
-    for i in range(n):
-        if i not in missed:
-            low[i] = window[i, bins[i] - lo[i]]
-    if missed:
-        for ts, base in visit():
-            for i in missed:
-                kernels.magnitude_histogram(ts[i], base, weights[i], low[i], bins[i])
+    for ts, base in visit():
+        for i, (t, w) in enumerate(zip(ts, weights)):
+            kernels.magnitude_histogram(t, base, w, low[i], bins[i])
     return _radix_values(torch.from_numpy(low), bins, ranks)
 
 
