@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_streaming import run_measured
+from benchmarks.bench_streaming import run_measured, write_random
 
 LARGE = dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=1024, num_local_experts=8,
              num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
@@ -47,27 +47,12 @@ def generate(folder: Path, dims: dict, seed: int, shard: str) -> dict:
     from transformers import MixtralConfig, MixtralForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
-    from symmerge.io.checkpoint import ShardWriter, parse_size
-    from symmerge.io.model import atomic_dir
-
     config = MixtralConfig(**dims, tie_word_embeddings=False, max_position_embeddings=2048, dtype="bfloat16",
                            architectures=["MixtralForCausalLM"])
     with torch.device("meta"):
         model = MixtralForCausalLM(config)
         shapes = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, model.state_dict()).items()}
-    g = torch.Generator().manual_seed(seed)
-    n = 0
-    with atomic_dir(folder) as tmp:
-        w = ShardWriter(tmp, parse_size(shard))
-        for k, shape in shapes.items():
-            mean = 1.0 if k.endswith("norm.weight") else 0.0
-            t = (mean + 0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
-            n += t.numel()
-            w.add(k, t)
-            del t
-        w.close()
-        config.save_pretrained(str(tmp))
-    return {"parameters": n}
+    return write_random(folder, config, shapes, seed, shard, norm_std=0.02)
 
 
 def main(argv=None) -> int:

@@ -44,20 +44,26 @@ def generate(folder: Path, dims: dict, seed: int, shard: str) -> dict:
     """A random bf16 LlamaForCausalLM checkpoint written tensor by tensor (never a whole model in memory)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from symmerge.io.checkpoint import ShardWriter, parse_size
-    from symmerge.io.model import atomic_dir
-
     config = LlamaConfig(**dims, tie_word_embeddings=False, max_position_embeddings=2048, dtype="bfloat16",
                          architectures=["LlamaForCausalLM"])
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    return write_random(folder, config, shapes, seed, shard, norm_std=0.1)
+
+
+def write_random(folder: Path, config, shapes: dict, seed: int, shard: str, norm_std: float) -> dict:
+    """Random bf16 tensors of ``shapes`` (in order; norm weights 1 + norm_std·N(0, 1), the rest 0.02·N(0, 1))
+    written into ``folder`` shard by shard, atomically, with ``config``; the parameter count."""
+    from symmerge.io.checkpoint import ShardWriter, parse_size
+    from symmerge.io.model import atomic_dir
+
     g = torch.Generator().manual_seed(seed)
     n = 0
     with atomic_dir(folder) as tmp:
         w = ShardWriter(tmp, parse_size(shard))
         for k, shape in shapes.items():
             if k.endswith("norm.weight"):
-                t = (1 + 0.1 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+                t = (1 + norm_std * torch.randn(shape, generator=g)).to(torch.bfloat16)
             else:
                 t = (0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
             n += t.numel()

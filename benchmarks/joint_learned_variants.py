@@ -15,11 +15,8 @@ import os
 import time
 
 from benchmarks.common import add_run_args, bench_main, printed, write_results
-from benchmarks.many_models import train_models
-from symmerge.demo.datasets import cache_dir, mnist_5k_split, write_npz
+from benchmarks.many_models import cached_models
 from symmerge.evaluate.metrics import evaluate
-from symmerge.io.data import load_data
-from symmerge.io.model import load_model
 from symmerge.pipeline.joint import align_joint, mean_state_dict
 from symmerge.pipeline.learn_joint import DIRICHLET, align_joint_learned
 from symmerge.pipeline.options import AlignOptions, LearnSettings
@@ -57,11 +54,7 @@ def parse_variant(text: str) -> dict:
 
 def run(args, log=print) -> dict:
     t0 = time.perf_counter()
-    x_tr, y_tr, x_te, y_te = mnist_5k_split(n_test=1000, seed=0)
-    folder = cache_dir() / "mnist-5k"
-    train_npz, test_npz = write_npz(folder / "train-4000.npz", x_tr, y_tr), write_npz(folder / "test-1000.npz", x_te, y_te)
-    models = [load_model(f) for f in train_models(args, x_tr, y_tr, args.n, log)]
-    test = load_data(test_npz, models[0], batch_size=250)
+    _, models, train_npz, test = cached_models(args, args.n, log)
     mean_acc = sum(evaluate(m, test, progress=False)["accuracy"] for m in models) / len(models)
     rows = []
     for text in args.variants.split(";"):

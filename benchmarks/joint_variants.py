@@ -35,12 +35,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import add_run_args, bench_main, printed, write_results
-from benchmarks.many_models import train_models
+from benchmarks.many_models import cached_models
 from symmerge.core.distance import parameter_keys, sq_distance
-from symmerge.demo.datasets import cache_dir, mnist_5k_split, write_npz
 from symmerge.evaluate.metrics import evaluate
-from symmerge.io.data import load_data
-from symmerge.io.model import load_model
 from symmerge.merge.fuse import closest_to_average
 from symmerge.pipeline.align import align_pair, canonical
 from symmerge.pipeline.joint import align_joint, mean_state_dict, spread
@@ -77,12 +74,8 @@ def weighted_mean(sds: list[dict], weights: list[float], keys) -> dict:
 
 def run(args, log=print) -> dict:
     t0 = time.perf_counter()
-    x_tr, y_tr, x_te, y_te = mnist_5k_split(n_test=1000, seed=0)
-    folder = cache_dir() / "mnist-5k"
-    train_npz, test_npz = write_npz(folder / "train-4000.npz", x_tr, y_tr), write_npz(folder / "test-1000.npz", x_te, y_te)
     subsets = [[int(c) for c in s] for s in args.subsets.split(",")]
-    models = [load_model(f) for f in train_models(args, x_tr, y_tr, max(max(s) for s in subsets) + 1, log)]
-    test = load_data(test_npz, models[0], batch_size=250)
+    _, models, train_npz, test = cached_models(args, max(max(s) for s in subsets) + 1, log)
     extra = dict(align_data=train_npz, align_samples=args.align_samples) if args.match == "activations" else {}
 
     def options(symmetries="recommended", **kw):

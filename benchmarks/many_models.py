@@ -86,15 +86,21 @@ def trace_rounds(group, align: AlignOptions, anchor: int, refine: str, heads: st
     return accuracies
 
 
-def run(args, log=print) -> dict:
-    t0 = time.perf_counter()
+def cached_models(args, count: int, log=print) -> tuple[list, list, Path, object]:
+    """The first ``count`` MNIST-5k ViTs (trained once, cached): their folders and models, the training
+    digits' npz (unlabeled alignment data) and the 1 000 test digits loaded for evaluation."""
     x_tr, y_tr, x_te, y_te = mnist_5k_split(n_test=1000, seed=0)
     folder = cache_dir() / "mnist-5k"
     train_npz, test_npz = write_npz(folder / "train-4000.npz", x_tr, y_tr), write_npz(folder / "test-1000.npz", x_te, y_te)
-    ns = [int(n) for n in args.n.split(",")]
-    folders = train_models(args, x_tr, y_tr, max(ns), log)
+    folders = train_models(args, x_tr, y_tr, count, log)
     models = [load_model(f) for f in folders]
-    test = load_data(test_npz, models[0], batch_size=250)
+    return folders, models, train_npz, load_data(test_npz, models[0], batch_size=250)
+
+
+def run(args, log=print) -> dict:
+    t0 = time.perf_counter()
+    ns = [int(n) for n in args.n.split(",")]
+    folders, models, train_npz, test = cached_models(args, max(ns), log)
     singles = [evaluate(m, test, progress=False) for m in models]
     rows = []
     for n in ns:

@@ -168,6 +168,16 @@ def _sq_sums(arrays, half, pairs, to_result):  # pragma: no cover - compiled
                     pairs[i * n + k] += acc
 
 
+def _scale_add(src, w, first, acc):  # pragma: no cover - compiled
+    """acc[:n] = src·w (``first``), else src·w + acc[:n] (contracted to one fused multiply-add)."""
+    if first:
+        for j in range(src.shape[0]):
+            acc[j] = np.float64(src[j]) * w
+    else:
+        for j in range(src.shape[0]):
+            acc[j] = np.float64(src[j]) * w + acc[j]
+
+
 def _average(arrays, half, w, out_kind, out, wide, acc):  # pragma: no cover - compiled
     """out = cast(Σ_i w_i · float64(a_i)), block by block, as :func:`symmerge.merge.base.weighted_sum`
     and the cast compute it: the first product, then ``a_i · w_i + sum`` fused (torch's ``add_(t, alpha=w)``
@@ -181,26 +191,11 @@ def _average(arrays, half, w, out_kind, out, wide, acc):  # pragma: no cover - c
     for start in range(0, m, block):
         size = min(m, start + block) - start
         for i in range(n):
-            wi = w[i]
             if half:
-                a16 = arrays[i][start:start + size]
-                for j in range(size):
-                    wide[j] = np.uint32(a16[j]) << np.uint32(16)
-                src = wide_f[:size]
-                if i == 0:
-                    for j in range(size):
-                        acc[j] = np.float64(src[j]) * wi
-                else:
-                    for j in range(size):
-                        acc[j] = np.float64(src[j]) * wi + acc[j]
+                _widen_jit(arrays[i][start:start + size], wide[:size])
+                _scale_add_jit(wide_f[:size], w[i], i == 0, acc)
             else:
-                src2 = arrays[i][start:start + size]
-                if i == 0:
-                    for j in range(size):
-                        acc[j] = np.float64(src2[j]) * wi
-                else:
-                    for j in range(size):
-                        acc[j] = np.float64(src2[j]) * wi + acc[j]
+                _scale_add_jit(arrays[i][start:start + size], w[i], i == 0, acc)
         dst = out[start:start + size]
         if out_kind == 0:
             for j in range(size):
@@ -227,6 +222,7 @@ _sq_three_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_three) if 
 _widen_jit = _jit(_widen)
 _sq_sums_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_sums) if AVAILABLE else None
 # 'contract' only: a·w + s may become one fused multiply-add, as torch's vectorized add computes it
+_scale_add_jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})(_scale_add) if AVAILABLE else None
 _average_jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})(_average) if AVAILABLE else None
 _AVERAGE_BLOCK = 4096
 _average_checked: dict = {}  # dtype -> the kernel gave torch's bits on this machine (checked once per dtype)
