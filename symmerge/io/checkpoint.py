@@ -18,7 +18,7 @@ import torch
 from ..errors import SymmergeError
 from . import direct, names_cache
 from .hf import DiskNames, attention_heads, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
-from .model import SAFE_INDEX, SAFE_SINGLE, check_safetensors, read_config, weight_files
+from .model import SAFE_INDEX, SAFE_SINGLE, check_finite, check_safetensors, read_config, weight_files
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -257,9 +257,7 @@ class LazyCheckpoint:
             except Exception as e:
                 raise SymmergeError(f"{f}: cannot read tensor data, truncated or corrupt ({e})") from None
         for k in keys:
-            t = out[k]
-            if t.is_floating_point() and not torch.isfinite(t.reshape(-1).sum()) and not torch.isfinite(t).all():
-                raise SymmergeError(f"{self.folder}: tensor {k if _stored else self.disk_name[k]!r} holds NaN or Inf values")
+            check_finite({k if _stored else self.disk_name[k]: out[k]}, str(self.folder))
         return {k: out[k] for k in keys}
 
 
@@ -287,8 +285,8 @@ class LazyCheckpoint:
             mapped.madvise(mmap.MADV_WILLNEED)
         out = torch.frombuffer(mapped, dtype=torch.uint8)[start - first:].view(dtype).view(self.shape[key])
         del mapped  # the tensor holds the mapping
-        if check and out.is_floating_point() and not torch.isfinite(out.reshape(-1).sum()) and not torch.isfinite(out).all():
-            raise SymmergeError(f"{self.folder}: tensor {disk!r} holds NaN or Inf values")
+        if check:
+            check_finite({disk: out}, str(self.folder))
         return out
 
     def read_direct(self, key: str, check: bool = True, buffer: torch.Tensor | None = None) -> torch.Tensor:
@@ -307,30 +305,25 @@ class LazyCheckpoint:
                 at, got = direct.read_into(f, start, end, buffer)
             except OSError as e:
                 raise SymmergeError(f"{f}: cannot read tensor {disk!r} ({e})") from None
-            if got != end - start:
-                raise SymmergeError(f"{f}: tensor {disk!r} truncated ({got} of {end - start} bytes)")
             out = buffer[at:at + end - start].view(self.dtype[key]).view(self.shape[key])
-            if check and out.is_floating_point() and not torch.isfinite(out.reshape(-1).sum()) \
-                    and not torch.isfinite(out).all():
-                raise SymmergeError(f"{self.folder}: tensor {disk!r} holds NaN or Inf values")
-            return out
-        if buffer is not None and buffer.numel() >= end - start:
-            out = buffer[:end - start].view(self.dtype[key]).view(self.shape[key])
         else:
-            out = torch.empty(self.shape[key], dtype=self.dtype[key])
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        try:
-            with open(f, "rb", buffering=0) as handle:
-                if hasattr(os, "posix_fadvise"):  # a larger read-ahead window for this sequential read
-                    os.posix_fadvise(handle.fileno(), start, end - start, os.POSIX_FADV_SEQUENTIAL)
-                handle.seek(start)
-                got = handle.readinto(view) if len(view) else 0
-        except OSError as e:
-            raise SymmergeError(f"{f}: cannot read tensor {disk!r} ({e})") from None
+            if buffer is not None and buffer.numel() >= end - start:
+                out = buffer[:end - start].view(self.dtype[key]).view(self.shape[key])
+            else:
+                out = torch.empty(self.shape[key], dtype=self.dtype[key])
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+            try:
+                with open(f, "rb", buffering=0) as handle:
+                    if hasattr(os, "posix_fadvise"):  # a larger read-ahead window for this sequential read
+                        os.posix_fadvise(handle.fileno(), start, end - start, os.POSIX_FADV_SEQUENTIAL)
+                    handle.seek(start)
+                    got = handle.readinto(view) if len(view) else 0
+            except OSError as e:
+                raise SymmergeError(f"{f}: cannot read tensor {disk!r} ({e})") from None
         if got != end - start:
             raise SymmergeError(f"{f}: tensor {disk!r} truncated ({got} of {end - start} bytes)")
-        if check and out.is_floating_point() and not torch.isfinite(out.reshape(-1).sum()) and not torch.isfinite(out).all():
-            raise SymmergeError(f"{self.folder}: tensor {disk!r} holds NaN or Inf values")
+        if check:
+            check_finite({disk: out}, str(self.folder))
         return out
 
     def layout(self, name: str):
