@@ -310,7 +310,9 @@ def child_warm() -> None:
         for n in (2, 3):
             ts, b = [torch.randn(64).to(dtype) for _ in range(n)], torch.randn(64).to(dtype)
             kernels.ties_chunk(ts, b, [1.0] * n, thresholds=[0.5] * n)
-            kernels.ties_chunk(ts, b, [1.0] * n, uniforms=[torch.rand(64, dtype=torch.float64)] * n, drop=0.5)
+            kernels.ties_chunk(ts, b, [1.0] * n, seeds=[1] * n, drop=0.5)
+            kernels.ties_into(ts, b, [1.0] * n, torch.empty(64, dtype=dtype), thresholds=[0.5] * n)
+            kernels.ties_into(ts, b, [1.0] * n, torch.empty(64, dtype=dtype), seeds=[1] * n, drop=0.5)
             kernels.sq_distances(ts, b)
         kernels.magnitude_histogram(ts[0], b, 1.0, np.zeros(1 << 16, dtype=np.int64))
         kernels.magnitude_histogram(ts[0], b, 1.0, np.zeros(1 << 16, dtype=np.int64), 5)

@@ -202,3 +202,64 @@ def test_fused_average_declines_what_it_does_not_cover():
     assert not kernels.average_into([x.half(), x.half()], [0.5, 0.5], out.half())  # float16: the torch chunks
     assert not kernels.average_into([x, x.double()], [0.5, 0.5], out)  # mixed dtypes
     assert not kernels.average_into([x[::2], x[::2]], [0.5, 0.5], torch.empty(50))  # not contiguous
+
+
+def test_dare_uniforms_are_splitmix64_known_answers():
+    """SplitMix64's published first outputs for seed 1234567 (Vigna's reference splitmix64.c), as the
+    uniforms' top 53 bits; a stream read from any position gives the same entries."""
+    from symmerge.merge.parts import dare_uniforms
+
+    known = [6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431,
+             16408922859458223821]
+    got = dare_uniforms(1234567, 0, 5)
+    assert got.dtype == torch.float64
+    assert got.tolist() == [(z >> 11) * 2.0 ** -53 for z in known]
+    assert torch.equal(dare_uniforms(1234567, 3, 2), got[3:])
+    u = dare_uniforms(99, 0, 200000)  # uniform on [0, 1): a coarse check of the stream
+    assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean().item() - 0.5) < 0.01
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_chunk_kernels_equal_the_torch_code_when_the_whole_tensor_kernel_declines(dtype, monkeypatch):
+    """The chunk-by-chunk kernel (used where the whole-tensor one declines) gives the torch code's bits
+    too, DARE's uniforms continuing across chunks."""
+    tensors = adversarial(3, 2 * 32768 + 77, dtype, seed=5)
+    base, models = tensors[0], tensors[1:]
+    monkeypatch.setattr(kernels, "ties_into", lambda *a, **k: False)
+    for method, params in (("ties", dict(density=0.2)), ("dare_ties", dict(drop=0.7, seed=2, scale=1.3))):
+        fused, plain = both(method, models, base, None, **params)
+        assert bits_equal(fused, plain), method
+
+
+@needs_numba
+def test_dare_kernel_draws_the_documented_uniforms_far_into_a_stream():
+    """Entries beyond 2³² of a tensor's stream: the kernel's integer test k ≥ ⌈drop·2⁵³⌉ keeps exactly
+    the entries whose :func:`dare_uniforms` value is ≥ drop."""
+    from symmerge.merge.parts import dare_uniforms
+
+    m, start, seed, drop = 5000, (1 << 33) + 11, 123456789, 0.37
+    model, base = torch.ones(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
+    got = kernels.ties_chunk([model], base, [1.0], seeds=[seed], index=start, drop=drop)
+    keep = dare_uniforms(seed, start, m) >= drop
+    assert torch.equal(got, torch.where(keep, torch.tensor(1.0 / (1.0 - drop), dtype=torch.float64), 0.0))
+    assert 0.55 < keep.double().mean().item() < 0.70
+
+
+@needs_numba
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_split_threshold_counts_equal_one_pass(split, monkeypatch):
+    """Tensors of at least 2²⁰ entries are counted by several threads, each range into its own
+    histograms: the thresholds equal a sort's k-th largest magnitude whatever the split."""
+    from symmerge.merge.parts import task_vector_thresholds
+
+    monkeypatch.setattr(kernels, "workers", lambda: split)
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn((1 << 20) + 333, generator=g)
+    models = [base + torch.randn(base.shape, generator=g) * 10.0 ** (-i) for i in range(3)]
+    pairs = [(models, base), ([m[:1000] for m in models], base[:1000])]  # a large and a small tensor
+    weights = [1.0, 0.5, 2.0]
+    got = task_vector_thresholds(lambda: iter(pairs), weights, 0.1)
+    for i, w in enumerate(weights):
+        mags = torch.cat([((p[0][i].double() - p[1].double()) * w).abs().float() for p in pairs])
+        assert got[i] == mags.sort(descending=True).values[round(0.1 * mags.numel()) - 1].item()

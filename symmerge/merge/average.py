@@ -10,7 +10,7 @@ def tensor(key, tensors, weights, stats, base, params, context):
     return weighted_sum(tensors, weights)
 
 
-def fused_into(tensors, weights, params, out) -> bool:
+def fused_into(key, tensors, weights, base, params, context, out) -> bool:
     """The weighted sum and its cast in one pass (:func:`symmerge.merge.kernels.average_into`)."""
     return kernels.average_into(tensors, weights, out)
 

@@ -131,7 +131,9 @@ class Method:
     needs_model: bool = False
     elementwise: bool = False
     tensor_context: Callable | None = None
-    fused_into: Callable | None = None  # (tensors, weights, params, out) -> bool: the whole tensor into out, or False
+    # (key, tensors, weights, base, params, context, out) -> bool: the whole tensor into out (the chunks'
+    # bits), or False (nothing written: the chunks run)
+    fused_into: Callable | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "doc", ((self.doc or "").strip().splitlines() or [""])[0])
@@ -192,7 +194,7 @@ def merge_tensor(method: Method, key: str, tensors, weights, stats, base, params
         out = out[:nbytes].view(ref.dtype).view(ref.shape)
     else:
         out = torch.empty(ref.shape, dtype=ref.dtype)
-    if method.fused_into is not None and base is None and method.fused_into(tensors, weights, params, out):
+    if method.fused_into is not None and method.fused_into(key, tensors, weights, base, params, context, out):
         return out  # one fused pass (numba), the same bits as the chunks below
     flat_out = out.view(-1)
     flat = [t.reshape(-1) for t in tensors]

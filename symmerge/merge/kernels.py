@@ -6,9 +6,11 @@ writing float64 temporaries):
 
 * :func:`magnitude_histogram`: the radix select's histograms of float32(|(θ_i − θ_base) · w_i|), the
   task vector formed in float64 as the torch code forms it;
-* :func:`ties_chunk`: trim (float32 magnitude against the model's threshold), or DARE's drop and
-  rescale from uniforms drawn by torch, then sign election and disjoint mean, in float64, the sums
-  taken in model order as ``torch.sum(dim=0)`` takes them.
+* :func:`ties_chunk` (a chunk, float64 result) and :func:`ties_into` (a whole tensor, block by block,
+  cast into the output's dtype): trim (float32 magnitude against the model's threshold), or DARE's drop
+  and rescale with the uniforms of :func:`symmerge.merge.parts.dare_uniforms` computed in the loop,
+  then sign election and disjoint mean, in float64, the sums taken in model order as
+  ``torch.sum(dim=0)`` takes them.
 
 Without numba (or with ``SYMMERGE_NO_NUMBA=1``) :data:`AVAILABLE` is False and the torch code runs.
 ``tests/test_merge_kernels.py`` compares both on adversarial values. Kernels are compiled on first use
@@ -60,33 +62,61 @@ def _histogram(t, b, w, high_bin, hist, scratch):  # pragma: no cover - compiled
                     hist[v & 0xFFFF] += 1
 
 
-def _ties(ts, us, b, w, thr, drop, scale, out, scratch, counts):  # pragma: no cover - compiled
-    """out[j] = b + scale · disjoint_mean_i(sparsified (t_i − b)·w_i), in float64 (see the module doc).
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's constants
+
+
+def _bits53(seed, index):  # pragma: no cover - compiled
+    """The top 53 bits of the ``index``-th output of the SplitMix64 stream seeded with ``seed``: the
+    uniform of :func:`symmerge.merge.parts.dare_uniforms` (the definition) times 2⁵³."""
+    z = seed + (np.uint64(index) + np.uint64(1)) * np.uint64(_GOLDEN)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+    z = z ^ (z >> np.uint64(31))
+    return z >> np.uint64(11)
+
+
+def _dare_row(t, bb, wi, seed, index, cut_bits, rescale, xi):  # pragma: no cover - compiled
+    """xi = (t − bb)·wi / rescale where the entry's uniform (entries ``index`` + j) keeps it, else 0 (a
+    function of its own: inlined in :func:`_ties`' loop it does not vectorize)."""
+    for j in range(t.shape[0]):
+        v = (np.float64(t[j]) - np.float64(bb[j])) * wi
+        xi[j] = v / rescale if _bits53_jit(seed, index + j) >= cut_bits else 0.0
+
+
+def _trim_row(t, bb, wi, cut, xi):  # pragma: no cover - compiled
+    """xi = (t − bb)·wi where its magnitude, compared in float32, is at least ``cut``, else 0 (NaN
+    magnitudes are kept, as ``<`` is False for them)."""
+    for j in range(t.shape[0]):
+        v = (np.float64(t[j]) - np.float64(bb[j])) * wi
+        xi[j] = 0.0 if np.float32(abs(v)) < cut else v
+
+
+def _ties(src, at, b, bat, m, w, thr, seeds, index, drop, scale, out, scratch, counts):  # pragma: no cover
+    """out[j] = b + scale · disjoint_mean_i(sparsified (t_i − b)·w_i) for j < m, in float64 (see the module
+    doc); the models' entries are ``src[i][at + j]`` (a tuple of arrays, or the rows of a block buffer),
+    the base's ``b[bat + j]``; DARE's uniforms are those of entries ``index + j`` of the tensor.
     Every loop runs over the entries with the loop-invariant choices hoisted out and no short-circuit
     branches (so it vectorizes); the per-entry arithmetic and its order are those of the torch code.
     ``scratch`` (float64, at least (n + 2)·m) and ``counts`` (int64, at least m): reused memory."""
-    n = len(ts)
-    m = b.shape[0]
+    n = len(w)
     x = scratch[:n * m].reshape((n, m))
     total = scratch[n * m:(n + 1) * m]
     kept = scratch[(n + 1) * m:(n + 2) * m]
     agree = counts[:m]
     agree[:] = 0
     rescale = 1.0 - drop
+    cut_bits = np.uint64(np.ceil(drop * 9007199254740992.0))  # U >= drop, as k >= ceil(drop * 2^53)
+    bb = b[bat:bat + m]  # slices indexed from 0: no negative-index wraparound per access, the loops vectorize
     for i in range(n):  # one model at a time: the sparsified task vector and the running sum
-        t = ts[i]
-        u = us[i]
+        t = src[i][at:at + m]
         wi = w[i]
         cut = thr[i]
+        seed = seeds[i]
         xi = x[i]
         if drop > 0.0:  # DARE: keep where U[0, 1) >= drop, rescaled
-            for j in range(m):
-                v = (np.float64(t[j]) - np.float64(b[j])) * wi
-                xi[j] = v / rescale if u[j] >= drop else 0.0
-        else:  # magnitude trim, compared in float32 (NaN magnitudes are kept, as ``<`` is False for them)
-            for j in range(m):
-                v = (np.float64(t[j]) - np.float64(b[j])) * wi
-                xi[j] = 0.0 if np.float32(abs(v)) < cut else v
+            _dare_row_jit(t, bb, wi, seed, index, cut_bits, rescale, xi)
+        else:
+            _trim_row_jit(t, bb, wi, cut, xi)
         if i == 0:
             for j in range(m):
                 total[j] = xi[j]
@@ -104,7 +134,25 @@ def _ties(ts, us, b, w, thr, drop, scale, out, scratch, counts):  # pragma: no c
             kept[j] = term if i == 0 else kept[j] + term
     for j in range(m):
         mean = kept[j] / agree[j] if agree[j] > 0 else 0.0
-        out[j] = np.float64(b[j]) + scale * mean
+        out[j] = np.float64(bb[j]) + scale * mean
+
+
+def _ties_into(arrays, half, w, thr, seeds, drop, scale, out_kind, out, block, wide, acc, scratch, counts):
+    """:func:`_ties` over a whole tensor, block by block, each block's float64 result cast into ``out`` as
+    :func:`_store` casts (``arrays``: the models' flat entries, then the base's; ``half``: bfloat16 bit
+    patterns, widened exactly into ``block``, a float32 (n + 1, B) buffer whose uint32 view is ``wide``)."""
+    n = len(w)
+    m = arrays[0].shape[0]
+    size_b = acc.shape[0]
+    for start in range(0, m, size_b):
+        size = min(m, start + size_b) - start
+        if half:
+            for i in range(n + 1):
+                _widen_jit(arrays[i][start:start + size], wide[i, :size])
+            _ties_jit(block, 0, block[n], 0, size, w, thr, seeds, start, drop, scale, acc, scratch, counts)
+        else:
+            _ties_jit(arrays, start, arrays[n], start, size, w, thr, seeds, start, drop, scale, acc, scratch, counts)
+        _store_jit(acc, size, out_kind, out[start:start + size], wide[n])
 
 
 def _sq_diff(a, b):  # pragma: no cover - compiled
@@ -178,6 +226,28 @@ def _scale_add(src, w, first, acc):  # pragma: no cover - compiled
             acc[j] = np.float64(src[j]) * w + acc[j]
 
 
+def _store(acc, size, out_kind, dst, wide):  # pragma: no cover - compiled
+    """dst[:size] = acc[:size] (float64) rounded to float32 (``out_kind`` 1), to bfloat16 through float32
+    with round-to-nearest-even on the bits (2: ``dst`` holds uint16 bit patterns; NaN: 0x7FC0, as c10
+    does; ``wide``: uint32 scratch of at least ``size``), or kept (0): torch's casts."""
+    if out_kind == 0:
+        for j in range(size):
+            dst[j] = acc[j]
+    elif out_kind == 1:
+        for j in range(size):
+            dst[j] = np.float32(acc[j])
+    else:
+        wide_f = wide.view(np.float32)
+        for j in range(size):
+            wide_f[j] = np.float32(acc[j])
+        for j in range(size):
+            u = wide[j]
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                dst[j] = np.uint16(0x7FC0)
+            else:
+                dst[j] = np.uint16((u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16))
+
+
 def _average(arrays, half, w, out_kind, out, wide, acc):  # pragma: no cover - compiled
     """out = cast(Σ_i w_i · float64(a_i)), block by block, as :func:`symmerge.merge.base.weighted_sum`
     and the cast compute it: the first product, then ``a_i · w_i + sum`` fused (torch's ``add_(t, alpha=w)``
@@ -196,30 +266,20 @@ def _average(arrays, half, w, out_kind, out, wide, acc):  # pragma: no cover - c
                 _scale_add_jit(wide_f[:size], w[i], i == 0, acc)
             else:
                 _scale_add_jit(arrays[i][start:start + size], w[i], i == 0, acc)
-        dst = out[start:start + size]
-        if out_kind == 0:
-            for j in range(size):
-                dst[j] = acc[j]
-        elif out_kind == 1:
-            for j in range(size):
-                dst[j] = np.float32(acc[j])
-        else:
-            for j in range(size):
-                wide_f[j] = np.float32(acc[j])
-            for j in range(size):
-                u = wide[j]
-                if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                    dst[j] = np.uint16(0x7FC0)
-                else:
-                    dst[j] = np.uint16((u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16))
+        _store_jit(acc, size, out_kind, out[start:start + size], wide)
 
 
 _histogram_jit = _jit(_histogram)
+_bits53_jit = _jit(_bits53)
+_dare_row_jit = _jit(_dare_row)
+_trim_row_jit = _jit(_trim_row)
 _ties_jit = _jit(_ties)
 # the report's distances need no fixed summation order: reassociated (vectorized) sums
 _sq_diff_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_diff) if AVAILABLE else None
 _sq_three_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_three) if AVAILABLE else None
 _widen_jit = _jit(_widen)
+_store_jit = _jit(_store)
+_ties_into_jit = _jit(_ties_into)
 _sq_sums_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_sums) if AVAILABLE else None
 # 'contract' only: a·w + s may become one fused multiply-add, as torch's vectorized add computes it
 _scale_add_jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})(_scale_add) if AVAILABLE else None
@@ -296,26 +356,112 @@ def magnitude_histogram(t, b, w: float, hist, high_bin: int = -1) -> None:
     _histogram_jit(_np(t), _np(b), float(w), int(high_bin), hist, np.empty(_BLOCK, dtype=np.float32))
 
 
-def ties_chunk(tensors, base, weights, thresholds=None, uniforms=None, drop: float = 0.0, scale: float = 1.0):
+_SPLIT = 1 << 20  # entries from which a tensor's histograms are split over the workers
+
+
+def magnitude_histograms(tensors, base, weights, hists, high_bins=None, pool=None) -> None:
+    """:func:`magnitude_histogram` of every model's ``tensors`` against ``base`` (``high_bins``: one per
+    model, or None for the high histograms) into ``hists`` (int64, (parts, models, 65536)): a tensor of
+    at least 2²⁰ entries is split into ``parts`` ranges counted at once by ``pool``'s threads (the kernel
+    releases the GIL), each range into its own ``hists[p]``; the counts' sum over ``parts`` is the same."""
+    b = _np(base)
+    ts = [_np(t) for t in tensors]
+    parts = hists.shape[0] if pool is not None and b.shape[0] >= _SPLIT else 1
+    step = -(-b.shape[0] // parts)
+
+    def run(p):
+        lo, hi = p * step, min(b.shape[0], (p + 1) * step)
+        scratch = np.empty(_BLOCK, dtype=np.float32)
+        for i, (t, w) in enumerate(zip(ts, weights)):
+            _histogram_jit(t[lo:hi], b[lo:hi], float(w), -1 if high_bins is None else int(high_bins[i]),
+                           hists[p, i], scratch)
+
+    if parts == 1:
+        run(0)
+    else:
+        list(pool.map(run, range(parts)))
+
+
+def workers() -> int:
+    """Threads for the kernels that split a tensor: the cores this process may use, at most 4 (the
+    counting is bound by memory bandwidth beyond)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+def _seeds(seeds, n: int):
+    return np.array([0] * n if seeds is None else seeds, dtype=np.uint64)
+
+
+def ties_chunk(tensors, base, weights, thresholds=None, seeds=None, index: int = 0, drop: float = 0.0,
+               scale: float = 1.0):
     """θ_base + scale · disjoint mean of the sparsified weighted task vectors, as a float64 tensor:
     magnitude-trimmed by ``thresholds`` (float32 values, one per model; ``None``: no trim), or, with
-    ``drop`` > 0, DARE-dropped where ``uniforms`` (float64 tensors, one per model) are below ``drop``."""
+    ``drop`` > 0, DARE-dropped where the uniforms of the models' ``seeds`` (see
+    :func:`symmerge.merge.parts.dare_uniforms`) at entries ``index``, ``index`` + 1, … are below ``drop``."""
     import torch
 
     n = len(tensors)
     out = torch.empty(base.shape, dtype=torch.float64)
     wide = any(t.dtype == torch.float64 for t in tensors)  # one dtype for all models (exact widening)
     ts = tuple(_np(t.double() if wide else t) for t in tensors)
-    if drop > 0.0:
-        us = tuple(u.reshape(-1).numpy() for u in uniforms)
-    else:
-        us = tuple(np.empty(0, dtype=np.float64) for _ in range(n))
     thr = np.array([-1.0] * n if thresholds is None else thresholds, dtype=np.float32)
     m = out.numel()
     scratch, counts = _scratch((n + 2) * m, m)
-    _ties_jit(ts, us, _np(base), np.array(weights, dtype=np.float64), thr, float(drop), float(scale),
-              out.reshape(-1).numpy(), scratch, counts)
+    _ties_jit(ts, 0, _np(base), 0, m, np.array(weights, dtype=np.float64), thr, _seeds(seeds, n), int(index),
+              float(drop), float(scale), out.reshape(-1).numpy(), scratch, counts)
     return out
+
+
+_TIES_BLOCK = 8192
+_OUT_KIND = {"float64": 0, "float32": 1, "bfloat16": 2}
+
+
+def ties_into(tensors, base, weights, out, thresholds=None, seeds=None, drop: float = 0.0,
+              scale: float = 1.0) -> bool:
+    """``out`` ← :func:`ties_chunk` of the whole tensors cast to ``out``'s dtype (the bits of the chunks'
+    float64 results copied into ``out``), in one pass without float64 temporaries; False (nothing
+    written) where it does not apply: numba missing, inputs of mixed dtypes or other than float32,
+    bfloat16 and float64, ``out`` of another dtype, non-CPU or non-contiguous tensors."""
+    import torch
+
+    dtype = out.dtype
+    if not AVAILABLE or dtype not in (torch.float32, torch.float64, torch.bfloat16) or not out.is_contiguous():
+        return False
+    if any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.shape != out.shape
+           for t in (*tensors, base)):
+        return False
+    half = dtype == torch.bfloat16
+
+    def flat(t):
+        t = t.reshape(-1)
+        return t.view(torch.int16).numpy().view(np.uint16) if half else t.numpy()
+
+    n = len(tensors)
+    thr = np.array([-1.0] * n if thresholds is None else thresholds, dtype=np.float32)
+    block = _block_buffers(n, half)
+    _ties_into_jit(tuple(flat(t) for t in (*tensors, base)), half, np.array(weights, dtype=np.float64), thr,
+                   _seeds(seeds, n), float(drop), float(scale), _OUT_KIND[str(dtype).split(".")[1]], flat(out),
+                   *block)
+    return True
+
+
+def _block_buffers(n: int, half: bool):
+    """Per-thread reused buffers of :func:`_ties_into`: the widened block (float32, (n + 1) × B) and its
+    uint32 view, the block's float64 results, the kernel's scratch and counts."""
+    key = ("ties_into", n)
+    have = getattr(_local, "blocks", {}).get(key)
+    if have is None:
+        block = np.empty((n + 1, _TIES_BLOCK), dtype=np.float32)
+        have = (block, block.view(np.uint32), np.empty(_TIES_BLOCK, dtype=np.float64),
+                np.empty((n + 2) * _TIES_BLOCK, dtype=np.float64), np.empty(_TIES_BLOCK, dtype=np.int64))
+        if not hasattr(_local, "blocks"):
+            _local.blocks = {}
+        _local.blocks[key] = have
+    return have
 
 
 _local = threading.local()

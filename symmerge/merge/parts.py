@@ -23,10 +23,13 @@ The registered methods are ``task_arithmetic`` = (none, sum), ``ties`` = (magnit
 ``dare`` = (dare, sum) and ``dare_ties`` = (dare, ties); see :func:`task_vector_method`.
 
 DARE masks: the mask of model ``i`` (its index in the list of models) for tensor ``key`` comes from
-its own generator, seeded with a hash of (``seed``, ``i``, ``key``) (:func:`dare_keep_mask`). It
-depends on nothing else: not on the order of the keys in the state dict or of the loop over them,
-nor on which other tensors or models are merged. Drawn on the CPU in float64 (a survivor where
-U[0, 1) ≥ ``drop``), so the same seed gives the same masks on every device.
+its own stream of uniforms, seeded with a hash of (``seed``, ``i``, ``key``) (:func:`dare_keep_mask`).
+It depends on nothing else: not on the order of the keys in the state dict or of the loop over them,
+nor on which other tensors or models are merged. The uniform of entry ``j`` (of the flattened tensor)
+is the ``j``-th output of the SplitMix64 generator (a counter-based hash: any entry is drawn without
+the ones before it, so chunks, threads and the fused kernels draw the same values) as a float64 in
+[0, 1) (:func:`dare_uniforms`); a survivor where U ≥ ``drop``. The same seed gives the same masks on
+every device and machine (integer arithmetic only).
 """
 
 from __future__ import annotations
@@ -143,18 +146,20 @@ def task_vector_thresholds(visit, weights, density: float) -> list[float]:
                     yield tuple((t[i:i + _HALF].double() - bb) * w for t, w in zip(ts, weights))
 
         return magnitude_thresholds(task_vectors, n, density)
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
 
-    high = np.zeros((n, _HALF), dtype=np.int64)
-    for ts, base in visit():
-        for i, (t, w) in enumerate(zip(ts, weights)):
-            kernels.magnitude_histogram(t, base, w, high[i])
-    bins, ranks = _high_bins(torch.from_numpy(high), density)
-    low = np.zeros((n, _HALF), dtype=np.int64)
-    for ts, base in visit():
-        for i, (t, w) in enumerate(zip(ts, weights)):
-            kernels.magnitude_histogram(t, base, w, low[i], bins[i])
-    return _radix_values(torch.from_numpy(low), bins, ranks)
+    split = kernels.workers()
+    with ThreadPoolExecutor(max_workers=split) as pool:  # the two visits: each tensor counted by every core
+        hists = np.zeros((split, n, _HALF), dtype=np.int64)
+        for ts, base in visit():
+            kernels.magnitude_histograms(ts, base, weights, hists, pool=pool)
+        bins, ranks = _high_bins(torch.from_numpy(hists.sum(0)), density)
+        hists[:] = 0
+        for ts, base in visit():
+            kernels.magnitude_histograms(ts, base, weights, hists, high_bins=bins, pool=pool)
+    return _radix_values(torch.from_numpy(hists.sum(0)), bins, ranks)
 
 
 def _read_ahead(keys, fetch):
@@ -221,10 +226,31 @@ def dare_seed(seed: int, model: int, key: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+GOLDEN, MIX1, MIX2 = kernels._GOLDEN, kernels._MIX1, kernels._MIX2  # SplitMix64 (Steele, Lea, Flood 2014)
+
+
+def dare_uniforms(seed: int, start: int, count: int) -> torch.Tensor:
+    """Entries ``start`` … ``start + count − 1`` of the uniform stream of generator seed ``seed``
+    (:func:`dare_seed`), float64 in [0, 1): entry j is SplitMix64's j-th output z_j (state
+    seed + (j + 1)·0x9E3779B97F4A7C15, then its three xor-shift-multiply steps, modulo 2⁶⁴), as
+    (z_j >> 11) · 2⁻⁵³. The definition; :mod:`symmerge.merge.kernels` computes the same values."""
+    import numpy as np
+
+    z = np.arange(start + 1, start + count + 1, dtype=np.uint64) * np.uint64(GOLDEN) + np.uint64(seed)
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(MIX1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(MIX2)
+    z ^= z >> np.uint64(31)
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * (1.0 / 2.0 ** 53))
+
+
 def dare_keep_mask(shape, drop: float, seed: int, model: int, key: str) -> torch.Tensor:
     """Boolean CPU mask of the entries of model ``model``'s tensor ``key`` that DARE keeps."""
-    g = torch.Generator().manual_seed(dare_seed(seed, model, key))
-    return torch.rand(tuple(shape), generator=g, dtype=torch.float64) >= float(drop)
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return (dare_uniforms(dare_seed(seed, model, key), 0, numel) >= float(drop)).reshape(tuple(shape))
 
 
 def _dare_prepare(state_dicts, base, weights, params):
@@ -233,23 +259,37 @@ def _dare_prepare(state_dicts, base, weights, params):
     return None
 
 
+class _DareStreams:
+    """One tensor's DARE streams: each model's generator seed and the entry the next chunk starts at (the
+    chunks of a tensor are visited in order)."""
+
+    def __init__(self, seeds):
+        self.seeds, self.at = seeds, 0
+
+
 def _dare_tensor_context(key, tensors, base, weights, params, context):
-    """One generator per model, seeded as :func:`dare_keep_mask` seeds it; the chunks, visited in order,
-    draw the mask's uniforms in order (CPU draws are sequential: the same mask as drawn at once)."""
-    return [torch.Generator().manual_seed(dare_seed(params["seed"], i, key)) for i in range(len(tensors))]
+    """Each model's seed, as :func:`dare_keep_mask` seeds it, and the position of the next chunk."""
+    return _DareStreams([dare_seed(params["seed"], i, key) for i in range(len(tensors))])
+
+
+def _dare_streams(key, n, params, context) -> tuple[list[int], int]:
+    """The models' seeds and the first entry of the current chunk (advancing the context past it)."""
+    if context is None:  # a whole tensor (a method not run chunk by chunk)
+        return [dare_seed(params["seed"], i, key) for i in range(n)], 0
+    return context.seeds, context.at
 
 
 def _dare_apply(key, taus, params, context):
     p = float(params["drop"])
     if p == 0.0:
         return list(taus)
+    seeds, at = _dare_streams(key, len(taus), params, context)
     out = []
-    for i, t in enumerate(taus):
-        if context is None:  # a whole tensor (a method not run chunk by chunk)
-            keep = dare_keep_mask(t.shape, p, params["seed"], i, key)
-        else:
-            keep = torch.rand(t.shape, generator=context[i], dtype=torch.float64) >= p
+    for seed, t in zip(seeds, taus):
+        keep = (dare_uniforms(seed, at, t.numel()) >= p).reshape(t.shape)
         out.append((t / (1.0 - p)).masked_fill(~keep.to(t.device), 0.0))
+    if context is not None:
+        context.at += taus[0].numel() if taus else 0
     return out
 
 
@@ -298,17 +338,32 @@ def _fused_magnitude_ties(key, tensors, weights, base, params, context):
 
 
 def _fused_dare_ties(key, tensors, weights, base, params, context):
-    """DARE-TIES in one pass over the entries, the uniforms drawn as :func:`_dare_apply` draws them."""
+    """DARE-TIES in one pass over the entries, the uniforms computed as :func:`dare_uniforms` draws them."""
     p = float(params["drop"])
     if p == 0.0:
         return kernels.ties_chunk(tensors, base, weights, scale=float(params["scale"]))
-    uniforms = [torch.rand(base.shape, generator=context[i] if context is not None else
-                           torch.Generator().manual_seed(dare_seed(params["seed"], i, key)), dtype=torch.float64)
-                for i in range(len(tensors))]
-    return kernels.ties_chunk(tensors, base, weights, uniforms=uniforms, drop=p, scale=float(params["scale"]))
+    seeds, at = _dare_streams(key, len(tensors), params, context)
+    out = kernels.ties_chunk(tensors, base, weights, seeds=seeds, index=at, drop=p, scale=float(params["scale"]))
+    if context is not None:
+        context.at += base.numel()
+    return out
+
+
+def _into_magnitude_ties(key, tensors, weights, base, params, context, out) -> bool:
+    """TIES over the whole tensor into ``out`` (:func:`symmerge.merge.kernels.ties_into`)."""
+    thresholds = None if float(params["density"]) >= 1.0 else context
+    return kernels.ties_into(tensors, base, weights, out, thresholds=thresholds, scale=float(params["scale"]))
+
+
+def _into_dare_ties(key, tensors, weights, base, params, context, out) -> bool:
+    """DARE-TIES over the whole tensor into ``out``, from its first entry."""
+    p = float(params["drop"])
+    seeds = [dare_seed(params["seed"], i, key) for i in range(len(tensors))] if p > 0.0 else None
+    return kernels.ties_into(tensors, base, weights, out, seeds=seeds, drop=p, scale=float(params["scale"]))
 
 
 _FUSED = {("magnitude", "ties"): _fused_magnitude_ties, ("dare", "ties"): _fused_dare_ties}
+_INTO = {("magnitude", "ties"): _into_magnitude_ties, ("dare", "ties"): _into_dare_ties}
 
 
 def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict, doc: str = "") -> Method:
@@ -321,4 +376,4 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
     tensor = partial(_task_vector_tensor, sp, CONSENSUS[consensus], fused=_FUSED.get((sparsifier, consensus)))
     return Method(name, tensor, needs=None, needs_base=True,
                   params=dict(params), doc=doc, prepare=sp.prepare, normalize_weights=False, elementwise=True,
-                  tensor_context=sp.tensor_context)
+                  tensor_context=sp.tensor_context, fused_into=_INTO.get((sparsifier, consensus)))
