@@ -16,7 +16,9 @@ Run: ``FLWR_TELEMETRY_ENABLED=0 python -m benchmarks.federated_rounds --runs cle
 with ``norm_clip`` (an update beyond the norm rule is scaled down to the others' median norm, not left
 out); ``clip``: weighted mean and ``norm_clip``, no outlier rule; ``fedavg``: no
 alignment, weighted mean, no norm rule; ``guarded``: aligned, weighted mean, ``min_align_gain``
-(``--min-align-gain``, default 0.05: a client whose alignment gains less keeps its own frame)).
+(``--min-align-gain``, default 0.05, the strategy's default: a client whose alignment lowers its distance to
+the global model by less keeps its own frame); every other aligned arm aligns every client
+(``min_align_gain=0``, as they were measured before the guard existed)).
 B5 (b): ``--runs clean:fedavg,clean:mean,clean:guarded --local-epochs E [--examples-per-client N] --probe``.
 """
 
@@ -35,12 +37,14 @@ import torch
 
 from .bench_federated import EXAMPLE, replies_for
 
+# the aligned arms but "guarded" align every client (min_align_gain 0: as measured before the guard existed)
 ARMS = {"fedavg": {"alignment": "none", "norm_factor": None},
-        "mean": {"norm_factor": None},
-        "robust": {"aggregation": "median", "norm_factor": 10.0},
-        "filtered": {"norm_factor": 10.0, "outlier_rule": "krum", "outlier_threshold": 3.5},
-        "clipped": {"norm_factor": 10.0, "norm_clip": True, "outlier_rule": "krum", "outlier_threshold": 3.5},
-        "clip": {"norm_factor": 10.0, "norm_clip": True},
+        "mean": {"norm_factor": None, "min_align_gain": 0.0},
+        "robust": {"aggregation": "median", "norm_factor": 10.0, "min_align_gain": 0.0},
+        "filtered": {"norm_factor": 10.0, "outlier_rule": "krum", "outlier_threshold": 3.5, "min_align_gain": 0.0},
+        "clipped": {"norm_factor": 10.0, "norm_clip": True, "outlier_rule": "krum", "outlier_threshold": 3.5,
+                    "min_align_gain": 0.0},
+        "clip": {"norm_factor": 10.0, "norm_clip": True, "min_align_gain": 0.0},
         "guarded": {"norm_factor": None, "min_align_gain": 0.05}}
 ATTACKS = ("clean", "scale100", "flip", "absent")
 

@@ -237,14 +237,15 @@ def test_min_align_gain_keeps_near_identity_clients_unaligned(world):
     near = {n: {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in g.state_dict().items()} for n in (1, 2, 3)}
     replies = [reply(n, near[n], examples[n]) for n in (1, 2, 3)]
     fedavg = FedAvg(fraction_evaluate=0.0).aggregate_train(1, replies)[0].to_torch_state_dict()
-    guarded = strategy(g, min_align_gain=0.05)
+    guarded = strategy(g)  # the default: 0.05
+    assert guarded.min_align_gain == 0.05
     got, metrics = guarded.aggregate_train(1, replies)
     rec = guarded.rounds[-1]
     assert [u["node"] for u in rec["unaligned"]] == [1, 2, 3] and all(0 <= u["gain"] < 0.05 for u in rec["unaligned"])
     assert metrics["symmerge-clients-unaligned"] == 3
     assert close(got.to_torch_state_dict(), fedavg, atol=1e-6)
     assert rec["distance_after"] == pytest.approx(rec["distance_before"], rel=1e-9)
-    unguarded = strategy(g).aggregate_train(1, replies)[0].to_torch_state_dict()
+    unguarded = strategy(g, min_align_gain=0.0).aggregate_train(1, replies)[0].to_torch_state_dict()
     assert not close(unguarded, fedavg, atol=1e-6)  # negative control: alignment alone moves them
     permuted = strategy(g, min_align_gain=0.05)
     got, metrics = permuted.aggregate_train(1, good_replies(world))

@@ -220,7 +220,7 @@ def test_the_dirichlet_concentration_comes_from_the_settings_and_the_cli():
     args = build_parser().parse_args(["merge", "a", "b", "c", "-o", "out", "--method", "average", "--match", "learned",
                                       "--align-data", "x.npz", "--learn-dirichlet", "3"])
     assert learn_settings(args).dirichlet == 3.0
-    assert LearnSettings().dirichlet == 1.0
+    assert LearnSettings().dirichlet == "auto"
     with pytest.raises(SymmergeError, match="Dirichlet concentration must be > 0"):
         LearnSettings(dirichlet=0)
     models = [make_model("vit", head=True, seed=s, dtype=torch.float32) for s in range(3)]
@@ -308,7 +308,12 @@ def test_auto_concentration_settings_and_flag():
         with pytest.raises(SymmergeError):
             LearnSettings(**bad)
     models = [make_model("vit", head=True, seed=s, dtype=torch.float32) for s in range(3)]
-    one_batch = unlabeled(models[0], n_batches=1)
-    with pytest.raises(SymmergeError, match="at least 2 batches"):
-        align_joint(models, AlignOptions(symmetries="attn,ffn,rescale", match="learned", align_data=one_batch,
+    one_batch = unlabeled(models[0], n_batches=1)  # 8 images: the last 2 held out
+    result = align_joint(models, AlignOptions(symmetries="attn,ffn,rescale", match="learned", align_data=one_batch,
+                                              learn=_settings(steps=2)))  # auto is the default
+    choice = result.report["learned"]["dirichlet_choice"]
+    assert (choice["fit_examples"], choice["held_out_examples"]) == (6, 2) and choice["chosen"] in choice["grid"]
+    with pytest.raises(SymmergeError, match="at least 2 examples"):
+        align_joint(models, AlignOptions(symmetries="attn,ffn,rescale", match="learned",
+                                         align_data=unlabeled(models[0], n_batches=1, batch=1),
                                          learn=_settings(steps=2, dirichlet="auto")))

@@ -62,11 +62,11 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                              f"(default {LearnSettings.check_batches}: all)")
     parser.add_argument("--learn-dirichlet", type=_concentration, default=None, metavar="C|auto",
                         help="--match learned with more than two models (joint): the mixture weights drawn from "
-                             f"Dirichlet(C, ..., C) (default {LearnSettings.dirichlet}: uniform on the simplex; larger "
-                             "C: mixtures nearer the plain average); auto: C chosen from "
+                             "Dirichlet(C, ..., C) (1: uniform on the simplex; larger C: mixtures nearer the plain "
+                             f"average); auto (the default): C chosen from "
                              f"{', '.join(f'{c:g}' for c in LearnSettings.dirichlet_grid)} on a held-out "
-                             f"{LearnSettings.dirichlet_holdout:.0%} of --align-data (the report's "
-                             "learned.dirichlet_choice)")
+                             f"{LearnSettings.dirichlet_holdout:.0%} of --align-data by the objective at the uniform "
+                             "mixture (the report's learned.dirichlet_choice)")
     parser.add_argument("--workers", type=int, default=None,
                         help="FFN layers (cost GEMM + exact assignment) solved at once on a thread pool, beside the "
                              "head groups (default: one per core; 1: one thing after another on one thread; the "

@@ -77,7 +77,7 @@ FEDERATED_SYMMETRIES = ("heads", "attn", "ffn", "rescale")
 PREFIX = "symmerge-"  # the strategy's own keys in the round's MetricRecord
 # a client's alignment is kept only if it lowers its distance to the global model by at least this fraction;
 # otherwise the client enters the aggregate as it was sent (the identity element): see AlignedFedAvg
-MIN_ALIGN_GAIN = 0.0
+MIN_ALIGN_GAIN = 0.05
 
 
 class _LeftOut(Exception):

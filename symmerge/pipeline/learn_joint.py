@@ -47,10 +47,10 @@ from .align import instances_for, load_align_data, untied
 from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, norm_eps,
                     scored_logits, shuffled, subsample_positions)
 from .frame import JointAlignment, spread
-from .options import LearnSettings
 from .verify import verify_elements, verify_forward, with_state_dict
 
-DIRICHLET = LearnSettings.dirichlet  # concentration of the mixture weights: Dirichlet(1) is uniform on the simplex
+DIRICHLET = 1.0  # a fixed concentration of the mixture weights (Dirichlet(1): uniform on the simplex); the settings'
+# default is "auto" (chosen on held-out data, choose_concentration)
 
 
 def check_points(n: int) -> list[torch.Tensor]:
@@ -188,22 +188,35 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
     return elements, info
 
 
+def _rows(batch, start: int, stop: int):
+    """Examples ``start:stop`` of ``batch`` (every tensor sliced along its first axis)."""
+    cut = lambda t: None if t is None else t[start:stop]  # noqa: E731
+    return type(batch)({k: cut(v) if isinstance(v, torch.Tensor) else v for k, v in batch.inputs.items()},
+                       cut(batch.labels), cut(batch.mask))
+
+
+def _size(batch) -> int:
+    return len(next(v for v in batch.inputs.values() if isinstance(v, torch.Tensor)))
+
+
 def split_batches(data, fraction: float):
     """``(fit, held)``: ``data`` (a loaded :class:`~symmerge.io.data.Data`) cut into its first batches and
-    its last ``fraction`` of them (at least one each); the concentration's choice learns on ``fit`` and
-    scores on ``held``."""
+    its last ``fraction`` of them (at least one each); with a single batch, its last ``fraction`` of
+    examples (at least one each). The concentration's choice learns on ``fit`` and scores on ``held``."""
     batches = list(data.batches)
-    if len(batches) < 2:
+    if len(batches) == 1 and _size(batches[0]) >= 2:
+        m = _size(batches[0])
+        cut = m - min(max(1, int(round(fraction * m))), m - 1)
+        fit, held = [_rows(batches[0], 0, cut)], [_rows(batches[0], cut, m)]
+    elif len(batches) >= 2:
+        n_held = min(max(1, int(round(fraction * len(batches)))), len(batches) - 1)
+        fit, held = batches[:-n_held], batches[-n_held:]
+    else:
         raise SymmergeError(f"--learn-dirichlet auto holds out part of the alignment data: it needs at least 2 "
-                            f"batches, got {len(batches)} ({data.n} {examples_word(data)}; lower --learn-batch or "
-                            "pass more data)")
-    n_held = min(max(1, int(round(fraction * len(batches)))), len(batches) - 1)
-    fit, held = batches[:-n_held], batches[-n_held:]
-
-    def count(part):
-        return sum(len(next(iter(b.inputs.values()))) for b in part)
-
-    return (dataclasses.replace(data, batches=fit, n=count(fit)), dataclasses.replace(data, batches=held, n=count(held)))
+                            f"examples, got {data.n} {examples_word(data)} (pass more, or a concentration: "
+                            "--learn-dirichlet C)")
+    return (dataclasses.replace(data, batches=fit, n=sum(map(_size, fit))),
+            dataclasses.replace(data, batches=held, n=sum(map(_size, held))))
 
 
 def uniform_score(skeleton, state_dicts: list[dict], frame: int, target: str, batches) -> float:

@@ -106,7 +106,7 @@ class LearnSettings:
     ``check_batches``: the objective checks on at most this many batches (the first; 0: every batch of
     the held-out part, or of the training set without one); ``dirichlet``: the concentration of the mixture
     weights of the joint learned alignment of N models (w ~ Dirichlet(dirichlet, …); 1: uniform on the
-    simplex; larger: mixtures nearer the plain average), or ``"auto"``: chosen on held-out data — the
+    simplex; larger: mixtures nearer the plain average), or ``"auto"`` (the default): chosen on held-out data — the
     last ``dirichlet_holdout`` of the unlabeled batches is held out, the mixtures are learned on the rest
     for every concentration of ``dirichlet_grid`` (``dirichlet_steps`` steps each; 0: half of ``steps``),
     and the one whose uniform average of the N models matches the uniform mixture of their predictions
@@ -133,7 +133,7 @@ class LearnSettings:
     max_length: int | None = None
     precision: str = "float32"
     check_batches: int = 0
-    dirichlet: float | str = 1.0
+    dirichlet: float | str = "auto"
     dirichlet_grid: tuple = (1.0, 3.0, 10.0, 30.0)
     dirichlet_steps: int = 0
     dirichlet_holdout: float = 0.2
