@@ -617,7 +617,9 @@ def test_the_example_app_passes_its_robust_options_to_the_strategy(example_on_pa
 
     model = task.load_model(task.settings({"hidden": 16, "layers": 1, "heads": 2}))
     default = AlignedFedAvg(template=model, **server_app.strategy_options(task.settings()))
-    assert default.norm_clip is False and default.outlier_rule is None
+    assert default.norm_clip is False and default.outlier_rule is None and default.min_align_gain == 0.05
+    assert AlignedFedAvg(template=model, **server_app.strategy_options(task.settings(
+        {"min-align-gain": 0.0}))).min_align_gain == 0.0
     cfg = task.settings({"norm-clip": True, "outlier-rule": "krum", "outlier-threshold": 2.5})
     options = server_app.strategy_options(cfg)
     assert options["norm_clip"] is True and options["outlier_rule"] == "krum" and options["outlier_threshold"] == 2.5
