@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                                    AlignOptions(symmetries="recommended"), True),
                      "learned": ("AlignedFedAvg(joint=True), learned (recommended)", learned, True)}
             settings = [cases[c] for c in args.strategy_cases.split(",")]
-        seconds = {}
+        seconds, details = {}, {}
         if args.only_more:
             settings = []
         for label, alignment, joint in settings:
@@ -175,8 +175,10 @@ def main(argv=None) -> int:
             merged.load_state_dict(arrays.to_torch_state_dict())
             rows[label] = accuracy(merged, test_x, test_y)[1]
             seconds[label] = strategy.rounds[-1]["seconds"]
+            choice = strategy.rounds[-1].get("joint", {}).get("learned", {}).get("dirichlet_choice")
+            if choice is not None:
+                details[label] = choice
             print(f"{label:<46} accuracy {rows[label]:.4f}  ({seconds[label]:.1f} s)", flush=True)
-        details = {}
         if args.more or args.only_more:
             for label, acc, secs in more_rows(clients, sizes, unlabeled, args, test_x, test_y, details):
                 rows[label], seconds[label] = acc, secs
