@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .bench_federated import EXAMPLE, replies_for
