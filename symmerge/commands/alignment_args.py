@@ -65,7 +65,7 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                              "Dirichlet(C, ..., C) (1: uniform on the simplex; larger C: mixtures nearer the plain "
                              f"average); auto (the default): C chosen from "
                              f"{', '.join(f'{c:g}' for c in LearnSettings.dirichlet_grid)} on a held-out "
-                             f"{LearnSettings.dirichlet_holdout:.0%} of --align-data by the objective at the uniform "
+                             f"{LearnSettings.dirichlet_holdout * 100:g}%% of --align-data by the objective at the uniform "
                              "mixture (the report's learned.dirichlet_choice)")
     parser.add_argument("--workers", type=int, default=None,
                         help="FFN layers (cost GEMM + exact assignment) solved at once on a thread pool, beside the "
