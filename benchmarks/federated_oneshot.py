@@ -28,11 +28,12 @@ import torch
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "federated"
 
 
-def more_rows(clients, sizes, unlabeled, args, test_x, test_y):
+def more_rows(clients, sizes, unlabeled, args, test_x, test_y, details=None):
     """(label, accuracy, seconds) of symmerge's own N-model merge (``merge_models``, what the strategy's
     aggregate equals) with the steps B5 (a) had not tried: REPAIR after the aggregation, the joint
     alignment (each client to the mean of the others, no fixed frame), a longer learned alignment, the
-    learned joint alignment (Dirichlet mixtures of the N clients, ``joint-learned``)."""
+    learned joint alignment (Dirichlet mixtures of the N clients, ``joint-learned``). ``details``: a dict that
+    gets each joint-learned row's ``dirichlet_choice`` (``--learn-dirichlet auto``: the held-out scores)."""
     from symmerge import AlignOptions, MergeOptions, merge_models
     from symmerge.demo.train import accuracy
     from symmerge.pipeline.options import LearnSettings
@@ -43,7 +44,8 @@ def more_rows(clients, sizes, unlabeled, args, test_x, test_y):
                             align_samples=args.align_samples, **kw)
 
     joint_learn = {k: v for k, v in (("dirichlet", args.learn_dirichlet), ("target", args.learn_target),
-                                     ("steps", args.joint_learn_steps)) if v is not None}
+                                     ("steps", args.joint_learn_steps), ("dirichlet_steps", args.dirichlet_steps))
+                   if v is not None}
     joint_learn_label = "".join(f", {k} {v}" for k, v in joint_learn.items())
     groups = {"repair": [("FedAvg + REPAIR", AlignOptions(symmetries="none", align_data=unlabeled,
                                                           align_samples=args.align_samples), False, True),
@@ -64,9 +66,14 @@ def more_rows(clients, sizes, unlabeled, args, test_x, test_y):
     cases = [case for name in chosen for case in groups[name]]
     for label, align, joint, repair in cases:
         t = time.perf_counter()
-        merged, _ = merge_models(clients, options=MergeOptions(
+        merged, report = merge_models(clients, options=MergeOptions(
             method="average", align=align, anchor=None if joint else clients[0], joint=joint, weights=sizes,
             heads="merge", repair=repair, evaluate=False, progress=False))
+        learned = report["alignment"].get("joint", {}).get("learned", {})
+        if details is not None and "dirichlet_choice" in learned:
+            details[label] = learned["dirichlet_choice"]
+            print(f"  {label}: Dirichlet concentration {learned['dirichlet']:g} chosen on held-out images: "
+                  f"{json.dumps(learned['dirichlet_choice'])}", flush=True)
         yield label, accuracy(merged, test_x, test_y)[1], time.perf_counter() - t
 
 
@@ -89,7 +96,11 @@ def main(argv=None) -> int:
     p.add_argument("--joint-refine", default="all", choices=("all", "discrete"),
                    help="--strategy-joint rows: what the joint rounds re-solve (AlignedFedAvg's joint_refine)")
     p.add_argument("--strategy-cases", default="data-free,learned", help="--strategy-joint rows: data-free, learned")
-    p.add_argument("--learn-dirichlet", type=float, help="the joint-learned row's Dirichlet concentration (default 1)")
+    p.add_argument("--learn-dirichlet", type=lambda v: v if v == "auto" else float(v),
+                   help="the joint-learned row's Dirichlet concentration (default 1), or auto: chosen on held-out "
+                        "server images")
+    p.add_argument("--dirichlet-steps", type=int,
+                   help="--learn-dirichlet auto: learning steps per candidate concentration (default: half the steps)")
     p.add_argument("--learn-target", help="the joint-learned row's target: log-probabilities (default) or probabilities")
     p.add_argument("--joint-learn-steps", type=int, help="the joint-learned row's learning steps (default 200)")
     p.add_argument("--out", help="folder for results.json")
@@ -152,7 +163,7 @@ def main(argv=None) -> int:
                                    AlignOptions(symmetries="recommended"), True),
                      "learned": ("AlignedFedAvg(joint=True), learned (recommended)", learned, True)}
             settings = [cases[c] for c in args.strategy_cases.split(",")]
-        seconds = {}
+        seconds, details = {}, {}
         if args.only_more:
             settings = []
         for label, alignment, joint in settings:
@@ -164,9 +175,12 @@ def main(argv=None) -> int:
             merged.load_state_dict(arrays.to_torch_state_dict())
             rows[label] = accuracy(merged, test_x, test_y)[1]
             seconds[label] = strategy.rounds[-1]["seconds"]
+            choice = strategy.rounds[-1].get("joint", {}).get("learned", {}).get("dirichlet_choice")
+            if choice is not None:
+                details[label] = choice
             print(f"{label:<46} accuracy {rows[label]:.4f}  ({seconds[label]:.1f} s)", flush=True)
         if args.more or args.only_more:
-            for label, acc, secs in more_rows(clients, sizes, unlabeled, args, test_x, test_y):
+            for label, acc, secs in more_rows(clients, sizes, unlabeled, args, test_x, test_y, details):
                 rows[label], seconds[label] = acc, secs
                 print(f"{label:<46} accuracy {acc:.4f}  ({secs:.1f} s)", flush=True)
     print()
@@ -180,6 +194,7 @@ def main(argv=None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"accuracy": rows, "aggregation_seconds": seconds,
+                                                     "dirichlet_choice": details,
                                                      "shard_sizes": sizes, "args": vars(args)}, indent=2) + "\n")
     return 0
 

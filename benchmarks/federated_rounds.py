@@ -15,53 +15,90 @@ Run: ``FLWR_TELEMETRY_ENABLED=0 python -m benchmarks.federated_rounds --runs cle
 (``--outlier-rule``, default ``krum``, ``--outlier-threshold``, default 3.5); ``clipped``: the same,
 with ``norm_clip`` (an update beyond the norm rule is scaled down to the others' median norm, not left
 out); ``clip``: weighted mean and ``norm_clip``, no outlier rule; ``fedavg``: no
-alignment, weighted mean, no norm rule).
+alignment, weighted mean, no norm rule; ``guarded``: aligned, weighted mean, ``min_align_gain``
+(``--min-align-gain``, default 0.05, the strategy's default: a client whose alignment lowers its distance to
+the global model by less keeps its own frame); every other aligned arm aligns every client
+(``min_align_gain=0``, as they were measured before the guard existed)).
+B5 (b): ``--runs clean:fedavg,clean:mean,clean:guarded --local-epochs E [--examples-per-client N] --probe``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .bench_federated import EXAMPLE, replies_for
 
+# the aligned arms but "guarded" align every client (min_align_gain 0: as measured before the guard existed)
 ARMS = {"fedavg": {"alignment": "none", "norm_factor": None},
-        "mean": {"norm_factor": None},
-        "robust": {"aggregation": "median", "norm_factor": 10.0},
-        "filtered": {"norm_factor": 10.0, "outlier_rule": "krum", "outlier_threshold": 3.5},
-        "clipped": {"norm_factor": 10.0, "norm_clip": True, "outlier_rule": "krum", "outlier_threshold": 3.5},
-        "clip": {"norm_factor": 10.0, "norm_clip": True}}
+        "mean": {"norm_factor": None, "min_align_gain": 0.0},
+        "robust": {"aggregation": "median", "norm_factor": 10.0, "min_align_gain": 0.0},
+        "filtered": {"norm_factor": 10.0, "outlier_rule": "krum", "outlier_threshold": 3.5, "min_align_gain": 0.0},
+        "clipped": {"norm_factor": 10.0, "norm_clip": True, "outlier_rule": "krum", "outlier_threshold": 3.5,
+                    "min_align_gain": 0.0},
+        "clip": {"norm_factor": 10.0, "norm_clip": True, "min_align_gain": 0.0},
+        "guarded": {"norm_factor": None, "min_align_gain": 0.05}}
 ATTACKS = ("clean", "scale100", "flip", "absent")
 
 
-def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, log=print) -> list[float]:
+TRAINED: dict = {}  # (start model's hash, round, client, flipped, steps) -> the client's trained state dict
+
+
+def _digest(state_dict: dict) -> str:
+    h = hashlib.sha256()
+    for k, v in state_dict.items():
+        h.update(k.encode())
+        h.update(v.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def local_steps(cfg: dict, n: int, epochs: float | None) -> int:
+    """A client's local steps in a round: ``local-steps``, or ``epochs`` passes over its ``n`` examples."""
+    return int(cfg["local-steps"]) if epochs is None else max(1, int(math.ceil(epochs * n / int(cfg["batch-size"]))))
+
+
+def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, log=print, epochs: float | None = None,
+            probe: bool = False) -> dict:
+    """One run: ``{"accuracy": [...], ...}`` per round, with the mean distance to the global model before and
+    after alignment, the mean relative gain of the alignment, ``paired_fedavg`` (aligned arms: the accuracy of
+    the plain weighted average of the same clients' models, that round) and, with ``probe`` for an arm without
+    alignment, ``probe_gain``: what the data-free alignment would have gained on its clients. A client's
+    local training is reused across runs when it starts from the same model (the first round of every arm)."""
     from flwr.app import ArrayRecord
 
     from symmerge.demo.train import accuracy
-    from symmerge.federated import AlignedFedAvg
+    from symmerge.federated import AlignedFedAvg, aggregate
+    from symmerge.pipeline.align import align_pair
 
     model = task.load_model(cfg)
     strategy = AlignedFedAvg(model, fraction_evaluate=0.0, min_clients=2, **ARMS[arm])
     arrays = ArrayRecord(model.state_dict())
     data = [task.load_partition(pid, clients, cfg) for pid in range(clients)]
-    accs = []
+    out = {"accuracy": [], "distance_before": [], "distance_after": [], "gain": [], "unaligned": [],
+           "paired_fedavg": [], "probe_gain": [], "local_steps": [local_steps(cfg, len(x), epochs) for x, _ in data]}
     for r in range(1, rounds + 1):
         start = arrays.to_torch_state_dict()
+        digest = _digest(start)
         states, sizes, pids = [], [], []
         for pid, (x, y) in enumerate(data):
             if attack == "absent" and pid == 0:
                 continue
-            local = task.load_model(cfg)
-            local.load_state_dict(start)
             flip = attack == "flip" and pid == 0
-            task.train(local, x, 9 - y if flip else y, cfg, seed=1000 * r + pid)
-            sd = {k: v.detach().clone() for k, v in local.state_dict().items()}
+            steps = local_steps(cfg, len(x), epochs)
+            key = (digest, r, pid, flip, steps)
+            if key not in TRAINED:
+                local = task.load_model(cfg)
+                local.load_state_dict(start)
+                task.train(local, x, 9 - y if flip else y, {**cfg, "local-steps": steps}, seed=1000 * r + pid)
+                TRAINED[key] = {k: v.detach().clone() for k, v in local.state_dict().items()}
+            sd = dict(TRAINED[key])
             if attack == "scale100" and pid == 0:
                 sd = {k: start[k] + 100.0 * (v - start[k]) for k, v in sd.items()}
             states.append(sd)
@@ -70,13 +107,43 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
         strategy.global_arrays = arrays
         arrays, _ = strategy.aggregate_train(r, replies_for(states, sizes))
         model.load_state_dict(arrays.to_torch_state_dict())
-        accs.append(accuracy(model, *test)[1])
+        out["accuracy"].append(accuracy(model, *test)[1])
         rec = strategy.rounds[-1]
-        log(f"  {attack}:{arm} round {r}: accuracy {accs[-1]:.4f}, left out "
+        before, after = rec["distance_before"], rec["distance_after"]
+        if before:
+            out["distance_before"].append(sum(before) / len(before))
+            out["distance_after"].append(sum(after) / len(after))
+            out["gain"].append(sum((b - a) / b for b, a in zip(before, after) if b > 0) / len(before))
+        out["unaligned"].append([pids[x["node"] - 1] for x in rec.get("unaligned", [])])
+        keys = [k for k, v in start.items() if v.is_floating_point()]
+        if strategy.alignment.symmetries:  # the same clients, plainly averaged: alignment's effect in this round
+            plain = task.load_model(cfg)
+            plain.load_state_dict(aggregate(states, sizes, keys, start))
+            out["paired_fedavg"].append(accuracy(plain, *test)[1])
+        elif probe:  # what a data-free alignment would gain on these clients (a guard's decision)
+            anchor = task.load_model(cfg)
+            anchor.load_state_dict(start)
+            gains = []
+            for sd in states:
+                local = task.load_model(cfg)
+                local.load_state_dict(sd)
+                rep = align_pair(local, anchor, AlignedFedAvg(anchor, fraction_evaluate=0.0).alignment).report
+                gains.append((rep["distance_before"] - rep["distance_after"]) / rep["distance_before"])
+            out["probe_gain"].append(gains)
+        extra = (f", paired FedAvg {out['paired_fedavg'][-1]:.4f}" if out["paired_fedavg"] else "") + (
+            f", alignment gain {out['gain'][-1]:.4f} (mean), unaligned {out['unaligned'][-1]}"
+            if strategy.alignment.symmetries and out["gain"] else "") + (
+            f", probe gain max {max(out['probe_gain'][-1]):.4f}" if out["probe_gain"] else "")
+        log(f"  {attack}:{arm} round {r}: accuracy {out['accuracy'][-1]:.4f}, left out "
             f"{[(pids[x['node'] - 1], x['kind']) for x in rec['left_out']]} (client, kind), clipped "
             f"{[pids[x['node'] - 1] for x in rec['clipped']]}, {rec['seconds']:.1f} s "
-            f"aggregation", flush=True)
-    return accs
+            f"aggregation{extra}", flush=True)
+    return out
+
+
+def rounds_to_reach(accuracy: list[float], target: float) -> int | None:
+    """The first round (1-based) whose accuracy is at least ``target`` (None: never)."""
+    return next((r + 1 for r, a in enumerate(accuracy) if a >= target), None)
 
 
 def main(argv=None) -> int:
@@ -91,8 +158,14 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--outlier-rule", default="krum", help="the filtered arm's outlier rule: distance, cosine, krum")
     p.add_argument("--outlier-threshold", type=float, default=3.5, help="the filtered arm's robust z threshold")
+    p.add_argument("--local-epochs", type=float, help="local work as epochs: each client runs E passes over its shard "
+                                                    "per round (ceil(E x shard / batch) steps; overrides --local-steps)")
+    p.add_argument("--examples-per-client", type=int, default=100000, help="each client's shard capped at this many")
+    p.add_argument("--min-align-gain", type=float, default=0.05, help="the guarded arm's min_align_gain")
+    p.add_argument("--probe", action="store_true", help="arms without alignment: record what alignment would gain")
     p.add_argument("--out", help="folder for results.json")
     args = p.parse_args(argv)
+    ARMS["guarded"]["min_align_gain"] = args.min_align_gain
     for arm in ("filtered", "clipped"):
         ARMS[arm].update(outlier_rule=args.outlier_rule, outlier_threshold=args.outlier_threshold)
     torch.set_num_threads(args.threads)
@@ -100,23 +173,32 @@ def main(argv=None) -> int:
     from fedvit import task
 
     cfg = task.settings({"dirichlet-alpha": args.alpha, "local-steps": args.local_steps, "init-seed": args.seed,
-                         "data-seed": args.seed, "examples-per-client": 100000})
+                         "data-seed": args.seed, "examples-per-client": args.examples_per_client})
     test_x, test_y = task.load_test({**cfg, "test-examples": args.test})
     t0 = time.perf_counter()
-    results = {}
+    results, details = {}, {}
     for spec in args.runs.split(","):
         attack, arm = spec.split(":")
         if attack not in ATTACKS or arm not in ARMS:
             raise SystemExit(f"bad run {spec!r}: ATTACK:ARM with ATTACK in {list(ATTACKS)} and ARM in {list(ARMS)}")
-        results[spec] = run_one(task, cfg, attack, arm, args.rounds, args.clients, (test_x, test_y))
+        t = time.perf_counter()
+        details[spec] = run_one(task, cfg, attack, arm, args.rounds, args.clients, (test_x, test_y),
+                                epochs=args.local_epochs, probe=args.probe)
+        details[spec]["seconds"] = time.perf_counter() - t
+        results[spec] = details[spec]["accuracy"]
     print(f"\n{'run':<18}" + "".join(f"{'round ' + str(r):>10}" for r in range(1, args.rounds + 1)))
     for spec, accs in results.items():
         print(f"{spec:<18}" + "".join(f"{a:>10.4f}" for a in accs))
+    fedavg = next((accs for spec, accs in results.items() if spec.endswith(":fedavg")), None)
+    if fedavg is not None:  # rounds to reach FedAvg's final accuracy
+        reach = {spec: rounds_to_reach(accs, fedavg[-1]) for spec, accs in results.items()}
+        print("rounds to reach FedAvg's final accuracy " + f"({fedavg[-1]:.4f}): "
+              + ", ".join(f"{spec} {r if r is not None else 'never'}" for spec, r in reach.items()))
     print(f"{time.perf_counter() - t0:.0f} s in all")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"accuracy_per_round": results, "args": vars(args)},
+        (out / "results.json").write_text(json.dumps({"accuracy_per_round": results, "runs": details, "args": vars(args)},
                                                      indent=2) + "\n")
     return 0
 

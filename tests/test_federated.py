@@ -227,6 +227,36 @@ def test_clients_in_one_orbit_aggregate_to_that_function(world):
     assert not torch.allclose(outputs(plain), outputs(sd), atol=1e-2)
 
 
+def test_min_align_gain_keeps_near_identity_clients_unaligned(world):
+    """``min_align_gain``: clients that trained from the global model without being moved in their orbits
+    (a small update, no permutation) gain little from alignment: they enter the aggregate as sent, so the
+    round is exactly FedAvg's (without the guard alignment moves them and the aggregate differs); clients
+    whose alignment undoes a permutation (a large gain) keep it, and the aggregate is the aligned one."""
+    g, clients, examples = world
+    gen = torch.Generator().manual_seed(7)
+    near = {n: {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in g.state_dict().items()} for n in (1, 2, 3)}
+    replies = [reply(n, near[n], examples[n]) for n in (1, 2, 3)]
+    fedavg = FedAvg(fraction_evaluate=0.0).aggregate_train(1, replies)[0].to_torch_state_dict()
+    guarded = strategy(g)  # the default: 0.05
+    assert guarded.min_align_gain == 0.05
+    got, metrics = guarded.aggregate_train(1, replies)
+    rec = guarded.rounds[-1]
+    assert [u["node"] for u in rec["unaligned"]] == [1, 2, 3] and all(0 <= u["gain"] < 0.05 for u in rec["unaligned"])
+    assert metrics["symmerge-clients-unaligned"] == 3
+    assert close(got.to_torch_state_dict(), fedavg, atol=1e-6)
+    assert rec["distance_after"] == pytest.approx(rec["distance_before"], rel=1e-9)
+    unguarded = strategy(g, min_align_gain=0.0).aggregate_train(1, replies)[0].to_torch_state_dict()
+    assert not close(unguarded, fedavg, atol=1e-6)  # negative control: alignment alone moves them
+    permuted = strategy(g, min_align_gain=0.05)
+    got, metrics = permuted.aggregate_train(1, good_replies(world))
+    assert not permuted.rounds[-1]["unaligned"] and metrics["symmerge-clients-unaligned"] == 0
+    assert close(got.to_torch_state_dict(), strategy(g).aggregate_train(1, good_replies(world))[0].to_torch_state_dict(),
+                 atol=1e-9)
+    for bad in (-0.1, 1.0, True, "5%"):
+        with pytest.raises(SymmergeError, match="min_align_gain"):
+            AlignedFedAvg(g, min_align_gain=bad)
+
+
 def test_median_and_trimmed_mean_against_numpy():
     rng = np.random.default_rng(0)
     sds = [{"w": torch.from_numpy(rng.normal(size=(4, 5))), "b": torch.tensor([i])} for i in range(5)]
@@ -587,7 +617,9 @@ def test_the_example_app_passes_its_robust_options_to_the_strategy(example_on_pa
 
     model = task.load_model(task.settings({"hidden": 16, "layers": 1, "heads": 2}))
     default = AlignedFedAvg(template=model, **server_app.strategy_options(task.settings()))
-    assert default.norm_clip is False and default.outlier_rule is None
+    assert default.norm_clip is False and default.outlier_rule is None and default.min_align_gain == 0.05
+    assert AlignedFedAvg(template=model, **server_app.strategy_options(task.settings(
+        {"min-align-gain": 0.0}))).min_align_gain == 0.0
     cfg = task.settings({"norm-clip": True, "outlier-rule": "krum", "outlier-threshold": 2.5})
     options = server_app.strategy_options(cfg)
     assert options["norm_clip"] is True and options["outlier_rule"] == "krum" and options["outlier_threshold"] == 2.5

@@ -220,7 +220,7 @@ def test_the_dirichlet_concentration_comes_from_the_settings_and_the_cli():
     args = build_parser().parse_args(["merge", "a", "b", "c", "-o", "out", "--method", "average", "--match", "learned",
                                       "--align-data", "x.npz", "--learn-dirichlet", "3"])
     assert learn_settings(args).dirichlet == 3.0
-    assert LearnSettings().dirichlet == 1.0
+    assert LearnSettings().dirichlet == "auto"
     with pytest.raises(SymmergeError, match="Dirichlet concentration must be > 0"):
         LearnSettings(dirichlet=0)
     models = [make_model("vit", head=True, seed=s, dtype=torch.float32) for s in range(3)]
@@ -229,3 +229,91 @@ def test_the_dirichlet_concentration_comes_from_the_settings_and_the_cli():
                            learn=_settings(steps=2, dirichlet=3.0))
     result = align_joint(models, options)
     assert result.report["learned"]["dirichlet"] == 3.0
+
+
+# ---------------------------------------------------------------- --learn-dirichlet auto: the held-out choice
+
+
+def test_uniform_score_is_comparable_across_alignments():
+    """The choice's criterion: N copies of one model score exactly the entropy of its predictions (the
+    uniform average is the model; KL 0); disguised copies (the same function each, other frames) score
+    higher unaligned, since their plain average is another function, and the same once aligned back."""
+    from symmerge.pipeline.learn_joint import uniform_score
+
+    anchor = make_model("vit", head=True, dtype=torch.float32)
+    data = unlabeled(anchor)
+    sd = anchor.state_dict()
+    same = uniform_score(anchor, [sd, sd, sd], 0, "log-probabilities", data.batches)
+    with torch.no_grad():
+        p = [torch.softmax(anchor(**b.inputs).logits.float(), -1) for b in data.batches]
+    entropy = sum(float(-(q * q.log()).sum(-1).mean()) for q in p) / len(p)
+    assert same == pytest.approx(entropy, rel=1e-5)
+    copies = [disguised(anchor, ("heads", "attn", "ffn", "rescale"), seed=20 + s)[0].float() for s in range(2)]
+    mixed = uniform_score(anchor, [sd] + [c.state_dict() for c in copies], 0, "log-probabilities", data.batches)
+    assert mixed > same + 1e-3
+
+
+def test_auto_concentration_is_chosen_on_held_out_data_only(monkeypatch):
+    """`dirichlet="auto"`: every candidate learns on the first batches only, the scores come from the
+    held-out last batches, the lowest score wins, the final learning runs on all the data at the chosen
+    concentration, and the whole choice is deterministic."""
+    from symmerge.pipeline import learn_joint
+
+    models = [make_model("vit", head=True, seed=s, dtype=torch.float32) for s in range(3)]
+    data = unlabeled(models[0], n_batches=5)
+    held = {id(b) for b in data.batches[-1:]}  # 20 % of 5 batches
+    calls, scored = [], []
+    real_learn, real_score = learn_joint.learn_mixture, learn_joint.uniform_score
+
+    def spy_learn(*args, concentration, **kw):
+        calls.append(([id(b) for b in args[4].batches], args[5].steps, concentration))
+        return real_learn(*args, concentration=concentration, **kw)
+
+    def spy_score(skeleton, sds, frame, target, batches):
+        scored.append({id(b) for b in batches})
+        return real_score(skeleton, sds, frame, target, batches)
+
+    monkeypatch.setattr(learn_joint, "learn_mixture", spy_learn)
+    monkeypatch.setattr(learn_joint, "uniform_score", spy_score)
+    options = AlignOptions(symmetries="attn,ffn,rescale", match="learned", align_data=data,
+                           learn=_settings(steps=6, dirichlet="auto", dirichlet_grid=(1.0, 30.0)))
+    result = align_joint(models, options)
+    choice = result.report["learned"]["dirichlet_choice"]
+    assert [c[2] for c in calls] == [1.0, 30.0, choice["chosen"]] and [c[1] for c in calls] == [3, 3, 6]
+    for ids, _, _ in calls[:2]:
+        assert not held & set(ids) and len(ids) == 4
+    assert calls[2][0] == [id(b) for b in data.batches]
+    assert scored and all(s == held for s in scored)
+    assert choice["fit_examples"] == 32 and choice["held_out_examples"] == 8 and choice["candidate_steps"] == 3
+    scores = choice["held_out_uniform"]
+    assert len(scores) == 2 and choice["chosen"] == (1.0, 30.0)[min(range(2), key=lambda i: (scores[i], i))]
+    assert result.report["learned"]["dirichlet"] == choice["chosen"]
+    again = align_joint(models, options).report["learned"]["dirichlet_choice"]
+    assert again["held_out_uniform"] == scores and again["chosen"] == choice["chosen"]
+    for x, y in zip(models, result.models):  # every model keeps its function
+        assert output_rel_diff(x, y, make_inputs(models[0])) <= 1e-4
+
+
+def test_auto_concentration_settings_and_flag():
+    from symmerge.cli import build_parser
+    from symmerge.commands.alignment_args import learn_settings
+
+    args = build_parser().parse_args(["merge", "a", "b", "c", "-o", "out", "--method", "average", "--match", "learned",
+                                      "--align-data", "x.npz", "--learn-dirichlet", "auto"])
+    assert learn_settings(args).dirichlet == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["merge", "a", "b", "-o", "out", "--learn-dirichlet", "often"])
+    for bad in ({"dirichlet": "often"}, {"dirichlet_grid": ()}, {"dirichlet_grid": (1.0, -2.0)},
+                {"dirichlet_holdout": 0.0}, {"dirichlet_steps": -1}):
+        with pytest.raises(SymmergeError):
+            LearnSettings(**bad)
+    models = [make_model("vit", head=True, seed=s, dtype=torch.float32) for s in range(3)]
+    one_batch = unlabeled(models[0], n_batches=1)  # 8 images: the last 2 held out
+    result = align_joint(models, AlignOptions(symmetries="attn,ffn,rescale", match="learned", align_data=one_batch,
+                                              learn=_settings(steps=2)))  # auto is the default
+    choice = result.report["learned"]["dirichlet_choice"]
+    assert (choice["fit_examples"], choice["held_out_examples"]) == (6, 2) and choice["chosen"] in choice["grid"]
+    with pytest.raises(SymmergeError, match="at least 2 examples"):
+        align_joint(models, AlignOptions(symmetries="attn,ffn,rescale", match="learned",
+                                         align_data=unlabeled(models[0], n_batches=1, batch=1),
+                                         learn=_settings(steps=2, dirichlet="auto")))

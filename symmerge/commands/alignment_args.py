@@ -6,6 +6,8 @@ untying, the coordinate-descent cap, what the elements are fitted to (``--match`
 
 from __future__ import annotations
 
+import argparse
+
 from ..errors import SymmergeError
 from ..groups import RESCALE_MODES
 from ..pipeline.options import LEARN_PRECISIONS, MATCH_MODES, RESIDUAL_CHOICES, AlignOptions, LearnSettings
@@ -58,10 +60,13 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
     parser.add_argument("--learn-check-batches", type=int, default=None, metavar="N",
                         help="--match learned: the objective checks (start/end, or held-out) on at most N batches "
                              f"(default {LearnSettings.check_batches}: all)")
-    parser.add_argument("--learn-dirichlet", type=float, default=None, metavar="C",
+    parser.add_argument("--learn-dirichlet", type=_concentration, default=None, metavar="C|auto",
                         help="--match learned with more than two models (joint): the mixture weights drawn from "
-                             f"Dirichlet(C, ..., C) (default {LearnSettings.dirichlet}: uniform on the simplex; larger "
-                             "C: mixtures nearer the plain average)")
+                             "Dirichlet(C, ..., C) (1: uniform on the simplex; larger C: mixtures nearer the plain "
+                             f"average); auto (the default): C chosen from "
+                             f"{', '.join(f'{c:g}' for c in LearnSettings.dirichlet_grid)} on a held-out "
+                             f"{LearnSettings.dirichlet_holdout * 100:g}%% of --align-data by the objective at the uniform "
+                             "mixture (the report's learned.dirichlet_choice)")
     parser.add_argument("--workers", type=int, default=None,
                         help="FFN layers (cost GEMM + exact assignment) solved at once on a thread pool, beside the "
                              "head groups (default: one per core; 1: one thing after another on one thread; the "
@@ -76,6 +81,16 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                             help="REPAIR: reset the per-channel means and standard deviations of the merged model "
                                  "(FFN pre-activations, norm outputs) to the interpolation of the endpoints', on "
                                  "--align-data, folded into weights and biases (architecture unchanged)")
+
+
+def _concentration(text: str):
+    """``--learn-dirichlet``: a number, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
 
 
 LEARN_FLAGS = {"steps": "--learn-steps", "budget": "--learn-budget", "seed": "--learn-seed", "batch": "--learn-batch",

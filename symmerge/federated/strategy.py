@@ -75,6 +75,9 @@ from .aggregate import (LEFT_OUT_KINDS, aggregate, check_aggregation, check_outl
 # the recommended set without the residual stream: groups that need no change of parameterisation
 FEDERATED_SYMMETRIES = ("heads", "attn", "ffn", "rescale")
 PREFIX = "symmerge-"  # the strategy's own keys in the round's MetricRecord
+# a client's alignment is kept only if it lowers its distance to the global model by at least this fraction;
+# otherwise the client enters the aggregate as it was sent (the identity element): see AlignedFedAvg
+MIN_ALIGN_GAIN = 0.05
 
 
 class _LeftOut(Exception):
@@ -119,7 +122,7 @@ class AlignedFedAvg(FedAvg):
     def __init__(self, template, *, alignment=None, aggregation: str = "mean", trim: float = 0.2,
                  norm_factor: float | None = 10.0, norm_clip: bool = False, outlier_rule: str | None = None,
                  outlier_threshold: float = 3.5, min_clients: int = 2, joint: bool = False, joint_rounds: int = 10,
-                 joint_refine: str = DEFAULT_REFINE, **fedavg_kwargs):
+                 joint_refine: str = DEFAULT_REFINE, min_align_gain: float = MIN_ALIGN_GAIN, **fedavg_kwargs):
         super().__init__(**fedavg_kwargs)
         check_aggregation(aggregation, trim)
         check_outlier_rule(outlier_rule, outlier_threshold)
@@ -140,6 +143,10 @@ class AlignedFedAvg(FedAvg):
         if joint_refine not in JOINT_REFINE:
             raise SymmergeError(f"unknown joint_refine {joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
         self.joint, self.joint_rounds, self.joint_refine = bool(joint), joint_rounds, joint_refine
+        if isinstance(min_align_gain, bool) or not isinstance(min_align_gain, (int, float)) or not (
+                0.0 <= min_align_gain < 1.0):
+            raise SymmergeError(f"min_align_gain must be a fraction in [0, 1), got {min_align_gain!r}")
+        self.min_align_gain = float(min_align_gain)
         self.reference = {k: v.detach() for k, v in self.template.state_dict().items()}
         self.folds = bool(self.alignment.symmetries) and canonical(self.template, self.alignment) is not self.template
         self.global_arrays: ArrayRecord | None = None  # set by configure_train: the model sent this round
@@ -227,7 +234,7 @@ class AlignedFedAvg(FedAvg):
 
         record = {"round": server_round, "left_out": left_out, "kept_previous": False, "folded": self.folds,
                   "symmetries": list(self.alignment.symmetries), "aggregation": self.aggregation,
-                  "outlier_rule": self.outlier_rule, "outlier_z": {}, "clipped": []}
+                  "outlier_rule": self.outlier_rule, "outlier_z": {}, "clipped": [], "unaligned": []}
         if len(candidates) < self.min_clients:
             return self._keep_previous(record, candidates, t0)
 
@@ -242,7 +249,7 @@ class AlignedFedAvg(FedAvg):
         for msg, state_dict, weight in candidates:
             node = msg.metadata.src_node_id
             try:
-                sd, before, after = self._align(state_dict, anchor, anchor_sd, keys)
+                sd, before, after = self._align(state_dict, anchor, anchor_sd, keys, node, record)
             except Exception as e:  # noqa: BLE001 - a client's weights must not crash the server's solvers
                 self._left_out(left_out, node, "alignment", f"alignment failed: {type(e).__name__}: {e}")
                 continue
@@ -270,7 +277,7 @@ class AlignedFedAvg(FedAvg):
                 record["clipped"].append({"node": node, "reason": reason, "scale": scale})
                 try:
                     sd, _, after = self._align(scale_update(state_dict, global_sd, float_keys, scale), anchor,
-                                               anchor_sd, keys)
+                                               anchor_sd, keys, node, record)
                 except Exception as e:  # noqa: BLE001
                     self._left_out(left_out, node, "alignment", f"alignment failed: {type(e).__name__}: {e}")
                     continue
@@ -305,8 +312,12 @@ class AlignedFedAvg(FedAvg):
         metrics = self._client_metrics([k[0] for k in kept])
         return arrays, self._finish(record, metrics, t0)
 
-    def _align(self, state_dict: dict, anchor, anchor_sd: dict, keys) -> tuple[dict, float, float]:
-        """A client's model aligned to the global model: (state dict, distance before, distance after)."""
+    def _align(self, state_dict: dict, anchor, anchor_sd: dict, keys, node=None,
+               record: dict | None = None) -> tuple[dict, float, float]:
+        """A client's model aligned to the global model: (state dict, distance before, distance after). With
+        ``min_align_gain``, an alignment that lowers the distance by less than that fraction is not used: the
+        client comes back as it was sent (in the global model's parameterisation), its distance unchanged, and
+        ``record["unaligned"]`` names it."""
         model = with_state_dict(self.template, state_dict)
         if not self.alignment.symmetries:
             sd = model.state_dict()
@@ -315,7 +326,14 @@ class AlignedFedAvg(FedAvg):
         # joint: this alignment only feeds the distances and the rules (the aggregate comes from the joint one),
         # so it is data-free whatever the matcher
         res = align_pair(model, anchor, self.alignment.with_(match="weights") if self.joint else self.alignment)
-        return res.model.state_dict(), float(res.report["distance_before"]), float(res.report["distance_after"])
+        before, after = float(res.report["distance_before"]), float(res.report["distance_after"])
+        gain = (before - after) / before if before > 0 else 0.0
+        if self.min_align_gain > 0 and not self.joint and gain < self.min_align_gain:
+            unaligned = canonical(model, self.alignment).state_dict()  # the identity element (norms folded if the frame is)
+            if record is not None:
+                record["unaligned"].append({"node": node, "gain": gain})
+            return unaligned, before, float(sq_distance(unaligned, anchor_sd, keys) ** 0.5)
+        return res.model.state_dict(), before, after
 
     def _joint_aggregate(self, state_dicts: list, weights: list, anchor, keys, record: dict) -> dict:
         """The clients aligned jointly (anchor: the client closest to their average), aggregated, then moved into
@@ -379,6 +397,7 @@ class AlignedFedAvg(FedAvg):
         for kind in LEFT_OUT_KINDS:
             metrics[f"{PREFIX}left-out-{kind.replace('_', '-')}"] = sum(x["kind"] == kind for x in record["left_out"])
         metrics[PREFIX + "clients-clipped"] = len(record["clipped"])
+        metrics[PREFIX + "clients-unaligned"] = len({x["node"] for x in record.get("unaligned", [])})
         metrics[PREFIX + "kept-previous"] = int(record["kept_previous"])
         metrics[PREFIX + "distance-before"] = float(sum(before) / len(before)) if before else 0.0
         metrics[PREFIX + "distance-after"] = float(sum(after) / len(after)) if after else 0.0

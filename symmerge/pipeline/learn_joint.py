@@ -31,6 +31,8 @@ against the model it came from.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -45,10 +47,10 @@ from .align import instances_for, load_align_data, untied
 from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, norm_eps,
                     scored_logits, shuffled, subsample_positions)
 from .frame import JointAlignment, spread
-from .options import LearnSettings
 from .verify import verify_elements, verify_forward, with_state_dict
 
-DIRICHLET = LearnSettings.dirichlet  # concentration of the mixture weights: Dirichlet(1) is uniform on the simplex
+DIRICHLET = 1.0  # a fixed concentration of the mixture weights (Dirichlet(1): uniform on the simplex); the settings'
+# default is "auto" (chosen on held-out data, choose_concentration)
 
 
 def check_points(n: int) -> list[torch.Tensor]:
@@ -186,6 +188,85 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
     return elements, info
 
 
+def _rows(batch, start: int, stop: int):
+    """Examples ``start:stop`` of ``batch`` (every tensor sliced along its first axis)."""
+    cut = lambda t: None if t is None else t[start:stop]  # noqa: E731
+    return type(batch)({k: cut(v) if isinstance(v, torch.Tensor) else v for k, v in batch.inputs.items()},
+                       cut(batch.labels), cut(batch.mask))
+
+
+def _size(batch) -> int:
+    return len(next(v for v in batch.inputs.values() if isinstance(v, torch.Tensor)))
+
+
+def split_batches(data, fraction: float):
+    """``(fit, held)``: ``data`` (a loaded :class:`~symmerge.io.data.Data`) cut into its first batches and
+    its last ``fraction`` of them (at least one each); with a single batch, its last ``fraction`` of
+    examples (at least one each). The concentration's choice learns on ``fit`` and scores on ``held``."""
+    batches = list(data.batches)
+    if len(batches) == 1 and _size(batches[0]) >= 2:
+        m = _size(batches[0])
+        cut = m - min(max(1, int(round(fraction * m))), m - 1)
+        fit, held = [_rows(batches[0], 0, cut)], [_rows(batches[0], cut, m)]
+    elif len(batches) >= 2:
+        n_held = min(max(1, int(round(fraction * len(batches)))), len(batches) - 1)
+        fit, held = batches[:-n_held], batches[-n_held:]
+    else:
+        raise SymmergeError(f"--learn-dirichlet auto holds out part of the alignment data: it needs at least 2 "
+                            f"examples, got {data.n} {examples_word(data)} (pass more, or a concentration: "
+                            "--learn-dirichlet C)")
+    return (dataclasses.replace(data, batches=fit, n=sum(map(_size, fit))),
+            dataclasses.replace(data, batches=held, n=sum(map(_size, held))))
+
+
+def uniform_score(skeleton, state_dicts: list[dict], frame: int, target: str, batches) -> float:
+    """The learned objective at the uniform mixture: the soft cross-entropy of the plain average of
+    ``state_dicts`` against the uniform mixture of the N models' predictions (``target``), averaged over
+    ``batches``. The target does not depend on any alignment (each model keeps its function), so the
+    values of differently aligned versions of the same models compare directly (they differ by their KL
+    divergence to the same target)."""
+    mix = Mixture(skeleton, state_dicts, frame, target)
+    w = torch.full((len(state_dicts),), 1.0 / len(state_dicts))
+    none = [{} for _ in state_dicts]
+    with torch.no_grad():
+        values = [mix.loss(w, none, b, mix.predictions(b)).item() for b in batches]
+    return sum(values) / len(values)
+
+
+def choose_concentration(learn, instances, skeleton, state_dicts: list[dict], frame: int, data, settings,
+                         progress: bool = False) -> tuple[float, dict]:
+    """``--learn-dirichlet auto``: the Dirichlet concentration of the joint learned alignment chosen on
+    held-out unlabeled data (no labels anywhere). ``data`` is split by :func:`split_batches`
+    (``settings.dirichlet_holdout``); for every concentration of ``settings.dirichlet_grid`` the mixtures
+    are learned on the first part (``learn(data, settings, concentration=c)``: :func:`learn_mixture` bound
+    to the models, ``settings.dirichlet_steps`` steps, 0: half of ``settings.steps``) and scored on the
+    held-out part by :func:`uniform_score`: how well the uniform average of the aligned models matches
+    the uniform mixture of their predictions. That criterion is the same for every concentration (the
+    per-concentration training objectives are not: each averages over its own distribution of
+    mixtures) and it is measured where the aggregate is taken (the plain average; a size-weighted
+    aggregate is near it). The lowest score wins (ties: the smaller concentration). Returns
+    ``(concentration, report)``; the report is ``learned.dirichlet_choice``."""
+    t0 = time.perf_counter()
+    fit, held = split_batches(data, settings.dirichlet_holdout)
+    steps = settings.dirichlet_steps or max(1, settings.steps // 2)
+    candidate = dataclasses.replace(settings, steps=steps, holdout=0.0, budget=None)
+    start = uniform_score(skeleton, state_dicts, frame, settings.target, held.batches)
+    scores = []
+    for c in settings.dirichlet_grid:
+        with stage(f"joint learned alignment: Dirichlet({c:g}) on {fit.n} {examples_word(data)}, scored on "
+                   f"{held.n} held out", enabled=progress):
+            elements, _ = learn(fit, candidate, concentration=c)
+        moved = [apply(sd, instances, e) if e else sd for sd, e in zip(state_dicts, elements)]
+        scores.append(uniform_score(skeleton, moved, frame, settings.target, held.batches))
+    best = min(range(len(scores)), key=lambda i: (scores[i], i))
+    report = {"grid": list(settings.dirichlet_grid), "held_out_uniform": scores, "held_out_uniform_start": start,
+              "chosen": settings.dirichlet_grid[best], "candidate_steps": steps, "fit_examples": fit.n,
+              "held_out_examples": held.n, "seconds": time.perf_counter() - t0,
+              "criterion": "soft cross-entropy of the uniform average of the aligned models against the uniform "
+                           "mixture of their predictions, on the held-out part (lower is better)"}
+    return settings.dirichlet_grid[best], report
+
+
 def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds: int = 10, tol: float = 1e-4,
                         inputs: dict | None = None, progress: bool = False, round_sweeps: int | None = None,
                         concentration: float | None = None, *, closed_form):
@@ -202,7 +283,7 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
         raise SymmergeError(f"the joint learned alignment runs one round of steps (rounds=1), got rounds="
                             f"{settings.rounds}: re-solving the permutations between rounds is pairwise only "
                             "(pass --anchor for the star)")
-    if not concentration > 0:
+    if concentration != "auto" and not concentration > 0:
         raise SymmergeError(f"the Dirichlet concentration must be > 0, got {concentration}")
     n = len(models)
     anchor %= n
@@ -217,9 +298,16 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
     base = untied(models[anchor]) if options.untie else models[anchor]
     spec, instances = instances_for(base, options.layers, options.residual)
     sds = [x.state_dict() for x in start.models]
-    elements, info = learn_mixture(instances, start.models[anchor], sds, anchor, data, settings,
-                                   options.solver_options(), {"norm_eps": norm_eps(models[anchor].config)},
-                                   progress=progress, concentration=concentration)
+    learn = functools.partial(learn_mixture, instances, start.models[anchor], sds, anchor,
+                              opts=options.solver_options(), model_facts={"norm_eps": norm_eps(models[anchor].config)},
+                              progress=progress)
+    choice = None
+    if concentration == "auto":
+        concentration, choice = choose_concentration(learn, instances, start.models[anchor], sds, anchor, data,
+                                                     settings, progress=progress)
+    elements, info = learn(data, settings, concentration=concentration)
+    if choice is not None:
+        info["dirichlet_choice"] = choice
     final = []
     for i, x in enumerate(start.models):
         if elements[i]:

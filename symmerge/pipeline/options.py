@@ -48,6 +48,10 @@ def _names(value) -> tuple[str, ...]:
     return tuple(dict.fromkeys(v.strip() for v in expanded if v.strip()))
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and x not in (float("inf"),)
+
+
 def is_recommended(value) -> bool:
     """Whether a ``--symmetries``/``--align`` value asks for the recommended set."""
     return _names(value) == (RECOMMENDED_NAME,)
@@ -102,7 +106,12 @@ class LearnSettings:
     ``check_batches``: the objective checks on at most this many batches (the first; 0: every batch of
     the held-out part, or of the training set without one); ``dirichlet``: the concentration of the mixture
     weights of the joint learned alignment of N models (w ~ Dirichlet(dirichlet, …); 1: uniform on the
-    simplex; larger: mixtures nearer the plain average). See :mod:`symmerge.pipeline.learn`; the
+    simplex; larger: mixtures nearer the plain average), or ``"auto"`` (the default): chosen on held-out data — the
+    last ``dirichlet_holdout`` of the unlabeled batches is held out, the mixtures are learned on the rest
+    for every concentration of ``dirichlet_grid`` (``dirichlet_steps`` steps each; 0: half of ``steps``),
+    and the one whose uniform average of the N models matches the uniform mixture of their predictions
+    best on the held-out part is learned again on all the data with ``steps`` steps
+    (:func:`symmerge.pipeline.learn_joint.choose_concentration`). See :mod:`symmerge.pipeline.learn`; the
     defaults are the best recipe measured on B1 (docs/results.md, "B1 with unlabeled data")."""
 
     steps: int = 200
@@ -124,7 +133,10 @@ class LearnSettings:
     max_length: int | None = None
     precision: str = "float32"
     check_batches: int = 0
-    dirichlet: float = 1.0
+    dirichlet: float | str = "auto"
+    dirichlet_grid: tuple = (1.0, 3.0, 10.0, 30.0)
+    dirichlet_steps: int = 0
+    dirichlet_holdout: float = 0.2
 
     def __post_init__(self):
         if self.start not in LEARN_STARTS:
@@ -139,8 +151,15 @@ class LearnSettings:
         if self.precision not in LEARN_PRECISIONS:
             raise SymmergeError(f"unknown learned-alignment precision {self.precision!r}; choose one of "
                                 f"{', '.join(LEARN_PRECISIONS)}")
-        if not self.dirichlet > 0:
-            raise SymmergeError(f"the Dirichlet concentration must be > 0, got {self.dirichlet}")
+        if self.dirichlet != "auto" and not (_is_number(self.dirichlet) and self.dirichlet > 0):
+            raise SymmergeError(f"the Dirichlet concentration must be > 0 (or 'auto'), got {self.dirichlet!r}")
+        grid = tuple(self.dirichlet_grid)
+        if not grid or not all(_is_number(c) and c > 0 for c in grid):
+            raise SymmergeError(f"dirichlet_grid must be concentrations > 0, got {self.dirichlet_grid!r}")
+        object.__setattr__(self, "dirichlet_grid", tuple(float(c) for c in grid))
+        if self.dirichlet_steps < 0 or not 0.0 < self.dirichlet_holdout < 1.0:
+            raise SymmergeError(f"learned alignment needs dirichlet_steps >= 0 and dirichlet_holdout in (0, 1), got "
+                                f"{self.dirichlet_steps}, {self.dirichlet_holdout}")
         if self.check_batches < 0:
             raise SymmergeError(f"learned alignment needs check_batches >= 0, got {self.check_batches}")
         if self.positions < 0 or (self.max_length is not None and self.max_length < 2):

@@ -21,7 +21,8 @@ def strategy_options(cfg: dict) -> dict:
     return dict(alignment=cfg["align"], aggregation=cfg["aggregation"], trim=float(cfg["trim"]),
                 norm_factor=float(cfg["norm-factor"]) or None, norm_clip=bool(cfg["norm-clip"]),
                 outlier_rule=None if rule == "none" else rule, outlier_threshold=float(cfg["outlier-threshold"]),
-                min_clients=int(cfg["min-clients"]), fraction_train=float(cfg["fraction-train"]),
+                min_clients=int(cfg["min-clients"]), min_align_gain=float(cfg["min-align-gain"]),
+                fraction_train=float(cfg["fraction-train"]),
                 fraction_evaluate=float(cfg["fraction-evaluate"]))
 
 

@@ -31,6 +31,7 @@ DEFAULTS = {
     "norm-clip": False,  # a client caught by the norm rule: kept, its update scaled to the others' median norm
     "outlier-rule": "none",  # none | distance | cosine | krum: outliers among the aligned updates left out
     "outlier-threshold": 3.5,  # robust z-score beyond which the outlier rule leaves a client out
+    "min-align-gain": 0.05,  # a client whose alignment lowers its distance to the global model by less: unaligned
     "min-clients": 2,
     "fraction-train": 1.0,
     "fraction-evaluate": 0.0,
