@@ -90,7 +90,7 @@ def test_generated_sequences_feed_activations_learned_and_repair():
     for match, learn in (("activations", None), ("learned", LearnSettings(steps=2, batch=4, check_batches=1))):
         res = align_pair(a, b, AlignOptions(symmetries="recommended", match=match, align_data="generate:8:6",
                                             learn=learn))
-        assert res.report["align_samples_used"] == 8
+        assert res.report["align_samples_used"] == 8 and res.report["align_data"] == "generate:8:6:0"
         assert res.report["verify_max_abs_diff"] < 1e-3  # A's function kept (float32)
         if match == "learned":
             assert res.report["learned"]["steps"] == 2

@@ -19,7 +19,7 @@ def load_align_data(options, model, sources=None):
     if is_generate(options.align_data):
         n, length, seed = parse_generate(options.align_data)
         data = generate_data(sources or [model], min(n, options.align_samples), length, seed=seed,
-                             batch_size=batch_size, spec=options.align_data)
+                             batch_size=batch_size, spec=f"generate:{n}:{length}:{seed}")
         check_data(data, model, use_labels=False)
         return data
     max_length = options.learn.max_length if options.match == "learned" else None

@@ -52,6 +52,7 @@ class MatchContext:
 
             self._data = load_align_data(self.options, self.model, sources=[self.model, self.anchor])
             self.fields["align_samples_used"] = self._data.n
+            self.fields["align_data"] = self._data.path  # the file, or generate:N:LEN:SEED
         return self._data
 
 
