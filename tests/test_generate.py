@@ -114,3 +114,37 @@ def test_the_cli_checks_the_spec_before_loading_any_model():
         alignment_options(p.parse_args(["--match", "learned", "--align-data", "generate:16:1"]), "recommended")
     with pytest.raises(SymmergeError, match="--align-data generate"):
         alignment_options(p.parse_args(["--match", "activations"]), "recommended")
+
+
+def test_merge_samples_once_from_every_model_and_repairs_on_it(monkeypatch):
+    from symmerge.io import generate
+    from symmerge.merge.fuse import merge_models
+    from symmerge.pipeline.options import AlignOptions
+
+    a, b = _pair()
+    calls = []
+    real = generate.generate_data
+
+    def counted(models, *args, **kw):
+        calls.append(len(models))
+        return real(models, *args, **kw)
+
+    monkeypatch.setattr(generate, "generate_data", counted)
+    monkeypatch.setattr("symmerge.pipeline.data.generate_data", counted)
+    merged, rep = merge_models([a, b], "average", evaluate_result=False, progress=False, repair=True,
+                               align=AlignOptions(symmetries="recommended", match="activations",
+                                                  align_data="generate:6:5:2"))
+    assert calls == [2]  # sampled once, from both models, for the alignment and REPAIR alike
+    assert rep["repair"]["modules"] > 0
+    assert any(m.get("align_data") == "generate:6:5:2" for m in rep["alignment"]["models"])
+
+
+def test_benchmark_rows_parse_or_fail_before_any_work():
+    from benchmarks.llama_generated import parse_args, parse_row
+
+    assert parse_row("activations@64:32") == ("activations", 64, 32, None)
+    assert parse_row("learned@64:32:40") == ("learned", 64, 32, 40)
+    for bad in ("activations@64", "learned@64:32", "activations@64:32:5", "weights@8:8", "learned"):
+        with pytest.raises(SystemExit):
+            parse_row(bad)
+    assert parse_args(["--rows", "activations@8:4"]).rows == ["activations@8:4"]
