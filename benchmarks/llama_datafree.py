@@ -187,19 +187,42 @@ def align_once(a, b, name: str):
     return best[1], time.perf_counter() - t0, time.process_time() - c0, best[0]
 
 
-def run(args, log=print) -> dict:
-    from symmerge.evaluate.metrics import barrier, evaluate, interpolate
+def load_pair(kv_heads: int | None, curve_examples: int):
+    """(folders, model A, model B, B7's held-out curve data) of the cached pair."""
     from symmerge.io.data import load_data
     from symmerge.io.model import load_model
 
     from benchmarks import llama_text
 
-    folders = pair_folders(args.kv_heads)
+    folders = pair_folders(kv_heads)
     a, b = (load_model(f) for f in folders)
     curve_file = llama_text.work_dir(llama_text.parse_args([])) / "curve.txt"
     if not curve_file.is_file():
         raise SystemExit(f"{curve_file}: missing; run python -m benchmarks.llama_text first")
-    curve = load_data(curve_file, a, batch_size=32, max_examples=args.curve_examples)
+    return folders, a, b, load_data(curve_file, a, batch_size=32, max_examples=curve_examples)
+
+
+def run_and_save(args, run) -> int:
+    """``run(args)`` offline, with ``args.threads`` torch threads, warnings off; the result into
+    ``args.out``/results.json (atomically), or its rows printed."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    result = run(args)
+    if args.out:
+        from symmerge.io.model import atomic_dir, write_json
+
+        with atomic_dir(Path(args.out)) as tmp:
+            write_json(tmp / "results.json", result)
+    else:
+        print(json.dumps(result["rows"]))
+    return 0
+
+
+def run(args, log=print) -> dict:
+    from symmerge.evaluate.metrics import barrier, evaluate, interpolate
+
+    folders, a, b, curve = load_pair(args.kv_heads, args.curve_examples)
     probe = copy.deepcopy(b)
 
     def loss(sd):
@@ -254,18 +277,7 @@ def main(argv=None) -> int:
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in args.variants:
         variant_setup(v)  # unknown names: one error before any work
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(args.threads)
-    warnings.simplefilter("ignore")
-    result = run(args)
-    if args.out:
-        from symmerge.io.model import atomic_dir, write_json
-
-        with atomic_dir(Path(args.out)) as tmp:
-            write_json(tmp / "results.json", result)
-    else:
-        print(json.dumps(result["rows"]))
-    return 0
+    return run_and_save(args, run)
 
 
 if __name__ == "__main__":

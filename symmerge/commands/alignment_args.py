@@ -33,9 +33,12 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                              "(statistics of both models on --align-data) or learned (from the closed form, the "
                              "continuous elements optimised so the interpolated model matches the interpolated "
                              "predictions on --align-data; no labels)")
-    parser.add_argument("--align-data", default=None, metavar="FILE",
+    parser.add_argument("--align-data", default=None, metavar="FILE|generate[:N[:LEN[:SEED]]]",
                         help="unlabeled data for --match activations|learned and --repair: the formats of --data "
-                             "(.npz images, .jsonl text, .txt LM lines); labels, if present, are ignored")
+                             "(.npz images, .jsonl text, .txt LM lines; labels, if present, are ignored), or, for "
+                             "causal LMs without a corpus, generate[:N[:LEN[:SEED]]]: N sequences of LEN tokens "
+                             "sampled from the models themselves at temperature 1 (shared out over the models: half "
+                             "from each of two; default generate:64:64:0)")
     parser.add_argument("--align-samples", type=int, default=1000,
                         help="use at most this many examples of --align-data (default 1000)")
     parser.add_argument("--learn-steps", type=int, default=None,
@@ -111,14 +114,19 @@ def alignment_options(args, symmetries, **extra) -> AlignOptions:
     """The :class:`AlignOptions` of the parsed flags, for ``symmetries``."""
     if args.align_data is None and (args.match != "weights" or getattr(args, "repair", False)):
         need = f"--match {args.match}" if args.match != "weights" else "--repair"
-        raise SymmergeError(f"{need} needs unlabeled data: pass --align-data FILE (labels, if present, are ignored)")
+        raise SymmergeError(f"{need} needs unlabeled data: pass --align-data FILE (labels, if present, are ignored), "
+                            "or --align-data generate for causal LMs (sequences sampled from the models)")
     given = [LEARN_FLAGS[k] for k, v in _learn_values(args).items() if v is not None]
     if args.match != "learned" and given:
         raise SymmergeError(f"{', '.join(given)}: the --learn-* flags apply to --match learned only")
     if args.align_data is not None:
         from ..io.data import check_data_path
+        from ..io.generate import is_generate, parse_generate
 
-        check_data_path(args.align_data)  # fail before loading any model
+        if is_generate(args.align_data):
+            parse_generate(args.align_data)  # fail before loading any model
+        else:
+            check_data_path(args.align_data)
     extra.setdefault("workers", args.workers)
     return AlignOptions(symmetries=symmetries, rescale=args.rescale, residual=args.residual, untie=args.untie,
                         max_sweeps=args.max_sweeps, match=args.match, align_data=args.align_data,

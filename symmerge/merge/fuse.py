@@ -28,6 +28,7 @@ from ..io.model import load_model
 from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
+from ..pipeline.data import generated_once
 from ..pipeline.joint import JOINT_MATCHES, align_joint
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
 from ..pipeline.report import match_fields
@@ -328,6 +329,8 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
             scored = _files_of(eval_files, i) if i == opts.head_from or len(eval_files) > 1 else []
             for spec in stats_files + scored:
                 cache.get(spec, x)
+    if opts.align.match != "weights" or opts.repair:  # --align-data generate: sampled once, from every model
+        opts = replace(opts, align=generated_once(opts.align, models))
     timings["load"] = time.perf_counter() - t0
 
     # ------------------------------------------------ alignment

@@ -3,15 +3,34 @@
 from __future__ import annotations
 
 from ..io.data import Data, check_data, load_data, take
+from ..io.generate import generate_data, is_generate, parse_generate
 
 
-def load_align_data(options, model):
+def load_align_data(options, model, sources=None):
     """The unlabeled alignment data of ``options`` (:class:`~symmerge.pipeline.options.AlignOptions`;
-    ``align_data``: a path or a loaded Data), at most ``align_samples`` examples, validated against
-    ``model`` (labels, if present, are not used)."""
+    ``align_data``: a path, a loaded Data, or ``generate[:N[:LEN[:SEED]]]``), at most ``align_samples``
+    examples, validated against ``model`` (labels, if present, are not used). ``generate``: sequences
+    sampled from ``sources`` (the models being aligned; default ``[model]``, see
+    :mod:`symmerge.io.generate`)."""
     if isinstance(options.align_data, Data):
         check_data(options.align_data, model, use_labels=False)
         return take(options.align_data, options.align_samples)
+    batch_size = min(options.learn.batch, options.align_samples)
+    if is_generate(options.align_data):
+        n, length, seed = parse_generate(options.align_data)
+        data = generate_data(sources or [model], min(n, options.align_samples), length, seed=seed,
+                             batch_size=batch_size, spec=f"generate:{n}:{length}:{seed}")
+        check_data(data, model, use_labels=False)
+        return data
     max_length = options.learn.max_length if options.match == "learned" else None
     return load_data(options.align_data, model, max_examples=options.align_samples, max_length=max_length,
-                     batch_size=min(options.learn.batch, options.align_samples), labels=False)
+                     batch_size=batch_size, labels=False)
+
+
+def generated_once(options, models):
+    """``options`` with a ``generate`` spec replaced by the sequences it stands for, sampled once from
+    ``models`` (every model being aligned or merged), so that every later reader sees the same data;
+    other options unchanged."""
+    if not is_generate(options.align_data):
+        return options
+    return options.with_(align_data=load_align_data(options, models[0], sources=models))

@@ -290,7 +290,7 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
     names = list(names) if names is not None else [f"model {i}" for i in range(n)]
     t0 = time.perf_counter()
     with stage(f"loaded the alignment data ({options.align_data})", enabled=progress):
-        data = load_align_data(options, models[anchor])
+        data = load_align_data(options, models[anchor], sources=models)
     closed = options.with_(match=settings.start, align_data=data if settings.start != "weights" else None,
                            verify=False)
     start = closed_form(models, closed, anchor=anchor, names=names, max_rounds=max_rounds, tol=tol, progress=progress,

@@ -50,8 +50,9 @@ class MatchContext:
         if "_data" not in self.__dict__:
             from .data import load_align_data
 
-            self._data = load_align_data(self.options, self.model)
+            self._data = load_align_data(self.options, self.model, sources=[self.model, self.anchor])
             self.fields["align_samples_used"] = self._data.n
+            self.fields["align_data"] = self._data.path  # the file, or generate:N:LEN:SEED
         return self._data
 
 

@@ -58,7 +58,7 @@ def alignment_report(spec, model_type: str, opts, instances, distances: Distance
     return report
 
 
-MATCH_FIELDS = ("align_samples_used", "learned", "residual_group", "sweeps")
+MATCH_FIELDS = ("align_samples_used", "align_data", "learned", "residual_group", "sweeps")
 
 
 def match_fields(report: dict) -> dict:
