@@ -49,8 +49,10 @@ from symmerge.io.model import load_model
 from symmerge.merge.fuse import MergeOptions, align_all, choose_anchor, merge_models, resolve_alignment
 from symmerge.merge.heads import check_bodies
 from symmerge.pipeline.align import align_pair
-from symmerge.pipeline.joint import align_joint
+from symmerge.core.distance import parameter_keys
+from symmerge.pipeline.joint import align_joint, mean_state_dict
 from symmerge.pipeline.options import AlignOptions, LearnSettings
+from symmerge.pipeline.verify import with_state_dict
 
 PAIRS = ("0,1", "2,3")  # B1's seeds, as trained by ``vit_fashion_mnist --seeds S,T --train-only A|B``
 
@@ -67,6 +69,8 @@ def parse_args(argv=None):
                    "one joint row each for the closed-form matchers")
     p.add_argument("--align-samples", type=int, default=1000,
                    help="unlabeled training images for activations and learned (default 1000)")
+    p.add_argument("--trace", action="store_true", help="the plain average's test accuracy after the star and "
+                   "every round of the closed-form joint rows (diagnosis only: nothing is chosen by it)")
     p.add_argument("--tiny", action="store_true", help="B1's tiny models and data subset: the smoke test")
     add_run_args(p)
     args = p.parse_args(argv)
@@ -100,34 +104,51 @@ def align_options(args, match: str, stats_npz) -> AlignOptions:
                         **({"learn": learn} if learn else {}))
 
 
-def align_group(group, names, options: AlignOptions, mode: str, refine: str = "all"):
+def align_group(group, names, options: AlignOptions, mode: str, refine: str = "all", trace=None):
     """``group`` aligned as ``merge`` aligns it: the anchor by its rule, ``recommended`` resolved against
-    it, then the star (``align_all``) or the joint alignment. Returns (aligned models, info)."""
+    it, then the star (``align_all``) or the joint alignment. Returns (aligned models, info). ``trace``
+    (test data): for a closed-form joint alignment, the plain average's accuracy and loss after the star
+    and every round (``per_round``: (accuracy, loss) pairs; their evaluation is not counted in the seconds)."""
     body = check_bodies(group, names)
     anchor_model, anchor = choose_anchor(group, names, body, None, None, None)
     opts, _ = resolve_alignment(list(zip(names, group)), anchor_model, options)
     t, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     info = {"anchor": anchor["index"], "symmetries": list(opts.symmetries)}
+    traced, off = [], [0.0, 0.0]
+
+    def on_round(_, current):
+        t1, c1 = time.perf_counter(), time.process_time()
+        sds = [x.state_dict() for x in current]
+        e = evaluate(with_state_dict(current[0], mean_state_dict(sds, parameter_keys(current[0]))), trace,
+                     progress=False)
+        traced.append((e["accuracy"], e["loss"]))
+        off[0] += time.perf_counter() - t1
+        off[1] += time.process_time() - c1
+
     if mode == "joint":
-        joint = align_joint(list(group), opts, anchor=anchor["index"], names=names, refine=refine)
+        joint = align_joint(list(group), opts, anchor=anchor["index"], names=names, refine=refine,
+                            on_round=on_round if trace is not None and opts.match != "learned" else None)
         aligned = joint.models
         info.update(rounds=joint.report["rounds"], spread=(joint.report["objective"][0], joint.report["objective"][-1]),
                     learned_seconds=joint.report.get("learned", {}).get("seconds"))
     else:
         aligned, _ = align_all(list(zip(names, group)), anchor_model, body, opts)
-    info.update(seconds=time.perf_counter() - t, cpu_seconds=time.process_time() - cpu, load=load)
+    info.update(seconds=time.perf_counter() - t - off[0], cpu_seconds=time.process_time() - cpu - off[1], load=load)
+    if traced:
+        info["per_round"] = traced
     return aligned, info
 
 
-def merged_scores(aligned, method: str, stats, test) -> dict:
+def merged_scores(aligned, method: str, stats, test, fit=None) -> dict:
     """``aligned`` merged by ``method`` through ``merge_models`` (already aligned: no alignment there; all
-    parameters merged), scored on ``test``."""
+    parameters merged), scored on ``test`` (and, given ``fit``, on the alignment images: ``fit``)."""
     opts = MergeOptions(method=method, align=AlignOptions(symmetries="none"), heads="merge",
                         data=[stats[method]] if method in stats else [], evaluate=False, progress=False)
     t = time.perf_counter()
     merged, _ = merge_models(list(aligned), options=opts)
     seconds = time.perf_counter() - t
-    return {**evaluate(merged, test, progress=False), "merge_seconds": seconds}
+    fitted = {} if fit is None else {"fit": evaluate(merged, fit, progress=False)}
+    return {**evaluate(merged, test, progress=False), "merge_seconds": seconds, **fitted}
 
 
 def pairwise_seconds(group, options: AlignOptions) -> dict:
@@ -146,7 +167,9 @@ def run(args, log=print) -> dict:
     test = load_data(files["test"], models[0], batch_size=500)
     stats = {"fisher": load_data(files["stats"], models[0], batch_size=100, max_examples=settings.fisher_examples),
              "regmean": load_data(files["stats"], models[0], batch_size=100, max_examples=settings.gram_examples)}
-    singles = [evaluate(m, test, progress=False) for m in models]
+    # the unlabeled alignment images, labelled here only to measure how well the average fits where it was aligned
+    fit = load_data(files["stats"], models[0], batch_size=500, max_examples=args.align_samples)
+    singles = [{**evaluate(m, test, progress=False), "fit": evaluate(m, fit, progress=False)} for m in models]
     for name, s in zip(names, singles):
         log(f"{name}: test accuracy {100 * s['accuracy']:.2f} %, loss {s['loss']:.4f}")
     t = time.perf_counter()
@@ -170,12 +193,12 @@ def run(args, log=print) -> dict:
                 aligned, info = group, {"anchor": None, "seconds": 0.0, "cpu_seconds": 0.0, "load": os.getloadavg()[0]}
             else:
                 aligned, info = align_group(group, group_names, align_options(args, match, files["stats"]), mode,
-                                            refine)
+                                            refine, test if args.trace else None)
             row = {"n": n, "variant": label, "mode": mode, "match": match, "refine": refine, **info,
                    "endpoints_mean_accuracy": mean_acc, "best_endpoint_loss": best_loss,
                    "ensemble_accuracy": ens["accuracy"], "ensemble_loss": ens["loss"], "merges": {}}
             for method in methods:
-                s = merged_scores(aligned, method, stats, test)
+                s = merged_scores(aligned, method, stats, test, fit if method == "average" else None)
                 row["merges"][method] = {**s, "accuracy_vs_endpoints": s["accuracy"] / mean_acc,
                                          "loss_minus_best_endpoint": s["loss"] - best_loss}
             rows.append(row)
@@ -183,11 +206,13 @@ def run(args, log=print) -> dict:
             log(f"N={n} {label:22s} average {100 * avg['accuracy']:.2f} % ({100 * avg['accuracy_vs_endpoints']:.1f} % "
                 f"of endpoints), loss {avg['loss']:.4f} (best endpoint {best_loss:.4f})"
                 + "".join(f", {m} {100 * row['merges'][m]['accuracy']:.2f} %" for m in methods if m != "average")
+                + (f"; per round {[round(100 * a, 2) for a, _ in info['per_round']]}" if "per_round" in info else "")
                 + f"; align {info['seconds']:.1f} s wall, {info['cpu_seconds']:.1f} s CPU (load {info['load']:.1f})")
     top = max(args.ns)
-    for key, variant in (("joint_weights", "joint weights"), ("joint_learned", "joint learned"),
-                         ("star_weights", "star weights")):
-        row = next((r for r in rows if r["n"] == top and r["variant"] == variant), None)
+    for key, mode, match, refine in (("joint_weights", "joint", "weights", "all"), ("joint_learned", "joint", "learned", "all"),
+                                     ("joint_weights_discrete", "joint", "weights", "discrete"),
+                                     ("star_weights", "star", "weights", None)):
+        row = next((r for r in rows if (r["n"], r["mode"], r["match"], r["refine"]) == (top, mode, match, refine)), None)
         if row is not None:
             speed[key] = {"n": top, **{k: row[k] for k in ("seconds", "cpu_seconds", "load")}}
     if "joint_weights" in speed:
@@ -212,17 +237,29 @@ def _cell(row: dict, method: str, key: str = "accuracy") -> str:
     return "" if m is None else f"{100 * m[key]:.2f}"
 
 
+def _fit(r: dict, row: dict) -> str:
+    """The average's accuracy on the alignment images against the endpoints' mean there."""
+    fit = row["merges"]["average"].get("fit")
+    ends = [e["fit"]["accuracy"] for e in r["endpoints"][:row["n"]] if "fit" in e]
+    return "" if fit is None or not ends else f"{100 * fit['accuracy']:.2f} / {100 * sum(ends) / len(ends):.2f}"
+
+
 def print_tables(r: dict, log=print) -> None:
     log("\nendpoints: " + ", ".join(f"{e['name']} {100 * e['accuracy']:.2f} % / {e['loss']:.4f}" for e in r["endpoints"])
         + f" ({r['data']['test']} test images)")
     log("\n| N | alignment | average (%) | % of endpoints' mean | loss − best endpoint | ensemble (%) | Fisher (%) | "
-        "RegMean (%) | align s wall / CPU (load) |")
-    log("|---|---|---|---|---|---|---|---|---|")
+        "RegMean (%) | align s wall / CPU (load) | alignment images: average / endpoints (%) |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     for row in r["rows"]:
         avg = row["merges"]["average"]
         log(f"| {row['n']} | {row['variant']} | {100 * avg['accuracy']:.2f} | {100 * avg['accuracy_vs_endpoints']:.1f} | "
             f"{avg['loss_minus_best_endpoint']:+.4f} | {100 * row['ensemble_accuracy']:.2f} | {_cell(row, 'fisher')} | "
-            f"{_cell(row, 'regmean')} | {row['seconds']:.1f} / {row['cpu_seconds']:.1f} ({row['load']:.1f}) |")
+            f"{_cell(row, 'regmean')} | {row['seconds']:.1f} / {row['cpu_seconds']:.1f} ({row['load']:.1f}) | "
+            f"{_fit(r, row)} |")
+    for row in r["rows"]:
+        if row.get("per_round"):
+            log(f"N={row['n']} {row['variant']}: average after the star, round 1, 2, ... (%): "
+                + ", ".join(f"{100 * a:.2f}" for a, _ in row["per_round"]))
     s = r["speed"]
     p = s["pairwise_weights"]
     log(f"\nspeed: one pairwise data-free alignment {p['seconds']:.1f} s wall / {p['cpu_seconds']:.1f} s CPU "
@@ -232,6 +269,10 @@ def print_tables(r: dict, log=print) -> None:
         log(f"joint data-free alignment of {j['n']}: {j['seconds']:.1f} s wall / {j['cpu_seconds']:.1f} s CPU = "
             f"{s['joint_weights_over_pairwise']:.2f}x / {s['joint_weights_over_pairwise_cpu']:.2f}x one pairwise "
             "(goal <= 3x)")
+    if "joint_weights_discrete" in s:
+        j = s["joint_weights_discrete"]
+        log(f"joint data-free alignment of {j['n']}, permutations re-solved only (discrete): {j['seconds']:.1f} s wall "
+            f"/ {j['cpu_seconds']:.1f} s CPU = {j['seconds'] / p['seconds']:.2f}x / {j['cpu_seconds'] / p['cpu_seconds']:.2f}x")
     if "joint_learned" in s:
         j = s["joint_learned"]
         log(f"joint learned alignment of {j['n']}: {j['seconds']:.1f} s wall / {j['cpu_seconds']:.1f} s CPU "
