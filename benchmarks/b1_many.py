@@ -3,7 +3,7 @@ one anchor) against joint alignment (every model to the mean of the others), eac
 (data-free), ``activations`` and ``learned`` matchers — by the plain average, Fisher and RegMean.
 
     .venv/bin/python -m benchmarks.b1_many --out DIR [--n 2,3,4] [--match weights,activations,learned]
-        [--methods average,fisher,regmean] [--methods-at 4] [--refine all] [--tiny]
+        [--methods average,fisher,regmean] [--methods-at 4] [--methods-for ROWS] [--refine all] [--trace] [--tiny]
 
 1. The models are B1's (``benchmarks.vit_fashion_mnist``: ``ViTForImageClassification``, hidden 128, 6
    layers, 4 heads, FFN 256, patch 7, 5 000 steps of 128 on Fashion-MNIST), loaded from its cache by
@@ -17,7 +17,7 @@ one anchor) against joint alignment (every model to the mean of the others), eac
    second; ``recommended`` groups; unlabeled data: the first ``--align-samples`` images of B1's
    statistics file, labels ignored, never the test set), and the aligned models are merged by
    :func:`~symmerge.merge.fuse.merge_models` with every method of ``--methods`` (at N =
-   ``--methods-at``; the plain average at the other N), all parameters merged (the classifiers too:
+   ``--methods-at``, for the rows of ``--methods-for``; the plain average elsewhere), all parameters merged (the classifiers too:
    the models share the label space, as in B1). Fisher: 500 training images (per-example); RegMean:
    2 000 (B1's statistics).
 3. Scores on all 10 000 test images: accuracy and loss of each merge, its accuracy as a fraction of the
@@ -65,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--match", default="weights,activations,learned", help="matchers compared, star and joint each")
     p.add_argument("--methods", default="average,fisher,regmean", help="merge methods, comma list")
     p.add_argument("--methods-at", type=int, default=4, help="N at which the methods besides average run")
+    p.add_argument("--methods-for", default="all", help="the rows (variant labels, comma list, e.g. 'none,star "
+                   "weights,joint weights') that the methods besides average run for (default: all)")
     p.add_argument("--refine", default="all", help="what the joint rounds re-solve (all, discrete), comma list: "
                    "one joint row each for the closed-form matchers")
     p.add_argument("--align-samples", type=int, default=1000,
@@ -181,7 +183,6 @@ def run(args, log=print) -> dict:
         ens = evaluate_ensemble(group, test, progress=False)
         mean_acc = sum(s["accuracy"] for s in singles[:n]) / n
         best_loss = min(s["loss"] for s in singles[:n])
-        methods = args.methods.split(",") if n == args.methods_at else ["average"]
         variants = [("none", None, None, None)]
         for match in args.match.split(","):
             variants.append((f"star {match}", "star", match, None))
@@ -189,6 +190,8 @@ def run(args, log=print) -> dict:
             variants += [(f"joint {match}" + (f" ({r})" if len(refines) > 1 else ""), "joint", match, r)
                          for r in refines]
         for label, mode, match, refine in variants:
+            methods = (args.methods.split(",") if n == args.methods_at and
+                       (args.methods_for == "all" or label in args.methods_for.split(",")) else ["average"])
             if mode is None:
                 aligned, info = group, {"anchor": None, "seconds": 0.0, "cpu_seconds": 0.0, "load": os.getloadavg()[0]}
             else:
