@@ -268,3 +268,38 @@ def test_joint_learned_variants_small_end_to_end(tmp_path, mnist_5k_cache):
     for row in rows:
         assert 0 <= row["accuracy"] <= 1 and row["objective"][1] <= row["objective"][0] + 1e-9
     assert "| 1 | 0 | 3 | 1 | activations |" in (out / "tables.md").read_text()
+
+
+def test_b1_many_tiny_end_to_end(tmp_path, monkeypatch):
+    """``python -m benchmarks.b1_many --tiny`` (issue 20's B1 × N on B1's tiny models): one row per
+    alignment, the unaligned average equal to the plain average of the models computed here, the
+    joint rows' spread not above the star's, the methods at ``--methods-at`` for ``--methods-for`` only, and the
+    speed ratio."""
+    bench, out, r = run_tiny(tmp_path, monkeypatch, datasets.fashion_mnist_dir, "fashion-mnist", "Fashion-MNIST",
+                             "b1_many", ["--n", "2,3", "--match", "weights,learned", "--methods", "average,regmean",
+                                         "--methods-at", "3", "--methods-for", "none,joint weights"])
+    assert [(x["n"], x["variant"]) for x in r["rows"]] == [
+        (n, v) for n in (2, 3) for v in ("none", "star weights", "joint weights", "star learned", "joint learned")]
+    assert [e["name"] for e in r["endpoints"]] == ["seed 0", "seed 1", "seed 2"]
+    assert len({e["accuracy"] for e in r["endpoints"]}) > 1  # different seeds, different models
+    for x in r["rows"]:
+        with_methods = x["n"] == 3 and x["variant"] in ("none", "joint weights")
+        assert set(x["merges"]) == ({"average", "regmean"} if with_methods else {"average"})
+        assert 0 <= x["merges"]["average"]["accuracy"] <= 1 and 0 <= x["ensemble_accuracy"] <= 1
+        if x["mode"] == "joint":
+            assert x["spread"][1] <= x["spread"][0]
+    # the unaligned 3-way average, computed independently on the test file
+    models = [hf_load(e["folder"]) for e in r["endpoints"]]
+    avg = copy.deepcopy(models[0])
+    avg.load_state_dict({k: sum(m.state_dict()[k] for m in models) / 3 if v.is_floating_point() else v
+                         for k, v in models[0].state_dict().items()})
+    loss, acc = npz_eval(avg, r["data"]["test_npz"])
+    (none,) = [x for x in r["rows"] if (x["n"], x["variant"]) == (3, "none")]
+    assert none["merges"]["average"]["loss"] == pytest.approx(loss, abs=1e-5)
+    assert none["merges"]["average"]["accuracy"] == pytest.approx(acc)
+    assert none["merges"]["average"]["loss_minus_best_endpoint"] == pytest.approx(
+        loss - min(e["loss"] for e in r["endpoints"]), abs=1e-5)
+    s = r["speed"]
+    assert s["joint_weights"]["n"] == 3 and s["joint_weights_over_pairwise"] == pytest.approx(
+        s["joint_weights"]["seconds"] / s["pairwise_weights"]["seconds"])
+    assert "| 3 | joint learned |" in (out / "tables.md").read_text()
