@@ -288,16 +288,32 @@ _AVERAGE_BLOCK = 4096
 _average_checked: dict = {}  # dtype -> the kernel gave torch's bits on this machine (checked once per dtype)
 
 
+_OUT_KIND = {"float64": 0, "float32": 1, "bfloat16": 2}  # the kernels' ``out_kind`` (see :func:`_store`)
+
+
+def _flat_bits(t):
+    """A CPU tensor's entries as a flat numpy array, bfloat16 as its uint16 bit patterns (no copy for a
+    contiguous tensor)."""
+    import torch
+
+    t = t.reshape(-1)
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _fits(tensors, out) -> bool:
+    """Whether a whole-tensor kernel applies: numba present, ``out`` float32, float64 or bfloat16 and
+    contiguous, every input a contiguous CPU tensor of ``out``'s dtype and shape."""
+    if not AVAILABLE or str(out.dtype).split(".")[1] not in _OUT_KIND or not out.is_contiguous():
+        return False
+    return not any(t.dtype != out.dtype or t.device.type != "cpu" or not t.is_contiguous() or t.shape != out.shape
+                   for t in tensors)
+
+
 def _average_run(tensors, weights, out) -> None:
     import torch
 
-    half = tensors[0].dtype == torch.bfloat16
-    arrays = tuple(t.reshape(-1).view(torch.int16).numpy().view(np.uint16) if half else t.reshape(-1).numpy()
-                   for t in tensors)
-    kind = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2}[out.dtype]
-    flat = out.view(-1)
-    dst = flat.view(torch.int16).numpy().view(np.uint16) if kind == 2 else flat.numpy()
-    _average_jit(arrays, half, np.array(weights, dtype=np.float64), kind, dst,
+    _average_jit(tuple(_flat_bits(t) for t in tensors), tensors[0].dtype == torch.bfloat16,
+                 np.array(weights, dtype=np.float64), _OUT_KIND[str(out.dtype).split(".")[1]], _flat_bits(out),
                  np.empty(_AVERAGE_BLOCK, dtype=np.uint32), np.empty(_AVERAGE_BLOCK, dtype=np.float64))
 
 
@@ -326,15 +342,7 @@ def average_into(tensors, weights, out) -> bool:
     """``out`` ← Σ w_i t_i cast to ``out``'s dtype, the bits of ``weighted_sum(tensors, weights).to(dtype)``,
     in one pass; False (nothing written) where it does not apply: numba missing, mixed or other dtypes,
     non-CPU or non-contiguous tensors, or a machine where the kernel's rounding differs from torch's."""
-    import torch
-
-    dtype = out.dtype
-    if not AVAILABLE or dtype not in (torch.float32, torch.float64, torch.bfloat16) or not out.is_contiguous():
-        return False
-    if any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.shape != out.shape
-           for t in tensors):
-        return False
-    if not _average_agrees(dtype):
+    if not _fits(tensors, out) or not _average_agrees(out.dtype):
         return False
     _average_run(tensors, weights, out)
     return True
@@ -417,7 +425,6 @@ def ties_chunk(tensors, base, weights, thresholds=None, seeds=None, index: int =
 
 
 _TIES_BLOCK = 8192
-_OUT_KIND = {"float64": 0, "float32": 1, "bfloat16": 2}
 
 
 def ties_into(tensors, base, weights, out, thresholds=None, seeds=None, drop: float = 0.0,
@@ -428,28 +435,17 @@ def ties_into(tensors, base, weights, out, thresholds=None, seeds=None, drop: fl
     bfloat16 and float64, ``out`` of another dtype, non-CPU or non-contiguous tensors."""
     import torch
 
-    dtype = out.dtype
-    if not AVAILABLE or dtype not in (torch.float32, torch.float64, torch.bfloat16) or not out.is_contiguous():
+    if not _fits((*tensors, base), out):
         return False
-    if any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.shape != out.shape
-           for t in (*tensors, base)):
-        return False
-    half = dtype == torch.bfloat16
-
-    def flat(t):
-        t = t.reshape(-1)
-        return t.view(torch.int16).numpy().view(np.uint16) if half else t.numpy()
-
     n = len(tensors)
     thr = np.array([-1.0] * n if thresholds is None else thresholds, dtype=np.float32)
-    block = _block_buffers(n, half)
-    _ties_into_jit(tuple(flat(t) for t in (*tensors, base)), half, np.array(weights, dtype=np.float64), thr,
-                   _seeds(seeds, n), float(drop), float(scale), _OUT_KIND[str(dtype).split(".")[1]], flat(out),
-                   *block)
+    _ties_into_jit(tuple(_flat_bits(t) for t in (*tensors, base)), out.dtype == torch.bfloat16,
+                   np.array(weights, dtype=np.float64), thr, _seeds(seeds, n), float(drop), float(scale),
+                   _OUT_KIND[str(out.dtype).split(".")[1]], _flat_bits(out), *_block_buffers(n))
     return True
 
 
-def _block_buffers(n: int, half: bool):
+def _block_buffers(n: int):
     """Per-thread reused buffers of :func:`_ties_into`: the widened block (float32, (n + 1) × B) and its
     uint32 view, the block's float64 results, the kernel's scratch and counts."""
     key = ("ties_into", n)
@@ -487,13 +483,7 @@ def sq_distances(inputs, result):
     dtype = result.dtype
     if any(t.dtype != dtype for t in inputs) or dtype not in (torch.float32, torch.float64, torch.bfloat16):
         return None
-    half = dtype == torch.bfloat16
-
-    def flat(t):
-        t = t.reshape(-1).contiguous()
-        return t.view(torch.int16).numpy().view(np.uint16) if half else t.numpy()
-
     n = len(inputs)
     pairs, to_result = np.zeros(n * n, dtype=np.float64), np.zeros(n, dtype=np.float64)
-    _sq_sums_jit(tuple(flat(t) for t in (*inputs, result)), half, pairs, to_result)
+    _sq_sums_jit(tuple(_flat_bits(t) for t in (*inputs, result)), dtype == torch.bfloat16, pairs, to_result)
     return {(i, k): float(pairs[i * n + k]) for i in range(n) for k in range(i + 1, n)}, [float(v) for v in to_result]

@@ -35,6 +35,7 @@ every device and machine (integer arithmetic only).
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -247,10 +248,7 @@ def dare_uniforms(seed: int, start: int, count: int) -> torch.Tensor:
 
 def dare_keep_mask(shape, drop: float, seed: int, model: int, key: str) -> torch.Tensor:
     """Boolean CPU mask of the entries of model ``model``'s tensor ``key`` that DARE keeps."""
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    return (dare_uniforms(dare_seed(seed, model, key), 0, numel) >= float(drop)).reshape(tuple(shape))
+    return (dare_uniforms(dare_seed(seed, model, key), 0, math.prod(shape)) >= float(drop)).reshape(tuple(shape))
 
 
 def _dare_prepare(state_dicts, base, weights, params):
@@ -356,9 +354,10 @@ def _into_magnitude_ties(key, tensors, weights, base, params, context, out) -> b
 
 
 def _into_dare_ties(key, tensors, weights, base, params, context, out) -> bool:
-    """DARE-TIES over the whole tensor into ``out``, from its first entry."""
+    """DARE-TIES over the whole tensor into ``out``, from its first entry (nothing drawn yet: ``context``
+    is the tensor's fresh :class:`_DareStreams`)."""
     p = float(params["drop"])
-    seeds = [dare_seed(params["seed"], i, key) for i in range(len(tensors))] if p > 0.0 else None
+    seeds = _dare_streams(key, len(tensors), params, context)[0] if p > 0.0 else None
     return kernels.ties_into(tensors, base, weights, out, seeds=seeds, drop=p, scale=float(params["scale"]))
 
 
