@@ -263,3 +263,95 @@ def test_split_threshold_counts_equal_one_pass(split, monkeypatch):
     for i, w in enumerate(weights):
         mags = torch.cat([((p[0][i].double() - p[1].double()) * w).abs().float() for p in pairs])
         assert got[i] == mags.sort(descending=True).values[round(0.1 * mags.numel()) - 1].item()
+
+
+def kth_largest_magnitudes(pairs, weights, density):
+    """Per model, the k-th largest float32 |(t − b)·w| over every pair's entries, by a sort."""
+    out = []
+    for i, w in enumerate(weights):
+        mags = torch.cat([((p[0][i].double() - p[1].double()) * w).abs().float().reshape(-1) for p in pairs])
+        out.append(mags.sort(descending=True).values[max(1, round(density * mags.numel())) - 1].item())
+    return out
+
+
+@needs_numba
+@pytest.mark.parametrize("split", [1, 2])
+def test_window_thresholds_equal_a_sort(split, monkeypatch):
+    """The one-visit select (a sample places a window around the k-th largest; the visit counts above
+    it and keeps what is inside) finds a sort's k-th largest magnitude, ties and zeros included, with
+    the window path actually taken."""
+    from symmerge.merge import parts
+
+    monkeypatch.setattr(kernels, "workers", lambda: split)
+    monkeypatch.setattr(parts, "_SAMPLE", 1 << 14)  # a sparse sample: stride > width
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn((1 << 20) + 777, generator=g)
+    models = [base + torch.randn(base.shape, generator=g) * 10.0 ** (-i) for i in range(3)]
+    models[0][: 1 << 17] = base[: 1 << 17]  # a block of zero task-vector entries
+    models[1][::7] = base[::7] + 0.25  # many ties in magnitude
+    pairs = [(models, base), ([m[:3001] for m in models], base[:3001]), ([m[5:9] for m in models], base[5:9])]
+    total = sum(p[1].numel() for p in pairs)
+    taken = []
+    real = parts._window_thresholds
+    monkeypatch.setattr(parts, "_window_thresholds", lambda *a: taken.append(real(*a)) or taken[-1])
+    for weights in ([1.0, 1.0, 1.0], [0.3, 2.5, 1.0]):
+        for density in (1e-6, 0.01, 0.2, 0.5, 0.93, 0.99, 1.0):
+            got = parts.task_vector_thresholds(lambda: iter(pairs), weights, density, total=total)
+            assert got == kth_largest_magnitudes(pairs, weights, density), (weights, density)
+            assert taken[-1] == got, (weights, density)  # found in one visit, no fallback
+
+
+@needs_numba
+def test_window_thresholds_fall_back_when_the_window_misses(monkeypatch):
+    """A window that misses the k-th largest (or overflows its buffer) is detected: the two-visit radix
+    select then gives the exact thresholds."""
+    from symmerge.merge import parts
+
+    g = torch.Generator().manual_seed(12)
+    base = torch.randn(300_000, generator=g)
+    models = [base + torch.randn(base.shape, generator=g) for _ in range(2)]
+    pairs = [(models, base)]
+    want = kth_largest_magnitudes(pairs, [1.0, 1.0], 0.2)
+    half, one = 0x3F000000, 0x3F800000  # 0.5 and 1.0: the k-th largest (20 %) is about 1.28, above 1.0
+    for bounds in ((0, 1, 300_000), (half, one, 300_000), (0, 0x7F800000, 10)):  # far below, below, overflow
+        monkeypatch.setattr(parts, "_window_bounds", lambda sample, k, total, b=bounds: b)
+        assert parts._window_thresholds(lambda: iter(pairs), [1.0, 1.0], 0.2, 300_000) is None
+        assert parts.task_vector_thresholds(lambda: iter(pairs), [1.0, 1.0], 0.2, total=300_000) == want
+
+
+@needs_numba
+def test_ties_merge_with_the_window_select_equals_the_torch_code(monkeypatch):
+    """The whole TIES merge (model-wide thresholds through the method's prepare) is bit-equal to the
+    torch code when the thresholds come from the one-visit select."""
+    from symmerge.merge import parts
+
+    monkeypatch.setattr(parts, "_WINDOW_MIN", 0)
+    monkeypatch.setattr(parts, "_SAMPLE", 1 << 12)
+    tensors = adversarial(3, 3 * 32768 + 200, torch.float32, seed=5)
+    for density in (0.05, 0.3, 0.9):
+        fused, plain = both("ties", tensors[1:], tensors[0], [0.7, 1.3, 2.0], density=density)
+        assert bits_equal(fused, plain), density
+
+
+@needs_numba
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_ties_merge_equals_the_torch_code(split, monkeypatch):
+    """A tensor merged by several threads, each over its own range of entries (DARE's uniforms indexed
+    from the range's first entry), is bit-equal to the torch code: TIES and DARE-TIES, float32 and
+    bfloat16."""
+    monkeypatch.setattr(kernels, "workers", lambda: split)
+    monkeypatch.setattr(kernels, "_SPLIT_MERGE", 1000)
+    def drop_pools():
+        for pool in kernels._pools.values():
+            pool.shutdown()
+        kernels._pools.clear()
+
+    drop_pools()  # a pool of ``split`` threads
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            tensors = adversarial(3, 3 * 32768 + 211, dtype, seed=21)
+            for method, params in (("ties", dict(density=0.3)), ("dare_ties", dict(drop=0.7, seed=5))):
+                fused, plain = both(method, tensors[1:], tensors[0], [0.7, 1.3, 2.0], **params)
+                assert bits_equal(fused, plain), (dtype, method)
+    finally:
+        drop_pools()

@@ -308,3 +308,40 @@ def test_read_ahead_ring_hands_out_disjoint_regions_in_order():
         gate.give(live.pop(0)[0])
     big = gate.take(5000, stop)
     assert big.numel() == 5000 and gate.regions == [(-1, 4999)]
+
+
+def test_read_blocks_reads_the_sampled_entries(folders):
+    """``LazyCheckpoint.read_blocks``: the entries [p, p + width) for p = first, first + stride, … (the last
+    block cut at the end), read from the file, equal to slices of the tensor; a first beyond the end
+    reads nothing."""
+    ckpt = LazyCheckpoint(folders[2])  # sharded
+    for key in ckpt.keys()[:6]:
+        flat = ckpt.read([key])[key].reshape(-1)
+        for first, stride, width in ((0, 7, 3), (5, 100, 100), (3, 1000, 64), (flat.numel() + 1, 10, 2)):
+            want = [flat[p:p + width] for p in range(first, flat.numel(), stride)]
+            got = ckpt.read_blocks(key, first, stride, width)
+            assert torch.equal(got, torch.cat(want) if want else flat[:0]), (key, first, stride, width)
+
+
+def test_streamed_ties_with_the_sampled_window_equals_in_memory(folders, tmp_path, capsys, monkeypatch):
+    """The streamed TIES threshold through the sampled window (blocks read where they lie, one counting
+    visit) gives the in-memory merge bit for bit, and the window path is the one taken."""
+    from symmerge.merge import kernels, parts
+
+    if not kernels.AVAILABLE:
+        pytest.skip("numba is not installed (symmerge[fast])")
+    monkeypatch.setattr(parts, "_WINDOW_MIN", 0)
+    monkeypatch.setattr(parts, "_SAMPLE", 1 << 12)
+    found = []
+    real = parts._window_thresholds
+    monkeypatch.setattr(parts, "_window_thresholds", lambda *a: found.append((a[4] is not None, real(*a))) or found[-1][1])
+    result = {}
+    for mode in ("memory", "stream"):
+        out = tmp_path / mode
+        rc, _, err = run(capsys, "merge", folders[1], folders[2], folders[3], "--method", "ties", "--param", "density=0.2",
+                         "--base", folders["base"], "--align", "none", "--mode", mode, "--progress", "none", "-o", out)
+        assert rc == 0, err
+        result[mode] = tensors(out)
+    assert [(sampled, value is not None) for sampled, value in found] == [(True, True), (True, True)]
+    for k, t in result["memory"].items():
+        assert torch.equal(t, result["stream"][k]), k

@@ -9,6 +9,7 @@ into shards of bounded size and finishes with the standard ``model.safetensors.i
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -287,6 +288,32 @@ class LazyCheckpoint:
         del mapped  # the tensor holds the mapping
         if check:
             check_finite({disk: out}, str(self.folder))
+        return out
+
+    def read_blocks(self, key: str, first: int, stride: int, width: int) -> torch.Tensor:
+        """The flat entries [p, p + width) of one tensor for p = first, first + stride, … (the last block
+        cut at the tensor's end), concatenated: one positioned read per block, nothing else of the file
+        touched (a sample costs its own bytes, not a mapping of the tensor's pages)."""
+        numel = math.prod(self.shape[key])
+        if key in self.virtual:  # a fused tensor assembled from its parts
+            flat = self._read_virtual(key).reshape(-1)
+            return torch.cat([flat[p:p + width] for p in range(first, numel, stride)] or [flat[:0]])
+        f, disk = self.file_of[key], self.disk_name[key]
+        start, end = _offsets(f)[disk]
+        size = self.dtype[key].itemsize
+        starts = range(first, numel, stride)
+        out = torch.empty(sum(min(width, numel - p) for p in starts), dtype=self.dtype[key])
+        view = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        at = 0
+        try:
+            with open(f, "rb", buffering=0) as handle:
+                for p in starts:
+                    count = min(width, numel - p) * size
+                    if os.preadv(handle.fileno(), [view[at:at + count]], start + p * size) != count:
+                        raise SymmergeError(f"{f}: tensor {disk!r} truncated")
+                    at += count
+        except OSError as e:
+            raise SymmergeError(f"{f}: cannot read tensor {disk!r} ({e})") from None
         return out
 
     def read_direct(self, key: str, check: bool = True, buffer: torch.Tensor | None = None) -> torch.Tensor:

@@ -62,6 +62,63 @@ def _histogram(t, b, w, high_bin, hist, scratch):  # pragma: no cover - compiled
                     hist[v & 0xFFFF] += 1
 
 
+def _sample(t, b, w, first, stride, width, out):  # pragma: no cover - compiled
+    """float32 |(t − b)·w| of the entries [p, p + width) for p = first, first + stride, … < len(t), into
+    ``out`` in order; returns how many were written."""
+    n = t.shape[0]
+    fill = 0
+    p = first
+    while p < n:
+        q = min(n, p + width)
+        tb, bb = t[p:q], b[p:q]
+        for j in range(q - p):
+            out[fill + j] = np.float32(abs((np.float64(tb[j]) - np.float64(bb[j])) * w))
+        fill += q - p
+        p += stride
+    return fill
+
+
+def _windows(ts, b, w, lo, hi, scratch, wide, bufs, fill, above):  # pragma: no cover - compiled
+    """Over the float32 bit patterns v of |(t_i − b)·w_i| of every model i (as int32: magnitudes have no
+    sign bit): ``above[i]`` += the count of v > ``hi[i]``, and the v with ``lo[i]`` ≤ v ≤ ``hi[i]``
+    appended to ``bufs[i]`` from ``fill[i]`` while it has room (a fill beyond ``len(bufs[i])`` means the
+    window held more: the candidates are then incomplete). Block by block, the base's block widened
+    once for every model; each block counted first (vectorized), scanned for candidates only where it
+    holds some."""
+    n = b.shape[0]
+    bits = scratch.view(np.int32)
+    size_b = scratch.shape[0]
+    for start in range(0, n, size_b):
+        stop = min(n, start + size_b)
+        m = stop - start
+        bb = b[start:stop]
+        for j in range(m):
+            wide[j] = np.float64(bb[j])
+        for i in range(len(ts)):
+            tb = ts[i][start:stop]
+            wi = w[i]
+            low, high = lo[i], hi[i]
+            for j in range(m):
+                scratch[j] = np.float32(abs((np.float64(tb[j]) - wide[j]) * wi))
+            count = np.int32(0)
+            inside = np.int32(0)
+            for j in range(m):
+                v = bits[j]
+                count += np.int32(v > high)
+                inside += np.int32(v >= low) & np.int32(v <= high)
+            above[i] += count
+            if inside > 0:
+                buf = bufs[i]
+                if fill[i] + inside <= buf.shape[0]:
+                    at = fill[i]
+                    for j in range(m):
+                        v = bits[j]
+                        if v >= low and v <= high:
+                            buf[at] = v
+                            at += 1
+                fill[i] += inside
+
+
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's constants
 
 
@@ -137,10 +194,11 @@ def _ties(src, at, b, bat, m, w, thr, seeds, index, drop, scale, out, scratch, c
         out[j] = np.float64(bb[j]) + scale * mean
 
 
-def _ties_into(arrays, half, w, thr, seeds, drop, scale, out_kind, out, block, wide, acc, scratch, counts):
+def _ties_into(arrays, half, w, thr, seeds, first, drop, scale, out_kind, out, block, wide, acc, scratch, counts):
     """:func:`_ties` over a whole tensor, block by block, each block's float64 result cast into ``out`` as
-    :func:`_store` casts (``arrays``: the models' flat entries, then the base's; ``half``: bfloat16 bit
-    patterns, widened exactly into ``block``, a float32 (n + 1, B) buffer whose uint32 view is ``wide``)."""
+    :func:`_store` casts (``arrays``: the models' flat entries, then the base's, from entry ``first`` of
+    the tensor on (DARE's uniforms are indexed from there); ``half``: bfloat16 bit patterns, widened
+    exactly into ``block``, a float32 (n + 1, B) buffer whose uint32 view is ``wide``)."""
     n = len(w)
     m = arrays[0].shape[0]
     size_b = acc.shape[0]
@@ -149,9 +207,10 @@ def _ties_into(arrays, half, w, thr, seeds, drop, scale, out_kind, out, block, w
         if half:
             for i in range(n + 1):
                 _widen_jit(arrays[i][start:start + size], wide[i, :size])
-            _ties_jit(block, 0, block[n], 0, size, w, thr, seeds, start, drop, scale, acc, scratch, counts)
+            _ties_jit(block, 0, block[n], 0, size, w, thr, seeds, first + start, drop, scale, acc, scratch, counts)
         else:
-            _ties_jit(arrays, start, arrays[n], start, size, w, thr, seeds, start, drop, scale, acc, scratch, counts)
+            _ties_jit(arrays, start, arrays[n], start, size, w, thr, seeds, first + start, drop, scale, acc, scratch,
+                      counts)
         _store_jit(acc, size, out_kind, out[start:start + size], wide[n])
 
 
@@ -270,6 +329,8 @@ def _average(arrays, half, w, out_kind, out, wide, acc):  # pragma: no cover - c
 
 
 _histogram_jit = _jit(_histogram)
+_sample_jit = _jit(_sample)
+_windows_jit = _jit(_windows)
 _bits53_jit = _jit(_bits53)
 _dare_row_jit = _jit(_dare_row)
 _trim_row_jit = _jit(_trim_row)
@@ -365,6 +426,7 @@ def magnitude_histogram(t, b, w: float, hist, high_bin: int = -1) -> None:
 
 
 _SPLIT = 1 << 20  # entries from which a tensor's histograms are split over the workers
+_SPLIT_WINDOW = 1 << 17  # the same for the window's count (one visit: every tensor of a layer is worth splitting)
 
 
 def magnitude_histograms(tensors, base, weights, hists, high_bins=None, pool=None) -> None:
@@ -383,6 +445,46 @@ def magnitude_histograms(tensors, base, weights, hists, high_bins=None, pool=Non
         for i, (t, w) in enumerate(zip(ts, weights)):
             _histogram_jit(t[lo:hi], b[lo:hi], float(w), -1 if high_bins is None else int(high_bins[i]),
                            hists[p, i], scratch)
+
+    if parts == 1:
+        run(0)
+    else:
+        list(pool.map(run, range(parts)))
+
+
+def magnitude_sample(tensors, base, weights, offset: int, stride: int, width: int) -> list:
+    """Per model, float32 |(t_i − b)·w_i| of the entries of this tensor whose position in the visit (the
+    tensor starts at ``offset``) lies in a block [g, g + width) with g a multiple of ``stride``: a
+    systematic sample of the visit, one in ``stride / width`` entries."""
+    b = _np(base)
+    m = b.shape[0]
+    first = (-offset) % stride
+    count = 0 if first >= m else -(-(m - first) // stride) * width
+    out = []
+    for t, w in zip(tensors, weights):
+        buf = np.empty(count, dtype=np.float32)
+        out.append(buf[:_sample_jit(_np(t), b, float(w), first, stride, width, buf)])
+    return out
+
+
+def magnitude_windows(tensors, base, weights, lows, highs, above, fill, bufs, pool=None) -> None:
+    """:func:`_windows` of every model's ``tensors`` against ``base`` with model i's window
+    [``lows[i]``, ``highs[i]``] (float32 bit patterns, at most 2³¹ − 1): counts into ``above[p, i]``,
+    candidates into ``bufs[p][i]`` from ``fill[p, i]`` — ``p`` a range of the tensor counted by one of
+    ``pool``'s threads (tensors of at least 2¹⁷ entries are split over ``above.shape[0]`` ranges)."""
+    b = _np(base)
+    ts = [_np(t) for t in tensors]
+    if any(t.dtype != b.dtype for t in ts):  # one dtype for the compiled loop (mixed inputs: rare)
+        b, ts = b.astype(np.float64), [t.astype(np.float64) for t in ts]
+    parts = above.shape[0] if pool is not None and b.shape[0] >= _SPLIT_WINDOW else 1
+    step = -(-b.shape[0] // parts)
+    w = np.array(weights, dtype=np.float64)
+    lo, hi = np.array(lows, dtype=np.int32), np.array(highs, dtype=np.int32)
+
+    def run(p):
+        start, stop = p * step, min(b.shape[0], (p + 1) * step)
+        _windows_jit(tuple(t[start:stop] for t in ts), b[start:stop], w, lo, hi, np.empty(_BLOCK, dtype=np.float32),
+                     np.empty(_BLOCK, dtype=np.float64), tuple(bufs[p]), fill[p], above[p])
 
     if parts == 1:
         run(0)
@@ -439,10 +541,40 @@ def ties_into(tensors, base, weights, out, thresholds=None, seeds=None, drop: fl
         return False
     n = len(tensors)
     thr = np.array([-1.0] * n if thresholds is None else thresholds, dtype=np.float32)
-    _ties_into_jit(tuple(_flat_bits(t) for t in (*tensors, base)), out.dtype == torch.bfloat16,
-                   np.array(weights, dtype=np.float64), thr, _seeds(seeds, n), float(drop), float(scale),
-                   _OUT_KIND[str(out.dtype).split(".")[1]], _flat_bits(out), *_block_buffers(n))
+    arrays, target = tuple(_flat_bits(t) for t in (*tensors, base)), _flat_bits(out)
+    args = (out.dtype == torch.bfloat16, np.array(weights, dtype=np.float64), thr, _seeds(seeds, n))
+    kind = _OUT_KIND[str(out.dtype).split(".")[1]]
+    m = target.shape[0]
+    parts = workers() if m >= _SPLIT_MERGE else 1
+    step = -(-m // parts)
+
+    def run(p):  # entries [lo, hi) of every tensor, into out[lo:hi]: independent of the other parts
+        lo, hi = p * step, min(m, (p + 1) * step)
+        _ties_into_jit(tuple(a[lo:hi] for a in arrays), *args, lo, float(drop), float(scale), kind, target[lo:hi],
+                       *_block_buffers(n))
+
+    if parts == 1:
+        run(0)
+    else:
+        list(_merge_pool().map(run, range(parts)))
     return True
+
+
+_SPLIT_MERGE = 1 << 18  # entries from which a tensor's TIES / DARE-TIES merge is split over the workers
+_pools: dict = {}
+
+
+def _merge_pool():
+    """A process-wide pool of :func:`workers` threads for the split merges (created once)."""
+    with _pool_lock:
+        if "merge" not in _pools:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pools["merge"] = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="symmerge-merge")
+        return _pools["merge"]
+
+
+_pool_lock = threading.Lock()
 
 
 def _block_buffers(n: int):

@@ -131,12 +131,17 @@ def _radix_values(low: torch.Tensor, bins, ranks) -> list[float]:
     return out
 
 
-def task_vector_thresholds(visit, weights, density: float) -> list[float]:
+def task_vector_thresholds(visit, weights, density: float, total: int | None = None, sampler=None) -> list[float]:
     """:func:`magnitude_thresholds` of the weighted task vectors (θ_i − θ_base)·w_i formed in float64, from
     ``visit()``: a fresh iterable of (tensors of the models, base tensor) pairs, visited twice. With the
-    fused kernels (:mod:`symmerge.merge.kernels`) each pair is counted in one pass without temporaries;
-    the same values either way."""
+    fused kernels (:mod:`symmerge.merge.kernels`) each pair is counted in one pass without temporaries,
+    and, given ``total`` (the entries of one model's visit), the first visit is a sample only
+    (:func:`_window_thresholds`; ``sampler``: how to read it); the same values either way."""
     n = len(weights)
+    if kernels.AVAILABLE and total is not None and total >= _WINDOW_MIN:
+        found = _window_thresholds(visit, weights, density, total, sampler)
+        if found is not None:
+            return found
     if not kernels.AVAILABLE:
         def task_vectors():  # chunk by chunk, every model at once: each tensor read once per visit
             for ts, base in visit():
@@ -161,6 +166,109 @@ def task_vector_thresholds(visit, weights, density: float) -> list[float]:
         for ts, base in visit():
             kernels.magnitude_histograms(ts, base, weights, hists, high_bins=bins, pool=pool)
     return _radix_values(torch.from_numpy(hists.sum(0)), bins, ranks)
+
+
+_SAMPLE = 1 << 21  # entries per model sampled to place the window
+_SAMPLE_WIDTH = 1024  # contiguous entries per sampled block
+_WINDOW_MIN = 1 << 18  # below this many entries the two counting visits cost less than the sample's set-up
+
+
+_GROUPS = 32  # interleaved subsamples whose spread measures the sample's own rank error
+
+
+def _window_bounds(sample, k: int, total: int) -> tuple[int, int, int]:
+    """From a sample (float32 bit patterns of magnitudes, int32, in blocks of :data:`_SAMPLE_WIDTH`) of
+    ``total`` entries: bit patterns (lo, hi) that hold the k-th largest entry with a wide margin, and how
+    many entries the window should hold (the sample's share inside it, ties included). The margin is
+    6 standard errors of the sample's rank of the estimate (the larger of the binomial one and the one
+    measured from the spread of :data:`_GROUPS` interleaved subsamples of whole blocks, which sees the
+    correlation of neighbouring entries), plus 0.05 % of the sample."""
+    import math
+
+    import numpy as np
+
+    size = sample.shape[0]
+    if size == 0:
+        return 0, _TOP, total
+    p = k / total
+    at = k * size / total
+    rank = min(size, max(1, round(at)))
+    guess = int(np.partition(sample, size - rank)[size - rank])
+    blocks = -(-size // _SAMPLE_WIDTH)
+    pad = np.zeros(blocks * _SAMPLE_WIDTH, dtype=bool)
+    pad[:size] = sample > guess
+    per_block = pad.reshape(blocks, _SAMPLE_WIDTH).sum(1)  # entries above the guess in each block
+    groups = min(_GROUPS, blocks)
+    share = np.bincount(np.arange(blocks) % groups, weights=per_block, minlength=groups) / \
+        np.bincount(np.arange(blocks) % groups, weights=np.minimum(_SAMPLE_WIDTH, size - np.arange(blocks) * _SAMPLE_WIDTH),
+                    minlength=groups)
+    spread = float(share.std(ddof=1)) * size / math.sqrt(groups) if groups > 1 else 0.0
+    margin = 6.0 * max(spread, math.sqrt(size * p * (1.0 - p))) + 0.0005 * size + 2.0
+    top, bottom = math.floor(at - margin), math.ceil(at + margin)  # ranks from the largest, 1-based
+    if top >= 1 and bottom <= size:
+        both = np.partition(sample, [size - bottom, size - top])
+        lo, hi = int(both[size - bottom]), int(both[size - top])
+    else:
+        hi = _TOP if top < 1 else int(np.partition(sample, size - top)[size - top])
+        lo = 0 if bottom > size else int(np.partition(sample, size - bottom)[size - bottom])
+    inside = int(np.count_nonzero((sample >= lo) & (sample <= hi)))  # ties at the ends included
+    return lo, hi, int(inside / size * total)
+
+
+_TOP = 0x7FFFFFFF  # above every magnitude's bit pattern (NaN's included): an open upper end
+
+
+def _window_thresholds(visit, weights, density: float, total: int, sampler=None) -> list[float] | None:
+    """The radix select's thresholds in one counting visit: a systematic sample of each task vector's
+    magnitudes (one block of 1 024 entries in every ``total`` / 2²¹ · 1 024: about 2²¹ entries read)
+    places a narrow window of bit patterns around each model's k-th largest; the visit then counts the
+    entries above the window and keeps those inside it, and the k-th largest is selected among those
+    kept. ``sampler(stride, width)``, when given, yields the sampled blocks of each visit's pair (the
+    entries at positions p of the visit with p mod ``stride`` < ``width``, as (models, base) tensors)
+    without reading the rest; else the sample is taken from ``visit()``. Exact whatever the sample:
+    ``None`` (the caller then counts twice) when a window missed the k-th largest or held more entries
+    than its buffer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    n = len(weights)
+    k = max(1, int(round(density * total)))
+    stride = _SAMPLE_WIDTH * max(1, -(-total // _SAMPLE))
+    samples: list[list] = [[] for _ in range(n)]
+    if sampler is None:
+        offset = 0
+        for ts, base in visit():
+            for i, got in enumerate(kernels.magnitude_sample(ts, base, weights, offset, stride, _SAMPLE_WIDTH)):
+                samples[i].append(got)
+            offset += base.numel()
+        if offset != total:
+            return None
+    else:
+        for ts, base in sampler(stride, _SAMPLE_WIDTH):
+            whole = max(1, base.numel())  # the blocks as read: every entry
+            for i, got in enumerate(kernels.magnitude_sample(ts, base, weights, 0, whole, whole)):
+                samples[i].append(got)
+    bounds = [_window_bounds(np.concatenate(s).view(np.int32) if s else np.empty(0, np.int32), k, total)
+              for s in samples]
+    lows, highs = [b[0] for b in bounds], [b[1] for b in bounds]
+    rooms = [min(total, 2 * b[2] + (1 << 16)) for b in bounds]  # untouched room costs no memory
+    split = kernels.workers()
+    above, fill = np.zeros((split, n), dtype=np.int64), np.zeros((split, n), dtype=np.int64)
+    bufs = [[np.empty(r, dtype=np.int32) for r in rooms] for _ in range(split)]
+    with ThreadPoolExecutor(max_workers=split) as pool:
+        for ts, base in visit():
+            kernels.magnitude_windows(ts, base, weights, lows, highs, above, fill, bufs, pool=pool)
+    out = []
+    for i in range(n):
+        count = int(above[:, i].sum())
+        held = int(fill[:, i].sum())
+        if any(int(fill[p, i]) > rooms[i] for p in range(split)) or not count < k <= count + held:
+            return None
+        inside = np.concatenate([bufs[p][i][:int(fill[p, i])] for p in range(split)])
+        bits = np.partition(inside, held - (k - count))[held - (k - count)]
+        out.append(float(np.array([bits], dtype=np.int32).view(np.float32)[0]))
+    return out
 
 
 def _read_ahead(keys, fetch):
@@ -202,7 +310,28 @@ def _magnitude_prepare(state_dicts, base, weights, params):
     def visit():  # every model's tensor and the base's, one key at a time, the next key read ahead
         return _read_ahead(keys, lambda k: ([sd[k] for sd in state_dicts], base[k]))
 
-    return task_vector_thresholds(visit, weights, density)
+    def sampler(stride, width):  # the sampled blocks only, read where they lie
+        offset = 0
+        for k in keys:
+            first = (-offset) % stride
+            yield [_blocks(sd, k, first, stride, width) for sd in state_dicts], _blocks(base, k, first, stride, width)
+            offset += _numel(base, k)
+
+    total = sum(_numel(base, k) for k in keys)
+    return task_vector_thresholds(visit, weights, density, total=total, sampler=sampler)
+
+
+def _numel(mapping, key: str) -> int:
+    return mapping.numel(key) if hasattr(mapping, "read_blocks") else mapping[key].numel()
+
+
+def _blocks(mapping, key: str, first: int, stride: int, width: int) -> torch.Tensor:
+    """The flat entries [p, p + width) of ``mapping[key]`` for p = first, first + stride, …, concatenated
+    (a mapping with ``read_blocks`` reads just those)."""
+    if hasattr(mapping, "read_blocks"):
+        return mapping.read_blocks(key, first, stride, width)
+    flat = mapping[key].reshape(-1)
+    return torch.cat([flat[p:p + width] for p in range(first, flat.numel(), stride)] or [flat[:0]])
 
 
 def _magnitude_tensor_context(key, tensors, base, weights, params, context):

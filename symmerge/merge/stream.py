@@ -7,7 +7,7 @@ transformers knows (no symmetry spec needed):
 * the inputs' headers give every tensor's name, shape and dtype; bodies must agree (names, shapes), the
   task head is kept from ``head_from`` (or merged, with ``heads="merge"``), as in memory;
 * a method's model-wide quantities (TIES's magnitude threshold, ``scope="model"``) are found first by
-  its ``prepare`` hook over mappings that map one tensor at a time (a radix select, two visits);
+  its ``prepare`` hook over mappings that map one tensor at a time (a sampled window, one counting visit);
 * then a reader thread reads the next tensors of every model (straight from the files, no memory map)
   into a ring buffer of the read-ahead budget (:func:`default_budget`), the calling thread merges them
   with :func:`~symmerge.merge.base.merge_tensor` into the ring — the very function the in-memory loop
@@ -23,6 +23,7 @@ Methods that need statistics (Fisher, RegMean: activations of the models run on 
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -176,6 +177,12 @@ class _Lazy(Mapping):
 
     def __getitem__(self, key):
         return self.ckpt.map_direct(key, check=False)  # NaN/Inf: refused by the merge loop's reads, before any output
+
+    def numel(self, key) -> int:
+        return math.prod(self.ckpt.shape[key])
+
+    def read_blocks(self, key, first: int, stride: int, width: int):
+        return self.ckpt.read_blocks(key, first, stride, width)
 
     def __iter__(self):
         return iter(self.names)
@@ -354,7 +361,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
     context = None
     if m.prepare is not None:
         lazies = [_Lazy(c, merged_keys) for c in ckpts]
-        with stage(f"{m.name}: model-wide quantities (two reads of every model)", enabled=options.progress):
+        with stage(f"{m.name}: model-wide quantities (one read of every model)", enabled=options.progress):
             context = m.prepare(lazies, _Lazy(base, merged_keys) if base is not None else None, weights, params)
     timings["prepare"] = time.perf_counter() - t
 
