@@ -303,7 +303,7 @@ def _magnitude_prepare(state_dicts, base, weights, params):
     density, scope = _magnitude_check(params)
     if scope == "tensor" or density >= 1.0:
         return None
-    keys = [k for k in state_dicts[0] if base[k].is_floating_point()]
+    keys = [k for k in state_dicts[0] if _dtype(base, k).is_floating_point]
     if not keys:
         return None
 
@@ -321,8 +321,12 @@ def _magnitude_prepare(state_dicts, base, weights, params):
     return task_vector_thresholds(visit, weights, density, total=total, sampler=sampler)
 
 
-def _numel(mapping, key: str) -> int:
+def _numel(mapping, key: str) -> int:  # a mapping that reads from files answers without reading the tensor
     return mapping.numel(key) if hasattr(mapping, "read_blocks") else mapping[key].numel()
+
+
+def _dtype(mapping, key: str) -> torch.dtype:
+    return mapping.dtype(key) if hasattr(mapping, "read_blocks") else mapping[key].dtype
 
 
 def _blocks(mapping, key: str, first: int, stride: int, width: int) -> torch.Tensor:

@@ -181,6 +181,9 @@ class _Lazy(Mapping):
     def numel(self, key) -> int:
         return math.prod(self.ckpt.shape[key])
 
+    def dtype(self, key):
+        return self.ckpt.dtype[key]
+
     def read_blocks(self, key, first: int, stride: int, width: int):
         return self.ckpt.read_blocks(key, first, stride, width)
 
