@@ -78,7 +78,9 @@ class _Sweeps:
     towards the mean of the others, started from its current element (the identity: every model is already
     in the common frame), every element checked valid. The set-up (bound instances, solver options) is built
     once for the N models. The lazy groups (head pairings: valuing every pairing is most of a step) are
-    re-solved on full rounds only, as the descent re-solves them on full sweeps only."""
+    re-solved on full rounds only, as the descent re-solves them on full sweeps only: the star solved them, then
+    they are held until the rounds converge, and one full round follows; the rounds end when a full round
+    gains nothing."""
 
     def __init__(self, current, step: AlignOptions, lazy: bool = True):
         device = None if step.device in (None, "cpu") else resolve_device(step.device)
@@ -176,7 +178,9 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     # ---------------------------------------------------------------- rounds: each to the mean of the others
     sweep = _Sweeps(current, step) if sweeping and max_rounds else None
     stale = [False] * n  # the model object lags its state dict (sweep steps work on state dicts only)
-    full = True  # the lazy groups are re-solved in this round
+    # the lazy groups are re-solved in this round: the star has just solved them (on its first, full sweep),
+    # so the sweep rounds start with them held, as the descent goes on after a full sweep
+    full = sweep is None or not sweep.lazy
     full_rounds = 0
     for r in range(max_rounds):
         accepted = 0
