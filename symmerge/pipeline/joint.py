@@ -8,17 +8,25 @@ on (norms folded where the residual group needs it)::
 
 With the others fixed, J as a function of model i alone is ``(N−1)/N · ‖g_i·θ_i − m_{−i}‖² + const``,
 where ``m_{−i}`` is the mean of the *other* models. So aligning model i to ``m_{−i}`` (one pairwise
-alignment, :func:`~symmerge.pipeline.align.align_pair`, with ``m_{−i}`` as the anchor) lowers J, and a
-result that would not lower it is rejected: J never increases. The start is the star (every model
-aligned to one anchor); rounds of "each model to the mean of the others" follow until a round lowers J
-by less than ``tol`` (relative) or nothing is accepted.
+alignment with ``m_{−i}`` as the anchor) lowers J, and a result that would not lower it is rejected: J
+never increases. The start is the star (every model aligned to one anchor); rounds of "each model to the
+mean of the others" follow until a round lowers J by less than ``tol`` (relative) or nothing is accepted.
+
+Data-free, a step is ONE sweep of the weight matcher's descent (:func:`~symmerge.pipeline.engine.solve`)
+started from the model's current element — generalized Procrustes — on the state dicts, with the set-up
+built once for the N models (:class:`_Sweeps`), the head pairings held between full rounds, and the
+star's pairwise descents capped at :data:`STAR_SWEEPS` sweeps (the rounds continue them). On B1's four
+ViTs that is 2–3× one pairwise alignment where the former steps — each a pairwise re-alignment
+(:func:`~symmerge.pipeline.align.align_pair`) capped at 10 sweeps from the stream tensors, still the step
+with activations and with ``warm=False`` — took 25× (docs/results.md, B1 × N).
 
 What the rounds re-solve (``refine``): ``all`` the options' groups (the definition above), or
 ``discrete`` only the groups whose elements form a finite set (``Kind.discrete``: head and FFN-unit
 permutations, a permutation residual group), on the rotations and scales the star found — MergeMany as
-Ainsworth et al. define it. Data-free on the MNIST-5k ViTs, ``all`` lowers the spread most but moves the
-non-anchor models to other basins and merges 2–13 points worse than the star, while ``discrete`` stays
-within −0.6 … +1.7 points of it; on B5's label-skewed clients ``all`` merges best (docs/results.md).
+Ainsworth et al. define it. With the former (``warm=False``) steps, data-free on the MNIST-5k ViTs,
+``all`` lowered the spread most but moved the non-anchor models to other basins and merged 2–13 points
+worse than the star, while ``discrete`` stayed within −0.6 … +1.7 points of it; on B5's label-skewed
+clients ``all`` merged best (docs/results.md).
 
 Every model stays in its own orbit throughout: its final form is checked against the model it came
 from (outputs on sample inputs) once, at the end.
