@@ -88,20 +88,20 @@ class _Sweeps:
     once for the N models. The lazy groups (head pairings: valuing every pairing is most of a step) are
     re-solved on full rounds only, as the descent re-solves them on full sweeps only: the star solved them, then
     they are held until the rounds converge, and one full round follows; the rounds end when a full round
-    gains nothing."""
+    gains less than the rounds' ``tol``."""
 
     def __init__(self, current, step: AlignOptions, lazy: bool = True):
         device = None if step.device in (None, "cpu") else resolve_device(step.device)
         self.solver, self.sweeps, self.tol = step.solver_options(device), step.max_sweeps, step.descent_tol
         self.bound = [bind(x, step.layers, step.residual).instances for x in current]
-        self.held = [[x for x in b if lazy and x.kind.lazy and x.kind.active(x, self.solver)] for b in self.bound]
+        self.held = [{x.name for x in b if lazy and x.kind.lazy and x.kind.active(x, self.solver)} for b in self.bound]
 
     @property
     def lazy(self) -> bool:
         return any(self.held)
 
     def __call__(self, i: int, sd: dict, target: dict, full: bool) -> dict:
-        insts = self.bound[i] if full else [x for x in self.bound[i] if x not in self.held[i]]
+        insts = self.bound[i] if full else [x for x in self.bound[i] if x.name not in self.held[i]]
         elements = solve(insts, sd, target, self.solver, max_sweeps=self.sweeps, init="all", tol=self.tol)
         verify_elements(insts, elements)
         return apply(sd, insts, elements)
