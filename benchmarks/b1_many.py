@@ -69,6 +69,9 @@ def parse_args(argv=None):
                    "weights,joint weights') that the methods besides average run for (default: all)")
     p.add_argument("--refine", default="all", help="what the joint rounds re-solve (all, discrete), comma list: "
                    "one joint row each for the closed-form matchers")
+    p.add_argument("--descent-rounds", action="store_true", help="also the joint data-free alignment with the "
+                   "rounds it had before the sweeps (each step a capped pairwise re-alignment from the stream tensors, "
+                   "after a converged star: align_joint(warm=False)), for the speed and accuracy comparison in one run")
     p.add_argument("--align-samples", type=int, default=1000,
                    help="unlabeled training images for activations and learned (default 1000)")
     p.add_argument("--trace", action="store_true", help="the plain average's test accuracy after the star and "
@@ -106,7 +109,7 @@ def align_options(args, match: str, stats_npz) -> AlignOptions:
                         **({"learn": learn} if learn else {}))
 
 
-def align_group(group, names, options: AlignOptions, mode: str, refine: str = "all", trace=None):
+def align_group(group, names, options: AlignOptions, mode: str, refine: str = "all", trace=None, warm: bool = True):
     """``group`` aligned as ``merge`` aligns it: the anchor by its rule, ``recommended`` resolved against
     it, then the star (``align_all``) or the joint alignment. Returns (aligned models, info). ``trace``
     (test data): for a closed-form joint alignment, the plain average's accuracy and loss after the star
@@ -128,8 +131,8 @@ def align_group(group, names, options: AlignOptions, mode: str, refine: str = "a
         off[1] += time.process_time() - c1
 
     if mode == "joint":
-        joint = align_joint(list(group), opts, anchor=anchor["index"], names=names, refine=refine,
-                            on_round=on_round if trace is not None and opts.match != "learned" else None)
+        joint = align_joint(list(group), opts, anchor=anchor["index"], names=names, refine=refine, warm=warm,
+                            **({} if warm else {"star_sweeps": None}), on_round=on_round if trace is not None and opts.match != "learned" else None)
         aligned = joint.models
         info.update(rounds=joint.report["rounds"], spread=(joint.report["objective"][0], joint.report["objective"][-1]),
                     learned_seconds=joint.report.get("learned", {}).get("seconds"))
@@ -189,6 +192,8 @@ def run(args, log=print) -> dict:
             refines = ["all"] if match == "learned" else args.refine.split(",")
             variants += [(f"joint {match}" + (f" ({r})" if len(refines) > 1 else ""), "joint", match, r)
                          for r in refines]
+            if match == "weights" and args.descent_rounds:
+                variants.append(("joint weights (all, descent rounds)", "joint", match, "all-descent"))
         for label, mode, match, refine in variants:
             methods = (args.methods.split(",") if n == args.methods_at and
                        (args.methods_for == "all" or label in args.methods_for.split(",")) else ["average"])
@@ -196,7 +201,8 @@ def run(args, log=print) -> dict:
                 aligned, info = group, {"anchor": None, "seconds": 0.0, "cpu_seconds": 0.0, "load": os.getloadavg()[0]}
             else:
                 aligned, info = align_group(group, group_names, align_options(args, match, files["stats"]), mode,
-                                            refine, test if args.trace else None)
+                                            refine.removesuffix("-descent") if refine else refine,
+                                            test if args.trace else None, warm=not (refine or "").endswith("-descent"))
             row = {"n": n, "variant": label, "mode": mode, "match": match, "refine": refine, **info,
                    "endpoints_mean_accuracy": mean_acc, "best_endpoint_loss": best_loss,
                    "ensemble_accuracy": ens["accuracy"], "ensemble_loss": ens["loss"], "merges": {}}
@@ -211,9 +217,12 @@ def run(args, log=print) -> dict:
                 + "".join(f", {m} {100 * row['merges'][m]['accuracy']:.2f} %" for m in methods if m != "average")
                 + (f"; per round {[round(100 * a, 2) for a, _ in info['per_round']]}" if "per_round" in info else "")
                 + f"; align {info['seconds']:.1f} s wall, {info['cpu_seconds']:.1f} s CPU (load {info['load']:.1f})")
+    # the same pairwise alignment again after the rows: how much the machine's load moved the figures
+    speed["pairwise_weights_after"] = pairwise_seconds(models[:2], align_options(args, "weights", None))
     top = max(args.ns)
     for key, mode, match, refine in (("joint_weights", "joint", "weights", "all"), ("joint_learned", "joint", "learned", "all"),
                                      ("joint_weights_discrete", "joint", "weights", "discrete"),
+                                     ("joint_weights_descent", "joint", "weights", "all-descent"),
                                      ("star_weights", "star", "weights", None)):
         row = next((r for r in rows if (r["n"], r["mode"], r["match"], r["refine"]) == (top, mode, match, refine)), None)
         if row is not None:
@@ -266,7 +275,9 @@ def print_tables(r: dict, log=print) -> None:
     s = r["speed"]
     p = s["pairwise_weights"]
     log(f"\nspeed: one pairwise data-free alignment {p['seconds']:.1f} s wall / {p['cpu_seconds']:.1f} s CPU "
-        f"(load {p['load']:.1f})")
+        f"(load {p['load']:.1f})" + (f"; again after the rows: {s['pairwise_weights_after']['seconds']:.1f} s wall / "
+                                     f"{s['pairwise_weights_after']['cpu_seconds']:.1f} s CPU"
+                                     if "pairwise_weights_after" in s else ""))
     if "joint_weights" in s:
         j = s["joint_weights"]
         log(f"joint data-free alignment of {j['n']}: {j['seconds']:.1f} s wall / {j['cpu_seconds']:.1f} s CPU = "
@@ -276,6 +287,15 @@ def print_tables(r: dict, log=print) -> None:
         j = s["joint_weights_discrete"]
         log(f"joint data-free alignment of {j['n']}, permutations re-solved only (discrete): {j['seconds']:.1f} s wall "
             f"/ {j['cpu_seconds']:.1f} s CPU = {j['seconds'] / p['seconds']:.2f}x / {j['cpu_seconds'] / p['cpu_seconds']:.2f}x")
+    if "joint_weights_descent" in s:
+        j = s["joint_weights_descent"]
+        log(f"joint data-free alignment of {j['n']}, the rounds before the sweeps (descent rounds): {j['seconds']:.1f} s "
+            f"wall / {j['cpu_seconds']:.1f} s CPU = {j['seconds'] / p['seconds']:.2f}x / "
+            f"{j['cpu_seconds'] / p['cpu_seconds']:.2f}x")
+    if "star_weights" in s:
+        j = s["star_weights"]
+        log(f"the star of {j['n']} (converged pairwise alignments to the anchor): {j['seconds']:.1f} s wall / "
+            f"{j['cpu_seconds']:.1f} s CPU = {j['seconds'] / p['seconds']:.2f}x / {j['cpu_seconds'] / p['cpu_seconds']:.2f}x")
     if "joint_learned" in s:
         j = s["joint_learned"]
         log(f"joint learned alignment of {j['n']}: {j['seconds']:.1f} s wall / {j['cpu_seconds']:.1f} s CPU "

@@ -277,9 +277,11 @@ def test_b1_many_tiny_end_to_end(tmp_path, monkeypatch):
     speed ratio."""
     bench, out, r = run_tiny(tmp_path, monkeypatch, datasets.fashion_mnist_dir, "fashion-mnist", "Fashion-MNIST",
                              "b1_many", ["--n", "2,3", "--match", "weights,learned", "--methods", "average,regmean",
-                                         "--methods-at", "3", "--methods-for", "none,joint weights"])
+                                         "--methods-at", "3", "--methods-for", "none,joint weights", "--descent-rounds"])
     assert [(x["n"], x["variant"]) for x in r["rows"]] == [
-        (n, v) for n in (2, 3) for v in ("none", "star weights", "joint weights", "star learned", "joint learned")]
+        (n, v) for n in (2, 3) for v in ("none", "star weights", "joint weights", "joint weights (all, descent rounds)",
+                                         "star learned", "joint learned")]
+    assert {"pairwise_weights", "pairwise_weights_after", "joint_weights", "joint_weights_descent"} <= set(r["speed"])
     assert [e["name"] for e in r["endpoints"]] == ["seed 0", "seed 1", "seed 2"]
     assert len({e["accuracy"] for e in r["endpoints"]}) > 1  # different seeds, different models
     for x in r["rows"]:

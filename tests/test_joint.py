@@ -159,3 +159,62 @@ def test_discrete_symmetries_are_the_permutation_groups():
 
     with pytest.raises(SymmergeError, match="--joint-refine"):
         merge_models([vit] * 3, options=MergeOptions(joint_refine="some"))
+
+
+def test_data_free_rounds_re_solve_the_head_pairings_on_full_rounds_only(monkeypatch):
+    """Data-free, a step of the rounds is one sweep of the descent from the current element. The head
+    pairings (the lazy kind), which the star has just solved, are held while the rounds gain (``tol`` 0:
+    every round gains here), and valued again in one full round once a round gains less than ``tol`` (0.5:
+    the first); the rounds end when that full round gains less too. The spread never increases, and each
+    model keeps its function."""
+    from symmerge.groups.heads import Heads
+
+    calls = []
+    complete = Heads.complete
+    monkeypatch.setattr(Heads, "complete", lambda self, insts, *a, **k: calls.append(len(insts))
+                        or complete(self, insts, *a, **k))
+    models = [make_model("vit", head=True, seed=s) for s in range(3)]
+    opts = AlignOptions(symmetries=_symmetries(models[0]))
+    assert "heads" in opts.symmetries
+    star = align_joint(models, opts, max_rounds=0, star_sweeps=None)
+    in_star = len(calls)
+    held = align_joint(models, opts, max_rounds=3, tol=0.0, star_sweeps=None)
+    assert held.report["objective"][0] == pytest.approx(star.report["objective"][0], rel=1e-12)
+    obj = held.report["objective"]
+    assert held.report["rounds"] == 3 and all(b < a for a, b in zip(obj, obj[1:]))
+    assert len(calls) == 2 * in_star  # no pairing valued in the rounds
+    assert "1 sweep(s)" in held.report["step"] and "re-solved in 0 round(s)" in held.report["step"]
+    calls.clear()
+    once = align_joint(models, opts, max_rounds=5, tol=0.5, star_sweeps=None)
+    assert once.report["rounds"] == 2 and len(calls) == in_star + 3  # round 2: one valuation per model
+    assert "re-solved in 1 round(s)" in once.report["step"]
+    obj = once.report["objective"]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(obj, obj[1:]))
+    inputs = make_inputs(models[0])
+    for x, y in zip(models, held.models):
+        assert output_rel_diff(x, y, inputs) <= 1e-9
+
+
+@pytest.mark.parametrize("family", ["vit", "llama"])
+def test_the_star_is_capped_only_when_rounds_follow(family, request):
+    """``star_sweeps`` caps the star's pairwise descents only when data-free rounds continue them: without
+    rounds the star is the converged one whatever the cap; with rounds the capped start ends no worse than
+    the converged star. ``warm=False`` (the rounds before the sweeps: capped pairwise re-alignments from the
+    stream tensors) still never increases the spread."""
+    if family in RMSNORM:
+        request.getfixturevalue("fp64_rmsnorm")
+    models = [make_model(family, head=True, seed=s) for s in range(3)]
+    opts = AlignOptions(symmetries=_symmetries(models[0]))
+    full = align_joint(models, opts, max_rounds=0, star_sweeps=None)
+    assert align_joint(models, opts, max_rounds=0, star_sweeps=1).report["objective"] == full.report["objective"]
+    capped = align_joint(models, opts, star_sweeps=1)
+    obj = capped.report["objective"]
+    assert obj[0] >= full.report["objective"][0] * (1 - 1e-12)  # one sweep: not yet the converged star
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(obj, obj[1:]))
+    assert obj[-1] <= full.report["objective"][0] * (1 + 1e-12)
+    assert "star capped at 1 sweep(s)" in capped.report["step"]
+    old = align_joint(models, opts, max_rounds=2, warm=False)
+    assert old.report["step"] == "a pairwise re-alignment capped at 10 sweeps"
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(old.report["objective"], old.report["objective"][1:]))
+    with pytest.raises(SymmergeError, match="star_sweeps"):
+        align_joint(models, opts, star_sweeps=0)

@@ -8,17 +8,25 @@ on (norms folded where the residual group needs it)::
 
 With the others fixed, J as a function of model i alone is ``(N−1)/N · ‖g_i·θ_i − m_{−i}‖² + const``,
 where ``m_{−i}`` is the mean of the *other* models. So aligning model i to ``m_{−i}`` (one pairwise
-alignment, :func:`~symmerge.pipeline.align.align_pair`, with ``m_{−i}`` as the anchor) lowers J, and a
-result that would not lower it is rejected: J never increases. The start is the star (every model
-aligned to one anchor); rounds of "each model to the mean of the others" follow until a round lowers J
-by less than ``tol`` (relative) or nothing is accepted.
+alignment with ``m_{−i}`` as the anchor) lowers J, and a result that would not lower it is rejected: J
+never increases. The start is the star (every model aligned to one anchor); rounds of "each model to the
+mean of the others" follow until a round lowers J by less than ``tol`` (relative) or nothing is accepted.
+
+Data-free, a step is ONE sweep of the weight matcher's descent (:func:`~symmerge.pipeline.engine.solve`)
+started from the model's current element — generalized Procrustes — on the state dicts, with the set-up
+built once for the N models (:class:`_Sweeps`), the head pairings held between full rounds, and the
+star's pairwise descents capped at :data:`STAR_SWEEPS` sweeps (the rounds continue them). On B1's four
+ViTs that is 2–3× one pairwise alignment where the former steps — each a pairwise re-alignment
+(:func:`~symmerge.pipeline.align.align_pair`) capped at 10 sweeps from the stream tensors, still the step
+with activations and with ``warm=False`` — took 25× (docs/results.md, B1 × N).
 
 What the rounds re-solve (``refine``): ``all`` the options' groups (the definition above), or
 ``discrete`` only the groups whose elements form a finite set (``Kind.discrete``: head and FFN-unit
 permutations, a permutation residual group), on the rotations and scales the star found — MergeMany as
-Ainsworth et al. define it. Data-free on the MNIST-5k ViTs, ``all`` lowers the spread most but moves the
-non-anchor models to other basins and merges 2–13 points worse than the star, while ``discrete`` stays
-within −0.6 … +1.7 points of it; on B5's label-skewed clients ``all`` merges best (docs/results.md).
+Ainsworth et al. define it. With the former (``warm=False``) steps, data-free on the MNIST-5k ViTs,
+``all`` lowered the spread most but moved the non-anchor models to other basins and merged 2–13 points
+worse than the star, while ``discrete`` stayed within −0.6 … +1.7 points of it; on B5's label-skewed
+clients ``all`` merged best (docs/results.md).
 
 Every model stays in its own orbit throughout: its final form is checked against the model it came
 from (outputs on sample inputs) once, at the end.
@@ -34,7 +42,9 @@ from __future__ import annotations
 import functools
 import time
 import warnings
+from ..core.apply import apply
 from ..core.distance import parameter_keys, sq_distance
+from ..device import resolve_device
 from ..errors import SymmergeError
 from ..families import spec_for
 from ..progress import line, stage
@@ -42,14 +52,22 @@ from .align import align_pair, canonical, check_compatible
 from .bound import bind
 from .frame import JointAlignment, mean_state_dict, spread  # noqa: F401  (re-exported)
 from .options import DEFAULT_REFINE, JOINT_REFINE, AlignOptions
-from .verify import verify_forward, with_state_dict
+from .engine import solve
+from .verify import verify_elements, verify_forward, with_state_dict
 
 # the matchers joint alignment runs: weights and activations align each model to the mean of the others (any
 # anchor); learned starts from one of them and learns random convex combinations (pipeline/learn_joint.py)
 JOINT_MATCHES = ("weights", "activations", "learned")
 
 
-ROUND_SWEEPS = 10  # cap on the coordinate-descent sweeps of each step after the star (it starts near its optimum)
+ROUND_SWEEPS = 10  # cap on the coordinate-descent sweeps of each re-alignment after the star (activations)
+ROUND_TOL = 1e-4  # ... and the relative gain of a round below which they stop
+# data-free (``--match weights``): each step after the star is ONE sweep of the descent, started from the
+# model's current element; a round gains little by construction, so the rounds stop at a coarser gain, and the
+# star's pairwise alignments, which the rounds continue, are capped at a few sweeps (docs/results.md, B1 x N)
+SWEEP_ROUND_SWEEPS = 1
+SWEEP_ROUND_TOL = 1e-3
+STAR_SWEEPS = 3
 
 
 def discrete_symmetries(model, options: AlignOptions) -> tuple[str, ...]:
@@ -62,18 +80,52 @@ def discrete_symmetries(model, options: AlignOptions) -> tuple[str, ...]:
     return tuple(s for s in options.symmetries if kinds.get(s))
 
 
+class _Sweeps:
+    """The data-free step of the rounds, on state dicts (no model copies, reports or forward checks in
+    between): ``round_sweeps`` sweeps of the descent (:func:`~symmerge.pipeline.engine.solve`) of one model
+    towards the mean of the others, started from its current element (the identity: every model is already
+    in the common frame), every element checked valid. The set-up (bound instances, solver options) is built
+    once for the N models. The lazy groups (head pairings: valuing every pairing is most of a step) are
+    re-solved on full rounds only, as the descent re-solves them on full sweeps only: the star solved them, then
+    they are held until the rounds converge, and one full round follows; the rounds end when a full round
+    gains less than the rounds' ``tol``."""
+
+    def __init__(self, current, step: AlignOptions, lazy: bool = True):
+        device = None if step.device in (None, "cpu") else resolve_device(step.device)
+        self.solver, self.sweeps, self.tol = step.solver_options(device), step.max_sweeps, step.descent_tol
+        self.bound = [bind(x, step.layers, step.residual).instances for x in current]
+        self.held = [{x.name for x in b if lazy and x.kind.lazy and x.kind.active(x, self.solver)} for b in self.bound]
+
+    @property
+    def lazy(self) -> bool:
+        return any(self.held)
+
+    def __call__(self, i: int, sd: dict, target: dict, full: bool) -> dict:
+        insts = self.bound[i] if full else [x for x in self.bound[i] if x.name not in self.held[i]]
+        elements = solve(insts, sd, target, self.solver, max_sweeps=self.sweeps, init="all", tol=self.tol)
+        verify_elements(insts, elements)
+        return apply(sd, insts, elements)
+
+
 def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_rounds: int = 10,
-                tol: float = 1e-4, inputs: dict | None = None, progress: bool = False,
-                round_sweeps: int = ROUND_SWEEPS, refine: str = DEFAULT_REFINE, on_round=None) -> JointAlignment:
+                tol: float | None = None, inputs: dict | None = None, progress: bool = False,
+                round_sweeps: int | None = None, refine: str = DEFAULT_REFINE, on_round=None,
+                star_sweeps: int | None = STAR_SWEEPS, warm: bool = True) -> JointAlignment:
     """Bring ``models`` (loaded transformers models of one architecture) into one frame; ``options``
     already resolved against the models (no 'recommended' left). ``anchor``: the model the star step
     aligns to. ``max_rounds``: cap on the rounds after the star; ``tol``: a round that lowers the
-    objective by less than this fraction ends the descent; ``round_sweeps``: cap on the descent sweeps
-    of each step after the star (the step starts near its optimum; a step that does not lower the
-    objective is rejected whatever the cap); ``refine``: what the rounds re-solve (:data:`JOINT_REFINE`:
-    ``all`` the options' groups, ``discrete`` only the permutations, on top of the star's continuous
-    elements). ``on_round(r, models)``: called with the models in the common frame after the star
-    (``r = 0``) and after every round (benchmarks measure the average there)."""
+    objective by less than this fraction ends the descent (default :data:`SWEEP_ROUND_TOL` data-free,
+    :data:`ROUND_TOL` else); ``refine``: what the rounds re-solve (:data:`JOINT_REFINE`: ``all`` the
+    options' groups, ``discrete`` only the permutations, on top of the star's continuous elements).
+
+    Data-free (``options.match == "weights"``, ``warm``), a step after the star is ``round_sweeps``
+    (default 1) sweeps of the descent from the model's current element — generalized Procrustes — and,
+    with ``refine="all"`` and rounds to follow, the star's pairwise descents stop after ``star_sweeps``
+    sweeps (None: converged): the rounds continue the same descent. Otherwise (activations, or
+    ``warm=False``: the rounds before the sweeps) a step is a pairwise re-alignment capped at
+    ``round_sweeps`` (default :data:`ROUND_SWEEPS`) sweeps, started from the stream tensors. A step that does
+    not lower the objective is rejected. ``on_round(r, models)``: called with the models in the common
+    frame after the star (``r = 0``) and after every round (benchmarks measure the average there)."""
     n = len(models)
     if n < 2:
         raise SymmergeError(f"joint alignment needs at least 2 models, got {n}")
@@ -85,8 +137,12 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
                             f"{options.match} aligns pairwise to one anchor (pass --anchor to merge that way)")
     if refine not in JOINT_REFINE:
         raise SymmergeError(f"unknown joint refinement {refine!r}; choose {', '.join(JOINT_REFINE)}")
-    if max_rounds < 0 or not tol >= 0:
-        raise SymmergeError(f"joint alignment needs max_rounds >= 0 and tol >= 0, got {max_rounds}, {tol}")
+    sweeping = options.match == "weights" and warm
+    tol = (SWEEP_ROUND_TOL if sweeping else ROUND_TOL) if tol is None else tol
+    round_sweeps = (SWEEP_ROUND_SWEEPS if sweeping else ROUND_SWEEPS) if round_sweeps is None else round_sweeps
+    if max_rounds < 0 or not tol >= 0 or round_sweeps < 1 or (star_sweeps is not None and star_sweeps < 1):
+        raise SymmergeError(f"joint alignment needs max_rounds >= 0, tol >= 0, round_sweeps >= 1 and star_sweeps "
+                            f">= 1 (or None), got {max_rounds}, {tol}, {round_sweeps}, {star_sweeps}")
     names = list(names) if names is not None else [f"model {i}" for i in range(n)]
     for i, x in enumerate(models):
         if i != anchor:
@@ -102,6 +158,8 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     if refine == "discrete":
         step = step.with_(symmetries=discrete_symmetries(models[anchor], options))
         max_rounds = max_rounds if step.symmetries else 0  # nothing discrete to re-solve
+    capped = sweeping and refine == "all" and max_rounds > 0 and star_sweeps is not None
+    star = quiet.with_(max_sweeps=min(options.max_sweeps, star_sweeps)) if capped else quiet
     seconds = [0.0] * n
 
     # ---------------------------------------------------------------- the star: everyone to the anchor
@@ -112,8 +170,11 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
             current.append(frame)
             continue
         t = time.perf_counter()
-        with stage(f"joint alignment, star: {names[i]} to {names[anchor]}", enabled=progress):
-            current.append(align_pair(x, frame, quiet).model)
+        with stage(f"joint alignment, star: {names[i]} to {names[anchor]}", enabled=progress), \
+                warnings.catch_warnings():
+            if capped:  # the cap is deliberate: the rounds go on with the same descent
+                warnings.simplefilter("ignore")
+            current.append(align_pair(x, frame, star).model)
         seconds[i] += time.perf_counter() - t
     keys = parameter_keys(current[0])
     sds = [x.state_dict() for x in current]
@@ -123,29 +184,45 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
         on_round(0, list(current))
 
     # ---------------------------------------------------------------- rounds: each to the mean of the others
+    sweep = _Sweeps(current, step) if sweeping and max_rounds else None
+    stale = [False] * n  # the model object lags its state dict (sweep steps work on state dicts only)
+    # the lazy groups are re-solved in this round: the star has just solved them (on its first, full sweep),
+    # so the sweep rounds start with them held, as the descent goes on after a full sweep
+    full = sweep is None or not sweep.lazy
+    full_rounds = 0
     for r in range(max_rounds):
         accepted = 0
         for i in range(n):
-            others = [sds[j] for j in range(n) if j != i]
-            target = with_state_dict(current[i], mean_state_dict(others, keys))
+            target_sd = mean_state_dict([sds[j] for j in range(n) if j != i], keys)
             t = time.perf_counter()
             with warnings.catch_warnings():  # the sweep cap of a step is deliberate (see round_sweeps)
                 warnings.simplefilter("ignore")
-                moved = align_pair(current[i], target, step).model
+                if sweep is not None:
+                    new_sd, moved = sweep(i, sds[i], target_sd, full), None
+                else:
+                    moved = align_pair(current[i], with_state_dict(current[i], target_sd), step).model
+                    new_sd = moved.state_dict()
             seconds[i] += time.perf_counter() - t
-            new_sd = moved.state_dict()
-            target_sd = target.state_dict()
             if sq_distance(new_sd, target_sd, keys) < sq_distance(sds[i], target_sd, keys):
-                current[i], sds[i] = moved, new_sd
+                sds[i], stale[i] = new_sd, moved is None
+                if moved is not None:
+                    current[i] = moved
                 accepted += 1
         objective.append(spread(sds, keys))
         accepted_per_round.append(accepted)
+        full_rounds += full
         if on_round is not None:
-            on_round(r + 1, list(current))
+            on_round(r + 1, [with_state_dict(x, sd) if s else x for x, sd, s in zip(current, sds, stale)])
         if progress:
             line(f"joint alignment, round {r + 1}: spread {objective[-1]:.6g} ({accepted}/{n} models moved)")
+        lazy = sweep is not None and sweep.lazy
         if accepted == 0 or objective[-2] - objective[-1] <= tol * objective[-2]:
-            break
+            if full or not lazy:
+                break
+            full = True  # converged with the lazy groups held: re-solve them once
+            continue
+        full = not lazy
+    current = [with_state_dict(x, sd) if s else x for x, sd, s in zip(current, sds, stale)]
 
     # ---------------------------------------------------------------- each model still computes its function
     spec = spec_for(models[0].config.model_type)
@@ -164,6 +241,10 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
         "objective_note": "sum over models of the squared L2 distance to their mean (all parameters, in the "
                           "aligned parameterisation); [0] after the star alignment, then after each round",
         "moved_per_round": accepted_per_round,
+        "step": (f"{round_sweeps} sweep(s) of the descent from the current element, lazy groups re-solved in "
+                 f"{full_rounds} round(s); the star capped at {star_sweeps} sweep(s)" if capped else
+                 f"{round_sweeps} sweep(s) of the descent from the current element, lazy groups re-solved in "
+                 f"{full_rounds} round(s)") if sweeping else f"a pairwise re-alignment capped at {round_sweeps} sweeps",
         "models": [{"model": names[i], "seconds": seconds[i], **verification[i]} for i in range(n)],
         "seconds": time.perf_counter() - t0,
     }

@@ -267,7 +267,7 @@ def choose_concentration(learn, instances, skeleton, state_dicts: list[dict], fr
     return settings.dirichlet_grid[best], report
 
 
-def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds: int = 10, tol: float = 1e-4,
+def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds: int = 10, tol: float | None = None,
                         inputs: dict | None = None, progress: bool = False, round_sweeps: int | None = None,
                         concentration: float | None = None, *, closed_form):
     """:func:`~symmerge.pipeline.joint.align_joint` for ``options.match == "learned"`` (called from it,
