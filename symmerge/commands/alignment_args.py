@@ -84,6 +84,12 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                             help="REPAIR: reset the per-channel means and standard deviations of the merged model "
                                  "(FFN pre-activations, norm outputs) to the interpolation of the endpoints', on "
                                  "--align-data, folded into weights and biases (architecture unchanged)")
+        parser.add_argument("--repair-channels", default="ffn,norm", metavar="LIST",
+                            help="the channels --repair corrects, comma-separated: ffn (FFN pre-activations), norm "
+                                 "(norm outputs), attn_out, mlp_out (the stream writers), qk (per head, the RMS of "
+                                 "queries and keys: the attention logits' scale); default ffn,norm")
+        parser.add_argument("--repair-samples", type=int, default=None, metavar="N",
+                            help="REPAIR's statistics on the first N examples of --align-data (default: all)")
 
 
 def _concentration(text: str):
