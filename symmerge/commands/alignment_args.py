@@ -38,7 +38,8 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                              "(.npz images, .jsonl text, .txt LM lines; labels, if present, are ignored), or, for "
                              "causal LMs without a corpus, generate[:N[:LEN[:SEED]]]: N sequences of LEN tokens "
                              "sampled from the models themselves at temperature 1 (shared out over the models: half "
-                             "from each of two; default generate:64:64:0)")
+                             "from each of two; default generate:256:16:0; for merge and barrier the measured recipe adds --repair "
+                             "--repair-channels ffn,norm,qk --repair-samples 64)")
     parser.add_argument("--align-samples", type=int, default=1000,
                         help="use at most this many examples of --align-data (default 1000)")
     parser.add_argument("--learn-steps", type=int, default=None,
