@@ -1,7 +1,8 @@
 """B7 without a corpus: the Llama pair aligned on token sequences the two models generate themselves
 (``--align-data generate:N:LEN``), barrier on B7's real held-out paragraphs.
 
-    python -m benchmarks.llama_generated [--kv-heads 2] [--rows activations@64:64,learned@64:32:40,...]
+    python -m benchmarks.llama_generated [--kv-heads 2] [--rows activations@256:16,learned@64:32:40,...]
+                                         [--seed S] [--repair-channels ffn,norm,qk] [--repair-samples 64]
                                          [--repeats 3] [--out DIR]
 
 A row is ``MATCH@N:LEN[:STEPS]``: ``N`` sequences of ``LEN`` tokens sampled at temperature 1 from the pair
@@ -11,8 +12,10 @@ matching, with the fast learned settings of B7: ``--learn-batch``, ``--learn-pos
 ``--learn-check-batches`` batches). Seconds: generation + alignment, as ``align --align-data
 generate:N:LEN`` runs them (wall: the median of ``--repeats``; CPU: the process's user + system seconds;
 load: the 1-minute load average when the row started). REPAIR (``+ REPAIR``): the endpoints' statistics on
-the same generated sequences (no corpus either); its seconds (``repair s``) are one REPAIR of the α = ½
-merge, what ``merge --repair`` adds. Loss along θ(α) (α = 0, ¼, ½, ¾, 1; θ_B: the alignment's anchor,
+the same generated sequences (no corpus either; ``--repair-samples N``: the first N of them), on
+``--repair-channels`` (default ``ffn,norm``; the corpus-free recipe adds ``qk``); its seconds (``repair s``,
+wall and CPU) are one REPAIR of the α = ½ merge, what ``merge --repair`` adds; ``total s``: generation +
+alignment + that REPAIR. Loss along θ(α) (α = 0, ¼, ½, ¾, 1; θ_B: the alignment's anchor,
 as ``merge`` interpolates) on B7's 200 held-out paragraphs, as in ``benchmarks.llama_text``; function
 check: max |logits(aligned A) − logits(A)| on the first held-out batch.
 
@@ -28,7 +31,7 @@ import sys
 import time
 
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
-DEFAULT_ROWS = ("activations@64:64", "activations@128:64", "learned@64:32:40")
+DEFAULT_ROWS = ("activations@256:16", "activations@128:64", "learned@64:32:40")
 
 
 def parse_row(row: str) -> tuple[str, int, int, int | None]:
@@ -61,7 +64,7 @@ def run(args, log=print) -> dict:
     from benchmarks.llama_datafree import load_pair
     from symmerge.evaluate.metrics import interpolate, interpolation_curve
     from symmerge.merge.barrier import repaired_curve
-    from symmerge.merge.repair import endpoint_stats, repair
+    from symmerge.merge.repair import endpoint_stats, parse_channels, repair, statistics_data
     from symmerge.pipeline.align import align_pair
     from symmerge.pipeline.data import generated_once
     from symmerge.pipeline.verify import with_state_dict
@@ -69,6 +72,7 @@ def run(args, log=print) -> dict:
     folders, a, b, curve = load_pair(args.kv_heads, args.curve_examples)
     log(f"pair {folders[0].name} / {folders[1].name}")
     rows = []
+    channels = parse_channels(args.repair_channels)
     for name in args.rows:
         options = row_options(args, name)
         walls, cpus, gens, load = [], [], [], os.getloadavg()[0]
@@ -92,16 +96,22 @@ def run(args, log=print) -> dict:
         row.update(loss=c["loss"], barrier=c["barrier"], loss_mid=c["loss"][2])
         if not args.no_repair:
             stats_opts = resolved.with_(symmetries="none", match="weights")
-            r = repaired_curve(res.model, res.anchor, curve, ALPHAS, stats_opts, progress=False)
-            row.update(repair_loss=r["loss"], repair_barrier=r["barrier"], repair_loss_mid=r["loss"][2])
-            t0 = time.perf_counter()  # one REPAIR of the α = ½ merge, as merge --repair runs it
+            r = repaired_curve(res.model, res.anchor, curve, ALPHAS, stats_opts, progress=False, channels=channels,
+                               samples=args.repair_samples)
+            row.update(repair_loss=r["loss"], repair_barrier=r["barrier"], repair_loss_mid=r["loss"][2],
+                       repair_channels=list(channels), repair_samples=args.repair_samples)
             ends = [res.model, res.anchor]
             mid = with_state_dict(res.anchor, interpolate(res.model.state_dict(), res.anchor.state_dict(), 0.5))
-            repair(mid, ends, [0.5, 0.5], data, stats=endpoint_stats(ends, data))
-            row["repair_seconds"] = time.perf_counter() - t0
+            t0, c0 = time.perf_counter(), time.process_time()  # one REPAIR of the α = ½ merge, as merge --repair
+            stats_data = statistics_data(data, args.repair_samples)
+            repair(mid, ends, [0.5, 0.5], stats_data, channels=channels, stats=endpoint_stats(ends, stats_data))
+            row["repair_seconds"], row["repair_cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
+            row["total_seconds"] = row["align_seconds"] + row["repair_seconds"]
+            row["total_cpu_seconds"] = row["align_cpu_seconds"] + row["repair_cpu_seconds"]
         rows.append(row)
         log(f"  {name:22s} barrier {row['barrier']:.4f}  loss(½) {row['loss_mid']:.4f}"
-            + (f"  +REPAIR {row['repair_barrier']:.4f} ({row['repair_seconds']:.2f} s)" if "repair_barrier" in row else "")
+            + (f"  +REPAIR {row['repair_barrier']:.4f} ({row['repair_seconds']:.2f} s; total {row['total_seconds']:.2f} s"
+               f" wall, {row['total_cpu_seconds']:.2f} s CPU)" if "repair_barrier" in row else "")
             + f"  wall {row['align_seconds']:.2f} s (generation {row['generate_seconds']:.2f})"
               f"  CPU {row['align_cpu_seconds']:.2f} s  load {load:.1f}  check {row['function_check']:.1e}")
     return {"benchmark": "B7 alignment on generated sequences", "pair": [str(f) for f in folders],
@@ -116,6 +126,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="alignments per row: the median seconds (default 3)")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     p.add_argument("--no-repair", action="store_true", help="skip the REPAIR curves")
+    p.add_argument("--repair-channels", default="ffn,norm", help="REPAIR's channels (default ffn,norm)")
+    p.add_argument("--repair-samples", type=int, default=None, help="REPAIR's statistics on the first N sequences")
     p.add_argument("--learn-batch", type=int, default=8)
     p.add_argument("--learn-positions", type=int, default=256)
     p.add_argument("--learn-precision", default="bfloat16")

@@ -17,6 +17,7 @@ from symmerge.errors import SymmergeError
 from symmerge.io.data import Batch, Data, load_data, take
 from symmerge.pipeline.activations import Joint, factor, match_activations
 from symmerge.pipeline.align import align_pair, instances_for
+from symmerge.pipeline.bound import bind
 from symmerge.pipeline.options import AlignOptions
 from symmerge.pipeline.verify import with_state_dict
 
@@ -223,3 +224,35 @@ def test_unlabeled_npz_and_jsonl_load_and_labels_are_ignored(tmp_path):
     assert d.n == 2 and d.batches[0].labels is None and d.batches[0].mask.shape[0] == 2
     with pytest.raises(SymmergeError, match="'label' must be an integer"):
         load_data(tmp_path / "t.jsonl", base, tokenizer=folder)
+
+
+@pytest.mark.parametrize("sites_too", [False, True])
+def test_the_statistics_pass_stops_after_the_last_block_boundary(sites_too):
+    """From the second batch on, each forward stops after the last layer's output (the final norm and the
+    LM head feed no statistic): the head runs on the first batch only, and every statistic equals the sum
+    of one full pass per batch."""
+    from symmerge.pipeline.activations import STREAM, _pseudo, gather
+
+    a, b = (make_model("llama", head=True, seed=s) for s in (0, 3))
+    data = unlabeled(a, batches=3)
+    bound = bind(a)
+    sites = []
+    if sites_too:  # per-layer sites as well (every group from activations)
+        for inst in bound.instances:
+            if inst.kind.per_layer:
+                sites += list({s.key: s for s in _pseudo(a, inst)[1]}.values())
+    heads = []
+    hooks = [m.get_output_embeddings().register_forward_hook(lambda *x: heads.append(1)) for m in (a, b)]
+    try:
+        stats = gather(a, b, data, sites, "orthogonal", progress=False, bound=bound)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(heads) == 2  # the first batch's two forwards only
+    parts = [gather(a, b, Data("one", data.format, [x], x.size, labeled=False), sites, "orthogonal",
+                    progress=False, bound=bound) for x in data.batches]
+    assert STREAM in stats and (len(stats) > 1) == sites_too
+    for key, joint in stats.items():
+        assert joint.count == sum(p[key].count for p in parts)
+        torch.testing.assert_close(joint.gram, sum(p[key].gram for p in parts), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(joint.sums, sum(p[key].sums for p in parts), rtol=1e-10, atol=1e-10)

@@ -13,7 +13,7 @@ import torch
 
 from factories import make_model
 from symmerge.errors import SymmergeError
-from symmerge.io.generate import generate_data, is_generate, parse_generate, sample
+from symmerge.io.generate import draw, generate_data, is_generate, parse_generate, sample
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -23,8 +23,8 @@ def _pair():
 
 
 def test_parse_generate_defaults_values_and_errors():
-    assert parse_generate("generate") == (64, 64, 0)
-    assert parse_generate("generate:10") == (10, 64, 0)
+    assert parse_generate("generate") == (256, 16, 0)
+    assert parse_generate("generate:10") == (10, 16, 0)
     assert parse_generate("generate:10:5:7") == (10, 5, 7)
     assert is_generate("generate:3") and is_generate("generate")
     assert not is_generate("generated.txt") and not is_generate("data.txt") and not is_generate(None)
@@ -66,9 +66,19 @@ def test_the_kv_cache_loop_draws_what_a_full_recompute_draws():
     ref = torch.full((5, 1), a.config.bos_token_id, dtype=torch.long)
     with torch.no_grad():
         for _ in range(8):  # no cache: the whole prefix every step
-            probs = torch.softmax(a(input_ids=ref).logits[:, -1].double(), -1)
-            ref = torch.cat([ref, torch.multinomial(probs, 1, generator=g)], 1)
+            ref = torch.cat([ref, draw(a(input_ids=ref).logits[:, -1], g)], 1)
     assert torch.equal(ids, ref)
+
+
+def test_the_gumbel_max_draw_follows_the_softmax():
+    logits = torch.tensor([[2.0, 0.0, -1.0, 0.5]]).repeat(20000, 1)
+    ids = draw(logits, torch.Generator().manual_seed(0))[:, 0]
+    freq = torch.bincount(ids, minlength=4).double() / len(ids)
+    p = torch.softmax(logits[0].double(), -1)
+    assert (freq - p).abs().max() < 0.01  # 20 000 draws: standard error <= 0.0035
+    assert not torch.allclose(freq, torch.full((4,), 0.25, dtype=torch.float64), atol=0.05)  # not uniform
+    # a tiny vocabulary drawn at its mode only when one logit dominates
+    assert (draw(torch.tensor([[0.0, 60.0, 0.0]]).repeat(50, 1), torch.Generator().manual_seed(1)) == 1).all()
 
 
 def test_models_without_a_causal_lm_head_are_one_error():
@@ -148,3 +158,39 @@ def test_benchmark_rows_parse_or_fail_before_any_work():
         with pytest.raises(SystemExit):
             parse_row(bad)
     assert parse_args(["--rows", "activations@8:4"]).rows == ["activations@8:4"]
+
+
+def test_the_repair_flags_reach_merge_and_barrier():
+    """``--repair-channels`` and ``--repair-samples`` (the corpus-free recipe's REPAIR: ffn, norm and qk on
+    the first sequences): parsed and checked on the CLI, and what merge_models and barrier_study run."""
+    from symmerge.cli import build_parser
+    from symmerge.commands.merge import options_from
+    from symmerge.merge.barrier import barrier_study
+    from symmerge.merge.fuse import merge_models
+    from symmerge.pipeline.options import AlignOptions
+
+    base = ["merge", "x", "y", "-o", "out", "--method", "average", "--match", "activations", "--align-data", "generate:8:6", "--repair"]
+    opts = options_from(build_parser().parse_args(base + ["--repair-channels", "ffn,norm,qk", "--repair-samples", "4"]))
+    assert opts.repair_channels == ("ffn", "norm", "qk") and opts.repair_samples == 4
+    with pytest.raises(SymmergeError, match="unknown REPAIR channels 'attn'"):
+        options_from(build_parser().parse_args(base + ["--repair-channels", "ffn,attn"]))
+    a, b = _pair()
+    align = AlignOptions(symmetries="recommended", match="activations", align_data="generate:8:6")
+    _, rep = merge_models([a, b], "average", evaluate_result=False, progress=False, repair=True, align=align,
+                          repair_channels=("ffn", "norm", "qk"), repair_samples=4)
+    assert rep["repair"]["channels"] == ["ffn", "norm", "qk"] and rep["repair"]["examples"] == 4
+    assert set(rep["repair"]["std_ratio_before"]) == {"ffn", "norm", "qk"}
+    with pytest.raises(SymmergeError, match="REPAIR samples must be >= 1"):
+        merge_models([a, b], "average", evaluate_result=False, progress=False, repair=True, align=align,
+                     repair_samples=0)
+    ids = torch.randint(3, a.config.vocab_size, (6, 8), generator=torch.Generator().manual_seed(0))
+    from symmerge.io.data import Batch, Data
+
+    held_out = Data("held-out", "lm", [Batch({"input_ids": ids}, ids, torch.ones_like(ids, dtype=torch.bool))], 6)
+    curves = {}
+    for channels in (None, ("ffn", "norm", "qk")):
+        study = barrier_study(a, b, held_out, aligns=("recommended",), points=3, progress=False, repair=True,
+                              options=align, repair_channels=channels, repair_samples=4)
+        name = next(k for k in study["curves"] if k.endswith("+repair") and not k.startswith("none"))
+        curves[channels] = study["curves"][name]["loss"][1]
+    assert curves[None] != pytest.approx(curves[("ffn", "norm", "qk")], rel=1e-9)  # qk changed the midpoint

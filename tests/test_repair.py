@@ -11,7 +11,7 @@ from factories import make_model
 from symmerge.merge.barrier import barrier_study
 from symmerge.evaluate.metrics import interpolate
 from symmerge.merge.fuse import merge_models
-from symmerge.merge.repair import CHANNELS, _sites, repair
+from symmerge.merge.repair import CHANNELS, _head_sizes, _sites, parse_channels, repair, statistics_data
 from symmerge.pipeline.bound import bind
 from symmerge.pipeline.options import AlignOptions
 from symmerge.pipeline.verify import with_state_dict
@@ -62,9 +62,10 @@ def test_every_corrected_channel_has_the_target_statistics(family):
     data = unlabeled(a, batches=2)
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (a, b)]
     merged = with_state_dict(b, interpolate(a.state_dict(), b.state_dict(), 0.3))
-    fixed, report = repair(merged, [a, b], [0.3, 0.7], data, channels=CHANNELS, remeasure="site")
+    per_channel = tuple(c for c in CHANNELS if c != "qk")  # qk: one scale per head (the test below)
+    fixed, report = repair(merged, [a, b], [0.3, 0.7], data, channels=per_channel, remeasure="site")
 
-    names = list(_sites(bind(a)))
+    names = [n for n, kind in _sites(bind(a)).items() if kind != "qk"]
     assert report["modules"] == len(names) and set(report["std_ratio_before"]) == {"ffn", "attn_out", "mlp_out", "norm"}
     sa, sb, sf = (_stats(m, data, names) for m in (a, b, fixed))
     for n in names:
@@ -140,3 +141,54 @@ def test_the_channels_of_a_family_with_several_stacks_are_found():
     ffn = [n for n, k in kinds.items() if k == "ffn"]
     assert any(n.startswith("encoder.") for n in ffn) and any(n.startswith("decoder.") for n in ffn)
     assert any(k == "attn_out" and n.startswith("decoder.") for n, k in kinds.items())
+
+
+def _head_rms(stat, size):
+    mean, std = stat
+    return (mean.square() + std.square()).view(-1, size).mean(1).sqrt()
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_the_qk_channel_sets_every_heads_query_and_key_rms_by_one_factor_per_head(family):
+    """Channel ``qk``: per head, the RMS of the q and k projections' outputs of the repaired model equals
+    the interpolation of the endpoints' (measured independently), by one factor per head on the rows (and
+    bias) of q and k — GQA's key heads included (llama: 4 query heads over 2 key heads); nothing else moves.
+    Negative control: the merged model's head RMS is off the target before."""
+    a, b = make_model(family, head=True, seed=0), make_model(family, head=True, seed=4)
+    data = unlabeled(a, batches=2)
+    merged = with_state_dict(b, interpolate(a.state_dict(), b.state_dict(), 0.4))
+    fixed, report = repair(merged, [a, b], [0.4, 0.6], data, channels=("qk",))
+    sizes = _head_sizes(bind(a))
+    assert sizes and all(n.endswith(("q_proj", "k_proj", "query", "key")) for n in sizes)
+    assert report["modules"] == len(sizes) and set(report["std_ratio_before"]) == {"qk"}
+    names = list(sizes)
+    sa, sb, sm, sf = (_stats(m, data, names) for m in (a, b, merged, fixed))
+    off = 0.0
+    for n, size in sizes.items():
+        target = 0.4 * _head_rms(sa[n], size) + 0.6 * _head_rms(sb[n], size)
+        torch.testing.assert_close(_head_rms(sf[n], size), target, atol=1e-9, rtol=1e-9)
+        off = max(off, (_head_rms(sm[n], size) / target - 1).abs().max().item())
+        w_new, w_old = fixed.get_submodule(n).weight, merged.get_submodule(n).weight
+        ratio = (w_new / w_old).view(-1, size, w_old.shape[1])  # one factor per head
+        torch.testing.assert_close(ratio, ratio[:, :1, :1].expand_as(ratio), atol=1e-9, rtol=1e-9)
+        if getattr(fixed.get_submodule(n), "bias", None) is not None:
+            bias_ratio = (fixed.get_submodule(n).bias / merged.get_submodule(n).bias).view(-1, size)
+            torch.testing.assert_close(bias_ratio, ratio[:, :, 0], atol=1e-9, rtol=1e-9)
+    assert off > 1e-3  # the merge did move the heads' scale
+    if family == "llama":
+        assert {fixed.get_submodule(n).weight.shape[0] // s for n, s in sizes.items()} == {4, 2}  # q and kv heads
+    changed = {k for k, v in fixed.state_dict().items() if not torch.equal(v, merged.state_dict()[k])}
+    assert changed and all(k.rsplit(".", 1)[0] in sizes for k in changed)
+
+
+def test_fused_qkv_projections_get_no_qk_channel_and_channel_lists_are_checked():
+    assert _head_sizes(bind(make_model("gpt2", head=True, seed=0))) == {}  # c_attn: q and k are slices
+    assert parse_channels("ffn, norm,qk") == ("ffn", "norm", "qk") and parse_channels(["norm"]) == ("norm",)
+    for bad, msg in (("ffn,heads", "unknown REPAIR channels 'heads'"), (",", "no REPAIR channels")):
+        with pytest.raises(Exception, match=msg):
+            parse_channels(bad)
+    a = make_model("llama", head=True, seed=0)
+    data = unlabeled(a, batches=2)
+    assert statistics_data(data, None) is data and statistics_data(data, 5).n == 5
+    with pytest.raises(Exception, match="REPAIR samples must be >= 1"):
+        statistics_data(data, 0)

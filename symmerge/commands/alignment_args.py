@@ -38,7 +38,8 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                              "(.npz images, .jsonl text, .txt LM lines; labels, if present, are ignored), or, for "
                              "causal LMs without a corpus, generate[:N[:LEN[:SEED]]]: N sequences of LEN tokens "
                              "sampled from the models themselves at temperature 1 (shared out over the models: half "
-                             "from each of two; default generate:64:64:0)")
+                             "from each of two; default generate:256:16:0; for merge and barrier the measured recipe adds --repair "
+                             "--repair-channels ffn,norm,qk --repair-samples 64)")
     parser.add_argument("--align-samples", type=int, default=1000,
                         help="use at most this many examples of --align-data (default 1000)")
     parser.add_argument("--learn-steps", type=int, default=None,
@@ -84,6 +85,12 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                             help="REPAIR: reset the per-channel means and standard deviations of the merged model "
                                  "(FFN pre-activations, norm outputs) to the interpolation of the endpoints', on "
                                  "--align-data, folded into weights and biases (architecture unchanged)")
+        parser.add_argument("--repair-channels", default="ffn,norm", metavar="LIST",
+                            help="the channels --repair corrects, comma-separated: ffn (FFN pre-activations), norm "
+                                 "(norm outputs), attn_out, mlp_out (the stream writers), qk (per head, the RMS of "
+                                 "queries and keys: the attention logits' scale); default ffn,norm")
+        parser.add_argument("--repair-samples", type=int, default=None, metavar="N",
+                            help="REPAIR's statistics on the first N examples of --align-data (default: all)")
 
 
 def _concentration(text: str):

@@ -56,6 +56,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from ..merge.barrier import barrier_study, write_study
+    from ..merge.repair import parse_channels, statistics_data
 
     out = Path(args.output)
     if len(args.models) < 2:
@@ -66,13 +67,16 @@ def run(args) -> int:
         raise SymmergeError(f"--joint-rounds must be >= 0, got {args.joint_rounds}")
     ensure_output_dir(out)
     options = alignment_options(args, RECOMMENDED_NAME, verify=not args.no_verify)
+    channels = parse_channels(args.repair_channels)
+    statistics_data(None, args.repair_samples)  # samples >= 1, before any model is loaded
     if len(args.models) > 2:
         return _run_many(args, out, options)
     result = barrier_study(args.models[0], args.models[1], args.data, aligns=args.align or [RECOMMENDED_NAME],
                            points=args.points, subsets=args.subsets, device=args.device,
                            batch_size=args.batch_size, max_examples=args.max_examples,
                            allow_pickle=args.allow_pickle, options=options, repair=args.repair,
-                           allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
+                           allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, repair_channels=channels,
+                           repair_samples=args.repair_samples)
     write_study(result, out)
     print_note(result.get("tokenizer"))
     width = max(len(name) for name in result["curves"])

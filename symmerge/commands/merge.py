@@ -133,8 +133,10 @@ def parse_anchor(text):
 def options_from(args):
     """The :class:`~symmerge.merge.fuse.MergeOptions` the Python API takes, from the parsed arguments."""
     from ..merge.fuse import MergeOptions
+    from ..merge.repair import parse_channels
     return MergeOptions(
         method=args.method, align=alignment_options(args, args.align, verify=not args.no_verify), repair=args.repair,
+        repair_channels=parse_channels(args.repair_channels), repair_samples=args.repair_samples,
         anchor=parse_anchor(args.anchor), data=list(args.data or []), eval_data=list(args.eval_data or []),
         weights=parse_weights(args.weights),
         params=parse_params(args.param), base=args.base, heads=args.heads, head_from=args.head_from,

@@ -3,10 +3,15 @@
 ``--align-data generate[:N[:LEN[:SEED]]]`` (:func:`parse_generate`) stands for ``N`` sequences of
 ``LEN`` tokens (defaults :data:`DEFAULT_SEQUENCES`, :data:`DEFAULT_LENGTH`, seed 0), sampled from the models themselves
 (:func:`generate_data`): the sequences are shared out round-robin over the models (two models: half
-from each), every one starts from the model's BOS token (else EOS, else a random token), and each next
-token is drawn from the model's softmax at temperature 1 (no top-k / top-p), with the model's KV cache.
-The draws come from one ``torch.Generator`` seeded with ``SEED``: the same models and seed give the same
-tokens.
+from each, each model's share in one batch), every one starts from the model's BOS token (else EOS, else
+a random token), and each next token is drawn from the model's softmax at temperature 1 (no top-k /
+top-p), with the model's KV cache, by the Gumbel-max rule (``argmax(logits − log(−log u))``, ``u``
+uniform: an exact draw from the softmax, cheaper than ``torch.multinomial``). The draws come from one
+``torch.Generator`` seeded with ``SEED``: the same models and seed give the same tokens.
+
+The defaults, 256 sequences of 16 tokens, are the recipe measured on B7 (docs/results.md, "B7 without
+a corpus"): many short sequences fit the residual stream as well as fewer long ones for the same number
+of tokens, at a fraction of the sampling steps (one forward per token position).
 The result is an unlabeled ``lm`` :class:`~symmerge.io.data.Data` (every token real: no padding), which
 the activation statistics, the learned alignment and REPAIR read as they read a ``.txt`` file.
 
@@ -21,8 +26,8 @@ from ..errors import SymmergeError
 from .data import Batch, Data, head_kind
 
 PREFIX = "generate"
-DEFAULT_SEQUENCES = 64
-DEFAULT_LENGTH = 64
+DEFAULT_SEQUENCES = 256
+DEFAULT_LENGTH = 16
 DEFAULT_SEED = 0
 
 
@@ -77,10 +82,16 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def draw(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """(n, 1) token ids drawn from ``softmax(logits)`` (n, vocab) by the Gumbel-max rule."""
+    u = torch.rand(logits.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
+    return (logits.double() - u.log_().neg_().log_()).argmax(-1, keepdim=True)
+
+
 @torch.no_grad()
 def sample(model, n: int, length: int, generator: torch.Generator) -> torch.Tensor:
     """(n, length) token ids: the start token, then ``length - 1`` tokens drawn from ``model`` at
-    temperature 1, one at a time over the KV cache."""
+    temperature 1 (:func:`draw`), one at a time over the KV cache."""
     config = model.config
     first = _start_token(config)
     if first is None:
@@ -102,8 +113,7 @@ def sample(model, n: int, length: int, generator: torch.Generator) -> torch.Tens
             past = res.get(name)
             if past is None:
                 raise SymmergeError(f"--align-data generate: {type(model).__name__} returned no KV cache")
-            probs = torch.softmax(res.logits[:, -1].double(), dim=-1)
-            step = torch.multinomial(probs, 1, generator=generator)
+            step = draw(res.logits[:, -1], generator)
             out.append(step)
     finally:
         model.train(was_training)

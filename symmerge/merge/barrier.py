@@ -58,13 +58,14 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
                   subsets: str | None = None, device="cpu", batch_size: int = 32, max_examples: int | None = None,
                   verify: bool = True, allow_pickle: bool = False, progress: bool = True,
                   options: AlignOptions | None = None, repair: bool = False, align_data=None,
-                  allow_tokenizer_mismatch: bool = False) -> dict:
+                  allow_tokenizer_mismatch: bool = False, repair_channels=None, repair_samples: int | None = None) -> dict:
     """Interpolation curves and barriers of A and B, for no alignment and each variant of ``aligns``
     (symmetry lists, or 'recommended': the groups of the recommended set the models have; a curve is
     named by the symmetries it aligned); ``options`` gives the other alignment options (``symmetries``
     is overridden). ``repair``: each variant also gets a curve ``"<variant>+repair"`` with REPAIR applied
     at every α (:mod:`symmerge.merge.repair`), its statistics on ``align_data`` (unlabeled; default
-    ``options.align_data``; kept apart from the evaluation ``data``)."""
+    ``options.align_data``; kept apart from the evaluation ``data``), on ``repair_channels`` (default
+    REPAIR's) with statistics on the first ``repair_samples`` examples (None: all)."""
     t0 = time.perf_counter()
     alphas = alpha_grid(points)
     base = options or AlignOptions(rescale=rescale, verify=verify)
@@ -114,7 +115,8 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
         result["curves"][v] = {**curve, **info, "seconds": time.perf_counter() - t}
         if repair:
             t = time.perf_counter()
-            result["curves"][v + "+repair"] = {**repaired_curve(moved, end_b, d, alphas, base, dev, progress, v),
+            result["curves"][v + "+repair"] = {**repaired_curve(moved, end_b, d, alphas, base, dev, progress, v,
+                                                                channels=repair_channels, samples=repair_samples),
                                                **info, "seconds": time.perf_counter() - t}
     if subsets:
         syms = next((o.symmetries for o in variants.values() if o is not None), ("attn",))
@@ -125,17 +127,18 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
 
 
 def repaired_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, device=None, progress: bool = True,
-                   label: str = "") -> dict:
+                   label: str = "", channels=None, samples: int | None = None) -> dict:
     """:func:`interpolation_curve` with REPAIR at every α (endpoint statistics gathered once on the
-    alignment data of ``options``)."""
-    from .repair import endpoint_stats, repair
+    alignment data of ``options``, its first ``samples`` examples; ``channels``: default REPAIR's)."""
+    from .repair import DEFAULT_CHANNELS, endpoint_stats, repair, statistics_data
 
-    stats_data = load_align_data(options, model_b)
+    stats_data = statistics_data(load_align_data(options, model_b), samples)
     endpoints = [model_a.to(device), model_b.to(device)]
     stats = endpoint_stats(endpoints, stats_data)
+    channels = channels or DEFAULT_CHANNELS
 
     def repaired(probe, alpha):
-        return repair(probe, endpoints, [alpha, 1.0 - alpha], stats_data, stats=stats)[0]
+        return repair(probe, endpoints, [alpha, 1.0 - alpha], stats_data, channels=channels, stats=stats)[0]
 
     return interpolation_curve(model_a, model_b, data, alphas, device=device, progress=progress,
                                label=f"{label}+repair", transform=repaired)

@@ -35,7 +35,7 @@ from ..pipeline.report import match_fields
 from ..progress import line, stage, stage_printer
 from ..pipeline.verify import with_state_dict
 from .registry import get_method
-from .repair import repair
+from .repair import DEFAULT_CHANNELS, parse_channels, repair, statistics_data
 from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_mergeable, head_keys, head_policy,
                     head_report, untied, with_tied)
 from .statistics import gather
@@ -74,6 +74,8 @@ class MergeOptions:
     evaluate: bool = True
     progress: bool = True
     repair: bool = False  # REPAIR the merged model on the alignment's unlabeled data (``align.align_data``)
+    repair_channels: tuple = DEFAULT_CHANNELS  # the channels REPAIR corrects (symmerge.merge.repair)
+    repair_samples: int | None = None  # REPAIR's statistics on the first this many examples (None: all)
     joint: bool | None = None  # N models in one frame (None: when more than two models and no anchor/base)
     joint_rounds: int = 10  # cap on the joint alignment's rounds after the star
     joint_refine: str = DEFAULT_REFINE  # what those rounds re-solve: every group, or the permutations only
@@ -126,6 +128,8 @@ class MergeOptions:
             raise SymmergeError(f"got {len(self.weights)} weights for {n} models")
         if self.repair and self.align.align_data is None:
             raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass --align-data FILE")
+        self.repair_channels = parse_channels(self.repair_channels)
+        statistics_data(None, self.repair_samples)  # samples >= 1
         if self.joint and (self.anchor is not None or self.base is not None):
             raise SymmergeError("joint alignment brings every model into one common frame: it takes no --anchor "
                                 "or --base (an anchor means the star: every model aligned to it)")
@@ -396,7 +400,9 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     repair_info = None
     if opts.repair:
         t = time.perf_counter()
-        out, repair_info = repair(out, aligned, opts.weights, load_align_data(opts.align, out), progress=opts.progress)
+        out, repair_info = repair(out, aligned, opts.weights,
+                                  statistics_data(load_align_data(opts.align, out), opts.repair_samples),
+                                  channels=opts.repair_channels, progress=opts.progress)
         timings["repair"] = time.perf_counter() - t
 
     hk = head_keys(models[0])

@@ -12,11 +12,18 @@ the parameters that produce ``y``, so the architecture is unchanged. Which chann
 * ``attn_out`` — the attention output per stream channel: the O projection's outputs (its rows + bias);
 * ``mlp_out`` — the FFN output per stream channel: the output module's outputs (rows + bias);
 * ``norm`` — the outputs of every LayerNorm / RMSNorm of the layers and the final norm (what the
-  next block and the head read): an affine map after the norm folds into its weight and bias.
+  next block and the head read): an affine map after the norm folds into its weight and bias;
+* ``qk`` — the attention logits' scale: per head, the root mean square of the query and of the key
+  projection's outputs (the QK group's members) set to the interpolation of the endpoints', a scale only
+  (rows and bias of ``q`` and ``k`` multiplied by one factor per head, so RoPE pairs and the softmax's
+  shape are kept). Interpolating two heads that agree only in part shrinks q and k, and the logits with
+  their product: the softmax flattens. Not corrected where q or k is a slice of a fused projection.
 
 Default ``ffn`` and ``norm``: on B1 they helped after activation matching and after weight matching;
 the stream writers (``attn_out``, ``mlp_out``) helped only where the stream channels correspond well
 (docs/merge.md has the table).
+``qk`` (not a default; not measured on B1) lowered B7's barrier by 0.01–0.02 after activation matching and
+REPAIR of ``ffn`` and ``norm`` (docs/results.md, "B7 without a corpus").
 
 Not corrected, and why: the residual stream itself (a norm's input) — a per-channel affine map of the
 stream cannot be folded (the identity path carries every earlier term uncorrected; the writers and the
@@ -44,17 +51,34 @@ from ..io.hf import linear_output_axis
 from ..pipeline.bound import bind
 from .base import normalized_weights
 
-CHANNELS = ("ffn", "attn_out", "mlp_out", "norm")
+CHANNELS = ("ffn", "attn_out", "mlp_out", "norm", "qk")
 DEFAULT_CHANNELS = ("ffn", "norm")  # the channels that helped after every alignment measured (docs/merge.md)
 REMEASURE = ("none", "layer", "site")
 
 
 def _role(group_name: str) -> str:
     """A group's name without its stack's scope (T5's ``decoder.cross.attn.vo`` is an ``attn.vo``)."""
-    for role in ("ffn", "attn.vo"):
+    for role in ("ffn", "attn.vo", "attn.qk"):
         if group_name == role or group_name.endswith("." + role):
             return role
     return group_name
+
+
+def _head_sizes(bound) -> dict[str, int]:
+    """``{module path: head size}`` of the query and key projections whose whole output is the QK group's
+    slot (channel ``qk``; slices of a fused projection are left out)."""
+    from ..pipeline.activations import activation_slot
+
+    out: dict[str, int] = {}
+    for inst in bound.instances:
+        if _role(inst.group.name) != "attn.qk":
+            continue
+        for slot in inst.slots:
+            found = activation_slot(bound.model, slot)
+            if found is None or found[0].side != "out" or slot.start or slot.length is not None or slot.period:
+                continue
+            out[found[0].module] = inst.size
+    return out
 
 
 def _sites(bound) -> dict[str, str]:
@@ -63,7 +87,7 @@ def _sites(bound) -> dict[str, str]:
     from ..pipeline.activations import activation_slot
 
     model, spec = bound.model, bound.spec
-    out: dict[str, str] = {}
+    out: dict[str, str] = {n: "qk" for n in _head_sizes(bound)}
     for inst in bound.instances:
         for slot in inst.slots:
             role = _role(inst.group.name)
@@ -154,11 +178,33 @@ def channel_stats(model, data, modules, progress: bool = False) -> dict[str, tup
     return out
 
 
+def _ratio(target: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """``target / current``, 1 where ``current`` is (numerically) zero."""
+    return torch.where(current > 1e-12 * current.max().clamp_min(1e-300), target / current, torch.ones_like(current))
+
+
+def _head_rms(stat: tuple[torch.Tensor, torch.Tensor], size: int) -> torch.Tensor:
+    """Per head (``size`` consecutive channels) the root mean square over tokens and channels, from the
+    channels' (mean, std)."""
+    mean, std = stat
+    return (mean.square() + std.square()).view(-1, size).mean(1).sqrt()
+
+
+def _scale_rows(module, s: torch.Tensor) -> None:
+    """Multiply a linear module's outputs by ``s`` (per output channel): its weight rows and bias."""
+    axis = linear_output_axis(module)
+    with torch.no_grad():
+        w = module.weight.double()
+        module.weight.copy_((w * (s[:, None] if axis == 0 else s[None, :])).to(module.weight.dtype))
+        if getattr(module, "bias", None) is not None:
+            module.bias.copy_((module.bias.double() * s).to(module.bias.dtype))
+
+
 def _fold(module, mean, std, target_mean, target_std, kind: str, offset: float = 0.0) -> bool:
     """Fold ``y → (y − mean)·s + target_mean``, ``s = target_std / std``, into the module's parameters;
     False when only the scale could be folded (no bias). ``offset``: a norm multiplies by ``offset + w``
     (Gemma's ``1 + w``), so its scaled weight is ``(offset + w)·s − offset``."""
-    s = torch.where(std > 1e-12 * std.max().clamp_min(1e-300), target_std / std, torch.ones_like(std))
+    s = _ratio(target_std, std)
     weight = module.weight
     bias = getattr(module, "bias", None)
     with torch.no_grad():
@@ -173,6 +219,25 @@ def _fold(module, mean, std, target_mean, target_std, kind: str, offset: float =
             return False
         bias.copy_(((bias.double() - mean) * s + target_mean).to(bias.dtype))
     return True
+
+
+def parse_channels(text) -> tuple[str, ...]:
+    """``ffn,norm,qk`` (or a sequence of names) → the channel tuple, else one clear error."""
+    names = tuple(x.strip() for x in (text.split(",") if isinstance(text, str) else text) if x.strip())
+    unknown = [c for c in names if c not in CHANNELS]
+    if unknown or not names:
+        raise SymmergeError(f"unknown REPAIR channels {unknown[0]!r}; choose from {', '.join(CHANNELS)}" if unknown
+                            else f"no REPAIR channels given; choose from {', '.join(CHANNELS)}")
+    return names
+
+
+def statistics_data(data, samples: int | None):
+    """The part of the unlabeled ``data`` REPAIR measures on: its first ``samples`` examples (None: all)."""
+    from ..io.data import take
+
+    if samples is not None and samples < 1:
+        raise SymmergeError(f"REPAIR samples must be >= 1, got {samples}")
+    return data if samples is None or data is None else take(data, samples)
 
 
 def endpoint_stats(endpoints, data, modules=None, progress: bool = False) -> list[dict]:
@@ -190,9 +255,7 @@ def repair(merged, endpoints, weights=None, data=None, channels=DEFAULT_CHANNELS
     ``stats``: their :func:`endpoint_stats` (computed when None)."""
     if data is None:
         raise SymmergeError("REPAIR needs unlabeled data for its statistics (align_data)")
-    unknown = [c for c in channels if c not in CHANNELS]
-    if unknown:
-        raise SymmergeError(f"unknown REPAIR channels {unknown[0]!r}; choose from {', '.join(CHANNELS)}")
+    channels = parse_channels(channels)
     if remeasure not in REMEASURE:
         raise SymmergeError(f"unknown REPAIR remeasure {remeasure!r}; choose one of {', '.join(REMEASURE)}")
     t0 = time.perf_counter()
@@ -213,9 +276,16 @@ def repair(merged, endpoints, weights=None, data=None, channels=DEFAULT_CHANNELS
         stages = [[n for n in order if index[n] == i] for i in sorted(set(index.values()))]
     ratios: dict = {k: [] for k in channels}
     scale_only = []
+    heads = _head_sizes(bound) if "qk" in channels else {}
     for stage in stages:
         current = channel_stats(model, data, stage)
         for name in stage:
+            if kinds[name] == "qk":  # one scale per head: the RMS of its channels
+                rms, t_rms = _head_rms(current[name], heads[name]), sum(wk * _head_rms(s[name], heads[name])
+                                                                         for wk, s in zip(w, stats))
+                ratios["qk"].append((rms / t_rms.clamp_min(1e-300)).mean().item())
+                _scale_rows(model.get_submodule(name), _ratio(t_rms, rms).repeat_interleave(heads[name]))
+                continue
             mean, std = current[name]
             t_mean = sum(wk * s[name][0] for wk, s in zip(w, stats))
             t_std = sum(wk * s[name][1] for wk, s in zip(w, stats))

@@ -205,6 +205,10 @@ def batches_on(model, data, desc: str, progress: bool):
         yield batch.to(device)
 
 
+class _Stop(Exception):
+    """Raised by the last block boundary's hook: the rest of the forward feeds no statistic."""
+
+
 def gather(model_a, model_b, data, sites, stream_variant: str | None, stream: str = "normalized",
            progress: bool = True, bound=None, observers=()) -> dict:
     """One pass over ``data``: ``{site key: Joint}`` for every :class:`Site` and, with a
@@ -215,12 +219,19 @@ def gather(model_a, model_b, data, sites, stream_variant: str | None, stream: st
     given = set(sites)
     sites = list({s.key: s for s in list(sites) + list(observed.values())}.values())
     cur: list[dict] = [{}, {}]
-    state = {"mask": None}
+    # the forward stops after the last block boundary when, on the first batch, nothing hooked ran after it
+    # (what follows — the final norm, the LM head — feeds no statistic): ``stop_after`` boundary calls
+    state = {"mask": None, "first": True, "last": None, "calls": 0, "stop_after": None}
     handles = []
 
     def keep(k, key):
         def store(x):
             cur[k].setdefault(key, []).append(_tokens(x.detach(), state["mask"]))
+            state["last"] = key
+            if key == STREAM:
+                state["calls"] += 1
+                if state["calls"] == state["stop_after"]:
+                    raise _Stop
         return store
 
     def out_hook(store):
@@ -249,7 +260,14 @@ def gather(model_a, model_b, data, sites, stream_variant: str | None, stream: st
                 state["mask"] = batch.mask
                 for k, model in enumerate((model_a, model_b)):
                     cur[k] = {}
-                    model.eval()(**batch.inputs)
+                    state["calls"], state["last"] = 0, None
+                    try:
+                        model.eval()(**batch.inputs)
+                    except _Stop:
+                        pass
+                    if state["first"] and k == 1:
+                        state["first"] = False
+                        state["stop_after"] = state["calls"] if state["last"] == STREAM and state["calls"] else None
                 for inst in observers:
                     key = observed[inst.name].key
                     xa, xb = torch.cat(cur[0][key]), torch.cat(cur[1][key])
