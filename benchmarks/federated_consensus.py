@@ -1,0 +1,125 @@
+"""B5 (c) diagnostic: which functional score separates a label-flipped client from honest clients with rare
+labels, on the clients of real rounds saved by ``benchmarks.federated_rounds --save-clients DIR``.
+
+Every client model of a round is run on ``--server`` unlabeled training images (the server's data; their
+labels are used here only to print each client's accuracy on them). Each client's class probabilities P_i
+are compared with the consensus of the others, Q_i = the unweighted mean of the other clients'
+probabilities. The scores (larger: more outlying), each turned into the robust z-score of the outlier rule:
+
+- ``disagree``: 1 - the fraction of images where argmax P_i = argmax Q_i;
+- ``prior``: the same after the client's class prior is discounted (P_i reweighted per class so that its
+  mean over the images equals Q_i's: :func:`symmerge.federated.consensus.prior_corrected`); the score of
+  ``outlier_rule="consensus"`` (:func:`symmerge.federated.consensus.consensus_scores`);
+- ``tv``, ``tv_prior``: the mean total variation between P_i (prior-corrected) and Q_i;
+- ``macro_prec``: 1 - the mean over the classes the client predicts (on at least 2 % of the images) of
+  the fraction of its predictions of that class that the consensus shares;
+- ``perm``: (best one-to-one relabelling's agreement - the identity's), from the client-vs-consensus
+  confusion matrix (Hungarian): a client that predicts systematically permuted classes gains much.
+
+Run: ``python -m benchmarks.federated_consensus /tmp/flip/seed0/clean_mean /tmp/flip/seed0/flip_mean``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .bench_federated import EXAMPLE
+
+SCORES = ("disagree", "prior", "tv", "tv_prior", "macro_prec", "perm", "ce_prior", "conf_prior", "top_prior", "tvp_ratio", "tv_temp", "tv_dis", "tv_rev", "js_prior", "tv_both")
+
+
+def candidate_scores(probs: list[torch.Tensor]) -> dict[str, list[float]]:
+    from scipy.optimize import linear_sum_assignment
+
+    from symmerge.federated.consensus import prior_corrected
+
+    n, out = len(probs), {s: [] for s in SCORES}
+    for i in range(n):
+        p = probs[i]
+        q = sum(probs[j] for j in range(n) if j != i) / (n - 1)
+        pc = prior_corrected(p, q.mean(0))
+        a, ac, b = p.argmax(1), pc.argmax(1), q.argmax(1)
+        out["disagree"].append(1 - float((a == b).double().mean()))
+        out["prior"].append(1 - float((ac == b).double().mean()))
+        out["tv"].append(float(0.5 * (p - q).abs().sum(1).mean()))
+        out["tv_prior"].append(float(0.5 * (pc - q).abs().sum(1).mean()))
+        c = p.shape[1]
+        conf = torch.zeros(c, c, dtype=torch.float64)
+        conf.index_put_((a, b), torch.ones(len(a), dtype=torch.float64), accumulate=True)
+        counts = conf.sum(1)
+        used = counts >= 0.02 * len(a)
+        out["macro_prec"].append(1 - float((conf.diagonal()[used] / counts[used]).mean()))
+        r, k = linear_sum_assignment(-conf.numpy())
+        out["perm"].append(float((conf.numpy()[r, k].sum() - conf.trace()) / len(a)))
+        out["ce_prior"].append(float(-pc.gather(1, b[:, None]).clamp_min(1e-12).log().mean()))
+        w = pc.max(1).values
+        out["conf_prior"].append(1 - float((w * (ac == b).double()).sum() / w.sum()))
+        top = w >= w.quantile(0.7)
+        out["top_prior"].append(1 - float((ac == b)[top].double().mean()))
+        best = None
+        for tau in (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0):
+            pt = prior_corrected((p.clamp_min(1e-12).log() / tau).softmax(1), q.mean(0))
+            tv = float(0.5 * (pt - q).abs().sum(1).mean())
+            best = tv if best is None else min(best, tv)
+        out["tv_temp"].append(best)
+        qc = prior_corrected(q, p.mean(0))
+        out["tv_rev"].append(float(0.5 * (p - qc).abs().sum(1).mean()))
+        out["tv_both"].append(out["tv_rev"][-1] + float(0.5 * (pc - q).abs().sum(1).mean()))
+        mid = 0.5 * (pc + q)
+        kl = lambda a, m: (a * (a.clamp_min(1e-12) / m.clamp_min(1e-12)).log()).sum(1)  # noqa: E731
+        out["js_prior"].append(float((0.5 * kl(pc, mid) + 0.5 * kl(q, mid)).mean()))
+        out["tv_dis"].append(float((0.5 * (pc - q).abs().sum(1) * (ac != b).double()).mean()))
+    med = float(np.median(out["tv_prior"]))
+    out["tvp_ratio"] = [v / med for v in out["tv_prior"]]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", help="folders of round<r>.pt files (federated_rounds --save-clients)")
+    p.add_argument("--server", type=int, default=1000, help="unlabeled server images")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--min-spread", type=float, default=0.0, help="the robust z-score's MAD floor, x the median")
+    p.add_argument("--scores", default=",".join(SCORES), help="which scores to print")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(EXAMPLE))
+    from fedvit import task
+
+    from symmerge.demo.datasets import fashion_mnist, pixel_values
+    from symmerge.federated.aggregate import update_outliers
+
+    images, labels = fashion_mnist("train")
+    pick = np.random.default_rng(0).choice(len(images), args.server, replace=False)
+    x, y = torch.from_numpy(pixel_values(images[pick])), torch.from_numpy(labels[pick])
+    cfg = task.settings({})
+    model = task.load_model(cfg)
+    for run in args.runs:
+        for f in sorted(Path(run).glob("round*.pt"), key=lambda f: int(f.stem[5:])):
+            d = torch.load(f)
+            probs, accs = [], []
+            for sd in d["states"]:
+                model.load_state_dict(sd)
+                with torch.no_grad():
+                    pr = torch.cat([model(pixel_values=x[j:j + 500]).logits.double().softmax(-1)
+                                    for j in range(0, len(x), 500)])
+                probs.append(pr)
+                accs.append(float((pr.argmax(1) == y).double().mean()))
+            print(f"{run} {f.stem}: clients {d['pids']}, accuracy on the server images "
+                  f"{' '.join(f'{a:.2f}' for a in accs)}")
+            for name, scores in candidate_scores(probs).items():
+                if name not in args.scores.split(","):
+                    continue
+                z = [z for z, _ in update_outliers(scores, 1e9, min_spread=args.min_spread)]
+                print(f"  {name:<10} score " + " ".join(f"{s:6.3f}" for s in scores) + "   z "
+                      + " ".join(f"{v:6.2f}" for v in z))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""The ``consensus`` outlier rule of AlignedFedAvg (symmerge.federated.consensus): the prior correction
+undoes a shift of the class prior and not a relabelling; on tiny ViTs trained on label-skewed synthetic
+shards, a client trained on flipped labels is left out (its node named) while an honest client whose
+labels nobody else holds is kept; the round then equals the round without the flipped client; clear
+errors for a rule without data or without a classifier. Skipped where Flower is not installed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+import transformers as T  # noqa: E402
+from flwr.app import ArrayRecord  # noqa: E402
+from test_federated import reply, sha  # noqa: E402
+
+from symmerge import SymmergeError  # noqa: E402
+from symmerge.demo.datasets import write_npz  # noqa: E402
+from symmerge.federated import AlignedFedAvg, update_outliers  # noqa: E402
+from symmerge.federated.aggregate import CONSENSUS_MIN_SPREAD  # noqa: E402
+from symmerge.federated.consensus import consensus_scores, prior_corrected, server_data  # noqa: E402
+from symmerge.io.data import Batch, Data  # noqa: E402
+
+C = 4  # classes
+
+
+def vit_config() -> T.ViTConfig:
+    return T.ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, image_size=8,
+                       patch_size=4, num_channels=1, num_labels=C)
+
+
+def tiny_vit(seed: int = 0):
+    torch.manual_seed(seed)
+    return T.ViTForImageClassification(vit_config()).eval()
+
+
+# ---------------------------------------------------------------- the scores, on probabilities
+
+
+def softmax_world(m: int = 400, n_honest: int = 6, seed: int = 0):
+    """Honest clients: one set of logits + small noise; ``skewed``: the same with a shifted class prior
+    (label skew); ``flipped``: its classes relabelled (the logits' columns permuted)."""
+    g = torch.Generator().manual_seed(seed)
+    base = 3.0 * torch.randn(m, C, generator=g, dtype=torch.float64)
+    honest = [(base + 0.3 * torch.randn(m, C, generator=g, dtype=torch.float64)).softmax(1) for _ in range(n_honest)]
+    skewed = (base + torch.tensor([2.5, 0.0, -1.0, 0.0], dtype=torch.float64)).softmax(1)
+    flipped = base[:, [3, 2, 1, 0]].softmax(1)
+    return honest, skewed, flipped
+
+
+def test_prior_corrected_undoes_a_prior_shift_not_a_relabelling():
+    g = torch.Generator().manual_seed(1)
+    p = (2.0 * torch.randn(300, C, generator=g, dtype=torch.float64)).softmax(1)
+    shifted = p * torch.tensor([6.0, 1.0, 0.2, 1.0], dtype=torch.float64)
+    shifted = shifted / shifted.sum(1, keepdim=True)
+    got = prior_corrected(shifted, p.mean(0))
+    assert torch.allclose(got, p, atol=1e-8)
+    assert torch.allclose(got.mean(0), p.mean(0), atol=1e-9)  # its class marginal is the target's
+    relabelled = prior_corrected(p[:, [1, 0, 3, 2]], p.mean(0))
+    assert (relabelled - p).abs().sum(1).mean() > 0.5  # no class prior undoes a permutation
+
+
+def test_consensus_scores_separate_a_relabelled_client_from_a_prior_shift():
+    honest, skewed, flipped = softmax_world()
+    scores = consensus_scores(honest + [skewed, flipped])
+    assert max(scores[:-1]) < 0.5 * scores[-1]
+    flags = update_outliers(scores, 3.5, "consensus", CONSENSUS_MIN_SPREAD)
+    assert [r is not None for _, r in flags] == [False] * 7 + [True]
+    assert "disagree with the other clients' consensus" in flags[-1][1]
+    # negative control: without the prior correction the skewed client is left out too
+    probs = honest + [skewed, flipped]
+    raw = [float(0.5 * (p - (sum(probs) - p) / (len(probs) - 1)).abs().sum(1).mean()) for p in probs]
+    assert raw[-2] > 1.8 * max(raw[:-2])
+    assert [r is not None for _, r in update_outliers(raw, 3.5, "consensus", CONSENSUS_MIN_SPREAD)][-2:] == [True] * 2
+
+
+def test_consensus_scores_small_cases():
+    p = torch.full((5, C), 1.0 / C, dtype=torch.float64)
+    assert consensus_scores([p]) == [0.0]
+    assert consensus_scores([p, p, p]) == pytest.approx([0.0] * 3, abs=1e-12)
+
+
+def test_min_spread_floors_the_mad():
+    scores = [1.0, 1.01, 0.99, 1.0, 1.02, 1.3]  # tightly clustered, one 30 % above: an outlier by MAD alone
+    assert update_outliers(scores, 3.5)[-1][1] is not None
+    assert update_outliers(scores, 3.5, min_spread=0.1)[-1][1] is None  # not beyond 1.52 x the median
+    assert update_outliers(scores[:-1] + [1.7], 3.5, min_spread=0.1)[-1][1] is not None
+
+
+# ---------------------------------------------------------------- the strategy, on trained tiny ViTs
+
+
+def synthetic(n: int, seed: int, classes: np.ndarray | None = None):
+    """Images of ``C`` class patterns + noise (8x8, 1 channel); labels drawn from ``classes`` (a probability
+    per class; default uniform)."""
+    rng = np.random.default_rng(seed)
+    patterns = np.random.default_rng(1234).normal(0, 1, (C, 1, 8, 8))
+    y = rng.choice(C, n, p=classes)
+    x = patterns[y] + rng.normal(0, 0.8, (n, 1, 8, 8))
+    return torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64)
+
+
+def train(model, x, y, steps: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        i = torch.randint(0, len(x), (32,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(pixel_values=x[i]).logits, y[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+SKEWED, FLIPPED = 5, 9  # nodes
+
+
+@pytest.fixture(scope="module")
+def federation():
+    """A global model trained a little on balanced data; 4 honest clients with label-skewed shards, an
+    honest client ``SKEWED`` that holds mostly class 3 (which the others hardly hold) and a client
+    ``FLIPPED`` trained on flipped labels (3 - y), each 25 local steps from the global model."""
+    x, y = synthetic(400, 0)
+    g = train(tiny_vit(0), x, y, 20, seed=0)
+    start = g.state_dict()
+    mixes = {1: [0.5, 0.3, 0.15, 0.05], 2: [0.2, 0.5, 0.25, 0.05], 3: [0.3, 0.2, 0.45, 0.05],
+             4: [0.4, 0.4, 0.15, 0.05], SKEWED: [0.05, 0.05, 0.05, 0.85], FLIPPED: [0.35, 0.3, 0.3, 0.05]}
+    replies = {}
+    for node, mix in mixes.items():
+        cx, cy = synthetic(300, node, np.array(mix))
+        model = tiny_vit(0)
+        model.load_state_dict(start)
+        train(model, cx, 3 - cy if node == FLIPPED else cy, 25, seed=node)
+        replies[node] = reply(node, {k: v.detach().clone() for k, v in model.state_dict().items()}, 300)
+    server_x, _ = synthetic(200, 99)  # the server's unlabeled images
+    return g, replies, Data("server images", "image", [Batch({"pixel_values": server_x[:128]}, None),
+                                                         Batch({"pixel_values": server_x[128:]}, None)], 200, False)
+
+
+def strategy(g, **kw) -> AlignedFedAvg:
+    s = AlignedFedAvg(g, fraction_evaluate=0.0, **kw)
+    s.global_arrays = ArrayRecord(g.state_dict())
+    return s
+
+
+def test_consensus_rule_leaves_out_the_flipped_client_and_keeps_the_skewed_one(federation, caplog):
+    g, replies, data = federation
+    s = strategy(g, outlier_rule="consensus", outlier_data=data)
+    arrays, metrics = s.aggregate_train(1, list(replies.values()))
+    rec = s.rounds[-1]
+    assert [(x["node"], x["kind"]) for x in rec["left_out"]] == [(FLIPPED, "outlier")]
+    assert SKEWED in rec["accepted"] and metrics["symmerge-left-out-outlier"] == 1
+    assert rec["outlier_z"][FLIPPED] > 3.5 and max(z for n, z in rec["outlier_z"].items() if n != FLIPPED) < 3.5
+    assert any(f"node {FLIPPED}" in r.getMessage() and "consensus" in r.getMessage() for r in caplog.records)
+    # the round aggregates exactly the others
+    honest = [m for n, m in replies.items() if n != FLIPPED]
+    assert sha(arrays) == sha(strategy(g).aggregate_train(1, honest)[0])
+
+
+def with_prior_shift(sd: dict, shift: list[float]) -> dict:
+    """The same model with its class prior shifted: ``shift`` added to the classifier's bias (what label
+    skew does to a classifier first)."""
+    out = dict(sd)
+    out["classifier.bias"] = sd["classifier.bias"] + torch.tensor(shift)
+    return out
+
+
+def test_consensus_rule_keeps_clients_that_differ_by_their_class_prior(federation):
+    """A clean round of honest clients, two of them with a strongly shifted class prior (a large bias on
+    one class, as a client holding mostly that class): nobody is left out, and the aggregate is the
+    round's without the rule."""
+    g, replies, data = federation
+    honest = [replies[n] for n in (1, 2, 3, 4)]
+    shifted = [reply(n, with_prior_shift(replies[1].content["arrays"].to_torch_state_dict(), shift), 300)
+               for n, shift in ((6, [0.0, 0.0, 0.0, 4.0]), (7, [3.0, -2.0, 0.0, 0.0]))]
+    s = strategy(g, outlier_rule="consensus", outlier_data=data)
+    arrays, _ = s.aggregate_train(1, honest + shifted)
+    assert not s.rounds[-1]["left_out"] and max(s.rounds[-1]["outlier_z"].values()) < 3.5
+    assert sha(arrays) == sha(strategy(g).aggregate_train(1, honest + shifted)[0])
+    # negative control: the same clients with their classes relabelled instead are left out
+    relabelled = dict(replies[1].content["arrays"].to_torch_state_dict())
+    perm = torch.tensor([3, 2, 1, 0])
+    relabelled["classifier.weight"], relabelled["classifier.bias"] = (relabelled["classifier.weight"][perm],
+                                                                      relabelled["classifier.bias"][perm])
+    s = strategy(g, outlier_rule="consensus", outlier_data=data)
+    s.aggregate_train(1, honest + shifted[:1] + [reply(8, relabelled, 300)])
+    assert [x["node"] for x in s.rounds[-1]["left_out"]] == [8]
+
+
+def test_consensus_rule_reads_a_data_file(federation, tmp_path):
+    g, replies, data = federation
+    x = torch.cat([b.inputs["pixel_values"] for b in data.batches]).numpy()
+    path = write_npz(tmp_path / "server.npz", x, np.zeros(len(x), np.int64))
+    s = strategy(g, outlier_rule="consensus", outlier_data=path, outlier_samples=150)
+    assert s.outlier_data.n == 150
+    s.aggregate_train(1, list(replies.values()))
+    assert [x["node"] for x in s.rounds[-1]["left_out"]] == [FLIPPED]
+
+
+def test_consensus_rule_errors(federation):
+    g, _, data = federation
+    with pytest.raises(SymmergeError, match="needs unlabeled data held by the server"):
+        AlignedFedAvg(g, outlier_rule="consensus")
+    with pytest.raises(SymmergeError, match="outlier_samples"):
+        AlignedFedAvg(g, outlier_rule="consensus", outlier_data=data, outlier_samples=0)
+    with pytest.raises(SymmergeError, match="classification model"):
+        server_data(data, T.ViTModel(vit_config()), 10)
+    with pytest.raises(SymmergeError, match="unknown outlier_rule"):
+        AlignedFedAvg(g, outlier_rule="consensu", outlier_data=data)
+    assert AlignedFedAvg(g, outlier_rule="krum").outlier_data is None  # data only for the consensus rule
