@@ -1,22 +1,37 @@
 """B5 (c) diagnostic: which functional score separates a label-flipped client from honest clients with rare
 labels, on the clients of real rounds saved by ``benchmarks.federated_rounds --save-clients DIR``.
 
-Every client model of a round is run on ``--server`` unlabeled training images (the server's data; their
-labels are used here only to print each client's accuracy on them). Each client's class probabilities P_i
-are compared with the consensus of the others, Q_i = the unweighted mean of the other clients'
-probabilities. The scores (larger: more outlying), each turned into the robust z-score of the outlier rule:
+Every client model of a round is run on ``--server`` unlabeled training images (the server's data, the
+same images as the ``consensus`` arms of federated_rounds; their labels are used here only to print each
+client's accuracy on them). Each client's class probabilities P_i are compared with the consensus of the
+others, Q_i = the unweighted mean of the other clients' probabilities; P_i' is P_i with its class prior
+discounted to Q_i's and Q_i' is Q_i with its prior moved to P_i's
+(:func:`symmerge.federated.consensus.prior_corrected`); TV(A, B) is the mean over the images of
+½ Σ_c |A_c - B_c|. The candidate scores (larger: more outlying):
 
-- ``disagree``: 1 - the fraction of images where argmax P_i = argmax Q_i;
-- ``prior``: the same after the client's class prior is discounted (P_i reweighted per class so that its
-  mean over the images equals Q_i's: :func:`symmerge.federated.consensus.prior_corrected`); the score of
-  ``outlier_rule="consensus"`` (:func:`symmerge.federated.consensus.consensus_scores`);
-- ``tv``, ``tv_prior``: the mean total variation between P_i (prior-corrected) and Q_i;
+- ``disagree``: 1 - the fraction of images where argmax P_i = argmax Q_i; ``prior``: the same with P_i';
+- ``tv``: TV(P_i, Q_i); ``tv_prior``: TV(P_i', Q_i); ``tv_rev``: TV(P_i, Q_i');
+- ``consensus``: ½ [TV(P_i', Q_i) + TV(P_i, Q_i')], the score of ``outlier_rule="consensus"``
+  (:func:`symmerge.federated.consensus.consensus_scores`);
+- ``tv_temp``: TV(P_i', Q_i) at the best of 9 temperatures of P_i (0.25–4; also discounting confidence);
+- ``tv_dis``: the mean of TV(P_i'(x), Q_i(x)) over the images where their argmaxes differ (0 elsewhere);
+- ``js_prior``: the mean Jensen–Shannon divergence of P_i' and Q_i; ``ce_prior``: the mean
+  cross-entropy of P_i' against argmax Q_i;
+- ``conf_prior``: 1 - the agreement of argmax P_i' with argmax Q_i weighted by P_i's top probability;
+  ``top_prior``: the same on the 30 % of images where P_i' is most confident;
 - ``macro_prec``: 1 - the mean over the classes the client predicts (on at least 2 % of the images) of
   the fraction of its predictions of that class that the consensus shares;
-- ``perm``: (best one-to-one relabelling's agreement - the identity's), from the client-vs-consensus
+- ``perm``: the best one-to-one relabelling's agreement minus the identity's, from the client-vs-consensus
   confusion matrix (Hungarian): a client that predicts systematically permuted classes gains much.
 
-Run: ``python -m benchmarks.federated_consensus /tmp/flip/seed0/clean_mean /tmp/flip/seed0/flip_mean``.
+Each score becomes the strategy's robust z-score, 0.6745 (s - median) / max(MAD, ``--min-spread`` ×
+median). Per round the z of every client is printed; ``--summary`` prints, per score, the largest z of an
+honest client (every client of a ``clean*`` run folder, every client but 0 of a ``flip*`` one) and the
+smallest z of the flipped client 0, with how many rounds each side crosses ``--threshold``.
+
+Run: ``python -m benchmarks.federated_rounds --seed S --runs clean:mean,flip:mean --save-clients /tmp/flip/seedS``
+for S in 0 1, then ``python -m benchmarks.federated_consensus /tmp/flip/seed*/clean_mean /tmp/flip/seed*/flip_mean
+--min-spread 0.1 --summary``.
 """
 
 from __future__ import annotations
@@ -30,7 +45,8 @@ import torch
 
 from .bench_federated import EXAMPLE
 
-SCORES = ("disagree", "prior", "tv", "tv_prior", "macro_prec", "perm", "ce_prior", "conf_prior", "top_prior", "tvp_ratio", "tv_temp", "tv_dis", "tv_rev", "js_prior", "tv_both")
+SCORES = ("disagree", "prior", "tv", "tv_prior", "tv_rev", "consensus", "tv_temp", "tv_dis", "js_prior", "ce_prior",
+          "conf_prior", "top_prior", "macro_prec", "perm")
 
 
 def candidate_scores(probs: list[torch.Tensor]) -> dict[str, list[float]]:
@@ -69,13 +85,11 @@ def candidate_scores(probs: list[torch.Tensor]) -> dict[str, list[float]]:
         out["tv_temp"].append(best)
         qc = prior_corrected(q, p.mean(0))
         out["tv_rev"].append(float(0.5 * (p - qc).abs().sum(1).mean()))
-        out["tv_both"].append(out["tv_rev"][-1] + float(0.5 * (pc - q).abs().sum(1).mean()))
+        out["consensus"].append(0.5 * (out["tv_rev"][-1] + out["tv_prior"][-1]))
         mid = 0.5 * (pc + q)
         kl = lambda a, m: (a * (a.clamp_min(1e-12) / m.clamp_min(1e-12)).log()).sum(1)  # noqa: E731
         out["js_prior"].append(float((0.5 * kl(pc, mid) + 0.5 * kl(q, mid)).mean()))
         out["tv_dis"].append(float((0.5 * (pc - q).abs().sum(1) * (ac != b).double()).mean()))
-    med = float(np.median(out["tv_prior"]))
-    out["tvp_ratio"] = [v / med for v in out["tv_prior"]]
     return out
 
 
@@ -86,6 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--min-spread", type=float, default=0.0, help="the robust z-score's MAD floor, x the median")
     p.add_argument("--scores", default=",".join(SCORES), help="which scores to print")
+    p.add_argument("--threshold", type=float, default=3.5, help="the outlier threshold the summary counts against")
+    p.add_argument("--summary", action="store_true", help="only the table of the largest honest / smallest flipped z")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(EXAMPLE))
@@ -99,7 +115,11 @@ def main(argv=None) -> int:
     x, y = torch.from_numpy(pixel_values(images[pick])), torch.from_numpy(labels[pick])
     cfg = task.settings({})
     model = task.load_model(cfg)
+    chosen = args.scores.split(",")
+    honest = {name: [] for name in chosen}  # (z, run, round, client)
+    flipped = {name: [] for name in chosen}
     for run in args.runs:
+        flip = Path(run).name.startswith("flip")
         for f in sorted(Path(run).glob("round*.pt"), key=lambda f: int(f.stem[5:])):
             d = torch.load(f)
             probs, accs = [], []
@@ -110,14 +130,26 @@ def main(argv=None) -> int:
                                     for j in range(0, len(x), 500)])
                 probs.append(pr)
                 accs.append(float((pr.argmax(1) == y).double().mean()))
-            print(f"{run} {f.stem}: clients {d['pids']}, accuracy on the server images "
-                  f"{' '.join(f'{a:.2f}' for a in accs)}")
+            if not args.summary:
+                print(f"{run} {f.stem}: clients {d['pids']}, accuracy on the server images "
+                      f"{' '.join(f'{a:.2f}' for a in accs)}", flush=True)
             for name, scores in candidate_scores(probs).items():
-                if name not in args.scores.split(","):
+                if name not in chosen:
                     continue
                 z = [z for z, _ in update_outliers(scores, 1e9, min_spread=args.min_spread)]
-                print(f"  {name:<10} score " + " ".join(f"{s:6.3f}" for s in scores) + "   z "
-                      + " ".join(f"{v:6.2f}" for v in z))
+                for pid, v in zip(d["pids"], z):
+                    (flipped if flip and pid == 0 else honest)[name].append((v, run, f.stem, pid))
+                if not args.summary:
+                    print(f"  {name:<10} score " + " ".join(f"{s:6.3f}" for s in scores) + "   z "
+                          + " ".join(f"{v:6.2f}" for v in z))
+    print(f"\n{'score':<11} {'largest honest z':>17} {'(where)':<34} {'honest > thr':>13} {'smallest flipped z':>19} "
+          f"{'flipped > thr':>14}")
+    for name in chosen:
+        top, low = max(honest[name]), min(flipped[name]) if flipped[name] else None
+        where = f"{Path(top[1]).parent.name}/{Path(top[1]).name} {top[2]} client {top[3]}"
+        print(f"{name:<11} {top[0]:>17.2f} {where:<34} {sum(v > args.threshold for v, *_ in honest[name]):>6} of "
+              f"{len(honest[name]):<4} {low[0] if low else float('nan'):>19.2f} "
+              f"{sum(v > args.threshold for v, *_ in flipped[name]):>7} of {len(flipped[name]):<4}")
     return 0
 
 
