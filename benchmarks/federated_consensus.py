@@ -29,6 +29,12 @@ median). Per round the z of every client is printed; ``--summary`` prints, per s
 honest client (every client of a ``clean*`` run folder, every client but 0 of a ``flip*`` one) and the
 smallest z of the flipped client 0, with how many rounds each side crosses ``--threshold``.
 
+``--synthetic``: instead, the consensus rule's z-scores on a tiny synthetic federation of accurate clients
+(tiny ViTs, 4 class patterns + noise, a global model trained a little, then 6 clients 40 local steps
+each: 4 honest with label-skewed shards, one honest client holding most of class 3, one trained on
+flipped labels 3 - y), for several shares of class 3, in a round with the flipped client and in a clean
+round (the tests use the same federation: tests/test_federated_consensus.py).
+
 Run: ``python -m benchmarks.federated_rounds --seed S --runs clean:mean,flip:mean --save-clients /tmp/flip/seedS``
 for S in 0 1, then ``python -m benchmarks.federated_consensus /tmp/flip/seed*/clean_mean /tmp/flip/seed*/flip_mean
 --min-spread 0.1 --summary``.
@@ -93,9 +99,89 @@ def candidate_scores(probs: list[torch.Tensor]) -> dict[str, list[float]]:
     return out
 
 
+# ---------------------------------------------------------------- a tiny synthetic federation
+
+CLASSES = 4
+
+
+def tiny_vit(seed: int = 0):
+    """A tiny ViT classifier (hidden 16, 2 layers, 8x8 one-channel images, :data:`CLASSES` labels)."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    return T.ViTForImageClassification(T.ViTConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, image_size=8,
+        patch_size=4, num_channels=1, num_labels=CLASSES)).eval()
+
+
+def synthetic(n: int, seed: int, classes=None):
+    """Images of :data:`CLASSES` fixed patterns + noise (8x8, 1 channel); labels drawn from ``classes``
+    (a probability per class; default uniform)."""
+    rng = np.random.default_rng(seed)
+    patterns = np.random.default_rng(1234).normal(0, 1, (CLASSES, 1, 8, 8))
+    y = rng.choice(CLASSES, n, p=classes)
+    x = patterns[y] + rng.normal(0, 0.8, (n, 1, 8, 8))
+    return torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64)
+
+
+def train_tiny(model, x, y, steps: int, seed: int):
+    """``steps`` of Adam (lr 3e-3) on random batches of 32."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        i = torch.randint(0, len(x), (32,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(pixel_values=x[i]).logits, y[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def synthetic_clients(mixes: dict, flipped: int, global_steps: int, local_steps: int):
+    """The global model (trained ``global_steps`` on balanced data) and each node's model of ``mixes``
+    (node -> class shares of its 300 examples), trained ``local_steps`` from it; node ``flipped`` on
+    labels 3 - y."""
+    x, y = synthetic(400, 0)
+    g = train_tiny(tiny_vit(0), x, y, global_steps, seed=0)
+    clients = {}
+    for node, mix in mixes.items():
+        cx, cy = synthetic(300, node, np.array(mix))
+        model = tiny_vit(0)
+        model.load_state_dict(g.state_dict())
+        train_tiny(model, cx, CLASSES - 1 - cy if node == flipped else cy, local_steps, seed=node)
+        clients[node] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return g, clients
+
+
+def synthetic_sweep(global_steps: int = 30, local_steps: int = 40) -> None:
+    from symmerge.federated.aggregate import CONSENSUS_MIN_SPREAD, update_outliers
+    from symmerge.federated.consensus import client_probabilities, consensus_scores
+    from symmerge.io.data import Batch, Data
+
+    server_x, _ = synthetic(200, 99)
+    data = Data("server images", "image", [Batch({"pixel_values": server_x}, None)], 200, False)
+    print("others' share of class 3 | skewed client's share | round | z of nodes 1-4 (honest), 5 (skewed), "
+          "9 (flipped) | accuracy of node 5")
+    for other, own in ((0.05, 0.85), (0.05, 0.6), (0.1, 0.85), (0.1, 0.7), (0.15, 0.7), (0.25, 0.5)):
+        mixes = {1: [0.5, 0.3, 0.2], 2: [0.2, 0.5, 0.3], 3: [0.3, 0.2, 0.5], 4: [0.4, 0.4, 0.2], 9: [0.35, 0.35, 0.3]}
+        mixes = {k: [v * (1 - other) for v in m] + [other] for k, m in mixes.items()}
+        mixes[5] = [(1 - own) / 3] * 3 + [own]
+        g, clients = synthetic_clients(mixes, 9, global_steps, local_steps)
+        probs = dict(zip(clients, client_probabilities(g, list(clients.values()), data)))
+        _, server_y = synthetic(200, 99)
+        acc = float((probs[5].argmax(1) == server_y).double().mean())
+        for label, nodes in (("with the flipped client", [1, 2, 3, 4, 5, 9]), ("clean", [1, 2, 3, 4, 5])):
+            z = [z for z, _ in update_outliers(consensus_scores([probs[n] for n in nodes]), 1e9,
+                                               min_spread=CONSENSUS_MIN_SPREAD)]
+            print(f"{other:>5} | {own:>5} | {label:<24} | " + " ".join(f"{n}: {v:5.2f}" for n, v in zip(nodes, z))
+                  + f" | {acc:.3f}", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", help="folders of round<r>.pt files (federated_rounds --save-clients)")
+    p.add_argument("runs", nargs="*", help="folders of round<r>.pt files (federated_rounds --save-clients)")
+    p.add_argument("--synthetic", action="store_true", help="the tiny synthetic federation's sweep instead")
     p.add_argument("--server", type=int, default=1000, help="unlabeled server images")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--min-spread", type=float, default=0.0, help="the robust z-score's MAD floor, x the median")
@@ -104,6 +190,11 @@ def main(argv=None) -> int:
     p.add_argument("--summary", action="store_true", help="only the table of the largest honest / smallest flipped z")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.synthetic:
+        synthetic_sweep()
+        return 0
+    if not args.runs:
+        p.error("give the folders of saved rounds (or --synthetic)")
     sys.path.insert(0, str(EXAMPLE))
     from fedvit import task
 

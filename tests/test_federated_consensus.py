@@ -1,8 +1,9 @@
 """The ``consensus`` outlier rule of AlignedFedAvg (symmerge.federated.consensus): the prior correction
 undoes a shift of the class prior and not a relabelling; on tiny ViTs trained on label-skewed synthetic
-shards, a client trained on flipped labels is left out (its node named) while an honest client whose
-labels nobody else holds is kept; the round then equals the round without the flipped client; clear
-errors for a rule without data or without a classifier. Skipped where Flower is not installed."""
+shards (benchmarks/federated_consensus.py's federation), a client trained on flipped labels is left out
+(its node named) while an honest client holding mostly a class the others hardly hold is kept, and the
+round equals the round without the flipped client; honest clients whose class prior is shifted are kept;
+clear errors for a rule without data or without a classifier. Skipped where Flower is not installed."""
 
 from __future__ import annotations
 
@@ -16,25 +17,15 @@ import transformers as T  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402
 from test_federated import reply, sha  # noqa: E402
 
+from benchmarks.federated_consensus import CLASSES as C  # noqa: E402
+from benchmarks.federated_consensus import synthetic, synthetic_clients, tiny_vit  # noqa: E402
+
 from symmerge import SymmergeError  # noqa: E402
 from symmerge.demo.datasets import write_npz  # noqa: E402
 from symmerge.federated import AlignedFedAvg, update_outliers  # noqa: E402
 from symmerge.federated.aggregate import CONSENSUS_MIN_SPREAD  # noqa: E402
 from symmerge.federated.consensus import consensus_scores, prior_corrected, server_data  # noqa: E402
 from symmerge.io.data import Batch, Data  # noqa: E402
-
-C = 4  # classes
-
-
-def vit_config() -> T.ViTConfig:
-    return T.ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, image_size=8,
-                       patch_size=4, num_channels=1, num_labels=C)
-
-
-def tiny_vit(seed: int = 0):
-    torch.manual_seed(seed)
-    return T.ViTForImageClassification(vit_config()).eval()
-
 
 # ---------------------------------------------------------------- the scores, on probabilities
 
@@ -92,29 +83,6 @@ def test_min_spread_floors_the_mad():
 # ---------------------------------------------------------------- the strategy, on trained tiny ViTs
 
 
-def synthetic(n: int, seed: int, classes: np.ndarray | None = None):
-    """Images of ``C`` class patterns + noise (8x8, 1 channel); labels drawn from ``classes`` (a probability
-    per class; default uniform)."""
-    rng = np.random.default_rng(seed)
-    patterns = np.random.default_rng(1234).normal(0, 1, (C, 1, 8, 8))
-    y = rng.choice(C, n, p=classes)
-    x = patterns[y] + rng.normal(0, 0.8, (n, 1, 8, 8))
-    return torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64)
-
-
-def train(model, x, y, steps: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
-        i = torch.randint(0, len(x), (32,), generator=gen)
-        loss = torch.nn.functional.cross_entropy(model(pixel_values=x[i]).logits, y[i])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
-
-
 SKEWED, FLIPPED = 5, 9  # nodes
 
 
@@ -123,18 +91,10 @@ def federation():
     """A global model trained a little on balanced data; 4 honest clients with label-skewed shards, an
     honest client ``SKEWED`` that holds mostly class 3 (which the others hardly hold) and a client
     ``FLIPPED`` trained on flipped labels (3 - y), each 25 local steps from the global model."""
-    x, y = synthetic(400, 0)
-    g = train(tiny_vit(0), x, y, 20, seed=0)
-    start = g.state_dict()
     mixes = {1: [0.5, 0.3, 0.15, 0.05], 2: [0.2, 0.5, 0.25, 0.05], 3: [0.3, 0.2, 0.45, 0.05],
              4: [0.4, 0.4, 0.15, 0.05], SKEWED: [0.05, 0.05, 0.05, 0.85], FLIPPED: [0.35, 0.3, 0.3, 0.05]}
-    replies = {}
-    for node, mix in mixes.items():
-        cx, cy = synthetic(300, node, np.array(mix))
-        model = tiny_vit(0)
-        model.load_state_dict(start)
-        train(model, cx, 3 - cy if node == FLIPPED else cy, 25, seed=node)
-        replies[node] = reply(node, {k: v.detach().clone() for k, v in model.state_dict().items()}, 300)
+    g, clients = synthetic_clients(mixes, FLIPPED, global_steps=20, local_steps=25)
+    replies = {node: reply(node, sd, 300) for node, sd in clients.items()}
     server_x, _ = synthetic(200, 99)  # the server's unlabeled images
     return g, replies, Data("server images", "image", [Batch({"pixel_values": server_x[:128]}, None),
                                                          Batch({"pixel_values": server_x[128:]}, None)], 200, False)
@@ -207,7 +167,7 @@ def test_consensus_rule_errors(federation):
     with pytest.raises(SymmergeError, match="outlier_samples"):
         AlignedFedAvg(g, outlier_rule="consensus", outlier_data=data, outlier_samples=0)
     with pytest.raises(SymmergeError, match="classification model"):
-        server_data(data, T.ViTModel(vit_config()), 10)
+        server_data(data, T.ViTModel(tiny_vit(0).config), 10)
     with pytest.raises(SymmergeError, match="unknown outlier_rule"):
         AlignedFedAvg(g, outlier_rule="consensu", outlier_data=data)
     assert AlignedFedAvg(g, outlier_rule="krum").outlier_data is None  # data only for the consensus rule
