@@ -15,6 +15,7 @@ pytest.importorskip("flwr")
 
 import transformers as T  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402
+import test_federated  # noqa: E402
 from test_federated import reply, sha  # noqa: E402
 
 from benchmarks.federated_consensus import CLASSES as C  # noqa: E402
@@ -26,6 +27,8 @@ from symmerge.federated import AlignedFedAvg, update_outliers  # noqa: E402
 from symmerge.federated.aggregate import CONSENSUS_MIN_SPREAD  # noqa: E402
 from symmerge.federated.consensus import consensus_scores, prior_corrected, server_data  # noqa: E402
 from symmerge.io.data import Batch, Data  # noqa: E402
+
+example_on_path = test_federated.example_on_path  # the fixture that puts the example app on the path
 
 # ---------------------------------------------------------------- the scores, on probabilities
 
@@ -171,3 +174,17 @@ def test_consensus_rule_errors(federation):
     with pytest.raises(SymmergeError, match="unknown outlier_rule"):
         AlignedFedAvg(g, outlier_rule="consensu", outlier_data=data)
     assert AlignedFedAvg(g, outlier_rule="krum").outlier_data is None  # data only for the consensus rule
+
+
+@pytest.mark.usefixtures("example_on_path")
+def test_the_example_app_holds_server_images_for_the_consensus_rule():
+    """fedvit with outlier-rule="consensus": the server's unlabeled images (server-images of them) reach
+    the strategy as outlier_data; no data without that rule."""
+    from fedvit import server_app, task
+
+    cfg = task.settings({"dataset": "synthetic", "hidden": 16, "layers": 1, "heads": 2, "outlier-rule": "consensus",
+                         "server-images": 300})
+    strategy = AlignedFedAvg(template=task.load_model(cfg), **server_app.strategy_options(cfg))
+    assert strategy.outlier_rule == "consensus" and strategy.outlier_data.n == 300
+    assert not strategy.outlier_data.labeled and all(b.labels is None for b in strategy.outlier_data.batches)
+    assert "outlier_data" not in server_app.strategy_options(task.settings({"dataset": "synthetic"}))
