@@ -188,3 +188,29 @@ def test_the_example_app_holds_server_images_for_the_consensus_rule():
     assert strategy.outlier_rule == "consensus" and strategy.outlier_data.n == 300
     assert not strategy.outlier_data.labeled and all(b.labels is None for b in strategy.outlier_data.batches)
     assert "outlier_data" not in server_app.strategy_options(task.settings({"dataset": "synthetic"}))
+
+
+def test_consensus_rule_leaves_out_a_client_whose_predictions_cannot_be_had(federation, monkeypatch, caplog):
+    """A client whose model gives non-finite probabilities (or fails) on the server's data is left out, its
+    node named, and does not enter the others' consensus; the round goes on."""
+    from symmerge.federated import consensus, strategy as strategy_module
+
+    g, replies, data = federation
+    broken = dict(replies[1].content["arrays"].to_torch_state_dict())
+    broken["classifier.weight"] = torch.full_like(broken["classifier.weight"], 3e38)  # finite, logits overflow
+    probs = consensus.client_probabilities(g, [broken, g.state_dict()], data)
+    assert isinstance(probs[0], str) and "not finite" in probs[0] and isinstance(probs[1], torch.Tensor)
+    real = strategy_module.client_probabilities
+
+    def one_fails(model, state_dicts, data):
+        out = real(model, state_dicts, data)
+        out[4] = "its model fails on the server's data: RuntimeError: boom"  # the fifth client scored: SKEWED
+        return out
+
+    monkeypatch.setattr(strategy_module, "client_probabilities", one_fails)
+    s = strategy(g, outlier_rule="consensus", outlier_data=data)
+    s.aggregate_train(1, list(replies.values()))
+    rec = s.rounds[-1]
+    assert sorted((x["node"], x["kind"]) for x in rec["left_out"]) == [(SKEWED, "outlier"), (FLIPPED, "outlier")]
+    assert any(f"node {SKEWED}" in r.getMessage() and "boom" in r.getMessage() for r in caplog.records)
+    assert SKEWED not in rec["outlier_z"] and len(rec["outlier_z"]) == len(replies) - 1

@@ -92,13 +92,22 @@ def server_data(data, model, max_examples: int):
     return load_data(data, model, max_examples=max_examples, batch_size=min(256, max_examples), labels=False)
 
 
-def client_probabilities(model, state_dicts: list[dict], data) -> list[torch.Tensor]:
+def client_probabilities(model, state_dicts: list[dict], data) -> list:
     """Each state dict's class probabilities (float64, (M, C)) on ``data``, loaded in turn into one copy of
-    ``model`` (the original is left untouched)."""
+    ``model`` (the original is left untouched); for a state dict whose forward pass fails or gives
+    non-finite probabilities, a string saying why instead (whatever a client sent, the server goes on)."""
     clone = copy.deepcopy(model).eval()
     out = []
     for sd in state_dicts:
-        clone.load_state_dict(sd)
-        with torch.no_grad():
-            out.append(torch.cat([clone(**b.inputs).logits.double().softmax(dim=-1) for b in data]))
+        try:
+            clone.load_state_dict(sd)
+            with torch.no_grad():
+                probs = torch.cat([clone(**b.inputs).logits.double().softmax(dim=-1) for b in data])
+        except Exception as e:  # noqa: BLE001 - a client's weights must not crash the server
+            out.append(f"its model fails on the server's data: {type(e).__name__}: {e}")
+            continue
+        if not bool(torch.isfinite(probs).all()):
+            out.append("its predictions on the server's data are not finite")
+            continue
+        out.append(probs)
     return out

@@ -374,8 +374,16 @@ class AlignedFedAvg(FedAvg):
         if self.outlier_rule is None or len(kept) < 3:
             return kept
         if self.outlier_rule == CONSENSUS_RULE:  # functional: the clients' predictions on the server's data
-            # (the aligned models compute what the clients' models compute)
-            scores = consensus_scores(client_probabilities(anchor, [k[1] for k in kept], self.outlier_data))
+            # (the aligned models compute what the clients' models compute); a client whose predictions cannot
+            # be had is left out before the others are scored (it must not enter their consensus)
+            probs = client_probabilities(anchor, [k[1] for k in kept], self.outlier_data)
+            for item, p in zip(kept, probs):
+                if isinstance(p, str):
+                    self._left_out(left_out, item[0].metadata.src_node_id, "outlier", p)
+            kept = [item for item, p in zip(kept, probs) if not isinstance(p, str)]
+            if len(kept) < 3:
+                return kept
+            scores = consensus_scores([p for p in probs if not isinstance(p, str)])
             flags = update_outliers(scores, self.outlier_threshold, self.outlier_rule, CONSENSUS_MIN_SPREAD)
         else:
             scores = update_scores([k[1] for k in kept], anchor_sd, keys, self.outlier_rule)
