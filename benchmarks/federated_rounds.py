@@ -91,7 +91,7 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
     strategy = AlignedFedAvg(model, fraction_evaluate=0.0, min_clients=2, **ARMS[arm], **server)
     arrays = ArrayRecord(model.state_dict())
     data = [task.load_partition(pid, clients, cfg) for pid in range(clients)]
-    out = {"accuracy": [], "distance_before": [], "distance_after": [], "gain": [], "unaligned": [],
+    out = {"accuracy": [], "distance_before": [], "distance_after": [], "gain": [], "unaligned": [], "outlier_z": [],
            "paired_fedavg": [], "probe_gain": [], "local_steps": [local_steps(cfg, len(x), epochs) for x, _ in data]}
     for r in range(1, rounds + 1):
         start = arrays.to_torch_state_dict()
@@ -128,6 +128,7 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
             out["distance_after"].append(sum(after) / len(after))
             out["gain"].append(sum((b - a) / b for b, a in zip(before, after) if b > 0) / len(before))
         out["unaligned"].append([pids[x["node"] - 1] for x in rec.get("unaligned", [])])
+        out["outlier_z"].append({pids[n - 1]: z for n, z in rec.get("outlier_z", {}).items()})  # client -> z
         keys = [k for k, v in start.items() if v.is_floating_point()]
         if strategy.alignment.symmetries:  # the same clients, plainly averaged: alignment's effect in this round
             plain = task.load_model(cfg)
@@ -146,7 +147,9 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
         extra = (f", paired FedAvg {out['paired_fedavg'][-1]:.4f}" if out["paired_fedavg"] else "") + (
             f", alignment gain {out['gain'][-1]:.4f} (mean), unaligned {out['unaligned'][-1]}"
             if strategy.alignment.symmetries and out["gain"] else "") + (
-            f", probe gain max {max(out['probe_gain'][-1]):.4f}" if out["probe_gain"] else "")
+            f", probe gain max {max(out['probe_gain'][-1]):.4f}" if out["probe_gain"] else "") + (
+            ", outlier z " + " ".join(f"{pids[n - 1]}: {z:.2f}" for n, z in rec["outlier_z"].items())
+            if rec.get("outlier_z") else "")
         log(f"  {attack}:{arm} round {r}: accuracy {out['accuracy'][-1]:.4f}, left out "
             f"{[(pids[x['node'] - 1], x['kind']) for x in rec['left_out']]} (client, kind), clipped "
             f"{[pids[x['node'] - 1] for x in rec['clipped']]}, {rec['seconds']:.1f} s "
