@@ -17,7 +17,9 @@ with ``norm_clip`` (an update beyond the norm rule is scaled down to the others'
 out); ``clip``: weighted mean and ``norm_clip``, no outlier rule; ``fedavg``: no
 alignment, weighted mean, no norm rule; ``guarded``: aligned, weighted mean, ``min_align_gain``
 (``--min-align-gain``, default 0.05, the strategy's default: a client whose alignment lowers its distance to
-the global model by less keeps its own frame); every other aligned arm aligns every client
+the global model by less keeps its own frame); ``consensus``: weighted mean, norm_factor 10 and the functional
+outlier rule ``consensus`` on ``--server-images`` unlabeled training images held by the server;
+``consensus_clip``: the same with ``norm_clip``; every other aligned arm aligns every client
 (``min_align_gain=0``, as they were measured before the guard existed)).
 B5 (b): ``--runs clean:fedavg,clean:mean,clean:guarded --local-epochs E [--examples-per-client N] --probe``.
 """
@@ -29,9 +31,11 @@ import hashlib
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .bench_federated import EXAMPLE, replies_for
@@ -44,7 +48,10 @@ ARMS = {"fedavg": {"alignment": "none", "norm_factor": None},
         "clipped": {"norm_factor": 10.0, "norm_clip": True, "outlier_rule": "krum", "outlier_threshold": 3.5,
                     "min_align_gain": 0.0},
         "clip": {"norm_factor": 10.0, "norm_clip": True, "min_align_gain": 0.0},
-        "guarded": {"norm_factor": None, "min_align_gain": 0.05}}
+        "guarded": {"norm_factor": None, "min_align_gain": 0.05},
+        "consensus": {"norm_factor": 10.0, "outlier_rule": "consensus", "outlier_threshold": 3.5, "min_align_gain": 0.0},
+        "consensus_clip": {"norm_factor": 10.0, "norm_clip": True, "outlier_rule": "consensus", "outlier_threshold": 3.5,
+                           "min_align_gain": 0.0}}
 ATTACKS = ("clean", "scale100", "flip", "absent")
 
 
@@ -65,12 +72,14 @@ def local_steps(cfg: dict, n: int, epochs: float | None) -> int:
 
 
 def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, log=print, epochs: float | None = None,
-            probe: bool = False) -> dict:
+            probe: bool = False, save: Path | None = None, server_data=None) -> dict:
     """One run: ``{"accuracy": [...], ...}`` per round, with the mean distance to the global model before and
     after alignment, the mean relative gain of the alignment, ``paired_fedavg`` (aligned arms: the accuracy of
     the plain weighted average of the same clients' models, that round) and, with ``probe`` for an arm without
     alignment, ``probe_gain``: what the data-free alignment would have gained on its clients. A client's
-    local training is reused across runs when it starts from the same model (the first round of every arm)."""
+    local training is reused across runs when it starts from the same model (the first round of every arm).
+    ``server_data``: the server's unlabeled images (a .npz) for the consensus arms. ``save``: a folder that gets each round's clients (``round<r>.pt``: the round's global model, the clients'
+    state dicts, partition ids and example counts), for offline diagnostics."""
     from flwr.app import ArrayRecord
 
     from symmerge.demo.train import accuracy
@@ -78,10 +87,11 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
     from symmerge.pipeline.align import align_pair
 
     model = task.load_model(cfg)
-    strategy = AlignedFedAvg(model, fraction_evaluate=0.0, min_clients=2, **ARMS[arm])
+    server = {"outlier_data": server_data} if ARMS[arm].get("outlier_rule") == "consensus" else {}
+    strategy = AlignedFedAvg(model, fraction_evaluate=0.0, min_clients=2, **ARMS[arm], **server)
     arrays = ArrayRecord(model.state_dict())
     data = [task.load_partition(pid, clients, cfg) for pid in range(clients)]
-    out = {"accuracy": [], "distance_before": [], "distance_after": [], "gain": [], "unaligned": [],
+    out = {"accuracy": [], "distance_before": [], "distance_after": [], "gain": [], "unaligned": [], "outlier_z": [],
            "paired_fedavg": [], "probe_gain": [], "local_steps": [local_steps(cfg, len(x), epochs) for x, _ in data]}
     for r in range(1, rounds + 1):
         start = arrays.to_torch_state_dict()
@@ -104,6 +114,9 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
             states.append(sd)
             sizes.append(len(x))
             pids.append(pid)
+        if save is not None:
+            save.mkdir(parents=True, exist_ok=True)
+            torch.save({"start": start, "states": states, "pids": pids, "sizes": sizes}, save / f"round{r}.pt")
         strategy.global_arrays = arrays
         arrays, _ = strategy.aggregate_train(r, replies_for(states, sizes))
         model.load_state_dict(arrays.to_torch_state_dict())
@@ -115,6 +128,7 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
             out["distance_after"].append(sum(after) / len(after))
             out["gain"].append(sum((b - a) / b for b, a in zip(before, after) if b > 0) / len(before))
         out["unaligned"].append([pids[x["node"] - 1] for x in rec.get("unaligned", [])])
+        out["outlier_z"].append({pids[n - 1]: z for n, z in rec.get("outlier_z", {}).items()})  # client -> z
         keys = [k for k, v in start.items() if v.is_floating_point()]
         if strategy.alignment.symmetries:  # the same clients, plainly averaged: alignment's effect in this round
             plain = task.load_model(cfg)
@@ -133,7 +147,9 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
         extra = (f", paired FedAvg {out['paired_fedavg'][-1]:.4f}" if out["paired_fedavg"] else "") + (
             f", alignment gain {out['gain'][-1]:.4f} (mean), unaligned {out['unaligned'][-1]}"
             if strategy.alignment.symmetries and out["gain"] else "") + (
-            f", probe gain max {max(out['probe_gain'][-1]):.4f}" if out["probe_gain"] else "")
+            f", probe gain max {max(out['probe_gain'][-1]):.4f}" if out["probe_gain"] else "") + (
+            ", outlier z " + " ".join(f"{pids[n - 1]}: {z:.2f}" for n, z in rec["outlier_z"].items())
+            if rec.get("outlier_z") else "")
         log(f"  {attack}:{arm} round {r}: accuracy {out['accuracy'][-1]:.4f}, left out "
             f"{[(pids[x['node'] - 1], x['kind']) for x in rec['left_out']]} (client, kind), clipped "
             f"{[pids[x['node'] - 1] for x in rec['clipped']]}, {rec['seconds']:.1f} s "
@@ -163,7 +179,11 @@ def main(argv=None) -> int:
     p.add_argument("--examples-per-client", type=int, default=100000, help="each client's shard capped at this many")
     p.add_argument("--min-align-gain", type=float, default=0.05, help="the guarded arm's min_align_gain")
     p.add_argument("--probe", action="store_true", help="arms without alignment: record what alignment would gain")
+    p.add_argument("--server-images", type=int, default=1000,
+                   help="the consensus arms: unlabeled training images held by the server")
     p.add_argument("--out", help="folder for results.json")
+    p.add_argument("--save-clients", help="folder: each run's clients of every round saved under RUN/round<r>.pt "
+                                          "(diagnostics: benchmarks/federated_consensus.py)")
     args = p.parse_args(argv)
     ARMS["guarded"]["min_align_gain"] = args.min_align_gain
     for arm in ("filtered", "clipped"):
@@ -175,6 +195,15 @@ def main(argv=None) -> int:
     cfg = task.settings({"dirichlet-alpha": args.alpha, "local-steps": args.local_steps, "init-seed": args.seed,
                          "data-seed": args.seed, "examples-per-client": args.examples_per_client})
     test_x, test_y = task.load_test({**cfg, "test-examples": args.test})
+    server = None
+    if any(ARMS.get(spec.split(":")[-1], {}).get("outlier_rule") == "consensus" for spec in args.runs.split(",")):
+        # the consensus arms' server data: --server-images training images, their labels dropped
+        from symmerge.demo.datasets import fashion_mnist, write_npz
+
+        images, _ = fashion_mnist("train")
+        pick = np.random.default_rng(0).choice(len(images), args.server_images, replace=False)
+        tmp = tempfile.TemporaryDirectory()
+        server = write_npz(Path(tmp.name) / "server.npz", images[pick], np.zeros(len(pick), np.int64))
     t0 = time.perf_counter()
     results, details = {}, {}
     for spec in args.runs.split(","):
@@ -183,7 +212,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"bad run {spec!r}: ATTACK:ARM with ATTACK in {list(ATTACKS)} and ARM in {list(ARMS)}")
         t = time.perf_counter()
         details[spec] = run_one(task, cfg, attack, arm, args.rounds, args.clients, (test_x, test_y),
-                                epochs=args.local_epochs, probe=args.probe)
+                                epochs=args.local_epochs, probe=args.probe, server_data=server,
+                                save=Path(args.save_clients) / spec.replace(":", "_") if args.save_clients else None)
         details[spec]["seconds"] = time.perf_counter() - t
         results[spec] = details[spec]["accuracy"]
     print(f"\n{'run':<18}" + "".join(f"{'round ' + str(r):>10}" for r in range(1, args.rounds + 1)))

@@ -15,6 +15,9 @@ to that median update; ``krum``: the sum of its squared distances to its n - f -
 updates, f = ⌊(n - 3)/2⌋, as Krum), and a client whose robust z-score of that score, 0.6745 (s - median)
 / MAD, exceeds ``threshold`` is left out. It is meaningful only after alignment: in one frame the
 clients' tensors can be compared coordinate by coordinate.
+
+The functional rule (``consensus``: what the clients' models predict on unlabeled data held by the
+server) is in :mod:`symmerge.federated.consensus`; its scores go through :func:`update_outliers` too.
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ from ..errors import SymmergeError
 AGGREGATIONS = ("mean", "median", "trimmed_mean")
 # the kinds of reasons a client's reply is left out for (the per-round metrics count each kind)
 LEFT_OUT_KINDS = ("missing", "error", "malformed", "keys", "shapes", "non_finite", "alignment", "norm", "outlier")
-OUTLIER_RULES = ("distance", "cosine", "krum")
+OUTLIER_RULES = ("distance", "cosine", "krum")  # the rules on the aligned updates
+# the functional rule: each client's predictions on the server's unlabeled data against the others' consensus
+CONSENSUS_RULE = "consensus"
+# the consensus rule's robust z-score takes the MAD as at least this fraction of the median score (see
+# update_outliers): chosen on B5 (c)'s 20-step rounds (docs/results.md), where honest clients' scores cluster
+# within a few percent and a MAD that small turned an honest client with rare labels into an outlier
+CONSENSUS_MIN_SPREAD = 0.1
 
 
 def _names(keys, limit: int = 3) -> str:
@@ -89,8 +98,9 @@ def median_of_others(values: list[float], i: int) -> float:
 
 
 def check_outlier_rule(rule: str | None, threshold: float) -> None:
-    if rule is not None and rule not in OUTLIER_RULES:
-        raise SymmergeError(f"unknown outlier_rule {rule!r}; choose one of {', '.join(OUTLIER_RULES)} (or None: off)")
+    if rule is not None and rule not in OUTLIER_RULES + (CONSENSUS_RULE,):
+        raise SymmergeError(f"unknown outlier_rule {rule!r}; choose one of {', '.join(OUTLIER_RULES + (CONSENSUS_RULE,))}"
+                            " (or None: off)")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
             math.isfinite(threshold) and threshold > 0):
         raise SymmergeError(f"outlier_threshold must be a number > 0, got {threshold!r}")
@@ -142,16 +152,19 @@ def update_scores(state_dicts: list[dict], base: dict, keys, rule: str) -> list[
     return scores
 
 
-def update_outliers(scores: list[float], threshold: float | None,
-                    rule: str = "score") -> list[tuple[float, str | None]]:
+def update_outliers(scores: list[float], threshold: float | None, rule: str = "score",
+                    min_spread: float = 0.0) -> list[tuple[float, str | None]]:
     """For each score, ``(z, reason)``: its robust z-score 0.6745 (s - median) / MAD, and a reason if
     z > ``threshold`` (``None``: kept). Only high scores are flagged. No rule with fewer than 3 scores
-    or without a threshold (z 0). Where the MAD is 0, a score above the median has z = inf."""
+    or without a threshold (z 0). Where the MAD is 0, a score above the median has z = inf.
+    ``min_spread``: the MAD is taken as at least this fraction of the median (a floor for scores on a
+    ratio scale: clients that agree closely are not told apart by differences that are small against
+    the scores themselves)."""
     n = len(scores)
     if threshold is None or n < 3:
         return [(0.0, None)] * n
     med = _median(scores)
-    mad = _median([abs(s - med) for s in scores])
+    mad = max(_median([abs(s - med) for s in scores]), min_spread * abs(med))
     out = []
     for s in scores:
         if s <= med:
@@ -160,7 +173,9 @@ def update_outliers(scores: list[float], threshold: float | None,
             z = math.inf if mad == 0 else 0.6745 * (s - med) / mad
         reason = None
         if z > threshold:
-            reason = (f"its aligned update is an outlier: {rule} score {s:.4g} against the clients' median {med:.4g} "
+            what = ("its predictions on the server's unlabeled data disagree with the other clients' consensus"
+                    if rule == CONSENSUS_RULE else "its aligned update is an outlier")
+            reason = (f"{what}: {rule} score {s:.4g} against the clients' median {med:.4g} "
                       f"(robust z {z:.3g}), beyond outlier_threshold {threshold:g}")
         out.append((z, reason))
     return out

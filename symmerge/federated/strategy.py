@@ -24,7 +24,10 @@ One round of :meth:`AlignedFedAvg.aggregate_train`:
    median norm);
 4. with ``outlier_rule`` set, a client whose aligned update is an outlier among the remaining ones
    (robust z-score of its ``distance`` / ``cosine`` / ``krum`` score beyond ``outlier_threshold``:
-   :func:`~symmerge.federated.aggregate.update_outliers`) is left out (kind ``outlier``);
+   :func:`~symmerge.federated.aggregate.update_outliers`), or with ``outlier_rule="consensus"`` whose
+   predictions on the server's unlabeled data (``outlier_data``) disagree with the other clients'
+   consensus once class priors are discounted (:mod:`symmerge.federated.consensus`), is left out (kind
+   ``outlier``);
 5. if fewer than ``min_clients`` remain, the previous global model is returned unchanged (the same
    ArrayRecord, byte for byte); otherwise the aligned models are aggregated: the mean weighted by
    ``num-examples`` (FedAvg), the coordinate-wise ``median`` or the ``trimmed_mean``.
@@ -69,8 +72,10 @@ from ..errors import SymmergeError
 from ..pipeline.align import align_pair, as_model, canonical
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, AlignOptions
 from ..pipeline.verify import with_state_dict
-from .aggregate import (LEFT_OUT_KINDS, aggregate, check_aggregation, check_outlier_rule, check_state_dict,
-                        median_of_others, norm_outliers, scale_update, update_outliers, update_scores)
+from .aggregate import (CONSENSUS_MIN_SPREAD, CONSENSUS_RULE, LEFT_OUT_KINDS, aggregate, check_aggregation,
+                        check_outlier_rule, check_state_dict, median_of_others, norm_outliers, scale_update,
+                        update_outliers, update_scores)
+from .consensus import client_probabilities, consensus_scores, server_data
 
 # the recommended set without the residual stream: groups that need no change of parameterisation
 FEDERATED_SYMMETRIES = ("heads", "attn", "ffn", "rescale")
@@ -110,7 +115,9 @@ class AlignedFedAvg(FedAvg):
     scaled down to the median of the others' norms (logged; ``clipped`` in the round's record).
     ``outlier_rule`` (``distance``, ``cosine`` or ``krum``; ``None``,
     the default: off) with ``outlier_threshold`` (default 3.5): a client whose aligned update's score has
-    a robust z-score beyond the threshold is left out. ``min_clients``: fewer accepted clients keep the previous
+    a robust z-score beyond the threshold is left out. ``outlier_rule="consensus"``: the functional rule,
+    on the clients' predictions on ``outlier_data`` (unlabeled data held by the server, as ``align_data``;
+    default: the alignment's ``align_data``), at most ``outlier_samples`` examples; a classifier only. ``min_clients``: fewer accepted clients keep the previous
     global model. ``joint``: aggregate the accepted clients in their joint frame (step 6 of the module text;
     ``joint_rounds``, ``joint_refine``: the joint alignment's cap on rounds and what they re-solve (as
     ``merge --joint-rounds/--joint-refine``); the round's record gets ``joint``, the joint
@@ -121,7 +128,8 @@ class AlignedFedAvg(FedAvg):
 
     def __init__(self, template, *, alignment=None, aggregation: str = "mean", trim: float = 0.2,
                  norm_factor: float | None = 10.0, norm_clip: bool = False, outlier_rule: str | None = None,
-                 outlier_threshold: float = 3.5, min_clients: int = 2, joint: bool = False, joint_rounds: int = 10,
+                 outlier_threshold: float = 3.5, outlier_data=None, outlier_samples: int = 1000,
+                 min_clients: int = 2, joint: bool = False, joint_rounds: int = 10,
                  joint_refine: str = DEFAULT_REFINE, min_align_gain: float = MIN_ALIGN_GAIN, **fedavg_kwargs):
         super().__init__(**fedavg_kwargs)
         check_aggregation(aggregation, trim)
@@ -136,6 +144,9 @@ class AlignedFedAvg(FedAvg):
         self.norm_factor, self.min_clients = norm_factor, min_clients
         self.outlier_rule, self.outlier_threshold = outlier_rule, float(outlier_threshold)
         self.norm_clip = bool(norm_clip)
+        # the consensus rule's unlabeled server examples (default: the alignment's), loaded once
+        self.outlier_data = server_data(outlier_data if outlier_data is not None else self.alignment.align_data,
+                                        self.template, outlier_samples) if outlier_rule == CONSENSUS_RULE else None
         if joint and not self.alignment.symmetries:
             raise SymmergeError("joint=True aligns the clients jointly: it needs symmetries (alignment is 'none')")
         if isinstance(joint_rounds, bool) or not isinstance(joint_rounds, int) or joint_rounds < 0:
@@ -285,7 +296,7 @@ class AlignedFedAvg(FedAvg):
                 raw[node] = scale_update(state_dict, global_sd, float_keys, scale)
             else:
                 self._left_out(left_out, item[0].metadata.src_node_id, "norm", reason)
-        kept = self._outlier_rule(kept, anchor_sd, keys, left_out, record)
+        kept = self._outlier_rule(kept, anchor, anchor_sd, keys, left_out, record)
         if len(kept) < self.min_clients:
             return self._keep_previous(record, kept, t0, align_seconds)
 
@@ -358,12 +369,25 @@ class AlignedFedAvg(FedAvg):
                            "distance_to_global_after": float(back.report["distance_after"])}
         return back.model.state_dict()
 
-    def _outlier_rule(self, kept: list, anchor_sd: dict, keys, left_out: list, record: dict) -> list:
+    def _outlier_rule(self, kept: list, anchor, anchor_sd: dict, keys, left_out: list, record: dict) -> list:
         """The clients of ``kept`` whose aligned update is not an outlier (the others are left out)."""
         if self.outlier_rule is None or len(kept) < 3:
             return kept
-        scores = update_scores([k[1] for k in kept], anchor_sd, keys, self.outlier_rule)
-        flags = update_outliers(scores, self.outlier_threshold, self.outlier_rule)
+        if self.outlier_rule == CONSENSUS_RULE:  # functional: the clients' predictions on the server's data
+            # (the aligned models compute what the clients' models compute); a client whose predictions cannot
+            # be had is left out before the others are scored (it must not enter their consensus)
+            probs = client_probabilities(anchor, [k[1] for k in kept], self.outlier_data)
+            for item, p in zip(kept, probs):
+                if isinstance(p, str):
+                    self._left_out(left_out, item[0].metadata.src_node_id, "outlier", p)
+            kept = [item for item, p in zip(kept, probs) if not isinstance(p, str)]
+            if len(kept) < 3:
+                return kept
+            scores = consensus_scores([p for p in probs if not isinstance(p, str)])
+            flags = update_outliers(scores, self.outlier_threshold, self.outlier_rule, CONSENSUS_MIN_SPREAD)
+        else:
+            scores = update_scores([k[1] for k in kept], anchor_sd, keys, self.outlier_rule)
+            flags = update_outliers(scores, self.outlier_threshold, self.outlier_rule)
         record["outlier_z"] = {k[0].metadata.src_node_id: z for k, (z, _) in zip(kept, flags)}
         out = []
         for item, (_, reason) in zip(kept, flags):

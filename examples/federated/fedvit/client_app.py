@@ -27,9 +27,12 @@ def make_app(overrides: dict | None = None) -> ClientApp:
         server_round = int(msg.content["config"]["server-round"])
         x, y = task.load_partition(pid, parts, cfg)
         start = {k: v.clone() for k, v in model.state_dict().items()}
-        loss = task.train(model, x, y, cfg, seed=1000 * server_round + pid)
+        attack = pid == int(cfg["attack-partition"]) and server_round >= int(cfg["attack-round"])
+        flip = attack and cfg["attack"] == "flip"  # trains on flipped labels
+        loss = task.train(model, x, int(model.config.num_labels) - 1 - y if flip else y, cfg,
+                          seed=1000 * server_round + pid)
         sd = model.state_dict()
-        if pid == int(cfg["attack-partition"]) and server_round >= int(cfg["attack-round"]):
+        if attack and not flip:
             if cfg["attack"] == "scale100":
                 sd = {k: start[k] + 100.0 * (v - start[k]) for k, v in sd.items()}
             elif cfg["attack"] == "nan":

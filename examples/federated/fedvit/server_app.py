@@ -18,7 +18,8 @@ LAST_RUN: dict = {}  # the latest run's strategy and result (for a caller in the
 def strategy_options(cfg: dict) -> dict:
     """:class:`AlignedFedAvg`'s keyword arguments (besides the template) from the app's settings."""
     rule = str(cfg["outlier-rule"])
-    return dict(alignment=cfg["align"], aggregation=cfg["aggregation"], trim=float(cfg["trim"]),
+    server = {"outlier_data": task.server_images(cfg)} if rule == "consensus" else {}
+    return dict(**server, alignment=cfg["align"], aggregation=cfg["aggregation"], trim=float(cfg["trim"]),
                 norm_factor=float(cfg["norm-factor"]) or None, norm_clip=bool(cfg["norm-clip"]),
                 outlier_rule=None if rule == "none" else rule, outlier_threshold=float(cfg["outlier-threshold"]),
                 min_clients=int(cfg["min-clients"]), min_align_gain=float(cfg["min-align-gain"]),

@@ -29,14 +29,16 @@ DEFAULTS = {
     "trim": 0.2,
     "norm-factor": 10.0,  # 0: no update-norm rule
     "norm-clip": False,  # a client caught by the norm rule: kept, its update scaled to the others' median norm
-    "outlier-rule": "none",  # none | distance | cosine | krum: outliers among the aligned updates left out
+    "outlier-rule": "none",  # none | distance | cosine | krum: outliers among the aligned updates left out;
+    # consensus: clients whose predictions on the server's images disagree with the others' left out
     "outlier-threshold": 3.5,  # robust z-score beyond which the outlier rule leaves a client out
+    "server-images": 1000,  # outlier-rule "consensus": unlabeled training images held by the server
     "min-align-gain": 0.05,  # a client whose alignment lowers its distance to the global model by less: unaligned
     "min-clients": 2,
     "fraction-train": 1.0,
     "fraction-evaluate": 0.0,
     "attack-partition": -1,  # a partition that misbehaves (demonstrates the server's checks; -1: none)
-    "attack": "scale100",  # scale100: sends global + 100 x its update; nan: sends NaN weights
+    "attack": "scale100",  # scale100: sends global + 100 x its update; nan: sends NaN weights; flip: trains on 9 - y
     "attack-round": 1,  # first round the attacker misbehaves in
 }
 
@@ -103,6 +105,20 @@ def load_partition(partition_id: int, num_partitions: int, cfg: dict) -> tuple[t
     idx = dirichlet_shards(labels, num_partitions, float(cfg["dirichlet-alpha"]), int(cfg["data-seed"]))[partition_id]
     idx = idx[: int(cfg["examples-per-client"])]
     return torch.from_numpy(pixel_values(images[idx])), torch.from_numpy(labels[idx])
+
+
+def server_images(cfg: dict):
+    """The server's unlabeled data for the consensus outlier rule: ``server-images`` training images
+    picked at random (from ``data-seed``), their labels dropped, as a :class:`symmerge.io.data.Data`."""
+    from symmerge.demo.datasets import pixel_values
+    from symmerge.io.data import Batch, Data
+
+    images, _ = _dataset(cfg, "train")
+    pick = np.random.default_rng(int(cfg["data-seed"]) + 1).choice(len(images), int(cfg["server-images"]),
+                                                                   replace=False)
+    x = torch.from_numpy(pixel_values(images[pick]))
+    return Data("server images", "image", [Batch({"pixel_values": x[i:i + 250]}, None) for i in range(0, len(x), 250)],
+                len(x), labeled=False)
 
 
 def load_test(cfg: dict) -> tuple[np.ndarray, np.ndarray]:
