@@ -283,10 +283,7 @@ class LazyCheckpoint:
         except (OSError, ValueError) as e:
             raise SymmergeError(f"{f}: cannot read tensor {disk!r} ({e})") from None
         if hasattr(mapped, "madvise"):
-            try:  # the page tables filled here (in the caller's thread), not by faults where the tensor is used
-                mapped.madvise(_MADV_POPULATE_READ)
-            except OSError:  # before Linux 5.14
-                mapped.madvise(mmap.MADV_WILLNEED)
+            mapped.madvise(mmap.MADV_WILLNEED)
         out = torch.frombuffer(mapped, dtype=torch.uint8)[start - first:].view(dtype).view(self.shape[key])
         del mapped  # the tensor holds the mapping
         if check:
@@ -365,9 +362,6 @@ class LazyCheckpoint:
 
 
 _OFFSETS: dict = {}
-
-
-_MADV_POPULATE_READ = 22  # Linux's value (Python's mmap module does not name it)
 
 
 def _offsets(file: Path) -> dict[str, tuple[int, int]]:
