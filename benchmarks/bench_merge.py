@@ -314,6 +314,9 @@ def child_warm() -> None:
             kernels.ties_into(ts, b, [1.0] * n, torch.empty(64, dtype=dtype), thresholds=[0.5] * n)
             kernels.ties_into(ts, b, [1.0] * n, torch.empty(64, dtype=dtype), seeds=[1] * n, drop=0.5)
             kernels.sq_distances(ts, b)
+            kernels.magnitude_sample(ts, b, [1.0] * n, 0, 16, 4)
+            kernels.magnitude_windows(ts, b, [1.0] * n, [0] * n, [0x7FFFFFFF] * n, np.zeros((1, n), dtype=np.int64),
+                                      np.zeros((1, n), dtype=np.int64), [[np.empty(64, dtype=np.int32)] * n])
         kernels.magnitude_histogram(ts[0], b, 1.0, np.zeros(1 << 16, dtype=np.int64))
         kernels.magnitude_histogram(ts[0], b, 1.0, np.zeros(1 << 16, dtype=np.int64), 5)
 
