@@ -39,7 +39,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 from benchmarks import vit_fashion_mnist as b1
 from benchmarks.common import add_run_args, bench_main, printed, write_results
@@ -283,19 +282,13 @@ def print_tables(r: dict, log=print) -> None:
         log(f"joint data-free alignment of {j['n']}: {j['seconds']:.1f} s wall / {j['cpu_seconds']:.1f} s CPU = "
             f"{s['joint_weights_over_pairwise']:.2f}x / {s['joint_weights_over_pairwise_cpu']:.2f}x one pairwise "
             "(goal <= 3x)")
-    if "joint_weights_discrete" in s:
-        j = s["joint_weights_discrete"]
-        log(f"joint data-free alignment of {j['n']}, permutations re-solved only (discrete): {j['seconds']:.1f} s wall "
-            f"/ {j['cpu_seconds']:.1f} s CPU = {j['seconds'] / p['seconds']:.2f}x / {j['cpu_seconds'] / p['cpu_seconds']:.2f}x")
-    if "joint_weights_descent" in s:
-        j = s["joint_weights_descent"]
-        log(f"joint data-free alignment of {j['n']}, the rounds before the sweeps (descent rounds): {j['seconds']:.1f} s "
-            f"wall / {j['cpu_seconds']:.1f} s CPU = {j['seconds'] / p['seconds']:.2f}x / "
-            f"{j['cpu_seconds'] / p['cpu_seconds']:.2f}x")
-    if "star_weights" in s:
-        j = s["star_weights"]
-        log(f"the star of {j['n']} (converged pairwise alignments to the anchor): {j['seconds']:.1f} s wall / "
-            f"{j['cpu_seconds']:.1f} s CPU = {j['seconds'] / p['seconds']:.2f}x / {j['cpu_seconds'] / p['cpu_seconds']:.2f}x")
+    for key, what in (("joint_weights_discrete", "joint data-free alignment of {n}, permutations re-solved only (discrete)"),
+                      ("joint_weights_descent", "joint data-free alignment of {n}, the rounds before the sweeps (descent rounds)"),
+                      ("star_weights", "the star of {n} (converged pairwise alignments to the anchor)")):
+        if key in s:
+            j = s[key]
+            log(f"{what.format(n=j['n'])}: {j['seconds']:.1f} s wall / {j['cpu_seconds']:.1f} s CPU = "
+                f"{j['seconds'] / p['seconds']:.2f}x / {j['cpu_seconds'] / p['cpu_seconds']:.2f}x")
     if "joint_learned" in s:
         j = s["joint_learned"]
         log(f"joint learned alignment of {j['n']}: {j['seconds']:.1f} s wall / {j['cpu_seconds']:.1f} s CPU "

@@ -296,8 +296,7 @@ class LazyCheckpoint:
         touched (a sample costs its own bytes, not a mapping of the tensor's pages)."""
         numel = math.prod(self.shape[key])
         if key in self.virtual:  # a fused tensor assembled from its parts
-            flat = self._read_virtual(key).reshape(-1)
-            return torch.cat([flat[p:p + width] for p in range(first, numel, stride)] or [flat[:0]])
+            return blocks_of(self._read_virtual(key), first, stride, width)
         f, disk = self.file_of[key], self.disk_name[key]
         start, end = _offsets(f)[disk]
         size = self.dtype[key].itemsize
@@ -362,6 +361,13 @@ class LazyCheckpoint:
 
 
 _OFFSETS: dict = {}
+
+
+def blocks_of(tensor: torch.Tensor, first: int, stride: int, width: int) -> torch.Tensor:
+    """The flat entries [p, p + width) of ``tensor`` for p = first, first + stride, … (the last block cut at
+    the end), concatenated: what :meth:`LazyCheckpoint.read_blocks` reads from a file."""
+    flat = tensor.reshape(-1)
+    return torch.cat([flat[p:p + width] for p in range(first, flat.numel(), stride)] or [flat[:0]])
 
 
 def _offsets(file: Path) -> dict[str, tuple[int, int]]:

@@ -334,8 +334,9 @@ def _blocks(mapping, key: str, first: int, stride: int, width: int) -> torch.Ten
     (a mapping with ``read_blocks`` reads just those)."""
     if hasattr(mapping, "read_blocks"):
         return mapping.read_blocks(key, first, stride, width)
-    flat = mapping[key].reshape(-1)
-    return torch.cat([flat[p:p + width] for p in range(first, flat.numel(), stride)] or [flat[:0]])
+    from ..io.checkpoint import blocks_of
+
+    return blocks_of(mapping[key], first, stride, width)
 
 
 def _magnitude_tensor_context(key, tensors, base, weights, params, context):
