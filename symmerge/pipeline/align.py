@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..core.apply import apply, canonicalize
 from ..core.distance import parameter_keys, sq_distance
 from ..core.layout import check_layouts
@@ -135,8 +137,13 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     _require_groups(spec, instances, options.symmetries)
     # cost GEMMs on ``options.device`` (default cpu: where the tensors are)
     gemm_device = None if options.device in (None, "cpu") else resolve_device(options.device)
-    opts = options.solver_options(gemm_device)
     sd_a, sd_b = model.state_dict(), anchor.state_dict()
+    on = {v.device for sd in (sd_a, sd_b) for v in sd.values()}
+    if on != {torch.device("cpu")}:  # models on a GPU: solved from CPU copies, with the cost GEMMs on the GPU
+        gpu = next((d for d in on if d.type != "cpu"), None)
+        sd_a, sd_b = ({k: v.cpu() for k, v in sd.items()} for sd in (sd_a, sd_b))
+        gemm_device = gemm_device if gemm_device is not None else gpu
+    opts = options.solver_options(gemm_device)
     wide = _model_wide(instances, opts)
     ca, cb = canonicalize(sd_a, wide), canonicalize(sd_b, wide)
     folded = any(ca[k] is not sd_a[k] for k in sd_a)
