@@ -71,15 +71,43 @@ def local_steps(cfg: dict, n: int, epochs: float | None) -> int:
     return int(cfg["local-steps"]) if epochs is None else max(1, int(math.ceil(epochs * n / int(cfg["batch-size"]))))
 
 
+_WORKER: dict = {}  # a training worker's task module, settings and shards
+
+
+def _worker_init(example: str, cfg: dict, clients: int, threads: int) -> None:
+    sys.path.insert(0, example)
+    from fedvit import task
+
+    torch.set_num_threads(threads)
+    _WORKER.update(task=task, cfg=cfg, clients=clients, shards={})
+
+
+def _train_client(start: dict, pid: int, flip: bool, steps: int, seed: int, device) -> dict:
+    """One client's local training in a worker process (``--workers``): the state dict it sends."""
+    task, cfg, shards = _WORKER["task"], _WORKER["cfg"], _WORKER["shards"]
+    if pid not in shards:
+        shards[pid] = task.load_partition(pid, _WORKER["clients"], cfg)
+    x, y = shards[pid]
+    local = task.load_model(cfg)
+    local.load_state_dict(start)
+    task.train(local, x, 9 - y if flip else y, {**cfg, "local-steps": steps}, seed=seed, device=device)
+    return {k: v.detach().clone() for k, v in local.state_dict().items()}
+
+
 def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, log=print, epochs: float | None = None,
-            probe: bool = False, save: Path | None = None, server_data=None) -> dict:
+            probe: bool = False, save: Path | None = None, server_data=None, device=None,
+            partial: Path | None = None, pool=None) -> dict:
     """One run: ``{"accuracy": [...], ...}`` per round, with the mean distance to the global model before and
     after alignment, the mean relative gain of the alignment, ``paired_fedavg`` (aligned arms: the accuracy of
     the plain weighted average of the same clients' models, that round) and, with ``probe`` for an arm without
     alignment, ``probe_gain``: what the data-free alignment would have gained on its clients. A client's
     local training is reused across runs when it starts from the same model (the first round of every arm).
     ``server_data``: the server's unlabeled images (a .npz) for the consensus arms. ``save``: a folder that gets each round's clients (``round<r>.pt``: the round's global model, the clients'
-    state dicts, partition ids and example counts), for offline diagnostics."""
+    state dicts, partition ids and example counts), for offline diagnostics. ``device``: where the clients'
+    local training runs (the aggregation and the scoring stay on the CPU). ``partial``: a JSON file rewritten
+    after every round with the run so far (what a run cut short still leaves). ``pool``: a process pool
+    (:func:`_worker_init`) that trains a round's clients side by side; each client's training is the same
+    as in this process (the same batches, from the same seed)."""
     from flwr.app import ArrayRecord
 
     from symmerge.demo.train import accuracy
@@ -96,19 +124,28 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
     for r in range(1, rounds + 1):
         start = arrays.to_torch_state_dict()
         digest = _digest(start)
-        states, sizes, pids = [], [], []
+        states, sizes, pids, jobs = [], [], [], {}
         for pid, (x, y) in enumerate(data):
             if attack == "absent" and pid == 0:
                 continue
             flip = attack == "flip" and pid == 0
             steps = local_steps(cfg, len(x), epochs)
             key = (digest, r, pid, flip, steps)
-            if key not in TRAINED:
-                local = task.load_model(cfg)
-                local.load_state_dict(start)
-                task.train(local, x, 9 - y if flip else y, {**cfg, "local-steps": steps}, seed=1000 * r + pid)
-                TRAINED[key] = {k: v.detach().clone() for k, v in local.state_dict().items()}
-            sd = dict(TRAINED[key])
+            if key in TRAINED or key in jobs:
+                continue
+            if pool is not None:
+                jobs[key] = pool.submit(_train_client, start, pid, flip, steps, 1000 * r + pid, device)
+                continue
+            local = task.load_model(cfg)
+            local.load_state_dict(start)
+            task.train(local, x, 9 - y if flip else y, {**cfg, "local-steps": steps}, seed=1000 * r + pid,
+                       device=device)
+            TRAINED[key] = {k: v.detach().clone() for k, v in local.state_dict().items()}
+        TRAINED.update({key: job.result() for key, job in jobs.items()})
+        for pid, (x, y) in enumerate(data):
+            if attack == "absent" and pid == 0:
+                continue
+            sd = dict(TRAINED[(digest, r, pid, attack == "flip" and pid == 0, local_steps(cfg, len(x), epochs))])
             if attack == "scale100" and pid == 0:
                 sd = {k: start[k] + 100.0 * (v - start[k]) for k, v in sd.items()}
             states.append(sd)
@@ -154,6 +191,8 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
             f"{[(pids[x['node'] - 1], x['kind']) for x in rec['left_out']]} (client, kind), clipped "
             f"{[pids[x['node'] - 1] for x in rec['clipped']]}, {rec['seconds']:.1f} s "
             f"aggregation{extra}", flush=True)
+        if partial is not None:
+            partial.write_text(json.dumps(out) + "\n")
     return out
 
 
@@ -181,10 +220,16 @@ def main(argv=None) -> int:
     p.add_argument("--probe", action="store_true", help="arms without alignment: record what alignment would gain")
     p.add_argument("--server-images", type=int, default=1000,
                    help="the consensus arms: unlabeled training images held by the server")
-    p.add_argument("--out", help="folder for results.json")
+    p.add_argument("--device", help="where the clients' local training runs (e.g. cuda; default: the CPU); the "
+                                    "aggregation and the scoring stay on the CPU")
+    p.add_argument("--workers", type=int, default=1, help="processes that train a round's clients side by side "
+                                                          "(each with --threads threads; 1: in this process)")
+    p.add_argument("--out", help="folder for results.json (and, while running, RUN.partial.json after each round)")
     p.add_argument("--save-clients", help="folder: each run's clients of every round saved under RUN/round<r>.pt "
                                           "(diagnostics: benchmarks/federated_consensus.py)")
     args = p.parse_args(argv)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
     ARMS["guarded"]["min_align_gain"] = args.min_align_gain
     for arm in ("filtered", "clipped"):
         ARMS[arm].update(outlier_rule=args.outlier_rule, outlier_threshold=args.outlier_threshold)
@@ -204,6 +249,13 @@ def main(argv=None) -> int:
         pick = np.random.default_rng(0).choice(len(images), args.server_images, replace=False)
         tmp = tempfile.TemporaryDirectory()
         server = write_npz(Path(tmp.name) / "server.npz", images[pick], np.zeros(len(pick), np.int64))
+    pool = None
+    if args.workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_worker_init, initargs=(str(EXAMPLE), cfg, args.clients, args.threads))
     t0 = time.perf_counter()
     results, details = {}, {}
     for spec in args.runs.split(","):
@@ -212,10 +264,14 @@ def main(argv=None) -> int:
             raise SystemExit(f"bad run {spec!r}: ATTACK:ARM with ATTACK in {list(ATTACKS)} and ARM in {list(ARMS)}")
         t = time.perf_counter()
         details[spec] = run_one(task, cfg, attack, arm, args.rounds, args.clients, (test_x, test_y),
-                                epochs=args.local_epochs, probe=args.probe, server_data=server,
+                                epochs=args.local_epochs, probe=args.probe, server_data=server, device=args.device,
+                                partial=(Path(args.out) / (spec.replace(":", "_") + ".partial.json")
+                                         if args.out else None), pool=pool,
                                 save=Path(args.save_clients) / spec.replace(":", "_") if args.save_clients else None)
         details[spec]["seconds"] = time.perf_counter() - t
         results[spec] = details[spec]["accuracy"]
+    if pool is not None:
+        pool.shutdown()
     print(f"\n{'run':<18}" + "".join(f"{'round ' + str(r):>10}" for r in range(1, args.rounds + 1)))
     for spec, accs in results.items():
         print(f"{spec:<18}" + "".join(f"{a:>10.4f}" for a in accs))

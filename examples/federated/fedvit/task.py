@@ -126,23 +126,32 @@ def load_test(cfg: dict) -> tuple[np.ndarray, np.ndarray]:
     return images[: int(cfg["test-examples"])], labels[: int(cfg["test-examples"])]
 
 
-def train(model, x: torch.Tensor, y: torch.Tensor, cfg: dict, seed: int = 0) -> float:
-    """``local-steps`` of Adam on random batches; returns the mean training loss."""
+def train(model, x: torch.Tensor, y: torch.Tensor, cfg: dict, seed: int = 0, device=None) -> float:
+    """``local-steps`` of Adam on random batches; returns the mean training loss. ``device`` (e.g.
+    ``"cuda"``): the steps run there (the batches are drawn as on the CPU, from the same generator) and the
+    model is moved back to the CPU afterwards; None: where the model is."""
     if len(x) == 0:
         return float("nan")
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=float(cfg["lr"]), weight_decay=0.0)
+    dev = torch.device(device) if device is not None else None
+    if dev is not None:
+        model.to(dev)
+        x, y = x.to(dev), y.to(dev)
+    on_gpu = dev is not None and dev.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=float(cfg["lr"]), weight_decay=0.0, fused=on_gpu or None)
     model.train()
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=x.device)  # summed where the loss is: no sync per step
     for _ in range(int(cfg["local-steps"])):
-        idx = torch.randint(0, len(x), (min(int(cfg["batch-size"]), len(x)),), generator=gen)
+        idx = torch.randint(0, len(x), (min(int(cfg["batch-size"]), len(x)),), generator=gen).to(x.device)
         loss = torch.nn.functional.cross_entropy(model(pixel_values=x[idx]).logits, y[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
-        total += loss.item()
+        total += loss.detach()
     model.eval()
-    return total / int(cfg["local-steps"])
+    if dev is not None:
+        model.to("cpu")
+    return float(total) / int(cfg["local-steps"])
 
 
 def evaluate(model, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
