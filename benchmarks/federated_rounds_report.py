@@ -4,7 +4,8 @@ setting and seed, each with the ``fedavg``, ``mean`` (aligned) and ``guarded`` a
 Run: ``python -m benchmarks.federated_rounds_report results/b5b/e*_seed* --out docs/results/b5b`` writes
 ``tables.md`` (accuracy per round, rounds to reach FedAvg's final accuracy, the alignment's distance gain,
 the aligned aggregate against the plain average of the same clients in the same round) and
-``accuracy_per_round.png``.
+``accuracy_per_round.png``. A run cut short (fewer rounds, e.g. assembled from ``RUN.partial.json``) shows
+"—" for its missing rounds, and "rounds to FedAvg's final" compares with FedAvg's last completed round.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def tables(results: list[dict]) -> str:
         fed = r["runs"]["clean:fedavg"]["accuracy"]
         for spec, run in r["runs"].items():
             reach = rounds_to_reach(run["accuracy"], fed[-1])
-            lines.append(f"| {r['epochs']:g} | {r['seed']} | {LABELS.get(spec, spec)} | "
-                         + " | ".join(f"{a:.4f}" for a in run["accuracy"])
-                         + f" | {reach if reach is not None else 'not reached'} | {run['seconds']:.0f} |\n")
+            acc = [f"{a:.4f}" for a in run["accuracy"]] + ["—"] * (rounds - len(run["accuracy"]))  # a run cut short
+            seconds = f"{run['seconds']:.0f}" if run.get("seconds") is not None else "—"
+            lines.append(f"| {r['epochs']:g} | {r['seed']} | {LABELS.get(spec, spec)} | " + " | ".join(acc)
+                         + f" | {reach if reach is not None else 'not reached'} | {seconds} |\n")
         aligned, probe = r["runs"].get("clean:mean"), r["runs"]["clean:fedavg"].get("probe_gain") or []
         if aligned:
             for i, (gain, acc, plain) in enumerate(zip(aligned["gain"], aligned["accuracy"], aligned["paired_fedavg"])):
@@ -65,6 +67,7 @@ def plot(results: list[dict], path: Path) -> None:
                 acc = run["accuracy"]
                 ax.plot(range(1, len(acc) + 1), acc, color=color, ls=ls, marker="os"[r["seed"] % 2], ms=4,
                         label=f"{LABELS.get(spec, spec)}, seed {r['seed']}")
+        ax.set_xticks(range(1, max(len(run["accuracy"]) for r in results for run in r["runs"].values()) + 1))
         ax.set_title(f"E = {e:g} local epochs")
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
