@@ -147,6 +147,35 @@ def test_write_npz_is_the_data_format(tmp_path):
         datasets.write_npz(tmp_path / "e.npz", images, [0, 1])
 
 
+def test_write_npz_survives_concurrent_writers(tmp_path):
+    """Two trainings that write the same statistics file at once (B1 started twice) both finish, the file is
+    one writer's complete data, and no temporary file is left (a shared temporary name raced here)."""
+    import threading
+
+    path = tmp_path / "stats.npz"
+    errors, start = [], threading.Barrier(6)
+
+    def write(k):
+        start.wait()
+        try:
+            for _ in range(5):
+                datasets.write_npz(path, np.full((200, 28, 28), k, np.uint8), np.full(200, k))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with np.load(path) as z:
+        k = int(z["labels"][0])
+        assert (z["labels"] == k).all() and z["pixel_values"].shape == (200, 1, 28, 28)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.npz"]
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
 def test_lr_schedule_warmup_then_cosine():
     s = TrainSettings(steps=100, warmup=0.1, min_lr=0.1)
     f = [lr_factor(i, s) for i in range(100)]

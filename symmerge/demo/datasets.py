@@ -206,9 +206,17 @@ def write_npz(path, images: np.ndarray, labels: np.ndarray) -> Path:
     if y.ndim != 1 or len(y) != len(x):
         raise SymmergeError(f"labels must be (N,) with N = {len(x)}, got shape {y.shape}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.npz")
-    np.savez(tmp, pixel_values=np.ascontiguousarray(x, np.float32), labels=y)
-    os.replace(tmp, path)
+    # a temporary name of its own: two writers of the same file (two trainings started together) never
+    # replace each other's half-written file, and the last complete one wins
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp.npz", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, pixel_values=np.ascontiguousarray(x, np.float32), labels=y)
+        os.chmod(tmp, 0o644)  # mkstemp's file is private; a cached data file is not
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 
