@@ -16,6 +16,7 @@ other processes hits them alike; the load average is printed too):
 * ``--extra``: also sequential rescale, FFN only, attn + joint rescale (parallel).
 
 Usage: python -m benchmarks.bench_matching [--repeats 3] [--layers 12] [--hidden 768] [--ffn 3072] [--extra]
+[--device cuda]
 """
 
 from __future__ import annotations
@@ -82,7 +83,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768, help="hidden size (64 per head; smoke test: smaller)")
     parser.add_argument("--ffn", type=int, default=3072, help="FFN width")
     parser.add_argument("--extra", action="store_true", help="also time sequential rescale, FFN only, attn + rescale")
+    parser.add_argument("--device", help="also time the full match with its cost GEMMs there (AlignOptions.device, "
+                                         "e.g. cuda): full_match_<device>_gemm_s and the per-layer GEMM there")
     args = parser.parse_args()
+    if args.device and torch.device(args.device).type == "cpu":
+        parser.error("--device: a device other than the CPU (the CPU GEMMs are the other variants)")
     cfg = RobertaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers,
                         num_attention_heads=max(1, args.hidden // 64), intermediate_size=args.ffn)
     torch.manual_seed(0)
@@ -90,8 +95,9 @@ def main() -> None:
     sd_a, sd_b = a.state_dict(), b.state_dict()
     _, instances = instances_for(a)
 
-    def match(symmetries, rescale, workers=None, solver=None):
-        opts = AlignOptions(symmetries=symmetries, rescale=rescale, workers=workers).solver_options()
+    def match(symmetries, rescale, workers=None, solver=None, device=None):
+        opts = AlignOptions(symmetries=symmetries, rescale=rescale, workers=workers,
+                            device=device).solver_options(torch.device(device) if device else None)
         return with_solver(solver, lambda: apply(sd_a, instances, solve(instances, sd_a, sd_b, opts)))
 
     full = ("attn", "ffn", "rescale")
@@ -109,6 +115,12 @@ def main() -> None:
         "full_match_serial_s": match(full, "joint", workers=1),
         "full_match_serial_scipy_s": match(full, "joint", workers=1, solver="scipy"),
     }, args.repeats, cpu=True))
+    if args.device:  # the same match with the cost GEMMs on the device; ratio in one run
+        name = args.device.replace(":", "")
+        result.update(timed({f"full_match_{name}_gemm_s": match(full, "joint", device=args.device),
+                             "full_match_cpu_gemm_s": match(full, "joint")}, args.repeats))
+        result[f"full_speedup_{name}_gemm"] = round(result["full_match_cpu_gemm_s"]
+                                                    / result[f"full_match_{name}_gemm_s"], 2)
     result.update(timed({
         "attn_match_s": match(("attn",), "none"),
         "attn_match_serial_s": match(("attn",), "none", workers=1),
@@ -123,6 +135,12 @@ def main() -> None:
     ffn = next(i for i in instances if i.group.kind == "permutation")
     cost = permutation_cost(ffn, sd_a, sd_b)
     result["ffn_cost_gemm_s_per_layer"] = timed({"g": lambda: permutation_cost(ffn, sd_a, sd_b)}, args.repeats)["g"]
+    if args.device:
+        dev = torch.device(args.device)
+
+        def on_device():  # the cost comes back to the CPU: the time includes the copy and the GPU's work
+            return permutation_cost(ffn, sd_a, sd_b, device=dev)
+        result[f"ffn_cost_gemm_{args.device.replace(':', '')}_s_per_layer"] = timed({"g": on_device}, args.repeats)["g"]
     solvers = {"scipy": with_solver("scipy", lambda: match_permutation(cost))}
     if assignment_solver() != "scipy.linear_sum_assignment":
         solvers["lapx"] = with_solver(None, lambda: match_permutation(cost))
