@@ -19,7 +19,10 @@ alignment, weighted mean, no norm rule; ``guarded``: aligned, weighted mean, ``m
 (``--min-align-gain``, default 0.05, the strategy's default: a client whose alignment lowers its distance to
 the global model by less keeps its own frame); ``consensus``: weighted mean, norm_factor 10 and the functional
 outlier rule ``consensus`` on ``--server-images`` unlabeled training images held by the server;
-``consensus_clip``: the same with ``norm_clip``; every other aligned arm aligns every client
+``consensus_clip``: the same with ``norm_clip``; ``relabel_detect``, ``relabel_repair``, ``relabel_update``,
+``relabel_body``, ``relabel_distill``: the consensus arm with the relabelling check ``relabel`` = ``detect``,
+``repair``, ``repair_update``, ``body``, ``distill`` (``--relabel-threshold``, ``--relabel-min-cycle``,
+``--relabel-weight``, ``--distill-steps``); every other aligned arm aligns every client
 (``min_align_gain=0``, as they were measured before the guard existed)).
 B5 (b): ``--runs clean:fedavg,clean:mean,clean:guarded --local-epochs E [--examples-per-client N] --probe``.
 """
@@ -173,6 +176,19 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
     return out
 
 
+def oracle_relabelling(classes: int = 10) -> None:
+    """--oracle-relabelling: the strategy's relabelling estimate replaced by the attack's own permutation, 9 - y
+    (gain 0: only clients that the consensus rule flags are repaired)."""
+    import symmerge.federated.strategy as strategy_module
+
+    flip = [classes - 1 - i for i in range(classes)]
+
+    def oracle(probs, min_cycle_gain=0.0):
+        return [{"gain": 0.0, "permutation": flip, "kept": flip, "kept_gain": math.inf} for _ in probs]
+
+    strategy_module.relabellings = oracle
+
+
 def rounds_to_reach(accuracy: list[float], target: float) -> int | None:
     """The first round (1-based) whose accuracy is at least ``target`` (None: never)."""
     return next((r + 1 for r, a in enumerate(accuracy) if a >= target), None)
@@ -201,6 +217,9 @@ def main(argv=None) -> int:
     p.add_argument("--relabel-min-cycle", type=float, default=0.002, help="the relabel arms' relabel_min_cycle")
     p.add_argument("--relabel-weight", type=float, default=1.0, help="the relabel arms' relabel_weight")
     p.add_argument("--distill-steps", type=int, default=100, help="the relabel_distill arm's relabel_distill_steps")
+    p.add_argument("--oracle-relabelling", action="store_true",
+                   help="diagnostic: the relabel arms use the true relabelling 9 - y for every client the consensus rule "
+                        "flags (the relabelling gain is not used): what a perfect estimate of the permutation reaches")
     p.add_argument("--out", help="folder for results.json")
     p.add_argument("--save-clients", help="folder: each run's clients of every round saved under RUN/round<r>.pt "
                                           "(diagnostics: benchmarks/federated_consensus.py)")
@@ -211,6 +230,8 @@ def main(argv=None) -> int:
     for arm in ("filtered", "clipped"):
         ARMS[arm].update(outlier_rule=args.outlier_rule, outlier_threshold=args.outlier_threshold)
     torch.set_num_threads(args.threads)
+    if args.oracle_relabelling:
+        oracle_relabelling()
     sys.path.insert(0, str(EXAMPLE))
     from fedvit import task
 
