@@ -25,7 +25,7 @@ def federation():
     pytest.importorskip("flwr")
     import test_federated_consensus
 
-    return test_federated_consensus.federation.__wrapped__()
+    return test_federated_consensus.make_federation()
 
 
 def world(m: int = 500, seed: int = 0):
@@ -216,3 +216,13 @@ def test_relabel_option_errors(federation):
         AlignedFedAvg(g, outlier_rule="consensus", outlier_data=data, relabel="distill", relabel_distill_steps=0)
     with pytest.raises(SymmergeError, match="not with joint"):
         AlignedFedAvg(g, outlier_rule="consensus", outlier_data=data, relabel="repair", joint=True)
+
+
+def test_relabel_is_in_the_summary(federation, caplog):
+    pytest.importorskip("flwr")
+    from symmerge.federated import AlignedFedAvg
+
+    g, _, data = federation
+    AlignedFedAvg(g, outlier_rule="consensus", outlier_data=data, relabel="detect").summary()
+    assert any("outlier_rule consensus (threshold 3.5), relabel detect (threshold 0.01)" in r.getMessage()
+               for r in caplog.records)

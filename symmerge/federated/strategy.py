@@ -182,7 +182,9 @@ class AlignedFedAvg(FedAvg):
             ",".join(self.alignment.symmetries) or "none", self.alignment.match, self.aggregation,
             f" (trim {self.trim:g})" if self.aggregation == "trimmed_mean" else "", self.norm_factor,
             " (clip)" if self.norm_clip else "", self.outlier_rule,
-            f" (threshold {self.outlier_threshold:g})" if self.outlier_rule else "", self.min_clients,
+            (f" (threshold {self.outlier_threshold:g})" if self.outlier_rule else "") + (
+                f", relabel {self.relabel} (threshold {self.relabel_threshold:g})" if self.relabel else ""),
+            self.min_clients,
             ", global model kept with its norms folded" if self.folds else "")
 
     def configure_train(self, server_round, arrays, config, grid):
