@@ -27,7 +27,9 @@ One round of :meth:`AlignedFedAvg.aggregate_train`:
    :func:`~symmerge.federated.aggregate.update_outliers`), or with ``outlier_rule="consensus"`` whose
    predictions on the server's unlabeled data (``outlier_data``) disagree with the other clients'
    consensus once class priors are discounted (:mod:`symmerge.federated.consensus`), is left out (kind
-   ``outlier``);
+   ``outlier``); with ``relabel`` also a client whose best relabelling of the classes onto the consensus's
+   gains ``relabel_threshold`` (:mod:`symmerge.federated.relabel`), and such a client is left out or, by the
+   ``relabel`` mode, repaired (its output rows permuted back) or distilled;
 5. if fewer than ``min_clients`` remain, the previous global model is returned unchanged (the same
    ArrayRecord, byte for byte); otherwise the aligned models are aggregated: the mean weighted by
    ``num-examples`` (FedAvg), the coordinate-wise ``median`` or the ``trimmed_mean``.
@@ -433,7 +435,9 @@ class AlignedFedAvg(FedAvg):
         confidently estimated relabelling (its cycles gaining ``relabel_min_cycle`` each) gains at least
         ``relabel_threshold`` is, with ``relabel="repair"``, aggregated with its output rows permuted back
         (``repair_update``: only its update's rows; ``body``: its output layer left out), at
-        ``relabel_weight`` × its weight; every other flagged client is left out (kind ``outlier``)."""
+        ``relabel_weight`` × its weight, or with ``"distill"`` kept out of the average and its relabelled
+        predictions distilled into the aggregate (see ``aggregate_train``); every other flagged client is left
+        out (kind ``outlier``)."""
         record["outlier_z"] = {k[0].metadata.src_node_id: z for k, (z, _) in zip(kept, flags)}
         found = relabellings(probs, self.relabel_min_cycle)
         out = []
