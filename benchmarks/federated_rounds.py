@@ -177,14 +177,16 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
 
 
 def oracle_relabelling(classes: int = 10) -> None:
-    """--oracle-relabelling: the strategy's relabelling estimate replaced by the attack's own permutation, 9 - y
-    (gain 0: only clients that the consensus rule flags are repaired)."""
+    """--oracle-relabelling: the strategy's estimated permutation replaced by the attack's own, 9 - y (the clients
+    are flagged as without it: by the consensus rule or by their relabelling gain; a flagged client is repaired
+    with the true permutation)."""
     import symmerge.federated.strategy as strategy_module
+    from symmerge.federated.relabel import relabellings
 
     flip = [classes - 1 - i for i in range(classes)]
 
     def oracle(probs, min_cycle_gain=0.0):
-        return [{"gain": 0.0, "permutation": flip, "kept": flip, "kept_gain": math.inf} for _ in probs]
+        return [{**r, "permutation": flip, "kept": flip, "kept_gain": math.inf} for r in relabellings(probs, min_cycle_gain)]
 
     strategy_module.relabellings = oracle
 
@@ -218,8 +220,8 @@ def main(argv=None) -> int:
     p.add_argument("--relabel-weight", type=float, default=1.0, help="the relabel arms' relabel_weight")
     p.add_argument("--distill-steps", type=int, default=100, help="the relabel_distill arm's relabel_distill_steps")
     p.add_argument("--oracle-relabelling", action="store_true",
-                   help="diagnostic: the relabel arms use the true relabelling 9 - y for every client the consensus rule "
-                        "flags (the relabelling gain is not used): what a perfect estimate of the permutation reaches")
+                   help="diagnostic: the relabel arms repair a flagged client with the true relabelling 9 - y instead of "
+                        "the estimated one: what a perfect estimate of the permutation reaches")
     p.add_argument("--out", help="folder for results.json")
     p.add_argument("--save-clients", help="folder: each run's clients of every round saved under RUN/round<r>.pt "
                                           "(diagnostics: benchmarks/federated_consensus.py)")
