@@ -91,6 +91,10 @@ SKEWED, FLIPPED = 5, 9  # nodes
 
 @pytest.fixture(scope="module")
 def federation():
+    return make_federation()
+
+
+def make_federation():
     """A global model trained a little on balanced data; 4 honest clients with label-skewed shards, an
     honest client ``SKEWED`` that holds mostly class 3 (which the others hardly hold) and a client
     ``FLIPPED`` trained on flipped labels (3 - y), each 25 local steps from the global model."""

@@ -27,7 +27,9 @@ One round of :meth:`AlignedFedAvg.aggregate_train`:
    :func:`~symmerge.federated.aggregate.update_outliers`), or with ``outlier_rule="consensus"`` whose
    predictions on the server's unlabeled data (``outlier_data``) disagree with the other clients'
    consensus once class priors are discounted (:mod:`symmerge.federated.consensus`), is left out (kind
-   ``outlier``);
+   ``outlier``); with ``relabel`` also a client whose best relabelling of the classes onto the consensus's
+   gains ``relabel_threshold`` (:mod:`symmerge.federated.relabel`), and such a client is left out or, by the
+   ``relabel`` mode, repaired (its output rows permuted back) or distilled;
 5. if fewer than ``min_clients`` remain, the previous global model is returned unchanged (the same
    ArrayRecord, byte for byte); otherwise the aligned models are aggregated: the mean weighted by
    ``num-examples`` (FedAvg), the coordinate-wise ``median`` or the ``trimmed_mean``.
@@ -76,6 +78,7 @@ from .aggregate import (CONSENSUS_MIN_SPREAD, CONSENSUS_RULE, LEFT_OUT_KINDS, ag
                         check_outlier_rule, check_state_dict, median_of_others, norm_outliers, scale_update,
                         update_outliers, update_scores)
 from .consensus import client_probabilities, consensus_scores, server_data
+from .relabel import check_relabel, distill, output_layer, permute_rows, relabelled_probabilities, relabellings
 
 # the recommended set without the residual stream: groups that need no change of parameterisation
 FEDERATED_SYMMETRIES = ("heads", "attn", "ffn", "rescale")
@@ -130,10 +133,13 @@ class AlignedFedAvg(FedAvg):
                  norm_factor: float | None = 10.0, norm_clip: bool = False, outlier_rule: str | None = None,
                  outlier_threshold: float = 3.5, outlier_data=None, outlier_samples: int = 1000,
                  min_clients: int = 2, joint: bool = False, joint_rounds: int = 10,
-                 joint_refine: str = DEFAULT_REFINE, min_align_gain: float = MIN_ALIGN_GAIN, **fedavg_kwargs):
+                 joint_refine: str = DEFAULT_REFINE, min_align_gain: float = MIN_ALIGN_GAIN, relabel: str | None = None,
+                 relabel_threshold: float = 0.01, relabel_min_cycle: float = 0.002, relabel_weight: float = 1.0,
+                 relabel_distill_steps: int = 100, **fedavg_kwargs):
         super().__init__(**fedavg_kwargs)
         check_aggregation(aggregation, trim)
         check_outlier_rule(outlier_rule, outlier_threshold)
+        check_relabel(relabel, relabel_threshold, relabel_min_cycle, relabel_weight, outlier_rule, joint)
         if isinstance(min_clients, bool) or not isinstance(min_clients, int) or min_clients < 1:
             raise SymmergeError(f"min_clients must be a whole number >= 1, got {min_clients!r}")
         if norm_factor is not None and not (norm_factor > 1 and math.isfinite(norm_factor)):
@@ -144,6 +150,13 @@ class AlignedFedAvg(FedAvg):
         self.norm_factor, self.min_clients = norm_factor, min_clients
         self.outlier_rule, self.outlier_threshold = outlier_rule, float(outlier_threshold)
         self.norm_clip = bool(norm_clip)
+        self.relabel, self.relabel_threshold = relabel, float(relabel_threshold)
+        self.relabel_min_cycle, self.relabel_weight = float(relabel_min_cycle), float(relabel_weight)
+        self.output_keys = output_layer(self.template) if relabel is not None else []
+        if isinstance(relabel_distill_steps, bool) or not isinstance(relabel_distill_steps, int) or relabel_distill_steps < 1:
+            raise SymmergeError(f"relabel_distill_steps must be a whole number >= 1, got {relabel_distill_steps!r}")
+        self.relabel_distill_steps = relabel_distill_steps
+        self._distill: list = []  # this round's relabelled clients for relabel="distill": (weight, probabilities)
         # the consensus rule's unlabeled server examples (default: the alignment's), loaded once
         self.outlier_data = server_data(outlier_data if outlier_data is not None else self.alignment.align_data,
                                         self.template, outlier_samples) if outlier_rule == CONSENSUS_RULE else None
@@ -171,7 +184,9 @@ class AlignedFedAvg(FedAvg):
             ",".join(self.alignment.symmetries) or "none", self.alignment.match, self.aggregation,
             f" (trim {self.trim:g})" if self.aggregation == "trimmed_mean" else "", self.norm_factor,
             " (clip)" if self.norm_clip else "", self.outlier_rule,
-            f" (threshold {self.outlier_threshold:g})" if self.outlier_rule else "", self.min_clients,
+            (f" (threshold {self.outlier_threshold:g})" if self.outlier_rule else "") + (
+                f", relabel {self.relabel} (threshold {self.relabel_threshold:g})" if self.relabel else ""),
+            self.min_clients,
             ", global model kept with its norms folded" if self.folds else "")
 
     def configure_train(self, server_round, arrays, config, grid):
@@ -246,6 +261,9 @@ class AlignedFedAvg(FedAvg):
         record = {"round": server_round, "left_out": left_out, "kept_previous": False, "folded": self.folds,
                   "symmetries": list(self.alignment.symmetries), "aggregation": self.aggregation,
                   "outlier_rule": self.outlier_rule, "outlier_z": {}, "clipped": [], "unaligned": []}
+        self._distill = []
+        if self.relabel is not None:
+            record.update(relabel=self.relabel, relabel_gain={}, relabelled=[])
         if len(candidates) < self.min_clients:
             return self._keep_previous(record, candidates, t0)
 
@@ -312,6 +330,17 @@ class AlignedFedAvg(FedAvg):
         else:
             merged = aggregate([k[1] for k in kept], [k[2] for k in kept], keys, anchor_sd, self.aggregation,
                                self.trim)
+            if self._distill:  # relabel="distill": the relabelled clients' function distilled into the aggregate
+                t = time.perf_counter()
+                merged, report = distill(self.template, merged, self.outlier_data, self._distill,
+                                         float(sum(k[2] for k in kept)), self.relabel_distill_steps, seed=server_round)
+                record["distill"] = {**report, "seconds": time.perf_counter() - t}
+            body_only = {x["node"] for x in record.get("relabelled", []) if x["mode"] == "body"}
+            if body_only:  # relabel="body": their output layer is left out (the others' aggregate)
+                heads = [k for k in kept if k[0].metadata.src_node_id not in body_only]
+                head = aggregate([k[1] for k in heads], [k[2] for k in heads], self.output_keys, anchor_sd,
+                                 self.aggregation, self.trim) if heads else anchor_sd
+                merged.update({k: head[k] for k in self.output_keys})
         if not all(bool(torch.isfinite(merged[k]).all()) for k in keys):  # e.g. huge finite values that overflow
             log(WARNING, "aggregate_train: round %d: the aggregate is not finite", server_round)
             record["note"] = "the aggregate was not finite: the previous global model is kept"
@@ -383,8 +412,11 @@ class AlignedFedAvg(FedAvg):
             kept = [item for item, p in zip(kept, probs) if not isinstance(p, str)]
             if len(kept) < 3:
                 return kept
-            scores = consensus_scores([p for p in probs if not isinstance(p, str)])
+            probs = [p for p in probs if not isinstance(p, str)]
+            scores = consensus_scores(probs)
             flags = update_outliers(scores, self.outlier_threshold, self.outlier_rule, CONSENSUS_MIN_SPREAD)
+            if self.relabel is not None:
+                return self._relabel(kept, probs, flags, anchor_sd, left_out, record)
         else:
             scores = update_scores([k[1] for k in kept], anchor_sd, keys, self.outlier_rule)
             flags = update_outliers(scores, self.outlier_threshold, self.outlier_rule)
@@ -395,6 +427,44 @@ class AlignedFedAvg(FedAvg):
                 out.append(item)
             else:
                 self._left_out(left_out, item[0].metadata.src_node_id, "outlier", reason)
+        return out
+
+    def _relabel(self, kept: list, probs: list, flags: list, anchor_sd: dict, left_out: list, record: dict) -> list:
+        """The consensus rule with the relabelling check (``relabel``): a client is flagged when the consensus
+        rule flags it or its best relabelling gains at least ``relabel_threshold``; a flagged client whose
+        confidently estimated relabelling (its cycles gaining ``relabel_min_cycle`` each) gains at least
+        ``relabel_threshold`` is, with ``relabel="repair"``, aggregated with its output rows permuted back
+        (``repair_update``: only its update's rows; ``body``: its output layer left out), at
+        ``relabel_weight`` × its weight, or with ``"distill"`` kept out of the average and its relabelled
+        predictions distilled into the aggregate (see ``aggregate_train``); every other flagged client is left
+        out (kind ``outlier``)."""
+        record["outlier_z"] = {k[0].metadata.src_node_id: z for k, (z, _) in zip(kept, flags)}
+        found = relabellings(probs, self.relabel_min_cycle)
+        out = []
+        self._distill = []
+        for item, (z, reason), r, p in zip(kept, flags, found, probs):
+            node = item[0].metadata.src_node_id
+            record["relabel_gain"][node] = r["gain"]
+            if reason is None and r["gain"] < self.relabel_threshold:
+                out.append(item)
+                continue
+            moved = {i: j for i, j in enumerate(r["kept"]) if i != j}
+            why = (f"its best relabelling of the classes (client class -> consensus class: {moved or 'none'}) gains "
+                   f"{r['gain']:.4g} of the probability mass ({r['kept_gain']:.4g} in the confident cycles), "
+                   f"relabel_threshold {self.relabel_threshold:g}")
+            if self.relabel == "detect" or r["kept_gain"] < self.relabel_threshold:
+                self._left_out(left_out, node, "outlier", (reason + "; " if reason else "") + why)
+                continue
+            mode = self.relabel
+            record["relabelled"].append({"node": node, "mode": mode, "permutation": moved, "gain": r["gain"],
+                                         "kept_gain": r["kept_gain"], "consensus_z": z})
+            log(WARNING, "aggregate_train: relabelled node %s (%s): %s", node, mode, why)
+            if mode == "distill":
+                self._distill.append((item[2] * self.relabel_weight, relabelled_probabilities(p, r["kept"])))
+                continue
+            sd = item[1] if mode == "body" else permute_rows(item[1], self.output_keys, r["kept"],
+                                                             anchor_sd if mode == "repair_update" else None)
+            out.append((item[0], sd, item[2] * self.relabel_weight, item[3], item[4]))
         return out
 
     def _keep_previous(self, record: dict, accepted, t0: float, align_seconds: float = 0.0):
@@ -422,6 +492,8 @@ class AlignedFedAvg(FedAvg):
             metrics[f"{PREFIX}left-out-{kind.replace('_', '-')}"] = sum(x["kind"] == kind for x in record["left_out"])
         metrics[PREFIX + "clients-clipped"] = len(record["clipped"])
         metrics[PREFIX + "clients-unaligned"] = len({x["node"] for x in record.get("unaligned", [])})
+        if self.relabel is not None:
+            metrics[PREFIX + "clients-relabelled"] = len(record.get("relabelled", []))
         metrics[PREFIX + "kept-previous"] = int(record["kept_previous"])
         metrics[PREFIX + "distance-before"] = float(sum(before) / len(before)) if before else 0.0
         metrics[PREFIX + "distance-after"] = float(sum(after) / len(after)) if after else 0.0
