@@ -104,6 +104,23 @@ def candidate_scores(probs: list[torch.Tensor]) -> dict[str, list[float]]:
 CLASSES = 4
 
 
+def server_images(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The consensus arms' unlabeled server images (``benchmarks.federated_rounds --server-images n``): ``n``
+    Fashion-MNIST training images (uint8) picked with seed 0, and their labels (for diagnostics only)."""
+    from symmerge.demo.datasets import fashion_mnist
+
+    images, labels = fashion_mnist("train")
+    pick = np.random.default_rng(0).choice(len(images), n, replace=False)
+    return images[pick], labels[pick]
+
+
+def probabilities(model, state_dict: dict, x: torch.Tensor) -> torch.Tensor:
+    """``state_dict``'s class probabilities (float64) on the pixel values ``x``, loaded into ``model``."""
+    model.load_state_dict(state_dict)
+    with torch.no_grad():
+        return torch.cat([model(pixel_values=x[j:j + 500]).logits.double().softmax(-1) for j in range(0, len(x), 500)])
+
+
 def tiny_vit(seed: int = 0):
     """A tiny ViT classifier (hidden 16, 2 layers, 8x8 one-channel images, :data:`CLASSES` labels)."""
     import transformers as T
@@ -198,12 +215,11 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(EXAMPLE))
     from fedvit import task
 
-    from symmerge.demo.datasets import fashion_mnist, pixel_values
+    from symmerge.demo.datasets import pixel_values
     from symmerge.federated.aggregate import update_outliers
 
-    images, labels = fashion_mnist("train")
-    pick = np.random.default_rng(0).choice(len(images), args.server, replace=False)
-    x, y = torch.from_numpy(pixel_values(images[pick])), torch.from_numpy(labels[pick])
+    images, labels = server_images(args.server)
+    x, y = torch.from_numpy(pixel_values(images)), torch.from_numpy(labels)
     cfg = task.settings({})
     model = task.load_model(cfg)
     chosen = args.scores.split(",")
@@ -215,10 +231,7 @@ def main(argv=None) -> int:
             d = torch.load(f)
             probs, accs = [], []
             for sd in d["states"]:
-                model.load_state_dict(sd)
-                with torch.no_grad():
-                    pr = torch.cat([model(pixel_values=x[j:j + 500]).logits.double().softmax(-1)
-                                    for j in range(0, len(x), 500)])
+                pr = probabilities(model, sd, x)
                 probs.append(pr)
                 accs.append(float((pr.argmax(1) == y).double().mean()))
             if not args.summary:

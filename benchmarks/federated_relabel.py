@@ -23,10 +23,10 @@ import re
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .bench_federated import EXAMPLE
+from .federated_consensus import probabilities, server_images
 
 
 def gains_of_round(probs: list[torch.Tensor], start: torch.Tensor) -> list[dict]:
@@ -66,17 +66,13 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(EXAMPLE))
     from fedvit import task
 
-    from symmerge.demo.datasets import fashion_mnist, pixel_values
+    from symmerge.demo.datasets import pixel_values
 
-    images, _ = fashion_mnist("train")
-    pick = np.random.default_rng(0).choice(len(images), args.server, replace=False)
-    x = torch.from_numpy(pixel_values(images[pick]))
+    x = torch.from_numpy(pixel_values(server_images(args.server)[0]))
     model = task.load_model(task.settings({}))
 
     def probs_of(sd):
-        model.load_state_dict(sd)
-        with torch.no_grad():
-            return torch.cat([model(pixel_values=x[j:j + 500]).logits.double().softmax(-1) for j in range(0, len(x), 500)])
+        return probabilities(model, sd, x)
 
     rows = []
     for run in args.runs:

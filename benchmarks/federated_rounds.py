@@ -137,13 +137,14 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
     for r in range(1, rounds + 1):
         start = arrays.to_torch_state_dict()
         digest = _digest(start)
-        states, sizes, pids, jobs = [], [], [], {}
+        states, sizes, pids, jobs, keys = [], [], [], {}, []
         for pid, (x, y) in enumerate(data):
             if attack == "absent" and pid == 0:
                 continue
             flip = attack == "flip" and pid == 0
             steps = local_steps(cfg, len(x), epochs)
             key = (digest, r, pid, flip, steps)
+            keys.append((pid, key))
             if key in TRAINED or key in jobs:
                 continue
             if pool is not None:
@@ -155,14 +156,12 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
                        device=device)
             TRAINED[key] = {k: v.detach().clone() for k, v in local.state_dict().items()}
         TRAINED.update({key: job.result() for key, job in jobs.items()})
-        for pid, (x, y) in enumerate(data):
-            if attack == "absent" and pid == 0:
-                continue
-            sd = dict(TRAINED[(digest, r, pid, attack == "flip" and pid == 0, local_steps(cfg, len(x), epochs))])
+        for pid, key in keys:
+            sd = dict(TRAINED[key])
             if attack == "scale100" and pid == 0:
                 sd = {k: start[k] + 100.0 * (v - start[k]) for k, v in sd.items()}
             states.append(sd)
-            sizes.append(len(x))
+            sizes.append(len(data[pid][0]))
             pids.append(pid)
         if save is not None:
             save.mkdir(parents=True, exist_ok=True)
@@ -288,12 +287,13 @@ def main(argv=None) -> int:
     server = None
     if any(ARMS.get(spec.split(":")[-1], {}).get("outlier_rule") == "consensus" for spec in args.runs.split(",")):
         # the consensus arms' server data: --server-images training images, their labels dropped
-        from symmerge.demo.datasets import fashion_mnist, write_npz
+        from symmerge.demo.datasets import write_npz
 
-        images, _ = fashion_mnist("train")
-        pick = np.random.default_rng(0).choice(len(images), args.server_images, replace=False)
+        from .federated_consensus import server_images
+
+        images, _ = server_images(args.server_images)
         tmp = tempfile.TemporaryDirectory()
-        server = write_npz(Path(tmp.name) / "server.npz", images[pick], np.zeros(len(pick), np.int64))
+        server = write_npz(Path(tmp.name) / "server.npz", images, np.zeros(len(images), np.int64))
     pool = None
     if args.workers > 1:
         import multiprocessing

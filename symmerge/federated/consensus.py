@@ -47,6 +47,13 @@ def prior_corrected(probs: torch.Tensor, marginal: torch.Tensor, iterations: int
     return pc / pc.sum(dim=1, keepdim=True)
 
 
+def with_consensus(probs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(p, q)`` for each client (float64): its probabilities and the consensus q, the unweighted mean of the
+    other clients' (at least two clients)."""
+    total = sum(p.double() for p in probs)
+    return [(p.double(), (total - p.double()) / (len(probs) - 1)) for p in probs]
+
+
 def consensus_scores(probs: list[torch.Tensor]) -> list[float]:
     """The ``consensus`` outlier rule's score of each client from its class probabilities on the server's
     unlabeled data (a list of (M, C) tensors, one per client). With q the consensus, the unweighted mean of
@@ -58,14 +65,10 @@ def consensus_scores(probs: list[torch.Tensor]) -> list[float]:
     Larger: more outlying. A client with rare labels over-predicts its own classes, which the corrections
     discount; a client trained on relabelled data moves probability to other classes than the consensus
     wherever it learned, which no class prior undoes."""
-    n = len(probs)
-    if n < 2:
-        return [0.0] * n
-    total = sum(p.double() for p in probs)
+    if len(probs) < 2:
+        return [0.0] * len(probs)
     scores = []
-    for p in probs:
-        p = p.double()
-        q = (total - p) / (n - 1)
+    for p, q in with_consensus(probs):
         forward = 0.5 * (prior_corrected(p, q.mean(dim=0)) - q).abs().sum(dim=1).mean()
         backward = 0.5 * (p - prior_corrected(q, p.mean(dim=0))).abs().sum(dim=1).mean()
         scores.append(float(0.5 * (forward + backward)))

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import SymmergeError
-from .consensus import prior_corrected
+from .consensus import prior_corrected, with_consensus
 
 # relabel=: "detect" leaves a relabelling client out; "repair" aggregates it with its output rows permuted back,
 # "repair_update" with only its update's output rows permuted, "body" without its output layer
@@ -104,11 +104,9 @@ def relabelling(p: torch.Tensor, q: torch.Tensor, min_cycle_gain: float = 0.0) -
 def relabellings(probs: list[torch.Tensor], min_cycle_gain: float = 0.0) -> list[dict]:
     """:func:`relabelling` of each client's probabilities (a list of (M, K) tensors) against the consensus,
     the unweighted mean of the others'."""
-    n = len(probs)
-    if n < 2:
+    if len(probs) < 2:
         return [relabelling(p, p, min_cycle_gain) for p in probs]
-    total = sum(p.double() for p in probs)
-    return [relabelling(p, (total - p.double()) / (n - 1), min_cycle_gain) for p in probs]
+    return [relabelling(p, q, min_cycle_gain) for p, q in with_consensus(probs)]
 
 
 def output_layer(model) -> list[str]:
