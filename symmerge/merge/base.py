@@ -134,17 +134,34 @@ class Method:
     # (key, tensors, weights, base, params, context, out) -> bool: the whole tensor into out (the chunks'
     # bits), or False (nothing written: the chunks run)
     fused_into: Callable | None = None
+    # parameters that may take one value per merged model (mergekit's per-model ``density``, ``epsilon``, ...):
+    # :meth:`check_params` with ``n`` gives them as a tuple of ``n`` values (a scalar is repeated)
+    per_model: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "doc", ((self.doc or "").strip().splitlines() or [""])[0])
 
-    def check_params(self, params: dict) -> dict:
-        """Known parameters with defaults filled in; unknown names → SymmergeError."""
+    def check_params(self, params: dict, n: int | None = None) -> dict:
+        """Known parameters with defaults filled in; unknown names → SymmergeError. With ``n`` (the number of
+        merged models), a parameter of :attr:`per_model` becomes a tuple of ``n`` values (a scalar repeated;
+        a list or tuple must have ``n`` entries); without ``n``, a per-model list is kept as given."""
         unknown = sorted(set(params) - set(self.params))
         if unknown:
             known = ", ".join(self.params) or "none"
             raise SymmergeError(f"method {self.name!r} has no parameter {unknown[0]!r} (parameters: {known})")
-        return {**self.params, **params}
+        out = {**self.params, **params}
+        for name, value in out.items():
+            if isinstance(value, (list, tuple)) and name not in self.per_model:
+                raise SymmergeError(f"method {self.name!r}: parameter {name!r} takes one value, not one per model")
+            if n is not None and name in self.per_model:
+                if isinstance(value, (list, tuple)):
+                    if len(value) != n:
+                        raise SymmergeError(f"method {self.name!r}: parameter {name!r} has {len(value)} values "
+                                            f"for {n} models")
+                    out[name] = tuple(value)
+                else:
+                    out[name] = (value,) * n
+        return out
 
     def merge(self, state_dicts, weights=None, stats=None, base=None, model=None, anchor=None, **params) -> dict:
         """The merged state dict: :func:`merge_state_dicts` with this method."""
