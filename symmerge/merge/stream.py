@@ -25,34 +25,26 @@ from __future__ import annotations
 
 import math
 import os
-import queue
-import threading
 import time
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 from ..core.distance import sq_distance
-from ..core.parallel import put_until_stopped
 from ..core.layout import Layout, check_layouts
 from ..core.memory import available_memory
 from ..errors import SymmergeError
 from ..families import spec_for, supported_model_types
-from ..io import direct
-from ..io.checkpoint import LazyCheckpoint, PlannedWriter, parse_size
+from ..io.checkpoint import LazyCheckpoint
 from ..io.card import write_card
-from ..io.model import atomic_dir, copy_side_files, weight_files, write_json
+from ..io.model import weight_files, write_json
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
-from ..progress import bar, stage
-from . import kernels
+from ..progress import stage
+from .executor import DEFAULT_SHARD, _Budget, config_text, default_budget, execute_steps  # noqa: F401 (re-exported)
 from .heads import head_policy, head_report
-from .modules import merge_pipeline_modules
-from .base import merge_tensor, normalized_weights
+from .steps import uniform_steps
 
 MODES = ("auto", "stream", "memory")
-DEFAULT_SHARD = "2GB"  # output shards: written as they come, never held, so their size costs no memory
 MEMORY_FRACTION = 0.5  # auto: models larger than this fraction of the available memory are streamed
 
 
@@ -153,47 +145,6 @@ def choose_mode(mode: str, method, options, models, aligns: bool) -> tuple[str, 
     return "memory", f"auto: {refusal}"
 
 
-def _sq(a, b, block: int = 1 << 16) -> float:
-    """Squared L2 distance of two tensors for the report: differences in float32 (float64 inputs in
-    float64), each block's sum of squares by a dot product, the blocks summed in float64."""
-    import torch
-
-    wide = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
-    fa, fb = a.reshape(-1), b.reshape(-1)
-    total = 0.0
-    for i in range(0, fa.numel(), block):
-        d = fa[i:i + block].to(wide) - fb[i:i + block].to(wide)
-        total += float(torch.dot(d, d))
-    return total
-
-
-class _Lazy(Mapping):
-    """A checkpoint's tensors ``keys`` read one at a time (for a method's ``prepare`` hook), each
-    mapped from its file (:meth:`~symmerge.io.checkpoint.LazyCheckpoint.map_direct`: a model visited
-    twice is read from the page cache in place, not copied twice)."""
-
-    def __init__(self, ckpt: LazyCheckpoint, keys):
-        self.ckpt, self.names = ckpt, list(keys)
-
-    def __getitem__(self, key):
-        return self.ckpt.map_direct(key, check=False)  # NaN/Inf: refused by the merge loop's reads, before any output
-
-    def numel(self, key) -> int:
-        return math.prod(self.ckpt.shape[key])
-
-    def dtype(self, key):
-        return self.ckpt.dtype[key]
-
-    def read_blocks(self, key, first: int, stride: int, width: int):
-        return self.ckpt.read_blocks(key, first, stride, width)
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self):
-        return len(self.names)
-
-
 def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
     """Tensors outside the base model (``base_model_prefix``), as :func:`symmerge.merge.heads.head_keys`
     finds them in memory (tied aliases are already folded into their sources)."""
@@ -208,80 +159,6 @@ def _body_layout(ckpt: LazyCheckpoint, name: str, heads) -> Layout:
     heads = set(heads)
     return Layout(name, ckpt.config["model_type"], ckpt.heads,
                   {k: ckpt.shape[k] for k in ckpt.keys() if k not in heads}, ckpt.disk_name)
-
-
-_ALIGN = 64  # bytes: every tensor placed in the read-ahead ring starts on a cache line
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-class _Budget:
-    """Bytes read but not yet written, in one preallocated ring buffer of ``limit`` bytes: the reader
-    takes a region per key (its inputs and the merged output), the writer gives it back when written,
-    in the same order. Reused memory: no page faults on fresh pages for every tensor read (on a large
-    merge those cost more CPU than the merge itself). The reader waits while the region does not fit;
-    a key larger than the ring gets fresh memory once nothing else is in flight."""
-
-    def __init__(self, limit: int):
-        self.limit, self.used, self.cond, self.peak = limit, 0, threading.Condition(), 0
-        self.ring = None
-        self.regions: list = []  # (start, end) of the regions in flight, oldest first; start -1: fresh memory
-
-    def _place(self, n: int):
-        """Start of a free region of ``n`` bytes, -1 for fresh memory, None to wait."""
-        if n > self.limit:
-            return None if self.regions else -1
-        live = [r for r in self.regions if r[0] >= 0]
-        if not live:
-            return 0
-        tail, head = live[0][0], live[-1][1]
-        if live[-1][0] >= tail:  # in flight: [tail, head); free: [head, limit) and [0, tail)
-            if head + n <= self.limit:
-                return head
-            return 0 if n <= tail else None
-        return head if head + n <= tail else None  # wrapped: free [head, tail)
-
-    def take(self, n: int, stop: threading.Event):
-        """A uint8 tensor of ``n`` bytes (a view of the ring, or fresh), or None when stopped."""
-        import torch
-
-        with self.cond:
-            while (start := self._place(n)) is None:
-                if stop.is_set():
-                    return None
-                self.cond.wait(0.2)
-            if stop.is_set():
-                return None
-            self.regions.append((start, start + n))
-            self.used += n
-            self.peak = max(self.peak, self.used)
-        if start < 0:
-            return torch.empty(n, dtype=torch.uint8)
-        if self.ring is None:
-            self.ring = torch.empty(self.limit, dtype=torch.uint8)
-        return self.ring[start:start + n]
-
-    def give(self, n: int) -> None:
-        with self.cond:
-            self.regions.pop(0)
-            self.used -= n
-            self.cond.notify_all()
-
-
-class _Failure:
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-
-def default_budget(sizes: list[int]) -> int:
-    """Read-ahead bytes for keys of ``sizes`` bytes (inputs + output): the largest key and two of the
-    next largest (the reader, the merging thread and the writer each hold one), at most twice the
-    largest, at least 64 MB. The ring is allocated whole, so this is the merge's memory beyond the
-    interpreter's: one embedding-sized key need not double it."""
-    top = sorted(sizes, reverse=True)[:2] + [0, 0]
-    return max(min(2 * top[0], top[0] + 2 * top[1]), 64 * 2 ** 20)
 
 
 def merge_streaming(models, out, options, shard_size=DEFAULT_SHARD, budget=None, write_hook=None) -> dict:
@@ -353,179 +230,52 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
             if missing:
                 raise SymmergeError(f"base model lacks tensor {base.disk_name.get(missing[0], missing[0])!r}")
     merged_set = set(merged_keys)
-    order = [k for k in holder.keys() if k in merged_set or k in set(heads[options.head_from])]
-    ref = base if base is not None else ckpts[0]
-    plan = [(holder.save_name(k), (ref if k in merged_set else holder).dtype[k], holder.shape[k]) for k in order]
-    weights = normalized_weights(options.weights, len(models), normalize=m.normalize_weights)
+    kept = set(heads[options.head_from])
+    order = [k for k in holder.keys() if k in merged_set or k in kept]
+    steps = uniform_steps(order, len(models), base=len(models) if base is not None else None,
+                          weights=options.weights, params=options.params,
+                          copy_from={k: options.head_from for k in order if k not in merged_set})
     params = options.params
 
-    # ------------------------------------------------ model-wide quantities (TIES's threshold), streamed
-    t = time.perf_counter()
-    context = None
-    if m.prepare is not None:
-        lazies = [_Lazy(c, merged_keys) for c in ckpts]
-        with stage(f"{m.name}: model-wide quantities (one read of every model)", enabled=options.progress):
-            context = m.prepare(lazies, _Lazy(base, merged_keys) if base is not None else None, weights, params)
-    timings["prepare"] = time.perf_counter() - t
-
-    # ------------------------------------------------ read ahead, merge, write behind
-    def sources(k):
-        return [holder] if k not in merged_set else ckpts + ([base] if base is not None else [])
-
-    sizes = {k: sum(_aligned(c.room(k)) for c in sources(k)) + _aligned(holder.nbytes(k)) for k in order}
-    limit = budget if budget is not None else default_budget(list(sizes.values()))
-    gate, stop = _Budget(int(limit)), threading.Event()
-    read_q: queue.Queue = queue.Queue(maxsize=4)
-    write_q: queue.Queue = queue.Queue(maxsize=4)
-    clock = {"read": 0.0, "write": 0.0, "distances": 0.0, "waiting_for_reads": 0.0}
-    n = len(ckpts)
-    pair_sq = {(i, j): 0.0 for i in range(n) for j in range(i + 1, n)}
-    result_sq = [0.0] * n
-    largest = max((max(c.nbytes(k) for c in sources(k)) for k in order), default=0)
-
-    pool = ThreadPoolExecutor(max_workers=len(everything))  # one read per model at once: a deeper I/O queue
-
-    def reader():
-        try:
-            for k in order:
-                region = gate.take(sizes[k], stop)  # the inputs' bytes, then the merged output's
-                if region is None:
-                    return
-                places, at = [], 0
-                for c in sources(k):
-                    places.append((c, region[at:at + c.room(k)]))
-                    at += _aligned(c.room(k))
-                t1 = time.perf_counter()
-                tensors = list(pool.map(lambda cb: cb[0].read_direct(k, buffer=cb[1]), places))
-                clock["read"] += time.perf_counter() - t1
-                put_until_stopped(read_q, (k, tensors, region[at:]), stop)
-                del region, places
-            put_until_stopped(read_q, None, stop)
-        except BaseException as e:  # raised in the calling thread
-            put_until_stopped(read_q, _Failure(e), stop)
-
-    def distances(tensor, inputs):
-        """The report's distances of one key (squared, summed into pair_sq and result_sq)."""
-        t1 = time.perf_counter()
-        fused = kernels.sq_distances(inputs, tensor) if kernels.AVAILABLE else None
-        for i in range(n):
-            result_sq[i] += fused[1][i] if fused else _sq(tensor, inputs[i])
-        for i, j in pair_sq:
-            pair_sq[i, j] += fused[0][i, j] if fused else _sq(inputs[i], inputs[j])
-        clock["distances"] += time.perf_counter() - t1
-
-    # the distances run where there is time: in the merging thread when the fused kernels make the merge
-    # cheap (the writer's O_DIRECT writes then set the pace), else in the writer thread beside the merge
-    distances_in_writer = not kernels.AVAILABLE
-
-    def writer(target: PlannedWriter):
-        try:
-            while True:
-                item = write_q.get()
-                if item is None:
-                    return
-                k, tensor, inputs = item
-                if inputs is not None:
-                    distances(tensor, inputs)
-                t1 = time.perf_counter()
-                target.add(holder.save_name(k), tensor)
-                clock["write"] += time.perf_counter() - t1
-                del tensor, item, inputs
-                gate.give(sizes[k])
-        except BaseException as e:
-            failures.append(e)
-            stop.set()
-
-    failures: list = []
-    with atomic_dir(out) as tmp:
-        target = PlannedWriter(tmp, plan, parse_size(shard_size))
-        threads = [threading.Thread(target=reader, daemon=True), threading.Thread(target=writer, args=(target,),
-                                                                                    daemon=True)]
-        for th in threads:
-            th.start()
-        pbar = bar(total=len(order), desc=f"merging tensors ({m.name})", unit="tensors", enabled=options.progress)
-        t = time.perf_counter()
-        try:
-            while True:
-                t1 = time.perf_counter()
-                try:  # a failed writer stops the reader, which then sends nothing more: look at failures too
-                    item = read_q.get(timeout=0.2)
-                except queue.Empty:
-                    clock["waiting_for_reads"] += time.perf_counter() - t1
-                    if failures:
-                        raise failures[0]
-                    continue
-                clock["waiting_for_reads"] += time.perf_counter() - t1
-                if item is None:
-                    break
-                if isinstance(item, _Failure):
-                    raise item.exc
-                if failures:
-                    raise failures[0]
-                k, tensors, room = item
-                del item
-                inputs = None
-                if k in merged_set:
-                    inputs, b = tensors[:n], (tensors[n] if base is not None else None)
-                    value = merge_tensor(m, k, inputs, weights, None, b, params, context, out=room)
-                    if not value.is_floating_point():
-                        inputs = None
-                    del b
-                else:
-                    value = tensors[0]
-                del tensors, room
-                if inputs is not None and not distances_in_writer:
-                    distances(value, inputs)
-                    inputs = None
-                put_until_stopped(write_q, (k, value, inputs), stop)  # inputs: held (within the budget) until written
-                del value, inputs
-                pbar.update(1)
-            write_q.put(None)
-            threads[1].join()
-            if failures:
-                raise failures[0]
-        except BaseException:
-            stop.set()
-            target.abort()
-            raise
-        finally:
-            pbar.close()
-            pool.shutdown(wait=False)
-        timings["merge"] = time.perf_counter() - t
-        files = target.close()
-        (tmp / "config.json").write_text(_config_text(holder))
-        hk = heads[0]
-        head_info = head_report(hk, options.heads, requested_heads, options.head_from, names,
+    def finish(tmp, facts):
+        nonlocal report
+        timings["prepare"] = facts["seconds"]["prepare"]
+        timings["merge"] = facts["seconds"]["merge"]
+        head_info = head_report(heads[0], options.heads, requested_heads, options.head_from, names,
                                 heads[options.head_from])
-        import math
-
-        pairs = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in pair_sq.items()}
+        pairs = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in sorted(facts["pairwise_sq"].items())}
         report = {
             "method": m.name, "params": params,
             "weights": list(options.weights) if options.weights is not None else None,
             "models": names, "base": str(options.base) if options.base is not None else None,
             "model_type": model_type, "alignment": alignment, "head": head_info, "statistics": None,
             "distances_between_inputs": {"before_alignment": pairs, "after_alignment": dict(pairs)},
-            "distance_result_to_inputs": {nm: math.sqrt(v) for nm, v in zip(names, result_sq)},
+            "distance_result_to_inputs": {nm: math.sqrt(facts["result_sq"].get(i, 0.0)) for i, nm in enumerate(names)},
             "device": "cpu", "repair": None,
             "mode": "stream",
-            "stream": {"shards": files, "bytes_written": target.total_bytes, "largest_tensor_bytes": largest,
-                       "read_ahead_budget_bytes": int(limit), "read_ahead_peak_bytes": gate.peak,
-                       "direct_io": {"reads": sum(any(direct.reads_directly(f) for f in set(c.file_of.values()))
-                                                  for c in everything),
-                                     "writes": target.wrote_directly},
-                       "seconds": {k: round(v, 4) for k, v in clock.items()}},
+            "stream": {"shards": facts["shards"], "bytes_written": facts["bytes_written"],
+                       "largest_tensor_bytes": facts["largest_tensor_bytes"],
+                       "read_ahead_budget_bytes": facts["read_ahead_budget_bytes"],
+                       "read_ahead_peak_bytes": facts["read_ahead_peak_bytes"], "direct_io": facts["direct_io"],
+                       "seconds": facts["thread_seconds"]},
             "tokenizer": tokenizer,
             **({"sentence_transformers": embedding} if embedding else {}),
+            "side_files": facts["side_files"],
         }
-        # side files, and a sentence-transformers pipeline with its module weights merged by the same method
-        report["side_files"] = copy_side_files(holder.folder, tmp, report, merge_pipeline_modules)
         timings["total"] = time.perf_counter() - t0
         report["timings"] = timings
         if write_hook is not None:
             write_hook(tmp, report)
         write_card(tmp, report)  # README.md, the output's own model card
         write_json(tmp / "symmerge_report.json", report)
+
+    report = None
+    side = {"method": m.name, "params": params, "weights": list(options.weights) if options.weights is not None else None,
+            "models": names, "base": str(options.base) if options.base is not None else None,
+            **({"sentence_transformers": embedding} if embedding else {})}
+    execute_steps(everything, steps, m, out, config=config_text(holder), side_files_from=holder.folder,
+                  side_report=side, naming=options.head_from, shard_size=shard_size, budget=budget,
+                  progress=options.progress, finish=finish)
     return report
 
 
@@ -631,15 +381,3 @@ def _renamed(names, options, write_hook, alignment, timings, t0):
         if write_hook is not None:
             write_hook(tmp, report)
     return hook
-
-
-def _config_text(ckpt: LazyCheckpoint) -> str:
-    """The holder's config.json, with the inferred ``architectures`` written in when it had none."""
-    import json
-
-    text = (ckpt.folder / "config.json").read_text()
-    config = json.loads(text)
-    if not config.get("architectures") and ckpt.config.get("architectures"):
-        config["architectures"] = ckpt.config["architectures"]
-        return json.dumps(config, indent=2, sort_keys=True) + "\n"
-    return text
