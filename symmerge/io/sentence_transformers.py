@@ -236,17 +236,21 @@ def check_pipelines(named, method=None, base=None, allow_pickle: bool = False) -
 
 
 def keep_output_frame(options, recommended: bool, entry: dict | None):
-    """``(options, note)``: ``options`` without ``residual`` when a sentence-transformers pipeline reads
-    the stream (see the module docstring); ``residual`` named explicitly is an error."""
-    if entry is None or "residual" not in options.symmetries:
+    """``(options, note)``: ``options`` without the symmetries that move the output's coordinates (the kinds
+    that declare ``moves_output_frame``: the residual stream) when a sentence-transformers pipeline reads the
+    stream (see the module docstring); such a symmetry named explicitly is an error."""
+    from ..families import symmetries_whose
+
+    moving = [s for s in options.symmetries if s in symmetries_whose(lambda kind: kind.moves_output_frame)]
+    if entry is None or not moving:
         return options, None
     why = ("the sentence-transformers pipeline (" + ", ".join(entry["modules"][1:]) + ") reads the transformer's "
            "output, the residual stream, and none of its modules is transformed with it: a residual transform "
            "would change the coordinates of every embedding")
     if not recommended:
-        raise SymmergeError(f"the residual symmetry cannot be aligned here: {why}; leave residual out")
-    return options.with_(symmetries=tuple(s for s in options.symmetries if s != "residual")), \
-        f"residual left out of 'recommended': {why}"
+        raise SymmergeError(f"the {moving[0]} symmetry cannot be aligned here: {why}; leave {moving[0]} out")
+    return options.with_(symmetries=tuple(s for s in options.symmetries if s not in moving)), \
+        f"{', '.join(moving)} left out of 'recommended': {why}"
 
 
 def write_pipeline(dst: Path, src: Path, report: dict | None, merge_modules=None) -> list[str]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from ..core.distance import distance, distance_before_after
 from ..device import resolve_device
 from ..errors import SymmergeError
+from ..families import symmetries_whose
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import load_model
@@ -226,23 +227,30 @@ def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pick
 
 def resolve_alignment(targets, anchor_model, options: AlignOptions) -> tuple[AlignOptions, str | None]:
     """The options every model is aligned with, and a note when 'recommended' had to leave a group out:
-    'recommended' resolves against the anchor (the models share its body); its residual group, which
-    moves the heads' input, is left out when the heads differ (named explicitly, that is an error)."""
+    'recommended' resolves against the anchor (the models share its body); a symmetry whose kind moves the
+    heads' input (``Kind.moves_heads_input``: the residual stream) is left out when the heads differ (named
+    explicitly, that is an error)."""
     resolved = options.for_model(anchor_model)
-    if "residual" not in resolved.symmetries:
+    moving = _moving_heads_input(resolved)
+    if not moving:
         return resolved, None
     for name, x in targets:
         if x is anchor_model:
             continue
         try:  # the head reads the stream: it is matched too, so heads must agree
             check_heads_mergeable([x, anchor_model], [name, "the anchor"], labels=False,
-                                  why="the residual symmetry moves the heads' input; leave it out")
+                                  why=f"the {moving[0]} symmetry moves the heads' input; leave it out")
         except SymmergeError as e:
             if not options.recommended:
                 raise
-            return resolved.with_(symmetries=tuple(s for s in resolved.symmetries if s != "residual")), \
-                f"residual left out of 'recommended': {e}"
+            return resolved.with_(symmetries=tuple(s for s in resolved.symmetries if s not in moving)), \
+                f"{', '.join(moving)} left out of 'recommended': {e}"
     return resolved, None
+
+
+def _moving_heads_input(options: AlignOptions) -> list[str]:
+    """The symmetries of ``options`` whose kind moves the heads' input."""
+    return [s for s in options.symmetries if s in symmetries_whose(lambda kind: kind.moves_heads_input)]
 
 
 def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool = False):
@@ -256,7 +264,7 @@ def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool
             moved.append(anchor_form)
             reports.append({"model": name, "anchor": True})
             continue
-        proxy = anchor_model if "residual" in options.symmetries else anchor_proxy(x, anchor_model, set(body))
+        proxy = anchor_model if _moving_heads_input(options) else anchor_proxy(x, anchor_model, set(body))
         with stage(f"aligned {name} to the anchor", enabled=progress):
             res = align_pair(x, proxy, options, progress=stage_printer(desc=f"aligning {name}") if progress else None)
         moved.append(res.model)

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.memory import available_memory
+from ..core import memory
 from ..errors import SymmergeError
 from ..families import spec_for, supported_model_types
 from ..io.model import read_config, weight_files
@@ -144,7 +144,7 @@ def choose_mode(mode: str, method, options, models, aligns: bool) -> tuple[str, 
     if refusal is None and not aligns:
         return "stream", "auto: a per-tensor merge without alignment streams"
     total = sum(checkpoint_bytes(x) for x in models if isinstance(x, (str, Path)))
-    free = available_memory()
+    free = memory.available_memory()
     too_big = free is not None and total > MEMORY_FRACTION * free
     if refusal is None:  # aligned: in memory (every group, residual included) unless the models do not fit
         if too_big:

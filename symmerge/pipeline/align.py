@@ -16,6 +16,7 @@ from ..io.layout import layout_of
 from ..core.resolve import declared_ties
 from ..device import resolve_device
 from ..errors import SymmergeError
+from ..families import symmetries_whose
 from ..io.model import load_model
 from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
@@ -103,7 +104,7 @@ def _require_groups(spec, instances, symmetries) -> None:
         if spec.group(name) is None and not any(g.symmetry == name for g in spec.groups):
             continue  # not a group of its own (rescale)
         if name not in bound:
-            if name == "residual":
+            if name in symmetries_whose(lambda kind: kind.moves_heads_input):
                 raise SymmergeError(
                     "the residual symmetry needs a model with a task head reading the residual stream (e.g. "
                     "LlamaForCausalLM, ViTForImageClassification, GPT2LMHeadModel) of a family with a residual "
@@ -161,8 +162,8 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     for k in keys:
         distances.add(k, sq_distance(ca, cb, [k]), sq_distance(aligned_sd, cb, [k]))
     fields.update(streamed=False, mode="in-memory", verify=ELEMENT_CHECK, match_seconds=match_seconds)
-    if "residual" in options.symmetries:
-        res = next(i for i in wide if i.group.symmetry == "residual")
+    res = next((i for i in wide if i.kind.moves_heads_input), None)  # the residual stream's group, if aligned
+    if res is not None:
         fields.update(residual_variant=res.info.variant, residual_group=_GROUP_NAMES[res.info.variant],
                       residual_sweeps_sq_distance=sweeps, sweeps=len(sweeps), norms_folded=folded,
                       untied=options.untie and was_tied)

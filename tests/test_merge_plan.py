@@ -1,0 +1,138 @@
+"""One merge plan, one library entry: ``symmerge.merge(models, out, options)`` writes what ``symmerge merge``
+writes (bit for bit, the report aside from its timings) in both modes; a matcher that cannot stream is
+refused by the plan (merge and align, library and CLI) or, with ``--mode auto``, sends the merge to memory;
+no code compares a matcher's name outside ``pipeline/matchers.py`` or special-cases a symmetry's name outside
+``groups/``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import symmerge
+from conftest import npz_file, run_cli, vit_folder
+from symmerge.errors import SymmergeError
+from symmerge.merge.fuse import MergeOptions
+from symmerge.merge.plan import plan_merge
+from symmerge.pipeline.options import AlignOptions
+from symmerge.pipeline.stream import align_streaming
+
+ROOT = Path(__file__).parent.parent / "symmerge"
+
+
+@pytest.fixture
+def vits(tmp_path):
+    return [str(vit_folder(tmp_path / f"vit{s}", s)) for s in (0, 1, 2)]
+
+
+def _without_timings(x):
+    if isinstance(x, dict):
+        return {k: _without_timings(v) for k, v in x.items() if k != "timings" and "seconds" not in k}
+    if isinstance(x, list):
+        return [_without_timings(v) for v in x]
+    return x
+
+
+def _same_folder(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        if name == "symmerge_report.json":
+            ra, rb = (json.loads((f / name).read_text()) for f in (a, b))
+            assert _without_timings(ra) == _without_timings(rb)
+        elif name != "README.md":  # the model card quotes the timings
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_library_entry_writes_what_the_cli_writes(vits, tmp_path, mode):
+    assert run_cli("merge", *vits[:2], "--method", "average", "--align", "attn,ffn", "--mode", mode,
+                   "-o", tmp_path / "cli") == 0
+    options = MergeOptions(method="average", align=AlignOptions(symmetries="attn,ffn"), mode=mode, progress=False)
+    report = symmerge.merge(vits[:2], tmp_path / "lib", options)
+    assert report["mode"] == mode and report["plan"]["mode"] == mode
+    assert report["plan"]["frame"] == "star" and report["plan"]["match"] == "weights"
+    _same_folder(tmp_path / "cli", tmp_path / "lib")
+
+
+def test_align_to_folder_writes_what_the_cli_writes(vits, tmp_path):
+    for stream in (False, True):
+        out_cli, out_lib = tmp_path / f"cli{stream}", tmp_path / f"lib{stream}"
+        assert run_cli("align", vits[0], vits[1], "--symmetries", "attn,ffn", *(["--stream"] if stream else []),
+                       "-o", out_cli) == 0
+        symmerge.align_to_folder(vits[0], vits[1], out_lib, AlignOptions(symmetries="attn,ffn"), stream=stream,
+                                 progress=False, shard_size="1GB")
+        _same_folder(out_cli, out_lib)
+
+
+@pytest.mark.parametrize("match", ["activations", "learned"])
+def test_a_matcher_that_cannot_stream_is_refused_when_streaming(vits, tmp_path, capsys, match):
+    data = npz_file(tmp_path / "d.npz")
+    argv = ["--align", "attn,ffn", "--match", match, "--align-data", data]
+    capsys.readouterr()
+    assert run_cli("merge", *vits[:2], "--method", "average", *argv, "--mode", "stream", "-o", tmp_path / "m") != 0
+    err = capsys.readouterr().err
+    assert f"--match {match}" in err and "--mode" in err, err
+    assert not (tmp_path / "m").exists()
+    options = MergeOptions(align=AlignOptions(symmetries="attn,ffn", match=match, align_data=data), mode="stream",
+                           progress=False)
+    with pytest.raises(SymmergeError, match=f"--match {match}.*--mode"):
+        symmerge.merge(vits[:2], tmp_path / "m", options)
+    # align: the CLI's --stream, the library entry and the streamed engine itself
+    assert run_cli("align", vits[0], vits[1], "--symmetries", "attn,ffn", "--match", match, "--align-data", data,
+                   "--stream", "-o", tmp_path / "a") != 0
+    assert f"--match {match}" in capsys.readouterr().err
+    align = AlignOptions(symmetries="attn,ffn", match=match, align_data=data)
+    with pytest.raises(SymmergeError, match=f"--match {match}"):
+        symmerge.align_to_folder(vits[0], vits[1], tmp_path / "a", align, stream=True, progress=False)
+    with pytest.raises(SymmergeError, match=f"--match {match}"):
+        align_streaming(vits[0], vits[1], tmp_path / "a", align, progress=False)
+    assert not (tmp_path / "a").exists()
+
+
+def test_weights_streams_and_auto_loads_a_matcher_that_cannot(vits, tmp_path, monkeypatch):
+    weights = plan_merge(vits[:2], MergeOptions(align=AlignOptions(symmetries="attn,ffn")), mode="stream")
+    assert weights.mode == "stream" and weights.aligns
+    data = npz_file(tmp_path / "d.npz")
+    for match in ("activations", "learned"):
+        opts = MergeOptions(align=AlignOptions(symmetries="attn,ffn", match=match, align_data=data))
+        plan = plan_merge(vits[:2], opts, mode="auto")
+        assert plan.mode == "memory" and f"--match {match}" in plan.why
+        monkeypatch.setattr("symmerge.core.memory.available_memory", lambda: 1000)  # the models do not fit
+        with pytest.raises(SymmergeError, match=f"--mode auto.*would not fit.*--match {match}"):
+            plan_merge(vits[:2], opts, mode="auto")
+        monkeypatch.undo()
+    # nothing aligned: the matcher does not matter
+    none = plan_merge(vits[:2], MergeOptions(align=AlignOptions(symmetries="none", match="activations",
+                                                                align_data=data)), mode="stream")
+    assert none.mode == "stream" and not none.aligns
+
+
+def test_the_plan_resolves_frame_and_anchor_once(vits):
+    three = plan_merge(vits, MergeOptions(align=AlignOptions(symmetries="attn,ffn")), mode="memory")
+    assert three.frame == "joint" and three.anchor_rule == "closest to the average"
+    star = plan_merge(vits, MergeOptions(align=AlignOptions(symmetries="attn,ffn"), anchor=0), mode="memory")
+    assert star.frame == "star" and star.anchor_index == 0 and star.anchor_rule == "given"
+    streamed = plan_merge(vits, MergeOptions(align=AlignOptions(symmetries="attn,ffn")), mode="stream")
+    assert streamed.frame == "star"  # joint alignment needs the models in memory
+    two = plan_merge(vits[:2], MergeOptions(), mode="memory")
+    assert two.anchor_index == 1 and two.anchor_rule == "second of two" and two.requested == "recommended"
+
+
+def _leaks(pattern, allowed) -> list[str]:
+    return [f"{p}:{n}" for p in ROOT.rglob("*.py") if not allowed(p.relative_to(ROOT))
+            for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+
+
+def test_no_code_outside_the_matchers_compares_a_matcher_name():
+    pattern = re.compile(r"""match\s*(==|!=)\s*["']|\.match\s+(not\s+)?in\s+\(""")
+    assert not _leaks(pattern, lambda rel: rel.as_posix() == "pipeline/matchers.py")
+
+
+def test_no_code_outside_groups_special_cases_a_symmetry_name():
+    names = "residual"  # the one with special cases before (ot_fusion's per-layer block names are OT's own)
+    pattern = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s+(not\s+)?in\s+[\w.]*symmetr""")
+    assert not _leaks(pattern, lambda rel: rel.parts[0] == "groups")
