@@ -156,7 +156,7 @@ def run(args, log=print) -> dict:
             f"next-token accuracy {score['accuracy']:.4f}, trained {rep['seconds']:.0f} s")
 
     options = AlignOptions(residual=args.residual, untie=args.untie)
-    study = barrier_study(a, b, curve, aligns=VARIANTS[1:], points=args.points, options=options, progress=False)
+    study = barrier_study(a, b, curve, aligns=VARIANTS[1:], points=args.points, align=options, progress=False)
     mid = study["alphas"].index(0.5) if 0.5 in study["alphas"] else len(study["alphas"]) // 2
     none_distance = distance(a.state_dict(), b.state_dict(), parameter_keys(a))
     rows = []

@@ -121,7 +121,7 @@ def run(args, log=print) -> dict:
             f"trained {rep['seconds']:.0f} s")
 
     options = AlignOptions(residual="largest")
-    study = barrier_study(a, b, curve, aligns=VARIANTS[1:], points=args.points, options=options, progress=False)
+    study = barrier_study(a, b, curve, aligns=VARIANTS[1:], points=args.points, align=options, progress=False)
     curves = dict(study["curves"])
     if args.learn_steps or args.activations:
         lines = text.read_lines(data["splits"]["train"])
@@ -130,16 +130,16 @@ def run(args, log=print) -> dict:
                                      [lines[i] for i in sorted(rng.permutation(len(lines))[:args.learn_examples])])
     if args.activations:
         on_acts = options.with_(match="activations", align_data=str(unlabeled), align_samples=args.learn_examples)
-        weights = barrier_study(a, b, curve, aligns=(LOCAL,), points=args.points, options=options, progress=False)
+        weights = barrier_study(a, b, curve, aligns=(LOCAL,), points=args.points, align=options, progress=False)
         curves[f"{LOCAL} (weights)"] = weights["curves"][LOCAL]
-        acts = barrier_study(a, b, curve, aligns=(LOCAL, EXPERTS), points=args.points, options=on_acts,
+        acts = barrier_study(a, b, curve, aligns=(LOCAL, EXPERTS), points=args.points, align=on_acts,
                              progress=False)
         curves[f"{LOCAL} (activations)"] = acts["curves"][LOCAL]
         curves[f"{EXPERTS} (activations: stream)"] = acts["curves"][EXPERTS]
     if args.learn_steps:
         learned = options.with_(match="learned", align_data=str(unlabeled), align_samples=args.learn_examples,
                                 learn=LearnSettings(steps=args.learn_steps, batch=32, start="weights"))
-        extra = barrier_study(a, b, curve, aligns=(EXPERTS,), points=args.points, options=learned, progress=False)
+        extra = barrier_study(a, b, curve, aligns=(EXPERTS,), points=args.points, align=learned, progress=False)
         curves["learned"] = extra["curves"][EXPERTS]
     mid = study["alphas"].index(0.5) if 0.5 in study["alphas"] else len(study["alphas"]) // 2
     none_distance = distance(a.state_dict(), b.state_dict(), parameter_keys(a))

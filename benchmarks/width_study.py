@@ -53,7 +53,7 @@ def run(args, log=print) -> dict:
         test = load_data(test_npz, a, batch_size=250)
         study = barrier_study(a, b, test, aligns=[v for v in ALIGNS.values() if v], points=args.points, progress=False)
         learned = barrier_study(a, b, test, aligns=[ALIGNS["best data-free"]], points=args.points, progress=False,
-                                options=AlignOptions(match="learned", align_data=train_npz, align_samples=1000))
+                                align=AlignOptions(match="learned", align_data=train_npz, align_samples=1000))
         mid = len(study["alphas"]) // 2
         curves = {label: study["curves"][v or "none"] for label, v in ALIGNS.items()}
         curves["learned"] = learned["curves"][ALIGNS["best data-free"]]

@@ -109,7 +109,7 @@ def test_generated_sequences_feed_activations_learned_and_repair():
 
     held_out = Data("held-out", "lm", [Batch({"input_ids": ids}, ids, torch.ones_like(ids, dtype=torch.bool))], 6)
     study = barrier_study(a, b, held_out, aligns=("recommended",), points=3, progress=False, repair=True,
-                          options=AlignOptions(match="activations", align_data="generate:8:6"))
+                          align=AlignOptions(match="activations", align_data="generate:8:6"))
     assert any(k.endswith("+repair") for k in study["curves"])
 
 
@@ -190,7 +190,7 @@ def test_the_repair_flags_reach_merge_and_barrier():
     curves = {}
     for channels in (None, ("ffn", "norm", "qk")):
         study = barrier_study(a, b, held_out, aligns=("recommended",), points=3, progress=False, repair=True,
-                              options=align, repair_channels=channels, repair_samples=4)
+                              align=align, repair_channels=channels, repair_samples=4)
         name = next(k for k in study["curves"] if k.endswith("+repair") and not k.startswith("none"))
         curves[channels] = study["curves"][name]["loss"][1]
     assert curves[None] != pytest.approx(curves[("ffn", "norm", "qk")], rel=1e-9)  # qk changed the midpoint

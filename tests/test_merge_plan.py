@@ -136,3 +136,16 @@ def test_no_code_outside_groups_special_cases_a_symmetry_name():
     names = "residual"  # the one with special cases before (ot_fusion's per-layer block names are OT's own)
     pattern = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s+(not\s+)?in\s+[\w.]*symmetr""")
     assert not _leaks(pattern, lambda rel: rel.parts[0] == "groups")
+
+
+def test_evaluation_rows_say_whether_they_score_the_saved_model_and_when_max_examples_cut(vits, tmp_path):
+    files = [npz_file(tmp_path / f"e{i}.npz", seed=i) for i in (0, 1)]
+    out = tmp_path / "m"
+    assert run_cli("merge", *vits[:2], "--method", "average", "--align", "none", "--eval-data", files[0],
+                   "--eval-data", files[1], "--max-examples", "5", "--mode", "memory", "-o", out) == 0
+    ev = json.loads((out / "symmerge_report.json").read_text())["evaluation"]
+    rows = ev["merged"]
+    assert [r["as_saved"] for r in rows] == [True, False]  # file 1 is scored with model 1's head: not saved
+    assert rows[1]["head_from"] == vits[1]
+    assert ev["max_examples"]["limit"] == 5 and len(ev["max_examples"]["cut"]) == 2
+    assert "--max-examples 5" in ev["max_examples"]["note"]

@@ -109,7 +109,7 @@ def test_merge_models_and_barrier_study_repair(tmp_path):
     x = torch.cat([bt.inputs["pixel_values"] for bt in unlabeled(a, batches=1, seed=9)]).numpy()
     np.savez(tmp_path / "test.npz", pixel_values=x, labels=np.arange(len(x)) % 3)
     study = barrier_study(a, b, tmp_path / "test.npz", aligns=("attn,ffn",), points=3, progress=False,
-                          repair=True, align_data=align)
+                          repair=True, align=AlignOptions(align_data=align))
     assert set(study["curves"]) == {"none", "attn,ffn", "none+repair", "attn,ffn+repair"}
     for v in ("none", "attn,ffn"):  # REPAIR at the endpoints changes nothing
         plain_c, rep_c = study["curves"][v], study["curves"][v + "+repair"]

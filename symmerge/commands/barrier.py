@@ -74,7 +74,7 @@ def run(args) -> int:
     result = barrier_study(args.models[0], args.models[1], args.data, aligns=args.align or [RECOMMENDED_NAME],
                            points=args.points, subsets=args.subsets, device=args.device,
                            batch_size=args.batch_size, max_examples=args.max_examples,
-                           allow_pickle=args.allow_pickle, options=options, repair=args.repair,
+                           allow_pickle=args.allow_pickle, align=options, repair=args.repair,
                            allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, repair_channels=channels,
                            repair_samples=args.repair_samples)
     write_study(result, out)
@@ -94,7 +94,7 @@ def _run_many(args, out: Path, options) -> int:
 
     result = barrier_many(args.models, args.data, aligns=args.align or [RECOMMENDED_NAME], points=args.points,
                           device=args.device, batch_size=args.batch_size, max_examples=args.max_examples,
-                          allow_pickle=args.allow_pickle, options=options, joint_rounds=args.joint_rounds,
+                          allow_pickle=args.allow_pickle, align=options, joint_rounds=args.joint_rounds,
                           joint_refine=args.joint_refine)
     write_many(result, out)
     n = len(result["models"])

@@ -175,8 +175,11 @@ def run(args) -> int:
     evaluation = report.get("evaluation", {})
     if evaluation.get("note"):
         print(f"warning: {evaluation['note']}", file=sys.stderr)
+    if evaluation.get("max_examples"):
+        print(f"note: {evaluation['max_examples']['note']}", file=sys.stderr)
     for r in evaluation.get("merged", []):
-        print(f"  {r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']})")
+        print(f"  {r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']}"
+              f"{'' if r.get('as_saved', True) else '; not the saved model'})")
     t = report["timings"]
     print(f"{'streamed' if report['mode'] == 'stream' else 'in memory'} ({why}): merge {t['merge']:.2f} s")
     print(f"wrote {out} (alignment {t['align']:.2f} s, statistics {t['statistics']:.2f} s, evaluation "

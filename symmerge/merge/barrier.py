@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.distance import distance_before_after
@@ -54,30 +55,69 @@ def _variants(aligns, base: AlignOptions, model) -> dict:
     return out
 
 
-def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: int = 11, rescale: str = "joint",
-                  subsets: str | None = None, device="cpu", batch_size: int = 32, max_examples: int | None = None,
-                  verify: bool = True, allow_pickle: bool = False, progress: bool = True,
-                  options: AlignOptions | None = None, repair: bool = False, align_data=None,
-                  allow_tokenizer_mismatch: bool = False, repair_channels=None, repair_samples: int | None = None) -> dict:
-    """Interpolation curves and barriers of A and B, for no alignment and each variant of ``aligns``
-    (symmetry lists, or 'recommended': the groups of the recommended set the models have; a curve is
-    named by the symmetries it aligned); ``options`` gives the other alignment options (``symmetries``
-    is overridden). ``repair``: each variant also gets a curve ``"<variant>+repair"`` with REPAIR applied
-    at every α (:mod:`symmerge.merge.repair`), its statistics on ``align_data`` (unlabeled; default
-    ``options.align_data``; kept apart from the evaluation ``data``), on ``repair_channels`` (default
-    REPAIR's) with statistics on the first ``repair_samples`` examples (None: all)."""
+@dataclass
+class BarrierOptions:
+    """Everything a barrier study needs besides the models and the data (one object, shared with the CLI):
+    ``aligns``: the alignment variants (symmetry lists, or 'recommended': the groups of the recommended set
+    the models have; a curve is named by the symmetries it aligned); ``points``: α values on [0, 1];
+    ``align``: the other alignment options (:class:`AlignOptions`; its ``symmetries`` are each variant's, its
+    ``align_data`` the unlabeled data of the data-driven matchers and of REPAIR); ``repair``: each variant also
+    gets a curve ``"<variant>+repair"`` with REPAIR applied at every α (:mod:`symmerge.merge.repair`), on
+    ``repair_channels`` (default REPAIR's) with statistics on the first ``repair_samples`` examples (None: all);
+    ``subsets``: layer-subset matching of two models (``single`` / ``last``); ``joint_rounds``,
+    ``joint_refine``: the joint alignment of more than two models (:func:`barrier_many`)."""
+
+    aligns: tuple = (RECOMMENDED_NAME,)
+    points: int = 11
+    subsets: str | None = None
+    device: object = "cpu"
+    batch_size: int = 32
+    max_examples: int | None = None
+    allow_pickle: bool = False
+    progress: bool = True
+    align: AlignOptions = field(default_factory=AlignOptions)
+    repair: bool = False
+    repair_channels: tuple | None = None
+    repair_samples: int | None = None
+    allow_tokenizer_mismatch: bool = False
+    joint_rounds: int = 10
+    joint_refine: str | None = None
+
+
+def _options(options, keywords: dict, name: str) -> BarrierOptions:
+    """The :class:`BarrierOptions` of a call: given, or built from its fields as keywords."""
+    if options is None:
+        try:
+            return BarrierOptions(**keywords)
+        except TypeError as e:
+            raise TypeError(f"{name}(): {e}") from None
+    if not isinstance(options, BarrierOptions):
+        raise TypeError(f"{name}(): options must be a BarrierOptions (the alignment options go in its align=)")
+    if keywords:
+        raise TypeError(f"{name}(): give either a BarrierOptions or keywords, not both")
+    return options
+
+
+def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None, **keywords) -> dict:
+    """Interpolation curves and barriers of A and B on ``data``, for no alignment and each variant of
+    ``options.aligns`` (a :class:`BarrierOptions`, or its fields as keywords), with REPAIR curves when
+    ``options.repair`` (its statistics on ``options.align.align_data``, unlabeled, kept apart from the
+    evaluation ``data``)."""
+    o = _options(options, keywords, "barrier_study")
+    aligns, points, subsets, device, progress = o.aligns, o.points, o.subsets, o.device, o.progress
+    batch_size, max_examples, allow_pickle, repair = o.batch_size, o.max_examples, o.allow_pickle, o.repair
+    repair_channels, repair_samples = o.repair_channels, o.repair_samples
     t0 = time.perf_counter()
     alphas = alpha_grid(points)
-    base = options or AlignOptions(rescale=rescale, verify=verify)
+    base = o.align
     dev = resolve_device(device)
     if repair:
-        base = base.with_(align_data=align_data if align_data is not None else base.align_data)
         if base.align_data is None:
-            raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass align_data (--align-data)")
+            raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass align=AlignOptions(align_data=...) (--align-data)")
     if not isinstance(data, Data):
         check_data_path(data)
     names = [str(x) if isinstance(x, (str, Path)) else label for x, label in ((model_a, "A"), (model_b, "B"))]
-    tokenizer = check_tokenizers(list(zip(names, (model_a, model_b))), allow_tokenizer_mismatch)
+    tokenizer = check_tokenizers(list(zip(names, (model_a, model_b))), o.allow_tokenizer_mismatch)
     with stage(f"loaded {names[0]} and {names[1]}", enabled=progress and isinstance(model_a, (str, Path))):
         a, b = as_model(model_a, allow_pickle, spec=False), as_model(model_b, allow_pickle, spec=False)
     check_same_shapes(a, b)
@@ -190,20 +230,22 @@ def write_study(result: dict, out) -> Path:
     return out
 
 
-def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, device="cpu", batch_size: int = 32,
-                 max_examples: int | None = None, allow_pickle: bool = False, progress: bool = True,
-                 options: AlignOptions | None = None, joint_rounds: int = 10, joint_refine: str | None = None) -> dict:
-    """N ≥ 2 models: for no alignment and each variant of ``aligns`` (every model brought into one frame
-    by joint alignment, :func:`~symmerge.pipeline.joint.align_joint`), the pairwise barrier matrix (the
-    interpolation curve of every pair), the N-way plain average's loss and accuracy, beside each
-    model's and the ensemble's (mean predicted probabilities)."""
+def barrier_many(models, data, options: BarrierOptions | None = None, **keywords) -> dict:
+    """N ≥ 2 models: for no alignment and each variant of ``options.aligns`` (a :class:`BarrierOptions`, or
+    its fields as keywords; every model brought into one frame by joint alignment,
+    :func:`~symmerge.pipeline.joint.align_joint`), the pairwise barrier matrix (the interpolation curve of
+    every pair), the N-way plain average's loss and accuracy, beside each model's and the ensemble's (mean
+    predicted probabilities)."""
     from ..pipeline.joint import align_joint, mean_state_dict
     from ..evaluate.metrics import evaluate_ensemble
     from ..pipeline.verify import with_state_dict
 
+    o = _options(options, keywords, "barrier_many")
+    aligns, points, device, progress, allow_pickle = o.aligns, o.points, o.device, o.progress, o.allow_pickle
+    batch_size, max_examples, joint_rounds, joint_refine = o.batch_size, o.max_examples, o.joint_rounds, o.joint_refine
     t0 = time.perf_counter()
     alphas = alpha_grid(points)
-    base = options or AlignOptions()
+    base = o.align
     dev = resolve_device(device)
     if not isinstance(data, Data):
         check_data_path(data)

@@ -472,6 +472,12 @@ def _evaluate(run: _Run, models) -> None:
         ev["data_role"] = "--eval-data" if opts.eval_data else "--data"
         if run.eval_note:
             ev["note"] = run.eval_note
+        cut = sorted({d.path for d in run.cache.loaded.values() if opts.max_examples and d.n == opts.max_examples
+                      and d.path in {r["data"] for r in ev["merged"]}})
+        if cut:  # the files that gave exactly --max-examples examples: cut there (they may hold more)
+            ev["max_examples"] = {"limit": opts.max_examples, "cut": cut,
+                                  "note": f"--max-examples {opts.max_examples}: at most the first {opts.max_examples} "
+                                          f"examples of {', '.join(cut)} were scored"}
         run.report["evaluation"] = ev
     run.timings["evaluate"] = time.perf_counter() - t
 
@@ -498,7 +504,10 @@ def _evaluate_all(out, models, aligned, merged_sd, names, cache: _DataCache, opt
         d = cache.get(spec, probe)
         r = evaluate(probe, d, device=dev, progress=opts.progress, desc="evaluating merged")
         probe.to("cpu")
-        result["merged"].append({"data": d.path, "head_from": names[owner] if opts.heads == "keep" else "merged", **r})
+        # the saved model carries head_from's head (or the merged heads): a row scored with another model's head
+        # is of a model that was not saved, and says so
+        result["merged"].append({"data": d.path, "head_from": names[owner] if opts.heads == "keep" else "merged",
+                                 "as_saved": probe is out, **r})
         for i, x in enumerate(models):
             if per_model and i != j:
                 continue

@@ -211,7 +211,6 @@ class AlignOptions:
     verify_tol: float | None = None
     device: object = "cpu"
     workers: int | None = None
-    extra: dict = field(default_factory=dict, compare=False)
     recommended: bool = False  # symmetries came from 'recommended': resolve against each model
 
     def __post_init__(self):
