@@ -40,7 +40,7 @@ def variant_name(spec) -> str:
 def _variants(aligns, base: AlignOptions, model) -> dict:
     """{curve name: AlignOptions} for ``aligns``: 'none' first; 'recommended' resolved against ``model``
     and named by the groups it resolved to."""
-    from .stream import plain_fallback
+    from .plan import plain_fallback
 
     out = {"none": None}
     for spec in aligns:
