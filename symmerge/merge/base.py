@@ -159,6 +159,8 @@ class Check:
                 return value
             raise bad
         if self.kind == "choice":
+            if isinstance(value, str) and value.strip().lower() in ("true", "false") and True in self.choices:
+                return value.strip().lower() == "true"
             for c in self.choices:  # True == 1 in Python: compare types too
                 if value == c and type(value) is type(c):
                     return c
