@@ -716,7 +716,7 @@ def _no_overlap_check(method: str, params) -> None:
 
 TV_CHECKS = {
     "scale": real(), "lambda": real(), "density": real(0.0, 1.0, lo_open=True), "scope": choice(*SCOPES),
-    "drop": real(0.0, 1.0, hi_open=True), "seed": integer(0), "normalize": choice(True, False, "count"),
+    "drop": real(0.0, 1.0, hi_open=True), "seed": integer(), "normalize": choice(True, False, "count"),
     "rescale": choice(True, False, "inverse"), "int8_mask": boolean(), "gamma": real(0.0, 1.0),
     "epsilon": real(0.0, 1.0, hi_open=True),
 }
