@@ -30,7 +30,8 @@ def test_every_mergekit_method_is_registered_and_symmerge_names_are_aliases():
     g = torch.Generator().manual_seed(0)
     a, b, base = (torch.randn(50, generator=g) for _ in range(3))
     assert torch.equal(merge("average", [a, b], weights=[1.0, 3.0]), merge("linear", [a, b], weights=[1.0, 3.0]))
-    assert torch.equal(merge("linear", [a, b], weights=[1.0, 3.0], normalize=False), (a.double() + 3.0 * b.double()).float())
+    unnormalised = (a.double() + 3.0 * b.double()).float()
+    assert torch.equal(merge("linear", [a, b], weights=[1.0, 3.0], normalize=False), unnormalised)
     assert torch.equal(merge("dare", [a, b], base=base, drop=0.3), merge("dare_linear", [a, b], base=base, density=0.7))
     assert torch.equal(merge("ties", [a, b], base=base, scale=0.5), merge("ties", [a, b], base=base, **{"lambda": 0.5}))
 
@@ -238,7 +239,8 @@ def test_streamed_steps_give_the_in_memory_bits(name, mergekit):
         params = m.mergekit_defaults(dict(params))
     g = torch.Generator().manual_seed(3)
     shapes = {"big": (CHUNK // 100 + 7, 100), "vec": (300,), "ids": (5,)}
-    base = {k: torch.randn(s, generator=g).to(torch.bfloat16 if k == "vec" else torch.float32) for k, s in shapes.items()}
+    base = {k: torch.randn(s, generator=g).to(torch.bfloat16 if k == "vec" else torch.float32)
+            for k, s in shapes.items()}
     base["ids"] = torch.arange(5)
     models = [{k: (v + 0.1 * torch.randn(v.shape, generator=g).to(v.dtype)) if v.is_floating_point() else v
                for k, v in base.items()} for _ in range(n)]
@@ -252,16 +254,14 @@ def test_streamed_steps_give_the_in_memory_bits(name, mergekit):
         w, p = step_arguments(m, step, n, cache)
         context = m.prepare(models, b, w, p) if m.prepare is not None else None
         ring = torch.empty(4 * base[step.name].numel() * 8, dtype=torch.uint8)
-        value = merge_tensor(m, step.name, [inputs[s.model][s.key] for s in step.sources], w, None,
-                             None if step.base is None else inputs[step.base.model][step.base.key], p, context, out=ring)
+        sources = [inputs[s.model][s.key] for s in step.sources]
+        b_step = None if step.base is None else inputs[step.base.model][step.base.key]
+        value = merge_tensor(m, step.name, sources, w, None, b_step, p, context, out=ring)
         assert torch.equal(value, memory[step.name]), step.name
         assert value.dtype == base[step.name].dtype
         if m.elementwise and value.is_floating_point():
-            whole = m.tensor(step.name, [inputs[s.model][s.key] for s in step.sources], w, None,
-                             None if step.base is None else inputs[step.base.model][step.base.key], p,
-                             m.tensor_context(step.name, [inputs[s.model][s.key] for s in step.sources],
-                                              None if step.base is None else inputs[step.base.model][step.base.key],
-                                              w, p, context) if m.tensor_context else context)
+            ctx = m.tensor_context(step.name, sources, b_step, w, p, context) if m.tensor_context else context
+            whole = m.tensor(step.name, sources, w, None, b_step, p, ctx)
             assert torch.equal(whole.to(value.dtype), value), step.name
 
 
