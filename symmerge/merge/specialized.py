@@ -3,9 +3,9 @@
 loop); the base model, where one is used, is the ``base`` argument and the other models the merged ones.
 
 * ``model_stock`` (Jang et al., 2024; base + at least 2 models): with task vectors τ_i = θ_i − θ_b of the
-  flattened tensor (``filter_wise``: of each row; a 1-D tensor is one row), cos θ the mean over the pairs of
-  the clamped cosines τ_i·τ_j / max(‖τ_i‖‖τ_j‖, 1e-6), t = N cos θ / (1 + (N − 1) cos θ) (0 where the
-  denominator is below 1e-6 in magnitude), θ = t · mean_i θ_i + (1 − t) θ_b.
+  flattened tensor (``filter_wise``: of each vector along the last axis; a 1-D tensor is one), cos θ the
+  mean over the pairs of the clamped cosines τ_i·τ_j / max(‖τ_i‖‖τ_j‖, 1e-6), t = N cos θ / (1 + (N − 1) cos θ)
+  (0 where the denominator is below 1e-6 in magnitude), θ = t · mean_i θ_i + (1 − t) θ_b.
 * ``nearswap`` (base + exactly 1 model): w = clamp(t / max(|θ_b − θ_1|, 1e-6), 0, 1) per entry,
   θ = w θ_1 + (1 − w) θ_b: the other model's value where the two are within ``t``, the base where far.
 * ``arcee_fusion`` (base + exactly 1 model): importance = |θ_1 − θ_b| · KL(p‖q) with p, q the softmaxes of
@@ -37,9 +37,9 @@ from .parts import elect_mask
 
 def model_stock_ratio(taus, filter_wise: bool = False) -> torch.Tensor:
     """t = N cos / (1 + (N − 1) cos) of the task vectors ``taus`` (float64, same shape): a scalar tensor, or one
-    per row (``filter_wise``, shape (rows, 1))."""
-    if filter_wise:
-        vs = [t.unsqueeze(0) if t.dim() == 1 else t.reshape(t.shape[0], -1) for t in taus]
+    per vector along the last axis (``filter_wise``: shape (..., 1); a 1-D tensor is one vector)."""
+    if filter_wise:  # the vectors along the last axis
+        vs = [t.unsqueeze(0) if t.dim() == 1 else t for t in taus]
     else:
         vs = [t.reshape(1, -1) for t in taus]
     cosines = []
@@ -61,9 +61,8 @@ def _model_stock_tensor(key, tensors, weights, stats, base, params, context):
     mean = sum(models) / len(models)
     shape = b.shape
     if params["filter_wise"]:
-        rows = b.unsqueeze(0) if b.dim() == 1 else b.reshape(b.shape[0], -1)
-        mean_rows = mean.reshape(rows.shape)
-        return (t * mean_rows + (1.0 - t) * rows).reshape(shape)
+        rows = b.unsqueeze(0) if b.dim() == 1 else b
+        return (t * mean.reshape(rows.shape) + (1.0 - t) * rows).reshape(shape)
     return (t * mean.reshape(1, -1) + (1.0 - t) * b.reshape(1, -1)).reshape(shape)
 
 
