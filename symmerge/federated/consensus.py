@@ -3,7 +3,7 @@ each client's model on unlabeled data held by the server (no Flower needed here)
 
 A client trained on relabelled data (flipped labels, 9 - y) sends an update of ordinary norm, and under
 label skew its aligned update is no further from the others' than an honest client's whose classes
-nobody else holds (docs/results.md, B5 (c)). What tells them apart is what the models predict. Each
+nobody else holds (docs/federated.md). What tells them apart is what the models predict. Each
 client's class probabilities on the server's examples are compared with the consensus, the unweighted
 mean of the other clients' probabilities, after the client's class prior is discounted
 (:func:`prior_corrected`), and the consensus's prior moved to the client's: an honest client with rare

@@ -110,7 +110,7 @@ class LearnSettings:
     and the one whose uniform average of the N models matches the uniform mixture of their predictions
     best on the held-out part is learned again on all the data with ``steps`` steps
     (:func:`symmerge.pipeline.learn_joint.choose_concentration`). See :mod:`symmerge.pipeline.learn`; the
-    defaults are the best recipe measured on B1 (docs/results.md, "B1 with unlabeled data")."""
+    defaults are the best recipe measured (docs/merge.md, "Unlabeled data")."""
 
     steps: int = 200
     batch: int = 100
