@@ -122,7 +122,7 @@ class MergeOptions:
                                 "give one --data")
         if m.needs_base and self.base is None:
             raise SymmergeError(f"method {m.name!r} needs a base model (the common pre-trained model): pass --base")
-        if self.base is not None and not m.needs_base:
+        if self.base is not None and not (m.needs_base or m.accepts_base):
             raise SymmergeError(f"method {m.name!r} does not use a base model")
         if not -n <= self.head_from < n:
             raise SymmergeError(f"--head-from {self.head_from} out of range for {n} models")
@@ -424,7 +424,7 @@ def _merge(run: _Run, models) -> None:
     stats = run.stats
     stats_sub = (None if stats is None else stats if m.needs_model
                  else [{k: s[k] for k in keys if k in s} for s in stats])
-    extra = {"base": {k: run.aligned_base.state_dict()[k] for k in keys}} if m.needs_base else {}
+    extra = {"base": {k: run.aligned_base.state_dict()[k] for k in keys}} if run.aligned_base is not None else {}
     if m.needs_model:  # the architecture, and the model the others were aligned to
         extra.update(model=aligned[0], anchor=run.alignment["anchor"]["index"])
     with stage(f"merged ({m.name})", enabled=opts.progress):
