@@ -19,7 +19,7 @@ from ..errors import SymmergeError
 from ..io.model import load_model
 from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
-from ..progress import stage
+from ..progress import running, stage
 from .bound import bind, instances_for  # noqa: F401  (instances_for: the public (spec, instances) shortcut)
 from .data import load_align_data  # noqa: F401  (re-exported)
 from .matchers import MATCHERS, MatchContext
@@ -150,7 +150,9 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     ctx = MatchContext(instances, model, anchor, ca, cb, options, opts, progress, {"match": options.match},
                        bound=bound)
     getattr(progress, "start", lambda: None)()  # the engine's progress lines count from here
-    elements = MATCHERS[options.match](ctx)
+    # a group can take minutes on a large model: the heartbeat speaks while the engine prints nothing
+    with running(f"{getattr(progress, 'desc', 'aligning')}: solving ({options.match})", enabled=progress is not None):
+        elements = MATCHERS[options.match](ctx)
     fields, sweeps = ctx.fields, ctx.history
     verify_elements(instances, elements)
     aligned_sd = apply(ca, instances, elements)
