@@ -26,7 +26,7 @@ from ..pipeline.options import RECOMMENDED_NAME, AlignOptions, is_recommended, p
 from ..pipeline.report import match_fields
 from ..progress import bar, stage, stage_printer
 from ..evaluate.metrics import alpha_grid, check_same_shapes, evaluate, interpolate, interpolation_curve
-from ..evaluate.plots import plot_curves, plot_subsets
+from ..evaluate.plots import plot_curves, plot_subsets, study_title
 
 
 def variant_name(spec) -> str:
@@ -91,7 +91,8 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
         else:
             d = load_data(data, a, batch_size=batch_size, max_examples=max_examples)
         check_data(d, b)
-    result = {"model_a": names[0], "model_b": names[1], "data": d.path, "examples": d.n, "alphas": alphas,
+    result = {"model_a": names[0], "model_b": names[1], "data": d.path, "examples": d.n, **d.cut_info(),
+              "alphas": alphas,
               "convention": "theta(alpha) = alpha*A + (1-alpha)*B; alpha=1 is A (aligned to B), alpha=0 is B",
               "rescale": base.rescale, "device": str(dev),
               "endpoints": {"A": evaluate(a, d, device=dev, progress=progress, desc="evaluating A"),
@@ -184,7 +185,7 @@ def write_study(result: dict, out) -> Path:
     out = Path(out)
     with atomic_dir(out) as tmp:
         write_json(tmp / "barrier.json", result)
-        plot_curves(result["alphas"], result["curves"], tmp / "barrier.png")
+        plot_curves(result["alphas"], result["curves"], tmp / "barrier.png", title=study_title(result))
         if "subsets" in result:
             plot_subsets(result["subsets"], tmp / "subsets.png")
     return out
@@ -225,7 +226,7 @@ def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, dev
     endpoints = [evaluate(x, d, device=dev, progress=progress, desc=f"evaluating {n}") for x, n in zip(loaded, names)]
     for x in loaded:
         x.to("cpu")
-    result = {"models": names, "data": d.path, "examples": d.n, "alphas": alphas,
+    result = {"models": names, "data": d.path, "examples": d.n, **d.cut_info(), "alphas": alphas,
               "convention": "pair 'i|j': theta(alpha) = alpha*model_i + (1-alpha)*model_j in the variant's frame",
               "device": str(dev), "endpoints": dict(zip(names, endpoints)),
               "endpoints_mean": {k: sum(e[k] for e in endpoints) / len(endpoints) for k in ("loss", "accuracy")},
