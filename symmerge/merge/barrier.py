@@ -82,7 +82,7 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
         a, b = as_model(model_a, allow_pickle, spec=False), as_model(model_b, allow_pickle, spec=False)
     check_same_shapes(a, b)
     if base.align_data is not None and not isinstance(base.align_data, Data):  # read once for every variant
-        base = base.with_(align_data=load_align_data(base, a, sources=[a, b]))
+        base = base.with_(align_data=load_align_data(base, a, sources=[a, b], progress=progress))
     variants = _variants(aligns, base, a)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
         if isinstance(data, Data):
@@ -216,7 +216,7 @@ def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, dev
     for i in range(1, len(loaded)):
         check_same_shapes(loaded[i], loaded[0])
     if base.align_data is not None and not isinstance(base.align_data, Data):
-        base = base.with_(align_data=load_align_data(base, loaded[0], sources=loaded))
+        base = base.with_(align_data=load_align_data(base, loaded[0], sources=loaded, progress=progress))
     variants = _variants(aligns, base, loaded[0])
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
         d = data if isinstance(data, Data) else load_data(data, loaded[0], batch_size=batch_size,
