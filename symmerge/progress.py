@@ -156,7 +156,10 @@ def _beat() -> None:
         with _lock:
             if _innermost() is item and time.perf_counter() - _state["last_line"] >= every:
                 now = time.perf_counter()
-                line(item.running_text(now - item.t0))
+                try:
+                    line(item.running_text(now - item.t0))
+                except (ValueError, OSError):  # the stream was closed under us (a test's capture): stay alive
+                    _state["last_line"] = now
                 if isinstance(item, LineBar):
                     item.last = now
         del item
