@@ -180,8 +180,11 @@ def _learned(a, b, unlabeled, test, alphas, setup: DemoSetup, progress: bool) ->
 
     options = AlignOptions(symmetries=ALIGN_BEST, match="learned", align_data=unlabeled,
                            align_samples=setup.stats_examples, learn=LearnSettings(steps=setup.learn_steps))
+    from ..progress import stage, stage_printer
+
     t = time.perf_counter()
-    res = align_pair(a, b, options, progress=None)
+    with stage("aligned A to B (learned)", enabled=progress):  # a minute or more: never silent
+        res = align_pair(a, b, options, progress=stage_printer(desc="aligning (learned)") if progress else None)
     align_seconds = time.perf_counter() - t
     merged = copy.deepcopy(res.anchor)
     merged.load_state_dict(interpolate(res.model.state_dict(), res.anchor.state_dict(), 0.5))
