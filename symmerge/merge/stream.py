@@ -43,6 +43,7 @@ from ..io import direct
 from ..io.checkpoint import LazyCheckpoint, PlannedWriter, parse_size
 from ..io.card import write_card
 from ..io.model import atomic_dir, copy_side_files, weight_files, write_json
+from ..io.output import temp_prefix
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
@@ -579,7 +580,7 @@ def _aligned_streaming(models, out, options, align, ckpts, base, shard_size, bud
         targets.append(("base", Path(options.base)))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.aligned-", dir=out.parent))
+    work = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "aligned"), dir=out.parent))  # a later run knows it
     t = time.perf_counter()
     try:
         aligned, base_path, rows, resolved = list(models), options.base, [], None
