@@ -25,6 +25,7 @@ from ..errors import SymmergeError
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import load_model
+from ..io.prefix import adapt_models, not_merged
 from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
@@ -319,6 +320,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
         models = [_load(x, opts.allow_pickle) for x in models]
         base_name = _name(opts.base, "base") if opts.base is not None else None
         base_model = _load(opts.base, opts.allow_pickle) if opts.base is not None else None
+    (*models, base_model), adapted = adapt_models(models + [base_model], names + [base_name], opts.head_from)
     everything = models + ([base_model] if base_model is not None else [])
     body = check_bodies(everything, names + ([base_name] if base_model is not None else []))
     requested_heads = opts.heads
@@ -385,6 +387,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     # ------------------------------------------------ merge
     t = time.perf_counter()
     keys = untied(models[0], body + (sorted(head_keys(models[0])) if opts.heads == "merge" else []))
+    keys = [k for k in keys if k not in not_merged(adapted)]  # a base model's missing head: kept, not merged
     sds = [x.state_dict() for x in aligned]
     sub = [{k: sd[k] for k in keys} for sd in sds]
     stats_sub = (None if stats is None else stats if m.needs_model
@@ -433,6 +436,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
         "mode": "memory",
         "tokenizer": tokenizer,
         **({"sentence_transformers": embedding} if embedding else {}),
+        **({"base_adapted": adapted} if adapted else {}),
     }
 
     # ------------------------------------------------ evaluation

@@ -44,6 +44,7 @@ from ..io.checkpoint import LazyCheckpoint, PlannedWriter, parse_size
 from ..io.card import write_card
 from ..io.model import atomic_dir, copy_side_files, weight_files, write_json
 from ..io.output import temp_prefix
+from ..io.prefix import adapt_checkpoints, not_merged
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
@@ -329,6 +330,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
         return _aligned_streaming(models, out, options, align, ckpts, base, shard_size, budget, write_hook, t0)
     if note:
         alignment["note"] = note
+    (*ckpts, base), adapted = adapt_checkpoints(ckpts + [base], names + [str(options.base)], options.head_from)
 
     # ------------------------------------------------ layouts: bodies agree; heads kept or merged
     requested_heads = options.heads
@@ -353,6 +355,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
             missing = [k for k in heads[0] if k not in base.shape]
             if missing:
                 raise SymmergeError(f"base model lacks tensor {base.disk_name.get(missing[0], missing[0])!r}")
+    merged_keys = [k for k in merged_keys if k not in not_merged(adapted)]  # a base model's missing head: kept
     merged_set = set(merged_keys)
     order = [k for k in holder.keys() if k in merged_set or k in set(heads[options.head_from])]
     ref = base if base is not None else ckpts[0]
@@ -518,6 +521,7 @@ def _merge_streaming(models, out, options, shard_size, budget, write_hook) -> di
                        "seconds": {k: round(v, 4) for k, v in clock.items()}},
             "tokenizer": tokenizer,
             **({"sentence_transformers": embedding} if embedding else {}),
+            **({"base_adapted": adapted} if adapted else {}),
         }
         # side files, and a sentence-transformers pipeline with its module weights merged by the same method
         report["side_files"] = copy_side_files(holder.folder, tmp, report, merge_pipeline_modules)
