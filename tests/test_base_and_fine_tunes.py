@@ -174,3 +174,40 @@ def test_the_real_minilm_as_base(minilm, tmp_path):
             else:
                 assert torch.equal(v, a0[k])
         assert type(load_model(out, spec=False)).__name__ == "BertForSequenceClassification"
+
+
+def test_barrier_and_a_config_with_a_base_class_model(tmp_path):
+    """``barrier`` between a ViTModel (its pooler left out) and a ViTForImageClassification fine-tune of it,
+    and a config (``symmerge run``) merging fine-tunes with the base-class base."""
+    from transformers import ViTConfig, ViTForImageClassification, ViTModel
+
+    from conftest import npz_file
+
+    cfg = ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24, image_size=8,
+                    patch_size=4, num_channels=1, num_labels=3, initializer_range=0.4)
+    torch.manual_seed(0)
+    base = ViTModel(cfg).eval()
+    base_dir = save_folder(base, tmp_path / "base")
+    fts = []
+    for s in (1, 2):
+        torch.manual_seed(s)
+        ft = ViTForImageClassification(cfg)
+        sd = ft.state_dict()
+        for k, v in base.state_dict().items():
+            if "vit." + k in sd:
+                sd["vit." + k] = v + 0.01 * torch.randn(v.shape)
+        ft.load_state_dict(sd)
+        fts.append(save_folder(ft, tmp_path / f"ft{s}"))
+    data = npz_file(tmp_path / "d.npz")
+    out = tmp_path / "study"
+    assert run_cli("barrier", base_dir, fts[0], "--data", data, "--points", "3", "--align", "attn,ffn", "-o", out) == 0
+    study = json.loads((out / "barrier.json").read_text())
+    entry = study["base_adapted"][0]
+    assert entry["prefix_added"] == "vit." and entry["left_out"] and all("pooler" in k for k in entry["left_out"])
+    config = tmp_path / "merge.yml"
+    config.write_text(f"merge_method: task_arithmetic\nbase_model: {base_dir}\nmodels:\n  - {fts[0]}\n  - {fts[1]}\n"
+                      f"align: none\noutput: {tmp_path / 'merged'}\n")
+    assert run_cli("run", config) == 0
+    report = json.loads((tmp_path / "merged" / "symmerge_report.json").read_text())
+    assert report["base_adapted"][0]["read_as"] == "ViTForImageClassification"
+    assert type(load_model(tmp_path / "merged", spec=False)).__name__ == "ViTForImageClassification"

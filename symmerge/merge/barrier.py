@@ -21,6 +21,7 @@ from ..errors import SymmergeError
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
 from ..io.tokenizers import check_tokenizers
+from ..io.prefix import adapt_models
 from ..pipeline.align import align_pair, as_model, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries
 from ..pipeline.report import match_fields
@@ -80,6 +81,7 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
     tokenizer = check_tokenizers(list(zip(names, (model_a, model_b))), allow_tokenizer_mismatch)
     with stage(f"loaded {names[0]} and {names[1]}", enabled=progress and isinstance(model_a, (str, Path))):
         a, b = as_model(model_a, allow_pickle, spec=False), as_model(model_b, allow_pickle, spec=False)
+    (a, b), adapted = adapt_models([a, b], names)  # a base model and a fine-tune: both the fine-tune's class
     check_same_shapes(a, b)
     if base.align_data is not None and not isinstance(base.align_data, Data):  # read once for every variant
         base = base.with_(align_data=load_align_data(base, a, sources=[a, b]))
@@ -96,7 +98,7 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
               "rescale": base.rescale, "device": str(dev),
               "endpoints": {"A": evaluate(a, d, device=dev, progress=progress, desc="evaluating A"),
                             "B": evaluate(b, d, device=dev, progress=progress, desc="evaluating B")},
-              "curves": {}, "distances": {}, "tokenizer": tokenizer}
+              "curves": {}, "distances": {}, "tokenizer": tokenizer, **({"base_adapted": adapted} if adapted else {})}
     a.to("cpu"), b.to("cpu")
     for v, opts in variants.items():
         t = time.perf_counter()
