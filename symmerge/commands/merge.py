@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..errors import SymmergeError
 from ..io.model import ensure_output_dir, save_model
+from ..io.prefix import print_notes as print_adapted
 from ..io.tokenizers import print_note
 from ..merge import METHODS
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
@@ -175,6 +176,7 @@ def run(args) -> int:
     if alignment.get("note"):
         print(f"note: {alignment['note']}", file=sys.stderr)
     print_note(report.get("tokenizer"))
+    print_adapted(report)  # a base-class model read as the fine-tunes' class (symmerge.io.prefix)
     if alignment.get("joint"):
         j = alignment["joint"]
         print(f"joint alignment: {j['rounds']} round(s) after the star, spread {j['objective'][0]:.6g} -> "

@@ -87,6 +87,23 @@ def report_entry(name: str, pl: Plan, heads_from: str) -> dict:
     return entry
 
 
+def _anchor_entry(pl: Plan) -> dict:
+    entry = report_entry("anchor", pl, "model")
+    entry["note"] = (f"the anchor is a {pl.base_class}: its tensors were read under '{pl.prefix}.' as the "
+                     f"model's class ({pl.task_class}); the tensors it lacks "
+                     f"({', '.join(sorted(pl.added)[:3])}{' ...' if len(pl.added) > 3 else ''}) were taken from "
+                     "the model itself (distance 0 there)")
+    return entry
+
+
+def print_notes(report: dict) -> None:
+    """One ``note:`` line on stderr per adapted input (the commands' summaries)."""
+    import sys
+
+    for entry in report.get("base_adapted") or []:
+        print(f"note: {entry['note']}", file=sys.stderr)
+
+
 def not_merged(adapted: list) -> set:
     """The tensors no adapted input had (kept from the fine-tunes, never merged)."""
     return {k for entry in adapted for k in entry["tensors_only_in_fine_tunes"]}
@@ -163,7 +180,7 @@ def adapt_pair(model, anchor):
     if _is_task(model) and not _is_task(anchor):
         pl = model_plan(model, anchor)
         if pl is not None:
-            return model, adapt_model(anchor, model, pl), [report_entry("anchor", pl, "model")]
+            return model, adapt_model(anchor, model, pl), [_anchor_entry(pl)]
     if _is_task(anchor) and not _is_task(model):
         pl = model_plan(anchor, model)
         if pl is not None and not pl.left_out:
@@ -298,7 +315,7 @@ def adapt_checkpoint_pair(model, anchor):
     if _lazy_is_task(model) and not _lazy_is_task(anchor):
         pl = lazy_plan(model, anchor)
         if pl is not None:
-            return model, prefixed(anchor, model, pl), [report_entry("anchor", pl, "model")]
+            return model, prefixed(anchor, model, pl), [_anchor_entry(pl)]
     if _lazy_is_task(anchor) and not _lazy_is_task(model):
         pl = lazy_plan(anchor, model)
         if pl is not None and not pl.left_out:
