@@ -110,12 +110,13 @@ def _describe(e: OSError) -> str:
 
 
 def check_writable(out) -> None:
-    """``out`` can be written: its nearest existing ancestor is a directory where a folder can be created
-    (a probe folder, created and removed at once). Else one error naming the place and the reason."""
+    """``out`` can be written: its parent (or, not there yet, the parent's nearest existing ancestor) is a
+    directory where a folder can be created (a probe folder, created and removed at once: the temporary
+    output is made and renamed there). Else one error naming the place and the reason."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise SymmergeError(f"{out}: output exists and is not a directory")
-    parent = out.parent if not out.exists() else out
+    parent = out.parent  # where the temporary folder is made and renamed
     while not parent.exists():
         if parent.is_symlink():  # a dangling link: mkdir would fail on it
             raise SymmergeError(f"{out}: cannot write the output ({parent} is a broken link)")

@@ -213,7 +213,10 @@ class KeyView:
         self.dtype = {o: c.dtype[k] for o, (c, k) in names.items()}
         self.file_of = {o: c.file_of[k] for o, (c, k) in names.items()}
         self.disk_name = {o: c.disk_name.get(k, k) for o, (c, k) in names.items()}
-        self.hf_config = like.hf_config
+
+    @property
+    def hf_config(self):
+        return self.like.hf_config
 
     def keys(self) -> list[str]:
         return list(self._names)

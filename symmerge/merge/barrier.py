@@ -214,6 +214,7 @@ def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, dev
         raise SymmergeError(f"a barrier needs at least two models, got {len(models)}")
     with stage(f"loaded {len(models)} models", enabled=progress):
         loaded = [as_model(x, allow_pickle) for x in models]
+    loaded, adapted = adapt_models(loaded, names)  # base-class models read as the fine-tunes' class
     for i in range(1, len(loaded)):
         check_same_shapes(loaded[i], loaded[0])
     if base.align_data is not None and not isinstance(base.align_data, Data):
@@ -231,7 +232,8 @@ def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, dev
               "convention": "pair 'i|j': theta(alpha) = alpha*model_i + (1-alpha)*model_j in the variant's frame",
               "device": str(dev), "endpoints": dict(zip(names, endpoints)),
               "endpoints_mean": {k: sum(e[k] for e in endpoints) / len(endpoints) for k in ("loss", "accuracy")},
-              "ensemble": evaluate_ensemble(loaded, d, device=dev, progress=progress), "variants": {}}
+              "ensemble": evaluate_ensemble(loaded, d, device=dev, progress=progress), "variants": {},
+              **({"base_adapted": adapted} if adapted else {})}
     for x in loaded:
         x.to("cpu")
     n = len(loaded)
