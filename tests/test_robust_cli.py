@@ -42,10 +42,10 @@ def out(tmp_path):
 
 
 @pytest.mark.parametrize("param, needle", [
-    ("density=abc", "--param density: expected a number in (0, 1], got 'abc'"),
-    ("density=1.5", "--param density: expected a number in (0, 1]"),
-    ("scale=true", "--param scale: expected a number"),
-    ("scope=3", "--param scope: expected a word"),
+    ("density=abc", "parameter 'density' must be a number in (0.0, 1.0], got 'abc'"),
+    ("density=1.5", "parameter 'density' must be a number in (0.0, 1.0]"),
+    ("scale=true", "parameter 'scale' must be"),
+    ("scope=3", "parameter 'scope' must be one of"),
 ])
 def test_bad_param_values_are_one_line_before_loading(berts, out, capsys, param, needle):
     t0 = time.perf_counter()
@@ -59,7 +59,7 @@ def test_dare_seed_must_be_an_integer(berts, out, capsys):
     rc, _, err = run_cli(capsys, "merge", *berts, "--method", "dare", "--base", berts[0], "--param", "seed=1.5",
                          "-o", out)
     assert rc == 2
-    assert_clean_failure(rc, err, out, "--param seed: expected an integer")
+    assert_clean_failure(rc, err, out, "parameter 'seed' must be an integer")
 
 
 @pytest.mark.parametrize("command", ["merge", "align", "barrier", "demo"])

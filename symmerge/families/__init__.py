@@ -9,7 +9,7 @@ from . import bert, clip, deberta, distilbert, gemma, gpt2, gpt_neox, llama, moe
 
 SPECS: tuple[Spec, ...] = (bert.SPEC, distilbert.SPEC, deberta.SPEC, vit.SPEC, gpt2.SPEC, llama.LLAMA, llama.QWEN3,
                            phi.SPEC)
-# dense decoder families of issue 22
+# dense decoder families
 SPECS += (gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3, gpt_neox.SPEC, phi3.SPEC, olmo2.SPEC)
 SPECS += (moe.MIXTRAL, moe.QWEN2_MOE, moe.QWEN3_MOE, moe.OLMOE)  # mixtures of experts
 SPECS += (t5.SPEC, clip.SPEC, clip.TEXT, clip.VISION)  # several layer stacks (and CLIP's single towers)
@@ -31,3 +31,12 @@ def spec_for(model_type: str) -> Spec:
 
 
 __all__ = ["SPECS", "SYMMETRIES", "spec_for", "supported_model_types"]
+
+
+def symmetries_whose(test) -> tuple[str, ...]:
+    """The symmetry names (``--symmetries``) of the groups of any family whose kind satisfies ``test`` (a
+    predicate on :class:`~symmerge.groups.base.Kind`: its declared capabilities, e.g.
+    ``lambda kind: kind.moves_heads_input``); callers ask this instead of naming a symmetry."""
+    from ..core.kinds import get_kind
+
+    return tuple(dict.fromkeys(g.symmetry for spec in SPECS for g in spec.groups if test(get_kind(g.kind))))

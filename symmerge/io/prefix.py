@@ -104,6 +104,12 @@ def print_notes(report: dict) -> None:
         print(f"note: {entry['note']}", file=sys.stderr)
 
 
+def borrowed(ckpts) -> set:
+    """The tensors the adapted checkpoints among ``ckpts`` (:class:`KeyView`) read from another checkpoint (a
+    base model's missing head): kept, never merged."""
+    return {k for c in ckpts if c is not None for k in getattr(c, "borrowed", ())}
+
+
 def not_merged(adapted: list) -> set:
     """The tensors no adapted input had (kept from the fine-tunes, never merged)."""
     return {k for entry in adapted for k in entry["tensors_only_in_fine_tunes"]}
@@ -200,11 +206,10 @@ class KeyView:
     alignment ask of a checkpoint (shapes, dtypes, reads); ``folder``, ``config`` and the class are those
     of ``like``, the checkpoint whose class it is read as."""
 
-    def __init__(self, names: dict, like, disk_prefix: str = ""):
+    def __init__(self, names: dict, like, borrowed=()):
         self._names = names
         self.like = like
-        first = next(iter(names.values()))[0]
-        self.source = first
+        self.borrowed = list(borrowed)  # tensors read from a checkpoint other than the adapted one
         self.folder, self.config = like.folder, like.config
         self.class_name, self.base_model_prefix, self.heads = like.class_name, like.base_model_prefix, like.heads
         self.ties, self.virtual = {}, {}
@@ -284,7 +289,7 @@ def prefixed(base, task, pl: Plan) -> KeyView:
     for k in task.keys():
         inner = pl.inner(k)
         names[k] = (base, inner) if inner is not None else (task, k)
-    return KeyView(names, task)
+    return KeyView(names, task, borrowed=pl.added)
 
 
 def stripped(task, base, pl: Plan) -> KeyView:

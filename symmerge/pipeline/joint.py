@@ -15,18 +15,16 @@ mean of the others" follow until a round lowers J by less than ``tol`` (relative
 Data-free, a step is ONE sweep of the weight matcher's descent (:func:`~symmerge.pipeline.engine.solve`)
 started from the model's current element — generalized Procrustes — on the state dicts, with the set-up
 built once for the N models (:class:`_Sweeps`), the head pairings held between full rounds, and the
-star's pairwise descents capped at :data:`STAR_SWEEPS` sweeps (the rounds continue them). On B1's four
-ViTs that is 2–3× one pairwise alignment where the former steps — each a pairwise re-alignment
-(:func:`~symmerge.pipeline.align.align_pair`) capped at 10 sweeps from the stream tensors, still the step
-with activations and with ``warm=False`` — took 25× (docs/results.md, B1 × N).
+star's pairwise descents capped at :data:`STAR_SWEEPS` sweeps (the rounds continue them). With
+activations, and with ``warm=False``, a step is a pairwise re-alignment
+(:func:`~symmerge.pipeline.align.align_pair`) capped at 10 sweeps from the stream tensors, which costs
+several times more (docs/results.md has the timings).
 
 What the rounds re-solve (``refine``): ``all`` the options' groups (the definition above), or
 ``discrete`` only the groups whose elements form a finite set (``Kind.discrete``: head and FFN-unit
 permutations, a permutation residual group), on the rotations and scales the star found — MergeMany as
-Ainsworth et al. define it. With the former (``warm=False``) steps, data-free on the MNIST-5k ViTs,
-``all`` lowered the spread most but moved the non-anchor models to other basins and merged 2–13 points
-worse than the star, while ``discrete`` stayed within −0.6 … +1.7 points of it; on B5's label-skewed
-clients ``all`` merged best (docs/results.md).
+Ainsworth et al. define it. ``all`` lowers the spread most but may move the non-anchor models to other
+basins; ``discrete`` stays nearer the star (docs/merge.md, "N models in one frame", has the measurements).
 
 Every model stays in its own orbit throughout: its final form is checked against the model it came
 from (outputs on sample inputs) once, at the end.
@@ -53,18 +51,19 @@ from .bound import bind
 from .frame import JointAlignment, mean_state_dict, spread  # noqa: F401  (re-exported)
 from .options import DEFAULT_REFINE, JOINT_REFINE, AlignOptions
 from .engine import solve
+from .matchers import MATCHERS
 from .verify import verify_elements, verify_forward, with_state_dict
 
 # the matchers joint alignment runs: weights and activations align each model to the mean of the others (any
 # anchor); learned starts from one of them and learns random convex combinations (pipeline/learn_joint.py)
-JOINT_MATCHES = ("weights", "activations", "learned")
+JOINT_MATCHES = tuple(n for n, m in MATCHERS.items() if m.joint)  # the matchers that declare ``joint``
 
 
 ROUND_SWEEPS = 10  # cap on the coordinate-descent sweeps of each re-alignment after the star (activations)
 ROUND_TOL = 1e-4  # ... and the relative gain of a round below which they stop
 # data-free (``--match weights``): each step after the star is ONE sweep of the descent, started from the
 # model's current element; a round gains little by construction, so the rounds stop at a coarser gain, and the
-# star's pairwise alignments, which the rounds continue, are capped at a few sweeps (docs/results.md, B1 x N)
+# star's pairwise alignments, which the rounds continue, are capped at a few sweeps
 SWEEP_ROUND_SWEEPS = 1
 SWEEP_ROUND_TOL = 1e-3
 STAR_SWEEPS = 3
@@ -118,7 +117,7 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     :data:`ROUND_TOL` else); ``refine``: what the rounds re-solve (:data:`JOINT_REFINE`: ``all`` the
     options' groups, ``discrete`` only the permutations, on top of the star's continuous elements).
 
-    Data-free (``options.match == "weights"``, ``warm``), a step after the star is ``round_sweeps``
+    Data-free (a matcher without ``needs_data``, ``warm``), a step after the star is ``round_sweeps``
     (default 1) sweeps of the descent from the model's current element — generalized Procrustes — and,
     with ``refine="all"`` and rounds to follow, the star's pairwise descents stop after ``star_sweeps``
     sweeps (None: converged): the rounds continue the same descent. Otherwise (activations, or
@@ -132,12 +131,12 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     if not -n <= anchor < n:
         raise SymmergeError(f"anchor index {anchor} out of range for {n} models")
     anchor %= n
-    if options.match not in JOINT_MATCHES:
+    if not options.matcher.joint:
         raise SymmergeError(f"joint alignment runs the {', '.join(JOINT_MATCHES)} matchers; --match "
                             f"{options.match} aligns pairwise to one anchor (pass --anchor to merge that way)")
     if refine not in JOINT_REFINE:
         raise SymmergeError(f"unknown joint refinement {refine!r}; choose {', '.join(JOINT_REFINE)}")
-    sweeping = options.match == "weights" and warm
+    sweeping = not options.matcher.needs_data and warm
     tol = (SWEEP_ROUND_TOL if sweeping else ROUND_TOL) if tol is None else tol
     round_sweeps = (SWEEP_ROUND_SWEEPS if sweeping else ROUND_SWEEPS) if round_sweeps is None else round_sweeps
     if max_rounds < 0 or not tol >= 0 or round_sweeps < 1 or (star_sweeps is not None and star_sweeps < 1):
@@ -147,7 +146,7 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     for i, x in enumerate(models):
         if i != anchor:
             check_compatible(x, models[anchor])
-    if options.match == "learned":  # a closed-form joint alignment, then the mixtures learned
+    if options.matcher.learns:  # a closed-form joint alignment, then the mixtures learned
         from .learn_joint import align_joint_learned
 
         return align_joint_learned(models, options, anchor, names, max_rounds, tol, inputs, progress, round_sweeps,

@@ -1,0 +1,96 @@
+"""The unit both execution wings run: one output tensor, where its inputs come from, and the method's
+arguments for it.
+
+A merge plan (:mod:`symmerge.merge.plan`) resolves, once, a list of :class:`TensorStep`. The in-memory
+wing reads each step's sources from state dicts, the streamed wing from safetensors files; both call
+:func:`step_arguments` and then :func:`symmerge.merge.base.merge_tensor`, so they give the same bits.
+
+* A plain merge of N models with the same tensors has one step per tensor, its sources the N models'
+  tensors of the same name, with the same arguments everywhere.
+* A mergekit config may vary the arguments per tensor (gradients over the layers, filters on the tensor
+  names, per-model parameters such as ``density``) and may take a tensor from another name or another
+  model (``slices``: the output's layer 12 from layer 20 of model B): the step carries the tensor's own
+  arguments and its own sources.
+
+Parameter values in ``TensorStep.params`` are already evaluated for the tensor: a scalar for a global
+parameter, a tuple of one value per merged model for a parameter the method declares per model
+(:attr:`symmerge.merge.base.Method.per_model`). ``weights`` are the raw per-model weights (``None``:
+uniform); :func:`step_arguments` normalises them as the method asks and checks the parameters and the
+number of models (:meth:`symmerge.merge.base.Method.check_inputs`).
+
+Which inputs are sources and which is the base: a method with ``needs_base`` or ``accepts_base`` gets the
+base model in ``TensorStep.base`` and the *other* models in ``sources`` (a mergekit config that lists its
+``base_model`` among ``models`` too does not merge it twice: slerp's and nearswap's two models are the base
+plus one source, nuslerp's are two sources plus an optional base). A method that uses no base (``linear``,
+``karcher``, ``passthrough``) merges every listed model, the config's ``base_model`` included when it is
+listed in ``models`` (mergekit's ``linear`` treats it as one more input). Parameters should be passed
+through :meth:`symmerge.merge.base.Method.mergekit_defaults` first when they come from a mergekit config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """A tensor of one input: ``model`` indexes the plan's inputs, ``key`` is the tensor's in-memory name
+    (``state_dict`` naming) in that input."""
+
+    model: int
+    key: str
+
+
+@dataclass(frozen=True)
+class TensorStep:
+    """One output tensor ``name`` (in-memory naming): merged from ``sources`` (one per merged model, in
+    model order; the base model's tensor in ``base``), or copied from ``sources[0]`` when ``merge`` is
+    false (a task head kept from one model, a passthrough slice)."""
+
+    name: str
+    sources: tuple[TensorSource, ...]
+    base: TensorSource | None = None
+    weights: tuple[float, ...] | None = None
+    params: Mapping = field(default_factory=lambda: MappingProxyType({}))
+    merge: bool = True
+
+
+def uniform_steps(keys, n: int, base: int | None = None, weights=None, params=None, copy_from: dict | None = None):
+    """Steps of a plain merge: every key of ``keys`` merged from models ``0 … n-1`` under the same name (the
+    base, when given, is input ``base``), the same arguments everywhere; ``copy_from``: key → the model a
+    kept tensor is copied from (not merged)."""
+    params = MappingProxyType(dict(params or {}))
+    weights = None if weights is None else tuple(float(w) for w in weights)
+    copy_from = copy_from or {}
+    steps = []
+    for k in keys:
+        if k in copy_from:
+            steps.append(TensorStep(k, (TensorSource(copy_from[k], k),), merge=False))
+            continue
+        steps.append(TensorStep(k, tuple(TensorSource(i, k) for i in range(n)),
+                                None if base is None else TensorSource(base, k), weights, params))
+    return steps
+
+
+def step_arguments(method, step: TensorStep, n: int, cache: dict | None = None):
+    """(weights, params) of ``method`` for ``step``: the weights normalised as the method asks
+    (:func:`symmerge.merge.base.normalized_weights`), the parameters checked with defaults filled in
+    (:meth:`symmerge.merge.base.Method.check_params`). ``cache``: a dict kept across the steps of one merge,
+    so identical arguments are checked once."""
+    from .base import normalized_weights
+
+    token = (step.weights, tuple(sorted((k, _hashable(v)) for k, v in step.params.items())))
+    if cache is not None and token in cache:
+        return cache[token]
+    method.check_inputs(n, step.base is not None)
+    weights = normalized_weights(step.weights, n, normalize=method.normalize_weights)
+    params = method.check_params(dict(step.params), n=n)
+    if cache is not None:
+        cache[token] = (weights, params)
+    return weights, params
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
