@@ -29,6 +29,7 @@ import copy
 from dataclasses import dataclass, field
 
 from ..core.resolve import declared_ties
+from .checkpoint import LazyCheckpoint
 
 
 @dataclass
@@ -200,11 +201,12 @@ def adapt_pair(model, anchor):
 # ------------------------------------------------------------------ streamed (LazyCheckpoint)
 
 
-class KeyView:
+class KeyView(LazyCheckpoint):
     """A :class:`~symmerge.io.checkpoint.LazyCheckpoint` read under other tensor names: ``names`` maps each
     outer name to (checkpoint, its name there). It answers what the streamed merge and the streamed
-    alignment ask of a checkpoint (shapes, dtypes, reads); ``folder``, ``config`` and the class are those
-    of ``like``, the checkpoint whose class it is read as."""
+    alignment ask of a checkpoint (shapes, dtypes, reads; a subclass so that code taking a checkpoint takes
+    it, but built from others: the parent's ``__init__`` never runs); ``folder``, ``config`` and the class
+    are those of ``like``, the checkpoint whose class it is read as."""
 
     def __init__(self, names: dict, like, borrowed=()):
         self._names = names
