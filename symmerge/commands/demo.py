@@ -34,6 +34,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from ..demo.demo import run_demo
+    from ..io.output import check_writable
 
+    check_writable(Path(args.output))  # before any training
     run_demo(Path(args.output), seed=args.seed, quick=args.quick, threads=args.threads)
     return 0

@@ -166,6 +166,9 @@ def check_data(data: Data, model, labels: np.ndarray | None = None, use_labels: 
         elif use_labels and head_kind(model) != "lm" and not getattr(cfg, "is_decoder", False):
             raise SymmergeError(f"{data.path}: .txt data (causal-LM loss) needs a causal language model, "
                                 f"got {type(model).__name__}")
+        if not data.batches or any(b.inputs["input_ids"].numel() == 0 for b in data.batches):
+            raise SymmergeError(f"{data.path}: the tokenizer turned the text into no tokens: no usable tokenizer "
+                                "(tokenizer.json or vocabulary files) in the model folder")
         top = max(int(b.inputs["input_ids"].max()) for b in data.batches)
         if top >= cfg.vocab_size:
             raise SymmergeError(f"{data.path}: token id {top} >= the model's vocab_size {cfg.vocab_size} "
