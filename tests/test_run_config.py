@@ -122,7 +122,9 @@ BAD = [
     ("merge_method: average\nmodels: [a, b\noutput: o\n", "not valid YAML"),
     ("merge_method: average\noutput: o\n", "'models' is missing"),
     ("merge_method: average\nmodels:\n  - model: a\n    parameters: {density: 0.2}\n  - b\noutput: o\n",
-     "only 'weight' can be given per model"),
+     "line 4: models[0].parameters.density: method 'average' has no parameter 'density'"),
+    ("merge_method: average\nmodels:\n  - model: a\n    parameters: {density: 0.2}\n  - b\nalign: recommended\n"
+     "output: o\n", "only 'weight' can be given per model"),
     ("merge_method: average\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - b\noutput: o\n",
      "every model or to none"),
     ("merge_method: average\nmodels: [a, b]\nstar: maybe\noutput: o\n", "line 3: 'star' is a switch"),
