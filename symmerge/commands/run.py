@@ -33,7 +33,7 @@ def add_arguments(parser) -> None:
     mk.add_argument("--no-copy-tokenizer", action="store_true", help=argparse_suppress())
     mk.add_argument("--out-shard-size", default=None, metavar="SIZE",
                     help="largest output shard, as mergekit: 5B (bytes, K/M/B suffixes) or 2GB")
-    mk.add_argument("--cuda", action="store_true", help="accepted: tensors are merged on the CPU")
+    mk.add_argument("--cuda", action="store_true", help=argparse_suppress())
     mk.add_argument("--lazy-unpickle", action="store_true",
                     help="accepted: tensors are always read lazily (safetensors)")
     mk.add_argument("--allow-crimes", action="store_true", help=argparse_suppress())
@@ -62,6 +62,9 @@ def _refusals(args) -> None:
     if args.no_copy_tokenizer:
         raise SymmergeError("--no-copy-tokenizer: symmerge always writes the tokenizer with the model; delete its "
                             "files from the output if you do not want them")
+    if args.cuda:
+        raise SymmergeError("--cuda: a mergekit config's merge streams tensor by tensor on the CPU (reading and writing "
+                            "bound); drop --cuda")
     if args.allow_crimes:
         raise SymmergeError("--allow-crimes: symmerge merges models of one architecture only (same tensor names and "
                             "shapes); use 'slices' to take layers from models of one architecture")
