@@ -13,6 +13,8 @@ from .families import SPECS, spec_for, supported_model_types
 from .merge.fuse import MergeOptions, merge_models
 from .pipeline.align import Alignment, align, align_pair
 from .pipeline.options import AlignOptions, LearnSettings
+from .pipeline.to_folder import align_to_folder
+from . import merge  # noqa: E402  (the package is callable: symmerge.merge(models, out, options) -> report)
 
-__all__ = ["align", "align_pair", "Alignment", "AlignOptions", "LearnSettings", "merge_models", "MergeOptions", "barrier_study",
+__all__ = ["merge", "align_to_folder", "align", "align_pair", "Alignment", "AlignOptions", "LearnSettings", "merge_models", "MergeOptions", "barrier_study",
            "SymmergeError", "SPECS", "spec_for", "supported_model_types"]

@@ -23,6 +23,7 @@ from symmerge.io.checkpoint import LazyCheckpoint
 from symmerge.io.fused import fused_parts
 from symmerge.io.hf import disk_to_memory
 from symmerge.pipeline.align import align, instances_for
+from symmerge.pipeline.options import AlignOptions
 from symmerge.pipeline.stream import align_streaming
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -54,7 +55,7 @@ def _stored_names(folder):
 def test_streamed_moe_alignment_equals_in_memory(family, pipeline, tmp_path):
     model_dir, anchor_dir, model, anchor = _pair(family, tmp_path)
     expected, rep_mem = align(model, anchor, SYMS)
-    report = align_streaming(model_dir, anchor_dir, tmp_path / "out", symmetries=SYMS, shard_size="30KB",
+    report = align_streaming(model_dir, anchor_dir, tmp_path / "out", AlignOptions(symmetries=SYMS), shard_size="30KB",
                              progress=False, pipeline=pipeline)
     out = tmp_path / "out"
     assert "experts" in report["symmetries"]
@@ -100,7 +101,7 @@ def test_fused_on_disk_layout_streams_and_stays_fused(tmp_path):
                   metadata={"format": "pt"})
         (folder / "config.json").write_text((model_dir / "config.json").read_text())
     expected, _ = align(model, anchor, SYMS)
-    align_streaming(tmp_path / "model_fused", tmp_path / "anchor_fused", tmp_path / "out", symmetries=SYMS,
+    align_streaming(tmp_path / "model_fused", tmp_path / "anchor_fused", tmp_path / "out", AlignOptions(symmetries=SYMS),
                     progress=False)
     names = _stored_names(tmp_path / "out")
     assert "model.layers.0.mlp.experts.gate_up_proj" in names and not any(".experts.0." in n for n in names)
@@ -108,7 +109,7 @@ def test_fused_on_disk_layout_streams_and_stays_fused(tmp_path):
     for k, t in expected.state_dict().items():
         torch.testing.assert_close(got[k], t, rtol=1e-5, atol=1e-6)
     # and a fused model aligned to a per-expert anchor: the model's own layout is kept
-    align_streaming(tmp_path / "model_fused", anchor_dir, tmp_path / "out2", symmetries=SYMS, progress=False)
+    align_streaming(tmp_path / "model_fused", anchor_dir, tmp_path / "out2", AlignOptions(symmetries=SYMS), progress=False)
     assert "model.layers.1.mlp.experts.down_proj" in _stored_names(tmp_path / "out2")
 
 
@@ -122,13 +123,13 @@ def test_checkpoint_missing_an_experts_tensor_is_refused(tmp_path):
     (bad / "config.json").write_text((model_dir / "config.json").read_text())
     with pytest.raises(SymmergeError, match=r"holds 7 of the 8 tensors of 'model.layers.1.mlp.experts.gate_up_proj' "
                                             r"\(missing 'model.layers.1.block_sparse_moe.experts.2.w3.weight'\)"):
-        align_streaming(bad, anchor_dir, tmp_path / "out", symmetries=SYMS, progress=False)
+        align_streaming(bad, anchor_dir, tmp_path / "out", AlignOptions(symmetries=SYMS), progress=False)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
     # one expert of another size
     sd["model.layers.1.block_sparse_moe.experts.2.w3.weight"] = torch.zeros(3, 32)
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(SymmergeError, match=r"experts.2.w3.weight' is \(3, 32\), \(16, 32\) expected"):
-        align_streaming(bad, anchor_dir, tmp_path / "out", symmetries=SYMS, progress=False)
+        align_streaming(bad, anchor_dir, tmp_path / "out", AlignOptions(symmetries=SYMS), progress=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -166,7 +167,7 @@ def test_streamed_aligned_merge_of_moe_models_equals_in_memory(tmp_path):
 def test_experts_untouched_are_copied_through_split(tmp_path):
     """Without ``experts``/``ffn`` the fused tensors pass through: stacked on read, split on write, bit for bit."""
     model_dir, anchor_dir, model, _ = _pair("mixtral", tmp_path)
-    align_streaming(model_dir, anchor_dir, tmp_path / "out", symmetries="attn", progress=False)
+    align_streaming(model_dir, anchor_dir, tmp_path / "out", AlignOptions(symmetries="attn"), progress=False)
     got = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(str(f)).items()}
     stored = {k: v for f in model_dir.glob("*.safetensors") for k, v in load_file(str(f)).items()}
     assert set(got) == set(stored)

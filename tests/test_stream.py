@@ -19,6 +19,7 @@ from symmerge.io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
 from symmerge.cli import main
 from symmerge.errors import SymmergeError
 from symmerge.io.model import load_model
+from symmerge.pipeline.options import AlignOptions
 from symmerge.pipeline.stream import align_streaming
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -101,7 +102,7 @@ def test_stream_with_head_permutation_equals_in_memory(kind, tmp_path):
     syms = ("heads", "attn", "ffn", "rescale")
     model_dir, anchor_dir, model, anchor = _pair(kind, torch.float64, tmp_path, symmetries=syms)
     expected, rep_mem = align(model, anchor, syms)
-    report = align_streaming(model_dir, anchor_dir, tmp_path / "out", symmetries=syms, shard_size="30KB",
+    report = align_streaming(model_dir, anchor_dir, tmp_path / "out", AlignOptions(symmetries=syms), shard_size="30KB",
                              progress=False)
     got, want = _state(tmp_path / "out"), expected.state_dict()
     for k, t in got.items():
@@ -125,7 +126,7 @@ def test_stream_and_in_memory_reports_share_one_schema(tmp_path):
 
 def test_stream_layers_subset_and_passthrough(tmp_path):
     model_dir, anchor_dir, model, _ = _pair("bert", torch.float64, tmp_path)
-    align_streaming(model_dir, anchor_dir, tmp_path / "out", layers=[1], progress=False)
+    align_streaming(model_dir, anchor_dir, tmp_path / "out", AlignOptions(layers=[1]), progress=False)
     got, orig = _state(tmp_path / "out"), model.state_dict()
     assert torch.equal(got["encoder.layer.0.attention.self.query.weight"], orig["encoder.layer.0.attention.self.query.weight"])
     assert not torch.equal(got["encoder.layer.1.attention.self.query.weight"], orig["encoder.layer.1.attention.self.query.weight"])
@@ -150,7 +151,7 @@ def test_stream_cli_and_bf16(tmp_path):
 def test_stream_refuses_bad_input(tmp_path):
     model_dir, anchor_dir, model, _ = _pair("bert", torch.float32, tmp_path)
     with pytest.raises(SymmergeError, match="residual"):
-        align_streaming(model_dir, anchor_dir, tmp_path / "o1", symmetries="attn,residual", progress=False)
+        align_streaming(model_dir, anchor_dir, tmp_path / "o1", AlignOptions(symmetries="attn,residual"), progress=False)
     assert not (tmp_path / "o1").exists()
     other = _save(make_model("bert", dtype=torch.float32, intermediate_size=48), tmp_path / "other")
     with pytest.raises(SymmergeError, match="shapes differ"):

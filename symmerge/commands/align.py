@@ -16,12 +16,10 @@ layers are solved on a pool of one thread per core (--workers).
 import sys
 from pathlib import Path
 
-from ..io.model import ensure_output_dir, save_model
 from ..io.tokenizers import print_note
-from ..pipeline.align import align_pair
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
-from ..progress import elapsed, stage, stage_printer
+from ..progress import elapsed
 from .alignment_args import add_alignment_arguments, alignment_options
 
 
@@ -68,30 +66,20 @@ def parse_layers(value):
 
 
 def run(args) -> int:
-    for flag in ("pipeline", "verify_forward"):
-        if getattr(args, flag) and not args.stream:
-            from ..errors import SymmergeError
+    from ..pipeline.to_folder import align_to_folder
 
-            raise SymmergeError(f"--{flag.replace('_', '-')} applies to --stream only")
     out = Path(args.output)
-    ensure_output_dir(out)  # fail before any expensive work
-    if args.workers is not None and args.stream and not args.pipeline:
-        from ..errors import SymmergeError
-
-        raise SymmergeError("--workers with --stream needs --pipeline (the low-memory mode solves one part of one "
-                            "layer at a time, to bound memory)")
-    if args.stream:
-        return run_streaming(args, out)
     options = alignment_options(args, args.symmetries, verify=not args.no_verify, layers=parse_layers(args.layers),
                                 verify_tol=args.verify_tol, device=args.device)
-    result = align_pair(args.model, args.anchor, options, progress=stage_printer(), allow_pickle=args.allow_pickle,
-                        allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
-    report = result.report
-    report.update(model=str(args.model), anchor=str(args.anchor))
-    with stage(f"wrote {out}"):
-        save_model(result.model, out, src=args.model, report=report)
-    _summary(report, out, f"alignment {report['match_seconds']:.2f} s, alignment and verification "
-                          f"{report['seconds']:.2f} s, total {elapsed():.2f} s")
+    report = align_to_folder(args.model, args.anchor, out, options, stream=args.stream,
+                             allow_pickle=args.allow_pickle, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
+                             shard_size=args.shard_size, pipeline=args.pipeline, verify_forward=args.verify_forward)
+    if args.stream:
+        _summary(report, out, f"{len(report['shards'])} shard(s); reading, alignment and writing "
+                              f"{report['match_seconds']:.2f} s, total {elapsed():.2f} s")
+    else:
+        _summary(report, out, f"alignment {report['match_seconds']:.2f} s, alignment and verification "
+                              f"{report['seconds']:.2f} s, total {elapsed():.2f} s")
     return 0
 
 
@@ -111,25 +99,3 @@ def _summary(report: dict, out: Path, timing: str) -> None:
         print(f"left out of the output (not model files): {', '.join(left_out[:5])}"
               f"{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''} (see the report's side_files)")
     print(f"wrote {out} ({timing})")
-
-
-def run_streaming(args, out: Path) -> int:
-    from ..errors import SymmergeError
-    from ..pipeline.stream import align_streaming
-
-    if args.allow_pickle:
-        raise SymmergeError("--stream reads safetensors only; convert pickle checkpoints first")
-    if args.no_verify:
-        raise SymmergeError("--stream always checks its group elements; --no-verify does not apply")
-    if args.match != "weights" or args.align_data is not None:
-        raise SymmergeError("--stream matches weights only (data-free); --match activations|learned and "
-                            "--align-data need the models in memory: leave out --stream")
-    if args.untie or args.residual != "largest":
-        raise SymmergeError("--stream does not align the residual stream; --untie and --residual do not apply")
-    report = align_streaming(args.model, args.anchor, out, symmetries=args.symmetries, rescale=args.rescale,
-                             layers=parse_layers(args.layers), device=args.device, shard_size=args.shard_size,
-                             verify_forward=args.verify_forward, verify_tol=args.verify_tol, pipeline=args.pipeline,
-                             workers=args.workers, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
-    _summary(report, out, f"{len(report['shards'])} shard(s); reading, alignment and writing "
-                          f"{report['match_seconds']:.2f} s, total {elapsed():.2f} s")
-    return 0

@@ -11,6 +11,7 @@ import argparse
 from ..errors import SymmergeError
 from ..groups import RESCALE_MODES
 from ..pipeline.options import LEARN_PRECISIONS, MATCH_MODES, RESIDUAL_CHOICES, AlignOptions, LearnSettings
+from ..pipeline.matchers import MATCHERS, matcher
 
 
 def add_alignment_arguments(parser, repair: bool = True) -> None:
@@ -119,13 +120,15 @@ def learn_settings(args) -> LearnSettings:
 
 def alignment_options(args, symmetries, **extra) -> AlignOptions:
     """The :class:`AlignOptions` of the parsed flags, for ``symmetries``."""
-    if args.align_data is None and (args.match != "weights" or getattr(args, "repair", False)):
-        need = f"--match {args.match}" if args.match != "weights" else "--repair"
+    needs_data = matcher(args.match).needs_data
+    if args.align_data is None and (needs_data or getattr(args, "repair", False)):
+        need = f"--match {args.match}" if needs_data else "--repair"
         raise SymmergeError(f"{need} needs unlabeled data: pass --align-data FILE (labels, if present, are ignored), "
                             "or --align-data generate for causal LMs (sequences sampled from the models)")
     given = [LEARN_FLAGS[k] for k, v in _learn_values(args).items() if v is not None]
-    if args.match != "learned" and given:
-        raise SymmergeError(f"{', '.join(given)}: the --learn-* flags apply to --match learned only")
+    if not matcher(args.match).learns and given:
+        learning = ", ".join(n for n, m in MATCHERS.items() if m.learns)
+        raise SymmergeError(f"{', '.join(given)}: the --learn-* flags apply to --match {learning} only")
     if args.align_data is not None:
         from ..io.data import check_data_path
         from ..io.generate import is_generate, parse_generate

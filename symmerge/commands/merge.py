@@ -17,12 +17,12 @@ import sys
 from pathlib import Path
 
 from ..errors import SymmergeError
-from ..io.model import ensure_output_dir, save_model
+from ..io.model import ensure_output_dir
 from ..io.tokenizers import print_note
-from ..merge import METHODS
+from ..merge import METHODS, get_method
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
-from ..progress import elapsed, stage
+from ..progress import elapsed
 from .alignment_args import add_alignment_arguments, alignment_options
 
 
@@ -144,29 +144,19 @@ def options_from(args):
         fisher_samples=args.fisher_samples, gram_normalize=not args.gram_sum, batch_size=args.batch_size,
         max_examples=args.max_examples, max_length=args.max_length, allow_pickle=args.allow_pickle,
         allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, joint=False if args.star else None,
-        joint_rounds=args.joint_rounds, joint_refine=args.joint_refine)
+        joint_rounds=args.joint_rounds, joint_refine=args.joint_refine, mode=args.mode, shard_size=args.shard_size)
 
 
 def run(args) -> int:
-    from ..merge import get_method
-    from ..merge.fuse import merge_models
-    from ..merge.modules import merge_pipeline_modules
-    from ..merge.stream import aligns, choose_mode, merge_streaming
+    from ..merge.api import merge_to_folder
 
     out = Path(args.output)
     ensure_output_dir(out)  # fail before any expensive work
     get_method(args.method)
     if len(args.models) < 2:
         raise SymmergeError("merge needs at least two models")
-    options = options_from(args)
-    mode, why = choose_mode(args.mode, get_method(args.method), options, args.models, aligns(options, args.models))
-    if mode == "stream":
-        report = merge_streaming(args.models, out, options, shard_size=args.shard_size)
-    else:
-        model, report = merge_models(args.models, options=options)
-        src = args.models[report["head"].get("from_index", 0) or 0]
-        with stage(f"wrote {out}"):
-            save_model(model, out, src=src, report=report, merge_modules=merge_pipeline_modules)
+    report = merge_to_folder(args.models, out, options_from(args))
+    why = report["plan"]["why"]
     alignment = report["alignment"]
     print(f"merged {len(args.models)} models with {report['method']} "
           f"(alignment: {','.join(alignment['symmetries']) or 'none'}"

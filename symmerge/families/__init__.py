@@ -31,3 +31,12 @@ def spec_for(model_type: str) -> Spec:
 
 
 __all__ = ["SPECS", "SYMMETRIES", "spec_for", "supported_model_types"]
+
+
+def symmetries_whose(test) -> tuple[str, ...]:
+    """The symmetry names (``--symmetries``) of the groups of any family whose kind satisfies ``test`` (a
+    predicate on :class:`~symmerge.groups.base.Kind`: its declared capabilities, e.g.
+    ``lambda kind: kind.moves_heads_input``); callers ask this instead of naming a symmetry."""
+    from ..core.kinds import get_kind
+
+    return tuple(dict.fromkeys(g.symmetry for spec in SPECS for g in spec.groups if test(get_kind(g.kind))))

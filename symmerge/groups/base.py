@@ -58,7 +58,11 @@ class Options:
 
 class Kind:
     name = ""
-    per_layer = True  # False: one model-wide instance (the residual stream)
+    per_layer = True  # False: one model-wide instance (the residual stream); such a kind never streams
+    # its elements move the input of the task heads (they are matched too, so the heads must agree)
+    moves_heads_input = False
+    # its elements move the coordinates of the model's output (a base model's, or an embedding pipeline's)
+    moves_output_frame = False
     blocked = False  # the group is split into per-head blocks (blocks = the group's head count)
     description = ""  # what an element does, in words (``symmerge specs``)
     # a costly discrete choice the descent over coupled groups (:func:`symmerge.pipeline.engine.solve`)

@@ -81,6 +81,8 @@ def _uniform(t: torch.Tensor) -> bool:
 class Residual(Kind):
     name = "residual"
     per_layer = False
+    moves_heads_input = True
+    moves_output_frame = True
     activation_sites = "stream"  # activation matching: the hidden states at every block boundary
     description = ("one transform of the residual stream through every layer, norm and task head, in the largest "
                    "group the family allows: orthogonal maps fixing the all-ones direction (pre-LN LayerNorm, norms "

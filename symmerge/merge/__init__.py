@@ -13,6 +13,9 @@ caller). Task-vector methods are built from a sparsifier and a consensus (:mod:`
 
 from __future__ import annotations
 
+import sys as _sys
+import types as _types
+
 from .base import STATISTICS, Method, merge_state_dicts
 from .registry import METHODS, get_method, register
 
@@ -22,3 +25,16 @@ for _m in (average, task_arithmetic, ties, dare, dare_ties, fisher, regmean, *ot
     register(_m)
 
 __all__ = ["METHODS", "STATISTICS", "Method", "get_method", "merge_state_dicts", "register"]
+
+
+class _MergeEntry(_types.ModuleType):
+    """``symmerge.merge`` is both this package and the library entry that writes:
+    ``symmerge.merge(models, out, options) -> report`` is :func:`symmerge.merge.api.merge_to_folder`."""
+
+    def __call__(self, models, out, options=None, **keywords):
+        from .api import merge_to_folder
+
+        return merge_to_folder(models, out, options, **keywords)
+
+
+_sys.modules[__name__].__class__ = _MergeEntry

@@ -29,7 +29,7 @@ from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.data import generated_once
-from ..pipeline.joint import JOINT_MATCHES, align_joint
+from ..pipeline.joint import align_joint
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
 from ..pipeline.report import match_fields
 from ..progress import line, stage, stage_printer
@@ -39,7 +39,7 @@ from .repair import DEFAULT_CHANNELS, parse_channels, repair, statistics_data
 from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_mergeable, head_keys, head_policy,
                     head_report, untied, with_tied)
 from .statistics import gather
-from .stream import plain_fallback
+from .plan import anchor_rule, closest, merge_report, plan_merge
 
 
 
@@ -79,6 +79,8 @@ class MergeOptions:
     joint: bool | None = None  # N models in one frame (None: when more than two models and no anchor/base)
     joint_rounds: int = 10  # cap on the joint alignment's rounds after the star
     joint_refine: str = DEFAULT_REFINE  # what those rounds re-solve: every group, or the permutations only
+    mode: str = "auto"  # symmerge.merge(...): auto, memory or stream (symmerge.merge.plan.choose_mode)
+    shard_size: object = "2GB"  # a streamed output's largest shard
 
     @classmethod
     def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",
@@ -145,7 +147,7 @@ class MergeOptions:
         ``learned`` learns random convex combinations of the N models, :mod:`symmerge.pipeline.learn_joint`)."""
         if self.joint is not None:
             return self.joint
-        return n > 2 and self.anchor is None and self.base is None and self.align.match in JOINT_MATCHES
+        return n > 2 and self.anchor is None and self.base is None and self.align.matcher.joint
 
     def evaluation_data(self, needs) -> tuple[list, str | None]:
         """(the files evaluation runs on, a note when they are the ``--data`` files): ``eval_data``;
@@ -203,27 +205,23 @@ def _files_of(files, i: int) -> list:
 def closest_to_average(state_dicts, keys) -> tuple[int, list[float]]:
     avg = {k: sum(sd[k].double() for sd in state_dicts) / len(state_dicts) for k in keys}
     dists = [distance(sd, avg, keys) for sd in state_dicts]
-    return min(range(len(dists)), key=dists.__getitem__), dists
+    return closest(dists), dists
 
 
 def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pickle=False):
-    """(anchor model, info) by the module's rule; ``anchor``: None, an index, or a model/folder."""
-    if anchor is None and base_model is not None:
-        return base_model, {"index": None, "name": base_name, "rule": "base model"}
-    if anchor is None and len(models) == 2:
-        return models[1], {"index": 1, "name": names[1], "rule": "second of two"}
-    if anchor is None:
+    """(anchor model, info) by the one anchor rule (:func:`symmerge.merge.plan.anchor_rule`); ``anchor``:
+    None, an index, or a model/folder."""
+    index, rule = anchor_rule(len(models), anchor, base_model is not None)
+    if rule == "base model":
+        return base_model, {"index": None, "name": base_name, "rule": rule}
+    if rule == "closest to the average":
         idx, dists = closest_to_average([x.state_dict() for x in models], body)
-        return models[idx], {"index": idx, "name": names[idx], "rule": "closest to the average",
-                             "distances_to_average": dists}
-    if isinstance(anchor, int):
-        if not -len(models) <= anchor < len(models):
-            raise SymmergeError(f"anchor index {anchor} out of range for {len(models)} models")
-        anchor %= len(models)
-        return models[anchor], {"index": anchor, "name": names[anchor], "rule": "given"}
+        return models[idx], {"index": idx, "name": names[idx], "rule": rule, "distances_to_average": dists}
+    if index is not None:
+        return models[index], {"index": index, "name": names[index], "rule": rule}
     anchor_model = as_model(anchor, allow_pickle)
     check_bodies([models[0], anchor_model], [names[0], _name(anchor, "anchor")])
-    return anchor_model, {"index": None, "name": _name(anchor, "anchor"), "rule": "given"}
+    return anchor_model, {"index": None, "name": _name(anchor, "anchor"), "rule": rule}
 
 
 def resolve_alignment(targets, anchor_model, options: AlignOptions) -> tuple[AlignOptions, str | None]:
@@ -286,7 +284,7 @@ def gather_stats(needs, models, names, cache: _DataCache, opts: MergeOptions, de
     return stats, info
 
 
-def merge_models(models, method: str | None = None, options: MergeOptions | None = None, **keywords):
+def merge_models(models, method: str | None = None, options: MergeOptions | None = None, plan=None, **keywords):
     """Merge ``models`` (transformers models or HF folders); returns ``(model, report)``.
 
     Give a :class:`MergeOptions`, or the same as keywords: ``method``; ``align`` (``"none"`` or a
@@ -298,154 +296,176 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     body is evaluated on file i with model i's head; without it, evaluation falls back to ``data`` and the
     report's ``evaluation.note`` says so); ``weights``, ``params``, ``base``, ``heads``, ``head_from``,
     ``device``, the statistics options, ``batch_size``, ``max_examples``, ``max_length``, ``allow_pickle``,
-    ``progress``.
+    ``progress``; ``plan``: its :class:`~symmerge.merge.plan.MergePlan` (made here, in memory, when not given).
+
+    A short pipeline of named stages over one :class:`_Run`: :func:`_load_and_check` → (the plan) →
+    :func:`_align` → :func:`_statistics` → :func:`_merge` → :func:`_report` → :func:`_evaluate`; writing is
+    :func:`symmerge.merge.api.merge_to_folder`'s.
     """
     t0 = time.perf_counter()
     if options is None:
         options = MergeOptions.from_keywords(method=method or "average", **keywords)
     elif method is not None or keywords:
         raise TypeError("give either a MergeOptions or keywords, not both")
-    opts = options
-    m = opts.check(len(models))
-    dev = resolve_device(opts.device)
-    names = [_name(x, i) for i, x in enumerate(models)]
-    tokenizer = check_tokenizers(tokenizer_inputs(models, names, opts), opts.allow_tokenizer_mismatch)
-    embedding = check_pipelines(list(zip(names, models)), m, opts.base, opts.allow_pickle)  # sentence-transformers
-    timings: dict[str, float] = {}
+    if plan is None:
+        plan = plan_merge(models, options, mode="memory")
+    elif plan.mode != "memory":
+        raise SymmergeError(f"merge_models runs in memory; the plan streams ({plan.why})")
+    run = _Run(plan=plan, opts=options, m=plan.method, t0=t0)
+    for step in (_load_and_check, _align, _statistics, _merge, _report, _evaluate):
+        step(run, models)
+    run.timings["total"] = time.perf_counter() - t0
+    run.report["timings"] = run.timings
+    return run.out.to("cpu").eval(), run.report
 
-    # ------------------------------------------------ load and check everything before any expensive step
+
+class _Run:
+    """What the stages of one in-memory merge hand on to each other."""
+
+    def __init__(self, **kw):
+        self.timings: dict[str, float] = {}
+        self.__dict__.update(kw)
+
+
+def _load_and_check(run: _Run, models) -> None:
+    """Tokenizers and pipelines compared, the models (and base) loaded, bodies and heads checked, every data
+    file loaded and checked against the models that use it — before any expensive step."""
+    opts, m = run.opts, run.m
+    run.dev = resolve_device(opts.device)
+    run.names = names = list(run.plan.names)
+    run.tokenizer = check_tokenizers(tokenizer_inputs(models, names, opts), opts.allow_tokenizer_mismatch)
+    run.embedding = check_pipelines(list(zip(names, models)), m, opts.base, opts.allow_pickle)  # sentence-transformers
     what = f"{len(models)} models" + (" and the base" if opts.base is not None else "")
     with stage(f"loaded {what}", enabled=opts.progress):  # any model type: a plain merge needs no spec
-        models = [_load(x, opts.allow_pickle) for x in models]
-        base_name = _name(opts.base, "base") if opts.base is not None else None
-        base_model = _load(opts.base, opts.allow_pickle) if opts.base is not None else None
-    everything = models + ([base_model] if base_model is not None else [])
-    body = check_bodies(everything, names + ([base_name] if base_model is not None else []))
-    requested_heads = opts.heads
-    opts = replace(opts, heads=head_policy(opts.heads, type(models[0])))  # 'auto': by the model class
+        run.models = [_load(x, opts.allow_pickle) for x in models]
+        run.base_name = _name(opts.base, "base") if opts.base is not None else None
+        run.base_model = _load(opts.base, opts.allow_pickle) if opts.base is not None else None
+    everything = run.models + ([run.base_model] if run.base_model is not None else [])
+    run.body = check_bodies(everything, names + ([run.base_name] if run.base_model is not None else []))
+    run.requested_heads = opts.heads
+    opts = replace(opts, heads=head_policy(opts.heads, type(run.models[0])))  # 'auto': by the model class
     if opts.heads == "merge":
-        check_heads_mergeable(models, names)
-    cache = _DataCache(opts)
-    eval_files, eval_note = opts.evaluation_data(m.needs) if opts.evaluate else ([], None)
-    with stage("loaded and checked the data", enabled=opts.progress and bool(opts.data or eval_files)):
-        for i, x in enumerate(models):  # every file against every model that uses it, before any expensive step
+        check_heads_mergeable(run.models, names)
+    run.cache = _DataCache(opts)
+    run.eval_files, run.eval_note = opts.evaluation_data(m.needs) if opts.evaluate else ([], None)
+    with stage("loaded and checked the data", enabled=opts.progress and bool(opts.data or run.eval_files)):
+        for i, x in enumerate(run.models):  # every file against every model that uses it
             stats_files = _files_of(opts.data, i) if m.needs else []
-            scored = _files_of(eval_files, i) if i == opts.head_from or len(eval_files) > 1 else []
+            scored = _files_of(run.eval_files, i) if i == opts.head_from or len(run.eval_files) > 1 else []
             for spec in stats_files + scored:
-                cache.get(spec, x)
-    if opts.align.match != "weights" or opts.repair:  # --align-data generate: sampled once, from every model
-        opts = replace(opts, align=generated_once(opts.align, models))
-    timings["load"] = time.perf_counter() - t0
+                run.cache.get(spec, x)
+    if opts.align.matcher.needs_data or opts.repair:  # --align-data generate: sampled once, from every model
+        opts = replace(opts, align=generated_once(opts.align, run.models))
+    run.opts = opts
+    run.timings["load"] = time.perf_counter() - run.t0
 
-    # ------------------------------------------------ alignment
+
+def _align(run: _Run, models) -> None:
+    """Every model aligned to the plan's anchor (the star) or into one frame (joint), with the options the
+    plan resolved, narrowed against the anchor (:func:`resolve_alignment`, :func:`keep_output_frame`)."""
     t = time.perf_counter()
-    align_opts, fallback = plain_fallback(opts.align, models[0].config.model_type)
-    alignment: dict = {"symmetries": list(align_opts.symmetries), "requested": opts.align.requested,
-                       "rescale": align_opts.effective_rescale,
-                       "anchor": {"index": None, "name": None, "rule": None}, "models": []}
-    aligned, aligned_base = models, base_model
-    if base_model is not None and align_opts.recommended:  # fine-tunes of one base already share its frame
-        align_opts = align_opts.with_(symmetries=())
-        alignment.update(symmetries=[], rescale="none",
-                         note="'recommended' aligns nothing when a --base is given: models fine-tuned from one base "
-                              "share its parameterisation (B2: matching changed no accuracy); name symmetries to "
-                              "align anyway")
-    if fallback:
-        alignment.update(symmetries=[], rescale="none", note=fallback)
-    if align_opts.symmetries:
-        anchor_model, alignment["anchor"] = choose_anchor(models, names, body, opts.anchor, base_model, base_name,
-                                                          opts.allow_pickle)
-        targets = list(zip(names, models)) + ([(base_name, base_model)] if base_model is not None else [])
+    opts, plan, names = run.opts, run.plan, run.names
+    align_opts = plan.align.with_(align_data=opts.align.align_data) if plan.aligns else plan.align
+    alignment = plan.alignment()
+    if plan.aligns:
+        alignment.pop("note", None)
+    run.aligned, run.aligned_base = run.models, run.base_model
+    if plan.aligns:
+        anchor_model, alignment["anchor"] = choose_anchor(run.models, names, run.body, opts.anchor, run.base_model,
+                                                          run.base_name, opts.allow_pickle)
+        targets = list(zip(names, run.models)) + ([(run.base_name, run.base_model)] if run.base_model is not None
+                                                  else [])
         align_opts, note = resolve_alignment(targets, anchor_model, align_opts)
-        align_opts, kept = keep_output_frame(align_opts, opts.align.recommended, embedding)
+        align_opts, kept = keep_output_frame(align_opts, opts.align.recommended, run.embedding)
         note = "; ".join(n for n in (note, kept) if n)
         alignment.update(symmetries=list(align_opts.symmetries), rescale=align_opts.effective_rescale)
         if note:
             alignment["note"] = note
-        if opts.use_joint(len(models)):
-            joint = align_joint(models, align_opts, anchor=alignment["anchor"]["index"], names=names,
+        if plan.frame == "joint":
+            joint = align_joint(run.models, align_opts, anchor=alignment["anchor"]["index"], names=names,
                                 max_rounds=opts.joint_rounds, progress=opts.progress, refine=opts.joint_refine)
-            aligned = joint.models
+            run.aligned = joint.models
             alignment["anchor"]["rule"] += " (the star's anchor; then every model to the mean of the others)"
             alignment["joint"] = {k: v for k, v in joint.report.items() if k != "models"}
             alignment["models"] = [{**r, "anchor": i == alignment["anchor"]["index"]}
                                    for i, r in enumerate(joint.report["models"])]
         else:
-            moved, alignment["models"] = align_all(targets, anchor_model, body, align_opts, progress=opts.progress)
-            aligned, aligned_base = moved[:len(models)], moved[len(models)] if base_model is not None else None
-    timings["align"] = time.perf_counter() - t
+            moved, alignment["models"] = align_all(targets, anchor_model, run.body, align_opts, progress=opts.progress)
+            run.aligned = moved[:len(run.models)]
+            run.aligned_base = moved[len(run.models)] if run.base_model is not None else None
+    run.alignment = alignment
+    run.timings["align"] = time.perf_counter() - t
 
-    # ------------------------------------------------ statistics on the aligned models
-    t = time.perf_counter()
-    stats, stats_info = None, None
-    if m.needs:
-        stats, stats_info = gather_stats(m.needs, aligned, names, cache, opts, dev)
-    timings["statistics"] = time.perf_counter() - t
 
-    # ------------------------------------------------ merge
+def _statistics(run: _Run, models) -> None:
+    """The statistics the method needs, gathered on the aligned models."""
     t = time.perf_counter()
-    keys = untied(models[0], body + (sorted(head_keys(models[0])) if opts.heads == "merge" else []))
-    sds = [x.state_dict() for x in aligned]
+    run.stats, run.stats_info = None, None
+    if run.m.needs:
+        run.stats, run.stats_info = gather_stats(run.m.needs, run.aligned, run.names, run.cache, run.opts, run.dev)
+    run.timings["statistics"] = time.perf_counter() - t
+
+
+def _merge(run: _Run, models) -> None:
+    """The method's one state-dict loop over the body (and the heads when merged); REPAIR if asked for."""
+    t = time.perf_counter()
+    opts, m, aligned = run.opts, run.m, run.aligned
+    keys = untied(run.models[0], run.body + (sorted(head_keys(run.models[0])) if opts.heads == "merge" else []))
+    run.sds = sds = [x.state_dict() for x in aligned]
     sub = [{k: sd[k] for k in keys} for sd in sds]
+    stats = run.stats
     stats_sub = (None if stats is None else stats if m.needs_model
                  else [{k: s[k] for k in keys if k in s} for s in stats])
-    extra = {"base": {k: aligned_base.state_dict()[k] for k in keys}} if m.needs_base else {}
+    extra = {"base": {k: run.aligned_base.state_dict()[k] for k in keys}} if m.needs_base else {}
     if m.needs_model:  # the architecture, and the model the others were aligned to
-        extra.update(model=aligned[0], anchor=alignment["anchor"]["index"])
+        extra.update(model=aligned[0], anchor=run.alignment["anchor"]["index"])
     with stage(f"merged ({m.name})", enabled=opts.progress):
-        merged_sd = m.merge(sub, weights=opts.weights, stats=stats_sub, **extra, **opts.params)
-        holder = aligned[opts.head_from]
-        out = with_state_dict(holder, with_tied(holder, merged_sd))
-    timings["merge"] = time.perf_counter() - t
-    repair_info = None
+        run.merged_sd = m.merge(sub, weights=opts.weights, stats=stats_sub, **extra, **opts.params)
+        run.holder = holder = aligned[opts.head_from]
+        run.out = with_state_dict(holder, with_tied(holder, run.merged_sd))
+    run.timings["merge"] = time.perf_counter() - t
+    run.repair_info = None
     if opts.repair:
         t = time.perf_counter()
-        out, repair_info = repair(out, aligned, opts.weights,
-                                  statistics_data(load_align_data(opts.align, out), opts.repair_samples),
-                                  channels=opts.repair_channels, progress=opts.progress)
-        timings["repair"] = time.perf_counter() - t
+        run.out, run.repair_info = repair(run.out, aligned, opts.weights,
+                                          statistics_data(load_align_data(opts.align, run.out), opts.repair_samples),
+                                          channels=opts.repair_channels, progress=opts.progress)
+        run.timings["repair"] = time.perf_counter() - t
 
-    hk = head_keys(models[0])
-    head_info = head_report(hk, opts.heads, requested_heads, opts.head_from, names, head_keys(holder))
+
+def _report(run: _Run, models) -> None:
+    """The report (:func:`symmerge.merge.plan.merge_report`) from the plan and what was measured."""
+    opts, m, names, body = run.opts, run.m, run.names, run.body
+    head_info = head_report(head_keys(run.models[0]), opts.heads, run.requested_heads, opts.head_from, names,
+                            head_keys(run.holder))
     with stage("distances between the inputs and to the result", enabled=opts.progress):
-        before = _pairwise([x.state_dict() for x in models], body, names)
-        after = before if aligned is models else _pairwise(sds, body, names)
-        to_result = {n: distance(out.state_dict(), sd, body) for n, sd in zip(names, sds)}
-    report = {
-        "method": m.name,
-        "params": opts.params,
-        "weights": list(opts.weights) if opts.weights is not None else None,
-        "models": names,
-        "base": base_name,
-        "model_type": models[0].config.model_type,
-        "alignment": alignment,
-        "head": head_info,
-        "statistics": None if stats_info is None else {
-            "kind": m.needs, "per_model": stats_info,
-            **({"gram_normalize": opts.gram_normalize} if m.needs == "gram" else
-               {"fisher_variant": opts.fisher_variant, "fisher_normalize": opts.fisher_normalize,
-                "fisher_samples": opts.fisher_samples} if m.needs == "fisher" else {}),
-        },
-        "distances_between_inputs": {"before_alignment": before, "after_alignment": after},
-        "distance_result_to_inputs": to_result,
-        "device": str(dev),
-        "repair": repair_info,
-        "mode": "memory",
-        "tokenizer": tokenizer,
-        **({"sentence_transformers": embedding} if embedding else {}),
+        before = _pairwise([x.state_dict() for x in run.models], body, names)
+        after = before if run.aligned is run.models else _pairwise(run.sds, body, names)
+        to_result = {n: distance(run.out.state_dict(), sd, body) for n, sd in zip(names, run.sds)}
+    statistics = None if run.stats_info is None else {
+        "kind": m.needs, "per_model": run.stats_info,
+        **({"gram_normalize": opts.gram_normalize} if m.needs == "gram" else
+           {"fisher_variant": opts.fisher_variant, "fisher_normalize": opts.fisher_normalize,
+            "fisher_samples": opts.fisher_samples} if m.needs == "fisher" else {}),
     }
+    run.report = merge_report(run.plan, base=run.base_name, alignment=run.alignment, head=head_info,
+                              distances_between_inputs={"before_alignment": before, "after_alignment": after},
+                              distance_result_to_inputs=to_result, statistics=statistics, device=str(run.dev),
+                              repair=run.repair_info, tokenizer=run.tokenizer, embedding=run.embedding)
 
-    # ------------------------------------------------ evaluation
+
+def _evaluate(run: _Run, models) -> None:
+    """The merged model as saved, and the inputs, scored on the evaluation data."""
     t = time.perf_counter()
-    if eval_files:
-        report["evaluation"] = _evaluate_all(out, models, aligned, merged_sd, names, cache, opts, dev, eval_files)
-        report["evaluation"]["data_role"] = "--eval-data" if opts.eval_data else "--data"
-        if eval_note:
-            report["evaluation"]["note"] = eval_note
-    timings["evaluate"] = time.perf_counter() - t
-    timings["total"] = time.perf_counter() - t0
-    report["timings"] = timings
-    return out.to("cpu").eval(), report
+    opts = run.opts
+    if run.eval_files:
+        ev = _evaluate_all(run.out, run.models, run.aligned, run.merged_sd, run.names, run.cache, opts, run.dev,
+                           run.eval_files)
+        ev["data_role"] = "--eval-data" if opts.eval_data else "--data"
+        if run.eval_note:
+            ev["note"] = run.eval_note
+        run.report["evaluation"] = ev
+    run.timings["evaluate"] = time.perf_counter() - t
 
 
 def _load(x, allow_pickle: bool):

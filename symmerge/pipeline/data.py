@@ -22,7 +22,7 @@ def load_align_data(options, model, sources=None):
                              batch_size=batch_size, spec=f"generate:{n}:{length}:{seed}")
         check_data(data, model, use_labels=False)
         return data
-    max_length = options.learn.max_length if options.match == "learned" else None
+    max_length = options.learn.max_length if options.matcher.learns else None
     return load_data(options.align_data, model, max_examples=options.align_samples, max_length=max_length,
                      batch_size=batch_size, labels=False)
 

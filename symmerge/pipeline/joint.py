@@ -53,11 +53,12 @@ from .bound import bind
 from .frame import JointAlignment, mean_state_dict, spread  # noqa: F401  (re-exported)
 from .options import DEFAULT_REFINE, JOINT_REFINE, AlignOptions
 from .engine import solve
+from .matchers import MATCHERS
 from .verify import verify_elements, verify_forward, with_state_dict
 
 # the matchers joint alignment runs: weights and activations align each model to the mean of the others (any
 # anchor); learned starts from one of them and learns random convex combinations (pipeline/learn_joint.py)
-JOINT_MATCHES = ("weights", "activations", "learned")
+JOINT_MATCHES = tuple(n for n, m in MATCHERS.items() if m.joint)  # the matchers that declare ``joint``
 
 
 ROUND_SWEEPS = 10  # cap on the coordinate-descent sweeps of each re-alignment after the star (activations)
@@ -118,7 +119,7 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     :data:`ROUND_TOL` else); ``refine``: what the rounds re-solve (:data:`JOINT_REFINE`: ``all`` the
     options' groups, ``discrete`` only the permutations, on top of the star's continuous elements).
 
-    Data-free (``options.match == "weights"``, ``warm``), a step after the star is ``round_sweeps``
+    Data-free (a matcher without ``needs_data``, ``warm``), a step after the star is ``round_sweeps``
     (default 1) sweeps of the descent from the model's current element — generalized Procrustes — and,
     with ``refine="all"`` and rounds to follow, the star's pairwise descents stop after ``star_sweeps``
     sweeps (None: converged): the rounds continue the same descent. Otherwise (activations, or
@@ -132,12 +133,12 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     if not -n <= anchor < n:
         raise SymmergeError(f"anchor index {anchor} out of range for {n} models")
     anchor %= n
-    if options.match not in JOINT_MATCHES:
+    if not options.matcher.joint:
         raise SymmergeError(f"joint alignment runs the {', '.join(JOINT_MATCHES)} matchers; --match "
                             f"{options.match} aligns pairwise to one anchor (pass --anchor to merge that way)")
     if refine not in JOINT_REFINE:
         raise SymmergeError(f"unknown joint refinement {refine!r}; choose {', '.join(JOINT_REFINE)}")
-    sweeping = options.match == "weights" and warm
+    sweeping = not options.matcher.needs_data and warm
     tol = (SWEEP_ROUND_TOL if sweeping else ROUND_TOL) if tol is None else tol
     round_sweeps = (SWEEP_ROUND_SWEEPS if sweeping else ROUND_SWEEPS) if round_sweeps is None else round_sweeps
     if max_rounds < 0 or not tol >= 0 or round_sweeps < 1 or (star_sweeps is not None and star_sweeps < 1):
@@ -147,7 +148,7 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     for i, x in enumerate(models):
         if i != anchor:
             check_compatible(x, models[anchor])
-    if options.match == "learned":  # a closed-form joint alignment, then the mixtures learned
+    if options.matcher.learns:  # a closed-form joint alignment, then the mixtures learned
         from .learn_joint import align_joint_learned
 
         return align_joint_learned(models, options, anchor, names, max_rounds, tol, inputs, progress, round_sweeps,

@@ -270,7 +270,7 @@ def choose_concentration(learn, instances, skeleton, state_dicts: list[dict], fr
 def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds: int = 10, tol: float | None = None,
                         inputs: dict | None = None, progress: bool = False, round_sweeps: int | None = None,
                         concentration: float | None = None, *, closed_form):
-    """:func:`~symmerge.pipeline.joint.align_joint` for ``options.match == "learned"`` (called from it,
+    """:func:`~symmerge.pipeline.joint.align_joint` for a matcher that ``learns`` (called from it,
     arguments already checked): the closed-form joint alignment with the matcher
     ``options.learn.start``, then :func:`learn_mixture` on ``options.align_data``; the frame is the
     star's anchor's. Returns a :class:`~symmerge.pipeline.joint.JointAlignment` whose report adds

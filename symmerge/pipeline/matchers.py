@@ -15,7 +15,8 @@ declared capabilities (:mod:`symmerge.groups.base`), never a kind's name, and ad
 * ``learned`` — from a closed form, the kinds' continuous parameterisations optimised so that the
   interpolated model matches the interpolated predictions (:mod:`symmerge.pipeline.learn`).
 
-Adding a matcher: write ``match(ctx)`` and register it in :data:`MATCHERS`; ``AlignOptions`` and the
+Adding a matcher: write ``match(ctx)``, declare what it can do in a :class:`Matcher` (``streams``, ``joint``,
+``needs_data``, ``learns``) and register it in :data:`MATCHERS`; ``AlignOptions`` and the
 CLI's ``--match`` accept its name (``options.MATCH_MODES`` is this registry's keys), and ``align``,
 ``merge`` and ``barrier`` then run it.
 """
@@ -23,6 +24,7 @@ CLI's ``--match`` accept its name (``options.MATCH_MODES`` is this registry's ke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..errors import SymmergeError
 
@@ -86,4 +88,50 @@ def match_learned(ctx: MatchContext) -> dict:
     return elements
 
 
-MATCHERS = {"weights": match_weights, "activations": match_activations, "learned": match_learned}
+@dataclass(frozen=True)
+class Matcher:
+    """A matcher plug-in and what it can do, read by every caller instead of its name:
+
+    * ``streams`` — it runs in the streamed engine (:mod:`symmerge.pipeline.stream`: one part of a layer at a
+      time, on the weights read from the files); a plan that streams refuses a matcher without it;
+    * ``joint`` — it takes an arbitrary anchor, so the joint alignment of N models
+      (:mod:`symmerge.pipeline.joint`) can run it;
+    * ``needs_data`` — it reads unlabeled ``--align-data``; without it a step of the joint alignment is one
+      sweep of the engine's descent on the state dicts;
+    * ``learns`` — it trains the continuous elements (:class:`~symmerge.pipeline.options.LearnSettings`
+      apply; the joint alignment hands over to :mod:`symmerge.pipeline.learn_joint`)."""
+
+    name: str
+    fit: Callable
+    streams: bool = False
+    joint: bool = True
+    needs_data: bool = True
+    learns: bool = False
+
+    def __call__(self, ctx: MatchContext) -> dict:
+        return self.fit(ctx)
+
+
+MATCHERS = {m.name: m for m in (
+    Matcher("weights", match_weights, streams=True, joint=True, needs_data=False),
+    Matcher("activations", match_activations, streams=False, joint=True, needs_data=True),
+    Matcher("learned", match_learned, streams=False, joint=True, needs_data=True, learns=True),
+)}
+
+
+def matcher(name: str) -> Matcher:
+    """The registered matcher ``name`` (its capabilities), or one clear error naming the known ones."""
+    try:
+        return MATCHERS[name]
+    except KeyError:
+        raise SymmergeError(f"unknown match mode {name!r}; choose one of {', '.join(MATCHERS)}") from None
+
+
+def streaming_refusal(name: str, flag: str = "streaming") -> str | None:
+    """Why the matcher ``name`` cannot run on a streamed alignment (None: it can); ``flag``: how the text
+    names the streamed mode (``--stream``, ``--mode stream``)."""
+    if matcher(name).streams:
+        return None
+    able = ", ".join(n for n, m in MATCHERS.items() if m.streams)
+    return (f"{flag} matches {able} only (data-free): --match {name} runs the models on --align-data, so it "
+            "needs them in memory (--mode memory; align without --stream)")

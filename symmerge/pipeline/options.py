@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import SymmergeError
 from ..families import SYMMETRIES
 from ..groups import RESCALE_MODES, Options
-from .matchers import MATCHERS
+from .matchers import MATCHERS, matcher
 
 PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations and scales, FFN permutations
 DEFAULT_SYMMETRIES = PAPER  # the default of the Python ``align()`` and of AlignOptions (the CLI: 'recommended')
@@ -224,7 +224,7 @@ class AlignOptions:
             raise SymmergeError(f"unknown residual group {self.residual!r}; choose {' or '.join(RESIDUAL_CHOICES)}")
         if self.match not in MATCH_MODES:
             raise SymmergeError(f"unknown match mode {self.match!r}; choose one of {', '.join(MATCH_MODES)}")
-        if self.match != "weights" and self.align_data is None:
+        if self.matcher.needs_data and self.align_data is None:
             raise SymmergeError(f"--match {self.match} needs unlabeled data: pass --align-data FILE")
         if self.align_samples < 1:
             raise SymmergeError(f"--align-samples must be >= 1, got {self.align_samples}")
@@ -239,6 +239,11 @@ class AlignOptions:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
                                          or self.workers < 1):
             raise SymmergeError(f"workers must be a whole number >= 1 (or None: one per core), got {self.workers!r}")
+
+    @property
+    def matcher(self):
+        """The :class:`~symmerge.pipeline.matchers.Matcher` of ``match``: what it can do."""
+        return matcher(self.match)
 
     @property
     def effective_rescale(self) -> str:

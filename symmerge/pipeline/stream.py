@@ -42,13 +42,14 @@ from ..core.layout import check_layouts
 from ..core.parallel import put_until_stopped
 from ..core.resolve import config_sizes, resolve, value_keys
 from ..errors import SymmergeError
-from ..families import spec_for
+from ..families import spec_for, symmetries_whose
 from ..io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
 from ..io.model import atomic_dir, copy_side_files, write_json
 from ..io.card import write_card
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from .engine import SolveContext, active, parts, prepare_costly, solve_local
+from .matchers import streaming_refusal
 from .options import AlignOptions
 from .report import Distances, alignment_report
 from .verify import ELEMENT_CHECK, verify_elements
@@ -261,29 +262,34 @@ def _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, job: _Job, pbar, timings, w
         raise
 
 
-def align_streaming(model, anchor, out, symmetries=("attn", "ffn", "rescale"), rescale: str = "joint",
-                    layers=None, device="cpu", shard_size=DEFAULT_SHARD, progress: bool = True,
-                    verify_forward: bool = False, verify_tol: float | None = None, log=None,
-                    pipeline: bool = False, workers: int | None = None, options: AlignOptions | None = None,
+def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, shard_size=DEFAULT_SHARD,
+                    progress: bool = True, verify_forward: bool = False, log=None, pipeline: bool = False,
                     allow_tokenizer_mismatch: bool = False) -> dict:
     """Align the safetensors checkpoint folder ``model`` to ``anchor`` layer by layer and write the
-    result to the folder ``out`` (atomically, in shards of at most ``shard_size``). Returns the report
+    result to the folder ``out`` (atomically, in shards of at most ``shard_size``) with ``options`` (an
+    :class:`AlignOptions`; default: the paper's attn, ffn, rescale; its ``symmetries``, ``rescale``,
+    ``layers``, ``device``, ``verify_tol`` and ``workers`` apply; its matcher must stream). Returns the report
     (also written as ``out/symmerge_report.json``).
 
     Default (low memory): one tensor-disjoint part of a layer at a time, shards cut at about one
     layer; peak memory ≈ the largest part of both models + its cost matrix. ``pipeline=True``
-    overlaps reading, solving (``workers`` layers at once, default 2) and writing across layers."""
+    overlaps reading, solving (``options.workers`` layers at once, default 2) and writing across layers."""
     from ..device import resolve_device
     from ..progress import bar, stage
 
     start = time.perf_counter()
+    options = options if options is not None else AlignOptions()
+    refusal = streaming_refusal(options.match)
+    if refusal:
+        raise SymmergeError(refusal)
     tokenizer = check_tokenizers([(str(model), model), (str(anchor), anchor)], allow_tokenizer_mismatch)
-    embedding = check_pipelines([(str(model), model)])  # sentence-transformers; residual never streams
-    options = options or AlignOptions(symmetries=symmetries, rescale=rescale, layers=layers, device=device,
-                                      verify_tol=verify_tol)
-    if "residual" in options.symmetries and not options.recommended:
-        raise SymmergeError("the residual symmetry couples every layer (one transform of the whole stream) and "
-                            "cannot be streamed; align it in memory (without --stream) or leave it out")
+    embedding = check_pipelines([(str(model), model)])  # sentence-transformers; the stream's frame never streams
+    if not options.recommended:
+        ruled_out = [s for s in options.symmetries if s in symmetries_whose(lambda kind: not kind.per_layer)]
+        if ruled_out:
+            raise SymmergeError(f"the {ruled_out[0]} symmetry couples every layer (one transform of the whole "
+                                "stream) and cannot be streamed; align it in memory (without --stream) or leave it out")
+    workers = options.workers or 2
     dev = resolve_device(options.device)
     max_bytes = parse_size(shard_size)
     workers = workers or 2

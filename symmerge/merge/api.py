@@ -1,0 +1,44 @@
+"""The library entry that writes: ``symmerge.merge(models, out, options) -> report`` plans the merge
+(:func:`~symmerge.merge.plan.plan_merge`: the mode and why), runs the wing the plan chose — in memory
+(:func:`~symmerge.merge.fuse.merge_models`) or streamed (:func:`~symmerge.merge.stream.merge_streaming`) —
+and writes the folder ``out`` atomically, exactly as ``symmerge merge`` does (the command parses its flags
+into a :class:`~symmerge.merge.fuse.MergeOptions`, calls this, and prints)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import SymmergeError
+from ..io.model import ensure_output_dir, save_model
+from ..progress import stage
+from .fuse import MergeOptions, merge_models
+from .modules import merge_pipeline_modules
+from .plan import plan_merge
+
+
+def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords) -> dict:
+    """Merge ``models`` (HF folders, or transformers models for an in-memory merge) into the folder ``out``
+    (must not exist or be empty; written atomically) with ``options`` (a :class:`MergeOptions`, or its
+    fields as keywords; ``options.mode``: ``auto``, ``memory`` or ``stream``; ``options.shard_size``: the
+    streamed output's largest shard). Returns the report (also ``out/symmerge_report.json``), whose
+    ``plan`` says which mode ran and why."""
+    if options is None:
+        options = MergeOptions.from_keywords(**keywords)
+    elif keywords:
+        raise TypeError("give either a MergeOptions or keywords, not both")
+    out = Path(out)
+    ensure_output_dir(out)  # fail before any expensive work
+    models = list(models)
+    if len(models) < 2:
+        raise SymmergeError("merge needs at least two models")
+    plan = plan_merge(models, options, mode=options.mode)
+    if plan.mode == "stream":
+        from . import stream  # looked up at call time (tests bound the read-ahead budget through it)
+
+        return stream.merge_streaming(models, out, options, shard_size=options.shard_size, plan=plan)
+    model, report = merge_models(models, options=options, plan=plan)
+    src = models[report["head"].get("from_index", 0) or 0]
+    with stage(f"wrote {out}", enabled=options.progress):
+        save_model(model, out, src=src if isinstance(src, (str, Path)) else None, report=report,
+                   merge_modules=merge_pipeline_modules)
+    return report

@@ -1,0 +1,265 @@
+"""One merge plan, resolved once from the inputs' headers (config.json, safetensors headers; no weights) and
+the options, and executed by both wings (in memory: :mod:`symmerge.merge.fuse`; streamed:
+:mod:`symmerge.merge.stream`), neither of which re-derives a rule:
+
+* the **mode** (``auto`` / ``memory`` / ``stream``) and why (:func:`choose_mode`);
+* what the **alignment** resolves to for these models (:func:`recommended`: 'recommended' aligns nothing for a
+  model type without a symmetry spec, nor when a base model is given) and whether its **matcher** can run in
+  the chosen mode (a matcher that cannot stream is refused by the plan, in one error naming ``--match`` and
+  ``--mode``);
+* the **frame** (``none``: nothing aligned; ``base``: every model aligned to the base; ``star``: every model to
+  one anchor; ``joint``: every model into one common frame) and the **anchor** rule (:func:`anchor_rule`);
+* the **method** and its checked parameters, the **statistics** it needs, the requested **head** policy;
+* the **report**: :func:`merge_report` builds it from the plan plus what was measured, in both wings.
+
+The per-tensor steps of a streamed merge (:class:`~symmerge.merge.steps.TensorStep`) are planned from the
+checkpoint headers by the streamed wing (:func:`symmerge.merge.stream.plain_steps`) and run by
+:func:`symmerge.merge.executor.execute_steps`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..core.memory import available_memory
+from ..errors import SymmergeError
+from ..families import spec_for, supported_model_types
+from ..io.model import read_config, weight_files
+from ..pipeline.matchers import streaming_refusal
+from ..pipeline.options import AlignOptions
+
+MODES = ("auto", "stream", "memory")
+MEMORY_FRACTION = 0.5  # auto: models larger than this fraction of the available memory are streamed
+BASE_NOTE = ("'recommended' aligns nothing when a --base is given: models fine-tuned from one base share its "
+             "parameterisation (matching changed no accuracy there, docs/results.md); name symmetries to align "
+             "anyway")
+FRAMES = ("none", "base", "star", "joint")
+
+
+def has_spec(model_type: str) -> bool:
+    try:
+        spec_for(model_type)
+        return True
+    except SymmergeError:
+        return False
+
+
+def plain_fallback(align: AlignOptions, model_type: str):
+    """(alignment options, note) for a model type without a symmetry spec: 'recommended' falls back to no
+    alignment with a note; an explicit list is refused naming the supported types; 'none' stays."""
+    if not align.symmetries or has_spec(model_type):
+        return align, None
+    if align.recommended:
+        return align.with_(symmetries=()), (f"no symmetry spec for model_type {model_type!r}: merged without "
+                                            f"alignment (symmetry alignment supports: "
+                                            f"{', '.join(supported_model_types())})")
+    spec_for(model_type)  # raises the one clear error naming the supported types
+    return align, None
+
+
+def recommended(align: AlignOptions, model_type: str, base_given: bool) -> tuple[AlignOptions, str | None]:
+    """What the alignment options resolve to for a merge of ``model_type`` models, with a note when
+    'recommended' was narrowed: nothing for a model type without a spec (:func:`plain_fallback`), nothing when
+    a base model is given (fine-tunes of one base share its frame). The groups a given model binds, and the
+    ones the heads or the output frame rule out, are resolved against the anchor by the aligning wing."""
+    align, note = plain_fallback(align, model_type)
+    if align.symmetries and base_given and align.recommended:
+        return align.with_(symmetries=()), BASE_NOTE
+    return align, note
+
+
+def anchor_rule(n: int, anchor, base_given: bool) -> tuple[int | None, str]:
+    """(index of the anchor among the ``n`` models or None, the rule): the given one (an index or a
+    model/folder: None); else the base model; else, for two models, the second (the paper's convention);
+    else the model closest (L2) to the plain average — measured by the wing (:func:`closest`), index None
+    here."""
+    if anchor is None and base_given:
+        return None, "base model"
+    if anchor is None and n == 2:
+        return 1, "second of two"
+    if anchor is None:
+        return None, "closest to the average"
+    if isinstance(anchor, int):
+        if not -n <= anchor < n:
+            raise SymmergeError(f"anchor index {anchor} out of range for {n} models")
+        return anchor % n, "given"
+    return None, "given"
+
+
+def closest(distances) -> int:
+    """The index of the smallest distance (the model closest to the average)."""
+    return min(range(len(distances)), key=list(distances).__getitem__)
+
+
+def checkpoint_bytes(folder) -> int:
+    """Bytes of a folder's weight files (0 when it is not a folder of safetensors weights)."""
+    try:
+        files, safe = weight_files(Path(folder))
+    except SymmergeError:
+        return 0
+    return sum(os.path.getsize(f) for f in files) if safe else 0
+
+
+def stream_refusal(method, options, aligns: bool = False) -> str | None:
+    """Why this merge needs the models in memory (``None``: it can stream)."""
+    if method.needs:
+        return (f"method {method.name!r} needs the models in memory (its {method.needs} statistics come from "
+                "running them on data)")
+    if method.needs_model:
+        return f"method {method.name!r} needs the models in memory (it reads the architecture)"
+    if options.repair:
+        return "REPAIR needs the models in memory (it runs them on data)"
+    if options.joint:
+        return "joint alignment (every model to the mean of the others) needs the models in memory"
+    if options.data or options.eval_data:
+        return "evaluating the merged model on data needs it in memory"
+    if aligns:
+        return streaming_refusal(options.align.match)
+    return None
+
+
+def choose_mode(mode: str, method, options, models, aligns: bool) -> tuple[str, str]:
+    """('stream' or 'memory', why) for ``--mode`` ``mode``. ``auto`` streams every per-tensor merge that
+    aligns nothing (reading each tensor once is faster and smaller than loading the models); an aligned
+    one is loaded when the models fit in half the available memory, else streamed (each model aligned by
+    ``align --stream``'s engine); a merge that cannot stream (statistics, REPAIR, evaluation, a matcher that
+    runs the models on data) is loaded, or refused when it would not fit. ``stream`` refuses what cannot
+    stream; ``memory`` always loads."""
+    if mode not in MODES:
+        raise SymmergeError(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "memory":
+        return "memory", "--mode memory"
+    refusal = stream_refusal(method, options, aligns)
+    if any(not isinstance(x, (str, Path)) for x in models) or (options.base is not None and
+                                                                not isinstance(options.base, (str, Path))):
+        refusal = refusal or "models given as objects are already in memory"
+    if refusal is None and any(checkpoint_bytes(x) == 0 for x in models):
+        refusal = "streaming reads safetensors folders"
+    if mode == "stream":
+        if refusal:
+            raise SymmergeError(f"--mode stream: {refusal}; use --mode memory")
+        return "stream", "--mode stream"
+    if refusal is None and not aligns:
+        return "stream", "auto: a per-tensor merge without alignment streams"
+    total = sum(checkpoint_bytes(x) for x in models if isinstance(x, (str, Path)))
+    free = available_memory()
+    too_big = free is not None and total > MEMORY_FRACTION * free
+    if refusal is None:  # aligned: in memory (every group, residual included) unless the models do not fit
+        if too_big:
+            return "stream", (f"auto: the models ({total / 1e9:.1f} GB) exceed half the available memory: each "
+                              "is aligned streamed (the groups that stream), then merged tensor by tensor")
+        return "memory", "auto: aligned merges load the models when they fit"
+    if too_big:
+        raise SymmergeError(f"--mode auto: the models ({total / 1e9:.1f} GB) would not fit in memory "
+                            f"({free / 1e9:.1f} GB available) and this merge cannot stream: {refusal}")
+    return "memory", f"auto: {refusal}"
+
+
+def _name(x, i) -> str:
+    return str(x) if isinstance(x, (str, Path)) else f"model {i}"
+
+
+def model_type_of(x) -> str:
+    """The model type of a folder (its config.json) or of a model object."""
+    if isinstance(x, (str, Path)):
+        return read_config(Path(x), spec=False)["model_type"]
+    return x.config.model_type
+
+
+@dataclass
+class MergePlan:
+    """A merge resolved before any weight is read (:func:`plan_merge`)."""
+
+    method: object  # the Method
+    names: list
+    model_type: str
+    mode: str
+    why: str
+    align: AlignOptions  # what is aligned (no symmetries: nothing); 'recommended' resolved per anchor later
+    requested: str  # the alignment as asked for ('recommended', 'none' or the list)
+    note: str | None
+    frame: str  # FRAMES
+    anchor_index: int | None
+    anchor_rule: str | None
+    params: dict = field(default_factory=dict)
+    weights: list | None = None
+    statistics: str | None = None  # what the method needs gathered (Method.needs)
+    heads: str = "auto"  # as requested (resolved by the model class: symmerge.merge.heads.head_policy)
+
+    @property
+    def aligns(self) -> bool:
+        return bool(self.align.symmetries)
+
+    def alignment(self) -> dict:
+        """The report's ``alignment`` entry before anything is measured."""
+        out = {"symmetries": [], "requested": self.requested, "rescale": "none",
+               "anchor": {"index": None, "name": None, "rule": None}, "models": []}
+        if self.note:
+            out["note"] = self.note
+        return out
+
+    def describe(self) -> dict:
+        """The plan as the report records it (``plan``)."""
+        return {"mode": self.mode, "why": self.why, "frame": self.frame,
+                "anchor_rule": self.anchor_rule if self.aligns else None,
+                "match": self.align.match if self.aligns else None, "statistics": self.statistics}
+
+
+def plan_merge(models, options, mode: str = "auto") -> MergePlan:
+    """The :class:`MergePlan` of merging ``models`` (folders or model objects) with ``options`` (a
+    :class:`~symmerge.merge.fuse.MergeOptions`, checked here) in ``mode``: read from the first input's
+    config.json and the folders' sizes only."""
+    n = len(models)
+    m = options.check(n)
+    model_type = model_type_of(models[0])
+    align, note = recommended(options.align, model_type, options.base is not None)
+    aligns = bool(align.symmetries)
+    mode, why = choose_mode(mode, m, options, models, aligns)
+    index, rule = anchor_rule(n, options.anchor, options.base is not None) if aligns else (None, None)
+    if not aligns:
+        frame = "none"
+    elif options.anchor is None and options.base is not None:
+        frame = "base"
+    elif mode == "memory" and options.use_joint(n):
+        frame = "joint"
+    else:
+        frame = "star"
+    return MergePlan(method=m, names=[_name(x, i) for i, x in enumerate(models)], model_type=model_type, mode=mode,
+                     why=why, align=align, requested=options.align.requested, note=note, frame=frame,
+                     anchor_index=index, anchor_rule=rule, params=options.params,
+                     weights=list(options.weights) if options.weights is not None else None,
+                     statistics=m.needs, heads=options.heads)
+
+
+def merge_report(plan: MergePlan, *, base, alignment: dict, head: dict, distances_between_inputs: dict,
+                 distance_result_to_inputs: dict, statistics=None, device="cpu", repair=None, stream=None,
+                 tokenizer=None, embedding=None, side_files=None, names=None) -> dict:
+    """The merge report, in both wings: the plan plus what was measured (``names``: the inputs as the
+    report names them; default the plan's)."""
+    report = {
+        "method": plan.method.name,
+        "params": plan.params,
+        "weights": plan.weights,
+        "models": list(names if names is not None else plan.names),
+        "base": base,
+        "model_type": plan.model_type,
+        "alignment": alignment,
+        "head": head,
+        "statistics": statistics,
+        "distances_between_inputs": distances_between_inputs,
+        "distance_result_to_inputs": distance_result_to_inputs,
+        "device": device,
+        "repair": repair,
+        "mode": plan.mode,
+        "plan": plan.describe(),
+    }
+    if stream is not None:
+        report["stream"] = stream
+    report["tokenizer"] = tokenizer
+    if embedding:
+        report["sentence_transformers"] = embedding
+    if side_files is not None:
+        report["side_files"] = side_files
+    return report

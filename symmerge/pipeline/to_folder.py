@@ -1,0 +1,67 @@
+"""The library entry that writes an alignment: ``symmerge.align_to_folder(model, anchor, out, options)``
+aligns ``model`` to ``anchor`` in memory (:func:`~symmerge.pipeline.align.align_pair`) or streamed
+(:func:`~symmerge.pipeline.stream.align_streaming`, ``stream=True``) and writes the folder ``out`` atomically,
+exactly as ``symmerge align`` does (the command parses its flags, calls this, and prints). What a streamed
+alignment cannot do is refused here, before anything is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import SymmergeError
+from ..io.model import ensure_output_dir, save_model
+from ..progress import stage, stage_printer
+from .matchers import streaming_refusal
+from .options import AlignOptions
+
+
+def stream_refusal(options: AlignOptions, allow_pickle: bool = False) -> str | None:
+    """Why ``align --stream`` cannot run with ``options`` (None: it can)."""
+    if allow_pickle:
+        return "--stream reads safetensors only; convert pickle checkpoints first"
+    if not options.verify:
+        return "--stream always checks its group elements; --no-verify does not apply"
+    refusal = streaming_refusal(options.match, "--stream")
+    if refusal:
+        return refusal
+    if options.align_data is not None:
+        return "--stream matches weights only (data-free); --align-data needs the models in memory: leave out --stream"
+    if options.untie or options.residual != "largest":
+        return "--stream does not align the residual stream; --untie and --residual do not apply"
+    return None
+
+
+def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, stream: bool = False,
+                    progress: bool = True, allow_pickle: bool = False, allow_tokenizer_mismatch: bool = False,
+                    shard_size=None, pipeline: bool = False, verify_forward: bool = False) -> dict:
+    """Align ``model`` (an HF folder, or a transformers model in memory) to ``anchor`` with ``options`` and
+    write the result to the folder ``out`` (must not exist or be empty; written atomically, with the model's
+    side files, a model card and ``symmerge_report.json``). ``stream``: layer by layer from the safetensors
+    files (``shard_size``, ``pipeline``, ``verify_forward`` apply there only). Returns the report."""
+    options = options if options is not None else AlignOptions()
+    for flag, given in (("--pipeline", pipeline), ("--verify-forward", verify_forward)):
+        if given and not stream:
+            raise SymmergeError(f"{flag} applies to --stream only")
+    out = Path(out)
+    ensure_output_dir(out)  # fail before any expensive work
+    if stream:
+        refusal = stream_refusal(options, allow_pickle)
+        if refusal:
+            raise SymmergeError(refusal)
+        if options.workers is not None and not pipeline:
+            raise SymmergeError("--workers with --stream needs --pipeline (the low-memory mode solves one part of "
+                                "one layer at a time, to bound memory)")
+        from .stream import DEFAULT_SHARD, align_streaming
+
+        return align_streaming(model, anchor, out, options, shard_size=shard_size or DEFAULT_SHARD,
+                               progress=progress, verify_forward=verify_forward, pipeline=pipeline,
+                               allow_tokenizer_mismatch=allow_tokenizer_mismatch)
+    from .align import align_pair
+
+    result = align_pair(model, anchor, options, progress=stage_printer() if progress else None,
+                        allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
+    report = result.report
+    report.update(model=str(model), anchor=str(anchor))
+    with stage(f"wrote {out}", enabled=progress):
+        save_model(result.model, out, src=model if isinstance(model, (str, Path)) else None, report=report)
+    return report
