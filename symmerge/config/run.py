@@ -18,7 +18,7 @@ from ..errors import SymmergeError
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def run_jobs(desc, shard_size="5GB", device="cpu") -> list[dict]:
+def run_jobs(desc, shard_size="5GB", progress=True) -> list[dict]:
     """Every job of ``desc`` (a mergekit config); the final one written to ``desc.output``. Returns one
     summary dict per job."""
     from ..io.model import ensure_output_dir
@@ -39,7 +39,7 @@ def run_jobs(desc, shard_size="5GB", device="cpu") -> list[dict]:
                 target = temp / job.name
             inputs = [Path(i.folder) if i.folder is not None else folders[i.job] for i in job.inputs]
             t0 = time.perf_counter()
-            execute(job, inputs, target, shard_size=shard_size, device=device)
+            execute(job, inputs, target, shard_size=shard_size, progress=progress)
             folders.append(target)
             summaries.append({"name": job.name, "method": job.method, "tensors": len(job.steps),
                               "layers": job.layers, "output": str(target), "seconds": time.perf_counter() - t0})
@@ -49,74 +49,28 @@ def run_jobs(desc, shard_size="5GB", device="cpu") -> list[dict]:
     return summaries
 
 
-def execute(job, inputs, out, shard_size="5GB", device="cpu") -> None:
-    """One job: its steps read from ``inputs`` (folders), merged and written to ``out`` with the source's
-    config.json (plus the job's edits) and side files."""
-    from ..io.checkpoint import LazyCheckpoint, parse_size
-    from ..io.model import atomic_dir, copy_side_files, write_json
-    from ..merge import get_method
-    from ..merge.base import merge_tensor
-    from ..merge.steps import step_arguments
-    from safetensors.torch import save_file
+def execute(job, inputs, out, shard_size="5GB", progress=True) -> dict:
+    """One job through the streamed executor (:func:`symmerge.merge.executor.execute_steps`): its steps read
+    from ``inputs`` (folders), merged and written to ``out`` with the config.json of input ``config_from``
+    plus the job's edits, the side files (tokenizer, generation config) of input ``side_files_from``, and the
+    chat template asked for."""
+    from ..merge import METHODS
+    from ..merge.executor import execute_steps
+    from .mergekit import _copy_method
 
-    method = get_method(job.method) if any(st.merge for st in job.steps) else None
-    ckpts = {}
-
-    def ckpt(i):
-        if i not in ckpts:
-            ckpts[i] = LazyCheckpoint(inputs[i], spec=False)
-        return ckpts[i]
-
-    compute = DTYPES.get(job.dtype) if job.dtype else None
-    final = DTYPES.get(job.out_dtype or job.dtype) if (job.out_dtype or job.dtype) else None
-    donor = ckpt(job.config_from)
-    cache: dict = {}
-    limit = parse_size(shard_size)
-    with atomic_dir(out) as tmp:
-        shards, current, size = [], {}, 0
-        for step in job.steps:
-            def read(src):
-                t = ckpt(src.model).read([src.key])[src.key]
-                return t.to(compute) if compute is not None and t.is_floating_point() else t
-
-            tensors = [read(s) for s in step.sources]
-            if not step.merge:
-                value = tensors[0]
-            else:
-                base = read(step.base) if step.base is not None else None
-                weights, params = step_arguments(method, step, len(step.sources), cache)
-                context = None
-                if method.prepare is not None:
-                    sd = [{step.name: t} for t in tensors]
-                    context = method.prepare(sd, None if base is None else {step.name: base}, weights, params)
-                value = merge_tensor(method, step.name, tensors, weights, None, base, params, context)
-            if final is not None and value.is_floating_point():
-                value = value.to(final)
-            for name, t in donor.to_disk(step.name, value.contiguous()):
-                nbytes = t.numel() * t.element_size()
-                if current and size + nbytes > limit:
-                    shards.append(current)
-                    current, size = {}, 0
-                current[name] = t.contiguous()
-                size += nbytes
-        if current:
-            shards.append(current)
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for s in shards for t in s.values())},
-                     "weight_map": {}}
-            for i, s in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(s, str(tmp / name), metadata={"format": "pt"})
-                index["weight_map"].update({k: name for k in s})
-            write_json(tmp / "model.safetensors.index.json", index)
-        config = json.loads((Path(inputs[job.config_from]) / "config.json").read_text())
-        config.update(job.config_edits)
-        write_json(tmp / "config.json", config)
-        copy_side_files(Path(inputs[job.side_files_from]), tmp)
-        if job.chat_template is not None:
-            write_chat_template(tmp, job.chat_template, [Path(p) for p in inputs])
+    method = METHODS.get(job.method) or (_copy_method() if job.method == "passthrough" else None)
+    if method is None:  # pragma: no cover - the plan checked the name
+        raise SymmergeError(f"unknown merge method {job.method!r}")
+    config = json.loads((Path(inputs[job.config_from]) / "config.json").read_text())
+    config.update(job.config_edits)
+    want = job.out_dtype or job.dtype
+    finish = None
+    if job.chat_template is not None:
+        def finish(tmp, facts):
+            write_chat_template(Path(tmp), job.chat_template, [Path(p) for p in inputs])
+    return execute_steps([Path(p) for p in inputs], job.steps, method, out, config=config,
+                         dtype=DTYPES[want] if want else None, side_files_from=Path(inputs[job.side_files_from]),
+                         naming=job.config_from, shard_size=shard_size, progress=progress, finish=finish)
 
 
 def write_chat_template(folder: Path, template: str, inputs) -> None:
