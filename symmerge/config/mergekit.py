@@ -37,18 +37,13 @@ KEYS = ("name", "merge_method", "models", "slices", "base_model", "parameters", 
 OUTPUT_KEYS = ("output", "out", "out_path")
 DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16", "fp16": "float16",
           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
-# mergekit's input contracts (mergekit.merge_methods): base policy, (min, max) inputs with the base
-CONTRACTS = {
-    "linear": ("ignored", 1, None), "karcher": ("ignored", 1, None), "passthrough": ("ignored", 1, 1),
-    "slerp": ("required", 2, 2), "nearswap": ("required", 2, 2), "arcee_fusion": ("required", 2, 2),
-    "model_stock": ("required", 3, None), "nuslerp": ("optional", 1, None), "multislerp": ("optional", 1, None),
-    **{m: ("required", 1, None) for m in ("task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs",
-                                          "breadcrumbs_ties", "della", "della_linear", "sce", "ram", "ramplus_tl")},
-}
+# methods of mergekit's that use no base model: a config's base_model is one more input (mergekit adds it)
+NO_BASE = ("linear", "karcher", "passthrough")
+# mergekit's input contracts, for methods registered without symmerge's declarations (models, accepts_base)
+CONTRACTS = {"passthrough": ("ignored", 1, 1)}
 # parameters mergekit requires (no default): the method refuses a tensor without them
 REQUIRED = {"weight": ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs",
-                       "breadcrumbs_ties", "della", "della_linear", "multislerp", "nuslerp"),
-            "t": ("slerp", "nearswap")}
+                       "breadcrumbs_ties", "della", "della_linear", "multislerp", "nuslerp")}
 # until every mergekit method is registered under its own name
 ALIASES = {"linear": "average"}
 CHAT_TEMPLATES = ("alpaca", "chatml", "llama3", "mistral", "exaone")
@@ -122,21 +117,39 @@ def _kind(default):
 
 
 class _Names:
-    """The parameters a method takes in a mergekit config: per-model ones and global ones."""
+    """The parameters a method takes in a mergekit config: per-model ones (``weight`` and the method's
+    :attr:`~symmerge.merge.base.Method.per_model`, with their aliases) and global ones."""
 
     def __init__(self, name, method):
+        from ..merge import base as _base
+
+        MUST = getattr(_base, "REQUIRED", object())  # a parameter without a default (slerp's t)
+
         self.name = name
         self.method = method
-        self.per_model = set(getattr(method, "per_model", ()) or ()) | {"weight"}
+        aliases = dict(getattr(method, "aliases", {}) or {})
+        per = set(getattr(method, "per_model", ()) or ())
+        self.per_model = per | {a for a, (target, _) in aliases.items() if target in per} | {"weight"}
         self.mergekit = dict(getattr(method, "mergekit_params", {}) or {})
-        self.globals = (set(method.params) | set(self.mergekit)) - self.per_model
-        self.defaults = {**method.params, **self.mergekit}
+        self.globals = (set(method.params) | set(aliases)) - self.per_model
+        self.required = {p for p, v in method.params.items() if v is MUST}
+        self.defaults = {k: v for k, v in {**method.params, **self.mergekit}.items() if v is not MUST}
+        self.checks = dict(getattr(method, "checks", {}) or {})
 
     def all(self):
         return sorted(self.per_model | self.globals)
 
     def kind(self, p):
+        check = self.checks.get(p)
+        if check is not None:
+            return {"real": float, "int": int, "bool": bool}.get(check.kind)
         return _kind(self.defaults.get(p))
+
+    def with_defaults(self, params):
+        """``params`` with the method's mergekit defaults where not given (aliases count as given)."""
+        if hasattr(self.method, "mergekit_defaults"):
+            return self.method.mergekit_defaults(params)
+        return {**self.mergekit, **params}
 
 
 def _check_params(doc, params, where, names: _Names, per_model_only=False):
@@ -248,7 +261,7 @@ class Planner:
         base = None
         if data.get("base_model") is not None:
             base = self._ref(doc, data["base_model"], ("base_model",), inputs)
-        policy, lo, hi = CONTRACTS.get(mk_name, ("required" if method.needs_base else "none", 1, None))
+        policy, lo, hi = job_policy(mk_name, method)
         if has_models:
             slices = self._models_slices(doc, data["models"], base, policy, names, inputs)
         else:
@@ -390,8 +403,12 @@ class Planner:
         if n < lo or (hi is not None and n > hi):
             want = f"exactly {lo}" if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
             raise doc.error(f"method {mk_name!r} merges {want} model(s) (the base included), got {n}", *sl.where)
-        if mk_name == "nuslerp" and len([m for m in models if m != base]) != 2:
-            raise doc.error("method 'nuslerp' merges exactly two models besides the base", *sl.where)
+        if hasattr(method, "check_inputs"):
+            uses_base = policy in ("required", "optional") and base is not None
+            try:
+                method.check_inputs(n - (1 if uses_base else 0), uses_base)
+            except SymmergeError as e:
+                raise doc.error(str(e), *sl.where) from None
 
     def _tokenizer(self, doc, data, inputs, base):
         src = data.get("tokenizer_source")
@@ -473,7 +490,7 @@ class Planner:
 
         def one(out_name, sl: _Slice, pairs, t, where):
             # pairs: (source, input tensor name) in slice order
-            base = sl.base if job_policy(mk_name, method) in ("required", "optional") else None
+            base = sl.base if job_policy(mk_name, method)[0] in ("required", "optional") else None
             for s, name in pairs:
                 lay = lays[s.model]
                 if name not in lay.shapes:
@@ -486,12 +503,13 @@ class Planner:
             shapes[out_name] = shape
             merged = [(s, n) for s, n in pairs if s.model != base]
             base_src = next((TensorSource(s.model, n) for s, n in pairs if s.model == base), None)
-            if copy_only:
+            if mk_name == "passthrough":  # a copy, unless scaled
                 scale = resolve("scale", [merged[0][0].params, sl.params, top], merged[0][1], t)
-                if scale is not None and scale != 1:
+                if scale is None or scale == 1:
+                    steps.append(TensorStep(out_name, (TensorSource(merged[0][0].model, merged[0][1]),), merge=False))
+                    return
+                if copy_only:
                     raise doc.error("passthrough with 'scale' needs symmerge's passthrough method", *where)
-                steps.append(TensorStep(out_name, (TensorSource(merged[0][0].model, merged[0][1]),), merge=False))
-                return
             shared = {}
             for p in sorted(names.globals):
                 v = resolve(p, [sl.params, top], out_name, t)
@@ -508,16 +526,16 @@ class Planner:
                 missing = [i for i, v in enumerate(vals) if v is None]
                 if missing:
                     s = merged[missing[0]][0]
-                    if p in REQUIRED and mk_name in REQUIRED[p] or p not in names.defaults:
+                    if (p in REQUIRED and mk_name in REQUIRED[p]) or p not in names.defaults:
                         raise doc.error(f"no {p!r} for model {inputs[s.model].label!r} on {out_name} (set it for every "
                                         "model, or in the top-level 'parameters')", *s.where)
                     vals = [names.defaults[p] if v is None else v for v in vals]
                 per[p] = tuple(vals)
-            for p in REQUIRED:
-                if mk_name in REQUIRED[p] and p not in names.per_model and p not in shared:
+            for p in sorted(names.required):
+                if p not in shared and p not in per:
                     raise doc.error(f"no {p!r} for {out_name}: method {mk_name!r} needs it (in 'parameters')", *where)
             weights = per.pop("weight", None)
-            params = {**names.mergekit, **shared, **per}
+            params = names.with_defaults({**shared, **per})
             if self.seed is not None and "seed" in names.defaults and "seed" not in params:
                 params["seed"] = self.seed
             step = TensorStep(out_name, tuple(TensorSource(s.model, n) for s, n in merged), base_src, weights,
@@ -616,7 +634,16 @@ class Planner:
 
 
 def job_policy(mk_name, method):
-    return CONTRACTS.get(mk_name, ("required" if method.needs_base else "none", 1, None))[0]
+    """(base policy, least, most models with the base) of a method: ``required`` (the base is the step's
+    base), ``optional`` (the base when given), ``ignored`` (mergekit's methods without a base: a base model is
+    one more input) or ``none`` (symmerge's own methods without a base: a base model is an error)."""
+    if mk_name in CONTRACTS:
+        return CONTRACTS[mk_name]
+    if method.needs_base:
+        return "required", 1, None
+    if getattr(method, "accepts_base", False):
+        return "optional", 1, None
+    return ("ignored" if mk_name in NO_BASE else "none"), 1, None
 
 
 def _registered():

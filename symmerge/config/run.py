@@ -61,6 +61,8 @@ def execute(job, inputs, out, shard_size="5GB", progress=True) -> dict:
     method = METHODS.get(job.method) or (_copy_method() if job.method == "passthrough" else None)
     if method is None:  # pragma: no cover - the plan checked the name
         raise SymmergeError(f"unknown merge method {job.method!r}")
+    if job.dtype is not None and any(st.merge for st in job.steps):
+        method = computing_in(method, DTYPES[job.dtype])
     config = json.loads((Path(inputs[job.config_from]) / "config.json").read_text())
     config.update(job.config_edits)
     want = job.out_dtype or job.dtype
@@ -71,6 +73,25 @@ def execute(job, inputs, out, shard_size="5GB", progress=True) -> dict:
     return execute_steps([Path(p) for p in inputs], job.steps, method, out, config=config,
                          dtype=DTYPES[want] if want else None, side_files_from=Path(inputs[job.side_files_from]),
                          naming=job.config_from, shard_size=shard_size, progress=progress, finish=finish)
+
+
+def computing_in(method, dtype):
+    """``method`` with its floating inputs rounded to ``dtype`` first: mergekit's ``dtype``, the dtype the merge
+    computes in (its thresholds and masks see the rounded values)."""
+    from dataclasses import replace
+
+    def cast(t):
+        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t
+
+    def tensor(key, tensors, weights, stats, base, params, context):
+        return method.tensor(key, [cast(t) for t in tensors], weights, stats, cast(base), params, context)
+
+    context = None
+    if method.tensor_context is not None:
+        def context(key, tensors, base, weights, params, ctx):
+            return method.tensor_context(key, [cast(t) for t in tensors], cast(base), weights, params, ctx)
+
+    return replace(method, tensor=tensor, tensor_context=context, fused_into=None)
 
 
 def write_chat_template(folder: Path, template: str, inputs) -> None:
