@@ -305,6 +305,12 @@ MK_BAD = [
     ("merge_method: linear\nmodels:\n  - model: {a}\n    parameters: {{weight: [0, 1]}}\n  - model: {b}\n"
      "    parameters: {{weight: 1}}\nalign: recommended\n",
      "line 4: models[0].parameters.weight: models[0]: with symmerge's own keys a weight is one number"),
+    ("merge_method: linear\nmodels: 3\n", "line 2: 'models' is a list of models"),
+    ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: 5\n", "line 3: 'parameters' is a mapping"),
+    ("merge_method: ties\nbase_model: [{a}]\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\n",
+     "line 2: expected a model folder"),
+    ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1, normalize: [true, false]}}\n",
+     "line 3: parameters.normalize"),
     ("slices:\n  - sources: [{{model: {a}, layer_range: [0, 2]}}]\nmerge_method: passthrough\neval_data: x.npz\n",
      "line 1: 'slices' is a mergekit key, and this config is run as a symmerge merge because of 'eval_data' (line 4)"),
 ]
@@ -350,3 +356,14 @@ def test_mergekit_flags_accepted(llamas, tmp_path):
 
     index = _json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
+
+
+def test_align_none_keeps_the_mergekit_meaning(llamas, tmp_path):
+    from symmerge.config import describe
+
+    base, a, b = llamas
+    cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\nalign: none\n")
+    assert describe(cfg, output=tmp_path / "o").mergekit
+    cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\nalign: recommended\n")
+    desc = describe(cfg, output=tmp_path / "o")
+    assert not desc.mergekit and desc.argv[desc.argv.index("--align") + 1] == "recommended"

@@ -236,7 +236,7 @@ class Planner:
     # -- one document -------------------------------------------------------------------------------------
     def plan_doc(self, doc, final: bool) -> Job:
         data = doc.data
-        unknown = [k for k in data if k not in KEYS and k not in OUTPUT_KEYS]
+        unknown = [k for k in data if k not in KEYS and k not in OUTPUT_KEYS and k != "align"]  # align: none
         if unknown:
             raise doc.error(f"unknown key {unknown[0]!r} (a mergekit config has: {', '.join(KEYS[:-1])})", unknown[0])
         if "modules" in data:
@@ -660,13 +660,16 @@ def _references(doc, names) -> set:
         if isinstance(v, str) and v in names:
             refs.add(v)
 
+    def items(v):
+        return v if isinstance(v, list) else []
+
     add(data.get("base_model"))
-    for m in data.get("models") or []:
+    for m in items(data.get("models")):
         add(m.get("model") if isinstance(m, dict) else m)
-    for sl in data.get("slices") or []:
+    for sl in items(data.get("slices")):
         if isinstance(sl, dict):
             add(sl.get("base_model"))
-            for s in sl.get("sources") or []:
+            for s in items(sl.get("sources")):
                 if isinstance(s, dict):
                     add(s.get("model"))
     return refs
