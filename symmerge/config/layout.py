@@ -87,15 +87,3 @@ def read_layout(folder) -> Layout:
     dtypes = {k: str(v).replace("torch.", "") for k, v in ckpt.dtype.items()}
     return from_names(folder, dict(ckpt.config), dict(ckpt.shape), dtypes)
 
-
-def sliced(layout: Layout, layers: int, config: dict, dtype: str | None) -> Layout:
-    """The layout of an output with ``layers`` layers of ``layout``'s template (a merge's result)."""
-    shapes = {n: layout.shapes[n] for n in (*layout.pre, *layout.post)}
-    dtypes = {n: dtype or layout.dtypes[n] for n in shapes}
-    for i in range(layers):
-        for s in layout.suffixes:
-            src = layout.layer_name(0, s)
-            shapes[layout.layer_name(i, s)] = layout.shapes[src]
-            dtypes[layout.layer_name(i, s)] = dtype or layout.dtypes[src]
-    return Layout(layout.folder, config, shapes, dtypes, layers, layout.layer_key, layout.prefix, layout.suffixes,
-                  layout.pre, layout.post)

@@ -29,7 +29,7 @@ from types import MappingProxyType
 from ..errors import SymmergeError
 from ..merge.steps import TensorSource, TensorStep
 from . import layout as layouts
-from .params import SCALARS, check_setting, resolve
+from .params import check_setting, resolve
 
 # the keys of a mergekit 0.1.x config (MergeConfiguration), and what symmerge does not do of them
 KEYS = ("name", "merge_method", "models", "slices", "base_model", "parameters", "dtype", "out_dtype",

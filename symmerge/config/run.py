@@ -4,9 +4,7 @@ in a temporary folder beside the output, removed at the end), or the symmerge co
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
