@@ -1,5 +1,6 @@
 """What the benchmark scripts share: the ``main`` flow (redraw an earlier run, torch threads,
-``--train-only``, refuse a non-empty ``--out``, print and write atomically)."""
+``--train-only``, refuse a non-empty ``--out``, print and write atomically), the machine a run was
+measured on, and matplotlib without a display. Imports no other benchmark module."""
 
 from __future__ import annotations
 
@@ -75,3 +76,27 @@ def printed(print_tables, result: dict) -> str:
     lines: list[str] = []
     print_tables(result, log=lines.append)
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def machine() -> dict:
+    """The machine a run was measured on: CPUs, torch version and threads, load average, CPU model."""
+    info = {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        info["load_average"] = os.getloadavg()
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return info
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

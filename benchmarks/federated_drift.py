@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     from flwr.app import ArrayRecord
 
     from symmerge.demo.train import accuracy
-    from symmerge.federated import AlignedFedAvg
+    from symmerge.federated import AlignedFedAvg, ClientAlignment, OutlierPolicy
     from symmerge.pipeline.align import align_pair
 
     t0 = time.perf_counter()
@@ -89,7 +89,8 @@ def main(argv=None) -> int:
 
     rows = {}
     for groups in ("none",) + GROUP_SETS:
-        s = AlignedFedAvg(init, alignment=groups, norm_factor=None, fraction_evaluate=0.0, min_align_gain=0.0)
+        s = AlignedFedAvg(init, alignment=ClientAlignment(groups, min_align_gain=0.0),
+                          outliers=OutlierPolicy(norm_factor=None), fraction_evaluate=0.0)
         s.global_arrays = ArrayRecord(start)
         arrays, _ = s.aggregate_train(1, replies_for(states, sizes))
         rec = s.rounds[-1]

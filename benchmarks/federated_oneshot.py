@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     from symmerge import AlignOptions
     from symmerge.demo.datasets import fashion_mnist, pixel_values, write_npz
     from symmerge.demo.train import TrainSettings, accuracy, load_trained, train_vit, vit_config
-    from symmerge.federated import AlignedFedAvg
+    from symmerge.federated import AlignedFedAvg, ClientAlignment, OutlierPolicy
 
     from .bench_federated import replies_for
 
@@ -167,8 +167,9 @@ def main(argv=None) -> int:
         if args.only_more:
             settings = []
         for label, alignment, joint in settings:
-            strategy = AlignedFedAvg(clients[0], alignment=alignment, norm_factor=None, fraction_evaluate=0.0,
-                                     joint=joint, **({"joint_refine": args.joint_refine} if joint else {}))
+            strategy = AlignedFedAvg(clients[0], alignment=ClientAlignment(
+                alignment, joint=joint, **({"joint_refine": args.joint_refine} if joint else {})),
+                outliers=OutlierPolicy(norm_factor=None), fraction_evaluate=0.0)
             strategy.global_arrays = ArrayRecord(clients[0].state_dict())
             arrays, _ = strategy.aggregate_train(1, replies_for([m.state_dict() for m in clients], sizes))
             merged = load_trained(folder)

@@ -19,10 +19,8 @@ alignment, weighted mean, no norm rule; ``guarded``: aligned, weighted mean, ``m
 (``--min-align-gain``, default 0.05, the strategy's default: a client whose alignment lowers its distance to
 the global model by less keeps its own frame); ``consensus``: weighted mean, norm_factor 10 and the functional
 outlier rule ``consensus`` on ``--server-images`` unlabeled training images held by the server;
-``consensus_clip``: the same with ``norm_clip``; ``relabel_detect``, ``relabel_repair``, ``relabel_update``,
-``relabel_body``, ``relabel_distill``: the consensus arm with the relabelling check ``relabel`` = ``detect``,
-``repair``, ``repair_update``, ``body``, ``distill`` (``--relabel-threshold``, ``--relabel-min-cycle``,
-``--relabel-weight``, ``--distill-steps``); every other aligned arm aligns every client
+``consensus_clip``: the same with ``norm_clip``; ``relabel_detect``: the consensus arm with the relabelling
+check (``--relabel-threshold``, ``--relabel-min-cycle``); every other aligned arm aligns every client
 (``min_align_gain=0``, as they were measured before the guard existed)).
 B5 (b): ``--runs clean:fedavg,clean:mean,clean:guarded --local-epochs E [--examples-per-client N] --probe``.
 """
@@ -55,15 +53,29 @@ ARMS = {"fedavg": {"alignment": "none", "norm_factor": None},
         "consensus": {"norm_factor": 10.0, "outlier_rule": "consensus", "outlier_threshold": 3.5, "min_align_gain": 0.0},
         "consensus_clip": {"norm_factor": 10.0, "norm_clip": True, "outlier_rule": "consensus", "outlier_threshold": 3.5,
                            "min_align_gain": 0.0}}
-# the consensus arm with the relabelling check (issue 21 (c)): relabel_detect leaves a client out whose best
-# relabelling of the classes gains >= relabel_threshold; relabel_repair / relabel_update / relabel_body aggregate
-# a flagged client with a confident relabelling, its output rows permuted back / only its update's rows permuted /
-# without its output layer
-for _arm, _mode in (("relabel_detect", "detect"), ("relabel_repair", "repair"), ("relabel_update", "repair_update"),
-                    ("relabel_body", "body"), ("relabel_distill", "distill")):
-    ARMS[_arm] = {**ARMS["consensus"], "relabel": _mode}
+# the consensus arm with the relabelling check: a client whose best relabelling of the classes gains >= the
+# check's threshold is left out too (the repairs measured beside it are no longer in the strategy: docs/federated.md)
+ARMS["relabel_detect"] = {**ARMS["consensus"], "relabel": True}
 ATTACKS = ("clean", "scale100", "flip", "absent")
-RELABEL: dict = {}  # the relabel arms' thresholds and weight (set from the command line)
+RELABEL: dict = {}  # the relabel arm's RelabelCheck settings (set from the command line)
+
+
+def strategy_options(arm: str, server_data=None) -> dict:
+    """AlignedFedAvg's options objects for the flat settings of ``ARMS[arm]`` (``server_data``: the consensus
+    arms' unlabeled server images)."""
+    from symmerge.federated import Aggregation, ClientAlignment, OutlierPolicy, RelabelCheck
+    from symmerge.federated.options import MIN_ALIGN_GAIN
+
+    a = dict(ARMS[arm])
+    alignment = ClientAlignment(a.pop("alignment", None), min_align_gain=a.pop("min_align_gain", MIN_ALIGN_GAIN))
+    aggregation = Aggregation(a.pop("aggregation", "mean"), min_clients=2)
+    rule = a.pop("outlier_rule", None)
+    outliers = OutlierPolicy(norm_factor=a.pop("norm_factor", 10.0), norm_clip=a.pop("norm_clip", False), rule=rule,
+                             threshold=a.pop("outlier_threshold", 3.5), data=server_data if rule == "consensus" else None,
+                             relabel=RelabelCheck(**RELABEL) if a.pop("relabel", False) else None)
+    if a:
+        raise ValueError(f"arm {arm!r}: unknown settings {sorted(a)}")
+    return {"alignment": alignment, "aggregation": aggregation, "outliers": outliers}
 
 
 TRAINED: dict = {}  # (start model's hash, round, client, flipped, steps) -> the client's trained state dict
@@ -126,13 +138,11 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
     from symmerge.pipeline.align import align_pair
 
     model = task.load_model(cfg)
-    server = {"outlier_data": server_data} if ARMS[arm].get("outlier_rule") == "consensus" else {}
-    server.update(RELABEL if ARMS[arm].get("relabel") else {})
-    strategy = AlignedFedAvg(model, fraction_evaluate=0.0, min_clients=2, **ARMS[arm], **server)
+    strategy = AlignedFedAvg(model, fraction_evaluate=0.0, **strategy_options(arm, server_data))
     arrays = ArrayRecord(model.state_dict())
     data = [task.load_partition(pid, clients, cfg) for pid in range(clients)]
     out = {"accuracy": [], "distance_before": [], "distance_after": [], "gain": [], "unaligned": [], "outlier_z": [],
-           "left_out": [], "relabelled": [], "relabel_gain": [],
+           "left_out": [], "relabel_gain": [],
            "paired_fedavg": [], "probe_gain": [], "local_steps": [local_steps(cfg, len(x), epochs) for x, _ in data]}
     for r in range(1, rounds + 1):
         start = arrays.to_torch_state_dict()
@@ -179,7 +189,6 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
         out["unaligned"].append([pids[x["node"] - 1] for x in rec.get("unaligned", [])])
         out["outlier_z"].append({pids[n - 1]: z for n, z in rec.get("outlier_z", {}).items()})  # client -> z
         out["left_out"].append([pids[x["node"] - 1] for x in rec["left_out"]])
-        out["relabelled"].append([{**x, "node": pids[x["node"] - 1]} for x in rec.get("relabelled", [])])
         out["relabel_gain"].append({pids[n - 1]: g for n, g in rec.get("relabel_gain", {}).items()})
         keys = [k for k, v in start.items() if v.is_floating_point()]
         if strategy.alignment.symmetries:  # the same clients, plainly averaged: alignment's effect in this round
@@ -203,7 +212,6 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
             ", outlier z " + " ".join(f"{pids[n - 1]}: {z:.2f}" for n, z in rec["outlier_z"].items())
             if rec.get("outlier_z") else "") + (
             ", relabel gain " + " ".join(f"{pids[n - 1]}: {g:.4f}" for n, g in rec["relabel_gain"].items())
-            + f", relabelled {[(pids[x['node'] - 1], x['permutation']) for x in rec['relabelled']]}"
             if rec.get("relabel_gain") else "")
         log(f"  {attack}:{arm} round {r}: accuracy {out['accuracy'][-1]:.4f}, left out "
             f"{[(pids[x['node'] - 1], x['kind']) for x in rec['left_out']]} (client, kind), clipped "
@@ -212,21 +220,6 @@ def run_one(task, cfg, attack: str, arm: str, rounds: int, clients: int, test, l
         if partial is not None:
             partial.write_text(json.dumps(out) + "\n")
     return out
-
-
-def oracle_relabelling(classes: int = 10) -> None:
-    """--oracle-relabelling: the strategy's estimated permutation replaced by the attack's own, 9 - y (the clients
-    are flagged as without it: by the consensus rule or by their relabelling gain; a flagged client is repaired
-    with the true permutation)."""
-    import symmerge.federated.strategy as strategy_module
-    from symmerge.federated.relabel import relabellings
-
-    flip = [classes - 1 - i for i in range(classes)]
-
-    def oracle(probs, min_cycle_gain=0.0):
-        return [{**r, "permutation": flip, "kept": flip, "kept_gain": math.inf} for r in relabellings(probs, min_cycle_gain)]
-
-    strategy_module.relabellings = oracle
 
 
 def rounds_to_reach(accuracy: list[float], target: float) -> int | None:
@@ -253,13 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--probe", action="store_true", help="arms without alignment: record what alignment would gain")
     p.add_argument("--server-images", type=int, default=1000,
                    help="the consensus arms: unlabeled training images held by the server")
-    p.add_argument("--relabel-threshold", type=float, default=0.01, help="the relabel arms' relabel_threshold")
-    p.add_argument("--relabel-min-cycle", type=float, default=0.002, help="the relabel arms' relabel_min_cycle")
-    p.add_argument("--relabel-weight", type=float, default=1.0, help="the relabel arms' relabel_weight")
-    p.add_argument("--distill-steps", type=int, default=100, help="the relabel_distill arm's relabel_distill_steps")
-    p.add_argument("--oracle-relabelling", action="store_true",
-                   help="diagnostic: the relabel arms repair a flagged client with the true relabelling 9 - y instead of "
-                        "the estimated one: what a perfect estimate of the permutation reaches")
+    p.add_argument("--relabel-threshold", type=float, default=0.01, help="the relabel arm's RelabelCheck threshold")
+    p.add_argument("--relabel-min-cycle", type=float, default=0.002, help="the relabel arm's RelabelCheck min_cycle")
     p.add_argument("--device", help="where the clients' local training runs (e.g. cuda; default: the CPU); the "
                                     "aggregation and the scoring stay on the CPU")
     p.add_argument("--workers", type=int, default=1, help="processes that train a round's clients side by side "
@@ -271,13 +259,10 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     ARMS["guarded"]["min_align_gain"] = args.min_align_gain
-    RELABEL.update(relabel_threshold=args.relabel_threshold, relabel_min_cycle=args.relabel_min_cycle,
-                   relabel_weight=args.relabel_weight, relabel_distill_steps=args.distill_steps)
+    RELABEL.update(threshold=args.relabel_threshold, min_cycle=args.relabel_min_cycle)
     for arm in ("filtered", "clipped"):
         ARMS[arm].update(outlier_rule=args.outlier_rule, outlier_threshold=args.outlier_threshold)
     torch.set_num_threads(args.threads)
-    if args.oracle_relabelling:
-        oracle_relabelling()
     sys.path.insert(0, str(EXAMPLE))
     from fedvit import task
 

@@ -31,8 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import add_run_args, bench_main, pair_settings
-from benchmarks.vit_fashion_mnist import _pyplot, machine
+from benchmarks.common import add_run_args, bench_main, machine, pair_settings, pyplot
 from symmerge.core.distance import distance, parameter_keys
 from symmerge.demo import text
 from symmerge.demo.datasets import cache_dir
@@ -196,7 +195,7 @@ def write_outputs(result: dict, out: Path) -> None:
 
 def plot_lmc(result: dict, path) -> None:
     """Held-out loss (and next-token accuracy) along θ(α) per variant; the endpoints' validation curves."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_l, ax_a, ax_t) = plt.subplots(1, 3, figsize=(16, 4.5))
     for r in result["variants"]:
         ax_l.plot(result["alphas"], r["loss"], marker="o", ms=4, label=f"{r['variant']}: LB {r['barrier']:.3f}")

@@ -36,9 +36,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import add_run_args, bench_main, pair_settings, write_results
+from benchmarks.common import add_run_args, bench_main, machine, pair_settings, write_results
 from benchmarks.gpt2_text import prepare_data
-from benchmarks.vit_fashion_mnist import machine
 from symmerge.demo.datasets import cache_dir
 from symmerge.demo.lm import llama_config, train_llama
 from symmerge.demo.train import load_report

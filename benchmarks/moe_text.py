@@ -36,9 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import add_run_args, bench_main, pair_settings, write_results
+from benchmarks.common import add_run_args, bench_main, machine, pair_settings, write_results
 from benchmarks.gpt2_text import HEADER, add_text_args, prepare_data, print_tables, table_rows
-from benchmarks.vit_fashion_mnist import machine
 from symmerge.core.distance import distance, parameter_keys
 from symmerge.demo import text
 from symmerge.demo.datasets import cache_dir

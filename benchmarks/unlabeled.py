@@ -126,9 +126,9 @@ def markdown(result: dict, endpoints_mean: float | None, methods=("average", "fi
 
 
 def plot(result: dict, path, title: str, labels=None) -> None:
-    from benchmarks.vit_fashion_mnist import _pyplot
+    from benchmarks.common import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
     has_acc = any(any(x is not None for x in c.get("accuracy", [])) for c in result["curves"].values())
     for name, c in result["curves"].items():

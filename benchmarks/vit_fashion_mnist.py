@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import add_run_args, bench_main, pair_settings
+from benchmarks.common import add_run_args, bench_main, machine, pair_settings, pyplot
 from symmerge.pipeline.align import align_pair
 from symmerge.pipeline.options import AlignOptions
 from symmerge.io.data import load_data
@@ -309,19 +308,6 @@ def ot_baselines(a, b, acts, keys, body, log=print) -> dict:
     return out
 
 
-def machine() -> dict:
-    info = {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    try:
-        info["load_average"] = os.getloadavg()
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return info
-
-
 # ---------------------------------------------------------------- output
 
 
@@ -334,18 +320,9 @@ def write_outputs(result: dict, out: Path) -> None:
         (tmp / "tables.md").write_text(markdown_tables(result))
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_lmc(result: dict, path) -> None:
     """Paper Fig. 5: test loss (and accuracy) along θ(α) for each matching variant."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, c in result["curves"].items():
         ax_l.plot(result["alphas"], c["loss"], marker="o", ms=4, label=f"{name}: LB {c['barrier']:.3f}")
@@ -379,7 +356,7 @@ def _distances(r: dict) -> dict:
 
 
 def plot_ablation(result: dict, path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     methods = _methods(result)
     fig, ax = plt.subplots(figsize=(14, 5))
     variants = list(result["matching"])
@@ -399,7 +376,7 @@ def plot_ablation(result: dict, path) -> None:
 
 
 def plot_distance(result: dict, path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     rows = _distances(result)
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
     labels = list(rows)

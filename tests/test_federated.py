@@ -23,8 +23,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from symmerge import MergeOptions, SymmergeError, merge_models  # noqa: E402
-from symmerge.federated import (LEFT_OUT_KINDS, OUTLIER_RULES, AlignedFedAvg, aggregate, norm_outliers,  # noqa: E402
-                                update_outliers, update_scores)
+from symmerge.federated import (LEFT_OUT_KINDS, OUTLIER_RULES, Aggregation, AlignedFedAvg,  # noqa: E402
+                                ClientAlignment, OutlierPolicy, aggregate, norm_outliers, update_outliers,
+                                update_scores)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "federated"
@@ -156,7 +157,7 @@ def test_joint_aggregate_is_symmerges_joint_merge_in_the_global_frame(world):
     function of ``merge_models(..., joint=True)`` of the same weights; the aggregate is then expressed in the
     global model's frame (closer to it than in the joint frame, the same function)."""
     g, clients, examples = world
-    s = strategy(g, joint=True)
+    s = strategy(g, alignment=ClientAlignment(joint=True))
     got = s.aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
     merged, report = symmerge_merge(world, s.alignment, joint=True)
     assert "joint" in report["alignment"]
@@ -168,9 +169,9 @@ def test_joint_aggregate_is_symmerges_joint_merge_in_the_global_frame(world):
     star = strategy(g).aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
     assert not close(star, got, atol=1e-6)
     with pytest.raises(SymmergeError, match="joint"):
-        strategy(g, alignment="none", joint=True)
+        ClientAlignment("none", joint=True)
     with pytest.raises(SymmergeError, match="joint_rounds"):
-        strategy(g, joint=True, joint_rounds=-1)
+        ClientAlignment(joint=True, joint_rounds=-1)
 
 
 def test_joint_learned_aggregate_is_symmerges_learned_joint_merge(world, tmp_path):
@@ -184,7 +185,7 @@ def test_joint_learned_aggregate_is_symmerges_learned_joint_merge(world, tmp_pat
     server = write_npz(tmp_path / "server.npz", images, np.zeros(24, np.int64))
     learned = AlignOptions(symmetries="heads,attn,ffn,rescale", match="learned", align_data=server, align_samples=24,
                            learn=LearnSettings(steps=4, batch=8, augment=1, start="weights"))
-    s = strategy(g, alignment=learned, joint=True)
+    s = strategy(g, alignment=ClientAlignment(learned, joint=True))
     got = s.aggregate_train(1, good_replies(world))[0].to_torch_state_dict()
     rec = s.rounds[-1]["joint"]
     assert rec["match"] == "learned" and rec["learned"]["steps"] >= 1
@@ -192,7 +193,7 @@ def test_joint_learned_aggregate_is_symmerges_learned_joint_merge(world, tmp_pat
     a, b = logits(got), logits(merged.state_dict())
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
     # negative control: the learning moved the aggregate away from its closed-form (data-free joint) start
-    start = strategy(g, alignment=learned.with_(match="weights"), joint=True).aggregate_train(1, good_replies(world))[0]
+    start = strategy(g, alignment=ClientAlignment(learned.with_(match="weights"), joint=True)).aggregate_train(1, good_replies(world))[0]
     assert not torch.allclose(logits(start.to_torch_state_dict()), a, atol=1e-5, rtol=1e-5)
 
 
@@ -238,23 +239,23 @@ def test_min_align_gain_keeps_near_identity_clients_unaligned(world):
     replies = [reply(n, near[n], examples[n]) for n in (1, 2, 3)]
     fedavg = FedAvg(fraction_evaluate=0.0).aggregate_train(1, replies)[0].to_torch_state_dict()
     guarded = strategy(g)  # the default: 0.05
-    assert guarded.min_align_gain == 0.05
+    assert guarded.client_alignment.min_align_gain == 0.05
     got, metrics = guarded.aggregate_train(1, replies)
     rec = guarded.rounds[-1]
     assert [u["node"] for u in rec["unaligned"]] == [1, 2, 3] and all(0 <= u["gain"] < 0.05 for u in rec["unaligned"])
     assert metrics["symmerge-clients-unaligned"] == 3
     assert close(got.to_torch_state_dict(), fedavg, atol=1e-6)
     assert rec["distance_after"] == pytest.approx(rec["distance_before"], rel=1e-9)
-    unguarded = strategy(g, min_align_gain=0.0).aggregate_train(1, replies)[0].to_torch_state_dict()
+    unguarded = strategy(g, alignment=ClientAlignment(min_align_gain=0.0)).aggregate_train(1, replies)[0].to_torch_state_dict()
     assert not close(unguarded, fedavg, atol=1e-6)  # negative control: alignment alone moves them
-    permuted = strategy(g, min_align_gain=0.05)
+    permuted = strategy(g, alignment=ClientAlignment(min_align_gain=0.05))
     got, metrics = permuted.aggregate_train(1, good_replies(world))
     assert not permuted.rounds[-1]["unaligned"] and metrics["symmerge-clients-unaligned"] == 0
     assert close(got.to_torch_state_dict(), strategy(g).aggregate_train(1, good_replies(world))[0].to_torch_state_dict(),
                  atol=1e-9)
     for bad in (-0.1, 1.0, True, "5%"):
         with pytest.raises(SymmergeError, match="min_align_gain"):
-            AlignedFedAvg(g, min_align_gain=bad)
+            ClientAlignment(min_align_gain=bad)
 
 
 def test_median_and_trimmed_mean_against_numpy():
@@ -285,9 +286,9 @@ def test_median_aggregation_resists_a_scaled_client_without_the_norm_rule(world)
     g, clients, _ = world
     bad = {k: g.state_dict()[k] + 100 * (v - g.state_dict()[k]) for k, v in clients[3].items()}
     replies = good_replies(world, (1, 2)) + [reply(3, bad, 60), reply(4, clients[1], 10)]
-    s = strategy(g, aggregation="median", norm_factor=None)
+    s = strategy(g, aggregation="median", outliers=OutlierPolicy(norm_factor=None))
     got = s.aggregate_train(1, replies)[0].to_torch_state_dict()
-    mean = strategy(g, norm_factor=None).aggregate_train(1, replies)[0].to_torch_state_dict()
+    mean = strategy(g, outliers=OutlierPolicy(norm_factor=None)).aggregate_train(1, replies)[0].to_torch_state_dict()
     d = lambda a: sum(((a[k] - g.state_dict()[k]) ** 2).sum() for k in a) ** 0.5  # noqa: E731
     honest = [x for n, x in zip(s.rounds[-1]["accepted"], s.rounds[-1]["distance_after"]) if n != 3]
     assert d(got) < 1.5 * max(honest) and d(got) < 0.05 * d(mean)
@@ -356,7 +357,7 @@ def test_outlier_rule_leaves_out_a_flipped_client_and_names_it(rule, caplog):
     s = strategy(g)
     s.aggregate_train(1, honest + [bad])
     assert not s.rounds[-1]["left_out"]
-    s = strategy(g, outlier_rule=rule)
+    s = strategy(g, outliers=OutlierPolicy(rule=rule))
     arrays, metrics = s.aggregate_train(1, honest + [bad])
     rec = s.rounds[-1]
     assert [(x["node"], x["kind"]) for x in rec["left_out"]] == [(9, "outlier")]
@@ -364,13 +365,13 @@ def test_outlier_rule_leaves_out_a_flipped_client_and_names_it(rule, caplog):
     assert rec["outlier_z"][9] > 3.5 and max(z for n, z in rec["outlier_z"].items() if n != 9) < 3.5
     assert any("node 9" in r.getMessage() and "outlier" in r.getMessage() for r in caplog.records)
     # the round aggregates exactly the honest clients
-    assert sha(arrays) == sha(strategy(g, outlier_rule=rule).aggregate_train(1, honest)[0])
+    assert sha(arrays) == sha(strategy(g, outliers=OutlierPolicy(rule=rule)).aggregate_train(1, honest)[0])
 
 
 @pytest.mark.parametrize("rule", OUTLIER_RULES)
 def test_outlier_rule_keeps_every_clean_client(rule):
     g, honest, _ = flipped_world(n_honest=6)
-    s = strategy(g, outlier_rule=rule)
+    s = strategy(g, outliers=OutlierPolicy(rule=rule))
     arrays, metrics = s.aggregate_train(1, honest)
     assert s.rounds[-1]["accepted"] == [1, 2, 3, 4, 5, 6] and not s.rounds[-1]["left_out"]
     assert sha(arrays) == sha(strategy(g).aggregate_train(1, honest)[0])  # the rule off: the same round
@@ -380,16 +381,16 @@ def test_outlier_rule_needs_the_alignment():
     """Negative control: without alignment the permuted honest clients differ by their permutations, and
     the flipped client no longer stands out (its z is far lower than after alignment)."""
     g, honest, bad = flipped_world()
-    aligned = strategy(g, outlier_rule="distance")
+    aligned = strategy(g, outliers=OutlierPolicy(rule="distance"))
     aligned.aggregate_train(1, honest + [bad])
-    plain = strategy(g, alignment="none", outlier_rule="distance")
+    plain = strategy(g, alignment="none", outliers=OutlierPolicy(rule="distance"))
     plain.aggregate_train(1, honest + [bad])
     assert plain.rounds[-1]["outlier_z"][9] < 0.25 * aligned.rounds[-1]["outlier_z"][9]
 
 
 def test_outlier_rule_with_too_few_left_keeps_the_previous_global_model():
     g, honest, bad = flipped_world(n_honest=3)
-    s = strategy(g, outlier_rule="krum", min_clients=4)
+    s = strategy(g, outliers=OutlierPolicy(rule="krum"), aggregation=Aggregation(min_clients=4))
     before = sha(s.global_arrays)
     TRIED["too_few_rounds"] += 1
     arrays, metrics = s.aggregate_train(1, honest + [bad])
@@ -404,7 +405,7 @@ def test_norm_clip_keeps_a_scaled_client_at_an_ordinary_norm(world, caplog):
     g, clients, _ = world
     base = g.state_dict()
     bad = {k: base[k] + 100 * (v - base[k]) for k, v in clients[3].items()}
-    s = strategy(g, norm_clip=True)
+    s = strategy(g, outliers=OutlierPolicy(norm_clip=True))
     arrays, metrics = s.aggregate_train(1, good_replies(world, (1, 2)) + [reply(3, bad, 60)])
     rec = s.rounds[-1]
     assert not rec["left_out"] and [c["node"] for c in rec["clipped"]] == [3]
@@ -551,7 +552,7 @@ def test_every_bad_kind_in_one_round(world, clean_sha):
 @pytest.mark.parametrize("kind", ["nan", "scaled_x100", "error"])
 def test_too_few_clients_keep_the_previous_global_model(world, kind):
     g, clients, _ = world
-    s = strategy(g, min_clients=2)
+    s = strategy(g, aggregation=Aggregation(min_clients=2))
     before = sha(s.global_arrays)
     msg, _ = _bad(kind, g, clients[3])
     TRIED[kind] += 1
@@ -573,11 +574,16 @@ def test_no_replies_at_all_keep_the_previous_global_model(world):
 
 def test_bad_options_are_one_clear_error(world):
     g, _, _ = world
-    for kw in ({"aggregation": "mode"}, {"trim": 0.6}, {"min_clients": 0}, {"norm_factor": 0.5},
-               {"alignment": "spin"}, {"outlier_rule": "zscore"}, {"outlier_rule": "krum", "outlier_threshold": 0},
-               {"outlier_rule": "krum", "outlier_threshold": float("nan")}):
+    for make in (lambda: Aggregation("mode"), lambda: Aggregation(trim=0.6), lambda: Aggregation(min_clients=0),
+                 lambda: OutlierPolicy(norm_factor=0.5), lambda: ClientAlignment("spin"),
+                 lambda: OutlierPolicy(rule="zscore"), lambda: OutlierPolicy(rule="krum", threshold=0),
+                 lambda: OutlierPolicy(rule="krum", threshold=float("nan")), lambda: AlignedFedAvg(g, aggregation="mode"),
+                 lambda: AlignedFedAvg(g, alignment="spin"), lambda: AlignedFedAvg(g, outliers="krum")):
         with pytest.raises(SymmergeError):
-            AlignedFedAvg(g, **kw)
+            make()
+    # a keyword of the former flat signature names the options object that holds it now
+    with pytest.raises(SymmergeError, match=r"norm_factor -> OutlierPolicy\(norm_factor=...\)"):
+        AlignedFedAvg(g, norm_factor=None)
     s = AlignedFedAvg(g)
     with pytest.raises(SymmergeError, match="configure_train"):
         s.aggregate_train(1, good_replies(world))
@@ -617,14 +623,16 @@ def test_the_example_app_passes_its_robust_options_to_the_strategy(example_on_pa
 
     model = task.load_model(task.settings({"hidden": 16, "layers": 1, "heads": 2}))
     default = AlignedFedAvg(template=model, **server_app.strategy_options(task.settings()))
-    assert default.norm_clip is False and default.outlier_rule is None and default.min_align_gain == 0.05
+    assert default.outliers.norm_clip is False and default.outliers.rule is None
+    assert default.client_alignment.min_align_gain == 0.05
     assert AlignedFedAvg(template=model, **server_app.strategy_options(task.settings(
-        {"min-align-gain": 0.0}))).min_align_gain == 0.0
+        {"min-align-gain": 0.0}))).client_alignment.min_align_gain == 0.0
     cfg = task.settings({"norm-clip": True, "outlier-rule": "krum", "outlier-threshold": 2.5})
     options = server_app.strategy_options(cfg)
-    assert options["norm_clip"] is True and options["outlier_rule"] == "krum" and options["outlier_threshold"] == 2.5
+    outliers = options["outliers"]
+    assert outliers.norm_clip is True and outliers.rule == "krum" and outliers.threshold == 2.5
     strategy = AlignedFedAvg(template=model, **options)
-    assert strategy.norm_clip is True and strategy.outlier_rule == "krum" and strategy.outlier_threshold == 2.5
+    assert strategy.outliers.norm_clip is True and strategy.outliers.rule == "krum" and strategy.outliers.threshold == 2.5
     with pytest.raises(KeyError, match="outlier-rules"):
         task.settings({"outlier-rules": "krum"})
 

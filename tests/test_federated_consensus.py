@@ -23,7 +23,7 @@ from benchmarks.federated_consensus import synthetic, synthetic_clients, tiny_vi
 
 from symmerge import SymmergeError  # noqa: E402
 from symmerge.demo.datasets import write_npz  # noqa: E402
-from symmerge.federated import AlignedFedAvg, update_outliers  # noqa: E402
+from symmerge.federated import AlignedFedAvg, OutlierPolicy, update_outliers  # noqa: E402
 from symmerge.federated.aggregate import CONSENSUS_MIN_SPREAD  # noqa: E402
 from symmerge.federated.consensus import consensus_scores, prior_corrected, server_data  # noqa: E402
 from symmerge.io.data import Batch, Data  # noqa: E402
@@ -115,7 +115,7 @@ def strategy(g, **kw) -> AlignedFedAvg:
 
 def test_consensus_rule_leaves_out_the_flipped_client_and_keeps_the_skewed_one(federation, caplog):
     g, replies, data = federation
-    s = strategy(g, outlier_rule="consensus", outlier_data=data)
+    s = strategy(g, outliers=OutlierPolicy(rule="consensus", data=data))
     arrays, metrics = s.aggregate_train(1, list(replies.values()))
     rec = s.rounds[-1]
     assert [(x["node"], x["kind"]) for x in rec["left_out"]] == [(FLIPPED, "outlier")]
@@ -143,7 +143,7 @@ def test_consensus_rule_keeps_clients_that_differ_by_their_class_prior(federatio
     honest = [replies[n] for n in (1, 2, 3, 4)]
     shifted = [reply(n, with_prior_shift(replies[1].content["arrays"].to_torch_state_dict(), shift), 300)
                for n, shift in ((6, [0.0, 0.0, 0.0, 4.0]), (7, [3.0, -2.0, 0.0, 0.0]))]
-    s = strategy(g, outlier_rule="consensus", outlier_data=data)
+    s = strategy(g, outliers=OutlierPolicy(rule="consensus", data=data))
     arrays, _ = s.aggregate_train(1, honest + shifted)
     assert not s.rounds[-1]["left_out"] and max(s.rounds[-1]["outlier_z"].values()) < 3.5
     assert sha(arrays) == sha(strategy(g).aggregate_train(1, honest + shifted)[0])
@@ -152,7 +152,7 @@ def test_consensus_rule_keeps_clients_that_differ_by_their_class_prior(federatio
     perm = torch.tensor([3, 2, 1, 0])
     relabelled["classifier.weight"], relabelled["classifier.bias"] = (relabelled["classifier.weight"][perm],
                                                                       relabelled["classifier.bias"][perm])
-    s = strategy(g, outlier_rule="consensus", outlier_data=data)
+    s = strategy(g, outliers=OutlierPolicy(rule="consensus", data=data))
     s.aggregate_train(1, honest + shifted[:1] + [reply(8, relabelled, 300)])
     assert [x["node"] for x in s.rounds[-1]["left_out"]] == [8]
 
@@ -161,7 +161,7 @@ def test_consensus_rule_reads_a_data_file(federation, tmp_path):
     g, replies, data = federation
     x = torch.cat([b.inputs["pixel_values"] for b in data.batches]).numpy()
     path = write_npz(tmp_path / "server.npz", x, np.zeros(len(x), np.int64))
-    s = strategy(g, outlier_rule="consensus", outlier_data=path, outlier_samples=150)
+    s = strategy(g, outliers=OutlierPolicy(rule="consensus", data=path, samples=150))
     assert s.outlier_data.n == 150
     s.aggregate_train(1, list(replies.values()))
     assert [x["node"] for x in s.rounds[-1]["left_out"]] == [FLIPPED]
@@ -170,14 +170,14 @@ def test_consensus_rule_reads_a_data_file(federation, tmp_path):
 def test_consensus_rule_errors(federation):
     g, _, data = federation
     with pytest.raises(SymmergeError, match="needs unlabeled data held by the server"):
-        AlignedFedAvg(g, outlier_rule="consensus")
+        AlignedFedAvg(g, outliers=OutlierPolicy(rule="consensus"))
     with pytest.raises(SymmergeError, match="outlier_samples"):
-        AlignedFedAvg(g, outlier_rule="consensus", outlier_data=data, outlier_samples=0)
+        AlignedFedAvg(g, outliers=OutlierPolicy(rule="consensus", data=data, samples=0))
     with pytest.raises(SymmergeError, match="classification model"):
         server_data(data, T.ViTModel(tiny_vit(0).config), 10)
     with pytest.raises(SymmergeError, match="unknown outlier_rule"):
-        AlignedFedAvg(g, outlier_rule="consensu", outlier_data=data)
-    assert AlignedFedAvg(g, outlier_rule="krum").outlier_data is None  # data only for the consensus rule
+        OutlierPolicy(rule="consensu", data=data)
+    assert AlignedFedAvg(g, outliers=OutlierPolicy(rule="krum")).outlier_data is None  # data only for the consensus rule
 
 
 @pytest.mark.usefixtures("example_on_path")
@@ -189,7 +189,7 @@ def test_the_example_app_holds_server_images_for_the_consensus_rule():
     cfg = task.settings({"dataset": "synthetic", "hidden": 16, "layers": 1, "heads": 2, "outlier-rule": "consensus",
                          "server-images": 300})
     strategy = AlignedFedAvg(template=task.load_model(cfg), **server_app.strategy_options(cfg))
-    assert strategy.outlier_rule == "consensus" and strategy.outlier_data.n == 300
+    assert strategy.outliers.rule == "consensus" and strategy.outlier_data.n == 300
     assert not strategy.outlier_data.labeled and all(b.labels is None for b in strategy.outlier_data.batches)
     assert "outlier_data" not in server_app.strategy_options(task.settings({"dataset": "synthetic"}))
 
@@ -212,7 +212,7 @@ def test_consensus_rule_leaves_out_a_client_whose_predictions_cannot_be_had(fede
         return out
 
     monkeypatch.setattr(strategy_module, "client_probabilities", one_fails)
-    s = strategy(g, outlier_rule="consensus", outlier_data=data)
+    s = strategy(g, outliers=OutlierPolicy(rule="consensus", data=data))
     s.aggregate_train(1, list(replies.values()))
     rec = s.rounds[-1]
     assert sorted((x["node"], x["kind"]) for x in rec["left_out"]) == [(SKEWED, "outlier"), (FLIPPED, "outlier")]

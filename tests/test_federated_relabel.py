@@ -1,9 +1,9 @@
 """The relabelling check of AlignedFedAvg (symmerge.federated.relabel): the best relabelling of a client's
 classes onto the consensus's recovers a known permutation and is ~0 for a pure shift of the class prior;
-moving the output layer's rows relabels a real ViTForImageClassification's outputs exactly (fp64 and fp32),
-and a permutation of the labels is a symmetry of training (training on permuted labels = training from the
-row-permuted model, rows permuted back); the strategy option ``relabel`` end to end on the tiny synthetic
-federation of tests/test_federated_consensus.py. Skipped where Flower is not installed."""
+a permutation of the labels is a symmetry of training (training on permuted labels = training from the
+row-permuted model, rows permuted back: why a relabelled client is detected, not repaired); the strategy
+option ``OutlierPolicy(relabel=RelabelCheck(...))`` end to end on the tiny synthetic federation of
+tests/test_federated_consensus.py. Skipped where Flower is not installed."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import transformers as T  # noqa: E402
 
 from symmerge import SymmergeError  # noqa: E402
 from symmerge.federated.consensus import prior_corrected  # noqa: E402
-from symmerge.federated.relabel import (cycles, output_layer, permute_rows, relabelled_probabilities,  # noqa: E402
-                                        relabelling, relabellings)
+from symmerge.federated import OutlierPolicy, RelabelCheck  # noqa: E402
+from symmerge.federated.relabel import cycles, relabelling, relabellings  # noqa: E402
 
 K = 6
 
@@ -53,8 +53,6 @@ def test_relabelling_recovers_a_known_permutation():
     if swap < three:
         part = relabelling(relabelled, q, min_cycle_gain=0.5 * (swap + three))
         assert part["kept"] == [2, 0, 1, 3, 4, 5]
-    # relabelled_probabilities undoes it
-    assert torch.allclose(relabelled_probabilities(relabelled, perm), base.softmax(1), atol=1e-12)
 
 
 def test_relabelling_is_about_zero_for_a_prior_shift():
@@ -75,36 +73,15 @@ def tiny_classifier(dtype):
     return T.ViTForImageClassification(cfg).to(dtype).eval()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_permuting_output_rows_relabels_the_function_exactly(dtype, tol):
-    model = tiny_classifier(dtype)
-    keys = output_layer(model)
-    assert keys == ["classifier.weight", "classifier.bias"]
-    x = torch.randn(7, 1, 8, 8, dtype=dtype)
-    with torch.no_grad():
-        logits = model(pixel_values=x).logits
-        sd = {k: v.clone() for k, v in model.state_dict().items()}
-        perm = [3, 5, 0, 1, 2, 4]
-        model.load_state_dict(permute_rows(sd, keys, perm))
-        moved = model(pixel_values=x).logits
-        assert torch.allclose(moved[:, perm], logits, atol=tol, rtol=0)  # class i's logit now at perm[i]
-        back = [perm.index(j) for j in range(K)]
-        model.load_state_dict(permute_rows(permute_rows(sd, keys, perm), keys, back))
-        assert torch.equal(model(pixel_values=x).logits, logits)  # the repair undoes it bit for bit
-        # negative control: permuting the rows is not a symmetry of the function
-        assert (moved - logits).abs().max() > 100 * tol
-        # the update-only variant: row perm[i] = base row perm[i] + (row i - base row i)
-        base = {k: v + 0.5 for k, v in sd.items()}
-        upd = permute_rows(sd, keys, perm, base=base)
-        for k in keys:
-            assert torch.allclose(upd[k][perm] - base[k][perm], sd[k] - base[k], atol=tol, rtol=0)
-    assert output_layer(tiny_classifier(dtype)) == keys
-    with pytest.raises(SymmergeError, match="rows"):
-        permute_rows(sd, keys, [0, 2, 1])
-    with pytest.raises(SymmergeError, match="not a permutation"):
-        permute_rows(sd, keys, [0] * K)
-    with pytest.raises(SymmergeError, match="output layer"):
-        output_layer(T.ViTModel(tiny_classifier(dtype).config))
+OUTPUT = ["classifier.weight", "classifier.bias"]  # tiny_classifier's output layer
+
+
+def permute_rows(state_dict: dict, keys, perm: list[int]) -> dict:
+    """``state_dict`` with row i of ``keys`` moved to row ``perm[i]`` (the model then predicts class perm[i]
+    wherever it predicted i)."""
+    index = torch.empty(len(perm), dtype=torch.long)
+    index[torch.tensor(perm, dtype=torch.long)] = torch.arange(len(perm))
+    return {**state_dict, **{k: state_dict[k][index].clone() for k in keys}}
 
 
 def test_a_label_permutation_is_a_symmetry_of_training():
@@ -130,7 +107,7 @@ def test_a_label_permutation_is_a_symmetry_of_training():
         return {k: v.detach() for k, v in model.state_dict().items()}
 
     theta = tiny_classifier(torch.float64).state_dict()
-    keys = output_layer(tiny_classifier(torch.float64))
+    keys = OUTPUT
     flipped = train(theta, torch.tensor(perm)[y])  # the attacker: labels σ(y)
     honest_from_relabelled = train(permute_rows(theta, keys, inverse), y)
     repaired = permute_rows(flipped, keys, inverse)  # rows moved back: client class σ(c) -> c
@@ -143,81 +120,50 @@ def test_a_label_permutation_is_a_symmetry_of_training():
 
 # ---------------------------------------------------------------- the strategy option, end to end
 
-def test_relabel_option_end_to_end(federation, caplog):
-    """The synthetic federation: node FLIPPED trained on 3 - y. ``relabel="detect"`` leaves it out (as the
-    consensus rule), ``"repair"`` aggregates it with its output rows permuted back (the aggregate equals the
-    plain aggregate of the honest clients and the repaired model), ``"distill"`` keeps it out of the average
-    and distils its relabelled predictions into the aggregate; the honest (and the skewed) clients are never
-    relabelled; clean rounds equal the rounds without the option."""
+def test_relabel_option_end_to_end(federation):
+    """The synthetic federation: node FLIPPED trained on 3 - y. The relabelling check leaves it out (as the
+    consensus rule), naming its relabelling; the honest (and the skewed) clients are never flagged by it; clean
+    rounds equal the rounds without the check."""
     pytest.importorskip("flwr")
     from test_federated import sha
-    from test_federated_consensus import FLIPPED, SKEWED, strategy
+    from test_federated_consensus import FLIPPED, strategy
 
     g, replies, data = federation
     # (the gain is in probability mass: these accurate clients agree closely, and the flipped one gains 0.0056)
-    opts = dict(outlier_rule="consensus", outlier_data=data, relabel_threshold=0.002, relabel_min_cycle=0.0005)
-    s = strategy(g, relabel="detect", **opts)
+    check = OutlierPolicy(rule="consensus", data=data, relabel=RelabelCheck(threshold=0.002, min_cycle=0.0005))
+    s = strategy(g, outliers=check)
     s.aggregate_train(1, list(replies.values()))
     rec = s.rounds[-1]
-    assert [x["node"] for x in rec["left_out"]] == [FLIPPED] and rec["relabelled"] == []
+    assert [x["node"] for x in rec["left_out"]] == [FLIPPED] and rec["relabel"] == "detect"
     assert rec["relabel_gain"][FLIPPED] > 0.004 > 0.002 > 10 * max(v for n, v in rec["relabel_gain"].items()
                                                                    if n != FLIPPED)
     assert "relabelling" in rec["left_out"][0]["reason"]
 
-    s = strategy(g, relabel="repair", **opts)
-    arrays, metrics = s.aggregate_train(1, list(replies.values()))
-    rec = s.rounds[-1]
-    assert not rec["left_out"] and [x["node"] for x in rec["relabelled"]] == [FLIPPED]
-    moved = rec["relabelled"][0]["permutation"]
-    assert moved and all(j == 3 - i for i, j in moved.items()) and metrics["symmerge-clients-relabelled"] == 1
-    assert any(f"relabelled node {FLIPPED}" in r.getMessage() for r in caplog.records)
-    from symmerge.federated.relabel import permute_rows
-
-    perm = [moved.get(i, i) for i in range(4)]
-    fixed = permute_rows(replies[FLIPPED].content["arrays"].to_torch_state_dict(), ["classifier.weight",
-                                                                                     "classifier.bias"], perm)
-    from test_federated import reply
-
-    plain = [m for n, m in replies.items() if n != FLIPPED] + [reply(FLIPPED, fixed, 300)]
-    assert sha(arrays) == sha(strategy(g).aggregate_train(1, plain)[0])
-
-    s = strategy(g, relabel="distill", relabel_distill_steps=3, **opts)
-    arrays, _ = s.aggregate_train(1, list(replies.values()))
-    rec = s.rounds[-1]
-    assert FLIPPED not in rec["accepted"] and [x["node"] for x in rec["relabelled"]] == [FLIPPED]
-    assert rec["distill"]["steps"] == 3 and rec["distill"]["loss_after"] < rec["distill"]["loss_before"]
-    honest = [m for n, m in replies.items() if n != FLIPPED]
-    assert sha(arrays) != sha(strategy(g).aggregate_train(1, honest)[0])  # the aggregate was trained
-
-    # a clean round: nobody relabelled, the aggregate is the consensus rule's round without the option (on
+    # a clean round: nobody flagged by the check, the aggregate is the consensus rule's round without it (on
     # these accurate clients that rule itself leaves out the skewed client in a clean round: a documented limit)
-    base = strategy(g, outlier_rule="consensus", outlier_data=data)
+    honest = [m for n, m in replies.items() if n != FLIPPED]
+    base = strategy(g, outliers=OutlierPolicy(rule="consensus", data=data))
     expected = sha(base.aggregate_train(1, honest)[0])
-    for mode in ("detect", "repair", "distill"):
-        s = strategy(g, relabel=mode, **opts)
-        arrays, _ = s.aggregate_train(1, honest)
-        assert not s.rounds[-1]["relabelled"]
-        assert [(x["node"], x["kind"]) for x in s.rounds[-1]["left_out"]] == [(x["node"], x["kind"])
-                                                                              for x in base.rounds[-1]["left_out"]]
-        assert max(s.rounds[-1]["relabel_gain"].values()) < 0.002
-        assert sha(arrays) == expected
+    s = strategy(g, outliers=check)
+    arrays, _ = s.aggregate_train(1, honest)
+    assert [(x["node"], x["kind"]) for x in s.rounds[-1]["left_out"]] == [(x["node"], x["kind"])
+                                                                          for x in base.rounds[-1]["left_out"]]
+    assert max(s.rounds[-1]["relabel_gain"].values()) < 0.002
+    assert sha(arrays) == expected
 
 
 def test_relabel_option_errors(federation):
     pytest.importorskip("flwr")
-    from symmerge.federated import AlignedFedAvg
 
-    g, _, data = federation
-    with pytest.raises(SymmergeError, match="unknown relabel"):
-        AlignedFedAvg(g, outlier_rule="consensus", outlier_data=data, relabel="fix")
-    with pytest.raises(SymmergeError, match="needs outlier_rule='consensus'"):
-        AlignedFedAvg(g, outlier_rule="krum", relabel="detect")
-    with pytest.raises(SymmergeError, match="relabel_threshold"):
-        AlignedFedAvg(g, outlier_rule="consensus", outlier_data=data, relabel="detect", relabel_threshold=0)
-    with pytest.raises(SymmergeError, match="relabel_distill_steps"):
-        AlignedFedAvg(g, outlier_rule="consensus", outlier_data=data, relabel="distill", relabel_distill_steps=0)
-    with pytest.raises(SymmergeError, match="not with joint"):
-        AlignedFedAvg(g, outlier_rule="consensus", outlier_data=data, relabel="repair", joint=True)
+    _, _, data = federation
+    with pytest.raises(SymmergeError, match="needs rule='consensus'"):
+        OutlierPolicy(rule="krum", relabel=RelabelCheck())
+    with pytest.raises(SymmergeError, match="relabel threshold"):
+        RelabelCheck(threshold=0)
+    with pytest.raises(SymmergeError, match="relabel min_cycle"):
+        RelabelCheck(min_cycle=-1)
+    with pytest.raises(SymmergeError, match="RelabelCheck"):
+        OutlierPolicy(rule="consensus", data=data, relabel="detect")
 
 
 def test_relabel_is_in_the_summary(federation, caplog):
@@ -225,6 +171,6 @@ def test_relabel_is_in_the_summary(federation, caplog):
     from symmerge.federated import AlignedFedAvg
 
     g, _, data = federation
-    AlignedFedAvg(g, outlier_rule="consensus", outlier_data=data, relabel="detect").summary()
+    AlignedFedAvg(g, outliers=OutlierPolicy(rule="consensus", data=data, relabel=RelabelCheck())).summary()
     assert any("outlier_rule consensus (threshold 3.5), relabel detect (threshold 0.01)" in r.getMessage()
                for r in caplog.records)

@@ -29,7 +29,7 @@ def test_every_kind_declares_its_matcher_capabilities():
         assert isinstance(kind.moves_before_scales, bool), name
         # a model-wide kind is read at the block boundaries, a per-layer one at its slots or units
         assert (kind.activation_sites == "stream") == (not kind.per_layer) or kind.activation_sites in ("weights", ""), name
-        for method in ("fit_activations", "weight_scales", "resolvable", "learn_init"):
+        for method in ("fit_activations", "weight_scales", "learn_init"):
             assert callable(getattr(kind, method)), (name, method)
         if kind.activation_sites == "inputs":  # its own statistics from a module's input: all three overridden
             for method in ("activation_input", "observe", "fit_observed"):

@@ -35,7 +35,10 @@ def test_registry_knows_every_method_and_rejects_unknown_ones():
     assert {"average", "task_arithmetic", "ties", "dare", "fisher", "regmean"} <= set(METHODS)
     assert "dare_ties" in METHODS and get_method("dare_ties") is dare_ties.METHOD
     m = get_method("dare_ties")
-    assert m.params == {"drop": 0.9, "scale": 1.0, "seed": 0} and m.needs_base and m.needs is None
+    # symmerge's defaults, plus mergekit's normalize / rescale / int8_mask (symmerge's behaviour by default)
+    assert {k: m.params[k] for k in ("drop", "scale", "seed")} == {"drop": 0.9, "scale": 1.0, "seed": 0}
+    assert m.params["normalize"] == "count" and m.params["rescale"] == "inverse"
+    assert m.needs_base and m.needs is None
     assert m.doc.startswith("DARE-TIES") and "\n" not in m.doc
     with pytest.raises(SymmergeError, match="known methods: .*average.*regmean"):
         get_method("soup")
@@ -246,7 +249,7 @@ def test_layout_check_rejects_mismatched_keys_shapes_and_base():
         (lambda: ties.merge([a], base=a, density=0.0), "density"),
         (lambda: ties.merge([a], base=a, scope="layer"), "scope"),
         (lambda: dare_ties.merge([a], base=a, drop=1.0), "drop"),
-        (lambda: dare_ties.merge([a], base=a, density=0.5), "no parameter 'density'"),
+        (lambda: dare_ties.merge([a], base=a, drop=0.5, density=0.5), "'drop' or its alias 'density'"),
         (lambda: regmean.merge([a], stats=[{}], alpha=2.0), "alpha"),
     ]
     for call, message in cases:

@@ -9,7 +9,7 @@ from . import bert, clip, deberta, distilbert, gemma, gpt2, gpt_neox, llama, moe
 
 SPECS: tuple[Spec, ...] = (bert.SPEC, distilbert.SPEC, deberta.SPEC, vit.SPEC, gpt2.SPEC, llama.LLAMA, llama.QWEN3,
                            phi.SPEC)
-# dense decoder families of issue 22
+# dense decoder families
 SPECS += (gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3, gpt_neox.SPEC, phi3.SPEC, olmo2.SPEC)
 SPECS += (moe.MIXTRAL, moe.QWEN2_MOE, moe.QWEN3_MOE, moe.OLMOE)  # mixtures of experts
 SPECS += (t5.SPEC, clip.SPEC, clip.TEXT, clip.VISION)  # several layer stacks (and CLIP's single towers)

@@ -1,12 +1,16 @@
 """Federated learning with symmetry-aligned aggregation: :class:`AlignedFedAvg`, a strategy for
 Flower's message API (``pip install 'symmerge[flower]'``). The checks and aggregation rules, which
-need no Flower, are in :mod:`symmerge.federated.aggregate`."""
+need no Flower, are in :mod:`symmerge.federated.aggregate`; its options objects in
+:mod:`symmerge.federated.options`."""
 
 from .aggregate import (AGGREGATIONS, CONSENSUS_RULE, LEFT_OUT_KINDS, OUTLIER_RULES, aggregate, check_state_dict,
                         norm_outliers, update_outliers, update_scores)
 from .consensus import consensus_scores, prior_corrected
-from .strategy import FEDERATED_SYMMETRIES, AlignedFedAvg, alignment_options
+from .options import (FEDERATED_SYMMETRIES, Aggregation, ClientAlignment, OutlierPolicy, RelabelCheck,
+                      alignment_options)
+from .strategy import AlignedFedAvg
 
-__all__ = ["AlignedFedAvg", "AGGREGATIONS", "CONSENSUS_RULE", "FEDERATED_SYMMETRIES", "LEFT_OUT_KINDS", "aggregate",
-           "OUTLIER_RULES", "alignment_options", "check_state_dict", "consensus_scores", "norm_outliers",
-           "prior_corrected", "update_outliers", "update_scores"]
+__all__ = ["AlignedFedAvg", "AGGREGATIONS", "Aggregation", "ClientAlignment", "CONSENSUS_RULE", "FEDERATED_SYMMETRIES",
+           "LEFT_OUT_KINDS", "OutlierPolicy", "RelabelCheck", "aggregate", "OUTLIER_RULES", "alignment_options",
+           "check_state_dict", "consensus_scores", "norm_outliers", "prior_corrected", "update_outliers",
+           "update_scores"]

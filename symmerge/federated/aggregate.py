@@ -35,8 +35,8 @@ OUTLIER_RULES = ("distance", "cosine", "krum")  # the rules on the aligned updat
 # the functional rule: each client's predictions on the server's unlabeled data against the others' consensus
 CONSENSUS_RULE = "consensus"
 # the consensus rule's robust z-score takes the MAD as at least this fraction of the median score (see
-# update_outliers): chosen on B5 (c)'s 20-step rounds (docs/results.md), where honest clients' scores cluster
-# within a few percent and a MAD that small turned an honest client with rare labels into an outlier
+# update_outliers): where honest clients' scores cluster within a few percent, a MAD that small would turn an
+# honest client with rare labels into an outlier (docs/federated.md, the consensus rule)
 CONSENSUS_MIN_SPREAD = 0.1
 
 

@@ -3,7 +3,7 @@ each client's model on unlabeled data held by the server (no Flower needed here)
 
 A client trained on relabelled data (flipped labels, 9 - y) sends an update of ordinary norm, and under
 label skew its aligned update is no further from the others' than an honest client's whose classes
-nobody else holds (docs/results.md, B5 (c)). What tells them apart is what the models predict. Each
+nobody else holds (docs/federated.md). What tells them apart is what the models predict. Each
 client's class probabilities on the server's examples are compared with the consensus, the unweighted
 mean of the other clients' probabilities, after the client's class prior is discounted
 (:func:`prior_corrected`), and the consensus's prior moved to the client's: an honest client with rare
@@ -85,10 +85,10 @@ def server_data(data, model, max_examples: int):
         raise SymmergeError(f"outlier_rule='consensus' compares class predictions: it needs a classification model, "
                             f"got {type(model).__name__}")
     if data is None:
-        raise SymmergeError("outlier_rule='consensus' needs unlabeled data held by the server: pass outlier_data=FILE "
-                            "(or an alignment with align_data)")
+        raise SymmergeError("outlier_rule='consensus' needs unlabeled data held by the server: pass "
+                            "OutlierPolicy(data=FILE) (or an alignment with align_data)")
     if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
-        raise SymmergeError(f"outlier_samples must be a whole number >= 1, got {max_examples!r}")
+        raise SymmergeError(f"outlier_samples (OutlierPolicy.samples) must be a whole number >= 1, got {max_examples!r}")
     if isinstance(data, Data):
         check_data(data, model, use_labels=False)
         return take(data, max_examples)

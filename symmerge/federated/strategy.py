@@ -3,7 +3,7 @@ model's frame before they are aggregated, and every reply checked first.
 
 Used exactly like ``flwr.serverapp.strategy.FedAvg`` in a ``ServerApp``::
 
-    strategy = AlignedFedAvg(template=model, fraction_evaluate=0.0, min_clients=2)
+    strategy = AlignedFedAvg(template=model, aggregation=Aggregation(min_clients=2), fraction_evaluate=0.0)
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=3)
 
 Clients reply as in Flower's PyTorch quickstart: the model's state dict as the ``arrays`` ArrayRecord
@@ -19,21 +19,20 @@ One round of :meth:`AlignedFedAvg.aggregate_train`:
    (:func:`~symmerge.pipeline.align.align_pair`: the star of the N-model alignment with the global
    model as its centre; the global model is never moved, so the global frame stays fixed from round to
    round and the clients, who all start the round from the global model, are pulled back into it);
-3. a client whose aligned distance to the global model (its update norm) is beyond ``norm_factor`` ×
-   the median of the others' is left out (with ``norm_clip``: kept, its update scaled down to that
-   median norm);
-4. with ``outlier_rule`` set, a client whose aligned update is an outlier among the remaining ones
-   (robust z-score of its ``distance`` / ``cosine`` / ``krum`` score beyond ``outlier_threshold``:
-   :func:`~symmerge.federated.aggregate.update_outliers`), or with ``outlier_rule="consensus"`` whose
-   predictions on the server's unlabeled data (``outlier_data``) disagree with the other clients'
+3. a client whose aligned distance to the global model (its update norm) is beyond ``outliers.norm_factor``
+   × the median of the others' is left out (with ``outliers.norm_clip``: kept, its update scaled down to
+   that median norm);
+4. with ``outliers.rule`` set, a client whose aligned update is an outlier among the remaining ones
+   (robust z-score of its ``distance`` / ``cosine`` / ``krum`` score beyond ``outliers.threshold``:
+   :func:`~symmerge.federated.aggregate.update_outliers`), or with ``rule="consensus"`` whose
+   predictions on the server's unlabeled data (``outliers.data``) disagree with the other clients'
    consensus once class priors are discounted (:mod:`symmerge.federated.consensus`), is left out (kind
-   ``outlier``); with ``relabel`` also a client whose best relabelling of the classes onto the consensus's
-   gains ``relabel_threshold`` (:mod:`symmerge.federated.relabel`), and such a client is left out or, by the
-   ``relabel`` mode, repaired (its output rows permuted back) or distilled;
-5. if fewer than ``min_clients`` remain, the previous global model is returned unchanged (the same
+   ``outlier``); with ``outliers.relabel`` also a client whose best relabelling of the classes onto the
+   consensus's gains the check's ``threshold`` (:mod:`symmerge.federated.relabel`);
+5. if fewer than ``aggregation.min_clients`` remain, the previous global model is returned unchanged (the same
    ArrayRecord, byte for byte); otherwise the aligned models are aggregated: the mean weighted by
    ``num-examples`` (FedAvg), the coordinate-wise ``median`` or the ``trimmed_mean``.
-6. with ``joint=True``, step 5 aggregates the remaining clients in their **joint** frame instead
+6. with ``alignment.joint``, step 5 aggregates the remaining clients in their **joint** frame instead
    (:func:`~symmerge.pipeline.joint.align_joint` on the clients' own models, from the star on the client
    closest to their average, as ``merge_models(..., joint=True)``; with ``match="learned"`` the learned
    joint alignment: random convex combinations of the clients trained against the same combinations of
@@ -72,20 +71,17 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ..core.distance import sq_distance
 from ..errors import SymmergeError
 from ..pipeline.align import align_pair, as_model, canonical
-from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, AlignOptions
+from ..pipeline.options import AlignOptions
 from ..pipeline.verify import with_state_dict
-from .aggregate import (CONSENSUS_MIN_SPREAD, CONSENSUS_RULE, LEFT_OUT_KINDS, aggregate, check_aggregation,
-                        check_outlier_rule, check_state_dict, median_of_others, norm_outliers, scale_update,
-                        update_outliers, update_scores)
+from .aggregate import (CONSENSUS_MIN_SPREAD, CONSENSUS_RULE, LEFT_OUT_KINDS, aggregate, check_state_dict,
+                        median_of_others, norm_outliers, scale_update, update_outliers, update_scores)
 from .consensus import client_probabilities, consensus_scores, server_data
-from .relabel import check_relabel, distill, output_layer, permute_rows, relabelled_probabilities, relabellings
+from .options import (FEDERATED_SYMMETRIES, MIN_ALIGN_GAIN, MOVED, Aggregation, ClientAlignment, OutlierPolicy,
+                      alignment_options)
+from .relabel import relabellings
 
-# the recommended set without the residual stream: groups that need no change of parameterisation
-FEDERATED_SYMMETRIES = ("heads", "attn", "ffn", "rescale")
+__all__ = ["AlignedFedAvg", "FEDERATED_SYMMETRIES", "MIN_ALIGN_GAIN", "alignment_options"]
 PREFIX = "symmerge-"  # the strategy's own keys in the round's MetricRecord
-# a client's alignment is kept only if it lowers its distance to the global model by at least this fraction;
-# otherwise the client enters the aggregate as it was sent (the identity element): see AlignedFedAvg
-MIN_ALIGN_GAIN = 0.05
 
 
 class _LeftOut(Exception):
@@ -94,83 +90,39 @@ class _LeftOut(Exception):
         self.kind, self.reason = kind, reason
 
 
-def alignment_options(alignment) -> AlignOptions:
-    """``None`` → data-free alignment over :data:`FEDERATED_SYMMETRIES`; a symmetries string (``"none"``:
-    no alignment, plain robust FedAvg) → those, data-free; an :class:`AlignOptions` as given."""
-    if alignment is None:
-        return AlignOptions(symmetries=FEDERATED_SYMMETRIES)
-    if isinstance(alignment, AlignOptions):
-        return alignment
-    return AlignOptions(symmetries=alignment)
-
-
 class AlignedFedAvg(FedAvg):
     """FedAvg with symmetry-aligned, checked aggregation (see the module docstring).
 
     ``template``: a transformers model (or HF folder) of the federation's architecture, held by the
     server: client state dicts are loaded into copies of it for alignment, and its tensor names, shapes
-    and dtypes are the contract every reply is checked against. ``alignment``: :class:`AlignOptions`
-    or a symmetries string (default: data-free, :data:`FEDERATED_SYMMETRIES`; ``match="activations"``
-    or ``"learned"`` with ``align_data``: unlabeled data held by the server). ``aggregation``: ``mean``
-    (weighted by ``num-examples``), ``median`` or ``trimmed_mean`` (``trim``: the fraction cut from each
-    end). ``norm_factor``: a client whose update norm exceeds this multiple of the median of the others'
-    is left out (``None``: no such rule); with ``norm_clip`` it is kept instead, its aligned update
-    scaled down to the median of the others' norms (logged; ``clipped`` in the round's record).
-    ``outlier_rule`` (``distance``, ``cosine`` or ``krum``; ``None``,
-    the default: off) with ``outlier_threshold`` (default 3.5): a client whose aligned update's score has
-    a robust z-score beyond the threshold is left out. ``outlier_rule="consensus"``: the functional rule,
-    on the clients' predictions on ``outlier_data`` (unlabeled data held by the server, as ``align_data``;
-    default: the alignment's ``align_data``), at most ``outlier_samples`` examples; a classifier only. ``min_clients``: fewer accepted clients keep the previous
-    global model. ``joint``: aggregate the accepted clients in their joint frame (step 6 of the module text;
-    ``joint_rounds``, ``joint_refine``: the joint alignment's cap on rounds and what they re-solve (as
-    ``merge --joint-rounds/--joint-refine``); the round's record gets ``joint``, the joint
-    alignment's report). Every other keyword goes to ``FedAvg``.
+    and dtypes are the contract every reply is checked against. Three options objects, one per concern
+    (:mod:`symmerge.federated.options`, each validated when made): ``alignment``, a :class:`ClientAlignment`
+    (or, for its ``options`` alone, an :class:`AlignOptions` or a symmetries string; default: data-free,
+    :data:`FEDERATED_SYMMETRIES`); ``aggregation``, an :class:`Aggregation` (or its ``rule`` alone:
+    ``"mean"``, ``"median"``, ``"trimmed_mean"``); ``outliers``, an :class:`OutlierPolicy` (default: the
+    norm rule at 10 × the others' median, no outlier rule). Every other keyword goes to ``FedAvg``.
 
     After each round, :attr:`rounds` holds its full record (accepted and left-out node ids with reasons,
     distances, seconds); the returned MetricRecord carries the numeric part (keys ``symmerge-*``)."""
 
-    def __init__(self, template, *, alignment=None, aggregation: str = "mean", trim: float = 0.2,
-                 norm_factor: float | None = 10.0, norm_clip: bool = False, outlier_rule: str | None = None,
-                 outlier_threshold: float = 3.5, outlier_data=None, outlier_samples: int = 1000,
-                 min_clients: int = 2, joint: bool = False, joint_rounds: int = 10,
-                 joint_refine: str = DEFAULT_REFINE, min_align_gain: float = MIN_ALIGN_GAIN, relabel: str | None = None,
-                 relabel_threshold: float = 0.01, relabel_min_cycle: float = 0.002, relabel_weight: float = 1.0,
-                 relabel_distill_steps: int = 100, **fedavg_kwargs):
+    def __init__(self, template, *, alignment: ClientAlignment | AlignOptions | str | None = None,
+                 aggregation: Aggregation | str = "mean", outliers: OutlierPolicy | None = None, **fedavg_kwargs):
+        moved = sorted(k for k in fedavg_kwargs if k in MOVED)
+        if moved:
+            raise SymmergeError("AlignedFedAvg takes its options grouped: " + "; ".join(
+                f"{k} -> {MOVED[k]}" for k in moved))
         super().__init__(**fedavg_kwargs)
-        check_aggregation(aggregation, trim)
-        check_outlier_rule(outlier_rule, outlier_threshold)
-        check_relabel(relabel, relabel_threshold, relabel_min_cycle, relabel_weight, outlier_rule, joint)
-        if isinstance(min_clients, bool) or not isinstance(min_clients, int) or min_clients < 1:
-            raise SymmergeError(f"min_clients must be a whole number >= 1, got {min_clients!r}")
-        if norm_factor is not None and not (norm_factor > 1 and math.isfinite(norm_factor)):
-            raise SymmergeError(f"norm_factor must be a number > 1 (or None), got {norm_factor!r}")
+        self.client_alignment = alignment if isinstance(alignment, ClientAlignment) else ClientAlignment(alignment)
+        self.aggregation = aggregation if isinstance(aggregation, Aggregation) else Aggregation(aggregation)
+        self.outliers = OutlierPolicy() if outliers is None else outliers
+        if not isinstance(self.outliers, OutlierPolicy):
+            raise SymmergeError(f"outliers must be an OutlierPolicy (or None), got {outliers!r}")
         self.template = as_model(template).eval()
-        self.alignment = alignment_options(alignment).for_model(self.template)
-        self.aggregation, self.trim = aggregation, trim
-        self.norm_factor, self.min_clients = norm_factor, min_clients
-        self.outlier_rule, self.outlier_threshold = outlier_rule, float(outlier_threshold)
-        self.norm_clip = bool(norm_clip)
-        self.relabel, self.relabel_threshold = relabel, float(relabel_threshold)
-        self.relabel_min_cycle, self.relabel_weight = float(relabel_min_cycle), float(relabel_weight)
-        self.output_keys = output_layer(self.template) if relabel is not None else []
-        if isinstance(relabel_distill_steps, bool) or not isinstance(relabel_distill_steps, int) or relabel_distill_steps < 1:
-            raise SymmergeError(f"relabel_distill_steps must be a whole number >= 1, got {relabel_distill_steps!r}")
-        self.relabel_distill_steps = relabel_distill_steps
-        self._distill: list = []  # this round's relabelled clients for relabel="distill": (weight, probabilities)
+        self.alignment = self.client_alignment.options.for_model(self.template)
         # the consensus rule's unlabeled server examples (default: the alignment's), loaded once
-        self.outlier_data = server_data(outlier_data if outlier_data is not None else self.alignment.align_data,
-                                        self.template, outlier_samples) if outlier_rule == CONSENSUS_RULE else None
-        if joint and not self.alignment.symmetries:
-            raise SymmergeError("joint=True aligns the clients jointly: it needs symmetries (alignment is 'none')")
-        if isinstance(joint_rounds, bool) or not isinstance(joint_rounds, int) or joint_rounds < 0:
-            raise SymmergeError(f"joint_rounds must be a whole number >= 0, got {joint_rounds!r}")
-        if joint_refine not in JOINT_REFINE:
-            raise SymmergeError(f"unknown joint_refine {joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
-        self.joint, self.joint_rounds, self.joint_refine = bool(joint), joint_rounds, joint_refine
-        if isinstance(min_align_gain, bool) or not isinstance(min_align_gain, (int, float)) or not (
-                0.0 <= min_align_gain < 1.0):
-            raise SymmergeError(f"min_align_gain must be a fraction in [0, 1), got {min_align_gain!r}")
-        self.min_align_gain = float(min_align_gain)
+        self.outlier_data = server_data(
+            self.outliers.data if self.outliers.data is not None else self.alignment.align_data, self.template,
+            self.outliers.samples) if self.outliers.rule == CONSENSUS_RULE else None
         self.reference = {k: v.detach() for k, v in self.template.state_dict().items()}
         self.folds = bool(self.alignment.symmetries) and canonical(self.template, self.alignment) is not self.template
         self.global_arrays: ArrayRecord | None = None  # set by configure_train: the model sent this round
@@ -179,14 +131,15 @@ class AlignedFedAvg(FedAvg):
 
     def summary(self) -> None:
         super().summary()
+        agg, out = self.aggregation, self.outliers
         log(INFO, "\t└──> symmerge: align %s (match %s), aggregation %s%s, norm_factor %s%s, outlier_rule %s%s, "
                   "min_clients %d%s",
-            ",".join(self.alignment.symmetries) or "none", self.alignment.match, self.aggregation,
-            f" (trim {self.trim:g})" if self.aggregation == "trimmed_mean" else "", self.norm_factor,
-            " (clip)" if self.norm_clip else "", self.outlier_rule,
-            (f" (threshold {self.outlier_threshold:g})" if self.outlier_rule else "") + (
-                f", relabel {self.relabel} (threshold {self.relabel_threshold:g})" if self.relabel else ""),
-            self.min_clients,
+            ",".join(self.alignment.symmetries) or "none", self.alignment.match, agg.rule,
+            f" (trim {agg.trim:g})" if agg.rule == "trimmed_mean" else "", out.norm_factor,
+            " (clip)" if out.norm_clip else "", out.rule,
+            (f" (threshold {out.threshold:g})" if out.rule else "") + (
+                f", relabel detect (threshold {out.relabel.threshold:g})" if out.relabel else ""),
+            agg.min_clients,
             ", global model kept with its norms folded" if self.folds else "")
 
     def configure_train(self, server_round, arrays, config, grid):
@@ -259,12 +212,11 @@ class AlignedFedAvg(FedAvg):
             candidates.append((msg, state_dict, weight))
 
         record = {"round": server_round, "left_out": left_out, "kept_previous": False, "folded": self.folds,
-                  "symmetries": list(self.alignment.symmetries), "aggregation": self.aggregation,
-                  "outlier_rule": self.outlier_rule, "outlier_z": {}, "clipped": [], "unaligned": []}
-        self._distill = []
-        if self.relabel is not None:
-            record.update(relabel=self.relabel, relabel_gain={}, relabelled=[])
-        if len(candidates) < self.min_clients:
+                  "symmetries": list(self.alignment.symmetries), "aggregation": self.aggregation.rule,
+                  "outlier_rule": self.outliers.rule, "outlier_z": {}, "clipped": [], "unaligned": []}
+        if self.outliers.relabel is not None:
+            record.update(relabel="detect", relabel_gain={})
+        if len(candidates) < self.aggregation.min_clients:
             return self._keep_previous(record, candidates, t0)
 
         # ---------------------------------------------------------------- align into the global frame
@@ -292,10 +244,10 @@ class AlignedFedAvg(FedAvg):
         # ---------------------------------------------------------------- the norm rule, on aligned updates
         distances = [a[4] for a in aligned]
         kept = []
-        for i, (item, reason) in enumerate(zip(aligned, norm_outliers(distances, self.norm_factor))):
+        for i, (item, reason) in enumerate(zip(aligned, norm_outliers(distances, self.outliers.norm_factor))):
             if reason is None:
                 kept.append(item)
-            elif self.norm_clip:
+            elif self.outliers.norm_clip:
                 # the client's own update (before alignment: a huge update would steer the alignment) scaled
                 # down to the others' median norm, then aligned like the others
                 node, target = item[0].metadata.src_node_id, median_of_others(distances, i)
@@ -315,10 +267,10 @@ class AlignedFedAvg(FedAvg):
             else:
                 self._left_out(left_out, item[0].metadata.src_node_id, "norm", reason)
         kept = self._outlier_rule(kept, anchor, anchor_sd, keys, left_out, record)
-        if len(kept) < self.min_clients:
+        if len(kept) < self.aggregation.min_clients:
             return self._keep_previous(record, kept, t0, align_seconds)
 
-        if self.joint:
+        if self.client_alignment.joint:
             try:
                 merged = self._joint_aggregate([raw[k[0].metadata.src_node_id] for k in kept], [k[2] for k in kept],
                                                anchor, keys, record)
@@ -328,19 +280,8 @@ class AlignedFedAvg(FedAvg):
                 record["note"] = f"the joint alignment failed: {type(e).__name__}: {e}"
                 return self._keep_previous(record, [], t0, align_seconds)
         else:
-            merged = aggregate([k[1] for k in kept], [k[2] for k in kept], keys, anchor_sd, self.aggregation,
-                               self.trim)
-            if self._distill:  # relabel="distill": the relabelled clients' function distilled into the aggregate
-                t = time.perf_counter()
-                merged, report = distill(self.template, merged, self.outlier_data, self._distill,
-                                         float(sum(k[2] for k in kept)), self.relabel_distill_steps, seed=server_round)
-                record["distill"] = {**report, "seconds": time.perf_counter() - t}
-            body_only = {x["node"] for x in record.get("relabelled", []) if x["mode"] == "body"}
-            if body_only:  # relabel="body": their output layer is left out (the others' aggregate)
-                heads = [k for k in kept if k[0].metadata.src_node_id not in body_only]
-                head = aggregate([k[1] for k in heads], [k[2] for k in heads], self.output_keys, anchor_sd,
-                                 self.aggregation, self.trim) if heads else anchor_sd
-                merged.update({k: head[k] for k in self.output_keys})
+            merged = aggregate([k[1] for k in kept], [k[2] for k in kept], keys, anchor_sd, self.aggregation.rule,
+                               self.aggregation.trim)
         if not all(bool(torch.isfinite(merged[k]).all()) for k in keys):  # e.g. huge finite values that overflow
             log(WARNING, "aggregate_train: round %d: the aggregate is not finite", server_round)
             record["note"] = "the aggregate was not finite: the previous global model is kept"
@@ -365,10 +306,11 @@ class AlignedFedAvg(FedAvg):
             return sd, float(d), float(d)
         # joint: this alignment only feeds the distances and the rules (the aggregate comes from the joint one),
         # so it is data-free whatever the matcher
-        res = align_pair(model, anchor, self.alignment.with_(match="weights") if self.joint else self.alignment)
+        joint, min_gain = self.client_alignment.joint, self.client_alignment.min_align_gain
+        res = align_pair(model, anchor, self.alignment.with_(match="weights") if joint else self.alignment)
         before, after = float(res.report["distance_before"]), float(res.report["distance_after"])
         gain = (before - after) / before if before > 0 else 0.0
-        if self.min_align_gain > 0 and not self.joint and gain < self.min_align_gain:
+        if min_gain > 0 and not joint and gain < min_gain:
             unaligned = canonical(model, self.alignment).state_dict()  # the identity element (norms folded if the frame is)
             if record is not None:
                 record["unaligned"].append({"node": node, "gain": gain})
@@ -386,10 +328,10 @@ class AlignedFedAvg(FedAvg):
         models = [with_state_dict(self.template, sd) for sd in state_dicts]
         heads = set(head_keys(self.template))
         star, _ = closest_to_average(state_dicts, [k for k in keys if k not in heads])
-        joint = align_joint(models, self.alignment.with_(verify=False), anchor=star, max_rounds=self.joint_rounds,
-                            refine=self.joint_refine)
+        joint = align_joint(models, self.alignment.with_(verify=False), anchor=star, max_rounds=self.client_alignment.joint_rounds,
+                            refine=self.client_alignment.joint_refine)
         sds = [x.state_dict() for x in joint.models]
-        merged = aggregate(sds, weights, keys, sds[star], self.aggregation, self.trim)
+        merged = aggregate(sds, weights, keys, sds[star], self.aggregation.rule, self.aggregation.trim)
         back = align_pair(with_state_dict(joint.models[star], merged), anchor,
                           self.alignment.with_(match="weights", verify=False))
         record["joint"] = {**{k: v for k, v in joint.report.items() if k != "models"},
@@ -400,9 +342,10 @@ class AlignedFedAvg(FedAvg):
 
     def _outlier_rule(self, kept: list, anchor, anchor_sd: dict, keys, left_out: list, record: dict) -> list:
         """The clients of ``kept`` whose aligned update is not an outlier (the others are left out)."""
-        if self.outlier_rule is None or len(kept) < 3:
+        rule, threshold = self.outliers.rule, self.outliers.threshold
+        if rule is None or len(kept) < 3:
             return kept
-        if self.outlier_rule == CONSENSUS_RULE:  # functional: the clients' predictions on the server's data
+        if rule == CONSENSUS_RULE:  # functional: the clients' predictions on the server's data
             # (the aligned models compute what the clients' models compute); a client whose predictions cannot
             # be had is left out before the others are scored (it must not enter their consensus)
             probs = client_probabilities(anchor, [k[1] for k in kept], self.outlier_data)
@@ -414,12 +357,12 @@ class AlignedFedAvg(FedAvg):
                 return kept
             probs = [p for p in probs if not isinstance(p, str)]
             scores = consensus_scores(probs)
-            flags = update_outliers(scores, self.outlier_threshold, self.outlier_rule, CONSENSUS_MIN_SPREAD)
-            if self.relabel is not None:
-                return self._relabel(kept, probs, flags, anchor_sd, left_out, record)
+            flags = update_outliers(scores, threshold, rule, CONSENSUS_MIN_SPREAD)
+            if self.outliers.relabel is not None:
+                return self._relabel(kept, probs, flags, left_out, record)
         else:
-            scores = update_scores([k[1] for k in kept], anchor_sd, keys, self.outlier_rule)
-            flags = update_outliers(scores, self.outlier_threshold, self.outlier_rule)
+            scores = update_scores([k[1] for k in kept], anchor_sd, keys, rule)
+            flags = update_outliers(scores, threshold, rule)
         record["outlier_z"] = {k[0].metadata.src_node_id: z for k, (z, _) in zip(kept, flags)}
         out = []
         for item, (_, reason) in zip(kept, flags):
@@ -429,47 +372,31 @@ class AlignedFedAvg(FedAvg):
                 self._left_out(left_out, item[0].metadata.src_node_id, "outlier", reason)
         return out
 
-    def _relabel(self, kept: list, probs: list, flags: list, anchor_sd: dict, left_out: list, record: dict) -> list:
-        """The consensus rule with the relabelling check (``relabel``): a client is flagged when the consensus
-        rule flags it or its best relabelling gains at least ``relabel_threshold``; a flagged client whose
-        confidently estimated relabelling (its cycles gaining ``relabel_min_cycle`` each) gains at least
-        ``relabel_threshold`` is, with ``relabel="repair"``, aggregated with its output rows permuted back
-        (``repair_update``: only its update's rows; ``body``: its output layer left out), at
-        ``relabel_weight`` × its weight, or with ``"distill"`` kept out of the average and its relabelled
-        predictions distilled into the aggregate (see ``aggregate_train``); every other flagged client is left
-        out (kind ``outlier``)."""
+    def _relabel(self, kept: list, probs: list, flags: list, left_out: list, record: dict) -> list:
+        """The consensus rule with the relabelling check (``outliers.relabel``): a client is left out (kind
+        ``outlier``) when the consensus rule flags it or its best relabelling of the classes onto the others'
+        consensus gains at least the check's ``threshold``; the logged reason names the relabelling's confident
+        cycles (those gaining ``min_cycle`` each)."""
+        check = self.outliers.relabel
         record["outlier_z"] = {k[0].metadata.src_node_id: z for k, (z, _) in zip(kept, flags)}
-        found = relabellings(probs, self.relabel_min_cycle)
+        found = relabellings(probs, check.min_cycle)
         out = []
-        self._distill = []
-        for item, (z, reason), r, p in zip(kept, flags, found, probs):
+        for item, (z, reason), r in zip(kept, flags, found):
             node = item[0].metadata.src_node_id
             record["relabel_gain"][node] = r["gain"]
-            if reason is None and r["gain"] < self.relabel_threshold:
+            if reason is None and r["gain"] < check.threshold:
                 out.append(item)
                 continue
             moved = {i: j for i, j in enumerate(r["kept"]) if i != j}
             why = (f"its best relabelling of the classes (client class -> consensus class: {moved or 'none'}) gains "
                    f"{r['gain']:.4g} of the probability mass ({r['kept_gain']:.4g} in the confident cycles), "
-                   f"relabel_threshold {self.relabel_threshold:g}")
-            if self.relabel == "detect" or r["kept_gain"] < self.relabel_threshold:
-                self._left_out(left_out, node, "outlier", (reason + "; " if reason else "") + why)
-                continue
-            mode = self.relabel
-            record["relabelled"].append({"node": node, "mode": mode, "permutation": moved, "gain": r["gain"],
-                                         "kept_gain": r["kept_gain"], "consensus_z": z})
-            log(WARNING, "aggregate_train: relabelled node %s (%s): %s", node, mode, why)
-            if mode == "distill":
-                self._distill.append((item[2] * self.relabel_weight, relabelled_probabilities(p, r["kept"])))
-                continue
-            sd = item[1] if mode == "body" else permute_rows(item[1], self.output_keys, r["kept"],
-                                                             anchor_sd if mode == "repair_update" else None)
-            out.append((item[0], sd, item[2] * self.relabel_weight, item[3], item[4]))
+                   f"relabel threshold {check.threshold:g}")
+            self._left_out(left_out, node, "outlier", (reason + "; " if reason else "") + why)
         return out
 
     def _keep_previous(self, record: dict, accepted, t0: float, align_seconds: float = 0.0):
         log(WARNING, "aggregate_train: round %d keeps the previous global model: %d client(s) accepted, "
-                     "min_clients is %d", record["round"], len(accepted), self.min_clients)
+                     "min_clients is %d", record["round"], len(accepted), self.aggregation.min_clients)
         record.update(kept_previous=True, accepted=[], weights=[], distance_before=[], distance_after=[],
                       align_seconds=align_seconds)
         return self.global_arrays, self._finish(record, MetricRecord(), t0)
@@ -492,8 +419,6 @@ class AlignedFedAvg(FedAvg):
             metrics[f"{PREFIX}left-out-{kind.replace('_', '-')}"] = sum(x["kind"] == kind for x in record["left_out"])
         metrics[PREFIX + "clients-clipped"] = len(record["clipped"])
         metrics[PREFIX + "clients-unaligned"] = len({x["node"] for x in record.get("unaligned", [])})
-        if self.relabel is not None:
-            metrics[PREFIX + "clients-relabelled"] = len(record.get("relabelled", []))
         metrics[PREFIX + "kept-previous"] = int(record["kept_previous"])
         metrics[PREFIX + "distance-before"] = float(sum(before) / len(before)) if before else 0.0
         metrics[PREFIX + "distance-after"] = float(sum(after) / len(after)) if after else 0.0

@@ -22,8 +22,7 @@ A kind owns everything that depends on what its group *does*:
   (:attr:`Kind.activation_sites`), the statistic its solver sees (:attr:`Kind.activation_statistic`),
   its own solve from activations (:meth:`Kind.fit_activations`), its scales fitted in the weights
   after an activation fit (:meth:`Kind.weight_scales`), whether it moves before those scales
-  (:attr:`Kind.moves_before_scales`), its continuous parameterisation (``learn_*``) and whether it is
-  re-solved between rounds of the learned alignment (:meth:`Kind.resolvable`). The matchers read these,
+  (:attr:`Kind.moves_before_scales`) and its continuous parameterisation (``learn_*``). The matchers read these,
   never a kind's name; a kind that lacks a capability a matcher needs is refused by name.
 
 The loops over kinds (:mod:`symmerge.core.resolve`, :mod:`symmerge.core.apply`,
@@ -167,11 +166,6 @@ class Kind:
         """Whether the instance's elements form a finite set (permutations, signed permutations): the joint
         alignment's rounds re-solve only these with ``refine="discrete"``, keeping the continuous elements
         the star found (:mod:`symmerge.pipeline.joint`)."""
-        return False
-
-    def resolvable(self, inst, opts: Options) -> bool:
-        """Whether the learned alignment may re-solve this instance exactly between its rounds (a discrete
-        element that the continuous steps cannot move)."""
         return False
 
     # ------------------------------------------------------------------ learned alignment

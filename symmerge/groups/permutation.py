@@ -145,9 +145,6 @@ class Permutation(Kind):
                 perm = elements[inst.name].perm
                 elements[inst.name] = PermElement(perm, unit_scales(inst, sd_a, sd_b, perm))
 
-    def resolvable(self, inst, opts) -> bool:
-        return self.plan(inst, opts)[0]
-
     def discrete(self, inst) -> bool:  # the unit permutation (SwiGLU unit scales come with ``rescale``)
         return True
 

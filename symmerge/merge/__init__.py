@@ -19,12 +19,21 @@ import types as _types
 from .base import STATISTICS, Method, merge_state_dicts
 from .registry import METHODS, get_method, register
 
-from . import average, dare, dare_ties, fisher, ot_fusion, regmean, task_arithmetic, ties  # noqa: E402
+from . import (average, breadcrumbs, dare, dare_ties, della, fisher, ot_fusion, regmean,  # noqa: E402
+               specialized, spherical, task_arithmetic, ties)
 
-for _m in (average, task_arithmetic, ties, dare, dare_ties, fisher, regmean, *ot_fusion.METHODS):
+for _m in (average, task_arithmetic, ties, dare, dare_ties, fisher, regmean, *ot_fusion.METHODS,
+           # mergekit's methods under mergekit's names (``average`` = ``linear``, ``dare`` = ``dare_linear``)
+           average.LINEAR, dare.LINEAR, breadcrumbs.METHOD, breadcrumbs.TIES, della.METHOD, della.LINEAR,
+           *spherical.METHODS, *specialized.METHODS):
     register(_m)
 
-__all__ = ["METHODS", "STATISTICS", "Method", "get_method", "merge_state_dicts", "register"]
+# mergekit's merge_method names, each a registered method (symmerge's own names are aliases of some of them)
+MERGEKIT_METHODS = ("linear", "slerp", "nuslerp", "multislerp", "karcher", "task_arithmetic", "ties", "dare_ties",
+                    "dare_linear", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce", "model_stock",
+                    "nearswap", "arcee_fusion", "passthrough", "ram", "ramplus_tl")
+
+__all__ = ["MERGEKIT_METHODS", "METHODS", "STATISTICS", "Method", "get_method", "merge_state_dicts", "register"]
 
 
 class _MergeEntry(_types.ModuleType):

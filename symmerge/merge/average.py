@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import kernels
-from .base import Method, weighted_sum
+from .base import Method, boolean, weighted_sum
 
 
 def tensor(key, tensors, weights, stats, base, params, context):
@@ -17,3 +17,26 @@ def fused_into(key, tensors, weights, base, params, context, out) -> bool:
 
 METHOD = Method("average", tensor, doc=__doc__, elementwise=True, fused_into=fused_into)
 merge = METHOD.merge
+
+
+def linear_tensor(key, tensors, weights, stats, base, params, context):
+    """``linear``: the weights as given, divided by their sum when ``normalize`` (then the same bits as
+    ``average``)."""
+    from .base import normalized_weights
+
+    return weighted_sum(tensors, normalized_weights(weights, len(tensors), normalize=bool(params["normalize"])))
+
+
+def linear_fused_into(key, tensors, weights, base, params, context, out) -> bool:
+    from .base import normalized_weights
+
+    return kernels.average_into(tensors, normalized_weights(weights, len(tensors), normalize=bool(params["normalize"])),
+                                out)
+
+
+# mergekit's name: ``average`` with ``normalize`` (true: Σ w_i θ_i / Σ w_i; false: Σ w_i θ_i). Weights must be
+# non-negative (symmerge's rule; mergekit also takes negative ones).
+LINEAR = Method("linear", linear_tensor, params={"normalize": True}, doc="Weighted average of any number of models "
+                "(mergekit's linear): θ = Σ_i w_i θ_i / Σ_i w_i, or Σ_i w_i θ_i with normalize false.",
+                normalize_weights=False, elementwise=True, fused_into=linear_fused_into,
+                checks={"normalize": boolean()})

@@ -22,6 +22,7 @@ base model; the weights; the statistics) and copies non-floating tensors (intege
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -66,9 +67,11 @@ CHUNK = 1 << 15  # entries per chunk of an elementwise merge: cache-sized float6
 # an op of at most 32768 entries, its parallel grain size, in the calling thread: no pool to wake per chunk)
 
 
-def check_layout(state_dicts, base=None, needs_base: bool = False, method: str = "merge") -> list[str]:
+def check_layout(state_dicts, base=None, needs_base: bool = False, method: str = "merge",
+                 accepts_base: bool = False) -> list[str]:
     """Keys of the first state dict, after checking that all models agree in keys and shapes, and that
-    ``base`` is given exactly when the method uses one and holds every key with the same shape."""
+    ``base`` is given when the method needs one (``needs_base``), is not given to a method that uses none
+    (neither ``needs_base`` nor ``accepts_base``: an optional base), and holds every key with the same shape."""
     if not state_dicts:
         raise SymmergeError("nothing to merge: no models given")
     first = state_dicts[0]
@@ -78,7 +81,7 @@ def check_layout(state_dicts, base=None, needs_base: bool = False, method: str =
             raise SymmergeError(f"model {i} has different tensors than model 0")
     if needs_base and base is None:
         raise SymmergeError(f"method {method!r} needs a base model (the common pre-trained model): pass base=/--base")
-    if base is not None and not needs_base:
+    if base is not None and not (needs_base or accepts_base):
         raise SymmergeError(f"method {method!r} does not use a base model")
     if base is not None:
         missing = [k for k in keys if k not in base]
@@ -105,6 +108,109 @@ def check_stats(method: str, needs, stats, n: int):
     return stats
 
 
+class _Required:
+    """The default of a parameter without one (mergekit's ``t`` of slerp): :meth:`Method.check_params` asks for it."""
+
+    def __repr__(self):
+        return "REQUIRED"
+
+
+REQUIRED = _Required()
+
+
+@dataclass(frozen=True)
+class Check:
+    """A parameter's declared type and range, applied by :meth:`Method.check_params` to its value (to each
+    value of a per-model parameter): ``kind`` is ``"real"`` (a finite number within [``lo``, ``hi``], an
+    end excluded where ``lo_open``/``hi_open``), ``"int"`` (an integer ≥ ``lo``), ``"bool"`` (true/false;
+    also the strings "true"/"false") or ``"choice"`` (one of ``choices``, compared as given); ``optional``:
+    ``None`` is allowed too. A bad value is one SymmergeError naming the method and the parameter."""
+
+    kind: str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    choices: tuple = ()
+    optional: bool = False
+
+    def describe(self) -> str:
+        if self.kind == "real":
+            if self.lo is None and self.hi is None:
+                return "a finite number"
+            left = "-inf" if self.lo is None else repr(float(self.lo))
+            right = "inf" if self.hi is None else repr(float(self.hi))
+            return (f"a number in {'(' if self.lo_open or self.lo is None else '['}{left}, {right}"
+                    f"{')' if self.hi_open or self.hi is None else ']'}")
+        if self.kind == "int":
+            return "an integer" + ("" if self.lo is None else f" >= {int(self.lo)}")
+        if self.kind == "bool":
+            return "true or false"
+        return "one of " + ", ".join(repr(c) for c in self.choices)
+
+    def __call__(self, method: str, name: str, value):
+        if value is None and self.optional:
+            return None
+        bad = SymmergeError(f"method {method!r}: parameter {name!r} must be {self.describe()}, got {value!r}")
+        if self.kind == "bool":
+            if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            if isinstance(value, bool):
+                return value
+            raise bad
+        if self.kind == "choice":
+            if isinstance(value, str) and value.strip().lower() in ("true", "false") and True in self.choices:
+                return value.strip().lower() == "true"
+            for c in self.choices:  # True == 1 in Python: compare types too
+                if value == c and type(value) is type(c):
+                    return c
+            raise bad
+        if isinstance(value, bool):
+            raise bad
+        if self.kind == "int":
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if not isinstance(value, int) or (self.lo is not None and value < self.lo):
+                raise bad
+            return value
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if not math.isfinite(x):
+            raise bad
+        if self.lo is not None and (x < self.lo or (self.lo_open and x == self.lo)):
+            raise bad
+        if self.hi is not None and (x > self.hi or (self.hi_open and x == self.hi)):
+            raise bad
+        return x
+
+
+def real(lo=None, hi=None, lo_open=False, hi_open=False, optional=False) -> Check:
+    return Check("real", lo, hi, lo_open, hi_open, optional=optional)
+
+
+def integer(lo=None) -> Check:
+    return Check("int", lo)
+
+
+def boolean() -> Check:
+    return Check("bool")
+
+
+def choice(*values) -> Check:
+    return Check("choice", choices=tuple(values))
+
+
+def per_model_values(value, n: int) -> list:
+    """``n`` values of a per-model parameter given as one value (repeated) or one per model."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise SymmergeError(f"a per-model parameter has {len(value)} values for {n} models")
+        return list(value)
+    return [value] * n
+
+
 @dataclass(frozen=True)
 class Method:
     """A merge method: per-tensor rule, optional whole-model ``prepare`` hook, and its metadata.
@@ -118,6 +224,17 @@ class Method:
     (optional, elementwise methods): ``(key, tensors, base, weights, params, context) -> context`` run
     once per tensor on the whole tensors; its result replaces ``context`` for that tensor's chunks
     (per-tensor thresholds, random generators that draw the chunks in order).
+
+    The parameters: ``params`` holds the defaults (:data:`REQUIRED` for one that must be given), ``checks``
+    each parameter's :class:`Check` (type and range; also for an alias, checked before it is translated),
+    ``aliases`` alias → (parameter, translation or None) (mergekit's ``lambda`` for ``scale``; ``density``
+    for DARE's ``drop`` = 1 − density), ``per_model`` the parameters that take one value per model,
+    ``check_all`` ``(params) -> None`` a check across parameters (DELLA's density ± epsilon), and
+    ``mergekit_params`` the values that make the method mergekit's where symmerge's defaults differ
+    (:meth:`mergekit_defaults`, applied by the config path). ``accepts_base``: a base model is optional
+    (nuslerp, multislerp: task vectors when given). ``models``: (least, most or None) merged models, the
+    base not counted (slerp: the base and exactly one other). ``whole_tensor`` ``(params) -> bool``: an
+    elementwise method whose rule needs the whole tensor under these parameters (the chunks are skipped).
     """
 
     name: str
@@ -137,22 +254,54 @@ class Method:
     # parameters that may take one value per merged model (mergekit's per-model ``density``, ``epsilon``, ...):
     # :meth:`check_params` with ``n`` gives them as a tuple of ``n`` values (a scalar is repeated)
     per_model: tuple = ()
+    checks: dict = field(default_factory=dict)
+    aliases: dict = field(default_factory=dict)
+    check_all: Callable | None = None
+    mergekit_params: dict = field(default_factory=dict)
+    accepts_base: bool = False
+    models: tuple = (1, None)
+    whole_tensor: Callable | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "doc", ((self.doc or "").strip().splitlines() or [""])[0])
 
+    def _check_value(self, name: str, value):
+        check = self.checks.get(name)
+        if check is None:
+            return value
+        if isinstance(value, (list, tuple)):
+            return type(value)(check(self.name, name, v) for v in value)
+        return check(self.name, name, value)
+
     def check_params(self, params: dict, n: int | None = None) -> dict:
-        """Known parameters with defaults filled in; unknown names → SymmergeError. With ``n`` (the number of
+        """Known parameters with defaults filled in; unknown names → SymmergeError. Aliases are translated
+        (an alias and its parameter both given → SymmergeError), every value is checked against its
+        :class:`Check`, a :data:`REQUIRED` one must be given. With ``n`` (the number of
         merged models), a parameter of :attr:`per_model` becomes a tuple of ``n`` values (a scalar repeated;
         a list or tuple must have ``n`` entries); without ``n``, a per-model list is kept as given."""
+        params = dict(params)
+        for alias, (target, translate) in self.aliases.items():
+            if alias not in params:
+                continue
+            if target in params:
+                raise SymmergeError(f"method {self.name!r}: give {target!r} or its alias {alias!r}, not both")
+            value = self._check_value(alias, params.pop(alias))
+            if translate is not None and value is not None:
+                value = type(value)(translate(v) for v in value) if isinstance(value, (list, tuple)) \
+                    else translate(value)
+            params[target] = value
         unknown = sorted(set(params) - set(self.params))
         if unknown:
-            known = ", ".join(self.params) or "none"
+            known = ", ".join([*self.params, *self.aliases]) or "none"
             raise SymmergeError(f"method {self.name!r} has no parameter {unknown[0]!r} (parameters: {known})")
         out = {**self.params, **params}
         for name, value in out.items():
+            if value is REQUIRED:
+                raise SymmergeError(f"method {self.name!r} needs the parameter {name!r}")
             if isinstance(value, (list, tuple)) and name not in self.per_model:
                 raise SymmergeError(f"method {self.name!r}: parameter {name!r} takes one value, not one per model")
+            if name in params:
+                value = out[name] = self._check_value(name, value)
             if n is not None and name in self.per_model:
                 if isinstance(value, (list, tuple)):
                     if len(value) != n:
@@ -161,6 +310,37 @@ class Method:
                     out[name] = tuple(value)
                 else:
                     out[name] = (value,) * n
+        if self.check_all is not None:
+            self.check_all(self.name, out)
+        return out
+
+    def check_inputs(self, n: int, has_base: bool) -> None:
+        """``n`` merged models (the base not counted) are what the method takes, and the base is given
+        where it is needed; SymmergeError otherwise."""
+        least, most = self.models
+        if n < least or (most is not None and n > most):
+            want = (f"exactly {least}" if least == most else f"at least {least}" if most is None
+                    else f"{least} to {most}")
+            extra = " besides the base model" if self.needs_base or self.accepts_base else ""
+            raise SymmergeError(f"method {self.name!r} merges {want} model{'s' if (most or 2) > 1 else ''}"
+                                f"{extra}, got {n}")
+        if self.needs_base and not has_base:
+            raise SymmergeError(f"method {self.name!r} needs a base model (the common pre-trained model): "
+                                "pass base=/--base")
+
+    def mergekit_defaults(self, params: dict) -> dict:
+        """``params`` with :attr:`mergekit_params` filled in where neither the parameter nor one of its
+        aliases was given: what the config path passes, so that a mergekit config means mergekit's method."""
+        given = set(params)
+        for alias, (target, _) in self.aliases.items():
+            if alias in params:
+                given.add(target)
+        for alias, (target, _) in self.aliases.items():
+            if target in given:
+                given.add(alias)
+        out = {k: v for k, v in self.mergekit_params.items() if k not in given
+               and not (k in self.aliases and self.aliases[k][0] in given)}
+        out.update(params)
         return out
 
     def merge(self, state_dicts, weights=None, stats=None, base=None, model=None, anchor=None, **params) -> dict:
@@ -173,8 +353,9 @@ def merge_state_dicts(method: Method, state_dicts, weights=None, stats=None, bas
                       **params) -> dict:
     """Merge ``state_dicts`` (same keys and shapes) tensor by tensor with ``method``. ``model`` and
     ``anchor`` are passed to the ``prepare`` of methods with ``needs_model`` (ignored otherwise)."""
-    params = method.check_params(params)
-    keys = check_layout(state_dicts, base, method.needs_base, method.name)
+    params = method.check_params(params, n=len(state_dicts))
+    keys = check_layout(state_dicts, base, method.needs_base, method.name, accepts_base=method.accepts_base)
+    method.check_inputs(len(state_dicts), base is not None)
     w = normalized_weights(weights, len(state_dicts), normalize=method.normalize_weights)
     stats = check_stats(method.name, method.needs, stats, len(state_dicts))
     extra = {}
@@ -202,7 +383,8 @@ def merge_tensor(method: Method, key: str, tensors, weights, stats, base, params
     ref = tensors[0] if base is None else base
     if not ref.is_floating_point():
         return ref.clone()
-    if not method.elementwise or stats is not None:
+    whole = method.whole_tensor is not None and method.whole_tensor(params)
+    if not method.elementwise or stats is not None or whole:
         return method.tensor(key, tensors, weights, stats, base, params, context).to(ref.dtype)
     if method.tensor_context is not None:
         context = method.tensor_context(key, tensors, base, weights, params, context)

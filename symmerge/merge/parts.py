@@ -44,7 +44,7 @@ import torch
 
 from ..errors import SymmergeError
 from . import kernels
-from .base import Method, weighted_sum
+from .base import Method, boolean, choice, integer, per_model_values, real, weighted_sum
 
 
 @dataclass(frozen=True)
@@ -289,19 +289,39 @@ def _read_ahead(keys, fetch):
             del current
 
 
+def _scalar(value):
+    """One value of a parameter that may be per model (the first: the chunked paths run only where all agree)."""
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def _agree(value) -> bool:
+    return not isinstance(value, (list, tuple)) or all(v == value[0] for v in value)
+
+
 def _magnitude_check(params):
-    density, scope = float(params["density"]), params["scope"]
-    if not 0.0 < density <= 1.0:
-        raise SymmergeError(f"density must be in (0, 1], got {params['density']}")
-    if scope not in ("model", "tensor"):
-        raise SymmergeError(f"scope must be 'model' or 'tensor', got {scope!r}")
-    return density, scope
+    densities = params["density"] if isinstance(params["density"], (list, tuple)) else [params["density"]]
+    for d in densities:
+        try:
+            ok = 0.0 < float(d) <= 1.0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise SymmergeError(f"density must be in (0, 1], got {d!r}")
+    scope = params["scope"]
+    if scope not in SCOPES:
+        raise SymmergeError(f"scope must be {', '.join(repr(x) for x in SCOPES)}, got {scope!r}")
+    return float(densities[0]), scope
+
+
+SCOPES = ("model", "tensor", "topk")
 
 
 def _magnitude_prepare(state_dicts, base, weights, params):
     """Per model, the threshold over its whole weighted task vector (``scope="model"``), else ``None``."""
-    density, scope = _magnitude_check(params)
-    if scope == "tensor" or density >= 1.0:
+    _magnitude_check(params)
+    densities = [float(d) for d in (params["density"] if isinstance(params["density"], (list, tuple))
+                                    else [params["density"]] * len(state_dicts))]
+    if params["scope"] != "model" or all(d >= 1.0 for d in densities):
         return None
     keys = [k for k in state_dicts[0] if _dtype(base, k).is_floating_point]
     if not keys:
@@ -318,7 +338,10 @@ def _magnitude_prepare(state_dicts, base, weights, params):
             offset += _numel(base, k)
 
     total = sum(_numel(base, k) for k in keys)
-    return task_vector_thresholds(visit, weights, density, total=total, sampler=sampler)
+    found = {}
+    for d in dict.fromkeys(densities):  # one select per distinct density (mergekit's per-model density)
+        found[d] = task_vector_thresholds(visit, weights, d, total=total, sampler=sampler)
+    return [found[d][i] for i, d in enumerate(densities)]
 
 
 def _numel(mapping, key: str) -> int:  # a mapping that reads from files answers without reading the tensor
@@ -341,14 +364,14 @@ def _blocks(mapping, key: str, first: int, stride: int, width: int) -> torch.Ten
 
 def _magnitude_tensor_context(key, tensors, base, weights, params, context):
     """``scope="tensor"``: each model's threshold over this tensor's weighted task vector."""
-    density = float(params["density"])
+    density = float(_scalar(params["density"]))
     if params["scope"] != "tensor" or density >= 1.0:
         return context
     return [task_vector_thresholds(lambda: [([t], base)], [w], density)[0] for t, w in zip(tensors, weights)]
 
 
 def _magnitude_apply(key, taus, params, context):
-    if float(params["density"]) >= 1.0:
+    if float(_scalar(params["density"])) >= 1.0:
         return list(taus)
     # compared in float32, the precision the threshold was found in: a float64 magnitude just below its
     # float32 rounding would otherwise drop the k-th entry itself
@@ -386,8 +409,13 @@ def dare_keep_mask(shape, drop: float, seed: int, model: int, key: str) -> torch
 
 
 def _dare_prepare(state_dicts, base, weights, params):
-    if not 0.0 <= float(params["drop"]) < 1.0:
-        raise SymmergeError(f"drop probability must be in [0, 1), got {params['drop']}")
+    for p in (params["drop"] if isinstance(params["drop"], (list, tuple)) else [params["drop"]]):
+        try:
+            ok = 0.0 <= float(p) < 1.0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise SymmergeError(f"drop probability must be in [0, 1), got {p!r}")
     return None
 
 
@@ -412,7 +440,7 @@ def _dare_streams(key, n, params, context) -> tuple[list[int], int]:
 
 
 def _dare_apply(key, taus, params, context):
-    p = float(params["drop"])
+    p = float(_scalar(params["drop"]))
     if p == 0.0:
         return list(taus)
     seeds, at = _dare_streams(key, len(taus), params, context)
@@ -465,13 +493,13 @@ def _task_vector_tensor(sparsify: Sparsifier, consensus: Callable, key, tensors,
 
 def _fused_magnitude_ties(key, tensors, weights, base, params, context):
     """TIES (magnitude trim, ties consensus) in one pass: :func:`symmerge.merge.kernels.ties_chunk`."""
-    thresholds = None if float(params["density"]) >= 1.0 else context
+    thresholds = None if float(_scalar(params["density"])) >= 1.0 else context
     return kernels.ties_chunk(tensors, base, weights, thresholds=thresholds, scale=float(params["scale"]))
 
 
 def _fused_dare_ties(key, tensors, weights, base, params, context):
     """DARE-TIES in one pass over the entries, the uniforms computed as :func:`dare_uniforms` draws them."""
-    p = float(params["drop"])
+    p = float(_scalar(params["drop"]))
     if p == 0.0:
         return kernels.ties_chunk(tensors, base, weights, scale=float(params["scale"]))
     seeds, at = _dare_streams(key, len(tensors), params, context)
@@ -483,14 +511,14 @@ def _fused_dare_ties(key, tensors, weights, base, params, context):
 
 def _into_magnitude_ties(key, tensors, weights, base, params, context, out) -> bool:
     """TIES over the whole tensor into ``out`` (:func:`symmerge.merge.kernels.ties_into`)."""
-    thresholds = None if float(params["density"]) >= 1.0 else context
+    thresholds = None if float(_scalar(params["density"])) >= 1.0 else context
     return kernels.ties_into(tensors, base, weights, out, thresholds=thresholds, scale=float(params["scale"]))
 
 
 def _into_dare_ties(key, tensors, weights, base, params, context, out) -> bool:
     """DARE-TIES over the whole tensor into ``out``, from its first entry (nothing drawn yet: ``context``
     is the tensor's fresh :class:`_DareStreams`)."""
-    p = float(params["drop"])
+    p = float(_scalar(params["drop"]))
     seeds = _dare_streams(key, len(tensors), params, context)[0] if p > 0.0 else None
     return kernels.ties_into(tensors, base, weights, out, seeds=seeds, drop=p, scale=float(params["scale"]))
 
@@ -499,14 +527,246 @@ _FUSED = {("magnitude", "ties"): _fused_magnitude_ties, ("dare", "ties"): _fused
 _INTO = {("magnitude", "ties"): _into_magnitude_ties, ("dare", "ties"): _into_dare_ties}
 
 
-def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict, doc: str = "") -> Method:
+# ------------------------------------------------------------------ whole-tensor parts (mergekit's rules)
+#
+# mergekit's task-vector methods sparsify each task vector τ_i = θ_i − θ_base of one tensor on its own (its
+# per-model density), multiply it by its weight, elect signs, and divide by the agreeing weights when
+# ``normalize`` is true. These parts compute that on whole tensors in float64; the chunked parts above stay
+# symmerge's defaults (model-wide threshold, 1/(1 − p) rescale, disjoint mean), bit for bit.
+
+
+def _keep_topk(tau: torch.Tensor, density: float) -> torch.Tensor:
+    """Mask of the max(1, ⌊density·n⌋) entries of largest float32 magnitude (a tie at the k-th: the first ones
+    in flat order); all for density ≥ 1, none for density ≤ 0."""
+    n = tau.numel()
+    if density >= 1.0:
+        return torch.ones(tau.shape, dtype=torch.bool)
+    if density <= 0.0 or n == 0:
+        return torch.zeros(tau.shape, dtype=torch.bool)
+    k = max(1, int(density * n))
+    order = torch.sort(tau.reshape(-1).abs().float(), descending=True, stable=True).indices[:k]
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[order] = True
+    return keep.reshape(tau.shape)
+
+
+def breadcrumbs_band(tau: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
+    """Model Breadcrumbs' mask: of the entries sorted by float32 magnitude (ascending; ties in flat order),
+    keep ⌊density·n⌋ after dropping the ⌊gamma·n⌋ largest (fewer largest when the two would overlap: the
+    ⌊density·n⌋ largest below them are kept whatever gamma); all for density ≥ 1."""
+    n = tau.numel()
+    if density >= 1.0:
+        return torch.ones(tau.shape, dtype=torch.bool)
+    target, top = int(density * n), int(gamma * n)
+    bottom = max(0, n - target - top)
+    order = torch.sort(tau.reshape(-1).abs().float(), stable=True).indices
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[order[bottom:bottom + target]] = True
+    return keep.reshape(tau.shape)
+
+
+def della_keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
+    """DELLA's keep probability of each entry: along each row (dim 1; a 1-D tensor is one row), the entries
+    ranked by magnitude (ties in order) get density − ε for the smallest up to density + ε for the largest,
+    linear in the rank; float64."""
+    t = tau.unsqueeze(0) if tau.dim() < 2 else tau
+    ranks = torch.sort(t.abs(), dim=1, stable=True).indices.argsort(dim=1).double()
+    span = max(t.shape[1] - 1, 1)
+    probs = (density - epsilon) + (ranks / span).clamp(0, 1) * 2.0 * epsilon
+    return probs.reshape(tau.shape)
+
+
+def della_keep_mask(tau: torch.Tensor, density: float, epsilon: float, seed: int, model: int, key: str):
+    """DELLA's random mask: entry j kept where its uniform (the DARE stream of (``seed``, ``model``, ``key``),
+    :func:`dare_uniforms`) is below its keep probability."""
+    probs = della_keep_probabilities(tau, density, epsilon)
+    u = dare_uniforms(dare_seed(seed, model, key), 0, tau.numel()).reshape(tau.shape)
+    return u < probs
+
+
+def l1_rescaled(tau: torch.Tensor, keep: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
+    """τ masked by ``keep`` and scaled so its L1 norm is τ's (mergekit's ``rescale``); unscaled where either
+    norm is below ``eps``."""
+    kept = tau.masked_fill(~keep, 0.0)
+    before, after = float(tau.abs().sum()), float(kept.abs().sum())
+    if before < eps or after < eps:
+        return kept
+    return kept * (before / after)
+
+
+def _sparsify_whole(sparsifier: str, key: str, i: int, tau: torch.Tensor, params, context) -> torch.Tensor:
+    """Model ``i``'s (unweighted) task vector ``tau`` of tensor ``key`` after the sparsifier, whole tensor."""
+    rescale = params.get("rescale", False)
+
+    def value(name):
+        return per_model_values(params[name], len(context["n"]))[i]
+
+    if sparsifier == "none":
+        return tau
+    if sparsifier == "magnitude":
+        density, scope = float(value("density")), params["scope"]
+        if density >= 1.0:
+            return tau
+        if scope == "topk":
+            keep = _keep_topk(tau, density)
+        elif scope == "model":
+            keep = (tau * context["w"][i]).abs().float() >= context["thresholds"][i]  # the weighted τ's threshold
+        else:
+            keep = tau.abs().float() >= task_vector_thresholds(lambda: [([tau], torch.zeros_like(tau))], [1.0],
+                                                               density)[0]
+        return l1_rescaled(tau, keep) if rescale is True else tau.masked_fill(~keep, 0.0)
+    if sparsifier == "dare":
+        p = float(value("drop"))
+        if p == 0.0:
+            return tau
+        keep = dare_keep_mask(tau.shape, p, params["seed"], i, key)
+        if rescale == "inverse":
+            return tau.masked_fill(~keep, 0.0) / (1.0 - p)
+        return l1_rescaled(tau, keep) if rescale is True else tau.masked_fill(~keep, 0.0)
+    if sparsifier == "breadcrumbs":
+        keep = breadcrumbs_band(tau, float(value("density")), float(value("gamma")))
+    elif sparsifier == "della":
+        density = float(value("density"))
+        if density >= 1.0:
+            return tau
+        keep = della_keep_mask(tau, density, float(value("epsilon")), params["seed"], i, key)
+    else:
+        raise SymmergeError(f"unknown sparsifier {sparsifier!r}")
+    return l1_rescaled(tau, keep) if rescale is True else tau.masked_fill(~keep, 0.0)
+
+
+def elect_mask(deltas: torch.Tensor) -> torch.Tensor:
+    """mergekit's sign election: γ = +1 where Σ_i δ_i ≥ 0 (ties go to +), else −1; the mask of the non-zero
+    δ_i whose sign is γ (``deltas`` stacked on dim 0, already weighted)."""
+    elected = torch.where(deltas.sum(0) >= 0, 1.0, -1.0).to(deltas.dtype)
+    return torch.sign(deltas) == elected
+
+
+def combine(deltas, weights, consensus: str, normalize) -> torch.Tensor:
+    """The merged task vector of the weighted, sparsified ``deltas`` (a list): ``consensus`` ``sum`` (Σ δ_i,
+    divided by Σ w_i when ``normalize`` is true, unless |Σ w_i| < 1e-8) or ``ties`` (Σ of the δ_i agreeing
+    with the elected sign, divided by the agreeing weights Σ w_i [agree] when ``normalize`` is true (1 where
+    none agrees), by the number of agreeing ones when ``normalize="count"`` (symmerge's disjoint mean, with
+    its election: γ = sign(Σ δ_i), nothing where the sum is 0), as is when false)."""
+    if consensus == "sum":
+        total = weighted_sum(deltas, [1.0] * len(deltas))
+        if normalize is True:
+            div = sum(weights)
+            total = total / (div if abs(div) >= 1e-8 else 1.0)
+        elif normalize == "count":
+            total = total / len(deltas)
+        return total
+    if normalize == "count":
+        return disjoint_mean(deltas)
+    stacked = torch.stack(deltas)
+    agree = elect_mask(stacked)
+    total = stacked.masked_fill(~agree, 0.0).sum(0)
+    if normalize is True:
+        w = torch.tensor(weights, dtype=stacked.dtype).reshape(-1, *([1] * (stacked.dim() - 1)))
+        div = (w * agree).sum(0)
+        total = total / div.masked_fill(div == 0, 1.0)
+    return total
+
+
+def _whole_task_vector_tensor(sparsifier: str, consensus: str, key, tensors, weights, stats, base, params,
+                              context):
+    """θ_b + λ · combine(w_i · sparsify(θ_i − θ_b)) on whole tensors, float64 (mergekit's order: sparsify, then
+    weight)."""
+    b = base.double()
+    ctx = {"n": tensors, "thresholds": context, "w": weights}
+    deltas = [_sparsify_whole(sparsifier, key, i, t.double() - b, params, ctx) * w
+              for i, (t, w) in enumerate(zip(tensors, weights))]
+    return b + float(params["scale"]) * combine(deltas, weights, consensus, params["normalize"])
+
+
+def _needs_whole(sparsifier: str, consensus: str, params) -> bool:
+    """The parameters leave symmerge's chunked rule: per-model values that differ, a per-tensor top-k, a
+    rescale other than DARE's 1/(1 − p), or a normalisation other than the consensus' own."""
+    if any(not _agree(params.get(name)) for name in ("density", "drop")):
+        return True
+    if sparsifier in ("breadcrumbs", "della"):
+        return True
+    if sparsifier == "magnitude" and (params.get("scope") == "topk" or params.get("rescale") is True):
+        return True
+    if sparsifier == "dare" and params.get("rescale") != "inverse":
+        return True
+    own = "count" if consensus == "ties" else False
+    return params.get("normalize", own) != own
+
+
+def _legacy_or_whole(sparsify, sparsifier, consensus, key, tensors, weights, stats, base, params, context,
+                     fused=None):
+    if _needs_whole(sparsifier, consensus, params):
+        return _whole_task_vector_tensor(sparsifier, consensus, key, tensors, weights, stats, base, params, context)
+    return _task_vector_tensor(sparsify, CONSENSUS[consensus], key, tensors, weights, stats, base, params, context,
+                               fused=fused)
+
+
+def _no_overlap_check(method: str, params) -> None:
+    """DELLA: density ± epsilon must lie in (0, 1) for every model whose density is below 1."""
+    if "epsilon" not in params:
+        return
+    dens, eps = params["density"], params["epsilon"]
+    n = max(len(v) if isinstance(v, (list, tuple)) else 1 for v in (dens, eps))
+    for d, e in zip(per_model_values(dens, n), per_model_values(eps, n)):
+        if float(d) < 1.0 and not (0.0 < float(d) - float(e) and float(d) + float(e) < 1.0):
+            raise SymmergeError(f"method {method!r}: epsilon must leave density ± epsilon inside (0, 1), got "
+                                f"density {d}, epsilon {e}")
+
+
+TV_CHECKS = {
+    "scale": real(), "lambda": real(), "density": real(0.0, 1.0, lo_open=True), "scope": choice(*SCOPES),
+    "drop": real(0.0, 1.0, hi_open=True), "seed": integer(), "normalize": choice(True, False, "count"),
+    "rescale": choice(True, False, "inverse"), "int8_mask": boolean(), "gamma": real(0.0, 1.0),
+    "epsilon": real(0.0, 1.0, hi_open=True),
+}
+
+
+def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict, doc: str = "",
+                       mergekit_params: dict | None = None) -> Method:
     """The method θ_base + scale · ``consensus``(``sparsifier``(w_i τ_i)); ``params`` (defaults) must
-    name ``scale`` and whatever the sparsifier reads (``density``/``scope``, ``drop``/``seed``)."""
-    if sparsifier not in SPARSIFIERS or consensus not in CONSENSUS:
+    name ``scale`` and whatever the sparsifier reads (``density``/``scope``, ``drop``/``seed``,
+    ``gamma``, ``epsilon``). Every such method also takes mergekit's ``lambda`` (= ``scale``), ``normalize``,
+    ``rescale`` and ``int8_mask`` (no effect: a storage choice of mergekit's masks), DARE's ``density``
+    (= 1 − ``drop``); ``density``, ``drop``, ``gamma`` and ``epsilon`` are per model. Under symmerge's own
+    parameters the rule runs chunk by chunk (and fused, with numba); under mergekit's (per-tensor top-k,
+    L1 rescale, ``normalize`` true/false, per-model values that differ, breadcrumbs, DELLA) on whole tensors."""
+    whole_only = sparsifier in ("breadcrumbs", "della")
+    if (sparsifier not in SPARSIFIERS and not whole_only) or consensus not in CONSENSUS:
         raise SymmergeError(f"unknown parts ({sparsifier!r}, {consensus!r}); sparsifiers: "
-                            f"{', '.join(SPARSIFIERS)}; consensus: {', '.join(CONSENSUS)}")
+                            f"{', '.join(SPARSIFIERS)}, breadcrumbs, della; consensus: {', '.join(CONSENSUS)}")
+    params = {"normalize": "count" if consensus == "ties" else False, "int8_mask": False, **params}
+    if "rescale" not in params:
+        params["rescale"] = "inverse" if sparsifier == "dare" else (True if sparsifier == "della" else False)
+    aliases = {"lambda": ("scale", None)}
+    if sparsifier == "dare":
+        aliases["density"] = ("drop", lambda d: 1.0 - float(d))
+    per_model = tuple(p for p in ("density", "drop", "gamma", "epsilon") if p in params)
+    checks = {k: v for k, v in TV_CHECKS.items() if k in params or k in aliases}
+    if sparsifier in ("breadcrumbs", "della"):
+        checks["density"] = real(0.0, 1.0)
+    if sparsifier == "dare":
+        checks["density"] = real(0.0, 1.0, lo_open=True)
+    if whole_only:
+        tensor = partial(_whole_task_vector_tensor, sparsifier, consensus)
+        return Method(name, tensor, needs_base=True, params=dict(params), doc=doc, normalize_weights=False,
+                      elementwise=False, per_model=per_model, checks=checks, aliases=aliases,
+                      check_all=_no_overlap_check, mergekit_params=dict(mergekit_params or {}))
     sp = SPARSIFIERS[sparsifier]
-    tensor = partial(_task_vector_tensor, sp, CONSENSUS[consensus], fused=_FUSED.get((sparsifier, consensus)))
+    tensor = partial(_legacy_or_whole, sp, sparsifier, consensus, fused=_FUSED.get((sparsifier, consensus)))
+    into = _INTO.get((sparsifier, consensus))
+
+    def fused_into(key, tensors, weights, base, params, context, out):
+        return False if into is None or _needs_whole(sparsifier, consensus, params) else \
+            into(key, tensors, weights, base, params, context, out)
+
+    def tensor_context(key, tensors, base, weights, params, context):
+        if sp.tensor_context is None or _needs_whole(sparsifier, consensus, params):
+            return context
+        return sp.tensor_context(key, tensors, base, weights, params, context)
+
     return Method(name, tensor, needs=None, needs_base=True,
                   params=dict(params), doc=doc, prepare=sp.prepare, normalize_weights=False, elementwise=True,
-                  tensor_context=sp.tensor_context, fused_into=_INTO.get((sparsifier, consensus)))
+                  tensor_context=tensor_context, fused_into=fused_into, per_model=per_model, checks=checks,
+                  aliases=aliases, mergekit_params=dict(mergekit_params or {}),
+                  whole_tensor=lambda p: _needs_whole(sparsifier, consensus, p))

@@ -19,11 +19,9 @@ the parameters that produce ``y``, so the architecture is unchanged. Which chann
   shape are kept). Interpolating two heads that agree only in part shrinks q and k, and the logits with
   their product: the softmax flattens. Not corrected where q or k is a slice of a fused projection.
 
-Default ``ffn`` and ``norm``: on B1 they helped after activation matching and after weight matching;
-the stream writers (``attn_out``, ``mlp_out``) helped only where the stream channels correspond well
-(docs/merge.md has the table).
-``qk`` (not a default; not measured on B1) lowered B7's barrier by 0.01–0.02 after activation matching and
-REPAIR of ``ffn`` and ``norm`` (docs/results.md, "B7 without a corpus").
+Default ``ffn`` and ``norm``: they help after activation matching and after weight matching; the stream
+writers (``attn_out``, ``mlp_out``) help only where the stream channels correspond well, and ``qk`` is not a
+default (docs/merge.md has the measurements).
 
 Not corrected, and why: the residual stream itself (a norm's input) — a per-channel affine map of the
 stream cannot be folded (the identity path carries every earlier term uncorrected; the writers and the

@@ -15,7 +15,16 @@ wing reads each step's sources from state dicts, the streamed wing from safetens
 Parameter values in ``TensorStep.params`` are already evaluated for the tensor: a scalar for a global
 parameter, a tuple of one value per merged model for a parameter the method declares per model
 (:attr:`symmerge.merge.base.Method.per_model`). ``weights`` are the raw per-model weights (``None``:
-uniform); :func:`step_arguments` normalises them as the method asks and checks the parameters.
+uniform); :func:`step_arguments` normalises them as the method asks and checks the parameters and the
+number of models (:meth:`symmerge.merge.base.Method.check_inputs`).
+
+Which inputs are sources and which is the base: a method with ``needs_base`` or ``accepts_base`` gets the
+base model in ``TensorStep.base`` and the *other* models in ``sources`` (a mergekit config that lists its
+``base_model`` among ``models`` too does not merge it twice: slerp's and nearswap's two models are the base
+plus one source, nuslerp's are two sources plus an optional base). A method that uses no base (``linear``,
+``karcher``, ``passthrough``) merges every listed model, the config's ``base_model`` included when it is
+listed in ``models`` (mergekit's ``linear`` treats it as one more input). Parameters should be passed
+through :meth:`symmerge.merge.base.Method.mergekit_defaults` first when they come from a mergekit config.
 """
 
 from __future__ import annotations
@@ -75,6 +84,7 @@ def step_arguments(method, step: TensorStep, n: int, cache: dict | None = None):
     token = (step.weights, tuple(sorted((k, _hashable(v)) for k, v in step.params.items())))
     if cache is not None and token in cache:
         return cache[token]
+    method.check_inputs(n, step.base is not None)
     weights = normalized_weights(step.weights, n, normalize=method.normalize_weights)
     params = method.check_params(dict(step.params), n=n)
     if cache is not None:

@@ -39,9 +39,8 @@ weights. Permutation variants (post-LN, signed): assignment on the correlation m
 the groups, the stream is fitted to activations and every per-layer group is then solved exactly on the
 weights, given the stream element (the engine's per-layer solve, once: no coordinate descent); without
 it, every per-layer group is fitted to activations (two models' weights live in different stream bases,
-activations do not depend on them). Measured on B1 (docs/merge.md): the default split 0.557 loss at
-α = 0.5 against 0.706 with every group from activations and 0.658 for data-free weight matching; without
-the stream group 0.945 from activations against 1.549 from weights. A tuple of group names overrides it.
+activations do not depend on them); docs/merge.md has the measurements behind this default. A tuple of
+group names overrides it.
 A kind whose ``activation_sites`` are its "inputs" (a mixture of experts' ``experts``: the router's
 input) computes statistics of its own from that module's input on the same tokens in both models
 (``Kind.observe``) and solves on them (``Kind.fit_observed``): the experts' permutation jointly with the

@@ -15,18 +15,16 @@ mean of the others" follow until a round lowers J by less than ``tol`` (relative
 Data-free, a step is ONE sweep of the weight matcher's descent (:func:`~symmerge.pipeline.engine.solve`)
 started from the model's current element — generalized Procrustes — on the state dicts, with the set-up
 built once for the N models (:class:`_Sweeps`), the head pairings held between full rounds, and the
-star's pairwise descents capped at :data:`STAR_SWEEPS` sweeps (the rounds continue them). On B1's four
-ViTs that is 2–3× one pairwise alignment where the former steps — each a pairwise re-alignment
-(:func:`~symmerge.pipeline.align.align_pair`) capped at 10 sweeps from the stream tensors, still the step
-with activations and with ``warm=False`` — took 25× (docs/results.md, B1 × N).
+star's pairwise descents capped at :data:`STAR_SWEEPS` sweeps (the rounds continue them). With
+activations, and with ``warm=False``, a step is a pairwise re-alignment
+(:func:`~symmerge.pipeline.align.align_pair`) capped at 10 sweeps from the stream tensors, which costs
+several times more (docs/results.md has the timings).
 
 What the rounds re-solve (``refine``): ``all`` the options' groups (the definition above), or
 ``discrete`` only the groups whose elements form a finite set (``Kind.discrete``: head and FFN-unit
 permutations, a permutation residual group), on the rotations and scales the star found — MergeMany as
-Ainsworth et al. define it. With the former (``warm=False``) steps, data-free on the MNIST-5k ViTs,
-``all`` lowered the spread most but moved the non-anchor models to other basins and merged 2–13 points
-worse than the star, while ``discrete`` stayed within −0.6 … +1.7 points of it; on B5's label-skewed
-clients ``all`` merged best (docs/results.md).
+Ainsworth et al. define it. ``all`` lowers the spread most but may move the non-anchor models to other
+basins; ``discrete`` stays nearer the star (docs/merge.md, "N models in one frame", has the measurements).
 
 Every model stays in its own orbit throughout: its final form is checked against the model it came
 from (outputs on sample inputs) once, at the end.
@@ -65,7 +63,7 @@ ROUND_SWEEPS = 10  # cap on the coordinate-descent sweeps of each re-alignment a
 ROUND_TOL = 1e-4  # ... and the relative gain of a round below which they stop
 # data-free (``--match weights``): each step after the star is ONE sweep of the descent, started from the
 # model's current element; a round gains little by construction, so the rounds stop at a coarser gain, and the
-# star's pairwise alignments, which the rounds continue, are capped at a few sweeps (docs/results.md, B1 x N)
+# star's pairwise alignments, which the rounds continue, are capped at a few sweeps
 SWEEP_ROUND_SWEEPS = 1
 SWEEP_ROUND_TOL = 1e-3
 STAR_SWEEPS = 3

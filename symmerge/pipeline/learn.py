@@ -21,9 +21,7 @@ step, minimises the soft cross-entropy against α·p_A + (1 − α)·p_B (the en
 probabilities, or next-token distributions for language models; ``target="log-probabilities"``: their
 normalised geometric mean softmax(α·log p_A + (1 − α)·log p_B)) on the unlabeled set — no labels.
 Image batches can be augmented (``augment`` views per image: random flips and shifts; the endpoints'
-predictions on each view are its target), and the steps split into ``rounds`` between which the FFN
-unit permutations of the learned A are re-solved exactly (``repermute``: on its weights, or on the
-correlations of its units' activations).
+predictions on each view are its target).
 Adam with cosine decay, one forward and backward of the interpolated model per step, early stopping on
 a held-out part of the set, a seed and an optional time budget. The result is returned as group
 elements composed after the closed-form ones, so the usual validity check and verification apply;
@@ -42,7 +40,7 @@ from ..core.apply import apply, stages
 from ..errors import SymmergeError
 from ..groups.base import Options
 from ..io.data import Batch, Data
-from .engine import solve, solve_local
+from .engine import solve
 
 
 def scored_logits(logits: torch.Tensor, batch) -> torch.Tensor:
@@ -200,27 +198,6 @@ def _split(data: Data, holdout: float) -> tuple[list, list]:
     return batches[: len(batches) - n_hold], batches[len(batches) - n_hold:]
 
 
-def _resolve_permutations(instances, sd_a: dict, sd_b: dict, opts: Options, how: str = "weights",
-                          models=None, data=None) -> dict:
-    """Exact FFN unit permutations of the current (learned) A to B, given everything else —
-    ``how="weights"``: on the weights; ``"activations"``: on the correlations of the units' activations
-    on ``data`` (``models``: A's and B's modules, to run them) — ``{instance name: PermElement}`` (unit
-    scales kept as learned: identity scales here)."""
-    from dataclasses import replace
-
-    perm_insts = [i for i in instances if i.kind.resolvable(i, opts)]
-    if not perm_insts:
-        return {}
-    ffn_only = replace(opts, symmetries=frozenset({"ffn"}), rescale="none")
-    if how == "activations":
-        from .activations import match_activations
-        from .verify import with_state_dict
-
-        return match_activations(perm_insts, with_state_dict(models[0], sd_a), with_state_dict(models[1], sd_b),
-                                 data, ffn_only)
-    return solve_local(perm_insts, sd_a, sd_b, ffn_only)
-
-
 class Checks:
     """The objective checks of a learning loop: the history (``step``, ``train``, ``held_out`` when a
     held-out part exists), the best value and the state it was reached in (``snapshot()``), early stopping
@@ -284,10 +261,7 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
                     start: dict | None = None, on_step=None):
     """Elements aligning A (``ca``, canonical) to B (``cb``) learned on ``data``; returns
     ``(elements, report)``. ``start``: closed-form elements to start from (default: data-free weight
-    matching); ``on_step(step, parameters)`` is called after every update (tests). With
-    ``settings.rounds`` > 1 the steps are split into rounds, and between rounds the FFN unit permutations
-    of the learned A are re-solved exactly (``settings.repermute``: from activation correlations on
-    ``data``, or on the weights; composed after the elements so far)."""
+    matching); ``on_step(step, parameters)`` is called after every update (tests)."""
     settings = options.learn
     t0 = time.perf_counter()
     opts = options.solver_options()
@@ -297,36 +271,21 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
     report = {"start": (f"{settings.start} (closed form)" if given else
                         "weights (data-free, every group to convergence)"),
               "closed_form_seconds": time.perf_counter() - t0}
-    rounds = max(1, min(settings.rounds, settings.steps))
-    per_round = [settings.steps // rounds + (1 if r < settings.steps % rounds else 0) for r in range(rounds)]
-    elements, history, round_reports = dict(start), {"step": [], "train": []}, []
+    history = {"step": [], "train": []}
     skeleton = copy.deepcopy(anchor).to(torch.float32).eval()
     for p in skeleton.parameters():
         p.requires_grad_(False)
-    for r, steps in enumerate(per_round):
-        if r:
-            moved = apply(ca, instances, elements)
-            perms = _resolve_permutations(instances, moved, cb, opts, settings.repermute, (model, anchor), data)
-            changed = sum(int((el.perm != torch.arange(el.perm.numel())).sum()) for el in perms.values())
-            for name, el in perms.items():
-                elements[name] = (*stages(elements[name]), el) if name in elements else el
-            round_reports[-1]["units_repermuted_after"] = changed
-        elements, info = _learn_round(instances, skeleton, model, elements, ca, cb, data, settings, opts, steps,
-                                      progress, on_step, t0, history, offset=sum(per_round[:r]))
-        round_reports.append(info)
-        if "stopped" in info and info["stopped"].startswith("time budget"):
-            break
-    first, last = round_reports[0], round_reports[-1]
-    report.update(parameters=first.get("parameters"), held_out_start=first.get("held_out_start"), history=history,
-                  steps=sum(x.get("steps", 0) for x in round_reports), held_out_best=last.get("held_out_best"),
-                  rounds=round_reports if rounds > 1 else None, seconds=time.perf_counter() - t0,
-                  learned_instances=first.get("learned_instances", 0), checked_on=first.get("checked_on"))
-    by_stage = [x["seconds_by_stage"] for x in round_reports if "seconds_by_stage" in x]
-    if by_stage:
-        report["seconds_by_stage"] = {k: sum(x[k] for x in by_stage) for k in by_stage[0]}
+    elements, info = _learn_round(instances, skeleton, model, dict(start), ca, cb, data, settings, opts,
+                                  settings.steps, progress, on_step, t0, history)
+    report.update(parameters=info.get("parameters"), held_out_start=info.get("held_out_start"), history=history,
+                  steps=info.get("steps", 0), held_out_best=info.get("held_out_best"),
+                  seconds=time.perf_counter() - t0, learned_instances=info.get("learned_instances", 0),
+                  checked_on=info.get("checked_on"))
+    if "seconds_by_stage" in info:
+        report["seconds_by_stage"] = dict(info["seconds_by_stage"])
     for key in ("stopped", "note"):
-        if key in last:
-            report[key] = last[key]
+        if key in info:
+            report[key] = info[key]
     return elements, report
 
 

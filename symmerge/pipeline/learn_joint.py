@@ -279,10 +279,6 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
     (:func:`~symmerge.pipeline.joint.align_joint`, passed in by it: this module does not import it back)."""
     settings = options.learn
     concentration = settings.dirichlet if concentration is None else concentration  # --learn-dirichlet
-    if settings.rounds != 1:
-        raise SymmergeError(f"the joint learned alignment runs one round of steps (rounds=1), got rounds="
-                            f"{settings.rounds}: re-solving the permutations between rounds is pairwise only "
-                            "(pass --anchor for the star)")
     if concentration != "auto" and not concentration > 0:
         raise SymmergeError(f"the Dirichlet concentration must be > 0, got {concentration}")
     n = len(models)

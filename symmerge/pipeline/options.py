@@ -92,9 +92,7 @@ class LearnSettings:
     objective is checked on the training examples at the start and the end only — the end is kept only if
     not worse; the history then has no held-out column), a ``seed``, and an optional time budget in
     seconds (``budget``). ``start``: the closed form learning starts from (``activations``: activation
-    matching on the same data; ``weights``: data-free weight matching); ``rounds``: the steps split into
-    rounds with the FFN permutations re-solved between them (``repermute``: from the activations' unit
-    correlations, or the weights); ``augment``: randomly flipped and shifted
+    matching on the same data; ``weights``: data-free weight matching); ``augment``: randomly flipped and shifted
     views of every training image (images only); ``target``: ``probabilities`` (α·p_A + (1−α)·p_B) or
     ``log-probabilities`` (their normalised geometric mean); ``positions`` (sequence models): the
     objective on at most this many randomly chosen scored positions of each batch (drawn once, so the
@@ -112,7 +110,7 @@ class LearnSettings:
     and the one whose uniform average of the N models matches the uniform mixture of their predictions
     best on the held-out part is learned again on all the data with ``steps`` steps
     (:func:`symmerge.pipeline.learn_joint.choose_concentration`). See :mod:`symmerge.pipeline.learn`; the
-    defaults are the best recipe measured on B1 (docs/results.md, "B1 with unlabeled data")."""
+    defaults are the best recipe measured (docs/merge.md, "Unlabeled data")."""
 
     steps: int = 200
     batch: int = 100
@@ -125,10 +123,8 @@ class LearnSettings:
     seed: int = 0
     budget: float | None = None
     start: str = "activations"
-    rounds: int = 1
     augment: int = 4
     target: str = "log-probabilities"
-    repermute: str = "activations"
     positions: int = 0
     max_length: int | None = None
     precision: str = "float32"
@@ -143,11 +139,8 @@ class LearnSettings:
             raise SymmergeError(f"unknown learned-alignment start {self.start!r}; choose one of {', '.join(LEARN_STARTS)}")
         if self.target not in LEARN_TARGETS:
             raise SymmergeError(f"unknown learned-alignment target {self.target!r}; choose one of {', '.join(LEARN_TARGETS)}")
-        if self.repermute not in ("weights", "activations"):
-            raise SymmergeError(f"unknown repermute source {self.repermute!r}; choose weights or activations")
-        if self.rounds < 1 or self.augment < 0:
-            raise SymmergeError(f"learned alignment needs rounds >= 1 and augment >= 0, got {self.rounds}, "
-                                f"{self.augment}")
+        if self.augment < 0:
+            raise SymmergeError(f"learned alignment needs augment >= 0, got {self.augment}")
         if self.precision not in LEARN_PRECISIONS:
             raise SymmergeError(f"unknown learned-alignment precision {self.precision!r}; choose one of "
                                 f"{', '.join(LEARN_PRECISIONS)}")

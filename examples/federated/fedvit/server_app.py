@@ -10,19 +10,20 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedvit import task
-from symmerge.federated import AlignedFedAvg
+from symmerge.federated import Aggregation, AlignedFedAvg, ClientAlignment, OutlierPolicy
 
 LAST_RUN: dict = {}  # the latest run's strategy and result (for a caller in the same process)
 
 
 def strategy_options(cfg: dict) -> dict:
-    """:class:`AlignedFedAvg`'s keyword arguments (besides the template) from the app's settings."""
+    """:class:`AlignedFedAvg`'s keyword arguments (besides the template) from the app's settings: its options
+    objects and FedAvg's own keywords."""
     rule = str(cfg["outlier-rule"])
-    server = {"outlier_data": task.server_images(cfg)} if rule == "consensus" else {}
-    return dict(**server, alignment=cfg["align"], aggregation=cfg["aggregation"], trim=float(cfg["trim"]),
-                norm_factor=float(cfg["norm-factor"]) or None, norm_clip=bool(cfg["norm-clip"]),
-                outlier_rule=None if rule == "none" else rule, outlier_threshold=float(cfg["outlier-threshold"]),
-                min_clients=int(cfg["min-clients"]), min_align_gain=float(cfg["min-align-gain"]),
+    return dict(alignment=ClientAlignment(cfg["align"], min_align_gain=float(cfg["min-align-gain"])),
+                aggregation=Aggregation(cfg["aggregation"], trim=float(cfg["trim"]), min_clients=int(cfg["min-clients"])),
+                outliers=OutlierPolicy(norm_factor=float(cfg["norm-factor"]) or None, norm_clip=bool(cfg["norm-clip"]),
+                                       rule=None if rule == "none" else rule, threshold=float(cfg["outlier-threshold"]),
+                                       data=task.server_images(cfg) if rule == "consensus" else None),
                 fraction_train=float(cfg["fraction-train"]),
                 fraction_evaluate=float(cfg["fraction-evaluate"]))
 

@@ -1,0 +1,144 @@
+"""mergekit's interpolating methods on two models trained apart, with and without alignment.
+
+    python -m benchmarks.interpolating_methods [--out DIR] [--seed 0] [--quick] [--points 5]
+
+The pair is the demo's (:mod:`symmerge.demo.demo`): two ViTs (hidden 64, 2 layers, 4 heads) trained from seeds
+``seed`` and ``seed + 1`` on 4 000 MNIST-5k digits, cached by the demo's training, scored on the 1 000 held-out
+digits. Model A is brought into B's frame three ways — not at all, the best data-free set (heads, attn, ffn,
+rescale, residual; weight matching) and the learned alignment on the 1 000 training images without their labels
+— and each pair is merged by ``linear``, ``slerp`` (base B, t), ``nuslerp``, ``multislerp`` and ``karcher``
+(mergekit's rules, :mod:`symmerge.merge`). Per method and alignment: test accuracy and loss of the midpoint, and
+along the method's own path (``t`` for slerp, the weights (1 − t, t) for the others) the loss barrier: the
+largest excess of the loss over the straight line between the endpoints' losses (``karcher`` takes no weights:
+its uniform mean is the midpoint only, and it has no barrier). ``model_stock`` is left out:
+it needs a common base model, which models trained apart do not have.
+
+Writes ``results.json`` into ``--out`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+METHODS = ("linear", "slerp", "nuslerp", "multislerp", "karcher")
+ALIGN_BEST = "heads,attn,ffn,rescale,residual"
+
+
+def merge_pair(method: str, a: dict, b: dict, t: float) -> dict:
+    """θ of ``method`` at position ``t`` between B (t = 0) and A (t = 1), in mergekit's convention."""
+    from symmerge.merge import get_method
+
+    m = get_method(method)
+    if method == "slerp":  # the base is B, the other model A
+        return m.merge([a], base=b, t=t)
+    if method == "karcher":  # no weights
+        return m.merge([b, a])
+    return m.merge([b, a], weights=[1.0 - t, t])
+
+
+def path(method, a_sd, b_sd, holder, test, ts) -> dict:
+    from symmerge.evaluate.metrics import evaluate
+
+    losses, accs = [], []
+    if method == "karcher":  # no weights: the uniform Karcher mean is the one point between the endpoints
+        ts = [0.0, 0.5, 1.0]
+    for t in ts:
+        if t == 0.0:
+            sd = b_sd
+        elif t == 1.0:
+            sd = a_sd
+        else:
+            sd = merge_pair(method, a_sd, b_sd, t)
+        holder.load_state_dict(sd)
+        r = evaluate(holder, test, progress=False)
+        losses.append(r["loss"])
+        accs.append(r["accuracy"])
+    line = [losses[0] + (losses[-1] - losses[0]) * t for t in ts]
+    return {"t": list(ts), "loss": losses, "accuracy": accs,
+            "barrier": None if method == "karcher" else max(x - y for x, y in zip(losses, line))}
+
+
+def run(args) -> dict:
+    import torch
+
+    from symmerge.demo.datasets import cache_dir, mnist_5k_split, write_npz
+    from symmerge.demo.demo import FULL, QUICK
+    from symmerge.demo.train import TrainSettings, train_vit, vit_config
+    from symmerge.io.data import load_data
+    from symmerge.io.model import load_model
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.options import AlignOptions, LearnSettings
+
+    torch.manual_seed(0)
+    setup = QUICK if args.quick else FULL
+    x_tr, y_tr, x_te, y_te = mnist_5k_split(n_test=5000 - setup.n_train, seed=0)
+    data_dir = cache_dir() / "mnist-5k"
+    train_npz = write_npz(data_dir / f"train-{setup.n_train}.npz", x_tr, y_tr)
+    test_npz = write_npz(data_dir / f"test-{5000 - setup.n_train}.npz", x_te, y_te)
+    config = vit_config(setup.hidden, setup.layers, setup.heads, setup.intermediate, setup.patch,
+                        labels=tuple(str(d) for d in range(10)))
+    folders = []
+    for name, s in (("A", args.seed), ("B", args.seed + 1)):
+        settings = TrainSettings(steps=setup.steps, batch_size=setup.batch_size, lr=setup.lr, seed=s)
+        folders.append(train_vit(config, x_tr, y_tr, settings, name=f"demo-mnist5k-{name}", eval_images=x_te,
+                                 eval_labels=y_te, progress=False))
+    a, b = (load_model(f) for f in folders)
+    test = load_data(test_npz, a, batch_size=250)
+    unlabeled = load_data(train_npz, a, batch_size=50, max_examples=setup.stats_examples)
+    variants = {
+        "none": None,
+        "data-free (best set)": AlignOptions(symmetries=ALIGN_BEST),
+        "learned": AlignOptions(symmetries=ALIGN_BEST, match="learned", align_data=unlabeled,
+                                align_samples=setup.stats_examples, learn=LearnSettings(steps=setup.learn_steps)),
+    }
+    ts = [i / (args.points - 1) for i in range(args.points)]
+    if 0.5 not in ts:
+        raise SystemExit("--points must be odd (the midpoint is measured)")
+    rows = []
+    for variant, options in variants.items():
+        t0 = time.perf_counter()
+        if options is None:
+            a_sd, b_sd, holder = a.state_dict(), b.state_dict(), copy.deepcopy(b)
+        else:
+            res = align_pair(a, b, options, progress=None)
+            a_sd, b_sd, holder = res.model.state_dict(), res.anchor.state_dict(), copy.deepcopy(res.anchor)
+        align_s = time.perf_counter() - t0
+        for method in METHODS:
+            t1 = time.perf_counter()
+            p = path(method, a_sd, b_sd, holder, test, ts)
+            mid = p["t"].index(0.5)
+            rows.append({"method": method, "alignment": variant, "midpoint_accuracy": p["accuracy"][mid],
+                         "midpoint_loss": p["loss"][mid], "barrier": p["barrier"], "path": p,
+                         "align_seconds": align_s, "seconds": time.perf_counter() - t1})
+            barrier = "n/a" if p["barrier"] is None else f"{p['barrier']:.4f}"
+            print(f"{method:11s} {variant:22s} midpoint acc {p['accuracy'][mid]:.4f} loss {p['loss'][mid]:.4f} "
+                  f"barrier {barrier}", flush=True)
+    return {"pair": [str(f) for f in folders], "test_digits": int(len(y_te)), "setup": "quick" if args.quick else "full",
+            "seed": args.seed, "points": ts, "rows": rows}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.interpolating_methods", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results/interpolating-methods")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="the demo's quick setup (a smaller pair, seconds)")
+    p.add_argument("--points", type=int, default=5, help="positions along each path (odd: the midpoint is one)")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""mergekit's specialised rules as symmerge methods: ``model_stock``, ``nearswap``, ``arcee_fusion``,
+``passthrough``, ``sce``, ``ram`` and ``ramplus_tl``. Each is a per-tensor rule in float64 (cast back by the
+loop); the base model, where one is used, is the ``base`` argument and the other models the merged ones.
+
+* ``model_stock`` (Jang et al., 2024; base + at least 2 models): with task vectors τ_i = θ_i − θ_b of the
+  flattened tensor (``filter_wise``: of each vector along the last axis; a 1-D tensor is one), cos θ the
+  mean over the pairs of the clamped cosines τ_i·τ_j / max(‖τ_i‖‖τ_j‖, 1e-6), t = N cos θ / (1 + (N − 1) cos θ)
+  (0 where the denominator is below 1e-6 in magnitude), θ = t · mean_i θ_i + (1 − t) θ_b.
+* ``nearswap`` (base + exactly 1 model): w = clamp(t / max(|θ_b − θ_1|, 1e-6), 0, 1) per entry,
+  θ = w θ_1 + (1 − w) θ_b: the other model's value where the two are within ``t``, the base where far.
+* ``arcee_fusion`` (base + exactly 1 model): importance = |θ_1 − θ_b| · KL(p‖q) with p, q the softmaxes of
+  θ_1 and θ_b along the last axis (+1e-8 each; one KL per row; computed in float32 as mergekit does: the KL
+  of nearly equal rows is ill-conditioned), threshold = median + 1.5 · (q3 − q1) of
+  the importances (quantile q: the sorted value at index ⌊q (n − 1)⌋, over all entries — mergekit samples
+  10⁶ entries of larger tensors at random), θ = θ_b + (θ_1 − θ_b) [importance ≥ threshold].
+* ``passthrough`` (exactly 1 model, no base): the tensor, times ``scale`` when given (per model).
+* ``sce`` (Wan et al., 2024, FuseChat; base + models): task vectors τ_i; ``select_topk`` < 1 keeps, in
+  every τ_i, only the ⌊select_topk · m⌋ positions of largest variance across the models (m: positions of
+  non-zero variance; ties in flat order); matrix-level weights ω_i = mean(τ_i²) / Σ_j mean(τ_j²) (uniform
+  when that sum is below 1e-6); mergekit's sign election on the τ_i; θ = θ_b + Σ ω_i τ_i [agree] /
+  max(Σ ω_i [agree], 1e-6). Weights are not used.
+* ``ram`` (Reinforced Agent Merging; base + models): an entry of τ_i is active where |τ_i| > ``epsilon``;
+  where one model is active its entry is taken, where several are, their mean; elsewhere the base.
+  ``ramplus_tl``: the unique entries of model i are scaled by λ_i = 1 + ``r`` · clamp(ρ_i, 0, ``alpha``),
+  ρ_i = (its active entries shared with others) / max(its unique active entries, ``epsilon``), per tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import REQUIRED, Method, boolean, real
+from .parts import elect_mask
+
+# ------------------------------------------------------------------ model_stock
+
+
+def model_stock_ratio(taus, filter_wise: bool = False) -> torch.Tensor:
+    """t = N cos / (1 + (N − 1) cos) of the task vectors ``taus`` (float64, same shape): a scalar tensor, or one
+    per vector along the last axis (``filter_wise``: shape (..., 1); a 1-D tensor is one vector)."""
+    if filter_wise:  # the vectors along the last axis
+        vs = [t.unsqueeze(0) if t.dim() == 1 else t for t in taus]
+    else:
+        vs = [t.reshape(1, -1) for t in taus]
+    cosines = []
+    for i in range(len(vs)):
+        for j in range(i + 1, len(vs)):
+            norm = (vs[i].norm(dim=-1) * vs[j].norm(dim=-1)).clamp(min=1e-6)
+            cosines.append(((vs[i] * vs[j]).sum(-1) / norm).clamp(-1.0, 1.0))
+    cos = torch.stack(cosines).mean(0).unsqueeze(-1)
+    n = len(vs)
+    den = 1.0 + (n - 1) * cos
+    singular = den.abs() < 1e-6
+    return torch.where(singular, torch.zeros_like(cos), n * cos / torch.where(singular, torch.ones_like(den), den))
+
+
+def _model_stock_tensor(key, tensors, weights, stats, base, params, context):
+    b = base.double()
+    models = [t.double() for t in tensors]
+    t = model_stock_ratio([m - b for m in models], bool(params["filter_wise"]))
+    mean = sum(models) / len(models)
+    shape = b.shape
+    if params["filter_wise"]:
+        rows = b.unsqueeze(0) if b.dim() == 1 else b
+        return (t * mean.reshape(rows.shape) + (1.0 - t) * rows).reshape(shape)
+    return (t * mean.reshape(1, -1) + (1.0 - t) * b.reshape(1, -1)).reshape(shape)
+
+
+MODEL_STOCK = Method("model_stock", _model_stock_tensor, needs_base=True, params={"filter_wise": False},
+                     doc="Model Stock: interpolate the base and the models' mean by t = N cos / (1 + (N-1) cos) "
+                         "of the task vectors' mean pairwise cosine.",
+                     normalize_weights=False, checks={"filter_wise": boolean()}, models=(2, None))
+
+# ------------------------------------------------------------------ nearswap
+
+
+def _nearswap_tensor(key, tensors, weights, stats, base, params, context):
+    a, b = base.double(), tensors[0].double()
+    w = (float(params["t"]) / (a - b).abs().clamp(min=1e-6)).clamp(0.0, 1.0)
+    return w * b + (1.0 - w) * a
+
+
+NEARSWAP = Method("nearswap", _nearswap_tensor, needs_base=True, params={"t": REQUIRED},
+                  doc="NearSwap: take the other model's value where it is within t of the base's, "
+                      "interpolate with weight t / |difference| elsewhere.",
+                  normalize_weights=False, elementwise=True, checks={"t": real()}, models=(1, 1))
+
+# ------------------------------------------------------------------ arcee_fusion
+
+
+def quantiles(values: torch.Tensor, qs) -> list[float]:
+    """The sorted value at index ⌊q (n − 1)⌋ for each q of ``qs`` (exact, over all entries)."""
+    s = torch.sort(values.reshape(-1)).values
+    return [float(s[int(q * (s.numel() - 1))]) for q in qs]
+
+
+def arcee_importance(other: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """|other − base| times the KL divergence of the rows' softmaxes (+1e-8), in the inputs' dtype."""
+    p = torch.softmax(other, dim=-1) + 1e-8
+    q = torch.softmax(base, dim=-1) + 1e-8
+    return (other - base).abs() * (p * torch.log(p / q)).sum(-1, keepdim=True)
+
+
+def _arcee_fusion_tensor(key, tensors, weights, stats, base, params, context):
+    # the importance in float32 (float64 for float64 inputs), as mergekit computes it: the KL of two nearly
+    # equal rows is ill-conditioned, and a float64 KL moves ~12 % of the mask's entries near the threshold
+    # (tests/test_mergekit_methods.py); the result itself is formed in float64
+    work = torch.promote_types(base.dtype, torch.float32)
+    importance = arcee_importance(tensors[0].to(work), base.to(work))
+    b, o = base.double(), tensors[0].double()
+    q1, median, q3 = quantiles(importance, (0.25, 0.5, 0.75))
+    keep = importance >= median + 1.5 * (q3 - q1)
+    return b + (o - b) * keep
+
+
+ARCEE_FUSION = Method("arcee_fusion", _arcee_fusion_tensor, needs_base=True,
+                      doc="Arcee Fusion: keep the other model's changes whose importance (|change| x KL of the "
+                          "rows' softmaxes) reaches median + 1.5 IQR.", normalize_weights=False, models=(1, 1))
+
+# ------------------------------------------------------------------ passthrough
+
+
+def _passthrough_tensor(key, tensors, weights, stats, base, params, context):
+    scale = params["scale"]
+    scale = scale[0] if isinstance(scale, (list, tuple)) else scale
+    return tensors[0].double() if scale is None else tensors[0].double() * float(scale)
+
+
+PASSTHROUGH = Method("passthrough", _passthrough_tensor, params={"scale": None},
+                     doc="Passthrough: the one model's tensor, times scale when given.", normalize_weights=False,
+                     elementwise=True, checks={"scale": real(optional=True)}, per_model=("scale",), models=(1, 1))
+
+# ------------------------------------------------------------------ sce
+
+
+def sce_select(taus: torch.Tensor, topk: float) -> torch.Tensor:
+    """The positions SCE keeps: the ⌊topk · m⌋ of largest variance across the models (dim 0), m the positions
+    of non-zero variance (ties in flat order); all for topk ≥ 1, none for topk ≤ 0."""
+    shape = taus.shape[1:]
+    if topk >= 1.0:
+        return torch.ones(shape, dtype=torch.bool)
+    if topk <= 0.0:
+        return torch.zeros(shape, dtype=torch.bool)
+    var = taus.var(dim=0, unbiased=False).reshape(-1)
+    k = int(int(torch.count_nonzero(var)) * topk)
+    keep = torch.zeros(var.numel(), dtype=torch.bool)
+    if k:
+        keep[torch.sort(var, descending=True, stable=True).indices[:k]] = True
+    return keep.reshape(shape)
+
+
+def sce_weights(taus: torch.Tensor) -> torch.Tensor:
+    """ω_i = mean(τ_i²) / Σ_j mean(τ_j²) (uniform when the sum is below 1e-6)."""
+    w = taus.square().reshape(taus.shape[0], -1).mean(1)
+    total = float(w.sum())
+    return torch.full_like(w, 1.0 / w.numel()) if abs(total) < 1e-6 else w / total
+
+
+def _sce_tensor(key, tensors, weights, stats, base, params, context):
+    b = base.double()
+    taus = torch.stack([t.double() - b for t in tensors])
+    topk = float(params["select_topk"])
+    if topk < 1.0:
+        taus = taus * sce_select(taus, topk)
+    agree = elect_mask(taus)
+    w = sce_weights(taus).reshape(-1, *([1] * (taus.dim() - 1))) * agree
+    return b + (taus * w).sum(0) / w.sum(0).clamp(min=1e-6)
+
+
+SCE = Method("sce", _sce_tensor, needs_base=True, params={"select_topk": 1.0, "int8_mask": False},
+             doc="SCE: keep the highest-variance positions, weight each task vector by its mean square, "
+                 "TIES sign election, weighted mean of the agreeing entries.",
+             normalize_weights=False, checks={"select_topk": real(0.0, 1.0), "int8_mask": boolean()})
+
+# ------------------------------------------------------------------ ram / ramplus_tl
+
+
+def _ram_parts(tensors, base, epsilon):
+    b = base.double()
+    taus = torch.stack([t.double() - b for t in tensors])
+    active = taus.abs() > epsilon
+    count = active.sum(0, keepdim=True)
+    return b, taus.masked_fill(~active, 0.0), active, count
+
+
+def _ram_tensor(key, tensors, weights, stats, base, params, context):
+    b, taus, active, count = _ram_parts(tensors, base, float(params["epsilon"]))
+    unique, shared = count == 1, count > 1
+    merged = taus * unique + taus * shared / count.clamp(min=1)
+    return b + merged.sum(0)
+
+
+def _ramplus_tensor(key, tensors, weights, stats, base, params, context):
+    eps = float(params["epsilon"])
+    b, taus, active, count = _ram_parts(tensors, base, eps)
+    unique, shared = count == 1, count > 1
+    n = len(tensors)
+    flat_a = active.reshape(n, -1)
+    shared_n = (flat_a & shared.reshape(1, -1)).sum(1).double()
+    unique_n = (flat_a & unique.reshape(1, -1)).sum(1).double()
+    rho = shared_n / unique_n.clamp(min=eps)
+    lam = (1.0 + float(params["r"]) * rho.clamp(0.0, float(params["alpha"]))).reshape(-1, *([1] * (taus.dim() - 1)))
+    merged = taus * unique * lam + taus * shared / count.clamp(min=1)
+    return b + merged.sum(0)
+
+
+RAM = Method("ram", _ram_tensor, needs_base=True, params={"epsilon": 1e-5},
+             doc="RAM: per entry, the one model that changed it, or the mean of the several that did (changes "
+                 "above epsilon).", normalize_weights=False, elementwise=True, checks={"epsilon": real(0.0)})
+RAMPLUS_TL = Method("ramplus_tl", _ramplus_tensor, needs_base=True, params={"r": 0.1, "alpha": 0.2, "epsilon": 1e-5},
+                    doc="RAM+ (tensor-local): RAM with each model's unique changes scaled by 1 + r clamp(shared / "
+                        "unique, 0, alpha).", normalize_weights=False,
+                    checks={"r": real(), "alpha": real(0.0), "epsilon": real(0.0)})
+
+METHODS = [MODEL_STOCK, NEARSWAP, ARCEE_FUSION, PASSTHROUGH, SCE, RAM, RAMPLUS_TL]
