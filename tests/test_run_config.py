@@ -309,8 +309,14 @@ MK_BAD = [
     ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: 5\n", "line 3: 'parameters' is a mapping"),
     ("merge_method: ties\nbase_model: [{a}]\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\n",
      "line 2: expected a model folder"),
-    ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1, normalize: [true, false]}}\n",
-     "line 3: parameters.normalize"),
+    ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1, normalize: 3}}\n",
+     "line 3: parameters.normalize: true or false expected, got 3"),
+    ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1, normalize: [true, 0.5]}}\n",
+     "line 3: parameters.normalize: a list of true/false expected"),
+    ("merge_method: slerp\nbase_model: {a}\nmodels: [{a}, {b}]\n", "no 't' for model.embed_tokens.weight"),
+    ("merge_method: ties\nbase_model: {base}\nmodels:\n  - model: {a}\n    parameters: {{weight: 1, lambda: 2}}\n"
+     "  - model: {b}\n    parameters: {{weight: 1}}\n",
+     "line 5: models[0].parameters.lambda: 'lambda' is one value for the whole merge"),
     ("slices:\n  - sources: [{{model: {a}, layer_range: [0, 2]}}]\nmerge_method: passthrough\neval_data: x.npz\n",
      "line 1: 'slices' is a mergekit key, and this config is run as a symmerge merge because of 'eval_data' (line 4)"),
 ]
