@@ -153,8 +153,6 @@ def run(args) -> int:
     out = Path(args.output)
     ensure_output_dir(out)  # fail before any expensive work
     get_method(args.method)
-    if len(args.models) < 2:
-        raise SymmergeError("merge needs at least two models")
     report = merge_to_folder(args.models, out, options_from(args))
     why = report["plan"]["why"]
     alignment = report["alignment"]

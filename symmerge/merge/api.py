@@ -11,7 +11,8 @@ from pathlib import Path
 from ..errors import SymmergeError
 from ..io.model import ensure_output_dir, save_model
 from ..progress import stage
-from .fuse import MergeOptions, merge_models
+from .fuse import MergeOptions, check_model_count, merge_models
+from .registry import get_method
 from .modules import merge_pipeline_modules
 from .plan import plan_merge
 
@@ -29,8 +30,7 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
     out = Path(out)
     ensure_output_dir(out)  # fail before any expensive work
     models = list(models)
-    if len(models) < 2:
-        raise SymmergeError("merge needs at least two models")
+    check_model_count(get_method(options.method), len(models), options.base is not None)
     plan = plan_merge(models, options, mode=options.mode)
     if plan.mode == "stream":
         from . import stream  # looked up at call time (tests bound the read-ahead budget through it)

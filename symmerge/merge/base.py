@@ -43,14 +43,18 @@ def check_needs(name: str, needs) -> None:
 
 
 def normalized_weights(weights, n: int, normalize: bool = True) -> list[float]:
-    """``n`` weights (uniform when ``None``), finite and non-negative, summing to 1 if ``normalize``."""
+    """``n`` weights (uniform when ``None``), finite; with ``normalize`` (an average) non-negative and scaled
+    to sum to 1, else (multipliers of task vectors, as mergekit takes them: a negative weight subtracts a
+    task) any finite values, not all zero."""
     if weights is None:
         weights = [1.0] * n
     weights = [float(w) for w in weights]
     if len(weights) != n:
         raise SymmergeError(f"got {len(weights)} weights for {n} models")
-    if any(not (w >= 0.0 and w < float("inf")) for w in weights) or sum(weights) <= 0:
-        raise SymmergeError(f"weights must be finite, non-negative and not all zero, got {weights}")
+    if any(not abs(w) < float("inf") for w in weights) or not any(weights):
+        raise SymmergeError(f"weights must be finite and not all zero, got {weights}")
+    if normalize and (any(w < 0.0 for w in weights) or sum(weights) <= 0):
+        raise SymmergeError(f"weights of an average must be non-negative and not all zero, got {weights}")
     total = sum(weights) if normalize else 1.0
     return [w / total for w in weights]
 

@@ -234,7 +234,7 @@ class StreamExecutor:
             if st.merge and self.method.needs_base and st.base is None:
                 raise SymmergeError(f"method {self.method.name!r} needs a base model (the common pre-trained "
                                     f"model): output tensor {st.name!r} has none")
-            if st.merge and st.base is not None and not self.method.needs_base:
+            if st.merge and st.base is not None and not (self.method.needs_base or self.method.accepts_base):
                 raise SymmergeError(f"method {self.method.name!r} does not use a base model")
             shape = None
             for s in self.reads(st):

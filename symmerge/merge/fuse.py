@@ -43,6 +43,14 @@ from .plan import anchor_rule, closest, merge_report, plan_merge
 
 
 
+def check_model_count(m, n: int, has_base: bool) -> None:
+    """A merge takes two models or more, or the one a method merges with a base (slerp, nearswap, arcee_fusion,
+    passthrough: ``Method.models`` at most 1), and as many as the method takes (:meth:`Method.check_inputs`)."""
+    if n < 2 and m.models[1] != 1:
+        raise SymmergeError("merge needs at least two models")
+    m.check_inputs(n, has_base)
+
+
 @dataclass
 class MergeOptions:
     """Everything a merge needs besides the models. ``align``: the alignment options (default: the
@@ -102,6 +110,7 @@ class MergeOptions:
     def check(self, n: int):
         """Validate against ``n`` models before any expensive step; returns the method."""
         m = get_method(self.method)
+        check_model_count(m, n, self.base is not None)
         self.params = m.check_params(dict(self.params or {}))
         if self.heads not in HEAD_POLICIES:
             raise SymmergeError(f"unknown head policy {self.heads!r}; choose {', '.join(HEAD_POLICIES)}")
@@ -121,7 +130,7 @@ class MergeOptions:
                                 "give one --data")
         if m.needs_base and self.base is None:
             raise SymmergeError(f"method {m.name!r} needs a base model (the common pre-trained model): pass --base")
-        if self.base is not None and not m.needs_base:
+        if self.base is not None and not (m.needs_base or m.accepts_base):
             raise SymmergeError(f"method {m.name!r} does not use a base model")
         if not -n <= self.head_from < n:
             raise SymmergeError(f"--head-from {self.head_from} out of range for {n} models")
@@ -416,7 +425,8 @@ def _merge(run: _Run, models) -> None:
     stats = run.stats
     stats_sub = (None if stats is None else stats if m.needs_model
                  else [{k: s[k] for k in keys if k in s} for s in stats])
-    extra = {"base": {k: run.aligned_base.state_dict()[k] for k in keys}} if m.needs_base else {}
+    extra = ({"base": {k: run.aligned_base.state_dict()[k] for k in keys}}
+             if m.needs_base or (m.accepts_base and run.aligned_base is not None) else {})
     if m.needs_model:  # the architecture, and the model the others were aligned to
         extra.update(model=aligned[0], anchor=run.alignment["anchor"]["index"])
     with stage(f"merged ({m.name})", enabled=opts.progress):

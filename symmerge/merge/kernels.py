@@ -616,6 +616,8 @@ def sq_distances(inputs, result):
     if any(t.dtype != dtype for t in inputs) or dtype not in (torch.float32, torch.float64, torch.bfloat16):
         return None
     n = len(inputs)
+    if n < 2:  # one input (slerp, passthrough: the base aside): no pair; the kernel is compiled for pairs
+        return None
     pairs, to_result = np.zeros(n * n, dtype=np.float64), np.zeros(n, dtype=np.float64)
     _sq_sums_jit(tuple(_flat_bits(t) for t in (*inputs, result)), dtype == torch.bfloat16, pairs, to_result)
     return {(i, k): float(pairs[i * n + k]) for i in range(n) for k in range(i + 1, n)}, [float(v) for v in to_result]
