@@ -7,14 +7,17 @@ report; in memory or streamed) → ``merge`` (methods, statistics, fusion) → `
 
 from ._version import __version__
 from .errors import SymmergeError
-from . import groups as _groups  # noqa: F401  (registers the group kinds: symmerge.core.kinds)
-from .merge.barrier import barrier_study
-from .families import SPECS, spec_for, supported_model_types
-from .merge.fuse import MergeOptions, merge_models
-from .pipeline.align import Alignment, align, align_pair
-from .pipeline.options import AlignOptions, LearnSettings
-from .pipeline.to_folder import align_to_folder
-from . import merge  # noqa: E402  (the package is callable: symmerge.merge(models, out, options) -> report)
+from ._entry import guarded_imports
+
+with guarded_imports():  # the symmerge command: a Ctrl-C during these imports (seconds) is one line, exit 130
+    from . import groups as _groups  # noqa: F401  (registers the group kinds: symmerge.core.kinds)
+    from .merge.barrier import barrier_study
+    from .families import SPECS, spec_for, supported_model_types
+    from .merge.fuse import MergeOptions, merge_models
+    from .pipeline.align import Alignment, align, align_pair
+    from .pipeline.options import AlignOptions, LearnSettings
+    from .pipeline.to_folder import align_to_folder
+    from . import merge  # noqa: E402  (the package is callable: symmerge.merge(models, out, options) -> report)
 
 __all__ = ["merge", "align_to_folder", "align", "align_pair", "Alignment", "AlignOptions", "LearnSettings", "merge_models", "MergeOptions", "barrier_study",
            "SymmergeError", "SPECS", "spec_for", "supported_model_types"]

@@ -1,13 +1,18 @@
-"""Command-line entry point: ``symmerge <command> ...``. Each command lives in symmerge/commands/."""
+"""Command-line entry point: ``symmerge <command> ...``. Each command lives in symmerge/commands/.
+
+The entry point imports nothing heavy before it is guarded: a Ctrl-C while torch and transformers are
+being imported (the first seconds) ends with one line, as a Ctrl-C later does (exit 130); a closed
+stdout (``symmerge specs | head -1``) ends quietly with exit 141, as other command-line tools do; a
+user's mistake (:class:`~symmerge.errors.SymmergeError`) is one ``symmerge: error:`` line, exit 2.
+(The package's own ``__init__`` guards its imports the same way when it runs as this command:
+``symmerge._entry``.)"""
 
 from __future__ import annotations
 
-import argparse
-import importlib
+import os
 import sys
 
 from .errors import SymmergeError
-from .progress import configure
 
 # command name -> module in symmerge.commands defining add_arguments(parser) and run(args)
 COMMANDS = {
@@ -19,8 +24,13 @@ COMMANDS = {
     "specs": "specs",
 }
 
+INTERRUPTED, BROKEN_PIPE = 130, 141
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser():
+    import argparse
+    import importlib
+
     parser = argparse.ArgumentParser(prog="symmerge", description="Symmetry-aware fusion of transformer models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
@@ -32,17 +42,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
+def _run(argv) -> int:
+    from .progress import configure
+
     args = build_parser().parse_args(argv)
+    configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
+    code = args.handler(args) or 0
+    sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
+    return code
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush does not fail on the closed pipe."""
     try:
-        configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
-        return args.handler(args) or 0
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
+def main(argv=None) -> int:
+    try:
+        return _run(argv)
     except SymmergeError as e:
         print(f"symmerge: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("symmerge: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
+    except BrokenPipeError:
+        _quiet_stdout()
+        return BROKEN_PIPE
 
 
 if __name__ == "__main__":

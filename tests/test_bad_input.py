@@ -52,7 +52,7 @@ PROGRESS_LINE = re.compile(r"^\[\d+\.\d s\] ")  # symmerge.progress in lines mod
 
 
 def temp_leftovers(parent: Path) -> list[str]:
-    return [p.name for p in parent.iterdir() if ".tmp-" in p.name]
+    return [p.name for p in parent.iterdir() if "tmp-" in p.name]
 
 
 def assert_clean_failure(rc, err, out: Path, *needles):

@@ -209,7 +209,7 @@ def test_barrier_cli_contract(cli_vits, tmp_path):
 
 
 def _no_output(tmp_path, out) -> bool:
-    return not out.exists() and not any(p.name.startswith(f".{out.name}.tmp") for p in tmp_path.iterdir())
+    return not out.exists() and not any(p.name.startswith(f".{out.name}.symmerge-tmp") for p in tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("case", ["unknown_method", "labels", "channels", "architecture", "heads", "no_data",

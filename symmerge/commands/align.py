@@ -16,6 +16,7 @@ layers are solved on a pool of one thread per core (--workers).
 import sys
 from pathlib import Path
 
+from ..io.prefix import print_notes as print_adapted
 from ..io.tokenizers import print_note
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
 from ..progress import add_argument as add_progress_argument
@@ -85,6 +86,7 @@ def run(args) -> int:
 
 def _summary(report: dict, out: Path, timing: str) -> None:
     print_note(report.get("tokenizer"))
+    print_adapted(report)  # a base model and a fine-tune of its task class (symmerge.io.prefix)
     if (report.get("sentence_transformers") or {}).get("note"):
         print(f"note: {report['sentence_transformers']['note']}", file=sys.stderr)
     print(f"aligned with {','.join(report['symmetries']) or 'nothing'}"

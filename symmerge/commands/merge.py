@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..errors import SymmergeError
 from ..io.model import ensure_output_dir
+from ..io.prefix import print_notes as print_adapted
 from ..io.tokenizers import print_note
 from ..merge import METHODS, get_method
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
@@ -134,12 +135,13 @@ def options_from(args):
     """The :class:`~symmerge.merge.fuse.MergeOptions` the Python API takes, from the parsed arguments."""
     from ..merge.fuse import MergeOptions
     from ..merge.repair import parse_channels
+    from ..merge.param_values import check_param_values
     return MergeOptions(
         method=args.method, align=alignment_options(args, args.align, verify=not args.no_verify), repair=args.repair,
         repair_channels=parse_channels(args.repair_channels), repair_samples=args.repair_samples,
         anchor=parse_anchor(args.anchor), data=list(args.data or []), eval_data=list(args.eval_data or []),
         weights=parse_weights(args.weights),
-        params=parse_params(args.param), base=args.base, heads=args.heads, head_from=args.head_from,
+        params=check_param_values(args.method, parse_params(args.param)), base=args.base, heads=args.heads, head_from=args.head_from,
         device=args.device, fisher_variant=args.fisher, fisher_normalize=args.fisher_normalize,
         fisher_samples=args.fisher_samples, gram_normalize=not args.gram_sum, batch_size=args.batch_size,
         max_examples=args.max_examples, max_length=args.max_length, allow_pickle=args.allow_pickle,
@@ -162,6 +164,7 @@ def run(args) -> int:
     if alignment.get("note"):
         print(f"note: {alignment['note']}", file=sys.stderr)
     print_note(report.get("tokenizer"))
+    print_adapted(report)  # a base-class model read as the fine-tunes' class (symmerge.io.prefix)
     if alignment.get("joint"):
         j = alignment["joint"]
         print(f"joint alignment: {j['rounds']} round(s) after the star, spread {j['objective'][0]:.6g} -> "

@@ -13,6 +13,7 @@ plain average. Every result is scored on the test images; the loss barrier along
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -57,6 +58,32 @@ QUICK = DemoSetup(hidden=32, layers=1, heads=2, intermediate=64, n_train=4000, s
                   points=5, learn_steps=5)
 
 
+@contextlib.contextmanager
+def deterministic():
+    """torch's deterministic algorithms for the demo's duration (the previous setting restored). With the
+    fixed seeds and one torch thread (``run_demo``'s default) two runs on one machine give the same
+    figures to the last digit; another CPU (other vector kernels: AVX2, AVX-512, ARM) or torch version
+    rounds differently and trains slightly different models (see :func:`platform_info`)."""
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def platform_info() -> dict:
+    """What the demo's figures depend on beyond its seeds: torch, its CPU kernels, the thread count."""
+    import platform
+
+    import torch
+
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version()}
+
+
 def _check_output(out: Path) -> bool:
     """May the demo write ``out``? Only a missing or empty folder, or an earlier demo's own output
     (which is then replaced); True when such an earlier output is there."""
@@ -75,8 +102,9 @@ def run_demo(out: Path, seed: int = 0, quick: bool = False, threads: int | None 
     _check_output(out)  # before any work
     setup = QUICK if quick else FULL
     t0 = time.perf_counter()
-    with torch_threads(threads or None):  # tiny models gain nothing from several threads
+    with torch_threads(threads or None), deterministic():  # tiny models gain nothing from several threads
         result = _run(setup, seed, progress, log)
+        result["platform"] = platform_info()
     result["seconds_total"] = time.perf_counter() - t0
     _print_table(result, log)
     if _check_output(out):
@@ -106,7 +134,7 @@ def _run(setup: DemoSetup, seed: int, progress: bool, log) -> dict:
     train_seconds = time.perf_counter() - t
     a, b = (load_model(f) for f in folders)
     test = load_data(test_npz, a, batch_size=250)
-    stats = load_data(train_npz, a, batch_size=50, max_examples=setup.stats_examples)
+    stats = load_data(train_npz, a, batch_size=50, max_examples=setup.stats_examples, limit=None)
     endpoints = {}
     for name, model, folder, s in (("A", a, folders[0], seed), ("B", b, folders[1], seed + 1)):
         endpoints[name] = {"seed": s, "folder": str(folder), "train_seconds": load_report(folder)["seconds"],
@@ -152,8 +180,11 @@ def _learned(a, b, unlabeled, test, alphas, setup: DemoSetup, progress: bool) ->
 
     options = AlignOptions(symmetries=ALIGN_BEST, match="learned", align_data=unlabeled,
                            align_samples=setup.stats_examples, learn=LearnSettings(steps=setup.learn_steps))
+    from ..progress import stage, stage_printer
+
     t = time.perf_counter()
-    res = align_pair(a, b, options, progress=None)
+    with stage("aligned A to B (learned)", enabled=progress):  # a minute or more: never silent
+        res = align_pair(a, b, options, progress=stage_printer(desc="aligning (learned)") if progress else None)
     align_seconds = time.perf_counter() - t
     merged = copy.deepcopy(res.anchor)
     merged.load_state_dict(interpolate(res.model.state_dict(), res.anchor.state_dict(), 0.5))
@@ -170,6 +201,10 @@ def _print_table(r: dict, log) -> None:
     ea, eb = r["endpoints"]["A"], r["endpoints"]["B"]
     log("")
     log(f"two ViTs trained from seeds {ea['seed']} and {eb['seed']} on MNIST-5k, scored on {r['data']['test']} test digits")
+    p = r.get("platform")
+    if p:
+        log(f"  (torch {p['torch']}, {p['cpu_capability']} kernels, {p['threads']} thread(s): other CPUs and torch "
+            "versions round differently and print slightly different figures)")
     log(f"  model A: accuracy {ea['accuracy']:.4f}  loss {ea['loss']:.4f}")
     log(f"  model B: accuracy {eb['accuracy']:.4f}  loss {eb['loss']:.4f}")
     head = (f"{'method':9s} {'alignment':32s} {'test acc':>9s} {'test loss':>10s} {'‖θA−θB‖':>9s} {'align s':>8s} "
@@ -189,36 +224,51 @@ def _print_table(r: dict, log) -> None:
         "so that the plain average works. See docs/results.md.")
 
 
+def _label(align: str) -> str:
+    return "no alignment" if align == "none" else f"aligned ({align})"
+
+
+def plot_title(r: dict) -> str:
+    """The demo plot's title: the models (size, seeds) and the data."""
+    c, ea, eb = r["config"], r["endpoints"]["A"], r["endpoints"]["B"]
+    return (f"A, B: two ViTs (hidden {c['hidden_size']}, {c['num_hidden_layers']} layer(s)) trained from seeds "
+            f"{ea['seed']} and {eb['seed']} on MNIST-5k ({r['data']['train']} digits); every score on the "
+            f"{r['data']['test']} held-out test digits")
+
+
 def _plot(r: dict, file: Path) -> None:
-    import matplotlib
+    from ..evaluate.plots import _pyplot, legend_below, sig
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, (ax_l, ax_a, ax_b) = plt.subplots(1, 3, figsize=(15, 4.3))
     alphas = r["alphas"]
+    variants = list(ALIGNS + (LEARNED,))
+    colour = {v: f"C{i}" for i, v in enumerate(variants)}  # one colour per alignment in all three panels
+    handles, labels = [], []
     for name, c in r["curves"].items():
-        label = "no alignment" if name == "none" else f"aligned ({name})"
-        ax_l.plot(alphas, c["loss"], marker="o", label=f"{label}, barrier {c['barrier']:.3f}")
-        ax_a.plot(alphas, c["accuracy"], marker="o", label=label)
+        (h,) = ax_l.plot(alphas, c["loss"], marker="o", color=colour.get(name))
+        ax_a.plot(alphas, c["accuracy"], marker="o", color=h.get_color())
+        handles.append(h)
+        labels.append(f"{_label(name)}: barrier {sig(c['barrier'])}")
     ax_l.set(xlabel="α (0 = model B, 1 = model A)", ylabel="test loss", title="loss along θ(α) = α·θ_A + (1−α)·θ_B")
     ax_a.set(xlabel="α (0 = model B, 1 = model A)", ylabel="test accuracy", title="accuracy along the path")
-    ax_l.legend(fontsize=8, loc="upper left")
-    ax_a.legend(fontsize=8, loc="lower left")
     methods = list(dict.fromkeys(m["method"] for m in r["merges"]))
-    width = 0.8 / (len(ALIGNS) + 1)
-    for k, align in enumerate(ALIGNS + (LEARNED,)):
-        vals = [next((m["test_accuracy"] for m in r["merges"] if m["method"] == meth and m["align"] == align), 0.0)
-                for meth in methods]
-        ax_b.bar([i + (k - len(ALIGNS) / 2) * width for i in range(len(methods))], vals, width,
-                 label="no alignment" if align == "none" else f"aligned ({align})")
+    width = 0.8 / len(variants)
+    for k, align in enumerate(variants):
+        for i, meth in enumerate(methods):
+            v = next((m["test_accuracy"] for m in r["merges"] if m["method"] == meth and m["align"] == align), None)
+            if v is None:
+                continue
+            x = i + (k - (len(variants) - 1) / 2) * width
+            ax_b.bar(x, v, width, color=colour[align])
+            ax_b.text(x, v + 0.01, sig(v), ha="center", va="bottom", fontsize=7, rotation=90)
     for name, style in (("A", "--"), ("B", ":")):
-        ax_b.axhline(r["endpoints"][name]["accuracy"], color="grey", ls=style, label=f"model {name}")
+        acc = r["endpoints"][name]["accuracy"]
+        handles.append(ax_b.axhline(acc, color="grey", ls=style))
+        labels.append(f"model {name}: accuracy {sig(acc)}")
     ax_b.set_xticks(range(len(methods)), methods)
-    ax_b.set(ylabel="test accuracy", ylim=(0, 1), title="merged model (50/50)")
-    ax_b.legend(fontsize=8)
-    fig.suptitle(f"two ViTs from different seeds on MNIST-5k ({r['data']['test']} test digits)")
-    fig.tight_layout()
-    fig.savefig(file, dpi=110)
+    ax_b.set(ylabel="test accuracy", ylim=(0, 1.12), title="merged model (50/50), by method and alignment")
+    fig.suptitle(plot_title(r))
+    legend_below(fig, handles, labels, columns=3)
+    fig.savefig(file, dpi=110, bbox_inches="tight")
     plt.close(fig)
-

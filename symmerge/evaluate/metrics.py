@@ -19,7 +19,9 @@ from ..progress import bar
 
 
 def evaluate(model, data: Data, device=None, progress: bool = True, desc: str = "evaluating") -> dict:
-    """Mean cross-entropy and accuracy over all of ``data`` (examples, or next tokens for lm data)."""
+    """Mean cross-entropy and accuracy over all of ``data`` (examples, or next tokens for lm data); when
+    ``data`` is only the first part of its file (``--max-examples``), ``examples_in_file`` and ``cut_by``
+    say so, so that a score never stands for the whole file silently."""
     device = device or next(model.parameters()).device
     model = model.to(device).eval()
     loss_sum, correct, count = 0.0, 0, 0
@@ -31,7 +33,12 @@ def evaluate(model, data: Data, device=None, progress: bool = True, desc: str = 
             count += targets.numel()
     if count == 0:
         raise SymmergeError(f"{data.path}: nothing to evaluate")
-    return {"loss": loss_sum / count, "accuracy": correct / count, "n": count}
+    return {"loss": loss_sum / count, "accuracy": correct / count, "n": count, **_cut_info(data)}
+
+
+def _cut_info(data) -> dict:
+    info = getattr(data, "cut_info", None)
+    return info() if info is not None else {}
 
 
 def evaluate_ensemble(models, data: Data, device=None, progress: bool = True, desc: str = "evaluating the ensemble") -> dict:

@@ -100,6 +100,30 @@ def _align_sections(r: dict) -> list[str]:
     return out
 
 
+def _saved_head(head: dict) -> str:
+    """Which task head the saved folder carries, in words."""
+    policy = head.get("policy")
+    if policy == "keep" and head.get("from"):
+        return f"this folder carries the task head of `{head['from']}`"
+    if policy == "merge":
+        return "this folder carries the merged task head (the inputs' heads merged like the body)"
+    if policy == "none":
+        return "this folder has no task head (base models)"
+    return "the report does not say which task head this folder carries"
+
+
+def _head_used(entry: dict, head: dict) -> str:
+    """The task head one evaluation row of the merged model used, and whether it is the saved one."""
+    used = entry.get("head_from")
+    if used is None:
+        return "–"
+    if used == "merged":
+        return "merged (this folder's)"
+    if used == head.get("from"):
+        return f"`{used}`'s (this folder's)"
+    return f"`{used}`'s (*not in this folder*)"
+
+
 def _merge_sections(r: dict) -> list[str]:
     a = r.get("alignment") or {}
     params = ", ".join(f"{k}={v}" for k, v in (r.get("params") or {}).items()) or "none"
@@ -143,11 +167,23 @@ def _merge_sections(r: dict) -> list[str]:
                 ""]
     ev = r.get("evaluation") or {}
     if ev.get("merged"):
-        rows = [["merged", e.get("data"), e.get("loss"), e.get("accuracy"), e.get("n")] for e in ev["merged"]]
-        rows += [[e.get("model"), e.get("data"), e.get("loss"), e.get("accuracy"), e.get("n")]
+        saved = _saved_head(head)
+        rows = [["merged", e.get("data"), e.get("loss"), e.get("accuracy"), e.get("n"), _head_used(e, head)]
+                for e in ev["merged"]]
+        rows += [[e.get("model"), e.get("data"), e.get("loss"), e.get("accuracy"), e.get("n"), "its own"]
                  for e in ev.get("models") or [] if "skipped" not in e]
-        out += [f"Evaluation ({ev.get('data_role', 'data')}):", "",
-                *_table(["model", "data", "loss", "accuracy", "examples"], rows), ""]
+        out += [f"Evaluation ({ev.get('data_role', 'data')}). {saved[0].upper() + saved[1:]}; the last column "
+                "names the task head each score used:", "",
+                *_table(["model", "data", "loss", "accuracy", "examples", "head used"], rows), ""]
+        if any(e.get("head_from") not in (None, "merged", head.get("from")) for e in ev["merged"]):
+            out += ["A merged row marked *not in this folder* scored the merged body with another input's head "
+                    "(one data file per model: each file with its own model's head). Loading this folder gives "
+                    f"{saved}, so its scores on that data differ.", ""]
+        cut = [e for e in ev["merged"] + (ev.get("models") or []) if e.get("examples_in_file")]
+        for path in dict.fromkeys(e.get("data") for e in cut):
+            e = next(x for x in cut if x.get("data") == path)
+            out += [f"Evaluation data cut: `{path}`: only its first examples were scored ({e.get('cut_by')}; "
+                    f"{e['examples_in_file']} in the file).", ""]
         if ev.get("note"):
             out += [f"Note: {ev['note']}", ""]
     return out

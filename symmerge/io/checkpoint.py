@@ -19,6 +19,7 @@ import torch
 from ..errors import SymmergeError
 from . import direct, names_cache
 from .hf import DiskNames, attention_heads, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
+from .shapes import check_shapes, expected_shapes
 from .model import SAFE_INDEX, SAFE_SINGLE, check_finite, check_safetensors, read_config, weight_files
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -79,7 +80,8 @@ class LazyCheckpoint:
             else:
                 (rename, ties), parts = disk_to_memory_names(self.config, cfg), {}
             return {"rename": rename, "ties": ties, "parts": parts, "class": cls.__name__,
-                    "prefix": getattr(cls, "base_model_prefix", "") or "", "heads": attention_heads(cfg)}
+                    "prefix": getattr(cls, "base_model_prefix", "") or "", "heads": attention_heads(cfg),
+                    "shapes": expected_shapes(self.config, cfg)}
 
         # the names, ties, class and head counts: cached per transformers version and config (building the
         # weightless model that gives them imports transformers' modeling stack: most of a small merge's time)
@@ -117,6 +119,7 @@ class LazyCheckpoint:
                 self._same_as(alias, key)
         self._fold_ties()
         self._fuse(fusions)
+        check_shapes(self, known.get("shapes"))  # the config's shapes: a streamed path never builds the model
 
     def _fuse(self, fusions: dict) -> None:
         """Replace each complete set of stored tensors of a fused tensor by the fused tensor (at the place of

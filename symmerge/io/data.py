@@ -17,6 +17,7 @@ count and image size, token ids < ``vocab_size``, the right kind of head); probl
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,24 @@ class Data:
     batches: list = field(default_factory=list)
     n: int = 0  # examples (images, texts or lines)
     labeled: bool = True  # False: loaded with ``labels=False`` (inputs only)
+    total: int | None = None  # examples in the file when fewer (``n``) were kept: cut by ``limit``
+    limit: str | None = None  # what cut it (``--max-examples``, ``--align-samples``), when ``total`` is set
+
+    @property
+    def cut(self) -> bool:
+        """Whether only the first ``n`` of the file's ``total`` examples were read."""
+        return self.total is not None and self.total > self.n
+
+    def cut_info(self) -> dict:
+        """The report fields of a cut (``{}`` when the whole file was read): ``examples_in_file``, ``cut_by``."""
+        return {"examples_in_file": self.total, "cut_by": self.limit or "max_examples"} if self.cut else {}
+
+    def cut_note(self) -> str | None:
+        """One sentence saying what was cut, or None."""
+        if not self.cut:
+            return None
+        by = f" ({self.limit} {self.n})" if self.limit else ""
+        return f"{self.path}: only the first {self.n} of its {self.total} examples were read{by}"
 
     def __iter__(self):
         return iter(self.batches)
@@ -147,6 +166,9 @@ def check_data(data: Data, model, labels: np.ndarray | None = None, use_labels: 
         elif use_labels and head_kind(model) != "lm" and not getattr(cfg, "is_decoder", False):
             raise SymmergeError(f"{data.path}: .txt data (causal-LM loss) needs a causal language model, "
                                 f"got {type(model).__name__}")
+        if not data.batches or any(b.inputs["input_ids"].numel() == 0 for b in data.batches):
+            raise SymmergeError(f"{data.path}: the tokenizer turned the text into no tokens: no usable tokenizer "
+                                "(tokenizer.json or vocabulary files) in the model folder")
         top = max(int(b.inputs["input_ids"].max()) for b in data.batches)
         if top >= cfg.vocab_size:
             raise SymmergeError(f"{data.path}: token id {top} >= the model's vocab_size {cfg.vocab_size} "
@@ -182,20 +204,25 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
         raise SymmergeError(f"{path}: no examples")
     if not np.isfinite(x).all():
         raise SymmergeError(f"{path}: pixel_values hold NaN or Inf")
+    total = len(x)
     if max_examples:
         x, y = x[:max_examples], y[:max_examples]
     xt, yt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(y.astype(np.int64))
     batches = [Batch({"pixel_values": xt[i:i + batch_size]}, yt[i:i + batch_size] if labels else None)
                for i in range(0, len(xt), batch_size)]
-    return batches, len(xt)
+    return batches, len(xt), total
 
 
 def _read_jsonl(path: Path, max_examples, labels: bool = True):
-    texts, ys = [], []
+    """(texts, labels, examples in the file): past ``max_examples`` the lines are only counted."""
+    texts, ys, total = [], [], 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            total += 1
+            if max_examples and len(texts) >= max_examples:
+                continue  # counted, not parsed
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -207,11 +234,9 @@ def _read_jsonl(path: Path, max_examples, labels: bool = True):
                 raise SymmergeError(f"{path}:{lineno}: field 'label' must be an integer, got {label!r}")
             texts.append(obj["text"])
             ys.append(label)
-            if max_examples and len(texts) >= max_examples:
-                break
     if not texts:
         raise SymmergeError(f"{path}: no examples")
-    return texts, ys
+    return texts, ys, total
 
 
 def _read_txt(path: Path, max_examples):
@@ -222,7 +247,7 @@ def _read_txt(path: Path, max_examples):
     lines = [ln for ln in lines if ln]
     if not lines:
         raise SymmergeError(f"{path}: no non-empty lines")
-    return lines[:max_examples] if max_examples else lines
+    return (lines[:max_examples] if max_examples else lines), len(lines)
 
 
 def load_tokenizer(source):
@@ -274,12 +299,15 @@ def check_data_path(path) -> Path:
 
 
 def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length: int | None = None,
-              max_examples: int | None = None, labels: bool = True) -> Data:
+              max_examples: int | None = None, labels: bool = True, limit: str | None = "--max-examples") -> Data:
     """Read ``path`` (format from its suffix), batch it, and validate it against ``model`` if given.
 
     ``tokenizer``: a tokenizer or a folder holding one (default: the model's own folder,
     ``model.name_or_path``); only text formats use it. ``labels=False``: inputs only (``.npz`` without
     ``labels``, ``.jsonl`` without ``label``; labels present are ignored; batches have ``labels=None``).
+    ``max_examples``: only the first so many; when that cuts the file, the result says so (``total``,
+    ``limit``, :meth:`Data.cut_info`) and a note naming ``limit`` (the option that set it) goes to stderr
+    (``limit=None``: no note, the fields still set).
     """
     path = check_data_path(path)
     fmt = FORMATS[path.suffix.lower()]
@@ -288,20 +316,20 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
     if batch_size < 1:
         raise SymmergeError(f"batch size must be >= 1, got {batch_size}")
     if fmt == "image":
-        batches, n = _read_npz(path, batch_size, max_examples, labels)
+        batches, n, total = _read_npz(path, batch_size, max_examples, labels)
     else:
         if tokenizer is None and model is not None and getattr(model, "name_or_path", ""):
             tokenizer = model.name_or_path
         tok = load_tokenizer(tokenizer)
         max_len = _max_length(model, tok, max_length)
         if fmt == "text":
-            texts, ys = _read_jsonl(path, max_examples, labels)
+            texts, ys, total = _read_jsonl(path, max_examples, labels)
             batches = _tokenize(texts, tok, batch_size, max_len, lm=False)
             y = torch.tensor(ys, dtype=torch.int64)
             for j, b in enumerate(batches):
                 b.labels = y[j * batch_size:(j + 1) * batch_size] if labels else None
         else:
-            texts = _read_txt(path, max_examples)
+            texts, total = _read_txt(path, max_examples)
             batches = _tokenize(texts, tok, batch_size, max_len, lm=True)
             if not labels:
                 for b in batches:
@@ -313,14 +341,18 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
                 b.inputs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(
                     labels=b.inputs["input_ids"].masked_fill(~b.mask, -100))
         n = len(texts)
-    data = Data(str(path), fmt, batches, n, labeled=labels)
+    data = Data(str(path), fmt, batches, n, labeled=labels, total=total if total > n else None,
+                limit=limit if total > n else None)
     if model is not None:
         check_data(data, model)
+    if data.cut and limit:
+        print(f"note: {data.cut_note()}", file=sys.stderr)
     return data
 
 
-def take(data: Data, n: int) -> Data:
-    """The first ``n`` examples of ``data`` (``data`` itself when it has no more)."""
+def take(data: Data, n: int, limit: str | None = None) -> Data:
+    """The first ``n`` examples of ``data`` (``data`` itself when it has no more); the result records
+    the cut (``total``: the file's examples; ``limit``: what cut it, default ``data``'s own)."""
     if data.n <= n:
         return data
     batches, left = [], n
@@ -332,7 +364,8 @@ def take(data: Data, n: int) -> Data:
             b = Batch({k: cut(v) for k, v in b.inputs.items()}, cut(b.labels), cut(b.mask))
         batches.append(b)
         left -= b.size
-    return Data(data.path, data.format, batches, n, data.labeled)
+    return Data(data.path, data.format, batches, n, data.labeled, total=data.total or data.n,
+                limit=limit if limit is not None else data.limit)
 
 
 # ---------------------------------------------------------------- predictions

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SymmergeError
+from ..progress import bar
 from .data import Batch, Data, head_kind
 
 PREFIX = "generate"
@@ -89,9 +90,11 @@ def draw(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model, n: int, length: int, generator: torch.Generator) -> torch.Tensor:
+def sample(model, n: int, length: int, generator: torch.Generator, progress: bool = False,
+           desc: str = "generating") -> torch.Tensor:
     """(n, length) token ids: the start token, then ``length - 1`` tokens drawn from ``model`` at
-    temperature 1 (:func:`draw`), one at a time over the KV cache."""
+    temperature 1 (:func:`draw`), one at a time over the KV cache; ``progress``: a bar over the token
+    positions (:func:`symmerge.progress.bar`)."""
     config = model.config
     first = _start_token(config)
     if first is None:
@@ -108,7 +111,7 @@ def sample(model, n: int, length: int, generator: torch.Generator) -> torch.Tens
     was_training = model.training
     model.eval()
     try:
-        for _ in range(length - 1):
+        for _ in bar(range(length - 1), enabled=progress, desc=desc, unit="tokens"):
             res = model(input_ids=step, use_cache=True, **{name: past})
             past = res.get(name)
             if past is None:
@@ -121,9 +124,11 @@ def sample(model, n: int, length: int, generator: torch.Generator) -> torch.Tens
 
 
 def generate_data(models, n: int = DEFAULT_SEQUENCES, length: int = DEFAULT_LENGTH, seed: int = DEFAULT_SEED,
-                  batch_size: int = 32, spec: str | None = None) -> Data:
+                  batch_size: int = 32, spec: str | None = None, progress: bool = True) -> Data:
     """``n`` sequences of ``length`` tokens sampled from ``models`` (round-robin: sequence i from model
-    i mod len(models)), as unlabeled ``lm`` data in batches of ``batch_size``. Deterministic in ``seed``."""
+    i mod len(models)), as unlabeled ``lm`` data in batches of ``batch_size``. Deterministic in ``seed``.
+    ``progress``: one bar per model over the token positions (in a log: a line per model, and the
+    heartbeat while one runs)."""
     models = list(models)
     spec = spec or f"{PREFIX}:{n}:{length}"
     if not models:
@@ -137,7 +142,10 @@ def generate_data(models, n: int = DEFAULT_SEQUENCES, length: int = DEFAULT_LENG
         raise SymmergeError(f"batch size must be >= 1, got {batch_size}")
     generator = torch.Generator().manual_seed(seed)
     counts = [len(range(i, n, len(models))) for i in range(len(models))]
-    drawn = [sample(m, c, length, generator) if c else None for m, c in zip(models, counts)]
+    k = len(models)
+    drawn = [sample(m, c, length, generator, progress=progress,
+                    desc=f"{spec}: {c} sequences of {length} tokens from model {i + 1}/{k}") if c else None
+             for i, (m, c) in enumerate(zip(models, counts))]
     rows = torch.empty(n, length, dtype=torch.long)
     for i, ids in enumerate(drawn):
         if ids is not None:

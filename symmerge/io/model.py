@@ -13,6 +13,7 @@ import torch
 
 from ..errors import SymmergeError
 from ..families import spec_for
+from .output import apply_umask, check_writable, clean_stale, temp_prefix
 from .hf import DiskNames, model_class, quiet_transformers  # noqa: F401  (re-exported: io.model's API)
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -117,19 +118,27 @@ def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool
 
 
 def ensure_output_dir(out: Path) -> None:
+    """``out`` is absent or an empty folder, and can be written (symmerge.io.output.check_writable): every
+    writing command calls this before any heavy work."""
+    out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SymmergeError(f"{out}: output exists and is not an empty directory; refusing to overwrite")
+    check_writable(out)
 
 
 @contextlib.contextmanager
 def atomic_dir(out):
-    """Yield a temp dir beside ``out``; on success rename it to ``out``, on failure remove it."""
+    """Yield a temp dir beside ``out`` (named so that a later run recognises it: symmerge.io.output); on
+    success give everything in it the umask's permissions and rename it to ``out``, on failure remove it.
+    Temporary folders of earlier runs whose process is gone are removed first."""
     out = Path(out)
     ensure_output_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    clean_stale(out)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
     try:
         yield tmp
+        apply_umask(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

@@ -21,12 +21,13 @@ from ..errors import SymmergeError
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
 from ..io.tokenizers import check_tokenizers
+from ..io.prefix import adapt_models
 from ..pipeline.align import align_pair, as_model, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries
 from ..pipeline.report import match_fields
 from ..progress import bar, stage, stage_printer
 from ..evaluate.metrics import alpha_grid, check_same_shapes, evaluate, interpolate, interpolation_curve
-from ..evaluate.plots import plot_curves, plot_subsets
+from ..evaluate.plots import plot_curves, plot_subsets, study_title
 
 
 def variant_name(spec) -> str:
@@ -80,9 +81,10 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
     tokenizer = check_tokenizers(list(zip(names, (model_a, model_b))), allow_tokenizer_mismatch)
     with stage(f"loaded {names[0]} and {names[1]}", enabled=progress and isinstance(model_a, (str, Path))):
         a, b = as_model(model_a, allow_pickle, spec=False), as_model(model_b, allow_pickle, spec=False)
+    (a, b), adapted = adapt_models([a, b], names)  # a base model and a fine-tune: both the fine-tune's class
     check_same_shapes(a, b)
     if base.align_data is not None and not isinstance(base.align_data, Data):  # read once for every variant
-        base = base.with_(align_data=load_align_data(base, a, sources=[a, b]))
+        base = base.with_(align_data=load_align_data(base, a, sources=[a, b], progress=progress))
     variants = _variants(aligns, base, a)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
         if isinstance(data, Data):
@@ -91,12 +93,13 @@ def barrier_study(model_a, model_b, data, aligns=(RECOMMENDED_NAME,), points: in
         else:
             d = load_data(data, a, batch_size=batch_size, max_examples=max_examples)
         check_data(d, b)
-    result = {"model_a": names[0], "model_b": names[1], "data": d.path, "examples": d.n, "alphas": alphas,
+    result = {"model_a": names[0], "model_b": names[1], "data": d.path, "examples": d.n, **d.cut_info(),
+              "alphas": alphas,
               "convention": "theta(alpha) = alpha*A + (1-alpha)*B; alpha=1 is A (aligned to B), alpha=0 is B",
               "rescale": base.rescale, "device": str(dev),
               "endpoints": {"A": evaluate(a, d, device=dev, progress=progress, desc="evaluating A"),
                             "B": evaluate(b, d, device=dev, progress=progress, desc="evaluating B")},
-              "curves": {}, "distances": {}, "tokenizer": tokenizer}
+              "curves": {}, "distances": {}, "tokenizer": tokenizer, **({"base_adapted": adapted} if adapted else {})}
     a.to("cpu"), b.to("cpu")
     for v, opts in variants.items():
         t = time.perf_counter()
@@ -184,7 +187,7 @@ def write_study(result: dict, out) -> Path:
     out = Path(out)
     with atomic_dir(out) as tmp:
         write_json(tmp / "barrier.json", result)
-        plot_curves(result["alphas"], result["curves"], tmp / "barrier.png")
+        plot_curves(result["alphas"], result["curves"], tmp / "barrier.png", title=study_title(result))
         if "subsets" in result:
             plot_subsets(result["subsets"], tmp / "subsets.png")
     return out
@@ -212,10 +215,11 @@ def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, dev
         raise SymmergeError(f"a barrier needs at least two models, got {len(models)}")
     with stage(f"loaded {len(models)} models", enabled=progress):
         loaded = [as_model(x, allow_pickle) for x in models]
+    loaded, adapted = adapt_models(loaded, names)  # base-class models read as the fine-tunes' class
     for i in range(1, len(loaded)):
         check_same_shapes(loaded[i], loaded[0])
     if base.align_data is not None and not isinstance(base.align_data, Data):
-        base = base.with_(align_data=load_align_data(base, loaded[0], sources=loaded))
+        base = base.with_(align_data=load_align_data(base, loaded[0], sources=loaded, progress=progress))
     variants = _variants(aligns, base, loaded[0])
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
         d = data if isinstance(data, Data) else load_data(data, loaded[0], batch_size=batch_size,
@@ -225,11 +229,12 @@ def barrier_many(models, data, aligns=(RECOMMENDED_NAME,), points: int = 11, dev
     endpoints = [evaluate(x, d, device=dev, progress=progress, desc=f"evaluating {n}") for x, n in zip(loaded, names)]
     for x in loaded:
         x.to("cpu")
-    result = {"models": names, "data": d.path, "examples": d.n, "alphas": alphas,
+    result = {"models": names, "data": d.path, "examples": d.n, **d.cut_info(), "alphas": alphas,
               "convention": "pair 'i|j': theta(alpha) = alpha*model_i + (1-alpha)*model_j in the variant's frame",
               "device": str(dev), "endpoints": dict(zip(names, endpoints)),
               "endpoints_mean": {k: sum(e[k] for e in endpoints) / len(endpoints) for k in ("loss", "accuracy")},
-              "ensemble": evaluate_ensemble(loaded, d, device=dev, progress=progress), "variants": {}}
+              "ensemble": evaluate_ensemble(loaded, d, device=dev, progress=progress), "variants": {},
+              **({"base_adapted": adapted} if adapted else {})}
     for x in loaded:
         x.to("cpu")
     n = len(loaded)

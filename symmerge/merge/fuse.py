@@ -25,6 +25,7 @@ from ..errors import SymmergeError
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import load_model
+from ..io.prefix import adapt_models, not_merged
 from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
@@ -349,6 +350,8 @@ def _load_and_check(run: _Run, models) -> None:
         run.models = [_load(x, opts.allow_pickle) for x in models]
         run.base_name = _name(opts.base, "base") if opts.base is not None else None
         run.base_model = _load(opts.base, opts.allow_pickle) if opts.base is not None else None
+    (*run.models, run.base_model), run.adapted = adapt_models(run.models + [run.base_model],
+                                                              names + [run.base_name], opts.head_from)
     everything = run.models + ([run.base_model] if run.base_model is not None else [])
     run.body = check_bodies(everything, names + ([run.base_name] if run.base_model is not None else []))
     run.requested_heads = opts.heads
@@ -420,6 +423,7 @@ def _merge(run: _Run, models) -> None:
     t = time.perf_counter()
     opts, m, aligned = run.opts, run.m, run.aligned
     keys = untied(run.models[0], run.body + (sorted(head_keys(run.models[0])) if opts.heads == "merge" else []))
+    keys = [k for k in keys if k not in not_merged(run.adapted)]  # a base model's missing head: kept, not merged
     run.sds = sds = [x.state_dict() for x in aligned]
     sub = [{k: sd[k] for k in keys} for sd in sds]
     stats = run.stats
@@ -462,6 +466,8 @@ def _report(run: _Run, models) -> None:
                               distances_between_inputs={"before_alignment": before, "after_alignment": after},
                               distance_result_to_inputs=to_result, statistics=statistics, device=str(run.dev),
                               repair=run.repair_info, tokenizer=run.tokenizer, embedding=run.embedding)
+    if run.adapted:
+        run.report["base_adapted"] = run.adapted
 
 
 def _evaluate(run: _Run, models) -> None:

@@ -235,7 +235,7 @@ def statistics_data(data, samples: int | None):
 
     if samples is not None and samples < 1:
         raise SymmergeError(f"REPAIR samples must be >= 1, got {samples}")
-    return data if samples is None or data is None else take(data, samples)
+    return data if samples is None or data is None else take(data, samples, limit="--repair-samples")
 
 
 def endpoint_stats(endpoints, data, modules=None, progress: bool = False) -> list[dict]:

@@ -34,6 +34,8 @@ from ..errors import SymmergeError
 from ..io.checkpoint import LazyCheckpoint
 from ..io.card import write_card
 from ..io.model import write_json
+from ..io.output import temp_prefix
+from ..io.prefix import adapt_checkpoints, borrowed
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import stage
@@ -113,6 +115,7 @@ def plain_steps(ckpts, base, options, names) -> tuple[list, list, list]:
             missing = [k for k in heads[0] if k not in base.shape]
             if missing:
                 raise SymmergeError(f"base model lacks tensor {base.disk_name.get(missing[0], missing[0])!r}")
+    merged_keys = [k for k in merged_keys if k not in borrowed(everything)]  # a base model's missing head: kept
     merged_set = set(merged_keys)
     kept = set(heads[options.head_from])
     order = [k for k in holder.keys() if k in merged_set or k in kept]
@@ -129,6 +132,7 @@ def _plain_streaming(folders, base_folder, out, options, *, plan, names, alignme
     with stage("read the checkpoint headers", enabled=options.progress):
         ckpts = [LazyCheckpoint(x, spec=False) for x in folders]
         base = LazyCheckpoint(base_folder, spec=False) if base_folder is not None else None
+    (*ckpts, base), adapted = adapt_checkpoints(ckpts + [base], list(names) + [str(base_folder)], options.head_from)
     steps, heads, policy = plain_steps(ckpts, base, options, names)
     holder = ckpts[options.head_from]
     base_name = str(options.base) if options.base is not None else None
@@ -150,6 +154,8 @@ def _plain_streaming(folders, base_folder, out, options, *, plan, names, alignme
             tokenizer=tokenizer, embedding=embedding, side_files=facts["side_files"], names=names)
         timings["total"] = time.perf_counter() - t0
         report["timings"] = timings
+        if adapted:
+            report["base_adapted"] = adapted
         if write_hook is not None:
             write_hook(tmp, report)
         write_card(tmp, report)  # README.md, the output's own model card
@@ -197,7 +203,7 @@ def _aligned_streaming(models, out, options, *, plan, names, timings, t0, **rest
         targets.append(("base", Path(options.base)))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.aligned-", dir=out.parent))
+    work = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "aligned"), dir=out.parent))  # a later run knows it
     t = time.perf_counter()
     try:
         aligned, base_path, rows, resolved = list(models), options.base, [], None

@@ -17,9 +17,10 @@ from ..core.resolve import declared_ties
 from ..device import resolve_device
 from ..errors import SymmergeError
 from ..io.model import load_model
+from ..io.prefix import adapt_pair
 from ..io.sentence_transformers import check_pipelines, keep_output_frame
 from ..io.tokenizers import check_tokenizers
-from ..progress import stage
+from ..progress import running, stage
 from .bound import bind, instances_for  # noqa: F401  (instances_for: the public (spec, instances) shortcut)
 from .data import load_align_data  # noqa: F401  (re-exported)
 from .matchers import MATCHERS, MatchContext
@@ -124,6 +125,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
                                   for x, label in ((model, "model"), (anchor, "anchor"))], allow_tokenizer_mismatch)
     embedding = check_pipelines([(str(model), model)]) if isinstance(model, (str, Path)) else None
     model, anchor = (_load(x, allow_pickle, progress is not None) for x in (model, anchor))
+    model, anchor, adapted = adapt_pair(model, anchor)  # a base model and a fine-tune of its task class
     check_compatible(model, anchor)
     start = time.perf_counter()
     was_tied = bool(declared_ties(model) or declared_ties(anchor))
@@ -150,7 +152,9 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     ctx = MatchContext(instances, model, anchor, ca, cb, options, opts, progress, {"match": options.match},
                        bound=bound)
     getattr(progress, "start", lambda: None)()  # the engine's progress lines count from here
-    elements = MATCHERS[options.match](ctx)
+    # a group can take minutes on a large model: the heartbeat speaks while the engine prints nothing
+    with running(f"{getattr(progress, 'desc', 'aligning')}: solving ({options.match})", enabled=progress is not None):
+        elements = MATCHERS[options.match](ctx)
     fields, sweeps = ctx.fields, ctx.history
     verify_elements(instances, elements)
     aligned_sd = apply(ca, instances, elements)
@@ -178,6 +182,8 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
         report.update(verify_max_abs_diff=None, verify_max_rel_diff=None)
     report["seconds"] = time.perf_counter() - start
     report["tokenizer"] = tokenizer
+    if adapted:
+        report["base_adapted"] = adapted
     if embedding is not None:
         report["sentence_transformers"] = {**embedding, **({"note": embedding_note} if embedding_note else {})}
     anchor_out = with_state_dict(anchor, cb) if folded else anchor

@@ -2,35 +2,44 @@
 
 from __future__ import annotations
 
+import time
+
 from ..io.data import Data, check_data, load_data, take
 from ..io.generate import generate_data, is_generate, parse_generate
 
 
-def load_align_data(options, model, sources=None):
+def load_align_data(options, model, sources=None, progress: bool = True, timings: dict | None = None):
     """The unlabeled alignment data of ``options`` (:class:`~symmerge.pipeline.options.AlignOptions`;
     ``align_data``: a path, a loaded Data, or ``generate[:N[:LEN[:SEED]]]``), at most ``align_samples``
     examples, validated against ``model`` (labels, if present, are not used). ``generate``: sequences
     sampled from ``sources`` (the models being aligned; default ``[model]``, see
-    :mod:`symmerge.io.generate`)."""
+    :mod:`symmerge.io.generate`; ``progress``: a bar per model; ``timings``: its seconds added under
+    ``generate``). A file cut to ``align_samples`` says so (:func:`~symmerge.io.data.load_data`'s note,
+    under the name ``--align-samples``)."""
     if isinstance(options.align_data, Data):
         check_data(options.align_data, model, use_labels=False)
-        return take(options.align_data, options.align_samples)
+        return take(options.align_data, options.align_samples, limit="--align-samples")
     batch_size = min(options.learn.batch, options.align_samples)
     if is_generate(options.align_data):
         n, length, seed = parse_generate(options.align_data)
+        t = time.perf_counter()
         data = generate_data(sources or [model], min(n, options.align_samples), length, seed=seed,
-                             batch_size=batch_size, spec=f"generate:{n}:{length}:{seed}")
+                             batch_size=batch_size, spec=f"generate:{n}:{length}:{seed}", progress=progress)
+        if timings is not None:
+            timings["generate"] = timings.get("generate", 0.0) + time.perf_counter() - t
         check_data(data, model, use_labels=False)
         return data
     max_length = options.learn.max_length if options.matcher.learns else None
     return load_data(options.align_data, model, max_examples=options.align_samples, max_length=max_length,
-                     batch_size=batch_size, labels=False)
+                     batch_size=batch_size, labels=False, limit="--align-samples")
 
 
-def generated_once(options, models):
+def generated_once(options, models, timings: dict | None = None, progress: bool = True):
     """``options`` with a ``generate`` spec replaced by the sequences it stands for, sampled once from
     ``models`` (every model being aligned or merged), so that every later reader sees the same data;
-    other options unchanged."""
+    other options unchanged. ``timings``: the sampling's seconds under ``generate`` (a step of its own,
+    not part of loading)."""
     if not is_generate(options.align_data):
         return options
-    return options.with_(align_data=load_align_data(options, models[0], sources=models))
+    return options.with_(align_data=load_align_data(options, models[0], sources=models, progress=progress,
+                                                    timings=timings))

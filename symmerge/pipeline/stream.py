@@ -45,6 +45,7 @@ from ..errors import SymmergeError
 from ..families import spec_for, symmetries_whose
 from ..io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
 from ..io.model import atomic_dir, copy_side_files, write_json
+from ..io.prefix import adapt_checkpoint_pair
 from ..io.card import write_card
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
@@ -299,6 +300,7 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
     trim = _bound_malloc((1 if pipeline else 32) << 20)
     with stage("read the checkpoint headers", enabled=progress):
         ckpt_a, ckpt_b = LazyCheckpoint(model, fused=True), LazyCheckpoint(anchor, fused=True)
+    ckpt_a, ckpt_b, adapted = adapt_checkpoint_pair(ckpt_a, ckpt_b)  # a base model and a fine-tune of its task class
     check_layouts([ckpt_a.layout("model"), ckpt_b.layout("anchor")])
     requested = options.requested
     spec, by_layer, options = layer_instances(ckpt_a, options.layers, options.solver_options(dev), options=options)
@@ -343,7 +345,7 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
             streamed=True, mode="pipeline" if pipeline else "low-memory", device=str(dev), verify=ELEMENT_CHECK,
             shards=names, bytes_written=writer.total_bytes, largest_layer_bytes=largest_layer,
             timings={k: round(v, 4) for k, v in timings.items()}, symmetries_requested=requested,
-            side_files=side_files, tokenizer=tokenizer,
+            side_files=side_files, tokenizer=tokenizer, **({"base_adapted": adapted} if adapted else {}),
             **({"sentence_transformers": embedding} if embedding else {}))
         report["match_seconds"] = time.perf_counter() - start
         if verify_forward:
