@@ -8,6 +8,7 @@ import shlex
 import textwrap
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import npz_file, run_cli, vit_folder
@@ -122,7 +123,9 @@ BAD = [
     ("merge_method: average\nmodels: [a, b\noutput: o\n", "not valid YAML"),
     ("merge_method: average\noutput: o\n", "'models' is missing"),
     ("merge_method: average\nmodels:\n  - model: a\n    parameters: {density: 0.2}\n  - b\noutput: o\n",
-     "only 'weight' can be given per model"),
+     "line 4: models[0].parameters.density: method 'average' has no parameter 'density'"),
+    ("merge_method: average\nmodels:\n  - model: a\n    parameters: {density: 0.2}\n  - b\nalign: recommended\n"
+     "output: o\n", "only 'weight' can be given per model"),
     ("merge_method: average\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - b\noutput: o\n",
      "every model or to none"),
     ("merge_method: average\nmodels: [a, b]\nstar: maybe\noutput: o\n", "line 3: 'star' is a switch"),
@@ -158,3 +161,215 @@ def test_the_example_configs_parse(capsys):
     for cfg in examples:
         assert run_cli("run", cfg, "--print-command") == 0, cfg
         assert capsys.readouterr().out.startswith("symmerge ")
+
+
+# -- mergekit configs: the plan (no mergekit needed), and bad configs ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory):
+    import mergekit_oracle as mo
+
+    base, fts = mo.family(tmp_path_factory.mktemp("llamas"), "llama", "float32", n=2, layers=4)
+    return [str(base)] + [str(f) for f in fts]
+
+
+def _steps_by_name(desc, job=-1):
+    return {s.name: s for s in desc.jobs[job].steps}
+
+
+def test_gradients_filters_and_precedence_per_tensor(llamas, tmp_path):
+    """A gradient over 4 layers gives layer i the position i/3; tensors outside the layers take its first value;
+    filters match the tensor's name; a model's own value wins over the global one."""
+    from symmerge.config import describe
+
+    base, a, b = llamas
+    cfg = _write(tmp_path, f"""
+        merge_method: task_arithmetic
+        base_model: {base}
+        models:
+          - model: {a}
+            parameters: {{weight: [0, 0.3, 0.7, 1]}}
+          - model: {b}
+            parameters:
+              weight: [{{filter: mlp, value: [1, 0]}}, {{filter: self_attn, value: 0.5}}]
+        parameters: {{weight: 0.25}}
+        """)
+    steps = _steps_by_name(describe(cfg, output=tmp_path / "o"))
+    w = {name: s.weights for name, s in steps.items()}
+    assert w["model.layers.0.mlp.up_proj.weight"] == (0.0, 1.0)
+    assert w["model.layers.1.mlp.up_proj.weight"] == pytest.approx((0.3, 2 / 3))
+    assert w["model.layers.2.self_attn.q_proj.weight"] == pytest.approx((0.7, 0.5))
+    assert w["model.layers.3.input_layernorm.weight"] == pytest.approx((1.0, 0.25))  # no filter matches: global
+    assert w["model.embed_tokens.weight"] == (0.0, 0.25) and w["lm_head.weight"] == (0.0, 0.25)
+    s = steps["model.layers.1.mlp.up_proj.weight"]
+    assert s.base.model == 0 and [src.model for src in s.sources] == [1, 2]
+    assert not (tmp_path / "o").exists()
+
+
+def test_slices_take_layers_from_other_models(llamas, tmp_path):
+    from symmerge.config import describe
+
+    base, a, b = llamas
+    cfg = _write(tmp_path, f"""
+        slices:
+          - sources: [{{model: {a}, layer_range: [0, 3]}}]
+          - sources: [{{model: {b}, layer_range: [1, 4]}}]
+        merge_method: passthrough
+        dtype: bfloat16
+        """)
+    desc = describe(cfg, output=tmp_path / "o")
+    job = desc.jobs[0]
+    steps = _steps_by_name(desc)
+    src = steps["model.layers.4.self_attn.k_proj.weight"].sources[0]
+    assert (job.inputs[src.model].folder, src.key) == (b, "model.layers.2.self_attn.k_proj.weight")
+    assert job.inputs[steps["model.embed_tokens.weight"].sources[0].model].folder == a
+    assert job.inputs[steps["lm_head.weight"].sources[0].model].folder == b
+    assert job.config_edits == {"num_hidden_layers": 6, "dtype": "bfloat16"} and job.layers == 6
+
+
+def test_positional_output_and_no_silent_alignment(llamas, tmp_path, capsys):
+    """``run CONFIG OUT`` writes OUT; a mergekit config merges without alignment; ``--align`` asks for it."""
+    from safetensors.torch import load_file
+
+    base, a, b = llamas
+    cfg = _write(tmp_path, f"""
+        merge_method: linear
+        models:
+          - model: {a}
+            parameters: {{weight: 0.25}}
+          - model: {b}
+            parameters: {{weight: 0.75}}
+        """)
+    assert run_cli("run", cfg, tmp_path / "out", "--progress", "none") == 0
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    ta, tb = (load_file(str(__import__("pathlib").Path(p) / "model.safetensors")) for p in (a, b))
+    k = "model.layers.2.mlp.down_proj.weight"
+    assert torch.allclose(ours[k], 0.25 * ta[k] + 0.75 * tb[k], atol=1e-7)
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    capsys.readouterr()
+    assert run_cli("run", cfg, tmp_path / "out2", "--align", "recommended", "--print-command") == 0
+    argv = shlex.split(capsys.readouterr().out.strip())
+    assert argv[:2] == ["symmerge", "merge"] and argv[argv.index("--align") + 1] == "recommended"
+    assert argv[argv.index("--method") + 1] == "linear" or argv[argv.index("--method") + 1] == "average"
+
+
+MK_BAD = [
+    ("merge_method: linear\nmodels:\n  - model: {a}\n    parameters: {{weight: []}}\n  - model: {b}\n",
+     "line 4: models[0].parameters.weight: an empty list"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n    parameters: {{weight: [0, x]}}\n  - model: {b}\n",
+     "line 4: models[0].parameters.weight: a gradient is a list of numbers, got 'x'"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters:\n  weight:\n    - filter: mlp\n"
+     "    - value: 1\n", "line 7: parameters.weight[0]: a filter needs 'value'"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters:\n  weight:\n    - {{filter: mlp, "
+     "valu: 1}}\n", "line 7: parameters.weight[0]: unknown key 'valu' in a filter"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters:\n  weight: [1, {{value: 2}}]\n",
+     "line 6: parameters.weight: mixes plain values and filters"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters:\n  weight:\n    - {{filter: 3, "
+     "value: 1}}\n", "line 7: parameters.weight[0].filter: 'filter' is a part of a tensor name"),
+    ("slices:\n  - sources:\n      - model: {a}\n        layer_range: [0, 9]\nmerge_method: passthrough\n",
+     "line 4: slices[0].sources[0].layer_range: layer_range [0, 9] is not within the model's 4 layers"),
+    ("slices:\n  - sources:\n      - model: {a}\n        layer_range: [2, 2]\nmerge_method: passthrough\n",
+     "line 4: slices[0].sources[0].layer_range: layer_range [2, 2]"),
+    ("slices:\n  - sources:\n      - model: {a}\n        layer_range: 3\nmerge_method: passthrough\n",
+     "line 4: slices[0].sources[0].layer_range: 'layer_range' is [a, b]"),
+    ("slices:\n  - sources:\n      - {{model: {a}, layer_range: [0, 2]}}\n      - {{model: {b}, layer_range: [0, 3]}}\n"
+     "merge_method: linear\nparameters: {{weight: 1}}\n", "line 2: slices[0].sources: the sources of a slice must have"),
+    ("slices:\n  - sources:\n      - {{model: {a}, layer_range: [0, 2]}}\n      - {{model: {b}, layer_range: [0, 2]}}\n"
+     "merge_method: passthrough\n", "line 2: slices[0]: method 'passthrough' merges exactly 1 model"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: /no/such/model\n",
+     "line 4: models[1].model: model '/no/such/model' is not a folder here"),
+    ("merge_method: linear\nmodels:\n  - model: {a}+my/lora\n  - model: {b}\nparameters: {{weight: 1}}\n",
+     "line 3: models[0].model: '{a}+my/lora' is a model with a LoRA adapter"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\n"
+     "tokenizer_source: union\n", "line 6: tokenizer source 'union'"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\ndtype: float8\n",
+     "line 6: 'dtype' is one of float32, float16, bfloat16"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\nslices:\n  - sources: [{{model: {a}, layer_range: [0, 1]}}]\n",
+     "line 4: give 'models' (whole models) or 'slices'"),
+    ("merge_method: frobnicate\nmodels:\n  - model: {a}\n  - model: {b}\n", "line 1: unknown merge method 'frobnicate'"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1, density: 0.5}}\n",
+     "line 5: parameters.density: method 'linear' has no parameter 'density'"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\n",
+     "no 'weight' for model.embed_tokens.weight (method 'linear' needs one per model"),
+    ("merge_method: ties\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\n",
+     "line 1: method 'ties' needs 'base_model'"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n    parameters: {{weight: 1}}\n  - model: {b}\n",
+     "line 2: give a weight to every model or to none"),
+    ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\nchat_template: chatml\n",
+     "line 4: mergekit's built-in template 'chatml'"),
+    ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\nmodules: {{}}\n", "line 4: 'modules'"),
+    ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\n---\nmerge_method: linear\n"
+     "models: [{a}, {b}]\nparameters: {{weight: 1}}\n", "line 5 (document 2): more than one merge without 'name'"),
+    ("name: x\nmerge_method: linear\nmodels: [y, {b}]\nparameters: {{weight: 1}}\n---\nname: y\nmerge_method: linear\n"
+     "models: [x, {b}]\nparameters: {{weight: 1}}\n", "in a cycle"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n    parameters: {{weight: [0, 1]}}\n  - model: {b}\n"
+     "    parameters: {{weight: 1}}\nalign: recommended\n",
+     "line 4: models[0].parameters.weight: models[0]: with symmerge's own keys a weight is one number"),
+    ("merge_method: linear\nmodels: 3\n", "line 2: 'models' is a list of models"),
+    ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: 5\n", "line 3: 'parameters' is a mapping"),
+    ("merge_method: ties\nbase_model: [{a}]\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\n",
+     "line 2: expected a model folder"),
+    ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1, normalize: 3}}\n",
+     "line 3: parameters.normalize: true or false expected, got 3"),
+    ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1, normalize: [true, 0.5]}}\n",
+     "line 3: parameters.normalize: a list of true/false expected"),
+    ("merge_method: slerp\nbase_model: {a}\nmodels: [{a}, {b}]\n", "no 't' for model.embed_tokens.weight"),
+    ("merge_method: ties\nbase_model: {base}\nmodels:\n  - model: {a}\n    parameters: {{weight: 1, lambda: 2}}\n"
+     "  - model: {b}\n    parameters: {{weight: 1}}\n",
+     "line 5: models[0].parameters.lambda: 'lambda' is one value for the whole merge"),
+    ("slices:\n  - sources: [{{model: {a}, layer_range: [0, 2]}}]\nmerge_method: passthrough\neval_data: x.npz\n",
+     "line 1: 'slices' is a mergekit key, and this config is run as a symmerge merge because of 'eval_data' (line 4)"),
+]
+
+
+@pytest.mark.parametrize("text,message", MK_BAD, ids=[str(i) for i in range(len(MK_BAD))])
+def test_bad_mergekit_configs_one_line_exit_2_nothing_written(llamas, tmp_path, capsys, text, message):
+    base, a, b = llamas
+    cfg = tmp_path / "bad.yml"
+    cfg.write_text(text.format(a=a, b=b, base=base))
+    out = tmp_path / "out"
+    assert run_cli("run", cfg, out) == 2
+    err = capsys.readouterr().err
+    assert message.format(a=a, b=b) in err, err
+    assert err.count("symmerge: error:") == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{cfg} line" in err or "cycle" in err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad.yml"]
+
+
+def test_no_output_folder_is_one_error(llamas, tmp_path, capsys):
+    base, a, b = llamas
+    cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\n")
+    assert run_cli("run", cfg) == 2
+    assert "no output folder: symmerge run CONFIG.yml OUT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,message", [("--allow-crimes", "one architecture only"),
+                                          ("--no-copy-tokenizer", "always writes the tokenizer")])
+def test_mergekit_flags_refused_in_one_line(llamas, tmp_path, capsys, flag, message):
+    base, a, b = llamas
+    cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\n")
+    assert run_cli("run", cfg, tmp_path / "o", flag) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_mergekit_flags_accepted(llamas, tmp_path):
+    base, a, b = llamas
+    cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\n")
+    assert run_cli("run", cfg, tmp_path / "o", "--copy-tokenizer", "--lazy-unpickle", "--out-shard-size", "100K",
+                   "--random-seed", "3", "--progress", "none") == 0
+    import json as _json
+
+    index = _json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+
+
+def test_align_none_keeps_the_mergekit_meaning(llamas, tmp_path):
+    from symmerge.config import describe
+
+    base, a, b = llamas
+    cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\nalign: none\n")
+    assert describe(cfg, output=tmp_path / "o").mergekit
+    cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\nalign: recommended\n")
+    desc = describe(cfg, output=tmp_path / "o")
+    assert not desc.mergekit and desc.argv[desc.argv.index("--align") + 1] == "recommended"

@@ -1,192 +1,103 @@
-"""Run a merge (or an alignment, or a barrier study) written as a YAML config, in the convention mergekit
-users know: ``models`` (each a path, or ``model:`` with ``parameters: {weight: ...}``), ``merge_method``,
-``base_model``, ``parameters`` (the method's), plus any option of the command by its long name
-(``align: recommended``, ``match: activations``, ``align_data: unlabeled.npz``, ``output: merged``).
+"""Run a merge config: ``symmerge run CONFIG.yml OUT`` (as ``mergekit-yaml CONFIG OUT``).
 
-The config is turned into the command's own arguments and parsed by the command's own parser, so every
-CLI option can be written in it and is checked the same way; ``--print-command`` shows the command line
-it stands for. A bad config gets one clear error naming the key and its line."""
+A config with mergekit's keys only (``models``/``slices``, ``merge_method``, ``base_model``, ``parameters``
+with gradients and filters, ``dtype``, ``out_dtype``, ``tokenizer_source``, ``chat_template``, several
+documents with ``name``) merges exactly as mergekit does, without alignment. A config with symmerge's own
+keys (``align``, ``match``, ``eval_data``, ``command: align`` ...), or ``--align``, runs the ``symmerge merge``
+(``align``, ``barrier``) command it stands for. Parsing and every check: :mod:`symmerge.config`; a bad
+config is one error naming the key and its line, before anything is read or written."""
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import shlex
 import sys
-from pathlib import Path
 
 from ..errors import SymmergeError
 
-RUNNABLE = ("merge", "align", "barrier")
-# mergekit's names and their symmerge options
-ALIASES = {"merge_method": "method", "base_model": "base", "out": "output", "out_path": "output"}
-STRUCTURAL = {"command", "models", "parameters"}
-
 
 def add_arguments(parser) -> None:
-    parser.add_argument("config", help="YAML file: models, merge_method (or method), parameters, base_model, and any "
-                                       "option of the command by its long name (see docs/merge.md, Merge configs)")
+    parser.add_argument("config", help="YAML file: a mergekit config (models or slices, merge_method, parameters, "
+                                       "base_model, dtype, ...; several documents for mergekit-multi), or one with "
+                                       "symmerge's options by their long names (see docs/merge.md, Merge configs)")
+    parser.add_argument("out", nargs="?", default=None, help="output folder (as mergekit-yaml CONFIG OUT)")
+    parser.add_argument("-o", "--output", default=None, help="output folder (the same as OUT)")
+    parser.add_argument("--align", default=None, metavar="recommended|LIST",
+                        help="align before merging (symmerge's merge; a mergekit config is merged without alignment "
+                             "unless asked)")
     parser.add_argument("--print-command", action="store_true",
-                        help="print the equivalent symmerge command line and exit without running it")
+                        help="print what the config runs (the symmerge command line, or the merge plan) and exit")
     parser.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
                         help="progress on stderr, unless the config sets its own 'progress'")
+    mk = parser.add_argument_group("mergekit-yaml's flags")
+    mk.add_argument("--copy-tokenizer", action="store_true", help="accepted: the tokenizer is always copied")
+    mk.add_argument("--no-copy-tokenizer", action="store_true", help=argparse_suppress())
+    mk.add_argument("--out-shard-size", default=None, metavar="SIZE",
+                    help="largest output shard, as mergekit: 5B (bytes, K/M/B suffixes) or 2GB")
+    mk.add_argument("--cuda", action="store_true", help=argparse_suppress())
+    mk.add_argument("--lazy-unpickle", action="store_true",
+                    help="accepted: tensors are always read lazily (safetensors)")
+    mk.add_argument("--allow-crimes", action="store_true", help=argparse_suppress())
+    mk.add_argument("--random-seed", type=int, default=None, metavar="N",
+                    help="seed of the randomised methods (DARE): their 'seed' parameter")
 
 
-class _ConfigParser(argparse.ArgumentParser):
-    """The command's parser, raising instead of exiting, so a bad value names its config key."""
+def argparse_suppress():
+    import argparse
 
-    def error(self, message):
-        raise SymmergeError(message)
-
-
-def command_parser(command: str) -> argparse.ArgumentParser:
-    module = importlib.import_module(f"symmerge.commands.{command}")
-    parser = _ConfigParser(prog=f"symmerge {command}", add_help=False)
-    module.add_arguments(parser)
-    parser.set_defaults(handler=module.run)
-    return parser
+    return argparse.SUPPRESS
 
 
-def _lines(text: str) -> dict[str, int]:
-    """Top-level key -> its 1-based line in the YAML text."""
-    import yaml
-
-    node = yaml.compose(text)
-    if not isinstance(node, yaml.MappingNode):
-        return {}
-    return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
-
-
-def load_config(path) -> tuple[dict, dict[str, int]]:
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise SymmergeError(f"config file not found: {path}")
-    text = path.read_text(encoding="utf-8")
-    try:
-        config = yaml.safe_load(text)
-        lines = _lines(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise SymmergeError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
-    if not isinstance(config, dict):
-        raise SymmergeError(f"{path}: a config is a mapping of keys (models, merge_method, ...), got "
-                            f"{type(config).__name__}")
-    return config, lines
+def shard_size(text):
+    """mergekit's ``--out-shard-size`` (``5B``: 5e9 bytes; K, M, B suffixes) or symmerge's (``2GB``)."""
+    if text is None:
+        return "5GB"
+    t = str(text).strip().upper()
+    for suffix, mult in (("K", 10 ** 3), ("M", 10 ** 6), ("B", 10 ** 9)):
+        if t.endswith(suffix) and t[:-1].replace(".", "", 1).isdigit():
+            return str(int(float(t[:-1]) * mult))
+    return text
 
 
-def _models(value, where) -> tuple[list[str], list | None]:
-    """(paths, weights or None) from ``models``: paths, or mappings with ``model`` (or ``path``) and
-    ``parameters: {weight: w}``."""
-    if not isinstance(value, list) or not value:
-        raise SymmergeError(f"{where('models')}: 'models' must be a list of model folders")
-    paths, weights = [], []
-    for i, item in enumerate(value):
-        if isinstance(item, (str, Path)):
-            paths.append(str(item))
-            weights.append(None)
-            continue
-        if not isinstance(item, dict):
-            raise SymmergeError(f"{where('models')}: models[{i}] must be a path or a mapping with 'model'")
-        unknown = set(item) - {"model", "path", "parameters"}
-        if unknown:
-            raise SymmergeError(f"{where('models')}: models[{i}] has unknown key {sorted(unknown)[0]!r} "
-                                "(allowed: model, parameters)")
-        path = item.get("model", item.get("path"))
-        if not isinstance(path, (str, Path)):
-            raise SymmergeError(f"{where('models')}: models[{i}] needs 'model': a folder")
-        params = item.get("parameters") or {}
-        if not isinstance(params, dict) or set(params) - {"weight"}:
-            extra = sorted(set(params) - {"weight"}) if isinstance(params, dict) else ["parameters"]
-            raise SymmergeError(f"{where('models')}: models[{i}].parameters: only 'weight' can be given per model "
-                                f"(got {extra[0]!r}); method parameters go in the top-level 'parameters'")
-        paths.append(str(path))
-        weights.append(params.get("weight"))
-    given = [w for w in weights if w is not None]
-    if given and len(given) != len(weights):
-        raise SymmergeError(f"{where('models')}: give a weight to every model or to none")
-    return paths, (weights if given else None)
-
-
-def _flag(parser, name: str):
-    """The parser's action for option ``name`` (``align_data`` or ``align-data``), else None."""
-    wanted = "--" + name.replace("_", "-")
-    for action in parser._actions:
-        if wanted in action.option_strings:
-            return action
-    return None
-
-
-def config_argv(config: dict, lines: dict[str, int], path) -> tuple[str, list[str]]:
-    """(command, argv) that the config stands for."""
-    def where(key):
-        return f"{path} line {lines[key]}" if key in lines else str(path)
-
-    command = config.get("command", "merge")
-    if command not in RUNNABLE:
-        raise SymmergeError(f"{where('command')}: command must be one of {', '.join(RUNNABLE)}, got {command!r}")
-    parser = command_parser(command)
-    if "models" not in config:
-        raise SymmergeError(f"{path}: 'models' is missing (the model folders)")
-    paths, weights = _models(config["models"], where)
-    argv = list(paths)
-    if weights is not None:
-        if command != "merge":
-            raise SymmergeError(f"{where('models')}: model weights are a merge option")
-        argv += ["--weights", ",".join(repr(float(w)) for w in weights)]
-    params = config.get("parameters") or {}
-    if params:
-        if command != "merge" or not isinstance(params, dict):
-            raise SymmergeError(f"{where('parameters')}: 'parameters' is a mapping of the merge method's parameters")
-        for k, v in params.items():
-            argv += ["--param", f"{k}={_scalar(v)}"]
-    for raw, value in config.items():
-        if raw in STRUCTURAL:
-            continue
-        key = ALIASES.get(raw, raw)
-        action = _flag(parser, key if key != "output" else "output")
-        if action is None:
-            raise SymmergeError(f"{where(raw)}: unknown key {raw!r} for symmerge {command} (keys are the command's "
-                                f"long options, e.g. method, align, match, align_data, output)")
-        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
-        if action.nargs == 0:  # a switch
-            if not isinstance(value, bool):
-                raise SymmergeError(f"{where(raw)}: {raw!r} is a switch: true or false, got {value!r}")
-            if value:
-                argv.append(flag)
-            continue
-        values = value if isinstance(value, list) else [value]
-        if isinstance(value, list) and not isinstance(action, argparse._AppendAction):
-            if key in ("align", "symmetries", "layers"):
-                values = [",".join(_scalar(v) for v in value)]  # a comma list
-            else:
-                raise SymmergeError(f"{where(raw)}: {raw!r} takes one value, got a list")
-        for v in values:
-            if isinstance(v, (dict, list)) or v is None:
-                raise SymmergeError(f"{where(raw)}: {raw!r} needs a value, got {v!r}")
-            argv += [flag, _scalar(v)]
-    return command, argv
-
-
-def _scalar(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
+def _refusals(args) -> None:
+    if args.no_copy_tokenizer:
+        raise SymmergeError("--no-copy-tokenizer: symmerge always writes the tokenizer with the model; delete its "
+                            "files from the output if you do not want them")
+    if args.cuda:
+        raise SymmergeError("--cuda: a mergekit config's merge streams tensor by tensor on the CPU (reading and writing "
+                            "bound); drop --cuda")
+    if args.allow_crimes:
+        raise SymmergeError("--allow-crimes: symmerge merges models of one architecture only (same tensor names and "
+                            "shapes); use 'slices' to take layers from models of one architecture")
+    if args.out and args.output and args.out != args.output:
+        raise SymmergeError(f"two output folders: {args.out} and -o {args.output}: give one")
 
 
 def run(args) -> int:
+    from ..config import describe
+    from ..config.command import command_parser
     from ..progress import configure
 
-    config, lines = load_config(args.config)
-    command, argv = config_argv(config, lines, args.config)
+    _refusals(args)
+    desc = describe(args.config, output=args.out or args.output, align=args.align, seed=args.random_seed)
+    if not desc.mergekit:
+        if args.print_command:
+            print(shlex.join(["symmerge", desc.command, *desc.argv]))
+            return 0
+        parsed = command_parser(desc.command).parse_args(desc.argv)
+        if "--progress" not in desc.argv:
+            parsed.progress = args.progress
+        configure(parsed.progress)
+        print(f"running: {shlex.join(['symmerge', desc.command, *desc.argv])}", file=sys.stderr)
+        return parsed.handler(parsed) or 0
+    from ..config.run import print_summary, run_jobs
+
     if args.print_command:
-        print(shlex.join(["symmerge", command, *argv]))
+        for job in desc.jobs:
+            where = desc.output if job.final else f"<intermediate {job.name}>"
+            print(f"merge {job.name or ''} {job.method}: {len(job.steps)} tensors, {job.layers} layers -> {where}"
+                  .replace("  ", " "))
         return 0
-    parsed = command_parser(command).parse_args(argv)
-    if "progress" not in config:
-        parsed.progress = args.progress
-    configure(parsed.progress)
-    print(f"running: {shlex.join(['symmerge', command, *argv])}", file=sys.stderr)
-    return parsed.handler(parsed) or 0
+    configure(args.progress)
+    summaries = run_jobs(desc, shard_size=shard_size(args.out_shard_size))
+    print_summary(desc, summaries)
+    return 0

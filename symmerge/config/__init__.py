@@ -1,0 +1,104 @@
+"""Merge configs: a YAML file read once into a plain description of what to run, every error (naming the
+key and its line) before anything is read or written.
+
+* A **mergekit config** (only mergekit's keys: ``models`` or ``slices``, ``merge_method``, ``base_model``,
+  ``parameters`` with scalars, gradients and filters, ``dtype``, ``out_dtype``, ``tokenizer_source`` /
+  ``tokenizer``, ``chat_template``, ``name`` and several documents for mergekit-multi) becomes
+  :class:`~symmerge.config.mergekit.Job` s: per-tensor :class:`~symmerge.merge.steps.TensorStep` s merged
+  exactly as mergekit would, without any alignment.
+* A config with symmerge's own keys (``align``, ``match``, ``eval_data``, ``command: align``, ...; or run
+  with ``--align``) becomes the ``symmerge merge`` (``align``, ``barrier``) command line it stands for
+  (:mod:`.command`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import SymmergeError
+from .command import config_argv
+from .mergekit import KEYS, OUTPUT_KEYS, Job, Planner
+from .source import Doc, read_documents
+
+
+@dataclass
+class Description:
+    """What a config runs: ``jobs`` (a mergekit config) or ``command`` and ``argv`` (a symmerge one)."""
+
+    path: Path
+    output: Path | None = None
+    jobs: list = field(default_factory=list)
+    command: str | None = None
+    argv: list = field(default_factory=list)
+
+    @property
+    def mergekit(self) -> bool:
+        return self.command is None
+
+
+def _symmerge_key(doc: Doc):
+    """The first key of ``doc`` that is symmerge's own (not mergekit's), or None. ``align: none`` asks for no
+    alignment: the mergekit meaning."""
+    for k, v in doc.data.items():
+        if k in KEYS or k in OUTPUT_KEYS:
+            continue
+        if k == "align" and (v is False or (isinstance(v, str) and v.strip().lower() == "none")):
+            continue
+        return k
+    return None
+
+
+def describe(path, output=None, align=None, seed=None) -> Description:
+    """The description of config ``path``; ``output``: the output folder given on the command line (else the
+    config's ``output``); ``align``: ``--align`` given on the command line (asks for symmerge's merge)."""
+    docs = read_documents(path)
+    path = Path(path)
+    keyed = [(d, _symmerge_key(d)) for d in docs]
+    symmerge = [(d, k) for d, k in keyed if k is not None]
+    if (symmerge or (align is not None and str(align).lower() != "none")) and len(docs) == 1:
+        command, argv = config_argv(docs[0], output=output, align=align,
+                                    symmerge_key=symmerge[0][1] if symmerge else None)
+        return Description(path, None, command=command, argv=argv)
+    if symmerge:
+        d, k = symmerge[0]
+        raise d.error(f"{k!r} is not a mergekit key, and a file of several merges is a mergekit config "
+                      "(symmerge's own keys are for one-document configs)", k)
+    if align is not None and str(align).lower() != "none":
+        raise SymmergeError("--align: a file of several merges is a mergekit config, merged without alignment")
+    if output is None and not any(k in d.data for d in docs for k in OUTPUT_KEYS):
+        raise SymmergeError(f"{path}: no output folder: symmerge run CONFIG.yml OUT (or -o OUT, or 'output:' in "
+                            "the config)")
+    jobs = Planner(docs, seed=seed).plan()
+    final = next(j for j in jobs if j.final)
+    final_doc = next(d for d in docs if d.data.get("name") == final.name) if final.name else \
+        next(d for d in docs if d.data.get("name") is None)
+    out = _output(docs, final_doc, output)
+    final.output = out
+    for d in docs:
+        if d is not final_doc:
+            for k in OUTPUT_KEYS:
+                if k in d.data:
+                    raise d.error("only the final merge has an output folder (the others are written to a temporary "
+                                  "folder and removed)", k)
+    return Description(path, out, jobs=jobs)
+
+
+def _output(docs, doc, output):
+    given = [(k, doc.data[k]) for k in OUTPUT_KEYS if k in doc.data]
+    if len(given) > 1:
+        raise doc.error(f"give one of {', '.join(k for k, _ in given)}", given[1][0])
+    if given:
+        k, v = given[0]
+        if not isinstance(v, str) or not v.strip():
+            raise doc.error(f"{k!r} is the output folder, got {v!r}", k)
+        if output is not None and Path(v) != Path(output):
+            raise doc.error(f"the config writes to {v!r} and the command line to {str(output)!r}: give one", k)
+        return Path(v)
+    if output is None:
+        raise SymmergeError(f"{docs[0].path}: no output folder: symmerge run CONFIG.yml OUT (or -o OUT, or "
+                            "'output:' in the config)")
+    return Path(output)
+
+
+__all__ = ["Description", "Job", "describe", "read_documents"]

@@ -1,0 +1,675 @@
+"""A mergekit config (``mergekit-yaml`` / ``mergekit-multi``) as plain merge jobs: inputs, method, one
+:class:`~symmerge.merge.steps.TensorStep` per output tensor, the output's config.json edits, dtypes,
+tokenizer source and chat template. One pass over the config and the inputs' headers, every error (naming
+the key and its line) before anything is read or written.
+
+Semantics, as mergekit 0.1.x (``mergekit.plan.MergePlanner``, ``mergekit.config``), checked against it by
+``tests/test_mergekit_configs.py``:
+
+* ``models:`` is one slice of every model's whole stack (the base model added as an input when not listed);
+  ``slices:`` list output slices, each of ``sources`` with one ``layer_range: [a, b)`` each (same length);
+  the output's layer count is the sum of the slices' lengths;
+* a gradient's position ``t`` is the layer's place in its slice, ``j / (n − 1)`` (1 for a one-layer slice);
+  tensors outside the layers (embeddings, final norm, LM head) take ``t = 0``, from the first slice's
+  sources (before the layers) or the last slice's (after them);
+* a parameter is looked up in a slice source's ``parameters``, then the slice's, then the top-level
+  ``parameters`` (with ``models:``, a model's ``parameters`` are its source's); filters match a per-model
+  parameter against the input tensor's name and a global one against the output tensor's;
+* per-model parameters (``weight``, and the method's :attr:`~symmerge.merge.base.Method.per_model`) are
+  not given to the base model of a method that uses one; a method's ``mergekit_params`` are its defaults
+  under mergekit's meaning, overridden by the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from ..errors import SymmergeError
+from ..merge.steps import TensorSource, TensorStep
+from . import layout as layouts
+from .params import check_setting, resolve
+
+# the keys of a mergekit 0.1.x config (MergeConfiguration), and what symmerge does not do of them
+KEYS = ("name", "merge_method", "models", "slices", "base_model", "parameters", "dtype", "out_dtype",
+        "tokenizer_source", "tokenizer", "chat_template", "modules")
+OUTPUT_KEYS = ("output", "out", "out_path")
+DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16", "fp16": "float16",
+          "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+# methods of mergekit's that use no base model: a config's base_model is one more input (mergekit adds it)
+NO_BASE = ("linear", "karcher", "passthrough")
+# mergekit's input contracts, for methods registered without symmerge's declarations (models, accepts_base)
+CONTRACTS = {"passthrough": ("ignored", 1, 1)}
+# parameters mergekit requires (no default): the method refuses a tensor without them
+REQUIRED = {"weight": ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs",
+                       "breadcrumbs_ties", "della", "della_linear", "multislerp", "nuslerp")}
+# until every mergekit method is registered under its own name
+ALIASES = {"linear": "average"}
+CHAT_TEMPLATES = ("alpaca", "chatml", "llama3", "mistral", "exaone")
+
+
+@dataclass
+class Input:
+    """A merge input: a folder, or the output of an earlier job (``job``: its index)."""
+
+    folder: str | None = None
+    job: int | None = None
+    label: str = ""
+
+
+@dataclass
+class Job:
+    """One merge: what the executor runs. ``steps`` name tensors in memory naming; their sources index
+    ``inputs``. ``config_from``/``side_files_from``: the input whose config.json (plus ``config_edits``) and
+    whose side files (tokenizer, generation config) the output gets."""
+
+    name: str | None
+    method: str
+    inputs: list[Input]
+    steps: list[TensorStep]
+    config_from: int
+    config_edits: dict
+    side_files_from: int
+    dtype: str | None = None
+    out_dtype: str | None = None
+    chat_template: str | None = None
+    output: Path | None = None
+    final: bool = True
+    line: str = ""
+    layers: int = 0
+    shapes: dict = field(default_factory=dict)
+
+
+def _doc_str(doc, value, where, what="a model folder"):
+    if not isinstance(value, str) or not value.strip():
+        raise doc.error(f"expected {what}, got {value!r}", *where)
+    return value.strip()
+
+
+def method_for(doc, name):
+    from ..merge import METHODS
+
+    if not isinstance(name, str):
+        raise doc.error(f"the merge method's name, got {name!r}", "merge_method")
+    key = name if name in METHODS else ALIASES.get(name, name)
+    if key == "passthrough" and key not in METHODS:
+        return name, _copy_method()
+    if key not in METHODS:
+        known = sorted(set(METHODS) | {a for a, t in ALIASES.items() if t in METHODS})
+        raise doc.error(f"unknown merge method {name!r} (symmerge has: {', '.join(known)})", "merge_method")
+    return name, METHODS[key]
+
+
+def _copy_method():
+    """passthrough until the registry has it: every tensor copied from the one input (no ``scale``)."""
+    from ..merge.base import Method
+
+    return Method("passthrough", lambda key, tensors, *rest: tensors[0], params={}, doc="copy one input",
+                  per_model=("scale",))
+
+
+def _kind(default):
+    for t in (bool, int, float, str):
+        if isinstance(default, t):
+            return t
+    return None
+
+
+class _Names:
+    """The parameters a method takes in a mergekit config: per-model ones (``weight`` and the method's
+    :attr:`~symmerge.merge.base.Method.per_model`, with their aliases) and global ones."""
+
+    def __init__(self, name, method):
+        from ..merge import base as _base
+
+        MUST = getattr(_base, "REQUIRED", object())  # a parameter without a default (slerp's t)
+
+        self.name = name
+        self.method = method
+        aliases = dict(getattr(method, "aliases", {}) or {})
+        per = set(getattr(method, "per_model", ()) or ())
+        self.per_model = per | {a for a, (target, _) in aliases.items() if target in per} | {"weight"}
+        self.mergekit = dict(getattr(method, "mergekit_params", {}) or {})
+        self.globals = (set(method.params) | set(aliases)) - self.per_model
+        self.required = {p for p, v in method.params.items() if v is MUST}
+        self.defaults = {k: v for k, v in {**method.params, **self.mergekit}.items() if v is not MUST}
+        self.checks = dict(getattr(method, "checks", {}) or {})
+
+    def all(self):
+        return sorted(self.per_model | self.globals)
+
+    def kind(self, p):
+        check = self.checks.get(p)
+        if check is not None:
+            return {"real": float, "int": int, "bool": bool}.get(check.kind)
+        return _kind(self.defaults.get(p))
+
+    def with_defaults(self, params):
+        """``params`` with the method's mergekit defaults where not given (aliases count as given)."""
+        if hasattr(self.method, "mergekit_defaults"):
+            return self.method.mergekit_defaults(params)
+        return {**self.mergekit, **params}
+
+
+def _check_params(doc, params, where, names: _Names, per_model_only=False):
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise doc.error("'parameters' is a mapping of parameter names to values", *where)
+    for k, v in params.items():
+        if not isinstance(k, str):
+            raise doc.error(f"a parameter name, got {k!r}", *where)
+        if k not in names.per_model and k not in names.globals:
+            raise doc.error(f"method {names.name!r} has no parameter {k!r} (parameters: {', '.join(names.all())})",
+                            *where, k)
+        if per_model_only and k not in names.per_model:
+            raise doc.error(f"{k!r} is one value for the whole merge in {names.name!r}, not per model: put it in the "
+                            "top-level 'parameters'", *where, k)
+        check_setting(doc, v, where + (k,), names.kind(k))
+    return params
+
+
+@dataclass
+class _Source:
+    model: int  # index in the job's inputs
+    a: int
+    b: int
+    params: dict
+    where: tuple
+
+
+@dataclass
+class _Slice:
+    sources: list
+    params: dict
+    base: int | None
+    where: tuple
+
+
+class Planner:
+    """Plans every document of a config, in dependency order."""
+
+    def __init__(self, docs, read_layout=layouts.read_layout, seed=None):
+        self.docs = docs
+        self.seed = seed
+        self.read_layout = read_layout
+        self._layouts: dict = {}
+        self.jobs: list[Job] = []
+        self.named: dict[str, int] = {}  # name -> job index
+        self.job_layouts: list = []
+
+    # -- inputs -------------------------------------------------------------------------------------------
+    def _ref(self, doc, value, where, inputs: list[Input]) -> int:
+        ref = _doc_str(doc, value, where)
+        if "+" in ref and ref not in self.named and not Path(ref).exists():
+            model, _, adapter = ref.partition("+")
+            raise doc.error(f"{ref!r} is a model with a LoRA adapter ({adapter}): symmerge does not apply LoRA "
+                            f"adapters; merge the adapter into {model} first (peft's merge_and_unload) and give that "
+                            "folder", *where)
+        for i, inp in enumerate(inputs):
+            if inp.label == ref:
+                return i
+        if ref in self.named:
+            inputs.append(Input(job=self.named[ref], label=ref))
+            return len(inputs) - 1
+        folder = Path(ref).expanduser()
+        if not folder.is_dir():
+            raise doc.error(f"model {ref!r} is not a folder here (nor the name of an earlier merge in this file); "
+                            "mergekit names on the Hugging Face Hub must be downloaded first "
+                            "(huggingface-cli download NAME --local-dir DIR)", *where)
+        if not (folder / "config.json").is_file():
+            raise doc.error(f"{ref}: no config.json (expected a Hugging Face model folder)", *where)
+        inputs.append(Input(folder=str(folder), label=ref))
+        return len(inputs) - 1
+
+    def layout(self, doc, inp: Input, where):
+        if inp.job is not None:
+            return self.job_layouts[inp.job]
+        if inp.folder not in self._layouts:
+            try:
+                self._layouts[inp.folder] = self.read_layout(inp.folder)
+            except SymmergeError as e:
+                raise doc.error(str(e), *where) from None
+        return self._layouts[inp.folder]
+
+    # -- one document -------------------------------------------------------------------------------------
+    def plan_doc(self, doc, final: bool) -> Job:
+        data = doc.data
+        unknown = [k for k in data if k not in KEYS and k not in OUTPUT_KEYS and k != "align"]  # align: none
+        if unknown:
+            raise doc.error(f"unknown key {unknown[0]!r} (a mergekit config has: {', '.join(KEYS[:-1])})", unknown[0])
+        if "modules" in data:
+            raise doc.error("'modules' (per-module configs of multi-module models) is not supported: use 'models' or "
+                            "'slices'", "modules")
+        if "merge_method" not in data:
+            raise doc.error("'merge_method' is missing (e.g. linear, ties, slerp, passthrough)")
+        mk_name, method = method_for(doc, data["merge_method"])
+        names = _Names(mk_name, method)
+        has_models, has_slices = bool(data.get("models")), bool(data.get("slices"))
+        if not has_models and not has_slices:
+            if "models" in data or "slices" in data:
+                key = "models" if "models" in data else "slices"
+                raise doc.error(f"'{key}' is empty: list the models to merge", key)
+            raise doc.error("'models' is missing (the models to merge; or 'slices' for layer ranges)")
+        if has_models and has_slices:
+            raise doc.error("give 'models' (whole models) or 'slices' (layer ranges), not both", "slices")
+        top = _check_params(doc, data.get("parameters"), ("parameters",), names)
+        dtype = self._dtype(doc, data, "dtype")
+        out_dtype = self._dtype(doc, data, "out_dtype")
+        inputs: list[Input] = []
+        base = None
+        if data.get("base_model") is not None:
+            base = self._ref(doc, data["base_model"], ("base_model",), inputs)
+        policy, lo, hi = job_policy(mk_name, method)
+        if has_models:
+            slices = self._models_slices(doc, data["models"], base, policy, names, inputs)
+        else:
+            slices = self._slices(doc, data["slices"], base, names, inputs)
+        for s in slices:
+            self._contract(doc, mk_name, method, policy, lo, hi, s, inputs)
+        tok = self._tokenizer(doc, data, inputs, base)
+        chat = self._chat_template(doc, data)
+        config_from = base if base is not None else slices[0].sources[0].model
+        side = tok if tok is not None else config_from
+        job = Job(data.get("name"), method.name, inputs, [], config_from, {}, side, dtype, out_dtype, chat,
+                  final=final, line=doc.at())
+        self._steps(doc, job, slices, names, mk_name, method, has_slices)
+        return job
+
+    def _dtype(self, doc, data, key):
+        v = data.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, str) or v.lower() not in DTYPES:
+            raise doc.error(f"{key!r} is one of float32, float16, bfloat16, got {v!r}", key)
+        return DTYPES[v.lower()]
+
+    def _models_slices(self, doc, models, base, policy, names, inputs):
+        if not isinstance(models, list):
+            raise doc.error("'models' is a list of models (each '- model: FOLDER' with optional 'parameters')",
+                            "models")
+        items = []
+        for i, item in enumerate(models):  # every key and value first, then the folders
+            where = ("models", i)
+            params = {}
+            if isinstance(item, str):
+                ref, rw = item, where
+            elif isinstance(item, dict):
+                bad = sorted(set(item) - {"model", "parameters"})
+                if bad:
+                    raise doc.error(f"unknown key {bad[0]!r} (a model has: model, parameters)", *where, bad[0])
+                if "model" not in item:
+                    raise doc.error("needs 'model': a model folder", *where)
+                ref, rw = item["model"], where + ("model",)
+                params = _check_params(doc, item.get("parameters"), where + ("parameters",), names,
+                                       per_model_only=True)
+            else:
+                raise doc.error(f"a model is '- model: FOLDER' (or a folder), got {item!r}", *where)
+            items.append((ref, rw, params, where))
+        top = doc.data.get("parameters") or {}
+        base_ref = doc.data.get("base_model") if policy in ("required", "optional") else None
+        weighed = [p for r, _, p, _ in items if r != base_ref]
+        if any("weight" in p for p in weighed) and not all("weight" in p for p in weighed) and "weight" not in top:
+            raise doc.error("give a weight to every model or to none (or a default 'weight' in the top-level "
+                            "'parameters')", "models")
+        sources, seen = [], set()
+        for ref, rw, params, where in items:
+            idx = self._ref(doc, ref, rw, inputs)
+            if idx in seen:
+                raise doc.error(f"model {inputs[idx].label!r} is listed twice", *where)
+            seen.add(idx)
+            sources.append(_Source(idx, 0, -1, params, where))
+        if base is not None and base not in seen and policy != "none":
+            sources.append(_Source(base, 0, -1, {}, ("base_model",)))
+        layers = {}
+        for s in sources:
+            lay = self.layout(doc, inputs[s.model], s.where)
+            s.b = lay.layers
+            layers[s.model] = lay.layers
+        if len(set(layers.values())) > 1:
+            detail = ", ".join(f"{inputs[m].label}: {n}" for m, n in layers.items())
+            raise doc.error(f"the models have different numbers of layers ({detail}): use 'slices' with "
+                            "'layer_range' to say which layers to merge", "models")
+        return [_Slice(sources, {}, base, ("models",))]
+
+    def _slices(self, doc, slices, base, names, inputs):
+        if not isinstance(slices, list):
+            raise doc.error("'slices' is a list of output slices, each with 'sources'", "slices")
+        out = []
+        for i, sl in enumerate(slices):
+            where = ("slices", i)
+            if not isinstance(sl, dict):
+                raise doc.error("a slice is a mapping with 'sources' (and optional 'parameters', 'base_model')",
+                                *where)
+            bad = sorted(set(sl) - {"sources", "parameters", "base_model", "residual_weight"})
+            if bad:
+                raise doc.error(f"unknown key {bad[0]!r} (a slice has: sources, parameters, base_model)", *where, bad[0])
+            if sl.get("residual_weight") is not None:
+                raise doc.error("'residual_weight' is not supported", *where, "residual_weight")
+            sb = base
+            if sl.get("base_model") is not None:
+                sb = self._ref(doc, sl["base_model"], where + ("base_model",), inputs)
+            params = _check_params(doc, sl.get("parameters"), where + ("parameters",), names)
+            srcs = sl.get("sources")
+            if not isinstance(srcs, list) or not srcs:
+                raise doc.error("'sources' is a non-empty list of '- model: FOLDER' with 'layer_range: [a, b]'",
+                                *where, "sources")
+            sources, seen = [], set()
+            for j, src in enumerate(srcs):
+                sw = where + ("sources", j)
+                if not isinstance(src, dict) or "model" not in src:
+                    raise doc.error("a source is '- model: FOLDER' with 'layer_range: [a, b]'", *sw)
+                bad = sorted(set(src) - {"model", "layer_range", "parameters"})
+                if bad:
+                    raise doc.error(f"unknown key {bad[0]!r} (a source has: model, layer_range, parameters)", *sw,
+                                    bad[0])
+                idx = self._ref(doc, src["model"], sw + ("model",), inputs)
+                if idx in seen:
+                    raise doc.error(f"model {inputs[idx].label!r} is twice in one slice", *sw)
+                seen.add(idx)
+                lay = self.layout(doc, inputs[idx], sw + ("model",))
+                rng = src.get("layer_range")
+                if "layer_range" not in src:
+                    raise doc.error("needs 'layer_range: [a, b]' (layers a … b−1)", *sw)
+                if (not isinstance(rng, list) or len(rng) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                                          for x in rng)):
+                    raise doc.error(f"'layer_range' is [a, b] (two integers: layers a … b−1), got {rng!r}", *sw,
+                                    "layer_range")
+                a, b = rng
+                if not 0 <= a < b <= lay.layers:
+                    raise doc.error(f"layer_range [{a}, {b}] is not within the model's {lay.layers} layers "
+                                    f"(0 <= a < b <= {lay.layers})", *sw, "layer_range")
+                p = _check_params(doc, src.get("parameters"), sw + ("parameters",), names)
+                sources.append(_Source(idx, a, b, p, sw))
+            lengths = {s.b - s.a for s in sources}
+            if len(lengths) > 1:
+                raise doc.error("the sources of a slice must have the same number of layers, got "
+                                + ", ".join(f"[{s.a}, {s.b}]" for s in sources), *where, "sources")
+            out.append(_Slice(sources, params, sb, where))
+        return out
+
+    def _contract(self, doc, mk_name, method, policy, lo, hi, sl: _Slice, inputs):
+        models = [s.model for s in sl.sources]
+        base = sl.base
+        if policy in ("required", "optional") and base is not None and base not in models:
+            raise doc.error(f"the base model {inputs[base].label!r} is not among this slice's sources", *sl.where)
+        if policy == "required" and base is None:
+            raise doc.error(f"method {mk_name!r} needs 'base_model' (the model the others were fine-tuned from)",
+                            "merge_method")
+        if policy == "none" and base is not None:
+            raise doc.error(f"method {mk_name!r} does not use a base model", "base_model")
+        n = len(models)
+        if n < lo or (hi is not None and n > hi):
+            want = f"exactly {lo}" if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
+            raise doc.error(f"method {mk_name!r} merges {want} model(s) (the base included), got {n}", *sl.where)
+        if hasattr(method, "check_inputs"):
+            uses_base = policy in ("required", "optional") and base is not None
+            try:
+                method.check_inputs(n - (1 if uses_base else 0), uses_base)
+            except SymmergeError as e:
+                raise doc.error(str(e), *sl.where) from None
+
+    def _tokenizer(self, doc, data, inputs, base):
+        src = data.get("tokenizer_source")
+        key = ("tokenizer_source",)
+        if data.get("tokenizer") is not None:
+            if src is not None:
+                raise doc.error("give 'tokenizer' or 'tokenizer_source', not both", "tokenizer")
+            tok = data["tokenizer"]
+            if not isinstance(tok, dict):
+                raise doc.error("'tokenizer' is a mapping with 'source' (base, union or a model)", "tokenizer")
+            bad = sorted(set(tok) - {"source", "tokens", "pad_to_multiple_of"})
+            if bad:
+                raise doc.error(f"unknown key {bad[0]!r} (tokenizer has: source, tokens, pad_to_multiple_of)",
+                                "tokenizer", bad[0])
+            if tok.get("tokens"):
+                raise doc.error("per-token embedding sources ('tokens') are not supported", "tokenizer", "tokens")
+            if tok.get("pad_to_multiple_of"):
+                raise doc.error("'pad_to_multiple_of' (padding the vocabulary) is not supported", "tokenizer",
+                                "pad_to_multiple_of")
+            src = tok.get("source", "union")
+            key = ("tokenizer", "source")
+        if src is None:
+            return None
+        if src == "union":
+            raise doc.error("tokenizer source 'union' (a vocabulary combined from all models, embeddings "
+                            "remapped) is not supported: use 'base' or a model whose vocabulary every model shares",
+                            *key)
+        if src == "base":
+            if base is None:
+                raise doc.error("tokenizer source 'base' needs 'base_model'", *key)
+            idx = base
+        else:
+            idx = self._ref(doc, src, key, inputs)
+        self._same_vocab(doc, inputs, idx, key)
+        return idx
+
+    def _same_vocab(self, doc, inputs, idx, key):
+        """mergekit remaps every model's embedding rows to the chosen vocabulary; symmerge merges the rows as
+        they are, which is the same only when all the vocabularies are the same."""
+        from ..io.tokenizers import differences, read_tokenizer
+
+        folders = [(i.label, i.folder) for i in inputs if i.folder is not None]
+        ref = next((f for lab, f in folders if f == inputs[idx].folder), None)
+        if ref is None:
+            return
+        view = read_tokenizer(Path(ref))
+        for label, f in folders:
+            other = read_tokenizer(Path(f))
+            if view is None or other is None:
+                continue
+            diff = differences(view, other, inputs[idx].label, label, limit=1)
+            if diff:
+                raise doc.error(f"{inputs[idx].label} and {label} have different vocabularies ({diff[0]}): "
+                                "remapping embeddings to another vocabulary is not supported", *key)
+
+    def _chat_template(self, doc, data):
+        ct = data.get("chat_template")
+        if ct is None:
+            return None
+        if not isinstance(ct, str) or not ct.strip():
+            raise doc.error("'chat_template' is 'auto', a template name or a Jinja template", "chat_template")
+        if ct != "auto" and "{" not in ct:
+            if ct in CHAT_TEMPLATES:
+                raise doc.error(f"mergekit's built-in template {ct!r} is not shipped with symmerge: give the template "
+                                "text (Jinja) or 'auto'", "chat_template")
+            raise doc.error(f"invalid chat template {ct!r}: 'auto' or a Jinja template", "chat_template")
+        return ct
+
+    # -- the steps ----------------------------------------------------------------------------------------
+    def _steps(self, doc, job, slices, names, mk_name, method, sliced):
+        inputs = job.inputs
+        top = doc.data.get("parameters") or {}
+        out_lay = self.layout(doc, inputs[job.config_from], ("merge_method",))
+        lays = {i: self.layout(doc, inp, ("models",)) for i, inp in enumerate(inputs)}
+        copy_only = mk_name == "passthrough" and "passthrough" not in _registered()
+        steps: list[TensorStep] = []
+        shapes: dict = {}
+        cache: dict = {}
+
+        def one(out_name, sl: _Slice, pairs, t, where):
+            # pairs: (source, input tensor name) in slice order
+            base = sl.base if job_policy(mk_name, method)[0] in ("required", "optional") else None
+            for s, name in pairs:
+                lay = lays[s.model]
+                if name not in lay.shapes:
+                    raise doc.error(f"model {inputs[s.model].label!r} has no tensor {name!r}", *s.where)
+            shape = lays[pairs[0][0].model].shapes[pairs[0][1]]
+            for s, name in pairs[1:]:
+                if lays[s.model].shapes[name] != shape:
+                    raise doc.error(f"{name} has shape {lays[s.model].shapes[name]} in {inputs[s.model].label!r} "
+                                    f"and {shape} in {inputs[pairs[0][0].model].label!r}", *s.where)
+            shapes[out_name] = shape
+            merged = [(s, n) for s, n in pairs if s.model != base]
+            base_src = next((TensorSource(s.model, n) for s, n in pairs if s.model == base), None)
+            if mk_name == "passthrough":  # a copy, unless scaled
+                scale = resolve("scale", [merged[0][0].params, sl.params, top], merged[0][1], t)
+                if scale is None or scale == 1:
+                    steps.append(TensorStep(out_name, (TensorSource(merged[0][0].model, merged[0][1]),), merge=False))
+                    return
+                if copy_only:
+                    raise doc.error("passthrough with 'scale' needs symmerge's passthrough method", *where)
+            shared = {}
+            for p in sorted(names.globals):
+                v = resolve(p, [sl.params, top], out_name, t)
+                if v is not None:
+                    shared[p] = v
+            per: dict = {}
+            for p in sorted(names.per_model):
+                vals = [resolve(p, [s.params, sl.params, top], n, t) for s, n in merged]
+                if all(v is None for v in vals):
+                    if p in REQUIRED and mk_name in REQUIRED[p]:
+                        raise doc.error(f"no {p!r} for {out_name} (method {mk_name!r} needs one per model: set it in "
+                                        "each model's parameters or in the top-level 'parameters')", *where)
+                    continue
+                missing = [i for i, v in enumerate(vals) if v is None]
+                if missing:
+                    s = merged[missing[0]][0]
+                    if (p in REQUIRED and mk_name in REQUIRED[p]) or p not in names.defaults:
+                        raise doc.error(f"no {p!r} for model {inputs[s.model].label!r} on {out_name} (set it for every "
+                                        "model, or in the top-level 'parameters')", *s.where)
+                    vals = [names.defaults[p] if v is None else v for v in vals]
+                per[p] = tuple(vals)
+            for p in sorted(names.required):
+                if p not in shared and p not in per:
+                    raise doc.error(f"no {p!r} for {out_name}: method {mk_name!r} needs it (in 'parameters')", *where)
+            weights = per.pop("weight", None)
+            params = names.with_defaults({**shared, **per})
+            if self.seed is not None and "seed" in names.defaults and "seed" not in params:
+                params["seed"] = self.seed
+            step = TensorStep(out_name, tuple(TensorSource(s.model, n) for s, n in merged), base_src, weights,
+                              MappingProxyType(params))
+            self._check_step(doc, method, step, where, cache)
+            steps.append(step)
+
+        first, last = slices[0], slices[-1]
+        for name in out_lay.pre:
+            one(name, first, [(s, name) for s in first.sources], 0.0, first.where)
+        out_i = 0
+        for sl in slices:
+            n = sl.sources[0].b - sl.sources[0].a
+            for j in range(n):
+                t = j / (n - 1) if n > 1 else 1.0
+                for suffix in out_lay.suffixes:
+                    one(out_lay.layer_name(out_i, suffix), sl,
+                        [(s, lays[s.model].layer_name(s.a + j, suffix)) for s in sl.sources], t, sl.where)
+                out_i += 1
+        for name in out_lay.post:
+            one(name, last, [(s, name) for s in last.sources], 0.0, last.where)
+        job.steps = steps
+        job.layers = out_i
+        job.shapes = shapes
+        edits = {}
+        if sliced and out_lay.layer_key:
+            edits[out_lay.layer_key] = out_i
+        elif sliced and out_i != out_lay.layers:
+            raise doc.error(f"cannot set the output's layer count ({out_i}) in its config.json", "slices")
+        want = job.out_dtype or job.dtype
+        if want:
+            edits["torch_dtype" if "torch_dtype" in out_lay.config and "dtype" not in out_lay.config else "dtype"] = want
+        job.config_edits = edits
+        dtypes = {}
+        for st in steps:
+            src = st.sources[0]
+            dtypes[st.name] = want or lays[src.model].dtypes[src.key]
+        config = {**out_lay.config, **edits}
+        self.job_layouts.append(layouts.from_names(f"<{job.name or 'merge'}>", config, shapes, dtypes))
+
+    def _check_step(self, doc, method, step, where, cache):
+        from ..merge.steps import step_arguments
+
+        try:
+            step_arguments(method, step, len(step.sources), cache)
+        except SymmergeError as e:
+            raise doc.error(f"{step.name}: {e}", *where) from None
+
+    # -- the whole file -----------------------------------------------------------------------------------
+    def plan(self) -> list[Job]:
+        docs = self.docs
+        names = {}
+        for d in docs:
+            n = d.data.get("name")
+            if n is None:
+                continue
+            if not isinstance(n, str) or not n.strip():
+                raise d.error(f"'name' is a name for this merge, got {n!r}", "name")
+            if n in names:
+                raise d.error(f"two merges are named {n!r} (the other at line {names[n].line('name')})", "name")
+            names[n] = d
+        unnamed = [d for d in docs if d.data.get("name") is None]
+        if len(docs) > 1 and len(unnamed) > 1:
+            raise unnamed[1].error("more than one merge without 'name': every merge but the final one needs a name")
+        order = self._order(docs, names)
+        used = {r for d in docs for r in _references(d, names)}
+        finals = unnamed or [d for d in docs if d.data["name"] not in used]
+        if len(finals) != 1:
+            raise docs[0].error("no single final merge: leave the final merge unnamed (the others are used by name)")
+        for d in order:
+            job = self.plan_doc(d, final=d is finals[0])
+            if job.name is not None:
+                self.named[job.name] = len(self.jobs)
+            self.jobs.append(job)
+        return self.jobs
+
+    def _order(self, docs, names):
+        state, order = {}, []
+
+        def visit(d, chain):
+            key = id(d)
+            if state.get(key) == "done":
+                return
+            if state.get(key) == "busy":
+                raise d.error("merges use each other in a cycle: " + " -> ".join(chain + [d.data.get("name")]))
+            state[key] = "busy"
+            for r in _references(d, names):
+                if r != d.data.get("name"):
+                    visit(names[r], chain + [d.data.get("name") or "final"])
+            state[key] = "done"
+            order.append(d)
+
+        for d in docs:
+            visit(d, [])
+        return order
+
+
+def job_policy(mk_name, method):
+    """(base policy, least, most models with the base) of a method: ``required`` (the base is the step's
+    base), ``optional`` (the base when given), ``ignored`` (mergekit's methods without a base: a base model is
+    one more input) or ``none`` (symmerge's own methods without a base: a base model is an error)."""
+    if mk_name in CONTRACTS:
+        return CONTRACTS[mk_name]
+    if method.needs_base:
+        return "required", 1, None
+    if getattr(method, "accepts_base", False):
+        return "optional", 1, None
+    return ("ignored" if mk_name in NO_BASE else "none"), 1, None
+
+
+def _registered():
+    from ..merge import METHODS
+
+    return METHODS
+
+
+def _references(doc, names) -> set:
+    refs = set()
+    data = doc.data
+
+    def add(v):
+        if isinstance(v, str) and v in names:
+            refs.add(v)
+
+    def items(v):
+        return v if isinstance(v, list) else []
+
+    add(data.get("base_model"))
+    for m in items(data.get("models")):
+        add(m.get("model") if isinstance(m, dict) else m)
+    for sl in items(data.get("slices")):
+        if isinstance(sl, dict):
+            add(sl.get("base_model"))
+            for s in items(sl.get("sources")):
+                if isinstance(s, dict):
+                    add(s.get("model"))
+    return refs

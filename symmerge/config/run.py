@@ -1,0 +1,137 @@
+"""Run a described config: each mergekit job in dependency order (intermediates of a multi-document file
+in a temporary folder beside the output, removed at the end), or the symmerge command line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import SymmergeError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def run_jobs(desc, shard_size="5GB", progress=True) -> list[dict]:
+    """Every job of ``desc`` (a mergekit config); the final one written to ``desc.output``. Returns one
+    summary dict per job."""
+    from ..io.model import ensure_output_dir
+
+    out = Path(desc.output)
+    ensure_output_dir(out)
+    temp = None
+    folders: list[Path] = []
+    summaries = []
+    try:
+        for job in desc.jobs:
+            if job.final:
+                target = out
+            else:
+                if temp is None:
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.intermediates-", dir=out.parent))
+                target = temp / job.name
+            inputs = [Path(i.folder) if i.folder is not None else folders[i.job] for i in job.inputs]
+            t0 = time.perf_counter()
+            execute(job, inputs, target, shard_size=shard_size, progress=progress)
+            folders.append(target)
+            summaries.append({"name": job.name, "method": job.method, "tensors": len(job.steps),
+                              "layers": job.layers, "output": str(target), "seconds": time.perf_counter() - t0})
+    finally:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+    return summaries
+
+
+def execute(job, inputs, out, shard_size="5GB", progress=True) -> dict:
+    """One job through the streamed executor (:func:`symmerge.merge.executor.execute_steps`): its steps read
+    from ``inputs`` (folders), merged and written to ``out`` with the config.json of input ``config_from``
+    plus the job's edits, the side files (tokenizer, generation config) of input ``side_files_from``, and the
+    chat template asked for."""
+    from ..merge import METHODS
+    from ..merge.executor import execute_steps
+    from .mergekit import _copy_method
+
+    method = METHODS.get(job.method) or (_copy_method() if job.method == "passthrough" else None)
+    if method is None:  # pragma: no cover - the plan checked the name
+        raise SymmergeError(f"unknown merge method {job.method!r}")
+    if job.dtype is not None and any(st.merge for st in job.steps):
+        method = computing_in(method, DTYPES[job.dtype])
+    config = json.loads((Path(inputs[job.config_from]) / "config.json").read_text())
+    config.update(job.config_edits)
+    want = job.out_dtype or job.dtype
+    finish = None
+    if job.chat_template is not None:
+        def finish(tmp, facts):
+            write_chat_template(Path(tmp), job.chat_template, [Path(p) for p in inputs])
+    return execute_steps([Path(p) for p in inputs], job.steps, method, out, config=config,
+                         dtype=DTYPES[want] if want else None, side_files_from=Path(inputs[job.side_files_from]),
+                         naming=job.config_from, shard_size=shard_size, progress=progress, finish=finish)
+
+
+def computing_in(method, dtype):
+    """``method`` with its floating inputs rounded to ``dtype`` first: mergekit's ``dtype``, the dtype the merge
+    computes in (its thresholds and masks see the rounded values)."""
+    from dataclasses import replace
+
+    def cast(t):
+        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t
+
+    def tensor(key, tensors, weights, stats, base, params, context):
+        return method.tensor(key, [cast(t) for t in tensors], weights, stats, cast(base), params, context)
+
+    context = None
+    if method.tensor_context is not None:
+        def context(key, tensors, base, weights, params, ctx):
+            return method.tensor_context(key, [cast(t) for t in tensors], cast(base), weights, params, ctx)
+
+    return replace(method, tensor=tensor, tensor_context=context, fused_into=None)
+
+
+def write_chat_template(folder: Path, template: str, inputs) -> None:
+    """The output's chat template: ``template``, or with ``auto`` the most common one of the inputs (none:
+    left as copied)."""
+    from collections import Counter
+
+    if template == "auto":
+        found = [t for t in (read_chat_template(p) for p in inputs) if t]
+        if not found:
+            return
+        template = Counter(t.strip() for t in found).most_common(1)[0][0]
+    cfg = folder / "tokenizer_config.json"
+    if cfg.is_file():
+        data = json.loads(cfg.read_text())
+        if "chat_template" in data:
+            data.pop("chat_template")
+            cfg.write_text(json.dumps(data, indent=2) + "\n")
+    (folder / "chat_template.json").unlink(missing_ok=True)
+    (folder / "chat_template.jinja").write_text(template)
+
+
+def read_chat_template(folder: Path) -> str | None:
+    f = folder / "chat_template.jinja"
+    if f.is_file():
+        return f.read_text()
+    cfg = folder / "tokenizer_config.json"
+    if cfg.is_file():
+        t = json.loads(cfg.read_text()).get("chat_template")
+        if isinstance(t, dict):
+            t = t.get("default")
+        if isinstance(t, list):
+            t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+        return t if isinstance(t, str) else None
+    return None
+
+
+def print_summary(desc, summaries) -> None:
+    for s in summaries:
+        where = "intermediate " + s["name"] if s["output"] != str(desc.output) else str(desc.output)
+        print(f"merged {s['tensors']} tensors ({s['layers']} layers) with {s['method']} -> {where} "
+              f"({s['seconds']:.2f} s)")
+
+
+__all__ = ["execute", "print_summary", "run_jobs"]
