@@ -142,7 +142,7 @@ class _Names:
     def kind(self, p):
         check = self.checks.get(p)
         if check is not None:
-            return {"real": float, "int": int, "bool": bool}.get(check.kind)
+            return {"real": float, "int": int, "bool": bool}.get(check.type)
         return _kind(self.defaults.get(p))
 
     def with_defaults(self, params):

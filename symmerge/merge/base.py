@@ -125,12 +125,12 @@ REQUIRED = _Required()
 @dataclass(frozen=True)
 class Check:
     """A parameter's declared type and range, applied by :meth:`Method.check_params` to its value (to each
-    value of a per-model parameter): ``kind`` is ``"real"`` (a finite number within [``lo``, ``hi``], an
+    value of a per-model parameter): ``type`` is ``"real"`` (a finite number within [``lo``, ``hi``], an
     end excluded where ``lo_open``/``hi_open``), ``"int"`` (an integer ≥ ``lo``), ``"bool"`` (true/false;
     also the strings "true"/"false") or ``"choice"`` (one of ``choices``, compared as given); ``optional``:
     ``None`` is allowed too. A bad value is one SymmergeError naming the method and the parameter."""
 
-    kind: str
+    type: str
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
@@ -139,16 +139,16 @@ class Check:
     optional: bool = False
 
     def describe(self) -> str:
-        if self.kind == "real":
+        if self.type == "real":
             if self.lo is None and self.hi is None:
                 return "a finite number"
             left = "-inf" if self.lo is None else repr(float(self.lo))
             right = "inf" if self.hi is None else repr(float(self.hi))
             return (f"a number in {'(' if self.lo_open or self.lo is None else '['}{left}, {right}"
                     f"{')' if self.hi_open or self.hi is None else ']'}")
-        if self.kind == "int":
+        if self.type == "int":
             return "an integer" + ("" if self.lo is None else f" >= {int(self.lo)}")
-        if self.kind == "bool":
+        if self.type == "bool":
             return "true or false"
         return "one of " + ", ".join(repr(c) for c in self.choices)
 
@@ -156,13 +156,13 @@ class Check:
         if value is None and self.optional:
             return None
         bad = SymmergeError(f"method {method!r}: parameter {name!r} must be {self.describe()}, got {value!r}")
-        if self.kind == "bool":
+        if self.type == "bool":
             if isinstance(value, str) and value.strip().lower() in ("true", "false"):
                 return value.strip().lower() == "true"
             if isinstance(value, bool):
                 return value
             raise bad
-        if self.kind == "choice":
+        if self.type == "choice":
             if isinstance(value, str) and value.strip().lower() in ("true", "false") and True in self.choices:
                 return value.strip().lower() == "true"
             for c in self.choices:  # True == 1 in Python: compare types too
@@ -171,7 +171,7 @@ class Check:
             raise bad
         if isinstance(value, bool):
             raise bad
-        if self.kind == "int":
+        if self.type == "int":
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             if not isinstance(value, int) or (self.lo is not None and value < self.lo):
