@@ -206,8 +206,15 @@ def test_barrier_and_a_config_with_a_base_class_model(tmp_path):
     assert entry["prefix_added"] == "vit." and entry["left_out"] and all("pooler" in k for k in entry["left_out"])
     config = tmp_path / "merge.yml"
     config.write_text(f"merge_method: task_arithmetic\nbase_model: {base_dir}\nmodels:\n  - {fts[0]}\n  - {fts[1]}\n"
-                      f"align: none\noutput: {tmp_path / 'merged'}\n")
-    assert run_cli("run", config) == 0
-    report = json.loads((tmp_path / "merged" / "symmerge_report.json").read_text())
-    assert report["base_adapted"][0]["read_as"] == "ViTForImageClassification"
-    assert type(load_model(tmp_path / "merged", spec=False)).__name__ == "ViTForImageClassification"
+                      f"parameters:\n  weight: 1.0\nalign: none\noutput: {tmp_path / 'merged'}\n")
+    assert run_cli("run", config) == 0  # a mergekit config (align: none): planned into steps, streamed
+    merged = load_model(tmp_path / "merged", spec=False)
+    assert type(merged).__name__ == "ViTForImageClassification"
+    b, f0, f1 = (load_model(x, spec=False).state_dict() for x in (base_dir, fts[0], fts[1]))
+    sd = merged.state_dict()
+    for k, v in sd.items():
+        if k.startswith("vit.") and k[4:] in b:  # the body: task arithmetic over the base read under 'vit.'
+            want = b[k[4:]].double() + (f0[k].double() - b[k[4:]]) + (f1[k].double() - b[k[4:]])
+            assert torch.allclose(v.double(), want, atol=1e-5), k
+        else:  # the head the base lacks: kept from the first fine-tune, not merged
+            assert torch.equal(v, f0[k]), k

@@ -56,6 +56,20 @@ class Input:
     folder: str | None = None
     job: int | None = None
     label: str = ""
+    # a base-class checkpoint read as the fine-tunes' task class: (the fine-tune's folder, the renaming plan of
+    # symmerge.io.prefix); its body under the task class's base-model prefix, the tensors it lacks never merged
+    adapt: tuple | None = None
+
+    def checkpoint(self):
+        """The input as the streamed executor reads it: its folder, or for an adapted base a view of it under
+        the task class's names (:func:`symmerge.io.prefix.prefixed`)."""
+        if self.adapt is None:
+            return Path(self.folder)
+        from ..io.checkpoint import LazyCheckpoint
+        from ..io.prefix import prefixed
+
+        task, pl = self.adapt
+        return prefixed(LazyCheckpoint(Path(self.folder), spec=False), LazyCheckpoint(Path(task), spec=False), pl)
 
 
 @dataclass
@@ -226,12 +240,40 @@ class Planner:
     def layout(self, doc, inp: Input, where):
         if inp.job is not None:
             return self.job_layouts[inp.job]
-        if inp.folder not in self._layouts:
+        key = inp.folder if inp.adapt is None else (inp.folder, inp.adapt[0])
+        if key not in self._layouts:
             try:
-                self._layouts[inp.folder] = self.read_layout(inp.folder)
+                if inp.adapt is None:
+                    self._layouts[key] = self.read_layout(inp.folder)
+                else:
+                    view = inp.checkpoint()
+                    self._layouts[key] = layouts.from_names(inp.folder, dict(view.config), dict(view.shape),
+                                                            {k: str(v).replace("torch.", "")
+                                                             for k, v in view.dtype.items()})
             except SymmergeError as e:
                 raise doc.error(str(e), *where) from None
-        return self._layouts[inp.folder]
+        return self._layouts[key]
+
+    def _adapt_base(self, inputs: list, base) -> int | None:
+        """A base given as its base class (``BertModel``, ``LlamaModel``) beside fine-tunes of a task class
+        (``BertForSequenceClassification``): the base is read as the task class (one rule,
+        :func:`symmerge.io.prefix.lazy_plan`). Returns the fine-tune's input index, or None."""
+        if base is None or inputs[base].folder is None:
+            return None
+        from ..io.checkpoint import LazyCheckpoint
+        from ..io.prefix import lazy_is_task, lazy_plan
+
+        base_ck = LazyCheckpoint(Path(inputs[base].folder), spec=False)
+        if lazy_is_task(base_ck):
+            return None
+        for i, inp in enumerate(inputs):
+            if i == base or inp.folder is None:
+                continue
+            ck = LazyCheckpoint(Path(inp.folder), spec=False)
+            if lazy_is_task(ck) and (pl := lazy_plan(ck, base_ck)) is not None:
+                inputs[base] = Input(folder=inputs[base].folder, label=inputs[base].label, adapt=(inp.folder, pl))
+                return i
+        return None
 
     # -- one document -------------------------------------------------------------------------------------
     def plan_doc(self, doc, final: bool) -> Job:
@@ -268,9 +310,10 @@ class Planner:
             slices = self._slices(doc, data["slices"], base, names, inputs)
         for s in slices:
             self._contract(doc, mk_name, method, policy, lo, hi, s, inputs)
+        task = self._adapt_base(inputs, base)
         tok = self._tokenizer(doc, data, inputs, base)
         chat = self._chat_template(doc, data)
-        config_from = base if base is not None else slices[0].sources[0].model
+        config_from = task if task is not None else base if base is not None else slices[0].sources[0].model
         side = tok if tok is not None else config_from
         job = Job(data.get("name"), method.name, inputs, [], config_from, {}, side, dtype, out_dtype, chat,
                   final=final, line=doc.at())
@@ -503,6 +546,11 @@ class Planner:
             shapes[out_name] = shape
             merged = [(s, n) for s, n in pairs if s.model != base]
             base_src = next((TensorSource(s.model, n) for s, n in pairs if s.model == base), None)
+            adapt = inputs[base].adapt if base is not None else None
+            if base_src is not None and adapt is not None and base_src.key in adapt[1].added:
+                # a tensor the base-class model lacks (the task head): kept from the first fine-tune, never merged
+                steps.append(TensorStep(out_name, (TensorSource(merged[0][0].model, merged[0][1]),), merge=False))
+                return
             if mk_name == "passthrough":  # a copy, unless scaled
                 scale = resolve("scale", [merged[0][0].params, sl.params, top], merged[0][1], t)
                 if scale is None or scale == 1:

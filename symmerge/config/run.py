@@ -35,7 +35,7 @@ def run_jobs(desc, shard_size="5GB", progress=True) -> list[dict]:
                     out.parent.mkdir(parents=True, exist_ok=True)
                     temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.intermediates-", dir=out.parent))
                 target = temp / job.name
-            inputs = [Path(i.folder) if i.folder is not None else folders[i.job] for i in job.inputs]
+            inputs = [i.checkpoint() if i.folder is not None else folders[i.job] for i in job.inputs]
             t0 = time.perf_counter()
             execute(job, inputs, target, shard_size=shard_size, progress=progress)
             folders.append(target)
@@ -61,15 +61,17 @@ def execute(job, inputs, out, shard_size="5GB", progress=True) -> dict:
         raise SymmergeError(f"unknown merge method {job.method!r}")
     if job.dtype is not None and any(st.merge for st in job.steps):
         method = computing_in(method, DTYPES[job.dtype])
-    config = json.loads((Path(inputs[job.config_from]) / "config.json").read_text())
+    folders = [Path(getattr(p, "folder", p)) for p in inputs]  # an adapted base: its view's folder is the task's
+    config = json.loads((folders[job.config_from] / "config.json").read_text())
     config.update(job.config_edits)
     want = job.out_dtype or job.dtype
     finish = None
     if job.chat_template is not None:
         def finish(tmp, facts):
-            write_chat_template(Path(tmp), job.chat_template, [Path(p) for p in inputs])
-    return execute_steps([Path(p) for p in inputs], job.steps, method, out, config=config,
-                         dtype=DTYPES[want] if want else None, side_files_from=Path(inputs[job.side_files_from]),
+            write_chat_template(Path(tmp), job.chat_template, folders)
+    return execute_steps([p if hasattr(p, "folder") else Path(p) for p in inputs], job.steps, method, out,
+                         config=config, dtype=DTYPES[want] if want else None,
+                         side_files_from=folders[job.side_files_from],
                          naming=job.config_from, shard_size=shard_size, progress=progress, finish=finish)
 
 

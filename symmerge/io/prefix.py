@@ -275,7 +275,7 @@ class KeyView(LazyCheckpoint):
         return Layout(name, self.config["model_type"], self.heads, dict(self.shape), self.disk_name)
 
 
-def _lazy_is_task(ckpt) -> bool:
+def lazy_is_task(ckpt) -> bool:
     prefix = ckpt.base_model_prefix or ""
     return bool(prefix) and any(k.startswith(prefix + ".") for k in ckpt.keys())
 
@@ -304,7 +304,7 @@ def adapt_checkpoints(ckpts: list, names: list, head_from: int = 0):
     """:func:`adapt_models` for checkpoints (``None`` entries allowed, e.g. no base): every base-class
     checkpoint a task checkpoint's body matches is read as the task class (:func:`prefixed`). Returns
     (checkpoints, the report's ``base_adapted`` entries)."""
-    tasks = [i for i, c in enumerate(ckpts) if c is not None and _lazy_is_task(c)]
+    tasks = [i for i, c in enumerate(ckpts) if c is not None and lazy_is_task(c)]
     if not tasks or len(tasks) == len([c for c in ckpts if c is not None]):
         return list(ckpts), []
     ref = head_from if head_from in tasks else tasks[0]
@@ -322,11 +322,11 @@ def adapt_checkpoints(ckpts: list, names: list, head_from: int = 0):
 
 def adapt_checkpoint_pair(model, anchor):
     """:func:`adapt_pair` for checkpoints (``align --stream``)."""
-    if _lazy_is_task(model) and not _lazy_is_task(anchor):
+    if lazy_is_task(model) and not lazy_is_task(anchor):
         pl = lazy_plan(model, anchor)
         if pl is not None:
             return model, prefixed(anchor, model, pl), [_anchor_entry(pl)]
-    if _lazy_is_task(anchor) and not _lazy_is_task(model):
+    if lazy_is_task(anchor) and not lazy_is_task(model):
         pl = lazy_plan(anchor, model)
         if pl is not None and not pl.left_out:
             entry = report_entry("model", pl, "anchor")
