@@ -297,7 +297,8 @@ def gather_stats(needs, models, names, cache: _DataCache, opts: MergeOptions, de
         s = gather(needs, x, d, device=dev, progress=opts.progress, variant=opts.fisher_variant,
                    normalize=opts.fisher_normalize, samples=opts.fisher_samples)
         stats.append(s.means() if needs == "gram" and opts.gram_normalize else s.tensors)
-        info.append({"model": names[i], "data": d.path, "examples": s.examples, "seconds": s.seconds})
+        info.append({"model": names[i], "data": d.path, "examples": s.examples, "seconds": s.seconds,
+                     **d.cut_info()})
         x.to("cpu")
     return stats, info
 
@@ -375,9 +376,10 @@ def _load_and_check(run: _Run, models) -> None:
             for spec in stats_files + scored:
                 run.cache.get(spec, x)
     if opts.align.matcher.needs_data or opts.repair:  # --align-data generate: sampled once, from every model
-        opts = replace(opts, align=generated_once(opts.align, run.models))
+        opts = replace(opts, align=generated_once(opts.align, run.models, timings=run.timings,
+                                                  progress=opts.progress))
     run.opts = opts
-    run.timings["load"] = time.perf_counter() - run.t0
+    run.timings["load"] = time.perf_counter() - run.t0 - run.timings.get("generate", 0.0)
 
 
 def _align(run: _Run, models) -> None:
@@ -488,9 +490,8 @@ def _evaluate(run: _Run, models) -> None:
         ev["data_role"] = "--eval-data" if opts.eval_data else "--data"
         if run.eval_note:
             ev["note"] = run.eval_note
-        cut = sorted({d.path for d in run.cache.loaded.values() if opts.max_examples and d.n == opts.max_examples
-                      and d.path in {r["data"] for r in ev["merged"]}})
-        if cut:  # the files that gave exactly --max-examples examples: cut there (they may hold more)
+        cut = sorted({d.path for d in run.cache.loaded.values() if d.cut and d.path in {r["data"] for r in ev["merged"]}})
+        if cut:  # the evaluation files --max-examples cut (each data set knows whether it was cut)
             ev["max_examples"] = {"limit": opts.max_examples, "cut": cut,
                                   "note": f"--max-examples {opts.max_examples}: at most the first {opts.max_examples} "
                                           f"examples of {', '.join(cut)} were scored"}
