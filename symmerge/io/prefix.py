@@ -159,24 +159,31 @@ def body_of(task_model):
     return getattr(task_model, task_model.base_model_prefix)
 
 
+def _adapt_all(items: list, names: list, head_from: int, is_task, plan_of, adapt):
+    """Every base-class entry of ``items`` (``None`` entries allowed) that a task-class entry's body matches
+    (``plan_of(task, other)``) replaced by ``adapt(other, task, plan)``, the head from ``items[head_from]``
+    when that is a task entry, else from the first one. Returns (items, the report's ``base_adapted`` entries)."""
+    tasks = [i for i, x in enumerate(items) if x is not None and is_task(x)]
+    if not tasks or len(tasks) == len([x for x in items if x is not None]):
+        return list(items), []
+    ref = head_from if head_from in tasks else tasks[0]
+    out, entries = list(items), []
+    for i, x in enumerate(items):
+        if x is None or i in tasks:
+            continue
+        pl = plan_of(items[ref], x)
+        if pl is None:
+            continue
+        out[i] = adapt(x, items[ref], pl)
+        entries.append(report_entry(names[i], pl, names[ref]))
+    return out, entries
+
+
 def adapt_models(models: list, names: list, head_from: int = 0):
     """Every base-class model of ``models`` that a task-class model's body matches (:func:`plan`) replaced
     by :func:`adapt_model` (the head from ``models[head_from]`` when that is a task model, else from the
     first task model). Returns (models, the report's ``base_adapted`` entries)."""
-    tasks = [i for i, m in enumerate(models) if m is not None and _is_task(m)]
-    if not tasks or len(tasks) == len([m for m in models if m is not None]):
-        return list(models), []
-    ref = head_from if head_from in tasks else tasks[0]
-    out, entries = list(models), []
-    for i, m in enumerate(models):
-        if m is None or i in tasks:
-            continue
-        pl = model_plan(models[ref], m)
-        if pl is None:
-            continue
-        out[i] = adapt_model(m, models[ref], pl)
-        entries.append(report_entry(names[i], pl, names[ref]))
-    return out, entries
+    return _adapt_all(models, names, head_from, _is_task, model_plan, adapt_model)
 
 
 def adapt_pair(model, anchor):
@@ -304,20 +311,7 @@ def adapt_checkpoints(ckpts: list, names: list, head_from: int = 0):
     """:func:`adapt_models` for checkpoints (``None`` entries allowed, e.g. no base): every base-class
     checkpoint a task checkpoint's body matches is read as the task class (:func:`prefixed`). Returns
     (checkpoints, the report's ``base_adapted`` entries)."""
-    tasks = [i for i, c in enumerate(ckpts) if c is not None and lazy_is_task(c)]
-    if not tasks or len(tasks) == len([c for c in ckpts if c is not None]):
-        return list(ckpts), []
-    ref = head_from if head_from in tasks else tasks[0]
-    out, entries = list(ckpts), []
-    for i, c in enumerate(ckpts):
-        if c is None or i in tasks:
-            continue
-        pl = lazy_plan(ckpts[ref], c)
-        if pl is None:
-            continue
-        out[i] = prefixed(c, ckpts[ref], pl)
-        entries.append(report_entry(names[i], pl, names[ref]))
-    return out, entries
+    return _adapt_all(ckpts, names, head_from, lazy_is_task, lazy_plan, prefixed)
 
 
 def adapt_checkpoint_pair(model, anchor):
