@@ -186,23 +186,29 @@ def adapt_models(models: list, names: list, head_from: int = 0):
     return _adapt_all(models, names, head_from, _is_task, model_plan, adapt_model)
 
 
+def _adapt_pair(model, anchor, is_task, plan_of, adapt, strip):
+    """The rule of :func:`adapt_pair`, for models or checkpoints (``is_task``, ``plan_of``, and ``adapt`` /
+    ``strip``: read a base-class one as the task class, or a task-class one as its base class)."""
+    if is_task(model) and not is_task(anchor):
+        pl = plan_of(model, anchor)
+        if pl is not None:
+            return model, adapt(anchor, model, pl), [_anchor_entry(pl)]
+    if is_task(anchor) and not is_task(model):
+        pl = plan_of(anchor, model)
+        if pl is not None and not pl.left_out:
+            entry = report_entry("model", pl, "anchor")
+            entry["note"] = (f"the model is a {pl.base_class}: aligned to the anchor's body (its tensors under "
+                             f"'{pl.prefix}.'); the anchor's head was not used")
+            return model, strip(anchor, model, pl), [entry]
+    return model, anchor, []
+
+
 def adapt_pair(model, anchor):
     """(model, anchor, entries) for aligning ``model`` to ``anchor`` when one is a base model and the
     other a fine-tune of its task class: a base-class anchor is read as the fine-tune's class (the
     fine-tune's own head: distance 0 there); a base-class model is aligned to the fine-tune's body
     (:func:`body_of`) and keeps its class. Otherwise both unchanged."""
-    if _is_task(model) and not _is_task(anchor):
-        pl = model_plan(model, anchor)
-        if pl is not None:
-            return model, adapt_model(anchor, model, pl), [_anchor_entry(pl)]
-    if _is_task(anchor) and not _is_task(model):
-        pl = model_plan(anchor, model)
-        if pl is not None and not pl.left_out:
-            entry = report_entry("model", pl, "anchor")
-            entry["note"] = (f"the model is a {pl.base_class}: aligned to the anchor's body (its tensors under "
-                             f"'{pl.prefix}.'); the anchor's head was not used")
-            return model, body_of(anchor), [entry]
-    return model, anchor, []
+    return _adapt_pair(model, anchor, _is_task, model_plan, adapt_model, lambda task, base, pl: body_of(task))
 
 
 # ------------------------------------------------------------------ streamed (LazyCheckpoint)
@@ -316,15 +322,4 @@ def adapt_checkpoints(ckpts: list, names: list, head_from: int = 0):
 
 def adapt_checkpoint_pair(model, anchor):
     """:func:`adapt_pair` for checkpoints (``align --stream``)."""
-    if lazy_is_task(model) and not lazy_is_task(anchor):
-        pl = lazy_plan(model, anchor)
-        if pl is not None:
-            return model, prefixed(anchor, model, pl), [_anchor_entry(pl)]
-    if lazy_is_task(anchor) and not lazy_is_task(model):
-        pl = lazy_plan(anchor, model)
-        if pl is not None and not pl.left_out:
-            entry = report_entry("model", pl, "anchor")
-            entry["note"] = (f"the model is a {pl.base_class}: aligned to the anchor's body (its tensors under "
-                             f"'{pl.prefix}.'); the anchor's head was not used")
-            return model, stripped(anchor, model, pl), [entry]
-    return model, anchor, []
+    return _adapt_pair(model, anchor, lazy_is_task, lazy_plan, prefixed, stripped)

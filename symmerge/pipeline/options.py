@@ -214,8 +214,6 @@ class AlignOptions:
             raise SymmergeError(f"unknown rescale mode {self.rescale!r}; choose one of {', '.join(RESCALE_MODES)}")
         if self.residual not in RESIDUAL_CHOICES:
             raise SymmergeError(f"unknown residual group {self.residual!r}; choose {' or '.join(RESIDUAL_CHOICES)}")
-        if self.match not in MATCH_MODES:
-            raise SymmergeError(f"unknown match mode {self.match!r}; choose one of {', '.join(MATCH_MODES)}")
         if self.matcher.needs_data and self.align_data is None:
             raise SymmergeError(f"--match {self.match} needs unlabeled data: pass --align-data FILE")
         if self.align_samples < 1:
