@@ -305,3 +305,30 @@ def test_b1_many_tiny_end_to_end(tmp_path, monkeypatch):
     assert s["joint_weights"]["n"] == 3 and s["joint_weights_over_pairwise"] == pytest.approx(
         s["joint_weights"]["seconds"] / s["pairwise_weights"]["seconds"])
     assert "| 3 | joint learned |" in (out / "tables.md").read_text()
+
+
+@pytest.mark.parametrize("pair", ["b1", "b7"])
+def test_interpolating_methods_tiny_end_to_end(tmp_path, monkeypatch, pair):
+    """mergekit's interpolating methods on B1's / B7's pair (tiny): every method × alignment, each path from B
+    (t = 0) to A (t = 1): alignment keeps the functions, so the endpoints' losses are the same in every row;
+    SLERP and NuSLERP of two models are one rule, and the Karcher mean of two points is their geodesic midpoint
+    (multislerp at equal weights)."""
+    from symmerge.demo import text
+
+    if pair == "b1":
+        available, link, what = datasets.fashion_mnist_dir, "fashion-mnist", "Fashion-MNIST"
+    else:
+        available, link, what = text.python_docs_dir, "python-docs", "the Python docs corpus"
+    bench, out, r = run_tiny(tmp_path, monkeypatch, available, link, what, "interpolating_methods",
+                             extra=("--pair", pair, "--points", "3"))
+    rows = {(x["method"], x["alignment"]): x for x in r["rows"]}
+    variants = {x["alignment"] for x in r["rows"]}
+    assert len(variants) == 3 and "none" in variants and "learned" in variants
+    assert set(rows) == {(m, v) for m in bench.METHODS for v in variants}
+    ends = [(x["path"]["loss"][0], x["path"]["loss"][-1]) for x in r["rows"]]
+    for b_loss, a_loss in ends:
+        assert b_loss == pytest.approx(ends[0][0], rel=1e-4) and a_loss == pytest.approx(ends[0][1], rel=1e-4)
+    for v in variants:
+        assert rows["slerp", v]["path"]["loss"] == pytest.approx(rows["nuslerp", v]["path"]["loss"], rel=1e-5)
+        assert rows["karcher", v]["midpoint_loss"] == pytest.approx(rows["multislerp", v]["midpoint_loss"], rel=1e-3)
+        assert rows["karcher", v]["barrier"] is None and rows["linear", v]["barrier"] is not None
