@@ -1,7 +1,7 @@
 """Plain merges against mergekit: the same inputs, the same 50/50 average, in one run, alternating.
 
     python -m benchmarks.bench_merge [--dir /tmp/symmerge-bench-merge] [--repeats 3] [--large] [--json out.json]
-                                     [--tiny] [--only-ties] [--only-large] [--large-repeats N]
+                                     [--tiny] [--only-ties] [--only-large] [--large-repeats N] [--before TREE]
 
 Inputs (generated once into ``--dir``, reused):
 
@@ -124,10 +124,10 @@ def child_equal(a: str, b: str) -> None:
 
 # ------------------------------------------------------------ the parent
 
-def measure(cmd: list[str], env=None) -> dict:
+def measure(cmd: list[str], env=None, cwd=None) -> dict:
     """Run ``cmd``; wall seconds, CPU seconds (user + system) and peak RSS (GB) of that child alone."""
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     out = p.stdout.read()
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t
@@ -197,19 +197,29 @@ def summarize(rows: list[dict]) -> dict:
     return {k: median(rows, k) for k in ("wall_s", "cpu_s", "peak_rss_gb")} | {"runs": rows}
 
 
+def before_env(env: dict, tree: str) -> dict:
+    """``env`` with ``tree`` (a checkout of an earlier symmerge) first on the path: its ``symmerge`` is run (from
+    ``tree`` as the working directory, which ``python -m`` puts first)."""
+    out = dict(env)
+    out["PYTHONPATH"] = str(Path(tree).resolve()) + os.pathsep + env["PYTHONPATH"]
+    return out
+
+
 def bench_average(root: Path, args, mergekit: str | None, env) -> dict:
     a, b = root / "a", root / "b"
-    runs = {"symmerge": [], "mergekit": []}
-    outs = {"symmerge": root / "out-symmerge", "mergekit": root / "out-mergekit"}
+    tools = ["mergekit", "symmerge"] * (mergekit is not None) or ["symmerge"]
+    if args.before:
+        tools.append("before")
+    envs = {"symmerge": env, "mergekit": env, "before": before_env(env, args.before) if args.before else env}
+    runs = {t: [] for t in tools}
+    outs = {t: root / f"out-{t}" for t in tools}
     equal = None
     for r in range(args.repeats):
-        for tool in ("mergekit", "symmerge") if r % 2 == 0 else ("symmerge", "mergekit"):
-            if tool == "mergekit" and mergekit is None:
-                continue
+        for tool in tools[r % len(tools):] + tools[:r % len(tools)]:  # each tool first in turn
             shutil.rmtree(outs[tool], ignore_errors=True)
-            cmd = symmerge_cmd([a, b], outs[tool]) if tool == "symmerge" else mergekit_cmd(mergekit, [a, b],
-                                                                                           outs[tool], "float32")
-            runs[tool].append(measure(cmd, env))
+            cmd = mergekit_cmd(mergekit, [a, b], outs[tool], "float32") if tool == "mergekit" else \
+                symmerge_cmd([a, b], outs[tool])
+            runs[tool].append(measure(cmd, envs[tool], cwd=args.before if tool == "before" else None))
             print(f"  average, {tool}: {runs[tool][-1]['wall_s']:.2f} s wall, {runs[tool][-1]['cpu_s']:.2f} s CPU, "
                   f"{runs[tool][-1]['peak_rss_gb']:.2f} GB", flush=True)
         if mergekit is not None and equal is None:
@@ -217,11 +227,16 @@ def bench_average(root: Path, args, mergekit: str | None, env) -> dict:
                                 str(outs["symmerge"]), str(outs["mergekit"])], capture_output=True, text=True, env=env)
             equal = json.loads(p.stdout.strip().splitlines()[-1])["equal"] if p.returncode == 0 else None
     result = {"symmerge": summarize(runs["symmerge"])}
+    keys = ("wall_s", "cpu_s", "peak_rss_gb")
+    if args.before:
+        result["before"] = {"tree": str(Path(args.before).resolve()), **summarize(runs["before"])}
+        result["ratios_symmerge_over_before"] = {k: result["symmerge"][k] / result["before"][k] for k in keys}
     if mergekit is not None:
         mk = summarize(runs["mergekit"])
         result["mergekit"] = mk
-        result["ratios_symmerge_over_mergekit"] = {k: result["symmerge"][k] / mk[k]
-                                                   for k in ("wall_s", "cpu_s", "peak_rss_gb")}
+        result["ratios_symmerge_over_mergekit"] = {k: result["symmerge"][k] / mk[k] for k in keys}
+        if args.before:
+            result["ratios_before_over_mergekit"] = {k: result["before"][k] / mk[k] for k in keys}
         result["outputs_equal_bit_for_bit"] = equal
         result["goal"] = {"wall_ratio_max": 0.8, "rss_ratio_max": 1.0,
                           "met": result["ratios_symmerge_over_mergekit"]["wall_s"] <= 0.8
@@ -338,6 +353,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip-ties", action="store_true", help="leave out TIES / DARE-TIES on three models")
     p.add_argument("--only-large", action="store_true", help="only the 3.4 B pair (implies --large)")
     p.add_argument("--json", help="also write the figures to this JSON file")
+    p.add_argument("--before", metavar="TREE", help="also run the plain average with the symmerge of TREE (a "
+                   "checkout of an earlier commit, e.g. `git worktree add /tmp/before REV`), alternating with the "
+                   "two others: before/after figures from one run")
     args = p.parse_args(argv)
     env = python_env()
     mergekit = args.mergekit if shutil.which(args.mergekit) else None
@@ -347,6 +365,10 @@ def main(argv=None) -> int:
     figures = {"inputs": "large" if args.only_large else kind, "load_average": os.getloadavg(),
                "cpus": os.cpu_count(), "repeats": args.repeats}
     subprocess.run([sys.executable, "-m", "benchmarks.bench_merge", "--child", "warm"], check=True, env=env)
+    if args.before:
+        args.before = str(Path(args.before).resolve())
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_merge", "--child", "warm"], check=True,
+                       env=before_env(env, args.before), cwd=args.before)
     if not args.only_large:
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "benchmarks.bench_merge", "--child", "generate", kind, str(root)],
