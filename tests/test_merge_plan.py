@@ -151,3 +151,33 @@ def test_evaluation_rows_say_whether_they_score_the_saved_model_and_when_max_exa
     assert rows[1]["head_from"] == vits[1]
     assert ev["max_examples"]["limit"] == 5 and len(ev["max_examples"]["cut"]) == 2
     assert "--max-examples 5" in ev["max_examples"]["note"]
+
+
+def test_one_recommended_function_holds_every_narrowing_rule():
+    """'recommended' is narrowed (with a note) and an explicit list refused by one function, from facts alone: the
+    groups the anchor binds, heads that differ, a reader of the output frame, a streamed alignment."""
+    from symmerge.pipeline.recommend import moves_heads_input, moves_output_frame, model_wide, moving, recommended
+
+    asked = AlignOptions(symmetries="recommended")
+    available = ("heads", "attn", "ffn", "residual")
+
+    def differ(why):
+        raise SymmergeError(f"heads differ ({why})")
+
+    full, note = recommended(asked, available=available)
+    assert note is None and "residual" in full.symmetries and not full.recommended
+    for facts, capability in ((dict(heads_check=differ), moves_heads_input),
+                              (dict(output_reader="a pipeline reads it"), moves_output_frame),
+                              (dict(streamed=True), model_wide)):
+        gone = moving(full, capability)
+        assert gone == ["residual"]
+        narrowed, note = recommended(asked, available=available, **facts)
+        assert set(narrowed.symmetries) == set(full.symmetries) - set(gone)
+        assert (note is None) == ("streamed" in facts) and (note is None or "residual left out of 'recommended'" in note)
+        with pytest.raises(SymmergeError):
+            recommended(AlignOptions(symmetries="attn,residual"), available=available, **facts)
+    base, note = recommended(asked, model_type="vit", base_given=True)
+    assert base.symmetries == () and "--base" in note
+    kept, note = recommended(AlignOptions(symmetries="attn"), available=available, heads_check=differ,
+                             output_reader="a pipeline reads it", streamed=True)
+    assert kept.symmetries == ("attn",) and note is None
