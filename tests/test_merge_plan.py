@@ -134,10 +134,47 @@ def test_no_code_outside_the_matchers_compares_a_matcher_name():
     assert not _leaks(pattern, lambda rel: rel.as_posix() == "pipeline/matchers.py")
 
 
+def _symmetry_comparisons(source: str) -> list[int]:
+    """The lines of ``source`` that compare something with a symmetry's name written out: ``x == "ffn"``,
+    ``x != "heads"``, ``"residual" in x``, ``x in ("attn", ...)`` (``==``, ``!=``, ``in``, ``not in``; one side a
+    string literal, or a tuple/list/set of them, that is a name of :data:`symmerge.families.SYMMETRIES` or
+    :data:`~symmerge.families.SCALES`)."""
+    import ast
+
+    from symmerge.families import SCALES, SYMMETRIES
+
+    names = set(SYMMETRIES) | {SCALES}
+
+    def literals(node) -> set:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(set(), *map(literals, node.elts))
+        return set()
+
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and any(isinstance(o, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                     for o in node.ops)
+            and names & set().union(*map(literals, [node.left, *node.comparators]))]
+
+
 def test_no_code_outside_groups_special_cases_a_symmetry_name():
-    names = "residual"  # the one with special cases before (ot_fusion's per-layer block names are OT's own)
-    pattern = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s+(not\s+)?in\s+[\w.]*symmetr""")
-    assert not _leaks(pattern, lambda rel: rel.parts[0] == "groups")
+    """No module outside ``symmerge/groups/`` branches on a symmetry's name (any of ``SYMMETRIES``, and
+    ``SCALES``): it asks a kind's declared capability (``families.symmetries_whose``, the rules of
+    ``pipeline/recommend.py``) or reads a group's declared role (``families/roles.py``: ``role``, ``FFN``, ``QK``...).
+
+    What counts: a comparison (``==``, ``!=``, ``in``, ``not in``) with a symmetry's name written out as a
+    string literal. What does not: *declaring* — a family naming the symmetry of a group it builds
+    (``Group("ffn", "permutation", "ffn", ...)``), the tuples that list the names (``SYMMETRIES``,
+    ``RECOMMENDED``), the word tables of other vocabularies that happen to share a spelling (OT fusion's
+    ``units`` parameter, the norms' ``FEEDS``), keys of reports and parameters — none of which compares. A name
+    compared through a constant declared for it (``SCALES``, the roles' ``FFN``) is reading that declaration."""
+    planted = 'if inst.group.symmetry == "ffn":\n    pass\nok = "heads" not in options.symmetries\n' \
+              'x = s in ("attn", "mlp")\nGroup("residual", "residual", "residual", ())\nblock = "mlp"\n'
+    assert _symmetry_comparisons(planted) == [1, 3, 4]  # the test can fail: declarations are not flagged
+    leaks = [f"{path.relative_to(ROOT)}:{n}" for path in sorted(ROOT.rglob("*.py"))
+             if path.relative_to(ROOT).parts[0] != "groups" for n in _symmetry_comparisons(path.read_text())]
+    assert not leaks
 
 
 def test_evaluation_rows_say_whether_they_score_the_saved_model_and_when_max_examples_cut(vits, tmp_path):
@@ -181,3 +218,4 @@ def test_one_recommended_function_holds_every_narrowing_rule():
     kept, note = recommended(AlignOptions(symmetries="attn"), available=available, heads_check=differ,
                              output_reader="a pipeline reads it", streamed=True)
     assert kept.symmetries == ("attn",) and note is None
+
