@@ -219,3 +219,38 @@ def test_one_recommended_function_holds_every_narrowing_rule():
                              output_reader="a pipeline reads it", streamed=True)
     assert kept.symmetries == ("attn",) and note is None
 
+
+def test_both_wings_choose_the_anchor_closest_to_the_average_by_one_rule(tmp_path):
+    """One distance to the average (``plan.closest_to_average`` over ``plan.average_keys``: the body's floating-point
+    tensors) in both wings: the in-memory and the streamed merge pick the same anchor with the same distances, on
+    three models whose task heads would pick another anchor than their bodies (the streamed rule counted the heads
+    before)."""
+    from safetensors.torch import load_file, save_file
+
+    from symmerge.merge.plan import closest
+
+    base = load_file(str(vit_folder(tmp_path / "base", 0) / "model.safetensors"))
+    step = load_file(str(vit_folder(tmp_path / "step", 1) / "model.safetensors"))
+    folders = []
+    for i, shift in enumerate((0.0, 0.5, 1.0)):  # bodies on a line: the middle one is the closest to the average
+        folder = vit_folder(tmp_path / f"m{i}", 0)
+        sd = {k: (v + shift * (step[k] - v)) if not k.startswith("classifier") else v.clone() for k, v in base.items()}
+        if i == 1:  # ... and its head far from the others
+            sd = {k: v + 100.0 if k.startswith("classifier") else v for k, v in sd.items()}
+        save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        folders.append(str(folder))
+    # the old streamed rule (every floating-point tensor, heads included) would choose another model
+    sds = [load_file(f"{f}/model.safetensors") for f in folders]
+    everything = [sum(float((sd[k].double() - sum(x[k].double() for x in sds) / 3).square().sum()) for k in sd)
+                  for sd in sds]
+    assert closest(everything) != 1
+    anchors = {}
+    for mode in ("memory", "stream"):
+        options = MergeOptions(align=AlignOptions(symmetries="attn,ffn"), joint=False, progress=False, evaluate=False,
+                               mode=mode)
+        report = symmerge.merge(folders, tmp_path / f"out-{mode}", options)
+        anchors[mode] = report["alignment"]["anchor"]
+        assert report["mode"] == mode
+    assert anchors["memory"]["index"] == anchors["stream"]["index"] == 1
+    assert anchors["memory"]["distances_to_average"] == pytest.approx(anchors["stream"]["distances_to_average"],
+                                                                      rel=1e-12)

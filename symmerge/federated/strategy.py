@@ -320,14 +320,14 @@ class AlignedFedAvg(FedAvg):
     def _joint_aggregate(self, state_dicts: list, weights: list, anchor, keys, record: dict) -> dict:
         """The clients aligned jointly (anchor: the client closest to their average), aggregated, then moved into
         the global model's frame by a data-free alignment of the aggregate to it (its function unchanged)."""
-        from ..merge.fuse import closest_to_average
         from ..merge.heads import head_keys
+        from ..merge.plan import average_keys, closest_to_average
         from ..pipeline.joint import align_joint
 
         t = time.perf_counter()
         models = [with_state_dict(self.template, sd) for sd in state_dicts]
-        heads = set(head_keys(self.template))
-        star, _ = closest_to_average(state_dicts, [k for k in keys if k not in heads])
+        body = average_keys(keys, head_keys(self.template), lambda k: state_dicts[0][k].dtype)
+        star, _ = closest_to_average(lambda k: [sd[k] for sd in state_dicts], body)
         joint = align_joint(models, self.alignment.with_(verify=False), anchor=star, max_rounds=self.client_alignment.joint_rounds,
                             refine=self.client_alignment.joint_refine)
         sds = [x.state_dict() for x in joint.models]

@@ -42,7 +42,7 @@ from .repair import DEFAULT_CHANNELS, parse_channels, repair, statistics_data
 from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_mergeable, head_keys, head_policy,
                     head_report, untied, with_tied)
 from .statistics import gather
-from .plan import anchor_rule, closest, merge_report, plan_merge
+from .plan import anchor_rule, average_keys, closest_to_average, merge_report, plan_merge
 
 
 
@@ -214,12 +214,6 @@ def _files_of(files, i: int) -> list:
     return list(files) if len(files) == 1 else [files[i]] if len(files) > 1 else []
 
 
-def closest_to_average(state_dicts, keys) -> tuple[int, list[float]]:
-    avg = {k: sum(sd[k].double() for sd in state_dicts) / len(state_dicts) for k in keys}
-    dists = [distance(sd, avg, keys) for sd in state_dicts]
-    return closest(dists), dists
-
-
 def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pickle=False):
     """(anchor model, info) by the one anchor rule (:func:`symmerge.merge.plan.anchor_rule`); ``anchor``:
     None, an index, or a model/folder."""
@@ -227,7 +221,9 @@ def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pick
     if rule == "base model":
         return base_model, {"index": None, "name": base_name, "rule": rule}
     if rule == "closest to the average":
-        idx, dists = closest_to_average([x.state_dict() for x in models], body)
+        sds = [x.state_dict() for x in models]
+        keys = average_keys(untied(models[0], body), head_keys(models[0]), lambda k: sds[0][k].dtype)
+        idx, dists = closest_to_average(lambda k: [sd[k] for sd in sds], keys)
         return models[idx], {"index": idx, "name": names[idx], "rule": rule, "distances_to_average": dists}
     if index is not None:
         return models[index], {"index": index, "name": names[index], "rule": rule}

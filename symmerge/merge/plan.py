@@ -21,11 +21,13 @@ checkpoint headers by the streamed wing (:func:`symmerge.merge.stream.plain_step
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core import memory
+from ..core.distance import sq_distance
 from ..errors import SymmergeError
 from ..io.model import read_config, weight_files
 from ..pipeline.matchers import streaming_refusal
@@ -58,6 +60,28 @@ def anchor_rule(n: int, anchor, base_given: bool) -> tuple[int | None, str]:
 def closest(distances) -> int:
     """The index of the smallest distance (the model closest to the average)."""
     return min(range(len(distances)), key=list(distances).__getitem__)
+
+
+def average_keys(keys, heads, dtype) -> list[str]:
+    """The tensors the distance to the average runs over, in both wings: the body (``keys`` outside the task
+    heads ``heads``; tied aliases are not among ``keys``), floating point only (``dtype(key)``)."""
+    heads = set(heads)
+    return [k for k in keys if k not in heads and dtype(k).is_floating_point]
+
+
+def closest_to_average(tensors, keys) -> tuple[int, list[float]]:
+    """(index of the model closest to the plain average of all models, every model's distance (L2) to it)
+    over ``keys`` (:func:`average_keys`), one tensor at a time: ``tensors(key)`` gives the models' tensors of
+    ``key`` (from memory or read from their checkpoints)."""
+    sq: list[float] = []
+    for k in keys:
+        ts = tensors(k)
+        sq = sq or [0.0] * len(ts)
+        avg = {"x": sum(t.double() for t in ts) / len(ts)}
+        for i, t in enumerate(ts):
+            sq[i] += sq_distance({"x": t}, avg, ["x"])
+    dists = [math.sqrt(v) for v in sq]
+    return closest(dists), dists
 
 
 def checkpoint_bytes(folder) -> int:
