@@ -20,11 +20,18 @@ the Python documentation, aligned under several symmetry variants, loss barriers
 
 Writes ``results.json``, ``lmc.png`` and ``tables.md`` into ``--out``. ``--tiny`` runs the whole
 pipeline on a tiny model and a corpus subset (< 60 s).
+
+One row of the unlabeled-data table instead (the cached pair aligned from unlabeled text; :func:`unlabeled_row`,
+its own options)::
+
+    python -m benchmarks.gpt2_text --unlabeled-row --match learned --untie --residual largest [--repair]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -83,6 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--untie", action="store_true",
                    help="untie the LM head in the aligned variants (AlignOptions.untie), so that ln_f folds into it and "
                         "the stream gets its largest group with --residual largest")
+    p.add_argument("--unlabeled-row", action="store_true",
+                   help="one row of the unlabeled-data table instead (its own options: --unlabeled-row --help)")
     add_run_args(p)
     args = p.parse_args(argv)
     if args.tiny:
@@ -248,7 +257,63 @@ def markdown_tables(r: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def unlabeled_row(argv) -> int:
+    """``--unlabeled-row``: B4 with unlabeled data — the cached pair aligned from unlabeled text (activation
+    matching, + REPAIR, learned alignment) and the loss along θ(α) on the held-out curve paragraphs; one row per
+    call, printed as one JSON line. Alignment data: the first ``--n`` paragraphs of the validation split
+    (unlabeled text, never the evaluation set); curves on ``curve.txt`` (300 test paragraphs), ``--points`` α
+    values. Run the benchmark first (it trains or finds the pair and writes the text files). ``--untie`` gives
+    the LM head a tensor of its own, so that the final LayerNorm folds into it and the residual stream can take
+    its largest group (O(d−1)); the merged model then has an untied head."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpt2_text --unlabeled-row")
+    p.add_argument("--match", default="learned", choices=("weights", "activations", "learned"))
+    p.add_argument("--symmetries", default="heads,attn,ffn,rescale,residual")
+    p.add_argument("--residual", default="permutation", choices=("permutation", "largest"))
+    p.add_argument("--untie", action="store_true")
+    p.add_argument("--n", type=int, default=512, help="unlabeled validation paragraphs for alignment")
+    p.add_argument("--steps", type=int, default=100, help="learned alignment steps")
+    p.add_argument("--batch", type=int, default=32, help="paragraphs per learned step")
+    p.add_argument("--points", type=int, default=5)
+    p.add_argument("--repair", action="store_true", help="REPAIR at every α (statistics on the alignment data)")
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(a.threads)
+    from symmerge.merge.barrier import repaired_curve
+    from symmerge.evaluate.metrics import interpolation_curve
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.options import LearnSettings
+
+    root = cache_dir()
+    folders = [sorted((root / "gpt2").glob(f"pydocs-{n}-*"))[-1] for n in "AB"]
+    model_a, model_b = (load_model(f) for f in folders)
+    texts = root / "benchmarks" / "gpt2-text"
+    curve = load_data(texts / "curve.txt", model_a, batch_size=32)
+    opts = AlignOptions(symmetries=a.symmetries, match=a.match, residual=a.residual, untie=a.untie,
+                        align_data=None if a.match == "weights" else texts / "validation.txt", align_samples=a.n,
+                        learn=LearnSettings(steps=a.steps, batch=a.batch))
+    load = os.getloadavg()[0]
+    t, cpu = time.perf_counter(), time.process_time()
+    res = align_pair(model_a, model_b, opts)
+    secs, cpu = time.perf_counter() - t, time.process_time() - cpu
+    alphas = [i / (a.points - 1) for i in range(a.points)]
+    if a.repair:
+        c = repaired_curve(res.model, res.anchor, curve, alphas, opts, progress=False)
+    else:
+        c = interpolation_curve(res.model, res.anchor, curve, alphas, progress=False)
+    learned = {k: v for k, v in res.report.get("learned", {}).items() if k != "history"}
+    print(json.dumps({"args": vars(a), "align_seconds": secs, "align_cpu_seconds": cpu, "load_average": load,
+                      "alphas": alphas, "loss": c["loss"], "barrier": c["barrier"],
+                      "mid_loss": c["loss"][len(alphas) // 2], "learned": learned}))
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--unlabeled-row" in argv:
+        return unlabeled_row([x for x in argv if x != "--unlabeled-row"])
     args = parse_args(argv)
     return bench_main(args, lambda: train_pair(args, prepare_data(args, work_dir(args)), print), run,
                       print_tables, write_outputs, "lmc.png, tables.md")

@@ -38,7 +38,7 @@ from benchmarks.common import add_run_args, bench_main, printed, write_results
 from benchmarks.many_models import cached_models
 from symmerge.core.distance import parameter_keys, sq_distance
 from symmerge.evaluate.metrics import evaluate
-from symmerge.merge.fuse import closest_to_average
+from symmerge.merge.plan import closest_to_average
 from symmerge.pipeline.align import align_pair, canonical
 from symmerge.pipeline.joint import align_joint, mean_state_dict, spread
 from symmerge.pipeline.options import AlignOptions
@@ -93,7 +93,7 @@ def run(args, log=print) -> dict:
     for subset in subsets:
         group = [models[i] for i in subset]
         n, keys = len(group), parameter_keys(group[0])
-        anchor, _ = closest_to_average([x.state_dict() for x in group], keys)
+        anchor, _ = closest_to_average(lambda k: [x.state_dict()[k] for x in group], keys)
         full = options()
         frame = canonical(group[anchor], full)
 
@@ -163,7 +163,7 @@ def timing(args, group, opts, t0) -> dict:
             times.append(time.perf_counter() - t)
         return min(times)
 
-    anchor, _ = closest_to_average([x.state_dict() for x in group], parameter_keys(group[0]))
+    anchor, _ = closest_to_average(lambda k: [x.state_dict()[k] for x in group], parameter_keys(group[0]))
     seconds = {"pairwise": best(lambda: align_pair(group[1], group[0], opts))}
     for refine in ("discrete", "all"):
         seconds[f"joint {refine}"] = best(lambda refine=refine: align_joint(group, opts, anchor=anchor, refine=refine))

@@ -134,10 +134,47 @@ def test_no_code_outside_the_matchers_compares_a_matcher_name():
     assert not _leaks(pattern, lambda rel: rel.as_posix() == "pipeline/matchers.py")
 
 
+def _symmetry_comparisons(source: str) -> list[int]:
+    """The lines of ``source`` that compare something with a symmetry's name written out: ``x == "ffn"``,
+    ``x != "heads"``, ``"residual" in x``, ``x in ("attn", ...)`` (``==``, ``!=``, ``in``, ``not in``; one side a
+    string literal, or a tuple/list/set of them, that is a name of :data:`symmerge.families.SYMMETRIES` or
+    :data:`~symmerge.families.SCALES`)."""
+    import ast
+
+    from symmerge.families import SCALES, SYMMETRIES
+
+    names = set(SYMMETRIES) | {SCALES}
+
+    def literals(node) -> set:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(set(), *map(literals, node.elts))
+        return set()
+
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and any(isinstance(o, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                     for o in node.ops)
+            and names & set().union(*map(literals, [node.left, *node.comparators]))]
+
+
 def test_no_code_outside_groups_special_cases_a_symmetry_name():
-    names = "residual"  # the one with special cases before (ot_fusion's per-layer block names are OT's own)
-    pattern = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s+(not\s+)?in\s+[\w.]*symmetr""")
-    assert not _leaks(pattern, lambda rel: rel.parts[0] == "groups")
+    """No module outside ``symmerge/groups/`` branches on a symmetry's name (any of ``SYMMETRIES``, and
+    ``SCALES``): it asks a kind's declared capability (``families.symmetries_whose``, the rules of
+    ``pipeline/recommend.py``) or reads a group's declared role (``families/roles.py``: ``role``, ``FFN``, ``QK``...).
+
+    What counts: a comparison (``==``, ``!=``, ``in``, ``not in``) with a symmetry's name written out as a
+    string literal. What does not: *declaring* — a family naming the symmetry of a group it builds
+    (``Group("ffn", "permutation", "ffn", ...)``), the tuples that list the names (``SYMMETRIES``,
+    ``RECOMMENDED``), the word tables of other vocabularies that happen to share a spelling (OT fusion's
+    ``units`` parameter, the norms' ``FEEDS``), keys of reports and parameters — none of which compares. A name
+    compared through a constant declared for it (``SCALES``, the roles' ``FFN``) is reading that declaration."""
+    planted = 'if inst.group.symmetry == "ffn":\n    pass\nok = "heads" not in options.symmetries\n' \
+              'x = s in ("attn", "mlp")\nGroup("residual", "residual", "residual", ())\nblock = "mlp"\n'
+    assert _symmetry_comparisons(planted) == [1, 3, 4]  # the test can fail: declarations are not flagged
+    leaks = [f"{path.relative_to(ROOT)}:{n}" for path in sorted(ROOT.rglob("*.py"))
+             if path.relative_to(ROOT).parts[0] != "groups" for n in _symmetry_comparisons(path.read_text())]
+    assert not leaks
 
 
 def test_evaluation_rows_say_whether_they_score_the_saved_model_and_when_max_examples_cut(vits, tmp_path):
@@ -151,3 +188,69 @@ def test_evaluation_rows_say_whether_they_score_the_saved_model_and_when_max_exa
     assert rows[1]["head_from"] == vits[1]
     assert ev["max_examples"]["limit"] == 5 and len(ev["max_examples"]["cut"]) == 2
     assert "--max-examples 5" in ev["max_examples"]["note"]
+
+
+def test_one_recommended_function_holds_every_narrowing_rule():
+    """'recommended' is narrowed (with a note) and an explicit list refused by one function, from facts alone: the
+    groups the anchor binds, heads that differ, a reader of the output frame, a streamed alignment."""
+    from symmerge.pipeline.recommend import moves_heads_input, moves_output_frame, model_wide, moving, recommended
+
+    asked = AlignOptions(symmetries="recommended")
+    available = ("heads", "attn", "ffn", "residual")
+
+    def differ(why):
+        raise SymmergeError(f"heads differ ({why})")
+
+    full, note = recommended(asked, available=available)
+    assert note is None and "residual" in full.symmetries and not full.recommended
+    for facts, capability in ((dict(heads_check=differ), moves_heads_input),
+                              (dict(output_reader="a pipeline reads it"), moves_output_frame),
+                              (dict(streamed=True), model_wide)):
+        gone = moving(full, capability)
+        assert gone == ["residual"]
+        narrowed, note = recommended(asked, available=available, **facts)
+        assert set(narrowed.symmetries) == set(full.symmetries) - set(gone)
+        assert (note is None) == ("streamed" in facts) and (note is None or "residual left out of 'recommended'" in note)
+        with pytest.raises(SymmergeError):
+            recommended(AlignOptions(symmetries="attn,residual"), available=available, **facts)
+    base, note = recommended(asked, model_type="vit", base_given=True)
+    assert base.symmetries == () and "--base" in note
+    kept, note = recommended(AlignOptions(symmetries="attn"), available=available, heads_check=differ,
+                             output_reader="a pipeline reads it", streamed=True)
+    assert kept.symmetries == ("attn",) and note is None
+
+
+def test_both_wings_choose_the_anchor_closest_to_the_average_by_one_rule(tmp_path):
+    """One distance to the average (``plan.closest_to_average`` over ``plan.average_keys``: the body's floating-point
+    tensors) in both wings: the in-memory and the streamed merge pick the same anchor with the same distances, on
+    three models whose task heads would pick another anchor than their bodies (the streamed rule counted the heads
+    before)."""
+    from safetensors.torch import load_file, save_file
+
+    from symmerge.merge.plan import closest
+
+    base = load_file(str(vit_folder(tmp_path / "base", 0) / "model.safetensors"))
+    step = load_file(str(vit_folder(tmp_path / "step", 1) / "model.safetensors"))
+    folders = []
+    for i, shift in enumerate((0.0, 0.5, 1.0)):  # bodies on a line: the middle one is the closest to the average
+        folder = vit_folder(tmp_path / f"m{i}", 0)
+        sd = {k: (v + shift * (step[k] - v)) if not k.startswith("classifier") else v.clone() for k, v in base.items()}
+        if i == 1:  # ... and its head far from the others
+            sd = {k: v + 100.0 if k.startswith("classifier") else v for k, v in sd.items()}
+        save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        folders.append(str(folder))
+    # the old streamed rule (every floating-point tensor, heads included) would choose another model
+    sds = [load_file(f"{f}/model.safetensors") for f in folders]
+    everything = [sum(float((sd[k].double() - sum(x[k].double() for x in sds) / 3).square().sum()) for k in sd)
+                  for sd in sds]
+    assert closest(everything) != 1
+    anchors = {}
+    for mode in ("memory", "stream"):
+        options = MergeOptions(align=AlignOptions(symmetries="attn,ffn"), joint=False, progress=False, evaluate=False,
+                               mode=mode)
+        report = symmerge.merge(folders, tmp_path / f"out-{mode}", options)
+        anchors[mode] = report["alignment"]["anchor"]
+        assert report["mode"] == mode
+    assert anchors["memory"]["index"] == anchors["stream"]["index"] == 1
+    assert anchors["memory"]["distances_to_average"] == pytest.approx(anchors["stream"]["distances_to_average"],
+                                                                      rel=1e-12)

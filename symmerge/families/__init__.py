@@ -17,6 +17,8 @@ SPECS += (t5.SPEC, clip.SPEC, clip.TEXT, clip.VISION)  # several layer stacks (a
 # user-facing symmetry names (``--symmetries``), in the order groups are solved
 SYMMETRIES = ("heads", "attn", "ffn", "rescale", "residual")
 SYMMETRIES += ("experts",)  # mixtures of experts: the experts of a layer, with the router's rows
+# the one symmetry that is no group of its own: with it, the groups' scales are solved too (``--rescale``)
+SCALES = "rescale"
 
 
 def supported_model_types() -> list[str]:
@@ -30,7 +32,7 @@ def spec_for(model_type: str) -> Spec:
     raise SymmergeError(f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}")
 
 
-__all__ = ["SPECS", "SYMMETRIES", "spec_for", "supported_model_types"]
+__all__ = ["SCALES", "SPECS", "SYMMETRIES", "spec_for", "supported_model_types"]
 
 
 def symmetries_whose(test) -> tuple[str, ...]:

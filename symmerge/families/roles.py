@@ -23,6 +23,21 @@ from dataclasses import dataclass, replace
 
 from ..core.spec import Fold, Group, Member, Spec
 
+# The names the role builders give their groups (inside a stack, scoped: T5's ``decoder.cross.attn.vo``). They
+# are the family's data: code that needs a layer's parts (REPAIR's channels, OT fusion's unit sets) reads a
+# group's role (:func:`role`), never a symmetry's name.
+HEADS, QK, VO, FFN = "heads", "attn.qk", "attn.vo", "ffn"
+# the blocks a layer norm may feed (``Stream.norms``): (its output reaches the attention, the MLP)
+FEEDS = {"attn": (True, False), "mlp": (False, True), "both": (True, True)}
+
+
+def role(group_name: str) -> str:
+    """A group's role: its name without its stack's scope (T5's ``decoder.cross.attn.vo`` is an ``attn.vo``)."""
+    for name in (FFN, VO, QK):
+        if group_name == name or group_name.endswith("." + name):
+            return name
+    return group_name
+
 
 @dataclass(frozen=True)
 class Attention:
@@ -116,6 +131,7 @@ def columns(module: str, power: int = 1, heads: str = "query", layout: Layout = 
 
 
 def _attention_groups(p: str, att: Attention, layout: Layout) -> tuple[Group, ...]:
+    """The head permutation, then the QK group (where the attention has one) and the VO group."""
     kv = "kv" if att.grouped else "query"
     if att.fused:
         q, k, v = (rows(p + att.fused, power, h, layout, (c, 3),
@@ -130,16 +146,15 @@ def _attention_groups(p: str, att: Attention, layout: Layout) -> tuple[Group, ..
     o = columns(p + att.o, -1, layout=layout)
     qk_kind = "rope_pairs" if att.rope else "head_orthogonal"
     params = (("pair_norms", tuple(p + n for n in att.pair_norms)),) if att.pair_norms else ()
-    qk = Group("attn.qk", qk_kind, "attn", q + k, heads=kv, params=params)
-    vo = Group("attn.vo", "head_orthogonal", "attn", v + o, heads=kv)
+    qk = Group(QK, qk_kind, "attn", q + k, heads=kv, params=params)
+    vo = Group(VO, "head_orthogonal", "attn", v + o, heads=kv)
     norms = tuple(Member(p + n, 0, 0, heads=h, diag=True) for n, h in zip(att.pair_norms, ("query", kv))) \
         if att.pair_norms_span_heads else ()
     if att.whole_norms:
         qn, kn = att.whole_norms
         norms = (Member(f"{p}{qn}.weight", 0, 0), Member(f"{p}{kn}.weight", 0, 0, heads=kv))
-        return Group("heads", "heads", "heads", q + k + v + o + norms, heads=kv, params=(("couples", ("attn.vo",)),)), vo
-    heads = Group("heads", "heads", "heads", q + k + v + o + norms, heads=kv,
-                  params=(("couples", ("attn.qk", "attn.vo")),))
+        return Group(HEADS, "heads", "heads", q + k + v + o + norms, heads=kv, params=(("couples", (VO,)),)), vo
+    heads = Group(HEADS, "heads", "heads", q + k + v + o + norms, heads=kv, params=(("couples", (QK, VO)),))
     return heads, qk, vo
 
 
@@ -164,7 +179,7 @@ def _mlp_group(p: str, mlp: MLP, layout: Layout) -> Group:
         members += rows(p + name, 1, layout=layout)
     members += columns(p + mlp.output, -1, layout=layout)
     gated = bool(mlp.gate or mlp.fused)
-    return Group("ffn", "permutation", "ffn", members, params=(("unit_scale", "nonzero"),) if gated else ())
+    return Group(FFN, "permutation", "ffn", members, params=(("unit_scale", "nonzero"),) if gated else ())
 
 
 def _readers(p: str, att: Attention, mlp: MLP | None, block: str, layout: Layout,
@@ -174,8 +189,9 @@ def _readers(p: str, att: Attention, mlp: MLP | None, block: str, layout: Layout
     attn = (att.fused,) if att.fused else (att.q, att.k, att.v)
     ffn = ((mlp.gate,) * bool(mlp.gate) + (mlp.fused,) * bool(mlp.fused) + mlp.inputs if mlp else ()) + \
         ((moe.router,) + moe.readers if moe else ())
-    mods = (attn if block in ("attn", "both") else ()) + (ffn if block in ("mlp", "both") else ())
-    experts = (Member(p + moe.gate_up, 2, 0),) if moe and block in ("mlp", "both") else ()
+    to_attn, to_mlp = FEEDS[block]
+    mods = (attn if to_attn else ()) + (ffn if to_mlp else ())
+    experts = (Member(p + moe.gate_up, 2, 0),) if moe and to_mlp else ()
     return tuple(m for name in mods for m in columns(p + name, 0, layout=layout)) + experts
 
 
@@ -259,10 +275,10 @@ def attention_groups(layer: str, att: Attention, heads: bool = True, tied: tuple
     permutation; ``tied``: the head permutation is one for every layer of the stack and also moves these
     members, one block per head (T5's self-attention: its relative position bias, one column per head in
     layer 0, is added to the scores of every layer of the stack)."""
-    groups = _attention_groups(layer + ".", att, Layout())
+    permutation, *others = _attention_groups(layer + ".", att, Layout())  # the head permutation comes first
     if tied:
         what = ("one permutation of the attention heads of every layer of the stack at once, and of the per-head "
                 "columns of the tensors listed without a layer index")
-        groups = tuple(replace(g, members=g.members + tuple(tied), params=g.params + (("tied", "stack"), ("description", what)))
-                       if g.name == "heads" else g for g in groups)
-    return groups if heads else tuple(g for g in groups if g.name != "heads")
+        permutation = replace(permutation, members=permutation.members + tuple(tied),
+                              params=permutation.params + (("tied", "stack"), ("description", what)))
+    return ((permutation,) if heads else ()) + tuple(others)

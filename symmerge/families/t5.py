@@ -27,6 +27,7 @@
 """
 
 from ..core.spec import Fold, Group, Member, Spec, Stack
+from . import roles
 from .roles import Attention, attention_groups, columns, rows, scoped
 
 ENC, DEC = "encoder.block.{i}", "decoder.block.{i}"
@@ -42,7 +43,7 @@ def _ffn(layer: str, block: int) -> Group:
     """The FFN units: the gate (no scale) and the up/input rows of whichever variant the checkpoint has."""
     p = f"{layer}.layer.{block}.DenseReluDense."
     members = tuple(m for n in FFN for m in rows(p + n, 0 if n == "wi_0" else 1, optional=True))
-    return Group("ffn", "permutation", "ffn", members + columns(p + "wo", -1))
+    return Group(roles.FFN, "permutation", "ffn", members + columns(p + "wo", -1))
 
 
 def _readers(layer: str, module: str, which: str = "qkv") -> tuple[Member, ...]:

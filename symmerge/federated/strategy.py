@@ -179,8 +179,43 @@ class AlignedFedAvg(FedAvg):
 
     # ------------------------------------------------------------------ the round
     def aggregate_train(self, server_round, replies):
-        """Check, align into the global frame, aggregate; ``(ArrayRecord, MetricRecord)`` as FedAvg."""
+        """Check, align into the global frame, aggregate; ``(ArrayRecord, MetricRecord)`` as FedAvg. Named
+        stages: :meth:`_global_state_dict` and :meth:`_candidates` (load and check) → :meth:`_align_all` →
+        :meth:`_norm_rule` → :meth:`_outlier_rule` → :meth:`_aggregate` → :meth:`_finish` (the report); too few
+        clients left after a stage, or a failed aggregate, keep the previous global model."""
         t0 = time.perf_counter()
+        global_sd = self._global_state_dict()
+        candidates, left_out = self._candidates(list(replies))
+        record = {"round": server_round, "left_out": left_out, "kept_previous": False, "folded": self.folds,
+                  "symmetries": list(self.alignment.symmetries), "aggregation": self.aggregation.rule,
+                  "outlier_rule": self.outliers.rule, "outlier_z": {}, "clipped": [], "unaligned": []}
+        if self.outliers.relabel is not None:
+            record.update(relabel="detect", relabel_gain={})
+        if len(candidates) < self.aggregation.min_clients:
+            return self._keep_previous(record, candidates, t0)
+        t_align = time.perf_counter()
+        anchor = with_state_dict(self.template, global_sd)
+        anchor = canonical(anchor, self.alignment) if self.alignment.symmetries else anchor
+        anchor_sd = anchor.state_dict()
+        keys = [k for k, v in anchor_sd.items() if v.is_floating_point()]
+        aligned, raw = self._align_all(candidates, anchor, anchor_sd, keys, left_out, record)
+        align_seconds = time.perf_counter() - t_align
+        kept = self._norm_rule(aligned, raw, global_sd, anchor, anchor_sd, keys, left_out, record)
+        kept = self._outlier_rule(kept, anchor, anchor_sd, keys, left_out, record)
+        if len(kept) < self.aggregation.min_clients:
+            return self._keep_previous(record, kept, t0, align_seconds)
+        merged = self._aggregate(server_round, kept, raw, anchor, anchor_sd, keys, record)
+        if merged is None:
+            return self._keep_previous(record, [], t0, align_seconds)
+        arrays = ArrayRecord({k: v.detach().contiguous() for k, v in merged.items()})
+        record.update(accepted=[k[0].metadata.src_node_id for k in kept], weights=[k[2] for k in kept],
+                      distance_before=[k[3] for k in kept], distance_after=[k[4] for k in kept],
+                      align_seconds=align_seconds)
+        metrics = self._client_metrics([k[0] for k in kept])
+        return arrays, self._finish(record, metrics, t0)
+
+    def _global_state_dict(self) -> dict:
+        """The round's global model (set by :meth:`configure_train`), checked against the template."""
         if self.global_arrays is None:
             raise SymmergeError("AlignedFedAvg.aggregate_train needs the round's global model: configure_train sets "
                                 "it (or set strategy.global_arrays)")
@@ -188,7 +223,11 @@ class AlignedFedAvg(FedAvg):
         problem = check_state_dict(global_sd, self.reference)
         if problem is not None:
             raise SymmergeError(f"the global model does not match the template: {problem[1]}")
-        replies = list(replies)
+        return global_sd
+
+    def _candidates(self, replies: list) -> tuple[list, list]:
+        """(the replies whose model is well formed: (message, state dict, weight), the left-out nodes: sampled
+        without a reply, error replies, malformed or mismatched models)."""
         valid, errors = self._check_and_log_replies(replies, is_train=True, validate=False)
         left_out: list[dict] = []
         replied = {m.metadata.src_node_id for m in replies}
@@ -210,21 +249,11 @@ class AlignedFedAvg(FedAvg):
                 self._left_out(left_out, node, e.kind, e.reason)
                 continue
             candidates.append((msg, state_dict, weight))
+        return candidates, left_out
 
-        record = {"round": server_round, "left_out": left_out, "kept_previous": False, "folded": self.folds,
-                  "symmetries": list(self.alignment.symmetries), "aggregation": self.aggregation.rule,
-                  "outlier_rule": self.outliers.rule, "outlier_z": {}, "clipped": [], "unaligned": []}
-        if self.outliers.relabel is not None:
-            record.update(relabel="detect", relabel_gain={})
-        if len(candidates) < self.aggregation.min_clients:
-            return self._keep_previous(record, candidates, t0)
-
-        # ---------------------------------------------------------------- align into the global frame
-        t_align = time.perf_counter()
-        anchor = with_state_dict(self.template, global_sd)
-        anchor = canonical(anchor, self.alignment) if self.alignment.symmetries else anchor
-        anchor_sd = anchor.state_dict()
-        keys = [k for k, v in anchor_sd.items() if v.is_floating_point()]
+    def _align_all(self, candidates, anchor, anchor_sd, keys, left_out, record) -> tuple[list, dict]:
+        """(every candidate aligned into the global frame: (message, state dict, weight, distance before, after),
+        {node: the client's own state dict}); a failed alignment or an overflowing distance leaves it out."""
         aligned = []
         raw = {}
         for msg, state_dict, weight in candidates:
@@ -239,9 +268,11 @@ class AlignedFedAvg(FedAvg):
                 continue
             aligned.append((msg, sd, weight, before, after))
             raw[node] = state_dict  # the client's own model (its update scaled down when clipped)
-        align_seconds = time.perf_counter() - t_align
+        return aligned, raw
 
-        # ---------------------------------------------------------------- the norm rule, on aligned updates
+    def _norm_rule(self, aligned, raw, global_sd, anchor, anchor_sd, keys, left_out, record) -> list:
+        """The norm rule, on the aligned updates: an outlier is left out, or with ``norm_clip`` its own update
+        scaled down to the others' median norm and aligned again (``raw`` then holds the scaled model)."""
         distances = [a[4] for a in aligned]
         kept = []
         for i, (item, reason) in enumerate(zip(aligned, norm_outliers(distances, self.outliers.norm_factor))):
@@ -266,10 +297,11 @@ class AlignedFedAvg(FedAvg):
                 raw[node] = scale_update(state_dict, global_sd, float_keys, scale)
             else:
                 self._left_out(left_out, item[0].metadata.src_node_id, "norm", reason)
-        kept = self._outlier_rule(kept, anchor, anchor_sd, keys, left_out, record)
-        if len(kept) < self.aggregation.min_clients:
-            return self._keep_previous(record, kept, t0, align_seconds)
+        return kept
 
+    def _aggregate(self, server_round, kept, raw, anchor, anchor_sd, keys, record) -> dict | None:
+        """The kept clients aggregated (jointly aligned first with ``joint``); None, with the record's note, when
+        the joint alignment fails or the aggregate is not finite."""
         if self.client_alignment.joint:
             try:
                 merged = self._joint_aggregate([raw[k[0].metadata.src_node_id] for k in kept], [k[2] for k in kept],
@@ -278,20 +310,15 @@ class AlignedFedAvg(FedAvg):
                 log(WARNING, "aggregate_train: round %d: the joint alignment failed (%s: %s); the previous global "
                              "model is kept", server_round, type(e).__name__, e)
                 record["note"] = f"the joint alignment failed: {type(e).__name__}: {e}"
-                return self._keep_previous(record, [], t0, align_seconds)
+                return None
         else:
             merged = aggregate([k[1] for k in kept], [k[2] for k in kept], keys, anchor_sd, self.aggregation.rule,
                                self.aggregation.trim)
         if not all(bool(torch.isfinite(merged[k]).all()) for k in keys):  # e.g. huge finite values that overflow
             log(WARNING, "aggregate_train: round %d: the aggregate is not finite", server_round)
             record["note"] = "the aggregate was not finite: the previous global model is kept"
-            return self._keep_previous(record, [], t0, align_seconds)
-        arrays = ArrayRecord({k: v.detach().contiguous() for k, v in merged.items()})
-        record.update(accepted=[k[0].metadata.src_node_id for k in kept], weights=[k[2] for k in kept],
-                      distance_before=[k[3] for k in kept], distance_after=[k[4] for k in kept],
-                      align_seconds=align_seconds)
-        metrics = self._client_metrics([k[0] for k in kept])
-        return arrays, self._finish(record, metrics, t0)
+            return None
+        return merged
 
     def _align(self, state_dict: dict, anchor, anchor_sd: dict, keys, node=None,
                record: dict | None = None) -> tuple[dict, float, float]:
@@ -320,14 +347,14 @@ class AlignedFedAvg(FedAvg):
     def _joint_aggregate(self, state_dicts: list, weights: list, anchor, keys, record: dict) -> dict:
         """The clients aligned jointly (anchor: the client closest to their average), aggregated, then moved into
         the global model's frame by a data-free alignment of the aggregate to it (its function unchanged)."""
-        from ..merge.fuse import closest_to_average
         from ..merge.heads import head_keys
+        from ..merge.plan import average_keys, closest_to_average
         from ..pipeline.joint import align_joint
 
         t = time.perf_counter()
         models = [with_state_dict(self.template, sd) for sd in state_dicts]
-        heads = set(head_keys(self.template))
-        star, _ = closest_to_average(state_dicts, [k for k in keys if k not in heads])
+        body = average_keys(keys, head_keys(self.template), lambda k: state_dicts[0][k].dtype)
+        star, _ = closest_to_average(lambda k: [sd[k] for sd in state_dicts], body)
         joint = align_joint(models, self.alignment.with_(verify=False), anchor=star, max_rounds=self.client_alignment.joint_rounds,
                             refine=self.client_alignment.joint_refine)
         sds = [x.state_dict() for x in joint.models]

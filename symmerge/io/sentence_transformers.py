@@ -25,7 +25,7 @@ that pipeline:
   equal the original model's, so an index built with the input model stops matching, and a Dense
   module would read permuted inputs. No module of the pipeline is transformed with the stream, so
   ``recommended`` leaves ``residual`` out (with a note) and naming it is an error
-  (:func:`keep_output_frame`). (For a base model class, e.g. ``BertModel``, ``recommended`` has no
+  (:func:`output_reader` states the fact, :func:`symmerge.pipeline.recommend.recommended` the rule). (For a base model class, e.g. ``BertModel``, ``recommended`` has no
   residual group anyway: its output is the stream.)
 """
 
@@ -235,22 +235,16 @@ def check_pipelines(named, method=None, base=None, allow_pickle: bool = False) -
     return entry
 
 
-def keep_output_frame(options, recommended: bool, entry: dict | None):
-    """``(options, note)``: ``options`` without the symmetries that move the output's coordinates (the kinds
-    that declare ``moves_output_frame``: the residual stream) when a sentence-transformers pipeline reads the
-    stream (see the module docstring); such a symmetry named explicitly is an error."""
-    from ..families import symmetries_whose
-
-    moving = [s for s in options.symmetries if s in symmetries_whose(lambda kind: kind.moves_output_frame)]
-    if entry is None or not moving:
-        return options, None
-    why = ("the sentence-transformers pipeline (" + ", ".join(entry["modules"][1:]) + ") reads the transformer's "
-           "output, the residual stream, and none of its modules is transformed with it: a residual transform "
-           "would change the coordinates of every embedding")
-    if not recommended:
-        raise SymmergeError(f"the {moving[0]} symmetry cannot be aligned here: {why}; leave {moving[0]} out")
-    return options.with_(symmetries=tuple(s for s in options.symmetries if s not in moving)), \
-        f"{', '.join(moving)} left out of 'recommended': {why}"
+def output_reader(entry: dict | None) -> str | None:
+    """Why the transformer's output frame must stay when a sentence-transformers pipeline (``entry``, from
+    :func:`check_pipelines`) reads it, or None without one: the fact
+    :func:`symmerge.pipeline.recommend.recommended` reads to leave out (or refuse) the symmetries whose kind
+    moves the output frame (the residual stream)."""
+    if entry is None:
+        return None
+    return ("the sentence-transformers pipeline (" + ", ".join(entry["modules"][1:]) + ") reads the transformer's "
+            "output, the residual stream, and none of its modules is transformed with it: a residual transform "
+            "would change the coordinates of every embedding")
 
 
 def write_pipeline(dst: Path, src: Path, report: dict | None, merge_modules=None) -> list[str]:

@@ -22,17 +22,18 @@ from pathlib import Path
 from ..core.distance import distance, distance_before_after
 from ..device import resolve_device
 from ..errors import SymmergeError
-from ..families import symmetries_whose
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import load_model
 from ..io.prefix import adapt_models, not_merged
-from ..io.sentence_transformers import check_pipelines, keep_output_frame
+from ..io.sentence_transformers import check_pipelines, output_reader
 from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
+from ..pipeline.bound import bind
 from ..pipeline.data import generated_once
 from ..pipeline.joint import align_joint
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
+from ..pipeline.recommend import moves_heads_input, moving, recommended
 from ..pipeline.report import match_fields
 from ..progress import line, stage, stage_printer
 from ..pipeline.verify import with_state_dict
@@ -41,7 +42,7 @@ from .repair import DEFAULT_CHANNELS, parse_channels, repair, statistics_data
 from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_mergeable, head_keys, head_policy,
                     head_report, untied, with_tied)
 from .statistics import gather
-from .plan import anchor_rule, closest, merge_report, plan_merge
+from .plan import anchor_rule, average_keys, closest_to_average, merge_report, plan_merge
 
 
 
@@ -213,12 +214,6 @@ def _files_of(files, i: int) -> list:
     return list(files) if len(files) == 1 else [files[i]] if len(files) > 1 else []
 
 
-def closest_to_average(state_dicts, keys) -> tuple[int, list[float]]:
-    avg = {k: sum(sd[k].double() for sd in state_dicts) / len(state_dicts) for k in keys}
-    dists = [distance(sd, avg, keys) for sd in state_dicts]
-    return closest(dists), dists
-
-
 def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pickle=False):
     """(anchor model, info) by the one anchor rule (:func:`symmerge.merge.plan.anchor_rule`); ``anchor``:
     None, an index, or a model/folder."""
@@ -226,7 +221,9 @@ def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pick
     if rule == "base model":
         return base_model, {"index": None, "name": base_name, "rule": rule}
     if rule == "closest to the average":
-        idx, dists = closest_to_average([x.state_dict() for x in models], body)
+        sds = [x.state_dict() for x in models]
+        keys = average_keys(untied(models[0], body), head_keys(models[0]), lambda k: sds[0][k].dtype)
+        idx, dists = closest_to_average(lambda k: [sd[k] for sd in sds], keys)
         return models[idx], {"index": idx, "name": names[idx], "rule": rule, "distances_to_average": dists}
     if index is not None:
         return models[index], {"index": index, "name": names[index], "rule": rule}
@@ -235,32 +232,20 @@ def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pick
     return anchor_model, {"index": None, "name": _name(anchor, "anchor"), "rule": rule}
 
 
-def resolve_alignment(targets, anchor_model, options: AlignOptions) -> tuple[AlignOptions, str | None]:
-    """The options every model is aligned with, and a note when 'recommended' had to leave a group out:
-    'recommended' resolves against the anchor (the models share its body); a symmetry whose kind moves the
-    heads' input (``Kind.moves_heads_input``: the residual stream) is left out when the heads differ (named
-    explicitly, that is an error)."""
-    resolved = options.for_model(anchor_model)
-    moving = _moving_heads_input(resolved)
-    if not moving:
-        return resolved, None
-    for name, x in targets:
-        if x is anchor_model:
-            continue
-        try:  # the head reads the stream: it is matched too, so heads must agree
-            check_heads_mergeable([x, anchor_model], [name, "the anchor"], labels=False,
-                                  why=f"the {moving[0]} symmetry moves the heads' input; leave it out")
-        except SymmergeError as e:
-            if not options.recommended:
-                raise
-            return resolved.with_(symmetries=tuple(s for s in resolved.symmetries if s not in moving)), \
-                f"{', '.join(moving)} left out of 'recommended': {e}"
-    return resolved, None
+def resolve_alignment(targets, anchor_model, options: AlignOptions,
+                      output_reader: str | None = None) -> tuple[AlignOptions, str | None]:
+    """The options every model is aligned with, and a note when 'recommended' had to leave a group out: the
+    facts of these models handed to the one rule (:func:`symmerge.pipeline.recommend.recommended`) — the groups
+    the anchor binds (the models share its body), the heads of every target checked against the anchor's, what
+    reads the output frame (``output_reader``)."""
+    def heads_check(why: str) -> None:
+        for name, x in targets:
+            if x is not anchor_model:
+                check_heads_mergeable([x, anchor_model], [name, "the anchor"], labels=False, why=why)
 
-
-def _moving_heads_input(options: AlignOptions) -> list[str]:
-    """The symmetries of ``options`` whose kind moves the heads' input."""
-    return [s for s in options.symmetries if s in symmetries_whose(lambda kind: kind.moves_heads_input)]
+    available = (bind(anchor_model, options.layers, options.residual).symmetries if options.recommended
+                 else None)
+    return recommended(options, available=available, heads_check=heads_check, output_reader=output_reader)
 
 
 def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool = False):
@@ -274,7 +259,7 @@ def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool
             moved.append(anchor_form)
             reports.append({"model": name, "anchor": True})
             continue
-        proxy = anchor_model if _moving_heads_input(options) else anchor_proxy(x, anchor_model, set(body))
+        proxy = anchor_model if moving(options, moves_heads_input) else anchor_proxy(x, anchor_model, set(body))
         with stage(f"aligned {name} to the anchor", enabled=progress):
             res = align_pair(x, proxy, options, progress=stage_printer(desc=f"aligning {name}") if progress else None)
         moved.append(res.model)
@@ -384,7 +369,7 @@ def _load_and_check(run: _Run, models) -> None:
 
 def _align(run: _Run, models) -> None:
     """Every model aligned to the plan's anchor (the star) or into one frame (joint), with the options the
-    plan resolved, narrowed against the anchor (:func:`resolve_alignment`, :func:`keep_output_frame`)."""
+    plan resolved, narrowed against the anchor (:func:`resolve_alignment`)."""
     t = time.perf_counter()
     opts, plan, names = run.opts, run.plan, run.names
     align_opts = plan.align.with_(align_data=opts.align.align_data) if plan.aligns else plan.align
@@ -397,9 +382,7 @@ def _align(run: _Run, models) -> None:
                                                           run.base_name, opts.allow_pickle)
         targets = list(zip(names, run.models)) + ([(run.base_name, run.base_model)] if run.base_model is not None
                                                   else [])
-        align_opts, note = resolve_alignment(targets, anchor_model, align_opts)
-        align_opts, kept = keep_output_frame(align_opts, opts.align.recommended, run.embedding)
-        note = "; ".join(n for n in (note, kept) if n)
+        align_opts, note = resolve_alignment(targets, anchor_model, align_opts, output_reader(run.embedding))
         alignment.update(symmetries=list(align_opts.symmetries), rescale=align_opts.effective_rescale)
         if note:
             alignment["note"] = note

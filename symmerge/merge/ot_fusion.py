@@ -52,11 +52,14 @@ import torch
 from ..core.slots import index_axis, precise_dtype, segment, unit_matrix, with_segment
 from ..core.solvers.transport import METRICS, as_permutation, check_reg, column_map, ground_cost, transport_plan
 from ..errors import SymmergeError
+from ..families.roles import FFN, HEADS, QK, VO, role
 from ..pipeline.bound import bind
 from .base import Method, weighted_sum
 
-UNITS = ("ffn", "attn", "residual")
+# the unit sets a user names (``--param units=ffn,attn,residual``) and what each transports
+UNITS = {"ffn": "hidden_units", "attn": "head_dims", "residual": "stream"}
 QK_MODES = ("separate", "joint")
+BLOCKS = ("attn", "mlp")  # a layer's blocks in data-flow order (its residual-stream states 2i and 2i + 1)
 RESIDUAL_POLICIES = ("auto", "mean", "single")
 COMMON = {"units": "ffn,attn,residual", "qk": "separate", "cross_heads": True, "residual": "auto",
           "cost": "euclidean", "normalize": True}
@@ -68,7 +71,7 @@ COMMON = {"units": "ffn,attn,residual", "qk": "separate", "cross_heads": True, "
 @dataclass(frozen=True)
 class Settings:
     reg: float
-    units: frozenset
+    units: frozenset  # what is transported: values of UNITS
     qk: str
     cross_heads: bool
     residual: str
@@ -91,7 +94,7 @@ def parse_units(value) -> frozenset:
     bad = [n for n in names if n not in UNITS]
     if bad or not names:
         raise SymmergeError(f"OT fusion: units must be a non-empty comma list of {', '.join(UNITS)}, got {value!r}")
-    return frozenset(names)
+    return frozenset(UNITS[n] for n in names)
 
 
 def settings(params: dict, activations: bool, reg=None) -> Settings:
@@ -140,8 +143,16 @@ def _sources(bound, slots) -> tuple:
     return tuple((s.key, s.start, s.length) for s in slots if bound.output_axis(s.key) == s.axis)
 
 
+def _block_units(bound, layer: dict, s: Settings) -> dict:
+    """The unit sets of one layer, per block: the attention's head dims, the MLP's hidden units."""
+    ffn = layer.get(FFN)
+    return {BLOCKS[0]: _attention(bound, layer, s) if "head_dims" in s.units else [],
+            BLOCKS[1]: [Units(ffn.name, ffn.slots, _sources(bound, ffn.slots))]
+            if "hidden_units" in s.units and ffn is not None else []}
+
+
 def _attention(bound, layer: dict, s: Settings) -> list:
-    qk, vo = layer.get("attn.qk"), layer.get("attn.vo")
+    qk, vo = layer.get(QK), layer.get(VO)
     if qk is None or vo is None:
         return []
     if getattr(qk.info, "rotary", None):  # RoPE pairs
@@ -160,23 +171,32 @@ def _attention(bound, layer: dict, s: Settings) -> list:
     return [Units(name, slots, _sources(bound, slots), blocks) for name, slots in sets]
 
 
+def _block_of(layers: dict) -> dict:
+    """``{module: (layer i, block)}`` of every module the layers' groups touch: the FFN's in the layer's MLP
+    block, the attention groups' in its attention block (:data:`BLOCKS`)."""
+    return {_module(sl.key): (i, BLOCKS[1] if role(inst.group.name) == FFN else BLOCKS[0])
+            for i, groups in layers.items() for inst in groups.values() for sl in inst.slots}
+
+
+def _fold_places(bound, block_of: dict, fold, i) -> set:
+    """The blocks (or ``"final"``: the task heads) reading the norm ``fold`` of layer ``i``."""
+    fill = (lambda t: t.format(i=i) if "{i}" in t else t)
+    places = {"final" if m.root else block_of.get(_module(bound.prefix + fill(m.name))) for m in fold.readers}
+    places.discard(None)
+    return places
+
+
 def _stream_layout(bound, layers: dict, stream) -> dict:
     """Where each slot of the residual stream sits in a pre-norm flow: ``embeddings`` (writing state
     0), per block (layer i, "attn"|"mlp") its ``readers`` (with the norm it reads) and ``writers``,
     and ``final`` (the final norm and the task heads)."""
     spec, prefix = bound.spec, bound.prefix
-    block_of = {}
-    for i, groups in layers.items():
-        for inst in groups.values():
-            block = "mlp" if inst.group.symmetry == "ffn" else "attn"
-            for sl in inst.slots:
-                block_of[_module(sl.key)] = (i, block)
+    block_of = _block_of(layers)
     norm_place = {}
     for fold in spec.folds:
         for i in (sorted(layers) if "{i}" in fold.weight else [None]):
             fill = (lambda t, i=i: t.format(i=i) if "{i}" in t else t)
-            places = {"final" if m.root else block_of.get(_module(prefix + fill(m.name))) for m in fold.readers}
-            places.discard(None)
+            places = _fold_places(bound, block_of, fold, i)
             if len(places) != 1:
                 raise SymmergeError(f"OT fusion: {prefix + fill(fold.weight)} feeds {len(places)} blocks (parallel "
                                     "attention and MLP); use --param residual=single")
@@ -204,10 +224,11 @@ def _stream_layout(bound, layers: dict, stream) -> dict:
     return out
 
 
-def _parallel_blocks(spec) -> bool:
+def _parallel_blocks(bound, layers: dict) -> bool:
     """One norm feeding attention and MLP together (Phi): no sequential flow for the mean policy."""
-    return any(len(f.readers) and any("mlp" in m.name for m in f.readers) and any("attn" in m.name for m in f.readers)
-               for f in spec.folds)
+    block_of = _block_of(layers)
+    return any(len({place for place in _fold_places(bound, block_of, f, i) if place != "final"}) > 1
+               for f in bound.spec.folds for i in (sorted(layers) if "{i}" in f.weight else [None]))
 
 
 def build_flow(model, s: Settings) -> list:
@@ -224,13 +245,13 @@ def build_flow(model, s: Settings) -> list:
                             "task arithmetic, TIES or DARE after --align recommended, whose experts group matches "
                             "the experts")
     layers: dict = {}
-    for inst in instances:
-        if inst.layer >= 0 and inst.group.symmetry != "heads":
-            layers.setdefault(inst.layer, {})[inst.group.name] = inst
-    stream = next((i for i in instances if not i.kind.per_layer), None) if "residual" in s.units else None
+    for inst in instances:  # the head dims and hidden units; the head permutation is subsumed by the head dims
+        if inst.layer >= 0 and role(inst.group.name) != HEADS:
+            layers.setdefault(inst.layer, {})[role(inst.group.name)] = inst
+    stream = next((i for i in instances if not i.kind.per_layer), None) if "stream" in s.units else None
     policy = s.residual
     if policy == "auto":  # Imfeld et al.'s mean policy where the stream is pre-norm, else one plan for it all
-        pre = stream is not None and stream.group.param("placement") == "pre" and not _parallel_blocks(spec)
+        pre = stream is not None and stream.group.param("placement") == "pre" and not _parallel_blocks(bound, layers)
         policy = "mean" if pre else "single"
     n_states = len(layers) + 1
     flow: list = []
@@ -240,14 +261,12 @@ def build_flow(model, s: Settings) -> list:
     if layout is not None:
         flow.append(Units("embeddings", tuple(layout["embeddings"]), (("hidden_states.0", 0, None),), state=0))
     for i in sorted(layers):
-        for block, state in (("attn", 2 * i), ("mlp", 2 * i + 1)):
+        units = _block_units(bound, layers[i], s)
+        for k, block in enumerate(BLOCKS):
+            state = 2 * i + k
             if layout is not None:
                 flow.append(Carry(state, tuple(layout["readers"].get((i, block), ()))))
-            if block == "attn" and "attn" in s.units:
-                flow += _attention(bound, layers[i], s)
-            if block == "mlp" and "ffn" in s.units and "ffn" in layers[i]:
-                ffn = layers[i]["ffn"]
-                flow.append(Units(ffn.name, ffn.slots, _sources(bound, ffn.slots)))
+            flow += units[block]
             writers = tuple(layout["writers"].get((i, block), ())) if layout is not None else ()
             if writers:
                 flow.append(Units(f"layer.{i}.{block}.out", writers, _sources(bound, writers), state=state + 1))

@@ -736,8 +736,7 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
         raise SymmergeError(f"unknown parts ({sparsifier!r}, {consensus!r}); sparsifiers: "
                             f"{', '.join(SPARSIFIERS)}, breadcrumbs, della; consensus: {', '.join(CONSENSUS)}")
     params = {"normalize": "count" if consensus == "ties" else False, "int8_mask": False, **params}
-    if "rescale" not in params:
-        params["rescale"] = "inverse" if sparsifier == "dare" else (True if sparsifier == "della" else False)
+    params.setdefault("rescale", "inverse" if sparsifier == "dare" else (True if sparsifier == "della" else False))
     aliases = {"lambda": ("scale", None)}
     if sparsifier == "dare":
         aliases["density"] = ("drop", lambda d: 1.0 - float(d))

@@ -3,10 +3,12 @@ the options, and executed by both wings (in memory: :mod:`symmerge.merge.fuse`; 
 :mod:`symmerge.merge.stream`), neither of which re-derives a rule:
 
 * the **mode** (``auto`` / ``memory`` / ``stream``) and why (:func:`choose_mode`);
-* what the **alignment** resolves to for these models (:func:`recommended`: 'recommended' aligns nothing for a
-  model type without a symmetry spec, nor when a base model is given) and whether its **matcher** can run in
-  the chosen mode (a matcher that cannot stream is refused by the plan, in one error naming ``--match`` and
-  ``--mode``);
+* what the **alignment** resolves to for these models (:func:`~symmerge.pipeline.recommend.recommended`, the one
+  function holding every rule that narrows 'recommended': here, nothing for a model type without a symmetry
+  spec, nor when a base model is given; the aligning wing hands it the facts it learns against the anchor —
+  the groups the anchor binds, whether the heads differ, whether a pipeline reads the output frame, whether it
+  streams) and whether its **matcher** can run in the chosen mode (a matcher that cannot stream is refused by
+  the plan, in one error naming ``--match`` and ``--mode``);
 * the **frame** (``none``: nothing aligned; ``base``: every model aligned to the base; ``star``: every model to
   one anchor; ``joint``: every model into one common frame) and the **anchor** rule (:func:`anchor_rule`);
 * the **method** and its checked parameters, the **statistics** it needs, the requested **head** policy;
@@ -19,55 +21,22 @@ checkpoint headers by the streamed wing (:func:`symmerge.merge.stream.plain_step
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core import memory
+from ..core.distance import sq_distance
 from ..errors import SymmergeError
-from ..families import spec_for, supported_model_types
 from ..io.model import read_config, weight_files
 from ..pipeline.matchers import streaming_refusal
 from ..pipeline.options import AlignOptions
+from ..pipeline.recommend import BASE_NOTE, has_spec, plain_fallback, recommended  # noqa: F401 (the plan's rules)
 
 MODES = ("auto", "stream", "memory")
 MEMORY_FRACTION = 0.5  # auto: models larger than this fraction of the available memory are streamed
-BASE_NOTE = ("'recommended' aligns nothing when a --base is given: models fine-tuned from one base share its "
-             "parameterisation (matching changed no accuracy there, docs/results.md); name symmetries to align "
-             "anyway")
 FRAMES = ("none", "base", "star", "joint")
-
-
-def has_spec(model_type: str) -> bool:
-    try:
-        spec_for(model_type)
-        return True
-    except SymmergeError:
-        return False
-
-
-def plain_fallback(align: AlignOptions, model_type: str):
-    """(alignment options, note) for a model type without a symmetry spec: 'recommended' falls back to no
-    alignment with a note; an explicit list is refused naming the supported types; 'none' stays."""
-    if not align.symmetries or has_spec(model_type):
-        return align, None
-    if align.recommended:
-        return align.with_(symmetries=()), (f"no symmetry spec for model_type {model_type!r}: merged without "
-                                            f"alignment (symmetry alignment supports: "
-                                            f"{', '.join(supported_model_types())})")
-    spec_for(model_type)  # raises the one clear error naming the supported types
-    return align, None
-
-
-def recommended(align: AlignOptions, model_type: str, base_given: bool) -> tuple[AlignOptions, str | None]:
-    """What the alignment options resolve to for a merge of ``model_type`` models, with a note when
-    'recommended' was narrowed: nothing for a model type without a spec (:func:`plain_fallback`), nothing when
-    a base model is given (fine-tunes of one base share its frame). The groups a given model binds, and the
-    ones the heads or the output frame rule out, are resolved against the anchor by the aligning wing."""
-    align, note = plain_fallback(align, model_type)
-    if align.symmetries and base_given and align.recommended:
-        return align.with_(symmetries=()), BASE_NOTE
-    return align, note
 
 
 def anchor_rule(n: int, anchor, base_given: bool) -> tuple[int | None, str]:
@@ -91,6 +60,28 @@ def anchor_rule(n: int, anchor, base_given: bool) -> tuple[int | None, str]:
 def closest(distances) -> int:
     """The index of the smallest distance (the model closest to the average)."""
     return min(range(len(distances)), key=list(distances).__getitem__)
+
+
+def average_keys(keys, heads, dtype) -> list[str]:
+    """The tensors the distance to the average runs over, in both wings: the body (``keys`` outside the task
+    heads ``heads``; tied aliases are not among ``keys``), floating point only (``dtype(key)``)."""
+    heads = set(heads)
+    return [k for k in keys if k not in heads and dtype(k).is_floating_point]
+
+
+def closest_to_average(tensors, keys) -> tuple[int, list[float]]:
+    """(index of the model closest to the plain average of all models, every model's distance (L2) to it)
+    over ``keys`` (:func:`average_keys`), one tensor at a time: ``tensors(key)`` gives the models' tensors of
+    ``key`` (from memory or read from their checkpoints)."""
+    sq: list[float] = []
+    for k in keys:
+        ts = tensors(k)
+        sq = sq or [0.0] * len(ts)
+        avg = {"x": sum(t.double() for t in ts) / len(ts)}
+        for i, t in enumerate(ts):
+            sq[i] += sq_distance({"x": t}, avg, ["x"])
+    dists = [math.sqrt(v) for v in sq]
+    return closest(dists), dists
 
 
 def checkpoint_bytes(folder) -> int:
@@ -214,7 +205,7 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     n = len(models)
     m = options.check(n)
     model_type = model_type_of(models[0])
-    align, note = recommended(options.align, model_type, options.base is not None)
+    align, note = recommended(options.align, model_type=model_type, base_given=options.base is not None)
     aligns = bool(align.symmetries)
     mode, why = choose_mode(mode, m, options, models, aligns)
     index, rule = anchor_rule(n, options.anchor, options.base is not None) if aligns else (None, None)

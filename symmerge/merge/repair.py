@@ -44,6 +44,7 @@ import time
 import torch
 
 from ..errors import SymmergeError
+from ..families.roles import FFN, QK, VO, role
 from ..groups import get_kind
 from ..io.hf import linear_output_axis
 from ..pipeline.bound import bind
@@ -54,14 +55,6 @@ DEFAULT_CHANNELS = ("ffn", "norm")  # the channels that helped after every align
 REMEASURE = ("none", "layer", "site")
 
 
-def _role(group_name: str) -> str:
-    """A group's name without its stack's scope (T5's ``decoder.cross.attn.vo`` is an ``attn.vo``)."""
-    for role in ("ffn", "attn.vo", "attn.qk"):
-        if group_name == role or group_name.endswith("." + role):
-            return role
-    return group_name
-
-
 def _head_sizes(bound) -> dict[str, int]:
     """``{module path: head size}`` of the query and key projections whose whole output is the QK group's
     slot (channel ``qk``; slices of a fused projection are left out)."""
@@ -69,7 +62,7 @@ def _head_sizes(bound) -> dict[str, int]:
 
     out: dict[str, int] = {}
     for inst in bound.instances:
-        if _role(inst.group.name) != "attn.qk":
+        if role(inst.group.name) != QK:
             continue
         for slot in inst.slots:
             found = activation_slot(bound.model, slot)
@@ -88,11 +81,11 @@ def _sites(bound) -> dict[str, str]:
     out: dict[str, str] = {n: "qk" for n in _head_sizes(bound)}
     for inst in bound.instances:
         for slot in inst.slots:
-            role = _role(inst.group.name)
-            if role not in ("ffn", "attn.vo") or (found := activation_slot(model, slot)) is None:
+            part = role(inst.group.name)
+            if part not in (FFN, VO) or (found := activation_slot(model, slot)) is None:
                 continue
             site, _ = found
-            if role == "ffn":
+            if part == FFN:
                 out[site.module] = "ffn" if site.side == "out" else "mlp_out"
             elif site.side == "in":
                 out[site.module] = "attn_out"

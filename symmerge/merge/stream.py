@@ -28,7 +28,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..core.distance import sq_distance
 from ..core.layout import Layout, check_layouts
 from ..errors import SymmergeError
 from ..io.checkpoint import LazyCheckpoint
@@ -41,8 +40,8 @@ from ..io.tokenizers import check_tokenizers
 from ..progress import stage
 from .executor import DEFAULT_SHARD, _Budget, config_text, default_budget, execute_steps  # noqa: F401 (re-exported)
 from .heads import head_policy, head_report
-from .plan import (MEMORY_FRACTION, MODES, MergePlan, checkpoint_bytes, choose_mode, closest,  # noqa: F401
-                   has_spec, merge_report, plain_fallback, plan_merge, stream_refusal)
+from .plan import (MEMORY_FRACTION, MODES, MergePlan, average_keys, checkpoint_bytes, choose_mode,  # noqa: F401
+                   closest, closest_to_average, has_spec, merge_report, plain_fallback, plan_merge, stream_refusal)
 from .steps import uniform_steps
 
 
@@ -171,19 +170,6 @@ def _plain_streaming(folders, base_folder, out, options, *, plan, names, alignme
     return report
 
 
-def _closest_to_average(ckpts) -> list[float]:
-    """Every model's distance (L2) to the plain average, one tensor at a time."""
-    sq = [0.0] * len(ckpts)
-    for k in ckpts[0].keys():
-        ts = [c.read_direct(k) for c in ckpts]
-        if not ts[0].is_floating_point():
-            continue
-        avg = {"x": sum(t.double() for t in ts) / len(ts)}
-        for i, t in enumerate(ts):
-            sq[i] += sq_distance({"x": t}, avg, ["x"])
-    return [math.sqrt(v) for v in sq]
-
-
 def _aligned_streaming(models, out, options, *, plan, names, timings, t0, **rest) -> dict:
     """Each model aligned to the anchor with :func:`symmerge.pipeline.stream.align_streaming` (one part of
     a layer at a time, into temporary shards beside ``out``), then the aligned folders merged tensor by
@@ -193,8 +179,10 @@ def _aligned_streaming(models, out, options, *, plan, names, timings, t0, **rest
     idx, info = plan.anchor_index, {"rule": plan.anchor_rule}
     if plan.anchor_rule == "closest to the average":
         with stage("chose the anchor (closest to the average)", enabled=options.progress):
-            dists = _closest_to_average([LazyCheckpoint(x, spec=False) for x in models])
-        idx, info = closest(dists), {**info, "distances_to_average": dists}
+            ckpts = [LazyCheckpoint(x, spec=False) for x in models]
+            keys = average_keys(ckpts[0].keys(), head_keys_of(ckpts[0]), ckpts[0].dtype.__getitem__)
+            idx, dists = closest_to_average(lambda k: [c.read_direct(k) for c in ckpts], keys)
+        info = {**info, "distances_to_average": dists}
     anchor_path = Path(models[idx]) if idx is not None else Path(options.anchor if options.anchor is not None
                                                                  else options.base)
     info = {"index": idx, "name": str(anchor_path), **info}

@@ -16,16 +16,16 @@ from ..io.layout import layout_of
 from ..core.resolve import declared_ties
 from ..device import resolve_device
 from ..errors import SymmergeError
-from ..families import symmetries_whose
 from ..io.model import load_model
 from ..io.prefix import adapt_pair
-from ..io.sentence_transformers import check_pipelines, keep_output_frame
+from ..io.sentence_transformers import check_pipelines, output_reader
 from ..io.tokenizers import check_tokenizers
 from ..progress import running, stage
 from .bound import bind, instances_for  # noqa: F401  (instances_for: the public (spec, instances) shortcut)
 from .data import load_align_data  # noqa: F401  (re-exported)
 from .matchers import MATCHERS, MatchContext
 from .options import DEFAULT_SYMMETRIES, AlignOptions
+from .recommend import recommended
 from .report import Distances, alignment_report
 from .verify import ELEMENT_CHECK, verify_elements, verify_forward, with_state_dict
 
@@ -98,21 +98,6 @@ class Alignment:
     bound: object = None  # the model's BoundModel (symmerge.pipeline.bound): spec, layers, output axes
 
 
-def _require_groups(spec, instances, symmetries) -> None:
-    """A requested symmetry whose groups this model does not have is an error, not a silent no-op."""
-    bound = {i.group.symmetry for i in instances}
-    for name in symmetries:
-        if spec.group(name) is None and not any(g.symmetry == name for g in spec.groups):
-            continue  # not a group of its own (rescale)
-        if name not in bound:
-            if name in symmetries_whose(lambda kind: kind.moves_heads_input):
-                raise SymmergeError(
-                    "the residual symmetry needs a model with a task head reading the residual stream (e.g. "
-                    "LlamaForCausalLM, ViTForImageClassification, GPT2LMHeadModel) of a family with a residual "
-                    f"spec; this {spec.family} model has no residual group (a base model's output is the stream)")
-            raise SymmergeError(f"this {spec.family} model has no {name!r} group")
-
-
 def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict | None = None, progress=None,
                allow_pickle: bool = False, allow_tokenizer_mismatch: bool = False) -> Alignment:
     """Move ``model`` inside its symmetry orbit as close as possible (L2) to ``anchor``.
@@ -134,10 +119,9 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
         model, anchor = untied(model), untied(anchor)
     bound = bind(model, options.layers, options.residual)
     spec, instances = bound.spec, bound.instances
-    requested, recommended = options.requested, options.recommended
-    options = options.resolved(i.group.symmetry for i in instances)
-    options, embedding_note = keep_output_frame(options, recommended, embedding)
-    _require_groups(spec, instances, options.symmetries)
+    requested = options.requested
+    options, embedding_note = recommended(options, available=[i.group.symmetry for i in instances], spec=spec,
+                                          output_reader=output_reader(embedding))
     # cost GEMMs on ``options.device`` (default cpu: where the tensors are)
     gemm_device = None if options.device in (None, "cpu") else resolve_device(options.device)
     sd_a, sd_b = model.state_dict(), anchor.state_dict()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..errors import SymmergeError
-from ..families import SYMMETRIES
+from ..families import SCALES, SYMMETRIES
 from ..groups import RESCALE_MODES, Options
 from .matchers import MATCHERS, matcher
 
@@ -237,7 +237,7 @@ class AlignOptions:
 
     @property
     def effective_rescale(self) -> str:
-        return self.rescale if "rescale" in self.symmetries else "none"
+        return self.rescale if SCALES in self.symmetries else "none"
 
     def solver_options(self, device=None) -> Options:
         return Options(frozenset(self.symmetries), self.effective_rescale, device, self.workers)
@@ -258,7 +258,7 @@ class AlignOptions:
         if not self.recommended:
             return self
         available = set(available)
-        names = tuple(s for s in RECOMMENDED if s in available or (s == "rescale" and available))
+        names = tuple(s for s in RECOMMENDED if s in available or (s == SCALES and available))
         return replace(self, symmetries=names, recommended=False)
 
     def for_model(self, model) -> "AlignOptions":

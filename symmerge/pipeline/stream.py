@@ -42,7 +42,7 @@ from ..core.layout import check_layouts
 from ..core.parallel import put_until_stopped
 from ..core.resolve import config_sizes, resolve, value_keys
 from ..errors import SymmergeError
-from ..families import spec_for, symmetries_whose
+from ..families import spec_for
 from ..io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
 from ..io.model import atomic_dir, copy_side_files, write_json
 from ..io.prefix import adapt_checkpoint_pair
@@ -52,6 +52,7 @@ from ..io.tokenizers import check_tokenizers
 from .engine import SolveContext, active, parts, prepare_costly, solve_local
 from .matchers import streaming_refusal
 from .options import AlignOptions
+from .recommend import recommended
 from .report import Distances, alignment_report
 from .verify import ELEMENT_CHECK, verify_elements
 
@@ -93,16 +94,16 @@ def layer_instances(ckpt: LazyCheckpoint, layers=None, opts=None, options: Align
     shapes.update(ckpt.read(value_keys(spec, list(shapes), sizes["num_layers"])))  # a few small tensors
     instances = resolve(spec, shapes, sizes.pop("num_layers"), sizes.pop("num_heads"), layers, model_wide=False,
                         ties=ckpt.ties, disk_names=ckpt.disk_name, **sizes)
-    recommended = options is not None and options.recommended
+    asked = options is not None and options.recommended
     if options is not None:
-        options = options.resolved(i.group.symmetry for i in instances)
+        options, _ = recommended(options, available=[i.group.symmetry for i in instances], streamed=True)
         opts = options.solver_options(opts.device if opts is not None else None)
     if opts is not None:
         instances = active(instances, opts)
     # a per-layer kind's instance bound over a whole stack (layer -1: T5's self-attention heads, tied by the
     # relative attention bias) acts on every layer of it at once: never streamed; 'recommended' leaves it out
     tied = [i for i in instances if i.layer < 0]
-    if tied and not recommended:
+    if tied and not asked:
         raise SymmergeError(f"{', '.join(i.name for i in tied)}: one element for every layer of a stack at once "
                             f"({tied[0].group.param('description') or tied[0].kind.description}), which streamed "
                             "alignment, one layer at a time, cannot solve; align in memory (without --stream) or "
@@ -285,11 +286,8 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
         raise SymmergeError(refusal)
     tokenizer = check_tokenizers([(str(model), model), (str(anchor), anchor)], allow_tokenizer_mismatch)
     embedding = check_pipelines([(str(model), model)])  # sentence-transformers; the stream's frame never streams
-    if not options.recommended:
-        ruled_out = [s for s in options.symmetries if s in symmetries_whose(lambda kind: not kind.per_layer)]
-        if ruled_out:
-            raise SymmergeError(f"the {ruled_out[0]} symmetry couples every layer (one transform of the whole "
-                                "stream) and cannot be streamed; align it in memory (without --stream) or leave it out")
+    if not options.recommended:  # an explicit symmetry that cannot stream: refused before anything is read
+        recommended(options, streamed=True)
     workers = options.workers or 2
     dev = resolve_device(options.device)
     max_bytes = parse_size(shard_size)
