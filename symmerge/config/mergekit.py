@@ -93,6 +93,8 @@ class Job:
     line: str = ""
     layers: int = 0
     shapes: dict = field(default_factory=dict)
+    base: int | None = None  # the input that is the method's base model (None: none, or one more input)
+    report: dict | None = None  # written to the output as symmerge_report.json (an aligned config's alignment)
 
 
 def _doc_str(doc, value, where, what="a model folder"):
@@ -204,9 +206,11 @@ class _Slice:
 class Planner:
     """Plans every document of a config, in dependency order."""
 
-    def __init__(self, docs, read_layout=layouts.read_layout, seed=None):
+    def __init__(self, docs, read_layout=layouts.read_layout, seed=None, folders=None):
         self.docs = docs
         self.seed = seed
+        # model reference -> the folder read for it (the aligned copies of an aligned config: symmerge.config.aligned)
+        self.folders = dict(folders or {})
         self.read_layout = read_layout
         self._layouts: dict = {}
         self.jobs: list[Job] = []
@@ -227,7 +231,7 @@ class Planner:
         if ref in self.named:
             inputs.append(Input(job=self.named[ref], label=ref))
             return len(inputs) - 1
-        folder = Path(ref).expanduser()
+        folder = Path(self.folders.get(ref, ref)).expanduser()
         if not folder.is_dir():
             raise doc.error(f"model {ref!r} is not a folder here (nor the name of an earlier merge in this file); "
                             "mergekit names on the Hugging Face Hub must be downloaded first "
@@ -316,7 +320,7 @@ class Planner:
         config_from = task if task is not None else base if base is not None else slices[0].sources[0].model
         side = tok if tok is not None else config_from
         job = Job(data.get("name"), method.name, inputs, [], config_from, {}, side, dtype, out_dtype, chat,
-                  final=final, line=doc.at())
+                  final=final, line=doc.at(), base=base if policy in ("required", "optional") else None)
         self._steps(doc, job, slices, names, mk_name, method, has_slices)
         return job
 

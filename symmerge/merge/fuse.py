@@ -338,6 +338,17 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     return run.out.to("cpu").eval(), run.report
 
 
+def align_models(models, options: MergeOptions, plan):
+    """Only the first stages of a merge (:func:`_load_and_check`, :func:`_align`): ``models`` and
+    ``options.base`` loaded, checked and brought into one frame by ``plan`` (its frame and anchor rule), for
+    a caller that merges them its own way (``symmerge run`` with ``align:``). Returns the run: ``aligned``,
+    ``aligned_base``, ``alignment`` (the report's entry), ``tokenizer``, ``adapted``."""
+    run = _Run(plan=plan, opts=options, m=plan.method, t0=time.perf_counter())
+    for step in (_load_and_check, _align):
+        step(run, models)
+    return run
+
+
 class _Run:
     """What the stages of one in-memory merge hand on to each other."""
 
