@@ -282,7 +282,7 @@ MK_BAD = [
     ("merge_method: linear\nmodels:\n  - model: {a}+my/lora\n  - model: {b}\nparameters: {{weight: 1}}\n",
      "line 3: models[0].model: '{a}+my/lora' is a model with a LoRA adapter"),
     ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\n"
-     "tokenizer_source: union\n", "line 6: tokenizer source 'union'"),
+     "tokenizer_source: 7\n", "line 6: the tokenizer's source is 'union', 'base' or a model, got 7"),
     ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\ndtype: float8\n",
      "line 6: 'dtype' is one of float32, float16, bfloat16"),
     ("merge_method: linear\nmodels:\n  - model: {a}\nslices:\n  - sources: [{{model: {a}, layer_range: [0, 1]}}]\n",

@@ -102,9 +102,17 @@ def execute(job, inputs, out, shard_size="5GB", progress=True) -> dict:
     config = json.loads((folders[job.config_from] / "config.json").read_text())
     config.update(job.config_edits)
     want = job.out_dtype or job.dtype
+    if job.vocab is not None:
+        from .vocab import remapped_inputs
+
+        inputs = remapped_inputs(job, list(inputs), DTYPES[job.dtype] if job.dtype else None)
     finish = None
-    if job.chat_template is not None or job.report is not None:
+    if job.chat_template is not None or job.report is not None or job.vocab is not None:
         def finish(tmp, facts):
+            if job.vocab is not None:
+                from .vocab import write_tokenizer
+
+                write_tokenizer(job.vocab, Path(tmp))
             if job.chat_template is not None:
                 write_chat_template(Path(tmp), job.chat_template, folders)
             if job.report is not None:
