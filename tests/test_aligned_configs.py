@@ -172,3 +172,4 @@ def test_with_a_base_every_model_is_aligned_to_it(strangers, tmp_path, capsys):
     assert run_cli("run", _write(tmp_path / "u.yml", TIES.format(base=base, a=a, b=b)), tmp_path / "u",
                    "--progress", "none") == 0
     _same(tmp_path / "rec", tmp_path / "u")
+

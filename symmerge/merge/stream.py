@@ -60,7 +60,7 @@ def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
 def _body_layout(ckpt: LazyCheckpoint, name: str, heads) -> Layout:
     heads = set(heads)
     return Layout(name, ckpt.config["model_type"], ckpt.heads,
-                  {k: ckpt.shape[k] for k in ckpt.keys() if k not in heads}, ckpt.disk_name)
+                  {k: ckpt.shape[k] for k in ckpt.keys() if k not in heads}, ckpt.disk_name, ckpt.class_name)
 
 
 def merge_streaming(models, out, options, shard_size=DEFAULT_SHARD, budget=None, write_hook=None,
