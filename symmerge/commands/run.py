@@ -1,8 +1,9 @@
 """Run a merge config: ``symmerge run CONFIG.yml OUT`` (as ``mergekit-yaml CONFIG OUT``).
 
 A config with mergekit's keys only (``models``/``slices``, ``merge_method``, ``base_model``, ``parameters``
-with gradients and filters, ``dtype``, ``out_dtype``, ``tokenizer_source``, ``chat_template``, several
-documents with ``name``) merges exactly as mergekit does, without alignment. With ``align:`` (and the merge
+with gradients and filters, ``dtype``, ``out_dtype``, ``tokenizer_source`` / ``tokenizer`` (``union``, ``base``
+or a model, with ``tokens`` and ``pad_to_multiple_of``: every model's embedding rows mapped to that vocabulary),
+``chat_template``, several documents with ``name``) merges exactly as mergekit does, without alignment. With ``align:`` (and the merge
 command's alignment options: ``anchor``, ``match``, ``rescale``, ...) or ``--align``, its models are aligned
 into one frame first and the same config runs on the aligned models (:mod:`symmerge.config.aligned`). A config
 with other keys of symmerge's (``eval_data``, ``data``, ``command: align`` ...) runs the ``symmerge merge``
@@ -19,7 +20,9 @@ from ..errors import SymmergeError
 
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="YAML file: a mergekit config (models or slices, merge_method, parameters, "
-                                       "base_model, dtype, ...; several documents for mergekit-multi), or one with "
+                                       "base_model, dtype, tokenizer_source: union, ...; several documents for "
+                                       "mergekit-multi; with align: and the merge command's alignment options, "
+                                       "aligned first), or one with "
                                        "symmerge's options by their long names (see docs/merge.md, Merge configs)")
     parser.add_argument("out", nargs="?", default=None, help="output folder (as mergekit-yaml CONFIG OUT)")
     parser.add_argument("-o", "--output", default=None, help="output folder (the same as OUT)")
