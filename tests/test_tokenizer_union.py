@@ -188,3 +188,23 @@ def test_bad_tokenizer_keys_are_one_error(models, tmp_path, capsys, extra, messa
     assert run_cli("run", cfg, tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_padding_rows_beyond_the_tokenizer_are_cut_as_mergekit_does(tmp_path):
+    """One vocabulary for all, but embeddings padded beyond the tokenizer's 120 tokens: with a tokenizer source
+    the output has one row per token and vocab_size 120 (mergekit's meaning); the rows are the models'."""
+    base, fts = mo.family(tmp_path / "fam", "llama", "float32", n=2, layers=2)
+    for f in (base, *fts):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (f / name).unlink(missing_ok=True)
+        mo.save_tokenizer(f, vocab_size=120)
+    text = textwrap.dedent(LINEAR).format(base=base, ft1=fts[0], ft2=fts[1]) + "tokenizer_source: base\n"
+    out = _run_ours(text, tmp_path / "ours")
+    assert mo.config_of(out)["vocab_size"] == 120
+    got = mo.tensors(out)["lm_head.weight"]
+    rows = [mo.tensors(f)["lm_head.weight"][:120] for f in (fts[0], fts[1], base)]
+    assert got.shape[0] == 120 and torch.allclose(got, 0.5 * rows[0] + 0.3 * rows[1] + 0.2 * rows[2], atol=1e-6)
+    if mo.available():
+        theirs = mo.run_mergekit(text, tmp_path / "theirs")
+        assert mo.config_of(theirs)["vocab_size"] == 120
+        assert mo.relative_gap(mo.tensors(out), mo.tensors(theirs), None) < 1e-6

@@ -497,10 +497,9 @@ class Planner:
             idx = None
         else:
             idx = self._ref(doc, src, key, inputs)
-        if idx is not None and not tokens and not pad and self._same_vocab(inputs, idx):
-            return idx, None  # every model has the vocabulary asked for: the rows are merged as they are
-        if idx is None and not tokens and not pad and self._same_vocab(inputs, base if base is not None else 0):
-            return (base if base is not None else 0), None
+        ref = idx if idx is not None else base if base is not None else 0
+        if not tokens and not pad and self._same_vocab(inputs, ref) and self._rows_are_tokens(doc, inputs, ref, key):
+            return ref, None  # every model has the vocabulary asked for: the rows are merged as they are
         from . import vocab as vocabs
 
         folders = {i: inp.folder for i, inp in enumerate(inputs) if inp.folder is not None}
@@ -548,6 +547,17 @@ class Planner:
                 raise doc.error("'source' is a model, {kind: model_token, model: M, token: T} (or token_id: N) or "
                                 f"{{kind: zero}}, got {src!r}", *where, "source")
         return out
+
+    def _rows_are_tokens(self, doc, inputs, idx, key) -> bool:
+        """Every model's vocabulary tensors have one row per token of input ``idx``'s tokenizer (mergekit cuts
+        padding rows beyond the tokenizer's tokens off, and sets ``vocab_size`` to their count)."""
+        from ..io.tokenizers import read_tokenizer
+        from .vocab import vocab_size
+
+        view = read_tokenizer(Path(inputs[idx].folder)) if inputs[idx].folder is not None else None
+        if view is None:
+            return True
+        return all(vocab_size(dict(self.layout(doc, i, key).config)) in (None, len(view.vocab)) for i in inputs)
 
     def _same_vocab(self, inputs, idx) -> bool:
         """Every folder input has the vocabulary of input ``idx`` (an input without tokenizer files counts as
