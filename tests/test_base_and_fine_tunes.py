@@ -218,3 +218,46 @@ def test_barrier_and_a_config_with_a_base_class_model(tmp_path):
             assert torch.allclose(v.double(), want, atol=1e-5), k
         else:  # the head the base lacks: kept from the first fine-tune, not merged
             assert torch.equal(v, f0[k]), k
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_a_base_class_anchor_is_read_as_the_task_class(trio, mode, tmp_path):
+    """``--anchor BASE`` (a base-class folder, not merged) as ``--base`` is: read as the fine-tunes' class; the
+    oracle: the same base saved as the task class gives the same merge."""
+    family, (base, ft0, ft1) = trio
+    as_task = fine_tune(load_model(base, spec=False), family, 0, noise=0.0)
+    oracle = save_folder(as_task, tmp_path / "base-as-task")
+    args = ["--method", "average", "--align", "attn,ffn", "--mode", mode, "--progress", "none"]
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    assert run_cli("merge", ft0, ft1, *args, "--anchor", base, "-o", out) == 0
+    assert run_cli("merge", ft0, ft1, *args, "--anchor", oracle, "-o", ref) == 0
+    got, want = tensors(out), tensors(ref)
+    assert set(got) == set(want) == set(tensors(ft0))
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5, msg=k)
+    report = json.loads((out / "symmerge_report.json").read_text())
+    assert report["alignment"]["anchor"]["rule"] == "given" and report["alignment"]["symmetries"]
+    if mode == "memory":
+        entry = report["base_adapted"][-1]
+        assert entry["prefix_added"] == PREFIX[family] and "the anchor" in entry["note"]
+    assert type(load_model(out, spec=False)).__name__ == TASK[family]
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_t5_encoder_and_full_t5_is_one_error_saying_what_to_do(tmp_path, capsys, mode):
+    """T5EncoderModel against T5ForConditionalGeneration (no prefix: the encoder's tensors are a part of the
+    full model's): one error naming both classes and how to merge the shared encoder; that way works."""
+    from transformers import T5EncoderModel
+
+    full = make_model("t5", dtype=torch.float32, head=True)
+    enc = save_folder(make_model("t5", dtype=torch.float32), tmp_path / "enc")
+    fullf = save_folder(full, tmp_path / "full")
+    capsys.readouterr()
+    assert run_cli("merge", enc, fullf, "--method", "average", "--align", "none", "--mode", mode,
+                   "--progress", "none", "-o", tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert "is a T5EncoderModel and" in err and "a T5ForConditionalGeneration" in err, err
+    assert "save " in err and "as a T5EncoderModel first" in err and len(err.strip().splitlines()) == 1
+    T5EncoderModel.from_pretrained(fullf).save_pretrained(tmp_path / "full-encoder")  # what the error says
+    assert run_cli("merge", enc, tmp_path / "full-encoder", "--method", "average", "--align", "none", "--mode", mode,
+                   "--progress", "none", "-o", tmp_path / "out") == 0

@@ -57,12 +57,10 @@ def _ulp_close(ours, theirs, dtype):
 # under a config.json that says float16/bfloat16; symmerge writes the inputs' dtype, as config.json says.
 # Compared with mergekit's result rounded to the inputs' dtype.
 FLOAT32_RESULTS = ("model_stock", "ramplus_tl", "arcee_fusion")
-# the gap allowed where a method's own arithmetic differs from mergekit's beyond rounding (stated in the report)
-# (model_stock moves the base by t (average − base) with a small t: in float16/bfloat16 that change is of the
-# order of the rounding, and the elementwise check below is the meaningful one)
-METHOD_GAP = {("model_stock", "float32"): 1e-4, ("model_stock", "float16"): 1.0, ("model_stock", "bfloat16"): 2.0,
-              # arcee_fusion: mergekit's importance (a KL of softmaxes) and its quantile in bfloat16 arithmetic
-              ("arcee_fusion", "bfloat16"): 1.0}
+# the gap allowed where a method's own arithmetic differs from mergekit's beyond rounding (stated in the report):
+# model_stock's cosine of two near-orthogonal noise vectors in float32 is ill-conditioned (symmerge: float64). In
+# float16/bfloat16 both model_stock and arcee_fusion compute in the half dtype as mergekit does (measured: 0)
+METHOD_GAP = {("model_stock", "float32"): 1e-4}
 
 
 def compare(tmp_path, cfg: dict, base: Path | None, dtype: str, name="merge", seed=0, exact_values=True):
@@ -264,11 +262,10 @@ EXAMPLES = Path(os.environ.get("MERGEKIT_EXAMPLES", "/work/mergekit-ref/examples
 LAYERS = {"13b": 40, "13B": 40, "7B": 32, "7b": 32}
 
 
-# arcee_fusion.yml merges in bfloat16 (dtype: bfloat16): mergekit computes the importance (a KL divergence of
-# softmaxes) and its quantile in bfloat16 arithmetic, symmerge in float32 from the bfloat16-rounded inputs, so
-# the fusion masks differ (tests/test_mergekit_methods.py measures 0.92 for the method alone); it must run
-EXAMPLE_GAP = {"arcee_fusion.yml": 1.0}
-
+# arcee_fusion.yml merges in bfloat16 (dtype: bfloat16): both compute the importance (a KL divergence of softmaxes)
+# and its quantiles in bfloat16 arithmetic; mergekit writes the fused result in float32, symmerge in bfloat16
+# as config.json says (measured 7.4e-4: that rounding)
+EXAMPLE_GAP = {"arcee_fusion.yml": 2e-3}
 
 def _example_models(text):
     names = set(re.findall(r"(?:model|base_model):\s*([^\s#]+)", text))

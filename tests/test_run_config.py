@@ -125,7 +125,9 @@ BAD = [
     ("merge_method: average\nmodels:\n  - model: a\n    parameters: {density: 0.2}\n  - b\noutput: o\n",
      "line 4: models[0].parameters.density: method 'average' has no parameter 'density'"),
     ("merge_method: average\nmodels:\n  - model: a\n    parameters: {density: 0.2}\n  - b\nalign: recommended\n"
-     "output: o\n", "only 'weight' can be given per model"),
+     "output: o\n", "line 4: models[0].parameters.density: method 'average' has no parameter 'density'"),
+    ("merge_method: average\nmodels:\n  - model: a\n    parameters: {density: 0.2}\n  - b\nalign: recommended\n"
+     "eval_data: x.npz\noutput: o\n", "only 'weight' can be given per model"),
     ("merge_method: average\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - b\noutput: o\n",
      "every model or to none"),
     ("merge_method: average\nmodels: [a, b]\nstar: maybe\noutput: o\n", "line 3: 'star' is a switch"),
@@ -248,9 +250,8 @@ def test_positional_output_and_no_silent_alignment(llamas, tmp_path, capsys):
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     capsys.readouterr()
     assert run_cli("run", cfg, tmp_path / "out2", "--align", "recommended", "--print-command") == 0
-    argv = shlex.split(capsys.readouterr().out.strip())
-    assert argv[:2] == ["symmerge", "merge"] and argv[argv.index("--align") + 1] == "recommended"
-    assert argv[argv.index("--method") + 1] == "linear" or argv[argv.index("--method") + 1] == "average"
+    lines = capsys.readouterr().out.strip().splitlines()  # aligned first, then the same merge (config.aligned)
+    assert lines[0].startswith("align recommended: every model into one frame") and lines[1].startswith("merge linear")
 
 
 MK_BAD = [
@@ -281,7 +282,7 @@ MK_BAD = [
     ("merge_method: linear\nmodels:\n  - model: {a}+my/lora\n  - model: {b}\nparameters: {{weight: 1}}\n",
      "line 3: models[0].model: '{a}+my/lora' is a model with a LoRA adapter"),
     ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\n"
-     "tokenizer_source: union\n", "line 6: tokenizer source 'union'"),
+     "tokenizer_source: 7\n", "line 6: the tokenizer's source is 'union', 'base' or a model, got 7"),
     ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\ndtype: float8\n",
      "line 6: 'dtype' is one of float32, float16, bfloat16"),
     ("merge_method: linear\nmodels:\n  - model: {a}\nslices:\n  - sources: [{{model: {a}, layer_range: [0, 1]}}]\n",
@@ -303,8 +304,10 @@ MK_BAD = [
     ("name: x\nmerge_method: linear\nmodels: [y, {b}]\nparameters: {{weight: 1}}\n---\nname: y\nmerge_method: linear\n"
      "models: [x, {b}]\nparameters: {{weight: 1}}\n", "in a cycle"),
     ("merge_method: linear\nmodels:\n  - model: {a}\n    parameters: {{weight: [0, 1]}}\n  - model: {b}\n"
-     "    parameters: {{weight: 1}}\nalign: recommended\n",
+     "    parameters: {{weight: 1}}\nalign: recommended\neval_data: x.npz\n",
      "line 4: models[0].parameters.weight: models[0]: with symmerge's own keys a weight is one number"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n    parameters: {{weight: [0, 1]}}\n  - model: {b}\n"
+     "    parameters: {{weight: 1}}\nalign: recommended\nanchor: 7\n", "line 8: anchor index 7 out of range"),
     ("merge_method: linear\nmodels: 3\n", "line 2: 'models' is a list of models"),
     ("merge_method: linear\nmodels: [{a}, {b}]\nparameters: 5\n", "line 3: 'parameters' is a mapping"),
     ("merge_method: ties\nbase_model: [{a}]\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\n",
@@ -370,6 +373,10 @@ def test_align_none_keeps_the_mergekit_meaning(llamas, tmp_path):
     base, a, b = llamas
     cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\nalign: none\n")
     assert describe(cfg, output=tmp_path / "o").mergekit
+    assert describe(cfg, output=tmp_path / "o").alignment is None
     cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\nalign: recommended\n")
-    desc = describe(cfg, output=tmp_path / "o")
+    desc = describe(cfg, output=tmp_path / "o")  # the same merge, on the models aligned first
+    assert desc.mergekit and desc.alignment.options.align.recommended and desc.jobs[0].method in ("linear", "average")
+    cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nalign: recommended\neval_data: x.npz\n")
+    desc = describe(cfg, output=tmp_path / "o")  # symmerge's own keys: the merge command
     assert not desc.mergekit and desc.argv[desc.argv.index("--align") + 1] == "recommended"

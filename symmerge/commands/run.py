@@ -1,9 +1,12 @@
 """Run a merge config: ``symmerge run CONFIG.yml OUT`` (as ``mergekit-yaml CONFIG OUT``).
 
 A config with mergekit's keys only (``models``/``slices``, ``merge_method``, ``base_model``, ``parameters``
-with gradients and filters, ``dtype``, ``out_dtype``, ``tokenizer_source``, ``chat_template``, several
-documents with ``name``) merges exactly as mergekit does, without alignment. A config with symmerge's own
-keys (``align``, ``match``, ``eval_data``, ``command: align`` ...), or ``--align``, runs the ``symmerge merge``
+with gradients and filters, ``dtype``, ``out_dtype``, ``tokenizer_source`` / ``tokenizer`` (``union``, ``base``
+or a model, with ``tokens`` and ``pad_to_multiple_of``: every model's embedding rows mapped to that vocabulary),
+``chat_template``, several documents with ``name``) merges exactly as mergekit does, without alignment. With ``align:`` (and the merge
+command's alignment options: ``anchor``, ``match``, ``rescale``, ...) or ``--align``, its models are aligned
+into one frame first and the same config runs on the aligned models (:mod:`symmerge.config.aligned`). A config
+with other keys of symmerge's (``eval_data``, ``data``, ``command: align`` ...) runs the ``symmerge merge``
 (``align``, ``barrier``) command it stands for. Parsing and every check: :mod:`symmerge.config`; a bad
 config is one error naming the key and its line, before anything is read or written."""
 
@@ -17,13 +20,17 @@ from ..errors import SymmergeError
 
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="YAML file: a mergekit config (models or slices, merge_method, parameters, "
-                                       "base_model, dtype, ...; several documents for mergekit-multi), or one with "
+                                       "base_model, dtype, tokenizer_source: union, ...; several documents for "
+                                       "mergekit-multi; with align: and the merge command's alignment options, "
+                                       "aligned first), or one with "
                                        "symmerge's options by their long names (see docs/merge.md, Merge configs)")
     parser.add_argument("out", nargs="?", default=None, help="output folder (as mergekit-yaml CONFIG OUT)")
     parser.add_argument("-o", "--output", default=None, help="output folder (the same as OUT)")
     parser.add_argument("--align", default=None, metavar="recommended|LIST",
-                        help="align before merging (symmerge's merge; a mergekit config is merged without alignment "
-                             "unless asked)")
+                        help="align every model into one frame first, then run the config on the aligned models "
+                             "(gradients, filters, slices and all; the frame as symmerge merge chooses it: the base "
+                             "model's, else the second of two, else joint); a mergekit config is merged without "
+                             "alignment unless asked (here or with 'align:' in the config)")
     parser.add_argument("--print-command", action="store_true",
                         help="print what the config runs (the symmerge command line, or the merge plan) and exit")
     parser.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
@@ -92,6 +99,10 @@ def run(args) -> int:
     from ..config.run import print_summary, run_jobs
 
     if args.print_command:
+        if desc.alignment is not None:
+            from ..config.aligned import describe_line
+
+            print(describe_line(desc.alignment))
         for job in desc.jobs:
             where = desc.output if job.final else f"<intermediate {job.name}>"
             print(f"merge {job.name or ''} {job.method}: {len(job.steps)} tensors, {job.layers} layers -> {where}"

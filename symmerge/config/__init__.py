@@ -6,9 +6,10 @@ key and its line) before anything is read or written.
   ``tokenizer``, ``chat_template``, ``name`` and several documents for mergekit-multi) becomes
   :class:`~symmerge.config.mergekit.Job` s: per-tensor :class:`~symmerge.merge.steps.TensorStep` s merged
   exactly as mergekit would, without any alignment.
-* A config with symmerge's own keys (``align``, ``match``, ``eval_data``, ``command: align``, ...; or run
-  with ``--align``) becomes the ``symmerge merge`` (``align``, ``barrier``) command line it stands for
-  (:mod:`.command`).
+* The same config with alignment asked for (``align:`` and the merge command's alignment options, or run with
+  ``--align``) is planned the same way and run on the models aligned into one frame first (:mod:`.aligned`).
+* A config with other keys of symmerge's (``eval_data``, ``data``, ``method``, ``command: align``, ...)
+  becomes the ``symmerge merge`` (``align``, ``barrier``) command line it stands for (:mod:`.command`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SymmergeError
+from . import aligned
 from .command import config_argv
 from .mergekit import KEYS, OUTPUT_KEYS, Job, Planner
 from .source import Doc, read_documents
@@ -31,6 +33,11 @@ class Description:
     jobs: list = field(default_factory=list)
     command: str | None = None
     argv: list = field(default_factory=list)
+    # an aligned mergekit config: how its models are aligned (symmerge.config.aligned.Alignment), the
+    # documents re-planned on the aligned copies, the seed
+    alignment: object = None
+    docs: list = field(default_factory=list)
+    seed: int | None = None
 
     @property
     def mergekit(self) -> bool:
@@ -56,7 +63,12 @@ def describe(path, output=None, align=None, seed=None) -> Description:
     path = Path(path)
     keyed = [(d, _symmerge_key(d)) for d in docs]
     symmerge = [(d, k) for d, k in keyed if k is not None]
-    if (symmerge or (align is not None and str(align).lower() != "none")) and len(docs) == 1:
+    spec = None
+    if len(docs) == 1 and aligned.applies(docs[0], align):
+        spec = aligned.alignment_of(docs[0], align)
+        docs = [aligned.without_alignment_keys(docs[0])]
+        symmerge = []
+    elif (symmerge or (align is not None and str(align).lower() != "none")) and len(docs) == 1:
         command, argv = config_argv(docs[0], output=output, align=align,
                                     symmerge_key=symmerge[0][1] if symmerge else None)
         return Description(path, None, command=command, argv=argv)
@@ -64,12 +76,15 @@ def describe(path, output=None, align=None, seed=None) -> Description:
         d, k = symmerge[0]
         raise d.error(f"{k!r} is not a mergekit key, and a file of several merges is a mergekit config "
                       "(symmerge's own keys are for one-document configs)", k)
-    if align is not None and str(align).lower() != "none":
+    if spec is None and align is not None and str(align).lower() != "none":
         raise SymmergeError("--align: a file of several merges is a mergekit config, merged without alignment")
     if output is None and not any(k in d.data for d in docs for k in OUTPUT_KEYS):
         raise SymmergeError(f"{path}: no output folder: symmerge run CONFIG.yml OUT (or -o OUT, or 'output:' in "
                             "the config)")
-    jobs = Planner(docs, seed=seed).plan()
+    planner = Planner(docs, seed=seed)
+    jobs = planner.plan()
+    if spec is not None:
+        aligned.check_one_architecture(docs[0], planner, jobs[0])
     final = next(j for j in jobs if j.final)
     final_doc = next(d for d in docs if d.data.get("name") == final.name) if final.name else \
         next(d for d in docs if d.data.get("name") is None)
@@ -81,7 +96,7 @@ def describe(path, output=None, align=None, seed=None) -> Description:
                 if k in d.data:
                     raise d.error("only the final merge has an output folder (the others are written to a temporary "
                                   "folder and removed)", k)
-    return Description(path, out, jobs=jobs)
+    return Description(path, out, jobs=jobs, alignment=spec, docs=docs, seed=seed)
 
 
 def _output(docs, doc, output):

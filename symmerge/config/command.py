@@ -134,8 +134,15 @@ def config_argv(doc, output=None, align=None, symmerge_key=None) -> tuple[str, l
                 raise doc.error(f"the config writes to {config[k]!r} and the command line to {str(output)!r}: give one", k)
             config.pop(k, None)
         config["output"] = str(output)
+    return command, argv + option_argv(doc, parser, command, config)
+
+
+def option_argv(doc, parser, command: str, config: dict, skip=STRUCTURAL) -> list[str]:
+    """The command-line flags of the keys of ``config`` (a document's mapping) that are options of ``parser``
+    (``symmerge COMMAND``'s), by their long names; every other key but ``skip`` is one error naming it."""
+    argv: list[str] = []
     for raw, value in config.items():
-        if raw in STRUCTURAL:
+        if raw in skip:
             continue
         key = ALIASES.get(raw, raw)
         action = _flag(parser, key)
@@ -159,4 +166,4 @@ def config_argv(doc, output=None, align=None, symmerge_key=None) -> tuple[str, l
             if isinstance(v, (dict, list)) or v is None:
                 raise doc.error(f"{raw!r} needs a value, got {v!r}", raw)
             argv += [flag, _scalar(v)]
-    return command, argv
+    return argv

@@ -93,6 +93,12 @@ class Job:
     line: str = ""
     layers: int = 0
     shapes: dict = field(default_factory=dict)
+    base: int | None = None  # the input that is the method's base model (None: none, or one more input)
+    report: dict | None = None  # written to the output as symmerge_report.json (an aligned config's alignment)
+    # the output vocabulary every model's embedding rows are mapped to (symmerge.config.vocab), and the output
+    # tensors that are vocabulary tensors
+    vocab: object = None
+    vocab_steps: set = field(default_factory=set)
 
 
 def _doc_str(doc, value, where, what="a model folder"):
@@ -204,9 +210,11 @@ class _Slice:
 class Planner:
     """Plans every document of a config, in dependency order."""
 
-    def __init__(self, docs, read_layout=layouts.read_layout, seed=None):
+    def __init__(self, docs, read_layout=layouts.read_layout, seed=None, folders=None):
         self.docs = docs
         self.seed = seed
+        # model reference -> the folder read for it (the aligned copies of an aligned config: symmerge.config.aligned)
+        self.folders = dict(folders or {})
         self.read_layout = read_layout
         self._layouts: dict = {}
         self.jobs: list[Job] = []
@@ -227,7 +235,7 @@ class Planner:
         if ref in self.named:
             inputs.append(Input(job=self.named[ref], label=ref))
             return len(inputs) - 1
-        folder = Path(ref).expanduser()
+        folder = Path(self.folders.get(ref, ref)).expanduser()
         if not folder.is_dir():
             raise doc.error(f"model {ref!r} is not a folder here (nor the name of an earlier merge in this file); "
                             "mergekit names on the Hugging Face Hub must be downloaded first "
@@ -311,12 +319,13 @@ class Planner:
         for s in slices:
             self._contract(doc, mk_name, method, policy, lo, hi, s, inputs)
         task = self._adapt_base(inputs, base)
-        tok = self._tokenizer(doc, data, inputs, base)
+        tok, vocab = self._tokenizer(doc, data, inputs, base)
         chat = self._chat_template(doc, data)
         config_from = task if task is not None else base if base is not None else slices[0].sources[0].model
         side = tok if tok is not None else config_from
         job = Job(data.get("name"), method.name, inputs, [], config_from, {}, side, dtype, out_dtype, chat,
-                  final=final, line=doc.at())
+                  final=final, line=doc.at(), base=base if policy in ("required", "optional") else None,
+                  vocab=vocab)
         self._steps(doc, job, slices, names, mk_name, method, has_slices)
         return job
 
@@ -454,8 +463,11 @@ class Planner:
                 raise doc.error(str(e), *sl.where) from None
 
     def _tokenizer(self, doc, data, inputs, base):
+        """(the input whose tokenizer the output copies, or None; the :class:`~symmerge.config.vocab.Vocabulary`
+        every model's embedding rows are mapped to, or None when they already agree)."""
         src = data.get("tokenizer_source")
         key = ("tokenizer_source",)
+        tokens, pad = {}, None
         if data.get("tokenizer") is not None:
             if src is not None:
                 raise doc.error("give 'tokenizer' or 'tokenizer_source', not both", "tokenizer")
@@ -466,46 +478,102 @@ class Planner:
             if bad:
                 raise doc.error(f"unknown key {bad[0]!r} (tokenizer has: source, tokens, pad_to_multiple_of)",
                                 "tokenizer", bad[0])
-            if tok.get("tokens"):
-                raise doc.error("per-token embedding sources ('tokens') are not supported", "tokenizer", "tokens")
-            if tok.get("pad_to_multiple_of"):
-                raise doc.error("'pad_to_multiple_of' (padding the vocabulary) is not supported", "tokenizer",
+            pad = tok.get("pad_to_multiple_of")
+            if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or pad < 1):
+                raise doc.error(f"'pad_to_multiple_of' is a positive integer, got {pad!r}", "tokenizer",
                                 "pad_to_multiple_of")
+            tokens = self._tokens(doc, tok.get("tokens"), inputs)
             src = tok.get("source", "union")
             key = ("tokenizer", "source")
         if src is None:
-            return None
-        if src == "union":
-            raise doc.error("tokenizer source 'union' (a vocabulary combined from all models, embeddings "
-                            "remapped) is not supported: use 'base' or a model whose vocabulary every model shares",
-                            *key)
+            return None, None
+        if not isinstance(src, str) or not src.strip():
+            raise doc.error(f"the tokenizer's source is 'union', 'base' or a model, got {src!r}", *key)
         if src == "base":
             if base is None:
                 raise doc.error("tokenizer source 'base' needs 'base_model'", *key)
             idx = base
+        elif src == "union":
+            idx = None
         else:
             idx = self._ref(doc, src, key, inputs)
-        self._same_vocab(doc, inputs, idx, key)
-        return idx
+        ref = idx if idx is not None else base if base is not None else 0
+        if not tokens and not pad and self._same_vocab(inputs, ref) and self._rows_are_tokens(doc, inputs, ref, key):
+            return ref, None  # every model has the vocabulary asked for: the rows are merged as they are
+        from . import vocab as vocabs
 
-    def _same_vocab(self, doc, inputs, idx, key):
-        """mergekit remaps every model's embedding rows to the chosen vocabulary; symmerge merges the rows as
-        they are, which is the same only when all the vocabularies are the same."""
+        folders = {i: inp.folder for i, inp in enumerate(inputs) if inp.folder is not None}
+        if len(folders) != len(inputs):
+            raise doc.error("remapping embeddings to another vocabulary needs every model as a folder (not an earlier "
+                            "merge of this file)", *key)
+        configs = {i: dict(self.layout(doc, inputs[i], key).config) for i in folders}
+        try:
+            vocab = vocabs.build("union" if idx is None else idx, folders, configs, base, 0, tokens, pad)
+        except SymmergeError as e:
+            raise doc.error(str(e), *key) from None
+        return (base if base is not None else 0) if idx is None else idx, vocab
+
+    def _tokens(self, doc, tokens, inputs) -> dict:
+        """``tokenizer.tokens``: token -> :class:`~symmerge.config.vocab.TokenSource`."""
+        from .vocab import TokenSource
+
+        if tokens is None:
+            return {}
+        if not isinstance(tokens, dict):
+            raise doc.error("'tokens' maps tokens to {source: MODEL, force: true/false}", "tokenizer", "tokens")
+        out = {}
+        for t, cfg in tokens.items():
+            where = ("tokenizer", "tokens", t)
+            if not isinstance(cfg, dict) or set(cfg) - {"source", "force"}:
+                raise doc.error("a token takes 'source' (a model, {kind: model_token, model, token or token_id} or "
+                                "{kind: zero}) and 'force'", *where)
+            force = cfg.get("force", False)
+            if not isinstance(force, bool):
+                raise doc.error(f"'force' is true or false, got {force!r}", *where, "force")
+            src = cfg.get("source")
+            if isinstance(src, str):
+                out[str(t)] = TokenSource("model", self._ref(doc, src, where + ("source",), inputs), force=force)
+            elif isinstance(src, dict) and src.get("kind") == "zero" and set(src) == {"kind"}:
+                out[str(t)] = TokenSource("zero", force=force)
+            elif isinstance(src, dict) and src.get("kind") == "model_token" and "model" in src \
+                    and not set(src) - {"kind", "model", "token", "token_id"} and (("token" in src) != ("token_id" in src)):
+                tid = src.get("token_id")
+                if tid is not None and (not isinstance(tid, int) or isinstance(tid, bool) or tid < 0):
+                    raise doc.error(f"'token_id' is a token id, got {tid!r}", *where, "source", "token_id")
+                out[str(t)] = TokenSource("model_token", self._ref(doc, src["model"], where + ("source", "model"),
+                                                                   inputs), token=src.get("token"), token_id=tid,
+                                          force=force)
+            else:
+                raise doc.error("'source' is a model, {kind: model_token, model: M, token: T} (or token_id: N) or "
+                                f"{{kind: zero}}, got {src!r}", *where, "source")
+        return out
+
+    def _rows_are_tokens(self, doc, inputs, idx, key) -> bool:
+        """Every model's vocabulary tensors have one row per token of input ``idx``'s tokenizer (mergekit cuts
+        padding rows beyond the tokenizer's tokens off, and sets ``vocab_size`` to their count)."""
+        from ..io.tokenizers import read_tokenizer
+        from .vocab import vocab_size
+
+        view = read_tokenizer(Path(inputs[idx].folder)) if inputs[idx].folder is not None else None
+        if view is None:
+            return True
+        return all(vocab_size(dict(self.layout(doc, i, key).config)) in (None, len(view.vocab)) for i in inputs)
+
+    def _same_vocab(self, inputs, idx) -> bool:
+        """Every folder input has the vocabulary of input ``idx`` (an input without tokenizer files counts as
+        having it, as mergekit assumes)."""
         from ..io.tokenizers import differences, read_tokenizer
 
-        folders = [(i.label, i.folder) for i in inputs if i.folder is not None]
-        ref = next((f for lab, f in folders if f == inputs[idx].folder), None)
-        if ref is None:
-            return
-        view = read_tokenizer(Path(ref))
-        for label, f in folders:
-            other = read_tokenizer(Path(f))
-            if view is None or other is None:
-                continue
-            diff = differences(view, other, inputs[idx].label, label, limit=1)
-            if diff:
-                raise doc.error(f"{inputs[idx].label} and {label} have different vocabularies ({diff[0]}): "
-                                "remapping embeddings to another vocabulary is not supported", *key)
+        if inputs[idx].folder is None:
+            return True
+        view = read_tokenizer(Path(inputs[idx].folder))
+        if view is None:
+            return True
+        for i in inputs:
+            other = read_tokenizer(Path(i.folder)) if i.folder is not None else None
+            if other is not None and differences(view, other, "a", "b", limit=1):
+                return False
+        return True
 
     def _chat_template(self, doc, data):
         ct = data.get("chat_template")
@@ -526,6 +594,18 @@ class Planner:
         top = doc.data.get("parameters") or {}
         out_lay = self.layout(doc, inputs[job.config_from], ("merge_method",))
         lays = {i: self.layout(doc, inp, ("models",)) for i, inp in enumerate(inputs)}
+        vocab_names: dict = {}  # input -> its vocabulary tensors (their rows mapped to the output vocabulary)
+        if job.vocab is not None:
+            from dataclasses import replace as _replace
+
+            from .vocab import is_vocabulary_tensor
+
+            for i, lay in list(lays.items()):
+                found = {n for n in (*lay.pre, *lay.post) if is_vocabulary_tensor(n, lay.shapes[n], lay.config)}
+                vocab_names[i] = found
+                lays[i] = _replace(lay, shapes={**lay.shapes, **{n: (job.vocab.size, *lay.shapes[n][1:])
+                                                                for n in found}})
+            out_lay = lays[job.config_from]
         copy_only = mk_name == "passthrough" and "passthrough" not in _registered()
         steps: list[TensorStep] = []
         shapes: dict = {}
@@ -544,6 +624,8 @@ class Planner:
                     raise doc.error(f"{name} has shape {lays[s.model].shapes[name]} in {inputs[s.model].label!r} "
                                     f"and {shape} in {inputs[pairs[0][0].model].label!r}", *s.where)
             shapes[out_name] = shape
+            if any(n in vocab_names.get(s.model, ()) for s, n in pairs):
+                job.vocab_steps.add(out_name)
             merged = [(s, n) for s, n in pairs if s.model != base]
             base_src = next((TensorSource(s.model, n) for s, n in pairs if s.model == base), None)
             adapt = inputs[base].adapt if base is not None else None
@@ -613,6 +695,8 @@ class Planner:
             edits[out_lay.layer_key] = out_i
         elif sliced and out_i != out_lay.layers:
             raise doc.error(f"cannot set the output's layer count ({out_i}) in its config.json", "slices")
+        if job.vocab is not None and "vocab_size" in out_lay.config:
+            edits["vocab_size"] = job.vocab.size
         want = job.out_dtype or job.dtype
         if want:
             edits["torch_dtype" if "torch_dtype" in out_lay.config and "dtype" not in out_lay.config else "dtype"] = want

@@ -18,11 +18,14 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def run_jobs(desc, shard_size="5GB", progress=True) -> list[dict]:
     """Every job of ``desc`` (a mergekit config); the final one written to ``desc.output``. Returns one
-    summary dict per job."""
+    summary dict per job. An aligned config (``desc.alignment``) aligns its models into one frame first
+    (:func:`run_aligned`)."""
     from ..io.model import ensure_output_dir
 
     out = Path(desc.output)
     ensure_output_dir(out)
+    if desc.alignment is not None:
+        return run_aligned(desc, shard_size=shard_size, progress=progress)
     temp = None
     folders: list[Path] = []
     summaries = []
@@ -47,6 +50,40 @@ def run_jobs(desc, shard_size="5GB", progress=True) -> list[dict]:
     return summaries
 
 
+def run_aligned(desc, shard_size="5GB", progress=True) -> list[dict]:
+    """An aligned config (one merge): its models aligned into one frame, their aligned copies in a temporary
+    folder beside the output (``.<name>.symmerge-tmp-<pid>-aligned-*``, removed at the end), the config
+    re-planned on them and run; the output's ``symmerge_report.json`` holds the alignment."""
+    import contextlib
+
+    from ..io.output import clean_stale, temp_prefix
+    from . import aligned
+    from .mergekit import Planner
+
+    out = Path(desc.output)
+    spec = desc.alignment
+    with contextlib.ExitStack() as stack:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale(out)
+        work = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "aligned"), dir=out.parent))
+        stack.callback(shutil.rmtree, work, True)
+        t0 = time.perf_counter()
+        moved = aligned.align_job(desc.jobs[0], spec, out, work, stack)
+        seconds = time.perf_counter() - t0
+        jobs = Planner(desc.docs, seed=desc.seed, folders=moved).plan() if moved else desc.jobs
+        job = jobs[0]
+        job.output = out
+        job.report = {"config": str(desc.path), "method": job.method, "models": [i.label for i in job.inputs],
+                      "aligned": {i.label: moved.get(i.label) is not None for i in job.inputs},
+                      "alignment": spec.report}
+        t1 = time.perf_counter()
+        inputs = [i.checkpoint() for i in job.inputs]
+        execute(job, inputs, out, shard_size=shard_size, progress=progress)
+        return [{"name": job.name, "method": job.method, "tensors": len(job.steps), "layers": job.layers,
+                 "output": str(out), "seconds": time.perf_counter() - t1, "align_seconds": seconds,
+                 "alignment": spec.report}]
+
+
 def execute(job, inputs, out, shard_size="5GB", progress=True) -> dict:
     """One job through the streamed executor (:func:`symmerge.merge.executor.execute_steps`): its steps read
     from ``inputs`` (folders), merged and written to ``out`` with the config.json of input ``config_from``
@@ -65,10 +102,23 @@ def execute(job, inputs, out, shard_size="5GB", progress=True) -> dict:
     config = json.loads((folders[job.config_from] / "config.json").read_text())
     config.update(job.config_edits)
     want = job.out_dtype or job.dtype
+    if job.vocab is not None:
+        from .vocab import remapped_inputs
+
+        inputs = remapped_inputs(job, list(inputs), DTYPES[job.dtype] if job.dtype else None)
     finish = None
-    if job.chat_template is not None:
+    if job.chat_template is not None or job.report is not None or job.vocab is not None:
         def finish(tmp, facts):
-            write_chat_template(Path(tmp), job.chat_template, folders)
+            if job.vocab is not None:
+                from .vocab import write_tokenizer
+
+                write_tokenizer(job.vocab, Path(tmp))
+            if job.chat_template is not None:
+                write_chat_template(Path(tmp), job.chat_template, folders)
+            if job.report is not None:
+                from ..io.model import write_json
+
+                write_json(Path(tmp) / "symmerge_report.json", job.report)
     return execute_steps([p if hasattr(p, "folder") else Path(p) for p in inputs], job.steps, method, out,
                          config=config, dtype=DTYPES[want] if want else None,
                          side_files_from=folders[job.side_files_from],
@@ -131,6 +181,13 @@ def read_chat_template(folder: Path) -> str | None:
 
 def print_summary(desc, summaries) -> None:
     for s in summaries:
+        if s.get("alignment") is not None:
+            a = s["alignment"]
+            anchor = a.get("anchor") or {}
+            what = (f"aligned with {','.join(a['symmetries'])} into one frame ({a.get('mode', '')}; anchor: "
+                    f"{anchor.get('name')}, {anchor.get('rule')}) in {s['align_seconds']:.2f} s"
+                    if a.get("symmetries") else "nothing aligned")
+            print(what + (f" (note: {a['note']})" if a.get("note") else ""))
         where = "intermediate " + s["name"] if s["output"] != str(desc.output) else str(desc.output)
         print(f"merged {s['tensors']} tensors ({s['layers']} layers) with {s['method']} -> {where} "
               f"({s['seconds']:.2f} s)")

@@ -16,6 +16,7 @@ class Layout:
     heads: int | None
     shapes: dict  # {tensor name: shape}
     disk_names: object = None  # in-memory → on-disk tensor names (a mapping), for messages
+    class_name: str | None = None  # the model class (T5EncoderModel), for messages
 
     def disk(self, key: str) -> str:
         return (self.disk_names or {}).get(key, key)
@@ -32,6 +33,7 @@ def check_layouts(layouts: list[Layout], hint: str = "") -> None:
             raise SymmergeError(f"architectures differ: {ref.name} has {_heads(ref.heads)} attention heads, "
                                 f"{other.name} has {_heads(other.heads)}")
         if ref.shapes.keys() != other.shapes.keys():
+            _part_of(ref, other)
             only_ref = sorted(set(ref.shapes) - set(other.shapes))[:3]
             only_other = sorted(set(other.shapes) - set(ref.shapes))[:3]
             where = [f"only in {x.name}: {[x.disk(k) for k in keys]}" for x, keys in ((ref, only_ref),
@@ -47,3 +49,22 @@ def check_layouts(layouts: list[Layout], hint: str = "") -> None:
 def _heads(heads) -> str:
     """A head count, or the per-sub-config counts of a model made of several (CLIP: text_config 8, ...)."""
     return ", ".join(f"{name} {h}" for name, h in heads) if isinstance(heads, tuple) else str(heads)
+
+
+def _part_of(a: Layout, b: Layout) -> None:
+    """One of two checkpoints of different classes holding a part of the other's tensors under the same names
+    and shapes (``T5EncoderModel`` and ``T5ForConditionalGeneration``: no prefix, the encoder is a subset): one
+    error saying how to merge the shared part."""
+    small, big = (a, b) if set(a.shapes) < set(b.shapes) else (b, a) if set(b.shapes) < set(a.shapes) else (None, None)
+    if small is None or small.class_name == big.class_name or not small.class_name or not big.class_name:
+        return
+    if any(tuple(small.shapes[k]) != tuple(big.shapes[k]) for k in small.shapes):
+        return
+    extra = sorted(set(big.shapes) - set(small.shapes))
+    raise SymmergeError(
+        f"{small.name} is a {small.class_name} and {big.name} a {big.class_name}: the {small.class_name}'s "
+        f"{len(small.shapes)} tensors are a part of the {big.class_name}'s, under the same names, which also has "
+        f"{len(extra)} more ({', '.join(big.disk(k) for k in extra[:2])}{' ...' if len(extra) > 2 else ''}); "
+        f"symmerge merges and aligns checkpoints of one class: to merge the shared part, save {big.name} as a "
+        f"{small.class_name} first ({small.class_name}.from_pretrained(...).save_pretrained(DIR) keeps only those "
+        "tensors) and give DIR instead")

@@ -60,13 +60,19 @@ def python_docs_dir(fetch: bool = True) -> Path:
 
 @contextmanager
 def cache_entry(out: Path):
-    """Build a cache folder in a temp dir beside ``out`` (yielded), then publish it by one rename. If
-    another process published ``out`` first (two trainings started together), its folder is kept and
-    this one dropped: both hold the same deterministic content."""
+    """Build a cache folder in a temp dir beside ``out`` (yielded; named as every output's,
+    ``.<name>.symmerge-tmp-<pid>-*``, so that a later run removes it when this one was killed:
+    :mod:`symmerge.io.output`), then publish it by one rename, with the umask's permissions. If another
+    process published ``out`` first (two trainings started together), its folder is kept and this one
+    dropped: both hold the same deterministic content."""
+    from ..io.output import apply_umask, clean_stale, temp_prefix
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    clean_stale(out)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
     try:
         yield tmp
+        apply_umask(tmp)
         try:
             os.rename(tmp, out)
         except OSError:

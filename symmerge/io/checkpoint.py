@@ -360,7 +360,7 @@ class LazyCheckpoint:
         from ..core.layout import Layout
 
         return Layout(name, self.config["model_type"], self.heads,
-                      dict(self.shape), self.disk_name)
+                      dict(self.shape), self.disk_name, self.class_name)
 
 
 _OFFSETS: dict = {}

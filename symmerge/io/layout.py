@@ -11,4 +11,4 @@ def layout_of(model, name: str, keys=None) -> Layout:
     sd = model.state_dict()
     keys = sd.keys() if keys is None else keys
     return Layout(name, model.config.model_type, attention_heads(model.config),
-                  {k: tuple(sd[k].shape) for k in keys}, DiskNames(model))
+                  {k: tuple(sd[k].shape) for k in keys}, DiskNames(model), type(model).__name__)

@@ -285,7 +285,7 @@ class KeyView(LazyCheckpoint):
     def layout(self, name: str):
         from ..core.layout import Layout
 
-        return Layout(name, self.config["model_type"], self.heads, dict(self.shape), self.disk_name)
+        return Layout(name, self.config["model_type"], self.heads, dict(self.shape), self.disk_name, self.class_name)
 
 
 def lazy_is_task(ckpt) -> bool:

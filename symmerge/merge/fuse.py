@@ -214,9 +214,12 @@ def _files_of(files, i: int) -> list:
     return list(files) if len(files) == 1 else [files[i]] if len(files) > 1 else []
 
 
-def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pickle=False):
+def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pickle=False, head_from=0):
     """(anchor model, info) by the one anchor rule (:func:`symmerge.merge.plan.anchor_rule`); ``anchor``:
-    None, an index, or a model/folder."""
+    None, an index, or a model/folder. A given anchor of the base class (``BertModel``) beside models of its
+    task class is read as the task class, as a base model is (:func:`symmerge.io.prefix.adapt_models`; the
+    head it lacks is ``models[head_from]``'s, never compared: each model is aligned to an anchor carrying its
+    own head); ``info["base_adapted"]`` says so."""
     index, rule = anchor_rule(len(models), anchor, base_model is not None)
     if rule == "base model":
         return base_model, {"index": None, "name": base_name, "rule": rule}
@@ -228,8 +231,17 @@ def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pick
     if index is not None:
         return models[index], {"index": index, "name": names[index], "rule": rule}
     anchor_model = as_model(anchor, allow_pickle)
-    check_bodies([models[0], anchor_model], [names[0], _name(anchor, "anchor")])
-    return anchor_model, {"index": None, "name": _name(anchor, "anchor"), "rule": rule}
+    name = _name(anchor, "anchor")
+    (*_, anchor_model), adapted = adapt_models(list(models) + [anchor_model], list(names) + [name], head_from)
+    check_bodies([models[0], anchor_model], [names[0], name])
+    info = {"index": None, "name": name, "rule": rule}
+    if adapted:
+        entry = adapted[-1]
+        entry["note"] = (f"the anchor {name} is a {entry['class'] or 'base model'}: its tensors were read under "
+                         f"'{entry['prefix_added']}' as the {entry['read_as']}'s body, and the models aligned to it "
+                         "(each with its own head)")
+        info["base_adapted"] = entry
+    return anchor_model, info
 
 
 def resolve_alignment(targets, anchor_model, options: AlignOptions,
@@ -323,6 +335,17 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     return run.out.to("cpu").eval(), run.report
 
 
+def align_models(models, options: MergeOptions, plan):
+    """Only the first stages of a merge (:func:`_load_and_check`, :func:`_align`): ``models`` and
+    ``options.base`` loaded, checked and brought into one frame by ``plan`` (its frame and anchor rule), for
+    a caller that merges them its own way (``symmerge run`` with ``align:``). Returns the run: ``aligned``,
+    ``aligned_base``, ``alignment`` (the report's entry), ``tokenizer``, ``adapted``."""
+    run = _Run(plan=plan, opts=options, m=plan.method, t0=time.perf_counter())
+    for step in (_load_and_check, _align):
+        step(run, models)
+    return run
+
+
 class _Run:
     """What the stages of one in-memory merge hand on to each other."""
 
@@ -379,7 +402,9 @@ def _align(run: _Run, models) -> None:
     run.aligned, run.aligned_base = run.models, run.base_model
     if plan.aligns:
         anchor_model, alignment["anchor"] = choose_anchor(run.models, names, run.body, opts.anchor, run.base_model,
-                                                          run.base_name, opts.allow_pickle)
+                                                          run.base_name, opts.allow_pickle, opts.head_from)
+        if "base_adapted" in alignment["anchor"]:  # reported, not merged: the anchor is no input of the merge
+            run.anchor_adapted = [alignment["anchor"]["base_adapted"]]
         targets = list(zip(names, run.models)) + ([(run.base_name, run.base_model)] if run.base_model is not None
                                                   else [])
         align_opts, note = resolve_alignment(targets, anchor_model, align_opts, output_reader(run.embedding))
@@ -459,8 +484,9 @@ def _report(run: _Run, models) -> None:
                               distances_between_inputs={"before_alignment": before, "after_alignment": after},
                               distance_result_to_inputs=to_result, statistics=statistics, device=str(run.dev),
                               repair=run.repair_info, tokenizer=run.tokenizer, embedding=run.embedding)
-    if run.adapted:
-        run.report["base_adapted"] = run.adapted
+    adapted = run.adapted + getattr(run, "anchor_adapted", [])
+    if adapted:
+        run.report["base_adapted"] = adapted
 
 
 def _evaluate(run: _Run, models) -> None:

@@ -1,6 +1,7 @@
 """mergekit's specialised rules as symmerge methods: ``model_stock``, ``nearswap``, ``arcee_fusion``,
 ``passthrough``, ``sce``, ``ram`` and ``ramplus_tl``. Each is a per-tensor rule in float64 (cast back by the
-loop); the base model, where one is used, is the ``base`` argument and the other models the merged ones.
+loop; ``model_stock`` and ``arcee_fusion`` on float16/bfloat16 inputs compute in that dtype, as mergekit does:
+:func:`working_dtype`); the base model, where one is used, is the ``base`` argument and the other models the merged ones.
 
 * ``model_stock`` (Jang et al., 2024; base + at least 2 models): with task vectors τ_i = θ_i − θ_b of the
   flattened tensor (``filter_wise``: of each vector along the last axis; a 1-D tensor is one), cos θ the
@@ -54,9 +55,20 @@ def model_stock_ratio(taus, filter_wise: bool = False) -> torch.Tensor:
     return torch.where(singular, torch.zeros_like(cos), n * cos / torch.where(singular, torch.ones_like(den), den))
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def working_dtype(t: torch.Tensor) -> torch.dtype:
+    """float64, or the inputs' own dtype when it is float16/bfloat16: mergekit computes model_stock and
+    arcee_fusion in the dtype the tensors reach the method in (the stored one, or the config's ``dtype``), and
+    half-precision arithmetic there moves the result by more than one rounding (its cosines, its importances)."""
+    return t.dtype if t.dtype in HALF else torch.float64
+
+
 def _model_stock_tensor(key, tensors, weights, stats, base, params, context):
-    b = base.double()
-    models = [t.double() for t in tensors]
+    work = working_dtype(base)
+    b = base.to(work)
+    models = [t.to(work) for t in tensors]
     t = model_stock_ratio([m - b for m in models], bool(params["filter_wise"]))
     mean = sum(models) / len(models)
     shape = b.shape
@@ -102,11 +114,17 @@ def arcee_importance(other: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
 
 
 def _arcee_fusion_tensor(key, tensors, weights, stats, base, params, context):
-    # the importance in float32 (float64 for float64 inputs), as mergekit computes it: the KL of two nearly
-    # equal rows is ill-conditioned, and a float64 KL moves ~12 % of the mask's entries near the threshold
-    # (tests/test_mergekit_methods.py); the result itself is formed in float64
-    work = torch.promote_types(base.dtype, torch.float32)
+    # the importance in float32 (float64 for float64 inputs, float16/bfloat16 for those), as mergekit computes
+    # it: the KL of two nearly equal rows is ill-conditioned, and a float64 KL moves ~12 % of the mask's entries
+    # near the threshold (tests/test_mergekit_methods.py); the result itself is formed in float64
+    half = base.dtype in HALF
+    work = base.dtype if half else torch.promote_types(base.dtype, torch.float32)
     importance = arcee_importance(tensors[0].to(work), base.to(work))
+    if half:  # the threshold's arithmetic in the half dtype too, and the change rounded to it before it is added
+        s = torch.sort(importance.reshape(-1)).values
+        q1, median, q3 = (s[int(q * (s.numel() - 1))] for q in (0.25, 0.5, 0.75))
+        keep = importance >= median + 1.5 * (q3 - q1)
+        return base.float() + (tensors[0] - base).float() * keep
     b, o = base.double(), tensors[0].double()
     q1, median, q3 = quantiles(importance, (0.25, 0.5, 0.75))
     keep = importance >= median + 1.5 * (q3 - q1)

@@ -21,6 +21,7 @@ Methods that need statistics (Fisher, RegMean: activations of the models run on 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import tempfile
@@ -58,7 +59,7 @@ def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
 def _body_layout(ckpt: LazyCheckpoint, name: str, heads) -> Layout:
     heads = set(heads)
     return Layout(name, ckpt.config["model_type"], ckpt.heads,
-                  {k: ckpt.shape[k] for k in ckpt.keys() if k not in heads}, ckpt.disk_name)
+                  {k: ckpt.shape[k] for k in ckpt.keys() if k not in heads}, ckpt.disk_name, ckpt.class_name)
 
 
 def merge_streaming(models, out, options, shard_size=DEFAULT_SHARD, budget=None, write_hook=None,
@@ -171,9 +172,21 @@ def _plain_streaming(folders, base_folder, out, options, *, plan, names, alignme
 
 
 def _aligned_streaming(models, out, options, *, plan, names, timings, t0, **rest) -> dict:
-    """Each model aligned to the anchor with :func:`symmerge.pipeline.stream.align_streaming` (one part of
-    a layer at a time, into temporary shards beside ``out``), then the aligned folders merged tensor by
+    """Each model aligned to the anchor (:func:`aligned_folders`), then the aligned folders merged tensor by
     tensor; the temporary folders are removed whatever happens."""
+    t = time.perf_counter()
+    with aligned_folders(models, out, options, plan, names) as (aligned, base_path, alignment):
+        timings["align"] = time.perf_counter() - t
+        return _plain_streaming(aligned, base_path, out, options, plan=plan, names=names, alignment=alignment,
+                                aligned=True, timings=timings, t0=t0, **rest)
+
+
+@contextlib.contextmanager
+def aligned_folders(models, out, options, plan, names):
+    """Each model (and ``options.base``) aligned to the plan's anchor with
+    :func:`symmerge.pipeline.stream.align_streaming` (one part of a layer at a time) into temporary folders
+    beside ``out``; yields (the models' folders, aligned or the anchor's own, the base's folder, the report's
+    ``alignment`` entry). The temporary folders are removed on leaving, whatever happens."""
     from ..pipeline.stream import align_streaming
 
     idx, info = plan.anchor_index, {"rule": plan.anchor_rule}
@@ -192,7 +205,6 @@ def _aligned_streaming(models, out, options, *, plan, names, timings, t0, **rest
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "aligned"), dir=out.parent))  # a later run knows it
-    t = time.perf_counter()
     try:
         aligned, base_path, rows, resolved = list(models), options.base, [], None
         for i, path in targets:
@@ -213,9 +225,6 @@ def _aligned_streaming(models, out, options, *, plan, names, timings, t0, **rest
         if options.use_joint(len(models)):  # auto: more than two models, no anchor
             alignment["note"] = ("streamed: every model was aligned to one anchor (the star); joint alignment into "
                                  "one frame needs the models in memory (--mode memory)")
-        timings["align"] = time.perf_counter() - t
-        report = _plain_streaming(aligned, base_path, out, options, plan=plan, names=names, alignment=alignment,
-                                  aligned=True, timings=timings, t0=t0, **rest)
+        yield aligned, base_path, alignment
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return report
