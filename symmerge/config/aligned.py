@@ -71,8 +71,6 @@ class Alignment:
 def alignment_of(doc, align=None) -> Alignment:
     """The :class:`Alignment` of the document's alignment keys (``align``: ``--align`` from the command line),
     each value checked by ``symmerge merge``'s own parser; a bad one is one error naming its key and line."""
-    from ..commands.merge import options_from
-
     keys = {k: v for k, v in doc.data.items() if k in ALIGN_KEYS}
     if align is not None:
         keys["align"] = align
@@ -88,7 +86,7 @@ def alignment_of(doc, align=None) -> Alignment:
         argv += flags
     args = parser.parse_args(head + argv)
     try:
-        options = options_from(args)
+        options = args.options_from(args)
     except SymmergeError as e:
         raise doc.error(str(e), next(iter(keys))) from None
     options.progress = args.progress != "none"
@@ -134,7 +132,7 @@ def plan_alignment(job, spec: Alignment):
         raise spec.doc.error(f"anchor index {options.anchor} out of range for the {len(models)} merged model(s) "
                              f"({', '.join(i.label for j, i in enumerate(job.inputs) if j != job.base)})", "anchor")
     model_type = model_type_of(models[0])
-    align, note = recommended(options.align, model_type, base is not None)
+    align, note = recommended(options.align, model_type=model_type, base_given=base is not None)
     spec.report = {"symmetries": [], "requested": options.align.requested, "rescale": "none",
                    "anchor": {"index": None, "name": None, "rule": None}, "models": []}
     if note:

@@ -32,7 +32,9 @@ def command_parser(command: str) -> argparse.ArgumentParser:
     module = importlib.import_module(f"symmerge.commands.{command}")
     parser = _ConfigParser(prog=f"symmerge {command}", add_help=False)
     module.add_arguments(parser)
-    parser.set_defaults(handler=module.run)
+    # the command's own builder of library options, where it has one (``symmerge merge``: MergeOptions), reached
+    # through the parser as the handler is: config never imports a command module
+    parser.set_defaults(handler=module.run, options_from=getattr(module, "options_from", None))
     return parser
 
 
