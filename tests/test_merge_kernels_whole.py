@@ -5,6 +5,7 @@ the stable sorts of their definitions (ties at the cuts included), the merged te
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,3 +163,54 @@ def test_the_kernel_declines_what_it_does_not_cover():
     assert not task_vector_into([t], t, [1.0], [("all",)], [None], "sum", False, 1.0, half)
     assert not task_vector_into([t], t, [1.0], [("della", 1, 0.5, 0.1)], [None], "sum", False, 1.0,
                                 torch.empty_like(t))
+
+
+@needs_numba
+@pytest.mark.parametrize("topk", [0.0, 0.001, 0.3, 0.5, 0.99, 1.0])
+def test_sce_variances_and_selection_equal_the_torch_code(topk):
+    from symmerge.merge import kernels_whole as kw
+    from symmerge.merge.specialized import sce_select
+
+    base, *models = tied(3, (41, 53), torch.float32, seed=11)
+    models[2][:5] = models[1][:5]  # zero and tied variances
+    arrays = kw._arrays([*models, base])
+    taus = torch.stack([t.double() - base.double() for t in models])
+    var = np.empty(base.numel())
+    kw._sce_variance_jit(arrays, 0, base.numel(), var)
+    assert torch.equal(torch.from_numpy(var), taus.var(dim=0, unbiased=False).reshape(-1))  # bit for bit
+    select = np.zeros(base.numel(), dtype=np.bool_)
+    squares = np.zeros(3)
+    cut = kw._sce_cut(arrays, topk) if 0.0 < topk < 1.0 else None
+    if cut is not None:
+        kw._sce_select_jit(arrays, cut[0], cut[1], select, squares, np.empty(kw._BLOCK))
+    want = sce_select(taus, topk)
+    if topk < 1.0:
+        assert torch.equal(torch.from_numpy(select).reshape(want.shape), want)
+        kept = taus * want
+        assert np.allclose(squares, kept.square().reshape(3, -1).sum(1).numpy(), rtol=1e-13)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("topk", [0.0, 0.2, 0.5, 1.0])
+def test_sce_kernel_equals_the_torch_code(topk, dtype):
+    base, *models = tied(3, (60, 70), dtype, seed=4)
+    fused = run("sce", models, base, None, True, select_topk=topk)
+    plain = run("sce", models, base, None, False, select_topk=topk)
+    gap = (fused.double() - plain.double()).abs()  # the weights' sums in another order: a rounding at most
+    size = sum((t.double() - base.double()).abs() for t in models)
+    assert bool((gap <= torch.finfo(dtype).eps * plain.double().abs() + 1e-12 * size).all())
+    assert dtype == torch.float64 or (fused != plain).double().mean() < 0.01
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("method, params", [("ram", dict(epsilon=0.1)), ("ram", dict(epsilon=0.0)),
+                                            ("ramplus_tl", dict(epsilon=0.1, r=0.5, alpha=0.3)),
+                                            ("ramplus_tl", dict(epsilon=1e-3))])
+def test_ram_kernels_equal_the_torch_code_bit_for_bit(method, params, dtype):
+    base, *models = tied(3, (70, 300), dtype, seed=6)
+    models[1][:10] = base[:10]  # entries only one model changes
+    fused = run(method, models, base, None, True, **params)
+    plain = run(method, models, base, None, False, **params)
+    assert torch.equal(fused.view(torch.uint8), plain.view(torch.uint8)) and not torch.equal(fused, base)

@@ -156,7 +156,21 @@ def sce_weights(taus: torch.Tensor) -> torch.Tensor:
     return torch.full_like(w, 1.0 / w.numel()) if abs(total) < 1e-6 else w / total
 
 
+def _sce_into(key, tensors, weights, base, params, context, out) -> bool:
+    """SCE by the fused kernel (:func:`symmerge.merge.kernels_whole.sce_into`) into ``out``, or False."""
+    from . import kernels
+
+    if not kernels.AVAILABLE:
+        return False
+    from .kernels_whole import sce_into
+
+    return sce_into(tensors, base, float(params["select_topk"]), out)
+
+
 def _sce_tensor(key, tensors, weights, stats, base, params, context):
+    out = torch.empty(base.shape, dtype=base.dtype)
+    if _sce_into(key, tensors, weights, base, params, context, out):
+        return out
     b = base.double()
     taus = torch.stack([t.double() - b for t in tensors])
     topk = float(params["select_topk"])
@@ -170,7 +184,8 @@ def _sce_tensor(key, tensors, weights, stats, base, params, context):
 SCE = Method("sce", _sce_tensor, needs_base=True, params={"select_topk": 1.0, "int8_mask": False},
              doc="SCE: keep the highest-variance positions, weight each task vector by its mean square, "
                  "TIES sign election, weighted mean of the agreeing entries.",
-             normalize_weights=False, checks={"select_topk": real(0.0, 1.0), "int8_mask": boolean()})
+             normalize_weights=False, checks={"select_topk": real(0.0, 1.0), "int8_mask": boolean()},
+             fused_into=_sce_into)
 
 # ------------------------------------------------------------------ ram / ramplus_tl
 
@@ -190,26 +205,62 @@ def _ram_tensor(key, tensors, weights, stats, base, params, context):
     return b + merged.sum(0)
 
 
-def _ramplus_tensor(key, tensors, weights, stats, base, params, context):
+def _ramplus_lambdas(key, tensors, base, weights, params, context):
+    """RAM+'s per-tensor factors λ_i = 1 + r · clamp(ρ_i, 0, alpha) (a float64 tensor of shape (n, 1)), the counts
+    of active entries shared with other models and unique to model i taken chunk by chunk (exact integers)."""
+    from .base import CHUNK
+
+    from . import kernels
+
     eps = float(params["epsilon"])
-    b, taus, active, count = _ram_parts(tensors, base, eps)
-    unique, shared = count == 1, count > 1
     n = len(tensors)
-    flat_a = active.reshape(n, -1)
-    shared_n = (flat_a & shared.reshape(1, -1)).sum(1).double()
-    unique_n = (flat_a & unique.reshape(1, -1)).sum(1).double()
-    rho = shared_n / unique_n.clamp(min=eps)
-    lam = (1.0 + float(params["r"]) * rho.clamp(0.0, float(params["alpha"]))).reshape(-1, *([1] * (taus.dim() - 1)))
+    counted = None
+    if kernels.AVAILABLE:
+        from .kernels_whole import ram_counts
+
+        counted = ram_counts(tensors, base, eps)
+    if counted is not None:
+        shared_n, unique_n = (torch.from_numpy(c) for c in counted)
+    else:
+        shared_n, unique_n = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+        flat, b = [t.reshape(-1) for t in tensors], base.reshape(-1)
+        for i in range(0, b.numel(), CHUNK):
+            _, _, active, count = _ram_parts([t[i:i + CHUNK] for t in flat], b[i:i + CHUNK], eps)
+            shared_n += (active & (count > 1)).sum(1)
+            unique_n += (active & (count == 1)).sum(1)
+    rho = shared_n.double() / unique_n.double().clamp(min=eps)
+    return (1.0 + float(params["r"]) * rho.clamp(0.0, float(params["alpha"]))).reshape(-1, 1)
+
+
+def _ramplus_tensor(key, tensors, weights, stats, base, params, context):
+    """RAM+ given its per-tensor factors (``context``: :func:`_ramplus_lambdas` of the whole tensor; computed here
+    when None), entry by entry."""
+    if context is None:
+        context = _ramplus_lambdas(key, tensors, base, weights, params, None)
+    b, taus, active, count = _ram_parts(tensors, base, float(params["epsilon"]))
+    unique, shared = count == 1, count > 1
+    lam = context.reshape(-1, *([1] * (taus.dim() - 1)))
     merged = taus * unique * lam + taus * shared / count.clamp(min=1)
     return b + merged.sum(0)
 
 
-RAM = Method("ram", _ram_tensor, needs_base=True, params={"epsilon": 1e-5},
+def _ram_into(key, tensors, weights, base, params, context, out) -> bool:
+    """RAM (``context`` None) or RAM+ (``context``: its factors) by the fused kernel into ``out``, or False."""
+    from . import kernels
+
+    if not kernels.AVAILABLE:
+        return False
+    from .kernels_whole import ram_into
+
+    return ram_into(tensors, base, float(params["epsilon"]), None if context is None else context.numpy(), out)
+
+
+RAM = Method("ram", _ram_tensor, needs_base=True, params={"epsilon": 1e-5}, fused_into=_ram_into,
              doc="RAM: per entry, the one model that changed it, or the mean of the several that did (changes "
                  "above epsilon).", normalize_weights=False, elementwise=True, checks={"epsilon": real(0.0)})
 RAMPLUS_TL = Method("ramplus_tl", _ramplus_tensor, needs_base=True, params={"r": 0.1, "alpha": 0.2, "epsilon": 1e-5},
                     doc="RAM+ (tensor-local): RAM with each model's unique changes scaled by 1 + r clamp(shared / "
-                        "unique, 0, alpha).", normalize_weights=False,
-                    checks={"r": real(), "alpha": real(0.0), "epsilon": real(0.0)})
+                        "unique, 0, alpha).", normalize_weights=False, elementwise=True, fused_into=_ram_into,
+                    tensor_context=_ramplus_lambdas, checks={"r": real(), "alpha": real(0.0), "epsilon": real(0.0)})
 
 METHODS = [MODEL_STOCK, NEARSWAP, ARCEE_FUSION, PASSTHROUGH, SCE, RAM, RAMPLUS_TL]
