@@ -1,0 +1,103 @@
+"""The spherical rules as linear combinations of their inputs (coefficients from the chunked Gram matrix)
+against their definitions on whole vectors, written here as the rules read: slerp, nuslerp, multislerp
+(with its tangent-space mean computed), karcher (the iteration on the vectors)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from symmerge.merge import get_method
+from symmerge.merge.base import CHUNK
+from symmerge.merge.spherical import gram, karcher_coefficients, karcher_mean, multislerp_coefficients
+
+D = torch.float64
+
+
+def vectors(n: int, size: int, spread: float, seed: int) -> list[torch.Tensor]:
+    """``n`` vectors around a common one (``spread``: their relative distance to it)."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(size, generator=g, dtype=D)
+    return [(common + spread * torch.randn(size, generator=g, dtype=D)) * (0.5 + i) for i in range(n)]
+
+
+def test_gram_is_the_plain_product_over_chunks():
+    vs = vectors(3, 2 * CHUNK + 17, 1.0, 0)
+    base = torch.randn(2 * CHUNK + 17, dtype=D)
+    x = torch.stack(vs)
+    assert torch.allclose(gram(vs), x @ x.T, rtol=1e-13)
+    assert torch.allclose(gram(vs, base), (x - base) @ (x - base).T, rtol=1e-13)
+    assert torch.allclose(gram([v.float() for v in vs]), x.float().double() @ x.float().double().T, rtol=1e-13)
+
+
+def multislerp_by_definition(vs, weights, eps=1e-8):
+    """The torch rule as written before: directions, their weighted mean, the tangent vectors' mean τ, the
+    exponential map, the weighted mean of the norms."""
+    v = torch.stack(vs)
+    w = torch.tensor(weights, dtype=D)
+    w = w / w.sum()
+    norms = v.norm(dim=1, keepdim=True)
+    units = v / (norms + eps)
+    mean = (units * w[:, None]).sum(0)
+    mean = mean / mean.norm()
+    tau = ((units - (units @ mean)[:, None] * mean) * w[:, None]).sum(0)
+    tn = float(tau.norm()) + eps
+    return (mean * math.cos(tn) + tau * (math.sin(tn) / tn)) * float((norms[:, 0] * w).sum())
+
+
+@pytest.mark.parametrize("spread", [1e-4, 0.1, 1.0, 10.0])
+def test_multislerp_coefficients_equal_the_tangent_space_rule(spread):
+    vs = vectors(3, 500, spread, 1)
+    weights = [0.2, 0.5, 0.3]
+    c = multislerp_coefficients(gram(vs), weights, True, 1e-8)
+    got = sum(ci * v for ci, v in zip(c, vs))
+    want = multislerp_by_definition(vs, weights)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("spread", [1e-6, 1e-3, 0.3, 3.0])
+def test_karcher_coefficients_follow_the_iteration_on_the_vectors(spread):
+    vs = vectors(4, 300, spread, 2)
+    for max_iter, tol in ((10, 1e-5), (0, 1e-5), (50, 1e-9)):
+        c = karcher_coefficients(gram(vs), [0.25] * 4, max_iter, tol)
+        got = sum(ci * v for ci, v in zip(c, vs))
+        want = karcher_mean(vs, [0.25] * 4, max_iter, tol)
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-9 * float(want.abs().max())), (spread, max_iter)
+    zero = [torch.zeros(300, dtype=D), *vs[:2]]  # a model below tol is left out of the directions
+    c = karcher_coefficients(gram(zero), [1 / 3] * 3, 10, 1e-5)
+    assert c[0] == 0.0
+    assert torch.allclose(sum(ci * v for ci, v in zip(c, zero)), karcher_mean(zero, [1 / 3] * 3, 10, 1e-5))
+
+
+@pytest.mark.parametrize("name, params, n, base", [
+    ("slerp", {"t": 0.3}, 1, True), ("slerp", {"t": 1.7}, 1, True), ("nuslerp", {}, 2, False),
+    ("nuslerp", {}, 2, True), ("multislerp", {}, 3, True), ("multislerp", {}, 1, True), ("karcher", {}, 3, False)])
+def test_the_chunked_rules_equal_their_whole_vector_forms(name, params, n, base):
+    g = torch.Generator().manual_seed(4)
+    shape = (CHUNK // 50 + 3, 50)
+    b = torch.randn(shape, generator=g, dtype=D)
+    models = [b + torch.randn(shape, generator=g, dtype=D) * s for s in (0.5, 1.0, 2.0)[:n]]
+    weights = [1.0, 3.0, 2.0][:n]
+    m = get_method(name)
+    got = m.merge([{"w": t} for t in models], base={"w": b} if base else None,
+                  weights=None if name == "karcher" else weights, **params)["w"]
+    flat = [t.reshape(-1) for t in models]
+    if name == "slerp":
+        a, c = b.reshape(-1), flat[0]
+        t = params["t"]
+        omega = math.acos(float((a / a.norm()) @ (c / c.norm())))
+        want = math.sin((1 - t) * omega) / math.sin(omega) * a + math.sin(t * omega) / math.sin(omega) * c
+    elif name == "nuslerp":
+        a, c = (flat[0] - b.reshape(-1), flat[1] - b.reshape(-1)) if base else (flat[0], flat[1])
+        omega = math.acos(float((a / a.norm()) @ (c / c.norm())))
+        t = 0.75
+        want = math.sin((1 - t) * omega) / math.sin(omega) * a + math.sin(t * omega) / math.sin(omega) * c
+        want = want + (b.reshape(-1) if base else 0.0)
+    elif name == "multislerp":
+        want = flat[0] if n == 1 else b.reshape(-1) + multislerp_by_definition([f - b.reshape(-1) for f in flat],
+                                                                               weights)
+    else:
+        want = karcher_mean(flat, [1 / n] * n, 10, 1e-5)
+    assert torch.allclose(got.reshape(-1), want, rtol=1e-11, atol=1e-11)
