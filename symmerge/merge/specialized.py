@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from .base import REQUIRED, Method, boolean, real
+from .combination import gram, linear_into, linear_tensor
 from .parts import elect_mask
 
 # ------------------------------------------------------------------ model_stock
@@ -54,22 +55,41 @@ def model_stock_ratio(taus, filter_wise: bool = False) -> torch.Tensor:
     return torch.where(singular, torch.zeros_like(cos), n * cos / torch.where(singular, torch.ones_like(den), den))
 
 
+def model_stock_t(g: torch.Tensor) -> float:
+    """t = N cos / (1 + (N − 1) cos) from the task vectors' Gram matrix ``g`` (the flattened tensor):
+    :func:`model_stock_ratio`'s cosines τ_i·τ_j / max(‖τ_i‖‖τ_j‖, 1e-6), clamped, averaged over the pairs."""
+    n = g.shape[0]
+    norms = g.diagonal().clamp(min=0.0).sqrt()
+    cosines = [float((g[i, j] / (norms[i] * norms[j]).clamp(min=1e-6)).clamp(-1.0, 1.0))
+               for i in range(n) for j in range(i + 1, n)]
+    cos = sum(cosines) / len(cosines)
+    den = 1.0 + (n - 1) * cos
+    return 0.0 if abs(den) < 1e-6 else n * cos / den
+
+
+def _model_stock_coefficients(key, tensors, base, weights, params, context):
+    """θ = t · mean_i θ_i + (1 − t) θ_b as coefficients of ``[*models, base]``."""
+    t = model_stock_t(gram(tensors, base))
+    return [t / len(tensors)] * len(tensors) + [1.0 - t]
+
+
 def _model_stock_tensor(key, tensors, weights, stats, base, params, context):
+    if not params["filter_wise"]:
+        return linear_tensor(_model_stock_coefficients)(key, tensors, weights, stats, base, params, context)
     b = base.double()
     models = [t.double() for t in tensors]
-    t = model_stock_ratio([m - b for m in models], bool(params["filter_wise"]))
+    t = model_stock_ratio([m - b for m in models], True)
     mean = sum(models) / len(models)
-    shape = b.shape
-    if params["filter_wise"]:
-        rows = b.unsqueeze(0) if b.dim() == 1 else b
-        return (t * mean.reshape(rows.shape) + (1.0 - t) * rows).reshape(shape)
-    return (t * mean.reshape(1, -1) + (1.0 - t) * b.reshape(1, -1)).reshape(shape)
+    rows = b.unsqueeze(0) if b.dim() == 1 else b
+    return (t * mean.reshape(rows.shape) + (1.0 - t) * rows).reshape(b.shape)
 
 
 MODEL_STOCK = Method("model_stock", _model_stock_tensor, needs_base=True, params={"filter_wise": False},
                      doc="Model Stock: interpolate the base and the models' mean by t = N cos / (1 + (N-1) cos) "
                          "of the task vectors' mean pairwise cosine.",
-                     normalize_weights=False, checks={"filter_wise": boolean()}, models=(2, None))
+                     normalize_weights=False, checks={"filter_wise": boolean()}, models=(2, None),
+                     elementwise=True, tensor_context=_model_stock_coefficients, fused_into=linear_into,
+                     whole_tensor=lambda p: bool(p["filter_wise"]))
 
 # ------------------------------------------------------------------ nearswap
 
@@ -89,9 +109,13 @@ NEARSWAP = Method("nearswap", _nearswap_tensor, needs_base=True, params={"t": RE
 
 
 def quantiles(values: torch.Tensor, qs) -> list[float]:
-    """The sorted value at index ⌊q (n − 1)⌋ for each q of ``qs`` (exact, over all entries)."""
-    s = torch.sort(values.reshape(-1)).values
-    return [float(s[int(q * (s.numel() - 1))]) for q in qs]
+    """The sorted value at index ⌊q (n − 1)⌋ for each q of ``qs`` (exact, over all entries: a partial sort)."""
+    import numpy as np
+
+    flat = values.reshape(-1).numpy()
+    at = [int(q * (flat.shape[0] - 1)) for q in qs]
+    part = np.partition(flat, sorted(set(at)))
+    return [float(part[i]) for i in at]
 
 
 def arcee_importance(other: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -101,19 +125,43 @@ def arcee_importance(other: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return (other - base).abs() * (p * torch.log(p / q)).sum(-1, keepdim=True)
 
 
-def _arcee_fusion_tensor(key, tensors, weights, stats, base, params, context):
+_ROWS = 1 << 15  # entries of the rows whose importances are computed at once
+
+
+def _arcee_into(key, tensors, weights, base, params, context, out) -> bool:
     # the importance in float32 (float64 for float64 inputs), as mergekit computes it: the KL of two nearly
     # equal rows is ill-conditioned, and a float64 KL moves ~12 % of the mask's entries near the threshold
-    # (tests/test_mergekit_methods.py); the result itself is formed in float64
+    # (tests/test_mergekit_methods.py); the result itself is formed in float64. Rows at a time (each row's
+    # importance is its own), then the result chunk by chunk: no whole-tensor temporaries but the importances.
+    from .base import CHUNK
+
     work = torch.promote_types(base.dtype, torch.float32)
-    importance = arcee_importance(tensors[0].to(work), base.to(work))
-    b, o = base.double(), tensors[0].double()
+    other = tensors[0]
+    importance = torch.empty(base.shape, dtype=work)
+    if base.dim() < 2:
+        importance.copy_(arcee_importance(other.to(work), base.to(work)))
+    else:
+        rows_o, rows_b, rows_i = (x.reshape(-1, x.shape[-1]) for x in (other, base, importance))
+        step = max(1, _ROWS // max(1, base.shape[-1]))
+        for r in range(0, rows_b.shape[0], step):
+            rows_i[r:r + step] = arcee_importance(rows_o[r:r + step].to(work), rows_b[r:r + step].to(work))
     q1, median, q3 = quantiles(importance, (0.25, 0.5, 0.75))
-    keep = importance >= median + 1.5 * (q3 - q1)
-    return b + (o - b) * keep
+    keep = (importance >= median + 1.5 * (q3 - q1)).reshape(-1)
+    del importance
+    flat_o, flat_b, flat_out = other.reshape(-1), base.reshape(-1), out.view(-1)
+    for i in range(0, flat_b.numel(), CHUNK):
+        b = flat_b[i:i + CHUNK].double()
+        flat_out[i:i + CHUNK] = b + (flat_o[i:i + CHUNK].double() - b) * keep[i:i + CHUNK]
+    return True
 
 
-ARCEE_FUSION = Method("arcee_fusion", _arcee_fusion_tensor, needs_base=True,
+def _arcee_fusion_tensor(key, tensors, weights, stats, base, params, context):
+    out = torch.empty(base.shape, dtype=base.dtype)
+    _arcee_into(key, tensors, weights, base, params, context, out)
+    return out
+
+
+ARCEE_FUSION = Method("arcee_fusion", _arcee_fusion_tensor, needs_base=True, fused_into=_arcee_into,
                       doc="Arcee Fusion: keep the other model's changes whose importance (|change| x KL of the "
                           "rows' softmaxes) reaches median + 1.5 IQR.", normalize_weights=False, models=(1, 1))
 

@@ -1,7 +1,7 @@
 """Spherical interpolation rules (mergekit's ``slerp``, ``nuslerp``, ``multislerp``, ``karcher``) on the flattened
 tensor (or, for nuslerp, its rows or columns), computed in float64 and cast back by the loop. On the flattened
 tensor each is a linear combination of its inputs whose coefficients depend on the inputs' Gram matrix only:
-they run chunk by chunk (see "the flattened rules as linear combinations" below).
+they run chunk by chunk (:mod:`symmerge.merge.combination`).
 
 The one interpolation part, :func:`slerp_pair`, moves along the great circle between two vectors' directions
 and interpolates their norms' linear mix: with cos Ω the cosine of the angle between a and b,
@@ -38,8 +38,8 @@ import math
 import torch
 
 from ..errors import SymmergeError
-from . import kernels
-from .base import CHUNK, REQUIRED, Method, boolean, integer, real, weighted_sum
+from .base import REQUIRED, Method, boolean, integer, real
+from .combination import gram, linear_into, linear_tensor, with_base
 
 
 def slerp_coefficients(na, nb, dot, t: float, colinear, norm_floor: float = 1e-8, clamp: bool = False):
@@ -72,54 +72,6 @@ def slerp_pair(a: torch.Tensor, b: torch.Tensor, t: float, dim: int | None = Non
     return ca * a + cb * b
 
 
-# ------------------------------------------------------------------ the flattened rules as linear combinations
-#
-# On the flattened tensor every rule here is a linear combination Σ c_i x_i of its inputs (the models, and the
-# base with the coefficient 1 − Σ c_i when the rule works on task vectors), its coefficients a function of the
-# inputs' Gram matrix. So each runs as an elementwise method: the Gram matrix taken chunk by chunk (a
-# per-tensor context, float64), then the weighted sum of the inputs chunk by chunk (or in one fused pass:
-# :func:`symmerge.merge.kernels.average_into`), without whole-tensor float64 copies.
-
-
-def gram(tensors, base=None) -> torch.Tensor:
-    """G_ij = Σ over the entries of x_i x_j with x_i = t_i − base (t_i without a base), float64, chunk by chunk."""
-    flat = [t.reshape(-1) for t in tensors]
-    b = None if base is None else base.reshape(-1)
-    g = torch.zeros(len(flat), len(flat), dtype=torch.float64)
-    for i in range(0, flat[0].numel(), CHUNK):
-        x = torch.stack([f[i:i + CHUNK].double() for f in flat])
-        if b is not None:
-            x -= b[i:i + CHUNK].double()
-        g += x @ x.T
-    return g
-
-
-def _inputs(tensors, base) -> list:
-    return list(tensors) if base is None else [*tensors, base]
-
-
-def _with_base(coefficients, base) -> list[float]:
-    """Coefficients of task vectors as coefficients of ``[*models, base]`` (the base's: 1 − Σ c_i)."""
-    c = [float(x) for x in coefficients]
-    return c if base is None else [*c, 1.0 - sum(c)]
-
-
-def _linear_tensor(coefficients):
-    """The tensor rule of a method whose ``tensor_context`` gives the coefficients: Σ c_i x_i in float64 (the
-    coefficients computed here, on the whole tensor, when called without them)."""
-    def tensor(key, tensors, weights, stats, base, params, context):
-        if context is None:
-            context = coefficients(key, tensors, base, weights, params, None)
-        return weighted_sum(_inputs(tensors, base), context)
-
-    return tensor
-
-
-def _linear_into(key, tensors, weights, base, params, context, out) -> bool:
-    """Σ c_i x_i cast into ``out`` in one pass (:func:`symmerge.merge.kernels.average_into`; the chunks' bits)."""
-    return context is not None and kernels.average_into(_inputs(tensors, base), context, out)
-
-
 # ------------------------------------------------------------------ slerp
 
 
@@ -130,10 +82,10 @@ def _slerp_coefficients(key, tensors, base, weights, params, context):
     return [float(cb), float(ca)]  # of [model, base]
 
 
-SLERP = Method("slerp", _linear_tensor(_slerp_coefficients), needs_base=True, params={"t": REQUIRED},
+SLERP = Method("slerp", linear_tensor(_slerp_coefficients), needs_base=True, params={"t": REQUIRED},
                doc="Spherical linear interpolation from the base model (t = 0) to one other model (t = 1), on the "
                    "flattened tensor.", normalize_weights=False, checks={"t": real()}, models=(1, 1),
-               elementwise=True, tensor_context=_slerp_coefficients, fused_into=_linear_into)
+               elementwise=True, tensor_context=_slerp_coefficients, fused_into=linear_into)
 
 
 # ------------------------------------------------------------------ nuslerp
@@ -153,12 +105,12 @@ def _nuslerp_coefficients(key, tensors, base, weights, params, context):
     g = gram(tensors, base)
     ca, cb = slerp_coefficients(g[0, 0].sqrt(), g[1, 1].sqrt(), g[0, 1], _nuslerp_t(weights),
                                 colinear=_nuslerp_colinear, norm_floor=1e-7, clamp=True)
-    return _with_base([ca, cb], base)
+    return with_base([ca, cb], base)
 
 
 def _nuslerp_tensor(key, tensors, weights, stats, base, params, context):
     if params["nuslerp_flatten"] or tensors[0].dim() == 0:
-        return _linear_tensor(_nuslerp_coefficients)(key, tensors, weights, stats, base, params, context)
+        return linear_tensor(_nuslerp_coefficients)(key, tensors, weights, stats, base, params, context)
     a, b = tensors[0].double(), tensors[1].double()
     if base is not None:
         a, b = a - base.double(), b - base.double()
@@ -172,7 +124,7 @@ NUSLERP = Method("nuslerp", _nuslerp_tensor, accepts_base=True,
                  doc="SLERP of two models (or of their task vectors, given a base) at t = w2 / (w1 + w2), "
                      "flattened or row/column-wise.", normalize_weights=False,
                  checks={"nuslerp_flatten": boolean(), "nuslerp_row_wise": boolean()}, models=(2, 2),
-                 elementwise=True, tensor_context=_nuslerp_coefficients, fused_into=_linear_into,
+                 elementwise=True, tensor_context=_nuslerp_coefficients, fused_into=linear_into,
                  whole_tensor=lambda p: not p["nuslerp_flatten"])
 
 
@@ -205,15 +157,15 @@ def _multislerp_coefficients(key, tensors, base, weights, params, context):
         return [1.0] + ([0.0] if base is not None else [])  # the model itself
     c = multislerp_coefficients(gram(tensors, base), weights, bool(params["normalize_weights"]),
                                 float(params["eps"]), key)
-    return _with_base(c, base)
+    return with_base(c, base)
 
 
-MULTISLERP = Method("multislerp", _linear_tensor(_multislerp_coefficients), accepts_base=True,
+MULTISLERP = Method("multislerp", linear_tensor(_multislerp_coefficients), accepts_base=True,
                     params={"normalize_weights": True, "eps": 1e-8},
                     doc="Barycentric interpolation on the hypersphere of any number of models (or task vectors): "
                         "tangent-space mean at the weighted mean direction, mapped back, scaled by the mean norm.",
                     normalize_weights=False, checks={"normalize_weights": boolean(), "eps": real(0.0)},
-                    elementwise=True, tensor_context=_multislerp_coefficients, fused_into=_linear_into)
+                    elementwise=True, tensor_context=_multislerp_coefficients, fused_into=linear_into)
 
 
 # ------------------------------------------------------------------ karcher
@@ -300,10 +252,10 @@ def _karcher_coefficients(key, tensors, base, weights, params, context):
     return karcher_coefficients(gram(tensors), [1.0 / n] * n, int(params["max_iter"]), float(params["tol"]))
 
 
-KARCHER = Method("karcher", _linear_tensor(_karcher_coefficients), params={"max_iter": 10, "tol": 1e-5},
+KARCHER = Method("karcher", linear_tensor(_karcher_coefficients), params={"max_iter": 10, "tol": 1e-5},
                  doc="Karcher (Riemannian) mean of the models' directions on the unit sphere, scaled by their "
                      "mean norm (uniform; weights are not used).",
                  checks={"max_iter": integer(0), "tol": real(0.0)}, elementwise=True,
-                 tensor_context=_karcher_coefficients, fused_into=_linear_into)
+                 tensor_context=_karcher_coefficients, fused_into=linear_into)
 
 METHODS = [SLERP, NUSLERP, MULTISLERP, KARCHER]

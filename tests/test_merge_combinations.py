@@ -1,6 +1,7 @@
-"""The spherical rules as linear combinations of their inputs (coefficients from the chunked Gram matrix)
-against their definitions on whole vectors, written here as the rules read: slerp, nuslerp, multislerp
-(with its tangent-space mean computed), karcher (the iteration on the vectors)."""
+"""The rules run as linear combinations of their inputs (coefficients from the chunked Gram matrix) against
+their definitions on whole vectors, written here as the rules read: slerp, nuslerp, multislerp (with its
+tangent-space mean computed), karcher (the iteration on the vectors), Model Stock; and Arcee Fusion's
+importances taken rows at a time and its quantiles by a partial sort against the whole-tensor torch code."""
 
 from __future__ import annotations
 
@@ -101,3 +102,36 @@ def test_the_chunked_rules_equal_their_whole_vector_forms(name, params, n, base)
     else:
         want = karcher_mean(flat, [1 / n] * n, 10, 1e-5)
     assert torch.allclose(got.reshape(-1), want, rtol=1e-11, atol=1e-11)
+
+
+def test_model_stock_from_the_gram_matrix_equals_the_vector_rule():
+    from symmerge.merge.specialized import model_stock_ratio, model_stock_t
+
+    for spread in (1e-3, 1.0, 100.0):
+        vs = vectors(3, 400, spread, 6)
+        base = torch.randn(400, dtype=D)
+        want = float(model_stock_ratio([v - base for v in vs]).reshape(()))
+        assert math.isclose(model_stock_t(gram(vs, base)), want, rel_tol=1e-12, abs_tol=1e-14)
+        got = get_method("model_stock").merge([{"w": v} for v in vs], base={"w": base})["w"]
+        assert torch.allclose(got, want * sum(vs) / 3 + (1 - want) * base, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(700, 90), (5000,), (3, 4, 50)])
+def test_arcee_fusion_rows_at_a_time_equals_the_whole_tensor_code(shape, dtype, monkeypatch):
+    from symmerge.merge import specialized
+    from symmerge.merge.specialized import arcee_importance
+
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(shape, generator=g).to(dtype)
+    other = (base.double() + 0.05 * torch.randn(shape, generator=g, dtype=D)).to(dtype)
+    monkeypatch.setattr(specialized, "_ROWS", 1000)  # several row blocks
+    got = get_method("arcee_fusion").merge([{"w": other}], base={"w": base})["w"]
+    work = torch.promote_types(dtype, torch.float32)
+    importance = arcee_importance(other.to(work), base.to(work))
+    s = importance.reshape(-1).sort().values  # the quantiles by a full sort
+    q1, median, q3 = (float(s[int(q * (s.numel() - 1))]) for q in (0.25, 0.5, 0.75))
+    keep = importance >= median + 1.5 * (q3 - q1)
+    want = (base.double() + (other.double() - base.double()) * keep).to(dtype)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert 0 < int((got != base).sum()) < got.numel()
