@@ -1,22 +1,25 @@
-"""Fused kernels for mergekit's per-tensor task-vector rules (numba; optional as :mod:`symmerge.merge.kernels`).
+"""Fused kernels for mergekit's per-tensor rules (numba; optional as :mod:`symmerge.merge.kernels`).
 
 The torch code of :mod:`symmerge.merge.parts` (``_whole_task_vector_tensor``: sparsify each task vector
 τ_i = θ_i − θ_base of one tensor on its own, rescale, weight, combine) is the definition. It forms float64
 copies of whole tensors and sorts every task vector; these loops compute the same per-entry float64
 arithmetic without them:
 
-1. per model, a boolean mask of the kept entries and the two L1 norms of the rescale (Σ|τ|, Σ|kept τ|), in
-   one pass (:func:`_mask_interval`, :func:`_mask_dare`, :func:`_mask_della`), the models at once on the
-   merge pool; a magnitude rule's cut values are found by a radix select on the float32 bit patterns of
-   |τ| (:func:`kth_largest`: two counting passes, no sort), its ties at a cut kept in flat order as the
-   stable sort keeps them;
+1. per model, a boolean mask of the kept entries (:func:`_mask_interval`, :func:`_mask_dare`,
+   :func:`_mask_della`) and, for the L1 rescale, the two norms Σ|τ|, Σ|kept τ| (:func:`_l1_sums`), the
+   models at once on the merge pool; a magnitude rule's cut values are found by a radix select on the
+   float32 bit patterns of |τ| (:func:`kth_largest`: two counting passes, no sort), its ties at a cut kept in
+   flat order as the stable sort keeps them;
 2. then the entries, split over the pool: the masked task vectors rescaled and weighted as the torch code
    does it, their sum or mergekit's sign election, ``θ_b + λ · combined``, cast into the output
    (:func:`_combine`).
 
 The per-entry values and their order of operations are the torch code's; the L1 norms are summed in
-another order than torch's (a relative difference of ~1e-16 in the rescale factor), and so are the row
-sort's ties (none: a stable sort in both). ``tests/test_merge_kernels_whole.py`` compares both.
+another order than torch's (a relative difference of ~1e-16 in the rescale factor). SCE
+(:func:`sce_into`, :mod:`symmerge.merge.specialized`'s ``_sce_tensor``) and RAM / RAM+ (:func:`ram_into`)
+follow the same plan: SCE's variance top-k by a 64-bit radix select (the variances recomputed on every visit,
+torch's Welford bits; its weights' sums in another order), RAM bit for bit.
+``tests/test_merge_kernels_whole.py`` compares every kernel with the torch code and with brute force.
 """
 
 from __future__ import annotations
