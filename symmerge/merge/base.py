@@ -253,7 +253,7 @@ class Method:
     elementwise: bool = False
     tensor_context: Callable | None = None
     # (key, tensors, weights, base, params, context, out) -> bool: the whole tensor into out (the chunks'
-    # bits), or False (nothing written: the chunks run)
+    # bits; for a whole-tensor rule, those of ``tensor``), or False (nothing written: the chunks, or ``tensor``, run)
     fused_into: Callable | None = None
     # parameters that may take one value per merged model (mergekit's per-model ``density``, ``epsilon``, ...):
     # :meth:`check_params` with ``n`` gives them as a tuple of ``n`` values (a scalar is repeated)
@@ -383,19 +383,27 @@ def merge_tensor(method: Method, key: str, tensors, weights, stats, base, params
     (:func:`merge_state_dicts`) and the streamed one (:mod:`symmerge.merge.stream`), so both give the
     same bits. A non-floating tensor (an integer buffer) is taken from the base, else the first model.
     Elementwise methods without statistics run on chunks of :data:`CHUNK` entries, written into
-    ``out`` when given (uint8 memory of at least the result's bytes: the streamed merge's ring)."""
+    ``out`` when given (uint8 memory of at least the result's bytes: the streamed merge's ring); a
+    whole-tensor rule with a ``fused_into`` kernel writes there too."""
     ref = tensors[0] if base is None else base
     if not ref.is_floating_point():
         return ref.clone()
     whole = method.whole_tensor is not None and method.whole_tensor(params)
-    if not method.elementwise or stats is not None or whole:
-        return method.tensor(key, tensors, weights, stats, base, params, context).to(ref.dtype)
-    if method.tensor_context is not None:
-        context = method.tensor_context(key, tensors, base, weights, params, context)
     nbytes = ref.numel() * ref.element_size()
     if out is not None and out.dtype == torch.uint8 and out.numel() >= nbytes:
         out = out[:nbytes].view(ref.dtype).view(ref.shape)
     else:
+        out = None
+    if not method.elementwise or stats is not None or whole:
+        # a whole-tensor rule: its fused kernel into ``out`` (the bits of its ``tensor``), else ``tensor``
+        if stats is None and method.fused_into is not None:
+            target = out if out is not None else torch.empty(ref.shape, dtype=ref.dtype)
+            if method.fused_into(key, tensors, weights, base, params, context, target):
+                return target
+        return method.tensor(key, tensors, weights, stats, base, params, context).to(ref.dtype)
+    if method.tensor_context is not None:
+        context = method.tensor_context(key, tensors, base, weights, params, context)
+    if out is None:
         out = torch.empty(ref.shape, dtype=ref.dtype)
     if method.fused_into is not None and method.fused_into(key, tensors, weights, base, params, context, out):
         return out  # one fused pass (numba), the same bits as the chunks below

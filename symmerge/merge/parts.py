@@ -668,10 +668,66 @@ def combine(deltas, weights, consensus: str, normalize) -> torch.Tensor:
     return total
 
 
+def _whole_rules(sparsifier: str, key: str, n: int, numel: int, params):
+    """Each model's mask rule and rescale for :func:`symmerge.merge.kernels_whole.task_vector_into` (the rules of
+    :func:`_sparsify_whole`), or None where the kernel does not cover them (a magnitude scope other than topk)."""
+    rescale = params.get("rescale", False)
+    l1 = "l1" if rescale is True else None
+    rules, rescales = [], []
+    for i in range(n):
+        def value(name):
+            return per_model_values(params[name], n)[i]
+
+        rule, how = ("all",), None
+        if sparsifier == "magnitude":
+            density = float(value("density"))
+            if density < 1.0:
+                if params["scope"] != "topk":
+                    return None
+                rule, how = ("topk", max(1, int(density * numel))), l1
+        elif sparsifier == "dare":
+            p = float(value("drop"))
+            if p != 0.0:
+                rule = ("dare", dare_seed(params["seed"], i, key), p)
+                how = ("inverse", p) if rescale == "inverse" else l1
+        elif sparsifier == "breadcrumbs":
+            density, gamma = float(value("density")), float(value("gamma"))
+            if density < 1.0:
+                target, top = int(density * numel), int(gamma * numel)
+                rule = ("band", max(0, numel - target - top), target) if target > 0 else ("none",)
+                how = l1
+        elif sparsifier == "della":
+            density = float(value("density"))
+            if density < 1.0:
+                rule, how = ("della", dare_seed(params["seed"], i, key), density, float(value("epsilon"))), l1
+        elif sparsifier != "none":
+            return None
+        rules.append(rule)
+        rescales.append(how)
+    return rules, rescales
+
+
+def _whole_into(sparsifier: str, consensus: str, key, tensors, weights, base, params, out) -> bool:
+    """The whole-tensor rule into ``out`` by the fused kernels (:mod:`symmerge.merge.kernels_whole`), or False
+    (nothing written: numba missing, or parameters or dtypes they do not cover)."""
+    if not kernels.AVAILABLE or base is None:
+        return False
+    from . import kernels_whole
+
+    spec = _whole_rules(sparsifier, key, len(tensors), base.numel(), params)
+    if spec is None:
+        return False
+    return kernels_whole.task_vector_into(tensors, base, weights, *spec, consensus, params["normalize"],
+                                          float(params["scale"]), out)
+
+
 def _whole_task_vector_tensor(sparsifier: str, consensus: str, key, tensors, weights, stats, base, params,
                               context):
     """θ_b + λ · combine(w_i · sparsify(θ_i − θ_b)) on whole tensors, float64 (mergekit's order: sparsify, then
-    weight)."""
+    weight); by the fused kernels where they apply (the same per-entry arithmetic, into the base's dtype)."""
+    out = torch.empty(base.shape, dtype=base.dtype)
+    if _whole_into(sparsifier, consensus, key, tensors, weights, base, params, out):
+        return out
     b = base.double()
     ctx = {"n": tensors, "thresholds": context, "w": weights}
     deltas = [_sparsify_whole(sparsifier, key, i, t.double() - b, params, ctx) * w
@@ -748,16 +804,21 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
         checks["density"] = real(0.0, 1.0, lo_open=True)
     if whole_only:
         tensor = partial(_whole_task_vector_tensor, sparsifier, consensus)
+
+        def whole_into(key, tensors, weights, base, params, context, out):
+            return _whole_into(sparsifier, consensus, key, tensors, weights, base, params, out)
+
         return Method(name, tensor, needs_base=True, params=dict(params), doc=doc, normalize_weights=False,
-                      elementwise=False, per_model=per_model, checks=checks, aliases=aliases,
+                      elementwise=False, per_model=per_model, checks=checks, aliases=aliases, fused_into=whole_into,
                       check_all=_no_overlap_check, mergekit_params=dict(mergekit_params or {}))
     sp = SPARSIFIERS[sparsifier]
     tensor = partial(_legacy_or_whole, sp, sparsifier, consensus, fused=_FUSED.get((sparsifier, consensus)))
     into = _INTO.get((sparsifier, consensus))
 
     def fused_into(key, tensors, weights, base, params, context, out):
-        return False if into is None or _needs_whole(sparsifier, consensus, params) else \
-            into(key, tensors, weights, base, params, context, out)
+        if _needs_whole(sparsifier, consensus, params):
+            return _whole_into(sparsifier, consensus, key, tensors, weights, base, params, out)
+        return False if into is None else into(key, tensors, weights, base, params, context, out)
 
     def tensor_context(key, tensors, base, weights, params, context):
         if sp.tensor_context is None or _needs_whole(sparsifier, consensus, params):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .base import REQUIRED, Method, boolean, real
+from .combination import gram, linear_into, linear_tensor
 from .parts import elect_mask
 
 # ------------------------------------------------------------------ model_stock
@@ -65,23 +66,58 @@ def working_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype if t.dtype in HALF else torch.float64
 
 
-def _model_stock_tensor(key, tensors, weights, stats, base, params, context):
+def model_stock_t(g: torch.Tensor) -> float:
+    """t = N cos / (1 + (N − 1) cos) from the task vectors' Gram matrix ``g`` (the flattened tensor):
+    :func:`model_stock_ratio`'s cosines τ_i·τ_j / max(‖τ_i‖‖τ_j‖, 1e-6), clamped, averaged over the pairs."""
+    n = g.shape[0]
+    norms = g.diagonal().clamp(min=0.0).sqrt()
+    cosines = [float((g[i, j] / (norms[i] * norms[j]).clamp(min=1e-6)).clamp(-1.0, 1.0))
+               for i in range(n) for j in range(i + 1, n)]
+    cos = sum(cosines) / len(cosines)
+    den = 1.0 + (n - 1) * cos
+    return 0.0 if abs(den) < 1e-6 else n * cos / den
+
+
+def _model_stock_coefficients(key, tensors, base, weights, params, context):
+    """θ = t · mean_i θ_i + (1 − t) θ_b as coefficients of ``[*models, base]``."""
+    t = model_stock_t(gram(tensors, base))
+    return [t / len(tensors)] * len(tensors) + [1.0 - t]
+
+
+def _model_stock_whole(tensors, base, filter_wise: bool) -> torch.Tensor:
+    """The rule on whole tensors in :func:`working_dtype` (float64, or the half dtype as mergekit computes it)."""
     work = working_dtype(base)
     b = base.to(work)
     models = [t.to(work) for t in tensors]
-    t = model_stock_ratio([m - b for m in models], bool(params["filter_wise"]))
+    t = model_stock_ratio([m - b for m in models], filter_wise)
     mean = sum(models) / len(models)
-    shape = b.shape
-    if params["filter_wise"]:
-        rows = b.unsqueeze(0) if b.dim() == 1 else b
-        return (t * mean.reshape(rows.shape) + (1.0 - t) * rows).reshape(shape)
-    return (t * mean.reshape(1, -1) + (1.0 - t) * b.reshape(1, -1)).reshape(shape)
+    rows = b.unsqueeze(0) if b.dim() == 1 else b
+    if filter_wise:
+        return (t * mean.reshape(rows.shape) + (1.0 - t) * rows).reshape(b.shape)
+    return (t * mean.reshape(1, -1) + (1.0 - t) * b.reshape(1, -1)).reshape(b.shape)
+
+
+def _model_stock_tensor(key, tensors, weights, stats, base, params, context):
+    if params["filter_wise"] or base.dtype in HALF:
+        return _model_stock_whole(tensors, base, bool(params["filter_wise"]))
+    return linear_tensor(_model_stock_coefficients)(key, tensors, weights, stats, base, params, context)
+
+
+def _model_stock_into(key, tensors, weights, base, params, context, out) -> bool:
+    """Half-precision inputs: the whole-tensor rule in their dtype (mergekit's arithmetic); else the linear
+    combination of the coefficients in one fused pass."""
+    if base.dtype in HALF:
+        out.copy_(_model_stock_whole(tensors, base, bool(params["filter_wise"])))
+        return True
+    return linear_into(key, tensors, weights, base, params, context, out)
 
 
 MODEL_STOCK = Method("model_stock", _model_stock_tensor, needs_base=True, params={"filter_wise": False},
                      doc="Model Stock: interpolate the base and the models' mean by t = N cos / (1 + (N-1) cos) "
                          "of the task vectors' mean pairwise cosine.",
-                     normalize_weights=False, checks={"filter_wise": boolean()}, models=(2, None))
+                     normalize_weights=False, checks={"filter_wise": boolean()}, models=(2, None),
+                     elementwise=True, tensor_context=_model_stock_coefficients, fused_into=_model_stock_into,
+                     whole_tensor=lambda p: bool(p["filter_wise"]))
 
 # ------------------------------------------------------------------ nearswap
 
@@ -101,9 +137,13 @@ NEARSWAP = Method("nearswap", _nearswap_tensor, needs_base=True, params={"t": RE
 
 
 def quantiles(values: torch.Tensor, qs) -> list[float]:
-    """The sorted value at index ⌊q (n − 1)⌋ for each q of ``qs`` (exact, over all entries)."""
-    s = torch.sort(values.reshape(-1)).values
-    return [float(s[int(q * (s.numel() - 1))]) for q in qs]
+    """The sorted value at index ⌊q (n − 1)⌋ for each q of ``qs`` (exact, over all entries: a partial sort)."""
+    import numpy as np
+
+    flat = values.reshape(-1).numpy()
+    at = [int(q * (flat.shape[0] - 1)) for q in qs]
+    part = np.partition(flat, sorted(set(at)))
+    return [float(part[i]) for i in at]
 
 
 def arcee_importance(other: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -113,25 +153,56 @@ def arcee_importance(other: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return (other - base).abs() * (p * torch.log(p / q)).sum(-1, keepdim=True)
 
 
-def _arcee_fusion_tensor(key, tensors, weights, stats, base, params, context):
-    # the importance in float32 (float64 for float64 inputs, float16/bfloat16 for those), as mergekit computes
-    # it: the KL of two nearly equal rows is ill-conditioned, and a float64 KL moves ~12 % of the mask's entries
-    # near the threshold (tests/test_mergekit_methods.py); the result itself is formed in float64
-    half = base.dtype in HALF
-    work = base.dtype if half else torch.promote_types(base.dtype, torch.float32)
-    importance = arcee_importance(tensors[0].to(work), base.to(work))
-    if half:  # the threshold's arithmetic in the half dtype too, and the change rounded to it before it is added
-        s = torch.sort(importance.reshape(-1)).values
-        q1, median, q3 = (s[int(q * (s.numel() - 1))] for q in (0.25, 0.5, 0.75))
-        keep = importance >= median + 1.5 * (q3 - q1)
-        return base.float() + (tensors[0] - base).float() * keep
-    b, o = base.double(), tensors[0].double()
-    q1, median, q3 = quantiles(importance, (0.25, 0.5, 0.75))
+def _arcee_half(tensors, base) -> torch.Tensor:
+    """float16/bfloat16 inputs: the importance, the threshold's arithmetic and the change in the half dtype, as
+    mergekit computes them (the result in float32, rounded by the caller)."""
+    importance = arcee_importance(tensors[0], base)
+    s = torch.sort(importance.reshape(-1)).values
+    q1, median, q3 = (s[int(q * (s.numel() - 1))] for q in (0.25, 0.5, 0.75))
     keep = importance >= median + 1.5 * (q3 - q1)
-    return b + (o - b) * keep
+    return base.float() + (tensors[0] - base).float() * keep
 
 
-ARCEE_FUSION = Method("arcee_fusion", _arcee_fusion_tensor, needs_base=True,
+_ROWS = 1 << 15  # entries of the rows whose importances are computed at once
+
+
+def _arcee_into(key, tensors, weights, base, params, context, out) -> bool:
+    # the importance in float32 (float64 for float64 inputs), as mergekit computes it: the KL of two nearly
+    # equal rows is ill-conditioned, and a float64 KL moves ~12 % of the mask's entries near the threshold
+    # (tests/test_mergekit_methods.py); the result itself is formed in float64. Rows at a time (each row's
+    # importance is its own), then the result chunk by chunk: no whole-tensor temporaries but the importances.
+    from .base import CHUNK
+
+    if base.dtype in HALF:
+        out.copy_(_arcee_half(tensors, base))
+        return True
+    work = torch.promote_types(base.dtype, torch.float32)
+    other = tensors[0]
+    importance = torch.empty(base.shape, dtype=work)
+    if base.dim() < 2:
+        importance.copy_(arcee_importance(other.to(work), base.to(work)))
+    else:
+        rows_o, rows_b, rows_i = (x.reshape(-1, x.shape[-1]) for x in (other, base, importance))
+        step = max(1, _ROWS // max(1, base.shape[-1]))
+        for r in range(0, rows_b.shape[0], step):
+            rows_i[r:r + step] = arcee_importance(rows_o[r:r + step].to(work), rows_b[r:r + step].to(work))
+    q1, median, q3 = quantiles(importance, (0.25, 0.5, 0.75))
+    keep = (importance >= median + 1.5 * (q3 - q1)).reshape(-1)
+    del importance
+    flat_o, flat_b, flat_out = other.reshape(-1), base.reshape(-1), out.view(-1)
+    for i in range(0, flat_b.numel(), CHUNK):
+        b = flat_b[i:i + CHUNK].double()
+        flat_out[i:i + CHUNK] = b + (flat_o[i:i + CHUNK].double() - b) * keep[i:i + CHUNK]
+    return True
+
+
+def _arcee_fusion_tensor(key, tensors, weights, stats, base, params, context):
+    out = torch.empty(base.shape, dtype=base.dtype)
+    _arcee_into(key, tensors, weights, base, params, context, out)
+    return out
+
+
+ARCEE_FUSION = Method("arcee_fusion", _arcee_fusion_tensor, needs_base=True, fused_into=_arcee_into,
                       doc="Arcee Fusion: keep the other model's changes whose importance (|change| x KL of the "
                           "rows' softmaxes) reaches median + 1.5 IQR.", normalize_weights=False, models=(1, 1))
 
@@ -174,7 +245,21 @@ def sce_weights(taus: torch.Tensor) -> torch.Tensor:
     return torch.full_like(w, 1.0 / w.numel()) if abs(total) < 1e-6 else w / total
 
 
+def _sce_into(key, tensors, weights, base, params, context, out) -> bool:
+    """SCE by the fused kernel (:func:`symmerge.merge.kernels_whole.sce_into`) into ``out``, or False."""
+    from . import kernels
+
+    if not kernels.AVAILABLE:
+        return False
+    from .kernels_whole import sce_into
+
+    return sce_into(tensors, base, float(params["select_topk"]), out)
+
+
 def _sce_tensor(key, tensors, weights, stats, base, params, context):
+    out = torch.empty(base.shape, dtype=base.dtype)
+    if _sce_into(key, tensors, weights, base, params, context, out):
+        return out
     b = base.double()
     taus = torch.stack([t.double() - b for t in tensors])
     topk = float(params["select_topk"])
@@ -188,7 +273,8 @@ def _sce_tensor(key, tensors, weights, stats, base, params, context):
 SCE = Method("sce", _sce_tensor, needs_base=True, params={"select_topk": 1.0, "int8_mask": False},
              doc="SCE: keep the highest-variance positions, weight each task vector by its mean square, "
                  "TIES sign election, weighted mean of the agreeing entries.",
-             normalize_weights=False, checks={"select_topk": real(0.0, 1.0), "int8_mask": boolean()})
+             normalize_weights=False, checks={"select_topk": real(0.0, 1.0), "int8_mask": boolean()},
+             fused_into=_sce_into)
 
 # ------------------------------------------------------------------ ram / ramplus_tl
 
@@ -208,26 +294,62 @@ def _ram_tensor(key, tensors, weights, stats, base, params, context):
     return b + merged.sum(0)
 
 
-def _ramplus_tensor(key, tensors, weights, stats, base, params, context):
+def _ramplus_lambdas(key, tensors, base, weights, params, context):
+    """RAM+'s per-tensor factors λ_i = 1 + r · clamp(ρ_i, 0, alpha) (a float64 tensor of shape (n, 1)), the counts
+    of active entries shared with other models and unique to model i taken chunk by chunk (exact integers)."""
+    from .base import CHUNK
+
+    from . import kernels
+
     eps = float(params["epsilon"])
-    b, taus, active, count = _ram_parts(tensors, base, eps)
-    unique, shared = count == 1, count > 1
     n = len(tensors)
-    flat_a = active.reshape(n, -1)
-    shared_n = (flat_a & shared.reshape(1, -1)).sum(1).double()
-    unique_n = (flat_a & unique.reshape(1, -1)).sum(1).double()
-    rho = shared_n / unique_n.clamp(min=eps)
-    lam = (1.0 + float(params["r"]) * rho.clamp(0.0, float(params["alpha"]))).reshape(-1, *([1] * (taus.dim() - 1)))
+    counted = None
+    if kernels.AVAILABLE:
+        from .kernels_whole import ram_counts
+
+        counted = ram_counts(tensors, base, eps)
+    if counted is not None:
+        shared_n, unique_n = (torch.from_numpy(c) for c in counted)
+    else:
+        shared_n, unique_n = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+        flat, b = [t.reshape(-1) for t in tensors], base.reshape(-1)
+        for i in range(0, b.numel(), CHUNK):
+            _, _, active, count = _ram_parts([t[i:i + CHUNK] for t in flat], b[i:i + CHUNK], eps)
+            shared_n += (active & (count > 1)).sum(1)
+            unique_n += (active & (count == 1)).sum(1)
+    rho = shared_n.double() / unique_n.double().clamp(min=eps)
+    return (1.0 + float(params["r"]) * rho.clamp(0.0, float(params["alpha"]))).reshape(-1, 1)
+
+
+def _ramplus_tensor(key, tensors, weights, stats, base, params, context):
+    """RAM+ given its per-tensor factors (``context``: :func:`_ramplus_lambdas` of the whole tensor; computed here
+    when None), entry by entry."""
+    if context is None:
+        context = _ramplus_lambdas(key, tensors, base, weights, params, None)
+    b, taus, active, count = _ram_parts(tensors, base, float(params["epsilon"]))
+    unique, shared = count == 1, count > 1
+    lam = context.reshape(-1, *([1] * (taus.dim() - 1)))
     merged = taus * unique * lam + taus * shared / count.clamp(min=1)
     return b + merged.sum(0)
 
 
-RAM = Method("ram", _ram_tensor, needs_base=True, params={"epsilon": 1e-5},
+def _ram_into(key, tensors, weights, base, params, context, out) -> bool:
+    """RAM (``context`` None) or RAM+ (``context``: its factors) by the fused kernel into ``out``, or False."""
+    from . import kernels
+
+    if not kernels.AVAILABLE:
+        return False
+    from .kernels_whole import ram_into
+
+    return ram_into(tensors, base, float(params["epsilon"]), None if context is None else context.numpy(), out)
+
+
+RAM = Method("ram", _ram_tensor, needs_base=True, params={"epsilon": 1e-5}, fused_into=_ram_into,
              doc="RAM: per entry, the one model that changed it, or the mean of the several that did (changes "
                  "above epsilon).", normalize_weights=False, elementwise=True, checks={"epsilon": real(0.0)})
 RAMPLUS_TL = Method("ramplus_tl", _ramplus_tensor, needs_base=True, params={"r": 0.1, "alpha": 0.2, "epsilon": 1e-5},
                     doc="RAM+ (tensor-local): RAM with each model's unique changes scaled by 1 + r clamp(shared / "
-                        "unique, 0, alpha).", normalize_weights=False,
-                    checks={"r": real(), "alpha": real(0.0), "epsilon": real(0.0)})
+                        "unique, 0, alpha).", normalize_weights=False, elementwise=True, fused_into=_ram_into,
+                    tensor_context=_ramplus_lambdas, checks={"r": real(), "alpha": real(0.0), "epsilon": real(0.0)})
 
 METHODS = [MODEL_STOCK, NEARSWAP, ARCEE_FUSION, PASSTHROUGH, SCE, RAM, RAMPLUS_TL]

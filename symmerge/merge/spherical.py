@@ -1,5 +1,7 @@
-"""Spherical interpolation rules (mergekit's ``slerp``, ``nuslerp``, ``multislerp``, ``karcher``): whole-tensor
-rules on the flattened tensor (or its rows), computed in float64 and cast back by the loop.
+"""Spherical interpolation rules (mergekit's ``slerp``, ``nuslerp``, ``multislerp``, ``karcher``) on the flattened
+tensor (or, for nuslerp, its rows or columns), computed in float64 and cast back by the loop. On the flattened
+tensor each is a linear combination of its inputs whose coefficients depend on the inputs' Gram matrix only:
+they run chunk by chunk (:mod:`symmerge.merge.combination`).
 
 The one interpolation part, :func:`slerp_pair`, moves along the great circle between two vectors' directions
 and interpolates their norms' linear mix: with cos Ω the cosine of the angle between a and b,
@@ -17,7 +19,9 @@ two are (anti)parallel (the method's ``colinear`` rule). The methods compose it:
   their weighted mean m (weights normalised when ``normalize_weights``) normalised, the tangent vectors
   u_i − (u_i·m) m averaged with the weights into τ, mapped back by the exponential map
   m cos‖τ‖ + τ sin‖τ‖/‖τ‖ (‖τ‖ + eps), scaled by the weighted mean of the norms; two models whose
-  weighted directions cancel (‖Σ wᵢuᵢ‖ < eps) fall back to Σ wᵢ vᵢ, more → SymmergeError.
+  weighted directions cancel (‖Σ wᵢuᵢ‖ < eps) fall back to Σ wᵢ vᵢ, more → SymmergeError. τ is 0 identically
+  (the weighted mean of the tangent vectors at the weighted mean direction): the result is m cos(eps) scaled,
+  computed so (:func:`multislerp_coefficients`), without the rounding noise a computed τ carries.
 * ``karcher`` (one or more models, no base, no weights): the Karcher (Fréchet) mean on the unit sphere of
   the models' directions (uniform weights α = 1/n over the models with norm > ``tol``): start at their
   normalised mean, then at most ``max_iter`` steps of the exponential map along
@@ -35,65 +39,83 @@ import torch
 
 from ..errors import SymmergeError
 from .base import REQUIRED, Method, boolean, integer, real
+from .combination import gram, linear_into, linear_tensor, with_base
 
 
-def slerp_pair(a: torch.Tensor, b: torch.Tensor, t: float, dim: int | None = None, colinear=None,
-               norm_floor: float = 1e-8, clamp: bool = False) -> torch.Tensor:
-    """slerp(a, b, t) of float64 tensors: over all entries (``dim`` None) or of the vectors along ``dim``.
-    ``colinear(cos) -> bool mask``: where the linear mix is taken. ``clamp``: norms below ``norm_floor`` are
-    raised to it (nuslerp), else replaced by 1 (slerp)."""
-    def unit(x):
-        norm = x.norm() if dim is None else x.norm(dim=dim, keepdim=True)
-        if clamp:
-            norm = norm.clamp(min=norm_floor)
-        else:
-            norm = torch.where(norm > norm_floor, norm, torch.ones_like(norm))
-        return x / norm
+def slerp_coefficients(na, nb, dot, t: float, colinear, norm_floor: float = 1e-8, clamp: bool = False):
+    """(c_a, c_b) with slerp(a, b, t) = c_a a + c_b b, from the norms ``na``, ``nb`` and the dot product ``dot``
+    of a and b (float64 tensors of one shape: one pair, or one per vector). ``colinear(cos) -> bool mask``: where
+    the linear mix is taken. ``clamp``: norms below ``norm_floor`` are raised to it (nuslerp), else replaced by
+    1 (slerp)."""
+    def floor(norm):
+        return norm.clamp(min=norm_floor) if clamp else torch.where(norm > norm_floor, norm, torch.ones_like(norm))
 
-    ua, ub = unit(a), unit(b)
-    cos = ((ua * ub).sum() if dim is None else (ua * ub).sum(dim=dim, keepdim=True)).clamp(-1.0, 1.0)
+    cos = (dot / (floor(na) * floor(nb))).clamp(-1.0, 1.0)
     lin = colinear(cos)
     omega = torch.acos(torch.where(lin, torch.zeros_like(cos), cos))
     s = torch.sin(omega)
     s = torch.where(lin, torch.ones_like(s), s)
     ca = torch.where(lin, torch.full_like(cos, 1.0 - t), torch.sin((1.0 - t) * omega) / s)
     cb = torch.where(lin, torch.full_like(cos, t), torch.sin(t * omega) / s)
+    return ca, cb
+
+
+def slerp_pair(a: torch.Tensor, b: torch.Tensor, t: float, dim: int | None = None, colinear=None,
+               norm_floor: float = 1e-8, clamp: bool = False) -> torch.Tensor:
+    """slerp(a, b, t) of float64 tensors: over all entries (``dim`` None) or of the vectors along ``dim``
+    (:func:`slerp_coefficients`)."""
+    if dim is None:
+        na, nb, dot = a.norm(), b.norm(), (a * b).sum()
+    else:
+        na, nb, dot = a.norm(dim=dim, keepdim=True), b.norm(dim=dim, keepdim=True), (a * b).sum(dim=dim, keepdim=True)
+    ca, cb = slerp_coefficients(na, nb, dot, t, colinear, norm_floor, clamp)
     return ca * a + cb * b
 
 
 # ------------------------------------------------------------------ slerp
 
 
-def _slerp_tensor(key, tensors, weights, stats, base, params, context):
-    return slerp_pair(base.double(), tensors[0].double(), float(params["t"]),
-                      colinear=lambda c: c.abs() > 0.9995, norm_floor=1e-8)
+def _slerp_coefficients(key, tensors, base, weights, params, context):
+    g = gram([base, tensors[0]])
+    ca, cb = slerp_coefficients(g[0, 0].sqrt(), g[1, 1].sqrt(), g[0, 1], float(params["t"]),
+                                colinear=lambda c: c.abs() > 0.9995, norm_floor=1e-8)
+    return [float(cb), float(ca)]  # of [model, base]
 
 
-SLERP = Method("slerp", _slerp_tensor, needs_base=True, params={"t": REQUIRED}, doc="Spherical linear interpolation "
-               "from the base model (t = 0) to one other model (t = 1), on the flattened tensor.",
-               normalize_weights=False, checks={"t": real()}, models=(1, 1))
+SLERP = Method("slerp", linear_tensor(_slerp_coefficients), needs_base=True, params={"t": REQUIRED},
+               doc="Spherical linear interpolation from the base model (t = 0) to one other model (t = 1), on the "
+                   "flattened tensor.", normalize_weights=False, checks={"t": real()}, models=(1, 1),
+               elementwise=True, tensor_context=_slerp_coefficients, fused_into=linear_into)
 
 
 # ------------------------------------------------------------------ nuslerp
 
 
-def _nuslerp_tensor(key, tensors, weights, stats, base, params, context):
+def _nuslerp_t(weights) -> float:
     w1, w2 = weights
     total = w1 + w2
-    t = 0.5 if abs(total) < 1e-6 else w2 / total
+    return 0.5 if abs(total) < 1e-6 else w2 / total
+
+
+def _nuslerp_colinear(c):
+    return (1.0 - c * c) <= 1e-16
+
+
+def _nuslerp_coefficients(key, tensors, base, weights, params, context):
+    g = gram(tensors, base)
+    ca, cb = slerp_coefficients(g[0, 0].sqrt(), g[1, 1].sqrt(), g[0, 1], _nuslerp_t(weights),
+                                colinear=_nuslerp_colinear, norm_floor=1e-7, clamp=True)
+    return with_base([ca, cb], base)
+
+
+def _nuslerp_tensor(key, tensors, weights, stats, base, params, context):
+    if params["nuslerp_flatten"] or tensors[0].dim() == 0:
+        return linear_tensor(_nuslerp_coefficients)(key, tensors, weights, stats, base, params, context)
     a, b = tensors[0].double(), tensors[1].double()
     if base is not None:
         a, b = a - base.double(), b - base.double()
-
-    def colinear(c):
-        return (1.0 - c * c) <= 1e-16
-
-    if params["nuslerp_flatten"] or a.dim() == 0:
-        out = slerp_pair(a.reshape(-1), b.reshape(-1), t, dim=0, colinear=colinear, norm_floor=1e-7,
-                         clamp=True).reshape(a.shape)
-    else:
-        dim = 0 if params["nuslerp_row_wise"] else -1
-        out = slerp_pair(a, b, t, dim=dim, colinear=colinear, norm_floor=1e-7, clamp=True)
+    out = slerp_pair(a, b, _nuslerp_t(weights), dim=0 if params["nuslerp_row_wise"] else -1,
+                     colinear=_nuslerp_colinear, norm_floor=1e-7, clamp=True)
     return out if base is None else base.double() + out
 
 
@@ -101,53 +123,57 @@ NUSLERP = Method("nuslerp", _nuslerp_tensor, accepts_base=True,
                  params={"nuslerp_flatten": True, "nuslerp_row_wise": False},
                  doc="SLERP of two models (or of their task vectors, given a base) at t = w2 / (w1 + w2), "
                      "flattened or row/column-wise.", normalize_weights=False,
-                 checks={"nuslerp_flatten": boolean(), "nuslerp_row_wise": boolean()}, models=(2, 2))
+                 checks={"nuslerp_flatten": boolean(), "nuslerp_row_wise": boolean()}, models=(2, 2),
+                 elementwise=True, tensor_context=_nuslerp_coefficients, fused_into=linear_into,
+                 whole_tensor=lambda p: not p["nuslerp_flatten"])
 
 
 # ------------------------------------------------------------------ multislerp
 
 
-def _multislerp_tensor(key, tensors, weights, stats, base, params, context):
-    if len(tensors) == 1:
-        return tensors[0].double()
-    eps = float(params["eps"])
-    vs = torch.stack([t.double().reshape(-1) for t in tensors])
-    if base is not None:
-        vs = vs - base.double().reshape(-1)
+def multislerp_coefficients(g: torch.Tensor, weights, normalize: bool, eps: float, key: str = "") -> list[float]:
+    """The multislerp of vectors of Gram matrix ``g`` as coefficients of those vectors (see the module doc): with
+    the weighted mean m = Σ w_i v_i / (‖v_i‖ + eps), the tangent vectors' weighted mean at m/‖m‖ is
+    m − (m · m/‖m‖) m/‖m‖ = 0, so the exponential map returns m/‖m‖ (times cos eps), scaled by Σ w_i ‖v_i‖."""
+    n = g.shape[0]
+    if n == 1:
+        return [1.0]
     w = torch.tensor(weights, dtype=torch.float64)
-    if params["normalize_weights"]:
+    if normalize:
         w = w / w.sum()
-    norms = vs.norm(dim=1, keepdim=True)
-    units = vs / (norms + eps)
-    mean = (units * w[:, None]).sum(0)
-    mean_norm = float(mean.norm())
+    norms = g.diagonal().clamp(min=0.0).sqrt()
+    a = w / (norms + eps)  # m = Σ a_i v_i
+    mean_norm = float((a @ g @ a).clamp(min=0.0).sqrt())
     if mean_norm < eps:
-        if len(tensors) != 2:
+        if n != 2:
             raise SymmergeError(f"multislerp: the weighted directions of tensor {key!r} cancel out (antipodal "
                                 "models with balancing weights); change the weights")
-        out = (vs * w[:, None]).sum(0)
-    else:
-        mean = mean / mean_norm
-        tangents = units - (units @ mean)[:, None] * mean
-        tau = (tangents * w[:, None]).sum(0)
-        tn = float(tau.norm()) + eps
-        out = (mean * math.cos(tn) + tau * (math.sin(tn) / tn)) * float((norms[:, 0] * w).sum())
-    out = out.reshape(tensors[0].shape)
-    return out if base is None else base.double() + out
+        return [float(x) for x in w]
+    return [float(x) for x in a / mean_norm * (math.cos(eps) * float((norms * w).sum()))]
 
 
-MULTISLERP = Method("multislerp", _multislerp_tensor, accepts_base=True,
+def _multislerp_coefficients(key, tensors, base, weights, params, context):
+    if len(tensors) == 1:
+        return [1.0] + ([0.0] if base is not None else [])  # the model itself
+    c = multislerp_coefficients(gram(tensors, base), weights, bool(params["normalize_weights"]),
+                                float(params["eps"]), key)
+    return with_base(c, base)
+
+
+MULTISLERP = Method("multislerp", linear_tensor(_multislerp_coefficients), accepts_base=True,
                     params={"normalize_weights": True, "eps": 1e-8},
                     doc="Barycentric interpolation on the hypersphere of any number of models (or task vectors): "
                         "tangent-space mean at the weighted mean direction, mapped back, scaled by the mean norm.",
-                    normalize_weights=False, checks={"normalize_weights": boolean(), "eps": real(0.0)})
+                    normalize_weights=False, checks={"normalize_weights": boolean(), "eps": real(0.0)},
+                    elementwise=True, tensor_context=_multislerp_coefficients, fused_into=linear_into)
 
 
 # ------------------------------------------------------------------ karcher
 
 
 def karcher_mean(vectors, alphas, max_iter: int, tol: float) -> torch.Tensor:
-    """The weighted Karcher mean of float64 1-D ``vectors`` (see the module docstring)."""
+    """The weighted Karcher mean of float64 1-D ``vectors`` (see the module docstring): the definition, on the
+    vectors; :func:`karcher_coefficients` runs the same iteration on their Gram matrix."""
     norms = [float(v.norm()) for v in vectors]
     valid = [i for i, nrm in enumerate(norms) if nrm > tol]
     if not valid:
@@ -176,18 +202,60 @@ def karcher_mean(vectors, alphas, max_iter: int, tol: float) -> torch.Tensor:
     return sum(al * nrm for al, nrm in zip(alphas, norms)) * mean
 
 
-def _karcher_tensor(key, tensors, weights, stats, base, params, context):
-    if len(tensors) == 1:
-        return tensors[0].double()
+def karcher_coefficients(g: torch.Tensor, alphas, max_iter: int, tol: float) -> list[float]:
+    """:func:`karcher_mean` of the vectors of Gram matrix ``g`` as coefficients of those vectors: every iterate
+    lies in the span of the unit vectors, so it is held as coefficients α (mean = Σ α_k u_k) and every dot
+    product and norm of the iteration is a quadratic form in the unit vectors' Gram matrix."""
+    n = g.shape[0]
+    norms = g.diagonal().clamp(min=0.0).sqrt().tolist()
+    valid = [i for i in range(n) if norms[i] > tol]
+    if not valid:
+        return [0.0] * n
+    total = sum(alphas[i] for i in valid)
+    a = torch.tensor([alphas[i] / total for i in valid], dtype=torch.float64)
+    nv = torch.tensor([norms[i] for i in valid], dtype=torch.float64)
+    gu = g[valid][:, valid] / torch.outer(nv, nv)  # the unit vectors' Gram matrix
+
+    def norm(x):
+        return math.sqrt(max(0.0, float(x @ gu @ x)))
+
+    mean = a.clone()
+    mn = norm(mean)
+    mean = torch.eye(len(valid), dtype=torch.float64)[0] if mn < tol else mean / mn
+    for _ in range(max_iter):
+        step = torch.zeros_like(mean)
+        for j in range(len(valid)):
+            c = max(-1.0, min(1.0, float(mean @ gu[:, j])))
+            theta = math.acos(c)
+            if theta < tol:
+                continue
+            step[j] += a[j] * (theta / math.sin(theta))
+            step -= a[j] * (theta / math.sin(theta)) * c * mean
+        sn = norm(step)
+        if sn < tol:
+            break
+        mean = math.cos(sn) * mean + math.sin(sn) * (step / sn)
+        un = norm(mean)
+        if un > tol:
+            mean = mean / un
+    scale = sum(al * nrm for al, nrm in zip(alphas, norms))
+    out = [0.0] * n
+    for j, i in enumerate(valid):
+        out[i] = scale * float(mean[j]) / norms[i]
+    return out
+
+
+def _karcher_coefficients(key, tensors, base, weights, params, context):
     n = len(tensors)
-    out = karcher_mean([t.double().reshape(-1) for t in tensors], [1.0 / n] * n, int(params["max_iter"]),
-                       float(params["tol"]))
-    return out.reshape(tensors[0].shape)
+    if n == 1:
+        return [1.0]
+    return karcher_coefficients(gram(tensors), [1.0 / n] * n, int(params["max_iter"]), float(params["tol"]))
 
 
-KARCHER = Method("karcher", _karcher_tensor, params={"max_iter": 10, "tol": 1e-5},
+KARCHER = Method("karcher", linear_tensor(_karcher_coefficients), params={"max_iter": 10, "tol": 1e-5},
                  doc="Karcher (Riemannian) mean of the models' directions on the unit sphere, scaled by their "
                      "mean norm (uniform; weights are not used).",
-                 checks={"max_iter": integer(0), "tol": real(0.0)})
+                 checks={"max_iter": integer(0), "tol": real(0.0)}, elementwise=True,
+                 tensor_context=_karcher_coefficients, fused_into=linear_into)
 
 METHODS = [SLERP, NUSLERP, MULTISLERP, KARCHER]

@@ -1,0 +1,216 @@
+"""The fused kernels of mergekit's whole-tensor task-vector rules (symmerge/merge/kernels_whole.py) against the
+torch definition (parts.py) and against brute force: the radix select against a sort, the masks against
+the stable sorts of their definitions (ties at the cuts included), the merged tensors against the torch code
+(bit for bit without an L1 rescale; within the rounding of the rescale factor with one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from symmerge.merge import get_method, kernels
+from symmerge.merge.parts import _keep_topk, breadcrumbs_band, della_keep_mask
+
+needs_numba = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed (symmerge[fast])")
+
+
+def tied(n: int, shape, dtype, seed: int) -> list[torch.Tensor]:
+    """A base and ``n`` models whose task vectors take few distinct magnitudes (many ties at any cut), with exact
+    zeros, opposite signs and a wide range of exponents."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=g, dtype=torch.float64)
+    out = [base]
+    for _ in range(n):
+        levels = torch.tensor([0.0, 0.125, 0.25, 0.5, 1e-3, 3.0, 1e-20], dtype=torch.float64)
+        tau = levels[torch.randint(0, len(levels), shape, generator=g)] * torch.where(
+            torch.rand(shape, generator=g) < 0.5, -1.0, 1.0).double()
+        spread = torch.rand(shape, generator=g) < 0.3
+        tau[spread] = torch.randn(int(spread.sum()), generator=g, dtype=torch.float64)
+        out.append(base + tau)
+    return [t.to(dtype) for t in out]
+
+
+def run(method: str, models, base, weights, avail: bool, **params):
+    m = get_method(method)
+    p = m.mergekit_defaults(params)
+    saved = kernels.AVAILABLE
+    try:
+        kernels.AVAILABLE = avail
+        return m.merge([{"w": t} for t in models], base={"w": base}, weights=weights, **p)["w"]
+    finally:
+        kernels.AVAILABLE = saved
+
+
+@needs_numba
+def test_kth_largest_equals_a_sort():
+    from symmerge.merge.kernels_whole import _arrays, kth_largest
+
+    for dtype in (torch.float32, torch.float64):
+        base, model = tied(1, (5000,), dtype, seed=1)
+        t, b = _arrays([model, base])
+        mags = (model.double() - base.double()).abs().float()
+        ordered = mags.sort(descending=True).values
+        for k in (1, 2, 17, 2500, 4999, 5000):
+            value, above, equal = kth_largest(t, b, k)
+            assert value == ordered[k - 1].item()
+            assert above == int((mags > value).sum()) and equal == int((mags == value).sum())
+
+
+def _mask_of(rule, tau: torch.Tensor) -> torch.Tensor:
+    """The kernel's mask of ``rule`` on ``tau`` (one model, base 0, no rescale, weight 1): the merged τ's support,
+    read through a τ with no zero entry."""
+    from symmerge.merge.kernels_whole import task_vector_into
+
+    out = torch.empty_like(tau)
+    assert task_vector_into([tau], torch.zeros_like(tau), [1.0], [rule], [None], "sum", False, 1.0, out)
+    assert torch.equal(out[out != 0], tau[out != 0])
+    return out != 0
+
+
+@needs_numba
+@pytest.mark.parametrize("seed", range(4))
+def test_magnitude_masks_equal_their_stable_sorts(seed):
+    g = torch.Generator().manual_seed(seed)
+    size = 997
+    levels = torch.tensor([0.5, 1.0, 2.0, 3.0, 1e-3], dtype=torch.float64)
+    tau = levels[torch.randint(0, 5, (size,), generator=g)] * torch.where(torch.rand(size, generator=g) < 0.5,
+                                                                         -1.0, 1.0).double()
+    tau[torch.rand(size, generator=g) < 0.2] += torch.randn(size, generator=g, dtype=torch.float64)[:1]
+    for density in (0.001, 0.005, 0.01, 0.1, 0.33, 0.5, 0.9, 0.999):  # narrow bands inside one tied value too
+        k = max(1, int(density * size))
+        assert torch.equal(_mask_of(("topk", k), tau), _keep_topk(tau, density)), density
+        for gamma in (0.0, 0.01, 0.2, 0.6):
+            target, top = int(density * size), int(gamma * size)
+            want = breadcrumbs_band(tau, density, gamma)
+            if target == 0:
+                assert not want.any()
+                continue
+            got = _mask_of(("band", max(0, size - target - top), target), tau)
+            assert torch.equal(got, want), (density, gamma)
+
+
+@needs_numba
+def test_della_mask_equals_its_definition():
+    from symmerge.merge.parts import dare_seed
+
+    g = torch.Generator().manual_seed(5)
+    tau = torch.randn(40, 33, generator=g, dtype=torch.float64)
+    tau[:, :5] = 0.25  # ties within rows
+    for density, eps in ((0.5, 0.1), (0.2, 0.15), (0.8, 0.19)):
+        seed = dare_seed(7, 1, "w")
+        got = _mask_of(("della", seed, density, eps), tau)
+        assert torch.equal(got, della_keep_mask(tau, density, eps, 7, 1, "w"))
+        flat = tau.reshape(-1)
+        got = _mask_of(("della", seed, density, eps), flat)  # a 1-D tensor: one row
+        assert torch.equal(got, della_keep_mask(flat, density, eps, 7, 1, "w"))
+
+
+CASES = [
+    ("ties", dict(density=0.5)), ("ties", dict(density=(0.3, 0.9, 0.05))),
+    ("ties", dict(density=0.4, normalize=False)), ("ties", dict(density=0.4, normalize="count")),
+    ("ties", {"density": 0.6, "rescale": True, "lambda": 0.7}),
+    ("dare_ties", dict(density=0.4)), ("dare_ties", dict(density=0.4, normalize=True, rescale="inverse")),
+    ("dare_linear", dict(density=(0.3, 0.6, 1.0))), ("dare_linear", dict(density=0.5, rescale=False,
+                                                                          normalize=True)),
+    ("breadcrumbs", dict(density=0.9, gamma=0.01)), ("breadcrumbs", dict(density=0.5, gamma=0.3, rescale=True)),
+    ("breadcrumbs_ties", dict(density=0.7, gamma=0.05, normalize=True)), ("breadcrumbs", dict(density=0.001)),
+    ("della", dict(density=0.5, epsilon=0.1)), ("della_linear", dict(density=(0.4, 0.6, 0.5), epsilon=0.2)),
+    ("della", dict(density=0.5, epsilon=0.1, rescale=False)),
+]
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(37, 61), (2001,)])
+@pytest.mark.parametrize("method, params", CASES)
+def test_kernel_equals_the_torch_code(method, params, shape, dtype):
+    tensors = tied(3, shape, dtype, seed=len(shape))
+    base, models = tensors[0], tensors[1:]
+    weights = [0.6, -0.4, 1.3]
+    fused = run(method, models, base, weights, True, **params)
+    plain = run(method, models, base, weights, False, **params)
+    assert fused.dtype == dtype and not torch.equal(fused, base)
+    l1 = get_method(method).mergekit_defaults(params).get("rescale", get_method(method).params.get("rescale"))
+    if l1 is True:  # the rescale factor's sums in another order: within a rounding of the result
+        gap = (fused.double() - plain.double()).abs()
+        size = sum((t.double() - base.double()).abs() for t in models)
+        ulp = torch.finfo(dtype).eps * plain.double().abs()  # the result rounded the other way
+        assert bool((gap <= ulp + 1e-12 * size).all())
+        assert dtype == torch.float64 or (fused != plain).double().mean() < 0.01
+    else:
+        assert torch.equal(fused.view(torch.uint8), plain.view(torch.uint8)), (method, params)
+
+
+@needs_numba
+def test_the_split_merge_equals_one_part(monkeypatch):
+    from symmerge.merge import kernels_whole
+
+    base, *models = tied(3, (300, 1000), torch.float32, seed=3)
+    whole = run("ties", models, base, [0.5, 0.5, 1.0], True, density=0.3)
+    monkeypatch.setattr(kernels_whole, "_SPLIT", 1 << 30)
+    one = run("ties", models, base, [0.5, 0.5, 1.0], True, density=0.3)
+    assert torch.equal(whole, one)
+    assert torch.equal(whole, run("ties", models, base, [0.5, 0.5, 1.0], False, density=0.3))
+
+
+@needs_numba
+def test_the_kernel_declines_what_it_does_not_cover():
+    from symmerge.merge.kernels_whole import task_vector_into
+
+    t = torch.randn(4, 3, 5)
+    half = torch.empty(4, 3, 5, dtype=torch.float16)
+    assert not task_vector_into([t], t, [1.0], [("all",)], [None], "sum", False, 1.0, half)
+    assert not task_vector_into([t], t, [1.0], [("della", 1, 0.5, 0.1)], [None], "sum", False, 1.0,
+                                torch.empty_like(t))
+
+
+@needs_numba
+@pytest.mark.parametrize("topk", [0.0, 0.001, 0.3, 0.5, 0.99, 1.0])
+def test_sce_variances_and_selection_equal_the_torch_code(topk):
+    from symmerge.merge import kernels_whole as kw
+    from symmerge.merge.specialized import sce_select
+
+    base, *models = tied(3, (41, 53), torch.float32, seed=11)
+    models[2][:5] = models[1][:5]  # zero and tied variances
+    arrays = kw._arrays([*models, base])
+    taus = torch.stack([t.double() - base.double() for t in models])
+    var = np.empty(base.numel())
+    kw._sce_variance_jit(arrays, 0, base.numel(), var)
+    assert torch.equal(torch.from_numpy(var), taus.var(dim=0, unbiased=False).reshape(-1))  # bit for bit
+    select = np.zeros(base.numel(), dtype=np.bool_)
+    squares = np.zeros(3)
+    cut = kw._sce_cut(arrays, topk) if 0.0 < topk < 1.0 else None
+    if cut is not None:
+        kw._sce_select_jit(arrays, cut[0], cut[1], select, squares, np.empty(kw._BLOCK))
+    want = sce_select(taus, topk)
+    if topk < 1.0:
+        assert torch.equal(torch.from_numpy(select).reshape(want.shape), want)
+        kept = taus * want
+        assert np.allclose(squares, kept.square().reshape(3, -1).sum(1).numpy(), rtol=1e-13)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("topk", [0.0, 0.2, 0.5, 1.0])
+def test_sce_kernel_equals_the_torch_code(topk, dtype):
+    base, *models = tied(3, (60, 70), dtype, seed=4)
+    fused = run("sce", models, base, None, True, select_topk=topk)
+    plain = run("sce", models, base, None, False, select_topk=topk)
+    gap = (fused.double() - plain.double()).abs()  # the weights' sums in another order: a rounding at most
+    size = sum((t.double() - base.double()).abs() for t in models)
+    assert bool((gap <= torch.finfo(dtype).eps * plain.double().abs() + 1e-12 * size).all())
+    assert dtype == torch.float64 or (fused != plain).double().mean() < 0.01
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("method, params", [("ram", dict(epsilon=0.1)), ("ram", dict(epsilon=0.0)),
+                                            ("ramplus_tl", dict(epsilon=0.1, r=0.5, alpha=0.3)),
+                                            ("ramplus_tl", dict(epsilon=1e-3))])
+def test_ram_kernels_equal_the_torch_code_bit_for_bit(method, params, dtype):
+    base, *models = tied(3, (70, 300), dtype, seed=6)
+    models[1][:10] = base[:10]  # entries only one model changes
+    fused = run(method, models, base, None, True, **params)
+    plain = run(method, models, base, None, False, **params)
+    assert torch.equal(fused.view(torch.uint8), plain.view(torch.uint8)) and not torch.equal(fused, base)
