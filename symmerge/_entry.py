@@ -7,7 +7,42 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
+
+_interrupted = False
+
+
+def _on_sigint(signum, frame):
+    """Python's own behaviour (raise KeyboardInterrupt), remembered: an import that a Ctrl-C cut in half can
+    surface later as another error (a half-imported numpy.dtypes becomes a RecursionError, then transformers'
+    ModuleNotFoundError), which the command then reports as the interrupt it was."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def watch_interrupts() -> None:
+    """As the command: remember a Ctrl-C (:func:`was_interrupted`) while keeping its KeyboardInterrupt. Only from
+    the main thread, and only where Python's default handler is installed (a host's own handler is kept)."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+def was_interrupted() -> bool:
+    """Whether a Ctrl-C reached this process since :func:`watch_interrupts`."""
+    return _interrupted
+
+
+def interrupted_exit() -> None:
+    """One line and exit 130, running nothing half-imported's exit hooks."""
+    try:
+        sys.stderr.write("symmerge: interrupted\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(130)
 
 
 def running_as_command() -> bool:
@@ -21,13 +56,16 @@ def running_as_command() -> bool:
 
 @contextlib.contextmanager
 def guarded_imports():
+    command = running_as_command()
+    if command:
+        watch_interrupts()
     try:
         yield
     except KeyboardInterrupt:
-        if not running_as_command():
+        if not command:
             raise
-        try:
-            sys.stderr.write("symmerge: interrupted\n")
-            sys.stderr.flush()
-        finally:
-            os._exit(130)  # nothing half-imported runs its exit hooks
+        interrupted_exit()
+    except Exception:
+        if command and was_interrupted():  # an import the Ctrl-C cut in half, failing as something else
+            interrupted_exit()
+        raise

@@ -63,9 +63,15 @@ def _quiet_stdout() -> None:
 
 
 def main(argv=None) -> int:
+    from ._entry import was_interrupted, watch_interrupts
+
+    watch_interrupts()
     try:
         return _run(argv)
     except SymmergeError as e:
+        if was_interrupted():
+            print("symmerge: interrupted", file=sys.stderr)
+            return INTERRUPTED
         print(f"symmerge: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -74,6 +80,11 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return BROKEN_PIPE
+    except Exception:
+        if was_interrupted():  # a lazy import the Ctrl-C cut in half, failing as another error
+            print("symmerge: interrupted", file=sys.stderr)
+            return INTERRUPTED
+        raise
 
 
 if __name__ == "__main__":

@@ -226,3 +226,20 @@ def test_outputs_get_the_umask_permissions_in_every_path(berts, tmp_path, capsys
         assert _modes(folder) <= want, (name, sorted(_modes(folder)))
         weights = list(folder.glob("*.safetensors"))
         assert weights and all(f.stat().st_mode & 0o777 == 0o666 & ~umask for f in weights), name
+
+
+def test_an_error_after_a_ctrl_c_is_reported_as_the_interrupt(monkeypatch, capsys):
+    """A Ctrl-C that cuts a lazy import in half can surface as another error (a half-imported numpy.dtypes
+    became a RecursionError, then transformers' ModuleNotFoundError, in a run of the test above under load):
+    once a Ctrl-C was received, any error is the interrupt, one line and exit 130; without one, it propagates."""
+    from symmerge import _entry, cli
+
+    def broken_import(argv):
+        raise ModuleNotFoundError("Could not import module 'BertForSequenceClassification'")
+
+    monkeypatch.setattr(cli, "_run", broken_import)
+    with pytest.raises(ModuleNotFoundError):
+        cli.main(["specs"])
+    monkeypatch.setattr(_entry, "_interrupted", True)
+    assert cli.main(["specs"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "symmerge: interrupted"

@@ -37,10 +37,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 @dataclass
 class TokenSource:
-    """A row named in ``tokens``: ``kind`` ``model`` (the model's row for this token), ``model_token`` (the
-    model's row for ``token`` / ``token_id``) or ``zero``; ``model``: an input index."""
+    """A row named in ``tokens``: ``source`` ``model`` (the model's row for this token), ``model_token`` (the
+    model's row for ``token`` / ``token_id``) or ``zero`` (mergekit's ``kind`` of a token source); ``model``: an
+    input index."""
 
-    kind: str
+    source: str
     model: int | None = None
     token: str | None = None
     token_id: int | None = None
@@ -202,11 +203,11 @@ def _token_of(vocab: Vocabulary, tid: int) -> str:
 def _default_row(vocab, tensors, inputs, token, tid, spec, rest, dtype):
     """The row a model lacking ``token`` gets (None: none, the row stays zero)."""
     if spec is not None:
-        if spec.kind == "zero":
+        if spec.source == "zero":
             return torch.zeros(rest, dtype=dtype)
         if spec.model not in tensors:
             raise SymmergeError(f"token {token!r}: its source model is not an input of this tensor")
-        if spec.kind == "model_token":
+        if spec.source == "model_token":
             j = spec.token_id if spec.token_id is not None else vocab.vocabs[spec.model].get(spec.token)
             if j is None or not 0 <= j < tensors[spec.model].shape[0]:
                 raise SymmergeError(f"token {token!r}: {spec.token if spec.token_id is None else spec.token_id!r} is "
