@@ -79,7 +79,11 @@ def model_stock_t(g: torch.Tensor) -> float:
 
 
 def _model_stock_coefficients(key, tensors, base, weights, params, context):
-    """θ = t · mean_i θ_i + (1 − t) θ_b as coefficients of ``[*models, base]``."""
+    """θ = t · mean_i θ_i + (1 − t) θ_b as coefficients of ``[*models, base]``; for half-precision inputs
+    ``{"half_t": t}``, the ratio computed on the whole tensor in their dtype (mergekit's arithmetic), the rest
+    of the rule elementwise (:func:`_model_stock_tensor`)."""
+    if base.dtype in HALF:
+        return {"half_t": model_stock_ratio([t - base for t in tensors], False)}
     t = model_stock_t(gram(tensors, base))
     return [t / len(tensors)] * len(tensors) + [1.0 - t]
 
@@ -98,8 +102,12 @@ def _model_stock_whole(tensors, base, filter_wise: bool) -> torch.Tensor:
 
 
 def _model_stock_tensor(key, tensors, weights, stats, base, params, context):
-    if params["filter_wise"] or base.dtype in HALF:
+    if params["filter_wise"] or (base.dtype in HALF and context is None):
         return _model_stock_whole(tensors, base, bool(params["filter_wise"]))
+    if base.dtype in HALF:  # a chunk: the whole tensor's ratio, the interpolation elementwise in the half dtype
+        t = context["half_t"]
+        mean = sum(tensors) / len(tensors)
+        return (t * mean.reshape(1, -1) + (1.0 - t) * base.reshape(1, -1)).reshape(base.shape)
     return linear_tensor(_model_stock_coefficients)(key, tensors, weights, stats, base, params, context)
 
 
