@@ -205,7 +205,7 @@ class Residual(Kind):
 
             d = inst.size
             B = complement_basis(d).to(R)
-            u = torch.full((d, 1), 1 / math.sqrt(d), dtype=R.dtype)
+            u = torch.full((d, 1), 1 / math.sqrt(d), dtype=R.dtype, device=R.device)
             R = u @ u.T + B @ R @ B.T
         return R, values["logc"].exp() if "logc" in values else None
 

@@ -170,8 +170,8 @@ class RopePairs(Kind):
         H, h = theta.shape
         r, d = 2 * h, inst.size
         c, s = rho * torch.cos(theta), rho * torch.sin(theta)
-        M = torch.zeros(H, d, d, dtype=theta.dtype)
-        j = torch.arange(h)
+        M = torch.zeros(H, d, d, dtype=theta.dtype, device=theta.device)
+        j = torch.arange(h, device=theta.device)
         M[:, j, j] = c
         M[:, j + h, j + h] = c
         M[:, j + h, j] = s

@@ -37,6 +37,7 @@ import time
 import torch
 
 from ..core.apply import apply, stages
+from ..device import resolve_device
 from ..errors import SymmergeError
 from ..groups.base import Options
 from ..io.data import Batch, Data
@@ -136,7 +137,8 @@ class _Parameters(torch.nn.Module):
     def elements(self) -> dict:
         """The learned deltas as group elements (float64)."""
         with torch.no_grad():
-            return {inst.name: inst.kind.learn_element(inst, self.values(inst, names)) for inst, names in self.instances}
+            return {inst.name: inst.kind.learn_element(inst, {n: v.detach().cpu() for n, v in self.values(inst, names).items()})
+                    for inst, names in self.instances}
 
 
 def norm_eps(config) -> float:
@@ -240,7 +242,7 @@ class Checks:
 def shuffled(n: int, generator: torch.Generator):
     """Batch indices for ever: each pass over ``range(n)`` in a fresh random order."""
     while True:
-        yield from torch.randperm(n, generator=generator).tolist()
+        yield from torch.randperm(n, generator=generator, device="cpu").tolist()
 
 
 def budget_spent(settings, t0: float, info: dict) -> bool:
@@ -264,7 +266,9 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
     matching); ``on_step(step, parameters)`` is called after every update (tests)."""
     settings = options.learn
     t0 = time.perf_counter()
-    opts = options.solver_options()
+    # the training steps run on ``options.device`` (cuda: the endpoints' predictions, the interpolated
+    # model's forwards and backwards there; the learned elements come back to the CPU in float64)
+    opts = options.solver_options(None if options.device in (None, "cpu") else resolve_device(options.device))
     given = start is not None
     if start is None:
         start = solve(instances, ca, cb, opts, max_sweeps=options.max_sweeps, tol=options.descent_tol)
@@ -272,7 +276,7 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
                         "weights (data-free, every group to convergence)"),
               "closed_form_seconds": time.perf_counter() - t0}
     history = {"step": [], "train": []}
-    skeleton = copy.deepcopy(anchor).to(torch.float32).eval()
+    skeleton = copy.deepcopy(anchor).to(device=opts.device or "cpu", dtype=torch.float32).eval()
     for p in skeleton.parameters():
         p.requires_grad_(False)
     elements, info = _learn_round(instances, skeleton, model, dict(start), ca, cb, data, settings, opts,
@@ -295,16 +299,16 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     from ..progress import bar
 
     a0 = apply(ca, instances, start)
-    dtype = torch.float32
-    work_a = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in a0.items()}
-    work_b = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in cb.items()}
-    params = _Parameters(instances, opts, dtype, {"norm_eps": norm_eps(model.config)})
+    dtype, dev = torch.float32, opts.device or torch.device("cpu")
+    work_a = {k: v.detach().to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in a0.items()}
+    work_b = {k: v.detach().to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in cb.items()}
+    params = _Parameters(instances, opts, dtype, {"norm_eps": norm_eps(model.config)}).to(dev)
     train, held = _split(data, settings.holdout)
-    g = torch.Generator().manual_seed(settings.seed + offset)
+    g = torch.Generator().manual_seed(settings.seed + offset)  # on the CPU whatever the device: the same draws
     n_original = len(train)
     train = train + augmented(train, settings.augment, g)
-    train = [subsample_positions(b, settings.positions, g) for b in train]
-    held = [subsample_positions(b, settings.positions, g) for b in held]
+    train = [subsample_positions(b, settings.positions, g).to(dev) for b in train]
+    held = [subsample_positions(b, settings.positions, g).to(dev) for b in held]
 
     def forward(sd, batch):
         return head_forward(skeleton, sd, batch)
@@ -312,7 +316,7 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     clock = {"targets": 0.0, "checks": 0.0, "steps": 0.0}  # wall seconds by stage
     tick = time.perf_counter()
     fast = settings.precision == "bfloat16"  # the training steps (and the targets) under bf16 autocast
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+    with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=fast):
         # the endpoints' predictions: fixed, alignment does not change them
         norm = torch.softmax if settings.target == "probabilities" else torch.log_softmax
         targets = [(norm(forward(work_a, b).float(), -1), norm(forward(work_b, b).float(), -1))
@@ -327,7 +331,7 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     def objective(alpha, batch, target, sd=None, step: bool = False) -> torch.Tensor:
         """The soft cross-entropy at ``alpha`` on ``batch`` (``sd``: θ(α) already built); ``step``: a
         training step, whose transform and forward run in ``settings.precision``; the checks: float32."""
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step and fast):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=step and fast):
             sd = interpolated(alpha, params.transform(work_a)) if sd is None else sd
             logits = forward(sd, batch)
         logp = torch.log_softmax(logits.float(), -1)

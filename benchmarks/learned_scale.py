@@ -1,0 +1,158 @@
+"""Learned alignment against model size: wall time per step and peak memory of ``--match learned`` on random-init
+Llama pairs of real shapes (issue 42, item 6), on the CPU or a GPU.
+
+Each size runs in a child process of its own (so its peak RSS is its own): two ``LlamaForCausalLM`` of the
+shape, initialised from two seeds, aligned by :func:`symmerge.pipeline.align.align_pair` with the learned
+matcher (its default start, activation matching, then ``--steps`` learned steps) on ``--texts`` random token
+sequences of ``--length`` tokens, verification included. Printed per size: parameters, the wall seconds of
+each stage (model build, closed-form start, the endpoints' predictions, one learned step), the peak RSS of
+the process and of the models alone, CUDA's peak allocation on a GPU, and the extrapolated wall time of a full
+run (the closed form, the predictions and ``--full-steps`` steps; the default recipe has 200).
+
+Random weights say nothing about the quality of an alignment; the time and memory of a step do not depend on
+the values. Sizes: ``135m`` (SmolLM2-135M's shape), ``360m`` (SmolLM2-360M's), ``1b`` (Llama 3.2 1B's).
+
+    python -m benchmarks.learned_scale [--sizes 135m,360m] [--device cpu|cuda] [--steps 5] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# name: (vocab, hidden, layers, heads, kv heads, FFN width) — tied embeddings, as the real models
+SHAPES = {
+    "tiny": (512, 64, 2, 4, 2, 128),  # a smoke test of the script
+    "135m": (49152, 576, 30, 9, 3, 1536),
+    "360m": (49152, 960, 32, 15, 5, 2560),
+    "1b": (128256, 2048, 16, 32, 8, 8192),
+}
+
+
+def rss_gb() -> float:
+    """This process's peak resident set so far, in GB (Linux reports KB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def one(size: str, device: str, steps: int, texts: int, length: int, batch: int, precision: str) -> dict:
+    from transformers import LlamaForCausalLM
+
+    from symmerge.demo.lm import llama_config
+    from symmerge.io.data import Batch, Data
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.options import AlignOptions, LearnSettings
+
+    vocab, hidden, layers, heads, kv, inner = SHAPES[size]
+    cfg = llama_config(vocab, context=max(length, 128), hidden=hidden, layers=layers, heads=heads, kv_heads=kv,
+                       inner=inner, tie=True)
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    a = LlamaForCausalLM(cfg).eval()
+    torch.manual_seed(1)
+    b = LlamaForCausalLM(cfg).eval()
+    build = time.perf_counter() - t
+    params = sum(p.numel() for p in a.parameters())
+    models_rss = rss_gb()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, vocab, (texts, length), generator=g)
+    batches = [Batch({"input_ids": ids[i:i + batch], "attention_mask": torch.ones_like(ids[i:i + batch])}, None,
+                     torch.ones_like(ids[i:i + batch], dtype=torch.bool)) for i in range(0, texts, batch)]
+    data = Data(path="random tokens", format="lm", batches=batches, n=texts, labeled=False)
+    learn = LearnSettings(steps=steps, batch=batch, augment=0, precision=precision, check_every=max(steps, 1))
+    options = AlignOptions(match="learned", align_data=data, align_samples=texts, learn=learn, device=device)
+    if device != "cpu":
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    report = align_pair(a, b, options).report
+    wall = time.perf_counter() - t
+    learned = report.get("learned") or {}
+    stages = learned.get("seconds_by_stage", {})
+    done = max(learned.get("steps", 0), 1)
+    return {"size": size, "parameters": params, "device": device, "precision": precision, "texts": texts,
+            "length": length, "batch": batch, "steps": learned.get("steps"), "build_seconds": build,
+            "align_seconds": wall,
+            "closed_form_seconds": (report.get("match_seconds") or 0.0) - (learned.get("seconds") or 0.0),
+            "targets_seconds": stages.get("targets"), "checks_seconds": stages.get("checks"),
+            "seconds_per_step": stages.get("steps", 0.0) / done, "peak_rss_gb": rss_gb(),
+            "models_rss_gb": models_rss,
+            "cuda_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if device != "cpu" else None,
+            "verify_max_rel_diff": report.get("verify_max_rel_diff")}
+
+
+def extrapolated(row: dict, full_steps: int) -> float:
+    """Wall seconds of a full run: everything measured but the steps, plus ``full_steps`` steps."""
+    return row["align_seconds"] - row["seconds_per_step"] * (row["steps"] or 0) + full_steps * row["seconds_per_step"]
+
+
+def table(rows: list, full_steps: int) -> str:
+    head = (f"{'size':>5} {'params':>8} {'dev':>5} {'closed s':>8} {'targets s':>9} {'s/step':>7} "
+            f"{'peak RSS GB':>11} {'models GB':>9} {'CUDA GB':>7} {f'full ({full_steps}) min':>14}")
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['size']:>5} {'':>8} {r['device']:>5} failed: {r['error']}")
+            continue
+        cuda = f"{r['cuda_peak_gb']:.1f}" if r["cuda_peak_gb"] is not None else "-"
+        lines.append(f"{r['size']:>5} {r['parameters'] / 1e6:>7.0f}M {r['device']:>5} {r['closed_form_seconds']:>8.1f} "
+                     f"{r['targets_seconds']:>9.1f} {r['seconds_per_step']:>7.2f} {r['peak_rss_gb']:>11.1f} "
+                     f"{r['models_rss_gb']:>9.1f} {cuda:>7} {extrapolated(r, full_steps) / 60:>14.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.learned_scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="135m", help=f"comma-separated, of {', '.join(SHAPES)} (default 135m)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--steps", type=int, default=5, help="learned steps measured (default 5)")
+    p.add_argument("--full-steps", type=int, default=200, help="steps of the extrapolated full run (default 200)")
+    p.add_argument("--texts", type=int, default=16, help="random token sequences (default 16)")
+    p.add_argument("--length", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--precision", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--out", help="write results.json here (a new or empty folder)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.one:
+        print(json.dumps(one(args.one, args.device, args.steps, args.texts, args.length, args.batch, args.precision)))
+        return 0
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SHAPES]
+    if unknown:
+        p.error(f"unknown size(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    rows = []
+    for size in sizes:
+        cmd = [sys.executable, "-m", "benchmarks.learned_scale", "--one", size, "--device", args.device,
+               "--steps", str(args.steps), "--texts", str(args.texts), "--length", str(args.length),
+               "--batch", str(args.batch), "--precision", args.precision, "--threads", str(args.threads)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            rows.append({"size": size, "device": args.device, "error": tail[-200:]})
+        else:
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    print(table(rows, args.full_steps))
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and any(out.iterdir()):
+            p.error(f"--out {out} is not empty")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"rows": rows, "full_steps": args.full_steps,
+                                                      "argv": sys.argv[1:]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
