@@ -45,6 +45,10 @@ def add_arguments(parser) -> None:
                              f"'discrete' the permutations only (default {DEFAULT_REFINE})")
     parser.add_argument("--subsets", choices=["single", "last"], default=None,
                         help="also match only layer i (single) or only the last k layers (last); loss at α = 0.5")
+    parser.add_argument("--temperature", action="store_true",
+                        help="each variant also gets a '+temperature' curve: at every α the merged model's softmax "
+                             "temperature fitted on the unlabeled --align-data against the endpoints' mixed "
+                             "predictions (the calibration baseline of Ito et al.; labels never used)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-examples", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
@@ -63,6 +67,10 @@ def run(args) -> int:
         raise SymmergeError(f"barrier needs at least two models, got {len(args.models)}")
     if len(args.models) > 2 and args.subsets:
         raise SymmergeError("--subsets compares two models; give exactly two")
+    if args.temperature and len(args.models) > 2:
+        raise SymmergeError("--temperature calibrates the path between two models; give exactly two")
+    if args.temperature and not args.align_data:
+        raise SymmergeError("--temperature fits the temperature on unlabeled data: pass --align-data FILE")
     if args.joint_rounds < 0:
         raise SymmergeError(f"--joint-rounds must be >= 0, got {args.joint_rounds}")
     ensure_output_dir(out)
@@ -76,14 +84,14 @@ def run(args) -> int:
                            batch_size=args.batch_size, max_examples=args.max_examples,
                            allow_pickle=args.allow_pickle, align=options, repair=args.repair,
                            allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, repair_channels=channels,
-                           repair_samples=args.repair_samples)
+                           repair_samples=args.repair_samples, temperature=args.temperature)
     write_study(result, out)
     print_note(result.get("tokenizer"))
     width = max(len(name) for name in result["curves"])
     for name, c in result["curves"].items():
         print(f"{name:{width}s}  barrier {c['barrier']:.4f}  loss(0.5) {c['loss'][len(c['loss']) // 2]:.4f}")
     aligning = sum(c.get("align_seconds", 0.0) for name, c in result["curves"].items()
-                   if not name.endswith("+repair"))  # a +repair curve repeats its variant's alignment info
+                   if "+" not in name)  # a +repair or +temperature curve repeats its variant's alignment info
     print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} (alignment {aligning:.2f} s, "
           f"total {elapsed():.2f} s)")
     return 0

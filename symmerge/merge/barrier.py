@@ -65,6 +65,10 @@ class BarrierOptions:
     ``align_data`` the unlabeled data of the data-driven matchers and of REPAIR); ``repair``: each variant also
     gets a curve ``"<variant>+repair"`` with REPAIR applied at every α (:mod:`symmerge.merge.repair`), on
     ``repair_channels`` (default REPAIR's) with statistics on the first ``repair_samples`` examples (None: all);
+    ``temperature``: each variant also gets a curve ``"<variant>+temperature"``, θ(α)'s logits divided by the
+    softmax temperature fitted at that α on the unlabeled ``align_data`` against the endpoints' mixed
+    predictions (:mod:`symmerge.evaluate.temperature`, the calibration baseline of Ito et al.), with the
+    fitted ``temperatures``;
     ``subsets``: layer-subset matching of two models (``single`` / ``last``); ``joint_rounds``,
     ``joint_refine``: the joint alignment of more than two models (:func:`barrier_many`)."""
 
@@ -83,6 +87,7 @@ class BarrierOptions:
     allow_tokenizer_mismatch: bool = False
     joint_rounds: int = 10
     joint_refine: str | None = None
+    temperature: bool = False
 
 
 def _options(options, keywords: dict, name: str) -> BarrierOptions:
@@ -115,6 +120,9 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
     if repair:
         if base.align_data is None:
             raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass align=AlignOptions(align_data=...) (--align-data)")
+    if o.temperature and base.align_data is None:
+        raise SymmergeError("temperature calibration fits on unlabeled data: pass align=AlignOptions(align_data=...) "
+                            "(--align-data)")
     if not isinstance(data, Data):
         check_data_path(data)
     names = [str(x) if isinstance(x, (str, Path)) else label for x, label in ((model_a, "A"), (model_b, "B"))]
@@ -156,6 +164,10 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
         curve = interpolation_curve(moved, end_b, d, alphas, device=dev, progress=progress, label=v)
         moved.to("cpu"), end_b.to("cpu")
         result["curves"][v] = {**curve, **info, "seconds": time.perf_counter() - t}
+        if o.temperature:
+            t = time.perf_counter()
+            result["curves"][v + "+temperature"] = {**tempered_curve(moved, end_b, d, alphas, base, dev, progress, v),
+                                                    **info, "seconds": time.perf_counter() - t}
         if repair:
             t = time.perf_counter()
             result["curves"][v + "+repair"] = {**repaired_curve(moved, end_b, d, alphas, base, dev, progress, v,
@@ -185,6 +197,19 @@ def repaired_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, 
 
     return interpolation_curve(model_a, model_b, data, alphas, device=device, progress=progress,
                                label=f"{label}+repair", transform=repaired)
+
+
+def tempered_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, device=None, progress: bool = True,
+                   label: str = "") -> dict:
+    """:func:`interpolation_curve` with θ(α)'s softmax temperature fitted at every α on the unlabeled
+    alignment data of ``options`` (:class:`~symmerge.evaluate.temperature.Calibrator`); ``temperatures``: the
+    fitted T per α (1 at the endpoints)."""
+    from ..evaluate.temperature import Calibrator
+
+    calibrate = Calibrator(model_a, model_b, list(load_align_data(options, model_b)))
+    curve = interpolation_curve(model_a, model_b, data, alphas, device=device, progress=progress,
+                                label=f"{label}+temperature", transform=calibrate)
+    return {**curve, "temperatures": [calibrate.fitted[float(a)] for a in alphas]}
 
 
 def subset_matching(model_a, model_b, data: Data, symmetries=("attn",), mode: str = "single",
