@@ -86,6 +86,8 @@ def run(args) -> int:
 
     _refusals(args)
     desc = describe(args.config, output=args.out or args.output, align=args.align, seed=args.random_seed)
+    for line in desc.warnings:
+        print(f"symmerge: warning: {line}", file=sys.stderr)
     if not desc.mergekit:
         if args.print_command:
             print(shlex.join(["symmerge", desc.command, *desc.argv]))

@@ -48,9 +48,11 @@ def wants_alignment(doc, align) -> bool:
 def applies(doc, align) -> bool:
     """An aligned mergekit config: alignment asked for, and every key a mergekit key or an alignment option
     (a config with other symmerge keys, e.g. ``eval_data``, runs the ``symmerge merge`` it stands for)."""
+    from .command import is_option
     from .mergekit import KEYS, OUTPUT_KEYS
 
-    return wants_alignment(doc, align) and all(k in KEYS or k in OUTPUT_KEYS or k in ALIGN_KEYS for k in doc.data)
+    return wants_alignment(doc, align) and all(k in KEYS or k in OUTPUT_KEYS or k in ALIGN_KEYS
+                                               or not (k == "command" or is_option("merge", k)) for k in doc.data)
 
 
 def without_alignment_keys(doc):

@@ -9,6 +9,7 @@ CLI option can be written in it and is checked the same way. Configs with symmer
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 
 from ..errors import SymmergeError
@@ -36,6 +37,19 @@ def command_parser(command: str) -> argparse.ArgumentParser:
     # through the parser as the handler is: config never imports a command module
     parser.set_defaults(handler=module.run, options_from=getattr(module, "options_from", None))
     return parser
+
+
+def is_option(command: str, key: str) -> bool:
+    """Whether ``key`` (a config key) names an option of ``symmerge COMMAND`` (by its long name or a mergekit
+    alias); an unknown command counts as ``merge``."""
+    if command not in RUNNABLE:
+        command = "merge"
+    return "--" + ALIASES.get(key, key).replace("_", "-") in _long_options(command)
+
+
+@functools.lru_cache(maxsize=None)
+def _long_options(command: str) -> frozenset:
+    return frozenset(f for a in command_parser(command)._actions for f in a.option_strings)
 
 
 def _is_plain(v) -> bool:
