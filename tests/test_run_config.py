@@ -338,8 +338,7 @@ def test_no_output_folder_is_one_error(llamas, tmp_path, capsys):
     assert "no output folder: symmerge run CONFIG.yml OUT" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag,message", [("--allow-crimes", "one architecture only"),
-                                          ("--no-copy-tokenizer", "always writes the tokenizer")])
+@pytest.mark.parametrize("flag,message", [("--trust-remote-code", "never runs code from a model folder")])
 def test_mergekit_flags_refused_in_one_line(llamas, tmp_path, capsys, flag, message):
     base, a, b = llamas
     cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\n")

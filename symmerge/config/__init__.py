@@ -76,9 +76,10 @@ def _moe(doc: Doc) -> None:
                         "'symmerge moe CONFIG OUT' runs (symmerge run takes mergekit-yaml configs)", found[0])
 
 
-def describe(path, output=None, align=None, seed=None) -> Description:
+def describe(path, output=None, align=None, seed=None, truncate_embeddings=False) -> Description:
     """The description of config ``path``; ``output``: the output folder given on the command line (else the
-    config's ``output``); ``align``: ``--align`` given on the command line (asks for symmerge's merge)."""
+    config's ``output``); ``align``: ``--align`` given on the command line (asks for symmerge's merge);
+    ``truncate_embeddings``: mergekit-yaml's ``--unsafe-truncate-embeddings``."""
     docs = read_documents(path)
     path = Path(path)
     for d in docs:
@@ -103,7 +104,7 @@ def describe(path, output=None, align=None, seed=None) -> Description:
     if output is None and not any(k in d.data for d in docs for k in OUTPUT_KEYS):
         raise SymmergeError(f"{path}: no output folder: symmerge run CONFIG.yml OUT (or -o OUT, or 'output:' in "
                             "the config)")
-    planner = Planner(docs, seed=seed)
+    planner = Planner(docs, seed=seed, truncate_embeddings=truncate_embeddings)
     jobs = planner.plan()
     if spec is not None:
         aligned.check_one_architecture(docs[0], planner, jobs[0])

@@ -233,9 +233,10 @@ class _Slice:
 class Planner:
     """Plans every document of a config, in dependency order."""
 
-    def __init__(self, docs, read_layout=layouts.read_layout, seed=None, folders=None):
+    def __init__(self, docs, read_layout=layouts.read_layout, seed=None, folders=None, truncate_embeddings=False):
         self.docs = docs
         self.seed = seed
+        self.truncate_embeddings = truncate_embeddings  # mergekit-yaml's --unsafe-truncate-embeddings
         # model reference -> the folder read for it (the aligned copies of an aligned config: symmerge.config.aligned)
         self.folders = dict(folders or {})
         self.read_layout = read_layout
@@ -350,6 +351,8 @@ class Planner:
             self._contract(doc, mk_name, method, policy, lo, hi, s, inputs)
         task = self._adapt_base(inputs, base)
         tok, vocab = self._tokenizer(doc, data, inputs, base)
+        if vocab is None and self.truncate_embeddings:
+            vocab = self._truncated(doc, inputs)
         chat = self._chat_template(doc, data)
         config_from = task if task is not None else base if base is not None else slices[0].sources[0].model
         side = tok if tok is not None else config_from
@@ -562,6 +565,17 @@ class Planner:
             except SymmergeError as e:
                 raise doc.error(str(e), *key) from None
         return (base if base is not None else 0) if idx is None else idx, vocab
+
+    def _truncated(self, doc, inputs):
+        """``--unsafe-truncate-embeddings``: every model's vocabulary rows cut to the smallest model's count
+        (token ids assumed the same; the tokenizer copied as it is), or None when the counts agree."""
+        from .vocab import Vocabulary, vocab_size
+
+        sizes = {i: vocab_size(dict(self.layout(doc, inp, ("models",)).config)) for i, inp in enumerate(inputs)}
+        if None in sizes.values() or len(set(sizes.values())) < 2:
+            return None
+        m = min(sizes.values())
+        return Vocabulary(None, {f"<row {k}>": k for k in range(m)}, m, {i: list(range(m)) for i in sizes}, {})
 
     def _tokenizer_folder(self, inp: Input, stack) -> Path:
         """The folder holding the tokenizer of input ``inp``: its own, or for an earlier merge of this file the
