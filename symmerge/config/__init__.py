@@ -70,7 +70,7 @@ def _symmerge_key(doc: Doc):
 
 def _moe(doc: Doc) -> None:
     """A mergekit-moe config (``experts``, ``gate_mode``; no ``merge_method``) is one error naming its command."""
-    found = [k for k in MOE_KEYS if k in doc.data]
+    found = [k for k in doc.data if k in MOE_KEYS]
     if found and "merge_method" not in doc.data:
         raise doc.error(f"a mergekit-moe config ({', '.join(found)}): it builds a mixture of experts, which "
                         "'symmerge moe CONFIG OUT' runs (symmerge run takes mergekit-yaml configs)", found[0])

@@ -47,6 +47,11 @@ def is_option(command: str, key: str) -> bool:
     return "--" + ALIASES.get(key, key).replace("_", "-") in _long_options(command)
 
 
+def option_names(command: str = "merge") -> tuple:
+    """The config keys of ``symmerge COMMAND``'s options (``eval_data`` for ``--eval-data``)."""
+    return tuple(sorted(f[2:].replace("-", "_") for f in _long_options(command) if f.startswith("--")))
+
+
 @functools.lru_cache(maxsize=None)
 def _long_options(command: str) -> frozenset:
     return frozenset(f for a in command_parser(command)._actions for f in a.option_strings)

@@ -318,7 +318,9 @@ class Planner:
         data = doc.data
         for k in data:
             if k not in KEYS and k not in OUTPUT_KEYS and k != "align":  # align: none
-                self.warn(lenient.unknown(doc, "a mergekit key", k, KEYS + OUTPUT_KEYS, k))
+                from .command import option_names
+
+                self.warn(lenient.unknown(doc, "a mergekit key", k, KEYS + OUTPUT_KEYS + option_names(), k))
         if "merge_method" not in data:
             raise doc.error("'merge_method' is missing (e.g. linear, ties, slerp, passthrough)")
         mk_name, method = method_for(doc, data["merge_method"])
