@@ -266,6 +266,15 @@ class Planner:
             inputs.append(Input(job=self.named[ref], label=ref))
             return len(inputs) - 1
         folder = Path(self.folders.get(ref, ref)).expanduser()
+        from ..io.single import as_folder, is_single_file
+
+        if is_single_file(folder):  # a single .safetensors file: its config beside it, else the base model's
+            base = doc.data.get("base_model")
+            base = base if isinstance(base, str) and Path(base).expanduser().is_dir() else None
+            try:
+                folder = as_folder(folder, base or next((i.folder for i in inputs if i.folder is not None), None))
+            except SymmergeError as e:
+                raise doc.error(str(e), *where) from None
         if not folder.is_dir():
             raise doc.error(f"model {ref!r} is not a folder here (nor the name of an earlier merge in this file); "
                             "mergekit names on the Hugging Face Hub must be downloaded first "
