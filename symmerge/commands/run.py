@@ -160,8 +160,8 @@ def run_options(args):
 
 def run(args) -> int:
     from ..config import describe
-    from ..config.command import command_parser
     from ..progress import configure
+    from .config_options import namespace
 
     _refusals(args)
     desc = describe(args.config, output=args.out or args.output, align=args.align, seed=args.random_seed,
@@ -172,8 +172,8 @@ def run(args) -> int:
         if args.print_command:
             print(shlex.join(["symmerge", desc.command, *desc.argv]))
             return 0
-        parsed = command_parser(desc.command).parse_args(desc.argv)
-        if "--progress" not in desc.argv:
+        parsed = namespace(desc.config)  # the command's options, built from the config's keys directly
+        if "progress" not in desc.config.keys:
             parsed.progress = progress_of(args)
         configure(parsed.progress)
         print(f"running: {shlex.join(['symmerge', desc.command, *desc.argv])}", file=sys.stderr)

@@ -24,20 +24,21 @@ from pathlib import Path
 
 from ..errors import SymmergeError
 from . import aligned
-from .command import config_argv, is_option
+from .command import is_option, symmerge_config
 from .mergekit import KEYS, OUTPUT_KEYS, Job, Planner
 from .source import Doc, read_documents
 
 
 @dataclass
 class Description:
-    """What a config runs: ``jobs`` (a mergekit config) or ``command`` and ``argv`` (a symmerge one)."""
+    """What a config runs: ``jobs`` (a mergekit config) or ``command`` and its ``config`` (a symmerge one:
+    :class:`~symmerge.config.command.SymmergeConfig`)."""
 
     path: Path
     output: Path | None = None
     jobs: list = field(default_factory=list)
     command: str | None = None
-    argv: list = field(default_factory=list)
+    config: object = None
     # an aligned mergekit config: how its models are aligned (symmerge.config.aligned.Alignment), the
     # documents re-planned on the aligned copies, the seed
     alignment: object = None
@@ -48,6 +49,14 @@ class Description:
     @property
     def mergekit(self) -> bool:
         return self.command is None
+
+    @property
+    def argv(self) -> list:
+        """The arguments of the ``symmerge COMMAND`` command line a symmerge config stands for (printed by
+        ``--print-command``; the config itself builds the command's options directly)."""
+        from .command import command_line
+
+        return command_line(self.config)[1:] if self.config is not None else []
 
 
 MOE_KEYS = ("experts", "gate_mode", "experts_per_token", "shared_experts")
@@ -92,9 +101,9 @@ def describe(path, output=None, align=None, seed=None, truncate_embeddings=False
         docs = [aligned.without_alignment_keys(docs[0])]
         symmerge = []
     elif (symmerge or (align is not None and str(align).lower() != "none")) and len(docs) == 1:
-        command, argv = config_argv(docs[0], output=output, align=align,
-                                    symmerge_key=symmerge[0][1] if symmerge else None)
-        return Description(path, None, command=command, argv=argv)
+        config = symmerge_config(docs[0], output=output, align=align,
+                                 symmerge_key=symmerge[0][1] if symmerge else None)
+        return Description(path, None, command=config.command, config=config)
     if symmerge:
         d, k = symmerge[0]
         raise d.error(f"{k!r} is not a mergekit key, and a file of several merges is a mergekit config "
