@@ -338,11 +338,12 @@ def test_no_output_folder_is_one_error(llamas, tmp_path, capsys):
     assert "no output folder: symmerge run CONFIG.yml OUT" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag,message", [("--trust-remote-code", "never runs code from a model folder")])
-def test_mergekit_flags_refused_in_one_line(llamas, tmp_path, capsys, flag, message):
+@pytest.mark.parametrize("flags,message", [(["-o", "elsewhere"], "two output folders"),
+                                           (["-j", "-1"], "a positive number of threads")])
+def test_mergekit_flags_refused_in_one_line(llamas, tmp_path, capsys, flags, message):
     base, a, b = llamas
     cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nparameters: {{weight: 1}}\n")
-    assert run_cli("run", cfg, tmp_path / "o", flag) == 2
+    assert run_cli("run", cfg, tmp_path / "o", *flags) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 

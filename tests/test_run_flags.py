@@ -46,7 +46,8 @@ def _same(a, b):
 NO_OPS = [["--lazy-unpickle"], ["--no-lazy-unpickle"], ["--low-cpu-memory"], ["--read-to-gpu"], ["--multi-gpu"],
           ["--no-multi-gpu"], ["--async-write"], ["--no-async-write"], ["--write-threads", "3"], ["--clone-tensors"],
           ["--no-clone-tensors"], ["--safe-serialization"], ["--allow-crimes"], ["--no-allow-crimes"],
-          ["--no-cuda"], ["--no-unsafe-truncate-embeddings"], ["--no-trust-remote-code"], ["--no-quiet"],
+          ["--no-cuda"], ["--no-unsafe-truncate-embeddings"], ["--trust-remote-code"], ["--no-trust-remote-code"],
+          ["--no-quiet"],
           ["--lora-merge-cache", "LORA"], ["--lora-merge-dtype", "bfloat16"], ["--copy-tokenizer"],
           ["--write-model-card"], ["--transformers-cache", "CACHE"]]
 
@@ -162,9 +163,11 @@ def test_no_safe_serialization_warns_and_writes_safetensors(config, reference, t
     _same(out, reference)
 
 
-def test_trust_remote_code_is_refused(config, tmp_path, capsys):
-    assert run_cli("run", config, tmp_path / "o", "--trust-remote-code") == 2
-    assert "never runs code from a model folder" in capsys.readouterr().err
+def test_bad_flag_values_are_one_line(config, tmp_path, capsys):
+    assert run_cli("run", config, tmp_path / "o", "--num-threads", "0") == 2
+    err = capsys.readouterr().err
+    assert "--num-threads: a positive number of threads" in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
 
 
 def test_unsafe_truncate_embeddings(fam, tmp_path):

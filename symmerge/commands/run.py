@@ -90,11 +90,12 @@ def add_mergekit_yaml_arguments(parser) -> None:
 
 def add_flags_owned_elsewhere(group) -> None:
     """mergekit-yaml's flags whose effect other parts of symmerge own (remote code, LoRA inputs): parsed here
-    so that a mergekit-yaml command line runs; until their owners give them an effect, --trust-remote-code is
-    refused (symmerge never runs a model's own code) and --lora-merge-cache / --lora-merge-dtype are no-ops
-    (a config without 'model+adapter' inputs uses neither). Replaced in this one place."""
+    so that a mergekit-yaml command line runs; until their owners give them an effect they are parse-only
+    (symmerge loads transformers' own model classes and runs no code from a model folder, with or without
+    --trust-remote-code; a config without 'model+adapter' inputs uses no LoRA cache). Replaced in this one
+    place."""
     group.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
-                       help="refused: symmerge loads transformers' own classes only")
+                       help="parsed: symmerge loads transformers' own model classes (no code from a model folder)")
     group.add_argument("--lora-merge-cache", default=None, metavar="DIR", help="where LoRA inputs are applied")
     group.add_argument("--lora-merge-dtype", default=None, metavar="DTYPE", help="dtype LoRA inputs are applied in")
 
@@ -111,9 +112,6 @@ def shard_size(text):
 
 
 def _refusals(args) -> None:
-    if args.trust_remote_code:
-        raise SymmergeError("--trust-remote-code: symmerge loads transformers' own model classes only and never "
-                            "runs code from a model folder; drop the flag")
     if args.out and args.output and args.out != args.output:
         raise SymmergeError(f"two output folders: {args.out} and -o {args.output}: give one")
     if args.num_threads is not None and args.num_threads < 1:
