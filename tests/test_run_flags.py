@@ -114,19 +114,20 @@ def test_random_seed(config, reference, tmp_path):
     assert torch.equal(outs[0][k], outs[1][k]) and not torch.equal(outs[0][k], outs[2][k])
 
 
-@pytest.mark.parametrize("flags", [["--cuda"], ["--gpu-rich"], ["--device", "cpu"]])
+@pytest.mark.parametrize("flags", [["--cuda"], ["--gpu-rich"], ["--device", "cpu"], ["--device", "cpu:0"]])
 def test_cuda_and_device(config, reference, tmp_path, capsys, flags):
     """The GPU when there is one (the result then within float32's rounding of the CPU's); without one,
-    --cuda warns and merges on the CPU (bit for bit)."""
+    --cuda warns and merges on the CPU (bit for bit). ``--device cpu:0`` runs the arithmetic through the same
+    device wrapper as the GPU (config/run.py: computing_on), on the CPU: bit for bit the plain merge."""
     out = tmp_path / "out"
     assert run_cli("run", config, out, "--progress", "none", *flags) == 0
     err = capsys.readouterr().err
-    if torch.cuda.is_available() and flags != ["--device", "cpu"]:
+    if torch.cuda.is_available() and flags[0] != "--device":
         gap = mo.relative_gap(mo.tensors(out), mo.tensors(reference))
         assert gap < 1e-6, gap
     else:
         _same(out, reference)
-        assert ("no CUDA device here" in err) == (flags != ["--device", "cpu"])
+        assert ("no CUDA device here" in err) == (flags[0] != "--device")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
