@@ -33,6 +33,7 @@ def build_parser():
 
     parser = argparse.ArgumentParser(prog="symmerge", description="Symmetry-aware fusion of transformer models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(subparsers=sub.choices)  # a command's own parser: its usage on a bad argument
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"symmerge.commands.{module_name}")
         p = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0], description=module.__doc__,
@@ -45,7 +46,9 @@ def build_parser():
 def _run(argv) -> int:
     from .progress import configure
 
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # an argument the command does not take: the command's own usage, not the top level's
+        args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
     code = args.handler(args) or 0
     sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "mistral", "gpt2")
+ARCHS = ("llama", "mistral", "gpt2", "qwen2", "gemma2")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -31,7 +31,7 @@ def available() -> bool:
 
 
 def _config(arch: str, layers: int):
-    from transformers import GPT2Config, LlamaConfig, MistralConfig
+    from transformers import Gemma2Config, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     if arch == "llama":
         return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
@@ -41,6 +41,14 @@ def _config(arch: str, layers: int):
         return MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                              sliding_window=None, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           tie_word_embeddings=False)
+    if arch == "gemma2":
+        return Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                            sliding_window=32)
     if arch == "gpt2":
         return GPT2Config(vocab_size=128, n_embd=64, n_layer=layers, n_head=4, n_positions=64)
     raise ValueError(arch)

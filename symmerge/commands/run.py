@@ -12,6 +12,7 @@ config is one error naming the key and its line, before anything is read or writ
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 
@@ -35,23 +36,68 @@ def add_arguments(parser) -> None:
                         help="print what the config runs (the symmerge command line, or the merge plan) and exit")
     parser.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
                         help="progress on stderr, unless the config sets its own 'progress'")
-    mk = parser.add_argument_group("mergekit-yaml's flags")
-    mk.add_argument("--copy-tokenizer", action="store_true", help="accepted: the tokenizer is always copied")
-    mk.add_argument("--no-copy-tokenizer", action="store_true", help=argparse_suppress())
+    add_mergekit_yaml_arguments(parser)
+
+
+def add_mergekit_yaml_arguments(parser) -> None:
+    """Every flag of ``mergekit-yaml`` 0.1.5, with its effect here or as a documented no-op (docs/configs.md,
+    "mergekit-yaml's flags")."""
+    on_off = argparse.BooleanOptionalAction
+    mk = parser.add_argument_group("mergekit-yaml's flags (as mergekit-yaml CONFIG OUT; docs/configs.md)")
+    mk.add_argument("--copy-tokenizer", action=on_off, default=True,
+                    help="copy the tokenizer of the config's tokenizer source (or base) to the output (default on; off: "
+                         "none is copied, a tokenizer the config builds is still written, as mergekit)")
+    mk.add_argument("--write-model-card", action=on_off, default=True,
+                    help="write README.md (the model card) and mergekit_config.yml (the config) beside the model "
+                         "(default on, as mergekit); symmerge_report.json is always written")
     mk.add_argument("--out-shard-size", default=None, metavar="SIZE",
                     help="largest output shard, as mergekit: 5B (bytes, K/M/B suffixes) or 2GB")
-    mk.add_argument("--cuda", action="store_true", help=argparse_suppress())
-    mk.add_argument("--lazy-unpickle", action="store_true",
-                    help="accepted: tensors are always read lazily (safetensors)")
-    mk.add_argument("--allow-crimes", action="store_true", help=argparse_suppress())
     mk.add_argument("--random-seed", type=int, default=None, metavar="N",
-                    help="seed of the randomised methods (DARE): their 'seed' parameter")
+                    help="seed of the randomised methods (DARE, DELLA): their 'seed' parameter")
+    mk.add_argument("--cuda", action=on_off, default=False,
+                    help="merge on the GPU when there is one (tensors read and written on the CPU; without a GPU, "
+                         "a warning and the CPU)")
+    mk.add_argument("--device", default=None, metavar="DEVICE",
+                    help="device the merge arithmetic runs on (cpu, cuda, cuda:N)")
+    mk.add_argument("--gpu-rich", action="store_true", help="as mergekit: --cuda (and its no-ops below)")
+    mk.add_argument("-j", "--num-threads", type=int, default=None, metavar="N",
+                    help="torch threads for the merge arithmetic (default: torch's)")
+    mk.add_argument("--quiet", action=on_off, default=False, help="no progress on stderr (--progress none)")
+    mk.add_argument("-v", dest="verbose", action="count", default=0,
+                    help="progress as one line per stage (--progress lines); repeat for no more")
+    mk.add_argument("--lazy-unpickle", action=on_off, default=False,
+                    help="no-op: tensors are always read lazily (safetensors)")
+    mk.add_argument("--low-cpu-memory", action=on_off, default=False,
+                    help="no-op: results are written as they come, tensor by tensor")
+    mk.add_argument("--read-to-gpu", action=on_off, default=False,
+                    help="no-op: with --cuda each tensor is moved to the GPU after it is read")
+    mk.add_argument("--multi-gpu", action=on_off, default=False, help="no-op: one device")
+    mk.add_argument("--async-write", action=on_off, default=False,
+                    help="no-op: symmerge always writes on a thread of its own, behind the merge")
+    mk.add_argument("--write-threads", type=int, default=None, metavar="N", help="no-op: one writer thread")
+    mk.add_argument("--clone-tensors", action=on_off, default=False,
+                    help="no-op: every output tensor is written on its own (a layer used twice included)")
+    mk.add_argument("--safe-serialization", action=on_off, default=True,
+                    help="safetensors (always; --no-safe-serialization is ignored with a warning)")
+    mk.add_argument("--allow-crimes", action=on_off, default=False,
+                    help="no-op: symmerge checks every tensor's name and shape, not the architectures' names")
+    mk.add_argument("--unsafe-truncate-embeddings", action=on_off, default=False,
+                    help="cut every model's vocabulary rows to the smallest model's (same token ids assumed)")
+    mk.add_argument("--transformers-cache", default=None, metavar="DIR",
+                    help="no-op: models are local folders (nothing is downloaded)")
+    add_flags_owned_elsewhere(mk)
 
 
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
+def add_flags_owned_elsewhere(group) -> None:
+    """mergekit-yaml's flags whose effect other parts of symmerge own (remote code, LoRA inputs): parsed here
+    so that a mergekit-yaml command line runs; until their owners give them an effect they are parse-only
+    (symmerge loads transformers' own model classes and runs no code from a model folder, with or without
+    --trust-remote-code; a config without 'model+adapter' inputs uses no LoRA cache). Replaced in this one
+    place."""
+    group.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
+                       help="parsed: symmerge loads transformers' own model classes (no code from a model folder)")
+    group.add_argument("--lora-merge-cache", default=None, metavar="DIR", help="where LoRA inputs are applied")
+    group.add_argument("--lora-merge-dtype", default=None, metavar="DTYPE", help="dtype LoRA inputs are applied in")
 
 
 def shard_size(text):
@@ -66,33 +112,67 @@ def shard_size(text):
 
 
 def _refusals(args) -> None:
-    if args.no_copy_tokenizer:
-        raise SymmergeError("--no-copy-tokenizer: symmerge always writes the tokenizer with the model; delete its "
-                            "files from the output if you do not want them")
-    if args.cuda:
-        raise SymmergeError("--cuda: a mergekit config's merge streams tensor by tensor on the CPU (reading and writing "
-                            "bound); drop --cuda")
-    if args.allow_crimes:
-        raise SymmergeError("--allow-crimes: symmerge merges models of one architecture only (same tensor names and "
-                            "shapes); use 'slices' to take layers from models of one architecture")
     if args.out and args.output and args.out != args.output:
         raise SymmergeError(f"two output folders: {args.out} and -o {args.output}: give one")
+    if args.num_threads is not None and args.num_threads < 1:
+        raise SymmergeError(f"--num-threads: a positive number of threads, got {args.num_threads}")
+
+
+def merge_device(args) -> str | None:
+    """Where the merge arithmetic runs: ``--device``, or with ``--cuda`` / ``--gpu-rich`` the GPU when there is
+    one (else a warning and the CPU); None: the CPU."""
+    import torch
+
+    if args.device is not None:
+        from ..device import resolve_device
+
+        return str(resolve_device(args.device))
+    if args.cuda or args.gpu_rich:
+        if torch.cuda.is_available():
+            return "cuda"
+        print("symmerge: warning: --cuda: no CUDA device here; merging on the CPU", file=sys.stderr)
+    return None
+
+
+def progress_of(args) -> str:
+    """--progress, unless mergekit's --quiet (none) or -v (lines) says otherwise."""
+    if args.quiet:
+        return "none"
+    if args.verbose and args.progress == "auto":
+        return "lines"
+    return args.progress
+
+
+def run_options(args):
+    from ..config.run import RunOptions
+
+    if not args.safe_serialization:
+        print("symmerge: warning: --no-safe-serialization: symmerge writes safetensors only", file=sys.stderr)
+    if args.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    return RunOptions(shard_size=shard_size(args.out_shard_size), progress=progress_of(args) != "none",
+                      card=args.write_model_card, copy_tokenizer=args.copy_tokenizer, device=merge_device(args))
 
 
 def run(args) -> int:
     from ..config import describe
-    from ..config.command import command_parser
     from ..progress import configure
+    from .config_options import namespace
 
     _refusals(args)
-    desc = describe(args.config, output=args.out or args.output, align=args.align, seed=args.random_seed)
+    desc = describe(args.config, output=args.out or args.output, align=args.align, seed=args.random_seed,
+                    truncate_embeddings=args.unsafe_truncate_embeddings)
+    for line in desc.warnings:
+        print(f"symmerge: warning: {line}", file=sys.stderr)
     if not desc.mergekit:
         if args.print_command:
             print(shlex.join(["symmerge", desc.command, *desc.argv]))
             return 0
-        parsed = command_parser(desc.command).parse_args(desc.argv)
-        if "--progress" not in desc.argv:
-            parsed.progress = args.progress
+        parsed = namespace(desc.config)  # the command's options, built from the config's keys directly
+        if "progress" not in desc.config.keys:
+            parsed.progress = progress_of(args)
         configure(parsed.progress)
         print(f"running: {shlex.join(['symmerge', desc.command, *desc.argv])}", file=sys.stderr)
         return parsed.handler(parsed) or 0
@@ -108,7 +188,14 @@ def run(args) -> int:
             print(f"merge {job.name or ''} {job.method}: {len(job.steps)} tensors, {job.layers} layers -> {where}"
                   .replace("  ", " "))
         return 0
-    configure(args.progress)
-    summaries = run_jobs(desc, shard_size=shard_size(args.out_shard_size))
+    configure(progress_of(args))
+    summaries = run_jobs(desc, options=run_options(args))
     print_summary(desc, summaries)
     return 0
+
+
+def yaml_main(argv=None) -> int:
+    """``symmerge-yaml CONFIG OUT [flags]``: mergekit-yaml's command line, run by ``symmerge run``."""
+    from ..cli import main
+
+    return main(["run", *(sys.argv[1:] if argv is None else argv)])

@@ -10,6 +10,11 @@ key and its line) before anything is read or written.
   ``--align``) is planned the same way and run on the models aligned into one frame first (:mod:`.aligned`).
 * A config with other keys of symmerge's (``eval_data``, ``data``, ``method``, ``command: align``, ...)
   becomes the ``symmerge merge`` (``align``, ``barrier``) command line it stands for (:mod:`.command`).
+
+What a file is comes from what it holds: symmerge's own options by name make it symmerge's; a key that is
+neither mergekit's nor an option of symmerge's (``tokenzer_source``) changes nothing — it is ignored with
+one warning line (:mod:`.lenient`), as mergekit ignores it. A mergekit-moe config (``experts``,
+``gate_mode``) is one error pointing to ``symmerge moe``.
 """
 
 from __future__ import annotations
@@ -19,48 +24,75 @@ from pathlib import Path
 
 from ..errors import SymmergeError
 from . import aligned
-from .command import config_argv
+from .command import is_option, symmerge_config
 from .mergekit import KEYS, OUTPUT_KEYS, Job, Planner
 from .source import Doc, read_documents
 
 
 @dataclass
 class Description:
-    """What a config runs: ``jobs`` (a mergekit config) or ``command`` and ``argv`` (a symmerge one)."""
+    """What a config runs: ``jobs`` (a mergekit config) or ``command`` and its ``config`` (a symmerge one:
+    :class:`~symmerge.config.command.SymmergeConfig`)."""
 
     path: Path
     output: Path | None = None
     jobs: list = field(default_factory=list)
     command: str | None = None
-    argv: list = field(default_factory=list)
+    config: object = None
     # an aligned mergekit config: how its models are aligned (symmerge.config.aligned.Alignment), the
     # documents re-planned on the aligned copies, the seed
     alignment: object = None
     docs: list = field(default_factory=list)
     seed: int | None = None
+    warnings: list = field(default_factory=list)  # one line per key or parameter ignored, as mergekit ignores it
 
     @property
     def mergekit(self) -> bool:
         return self.command is None
 
+    @property
+    def argv(self) -> list:
+        """The arguments of the ``symmerge COMMAND`` command line a symmerge config stands for (printed by
+        ``--print-command``; the config itself builds the command's options directly)."""
+        from .command import command_line
+
+        return command_line(self.config)[1:] if self.config is not None else []
+
+
+MOE_KEYS = ("experts", "gate_mode", "experts_per_token", "shared_experts")
+
 
 def _symmerge_key(doc: Doc):
-    """The first key of ``doc`` that is symmerge's own (not mergekit's), or None. ``align: none`` asks for no
-    alignment: the mergekit meaning."""
+    """The first key of ``doc`` that is an option of symmerge's own (not mergekit's), or None. ``align: none``
+    asks for no alignment: the mergekit meaning. A key that is neither is no sign of either (a typo): the
+    mergekit reading warns of it."""
+    command = doc.data.get("command", "merge")
     for k, v in doc.data.items():
         if k in KEYS or k in OUTPUT_KEYS:
             continue
         if k == "align" and (v is False or (isinstance(v, str) and v.strip().lower() == "none")):
             continue
-        return k
+        if k == "command" or is_option(command, k):
+            return k
     return None
 
 
-def describe(path, output=None, align=None, seed=None) -> Description:
+def _moe(doc: Doc) -> None:
+    """A mergekit-moe config (``experts``, ``gate_mode``; no ``merge_method``) is one error naming its command."""
+    found = [k for k in doc.data if k in MOE_KEYS]
+    if found and "merge_method" not in doc.data:
+        raise doc.error(f"a mergekit-moe config ({', '.join(found)}): it builds a mixture of experts, which "
+                        "'symmerge moe CONFIG OUT' runs (symmerge run takes mergekit-yaml configs)", found[0])
+
+
+def describe(path, output=None, align=None, seed=None, truncate_embeddings=False) -> Description:
     """The description of config ``path``; ``output``: the output folder given on the command line (else the
-    config's ``output``); ``align``: ``--align`` given on the command line (asks for symmerge's merge)."""
+    config's ``output``); ``align``: ``--align`` given on the command line (asks for symmerge's merge);
+    ``truncate_embeddings``: mergekit-yaml's ``--unsafe-truncate-embeddings``."""
     docs = read_documents(path)
     path = Path(path)
+    for d in docs:
+        _moe(d)
     keyed = [(d, _symmerge_key(d)) for d in docs]
     symmerge = [(d, k) for d, k in keyed if k is not None]
     spec = None
@@ -69,9 +101,9 @@ def describe(path, output=None, align=None, seed=None) -> Description:
         docs = [aligned.without_alignment_keys(docs[0])]
         symmerge = []
     elif (symmerge or (align is not None and str(align).lower() != "none")) and len(docs) == 1:
-        command, argv = config_argv(docs[0], output=output, align=align,
-                                    symmerge_key=symmerge[0][1] if symmerge else None)
-        return Description(path, None, command=command, argv=argv)
+        config = symmerge_config(docs[0], output=output, align=align,
+                                 symmerge_key=symmerge[0][1] if symmerge else None)
+        return Description(path, None, command=config.command, config=config)
     if symmerge:
         d, k = symmerge[0]
         raise d.error(f"{k!r} is not a mergekit key, and a file of several merges is a mergekit config "
@@ -81,7 +113,7 @@ def describe(path, output=None, align=None, seed=None) -> Description:
     if output is None and not any(k in d.data for d in docs for k in OUTPUT_KEYS):
         raise SymmergeError(f"{path}: no output folder: symmerge run CONFIG.yml OUT (or -o OUT, or 'output:' in "
                             "the config)")
-    planner = Planner(docs, seed=seed)
+    planner = Planner(docs, seed=seed, truncate_embeddings=truncate_embeddings)
     jobs = planner.plan()
     if spec is not None:
         aligned.check_one_architecture(docs[0], planner, jobs[0])
@@ -96,7 +128,7 @@ def describe(path, output=None, align=None, seed=None) -> Description:
                 if k in d.data:
                     raise d.error("only the final merge has an output folder (the others are written to a temporary "
                                   "folder and removed)", k)
-    return Description(path, out, jobs=jobs, alignment=spec, docs=docs, seed=seed)
+    return Description(path, out, jobs=jobs, alignment=spec, docs=docs, seed=seed, warnings=list(planner.warnings))
 
 
 def _output(docs, doc, output):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import SymmergeError
-from .command import command_parser, option_argv
+from .schema import schema
 
 # symmerge merge's options that say how the models are aligned (beside a mergekit config's own keys)
 ALIGN_KEYS = ("align", "anchor", "star", "joint_rounds", "joint_refine", "no_verify", "mode", "device", "progress",
@@ -48,9 +48,11 @@ def wants_alignment(doc, align) -> bool:
 def applies(doc, align) -> bool:
     """An aligned mergekit config: alignment asked for, and every key a mergekit key or an alignment option
     (a config with other symmerge keys, e.g. ``eval_data``, runs the ``symmerge merge`` it stands for)."""
+    from .command import is_option
     from .mergekit import KEYS, OUTPUT_KEYS
 
-    return wants_alignment(doc, align) and all(k in KEYS or k in OUTPUT_KEYS or k in ALIGN_KEYS for k in doc.data)
+    return wants_alignment(doc, align) and all(k in KEYS or k in OUTPUT_KEYS or k in ALIGN_KEYS
+                                               or not (k == "command" or is_option("merge", k)) for k in doc.data)
 
 
 def without_alignment_keys(doc):
@@ -70,26 +72,13 @@ class Alignment:
 
 def alignment_of(doc, align=None) -> Alignment:
     """The :class:`Alignment` of the document's alignment keys (``align``: ``--align`` from the command line),
-    each value checked by ``symmerge merge``'s own parser; a bad one is one error naming its key and line."""
+    each value checked as ``symmerge merge`` checks its flag (:mod:`symmerge.config.schema`); a bad one is one
+    error naming its key and line."""
     keys = {k: v for k, v in doc.data.items() if k in ALIGN_KEYS}
     if align is not None:
         keys["align"] = align
-    parser = command_parser("merge")
-    head = ["<model>", "<model>", "-o", "<out>", "--method", "average"]
-    argv: list[str] = []
-    for k, v in keys.items():
-        flags = option_argv(doc, parser, "merge", {k: v}, skip=())
-        try:
-            parser.parse_args(head + flags)
-        except SymmergeError as e:
-            raise doc.error(f"{k}: {e}" if k not in str(e) else str(e), k) from None
-        argv += flags
-    args = parser.parse_args(head + argv)
-    try:
-        options = args.options_from(args)
-    except SymmergeError as e:
-        raise doc.error(str(e), next(iter(keys))) from None
-    options.progress = args.progress != "none"
+    options, ns = schema().merge_options(doc, keys)
+    options.progress = ns.progress != "none"
     options.evaluate = False
     return Alignment(options, doc, tuple(keys))
 

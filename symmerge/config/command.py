@@ -1,17 +1,20 @@
-"""A symmerge-style config: the ``merge`` (or ``align``, ``barrier``) command line it stands for.
+"""A symmerge-style config: the ``merge`` (or ``align``, ``barrier``) it stands for, as a
+:class:`SymmergeConfig` — the command, the model folders, the weights and parameters, and every other key by
+its option's long name.
 
 Keys follow mergekit's convention (``models`` with ``parameters: {weight: w}``, ``merge_method``,
 ``base_model``, ``parameters``) plus any option of the command by its long name (``align``, ``match``,
-``align_data``, ``eval_data``, ``output``, ...). The argv is parsed by the command's own parser, so every
-CLI option can be written in it and is checked the same way. Configs with symmerge's own keys go this way
-(alignment, data, evaluation); a config with mergekit's keys only is planned by :mod:`.mergekit`."""
+``align_data``, ``eval_data``, ``output``, ...). The commands declare which keys are options and turn them into
+their options objects (:mod:`symmerge.config.schema`, filled by :mod:`symmerge.commands.config_options`): each
+value is checked as the command line checks its flag, and nothing is written as a command line and parsed
+again. Configs with symmerge's own keys go this way (alignment, data, evaluation); a config with mergekit's keys
+only is planned by :mod:`.mergekit`."""
 
 from __future__ import annotations
 
-import argparse
-import importlib
+from dataclasses import dataclass, field
 
-from ..errors import SymmergeError
+from .schema import schema
 
 RUNNABLE = ("merge", "align", "barrier")
 # mergekit's names and their symmerge options
@@ -21,21 +24,29 @@ STRUCTURAL = {"command", "models", "parameters"}
 MERGEKIT_ONLY = ("slices", "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template", "name", "modules")
 
 
-class _ConfigParser(argparse.ArgumentParser):
-    """The command's parser, raising instead of exiting, so a bad value names its config key."""
+@dataclass
+class SymmergeConfig:
+    """What a symmerge config runs: ``command`` on ``models`` (folders) with ``weights`` (or None) and the
+    method's ``params``; ``keys``: every other key (an option of the command by its long name) and its value,
+    as written; ``doc``: the document (for errors naming a key's line)."""
 
-    def error(self, message):
-        raise SymmergeError(message)
+    command: str
+    models: list
+    weights: list | None
+    params: dict
+    keys: dict = field(default_factory=dict)
+    doc: object = None
 
 
-def command_parser(command: str) -> argparse.ArgumentParser:
-    module = importlib.import_module(f"symmerge.commands.{command}")
-    parser = _ConfigParser(prog=f"symmerge {command}", add_help=False)
-    module.add_arguments(parser)
-    # the command's own builder of library options, where it has one (``symmerge merge``: MergeOptions), reached
-    # through the parser as the handler is: config never imports a command module
-    parser.set_defaults(handler=module.run, options_from=getattr(module, "options_from", None))
-    return parser
+def is_option(command: str, key: str) -> bool:
+    """Whether ``key`` (a config key) names an option of ``symmerge COMMAND`` (by its long name or a mergekit
+    alias); an unknown command counts as ``merge``."""
+    return schema().is_option(command, key)
+
+
+def option_names(command: str = "merge") -> tuple:
+    """The config keys of ``symmerge COMMAND``'s options (``eval_data`` for ``--eval-data``)."""
+    return schema().option_names(command)
 
 
 def _is_plain(v) -> bool:
@@ -82,23 +93,9 @@ def _models(doc, value) -> tuple[list[str], list | None]:
     return paths, (weights if given else None)
 
 
-def _flag(parser, name: str):
-    """The parser's action for option ``name`` (``align_data`` or ``align-data``), else None."""
-    wanted = "--" + name.replace("_", "-")
-    for action in parser._actions:
-        if wanted in action.option_strings:
-            return action
-    return None
-
-
-def _scalar(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
-
-
-def config_argv(doc, output=None, align=None, symmerge_key=None) -> tuple[str, list[str]]:
-    """(command, argv) that the document ``doc`` stands for; ``output``/``align``: from the command line."""
+def symmerge_config(doc, output=None, align=None, symmerge_key=None) -> SymmergeConfig:
+    """The :class:`SymmergeConfig` the document ``doc`` stands for; ``output``/``align``: from the command line.
+    Every value is checked here or by the command's schema (:func:`check`), before anything runs."""
     config = doc.data
     command = config.get("command", "merge")
     if command not in RUNNABLE:
@@ -109,15 +106,11 @@ def config_argv(doc, output=None, align=None, symmerge_key=None) -> tuple[str, l
                    else "with --align")
             raise doc.error(f"{key!r} is a mergekit key, and this config is run as a symmerge {command} {why}; "
                             "drop symmerge's own keys to merge exactly as mergekit does", key)
-    parser = command_parser(command)
     if "models" not in config:
         raise doc.error("'models' is missing (the model folders)")
     paths, weights = _models(doc, config["models"])
-    argv = list(paths)
-    if weights is not None:
-        if command != "merge":
-            raise doc.error("model weights are a merge option", "models")
-        argv += ["--weights", ",".join(repr(float(w)) for w in weights)]
+    if weights is not None and command != "merge":
+        raise doc.error("model weights are a merge option", "models")
     params = config.get("parameters") or {}
     if params:
         if command != "merge" or not isinstance(params, dict):
@@ -126,46 +119,26 @@ def config_argv(doc, output=None, align=None, symmerge_key=None) -> tuple[str, l
             if not _is_plain(v) or v is None:
                 raise doc.error(f"with symmerge's own keys a parameter is one value, got {v!r} (gradients and filters "
                                 "are for mergekit configs)", "parameters", k)
-            argv += ["--param", f"{k}={_scalar(v)}"]
-    config = dict(config)
+    keys = {k: v for k, v in config.items() if k not in STRUCTURAL}
     if align is not None:
-        config["align"] = align
+        keys["align"] = align
     if output is not None:
         for k in ("output", "out", "out_path"):
-            if k in config and str(config[k]) != str(output):
-                raise doc.error(f"the config writes to {config[k]!r} and the command line to {str(output)!r}: give one", k)
-            config.pop(k, None)
-        config["output"] = str(output)
-    return command, argv + option_argv(doc, parser, command, config)
+            if k in keys and str(keys[k]) != str(output):
+                raise doc.error(f"the config writes to {keys[k]!r} and the command line to {str(output)!r}: give one", k)
+            keys.pop(k, None)
+        keys["output"] = str(output)
+    out = SymmergeConfig(command, paths, weights, dict(params), keys, doc)
+    check(out)
+    return out
 
 
-def option_argv(doc, parser, command: str, config: dict, skip=STRUCTURAL) -> list[str]:
-    """The command-line flags of the keys of ``config`` (a document's mapping) that are options of ``parser``
-    (``symmerge COMMAND``'s), by their long names; every other key but ``skip`` is one error naming it."""
-    argv: list[str] = []
-    for raw, value in config.items():
-        if raw in skip:
-            continue
-        key = ALIASES.get(raw, raw)
-        action = _flag(parser, key)
-        if action is None:
-            raise doc.error(f"unknown key {raw!r} for symmerge {command} (keys are the command's long options, e.g. "
-                            "method, align, match, align_data, output)", raw)
-        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
-        if action.nargs == 0:  # a switch
-            if not isinstance(value, bool):
-                raise doc.error(f"{raw!r} is a switch: true or false, got {value!r}", raw)
-            if value:
-                argv.append(flag)
-            continue
-        values = value if isinstance(value, list) else [value]
-        if isinstance(value, list) and not isinstance(action, argparse._AppendAction):
-            if key in ("align", "symmetries", "layers"):
-                values = [",".join(_scalar(v) for v in value)]  # a comma list
-            else:
-                raise doc.error(f"{raw!r} takes one value, got a list", raw)
-        for v in values:
-            if isinstance(v, (dict, list)) or v is None:
-                raise doc.error(f"{raw!r} needs a value, got {v!r}", raw)
-            argv += [flag, _scalar(v)]
-    return argv
+def check(config: SymmergeConfig):
+    """Every key of ``config`` checked by its command's schema (the namespace it makes; one error naming the
+    key and its line)."""
+    return schema().namespace(config)
+
+
+def command_line(config: SymmergeConfig) -> list[str]:
+    """``[COMMAND, ARG, ...]``: the command line the config stands for (what ``--print-command`` prints)."""
+    return schema().command_line(config)

@@ -22,6 +22,7 @@ Semantics, as mergekit 0.1.x (``mergekit.plan.MergePlanner``, ``mergekit.config`
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -29,6 +30,7 @@ from types import MappingProxyType
 from ..errors import SymmergeError
 from ..merge.steps import TensorSource, TensorStep
 from . import layout as layouts
+from . import lenient
 from .params import check_setting, resolve
 
 # the keys of a mergekit 0.1.x config (MergeConfiguration), and what symmerge does not do of them
@@ -46,7 +48,6 @@ REQUIRED = {"weight": ("linear", "task_arithmetic", "ties", "dare_ties", "dare_l
                        "breadcrumbs_ties", "della", "della_linear", "multislerp", "nuslerp")}
 # until every mergekit method is registered under its own name
 ALIASES = {"linear": "average"}
-CHAT_TEMPLATES = ("alpaca", "chatml", "llama3", "mistral", "exaone")
 
 
 @dataclass
@@ -165,6 +166,14 @@ class _Names:
             return {"real": float, "int": int, "bool": bool}.get(check.type)
         return _kind(self.defaults.get(p))
 
+    def value_kind(self, p):
+        """The type a written value of ``p`` is read as (:func:`~symmerge.config.lenient.coerce`): its kind, or
+        ``bool`` for a choice that includes true/false (``normalize``: true, false or 'count')."""
+        check = self.checks.get(p)
+        if check is not None and check.type == "choice" and any(isinstance(c, bool) for c in check.choices):
+            return bool
+        return self.kind(p)
+
     def with_defaults(self, params):
         """``params`` with the method's mergekit defaults where not given (aliases count as given)."""
         if hasattr(self.method, "mergekit_defaults"):
@@ -172,22 +181,36 @@ class _Names:
         return {**self.mergekit, **params}
 
 
-def _check_params(doc, params, where, names: _Names, per_model_only=False):
+def _check_params(doc, params, where, names: _Names, per_model_only=False, warn=None):
+    """``params`` as mergekit reads them: each value coerced to its parameter's type
+    (:func:`~symmerge.config.lenient.coerce_setting`) and checked; a parameter the method does not take (or a
+    merge-wide one given per model, which mergekit does not read there) is one warning and left out."""
     if params is None:
         return {}
     if not isinstance(params, dict):
         raise doc.error("'parameters' is a mapping of parameter names to values", *where)
+    out = {}
     for k, v in params.items():
         if not isinstance(k, str):
             raise doc.error(f"a parameter name, got {k!r}", *where)
         if k not in names.per_model and k not in names.globals:
-            raise doc.error(f"method {names.name!r} has no parameter {k!r} (parameters: {', '.join(names.all())})",
-                            *where, k)
+            _warn(warn, lenient.unknown(doc, f"a parameter of method {names.name!r}", k, names.all(),
+                                        *where, k))
+            continue
         if per_model_only and k not in names.per_model:
-            raise doc.error(f"{k!r} is one value for the whole merge in {names.name!r}, not per model: put it in the "
-                            "top-level 'parameters'", *where, k)
+            _warn(warn, f"{doc.at(*where, k)}: {k!r} is one value for the whole merge in {names.name!r}; mergekit does "
+                        "not read it per model, so it is ignored here: put it in the top-level 'parameters'")
+            continue
+        v = lenient.coerce_setting(v, names.value_kind(k))
         check_setting(doc, v, where + (k,), names.kind(k))
-    return params
+        out[k] = v
+    return out
+
+
+def _warn(warn, line):
+    if warn is None:
+        raise SymmergeError(line)
+    warn(line)
 
 
 @dataclass
@@ -210,9 +233,10 @@ class _Slice:
 class Planner:
     """Plans every document of a config, in dependency order."""
 
-    def __init__(self, docs, read_layout=layouts.read_layout, seed=None, folders=None):
+    def __init__(self, docs, read_layout=layouts.read_layout, seed=None, folders=None, truncate_embeddings=False):
         self.docs = docs
         self.seed = seed
+        self.truncate_embeddings = truncate_embeddings  # mergekit-yaml's --unsafe-truncate-embeddings
         # model reference -> the folder read for it (the aligned copies of an aligned config: symmerge.config.aligned)
         self.folders = dict(folders or {})
         self.read_layout = read_layout
@@ -220,6 +244,12 @@ class Planner:
         self.jobs: list[Job] = []
         self.named: dict[str, int] = {}  # name -> job index
         self.job_layouts: list = []
+        self.warnings: list[str] = []  # one line per key or parameter ignored, as mergekit ignores it
+        self._scopes: list = [{}, {}]
+
+    def warn(self, line: str) -> None:
+        if line not in self.warnings:
+            self.warnings.append(line)
 
     # -- inputs -------------------------------------------------------------------------------------------
     def _ref(self, doc, value, where, inputs: list[Input]) -> int:
@@ -236,6 +266,15 @@ class Planner:
             inputs.append(Input(job=self.named[ref], label=ref))
             return len(inputs) - 1
         folder = Path(self.folders.get(ref, ref)).expanduser()
+        from ..io.single import as_folder, is_single_file
+
+        if is_single_file(folder):  # a single .safetensors file: its config beside it, else the base model's
+            base = doc.data.get("base_model")
+            base = base if isinstance(base, str) and Path(base).expanduser().is_dir() else None
+            try:
+                folder = as_folder(folder, base or next((i.folder for i in inputs if i.folder is not None), None))
+            except SymmergeError as e:
+                raise doc.error(str(e), *where) from None
         if not folder.is_dir():
             raise doc.error(f"model {ref!r} is not a folder here (nor the name of an earlier merge in this file); "
                             "mergekit names on the Hugging Face Hub must be downloaded first "
@@ -286,25 +325,28 @@ class Planner:
     # -- one document -------------------------------------------------------------------------------------
     def plan_doc(self, doc, final: bool) -> Job:
         data = doc.data
-        unknown = [k for k in data if k not in KEYS and k not in OUTPUT_KEYS and k != "align"]  # align: none
-        if unknown:
-            raise doc.error(f"unknown key {unknown[0]!r} (a mergekit config has: {', '.join(KEYS[:-1])})", unknown[0])
-        if "modules" in data:
-            raise doc.error("'modules' (per-module configs of multi-module models) is not supported: use 'models' or "
-                            "'slices'", "modules")
+        for k in data:
+            if k not in KEYS and k not in OUTPUT_KEYS and k != "align":  # align: none
+                from .command import option_names
+
+                self.warn(lenient.unknown(doc, "a mergekit key", k, KEYS + OUTPUT_KEYS + option_names(), k))
         if "merge_method" not in data:
             raise doc.error("'merge_method' is missing (e.g. linear, ties, slerp, passthrough)")
         mk_name, method = method_for(doc, data["merge_method"])
         names = _Names(mk_name, method)
-        has_models, has_slices = bool(data.get("models")), bool(data.get("slices"))
+        root, body = self._module(doc, data)
+        has_models, has_slices = bool(body.get("models")), bool(body.get("slices"))
         if not has_models and not has_slices:
-            if "models" in data or "slices" in data:
-                key = "models" if "models" in data else "slices"
-                raise doc.error(f"'{key}' is empty: list the models to merge", key)
-            raise doc.error("'models' is missing (the models to merge; or 'slices' for layer ranges)")
+            if "models" in body or "slices" in body:
+                key = "models" if "models" in body else "slices"
+                raise doc.error(f"'{key}' is empty: list the models to merge", *root, key)
+            raise doc.error("'models' is missing (the models to merge; or 'slices' for layer ranges)", *root)
         if has_models and has_slices:
-            raise doc.error("give 'models' (whole models) or 'slices' (layer ranges), not both", "slices")
-        top = _check_params(doc, data.get("parameters"), ("parameters",), names)
+            raise doc.error("give 'models' (whole models) or 'slices' (layer ranges), not both", *root, "slices")
+        top = _check_params(doc, data.get("parameters"), ("parameters",), names, warn=self.warn)
+        module = (_check_params(doc, body.get("parameters"), root + ("parameters",), names, warn=self.warn)
+                  if root else {})
+        self._scopes = [module, top]  # below a slice's parameters: the module's, then the top level's
         dtype = self._dtype(doc, data, "dtype")
         out_dtype = self._dtype(doc, data, "out_dtype")
         inputs: list[Input] = []
@@ -313,13 +355,15 @@ class Planner:
             base = self._ref(doc, data["base_model"], ("base_model",), inputs)
         policy, lo, hi = job_policy(mk_name, method)
         if has_models:
-            slices = self._models_slices(doc, data["models"], base, policy, names, inputs)
+            slices = self._models_slices(doc, body["models"], base, policy, names, inputs, root)
         else:
-            slices = self._slices(doc, data["slices"], base, names, inputs)
+            slices = self._slices(doc, body["slices"], base, names, inputs, root)
         for s in slices:
             self._contract(doc, mk_name, method, policy, lo, hi, s, inputs)
         task = self._adapt_base(inputs, base)
         tok, vocab = self._tokenizer(doc, data, inputs, base)
+        if vocab is None and self.truncate_embeddings:
+            vocab = self._truncated(doc, inputs)
         chat = self._chat_template(doc, data)
         config_from = task if task is not None else base if base is not None else slices[0].sources[0].model
         side = tok if tok is not None else config_from
@@ -329,6 +373,28 @@ class Planner:
         self._steps(doc, job, slices, names, mk_name, method, has_slices)
         return job
 
+    def _module(self, doc, data) -> tuple[tuple, dict]:
+        """(the key path of the module merged, the mapping holding its ``models`` / ``slices`` / ``parameters``):
+        the document itself, or mergekit's ``modules: {default: ...}`` (the one module of a single-stack
+        model)."""
+        modules = data.get("modules")
+        if not modules:
+            return (), data
+        if data.get("models") or data.get("slices"):
+            raise doc.error("give one of 'models', 'slices' or 'modules'", "modules")
+        if not isinstance(modules, dict) or not all(isinstance(m, dict) for m in modules.values()):
+            raise doc.error("'modules' maps a module's name (default) to its 'models' or 'slices'", "modules")
+        named = [m for m in modules if m != "default"]
+        if named:
+            raise doc.error(f"module {named[0]!r}: symmerge merges single-stack models, whose one module is "
+                            "'default' (named modules are for multi-module models: vision towers, encoder-decoders)",
+                            "modules", named[0])
+        body = modules["default"]
+        for k in body:
+            if k not in ("models", "slices", "parameters"):
+                self.warn(lenient.unknown(doc, "a key of a module", k, ("models", "slices", "parameters"), "modules", "default", k))
+        return ("modules", "default"), body
+
     def _dtype(self, doc, data, key):
         v = data.get(key)
         if v is None:
@@ -337,34 +403,34 @@ class Planner:
             raise doc.error(f"{key!r} is one of float32, float16, bfloat16, got {v!r}", key)
         return DTYPES[v.lower()]
 
-    def _models_slices(self, doc, models, base, policy, names, inputs):
+    def _models_slices(self, doc, models, base, policy, names, inputs, root=()):
         if not isinstance(models, list):
             raise doc.error("'models' is a list of models (each '- model: FOLDER' with optional 'parameters')",
-                            "models")
+                            *root, "models")
         items = []
         for i, item in enumerate(models):  # every key and value first, then the folders
-            where = ("models", i)
+            where = root + ("models", i)
             params = {}
             if isinstance(item, str):
                 ref, rw = item, where
             elif isinstance(item, dict):
-                bad = sorted(set(item) - {"model", "parameters"})
-                if bad:
-                    raise doc.error(f"unknown key {bad[0]!r} (a model has: model, parameters)", *where, bad[0])
+                for k in item:
+                    if k not in ("model", "parameters"):
+                        self.warn(lenient.unknown(doc, "a key of a model", k, ("model", "parameters"), *where, k))
                 if "model" not in item:
                     raise doc.error("needs 'model': a model folder", *where)
                 ref, rw = item["model"], where + ("model",)
                 params = _check_params(doc, item.get("parameters"), where + ("parameters",), names,
-                                       per_model_only=True)
+                                       per_model_only=True, warn=self.warn)
             else:
                 raise doc.error(f"a model is '- model: FOLDER' (or a folder), got {item!r}", *where)
             items.append((ref, rw, params, where))
-        top = doc.data.get("parameters") or {}
         base_ref = doc.data.get("base_model") if policy in ("required", "optional") else None
         weighed = [p for r, _, p, _ in items if r != base_ref]
-        if any("weight" in p for p in weighed) and not all("weight" in p for p in weighed) and "weight" not in top:
+        if any("weight" in p for p in weighed) and not all("weight" in p for p in weighed) and \
+                not any("weight" in sc for sc in self._scopes):
             raise doc.error("give a weight to every model or to none (or a default 'weight' in the top-level "
-                            "'parameters')", "models")
+                            "'parameters')", *root, "models")
         sources, seen = [], set()
         for ref, rw, params, where in items:
             idx = self._ref(doc, ref, rw, inputs)
@@ -382,27 +448,27 @@ class Planner:
         if len(set(layers.values())) > 1:
             detail = ", ".join(f"{inputs[m].label}: {n}" for m, n in layers.items())
             raise doc.error(f"the models have different numbers of layers ({detail}): use 'slices' with "
-                            "'layer_range' to say which layers to merge", "models")
-        return [_Slice(sources, {}, base, ("models",))]
+                            "'layer_range' to say which layers to merge", *root, "models")
+        return [_Slice(sources, {}, base, root + ("models",))]
 
-    def _slices(self, doc, slices, base, names, inputs):
+    def _slices(self, doc, slices, base, names, inputs, root=()):
         if not isinstance(slices, list):
-            raise doc.error("'slices' is a list of output slices, each with 'sources'", "slices")
+            raise doc.error("'slices' is a list of output slices, each with 'sources'", *root, "slices")
         out = []
         for i, sl in enumerate(slices):
-            where = ("slices", i)
+            where = root + ("slices", i)
             if not isinstance(sl, dict):
                 raise doc.error("a slice is a mapping with 'sources' (and optional 'parameters', 'base_model')",
                                 *where)
-            bad = sorted(set(sl) - {"sources", "parameters", "base_model", "residual_weight"})
-            if bad:
-                raise doc.error(f"unknown key {bad[0]!r} (a slice has: sources, parameters, base_model)", *where, bad[0])
+            for k in sl:
+                if k not in ("sources", "parameters", "base_model", "residual_weight"):
+                    self.warn(lenient.unknown(doc, "a key of a slice", k, ("sources", "parameters", "base_model"), *where, k))
             if sl.get("residual_weight") is not None:
                 raise doc.error("'residual_weight' is not supported", *where, "residual_weight")
             sb = base
             if sl.get("base_model") is not None:
                 sb = self._ref(doc, sl["base_model"], where + ("base_model",), inputs)
-            params = _check_params(doc, sl.get("parameters"), where + ("parameters",), names)
+            params = _check_params(doc, sl.get("parameters"), where + ("parameters",), names, warn=self.warn)
             srcs = sl.get("sources")
             if not isinstance(srcs, list) or not srcs:
                 raise doc.error("'sources' is a non-empty list of '- model: FOLDER' with 'layer_range: [a, b]'",
@@ -412,10 +478,9 @@ class Planner:
                 sw = where + ("sources", j)
                 if not isinstance(src, dict) or "model" not in src:
                     raise doc.error("a source is '- model: FOLDER' with 'layer_range: [a, b]'", *sw)
-                bad = sorted(set(src) - {"model", "layer_range", "parameters"})
-                if bad:
-                    raise doc.error(f"unknown key {bad[0]!r} (a source has: model, layer_range, parameters)", *sw,
-                                    bad[0])
+                for k in src:
+                    if k not in ("model", "layer_range", "parameters"):
+                        self.warn(lenient.unknown(doc, "a key of a source", k, ("model", "layer_range", "parameters"), *sw, k))
                 idx = self._ref(doc, src["model"], sw + ("model",), inputs)
                 if idx in seen:
                     raise doc.error(f"model {inputs[idx].label!r} is twice in one slice", *sw)
@@ -432,7 +497,7 @@ class Planner:
                 if not 0 <= a < b <= lay.layers:
                     raise doc.error(f"layer_range [{a}, {b}] is not within the model's {lay.layers} layers "
                                     f"(0 <= a < b <= {lay.layers})", *sw, "layer_range")
-                p = _check_params(doc, src.get("parameters"), sw + ("parameters",), names)
+                p = _check_params(doc, src.get("parameters"), sw + ("parameters",), names, warn=self.warn)
                 sources.append(_Source(idx, a, b, p, sw))
             lengths = {s.b - s.a for s in sources}
             if len(lengths) > 1:
@@ -474,10 +539,10 @@ class Planner:
             tok = data["tokenizer"]
             if not isinstance(tok, dict):
                 raise doc.error("'tokenizer' is a mapping with 'source' (base, union or a model)", "tokenizer")
-            bad = sorted(set(tok) - {"source", "tokens", "pad_to_multiple_of"})
-            if bad:
-                raise doc.error(f"unknown key {bad[0]!r} (tokenizer has: source, tokens, pad_to_multiple_of)",
-                                "tokenizer", bad[0])
+            for k in tok:
+                if k not in ("source", "tokens", "pad_to_multiple_of"):
+                    self.warn(lenient.unknown(doc, "a key of 'tokenizer'", k, ("source", "tokens", "pad_to_multiple_of"), "tokenizer",
+                                              k))
             pad = tok.get("pad_to_multiple_of")
             if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or pad < 1):
                 raise doc.error(f"'pad_to_multiple_of' is a positive integer, got {pad!r}", "tokenizer",
@@ -498,20 +563,47 @@ class Planner:
         else:
             idx = self._ref(doc, src, key, inputs)
         ref = idx if idx is not None else base if base is not None else 0
-        if not tokens and not pad and self._same_vocab(inputs, ref) and self._rows_are_tokens(doc, inputs, ref, key):
-            return ref, None  # every model has the vocabulary asked for: the rows are merged as they are
-        from . import vocab as vocabs
+        with contextlib.ExitStack() as stack:
+            folders = {i: self._tokenizer_folder(inp, stack) for i, inp in enumerate(inputs)}
+            if not tokens and not pad and self._same_vocab(folders, ref) and \
+                    self._rows_are_tokens(doc, inputs, folders, ref, key):
+                return ref, None  # every model has the vocabulary asked for: the rows are merged as they are
+            from . import vocab as vocabs
 
-        folders = {i: inp.folder for i, inp in enumerate(inputs) if inp.folder is not None}
-        if len(folders) != len(inputs):
-            raise doc.error("remapping embeddings to another vocabulary needs every model as a folder (not an earlier "
-                            "merge of this file)", *key)
-        configs = {i: dict(self.layout(doc, inputs[i], key).config) for i in folders}
-        try:
-            vocab = vocabs.build("union" if idx is None else idx, folders, configs, base, 0, tokens, pad)
-        except SymmergeError as e:
-            raise doc.error(str(e), *key) from None
+            configs = {i: dict(self.layout(doc, inputs[i], key).config) for i in folders}
+            try:
+                vocab = vocabs.build("union" if idx is None else idx, folders, configs, base, 0, tokens, pad)
+            except SymmergeError as e:
+                raise doc.error(str(e), *key) from None
         return (base if base is not None else 0) if idx is None else idx, vocab
+
+    def _truncated(self, doc, inputs):
+        """``--unsafe-truncate-embeddings``: every model's vocabulary rows cut to the smallest model's count
+        (token ids assumed the same; the tokenizer copied as it is), or None when the counts agree."""
+        from .vocab import Vocabulary, vocab_size
+
+        sizes = {i: vocab_size(dict(self.layout(doc, inp, ("models",)).config)) for i, inp in enumerate(inputs)}
+        if None in sizes.values() or len(set(sizes.values())) < 2:
+            return None
+        m = min(sizes.values())
+        return Vocabulary(None, {f"<row {k}>": k for k in range(m)}, m, {i: list(range(m)) for i in sizes}, {})
+
+    def _tokenizer_folder(self, inp: Input, stack) -> Path:
+        """The folder holding the tokenizer of input ``inp``: its own, or for an earlier merge of this file the
+        tokenizer that merge writes (its output vocabulary, saved for the plan into a temporary folder that
+        ``stack`` removes; else its tokenizer source's folder)."""
+        if inp.job is None:
+            return Path(inp.folder)
+        job = self.jobs[inp.job]
+        if job.vocab is None:
+            return self._tokenizer_folder(job.inputs[job.side_files_from], stack)
+        import tempfile
+
+        from .vocab import write_tokenizer
+
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="symmerge-vocab-")))
+        write_tokenizer(job.vocab, folder)
+        return folder
 
     def _tokens(self, doc, tokens, inputs) -> dict:
         """``tokenizer.tokens``: token -> :class:`~symmerge.config.vocab.TokenSource`."""
@@ -548,29 +640,27 @@ class Planner:
                                 f"{{kind: zero}}, got {src!r}", *where, "source")
         return out
 
-    def _rows_are_tokens(self, doc, inputs, idx, key) -> bool:
+    def _rows_are_tokens(self, doc, inputs, folders, idx, key) -> bool:
         """Every model's vocabulary tensors have one row per token of input ``idx``'s tokenizer (mergekit cuts
         padding rows beyond the tokenizer's tokens off, and sets ``vocab_size`` to their count)."""
         from ..io.tokenizers import read_tokenizer
         from .vocab import vocab_size
 
-        view = read_tokenizer(Path(inputs[idx].folder)) if inputs[idx].folder is not None else None
+        view = read_tokenizer(folders[idx])
         if view is None:
             return True
         return all(vocab_size(dict(self.layout(doc, i, key).config)) in (None, len(view.vocab)) for i in inputs)
 
-    def _same_vocab(self, inputs, idx) -> bool:
-        """Every folder input has the vocabulary of input ``idx`` (an input without tokenizer files counts as
-        having it, as mergekit assumes)."""
+    def _same_vocab(self, folders, idx) -> bool:
+        """Every input has the vocabulary of input ``idx`` (``folders``: each input's tokenizer folder; an input
+        without tokenizer files counts as having it, as mergekit assumes)."""
         from ..io.tokenizers import differences, read_tokenizer
 
-        if inputs[idx].folder is None:
-            return True
-        view = read_tokenizer(Path(inputs[idx].folder))
+        view = read_tokenizer(folders[idx])
         if view is None:
             return True
-        for i in inputs:
-            other = read_tokenizer(Path(i.folder)) if i.folder is not None else None
+        for f in folders.values():
+            other = read_tokenizer(f)
             if other is not None and differences(view, other, "a", "b", limit=1):
                 return False
         return True
@@ -582,16 +672,18 @@ class Planner:
         if not isinstance(ct, str) or not ct.strip():
             raise doc.error("'chat_template' is 'auto', a template name or a Jinja template", "chat_template")
         if ct != "auto" and "{" not in ct:
-            if ct in CHAT_TEMPLATES:
-                raise doc.error(f"mergekit's built-in template {ct!r} is not shipped with symmerge: give the template "
-                                "text (Jinja) or 'auto'", "chat_template")
-            raise doc.error(f"invalid chat template {ct!r}: 'auto' or a Jinja template", "chat_template")
+            from .chat_templates import TEMPLATES, named
+
+            if named(ct) is not None:
+                return named(ct)
+            raise doc.error(f"invalid chat template {ct!r}: 'auto', a built-in name ({', '.join(sorted(TEMPLATES))}) "
+                            "or a Jinja template", "chat_template")
         return ct
 
     # -- the steps ----------------------------------------------------------------------------------------
     def _steps(self, doc, job, slices, names, mk_name, method, sliced):
         inputs = job.inputs
-        top = doc.data.get("parameters") or {}
+        scopes = self._scopes
         out_lay = self.layout(doc, inputs[job.config_from], ("merge_method",))
         lays = {i: self.layout(doc, inp, ("models",)) for i, inp in enumerate(inputs)}
         vocab_names: dict = {}  # input -> its vocabulary tensors (their rows mapped to the output vocabulary)
@@ -634,7 +726,7 @@ class Planner:
                 steps.append(TensorStep(out_name, (TensorSource(merged[0][0].model, merged[0][1]),), merge=False))
                 return
             if mk_name == "passthrough":  # a copy, unless scaled
-                scale = resolve("scale", [merged[0][0].params, sl.params, top], merged[0][1], t)
+                scale = resolve("scale", [merged[0][0].params, sl.params, *scopes], merged[0][1], t)
                 if scale is None or scale == 1:
                     steps.append(TensorStep(out_name, (TensorSource(merged[0][0].model, merged[0][1]),), merge=False))
                     return
@@ -642,12 +734,12 @@ class Planner:
                     raise doc.error("passthrough with 'scale' needs symmerge's passthrough method", *where)
             shared = {}
             for p in sorted(names.globals):
-                v = resolve(p, [sl.params, top], out_name, t)
+                v = resolve(p, [sl.params, *scopes], out_name, t)
                 if v is not None:
                     shared[p] = v
             per: dict = {}
             for p in sorted(names.per_model):
-                vals = [resolve(p, [s.params, sl.params, top], n, t) for s, n in merged]
+                vals = [resolve(p, [s.params, sl.params, *scopes], n, t) for s, n in merged]
                 if all(v is None for v in vals):
                     if p in REQUIRED and mk_name in REQUIRED[p]:
                         raise doc.error(f"no {p!r} for {out_name} (method {mk_name!r} needs one per model: set it in "

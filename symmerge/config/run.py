@@ -7,6 +7,7 @@ import json
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,18 +15,35 @@ import torch
 from ..errors import SymmergeError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CONFIG_COPY = "mergekit_config.yml"  # the config, beside the model card (as mergekit writes it)
 
 
-def run_jobs(desc, shard_size="5GB", progress=True) -> list[dict]:
-    """Every job of ``desc`` (a mergekit config); the final one written to ``desc.output``. Returns one
-    summary dict per job. An aligned config (``desc.alignment``) aligns its models into one frame first
-    (:func:`run_aligned`)."""
+@dataclass(frozen=True)
+class RunOptions:
+    """How a config's merges are written (``symmerge run``'s and mergekit-yaml's flags): the largest shard,
+    progress on stderr, the model card (``README.md``) and the config's copy (``mergekit_config.yml``) or
+    not (``--no-write-model-card``), the tokenizer copied or not (``--no-copy-tokenizer``: a tokenizer the
+    config builds, ``tokenizer_source`` / ``tokenizer``, is still written, as mergekit writes it), the device
+    the per-tensor arithmetic runs on (``--cuda``, ``--device``: tensors are read and written on the CPU)."""
+
+    shard_size: str = "5GB"
+    progress: bool = True
+    card: bool = True
+    copy_tokenizer: bool = True
+    device: str | None = None
+
+
+def run_jobs(desc, shard_size="5GB", progress=True, options: RunOptions | None = None) -> list[dict]:
+    """Every job of ``desc`` (a mergekit config); the final one written to ``desc.output`` with its report
+    (``symmerge_report.json``), model card and the config's copy. Returns one summary dict per job. An aligned
+    config (``desc.alignment``) aligns its models into one frame first (:func:`run_aligned`)."""
     from ..io.model import ensure_output_dir
 
+    opts = options or RunOptions(shard_size=shard_size, progress=progress)
     out = Path(desc.output)
     ensure_output_dir(out)
     if desc.alignment is not None:
-        return run_aligned(desc, shard_size=shard_size, progress=progress)
+        return run_aligned(desc, options=opts)
     temp = None
     folders: list[Path] = []
     summaries = []
@@ -40,7 +58,7 @@ def run_jobs(desc, shard_size="5GB", progress=True) -> list[dict]:
                 target = temp / job.name
             inputs = [i.checkpoint() if i.folder is not None else folders[i.job] for i in job.inputs]
             t0 = time.perf_counter()
-            execute(job, inputs, target, shard_size=shard_size, progress=progress)
+            execute(job, inputs, target, options=opts, desc=desc if job.final else None)
             folders.append(target)
             summaries.append({"name": job.name, "method": job.method, "tensors": len(job.steps),
                               "layers": job.layers, "output": str(target), "seconds": time.perf_counter() - t0})
@@ -50,7 +68,7 @@ def run_jobs(desc, shard_size="5GB", progress=True) -> list[dict]:
     return summaries
 
 
-def run_aligned(desc, shard_size="5GB", progress=True) -> list[dict]:
+def run_aligned(desc, shard_size="5GB", progress=True, options: RunOptions | None = None) -> list[dict]:
     """An aligned config (one merge): its models aligned into one frame, their aligned copies in a temporary
     folder beside the output (``.<name>.symmerge-tmp-<pid>-aligned-*``, removed at the end), the config
     re-planned on them and run; the output's ``symmerge_report.json`` holds the alignment."""
@@ -60,6 +78,7 @@ def run_aligned(desc, shard_size="5GB", progress=True) -> list[dict]:
     from . import aligned
     from .mergekit import Planner
 
+    opts = options or RunOptions(shard_size=shard_size, progress=progress)
     out = Path(desc.output)
     spec = desc.alignment
     with contextlib.ExitStack() as stack:
@@ -73,31 +92,37 @@ def run_aligned(desc, shard_size="5GB", progress=True) -> list[dict]:
         jobs = Planner(desc.docs, seed=desc.seed, folders=moved).plan() if moved else desc.jobs
         job = jobs[0]
         job.output = out
-        job.report = {"config": str(desc.path), "method": job.method, "models": [i.label for i in job.inputs],
-                      "aligned": {i.label: moved.get(i.label) is not None for i in job.inputs},
-                      "alignment": spec.report}
+        labels = [i.label for i in desc.jobs[0].inputs]
+        job.report = {"aligned": {i.label: moved.get(i.label) is not None for i in job.inputs},
+                      "alignment": spec.report, "labels": labels}
         t1 = time.perf_counter()
         inputs = [i.checkpoint() for i in job.inputs]
-        execute(job, inputs, out, shard_size=shard_size, progress=progress)
+        execute(job, inputs, out, options=opts, desc=desc)
         return [{"name": job.name, "method": job.method, "tensors": len(job.steps), "layers": job.layers,
                  "output": str(out), "seconds": time.perf_counter() - t1, "align_seconds": seconds,
                  "alignment": spec.report}]
 
 
-def execute(job, inputs, out, shard_size="5GB", progress=True) -> dict:
+def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptions | None = None,
+            desc=None) -> dict:
     """One job through the streamed executor (:func:`symmerge.merge.executor.execute_steps`): its steps read
     from ``inputs`` (folders), merged and written to ``out`` with the config.json of input ``config_from``
     plus the job's edits, the side files (tokenizer, generation config) of input ``side_files_from``, and the
-    chat template asked for."""
+    chat template asked for; with ``desc`` (the final merge of a config) its report, model card and the
+    config's copy."""
     from ..merge import METHODS
     from ..merge.executor import execute_steps
     from .mergekit import _copy_method
 
+    opts = options or RunOptions(shard_size=shard_size, progress=progress)
     method = METHODS.get(job.method) or (_copy_method() if job.method == "passthrough" else None)
     if method is None:  # pragma: no cover - the plan checked the name
         raise SymmergeError(f"unknown merge method {job.method!r}")
+    plain = method
     if job.dtype is not None and any(st.merge for st in job.steps):
         method = computing_in(method, DTYPES[job.dtype])
+    if opts.device is not None and opts.device != "cpu" and any(st.merge for st in job.steps):
+        method = computing_on(method, opts.device)
     folders = [Path(getattr(p, "folder", p)) for p in inputs]  # an adapted base: its view's folder is the task's
     config = json.loads((folders[job.config_from] / "config.json").read_text())
     config.update(job.config_edits)
@@ -106,23 +131,110 @@ def execute(job, inputs, out, shard_size="5GB", progress=True) -> dict:
         from .vocab import remapped_inputs
 
         inputs = remapped_inputs(job, list(inputs), DTYPES[job.dtype] if job.dtype else None)
-    finish = None
-    if job.chat_template is not None or job.report is not None or job.vocab is not None:
-        def finish(tmp, facts):
-            if job.vocab is not None:
-                from .vocab import write_tokenizer
 
-                write_tokenizer(job.vocab, Path(tmp))
-            if job.chat_template is not None:
-                write_chat_template(Path(tmp), job.chat_template, folders)
-            if job.report is not None:
-                from ..io.model import write_json
+    def finish(tmp, facts):
+        tmp = Path(tmp)
+        built = job.vocab is not None and job.vocab.tokenizer is not None  # the config builds the tokenizer
+        if not opts.copy_tokenizer and not built:
+            from .vocab import TOKENIZER_FILES
 
-                write_json(Path(tmp) / "symmerge_report.json", job.report)
+            for name in TOKENIZER_FILES:
+                (tmp / name).unlink(missing_ok=True)
+        if built:
+            from .vocab import write_tokenizer
+
+            write_tokenizer(job.vocab, tmp)
+        if job.chat_template is not None and (opts.copy_tokenizer or built):
+            write_chat_template(tmp, job.chat_template, folders)
+        if desc is not None:
+            write_outputs(tmp, job, desc, plain, facts, opts)
+
     return execute_steps([p if hasattr(p, "folder") else Path(p) for p in inputs], job.steps, method, out,
                          config=config, dtype=DTYPES[want] if want else None,
                          side_files_from=folders[job.side_files_from],
-                         naming=job.config_from, shard_size=shard_size, progress=progress, finish=finish)
+                         naming=job.config_from, shard_size=opts.shard_size, progress=opts.progress, finish=finish)
+
+
+def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions) -> dict:
+    """The final merge's ``symmerge_report.json`` (:func:`symmerge.merge.plan.merge_report`, the report every
+    merge writes, plus the config's entry) and, unless ``opts.card`` is off, its model card (``README.md``,
+    :func:`symmerge.io.card.write_card`) and the config's text (``mergekit_config.yml``)."""
+    import math
+
+    from ..io.card import write_card
+    from ..io.model import write_json
+    from ..merge.plan import MergePlan, merge_report
+    from ..pipeline.options import AlignOptions
+
+    extra = dict(job.report or {})
+    labels = extra.pop("labels", None) or [i.label for i in job.inputs]
+    merged = [st for st in job.steps if st.merge]
+    order = [s.model for s in merged[0].sources] if merged else []
+    uniform = bool(merged) and all([s.model for s in st.sources] == order for st in merged)
+    names = [labels[i] for i in order] if uniform else [lb for i, lb in enumerate(labels) if i != job.base]
+    plan = MergePlan(method=method, names=names, model_type=_model_type(folder),
+                     mode="stream", why="a mergekit config: its per-tensor steps, read and written tensor by tensor",
+                     align=AlignOptions(symmetries=()), requested="none", note=None, frame="none",
+                     anchor_index=None, anchor_rule=None, params=_plain(_doc_of(desc, job).data.get("parameters")),
+                     weights=None)
+    pairs = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in sorted(facts["pairwise_sq"].items())} \
+        if uniform else None
+    alignment = extra.pop("alignment", None) or plan.alignment()
+    report = merge_report(
+        plan, base=labels[job.base] if job.base is not None else None, alignment=alignment,
+        head={"policy": "merge", "note": "a mergekit config merges every tensor as its steps say"},
+        distances_between_inputs={"before_alignment": None if extra.get("aligned") else pairs,
+                                  "after_alignment": pairs},
+        distance_result_to_inputs={names[i]: math.sqrt(v) for i, v in facts["result_sq"].items()} if uniform else None,
+        stream={k: facts[k] for k in ("shards", "bytes_written") if k in facts}, side_files=facts.get("side_files"),
+        names=names)
+    report["config"] = {"path": str(desc.path), "name": job.name, "merge_method": _doc_of(desc, job).data.get(
+        "merge_method"), "merges": len(desc.jobs), "tensors": len(job.steps), "layers": job.layers,
+        "dtype": job.dtype, "out_dtype": job.out_dtype, "warnings": list(desc.warnings)}
+    report.update(extra)
+    if opts.card:
+        write_card(folder, report)
+        (folder / CONFIG_COPY).write_text(Path(desc.path).read_text(encoding="utf-8"), encoding="utf-8")
+    write_json(folder / "symmerge_report.json", report)
+    return report
+
+
+def _doc_of(desc, job):
+    docs = desc.docs
+    return next((d for d in docs if d.data.get("name") == job.name), docs[-1]) if job.name else \
+        next((d for d in docs if d.data.get("name") is None), docs[-1])
+
+
+def _model_type(folder) -> str:
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("model_type", "")
+    except (OSError, ValueError):
+        return ""
+
+
+def _plain(value):
+    """A config value as JSON holds it (the report)."""
+    return json.loads(json.dumps(value, default=str)) if value is not None else {}
+
+
+def computing_on(method, device):
+    """``method`` with its arithmetic on ``device`` (``--cuda``, ``--device``): each step's tensors moved there,
+    the result brought back to the CPU, where the executor reads and writes (mergekit's math device)."""
+    from dataclasses import replace
+
+    def move(t):
+        return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+
+    def tensor(key, tensors, weights, stats, base, params, context):
+        out = method.tensor(key, [move(t) for t in tensors], weights, stats, move(base), params, context)
+        return out.to("cpu") if isinstance(out, torch.Tensor) else out
+
+    context = None
+    if method.tensor_context is not None:
+        def context(key, tensors, base, weights, params, ctx):
+            return method.tensor_context(key, [move(t) for t in tensors], move(base), weights, params, ctx)
+
+    return replace(method, tensor=tensor, tensor_context=context, fused_into=None)
 
 
 def computing_in(method, dtype):
@@ -193,4 +305,4 @@ def print_summary(desc, summaries) -> None:
               f"({s['seconds']:.2f} s)")
 
 
-__all__ = ["execute", "print_summary", "run_jobs"]
+__all__ = ["RunOptions", "execute", "print_summary", "run_jobs"]

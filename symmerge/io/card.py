@@ -127,9 +127,12 @@ def _head_used(entry: dict, head: dict) -> str:
 def _merge_sections(r: dict) -> list[str]:
     a = r.get("alignment") or {}
     params = ", ".join(f"{k}={v}" for k, v in (r.get("params") or {}).items()) or "none"
-    out = ["## Method", "",
-           f"`symmerge merge --method {r['method']}` (parameters: {params}; weights: {r.get('weights') or 'equal'}).",
-           "",
+    cfg = r.get("config")
+    how = (f"`symmerge run {Path(cfg['path']).name}`: a mergekit config, `merge_method: {cfg.get('merge_method')}` "
+           f"({cfg.get('tensors')} tensors, {cfg.get('layers')} layers; its parameters, gradients and filters as "
+           f"written in `mergekit_config.yml`)." if cfg else
+           f"`symmerge merge --method {r['method']}` (parameters: {params}; weights: {r.get('weights') or 'equal'}).")
+    out = ["## Method", "", how, "",
            f"- alignment before merging: `{','.join(a.get('symmetries') or []) or 'none'}` (requested: "
            f"`{a.get('requested', '–')}`), rescale `{a.get('rescale', '–')}`; anchor: "
            f"{(a.get('anchor') or {}).get('name') or '–'} ({(a.get('anchor') or {}).get('rule') or 'no alignment'})"]

@@ -29,7 +29,7 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
         raise TypeError("give either a MergeOptions or keywords, not both")
     out = Path(out)
     ensure_output_dir(out)  # fail before any expensive work
-    models = list(models)
+    models, options = _single_files(list(models), options)
     check_model_count(get_method(options.method), len(models), options.base is not None)
     plan = plan_merge(models, options, mode=options.mode)
     if plan.mode == "stream":
@@ -42,3 +42,20 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
         save_model(model, out, src=src if isinstance(src, (str, Path)) else None, report=report,
                    merge_modules=merge_pipeline_modules)
     return report
+
+
+def _single_files(models, options):
+    """Single ``.safetensors`` files among the models and the base read as folders (:mod:`symmerge.io.single`:
+    their config beside them, else the base model's)."""
+    from dataclasses import replace
+
+    from ..io.single import folders, is_single_file
+
+    base = options.base
+    if not any(is_single_file(m) for m in [*models, base]):
+        return models, options
+    config_from = base if base is not None and not is_single_file(base) else None
+    if is_single_file(base):
+        base = folders([base], next((m for m in models if not is_single_file(m)), None))[0]
+    return folders(models, config_from or base), replace(options, base=base)
+

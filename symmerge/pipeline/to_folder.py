@@ -44,6 +44,12 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
             raise SymmergeError(f"{flag} applies to --stream only")
     out = Path(out)
     ensure_output_dir(out)  # fail before any expensive work
+    from ..io.single import as_folder, is_single_file
+
+    if is_single_file(anchor):  # single .safetensors files: their config beside them, else the other's
+        anchor = as_folder(anchor, model if isinstance(model, (str, Path)) and not is_single_file(model) else None)
+    if is_single_file(model):
+        model = as_folder(model, anchor if isinstance(anchor, (str, Path)) else None)
     if stream:
         refusal = stream_refusal(options, allow_pickle)
         if refusal:
