@@ -5,8 +5,9 @@
 1. B7's pair (``benchmarks.llama_text``: the Python docs, a BPE tokenizer, two ``LlamaForCausalLM`` trained
    from seeds 0 and 1; cached and reused, whatever sizes the flags give).
 2. MoEs with model A as the base (its attention, norms, embeddings, head), built by ``build_moe`` (what
-   ``symmerge moe`` runs), each once as mergekit-moe builds it and once with every expert aligned to the base
-   first (``--align``: the recommended symmetries, data-free):
+   ``symmerge moe`` runs), each as mergekit-moe builds it, then with every expert aligned to the base first
+   (``--align``: the recommended symmetries; data-free, then ``--match activations`` on the first
+   ``--align-examples`` validation paragraphs):
    * ``A+B``: experts A's and B's MLPs, 2 per token, ``gate_mode: cheap_embed`` (prompts: validation
      paragraphs, different ones per expert);
    * ``B in A``: B's MLP as the only expert behind A's attention (two copies, 1 per token: routing plays no
@@ -33,7 +34,7 @@ from symmerge.config.moe_build import MoeOptions, build_moe
 from symmerge.demo import text
 from symmerge.demo.lm import lm_scores
 from symmerge.io.model import load_model
-from symmerge.pipeline.options import AlignOptions
+from symmerge.pipeline.options import RECOMMENDED_NAME, AlignOptions
 
 
 def moes(folders, prompts) -> dict:
@@ -64,7 +65,7 @@ def run(args, log=print) -> dict:
         model = load_model(str(path), spec=False)
         loss, acc = lm_scores(model, held_out)
         rows.append({"model": name, "aligned": aligned, "loss": loss, "accuracy": acc, "build_seconds": seconds})
-        log(f"{name:<10} {'' if aligned is None else ('aligned' if aligned else 'plain'):<8} loss {loss:.4f} "
+        log(f"{name:<10} {'' if aligned is None else (aligned or 'plain'):<12} loss {loss:.4f} "
             f"accuracy {acc:.4f}")
 
     score("A", folders[0])
@@ -74,12 +75,16 @@ def run(args, log=print) -> dict:
         for name, doc in moes(folders, prompts).items():
             config = tmp / f"{name.replace(' ', '_').replace('+', '_')}.yml"
             config.write_text(yaml.safe_dump(doc, sort_keys=False))
-            for aligned in (False, True):
-                out = tmp / f"{config.stem}-{'aligned' if aligned else 'plain'}"
+            for aligned in (None, "weights", "activations"):
+                out = tmp / f"{config.stem}-{aligned or 'plain'}"
+                align = None if aligned is None else AlignOptions(
+                    symmetries=RECOMMENDED_NAME, match=aligned,
+                    align_data=data["files"]["validation"] if aligned == "activations" else None,
+                    align_samples=args.align_examples)
                 t0 = time.perf_counter()
-                report = build_moe(config, out, MoeOptions(align=AlignOptions() if aligned else None, progress=False))
+                report = build_moe(config, out, MoeOptions(align=align, progress=False))
                 seconds = time.perf_counter() - t0
-                score(name, out, aligned, seconds)
+                score(name, out, aligned or False, seconds)
                 if aligned:
                     rows[-1]["alignment"] = report["alignment"]
     return {"benchmark": "moe_build", "seeds": seeds, "models": [str(f) for f in folders],
@@ -96,7 +101,8 @@ def print_tables(result: dict, log=print) -> None:
     log("| model | experts aligned to the base | held-out loss | accuracy | build s |")
     log("|---|---|---|---|---|")
     for r in result["rows"]:
-        aligned = "—" if r["aligned"] is None else ("yes (`--align`)" if r["aligned"] else "no (as mergekit-moe)")
+        aligned = ("—" if r["aligned"] is None else "no (as mergekit-moe)" if not r["aligned"]
+                   else f"`--align` (match {r['aligned']})")
         secs = "—" if r["build_seconds"] is None else f"{r['build_seconds']:.1f}"
         log(f"| {r['model']} | {aligned} | {r['loss']:.4f} | {r['accuracy']:.4f} | {secs} |")
 

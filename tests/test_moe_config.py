@@ -287,6 +287,8 @@ def test_errors_are_one_line_and_write_nothing(models, tmp_path, capsys):
         "too many per token": (_config(tmp_path / "g.yml", base, [e1], "random", experts_per_token=3),
                                "experts_per_token 3"),
     }
+    cases["zero router row"] = (_config(tmp_path / "z.yml", base, [e1, e1], "cheap_embed",
+                                         prompts=[(["w5 w6"], ["w5 w6"]), (["w7"], [])]), "zero router row")
     (tmp_path / "b.yml").write_text(f"base_model: {base}\ngate_mode: hidden\nexperts:\n  - source_model: {e1}\n")
     for name, (config, words) in cases.items():
         line = _one_line_error(capsys, tmp_path, config, out)

@@ -62,8 +62,8 @@ HIDDEN_DTYPE = torch.bfloat16  # mergekit-moe runs the base model in bfloat16 fo
 @dataclass(frozen=True)
 class MoeOptions:
     """How to build: ``device`` (the hidden-state pass), ``seed`` (``gate_mode: random``), ``shard_size``,
-    ``align`` (an :class:`~symmerge.pipeline.options.AlignOptions`: align every expert to the base first; None:
-    as mergekit), ``align_stream`` (align layer by layer from the checkpoints), ``allow_crimes`` (experts of
+    ``align`` (True: align every expert to the base first with the recommended symmetries; an
+    :class:`~symmerge.pipeline.options.AlignOptions`: with those; None: as mergekit), ``align_stream`` (align layer by layer from the checkpoints), ``allow_crimes`` (experts of
     another family than the base, as mergekit's flag), ``copy_tokenizer``, ``progress``."""
 
     device: str = "cpu"
@@ -176,11 +176,19 @@ def prompt_ids(tok, prompt: str) -> list[int]:
     return ids
 
 
-def _unit(v: torch.Tensor) -> torch.Tensor:
-    n = v.norm()
-    if not torch.isfinite(n) or n == 0:
-        raise SymmergeError("an expert's prompts give a zero router row (its positive and negative prompts tokenize "
-                            "alike, or to nothing with the base's tokenizer)")
+class ZeroRow(SymmergeError):
+    """An expert's prompts give a zero router row (``index``: the expert's place in experts + shared_experts)."""
+
+    def __init__(self, index: int):
+        super().__init__(f"expert {index}: its prompts give a zero router row (its positive and negative prompts "
+                         "tokenize alike, or to nothing, with the base's tokenizer)")
+        self.index = index
+
+
+def _unit(v: torch.Tensor, index: int) -> torch.Tensor:
+    n = v.norm(dim=-1, keepdim=True)
+    if not (torch.isfinite(n).all() and (n > 0).all()):
+        raise ZeroRow(index)
     return v / n
 
 
@@ -193,10 +201,10 @@ def cheap_embed_rows(embed: torch.Tensor, tok, experts) -> torch.Tensor:
         return table[torch.tensor(ids, dtype=torch.long)].mean(0)
 
     rows = []
-    for ex in experts:
-        v = _unit(mean(ex.positive))
+    for i, ex in enumerate(experts):
+        v = _unit(mean(ex.positive), i)
         if ex.negative:
-            v = _unit(v - _unit(mean(ex.negative)))
+            v = _unit(v - _unit(mean(ex.negative), i), i)
         rows.append(v)
     return torch.stack(rows)
 
@@ -218,19 +226,26 @@ def _last_hidden(model, tok, prompts, device) -> torch.Tensor:
 def hidden_rows(model, tok, experts, device) -> torch.Tensor:
     """(layers, E, d) in the model's dtype: see the module's docstring."""
     out = []
-    for ex in experts:
+    for i, ex in enumerate(experts):
         v = _last_hidden(model, tok, ex.positive, device).mean(1)
         if ex.negative:
             v = v - _last_hidden(model, tok, ex.negative, device).mean(1)
-        n = v.norm(dim=-1, keepdim=True)
-        if not (torch.isfinite(n).all() and (n > 0).all()):
-            _unit(torch.zeros(1))  # the same one-line error
-        out.append(v / n)
+        out.append(_unit(v, i))
     return torch.stack(out, dim=1).cpu()
 
 
 def router_rows(cfg: MoeConfig, base: _Source, options: MoeOptions, layers: int, hidden: int) -> torch.Tensor:
     """(layers, E + shared, d) router rows (the shared expert's last), float32 holding the computed values."""
+    try:
+        return _router_rows(cfg, base, options, layers, hidden)
+    except ZeroRow as e:
+        shared = e.index >= len(cfg.experts)
+        where = ("shared_experts", 0) if shared else ("experts", e.index)
+        raise SymmergeError(f"{cfg.at(*where)}: its prompts give a zero router row (positive and negative prompts "
+                            "tokenize alike, or to nothing, with the base's tokenizer)") from None
+
+
+def _router_rows(cfg: MoeConfig, base: _Source, options: MoeOptions, layers: int, hidden: int) -> torch.Tensor:
     experts = cfg.experts + cfg.shared
     if cfg.gate_mode == "random":
         g = torch.Generator().manual_seed(options.seed)
@@ -256,18 +271,26 @@ def router_rows(cfg: MoeConfig, base: _Source, options: MoeOptions, layers: int,
 def _align_experts(cfg: MoeConfig, options: MoeOptions, work: Path) -> tuple[list, list]:
     """Every expert (and shared expert) aligned to the base: (their folders, their alignment summaries). An
     expert that is the base folder itself is taken as it is."""
+    from ..pipeline.options import RECOMMENDED_NAME, AlignOptions
     from ..pipeline.to_folder import align_to_folder
 
-    folders, summaries = [], []
+    align = AlignOptions(symmetries=RECOMMENDED_NAME) if options.align is True else options.align
+    folders, summaries, done = [], [], {}
     base = Path(cfg.base).resolve()
     for i, ex in enumerate(cfg.experts + cfg.shared):
-        if Path(ex.source).resolve() == base:
+        source = Path(ex.source).resolve()
+        if source == base:
             folders.append(ex.source)
             summaries.append({"source_model": ex.source, "aligned": False, "why": "the base model itself"})
             continue
+        if source in done:  # the same model twice: aligned once
+            folders.append(folders[done[source]])
+            summaries.append(summaries[done[source]])
+            continue
+        done[source] = i
         out = work / f"expert-{i}"
         with stage(f"aligned expert {i} to the base", enabled=options.progress):
-            report = align_to_folder(ex.source, cfg.base, out, options.align, stream=options.align_stream,
+            report = align_to_folder(ex.source, cfg.base, out, align, stream=options.align_stream,
                                      progress=False)
         folders.append(str(out))
         summaries.append({"source_model": ex.source, "aligned": True, "symmetries": report.get("symmetries"),
@@ -390,10 +413,11 @@ def build_moe(config, out, options: MoeOptions | None = None) -> dict:
     report = {"command": "moe", "architecture": "MixtralForCausalLM" if arch == "mixtral" else "Qwen2MoeForCausalLM",
               "base_model": cfg.base, "experts": [e.source for e in cfg.experts],
               "shared_experts": [e.source for e in cfg.shared], "gate_mode": cfg.gate_mode, "dtype": dtype_name,
-              "experts_per_token": cfg.experts_per_token, "aligned": options.align is not None}
+              "experts_per_token": cfg.experts_per_token,
+              "aligned": options.align is not None and options.align is not False}
     with contextlib.ExitStack() as stack:
         fixes = [None] * (len(experts) + len(shared))
-        if options.align is not None:
+        if options.align is not None and options.align is not False:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f".{out.name}-align-",
                                                                           dir=out.parent if out.parent.exists()
                                                                           else None)))
