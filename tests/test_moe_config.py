@@ -308,3 +308,22 @@ def test_unknown_keys_are_one_warning_each_and_ignored(models, tmp_path, capsys)
     assert run_cli("moe", config, tmp_path / "out", "--progress", "none") == 0
     warnings = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
     assert len(warnings) == 1 and "gate_mod" in warnings[0] and "did you mean 'gate_mode'" in warnings[0]
+
+
+@pytest.mark.slow
+def test_benchmark_tiny_end_to_end(tmp_path, monkeypatch):
+    """benchmarks/moe_build.py --tiny: every MoE built plain and aligned (data-free and from activations), the
+    dense endpoints scored, each alignment closer to the base than the expert was."""
+    from symmerge.demo import text
+    from test_benchmark_smoke import run_tiny
+
+    _, out, r = run_tiny(tmp_path, monkeypatch, text.python_docs_dir, "python-docs", "the Python docs corpus",
+                         "moe_build", extra=("--align-examples", "20", "--curve-examples", "20"))
+    rows = {(x["model"], x["aligned"]) for x in r["rows"]}
+    assert rows == {("A", None), ("B", None)} | {(m, a) for m in ("A+B", "B in A")
+                                                 for a in (False, "weights", "activations")}
+    for x in r["rows"]:
+        assert 0 < x["loss"] < 10 and 0 <= x["accuracy"] <= 1
+        for a in x.get("alignment", []):
+            assert not a["aligned"] or a["distance_after"] < a["distance_before"]
+    assert "| B in A | `--align` (match activations) |" in (out / "tables.md").read_text()
