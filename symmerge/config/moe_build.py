@@ -45,6 +45,7 @@ import torch
 from ..errors import SymmergeError
 from ..io.checkpoint import PlannedWriter, parse_size
 from ..io.model import atomic_dir, copy_side_files, ensure_output_dir, weight_files, write_json
+from ..io.output import temp_prefix
 from ..progress import stage
 from .moe import MoeConfig, read_moe_config
 
@@ -418,9 +419,10 @@ def build_moe(config, out, options: MoeOptions | None = None) -> dict:
     with contextlib.ExitStack() as stack:
         fixes = [None] * (len(experts) + len(shared))
         if options.align is not None and options.align is not False:
-            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f".{out.name}-align-",
-                                                                          dir=out.parent if out.parent.exists()
-                                                                          else None)))
+            out.parent.mkdir(parents=True, exist_ok=True)  # the aligned experts beside the output (a killed
+            # run's are removed by the next one: symmerge.io.output)
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=temp_prefix(out, "experts"),
+                                                                          dir=out.parent)))
             folders, report["alignment"] = _align_experts(cfg, options, work)
             aligned = [_Source(f, s.what) for f, s in zip(folders, experts + shared)]
             fixes = [_norm_fix(a, base) if a.folder != s.folder else None
