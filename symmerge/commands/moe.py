@@ -69,7 +69,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--symmetries", default="recommended",
                         help="with --align: the symmetries aligned (as symmerge align; default recommended)")
     parser.add_argument("--align-stream", action="store_true",
-                        help="with --align: align each expert layer by layer from its checkpoint (symmerge align --stream)")
+                        help="with --align: align each expert layer by layer from its checkpoint "
+                             "(symmerge align --stream)")
     add_alignment_arguments(parser, repair=False)
     add_progress_argument(parser)
     mk = parser.add_argument_group("mergekit-moe's other flags (accepted)")

@@ -64,7 +64,8 @@ HIDDEN_DTYPE = torch.bfloat16  # mergekit-moe runs the base model in bfloat16 fo
 class MoeOptions:
     """How to build: ``device`` (the hidden-state pass), ``seed`` (``gate_mode: random``), ``shard_size``,
     ``align`` (True: align every expert to the base first with the recommended symmetries; an
-    :class:`~symmerge.pipeline.options.AlignOptions`: with those; None: as mergekit), ``align_stream`` (align layer by layer from the checkpoints), ``allow_crimes`` (experts of
+    :class:`~symmerge.pipeline.options.AlignOptions`: with those; None: as mergekit), ``align_stream`` (align
+    layer by layer from the checkpoints), ``allow_crimes`` (experts of
     another family than the base, as mergekit's flag), ``copy_tokenizer``, ``progress``."""
 
     device: str = "cpu"
