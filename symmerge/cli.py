@@ -20,6 +20,7 @@ COMMANDS = {
     "barrier": "barrier",
     "demo": "demo",
     "merge": "merge",
+    "moe": "moe",
     "run": "run",
     "specs": "specs",
 }
