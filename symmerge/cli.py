@@ -47,7 +47,10 @@ def _run(argv) -> int:
 
     args = build_parser().parse_args(argv)
     configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
-    code = args.handler(args) or 0
+    from .io.hf import trust_remote_code
+
+    with trust_remote_code(getattr(args, "trust_remote_code", False)):  # code from model folders: only if asked
+        code = args.handler(args) or 0
     sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
     return code
 

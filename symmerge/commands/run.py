@@ -16,6 +16,7 @@ import shlex
 import sys
 
 from ..errors import SymmergeError
+from .safety_args import add_trust_remote_code
 
 
 def add_arguments(parser) -> None:
@@ -35,6 +36,7 @@ def add_arguments(parser) -> None:
                         help="print what the config runs (the symmerge command line, or the merge plan) and exit")
     parser.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
                         help="progress on stderr, unless the config sets its own 'progress'")
+    add_trust_remote_code(parser)
     mk = parser.add_argument_group("mergekit-yaml's flags")
     mk.add_argument("--copy-tokenizer", action="store_true", help="accepted: the tokenizer is always copied")
     mk.add_argument("--no-copy-tokenizer", action="store_true", help=argparse_suppress())
@@ -82,10 +84,12 @@ def _refusals(args) -> None:
 def run(args) -> int:
     from ..config import describe
     from ..config.command import command_parser
+    from ..io.hf import allow_remote_code
     from ..progress import configure
 
     _refusals(args)
     desc = describe(args.config, output=args.out or args.output, align=args.align, seed=args.random_seed)
+    allow_remote_code(args.trust_remote_code or desc.trust_remote_code)  # reset when the command ends (cli)
     if not desc.mergekit:
         if args.print_command:
             print(shlex.join(["symmerge", desc.command, *desc.argv]))

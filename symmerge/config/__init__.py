@@ -38,10 +38,29 @@ class Description:
     alignment: object = None
     docs: list = field(default_factory=list)
     seed: int | None = None
+    trust_remote_code: bool = False  # the config's ``trust_remote_code: true`` (as --trust-remote-code)
 
     @property
     def mergekit(self) -> bool:
         return self.command is None
+
+
+REMOTE_CODE_KEY = "trust_remote_code"
+
+
+def _remote_code_key(docs) -> bool:
+    """Whether the config says ``trust_remote_code: true`` (in any document; a boolean), taken out of the
+    documents: it is the command line's ``--trust-remote-code``, neither a mergekit key nor an option of a
+    merge."""
+    trust = False
+    for d in docs:
+        if REMOTE_CODE_KEY in d.data:
+            value = d.data[REMOTE_CODE_KEY]
+            if not isinstance(value, bool):
+                raise d.error(f"{REMOTE_CODE_KEY!r} is true or false, got {value!r}", REMOTE_CODE_KEY)
+            trust = trust or value
+            d.data = {k: v for k, v in d.data.items() if k != REMOTE_CODE_KEY}
+    return trust
 
 
 def _symmerge_key(doc: Doc):
@@ -58,9 +77,18 @@ def _symmerge_key(doc: Doc):
 
 def describe(path, output=None, align=None, seed=None) -> Description:
     """The description of config ``path``; ``output``: the output folder given on the command line (else the
-    config's ``output``); ``align``: ``--align`` given on the command line (asks for symmerge's merge)."""
+    config's ``output``); ``align``: ``--align`` given on the command line (asks for symmerge's merge). The
+    config's ``trust_remote_code: true`` lets model folders' code run while it is planned (and, through
+    ``Description.trust_remote_code``, while it runs)."""
+    from ..io.hf import remote_code_allowed, trust_remote_code
+
     docs = read_documents(path)
-    path = Path(path)
+    trust = _remote_code_key(docs)
+    with trust_remote_code(trust or remote_code_allowed()):
+        return _describe(docs, Path(path), output, align, seed, trust)
+
+
+def _describe(docs, path: Path, output, align, seed, trust: bool) -> Description:
     keyed = [(d, _symmerge_key(d)) for d in docs]
     symmerge = [(d, k) for d, k in keyed if k is not None]
     spec = None
@@ -71,7 +99,7 @@ def describe(path, output=None, align=None, seed=None) -> Description:
     elif (symmerge or (align is not None and str(align).lower() != "none")) and len(docs) == 1:
         command, argv = config_argv(docs[0], output=output, align=align,
                                     symmerge_key=symmerge[0][1] if symmerge else None)
-        return Description(path, None, command=command, argv=argv)
+        return Description(path, None, command=command, argv=argv, trust_remote_code=trust)
     if symmerge:
         d, k = symmerge[0]
         raise d.error(f"{k!r} is not a mergekit key, and a file of several merges is a mergekit config "
@@ -96,7 +124,7 @@ def describe(path, output=None, align=None, seed=None) -> Description:
                 if k in d.data:
                     raise d.error("only the final merge has an output folder (the others are written to a temporary "
                                   "folder and removed)", k)
-    return Description(path, out, jobs=jobs, alignment=spec, docs=docs, seed=seed)
+    return Description(path, out, jobs=jobs, alignment=spec, docs=docs, seed=seed, trust_remote_code=trust)
 
 
 def _output(docs, doc, output):

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SymmergeError
+from ..errors import InputReadError, SymmergeError
 from ..families import spec_for
 from .output import apply_umask, check_writable, clean_stale, temp_prefix
-from .hf import DiskNames, model_class, quiet_transformers  # noqa: F401  (re-exported: io.model's API)
+from .hf import DiskNames, check_remote_code, model_class, quiet_transformers, remote_code_allowed  # noqa: F401
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SINGLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -31,10 +31,15 @@ def read_config(path: Path, spec: bool = True) -> dict:
         raise SymmergeError(f"{path}: no config.json (expected a Hugging Face model folder)")
     try:
         config = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise SymmergeError(f"{cfg_file}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise InputReadError(f"{cfg_file}: cannot read ({e.strerror or e})") from None
+    if not isinstance(config, dict):
+        raise SymmergeError(f"{cfg_file}: not a JSON object (got a {type(config).__name__})")
     if "model_type" not in config:
         raise SymmergeError(f"{cfg_file}: no model_type")
+    check_remote_code(config, path)
     if spec:
         spec_for(config["model_type"])  # unsupported types fail here, before any weights are read
     return config
@@ -107,7 +112,8 @@ def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool
     try:
         with quiet_transformers():
             model = model_class(config).from_pretrained(
-                str(path), use_safetensors=safe, local_files_only=True, dtype="auto"
+                str(path), use_safetensors=safe, local_files_only=True, dtype="auto",
+                trust_remote_code=remote_code_allowed(),
             )
     except SymmergeError:
         raise
