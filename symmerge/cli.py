@@ -66,7 +66,8 @@ def _quiet_stdout() -> None:
 
 
 def main(argv=None) -> int:
-    from ._entry import was_interrupted, watch_interrupts
+    from ._entry import Terminated, interrupted_line, was_interrupted, watch_interrupts
+    from .io.output import describe_fault, os_fault, release_claims
 
     watch_interrupts()
     try:
@@ -77,17 +78,27 @@ def main(argv=None) -> int:
             return INTERRUPTED
         print(f"symmerge: error: {e}", file=sys.stderr)
         return 2
+    except Terminated as e:  # SIGTERM, SIGHUP: cleaned up as a Ctrl-C is
+        print(interrupted_line(e.signum), file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("symmerge: interrupted", file=sys.stderr)
         return INTERRUPTED
     except BrokenPipeError:
         _quiet_stdout()
         return BROKEN_PIPE
-    except Exception:
+    except Exception as e:
         if was_interrupted():  # a lazy import the Ctrl-C cut in half, failing as another error
             print("symmerge: interrupted", file=sys.stderr)
             return INTERRUPTED
-        raise
+        fault = os_fault(e)  # the operating system's refusal (a full disk, a permission...): one line
+        if fault is None:
+            raise
+        name = getattr(fault, "filename", None)
+        print(f"symmerge: error: {f'{name}: ' if name else ''}{describe_fault(fault)}", file=sys.stderr)
+        return 2
+    finally:
+        release_claims()  # the output's claim, if the run ended before writing it
 
 
 if __name__ == "__main__":
