@@ -17,3 +17,7 @@ class OutputError(SymmergeError):
 
 class InputReadError(SymmergeError):
     """An input could not be read by the operating system (permission, I/O error)."""
+
+
+class UsageError(SymmergeError, TypeError):
+    """The library called with an argument it does not take (also a ``TypeError``, as Python's own)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import SymmergeError
+from ..errors import SymmergeError, UsageError
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
 from ..progress import stage
@@ -28,7 +28,7 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
     if options is None:
         options = MergeOptions.from_keywords(**keywords)
     elif keywords:
-        raise TypeError("give either a MergeOptions or keywords, not both")
+        raise UsageError("give either a MergeOptions or keywords, not both")
     out = Path(out)
     ensure_output_dir(out)  # fail before any expensive work
     models = list(models)
