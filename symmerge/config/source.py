@@ -67,8 +67,10 @@ def _walk(node, where, lines):
     import yaml
 
     if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            key = _key_text(k)
+        # a key given in the mapping itself and by a merge key (``<<: *anchor``, which the loader puts first)
+        # is named at the line where it is given last: the one that counts
+        entries = {_key_text(k): (k, v) for k, v in node.value}
+        for key, (k, v) in entries.items():
             lines.setdefault(where + (key,), k.start_mark.line + 1)
             _walk(v, where + (key,), lines)
     elif isinstance(node, yaml.SequenceNode):
