@@ -41,6 +41,11 @@ def read_config(path: Path, spec: bool = True) -> dict:
         raise SymmergeError(f"{cfg_file}: not a JSON object (got a {type(config).__name__})")
     if "model_type" not in config:
         raise SymmergeError(f"{cfg_file}: no model_type")
+    if not isinstance(config["model_type"], str):
+        raise SymmergeError(f"{cfg_file}: model_type is a name, got {config['model_type']!r}")
+    archs = config.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise SymmergeError(f"{cfg_file}: architectures is a list of class names, got {archs!r}")
     check_remote_code(config, path)
     if spec:
         spec_for(config["model_type"])  # unsupported types fail here, before any weights are read
