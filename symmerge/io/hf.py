@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from ..core.resolve import declared_ties
-from ..errors import SymmergeError
+from ..errors import RemoteCodeError, SymmergeError
 
 
 _REMOTE_CODE = [False]  # process-wide: loads may run in worker threads, which a ContextVar would not reach
@@ -50,8 +50,6 @@ def check_remote_code(config: dict, where) -> None:
     """Refuse, in one line naming the flag, a folder whose config needs code of its own (an ``auto_map`` and
     a ``model_type`` transformers does not know) unless :func:`remote_code_allowed`; transformers would
     otherwise ask on the terminal, and import the folder's ``.py`` files on ``y``."""
-    from ..errors import RemoteCodeError
-
     auto_map = config.get("auto_map")
     if not auto_map or remote_code_allowed() or _known_model_type(config.get("model_type")):
         return
@@ -70,8 +68,6 @@ def check_tokenizer_code(folder) -> None:
     from pathlib import Path
 
     import transformers
-
-    from ..errors import RemoteCodeError
 
     path = Path(folder) / "tokenizer_config.json"
     if remote_code_allowed() or not path.is_file():
