@@ -3,7 +3,8 @@
 in exit 0 (a mutation that left a valid input) or 2 with one ``symmerge: error:`` line — never a traceback —
 and a refused case leaves no output folder and no temporary folder; the inputs are never modified.
 
-Bounded in time: ``SYMMERGE_FUZZ_SECONDS`` (default 90) and ``SYMMERGE_FUZZ_SEED`` (default 0); a failing
+Bounded in time: ``SYMMERGE_FUZZ_SECONDS`` (default 90 when run with ``-m slow``, 15 in a run that does not
+select the slow tests) and ``SYMMERGE_FUZZ_SEED`` (default 0); a failing
 case is reported with its seed, its number and the mutation, to be replayed alone. ``.ci/run`` runs it in
 a step of its own; locally::
 
@@ -32,7 +33,7 @@ from symmerge.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
-BUDGET = float(os.environ.get("SYMMERGE_FUZZ_SECONDS", "90"))
+BUDGET = os.environ.get("SYMMERGE_FUZZ_SECONDS")  # seconds; default 90 under -m slow, else 15 (a default run)
 SEED = int(os.environ.get("SYMMERGE_FUZZ_SEED", "0"))
 CASE_SECONDS = 30  # one case over this is a failure too (work out of proportion to a few kilobytes of input)
 
@@ -212,12 +213,13 @@ def leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if ".symmerge-" in p.name or ".intermediates-" in p.name)
 
 
-def test_fuzz_inputs(tmp_path):
+def test_fuzz_inputs(tmp_path, request):
+    budget = float(BUDGET) if BUDGET else 90.0 if "slow" in (request.config.getoption("markexpr") or "") else 15.0
     rng = random.Random(SEED)
     clean = {name: llama_folder(tmp_path / "clean" / name, i) for i, name in enumerate("ab")}
     work = tmp_path / "work"
     failures, counts, t0, case = [], {"ok": 0, "refused": 0}, time.perf_counter(), 0
-    while time.perf_counter() - t0 < BUDGET and len(failures) < 40:
+    while time.perf_counter() - t0 < budget and len(failures) < 40:
         case += 1
         if work.exists():
             shutil.rmtree(work)
