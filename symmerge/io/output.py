@@ -203,7 +203,11 @@ def claim_output(out) -> bool:
             raise OutputError(f"{out}: cannot write the output in {path.parent} ({describe_fault(e)})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no locks on this file system
+                os.close(fd)
+                _unlink_quietly(path)
+                return False
             holder = _read_pid(fd)
             os.close(fd)
             who = f"process {holder}" if holder else "another process"
@@ -221,6 +225,13 @@ def claim_output(out) -> bool:
         _claims[key] = (fd, path)
         return True
     raise OutputError(f"{out}: could not claim the output (its lock file {path} keeps changing)")
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _read_pid(fd: int) -> int | None:
