@@ -22,3 +22,7 @@ with guarded_imports():  # the symmerge command: a Ctrl-C during these imports (
 
 __all__ = ["merge", "align_to_folder", "align", "align_pair", "Alignment", "AlignOptions", "LearnSettings", "merge_models", "MergeOptions", "barrier_study", "barrier_many", "BarrierOptions",
            "SymmergeError", "SPECS", "spec_for", "supported_model_types"]
+
+from .io.hf import trust_remote_code  # noqa: E402  (code shipped in model folders runs only inside this block)
+
+__all__ += ["trust_remote_code"]

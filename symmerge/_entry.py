@@ -23,12 +23,38 @@ def _on_sigint(signum, frame):
     raise KeyboardInterrupt
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the main thread is, as a Ctrl-C is: every ``finally`` and every
+    temporary folder's cleanup runs (:func:`symmerge.io.model.atomic_dir`); the command then says so in one
+    line and exits 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def _on_termination(signum, frame):
+    global _interrupted
+    _interrupted = True
+    raise Terminated(signum)
+
+
 def watch_interrupts() -> None:
-    """As the command: remember a Ctrl-C (:func:`was_interrupted`) while keeping its KeyboardInterrupt. Only from
-    the main thread, and only where Python's default handler is installed (a host's own handler is kept)."""
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    """As the command: remember a Ctrl-C (:func:`was_interrupted`) while keeping its KeyboardInterrupt, and
+    turn SIGTERM and SIGHUP into :class:`Terminated` (their default would end the process at once, leaving
+    its temporary folder). Only from the main thread, and only where Python's default handlers are installed
+    (a host's own handlers are kept)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _on_sigint)
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _on_termination)
 
 
 def was_interrupted() -> bool:
@@ -36,13 +62,20 @@ def was_interrupted() -> bool:
     return _interrupted
 
 
-def interrupted_exit() -> None:
-    """One line and exit 130, running nothing half-imported's exit hooks."""
+def interrupted_exit(signum: int | None = None) -> None:
+    """One line and exit 130 (128 + ``signum`` for SIGTERM, SIGHUP), running nothing half-imported's exit
+    hooks."""
     try:
-        sys.stderr.write("symmerge: interrupted\n")
+        sys.stderr.write(interrupted_line(signum) + "\n")
         sys.stderr.flush()
     finally:
-        os._exit(130)
+        os._exit(128 + (signum or signal.SIGINT))
+
+
+def interrupted_line(signum: int | None = None) -> str:
+    if signum is None or signum == signal.SIGINT:
+        return "symmerge: interrupted"
+    return f"symmerge: terminated ({signal.Signals(signum).name}); nothing was written"
 
 
 def running_as_command() -> bool:
@@ -61,10 +94,10 @@ def guarded_imports():
         watch_interrupts()
     try:
         yield
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if not command:
             raise
-        interrupted_exit()
+        interrupted_exit(getattr(e, "signum", None))
     except Exception:
         if command and was_interrupted():  # an import the Ctrl-C cut in half, failing as something else
             interrupted_exit()

@@ -51,7 +51,10 @@ def _run(argv) -> int:
     if extra:  # an argument the command does not take: the command's own usage, not the top level's
         args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
-    code = args.handler(args) or 0
+    from .io.hf import trust_remote_code
+
+    with trust_remote_code(getattr(args, "trust_remote_code", False)):  # code from model folders: only if asked
+        code = args.handler(args) or 0
     sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
     return code
 
@@ -67,7 +70,8 @@ def _quiet_stdout() -> None:
 
 
 def main(argv=None) -> int:
-    from ._entry import was_interrupted, watch_interrupts
+    from ._entry import Terminated, interrupted_line, was_interrupted, watch_interrupts
+    from .io.output import describe_fault, os_fault, release_claims
 
     watch_interrupts()
     try:
@@ -78,17 +82,27 @@ def main(argv=None) -> int:
             return INTERRUPTED
         print(f"symmerge: error: {e}", file=sys.stderr)
         return 2
+    except Terminated as e:  # SIGTERM, SIGHUP: cleaned up as a Ctrl-C is
+        print(interrupted_line(e.signum), file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("symmerge: interrupted", file=sys.stderr)
         return INTERRUPTED
     except BrokenPipeError:
         _quiet_stdout()
         return BROKEN_PIPE
-    except Exception:
+    except Exception as e:
         if was_interrupted():  # a lazy import the Ctrl-C cut in half, failing as another error
             print("symmerge: interrupted", file=sys.stderr)
             return INTERRUPTED
-        raise
+        fault = os_fault(e)  # the operating system's refusal (a full disk, a permission...): one line
+        if fault is None:
+            raise
+        name = getattr(fault, "filename", None)
+        print(f"symmerge: error: {f'{name}: ' if name else ''}{describe_fault(fault)}", file=sys.stderr)
+        return 2
+    finally:
+        release_claims()  # the output's claim, if the run ended before writing it
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetrie
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed
 from .alignment_args import add_alignment_arguments, alignment_options
+from .safety_args import add_trust_remote_code
 
 
 def add_arguments(parser) -> None:
@@ -52,6 +53,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--allow-pickle", action="store_true",
                         help="accept pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True))")
     add_alignment_arguments(parser, repair=False)
+    add_trust_remote_code(parser)
     add_progress_argument(parser)
 
 

@@ -25,6 +25,7 @@ from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED, RECOMM
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed
 from .alignment_args import add_alignment_arguments, alignment_options
+from .safety_args import add_trust_remote_code
 
 
 def add_arguments(parser) -> None:
@@ -82,6 +83,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     parser.add_argument("--no-verify", action="store_true", help="skip the equivalence check of each alignment")
     parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin checkpoints")
+    add_trust_remote_code(parser)
     parser.add_argument("--mode", choices=["auto", "stream", "memory"], default="auto",
                         help="stream: merge tensor by tensor from the safetensors files (memory ~ the largest "
                              "tensors, any model size; per-tensor methods without alignment); memory: load the "

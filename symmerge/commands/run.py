@@ -17,6 +17,7 @@ import shlex
 import sys
 
 from ..errors import SymmergeError
+from .safety_args import add_trust_remote_code
 
 
 def add_arguments(parser) -> None:
@@ -36,6 +37,7 @@ def add_arguments(parser) -> None:
                         help="print what the config runs (the symmerge command line, or the merge plan) and exit")
     parser.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
                         help="progress on stderr, unless the config sets its own 'progress'")
+    add_trust_remote_code(parser)
     add_mergekit_yaml_arguments(parser)
 
 
@@ -89,13 +91,9 @@ def add_mergekit_yaml_arguments(parser) -> None:
 
 
 def add_flags_owned_elsewhere(group) -> None:
-    """mergekit-yaml's flags whose effect other parts of symmerge own (remote code, LoRA inputs): parsed here
-    so that a mergekit-yaml command line runs; until their owners give them an effect they are parse-only
-    (symmerge loads transformers' own model classes and runs no code from a model folder, with or without
-    --trust-remote-code; a config without 'model+adapter' inputs uses no LoRA cache). Replaced in this one
-    place."""
-    group.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
-                       help="parsed: symmerge loads transformers' own model classes (no code from a model folder)")
+    """mergekit-yaml's flags whose effect other parts of symmerge own (LoRA inputs): parsed here so that a
+    mergekit-yaml command line runs (a config without 'model+adapter' inputs uses no LoRA cache); replaced in
+    this one place. (``--trust-remote-code``: commands/safety_args.py.)"""
     group.add_argument("--lora-merge-cache", default=None, metavar="DIR", help="where LoRA inputs are applied")
     group.add_argument("--lora-merge-dtype", default=None, metavar="DTYPE", help="dtype LoRA inputs are applied in")
 
@@ -158,6 +156,7 @@ def run_options(args):
 
 def run(args) -> int:
     from ..config import describe
+    from ..io.hf import allow_remote_code
     from ..progress import configure
     from .config_options import namespace
 
@@ -166,6 +165,7 @@ def run(args) -> int:
                     truncate_embeddings=args.unsafe_truncate_embeddings)
     for line in desc.warnings:
         print(f"symmerge: warning: {line}", file=sys.stderr)
+    allow_remote_code(args.trust_remote_code or desc.trust_remote_code)  # reset when the command ends (cli)
     if not desc.mergekit:
         if args.print_command:
             print(shlex.join(["symmerge", desc.command, *desc.argv]))

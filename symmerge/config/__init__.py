@@ -45,6 +45,7 @@ class Description:
     docs: list = field(default_factory=list)
     seed: int | None = None
     warnings: list = field(default_factory=list)  # one line per key or parameter ignored, as mergekit ignores it
+    trust_remote_code: bool = False  # the config's ``trust_remote_code: true`` (as --trust-remote-code)
 
     @property
     def mergekit(self) -> bool:
@@ -60,6 +61,24 @@ class Description:
 
 
 MOE_KEYS = ("experts", "gate_mode", "experts_per_token", "shared_experts")
+
+
+REMOTE_CODE_KEY = "trust_remote_code"
+
+
+def _remote_code_key(docs) -> bool:
+    """Whether the config says ``trust_remote_code: true`` (in any document; a boolean), taken out of the
+    documents: it is the command line's ``--trust-remote-code``, neither a mergekit key nor an option of a
+    merge."""
+    trust = False
+    for d in docs:
+        if REMOTE_CODE_KEY in d.data:
+            value = d.data[REMOTE_CODE_KEY]
+            if not isinstance(value, bool):
+                raise d.error(f"{REMOTE_CODE_KEY!r} is true or false, got {value!r}", REMOTE_CODE_KEY)
+            trust = trust or value
+            d.data = {k: v for k, v in d.data.items() if k != REMOTE_CODE_KEY}
+    return trust
 
 
 def _symmerge_key(doc: Doc):
@@ -88,11 +107,20 @@ def _moe(doc: Doc) -> None:
 def describe(path, output=None, align=None, seed=None, truncate_embeddings=False) -> Description:
     """The description of config ``path``; ``output``: the output folder given on the command line (else the
     config's ``output``); ``align``: ``--align`` given on the command line (asks for symmerge's merge);
-    ``truncate_embeddings``: mergekit-yaml's ``--unsafe-truncate-embeddings``."""
+    ``truncate_embeddings``: mergekit-yaml's ``--unsafe-truncate-embeddings``. The config's
+    ``trust_remote_code: true`` lets model folders' code run while it is planned (and, through
+    ``Description.trust_remote_code``, while it runs)."""
+    from ..io.hf import remote_code_allowed, trust_remote_code
+
     docs = read_documents(path)
-    path = Path(path)
     for d in docs:
         _moe(d)
+    trust = _remote_code_key(docs)
+    with trust_remote_code(trust or remote_code_allowed()):
+        return _describe(docs, Path(path), output, align, seed, trust, truncate_embeddings)
+
+
+def _describe(docs, path: Path, output, align, seed, trust: bool, truncate_embeddings: bool) -> Description:
     keyed = [(d, _symmerge_key(d)) for d in docs]
     symmerge = [(d, k) for d, k in keyed if k is not None]
     spec = None
@@ -103,7 +131,7 @@ def describe(path, output=None, align=None, seed=None, truncate_embeddings=False
     elif (symmerge or (align is not None and str(align).lower() != "none")) and len(docs) == 1:
         config = symmerge_config(docs[0], output=output, align=align,
                                  symmerge_key=symmerge[0][1] if symmerge else None)
-        return Description(path, None, command=config.command, config=config)
+        return Description(path, None, command=config.command, config=config, trust_remote_code=trust)
     if symmerge:
         d, k = symmerge[0]
         raise d.error(f"{k!r} is not a mergekit key, and a file of several merges is a mergekit config "
@@ -128,7 +156,8 @@ def describe(path, output=None, align=None, seed=None, truncate_embeddings=False
                 if k in d.data:
                     raise d.error("only the final merge has an output folder (the others are written to a temporary "
                                   "folder and removed)", k)
-    return Description(path, out, jobs=jobs, alignment=spec, docs=docs, seed=seed, warnings=list(planner.warnings))
+    return Description(path, out, jobs=jobs, alignment=spec, docs=docs, seed=seed, warnings=list(planner.warnings),
+                       trust_remote_code=trust)
 
 
 def _output(docs, doc, output):

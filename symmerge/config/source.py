@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SymmergeError
+from ..io.yaml_bounded import MAX_BYTES, parse_bounded
 
 
 @dataclass
@@ -56,12 +57,20 @@ def dotted(where) -> str:
     return out
 
 
+def _key_text(k) -> str:
+    import yaml
+
+    return k.value if isinstance(k, yaml.ScalarNode) else str(k)
+
+
 def _walk(node, where, lines):
     import yaml
 
     if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            key = k.value if isinstance(k, yaml.ScalarNode) else str(k)
+        # a key given in the mapping itself and by a merge key (``<<: *anchor``, which the loader puts first)
+        # is named at the line where it is given last: the one that counts
+        entries = {_key_text(k): (k, v) for k, v in node.value}
+        for key, (k, v) in entries.items():
             lines.setdefault(where + (key,), k.start_mark.line + 1)
             _walk(v, where + (key,), lines)
     elif isinstance(node, yaml.SequenceNode):
@@ -71,23 +80,25 @@ def _walk(node, where, lines):
 
 
 def read_documents(path) -> list[Doc]:
-    """Every document of the YAML file ``path`` (empty documents skipped); a missing file or invalid YAML is
-    one error with its line."""
-    import yaml
-
+    """Every document of the YAML file ``path`` (empty documents skipped); a missing file, a file over
+    :data:`MAX_BYTES`, invalid YAML, a key given twice or an alias bomb is one error with its line."""
     path = Path(path)
     if not path.is_file():
         raise SymmergeError(f"config file not found: {path}")
-    text = path.read_text(encoding="utf-8")
     try:
-        values = list(yaml.safe_load_all(text))
-        nodes = list(yaml.compose_all(text))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise SymmergeError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise SymmergeError(f"{path}: cannot read the config ({e.strerror or e})") from None
+    if len(raw) > MAX_BYTES:
+        raise SymmergeError(f"{path}: the config is over {MAX_BYTES // (1024 * 1024)} MiB (a merge config is a "
+                            "few kilobytes); refusing to read it")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SymmergeError(f"{path}: not UTF-8 text (byte {e.start})") from None
     docs = []
-    for value, node in zip(values, nodes):
+    for value, node in parse_bounded(path, text):
         if value is None:
             continue
         lines: dict = {}

@@ -77,13 +77,14 @@ def vocab_size(config: dict) -> int | None:
 
 def load_tokenizer(folder):
     """The folder's tokenizer (fast, offline), or one error."""
-    from transformers import AutoTokenizer
-
+    from ..io.hf import auto_tokenizer
     from ..io.model import quiet_transformers
 
     try:
         with quiet_transformers():
-            return AutoTokenizer.from_pretrained(str(folder), use_fast=True, local_files_only=True)
+            return auto_tokenizer(folder, use_fast=True)
+    except SymmergeError:
+        raise
     except Exception as e:
         raise SymmergeError(f"{folder}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
 
@@ -96,13 +97,12 @@ def _copy(tok):
     """An independent copy of a tokenizer (saved and loaded back), so that adding tokens leaves it alone."""
     import tempfile
 
-    from transformers import AutoTokenizer
-
+    from ..io.hf import auto_tokenizer
     from ..io.model import quiet_transformers
 
     with tempfile.TemporaryDirectory() as d, quiet_transformers():
         tok.save_pretrained(d)
-        return AutoTokenizer.from_pretrained(d, use_fast=True, local_files_only=True)
+        return auto_tokenizer(d, use_fast=True)
 
 
 def build(source, folders: dict, configs: dict, base: int | None, first: int, tokens: dict,

@@ -63,8 +63,8 @@ def _convert_gguf(src: Path, name: str, dst: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=name, dtype=torch.float32, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=name, trust_remote_code=False)
         try:
             model.save_pretrained(str(dst))
         except ValueError:  # transformers 5 refuses to serialize a GGUF-loaded model: write the tensors directly

@@ -22,12 +22,13 @@ def _front_matter(text: str) -> dict:
     end = text.find("\n---", 3)
     if end < 0:
         return {}
-    try:
-        import yaml
+    from .yaml_bounded import parse_bounded
 
-        data = yaml.safe_load(text[3:end])
+    try:  # bounded as a config is: a card's aliases could otherwise expand to gigabytes when quoted
+        docs = parse_bounded(CARD, text[3:end])
     except Exception:  # a malformed card is quoted as having no metadata, not an error
         return {}
+    data = docs[0][0] if len(docs) == 1 else None
     return data if isinstance(data, dict) else {}
 
 

@@ -256,13 +256,16 @@ def load_tokenizer(source):
         raise SymmergeError("text data needs a tokenizer: the model folder has none and none was given")
     if not isinstance(source, (str, Path)):
         return source
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from .hf import auto_tokenizer
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        return auto_tokenizer(source)
+    except SymmergeError:
+        raise
     except Exception as e:
         raise SymmergeError(f"{source}: no usable tokenizer in the model folder ({type(e).__name__}: {e})") from None
     finally:

@@ -9,7 +9,92 @@ from collections.abc import Mapping
 import torch
 
 from ..core.resolve import declared_ties
-from ..errors import SymmergeError
+from ..errors import RemoteCodeError, SymmergeError
+
+
+_REMOTE_CODE = [False]  # process-wide: loads may run in worker threads, which a ContextVar would not reach
+REMOTE_CODE_FLAG = "--trust-remote-code"
+
+
+def remote_code_allowed() -> bool:
+    """Whether code shipped in a model or tokenizer folder may run (``--trust-remote-code``; never by
+    default): the value every ``from_pretrained`` symmerge calls passes as ``trust_remote_code``."""
+    return _REMOTE_CODE[0]
+
+
+@contextlib.contextmanager
+def trust_remote_code(allowed: bool = True):
+    """Within the block, let (``allowed``) or forbid code from model folders to run, as ``--trust-remote-code``
+    does for a command: ``with symmerge.trust_remote_code(): symmerge.merge(...)``."""
+    before = _REMOTE_CODE[0]
+    _REMOTE_CODE[0] = bool(allowed)
+    try:
+        yield
+    finally:
+        _REMOTE_CODE[0] = before
+
+
+def allow_remote_code(allowed: bool) -> None:
+    """Set :func:`remote_code_allowed` for the rest of the process (a command, inside the
+    :func:`trust_remote_code` block the command line opens; a config's ``trust_remote_code: true``)."""
+    _REMOTE_CODE[0] = bool(allowed)
+
+
+def _known_model_type(model_type) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
+
+
+def check_remote_code(config: dict, where) -> None:
+    """Refuse, in one line naming the flag, a folder whose config needs code of its own (an ``auto_map`` and
+    a ``model_type`` transformers does not know) unless :func:`remote_code_allowed`; transformers would
+    otherwise ask on the terminal, and import the folder's ``.py`` files on ``y``."""
+    auto_map = config.get("auto_map")
+    if not auto_map or remote_code_allowed() or _known_model_type(config.get("model_type")):
+        return
+    names = sorted({str(v if not isinstance(v, (list, tuple)) else next((x for x in v if x), "")).split(".")[0]
+                    for v in (auto_map.values() if isinstance(auto_map, dict) else [auto_map])} - {""})
+    code = ", ".join(f"{n}.py" for n in names) or "its own code"
+    raise RemoteCodeError(f"{where}: the model needs code shipped in its folder ({code}: config.json's auto_map); "
+                          f"symmerge runs no code from a model folder unless asked: pass {REMOTE_CODE_FLAG} "
+                          "if you trust it")
+
+
+def check_tokenizer_code(folder) -> None:
+    """As :func:`check_remote_code`, for a tokenizer: ``tokenizer_config.json`` whose ``auto_map`` names a
+    tokenizer class transformers does not have."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    path = Path(folder) / "tokenizer_config.json"
+    if remote_code_allowed() or not path.is_file():
+        return
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return  # unreadable: transformers' own loader says so
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not auto_map:
+        return
+    cls = config.get("tokenizer_class")
+    if isinstance(cls, str) and (hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast"))):
+        return  # transformers' own class: loaded without the folder's code
+    raise RemoteCodeError(f"{folder}: the tokenizer needs code shipped in its folder (tokenizer_config.json's "
+                          f"auto_map); symmerge runs no code from a model folder unless asked: pass "
+                          f"{REMOTE_CODE_FLAG} if you trust it")
+
+
+def auto_tokenizer(folder, **keywords):
+    """``AutoTokenizer.from_pretrained(folder, ...)`` offline, running the folder's code only when asked
+    (:func:`check_tokenizer_code` first: one line, never transformers' prompt)."""
+    from transformers import AutoTokenizer
+
+    check_tokenizer_code(folder)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=remote_code_allowed(),
+                                         **keywords)
 
 
 def model_class(config: dict):
@@ -48,6 +133,11 @@ def hf_config(config: dict):
     cls = model_class(config)
     cfg_cls = getattr(cls, "config_class", None) or transformers.AutoConfig
     if cfg_cls is transformers.AutoConfig:
+        model_type = config.get("model_type")
+        if not _known_model_type(model_type):  # (transformers' own message lists its 400 types)
+            custom = (": a model with its own code is read in memory only (symmerge merge --mode memory "
+                      f"{REMOTE_CODE_FLAG})") if config.get("auto_map") else ""
+            raise SymmergeError(f"transformers has no model type {model_type!r}{custom}")
         return transformers.AutoConfig.for_model(**config)
     return cfg_cls.from_dict(dict(config))
 

@@ -7,14 +7,16 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from ..errors import SymmergeError
+from ..errors import InputReadError, OutputError, SymmergeError
 from ..families import spec_for
-from .output import apply_umask, check_writable, clean_stale, temp_prefix
-from .hf import DiskNames, model_class, quiet_transformers  # noqa: F401  (re-exported: io.model's API)
+from .output import (apply_umask, check_free_space, check_writable, claim_output, clean_stale, os_fault, output_fault,
+                     release_output, temp_prefix)
+from .hf import DiskNames, check_remote_code, model_class, quiet_transformers, remote_code_allowed  # noqa: F401
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SINGLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -31,10 +33,20 @@ def read_config(path: Path, spec: bool = True) -> dict:
         raise SymmergeError(f"{path}: no config.json (expected a Hugging Face model folder)")
     try:
         config = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise SymmergeError(f"{cfg_file}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise InputReadError(f"{cfg_file}: cannot read ({e.strerror or e})") from None
+    if not isinstance(config, dict):
+        raise SymmergeError(f"{cfg_file}: not a JSON object (got a {type(config).__name__})")
     if "model_type" not in config:
         raise SymmergeError(f"{cfg_file}: no model_type")
+    if not isinstance(config["model_type"], str):
+        raise SymmergeError(f"{cfg_file}: model_type is a name, got {config['model_type']!r}")
+    archs = config.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise SymmergeError(f"{cfg_file}: architectures is a list of class names, got {archs!r}")
+    check_remote_code(config, path)
     if spec:
         spec_for(config["model_type"])  # unsupported types fail here, before any weights are read
     return config
@@ -107,7 +119,8 @@ def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool
     try:
         with quiet_transformers():
             model = model_class(config).from_pretrained(
-                str(path), use_safetensors=safe, local_files_only=True, dtype="auto"
+                str(path), use_safetensors=safe, local_files_only=True, dtype="auto",
+                trust_remote_code=remote_code_allowed(),
             )
     except SymmergeError:
         raise
@@ -118,33 +131,73 @@ def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool
 
 
 def ensure_output_dir(out: Path) -> None:
-    """``out`` is absent or an empty folder, and can be written (symmerge.io.output.check_writable): every
-    writing command calls this before any heavy work."""
+    """``out`` is absent or an empty folder, not a link, and can be written (symmerge.io.output.check_writable),
+    and this process claims it (symmerge.io.output.claim_output; released when the output is written or the
+    command ends): every writing command calls this before any heavy work."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise SymmergeError(f"{out}: output exists and is not an empty directory; refusing to overwrite")
+    if out.exists() and not out.is_symlink() and (not out.is_dir() or any(out.iterdir())):
+        raise OutputError(f"{out}: output exists and is not an empty directory; refusing to overwrite")
     check_writable(out)
+    claim_output(out)  # a second run writing the same folder fails now, not after its work
+
+
+def check_room(out, models) -> None:
+    """Free space for ``out``, before any work: about the weights of the smallest input folder (a merge or an
+    alignment writes one model of the inputs' tensors; :func:`symmerge.io.output.check_free_space`)."""
+    sizes = []
+    for m in models:
+        if isinstance(m, (str, Path)):
+            try:
+                sizes.append(sum(f.stat().st_size for f in weight_files(Path(m), allow_pickle=True)[0]))
+            except (SymmergeError, OSError):
+                pass
+    if sizes:
+        check_free_space(out, min(sizes))
 
 
 @contextlib.contextmanager
 def atomic_dir(out):
     """Yield a temp dir beside ``out`` (named so that a later run recognises it: symmerge.io.output); on
-    success give everything in it the umask's permissions and rename it to ``out``, on failure remove it.
-    Temporary folders of earlier runs whose process is gone are removed first."""
+    success give everything in it the umask's permissions and rename it to ``out``, on failure (an error, a
+    Ctrl-C, SIGTERM) remove it. Temporary folders of earlier runs whose process is gone are removed first. An
+    operating-system failure (a full disk, a file-size limit, a permission...) is one
+    :class:`~symmerge.errors.OutputError`. The claim on ``out`` ends with the block."""
     out = Path(out)
-    ensure_output_dir(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(out)
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
     try:
-        yield tmp
-        apply_umask(tmp)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
+        ensure_output_dir(out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            claim_output(out)
+            clean_stale(out)
+            tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
+        except OSError as e:
+            raise output_fault(out, e) from None
+        try:
+            yield tmp
+            apply_umask(tmp)
+            if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+                out.rmdir()
+            if out.exists():
+                raise OutputError(f"{out}: the output appeared while this run was writing it (another program?); "
+                                  "nothing was written")
+            os.rename(tmp, out)
+        except BaseException as e:
+            _remove(tmp)
+            fault = os_fault(e)
+            if fault is not None and not isinstance(e, SymmergeError):
+                raise output_fault(out, fault) from None
+            raise
+    finally:
+        release_output(out)
+
+
+def _remove(tmp: Path) -> None:
+    """Remove a temporary folder, again if a writer thread still finishing added to it meanwhile."""
+    for _ in range(20):
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if not tmp.exists():
+            return
+        time.sleep(0.05)
 
 
 # Files an output folder takes over from its source model: what loading and using the model needs

@@ -11,10 +11,20 @@ permissions the user's umask gives.
   names, without touching them, those of a process still running.
 * :func:`apply_umask` — every folder ``0o777 & ~umask``, every file ``0o666 & ~umask``, whatever wrote it
   (``tempfile.mkdtemp`` makes folders 0700, safetensors' writer files 0600).
+* :func:`claim_output` — the output is claimed at the start, atomically (``flock`` on
+  ``.<name>.symmerge-lock`` beside it, removed when the run ends): a second run writing the same folder
+  fails at once, in one line, instead of after all its work. :func:`output_claim` is the same around a
+  block (the library's writing entries).
+* :func:`check_free_space` — the file system has room for the output's planned size, before the work.
+* :func:`os_fault` / :func:`output_fault` — an operating-system failure (a full disk, a file-size limit, a
+  read-only file system, a permission), raised by Python or by safetensors' writer, as one
+  :class:`~symmerge.errors.OutputError` line.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import os
 import re
@@ -23,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..errors import SymmergeError
+from ..errors import OutputError, SymmergeError
 
 TAG = ".symmerge-tmp-"
 
@@ -97,16 +107,191 @@ def clean_stale(out, say=None) -> list[str]:
     return lines
 
 
-def _describe(e: OSError) -> str:
-    if e.errno == errno.EROFS:
-        return "read-only file system"
-    if e.errno in (errno.EACCES, errno.EPERM):
-        return "permission denied"
-    if e.errno == errno.ENOTDIR:
-        return "not a directory"
-    if e.errno == errno.ENOSPC:
-        return "no space left on the device"
-    return e.strerror or str(e)
+_REASONS = {errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+            errno.ENOTDIR: "not a directory", errno.ENOSPC: "no space left on the device",
+            errno.EFBIG: "file too large (the file-size limit, ulimit -f, or the file system's)",
+            errno.EDQUOT: "disk quota exceeded", errno.EIO: "input/output error",
+            errno.ENAMETOOLONG: "file name too long", errno.EMFILE: "too many open files"}
+
+
+def describe_fault(e: OSError) -> str:
+    return _REASONS.get(e.errno) or e.strerror or str(e)
+
+
+def os_fault(e: BaseException) -> OSError | None:
+    """The operating-system failure behind ``e``: ``e`` itself when it is an ``OSError``, or the one
+    safetensors' writer reports in its message (``... (os error 28)``); None for anything else."""
+    if isinstance(e, OSError):
+        return e
+    if type(e).__name__ == "SafetensorError":
+        m = re.search(r"os error (\d+)", str(e))
+        if m:
+            code = int(m.group(1))
+            return OSError(code, os.strerror(code))
+    return None
+
+
+def output_fault(out, e: OSError) -> OutputError:
+    """One line for an operating-system failure while ``out`` was being written: the reason, and the file
+    when it is not inside the temporary folder (an input, for instance)."""
+    name = getattr(e, "filename", None)
+    if name and TAG not in str(name) and not str(name).startswith(str(Path(out).parent / f".{Path(out).name}")) \
+            and Path(str(name)) != Path(out):
+        from ..errors import InputReadError
+
+        return InputReadError(f"{name}: {describe_fault(e)}; nothing was written")  # not the output's: an input's
+    return OutputError(f"{out}: cannot write the output: {describe_fault(e)}; nothing was written")
+
+
+def check_free_space(out, nbytes: int) -> None:
+    """The file system that will hold ``out`` has at least ``nbytes`` free (the plan's output size), else one
+    error before any work. Where the free space cannot be read, nothing is checked."""
+    out = Path(out)
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        free = shutil.disk_usage(parent).free
+    except OSError:
+        return
+    if nbytes > free:
+        raise OutputError(f"{out}: not enough free space: the output needs about {_size(nbytes)}, "
+                          f"{_size(free)} free in {parent}")
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+# ---------------------------------------------------------------- the output claimed for one run at a time
+
+LOCK = ".symmerge-lock"
+_claims: dict[str, tuple[int, Path]] = {}
+
+
+def lock_path(out) -> Path:
+    out = Path(out)
+    return out.parent / f".{out.name}{LOCK}"
+
+
+def _key(out) -> str:
+    return os.path.abspath(out)
+
+
+def claim_output(out) -> bool:
+    """Claim ``out`` for this process (an exclusive ``flock`` on :func:`lock_path`, which holds the pid);
+    True if claimed now, False if this process held it already or its parent folder does not exist yet
+    (:func:`symmerge.io.model.atomic_dir` claims it again once the parent is made). Another process's claim
+    is one :class:`~symmerge.errors.OutputError` at once. A claim left by a killed process is no claim: the
+    lock goes with the process."""
+    import fcntl
+
+    key = _key(out)
+    if key in _claims:
+        return False
+    path = lock_path(out)
+    if not path.parent.is_dir():
+        return False
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise OutputError(f"{out}: cannot write the output in {path.parent} ({describe_fault(e)})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no locks on this file system
+                os.close(fd)
+                _unlink_quietly(path)
+                return False
+            holder = _read_pid(fd)
+            os.close(fd)
+            who = f"process {holder}" if holder else "another process"
+            raise OutputError(f"{out}: another symmerge run ({who}) is writing this output; wait for it to end or "
+                              "choose another output folder") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except OSError:
+            same = False
+        if not same:  # the holder removed the lock file between our open and our lock: take the new one
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _claims[key] = (fd, path)
+        return True
+    raise OutputError(f"{out}: could not claim the output (its lock file {path} keeps changing)")
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        return int(os.pread(fd, 32, 0).decode().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def release_output(out) -> None:
+    """End this process's claim on ``out`` (its lock file removed); nothing if it holds none."""
+    claim = _claims.pop(_key(out), None)
+    if claim is None:
+        return
+    fd, path = claim
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def release_claims() -> None:
+    """End every claim of this process (the command's end, the interpreter's exit)."""
+    for key in list(_claims):
+        release_output(key)
+
+
+atexit.register(release_claims)
+
+
+def writes_output(function):
+    """For the library's entries that write a folder (their ``out`` argument): a claim the call made on
+    ``out`` ends with the call (succeeded or not: :func:`claim_output`), and an operating-system failure
+    that escaped is one :class:`~symmerge.errors.SymmergeError` (:class:`~symmerge.errors.OutputError`)."""
+    import functools
+    import inspect
+
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            out = signature.bind(*args, **kwargs).arguments.get("out")
+        except TypeError:
+            out = None
+        held = out is not None and _key(out) in _claims
+        try:
+            return function(*args, **kwargs)
+        except Exception as e:
+            fault = os_fault(e)
+            if fault is None or isinstance(e, SymmergeError) or out is None:
+                raise
+            raise output_fault(out, fault) from None
+        finally:
+            if out is not None and not held:
+                release_output(out)
+
+    return wrapper
 
 
 def check_writable(out) -> None:
@@ -114,19 +299,22 @@ def check_writable(out) -> None:
     directory where a folder can be created (a probe folder, created and removed at once: the temporary
     output is made and renamed there). Else one error naming the place and the reason."""
     out = Path(out)
+    if out.is_symlink():
+        raise OutputError(f"{out}: the output is a symbolic link (to {os.readlink(out)}); give the folder itself "
+                          "(symmerge writes a new folder in its place and never replaces a link)")
     if out.exists() and not out.is_dir():
-        raise SymmergeError(f"{out}: output exists and is not a directory")
+        raise OutputError(f"{out}: output exists and is not a directory")
     parent = out.parent  # where the temporary folder is made and renamed
     while not parent.exists():
         if parent.is_symlink():  # a dangling link: mkdir would fail on it
-            raise SymmergeError(f"{out}: cannot write the output ({parent} is a broken link)")
+            raise OutputError(f"{out}: cannot write the output ({parent} is a broken link)")
         parent = parent.parent
     if not parent.is_dir():
-        raise SymmergeError(f"{out}: cannot write the output ({parent} is not a directory)")
+        raise OutputError(f"{out}: cannot write the output ({parent} is not a directory)")
     try:
         probe = tempfile.mkdtemp(prefix=f".{out.name}.symmerge-probe-", dir=parent)
     except OSError as e:
-        raise SymmergeError(f"{out}: cannot write the output in {parent} ({_describe(e)})") from None
+        raise OutputError(f"{out}: cannot write the output in {parent} ({describe_fault(e)})") from None
     try:
         os.rmdir(probe)
     except OSError:

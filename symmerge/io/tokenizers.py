@@ -87,13 +87,14 @@ def _vocab_from_tokenizer_json(model: dict, where: Path) -> dict:
 def _auto_vocab(path: Path) -> dict:
     """The vocabulary of a tokenizer with no readable vocabulary file (sentencepiece, tiktoken)."""
     try:
-        from transformers import AutoTokenizer
-
+        from .hf import auto_tokenizer
         from .model import quiet_transformers
 
         with quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            tok = auto_tokenizer(path)
         return dict(tok.get_vocab())
+    except SymmergeError:
+        raise
     except Exception as e:  # any failure of a third-party loader: one clear message
         raise SymmergeError(f"{path}: could not read the tokenizer to compare it ({type(e).__name__}: {e}); pass "
                             "--allow-tokenizer-mismatch to go on without comparing") from None

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import SymmergeError
-from ..io.model import ensure_output_dir, save_model
+from ..errors import SymmergeError, UsageError
+from ..io.model import check_room, ensure_output_dir, save_model
+from ..io.output import writes_output
 from ..progress import stage
 from .fuse import MergeOptions, check_model_count, merge_models
 from .registry import get_method
@@ -17,6 +18,7 @@ from .modules import merge_pipeline_modules
 from .plan import plan_merge
 
 
+@writes_output
 def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords) -> dict:
     """Merge ``models`` (HF folders, or transformers models for an in-memory merge) into the folder ``out``
     (must not exist or be empty; written atomically) with ``options`` (a :class:`MergeOptions`, or its
@@ -26,12 +28,13 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
     if options is None:
         options = MergeOptions.from_keywords(**keywords)
     elif keywords:
-        raise TypeError("give either a MergeOptions or keywords, not both")
+        raise UsageError("give either a MergeOptions or keywords, not both")
     out = Path(out)
     ensure_output_dir(out)  # fail before any expensive work
     models, options = _single_files(list(models), options)
     check_model_count(get_method(options.method), len(models), options.base is not None)
     plan = plan_merge(models, options, mode=options.mode)
+    check_room(out, models)  # a full disk found now, not after the merge
     if plan.mode == "stream":
         from . import stream  # looked up at call time (tests bound the read-ahead budget through it)
 

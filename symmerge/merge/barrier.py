@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..core.distance import distance_before_after
 from ..device import resolve_device
-from ..errors import SymmergeError
+from ..errors import SymmergeError, UsageError
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
 from ..io.tokenizers import check_tokenizers
@@ -96,11 +96,11 @@ def _options(options, keywords: dict, name: str) -> BarrierOptions:
         try:
             return BarrierOptions(**keywords)
         except TypeError as e:
-            raise TypeError(f"{name}(): {e}") from None
+            raise UsageError(f"{name}(): {e}") from None
     if not isinstance(options, BarrierOptions):
-        raise TypeError(f"{name}(): options must be a BarrierOptions (the alignment options go in its align=)")
+        raise UsageError(f"{name}(): options must be a BarrierOptions (the alignment options go in its align=)")
     if keywords:
-        raise TypeError(f"{name}(): give either a BarrierOptions or keywords, not both")
+        raise UsageError(f"{name}(): give either a BarrierOptions or keywords, not both")
     return options
 
 

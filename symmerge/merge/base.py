@@ -48,7 +48,10 @@ def normalized_weights(weights, n: int, normalize: bool = True) -> list[float]:
     task) any finite values, not all zero."""
     if weights is None:
         weights = [1.0] * n
-    weights = [float(w) for w in weights]
+    try:
+        weights = [float(w) for w in weights]
+    except (TypeError, ValueError):
+        raise SymmergeError(f"weights must be numbers, got {weights!r}") from None
     if len(weights) != n:
         raise SymmergeError(f"got {len(weights)} weights for {n} models")
     if any(not abs(w) < float("inf") for w in weights) or not any(weights):

@@ -34,6 +34,7 @@ from ..errors import SymmergeError
 from ..io import direct
 from ..io.checkpoint import LazyCheckpoint, PlannedWriter, parse_size
 from ..io.model import atomic_dir, copy_side_files
+from ..io.output import check_free_space
 from ..progress import bar, stage
 from . import kernels
 from .base import merge_tensor
@@ -343,7 +344,7 @@ class StreamExecutor:
             try:
                 while True:
                     item = write_q.get()
-                    if item is None:
+                    if item is None or stop.is_set():
                         return
                     idx, tensor, inputs = item
                     if inputs is not None:
@@ -411,6 +412,9 @@ class StreamExecutor:
                 raise failures[0]
         except BaseException:
             stop.set()
+            _unblock(write_q)
+            for th in workers:  # nothing more written into the temporary folder once it is removed
+                th.join(timeout=5)
             target.abort()
             raise
         finally:
@@ -425,6 +429,14 @@ class StreamExecutor:
                               "writes": target.wrote_directly},
                 "thread_seconds": {k: round(v, 4) for k, v in clock.items()},
                 "seconds": seconds, "tensors": len(steps), "pairwise_sq": pair_sq, "result_sq": result_sq}
+
+
+def _unblock(q: queue.Queue) -> None:
+    """Wake a writer waiting on ``q`` (the end marker; nothing if the queue is full: it is not waiting)."""
+    try:
+        q.put_nowait(None)
+    except queue.Full:
+        pass
 
 
 def _unique(ckpts) -> list:
@@ -472,6 +484,7 @@ def execute_steps(inputs, steps, method, out, config=None, dtype=None, side_file
             naming = next((i for i, c in enumerate(ckpts) if c.folder.resolve() == Path(side_files_from).resolve()), 0)
     ex = StreamExecutor(ckpts, steps, method, dtype=dtype, naming=naming, shard_size=shard_size, budget=budget,
                         progress=progress)
+    check_free_space(out, sum(math.prod(shape) * dt.itemsize for _, dt, shape in ex.plan()))  # before any read
     with atomic_dir(out) as tmp:
         facts = ex.run(tmp)
         if config is None:

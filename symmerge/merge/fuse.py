@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..core.distance import distance, distance_before_after
 from ..device import resolve_device
-from ..errors import SymmergeError
+from ..errors import SymmergeError, UsageError
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import load_model
@@ -100,7 +100,7 @@ class MergeOptions:
         """The keyword form of :func:`merge_models` (``align``: a symmetry list or AlignOptions)."""
         unknown = set(kw) - {f.name for f in fields(cls)}
         if unknown:
-            raise TypeError(f"merge_models() got unexpected keyword {sorted(unknown)[0]!r}")
+            raise UsageError(f"merge_models() got unexpected keyword {sorted(unknown)[0]!r}")
         if not isinstance(align, AlignOptions):
             align = AlignOptions(symmetries=align, rescale=rescale, verify=verify)
 
@@ -322,7 +322,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     if options is None:
         options = MergeOptions.from_keywords(method=method or "average", **keywords)
     elif method is not None or keywords:
-        raise TypeError("give either a MergeOptions or keywords, not both")
+        raise UsageError("give either a MergeOptions or keywords, not both")
     if plan is None:
         plan = plan_merge(models, options, mode="memory")
     elif plan.mode != "memory":

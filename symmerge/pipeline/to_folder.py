@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SymmergeError
-from ..io.model import ensure_output_dir, save_model
+from ..io.model import check_room, ensure_output_dir, save_model
+from ..io.output import writes_output
 from ..progress import stage, stage_printer
 from .matchers import streaming_refusal
 from .options import AlignOptions
@@ -31,6 +32,7 @@ def stream_refusal(options: AlignOptions, allow_pickle: bool = False) -> str | N
     return None
 
 
+@writes_output
 def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, stream: bool = False,
                     progress: bool = True, allow_pickle: bool = False, allow_tokenizer_mismatch: bool = False,
                     shard_size=None, pipeline: bool = False, verify_forward: bool = False) -> dict:
@@ -50,6 +52,7 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
         anchor = as_folder(anchor, model if isinstance(model, (str, Path)) and not is_single_file(model) else None)
     if is_single_file(model):
         model = as_folder(model, anchor if isinstance(anchor, (str, Path)) else None)
+    check_room(out, [model])
     if stream:
         refusal = stream_refusal(options, allow_pickle)
         if refusal:
