@@ -29,7 +29,7 @@ from pathlib import Path
 from ..core import memory
 from ..core.distance import sq_distance
 from ..errors import SymmergeError
-from ..io.model import read_config, weight_files
+from ..io.model import ShardIndexError, read_config, weight_files
 from ..pipeline.matchers import streaming_refusal
 from ..pipeline.options import AlignOptions
 from ..pipeline.recommend import BASE_NOTE, has_spec, plain_fallback, recommended  # noqa: F401 (the plan's rules)
@@ -88,6 +88,8 @@ def checkpoint_bytes(folder) -> int:
     """Bytes of a folder's weight files (0 when it is not a folder of safetensors weights)."""
     try:
         files, safe = weight_files(Path(folder))
+    except ShardIndexError:  # a bad index is refused, not read as 'no safetensors'
+        raise
     except SymmergeError:
         return 0
     return sum(os.path.getsize(f) for f in files) if safe else 0
