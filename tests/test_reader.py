@@ -17,7 +17,7 @@ from conftest import npz_file, save_folder, vit_folder
 from factories import make_model
 from symmerge.errors import SymmergeError
 from symmerge.io.checkpoint import LazyCheckpoint
-from symmerge.io.model import load_model
+from symmerge.io.reader import load_model
 from test_bad_input import assert_clean_failure, run_cli, tree_hash
 
 pytestmark = pytest.mark.usefixtures("single_thread")

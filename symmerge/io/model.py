@@ -107,16 +107,18 @@ def check_finite(state_dict: dict, where: str, disk_names=None) -> None:
 
 def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool = True):
     """Load and validate an HF model folder; returns the model in eval mode. ``spec=False``: any model
-    type transformers loads (plain merges), not only those with a symmetry spec."""
+    type transformers loads (plain merges), not only those with a symmetry spec. A tensor transformers reports
+    missing (it would fill it at random) or unexpected (it would drop it) is refused; the commands load through
+    :func:`symmerge.io.reader.load_model`, which first reads the headers through the streamed paths' reader."""
     path = Path(path)
     config = read_config(path, spec=spec)
     files, safe = weight_files(path, allow_pickle)
     if safe:
-        from .checkpoint import LazyCheckpoint
+        check_safetensors(files)
+        if not config.get("architectures"):
+            from .architecture import infer_architecture
 
-        # the one reader's checks, from the headers, before transformers builds anything: config.json against
-        # the tensors, every tensor's shape, none missing, none extra — the streamed paths' very checks
-        config = LazyCheckpoint(path, spec=False).config
+            config["architectures"] = [infer_architecture(config, files, str(path))]
     try:
         with quiet_transformers():
             model, info = model_class(config).from_pretrained(
