@@ -1,0 +1,64 @@
+"""Results checked before they are written, in both wings (the executor's merging thread, and the in-memory
+methods that keep their own loop: statistics and the architecture's):
+
+* a non-finite merged tensor is an error naming the tensor and the arguments that made it (``--param
+  lambda=1e300`` overflows a task vector to Inf): nothing is written;
+* a merged tensor that is all zeros while its inputs are not, or whose norm is far outside its inputs'
+  range (:data:`FAR`), is a warning: a line in the log and an entry of the report's ``result_warnings``.
+
+One full pass over the result (its norm, which is finite exactly when every entry is, unless the squares
+overflow: then the entries are checked); the inputs' norms are estimated from an evenly strided sample of
+:data:`SAMPLE` entries, enough for a factor of :data:`FAR`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import SymmergeError
+
+FAR = 100.0  # a result norm more than this factor above the largest input norm, or below the smallest, is far
+SAMPLE = 1 << 14  # entries of each input sampled for its norm
+
+
+def _rms(t: torch.Tensor) -> float:
+    flat = t.reshape(-1)
+    if flat.numel() > SAMPLE:
+        flat = flat[:: flat.numel() // SAMPLE]
+    return float(torch.linalg.vector_norm(flat, dtype=torch.float32)) / math.sqrt(max(flat.numel(), 1))
+
+
+def describe_arguments(method, params, weights) -> str:
+    """The arguments a merged tensor was made with, those that differ from the method's defaults (for the
+    error; an alias is named by its parameter: ``lambda`` is ``scale``)."""
+    defaults = getattr(method, "params", None) or {}
+    given = ", ".join(f"{k}={v!r}" for k, v in sorted(dict(params or {}).items())
+                      if k not in defaults or defaults[k] != v)
+    text = f"method {method.name!r}" + (f" with {given}" if given else "")
+    return text + (f", weights {list(weights)}" if weights is not None else "")
+
+
+def check_result(name: str, value: torch.Tensor, inputs, method, params, weights=None) -> dict | None:
+    """Refuse a non-finite merged tensor ``value`` of output ``name`` (one error naming it and the arguments:
+    ``params`` as given, ``weights``); return a warning entry (``{"tensor", "warning", "norm", "inputs_norm"}``)
+    when it is all zeros while some input is not, or its norm is far outside its ``inputs``' range; else None."""
+    if not value.is_floating_point() or value.numel() == 0:
+        return None
+    norm = float(torch.linalg.vector_norm(value.reshape(-1), dtype=torch.float32))
+    if not math.isfinite(norm) and not bool(torch.isfinite(value).all()):
+        bad = "NaN" if bool(torch.isnan(value).any()) else "Inf"
+        raise SymmergeError(f"the merged tensor {name!r} holds {bad} values ({describe_arguments(method, params, weights)}): "
+                            "a parameter or weight out of range; nothing was written")
+    rms = norm / math.sqrt(value.numel()) if math.isfinite(norm) else math.inf
+    ranges = [_rms(t) for t in inputs if t is not None and t.is_floating_point()]
+    if not ranges:
+        return None
+    lo, hi = min(ranges), max(ranges)
+    if norm == 0.0 and hi > 0.0:
+        return {"tensor": name, "warning": "all zeros (its inputs are not)", "norm": 0.0, "inputs_rms": [lo, hi]}
+    if rms > FAR * hi or (lo > 0.0 and rms * FAR < lo):
+        return {"tensor": name, "warning": f"norm far outside its inputs' range (rms {rms:.3g}, inputs "
+                                           f"{lo:.3g}…{hi:.3g})", "rms": rms, "inputs_rms": [lo, hi]}
+    return None
