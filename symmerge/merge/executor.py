@@ -37,7 +37,7 @@ from ..io.model import atomic_dir, copy_side_files
 from ..progress import bar, stage
 from . import kernels
 from .base import merge_tensor
-from .outputs import check_result
+from .outputs import check_result, refuse_non_finite
 from .steps import TensorStep, step_arguments
 
 DEFAULT_SHARD = "2GB"  # output shards: written as they come, never held, so their size costs no memory
@@ -386,13 +386,17 @@ class StreamExecutor:
             except BaseException as e:  # raised in the calling thread
                 put_until_stopped(read_q, _Failure(e), stop)
 
-        def distances(tensor, inputs):
-            """The report's distances of one step (squared, summed into pair_sq and result_sq)."""
+        def distances(idx, tensor, inputs):
+            """The report's distances of one step (squared, summed into pair_sq and result_sq); a distance that is
+            not finite is a result that is not (the inputs were checked when read): refused before it is written."""
             t1 = time.perf_counter()
             n = len(inputs)
             fused = kernels.sq_distances(inputs, tensor) if kernels.AVAILABLE else None
+            to_result = [fused[1][i] if fused else _sq(tensor, inputs[i]) for i in range(n)]
+            if not all(math.isfinite(d) for d in to_result):
+                refuse_non_finite(steps[idx].name, tensor, m, steps[idx].params, steps[idx].weights)
             for i in range(n):
-                result_sq[i] = result_sq.get(i, 0.0) + (fused[1][i] if fused else _sq(tensor, inputs[i]))
+                result_sq[i] = result_sq.get(i, 0.0) + to_result[i]
             for i in range(n):
                 for j in range(i + 1, n):
                     pair_sq[i, j] = pair_sq.get((i, j), 0.0) + (fused[0][i, j] if fused else _sq(inputs[i], inputs[j]))
@@ -411,7 +415,7 @@ class StreamExecutor:
                         return
                     idx, tensor, inputs = item
                     if inputs is not None:
-                        distances(tensor, inputs)
+                        distances(idx, tensor, inputs)
                     t1 = time.perf_counter()
                     target.add(self.save_name(steps[idx].name), tensor)
                     clock["write"] += time.perf_counter() - t1
@@ -455,8 +459,10 @@ class StreamExecutor:
                     inputs, b = tensors[:n], (tensors[n] if st.base is not None else None)
                     weights, params = step_arguments(m, st, n, arg_cache)
                     value = merge_tensor(m, st.name, inputs, weights, None, b, params, context, out=room)
-                    # checked before it is written: non-finite refused, degenerate warned about
-                    warning = check_result(st.name, value, inputs + [b], m, st.params, st.weights)
+                    # checked before it is written: degenerate warned about; non-finite refused (here when no
+                    # distances are measured, else by the distances, which a non-finite result makes non-finite)
+                    warning = check_result(st.name, value, inputs + [b], m, st.params, st.weights,
+                                           full=not (self.measure and value.is_floating_point()))
                     if warning is not None:
                         warnings.append(warning)
                     if not value.is_floating_point() or not self.measure:
@@ -469,7 +475,7 @@ class StreamExecutor:
                     value = value.to(want)
                 del tensors, room
                 if inputs is not None and not distances_in_writer:
-                    distances(value, inputs)
+                    distances(idx, value, inputs)
                     inputs = None
                 put_until_stopped(write_q, (idx, value, inputs), stop)  # inputs: held (within the budget) until written
                 del value, inputs

@@ -6,9 +6,12 @@ methods that keep their own loop: statistics and the architecture's):
 * a merged tensor that is all zeros while its inputs are not, or whose norm is far outside its inputs'
   range (:data:`FAR`), is a warning: a line in the log and an entry of the report's ``result_warnings``.
 
-One full pass over the result (its norm, which is finite exactly when every entry is, unless the squares
-overflow: then the entries are checked); the inputs' norms are estimated from an evenly strided sample of
-:data:`SAMPLE` entries, enough for a factor of :data:`FAR`.
+The norms are estimated from an evenly strided sample of :data:`SAMPLE` entries of each tensor, enough for a
+factor of :data:`FAR` (a sample of zeros is confirmed on the whole result). Finiteness needs every entry: with
+``full`` one pass over the result (its norm, finite exactly when every entry is, unless the squares overflow:
+then the entries are checked); the streamed executor passes ``full=False`` and checks the distances it measures
+anyway (:func:`refuse_non_finite` when one is not finite: a non-finite result makes them so), so the streamed
+merge spends no extra pass.
 """
 
 from __future__ import annotations
@@ -40,24 +43,33 @@ def describe_arguments(method, params, weights) -> str:
     return text + (f", weights {list(weights)}" if weights is not None else "")
 
 
-def check_result(name: str, value: torch.Tensor, inputs, method, params, weights=None) -> dict | None:
-    """Refuse a non-finite merged tensor ``value`` of output ``name`` (one error naming it and the arguments:
-    ``params`` as given, ``weights``); return a warning entry (``{"tensor", "warning", "norm", "inputs_norm"}``)
-    when it is all zeros while some input is not, or its norm is far outside its ``inputs``' range; else None."""
-    if not value.is_floating_point() or value.numel() == 0:
-        return None
-    norm = float(torch.linalg.vector_norm(value.reshape(-1), dtype=torch.float32))
-    if not math.isfinite(norm) and not bool(torch.isfinite(value).all()):
+def refuse_non_finite(name: str, value: torch.Tensor, method, params, weights=None) -> None:
+    """One error naming the merged tensor ``name`` and the arguments (``params`` as given, ``weights``) when
+    ``value`` holds NaN or Inf."""
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
         bad = "NaN" if bool(torch.isnan(value).any()) else "Inf"
         raise SymmergeError(f"the merged tensor {name!r} holds {bad} values ({describe_arguments(method, params, weights)}): "
                             "a parameter or weight out of range; nothing was written")
-    rms = norm / math.sqrt(value.numel()) if math.isfinite(norm) else math.inf
+
+
+def check_result(name: str, value: torch.Tensor, inputs, method, params, weights=None, full: bool = True) -> dict | None:
+    """Refuse a non-finite merged tensor ``value`` of output ``name`` (with ``full``; one error naming it and the
+    arguments: ``params`` as given, ``weights``); return a warning entry (``{"tensor", "warning", "rms",
+    "inputs_rms"}``) when it is all zeros while some input is not, or its norm is far outside its ``inputs``'
+    range; else None."""
+    if not value.is_floating_point() or value.numel() == 0:
+        return None
+    if full:
+        norm = float(torch.linalg.vector_norm(value.reshape(-1), dtype=torch.float32))
+        if not math.isfinite(norm):
+            refuse_non_finite(name, value, method, params, weights)
     ranges = [_rms(t) for t in inputs if t is not None and t.is_floating_point()]
     if not ranges:
         return None
     lo, hi = min(ranges), max(ranges)
-    if norm == 0.0 and hi > 0.0:
-        return {"tensor": name, "warning": "all zeros (its inputs are not)", "norm": 0.0, "inputs_rms": [lo, hi]}
+    rms = _rms(value)
+    if rms == 0.0 and hi > 0.0 and not bool(value.any()):
+        return {"tensor": name, "warning": "all zeros (its inputs are not)", "rms": 0.0, "inputs_rms": [lo, hi]}
     if rms > FAR * hi or (lo > 0.0 and rms * FAR < lo):
         return {"tensor": name, "warning": f"norm far outside its inputs' range (rms {rms:.3g}, inputs "
                                            f"{lo:.3g}…{hi:.3g})", "rms": rms, "inputs_rms": [lo, hi]}
