@@ -90,6 +90,8 @@ def test_memory_and_stream_run_the_same_steps_and_write_the_same_bits(folders, t
     if method != "passthrough":  # a real merge, not a copy of an input
         k = "model.embed_tokens.weight"
         assert all(not torch.equal(result["memory"][k], tensors(f)[k]) for f in models)
+    assert reports["memory"]["plan"]["steps"] == reports["stream"]["plan"]["steps"] == {"merge": len(steps["memory"]),
+                                                                                      "copy": 0}
     # the reports agree but for the mode-specific entries
     drop = ("timings", "mode", "plan", "stream", "device", "side_files", "distances_between_inputs",
             "distance_result_to_inputs")

@@ -200,9 +200,12 @@ class MergePlan:
 
     def describe(self) -> dict:
         """The plan as the report records it (``plan``)."""
+        steps = None if self.steps is None else {"merge": sum(s.merge for s in self.steps),
+                                                 "copy": sum(not s.merge for s in self.steps)}
         return {"mode": self.mode, "why": self.why, "frame": self.frame,
                 "anchor_rule": self.anchor_rule if self.aligns else None,
-                "match": self.align.match if self.aligns else None, "statistics": self.statistics}
+                "match": self.align.match if self.aligns else None, "statistics": self.statistics,
+                "steps": steps}
 
 
 def plan_merge(models, options, mode: str = "auto") -> MergePlan:
