@@ -183,3 +183,22 @@ def test_a_shard_index_is_confined_to_the_model_folder(tmp_path, capsys, where):
         assert_clean_failure(rc, err, out, "outside the model's folder")
     # control: the same index naming its own shard loads
     assert LazyCheckpoint(other, spec=False).keys()
+
+
+def test_a_mixture_of_experts_missing_one_experts_tensor_is_the_same_line_everywhere(tmp_path, capsys):
+    """transformers fuses the experts in memory from per-expert tensors: one of them missing is named, in memory,
+    streamed, and read fused (align --stream) alike."""
+    a = save_folder(make_model("mixtral", head=True, dtype=torch.float32, seed=0), tmp_path / "a")
+    bad = save_folder(make_model("mixtral", head=True, dtype=torch.float32, seed=1), tmp_path / "bad")
+    gone = "model.layers.1.block_sparse_moe.experts.2.w3.weight"  # a part of the fused mlp.experts.gate_up_proj
+    edit_weights(bad, drop=[gone])
+    lines = set()
+    for argv in (["merge", a, bad, "--method", "average", "--align", "none", "--mode", "memory"],
+                 ["merge", a, bad, "--method", "average", "--align", "none", "--mode", "stream"],
+                 ["align", bad, a, "--stream"]):
+        out = tmp_path / "outs" / f"{argv[0]}-{argv[-1]}"
+        out.parent.mkdir(exist_ok=True)
+        rc, _, err = run_cli(capsys, *argv, "-o", out, "--progress", "none")
+        assert_clean_failure(rc, err, out, "lacks 1 tensor", gone)
+        lines.add(err.strip())
+    assert len(lines) == 1, lines

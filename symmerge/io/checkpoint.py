@@ -19,7 +19,7 @@ import torch
 from ..errors import SymmergeError
 from . import direct, names_cache
 from .hf import DiskNames, attention_heads, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
-from .shapes import check_complete, check_config_counts, check_shapes, expected_tensors
+from .shapes import check_complete, check_config_counts, check_shapes, expected_tensors, refuse_incomplete
 from .model import SAFE_INDEX, SAFE_SINGLE, check_finite, check_safetensors, read_config, weight_files
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -139,10 +139,8 @@ class LazyCheckpoint:
                 continue  # stored fused (under the in-memory name), or absent: the spec's resolution says
             if key in self.file_of:
                 raise SymmergeError(f"{self.folder}: {key!r} is stored both fused and as {present[0]!r}")
-            if len(present) != len(names):
-                missing = next(n for n in names if n not in self.file_of)
-                raise SymmergeError(f"{self.folder}: holds {len(present)} of the {len(names)} tensors of {key!r} "
-                                    f"(missing {missing!r}): truncated or mismatched checkpoint")
+            if len(present) != len(names):  # the one error of a missing tensor, as when read unfused
+                refuse_incomplete(self.folder, self.class_name, missing=[n for n in names if n not in self.file_of])
             for p in fz.parts:
                 if self.shape[p.name] != p.shape:
                     raise SymmergeError(f"{self.folder}: tensor {p.name!r} is {self.shape[p.name]}, {p.shape} "

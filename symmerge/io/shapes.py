@@ -126,7 +126,8 @@ def check_complete(ckpt, expected: dict, stored_names) -> None:
             continue
         if k in ckpt.ties and ckpt.ties[k] in present:
             continue
-        if k in fused and all(n in present for n in fused[k]):
+        if k in fused and any(n in present for n in fused[k]):  # stored split: name the parts it lacks
+            missing += [n for n in fused[k] if n not in present]
             continue
         missing.append(ckpt.save_name(k))
     refuse_incomplete(ckpt.folder, ckpt.class_name, missing, extra)
