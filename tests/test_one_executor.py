@@ -181,3 +181,17 @@ def test_print_plan_prints_the_steps_the_merge_runs_and_writes_nothing(folders, 
     ran = sorted((describe_step(s) for s in plans[mode].steps), key=lambda d: d["tensor"])
     assert sorted(printed["steps"], key=lambda d: d["tensor"]) == json.loads(json.dumps(ran))
     assert all(s["op"] == "merge" and s["base"] == [2, s["tensor"]] for s in printed["steps"])
+
+
+def test_result_checks_take_every_floating_dtype():
+    from symmerge.merge.outputs import check_result
+    from symmerge.merge.registry import get_method
+
+    m = get_method("average")
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        x = torch.randn(300, 7, dtype=torch.float64).to(dtype)
+        assert check_result("w", x, [x, x], m, {}) is None
+        assert check_result("w", torch.zeros_like(x), [x, x], m, {})["warning"].startswith("all zeros")
+        assert "far outside" in check_result("w", x * 1000, [x, x], m, {})["warning"]
+        with pytest.raises(Exception, match="holds NaN"):
+            check_result("w", torch.full_like(x, float("nan")), [x, x], m, {})

@@ -26,11 +26,16 @@ FAR = 100.0  # a result norm more than this factor above the largest input norm,
 SAMPLE = 1 << 14  # entries of each input sampled for its norm
 
 
+def _wide(t: torch.Tensor):
+    """float32 accumulation, float64 for float64 tensors (a norm may not narrow its input)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _rms(t: torch.Tensor) -> float:
     flat = t.reshape(-1)
     if flat.numel() > SAMPLE:
         flat = flat[:: flat.numel() // SAMPLE]
-    return float(torch.linalg.vector_norm(flat, dtype=torch.float32)) / math.sqrt(max(flat.numel(), 1))
+    return float(torch.linalg.vector_norm(flat, dtype=_wide(flat))) / math.sqrt(max(flat.numel(), 1))
 
 
 def describe_arguments(method, params, weights) -> str:
@@ -60,7 +65,7 @@ def check_result(name: str, value: torch.Tensor, inputs, method, params, weights
     if not value.is_floating_point() or value.numel() == 0:
         return None
     if full:
-        norm = float(torch.linalg.vector_norm(value.reshape(-1), dtype=torch.float32))
+        norm = float(torch.linalg.vector_norm(value.reshape(-1), dtype=_wide(value)))
         if not math.isfinite(norm):
             refuse_non_finite(name, value, method, params, weights)
     ranges = [_rms(t) for t in inputs if t is not None and t.is_floating_point()]
