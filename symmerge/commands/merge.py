@@ -89,6 +89,9 @@ def add_arguments(parser) -> None:
                              "tensors, any model size; per-tensor methods without alignment); memory: load the "
                              "models; auto (default): stream whatever can stream, else load")
     parser.add_argument("--shard-size", default="2GB", help="streamed output: largest shard (default 2GB)")
+    parser.add_argument("--print-plan", action="store_true",
+                        help="print the resolved plan and its steps (one per output tensor: copy, or merge with "
+                             "which inputs and parameters) as JSON, then exit without reading weights or writing")
     add_alignment_arguments(parser)
     add_progress_argument(parser)
 
@@ -151,12 +154,36 @@ def options_from(args):
         joint_rounds=args.joint_rounds, joint_refine=args.joint_refine, mode=args.mode, shard_size=args.shard_size)
 
 
+def print_plan(models, options) -> int:
+    """``--print-plan``: the plan (:func:`~symmerge.merge.plan.plan_merge`) and its steps from the headers
+    (:func:`~symmerge.merge.stream.header_steps`), printed as JSON; nothing read beyond headers, nothing written."""
+    import json
+
+    from ..merge.plan import plan_merge
+    from ..merge.steps import describe_step
+    from ..merge.stream import header_steps
+
+    plan = plan_merge(list(models), options, mode=options.mode)
+    steps = header_steps(list(models), options, plan)
+    print(json.dumps({"method": plan.method.name, "params": plan.params, "weights": plan.weights,
+                      "models": plan.names, "base": str(options.base) if options.base is not None else None,
+                      "model_type": plan.model_type, "alignment": {"requested": plan.requested,
+                                                                   "symmetries": list(plan.align.symmetries or [])},
+                      "heads": plan.heads, "head_from": options.head_from, "plan": plan.describe(),
+                      "steps": None if steps is None else [describe_step(s) for s in steps],
+                      **({"note": "the method gathers statistics or reads the architecture: its own loop, "
+                                  "no per-tensor steps"} if steps is None else {})}, indent=2, default=str))
+    return 0
+
+
 def run(args) -> int:
     from ..merge.api import merge_to_folder
 
     out = Path(args.output)
     ensure_output_dir(out)  # fail before any expensive work
     get_method(args.method)
+    if args.print_plan:
+        return print_plan(args.models, options_from(args))
     report = merge_to_folder(args.models, out, options_from(args))
     why = report["plan"]["why"]
     alignment = report["alignment"]
@@ -166,6 +193,8 @@ def run(args) -> int:
     if alignment.get("note"):
         print(f"note: {alignment['note']}", file=sys.stderr)
     print_note(report.get("tokenizer"))
+    for w in report.get("result_warnings") or []:
+        print(f"warning: merged tensor {w['tensor']!r}: {w['warning']}", file=sys.stderr)
     print_adapted(report)  # a base-class model read as the fine-tunes' class (symmerge.io.prefix)
     if alignment.get("joint"):
         j = alignment["joint"]

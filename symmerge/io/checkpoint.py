@@ -19,7 +19,7 @@ import torch
 from ..errors import SymmergeError
 from . import direct, names_cache
 from .hf import DiskNames, attention_heads, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
-from .shapes import check_shapes, expected_shapes
+from .shapes import check_complete, check_config_counts, check_shapes, expected_tensors, refuse_incomplete
 from .model import SAFE_INDEX, SAFE_SINGLE, check_finite, check_safetensors, read_config, weight_files
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -66,6 +66,8 @@ class LazyCheckpoint:
             raise SymmergeError(f"{self.folder}: streaming needs safetensors weights")
         check_safetensors(files)
         self.files = files
+        # config.json against the stored tensors before any model is built from it (a lying layer count)
+        check_config_counts(self.folder, self.config, stored_shapes(files))
         if not self.config.get("architectures"):
             from .architecture import infer_architecture
 
@@ -79,9 +81,10 @@ class LazyCheckpoint:
                 rename, ties, parts = disk_to_memory_names(self.config, cfg, fused=True)
             else:
                 (rename, ties), parts = disk_to_memory_names(self.config, cfg), {}
+            tensors = expected_tensors(self.config, cfg, rename.values())
             return {"rename": rename, "ties": ties, "parts": parts, "class": cls.__name__,
                     "prefix": getattr(cls, "base_model_prefix", "") or "", "heads": attention_heads(cfg),
-                    "shapes": expected_shapes(self.config, cfg)}
+                    "shapes": tensors.pop("shapes"), "tensors": tensors}
 
         # the names, ties, class and head counts: cached per transformers version and config (building the
         # weightless model that gives them imports transformers' modeling stack: most of a small merge's time)
@@ -117,9 +120,13 @@ class LazyCheckpoint:
         for alias, key in aliases:
             if alias not in self.file_of:
                 self._same_as(alias, key)
+        stored_names = list(self.file_of)
         self._fold_ties()
         self._fuse(fusions)
-        check_shapes(self, known.get("shapes"))  # the config's shapes: a streamed path never builds the model
+        # the config's shapes, and every tensor accounted for: the one check of both paths (in memory,
+        # load_model reads the headers through this class before transformers loads anything)
+        check_shapes(self, known.get("shapes"))
+        check_complete(self, {"shapes": known.get("shapes"), **known.get("tensors", {})}, stored_names)
 
     def _fuse(self, fusions: dict) -> None:
         """Replace each complete set of stored tensors of a fused tensor by the fused tensor (at the place of
@@ -132,10 +139,8 @@ class LazyCheckpoint:
                 continue  # stored fused (under the in-memory name), or absent: the spec's resolution says
             if key in self.file_of:
                 raise SymmergeError(f"{self.folder}: {key!r} is stored both fused and as {present[0]!r}")
-            if len(present) != len(names):
-                missing = next(n for n in names if n not in self.file_of)
-                raise SymmergeError(f"{self.folder}: holds {len(present)} of the {len(names)} tensors of {key!r} "
-                                    f"(missing {missing!r}): truncated or mismatched checkpoint")
+            if len(present) != len(names):  # the one error of a missing tensor, as when read unfused
+                refuse_incomplete(self.folder, self.class_name, missing=[n for n in names if n not in self.file_of])
             for p in fz.parts:
                 if self.shape[p.name] != p.shape:
                     raise SymmergeError(f"{self.folder}: tensor {p.name!r} is {self.shape[p.name]}, {p.shape} "
@@ -371,6 +376,20 @@ def blocks_of(tensor: torch.Tensor, first: int, stride: int, width: int) -> torc
     the end), concatenated: what :meth:`LazyCheckpoint.read_blocks` reads from a file."""
     flat = tensor.reshape(-1)
     return torch.cat([flat[p:p + width] for p in range(first, flat.numel(), stride)] or [flat[:0]])
+
+
+def stored_shapes(files) -> dict[str, list[int]]:
+    """{stored name: shape} of every tensor of the safetensors ``files``, from their headers alone."""
+    out: dict[str, list[int]] = {}
+    for f in files:
+        try:
+            with open(f, "rb") as handle:
+                n = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(n))
+            out.update({k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SymmergeError(f"{f}: unreadable safetensors header ({e})") from None
+    return out
 
 
 def _offsets(file: Path) -> dict[str, tuple[int, int]]:

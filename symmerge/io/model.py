@@ -52,12 +52,25 @@ def read_config(path: Path, spec: bool = True) -> dict:
     return config
 
 
+class ShardIndexError(SymmergeError):
+    """A shard index that is malformed or names files outside its folder: never read past, in any mode."""
+
+
 def _shards(path: Path, index_name: str) -> list[Path]:
+    """The shard files a shard index names, each confined to the model's folder: a name that is absolute,
+    climbs out (``..``) or is not a plain string is refused (an index must not make symmerge read another
+    folder's files). Symlinks inside the folder are followed (a hub cache's snapshots link to its blobs)."""
     try:
         index = json.loads((path / index_name).read_text())
-        return [path / f for f in sorted(set(index["weight_map"].values()))]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise SymmergeError(f"{path / index_name}: malformed shard index ({e})") from None
+        names = sorted(set(index["weight_map"].values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ShardIndexError(f"{path / index_name}: malformed shard index ({e})") from None
+    for name in names:
+        parts = Path(name).parts if isinstance(name, str) else ()
+        if not name or not isinstance(name, str) or os.path.isabs(name) or ".." in parts or "\\" in name:
+            raise ShardIndexError(f"{path / index_name}: shard {name!r} lies outside the model's folder; a shard "
+                                "index may only name files inside it")
+    return [path / f for f in names]
 
 
 def weight_files(path: Path, allow_pickle: bool = False) -> tuple[list[Path], bool]:
@@ -106,7 +119,9 @@ def check_finite(state_dict: dict, where: str, disk_names=None) -> None:
 
 def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool = True):
     """Load and validate an HF model folder; returns the model in eval mode. ``spec=False``: any model
-    type transformers loads (plain merges), not only those with a symmetry spec."""
+    type transformers loads (plain merges), not only those with a symmetry spec. A tensor transformers reports
+    missing (it would fill it at random) or unexpected (it would drop it) is refused; the commands load through
+    :func:`symmerge.io.reader.load_model`, which first reads the headers through the streamed paths' reader."""
     path = Path(path)
     config = read_config(path, spec=spec)
     files, safe = weight_files(path, allow_pickle)
@@ -118,16 +133,33 @@ def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool
             config["architectures"] = [infer_architecture(config, files, str(path))]
     try:
         with quiet_transformers():
-            model = model_class(config).from_pretrained(
-                str(path), use_safetensors=safe, local_files_only=True, dtype="auto",
+            model, info = model_class(config).from_pretrained(
+                str(path), use_safetensors=safe, local_files_only=True, dtype="auto", output_loading_info=True,
                 trust_remote_code=remote_code_allowed(),
             )
     except SymmergeError:
         raise
     except Exception as e:
         raise SymmergeError(f"{path}: transformers could not load the model ({type(e).__name__}: {e})") from None
+    check_loading_info(path, model, info)
     check_finite(model.state_dict(), str(path), DiskNames(model))
     return model.to(device).eval()
+
+
+def check_loading_info(path, model, info: dict) -> None:
+    """What transformers itself says it filled at random or dropped while loading (a pickle checkpoint has no
+    headers to read first), refused with the headers' one error (:func:`symmerge.io.shapes.refuse_incomplete`)."""
+    from .shapes import refuse_incomplete
+
+    names = DiskNames(model)
+    missing = sorted(names.get(k, k) for k in info.get("missing_keys") or ())
+    extra = sorted(info.get("unexpected_keys") or ())
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        k = mismatched[0][0] if isinstance(mismatched[0], tuple) else mismatched[0]
+        raise SymmergeError(f"{path}: tensor {names.get(k, k)!r} does not have the shape its config.json "
+                            f"({type(model).__name__}) gives it: a mismatched or corrupt checkpoint")
+    refuse_incomplete(path, type(model).__name__, missing, extra)
 
 
 def ensure_output_dir(out: Path) -> None:

@@ -44,22 +44,26 @@ def _heads_from_json(value):
     return value
 
 
+_KEPT = ("rename", "ties", "class", "prefix", "heads", "shapes", "tensors")
+
+
 def facts(config: dict, fused: bool, build) -> dict:
     """``build()``'s facts for ``config`` (a dict with ``rename``, ``ties``, ``parts``, ``class``,
-    ``prefix``, ``heads``, ``shapes``: the class's tensor shapes, :mod:`symmerge.io.shapes`), from the
+    ``prefix``, ``heads``, ``shapes``: the class's tensor shapes, and ``tensors``: its buffers, fused tensors and
+    ignore patterns, :mod:`symmerge.io.shapes`), from the
     cache when an entry exists, else built and cached (when
     ``parts`` is empty). The returned dict also says ``cached``: whether it came from the cache."""
     path = cache_dir() / f"{_key(config, fused)}.json" if _enabled() else None
     if path is not None and path.is_file():
         try:
             entry = json.loads(path.read_text())
-            if set(entry) >= {"rename", "ties", "class", "prefix", "heads", "shapes"}:
+            if set(entry) >= set(_KEPT):
                 return {**entry, "parts": {}, "heads": _heads_from_json(entry["heads"]), "cached": True}
         except (OSError, ValueError):
             pass  # rebuilt below
     out = build()
     if path is not None and not out.get("parts"):
-        entry = {k: out[k] for k in ("rename", "ties", "class", "prefix", "heads", "shapes")}
+        entry = {k: out[k] for k in _KEPT}
         try:
             text = json.dumps(entry)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ from ..io.output import check_free_space
 from ..progress import bar, stage
 from . import kernels
 from .base import merge_tensor
+from .outputs import check_result, refuse_non_finite
 from .steps import TensorStep, step_arguments
 
 DEFAULT_SHARD = "2GB"  # output shards: written as they come, never held, so their size costs no memory
@@ -168,8 +169,66 @@ def default_budget(sizes: list[int]) -> int:
     return max(min(2 * top[0], top[0] + 2 * top[1]), 64 * 2 ** 20)
 
 
-def _checkpoint(x) -> LazyCheckpoint:
-    return x if isinstance(x, LazyCheckpoint) else LazyCheckpoint(x, spec=False)
+class MemorySource:
+    """A state dict as one of the executor's sources, with the reads of a
+    :class:`~symmerge.io.checkpoint.LazyCheckpoint` (the in-memory merge is the executor with memory sources):
+    a read hands the tensor itself — no copy, nothing placed in the read-ahead ring (:meth:`room` is 0)."""
+
+    def __init__(self, tensors: dict, name: str = "model"):
+        self.tensors, self.folder = tensors, Path(name)
+        self.shape = {k: tuple(t.shape) for k, t in tensors.items()}
+        self.dtype = {k: t.dtype for k, t in tensors.items()}
+        self.file_of: dict = {}  # no files: no direct I/O
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def nbytes(self, key: str) -> int:
+        t = self.tensors[key]
+        return t.numel() * t.element_size()
+
+    def room(self, key: str) -> int:
+        return 0
+
+    def save_name(self, key: str) -> str:
+        return key
+
+    def read_direct(self, key: str, check: bool = True, buffer=None):
+        return self.tensors[key].detach()
+
+    def map_direct(self, key: str, check: bool = True):
+        return self.tensors[key].detach()
+
+    def read_blocks(self, key: str, first: int, stride: int, width: int):
+        from ..io.checkpoint import blocks_of
+
+        return blocks_of(self.tensors[key].detach(), first, stride, width)
+
+
+class MemoryTarget:
+    """Where the executor puts the results of a merge in memory: ``tensors`` {output name: tensor} (the
+    results are kept, so the executor gives each its own memory, never the ring's)."""
+
+    keeps = True
+    wrote_directly = False
+
+    def __init__(self):
+        self.tensors: dict = {}
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor) -> None:
+        self.tensors[name] = tensor
+        self.total_bytes += tensor.numel() * tensor.element_size()
+
+    def abort(self) -> None:
+        self.tensors.clear()
+
+    def close(self) -> list:
+        return []
+
+
+def _checkpoint(x):
+    return x if isinstance(x, (LazyCheckpoint, MemorySource)) else LazyCheckpoint(x, spec=False)
 
 
 class StreamExecutor:
@@ -180,17 +239,19 @@ class StreamExecutor:
     the output takes (``save_pretrained``'s names). Everything is checked on construction, before any read."""
 
     def __init__(self, inputs, steps, method, dtype=None, naming: int = 0, shard_size=DEFAULT_SHARD, budget=None,
-                 progress: bool = True):
+                 progress: bool = True, distances: bool = True, keep: bool = False):
+        """``distances``: measure the report's distances (a caller that measures its own passes False);
+        ``keep``: the results are kept (:class:`MemoryTarget`), so none is placed in the ring."""
         if method.needs or method.needs_model:
             raise SymmergeError(f"method {method.name!r} needs the models in memory; it cannot run streamed")
         self.ckpts = [_checkpoint(x) for x in inputs]
         self.steps = [s if isinstance(s, TensorStep) else TensorStep(**s) for s in steps]
-        self.method, self.dtype, self.progress = method, dtype, progress
+        self.method, self.dtype, self.progress, self.measure = method, dtype, progress, distances
         self.naming = self.ckpts[naming]
         self.max_bytes = parse_size(shard_size)
         self._check()
         self.sizes = [sum(_aligned(self.ckpts[s.model].room(s.key)) for s in self.reads(st)) +
-                      _aligned(max(self.out_bytes(st), self.ref_bytes(st))) for st in self.steps]
+                      (0 if keep else _aligned(max(self.out_bytes(st), self.ref_bytes(st)))) for st in self.steps]
         self.limit = int(budget if budget is not None else default_budget(self.sizes))
         self.largest = max((max(self.ckpts[s.model].nbytes(s.key) for s in self.reads(st)) for st in self.steps),
                            default=0)
@@ -275,21 +336,23 @@ class StreamExecutor:
             return m.prepare(views, base, weights, params)
 
     # ------------------------------------------------ read ahead, merge, write behind
-    def run(self, folder) -> dict:
-        """Write the output shards into ``folder``; the measured facts: ``shards``, ``bytes_written``,
+    def run(self, folder=None, target=None) -> dict:
+        """Write the output shards into ``folder`` (or hand every result to ``target``, a
+        :class:`MemoryTarget`); the measured facts: ``shards``, ``bytes_written``,
         ``largest_tensor_bytes``, the read-ahead ring's budget and peak, direct I/O, the threads' seconds,
-        ``seconds`` (prepare, merge), and the squared distances summed over the merged steps between source
-        positions (``pairwise_sq``: {(i, j): …}) and from the result to each (``result_sq``: {i: …})."""
+        ``seconds`` (prepare, merge), the squared distances summed over the merged steps between source
+        positions (``pairwise_sq``: {(i, j): …}) and from the result to each (``result_sq``: {i: …}), and
+        ``result_warnings`` (:func:`symmerge.merge.outputs.check_result`: a non-finite result is an error)."""
         import torch
 
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # parallel work: the reader, merging and writer threads (chunks single-threaded)
         try:
-            return self._run(Path(folder))
+            return self._run(folder, target)
         finally:
             torch.set_num_threads(threads)
 
-    def _run(self, folder: Path) -> dict:
+    def _run(self, folder, target) -> dict:
         m, steps, ckpts = self.method, self.steps, self.ckpts
         t = time.perf_counter()
         context = self.prepare()
@@ -301,6 +364,7 @@ class StreamExecutor:
         pair_sq: dict = {}
         result_sq: dict = {}
         arg_cache: dict = {}
+        warnings: list = []
         pool = ThreadPoolExecutor(max_workers=max(1, len(ckpts)))  # one read per model at once: a deeper I/O queue
 
         def reader():
@@ -323,13 +387,17 @@ class StreamExecutor:
             except BaseException as e:  # raised in the calling thread
                 put_until_stopped(read_q, _Failure(e), stop)
 
-        def distances(tensor, inputs):
-            """The report's distances of one step (squared, summed into pair_sq and result_sq)."""
+        def distances(idx, tensor, inputs):
+            """The report's distances of one step (squared, summed into pair_sq and result_sq); a distance that is
+            not finite is a result that is not (the inputs were checked when read): refused before it is written."""
             t1 = time.perf_counter()
             n = len(inputs)
             fused = kernels.sq_distances(inputs, tensor) if kernels.AVAILABLE else None
+            to_result = [fused[1][i] if fused else _sq(tensor, inputs[i]) for i in range(n)]
+            if not all(math.isfinite(d) for d in to_result):
+                refuse_non_finite(steps[idx].name, tensor, m, steps[idx].params, steps[idx].weights)
             for i in range(n):
-                result_sq[i] = result_sq.get(i, 0.0) + (fused[1][i] if fused else _sq(tensor, inputs[i]))
+                result_sq[i] = result_sq.get(i, 0.0) + to_result[i]
             for i in range(n):
                 for j in range(i + 1, n):
                     pair_sq[i, j] = pair_sq.get((i, j), 0.0) + (fused[0][i, j] if fused else _sq(inputs[i], inputs[j]))
@@ -348,7 +416,7 @@ class StreamExecutor:
                         return
                     idx, tensor, inputs = item
                     if inputs is not None:
-                        distances(tensor, inputs)
+                        distances(idx, tensor, inputs)
                     t1 = time.perf_counter()
                     target.add(self.save_name(steps[idx].name), tensor)
                     clock["write"] += time.perf_counter() - t1
@@ -358,7 +426,8 @@ class StreamExecutor:
                 failures.append(e)
                 stop.set()
 
-        target = PlannedWriter(folder, self.plan(), self.max_bytes)
+        if target is None:
+            target = PlannedWriter(Path(folder), self.plan(), self.max_bytes)
         workers = [threading.Thread(target=reader, daemon=True),
                    threading.Thread(target=writer, args=(target,), daemon=True)]
         for th in workers:
@@ -391,7 +460,13 @@ class StreamExecutor:
                     inputs, b = tensors[:n], (tensors[n] if st.base is not None else None)
                     weights, params = step_arguments(m, st, n, arg_cache)
                     value = merge_tensor(m, st.name, inputs, weights, None, b, params, context, out=room)
-                    if not value.is_floating_point():
+                    # checked before it is written: degenerate warned about; non-finite refused (here when no
+                    # distances are measured, else by the distances, which a non-finite result makes non-finite)
+                    warning = check_result(st.name, value, inputs + [b], m, st.params, st.weights,
+                                           full=not (self.measure and value.is_floating_point()))
+                    if warning is not None:
+                        warnings.append(warning)
+                    if not value.is_floating_point() or not self.measure:
                         inputs = None
                     del b
                 else:
@@ -401,7 +476,7 @@ class StreamExecutor:
                     value = value.to(want)
                 del tensors, room
                 if inputs is not None and not distances_in_writer:
-                    distances(value, inputs)
+                    distances(idx, value, inputs)
                     inputs = None
                 put_until_stopped(write_q, (idx, value, inputs), stop)  # inputs: held (within the budget) until written
                 del value, inputs
@@ -428,7 +503,8 @@ class StreamExecutor:
                                            for c in _unique(ckpts)),
                               "writes": target.wrote_directly},
                 "thread_seconds": {k: round(v, 4) for k, v in clock.items()},
-                "seconds": seconds, "tensors": len(steps), "pairwise_sq": pair_sq, "result_sq": result_sq}
+                "seconds": seconds, "tensors": len(steps), "pairwise_sq": pair_sq, "result_sq": result_sq,
+                "result_warnings": warnings}
 
 
 def _unblock(q: queue.Queue) -> None:

@@ -24,7 +24,7 @@ from ..device import resolve_device
 from ..errors import SymmergeError, UsageError
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
-from ..io.model import load_model
+from ..io.reader import load_model
 from ..io.prefix import adapt_models, not_merged
 from ..io.sentence_transformers import check_pipelines, output_reader
 from ..io.tokenizers import check_tokenizers
@@ -42,7 +42,9 @@ from .repair import DEFAULT_CHANNELS, parse_channels, repair, statistics_data
 from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_mergeable, head_keys, head_policy,
                     head_report, untied, with_tied)
 from .statistics import gather
+from .outputs import check_result
 from .plan import anchor_rule, average_keys, closest_to_average, merge_report, plan_merge
+from .steps import plain_merge_steps
 
 
 
@@ -437,23 +439,24 @@ def _statistics(run: _Run, models) -> None:
 
 
 def _merge(run: _Run, models) -> None:
-    """The method's one state-dict loop over the body (and the heads when merged); REPAIR if asked for."""
+    """The body (and the heads when merged) merged — by the executor over the state dicts for a per-tensor method
+    (:func:`_execute`), by the method's own loop for one with statistics or the architecture — and every result
+    checked (:func:`symmerge.merge.outputs.check_result`); REPAIR if asked for."""
     t = time.perf_counter()
     opts, m, aligned = run.opts, run.m, run.aligned
     keys = untied(run.models[0], run.body + (sorted(head_keys(run.models[0])) if opts.heads == "merge" else []))
     keys = [k for k in keys if k not in not_merged(run.adapted)]  # a base model's missing head: kept, not merged
     run.sds = sds = [x.state_dict() for x in aligned]
-    sub = [{k: sd[k] for k in keys} for sd in sds]
-    stats = run.stats
-    stats_sub = (None if stats is None else stats if m.needs_model
-                 else [{k: s[k] for k in keys if k in s} for s in stats])
-    extra = ({"base": {k: run.aligned_base.state_dict()[k] for k in keys}}
-             if m.needs_base or (m.accepts_base and run.aligned_base is not None) else {})
-    if m.needs_model:  # the architecture, and the model the others were aligned to
-        extra.update(model=aligned[0], anchor=run.alignment["anchor"]["index"])
+    run.holder = holder = aligned[opts.head_from]
+    base_sd = (run.aligned_base.state_dict() if m.needs_base or (m.accepts_base and run.aligned_base is not None)
+               else None)
     with stage(f"merged ({m.name})", enabled=opts.progress):
-        run.merged_sd = m.merge(sub, weights=opts.weights, stats=stats_sub, **extra, **opts.params)
-        run.holder = holder = aligned[opts.head_from]
+        if m.needs or m.needs_model:
+            run.merged_sd, run.result_warnings = _merge_with_statistics(run, keys, sds, base_sd)
+            run.steps = None
+        else:  # the executor with memory sources: the streamed merge's steps and loop
+            run.merged_sd, run.steps, run.result_warnings = _execute(run, keys, sds, base_sd)
+            run.plan.steps = run.steps
         run.out = with_state_dict(holder, with_tied(holder, run.merged_sd))
     run.timings["merge"] = time.perf_counter() - t
     run.repair_info = None
@@ -463,6 +466,45 @@ def _merge(run: _Run, models) -> None:
                                           statistics_data(load_align_data(opts.align, run.out), opts.repair_samples),
                                           channels=opts.repair_channels, progress=opts.progress)
         run.timings["repair"] = time.perf_counter() - t
+
+
+def _execute(run: _Run, keys, sds, base_sd) -> tuple[dict, list, list]:
+    """(the merged tensors, the steps run, the result warnings) of a per-tensor method: the plain merge's steps
+    (:func:`~symmerge.merge.steps.plain_merge_steps`: ``keys`` merged, the rest of the holder's tensors copied)
+    run by the executor (:class:`~symmerge.merge.executor.StreamExecutor`) from the state dicts, as a streamed
+    merge runs them from the files."""
+    from .executor import MemorySource, MemoryTarget, StreamExecutor
+
+    opts, n = run.opts, len(sds)
+    order = untied(run.holder, list(sds[opts.head_from]))
+    steps = plain_merge_steps(order, keys, n, base=n if base_sd is not None else None, weights=opts.weights,
+                              params=opts.params, head_from=opts.head_from)
+    sources = [MemorySource(sd, name) for sd, name in zip(sds, run.names)]
+    if base_sd is not None:
+        sources.append(MemorySource(base_sd, run.base_name or "base"))
+    target = MemoryTarget()
+    facts = StreamExecutor(sources, steps, run.m, naming=opts.head_from, progress=False, distances=False,
+                           keep=True).run(target=target)
+    merged = set(keys)
+    return {k: v for k, v in target.tensors.items() if k in merged}, steps, facts["result_warnings"]
+
+
+def _merge_with_statistics(run: _Run, keys, sds, base_sd) -> tuple[dict, list]:
+    """(the merged tensors, the result warnings) of a method that reads statistics or the architecture
+    (Fisher, RegMean, OT fusion): its own state-dict loop (their statistics and whole-model rules are no
+    per-tensor step of the executor), the results checked as the executor checks them."""
+    opts, m = run.opts, run.m
+    sub = [{k: sd[k] for k in keys} for sd in sds]
+    stats = run.stats
+    stats_sub = (None if stats is None else stats if m.needs_model
+                 else [{k: s[k] for k in keys if k in s} for s in stats])
+    extra = {"base": {k: base_sd[k] for k in keys}} if base_sd is not None else {}
+    if m.needs_model:  # the architecture, and the model the others were aligned to
+        extra.update(model=run.aligned[0], anchor=run.alignment["anchor"]["index"])
+    merged = m.merge(sub, weights=opts.weights, stats=stats_sub, **extra, **opts.params)
+    warnings = [w for k, t in merged.items()
+                if (w := check_result(k, t, [sd[k] for sd in sub], m, opts.params, opts.weights)) is not None]
+    return merged, warnings
 
 
 def _report(run: _Run, models) -> None:
@@ -483,7 +525,8 @@ def _report(run: _Run, models) -> None:
     run.report = merge_report(run.plan, base=run.base_name, alignment=run.alignment, head=head_info,
                               distances_between_inputs={"before_alignment": before, "after_alignment": after},
                               distance_result_to_inputs=to_result, statistics=statistics, device=str(run.dev),
-                              repair=run.repair_info, tokenizer=run.tokenizer, embedding=run.embedding)
+                              repair=run.repair_info, tokenizer=run.tokenizer, embedding=run.embedding,
+                              result_warnings=run.result_warnings)
     adapted = run.adapted + getattr(run, "anchor_adapted", [])
     if adapted:
         run.report["base_adapted"] = adapted

@@ -14,9 +14,10 @@ the options, and executed by both wings (in memory: :mod:`symmerge.merge.fuse`; 
 * the **method** and its checked parameters, the **statistics** it needs, the requested **head** policy;
 * the **report**: :func:`merge_report` builds it from the plan plus what was measured, in both wings.
 
-The per-tensor steps of a streamed merge (:class:`~symmerge.merge.steps.TensorStep`) are planned from the
-checkpoint headers by the streamed wing (:func:`symmerge.merge.stream.plain_steps`) and run by
-:func:`symmerge.merge.executor.execute_steps`.
+The per-tensor steps (:class:`~symmerge.merge.steps.TensorStep`, :attr:`MergePlan.steps`) are made by one rule
+(:func:`symmerge.merge.steps.plain_merge_steps`) from the checkpoint headers (:func:`symmerge.merge.stream.plain_steps`,
+also ``--print-plan``'s) or the loaded state dicts (in memory), and run by one executor
+(:class:`symmerge.merge.executor.StreamExecutor`) from the files or from memory (``MemorySource``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from ..core import memory
 from ..core.distance import sq_distance
 from ..errors import SymmergeError
-from ..io.model import read_config, weight_files
+from ..io.model import ShardIndexError, read_config, weight_files
 from ..pipeline.matchers import streaming_refusal
 from ..pipeline.options import AlignOptions
 from ..pipeline.recommend import BASE_NOTE, has_spec, plain_fallback, recommended  # noqa: F401 (the plan's rules)
@@ -88,6 +89,8 @@ def checkpoint_bytes(folder) -> int:
     """Bytes of a folder's weight files (0 when it is not a folder of safetensors weights)."""
     try:
         files, safe = weight_files(Path(folder))
+    except ShardIndexError:  # a bad index is refused, not read as 'no safetensors'
+        raise
     except SymmergeError:
         return 0
     return sum(os.path.getsize(f) for f in files) if safe else 0
@@ -178,6 +181,10 @@ class MergePlan:
     weights: list | None = None
     statistics: str | None = None  # what the method needs gathered (Method.needs)
     heads: str = "auto"  # as requested (resolved by the model class: symmerge.merge.heads.head_policy)
+    # every output tensor's step (symmerge.merge.steps.TensorStep: copy, or merge with which inputs and arguments),
+    # made by the wing from the headers (streamed) or the state dicts (in memory) and run by the one executor;
+    # None for the methods with their own loop (statistics, the architecture)
+    steps: list | None = None
 
     @property
     def aligns(self) -> bool:
@@ -193,9 +200,12 @@ class MergePlan:
 
     def describe(self) -> dict:
         """The plan as the report records it (``plan``)."""
+        steps = None if self.steps is None else {"merge": sum(s.merge for s in self.steps),
+                                                 "copy": sum(not s.merge for s in self.steps)}
         return {"mode": self.mode, "why": self.why, "frame": self.frame,
                 "anchor_rule": self.anchor_rule if self.aligns else None,
-                "match": self.align.match if self.aligns else None, "statistics": self.statistics}
+                "match": self.align.match if self.aligns else None, "statistics": self.statistics,
+                "steps": steps}
 
 
 def plan_merge(models, options, mode: str = "auto") -> MergePlan:
@@ -226,7 +236,7 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
 
 def merge_report(plan: MergePlan, *, base, alignment: dict, head: dict, distances_between_inputs: dict,
                  distance_result_to_inputs: dict, statistics=None, device="cpu", repair=None, stream=None,
-                 tokenizer=None, embedding=None, side_files=None, names=None) -> dict:
+                 tokenizer=None, embedding=None, side_files=None, names=None, result_warnings=None) -> dict:
     """The merge report, in both wings: the plan plus what was measured (``names``: the inputs as the
     report names them; default the plan's)."""
     report = {
@@ -253,4 +263,5 @@ def merge_report(plan: MergePlan, *, base, alignment: dict, head: dict, distance
         report["sentence_transformers"] = embedding
     if side_files is not None:
         report["side_files"] = side_files
+    report["result_warnings"] = list(result_warnings or [])  # symmerge.merge.outputs.check_result
     return report

@@ -57,6 +57,16 @@ class TensorStep:
     merge: bool = True
 
 
+def describe_step(step: TensorStep) -> dict:
+    """One step as the printed plan shows it (``--print-plan``)."""
+    out = {"tensor": step.name, "op": "merge" if step.merge else "copy",
+           "sources": [[s.model, s.key] for s in step.sources]}
+    if step.merge:
+        out.update(base=[step.base.model, step.base.key] if step.base is not None else None,
+                   weights=list(step.weights) if step.weights is not None else None, params=dict(step.params))
+    return out
+
+
 def uniform_steps(keys, n: int, base: int | None = None, weights=None, params=None, copy_from: dict | None = None):
     """Steps of a plain merge: every key of ``keys`` merged from models ``0 … n-1`` under the same name (the
     base, when given, is input ``base``), the same arguments everywhere; ``copy_from``: key → the model a
@@ -72,6 +82,17 @@ def uniform_steps(keys, n: int, base: int | None = None, weights=None, params=No
         steps.append(TensorStep(k, tuple(TensorSource(i, k) for i in range(n)),
                                 None if base is None else TensorSource(base, k), weights, params))
     return steps
+
+
+def plain_merge_steps(order, merged, n: int, *, base: int | None = None, weights=None, params=None,
+                      head_from: int = 0):
+    """The steps of a plain merge, in memory and streamed alike: every key of ``order`` (the tensors of the
+    input the output is named after, ``head_from``, in its order) merged from models ``0 … n-1`` when it is in
+    ``merged`` (the body, and the heads when they are merged), else copied from ``head_from`` (its task head,
+    a base model's missing head)."""
+    merged = set(merged)
+    return uniform_steps(order, n, base=base, weights=weights, params=params,
+                         copy_from={k: head_from for k in order if k not in merged})
 
 
 def step_arguments(method, step: TensorStep, n: int, cache: dict | None = None):

@@ -43,7 +43,7 @@ from .executor import DEFAULT_SHARD, _Budget, config_text, default_budget, execu
 from .heads import head_policy, head_report
 from .plan import (MEMORY_FRACTION, MODES, MergePlan, average_keys, checkpoint_bytes, choose_mode,  # noqa: F401
                    closest, closest_to_average, has_spec, merge_report, plain_fallback, plan_merge, stream_refusal)
-from .steps import uniform_steps
+from .steps import plain_merge_steps
 
 
 def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
@@ -119,10 +119,22 @@ def plain_steps(ckpts, base, options, names) -> tuple[list, list, list]:
     merged_set = set(merged_keys)
     kept = set(heads[options.head_from])
     order = [k for k in holder.keys() if k in merged_set or k in kept]
-    steps = uniform_steps(order, len(ckpts), base=len(ckpts) if base is not None else None,
-                          weights=options.weights, params=options.params,
-                          copy_from={k: options.head_from for k in order if k not in merged_set})
+    steps = plain_merge_steps(order, merged_set, len(ckpts), base=len(ckpts) if base is not None else None,
+                              weights=options.weights, params=options.params, head_from=options.head_from)
     return steps, heads, policy
+
+
+def header_steps(models, options, plan: MergePlan) -> list | None:
+    """The steps of ``plan`` from the inputs' headers alone (no weights read): the plain merge's
+    (:func:`plain_steps`, the very steps both wings run — an alignment moves tensors, never renames them);
+    None for a method with its own loop (statistics, the architecture)."""
+    if plan.method.needs or plan.method.needs_model:
+        return None
+    ckpts = [LazyCheckpoint(x, spec=False) for x in models]
+    base = LazyCheckpoint(options.base, spec=False) if options.base is not None else None
+    names = [str(x) for x in models]
+    (*ckpts, base), _ = adapt_checkpoints(ckpts + [base], names + [str(options.base)], options.head_from)
+    return plain_steps(ckpts, base, options, names)[0]
 
 
 def _plain_streaming(folders, base_folder, out, options, *, plan, names, alignment, aligned, tokenizer, embedding,
@@ -134,6 +146,7 @@ def _plain_streaming(folders, base_folder, out, options, *, plan, names, alignme
         base = LazyCheckpoint(base_folder, spec=False) if base_folder is not None else None
     (*ckpts, base), adapted = adapt_checkpoints(ckpts + [base], list(names) + [str(base_folder)], options.head_from)
     steps, heads, policy = plain_steps(ckpts, base, options, names)
+    plan.steps = steps
     holder = ckpts[options.head_from]
     base_name = str(options.base) if options.base is not None else None
     report = None
@@ -151,7 +164,8 @@ def _plain_streaming(folders, base_folder, out, options, *, plan, names, alignme
             distance_result_to_inputs={nm: math.sqrt(facts["result_sq"].get(i, 0.0)) for i, nm in enumerate(names)},
             stream={k: facts[k] for k in ("shards", "bytes_written", "largest_tensor_bytes", "read_ahead_budget_bytes",
                                           "read_ahead_peak_bytes", "direct_io")} | {"seconds": facts["thread_seconds"]},
-            tokenizer=tokenizer, embedding=embedding, side_files=facts["side_files"], names=names)
+            tokenizer=tokenizer, embedding=embedding, side_files=facts["side_files"], names=names,
+            result_warnings=facts["result_warnings"])
         timings["total"] = time.perf_counter() - t0
         report["timings"] = timings
         if adapted:

@@ -16,7 +16,7 @@ from ..io.layout import layout_of
 from ..core.resolve import declared_ties
 from ..device import resolve_device
 from ..errors import SymmergeError
-from ..io.model import load_model
+from ..io.reader import load_model
 from ..io.prefix import adapt_pair
 from ..io.sentence_transformers import check_pipelines, output_reader
 from ..io.tokenizers import check_tokenizers

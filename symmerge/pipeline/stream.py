@@ -359,7 +359,7 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
 
 def _verify_forward(model, aligned_dir, verify_tol) -> dict:
     """Load the original and the aligned folder and compare outputs (needs both in memory)."""
-    from ..io.model import load_model
+    from ..io.reader import load_model
     from .verify import verify_forward
 
     a, b = load_model(model), load_model(aligned_dir)
