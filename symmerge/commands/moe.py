@@ -32,8 +32,6 @@ NO_OPS = {  # mergekit-moe's flags that change nothing here, and why (--help)
     "--async-write": "accepted: shards are written as the tensors come",
     "--clone-tensors": "accepted: every tensor is written once",
     "--safe-serialization": "accepted: the output is always safetensors",
-    "--trust-remote-code": "accepted: only transformers' own classes are used (no remote code runs)",
-    "--no-trust-remote-code": "accepted: the default",
     "--unsafe-truncate-embeddings": "accepted: the embeddings are the base model's (nothing to truncate)",
     "--write-model-card": "accepted: the report symmerge_report.json and mergekit_moe_config.yml are written",
     "--no-write-model-card": "accepted",
@@ -51,6 +49,9 @@ VALUE_NO_OPS = {
 
 
 def add_arguments(parser) -> None:
+    from .safety_args import add_trust_remote_code
+
+    add_trust_remote_code(parser)
     parser.add_argument("config", help="a mergekit-moe YAML config (base_model, experts, gate_mode, dtype, ...)")
     parser.add_argument("out", nargs="?", default=None, help="output folder (absent or empty)")
     parser.add_argument("-o", "--output", default=None, help="output folder (the same as OUT)")
@@ -125,6 +126,9 @@ def run(args) -> int:
         args.progress = "none"
         configure("none")
     options = options_of(args)
+    from ..io.hf import allow_remote_code
+
+    allow_remote_code(args.trust_remote_code)  # reset when the command ends (cli)
     report = build_moe(args.config, out, options)
     shared = f" + {len(report['shared_experts'])} shared" if report["shared_experts"] else ""
     aligned = " (experts aligned to the base)" if report["aligned"] else ""

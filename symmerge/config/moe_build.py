@@ -160,10 +160,12 @@ def _check_sources(cfg: MoeConfig, base: _Source, experts: list, shared: list, a
 # ---- the router's initialisation ----------------------------------------------------------------------------
 
 def _tokenizer(folder: Path):
-    from transformers import AutoTokenizer
+    from ..io.hf import auto_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return auto_tokenizer(folder)  # a tokenizer folder's own code only with --trust-remote-code
+    except SymmergeError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure to read it is the same user-facing fact
         raise SymmergeError(f"{folder}: the base model's tokenizer cannot be read ({type(e).__name__}); "
                             "gate_mode hidden and cheap_embed tokenize the prompts with it") from None
