@@ -159,3 +159,31 @@ def test_align_pair_reports_the_search_and_verifies():
 def test_bad_search_options_are_refused(bad):
     with pytest.raises(SymmergeError):
         AlignOptions(symmetries="heads,residual", **bad)
+
+
+def test_cli_flags_report_and_summary(tmp_path, capsys):
+    """``--restarts``, ``--solver-seed`` and ``--solver-budget`` reach the search; ``align`` and ``merge`` print which
+    start won and every start's objective, and the reports carry it; a bad value is one clear error, no output."""
+    import json
+
+    from conftest import run_cli, vit_folder
+
+    a, b = vit_folder(tmp_path / "a", 0), vit_folder(tmp_path / "b", 1)
+    assert run_cli("align", a, b, "-o", tmp_path / "out", "--restarts", "2", "--solver-seed", "1") == 0
+    printed = capsys.readouterr().out
+    solver = json.loads((tmp_path / "out" / "symmerge_report.json").read_text())["solver"]
+    assert [s["start"] for s in solver["starts"]][:3] == ["current", "identity", "canonical"]
+    assert solver["restarts"] == 2 and solver["seed"] == 1
+    assert f"data-free solver: kept {solver['winner']}" in printed and "identity " in printed
+    assert run_cli("align", a, b, "-o", tmp_path / "plain", "--solver-budget", "0") == 0
+    plain = json.loads((tmp_path / "plain" / "symmerge_report.json").read_text())["solver"]
+    assert [s["start"] for s in plain["starts"]] == ["current"] and plain["objective"] >= solver["objective"]
+    capsys.readouterr()
+    assert run_cli("merge", a, b, "--method", "average", "--restarts", "1", "-o", tmp_path / "m") == 0
+    assert "data-free solver: kept" in capsys.readouterr().out
+    models = json.loads((tmp_path / "m" / "symmerge_report.json").read_text())["alignment"]["models"]
+    assert any(m.get("solver", {}).get("restarts") == 1 for m in models)
+    assert run_cli("align", a, b, "-o", tmp_path / "bad", "--restarts", "-1") == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "symmerge: error: restarts must be" in err
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
