@@ -19,6 +19,7 @@ from pathlib import Path
 from ..io.prefix import print_notes as print_adapted
 from ..io.tokenizers import print_note
 from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
+from ..pipeline.report import solver_summary
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed
 from .alignment_args import add_alignment_arguments, alignment_options
@@ -95,6 +96,8 @@ def _summary(report: dict, out: Path, timing: str) -> None:
           f"{' (= recommended)' if report.get('symmetries_requested') == RECOMMENDED_NAME else ''}")
     print(f"distance to anchor (all parameters, head included): {report['distance_before']:.4f} -> "
           f"{report['distance_after']:.4f}")
+    if report.get("solver"):
+        print(solver_summary(report["solver"]))
     if report.get("verify_max_abs_diff") is not None:
         print(f"equivalence: max |Δoutput| = {report['verify_max_abs_diff']:.3g} "
               f"(relative {report['verify_max_rel_diff']:.3g})")

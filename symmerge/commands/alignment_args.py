@@ -29,6 +29,18 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
     parser.add_argument("--max-sweeps", type=int, default=200,
                         help="cap on the coordinate-descent sweeps over the coupled groups (default 200; it stops "
                              "earlier when a sweep lowers the objective by less than 1e-4 of it, and warns at the cap)")
+    parser.add_argument("--restarts", type=int, default=None, metavar="N",
+                        help="data-free solver: after its plain starts (the usual one, the identity, both models in a "
+                             "canonical frame), N restarts from the best so far (its stream kicked, two heads or two "
+                             "blocks of FFN units swapped, a random stream), each followed by the whole descent "
+                             "(e.g. 5: seconds on a small ViT, minutes on a large model; 0: the plain starts only). "
+                             "The lowest objective is kept; the report's solver entry lists every start. Default: no "
+                             "search, the one descent (on B1 and three held-out pairs the search lowered the weight "
+                             "objective but not the barrier: docs/results.md)")
+    parser.add_argument("--solver-budget", type=float, default=None, metavar="SECONDS",
+                        help="data-free solver: begin no restart after this many seconds (default: no limit; the "
+                             "result then depends on the machine's speed); 0: the first descent alone")
+    parser.add_argument("--solver-seed", type=int, default=0, help="data-free solver: the restarts' seed (default 0)")
     parser.add_argument("--match", choices=list(MATCH_MODES), default="weights",
                         help="what the group elements are fitted to: weights (data-free, default), activations "
                              "(statistics of both models on --align-data) or learned (from the closed form, the "
@@ -139,5 +151,6 @@ def alignment_options(args, symmetries, **extra) -> AlignOptions:
             check_data_path(args.align_data)
     extra.setdefault("workers", args.workers)
     return AlignOptions(symmetries=symmetries, rescale=args.rescale, residual=args.residual, untie=args.untie,
-                        max_sweeps=args.max_sweeps, match=args.match, align_data=args.align_data,
+                        max_sweeps=args.max_sweeps, restarts=args.restarts, solver_budget=args.solver_budget,
+                        solver_seed=args.solver_seed, match=args.match, align_data=args.align_data,
                         align_samples=args.align_samples, learn=learn_settings(args), **extra)

@@ -22,6 +22,7 @@ from ..io.prefix import print_notes as print_adapted
 from ..io.tokenizers import print_note
 from ..merge import METHODS, get_method
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
+from ..pipeline.report import solver_summary
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed
 from .alignment_args import add_alignment_arguments, alignment_options
@@ -196,6 +197,9 @@ def run(args) -> int:
     for w in report.get("result_warnings") or []:
         print(f"warning: merged tensor {w['tensor']!r}: {w['warning']}", file=sys.stderr)
     print_adapted(report)  # a base-class model read as the fine-tunes' class (symmerge.io.prefix)
+    for entry in alignment.get("models") or []:
+        if entry.get("solver"):
+            print(f"{entry['model']}: {solver_summary(entry['solver'])}")
     if alignment.get("joint"):
         j = alignment["joint"]
         print(f"joint alignment: {j['rounds']} round(s) after the star, spread {j['objective'][0]:.6g} -> "

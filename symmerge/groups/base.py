@@ -162,6 +162,20 @@ class Kind:
         ``moves_before_scales``). ``scales_fitted``: the activation fit already solved the scales the
         activations determine. Default: nothing to do."""
 
+    # ------------------------------------------------------------------ the multi-start search
+    # (:func:`symmerge.pipeline.engine.search`): moves that leave the basin the coordinate descent settled in
+    def perturb(self, inst, element, generator: torch.Generator):
+        """A random neighbour of ``element`` (a valid element of the same group) the search restarts the
+        descent from: a small random rotation of a dense element, swapped blocks of a permutation; None (the
+        default): the kind has no such move."""
+        return None
+
+    def spectral_start(self, inst, sd_a: dict, sd_b: dict, keys=None):
+        """A model-wide kind's start from both models put in a canonical frame (their weights' principal axes,
+        or the coordinates ordered by their norms), over the tensors ``keys`` (None: every member); None (the
+        default): no such start."""
+        return None
+
     def discrete(self, inst) -> bool:
         """Whether the instance's elements form a finite set (permutations, signed permutations): the joint
         alignment's rounds re-solve only these with ``refine="discrete"``, keeping the continuous elements
@@ -233,6 +247,26 @@ def orthogonality_error(R: torch.Tensor) -> float:
         return 0.0
     eye = torch.eye(R.shape[-1], dtype=torch.float64)
     return (R.mT @ R - eye).abs().max().item()
+
+
+def swap_blocks(n: int, block: int, generator: torch.Generator) -> torch.Tensor:
+    """An index (n,) exchanging two random disjoint blocks of ``block`` consecutive positions (new position j
+    holds old position ``index[j]``); ``block`` is capped at ``n // 2`` (at least 1)."""
+    block = max(1, min(block, n // 2))
+    index = torch.arange(n)
+    if n < 2:
+        return index
+    slots = n // block
+    i, j = torch.randperm(slots, generator=generator)[:2].tolist()
+    a, b = torch.arange(i * block, (i + 1) * block), torch.arange(j * block, (j + 1) * block)
+    index[a], index[b] = b, a
+    return index
+
+
+def small_rotation(d: int, strength: float, generator: torch.Generator) -> torch.Tensor:
+    """A random rotation (d × d) ``exp(A − Aᵀ)``, ``A`` Gaussian with standard deviation ``strength / √d``."""
+    A = torch.randn(d, d, dtype=torch.float64, generator=generator) * (strength / max(d, 1) ** 0.5)
+    return torch.linalg.matrix_exp(A - A.T)
 
 
 def is_permutation(p: torch.Tensor, n: int) -> bool:

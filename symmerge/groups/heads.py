@@ -33,7 +33,7 @@ import torch
 from ..core.slots import block_index, index_axis, precise_dtype, segment, slot_blocks, slot_length
 from ..core.solvers import match_permutation
 from ..errors import SymmergeError
-from .base import Kind, is_permutation
+from .base import Kind, is_permutation, swap_blocks
 from .head_orthogonal import blocks
 
 
@@ -200,6 +200,14 @@ class Heads(Kind):
                 block = sim[i * rep:(i + 1) * rep, j * rep:(j + 1) * rep]
                 sub[i, j] = match_permutation(block)
         return sub
+
+    def perturb(self, inst, element, generator) -> HeadPerm:
+        """Two heads (KV groups with their query heads) of the pairing exchanged: the search's head swap."""
+        if inst.blocks < 2:
+            return None
+        index = swap_blocks(inst.blocks, 1, generator)
+        rep = len(element.query) // inst.blocks
+        return HeadPerm(element.kv[index], element.query.reshape(inst.blocks, rep)[index].reshape(-1))
 
     # elements
     def identity(self, inst) -> HeadPerm:

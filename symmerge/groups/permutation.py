@@ -23,7 +23,7 @@ from ..core.parallel import layer_map
 from ..core.solvers import match_permutation
 from ..core.solvers.rescale import quartic_scale
 from ..errors import SymmergeError
-from .base import Kind, is_permutation, scales, segment_update
+from .base import Kind, is_permutation, scales, segment_update, swap_blocks
 
 
 @dataclass
@@ -144,6 +144,13 @@ class Permutation(Kind):
             if self.plan(inst, opts)[1]:
                 perm = elements[inst.name].perm
                 elements[inst.name] = PermElement(perm, unit_scales(inst, sd_a, sd_b, perm))
+
+    def perturb(self, inst, element, generator) -> PermElement:
+        """Two blocks of ``n/16`` units of the matching exchanged (their scales with them)."""
+        if inst.size < 2:
+            return None
+        index = swap_blocks(inst.size, max(1, inst.size // 16), generator)
+        return PermElement(element.perm[index], None if element.scale is None else element.scale[index])
 
     def discrete(self, inst) -> bool:  # the unit permutation (SwiGLU unit scales come with ``rescale``)
         return True

@@ -41,7 +41,7 @@ from ..core.slots import fast_dtype, index_axis, segment, unit_matrix, with_segm
 from ..core.solvers import (centered_residual, orthogonal_residual, permutation_residual,
                             signed_permutation_residual)
 from ..errors import SymmergeError
-from .base import Kind, haar, is_permutation, orthogonality_error, segment_update
+from .base import Kind, haar, is_permutation, orthogonality_error, segment_update, small_rotation, swap_blocks
 
 VARIANTS = ("orthogonal", "centered", "permutation", "signed_permutation")
 EXACT_EPS = 1e-9  # a stream scale is learned only where the norms' ε is this small (exact to double precision)
@@ -179,6 +179,68 @@ class Residual(Kind):
             else:
                 out[inst.name] = StreamElement(perm=permutation_residual(C, D))
         return out
+
+    # ------------------------------------------------------------------ the multi-start search
+    KICK = 0.3  # the strength of a random rotation kick (radians, roughly, per direction)
+
+    def perturb(self, inst, element, generator):
+        """A small random rotation after the dense ``Q`` (on the complement of the all-ones direction for
+        LayerNorm: ``Q·1 = ±1`` is kept), or two blocks of ``d/16`` stream dims swapped (signs with them)."""
+        d, variant = inst.size, inst.info.variant
+        if element.Q is None and element.perm is None:
+            return None
+        if variant in DENSE:
+            if variant == "centered":
+                from ..core.solvers import complement_basis
+
+                B = complement_basis(d)
+                u = torch.full((d, 1), 1 / math.sqrt(d), dtype=torch.float64)
+                K = u @ u.T + B @ small_rotation(d - 1, self.KICK, generator) @ B.T
+            else:
+                K = small_rotation(d, self.KICK, generator)
+            return StreamElement(Q=element.Q.double() @ K, scale=element.scale)
+        index = swap_blocks(d, max(1, d // 16), generator)
+        signs = None if element.signs is None else element.signs[index]
+        return StreamElement(perm=element.perm[index], signs=signs, scale=element.scale)
+
+    def spectral_start(self, inst, sd_a, sd_b, keys=None):
+        """Each model's stream in its own canonical frame: the principal axes of ``Σ X Xᵀ`` over the members
+        (in the complement of the all-ones direction for LayerNorm), matched in the order of their
+        eigenvalues, each axis's sign chosen by the cross term ``C``; for the permutation variants the stream
+        dims ordered by their squared norm over the members (signs from ``C``)."""
+        d, variant = inst.size, inst.info.variant
+        C, _ = self.cost(inst, sd_a, sd_b, keys)
+        grams = []
+        for sd in (sd_a, sd_b):
+            G = torch.zeros(d, d, dtype=torch.float64)
+            for s in inst.slots:
+                if (keys is None or s.key in keys) and not s.diag:
+                    x = unit_matrix(sd[s.key], s, torch.float64)
+                    G += x @ x.T
+            grams.append(G)
+        if variant not in DENSE:
+            norm_a, norm_b = (torch.diagonal(G) for G in grams)
+            perm = torch.empty(d, dtype=torch.long)
+            perm[torch.argsort(norm_b, stable=True)] = torch.argsort(norm_a, stable=True)
+            if variant == "permutation":
+                return StreamElement(perm=perm)
+            signs = torch.where(C[perm, torch.arange(d)] < 0, -1.0, 1.0).to(torch.float64)
+            return StreamElement(perm=perm, signs=signs)
+        if variant == "centered":
+            from ..core.solvers import complement_basis
+
+            B = complement_basis(d)
+            grams, C_in = [B.T @ G @ B for G in grams], B.T @ C @ B
+        else:
+            C_in = C
+        (_, U_a), (_, U_b) = (torch.linalg.eigh(G) for G in grams)
+        signs = torch.where(torch.diagonal(U_a.T @ C_in @ U_b) < 0, -1.0, 1.0).to(torch.float64)
+        R = U_a @ torch.diag(signs) @ U_b.T
+        if variant == "centered":
+            u = torch.full((d, 1), 1 / math.sqrt(d), dtype=torch.float64)
+            sign = 1.0 if (u.T @ C @ u).item() >= 0 else -1.0
+            R = sign * (u @ u.T) + B @ R @ B.T
+        return StreamElement(Q=R)
 
     def discrete(self, inst) -> bool:  # the (signed) permutation variants; the dense ones are rotations
         return inst.info.variant not in DENSE

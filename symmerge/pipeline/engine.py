@@ -17,6 +17,12 @@ One engine serves in-memory and streamed alignment:
   coordinate descent, each step exact for its group given the rest, until the objective (the squared
   distance over the matched tensors) stops decreasing — monotone by construction; a cap with a warning.
   Costly discrete groups (``Kind.lazy``: the head pairing) are held fixed between full sweeps.
+* :func:`search` — the descent is exact step by step but settles in a local optimum that depends on where it
+  starts: several starts (today's, the identity, both models in a canonical frame), then restarts within a
+  time budget — the best solution's stream kicked by a small random rotation, two heads of a layer's pairing
+  swapped or two blocks of FFN units exchanged (held while the stream is re-solved around them: a joint step
+  no single group's exact solve takes), the stream drawn at random — each followed by the whole descent;
+  the solution with the lowest objective is kept, and the report names every start and its objective.
 """
 
 from __future__ import annotations
@@ -27,12 +33,19 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
 from ..core.apply import apply
 from ..core.distance import sq_distance
 from ..core.parallel import pool_size, torch_threads
 from ..groups import Options
 
 DESCENT_TOL = 1e-9  # a sweep must lower the objective by more than this (relative) to continue
+# the restarts the docs suggest when the search is asked for (each one descent: seconds on a small ViT, minutes on
+# a large model); without --restarts the search is off: the descent alone
+DEFAULT_RESTARTS = 5
+# the restarts after the plain starts, in turn: the best stream kicked, a discrete group's swap, a random stream
+MOVES = ("kick", "swap", "kick", "swap", "random")
 
 
 @dataclass
@@ -210,6 +223,100 @@ def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, histo
         warnings.warn(f"coordinate descent stopped at the cap of {max_sweeps} sweeps while still improving "
                       f"(last {history[-1] if history else value:.6g}); raise max_sweeps to go on", stacklevel=2)
     return best
+
+
+def search(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, history: list | None = None,
+           max_sweeps: int = 50, tol: float = DESCENT_TOL, budget: float | None = None, restarts: int | None = None,
+           seed: int = 0, keep: dict | None = None) -> tuple[dict, dict | None]:
+    """The elements of :func:`solve` from several starts, and the search's record (None without a model-wide
+    group: the per-layer groups are then solved exactly, with nothing to search).
+
+    Every start is followed by the whole descent (:func:`solve`, ``max_sweeps``, ``tol``); the solution with
+    the lowest objective (the squared distance over the matched tensors that the descent minimises) is kept.
+    The plain starts: ``current`` (the descent as it always started: the stream first from the tensors no
+    per-layer group touches), ``identity`` (every element the identity: the per-layer groups solved on A as it
+    is) and ``canonical`` (each model's stream in a canonical frame of its own: :meth:`Kind.spectral_start` on the
+    same tensors). Then restarts, in the turn of :data:`MOVES`, from the best solution so far: ``kick`` — its
+    stream moved by a small random group element (:meth:`Kind.perturb`), the per-layer groups re-solved for it;
+    ``swap`` — one discrete per-layer element (two heads of the pairing, two blocks of FFN units) swapped, the
+    rest of its layer re-solved around it and the stream re-solved given it (a joint step: coordinate descent
+    re-solves the pairing only for the stream it has); ``random`` — a random stream. ``restarts`` of them (None: no search at all,
+    the ``current`` descent alone; :data:`DEFAULT_RESTARTS` is a sensible count), drawn from ``seed``: the same result on any machine; ``budget``: seconds after
+    which no further restart begins (None: no limit; a limit makes the count depend on the machine's speed;
+    0: the ``current`` start alone, the descent as it was). ``history`` receives the kept start's sweeps;
+    ``keep`` (a dict), every start's elements by the start's name (benchmarks)."""
+    wide = active([i for i in instances if not i.kind.per_layer], opts)
+    if not wide:
+        return solve(instances, sd_a, sd_b, opts, progress, history, max_sweeps, tol=tol), None
+    local = [i for i in instances if i.kind.per_layer]
+    t0 = time.perf_counter()
+    runs: list[dict] = []
+    best: dict = {}
+
+    def descend(name: str, **start) -> None:
+        sweeps, t = [], time.perf_counter()
+        found = solve(instances, sd_a, sd_b, opts, history=sweeps, max_sweeps=max_sweeps, tol=tol, **start)
+        value = min(sweeps)
+        runs.append({"start": name, "objective": value, "sweeps": len(sweeps), "seconds": time.perf_counter() - t})
+        if keep is not None:
+            keep[name] = found
+        if not best or value < best["objective"]:
+            best.update(objective=value, elements=found, history=sweeps, start=name)
+        if progress is not None:
+            progress(f"start {name}")
+
+    def around(stream: dict) -> dict:
+        """The per-layer elements solved for the model-wide elements ``stream``: a start for :func:`solve`."""
+        return solve_local(local, apply(sd_a, wide, stream), sd_b, opts)
+
+    descend("current", init="stream")
+    if restarts is None:  # no search unless asked: it lowers the weight objective, not the barrier (docs/results.md)
+        restarts, budget = 0, 0
+    if budget != 0:
+        descend("identity", init="local")
+        local_keys = {s.key for i in active(local, opts) for s in i.slots}
+        pure = {s.key for i in wide for s in i.slots if s.key not in local_keys} or None
+        canonical = {i.name: i.kind.spectral_start(i, sd_a, sd_b, pure) for i in wide}
+        if all(e is not None for e in canonical.values()):
+            descend("canonical", start=around(canonical))
+    generator = torch.Generator().manual_seed(seed)
+    discrete = [i for i in active(local, opts) if i.kind.discrete(i)]
+    count = 0
+    while budget != 0 and count < restarts and (budget is None or time.perf_counter() - t0 < budget):
+        move = MOVES[count % len(MOVES)]
+        count += 1
+        start = _restart(move, best["elements"], wide, local, discrete, sd_a, sd_b, opts, generator, around)
+        if start is not None:
+            descend(f"{move} {count}", start=start)
+    if history is not None:
+        history.extend(best["history"])
+    return best["elements"], {"starts": runs, "winner": best["start"], "objective": best["objective"],
+                              "restarts": count, "budget_seconds": budget, "seed": seed,
+                              "seconds": time.perf_counter() - t0}
+
+
+def _restart(move, incumbent, wide, local, discrete, sd_a, sd_b, opts, generator, around) -> dict | None:
+    """The start of one restart of :func:`search` (per-layer elements; the descent re-solves the stream first),
+    or None where the move does not apply."""
+    if move == "random":
+        return around({i.name: i.kind.random(i, generator) for i in wide})
+    if move == "kick":
+        kicked = {i.name: i.kind.perturb(i, incumbent[i.name], generator) for i in wide}
+        return None if any(e is None for e in kicked.values()) else around(kicked)
+    if not discrete:
+        return None
+    inst = discrete[int(torch.randint(len(discrete), (1,), generator=generator))]
+    swapped = inst.kind.perturb(inst, incumbent[inst.name], generator)
+    if swapped is None:
+        return None
+    start = {k: v for k, v in incumbent.items() if k not in {i.name for i in wide}}
+    start[inst.name] = swapped
+    # the rest of its layer (the per-head rotations of the swapped heads) re-solved around the swap
+    layer = [i for i in active(local, opts) if i.layer == inst.layer and i is not inst]
+    if layer:
+        moved = apply(apply(sd_a, wide, incumbent), [inst], start)
+        start.update(solve_local(layer, moved, sd_b, opts))
+    return start
 
 
 def parts(instances) -> list[list]:

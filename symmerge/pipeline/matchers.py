@@ -59,10 +59,15 @@ class MatchContext:
 
 
 def match_weights(ctx: MatchContext) -> dict:
-    from .engine import solve
+    from .engine import search
 
-    return solve(ctx.instances, ctx.ca, ctx.cb, ctx.opts, progress=ctx.progress, history=ctx.history,
-                 max_sweeps=ctx.options.max_sweeps, tol=ctx.options.descent_tol)
+    o = ctx.options
+    elements, record = search(ctx.instances, ctx.ca, ctx.cb, ctx.opts, progress=ctx.progress, history=ctx.history,
+                              max_sweeps=o.max_sweeps, tol=o.descent_tol, budget=o.solver_budget,
+                              restarts=o.restarts, seed=o.solver_seed)
+    if record is not None:  # which start won, and the objective of each (the report's ``solver``)
+        ctx.fields["solver"] = record
+    return elements
 
 
 def match_activations(ctx: MatchContext) -> dict:

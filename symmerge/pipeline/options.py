@@ -178,7 +178,11 @@ class AlignOptions:
     sweep lowers the objective by less than this fraction: :data:`DESCENT_TOL`), ``verify`` / ``verify_tol``
     (the equivalence check), ``device`` (cost GEMMs), ``workers`` (layers whose FFN cost GEMM and exact
     assignment are solved at once on a thread pool: None = one per core, 1 = one after another; the
-    elements are bit-identical either way).
+    elements are bit-identical either way). ``restarts``, ``solver_budget``, ``solver_seed``: the data-free
+    solver's search (:func:`symmerge.pipeline.engine.search`): after the plain starts (today's, the identity,
+    a canonical frame), ``restarts`` restarts (None, the default: no search, the one descent as before it) drawn
+    with ``solver_seed``, none begun after ``solver_budget`` seconds (None: no limit; 0: the first descent
+    alone, as before the search); the lowest objective is kept.
 
     ``match``: what the elements are fitted to — ``weights`` (data-free: the L2 distance of the
     weights), ``activations`` (statistics of both models' activations on ``align_data``: the residual
@@ -204,6 +208,9 @@ class AlignOptions:
     verify_tol: float | None = None
     device: object = "cpu"
     workers: int | None = None
+    restarts: int | None = None
+    solver_budget: float | None = None
+    solver_seed: int = 0
     recommended: bool = False  # symmetries came from 'recommended': resolve against each model
 
     def __post_init__(self):
@@ -224,6 +231,15 @@ class AlignOptions:
             raise SymmergeError(f"descent_tol must be in [0, 1), got {self.descent_tol}")
         if self.max_sweeps < 1:
             raise SymmergeError(f"max_sweeps must be >= 1, got {self.max_sweeps}")
+        if self.restarts is not None and (isinstance(self.restarts, bool) or not isinstance(self.restarts, int)
+                                          or self.restarts < 0):
+            raise SymmergeError(f"restarts must be a whole number >= 0 (or None: the default), "
+                                f"got {self.restarts!r}")
+        if self.solver_budget is not None and not (_is_number(self.solver_budget) and self.solver_budget >= 0):
+            raise SymmergeError(f"the solver budget must be a number of seconds >= 0 (or None: no limit), "
+                                f"got {self.solver_budget!r}")
+        if isinstance(self.solver_seed, bool) or not isinstance(self.solver_seed, int):
+            raise SymmergeError(f"the solver seed must be a whole number, got {self.solver_seed!r}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)

@@ -58,7 +58,7 @@ def alignment_report(spec, model_type: str, opts, instances, distances: Distance
     return report
 
 
-MATCH_FIELDS = ("align_samples_used", "align_data", "learned", "residual_group", "sweeps")
+MATCH_FIELDS = ("align_samples_used", "align_data", "learned", "residual_group", "sweeps", "solver")
 
 
 def match_fields(report: dict) -> dict:
@@ -66,3 +66,10 @@ def match_fields(report: dict) -> dict:
     samples used, the learned alignment's record, the residual group and the sweeps (the per-model
     entries of a merge report and the curves of a barrier study carry them)."""
     return {"match": report.get("match", "weights"), **{k: report[k] for k in MATCH_FIELDS if k in report}}
+
+
+def solver_summary(record: dict) -> str:
+    """One line on the data-free search (the report's ``solver`` entry): the start kept and every start's objective."""
+    starts = ", ".join(f"{r['start']} {r['objective']:.6g}" for r in record["starts"])
+    return (f"data-free solver: kept {record['winner']} (objective {record['objective']:.6g}) of "
+            f"{len(record['starts'])} start(s) in {record['seconds']:.2f} s: {starts}")
