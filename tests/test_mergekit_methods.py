@@ -2,8 +2,8 @@
 tests/mergekit_oracle.py (Llama shapes, hidden 64, 4 layers, fine-tunes = base + N(0, 0.004)), merged by
 mergekit in float32, float16 and bfloat16, and by symmerge's ``Method`` on the same stored tensors, one
 :class:`~symmerge.merge.steps.TensorStep` at a time (per-model parameters as tuples, through
-:func:`~symmerge.merge.steps.step_arguments` and :func:`~symmerge.merge.base.merge_tensor`), after
-``Method.mergekit_defaults``.
+:func:`~symmerge.merge.steps.step_arguments` and :func:`~symmerge.merge.base.merge_tensor`), with the
+method's own defaults (mergekit's).
 
 Closeness is ‖ours − theirs‖ / ‖theirs − base‖ over every tensor (:func:`mergekit_oracle.relative_gap`),
 both computing in float32 (``dtype: float32``, ``out_dtype`` the stored dtype: symmerge's inputs cast to it, as
@@ -102,7 +102,7 @@ def _both(name, case, family, dtype, out, compute=None):
     base = mo.tensors(base_path)
     inputs = [mo.tensors(fts[i]) for i in sources]
     method = get_method(name)
-    params = method.mergekit_defaults({**global_params, **per_model})
+    params = {**global_params, **per_model}
     n = len(inputs)
     base_index = n if use_base else None
     steps = uniform_steps(list(theirs), n, base=base_index, weights=weights, params=params)

@@ -91,9 +91,8 @@ def execute(job, inputs, out, shard_size="5GB", progress=True) -> dict:
     chat template asked for."""
     from ..merge import METHODS
     from ..merge.executor import execute_steps
-    from .mergekit import _copy_method
 
-    method = METHODS.get(job.method) or (_copy_method() if job.method == "passthrough" else None)
+    method = METHODS.get(job.method)
     if method is None:  # pragma: no cover - the plan checked the name
         raise SymmergeError(f"unknown merge method {job.method!r}")
     if job.dtype is not None and any(st.merge for st in job.steps):

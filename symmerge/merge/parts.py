@@ -45,6 +45,7 @@ import torch
 from ..errors import SymmergeError
 from . import kernels
 from .base import Method, boolean, choice, integer, per_model_values, real, weighted_sum
+from .sort_order import window_mask
 
 
 @dataclass(frozen=True)
@@ -535,34 +536,44 @@ _INTO = {("magnitude", "ties"): _into_magnitude_ties, ("dare", "ties"): _into_da
 # symmerge's defaults (model-wide threshold, 1/(1 − p) rescale, disjoint mean), bit for bit.
 
 
-def _keep_topk(tau: torch.Tensor, density: float) -> torch.Tensor:
-    """Mask of the max(1, ⌊density·n⌋) entries of largest float32 magnitude (a tie at the k-th: the first ones
-    in flat order); all for density ≥ 1, none for density ≤ 0."""
-    n = tau.numel()
+def topk_window(n: int, density: float) -> tuple[int, int]:
+    """TIES' top-k as positions of the descending order: [0, max(1, ⌊density·n⌋)); all for density ≥ 1, none
+    for density ≤ 0 or no entries."""
     if density >= 1.0:
-        return torch.ones(tau.shape, dtype=torch.bool)
+        return 0, n
     if density <= 0.0 or n == 0:
-        return torch.zeros(tau.shape, dtype=torch.bool)
-    k = max(1, int(density * n))
-    order = torch.sort(tau.reshape(-1).abs().float(), descending=True, stable=True).indices[:k]
-    keep = torch.zeros(n, dtype=torch.bool)
-    keep[order] = True
-    return keep.reshape(tau.shape)
+        return 0, 0
+    return 0, max(1, int(density * n))
+
+
+def band_window(n: int, density: float, gamma: float) -> tuple[int, int]:
+    """Model Breadcrumbs' band as positions of the ascending order: ⌊density·n⌋ entries after dropping the
+    ⌊gamma·n⌋ largest (fewer largest when the two would overlap: the ⌊density·n⌋ largest below them are kept
+    whatever gamma); all for density ≥ 1."""
+    if density >= 1.0:
+        return 0, n
+    target, top = int(density * n), int(gamma * n)
+    bottom = max(0, n - target - top)
+    return bottom, bottom + target
+
+
+def _keep_topk(tau: torch.Tensor, density: float) -> torch.Tensor:
+    """Mask of the max(1, ⌊density·n⌋) entries of largest float32 magnitude of ``tau`` (the task vector in its
+    computing dtype: float16/bfloat16 ones rounded as mergekit's), ties at the k-th in the order of torch's sort
+    as mergekit takes them (:func:`symmerge.merge.sort_order.window_mask`)."""
+    lo, hi = topk_window(tau.numel(), density)
+    if hi - lo == tau.numel():
+        return torch.ones(tau.shape, dtype=torch.bool)
+    return window_mask(tau.abs().float(), lo, hi, descending=True)
 
 
 def breadcrumbs_band(tau: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
-    """Model Breadcrumbs' mask: of the entries sorted by float32 magnitude (ascending; ties in flat order),
-    keep ⌊density·n⌋ after dropping the ⌊gamma·n⌋ largest (fewer largest when the two would overlap: the
-    ⌊density·n⌋ largest below them are kept whatever gamma); all for density ≥ 1."""
-    n = tau.numel()
-    if density >= 1.0:
+    """Model Breadcrumbs' mask (:func:`band_window` of the ascending order of ``tau``'s float32 magnitudes; ties
+    in the order of torch's sort, as mergekit takes them)."""
+    lo, hi = band_window(tau.numel(), density, gamma)
+    if hi - lo == tau.numel():
         return torch.ones(tau.shape, dtype=torch.bool)
-    target, top = int(density * n), int(gamma * n)
-    bottom = max(0, n - target - top)
-    order = torch.sort(tau.reshape(-1).abs().float(), stable=True).indices
-    keep = torch.zeros(n, dtype=torch.bool)
-    keep[order[bottom:bottom + target]] = True
-    return keep.reshape(tau.shape)
+    return window_mask(tau.abs().float(), lo, hi, descending=False)
 
 
 def della_keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
@@ -594,8 +605,12 @@ def l1_rescaled(tau: torch.Tensor, keep: torch.Tensor, eps: float = 1e-7) -> tor
     return kept * (before / after)
 
 
-def _sparsify_whole(sparsifier: str, key: str, i: int, tau: torch.Tensor, params, context) -> torch.Tensor:
-    """Model ``i``'s (unweighted) task vector ``tau`` of tensor ``key`` after the sparsifier, whole tensor."""
+def _sparsify_whole(sparsifier: str, key: str, i: int, tau: torch.Tensor, params, context,
+                    low: torch.Tensor | None = None) -> torch.Tensor:
+    """Model ``i``'s (unweighted) task vector ``tau`` (float64) of tensor ``key`` after the sparsifier, whole
+    tensor; ``low``: the same task vector computed in the inputs' dtype (mergekit's), whose magnitudes rank the
+    entries of the top-k and the band (``tau`` where not given)."""
+    low = tau if low is None else low
     rescale = params.get("rescale", False)
 
     def value(name):
@@ -608,7 +623,7 @@ def _sparsify_whole(sparsifier: str, key: str, i: int, tau: torch.Tensor, params
         if density >= 1.0:
             return tau
         if scope == "topk":
-            keep = _keep_topk(tau, density)
+            keep = _keep_topk(low, density)
         elif scope == "model":
             keep = (tau * context["w"][i]).abs().float() >= context["thresholds"][i]  # the weighted τ's threshold
         else:
@@ -624,7 +639,7 @@ def _sparsify_whole(sparsifier: str, key: str, i: int, tau: torch.Tensor, params
             return tau.masked_fill(~keep, 0.0) / (1.0 - p)
         return l1_rescaled(tau, keep) if rescale is True else tau.masked_fill(~keep, 0.0)
     if sparsifier == "breadcrumbs":
-        keep = breadcrumbs_band(tau, float(value("density")), float(value("gamma")))
+        keep = breadcrumbs_band(low, float(value("density")), float(value("gamma")))
     elif sparsifier == "della":
         density = float(value("density"))
         if density >= 1.0:
@@ -730,7 +745,7 @@ def _whole_task_vector_tensor(sparsifier: str, consensus: str, key, tensors, wei
         return out
     b = base.double()
     ctx = {"n": tensors, "thresholds": context, "w": weights}
-    deltas = [_sparsify_whole(sparsifier, key, i, t.double() - b, params, ctx) * w
+    deltas = [_sparsify_whole(sparsifier, key, i, t.double() - b, params, ctx, low=t - base) * w
               for i, (t, w) in enumerate(zip(tensors, weights))]
     return b + float(params["scale"]) * combine(deltas, weights, consensus, params["normalize"])
 
@@ -779,7 +794,7 @@ TV_CHECKS = {
 
 
 def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict, doc: str = "",
-                       mergekit_params: dict | None = None) -> Method:
+                       other_names: tuple = ()) -> Method:
     """The method θ_base + scale · ``consensus``(``sparsifier``(w_i τ_i)); ``params`` (defaults) must
     name ``scale`` and whatever the sparsifier reads (``density``/``scope``, ``drop``/``seed``,
     ``gamma``, ``epsilon``). Every such method also takes mergekit's ``lambda`` (= ``scale``), ``normalize``,
@@ -810,7 +825,7 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
 
         return Method(name, tensor, needs_base=True, params=dict(params), doc=doc, normalize_weights=False,
                       elementwise=False, per_model=per_model, checks=checks, aliases=aliases, fused_into=whole_into,
-                      check_all=_no_overlap_check, mergekit_params=dict(mergekit_params or {}))
+                      check_all=_no_overlap_check, weight_required=True, other_names=other_names)
     sp = SPARSIFIERS[sparsifier]
     tensor = partial(_legacy_or_whole, sp, sparsifier, consensus, fused=_FUSED.get((sparsifier, consensus)))
     into = _INTO.get((sparsifier, consensus))
@@ -828,5 +843,5 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
     return Method(name, tensor, needs=None, needs_base=True,
                   params=dict(params), doc=doc, prepare=sp.prepare, normalize_weights=False, elementwise=True,
                   tensor_context=tensor_context, fused_into=fused_into, per_model=per_model, checks=checks,
-                  aliases=aliases, mergekit_params=dict(mergekit_params or {}),
+                  aliases=aliases, weight_required=True, other_names=other_names,
                   whole_tensor=lambda p: _needs_whole(sparsifier, consensus, p))

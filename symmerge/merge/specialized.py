@@ -223,7 +223,7 @@ def _passthrough_tensor(key, tensors, weights, stats, base, params, context):
     return tensors[0].double() if scale is None else tensors[0].double() * float(scale)
 
 
-PASSTHROUGH = Method("passthrough", _passthrough_tensor, params={"scale": None},
+PASSTHROUGH = Method("passthrough", _passthrough_tensor, params={"scale": None}, ignores_base=True, copy_unless="scale",
                      doc="Passthrough: the one model's tensor, times scale when given.", normalize_weights=False,
                      elementwise=True, checks={"scale": real(optional=True)}, per_model=("scale",), models=(1, 1))
 
