@@ -181,29 +181,25 @@ def test_the_kernel_declines_what_it_does_not_cover():
                                 torch.empty_like(t))
 
 
-@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("topk", [0.0, 0.001, 0.3, 0.5, 0.99, 1.0])
-def test_sce_variances_and_selection_equal_the_torch_code(topk):
-    from symmerge.merge import kernels_whole as kw
-    from symmerge.merge.specialized import sce_select
+def test_sce_keeps_the_positions_torch_topk_of_the_variances_returns(topk, dtype):
+    """mergekit's selection: torch.var of the task vectors in the computing dtype, torch.topk of the k largest
+    (its order at a tie, reproduced by a selection), k = ⌊topk · non-zero variances⌋."""
+    from symmerge.merge.sort_order import topk_mask_by_torch
+    from symmerge.merge.specialized import sce_keep
 
-    base, *models = tied(3, (41, 53), torch.float32, seed=11)
+    base, *models = tied(3, (41, 53), dtype, seed=11)
     models[2][:5] = models[1][:5]  # zero and tied variances
-    arrays = kw._arrays([*models, base])
-    taus = torch.stack([t.double() - base.double() for t in models])
-    var = np.empty(base.numel())
-    kw._sce_variance_jit(arrays, 0, base.numel(), var)
-    assert torch.equal(torch.from_numpy(var), taus.var(dim=0, unbiased=False).reshape(-1))  # bit for bit
-    select = np.zeros(base.numel(), dtype=np.bool_)
-    squares = np.zeros(3)
-    cut = kw._sce_cut(arrays, topk) if 0.0 < topk < 1.0 else None
-    if cut is not None:
-        kw._sce_select_jit(arrays, cut[0], cut[1], select, squares, np.empty(kw._BLOCK))
-    want = sce_select(taus, topk)
-    if topk < 1.0:
-        assert torch.equal(torch.from_numpy(select).reshape(want.shape), want)
-        kept = taus * want
-        assert np.allclose(squares, kept.square().reshape(3, -1).sum(1).numpy(), rtol=1e-13)
+    got = sce_keep(models, base, topk)
+    if topk >= 1.0:
+        assert got is None
+        return
+    var = torch.var(torch.stack([t - base for t in models]), dim=0, unbiased=False)
+    k = int(int(torch.count_nonzero(var)) * topk)
+    want = topk_mask_by_torch(var.abs().reshape(-1).float() if dtype in (torch.float16, torch.bfloat16)
+                              else var.abs().reshape(-1), k).reshape(base.shape)
+    assert torch.equal(got, want)
 
 
 @needs_numba

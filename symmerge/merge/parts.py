@@ -657,12 +657,76 @@ def elect_mask(deltas: torch.Tensor) -> torch.Tensor:
     return torch.sign(deltas) == elected
 
 
-def combine(deltas, weights, consensus: str, normalize) -> torch.Tensor:
+def mergekit_election(tensors, base, keeps, weights, rescale) -> torch.Tensor:
+    """mergekit's elected sign (True: +) of TIES' consensus, computed as mergekit computes it in the tensors'
+    dtype D: x_i = (θ_i − θ_b)·keep_i (× Σ|τ_i| / Σ|kept τ_i| under the L1 ``rescale``, each rounded to D) times
+    w_i (both in D), γ = + where Σ_i x_i — summed in that order, float32 accumulation for float16, bfloat16 and
+    float32 (float64 for float64), then rounded to D — is ≥ 0. Where the inputs take few distinct values
+    (float16/bfloat16 checkpoints) many weighted sums nearly cancel, and their sign is that rounding's; the rest
+    of the rule is float64 arithmetic (within one rounding of mergekit's). ``keeps[i]``: a boolean mask, or None
+    (every entry kept)."""
+    dtype = base.dtype
+    w = torch.tensor([float(x) for x in weights], dtype=dtype)
+    xs = []
+    for i, (t, keep) in enumerate(zip(tensors, keeps)):
+        d = t.to(dtype) - base
+        if keep is not None:
+            masked = d * keep.to(dtype)
+            if rescale is True:
+                before, after = d.abs().sum(), masked.abs().sum()
+                if not (before < 1e-7 or after < 1e-7):
+                    masked = masked * (before / after)
+            d = masked
+        xs.append(d * w[i])
+    return torch.stack(xs).sum(0) >= 0
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def combine_in_dtype(tensors, base, keeps, weights, consensus: str, normalize, scale: float, rescale) -> torch.Tensor:
+    """mergekit's task-vector rule in the inputs' half dtype D, op for op (where its rounding is the rule's
+    observable result): δ_i = (θ_i − θ_b)·keep_i (× Σ|τ_i| / Σ|kept τ_i| under the L1 ``rescale``), each in D, times
+    w_i in D; ``sum``: Σ δ_i (÷ Σ w_i when ``normalize``, 1 where |Σ w_i| < 1e-8); ``ties``: γ = + where Σ δ_i ≥ 0,
+    Σ of the agreeing δ_i (÷ the agreeing weights when ``normalize``, 1 where none); × λ unless 1; + θ_b, in D
+    (sums accumulate in float32, then round to D). ``keeps[i]``: a boolean mask or None (all kept)."""
+    dtype = base.dtype
+    w = torch.tensor([float(x) for x in weights], dtype=dtype).reshape(-1, *([1] * base.dim()))
+    deltas = torch.empty((len(tensors), *base.shape), dtype=dtype)
+    for i, (t, keep) in enumerate(zip(tensors, keeps)):
+        d = t.to(dtype) - base
+        if keep is not None:
+            masked = d * keep.to(dtype)
+            if rescale is True:
+                before, after = d.abs().sum(), masked.abs().sum()
+                if not (before < 1e-7 or after < 1e-7):
+                    masked = masked * (before / after)
+            d = masked
+        deltas[i] = d
+    deltas.mul_(w)
+    if consensus == "ties":
+        agree = (deltas.sign() == ((deltas.sum(0) >= 0).to(dtype) * 2 - 1)).to(dtype)
+        mixed = (deltas * agree).sum(0)
+        divisor = (w * agree).sum(0)
+        divisor[divisor == 0] = 1
+    else:
+        mixed = deltas.sum(0)
+        divisor = w.sum(0)
+        divisor[divisor.abs() < 1e-8] = 1
+    if normalize is True:
+        mixed /= divisor
+    if float(scale) != 1.0:
+        mixed *= float(scale)
+    return (base + mixed).to(dtype)
+
+
+def combine(deltas, weights, consensus: str, normalize, elected=None) -> torch.Tensor:
     """The merged task vector of the weighted, sparsified ``deltas`` (a list): ``consensus`` ``sum`` (Σ δ_i,
     divided by Σ w_i when ``normalize`` is true, unless |Σ w_i| < 1e-8) or ``ties`` (Σ of the δ_i agreeing
     with the elected sign, divided by the agreeing weights Σ w_i [agree] when ``normalize`` is true (1 where
     none agrees), by the number of agreeing ones when ``normalize="count"`` (symmerge's disjoint mean, with
-    its election: γ = sign(Σ δ_i), nothing where the sum is 0), as is when false)."""
+    its election: γ = sign(Σ δ_i), nothing where the sum is 0), as is when false). ``elected`` (true: +), when
+    given, is the ``ties`` election (:func:`mergekit_election`) instead of the sign of Σ δ_i."""
     if consensus == "sum":
         total = weighted_sum(deltas, [1.0] * len(deltas))
         if normalize is True:
@@ -674,7 +738,10 @@ def combine(deltas, weights, consensus: str, normalize) -> torch.Tensor:
     if normalize == "count":
         return disjoint_mean(deltas)
     stacked = torch.stack(deltas)
-    agree = elect_mask(stacked)
+    if elected is None:
+        agree = elect_mask(stacked)
+    else:
+        agree = torch.sign(stacked) == torch.where(elected, 1.0, -1.0).to(stacked.dtype)
     total = stacked.masked_fill(~agree, 0.0).sum(0)
     if normalize is True:
         w = torch.tensor(weights, dtype=stacked.dtype).reshape(-1, *([1] * (stacked.dim() - 1)))
@@ -727,6 +794,8 @@ def _whole_into(sparsifier: str, consensus: str, key, tensors, weights, base, pa
     (nothing written: numba missing, or parameters or dtypes they do not cover)."""
     if not kernels.AVAILABLE or base is None:
         return False
+    if base.dtype in HALF and params["normalize"] != "count" and params.get("rescale") != "inverse":
+        return False  # mergekit's rule in the half dtype itself (combine_in_dtype, by the torch code)
     from . import kernels_whole
 
     spec = _whole_rules(sparsifier, key, len(tensors), base.numel(), params)
@@ -747,7 +816,13 @@ def _whole_task_vector_tensor(sparsifier: str, consensus: str, key, tensors, wei
     ctx = {"n": tensors, "thresholds": context, "w": weights}
     deltas = [_sparsify_whole(sparsifier, key, i, t.double() - b, params, ctx, low=t - base) * w
               for i, (t, w) in enumerate(zip(tensors, weights))]
-    return b + float(params["scale"]) * combine(deltas, weights, consensus, params["normalize"])
+    if base.dtype in HALF and params["normalize"] != "count" and params.get("rescale") != "inverse":
+        return combine_in_dtype(tensors, base, [d != 0 for d in deltas], weights, consensus, params["normalize"],
+                                float(params["scale"]), params.get("rescale"))
+    elected = None
+    if consensus == "ties" and params["normalize"] != "count":
+        elected = mergekit_election(tensors, base, [d != 0 for d in deltas], weights, params.get("rescale"))
+    return b + float(params["scale"]) * combine(deltas, weights, consensus, params["normalize"], elected)
 
 
 def _needs_whole(sparsifier: str, consensus: str, params) -> bool:
@@ -767,6 +842,10 @@ def _needs_whole(sparsifier: str, consensus: str, params) -> bool:
 
 def _legacy_or_whole(sparsify, sparsifier, consensus, key, tensors, weights, stats, base, params, context,
                      fused=None):
+    if sparsifier == "none" and base.dtype in HALF and params["normalize"] != "count":
+        # task arithmetic in float16/bfloat16: mergekit's own rounding, elementwise (chunks give the same bits)
+        return combine_in_dtype(tensors, base, [None] * len(tensors), weights, consensus, params["normalize"],
+                                float(params["scale"]), False)
     if _needs_whole(sparsifier, consensus, params):
         return _whole_task_vector_tensor(sparsifier, consensus, key, tensors, weights, stats, base, params, context)
     return _task_vector_tensor(sparsify, CONSENSUS[consensus], key, tensors, weights, stats, base, params, context,

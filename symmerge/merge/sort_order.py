@@ -221,3 +221,85 @@ def magnitudes(t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The keys mergekit sorts: |t − b| computed in the tensors' own dtype (a float16/bfloat16 task vector rounded
     as mergekit's is), as float32."""
     return (t - b).abs().float()
+
+
+# ------------------------------------------------------------------ torch.topk's set (SCE)
+#
+# torch's CPU top-k of one row copies (value, index) pairs and, with the comparator ``a > b``, runs the C++
+# library's std::partial_sort of the first k where k·64 ≤ n, else std::nth_element at k − 1 (introselect:
+# median-of-three partitions down to ranges of at most 3, then an insertion sort; a heap select below depth
+# 2·⌊log₂ n⌋); the k pairs in front are the top k (their order inside does not change the set).
+
+
+def _heap_select(v, ix, first, middle, last, desc):  # pragma: no cover - compiled
+    """The library's heap select: a heap of [first, middle), then each later entry that beats its top replaces it."""
+    length = middle - first
+    if length >= 2:
+        parent = (length - 2) // 2
+        while True:
+            _adjust_heap_jit(v, ix, first, parent, length, v[first + parent], ix[first + parent], desc)
+            if parent == 0:
+                break
+            parent -= 1
+    for i in range(middle, last):
+        if _less_jit(v[i], v[first], desc):
+            value, index = v[i], ix[i]
+            v[i] = v[first]
+            ix[i] = ix[first]
+            _adjust_heap_jit(v, ix, first, 0, length, value, index, desc)
+
+
+def _nth_element(v, ix, nth, desc):  # pragma: no cover - compiled
+    first = 0
+    last = v.shape[0]
+    depth = 0
+    m = last
+    while m > 1:
+        depth += 1
+        m >>= 1
+    depth *= 2
+    while last - first > 3:
+        if depth == 0:
+            _heap_select_jit(v, ix, first, nth + 1, last, desc)
+            _swap_jit(v, ix, first, nth)
+            return
+        depth -= 1
+        cut = _partition_jit(v, ix, first, last, desc)
+        if cut <= nth:
+            first = cut
+        else:
+            last = cut
+    _insertion_sort_jit(v, ix, first, last, desc)
+
+
+_heap_select_jit = kernels._jit(_heap_select)
+_nth_element_jit = kernels._jit(_nth_element)
+
+
+def topk_mask_by_torch(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the entries ``torch.topk(keys.reshape(-1), k)`` returns (the definition of :func:`topk_mask`)."""
+    flat = keys.reshape(-1)
+    keep = torch.zeros(flat.numel(), dtype=torch.bool)
+    if k > 0:
+        keep[torch.topk(flat, k, largest=True).indices] = True
+    return keep.reshape(keys.shape)
+
+
+def topk_mask(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`topk_mask_by_torch`'s mask by the same selection (numba; torch's top-k where numba is missing or the
+    keys are not float32)."""
+    n = keys.numel()
+    k = max(0, min(k, n))
+    if k == 0 or k == n:
+        return torch.full(keys.shape, k == n, dtype=torch.bool)
+    if not kernels.AVAILABLE or keys.dtype != torch.float32 or keys.device.type != "cpu":
+        return topk_mask_by_torch(keys, k)
+    v = keys.reshape(-1).numpy().copy()
+    ix = np.arange(n, dtype=np.int64)
+    if k * 64 <= n:
+        _heap_select_jit(v, ix, 0, k, n, True)
+    else:
+        _nth_element_jit(v, ix, k - 1, True)
+    mask = np.zeros(n, dtype=np.bool_)
+    _fill_jit(ix, 0, k, mask)
+    return torch.from_numpy(mask).reshape(keys.shape)
