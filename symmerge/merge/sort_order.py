@@ -98,8 +98,7 @@ def _adjust_heap(v, ix, first, hole, length, value, index, desc):  # pragma: no 
     ix[first + hole] = index
 
 
-def _heap_sort(v, ix, first, last, desc):  # pragma: no cover - compiled
-    """The library's partial sort of the whole range: make a heap, then pop it."""
+def _make_heap(v, ix, first, last, desc):  # pragma: no cover - compiled
     length = last - first
     if length >= 2:
         parent = (length - 2) // 2
@@ -108,6 +107,11 @@ def _heap_sort(v, ix, first, last, desc):  # pragma: no cover - compiled
             if parent == 0:
                 break
             parent -= 1
+
+
+def _heap_sort(v, ix, first, last, desc):  # pragma: no cover - compiled
+    """The library's partial sort of the whole range: make a heap, then pop it."""
+    _make_heap_jit(v, ix, first, last, desc)
     end = last
     while end - first > 1:
         end -= 1
@@ -184,6 +188,7 @@ _swap_jit = kernels._jit(_swap)
 _median_to_first_jit = kernels._jit(_median_to_first)
 _partition_jit = kernels._jit(_partition)
 _adjust_heap_jit = kernels._jit(_adjust_heap)
+_make_heap_jit = kernels._jit(_make_heap)
 _heap_sort_jit = kernels._jit(_heap_sort)
 _insertion_sort_jit = kernels._jit(_insertion_sort)
 _straddles_jit = kernels._jit(_straddles)
@@ -234,13 +239,7 @@ def magnitudes(t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _heap_select(v, ix, first, middle, last, desc):  # pragma: no cover - compiled
     """The library's heap select: a heap of [first, middle), then each later entry that beats its top replaces it."""
     length = middle - first
-    if length >= 2:
-        parent = (length - 2) // 2
-        while True:
-            _adjust_heap_jit(v, ix, first, parent, length, v[first + parent], ix[first + parent], desc)
-            if parent == 0:
-                break
-            parent -= 1
+    _make_heap_jit(v, ix, first, middle, desc)
     for i in range(middle, last):
         if _less_jit(v[i], v[first], desc):
             value, index = v[i], ix[i]
