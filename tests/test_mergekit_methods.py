@@ -16,7 +16,7 @@ bfloat16 6e-4); the selection methods (ties, breadcrumbs, breadcrumbs_ties, sce)
 float16/bfloat16 deltas take few distinct values, so many magnitudes (variances) tie at the cut. symmerge keeps
 the tied entries mergekit's ``torch.argsort`` / ``torch.sort`` / ``torch.topk`` keeps
 (:mod:`symmerge.merge.sort_order`) and elects TIES' signs from the weighted deltas rounded and summed as mergekit
-sums them (:func:`symmerge.merge.parts.mergekit_election`), so every selection method is bounded tightly
+sums them (:func:`symmerge.merge.in_dtype.mergekit_election`), so every selection method is bounded tightly
 (``TIGHT``; measured 2026-11-28, float16 / bfloat16: ties 2.1e-6 / 0, breadcrumbs 1.3e-5 / 1.2e-4,
 breadcrumbs_ties 2.7e-6 / 2.5e-5, sce 5.6e-7 / 2.2e-9; before, flat order and float64 signs: 2.2e-2 / 5.4e-2,
 2.7e-2 / 6.8e-2, 3.9e-2 / 9.2e-2, 1.2e-2 / 4.4e-2). Both computing in the stored half dtype, the task-vector

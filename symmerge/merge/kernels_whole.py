@@ -19,7 +19,7 @@ another order than torch's (a relative difference of ~1e-16 in the rescale facto
 follow the same plan: SCE's positions given (mergekit's ``torch.topk`` of the variances, its order at a tie:
 :func:`symmerge.merge.specialized.sce_keep`; its weights' sums in another order), RAM bit for bit. In float16 and
 bfloat16 the task-vector rules and SCE run mergekit's arithmetic in that dtype by the torch code instead
-(:func:`symmerge.merge.parts.combine_in_dtype`): there its rounding is the result.
+(:func:`symmerge.merge.in_dtype.combine_in_dtype`): there its rounding is the result.
 ``tests/test_merge_kernels_whole.py`` compares every kernel with the torch code and with brute force.
 """
 
@@ -92,7 +92,7 @@ def _combine(arrays, masks, allk, mul, div, w, consensus, normalize, wsum, scale
     kept whole where ``allk[i]``), combined = Σ x_i (``consensus`` 0; ``normalize`` 1: / ``wsum``, 2: / n) or
     mergekit's election (1: γ = + where Σ x_i ≥ 0, the agreeing x_i summed; ``normalize`` 1: divided by the
     agreeing weights, 1 where none agree; 2: symmerge's disjoint mean, γ = sign(Σ x_i), / their count); with
-    ``given``, γ = + where ``elected`` (mergekit's election in its dtype: ``parts.mergekit_election``)."""
+    ``given``, γ = + where ``elected`` (mergekit's election in its dtype: ``in_dtype.mergekit_election``)."""
     n = w.shape[0]
     m = arrays[0].shape[0]
     for start in range(0, m, acc.shape[0]):
@@ -236,7 +236,7 @@ def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, no
     if given:  # mergekit's election, in its dtype (a sign flipped by its rounding flips the whole entry)
         import torch
 
-        from .parts import mergekit_election
+        from .in_dtype import mergekit_election
 
         keeps = [None if allk[i] else torch.from_numpy(masks[i]).reshape(base.shape) for i in range(n)]
         elected = mergekit_election(tensors, base, keeps, weights, any(r == "l1" for r in rescales)).reshape(-1).numpy()
