@@ -141,16 +141,11 @@ def _straddles(first, last, cuts):  # pragma: no cover - compiled
     return False
 
 
-def _introselect(v, ix, cuts, desc):  # pragma: no cover - compiled
-    """Introsort on (v, ix), every range that straddles no cut left as it is (its entries stay on one side)."""
-    n = v.shape[0]
-    depth0 = 0
-    m = n
-    while m > 1:
-        depth0 += 1
-        m >>= 1
+def _introselect(v, ix, first0, last0, depth0, cuts, desc):  # pragma: no cover - compiled
+    """Introsort on (v, ix) from the range [first0, last0) at depth limit ``depth0``, every range that straddles no
+    cut left as it is (its entries stay on one side)."""
     stack = np.empty((128, 3), dtype=np.int64)  # (first, last, depth); a straddled range splits into <= 2 per cut
-    stack[0, 0], stack[0, 1], stack[0, 2] = 0, n, 2 * depth0
+    stack[0, 0], stack[0, 1], stack[0, 2] = first0, last0, depth0
     top = 1
     while top > 0:
         top -= 1
@@ -212,14 +207,39 @@ def window_mask(keys: torch.Tensor, lo: int, hi: int, descending: bool) -> torch
     lo, hi = max(0, min(lo, n)), max(0, min(hi, n))
     if hi <= lo:
         return torch.zeros(keys.shape, dtype=torch.bool)
+    clear = _without_ties_at_the_cuts(keys, lo, hi, descending)
+    if clear is not None:  # no tie straddles a cut: the window is a range of values, whatever the order of ties
+        return clear
     if not kernels.AVAILABLE or keys.device.type != "cpu":
         return window_mask_by_sort(keys, lo, hi, descending)
     v = keys.reshape(-1).to(torch.float32).numpy().copy()
     ix = np.arange(n, dtype=np.int64)
-    _introselect_jit(v, ix, (np.int64(lo), np.int64(hi)), bool(descending))
+    _introselect_jit(v, ix, np.int64(0), np.int64(n), np.int64(2 * (n.bit_length() - 1)),
+                     (np.int64(lo), np.int64(hi)), bool(descending))
     mask = np.zeros(n, dtype=np.bool_)
     _fill_jit(ix, lo, hi, mask)
     return torch.from_numpy(mask).reshape(keys.shape)
+
+
+def _without_ties_at_the_cuts(keys: torch.Tensor, lo: int, hi: int, descending: bool) -> torch.Tensor | None:
+    """The window's mask by its values alone — ascending positions [a, b) are the entries ≥ the value at position
+    a and < the value at position b — when no run of equal values crosses a cut (the value at each inner cut
+    position p has exactly p entries below it); else None (the order of the tied entries decides)."""
+    flat = keys.reshape(-1).cpu()
+    n = flat.numel()
+    a, b = (n - hi, n - lo) if descending else (lo, hi)
+    inner = [p for p in (a, b) if 0 < p < n]
+    if not inner:
+        return torch.ones(keys.shape, dtype=torch.bool, device=keys.device)
+    values = np.partition(flat.numpy(), inner)[inner]  # a selection (numpy's introselect), no sort
+    keep = torch.ones(n, dtype=torch.bool)
+    for p, value in zip(inner, values):
+        side = "low" if p == a else "high"
+        below = flat < float(value)
+        if int(below.sum()) != p:
+            return None
+        keep &= ~below if side == "low" else below
+    return keep.reshape(keys.shape).to(keys.device)
 
 
 def magnitudes(t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
