@@ -94,11 +94,16 @@ def test_magnitude_masks_equal_torchs_sorts(seed):
         k = max(1, int(density * size))
         assert torch.equal(_mask_of(("topk", k), tau), window_mask_by_sort(tau.abs().float(), 0, k, True)), density
         assert torch.equal(_keep_topk(tau, density), window_mask_by_sort(tau.abs().float(), 0, k, True)), density
+        half = tau.bfloat16()  # a half-precision task vector: torch's order, as mergekit
+        assert torch.equal(_keep_topk(half, density), window_mask_by_sort(half.abs().float(), 0, k, True)), density
         for gamma in (0.0, 0.01, 0.2, 0.6):
             target, top = int(density * size), int(gamma * size)
             want = breadcrumbs_band(tau, density, gamma)
             bottom = max(0, size - target - top)
             assert torch.equal(want, window_mask_by_sort(tau.abs().float(), bottom, bottom + target, False))
+            half = tau.bfloat16()
+            assert torch.equal(breadcrumbs_band(half, density, gamma),
+                               window_mask_by_sort(half.abs().float(), bottom, bottom + target, False))
             if target == 0:
                 assert not want.any()
                 continue

@@ -5,10 +5,12 @@ The torch code of :mod:`symmerge.merge.parts` (``_whole_task_vector_tensor``: sp
 copies of whole tensors and sorts every task vector; these loops compute the same per-entry float64
 arithmetic without them:
 
-1. per model, a boolean mask of the kept entries (:func:`symmerge.merge.sort_order.window_mask` for a
-   magnitude rule: the positions of torch's sort of the magnitudes mergekit sorts, found by a selection, ties
-   at a cut in torch's order; :func:`_mask_dare`, :func:`_mask_della`) and, for the L1 rescale, the two norms
-   Σ|τ|, Σ|kept τ| (:func:`_l1_sums`), the models at once on the merge pool;
+1. per model, a boolean mask of the kept entries (:func:`_mask_interval`, :func:`_mask_dare`,
+   :func:`_mask_della`) and, for the L1 rescale, the two norms Σ|τ|, Σ|kept τ| (:func:`_l1_sums`), the
+   models at once on the merge pool; a magnitude rule's cut values are found by a radix select on the
+   float32 bit patterns of |τ| (:func:`kth_largest`: two counting passes, no sort); where a run of equal
+   magnitudes crosses a cut, the entries torch's sort keeps there, as mergekit takes them
+   (:func:`symmerge.merge.sort_order.window_mask`, a selection: several times the radix select's cost);
 2. then the entries, split over the pool: the masked task vectors rescaled and weighted as the torch code
    does it, their sum or mergekit's sign election, ``θ_b + λ · combined``, cast into the output
    (:func:`_combine`).
@@ -28,11 +30,31 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels
-from .kernels import _OUT_KIND, _bits53_jit, _jit, _merge_pool, _store_jit
+from .kernels import _BLOCK, _OUT_KIND, _bits53_jit, _histogram_jit, _jit, _merge_pool, _store_jit
 from .sort_order import magnitudes, window_mask
 
 _HALF = 1 << 16
 _U53 = 1.0 / 9007199254740992.0  # 2^-53: a uniform from its 53 bits (exact)
+
+
+def _mask_interval(t, b, lo, lo_start, lo_stop, hi, hi_start, hi_stop, mask):  # pragma: no cover - compiled
+    """mask[j] = the float32 magnitude v of τ_j = t_j − b_j (float64) lies strictly between ``lo`` and ``hi``,
+    or equals ``lo`` and is the c-th such entry (flat order, from 0) with ``lo_start`` ≤ c < ``lo_stop``, or
+    equals ``hi`` (≠ ``lo``) with ``hi_start`` ≤ c < ``hi_stop``."""
+    clo = 0
+    chi = 0
+    for j in range(t.shape[0]):
+        v = np.float32(abs(np.float64(t[j]) - np.float64(b[j])))
+        k = False
+        if v == lo:
+            k = clo >= lo_start and clo < lo_stop
+            clo += 1
+        elif v == hi:
+            k = chi >= hi_start and chi < hi_stop
+            chi += 1
+        elif v > lo and v < hi:
+            k = True
+        mask[j] = k
 
 
 def _mask_dare(n, seed, cut_bits, mask):  # pragma: no cover - compiled
@@ -157,6 +179,7 @@ _mask_dare_jit = _jit(_mask_dare)
 _mask_della_jit = _jit(_mask_della)
 _l1_sums_jit = _jit(_l1_sums)
 _combine_jit = _jit(_combine)
+_mask_interval_jit = _jit(_mask_interval)
 _COMBINE_BLOCK = 4096
 _SPLIT = 1 << 18  # entries from which the combining pass is split over the pool
 
@@ -168,6 +191,48 @@ def _arrays(tensors):
 
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     return tuple(t.reshape(-1).to(dtype).contiguous().numpy() for t in tensors)
+
+
+def kth_largest(t, b, k: int) -> tuple[float, int, int]:
+    """The k-th largest (1-based) float32 magnitude of τ = t − b (flat numpy arrays, τ in float64), the count of
+    entries above it and of those equal to it: a radix select on the float32 bit patterns (high 16 bits
+    counted, then the low 16 of the chosen high bin)."""
+    scratch = np.empty(_BLOCK, dtype=np.float32)
+    high = np.zeros(_HALF, dtype=np.int64)
+    _histogram_jit(t, b, 1.0, -1, high, scratch)
+    above = np.cumsum(high[::-1])  # entries in bins >= HALF - 1 - j
+    j = int(np.searchsorted(above, k))
+    hb = _HALF - 1 - j
+    before = int(above[j - 1]) if j > 0 else 0
+    low = np.zeros(_HALF, dtype=np.int64)
+    _histogram_jit(t, b, 1.0, hb, low, scratch)
+    inside = np.cumsum(low[::-1])
+    i = int(np.searchsorted(inside, k - before))
+    lb = _HALF - 1 - i
+    value = np.array([(hb << 16) | lb], dtype=np.uint32).view(np.float32)[0]
+    return float(value), before + (int(inside[i - 1]) if i > 0 else 0), int(low[lb])
+
+
+_INF = float(np.float32(np.inf))
+
+
+def _interval(t, b, rule, n: int):
+    """(lo, lo_start, lo_stop, hi, hi_start, hi_stop, clear) of a magnitude rule over ``n`` entries: ``("topk", k)``
+    keeps the k largest (ties at the k-th: the first in flat order); ``("band", bottom, count)`` the entries of
+    ascending ranks [bottom, bottom + count) (ties ranked in flat order); ``clear``: no run of equal magnitudes
+    crosses a cut (the interval is then the set torch's order gives too)."""
+    if rule[0] == "topk":
+        k = rule[1]
+        value, above, equal = kth_largest(t, b, k)
+        return value, 0, k - above, _INF, 0, 0, k - above == equal
+    bottom, count = rule[1], rule[2]
+    first, last = bottom, bottom + count - 1  # ascending ranks, 0-based: the k-th largest is rank n - k
+    vl, above_l, equal_l = kth_largest(t, b, n - first)
+    vh, above_h, equal_h = kth_largest(t, b, n - last)
+    less_l, less_h = n - above_l - equal_l, n - above_h - equal_h
+    if vl == vh:  # one value: nothing above it
+        return vl, first - less_l, last + 1 - less_l, vl, 0, 0, first == less_l and last + 1 - less_l == equal_l
+    return vl, first - less_l, equal_l, vh, 0, last + 1 - less_h, first == less_l and last + 1 - less_h == equal_h
 
 
 def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, normalize, scale: float,
@@ -204,9 +269,14 @@ def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, no
         elif rule[0] == "della":
             density, epsilon = float(rule[2]), float(rule[3])
             _mask_della_jit(t, b, cols, np.uint64(rule[1]), density - epsilon, epsilon, masks[i])
-        else:  # the positions of torch's sort of the magnitudes mergekit sorts (ties at a cut in its order)
-            lo, hi, descending = (0, rule[1], True) if rule[0] == "topk" else (rule[1], rule[1] + rule[2], False)
-            masks[i] = window_mask(magnitudes(tensors[i], base), lo, hi, descending).reshape(-1).numpy()
+        else:  # a radix select of the cut values; where a run of ties crosses a cut, torch's order (mergekit's)
+            lo, lo_start, lo_stop, hi, hi_start, hi_stop, clear = _interval(t, b, rule, m)
+            if clear:
+                _mask_interval_jit(t, b, np.float32(lo), lo_start, lo_stop, np.float32(hi), hi_start, hi_stop,
+                                   masks[i])
+            else:
+                first, last, desc = (0, rule[1], True) if rule[0] == "topk" else (rule[1], rule[1] + rule[2], False)
+                masks[i] = window_mask(magnitudes(tensors[i], base), first, last, desc).reshape(-1).numpy()
         if rescales[i] == "l1" and rule[0] != "all":
             _l1_sums_jit(t, b, masks[i], sums[i])
 

@@ -560,21 +560,26 @@ def band_window(n: int, density: float, gamma: float) -> tuple[int, int]:
 
 def _keep_topk(tau: torch.Tensor, density: float) -> torch.Tensor:
     """Mask of the max(1, ⌊density·n⌋) entries of largest float32 magnitude of ``tau`` (the task vector in its
-    computing dtype: float16/bfloat16 ones rounded as mergekit's), ties at the k-th in the order of torch's sort
-    as mergekit takes them (:func:`symmerge.merge.sort_order.window_mask`)."""
+    computing dtype: float16/bfloat16 ones rounded as mergekit's), ties at the k-th as :func:`_ordered_window`."""
     lo, hi = topk_window(tau.numel(), density)
     if hi - lo == tau.numel():
         return torch.ones(tau.shape, dtype=torch.bool)
-    return window_mask(tau.abs().float(), lo, hi, descending=True)
+    return _ordered_window(tau, lo, hi, descending=True)
 
 
 def breadcrumbs_band(tau: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
     """Model Breadcrumbs' mask (:func:`band_window` of the ascending order of ``tau``'s float32 magnitudes; ties
-    in the order of torch's sort, as mergekit takes them)."""
+    as :func:`_ordered_window`)."""
     lo, hi = band_window(tau.numel(), density, gamma)
     if hi - lo == tau.numel():
         return torch.ones(tau.shape, dtype=torch.bool)
-    return window_mask(tau.abs().float(), lo, hi, descending=False)
+    return _ordered_window(tau, lo, hi, descending=False)
+
+
+def _ordered_window(tau: torch.Tensor, lo: int, hi: int, descending: bool) -> torch.Tensor:
+    """The entries at positions [lo, hi) of ``tau``'s float32 magnitudes in the order of torch's sort, as mergekit
+    takes them (:func:`symmerge.merge.sort_order.window_mask`)."""
+    return window_mask(tau.abs().float(), lo, hi, descending)
 
 
 def della_keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
@@ -732,8 +737,8 @@ def _whole_into(sparsifier: str, consensus: str, key, tensors, weights, base, pa
     (nothing written: numba missing, or parameters or dtypes they do not cover)."""
     if not kernels.AVAILABLE or base is None:
         return False
-    if base.dtype in HALF and params["normalize"] != "count" and params.get("rescale") != "inverse":
-        return False  # mergekit's rule in the half dtype itself (combine_in_dtype, by the torch code)
+    if base.dtype in HALF:  # mergekit's rule in the half dtype itself (combine_in_dtype) and its tie order, by the
+        return False  # torch code
     from . import kernels_whole
 
     spec = _whole_rules(sparsifier, key, len(tensors), base.numel(), params)
