@@ -144,9 +144,16 @@ def python_env() -> dict:
     return env
 
 
+# symmerge's own variants of ties and dare_ties (model-wide top 20 %, 1/(1 - p), disjoint mean), the rules
+# bench_ties has measured since it was written: explicit parameters since every name means mergekit's method
+VARIANTS = {"ties": ("density=0.2", "scope=model", "normalize=count"),
+            "dare_ties": ("drop=0.9", "rescale=inverse", "normalize=count")}
+
+
 def symmerge_cmd(models, out, method="average", base=None) -> list[str]:
+    params = [x for p in VARIANTS.get(method, ()) for x in ("--param", p)]
     return [sys.executable, "-m", "symmerge.cli", "merge", *map(str, models), "--method", method, "--align", "none",
-            *(["--base", str(base)] if base else []), "--progress", "none", "-o", str(out)]
+            *(["--base", str(base)] if base else []), *params, "--progress", "none", "-o", str(out)]
 
 
 def mergekit_cmd(mergekit: str, models, out: Path, dtype: str) -> list[str]:

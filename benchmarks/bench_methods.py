@@ -1,7 +1,7 @@
 """Every mergekit merge method, symmerge against mergekit 0.1.5 on the same config, in one run, alternating.
 
     python -m benchmarks.bench_methods [--dir /tmp/symmerge-bench-merge] [--repeats 1] [--methods linear,ties]
-                                       [--tiny] [--json out.json]
+                                       [--tiny] [--dtype bfloat16] [--before TREE] [--json out.json]
 
 Inputs: :mod:`benchmarks.bench_merge`'s (generated once into ``--dir``, reused): the real SmolLM2-135M-Instruct
 (fp32, 538 MB) as the base ``a`` and three perturbed copies ``b``, ``c``, ``d`` (``--tiny``: a tiny random Llama).
@@ -12,6 +12,11 @@ time and peak RSS from ``wait4`` of the child (:func:`benchmarks.bench_merge.mea
 symmerge/mergekit ratios (goal: wall ≤ 0.8, peak RSS ≤ 1), and how close the two outputs are:
 ‖symmerge − mergekit‖ / ‖mergekit − base‖ over every tensor (for the randomised methods, DARE and DELLA, the
 masks differ by construction: the figure is then the size of that difference, not an error).
+
+``--dtype``: every config computes in that dtype (mergekit's ``dtype:``; the inputs are float32). ``--before TREE``:
+the symmerge of ``TREE`` (a checkout of an earlier commit, e.g. ``git archive REV | tar -x -C TREE``) runs the same
+configs in the same loop, alternating with the others; its closeness to mergekit and its wall/RSS ratios are
+reported beside today's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.bench_merge import MERGEKIT, measure, median, python_env
+from benchmarks.bench_merge import MERGEKIT, before_env, measure, median, python_env
 
 RANDOMISED = ("dare_ties", "dare_linear", "della", "della_linear")
 
@@ -85,7 +90,9 @@ def child_gap(ours: str, theirs: str, base: str) -> None:
     num = den = 0.0
     for k, t in y.items():
         num += float((x[k].double() - t.double()).pow(2).sum())
-        den += float((t.double() - (b[k].double() if k in b and b[k].shape == t.shape else 0)).pow(2).sum())
+        # the base in the output's dtype (a bfloat16 merge's base is the bfloat16 base): its rounding is not a change
+        den += float((t.double() - (b[k].to(t.dtype).double() if k in b and b[k].shape == t.shape else 0))
+                     .pow(2).sum())
     same = all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in y)
     print(json.dumps({"gap": (num ** 0.5) / max(den ** 0.5, 1e-30), "equal": same}))
 
@@ -103,6 +110,9 @@ def main(argv=None) -> int:
     p.add_argument("--mergekit", default=MERGEKIT, help="mergekit-yaml executable (its own venv)")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2 (smoke test)")
     p.add_argument("--json", help="also write the figures to this JSON file")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="the configs' dtype (computing dtype of both tools; default: none, the inputs' float32)")
+    p.add_argument("--before", metavar="TREE", help="also run the symmerge of TREE (an earlier checkout)")
     args = p.parse_args(argv)
     env = python_env()
     mergekit = args.mergekit if shutil.which(args.mergekit) else None
@@ -122,24 +132,35 @@ def main(argv=None) -> int:
     import yaml
 
     figures: dict = {"inputs": kind, "load_average": os.getloadavg(), "cpus": os.cpu_count(),
-                     "repeats": args.repeats, "methods": {}}
+                     "repeats": args.repeats, "dtype": args.dtype, "methods": {},
+                     "before": str(Path(args.before).resolve()) if args.before else None}
+    tools = ["mergekit", "symmerge"] + (["before"] if args.before else [])
+    envs = {"symmerge": env, "mergekit": env, "before": before_env(env, args.before) if args.before else env}
     for method in wanted:
         config = root / f"bench-{method}.yml"
-        config.write_text(yaml.safe_dump(table[method], sort_keys=False))
-        outs = {"symmerge": root / "out-symmerge", "mergekit": root / "out-mergekit"}
-        runs: dict = {"symmerge": [], "mergekit": []}
+        config.write_text(yaml.safe_dump({**table[method], **({"dtype": args.dtype} if args.dtype else {})},
+                                         sort_keys=False))
+        outs = {t: root / f"out-{t}" for t in tools}
+        runs: dict = {t: [] for t in tools}
         for r in range(args.repeats):
-            for tool in ("mergekit", "symmerge") if r % 2 == 0 else ("symmerge", "mergekit"):
+            for tool in tools[r % len(tools):] + tools[:r % len(tools)]:  # each tool first in turn
                 shutil.rmtree(outs[tool], ignore_errors=True)
                 cmd = ([sys.executable, "-m", "symmerge.cli", "run", str(config), str(outs[tool]), "--progress", "none",
-                        "--random-seed", "0"] if tool == "symmerge"
+                        "--random-seed", "0"] if tool != "mergekit"
                        else [mergekit, str(config), str(outs[tool]), "--random-seed", "0", "--quiet"])
-                runs[tool].append(measure(cmd, env))
-        gap = subprocess.run([sys.executable, "-m", "benchmarks.bench_methods", "--child", "gap", str(outs["symmerge"]),
-                              str(outs["mergekit"]), str(root / "a")], capture_output=True, text=True, env=env)
+                runs[tool].append(measure(cmd, envs[tool], cwd=args.before if tool == "before" else None))
+
+        def gap_of(tool):
+            got = subprocess.run([sys.executable, "-m", "benchmarks.bench_methods", "--child", "gap", str(outs[tool]),
+                                  str(outs["mergekit"]), str(root / "a")], capture_output=True, text=True, env=env)
+            return json.loads(got.stdout.strip().splitlines()[-1]) if got.returncode == 0 else got.stderr[-500:]
+
         row = {tool: {k: median(rs, k) for k in ("wall_s", "cpu_s", "peak_rss_gb")} for tool, rs in runs.items()}
         row["ratios"] = {k: row["symmerge"][k] / row["mergekit"][k] for k in ("wall_s", "cpu_s", "peak_rss_gb")}
-        row["closeness"] = json.loads(gap.stdout.strip().splitlines()[-1]) if gap.returncode == 0 else gap.stderr[-500:]
+        row["closeness"] = gap_of("symmerge")
+        if args.before:
+            row["ratios_before"] = {k: row["before"][k] / row["mergekit"][k] for k in ("wall_s", "cpu_s", "peak_rss_gb")}
+            row["closeness_before"] = gap_of("before")
         row["randomised"] = method in RANDOMISED
         row["goal_met"] = row["ratios"]["wall_s"] <= 0.8 and row["ratios"]["peak_rss_gb"] <= 1.0
         figures["methods"][method] = row
@@ -148,6 +169,11 @@ def main(argv=None) -> int:
               f"mergekit {row['mergekit']['wall_s']:6.2f} s {row['mergekit']['peak_rss_gb']:.2f} GB | wall ratio "
               f"{row['ratios']['wall_s']:.2f}, RSS ratio {row['ratios']['peak_rss_gb']:.2f} | gap "
               f"{c.get('gap') if isinstance(c, dict) else c}", flush=True)
+        if args.before:
+            cb = row["closeness_before"]
+            print(f"{'':17s} before   {row['before']['wall_s']:6.2f} s {row['before']['peak_rss_gb']:.2f} GB | wall ratio "
+                  f"{row['ratios_before']['wall_s']:.2f} | gap {cb.get('gap') if isinstance(cb, dict) else cb}",
+                  flush=True)
         for d in outs.values():
             shutil.rmtree(d, ignore_errors=True)
     figures["load_average_after"] = os.getloadavg()

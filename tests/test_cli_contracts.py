@@ -78,9 +78,11 @@ def finetuned(tmp_path):
 
 @pytest.mark.parametrize("method,params,weights", [
     ("task_arithmetic", {"scale": 0.5}, (0.7, 0.5)),  # task-vector weights are multipliers, not normalised
-    ("ties", {"density": 0.3, "scale": 0.8}, (1.0, 1.0)),
-    ("dare", {"drop": 0.4, "seed": 3, "scale": 1.0}, (1.0, 1.0)),
-    ("dare_ties", {"drop": 0.4, "seed": 3, "scale": 0.9}, (1.0, 1.0)),
+    # symmerge's own variants (model-wide threshold, 1/(1 - p), disjoint mean): explicit parameters, since every
+    # name means mergekit's method with mergekit's defaults
+    ("ties", {"density": 0.3, "scale": 0.8, "scope": "model", "normalize": "count"}, (1.0, 1.0)),
+    ("dare", {"drop": 0.4, "seed": 3, "scale": 1.0, "rescale": "inverse"}, (1.0, 1.0)),
+    ("dare_ties", {"drop": 0.4, "seed": 3, "scale": 0.9, "rescale": "inverse", "normalize": "count"}, (1.0, 1.0)),
 ])
 def test_task_vector_methods_write_base_plus_combined_task_vectors(finetuned, tmp_path, method, params, weights):
     base, (m0, m1) = finetuned

@@ -30,9 +30,16 @@ def adversarial(n: int, size: int, dtype, seed: int) -> list[torch.Tensor]:
     return [t.to(dtype) for t in out]
 
 
+# symmerge's own variants of ties and dare_ties (model-wide threshold, 1/(1 - p), disjoint mean): the chunked
+# rules these kernels fuse; explicit parameters since every name means mergekit's method by default
+VARIANTS = {"ties": {"scope": "model", "normalize": "count"}, "dare_ties": {"rescale": "inverse", "normalize": "count"}}
+
+
 def both(method: str, models, base, weights, **params):
-    """The merge of ``method`` with the fused kernels and with the torch code."""
+    """The merge of ``method`` (symmerge's variant, unless the parameters say otherwise) with the fused kernels
+    and with the torch code."""
     m = get_method(method)
+    params = {**VARIANTS.get(method, {}), **params}
     sds = [{"w": t.reshape(-1, 40) if t.numel() % 40 == 0 else t} for t in models]
     b = {"w": base.reshape(-1, 40) if base.numel() % 40 == 0 else base}
     saved = kernels.AVAILABLE
@@ -148,7 +155,8 @@ def test_fused_dare_ties_uses_the_documented_masks():
     models = [torch.full((n,), 1.0), torch.full((n,), -0.5)]
     kernels.AVAILABLE, saved = True, kernels.AVAILABLE
     try:
-        out = get_method("dare_ties").merge([{"w": m} for m in models], base={"w": base}, drop=0.5, seed=11)["w"]
+        out = get_method("dare_ties").merge([{"w": m} for m in models], base={"w": base}, drop=0.5, seed=11,
+                                            **VARIANTS["dare_ties"])["w"]
     finally:
         kernels.AVAILABLE = saved
     k0, k1 = dare_keep_mask((n,), 0.5, 11, 0, "w"), dare_keep_mask((n,), 0.5, 11, 1, "w")

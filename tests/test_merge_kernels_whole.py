@@ -33,7 +33,7 @@ def tied(n: int, shape, dtype, seed: int) -> list[torch.Tensor]:
 
 def run(method: str, models, base, weights, avail: bool, **params):
     m = get_method(method)
-    p = m.mergekit_defaults(params)
+    p = dict(params)
     saved = kernels.AVAILABLE
     try:
         kernels.AVAILABLE = avail
@@ -43,18 +43,29 @@ def run(method: str, models, base, weights, avail: bool, **params):
 
 
 @needs_numba
-def test_kth_largest_equals_a_sort():
-    from symmerge.merge.kernels_whole import _arrays, kth_largest
+@pytest.mark.parametrize("seed", range(3))
+def test_window_masks_are_the_positions_of_torchs_sort(seed):
+    """The selection (libstdc++'s introsort run only where it straddles a cut) keeps the entries torch's own
+    unstable sort puts at the window's positions, ties included: many tied values, both directions, windows at
+    either end and inside, sizes across the insertion-sort threshold and large ones."""
+    from symmerge.merge.sort_order import window_mask, window_mask_by_sort
 
-    for dtype in (torch.float32, torch.float64):
-        base, model = tied(1, (5000,), dtype, seed=1)
-        t, b = _arrays([model, base])
-        mags = (model.double() - base.double()).abs().float()
-        ordered = mags.sort(descending=True).values
-        for k in (1, 2, 17, 2500, 4999, 5000):
-            value, above, equal = kth_largest(t, b, k)
-            assert value == ordered[k - 1].item()
-            assert above == int((mags > value).sum()) and equal == int((mags == value).sum())
+    g = torch.Generator().manual_seed(seed)
+    for trial in range(60):
+        n = int(torch.randint(1, 40, (1,), generator=g)) if trial < 20 else int(torch.randint(40, 200_000, (1,),
+                                                                                              generator=g))
+        keys = torch.randint(0, int(torch.randint(1, 30, (1,), generator=g)), (n,), generator=g).float()
+        if trial % 3 == 0:  # a bfloat16 task vector's magnitudes
+            keys = (torch.randn(n, generator=g) * 0.004).bfloat16().abs().float()
+        lo = 0 if trial % 4 == 0 else int(torch.randint(0, n, (1,), generator=g))
+        hi = int(torch.randint(lo, n + 1, (1,), generator=g))
+        for descending in (True, False):
+            assert torch.equal(window_mask(keys, lo, hi, descending), window_mask_by_sort(keys, lo, hi, descending))
+    # the order is torch's, not the flat order of a stable sort: the test can fail
+    keys = torch.randint(0, 3, (5000,), generator=g).float()
+    stable = torch.zeros(5000, dtype=torch.bool)
+    stable[torch.sort(keys, descending=True, stable=True).indices[:1000]] = True
+    assert not torch.equal(window_mask(keys, 0, 1000, True), stable)
 
 
 def _mask_of(rule, tau: torch.Tensor) -> torch.Tensor:
@@ -70,7 +81,9 @@ def _mask_of(rule, tau: torch.Tensor) -> torch.Tensor:
 
 @needs_numba
 @pytest.mark.parametrize("seed", range(4))
-def test_magnitude_masks_equal_their_stable_sorts(seed):
+def test_magnitude_masks_equal_torchs_sorts(seed):
+    from symmerge.merge.sort_order import window_mask_by_sort
+
     g = torch.Generator().manual_seed(seed)
     size = 997
     levels = torch.tensor([0.5, 1.0, 2.0, 3.0, 1e-3], dtype=torch.float64)
@@ -79,10 +92,18 @@ def test_magnitude_masks_equal_their_stable_sorts(seed):
     tau[torch.rand(size, generator=g) < 0.2] += torch.randn(size, generator=g, dtype=torch.float64)[:1]
     for density in (0.001, 0.005, 0.01, 0.1, 0.33, 0.5, 0.9, 0.999):  # narrow bands inside one tied value too
         k = max(1, int(density * size))
-        assert torch.equal(_mask_of(("topk", k), tau), _keep_topk(tau, density)), density
+        assert torch.equal(_mask_of(("topk", k), tau), window_mask_by_sort(tau.abs().float(), 0, k, True)), density
+        assert torch.equal(_keep_topk(tau, density), window_mask_by_sort(tau.abs().float(), 0, k, True)), density
+        half = tau.bfloat16()  # a half-precision task vector: torch's order, as mergekit
+        assert torch.equal(_keep_topk(half, density), window_mask_by_sort(half.abs().float(), 0, k, True)), density
         for gamma in (0.0, 0.01, 0.2, 0.6):
             target, top = int(density * size), int(gamma * size)
             want = breadcrumbs_band(tau, density, gamma)
+            bottom = max(0, size - target - top)
+            assert torch.equal(want, window_mask_by_sort(tau.abs().float(), bottom, bottom + target, False))
+            half = tau.bfloat16()
+            assert torch.equal(breadcrumbs_band(half, density, gamma),
+                               window_mask_by_sort(half.abs().float(), bottom, bottom + target, False))
             if target == 0:
                 assert not want.any()
                 continue
@@ -131,7 +152,7 @@ def test_kernel_equals_the_torch_code(method, params, shape, dtype):
     fused = run(method, models, base, weights, True, **params)
     plain = run(method, models, base, weights, False, **params)
     assert fused.dtype == dtype and not torch.equal(fused, base)
-    l1 = get_method(method).mergekit_defaults(params).get("rescale", get_method(method).params.get("rescale"))
+    l1 = params.get("rescale", get_method(method).params.get("rescale"))
     if l1 is True:  # the rescale factor's sums in another order: within a rounding of the result
         gap = (fused.double() - plain.double()).abs()
         size = sum((t.double() - base.double()).abs() for t in models)
@@ -165,29 +186,25 @@ def test_the_kernel_declines_what_it_does_not_cover():
                                 torch.empty_like(t))
 
 
-@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("topk", [0.0, 0.001, 0.3, 0.5, 0.99, 1.0])
-def test_sce_variances_and_selection_equal_the_torch_code(topk):
-    from symmerge.merge import kernels_whole as kw
-    from symmerge.merge.specialized import sce_select
+def test_sce_keeps_the_positions_torch_topk_of_the_variances_returns(topk, dtype):
+    """mergekit's selection: torch.var of the task vectors in the computing dtype, torch.topk of the k largest
+    (its order at a tie, reproduced by a selection), k = ⌊topk · non-zero variances⌋."""
+    from symmerge.merge.sort_order import topk_mask_by_torch
+    from symmerge.merge.specialized import sce_keep
 
-    base, *models = tied(3, (41, 53), torch.float32, seed=11)
+    base, *models = tied(3, (41, 53), dtype, seed=11)
     models[2][:5] = models[1][:5]  # zero and tied variances
-    arrays = kw._arrays([*models, base])
-    taus = torch.stack([t.double() - base.double() for t in models])
-    var = np.empty(base.numel())
-    kw._sce_variance_jit(arrays, 0, base.numel(), var)
-    assert torch.equal(torch.from_numpy(var), taus.var(dim=0, unbiased=False).reshape(-1))  # bit for bit
-    select = np.zeros(base.numel(), dtype=np.bool_)
-    squares = np.zeros(3)
-    cut = kw._sce_cut(arrays, topk) if 0.0 < topk < 1.0 else None
-    if cut is not None:
-        kw._sce_select_jit(arrays, cut[0], cut[1], select, squares, np.empty(kw._BLOCK))
-    want = sce_select(taus, topk)
-    if topk < 1.0:
-        assert torch.equal(torch.from_numpy(select).reshape(want.shape), want)
-        kept = taus * want
-        assert np.allclose(squares, kept.square().reshape(3, -1).sum(1).numpy(), rtol=1e-13)
+    got = sce_keep(models, base, topk)
+    if topk >= 1.0:
+        assert got is None
+        return
+    var = torch.var(torch.stack([t - base for t in models]), dim=0, unbiased=False)
+    k = int(int(torch.count_nonzero(var)) * topk)
+    want = topk_mask_by_torch(var.abs().reshape(-1).float() if dtype in (torch.float16, torch.bfloat16)
+                              else var.abs().reshape(-1), k).reshape(base.shape)
+    assert torch.equal(got, want)
 
 
 @needs_numba

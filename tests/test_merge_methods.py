@@ -14,6 +14,12 @@ from symmerge.merge import average, dare, dare_ties, fisher, regmean, task_arith
 from symmerge.merge.base import check_layout
 from symmerge.merge.parts import dare_keep_mask
 
+# symmerge's own variants of mergekit's methods (before 2026-11-28 the defaults of --method ties / dare / dare_ties;
+# now every name means mergekit's method with mergekit's defaults, and these are explicit parameter values)
+SYM_TIES = {"scope": "model", "normalize": "count"}
+SYM_DARE = {"rescale": "inverse"}
+SYM_DARE_TIES = {"rescale": "inverse", "normalize": "count"}
+
 
 def mm_bert(seed: int, num_labels: int = 3):
     from transformers import BertConfig, BertForSequenceClassification
@@ -35,9 +41,10 @@ def test_registry_knows_every_method_and_rejects_unknown_ones():
     assert {"average", "task_arithmetic", "ties", "dare", "fisher", "regmean"} <= set(METHODS)
     assert "dare_ties" in METHODS and get_method("dare_ties") is dare_ties.METHOD
     m = get_method("dare_ties")
-    # symmerge's defaults, plus mergekit's normalize / rescale / int8_mask (symmerge's behaviour by default)
-    assert {k: m.params[k] for k in ("drop", "scale", "seed")} == {"drop": 0.9, "scale": 1.0, "seed": 0}
-    assert m.params["normalize"] == "count" and m.params["rescale"] == "inverse"
+    # mergekit's defaults (one meaning from the command line and a config): nothing dropped, L1 rescale, a sum
+    assert {k: m.params[k] for k in ("drop", "scale", "seed")} == {"drop": 0.0, "scale": 1.0, "seed": 0}
+    assert m.params["normalize"] is False and m.params["rescale"] is True
+    assert get_method("dare").params == get_method("dare_linear").params  # one method, two names
     assert m.needs_base and m.needs is None
     assert m.doc.startswith("DARE-TIES") and "\n" not in m.doc
     with pytest.raises(SymmergeError, match="known methods: .*average.*regmean"):
@@ -90,11 +97,11 @@ def test_ties_trim_elect_disjoint_mean_on_hand_made_tensors():
     t2 = {"w": torch.tensor([-2.0, 2.0, 0.1, -1.0])}
     # density 0.5: t1 keeps {3, -4}, t2 keeps {-2, 2}; signs of the sums [1, 2, 0, -4] -> (+, +, 0, -)
     # disjoint means: [3 (t2 disagrees), 2, 0 (nobody), -4]
-    out = ties.merge([t1, t2], base=base, density=0.5)
+    out = ties.merge([t1, t2], base=base, density=0.5, **SYM_TIES)
     assert torch.equal(out["w"], torch.tensor([3.0, 2.0, 0.0, -4.0]))
     # agreeing entries are averaged, not summed; scale multiplies the merged task vector
     t3 = {"w": torch.tensor([1.0, 4.0, 0.0, 0.0])}
-    out = ties.merge([t1, t3], base={"w": torch.ones(4)}, density=1.0, scale=2.0)
+    out = ties.merge([t1, t3], base={"w": torch.ones(4)}, density=1.0, scale=2.0, **SYM_TIES)
     # τ1 = [2, -2, -0.5, -5], τ3 = [0, 3, -1, -1]: sums [2, 1, -1.5, -6] -> means [2, 3, -0.75, -3]
     assert torch.allclose(out["w"], 1.0 + 2.0 * torch.tensor([2.0, 3.0, -0.75, -3.0]))
 
@@ -102,9 +109,9 @@ def test_ties_trim_elect_disjoint_mean_on_hand_made_tensors():
 def test_ties_trims_over_the_whole_model_or_per_tensor():
     base = {"a": torch.zeros(2), "b": torch.zeros(2)}
     t = {"a": torch.tensor([10.0, 9.0]), "b": torch.tensor([1.0, 2.0])}
-    whole = ties.merge([t], base=base, density=0.5)  # top 2 of 4 entries: both of "a"
+    whole = ties.merge([t], base=base, density=0.5, **SYM_TIES)  # top 2 of 4 entries: both of "a"
     assert torch.equal(whole["a"], t["a"]) and torch.equal(whole["b"], torch.zeros(2))
-    per = ties.merge([t], base=base, density=0.5, scope="tensor")  # top 1 of each tensor
+    per = ties.merge([t], base=base, density=0.5, scope="tensor", normalize="count")  # top 1 of each tensor
     assert torch.equal(per["a"], torch.tensor([10.0, 0.0])) and torch.equal(per["b"], torch.tensor([0.0, 2.0]))
 
 
@@ -115,7 +122,7 @@ def test_ties_keeps_the_kth_entry_even_when_float32_rounds_it_up():
     assert torch.tensor(v, dtype=torch.float32).item() > v
     t = {"w": torch.tensor([3.0, v, 0.5, -0.25], dtype=torch.float64)}
     for scope in ("model", "tensor"):  # density 0.5 of 4 entries: keep 3 and v
-        out = ties.merge([t], base={"w": torch.zeros(4, dtype=torch.float64)}, density=0.5, scope=scope)
+        out = ties.merge([t], base={"w": torch.zeros(4, dtype=torch.float64)}, density=0.5, scope=scope, normalize="count")
         assert torch.equal(out["w"], torch.tensor([3.0, v, 0.0, 0.0], dtype=torch.float64)), scope
 
 
@@ -123,16 +130,16 @@ def test_dare_drops_with_probability_p_and_rescales_survivors():
     n, p = 20000, 0.7
     base = {"w": torch.full((n,), 0.5, dtype=torch.float64)}
     tau = torch.linspace(1.0, 2.0, n, dtype=torch.float64)
-    out = dare.merge([{"w": base["w"] + tau}], base=base, drop=p, seed=3)["w"] - base["w"]
+    out = dare.merge([{"w": base["w"] + tau}], base=base, drop=p, seed=3, **SYM_DARE)["w"] - base["w"]
     kept = out != 0
     assert abs(kept.double().mean().item() - (1 - p)) < 0.015
     assert torch.allclose(out[kept], tau[kept] / (1 - p))
-    again = dare.merge([{"w": base["w"] + tau}], base=base, drop=p, seed=3)["w"] - base["w"]
-    other = dare.merge([{"w": base["w"] + tau}], base=base, drop=p, seed=4)["w"] - base["w"]
+    again = dare.merge([{"w": base["w"] + tau}], base=base, drop=p, seed=3, **SYM_DARE)["w"] - base["w"]
+    other = dare.merge([{"w": base["w"] + tau}], base=base, drop=p, seed=4, **SYM_DARE)["w"] - base["w"]
     assert torch.equal(out, again) and not torch.equal(out, other)
     # p = 0 is task arithmetic
     m1, m2, b = sd_of(1), sd_of(2), sd_of(0)
-    d0, ta = dare.merge([m1, m2], base=b, drop=0.0), task_arithmetic.merge([m1, m2], base=b)
+    d0, ta = dare.merge([m1, m2], base=b, drop=0.0, **SYM_DARE), task_arithmetic.merge([m1, m2], base=b)
     assert all(torch.allclose(d0[k], ta[k]) for k in b)
 
 
@@ -140,13 +147,13 @@ def test_dare_ties_without_drop_is_ties_without_trimming():
     base = {"w": torch.ones(4)}
     t1 = {"w": torch.tensor([3.0, -1.0, 0.5, -4.0])}
     t3 = {"w": torch.tensor([1.0, 4.0, 0.0, 0.0])}
-    out = dare_ties.merge([t1, t3], base=base, drop=0.0, scale=2.0)
+    out = dare_ties.merge([t1, t3], base=base, drop=0.0, scale=2.0, **SYM_DARE_TIES)
     # τ1 = [2, -2, -0.5, -5], τ3 = [0, 3, -1, -1]: elected (+, +, -, -), disjoint means [2, 3, -0.75, -3]
     assert torch.allclose(out["w"], 1.0 + 2.0 * torch.tensor([2.0, 3.0, -0.75, -3.0]))
-    assert torch.equal(out["w"], ties.merge([t1, t3], base=base, density=1.0, scale=2.0)["w"])
+    assert torch.equal(out["w"], ties.merge([t1, t3], base=base, density=1.0, scale=2.0, **SYM_TIES)["w"])
     m1, m2, b = sd_of(1), sd_of(2), sd_of(0)
-    d0 = dare_ties.merge([m1, m2], base=b, drop=0.0, scale=0.5)
-    t0 = ties.merge([m1, m2], base=b, density=1.0, scale=0.5)
+    d0 = dare_ties.merge([m1, m2], base=b, drop=0.0, scale=0.5, **SYM_DARE_TIES)
+    t0 = ties.merge([m1, m2], base=b, density=1.0, scale=0.5, **SYM_TIES)
     assert all(torch.equal(d0[k], t0[k]) for k in b)
 
 
@@ -162,14 +169,14 @@ def test_dare_ties_drops_at_rate_p_then_elects_signs_of_the_rescaled_survivors()
     assert abs((keep1 & keep2).double().mean().item() - (1 - p) ** 2) < 0.015
     # weights 2 and 0.5: survivors 2/(1−p) and −1.5/(1−p); where both survive the sum is positive,
     # so γ = + and only model 0's entry is averaged (model 1 disagrees)
-    out = dare_ties.merge([t1, t2], base=base, weights=[2.0, 0.5], drop=p, seed=seed)["w"]
+    out = dare_ties.merge([t1, t2], base=base, weights=[2.0, 0.5], drop=p, seed=seed, **SYM_DARE_TIES)["w"]
     a, b = 2.0 / (1 - p), -1.5 / (1 - p)
     expect = torch.where(keep1, torch.full((n,), a, dtype=torch.float64),
                          torch.where(keep2, torch.full((n,), b, dtype=torch.float64),
                                      torch.zeros(n, dtype=torch.float64)))
     assert torch.allclose(out, expect, rtol=0, atol=1e-12)
     # the weights flip the election: equal weights make model 1 win where both survive
-    out = dare_ties.merge([t1, t2], base=base, drop=p, seed=seed)["w"]
+    out = dare_ties.merge([t1, t2], base=base, drop=p, seed=seed, **SYM_DARE_TIES)["w"]
     expect = torch.where(keep2, torch.full((n,), -3.0 / (1 - p), dtype=torch.float64),
                          torch.where(keep1, torch.full((n,), 1.0 / (1 - p), dtype=torch.float64),
                                      torch.zeros(n, dtype=torch.float64)))
@@ -177,7 +184,7 @@ def test_dare_ties_drops_at_rate_p_then_elects_signs_of_the_rescaled_survivors()
     # an entry is zero only where both models dropped it: rate p²
     assert abs((out == 0).double().mean().item() - p ** 2) < 0.015
     # DARE (sum consensus) with the same masks adds the survivors instead
-    summed = dare.merge([t1, t2], base=base, drop=p, seed=seed)["w"]
+    summed = dare.merge([t1, t2], base=base, drop=p, seed=seed, **SYM_DARE)["w"]
     assert torch.allclose(summed, (keep1.double() - 3.0 * keep2.double()) / (1 - p), rtol=0, atol=1e-12)
 
 
@@ -204,7 +211,7 @@ def test_dare_masks_depend_on_seed_model_and_key_not_on_key_order():
                   dare_keep_mask((200,), 0.5, 8, 0, "a")):
         assert not torch.equal(m, other)
     # the result follows the documented masks: model i's survivors of key k are mask(seed, i, k)
-    out = dare.merge(models, base=base, drop=0.5, seed=7)
+    out = dare.merge(models, base=base, drop=0.5, seed=7, **SYM_DARE)
     for k in keys:
         expect = base[k].double() + sum(dare_keep_mask((50,), 0.5, 7, i, k) * (sd[k].double() - base[k].double())
                                         / 0.5 for i, sd in enumerate(models))

@@ -109,9 +109,10 @@ def test_ties_mergekit_normalize_by_the_agreeing_weights():
     base = torch.zeros(4, dtype=D)
     t1 = torch.tensor([5.0, 1.0, -1.0, 0.5], dtype=D)
     t2 = torch.tensor([-1.0, -1.0, 1.0, 0.4], dtype=D)
-    p = get_method("ties").mergekit_defaults({})
-    assert p == {"scope": "topk", "density": 1.0, "normalize": True}
-    out = merge("ties", [t1, t2], base=base, weights=[0.5, 2.0], **p)
+    m = get_method("ties")
+    p = {k: m.params[k] for k in ("scope", "density", "normalize")}
+    assert p == {"scope": "topk", "density": 1.0, "normalize": True}  # mergekit's defaults are the method's
+    out = merge("ties", [t1, t2], base=base, weights=[0.5, 2.0])
     # weighted: [2.5, .5, -.5, .25] and [-2, -2, 2, .8]; sums .5, -1.5, 1.5, 1.05 -> (+, -, +, +)
     assert torch.allclose(out, torch.tensor([5.0, -1.0, 1.0, (0.25 + 0.8) / 2.5], dtype=D))
     # a sum of exactly 0 elects +; normalize false sums the agreeing entries
@@ -123,8 +124,9 @@ def test_ties_mergekit_normalize_by_the_agreeing_weights():
     assert torch.equal(out, torch.where(torch.arange(10) < 3, one, 0.0))
     out = merge("ties", [one], base=torch.zeros(10, dtype=D), **{**p, "density": 0.01})
     assert torch.equal(out, torch.where(torch.arange(10) < 1, one, 0.0))
-    # symmerge's own ties is unchanged: model-wide threshold, disjoint mean of the weighted vectors
-    assert torch.allclose(merge("ties", [t1, t2], base=base, weights=[0.5, 2.0], density=1.0),
+    # symmerge's own variant (explicit parameters): model-wide threshold, disjoint mean of the weighted vectors
+    assert torch.allclose(merge("ties", [t1, t2], base=base, weights=[0.5, 2.0], density=1.0, scope="model",
+                                normalize="count"),
                           torch.tensor([2.5, -2.0, 2.0, (0.25 + 0.8) / 2], dtype=D))
 
 
@@ -158,15 +160,15 @@ def test_dare_linear_mergekit_rescale_restores_the_l1_norm():
     g = torch.Generator().manual_seed(0)
     tau = torch.randn(4000, generator=g, dtype=D)
     m = get_method("dare_linear")
-    p = m.mergekit_defaults({"density": 0.3})
-    assert p == {"density": 0.3, "rescale": True}
+    p = {"density": 0.3}
+    assert m.params["rescale"] is True  # mergekit's default
     out = merge("dare_linear", [tau], base=torch.zeros_like(tau), **p)
     assert abs((out != 0).double().mean().item() - 0.3) < 0.03
     assert math.isclose(float(out.abs().sum()), float(tau.abs().sum()), rel_tol=1e-12)
     plain = merge("dare_linear", [tau], base=torch.zeros_like(tau), density=0.3, rescale=False)
     assert torch.equal(plain, torch.where(out != 0, tau, 0.0))
     # symmerge's dare: the same mask, survivors / (1 - p)
-    assert torch.allclose(merge("dare", [tau], base=torch.zeros_like(tau), drop=0.7), plain / 0.3)
+    assert torch.allclose(merge("dare", [tau], base=torch.zeros_like(tau), drop=0.7, rescale="inverse"), plain / 0.3)
 
 
 def test_sce_weights_select_and_erase():
@@ -228,6 +230,11 @@ CONFIGS = {
 }
 
 
+# symmerge's own variants, as explicit parameters (the defaults are mergekit's)
+VARIANTS = {"ties": {"scope": "model", "normalize": "count", "density": 0.2}, "dare_linear": {"rescale": "inverse"},
+            "dare_ties": {"rescale": "inverse", "normalize": "count"}}
+
+
 @pytest.mark.parametrize("name", MERGEKIT_METHODS)
 @pytest.mark.parametrize("mergekit", [False, True])
 def test_streamed_steps_give_the_in_memory_bits(name, mergekit):
@@ -235,8 +242,8 @@ def test_streamed_steps_give_the_in_memory_bits(name, mergekit):
     elementwise rules, the whole-tensor rule agree bit for bit on a tensor of more than one chunk."""
     params, use_base, n = CONFIGS[name]
     m = get_method(name)
-    if mergekit:
-        params = m.mergekit_defaults(dict(params))
+    if not mergekit:
+        params = {**params, **VARIANTS.get(name, {})}
     g = torch.Generator().manual_seed(3)
     shapes = {"big": (CHUNK // 100 + 7, 100), "vec": (300,), "ids": (5,)}
     base = {k: torch.randn(s, generator=g).to(torch.bfloat16 if k == "vec" else torch.float32)
@@ -297,9 +304,8 @@ def test_string_values_from_the_command_line_are_checked_and_converted():
     with pytest.raises(SymmergeError, match="has 3 values for 2 models"):
         m.check_params({"density": [0.2, 0.4, 0.1]}, n=2)
     assert get_method("dare_linear").check_params({"density": 0.25})["drop"] == 0.75
-    # mergekit's defaults do not override a value given under an alias or the parameter's own name
-    assert get_method("dare_ties").mergekit_defaults({"drop": 0.5}) == {"rescale": True, "normalize": False,
-                                                                         "drop": 0.5}
+    checked = get_method("dare_ties").check_params({"density": 0.5})
+    assert (checked["drop"], checked["rescale"], checked["normalize"]) == (0.5, True, False)
 
 
 def test_model_counts_and_bases_are_checked():

@@ -185,7 +185,7 @@ def test_chunked_dare_draws_the_whole_tensor_mask():
     n = 3 * CHUNK + 123
     base = {"w": torch.zeros(n)}
     sds = [{"w": torch.randn(n, generator=torch.Generator().manual_seed(i))} for i in (1, 2)]
-    out = get_method("dare").merge(sds, base=base, drop=0.5, seed=7)["w"]
+    out = get_method("dare").merge(sds, base=base, drop=0.5, seed=7, rescale="inverse")["w"]  # the chunked rule
     expect = sum(torch.where(dare_keep_mask((n,), 0.5, 7, i, "w"), sd["w"].double() / 0.5, 0.0)
                  for i, sd in enumerate(sds)).float()
     assert torch.equal(out, expect)
@@ -339,6 +339,7 @@ def test_streamed_ties_with_the_sampled_window_equals_in_memory(folders, tmp_pat
     for mode in ("memory", "stream"):
         out = tmp_path / mode
         rc, _, err = run(capsys, "merge", folders[1], folders[2], folders[3], "--method", "ties", "--param", "density=0.2",
+                         "--param", "scope=model", "--param", "normalize=count",  # symmerge's model-wide threshold
                          "--base", folders["base"], "--align", "none", "--mode", mode, "--progress", "none", "-o", out)
         assert rc == 0, err
         result[mode] = tensors(out)

@@ -16,8 +16,11 @@ Semantics, as mergekit 0.1.x (``mergekit.plan.MergePlanner``, ``mergekit.config`
   ``parameters`` (with ``models:``, a model's ``parameters`` are its source's); filters match a per-model
   parameter against the input tensor's name and a global one against the output tensor's;
 * per-model parameters (``weight``, and the method's :attr:`~symmerge.merge.base.Method.per_model`) are
-  not given to the base model of a method that uses one; a method's ``mergekit_params`` are its defaults
-  under mergekit's meaning, overridden by the config.
+  not given to the base model of a method that uses one; a method's defaults (mergekit's) fill in the rest.
+
+Each method's contract — base required, optional, ignored (one more input) or refused; how many models; a
+required ``weight``; a copy step (passthrough) — is declared on the method (:class:`symmerge.merge.base.Method`)
+and read here; no method is named in this module.
 """
 
 from __future__ import annotations
@@ -39,15 +42,6 @@ KEYS = ("name", "merge_method", "models", "slices", "base_model", "parameters", 
 OUTPUT_KEYS = ("output", "out", "out_path")
 DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16", "fp16": "float16",
           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
-# methods of mergekit's that use no base model: a config's base_model is one more input (mergekit adds it)
-NO_BASE = ("linear", "karcher", "passthrough")
-# mergekit's input contracts, for methods registered without symmerge's declarations (models, accepts_base)
-CONTRACTS = {"passthrough": ("ignored", 1, 1)}
-# parameters mergekit requires (no default): the method refuses a tensor without them
-REQUIRED = {"weight": ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs",
-                       "breadcrumbs_ties", "della", "della_linear", "multislerp", "nuslerp")}
-# until every mergekit method is registered under its own name
-ALIASES = {"linear": "average"}
 
 
 @dataclass
@@ -113,21 +107,9 @@ def method_for(doc, name):
 
     if not isinstance(name, str):
         raise doc.error(f"the merge method's name, got {name!r}", "merge_method")
-    key = name if name in METHODS else ALIASES.get(name, name)
-    if key == "passthrough" and key not in METHODS:
-        return name, _copy_method()
-    if key not in METHODS:
-        known = sorted(set(METHODS) | {a for a, t in ALIASES.items() if t in METHODS})
-        raise doc.error(f"unknown merge method {name!r} (symmerge has: {', '.join(known)})", "merge_method")
-    return name, METHODS[key]
-
-
-def _copy_method():
-    """passthrough until the registry has it: every tensor copied from the one input (no ``scale``)."""
-    from ..merge.base import Method
-
-    return Method("passthrough", lambda key, tensors, *rest: tensors[0], params={}, doc="copy one input",
-                  per_model=("scale",))
+    if name not in METHODS:
+        raise doc.error(f"unknown merge method {name!r} (symmerge has: {', '.join(sorted(METHODS))})", "merge_method")
+    return name, METHODS[name]
 
 
 def _kind(default):
@@ -151,10 +133,10 @@ class _Names:
         aliases = dict(getattr(method, "aliases", {}) or {})
         per = set(getattr(method, "per_model", ()) or ())
         self.per_model = per | {a for a, (target, _) in aliases.items() if target in per} | {"weight"}
-        self.mergekit = dict(getattr(method, "mergekit_params", {}) or {})
         self.globals = (set(method.params) | set(aliases)) - self.per_model
         self.required = {p for p, v in method.params.items() if v is MUST}
-        self.defaults = {k: v for k, v in {**method.params, **self.mergekit}.items() if v is not MUST}
+        self.weight_required = method.weight_required
+        self.defaults = {k: v for k, v in method.params.items() if v is not MUST}
         self.checks = dict(getattr(method, "checks", {}) or {})
 
     def all(self):
@@ -173,12 +155,6 @@ class _Names:
         if check is not None and check.type == "choice" and any(isinstance(c, bool) for c in check.choices):
             return bool
         return self.kind(p)
-
-    def with_defaults(self, params):
-        """``params`` with the method's mergekit defaults where not given (aliases count as given)."""
-        if hasattr(self.method, "mergekit_defaults"):
-            return self.method.mergekit_defaults(params)
-        return {**self.mergekit, **params}
 
 
 def _check_params(doc, params, where, names: _Names, per_model_only=False, warn=None):
@@ -353,13 +329,13 @@ class Planner:
         base = None
         if data.get("base_model") is not None:
             base = self._ref(doc, data["base_model"], ("base_model",), inputs)
-        policy, lo, hi = job_policy(mk_name, method)
+        policy = method.base_policy
         if has_models:
             slices = self._models_slices(doc, body["models"], base, policy, names, inputs, root)
         else:
             slices = self._slices(doc, body["slices"], base, names, inputs, root)
         for s in slices:
-            self._contract(doc, mk_name, method, policy, lo, hi, s, inputs)
+            self._contract(doc, mk_name, method, s, inputs)
         task = self._adapt_base(inputs, base)
         tok, vocab = self._tokenizer(doc, data, inputs, base)
         if vocab is None and self.truncate_embeddings:
@@ -368,7 +344,7 @@ class Planner:
         config_from = task if task is not None else base if base is not None else slices[0].sources[0].model
         side = tok if tok is not None else config_from
         job = Job(data.get("name"), method.name, inputs, [], config_from, {}, side, dtype, out_dtype, chat,
-                  final=final, line=doc.at(), base=base if policy in ("required", "optional") else None,
+                  final=final, line=doc.at(), base=base if method.uses_base else None,
                   vocab=vocab)
         self._steps(doc, job, slices, names, mk_name, method, has_slices)
         return job
@@ -438,7 +414,7 @@ class Planner:
                 raise doc.error(f"model {inputs[idx].label!r} is listed twice", *where)
             seen.add(idx)
             sources.append(_Source(idx, 0, -1, params, where))
-        if base is not None and base not in seen and policy != "none":
+        if base is not None and base not in seen and policy != "refused":
             sources.append(_Source(base, 0, -1, {}, ("base_model",)))
         layers = {}
         for s in sources:
@@ -506,26 +482,22 @@ class Planner:
             out.append(_Slice(sources, params, sb, where))
         return out
 
-    def _contract(self, doc, mk_name, method, policy, lo, hi, sl: _Slice, inputs):
+    def _contract(self, doc, mk_name, method, sl: _Slice, inputs):
+        """The slice against the method's declared contract (its base policy, :meth:`Method.check_inputs`)."""
         models = [s.model for s in sl.sources]
-        base = sl.base
+        base, policy = sl.base, method.base_policy
         if policy in ("required", "optional") and base is not None and base not in models:
             raise doc.error(f"the base model {inputs[base].label!r} is not among this slice's sources", *sl.where)
         if policy == "required" and base is None:
             raise doc.error(f"method {mk_name!r} needs 'base_model' (the model the others were fine-tuned from)",
                             "merge_method")
-        if policy == "none" and base is not None:
+        if policy == "refused" and base is not None:
             raise doc.error(f"method {mk_name!r} does not use a base model", "base_model")
-        n = len(models)
-        if n < lo or (hi is not None and n > hi):
-            want = f"exactly {lo}" if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
-            raise doc.error(f"method {mk_name!r} merges {want} model(s) (the base included), got {n}", *sl.where)
-        if hasattr(method, "check_inputs"):
-            uses_base = policy in ("required", "optional") and base is not None
-            try:
-                method.check_inputs(n - (1 if uses_base else 0), uses_base)
-            except SymmergeError as e:
-                raise doc.error(str(e), *sl.where) from None
+        uses_base = method.uses_base and base is not None
+        try:
+            method.check_inputs(len(models) - (1 if uses_base else 0), uses_base)
+        except SymmergeError as e:
+            raise doc.error(str(e), *sl.where) from None
 
     def _tokenizer(self, doc, data, inputs, base):
         """(the input whose tokenizer the output copies, or None; the :class:`~symmerge.config.vocab.Vocabulary`
@@ -698,14 +670,13 @@ class Planner:
                 lays[i] = _replace(lay, shapes={**lay.shapes, **{n: (job.vocab.size, *lay.shapes[n][1:])
                                                                 for n in found}})
             out_lay = lays[job.config_from]
-        copy_only = mk_name == "passthrough" and "passthrough" not in _registered()
         steps: list[TensorStep] = []
         shapes: dict = {}
         cache: dict = {}
 
         def one(out_name, sl: _Slice, pairs, t, where):
             # pairs: (source, input tensor name) in slice order
-            base = sl.base if job_policy(mk_name, method)[0] in ("required", "optional") else None
+            base = sl.base if method.uses_base else None
             for s, name in pairs:
                 lay = lays[s.model]
                 if name not in lay.shapes:
@@ -725,13 +696,11 @@ class Planner:
                 # a tensor the base-class model lacks (the task head): kept from the first fine-tune, never merged
                 steps.append(TensorStep(out_name, (TensorSource(merged[0][0].model, merged[0][1]),), merge=False))
                 return
-            if mk_name == "passthrough":  # a copy, unless scaled
-                scale = resolve("scale", [merged[0][0].params, sl.params, *scopes], merged[0][1], t)
-                if scale is None or scale == 1:
+            if method.copy_unless is not None:  # a copy, unless that parameter says otherwise (passthrough's scale)
+                value = resolve(method.copy_unless, [merged[0][0].params, sl.params, *scopes], merged[0][1], t)
+                if value is None or value == 1:
                     steps.append(TensorStep(out_name, (TensorSource(merged[0][0].model, merged[0][1]),), merge=False))
                     return
-                if copy_only:
-                    raise doc.error("passthrough with 'scale' needs symmerge's passthrough method", *where)
             shared = {}
             for p in sorted(names.globals):
                 v = resolve(p, [sl.params, *scopes], out_name, t)
@@ -741,14 +710,14 @@ class Planner:
             for p in sorted(names.per_model):
                 vals = [resolve(p, [s.params, sl.params, *scopes], n, t) for s, n in merged]
                 if all(v is None for v in vals):
-                    if p in REQUIRED and mk_name in REQUIRED[p]:
+                    if p == "weight" and names.weight_required:
                         raise doc.error(f"no {p!r} for {out_name} (method {mk_name!r} needs one per model: set it in "
                                         "each model's parameters or in the top-level 'parameters')", *where)
                     continue
                 missing = [i for i, v in enumerate(vals) if v is None]
                 if missing:
                     s = merged[missing[0]][0]
-                    if (p in REQUIRED and mk_name in REQUIRED[p]) or p not in names.defaults:
+                    if (p == "weight" and names.weight_required) or p not in names.defaults:
                         raise doc.error(f"no {p!r} for model {inputs[s.model].label!r} on {out_name} (set it for every "
                                         "model, or in the top-level 'parameters')", *s.where)
                     vals = [names.defaults[p] if v is None else v for v in vals]
@@ -757,7 +726,7 @@ class Planner:
                 if p not in shared and p not in per:
                     raise doc.error(f"no {p!r} for {out_name}: method {mk_name!r} needs it (in 'parameters')", *where)
             weights = per.pop("weight", None)
-            params = names.with_defaults({**shared, **per})
+            params = {**shared, **per}
             if self.seed is not None and "seed" in names.defaults and "seed" not in params:
                 params["seed"] = self.seed
             step = TensorStep(out_name, tuple(TensorSource(s.model, n) for s, n in merged), base_src, weights,
@@ -855,25 +824,6 @@ class Planner:
         for d in docs:
             visit(d, [])
         return order
-
-
-def job_policy(mk_name, method):
-    """(base policy, least, most models with the base) of a method: ``required`` (the base is the step's
-    base), ``optional`` (the base when given), ``ignored`` (mergekit's methods without a base: a base model is
-    one more input) or ``none`` (symmerge's own methods without a base: a base model is an error)."""
-    if mk_name in CONTRACTS:
-        return CONTRACTS[mk_name]
-    if method.needs_base:
-        return "required", 1, None
-    if getattr(method, "accepts_base", False):
-        return "optional", 1, None
-    return ("ignored" if mk_name in NO_BASE else "none"), 1, None
-
-
-def _registered():
-    from ..merge import METHODS
-
-    return METHODS
 
 
 def _references(doc, names) -> set:

@@ -112,10 +112,9 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
     config's copy."""
     from ..merge import METHODS
     from ..merge.executor import execute_steps
-    from .mergekit import _copy_method
 
     opts = options or RunOptions(shard_size=shard_size, progress=progress)
-    method = METHODS.get(job.method) or (_copy_method() if job.method == "passthrough" else None)
+    method = METHODS.get(job.method)
     if method is None:  # pragma: no cover - the plan checked the name
         raise SymmergeError(f"unknown merge method {job.method!r}")
     plain = method

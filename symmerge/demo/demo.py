@@ -25,6 +25,7 @@ from ..io.data import load_data
 from .datasets import cache_dir, mnist_5k_split, write_npz
 from ..errors import SymmergeError
 from ..evaluate.metrics import evaluate
+from ..merge import get_method
 from ..merge.fuse import merge_models
 from ..io.model import atomic_dir, load_model, write_json
 from .train import TrainSettings, load_report, train_vit, vit_config
@@ -150,7 +151,8 @@ def _run(setup: DemoSetup, seed: int, progress: bool, log) -> dict:
     rows = []
     for method in METHODS:
         for align in ALIGNS:
-            merged, rep = merge_models([a, b], method, align=align, data=stats if method != "average" else None,
+            needs = get_method(method).needs  # a method that needs statistics gets the data (the others: none)
+            merged, rep = merge_models([a, b], method, align=align, data=stats if needs is not None else None,
                                        heads="merge", evaluate_result=False, progress=progress)
             score = evaluate(merged, test, progress=False)
             dist = rep["distances_between_inputs"]

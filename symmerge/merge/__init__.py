@@ -23,12 +23,12 @@ from . import (average, breadcrumbs, dare, dare_ties, della, fisher, ot_fusion, 
                specialized, spherical, task_arithmetic, ties)
 
 for _m in (average, task_arithmetic, ties, dare, dare_ties, fisher, regmean, *ot_fusion.METHODS,
-           # mergekit's methods under mergekit's names (``average`` = ``linear``, ``dare`` = ``dare_linear``)
-           average.LINEAR, dare.LINEAR, breadcrumbs.METHOD, breadcrumbs.TIES, della.METHOD, della.LINEAR,
+           # mergekit's methods under mergekit's names (``dare`` is ``dare_linear``'s other name)
+           average.LINEAR, breadcrumbs.METHOD, breadcrumbs.TIES, della.METHOD, della.LINEAR,
            *spherical.METHODS, *specialized.METHODS):
     register(_m)
 
-# mergekit's merge_method names, each a registered method (symmerge's own names are aliases of some of them)
+# mergekit's merge_method names, each a registered method with mergekit's defaults
 MERGEKIT_METHODS = ("linear", "slerp", "nuslerp", "multislerp", "karcher", "task_arithmetic", "ties", "dare_ties",
                     "dare_linear", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce", "model_stock",
                     "nearswap", "arcee_fusion", "passthrough", "ram", "ramplus_tl")

@@ -237,10 +237,17 @@ class Method:
     ``aliases`` alias → (parameter, translation or None) (mergekit's ``lambda`` for ``scale``; ``density``
     for DARE's ``drop`` = 1 − density), ``per_model`` the parameters that take one value per model,
     ``check_all`` ``(params) -> None`` a check across parameters (DELLA's density ± epsilon), and
-    ``mergekit_params`` the values that make the method mergekit's where symmerge's defaults differ
-    (:meth:`mergekit_defaults`, applied by the config path). ``accepts_base``: a base model is optional
-    (nuslerp, multislerp: task vectors when given). ``models``: (least, most or None) merged models, the
-    base not counted (slerp: the base and exactly one other). ``whole_tensor`` ``(params) -> bool``: an
+    The defaults are mergekit's for every mergekit name (one meaning, from the command line and from a config).
+
+    The contract, read by every caller (the command, a config's planner, the steps): ``needs_base`` (the
+    base is required), ``accepts_base`` (optional: nuslerp, multislerp take task vectors when given),
+    ``ignores_base`` (mergekit's methods without a base — linear, karcher, passthrough: a config's
+    ``base_model`` is one more input) — neither of the three: a base is refused; :attr:`base_policy` names
+    it. ``models``: (least, most or None) merged models, the base not counted (slerp: the base and exactly
+    one other). ``weight_required``: a config must give every model a ``weight`` (mergekit has no default).
+    ``other_names``: names the method is also registered under (``dare`` = ``dare_linear``).
+    ``copy_unless``: a one-model method whose step is a plain copy of its input unless this (per-model)
+    parameter is given other than 1 (passthrough's ``scale``). ``whole_tensor`` ``(params) -> bool``: an
     elementwise method whose rule needs the whole tensor under these parameters (the chunks are skipped).
     """
 
@@ -264,10 +271,24 @@ class Method:
     checks: dict = field(default_factory=dict)
     aliases: dict = field(default_factory=dict)
     check_all: Callable | None = None
-    mergekit_params: dict = field(default_factory=dict)
     accepts_base: bool = False
     models: tuple = (1, None)
     whole_tensor: Callable | None = None
+    ignores_base: bool = False
+    weight_required: bool = False
+    other_names: tuple = ()
+    copy_unless: str | None = None
+
+    @property
+    def base_policy(self) -> str:
+        """``required``, ``optional``, ``ignored`` (a base model is one more input) or ``refused``."""
+        return ("required" if self.needs_base else "optional" if self.accepts_base
+                else "ignored" if self.ignores_base else "refused")
+
+    @property
+    def uses_base(self) -> bool:
+        """The method merges task vectors from a base model when one is given (required or optional)."""
+        return self.needs_base or self.accepts_base
 
     def __post_init__(self):
         object.__setattr__(self, "doc", ((self.doc or "").strip().splitlines() or [""])[0])
@@ -334,21 +355,6 @@ class Method:
         if self.needs_base and not has_base:
             raise SymmergeError(f"method {self.name!r} needs a base model (the common pre-trained model): "
                                 "pass base=/--base")
-
-    def mergekit_defaults(self, params: dict) -> dict:
-        """``params`` with :attr:`mergekit_params` filled in where neither the parameter nor one of its
-        aliases was given: what the config path passes, so that a mergekit config means mergekit's method."""
-        given = set(params)
-        for alias, (target, _) in self.aliases.items():
-            if alias in params:
-                given.add(target)
-        for alias, (target, _) in self.aliases.items():
-            if target in given:
-                given.add(alias)
-        out = {k: v for k, v in self.mergekit_params.items() if k not in given
-               and not (k in self.aliases and self.aliases[k][0] in given)}
-        out.update(params)
-        return out
 
     def merge(self, state_dicts, weights=None, stats=None, base=None, model=None, anchor=None, **params) -> dict:
         """The merged state dict: :func:`merge_state_dicts` with this method."""

@@ -1,26 +1,24 @@
-"""DARE (Yu et al., 2024): drop each task-vector entry with probability p, rescale survivors by 1/(1 − p).
+"""DARE (Yu et al., 2024): drop entries of each task vector at random and rescale, then task arithmetic.
 
-τ̃_i = m_i ⊙ τ_i / (1 − p), m_i ~ Bernoulli(1 − p), then task arithmetic: θ = θ_base + λ Σ_i w_i τ̃_i.
-The mask of model i for tensor k is drawn from a generator seeded with a hash of (``seed``, i, k)
-(:func:`symmerge.merge.parts.dare_keep_mask`), independent of the order tensors are visited in.
-The parts (see :mod:`symmerge.merge.parts`): dare sparsifier, sum consensus. Registered as ``dare`` and
-as mergekit's ``dare_linear``: ``density`` = 1 − ``drop`` (per model), ``lambda`` = ``scale``.
+τ̃_i = m_i ⊙ τ_i, each entry kept with probability ``density`` (= 1 − ``drop``), seeded per (``seed``, model,
+tensor) (see :mod:`symmerge.merge.parts`); ``rescale: true`` scales the kept entries back to τ_i's L1 norm,
+``rescale: inverse`` divides them by the keep probability (1 − p; the expectation kept), false keeps them;
+θ = θ_base + λ Σ_i w_i τ̃_i (``normalize: true`` divides by Σ w_i). mergekit's ``dare_linear`` and its
+defaults (``density`` 1.0: nothing dropped unless asked; ``rescale`` true; ``normalize`` false); ``dare`` is
+the same method under symmerge's older name. The masks are symmerge's (seeded SplitMix64), not mergekit's torch
+generator: equal in distribution only.
 
-mergekit's ``dare_linear`` (``METHOD.mergekit_params``, applied by the config path): ``density: 1.0`` (no
-drop unless told) and ``rescale: true``: the survivors are scaled so each task vector keeps its L1 norm
-(close to 1/(1 − p), not equal); ``rescale: false`` keeps them unscaled, ``normalize: true`` divides by Σ w_i.
-The masks are symmerge's (seeded SplitMix64), not mergekit's torch generator: equal in distribution only.
+symmerge's earlier ``--method dare`` (before 2026-11-28) is ``drop=0.9 rescale=inverse``.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from .parts import dare_keep_mask, task_vector_method
 
-METHOD = task_vector_method("dare", "dare", "sum", {"drop": 0.9, "scale": 1.0, "seed": 0}, __doc__,
-                            mergekit_params={"density": 1.0, "rescale": True})
-LINEAR = replace(METHOD, name="dare_linear")
+METHOD = task_vector_method("dare_linear", "dare", "sum",
+                            {"drop": 0.0, "scale": 1.0, "seed": 0, "rescale": True, "normalize": False}, __doc__,
+                            other_names=("dare",))
+LINEAR = METHOD
 merge = METHOD.merge
 
 __all__ = ["merge", "dare_keep_mask"]

@@ -1,20 +1,19 @@
-"""DARE-TIES: DARE's random drop and rescale of each task vector, then TIES's sign election and disjoint mean.
+"""DARE-TIES: DARE's random drop and rescale of each task vector, then TIES's sign election.
 
-τ̃_i = m_i ⊙ w_i τ_i / (1 − p) with the DARE masks of :mod:`symmerge.merge.dare` (drop probability
-p = ``drop``, seeded per (``seed``, model, tensor)); γ = sign(Σ_i τ̃_i); τ_m = mean of the non-zero τ̃_i
-agreeing with γ; θ = θ_base + λ τ_m. With ``drop=0`` this is TIES without trimming (``density=1``).
+τ̃_i = m_i ⊙ τ_i with the DARE masks of :mod:`symmerge.merge.dare` (keep probability ``density`` = 1 −
+``drop``, seeded per (``seed``, model, tensor)) and its ``rescale`` (true: L1 norm restored; ``inverse``:
+/(1 − p)); γ = + where Σ_i w_i τ̃_i ≥ 0; the agreeing w_i τ̃_i summed (``normalize: false``), divided by the
+agreeing weights (true) or by their count (``count``: symmerge's disjoint mean, γ = sign(Σ)); θ = θ_base + λ τ_m.
+mergekit's ``dare_ties`` and its defaults (``density`` 1.0, ``rescale`` true, ``normalize`` false).
+
+symmerge's earlier ``--method dare_ties`` (before 2026-11-28) is ``drop=0.9 rescale=inverse normalize=count``.
 The parts (see :mod:`symmerge.merge.parts`): dare sparsifier, ties consensus.
-
-mergekit's ``dare_ties`` (``METHOD.mergekit_params``, applied by the config path): ``density: 1.0``,
-``rescale: true`` (L1-norm restoring, not 1/(1 − p)) and ``normalize: false``: the agreeing entries are
-*summed* (symmerge always takes their mean); ``normalize: true`` divides by the agreeing weights.
-``density`` (= 1 − ``drop``) is per model; ``lambda`` = ``scale``.
 """
 
 from __future__ import annotations
 
 from .parts import task_vector_method
 
-METHOD = task_vector_method("dare_ties", "dare", "ties", {"drop": 0.9, "scale": 1.0, "seed": 0}, __doc__,
-                            mergekit_params={"density": 1.0, "rescale": True, "normalize": False})
+METHOD = task_vector_method("dare_ties", "dare", "ties",
+                            {"drop": 0.0, "scale": 1.0, "seed": 0, "rescale": True, "normalize": False}, __doc__)
 merge = METHOD.merge

@@ -8,8 +8,9 @@ arithmetic without them:
 1. per model, a boolean mask of the kept entries (:func:`_mask_interval`, :func:`_mask_dare`,
    :func:`_mask_della`) and, for the L1 rescale, the two norms Σ|τ|, Σ|kept τ| (:func:`_l1_sums`), the
    models at once on the merge pool; a magnitude rule's cut values are found by a radix select on the
-   float32 bit patterns of |τ| (:func:`kth_largest`: two counting passes, no sort), its ties at a cut kept in
-   flat order as the stable sort keeps them;
+   float32 bit patterns of |τ| (:func:`kth_largest`: two counting passes, no sort); where a run of equal
+   magnitudes crosses a cut, the entries torch's sort keeps there, as mergekit takes them
+   (:func:`symmerge.merge.sort_order.window_mask`, a selection: several times the radix select's cost);
 2. then the entries, split over the pool: the masked task vectors rescaled and weighted as the torch code
    does it, their sum or mergekit's sign election, ``θ_b + λ · combined``, cast into the output
    (:func:`_combine`).
@@ -17,8 +18,10 @@ arithmetic without them:
 The per-entry values and their order of operations are the torch code's; the L1 norms are summed in
 another order than torch's (a relative difference of ~1e-16 in the rescale factor). SCE
 (:func:`sce_into`, :mod:`symmerge.merge.specialized`'s ``_sce_tensor``) and RAM / RAM+ (:func:`ram_into`)
-follow the same plan: SCE's variance top-k by a 64-bit radix select (the variances recomputed on every visit,
-torch's Welford bits; its weights' sums in another order), RAM bit for bit.
+follow the same plan: SCE's positions given (mergekit's ``torch.topk`` of the variances, its order at a tie:
+:func:`symmerge.merge.specialized.sce_keep`; its weights' sums in another order), RAM bit for bit. In float16 and
+bfloat16 the task-vector rules and SCE run mergekit's arithmetic in that dtype by the torch code instead
+(:func:`symmerge.merge.in_dtype.combine_in_dtype`): there its rounding is the result.
 ``tests/test_merge_kernels_whole.py`` compares every kernel with the torch code and with brute force.
 """
 
@@ -28,6 +31,7 @@ import numpy as np
 
 from . import kernels
 from .kernels import _BLOCK, _OUT_KIND, _bits53_jit, _histogram_jit, _jit, _merge_pool, _store_jit
+from .sort_order import magnitudes, window_mask
 
 _HALF = 1 << 16
 _U53 = 1.0 / 9007199254740992.0  # 2^-53: a uniform from its 53 bits (exact)
@@ -104,12 +108,13 @@ def _block_taus(arrays, start, x):  # pragma: no cover - compiled
     return size, bb
 
 
-def _combine(arrays, masks, allk, mul, div, w, consensus, normalize, wsum, scale, out_kind, out, acc, x, wide):
-    # pragma: no cover - compiled
+def _combine(arrays, masks, allk, mul, div, w, consensus, normalize, wsum, scale, out_kind, out, acc, x, wide,
+             elected, given):  # pragma: no cover - compiled
     """out = cast(b + scale · combined) block by block: x_i = ((τ_i masked) · mul_i / div_i) · w_i (every model
     kept whole where ``allk[i]``), combined = Σ x_i (``consensus`` 0; ``normalize`` 1: / ``wsum``, 2: / n) or
     mergekit's election (1: γ = + where Σ x_i ≥ 0, the agreeing x_i summed; ``normalize`` 1: divided by the
-    agreeing weights, 1 where none agree; 2: symmerge's disjoint mean, γ = sign(Σ x_i), / their count)."""
+    agreeing weights, 1 where none agree; 2: symmerge's disjoint mean, γ = sign(Σ x_i), / their count); with
+    ``given``, γ = + where ``elected`` (mergekit's election in its dtype: ``in_dtype.mergekit_election``)."""
     n = w.shape[0]
     m = arrays[0].shape[0]
     for start in range(0, m, acc.shape[0]):
@@ -139,9 +144,12 @@ def _combine(arrays, masks, allk, mul, div, w, consensus, normalize, wsum, scale
                 acc[j] = np.float64(bb[j]) + scale * s
         else:
             for j in range(size):
-                tot = x[0, j]
-                for i in range(1, n):
-                    tot = tot + x[i, j]
+                if given:
+                    tot = 1.0 if elected[start + j] else -1.0
+                else:
+                    tot = x[0, j]
+                    for i in range(1, n):
+                        tot = tot + x[i, j]
                 ks = 0.0
                 dv = 0.0
                 cnt = 0
@@ -167,11 +175,11 @@ def _combine(arrays, masks, allk, mul, div, w, consensus, normalize, wsum, scale
 
 
 _block_taus_jit = _jit(_block_taus)
-_mask_interval_jit = _jit(_mask_interval)
 _mask_dare_jit = _jit(_mask_dare)
 _mask_della_jit = _jit(_mask_della)
 _l1_sums_jit = _jit(_l1_sums)
 _combine_jit = _jit(_combine)
+_mask_interval_jit = _jit(_mask_interval)
 _COMBINE_BLOCK = 4096
 _SPLIT = 1 << 18  # entries from which the combining pass is split over the pool
 
@@ -209,21 +217,22 @@ _INF = float(np.float32(np.inf))
 
 
 def _interval(t, b, rule, n: int):
-    """(lo, lo_start, lo_stop, hi, hi_start, hi_stop) of a magnitude rule over ``n`` entries: ``("topk", k)``
+    """(lo, lo_start, lo_stop, hi, hi_start, hi_stop, clear) of a magnitude rule over ``n`` entries: ``("topk", k)``
     keeps the k largest (ties at the k-th: the first in flat order); ``("band", bottom, count)`` the entries of
-    ascending ranks [bottom, bottom + count) (ties ranked in flat order)."""
+    ascending ranks [bottom, bottom + count) (ties ranked in flat order); ``clear``: no run of equal magnitudes
+    crosses a cut (the interval is then the set torch's order gives too)."""
     if rule[0] == "topk":
         k = rule[1]
-        value, above, _ = kth_largest(t, b, k)
-        return value, 0, k - above, _INF, 0, 0
+        value, above, equal = kth_largest(t, b, k)
+        return value, 0, k - above, _INF, 0, 0, k - above == equal
     bottom, count = rule[1], rule[2]
     first, last = bottom, bottom + count - 1  # ascending ranks, 0-based: the k-th largest is rank n - k
     vl, above_l, equal_l = kth_largest(t, b, n - first)
     vh, above_h, equal_h = kth_largest(t, b, n - last)
     less_l, less_h = n - above_l - equal_l, n - above_h - equal_h
     if vl == vh:  # one value: nothing above it
-        return vl, first - less_l, last + 1 - less_l, vl, 0, 0
-    return vl, first - less_l, equal_l, vh, 0, last + 1 - less_h
+        return vl, first - less_l, last + 1 - less_l, vl, 0, 0, first == less_l and last + 1 - less_l == equal_l
+    return vl, first - less_l, equal_l, vh, 0, last + 1 - less_h, first == less_l and last + 1 - less_h == equal_h
 
 
 def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, normalize, scale: float,
@@ -260,9 +269,14 @@ def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, no
         elif rule[0] == "della":
             density, epsilon = float(rule[2]), float(rule[3])
             _mask_della_jit(t, b, cols, np.uint64(rule[1]), density - epsilon, epsilon, masks[i])
-        else:
-            lo, lo_start, lo_stop, hi, hi_start, hi_stop = _interval(t, b, rule, m)
-            _mask_interval_jit(t, b, np.float32(lo), lo_start, lo_stop, np.float32(hi), hi_start, hi_stop, masks[i])
+        else:  # a radix select of the cut values; where a run of ties crosses a cut, torch's order (mergekit's)
+            lo, lo_start, lo_stop, hi, hi_start, hi_stop, clear = _interval(t, b, rule, m)
+            if clear:
+                _mask_interval_jit(t, b, np.float32(lo), lo_start, lo_stop, np.float32(hi), hi_start, hi_stop,
+                                   masks[i])
+            else:
+                first, last, desc = (0, rule[1], True) if rule[0] == "topk" else (rule[1], rule[1] + rule[2], False)
+                masks[i] = window_mask(magnitudes(tensors[i], base), first, last, desc).reshape(-1).numpy()
         if rescales[i] == "l1" and rule[0] != "all":
             _l1_sums_jit(t, b, masks[i], sums[i])
 
@@ -288,9 +302,21 @@ def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, no
     cons = 0 if consensus == "sum" else 1
     norm = 1 if normalize is True else 2 if normalize == "count" else 0
 
+    given = cons == 1 and norm != 2
+    if given:  # mergekit's election, in its dtype (a sign flipped by its rounding flips the whole entry)
+        import torch
+
+        from .in_dtype import mergekit_election
+
+        keeps = [None if allk[i] else torch.from_numpy(masks[i]).reshape(base.shape) for i in range(n)]
+        elected = mergekit_election(tensors, base, keeps, weights, any(r == "l1" for r in rescales)).reshape(-1).numpy()
+    else:
+        elected = np.zeros(1, dtype=np.bool_)
+
     def run(lo, hi):
         _combine_jit(tuple(a[lo:hi] for a in arrays) + (b[lo:hi],), masks[:, lo:hi], allk, mul, div, w, cons, norm,
-                     wsum, float(scale), kind, target[lo:hi], *_combine_buffers(n))
+                     wsum, float(scale), kind, target[lo:hi], *_combine_buffers(n), elected[lo:hi] if given
+                     else elected, given)
 
     _split(run, m)
     return True
@@ -333,67 +359,6 @@ def _split(run, m: int) -> None:
 # ------------------------------------------------------------------ SCE (symmerge.merge.specialized._sce_tensor)
 
 
-def _sce_variance(arrays, start, size, out):  # pragma: no cover - compiled
-    """out[:size] = the variance across the models (population) of τ_i = t_i − b at entries start…, float64, by
-    Welford's update in model order: torch's ``var(dim=0, unbiased=False)`` of the stacked task vectors, bit
-    for bit."""
-    n = len(arrays) - 1
-    bb = arrays[n]
-    for j in range(size):
-        b = np.float64(bb[start + j])
-        mean = 0.0
-        m2 = 0.0
-        for i in range(n):
-            x = np.float64(arrays[i][start + j]) - b
-            delta = x - mean
-            mean = mean + delta / np.float64(i + 1)
-            m2 = m2 + delta * (x - mean)
-        out[j] = m2 / np.float64(n)
-
-
-def _sce_histogram(arrays, shift, prefix, every, hist, scratch):  # pragma: no cover - compiled
-    """Count the 16 bits at ``shift`` of the float64 bit patterns of the variances (non-negative: ordered as
-    their values) whose bits above them equal ``prefix`` (all where ``every``); returns the zero variances."""
-    m = arrays[0].shape[0]
-    bits = scratch.view(np.uint64)
-    up = np.uint64(shift + 16)
-    low = np.uint64(shift)
-    zeros = 0
-    for start in range(0, m, scratch.shape[0]):
-        size = min(m, start + scratch.shape[0]) - start
-        _sce_variance_jit(arrays, start, size, scratch)
-        for j in range(size):
-            v = bits[j]
-            zeros += 1 if v == 0 else 0
-            if every or (v >> up) == prefix:
-                hist[(v >> low) & np.uint64(0xFFFF)] += 1
-    return zeros
-
-
-def _sce_select(arrays, cut, quota, select, squares, scratch):  # pragma: no cover - compiled
-    """select[j] = the variance's bits exceed ``cut``, or equal it among the first ``quota`` such entries (flat
-    order); ``squares[i]`` = Σ_j over the selected of τ_ij², in flat order."""
-    n = len(arrays) - 1
-    m = arrays[0].shape[0]
-    bits = scratch.view(np.uint64)
-    ties = 0
-    for start in range(0, m, scratch.shape[0]):
-        size = min(m, start + scratch.shape[0]) - start
-        _sce_variance_jit(arrays, start, size, scratch)
-        for j in range(size):
-            v = bits[j]
-            k = v > cut
-            if v == cut:
-                k = ties < quota
-                ties += 1
-            select[start + j] = k
-            if k:
-                b = np.float64(arrays[n][start + j])
-                for i in range(n):
-                    x = np.float64(arrays[i][start + j]) - b
-                    squares[i] += x * x
-
-
 def _sce_squares(arrays, squares):  # pragma: no cover - compiled
     """squares[i] = Σ_j τ_ij², in flat order (every entry selected)."""
     n = len(arrays) - 1
@@ -433,40 +398,19 @@ def _sce_combine(arrays, select, every, omega, out_kind, out, acc, x, wide):  # 
         _store_jit(acc, size, out_kind, out[start:start + size], wide)
 
 
-_sce_variance_jit = _jit(_sce_variance)
-_sce_histogram_jit = _jit(_sce_histogram)
-_sce_select_jit = _jit(_sce_select)
 _sce_squares_jit = _jit(_sce_squares)
 _sce_combine_jit = _jit(_sce_combine)
 
 
-def _sce_cut(arrays, topk: float):
-    """The k-th largest variance's bit pattern (k = ⌊topk · m⌋, m the non-zero variances) and how many entries
-    equal to it are selected (the first in flat order); None where nothing is selected. A radix select over
-    the 64 bits, 16 at a time (the variances recomputed on every visit: no float64 copy of the tensor)."""
-    scratch = np.empty(_BLOCK, dtype=np.float64)
-    prefix, k, zeros = 0, None, 0
-    for level, shift in enumerate((48, 32, 16, 0)):
-        hist = np.zeros(_HALF, dtype=np.int64)
-        found = _sce_histogram_jit(arrays, shift, np.uint64(prefix), level == 0, hist, scratch)
-        if level == 0:
-            zeros = found
-            k = int((int(hist.sum()) - zeros) * topk)
-            if k == 0:
-                return None
-        above = np.cumsum(hist[::-1])
-        j = int(np.searchsorted(above, k))
-        k -= int(above[j - 1]) if j > 0 else 0
-        prefix = (prefix << 16) | (_HALF - 1 - j)
-    return np.uint64(prefix), k
-
-
-def sce_into(tensors, base, topk: float, out) -> bool:
+def sce_into(tensors, base, topk: float, out, select=None) -> bool:
     """``out`` ← SCE of ``tensors`` over ``base`` (:func:`symmerge.merge.specialized._sce_tensor`: the
-    ⌊topk · m⌋ positions of largest variance across the models, ties in flat order; weights ω_i = mean of the
+    ⌊topk · m⌋ positions of largest variance across the models, as ``select`` gives them; weights ω_i = mean of the
     selected τ_i² over their sum, uniform when it is below 1e-6; mergekit's election; the agreeing weighted
     mean), cast to ``out``'s dtype; False (nothing written) where it does not apply (see
-    :func:`task_vector_into`)."""
+    :func:`task_vector_into`). ``select`` (a boolean tensor of ``base``'s shape): the positions kept where
+    ``topk`` < 1 (mergekit's selection, :func:`symmerge.merge.specialized.sce_keep`)."""
+    import torch
+
     if not _applies(tensors, base, out):
         return False
     n = len(tensors)
@@ -475,14 +419,17 @@ def sce_into(tensors, base, topk: float, out) -> bool:
     if m == 0:
         return True
     every = topk >= 1.0
+    given = select
     select = np.zeros(0 if every else m, dtype=np.bool_)
     squares = np.zeros(n, dtype=np.float64)
     if every:
         _sce_squares_jit(arrays, squares)
-    elif topk > 0.0:
-        cut = _sce_cut(arrays, topk)
-        if cut is not None:
-            _sce_select_jit(arrays, cut[0], cut[1], select, squares, np.empty(_BLOCK, dtype=np.float64))
+    else:  # mergekit's selection, given (none kept where it is not)
+        if given is not None:
+            select = given.reshape(-1).numpy()
+        b64 = base.reshape(-1).double()
+        for i, t in enumerate(tensors):
+            squares[i] = float(((t.reshape(-1).double() - b64) * torch.from_numpy(select)).square().sum())
     omega = squares / m
     total = float(omega.sum())
     omega = np.full(n, 1.0 / n) if abs(total) < 1e-6 else omega / total

@@ -45,6 +45,8 @@ import torch
 from ..errors import SymmergeError
 from . import kernels
 from .base import Method, boolean, choice, integer, per_model_values, real, weighted_sum
+from .in_dtype import HALF, combine_in_dtype, mergekit_election
+from .sort_order import window_mask
 
 
 @dataclass(frozen=True)
@@ -535,34 +537,49 @@ _INTO = {("magnitude", "ties"): _into_magnitude_ties, ("dare", "ties"): _into_da
 # symmerge's defaults (model-wide threshold, 1/(1 − p) rescale, disjoint mean), bit for bit.
 
 
-def _keep_topk(tau: torch.Tensor, density: float) -> torch.Tensor:
-    """Mask of the max(1, ⌊density·n⌋) entries of largest float32 magnitude (a tie at the k-th: the first ones
-    in flat order); all for density ≥ 1, none for density ≤ 0."""
-    n = tau.numel()
+def topk_window(n: int, density: float) -> tuple[int, int]:
+    """TIES' top-k as positions of the descending order: [0, max(1, ⌊density·n⌋)); all for density ≥ 1, none
+    for density ≤ 0 or no entries."""
     if density >= 1.0:
-        return torch.ones(tau.shape, dtype=torch.bool)
+        return 0, n
     if density <= 0.0 or n == 0:
-        return torch.zeros(tau.shape, dtype=torch.bool)
-    k = max(1, int(density * n))
-    order = torch.sort(tau.reshape(-1).abs().float(), descending=True, stable=True).indices[:k]
-    keep = torch.zeros(n, dtype=torch.bool)
-    keep[order] = True
-    return keep.reshape(tau.shape)
+        return 0, 0
+    return 0, max(1, int(density * n))
+
+
+def band_window(n: int, density: float, gamma: float) -> tuple[int, int]:
+    """Model Breadcrumbs' band as positions of the ascending order: ⌊density·n⌋ entries after dropping the
+    ⌊gamma·n⌋ largest (fewer largest when the two would overlap: the ⌊density·n⌋ largest below them are kept
+    whatever gamma); all for density ≥ 1."""
+    if density >= 1.0:
+        return 0, n
+    target, top = int(density * n), int(gamma * n)
+    bottom = max(0, n - target - top)
+    return bottom, bottom + target
+
+
+def _keep_topk(tau: torch.Tensor, density: float) -> torch.Tensor:
+    """Mask of the max(1, ⌊density·n⌋) entries of largest float32 magnitude of ``tau`` (the task vector in its
+    computing dtype: float16/bfloat16 ones rounded as mergekit's), ties at the k-th as :func:`_ordered_window`."""
+    lo, hi = topk_window(tau.numel(), density)
+    if hi - lo == tau.numel():
+        return torch.ones(tau.shape, dtype=torch.bool)
+    return _ordered_window(tau, lo, hi, descending=True)
 
 
 def breadcrumbs_band(tau: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
-    """Model Breadcrumbs' mask: of the entries sorted by float32 magnitude (ascending; ties in flat order),
-    keep ⌊density·n⌋ after dropping the ⌊gamma·n⌋ largest (fewer largest when the two would overlap: the
-    ⌊density·n⌋ largest below them are kept whatever gamma); all for density ≥ 1."""
-    n = tau.numel()
-    if density >= 1.0:
+    """Model Breadcrumbs' mask (:func:`band_window` of the ascending order of ``tau``'s float32 magnitudes; ties
+    as :func:`_ordered_window`)."""
+    lo, hi = band_window(tau.numel(), density, gamma)
+    if hi - lo == tau.numel():
         return torch.ones(tau.shape, dtype=torch.bool)
-    target, top = int(density * n), int(gamma * n)
-    bottom = max(0, n - target - top)
-    order = torch.sort(tau.reshape(-1).abs().float(), stable=True).indices
-    keep = torch.zeros(n, dtype=torch.bool)
-    keep[order[bottom:bottom + target]] = True
-    return keep.reshape(tau.shape)
+    return _ordered_window(tau, lo, hi, descending=False)
+
+
+def _ordered_window(tau: torch.Tensor, lo: int, hi: int, descending: bool) -> torch.Tensor:
+    """The entries at positions [lo, hi) of ``tau``'s float32 magnitudes in the order of torch's sort, as mergekit
+    takes them (:func:`symmerge.merge.sort_order.window_mask`)."""
+    return window_mask(tau.abs().float(), lo, hi, descending)
 
 
 def della_keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
@@ -594,8 +611,12 @@ def l1_rescaled(tau: torch.Tensor, keep: torch.Tensor, eps: float = 1e-7) -> tor
     return kept * (before / after)
 
 
-def _sparsify_whole(sparsifier: str, key: str, i: int, tau: torch.Tensor, params, context) -> torch.Tensor:
-    """Model ``i``'s (unweighted) task vector ``tau`` of tensor ``key`` after the sparsifier, whole tensor."""
+def _sparsify_whole(sparsifier: str, key: str, i: int, tau: torch.Tensor, params, context,
+                    low: torch.Tensor | None = None) -> torch.Tensor:
+    """Model ``i``'s (unweighted) task vector ``tau`` (float64) of tensor ``key`` after the sparsifier, whole
+    tensor; ``low``: the same task vector computed in the inputs' dtype (mergekit's), whose magnitudes rank the
+    entries of the top-k and the band (``tau`` where not given)."""
+    low = tau if low is None else low
     rescale = params.get("rescale", False)
 
     def value(name):
@@ -608,7 +629,7 @@ def _sparsify_whole(sparsifier: str, key: str, i: int, tau: torch.Tensor, params
         if density >= 1.0:
             return tau
         if scope == "topk":
-            keep = _keep_topk(tau, density)
+            keep = _keep_topk(low, density)
         elif scope == "model":
             keep = (tau * context["w"][i]).abs().float() >= context["thresholds"][i]  # the weighted τ's threshold
         else:
@@ -624,7 +645,7 @@ def _sparsify_whole(sparsifier: str, key: str, i: int, tau: torch.Tensor, params
             return tau.masked_fill(~keep, 0.0) / (1.0 - p)
         return l1_rescaled(tau, keep) if rescale is True else tau.masked_fill(~keep, 0.0)
     if sparsifier == "breadcrumbs":
-        keep = breadcrumbs_band(tau, float(value("density")), float(value("gamma")))
+        keep = breadcrumbs_band(low, float(value("density")), float(value("gamma")))
     elif sparsifier == "della":
         density = float(value("density"))
         if density >= 1.0:
@@ -642,12 +663,13 @@ def elect_mask(deltas: torch.Tensor) -> torch.Tensor:
     return torch.sign(deltas) == elected
 
 
-def combine(deltas, weights, consensus: str, normalize) -> torch.Tensor:
+def combine(deltas, weights, consensus: str, normalize, elected=None) -> torch.Tensor:
     """The merged task vector of the weighted, sparsified ``deltas`` (a list): ``consensus`` ``sum`` (Σ δ_i,
     divided by Σ w_i when ``normalize`` is true, unless |Σ w_i| < 1e-8) or ``ties`` (Σ of the δ_i agreeing
     with the elected sign, divided by the agreeing weights Σ w_i [agree] when ``normalize`` is true (1 where
     none agrees), by the number of agreeing ones when ``normalize="count"`` (symmerge's disjoint mean, with
-    its election: γ = sign(Σ δ_i), nothing where the sum is 0), as is when false)."""
+    its election: γ = sign(Σ δ_i), nothing where the sum is 0), as is when false). ``elected`` (true: +), when
+    given, is the ``ties`` election (:func:`mergekit_election`) instead of the sign of Σ δ_i."""
     if consensus == "sum":
         total = weighted_sum(deltas, [1.0] * len(deltas))
         if normalize is True:
@@ -659,7 +681,10 @@ def combine(deltas, weights, consensus: str, normalize) -> torch.Tensor:
     if normalize == "count":
         return disjoint_mean(deltas)
     stacked = torch.stack(deltas)
-    agree = elect_mask(stacked)
+    if elected is None:
+        agree = elect_mask(stacked)
+    else:
+        agree = torch.sign(stacked) == torch.where(elected, 1.0, -1.0).to(stacked.dtype)
     total = stacked.masked_fill(~agree, 0.0).sum(0)
     if normalize is True:
         w = torch.tensor(weights, dtype=stacked.dtype).reshape(-1, *([1] * (stacked.dim() - 1)))
@@ -712,6 +737,8 @@ def _whole_into(sparsifier: str, consensus: str, key, tensors, weights, base, pa
     (nothing written: numba missing, or parameters or dtypes they do not cover)."""
     if not kernels.AVAILABLE or base is None:
         return False
+    if base.dtype in HALF:  # mergekit's rule in the half dtype itself (combine_in_dtype) and its tie order, by the
+        return False  # torch code
     from . import kernels_whole
 
     spec = _whole_rules(sparsifier, key, len(tensors), base.numel(), params)
@@ -730,9 +757,15 @@ def _whole_task_vector_tensor(sparsifier: str, consensus: str, key, tensors, wei
         return out
     b = base.double()
     ctx = {"n": tensors, "thresholds": context, "w": weights}
-    deltas = [_sparsify_whole(sparsifier, key, i, t.double() - b, params, ctx) * w
+    deltas = [_sparsify_whole(sparsifier, key, i, t.double() - b, params, ctx, low=t - base) * w
               for i, (t, w) in enumerate(zip(tensors, weights))]
-    return b + float(params["scale"]) * combine(deltas, weights, consensus, params["normalize"])
+    if base.dtype in HALF and params["normalize"] != "count" and params.get("rescale") != "inverse":
+        return combine_in_dtype(tensors, base, [d != 0 for d in deltas], weights, consensus, params["normalize"],
+                                float(params["scale"]), params.get("rescale"))
+    elected = None
+    if consensus == "ties" and params["normalize"] != "count":
+        elected = mergekit_election(tensors, base, [d != 0 for d in deltas], weights, params.get("rescale"))
+    return b + float(params["scale"]) * combine(deltas, weights, consensus, params["normalize"], elected)
 
 
 def _needs_whole(sparsifier: str, consensus: str, params) -> bool:
@@ -752,6 +785,10 @@ def _needs_whole(sparsifier: str, consensus: str, params) -> bool:
 
 def _legacy_or_whole(sparsify, sparsifier, consensus, key, tensors, weights, stats, base, params, context,
                      fused=None):
+    if sparsifier == "none" and base.dtype in HALF and params["normalize"] != "count":
+        # task arithmetic in float16/bfloat16: mergekit's own rounding, elementwise (chunks give the same bits)
+        return combine_in_dtype(tensors, base, [None] * len(tensors), weights, consensus, params["normalize"],
+                                float(params["scale"]), False)
     if _needs_whole(sparsifier, consensus, params):
         return _whole_task_vector_tensor(sparsifier, consensus, key, tensors, weights, stats, base, params, context)
     return _task_vector_tensor(sparsify, CONSENSUS[consensus], key, tensors, weights, stats, base, params, context,
@@ -779,7 +816,7 @@ TV_CHECKS = {
 
 
 def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict, doc: str = "",
-                       mergekit_params: dict | None = None) -> Method:
+                       other_names: tuple = ()) -> Method:
     """The method θ_base + scale · ``consensus``(``sparsifier``(w_i τ_i)); ``params`` (defaults) must
     name ``scale`` and whatever the sparsifier reads (``density``/``scope``, ``drop``/``seed``,
     ``gamma``, ``epsilon``). Every such method also takes mergekit's ``lambda`` (= ``scale``), ``normalize``,
@@ -810,7 +847,7 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
 
         return Method(name, tensor, needs_base=True, params=dict(params), doc=doc, normalize_weights=False,
                       elementwise=False, per_model=per_model, checks=checks, aliases=aliases, fused_into=whole_into,
-                      check_all=_no_overlap_check, mergekit_params=dict(mergekit_params or {}))
+                      check_all=_no_overlap_check, weight_required=True, other_names=other_names)
     sp = SPARSIFIERS[sparsifier]
     tensor = partial(_legacy_or_whole, sp, sparsifier, consensus, fused=_FUSED.get((sparsifier, consensus)))
     into = _INTO.get((sparsifier, consensus))
@@ -828,5 +865,5 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
     return Method(name, tensor, needs=None, needs_base=True,
                   params=dict(params), doc=doc, prepare=sp.prepare, normalize_weights=False, elementwise=True,
                   tensor_context=tensor_context, fused_into=fused_into, per_model=per_model, checks=checks,
-                  aliases=aliases, mergekit_params=dict(mergekit_params or {}),
+                  aliases=aliases, weight_required=True, other_names=other_names,
                   whole_tensor=lambda p: _needs_whole(sparsifier, consensus, p))

@@ -17,7 +17,8 @@ loop; ``model_stock`` and ``arcee_fusion`` on float16/bfloat16 inputs compute in
 * ``passthrough`` (exactly 1 model, no base): the tensor, times ``scale`` when given (per model).
 * ``sce`` (Wan et al., 2024, FuseChat; base + models): task vectors τ_i; ``select_topk`` < 1 keeps, in
   every τ_i, only the ⌊select_topk · m⌋ positions of largest variance across the models (m: positions of
-  non-zero variance; ties in flat order); matrix-level weights ω_i = mean(τ_i²) / Σ_j mean(τ_j²) (uniform
+  non-zero variance; mergekit's selection, ties in torch.topk's order: :func:`sce_keep`; in float16/bfloat16
+  mergekit's arithmetic in that dtype); matrix-level weights ω_i = mean(τ_i²) / Σ_j mean(τ_j²) (uniform
   when that sum is below 1e-6); mergekit's sign election on the τ_i; θ = θ_b + Σ ω_i τ_i [agree] /
   max(Σ ω_i [agree], 1e-6). Weights are not used.
 * ``ram`` (Reinforced Agent Merging; base + models): an entry of τ_i is active where |τ_i| > ``epsilon``;
@@ -33,6 +34,7 @@ import torch
 from .base import REQUIRED, Method, boolean, real
 from .combination import gram, linear_into, linear_tensor
 from .parts import elect_mask
+from .sort_order import topk_mask
 
 # ------------------------------------------------------------------ model_stock
 
@@ -223,27 +225,11 @@ def _passthrough_tensor(key, tensors, weights, stats, base, params, context):
     return tensors[0].double() if scale is None else tensors[0].double() * float(scale)
 
 
-PASSTHROUGH = Method("passthrough", _passthrough_tensor, params={"scale": None},
+PASSTHROUGH = Method("passthrough", _passthrough_tensor, params={"scale": None}, ignores_base=True, copy_unless="scale",
                      doc="Passthrough: the one model's tensor, times scale when given.", normalize_weights=False,
                      elementwise=True, checks={"scale": real(optional=True)}, per_model=("scale",), models=(1, 1))
 
 # ------------------------------------------------------------------ sce
-
-
-def sce_select(taus: torch.Tensor, topk: float) -> torch.Tensor:
-    """The positions SCE keeps: the ⌊topk · m⌋ of largest variance across the models (dim 0), m the positions
-    of non-zero variance (ties in flat order); all for topk ≥ 1, none for topk ≤ 0."""
-    shape = taus.shape[1:]
-    if topk >= 1.0:
-        return torch.ones(shape, dtype=torch.bool)
-    if topk <= 0.0:
-        return torch.zeros(shape, dtype=torch.bool)
-    var = taus.var(dim=0, unbiased=False).reshape(-1)
-    k = int(int(torch.count_nonzero(var)) * topk)
-    keep = torch.zeros(var.numel(), dtype=torch.bool)
-    if k:
-        keep[torch.sort(var, descending=True, stable=True).indices[:k]] = True
-    return keep.reshape(shape)
 
 
 def sce_weights(taus: torch.Tensor) -> torch.Tensor:
@@ -253,26 +239,59 @@ def sce_weights(taus: torch.Tensor) -> torch.Tensor:
     return torch.full_like(w, 1.0 / w.numel()) if abs(total) < 1e-6 else w / total
 
 
+def sce_keep(tensors, base, topk: float) -> torch.Tensor | None:
+    """The positions SCE keeps, as mergekit selects them (None: all): the variances across the models of the task
+    vectors computed in the tensors' dtype D (``torch.var``, biased), k = ⌊topk · (non-zero variances)⌋, and the k
+    that ``torch.topk`` returns — ties at the cut in its order (:func:`symmerge.merge.sort_order.topk_mask`)."""
+    if topk >= 1.0:
+        return None
+    if topk <= 0.0:
+        return torch.zeros(base.shape, dtype=torch.bool)
+    var = torch.var(torch.stack([t.to(base.dtype) - base for t in tensors]), dim=0, unbiased=False)
+    k = int(int(torch.count_nonzero(var)) * topk)
+    keys = var.abs().reshape(-1)
+    return topk_mask(keys.float() if base.dtype in HALF else keys, k).reshape(base.shape)
+
+
+def _sce_in_dtype(tensors, base, keep) -> torch.Tensor:
+    """mergekit's SCE in the inputs' half dtype D, op for op (task vectors, selection, sign election, mean squares,
+    weighted agreeing sum and its division, each in D)."""
+    dtype = base.dtype
+    tvs = torch.stack([t.to(dtype) - base for t in tensors])
+    if keep is not None:
+        tvs = tvs * keep.to(dtype).unsqueeze(0)
+    agree = (tvs.sign() == ((tvs.sum(0) >= 0).to(dtype) * 2 - 1)).to(dtype)
+    w = tvs.square().reshape(tvs.shape[0], -1).mean(dim=1)
+    total = torch.sum(w).item()
+    w = torch.ones_like(w) / w.shape[0] if abs(total) < 1e-6 else w / total
+    w = w.reshape(-1, *([1] * base.dim())) * agree
+    return base + (tvs * w).sum(0) / torch.sum(w, dim=0).clamp(min=1e-6)
+
+
 def _sce_into(key, tensors, weights, base, params, context, out) -> bool:
-    """SCE by the fused kernel (:func:`symmerge.merge.kernels_whole.sce_into`) into ``out``, or False."""
+    """SCE by the fused kernel (:func:`symmerge.merge.kernels_whole.sce_into`) into ``out``, or False (float16 and
+    bfloat16: mergekit's arithmetic in that dtype, by the torch code)."""
     from . import kernels
 
-    if not kernels.AVAILABLE:
+    if not kernels.AVAILABLE or base.dtype in HALF:
         return False
     from .kernels_whole import sce_into
 
-    return sce_into(tensors, base, float(params["select_topk"]), out)
+    topk = float(params["select_topk"])
+    return sce_into(tensors, base, topk, out, select=sce_keep(tensors, base, topk))
 
 
 def _sce_tensor(key, tensors, weights, stats, base, params, context):
     out = torch.empty(base.shape, dtype=base.dtype)
     if _sce_into(key, tensors, weights, base, params, context, out):
         return out
+    keep = sce_keep(tensors, base, float(params["select_topk"]))
+    if base.dtype in HALF:
+        return _sce_in_dtype(tensors, base, keep)
     b = base.double()
     taus = torch.stack([t.double() - b for t in tensors])
-    topk = float(params["select_topk"])
-    if topk < 1.0:
-        taus = taus * sce_select(taus, topk)
+    if keep is not None:
+        taus = taus * keep
     agree = elect_mask(taus)
     w = sce_weights(taus).reshape(-1, *([1] * (taus.dim() - 1))) * agree
     return b + (taus * w).sum(0) / w.sum(0).clamp(min=1e-6)

@@ -119,7 +119,7 @@ def _nuslerp_tensor(key, tensors, weights, stats, base, params, context):
     return out if base is None else base.double() + out
 
 
-NUSLERP = Method("nuslerp", _nuslerp_tensor, accepts_base=True,
+NUSLERP = Method("nuslerp", _nuslerp_tensor, accepts_base=True, weight_required=True,
                  params={"nuslerp_flatten": True, "nuslerp_row_wise": False},
                  doc="SLERP of two models (or of their task vectors, given a base) at t = w2 / (w1 + w2), "
                      "flattened or row/column-wise.", normalize_weights=False,
@@ -160,7 +160,7 @@ def _multislerp_coefficients(key, tensors, base, weights, params, context):
     return with_base(c, base)
 
 
-MULTISLERP = Method("multislerp", linear_tensor(_multislerp_coefficients), accepts_base=True,
+MULTISLERP = Method("multislerp", linear_tensor(_multislerp_coefficients), accepts_base=True, weight_required=True,
                     params={"normalize_weights": True, "eps": 1e-8},
                     doc="Barycentric interpolation on the hypersphere of any number of models (or task vectors): "
                         "tangent-space mean at the weighted mean direction, mapped back, scaled by the mean norm.",
@@ -252,7 +252,7 @@ def _karcher_coefficients(key, tensors, base, weights, params, context):
     return karcher_coefficients(gram(tensors), [1.0 / n] * n, int(params["max_iter"]), float(params["tol"]))
 
 
-KARCHER = Method("karcher", linear_tensor(_karcher_coefficients), params={"max_iter": 10, "tol": 1e-5},
+KARCHER = Method("karcher", linear_tensor(_karcher_coefficients), params={"max_iter": 10, "tol": 1e-5}, ignores_base=True,
                  doc="Karcher (Riemannian) mean of the models' directions on the unit sphere, scaled by their "
                      "mean norm (uniform; weights are not used).",
                  checks={"max_iter": integer(0), "tol": real(0.0)}, elementwise=True,

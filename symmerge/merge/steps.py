@@ -21,10 +21,10 @@ number of models (:meth:`symmerge.merge.base.Method.check_inputs`).
 Which inputs are sources and which is the base: a method with ``needs_base`` or ``accepts_base`` gets the
 base model in ``TensorStep.base`` and the *other* models in ``sources`` (a mergekit config that lists its
 ``base_model`` among ``models`` too does not merge it twice: slerp's and nearswap's two models are the base
-plus one source, nuslerp's are two sources plus an optional base). A method that uses no base (``linear``,
-``karcher``, ``passthrough``) merges every listed model, the config's ``base_model`` included when it is
-listed in ``models`` (mergekit's ``linear`` treats it as one more input). Parameters should be passed
-through :meth:`symmerge.merge.base.Method.mergekit_defaults` first when they come from a mergekit config.
+plus one source, nuslerp's are two sources plus an optional base). A method whose base policy is ``ignored``
+(``linear``, ``karcher``, ``passthrough``: :attr:`~symmerge.merge.base.Method.base_policy`) merges every listed
+model, the config's ``base_model`` included (mergekit's ``linear`` treats it as one more input). A method's
+defaults are mergekit's, the same from a config and from the command line.
 """
 
 from __future__ import annotations

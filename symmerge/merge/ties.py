@@ -1,31 +1,29 @@
-"""TIES merging (Yadav et al., 2023): trim each task vector, elect signs, disjoint mean.
+"""TIES merging (Yadav et al., 2023): trim each task vector, elect signs, merge the agreeing entries.
 
-For task vectors τ_i = θ_i − θ_base (scaled by the optional weights w_i):
+For task vectors τ_i = θ_i − θ_base and the weights w_i (multipliers, mergekit's ``weight``):
 
-1. trim: keep the ``density`` fraction of entries of largest magnitude of each τ_i (over the whole
-   merged model by default, ``scope="model"``; or per tensor, ``scope="tensor"``; or mergekit's exact
-   per-tensor top-k, ``scope="topk"``: max(1, ⌊density·n⌋) entries), zero the rest;
-2. elect: γ = sign(Σ_i τ̂_i) per entry;
-3. disjoint mean: τ_m = mean of the τ̂_i whose sign equals γ (zeros excluded; 0 if none agree);
+1. trim: keep the ``density`` fraction of entries of largest magnitude of each τ_i, per tensor
+   (``scope="topk"``: max(1, ⌊density·n⌋) entries, ties at the cut in mergekit's order), zero the rest;
+2. elect: γ = + where Σ_i w_i τ̂_i ≥ 0, else −;
+3. merge: Σ of the w_i τ̂_i agreeing with γ, divided by the agreeing weights (``normalize: true``);
 
-and θ = θ_base + λ τ_m (λ = ``scale``, alias ``lambda``). The parts (see :mod:`symmerge.merge.parts`):
-magnitude sparsifier, ties consensus.
+and θ = θ_base + λ τ_m (λ = ``scale``, alias ``lambda``). These are mergekit's ``ties`` and its defaults
+(``density`` 1.0: nothing trimmed unless asked; ``normalize`` true; ``rescale`` false: true scales each trimmed
+τ back to its L1 norm), the same from ``symmerge merge --method ties`` and from a config. ``density`` may be
+per model.
 
-mergekit's ``ties`` differs in three defaults, set by ``METHOD.mergekit_params`` (the config path applies
-them; ``symmerge merge --method ties`` keeps symmerge's): ``scope: topk`` (per tensor, not model-wide),
-``density: 1.0`` (mergekit trims nothing unless told), ``normalize: true``: the agreeing weighted entries
-are summed and divided by the sum of the agreeing *weights* (γ = + where Σ w_i τ̂_i ≥ 0) instead of their
-count — with weights 0.5/0.5 symmerge's disjoint mean of w_i τ̂_i is half of mergekit's task vector.
-``normalize: false`` sums the agreeing entries; ``rescale: true`` scales each trimmed τ back to its L1 norm.
-``density`` may be per model.
+symmerge's earlier ``--method ties`` (before 2026-11-28) is these parameters: ``density=0.2 scope=model
+normalize=count`` — the threshold over the whole model's task vector (``scope="model"``; ``"tensor"``: per
+tensor), γ = sign(Σ w_i τ̂_i) and the *mean* of the agreeing non-zero entries (``normalize: count``). The parts
+(see :mod:`symmerge.merge.parts`): magnitude sparsifier, ties consensus.
 """
 
 from __future__ import annotations
 
 from .parts import disjoint_mean, magnitude_threshold, task_vector_method
 
-METHOD = task_vector_method("ties", "magnitude", "ties", {"density": 0.2, "scale": 1.0, "scope": "model"}, __doc__,
-                            mergekit_params={"scope": "topk", "density": 1.0, "normalize": True})
+METHOD = task_vector_method("ties", "magnitude", "ties",
+                            {"density": 1.0, "scale": 1.0, "scope": "topk", "normalize": True}, __doc__)
 merge = METHOD.merge
 
 __all__ = ["merge", "disjoint_mean", "magnitude_threshold"]
