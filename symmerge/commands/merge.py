@@ -25,6 +25,7 @@ from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED, RECOMM
 from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed
 from .alignment_args import add_alignment_arguments, alignment_options
+from .lora_args import add_lora_arguments
 
 
 def add_arguments(parser) -> None:
@@ -87,6 +88,7 @@ def add_arguments(parser) -> None:
                              "tensors, any model size; per-tensor methods without alignment); memory: load the "
                              "models; auto (default): stream whatever can stream, else load")
     parser.add_argument("--shard-size", default="2GB", help="streamed output: largest shard (default 2GB)")
+    add_lora_arguments(parser)  # a model given as BASE+ADAPTER: a LoRA adapter merged into its base first
     add_alignment_arguments(parser)
     add_progress_argument(parser)
 
@@ -149,13 +151,29 @@ def options_from(args):
         joint_rounds=args.joint_rounds, joint_refine=args.joint_refine, mode=args.mode, shard_size=args.shard_size)
 
 
+def resolve_lora_inputs(args) -> None:
+    """Models (and ``--base``, an ``--anchor`` given as one of them) written ``BASE+ADAPTER`` become the folders
+    of their bases with the adapters merged in (:func:`symmerge.io.lora.resolve_input`)."""
+    from ..io.lora import resolve_input
+
+    resolved = {m: resolve_input(m) for m in [*args.models, *([args.base] if args.base else [])]}
+    args.models = [resolved[m] for m in args.models]
+    if args.base:
+        args.base = resolved[args.base]
+    if isinstance(args.anchor, str) and args.anchor in resolved:
+        args.anchor = resolved[args.anchor]
+
+
 def run(args) -> int:
+    from ..io.lora import merge_cache
     from ..merge.api import merge_to_folder
 
     out = Path(args.output)
     ensure_output_dir(out)  # fail before any expensive work
     get_method(args.method)
-    report = merge_to_folder(args.models, out, options_from(args))
+    with merge_cache(args.lora_merge_cache, args.lora_merge_dtype):
+        resolve_lora_inputs(args)
+        report = merge_to_folder(args.models, out, options_from(args))
     why = report["plan"]["why"]
     alignment = report["alignment"]
     print(f"merged {len(args.models)} models with {report['method']} "

@@ -16,6 +16,7 @@ import shlex
 import sys
 
 from ..errors import SymmergeError
+from .lora_args import add_lora_arguments
 
 
 def add_arguments(parser) -> None:
@@ -46,6 +47,7 @@ def add_arguments(parser) -> None:
     mk.add_argument("--allow-crimes", action="store_true", help=argparse_suppress())
     mk.add_argument("--random-seed", type=int, default=None, metavar="N",
                     help="seed of the randomised methods (DARE): their 'seed' parameter")
+    add_lora_arguments(mk)  # BASE+ADAPTER inputs
 
 
 def argparse_suppress():
@@ -80,11 +82,18 @@ def _refusals(args) -> None:
 
 
 def run(args) -> int:
+    from ..io.lora import merge_cache
+
+    _refusals(args)
+    with merge_cache(args.lora_merge_cache, args.lora_merge_dtype):  # BASE+ADAPTER inputs merged there
+        return _run(args)
+
+
+def _run(args) -> int:
     from ..config import describe
     from ..config.command import command_parser
     from ..progress import configure
 
-    _refusals(args)
     desc = describe(args.config, output=args.out or args.output, align=args.align, seed=args.random_seed)
     if not desc.mergekit:
         if args.print_command:
