@@ -60,3 +60,40 @@ def test_config_with_lora_inputs_equals_mergekit(tmp_path, method, dtype):
         assert set(mine[key]) == set(t) and all(torch.equal(mine[key][k], v) for k, v in t.items()), key
     gap = mo.relative_gap(mo.tensors(tmp_path / "ours"), mo.tensors(tmp_path / "theirs"), mo.tensors(base))
     assert gap <= (1e-5 if dtype == "float32" else 1e-3), gap
+
+
+def _mergekit_extract(ft, base, out, *flags):
+    from mergekit.scripts.extract_lora import main as mk_main
+
+    mk_main.main(["--model", str(ft), "--base-model", str(base), "--out-path", str(out), *flags],
+                 standalone_mode=False)
+
+
+@pytest.mark.parametrize("flags", [["--max-rank", "4"], ["--max-rank", "3", "--no-distribute-scale", "--embed-lora",
+                                                          "-e", "layers\\.0\\.mlp", "--sv-epsilon", "0.001"]])
+def test_extract_lora_equals_mergekit(tmp_path, flags):
+    """symmerge extract-lora and mergekit-extract-lora with the same flags write the same adapter: the same tensors
+    (factors equal to float32 rounding, whole modules bit for bit), the same r, rank pattern and modules_to_save."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from symmerge.cli import main
+    from test_extract_lora import make_finetune
+    from test_lora import make_base
+
+    base = make_base(tmp_path / "base")
+    ft = make_finetune(base, tmp_path / "ft", ranks=[1, 2, 8], embed_rank=6)
+    assert main(["extract-lora", str(ft), str(base), "-o", str(tmp_path / "ours"), *flags, "--progress", "none"]) == 0
+    _mergekit_extract(ft, base, tmp_path / "theirs", *flags)
+    ours, theirs = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("ours", "theirs"))
+    assert set(ours) == set(theirs)
+    for k, t in theirs.items():
+        scale = float(t.abs().max()) or 1.0
+        assert torch.allclose(ours[k], t, atol=2e-5 * scale, rtol=0), k
+        if "lora_" not in k:
+            assert torch.equal(ours[k], t), k
+    c_ours, c_theirs = (json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "theirs"))
+    for key in ("r", "lora_alpha", "rank_pattern", "alpha_pattern"):
+        assert c_ours[key] == c_theirs[key], key
+    assert sorted(c_ours["modules_to_save"] or []) == sorted(c_theirs["modules_to_save"] or [])

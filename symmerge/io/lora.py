@@ -318,7 +318,6 @@ def merge_weight(weight: torch.Tensor, mod: Module, conv1d=None) -> torch.Tensor
         rows = weight.T if (fifo or mod.embedding) else weight
         d = delta.T if (fifo or mod.embedding) else delta
         norm = torch.linalg.norm(rows + d, dim=1)
-        norm = norm.to((rows + d).dtype)
         factor = mod.magnitude.float() / norm
         factor = factor.view(1, -1) if (fifo or mod.embedding) else factor.view(-1, 1)
         return (factor * (weight + delta)).to(weight.dtype)
@@ -341,7 +340,7 @@ def apply_adapter(base, adapter, out, dtype=None, progress: bool = True) -> dict
     a time, atomically; returns what was done (also ``out/symmerge_lora.json``)."""
     from ..progress import bar
     from .checkpoint import LazyCheckpoint, PlannedWriter
-    from .model import atomic_dir, copy_side_files, write_json
+    from .model import atomic_dir, check_finite, copy_side_files, write_json
 
     base, adapter, out = Path(base), Path(adapter), Path(out)
     ad = read_adapter(adapter)
@@ -385,7 +384,7 @@ def apply_adapter(base, adapter, out, dtype=None, progress: bool = True) -> dict
     def conv1d_of(key: str):
         def ask() -> bool:
             if "m" not in model:
-                model["m"] = _meta_model(ck)
+                model["m"] = meta_model(ck)
             return _is_conv1d(model["m"], key)
         return ask
 
@@ -409,8 +408,6 @@ def apply_adapter(base, adapter, out, dtype=None, progress: bool = True) -> dict
                     t = merge_bias(t, biases[k])
                 if k in replace or k in weights or k in biases:
                     changed.append(k)
-                    from .model import check_finite
-
                     check_finite({k: t}, f"{base}+{adapter}")
                 writer.add(ck.disk_name[k], t)
                 del t
@@ -433,7 +430,8 @@ def apply_adapter(base, adapter, out, dtype=None, progress: bool = True) -> dict
     return record
 
 
-def _meta_model(ck):
+def meta_model(ck):
+    """A weightless (``meta``) model of the checkpoint's class: which module is what (linear, Conv1D, embedding)."""
     from .hf import hf_config, model_class, quiet_transformers
 
     with quiet_transformers(), torch.device("meta"):
