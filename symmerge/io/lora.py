@@ -379,13 +379,13 @@ def apply_adapter(base, adapter, out, dtype=None, progress: bool = True) -> dict
                                 f"bias {tuple(ck.shape[k])}")
     for k, mod in weights.items():
         lora_delta(mod, ck.shape[k], conv1d=lambda: True)  # shapes checked before anything is written
-    model: dict = {}
+    kinds: dict = {}
 
     def conv1d_of(key: str):
-        def ask() -> bool:
-            if "m" not in model:
-                model["m"] = meta_model(ck)
-            return _is_conv1d(model["m"], key)
+        def ask() -> bool:  # a square weight: is its module GPT-2's Conv1D? (the class's modules, cached)
+            if not kinds:
+                kinds.update((n, k) for n, k, _, _ in module_kinds(ck)["modules"])
+            return kinds.get(key.rsplit(".", 1)[0]) == "conv1d"
         return ask
 
     order = sorted(keys, key=lambda k: (str(ck.file_of[k]), k))
@@ -430,6 +430,48 @@ def apply_adapter(base, adapter, out, dtype=None, progress: bool = True) -> dict
     return record
 
 
+def module_kinds(ck) -> dict:
+    """``{"modules": [[name, kind, has weight, has bias], ...] in module order, "input": name, "output": name}`` of
+    the checkpoint's class — kind ``embedding``, ``linear``, ``conv1d`` (GPT-2's, stored in x out) or ``other`` —
+    from a weightless model, cached beside the tensor-name facts (:mod:`symmerge.io.names_cache`: building the model
+    imports transformers' modeling code, most of a small extraction's time)."""
+    from . import names_cache
+
+    path = names_cache.cache_dir() / f"modules-{names_cache._key(ck.config, False)}.json" \
+        if names_cache._enabled() else None
+    if path is not None and path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    from torch import nn
+
+    from .hf import is_conv1d, linear_output_axis
+
+    model = meta_model(ck)
+    names = {id(m): n for n, m in model.named_modules()}
+    emb_in, emb_out = model.get_input_embeddings(), model.get_output_embeddings()
+    rows = []
+    for name, module in model.named_modules():
+        w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+        if not name or not isinstance(w, torch.Tensor):
+            continue
+        kind = "embedding" if isinstance(module, nn.Embedding) else "conv1d" if is_conv1d(module) else \
+            "linear" if linear_output_axis(module) is not None and w.dim() == 2 else "other"
+        rows.append([name, kind, True, isinstance(b, torch.Tensor)])
+    out = {"modules": rows, "input": names.get(id(emb_in)) if emb_in is not None else None,
+           "output": names.get(id(emb_out)) if emb_out is not None else None}
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(out))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return out
+
+
 def meta_model(ck):
     """A weightless (``meta``) model of the checkpoint's class: which module is what (linear, Conv1D, embedding)."""
     from .hf import hf_config, model_class, quiet_transformers
@@ -437,13 +479,3 @@ def meta_model(ck):
     with quiet_transformers(), torch.device("meta"):
         cls = model_class(ck.config)
         return cls(hf_config(ck.config))
-
-
-def _is_conv1d(model, key: str) -> bool:
-    from .hf import is_conv1d
-
-    path = key.rsplit(".", 1)[0]
-    try:
-        return is_conv1d(model.get_submodule(path))
-    except AttributeError:
-        return False

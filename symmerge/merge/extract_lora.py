@@ -79,17 +79,11 @@ class Entry:
     result: dict = field(default_factory=dict)
 
 
-def _plan(ft, base, model, options: ExtractOptions, notes: list) -> tuple[list[Entry], list[str]]:
+def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[list[Entry], list[str]]:
     """The modules to extract and to save whole (mergekit's rules, module order), and modules_to_save."""
-    from torch import nn
-
-    from ..io.hf import is_conv1d, linear_output_axis
-
-    embed_in, embed_out = model.get_input_embeddings(), model.get_output_embeddings()
     embed_lora = options.embed_lora
-    if embed_lora and embed_in is not None:
-        key = _stored(ft, _param_name(model, embed_in))
-        bkey = _stored(base, _param_name(model, embed_in))
+    if embed_lora and kinds["input"]:
+        key, bkey = _stored(ft, f"{kinds['input']}.weight"), _stored(base, f"{kinds['input']}.weight")
         if key and bkey and ft.shape[key][0] != base.shape[bkey][0]:
             notes.append(f"vocabulary sizes differ (fine-tune {ft.shape[key][0]}, base {base.shape[bkey][0]}): "
                          "embeddings saved whole (modules_to_save), not as LoRA")
@@ -97,17 +91,13 @@ def _plan(ft, base, model, options: ExtractOptions, notes: list) -> tuple[list[E
     to_save = list(options.save_modules)
     entries: list[Entry] = []
     excluded = lambda name: any(re.search(r, name) for r in options.exclude_regexes)  # noqa: E731
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or not name:
-            continue
+    for name, kind, _, has_bias in kinds["modules"]:
         wkey = _stored(ft, f"{name}.weight")
         if wkey is None:
             continue
-        bias = getattr(module, "bias", None)
-        bkey = _stored(ft, f"{name}.bias") if isinstance(bias, torch.Tensor) else None
+        bkey = _stored(ft, f"{name}.bias") if has_bias else None
         last = name.split(".")[-1]
-        is_embedding = module is embed_in or module is embed_out or isinstance(module, nn.Embedding)
+        is_embedding = name in (kinds["input"], kinds["output"]) or kind == "embedding"
         if not embed_lora and is_embedding and not excluded(name) and last not in to_save:
             to_save.append(last)
         if name in to_save or last in to_save:
@@ -117,14 +107,14 @@ def _plan(ft, base, model, options: ExtractOptions, notes: list) -> tuple[list[E
             continue
         if excluded(name):
             continue
-        if isinstance(module, nn.Embedding):
+        if kind == "embedding":
             entries.append(Entry(name, "embedding", wkey))
-        elif linear_output_axis(module) is not None and weight.dim() == 2:
-            entries.append(Entry(name, "lora", wkey, bkey, transposed=is_conv1d(module)))
+        elif kind in ("linear", "conv1d"):
+            entries.append(Entry(name, "lora", wkey, bkey, transposed=kind == "conv1d"))
         elif not options.skip_undecomposable:
             if last not in to_save:
                 to_save.append(last)
-                notes.append(f"{last}: a {type(module).__name__}, saved whole (modules_to_save)")
+                notes.append(f"{last}: neither a linear layer nor an embedding, saved whole (modules_to_save)")
             entries.append(Entry(name, "full", wkey, bkey))
     # a tied output head reads the input embeddings' weight: its LoRA would add the embeddings' change twice
     seen: dict = {}
@@ -136,13 +126,6 @@ def _plan(ft, base, model, options: ExtractOptions, notes: list) -> tuple[list[E
         seen.setdefault(e.weight, e.name)
         kept.append(e)
     return kept, to_save
-
-
-def _param_name(model, module) -> str:
-    for name, m in model.named_modules():
-        if m is module:
-            return f"{name}.weight"
-    return ""
 
 
 def _stored(ck, key: str) -> str | None:
@@ -187,7 +170,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     """Write the PEFT LoRA adapter of ``finetune − base`` into the new folder ``out`` (atomically); returns the report
     (also ``out/symmerge_report.json``). ``finetune`` and ``base`` are HF folders (or ``BASE+ADAPTER``)."""
     from ..io.checkpoint import LazyCheckpoint
-    from ..io.lora import meta_model, resolve_input
+    from ..io.lora import module_kinds, resolve_input
     from ..io.model import atomic_dir, ensure_output_dir, write_json
     from ..progress import bar
 
@@ -200,9 +183,9 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     if ft.config.get("model_type") != bs.config.get("model_type"):
         raise SymmergeError(f"the fine-tune is a {ft.config.get('model_type')} model and the base a "
                             f"{bs.config.get('model_type')} one: extract-lora takes two models of one architecture")
-    model = meta_model(ft)
+    kinds = module_kinds(ft)
     notes: list = []
-    entries, to_save = _plan(ft, bs, model, options, notes)
+    entries, to_save = _plan(ft, bs, kinds, options, notes)
     lora = [e for e in entries if e.how != "full"]
     if not lora and not entries:
         raise SymmergeError("nothing to extract: the include/exclude regexes leave no module")
@@ -262,7 +245,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
             tensors[f"base_model.model.{e.name}.bias"] = ft.read_direct(e.bias).clone()
     if not tensors:
         raise SymmergeError("nothing to write: every module was left out")
-    config = adapter_config(model, written, to_save if full else [], base, lora_bias, ft)
+    config = adapter_config(kinds, written, to_save if full else [], base, lora_bias, ft)
     report = {
         "finetune": str(finetune), "base": str(base), "rank": options.rank, "r": config["r"],
         "options": {"distribute_scale": options.distribute_scale, "embed_lora": options.embed_lora,
@@ -286,15 +269,15 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     return report
 
 
-def adapter_config(model, written, modules_to_save, base, lora_bias, ft) -> dict:
+def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft) -> dict:
     ranks = {e.name: e.result["rank"] for e in written}
     r = max(ranks.values(), default=1)
     other = {k: v for k, v in ranks.items() if v != r}
     last = lambda name: name.split(".")[-1]  # noqa: E731
     names = set(ranks)
     candidates: dict = {}
-    for name, _ in model.named_modules():
-        if name:
+    for name, kind, _, _ in kinds["modules"]:
+        if kind != "other":
             candidates.setdefault(last(name), set()).add(name)
     targets: list = []
     for suffix in sorted({last(n) for n in names}):
