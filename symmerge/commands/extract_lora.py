@@ -20,7 +20,6 @@ from .lora_args import add_lora_arguments
 # mergekit-extract-lora's flags that change nothing here, and why (accepted so that its scripts run)
 NO_OPS = {
     "--transformers-cache": ("models are read from local folders only", "DIR"),
-    "--random-seed": ("the SVD is deterministic", "N"),
     "--trust-remote-code": ("models are built from transformers' own classes", None),
     "--lazy-unpickle": ("tensors are always read lazily (safetensors)", None),
     "--low-cpu-memory": ("tensors are read a pair at a time", None),
@@ -61,6 +60,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--skip-undecomposable", action="store_true",
                         help="leave out modules that are neither linear layers nor embeddings (norms) instead of "
                              "saving them whole")
+    parser.add_argument("--svd", choices=["full", "lowrank"], default="full",
+                        help="full: each layer's exact SVD (torch.linalg.svd; mergekit's result, default); lowrank: "
+                             "randomized (R + 10 directions, 4 subspace iterations), much faster when R is small "
+                             "against the layers' sizes, its error in the report")
+    parser.add_argument("--random-seed", type=int, default=0, metavar="N", help="seed of --svd lowrank")
     parser.add_argument("--device", default=None, help="where the SVDs run: cpu (default), cuda, cuda:N")
     parser.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=False, help="--device cuda")
     parser.add_argument("-j", "--num-threads", type=int, default=None, metavar="N", help="torch's CPU threads")
@@ -123,7 +127,8 @@ def run(args) -> int:
     options = ExtractOptions(rank=args.rank, distribute_scale=args.distribute_scale, embed_lora=args.embed_lora,
                              save_modules=tuple(args.save_module), exclude_regexes=tuple(args.exclude),
                              include_regexes=tuple(args.include), sv_epsilon=args.sv_epsilon,
-                             skip_undecomposable=args.skip_undecomposable, device=device,
+                             skip_undecomposable=args.skip_undecomposable, device=device, svd=args.svd,
+                             seed=args.random_seed,
                              write_model_card=args.write_model_card)
     with merge_cache(args.lora_merge_cache, args.lora_merge_dtype):
         report = extract_lora(ft, base, out, options)

@@ -35,6 +35,8 @@ import torch
 from ..errors import SymmergeError
 
 BATCH_BYTES = 256 * 2 ** 20  # float32 task vectors of one shape decomposed together, at most
+SVDS = ("full", "lowrank")
+OVERSAMPLE, POWER_ITERATIONS = 10, 4  # --svd lowrank: q = R + 10 random directions, 4 subspace iterations
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class ExtractOptions:
     sv_epsilon: float = 0.0
     skip_undecomposable: bool = False
     device: str = "cpu"
+    svd: str = "full"  # full: torch.linalg.svd (mergekit's); lowrank: randomized (torch.svd_lowrank), seeded
+    seed: int = 0
     write_model_card: bool = True
     progress: bool = True
 
@@ -59,6 +63,8 @@ class ExtractOptions:
         if not (isinstance(self.sv_epsilon, (int, float)) and math.isfinite(self.sv_epsilon)
                 and self.sv_epsilon >= 0):
             raise SymmergeError(f"--sv-epsilon must be a number >= 0, got {self.sv_epsilon!r}")
+        if self.svd not in SVDS:
+            raise SymmergeError(f"--svd is one of {', '.join(SVDS)}, got {self.svd!r}")
         for flag, patterns in (("--exclude-regex", self.exclude_regexes), ("--include-regex", self.include_regexes)):
             for p in patterns:
                 try:
@@ -150,7 +156,20 @@ def _read_pair(ft, base, e: Entry, key: str) -> tuple[torch.Tensor, torch.Tensor
 def _decompose(deltas: torch.Tensor, rank: int, options: ExtractOptions):
     """Factors of a batch of task vectors (k x m x n, float32): [(A, B, singular values kept)] per matrix."""
     device = torch.device(options.device)
-    u, s, vh = torch.linalg.svd(deltas.to(device), full_matrices=False)
+    deltas = deltas.to(device)
+    k = min(deltas.shape[1:])
+    if options.svd == "lowrank" and rank + OVERSAMPLE < k:
+        # randomized: the top rank + OVERSAMPLE directions after POWER_ITERATIONS subspace iterations, then the
+        # exact SVD of the task vector projected on them (the best rank-r factors within that subspace)
+        gen = torch.Generator(device=device).manual_seed(options.seed)
+        omega = torch.randn(deltas.shape[0], deltas.shape[2], rank + OVERSAMPLE, generator=gen, device=device)
+        q = torch.linalg.qr(deltas @ omega).Q
+        for _ in range(POWER_ITERATIONS):
+            q = torch.linalg.qr(deltas @ torch.linalg.qr(deltas.mT @ q).Q).Q
+        u, s, vh = torch.linalg.svd(q.mT @ deltas, full_matrices=False)
+        u = q @ u
+    else:
+        u, s, vh = torch.linalg.svd(deltas, full_matrices=False)
     out = []
     for i in range(deltas.shape[0]):
         r = min(rank, s.shape[1])
@@ -248,7 +267,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     config = adapter_config(kinds, written, to_save if full else [], base, lora_bias, ft)
     report = {
         "finetune": str(finetune), "base": str(base), "rank": options.rank, "r": config["r"],
-        "options": {"distribute_scale": options.distribute_scale, "embed_lora": options.embed_lora,
+        "options": {"svd": options.svd, "distribute_scale": options.distribute_scale, "embed_lora": options.embed_lora,
                     "save_modules": list(options.save_modules), "exclude_regexes": list(options.exclude_regexes),
                     "include_regexes": list(options.include_regexes), "sv_epsilon": options.sv_epsilon,
                     "skip_undecomposable": options.skip_undecomposable},
