@@ -13,6 +13,8 @@ Measured, every run a child process (wall from here; CPU and peak RSS from ``wai
 * ``extract``: ``symmerge extract-lora FT BASE -o OUT --rank R`` against ``mergekit-extract-lora --model FT
   --base-model BASE --out-path OUT --max-rank R``; whether the adapters agree (largest relative difference of the
   per-layer products B·A, and whole tensors equal);
+* ``extract-lowrank``: the same with ``--svd lowrank`` (randomized), against the same mergekit run; its mean
+  relative error beside the full SVD's;
 * ``lora-input``: ``symmerge run`` of a config averaging ``base+adapter`` with the fine-tune against ``mergekit-yaml``
   of the same config, each with a fresh ``--lora-merge-cache``; whether the outputs are equal bit for bit.
 
@@ -129,7 +131,8 @@ def main(argv=None) -> int:
     config = root / "lora_input.yml"
     config.write_text(f"merge_method: linear\ndtype: float32\nmodels:\n  - model: {root / 'base'}+{root / 'adapter'}\n"
                       f"    parameters: {{weight: 0.5}}\n  - model: {root / 'ft'}\n    parameters: {{weight: 0.5}}\n")
-    rows: dict = {"extract": {"symmerge": [], "mergekit": []}, "lora-input": {"symmerge": [], "mergekit": []}}
+    rows: dict = {"extract": {"symmerge": [], "mergekit": []}, "extract-lowrank": {"symmerge": [], "mergekit": []},
+                  "lora-input": {"symmerge": [], "mergekit": []}}
     checks: dict = {}
     for i in range(args.repeats):
         shutil.rmtree(work, ignore_errors=True)
@@ -137,20 +140,27 @@ def main(argv=None) -> int:
         rows["extract"]["symmerge"].append(measure(sym + ["extract-lora", str(root / "ft"), str(root / "base"), "-o",
                                                           str(work / "s_ad"), "--rank", str(args.rank),
                                                           "--progress", "none"], env=env))
+        rows["extract-lowrank"]["symmerge"].append(measure(sym + ["extract-lora", str(root / "ft"), str(root / "base"),
+                                                                  "-o", str(work / "s_low"), "--rank", str(args.rank),
+                                                                  "--svd", "lowrank", "--progress", "none"], env=env))
         rows["lora-input"]["symmerge"].append(measure(sym + ["run", str(config), str(work / "s_m"), "--lora-merge-cache",
                                                              str(work / "s_cache"), "--progress", "none"], env=env))
         if have_mk:
             rows["extract"]["mergekit"].append(measure([str(mk / "mergekit-extract-lora"), "--model", str(root / "ft"),
                                                         "--base-model", str(root / "base"), "--out-path",
                                                         str(work / "m_ad"), "--max-rank", str(args.rank), "--quiet"]))
+            rows["extract-lowrank"]["mergekit"].append(rows["extract"]["mergekit"][-1])  # against the same run
             rows["lora-input"]["mergekit"].append(measure([str(mk / "mergekit-yaml"), str(config), str(work / "m_m"),
                                                            "--lora-merge-cache", str(work / "m_cache"), "--quiet"]))
             if i == 0:
                 checks["extract"] = run_child("compare", "extract", str(work / "s_ad"), str(work / "m_ad"))
+                errors = [json.loads((work / d / "symmerge_report.json").read_text())["relative_error"]["mean"]
+                          for d in ("s_low", "s_ad")]
+                checks["extract-lowrank"] = {"mean_error": errors[0], "mean_error_full_svd": errors[1]}
                 checks["lora-input"] = run_child("compare", "merge", str(work / "s_m"), str(work / "m_m"))
     result = {"size": size, "rank": args.rank, "repeats": args.repeats, "rows": {}, "checks": checks}
     print(f"LoRA tools, {size} Llama ({SIZES[size]}), rank {args.rank}, {args.repeats} repeat(s)")
-    print(f"{'task':<12} {'symmerge s':>10} {'mergekit s':>10} {'wall ratio':>10} {'sym RSS GB':>10} "
+    print(f"{'task':<16} {'symmerge s':>10} {'mergekit s':>10} {'wall ratio':>10} {'sym RSS GB':>10} "
           f"{'mk RSS GB':>10} {'RSS ratio':>9}")
     for task, r in rows.items():
         s_wall = statistics.median(x["wall_s"] for x in r["symmerge"])
@@ -161,13 +171,14 @@ def main(argv=None) -> int:
             m_rss = statistics.median(x["peak_rss_gb"] for x in r["mergekit"])
             row.update(mergekit_wall_s=m_wall, mergekit_peak_rss_gb=m_rss, wall_ratio=s_wall / m_wall,
                        rss_ratio=s_rss / m_rss)
-            print(f"{task:<12} {s_wall:>10.2f} {m_wall:>10.2f} {s_wall / m_wall:>10.2f} {s_rss:>10.3f} {m_rss:>10.3f} "
+            print(f"{task:<16} {s_wall:>10.2f} {m_wall:>10.2f} {s_wall / m_wall:>10.2f} {s_rss:>10.3f} {m_rss:>10.3f} "
                   f"{s_rss / m_rss:>9.2f}")
         else:
-            print(f"{task:<12} {s_wall:>10.2f} {'-':>10} {'-':>10} {s_rss:>10.3f} {'-':>10} {'-':>9}")
+            print(f"{task:<16} {s_wall:>10.2f} {'-':>10} {'-':>10} {s_rss:>10.3f} {'-':>10} {'-':>9}")
         result["rows"][task] = row
     if checks:
-        print(f"agreement: extract {checks['extract']}; lora-input {checks['lora-input']}")
+        print(f"agreement: extract {checks['extract']}; lora-input {checks['lora-input']}; extract-lowrank "
+              f"{checks['extract-lowrank']}")
     else:
         print(f"note: mergekit not found in {mk}: symmerge's figures only")
     if args.json:

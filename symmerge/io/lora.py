@@ -254,7 +254,7 @@ def read_adapter(folder) -> Adapter:
         if A.dim() != 2 or B.dim() != 2:
             raise SymmergeError(f"{folder}: module {mod!r} is a convolution (LoRA factors of {A.dim()} dimensions); "
                                 "symmerge applies LoRA to linear layers and embeddings")
-        r = A.shape[0] if not embedding else A.shape[0]
+        r = A.shape[0]
         if B.shape[1] != r:
             raise SymmergeError(f"{folder}: module {mod!r}: LoRA factors of ranks {r} and {B.shape[1]}")
         rk, ak = pattern_key(rank_pattern, mod), pattern_key(alpha_pattern, mod)
@@ -265,7 +265,9 @@ def read_adapter(folder) -> Adapter:
         if ad.dora and "lora_magnitude_vector" not in p:
             raise SymmergeError(f"{folder}: use_dora is set but module {mod!r} has no lora_magnitude_vector")
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        ad.modules[mod] = Module(mod, A, B, embedding, p.get("lora_magnitude_vector"), p.get("bias"), scaling)
+        # lora_B.bias counts only with lora_bias, as PEFT loads it (mergekit-extract-lora writes it without the flag)
+        bias = p.get("bias") if config.get("lora_bias") else None
+        ad.modules[mod] = Module(mod, A, B, embedding, p.get("lora_magnitude_vector"), bias, scaling)
     if not ad.modules and not ad.replace:
         raise SymmergeError(f"{folder}: the adapter holds no tensors")
     return ad

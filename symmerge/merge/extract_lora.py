@@ -34,7 +34,7 @@ import torch
 
 from ..errors import SymmergeError
 
-BATCH_BYTES = 256 * 2 ** 20  # float32 task vectors of one shape decomposed together, at most
+BATCH_BYTES = 64 * 2 ** 20  # float32 task vectors of one shape decomposed together, at most
 SVDS = ("full", "lowrank")
 OVERSAMPLE, POWER_ITERATIONS = 10, 4  # --svd lowrank: q = R + 10 random directions, 4 subspace iterations
 
