@@ -142,15 +142,19 @@ def _stored(ck, key: str) -> str | None:
     return src if src in ck.file_of else None
 
 
-def _read_pair(ft, base, e: Entry, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_pair(ft, base, e: Entry, key: str) -> str:
+    """The base's tensor for the fine-tune's ``key``, of the same shape (else one error)."""
     bkey = _stored(base, key)
     if bkey is None:
         raise SymmergeError(f"the base model has no {key!r} (the fine-tune's {e.name}): not a fine-tune of this base")
-    a, b = ft.read_direct(key), base.read_direct(bkey)
-    if a.shape != b.shape:
-        raise SymmergeError(f"{e.name}: the fine-tune's {key} is {tuple(a.shape)}, the base's {tuple(b.shape)} "
-                            "(mismatched shapes: not a fine-tune of this base)")
-    return a, b
+    if tuple(ft.shape[key]) != tuple(base.shape[bkey]):
+        raise SymmergeError(f"{e.name}: the fine-tune's {key} is {tuple(ft.shape[key])}, the base's "
+                            f"{tuple(base.shape[bkey])} (mismatched shapes: not a fine-tune of this base)")
+    return bkey
+
+
+def _read_pair(ft, base, e: Entry, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return ft.read_direct(key), base.read_direct(_check_pair(ft, base, e, key))
 
 
 def _decompose(deltas: torch.Tensor, rank: int, options: ExtractOptions):
@@ -208,6 +212,10 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     lora = [e for e in entries if e.how != "full"]
     if not lora and not entries:
         raise SymmergeError("nothing to extract: the include/exclude regexes leave no module")
+    for e in lora:  # every pair checked from the headers before any SVD runs
+        for key in (e.weight, e.bias):
+            if key is not None:
+                _check_pair(ft, bs, e, key)
     tensors: dict = {}
     # decomposed in batches of one shape (their orientation as the adapter stores them: out x in, embeddings
     # dim x vocab), every pair of tensors read when its batch runs
