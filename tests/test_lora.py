@@ -91,11 +91,11 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_merged_equals_peft_merge_and_unload(tmp_path, variant, dtype):
     """Every tensor of the streamed merge equals PEFT's merge_and_unload of the same adapter on the loaded model
-    (the same arithmetic: exact, in float32 and in bfloat16), and the adapter changed the model."""
+    (the same arithmetic: exact, in float32, bfloat16 and float16), and the adapter changed the model."""
     arch, config = VARIANTS[variant]
     base = make_base(tmp_path / "base", arch, dtype)
     adapter = make_adapter(base, tmp_path / "adapter", **config)
