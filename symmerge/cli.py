@@ -19,6 +19,7 @@ COMMANDS = {
     "align": "align",
     "barrier": "barrier",
     "demo": "demo",
+    "extract-lora": "extract_lora",
     "merge": "merge",
     "moe": "moe",
     "run": "run",

@@ -274,7 +274,7 @@ MK_BAD = [
     ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: /no/such/model\n",
      "line 4: models[1].model: model '/no/such/model' is not a folder here"),
     ("merge_method: linear\nmodels:\n  - model: {a}+my/lora\n  - model: {b}\nparameters: {{weight: 1}}\n",
-     "line 3: models[0].model: '{a}+my/lora' is a model with a LoRA adapter"),
+     "line 3: models[0].model: {a}+my/lora: the LoRA adapter 'my/lora' is not a folder here"),
     ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\n"
      "tokenizer_source: 7\n", "line 6: the tokenizer's source is 'union', 'base' or a model, got 7"),
     ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\ndtype: float8\n",

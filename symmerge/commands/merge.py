@@ -27,6 +27,7 @@ from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed
 from .alignment_args import add_alignment_arguments, alignment_options
 from .safety_args import add_trust_remote_code
+from .lora_args import add_lora_arguments
 
 
 def add_arguments(parser) -> None:
@@ -93,6 +94,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--print-plan", action="store_true",
                         help="print the resolved plan and its steps (one per output tensor: copy, or merge with "
                              "which inputs and parameters) as JSON, then exit without reading weights or writing")
+    add_lora_arguments(parser)  # a model given as BASE+ADAPTER: a LoRA adapter merged into its base first
     add_alignment_arguments(parser)
     add_progress_argument(parser)
 
@@ -177,15 +179,31 @@ def print_plan(models, options) -> int:
     return 0
 
 
+def resolve_lora_inputs(args) -> None:
+    """Models (and ``--base``, an ``--anchor`` given as one of them) written ``BASE+ADAPTER`` become the folders
+    of their bases with the adapters merged in (:func:`symmerge.io.lora.resolve_input`)."""
+    from ..io.lora import resolve_input
+
+    resolved = {m: resolve_input(m) for m in [*args.models, *([args.base] if args.base else [])]}
+    args.models = [resolved[m] for m in args.models]
+    if args.base:
+        args.base = resolved[args.base]
+    if isinstance(args.anchor, str) and args.anchor in resolved:
+        args.anchor = resolved[args.anchor]
+
+
 def run(args) -> int:
+    from ..io.lora import merge_cache
     from ..merge.api import merge_to_folder
 
     out = Path(args.output)
     ensure_output_dir(out)  # fail before any expensive work
     get_method(args.method)
-    if args.print_plan:
-        return print_plan(args.models, options_from(args))
-    report = merge_to_folder(args.models, out, options_from(args))
+    with merge_cache(args.lora_merge_cache, args.lora_merge_dtype):
+        resolve_lora_inputs(args)
+        if args.print_plan:
+            return print_plan(args.models, options_from(args))
+        report = merge_to_folder(args.models, out, options_from(args))
     why = report["plan"]["why"]
     alignment = report["alignment"]
     print(f"merged {len(args.models)} models with {report['method']} "

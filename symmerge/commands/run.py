@@ -18,6 +18,7 @@ import sys
 
 from ..errors import SymmergeError
 from .safety_args import add_trust_remote_code
+from .lora_args import add_lora_arguments
 
 
 def add_arguments(parser) -> None:
@@ -87,15 +88,7 @@ def add_mergekit_yaml_arguments(parser) -> None:
                     help="cut every model's vocabulary rows to the smallest model's (same token ids assumed)")
     mk.add_argument("--transformers-cache", default=None, metavar="DIR",
                     help="no-op: models are local folders (nothing is downloaded)")
-    add_flags_owned_elsewhere(mk)
-
-
-def add_flags_owned_elsewhere(group) -> None:
-    """mergekit-yaml's flags whose effect other parts of symmerge own (LoRA inputs): parsed here so that a
-    mergekit-yaml command line runs (a config without 'model+adapter' inputs uses no LoRA cache); replaced in
-    this one place. (``--trust-remote-code``: commands/safety_args.py.)"""
-    group.add_argument("--lora-merge-cache", default=None, metavar="DIR", help="where LoRA inputs are applied")
-    group.add_argument("--lora-merge-dtype", default=None, metavar="DTYPE", help="dtype LoRA inputs are applied in")
+    add_lora_arguments(mk)  # BASE+ADAPTER inputs (commands/lora_args.py)
 
 
 def shard_size(text):
@@ -155,12 +148,19 @@ def run_options(args):
 
 
 def run(args) -> int:
+    from ..io.lora import merge_cache
+
+    _refusals(args)
+    with merge_cache(args.lora_merge_cache, args.lora_merge_dtype):  # BASE+ADAPTER inputs merged there
+        return _run(args)
+
+
+def _run(args) -> int:
     from ..config import describe
     from ..io.hf import allow_remote_code
     from ..progress import configure
     from .config_options import namespace
 
-    _refusals(args)
     desc = describe(args.config, output=args.out or args.output, align=args.align, seed=args.random_seed,
                     truncate_embeddings=args.unsafe_truncate_embeddings)
     for line in desc.warnings:

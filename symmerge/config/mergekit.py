@@ -31,6 +31,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ..errors import SymmergeError
+from ..io.lora import resolve_input
 from ..merge.steps import TensorSource, TensorStep
 from . import layout as layouts
 from . import lenient
@@ -230,18 +231,16 @@ class Planner:
     # -- inputs -------------------------------------------------------------------------------------------
     def _ref(self, doc, value, where, inputs: list[Input]) -> int:
         ref = _doc_str(doc, value, where)
-        if "+" in ref and ref not in self.named and not Path(ref).exists():
-            model, _, adapter = ref.partition("+")
-            raise doc.error(f"{ref!r} is a model with a LoRA adapter ({adapter}): symmerge does not apply LoRA "
-                            f"adapters; merge the adapter into {model} first (peft's merge_and_unload) and give that "
-                            "folder", *where)
         for i, inp in enumerate(inputs):
             if inp.label == ref:
                 return i
         if ref in self.named:
             inputs.append(Input(job=self.named[ref], label=ref))
             return len(inputs) - 1
-        folder = Path(self.folders.get(ref, ref)).expanduser()
+        try:  # BASE+ADAPTER: the base with the LoRA adapter merged in (symmerge.io.lora, the one resolver)
+            folder = Path(resolve_input(self.folders.get(ref, ref))).expanduser()
+        except SymmergeError as e:
+            raise doc.error(str(e), *where) from None
         from ..io.single import as_folder, is_single_file
 
         if is_single_file(folder):  # a single .safetensors file: its config beside it, else the base model's

@@ -1,0 +1,344 @@
+"""A PEFT LoRA adapter of a fine-tune's task vector (``symmerge extract-lora FINETUNE BASE -o OUT --rank R``), as
+``mergekit-extract-lora`` extracts it, read a pair of tensors at a time.
+
+Per module of the fine-tune's class (a weightless ``meta`` model says which module is what), in mergekit's order
+of rules:
+
+* an embedding (the input embeddings, the output embeddings, any ``nn.Embedding``) without ``embed_lora`` is saved
+  whole (``modules_to_save``, by its last name), unless an ``--exclude-regex`` matches it; so is every module named
+  by ``--save-module`` (its fine-tuned weight and bias);
+* else, when the ``--include-regex`` / ``--exclude-regex`` filters keep it: a linear layer (``nn.Linear`` and GPT-2's
+  ``Conv1D``, whose weight is stored transposed) or, with ``embed_lora``, an embedding, gets the truncated SVD of its
+  task vector ``ΔW = W_ft − W_base`` in float32: rank ``r = min(R, min(ΔW.shape))``, lowered to the number of
+  singular values above ``--sv-epsilon`` when it is positive; ``A = √S·Vᵀ``, ``B = U·√S`` (``--no-distribute-scale``:
+  ``A = S·Vᵀ``, ``B = U``), in the fine-tune's dtype; an embedding's factors are those of ``ΔWᵀ``
+  (``lora_embedding_A/B``). A layer's bias change is kept as ``lora_B.bias`` with ``lora_bias: true`` (mergekit
+  writes it without the flag, so PEFT drops it); a module of another kind (a norm) is saved whole unless
+  ``--skip-undecomposable``.
+
+The adapter's config: ``r`` the largest rank written, ``lora_alpha = r``, ``rank_pattern`` = ``alpha_pattern`` for
+the modules of another rank (every module's scale is 1), ``target_modules`` the modules' last names (a module's full
+name where a module of the same last name is left out). SVDs of modules of one shape run batched. Each module's
+relative reconstruction error ``‖ΔW − s·B·A‖ / ‖ΔW‖`` (of the factors as written) goes to ``symmerge_report.json``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import SymmergeError
+
+BATCH_BYTES = 64 * 2 ** 20  # float32 task vectors of one shape decomposed together, at most
+SVDS = ("full", "lowrank")
+OVERSAMPLE, POWER_ITERATIONS = 10, 4  # --svd lowrank: q = R + 10 random directions, 4 subspace iterations
+
+
+@dataclass(frozen=True)
+class ExtractOptions:
+    """``mergekit-extract-lora``'s options under their names."""
+
+    rank: int = 128
+    distribute_scale: bool = True
+    embed_lora: bool = False
+    save_modules: tuple = ()
+    exclude_regexes: tuple = ()
+    include_regexes: tuple = ()
+    sv_epsilon: float = 0.0
+    skip_undecomposable: bool = False
+    device: str = "cpu"
+    svd: str = "full"  # full: torch.linalg.svd (mergekit's); lowrank: randomized (torch.svd_lowrank), seeded
+    seed: int = 0
+    write_model_card: bool = True
+    progress: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise SymmergeError(f"--rank must be a positive integer, got {self.rank!r}")
+        if not (isinstance(self.sv_epsilon, (int, float)) and math.isfinite(self.sv_epsilon)
+                and self.sv_epsilon >= 0):
+            raise SymmergeError(f"--sv-epsilon must be a number >= 0, got {self.sv_epsilon!r}")
+        if self.svd not in SVDS:
+            raise SymmergeError(f"--svd is one of {', '.join(SVDS)}, got {self.svd!r}")
+        for flag, patterns in (("--exclude-regex", self.exclude_regexes), ("--include-regex", self.include_regexes)):
+            for p in patterns:
+                try:
+                    re.compile(p)
+                except re.error as e:
+                    raise SymmergeError(f"{flag} {p!r}: not a regular expression ({e})") from None
+
+
+@dataclass
+class Entry:
+    """One module of the fine-tune: ``how`` is ``lora`` (linear), ``embedding`` (LoRA of an embedding) or ``full``."""
+
+    name: str
+    how: str
+    weight: str
+    bias: str | None = None
+    transposed: bool = False  # Conv1D: the weight is stored in x out
+    result: dict = field(default_factory=dict)
+
+
+def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[list[Entry], list[str]]:
+    """The modules to extract and to save whole (mergekit's rules, module order), and modules_to_save."""
+    embed_lora = options.embed_lora
+    if embed_lora and kinds["input"]:
+        key, bkey = _stored(ft, f"{kinds['input']}.weight"), _stored(base, f"{kinds['input']}.weight")
+        if key and bkey and ft.shape[key][0] != base.shape[bkey][0]:
+            notes.append(f"vocabulary sizes differ (fine-tune {ft.shape[key][0]}, base {base.shape[bkey][0]}): "
+                         "embeddings saved whole (modules_to_save), not as LoRA")
+            embed_lora = False
+    to_save = list(options.save_modules)
+    entries: list[Entry] = []
+    excluded = lambda name: any(re.search(r, name) for r in options.exclude_regexes)  # noqa: E731
+    for name, kind, _, has_bias in kinds["modules"]:
+        wkey = _stored(ft, f"{name}.weight")
+        if wkey is None:
+            continue
+        bkey = _stored(ft, f"{name}.bias") if has_bias else None
+        last = name.split(".")[-1]
+        is_embedding = name in (kinds["input"], kinds["output"]) or kind == "embedding"
+        if not embed_lora and is_embedding and not excluded(name) and last not in to_save:
+            to_save.append(last)
+        if name in to_save or last in to_save:
+            entries.append(Entry(name, "full", wkey, bkey))
+            continue
+        if options.include_regexes and not any(re.search(r, name) for r in options.include_regexes):
+            continue
+        if excluded(name):
+            continue
+        if kind == "embedding":
+            entries.append(Entry(name, "embedding", wkey))
+        elif kind in ("linear", "conv1d"):
+            entries.append(Entry(name, "lora", wkey, bkey, transposed=kind == "conv1d"))
+        elif not options.skip_undecomposable:
+            if last not in to_save:
+                to_save.append(last)
+                notes.append(f"{last}: neither a linear layer nor an embedding, saved whole (modules_to_save)")
+            entries.append(Entry(name, "full", wkey, bkey))
+    # a tied output head reads the input embeddings' weight: its LoRA would add the embeddings' change twice
+    seen: dict = {}
+    kept = []
+    for e in entries:
+        if e.how != "full" and e.weight in seen:
+            notes.append(f"{e.name}: tied to {seen[e.weight]} (its change comes with it)")
+            continue
+        seen.setdefault(e.weight, e.name)
+        kept.append(e)
+    return kept, to_save
+
+
+def _stored(ck, key: str) -> str | None:
+    """The checkpoint's tensor for the state-dict name ``key`` (a tied alias: the tensor it reads), or None."""
+    if key in ck.file_of:
+        return key
+    src = ck.ties.get(key)
+    return src if src in ck.file_of else None
+
+
+def _check_pair(ft, base, e: Entry, key: str) -> str:
+    """The base's tensor for the fine-tune's ``key``, of the same shape (else one error)."""
+    bkey = _stored(base, key)
+    if bkey is None:
+        raise SymmergeError(f"the base model has no {key!r} (the fine-tune's {e.name}): not a fine-tune of this base")
+    if tuple(ft.shape[key]) != tuple(base.shape[bkey]):
+        raise SymmergeError(f"{e.name}: the fine-tune's {key} is {tuple(ft.shape[key])}, the base's "
+                            f"{tuple(base.shape[bkey])} (mismatched shapes: not a fine-tune of this base)")
+    return bkey
+
+
+def _read_pair(ft, base, e: Entry, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return ft.read_direct(key), base.read_direct(_check_pair(ft, base, e, key))
+
+
+def _decompose(deltas: torch.Tensor, rank: int, options: ExtractOptions):
+    """Factors of a batch of task vectors (k x m x n, float32): [(A, B, singular values kept)] per matrix."""
+    device = torch.device(options.device)
+    deltas = deltas.to(device)
+    k = min(deltas.shape[1:])
+    if options.svd == "lowrank" and rank + OVERSAMPLE < k:
+        # randomized: the top rank + OVERSAMPLE directions after POWER_ITERATIONS subspace iterations, then the
+        # exact SVD of the task vector projected on them (the best rank-r factors within that subspace)
+        gen = torch.Generator(device=device).manual_seed(options.seed)
+        omega = torch.randn(deltas.shape[0], deltas.shape[2], rank + OVERSAMPLE, generator=gen, device=device)
+        q = torch.linalg.qr(deltas @ omega).Q
+        for _ in range(POWER_ITERATIONS):
+            q = torch.linalg.qr(deltas @ torch.linalg.qr(deltas.mT @ q).Q).Q
+        u, s, vh = torch.linalg.svd(q.mT @ deltas, full_matrices=False)
+        u = q @ u
+    else:
+        u, s, vh = torch.linalg.svd(deltas, full_matrices=False)
+    out = []
+    for i in range(deltas.shape[0]):
+        r = min(rank, s.shape[1])
+        if options.sv_epsilon > 0:
+            r = min(int((s[i] > options.sv_epsilon).sum()), r)
+        si = s[i, :r]
+        if options.distribute_scale:
+            root = si.sqrt()
+            A, B = root[:, None] * vh[i, :r], u[i, :, :r] * root[None, :]
+        else:
+            A, B = si[:, None] * vh[i, :r], u[i, :, :r]
+        out.append((A.cpu(), B.cpu(), si.cpu()))
+    return out
+
+
+def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> dict:
+    """Write the PEFT LoRA adapter of ``finetune − base`` into the new folder ``out`` (atomically); returns the report
+    (also ``out/symmerge_report.json``). ``finetune`` and ``base`` are HF folders (or ``BASE+ADAPTER``)."""
+    from ..io.checkpoint import LazyCheckpoint
+    from ..io.lora import module_kinds, resolve_input
+    from ..io.model import atomic_dir, ensure_output_dir, write_json
+    from ..progress import bar
+
+    options = options or ExtractOptions()
+    out = Path(out)
+    ensure_output_dir(out)
+    t0 = time.perf_counter()
+    ft_path, base_path = resolve_input(finetune), resolve_input(base)
+    ft, bs = LazyCheckpoint(Path(ft_path), spec=False), LazyCheckpoint(Path(base_path), spec=False)
+    if ft.config.get("model_type") != bs.config.get("model_type"):
+        raise SymmergeError(f"the fine-tune is a {ft.config.get('model_type')} model and the base a "
+                            f"{bs.config.get('model_type')} one: extract-lora takes two models of one architecture")
+    kinds = module_kinds(ft)
+    notes: list = []
+    entries, to_save = _plan(ft, bs, kinds, options, notes)
+    lora = [e for e in entries if e.how != "full"]
+    if not lora and not entries:
+        raise SymmergeError("nothing to extract: the include/exclude regexes leave no module")
+    for e in lora:  # every pair checked from the headers before any SVD runs
+        for key in (e.weight, e.bias):
+            if key is not None:
+                _check_pair(ft, bs, e, key)
+    tensors: dict = {}
+    # decomposed in batches of one shape (their orientation as the adapter stores them: out x in, embeddings
+    # dim x vocab), every pair of tensors read when its batch runs
+    groups: dict = {}
+    for e in lora:
+        shape = ft.shape[e.weight]
+        groups.setdefault(tuple(shape[::-1]) if (e.transposed or e.how == "embedding") else tuple(shape), []).append(e)
+    bias_deltas: dict = {}
+    with bar(total=len(lora), desc="extracting LoRA", unit="module", enabled=options.progress) as progress:
+        for shape, members in groups.items():
+            per = max(1, BATCH_BYTES // max(1, 4 * math.prod(shape)))
+            for i in range(0, len(members), per):
+                batch = members[i:i + per]
+                deltas, dtypes = [], []
+                for e in batch:
+                    a, b = _read_pair(ft, bs, e, e.weight)
+                    dtypes.append(torch.result_type(a, b))
+                    d = a.float() - b.float()
+                    deltas.append(d.T if (e.transposed or e.how == "embedding") else d)
+                    if e.bias is not None:
+                        fa, fb = _read_pair(ft, bs, e, e.bias)
+                        bias_deltas[e.name] = (fa.float() - fb.float(), torch.result_type(fa, fb))
+                    del a, b
+                stack = torch.stack(deltas)
+                for e, d, dt, (A, B, s) in zip(batch, deltas, dtypes, _decompose(stack, options.rank, options)):
+                    A, B = A.to(dt).contiguous(), B.to(dt).contiguous()
+                    norm = float(torch.linalg.norm(d))
+                    err = float(torch.linalg.norm(d - B.float() @ A.float())) / norm if norm > 0 else 0.0
+                    e.result = {"module": e.name, "kind": "embedding" if e.how == "embedding" else "linear",
+                                "shape": list(ft.shape[e.weight]), "rank": int(A.shape[0]),
+                                "relative_error": err, "task_vector_norm": norm}
+                    if A.shape[0] > 0:
+                        pre = f"base_model.model.{e.name}"
+                        if e.how == "embedding":
+                            tensors[f"{pre}.lora_embedding_A"], tensors[f"{pre}.lora_embedding_B"] = A, B
+                        else:
+                            tensors[f"{pre}.lora_A.weight"], tensors[f"{pre}.lora_B.weight"] = A, B
+                    progress.update(1)
+                del stack, deltas
+    written = [e for e in lora if e.result["rank"] > 0]
+    for e in lora:
+        if e.result["rank"] == 0:
+            notes.append(f"{e.name}: no singular value above --sv-epsilon: left out")
+    lora_bias = any(bool(d.abs().max() > 0) for d, _ in bias_deltas.values() if d.numel())
+    if lora_bias:
+        for e in written:
+            if e.name in bias_deltas:
+                d, dt = bias_deltas[e.name]
+                tensors[f"base_model.model.{e.name}.lora_B.bias"] = d.to(dt)
+    full = [e for e in entries if e.how == "full"]
+    for e in full:
+        tensors[f"base_model.model.{e.name}.weight"] = ft.read_direct(e.weight).clone()
+        if e.bias is not None:
+            tensors[f"base_model.model.{e.name}.bias"] = ft.read_direct(e.bias).clone()
+    if not tensors:
+        raise SymmergeError("nothing to write: every module was left out")
+    config = adapter_config(kinds, written, to_save if full else [], base, lora_bias, ft)
+    report = {
+        "finetune": str(finetune), "base": str(base), "rank": options.rank, "r": config["r"],
+        "options": {"svd": options.svd, "distribute_scale": options.distribute_scale, "embed_lora": options.embed_lora,
+                    "save_modules": list(options.save_modules), "exclude_regexes": list(options.exclude_regexes),
+                    "include_regexes": list(options.include_regexes), "sv_epsilon": options.sv_epsilon,
+                    "skip_undecomposable": options.skip_undecomposable},
+        "modules": [e.result for e in lora], "modules_to_save": config["modules_to_save"],
+        "saved_whole": [e.name for e in full], "lora_bias": lora_bias, "notes": notes,
+    }
+    errors = [r["relative_error"] for r in report["modules"]]
+    report["relative_error"] = {"mean": sum(errors) / len(errors) if errors else 0.0, "max": max(errors, default=0.0)}
+    from safetensors.torch import save_file
+
+    with atomic_dir(out) as tmp:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "adapter_config.json", config)
+        report["seconds"] = time.perf_counter() - t0
+        write_json(tmp / "symmerge_report.json", report)
+        if options.write_model_card:
+            (tmp / "README.md").write_text(_card(report, config))
+    return report
+
+
+def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft) -> dict:
+    ranks = {e.name: e.result["rank"] for e in written}
+    r = max(ranks.values(), default=1)
+    other = {k: v for k, v in ranks.items() if v != r}
+    last = lambda name: name.split(".")[-1]  # noqa: E731
+    names = set(ranks)
+    candidates: dict = {}
+    for name, kind, _, _ in kinds["modules"]:
+        if kind != "other":
+            candidates.setdefault(last(name), set()).add(name)
+    targets: list = []
+    for suffix in sorted({last(n) for n in names}):
+        mine = {n for n in names if last(n) == suffix}
+        targets += [suffix] if candidates.get(suffix, set()) <= mine else sorted(mine)
+    cls = ft.class_name
+    task = "CAUSAL_LM" if cls.endswith("ForCausalLM") else "SEQ_CLS" if cls.endswith("ForSequenceClassification") \
+        else None
+    return {"base_model_name_or_path": str(base), "peft_type": "LORA", "task_type": task, "r": r, "lora_alpha": r,
+            "rank_pattern": other, "alpha_pattern": dict(other), "use_rslora": False, "use_dora": False,
+            "lora_bias": lora_bias, "target_modules": targets, "modules_to_save": sorted(modules_to_save) or None,
+            "lora_dropout": 0.0, "fan_in_fan_out": False, "bias": "none", "inference_mode": True,
+            "init_lora_weights": True}
+
+
+def _card(report, config) -> str:
+    return (f"---\nlibrary_name: peft\nbase_model: {report['base']}\ntags: [symmerge, lora, extract-lora]\n---\n\n"
+            f"# LoRA adapter extracted by symmerge\n\nThe task vector of `{report['finetune']}` over `{report['base']}`,"
+            f" as a PEFT LoRA adapter of rank {config['r']} (`symmerge extract-lora`, at most rank {report['rank']}): "
+            f"{len(report['modules'])} modules, relative reconstruction error mean "
+            f"{report['relative_error']['mean']:.4g}, max {report['relative_error']['max']:.4g} (per module in "
+            "`symmerge_report.json`).\n")
+
+
+def summary_rows(report) -> list[tuple]:
+    """(module kind, modules, shape, rank, mean error, max error) per last name of the modules, for the printed table."""
+    groups: dict = {}
+    for r in report["modules"]:
+        groups.setdefault(r["module"].split(".")[-1], []).append(r)
+    rows = []
+    for name, rs in groups.items():
+        shapes = {tuple(r["shape"]) for r in rs}
+        ranks = sorted({r["rank"] for r in rs})
+        errs = [r["relative_error"] for r in rs]
+        rows.append((name, len(rs), "x".join(map(str, next(iter(shapes)))) if len(shapes) == 1 else "various",
+                     str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}", sum(errs) / len(errs), max(errs)))
+    return rows
