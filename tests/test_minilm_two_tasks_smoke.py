@@ -53,6 +53,7 @@ def run_recorded(out, monkeypatch) -> list:
     return scored
 
 
+@pytest.mark.slow  # the B2 benchmark whole: two real fine-tunings, six merges, each scored twice
 def test_minilm_two_tasks_tiny(tmp_path, monkeypatch):
     scored = run_recorded(tmp_path, monkeypatch)
     check_results(tmp_path, scored)

@@ -139,8 +139,16 @@ def test_a_closed_stdout_ends_quietly():
     assert proc.stdout.strip().splitlines()[-1] == "rc=141"
 
 
+def _with_default_sigint():
+    """The child's SIGINT as a terminal's Ctrl-C finds it: the default disposition. A test run started in the
+    background of a non-interactive shell (``pytest ... &``, as CI runners and ``nohup`` do) has SIGINT
+    ignored, every child inherits that, and Python installs no KeyboardInterrupt handler for an ignored
+    SIGINT: the command rightly keeps ignoring it (the test below) and the interrupt would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_the_imports_is_one_line():
-    proc = _cli("specs")
+    proc = _cli("specs", preexec_fn=_with_default_sigint)
     time.sleep(0.4)  # the package's imports (torch, transformers) take seconds
     assert proc.poll() is None, "the imports ended before the interrupt: the test measured nothing"
     proc.send_signal(signal.SIGINT)
@@ -149,6 +157,21 @@ def test_ctrl_c_during_the_imports_is_one_line():
     assert "Traceback" not in text, text
     assert proc.returncode == 130 and text.strip() == "symmerge: interrupted", (proc.returncode, text)
 
+
+
+def test_an_ignored_sigint_stays_ignored():
+    """Started with SIGINT ignored (a background job, ``nohup``), the command does not take Ctrl-C over: the
+    interrupt changes nothing, the command ends normally."""
+    def ignore():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = _cli("specs", preexec_fn=ignore)
+    time.sleep(0.4)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err.decode() == "", (proc.returncode, err.decode())
+    text = out.decode()
+    assert text.startswith("Each group below acts on") and "llama" in text, text[:200]  # the listing, printed
 
 # ------------------------------------------------------------------ 3. shapes against config.json
 

@@ -84,6 +84,7 @@ def test_smollm2_is_the_expected_model(smollm2):
     assert {i.group.kind for i in instances} == {"heads", "rope_pairs", "head_orthogonal", "permutation", "residual"}
 
 
+@pytest.mark.slow  # the whole 30-layer model aligned, every group with the residual stream
 def test_smollm2_recovers_hidden_element_and_keeps_the_loss(smollm2):
     anchor, tokenizer = smollm2
     _, instances = instances_for(anchor)
@@ -110,6 +111,7 @@ def test_smollm2_recovers_hidden_element_and_keeps_the_loss(smollm2):
     assert aligned.lm_head.weight is aligned.model.embed_tokens.weight
 
 
+@pytest.mark.slow  # a dense 576 x 576 residual rotation solved on 8 real layers
 def test_smollm2_untied_orthogonal_residual(smollm2):
     """The real embeddings and first 8 layers with an untied LM head (a copy of the embeddings): the
     final norm folds into the head, so the whole orthogonal group acts on the residual stream (a dense

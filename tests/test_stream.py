@@ -200,6 +200,7 @@ def test_shard_writer_and_sizes(tmp_path):
     assert w2.pending_bytes == 0 and len(w2.shards) == 1
 
 
+@pytest.mark.slow  # the benchmark whole: five child processes, each importing torch to measure its peak RSS
 def test_bench_streaming_small_end_to_end(tmp_path, capsys):
     """The streaming benchmark's whole pipeline (generate, read+write floor, compute floor, streamed
     alignment in a child process with its peak RSS) on its 2-layer toy."""

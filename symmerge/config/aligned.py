@@ -188,7 +188,10 @@ def align_job(job, spec: Alignment, out: Path, work: Path, stack) -> dict:
 
 def describe_line(spec: Alignment) -> str:
     """What ``--print-command`` says of the alignment."""
+    from ..pipeline.matchers import DEFAULT_MATCHER
+
     a = spec.options.align
     what = ",".join(a.symmetries) if not a.recommended else "recommended"
-    extra = [f"{k}={v}" for k, v in (("anchor", spec.options.anchor), ("match", a.match)) if v not in (None, "weights")]
+    shown = (("anchor", spec.options.anchor), ("match", a.match))
+    extra = [f"{k}={v}" for k, v in shown if v not in (None, DEFAULT_MATCHER)]
     return f"align {what}{' (' + ', '.join(extra) + ')' if extra else ''}: every model into one frame, then"

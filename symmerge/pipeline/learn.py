@@ -200,12 +200,28 @@ def _split(data: Data, holdout: float) -> tuple[list, list]:
     return batches[: len(batches) - n_hold], batches[len(batches) - n_hold:]
 
 
+# the relative change of a learning objective (float32 forward passes, a mean of cross-entropies) that rounding
+# alone can make: about 8 float32 epsilons (2⁻²³ ≈ 1.2e-7); a change smaller than this is not an improvement
+OBJECTIVE_RTOL = 1e-6
+
+
+def improves(value: float, best: float) -> bool:
+    """Whether the objective ``value`` is lower than ``best`` by more than float32 rounding can explain."""
+    return value < best - OBJECTIVE_RTOL * abs(best)
+
+
 class Checks:
     """The objective checks of a learning loop: the history (``step``, ``train``, ``held_out`` when a
     held-out part exists), the best value and the state it was reached in (``snapshot()``), early stopping
     after ``settings.patience`` checks without improvement, and — with nothing held out — the one check at
-    the end, kept only if it is not worse than the start (shared by the pairwise and the joint learned
-    alignments)."""
+    the end, kept only if it is better than the start (shared by the pairwise and the joint learned
+    alignments).
+
+    "Better" means lower by more than :data:`OBJECTIVE_RTOL` (relative): the objective is computed in
+    float32, and two states of the same function (learning that cannot help moves the elements a little
+    along directions the objective does not see) give values that differ only by rounding, whose sign
+    depends on the machine's kernels (summation order, vector width). Taking such a difference as an
+    improvement would keep a state that is no better, on some machines and not others."""
 
     def __init__(self, settings, held: bool, held_out, snapshot, history: dict, info: dict):
         self.settings, self.held, self.held_out, self.snapshot = settings, held, held_out, snapshot
@@ -221,7 +237,7 @@ class Checks:
             return False
         value = self.held_out()
         self.history.setdefault("held_out", []).append(value)
-        if value < self.best - 1e-7 * abs(self.best):
+        if improves(value, self.best):
             self.best, self.stale, self.best_state = value, 0, self.snapshot()
             return False
         self.stale += 1
@@ -234,7 +250,7 @@ class Checks:
         """``(best value, its state)``; with nothing held out, the end's check against the start's."""
         if not self.held:
             value = self.held_out()
-            if value <= self.best:
+            if improves(value, self.best):
                 self.best, self.best_state = value, self.snapshot()
         return self.best, self.best_state
 

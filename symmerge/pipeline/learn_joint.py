@@ -47,6 +47,7 @@ from .align import instances_for, load_align_data, untied
 from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, norm_eps,
                     scored_logits, shuffled, subsample_positions)
 from .frame import JointAlignment, spread
+from .matchers import matcher
 from .verify import verify_elements, verify_forward, with_state_dict
 
 DIRICHLET = 1.0  # a fixed concentration of the mixture weights (Dirichlet(1): uniform on the simplex); the settings'
@@ -287,7 +288,7 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
     t0 = time.perf_counter()
     with stage(f"loaded the alignment data ({options.align_data})", enabled=progress):
         data = load_align_data(options, models[anchor], sources=models)
-    closed = options.with_(match=settings.start, align_data=data if settings.start != "weights" else None,
+    closed = options.with_(match=settings.start, align_data=data if matcher(settings.start).needs_data else None,
                            verify=False)
     start = closed_form(models, closed, anchor=anchor, names=names, max_rounds=max_rounds, tol=tol, progress=progress,
                         **({} if round_sweeps is None else {"round_sweeps": round_sweeps}))

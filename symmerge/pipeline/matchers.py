@@ -117,6 +117,8 @@ class Matcher:
         return self.fit(ctx)
 
 
+DEFAULT_MATCHER = "weights"  # data-free: what ``--match`` is when not given
+
 MATCHERS = {m.name: m for m in (
     Matcher("weights", match_weights, streams=True, joint=True, needs_data=False),
     Matcher("activations", match_activations, streams=False, joint=True, needs_data=True),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import SymmergeError
 from ..families import SCALES, SYMMETRIES
 from ..groups import RESCALE_MODES, Options
-from .matchers import MATCHERS, matcher
+from .matchers import DEFAULT_MATCHER, MATCHERS, matcher
 
 PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations and scales, FFN permutations
 DEFAULT_SYMMETRIES = PAPER  # the default of the Python ``align()`` and of AlignOptions (the CLI: 'recommended')
@@ -31,7 +31,8 @@ DESCENT_TOL = 1e-4
 # MNIST-5k ViTs with --match weights, all on B5's label-skewed clients): the issue's MergeMany stays the default
 JOINT_REFINE = ("all", "discrete")
 DEFAULT_REFINE = "all"
-LEARN_STARTS = ("weights", "activations")  # the closed form a learned alignment starts from
+# the closed form a learned alignment starts from: weights, activations (the matchers that do not learn)
+LEARN_STARTS = tuple(name for name, m in MATCHERS.items() if not m.learns)
 # what the interpolated model learns to predict: α·p_A + (1−α)·p_B, or softmax(α·log p_A + (1−α)·log p_B)
 LEARN_TARGETS = ("probabilities", "log-probabilities")
 LEARN_PRECISIONS = ("float32", "bfloat16")  # the training steps' forward and backward (checks: float32)
@@ -200,7 +201,7 @@ class AlignOptions:
     untie: bool = False
     max_sweeps: int = 200
     descent_tol: float = DESCENT_TOL
-    match: str = "weights"
+    match: str = DEFAULT_MATCHER
     align_data: object = None
     align_samples: int = 1000
     learn: "LearnSettings" = None
