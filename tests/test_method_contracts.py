@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from guards import name_comparisons
 from symmerge.merge import MERGEKIT_METHODS, METHODS, get_method
 
 ROOT = Path(__file__).resolve().parents[1] / "symmerge"
@@ -28,30 +28,11 @@ HOME = {"average.py", "breadcrumbs.py", "dare.py", "dare_ties.py", "della.py", "
 
 
 def _method_name_comparisons(source: str, names) -> list[int]:
-    """Lines of ``source`` comparing (``==``, ``!=``, ``in``, ``not in``) something with a method's name written out
-    (a string literal, or a tuple/list/set of them). A comparison with a statistics' name (``needs == "fisher"``:
-    ``Method.needs`` reads the statistics vocabulary, which shares that word) is not one."""
-
-    def literals(node) -> set:
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return {node.value}
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return set().union(set(), *map(literals, node.elts))
-        return set()
-
-    def is_needs(node) -> bool:
-        return (isinstance(node, ast.Attribute) and node.attr == "needs") or (isinstance(node, ast.Name)
-                                                                             and node.id == "needs")
-
-    lines = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Compare) or not any(isinstance(o, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
-                                                        for o in node.ops):
-            continue
-        sides = [node.left, *node.comparators]
-        if names & set().union(*map(literals, sides)) and not any(is_needs(s) for s in sides):
-            lines.append(node.lineno)
-    return lines
+    """Lines of ``source`` comparing something with a method's name written out (the guards' one checker,
+    :func:`guards.name_comparisons`); a comparison with a statistics' name (``needs == "fisher"``: ``Method.needs``
+    reads the statistics vocabulary, which shares that word), nor one with a module's kind (``kind in ("linear",
+    "conv1d")``: extract-lora's layer kinds, where "linear" is nn.Linear)."""
+    return name_comparisons(source, names, others=("needs", "kind"))
 
 
 def test_no_code_outside_the_methods_home_compares_a_method_name():
