@@ -29,6 +29,8 @@ defaults are mergekit's, the same from a config and from the command line.
 
 from __future__ import annotations
 
+from ..errors import SymmergeError
+
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -72,7 +74,10 @@ def uniform_steps(keys, n: int, base: int | None = None, weights=None, params=No
     base, when given, is input ``base``), the same arguments everywhere; ``copy_from``: key → the model a
     kept tensor is copied from (not merged)."""
     params = MappingProxyType(dict(params or {}))
-    weights = None if weights is None else tuple(float(w) for w in weights)
+    try:
+        weights = None if weights is None else tuple(float(w) for w in weights)
+    except (TypeError, ValueError):
+        raise SymmergeError(f"weights must be numbers, one per model, got {weights!r}") from None
     copy_from = copy_from or {}
     steps = []
     for k in keys:

@@ -269,7 +269,7 @@ def search(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, hist
         """The per-layer elements solved for the model-wide elements ``stream``: a start for :func:`solve`."""
         return solve_local(local, apply(sd_a, wide, stream), sd_b, opts)
 
-    descend("current", init="stream")
+    descend("current")  # solve's own start (the stream first; a caller's functools.partial of solve may set another)
     if restarts is None:  # no search unless asked: it lowers the weight objective, not the barrier (docs/results.md)
         restarts, budget = 0, 0
     if budget != 0:
