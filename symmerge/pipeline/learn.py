@@ -30,7 +30,6 @@ the held-out objective is never worse than at the start (the start is kept other
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 
@@ -42,6 +41,7 @@ from ..errors import SymmergeError
 from ..groups.base import Options
 from ..io.data import Batch, Data
 from .engine import solve
+from .verify import with_state_dict
 
 
 def scored_logits(logits: torch.Tensor, batch) -> torch.Tensor:
@@ -276,7 +276,10 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
                         "weights (data-free, every group to convergence)"),
               "closed_form_seconds": time.perf_counter() - t0}
     history = {"step": [], "train": []}
-    skeleton = copy.deepcopy(anchor).to(device=opts.device or "cpu", dtype=torch.float32).eval()
+    # the module run by ``functional_call`` (every parameter is replaced at each call): the anchor's modules,
+    # its parameters shared, not copied (a float32 anchor on the CPU costs no weight memory)
+    skeleton = with_state_dict(anchor, anchor.state_dict(), share=True).to(device=opts.device or "cpu",
+                                                                            dtype=torch.float32).eval()
     for p in skeleton.parameters():
         p.requires_grad_(False)
     elements, info = _learn_round(instances, skeleton, model, dict(start), ca, cb, data, settings, opts,
