@@ -12,7 +12,8 @@ run (the closed form, the predictions and ``--full-steps`` steps; the default re
 Random weights say nothing about the quality of an alignment; the time and memory of a step do not depend on
 the values. Sizes: ``135m`` (SmolLM2-135M's shape), ``360m`` (SmolLM2-360M's), ``1b`` (Llama 3.2 1B's).
 
-    python -m benchmarks.learned_scale [--sizes 135m,360m] [--device cpu|cuda] [--steps 5] [--out DIR]
+    python -m benchmarks.learned_scale [--sizes 135m,360m] [--device cpu|cuda] [--steps 5] [--layerwise]
+        [--start activations|weights] [--out DIR]
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ def rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
-def one(size: str, device: str, steps: int, texts: int, length: int, batch: int, precision: str) -> dict:
+def one(size: str, device: str, steps: int, texts: int, length: int, batch: int, precision: str,
+        layerwise: bool = False, start: str = "activations") -> dict:
     from transformers import LlamaForCausalLM
+
+    import symmerge.pipeline.learn as learn_module
 
     from symmerge.demo.lm import llama_config
     from symmerge.io.data import Batch, Data
@@ -66,7 +70,15 @@ def one(size: str, device: str, steps: int, texts: int, length: int, batch: int,
     batches = [Batch({"input_ids": ids[i:i + batch], "attention_mask": torch.ones_like(ids[i:i + batch])}, None,
                      torch.ones_like(ids[i:i + batch], dtype=torch.bool)) for i in range(0, texts, batch)]
     data = Data(path="random tokens", format="lm", batches=batches, n=texts, labeled=False)
-    learn = LearnSettings(steps=steps, batch=batch, augment=0, precision=precision, check_every=max(steps, 1))
+    learn = LearnSettings(steps=steps, batch=batch, augment=0, precision=precision, check_every=max(steps, 1),
+                          layerwise=layerwise, start=start)
+    start_peak = {}
+    learn_alignment = learn_module.learn_alignment
+
+    def timed(*args, **kwargs):  # the peak RSS of everything before learning: loading, the closed-form start
+        start_peak["rss"] = rss_gb()
+        return learn_alignment(*args, **kwargs)
+    learn_module.learn_alignment = timed
     options = AlignOptions(match="learned", align_data=data, align_samples=texts, learn=learn, device=device)
     if device != "cpu":
         torch.cuda.reset_peak_memory_stats()
@@ -76,10 +88,13 @@ def one(size: str, device: str, steps: int, texts: int, length: int, batch: int,
     learned = report.get("learned") or {}
     stages = learned.get("seconds_by_stage", {})
     done = max(learned.get("steps", 0), 1)
-    return {"size": size, "parameters": params, "device": device, "precision": precision, "texts": texts,
+    return {"size": size, "parameters": params, "device": device, "precision": precision, "layerwise": layerwise,
+            "start": start, "start_peak_rss_gb": start_peak.get("rss"), "texts": texts,
             "length": length, "batch": batch, "steps": learned.get("steps"), "build_seconds": build,
             "align_seconds": wall,
-            "closed_form_seconds": (report.get("match_seconds") or 0.0) - (learned.get("seconds") or 0.0),
+            # the closed form: activation matching before learning, or the data-free solve inside it (--start weights)
+            "closed_form_seconds": (report.get("match_seconds") or 0.0) - (learned.get("seconds") or 0.0)
+            + (learned.get("closed_form_seconds") or 0.0),
             "targets_seconds": stages.get("targets"), "checks_seconds": stages.get("checks"),
             "seconds_per_step": stages.get("steps", 0.0) / done, "peak_rss_gb": rss_gb(),
             "models_rss_gb": models_rss,
@@ -93,16 +108,19 @@ def extrapolated(row: dict, full_steps: int) -> float:
 
 
 def table(rows: list, full_steps: int) -> str:
-    head = (f"{'size':>5} {'params':>8} {'dev':>5} {'closed s':>8} {'targets s':>9} {'s/step':>7} "
-            f"{'peak RSS GB':>11} {'models GB':>9} {'CUDA GB':>7} {f'full ({full_steps}) min':>14}")
+    head = (f"{'size':>5} {'params':>8} {'dev':>5} {'path':>18} {'closed s':>8} {'targets s':>9} {'s/step':>7} "
+            f"{'start GB':>8} {'peak RSS GB':>11} {'models GB':>9} {'CUDA GB':>7} {f'full ({full_steps}) min':>14}")
     lines = [head]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['size']:>5} {'':>8} {r['device']:>5} failed: {r['error']}")
             continue
         cuda = f"{r['cuda_peak_gb']:.1f}" if r["cuda_peak_gb"] is not None else "-"
-        lines.append(f"{r['size']:>5} {r['parameters'] / 1e6:>7.0f}M {r['device']:>5} {r['closed_form_seconds']:>8.1f} "
-                     f"{r['targets_seconds']:>9.1f} {r['seconds_per_step']:>7.2f} {r['peak_rss_gb']:>11.1f} "
+        path = f"{r.get('start', 'activations')}{'+layerwise' if r.get('layerwise') else ''}"
+        start = f"{r['start_peak_rss_gb']:.1f}" if r.get("start_peak_rss_gb") is not None else "-"
+        lines.append(f"{r['size']:>5} {r['parameters'] / 1e6:>7.0f}M {r['device']:>5} {path:>18} "
+                     f"{r['closed_form_seconds']:>8.1f} {r['targets_seconds']:>9.1f} {r['seconds_per_step']:>7.2f} "
+                     f"{start:>8} {r['peak_rss_gb']:>11.1f} "
                      f"{r['models_rss_gb']:>9.1f} {cuda:>7} {extrapolated(r, full_steps) / 60:>14.1f}")
     return "\n".join(lines)
 
@@ -117,6 +135,9 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--precision", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--layerwise", action="store_true", help="layer-wise learned steps (LearnSettings.layerwise)")
+    p.add_argument("--start", default="activations", choices=("activations", "weights"),
+                   help="the closed-form start (LearnSettings.start; default activations)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--out", help="write results.json here (a new or empty folder)")
@@ -125,7 +146,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.one:
-        print(json.dumps(one(args.one, args.device, args.steps, args.texts, args.length, args.batch, args.precision)))
+        print(json.dumps(one(args.one, args.device, args.steps, args.texts, args.length, args.batch, args.precision,
+                             args.layerwise, args.start)))
         return 0
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SHAPES]
@@ -135,7 +157,8 @@ def main(argv=None) -> int:
     for size in sizes:
         cmd = [sys.executable, "-m", "benchmarks.learned_scale", "--one", size, "--device", args.device,
                "--steps", str(args.steps), "--texts", str(args.texts), "--length", str(args.length),
-               "--batch", str(args.batch), "--precision", args.precision, "--threads", str(args.threads)]
+               "--batch", str(args.batch), "--precision", args.precision, "--threads", str(args.threads),
+               "--start", args.start, *(["--layerwise"] if args.layerwise else [])]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]

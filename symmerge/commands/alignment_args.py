@@ -74,6 +74,10 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                         help="--match learned: the training steps and the endpoints' predictions in float32 "
                              "(default) or under bfloat16 autocast (faster on CPUs with bf16 instructions; the checks "
                              "stay float32, the elements are applied and verified in float64)")
+    parser.add_argument("--learn-layerwise", action="store_const", const=True, default=None,
+                        help="--match learned: build and differentiate the interpolated model one layer at a time "
+                             "(gradient checkpointing per layer): the same objective and gradient in memory bounded "
+                             "by a few layers (LLM-size pairs; docs/results/learned_scale.md)")
     parser.add_argument("--learn-check-batches", type=int, default=None, metavar="N",
                         help="--match learned: the objective checks (start/end, or held-out) on at most N batches "
                              f"(default {LearnSettings.check_batches}: all)")
@@ -127,7 +131,10 @@ def _learn_values(args) -> dict:
 
 
 def learn_settings(args) -> LearnSettings:
-    return LearnSettings(**{k: v for k, v in _learn_values(args).items() if v is not None})
+    values = {k: v for k, v in _learn_values(args).items() if v is not None}
+    if getattr(args, "learn_layerwise", None):  # a switch (no value): LearnSettings.layerwise
+        values["layerwise"] = True
+    return LearnSettings(**values)
 
 
 def alignment_options(args, symmetries, **extra) -> AlignOptions:
@@ -138,6 +145,7 @@ def alignment_options(args, symmetries, **extra) -> AlignOptions:
         raise SymmergeError(f"{need} needs unlabeled data: pass --align-data FILE (labels, if present, are ignored), "
                             "or --align-data generate for causal LMs (sequences sampled from the models)")
     given = [LEARN_FLAGS[k] for k, v in _learn_values(args).items() if v is not None]
+    given += ["--learn-layerwise"] if getattr(args, "learn_layerwise", None) else []
     if not matcher(args.match).learns and given:
         learning = ", ".join(n for n, m in MATCHERS.items() if m.learns)
         raise SymmergeError(f"{', '.join(given)}: the --learn-* flags apply to --match {learning} only")

@@ -451,9 +451,10 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
     # solver sees those: FFN units)
     corr_keys = {s.key for i in local if i.kind.activation_statistic == "correlation" for s in pseudo[i.name].slots}
     act_a, act_b = {}, {}
-    for key, joint in stats.items():
-        if key != STREAM:
-            act_a[key], act_b[key] = factor(joint.correlation() if key in corr_keys else joint.gram)
+    for key in [k for k in stats if k != STREAM]:  # each Gram freed once factored: one at a time beside the factors
+        joint = stats.pop(key)
+        act_a[key], act_b[key] = factor(joint.correlation() if key in corr_keys else joint.gram)
+        del joint
     rotations = opts if rescale_from == "activations" else replace(opts, rescale="none")
     moved_w, moved_act = apply(sd_a, wide, elements), act_a
     by_weights = SolveContext(local)

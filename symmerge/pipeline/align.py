@@ -27,7 +27,7 @@ from .matchers import MATCHERS, MatchContext
 from .options import DEFAULT_SYMMETRIES, AlignOptions
 from .recommend import recommended
 from .report import Distances, alignment_report
-from .verify import ELEMENT_CHECK, verify_elements, verify_forward, with_state_dict
+from .verify import ELEMENT_CHECK, owned_apart, verify_elements, verify_forward, with_state_dict
 
 
 def _load(x, allow_pickle: bool, progress: bool):
@@ -144,7 +144,8 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     verify_elements(instances, elements)
     aligned_sd = apply(ca, instances, elements)
     match_seconds = time.perf_counter() - start
-    aligned = with_state_dict(model, aligned_sd)
+    # the aligned model holds the new tensors themselves; those still shared with an input are copied
+    aligned = with_state_dict(model, owned_apart(aligned_sd, model, anchor), share=True)
     keys = parameter_keys(model)
     distances = Distances()
     for k in keys:
@@ -171,7 +172,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
         report["base_adapted"] = adapted
     if embedding is not None:
         report["sentence_transformers"] = {**embedding, **({"note": embedding_note} if embedding_note else {})}
-    anchor_out = with_state_dict(anchor, cb) if folded else anchor
+    anchor_out = with_state_dict(anchor, owned_apart(cb, model, anchor, aligned), share=True) if folded else anchor
     return Alignment(aligned, anchor_out, report, elements, instances, bound)
 
 

@@ -30,7 +30,6 @@ the held-out objective is never worse than at the start (the start is kept other
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 
@@ -41,7 +40,9 @@ from ..device import resolve_device
 from ..errors import SymmergeError
 from ..groups.base import Options
 from ..io.data import Batch, Data
+from .bound import bind
 from .engine import solve
+from .verify import with_state_dict
 
 
 def scored_logits(logits: torch.Tensor, batch) -> torch.Tensor:
@@ -100,6 +101,64 @@ def head_forward(model, sd: dict, batch) -> torch.Tensor:
     return scored_logits(call(), batch)
 
 
+class LayerwiseForward:
+    """The interpolated model's logits computed layer by layer (``LearnSettings.layerwise``): the tensors of
+    a layer — the learned elements applied to A's, interpolated with B's — are built inside that layer's
+    forward, under :func:`torch.utils.checkpoint.checkpoint` when gradients are recorded, so that neither
+    θ(α) nor its graph exists for the whole model at once: the backward recomputes one layer at a time.
+    Outside the layers (embeddings, final norm, head) the tensors are built once per call. The same values
+    as the whole-model forward (the same operations per tensor); memory: a few layers' tensors and
+    activations, plus the stream at every layer boundary."""
+
+    def __init__(self, skeleton, layer_paths, keys):
+        self.skeleton = skeleton
+        self.layers = {p: skeleton.get_submodule(p) for p in layer_paths}
+        self.keys = {p: [k for k in keys if k.startswith(p + ".")] for p in layer_paths}
+        inside = {k for ks in self.keys.values() for k in ks}
+        self.outer = [k for k in keys if k not in inside]
+        if getattr(skeleton.config, "use_cache", None):  # a KV cache filled by the forward would be filled
+            skeleton.config.use_cache = False            # again by the backward's recomputation (the skeleton's copy)
+
+    def __call__(self, build, batch) -> torch.Tensor:
+        """``build(keys)``: the tensors of θ(α) under these names (differentiable)."""
+        from torch.utils.checkpoint import checkpoint
+
+        busy = set()
+        saved = {}
+
+        def wrapped(path, layer, original):
+            names = self.keys[path]
+            cut = len(path) + 1
+
+            def run(*args, **kwargs):
+                busy.add(path)
+                try:
+                    local = {k[cut:]: v for k, v in build(names).items()}
+                    return torch.func.functional_call(layer, local, args, kwargs, tie_weights=False)
+                finally:
+                    busy.discard(path)
+
+            def forward(*args, **kwargs):
+                if path in busy:  # inside run's functional_call: the layer itself
+                    return original(*args, **kwargs)
+                if torch.is_grad_enabled():
+                    return checkpoint(run, *args, use_reentrant=False, **kwargs)
+                return run(*args, **kwargs)
+            return forward
+
+        for path, layer in self.layers.items():
+            saved[path] = layer.__dict__.get("forward")
+            layer.forward = wrapped(path, layer, layer.forward)
+        try:
+            return head_forward(self.skeleton, build(self.outer), batch)
+        finally:
+            for path, layer in self.layers.items():
+                if saved[path] is None:
+                    del layer.forward
+                else:
+                    layer.forward = saved[path]
+
+
 class _Parameters(torch.nn.Module):
     """The learned deltas: for every active instance whose kind has continuous freedom, the kind's
     named tensors (zeros: the identity), as parameters."""
@@ -122,14 +181,23 @@ class _Parameters(torch.nn.Module):
     def values(self, inst, names) -> dict:
         return {n: self.p[self._key(inst, n)] for n in names}
 
-    def transform(self, sd: dict) -> dict:
-        """The tensors the learned elements change, as differentiable functions of the parameters."""
+    def prepare(self) -> dict:
+        """Every instance's prepared element (its matrix exponentials, scales), differentiable: small."""
+        return {inst.name: inst.kind.learn_prepare(inst, self.values(inst, names)) for inst, names in self.instances}
+
+    def transform(self, sd: dict, keys=None, prepared: dict | None = None) -> dict:
+        """The tensors the learned elements change, as differentiable functions of the parameters (``keys``:
+        only those among these names; ``prepared``: :meth:`prepare`'s, computed here when None)."""
         out: dict = {}
         for inst, names in self.instances:
             kind = inst.kind
-            prepared = kind.learn_prepare(inst, self.values(inst, names))
-            for s in inst.slots:
-                out[s.key] = kind.learn_apply(out.get(s.key, sd[s.key]), s, inst, prepared)
+            slots = inst.slots if keys is None else [s for s in inst.slots
+                                                     if s.key in keys or any(a in keys for a in s.aliases)]
+            if not slots:
+                continue
+            ready = kind.learn_prepare(inst, self.values(inst, names)) if prepared is None else prepared[inst.name]
+            for s in slots:
+                out[s.key] = kind.learn_apply(out.get(s.key, sd[s.key]), s, inst, ready)
                 for alias in s.aliases:
                     out[alias] = out[s.key]
         return out
@@ -292,7 +360,10 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
                         "weights (data-free, every group to convergence)"),
               "closed_form_seconds": time.perf_counter() - t0}
     history = {"step": [], "train": []}
-    skeleton = copy.deepcopy(anchor).to(device=opts.device or "cpu", dtype=torch.float32).eval()
+    # the module run by ``functional_call`` (every parameter is replaced at each call): the anchor's modules,
+    # its parameters shared, not copied (a float32 anchor on the CPU costs no weight memory)
+    skeleton = with_state_dict(anchor, anchor.state_dict(), share=True).to(device=opts.device or "cpu",
+                                                                            dtype=torch.float32).eval()
     for p in skeleton.parameters():
         p.requires_grad_(False)
     elements, info = _learn_round(instances, skeleton, model, dict(start), ca, cb, data, settings, opts,
@@ -340,16 +411,24 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     clock["targets"] = time.perf_counter() - tick
     t_train, t_held = targets[:len(train)], targets[len(train):]
 
-    def interpolated(alpha: float, changed: dict) -> dict:
-        return {k: alpha * changed.get(k, v) + (1 - alpha) * work_b[k] if v.is_floating_point() else work_b[k]
-                for k, v in work_a.items()}
+    def interpolated(alpha: float, changed: dict, keys=None) -> dict:
+        return {k: alpha * changed.get(k, work_a[k]) + (1 - alpha) * work_b[k] if work_a[k].is_floating_point()
+                else work_b[k] for k in (work_a if keys is None else keys)}
+
+    layerwise = LayerwiseForward(skeleton, bind(skeleton).layer_paths(), list(work_a)) if settings.layerwise else None
 
     def objective(alpha, batch, target, sd=None, step: bool = False) -> torch.Tensor:
         """The soft cross-entropy at ``alpha`` on ``batch`` (``sd``: θ(α) already built); ``step``: a
-        training step, whose transform and forward run in ``settings.precision``; the checks: float32."""
+        training step, whose transform and forward run in ``settings.precision``; the checks: float32.
+        Layer-wise (``settings.layerwise``): θ(α) built one layer at a time inside the forward."""
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=step and fast):
-            sd = interpolated(alpha, params.transform(work_a)) if sd is None else sd
-            logits = forward(sd, batch)
+            if layerwise is not None and sd is None:
+                prepared = params.prepare()
+                logits = layerwise(lambda keys: interpolated(alpha, params.transform(work_a, keys, prepared), keys),
+                                   batch)
+            else:
+                sd = interpolated(alpha, params.transform(work_a)) if sd is None else sd
+                logits = forward(sd, batch)
         logp = torch.log_softmax(logits.float(), -1)
         t = alpha * target[0] + (1 - alpha) * target[1]
         if settings.target != "probabilities":  # the normalised geometric mean of the endpoints' predictions
@@ -365,11 +444,15 @@ def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts
     def held_out() -> float:
         tick = time.perf_counter()
         with torch.no_grad():
-            moved = params.transform(work_a)  # the same for every batch and α of the check: built once
             values = []
-            for al in (0.25, 0.5, 0.75):
-                sd = interpolated(al, moved)
-                values += [objective(al, b, t, sd).item() for b, t in zip(check, t_check)]
+            if layerwise is not None:  # layer by layer, as the steps
+                for al in (0.25, 0.5, 0.75):
+                    values += [objective(al, b, t).item() for b, t in zip(check, t_check)]
+            else:
+                moved = params.transform(work_a)  # the same for every batch and α of the check: built once
+                for al in (0.25, 0.5, 0.75):
+                    sd = interpolated(al, moved)
+                    values += [objective(al, b, t, sd).item() for b, t in zip(check, t_check)]
         clock["checks"] += time.perf_counter() - tick
         return sum(values) / len(values)
 

@@ -74,7 +74,9 @@ def match_activations(ctx: MatchContext) -> dict:
     from .activations import match_activations as fit
     from .verify import with_state_dict
 
-    return fit(ctx.instances, with_state_dict(ctx.model, ctx.ca), with_state_dict(ctx.anchor, ctx.cb), ctx.data(),
+    # both models in their canonical form, sharing the canonical tensors (no copy of any weight: only read)
+    return fit(ctx.instances, with_state_dict(ctx.model, ctx.ca, share=True),
+               with_state_dict(ctx.anchor, ctx.cb, share=True), ctx.data(),
                ctx.opts, progress=ctx.progress, timings=ctx.fields.setdefault("activation_seconds", {}), bound=ctx.bound)
 
 

@@ -103,7 +103,10 @@ class LearnSettings:
     ``float32`` or under ``bfloat16`` autocast (CPU; the checks stay float32, and the learned elements are
     applied and verified in float64 as always);
     ``check_batches``: the objective checks on at most this many batches (the first; 0: every batch of
-    the held-out part, or of the training set without one); ``dirichlet``: the concentration of the mixture
+    the held-out part, or of the training set without one); ``layerwise``: the interpolated model built
+    and differentiated one layer at a time (gradient checkpointing per layer, the layer's tensors computed
+    from the learned elements inside it): the same objective and gradient in memory bounded by a few
+    layers instead of θ(α) and its graph for the whole model (docs/results/learned_scale.md); ``dirichlet``: the concentration of the mixture
     weights of the joint learned alignment of N models (w ~ Dirichlet(dirichlet, …); 1: uniform on the
     simplex; larger: mixtures nearer the plain average), or ``"auto"`` (the default): chosen on held-out data — the
     last ``dirichlet_holdout`` of the unlabeled batches is held out, the mixtures are learned on the rest
@@ -130,6 +133,7 @@ class LearnSettings:
     max_length: int | None = None
     precision: str = "float32"
     check_batches: int = 0
+    layerwise: bool = False
     dirichlet: float | str = "auto"
     dirichlet_grid: tuple = (1.0, 3.0, 10.0, 30.0)
     dirichlet_steps: int = 0

@@ -55,11 +55,49 @@ def _outputs(model, inputs, names: tuple[str, ...] = ()) -> list[torch.Tensor]:
     return [v for v in values if torch.is_tensor(v) and v.is_floating_point()]
 
 
-def with_state_dict(model, state_dict: dict):
-    """A copy of ``model`` holding ``state_dict`` (the original is left untouched)."""
+def with_state_dict(model, state_dict: dict, share: bool = False):
+    """A copy of ``model`` holding ``state_dict`` (the original is left untouched).
+
+    ``share``: the copy's parameters and buffers *are* ``state_dict``'s tensors (cast to the model's dtypes
+    where they differ), not copies of them: only the modules are copied, no weight — the same values as
+    ``load_state_dict`` gives, in no extra memory. The caller must not give tensors it will change in place,
+    nor the model's own (see :func:`owned_apart`). A state dict whose names or shapes do not match the
+    model's falls back to ``load_state_dict`` (and its error)."""
+    if share:
+        clone = _sharing_clone(model, state_dict)
+        if clone is not None:
+            return clone.eval()
     clone = copy.deepcopy(model)
     clone.load_state_dict(state_dict)
     return clone.eval()
+
+
+def _sharing_clone(model, state_dict: dict):
+    """``model``'s modules copied, every parameter and persistent buffer a new one wrapping
+    ``state_dict``'s tensor; None when the names or shapes do not match."""
+    own = model.state_dict(keep_vars=True)
+    if set(own) != set(state_dict) or any(tuple(v.shape) != tuple(state_dict[k].shape) for k, v in own.items()):
+        return None
+    source = {}  # id(tensor) → the name it is loaded from (tied names: the last, as load_state_dict's copies)
+    for k, v in own.items():
+        source[id(v)] = k
+    memo = {}
+    for k, v in own.items():
+        if id(v) in memo:
+            continue
+        value = state_dict[source[id(v)]].detach().to(v.dtype)
+        memo[id(v)] = torch.nn.Parameter(value, requires_grad=v.requires_grad) if isinstance(
+            v, torch.nn.Parameter) else value
+    return copy.deepcopy(model, memo)
+
+
+def owned_apart(state_dict: dict, *others) -> dict:
+    """``state_dict`` with every tensor sharing storage with one of ``others``' (models or state dicts) cloned:
+    safe to hand to :func:`with_state_dict` with ``share=True`` when the result leaves the caller (the inputs
+    stay untouched whatever is done to it)."""
+    taken = {t.untyped_storage().data_ptr() for m in others
+             for t in (m if isinstance(m, dict) else m.state_dict()).values()}
+    return {k: v.clone() if v.untyped_storage().data_ptr() in taken else v for k, v in state_dict.items()}
 
 
 def compare(model_a, model_b, inputs: dict, names: tuple[str, ...] = ()) -> dict:
