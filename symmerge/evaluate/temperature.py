@@ -39,8 +39,8 @@ def scored(model, batches: list) -> torch.Tensor:
 
     device = next(model.parameters()).device
     with torch.no_grad():
-        return torch.cat([scored_logits(model(**b.to(device).inputs).logits, b.to(device)).double().cpu()
-                          for b in batches])
+        return torch.cat([scored_logits(model(**b.inputs).logits, b).double().cpu()
+                          for b in (batch.to(device) for batch in batches)])
 
 
 def fit_temperature(logits: torch.Tensor, target: torch.Tensor) -> float:

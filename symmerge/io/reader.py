@@ -17,12 +17,12 @@ from .checkpoint import LazyCheckpoint
 def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool = True):
     """:func:`symmerge.io.model.load_model` after the headers' checks (safetensors folders)."""
     path = Path(path)
-    _model.read_config(path, spec=spec)  # an unsupported model type first, as before
+    config = _model.read_config(path, spec=spec)  # an unsupported model type first, as before
     files, safe = _model.weight_files(path, allow_pickle)
     from .hf import _known_model_type
 
     # a model with its own code (--trust-remote-code): no transformers class describes its tensors before its
     # code runs, so its headers cannot be checked first; transformers' loading report is checked after
-    if safe and _known_model_type(_model.read_config(path, spec=False).get("model_type")):
+    if safe and _known_model_type(config.get("model_type")):
         LazyCheckpoint(path, spec=False)
     return _model.load_model(path, allow_pickle=allow_pickle, device=device, spec=spec)

@@ -29,8 +29,6 @@ defaults are mergekit's, the same from a config and from the command line.
 
 from __future__ import annotations
 
-from ..errors import SymmergeError
-
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -74,10 +72,10 @@ def uniform_steps(keys, n: int, base: int | None = None, weights=None, params=No
     base, when given, is input ``base``), the same arguments everywhere; ``copy_from``: key → the model a
     kept tensor is copied from (not merged)."""
     params = MappingProxyType(dict(params or {}))
-    try:
-        weights = None if weights is None else tuple(float(w) for w in weights)
-    except (TypeError, ValueError):
-        raise SymmergeError(f"weights must be numbers, one per model, got {weights!r}") from None
+    if weights is not None:  # checked as the method will check them (numbers, one per model), before any work
+        from .base import normalized_weights
+
+        weights = tuple(normalized_weights(weights, n, normalize=False))
     copy_from = copy_from or {}
     steps = []
     for k in keys:
