@@ -71,8 +71,6 @@ def run(args) -> int:
         raise SymmergeError("--subsets compares two models; give exactly two")
     if args.temperature and len(args.models) > 2:
         raise SymmergeError("--temperature calibrates the path between two models; give exactly two")
-    if args.temperature and not args.align_data:
-        raise SymmergeError("--temperature fits the temperature on unlabeled data: pass --align-data FILE")
     if args.joint_rounds < 0:
         raise SymmergeError(f"--joint-rounds must be >= 0, got {args.joint_rounds}")
     ensure_output_dir(out)

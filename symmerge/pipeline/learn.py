@@ -205,7 +205,8 @@ class _Parameters(torch.nn.Module):
     def elements(self) -> dict:
         """The learned deltas as group elements (float64)."""
         with torch.no_grad():
-            return {inst.name: inst.kind.learn_element(inst, {n: v.detach().cpu() for n, v in self.values(inst, names).items()})
+            return {inst.name: inst.kind.learn_element(inst, {n: v.detach().cpu()  # off the device: float64 there
+                                                              for n, v in self.values(inst, names).items()})
                     for inst, names in self.instances}
 
 
