@@ -45,6 +45,7 @@ def print_plan(models, options) -> int:
     from ..merge.stream import header_steps
 
     plan = plan_merge(list(models), options, mode=options.mode)
+    options = plan.options  # validated
     steps = header_steps(list(models), options, plan)
     print(json.dumps({"method": plan.method.name, "params": plan.params, "weights": plan.weights,
                       "models": plan.names, "base": str(options.base) if options.base is not None else None,
