@@ -55,9 +55,7 @@ def add_option(parser, option) -> None:
         kw["required"] = True
     else:
         kw["default"] = list(option.default) if isinstance(option.default, list) else option.default
-    if option.dest:
-        kw["dest"] = option.dest
-    parser.add_argument(*option.flags, **kw)
+    parser.add_argument(*option.flags, dest=option.attr, **kw)
 
 
 def add_options(parser, command: str, part=None, skip=()) -> None:

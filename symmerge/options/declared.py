@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import MISSING, fields
 
 from ..groups import RESCALE_MODES
+from ..merge.barrier import BarrierOptions
+from ..merge.fuse import MergeOptions
+from ..merge.heads import HEAD_POLICIES
 from ..merge.registry import METHODS
 from ..pipeline.options import (DEFAULT_REFINE, JOINT_REFINE, LEARN_PRECISIONS, MATCH_MODES, RECOMMENDED,
                                 RECOMMENDED_NAME, RESIDUAL_CHOICES, AlignOptions, LearnSettings, describe_symmetries)
@@ -15,11 +18,13 @@ from ..progress import MODES as PROGRESS_MODES
 from .parse import concentration
 from .schema import Option, Table
 
-MERGE, ALIGN, BARRIER = "merge", "align", "barrier"
+MERGE, ALIGN, BARRIER, RUN = "merge", "align", "barrier", "run"
 STUDIES = frozenset({MERGE, BARRIER})
 ALIGNING = frozenset({MERGE, ALIGN, BARRIER, "moe"})  # the commands with the alignment flags (moe: with --align)
 MODELS = frozenset({MERGE, ALIGN, BARRIER})
 ALIGNMENT, REPAIR = "alignment", "repair"  # parts shared by several commands (Option.part)
+MERGEKIT = "mergekit"  # run's flags of mergekit-yaml (a group of their own in its help: TITLES)
+TITLES = {MERGEKIT: "mergekit-yaml's flags (as mergekit-yaml CONFIG OUT; docs/configs.md)"}
 
 
 def default(cls, name: str):
@@ -28,10 +33,14 @@ def default(cls, name: str):
     return f.default if f.default is not MISSING else f.default_factory()
 
 
-def _merge_default(name: str):
-    from ..merge.fuse import MergeOptions
-
+def M(name: str):
+    """The default of a :class:`~symmerge.merge.fuse.MergeOptions` field."""
     return default(MergeOptions, name)
+
+
+def B(name: str):
+    """The default of a :class:`~symmerge.merge.barrier.BarrierOptions` field."""
+    return default(BarrierOptions, name)
 
 
 def opt(name, *flags, on, **kw) -> Option:
@@ -93,15 +102,15 @@ OPTIONS = (
     opt("star", "--star", on=MERGE, kind="switch", default=False,
         help="with more than two models: align every model to one anchor (the default rule's, or --anchor) instead "
              "of jointly into one frame"),
-    opt("points", "--points", on=BARRIER, parse=int, default=11,
+    opt("points", "--points", on=BARRIER, parse=int, default=B("points"),
         help="number of α values in [0, 1] (default 11)"),
-    opt("joint_rounds", "--joint-rounds", on=MERGE, parse=int, minimum=0, default=10, metavar="N",
+    opt("joint_rounds", "--joint-rounds", on=MERGE, parse=int, minimum=0, default=M("joint_rounds"), metavar="N",
         help="joint alignment (more than two models, no --anchor): at most N rounds of 'each model to the mean of "
              "the others' after the star (default 10; it stops when a round lowers the spread by less than 1e-3 "
              "data-free, where a round is one sweep per model, 1e-4 with activations)"),
-    opt("joint_rounds", "--joint-rounds", on=BARRIER, parse=int, minimum=0, default=10, metavar="N",
+    opt("joint_rounds", "--joint-rounds", on=BARRIER, parse=int, minimum=0, default=B("joint_rounds"), metavar="N",
         help="more than two models: rounds of the joint alignment after the star (default 10)"),
-    opt("joint_refine", "--joint-refine", on=MERGE, choices=JOINT_REFINE, default=DEFAULT_REFINE,
+    opt("joint_refine", "--joint-refine", on=MERGE, choices=JOINT_REFINE, default=M("joint_refine"),
         help="what the joint alignment's rounds re-solve: 'all' the groups (MergeMany; for the continuous groups "
              "generalized Procrustes) or 'discrete' only the head and unit permutations, keeping the star's rotations "
              f"and scales (default {DEFAULT_REFINE})"),
@@ -125,21 +134,21 @@ OPTIONS = (
     opt("weights", "--weights", on=MERGE, help="comma-separated model weights, e.g. 0.7,0.3"),
     opt("param", "--param", on=MERGE, kind="append", default=[], metavar="KEY=VALUE",
         help="method parameter, e.g. alpha=0.9 (regmean), scale=0.5, density=0.2, drop=0.9, seed=1"),
-    opt("heads", "--heads", on=MERGE, choices=("auto", "keep", "merge"), default="auto",
+    opt("heads", "--heads", on=MERGE, choices=HEAD_POLICIES, default=M("heads"),
         help="heads outside the base model: auto (default: a language model's head, whose rows are the vocabulary, "
              "is merged like the embeddings; a task head is kept), keep one model's (--head-from), or merge them "
              "(same label space only)"),
-    opt("head_from", "--head-from", on=MERGE, parse=int, default=0,
+    opt("head_from", "--head-from", on=MERGE, parse=int, default=M("head_from"),
         help="index of the model whose head is kept (default 0)"),
-    opt("fisher", "--fisher", on=MERGE, choices=("empirical", "sampled"), default="empirical",
+    opt("fisher", "--fisher", on=MERGE, choices=("empirical", "sampled"), default=M("fisher_variant"),
         help="Fisher variant: true labels (empirical) or labels sampled from the model"),
-    opt("fisher_samples", "--fisher-samples", on=MERGE, parse=int, minimum=1, default=1,
+    opt("fisher_samples", "--fisher-samples", on=MERGE, parse=int, minimum=1, default=M("fisher_samples"),
         help="label samples per example (sampled Fisher)"),
     opt("fisher_normalize", "--fisher-normalize", on=MERGE, kind="switch", default=False,
         help="scale each model's Fisher to mean 1"),
     opt("gram_sum", "--gram-sum", on=MERGE, kind="switch", default=False,
         help="RegMean with summed Grams (weights models by data size) instead of per-token means"),
-    opt("batch_size", "--batch-size", on=STUDIES, parse=int, minimum=1, default=32),
+    opt("batch_size", "--batch-size", on=STUDIES, parse=int, minimum=1, default=M("batch_size")),
     opt("max_examples", "--max-examples", on=MERGE, parse=int, minimum=1,
         help="use at most this many examples per file"),
     opt("max_examples", "--max-examples", on=BARRIER, parse=int, minimum=1),
@@ -149,15 +158,32 @@ OPTIONS = (
         help="skip the equivalence check of each alignment"),
     opt("allow_pickle", "--allow-pickle", on=STUDIES, kind="switch", default=False,
         help="accept pytorch_model.bin checkpoints"),
+    # run's own (a config's flags: none of them is a config key)
+    opt("config", on=RUN, kind="positional",
+        help="YAML file: a mergekit config (models or slices, merge_method, parameters, base_model, dtype, "
+             "tokenizer_source: union, ...; several documents for mergekit-multi; with align: and the merge "
+             "command's alignment options, aligned first), or one with symmerge's options by their long names (see "
+             "docs/merge.md, Merge configs)"),
+    opt("out", on=RUN, kind="positional", nargs="?", help="output folder (as mergekit-yaml CONFIG OUT)"),
+    opt("output", "-o", "--output", on=RUN, help="output folder (the same as OUT)"),
+    opt("align", "--align", on=RUN, metavar="recommended|LIST",
+        help="align every model into one frame first, then run the config on the aligned models (gradients, "
+             "filters, slices and all; the frame as symmerge merge chooses it: the base model's, else the second of "
+             "two, else joint); a mergekit config is merged without alignment unless asked (here or with 'align:' in "
+             "the config)"),
+    opt("print_command", "--print-command", on=RUN, kind="switch", default=False,
+        help="print what the config runs (the symmerge command line, or the merge plan) and exit"),
+    opt("progress", "--progress", on=RUN, choices=PROGRESS_MODES, default="auto",
+        help="progress on stderr, unless the config sets its own 'progress'"),
     opt("trust_remote_code", "--trust-remote-code", on=MODELS | {"run", "moe"}, kind="onoff", default=False,
         help="let transformers import Python code shipped in a model or tokenizer folder (auto_map in config.json): "
              "only for folders you trust. Without it such a folder is refused; symmerge never runs a folder's code "
              "otherwise (see SECURITY.md)"),
-    opt("mode", "--mode", on=MERGE, choices=("auto", "stream", "memory"), default="auto",
+    opt("mode", "--mode", on=MERGE, choices=("auto", "stream", "memory"), default=M("mode"),
         help="stream: merge tensor by tensor from the safetensors files (memory ~ the largest tensors, any model "
              "size; per-tensor methods without alignment); memory: load the models; auto (default): stream whatever "
              "can stream, else load"),
-    opt("shard_size", "--shard-size", on=MERGE, default="2GB", help="streamed output: largest shard (default 2GB)"),
+    opt("shard_size", "--shard-size", on=MERGE, default=M("shard_size"), help="streamed output: largest shard (default 2GB)"),
     opt("print_plan", "--print-plan", on=MERGE, kind="switch", default=False,
         help="print the resolved plan and its steps (one per output tensor: copy, or merge with which inputs and "
              "parameters) as JSON, then exit without reading weights or writing"),
@@ -167,6 +193,51 @@ OPTIONS = (
              "mergekit; default: a temporary folder removed at exit)"),
     opt("lora_merge_dtype", "--lora-merge-dtype", on={MERGE, "run", "extract-lora"}, metavar="DTYPE", part="lora",
         help="dtype of the models merged from BASE+ADAPTER inputs (default: the base's)"),
+    # every flag of mergekit-yaml 0.1.5, with its effect in symmerge run or as a documented no-op (docs/configs.md)
+    opt("copy_tokenizer", "--copy-tokenizer", on=RUN, part=MERGEKIT, kind="onoff", default=True,
+        help="copy the tokenizer of the config's tokenizer source (or base) to the output (default on; off: none is "
+             "copied, a tokenizer the config builds is still written, as mergekit)"),
+    opt("write_model_card", "--write-model-card", on=RUN, part=MERGEKIT, kind="onoff", default=True,
+        help="write README.md (the model card) and mergekit_config.yml (the config) beside the model (default on, "
+             "as mergekit); symmerge_report.json is always written"),
+    opt("out_shard_size", "--out-shard-size", on=RUN, part=MERGEKIT, metavar="SIZE",
+        help="largest output shard, as mergekit: 5B (bytes, K/M/B suffixes) or 2GB"),
+    opt("random_seed", "--random-seed", on=RUN, part=MERGEKIT, parse=int, metavar="N",
+        help="seed of the randomised methods (DARE, DELLA): their 'seed' parameter"),
+    opt("cuda", "--cuda", on=RUN, part=MERGEKIT, kind="onoff", default=False,
+        help="merge on the GPU when there is one (tensors read and written on the CPU; without a GPU, a warning and "
+             "the CPU)"),
+    opt("device", "--device", on=RUN, part=MERGEKIT, metavar="DEVICE",
+        help="device the merge arithmetic runs on (cpu, cuda, cuda:N)"),
+    opt("gpu_rich", "--gpu-rich", on=RUN, part=MERGEKIT, kind="switch", default=False,
+        help="as mergekit: --cuda (and its no-ops below)"),
+    opt("num_threads", "-j", "--num-threads", on=RUN, part=MERGEKIT, parse=int, metavar="N",
+        help="torch threads for the merge arithmetic (default: torch's)"),
+    opt("quiet", "--quiet", on=RUN, part=MERGEKIT, kind="onoff", default=False,
+        help="no progress on stderr (--progress none)"),
+    opt("verbose", "-v", on=RUN, part=MERGEKIT, kind="count", default=0,
+        help="progress as one line per stage (--progress lines); repeat for no more"),
+    opt("lazy_unpickle", "--lazy-unpickle", on=RUN, part=MERGEKIT, kind="onoff", default=False,
+        help="no-op: tensors are always read lazily (safetensors)"),
+    opt("low_cpu_memory", "--low-cpu-memory", on=RUN, part=MERGEKIT, kind="onoff", default=False,
+        help="no-op: results are written as they come, tensor by tensor"),
+    opt("read_to_gpu", "--read-to-gpu", on=RUN, part=MERGEKIT, kind="onoff", default=False,
+        help="no-op: with --cuda each tensor is moved to the GPU after it is read"),
+    opt("multi_gpu", "--multi-gpu", on=RUN, part=MERGEKIT, kind="onoff", default=False, help="no-op: one device"),
+    opt("async_write", "--async-write", on=RUN, part=MERGEKIT, kind="onoff", default=False,
+        help="no-op: symmerge always writes on a thread of its own, behind the merge"),
+    opt("write_threads", "--write-threads", on=RUN, part=MERGEKIT, parse=int, metavar="N",
+        help="no-op: one writer thread"),
+    opt("clone_tensors", "--clone-tensors", on=RUN, part=MERGEKIT, kind="onoff", default=False,
+        help="no-op: every output tensor is written on its own (a layer used twice included)"),
+    opt("safe_serialization", "--safe-serialization", on=RUN, part=MERGEKIT, kind="onoff", default=True,
+        help="safetensors (always; --no-safe-serialization is ignored with a warning)"),
+    opt("allow_crimes", "--allow-crimes", on=RUN, part=MERGEKIT, kind="onoff", default=False,
+        help="no-op: symmerge checks every tensor's name and shape, not the architectures' names"),
+    opt("unsafe_truncate_embeddings", "--unsafe-truncate-embeddings", on=RUN, part=MERGEKIT, kind="onoff",
+        default=False, help="cut every model's vocabulary rows to the smallest model's (same token ids assumed)"),
+    opt("transformers_cache", "--transformers-cache", on=RUN, part=MERGEKIT, metavar="DIR",
+        help="no-op: models are local folders (nothing is downloaded)"),
     # the alignment flags (AlignOptions, LearnSettings)
     opt("rescale", "--rescale", on=ALIGNING, part=ALIGNMENT, choices=tuple(RESCALE_MODES), default=default(A, "rescale"),
         help="how per-head scales are solved when 'rescale' is aligned: joint optimum (default), the paper's "

@@ -32,8 +32,7 @@ class Option:
     ``choices``; ``minimum``: the smallest value accepted (None: no bound); ``default``; ``required``;
     ``help``; ``metavar``; ``nargs`` (positionals: ``+`` or ``?``); ``commands``: the commands that have it;
     ``joins``: a YAML list given for it is joined with commas (a comma list on the command line);
-    ``group``: the titled group of the help it is shown in (None: the command's own options); ``dest``: the
-    attribute when it is not ``name`` (``-v``: ``verbose``); ``part``: the shared part it belongs to
+    ``part``: the shared part it belongs to
     (``alignment``, ``repair``, ``lora``, ``progress``: added together by the commands that have them);
     ``learn``: the :class:`~symmerge.pipeline.options.LearnSettings` field it sets."""
 
@@ -50,8 +49,6 @@ class Option:
     nargs: str | None = None
     commands: frozenset = frozenset()
     joins: bool = False
-    group: str | None = None
-    dest: str | None = None
     part: str | None = None
     learn: str | None = None
 
@@ -62,8 +59,8 @@ class Option:
 
     @property
     def attr(self) -> str:
-        """The attribute of the parsed arguments the option sets."""
-        return self.dest or self.name
+        """The attribute of the parsed arguments the option sets (``-v``: ``verbose``)."""
+        return self.name
 
     @property
     def flag(self) -> str:
