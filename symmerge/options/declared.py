@@ -47,6 +47,12 @@ def opt(name, *flags, on, **kw) -> Option:
     return Option(name, flags, commands=frozenset({on} if isinstance(on, str) else on), **kw)
 
 
+def noop(name, what) -> Option:
+    """A switch of mergekit-yaml's that ``symmerge run`` accepts and that changes nothing (``what``: why)."""
+    return opt(name, "--" + name.replace("_", "-"), on=RUN, part=MERGEKIT, kind="onoff", default=False,
+               help=f"no-op: {what}")
+
+
 A, L = AlignOptions, LearnSettings
 OPTIONS = (
     opt("models", on=MERGE, kind="positional", nargs="+", help="HF model folders to merge (two or more)"),
@@ -217,23 +223,17 @@ OPTIONS = (
         help="no progress on stderr (--progress none)"),
     opt("verbose", "-v", on=RUN, part=MERGEKIT, kind="count", default=0,
         help="progress as one line per stage (--progress lines); repeat for no more"),
-    opt("lazy_unpickle", "--lazy-unpickle", on=RUN, part=MERGEKIT, kind="onoff", default=False,
-        help="no-op: tensors are always read lazily (safetensors)"),
-    opt("low_cpu_memory", "--low-cpu-memory", on=RUN, part=MERGEKIT, kind="onoff", default=False,
-        help="no-op: results are written as they come, tensor by tensor"),
-    opt("read_to_gpu", "--read-to-gpu", on=RUN, part=MERGEKIT, kind="onoff", default=False,
-        help="no-op: with --cuda each tensor is moved to the GPU after it is read"),
-    opt("multi_gpu", "--multi-gpu", on=RUN, part=MERGEKIT, kind="onoff", default=False, help="no-op: one device"),
-    opt("async_write", "--async-write", on=RUN, part=MERGEKIT, kind="onoff", default=False,
-        help="no-op: symmerge always writes on a thread of its own, behind the merge"),
+    noop("lazy_unpickle", "tensors are always read lazily (safetensors)"),
+    noop("low_cpu_memory", "results are written as they come, tensor by tensor"),
+    noop("read_to_gpu", "with --cuda each tensor is moved to the GPU after it is read"),
+    noop("multi_gpu", "one device"),
+    noop("async_write", "symmerge always writes on a thread of its own, behind the merge"),
     opt("write_threads", "--write-threads", on=RUN, part=MERGEKIT, parse=int, metavar="N",
         help="no-op: one writer thread"),
-    opt("clone_tensors", "--clone-tensors", on=RUN, part=MERGEKIT, kind="onoff", default=False,
-        help="no-op: every output tensor is written on its own (a layer used twice included)"),
+    noop("clone_tensors", "every output tensor is written on its own (a layer used twice included)"),
     opt("safe_serialization", "--safe-serialization", on=RUN, part=MERGEKIT, kind="onoff", default=True,
         help="safetensors (always; --no-safe-serialization is ignored with a warning)"),
-    opt("allow_crimes", "--allow-crimes", on=RUN, part=MERGEKIT, kind="onoff", default=False,
-        help="no-op: symmerge checks every tensor's name and shape, not the architectures' names"),
+    noop("allow_crimes", "symmerge checks every tensor's name and shape, not the architectures' names"),
     opt("unsafe_truncate_embeddings", "--unsafe-truncate-embeddings", on=RUN, part=MERGEKIT, kind="onoff",
         default=False, help="cut every model's vocabulary rows to the smallest model's (same token ids assumed)"),
     opt("transformers_cache", "--transformers-cache", on=RUN, part=MERGEKIT, metavar="DIR",
