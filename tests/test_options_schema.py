@@ -39,9 +39,9 @@ def _argv(command, models, keys) -> list[str]:
 def sample(option):
     """(what a config writes, what the command line writes) for a value of ``option`` other than its default,
     chosen from its declaration: its last choice, a number above its minimum, a switch turned the other way."""
-    if option.kind in ("switch", "const"):
+    if option.form in ("switch", "const"):
         return True, [option.flag]
-    if option.kind == "onoff":
+    if option.form == "onoff":
         return (not option.default), [option.flag if not option.default else "--no-" + option.flag[2:]]
     if option.choices:
         value = next(c for c in reversed(option.choices) if c != option.default)
@@ -57,7 +57,7 @@ def sample(option):
         value = 2.5
     else:
         value = f"{option.name}-value"
-    if option.kind == "append":
+    if option.form == "append":
         return [value, value], [option.flag, str(value), option.flag, str(value)]
     if option.joins and isinstance(value, str) and option.name != "weights":
         return ["a", "b"], [option.flag, "a,b"]
@@ -73,7 +73,7 @@ def _doc(tmp_path, keys: dict):
 def _cases():
     for command in COMMANDS:
         for option in TABLE.of(command):
-            if option.kind != "positional" and option.name not in REQUIRED[command][1]:
+            if option.form != "positional" and option.name not in REQUIRED[command][1]:
                 yield pytest.param(command, option.name, id=f"{command}-{option.name}")
 
 
@@ -95,7 +95,7 @@ def test_every_flag_and_its_config_key_read_the_same_value(tmp_path, command, na
 
 def test_the_table_covers_every_option_of_the_parsers():
     for command in COMMANDS:
-        declared = {o.flag for o in TABLE.of(command) if o.kind != "positional"}
+        declared = {o.flag for o in TABLE.of(command) if o.form != "positional"}
         flags = {next((f for f in a.option_strings if f.startswith("--")), None)
                  for a in parser(command)._actions if a.option_strings}  # noqa: SLF001
         assert flags == declared, command

@@ -32,7 +32,7 @@ def _type(option):
 def add_option(parser, option) -> None:
     """One option as argparse takes it."""
     kw = {"help": option.help}
-    if option.kind == "positional":
+    if option.form == "positional":
         if option.nargs:
             kw["nargs"] = option.nargs
         if option.default is not None:
@@ -41,13 +41,13 @@ def add_option(parser, option) -> None:
             kw["metavar"] = option.metavar
         parser.add_argument(option.name, **kw)
         return
-    if option.kind == "const":
+    if option.form == "const":
         kw.update(action="store_const", const=True)
-    elif option.kind in ACTIONS:
-        kw["action"] = ACTIONS[option.kind]
-    if option.kind in ("value", "append") and (option.parse is not None or option.minimum is not None):
+    elif option.form in ACTIONS:
+        kw["action"] = ACTIONS[option.form]
+    if option.form in ("value", "append") and (option.parse is not None or option.minimum is not None):
         kw["type"] = _type(option)
-    if option.kind in ("value", "append") and option.choices is not None:
+    if option.form in ("value", "append") and option.choices is not None:
         kw["choices"] = list(option.choices)
     if option.metavar:
         kw["metavar"] = option.metavar

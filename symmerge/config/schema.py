@@ -31,7 +31,7 @@ def option(command: str, key: str):
 def is_option(command: str, key: str) -> bool:
     """Whether ``key`` names an option of ``symmerge COMMAND``; an unknown command counts as ``merge``."""
     found = option(command, key)
-    return found is not None and found.kind != "positional"
+    return found is not None and found.form != "positional"
 
 
 def option_names(command: str = "merge") -> tuple:
@@ -49,7 +49,7 @@ def scalar(v) -> str:
 def _texts(doc, raw, opt, value) -> list[str]:
     """The texts of the value(s) of ``opt`` given as ``value`` (a YAML list: one per repetition of a repeatable
     flag, or joined with commas for a comma list)."""
-    if isinstance(value, list) and opt.kind != "append":
+    if isinstance(value, list) and opt.form != "append":
         if not opt.joins:
             raise doc.error(f"{raw!r} takes one value, got a list", raw)
         value = [",".join(scalar(v) for v in value)]
@@ -71,22 +71,22 @@ def _read(doc, raw, opt, text):
 
 def _set(doc, command, values: dict, raw, value) -> None:
     opt = option(command, raw)
-    if opt is None or opt.kind == "positional":
+    if opt is None or opt.form == "positional":
         raise doc.error(f"unknown key {raw!r} for symmerge {command} (keys are the command's long options, e.g. "
                         "method, align, match, align_data, output)", raw)
     if not opt.takes_value:  # a switch
         if not isinstance(value, bool):
             raise doc.error(f"{raw!r} is a switch: true or false, got {value!r}", raw)
-        if opt.kind == "onoff" or value:
+        if opt.form == "onoff" or value:
             values[opt.attr] = value
         return
     read = [_read(doc, raw, opt, t) for t in _texts(doc, raw, opt, value)]
-    values[opt.attr] = list(values[opt.attr] or []) + read if opt.kind == "append" else read[-1]
+    values[opt.attr] = list(values[opt.attr] or []) + read if opt.form == "append" else read[-1]
 
 
 def _positionals(doc, command, values: dict, models) -> None:
     rest = list(models)
-    for opt in (o for o in TABLE.of(command) if o.kind == "positional"):
+    for opt in (o for o in TABLE.of(command) if o.form == "positional"):
         shown = opt.metavar or opt.name
         if opt.nargs in ("+", "*"):
             if opt.nargs == "+" and not rest:
@@ -114,7 +114,7 @@ def values(config) -> SimpleNamespace:
     for raw, value in config.keys.items():
         _set(doc, command, out, raw, value)
     for opt in TABLE.of(command):
-        if opt.required and opt.kind != "positional" and out.get(opt.attr) is None:
+        if opt.required and opt.form != "positional" and out.get(opt.attr) is None:
             raise doc.error(f"{opt.name!r} is missing (symmerge {command} needs {opt.flag})")
     return SimpleNamespace(**out)
 
@@ -129,7 +129,7 @@ def command_line(config) -> list[str]:
         argv += ["--param", f"{k}={scalar(v)}"]
     for raw, value in config.keys.items():
         opt = option(config.command, raw)
-        if opt.kind == "onoff":
+        if opt.form == "onoff":
             argv.append(opt.flag if value else "--no-" + opt.flag[2:])
         elif not opt.takes_value:
             argv += [opt.flag] if value else []

@@ -49,18 +49,18 @@ def opt(name, *flags, on, **kw) -> Option:
 
 def noop(name, what) -> Option:
     """A switch of mergekit-yaml's that ``symmerge run`` accepts and that changes nothing (``what``: why)."""
-    return opt(name, "--" + name.replace("_", "-"), on=RUN, part=MERGEKIT, kind="onoff", default=False,
+    return opt(name, "--" + name.replace("_", "-"), on=RUN, part=MERGEKIT, form="onoff", default=False,
                help=f"no-op: {what}")
 
 
 A, L = AlignOptions, LearnSettings
 OPTIONS = (
-    opt("models", on=MERGE, kind="positional", nargs="+", help="HF model folders to merge (two or more)"),
-    opt("models", on=BARRIER, kind="positional", nargs="+", metavar="MODEL",
+    opt("models", on=MERGE, form="positional", nargs="+", help="HF model folders to merge (two or more)"),
+    opt("models", on=BARRIER, form="positional", nargs="+", metavar="MODEL",
         help="HF model folders: A B (A aligned to B, the anchor, in the aligned variants), or three or more (aligned "
              "jointly into one frame)"),
-    opt("model", on=ALIGN, kind="positional", help="HF model folder to align (config.json + safetensors)"),
-    opt("anchor", on=ALIGN, kind="positional", help="HF model folder of the anchor (left unchanged)"),
+    opt("model", on=ALIGN, form="positional", help="HF model folder to align (config.json + safetensors)"),
+    opt("anchor", on=ALIGN, form="positional", help="HF model folder of the anchor (left unchanged)"),
     opt("data", "--data", on=BARRIER, required=True,
         help="evaluation data (held out): .npz (images), .jsonl (text, label) or .txt (LM)"),
     opt("output", "-o", "--output", on=MODELS, required=True, help="output folder (must not exist or be empty)"),
@@ -69,7 +69,7 @@ OPTIONS = (
         help="symmetries to align before merging: " + describe_symmetries(
             f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them; residual is also left out when "
             "the task heads differ)")),
-    opt("align", "--align", on=BARRIER, kind="append", joins=True,
+    opt("align", "--align", on=BARRIER, form="append", joins=True,
         help="alignment variant(s) compared with no alignment (repeatable): " + describe_symmetries(
             f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them)")),
     # align's own
@@ -78,24 +78,24 @@ OPTIONS = (
                                  f"merge and barrier). With --stream, {RECOMMENDED_NAME} leaves residual out (it "
                                  "cannot stream)")),
     opt("layers", "--layers", on=ALIGN, joins=True, help="only align these layers, e.g. '0,1,5' (default: all)"),
-    opt("no_verify", "--no-verify", on=ALIGN, kind="switch", default=False,
+    opt("no_verify", "--no-verify", on=ALIGN, form="switch", default=False,
         help="skip the equivalence check (not recommended)"),
     opt("verify_tol", "--verify-tol", on=ALIGN, parse=float,
         help="max relative output difference accepted (default: 1e-4 fp32, 5e-2 half)"),
-    opt("stream", "--stream", on=ALIGN, kind="switch", default=False,
+    opt("stream", "--stream", on=ALIGN, form="switch", default=False,
         help="layer by layer from safetensors shards, never holding a whole model in memory (attn, ffn, rescale; "
              "not residual)"),
     opt("shard_size", "--shard-size", on=ALIGN, default="1GB",
         help="with --stream: largest output shard (default 1GB; without --pipeline shards are also cut at about one "
              "layer, to bound memory)"),
-    opt("pipeline", "--pipeline", on=ALIGN, kind="switch", default=False,
+    opt("pipeline", "--pipeline", on=ALIGN, form="switch", default=False,
         help="with --stream: overlap reads, matching and writes across layers (faster when I/O is slow; holds a few "
              "layers in memory instead of one part of one)"),
     opt("device", "--device", on=ALIGN, default="cpu",
         help="where the FFN cost GEMMs run: cpu (default), cuda, cuda:N or auto"),
-    opt("verify_forward", "--verify-forward", on=ALIGN, kind="switch", default=False,
+    opt("verify_forward", "--verify-forward", on=ALIGN, form="switch", default=False,
         help="with --stream: also load both models at the end and compare outputs (needs the RAM)"),
-    opt("allow_pickle", "--allow-pickle", on=ALIGN, kind="switch", default=False,
+    opt("allow_pickle", "--allow-pickle", on=ALIGN, form="switch", default=False,
         help="accept pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True))"),
     # merge's and barrier's
     opt("anchor", "--anchor", on=MERGE,
@@ -105,7 +105,7 @@ OPTIONS = (
              "closest to the average; with --match learned, then random convex combinations of the models learned "
              "against the same combinations of their predictions); an anchor keeps the star: every model aligned to "
              "it"),
-    opt("star", "--star", on=MERGE, kind="switch", default=False,
+    opt("star", "--star", on=MERGE, form="switch", default=False,
         help="with more than two models: align every model to one anchor (the default rule's, or --anchor) instead "
              "of jointly into one frame"),
     opt("points", "--points", on=BARRIER, parse=int, default=B("points"),
@@ -125,20 +125,20 @@ OPTIONS = (
              f"permutations only (default {DEFAULT_REFINE})"),
     opt("subsets", "--subsets", on=BARRIER, choices=("single", "last"),
         help="also match only layer i (single) or only the last k layers (last); loss at α = 0.5"),
-    opt("temperature", "--temperature", on=BARRIER, kind="switch", default=False,
+    opt("temperature", "--temperature", on=BARRIER, form="switch", default=False,
         help="each variant also gets a '+temperature' curve: at every α the merged model's softmax temperature "
              "fitted on the unlabeled --align-data against the endpoints' mixed predictions (the calibration baseline "
              "of Ito et al.; labels never used)"),
     opt("base", "--base", on=MERGE, help="base (pre-trained) model folder for task_arithmetic, ties, dare"),
-    opt("data", "--data", on=MERGE, kind="append", metavar="FILE",
+    opt("data", "--data", on=MERGE, form="append", metavar="FILE",
         help="data (.npz, .jsonl, .txt) for the statistics of fisher and regmean (training data); give it once for "
              "all models or once per model (in model order)"),
-    opt("eval_data", "--eval-data", on=MERGE, kind="append", metavar="FILE",
+    opt("eval_data", "--eval-data", on=MERGE, form="append", metavar="FILE",
         help="held-out data (.npz, .jsonl, .txt) the merged model and the inputs are scored on; once for all models "
              "or once per model (file i scored with model i's head). Without it the evaluation uses --data, and the "
              "report and stderr say so"),
     opt("weights", "--weights", on=MERGE, help="comma-separated model weights, e.g. 0.7,0.3"),
-    opt("param", "--param", on=MERGE, kind="append", default=[], metavar="KEY=VALUE",
+    opt("param", "--param", on=MERGE, form="append", default=[], metavar="KEY=VALUE",
         help="method parameter, e.g. alpha=0.9 (regmean), scale=0.5, density=0.2, drop=0.9, seed=1"),
     opt("heads", "--heads", on=MERGE, choices=HEAD_POLICIES, default=M("heads"),
         help="heads outside the base model: auto (default: a language model's head, whose rows are the vocabulary, "
@@ -150,9 +150,9 @@ OPTIONS = (
         help="Fisher variant: true labels (empirical) or labels sampled from the model"),
     opt("fisher_samples", "--fisher-samples", on=MERGE, parse=int, minimum=1, default=M("fisher_samples"),
         help="label samples per example (sampled Fisher)"),
-    opt("fisher_normalize", "--fisher-normalize", on=MERGE, kind="switch", default=False,
+    opt("fisher_normalize", "--fisher-normalize", on=MERGE, form="switch", default=False,
         help="scale each model's Fisher to mean 1"),
-    opt("gram_sum", "--gram-sum", on=MERGE, kind="switch", default=False,
+    opt("gram_sum", "--gram-sum", on=MERGE, form="switch", default=False,
         help="RegMean with summed Grams (weights models by data size) instead of per-token means"),
     opt("batch_size", "--batch-size", on=STUDIES, parse=int, minimum=1, default=M("batch_size")),
     opt("max_examples", "--max-examples", on=MERGE, parse=int, minimum=1,
@@ -160,28 +160,28 @@ OPTIONS = (
     opt("max_examples", "--max-examples", on=BARRIER, parse=int, minimum=1),
     opt("max_length", "--max-length", on=MERGE, parse=int, minimum=1, help="truncate texts to this many tokens"),
     opt("device", "--device", on=STUDIES, default="cpu", help="cpu (default), cuda, cuda:N or auto"),
-    opt("no_verify", "--no-verify", on=STUDIES, kind="switch", default=False,
+    opt("no_verify", "--no-verify", on=STUDIES, form="switch", default=False,
         help="skip the equivalence check of each alignment"),
-    opt("allow_pickle", "--allow-pickle", on=STUDIES, kind="switch", default=False,
+    opt("allow_pickle", "--allow-pickle", on=STUDIES, form="switch", default=False,
         help="accept pytorch_model.bin checkpoints"),
     # run's own (a config's flags: none of them is a config key)
-    opt("config", on=RUN, kind="positional",
+    opt("config", on=RUN, form="positional",
         help="YAML file: a mergekit config (models or slices, merge_method, parameters, base_model, dtype, "
              "tokenizer_source: union, ...; several documents for mergekit-multi; with align: and the merge "
              "command's alignment options, aligned first), or one with symmerge's options by their long names (see "
              "docs/merge.md, Merge configs)"),
-    opt("out", on=RUN, kind="positional", nargs="?", help="output folder (as mergekit-yaml CONFIG OUT)"),
+    opt("out", on=RUN, form="positional", nargs="?", help="output folder (as mergekit-yaml CONFIG OUT)"),
     opt("output", "-o", "--output", on=RUN, help="output folder (the same as OUT)"),
     opt("align", "--align", on=RUN, metavar="recommended|LIST",
         help="align every model into one frame first, then run the config on the aligned models (gradients, "
              "filters, slices and all; the frame as symmerge merge chooses it: the base model's, else the second of "
              "two, else joint); a mergekit config is merged without alignment unless asked (here or with 'align:' in "
              "the config)"),
-    opt("print_command", "--print-command", on=RUN, kind="switch", default=False,
+    opt("print_command", "--print-command", on=RUN, form="switch", default=False,
         help="print what the config runs (the symmerge command line, or the merge plan) and exit"),
     opt("progress", "--progress", on=RUN, choices=PROGRESS_MODES, default="auto",
         help="progress on stderr, unless the config sets its own 'progress'"),
-    opt("trust_remote_code", "--trust-remote-code", on=MODELS | {"run", "moe"}, kind="onoff", default=False,
+    opt("trust_remote_code", "--trust-remote-code", on=MODELS | {"run", "moe"}, form="onoff", default=False,
         help="let transformers import Python code shipped in a model or tokenizer folder (auto_map in config.json): "
              "only for folders you trust. Without it such a folder is refused; symmerge never runs a folder's code "
              "otherwise (see SECURITY.md)"),
@@ -190,7 +190,7 @@ OPTIONS = (
              "size; per-tensor methods without alignment); memory: load the models; auto (default): stream whatever "
              "can stream, else load"),
     opt("shard_size", "--shard-size", on=MERGE, default=M("shard_size"), help="streamed output: largest shard (default 2GB)"),
-    opt("print_plan", "--print-plan", on=MERGE, kind="switch", default=False,
+    opt("print_plan", "--print-plan", on=MERGE, form="switch", default=False,
         help="print the resolved plan and its steps (one per output tensor: copy, or merge with which inputs and "
              "parameters) as JSON, then exit without reading weights or writing"),
     # a model given as BASE+ADAPTER: a LoRA adapter merged into its base first (symmerge.io.lora.merge_cache)
@@ -200,28 +200,28 @@ OPTIONS = (
     opt("lora_merge_dtype", "--lora-merge-dtype", on={MERGE, "run", "extract-lora"}, metavar="DTYPE", part="lora",
         help="dtype of the models merged from BASE+ADAPTER inputs (default: the base's)"),
     # every flag of mergekit-yaml 0.1.5, with its effect in symmerge run or as a documented no-op (docs/configs.md)
-    opt("copy_tokenizer", "--copy-tokenizer", on=RUN, part=MERGEKIT, kind="onoff", default=True,
+    opt("copy_tokenizer", "--copy-tokenizer", on=RUN, part=MERGEKIT, form="onoff", default=True,
         help="copy the tokenizer of the config's tokenizer source (or base) to the output (default on; off: none is "
              "copied, a tokenizer the config builds is still written, as mergekit)"),
-    opt("write_model_card", "--write-model-card", on=RUN, part=MERGEKIT, kind="onoff", default=True,
+    opt("write_model_card", "--write-model-card", on=RUN, part=MERGEKIT, form="onoff", default=True,
         help="write README.md (the model card) and mergekit_config.yml (the config) beside the model (default on, "
              "as mergekit); symmerge_report.json is always written"),
     opt("out_shard_size", "--out-shard-size", on=RUN, part=MERGEKIT, metavar="SIZE",
         help="largest output shard, as mergekit: 5B (bytes, K/M/B suffixes) or 2GB"),
     opt("random_seed", "--random-seed", on=RUN, part=MERGEKIT, parse=int, metavar="N",
         help="seed of the randomised methods (DARE, DELLA): their 'seed' parameter"),
-    opt("cuda", "--cuda", on=RUN, part=MERGEKIT, kind="onoff", default=False,
+    opt("cuda", "--cuda", on=RUN, part=MERGEKIT, form="onoff", default=False,
         help="merge on the GPU when there is one (tensors read and written on the CPU; without a GPU, a warning and "
              "the CPU)"),
     opt("device", "--device", on=RUN, part=MERGEKIT, metavar="DEVICE",
         help="device the merge arithmetic runs on (cpu, cuda, cuda:N)"),
-    opt("gpu_rich", "--gpu-rich", on=RUN, part=MERGEKIT, kind="switch", default=False,
+    opt("gpu_rich", "--gpu-rich", on=RUN, part=MERGEKIT, form="switch", default=False,
         help="as mergekit: --cuda (and its no-ops below)"),
     opt("num_threads", "-j", "--num-threads", on=RUN, part=MERGEKIT, parse=int, metavar="N",
         help="torch threads for the merge arithmetic (default: torch's)"),
-    opt("quiet", "--quiet", on=RUN, part=MERGEKIT, kind="onoff", default=False,
+    opt("quiet", "--quiet", on=RUN, part=MERGEKIT, form="onoff", default=False,
         help="no progress on stderr (--progress none)"),
-    opt("verbose", "-v", on=RUN, part=MERGEKIT, kind="count", default=0,
+    opt("verbose", "-v", on=RUN, part=MERGEKIT, form="count", default=0,
         help="progress as one line per stage (--progress lines); repeat for no more"),
     noop("lazy_unpickle", "tensors are always read lazily (safetensors)"),
     noop("low_cpu_memory", "results are written as they come, tensor by tensor"),
@@ -231,10 +231,10 @@ OPTIONS = (
     opt("write_threads", "--write-threads", on=RUN, part=MERGEKIT, parse=int, metavar="N",
         help="no-op: one writer thread"),
     noop("clone_tensors", "every output tensor is written on its own (a layer used twice included)"),
-    opt("safe_serialization", "--safe-serialization", on=RUN, part=MERGEKIT, kind="onoff", default=True,
+    opt("safe_serialization", "--safe-serialization", on=RUN, part=MERGEKIT, form="onoff", default=True,
         help="safetensors (always; --no-safe-serialization is ignored with a warning)"),
     noop("allow_crimes", "symmerge checks every tensor's name and shape, not the architectures' names"),
-    opt("unsafe_truncate_embeddings", "--unsafe-truncate-embeddings", on=RUN, part=MERGEKIT, kind="onoff",
+    opt("unsafe_truncate_embeddings", "--unsafe-truncate-embeddings", on=RUN, part=MERGEKIT, form="onoff",
         default=False, help="cut every model's vocabulary rows to the smallest model's (same token ids assumed)"),
     opt("transformers_cache", "--transformers-cache", on=RUN, part=MERGEKIT, metavar="DIR",
         help="no-op: models are local folders (nothing is downloaded)"),
@@ -247,7 +247,7 @@ OPTIONS = (
              "stream — O(d-1) for pre-LN LayerNorm with the norms folded, O(d) for RMSNorm, permutations for post-LN) "
              "or permutation (the norms kept as they are: permutations of the stream for LayerNorm, signed "
              "permutations for RMSNorm)"),
-    opt("untie", "--untie", on=ALIGNING, part=ALIGNMENT, kind="switch", default=False,
+    opt("untie", "--untie", on=ALIGNING, part=ALIGNMENT, form="switch", default=False,
         help="untie a tied LM head so the final norm can fold into it and the stream gets its largest group (the "
              "output then stores the head separately)"),
     opt("max_sweeps", "--max-sweeps", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1, default=default(A, "max_sweeps"),
@@ -299,7 +299,7 @@ OPTIONS = (
         help="--match learned: the training steps and the endpoints' predictions in float32 (default) or under "
              "bfloat16 autocast (faster on CPUs with bf16 instructions; the checks stay float32, the elements are "
              "applied and verified in float64)"),
-    opt("learn_layerwise", "--learn-layerwise", on=ALIGNING, part=ALIGNMENT, kind="const", learn="layerwise",
+    opt("learn_layerwise", "--learn-layerwise", on=ALIGNING, part=ALIGNMENT, form="const", learn="layerwise",
         help="--match learned: build and differentiate the interpolated model one layer at a time (gradient "
              "checkpointing per layer): the same objective and gradient in memory bounded by a few layers (LLM-size "
              "pairs; docs/results/learned_scale.md)"),
@@ -318,11 +318,11 @@ OPTIONS = (
              "(default: one per core; 1: one thing after another on one thread; the result is the same). align "
              "--stream: only with --pipeline (default 2 there), the low-memory mode solves one part of one layer at "
              "a time"),
-    opt("allow_tokenizer_mismatch", "--allow-tokenizer-mismatch", on=ALIGNING, part=ALIGNMENT, kind="switch",
+    opt("allow_tokenizer_mismatch", "--allow-tokenizer-mismatch", on=ALIGNING, part=ALIGNMENT, form="switch",
         default=False,
         help="go on when the models' tokenizers differ (vocabulary, special or added tokens); by default that is an "
              "error naming the first differing tokens. The report's tokenizer entry records the differences"),
-    opt("repair", "--repair", on=STUDIES, part=REPAIR, kind="switch", default=False,
+    opt("repair", "--repair", on=STUDIES, part=REPAIR, form="switch", default=False,
         help="REPAIR: reset the per-channel means and standard deviations of the merged model (FFN pre-activations, "
              "norm outputs) to the interpolation of the endpoints', on --align-data, folded into weights and biases "
              "(architecture unchanged)"),

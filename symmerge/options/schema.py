@@ -17,7 +17,7 @@ from ..errors import SymmergeError
 
 # how an option takes its value: one value; a switch (present: True); a switch whose absence is None (present:
 # True); a repeatable value (a list); a switch with a --no- twin; a counted flag (-v -v); a positional argument
-KINDS = ("value", "switch", "const", "append", "onoff", "count", "positional")
+FORMS = ("value", "switch", "const", "append", "onoff", "count", "positional")
 
 
 class OptionValueError(ValueError):
@@ -28,7 +28,7 @@ class OptionValueError(ValueError):
 class Option:
     """One option of one or more commands. ``name``: the config key and the attribute of the parsed
     arguments (``align_data`` for ``--align-data``); ``flags``: its spellings on the command line (none for a
-    positional argument); ``kind``: one of :data:`KINDS`; ``parse``: text → value (None: the text itself);
+    positional argument); ``form``: one of :data:`FORMS`; ``parse``: text → value (None: the text itself);
     ``choices``; ``minimum``: the smallest value accepted (None: no bound); ``default``; ``required``;
     ``help``; ``metavar``; ``nargs`` (positionals: ``+`` or ``?``); ``commands``: the commands that have it;
     ``joins``: a YAML list given for it is joined with commas (a comma list on the command line);
@@ -38,7 +38,7 @@ class Option:
 
     name: str
     flags: tuple = ()
-    kind: str = "value"
+    form: str = "value"
     parse: object = None
     choices: tuple | None = None
     minimum: float | None = None
@@ -53,8 +53,8 @@ class Option:
     learn: str | None = None
 
     def __post_init__(self):
-        if self.kind not in KINDS:  # pragma: no cover - a declaration's mistake
-            raise ValueError(f"option {self.name}: unknown kind {self.kind!r}")
+        if self.form not in FORMS:  # pragma: no cover - a declaration's mistake
+            raise ValueError(f"option {self.name}: unknown form {self.form!r}")
         object.__setattr__(self, "commands", frozenset(self.commands))
 
     @property
@@ -69,7 +69,7 @@ class Option:
 
     @property
     def takes_value(self) -> bool:
-        return self.kind in ("value", "append", "positional")
+        return self.form in ("value", "append", "positional")
 
     def read(self, text: str):
         """One value from its text, as the flag reads it: converted (:class:`OptionValueError` when it cannot
@@ -108,7 +108,7 @@ class Table:
 
     def names(self, command: str) -> tuple:
         """The config keys of ``command``'s options (its positional arguments aside)."""
-        return tuple(sorted(o.name for o in self.of(command) if o.kind != "positional"))
+        return tuple(sorted(o.name for o in self.of(command) if o.form != "positional"))
 
     def defaults(self, command: str) -> dict:
         """attribute → default of every option of ``command`` (what the command line sets when not given)."""
