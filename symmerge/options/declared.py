@@ -155,10 +155,10 @@ OPTIONS = (
     opt("gram_sum", "--gram-sum", on=MERGE, form="switch", default=False,
         help="RegMean with summed Grams (weights models by data size) instead of per-token means"),
     opt("batch_size", "--batch-size", on=STUDIES, parse=int, minimum=1, default=M("batch_size")),
-    opt("max_examples", "--max-examples", on=MERGE, parse=int, minimum=1,
+    opt("max_examples", "--max-examples", on=MERGE, parse=int,
         help="use at most this many examples per file"),
-    opt("max_examples", "--max-examples", on=BARRIER, parse=int, minimum=1),
-    opt("max_length", "--max-length", on=MERGE, parse=int, minimum=1, help="truncate texts to this many tokens"),
+    opt("max_examples", "--max-examples", on=BARRIER, parse=int),
+    opt("max_length", "--max-length", on=MERGE, parse=int, help="truncate texts to this many tokens"),
     opt("device", "--device", on=STUDIES, default="cpu", help="cpu (default), cuda, cuda:N or auto"),
     opt("no_verify", "--no-verify", on=STUDIES, form="switch", default=False,
         help="skip the equivalence check of each alignment"),
@@ -189,7 +189,8 @@ OPTIONS = (
         help="stream: merge tensor by tensor from the safetensors files (memory ~ the largest tensors, any model "
              "size; per-tensor methods without alignment); memory: load the models; auto (default): stream whatever "
              "can stream, else load"),
-    opt("shard_size", "--shard-size", on=MERGE, default=M("shard_size"), help="streamed output: largest shard (default 2GB)"),
+    opt("shard_size", "--shard-size", on=MERGE, default=M("shard_size"),
+        help="streamed output: largest shard (default 2GB)"),
     opt("print_plan", "--print-plan", on=MERGE, form="switch", default=False,
         help="print the resolved plan and its steps (one per output tensor: copy, or merge with which inputs and "
              "parameters) as JSON, then exit without reading weights or writing"),
@@ -239,18 +240,21 @@ OPTIONS = (
     opt("transformers_cache", "--transformers-cache", on=RUN, part=MERGEKIT, metavar="DIR",
         help="no-op: models are local folders (nothing is downloaded)"),
     # the alignment flags (AlignOptions, LearnSettings)
-    opt("rescale", "--rescale", on=ALIGNING, part=ALIGNMENT, choices=tuple(RESCALE_MODES), default=default(A, "rescale"),
+    opt("rescale", "--rescale", on=ALIGNING, part=ALIGNMENT, choices=tuple(RESCALE_MODES),
+        default=default(A, "rescale"),
         help="how per-head scales are solved when 'rescale' is aligned: joint optimum (default), the paper's "
              "sequential, or none"),
     opt("residual", "--residual", on=ALIGNING, part=ALIGNMENT, choices=RESIDUAL_CHOICES, default=default(A, "residual"),
         help="with the residual symmetry: largest (default: the largest function-preserving group of the family's "
-             "stream — O(d-1) for pre-LN LayerNorm with the norms folded, O(d) for RMSNorm, permutations for post-LN) "
+             "stream — O(d-1) for pre-LN LayerNorm with the norms folded, O(d) for RMSNorm, permutations for "
+             "post-LN) "
              "or permutation (the norms kept as they are: permutations of the stream for LayerNorm, signed "
              "permutations for RMSNorm)"),
     opt("untie", "--untie", on=ALIGNING, part=ALIGNMENT, form="switch", default=False,
         help="untie a tied LM head so the final norm can fold into it and the stream gets its largest group (the "
              "output then stores the head separately)"),
-    opt("max_sweeps", "--max-sweeps", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1, default=default(A, "max_sweeps"),
+    opt("max_sweeps", "--max-sweeps", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1,
+        default=default(A, "max_sweeps"),
         help="cap on the coordinate-descent sweeps over the coupled groups (default 200; it stops earlier when a "
              "sweep lowers the objective by less than 1e-4 of it, and warns at the cap)"),
     opt("restarts", "--restarts", on=ALIGNING, part=ALIGNMENT, parse=int, metavar="N",
