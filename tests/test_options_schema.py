@@ -22,7 +22,7 @@ from symmerge.config.schema import option_names, values
 from symmerge.config.source import read_documents
 from symmerge.errors import SymmergeError
 from symmerge.merge.fuse import MergeOptions
-from symmerge.pipeline.options import AlignOptions
+from symmerge.pipeline.options import AlignOptions, LearnSettings
 from conftest import vit_folder
 from symmerge.options.declared import TABLE
 
@@ -192,3 +192,29 @@ def test_the_internals_scan_finds_planted_cases():
                "config/z.py": "import importlib\nm = importlib.import_module(f'symmerge.commands.{name}')\n",
                "cli.py": "import importlib\nm = importlib.import_module(f'symmerge.commands.{name}')\n"}
     assert argparse_internals(planted) == ["commands/x.py:2", "config/y.py:2", "config/z.py:2"]
+
+
+# the options whose range the Python API refuses too: option name -> the options object made with a value
+API_RANGES = {
+    "joint_rounds": lambda v: MergeOptions(joint_rounds=v).check(2),
+    "align_samples": lambda v: AlignOptions(align_samples=v),
+    "max_sweeps": lambda v: AlignOptions(max_sweeps=v),
+    "solver_budget": lambda v: AlignOptions(solver_budget=v),
+    "learn_steps": lambda v: LearnSettings(steps=v),
+    "learn_batch": lambda v: LearnSettings(batch=v),
+    "learn_positions": lambda v: LearnSettings(positions=v),
+    "learn_max_length": lambda v: LearnSettings(max_length=v),
+    "learn_check_batches": lambda v: LearnSettings(check_batches=v),
+}
+
+
+@pytest.mark.parametrize("name", sorted(API_RANGES))
+def test_the_declared_range_is_the_one_the_python_api_enforces(name):
+    option = TABLE.get("merge", name)
+    step = 1 if option.parse is int else 0.5
+    API_RANGES[name](option.minimum)  # the bound: accepted by both
+    option.in_range(option.minimum)
+    with pytest.raises(SymmergeError):
+        API_RANGES[name](option.minimum - step)  # just below: refused by both
+    with pytest.raises(SymmergeError):
+        option.in_range(option.minimum - step)
