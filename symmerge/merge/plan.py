@@ -33,8 +33,8 @@ from ..errors import SymmergeError
 from ..io.model import ShardIndexError, read_config, weight_files
 from ..pipeline.matchers import streaming_refusal
 from ..pipeline.options import AlignOptions
-from .registry import get_method
 from ..pipeline.recommend import BASE_NOTE, has_spec, plain_fallback, recommended  # noqa: F401 (the plan's rules)
+from .registry import get_method
 
 MODES = ("auto", "stream", "memory")
 MEMORY_FRACTION = 0.5  # auto: models larger than this fraction of the available memory are streamed
