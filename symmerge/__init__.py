@@ -18,7 +18,6 @@ with guarded_imports():  # the symmerge command: a Ctrl-C during these imports (
     from .pipeline.options import AlignOptions, LearnSettings
     from .pipeline.to_folder import align_to_folder
     from . import merge  # noqa: E402  (the package is callable: symmerge.merge(models, out, options) -> report)
-    from .commands import config_options as _config_options  # noqa: F401  (symmerge's config keys: config.schema)
 
 __all__ = ["merge", "align_to_folder", "align", "align_pair", "Alignment", "AlignOptions", "LearnSettings", "merge_models", "MergeOptions", "barrier_study", "barrier_many", "BarrierOptions",
            "SymmergeError", "SPECS", "spec_for", "supported_model_types"]

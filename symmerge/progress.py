@@ -324,9 +324,3 @@ def stage_printer(total: int | None = None, desc: str = "solving"):
     return progress
 
 
-def add_argument(parser) -> None:
-    """The ``--progress`` option of the long commands."""
-    parser.add_argument("--progress", choices=MODES, default="auto",
-                        help="how progress is shown on stderr: auto (default: bars on a terminal, plain lines "
-                             "otherwise, e.g. in a log or a pipe), bar, lines (one line per stage with counts "
-                             "and seconds) or none")

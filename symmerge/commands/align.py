@@ -18,62 +18,23 @@ from pathlib import Path
 
 from ..io.prefix import print_notes as print_adapted
 from ..io.tokenizers import print_note
-from ..pipeline.options import RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
+from ..options.build import align_options
+from ..options.parse import parse_layers
+from ..pipeline.options import RECOMMENDED_NAME
 from ..pipeline.report import solver_summary
-from ..progress import add_argument as add_progress_argument
 from ..progress import elapsed
-from .alignment_args import add_alignment_arguments, alignment_options
-from .safety_args import add_trust_remote_code
+from .schema_args import add_options
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("model", help="HF model folder to align (config.json + safetensors)")
-    parser.add_argument("anchor", help="HF model folder of the anchor (left unchanged)")
-    parser.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
-    parser.add_argument("--symmetries", default=RECOMMENDED_NAME,
-                        help=describe_symmetries(f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model "
-                                                 "has them; as for merge and barrier). With --stream, "
-                                                 f"{RECOMMENDED_NAME} leaves residual out (it cannot stream)"))
-    parser.add_argument("--layers", default=None, help="only align these layers, e.g. '0,1,5' (default: all)")
-    parser.add_argument("--no-verify", action="store_true", help="skip the equivalence check (not recommended)")
-    parser.add_argument("--verify-tol", type=float, default=None,
-                        help="max relative output difference accepted (default: 1e-4 fp32, 5e-2 half)")
-    parser.add_argument("--stream", action="store_true",
-                        help="layer by layer from safetensors shards, never holding a whole model in memory "
-                             "(attn, ffn, rescale; not residual)")
-    parser.add_argument("--shard-size", default="1GB",
-                        help="with --stream: largest output shard (default 1GB; without --pipeline shards are "
-                             "also cut at about one layer, to bound memory)")
-    parser.add_argument("--pipeline", action="store_true",
-                        help="with --stream: overlap reads, matching and writes across layers (faster when I/O "
-                             "is slow; holds a few layers in memory instead of one part of one)")
-    parser.add_argument("--device", default="cpu",
-                        help="where the FFN cost GEMMs run: cpu (default), cuda, cuda:N or auto")
-    parser.add_argument("--verify-forward", action="store_true",
-                        help="with --stream: also load both models at the end and compare outputs (needs the RAM)")
-    parser.add_argument("--allow-pickle", action="store_true",
-                        help="accept pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True))")
-    add_alignment_arguments(parser, repair=False)
-    add_trust_remote_code(parser)
-    add_progress_argument(parser)
-
-
-def parse_layers(value):
-    if value is None:
-        return None
-    from ..errors import SymmergeError
-
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise SymmergeError(f"--layers expects comma-separated integers, got {value!r}") from None
+    add_options(parser, "align")  # declared in symmerge.options.declared
 
 
 def run(args) -> int:
     from ..pipeline.to_folder import align_to_folder
 
     out = Path(args.output)
-    options = alignment_options(args, args.symmetries, verify=not args.no_verify, layers=parse_layers(args.layers),
+    options = align_options(args, args.symmetries, verify=not args.no_verify, layers=parse_layers(args.layers),
                                 verify_tol=args.verify_tol, device=args.device)
     report = align_to_folder(args.model, args.anchor, out, options, stream=args.stream,
                              allow_pickle=args.allow_pickle, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,

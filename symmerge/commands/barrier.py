@@ -21,43 +21,14 @@ from pathlib import Path
 from ..errors import SymmergeError
 from ..io.model import ensure_output_dir
 from ..io.tokenizers import print_note
-from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED, RECOMMENDED_NAME, describe_symmetries
-from ..progress import add_argument as add_progress_argument
+from ..options.build import align_options
+from ..pipeline.options import RECOMMENDED_NAME
 from ..progress import elapsed
-from .alignment_args import add_alignment_arguments, alignment_options
-from .safety_args import add_trust_remote_code
+from .schema_args import add_options
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("models", nargs="+", metavar="MODEL",
-                        help="HF model folders: A B (A aligned to B, the anchor, in the aligned variants), or three "
-                             "or more (aligned jointly into one frame)")
-    parser.add_argument("--data", required=True,
-                        help="evaluation data (held out): .npz (images), .jsonl (text, label) or .txt (LM)")
-    parser.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
-    parser.add_argument("--align", action="append", default=None,
-                        help="alignment variant(s) compared with no alignment (repeatable): " + describe_symmetries(
-                            f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them)"))
-    parser.add_argument("--points", type=int, default=11, help="number of α values in [0, 1] (default 11)")
-    parser.add_argument("--joint-rounds", type=int, default=10, metavar="N",
-                        help="more than two models: rounds of the joint alignment after the star (default 10)")
-    parser.add_argument("--joint-refine", choices=JOINT_REFINE, default=DEFAULT_REFINE,
-                        help="more than two models: what the joint alignment's rounds re-solve, 'all' the groups or "
-                             f"'discrete' the permutations only (default {DEFAULT_REFINE})")
-    parser.add_argument("--subsets", choices=["single", "last"], default=None,
-                        help="also match only layer i (single) or only the last k layers (last); loss at α = 0.5")
-    parser.add_argument("--temperature", action="store_true",
-                        help="each variant also gets a '+temperature' curve: at every α the merged model's softmax "
-                             "temperature fitted on the unlabeled --align-data against the endpoints' mixed "
-                             "predictions (the calibration baseline of Ito et al.; labels never used)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-examples", type=int, default=None)
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
-    parser.add_argument("--no-verify", action="store_true", help="skip the equivalence check of each alignment")
-    parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin checkpoints")
-    add_trust_remote_code(parser)
-    add_alignment_arguments(parser)
-    add_progress_argument(parser)
+    add_options(parser, "barrier")  # declared in symmerge.options.declared
 
 
 def run(args) -> int:
@@ -71,10 +42,8 @@ def run(args) -> int:
         raise SymmergeError("--subsets compares two models; give exactly two")
     if args.temperature and len(args.models) > 2:
         raise SymmergeError("--temperature calibrates the path between two models; give exactly two")
-    if args.joint_rounds < 0:
-        raise SymmergeError(f"--joint-rounds must be >= 0, got {args.joint_rounds}")
     ensure_output_dir(out)
-    options = alignment_options(args, RECOMMENDED_NAME, verify=not args.no_verify)
+    options = align_options(args, RECOMMENDED_NAME, verify=not args.no_verify)
     channels = parse_channels(args.repair_channels)
     statistics_data(None, args.repair_samples)  # samples >= 1, before any model is loaded
     if len(args.models) > 2:

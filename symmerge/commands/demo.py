@@ -16,7 +16,7 @@ version rounds differently (demo.json's "platform"). About 4.5 minutes on 2 CPU 
 
 from pathlib import Path
 
-from ..progress import add_argument as add_progress_argument
+from .schema_args import add_part
 
 
 def add_arguments(parser) -> None:
@@ -29,7 +29,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: fastest for these tiny models on a shared CPU, and the "
                              "setting the README's figures were printed with)")
-    add_progress_argument(parser)
+    add_part(parser, "progress")
 
 
 def run(args) -> int:

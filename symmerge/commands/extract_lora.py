@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from ..errors import SymmergeError
-from ..progress import add_argument as add_progress_argument
+from .schema_args import add_part
 from .lora_args import add_lora_arguments
 
 # mergekit-extract-lora's flags that change nothing here, and why (accepted so that its scripts run)
@@ -76,7 +76,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--unsafe-truncate-embeddings", action=argparse.BooleanOptionalAction, default=False,
                         help=argparse.SUPPRESS)
     add_lora_arguments(parser)
-    add_progress_argument(parser)
+    add_part(parser, "progress")
     noop = parser.add_argument_group("mergekit-extract-lora's flags accepted with no effect")
     for flag, (why, metavar) in NO_OPS.items():
         if metavar:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 
 from ..errors import SymmergeError
-from ..progress import add_argument as add_progress_argument
 from .alignment_args import add_alignment_arguments, alignment_options
 from .run import shard_size
+from .schema_args import add_part
 
 NO_OPS = {  # mergekit-moe's flags that change nothing here, and why (--help)
     "--load-in-4bit": "accepted: the hidden-state pass runs the base model in bfloat16 (as mergekit without it)",
@@ -73,7 +73,7 @@ def add_arguments(parser) -> None:
                         help="with --align: align each expert layer by layer from its checkpoint "
                              "(symmerge align --stream)")
     add_alignment_arguments(parser, repair=False)
-    add_progress_argument(parser)
+    add_part(parser, "progress")
     mk = parser.add_argument_group("mergekit-moe's other flags (accepted)")
     for flag, text in NO_OPS.items():
         mk.add_argument(flag, action="store_true", help=text)

@@ -12,82 +12,25 @@ config is one error naming the key and its line, before anything is read or writ
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 
 from ..errors import SymmergeError
-from .safety_args import add_trust_remote_code
+from ..options.declared import MERGEKIT, TITLES
 from .lora_args import add_lora_arguments
+from .schema_args import add_options
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("config", help="YAML file: a mergekit config (models or slices, merge_method, parameters, "
-                                       "base_model, dtype, tokenizer_source: union, ...; several documents for "
-                                       "mergekit-multi; with align: and the merge command's alignment options, "
-                                       "aligned first), or one with "
-                                       "symmerge's options by their long names (see docs/merge.md, Merge configs)")
-    parser.add_argument("out", nargs="?", default=None, help="output folder (as mergekit-yaml CONFIG OUT)")
-    parser.add_argument("-o", "--output", default=None, help="output folder (the same as OUT)")
-    parser.add_argument("--align", default=None, metavar="recommended|LIST",
-                        help="align every model into one frame first, then run the config on the aligned models "
-                             "(gradients, filters, slices and all; the frame as symmerge merge chooses it: the base "
-                             "model's, else the second of two, else joint); a mergekit config is merged without "
-                             "alignment unless asked (here or with 'align:' in the config)")
-    parser.add_argument("--print-command", action="store_true",
-                        help="print what the config runs (the symmerge command line, or the merge plan) and exit")
-    parser.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
-                        help="progress on stderr, unless the config sets its own 'progress'")
-    add_trust_remote_code(parser)
+    add_options(parser, "run", skip=(MERGEKIT, "lora"))  # declared in symmerge.options.declared
     add_mergekit_yaml_arguments(parser)
 
 
 def add_mergekit_yaml_arguments(parser) -> None:
     """Every flag of ``mergekit-yaml`` 0.1.5, with its effect here or as a documented no-op (docs/configs.md,
     "mergekit-yaml's flags")."""
-    on_off = argparse.BooleanOptionalAction
-    mk = parser.add_argument_group("mergekit-yaml's flags (as mergekit-yaml CONFIG OUT; docs/configs.md)")
-    mk.add_argument("--copy-tokenizer", action=on_off, default=True,
-                    help="copy the tokenizer of the config's tokenizer source (or base) to the output (default on; off: "
-                         "none is copied, a tokenizer the config builds is still written, as mergekit)")
-    mk.add_argument("--write-model-card", action=on_off, default=True,
-                    help="write README.md (the model card) and mergekit_config.yml (the config) beside the model "
-                         "(default on, as mergekit); symmerge_report.json is always written")
-    mk.add_argument("--out-shard-size", default=None, metavar="SIZE",
-                    help="largest output shard, as mergekit: 5B (bytes, K/M/B suffixes) or 2GB")
-    mk.add_argument("--random-seed", type=int, default=None, metavar="N",
-                    help="seed of the randomised methods (DARE, DELLA): their 'seed' parameter")
-    mk.add_argument("--cuda", action=on_off, default=False,
-                    help="merge on the GPU when there is one (tensors read and written on the CPU; without a GPU, "
-                         "a warning and the CPU)")
-    mk.add_argument("--device", default=None, metavar="DEVICE",
-                    help="device the merge arithmetic runs on (cpu, cuda, cuda:N)")
-    mk.add_argument("--gpu-rich", action="store_true", help="as mergekit: --cuda (and its no-ops below)")
-    mk.add_argument("-j", "--num-threads", type=int, default=None, metavar="N",
-                    help="torch threads for the merge arithmetic (default: torch's)")
-    mk.add_argument("--quiet", action=on_off, default=False, help="no progress on stderr (--progress none)")
-    mk.add_argument("-v", dest="verbose", action="count", default=0,
-                    help="progress as one line per stage (--progress lines); repeat for no more")
-    mk.add_argument("--lazy-unpickle", action=on_off, default=False,
-                    help="no-op: tensors are always read lazily (safetensors)")
-    mk.add_argument("--low-cpu-memory", action=on_off, default=False,
-                    help="no-op: results are written as they come, tensor by tensor")
-    mk.add_argument("--read-to-gpu", action=on_off, default=False,
-                    help="no-op: with --cuda each tensor is moved to the GPU after it is read")
-    mk.add_argument("--multi-gpu", action=on_off, default=False, help="no-op: one device")
-    mk.add_argument("--async-write", action=on_off, default=False,
-                    help="no-op: symmerge always writes on a thread of its own, behind the merge")
-    mk.add_argument("--write-threads", type=int, default=None, metavar="N", help="no-op: one writer thread")
-    mk.add_argument("--clone-tensors", action=on_off, default=False,
-                    help="no-op: every output tensor is written on its own (a layer used twice included)")
-    mk.add_argument("--safe-serialization", action=on_off, default=True,
-                    help="safetensors (always; --no-safe-serialization is ignored with a warning)")
-    mk.add_argument("--allow-crimes", action=on_off, default=False,
-                    help="no-op: symmerge checks every tensor's name and shape, not the architectures' names")
-    mk.add_argument("--unsafe-truncate-embeddings", action=on_off, default=False,
-                    help="cut every model's vocabulary rows to the smallest model's (same token ids assumed)")
-    mk.add_argument("--transformers-cache", default=None, metavar="DIR",
-                    help="no-op: models are local folders (nothing is downloaded)")
+    mk = parser.add_argument_group(TITLES[MERGEKIT])
+    add_options(mk, "run", part=MERGEKIT)
     add_lora_arguments(mk)  # BASE+ADAPTER inputs (commands/lora_args.py)
 
 

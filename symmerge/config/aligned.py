@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import SymmergeError
-from .schema import schema
+from .schema import merge_options
 
 # symmerge merge's options that say how the models are aligned (beside a mergekit config's own keys)
 ALIGN_KEYS = ("align", "anchor", "star", "joint_rounds", "joint_refine", "no_verify", "mode", "device", "progress",
@@ -77,9 +77,8 @@ def alignment_of(doc, align=None) -> Alignment:
     keys = {k: v for k, v in doc.data.items() if k in ALIGN_KEYS}
     if align is not None:
         keys["align"] = align
-    options, ns = schema().merge_options(doc, keys)
-    options.progress = ns.progress != "none"
-    options.evaluate = False
+    options, given = merge_options(doc, keys)
+    options = replace(options, progress=given.progress != "none", evaluate=False)
     return Alignment(options, doc, tuple(keys))
 
 

@@ -5,20 +5,17 @@ its option's long name.
 Keys follow mergekit's convention (``models`` with ``parameters: {weight: w}``, ``merge_method``,
 ``base_model``, ``parameters``) plus any option of the command by its long name (``align``, ``match``,
 ``align_data``, ``eval_data``, ``output``, ...). The commands declare which keys are options and turn them into
-their options objects (:mod:`symmerge.config.schema`, filled by :mod:`symmerge.commands.config_options`): each
-value is checked as the command line checks its flag, and nothing is written as a command line and parsed
-again. Configs with symmerge's own keys go this way (alignment, data, evaluation); a config with mergekit's keys
+their options objects from the options' declarations (:mod:`symmerge.config.schema`): each value is checked as
+the command line checks its flag, and nothing is written as a command line and parsed again. Configs with symmerge's own keys go this way (alignment, data, evaluation); a config with mergekit's keys
 only is planned by :mod:`.mergekit`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .schema import schema
+from . import schema
+from .schema import ALIASES, COMMANDS as RUNNABLE  # noqa: F401  (ALIASES: mergekit's names of symmerge options)
 
-RUNNABLE = ("merge", "align", "barrier")
-# mergekit's names and their symmerge options
-ALIASES = {"merge_method": "method", "base_model": "base", "out": "output", "out_path": "output"}
 STRUCTURAL = {"command", "models", "parameters"}
 # mergekit keys this path cannot take (they need the step plan of a mergekit config)
 MERGEKIT_ONLY = ("slices", "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template", "name", "modules")
@@ -41,12 +38,12 @@ class SymmergeConfig:
 def is_option(command: str, key: str) -> bool:
     """Whether ``key`` (a config key) names an option of ``symmerge COMMAND`` (by its long name or a mergekit
     alias); an unknown command counts as ``merge``."""
-    return schema().is_option(command, key)
+    return schema.is_option(command, key)
 
 
 def option_names(command: str = "merge") -> tuple:
     """The config keys of ``symmerge COMMAND``'s options (``eval_data`` for ``--eval-data``)."""
-    return schema().option_names(command)
+    return schema.option_names(command)
 
 
 def _is_plain(v) -> bool:
@@ -134,11 +131,11 @@ def symmerge_config(doc, output=None, align=None, symmerge_key=None) -> Symmerge
 
 
 def check(config: SymmergeConfig):
-    """Every key of ``config`` checked by its command's schema (the namespace it makes; one error naming the
-    key and its line)."""
-    return schema().namespace(config)
+    """Every key of ``config`` checked by its command's schema (the option values it makes; one error naming
+    the key and its line)."""
+    return schema.values(config)
 
 
 def command_line(config: SymmergeConfig) -> list[str]:
     """``[COMMAND, ARG, ...]``: the command line the config stands for (what ``--print-command`` prints)."""
-    return schema().command_line(config)
+    return schema.command_line(config)

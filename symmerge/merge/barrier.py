@@ -56,7 +56,7 @@ def _variants(aligns, base: AlignOptions, model) -> dict:
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class BarrierOptions:
     """Everything a barrier study needs besides the models and the data (one object, shared with the CLI):
     ``aligns``: the alignment variants (symmetry lists, or 'recommended': the groups of the recommended set

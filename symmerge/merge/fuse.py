@@ -56,9 +56,10 @@ def check_model_count(m, n: int, has_base: bool) -> None:
     m.check_inputs(n, has_base)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MergeOptions:
-    """Everything a merge needs besides the models. ``align``: the alignment options (default: the
+    """Everything a merge needs besides the models (immutable: :meth:`check` returns the validated copy the
+    plan keeps, ``dataclasses.replace`` makes a changed one). ``align``: the alignment options (default: the
     recommended set, resolved against the anchor; no symmetries: no alignment); ``data``: one data file
     (or :class:`~symmerge.io.data.Data`) for all models or one per model, for the statistics;
     ``eval_data``: the same for evaluation (scoring the inputs and the result, with ``evaluate``).
@@ -112,11 +113,13 @@ class MergeOptions:
         return cls(method=method, align=align, data=items(data), eval_data=items(eval_data), evaluate=evaluate_result,
                    **kw)
 
-    def check(self, n: int):
-        """Validate against ``n`` models before any expensive step; returns the method."""
+    def check(self, n: int) -> "MergeOptions":
+        """Validate against ``n`` models before any expensive step; returns the validated options (a new
+        object: the method's parameters checked and completed, ``head_from`` counted from 0, the REPAIR
+        channels parsed); ``self`` is left as it is."""
         m = get_method(self.method)
         check_model_count(m, n, self.base is not None)
-        self.params = m.check_params(dict(self.params or {}))
+        params = m.check_params(dict(self.params or {}))
         if self.heads not in HEAD_POLICIES:
             raise SymmergeError(f"unknown head policy {self.heads!r}; choose {', '.join(HEAD_POLICIES)}")
         if n == 0:
@@ -139,12 +142,11 @@ class MergeOptions:
             raise SymmergeError(f"method {m.name!r} does not use a base model")
         if not -n <= self.head_from < n:
             raise SymmergeError(f"--head-from {self.head_from} out of range for {n} models")
-        self.head_from %= n
         if self.weights is not None and len(self.weights) != n:
             raise SymmergeError(f"got {len(self.weights)} weights for {n} models")
         if self.repair and self.align.align_data is None:
             raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass --align-data FILE")
-        self.repair_channels = parse_channels(self.repair_channels)
+        channels = parse_channels(self.repair_channels)
         statistics_data(None, self.repair_samples)  # samples >= 1
         if self.joint and (self.anchor is not None or self.base is not None):
             raise SymmergeError("joint alignment brings every model into one common frame: it takes no --anchor "
@@ -153,7 +155,7 @@ class MergeOptions:
             raise SymmergeError(f"--joint-rounds must be >= 0, got {self.joint_rounds}")
         if self.joint_refine not in JOINT_REFINE:
             raise SymmergeError(f"unknown --joint-refine {self.joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
-        return m
+        return replace(self, params=params, head_from=self.head_from % n, repair_channels=channels)
 
     def use_joint(self, n: int) -> bool:
         """Joint alignment (every model to the mean of the others) rather than the star: asked for, or by
@@ -329,6 +331,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
         plan = plan_merge(models, options, mode="memory")
     elif plan.mode != "memory":
         raise SymmergeError(f"merge_models runs in memory; the plan streams ({plan.why})")
+    options = plan.options or options  # the options the plan validated
     run = _Run(plan=plan, opts=options, m=plan.method, t0=t0)
     for step in (_load_and_check, _align, _statistics, _merge, _report, _evaluate):
         step(run, models)
@@ -342,7 +345,7 @@ def align_models(models, options: MergeOptions, plan):
     ``options.base`` loaded, checked and brought into one frame by ``plan`` (its frame and anchor rule), for
     a caller that merges them its own way (``symmerge run`` with ``align:``). Returns the run: ``aligned``,
     ``aligned_base``, ``alignment`` (the report's entry), ``tokenizer``, ``adapted``."""
-    run = _Run(plan=plan, opts=options, m=plan.method, t0=time.perf_counter())
+    run = _Run(plan=plan, opts=plan.options or options, m=plan.method, t0=time.perf_counter())
     for step in (_load_and_check, _align):
         step(run, models)
     return run

@@ -34,6 +34,7 @@ from ..io.model import ShardIndexError, read_config, weight_files
 from ..pipeline.matchers import streaming_refusal
 from ..pipeline.options import AlignOptions
 from ..pipeline.recommend import BASE_NOTE, has_spec, plain_fallback, recommended  # noqa: F401 (the plan's rules)
+from .registry import get_method
 
 MODES = ("auto", "stream", "memory")
 MEMORY_FRACTION = 0.5  # auto: models larger than this fraction of the available memory are streamed
@@ -185,6 +186,7 @@ class MergePlan:
     # made by the wing from the headers (streamed) or the state dicts (in memory) and run by the one executor;
     # None for the methods with their own loop (statistics, the architecture)
     steps: list | None = None
+    options: object = None  # the MergeOptions the plan validated (MergeOptions.check), which the wings run on
 
     @property
     def aligns(self) -> bool:
@@ -213,7 +215,8 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     :class:`~symmerge.merge.fuse.MergeOptions`, checked here) in ``mode``: read from the first input's
     config.json and the folders' sizes only."""
     n = len(models)
-    m = options.check(n)
+    options = options.check(n)
+    m = get_method(options.method)
     model_type = model_type_of(models[0])
     align, note = recommended(options.align, model_type=model_type, base_given=options.base is not None)
     aligns = bool(align.symmetries)
@@ -231,7 +234,7 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
                      why=why, align=align, requested=options.align.requested, note=note, frame=frame,
                      anchor_index=index, anchor_rule=rule, params=options.params,
                      weights=list(options.weights) if options.weights is not None else None,
-                     statistics=m.needs, heads=options.heads)
+                     statistics=m.needs, heads=options.heads, options=options)
 
 
 def merge_report(plan: MergePlan, *, base, alignment: dict, head: dict, distances_between_inputs: dict,

@@ -74,6 +74,7 @@ def merge_streaming(models, out, options, shard_size=DEFAULT_SHARD, budget=None,
     plan = plan if plan is not None else plan_merge(models, options, mode="stream")
     if plan.mode != "stream":
         raise SymmergeError(f"streamed merge: the plan loads the models ({plan.why}); use --mode memory")
+    options = plan.options or options  # the options the plan validated
     names = [str(x) for x in models]
     # the same checks as in memory, before anything is read: tokenizers, sentence-transformers pipelines
     tokenizer = check_tokenizers([(n, x) for n, x in zip(names, models)] +

@@ -1,0 +1,347 @@
+"""Every option of ``symmerge merge``, ``align`` and ``barrier`` (and the parts ``moe``, ``extract-lora`` and
+``run`` share), declared once: name (= config key), flags, how its value is read, choices, range, default,
+help, commands. Help shows them in this order. Defaults that the options objects also have are read from
+their dataclasses (:func:`default`), so that a flag's default and Python's are one value."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, fields
+
+from ..groups import RESCALE_MODES
+from ..merge.barrier import BarrierOptions
+from ..merge.fuse import MergeOptions
+from ..merge.heads import HEAD_POLICIES
+from ..merge.registry import METHODS
+from ..pipeline.options import (DEFAULT_REFINE, JOINT_REFINE, LEARN_PRECISIONS, MATCH_MODES, RECOMMENDED,
+                                RECOMMENDED_NAME, RESIDUAL_CHOICES, AlignOptions, LearnSettings, describe_symmetries)
+from ..progress import MODES as PROGRESS_MODES
+from .parse import concentration
+from .schema import Option, Table
+
+MERGE, ALIGN, BARRIER, RUN = "merge", "align", "barrier", "run"
+STUDIES = frozenset({MERGE, BARRIER})
+ALIGNING = frozenset({MERGE, ALIGN, BARRIER, "moe"})  # the commands with the alignment flags (moe: with --align)
+MODELS = frozenset({MERGE, ALIGN, BARRIER})
+ALIGNMENT, REPAIR = "alignment", "repair"  # parts shared by several commands (Option.part)
+MERGEKIT = "mergekit"  # run's flags of mergekit-yaml (a group of their own in its help: TITLES)
+TITLES = {MERGEKIT: "mergekit-yaml's flags (as mergekit-yaml CONFIG OUT; docs/configs.md)"}
+
+
+def default(cls, name: str):
+    """The default of the field ``name`` of the dataclass ``cls``."""
+    f = next(f for f in fields(cls) if f.name == name)
+    return f.default if f.default is not MISSING else f.default_factory()
+
+
+def M(name: str):
+    """The default of a :class:`~symmerge.merge.fuse.MergeOptions` field."""
+    return default(MergeOptions, name)
+
+
+def B(name: str):
+    """The default of a :class:`~symmerge.merge.barrier.BarrierOptions` field."""
+    return default(BarrierOptions, name)
+
+
+def opt(name, *flags, on, **kw) -> Option:
+    return Option(name, flags, commands=frozenset({on} if isinstance(on, str) else on), **kw)
+
+
+def noop(name, what) -> Option:
+    """A switch of mergekit-yaml's that ``symmerge run`` accepts and that changes nothing (``what``: why)."""
+    return opt(name, "--" + name.replace("_", "-"), on=RUN, part=MERGEKIT, form="onoff", default=False,
+               help=f"no-op: {what}")
+
+
+A, L = AlignOptions, LearnSettings
+OPTIONS = (
+    opt("models", on=MERGE, form="positional", nargs="+", help="HF model folders to merge (two or more)"),
+    opt("models", on=BARRIER, form="positional", nargs="+", metavar="MODEL",
+        help="HF model folders: A B (A aligned to B, the anchor, in the aligned variants), or three or more (aligned "
+             "jointly into one frame)"),
+    opt("model", on=ALIGN, form="positional", help="HF model folder to align (config.json + safetensors)"),
+    opt("anchor", on=ALIGN, form="positional", help="HF model folder of the anchor (left unchanged)"),
+    opt("data", "--data", on=BARRIER, required=True,
+        help="evaluation data (held out): .npz (images), .jsonl (text, label) or .txt (LM)"),
+    opt("output", "-o", "--output", on=MODELS, required=True, help="output folder (must not exist or be empty)"),
+    opt("method", "--method", on=MERGE, required=True, help=f"fusion method: {', '.join(sorted(METHODS))}"),
+    opt("align", "--align", on=MERGE, default=RECOMMENDED_NAME, joins=True,
+        help="symmetries to align before merging: " + describe_symmetries(
+            f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them; residual is also left out when "
+            "the task heads differ)")),
+    opt("align", "--align", on=BARRIER, form="append", joins=True,
+        help="alignment variant(s) compared with no alignment (repeatable): " + describe_symmetries(
+            f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them)")),
+    # align's own
+    opt("symmetries", "--symmetries", on=ALIGN, default=RECOMMENDED_NAME, joins=True,
+        help=describe_symmetries(f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them; as for "
+                                 f"merge and barrier). With --stream, {RECOMMENDED_NAME} leaves residual out (it "
+                                 "cannot stream)")),
+    opt("layers", "--layers", on=ALIGN, joins=True, help="only align these layers, e.g. '0,1,5' (default: all)"),
+    opt("no_verify", "--no-verify", on=ALIGN, form="switch", default=False,
+        help="skip the equivalence check (not recommended)"),
+    opt("verify_tol", "--verify-tol", on=ALIGN, parse=float,
+        help="max relative output difference accepted (default: 1e-4 fp32, 5e-2 half)"),
+    opt("stream", "--stream", on=ALIGN, form="switch", default=False,
+        help="layer by layer from safetensors shards, never holding a whole model in memory (attn, ffn, rescale; "
+             "not residual)"),
+    opt("shard_size", "--shard-size", on=ALIGN, default="1GB",
+        help="with --stream: largest output shard (default 1GB; without --pipeline shards are also cut at about one "
+             "layer, to bound memory)"),
+    opt("pipeline", "--pipeline", on=ALIGN, form="switch", default=False,
+        help="with --stream: overlap reads, matching and writes across layers (faster when I/O is slow; holds a few "
+             "layers in memory instead of one part of one)"),
+    opt("device", "--device", on=ALIGN, default="cpu",
+        help="where the FFN cost GEMMs run: cpu (default), cuda, cuda:N or auto"),
+    opt("verify_forward", "--verify-forward", on=ALIGN, form="switch", default=False,
+        help="with --stream: also load both models at the end and compare outputs (needs the RAM)"),
+    opt("allow_pickle", "--allow-pickle", on=ALIGN, form="switch", default=False,
+        help="accept pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True))"),
+    # merge's and barrier's
+    opt("anchor", "--anchor", on=MERGE,
+        help="anchor: index of a model (0-based) or a folder (default: base model for task-vector methods; the second "
+             "of two models; else the model closest to the average). With more than two models and no anchor, every "
+             "model is aligned jointly into one frame (each to the mean of the others, from the star on the model "
+             "closest to the average; with --match learned, then random convex combinations of the models learned "
+             "against the same combinations of their predictions); an anchor keeps the star: every model aligned to "
+             "it"),
+    opt("star", "--star", on=MERGE, form="switch", default=False,
+        help="with more than two models: align every model to one anchor (the default rule's, or --anchor) instead "
+             "of jointly into one frame"),
+    opt("points", "--points", on=BARRIER, parse=int, default=B("points"),
+        help="number of α values in [0, 1] (default 11)"),
+    opt("joint_rounds", "--joint-rounds", on=MERGE, parse=int, minimum=0, default=M("joint_rounds"), metavar="N",
+        help="joint alignment (more than two models, no --anchor): at most N rounds of 'each model to the mean of "
+             "the others' after the star (default 10; it stops when a round lowers the spread by less than 1e-3 "
+             "data-free, where a round is one sweep per model, 1e-4 with activations)"),
+    opt("joint_rounds", "--joint-rounds", on=BARRIER, parse=int, minimum=0, default=B("joint_rounds"), metavar="N",
+        help="more than two models: rounds of the joint alignment after the star (default 10)"),
+    opt("joint_refine", "--joint-refine", on=MERGE, choices=JOINT_REFINE, default=M("joint_refine"),
+        help="what the joint alignment's rounds re-solve: 'all' the groups (MergeMany; for the continuous groups "
+             "generalized Procrustes) or 'discrete' only the head and unit permutations, keeping the star's rotations "
+             f"and scales (default {DEFAULT_REFINE})"),
+    opt("joint_refine", "--joint-refine", on=BARRIER, choices=JOINT_REFINE, default=DEFAULT_REFINE,
+        help="more than two models: what the joint alignment's rounds re-solve, 'all' the groups or 'discrete' the "
+             f"permutations only (default {DEFAULT_REFINE})"),
+    opt("subsets", "--subsets", on=BARRIER, choices=("single", "last"),
+        help="also match only layer i (single) or only the last k layers (last); loss at α = 0.5"),
+    opt("temperature", "--temperature", on=BARRIER, form="switch", default=False,
+        help="each variant also gets a '+temperature' curve: at every α the merged model's softmax temperature "
+             "fitted on the unlabeled --align-data against the endpoints' mixed predictions (the calibration baseline "
+             "of Ito et al.; labels never used)"),
+    opt("base", "--base", on=MERGE, help="base (pre-trained) model folder for task_arithmetic, ties, dare"),
+    opt("data", "--data", on=MERGE, form="append", metavar="FILE",
+        help="data (.npz, .jsonl, .txt) for the statistics of fisher and regmean (training data); give it once for "
+             "all models or once per model (in model order)"),
+    opt("eval_data", "--eval-data", on=MERGE, form="append", metavar="FILE",
+        help="held-out data (.npz, .jsonl, .txt) the merged model and the inputs are scored on; once for all models "
+             "or once per model (file i scored with model i's head). Without it the evaluation uses --data, and the "
+             "report and stderr say so"),
+    opt("weights", "--weights", on=MERGE, help="comma-separated model weights, e.g. 0.7,0.3"),
+    opt("param", "--param", on=MERGE, form="append", default=[], metavar="KEY=VALUE",
+        help="method parameter, e.g. alpha=0.9 (regmean), scale=0.5, density=0.2, drop=0.9, seed=1"),
+    opt("heads", "--heads", on=MERGE, choices=HEAD_POLICIES, default=M("heads"),
+        help="heads outside the base model: auto (default: a language model's head, whose rows are the vocabulary, "
+             "is merged like the embeddings; a task head is kept), keep one model's (--head-from), or merge them "
+             "(same label space only)"),
+    opt("head_from", "--head-from", on=MERGE, parse=int, default=M("head_from"),
+        help="index of the model whose head is kept (default 0)"),
+    opt("fisher", "--fisher", on=MERGE, choices=("empirical", "sampled"), default=M("fisher_variant"),
+        help="Fisher variant: true labels (empirical) or labels sampled from the model"),
+    opt("fisher_samples", "--fisher-samples", on=MERGE, parse=int, minimum=1, default=M("fisher_samples"),
+        help="label samples per example (sampled Fisher)"),
+    opt("fisher_normalize", "--fisher-normalize", on=MERGE, form="switch", default=False,
+        help="scale each model's Fisher to mean 1"),
+    opt("gram_sum", "--gram-sum", on=MERGE, form="switch", default=False,
+        help="RegMean with summed Grams (weights models by data size) instead of per-token means"),
+    opt("batch_size", "--batch-size", on=STUDIES, parse=int, minimum=1, default=M("batch_size")),
+    opt("max_examples", "--max-examples", on=MERGE, parse=int,
+        help="use at most this many examples per file"),
+    opt("max_examples", "--max-examples", on=BARRIER, parse=int),
+    opt("max_length", "--max-length", on=MERGE, parse=int, help="truncate texts to this many tokens"),
+    opt("device", "--device", on=STUDIES, default="cpu", help="cpu (default), cuda, cuda:N or auto"),
+    opt("no_verify", "--no-verify", on=STUDIES, form="switch", default=False,
+        help="skip the equivalence check of each alignment"),
+    opt("allow_pickle", "--allow-pickle", on=STUDIES, form="switch", default=False,
+        help="accept pytorch_model.bin checkpoints"),
+    # run's own (a config's flags: none of them is a config key)
+    opt("config", on=RUN, form="positional",
+        help="YAML file: a mergekit config (models or slices, merge_method, parameters, base_model, dtype, "
+             "tokenizer_source: union, ...; several documents for mergekit-multi; with align: and the merge "
+             "command's alignment options, aligned first), or one with symmerge's options by their long names (see "
+             "docs/merge.md, Merge configs)"),
+    opt("out", on=RUN, form="positional", nargs="?", help="output folder (as mergekit-yaml CONFIG OUT)"),
+    opt("output", "-o", "--output", on=RUN, help="output folder (the same as OUT)"),
+    opt("align", "--align", on=RUN, metavar="recommended|LIST",
+        help="align every model into one frame first, then run the config on the aligned models (gradients, "
+             "filters, slices and all; the frame as symmerge merge chooses it: the base model's, else the second of "
+             "two, else joint); a mergekit config is merged without alignment unless asked (here or with 'align:' in "
+             "the config)"),
+    opt("print_command", "--print-command", on=RUN, form="switch", default=False,
+        help="print what the config runs (the symmerge command line, or the merge plan) and exit"),
+    opt("progress", "--progress", on=RUN, choices=PROGRESS_MODES, default="auto",
+        help="progress on stderr, unless the config sets its own 'progress'"),
+    opt("trust_remote_code", "--trust-remote-code", on=MODELS | {"run", "moe"}, form="onoff", default=False,
+        help="let transformers import Python code shipped in a model or tokenizer folder (auto_map in config.json): "
+             "only for folders you trust. Without it such a folder is refused; symmerge never runs a folder's code "
+             "otherwise (see SECURITY.md)"),
+    opt("mode", "--mode", on=MERGE, choices=("auto", "stream", "memory"), default=M("mode"),
+        help="stream: merge tensor by tensor from the safetensors files (memory ~ the largest tensors, any model "
+             "size; per-tensor methods without alignment); memory: load the models; auto (default): stream whatever "
+             "can stream, else load"),
+    opt("shard_size", "--shard-size", on=MERGE, default=M("shard_size"),
+        help="streamed output: largest shard (default 2GB)"),
+    opt("print_plan", "--print-plan", on=MERGE, form="switch", default=False,
+        help="print the resolved plan and its steps (one per output tensor: copy, or merge with which inputs and "
+             "parameters) as JSON, then exit without reading weights or writing"),
+    # a model given as BASE+ADAPTER: a LoRA adapter merged into its base first (symmerge.io.lora.merge_cache)
+    opt("lora_merge_cache", "--lora-merge-cache", on={MERGE, "run", "extract-lora"}, metavar="DIR", part="lora",
+        help="merge models given as BASE+ADAPTER (a PEFT LoRA adapter) into DIR and reuse them on a later run (as "
+             "mergekit; default: a temporary folder removed at exit)"),
+    opt("lora_merge_dtype", "--lora-merge-dtype", on={MERGE, "run", "extract-lora"}, metavar="DTYPE", part="lora",
+        help="dtype of the models merged from BASE+ADAPTER inputs (default: the base's)"),
+    # every flag of mergekit-yaml 0.1.5, with its effect in symmerge run or as a documented no-op (docs/configs.md)
+    opt("copy_tokenizer", "--copy-tokenizer", on=RUN, part=MERGEKIT, form="onoff", default=True,
+        help="copy the tokenizer of the config's tokenizer source (or base) to the output (default on; off: none is "
+             "copied, a tokenizer the config builds is still written, as mergekit)"),
+    opt("write_model_card", "--write-model-card", on=RUN, part=MERGEKIT, form="onoff", default=True,
+        help="write README.md (the model card) and mergekit_config.yml (the config) beside the model (default on, "
+             "as mergekit); symmerge_report.json is always written"),
+    opt("out_shard_size", "--out-shard-size", on=RUN, part=MERGEKIT, metavar="SIZE",
+        help="largest output shard, as mergekit: 5B (bytes, K/M/B suffixes) or 2GB"),
+    opt("random_seed", "--random-seed", on=RUN, part=MERGEKIT, parse=int, metavar="N",
+        help="seed of the randomised methods (DARE, DELLA): their 'seed' parameter"),
+    opt("cuda", "--cuda", on=RUN, part=MERGEKIT, form="onoff", default=False,
+        help="merge on the GPU when there is one (tensors read and written on the CPU; without a GPU, a warning and "
+             "the CPU)"),
+    opt("device", "--device", on=RUN, part=MERGEKIT, metavar="DEVICE",
+        help="device the merge arithmetic runs on (cpu, cuda, cuda:N)"),
+    opt("gpu_rich", "--gpu-rich", on=RUN, part=MERGEKIT, form="switch", default=False,
+        help="as mergekit: --cuda (and its no-ops below)"),
+    opt("num_threads", "-j", "--num-threads", on=RUN, part=MERGEKIT, parse=int, metavar="N",
+        help="torch threads for the merge arithmetic (default: torch's)"),
+    opt("quiet", "--quiet", on=RUN, part=MERGEKIT, form="onoff", default=False,
+        help="no progress on stderr (--progress none)"),
+    opt("verbose", "-v", on=RUN, part=MERGEKIT, form="count", default=0,
+        help="progress as one line per stage (--progress lines); repeat for no more"),
+    noop("lazy_unpickle", "tensors are always read lazily (safetensors)"),
+    noop("low_cpu_memory", "results are written as they come, tensor by tensor"),
+    noop("read_to_gpu", "with --cuda each tensor is moved to the GPU after it is read"),
+    noop("multi_gpu", "one device"),
+    noop("async_write", "symmerge always writes on a thread of its own, behind the merge"),
+    opt("write_threads", "--write-threads", on=RUN, part=MERGEKIT, parse=int, metavar="N",
+        help="no-op: one writer thread"),
+    noop("clone_tensors", "every output tensor is written on its own (a layer used twice included)"),
+    opt("safe_serialization", "--safe-serialization", on=RUN, part=MERGEKIT, form="onoff", default=True,
+        help="safetensors (always; --no-safe-serialization is ignored with a warning)"),
+    noop("allow_crimes", "symmerge checks every tensor's name and shape, not the architectures' names"),
+    opt("unsafe_truncate_embeddings", "--unsafe-truncate-embeddings", on=RUN, part=MERGEKIT, form="onoff",
+        default=False, help="cut every model's vocabulary rows to the smallest model's (same token ids assumed)"),
+    opt("transformers_cache", "--transformers-cache", on=RUN, part=MERGEKIT, metavar="DIR",
+        help="no-op: models are local folders (nothing is downloaded)"),
+    # the alignment flags (AlignOptions, LearnSettings)
+    opt("rescale", "--rescale", on=ALIGNING, part=ALIGNMENT, choices=tuple(RESCALE_MODES),
+        default=default(A, "rescale"),
+        help="how per-head scales are solved when 'rescale' is aligned: joint optimum (default), the paper's "
+             "sequential, or none"),
+    opt("residual", "--residual", on=ALIGNING, part=ALIGNMENT, choices=RESIDUAL_CHOICES, default=default(A, "residual"),
+        help="with the residual symmetry: largest (default: the largest function-preserving group of the family's "
+             "stream — O(d-1) for pre-LN LayerNorm with the norms folded, O(d) for RMSNorm, permutations for "
+             "post-LN) "
+             "or permutation (the norms kept as they are: permutations of the stream for LayerNorm, signed "
+             "permutations for RMSNorm)"),
+    opt("untie", "--untie", on=ALIGNING, part=ALIGNMENT, form="switch", default=False,
+        help="untie a tied LM head so the final norm can fold into it and the stream gets its largest group (the "
+             "output then stores the head separately)"),
+    opt("max_sweeps", "--max-sweeps", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1,
+        default=default(A, "max_sweeps"),
+        help="cap on the coordinate-descent sweeps over the coupled groups (default 200; it stops earlier when a "
+             "sweep lowers the objective by less than 1e-4 of it, and warns at the cap)"),
+    opt("restarts", "--restarts", on=ALIGNING, part=ALIGNMENT, parse=int, metavar="N",
+        help="data-free solver: after its plain starts (the usual one, the identity, both models in a canonical "
+             "frame), N restarts from the best so far (its stream kicked, two heads or two blocks of FFN units "
+             "swapped, a random stream), each followed by the whole descent (e.g. 5: seconds on a small ViT, minutes "
+             "on a large model; 0: the plain starts only). The lowest objective is kept; the report's solver entry "
+             "lists every start. Default: no search, the one descent (on B1 and three held-out pairs the search "
+             "lowered the weight objective but not the barrier: docs/results.md)"),
+    opt("solver_budget", "--solver-budget", on=ALIGNING, part=ALIGNMENT, parse=float, minimum=0, metavar="SECONDS",
+        help="data-free solver: begin no restart after this many seconds (default: no limit; the result then "
+             "depends on the machine's speed); 0: the first descent alone"),
+    opt("solver_seed", "--solver-seed", on=ALIGNING, part=ALIGNMENT, parse=int, default=default(A, "solver_seed"),
+        help="data-free solver: the restarts' seed (default 0)"),
+    opt("match", "--match", on=ALIGNING, part=ALIGNMENT, choices=MATCH_MODES, default=default(A, "match"),
+        help="what the group elements are fitted to: weights (data-free, default), activations (statistics of both "
+             "models on --align-data) or learned (from the closed form, the continuous elements optimised so the "
+             "interpolated model matches the interpolated predictions on --align-data; no labels)"),
+    opt("align_data", "--align-data", on=ALIGNING, part=ALIGNMENT, metavar="FILE|generate[:N[:LEN[:SEED]]]",
+        help="unlabeled data for --match activations|learned and --repair: the formats of --data (.npz images, "
+             ".jsonl text, .txt LM lines; labels, if present, are ignored), or, for causal LMs without a corpus, "
+             "generate[:N[:LEN[:SEED]]]: N sequences of LEN tokens sampled from the models themselves at "
+             "temperature 1 (shared out over the models: half from each of two; default generate:256:16:0; for "
+             "merge and barrier the measured recipe adds --repair --repair-channels ffn,norm,qk --repair-samples "
+             "64)"),
+    opt("align_samples", "--align-samples", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1,
+        default=default(A, "align_samples"), help="use at most this many examples of --align-data (default 1000)"),
+    opt("learn_steps", "--learn-steps", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1, learn="steps",
+        help=f"--match learned: optimiser steps (default {L.steps} of {L.batch} examples; the start is kept if the "
+             "end is not better)"),
+    opt("learn_budget", "--learn-budget", on=ALIGNING, part=ALIGNMENT, parse=float, minimum=0, metavar="SECONDS",
+        learn="budget", help="--match learned: stop after this many seconds of optimisation (default: no limit)"),
+    opt("learn_seed", "--learn-seed", on=ALIGNING, part=ALIGNMENT, parse=int, learn="seed",
+        help="--match learned: seed (default 0)"),
+    opt("learn_batch", "--learn-batch", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1, learn="batch",
+        help=f"--match learned: examples per step (default {L.batch})"),
+    opt("learn_positions", "--learn-positions", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=0, learn="positions",
+        help="--match learned, text: the objective on this many random next-token positions of each batch, the "
+             f"endpoints' predictions cached there only (default {L.positions}: every position)"),
+    opt("learn_max_length", "--learn-max-length", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=2, metavar="TOKENS",
+        learn="max_length",
+        help="--match learned, text: the alignment texts truncated to this many tokens (default: the model's "
+             "context)"),
+    opt("learn_precision", "--learn-precision", on=ALIGNING, part=ALIGNMENT, choices=LEARN_PRECISIONS,
+        learn="precision",
+        help="--match learned: the training steps and the endpoints' predictions in float32 (default) or under "
+             "bfloat16 autocast (faster on CPUs with bf16 instructions; the checks stay float32, the elements are "
+             "applied and verified in float64)"),
+    opt("learn_layerwise", "--learn-layerwise", on=ALIGNING, part=ALIGNMENT, form="const", learn="layerwise",
+        help="--match learned: build and differentiate the interpolated model one layer at a time (gradient "
+             "checkpointing per layer): the same objective and gradient in memory bounded by a few layers (LLM-size "
+             "pairs; docs/results/learned_scale.md)"),
+    opt("learn_check_batches", "--learn-check-batches", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=0,
+        metavar="N", learn="check_batches",
+        help="--match learned: the objective checks (start/end, or held-out) on at most N batches (default "
+             f"{L.check_batches}: all)"),
+    opt("learn_dirichlet", "--learn-dirichlet", on=ALIGNING, part=ALIGNMENT, parse=concentration, metavar="C|auto",
+        learn="dirichlet",
+        help="--match learned with more than two models (joint): the mixture weights drawn from Dirichlet(C, ..., C) "
+             "(1: uniform on the simplex; larger C: mixtures nearer the plain average); auto (the default): C chosen "
+             f"from {', '.join(f'{c:g}' for c in L.dirichlet_grid)} on a held-out {L.dirichlet_holdout * 100:g}%% "
+             "of --align-data by the objective at the uniform mixture (the report's learned.dirichlet_choice)"),
+    opt("workers", "--workers", on=ALIGNING, part=ALIGNMENT, parse=int,
+        help="FFN layers (cost GEMM + exact assignment) solved at once on a thread pool, beside the head groups "
+             "(default: one per core; 1: one thing after another on one thread; the result is the same). align "
+             "--stream: only with --pipeline (default 2 there), the low-memory mode solves one part of one layer at "
+             "a time"),
+    opt("allow_tokenizer_mismatch", "--allow-tokenizer-mismatch", on=ALIGNING, part=ALIGNMENT, form="switch",
+        default=False,
+        help="go on when the models' tokenizers differ (vocabulary, special or added tokens); by default that is an "
+             "error naming the first differing tokens. The report's tokenizer entry records the differences"),
+    opt("repair", "--repair", on=STUDIES, part=REPAIR, form="switch", default=False,
+        help="REPAIR: reset the per-channel means and standard deviations of the merged model (FFN pre-activations, "
+             "norm outputs) to the interpolation of the endpoints', on --align-data, folded into weights and biases "
+             "(architecture unchanged)"),
+    opt("repair_channels", "--repair-channels", on=STUDIES, part=REPAIR, default="ffn,norm", metavar="LIST",
+        joins=True,
+        help="the channels --repair corrects, comma-separated: ffn (FFN pre-activations), norm (norm outputs), "
+             "attn_out, mlp_out (the stream writers), qk (per head, the RMS of queries and keys: the attention "
+             "logits' scale); default ffn,norm"),
+    opt("repair_samples", "--repair-samples", on=STUDIES, part=REPAIR, parse=int, metavar="N",
+        help="REPAIR's statistics on the first N examples of --align-data (default: all)"),
+    opt("progress", "--progress", on=MODELS | {"moe", "extract-lora", "demo"}, part="progress",
+        choices=PROGRESS_MODES, default="auto",
+        help="how progress is shown on stderr: auto (default: bars on a terminal, plain lines otherwise, e.g. in a "
+             "log or a pipe), bar, lines (one line per stage with counts and seconds) or none"),
+)
+TABLE = Table(OPTIONS)
+LEARN_FLAGS = {o.learn: o.flag for o in OPTIONS if o.learn and o.takes_value}  # LearnSettings field → valued flag
+LEARN_SWITCHES = {o.learn: o for o in OPTIONS if o.learn and not o.takes_value}  # layerwise: --learn-layerwise

@@ -1,0 +1,72 @@
+"""How an option's text becomes its value, for the options whose value is more than a number or a word: the
+same functions read a flag and a config key (:mod:`symmerge.options.declared`) and build the options objects
+(:mod:`symmerge.options.build`)."""
+
+from __future__ import annotations
+
+from ..errors import SymmergeError
+from .schema import OptionValueError
+
+
+def concentration(text: str):
+    """``--learn-dirichlet``: a number, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise OptionValueError(f"expected a number or 'auto', got {text!r}") from None
+
+
+def parse_value(text: str):
+    """A method parameter's value: true/false, an int, a float, else the text."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_params(items) -> dict:
+    """``--param KEY=VALUE`` (repeated) → {key: value}."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SymmergeError(f"--param expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = parse_value(value)
+    return out
+
+
+def parse_weights(text):
+    """``--weights 0.7,0.3`` → [0.7, 0.3] (None: not given)."""
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise SymmergeError(f"--weights expects comma-separated numbers, got {text!r}") from None
+
+
+def parse_anchor(text):
+    """``--anchor``: a model's index, or a folder."""
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_layers(value):
+    """``--layers 0,1,5`` → [0, 1, 5] (None: every layer)."""
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise SymmergeError(f"--layers expects comma-separated integers, got {value!r}") from None
