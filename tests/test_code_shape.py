@@ -51,13 +51,8 @@ WIDE = {
     "pipeline/align.py::align": "the public Python API `symmerge.align(...)`, keyword for keyword the CLI's",
     "pipeline/learn_joint.py::align_joint_learned": "the dual engineer's area this round",
     "pipeline/learn_joint.py::learn_mixture": "the dual engineer's area this round",
-    "merge/executor.py::execute_steps": "not yet narrowed",
-    "merge/stream.py::_plain_streaming": "not yet narrowed",
     "pipeline/engine.py::solve": "not yet narrowed",
-    "pipeline/engine.py::search": "not yet narrowed",
     "pipeline/joint.py::align_joint": "not yet narrowed",
-    "pipeline/joint.py::_checked": "not yet narrowed",
-    "pipeline/learn.py::_learn_round": "not yet narrowed",
 }
 
 # path::function (relative to symmerge/) → why it still sets attributes by computed names

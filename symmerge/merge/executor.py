@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.parallel import put_until_stopped
@@ -534,12 +535,9 @@ def config_text(ckpt: LazyCheckpoint) -> str:
     return text
 
 
-def execute_steps(inputs, steps, method, out, config=None, dtype=None, side_files_from=None, *,
-                  side_report: dict | None = None, naming: int | None = None, shard_size=DEFAULT_SHARD,
-                  budget=None, progress: bool = True, finish=None) -> dict:
-    """Run ``steps`` (a list of :class:`~symmerge.merge.steps.TensorStep`, sources indexing ``inputs``: model
-    folders or :class:`LazyCheckpoint` s) with ``method`` (a :class:`~symmerge.merge.base.Method`) and write
-    the folder ``out`` atomically (a temporary folder renamed at the end: an interrupted run leaves none).
+@dataclass(frozen=True)
+class OutputFolder:
+    """How :func:`execute_steps` writes its folder (every field optional).
 
     ``config``: the output's config.json — a dict (written sorted, indented), a string (written as is), or
     None (the config of ``side_files_from``, else of the naming input). ``dtype``: the output's floating dtype
@@ -547,19 +545,36 @@ def execute_steps(inputs, steps, method, out, config=None, dtype=None, side_file
     generation config, a sentence-transformers pipeline...) are copied (None: none); ``side_report``: the
     merge report the pipeline's module weights are merged by (its ``method``, ``models``, ``weights``...).
     ``naming``: the input whose on-disk names the output's tensors take (default: the input that is
-    ``side_files_from``, else 0). ``finish(tmp, facts)``, if given, runs on the finished temporary folder
-    before it is renamed (the report, the model card).
+    ``side_files_from``, else 0). ``shard_size``: the largest output shard. ``finish(tmp, facts)``, if given,
+    runs on the finished temporary folder before it is renamed (the report, the model card)."""
+
+    config: object = None
+    dtype: object = None
+    side_files_from: object = None
+    side_report: dict | None = None
+    naming: int | None = None
+    shard_size: object = DEFAULT_SHARD
+    finish: object = None
+
+
+def execute_steps(inputs, steps, method, out, output: OutputFolder = OutputFolder(), *, budget=None,
+                  progress: bool = True) -> dict:
+    """Run ``steps`` (a list of :class:`~symmerge.merge.steps.TensorStep`, sources indexing ``inputs``: model
+    folders or :class:`LazyCheckpoint` s) with ``method`` (a :class:`~symmerge.merge.base.Method`) and write
+    the folder ``out`` atomically (a temporary folder renamed at the end: an interrupted run leaves none), as
+    ``output`` (:class:`OutputFolder`) says. ``budget``: bytes the reader may hold ahead.
 
     Returns the measured facts (:meth:`StreamExecutor.run`, plus ``side_files``)."""
     from .modules import merge_pipeline_modules
 
+    config, side_files_from, naming = output.config, output.side_files_from, output.naming
     ckpts = [_checkpoint(x) for x in inputs]
     if naming is None:
         naming = 0
         if side_files_from is not None:
             naming = next((i for i, c in enumerate(ckpts) if c.folder.resolve() == Path(side_files_from).resolve()), 0)
-    ex = StreamExecutor(ckpts, steps, method, dtype=dtype, naming=naming, shard_size=shard_size, budget=budget,
-                        progress=progress)
+    ex = StreamExecutor(ckpts, steps, method, dtype=output.dtype, naming=naming, shard_size=output.shard_size,
+                        budget=budget, progress=progress)
     check_free_space(out, sum(math.prod(shape) * dt.itemsize for _, dt, shape in ex.plan()))  # before any read
     with atomic_dir(out) as tmp:
         facts = ex.run(tmp)
@@ -572,8 +587,8 @@ def execute_steps(inputs, steps, method, out, config=None, dtype=None, side_file
         else:
             text = json.dumps(config, indent=2, sort_keys=True) + "\n"
         (tmp / "config.json").write_text(text)
-        facts["side_files"] = (copy_side_files(Path(side_files_from), tmp, side_report, merge_pipeline_modules)
+        facts["side_files"] = (copy_side_files(Path(side_files_from), tmp, output.side_report, merge_pipeline_modules)
                                if side_files_from is not None else {"copied": [], "left_out": []})
-        if finish is not None:
-            finish(tmp, facts)
+        if output.finish is not None:
+            output.finish(tmp, facts)
     return facts

@@ -434,7 +434,8 @@ def _load_and_check(plan, options: MergeOptions, models, t0: float) -> Loaded:
     m, names, timings = plan.method, list(plan.names), {}
     dev = resolve_device(options.device)
     tokenizer = check_tokenizers(tokenizer_inputs(models, names, options), options.allow_tokenizer_mismatch)
-    embedding = check_pipelines(list(zip(names, models)), m, options.base, options.allow_pickle)  # sentence-transformers
+    # a sentence-transformers pipeline's facts
+    embedding = check_pipelines(list(zip(names, models)), m, options.base, options.allow_pickle)
     loaded, base_model, base_name, adapted = _load_inputs(models, names, options)
     body = check_bodies(loaded + ([base_model] if base_model is not None else []),
                         names + ([base_name] if base_model is not None else []))

@@ -130,7 +130,7 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
 
     Named stages over one :class:`_Joint`: :func:`_checked` → (learned: :mod:`symmerge.pipeline.learn_joint`)
     → :func:`_plan_steps` → :func:`_star` → :func:`_rounds` → :func:`_verified` → :func:`_report`."""
-    run = _checked(models, options, anchor, names, max_rounds, tol, round_sweeps, refine, star_sweeps, warm,
+    run = _checked(models, options, anchor, names, _Asked(max_rounds, tol, round_sweeps, refine, star_sweeps, warm),
                    progress, on_round)
     if options.matcher.learns:  # a closed-form joint alignment, then the mixtures learned
         from .learn_joint import align_joint_learned
@@ -172,9 +172,23 @@ class _Joint:
     full_rounds: int = 0
 
 
-def _checked(models, options, anchor, names, max_rounds, tol, round_sweeps, refine, star_sweeps, warm, progress,
-             on_round) -> _Joint:
+@dataclass(frozen=True)
+class _Asked:
+    """How the rounds of a joint alignment were asked for (:func:`align_joint`'s arguments, before
+    :func:`_checked` checks them and fills in the defaults of the matcher's kind of step)."""
+
+    max_rounds: int
+    tol: float | None
+    round_sweeps: int | None
+    refine: str
+    star_sweeps: int | None
+    warm: bool
+
+
+def _checked(models, options, anchor, names, asked: _Asked, progress, on_round) -> _Joint:
     """The arguments checked, the defaults of the matcher's kind of step filled in, the models compared."""
+    max_rounds, tol, round_sweeps, refine, star_sweeps = (asked.max_rounds, asked.tol, asked.round_sweeps,
+                                                          asked.refine, asked.star_sweeps)
     n = len(models)
     if n < 2:
         raise SymmergeError(f"joint alignment needs at least 2 models, got {n}")
@@ -186,7 +200,7 @@ def _checked(models, options, anchor, names, max_rounds, tol, round_sweeps, refi
                             f"{options.match} aligns pairwise to one anchor (pass --anchor to merge that way)")
     if refine not in JOINT_REFINE:
         raise SymmergeError(f"unknown joint refinement {refine!r}; choose {', '.join(JOINT_REFINE)}")
-    sweeping = not options.matcher.needs_data and warm
+    sweeping = not options.matcher.needs_data and asked.warm
     tol = (SWEEP_ROUND_TOL if sweeping else ROUND_TOL) if tol is None else tol
     round_sweeps = (SWEEP_ROUND_SWEEPS if sweeping else ROUND_SWEEPS) if round_sweeps is None else round_sweeps
     if max_rounds < 0 or not tol >= 0 or round_sweeps < 1 or (star_sweeps is not None and star_sweeps < 1):
