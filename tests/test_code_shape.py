@@ -13,8 +13,6 @@ from guards import MAX_LINES, MAX_PARAMETERS, attribute_bags, bags, shape
 
 # path::function (relative to symmerge/) → why it is still over MAX_LINES lines
 LONG = {
-    "merge/executor.py::StreamExecutor._run": "the executor's one loop over steps, read-ahead and writer (one "
-                                              "place for the streamed and in-memory runs; split with care)",
     "pipeline/learn.py::_learn_round": "the learned matcher's optimisation round (the dual engineer's area this "
                                        "round: its signature only is changed here)",
     "config/mergekit.py::Planner._steps": "a mergekit config's TensorSteps (slices, gradients, filters) in one pass",
