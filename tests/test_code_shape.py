@@ -15,13 +15,11 @@ from guards import MAX_LINES, MAX_PARAMETERS, attribute_bags, bags, shape
 LONG = {
     "pipeline/learn.py::_learn_round": "the learned matcher's optimisation round (the dual engineer's area this "
                                        "round: its signature only is changed here)",
-    "config/mergekit.py::Planner._steps": "a mergekit config's TensorSteps (slices, gradients, filters) in one pass",
-    "merge/extract_lora.py::extract_lora": "LoRA extraction end to end (per-tensor SVD, rank, the adapter files)",
+    "config/mergekit.py::Planner._steps": "a mergekit config's TensorSteps (slices, gradients, filters) in one "
+                                          "pass (the plans engineer's area this round: a plan per run document)",
     "pipeline/activations.py::match_activations": "the activation matcher (the scale engineer's file this round)",
     "commands/alignment_args.py::add_alignment_arguments": "the alignment flags' declarations (the schema "
                                                            "engineer replaces them with one options schema)",
-    "io/lora.py::apply_adapter": "a PEFT adapter applied to a checkpoint (every adapter kind in one reader)",
-    "pipeline/stream.py::align_streaming": "the streamed alignment's driver (statistics pass, solve, write pass)",
     "merge/kernels_whole.py::task_vector_into": "a fused task-vector kernel (the rules engineer's file: one "
                                                 "implementation per rule replaces it)",
     "merge/barrier.py::barrier_many": "the N-model barrier study (the plans engineer's file this round)",
@@ -47,10 +45,9 @@ WIDE = {
                                 "from 20 places",
     "families/roles.py::build": "a family spec's roles, called by keyword from every family module",
     "pipeline/align.py::align": "the public Python API `symmerge.align(...)`, keyword for keyword the CLI's",
-    "pipeline/learn_joint.py::align_joint_learned": "the dual engineer's area this round",
     "pipeline/learn_joint.py::learn_mixture": "the dual engineer's area this round",
-    "pipeline/engine.py::solve": "not yet narrowed",
-    "pipeline/joint.py::align_joint": "not yet narrowed",
+    "pipeline/engine.py::solve": "the descent's knobs (init, start, lazy, tol, max_sweeps), passed by keyword from "
+                                 "15 places, benchmarks' functools.partial among them: a Descent record is next",
 }
 
 # path::function (relative to symmerge/) → why it still sets attributes by computed names

@@ -108,16 +108,29 @@ class _Sweeps:
         return apply(sd, insts, elements)
 
 
+@dataclass(frozen=True)
+class JointSteps:
+    """How the steps of a joint alignment run (:func:`align_joint`). ``tol``: a round that lowers the objective by
+    less than this fraction ends the descent (None: :data:`SWEEP_ROUND_TOL` data-free, :data:`ROUND_TOL` else);
+    ``round_sweeps``: the sweeps of a step after the star (None: :data:`SWEEP_ROUND_SWEEPS` data-free,
+    :data:`ROUND_SWEEPS` else); ``star_sweeps``: the cap on the star's descents when the rounds continue them
+    (None: converged); ``warm``: data-free, a step continues the descent from the model's current element."""
+
+    tol: float | None = None
+    round_sweeps: int | None = None
+    star_sweeps: int | None = STAR_SWEEPS
+    warm: bool = True
+
+
 def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_rounds: int = 10,
-                tol: float | None = None, inputs: dict | None = None, progress: bool = False,
-                round_sweeps: int | None = None, refine: str = DEFAULT_REFINE, on_round=None,
-                star_sweeps: int | None = STAR_SWEEPS, warm: bool = True) -> JointAlignment:
+                inputs: dict | None = None, progress: bool = False, refine: str = DEFAULT_REFINE, on_round=None,
+                steps: JointSteps = JointSteps()) -> JointAlignment:
     """Bring ``models`` (loaded transformers models of one architecture) into one frame; ``options``
     already resolved against the models (no 'recommended' left). ``anchor``: the model the star step
-    aligns to. ``max_rounds``: cap on the rounds after the star; ``tol``: a round that lowers the
-    objective by less than this fraction ends the descent (default :data:`SWEEP_ROUND_TOL` data-free,
-    :data:`ROUND_TOL` else); ``refine``: what the rounds re-solve (:data:`JOINT_REFINE`: ``all`` the
-    options' groups, ``discrete`` only the permutations, on top of the star's continuous elements).
+    aligns to. ``max_rounds``: cap on the rounds after the star; ``steps`` (:class:`JointSteps`): ``tol``, a round
+    that lowers the objective by less than this fraction ends the descent, and the sweeps below; ``refine``: what
+    the rounds re-solve (:data:`JOINT_REFINE`: ``all`` the options' groups, ``discrete`` only the permutations, on
+    top of the star's continuous elements).
 
     Data-free (a matcher without ``needs_data``, ``warm``), a step after the star is ``round_sweeps``
     (default 1) sweeps of the descent from the model's current element — generalized Procrustes — and,
@@ -130,13 +143,13 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
 
     Named stages over one :class:`_Joint`: :func:`_checked` → (learned: :mod:`symmerge.pipeline.learn_joint`)
     → :func:`_plan_steps` → :func:`_star` → :func:`_rounds` → :func:`_verified` → :func:`_report`."""
-    run = _checked(models, options, anchor, names, _Asked(max_rounds, tol, round_sweeps, refine, star_sweeps, warm),
-                   progress, on_round)
+    run = _checked(models, options, anchor, names, max_rounds, refine, steps, progress, on_round)
     if options.matcher.learns:  # a closed-form joint alignment, then the mixtures learned
         from .learn_joint import align_joint_learned
 
-        return align_joint_learned(models, options, run.anchor, run.names, run.max_rounds, run.tol, inputs, progress,
-                                   run.round_sweeps, closed_form=functools.partial(align_joint, refine=refine))
+        return align_joint_learned(models, options, run.anchor, run.names, run.max_rounds,
+                                   JointSteps(tol=run.tol, round_sweeps=run.round_sweeps), inputs, progress,
+                                   closed_form=functools.partial(align_joint, refine=refine))
     t0 = time.perf_counter()
     _plan_steps(run)
     _star(run)
@@ -172,23 +185,9 @@ class _Joint:
     full_rounds: int = 0
 
 
-@dataclass(frozen=True)
-class _Asked:
-    """How the rounds of a joint alignment were asked for (:func:`align_joint`'s arguments, before
-    :func:`_checked` checks them and fills in the defaults of the matcher's kind of step)."""
-
-    max_rounds: int
-    tol: float | None
-    round_sweeps: int | None
-    refine: str
-    star_sweeps: int | None
-    warm: bool
-
-
-def _checked(models, options, anchor, names, asked: _Asked, progress, on_round) -> _Joint:
+def _checked(models, options, anchor, names, max_rounds, refine, steps: JointSteps, progress, on_round) -> _Joint:
     """The arguments checked, the defaults of the matcher's kind of step filled in, the models compared."""
-    max_rounds, tol, round_sweeps, refine, star_sweeps = (asked.max_rounds, asked.tol, asked.round_sweeps,
-                                                          asked.refine, asked.star_sweeps)
+    tol, round_sweeps, star_sweeps = steps.tol, steps.round_sweeps, steps.star_sweeps
     n = len(models)
     if n < 2:
         raise SymmergeError(f"joint alignment needs at least 2 models, got {n}")
@@ -200,7 +199,7 @@ def _checked(models, options, anchor, names, asked: _Asked, progress, on_round) 
                             f"{options.match} aligns pairwise to one anchor (pass --anchor to merge that way)")
     if refine not in JOINT_REFINE:
         raise SymmergeError(f"unknown joint refinement {refine!r}; choose {', '.join(JOINT_REFINE)}")
-    sweeping = not options.matcher.needs_data and asked.warm
+    sweeping = not options.matcher.needs_data and steps.warm
     tol = (SWEEP_ROUND_TOL if sweeping else ROUND_TOL) if tol is None else tol
     round_sweeps = (SWEEP_ROUND_SWEEPS if sweeping else ROUND_SWEEPS) if round_sweeps is None else round_sweeps
     if max_rounds < 0 or not tol >= 0 or round_sweeps < 1 or (star_sweeps is not None and star_sweeps < 1):
