@@ -59,27 +59,31 @@ BAGS = {
 }
 
 
-def _report(kind: str, found: dict | list, allowed: dict) -> list[str]:
-    new = [f"{k} ({found[k] if isinstance(found, dict) else 'bag'})" for k in found if k not in allowed]
+SPLIT = "split it into short functions (a stage each, handing on a typed record)"
+NARROW = "group its parameters into the typed records that exist (options objects, plans, stage records), not **kwargs"
+DECLARE = "declare the attributes (a dataclass, one record per stage) instead of setting them from data"
+
+
+def _report(kind: str, found: dict | list, allowed: dict, advice: str) -> list[str]:
+    new = [f"{k} ({found[k]})" if isinstance(found, dict) else k for k in found if k not in allowed]
     gone = [k for k in allowed if k not in found]
-    return ([f"new {kind}: {', '.join(new)} — make it shorter/narrower (group parameters into the typed records "
-             "that exist: options objects, plans, stage records), do not list it"] if new else []) + \
+    return ([f"new {kind}: {', '.join(new)} — {advice}; do not list it"] if new else []) + \
            ([f"{kind} no longer applies: {', '.join(gone)} — cross it off the list in tests/test_code_shape.py"]
             if gone else [])
 
 
 def test_no_new_function_over_the_line_limit():
     long, _ = shape()
-    assert not (problems := _report(f"function over {MAX_LINES} lines", long, LONG)), problems
+    assert not (problems := _report(f"function over {MAX_LINES} lines", long, LONG, SPLIT)), problems
 
 
 def test_no_new_function_over_the_parameter_limit():
     _, wide = shape()
-    assert not (problems := _report(f"function over {MAX_PARAMETERS} parameters", wide, WIDE)), problems
+    assert not (problems := _report(f"function over {MAX_PARAMETERS} parameters", wide, WIDE, NARROW)), problems
 
 
 def test_no_attribute_bags_in_the_product():
-    assert not (problems := _report("attribute bag", bags(), BAGS)), problems
+    assert not (problems := _report("attribute bag", bags(), BAGS, DECLARE)), problems
 
 
 def test_every_entry_says_why():
@@ -99,7 +103,7 @@ def test_a_planted_long_function_fails_and_the_limit_itself_passes(tmp_path):
     pkg = _plant(tmp_path, f"class C:\n    def at_limit(self):\n{body}\n    def over(self):\n{body}        y = 1\n")
     long, wide = shape(pkg)
     assert long == {"planted.py::C.over": MAX_LINES + 1} and not wide
-    assert _report("long", long, LONG)[0].startswith("new long: planted.py::C.over (81)")
+    assert _report("long", long, LONG, SPLIT)[0].startswith("new long: planted.py::C.over (81)")
 
 
 def test_a_planted_wide_function_fails_and_the_limit_itself_passes(tmp_path):
@@ -116,7 +120,7 @@ def test_a_planted_wide_function_fails_and_the_limit_itself_passes(tmp_path):
         """)
     long, wide = shape(pkg)
     assert not long and wide == {"planted.py::C.fine.inner": MAX_PARAMETERS + 1}
-    assert _report("wide", wide, WIDE)
+    assert _report("wide", wide, WIDE, NARROW)
 
 
 def test_a_planted_attribute_bag_fails_and_declared_attributes_pass():
