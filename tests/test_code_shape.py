@@ -15,8 +15,6 @@ from guards import MAX_LINES, MAX_PARAMETERS, attribute_bags, bags, shape
 LONG = {
     "pipeline/learn.py::_learn_round": "the learned matcher's optimisation round (the dual engineer's area this "
                                        "round: its signature only is changed here)",
-    "config/mergekit.py::Planner._steps": "a mergekit config's TensorSteps (slices, gradients, filters) in one "
-                                          "pass (the plans engineer's area this round: a plan per run document)",
     "pipeline/activations.py::match_activations": "the activation matcher (the scale engineer's file this round)",
     "commands/alignment_args.py::add_alignment_arguments": "the alignment flags' declarations (the schema "
                                                            "engineer replaces them with one options schema)",
