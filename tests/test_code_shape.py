@@ -145,3 +145,22 @@ def test_the_old_run_bag_would_have_been_caught():
     """``_Run`` as it was in merge/fuse.py before the typed stage records."""
     assert attribute_bags("class _Run:\n    def __init__(self, **kw):\n        self.timings = {}\n"
                           "        self.__dict__.update(kw)\n") == ["_Run.__init__"]
+
+
+def test_the_stage_records_are_frozen_dataclasses():
+    """The in-memory merge's and the joint alignment's stages hand on frozen records (docs/code_shape.md): a stage
+    cannot write into an earlier stage's record."""
+    import dataclasses
+
+    import pytest
+
+    from symmerge.merge import fuse
+    from symmerge.pipeline import joint
+
+    records = [fuse.Loaded, fuse.Aligned, fuse.Statistics, fuse.Merged, fuse.Evaluated, joint._Joint, joint._Steps,
+               joint._Frame, joint.JointSteps]
+    for record in records:
+        assert dataclasses.is_dataclass(record) and record.__dataclass_params__.frozen, record.__name__
+    done = fuse.Evaluated(evaluation=None, seconds=1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        done.seconds = 2.0
