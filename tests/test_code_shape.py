@@ -7,8 +7,10 @@ off. Measure the counts with ``python benchmarks/code_shape.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
+import pytest
 from guards import MAX_LINES, MAX_PARAMETERS, attribute_bags, bags, shape
 
 # path::function (relative to symmerge/) → why it is still over MAX_LINES lines
@@ -150,10 +152,6 @@ def test_the_old_run_bag_would_have_been_caught():
 def test_the_stage_records_are_frozen_dataclasses():
     """The in-memory merge's and the joint alignment's stages hand on frozen records (docs/code_shape.md): a stage
     cannot write into an earlier stage's record."""
-    import dataclasses
-
-    import pytest
-
     from symmerge.merge import fuse
     from symmerge.pipeline import joint
 
