@@ -11,6 +11,7 @@ import dataclasses
 import textwrap
 
 import pytest
+
 from guards import MAX_LINES, MAX_PARAMETERS, attribute_bags, bags, shape
 
 # path::function (relative to symmerge/) → why it is still over MAX_LINES lines
