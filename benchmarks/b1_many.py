@@ -49,7 +49,7 @@ from symmerge.merge.fuse import MergeOptions, align_all, choose_anchor, merge_mo
 from symmerge.merge.heads import check_bodies
 from symmerge.pipeline.align import align_pair
 from symmerge.core.distance import parameter_keys
-from symmerge.pipeline.joint import align_joint, mean_state_dict
+from symmerge.pipeline.joint import JointSteps, align_joint, mean_state_dict
 from symmerge.pipeline.options import AlignOptions, LearnSettings
 from symmerge.pipeline.verify import with_state_dict
 
@@ -70,7 +70,8 @@ def parse_args(argv=None):
                    "one joint row each for the closed-form matchers")
     p.add_argument("--descent-rounds", action="store_true", help="also the joint data-free alignment with the "
                    "rounds it had before the sweeps (each step a capped pairwise re-alignment from the stream tensors, "
-                   "after a converged star: align_joint(warm=False)), for the speed and accuracy comparison in one run")
+                   "after a converged star: align_joint(steps=JointSteps(warm=False))), for the speed and accuracy "
+                   "comparison in one run")
     p.add_argument("--align-samples", type=int, default=1000,
                    help="unlabeled training images for activations and learned (default 1000)")
     p.add_argument("--trace", action="store_true", help="the plain average's test accuracy after the star and "
@@ -130,8 +131,9 @@ def align_group(group, names, options: AlignOptions, mode: str, refine: str = "a
         off[1] += time.process_time() - c1
 
     if mode == "joint":
-        joint = align_joint(list(group), opts, anchor=anchor["index"], names=names, refine=refine, warm=warm,
-                            **({} if warm else {"star_sweeps": None}), on_round=on_round if trace is not None and opts.match != "learned" else None)
+        joint = align_joint(list(group), opts, anchor=anchor["index"], names=names, refine=refine,
+                            steps=JointSteps(warm=warm) if warm else JointSteps(star_sweeps=None, warm=False),
+                            on_round=on_round if trace is not None and opts.match != "learned" else None)
         aligned = joint.models
         info.update(rounds=joint.report["rounds"], spread=(joint.report["objective"][0], joint.report["objective"][-1]),
                     learned_seconds=joint.report.get("learned", {}).get("seconds"))

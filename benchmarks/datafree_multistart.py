@@ -65,8 +65,8 @@ def run_pair(seeds: str, args, log=print) -> dict:
     kept: dict = {}
     t = time.perf_counter()
     elements, record = engine.search(bound.instances, ca, cb, opts, max_sweeps=options.max_sweeps,
-                                     tol=options.descent_tol, budget=args.solver_budget, restarts=args.restarts,
-                                     keep=kept)
+                                     tol=options.descent_tol,
+                                     starts=engine.Restarts(args.restarts, args.solver_budget), keep=kept)
     seconds = time.perf_counter() - t
     verify_elements(bound.instances, elements)
     check = verify_forward(a, with_state_dict(a, apply(ca, bound.instances, elements)), bound.spec)

@@ -40,7 +40,7 @@ from symmerge.core.distance import parameter_keys, sq_distance
 from symmerge.evaluate.metrics import evaluate
 from symmerge.merge.plan import closest_to_average
 from symmerge.pipeline.align import align_pair, canonical
-from symmerge.pipeline.joint import align_joint, mean_state_dict, spread
+from symmerge.pipeline.joint import JointSteps, align_joint, mean_state_dict, spread
 from symmerge.pipeline.options import AlignOptions
 from symmerge.pipeline.verify import with_state_dict
 
@@ -114,8 +114,9 @@ def run(args, log=print) -> dict:
                         return
                     record(variant, "star" if r == 0 else f"round {r}", current, time.perf_counter() - t)
 
-                align_joint(group, full, anchor=anchor, max_rounds=0 if variant == "star" else args.rounds, tol=0.0,
-                            refine="all" if variant == "star" else variant, on_round=on_round)
+                align_joint(group, full, anchor=anchor, max_rounds=0 if variant == "star" else args.rounds,
+                            steps=JointSteps(tol=0.0), refine="all" if variant == "star" else variant,
+                            on_round=on_round)
                 continue
             if variant == "progressive":
                 current, sds = list(group), [None] * n

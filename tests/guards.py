@@ -58,3 +58,74 @@ def leaks(names, home, others=(), check=name_comparisons) -> list[str]:
     on the path relative to the package)."""
     return [f"{rel.as_posix()}:{n}" for path in sorted(PACKAGE.rglob("*.py"))
             if not home(rel := path.relative_to(PACKAGE)) for n in check(path.read_text(), names, others)]
+
+
+# ---- the code's shape: long functions, functions with many parameters, attribute bags ----
+
+MAX_LINES = 80  # a function longer than this (its ``def`` line to its last line, docstring included) is long
+MAX_PARAMETERS = 10  # a function with more named parameters than this (``self``/``cls`` not counted) is wide
+
+
+def parameters(fn) -> int:
+    """The named parameters of a ``def`` (positional, keyword-only, ``*args``, ``**kwargs``; not self/cls)."""
+    a = fn.args
+    named = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+    return len(named) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def functions(source):
+    """(qualified name, ``def`` node) of every function of ``source`` (text or a parsed tree): ``Class.method``,
+    ``outer.inner``."""
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield prefix + child.name, child
+                yield from visit(child, prefix + child.name + ".")
+            elif isinstance(child, ast.ClassDef):
+                yield from visit(child, prefix + child.name + ".")
+            else:
+                yield from visit(child, prefix)
+
+    yield from visit(ast.parse(source) if isinstance(source, str) else source, "")
+
+
+def shape(package: Path = PACKAGE) -> tuple[dict, dict]:
+    """({``path::name``: lines} of the long functions, {``path::name``: parameters} of the wide ones) in
+    ``package`` (paths relative to it)."""
+    long, wide = {}, {}
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        for name, fn in functions(path.read_text()):
+            if (n := fn.end_lineno - fn.lineno + 1) > MAX_LINES:
+                long[f"{rel}::{name}"] = n
+            if (k := parameters(fn)) > MAX_PARAMETERS:
+                wide[f"{rel}::{name}"] = k
+    return long, wide
+
+
+def _is_bag(node) -> bool:
+    """Whether a call is an attribute-bag pattern (see :func:`attribute_bags`)."""
+    f = node.func
+    if isinstance(f, ast.Attribute) and f.attr == "update":
+        return ((isinstance(f.value, ast.Attribute) and f.value.attr == "__dict__")
+                or (isinstance(f.value, ast.Call) and isinstance(f.value.func, ast.Name) and f.value.func.id == "vars"))
+    return (isinstance(f, ast.Name) and f.id == "setattr" and len(node.args) >= 2
+            and not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)))
+
+
+def attribute_bags(source: str) -> list[str]:
+    """The functions of ``source`` (qualified names, ``<module>`` outside any) that use an attribute-bag pattern:
+    ``x.__dict__.update(...)``, ``vars(x).update(...)``, or ``setattr`` with an attribute name that is not written
+    out (computed, or taken from a loop: attributes made from data rather than declared)."""
+    owner, tree = {}, ast.parse(source)
+    for name, fn in functions(tree):  # outer functions first: a nested function's calls end up its own
+        for node in ast.walk(fn):
+            owner[id(node)] = name
+    return sorted({owner.get(id(node), "<module>") for node in ast.walk(tree)
+                   if isinstance(node, ast.Call) and _is_bag(node)})
+
+
+def bags(package: Path = PACKAGE) -> list[str]:
+    """``path::function`` of every function in ``package`` with an attribute-bag pattern (:func:`attribute_bags`)."""
+    return [f"{path.relative_to(package).as_posix()}::{b}" for path in sorted(package.rglob("*.py"))
+            for b in attribute_bags(path.read_text())]

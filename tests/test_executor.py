@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from symmerge.errors import SymmergeError
 from symmerge.merge import get_method
-from symmerge.merge.executor import execute_steps
+from symmerge.merge.executor import OutputFolder, execute_steps
 from symmerge.merge.steps import TensorSource, TensorStep, uniform_steps
 
 
@@ -56,8 +56,8 @@ def test_steps_with_renamed_sources_weights_dtype_and_config(folders, tmp_path):
     steps[-1] = TensorStep(keys[-1], (TensorSource(1, keys[-1]),), merge=False)  # lm_head kept from model 1
     config = json.loads((folders[0] / "config.json").read_text())
     config.update(num_hidden_layers=1, torch_dtype="bfloat16")
-    facts = execute_steps(folders, steps, get_method("average"), tmp_path / "out", config=config,
-                          dtype=torch.bfloat16, side_files_from=folders[1], progress=False)
+    facts = execute_steps(folders, steps, get_method("average"), tmp_path / "out",
+                          OutputFolder(config=config, dtype=torch.bfloat16, side_files_from=folders[1]), progress=False)
     got = tensors(tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == 1
     assert "tokenizer_config.json" in facts["side_files"]["copied"]
@@ -75,7 +75,7 @@ def test_steps_with_renamed_sources_weights_dtype_and_config(folders, tmp_path):
 def test_uniform_steps_equal_the_plain_merge(folders, tmp_path):
     keys = list(tensors(folders[0]))
     facts = execute_steps(folders, uniform_steps(keys, 2), get_method("average"), tmp_path / "out",
-                          side_files_from=folders[0], progress=False)
+                          OutputFolder(side_files_from=folders[0]), progress=False)
     a, b = tensors(folders[0]), tensors(folders[1])
     got = tensors(tmp_path / "out")
     for k in keys:

@@ -11,7 +11,7 @@ from conftest import make_inputs, output_rel_diff, sq_dist
 from factories import DECODERS, FAMILIES, RMSNORM, disguised, make_model
 from symmerge.errors import SymmergeError
 from symmerge.pipeline.align import align_pair, instances_for
-from symmerge.pipeline.joint import align_joint, discrete_symmetries, mean_state_dict, spread
+from symmerge.pipeline.joint import JointSteps, align_joint, discrete_symmetries, mean_state_dict, spread
 from symmerge.pipeline.options import RECOMMENDED, AlignOptions
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -176,16 +176,16 @@ def test_data_free_rounds_re_solve_the_head_pairings_on_full_rounds_only(monkeyp
     models = [make_model("vit", head=True, seed=s) for s in range(3)]
     opts = AlignOptions(symmetries=_symmetries(models[0]))
     assert "heads" in opts.symmetries
-    star = align_joint(models, opts, max_rounds=0, star_sweeps=None)
+    star = align_joint(models, opts, max_rounds=0, steps=JointSteps(star_sweeps=None))
     in_star = len(calls)
-    held = align_joint(models, opts, max_rounds=3, tol=0.0, star_sweeps=None)
+    held = align_joint(models, opts, max_rounds=3, steps=JointSteps(tol=0.0, star_sweeps=None))
     assert held.report["objective"][0] == pytest.approx(star.report["objective"][0], rel=1e-12)
     obj = held.report["objective"]
     assert held.report["rounds"] == 3 and all(b < a for a, b in zip(obj, obj[1:]))
     assert len(calls) == 2 * in_star  # no pairing valued in the rounds
     assert "1 sweep(s)" in held.report["step"] and "re-solved in 0 round(s)" in held.report["step"]
     calls.clear()
-    once = align_joint(models, opts, max_rounds=5, tol=0.5, star_sweeps=None)
+    once = align_joint(models, opts, max_rounds=5, steps=JointSteps(tol=0.5, star_sweeps=None))
     assert once.report["rounds"] == 2 and len(calls) == in_star + 3  # round 2: one valuation per model
     assert "re-solved in 1 round(s)" in once.report["step"]
     obj = once.report["objective"]
@@ -205,16 +205,17 @@ def test_the_star_is_capped_only_when_rounds_follow(family, request):
         request.getfixturevalue("fp64_rmsnorm")
     models = [make_model(family, head=True, seed=s) for s in range(3)]
     opts = AlignOptions(symmetries=_symmetries(models[0]))
-    full = align_joint(models, opts, max_rounds=0, star_sweeps=None)
-    assert align_joint(models, opts, max_rounds=0, star_sweeps=1).report["objective"] == full.report["objective"]
-    capped = align_joint(models, opts, star_sweeps=1)
+    full = align_joint(models, opts, max_rounds=0, steps=JointSteps(star_sweeps=None))
+    assert (align_joint(models, opts, max_rounds=0, steps=JointSteps(star_sweeps=1)).report["objective"]
+            == full.report["objective"])
+    capped = align_joint(models, opts, steps=JointSteps(star_sweeps=1))
     obj = capped.report["objective"]
     assert obj[0] >= full.report["objective"][0] * (1 - 1e-12)  # one sweep: not yet the converged star
     assert all(b <= a * (1 + 1e-12) for a, b in zip(obj, obj[1:]))
     assert obj[-1] <= full.report["objective"][0] * (1 + 1e-12)
     assert "star capped at 1 sweep(s)" in capped.report["step"]
-    old = align_joint(models, opts, max_rounds=2, warm=False)
+    old = align_joint(models, opts, max_rounds=2, steps=JointSteps(warm=False))
     assert old.report["step"] == "a pairwise re-alignment capped at 10 sweeps"
     assert all(b <= a * (1 + 1e-12) for a, b in zip(old.report["objective"], old.report["objective"][1:]))
     with pytest.raises(SymmergeError, match="star_sweeps"):
-        align_joint(models, opts, star_sweeps=0)
+        align_joint(models, opts, steps=JointSteps(star_sweeps=0))

@@ -68,7 +68,7 @@ def test_search_finds_the_brute_force_optimum_where_the_descent_from_identity_do
     plain = []
     engine.solve(instances, sd_a, sd_b, opts, history=plain, init="local", tol=1e-4)
     assert min(plain) > optimum * (1 + 1e-6)  # the plain descent from the identity settles higher
-    elements, record = engine.search(instances, sd_a, sd_b, opts, tol=1e-4, restarts=10, seed=0)
+    elements, record = engine.search(instances, sd_a, sd_b, opts, tol=1e-4, starts=engine.Restarts(10, seed=0))
     assert record["objective"] == pytest.approx(optimum, rel=1e-9)
     assert objective(instances, opts, sd_a, sd_b, elements) == pytest.approx(optimum, rel=1e-9)
     for inst in instances:
@@ -79,7 +79,7 @@ def test_search_finds_the_brute_force_optimum_where_the_descent_from_identity_do
 def test_search_is_never_worse_than_any_start_and_reports_each():
     instances, opts, sd_a, sd_b = problem(*tiny_pair(12))
     kept: dict = {}
-    elements, record = engine.search(instances, sd_a, sd_b, opts, tol=1e-4, restarts=5, seed=1, keep=kept)
+    elements, record = engine.search(instances, sd_a, sd_b, opts, tol=1e-4, starts=engine.Restarts(5, seed=1), keep=kept)
     names = [r["start"] for r in record["starts"]]
     assert names[:3] == ["current", "identity", "canonical"] and len(names) == 3 + 5 and record["restarts"] == 5
     assert record["objective"] == min(r["objective"] for r in record["starts"])
@@ -91,7 +91,7 @@ def test_search_is_never_worse_than_any_start_and_reports_each():
 
 def test_search_is_deterministic_with_a_fixed_seed():
     instances, opts, sd_a, sd_b = problem(*tiny_pair(28), syms="heads,attn,ffn,rescale,residual", residual="largest")
-    runs = [engine.search(instances, sd_a, sd_b, opts, tol=1e-4, restarts=6, seed=3) for _ in range(2)]
+    runs = [engine.search(instances, sd_a, sd_b, opts, tol=1e-4, starts=engine.Restarts(6, seed=3)) for _ in range(2)]
     (e1, r1), (e2, r2) = runs
     assert [(x["start"], x["objective"], x["sweeps"]) for x in r1["starts"]] == \
         [(x["start"], x["objective"], x["sweeps"]) for x in r2["starts"]]
@@ -101,14 +101,14 @@ def test_search_is_deterministic_with_a_fixed_seed():
 def test_budget_zero_is_the_descent_as_it_was():
     instances, opts, sd_a, sd_b = problem(*tiny_pair(0), syms="heads,attn,ffn,rescale,residual", residual="largest")
     old = engine.solve(instances, sd_a, sd_b, opts, tol=1e-4)
-    new, record = engine.search(instances, sd_a, sd_b, opts, tol=1e-4, budget=0)
+    new, record = engine.search(instances, sd_a, sd_b, opts, tol=1e-4, starts=engine.Restarts(budget=0))
     assert [r["start"] for r in record["starts"]] == ["current"]
     assert objective(instances, opts, sd_a, sd_b, new) == objective(instances, opts, sd_a, sd_b, old)
 
 
 def test_no_model_wide_group_no_search():
     instances, opts, sd_a, sd_b = problem(*tiny_pair(0), syms="heads,attn,ffn")
-    elements, record = engine.search(instances, sd_a, sd_b, opts, restarts=3)
+    elements, record = engine.search(instances, sd_a, sd_b, opts, starts=engine.Restarts(3))
     assert record is None and elements
 
 

@@ -172,9 +172,9 @@ def align_job(job, spec: Alignment, out: Path, work: Path, stack) -> dict:
     else:
         from ..merge.fuse import align_models
 
-        run = align_models(models, options, plan)
-        alignment = run.alignment
-        pairs = list(zip(models, run.aligned)) + ([(base, run.aligned_base)] if base is not None else [])
+        aligned = align_models(models, options, plan)  # a symmerge.merge.fuse.Aligned record
+        alignment = aligned.alignment
+        pairs = list(zip(models, aligned.aligned)) + ([(base, aligned.aligned_base)] if base is not None else [])
         for i, (src, model) in enumerate(pairs):
             dst = work / f"model-{i}"
             save_model(model, dst, src=src)

@@ -700,34 +700,7 @@ class Planner:
                 if value is None or value == 1:
                     steps.append(TensorStep(out_name, (TensorSource(merged[0][0].model, merged[0][1]),), merge=False))
                     return
-            shared = {}
-            for p in sorted(names.globals):
-                v = resolve(p, [sl.params, *scopes], out_name, t)
-                if v is not None:
-                    shared[p] = v
-            per: dict = {}
-            for p in sorted(names.per_model):
-                vals = [resolve(p, [s.params, sl.params, *scopes], n, t) for s, n in merged]
-                if all(v is None for v in vals):
-                    if p == "weight" and names.weight_required:
-                        raise doc.error(f"no {p!r} for {out_name} (method {mk_name!r} needs one per model: set it in "
-                                        "each model's parameters or in the top-level 'parameters')", *where)
-                    continue
-                missing = [i for i, v in enumerate(vals) if v is None]
-                if missing:
-                    s = merged[missing[0]][0]
-                    if (p == "weight" and names.weight_required) or p not in names.defaults:
-                        raise doc.error(f"no {p!r} for model {inputs[s.model].label!r} on {out_name} (set it for every "
-                                        "model, or in the top-level 'parameters')", *s.where)
-                    vals = [names.defaults[p] if v is None else v for v in vals]
-                per[p] = tuple(vals)
-            for p in sorted(names.required):
-                if p not in shared and p not in per:
-                    raise doc.error(f"no {p!r} for {out_name}: method {mk_name!r} needs it (in 'parameters')", *where)
-            weights = per.pop("weight", None)
-            params = {**shared, **per}
-            if self.seed is not None and "seed" in names.defaults and "seed" not in params:
-                params["seed"] = self.seed
+            weights, params = self._step_params(doc, inputs, names, mk_name, sl, merged, out_name, t, where)
             step = TensorStep(out_name, tuple(TensorSource(s.model, n) for s, n in merged), base_src, weights,
                               MappingProxyType(params))
             self._check_step(doc, method, step, where, cache)
@@ -750,6 +723,48 @@ class Planner:
         job.steps = steps
         job.layers = out_i
         job.shapes = shapes
+        self._record_layout(doc, job, lays, out_lay, sliced)
+
+    def _step_params(self, doc, inputs, names, mk_name, sl: _Slice, merged, out_name, t, where) -> tuple:
+        """(the per-model weights or None, the parameters) of one merged output tensor ``out_name``: every
+        parameter of the method resolved for it (per model from the model's, the slice's and the top-level
+        scopes; shared ones from the slice's and the top level), defaults filled in, a missing required one an
+        error naming it and where it would go."""
+        scopes = self._scopes
+        shared = {}
+        for p in sorted(names.globals):
+            v = resolve(p, [sl.params, *scopes], out_name, t)
+            if v is not None:
+                shared[p] = v
+        per: dict = {}
+        for p in sorted(names.per_model):
+            vals = [resolve(p, [s.params, sl.params, *scopes], n, t) for s, n in merged]
+            if all(v is None for v in vals):
+                if p == "weight" and names.weight_required:
+                    raise doc.error(f"no {p!r} for {out_name} (method {mk_name!r} needs one per model: set it in "
+                                    "each model's parameters or in the top-level 'parameters')", *where)
+                continue
+            missing = [i for i, v in enumerate(vals) if v is None]
+            if missing:
+                s = merged[missing[0]][0]
+                if (p == "weight" and names.weight_required) or p not in names.defaults:
+                    raise doc.error(f"no {p!r} for model {inputs[s.model].label!r} on {out_name} (set it for every "
+                                    "model, or in the top-level 'parameters')", *s.where)
+                vals = [names.defaults[p] if v is None else v for v in vals]
+            per[p] = tuple(vals)
+        for p in sorted(names.required):
+            if p not in shared and p not in per:
+                raise doc.error(f"no {p!r} for {out_name}: method {mk_name!r} needs it (in 'parameters')", *where)
+        weights = per.pop("weight", None)
+        params = {**shared, **per}
+        if self.seed is not None and "seed" in names.defaults and "seed" not in params:
+            params["seed"] = self.seed
+        return weights, params
+
+    def _record_layout(self, doc, job, lays: dict, out_lay, sliced) -> None:
+        """The output's config edits (layer count of a sliced merge, vocabulary size, dtype) set on ``job`` and its
+        layout (names, shapes, dtypes) added to the planner's, from the job's steps and shapes."""
+        steps, shapes, out_i = job.steps, job.shapes, job.layers
         edits = {}
         if sliced and out_lay.layer_key:
             edits[out_lay.layer_key] = out_i

@@ -111,7 +111,7 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
     chat template asked for; with ``desc`` (the final merge of a config) its report, model card and the
     config's copy."""
     from ..merge import METHODS
-    from ..merge.executor import execute_steps
+    from ..merge.executor import OutputFolder, execute_steps
 
     opts = options or RunOptions(shard_size=shard_size, progress=progress)
     method = METHODS.get(job.method)
@@ -149,9 +149,10 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
             write_outputs(tmp, job, desc, plain, facts, opts)
 
     return execute_steps([p if hasattr(p, "folder") else Path(p) for p in inputs], job.steps, method, out,
-                         config=config, dtype=DTYPES[want] if want else None,
-                         side_files_from=folders[job.side_files_from],
-                         naming=job.config_from, shard_size=opts.shard_size, progress=opts.progress, finish=finish)
+                         OutputFolder(config=config, dtype=DTYPES[want] if want else None,
+                                      side_files_from=folders[job.side_files_from], naming=job.config_from,
+                                      shard_size=opts.shard_size, finish=finish),
+                         progress=opts.progress)
 
 
 def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions) -> dict:

@@ -591,8 +591,7 @@ def template_disk_names(spec) -> tuple[str, dict]:
         task = _stacks_class(model_type)
     with quiet_transformers():
         cfg = transformers.AutoConfig.for_model(model_type)
-        for attr, value in (("num_hidden_layers", 2), ("tie_word_embeddings", False)):
-            setattr(cfg, attr, value)
+        cfg.num_hidden_layers, cfg.tie_word_embeddings = 2, False
         cls = getattr(transformers, task)
         with torch.device("meta"):
             model = cls(cfg)

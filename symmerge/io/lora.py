@@ -349,38 +349,7 @@ def apply_adapter(base, adapter, out, dtype=None, progress: bool = True) -> dict
     ck = LazyCheckpoint(base, spec=False)
     dtype = parse_dtype(dtype)
     keys = ck.keys()
-    prefix = ck.base_model_prefix
-
-    def target(name: str) -> str:
-        """The base's tensor (in-memory name) for an adapter's tensor name, tied tensors to what they read."""
-        for cand in (name, f"{prefix}.{name}" if prefix else None,
-                     name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else None):
-            if cand is None:
-                continue
-            if cand in ck.file_of:
-                return cand
-            if cand in ck.ties and ck.ties[cand] in ck.file_of:
-                return ck.ties[cand]
-        raise SymmergeError(f"{adapter}: the adapter changes {name!r}, which {base} does not have (an adapter of "
-                            "another model?)")
-
-    weights: dict = {}  # tensor -> Module (its .weight); biases: tensor -> Module
-    biases: dict = {}
-    for mod in ad.modules.values():
-        weights[target(mod.name + ".weight")] = mod
-        if mod.bias is not None:
-            biases[target(mod.name + ".bias")] = mod
-    replace = {target(k): v for k, v in ad.replace.items()}
-    for k, v in replace.items():
-        if tuple(v.shape) != tuple(ck.shape[k]):
-            raise SymmergeError(f"{adapter}: the adapter's {k!r} is {tuple(v.shape)}, the base's {tuple(ck.shape[k])} "
-                                "(resize the base's embeddings first?)")
-    for k, mod in biases.items():
-        if tuple(mod.bias.shape) != tuple(ck.shape[k]):
-            raise SymmergeError(f"{adapter}: module {mod.name!r}: lora_B.bias is {tuple(mod.bias.shape)}, the base's "
-                                f"bias {tuple(ck.shape[k])}")
-    for k, mod in weights.items():
-        lora_delta(mod, ck.shape[k], conv1d=lambda: True)  # shapes checked before anything is written
+    weights, biases, replace = _targets(ad, ck, base, adapter)
     kinds: dict = {}
 
     def conv1d_of(key: str):
@@ -430,6 +399,45 @@ def apply_adapter(base, adapter, out, dtype=None, progress: bool = True) -> dict
                   "dtype": str(dtype).replace("torch.", "") if dtype is not None else "base"}
         write_json(tmp / "symmerge_lora.json", record)
     return record
+
+
+def _targets(ad, ck, base: Path, adapter: Path) -> tuple[dict, dict, dict]:
+    """(the base's tensors the adapter's modules change: {tensor: module} of the weights, of the biases; {tensor:
+    value} of the tensors it replaces) of adapter ``ad`` on the checkpoint ``ck``, every shape checked before
+    anything is written; an adapter tensor the base lacks is an error."""
+    prefix = ck.base_model_prefix
+
+    def target(name: str) -> str:
+        """The base's tensor (in-memory name) for an adapter's tensor name, tied tensors to what they read."""
+        for cand in (name, f"{prefix}.{name}" if prefix else None,
+                     name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else None):
+            if cand is None:
+                continue
+            if cand in ck.file_of:
+                return cand
+            if cand in ck.ties and ck.ties[cand] in ck.file_of:
+                return ck.ties[cand]
+        raise SymmergeError(f"{adapter}: the adapter changes {name!r}, which {base} does not have (an adapter of "
+                            "another model?)")
+
+    weights: dict = {}  # tensor -> Module (its .weight); biases: tensor -> Module
+    biases: dict = {}
+    for mod in ad.modules.values():
+        weights[target(mod.name + ".weight")] = mod
+        if mod.bias is not None:
+            biases[target(mod.name + ".bias")] = mod
+    replace = {target(k): v for k, v in ad.replace.items()}
+    for k, v in replace.items():
+        if tuple(v.shape) != tuple(ck.shape[k]):
+            raise SymmergeError(f"{adapter}: the adapter's {k!r} is {tuple(v.shape)}, the base's {tuple(ck.shape[k])} "
+                                "(resize the base's embeddings first?)")
+    for k, mod in biases.items():
+        if tuple(mod.bias.shape) != tuple(ck.shape[k]):
+            raise SymmergeError(f"{adapter}: module {mod.name!r}: lora_B.bias is {tuple(mod.bias.shape)}, the base's "
+                                f"bias {tuple(ck.shape[k])}")
+    for k, mod in weights.items():
+        lora_delta(mod, ck.shape[k], conv1d=lambda: True)  # shapes checked before anything is written
+    return weights, biases, replace
 
 
 def module_kinds(ck) -> dict:

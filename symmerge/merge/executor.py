@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.parallel import put_until_stopped
@@ -353,158 +354,195 @@ class StreamExecutor:
             torch.set_num_threads(threads)
 
     def _run(self, folder, target) -> dict:
-        m, steps, ckpts = self.method, self.steps, self.ckpts
         t = time.perf_counter()
         context = self.prepare()
         seconds = {"prepare": time.perf_counter() - t}
-        gate, stop = _Budget(self.limit), threading.Event()
-        read_q: queue.Queue = queue.Queue(maxsize=4)
-        write_q: queue.Queue = queue.Queue(maxsize=4)
-        clock = {"read": 0.0, "write": 0.0, "distances": 0.0, "waiting_for_reads": 0.0}
-        pair_sq: dict = {}
-        result_sq: dict = {}
-        arg_cache: dict = {}
-        warnings: list = []
-        pool = ThreadPoolExecutor(max_workers=max(1, len(ckpts)))  # one read per model at once: a deeper I/O queue
-
-        def reader():
-            try:
-                for idx, st in enumerate(steps):
-                    region = gate.take(self.sizes[idx], stop)  # the inputs' bytes, then the merged output's
-                    if region is None:
-                        return
-                    places, at = [], 0
-                    for s in self.reads(st):
-                        c = ckpts[s.model]
-                        places.append((c, s.key, region[at:at + c.room(s.key)]))
-                        at += _aligned(c.room(s.key))
-                    t1 = time.perf_counter()
-                    tensors = list(pool.map(lambda p: p[0].read_direct(p[1], buffer=p[2]), places))
-                    clock["read"] += time.perf_counter() - t1
-                    put_until_stopped(read_q, (idx, tensors, region[at:]), stop)
-                    del region, places
-                put_until_stopped(read_q, None, stop)
-            except BaseException as e:  # raised in the calling thread
-                put_until_stopped(read_q, _Failure(e), stop)
-
-        def distances(idx, tensor, inputs):
-            """The report's distances of one step (squared, summed into pair_sq and result_sq); a distance that is
-            not finite is a result that is not (the inputs were checked when read): refused before it is written."""
-            t1 = time.perf_counter()
-            n = len(inputs)
-            fused = kernels.sq_distances(inputs, tensor) if kernels.AVAILABLE else None
-            to_result = [fused[1][i] if fused else _sq(tensor, inputs[i]) for i in range(n)]
-            if not all(math.isfinite(d) for d in to_result):
-                refuse_non_finite(steps[idx].name, tensor, m, steps[idx].params, steps[idx].weights)
-            for i in range(n):
-                result_sq[i] = result_sq.get(i, 0.0) + to_result[i]
-            for i in range(n):
-                for j in range(i + 1, n):
-                    pair_sq[i, j] = pair_sq.get((i, j), 0.0) + (fused[0][i, j] if fused else _sq(inputs[i], inputs[j]))
-            clock["distances"] += time.perf_counter() - t1
-
-        # the distances run where there is time: in the merging thread when the fused kernels make the merge
-        # cheap (the writer's O_DIRECT writes then set the pace), else in the writer thread beside the merge
-        distances_in_writer = not kernels.AVAILABLE
-        failures: list = []
-
-        def writer(target: PlannedWriter):
-            try:
-                while True:
-                    item = write_q.get()
-                    if item is None or stop.is_set():
-                        return
-                    idx, tensor, inputs = item
-                    if inputs is not None:
-                        distances(idx, tensor, inputs)
-                    t1 = time.perf_counter()
-                    target.add(self.save_name(steps[idx].name), tensor)
-                    clock["write"] += time.perf_counter() - t1
-                    del tensor, item, inputs
-                    gate.give(self.sizes[idx])
-            except BaseException as e:
-                failures.append(e)
-                stop.set()
-
+        run = _Pass(self, context)
         if target is None:
             target = PlannedWriter(Path(folder), self.plan(), self.max_bytes)
-        workers = [threading.Thread(target=reader, daemon=True),
-                   threading.Thread(target=writer, args=(target,), daemon=True)]
+        t = time.perf_counter()
+        run.execute(target)
+        seconds["merge"] = time.perf_counter() - t
+        files = target.close()
+        return {"shards": files, "bytes_written": target.total_bytes, "largest_tensor_bytes": self.largest,
+                "read_ahead_budget_bytes": self.limit, "read_ahead_peak_bytes": run.gate.peak,
+                "direct_io": {"reads": sum(any(direct.reads_directly(f) for f in set(c.file_of.values()))
+                                           for c in _unique(self.ckpts)),
+                              "writes": target.wrote_directly},
+                "thread_seconds": {k: round(v, 4) for k, v in run.clock.items()},
+                "seconds": seconds, "tensors": len(self.steps), "pairwise_sq": run.pair_sq,
+                "result_sq": run.result_sq, "result_warnings": run.warnings}
+
+
+class _Pass:
+    """One run of a :class:`StreamExecutor`'s steps: a reader thread reads each step's sources into the read-ahead
+    ring (:meth:`reader`), the calling thread merges them (:meth:`merge_all`), a writer thread writes the results
+    (:meth:`writer`); what the three share — the ring's gate, the queues, the clocks, the distances, the warnings,
+    a failure — is here."""
+
+    def __init__(self, ex: StreamExecutor, context):
+        self.ex, self.context = ex, context
+        self.gate, self.stop = _Budget(ex.limit), threading.Event()
+        self.read_q: queue.Queue = queue.Queue(maxsize=4)
+        self.write_q: queue.Queue = queue.Queue(maxsize=4)
+        self.clock = {"read": 0.0, "write": 0.0, "distances": 0.0, "waiting_for_reads": 0.0}
+        self.pair_sq: dict = {}
+        self.result_sq: dict = {}
+        self.arg_cache: dict = {}
+        self.warnings: list = []
+        self.failures: list = []
+        # one read per model at once: a deeper I/O queue
+        self.pool = ThreadPoolExecutor(max_workers=max(1, len(ex.ckpts)))
+        # the distances run where there is time: in the merging thread when the fused kernels make the merge
+        # cheap (the writer's O_DIRECT writes then set the pace), else in the writer thread beside the merge
+        self.distances_in_writer = not kernels.AVAILABLE
+
+    def execute(self, target) -> None:
+        """Every step read, merged and handed to ``target``; on any failure the threads are stopped, the target
+        aborted, and the failure raised."""
+        workers = [threading.Thread(target=self.reader, daemon=True),
+                   threading.Thread(target=self.writer, args=(target,), daemon=True)]
         for th in workers:
             th.start()
-        pbar = bar(total=len(steps), desc=f"merging tensors ({m.name})", unit="tensors", enabled=self.progress)
-        t = time.perf_counter()
+        pbar = bar(total=len(self.ex.steps), desc=f"merging tensors ({self.ex.method.name})", unit="tensors",
+                   enabled=self.ex.progress)
         try:
-            while True:
-                t1 = time.perf_counter()
-                try:  # a failed writer stops the reader, which then sends nothing more: look at failures too
-                    item = read_q.get(timeout=0.2)
-                except queue.Empty:
-                    clock["waiting_for_reads"] += time.perf_counter() - t1
-                    if failures:
-                        raise failures[0]
-                    continue
-                clock["waiting_for_reads"] += time.perf_counter() - t1
-                if item is None:
-                    break
-                if isinstance(item, _Failure):
-                    raise item.exc
-                if failures:
-                    raise failures[0]
-                idx, tensors, room = item
-                del item
-                st = steps[idx]
-                inputs = None
-                if st.merge:
-                    n = len(st.sources)
-                    inputs, b = tensors[:n], (tensors[n] if st.base is not None else None)
-                    weights, params = step_arguments(m, st, n, arg_cache)
-                    value = merge_tensor(m, st.name, inputs, weights, None, b, params, context, out=room)
-                    # checked before it is written: degenerate warned about; non-finite refused (here when no
-                    # distances are measured, else by the distances, which a non-finite result makes non-finite)
-                    warning = check_result(st.name, value, inputs + [b], m, st.params, st.weights,
-                                           full=not (self.measure and value.is_floating_point()))
-                    if warning is not None:
-                        warnings.append(warning)
-                    if not value.is_floating_point() or not self.measure:
-                        inputs = None
-                    del b
-                else:
-                    value = tensors[0]
-                want = self.out_dtype(st)
-                if value.dtype != want:
-                    value = value.to(want)
-                del tensors, room
-                if inputs is not None and not distances_in_writer:
-                    distances(idx, value, inputs)
-                    inputs = None
-                put_until_stopped(write_q, (idx, value, inputs), stop)  # inputs: held (within the budget) until written
-                del value, inputs
-                pbar.update(1)
-            write_q.put(None)
+            self.merge_all(pbar)
+            self.write_q.put(None)
             workers[1].join()
-            if failures:
-                raise failures[0]
+            if self.failures:
+                raise self.failures[0]
         except BaseException:
-            stop.set()
-            _unblock(write_q)
+            self.stop.set()
+            _unblock(self.write_q)
             for th in workers:  # nothing more written into the temporary folder once it is removed
                 th.join(timeout=5)
             target.abort()
             raise
         finally:
             pbar.close()
-            pool.shutdown(wait=False)
-        seconds["merge"] = time.perf_counter() - t
-        files = target.close()
-        return {"shards": files, "bytes_written": target.total_bytes, "largest_tensor_bytes": self.largest,
-                "read_ahead_budget_bytes": self.limit, "read_ahead_peak_bytes": gate.peak,
-                "direct_io": {"reads": sum(any(direct.reads_directly(f) for f in set(c.file_of.values()))
-                                           for c in _unique(ckpts)),
-                              "writes": target.wrote_directly},
-                "thread_seconds": {k: round(v, 4) for k, v in clock.items()},
-                "seconds": seconds, "tensors": len(steps), "pairwise_sq": pair_sq, "result_sq": result_sq,
-                "result_warnings": warnings}
+            self.pool.shutdown(wait=False)
+
+    def reader(self) -> None:
+        ex, stop = self.ex, self.stop
+        try:
+            for idx, st in enumerate(ex.steps):
+                region = self.gate.take(ex.sizes[idx], stop)  # the inputs' bytes, then the merged output's
+                if region is None:
+                    return
+                places, at = [], 0
+                for s in ex.reads(st):
+                    c = ex.ckpts[s.model]
+                    places.append((c, s.key, region[at:at + c.room(s.key)]))
+                    at += _aligned(c.room(s.key))
+                t1 = time.perf_counter()
+                tensors = list(self.pool.map(lambda p: p[0].read_direct(p[1], buffer=p[2]), places))
+                self.clock["read"] += time.perf_counter() - t1
+                put_until_stopped(self.read_q, (idx, tensors, region[at:]), stop)
+                del region, places
+            put_until_stopped(self.read_q, None, stop)
+        except BaseException as e:  # raised in the calling thread
+            put_until_stopped(self.read_q, _Failure(e), stop)
+
+    def distances(self, idx, tensor, inputs) -> None:
+        """The report's distances of one step (squared, summed into pair_sq and result_sq); a distance that is
+        not finite is a result that is not (the inputs were checked when read): refused before it is written."""
+        t1 = time.perf_counter()
+        n, st = len(inputs), self.ex.steps[idx]
+        fused = kernels.sq_distances(inputs, tensor) if kernels.AVAILABLE else None
+        to_result = [fused[1][i] if fused else _sq(tensor, inputs[i]) for i in range(n)]
+        if not all(math.isfinite(d) for d in to_result):
+            refuse_non_finite(st.name, tensor, self.ex.method, st.params, st.weights)
+        for i in range(n):
+            self.result_sq[i] = self.result_sq.get(i, 0.0) + to_result[i]
+        for i in range(n):
+            for j in range(i + 1, n):
+                self.pair_sq[i, j] = self.pair_sq.get((i, j), 0.0) + (fused[0][i, j] if fused
+                                                                      else _sq(inputs[i], inputs[j]))
+        self.clock["distances"] += time.perf_counter() - t1
+
+    def writer(self, target: PlannedWriter) -> None:
+        try:
+            while True:
+                item = self.write_q.get()
+                if item is None or self.stop.is_set():
+                    return
+                idx, tensor, inputs = item
+                if inputs is not None:
+                    self.distances(idx, tensor, inputs)
+                t1 = time.perf_counter()
+                target.add(self.ex.save_name(self.ex.steps[idx].name), tensor)
+                self.clock["write"] += time.perf_counter() - t1
+                del tensor, item, inputs
+                self.gate.give(self.ex.sizes[idx])
+        except BaseException as e:
+            self.failures.append(e)
+            self.stop.set()
+
+    def merge_all(self, pbar) -> None:
+        """The calling thread's loop: every step read is merged (:meth:`merged`) and handed to the writer."""
+        while True:
+            item = self.next_read()
+            if item is None:
+                return
+            idx, value, inputs = self.merged(item)
+            del item
+            # inputs: held (within the budget) until written
+            put_until_stopped(self.write_q, (idx, value, inputs), self.stop)
+            del value, inputs
+            pbar.update(1)
+
+    def next_read(self):
+        """The next step's read tensors from the reader (None: all read); a failure of either thread raised."""
+        while True:
+            t1 = time.perf_counter()
+            try:  # a failed writer stops the reader, which then sends nothing more: look at failures too
+                item = self.read_q.get(timeout=0.2)
+            except queue.Empty:
+                self.clock["waiting_for_reads"] += time.perf_counter() - t1
+                if self.failures:
+                    raise self.failures[0]
+                continue
+            self.clock["waiting_for_reads"] += time.perf_counter() - t1
+            if item is None:
+                return None
+            if isinstance(item, _Failure):
+                raise item.exc
+            if self.failures:
+                raise self.failures[0]
+            return item
+
+    def merged(self, item) -> tuple:
+        """(the step's index, its result in the output's dtype, the inputs the writer measures distances on or
+        None) of one read step: merged (and checked) or copied."""
+        ex, m = self.ex, self.ex.method
+        idx, tensors, room = item
+        st = ex.steps[idx]
+        inputs = None
+        if st.merge:
+            n = len(st.sources)
+            inputs, b = tensors[:n], (tensors[n] if st.base is not None else None)
+            weights, params = step_arguments(m, st, n, self.arg_cache)
+            value = merge_tensor(m, st.name, inputs, weights, None, b, params, self.context, out=room)
+            # checked before it is written: degenerate warned about; non-finite refused (here when no
+            # distances are measured, else by the distances, which a non-finite result makes non-finite)
+            warning = check_result(st.name, value, inputs + [b], m, st.params, st.weights,
+                                   full=not (ex.measure and value.is_floating_point()))
+            if warning is not None:
+                self.warnings.append(warning)
+            if not value.is_floating_point() or not ex.measure:
+                inputs = None
+            del b
+        else:
+            value = tensors[0]
+        want = ex.out_dtype(st)
+        if value.dtype != want:
+            value = value.to(want)
+        del tensors, room
+        if inputs is not None and not self.distances_in_writer:
+            self.distances(idx, value, inputs)
+            inputs = None
+        return idx, value, inputs
 
 
 def _unblock(q: queue.Queue) -> None:
@@ -534,12 +572,9 @@ def config_text(ckpt: LazyCheckpoint) -> str:
     return text
 
 
-def execute_steps(inputs, steps, method, out, config=None, dtype=None, side_files_from=None, *,
-                  side_report: dict | None = None, naming: int | None = None, shard_size=DEFAULT_SHARD,
-                  budget=None, progress: bool = True, finish=None) -> dict:
-    """Run ``steps`` (a list of :class:`~symmerge.merge.steps.TensorStep`, sources indexing ``inputs``: model
-    folders or :class:`LazyCheckpoint` s) with ``method`` (a :class:`~symmerge.merge.base.Method`) and write
-    the folder ``out`` atomically (a temporary folder renamed at the end: an interrupted run leaves none).
+@dataclass(frozen=True)
+class OutputFolder:
+    """How :func:`execute_steps` writes its folder (every field optional).
 
     ``config``: the output's config.json — a dict (written sorted, indented), a string (written as is), or
     None (the config of ``side_files_from``, else of the naming input). ``dtype``: the output's floating dtype
@@ -547,19 +582,36 @@ def execute_steps(inputs, steps, method, out, config=None, dtype=None, side_file
     generation config, a sentence-transformers pipeline...) are copied (None: none); ``side_report``: the
     merge report the pipeline's module weights are merged by (its ``method``, ``models``, ``weights``...).
     ``naming``: the input whose on-disk names the output's tensors take (default: the input that is
-    ``side_files_from``, else 0). ``finish(tmp, facts)``, if given, runs on the finished temporary folder
-    before it is renamed (the report, the model card).
+    ``side_files_from``, else 0). ``shard_size``: the largest output shard. ``finish(tmp, facts)``, if given,
+    runs on the finished temporary folder before it is renamed (the report, the model card)."""
+
+    config: object = None
+    dtype: object = None
+    side_files_from: object = None
+    side_report: dict | None = None
+    naming: int | None = None
+    shard_size: object = DEFAULT_SHARD
+    finish: object = None
+
+
+def execute_steps(inputs, steps, method, out, output: OutputFolder = OutputFolder(), *, budget=None,
+                  progress: bool = True) -> dict:
+    """Run ``steps`` (a list of :class:`~symmerge.merge.steps.TensorStep`, sources indexing ``inputs``: model
+    folders or :class:`LazyCheckpoint` s) with ``method`` (a :class:`~symmerge.merge.base.Method`) and write
+    the folder ``out`` atomically (a temporary folder renamed at the end: an interrupted run leaves none), as
+    ``output`` (:class:`OutputFolder`) says. ``budget``: bytes the reader may hold ahead.
 
     Returns the measured facts (:meth:`StreamExecutor.run`, plus ``side_files``)."""
     from .modules import merge_pipeline_modules
 
+    config, side_files_from, naming = output.config, output.side_files_from, output.naming
     ckpts = [_checkpoint(x) for x in inputs]
     if naming is None:
         naming = 0
         if side_files_from is not None:
             naming = next((i for i, c in enumerate(ckpts) if c.folder.resolve() == Path(side_files_from).resolve()), 0)
-    ex = StreamExecutor(ckpts, steps, method, dtype=dtype, naming=naming, shard_size=shard_size, budget=budget,
-                        progress=progress)
+    ex = StreamExecutor(ckpts, steps, method, dtype=output.dtype, naming=naming, shard_size=output.shard_size,
+                        budget=budget, progress=progress)
     check_free_space(out, sum(math.prod(shape) * dt.itemsize for _, dt, shape in ex.plan()))  # before any read
     with atomic_dir(out) as tmp:
         facts = ex.run(tmp)
@@ -572,8 +624,8 @@ def execute_steps(inputs, steps, method, out, config=None, dtype=None, side_file
         else:
             text = json.dumps(config, indent=2, sort_keys=True) + "\n"
         (tmp / "config.json").write_text(text)
-        facts["side_files"] = (copy_side_files(Path(side_files_from), tmp, side_report, merge_pipeline_modules)
+        facts["side_files"] = (copy_side_files(Path(side_files_from), tmp, output.side_report, merge_pipeline_modules)
                                if side_files_from is not None else {"copied": [], "left_out": []})
-        if finish is not None:
-            finish(tmp, facts)
+        if output.finish is not None:
+            output.finish(tmp, facts)
     return facts

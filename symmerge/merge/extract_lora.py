@@ -195,7 +195,6 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     from ..io.checkpoint import LazyCheckpoint
     from ..io.lora import module_kinds, resolve_input
     from ..io.model import atomic_dir, ensure_output_dir, write_json
-    from ..progress import bar
 
     options = options or ExtractOptions()
     out = Path(out)
@@ -217,44 +216,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
             if key is not None:
                 _check_pair(ft, bs, e, key)
     tensors: dict = {}
-    # decomposed in batches of one shape (their orientation as the adapter stores them: out x in, embeddings
-    # dim x vocab), every pair of tensors read when its batch runs
-    groups: dict = {}
-    for e in lora:
-        shape = ft.shape[e.weight]
-        groups.setdefault(tuple(shape[::-1]) if (e.transposed or e.how == "embedding") else tuple(shape), []).append(e)
-    bias_deltas: dict = {}
-    with bar(total=len(lora), desc="extracting LoRA", unit="module", enabled=options.progress) as progress:
-        for shape, members in groups.items():
-            per = max(1, BATCH_BYTES // max(1, 4 * math.prod(shape)))
-            for i in range(0, len(members), per):
-                batch = members[i:i + per]
-                deltas, dtypes = [], []
-                for e in batch:
-                    a, b = _read_pair(ft, bs, e, e.weight)
-                    dtypes.append(torch.result_type(a, b))
-                    d = a.float() - b.float()
-                    deltas.append(d.T if (e.transposed or e.how == "embedding") else d)
-                    if e.bias is not None:
-                        fa, fb = _read_pair(ft, bs, e, e.bias)
-                        bias_deltas[e.name] = (fa.float() - fb.float(), torch.result_type(fa, fb))
-                    del a, b
-                stack = torch.stack(deltas)
-                for e, d, dt, (A, B, s) in zip(batch, deltas, dtypes, _decompose(stack, options.rank, options)):
-                    A, B = A.to(dt).contiguous(), B.to(dt).contiguous()
-                    norm = float(torch.linalg.norm(d))
-                    err = float(torch.linalg.norm(d - B.float() @ A.float())) / norm if norm > 0 else 0.0
-                    e.result = {"module": e.name, "kind": "embedding" if e.how == "embedding" else "linear",
-                                "shape": list(ft.shape[e.weight]), "rank": int(A.shape[0]),
-                                "relative_error": err, "task_vector_norm": norm}
-                    if A.shape[0] > 0:
-                        pre = f"base_model.model.{e.name}"
-                        if e.how == "embedding":
-                            tensors[f"{pre}.lora_embedding_A"], tensors[f"{pre}.lora_embedding_B"] = A, B
-                        else:
-                            tensors[f"{pre}.lora_A.weight"], tensors[f"{pre}.lora_B.weight"] = A, B
-                    progress.update(1)
-                del stack, deltas
+    bias_deltas = _extract_all(ft, bs, lora, options, tensors)
     written = [e for e in lora if e.result["rank"] > 0]
     for e in lora:
         if e.result["rank"] == 0:
@@ -294,6 +256,56 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
         if options.write_model_card:
             (tmp / "README.md").write_text(_card(report, config))
     return report
+
+
+def _extract_all(ft, bs, lora, options: ExtractOptions, tensors: dict) -> dict:
+    """Every LoRA module's task vector decomposed (its ``A``/``B`` into ``tensors``, its ``result`` set), in batches
+    of one shape (their orientation as the adapter stores them: out x in, embeddings dim x vocab), every pair of
+    tensors read when its batch runs; returns the bias deltas ``{module: (delta, dtype)}``."""
+    from ..progress import bar
+
+    groups: dict = {}
+    for e in lora:
+        shape = ft.shape[e.weight]
+        groups.setdefault(tuple(shape[::-1]) if (e.transposed or e.how == "embedding") else tuple(shape), []).append(e)
+    bias_deltas: dict = {}
+    with bar(total=len(lora), desc="extracting LoRA", unit="module", enabled=options.progress) as progress:
+        for shape, members in groups.items():
+            per = max(1, BATCH_BYTES // max(1, 4 * math.prod(shape)))
+            for i in range(0, len(members), per):
+                _extract_batch(ft, bs, members[i:i + per], options, tensors, bias_deltas, progress)
+    return bias_deltas
+
+
+def _extract_batch(ft, bs, batch, options: ExtractOptions, tensors: dict, bias_deltas: dict, progress) -> None:
+    """One batch of modules of one shape: their deltas read and decomposed together (see :func:`_extract_all`);
+    ``progress`` advanced by each module."""
+    deltas, dtypes = [], []
+    for e in batch:
+        a, b = _read_pair(ft, bs, e, e.weight)
+        dtypes.append(torch.result_type(a, b))
+        d = a.float() - b.float()
+        deltas.append(d.T if (e.transposed or e.how == "embedding") else d)
+        if e.bias is not None:
+            fa, fb = _read_pair(ft, bs, e, e.bias)
+            bias_deltas[e.name] = (fa.float() - fb.float(), torch.result_type(fa, fb))
+        del a, b
+    stack = torch.stack(deltas)
+    for e, d, dt, (A, B, s) in zip(batch, deltas, dtypes, _decompose(stack, options.rank, options)):
+        A, B = A.to(dt).contiguous(), B.to(dt).contiguous()
+        norm = float(torch.linalg.norm(d))
+        err = float(torch.linalg.norm(d - B.float() @ A.float())) / norm if norm > 0 else 0.0
+        e.result = {"module": e.name, "kind": "embedding" if e.how == "embedding" else "linear",
+                    "shape": list(ft.shape[e.weight]), "rank": int(A.shape[0]),
+                    "relative_error": err, "task_vector_norm": norm}
+        if A.shape[0] > 0:
+            pre = f"base_model.model.{e.name}"
+            if e.how == "embedding":
+                tensors[f"{pre}.lora_embedding_A"], tensors[f"{pre}.lora_embedding_B"] = A, B
+            else:
+                tensors[f"{pre}.lora_A.weight"], tensors[f"{pre}.lora_B.weight"] = A, B
+        progress.update(1)
+    del stack, deltas
 
 
 def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft) -> dict:

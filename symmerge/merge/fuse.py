@@ -318,9 +318,10 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     ``device``, the statistics options, ``batch_size``, ``max_examples``, ``max_length``, ``allow_pickle``,
     ``progress``; ``plan``: its :class:`~symmerge.merge.plan.MergePlan` (made here, in memory, when not given).
 
-    A short pipeline of named stages over one :class:`_Run`: :func:`_load_and_check` → (the plan) →
-    :func:`_align` → :func:`_statistics` → :func:`_merge` → :func:`_report` → :func:`_evaluate`; writing is
-    :func:`symmerge.merge.api.merge_to_folder`'s.
+    A short pipeline of named stages, each taking the record the one before returned and returning its own
+    (frozen) record: :func:`_load_and_check` → :class:`Loaded` → :func:`_align` → :class:`Aligned` →
+    :func:`_statistics` → :class:`Statistics` → :func:`_merge` → :class:`Merged` → :func:`_report` (the
+    report) and :func:`_evaluate` → :class:`Evaluated`; writing is :func:`symmerge.merge.api.merge_to_folder`'s.
     """
     t0 = time.perf_counter()
     if options is None:
@@ -332,226 +333,332 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     elif plan.mode != "memory":
         raise SymmergeError(f"merge_models runs in memory; the plan streams ({plan.why})")
     options = plan.options or options  # the options the plan validated
-    run = _Run(plan=plan, opts=options, m=plan.method, t0=t0)
-    for step in (_load_and_check, _align, _statistics, _merge, _report, _evaluate):
-        step(run, models)
-    run.timings["total"] = time.perf_counter() - t0
-    run.report["timings"] = run.timings
-    return run.out.to("cpu").eval(), run.report
+    merged = _merge(_statistics(_align(_load_and_check(plan, options, models, t0))))
+    report = _report(merged)
+    evaluated = _evaluate(merged)
+    if evaluated.evaluation is not None:
+        report["evaluation"] = evaluated.evaluation
+    report["timings"] = {**merged.timings, "evaluate": evaluated.seconds, "total": time.perf_counter() - t0}
+    return merged.out.to("cpu").eval(), report
 
 
-def align_models(models, options: MergeOptions, plan):
+def align_models(models, options: MergeOptions, plan) -> "Aligned":
     """Only the first stages of a merge (:func:`_load_and_check`, :func:`_align`): ``models`` and
     ``options.base`` loaded, checked and brought into one frame by ``plan`` (its frame and anchor rule), for
-    a caller that merges them its own way (``symmerge run`` with ``align:``). Returns the run: ``aligned``,
-    ``aligned_base``, ``alignment`` (the report's entry), ``tokenizer``, ``adapted``."""
-    run = _Run(plan=plan, opts=plan.options or options, m=plan.method, t0=time.perf_counter())
-    for step in (_load_and_check, _align):
-        step(run, models)
-    return run
+    a caller that merges them its own way (``symmerge run`` with ``align:``). Returns the :class:`Aligned`
+    record: ``aligned``, ``aligned_base``, ``alignment`` (the report's entry), and the :class:`Loaded` one
+    (``loaded.tokenizer``, ``loaded.adapted``)."""
+    return _align(_load_and_check(plan, plan.options or options, models, time.perf_counter()))
 
 
-class _Run:
-    """What the stages of one in-memory merge hand on to each other."""
+@dataclass(frozen=True)
+class Loaded:
+    """What :func:`_load_and_check` hands on: the inputs loaded and checked, every data file read, before any
+    expensive step. ``opts``: the options as the later stages read them (``heads`` resolved from ``auto`` by the
+    model class, generated alignment data sampled once); ``requested_heads``: ``heads`` as asked for."""
 
-    def __init__(self, **kw):
-        self.timings: dict[str, float] = {}
-        self.__dict__.update(kw)
+    plan: object  # the operation's MergePlan
+    opts: MergeOptions
+    requested_heads: str
+    dev: object
+    names: list
+    models: list
+    base_model: object
+    base_name: str | None
+    adapted: list  # base-class inputs read as the task class (symmerge.io.prefix.adapt_models)
+    body: list  # the parameter names every input shares
+    tokenizer: object
+    embedding: object  # a sentence-transformers pipeline's facts, or None
+    cache: _DataCache
+    eval_files: list
+    eval_note: str | None
+    timings: dict  # 'generate' (when alignment data was sampled) and 'load', in seconds
+
+    @property
+    def m(self):
+        """The plan's merge method."""
+        return self.plan.method
 
 
-def _load_and_check(run: _Run, models) -> None:
+@dataclass(frozen=True)
+class Aligned:
+    """What :func:`_align` hands on: every model (and the base) in one frame, and the report's ``alignment``."""
+
+    loaded: Loaded
+    aligned: list
+    aligned_base: object
+    alignment: dict
+    anchor_adapted: list  # a base-class anchor read as the task class: reported, not merged
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """What :func:`_statistics` hands on: the method's statistics on the aligned models (None: it needs none)."""
+
+    aligned: Aligned
+    stats: list | None
+    info: list | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What :func:`_merge` hands on: the merged model (``out``, REPAIRed when asked for) and what made it."""
+
+    statistics: Statistics
+    sds: list  # the aligned models' state dicts
+    holder: object  # the aligned model whose head (and non-merged tensors) the result carries
+    merged_sd: dict
+    steps: list | None  # the executor's steps (None: a method with its own loop)
+    result_warnings: list
+    out: object
+    repair: dict | None
+    seconds: dict  # 'merge', and 'repair' when it ran
+
+    @property
+    def timings(self) -> dict:
+        """Every stage's seconds up to this one, in the order they ran."""
+        st = self.statistics
+        return {**st.aligned.loaded.timings, "align": st.aligned.seconds, "statistics": st.seconds, **self.seconds}
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """What :func:`_evaluate` measures: the report's ``evaluation`` (None: nothing was scored)."""
+
+    evaluation: dict | None
+    seconds: float
+
+
+def _load_and_check(plan, options: MergeOptions, models, t0: float) -> Loaded:
     """Tokenizers and pipelines compared, the models (and base) loaded, bodies and heads checked, every data
     file loaded and checked against the models that use it — before any expensive step."""
-    opts, m = run.opts, run.m
-    run.dev = resolve_device(opts.device)
-    run.names = names = list(run.plan.names)
-    run.tokenizer = check_tokenizers(tokenizer_inputs(models, names, opts), opts.allow_tokenizer_mismatch)
-    run.embedding = check_pipelines(list(zip(names, models)), m, opts.base, opts.allow_pickle)  # sentence-transformers
-    what = f"{len(models)} models" + (" and the base" if opts.base is not None else "")
-    with stage(f"loaded {what}", enabled=opts.progress):  # any model type: a plain merge needs no spec
-        run.models = [_load(x, opts.allow_pickle) for x in models]
-        run.base_name = _name(opts.base, "base") if opts.base is not None else None
-        run.base_model = _load(opts.base, opts.allow_pickle) if opts.base is not None else None
-    (*run.models, run.base_model), run.adapted = adapt_models(run.models + [run.base_model],
-                                                              names + [run.base_name], opts.head_from)
-    everything = run.models + ([run.base_model] if run.base_model is not None else [])
-    run.body = check_bodies(everything, names + ([run.base_name] if run.base_model is not None else []))
-    run.requested_heads = opts.heads
-    opts = replace(opts, heads=head_policy(opts.heads, type(run.models[0])))  # 'auto': by the model class
+    m, names, timings = plan.method, list(plan.names), {}
+    dev = resolve_device(options.device)
+    tokenizer = check_tokenizers(tokenizer_inputs(models, names, options), options.allow_tokenizer_mismatch)
+    # a sentence-transformers pipeline's facts
+    embedding = check_pipelines(list(zip(names, models)), m, options.base, options.allow_pickle)
+    loaded, base_model, base_name, adapted = _load_inputs(models, names, options)
+    body = check_bodies(loaded + ([base_model] if base_model is not None else []),
+                        names + ([base_name] if base_model is not None else []))
+    opts = replace(options, heads=head_policy(options.heads, type(loaded[0])))  # 'auto': by the model class
     if opts.heads == "merge":
-        check_heads_mergeable(run.models, names)
-    run.cache = _DataCache(opts)
-    run.eval_files, run.eval_note = opts.evaluation_data(m.needs) if opts.evaluate else ([], None)
-    with stage("loaded and checked the data", enabled=opts.progress and bool(opts.data or run.eval_files)):
-        for i, x in enumerate(run.models):  # every file against every model that uses it
-            stats_files = _files_of(opts.data, i) if m.needs else []
-            scored = _files_of(run.eval_files, i) if i == opts.head_from or len(run.eval_files) > 1 else []
-            for spec in stats_files + scored:
-                run.cache.get(spec, x)
+        check_heads_mergeable(loaded, names)
+    cache = _DataCache(opts)
+    eval_files, eval_note = opts.evaluation_data(m.needs) if opts.evaluate else ([], None)
+    _check_data(loaded, cache, eval_files, opts, m.needs)
     if opts.align.matcher.needs_data or opts.repair:  # --align-data generate: sampled once, from every model
-        opts = replace(opts, align=generated_once(opts.align, run.models, timings=run.timings,
-                                                  progress=opts.progress))
-    run.opts = opts
-    run.timings["load"] = time.perf_counter() - run.t0 - run.timings.get("generate", 0.0)
+        opts = replace(opts, align=generated_once(opts.align, loaded, timings=timings, progress=opts.progress))
+    timings["load"] = time.perf_counter() - t0 - timings.get("generate", 0.0)
+    return Loaded(plan=plan, opts=opts, requested_heads=options.heads, dev=dev, names=names, models=loaded,
+                  base_model=base_model, base_name=base_name, adapted=adapted, body=body, tokenizer=tokenizer,
+                  embedding=embedding, cache=cache, eval_files=eval_files, eval_note=eval_note, timings=timings)
 
 
-def _align(run: _Run, models) -> None:
+def _load_inputs(models, names, opts: MergeOptions) -> tuple[list, object, str | None, list]:
+    """(the models, the base model, its name, the adapted inputs): every input loaded as any transformers model (a
+    plain merge needs no spec), base-class inputs read as the task class (:func:`symmerge.io.prefix.adapt_models`)."""
+    what = f"{len(models)} models" + (" and the base" if opts.base is not None else "")
+    with stage(f"loaded {what}", enabled=opts.progress):
+        loaded = [_load(x, opts.allow_pickle) for x in models]
+        base_name = _name(opts.base, "base") if opts.base is not None else None
+        base_model = _load(opts.base, opts.allow_pickle) if opts.base is not None else None
+    (*loaded, base_model), adapted = adapt_models(loaded + [base_model], names + [base_name], opts.head_from)
+    return loaded, base_model, base_name, adapted
+
+
+def _check_data(models, cache: _DataCache, eval_files, opts: MergeOptions, needs) -> None:
+    """Every data file loaded once and checked against every model that uses it: the statistics' files (a method
+    that ``needs`` them) and the evaluation's."""
+    with stage("loaded and checked the data", enabled=opts.progress and bool(opts.data or eval_files)):
+        for i, x in enumerate(models):
+            stats_files = _files_of(opts.data, i) if needs else []
+            scored = _files_of(eval_files, i) if i == opts.head_from or len(eval_files) > 1 else []
+            for spec in stats_files + scored:
+                cache.get(spec, x)
+
+
+def _align(ld: Loaded) -> Aligned:
     """Every model aligned to the plan's anchor (the star) or into one frame (joint), with the options the
     plan resolved, narrowed against the anchor (:func:`resolve_alignment`)."""
     t = time.perf_counter()
-    opts, plan, names = run.opts, run.plan, run.names
-    align_opts = plan.align.with_(align_data=opts.align.align_data) if plan.aligns else plan.align
+    plan, opts = ld.plan, ld.opts
     alignment = plan.alignment()
-    if plan.aligns:
-        alignment.pop("note", None)
-    run.aligned, run.aligned_base = run.models, run.base_model
-    if plan.aligns:
-        anchor_model, alignment["anchor"] = choose_anchor(run.models, names, run.body, opts.anchor, run.base_model,
-                                                          run.base_name, opts.allow_pickle, opts.head_from)
-        if "base_adapted" in alignment["anchor"]:  # reported, not merged: the anchor is no input of the merge
-            run.anchor_adapted = [alignment["anchor"]["base_adapted"]]
-        targets = list(zip(names, run.models)) + ([(run.base_name, run.base_model)] if run.base_model is not None
-                                                  else [])
-        align_opts, note = resolve_alignment(targets, anchor_model, align_opts, output_reader(run.embedding))
-        alignment.update(symmetries=list(align_opts.symmetries), rescale=align_opts.effective_rescale)
-        if note:
-            alignment["note"] = note
-        if plan.frame == "joint":
-            joint = align_joint(run.models, align_opts, anchor=alignment["anchor"]["index"], names=names,
-                                max_rounds=opts.joint_rounds, progress=opts.progress, refine=opts.joint_refine)
-            run.aligned = joint.models
-            alignment["anchor"]["rule"] += " (the star's anchor; then every model to the mean of the others)"
-            alignment["joint"] = {k: v for k, v in joint.report.items() if k != "models"}
-            alignment["models"] = [{**r, "anchor": i == alignment["anchor"]["index"]}
-                                   for i, r in enumerate(joint.report["models"])]
-        else:
-            moved, alignment["models"] = align_all(targets, anchor_model, run.body, align_opts, progress=opts.progress)
-            run.aligned = moved[:len(run.models)]
-            run.aligned_base = moved[len(run.models)] if run.base_model is not None else None
-    run.alignment = alignment
-    run.timings["align"] = time.perf_counter() - t
+    if not plan.aligns:
+        return Aligned(ld, ld.models, ld.base_model, alignment, [], time.perf_counter() - t)
+    alignment.pop("note", None)
+    anchor_model, alignment["anchor"] = choose_anchor(ld.models, ld.names, ld.body, opts.anchor, ld.base_model,
+                                                      ld.base_name, opts.allow_pickle, opts.head_from)
+    # a base-class anchor is reported, not merged: the anchor is no input of the merge
+    anchor_adapted = [alignment["anchor"]["base_adapted"]] if "base_adapted" in alignment["anchor"] else []
+    targets = list(zip(ld.names, ld.models)) + ([(ld.base_name, ld.base_model)] if ld.base_model is not None else [])
+    align_opts, note = resolve_alignment(targets, anchor_model, plan.align.with_(align_data=opts.align.align_data),
+                                         output_reader(ld.embedding))
+    alignment.update(symmetries=list(align_opts.symmetries), rescale=align_opts.effective_rescale)
+    if note:
+        alignment["note"] = note
+    if plan.frame == "joint":
+        aligned, aligned_base = _align_jointly(ld, align_opts, alignment), ld.base_model
+    else:
+        moved, alignment["models"] = align_all(targets, anchor_model, ld.body, align_opts, progress=opts.progress)
+        aligned = moved[:len(ld.models)]
+        aligned_base = moved[len(ld.models)] if ld.base_model is not None else None
+    return Aligned(ld, aligned, aligned_base, alignment, anchor_adapted, time.perf_counter() - t)
 
 
-def _statistics(run: _Run, models) -> None:
+def _align_jointly(ld: Loaded, align_opts: AlignOptions, alignment: dict) -> list:
+    """The models in one frame (:func:`symmerge.pipeline.joint.align_joint`: the star, then every model to the
+    mean of the others); ``alignment`` gets the joint alignment's report."""
+    opts = ld.opts
+    joint = align_joint(ld.models, align_opts, anchor=alignment["anchor"]["index"], names=ld.names,
+                        max_rounds=opts.joint_rounds, progress=opts.progress, refine=opts.joint_refine)
+    alignment["anchor"]["rule"] += " (the star's anchor; then every model to the mean of the others)"
+    alignment["joint"] = {k: v for k, v in joint.report.items() if k != "models"}
+    alignment["models"] = [{**r, "anchor": i == alignment["anchor"]["index"]}
+                           for i, r in enumerate(joint.report["models"])]
+    return joint.models
+
+
+def _statistics(al: Aligned) -> Statistics:
     """The statistics the method needs, gathered on the aligned models."""
-    t = time.perf_counter()
-    run.stats, run.stats_info = None, None
-    if run.m.needs:
-        run.stats, run.stats_info = gather_stats(run.m.needs, run.aligned, run.names, run.cache, run.opts, run.dev)
-    run.timings["statistics"] = time.perf_counter() - t
+    t, ld = time.perf_counter(), al.loaded
+    stats, info = None, None
+    if ld.m.needs:
+        stats, info = gather_stats(ld.m.needs, al.aligned, ld.names, ld.cache, ld.opts, ld.dev)
+    return Statistics(al, stats, info, time.perf_counter() - t)
 
 
-def _merge(run: _Run, models) -> None:
+def _merge(st: Statistics) -> Merged:
     """The body (and the heads when merged) merged — by the executor over the state dicts for a per-tensor method
     (:func:`_execute`), by the method's own loop for one with statistics or the architecture — and every result
     checked (:func:`symmerge.merge.outputs.check_result`); REPAIR if asked for."""
-    t = time.perf_counter()
-    opts, m, aligned = run.opts, run.m, run.aligned
-    keys = untied(run.models[0], run.body + (sorted(head_keys(run.models[0])) if opts.heads == "merge" else []))
-    keys = [k for k in keys if k not in not_merged(run.adapted)]  # a base model's missing head: kept, not merged
-    run.sds = sds = [x.state_dict() for x in aligned]
-    run.holder = holder = aligned[opts.head_from]
-    base_sd = (run.aligned_base.state_dict() if m.needs_base or (m.accepts_base and run.aligned_base is not None)
+    t, al = time.perf_counter(), st.aligned
+    ld = al.loaded
+    opts, m = ld.opts, ld.m
+    keys = untied(ld.models[0], ld.body + (sorted(head_keys(ld.models[0])) if opts.heads == "merge" else []))
+    keys = [k for k in keys if k not in not_merged(ld.adapted)]  # a base model's missing head: kept, not merged
+    sds = [x.state_dict() for x in al.aligned]
+    holder = al.aligned[opts.head_from]
+    base_sd = (al.aligned_base.state_dict() if m.needs_base or (m.accepts_base and al.aligned_base is not None)
                else None)
     with stage(f"merged ({m.name})", enabled=opts.progress):
         if m.needs or m.needs_model:
-            run.merged_sd, run.result_warnings = _merge_with_statistics(run, keys, sds, base_sd)
-            run.steps = None
+            merged_sd, warnings = _merge_with_statistics(st, keys, sds, base_sd)
+            steps = None
         else:  # the executor with memory sources: the streamed merge's steps and loop
-            run.merged_sd, run.steps, run.result_warnings = _execute(run, keys, sds, base_sd)
-            run.plan.steps = run.steps
-        run.out = with_state_dict(holder, with_tied(holder, run.merged_sd))
-    run.timings["merge"] = time.perf_counter() - t
-    run.repair_info = None
-    if opts.repair:
-        t = time.perf_counter()
-        run.out, run.repair_info = repair(run.out, aligned, opts.weights,
-                                          statistics_data(load_align_data(opts.align, run.out), opts.repair_samples),
-                                          channels=opts.repair_channels, progress=opts.progress)
-        run.timings["repair"] = time.perf_counter() - t
+            merged_sd, steps, warnings = _execute(ld, holder, keys, sds, base_sd)
+            ld.plan.steps = steps
+        out = with_state_dict(holder, with_tied(holder, merged_sd))
+    seconds = {"merge": time.perf_counter() - t}
+    out, repair_info = _repair(out, al, seconds)
+    return Merged(st, sds, holder, merged_sd, steps, warnings, out, repair_info, seconds)
 
 
-def _execute(run: _Run, keys, sds, base_sd) -> tuple[dict, list, list]:
+def _repair(out, al: Aligned, seconds: dict) -> tuple[object, dict | None]:
+    """(the merged model, REPAIR's report) — REPAIRed on the alignment's unlabeled data when asked for (its seconds
+    added to ``seconds``), else as it is."""
+    opts = al.loaded.opts
+    if not opts.repair:
+        return out, None
+    t = time.perf_counter()
+    out, info = repair(out, al.aligned, opts.weights,
+                       statistics_data(load_align_data(opts.align, out), opts.repair_samples),
+                       channels=opts.repair_channels, progress=opts.progress)
+    seconds["repair"] = time.perf_counter() - t
+    return out, info
+
+
+def _execute(ld: Loaded, holder, keys, sds, base_sd) -> tuple[dict, list, list]:
     """(the merged tensors, the steps run, the result warnings) of a per-tensor method: the plain merge's steps
     (:func:`~symmerge.merge.steps.plain_merge_steps`: ``keys`` merged, the rest of the holder's tensors copied)
     run by the executor (:class:`~symmerge.merge.executor.StreamExecutor`) from the state dicts, as a streamed
     merge runs them from the files."""
     from .executor import MemorySource, MemoryTarget, StreamExecutor
 
-    opts, n = run.opts, len(sds)
-    order = untied(run.holder, list(sds[opts.head_from]))
+    opts, n = ld.opts, len(sds)
+    order = untied(holder, list(sds[opts.head_from]))
     steps = plain_merge_steps(order, keys, n, base=n if base_sd is not None else None, weights=opts.weights,
                               params=opts.params, head_from=opts.head_from)
-    sources = [MemorySource(sd, name) for sd, name in zip(sds, run.names)]
+    sources = [MemorySource(sd, name) for sd, name in zip(sds, ld.names)]
     if base_sd is not None:
-        sources.append(MemorySource(base_sd, run.base_name or "base"))
+        sources.append(MemorySource(base_sd, ld.base_name or "base"))
     target = MemoryTarget()
-    facts = StreamExecutor(sources, steps, run.m, naming=opts.head_from, progress=False, distances=False,
+    facts = StreamExecutor(sources, steps, ld.m, naming=opts.head_from, progress=False, distances=False,
                            keep=True).run(target=target)
     merged = set(keys)
     return {k: v for k, v in target.tensors.items() if k in merged}, steps, facts["result_warnings"]
 
 
-def _merge_with_statistics(run: _Run, keys, sds, base_sd) -> tuple[dict, list]:
+def _merge_with_statistics(st: Statistics, keys, sds, base_sd) -> tuple[dict, list]:
     """(the merged tensors, the result warnings) of a method that reads statistics or the architecture
     (Fisher, RegMean, OT fusion): its own state-dict loop (their statistics and whole-model rules are no
     per-tensor step of the executor), the results checked as the executor checks them."""
-    opts, m = run.opts, run.m
+    al = st.aligned
+    opts, m = al.loaded.opts, al.loaded.m
     sub = [{k: sd[k] for k in keys} for sd in sds]
-    stats = run.stats
+    stats = st.stats
     stats_sub = (None if stats is None else stats if m.needs_model
                  else [{k: s[k] for k in keys if k in s} for s in stats])
     extra = {"base": {k: base_sd[k] for k in keys}} if base_sd is not None else {}
     if m.needs_model:  # the architecture, and the model the others were aligned to
-        extra.update(model=run.aligned[0], anchor=run.alignment["anchor"]["index"])
+        extra.update(model=al.aligned[0], anchor=al.alignment["anchor"]["index"])
     merged = m.merge(sub, weights=opts.weights, stats=stats_sub, **extra, **opts.params)
     warnings = [w for k, t in merged.items()
                 if (w := check_result(k, t, [sd[k] for sd in sub], m, opts.params, opts.weights)) is not None]
     return merged, warnings
 
 
-def _report(run: _Run, models) -> None:
+def _report(mg: Merged) -> dict:
     """The report (:func:`symmerge.merge.plan.merge_report`) from the plan and what was measured."""
-    opts, m, names, body = run.opts, run.m, run.names, run.body
-    head_info = head_report(head_keys(run.models[0]), opts.heads, run.requested_heads, opts.head_from, names,
-                            head_keys(run.holder))
+    st = mg.statistics
+    al = st.aligned
+    ld = al.loaded
+    opts, names, body = ld.opts, ld.names, ld.body
+    head_info = head_report(head_keys(ld.models[0]), opts.heads, ld.requested_heads, opts.head_from, names,
+                            head_keys(mg.holder))
     with stage("distances between the inputs and to the result", enabled=opts.progress):
-        before = _pairwise([x.state_dict() for x in run.models], body, names)
-        after = before if run.aligned is run.models else _pairwise(run.sds, body, names)
-        to_result = {n: distance(run.out.state_dict(), sd, body) for n, sd in zip(names, run.sds)}
-    statistics = None if run.stats_info is None else {
-        "kind": m.needs, "per_model": run.stats_info,
-        **({"gram_normalize": opts.gram_normalize} if m.needs == "gram" else
-           {"fisher_variant": opts.fisher_variant, "fisher_normalize": opts.fisher_normalize,
-            "fisher_samples": opts.fisher_samples} if m.needs == "fisher" else {}),
-    }
-    run.report = merge_report(run.plan, base=run.base_name, alignment=run.alignment, head=head_info,
-                              distances_between_inputs={"before_alignment": before, "after_alignment": after},
-                              distance_result_to_inputs=to_result, statistics=statistics, device=str(run.dev),
-                              repair=run.repair_info, tokenizer=run.tokenizer, embedding=run.embedding,
-                              result_warnings=run.result_warnings)
-    adapted = run.adapted + getattr(run, "anchor_adapted", [])
+        before = _pairwise([x.state_dict() for x in ld.models], body, names)
+        after = before if al.aligned is ld.models else _pairwise(mg.sds, body, names)
+        to_result = {n: distance(mg.out.state_dict(), sd, body) for n, sd in zip(names, mg.sds)}
+    report = merge_report(ld.plan, base=ld.base_name, alignment=al.alignment, head=head_info,
+                          distances_between_inputs={"before_alignment": before, "after_alignment": after},
+                          distance_result_to_inputs=to_result, statistics=_statistics_entry(st), device=str(ld.dev),
+                          repair=mg.repair, tokenizer=ld.tokenizer, embedding=ld.embedding,
+                          result_warnings=mg.result_warnings)
+    adapted = ld.adapted + al.anchor_adapted
     if adapted:
-        run.report["base_adapted"] = adapted
+        report["base_adapted"] = adapted
+    return report
 
 
-def _evaluate(run: _Run, models) -> None:
+def _statistics_entry(st: Statistics) -> dict | None:
+    """The report's ``statistics``: their kind, per model, and the options they were gathered with."""
+    if st.info is None:
+        return None
+    opts, needs = st.aligned.loaded.opts, st.aligned.loaded.m.needs
+    return {"kind": needs, "per_model": st.info,
+            **({"gram_normalize": opts.gram_normalize} if needs == "gram" else
+               {"fisher_variant": opts.fisher_variant, "fisher_normalize": opts.fisher_normalize,
+                "fisher_samples": opts.fisher_samples} if needs == "fisher" else {})}
+
+
+def _evaluate(mg: Merged) -> Evaluated:
     """The merged model as saved, and the inputs, scored on the evaluation data."""
-    t = time.perf_counter()
-    opts = run.opts
-    if run.eval_files:
-        ev = _evaluate_all(run.out, run.models, run.aligned, run.merged_sd, run.names, run.cache, opts, run.dev,
-                           run.eval_files)
-        ev["data_role"] = "--eval-data" if opts.eval_data else "--data"
-        if run.eval_note:
-            ev["note"] = run.eval_note
-        cut = sorted({d.path for d in run.cache.loaded.values() if d.cut and d.path in {r["data"] for r in ev["merged"]}})
-        if cut:  # the evaluation files --max-examples cut (each data set knows whether it was cut)
-            ev["max_examples"] = {"limit": opts.max_examples, "cut": cut,
-                                  "note": f"--max-examples {opts.max_examples}: at most the first {opts.max_examples} "
-                                          f"examples of {', '.join(cut)} were scored"}
-        run.report["evaluation"] = ev
-    run.timings["evaluate"] = time.perf_counter() - t
+    t, ld = time.perf_counter(), mg.statistics.aligned.loaded
+    opts = ld.opts
+    if not ld.eval_files:
+        return Evaluated(None, time.perf_counter() - t)
+    ev = _evaluate_all(mg, ld.eval_files)
+    ev["data_role"] = "--eval-data" if opts.eval_data else "--data"
+    if ld.eval_note:
+        ev["note"] = ld.eval_note
+    cut = sorted({d.path for d in ld.cache.loaded.values() if d.cut and d.path in {r["data"] for r in ev["merged"]}})
+    if cut:  # the evaluation files --max-examples cut (each data set knows whether it was cut)
+        ev["max_examples"] = {"limit": opts.max_examples, "cut": cut,
+                              "note": f"--max-examples {opts.max_examples}: at most the first {opts.max_examples} "
+                                      f"examples of {', '.join(cut)} were scored"}
+    return Evaluated(ev, time.perf_counter() - t)
 
 
 def _load(x, allow_pickle: bool):
@@ -564,31 +671,36 @@ def _pairwise(sds, keys, names) -> dict:
             for i in range(len(sds)) for j in range(i + 1, len(sds))}
 
 
-def _evaluate_all(out, models, aligned, merged_sd, names, cache: _DataCache, opts: MergeOptions, dev,
-                  files) -> dict:
+def _evaluate_all(mg: Merged, files) -> dict:
+    """The merged model's rows (one per file) and the inputs' (each on the files it is scored on)."""
+    ld = mg.statistics.aligned.loaded
+    opts, models, names = ld.opts, ld.models, ld.names
     result = {"merged": [], "models": []}
     per_model = len(files) > 1 or len(models) == 1
     for j, spec in enumerate(files):
         # with one file per model, file j is scored with model j's head (the paper's protocol)
         owner = j if per_model else opts.head_from
-        probe = out if (opts.heads == "merge" or owner == opts.head_from) else with_state_dict(
-            aligned[owner], with_tied(aligned[owner], merged_sd))
-        d = cache.get(spec, probe)
-        r = evaluate(probe, d, device=dev, progress=opts.progress, desc="evaluating merged")
+        aligned = mg.statistics.aligned.aligned[owner]
+        probe = mg.out if (opts.heads == "merge" or owner == opts.head_from) else with_state_dict(
+            aligned, with_tied(aligned, mg.merged_sd))
+        d = ld.cache.get(spec, probe)
+        r = evaluate(probe, d, device=ld.dev, progress=opts.progress, desc="evaluating merged")
         probe.to("cpu")
         # the saved model carries head_from's head (or the merged heads): a row scored with another model's head
         # is of a model that was not saved, and says so
         result["merged"].append({"data": d.path, "head_from": names[owner] if opts.heads == "keep" else "merged",
-                                 "as_saved": probe is out, **r})
-        for i, x in enumerate(models):
-            if per_model and i != j:
-                continue
-            try:
-                check_data(d, x)
-            except SymmergeError as e:
-                result["models"].append({"model": names[i], "data": d.path, "skipped": str(e)})
-                continue
-            r = evaluate(x, d, device=dev, progress=opts.progress, desc=f"evaluating {names[i]}")
-            x.to("cpu")
-            result["models"].append({"model": names[i], "data": d.path, **r})
+                                 "as_saved": probe is mg.out, **r})
+        result["models"] += [_evaluate_input(ld, i, d) for i in range(len(models)) if not per_model or i == j]
     return result
+
+
+def _evaluate_input(ld: Loaded, i: int, d: Data) -> dict:
+    """Input ``i``'s row on the data set ``d``: its scores, or why it was skipped (``d`` does not fit it)."""
+    x, name = ld.models[i], ld.names[i]
+    try:
+        check_data(d, x)
+    except SymmergeError as e:
+        return {"model": name, "data": d.path, "skipped": str(e)}
+    r = evaluate(x, d, device=ld.dev, progress=ld.opts.progress, desc=f"evaluating {name}")
+    x.to("cpu")
+    return {"model": name, "data": d.path, **r}

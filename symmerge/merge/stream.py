@@ -26,7 +26,7 @@ import math
 import shutil
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..core.layout import Layout, check_layouts
@@ -39,7 +39,8 @@ from ..io.prefix import adapt_checkpoints, borrowed
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import stage
-from .executor import DEFAULT_SHARD, _Budget, config_text, default_budget, execute_steps  # noqa: F401 (re-exported)
+from .executor import (DEFAULT_SHARD, OutputFolder, _Budget, config_text, default_budget,  # noqa: F401 (re-exported)
+                       execute_steps)
 from .heads import head_policy, head_report
 from .plan import (MEMORY_FRACTION, MODES, MergePlan, average_keys, checkpoint_bytes, choose_mode,  # noqa: F401
                    closest, closest_to_average, has_spec, merge_report, plain_fallback, plan_merge, stream_refusal)
@@ -82,12 +83,26 @@ def merge_streaming(models, out, options, shard_size=DEFAULT_SHARD, budget=None,
                                  options.allow_tokenizer_mismatch)
     embedding = check_pipelines(list(zip(names, models)), plan.method, options.base, options.allow_pickle)
     timings = {"load": 0.0, "align": 0.0, "statistics": 0.0, "merge": 0.0, "evaluate": 0.0}
-    checked = dict(plan=plan, names=names, tokenizer=tokenizer, embedding=embedding, timings=timings, t0=t0,
-                   shard_size=shard_size, budget=budget, write_hook=write_hook)
+    checked = _Checked(plan, names, tokenizer, embedding, timings, t0, shard_size, budget, write_hook)
     if plan.aligns:
-        return _aligned_streaming(models, out, options, **checked)
-    return _plain_streaming(models, options.base, out, options, alignment=plan.alignment(), aligned=False,
-                            **checked)
+        return _aligned_streaming(models, out, options, checked)
+    return _plain_streaming(models, options.base, out, options, checked, alignment=plan.alignment(), aligned=False)
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What a streamed merge hands from its checks (:func:`merge_streaming`) to the merge: the plan, the inputs'
+    names, the tokenizer and pipeline facts, the timings so far and the clock's start, how it writes."""
+
+    plan: MergePlan
+    names: list
+    tokenizer: object
+    embedding: object
+    timings: dict  # filled in as the stages run
+    t0: float
+    shard_size: object
+    budget: object
+    write_hook: object
 
 
 def plain_steps(ckpts, base, options, names) -> tuple[list, list, list]:
@@ -138,10 +153,11 @@ def header_steps(models, options, plan: MergePlan) -> list | None:
     return plain_steps(ckpts, base, options, names)[0]
 
 
-def _plain_streaming(folders, base_folder, out, options, *, plan, names, alignment, aligned, tokenizer, embedding,
-                     timings, t0, shard_size, budget, write_hook) -> dict:
+def _plain_streaming(folders, base_folder, out, options, checked: _Checked, *, alignment, aligned) -> dict:
     """The folders merged tensor by tensor (no alignment left to do: ``aligned`` when they are the aligned
-    copies of the inputs ``names``); the report written into ``out``."""
+    copies of the inputs ``checked.names``); the report written into ``out``."""
+    plan, names, tokenizer, embedding, timings = (checked.plan, checked.names, checked.tokenizer, checked.embedding,
+                                                  checked.timings)
     with stage("read the checkpoint headers", enabled=options.progress):
         ckpts = [LazyCheckpoint(x, spec=False) for x in folders]
         base = LazyCheckpoint(base_folder, spec=False) if base_folder is not None else None
@@ -167,12 +183,12 @@ def _plain_streaming(folders, base_folder, out, options, *, plan, names, alignme
                                           "read_ahead_peak_bytes", "direct_io")} | {"seconds": facts["thread_seconds"]},
             tokenizer=tokenizer, embedding=embedding, side_files=facts["side_files"], names=names,
             result_warnings=facts["result_warnings"])
-        timings["total"] = time.perf_counter() - t0
+        timings["total"] = time.perf_counter() - checked.t0
         report["timings"] = timings
         if adapted:
             report["base_adapted"] = adapted
-        if write_hook is not None:
-            write_hook(tmp, report)
+        if checked.write_hook is not None:
+            checked.write_hook(tmp, report)
         write_card(tmp, report)  # README.md, the output's own model card
         write_json(tmp / "symmerge_report.json", report)
 
@@ -180,20 +196,20 @@ def _plain_streaming(folders, base_folder, out, options, *, plan, names, alignme
     side = {"method": plan.method.name, "params": plan.params, "weights": plan.weights,
             "models": [str(x) for x in folders], "base": str(base_folder) if base_folder is not None else None,
             **({"sentence_transformers": embedding} if embedding else {})}
-    execute_steps(ckpts + ([base] if base is not None else []), steps, plan.method, out, config=config_text(holder),
-                  side_files_from=holder.folder, side_report=side, naming=options.head_from, shard_size=shard_size,
-                  budget=budget, progress=options.progress, finish=finish)
+    execute_steps(ckpts + ([base] if base is not None else []), steps, plan.method, out,
+                  OutputFolder(config=config_text(holder), side_files_from=holder.folder, side_report=side,
+                               naming=options.head_from, shard_size=checked.shard_size, finish=finish),
+                  budget=checked.budget, progress=options.progress)
     return report
 
 
-def _aligned_streaming(models, out, options, *, plan, names, timings, t0, **rest) -> dict:
+def _aligned_streaming(models, out, options, checked: _Checked) -> dict:
     """Each model aligned to the anchor (:func:`aligned_folders`), then the aligned folders merged tensor by
     tensor; the temporary folders are removed whatever happens."""
     t = time.perf_counter()
-    with aligned_folders(models, out, options, plan, names) as (aligned, base_path, alignment):
-        timings["align"] = time.perf_counter() - t
-        return _plain_streaming(aligned, base_path, out, options, plan=plan, names=names, alignment=alignment,
-                                aligned=True, timings=timings, t0=t0, **rest)
+    with aligned_folders(models, out, options, checked.plan, checked.names) as (aligned, base_path, alignment):
+        checked.timings["align"] = time.perf_counter() - t
+        return _plain_streaming(aligned, base_path, out, options, checked, alignment=alignment, aligned=True)
 
 
 @contextlib.contextmanager

@@ -225,9 +225,21 @@ def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, histo
     return best
 
 
+@dataclass(frozen=True)
+class Restarts:
+    """The restarts of :func:`search`: ``count`` of them (None: no search at all, the ``current`` descent
+    alone; :data:`DEFAULT_RESTARTS` is a sensible count), drawn from ``seed``, none begun after ``budget``
+    seconds (None: no limit; 0: the ``current`` start alone). The alignment options' ``restarts``,
+    ``solver_seed`` and ``solver_budget``."""
+
+    count: int | None = None
+    budget: float | None = None
+    seed: int = 0
+
+
 def search(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, history: list | None = None,
-           max_sweeps: int = 50, tol: float = DESCENT_TOL, budget: float | None = None, restarts: int | None = None,
-           seed: int = 0, keep: dict | None = None) -> tuple[dict, dict | None]:
+           max_sweeps: int = 50, tol: float = DESCENT_TOL, starts: Restarts = Restarts(),
+           keep: dict | None = None) -> tuple[dict, dict | None]:
     """The elements of :func:`solve` from several starts, and the search's record (None without a model-wide
     group: the per-layer groups are then solved exactly, with nothing to search).
 
@@ -240,14 +252,16 @@ def search(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, hist
     stream moved by a small random group element (:meth:`Kind.perturb`), the per-layer groups re-solved for it;
     ``swap`` — one discrete per-layer element (two heads of the pairing, two blocks of FFN units) swapped, the
     rest of its layer re-solved around it and the stream re-solved given it (a joint step: coordinate descent
-    re-solves the pairing only for the stream it has); ``random`` — a random stream. ``restarts`` of them (None: no search at all,
-    the ``current`` descent alone; :data:`DEFAULT_RESTARTS` is a sensible count), drawn from ``seed``: the same result on any machine; ``budget``: seconds after
-    which no further restart begins (None: no limit; a limit makes the count depend on the machine's speed;
-    0: the ``current`` start alone, the descent as it was). ``history`` receives the kept start's sweeps;
+    re-solves the pairing only for the stream it has); ``random`` — a random stream. ``starts``
+    (:class:`Restarts`): ``count`` of them (None: no search at all, the ``current`` descent alone;
+    :data:`DEFAULT_RESTARTS` is a sensible count), drawn from ``seed``: the same result on any machine; ``budget``:
+    seconds after which no further restart begins (None: no limit; a limit makes the count depend on the machine's
+    speed; 0: the ``current`` start alone, the descent as it was). ``history`` receives the kept start's sweeps;
     ``keep`` (a dict), every start's elements by the start's name (benchmarks)."""
     wide = active([i for i in instances if not i.kind.per_layer], opts)
     if not wide:
         return solve(instances, sd_a, sd_b, opts, progress, history, max_sweeps, tol=tol), None
+    restarts, budget, seed = starts.count, starts.budget, starts.seed
     local = [i for i in instances if i.kind.per_layer]
     t0 = time.perf_counter()
     runs: list[dict] = []

@@ -108,16 +108,29 @@ class _Sweeps:
         return apply(sd, insts, elements)
 
 
+@dataclass(frozen=True)
+class JointSteps:
+    """How the steps of a joint alignment run (:func:`align_joint`). ``tol``: a round that lowers the objective by
+    less than this fraction ends the descent (None: :data:`SWEEP_ROUND_TOL` data-free, :data:`ROUND_TOL` else);
+    ``round_sweeps``: the sweeps of a step after the star (None: :data:`SWEEP_ROUND_SWEEPS` data-free,
+    :data:`ROUND_SWEEPS` else); ``star_sweeps``: the cap on the star's descents when the rounds continue them
+    (None: converged); ``warm``: data-free, a step continues the descent from the model's current element."""
+
+    tol: float | None = None
+    round_sweeps: int | None = None
+    star_sweeps: int | None = STAR_SWEEPS
+    warm: bool = True
+
+
 def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_rounds: int = 10,
-                tol: float | None = None, inputs: dict | None = None, progress: bool = False,
-                round_sweeps: int | None = None, refine: str = DEFAULT_REFINE, on_round=None,
-                star_sweeps: int | None = STAR_SWEEPS, warm: bool = True) -> JointAlignment:
+                inputs: dict | None = None, progress: bool = False, refine: str = DEFAULT_REFINE, on_round=None,
+                steps: JointSteps = JointSteps()) -> JointAlignment:
     """Bring ``models`` (loaded transformers models of one architecture) into one frame; ``options``
     already resolved against the models (no 'recommended' left). ``anchor``: the model the star step
-    aligns to. ``max_rounds``: cap on the rounds after the star; ``tol``: a round that lowers the
-    objective by less than this fraction ends the descent (default :data:`SWEEP_ROUND_TOL` data-free,
-    :data:`ROUND_TOL` else); ``refine``: what the rounds re-solve (:data:`JOINT_REFINE`: ``all`` the
-    options' groups, ``discrete`` only the permutations, on top of the star's continuous elements).
+    aligns to. ``max_rounds``: cap on the rounds after the star; ``steps`` (:class:`JointSteps`): ``tol``, a round
+    that lowers the objective by less than this fraction ends the descent, and the sweeps below; ``refine``: what
+    the rounds re-solve (:data:`JOINT_REFINE`: ``all`` the options' groups, ``discrete`` only the permutations, on
+    top of the star's continuous elements).
 
     Data-free (a matcher without ``needs_data``, ``warm``), a step after the star is ``round_sweeps``
     (default 1) sweeps of the descent from the model's current element — generalized Procrustes — and,
@@ -128,25 +141,26 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     not lower the objective is rejected. ``on_round(r, models)``: called with the models in the common
     frame after the star (``r = 0``) and after every round (benchmarks measure the average there).
 
-    Named stages over one :class:`_Joint`: :func:`_checked` → (learned: :mod:`symmerge.pipeline.learn_joint`)
-    → :func:`_plan_steps` → :func:`_star` → :func:`_rounds` → :func:`_verified` → :func:`_report`."""
-    run = _checked(models, options, anchor, names, max_rounds, tol, round_sweeps, refine, star_sweeps, warm,
-                   progress, on_round)
+    Named stages, each handing a frozen record to the next: :func:`_checked` → :class:`_Joint` →
+    (learned: :mod:`symmerge.pipeline.learn_joint`) → :func:`_plan_steps` → :class:`_Steps` → :func:`_star` →
+    :class:`_Frame` → :func:`_rounds` → :class:`_Frame` → :func:`_verified` → :func:`_report`."""
+    run = _checked(models, options, anchor, names, max_rounds, refine, steps, progress, on_round)
     if options.matcher.learns:  # a closed-form joint alignment, then the mixtures learned
         from .learn_joint import align_joint_learned
 
-        return align_joint_learned(models, options, run.anchor, run.names, run.max_rounds, run.tol, inputs, progress,
-                                   run.round_sweeps, closed_form=functools.partial(align_joint, refine=refine))
+        return align_joint_learned(models, options, run.anchor, run.names, run.max_rounds,
+                                   JointSteps(tol=run.tol, round_sweeps=run.round_sweeps), inputs, progress,
+                                   closed_form=functools.partial(align_joint, refine=refine))
     t0 = time.perf_counter()
-    _plan_steps(run)
-    _star(run)
-    _rounds(run)
-    return JointAlignment(run.current, _report(run, _verified(run, inputs), t0))
+    plan = _plan_steps(run)
+    frame = _rounds(run, plan, _star(run, plan))
+    return JointAlignment(frame.current, _report(run, plan, frame, _verified(run, frame, inputs), t0))
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Joint:
-    """What the stages of one joint alignment hand on to each other."""
+    """A joint alignment's arguments, checked (:func:`_checked`), the defaults of the matcher's kind of step
+    filled in."""
 
     models: list
     options: AlignOptions
@@ -160,21 +174,34 @@ class _Joint:
     sweeping: bool  # data-free: a step is sweeps of the descent on state dicts (:class:`_Sweeps`)
     progress: bool
     on_round: object
-    step: AlignOptions | None = None  # the options of a step of the rounds
-    star: AlignOptions | None = None  # ... and of the star's pairwise alignments
-    capped: bool = False  # the star's descents stop after ``star_sweeps`` sweeps (the rounds continue them)
-    seconds: list = field(default_factory=list)
-    current: list = field(default_factory=list)  # the models in the common frame
-    sds: list = field(default_factory=list)  # their state dicts (ahead of ``current`` where ``stale``)
-    keys: list = field(default_factory=list)
-    objective: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """How the star and the rounds align (:func:`_plan_steps`)."""
+
+    step: AlignOptions  # the options of a step of the rounds
+    star: AlignOptions  # ... and of the star's pairwise alignments
+    capped: bool  # the star's descents stop after ``star_sweeps`` sweeps (the rounds continue them)
+    max_rounds: int  # the rounds to run at most (0: nothing discrete to re-solve)
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """The models in the common frame: after the star (:func:`_star`), then after the rounds (:func:`_rounds`)."""
+
+    current: list  # the models
+    sds: list  # their state dicts
+    keys: list  # the parameters the objective sums over
+    objective: list  # after the star, then after each round
+    seconds: list  # per model
     accepted_per_round: list = field(default_factory=list)
-    full_rounds: int = 0
+    full_rounds: int = 0  # rounds that re-solved the lazy groups
 
 
-def _checked(models, options, anchor, names, max_rounds, tol, round_sweeps, refine, star_sweeps, warm, progress,
-             on_round) -> _Joint:
+def _checked(models, options, anchor, names, max_rounds, refine, steps: JointSteps, progress, on_round) -> _Joint:
     """The arguments checked, the defaults of the matcher's kind of step filled in, the models compared."""
+    tol, round_sweeps, star_sweeps = steps.tol, steps.round_sweeps, steps.star_sweeps
     n = len(models)
     if n < 2:
         raise SymmergeError(f"joint alignment needs at least 2 models, got {n}")
@@ -186,7 +213,7 @@ def _checked(models, options, anchor, names, max_rounds, tol, round_sweeps, refi
                             f"{options.match} aligns pairwise to one anchor (pass --anchor to merge that way)")
     if refine not in JOINT_REFINE:
         raise SymmergeError(f"unknown joint refinement {refine!r}; choose {', '.join(JOINT_REFINE)}")
-    sweeping = not options.matcher.needs_data and warm
+    sweeping = not options.matcher.needs_data and steps.warm
     tol = (SWEEP_ROUND_TOL if sweeping else ROUND_TOL) if tol is None else tol
     round_sweeps = (SWEEP_ROUND_SWEEPS if sweeping else ROUND_SWEEPS) if round_sweeps is None else round_sweeps
     if max_rounds < 0 or not tol >= 0 or round_sweeps < 1 or (star_sweeps is not None and star_sweeps < 1):
@@ -200,51 +227,55 @@ def _checked(models, options, anchor, names, max_rounds, tol, round_sweeps, refi
                   progress, on_round)
 
 
-def _plan_steps(run: _Joint) -> None:
+def _plan_steps(run: _Joint) -> _Steps:
     """The options of the star's alignments and of the rounds' steps (``refine``: what they re-solve)."""
-    options = run.options
+    options, max_rounds = run.options, run.max_rounds
     quiet = options.with_(verify=False)
-    run.step = quiet.with_(max_sweeps=max(1, min(options.max_sweeps, run.round_sweeps)))
+    step = quiet.with_(max_sweeps=max(1, min(options.max_sweeps, run.round_sweeps)))
     if run.refine == "discrete":
-        run.step = run.step.with_(symmetries=discrete_symmetries(run.models[run.anchor], options))
-        run.max_rounds = run.max_rounds if run.step.symmetries else 0  # nothing discrete to re-solve
-    run.capped = run.sweeping and run.refine == "all" and run.max_rounds > 0 and run.star_sweeps is not None
-    run.star = quiet.with_(max_sweeps=min(options.max_sweeps, run.star_sweeps)) if run.capped else quiet
-    run.seconds = [0.0] * len(run.models)
+        step = step.with_(symmetries=discrete_symmetries(run.models[run.anchor], options))
+        max_rounds = max_rounds if step.symmetries else 0  # nothing discrete to re-solve
+    capped = run.sweeping and run.refine == "all" and max_rounds > 0 and run.star_sweeps is not None
+    star = quiet.with_(max_sweeps=min(options.max_sweeps, run.star_sweeps)) if capped else quiet
+    return _Steps(step, star, capped, max_rounds)
 
 
-def _star(run: _Joint) -> None:
+def _star(run: _Joint, plan: _Steps) -> _Frame:
     """The star: every model aligned to the anchor (in the options' parameterisation); the objective's start."""
     anchor, names = run.anchor, run.names
     frame = canonical(run.models[anchor], run.options)
+    current, seconds = [], [0.0] * len(run.models)
     for i, x in enumerate(run.models):
         if i == anchor:
-            run.current.append(frame)
+            current.append(frame)
             continue
         t = time.perf_counter()
         with stage(f"joint alignment, star: {names[i]} to {names[anchor]}", enabled=run.progress), \
                 warnings.catch_warnings():
-            if run.capped:  # the cap is deliberate: the rounds go on with the same descent
+            if plan.capped:  # the cap is deliberate: the rounds go on with the same descent
                 warnings.simplefilter("ignore")
-            run.current.append(align_pair(x, frame, run.star).model)
-        run.seconds[i] += time.perf_counter() - t
-    run.keys = parameter_keys(run.current[0])
-    run.sds = [x.state_dict() for x in run.current]
-    run.objective = [spread(run.sds, run.keys)]
+            current.append(align_pair(x, frame, plan.star).model)
+        seconds[i] += time.perf_counter() - t
+    keys = parameter_keys(current[0])
+    sds = [x.state_dict() for x in current]
+    objective = [spread(sds, keys)]
     if run.on_round is not None:
-        run.on_round(0, list(run.current))
+        run.on_round(0, list(current))
+    return _Frame(current, sds, keys, objective, seconds)
 
 
-def _rounds(run: _Joint) -> None:
+def _rounds(run: _Joint, plan: _Steps, star: _Frame) -> _Frame:
     """Rounds of each model to the mean of the others, a step kept only when it lowers the objective, until a
     round gains less than ``tol`` (with the lazy groups re-solved once more after converging without them)."""
-    n, sds, keys, current = len(run.models), run.sds, run.keys, run.current
-    sweep = _Sweeps(current, run.step) if run.sweeping and run.max_rounds else None
+    n, keys = len(run.models), star.keys
+    sds, current, seconds, objective = list(star.sds), list(star.current), list(star.seconds), list(star.objective)
+    accepted_per_round, full_rounds = [], 0
+    sweep = _Sweeps(current, plan.step) if run.sweeping and plan.max_rounds else None
     stale = [False] * n  # the model object lags its state dict (sweep steps work on state dicts only)
     # the lazy groups are re-solved in this round: the star has just solved them (on its first, full sweep),
     # so the sweep rounds start with them held, as the descent goes on after a full sweep
     full = sweep is None or not sweep.lazy
-    for r in range(run.max_rounds):
+    for r in range(plan.max_rounds):
         accepted = 0
         for i in range(n):
             target_sd = mean_state_dict([sds[j] for j in range(n) if j != i], keys)
@@ -254,55 +285,57 @@ def _rounds(run: _Joint) -> None:
                 if sweep is not None:
                     new_sd, moved = sweep(i, sds[i], target_sd, full), None
                 else:
-                    moved = align_pair(current[i], with_state_dict(current[i], target_sd), run.step).model
+                    moved = align_pair(current[i], with_state_dict(current[i], target_sd), plan.step).model
                     new_sd = moved.state_dict()
-            run.seconds[i] += time.perf_counter() - t
+            seconds[i] += time.perf_counter() - t
             if sq_distance(new_sd, target_sd, keys) < sq_distance(sds[i], target_sd, keys):
                 sds[i], stale[i] = new_sd, moved is None
                 if moved is not None:
                     current[i] = moved
                 accepted += 1
-        run.objective.append(spread(sds, keys))
-        run.accepted_per_round.append(accepted)
-        run.full_rounds += full
+        objective.append(spread(sds, keys))
+        accepted_per_round.append(accepted)
+        full_rounds += full
         if run.on_round is not None:
             run.on_round(r + 1, [with_state_dict(x, sd) if s else x for x, sd, s in zip(current, sds, stale)])
         if run.progress:
-            line(f"joint alignment, round {r + 1}: spread {run.objective[-1]:.6g} ({accepted}/{n} models moved)")
+            line(f"joint alignment, round {r + 1}: spread {objective[-1]:.6g} ({accepted}/{n} models moved)")
         lazy = sweep is not None and sweep.lazy
-        if accepted == 0 or run.objective[-2] - run.objective[-1] <= run.tol * run.objective[-2]:
+        if accepted == 0 or objective[-2] - objective[-1] <= run.tol * objective[-2]:
             if full or not lazy:
                 break
             full = True  # converged with the lazy groups held: re-solve them once
             continue
         full = not lazy
-    run.current = [with_state_dict(x, sd) if s else x for x, sd, s in zip(current, sds, stale)]
+    current = [with_state_dict(x, sd) if s else x for x, sd, s in zip(current, sds, stale)]
+    return _Frame(current, sds, keys, objective, seconds, accepted_per_round, full_rounds)
 
 
-def _verified(run: _Joint, inputs) -> list[dict]:
+def _verified(run: _Joint, frame: _Frame, inputs) -> list[dict]:
     """Each model still computes its function: its final form checked against the model it came from."""
     spec = spec_for(run.models[0].config.model_type)
     if not run.options.verify:
         return [{"verify_max_abs_diff": None, "verify_max_rel_diff": None} for _ in run.models]
-    return [verify_forward(x, run.current[i], spec, run.options.verify_tol, inputs) for i, x in enumerate(run.models)]
+    return [verify_forward(x, frame.current[i], spec, run.options.verify_tol, inputs)
+            for i, x in enumerate(run.models)]
 
 
-def _report(run: _Joint, verification: list[dict], t0: float) -> dict:
+def _report(run: _Joint, plan: _Steps, frame: _Frame, verification: list[dict], t0: float) -> dict:
     """The joint alignment's report."""
     held = f"{run.round_sweeps} sweep(s) of the descent from the current element, lazy groups re-solved in " \
-           f"{run.full_rounds} round(s)"
+           f"{frame.full_rounds} round(s)"
     return {
         "mode": "joint",
         "anchor_index": run.anchor,
         "refine": run.refine,
-        "rounds": len(run.accepted_per_round),
-        "objective": run.objective,
+        "rounds": len(frame.accepted_per_round),
+        "objective": frame.objective,
         "objective_note": "sum over models of the squared L2 distance to their mean (all parameters, in the "
                           "aligned parameterisation); [0] after the star alignment, then after each round",
-        "moved_per_round": run.accepted_per_round,
-        "step": (f"{held}; the star capped at {run.star_sweeps} sweep(s)" if run.capped else held) if run.sweeping
+        "moved_per_round": frame.accepted_per_round,
+        "step": (f"{held}; the star capped at {run.star_sweeps} sweep(s)" if plan.capped else held) if run.sweeping
         else f"a pairwise re-alignment capped at {run.round_sweeps} sweeps",
-        "models": [{"model": run.names[i], "seconds": run.seconds[i], **verification[i]}
+        "models": [{"model": run.names[i], "seconds": frame.seconds[i], **verification[i]}
                    for i in range(len(run.models))],
         "seconds": time.perf_counter() - t0,
     }

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -367,8 +368,9 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
                                                                             dtype=torch.float32).eval()
     for p in skeleton.parameters():
         p.requires_grad_(False)
-    elements, info = _learn_round(instances, skeleton, model, dict(start), ca, cb, data, settings, opts,
-                                  settings.steps, progress, on_step, t0, history)
+    learning = _Learning(instances, skeleton, model, ca, cb, data, settings, opts, settings.steps, progress, on_step,
+                         t0)
+    elements, info = _learn_round(learning, dict(start), history)
     report.update(parameters=info.get("parameters"), held_out_start=info.get("held_out_start"), history=history,
                   steps=info.get("steps", 0), held_out_best=info.get("held_out_best"),
                   seconds=time.perf_counter() - t0, learned_instances=info.get("learned_instances", 0),
@@ -381,10 +383,34 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
     return elements, report
 
 
-def _learn_round(instances, skeleton, model, start, ca, cb, data, settings, opts, steps, progress, on_step, t0,
-                 history, offset: int = 0):
+@dataclass(frozen=True)
+class _Learning:
+    """What a round of learning (:func:`_learn_round`) learns with: the instances, the module run by
+    ``functional_call`` (``skeleton``), model A, the canonical state dicts, the data, the settings
+    (:class:`~symmerge.pipeline.options.LearnSettings`), the solver options, the steps, the callbacks and the
+    clock's start."""
+
+    instances: list
+    skeleton: object
+    model: object
+    ca: dict
+    cb: dict
+    data: Data
+    settings: object
+    opts: object
+    steps: int
+    progress: object
+    on_step: object
+    t0: float
+
+
+def _learn_round(learning: _Learning, start, history, offset: int = 0):
     """One round of learning from ``start``: ``(elements, info)``."""
     from ..progress import bar
+
+    lg = learning
+    instances, skeleton, model, ca, cb, data = lg.instances, lg.skeleton, lg.model, lg.ca, lg.cb, lg.data
+    settings, opts, steps, progress, on_step, t0 = lg.settings, lg.opts, lg.steps, lg.progress, lg.on_step, lg.t0
 
     a0 = apply(ca, instances, start)
     dtype, dev = torch.float32, opts.device or torch.device("cpu")

@@ -268,16 +268,17 @@ def choose_concentration(learn, instances, skeleton, state_dicts: list[dict], fr
     return settings.dirichlet_grid[best], report
 
 
-def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds: int = 10, tol: float | None = None,
-                        inputs: dict | None = None, progress: bool = False, round_sweeps: int | None = None,
-                        concentration: float | None = None, *, closed_form):
+def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds: int = 10, steps=None,
+                        inputs: dict | None = None, progress: bool = False, concentration: float | None = None, *,
+                        closed_form):
     """:func:`~symmerge.pipeline.joint.align_joint` for a matcher that ``learns`` (called from it,
     arguments already checked): the closed-form joint alignment with the matcher
     ``options.learn.start``, then :func:`learn_mixture` on ``options.align_data``; the frame is the
     star's anchor's. Returns a :class:`~symmerge.pipeline.joint.JointAlignment` whose report adds
     ``match``, ``start`` and ``learned``. ``concentration``: the Dirichlet's (default
     ``options.learn.dirichlet``). ``closed_form``: the closed-form joint alignment the start comes from
-    (:func:`~symmerge.pipeline.joint.align_joint`, passed in by it: this module does not import it back)."""
+    (:func:`~symmerge.pipeline.joint.align_joint`, passed in by it: this module does not import it back);
+    ``steps``: its :class:`~symmerge.pipeline.joint.JointSteps` (None: their defaults)."""
     settings = options.learn
     concentration = settings.dirichlet if concentration is None else concentration  # --learn-dirichlet
     if concentration != "auto" and not concentration > 0:
@@ -290,8 +291,8 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
         data = load_align_data(options, models[anchor], sources=models)
     closed = options.with_(match=settings.start, align_data=data if matcher(settings.start).needs_data else None,
                            verify=False)
-    start = closed_form(models, closed, anchor=anchor, names=names, max_rounds=max_rounds, tol=tol, progress=progress,
-                        **({} if round_sweeps is None else {"round_sweeps": round_sweeps}))
+    start = closed_form(models, closed, anchor=anchor, names=names, max_rounds=max_rounds, progress=progress,
+                        **({} if steps is None else {"steps": steps}))
     base = untied(models[anchor]) if options.untie else models[anchor]
     spec, instances = instances_for(base, options.layers, options.residual)
     sds = [x.state_dict() for x in start.models]

@@ -59,12 +59,12 @@ class MatchContext:
 
 
 def match_weights(ctx: MatchContext) -> dict:
-    from .engine import search
+    from .engine import Restarts, search
 
     o = ctx.options
     elements, record = search(ctx.instances, ctx.ca, ctx.cb, ctx.opts, progress=ctx.progress, history=ctx.history,
-                              max_sweeps=o.max_sweeps, tol=o.descent_tol, budget=o.solver_budget,
-                              restarts=o.restarts, seed=o.solver_seed)
+                              max_sweeps=o.max_sweeps, tol=o.descent_tol,
+                              starts=Restarts(o.restarts, o.solver_budget, o.solver_seed))
     if record is not None:  # which start won, and the objective of each (the report's ``solver``)
         ctx.fields["solver"] = record
     return elements

@@ -281,17 +281,10 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
 
     start = time.perf_counter()
     options = options if options is not None else AlignOptions()
-    refusal = streaming_refusal(options.match)
-    if refusal:
-        raise SymmergeError(refusal)
-    tokenizer = check_tokenizers([(str(model), model), (str(anchor), anchor)], allow_tokenizer_mismatch)
-    embedding = check_pipelines([(str(model), model)])  # sentence-transformers; the stream's frame never streams
-    if not options.recommended:  # an explicit symmetry that cannot stream: refused before anything is read
-        recommended(options, streamed=True)
+    tokenizer, embedding = _checked_streaming(model, anchor, options, allow_tokenizer_mismatch)
     workers = options.workers or 2
     dev = resolve_device(options.device)
     max_bytes = parse_size(shard_size)
-    workers = workers or 2
     # pipeline: every allocation over 1 MB is its own mmap. Low memory: temporaries up to 32 MB (GEMM and
     # head blocks) are reused from the heap (a fresh mmap costs page faults on every block), whose free
     # pages are handed back after each part
@@ -316,16 +309,7 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
     job = _Job(ckpt_a, opts, timings, distances, threading.Lock())
     with atomic_dir(out) as tmp:
         writer = ShardWriter(tmp, max_bytes)
-        # tensors no group touches: one at a time, straight through
-        for k in bar(passthrough, desc="copying untouched tensors", unit="tensors", enabled=progress):
-            writer.make_room(ckpt_a.nbytes(k))
-            ta, tb = ckpt_a.read([k]), ckpt_b.read([k])
-            d = sq_distance(ta, tb, [k])
-            distances.add(k, d, d)
-            for name, t in ckpt_a.to_disk(k, ta[k]):
-                writer.add(name, t)
-            del ta, tb
-        writer.flush()
+        _copy_untouched(passthrough, ckpt_a, ckpt_b, writer, distances, progress)
         pbar = bar(total=len(by_layer), desc="aligning layers", unit="layers", enabled=progress)
         try:
             if pipeline:
@@ -355,6 +339,34 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
     if log is not None:
         log(f"wrote {out}: {len(names)} shard(s), {writer.total_bytes / 1e9:.2f} GB")
     return report
+
+
+def _checked_streaming(model, anchor, options: AlignOptions, allow_tokenizer_mismatch: bool) -> tuple:
+    """(the tokenizers' facts, a sentence-transformers pipeline's) of a streamed alignment, after the checks made
+    before anything is read: the matcher streams, the tokenizers agree, an explicit symmetry can stream."""
+    refusal = streaming_refusal(options.match)
+    if refusal:
+        raise SymmergeError(refusal)
+    tokenizer = check_tokenizers([(str(model), model), (str(anchor), anchor)], allow_tokenizer_mismatch)
+    embedding = check_pipelines([(str(model), model)])  # sentence-transformers; the stream's frame never streams
+    if not options.recommended:  # an explicit symmetry that cannot stream: refused before anything is read
+        recommended(options, streamed=True)
+    return tokenizer, embedding
+
+
+def _copy_untouched(keys, ckpt_a, ckpt_b, writer, distances, progress: bool) -> None:
+    """The tensors no group touches (``keys``): one at a time, straight through (their distances recorded)."""
+    from ..progress import bar
+
+    for k in bar(keys, desc="copying untouched tensors", unit="tensors", enabled=progress):
+        writer.make_room(ckpt_a.nbytes(k))
+        ta, tb = ckpt_a.read([k]), ckpt_b.read([k])
+        d = sq_distance(ta, tb, [k])
+        distances.add(k, d, d)
+        for name, t in ckpt_a.to_disk(k, ta[k]):
+            writer.add(name, t)
+        del ta, tb
+    writer.flush()
 
 
 def _verify_forward(model, aligned_dir, verify_tol) -> dict:
