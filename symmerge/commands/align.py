@@ -53,6 +53,10 @@ def add_arguments(parser) -> None:
                         help="with --stream: also load both models at the end and compare outputs (needs the RAM)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="accept pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True))")
+    parser.add_argument("--print-plan", action="store_true",
+                        help="print the resolved plan (symmetries, matcher, anchor, verification) and its steps (one "
+                             "per output tensor: copy, or the alignment maps acting on it and their axes) as JSON, "
+                             "from the headers, and exit; nothing is written")
     add_alignment_arguments(parser, repair=False)
     add_trust_remote_code(parser)
     add_progress_argument(parser)
@@ -75,6 +79,15 @@ def run(args) -> int:
     out = Path(args.output)
     options = alignment_options(args, args.symmetries, verify=not args.no_verify, layers=parse_layers(args.layers),
                                 verify_tol=args.verify_tol, device=args.device)
+    if args.print_plan:
+        import json
+
+        from ..pipeline.to_folder import print_plan
+
+        plan = print_plan(args.model, args.anchor, options, stream=args.stream, pipeline=args.pipeline,
+                          allow_pickle=args.allow_pickle)
+        print(json.dumps(plan, indent=2, default=str))
+        return 0
     report = align_to_folder(args.model, args.anchor, out, options, stream=args.stream,
                              allow_pickle=args.allow_pickle, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
                              shard_size=args.shard_size, pipeline=args.pipeline, verify_forward=args.verify_forward)

@@ -36,6 +36,11 @@ def add_arguments(parser) -> None:
                              "alignment unless asked (here or with 'align:' in the config)")
     parser.add_argument("--print-command", action="store_true",
                         help="print what the config runs (the symmerge command line, or the merge plan) and exit")
+    parser.add_argument("--print-plan", action="store_true",
+                        help="print the plan of each document of the config as JSON (the merge: method, inputs, "
+                             "parameters and every output tensor's step; the alignment of an aligned config; a "
+                             "config of symmerge's keys: its command's --print-plan) and exit; no weight is read, "
+                             "nothing is written")
     parser.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
                         help="progress on stderr, unless the config sets its own 'progress'")
     add_trust_remote_code(parser)
@@ -171,6 +176,12 @@ def _run(args) -> int:
             print(shlex.join(["symmerge", desc.command, *desc.argv]))
             return 0
         parsed = namespace(desc.config)  # the command's options, built from the config's keys directly
+        if args.print_plan:
+            if not hasattr(parsed, "print_plan"):
+                raise SymmergeError(f"symmerge {desc.command} has no plan to print; --print-command prints the "
+                                    "command line the config runs")
+            parsed.print_plan = True
+            return parsed.handler(parsed) or 0
         if "progress" not in desc.config.keys:
             parsed.progress = progress_of(args)
         configure(parsed.progress)
@@ -178,6 +189,13 @@ def _run(args) -> int:
         return parsed.handler(parsed) or 0
     from ..config.run import print_summary, run_jobs
 
+    if args.print_plan:
+        import json
+
+        from ..config.run_plan import printed
+
+        print(json.dumps(printed(desc), indent=2, default=str))
+        return 0
     if args.print_command:
         if desc.alignment is not None:
             from ..config.aligned import describe_line

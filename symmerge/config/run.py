@@ -156,26 +156,21 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
 
 def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions) -> dict:
     """The final merge's ``symmerge_report.json`` (:func:`symmerge.merge.plan.merge_report`, the report every
-    merge writes, plus the config's entry) and, unless ``opts.card`` is off, its model card (``README.md``,
+    merge writes, built from the document's plan — :func:`symmerge.config.run_plan.plan_document` — plus the
+    config's entry) and, unless ``opts.card`` is off, its model card (``README.md``,
     :func:`symmerge.io.card.write_card`) and the config's text (``mergekit_config.yml``)."""
     import math
 
     from ..io.card import write_card
     from ..io.model import write_json
-    from ..merge.plan import MergePlan, merge_report
-    from ..pipeline.options import AlignOptions
+    from ..merge.plan import merge_report
+    from .run_plan import model_type_at, document_of, merged_names, plan_document
 
     extra = dict(job.report or {})
     labels = extra.pop("labels", None) or [i.label for i in job.inputs]
-    merged = [st for st in job.steps if st.merge]
-    order = [s.model for s in merged[0].sources] if merged else []
-    uniform = bool(merged) and all([s.model for s in st.sources] == order for st in merged)
-    names = [labels[i] for i in order] if uniform else [lb for i, lb in enumerate(labels) if i != job.base]
-    plan = MergePlan(method=method, names=names, model_type=_model_type(folder),
-                     mode="stream", why="a mergekit config: its per-tensor steps, read and written tensor by tensor",
-                     align=AlignOptions(symmetries=()), requested="none", note=None, frame="none",
-                     anchor_index=None, anchor_rule=None, params=_plain(_doc_of(desc, job).data.get("parameters")),
-                     weights=None)
+    doc_plan = plan_document(desc, job, method, model_type_at(folder), labels)
+    plan = doc_plan.merge
+    names, uniform = merged_names(job, labels)
     pairs = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in sorted(facts["pairwise_sq"].items())} \
         if uniform else None
     alignment = extra.pop("alignment", None) or plan.alignment()
@@ -187,7 +182,7 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions) -> d
         distance_result_to_inputs={names[i]: math.sqrt(v) for i, v in facts["result_sq"].items()} if uniform else None,
         stream={k: facts[k] for k in ("shards", "bytes_written") if k in facts}, side_files=facts.get("side_files"),
         names=names)
-    report["config"] = {"path": str(desc.path), "name": job.name, "merge_method": _doc_of(desc, job).data.get(
+    report["config"] = {"path": str(desc.path), "name": job.name, "merge_method": document_of(desc, job).data.get(
         "merge_method"), "merges": len(desc.jobs), "tensors": len(job.steps), "layers": job.layers,
         "dtype": job.dtype, "out_dtype": job.out_dtype, "warnings": list(desc.warnings)}
     report.update(extra)
@@ -196,24 +191,6 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions) -> d
         (folder / CONFIG_COPY).write_text(Path(desc.path).read_text(encoding="utf-8"), encoding="utf-8")
     write_json(folder / "symmerge_report.json", report)
     return report
-
-
-def _doc_of(desc, job):
-    docs = desc.docs
-    return next((d for d in docs if d.data.get("name") == job.name), docs[-1]) if job.name else \
-        next((d for d in docs if d.data.get("name") is None), docs[-1])
-
-
-def _model_type(folder) -> str:
-    try:
-        return json.loads((Path(folder) / "config.json").read_text()).get("model_type", "")
-    except (OSError, ValueError):
-        return ""
-
-
-def _plain(value):
-    """A config value as JSON holds it (the report)."""
-    return json.loads(json.dumps(value, default=str)) if value is not None else {}
 
 
 def computing_on(method, device):

@@ -266,7 +266,7 @@ def _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, job: _Job, pbar, timings, w
 
 def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, shard_size=DEFAULT_SHARD,
                     progress: bool = True, verify_forward: bool = False, log=None, pipeline: bool = False,
-                    allow_tokenizer_mismatch: bool = False) -> dict:
+                    allow_tokenizer_mismatch: bool = False, plan=None) -> dict:
     """Align the safetensors checkpoint folder ``model`` to ``anchor`` layer by layer and write the
     result to the folder ``out`` (atomically, in shards of at most ``shard_size``) with ``options`` (an
     :class:`AlignOptions`; default: the paper's attn, ffn, rescale; its ``symmetries``, ``rescale``,
@@ -275,7 +275,9 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
 
     Default (low memory): one tensor-disjoint part of a layer at a time, shards cut at about one
     layer; peak memory ≈ the largest part of both models + its cost matrix. ``pipeline=True``
-    overlaps reading, solving (``options.workers`` layers at once, default 2) and writing across layers."""
+    overlaps reading, solving (``options.workers`` layers at once, default 2) and writing across layers.
+    ``plan``: the alignment's :class:`~symmerge.pipeline.align_plan.AlignPlan` (``options`` are its resolved ones),
+    from which the report is built."""
     from ..device import resolve_device
     from ..progress import bar, stage
 
@@ -350,6 +352,10 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
             with stage("verified the aligned model's outputs", enabled=progress):
                 report.update(_verify_forward(model, tmp, options.verify_tol))
         report["seconds"] = time.perf_counter() - start
+        if plan is not None:
+            from .align_plan import plan_report
+
+            report = plan_report(plan, report)
         write_card(tmp, report)  # README.md, the output's own model card
         write_json(tmp / "symmerge_report.json", report)
     if log is not None:

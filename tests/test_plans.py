@@ -1,0 +1,279 @@
+"""One plan per operation (issue 39, items 1–2): ``align``, ``barrier`` and each document of a ``run`` config are
+resolved from the headers and the options into a plan with its steps, printed by ``--print-plan`` without reading
+a weight or writing anything, and every command's report is built from its plan by the one report builder
+(``plan`` entry, the decided fields) — the plan's steps are what the executor did: a tensor the plan copies is
+written bit for bit, every tensor the alignment changed is one the plan transforms."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import npz_file, run_cli, vit_folder
+from factories import make_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _tensors(folder) -> dict:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _printed(capsys, *argv) -> dict:
+    capsys.readouterr()
+    assert run_cli(*argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plans")
+    out = []
+    for seed in (0, 1):
+        m = make_model("llama", head=True, dtype=torch.float32, seed=seed)
+        m.save_pretrained(str(root / f"llama{seed}"))
+        out.append(root / f"llama{seed}")
+    return out
+
+
+@pytest.fixture
+def headers_only(monkeypatch):
+    """Fail the test if a tensor of more than one dimension is read, or if anything aligns."""
+    from symmerge.io import checkpoint
+    from symmerge.pipeline import align
+
+    read = checkpoint.LazyCheckpoint.read
+
+    def reading(self, keys, _stored=False):
+        big = [k for k in keys if len(self.shape.get(k, ())) > 1]
+        assert not big, f"the plan read weights: {big[:3]}"
+        return read(self, keys, _stored)
+
+    def aligning(*a, **k):
+        raise AssertionError("the plan aligned")
+
+    monkeypatch.setattr(checkpoint.LazyCheckpoint, "read", reading)
+    monkeypatch.setattr(align, "align_pair", aligning)
+
+
+# -- align --------------------------------------------------------------------------------------------------------
+
+def test_align_print_plan_lists_every_tensor_from_the_headers_and_writes_nothing(llamas, tmp_path, capsys,
+                                                                              headers_only):
+    out = tmp_path / "out"
+    plan = _printed(capsys, "align", llamas[0], llamas[1], "-o", out, "--print-plan")
+    assert not out.exists()
+    assert plan["symmetries_requested"] == "recommended"
+    assert plan["symmetries"] == ["heads", "attn", "ffn", "rescale", "residual"]
+    assert plan["plan"]["residual_variant"] == "orthogonal" and plan["plan"]["match"] == "weights"
+    assert plan["plan"]["verify"]["outputs"] is True
+    stored = set(load_file(str(llamas[0] / "model.safetensors")))
+    assert {s["tensor"] for s in plan["steps"]} == stored
+    q = next(s for s in plan["steps"] if s["tensor"] == "model.layers.0.self_attn.q_proj.weight")
+    assert {m["symmetry"] for m in q["maps"]} == {"heads", "attn", "residual"}  # rescale: in attn's element
+    assert plan["rescale"] == "joint"
+    assert {m["axis"] for m in q["maps"] if m["symmetry"] == "residual"} == {1}
+    assert plan["plan"]["steps"]["transform"] + plan["plan"]["steps"]["copy"] == len(stored)
+
+
+@pytest.mark.parametrize("symmetries,stream", [("attn,ffn", False), ("recommended", False), ("recommended", True)])
+def test_the_plan_is_what_align_runs_and_its_report(llamas, tmp_path, capsys, symmetries, stream):
+    flags = ["--symmetries", symmetries] + (["--stream"] if stream else [])
+    plan = _printed(capsys, "align", llamas[0], llamas[1], "-o", tmp_path / "x", "--print-plan", *flags)
+    out = tmp_path / "out"
+    assert run_cli("align", llamas[0], llamas[1], "-o", out, *flags) == 0
+    report = json.loads((out / "symmerge_report.json").read_text())
+    assert (out / "README.md").is_file()
+    # the report is built from the plan: its decided fields and the plan entry
+    for key in ("symmetries", "symmetries_requested", "family", "model_type", "rescale", "layers"):
+        assert report[key] == plan[key], key
+    assert report["plan"] == plan["plan"]
+    assert report["plan"]["mode"] == ("low-memory" if stream else "in-memory")
+    assert set(report["per_module"]) == set(plan["instances"])
+    if stream:
+        assert "residual" not in plan["symmetries"]
+    # the steps are what ran: copied tensors are the input's bits, changed tensors are planned transforms
+    before, after = _tensors(llamas[0]), _tensors(out)
+    steps = {s["tensor"]: s for s in plan["steps"]}
+    assert set(after) == set(steps)
+    changed = {k for k in after if not torch.equal(after[k], before[k])}
+    copied = {k for k, s in steps.items() if s["op"] == "copy"}
+    assert changed and not changed & copied
+    assert changed <= {k for k, s in steps.items() if s["op"] == "transform"}
+    if symmetries == "attn,ffn":
+        assert "model.embed_tokens.weight" in copied and "lm_head.weight" in copied
+
+
+def test_recommended_is_resolved_once_as_the_in_memory_alignment_resolves_it(llamas):
+    """The plan's 'recommended' against a base model (no residual group: its output is the stream) is what
+    ``align_pair`` resolves by itself."""
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.align_plan import plan_align
+    from symmerge.pipeline.options import AlignOptions
+
+    base_a, base_b = (make_model("bert", head=False, dtype=torch.float32, seed=s) for s in (0, 1))
+    opts = AlignOptions(symmetries="recommended")
+    plan = plan_align(base_a, base_b, opts)
+    assert "residual" not in plan.symmetries and plan.symmetries
+    assert list(plan.symmetries) == align_pair(base_a, base_b, opts).report["symmetries"]
+
+
+def test_align_print_plan_refuses_bad_input_in_one_line(llamas, tmp_path, capsys):
+    capsys.readouterr()
+    rc = run_cli("align", llamas[0], llamas[1], "-o", tmp_path / "o", "--print-plan", "--stream", "--symmetries",
+                 "attn,residual")
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("symmerge: error:") and len(err.strip().splitlines()) == 1
+    assert "residual symmetry couples every layer" in err
+    assert not (tmp_path / "o").exists()
+
+
+# -- barrier ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def vits(tmp_path):
+    return [str(vit_folder(tmp_path / f"vit{s}", s)) for s in range(3)]
+
+
+def test_barrier_print_plan_and_the_study_built_from_it(vits, tmp_path, capsys, monkeypatch):
+    data = npz_file(tmp_path / "d.npz")
+    argv = ["barrier", vits[0], vits[1], "--data", data, "--align", "recommended", "--align", "attn,ffn",
+            "--points", "3"]
+    with monkeypatch.context() as m:
+        from symmerge.pipeline import align
+
+        m.setattr(align, "align_pair", lambda *a, **k: (_ for _ in ()).throw(AssertionError("aligned")))
+        plan = _printed(capsys, *argv, "-o", tmp_path / "p", "--print-plan")
+    assert not (tmp_path / "p").exists()
+    assert plan["alphas"] == [0.0, 0.5, 1.0] and plan["plan"]["frame"] == "pair"
+    arms = {a["name"]: a for a in plan["plan"]["arms"]}
+    assert list(arms) == ["none", "heads,attn,ffn,rescale,residual", "attn,ffn"]
+    assert arms["heads,attn,ffn,rescale,residual"]["requested"] == "recommended"
+    assert arms["attn,ffn"]["alignment"]["steps"]  # each arm's alignment steps, printed
+    assert run_cli(*argv, "-o", tmp_path / "b") == 0
+    result = json.loads((tmp_path / "b" / "barrier.json").read_text())
+    assert list(result["curves"]) == plan["plan"]["curves"]
+    assert result["plan"]["arms"][2]["alignment"]["steps"] == arms["attn,ffn"]["alignment"]["plan"]["steps"]
+    assert result["alphas"] == plan["alphas"] and result["model_a"] == vits[0]
+
+
+def test_barrier_of_three_models_plans_a_joint_frame(vits, tmp_path, capsys):
+    plan = _printed(capsys, "barrier", *vits, "--data", npz_file(tmp_path / "d.npz"), "--align", "attn",
+                    "-o", tmp_path / "p", "--print-plan")
+    assert plan["models"] == vits and plan["plan"]["frame"] == "joint"
+    assert plan["plan"]["joint"]["rounds"] == 10 and plan["plan"]["curves"] == ["none", "attn"]
+
+
+def test_barrier_print_plan_refuses_repair_without_data(vits, tmp_path, capsys):
+    capsys.readouterr()
+    rc = run_cli("barrier", vits[0], vits[1], "--data", npz_file(tmp_path / "d.npz"), "--repair", "-o",
+                 tmp_path / "p", "--print-plan")
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs unlabeled data" in err and len(err.strip().splitlines()) == 1
+
+
+# -- run ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    import mergekit_oracle as mo
+
+    base, fts = mo.family(tmp_path_factory.mktemp("run-plans"), "llama", "float32", n=2, layers=2)
+    return [str(base)] + [str(f) for f in fts]
+
+
+def _config(tmp_path, text, name="c.yml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_run_print_plan_prints_every_document_and_the_report_has_its_plan(family, tmp_path, capsys):
+    base, a, b = family
+    cfg = _config(tmp_path, f"""
+        name: first
+        merge_method: ties
+        base_model: {base}
+        models:
+          - model: {a}
+            parameters: {{weight: 1.0, density: 0.5}}
+          - model: {b}
+            parameters: {{weight: 0.5, density: 0.7}}
+        ---
+        name: second
+        merge_method: slerp
+        base_model: {base}
+        models:
+          - model: first
+          - model: {base}
+        parameters:
+          t: [0.0, 1.0]
+        """)
+    out = tmp_path / "out"
+    printed = _printed(capsys, "run", cfg, out, "--print-plan")
+    assert not out.exists()
+    docs = printed["documents"]
+    assert [d["name"] for d in docs] == ["first", "second"]
+    assert docs[0]["output"] == "<intermediate first>" and docs[1]["output"] == str(out)
+    first = docs[0]
+    stored = set(load_file(str(next(iter(__import__("pathlib").Path(a).glob("*.safetensors"))))))
+    assert {s["tensor"] for s in first["steps"]} == stored
+    step = next(s for s in first["steps"] if s["tensor"] == "model.layers.0.mlp.up_proj.weight")
+    assert step["op"] == "merge" and step["params"]["density"] == [0.5, 0.7] and step["weights"] == [1.0, 0.5]
+    ts = [s["params"]["t"] for s in docs[1]["steps"] if s["tensor"].startswith("model.layers.")]
+    assert min(ts) == 0.0 and max(ts) == 1.0  # the gradient, evaluated per tensor
+    assert run_cli("run", cfg, out) == 0
+    report = json.loads((out / "symmerge_report.json").read_text())
+    assert (out / "README.md").is_file() and (out / "mergekit_config.yml").is_file()
+    assert report["plan"] == docs[1]["plan"] and report["method"] == "slerp"
+    assert report["plan"]["steps"] == {"merge": sum(s["op"] == "merge" for s in docs[1]["steps"]),
+                                       "copy": sum(s["op"] == "copy" for s in docs[1]["steps"])}
+
+
+def test_run_print_plan_of_an_aligned_config_and_of_a_command_config(family, tmp_path, capsys):
+    base, a, b = family
+    cfg = _config(tmp_path, f"""
+        merge_method: linear
+        models:
+          - model: {a}
+            parameters: {{weight: 0.5}}
+          - model: {b}
+            parameters: {{weight: 0.5}}
+        align: attn,ffn
+        """)
+    printed = _printed(capsys, "run", cfg, tmp_path / "o", "--print-plan")
+    (doc,) = printed["documents"]
+    assert doc["alignment"]["symmetries"] == ["attn", "ffn"] and doc["alignment"]["frame"] == "star"
+    assert doc["alignment"]["anchor_rule"] == "second of two"
+    cfg = _config(tmp_path, f"""
+        command: align
+        models: [{a}, {b}]
+        symmetries: attn
+        output: {tmp_path / 'aligned'}
+        """, "align.yml")
+    plan = _printed(capsys, "run", cfg, "--print-plan")
+    assert plan["symmetries"] == ["attn"] and plan["plan"]["operation"] == "align" and plan["steps"]
+    assert not (tmp_path / "aligned").exists()
+
+
+# -- one report builder -------------------------------------------------------------------------------------------
+
+def test_the_report_builder_keeps_the_plans_decisions():
+    from symmerge.pipeline.report import build_report
+
+    class Plan:
+        def fields(self):
+            return {"symmetries": ["attn"], "model": "a"}
+
+        def describe(self):
+            return {"operation": "x"}
+
+    report = build_report(Plan(), {"symmetries": ["ffn"], "distance_after": 1.0})
+    assert report == {"symmetries": ["attn"], "model": "a", "distance_after": 1.0, "plan": {"operation": "x"}}
