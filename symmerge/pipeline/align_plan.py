@@ -151,17 +151,31 @@ def _name(x, label: str) -> str:
     return str(x) if isinstance(x, (str, Path)) else label
 
 
-def _headers(model, anchor, fused: bool):
+def _safetensors_folder(x) -> bool:
+    """Whether ``x`` is a folder of safetensors weights (a bad shard index is refused here, as the reader would)."""
+    from ..io.model import ShardIndexError, weight_files
+
+    if not isinstance(x, (str, Path)):
+        return False
+    try:
+        return weight_files(Path(x))[1]
+    except ShardIndexError:
+        raise
+    except SymmergeError:  # not a folder, no weights: the loader says so in its own words
+        return False
+
+
+def _headers(model, anchor, stream: bool):
     """(model, anchor) as LazyCheckpoints (a base model read as its fine-tune's class), or None when either is
-    not a folder of safetensors weights (a model object, a pickle checkpoint)."""
+    not a folder of safetensors weights (a model object, a pickle checkpoint): planned on the loaded model."""
     from ..io.checkpoint import LazyCheckpoint
-    from ..io.model import weight_files
     from ..io.prefix import adapt_checkpoint_pair
 
-    for x in (model, anchor):
-        if not isinstance(x, (str, Path)) or not weight_files(Path(x))[1]:
-            return None
-    a, b, _ = adapt_checkpoint_pair(LazyCheckpoint(model, fused=fused), LazyCheckpoint(anchor, fused=fused))
+    if stream and not all(isinstance(x, (str, Path)) for x in (model, anchor)):
+        raise SymmergeError("--stream reads safetensors folders, not models in memory")
+    if not stream and not all(_safetensors_folder(x) for x in (model, anchor)):
+        return None
+    a, b, _ = adapt_checkpoint_pair(LazyCheckpoint(model, fused=True), LazyCheckpoint(anchor, fused=True))
     return a, b
 
 
@@ -191,10 +205,8 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
 
     options = options if options is not None else AlignOptions()
     names = _name(model, "model"), _name(anchor, "anchor")
-    pair = _headers(model, anchor, fused=True)
+    pair = _headers(model, anchor, stream)
     if pair is None:  # a model in memory or a pickle checkpoint: bound on the model itself
-        if stream:
-            raise SymmergeError("--stream reads safetensors folders")
         from .align import as_model, untied
         from .bound import bind
 

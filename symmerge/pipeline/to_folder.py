@@ -74,7 +74,10 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
     if stream:
         from .stream import DEFAULT_SHARD, align_streaming
 
-        return align_streaming(model, anchor, out, plan.options, shard_size=shard_size or DEFAULT_SHARD,
+        # streamed, 'recommended' also leaves out a group bound over a whole stack (T5's self-attention heads) while
+        # keeping its symmetry for the groups of that kind that stream: the wing resolves it by the same rule
+        # (pipeline.recommend.recommended) from the same headers, and the report is the plan's
+        return align_streaming(model, anchor, out, options, shard_size=shard_size or DEFAULT_SHARD,
                                progress=progress, verify_forward=verify_forward, pipeline=pipeline,
                                allow_tokenizer_mismatch=allow_tokenizer_mismatch, plan=plan)
     from .align import align_pair
