@@ -277,3 +277,39 @@ def test_the_report_builder_keeps_the_plans_decisions():
 
     report = build_report(Plan(), {"symmetries": ["ffn"], "distance_after": 1.0})
     assert report == {"symmetries": ["attn"], "model": "a", "distance_after": 1.0, "plan": {"operation": "x"}}
+
+
+# -- one model card -----------------------------------------------------------------------------------------------
+
+def test_moe_and_extract_lora_cards_come_from_the_one_writer(tmp_path):
+    """``moe`` and ``extract-lora`` get their card (README.md) from :func:`symmerge.io.card.write_card`, from
+    the report they write; ``--no-write-model-card`` leaves it out."""
+    import yaml
+
+    import mergekit_oracle as mk
+    from test_extract_lora import make_base, make_finetune
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_config(mk._config("mistral", 2), dtype=torch.float32).save_pretrained(str(base))
+    mk.save_tokenizer(base)
+    cfg = tmp_path / "moe.yml"
+    cfg.write_text(yaml.safe_dump({"base_model": str(base), "gate_mode": "random",
+                                   "experts": [{"source_model": str(base)}, {"source_model": str(base)}]}))
+    assert run_cli("moe", cfg, tmp_path / "moe", "--progress", "none") == 0
+    card = (tmp_path / "moe" / "README.md").read_text()
+    report = json.loads((tmp_path / "moe" / "symmerge_report.json").read_text())
+    assert card.startswith("---\nlibrary_name: transformers") and report["architecture"] in card
+    assert "| experts | 2 |" in card and "| gate mode | random |" in card
+    assert run_cli("moe", cfg, tmp_path / "moe2", "--progress", "none", "--no-write-model-card") == 0
+    assert not (tmp_path / "moe2" / "README.md").exists()
+    assert (tmp_path / "moe2" / "symmerge_report.json").is_file()
+
+    lb = make_base(tmp_path / "lbase")
+    ft = make_finetune(lb, tmp_path / "ft", ranks=[2])
+    assert run_cli("extract-lora", ft, lb, "-o", tmp_path / "ad", "--max-rank", "2", "--progress", "none") == 0
+    card = (tmp_path / "ad" / "README.md").read_text()
+    report = json.loads((tmp_path / "ad" / "symmerge_report.json").read_text())
+    assert card.startswith("---\nlibrary_name: peft") and f"rank {report['r']}" in card
+    assert f"{len(report['modules'])} modules" in card
