@@ -90,7 +90,7 @@ def test_the_plan_is_what_align_runs_and_its_report(llamas, tmp_path, capsys, sy
     out = tmp_path / "out"
     assert run_cli("align", llamas[0], llamas[1], "-o", out, *flags) == 0
     report = json.loads((out / "symmerge_report.json").read_text())
-    assert (out / "README.md").is_file()
+    assert "\n# out\n" in (out / "README.md").read_text()  # titled by the output folder, not its temporary name
     # the report is built from the plan: its decided fields and the plan entry
     for key in ("symmetries", "symmetries_requested", "family", "model_type", "rescale", "layers"):
         assert report[key] == plan[key], key
@@ -231,7 +231,7 @@ def test_run_print_plan_prints_every_document_and_the_report_has_its_plan(family
     assert min(ts) == 0.0 and max(ts) == 1.0  # the gradient, evaluated per tensor
     assert run_cli("run", cfg, out) == 0
     report = json.loads((out / "symmerge_report.json").read_text())
-    assert (out / "README.md").is_file() and (out / "mergekit_config.yml").is_file()
+    assert "\n# out\n" in (out / "README.md").read_text() and (out / "mergekit_config.yml").is_file()
     assert report["plan"] == docs[1]["plan"] and report["method"] == "slerp"
     assert report["plan"]["steps"] == {"merge": sum(s["op"] == "merge" for s in docs[1]["steps"]),
                                        "copy": sum(s["op"] == "copy" for s in docs[1]["steps"])}
@@ -301,6 +301,7 @@ def test_moe_and_extract_lora_cards_come_from_the_one_writer(tmp_path):
     card = (tmp_path / "moe" / "README.md").read_text()
     report = json.loads((tmp_path / "moe" / "symmerge_report.json").read_text())
     assert card.startswith("---\nlibrary_name: transformers") and report["architecture"] in card
+    assert "\n# moe\n" in card
     assert "| experts | 2 |" in card and "| gate mode | random |" in card
     assert run_cli("moe", cfg, tmp_path / "moe2", "--progress", "none", "--no-write-model-card") == 0
     assert not (tmp_path / "moe2" / "README.md").exists()

@@ -298,6 +298,18 @@ def _model_text(report: dict, folder_name: str, version: str) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _output_name(folder: Path) -> str:
+    """The name of the output folder being written: atomic writes happen in a temporary folder beside it,
+    ``.<out>.symmerge-tmp-<pid>-XXXX`` (:func:`symmerge.io.output.temp_prefix`) or ``.<out>.tmp-XXXX``."""
+    from .output import TAG
+
+    name = folder.name
+    for tag in (TAG, ".tmp-"):
+        if name.startswith(".") and tag in name:
+            name = name[1:].split(tag)[0]
+    return name or "model"
+
+
 def write_card(folder, report: dict | None) -> Path | None:
     """Write ``folder/README.md`` (the output's model card) from ``report``, the report of an align, merge (``run``'s
     included), moe or extract-lora; other folders written by :func:`~symmerge.io.model.save_model` (the demo's
@@ -305,7 +317,7 @@ def write_card(folder, report: dict | None) -> Path | None:
     if kind_of(report) is None:
         return None
     folder = Path(folder)
-    name = folder.name.split(".tmp-")[0].lstrip(".") or "model"  # atomic writes happen in '.<out>.tmp-XXXX'
+    name = _output_name(folder)
     path = folder / CARD
     path.write_text(card_text(report, name), encoding="utf-8")
     return path
