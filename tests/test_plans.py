@@ -43,9 +43,9 @@ def llamas(tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def headers_only(monkeypatch):
-    """Fail the test if a tensor of more than one dimension is read, or if anything aligns."""
+def forbid_weights(m):
+    """Make the test fail if a tensor of more than one dimension is read, or if anything aligns (``m``: a
+    monkeypatch or one of its contexts)."""
     from symmerge.io import checkpoint
     from symmerge.pipeline import align
 
@@ -59,8 +59,13 @@ def headers_only(monkeypatch):
     def aligning(*a, **k):
         raise AssertionError("the plan aligned")
 
-    monkeypatch.setattr(checkpoint.LazyCheckpoint, "read", reading)
-    monkeypatch.setattr(align, "align_pair", aligning)
+    m.setattr(checkpoint.LazyCheckpoint, "read", reading)
+    m.setattr(align, "align_pair", aligning)
+
+
+@pytest.fixture
+def headers_only(monkeypatch):
+    forbid_weights(monkeypatch)
 
 
 # -- align --------------------------------------------------------------------------------------------------------
@@ -147,9 +152,7 @@ def test_barrier_print_plan_and_the_study_built_from_it(vits, tmp_path, capsys, 
     argv = ["barrier", vits[0], vits[1], "--data", data, "--align", "recommended", "--align", "attn,ffn",
             "--points", "3"]
     with monkeypatch.context() as m:
-        from symmerge.pipeline import align
-
-        m.setattr(align, "align_pair", lambda *a, **k: (_ for _ in ()).throw(AssertionError("aligned")))
+        forbid_weights(m)
         plan = _printed(capsys, *argv, "-o", tmp_path / "p", "--print-plan")
     assert not (tmp_path / "p").exists()
     assert plan["alphas"] == [0.0, 0.5, 1.0] and plan["plan"]["frame"] == "pair"
@@ -195,7 +198,7 @@ def _config(tmp_path, text, name="c.yml"):
     return path
 
 
-def test_run_print_plan_prints_every_document_and_the_report_has_its_plan(family, tmp_path, capsys):
+def test_run_print_plan_prints_every_document_and_the_report_has_its_plan(family, tmp_path, capsys, monkeypatch):
     base, a, b = family
     cfg = _config(tmp_path, f"""
         name: first
@@ -217,7 +220,9 @@ def test_run_print_plan_prints_every_document_and_the_report_has_its_plan(family
           t: [0.0, 1.0]
         """)
     out = tmp_path / "out"
-    printed = _printed(capsys, "run", cfg, out, "--print-plan")
+    with monkeypatch.context() as m:
+        forbid_weights(m)
+        printed = _printed(capsys, "run", cfg, out, "--print-plan")
     assert not out.exists()
     docs = printed["documents"]
     assert [d["name"] for d in docs] == ["first", "second"]
