@@ -165,6 +165,7 @@ def test_barrier_print_plan_and_the_study_built_from_it(vits, tmp_path, capsys, 
     assert list(result["curves"]) == plan["plan"]["curves"]
     assert result["plan"]["arms"][2]["alignment"]["steps"] == arms["attn,ffn"]["alignment"]["plan"]["steps"]
     assert result["alphas"] == plan["alphas"] and result["model_a"] == vits[0]
+    assert result["convention"] == plan["plan"]["interpolation"]
 
 
 def test_barrier_of_three_models_plans_a_joint_frame(vits, tmp_path, capsys):

@@ -86,6 +86,11 @@ def _options(options, keywords: dict, name: str) -> BarrierOptions:
     return options
 
 
+# how the models are interpolated, per frame (barrier.json's 'convention', the plan's 'interpolation')
+CONVENTIONS = {"pair": "theta(alpha) = alpha*A + (1-alpha)*B; alpha=1 is A (aligned to B), alpha=0 is B",
+               "joint": "pair 'i|j': theta(alpha) = alpha*model_i + (1-alpha)*model_j in the variant's frame"}
+
+
 @dataclass(frozen=True)
 class BarrierArm:
     """One alignment variant of a barrier study: its curve's ``name`` (the symmetries it resolved to, ``none``),
@@ -135,7 +140,8 @@ class BarrierPlan:
     def describe(self, steps: bool = False) -> dict:
         """The plan as ``barrier.json`` records it (``plan``); ``steps``: each arm's alignment steps too."""
         o = self.options
-        return {"operation": "barrier", "frame": self.frame, "model_type": self.model_type, "data": self.data,
+        return {"operation": "barrier", "frame": self.frame, "interpolation": CONVENTIONS[self.frame],
+                "model_type": self.model_type, "data": self.data,
                 "points": len(self.alphas), "batch_size": o.batch_size, "max_examples": o.max_examples,
                 "device": str(o.device), "match": o.align.match,
                 "curves": [a.name + x for a in self.arms for x in ("",) + self.extras],
@@ -228,7 +234,7 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
         check_data(d, b)
     result = {"model_a": names[0], "model_b": names[1], "data": d.path, "examples": d.n, **d.cut_info(),
               "alphas": alphas,
-              "convention": "theta(alpha) = alpha*A + (1-alpha)*B; alpha=1 is A (aligned to B), alpha=0 is B",
+              "convention": CONVENTIONS["pair"],
               "rescale": base.rescale, "device": str(dev),
               "endpoints": {"A": evaluate(a, d, device=dev, progress=progress, desc="evaluating A"),
                             "B": evaluate(b, d, device=dev, progress=progress, desc="evaluating B")},
@@ -379,7 +385,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
     for x in loaded:
         x.to("cpu")
     result = {"models": names, "data": d.path, "examples": d.n, **d.cut_info(), "alphas": alphas,
-              "convention": "pair 'i|j': theta(alpha) = alpha*model_i + (1-alpha)*model_j in the variant's frame",
+              "convention": CONVENTIONS["joint"],
               "device": str(dev), "endpoints": dict(zip(names, endpoints)),
               "endpoints_mean": {k: sum(e[k] for e in endpoints) / len(endpoints) for k in ("loss", "accuracy")},
               "ensemble": evaluate_ensemble(loaded, d, device=dev, progress=progress), "variants": {},
