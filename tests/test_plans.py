@@ -258,6 +258,10 @@ def test_run_print_plan_of_an_aligned_config_and_of_a_command_config(family, tmp
     (doc,) = printed["documents"]
     assert doc["alignment"]["symmetries"] == ["attn", "ffn"] and doc["alignment"]["frame"] == "star"
     assert doc["alignment"]["anchor_rule"] == "second of two"
+    assert doc["plan"]["frame"] == "star" and doc["plan"]["match"] == "weights"
+    assert run_cli("run", cfg, tmp_path / "o") == 0
+    report = json.loads((tmp_path / "o" / "symmerge_report.json").read_text())
+    assert report["plan"] == doc["plan"] and report["alignment"]["symmetries"] == ["attn", "ffn"]
     cfg = _config(tmp_path, f"""
         command: align
         models: [{a}, {b}]

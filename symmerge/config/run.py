@@ -87,6 +87,7 @@ def run_aligned(desc, shard_size="5GB", progress=True, options: RunOptions | Non
         work = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "aligned"), dir=out.parent))
         stack.callback(shutil.rmtree, work, True)
         t0 = time.perf_counter()
+        planned = aligned.plan_alignment(desc.jobs[0], spec)[3]  # the frame the report's plan records
         moved = aligned.align_job(desc.jobs[0], spec, out, work, stack)
         seconds = time.perf_counter() - t0
         jobs = Planner(desc.docs, seed=desc.seed, folders=moved).plan() if moved else desc.jobs
@@ -97,19 +98,19 @@ def run_aligned(desc, shard_size="5GB", progress=True, options: RunOptions | Non
                       "alignment": spec.report, "labels": labels}
         t1 = time.perf_counter()
         inputs = [i.checkpoint() for i in job.inputs]
-        execute(job, inputs, out, options=opts, desc=desc)
+        execute(job, inputs, out, options=opts, desc=desc, alignment=planned)
         return [{"name": job.name, "method": job.method, "tensors": len(job.steps), "layers": job.layers,
                  "output": str(out), "seconds": time.perf_counter() - t1, "align_seconds": seconds,
                  "alignment": spec.report}]
 
 
 def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptions | None = None,
-            desc=None) -> dict:
+            desc=None, alignment=None) -> dict:
     """One job through the streamed executor (:func:`symmerge.merge.executor.execute_steps`): its steps read
     from ``inputs`` (folders), merged and written to ``out`` with the config.json of input ``config_from``
     plus the job's edits, the side files (tokenizer, generation config) of input ``side_files_from``, and the
     chat template asked for; with ``desc`` (the final merge of a config) its report, model card and the
-    config's copy."""
+    config's copy (``alignment``: an aligned config's alignment plan, recorded in the report's plan)."""
     from ..merge import METHODS
     from ..merge.executor import execute_steps
 
@@ -146,7 +147,7 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
         if job.chat_template is not None and (opts.copy_tokenizer or built):
             write_chat_template(tmp, job.chat_template, folders)
         if desc is not None:
-            write_outputs(tmp, job, desc, plain, facts, opts)
+            write_outputs(tmp, job, desc, plain, facts, opts, alignment)
 
     return execute_steps([p if hasattr(p, "folder") else Path(p) for p in inputs], job.steps, method, out,
                          config=config, dtype=DTYPES[want] if want else None,
@@ -154,7 +155,7 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
                          naming=job.config_from, shard_size=opts.shard_size, progress=opts.progress, finish=finish)
 
 
-def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions) -> dict:
+def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None) -> dict:
     """The final merge's ``symmerge_report.json`` (:func:`symmerge.merge.plan.merge_report`, the report every
     merge writes, built from the document's plan — :func:`symmerge.config.run_plan.plan_document` — plus the
     config's entry) and, unless ``opts.card`` is off, its model card (``README.md``,
@@ -168,7 +169,7 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions) -> d
 
     extra = dict(job.report or {})
     labels = extra.pop("labels", None) or [i.label for i in job.inputs]
-    doc_plan = plan_document(desc, job, method, model_type_at(folder), labels)
+    doc_plan = plan_document(desc, job, method, model_type_at(folder), labels, alignment)
     plan = doc_plan.merge
     names, uniform = merged_names(job, labels)
     pairs = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in sorted(facts["pairwise_sq"].items())} \

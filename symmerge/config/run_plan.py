@@ -71,18 +71,24 @@ def merged_names(job, labels=None) -> tuple[list, bool]:
     return ([labels[i] for i in order] if uniform else [lb for i, lb in enumerate(labels) if i != job.base]), uniform
 
 
-def plan_document(desc, job, method, model_type: str, labels=None) -> DocumentPlan:
-    """The :class:`DocumentPlan` of ``job`` (``method``: the Method it runs, ``model_type``: its output's)."""
+def plan_document(desc, job, method, model_type: str, labels=None, alignment=None) -> DocumentPlan:
+    """The :class:`DocumentPlan` of ``job`` (``method``: the Method it runs, ``model_type``: its output's;
+    ``alignment``: an aligned config's alignment plan, whose frame, anchor rule and symmetries the merge's plan
+    records — the merge itself runs on the aligned copies, streamed)."""
     from ..merge.plan import MergePlan
     from ..pipeline.options import AlignOptions
 
     names, _ = merged_names(job, labels)
     params = _plain(document_of(desc, job).data.get("parameters"))
-    merge = MergePlan(method=method, names=names, model_type=model_type, mode="stream", why=MODE_WHY,
-                      align=AlignOptions(symmetries=()), requested="none", note=None, frame="none", anchor_index=None,
-                      anchor_rule=None, params=params, weights=None, steps=list(job.steps))
+    frame = {"align": AlignOptions(symmetries=()), "requested": "none", "note": None, "frame": "none",
+             "anchor_index": None, "anchor_rule": None}
+    if alignment is not None:
+        frame = {"align": alignment.align, "requested": alignment.requested, "note": alignment.note,
+                 "frame": alignment.frame, "anchor_index": alignment.anchor_index, "anchor_rule": alignment.anchor_rule}
+    merge = MergePlan(method=method, names=names, model_type=model_type, mode="stream", why=MODE_WHY, params=params,
+                      weights=None, steps=list(job.steps), **frame)
     where = str(desc.output) if job.final else f"<intermediate {job.name}>"
-    return DocumentPlan(job, merge, params, where)
+    return DocumentPlan(job, merge, params, where, alignment)
 
 
 def plan_run(desc) -> list[DocumentPlan]:
@@ -93,13 +99,12 @@ def plan_run(desc) -> list[DocumentPlan]:
     for job in desc.jobs:
         config = job.inputs[job.config_from].folder if job.inputs[job.config_from].folder is not None else None
         model_type = model_type_at(config) if config is not None else ""
-        plan = plan_document(desc, job, METHODS[job.method], model_type)
+        alignment = None
         if desc.alignment is not None and job.final:
             from .aligned import plan_alignment
 
-            plan = DocumentPlan(plan.job, plan.merge, plan.parameters, plan.output,
-                                plan_alignment(job, desc.alignment)[3])
-        out.append(plan)
+            alignment = plan_alignment(job, desc.alignment)[3]
+        out.append(plan_document(desc, job, METHODS[job.method], model_type, alignment=alignment))
     return out
 
 
