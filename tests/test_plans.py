@@ -324,3 +324,62 @@ def test_moe_and_extract_lora_cards_come_from_the_one_writer(tmp_path):
     report = json.loads((tmp_path / "ad" / "symmerge_report.json").read_text())
     assert card.startswith("---\nlibrary_name: peft") and f"rank {report['r']}" in card
     assert f"{len(report['modules'])} modules" in card
+
+
+# -- the plan against the alignment it describes, family by family -----------------------------------------------
+
+def _every_family():
+    from factories import FAMILIES
+
+    return FAMILIES
+
+
+@pytest.mark.parametrize("family", _every_family())
+@pytest.mark.parametrize("head", [True, False], ids=["task", "base"])
+def test_the_plan_from_the_headers_is_the_alignment_that_runs(tmp_path, family, head):
+    """For every family, a task model and a base model: the plan made from the saved folders' headers names the
+    symmetries, the group instances and the residual stream's group that the in-memory alignment then solves; a
+    tensor it copies comes out bit for bit, and every tensor the alignment changes is one it transforms."""
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.align_plan import plan_align
+    from symmerge.pipeline.options import AlignOptions
+
+    dtype = torch.float32
+    folders = []
+    for seed in (0, 1):
+        m = make_model(family, head=head, dtype=dtype, seed=seed)
+        m.save_pretrained(str(tmp_path / f"m{seed}"))
+        folders.append(tmp_path / f"m{seed}")
+    plan = plan_align(folders[0], folders[1], AlignOptions(symmetries="recommended", verify=False))
+    result = align_pair(folders[0], folders[1], plan.options)
+    report = result.report
+    assert list(plan.symmetries) == report["symmetries"]
+    assert set(plan.instances) == set(report["per_module"])
+    assert plan.residual_variant == report.get("residual_variant")
+    before = make_model(family, head=head, dtype=dtype, seed=0).state_dict()
+    after = result.model.state_dict()
+    steps = {s.tensor: s for s in plan.steps}
+    assert set(steps) <= set(after)
+    for key, step in steps.items():
+        if step.op == "copy":
+            assert torch.equal(after[key], before[key]), key
+    changed = {k for k in steps if not torch.equal(after[k], before[k])}
+    assert changed <= {k for k, s in steps.items() if s.op == "transform"}
+
+
+@pytest.mark.parametrize("untie", [False, True])
+def test_the_plan_of_a_tied_head_with_and_without_untie(tmp_path, untie):
+    """A tied LM head: the final norm cannot fold into it (a signed permutation of the stream), unless ``--untie``
+    gives the head a tensor of its own (then the full group): the plan says which, as the alignment finds it."""
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.align_plan import plan_align
+    from symmerge.pipeline.options import AlignOptions
+
+    for seed in (0, 1):
+        make_model("llama", head=True, dtype=torch.float32, seed=seed, tied=True).save_pretrained(str(tmp_path / f"{seed}"))
+    opts = AlignOptions(symmetries="recommended", untie=untie, verify=False)
+    plan = plan_align(tmp_path / "0", tmp_path / "1", opts)
+    report = align_pair(tmp_path / "0", tmp_path / "1", plan.options).report
+    assert plan.residual_variant == report["residual_variant"] == ("orthogonal" if untie else "signed_permutation")
+    assert set(plan.instances) == set(report["per_module"])
+    assert ("lm_head.weight" in {s.tensor for s in plan.steps}) == untie  # untied: a tensor of its own

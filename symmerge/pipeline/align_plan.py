@@ -59,7 +59,7 @@ class AlignStep:
 
     tensor: str
     maps: tuple[AlignMap, ...] = ()
-    folds: tuple[str, ...] = ()  # the norm weights folded into this reader (the residual stream's canonical form)
+    folds: tuple[str, ...] = ()  # the canonical form's changes: '<norm weight> folded' (the residual stream's)
 
     @property
     def op(self) -> str:
@@ -133,7 +133,9 @@ class AlignPlan:
 
 def plan_steps(keys, instances) -> tuple[AlignStep, ...]:
     """Every key of ``keys`` (the output's tensors, in order) with the maps of ``instances`` acting on it (a
-    slot's aliases, tied tensors, receive the same maps) and the norms the residual stream folds into it."""
+    slot's aliases, tied tensors, receive the same maps) and what the kinds' canonical forms change in it (the
+    norms the residual stream folds into its readers: :meth:`~symmerge.groups.base.Kind.canonical_changes`)."""
+    keys = list(keys)
     maps: dict[str, list[AlignMap]] = {}
     folds: dict[str, list[str]] = {}
     for inst in instances:
@@ -141,9 +143,8 @@ def plan_steps(keys, instances) -> tuple[AlignStep, ...]:
             m = AlignMap(inst.name, inst.group.symmetry, inst.group.kind, s.axis, s.start, s.length, s.index)
             for key in (s.key, *s.aliases):
                 maps.setdefault(key, []).append(m)
-        for f in getattr(inst.info, "folds", ()) or ():
-            for key, _ in f.readers:
-                folds.setdefault(key, []).append(f.weight)
+        for key, why in inst.kind.canonical_changes(inst, keys).items():
+            folds.setdefault(key, []).extend(why)
     return tuple(AlignStep(k, tuple(maps.get(k, ())), tuple(folds.get(k, ()))) for k in keys)
 
 
@@ -180,18 +181,22 @@ def _headers(model, anchor, stream: bool):
 
 
 def _bind_headers(ckpt, spec, options: AlignOptions, streamed: bool):
-    """The instances of ``spec`` bound to the checkpoint's headers: shapes as meta tensors, the one-dimensional
-    tensors (norm weights, whose values decide the residual stream's group) read."""
+    """(the instances of ``spec`` bound to the checkpoint's headers, the output's tensors): shapes as meta tensors,
+    the one-dimensional tensors (norm weights, whose values decide the residual stream's group) read."""
     from ..core.resolve import config_sizes, resolve
 
     sizes = config_sizes(spec, ckpt.hf_config)
     state = ckpt.meta()
     state.update(ckpt.read([k for k, t in state.items() if t.dim() <= 1]))
+    # as in memory: a declared tie's alias beside its source (a final norm cannot fold into a tied head), or with
+    # --untie a tensor of its own
+    state.update({alias: state[source] for alias, source in ckpt.ties.items() if source in state})
     rest = dict(sizes)
     num_layers, heads = rest.pop("num_layers"), rest.pop("num_heads")
-    return resolve(spec, state, num_layers, heads, options.layers, model_wide=not streamed,
-                   ties={} if options.untie else ckpt.ties, residual=options.residual,
-                   disk_names=ckpt.disk_name, architecture=ckpt.class_name, **rest)
+    instances = resolve(spec, state, num_layers, heads, options.layers, model_wide=not streamed,
+                        ties={} if options.untie else ckpt.ties, residual=options.residual,
+                        disk_names=ckpt.disk_name, architecture=ckpt.class_name, **rest)
+    return instances, list(state) if options.untie else ckpt.keys()
 
 
 def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bool = False, pipeline: bool = False,
@@ -220,7 +225,7 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
         spec = spec_for(model_type)
         if stream and spec.in_memory_only:
             raise SymmergeError(f"streamed alignment does not support {spec.family} models: {spec.in_memory_only}")
-        instances, keys = _bind_headers(ckpt, spec, options, stream), ckpt.keys()
+        instances, keys = _bind_headers(ckpt, spec, options, stream)
     embedding = check_pipelines([(names[0], model)]) if isinstance(model, (str, Path)) else None
     asked = options.recommended
     resolved, note = recommended(options, available=[i.group.symmetry for i in instances], spec=spec,
