@@ -383,3 +383,35 @@ def test_the_plan_of_a_tied_head_with_and_without_untie(tmp_path, untie):
     assert plan.residual_variant == report["residual_variant"] == ("orthogonal" if untie else "signed_permutation")
     assert set(plan.instances) == set(report["per_module"])
     assert ("lm_head.weight" in {s.tensor for s in plan.steps}) == untie  # untied: a tensor of its own
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "qwen3", "mixtral", "t5", "deberta-v2"])
+def test_the_streamed_plan_is_the_streamed_alignment(tmp_path, family):
+    """Streamed (``align --stream``): the plan binds the per-layer groups from the headers (fused experts under
+    their in-memory names, a stack-tied group left out by 'recommended'); the streamed alignment solves exactly
+    its instances, copies its copied tensors bit for bit and changes only tensors it transforms."""
+    from symmerge.pipeline.align_plan import plan_align
+    from symmerge.pipeline.options import AlignOptions
+    from symmerge.pipeline.to_folder import align_to_folder
+
+    for seed in (0, 1):
+        make_model(family, head=True, dtype=torch.float32, seed=seed).save_pretrained(str(tmp_path / f"{seed}"))
+    opts = AlignOptions(symmetries="recommended")
+    plan = plan_align(tmp_path / "0", tmp_path / "1", opts, stream=True)
+    report = align_to_folder(tmp_path / "0", tmp_path / "1", tmp_path / "out", opts, stream=True, progress=False)
+    assert set(plan.instances) == set(report["per_module"]) and plan.instances
+    assert report["plan"] == plan.describe() and report["symmetries"] == list(plan.symmetries)
+    before, after = _tensors(tmp_path / "0"), _tensors(tmp_path / "out")
+    assert set(before) == set(after)
+    from symmerge.io.checkpoint import LazyCheckpoint
+
+    ckpt = LazyCheckpoint(tmp_path / "0", fused=True)
+
+    def unchanged(key):  # a fused tensor (a mixture's experts) is stored as several
+        stored = ckpt.to_disk(key, torch.zeros(ckpt.shape[key], dtype=ckpt.dtype[key]))
+        return all(torch.equal(before[name], after[name]) for name, _ in stored)
+
+    steps = {s.tensor: s for s in plan.steps}
+    changed = {k for k in steps if not unchanged(k)}
+    assert changed and not changed & {k for k, s in steps.items() if s.op == "copy"}
+    assert changed <= {k for k, s in steps.items() if s.op == "transform"}
