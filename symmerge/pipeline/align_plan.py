@@ -148,6 +148,29 @@ def plan_steps(keys, instances) -> tuple[AlignStep, ...]:
     return tuple(AlignStep(k, tuple(maps.get(k, ())), tuple(folds.get(k, ()))) for k in keys)
 
 
+def streamed_spec(model_type: str):
+    """The symmetry spec of ``model_type`` for a streamed alignment, or one error for a family that cannot stream."""
+    from ..families import spec_for
+
+    spec = spec_for(model_type)
+    if spec.in_memory_only:
+        raise SymmergeError(f"streamed alignment does not support {spec.family} models: {spec.in_memory_only}")
+    return spec
+
+
+def per_layer_only(instances, asked: bool) -> list:
+    """The instances a streamed alignment solves, one layer at a time. A per-layer kind's instance bound over a
+    whole stack (layer -1: T5's self-attention heads, tied by the relative attention bias) acts on every layer of
+    it at once: never streamed; 'recommended' (``asked``) leaves it out, an explicit symmetry is one error."""
+    tied = [i for i in instances if i.layer < 0]
+    if tied and not asked:
+        raise SymmergeError(f"{', '.join(i.name for i in tied)}: one element for every layer of a stack at once "
+                            f"({tied[0].group.param('description') or tied[0].kind.description}), which streamed "
+                            "alignment, one layer at a time, cannot solve; align in memory (without --stream) or "
+                            f"leave '{tied[0].group.symmetry}' out of --symmetries")
+    return [i for i in instances if i.layer >= 0]
+
+
 def _name(x, label: str) -> str:
     return str(x) if isinstance(x, (str, Path)) else label
 
@@ -222,9 +245,7 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     else:
         ckpt = pair[0]
         model_type = ckpt.config["model_type"]
-        spec = spec_for(model_type)
-        if stream and spec.in_memory_only:
-            raise SymmergeError(f"streamed alignment does not support {spec.family} models: {spec.in_memory_only}")
+        spec = streamed_spec(model_type) if stream else spec_for(model_type)
         instances, keys = _bind_headers(ckpt, spec, options, stream)
     embedding = check_pipelines([(names[0], model)]) if isinstance(model, (str, Path)) else None
     asked = options.recommended
@@ -232,13 +253,9 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
                                  output_reader=output_reader(embedding), streamed=stream)
     solved = active(instances, resolved.solver_options())
     if stream:
-        tied = [i for i in solved if i.layer < 0]
-        if tied and not asked:
-            raise SymmergeError(f"{', '.join(i.name for i in tied)}: one element for every layer of a stack at once, "
-                                "which streamed alignment, one layer at a time, cannot solve; align in memory "
-                                f"(without --stream) or leave '{tied[0].group.symmetry}' out of --symmetries")
-        solved = [i for i in solved if i.layer >= 0]
-    residual = next((i.info.variant for i in solved if not i.kind.per_layer and hasattr(i.info, "variant")), None)
+        solved = per_layer_only(solved, asked)
+    # the residual stream's group (the kind moving the heads' input), its variant as the norms decide it
+    residual = next((i.info.variant for i in solved if i.kind.moves_heads_input), None)
     mode = "pipeline" if stream and pipeline else MODES[stream]
     return AlignPlan(model=names[0], anchor=names[1], model_type=model_type, family=spec.family, options=resolved,
                      requested=options.requested, note=note, mode=mode, instances=tuple(i.name for i in solved),
