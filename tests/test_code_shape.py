@@ -21,7 +21,6 @@ LONG = {
     "pipeline/activations.py::match_activations": "the activation matcher (the scale engineer's file this round)",
     "merge/kernels_whole.py::task_vector_into": "a fused task-vector kernel (the rules engineer's file: one "
                                                 "implementation per rule replaces it)",
-    "merge/barrier.py::barrier_many": "the N-model barrier study (the plans engineer's file this round)",
 }
 
 # path::function (relative to symmerge/) → why it still takes more than MAX_PARAMETERS parameters

@@ -36,6 +36,15 @@ def run(args) -> int:
     out = Path(args.output)
     options = align_options(args, args.symmetries, verify=not args.no_verify, layers=parse_layers(args.layers),
                                 verify_tol=args.verify_tol, device=args.device)
+    if args.print_plan:
+        import json
+
+        from ..pipeline.to_folder import print_plan
+
+        plan = print_plan(args.model, args.anchor, options, stream=args.stream, pipeline=args.pipeline,
+                          allow_pickle=args.allow_pickle)
+        print(json.dumps(plan, indent=2, default=str))
+        return 0
     report = align_to_folder(args.model, args.anchor, out, options, stream=args.stream,
                              allow_pickle=args.allow_pickle, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
                              shard_size=args.shard_size, pipeline=args.pipeline, verify_forward=args.verify_forward)

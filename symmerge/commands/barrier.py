@@ -42,18 +42,22 @@ def run(args) -> int:
         raise SymmergeError("--subsets compares two models; give exactly two")
     if args.temperature and len(args.models) > 2:
         raise SymmergeError("--temperature calibrates the path between two models; give exactly two")
-    ensure_output_dir(out)
+    if not args.print_plan:
+        ensure_output_dir(out)
     options = align_options(args, RECOMMENDED_NAME, verify=not args.no_verify)
     channels = parse_channels(args.repair_channels)
     statistics_data(None, args.repair_samples)  # samples >= 1, before any model is loaded
+    study = _study_options(args, options, channels)
+    if args.print_plan:
+        import json
+
+        from ..merge.barrier import plan_barrier
+
+        print(json.dumps(plan_barrier(list(args.models), args.data, study).printed(), indent=2, default=str))
+        return 0
     if len(args.models) > 2:
-        return _run_many(args, out, options)
-    result = barrier_study(args.models[0], args.models[1], args.data, aligns=args.align or [RECOMMENDED_NAME],
-                           points=args.points, subsets=args.subsets, device=args.device,
-                           batch_size=args.batch_size, max_examples=args.max_examples,
-                           allow_pickle=args.allow_pickle, align=options, repair=args.repair,
-                           allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, repair_channels=channels,
-                           repair_samples=args.repair_samples, temperature=args.temperature)
+        return _run_many(args, out, study)
+    result = barrier_study(args.models[0], args.models[1], args.data, study)
     write_study(result, out)
     print_note(result.get("tokenizer"))
     width = max(len(name) for name in result["curves"])
@@ -66,13 +70,24 @@ def run(args) -> int:
     return 0
 
 
-def _run_many(args, out: Path, options) -> int:
+def _study_options(args, options, channels):
+    """The study's :class:`~symmerge.merge.barrier.BarrierOptions` from the flags (two models or more)."""
+    from ..merge.barrier import BarrierOptions
+
+    many = len(args.models) > 2
+    return BarrierOptions(aligns=tuple(args.align or [RECOMMENDED_NAME]), points=args.points, subsets=args.subsets,
+                          device=args.device, batch_size=args.batch_size, max_examples=args.max_examples,
+                          allow_pickle=args.allow_pickle, align=options, repair=args.repair and not many,
+                          repair_channels=channels, repair_samples=args.repair_samples,
+                          allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
+                          joint_rounds=args.joint_rounds, joint_refine=args.joint_refine if many else None,
+                          temperature=args.temperature)
+
+
+def _run_many(args, out: Path, study) -> int:
     from ..merge.barrier import barrier_many, write_many
 
-    result = barrier_many(args.models, args.data, aligns=args.align or [RECOMMENDED_NAME], points=args.points,
-                          device=args.device, batch_size=args.batch_size, max_examples=args.max_examples,
-                          allow_pickle=args.allow_pickle, align=options, joint_rounds=args.joint_rounds,
-                          joint_refine=args.joint_refine)
+    result = barrier_many(args.models, args.data, study)
     write_many(result, out)
     n = len(result["models"])
     mean, ens = result["endpoints_mean"], result["ensemble"]

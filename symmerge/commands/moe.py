@@ -33,8 +33,9 @@ NO_OPS = {  # mergekit-moe's flags that change nothing here, and why (--help)
     "--clone-tensors": "accepted: every tensor is written once",
     "--safe-serialization": "accepted: the output is always safetensors",
     "--unsafe-truncate-embeddings": "accepted: the embeddings are the base model's (nothing to truncate)",
-    "--write-model-card": "accepted: the report symmerge_report.json and mergekit_moe_config.yml are written",
-    "--no-write-model-card": "accepted",
+    "--write-model-card": "the default: README.md (the model card), symmerge_report.json and "
+                          "mergekit_moe_config.yml are written",
+    "--no-write-model-card": "no README.md (symmerge_report.json and mergekit_moe_config.yml are still written)",
     "--quiet": "no progress lines (--progress none)",
     "--copy-tokenizer": "accepted: the default",
     "--cuda": "the hidden-state pass on the GPU (--device cuda)",
@@ -110,7 +111,8 @@ def options_of(args):
         align = alignment_options(args, args.symmetries, device="cpu")
     return MoeOptions(device=device, seed=args.random_seed, shard_size=shard_size(args.out_shard_size),
                       align=align, align_stream=args.align_stream, allow_crimes=args.allow_crimes,
-                      copy_tokenizer=not args.no_copy_tokenizer, progress=args.progress != "none")
+                      copy_tokenizer=not args.no_copy_tokenizer, progress=args.progress != "none",
+                      card=not args.no_write_model_card)
 
 
 def run(args) -> int:

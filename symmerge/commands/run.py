@@ -114,6 +114,12 @@ def _run(args) -> int:
             print(shlex.join(["symmerge", desc.command, *desc.argv]))
             return 0
         parsed = namespace(desc.config)  # the command's options, built from the config's keys directly
+        if args.print_plan:
+            if not hasattr(parsed, "print_plan"):
+                raise SymmergeError(f"symmerge {desc.command} has no plan to print; --print-command prints the "
+                                    "command line the config runs")
+            parsed.print_plan = True
+            return parsed.handler(parsed) or 0
         if "progress" not in desc.config.keys:
             parsed.progress = progress_of(args)
         configure(parsed.progress)
@@ -121,6 +127,13 @@ def _run(args) -> int:
         return parsed.handler(parsed) or 0
     from ..config.run import print_summary, run_jobs
 
+    if args.print_plan:
+        import json
+
+        from ..config.run_plan import printed
+
+        print(json.dumps(printed(desc), indent=2, default=str))
+        return 0
     if args.print_command:
         if desc.alignment is not None:
             from ..config.aligned import describe_line

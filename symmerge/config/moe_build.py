@@ -66,7 +66,8 @@ class MoeOptions:
     ``align`` (True: align every expert to the base first with the recommended symmetries; an
     :class:`~symmerge.pipeline.options.AlignOptions`: with those; None: as mergekit), ``align_stream`` (align
     layer by layer from the checkpoints), ``allow_crimes`` (experts of
-    another family than the base, as mergekit's flag), ``copy_tokenizer``, ``progress``."""
+    another family than the base, as mergekit's flag), ``copy_tokenizer``, ``progress``, ``card`` (the model card,
+    ``README.md``)."""
 
     device: str = "cpu"
     seed: int = 0
@@ -76,6 +77,7 @@ class MoeOptions:
     allow_crimes: bool = False
     copy_tokenizer: bool = True
     progress: bool = True
+    card: bool = True  # README.md, the output's model card (symmerge.io.card); --no-write-model-card: none
 
 
 class _Source:
@@ -452,5 +454,9 @@ def build_moe(config, out, options: MoeOptions | None = None) -> dict:
                 report["side_files"] = copy_side_files(base.folder, tmp)
             (tmp / "mergekit_moe_config.yml").write_text(cfg.text)
             report["seconds"] = time.perf_counter() - t0
+            if options.card:
+                from ..io.card import write_card
+
+                write_card(tmp, report)
             write_json(tmp / "symmerge_report.json", report)
     return report

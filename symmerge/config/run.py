@@ -87,6 +87,7 @@ def run_aligned(desc, shard_size="5GB", progress=True, options: RunOptions | Non
         work = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "aligned"), dir=out.parent))
         stack.callback(shutil.rmtree, work, True)
         t0 = time.perf_counter()
+        planned = aligned.plan_alignment(desc.jobs[0], spec)[3]  # the frame the report's plan records
         moved = aligned.align_job(desc.jobs[0], spec, out, work, stack)
         seconds = time.perf_counter() - t0
         jobs = Planner(desc.docs, seed=desc.seed, folders=moved).plan() if moved else desc.jobs
@@ -97,19 +98,19 @@ def run_aligned(desc, shard_size="5GB", progress=True, options: RunOptions | Non
                       "alignment": spec.report, "labels": labels}
         t1 = time.perf_counter()
         inputs = [i.checkpoint() for i in job.inputs]
-        execute(job, inputs, out, options=opts, desc=desc)
+        execute(job, inputs, out, options=opts, desc=desc, alignment=planned)
         return [{"name": job.name, "method": job.method, "tensors": len(job.steps), "layers": job.layers,
                  "output": str(out), "seconds": time.perf_counter() - t1, "align_seconds": seconds,
                  "alignment": spec.report}]
 
 
 def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptions | None = None,
-            desc=None) -> dict:
+            desc=None, alignment=None) -> dict:
     """One job through the streamed executor (:func:`symmerge.merge.executor.execute_steps`): its steps read
     from ``inputs`` (folders), merged and written to ``out`` with the config.json of input ``config_from``
     plus the job's edits, the side files (tokenizer, generation config) of input ``side_files_from``, and the
     chat template asked for; with ``desc`` (the final merge of a config) its report, model card and the
-    config's copy."""
+    config's copy (``alignment``: an aligned config's alignment plan, recorded in the report's plan)."""
     from ..merge import METHODS
     from ..merge.executor import OutputFolder, execute_steps
 
@@ -146,7 +147,7 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
         if job.chat_template is not None and (opts.copy_tokenizer or built):
             write_chat_template(tmp, job.chat_template, folders)
         if desc is not None:
-            write_outputs(tmp, job, desc, plain, facts, opts)
+            write_outputs(tmp, job, desc, plain, facts, opts, alignment)
 
     return execute_steps([p if hasattr(p, "folder") else Path(p) for p in inputs], job.steps, method, out,
                          OutputFolder(config=config, dtype=DTYPES[want] if want else None,
@@ -155,28 +156,23 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
                          progress=opts.progress)
 
 
-def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions) -> dict:
+def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None) -> dict:
     """The final merge's ``symmerge_report.json`` (:func:`symmerge.merge.plan.merge_report`, the report every
-    merge writes, plus the config's entry) and, unless ``opts.card`` is off, its model card (``README.md``,
+    merge writes, built from the document's plan — :func:`symmerge.config.run_plan.plan_document` — plus the
+    config's entry) and, unless ``opts.card`` is off, its model card (``README.md``,
     :func:`symmerge.io.card.write_card`) and the config's text (``mergekit_config.yml``)."""
     import math
 
     from ..io.card import write_card
     from ..io.model import write_json
-    from ..merge.plan import MergePlan, merge_report
-    from ..pipeline.options import AlignOptions
+    from ..merge.plan import merge_report
+    from .run_plan import model_type_at, document_of, merged_names, plan_document
 
     extra = dict(job.report or {})
     labels = extra.pop("labels", None) or [i.label for i in job.inputs]
-    merged = [st for st in job.steps if st.merge]
-    order = [s.model for s in merged[0].sources] if merged else []
-    uniform = bool(merged) and all([s.model for s in st.sources] == order for st in merged)
-    names = [labels[i] for i in order] if uniform else [lb for i, lb in enumerate(labels) if i != job.base]
-    plan = MergePlan(method=method, names=names, model_type=_model_type(folder),
-                     mode="stream", why="a mergekit config: its per-tensor steps, read and written tensor by tensor",
-                     align=AlignOptions(symmetries=()), requested="none", note=None, frame="none",
-                     anchor_index=None, anchor_rule=None, params=_plain(_doc_of(desc, job).data.get("parameters")),
-                     weights=None)
+    doc_plan = plan_document(desc, job, method, model_type_at(folder), labels, alignment)
+    plan = doc_plan.merge
+    names, uniform = merged_names(job, labels)
     pairs = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in sorted(facts["pairwise_sq"].items())} \
         if uniform else None
     alignment = extra.pop("alignment", None) or plan.alignment()
@@ -188,7 +184,7 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions) -> d
         distance_result_to_inputs={names[i]: math.sqrt(v) for i, v in facts["result_sq"].items()} if uniform else None,
         stream={k: facts[k] for k in ("shards", "bytes_written") if k in facts}, side_files=facts.get("side_files"),
         names=names)
-    report["config"] = {"path": str(desc.path), "name": job.name, "merge_method": _doc_of(desc, job).data.get(
+    report["config"] = {"path": str(desc.path), "name": job.name, "merge_method": document_of(desc, job).data.get(
         "merge_method"), "merges": len(desc.jobs), "tensors": len(job.steps), "layers": job.layers,
         "dtype": job.dtype, "out_dtype": job.out_dtype, "warnings": list(desc.warnings)}
     report.update(extra)
@@ -197,24 +193,6 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions) -> d
         (folder / CONFIG_COPY).write_text(Path(desc.path).read_text(encoding="utf-8"), encoding="utf-8")
     write_json(folder / "symmerge_report.json", report)
     return report
-
-
-def _doc_of(desc, job):
-    docs = desc.docs
-    return next((d for d in docs if d.data.get("name") == job.name), docs[-1]) if job.name else \
-        next((d for d in docs if d.data.get("name") is None), docs[-1])
-
-
-def _model_type(folder) -> str:
-    try:
-        return json.loads((Path(folder) / "config.json").read_text()).get("model_type", "")
-    except (OSError, ValueError):
-        return ""
-
-
-def _plain(value):
-    """A config value as JSON holds it (the report)."""
-    return json.loads(json.dumps(value, default=str)) if value is not None else {}
 
 
 def computing_on(method, device):

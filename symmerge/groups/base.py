@@ -114,6 +114,11 @@ class Kind:
     def canonicalize(self, state_dict: dict, inst) -> dict:
         return state_dict
 
+    def canonical_changes(self, inst, keys) -> dict:
+        """{tensor key: why} of the tensors among ``keys`` that :meth:`canonicalize` changes besides the group's
+        own slots (an alignment plan's steps name them): none by default."""
+        return {}
+
     # ------------------------------------------------------------------ matchers' capabilities
     # ``activation_sites``: which activations stand for the group's tensors under ``--match activations``
     #   "slots" — each weight slot's activation (a Linear's output for a slot on its output axis, its

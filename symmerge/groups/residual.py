@@ -147,6 +147,21 @@ class Residual(Kind):
             out[f.weight] = torch.full_like(out[f.weight], 1.0 - f.offset)
         return out
 
+    def canonical_changes(self, inst, keys) -> dict:
+        """Each norm folded into its readers: the readers (scaled), their biases (``b + Wβ``, when every reader has
+        one) and the norm's own weight and bias, each with the norm folded."""
+        keys, out = set(keys), {}
+        for f in inst.info.folds:
+            readers = [k for k, _ in f.readers]
+            changed = readers + [f.weight]
+            if f.bias is not None and f.bias in keys:
+                biases = [_bias_key(k) for k in readers]
+                changed += [f.bias] + (biases if all(b in keys for b in biases) else [])
+            for k in changed:
+                if k in keys:
+                    out.setdefault(k, []).append(f"{f.weight} folded")
+        return out
+
     # ------------------------------------------------------------------ solving
     def cost(self, inst, sd_a: dict, sd_b: dict, keys=None):
         """``C = Σ X₁ X₂ᵀ`` (d × d) over the stream members (optionally only ``keys``) and

@@ -1,4 +1,5 @@
-"""The model card (``README.md``) of every folder ``align`` and ``merge`` write.
+"""The model card (``README.md``) of every folder symmerge writes a model or an adapter into: ``align``,
+``merge``, each merge of ``run``, ``moe`` and ``extract-lora`` — one writer, :func:`write_card`, from the report.
 
 An input's own card describes the input, not the aligned or merged model, so it is never copied
 (:data:`symmerge.io.model.REPLACED`). The output's card is written from the run's report instead: the
@@ -193,10 +194,64 @@ def _merge_sections(r: dict) -> list[str]:
     return out
 
 
+def kind_of(report: dict | None) -> str | None:
+    """Which command wrote ``report``: ``merge`` (``run``'s merges too), ``align``, ``moe``, ``extract-lora``, or
+    None (no card: the demo's trained models)."""
+    if not report:
+        return None
+    if "method" in report:
+        return "merge"
+    if "distance_before" in report:
+        return "align"
+    if report.get("command") == "moe":
+        return "moe"
+    if "finetune" in report and "rank" in report:
+        return "extract-lora"
+    return None
+
+
+def _moe_text(r: dict, folder_name: str, version: str) -> str:
+    experts = ", ".join(f"`{e}`" for e in r.get("experts") or [])
+    shared = r.get("shared_experts") or []
+    lines = ["---", "library_name: transformers", "tags:", "- symmerge", "- moe", "---", "", f"# {folder_name}", "",
+             f"A mixture of experts assembled by symmerge {version} (`symmerge moe`, mergekit-moe's config in "
+             "`mergekit_moe_config.yml`): the base model's attention, embeddings and norms, and each layer's feed-"
+             "forward blocks taken from the experts. It is not any of its inputs; every figure is in "
+             "`symmerge_report.json`.", "",
+             *_table(["quantity", "value"], [
+                 ["architecture", r.get("architecture")], ["base model", r.get("base_model")],
+                 ["experts", len(r.get("experts") or [])], ["shared experts", len(shared)],
+                 ["experts per token", r.get("experts_per_token")], ["gate mode", r.get("gate_mode")],
+                 ["dtype", r.get("dtype")],
+                 ["experts aligned to the base first", "yes" if r.get("aligned") else "no"]]), "",
+             f"Experts: {experts or '–'}" + (f"; shared: {', '.join(f'`{e}`' for e in shared)}" if shared else "")
+             + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _lora_text(r: dict, version: str) -> str:
+    err = r.get("relative_error") or {}
+    return (f"---\nlibrary_name: peft\nbase_model: {r['base']}\ntags: [symmerge, lora, extract-lora]\n---\n\n"
+            f"# LoRA adapter extracted by symmerge\n\nThe task vector of `{r['finetune']}` over `{r['base']}`,"
+            f" as a PEFT LoRA adapter of rank {r.get('r')} (`symmerge extract-lora` {version}, at most rank "
+            f"{r['rank']}): {len(r.get('modules') or [])} modules, relative reconstruction error mean "
+            f"{err.get('mean', 0.0):.4g}, max {err.get('max', 0.0):.4g} (per module in `symmerge_report.json`).\n")
+
+
 def card_text(report: dict, folder_name: str = "model") -> str:
-    """The model card of an output folder, from its align or merge report."""
+    """The model card of an output folder, from its report (:func:`kind_of`)."""
     from .._version import __version__
 
+    kind = kind_of(report)
+    if kind == "moe":
+        return _moe_text(report, folder_name, __version__)
+    if kind == "extract-lora":
+        return _lora_text(report, __version__)
+    return _model_text(report, folder_name, __version__)
+
+
+def _model_text(report: dict, folder_name: str, version: str) -> str:
+    """The card of an aligned or merged model."""
     r = report
     inputs = _inputs(r)
     cards = [(name, role, input_card(name)) for name, role in inputs]
@@ -209,7 +264,7 @@ def card_text(report: dict, folder_name: str = "model") -> str:
     front += ["tags:", *[f"- {t}" for t in tags], "---", ""]
     what = "merged" if "method" in r else "aligned"
     lines = front + [f"# {folder_name}", "",
-                     f"This model was {what} by symmerge {__version__}"
+                     f"This model was {what} by symmerge {version}"
                      f"{' (symmetry-aware fusion of transformer models)' if what == 'merged' else ''}. It is not any "
                      "of its inputs: their model cards are not copied; what they declare is quoted below. Every "
                      "figure of the run is in `symmerge_report.json`.", ""]
@@ -243,13 +298,26 @@ def card_text(report: dict, folder_name: str = "model") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _output_name(folder: Path) -> str:
+    """The name of the output folder being written: atomic writes happen in a temporary folder beside it,
+    ``.<out>.symmerge-tmp-<pid>-XXXX`` (:func:`symmerge.io.output.temp_prefix`) or ``.<out>.tmp-XXXX``."""
+    from .output import TAG
+
+    name = folder.name
+    for tag in (TAG, ".tmp-"):
+        if name.startswith(".") and tag in name:
+            name = name[1:].split(tag)[0]
+    return name or "model"
+
+
 def write_card(folder, report: dict | None) -> Path | None:
-    """Write ``folder/README.md`` (the output's model card) from ``report``, an align or merge report;
-    other folders written by :func:`~symmerge.io.model.save_model` (the demo's trained models) get none."""
-    if not report or not ("method" in report or "distance_before" in report):
+    """Write ``folder/README.md`` (the output's model card) from ``report``, the report of an align, merge (``run``'s
+    included), moe or extract-lora; other folders written by :func:`~symmerge.io.model.save_model` (the demo's
+    trained models) get none."""
+    if kind_of(report) is None:
         return None
     folder = Path(folder)
-    name = folder.name.split(".tmp-")[0].lstrip(".") or "model"  # atomic writes happen in '.<out>.tmp-XXXX'
+    name = _output_name(folder)
     path = folder / CARD
     path.write_text(card_text(report, name), encoding="utf-8")
     return path

@@ -25,7 +25,7 @@ from ..io.tokenizers import check_tokenizers
 from ..io.prefix import adapt_models
 from ..pipeline.align import align_pair, as_model, load_align_data
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries
-from ..pipeline.report import match_fields
+from ..pipeline.report import build_report, match_fields
 from ..progress import bar, stage, stage_printer
 from ..evaluate.metrics import alpha_grid, check_same_shapes, evaluate, interpolate, interpolation_curve
 from ..evaluate.plots import plot_curves, plot_subsets, study_title
@@ -36,24 +36,6 @@ def variant_name(spec) -> str:
         return RECOMMENDED_NAME
     names = parse_symmetries(spec)
     return ",".join(names) if names else "none"
-
-
-def _variants(aligns, base: AlignOptions, model) -> dict:
-    """{curve name: AlignOptions} for ``aligns``: 'none' first; 'recommended' resolved against ``model``
-    and named by the groups it resolved to."""
-    from .plan import plain_fallback
-
-    out = {"none": None}
-    for spec in aligns:
-        if variant_name(spec) == "none":
-            continue
-        opts, note = plain_fallback(base.with_(symmetries=spec), model.config.model_type)
-        if note:  # no spec: 'recommended' is the plain curve
-            print(f"note: {note}", file=sys.stderr)
-            continue
-        opts = opts.for_model(model)
-        out.setdefault(",".join(opts.symmetries) or "none", opts)
-    return out
 
 
 @dataclass(frozen=True)
@@ -104,28 +86,137 @@ def _options(options, keywords: dict, name: str) -> BarrierOptions:
     return options
 
 
+# how the models are interpolated, per frame (barrier.json's 'convention', the plan's 'interpolation')
+CONVENTIONS = {"pair": "theta(alpha) = alpha*A + (1-alpha)*B; alpha=1 is A (aligned to B), alpha=0 is B",
+               "joint": "pair 'i|j': theta(alpha) = alpha*model_i + (1-alpha)*model_j in the variant's frame"}
+
+
+@dataclass(frozen=True)
+class BarrierArm:
+    """One alignment variant of a barrier study: its curve's ``name`` (the symmetries it resolved to, ``none``),
+    what was asked for, and its alignment plan (:class:`~symmerge.pipeline.align_plan.AlignPlan`: the
+    first model to the second — with more than two models, the maps every model's tensors get on the way into
+    the joint frame —; None for the plain curve)."""
+
+    name: str
+    requested: str
+    plan: object = None
+    note: str | None = None
+
+    @property
+    def symmetries(self) -> tuple:
+        return self.plan.symmetries if self.plan is not None else ()
+
+    def describe(self, steps: bool = False) -> dict:
+        out = {"name": self.name, "requested": self.requested, "symmetries": list(self.symmetries), "note": self.note}
+        if self.plan is not None:
+            out["alignment"] = self.plan.printed() if steps else self.plan.describe()
+        return out
+
+
+@dataclass(frozen=True)
+class BarrierPlan:
+    """A barrier study resolved before any weight is read (:func:`plan_barrier`): the models, the alignment
+    variants (:class:`BarrierArm`, 'recommended' resolved once by
+    :func:`~symmerge.pipeline.align_plan.plan_align`), the frame (``pair``: the first model aligned to the
+    second, the anchor; ``joint``: every model into one frame), the interpolation points, the curves each arm
+    gets (``+repair``, ``+temperature``), the evaluation data."""
+
+    models: tuple
+    model_type: str
+    data: str
+    alphas: tuple
+    arms: tuple
+    frame: str
+    extras: tuple = ()  # the extra curves of each arm: '+temperature', '+repair'
+    options: BarrierOptions = None
+
+    def fields(self) -> dict:
+        """The ``barrier.json`` fields the plan decides."""
+        if self.frame == "pair":
+            return {"model_a": self.models[0], "model_b": self.models[1], "alphas": list(self.alphas)}
+        return {"models": list(self.models), "alphas": list(self.alphas)}
+
+    def describe(self, steps: bool = False) -> dict:
+        """The plan as ``barrier.json`` records it (``plan``); ``steps``: each arm's alignment steps too."""
+        o = self.options
+        return {"operation": "barrier", "frame": self.frame, "interpolation": CONVENTIONS[self.frame],
+                "model_type": self.model_type, "data": self.data,
+                "points": len(self.alphas), "batch_size": o.batch_size, "max_examples": o.max_examples,
+                "device": str(o.device), "match": o.align.match,
+                "curves": [a.name + x for a in self.arms for x in ("",) + self.extras],
+                "arms": [a.describe(steps) for a in self.arms], "subsets": o.subsets,
+                "joint": {"rounds": o.joint_rounds, "refine": o.joint_refine} if self.frame == "joint" else None}
+
+    def printed(self) -> dict:
+        """What ``symmerge barrier --print-plan`` prints."""
+        return {**self.fields(), "plan": self.describe(steps=True)}
+
+
+def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
+    """The :class:`BarrierPlan` of a study of ``models`` (two: A aligned to B; more: joint) on ``data`` with
+    ``options``: read from the inputs' headers; every refusal of the study's options before any model is read."""
+    from ..pipeline.align_plan import plan_align
+    from .plan import model_type_of, plain_fallback
+
+    o = options
+    if len(models) < 2:
+        raise SymmergeError(f"a barrier needs at least two models, got {len(models)}")
+    alphas = tuple(alpha_grid(o.points))
+    if o.repair and o.align.align_data is None:
+        raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass align=AlignOptions(align_data=...) "
+                            "(--align-data)")
+    if o.temperature and o.align.align_data is None:
+        raise SymmergeError("temperature calibration fits on unlabeled data: pass align=AlignOptions(align_data=...) "
+                            "(--align-data)")
+    if not isinstance(data, Data):
+        check_data_path(data)
+    labels = ("A", "B") if len(models) == 2 else tuple(f"model {i}" for i in range(len(models)))
+    names = tuple(str(x) if isinstance(x, (str, Path)) else label for x, label in zip(models, labels))
+    model_type = model_type_of(models[0])
+    arms = {"none": BarrierArm("none", "none")}
+    for spec in o.aligns:
+        if variant_name(spec) == "none":
+            continue
+        asked = o.align.with_(symmetries=spec)
+        opts, note = plain_fallback(asked, model_type)
+        if note:  # no spec: 'recommended' is the plain curve
+            arms["none"] = BarrierArm("none", "none", note=note)
+            continue
+        plan = plan_align(models[0], models[1], opts, allow_pickle=o.allow_pickle)
+        name = ",".join(plan.symmetries) or "none"
+        if name not in arms:
+            arms[name] = BarrierArm(name, asked.requested, plan if plan.symmetries else None, plan.note)
+    extras = tuple(x for x, on in (("+temperature", o.temperature), ("+repair", o.repair)) if on)
+    data_name = data.path if isinstance(data, Data) else str(data)
+    return BarrierPlan(models=names, model_type=model_type, data=data_name, alphas=alphas, arms=tuple(arms.values()),
+                       frame="pair" if len(models) == 2 else "joint", extras=extras, options=o)
+
+
+def _variants(plan: BarrierPlan, base: AlignOptions) -> dict:
+    """{curve name: AlignOptions} of the plan's arms ('none': None), on ``base`` (the study's alignment options,
+    its unlabeled data read)."""
+    for arm in plan.arms:
+        if arm.note and arm.plan is None:
+            print(f"note: {arm.note}", file=sys.stderr)
+    return {arm.name: base.with_(symmetries=arm.symmetries) if arm.plan is not None else None for arm in plan.arms}
+
+
 def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """Interpolation curves and barriers of A and B on ``data``, for no alignment and each variant of
     ``options.aligns`` (a :class:`BarrierOptions`, or its fields as keywords), with REPAIR curves when
     ``options.repair`` (its statistics on ``options.align.align_data``, unlabeled, kept apart from the
     evaluation ``data``)."""
     o = _options(options, keywords, "barrier_study")
-    aligns, points, subsets, device, progress = o.aligns, o.points, o.subsets, o.device, o.progress
+    subsets, device, progress = o.subsets, o.device, o.progress
     batch_size, max_examples, allow_pickle, repair = o.batch_size, o.max_examples, o.allow_pickle, o.repair
     repair_channels, repair_samples = o.repair_channels, o.repair_samples
     t0 = time.perf_counter()
-    alphas = alpha_grid(points)
+    plan = plan_barrier([model_a, model_b], data, o)  # every refusal before a model is read; the arms resolved
+    alphas = list(plan.alphas)
     base = o.align
     dev = resolve_device(device)
-    if repair:
-        if base.align_data is None:
-            raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass align=AlignOptions(align_data=...) (--align-data)")
-    if o.temperature and base.align_data is None:
-        raise SymmergeError("temperature calibration fits on unlabeled data: pass align=AlignOptions(align_data=...) "
-                            "(--align-data)")
-    if not isinstance(data, Data):
-        check_data_path(data)
-    names = [str(x) if isinstance(x, (str, Path)) else label for x, label in ((model_a, "A"), (model_b, "B"))]
+    names = list(plan.models)
     tokenizer = check_tokenizers(list(zip(names, (model_a, model_b))), o.allow_tokenizer_mismatch)
     with stage(f"loaded {names[0]} and {names[1]}", enabled=progress and isinstance(model_a, (str, Path))):
         a, b = as_model(model_a, allow_pickle, spec=False), as_model(model_b, allow_pickle, spec=False)
@@ -133,7 +224,7 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
     check_same_shapes(a, b)
     if base.align_data is not None and not isinstance(base.align_data, Data):  # read once for every variant
         base = base.with_(align_data=load_align_data(base, a, sources=[a, b], progress=progress))
-    variants = _variants(aligns, base, a)
+    variants = _variants(plan, base)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
         if isinstance(data, Data):
             check_data(data, a)
@@ -143,7 +234,7 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
         check_data(d, b)
     result = {"model_a": names[0], "model_b": names[1], "data": d.path, "examples": d.n, **d.cut_info(),
               "alphas": alphas,
-              "convention": "theta(alpha) = alpha*A + (1-alpha)*B; alpha=1 is A (aligned to B), alpha=0 is B",
+              "convention": CONVENTIONS["pair"],
               "rescale": base.rescale, "device": str(dev),
               "endpoints": {"A": evaluate(a, d, device=dev, progress=progress, desc="evaluating A"),
                             "B": evaluate(b, d, device=dev, progress=progress, desc="evaluating B")},
@@ -178,7 +269,7 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
         result["subsets"] = subset_matching(a, b, d, syms, mode=subsets, device=dev, progress=progress,
                                             options=base)
     result["seconds"] = time.perf_counter() - t0
-    return result
+    return build_report(plan, result)
 
 
 def repaired_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, device=None, progress: bool = True,
@@ -269,17 +360,14 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
     from ..pipeline.verify import with_state_dict
 
     o = _options(options, keywords, "barrier_many")
-    aligns, points, device, progress, allow_pickle = o.aligns, o.points, o.device, o.progress, o.allow_pickle
+    device, progress, allow_pickle = o.device, o.progress, o.allow_pickle
     batch_size, max_examples, joint_rounds, joint_refine = o.batch_size, o.max_examples, o.joint_rounds, o.joint_refine
     t0 = time.perf_counter()
-    alphas = alpha_grid(points)
+    plan = plan_barrier(list(models), data, o)
+    alphas = list(plan.alphas)
     base = o.align
     dev = resolve_device(device)
-    if not isinstance(data, Data):
-        check_data_path(data)
-    names = [str(x) if isinstance(x, (str, Path)) else f"model {i}" for i, x in enumerate(models)]
-    if len(models) < 2:
-        raise SymmergeError(f"a barrier needs at least two models, got {len(models)}")
+    names = list(plan.models)
     with stage(f"loaded {len(models)} models", enabled=progress):
         loaded = [as_model(x, allow_pickle) for x in models]
     loaded, adapted = adapt_models(loaded, names)  # base-class models read as the fine-tunes' class
@@ -287,7 +375,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
         check_same_shapes(loaded[i], loaded[0])
     if base.align_data is not None and not isinstance(base.align_data, Data):
         base = base.with_(align_data=load_align_data(base, loaded[0], sources=loaded, progress=progress))
-    variants = _variants(aligns, base, loaded[0])
+    variants = _variants(plan, base)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
         d = data if isinstance(data, Data) else load_data(data, loaded[0], batch_size=batch_size,
                                                           max_examples=max_examples)
@@ -297,7 +385,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
     for x in loaded:
         x.to("cpu")
     result = {"models": names, "data": d.path, "examples": d.n, **d.cut_info(), "alphas": alphas,
-              "convention": "pair 'i|j': theta(alpha) = alpha*model_i + (1-alpha)*model_j in the variant's frame",
+              "convention": CONVENTIONS["joint"],
               "device": str(dev), "endpoints": dict(zip(names, endpoints)),
               "endpoints_mean": {k: sum(e[k] for e in endpoints) / len(endpoints) for k in ("loss", "accuracy")},
               "ensemble": evaluate_ensemble(loaded, d, device=dev, progress=progress), "variants": {},
@@ -338,7 +426,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
         for f in frames:
             f.to("cpu")
     result["seconds"] = time.perf_counter() - t0
-    return result
+    return build_report(plan, result)
 
 
 def write_many(result: dict, out) -> Path:

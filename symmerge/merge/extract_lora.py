@@ -254,7 +254,9 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
         report["seconds"] = time.perf_counter() - t0
         write_json(tmp / "symmerge_report.json", report)
         if options.write_model_card:
-            (tmp / "README.md").write_text(_card(report, config))
+            from ..io.card import write_card
+
+            write_card(tmp, report)  # README.md: the one card writer of every command
     return report
 
 
@@ -330,15 +332,6 @@ def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft) -> dict
             "lora_bias": lora_bias, "target_modules": targets, "modules_to_save": sorted(modules_to_save) or None,
             "lora_dropout": 0.0, "fan_in_fan_out": False, "bias": "none", "inference_mode": True,
             "init_lora_weights": True}
-
-
-def _card(report, config) -> str:
-    return (f"---\nlibrary_name: peft\nbase_model: {report['base']}\ntags: [symmerge, lora, extract-lora]\n---\n\n"
-            f"# LoRA adapter extracted by symmerge\n\nThe task vector of `{report['finetune']}` over `{report['base']}`,"
-            f" as a PEFT LoRA adapter of rank {config['r']} (`symmerge extract-lora`, at most rank {report['rank']}): "
-            f"{len(report['modules'])} modules, relative reconstruction error mean "
-            f"{report['relative_error']['mean']:.4g}, max {report['relative_error']['max']:.4g} (per module in "
-            "`symmerge_report.json`).\n")
 
 
 def summary_rows(report) -> list[tuple]:

@@ -12,7 +12,8 @@ the options, and executed by both wings (in memory: :mod:`symmerge.merge.fuse`; 
 * the **frame** (``none``: nothing aligned; ``base``: every model aligned to the base; ``star``: every model to
   one anchor; ``joint``: every model into one common frame) and the **anchor** rule (:func:`anchor_rule`);
 * the **method** and its checked parameters, the **statistics** it needs, the requested **head** policy;
-* the **report**: :func:`merge_report` builds it from the plan plus what was measured, in both wings.
+* the **report**: :func:`merge_report` builds it from the plan plus what was measured, in both wings, through the
+  one report builder of every command (:func:`symmerge.pipeline.report.build_report`).
 
 The per-tensor steps (:class:`~symmerge.merge.steps.TensorStep`, :attr:`MergePlan.steps`) are made by one rule
 (:func:`symmerge.merge.steps.plain_merge_steps`) from the checkpoint headers (:func:`symmerge.merge.stream.plain_steps`,
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..core import memory
@@ -33,6 +34,7 @@ from ..errors import SymmergeError
 from ..io.model import ShardIndexError, read_config, weight_files
 from ..pipeline.matchers import streaming_refusal
 from ..pipeline.options import AlignOptions
+from ..pipeline.report import build_report
 from ..pipeline.recommend import BASE_NOTE, has_spec, plain_fallback, recommended  # noqa: F401 (the plan's rules)
 from .registry import get_method
 
@@ -200,6 +202,11 @@ class MergePlan:
             out["note"] = self.note
         return out
 
+    def fields(self) -> dict:
+        """The report's fields the plan decides."""
+        return {"method": self.method.name, "params": self.params, "weights": self.weights,
+                "models": list(self.names), "model_type": self.model_type, "mode": self.mode}
+
     def describe(self) -> dict:
         """The plan as the report records it (``plan``)."""
         steps = None if self.steps is None else {"merge": sum(s.merge for s in self.steps),
@@ -240,31 +247,20 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
 def merge_report(plan: MergePlan, *, base, alignment: dict, head: dict, distances_between_inputs: dict,
                  distance_result_to_inputs: dict, statistics=None, device="cpu", repair=None, stream=None,
                  tokenizer=None, embedding=None, side_files=None, names=None, result_warnings=None) -> dict:
-    """The merge report, in both wings: the plan plus what was measured (``names``: the inputs as the
-    report names them; default the plan's)."""
-    report = {
-        "method": plan.method.name,
-        "params": plan.params,
-        "weights": plan.weights,
-        "models": list(names if names is not None else plan.names),
-        "base": base,
-        "model_type": plan.model_type,
-        "alignment": alignment,
-        "head": head,
-        "statistics": statistics,
-        "distances_between_inputs": distances_between_inputs,
-        "distance_result_to_inputs": distance_result_to_inputs,
-        "device": device,
-        "repair": repair,
-        "mode": plan.mode,
-        "plan": plan.describe(),
-    }
+    """The merge report, in both wings and for each merge of a config: the plan plus what was measured, by the one
+    report builder (:func:`symmerge.pipeline.report.build_report`; ``names``: the inputs as the report names them;
+    default the plan's)."""
+    if names is not None:
+        plan = replace(plan, names=list(names))
+    measured = {"base": base, "alignment": alignment, "head": head, "statistics": statistics,
+                "distances_between_inputs": distances_between_inputs,
+                "distance_result_to_inputs": distance_result_to_inputs, "device": device, "repair": repair}
     if stream is not None:
-        report["stream"] = stream
-    report["tokenizer"] = tokenizer
+        measured["stream"] = stream
+    measured["tokenizer"] = tokenizer
     if embedding:
-        report["sentence_transformers"] = embedding
+        measured["sentence_transformers"] = embedding
     if side_files is not None:
-        report["side_files"] = side_files
-    report["result_warnings"] = list(result_warnings or [])  # symmerge.merge.outputs.check_result
-    return report
+        measured["side_files"] = side_files
+    measured["result_warnings"] = list(result_warnings or [])  # symmerge.merge.outputs.check_result
+    return build_report(plan, measured)

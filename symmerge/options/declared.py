@@ -194,6 +194,18 @@ OPTIONS = (
     opt("print_plan", "--print-plan", on=MERGE, form="switch", default=False,
         help="print the resolved plan and its steps (one per output tensor: copy, or merge with which inputs and "
              "parameters) as JSON, then exit without reading weights or writing"),
+    opt("print_plan", "--print-plan", on=ALIGN, form="switch", default=False,
+        help="print the resolved plan (symmetries, matcher, anchor, verification) and its steps (one per output "
+             "tensor: copy, or the alignment maps acting on it and their axes) as JSON, from the headers, and exit; "
+             "nothing is written"),
+    opt("print_plan", "--print-plan", on=BARRIER, form="switch", default=False,
+        help="print the resolved plan (the models, each alignment variant with its symmetries and steps, the "
+             "interpolation points, the curves, the evaluation data) as JSON, from the headers, and exit; nothing "
+             "is written"),
+    opt("print_plan", "--print-plan", on=RUN, form="switch", default=False,
+        help="print the plan of each document of the config as JSON (the merge: method, inputs, parameters and "
+             "every output tensor's step; the alignment of an aligned config; a config of symmerge's keys: its "
+             "command's --print-plan) and exit; no weight is read, nothing is written"),
     # a model given as BASE+ADAPTER: a LoRA adapter merged into its base first (symmerge.io.lora.merge_cache)
     opt("lora_merge_cache", "--lora-merge-cache", on={MERGE, "run", "extract-lora"}, metavar="DIR", part="lora",
         help="merge models given as BASE+ADAPTER (a PEFT LoRA adapter) into DIR and reuse them on a later run (as "

@@ -1,4 +1,7 @@
-"""The alignment report (``symmerge_report.json``): one schema for in-memory and streamed alignment.
+"""The reports (``symmerge_report.json``, ``barrier.json``): one builder, :func:`build_report`, makes every
+command's report from its plan (the decisions, :mod:`symmerge.merge.plan`, :mod:`symmerge.pipeline.align_plan`,
+:mod:`symmerge.merge.barrier`) and what was measured; the alignment's measured part has one schema for in-memory
+and streamed alignment.
 
 Distances come from per-tensor squared distances before and after, collected as the work goes
 (streaming: part by part), then summed: the whole model, each group instance (``per_module``) and
@@ -8,6 +11,18 @@ each layer (``per_layer``: the union of its instances' tensors).
 from __future__ import annotations
 
 import math
+
+
+def build_report(plan, measured: dict) -> dict:
+    """The one report builder of every command (merge, align, barrier, each merge of ``run``): the fields the
+    plan decides (``plan.fields()``: what was asked for and what it resolved to), the facts measured (``measured``:
+    distances, verification, timings...; they cannot overwrite a decision), and the plan itself as its report
+    entry (``plan``: ``plan.describe()``)."""
+    decided = plan.fields()
+    report = dict(decided)
+    report.update((k, v) for k, v in measured.items() if k not in decided)
+    report["plan"] = plan.describe()
+    return report
 
 
 class Distances:

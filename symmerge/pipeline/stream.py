@@ -51,6 +51,7 @@ from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from .engine import SolveContext, active, parts, prepare_costly, solve_local
 from .matchers import streaming_refusal
+from .align_plan import per_layer_only, plan_report, streamed_spec
 from .options import AlignOptions
 from .recommend import recommended
 from .report import Distances, alignment_report
@@ -86,9 +87,7 @@ def layer_instances(ckpt: LazyCheckpoint, layers=None, opts=None, options: Align
     per-layer groups; the few tensors whose values binding needs are read). With ``options`` instead of
     ``opts``: (spec, instances, ``options`` resolved against them — 'recommended' keeps the symmetries
     whose groups stream)."""
-    spec = spec_for(ckpt.config["model_type"])
-    if spec.in_memory_only:
-        raise SymmergeError(f"streamed alignment does not support {spec.family} models: {spec.in_memory_only}")
+    spec = streamed_spec(ckpt.config["model_type"])
     sizes = config_sizes(spec, ckpt.hf_config)
     shapes = ckpt.meta()
     shapes.update(ckpt.read(value_keys(spec, list(shapes), sizes["num_layers"])))  # a few small tensors
@@ -100,15 +99,7 @@ def layer_instances(ckpt: LazyCheckpoint, layers=None, opts=None, options: Align
         opts = options.solver_options(opts.device if opts is not None else None)
     if opts is not None:
         instances = active(instances, opts)
-    # a per-layer kind's instance bound over a whole stack (layer -1: T5's self-attention heads, tied by the
-    # relative attention bias) acts on every layer of it at once: never streamed; 'recommended' leaves it out
-    tied = [i for i in instances if i.layer < 0]
-    if tied and not asked:
-        raise SymmergeError(f"{', '.join(i.name for i in tied)}: one element for every layer of a stack at once "
-                            f"({tied[0].group.param('description') or tied[0].kind.description}), which streamed "
-                            "alignment, one layer at a time, cannot solve; align in memory (without --stream) or "
-                            f"leave '{tied[0].group.symmetry}' out of --symmetries")
-    instances = [i for i in instances if i.layer >= 0]
+    instances = per_layer_only(instances, asked)
     by_layer: dict[int, list] = defaultdict(list)
     for inst in instances:
         by_layer[inst.layer].append(inst)
@@ -265,8 +256,8 @@ def _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, job: _Job, pbar, timings, w
 
 
 def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, shard_size=DEFAULT_SHARD,
-                    progress: bool = True, verify_forward: bool = False, log=None, pipeline: bool = False,
-                    allow_tokenizer_mismatch: bool = False) -> dict:
+                    progress: bool = True, verify_forward: bool = False, pipeline: bool = False,
+                    allow_tokenizer_mismatch: bool = False, plan=None) -> dict:
     """Align the safetensors checkpoint folder ``model`` to ``anchor`` layer by layer and write the
     result to the folder ``out`` (atomically, in shards of at most ``shard_size``) with ``options`` (an
     :class:`AlignOptions`; default: the paper's attn, ffn, rescale; its ``symmetries``, ``rescale``,
@@ -275,7 +266,9 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
 
     Default (low memory): one tensor-disjoint part of a layer at a time, shards cut at about one
     layer; peak memory ≈ the largest part of both models + its cost matrix. ``pipeline=True``
-    overlaps reading, solving (``options.workers`` layers at once, default 2) and writing across layers."""
+    overlaps reading, solving (``options.workers`` layers at once, default 2) and writing across layers.
+    ``plan``: the alignment's :class:`~symmerge.pipeline.align_plan.AlignPlan` (``options`` are its resolved ones),
+    from which the report is built."""
     from ..device import resolve_device
     from ..progress import bar, stage
 
@@ -334,10 +327,10 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
             with stage("verified the aligned model's outputs", enabled=progress):
                 report.update(_verify_forward(model, tmp, options.verify_tol))
         report["seconds"] = time.perf_counter() - start
+        if plan is not None:
+            report = plan_report(plan, report)
         write_card(tmp, report)  # README.md, the output's own model card
         write_json(tmp / "symmerge_report.json", report)
-    if log is not None:
-        log(f"wrote {out}: {len(names)} shard(s), {writer.total_bytes / 1e9:.2f} GB")
     return report
 
 

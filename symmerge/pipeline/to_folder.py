@@ -12,6 +12,7 @@ from ..errors import SymmergeError
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
 from ..progress import stage, stage_printer
+from .align_plan import plan_align, plan_report
 from .matchers import streaming_refusal
 from .options import AlignOptions
 
@@ -32,27 +33,11 @@ def stream_refusal(options: AlignOptions, allow_pickle: bool = False) -> str | N
     return None
 
 
-@writes_output
-def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, stream: bool = False,
-                    progress: bool = True, allow_pickle: bool = False, allow_tokenizer_mismatch: bool = False,
-                    shard_size=None, pipeline: bool = False, verify_forward: bool = False) -> dict:
-    """Align ``model`` (an HF folder, or a transformers model in memory) to ``anchor`` with ``options`` and
-    write the result to the folder ``out`` (must not exist or be empty; written atomically, with the model's
-    side files, a model card and ``symmerge_report.json``). ``stream``: layer by layer from the safetensors
-    files (``shard_size``, ``pipeline``, ``verify_forward`` apply there only). Returns the report."""
-    options = options if options is not None else AlignOptions()
-    for flag, given in (("--pipeline", pipeline), ("--verify-forward", verify_forward)):
-        if given and not stream:
-            raise SymmergeError(f"{flag} applies to --stream only")
-    out = Path(out)
-    ensure_output_dir(out)  # fail before any expensive work
+def _inputs(model, anchor, options: AlignOptions, stream: bool, pipeline: bool, allow_pickle: bool):
+    """(model, anchor) as folders (a single .safetensors file: its folder view, with the config beside it or the
+    other input's), after the refusals of a streamed alignment; then its :class:`AlignPlan`."""
     from ..io.single import as_folder, is_single_file
 
-    if is_single_file(anchor):  # single .safetensors files: their config beside them, else the other's
-        anchor = as_folder(anchor, model if isinstance(model, (str, Path)) and not is_single_file(model) else None)
-    if is_single_file(model):
-        model = as_folder(model, anchor if isinstance(anchor, (str, Path)) else None)
-    check_room(out, [model])
     if stream:
         refusal = stream_refusal(options, allow_pickle)
         if refusal:
@@ -60,17 +45,55 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
         if options.workers is not None and not pipeline:
             raise SymmergeError("--workers with --stream needs --pipeline (the low-memory mode solves one part of "
                                 "one layer at a time, to bound memory)")
+    if is_single_file(anchor):
+        anchor = as_folder(anchor, model if isinstance(model, (str, Path)) and not is_single_file(model) else None)
+    if is_single_file(model):
+        model = as_folder(model, anchor if isinstance(anchor, (str, Path)) else None)
+    return model, anchor
+
+
+@writes_output
+def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, stream: bool = False,
+                    progress: bool = True, allow_pickle: bool = False, allow_tokenizer_mismatch: bool = False,
+                    shard_size=None, pipeline: bool = False, verify_forward: bool = False) -> dict:
+    """Align ``model`` (an HF folder, or a transformers model in memory) to ``anchor`` with ``options`` and
+    write the result to the folder ``out`` (must not exist or be empty; written atomically, with the model's
+    side files, a model card and ``symmerge_report.json``). ``stream``: layer by layer from the safetensors
+    files (``shard_size``, ``pipeline``, ``verify_forward`` apply there only). The alignment is planned first
+    from the headers (:func:`~symmerge.pipeline.align_plan.plan_align`: 'recommended' resolved once, the steps);
+    the wing runs the plan's options and the report is built from the plan. Returns the report."""
+    options = options if options is not None else AlignOptions()
+    for flag, given in (("--pipeline", pipeline), ("--verify-forward", verify_forward)):
+        if given and not stream:
+            raise SymmergeError(f"{flag} applies to --stream only")
+    out = Path(out)
+    ensure_output_dir(out)  # fail before any expensive work
+    model, anchor = _inputs(model, anchor, options, stream, pipeline, allow_pickle)
+    check_room(out, [model])
+    plan = plan_align(model, anchor, options, stream=stream, pipeline=pipeline, allow_pickle=allow_pickle)
+    if stream:
         from .stream import DEFAULT_SHARD, align_streaming
 
+        # streamed, 'recommended' also leaves out a group bound over a whole stack (T5's self-attention heads) while
+        # keeping its symmetry for the groups of that kind that stream: the wing resolves it by the same rule
+        # (pipeline.recommend.recommended) from the same headers, and the report is the plan's
         return align_streaming(model, anchor, out, options, shard_size=shard_size or DEFAULT_SHARD,
                                progress=progress, verify_forward=verify_forward, pipeline=pipeline,
-                               allow_tokenizer_mismatch=allow_tokenizer_mismatch)
+                               allow_tokenizer_mismatch=allow_tokenizer_mismatch, plan=plan)
     from .align import align_pair
 
-    result = align_pair(model, anchor, options, progress=stage_printer() if progress else None,
+    result = align_pair(model, anchor, plan.options, progress=stage_printer() if progress else None,
                         allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
-    report = result.report
-    report.update(model=str(model), anchor=str(anchor))
+    report = plan_report(plan, result.report)
     with stage(f"wrote {out}", enabled=progress):
         save_model(result.model, out, src=model if isinstance(model, (str, Path)) else None, report=report)
     return report
+
+
+def print_plan(model, anchor, options: AlignOptions | None = None, *, stream: bool = False, pipeline: bool = False,
+               allow_pickle: bool = False) -> dict:
+    """``symmerge align --print-plan``: the plan (:func:`~symmerge.pipeline.align_plan.plan_align`) and its
+    steps, from the headers; nothing is written."""
+    options = options if options is not None else AlignOptions()
+    model, anchor = _inputs(model, anchor, options, stream, pipeline, allow_pickle)
+    return plan_align(model, anchor, options, stream=stream, pipeline=pipeline, allow_pickle=allow_pickle).printed()
