@@ -96,6 +96,14 @@ def add_arguments(parser) -> None:
                              "which inputs and parameters) as JSON, then exit without reading weights or writing")
     add_lora_arguments(parser)  # a model given as BASE+ADAPTER: a LoRA adapter merged into its base first
     add_alignment_arguments(parser)
+    parser.add_argument("--distill", default="0", metavar="STEPS",
+                        help="after the merge (and --repair), STEPS optimiser steps of KL distillation of the merged "
+                             "model toward the ensemble of the aligned inputs (the average of their probabilities) on "
+                             "the unlabeled --align-data; every parameter moves, so the result is no longer "
+                             "function-preserving alignment and the report labels it 'distilled (not "
+                             "function-preserving)' (default 0: none)")
+    parser.add_argument("--distill-lr", default="1e-4", metavar="LR",
+                        help="the distillation's learning rate (Adam, cosine decay to 0; default 1e-4)")
     add_progress_argument(parser)
 
 
@@ -144,6 +152,9 @@ def options_from(args):
     from ..merge.fuse import MergeOptions
     from ..merge.repair import parse_channels
     from ..merge.param_values import check_param_values
+    from ..pipeline.distill import parse_flags
+
+    distill, distill_lr = parse_flags(args.distill, args.distill_lr)
     return MergeOptions(
         method=args.method, align=alignment_options(args, args.align, verify=not args.no_verify), repair=args.repair,
         repair_channels=parse_channels(args.repair_channels), repair_samples=args.repair_samples,
@@ -154,7 +165,8 @@ def options_from(args):
         fisher_samples=args.fisher_samples, gram_normalize=not args.gram_sum, batch_size=args.batch_size,
         max_examples=args.max_examples, max_length=args.max_length, allow_pickle=args.allow_pickle,
         allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, joint=False if args.star else None,
-        joint_rounds=args.joint_rounds, joint_refine=args.joint_refine, mode=args.mode, shard_size=args.shard_size)
+        joint_rounds=args.joint_rounds, joint_refine=args.joint_refine, mode=args.mode, shard_size=args.shard_size,
+        distill=distill, distill_lr=distill_lr)
 
 
 def print_plan(models, options) -> int:
@@ -231,8 +243,13 @@ def run(args) -> int:
         print(f"warning: {evaluation['note']}", file=sys.stderr)
     if evaluation.get("max_examples"):
         print(f"note: {evaluation['max_examples']['note']}", file=sys.stderr)
+    distilled = report.get("distillation")
+    if distilled:
+        kl = distilled["kl_before"]["held_out"], distilled["kl_after"]["held_out"]
+        print(f"{distilled['label']}: {distilled['steps']} steps toward the ensemble of the inputs"
+              + (f", held-out KL {kl[0]:.4f} -> {kl[1]:.4f}" if kl[0] is not None else ""))
     for r in evaluation.get("merged", []):
-        print(f"  {r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']}"
+        print(f"  {'[' + distilled['label'] + '] ' if distilled else ''}{r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']}"
               f"{'' if r.get('as_saved', True) else '; not the saved model'})")
     t = report["timings"]
     print(f"{'streamed' if report['mode'] == 'stream' else 'in memory'} ({why}): merge {t['merge']:.2f} s")

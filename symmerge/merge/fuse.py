@@ -31,6 +31,7 @@ from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.bound import bind
 from ..pipeline.data import generated_once
+from ..pipeline.distill import DistillSettings, check_steps, distill
 from ..pipeline.joint import align_joint
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
 from ..pipeline.recommend import moves_heads_input, moving, recommended
@@ -89,6 +90,8 @@ class MergeOptions:
     repair: bool = False  # REPAIR the merged model on the alignment's unlabeled data (``align.align_data``)
     repair_channels: tuple = DEFAULT_CHANNELS  # the channels REPAIR corrects (symmerge.merge.repair)
     repair_samples: int | None = None  # REPAIR's statistics on the first this many examples (None: all)
+    distill: int = 0  # steps of distillation toward the inputs' ensemble after the merge (not function-preserving)
+    distill_lr: float = 1e-4  # the distillation's learning rate (symmerge.pipeline.distill)
     joint: bool | None = None  # N models in one frame (None: when more than two models and no anchor/base)
     joint_rounds: int = 10  # cap on the joint alignment's rounds after the star
     joint_refine: str = DEFAULT_REFINE  # what those rounds re-solve: every group, or the permutations only
@@ -146,6 +149,10 @@ class MergeOptions:
             raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass --align-data FILE")
         self.repair_channels = parse_channels(self.repair_channels)
         statistics_data(None, self.repair_samples)  # samples >= 1
+        if check_steps(self.distill):
+            DistillSettings(steps=self.distill, lr=self.distill_lr)  # refuses a bad learning rate
+            if self.align.align_data is None:
+                raise SymmergeError("--distill needs unlabeled data to distil on: pass --align-data FILE")
         if self.joint and (self.anchor is not None or self.base is not None):
             raise SymmergeError("joint alignment brings every model into one common frame: it takes no --anchor "
                                 "or --base (an anchor means the star: every model aligned to it)")
@@ -385,7 +392,7 @@ def _load_and_check(run: _Run, models) -> None:
             scored = _files_of(run.eval_files, i) if i == opts.head_from or len(run.eval_files) > 1 else []
             for spec in stats_files + scored:
                 run.cache.get(spec, x)
-    if opts.align.matcher.needs_data or opts.repair:  # --align-data generate: sampled once, from every model
+    if opts.align.matcher.needs_data or opts.repair or opts.distill:  # --align-data generate: sampled once, from every model
         opts = replace(opts, align=generated_once(opts.align, run.models, timings=run.timings,
                                                   progress=opts.progress))
     run.opts = opts
@@ -466,6 +473,15 @@ def _merge(run: _Run, models) -> None:
                                           statistics_data(load_align_data(opts.align, run.out), opts.repair_samples),
                                           channels=opts.repair_channels, progress=opts.progress)
         run.timings["repair"] = time.perf_counter() - t
+    run.distill_info = None
+    if opts.distill:  # toward the ensemble of the aligned inputs: no longer function-preserving, reported as such
+        t = time.perf_counter()
+        run.out, run.distill_info = distill(run.out, aligned, load_align_data(opts.align, run.out), opts.weights,
+                                            DistillSettings(steps=opts.distill, lr=opts.distill_lr), run.dev,
+                                            opts.progress)
+        sd = run.out.state_dict()
+        run.merged_sd = {k: sd[k] for k in run.merged_sd}  # what another model's head is scored with
+        run.timings["distill"] = time.perf_counter() - t
 
 
 def _execute(run: _Run, keys, sds, base_sd) -> tuple[dict, list, list]:
@@ -527,6 +543,8 @@ def _report(run: _Run, models) -> None:
                               distance_result_to_inputs=to_result, statistics=statistics, device=str(run.dev),
                               repair=run.repair_info, tokenizer=run.tokenizer, embedding=run.embedding,
                               result_warnings=run.result_warnings)
+    if run.distill_info is not None:
+        run.report["distillation"] = run.distill_info
     adapted = run.adapted + getattr(run, "anchor_adapted", [])
     if adapted:
         run.report["base_adapted"] = adapted

@@ -1,0 +1,129 @@
+"""``--distill STEPS``: the merged model distilled toward the ensemble of the aligned inputs (issue 42 item 3's
+extra mode). It must lower the KL to the ensemble on held-out data (data it never trained on), refuse bad
+values in one line, and be labelled "distilled (not function-preserving)" in the report and the output."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import npz_file, run_cli, vit_folder
+from symmerge.errors import SymmergeError
+from symmerge.io.data import load_data
+from symmerge.merge.fuse import MergeOptions, merge_models
+from symmerge.pipeline.distill import LABEL, DistillSettings, distill, ensemble_probabilities, kl_to
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _models(tmp_path):
+    from transformers import ViTForImageClassification
+
+    return [ViTForImageClassification.from_pretrained(vit_folder(tmp_path / f"m{s}", seed=s)).eval() for s in (0, 1)]
+
+
+def _kl_by_definition(student, teachers, weights, data) -> float:
+    """KL(Σ w p_k ‖ q) summed item by item in float64, from the definition."""
+    total, items = 0.0, 0
+    with torch.no_grad():
+        for b in data:
+            x = b.inputs["pixel_values"]
+            p = sum(w * torch.softmax(t(pixel_values=x).logits.double(), -1) for w, t in zip(weights, teachers))
+            q = torch.softmax(student(pixel_values=x).logits.double(), -1)
+            total += float((p * (p.log() - q.log())).sum())
+            items += len(x)
+    return total / items
+
+
+def test_distillation_lowers_the_kl_on_held_out_data(tmp_path):
+    a, b = _models(tmp_path)
+    merged = merge_models([a, b], "average", align="none", evaluate_result=False, progress=False)[0]
+    train = load_data(npz_file(tmp_path / "train.npz", n=96, seed=1), a, batch_size=16, labels=False)
+    fresh = load_data(npz_file(tmp_path / "fresh.npz", n=64, seed=2), a, batch_size=32, labels=False)
+    before = _kl_by_definition(merged, [a, b], [0.5, 0.5], fresh)
+    student, report = distill(merged, [a, b], train, settings=DistillSettings(steps=60, lr=3e-3))
+    after = _kl_by_definition(student, [a, b], [0.5, 0.5], fresh)
+    assert before > 0.01  # the average is far from the ensemble: there is something to learn
+    assert after < 0.7 * before, (before, after)
+    # the report's own held-out KL (the last batch of the training file, never trained on) agrees
+    assert report["kl_after"]["held_out"] < report["kl_before"]["held_out"]
+    assert report["examples"] == {"train": 80, "held_out": 16}  # six batches of 16: one held out
+    assert report["label"] == LABEL and report["function_preserving"] is False
+    # the input is not modified, and the teachers are unchanged
+    x = fresh.batches[0].inputs["pixel_values"]
+    assert torch.equal(merged(pixel_values=x).logits, merge_models([a, b], "average", align="none",
+                                                                   evaluate_result=False,
+                                                                   progress=False)[0](pixel_values=x).logits)
+
+
+def test_the_kl_is_the_definitions(tmp_path):
+    a, b = _models(tmp_path)
+    data = load_data(npz_file(tmp_path / "d.npz", n=10, seed=3), a, batch_size=10, labels=False)
+    batch = data.batches[0]
+    target = ensemble_probabilities([a, b], batch, [0.25, 0.75])
+    with torch.no_grad():
+        got = kl_to(a, batch, target).item()
+    assert got == pytest.approx(_kl_by_definition(a, [a, b], [0.25, 0.75], data), rel=1e-9)
+
+
+def test_merge_report_and_output_label_the_distilled_model(tmp_path, capsys):
+    m0, m1 = vit_folder(tmp_path / "m0", seed=0), vit_folder(tmp_path / "m1", seed=1)
+    data = npz_file(tmp_path / "align.npz", n=64, seed=4)
+    out = tmp_path / "out"
+    assert run_cli("merge", m0, m1, "--method", "average", "--heads", "merge", "--align-data", data,
+                   "--eval-data", npz_file(tmp_path / "ev.npz", n=32, seed=5), "--distill", "40",
+                   "--distill-lr", "3e-3", "-o", out, "--progress", "none") == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "symmerge_report.json").read_text())
+    d = report["distillation"]
+    assert d["label"] == "distilled (not function-preserving)" and d["function_preserving"] is False
+    assert d["steps"] == 40 and d["kl_after"]["held_out"] < d["kl_before"]["held_out"]
+    assert "distill" in report["timings"]
+    assert "distilled (not function-preserving): 40 steps" in printed
+    assert "[distilled (not function-preserving)]" in printed
+    # the saved model is the distilled one: its KL to the ensemble is the report's
+    from transformers import ViTForImageClassification
+
+    saved = ViTForImageClassification.from_pretrained(out).eval()
+    plain = merge_models([m0, m1], "average", heads="merge", evaluate_result=False, progress=False)[0]
+    x = torch.from_numpy(np.load(data)["pixel_values"][:8])
+    assert not torch.allclose(saved(pixel_values=x).logits, plain(pixel_values=x).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--distill", "-3", "--align-data", "D"], "--distill takes a number of steps >= 0, got -3"),
+    (["--distill", "5"], "--distill needs unlabeled data to distil on: pass --align-data FILE"),
+    (["--distill", "5", "--distill-lr", "0", "--align-data", "D"], "--distill-lr must be a positive number, got 0.0"),
+    (["--distill", "5", "--distill-lr", "nan", "--align-data", "D"], "--distill-lr must be a positive number"),
+    (["--distill", "5", "--distill-lr", "fast", "--align-data", "D"], "--distill-lr must be a positive number, got 'fast'"),
+    (["--distill", "2.5", "--align-data", "D"], "--distill takes a number of steps >= 0, got '2.5'"),
+])
+def test_bad_values_are_refused_in_one_line(tmp_path, capsys, argv, message):
+    m0, m1 = vit_folder(tmp_path / "m0", seed=0), vit_folder(tmp_path / "m1", seed=1)
+    data = npz_file(tmp_path / "d.npz")
+    argv = [data if x == "D" else x for x in argv]
+    out = tmp_path / "out"
+    capsys.readouterr()  # the fixtures' own output
+    assert run_cli("merge", m0, m1, "--method", "average", *argv, "-o", out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("symmerge: error: ") and message in err[0], err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_not_a_number_is_refused_in_one_line(tmp_path, capsys):
+    m0, m1 = vit_folder(tmp_path / "m0", seed=0), vit_folder(tmp_path / "m1", seed=1)
+    capsys.readouterr()
+    assert run_cli("merge", m0, m1, "--method", "average", "--distill", "many", "-o", tmp_path / "o") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["symmerge: error: --distill takes a number of steps >= 0, got 'many'"], err
+
+
+def test_api_refuses_bad_settings():
+    for bad in (dict(steps=0), dict(steps=2.5), dict(steps=True), dict(lr=-1.0), dict(holdout=1.0)):
+        with pytest.raises(SymmergeError):
+            DistillSettings(**bad)
+    with pytest.raises(SymmergeError, match="--distill takes"):
+        MergeOptions(distill=-1).check(2)
