@@ -11,7 +11,9 @@ disjoint halves of the Fashion-MNIST classes, merged, scored on all ten classes.
    both halves — no label leaks, but this is more than either model saw; the merge needs it (learned
    alignment, REPAIR and distillation run the models on it).
 3. Rows, each scored on the 10 000 test images — on A's half (classes 0–4), on B's half (5–9), on all:
-   the endpoints; their ensemble (the average of the two models' **probabilities**, softmax outputs);
+   the endpoints; their ensemble (the average of the two models' **probabilities**, softmax outputs: the
+   distillation's target; beside it the average of their logits, i.e. the normalised geometric mean of the
+   probabilities);
    the plain average of the weights (no alignment); the data-free aligned average (all groups, weight
    matching); the learned aligned average (all groups, ``--match learned`` on the unlabeled images); the
    learned average with REPAIR; the learned+REPAIR average distilled toward the ensemble on the same
@@ -19,7 +21,8 @@ disjoint halves of the Fashion-MNIST classes, merged, scored on all ten classes.
    and the plain average distilled likewise (what alignment adds before distillation); ZipIt!-style
    partial merges: the first k transformer layers merged (the learned aligned average), the layers
    after k, the final norm and the head kept from each model, the two branches' probabilities averaged
-   (k = 0 is the ensemble, k = all layers the merged model; the alignment is ours, not ZipIt!'s
+   (k = 0: only the patch embeddings shared, k = all layers: the merged model with two heads; the
+   alignment is ours, not ZipIt!'s
    "zip" of features within one model).
 4. Heads are merged in every merge (both models have the same 10-way label space).
 
@@ -61,7 +64,10 @@ def parse_args(argv=None):
                    help="unlabeled training images (from all ten classes) for alignment, REPAIR and distillation")
     p.add_argument("--learn-steps", type=int, default=LearnSettings.steps, help="learned alignment's steps")
     p.add_argument("--distill", type=int, default=300, metavar="STEPS", help="distillation steps (default 300)")
-    p.add_argument("--distill-lr", type=float, default=1e-4, help="distillation learning rate (default 1e-4)")
+    p.add_argument("--distill-lr", default="1e-4,3e-4,1e-3",
+                   help="distillation learning rates, comma-separated (default 1e-4,3e-4,1e-3): each is run, and the "
+                        "one with the lowest KL to the ensemble on the held-out part of the unlabeled images is kept "
+                        "(the test set never chooses)")
     p.add_argument("--zip-layers", default="2,4", help="ZipIt!-style partial merges: comma list of k, the number of "
                    "leading layers merged ('' for none)")
     p.add_argument("--test-examples", type=int, default=10000, help="test images scored (default all 10 000)")
@@ -173,6 +179,8 @@ def run(args, log=print) -> dict:
     row("A (classes 0-4)", p_a, "endpoint")
     row("B (classes 5-9)", p_b, "endpoint")
     row("ensemble (average of probabilities)", (p_a + p_b) / 2, "ensemble", parameters=2 * _count(a))
+    row("ensemble (average of logits; beside, not the distillation's target)",
+        torch.softmax((torch.log(p_a) + torch.log(p_b)) / 2, -1), "ensemble", parameters=2 * _count(a))
 
     def merged_average(m1, m2):
         return merge_models([m1, m2], "average", align="none", heads="merge", evaluate_result=False,
@@ -203,15 +211,15 @@ def run(args, log=print) -> dict:
     timings["repair"] = time.perf_counter() - t
     row("aligned average, learned + REPAIR", probabilities(repaired, x_test), "merge")
 
-    settings = DistillSettings(steps=args.distill, lr=args.distill_lr)
     distilled_rows = {}
     for label, start, teachers in ((f"learned + REPAIR, {DISTILLED}", repaired, [moved, anchor]),
                                    (f"plain average, {DISTILLED}", plain, [a, b])):
         t = time.perf_counter()
-        student, rep = distill(start, teachers, data, settings=settings)
+        student, rep, tried = distill_chosen(start, teachers, data, args.distill, args.distill_lr, log)
         secs = time.perf_counter() - t
         row(f"{label}, {args.distill} steps", probabilities(student, x_test), "distilled", seconds=secs,
-            distillation={k: rep[k] for k in ("kl_before", "kl_after", "examples", "steps", "lr", "target")})
+            distillation={**{k: rep[k] for k in ("kl_before", "kl_after", "examples", "steps", "lr", "target")},
+                          "learning_rates_tried": tried})
         distilled_rows[label] = secs
     timings["distill"] = distilled_rows
 
@@ -233,6 +241,21 @@ def run(args, log=print) -> dict:
             "learned": learned.report.get("learned"), "seconds_total": time.perf_counter() - t_start}
 
 
+def distill_chosen(start, teachers, data, steps: int, rates: str, log=print):
+    """Distil ``start`` with every learning rate of ``rates``; keep the one whose KL to the ensemble on the
+    held-out part of the unlabeled ``data`` is lowest. ``(model, report, {lr: held-out KL})``."""
+    best, tried = None, {}
+    for lr in [float(x) for x in rates.split(",") if x.strip()]:
+        student, rep = distill(start, teachers, data, settings=DistillSettings(steps=steps, lr=lr))
+        kl = rep["kl_after"]["held_out"] if rep["kl_after"]["held_out"] is not None else rep["kl_after"]["train"]
+        tried[lr] = kl
+        log(f"    distillation lr {lr:g}: KL to the ensemble {rep['kl_before']['held_out'] or float('nan'):.4f} -> "
+            f"{kl:.4f} (held-out unlabeled images)")
+        if best is None or kl < best[2]:
+            best = (student, rep, kl)
+    return best[0], best[1], tried
+
+
 def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -252,6 +275,13 @@ def print_tables(r: dict, log=print) -> None:
         params = x.get("parameters", r["parameters"])
         log(f"| {label} | {100 * x['half_A']:.2f} | {100 * x['half_B']:.2f} | {100 * x['all']:.2f} | {beats} | "
             f"{params / 1e6:.2f} M |")
+    for label, x in r["rows"].items():
+        if x["kind"] == "distilled":
+            d = x["distillation"]
+            log(f"\n{label}: lr {d['lr']:g} chosen by the held-out KL to the ensemble ("
+                + ", ".join(f"{float(k):g}: {v:.4f}" for k, v in d["learning_rates_tried"].items())
+                + f"; before: {d['kl_before']['held_out']:.4f}), {d['examples']['train']} images trained on, "
+                f"{d['examples']['held_out']} held out")
     t = r["timings"]
     log(f"\nseconds: data-free alignment {t['align_data_free']:.1f}, learned alignment {t['align_learned']:.1f}, "
         f"REPAIR {t['repair']:.1f}, distillation " + ", ".join(f"{v:.1f}" for v in t["distill"].values())

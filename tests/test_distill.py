@@ -14,7 +14,8 @@ from conftest import npz_file, run_cli, vit_folder
 from symmerge.errors import SymmergeError
 from symmerge.io.data import load_data
 from symmerge.merge.fuse import MergeOptions, merge_models
-from symmerge.pipeline.distill import LABEL, DistillSettings, distill, ensemble_probabilities, kl_to
+from symmerge.io.data import Batch, Data
+from symmerge.pipeline.distill import LABEL, DistillSettings, distill, ensemble_probabilities, kl_to, split
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -50,13 +51,28 @@ def test_distillation_lowers_the_kl_on_held_out_data(tmp_path):
     assert after < 0.7 * before, (before, after)
     # the report's own held-out KL (the last batch of the training file, never trained on) agrees
     assert report["kl_after"]["held_out"] < report["kl_before"]["held_out"]
-    assert report["examples"] == {"train": 80, "held_out": 16}  # six batches of 16: one held out
+    assert report["examples"] == {"train": 86, "held_out": 10}  # the last 10 % of the 96 examples
     assert report["label"] == LABEL and report["function_preserving"] is False
     # the input is not modified, and the teachers are unchanged
     x = fresh.batches[0].inputs["pixel_values"]
     assert torch.equal(merged(pixel_values=x).logits, merge_models([a, b], "average", align="none",
                                                                    evaluate_result=False,
                                                                    progress=False)[0](pixel_values=x).logits)
+
+
+@pytest.mark.parametrize("sizes, holdout, size", [([7, 3, 10], 0.1, 4), ([5], 0.5, 2), ([1, 1], 0.1, 8),
+                                                  ([6, 6], 0.0, 5), ([1], 0.3, 3)])
+def test_split_holds_out_the_last_examples_in_minibatches(sizes, holdout, size):
+    ids, start, batches = torch.arange(sum(sizes)), 0, []
+    for k in sizes:
+        batches.append(Batch({"pixel_values": ids[start:start + k]}, None, ids[start:start + k] > 0))
+        start += k
+    train, held = split(Data("d", "image", batches, sum(sizes), labeled=False), holdout, size)
+    n = sum(sizes)
+    n_hold = 0 if n < 2 or holdout == 0 else min(max(1, round(holdout * n)), n - 1)
+    got = [torch.cat([b.inputs["pixel_values"] for b in part]).tolist() if part else [] for part in (train, held)]
+    assert got == [list(range(n - n_hold)), list(range(n - n_hold, n))]
+    assert all(0 < b.size <= size and torch.equal(b.mask, b.inputs["pixel_values"] > 0) for b in train + held)
 
 
 def test_the_kl_is_the_definitions(tmp_path):

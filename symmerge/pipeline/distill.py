@@ -9,8 +9,8 @@ target is the ensemble of the models given. No label is read.
 This is **not** function-preserving alignment: the result is a new model trained toward the ensemble,
 and every report of it says so (:data:`LABEL`, ``function_preserving: false``).
 
-The unlabeled examples are cut into minibatches of ``batch`` and split into a training part and a held-out
-part (the last ``holdout`` of the minibatches, at least one when there are two or more); the KL is measured on both before and after, so the
+The unlabeled examples are split into a training part and a held-out part (the last ``holdout`` of the
+examples, at least one when there are two or more), each cut into minibatches of at most ``batch``; the KL is measured on both before and after, so the
 report shows whether the distillation generalised beyond the examples it saw. Adam with a cosine decay to
 0 over the steps; batches drawn in a fresh random order per pass (seeded).
 """
@@ -37,7 +37,7 @@ TARGET = "weighted average of the aligned endpoints' probabilities (softmax outp
 class DistillSettings:
     steps: int = 300
     lr: float = 1e-4
-    holdout: float = 0.1  # fraction of the minibatches held out for the KL check
+    holdout: float = 0.1  # fraction of the examples held out for the KL check
     batch: int = 32  # examples per minibatch (the data's batches are cut into pieces of at most this many)
     seed: int = 0
 
@@ -82,21 +82,24 @@ def _weights(weights, n: int) -> list[float]:
     return [float(w) / total for w in weights]
 
 
-def minibatches(data: Data, size: int) -> list[Batch]:
-    """The data's batches cut into consecutive pieces of at most ``size`` examples (order kept)."""
-    out = []
-    for b in data.batches:
-        for i in range(0, b.size, size):
-            cut = lambda t: None if t is None else t[i:i + size]  # noqa: E731
-            out.append(Batch({k: cut(v) for k, v in b.inputs.items()}, cut(b.labels), cut(b.mask)))
-    return out
+def _piece(batch: Batch, i: int, j: int) -> Batch:
+    cut = lambda t: None if t is None else t[i:j]  # noqa: E731
+    return Batch({k: cut(v) for k, v in batch.inputs.items()}, cut(batch.labels), cut(batch.mask))
 
 
-def split(batches: list, holdout: float) -> tuple[list, list]:
-    """(train, held out): the last ``holdout`` of the minibatches held out (at least one when there are two
-    or more and ``holdout`` > 0; never all of them)."""
-    n_hold = 0 if len(batches) < 2 or holdout <= 0 else min(max(1, round(holdout * len(batches))), len(batches) - 1)
-    return batches[:len(batches) - n_hold], batches[len(batches) - n_hold:]
+def split(data: Data, holdout: float, size: int) -> tuple[list, list]:
+    """(train, held out) minibatches of at most ``size`` examples, in the data's order: the last
+    ``holdout`` of the examples held out (at least one when there are two or more and ``holdout`` > 0;
+    never all of them)."""
+    n = sum(b.size for b in data.batches)
+    n_hold = 0 if n < 2 or holdout <= 0 else min(max(1, round(holdout * n)), n - 1)
+    parts, start = ([], []), 0
+    for b in data.batches:  # each batch cut where the held-out part begins, then into minibatches
+        edge = min(max(n - n_hold - start, 0), b.size)
+        for side, (i, j) in enumerate(((0, edge), (edge, b.size))):
+            parts[side].extend(_piece(b, k, min(k + size, j)) for k in range(i, j, size))
+        start += b.size
+    return parts
 
 
 def ensemble_probabilities(teachers, batch, weights) -> torch.Tensor:
@@ -147,7 +150,7 @@ def distill(merged, teachers, data: Data, weights=None, settings: DistillSetting
     dev = torch.device(device)
     student = copy.deepcopy(merged).to(dev).eval()  # eval: no dropout; the gradient still flows
     teachers = [t.to(dev).eval() for t in teachers]
-    train, held = split(minibatches(data, settings.batch), settings.holdout)
+    train, held = split(data, settings.holdout, settings.batch)
     train, held = [b.to(dev) for b in train], [b.to(dev) for b in held]
     t_train = [ensemble_probabilities(teachers, b, w) for b in train]
     t_held = [ensemble_probabilities(teachers, b, w) for b in held]
@@ -181,5 +184,5 @@ def distill(merged, teachers, data: Data, weights=None, settings: DistillSetting
               "kl_before": before, "kl_after": after,
               "loss_first": losses[0], "loss_last": losses[-1], "seconds": time.perf_counter() - t0}
     if not held:
-        report["note"] = "one minibatch of data: nothing held out, the KL is measured on the training part only"
+        report["note"] = "nothing held out (holdout 0, or one example): the KL is measured on the training part only"
     return student.to("cpu"), report
