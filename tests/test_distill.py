@@ -75,6 +75,23 @@ def test_split_holds_out_the_last_examples_in_minibatches(sizes, holdout, size):
     assert all(0 < b.size <= size and torch.equal(b.mask, b.inputs["pixel_values"] > 0) for b in train + held)
 
 
+def test_targets_recomputed_when_too_large_to_keep_give_the_same_model(tmp_path, monkeypatch):
+    from symmerge.pipeline import distill as module
+
+    a, b = _models(tmp_path)
+    merged = merge_models([a, b], "average", align="none", evaluate_result=False, progress=False)[0]
+    data = load_data(npz_file(tmp_path / "t.npz", n=40, seed=6), a, batch_size=20, labels=False)
+    kept, rep_kept = distill(merged, [a, b], data, settings=DistillSettings(steps=5, lr=1e-3, batch=8))
+    monkeypatch.setattr(module, "CACHE_BYTES", 0)
+    assert module.Targets([a, b], split(data, 0.1, 8)[0], [0.5, 0.5]).kept is None  # recomputed at each use
+    again, rep_again = distill(merged, [a, b], data, settings=DistillSettings(steps=5, lr=1e-3, batch=8))
+    for (k, p), q in zip(kept.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(p, q), k
+    assert rep_kept["kl_after"] == rep_again["kl_after"]
+    # the merged model's own parameters keep their requires_grad flags
+    assert [p.requires_grad for p in kept.parameters()] == [p.requires_grad for p in merged.parameters()]
+
+
 def test_the_kl_is_the_definitions(tmp_path):
     a, b = _models(tmp_path)
     data = load_data(npz_file(tmp_path / "d.npz", n=10, seed=3), a, batch_size=10, labels=False)

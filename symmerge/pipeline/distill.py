@@ -30,6 +30,7 @@ from ..progress import bar
 from .learn import cosine_adam, scored_logits, shuffled
 
 LABEL = "distilled (not function-preserving)"
+CACHE_BYTES = 1 << 30  # the ensemble's targets are kept for every batch when they fit in this; else recomputed
 TARGET = "weighted average of the aligned endpoints' probabilities (softmax outputs)"
 
 
@@ -123,13 +124,32 @@ def kl_to(model, batch, target: torch.Tensor) -> torch.Tensor:
     return (plogp - target * logq).sum(-1).mean()
 
 
-def mean_kl(model, batches, targets) -> float | None:
+class Targets:
+    """The ensemble's probabilities for each batch of ``batches``: computed once and kept when all of them
+    fit in :data:`CACHE_BYTES` (an image classifier's few classes), else recomputed at each use (a language
+    model's vocabulary over every token would not fit)."""
+
+    def __init__(self, teachers, batches, weights):
+        self.teachers, self.batches, self.weights = teachers, batches, weights
+        first = ensemble_probabilities(teachers, batches[0], weights) if batches else None
+        items = sum(b.size if b.mask is None or b.mask.dim() != 2 else int(b.mask[:, 1:].sum()) for b in batches)
+        size = 0 if first is None else first.element_size() * first.shape[-1] * items
+        self.kept = [first] + [ensemble_probabilities(teachers, b, weights) for b in batches[1:]] \
+            if first is not None and size <= CACHE_BYTES else None
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.kept[i] if self.kept is not None else ensemble_probabilities(self.teachers, self.batches[i],
+                                                                                 self.weights)
+
+
+def mean_kl(model, batches, targets: Targets) -> float | None:
     """The KL averaged over items of ``batches`` (None when there are none)."""
     if not batches:
         return None
     with torch.no_grad():
         total, items = 0.0, 0
-        for b, t in zip(batches, targets):
+        for i, b in enumerate(batches):
+            t = targets[i]
             total += kl_to(model, b, t).item() * len(t)
             items += len(t)
     return total / items
@@ -152,10 +172,10 @@ def distill(merged, teachers, data: Data, weights=None, settings: DistillSetting
     teachers = [t.to(dev).eval() for t in teachers]
     train, held = split(data, settings.holdout, settings.batch)
     train, held = [b.to(dev) for b in train], [b.to(dev) for b in held]
-    t_train = [ensemble_probabilities(teachers, b, w) for b in train]
-    t_held = [ensemble_probabilities(teachers, b, w) for b in held]
+    t_train, t_held = Targets(teachers, train, w), Targets(teachers, held, w)
     before = {"train": mean_kl(student, train, t_train), "held_out": mean_kl(student, held, t_held)}
     params = [p for p in student.parameters() if p.is_floating_point()]
+    flags = [p.requires_grad for p in params]
     for p in params:
         p.requires_grad_(True)
     opt, sched = cosine_adam(params, settings.lr, settings.steps)
@@ -172,8 +192,8 @@ def distill(merged, teachers, data: Data, weights=None, settings: DistillSetting
         if not math.isfinite(value):
             raise SymmergeError(f"distillation diverged (KL {value}); lower --distill-lr")
         losses.append(value)
-    for p in params:
-        p.requires_grad_(False)
+    for p, flag in zip(params, flags):  # as the merged model had them
+        p.requires_grad_(flag)
     student.eval()
     after = {"train": mean_kl(student, train, t_train), "held_out": mean_kl(student, held, t_held)}
     for t in teachers:
