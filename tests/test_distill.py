@@ -133,6 +133,7 @@ def test_merge_report_and_output_label_the_distilled_model(tmp_path, capsys):
     (["--distill", "5", "--distill-lr", "nan", "--align-data", "D"], "--distill-lr must be a positive number"),
     (["--distill", "5", "--distill-lr", "fast", "--align-data", "D"], "--distill-lr must be a positive number, got 'fast'"),
     (["--distill", "2.5", "--align-data", "D"], "--distill takes a number of steps >= 0, got '2.5'"),
+    (["--distill", "5", "--mode", "stream", "--align-data", "D"], "distillation needs the models in memory"),
 ])
 def test_bad_values_are_refused_in_one_line(tmp_path, capsys, argv, message):
     m0, m1 = vit_folder(tmp_path / "m0", seed=0), vit_folder(tmp_path / "m1", seed=1)
