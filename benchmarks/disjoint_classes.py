@@ -154,7 +154,7 @@ def prepare(args, log):
     x_te, y_te = fashion_mnist("test")
     if args.train_examples:
         x_tr, y_tr = x_tr[:args.train_examples], y_tr[:args.train_examples]
-    folders = train_disjoint_pair(args.recipe, x_tr, y_tr, x_te[:2000], y_te[:2000], train_examples=None, log=log)
+    folders = train_disjoint_pair(args.recipe, x_tr, y_tr, x_te, y_te, log=log)
     rng = np.random.default_rng(0)
     idx = rng.permutation(len(y_tr))[:args.align_samples]  # from all ten classes; labels are never read
     work = cache_dir() / "benchmarks" / ("disjoint-classes-tiny" if args.tiny else "disjoint-classes")
@@ -294,7 +294,8 @@ def write_outputs(result: dict, out: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return bench_main(args, lambda: train_disjoint_pair(args.recipe, train_examples=args.train_examples),
+    return bench_main(args, lambda: train_disjoint_pair(args.recipe, train_examples=args.train_examples,
+                                                        only=args.train_only),
                       run, print_tables, write_outputs, "tables.md")
 
 

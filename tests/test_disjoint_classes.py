@@ -43,6 +43,7 @@ def test_the_pair_sees_only_its_half_and_keeps_a_ten_way_head(tmp_path):
         assert len(json.loads((f / "config.json").read_text())["id2label"]) == 10
         assert load_report(f)["train_examples"] == 100  # its half only
     assert train_disjoint_pair(recipe, x, y, root=tmp_path, log=lambda *_: None) == folders  # the cache
+    assert train_disjoint_pair(recipe, x, y, root=tmp_path, log=lambda *_: None, only="B") == folders[1:]
     with pytest.raises(SymmergeError, match="overlap"):
         train_disjoint_pair(TINY, x, y, halves=((0, 1), (1, 2)), root=tmp_path)
 

@@ -63,11 +63,11 @@ def class_subset(images: np.ndarray, labels: np.ndarray, classes) -> tuple[np.nd
 
 def train_disjoint_pair(recipe: DisjointRecipe = RECIPE, images=None, labels=None, eval_images=None,
                         eval_labels=None, halves=HALVES, train_examples: int | None = None, root=None,
-                        log=print, progress: bool = True) -> list[Path]:
+                        log=print, progress: bool = True, only: str | None = None) -> list[Path]:
     """Train (or reuse) model A on the classes ``halves[0]`` and model B on ``halves[1]`` of the
     training images (Fashion-MNIST's 60 000 by default; the first ``train_examples`` of them when given),
     from ``recipe.seeds``. Each is scored after training on the test images of its own half. Returns
-    the two cached folders."""
+    the two cached folders (``only="A"`` or ``"B"``: train or find that one alone, and return it alone)."""
     if images is None:
         images, labels = fashion_mnist("train")
         eval_images, eval_labels = fashion_mnist("test")
@@ -78,6 +78,8 @@ def train_disjoint_pair(recipe: DisjointRecipe = RECIPE, images=None, labels=Non
     config = recipe.config()
     folders = []
     for name, classes, seed in zip("AB", halves, recipe.seeds):
+        if only not in (None, name):
+            continue
         x, y = class_subset(images, labels, classes)
         ex, ey = (None, None) if eval_images is None else class_subset(eval_images, eval_labels, classes)
         tag = "-".join(str(c) for c in sorted(classes))
