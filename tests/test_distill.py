@@ -161,3 +161,41 @@ def test_api_refuses_bad_settings():
             DistillSettings(**bad)
     with pytest.raises(SymmergeError, match="--distill takes"):
         MergeOptions(distill=-1).check(2)
+
+
+def test_language_models_distil_on_the_scored_tokens_only():
+    """Causal LMs: the KL is over the next-token predictions of real tokens (padding excluded), as the
+    definition summed position by position; and the held-out KL falls."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(LlamaForCausalLM(cfg).eval())
+    a, b = models
+    merged = merge_models([a, b], "average", align="none", evaluate_result=False, progress=False)[0]
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(6):
+        ids = torch.randint(0, 40, (4, 9), generator=g)
+        mask = torch.ones(4, 9, dtype=torch.bool)
+        mask[0, 6:] = mask[2, 4:] = False  # right padding
+        batches.append(Batch({"input_ids": ids, "attention_mask": mask.long()}, None, mask))
+    data = Data("lm", "lm", batches, 24, labeled=False)
+    batch = batches[0]
+    target = ensemble_probabilities([a, b], batch, [0.5, 0.5])
+    with torch.no_grad():
+        got = kl_to(merged, batch, target).item()
+        lp = [torch.log_softmax(m(**batch.inputs).logits.double(), -1) for m in (merged, a, b)]
+    terms = []
+    for i in range(4):
+        for t in range(8):
+            if batch.mask[i, t + 1]:  # position t predicts token t + 1, a real token
+                p = 0.5 * lp[1][i, t].exp() + 0.5 * lp[2][i, t].exp()
+                terms.append(float((p * (p.log() - lp[0][i, t])).sum()))
+    assert len(target) == len(terms) == 4 * 8 - 3 - 5
+    assert got == pytest.approx(np.mean(terms), rel=1e-9)
+    student, report = distill(merged, [a, b], data, settings=DistillSettings(steps=40, lr=3e-3, batch=4))
+    assert report["kl_after"]["held_out"] < report["kl_before"]["held_out"]
