@@ -110,8 +110,13 @@ def run(args) -> int:
         print(f"warning: {evaluation['note']}", file=sys.stderr)
     if evaluation.get("max_examples"):
         print(f"note: {evaluation['max_examples']['note']}", file=sys.stderr)
+    distilled = report.get("distillation")
+    if distilled:
+        kl = distilled["kl_before"]["held_out"], distilled["kl_after"]["held_out"]
+        print(f"{distilled['label']}: {distilled['steps']} steps toward the ensemble of the inputs"
+              + (f", held-out KL {kl[0]:.4f} -> {kl[1]:.4f}" if kl[0] is not None else ""))
     for r in evaluation.get("merged", []):
-        print(f"  {r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']}"
+        print(f"  {'[' + distilled['label'] + '] ' if distilled else ''}{r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']}"
               f"{'' if r.get('as_saved', True) else '; not the saved model'})")
     t = report["timings"]
     print(f"{'streamed' if report['mode'] == 'stream' else 'in memory'} ({why}): merge {t['merge']:.2f} s")

@@ -31,6 +31,7 @@ from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.bound import bind
 from ..pipeline.data import generated_once
+from ..pipeline.distill import DistillSettings, check_steps, distill
 from ..pipeline.joint import align_joint
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
 from ..pipeline.recommend import moves_heads_input, moving, recommended
@@ -90,6 +91,8 @@ class MergeOptions:
     repair: bool = False  # REPAIR the merged model on the alignment's unlabeled data (``align.align_data``)
     repair_channels: tuple = DEFAULT_CHANNELS  # the channels REPAIR corrects (symmerge.merge.repair)
     repair_samples: int | None = None  # REPAIR's statistics on the first this many examples (None: all)
+    distill: int = 0  # steps of distillation toward the inputs' ensemble after the merge (not function-preserving)
+    distill_lr: float = 1e-4  # the distillation's learning rate (symmerge.pipeline.distill)
     joint: bool | None = None  # N models in one frame (None: when more than two models and no anchor/base)
     joint_rounds: int = 10  # cap on the joint alignment's rounds after the star
     joint_refine: str = DEFAULT_REFINE  # what those rounds re-solve: every group, or the permutations only
@@ -148,6 +151,10 @@ class MergeOptions:
             raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass --align-data FILE")
         channels = parse_channels(self.repair_channels)
         statistics_data(None, self.repair_samples)  # samples >= 1
+        if check_steps(self.distill):
+            DistillSettings(steps=self.distill, lr=self.distill_lr)  # refuses a bad learning rate
+            if self.align.align_data is None:
+                raise SymmergeError("--distill needs unlabeled data to distil on: pass --align-data FILE")
         if self.joint and (self.anchor is not None or self.base is not None):
             raise SymmergeError("joint alignment brings every model into one common frame: it takes no --anchor "
                                 "or --base (an anchor means the star: every model aligned to it)")
@@ -414,7 +421,8 @@ class Merged:
     result_warnings: list
     out: object
     repair: dict | None
-    seconds: dict  # 'merge', and 'repair' when it ran
+    seconds: dict  # 'merge', and 'repair' / 'distill' when they ran
+    distill: dict | None = None  # the distillation's report (not function-preserving), when asked for
 
     @property
     def timings(self) -> dict:
@@ -448,7 +456,7 @@ def _load_and_check(plan, options: MergeOptions, models, t0: float) -> Loaded:
     cache = _DataCache(opts)
     eval_files, eval_note = opts.evaluation_data(m.needs) if opts.evaluate else ([], None)
     _check_data(loaded, cache, eval_files, opts, m.needs)
-    if opts.align.matcher.needs_data or opts.repair:  # --align-data generate: sampled once, from every model
+    if opts.align.matcher.needs_data or opts.repair or opts.distill:  # --align-data generate: sampled once, from every model
         opts = replace(opts, align=generated_once(opts.align, loaded, timings=timings, progress=opts.progress))
     timings["load"] = time.perf_counter() - t0 - timings.get("generate", 0.0)
     return Loaded(plan=plan, opts=opts, requested_heads=options.heads, dev=dev, names=names, models=loaded,
@@ -552,7 +560,11 @@ def _merge(st: Statistics) -> Merged:
         out = with_state_dict(holder, with_tied(holder, merged_sd))
     seconds = {"merge": time.perf_counter() - t}
     out, repair_info = _repair(out, al, seconds)
-    return Merged(st, sds, holder, merged_sd, steps, warnings, out, repair_info, seconds)
+    out, distill_info = _distill(out, al, seconds)
+    if distill_info is not None:  # what another model's head is scored with
+        trained = out.state_dict()
+        merged_sd = {k: trained[k] for k in merged_sd}
+    return Merged(st, sds, holder, merged_sd, steps, warnings, out, repair_info, seconds, distill_info)
 
 
 def _repair(out, al: Aligned, seconds: dict) -> tuple[object, dict | None]:
@@ -566,6 +578,21 @@ def _repair(out, al: Aligned, seconds: dict) -> tuple[object, dict | None]:
                        statistics_data(load_align_data(opts.align, out), opts.repair_samples),
                        channels=opts.repair_channels, progress=opts.progress)
     seconds["repair"] = time.perf_counter() - t
+    return out, info
+
+
+def _distill(out, al: Aligned, seconds: dict) -> tuple[object, dict | None]:
+    """(the merged model, the distillation's report) — distilled toward the ensemble of the aligned inputs on the
+    alignment's unlabeled data when asked for (no longer function-preserving: reported as such; its seconds added
+    to ``seconds``), else as it is."""
+    ld = al.loaded
+    opts = ld.opts
+    if not opts.distill:
+        return out, None
+    t = time.perf_counter()
+    out, info = distill(out, al.aligned, load_align_data(opts.align, out), opts.weights,
+                        DistillSettings(steps=opts.distill, lr=opts.distill_lr), ld.dev, opts.progress)
+    seconds["distill"] = time.perf_counter() - t
     return out, info
 
 
@@ -626,6 +653,8 @@ def _report(mg: Merged) -> dict:
                           distance_result_to_inputs=to_result, statistics=_statistics_entry(st), device=str(ld.dev),
                           repair=mg.repair, tokenizer=ld.tokenizer, embedding=ld.embedding,
                           result_warnings=mg.result_warnings)
+    if mg.distill is not None:
+        report["distillation"] = mg.distill
     adapted = ld.adapted + al.anchor_adapted
     if adapted:
         report["base_adapted"] = adapted

@@ -108,6 +108,8 @@ def stream_refusal(method, options, aligns: bool = False) -> str | None:
         return f"method {method.name!r} needs the models in memory (it reads the architecture)"
     if options.repair:
         return "REPAIR needs the models in memory (it runs them on data)"
+    if options.distill:
+        return "distillation needs the models in memory (it trains the merged model on data)"
     if options.joint:
         return "joint alignment (every model to the mean of the others) needs the models in memory"
     if options.data or options.eval_data:

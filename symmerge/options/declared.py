@@ -194,6 +194,13 @@ OPTIONS = (
     opt("print_plan", "--print-plan", on=MERGE, form="switch", default=False,
         help="print the resolved plan and its steps (one per output tensor: copy, or merge with which inputs and "
              "parameters) as JSON, then exit without reading weights or writing"),
+    opt("distill", "--distill", on=MERGE, default="0", metavar="STEPS",
+        help="after the merge (and --repair), STEPS optimiser steps of KL distillation of the merged model toward "
+             "the ensemble of the aligned inputs (the average of their probabilities) on the unlabeled --align-data; "
+             "every parameter moves, so the result is no longer function-preserving alignment and the report labels "
+             "it 'distilled (not function-preserving)' (default 0: none)"),
+    opt("distill_lr", "--distill-lr", on=MERGE, default="1e-4", metavar="LR",
+        help="the distillation's learning rate (Adam, cosine decay to 0; default 1e-4)"),
     opt("print_plan", "--print-plan", on=ALIGN, form="switch", default=False,
         help="print the resolved plan (symmetries, matcher, anchor, verification) and its steps (one per output "
              "tensor: copy, or the alignment maps acting on it and their axes) as JSON, from the headers, and exit; "
