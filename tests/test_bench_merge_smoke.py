@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # a benchmark run end to end in a child (about 20 s CPU, over 60 s wall under load): .ci/run's slow step
 def test_bench_merge_tiny_runs_and_reports_its_figures(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "figures.json"
