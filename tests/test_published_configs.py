@@ -34,11 +34,11 @@ HALF = ("float16", "bfloat16")
 # agree within 1e-3 (test_published_config_in_float32, over every file that was ever listed here).
 HALF_TIES = {
     "absa-karcher.yml": "karcher, bfloat16: 0.073",
-    "absa-nearswap.yml": "nearswap, bfloat16: 0.12",
     "absa-nuslerp.yml": "nuslerp, bfloat16: 0.074",
 }
-# agree since mergekit's tie order (merge/sort_order.py): still checked in float32 too
-WERE_HALF_TIES = ("absa-dare-linear-rescale.yml", "absa-dare-ties-lambda.yml", "absa-sce.yml",
+# agree since mergekit's tie order (merge/sort_order.py) or, for nearswap, its arithmetic in the half dtype: still
+# checked in float32 too
+WERE_HALF_TIES = ("absa-dare-linear-rescale.yml", "absa-nearswap.yml", "absa-dare-ties-lambda.yml", "absa-sce.yml",
                   "absa-task-arithmetic-lambda.yml", "absa-ties-lambda.yml", "eggs-breadcrumbs-ties.yml",
                   "gemma2-blend-rebase-ties.yml", "holland-magnum-task-arithmetic-slices.yml",
                   "qwen25-7b-yoyo-della.yml")

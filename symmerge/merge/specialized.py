@@ -133,7 +133,10 @@ MODEL_STOCK = Method("model_stock", _model_stock_tensor, needs_base=True, params
 
 
 def _nearswap_tensor(key, tensors, weights, stats, base, params, context):
-    a, b = base.double(), tensors[0].double()
+    """w = clamp(t / max(|a − b|, 1e-6), 0, 1), w·b + (1 − w)·a, op for op in the inputs' dtype as mergekit computes
+    it (float16/bfloat16/float32: each step rounded there; its rounding is the result)."""
+    dtype = base.dtype if base.dtype in (*HALF, torch.float32, torch.float64) else torch.float64
+    a, b = base.to(dtype), tensors[0].to(dtype)
     w = (float(params["t"]) / (a - b).abs().clamp(min=1e-6)).clamp(0.0, 1.0)
     return w * b + (1.0 - w) * a
 
