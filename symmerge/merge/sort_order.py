@@ -262,32 +262,49 @@ def window_mask(keys: torch.Tensor, lo: int, hi: int, descending: bool) -> torch
     if not kernels.AVAILABLE or keys.device.type != "cpu":
         return window_mask_by_sort(keys, lo, hi, descending)
     v = keys.reshape(-1).to(torch.float32).numpy().copy()
+    ix = _index_array(n)
+    _positions_jit(v, ix, bool(descending))
     mask = np.zeros(n, dtype=np.bool_)
-    _select_into(v, lo, hi, descending, mask)
+    _select_into(v, ix, lo, hi, mask)
     return torch.from_numpy(mask).reshape(keys.shape)
 
 
-def _select_into(v: np.ndarray, lo: int, hi: int, descending: bool, mask: np.ndarray) -> None:
-    """mask = the entries at positions [lo, hi) of the library's introsort of ``v`` (float32, consumed): descending
-    as ascending of −v (the same comparisons, ties included), positions 32-bit where they fit."""
+def _index_array(n: int) -> np.ndarray:
+    """Uninitialised positions for ``n`` entries: 32-bit where they fit."""
+    return np.empty(n, dtype=np.int32 if n < 2 ** 31 else np.int64)
+
+
+def _select_into(v: np.ndarray, ix: np.ndarray, lo: int, hi: int, mask: np.ndarray) -> None:
+    """mask = the entries at positions [lo, hi) of the library's introsort of ``v`` (float32 keys, consumed, with
+    their positions ``ix``; a descending order is the ascending order of −v: the same comparisons, ties
+    included)."""
     n = v.shape[0]
-    if descending:
-        np.negative(v, out=v)
-    ix = np.arange(n, dtype=np.int32 if n < 2 ** 31 else np.int64)
     _introselect_jit(v, ix, np.int64(0), np.int64(n), np.int64(2 * (n.bit_length() - 1)),
                      (np.int64(lo), np.int64(hi)), False)
     mask[:] = False
     _fill_jit(ix, lo, hi, mask)
 
 
-def _magnitudes_into(t, b, v):  # pragma: no cover - compiled
-    """v = float32(|t − b|), the difference in float64: for float32 or float64 inputs the bits of
-    :func:`magnitudes` (a difference of two float32 rounded once from float64 is the float32 difference)."""
+def _magnitudes_into(t, b, v, ix, negate):  # pragma: no cover - compiled
+    """v = float32(|t − b|) (−that where ``negate``), the difference in float64: for float32 or float64 inputs the
+    bits of :func:`magnitudes` (a difference of two float32 rounded once from float64 is the float32 difference);
+    ix = 0, 1, … in the same pass."""
     for j in range(t.shape[0]):
-        v[j] = np.float32(abs(np.float64(t[j]) - np.float64(b[j])))
+        m = np.float32(abs(np.float64(t[j]) - np.float64(b[j])))
+        v[j] = -m if negate else m
+        ix[j] = j
+
+
+def _positions(v, ix, negate):  # pragma: no cover - compiled
+    """ix = 0, 1, …; v negated in place where ``negate`` (one pass)."""
+    for j in range(v.shape[0]):
+        if negate:
+            v[j] = -v[j]
+        ix[j] = j
 
 
 _magnitudes_into_jit = kernels._jit(_magnitudes_into)
+_positions_jit = kernels._jit(_positions)
 
 
 def window_mask_into(t: np.ndarray, b: np.ndarray, lo: int, hi: int, descending: bool, mask: np.ndarray,
@@ -297,9 +314,11 @@ def window_mask_into(t: np.ndarray, b: np.ndarray, lo: int, hi: int, descending:
     (no check by values first). The magnitudes computed in one compiled pass (into ``scratch``, a float32 array of
     the entries' count, where given), the positions 32-bit where they fit: 8 bytes per entry at most while it runs.
     Needs numba."""
-    v = np.empty(t.shape[0], dtype=np.float32) if scratch is None else scratch
-    _magnitudes_into_jit(t, b, v)
-    _select_into(v, lo, hi, descending, mask)
+    n = t.shape[0]
+    v = np.empty(n, dtype=np.float32) if scratch is None else scratch
+    ix = _index_array(n)
+    _magnitudes_into_jit(t, b, v, ix, bool(descending))
+    _select_into(v, ix, lo, hi, mask)
 
 
 def _without_ties_at_the_cuts(keys: torch.Tensor, lo: int, hi: int, descending: bool) -> torch.Tensor | None:
