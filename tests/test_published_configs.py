@@ -27,7 +27,7 @@ DATA = Path(__file__).parent / "data" / "published_configs"
 FILES = sorted(p.name for p in DATA.glob("*.yml"))
 RANDOM = ("dare_ties", "dare_linear", "della", "della_linear")
 HALF = ("float16", "bfloat16")
-# The methods mergekit computes in the half dtype with its own arithmetic (spherical means, nearswap's ratios):
+# The methods mergekit computes in the half dtype with its own arithmetic (spherical means):
 # symmerge's float32 arithmetic differs from that rounding by more than 1e-3 in bfloat16 (issue 41 item 4, still
 # open for these; the TIES family, SCE and task arithmetic now break ties as mergekit and agree). Measured by this
 # test before the tie-order work: the gap as written in the half dtype the file names; the same files in float32
