@@ -10,10 +10,11 @@ arithmetic without them:
    models at once on the merge pool; a magnitude rule's cut values are found by a radix select on the
    float32 bit patterns of |τ| (:func:`kth_largest`: two counting passes, no sort); where a run of equal
    magnitudes crosses a cut, the entries torch's sort keeps there, as mergekit takes them
-   (:func:`symmerge.merge.sort_order.window_mask`, a selection: several times the radix select's cost);
+   (:func:`symmerge.merge.sort_order.window_mask_into`, a selection by block partitions on the arrays here: about
+   twice the radix select's cost, one model at a time);
 2. then the entries, split over the pool: the masked task vectors rescaled and weighted as the torch code
-   does it, their sum or mergekit's sign election, ``θ_b + λ · combined``, cast into the output
-   (:func:`_combine`).
+   does it, their sum or mergekit's sign election (for float32 inputs computed in float32 in the same pass,
+   :func:`_elect32`), ``θ_b + λ · combined``, cast into the output (:func:`_combine`).
 
 The per-entry values and their order of operations are the torch code's; the L1 norms are summed in
 another order than torch's (a relative difference of ~1e-16 in the rescale factor). SCE
