@@ -341,6 +341,13 @@ def child_warm() -> None:
                                       np.zeros((1, n), dtype=np.int64), [[np.empty(64, dtype=np.int32)] * n])
         kernels.magnitude_histogram(ts[0], b, 1.0, np.zeros(1 << 16, dtype=np.int64))
         kernels.magnitude_histogram(ts[0], b, 1.0, np.zeros(1 << 16, dtype=np.int64), 5)
+    from symmerge.merge.kernels_whole import task_vector_into
+
+    for n in (2, 3):  # mergekit's whole-tensor rules, ties at their cuts (the window selection) and the election
+        b = torch.zeros(64)
+        ts = [b + torch.tensor([0.5, -0.25]).repeat(32) for _ in range(n)]
+        for rule, consensus in ((("topk", 7), "ties"), (("band", 3, 40), "sum")):
+            task_vector_into(ts, b, [1.0] * n, [rule] * n, [None] * n, consensus, True, 1.0, torch.empty(64))
 
 
 def main(argv=None) -> int:

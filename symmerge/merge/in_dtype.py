@@ -12,6 +12,14 @@ from __future__ import annotations
 
 import torch
 
+def l1_factor(t, base, keep):
+    """mergekit's L1 rescale factor Σ|τ| / Σ|kept τ| of τ = t − base in base's dtype (a 0-dim tensor of it), or 0.0
+    where either sum is below 1e-7 (no rescale)."""
+    d = t.to(base.dtype) - base
+    before, after = d.abs().sum(), (d * keep.to(device=base.device, dtype=base.dtype)).abs().sum()
+    return 0.0 if (before < 1e-7 or after < 1e-7) else before / after
+
+
 def deltas_in_dtype(tensors, base, keeps, weights, rescale):
     """mergekit's weighted task vectors in the tensors' dtype D, stacked: (θ_i − θ_b)·keep_i (× Σ|τ_i| / Σ|kept τ_i|
     under the L1 ``rescale``), times w_i, each rounded to D; and the weights in D, shaped to broadcast."""
@@ -23,9 +31,9 @@ def deltas_in_dtype(tensors, base, keeps, weights, rescale):
         if keep is not None:
             masked = d * keep.to(device=base.device, dtype=dtype)
             if rescale is True:
-                before, after = d.abs().sum(), masked.abs().sum()
-                if not (before < 1e-7 or after < 1e-7):
-                    masked = masked * (before / after)
+                factor = l1_factor(t, base, keep)
+                if not isinstance(factor, float):
+                    masked = masked * factor
             d = masked
         deltas[i] = d
     return deltas.mul_(w), w

@@ -10,10 +10,11 @@ arithmetic without them:
    models at once on the merge pool; a magnitude rule's cut values are found by a radix select on the
    float32 bit patterns of |τ| (:func:`kth_largest`: two counting passes, no sort); where a run of equal
    magnitudes crosses a cut, the entries torch's sort keeps there, as mergekit takes them
-   (:func:`symmerge.merge.sort_order.window_mask`, a selection: several times the radix select's cost);
+   (:func:`symmerge.merge.sort_order.window_mask_into`, a selection by block partitions on the arrays here: about
+   twice the radix select's cost, one model at a time);
 2. then the entries, split over the pool: the masked task vectors rescaled and weighted as the torch code
-   does it, their sum or mergekit's sign election, ``θ_b + λ · combined``, cast into the output
-   (:func:`_combine`).
+   does it, their sum or mergekit's sign election (for float32 inputs computed in float32 in the same pass,
+   :func:`_elect32`), ``θ_b + λ · combined``, cast into the output (:func:`_combine`).
 
 The per-entry values and their order of operations are the torch code's; the L1 norms are summed in
 another order than torch's (a relative difference of ~1e-16 in the rescale factor). SCE
@@ -27,13 +28,16 @@ bfloat16 the task-vector rules and SCE run mergekit's arithmetic in that dtype b
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from . import kernels
 from .kernels import _BLOCK, _OUT_KIND, _bits53_jit, _histogram_jit, _jit, _merge_pool, _store_jit
-from .sort_order import magnitudes, window_mask
+from .sort_order import window_mask_into
 
 _HALF = 1 << 16
+_SELECTING = threading.Lock()
 _U53 = 1.0 / 9007199254740992.0  # 2^-53: a uniform from its 53 bits (exact)
 
 
@@ -108,17 +112,45 @@ def _block_taus(arrays, start, x):  # pragma: no cover - compiled
     return size, bb
 
 
-def _combine(arrays, masks, allk, mul, div, w, consensus, normalize, wsum, scale, out_kind, out, acc, x, wide,
-             elected, given):  # pragma: no cover - compiled
+def _elect32(arrays, masks, allk, start, size, ef, ew, tot):  # pragma: no cover - compiled
+    """tot[:size] = the sums whose signs are mergekit's election for the block of float32 inputs from ``start``, in
+    float32 as mergekit forms them (:func:`symmerge.merge.in_dtype.mergekit_election`): δ_i = ((t_i − b) · keep_i)
+    · ef_i · ew_i, each product rounded to float32 (``ef_i`` the L1 rescale's float32 factor, 0 where none
+    applies), summed in model order in float32 (γ = + where ≥ 0)."""
+    n = ew.shape[0]
+    bb = arrays[n][start:start + size]
+    for i in range(n):
+        t = arrays[i][start:start + size]
+        mk = masks[i, start:start + size]
+        keep, f, wi = not allk[i], ef[i], ew[i]
+        for j in range(size):
+            d = t[j] - bb[j]
+            if keep:
+                d = d * np.float32(1.0 if mk[j] else 0.0)
+                if f != 0.0:
+                    d = d * f
+            d = d * wi
+            tot[j] = d if i == 0 else tot[j] + d
+
+
+_elect32_jit = _jit(_elect32)
+
+
+def _combine(arrays, masks, allk, mul, div, w, consensus, normalize, wsum, scale, out_kind, out, acc, x, wide, e32,
+             elected, given, ef, ew):  # pragma: no cover - compiled
     """out = cast(b + scale · combined) block by block: x_i = ((τ_i masked) · mul_i / div_i) · w_i (every model
     kept whole where ``allk[i]``), combined = Σ x_i (``consensus`` 0; ``normalize`` 1: / ``wsum``, 2: / n) or
     mergekit's election (1: γ = + where Σ x_i ≥ 0, the agreeing x_i summed; ``normalize`` 1: divided by the
     agreeing weights, 1 where none agree; 2: symmerge's disjoint mean, γ = sign(Σ x_i), / their count); with
-    ``given``, γ = + where ``elected`` (mergekit's election in its dtype: ``in_dtype.mergekit_election``)."""
+    ``given`` 1, γ = + where ``elected`` (mergekit's election in its dtype: ``in_dtype.mergekit_election``); with
+    ``given`` 2 (float32 inputs), that election computed here block by block (:func:`_elect32`, ``ef``/``ew``,
+    ``e32`` its scratch), no array of it."""
     n = w.shape[0]
     m = arrays[0].shape[0]
     for start in range(0, m, acc.shape[0]):
         size, bb = _block_taus_jit(arrays, start, x)
+        if given == 2:
+            _elect32_jit(arrays, masks, allk, start, size, ef, ew, e32)
         for i in range(n):
             xi = x[i]
             mi = mul[i]
@@ -144,7 +176,9 @@ def _combine(arrays, masks, allk, mul, div, w, consensus, normalize, wsum, scale
                 acc[j] = np.float64(bb[j]) + scale * s
         else:
             for j in range(size):
-                if given:
+                if given == 2:
+                    tot = 1.0 if e32[j] >= 0.0 else -1.0
+                elif given == 1:
                     tot = 1.0 if elected[start + j] else -1.0
                 else:
                     tot = x[0, j]
@@ -254,6 +288,8 @@ def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, no
     m = b.shape[0]
     cols = m if base.dim() < 2 else int(base.shape[1]) if base.dim() == 2 else m
     masks = np.empty((n, m), dtype=np.bool_)  # rows of the models kept whole are never touched
+    kind = _OUT_KIND[str(out.dtype).split(".")[1]]
+    target = _target(out)
     sums = np.zeros((n, 2), dtype=np.float64)
     allk = np.zeros(n, dtype=np.bool_)
 
@@ -276,7 +312,9 @@ def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, no
                                    masks[i])
             else:
                 first, last, desc = (0, rule[1], True) if rule[0] == "topk" else (rule[1], rule[1] + rule[2], False)
-                masks[i] = window_mask(magnitudes(tensors[i], base), first, last, desc).reshape(-1).numpy()
+                with _SELECTING:  # one selection at a time: its 8 bytes per entry held once, not once per model,
+                    # the magnitudes in the output's memory where it is float32 (written only after every mask)
+                    window_mask_into(t, b, first, last, desc, masks[i], target if kind == 1 else None)
         if rescales[i] == "l1" and rule[0] != "all":
             _l1_sums_jit(t, b, masks[i], sums[i])
 
@@ -297,26 +335,33 @@ def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, no
     wsum = float(sum(weights))
     wsum = wsum if abs(wsum) >= 1e-8 else 1.0
     w = np.array(weights, dtype=np.float64)
-    kind = _OUT_KIND[str(out.dtype).split(".")[1]]
-    target = _target(out)
     cons = 0 if consensus == "sum" else 1
     norm = 1 if normalize is True else 2 if normalize == "count" else 0
 
-    given = cons == 1 and norm != 2
-    if given:  # mergekit's election, in its dtype (a sign flipped by its rounding flips the whole entry)
+    # mergekit's election, in its dtype (a sign flipped by its rounding flips the whole entry): float32 inputs in the
+    # combining pass (given 2), others as an array computed first (given 1)
+    given = 0 if cons == 0 or norm == 2 else 2 if b.dtype == np.float32 else 1
+    elected = np.zeros(1, dtype=np.bool_)
+    ef, ew = np.zeros(n, dtype=np.float32), np.array(weights, dtype=np.float32)
+    rescaled = any(r == "l1" for r in rescales)
+    if given:
         import torch
 
-        from .in_dtype import mergekit_election
-
         keeps = [None if allk[i] else torch.from_numpy(masks[i]).reshape(base.shape) for i in range(n)]
-        elected = mergekit_election(tensors, base, keeps, weights, any(r == "l1" for r in rescales)).reshape(-1).numpy()
-    else:
-        elected = np.zeros(1, dtype=np.bool_)
+        if given == 1:
+            from .in_dtype import mergekit_election
+
+            elected = mergekit_election(tensors, base, keeps, weights, rescaled).reshape(-1).numpy()
+        elif rescaled:
+            from .in_dtype import l1_factor
+
+            for i, keep in enumerate(keeps):
+                ef[i] = 0.0 if keep is None else l1_factor(tensors[i], base, keep)
 
     def run(lo, hi):
         _combine_jit(tuple(a[lo:hi] for a in arrays) + (b[lo:hi],), masks[:, lo:hi], allk, mul, div, w, cons, norm,
-                     wsum, float(scale), kind, target[lo:hi], *_combine_buffers(n), elected[lo:hi] if given
-                     else elected, given)
+                     wsum, float(scale), kind, target[lo:hi], *_combine_buffers(n), elected[lo:hi] if given == 1
+                     else elected, given, ef, ew)
 
     _split(run, m)
     return True
@@ -340,7 +385,7 @@ def _combine_buffers(n: int):
     """Fresh per-call buffers of a combining pass: the block's float64 results, the models' block values, the
     store's uint32 scratch."""
     return (np.empty(_COMBINE_BLOCK, dtype=np.float64), np.empty((n, _COMBINE_BLOCK), dtype=np.float64),
-            np.empty(_COMBINE_BLOCK, dtype=np.uint32))
+            np.empty(_COMBINE_BLOCK, dtype=np.uint32), np.empty(_COMBINE_BLOCK, dtype=np.float32))
 
 
 def _split(run, m: int) -> None:
@@ -438,7 +483,7 @@ def sce_into(tensors, base, topk: float, out, select=None) -> bool:
 
     def run(lo, hi):
         _sce_combine_jit(tuple(a[lo:hi] for a in arrays), select if every else select[lo:hi], every, omega, kind,
-                         target[lo:hi], *_combine_buffers(n))
+                         target[lo:hi], *_combine_buffers(n)[:3])
 
     _split(run, m)
     return True
@@ -518,7 +563,7 @@ def ram_into(tensors, base, eps: float, lam, out) -> bool:
     target = _target(out)
 
     def run(lo, hi):
-        _ram_combine_jit(tuple(a[lo:hi] for a in arrays), float(eps), lam, kind, target[lo:hi], *_combine_buffers(n))
+        _ram_combine_jit(tuple(a[lo:hi] for a in arrays), float(eps), lam, kind, target[lo:hi], *_combine_buffers(n)[:3])
 
     _split(run, arrays[0].shape[0])
     return True

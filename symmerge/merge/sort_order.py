@@ -23,6 +23,7 @@ import torch
 from . import kernels
 
 _THRESHOLD = 16  # introsort leaves ranges of at most this many entries to the final insertion sort
+_BLOCK = 512  # positions collected ahead by a block partition
 
 
 def _less(a, b, desc):  # pragma: no cover - compiled
@@ -71,6 +72,47 @@ def _partition(v, ix, first, last, desc):  # pragma: no cover - compiled
             return lo
         _swap_jit(v, ix, lo, hi)
         lo += 1
+
+
+def _partition_ascending(v, ix, first, last, offl, offr):  # pragma: no cover - compiled
+    """:func:`_partition` with ``desc`` False, the same swaps by blocks: Hoare's scans swap the k-th entry from the
+    left that is not below the pivot with the k-th from the right that is not above it, while the first lies before
+    the second, and return where the left scan stopped (the next such entry from the left, or the last swapped
+    right position, whichever comes first). The entries between the last swapped pair are never moved, so their
+    positions are collected ahead in blocks (``offl``, ``offr``: scratch of one block each) without a branch per
+    entry; a position read after its swap lies beyond the stop and decides nothing."""
+    mid = first + (last - first) // 2
+    _median_to_first_jit(v, ix, first, first + 1, mid, last - 1, False)
+    pivot = v[first]
+    size = offl.shape[0]
+    lo, hi = first + 1, last - 1  # the next positions to read from each side
+    nl = il = nr = ir = 0
+    before = last  # the right position of the last swap
+    while True:
+        while il == nl and lo < last:
+            stop = min(lo + size, last)
+            nl = 0
+            il = 0
+            for j in range(lo, stop):
+                offl[nl] = j
+                nl += 0 if v[j] < pivot else 1
+            lo = stop
+        left = offl[il] if il < nl else last
+        while ir == nr and hi >= first:
+            stop = max(hi - size, first - 1)
+            nr = 0
+            ir = 0
+            for j in range(hi, stop, -1):
+                offr[nr] = j
+                nr += 0 if pivot < v[j] else 1
+            hi = stop
+        right = offr[ir] if ir < nr else first
+        if not left < right:
+            return min(left, before)
+        _swap_jit(v, ix, left, right)
+        il += 1
+        ir += 1
+        before = right
 
 
 def _adjust_heap(v, ix, first, hole, length, value, index, desc):  # pragma: no cover - compiled
@@ -143,7 +185,10 @@ def _straddles(first, last, cuts):  # pragma: no cover - compiled
 
 def _introselect(v, ix, first0, last0, depth0, cuts, desc):  # pragma: no cover - compiled
     """Introsort on (v, ix) from the range [first0, last0) at depth limit ``depth0``, every range that straddles no
-    cut left as it is (its entries stay on one side)."""
+    cut left as it is (its entries stay on one side). Ascending ranges are partitioned by blocks
+    (:func:`_partition_ascending`, the same swaps)."""
+    offl = np.empty(_BLOCK, dtype=np.int64)
+    offr = np.empty(_BLOCK, dtype=np.int64)
     stack = np.empty((128, 3), dtype=np.int64)  # (first, last, depth); a straddled range splits into <= 2 per cut
     stack[0, 0], stack[0, 1], stack[0, 2] = first0, last0, depth0
     top = 1
@@ -160,7 +205,10 @@ def _introselect(v, ix, first0, last0, depth0, cuts, desc):  # pragma: no cover 
                 leaf = False
                 break
             depth -= 1
-            cut = _partition_jit(v, ix, first, last, desc)
+            if desc:
+                cut = _partition_jit(v, ix, first, last, desc)
+            else:
+                cut = _partition_ascending_jit(v, ix, first, last, offl, offr)
             if _straddles_jit(cut, last, cuts):
                 if top == stack.shape[0]:
                     bigger = np.empty((2 * stack.shape[0], 3), dtype=np.int64)
@@ -182,6 +230,7 @@ _less_jit = kernels._jit(_less)
 _swap_jit = kernels._jit(_swap)
 _median_to_first_jit = kernels._jit(_median_to_first)
 _partition_jit = kernels._jit(_partition)
+_partition_ascending_jit = kernels._jit(_partition_ascending)
 _adjust_heap_jit = kernels._jit(_adjust_heap)
 _make_heap_jit = kernels._jit(_make_heap)
 _heap_sort_jit = kernels._jit(_heap_sort)
@@ -213,12 +262,63 @@ def window_mask(keys: torch.Tensor, lo: int, hi: int, descending: bool) -> torch
     if not kernels.AVAILABLE or keys.device.type != "cpu":
         return window_mask_by_sort(keys, lo, hi, descending)
     v = keys.reshape(-1).to(torch.float32).numpy().copy()
-    ix = np.arange(n, dtype=np.int64)
-    _introselect_jit(v, ix, np.int64(0), np.int64(n), np.int64(2 * (n.bit_length() - 1)),
-                     (np.int64(lo), np.int64(hi)), bool(descending))
+    ix = _index_array(n)
+    _positions_jit(v, ix, bool(descending))
     mask = np.zeros(n, dtype=np.bool_)
-    _fill_jit(ix, lo, hi, mask)
+    _select_into(v, ix, lo, hi, mask)
     return torch.from_numpy(mask).reshape(keys.shape)
+
+
+def _index_array(n: int) -> np.ndarray:
+    """Uninitialised positions for ``n`` entries: 32-bit where they fit."""
+    return np.empty(n, dtype=np.int32 if n < 2 ** 31 else np.int64)
+
+
+def _select_into(v: np.ndarray, ix: np.ndarray, lo: int, hi: int, mask: np.ndarray) -> None:
+    """mask = the entries at positions [lo, hi) of the library's introsort of ``v`` (float32 keys, consumed, with
+    their positions ``ix``; a descending order is the ascending order of −v: the same comparisons, ties
+    included)."""
+    n = v.shape[0]
+    _introselect_jit(v, ix, np.int64(0), np.int64(n), np.int64(2 * (n.bit_length() - 1)),
+                     (np.int64(lo), np.int64(hi)), False)
+    mask[:] = False
+    _fill_jit(ix, lo, hi, mask)
+
+
+def _magnitudes_into(t, b, v, ix, negate):  # pragma: no cover - compiled
+    """v = float32(|t − b|) (−that where ``negate``), the difference in float64: for float32 or float64 inputs the
+    bits of :func:`magnitudes` (a difference of two float32 rounded once from float64 is the float32 difference);
+    ix = 0, 1, … in the same pass."""
+    for j in range(t.shape[0]):
+        m = np.float32(abs(np.float64(t[j]) - np.float64(b[j])))
+        v[j] = -m if negate else m
+        ix[j] = j
+
+
+def _positions(v, ix, negate):  # pragma: no cover - compiled
+    """ix = 0, 1, …; v negated in place where ``negate`` (one pass)."""
+    for j in range(v.shape[0]):
+        if negate:
+            v[j] = -v[j]
+        ix[j] = j
+
+
+_magnitudes_into_jit = kernels._jit(_magnitudes_into)
+_positions_jit = kernels._jit(_positions)
+
+
+def window_mask_into(t: np.ndarray, b: np.ndarray, lo: int, hi: int, descending: bool, mask: np.ndarray,
+                     scratch: np.ndarray | None = None) -> None:
+    """:func:`window_mask` of :func:`magnitudes` (t, b) written into ``mask`` (flat numpy arrays: float32 or float64
+    inputs, a boolean row), by the introselect alone: for a caller that already knows a run of ties crosses a cut
+    (no check by values first). The magnitudes computed in one compiled pass (into ``scratch``, a float32 array of
+    the entries' count, where given), the positions 32-bit where they fit: 8 bytes per entry at most while it runs.
+    Needs numba."""
+    n = t.shape[0]
+    v = np.empty(n, dtype=np.float32) if scratch is None else scratch
+    ix = _index_array(n)
+    _magnitudes_into_jit(t, b, v, ix, bool(descending))
+    _select_into(v, ix, lo, hi, mask)
 
 
 def _without_ties_at_the_cuts(keys: torch.Tensor, lo: int, hi: int, descending: bool) -> torch.Tensor | None:

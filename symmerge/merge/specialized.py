@@ -133,7 +133,10 @@ MODEL_STOCK = Method("model_stock", _model_stock_tensor, needs_base=True, params
 
 
 def _nearswap_tensor(key, tensors, weights, stats, base, params, context):
-    a, b = base.double(), tensors[0].double()
+    """w = clamp(t / max(|a − b|, 1e-6), 0, 1), w·b + (1 − w)·a, op for op in the inputs' dtype as mergekit computes
+    it (float16/bfloat16/float32: each step rounded there; its rounding is the result)."""
+    dtype = base.dtype if base.dtype in (*HALF, torch.float32, torch.float64) else torch.float64
+    a, b = base.to(dtype), tensors[0].to(dtype)
     w = (float(params["t"]) / (a - b).abs().clamp(min=1e-6)).clamp(0.0, 1.0)
     return w * b + (1.0 - w) * a
 
@@ -306,16 +309,18 @@ SCE = Method("sce", _sce_tensor, needs_base=True, params={"select_topk": 1.0, "i
 # ------------------------------------------------------------------ ram / ramplus_tl
 
 
-def _ram_parts(tensors, base, epsilon):
-    b = base.double()
-    taus = torch.stack([t.double() - b for t in tensors])
+def _ram_parts(tensors, base, epsilon, dtype=torch.float64):
+    b = base.to(dtype)
+    taus = torch.stack([t.to(dtype) - b for t in tensors])
     active = taus.abs() > epsilon
     count = active.sum(0, keepdim=True)
     return b, taus.masked_fill(~active, 0.0), active, count
 
 
 def _ram_tensor(key, tensors, weights, stats, base, params, context):
-    b, taus, active, count = _ram_parts(tensors, base, float(params["epsilon"]))
+    """RAM in float64, or op for op in the inputs' float16/bfloat16 as mergekit computes it there (its rounding of
+    the task vectors, which of them pass epsilon, the mean and the sum is the result)."""
+    b, taus, active, count = _ram_parts(tensors, base, float(params["epsilon"]), working_dtype(base))
     unique, shared = count == 1, count > 1
     merged = taus * unique + taus * shared / count.clamp(min=1)
     return b + merged.sum(0)
@@ -364,7 +369,7 @@ def _ram_into(key, tensors, weights, base, params, context, out) -> bool:
     """RAM (``context`` None) or RAM+ (``context``: its factors) by the fused kernel into ``out``, or False."""
     from . import kernels
 
-    if not kernels.AVAILABLE:
+    if not kernels.AVAILABLE or (context is None and base.dtype in HALF):  # RAM in the half dtype: the torch code
         return False
     from .kernels_whole import ram_into
 
