@@ -1,5 +1,5 @@
 """The code's shape (issue 39, item 5): how many functions of ``symmerge/`` are over 80 lines and how many take
-more than 10 parameters, by the syntax tree (tests/guards.py's helpers, the ones tests/test_code_shape.py guards
+more than 10 parameters, by the syntax tree (tests/guards.py's helpers, the ones tests/project/test_code_shape.py guards
 with), and which.
 
     python benchmarks/code_shape.py            # the counts and the lists

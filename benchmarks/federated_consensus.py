@@ -33,7 +33,7 @@ smallest z of the flipped client 0, with how many rounds each side crosses ``--t
 (tiny ViTs, 4 class patterns + noise, a global model trained a little, then 6 clients 40 local steps
 each: 4 honest with label-skewed shards, one honest client holding most of class 3, one trained on
 flipped labels 3 - y), for several shares of class 3, in a round with the flipped client and in a clean
-round (the tests use the same federation: tests/test_federated_consensus.py).
+round (the tests use the same federation: tests/federated/test_federated_consensus.py).
 
 ``--relabel-rules``: instead, which detection rule for the relabelling check adds the label-flipped client's
 rounds that the consensus rule misses without flagging honest clients, on the same saved clients. For every

@@ -14,6 +14,18 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# The tests are laid out like the package (tests/merge/ tests symmerge/merge/, ...). Some test modules share
+# helpers with others by module name (``from test_lora import make_adapter``), and the helper modules of this
+# folder (factories, guards, mergekit_oracle) are imported by name: every test folder is on the path, as a flat
+# folder was (test module names stay unique across folders).
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+_TESTS = Path(__file__).resolve().parent
+for _folder in sorted({_TESTS, *(p.parent for p in _TESTS.glob("*/test_*.py"))}, reverse=True):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
 
 def pytest_sessionstart(session):
     """.ci/run starts its side steps beside the README command's test run once that run has begun (its pip

@@ -9,7 +9,7 @@
 * ``alpaca``: Stanford Alpaca's ``### Instruction:`` / ``### Response:`` blocks;
 * ``exaone``: LG EXAONE's ``[|system|]`` / ``[|user|]`` / ``[|assistant|]`` turns closed by ``[|endofturn|]``.
 
-Each ends with the assistant's opening when ``add_generation_prompt`` is set. ``tests/test_published_configs.py``
+Each ends with the assistant's opening when ``add_generation_prompt`` is set. ``tests/config/test_published_configs.py``
 renders them beside mergekit's own on the same conversations.
 """
 

@@ -4,7 +4,7 @@ tokenizer source and chat template. One pass over the config and the inputs' hea
 the key and its line) before anything is read or written.
 
 Semantics, as mergekit 0.1.x (``mergekit.plan.MergePlanner``, ``mergekit.config``), checked against it by
-``tests/test_mergekit_configs.py``:
+``tests/config/test_mergekit_configs.py``:
 
 * ``models:`` is one slice of every model's whole stack (the base model added as an input when not listed);
   ``slices:`` list output slices, each of ``sources`` with one ``layer_range: [a, b)`` each (same length);

@@ -121,7 +121,7 @@ def values(config) -> SimpleNamespace:
 
 def command_line(config) -> list[str]:
     """``[COMMAND, ARG, ...]``: the command line a symmerge config stands for (``--print-command``; it parses to
-    the options :func:`values` builds, tests/test_config_options.py)."""
+    the options :func:`values` builds, tests/config/test_config_options.py)."""
     argv = [config.command, *config.models]
     if config.weights is not None:
         argv += ["--weights", ",".join(repr(float(w)) for w in config.weights)]

@@ -1,6 +1,6 @@
 """A mergekit config's output vocabulary (``tokenizer_source`` / ``tokenizer: {source, tokens,
 pad_to_multiple_of}``) and every model's embedding rows mapped to it, as mergekit 0.1.x does it (its README,
-"Tokenizer Configuration"; checked against mergekit 0.1.5 by ``tests/test_tokenizer_union.py``):
+"Tokenizer Configuration"; checked against mergekit 0.1.5 by ``tests/config/test_tokenizer_union.py``):
 
 * **the vocabulary**: ``base`` (the base model's tokenizer, else the first model's), a model's, or ``union``:
   the base's (else the first model's) tokenizer with every token of the other models it lacks added — plain

@@ -13,7 +13,7 @@ writing float64 temporaries):
   ``torch.sum(dim=0)`` takes them.
 
 Without numba (or with ``SYMMERGE_NO_NUMBA=1``) :data:`AVAILABLE` is False and the torch code runs.
-``tests/test_merge_kernels.py`` compares both on adversarial values. Kernels are compiled on first use
+``tests/merge/test_merge_kernels.py`` compares both on adversarial values. Kernels are compiled on first use
 and cached on disk by numba (``cache=True``); they release the GIL, so the streamed merge's reader and
 writer threads run beside them.
 """

@@ -23,7 +23,7 @@ follow the same plan: SCE's positions given (mergekit's ``torch.topk`` of the va
 :func:`symmerge.merge.specialized.sce_keep`; its weights' sums in another order), RAM bit for bit. In float16 and
 bfloat16 the task-vector rules and SCE run mergekit's arithmetic in that dtype by the torch code instead
 (:func:`symmerge.merge.in_dtype.combine_in_dtype`): there its rounding is the result.
-``tests/test_merge_kernels_whole.py`` compares every kernel with the torch code and with brute force.
+``tests/merge/test_merge_kernels_whole.py`` compares every kernel with the torch code and with brute force.
 """
 
 from __future__ import annotations

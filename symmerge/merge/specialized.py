@@ -182,7 +182,7 @@ _ROWS = 1 << 15  # entries of the rows whose importances are computed at once
 def _arcee_into(key, tensors, weights, base, params, context, out) -> bool:
     # the importance in float32 (float64 for float64 inputs), as mergekit computes it: the KL of two nearly
     # equal rows is ill-conditioned, and a float64 KL moves ~12 % of the mask's entries near the threshold
-    # (tests/test_mergekit_methods.py); the result itself is formed in float64. Rows at a time (each row's
+    # (tests/merge/test_mergekit_methods.py); the result itself is formed in float64. Rows at a time (each row's
     # importance is its own), then the result chunk by chunk: no whole-tensor temporaries but the importances.
     from .base import CHUNK
 

@@ -5,7 +5,7 @@ the cost's own precision, releases the GIL) when the optional ``lapx`` package i
 to 4x faster than scipy on trained models' FFN costs and as fast on random ones (docs/results.md,
 ``python -m benchmarks.bench_assignment``) — else scipy's ``linear_sum_assignment``. Both are exact:
 the optimum (the objective value) is the same; where several assignments tie, they may pick different
-ones (tests/test_solvers.py checks random, structured, integer-tied and constant costs).
+ones (tests/groups/test_solvers.py checks random, structured, integer-tied and constant costs).
 ``SYMMERGE_ASSIGNMENT=scipy`` forces scipy.
 """
 
@@ -39,7 +39,7 @@ def linear_assignment(cost: np.ndarray, solver: str | None = None) -> tuple[np.n
     solved in float64): ``(rows, cols)`` with ``rows`` increasing, ``min(n, m)`` pairs, as scipy returns
     them. ``solver``: ``scipy``, ``lapx`` or None (the fastest available: ``lapx``'s ``lapjvh`` if
     installed, else scipy). ``lapjvh`` works in the cost's own precision (float32 costs: 1.4x faster
-    than float64 on random 3072-wide costs; tests/test_speed.py checks that its optimum equals scipy's
+    than float64 on random 3072-wide costs; tests/pipeline/test_speed.py checks that its optimum equals scipy's
     float64 optimum of the same values); scipy always works in float64. ``cost`` is read, never
     changed."""
     lapjvh = None if solver == "scipy" else _lapx()

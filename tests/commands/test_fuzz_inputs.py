@@ -8,7 +8,7 @@ select the slow tests) and ``SYMMERGE_FUZZ_SEED`` (default 0); a failing
 case is reported with its seed, its number and the mutation, to be replayed alone. ``.ci/run`` runs it in
 a step of its own; locally::
 
-    SYMMERGE_FUZZ_SECONDS=60 .venv/bin/python -m pytest -q -m slow tests/test_fuzz_inputs.py
+    SYMMERGE_FUZZ_SECONDS=60 .venv/bin/python -m pytest -q -m slow tests/commands/test_fuzz_inputs.py
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import yaml
 import mergekit_oracle as mo
 from conftest import run_cli
 
-DATA = Path(__file__).parent / "data" / "published_configs"
+DATA = Path(__file__).resolve().parents[1] / "data" / "published_configs"
 FILES = sorted(p.name for p in DATA.glob("*.yml"))
 RANDOM = ("dare_ties", "dare_linear", "della", "della_linear")
 HALF = ("float16", "bfloat16")

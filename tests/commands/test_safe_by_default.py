@@ -30,7 +30,7 @@ from symmerge.errors import OutputError, RemoteCodeError, SymmergeError
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 PROGRESS_LINE = re.compile(r"^\[\d+\.\d s\] ")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ helpers

@@ -22,7 +22,7 @@ from test_bad_input import assert_clean_failure, run_cli, temp_leftovers
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

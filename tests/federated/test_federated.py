@@ -27,7 +27,7 @@ from symmerge.federated import (LEFT_OUT_KINDS, OUTLIER_RULES, Aggregation, Alig
                                 ClientAlignment, OutlierPolicy, aggregate, norm_outliers, update_outliers,
                                 update_scores)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "federated"
 TRIED: Counter = Counter()  # bad replies tried in this module, by kind (printed by the last test)
 

@@ -61,7 +61,7 @@ def _report(kind: str, found: dict | list, allowed: dict, advice: str) -> list[s
     new = [f"{k} ({found[k]})" if isinstance(found, dict) else k for k in found if k not in allowed]
     gone = [k for k in allowed if k not in found]
     return ([f"new {kind}: {', '.join(new)} — {advice}; do not list it"] if new else []) + \
-           ([f"{kind} no longer applies: {', '.join(gone)} — cross it off the list in tests/test_code_shape.py"]
+           ([f"{kind} no longer applies: {', '.join(gone)} — cross it off the list in tests/project/test_code_shape.py"]
             if gone else [])
 
 

@@ -1,5 +1,5 @@
 """mergekit's methods in symmerge, checked against their definitions on small hand-made tensors (no mergekit
-needed: tests/test_mergekit_methods.py compares with mergekit itself), the streamed path against the
+needed: tests/merge/test_mergekit_methods.py compares with mergekit itself), the streamed path against the
 in-memory one, and the parameter checks."""
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def test_missing_config_file(tmp_path, capsys):
 def test_the_example_configs_parse(capsys):
     from pathlib import Path
 
-    examples = sorted((Path(__file__).parent.parent / "examples").glob("*.yml"))
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yml"))
     assert len(examples) >= 3
     for cfg in examples:
         assert run_cli("run", cfg, "--print-command") == 0, cfg

@@ -457,7 +457,7 @@ def test_merge_scores_on_eval_data_and_says_when_it_falls_back(vits, tmp_path, c
 def _documented() -> str:
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     return (root / "docs" / "merge.md").read_text() + (root / "README.md").read_text()
 
 

@@ -2,7 +2,7 @@
 or an unknown method parameter is one warning line and changes nothing (the merge is bit for bit the one
 without it); numbers written as YAML-1.1 strings, truthy numbers, ``modules: {default: ...}``, built-in chat
 templates by name and an earlier merge with another vocabulary as input all run. (mergekit's own results on
-the same configs: tests/test_published_configs.py, in the venv that has mergekit.)"""
+the same configs: tests/config/test_published_configs.py, in the venv that has mergekit.)"""
 
 from __future__ import annotations
 

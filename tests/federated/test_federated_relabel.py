@@ -3,7 +3,7 @@ classes onto the consensus's recovers a known permutation and is ~0 for a pure s
 a permutation of the labels is a symmetry of training (training on permuted labels = training from the
 row-permuted model, rows permuted back: why a relabelled client is detected, not repaired); the strategy
 option ``OutlierPolicy(relabel=RelabelCheck(...))`` end to end on the tiny synthetic federation of
-tests/test_federated_consensus.py. Skipped where Flower is not installed."""
+tests/federated/test_federated_consensus.py. Skipped where Flower is not installed."""
 
 from __future__ import annotations
 

@@ -202,7 +202,7 @@ def test_a_usage_error_prints_runs_own_usage(capsys):
 
 def test_every_flag_of_mergekit_yaml_is_a_flag_of_run():
     """The flags mergekit-yaml 0.1.5's --help lists (written out here; the mergekit venv checks the list against
-    mergekit's own parser: tests/test_published_configs.py)."""
+    mergekit's own parser: tests/config/test_published_configs.py)."""
     from symmerge.cli import build_parser
 
     run = build_parser().parse_args(["run", "c.yml"]).subparsers["run"]

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from guards import name_comparisons
 from symmerge.merge import MERGEKIT_METHODS, METHODS, get_method
 
-ROOT = Path(__file__).resolve().parents[1] / "symmerge"
+ROOT = Path(__file__).resolve().parents[2] / "symmerge"
 # the methods' home: the method modules, their parts and kernels, the registry
 HOME = {"average.py", "breadcrumbs.py", "dare.py", "dare_ties.py", "della.py", "fisher.py", "ot_fusion.py",
         "regmean.py", "specialized.py", "spherical.py", "task_arithmetic.py", "ties.py", "parts.py", "combination.py",
