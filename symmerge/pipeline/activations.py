@@ -398,7 +398,7 @@ def _present(inst, tensors: dict):
 
 def match_activations(instances, model_a, model_b, data, opts: Options, progress=None, residual_fit: str = "procrustes",
                       stream: str = "normalized", rescale_from: str = "weights", weights_for: tuple | None = None,
-                      timings: dict | None = None, bound=None) -> dict:
+                      timings: dict | None = None, bound=None, by_layer: bool | None = None) -> dict:
     """``{instance name: element}`` for the instances active under ``opts``, fitted to the activations of
     ``model_a`` (moved) and ``model_b`` (anchor) — both in the canonical form the groups act on — on the
     unlabeled ``data``; see the module text for ``residual_fit``, ``stream`` and ``rescale_from``.
@@ -406,7 +406,9 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
     element and the groups before them); None: all of them when the residual stream is among the
     groups, none otherwise (see the module text). ``timings``: seconds of the statistics pass and of the
     solve are added to it. ``bound``: ``model_a``'s :class:`~symmerge.pipeline.bound.BoundModel` (bound
-    here when None)."""
+    here when None). ``by_layer``: gather and solve one layer at a time (:class:`LayerReplay`), the same
+    elements in the memory of one layer's statistics; None: whenever no model-wide group nor a kind's own
+    statistics need the whole pass and the layers feed each other (else the whole pass); True: or an error."""
     for value, allowed, what in ((residual_fit, RESIDUAL_FITS, "residual fit"), (stream, STREAM_MODES, "stream mode"),
                                  (rescale_from, SCALE_SOURCES, "scale source")):
         if value not in allowed:
@@ -436,6 +438,18 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
         if inst.group.name not in weights_for:
             sites.update({s.key: s for s in found})
     variant = wide[0].info.variant if wide else None
+    if by_layer is not False and not wide and not observing:
+        paths = boundaries(model_a, bound)
+        layered = _sites_by_layer(local, pseudo, sites, paths)
+        if layered is not None:
+            replay = LayerReplay.of_models(model_a, model_b, paths, data, progress is not None)
+            if replay is not None:
+                elements = _match_by_layer(local, pseudo, layered, replay, weights_for, model_a, model_b, opts,
+                                           rescale_from, progress, timings, t0)
+                return elements
+    if by_layer:
+        raise SymmergeError("activation matching by layer needs per-layer groups only, whose activations lie inside "
+                            "one layer each, and layers that feed each other")
     stats = gather(model_a, model_b, data, list(sites.values()), variant, stream, progress=progress is not None,
                    bound=bound, observers=observing)
     observed = {i.name: stats.pop(i.name) for i in observing if i.name in stats}
@@ -455,10 +469,25 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
         joint = stats.pop(key)
         act_a[key], act_b[key] = factor(joint.correlation() if key in corr_keys else joint.gram)
         del joint
+    _fit_local(local, pseudo, act_a, act_b, observed, weights_for, apply(sd_a, wide, elements), sd_a, sd_b, opts,
+               rescale_from, elements, progress,
+               first=[i for i in active if not i.kind.per_layer or i.kind.moves_before_scales])
+    if timings is not None:
+        timings["statistics"] = timings.get("statistics", 0.0) + t1 - t0
+        timings["solve"] = timings.get("solve", 0.0) + time.perf_counter() - t1
+    return elements
+
+
+def _fit_local(local, pseudo, act_a, act_b, observed, weights_for, moved_w, sd_a, sd_b, opts, rescale_from, elements,
+               progress, first):
+    """The per-layer groups ``local`` solved in the spec's order, their elements added to ``elements``: from
+    the activation factors ``act_a``/``act_b`` (``pseudo``: the instances on them), the kinds' ``observed``
+    statistics, or the weights (``weights_for``; ``moved_w``: A's weights moved by the model-wide groups);
+    then, with ``opts.rescale``, the scales from the weights on A moved by the ``first`` instances."""
     rotations = opts if rescale_from == "activations" else replace(opts, rescale="none")
-    moved_w, moved_act = apply(sd_a, wide, elements), act_a
+    moved_act = act_a
     by_weights = SolveContext(local)
-    by_acts = SolveContext(list(pseudo.values()))
+    by_acts = SolveContext([pseudo[i.name] for i in local])
     fitted = []  # instances fitted to activations (their scales follow)
     joint: dict = {}  # elements of groups solved jointly with an earlier one (the FFN inside each expert)
     for name, insts in by_group(local).items():  # in the spec's order: head pairing first
@@ -491,12 +520,200 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
             progress(name)
 
     if opts.rescale != "none":  # scales from the weights, on A moved by the stream and head pairing
-        first = [i for i in active if not i.kind.per_layer or i.kind.moves_before_scales]
         moved = apply(sd_a, first, elements)
         for insts in by_group(fitted).values():
             insts[0].kind.weight_scales(insts, elements, moved, sd_b, opts,
                                         scales_fitted=rescale_from == "activations")
+
+
+# ---------------------------------------------------------------------------- layer by layer
+
+
+_CACHES = ("cache", "past_key_value", "past_key_values", "layer_past")  # a layer's cache arguments: none replayed
+
+
+def _no_cache(name: str, value) -> bool:
+    """Whether a layer's keyword argument is a cache (by its name, or a transformers ``Cache``)."""
+    if name in _CACHES:
+        return True
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, Cache)
+
+
+class LayerReplay:
+    """Both models' layers run one at a time over every batch: the inputs of the first layer are captured
+    once per batch from each model's own forward (its position embeddings, attention mask and other
+    arguments kept, any cache dropped), then layer ``i`` of each model is called on the outputs of layer
+    ``i − 1``: the same hidden states as the whole forward (the same calls), held for one layer boundary
+    only (batches × tokens × width per model). ``layers[k](i)``: model ``k``'s layer ``i`` as a callable."""
+
+    def __init__(self, layers, inputs, masks):
+        self.layers, self.inputs, self.masks = layers, inputs, masks
+
+    @classmethod
+    def of_models(cls, model_a, model_b, paths, data, progress: bool = False) -> "LayerReplay | None":
+        """The replay of two models in memory; None when their layers do not feed each other (a layer's
+        replayed output differs from the next layer's input in the model's own forward)."""
+        layers = [lambda i, m=m: m.get_submodule(paths[i]) for m in (model_a, model_b)]
+        return cls.of_forwards([model_a, model_b], layers, paths, data, progress)
+
+    @classmethod
+    def of_forwards(cls, models, layers, paths, data, progress: bool = False) -> "LayerReplay | None":
+        """``models[k](**inputs)`` runs model ``k`` (a module, or a callable that sets up one); its layer
+        modules are ``models[k]``'s at ``paths`` (the first two are hooked to capture their inputs)."""
+        inputs, masks = [[] for _ in models], []
+        first = True
+        for batch in bar(data, desc="first layer's inputs", total=len(data), unit="batch",
+                         disable=None if progress else True):
+            masks.append(batch.mask)
+            for k, run in enumerate(models):
+                module = run if isinstance(run, torch.nn.Module) else run.module
+                captured = _capture(module, run, paths[:2] if first else paths[:1], batch)
+                if captured is None:
+                    return None
+                if first and len(paths) > 1:  # the chain checked once, on the first batch: layer 0 replayed
+                    h, args, kwargs = captured[0]
+                    with torch.no_grad():
+                        out = _first(layers[k](0)(h, *args, **kwargs))
+                    if not torch.equal(out, captured[1][0]):
+                        return None
+                inputs[k].append(captured[0])
+            first = False
+        return cls(layers, inputs, masks)
+
+    def run(self, i: int):
+        """Every model's layer ``i`` over every batch, its outputs becoming the next layer's inputs; the hooks
+        registered on its modules fire per call (model 0 first, then model 1, batch by batch: ``on_batch(b)``
+        between batches)."""
+        with torch.no_grad():
+            for b in range(len(self.masks)):
+                for k, layer_of in enumerate(self.layers):
+                    h, args, kwargs = self.inputs[k][b]
+                    self.inputs[k][b] = (_first(layer_of(i)(h, *args, **kwargs)), args, kwargs)
+                yield b
+
+
+def _capture(module, run, paths, batch):
+    """``[(hidden, args, kwargs)]`` of the calls of the layers at ``paths`` in ``run``'s forward on ``batch``
+    (stopped after the last); None if one of them is not called with hidden states first."""
+    got = []
+
+    def hook(_module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not torch.is_tensor(hidden):
+            raise _Stop
+        rest = {k: (None if _no_cache(k, v) else v) for k, v in kwargs.items() if k != "hidden_states"}
+        if "use_cache" in rest:
+            rest["use_cache"] = False
+        got.append((hidden.detach(), tuple(None if _no_cache("", v) else v for v in args[1:]), rest))
+        if len(got) == len(paths):
+            raise _Stop
+
+    handles = [module.get_submodule(p).register_forward_pre_hook(hook, with_kwargs=True) for p in paths]
+    try:
+        with torch.no_grad():
+            (run.eval() if isinstance(run, torch.nn.Module) else run)(**batch.inputs)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return got if len(got) == len(paths) else None
+
+
+def _sites_by_layer(local, pseudo, sites: dict, paths) -> dict | None:
+    """``{layer index: (its instances, its sites)}`` when every instance and every site it reads lie in one
+    layer (a module under that layer's path); None otherwise."""
+    def layer_of(module: str):
+        hits = [i for i, p in enumerate(paths) if module.startswith(p + ".")]
+        return hits[0] if len(hits) == 1 else None
+
+    out: dict = {}
+    for inst in local:
+        where = {layer_of(s.key.rsplit("@", 1)[0]) for s in pseudo[inst.name].slots}
+        if len(where) != 1 or None in where:
+            return None
+        out.setdefault(where.pop(), ([], {}))[0].append(inst)
+    for key, site in sites.items():
+        i = layer_of(site.module)
+        if i is None or i not in out:
+            return None
+        out[i][1][key] = site
+    return dict(sorted(out.items()))
+
+
+def layer_statistics(replay: LayerReplay, i: int, sites: dict, modules) -> dict:
+    """``{site key: Joint}`` of layer ``i``'s ``sites`` while the replay runs it (``modules[k](name)``: model
+    ``k``'s module at a path)."""
+    cur: list[dict] = [{}, {}]
+    state = {"k": 0, "mask": None}
+    handles = []
+
+    def keep(k, key):
+        def store(x):
+            cur[k].setdefault(key, []).append(_tokens(x.detach(), state["mask"]))
+        return store
+
+    for k in range(2):
+        for key, site in sites.items():
+            mod = modules[k](site.module)
+            store = keep(k, key)
+            handles.append(mod.register_forward_hook(lambda m, a, o, store=store: store(_first(o)))
+                           if site.side == "out" else
+                           mod.register_forward_pre_hook(lambda m, a, kw, store=store:
+                                                         store(a[0] if a else kw["hidden_states"]), with_kwargs=True))
+    stats: dict = {}
+    try:
+        state["mask"] = replay.masks[0] if replay.masks else None
+        for b in replay.run(i):
+            for key in cur[0]:
+                a, bb = torch.cat(cur[0][key]), torch.cat(cur[1][key])
+                if key not in stats:
+                    stats[key] = Joint.empty(a.shape[1])
+                stats[key].add(a, bb)
+            cur[0], cur[1] = {}, {}
+            state["mask"] = replay.masks[b + 1] if b + 1 < len(replay.masks) else None
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def _match_by_layer(local, pseudo, layered, replay, weights_for, model_a, model_b, opts, rescale_from, progress,
+                    timings, t0) -> dict:
+    """:func:`match_activations` one layer at a time: layer ``i``'s statistics gathered while the replay runs
+    it, factored and solved, then freed before layer ``i + 1``: memory one layer's Grams."""
+    sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
+    modules = [model_a.get_submodule, model_b.get_submodule]
+    elements: dict = {}
+    spent = {"statistics": 0.0, "solve": 0.0}
+    corr = {s.key for i in local if i.kind.activation_statistic == "correlation" for s in pseudo[i.name].slots}
+    done = -1
+    for i, (insts, sites) in layered.items():
+        t1 = time.perf_counter()
+        for j in range(done + 1, i):  # layers with nothing to gather: run through
+            for _ in replay.run(j):
+                pass
+        stats = layer_statistics(replay, i, sites, modules)
+        done = i
+        t2 = time.perf_counter()
+        act_a, act_b = {}, {}
+        for key in list(stats):  # each Gram freed once factored
+            joint = stats.pop(key)
+            act_a[key], act_b[key] = factor(joint.correlation() if key in corr else joint.gram)
+            del joint
+        _fit_local(insts, pseudo, act_a, act_b, {}, weights_for, sd_a, sd_a, sd_b, opts, rescale_from, elements,
+                   None, first=[x for x in insts if x.kind.moves_before_scales])
+        del act_a, act_b
+        spent["statistics"] += t2 - t1
+        spent["solve"] += time.perf_counter() - t2
+        if progress is not None:
+            progress(f"layer {i}")
     if timings is not None:
-        timings["statistics"] = timings.get("statistics", 0.0) + t1 - t0
-        timings["solve"] = timings.get("solve", 0.0) + time.perf_counter() - t1
+        timings["statistics"] = timings.get("statistics", 0.0) + spent["statistics"] + (time.perf_counter() - t0
+                                                                                        - sum(spent.values()))
+        timings["solve"] = timings.get("solve", 0.0) + spent["solve"]
     return elements
