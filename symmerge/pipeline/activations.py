@@ -396,24 +396,11 @@ def _present(inst, tensors: dict):
     return replace(inst, slots=tuple(s for s in inst.slots if s.key in tensors))
 
 
-def match_activations(instances, model_a, model_b, data, opts: Options, progress=None, residual_fit: str = "procrustes",
-                      stream: str = "normalized", rescale_from: str = "weights", weights_for: tuple | None = None,
-                      timings: dict | None = None, bound=None, by_layer: bool | None = None) -> dict:
-    """``{instance name: element}`` for the instances active under ``opts``, fitted to the activations of
-    ``model_a`` (moved) and ``model_b`` (anchor) — both in the canonical form the groups act on — on the
-    unlabeled ``data``; see the module text for ``residual_fit``, ``stream`` and ``rescale_from``.
-    ``weights_for``: names of per-layer groups solved on the weights instead (exactly, given the stream
-    element and the groups before them); None: all of them when the residual stream is among the
-    groups, none otherwise (see the module text). ``timings``: seconds of the statistics pass and of the
-    solve are added to it. ``bound``: ``model_a``'s :class:`~symmerge.pipeline.bound.BoundModel` (bound
-    here when None). ``by_layer``: gather and solve one layer at a time (:class:`LayerReplay`), the same
-    elements in the memory of one layer's statistics; None: whenever no model-wide group nor a kind's own
-    statistics need the whole pass and the layers feed each other (else the whole pass); True: or an error."""
-    for value, allowed, what in ((residual_fit, RESIDUAL_FITS, "residual fit"), (stream, STREAM_MODES, "stream mode"),
-                                 (rescale_from, SCALE_SOURCES, "scale source")):
-        if value not in allowed:
-            raise SymmergeError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
-    t0 = time.perf_counter()
+def _plan(instances, model_a, opts, weights_for):
+    """What activation matching gathers and solves: ``(active, local, wide, observing, weights_for, pseudo,
+    sites)`` — the active instances, the per-layer and model-wide ones, those fitted to their kinds' own
+    statistics, the groups solved on the weights, every per-layer instance on its activation slots and the
+    sites to gather (``model_a``: module types only, a weightless model will do)."""
     active = [i for i in instances if i.kind.active(i, opts)]
     local = [i for i in active if i.kind.per_layer]
     wide = [i for i in active if not i.kind.per_layer]
@@ -437,6 +424,28 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
         pseudo[inst.name], found = _pseudo(model_a, inst)
         if inst.group.name not in weights_for:
             sites.update({s.key: s for s in found})
+    return active, local, wide, observing, weights_for, pseudo, sites
+
+
+def match_activations(instances, model_a, model_b, data, opts: Options, progress=None, residual_fit: str = "procrustes",
+                      stream: str = "normalized", rescale_from: str = "weights", weights_for: tuple | None = None,
+                      timings: dict | None = None, bound=None, by_layer: bool | None = None) -> dict:
+    """``{instance name: element}`` for the instances active under ``opts``, fitted to the activations of
+    ``model_a`` (moved) and ``model_b`` (anchor) — both in the canonical form the groups act on — on the
+    unlabeled ``data``; see the module text for ``residual_fit``, ``stream`` and ``rescale_from``.
+    ``weights_for``: names of per-layer groups solved on the weights instead (exactly, given the stream
+    element and the groups before them); None: all of them when the residual stream is among the
+    groups, none otherwise (see the module text). ``timings``: seconds of the statistics pass and of the
+    solve are added to it. ``bound``: ``model_a``'s :class:`~symmerge.pipeline.bound.BoundModel` (bound
+    here when None). ``by_layer``: gather and solve one layer at a time (:class:`LayerReplay`), the same
+    elements in the memory of one layer's statistics; None: whenever no model-wide group nor a kind's own
+    statistics need the whole pass and the layers feed each other (else the whole pass); True: or an error."""
+    for value, allowed, what in ((residual_fit, RESIDUAL_FITS, "residual fit"), (stream, STREAM_MODES, "stream mode"),
+                                 (rescale_from, SCALE_SOURCES, "scale source")):
+        if value not in allowed:
+            raise SymmergeError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+    t0 = time.perf_counter()
+    active, local, wide, observing, weights_for, pseudo, sites = _plan(instances, model_a, opts, weights_for)
     variant = wide[0].info.variant if wide else None
     if by_layer is not False and not wide and not observing:
         paths = boundaries(model_a, bound)
@@ -444,9 +453,9 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
         if layered is not None:
             replay = LayerReplay.of_models(model_a, model_b, paths, data, progress is not None)
             if replay is not None:
-                elements = _match_by_layer(local, pseudo, layered, replay, weights_for, model_a, model_b, opts,
-                                           rescale_from, progress, timings, t0)
-                return elements
+                sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
+                return _match_by_layer(local, pseudo, layered, replay, weights_for, lambda path: (sd_a, sd_b), opts,
+                                       rescale_from, progress, timings, t0, paths)
     if by_layer:
         raise SymmergeError("activation matching by layer needs per-layer groups only, whose activations lie inside "
                             "one layer each, and layers that feed each other")
@@ -550,8 +559,9 @@ class LayerReplay:
     ``i − 1``: the same hidden states as the whole forward (the same calls), held for one layer boundary
     only (batches × tokens × width per model). ``layers[k](i)``: model ``k``'s layer ``i`` as a callable."""
 
-    def __init__(self, layers, inputs, masks):
-        self.layers, self.inputs, self.masks = layers, inputs, masks
+    def __init__(self, layers, inputs, masks, modules):
+        self.layers, self.inputs, self.masks, self.modules = layers, inputs, masks, modules
+        self.current = 0  # the model whose layer runs
 
     @classmethod
     def of_models(cls, model_a, model_b, paths, data, progress: bool = False) -> "LayerReplay | None":
@@ -582,7 +592,8 @@ class LayerReplay:
                         return None
                 inputs[k].append(captured[0])
             first = False
-        return cls(layers, inputs, masks)
+        return cls(layers, inputs, masks, [(m if isinstance(m, torch.nn.Module) else m.module).get_submodule
+                                            for m in models])
 
     def run(self, i: int):
         """Every model's layer ``i`` over every batch, its outputs becoming the next layer's inputs; the hooks
@@ -591,28 +602,33 @@ class LayerReplay:
         with torch.no_grad():
             for b in range(len(self.masks)):
                 for k, layer_of in enumerate(self.layers):
+                    self.current = k
                     h, args, kwargs = self.inputs[k][b]
                     self.inputs[k][b] = (_first(layer_of(i)(h, *args, **kwargs)), args, kwargs)
                 yield b
 
 
 def _capture(module, run, paths, batch):
-    """``[(hidden, args, kwargs)]`` of the calls of the layers at ``paths`` in ``run``'s forward on ``batch``
-    (stopped after the last); None if one of them is not called with hidden states first."""
-    got = []
+    """``[(hidden, args, kwargs)]`` of the first calls of the layers at ``paths`` in ``run``'s forward on
+    ``batch`` (stopped after the last); None if one of them is not called with hidden states first."""
+    got: dict = {}
 
-    def hook(_module, args, kwargs):
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        if not torch.is_tensor(hidden):
-            raise _Stop
-        rest = {k: (None if _no_cache(k, v) else v) for k, v in kwargs.items() if k != "hidden_states"}
-        if "use_cache" in rest:
-            rest["use_cache"] = False
-        got.append((hidden.detach(), tuple(None if _no_cache("", v) else v for v in args[1:]), rest))
-        if len(got) == len(paths):
-            raise _Stop
+    def hook_of(path):
+        def hook(_module, args, kwargs):
+            if path in got:  # a layer run through functional_call inside its own call: seen once
+                return
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if not torch.is_tensor(hidden):
+                raise _Stop
+            rest = {k: (None if _no_cache(k, v) else v) for k, v in kwargs.items() if k != "hidden_states"}
+            if "use_cache" in rest:
+                rest["use_cache"] = False
+            got[path] = (hidden.detach(), tuple(None if _no_cache("", v) else v for v in args[1:]), rest)
+            if len(got) == len(paths):
+                raise _Stop
+        return hook
 
-    handles = [module.get_submodule(p).register_forward_pre_hook(hook, with_kwargs=True) for p in paths]
+    handles = [module.get_submodule(p).register_forward_pre_hook(hook_of(p), with_kwargs=True) for p in paths]
     try:
         with torch.no_grad():
             (run.eval() if isinstance(run, torch.nn.Module) else run)(**batch.inputs)
@@ -621,7 +637,7 @@ def _capture(module, run, paths, batch):
     finally:
         for h in handles:
             h.remove()
-    return got if len(got) == len(paths) else None
+    return [got[p] for p in paths] if len(got) == len(paths) else None
 
 
 def _sites_by_layer(local, pseudo, sites: dict, paths) -> dict | None:
@@ -645,26 +661,26 @@ def _sites_by_layer(local, pseudo, sites: dict, paths) -> dict | None:
     return dict(sorted(out.items()))
 
 
-def layer_statistics(replay: LayerReplay, i: int, sites: dict, modules) -> dict:
-    """``{site key: Joint}`` of layer ``i``'s ``sites`` while the replay runs it (``modules[k](name)``: model
-    ``k``'s module at a path)."""
+def layer_statistics(replay: "LayerReplay", i: int, sites: dict) -> dict:
+    """``{site key: Joint}`` of layer ``i``'s ``sites`` while the replay runs it (``replay.modules[k](path)``:
+    model ``k``'s module at a path; both models may share the modules: the hooks store under the model running)."""
     cur: list[dict] = [{}, {}]
-    state = {"k": 0, "mask": None}
-    handles = []
+    state = {"mask": None}
+    handles, hooked = [], set()
 
-    def keep(k, key):
-        def store(x):
-            cur[k].setdefault(key, []).append(_tokens(x.detach(), state["mask"]))
-        return store
+    def store(key, x):
+        cur[replay.current].setdefault(key, []).append(_tokens(x.detach(), state["mask"]))
 
     for k in range(2):
         for key, site in sites.items():
-            mod = modules[k](site.module)
-            store = keep(k, key)
-            handles.append(mod.register_forward_hook(lambda m, a, o, store=store: store(_first(o)))
+            mod = replay.modules[k](site.module)
+            if (id(mod), key) in hooked:
+                continue
+            hooked.add((id(mod), key))
+            handles.append(mod.register_forward_hook(lambda m, a, o, key=key: store(key, _first(o)))
                            if site.side == "out" else
-                           mod.register_forward_pre_hook(lambda m, a, kw, store=store:
-                                                         store(a[0] if a else kw["hidden_states"]), with_kwargs=True))
+                           mod.register_forward_pre_hook(lambda m, a, kw, key=key:
+                                                         store(key, a[0] if a else kw["hidden_states"]), with_kwargs=True))
     stats: dict = {}
     try:
         state["mask"] = replay.masks[0] if replay.masks else None
@@ -682,12 +698,12 @@ def layer_statistics(replay: LayerReplay, i: int, sites: dict, modules) -> dict:
     return stats
 
 
-def _match_by_layer(local, pseudo, layered, replay, weights_for, model_a, model_b, opts, rescale_from, progress,
-                    timings, t0) -> dict:
+def _match_by_layer(local, pseudo, layered, replay, weights_for, weights_of, opts, rescale_from, progress,
+                    timings, t0, paths) -> dict:
     """:func:`match_activations` one layer at a time: layer ``i``'s statistics gathered while the replay runs
-    it, factored and solved, then freed before layer ``i + 1``: memory one layer's Grams."""
-    sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
-    modules = [model_a.get_submodule, model_b.get_submodule]
+    it, factored and solved, then freed before layer ``i + 1``: memory one layer's Grams. ``weights_of(path)``:
+    ``(A's, B's)`` tensors of the layer at ``path`` (at least), for the groups solved on the weights and the
+    scales."""
     elements: dict = {}
     spent = {"statistics": 0.0, "solve": 0.0}
     corr = {s.key for i in local if i.kind.activation_statistic == "correlation" for s in pseudo[i.name].slots}
@@ -697,7 +713,7 @@ def _match_by_layer(local, pseudo, layered, replay, weights_for, model_a, model_
         for j in range(done + 1, i):  # layers with nothing to gather: run through
             for _ in replay.run(j):
                 pass
-        stats = layer_statistics(replay, i, sites, modules)
+        stats = layer_statistics(replay, i, sites)
         done = i
         t2 = time.perf_counter()
         act_a, act_b = {}, {}
@@ -705,8 +721,10 @@ def _match_by_layer(local, pseudo, layered, replay, weights_for, model_a, model_
             joint = stats.pop(key)
             act_a[key], act_b[key] = factor(joint.correlation() if key in corr else joint.gram)
             del joint
+        sd_a, sd_b = weights_of(paths[i])
         _fit_local(insts, pseudo, act_a, act_b, {}, weights_for, sd_a, sd_a, sd_b, opts, rescale_from, elements,
                    None, first=[x for x in insts if x.kind.moves_before_scales])
+        del sd_a, sd_b
         del act_a, act_b
         spent["statistics"] += t2 - t1
         spent["solve"] += time.perf_counter() - t2
@@ -717,3 +735,20 @@ def _match_by_layer(local, pseudo, layered, replay, weights_for, model_a, model_
                                                                                         - sum(spent.values()))
         timings["solve"] = timings.get("solve", 0.0) + spent["solve"]
     return elements
+
+
+def match_replayed(instances, model, replay: LayerReplay, paths, weights_of, opts: Options, progress=None,
+                   rescale_from: str = "weights", timings: dict | None = None) -> dict:
+    """:func:`match_activations` by layer on a given :class:`LayerReplay` (models whose layers are run by
+    other means: read layer by layer from their checkpoints); ``model``: the module types (weightless will
+    do); ``weights_of(path)``: ``(A's, B's)`` tensors of that layer. Per-layer groups only."""
+    if rescale_from not in SCALE_SOURCES:
+        raise SymmergeError(f"unknown scale source {rescale_from!r}; choose one of {', '.join(SCALE_SOURCES)}")
+    t0 = time.perf_counter()
+    _, local, wide, observing, weights_for, pseudo, sites = _plan(instances, model, opts, None)
+    layered = _sites_by_layer(local, pseudo, sites, paths) if not wide and not observing else None
+    if layered is None:
+        raise SymmergeError("activation matching by layer needs per-layer groups only, whose activations lie inside "
+                            "one layer each, and layers that feed each other")
+    return _match_by_layer(local, pseudo, layered, replay, weights_for, weights_of, opts, rescale_from, progress,
+                           timings, t0, paths)
