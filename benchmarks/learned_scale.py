@@ -279,6 +279,8 @@ def main(argv=None) -> int:
                 if saved.returncode:
                     rows.append({"size": size, "device": args.device,
                                  "error": (saved.stderr.strip().splitlines() or ["no output"])[-1][-200:]})
+                    if not args.work:
+                        shutil.rmtree(work, ignore_errors=True)
                     continue
             cmd += ["--from-files", "--work", str(work), "--positions", str(args.positions)]
         done = subprocess.run(cmd, capture_output=True, text=True)

@@ -134,14 +134,18 @@ options = AlignOptions(match="learned", align_data=data, verify_tol=1e-4,
                        learn=LearnSettings(steps=2, batch=4, check_every=2, layerwise=True, start="weights"))
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+def run(folder, **shape):
+    if sys.argv[2] == "files":
+        learn_from_checkpoints(folder + "/a", folder + "/b", data, options)
+    else:
+        cfg = llama_config(512, context=64, heads=4, kv_heads=2, tie=True, **shape)
+        torch.manual_seed(0); a = LlamaForCausalLM(cfg).eval()
+        torch.manual_seed(1); b = LlamaForCausalLM(cfg).eval()
+        align_pair(a, b, options)
+run(sys.argv[3] + "/tiny", hidden=512, layers=2, inner=1024)  # warm-up: the same code, modules and pools loaded
+import gc; gc.collect()
 before = rss()
-if sys.argv[2] == "files":
-    learn_from_checkpoints(sys.argv[3] + "/a", sys.argv[3] + "/b", data, options)
-else:
-    cfg = llama_config(512, context=64, hidden=512, layers=32, heads=4, kv_heads=2, inner=1024, tie=True)
-    torch.manual_seed(0); a = LlamaForCausalLM(cfg).eval()
-    torch.manual_seed(1); b = LlamaForCausalLM(cfg).eval()
-    align_pair(a, b, options)
+run(sys.argv[3], hidden=512, layers=32, inner=1024)
 print(json.dumps({"rise": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before}))
 """
 
@@ -159,6 +163,7 @@ def _rise(mode: str, folder: Path) -> int:
 @pytest.mark.slow  # two children, a minute or more on 2 loaded cores
 def test_from_checkpoints_peak_memory_stays_below_one_model(tmp_path):
     _llama_pair(tmp_path, layers=32, hidden=512, inner=1024)
+    _llama_pair(tmp_path / "tiny", layers=2, hidden=512, inner=1024)
     model_bytes = sum(t.numel() * 4 for t in _layers_and_outer(tmp_path / "a"))
     files, memory = _rise("files", tmp_path), _rise("memory", tmp_path)
     print(f"peak above the start: from the files {files / 1e6:.0f} MB, in memory {memory / 1e6:.0f} MB "
