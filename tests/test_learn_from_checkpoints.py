@@ -155,7 +155,7 @@ def _rise(mode: str, folder: Path) -> int:
     env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_ARENA_MAX": "1",
            "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "SYMMERGE_CACHE_DIR": str(folder / "cache")}
     done = subprocess.run([sys.executable, "-c", _CHILD, str(root), mode, str(folder)], capture_output=True,
-                          text=True, env=env, timeout=300)
+                          text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])["rise"]
 
