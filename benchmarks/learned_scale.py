@@ -13,7 +13,7 @@ Random weights say nothing about the quality of an alignment; the time and memor
 the values. Sizes: ``135m`` (SmolLM2-135M's shape), ``360m`` (SmolLM2-360M's), ``1b`` (Llama 3.2 1B's).
 
 ``--from-files``: the pair is first saved as safetensors folders (by a child process of its own, under
-``--work``), then aligned by :func:`symmerge.pipeline.learn_layerwise.learn_from_checkpoints` — neither model
+``--work``), then aligned by :func:`symmerge.pipeline.learn_layerwise_files.learn_from_checkpoints` — neither model
 in memory, every layer read from the files when it runs — in the measured child; ``--start none`` there
 learns from the identity (the learned steps' time and memory alone, without the closed-form start).
 
@@ -83,10 +83,10 @@ def save(size: str, folder: str, length: int) -> None:
 
 def one_from_files(size: str, folder: str, steps: int, texts: int, length: int, batch: int, precision: str,
                    start: str, positions: int) -> dict:
-    """One size learned from its saved folders (:func:`learn_from_checkpoints`): the row of :func:`one`."""
+    """One size learned from its saved folders (:func:`symmerge.pipeline.learn_layerwise_files.learn_from_checkpoints`): the row of :func:`one`."""
     import symmerge.pipeline.learn as learn_module
 
-    from symmerge.pipeline.learn_layerwise import learn_from_checkpoints
+    from symmerge.pipeline.learn_layerwise_files import learn_from_checkpoints
     from symmerge.pipeline.options import AlignOptions, LearnSettings
 
     vocab = SHAPES[size][0]

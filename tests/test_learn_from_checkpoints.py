@@ -18,7 +18,8 @@ from symmerge.core.apply import apply
 from symmerge.errors import SymmergeError
 from symmerge.io.data import Batch, Data
 from symmerge.pipeline.align import align_pair, instances_for
-from symmerge.pipeline.learn_layerwise import LayerTensors, learn_from_checkpoints, paths_of, weightless
+from symmerge.pipeline.learn_layerwise import LayerTensors, paths_of
+from symmerge.pipeline.learn_layerwise_files import learn_from_checkpoints, weightless
 from symmerge.pipeline.options import AlignOptions, LearnSettings
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -86,7 +87,7 @@ def test_layer_tensors_are_the_start_applied_one_layer_at_a_time(tmp_path):
 
 def test_weightless_skeleton_holds_no_weight_and_computes_the_model(tmp_path):
     from symmerge.io.checkpoint import LazyCheckpoint
-    from symmerge.pipeline.learn_layerwise import CheckpointTensors, _Runner
+    from symmerge.pipeline.learn_layerwise_files import CheckpointTensors, _Runner
 
     a, _ = _llama_pair(tmp_path)
     ckpt = LazyCheckpoint(tmp_path / "a")
@@ -124,7 +125,7 @@ from transformers import LlamaForCausalLM
 from symmerge.demo.lm import llama_config
 from symmerge.io.data import Batch, Data
 from symmerge.pipeline.align import align_pair
-from symmerge.pipeline.learn_layerwise import learn_from_checkpoints
+from symmerge.pipeline.learn_layerwise_files import learn_from_checkpoints
 from symmerge.pipeline.options import AlignOptions, LearnSettings
 import safetensors.torch, scipy.optimize  # noqa: F401  (loaded before the measurement)
 ids = torch.randint(1, 512, (8, 24), generator=torch.Generator().manual_seed(2))
