@@ -145,13 +145,15 @@ def learn_from_checkpoints(model, anchor, data, options, progress=None, start: d
     from .activations import LayerReplay, match_replayed
     from .engine import solve_local
     from .learn import _learn_round
+    from .matchers import matcher
     from .stream import _bound_malloc, layer_instances
     from .verify import verify_elements
 
     t0 = time.perf_counter()
     _bound_malloc(1 << 20)  # freed layer tensors go back to the OS (glibc), not into a heap that only grows
-    if options.match != "learned":
-        raise SymmergeError(f"learning from checkpoints runs --match learned, not {options.match!r}")
+    if not matcher(options.match).learns:  # the learned matcher's settings, whatever its name
+        raise SymmergeError(f"learning from checkpoints runs a learned matcher (--match learned), not "
+                            f"{options.match!r}")
     ckpt_a, ckpt_b = LazyCheckpoint(model), LazyCheckpoint(anchor)
     if ckpt_a.shape != ckpt_b.shape:
         raise SymmergeError(f"{model} and {anchor}: different tensor names or shapes")
