@@ -12,8 +12,13 @@ run (the closed form, the predictions and ``--full-steps`` steps; the default re
 Random weights say nothing about the quality of an alignment; the time and memory of a step do not depend on
 the values. Sizes: ``135m`` (SmolLM2-135M's shape), ``360m`` (SmolLM2-360M's), ``1b`` (Llama 3.2 1B's).
 
+``--from-files``: the pair is first saved as safetensors folders (by a child process of its own, under
+``--work``), then aligned by :func:`symmerge.pipeline.learn_layerwise_files.learn_from_checkpoints` — neither model
+in memory, every layer read from the files when it runs — in the measured child; ``--start none`` there
+learns from the identity (the learned steps' time and memory alone, without the closed-form start).
+
     python -m benchmarks.learned_scale [--sizes 135m,360m] [--device cpu|cuda] [--steps 5] [--layerwise]
-        [--start activations|weights] [--out DIR]
+        [--start activations|weights|none] [--from-files] [--positions N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +48,93 @@ SHAPES = {
 def rss_gb() -> float:
     """This process's peak resident set so far, in GB (Linux reports KB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def random_tokens(vocab: int, texts: int, length: int, batch: int):
+    """``texts`` random token sequences of ``length`` tokens in batches of ``batch``, as alignment data."""
+    from symmerge.io.data import Batch, Data
+
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, vocab, (texts, length), generator=g)
+    batches = [Batch({"input_ids": ids[i:i + batch], "attention_mask": torch.ones_like(ids[i:i + batch])}, None,
+                     torch.ones_like(ids[i:i + batch], dtype=torch.bool)) for i in range(0, texts, batch)]
+    return Data(path="random tokens", format="lm", batches=batches, n=texts, labeled=False)
+
+
+def config_of(size: str, length: int):
+    from symmerge.demo.lm import llama_config
+
+    vocab, hidden, layers, heads, kv, inner = SHAPES[size]
+    return llama_config(vocab, context=max(length, 128), hidden=hidden, layers=layers, heads=heads, kv_heads=kv,
+                        inner=inner, tie=True)
+
+
+def save(size: str, folder: str, length: int) -> None:
+    """The pair of ``size`` (seeds 0 and 1) saved as safetensors folders ``folder``/a and ``folder``/b, one
+    model in memory at a time."""
+    from transformers import LlamaForCausalLM
+
+    for seed, name in ((0, "a"), (1, "b")):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config_of(size, length)).eval()
+        model.save_pretrained(Path(folder) / name)
+        del model
+
+
+def one_from_files(size: str, folder: str, steps: int, texts: int, length: int, batch: int, precision: str,
+                   start: str, positions: int) -> dict:
+    """One size learned from its saved folders (:func:`symmerge.pipeline.learn_layerwise_files.learn_from_checkpoints`): the row of :func:`one`."""
+    import symmerge.pipeline.learn as learn_module
+
+    from symmerge.pipeline.learn_layerwise_files import learn_from_checkpoints
+    from symmerge.pipeline.options import AlignOptions, LearnSettings
+
+    vocab = SHAPES[size][0]
+    params = _folder_params(folder)
+    data = random_tokens(vocab, texts, length, batch)
+    learn = LearnSettings(steps=steps, batch=batch, augment=0, precision=precision, check_every=max(steps, 1),
+                          layerwise=True, start="weights" if start == "none" else start, positions=positions)
+    options = AlignOptions(match="learned", align_data=data, align_samples=texts, learn=learn)
+    marks = {}
+    round_ = learn_module._learn_round
+
+    def timed(*args, **kwargs):  # the peak RSS of everything before learning: the closed-form start
+        marks["rss"] = rss_gb()
+        return round_(*args, **kwargs)
+    learn_module._learn_round = timed
+    base = rss_gb()
+    t = time.perf_counter()
+    _, report = learn_from_checkpoints(Path(folder) / "a", Path(folder) / "b", data, options,
+                                       start={} if start == "none" else None)
+    wall = time.perf_counter() - t
+    learned = report["learned"]
+    stages = learned.get("seconds_by_stage", {})
+    done = max(learned.get("steps", 0), 1)
+    return {"size": size, "parameters": params, "device": "cpu", "precision": precision, "layerwise": True,
+            "from_files": True, "start": start, "start_peak_rss_gb": marks.get("rss"), "texts": texts,
+            "length": length, "batch": batch, "positions": positions, "steps": learned.get("steps"),
+            "build_seconds": report["open_seconds"], "align_seconds": wall,
+            "closed_form_seconds": report["closed_form_seconds"],
+            "targets_seconds": stages.get("targets"), "checks_seconds": stages.get("checks"),
+            "seconds_per_step": stages.get("steps", 0.0) / done, "peak_rss_gb": rss_gb(), "models_rss_gb": base,
+            "cuda_peak_gb": None, "verify_max_rel_diff": report.get("verify_max_rel_diff")}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _folder_params(folder: str) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted((Path(folder) / "a").glob("*.safetensors")):
+        with safe_open(str(f), "pt") as handle:
+            total += sum(_numel(handle.get_slice(k).get_shape()) for k in handle.keys())
+    return total
 
 
 def one(size: str, device: str, steps: int, texts: int, length: int, batch: int, precision: str,
@@ -108,7 +202,7 @@ def extrapolated(row: dict, full_steps: int) -> float:
 
 
 def table(rows: list, full_steps: int) -> str:
-    head = (f"{'size':>5} {'params':>8} {'dev':>5} {'path':>18} {'closed s':>8} {'targets s':>9} {'s/step':>7} "
+    head = (f"{'size':>5} {'params':>8} {'dev':>5} {'path':>24} {'closed s':>8} {'targets s':>9} {'s/step':>7} "
             f"{'start GB':>8} {'peak RSS GB':>11} {'models GB':>9} {'CUDA GB':>7} {f'full ({full_steps}) min':>14}")
     lines = [head]
     for r in rows:
@@ -116,9 +210,10 @@ def table(rows: list, full_steps: int) -> str:
             lines.append(f"{r['size']:>5} {'':>8} {r['device']:>5} failed: {r['error']}")
             continue
         cuda = f"{r['cuda_peak_gb']:.1f}" if r["cuda_peak_gb"] is not None else "-"
-        path = f"{r.get('start', 'activations')}{'+layerwise' if r.get('layerwise') else ''}"
+        path = (f"{r.get('start', 'activations')}{'+layerwise' if r.get('layerwise') else ''}"
+                f"{'+files' if r.get('from_files') else ''}")
         start = f"{r['start_peak_rss_gb']:.1f}" if r.get("start_peak_rss_gb") is not None else "-"
-        lines.append(f"{r['size']:>5} {r['parameters'] / 1e6:>7.0f}M {r['device']:>5} {path:>18} "
+        lines.append(f"{r['size']:>5} {r['parameters'] / 1e6:>7.0f}M {r['device']:>5} {path:>24} "
                      f"{r['closed_form_seconds']:>8.1f} {r['targets_seconds']:>9.1f} {r['seconds_per_step']:>7.2f} "
                      f"{start:>8} {r['peak_rss_gb']:>11.1f} "
                      f"{r['models_rss_gb']:>9.1f} {cuda:>7} {extrapolated(r, full_steps) / 60:>14.1f}")
@@ -136,8 +231,15 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--precision", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--layerwise", action="store_true", help="layer-wise learned steps (LearnSettings.layerwise)")
-    p.add_argument("--start", default="activations", choices=("activations", "weights"),
-                   help="the closed-form start (LearnSettings.start; default activations)")
+    p.add_argument("--start", default="activations", choices=("activations", "weights", "none"),
+                   help="the closed-form start (LearnSettings.start; default activations; none: the identity, "
+                        "with --from-files only)")
+    p.add_argument("--from-files", action="store_true",
+                   help="save the pair first, then learn layer by layer from the files (learn_from_checkpoints)")
+    p.add_argument("--positions", type=int, default=0,
+                   help="scored positions per batch (LearnSettings.positions; 0: all)")
+    p.add_argument("--work", help="--from-files: where the pair is saved (default: a temporary folder, removed)")
+    p.add_argument("--save", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--out", help="write results.json here (a new or empty folder)")
@@ -145,10 +247,19 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.save:
+        save(args.save, args.work, args.length)
+        return 0
+    if args.one and args.from_files:
+        print(json.dumps(one_from_files(args.one, args.work, args.steps, args.texts, args.length, args.batch,
+                                        args.precision, args.start, args.positions)))
+        return 0
     if args.one:
         print(json.dumps(one(args.one, args.device, args.steps, args.texts, args.length, args.batch, args.precision,
                              args.layerwise, args.start)))
         return 0
+    if args.start == "none" and not args.from_files:
+        p.error("--start none needs --from-files")
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SHAPES]
     if unknown:
@@ -159,7 +270,22 @@ def main(argv=None) -> int:
                "--steps", str(args.steps), "--texts", str(args.texts), "--length", str(args.length),
                "--batch", str(args.batch), "--precision", args.precision, "--threads", str(args.threads),
                "--start", args.start, *(["--layerwise"] if args.layerwise else [])]
+        work = None
+        if args.from_files:
+            work = Path(args.work) / size if args.work else Path(tempfile.mkdtemp(prefix=f"learned_scale_{size}_"))
+            if not (work / "b" / "config.json").exists():
+                saved = subprocess.run([sys.executable, "-m", "benchmarks.learned_scale", "--save", size, "--work",
+                                        str(work), "--length", str(args.length)], capture_output=True, text=True)
+                if saved.returncode:
+                    rows.append({"size": size, "device": args.device,
+                                 "error": (saved.stderr.strip().splitlines() or ["no output"])[-1][-200:]})
+                    if not args.work:
+                        shutil.rmtree(work, ignore_errors=True)
+                    continue
+            cmd += ["--from-files", "--work", str(work), "--positions", str(args.positions)]
         done = subprocess.run(cmd, capture_output=True, text=True)
+        if work is not None and not args.work:
+            shutil.rmtree(work, ignore_errors=True)
         if done.returncode:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
             rows.append({"size": size, "device": args.device, "error": tail[-200:]})

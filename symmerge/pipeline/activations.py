@@ -396,22 +396,11 @@ def _present(inst, tensors: dict):
     return replace(inst, slots=tuple(s for s in inst.slots if s.key in tensors))
 
 
-def match_activations(instances, model_a, model_b, data, opts: Options, progress=None, residual_fit: str = "procrustes",
-                      stream: str = "normalized", rescale_from: str = "weights", weights_for: tuple | None = None,
-                      timings: dict | None = None, bound=None) -> dict:
-    """``{instance name: element}`` for the instances active under ``opts``, fitted to the activations of
-    ``model_a`` (moved) and ``model_b`` (anchor) — both in the canonical form the groups act on — on the
-    unlabeled ``data``; see the module text for ``residual_fit``, ``stream`` and ``rescale_from``.
-    ``weights_for``: names of per-layer groups solved on the weights instead (exactly, given the stream
-    element and the groups before them); None: all of them when the residual stream is among the
-    groups, none otherwise (see the module text). ``timings``: seconds of the statistics pass and of the
-    solve are added to it. ``bound``: ``model_a``'s :class:`~symmerge.pipeline.bound.BoundModel` (bound
-    here when None)."""
-    for value, allowed, what in ((residual_fit, RESIDUAL_FITS, "residual fit"), (stream, STREAM_MODES, "stream mode"),
-                                 (rescale_from, SCALE_SOURCES, "scale source")):
-        if value not in allowed:
-            raise SymmergeError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
-    t0 = time.perf_counter()
+def _plan(instances, model_a, opts, weights_for):
+    """What activation matching gathers and solves: ``(active, local, wide, observing, weights_for, pseudo,
+    sites)`` — the active instances, the per-layer and model-wide ones, those fitted to their kinds' own
+    statistics, the groups solved on the weights, every per-layer instance on its activation slots and the
+    sites to gather (``model_a``: module types only, a weightless model will do)."""
     active = [i for i in instances if i.kind.active(i, opts)]
     local = [i for i in active if i.kind.per_layer]
     wide = [i for i in active if not i.kind.per_layer]
@@ -435,7 +424,41 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
         pseudo[inst.name], found = _pseudo(model_a, inst)
         if inst.group.name not in weights_for:
             sites.update({s.key: s for s in found})
+    return active, local, wide, observing, weights_for, pseudo, sites
+
+
+def match_activations(instances, model_a, model_b, data, opts: Options, progress=None, residual_fit: str = "procrustes",
+                      stream: str = "normalized", rescale_from: str = "weights", weights_for: tuple | None = None,
+                      timings: dict | None = None, bound=None, by_layer: bool | None = None) -> dict:
+    """``{instance name: element}`` for the instances active under ``opts``, fitted to the activations of
+    ``model_a`` (moved) and ``model_b`` (anchor) — both in the canonical form the groups act on — on the
+    unlabeled ``data``; see the module text for ``residual_fit``, ``stream`` and ``rescale_from``.
+    ``weights_for``: names of per-layer groups solved on the weights instead (exactly, given the stream
+    element and the groups before them); None: all of them when the residual stream is among the
+    groups, none otherwise (see the module text). ``timings``: seconds of the statistics pass and of the
+    solve are added to it. ``bound``: ``model_a``'s :class:`~symmerge.pipeline.bound.BoundModel` (bound
+    here when None). ``by_layer``: gather and solve one layer at a time (:class:`LayerReplay`), the same
+    elements in the memory of one layer's statistics; None: whenever no model-wide group nor a kind's own
+    statistics need the whole pass and the layers feed each other (else the whole pass); True: or an error."""
+    for value, allowed, what in ((residual_fit, RESIDUAL_FITS, "residual fit"), (stream, STREAM_MODES, "stream mode"),
+                                 (rescale_from, SCALE_SOURCES, "scale source")):
+        if value not in allowed:
+            raise SymmergeError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+    t0 = time.perf_counter()
+    active, local, wide, observing, weights_for, pseudo, sites = _plan(instances, model_a, opts, weights_for)
     variant = wide[0].info.variant if wide else None
+    if by_layer is not False and not wide and not observing:
+        paths = boundaries(model_a, bound)
+        layered = _sites_by_layer(local, pseudo, sites, paths)
+        if layered is not None:
+            replay = LayerReplay.of_models(model_a, model_b, paths, data, progress is not None)
+            if replay is not None:
+                sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
+                return _match_by_layer(local, _Solving(pseudo, weights_for, opts, rescale_from), layered, replay,
+                                       lambda path: (sd_a, sd_b), progress, timings, t0, paths)
+    if by_layer:
+        raise SymmergeError("activation matching by layer needs per-layer groups only, whose activations lie inside "
+                            "one layer each, and layers that feed each other")
     stats = gather(model_a, model_b, data, list(sites.values()), variant, stream, progress=progress is not None,
                    bound=bound, observers=observing)
     observed = {i.name: stats.pop(i.name) for i in observing if i.name in stats}
@@ -455,10 +478,39 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
         joint = stats.pop(key)
         act_a[key], act_b[key] = factor(joint.correlation() if key in corr_keys else joint.gram)
         del joint
+    _fit_local(local, _Solving(pseudo, weights_for, opts, rescale_from), (act_a, act_b), observed,
+               apply(sd_a, wide, elements), (sd_a, sd_b), elements, progress,
+               first=[i for i in active if not i.kind.per_layer or i.kind.moves_before_scales])
+    if timings is not None:
+        timings["statistics"] = timings.get("statistics", 0.0) + t1 - t0
+        timings["solve"] = timings.get("solve", 0.0) + time.perf_counter() - t1
+    return elements
+
+
+@dataclass(frozen=True)
+class _Solving:
+    """What solving the per-layer groups reads in every layer: ``pseudo`` (the instances on the activation
+    factors), ``weights_for`` (the groups solved on the weights), the solver options and the scales' source."""
+
+    pseudo: dict
+    weights_for: object
+    opts: Options
+    rescale_from: str
+
+
+def _fit_local(local, solving: _Solving, acts: tuple, observed, moved_w, sds: tuple, elements, progress, first):
+    """The per-layer groups ``local`` solved in the spec's order, their elements added to ``elements``: from
+    the activation factors ``acts`` = (A's, B's) (``solving.pseudo``: the instances on them), the kinds'
+    ``observed`` statistics, or the weights (``solving.weights_for``; ``moved_w``: A's weights moved by the
+    model-wide groups; ``sds``: A's and B's state dicts); then, with ``opts.rescale``, the scales from the weights
+    on A moved by the ``first`` instances."""
+    act_a, act_b = acts
+    sd_a, sd_b = sds
+    pseudo, weights_for, opts, rescale_from = solving.pseudo, solving.weights_for, solving.opts, solving.rescale_from
     rotations = opts if rescale_from == "activations" else replace(opts, rescale="none")
-    moved_w, moved_act = apply(sd_a, wide, elements), act_a
+    moved_act = act_a
     by_weights = SolveContext(local)
-    by_acts = SolveContext(list(pseudo.values()))
+    by_acts = SolveContext([pseudo[i.name] for i in local])
     fitted = []  # instances fitted to activations (their scales follow)
     joint: dict = {}  # elements of groups solved jointly with an earlier one (the FFN inside each expert)
     for name, insts in by_group(local).items():  # in the spec's order: head pairing first
@@ -491,12 +543,226 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
             progress(name)
 
     if opts.rescale != "none":  # scales from the weights, on A moved by the stream and head pairing
-        first = [i for i in active if not i.kind.per_layer or i.kind.moves_before_scales]
         moved = apply(sd_a, first, elements)
         for insts in by_group(fitted).values():
             insts[0].kind.weight_scales(insts, elements, moved, sd_b, opts,
                                         scales_fitted=rescale_from == "activations")
+
+
+# ---------------------------------------------------------------------------- layer by layer
+
+
+_CACHES = ("cache", "past_key_value", "past_key_values", "layer_past")  # a layer's cache arguments: none replayed
+
+
+def _no_cache(name: str, value) -> bool:
+    """Whether a layer's keyword argument is a cache (by its name, or a transformers ``Cache``)."""
+    if name in _CACHES:
+        return True
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, Cache)
+
+
+class LayerReplay:
+    """Both models' layers run one at a time over every batch: the inputs of the first layer are captured
+    once per batch from each model's own forward (its position embeddings, attention mask and other
+    arguments kept, any cache dropped), then layer ``i`` of each model is called on the outputs of layer
+    ``i − 1``: the same hidden states as the whole forward (the same calls), held for one layer boundary
+    only (batches × tokens × width per model). ``layers[k](i)``: model ``k``'s layer ``i`` as a callable."""
+
+    def __init__(self, layers, inputs, masks, modules):
+        self.layers, self.inputs, self.masks, self.modules = layers, inputs, masks, modules
+        self.current = 0  # the model whose layer runs
+
+    @classmethod
+    def of_models(cls, model_a, model_b, paths, data, progress: bool = False) -> "LayerReplay | None":
+        """The replay of two models in memory; None when their layers do not feed each other (a layer's
+        replayed output differs from the next layer's input in the model's own forward)."""
+        layers = [lambda i, m=m: m.get_submodule(paths[i]) for m in (model_a, model_b)]
+        return cls.of_forwards([model_a, model_b], layers, paths, data, progress)
+
+    @classmethod
+    def of_forwards(cls, models, layers, paths, data, progress: bool = False) -> "LayerReplay | None":
+        """``models[k](**inputs)`` runs model ``k`` (a module, or a callable that sets up one); its layer
+        modules are ``models[k]``'s at ``paths`` (the first two are hooked to capture their inputs)."""
+        inputs, masks = [[] for _ in models], []
+        first = True
+        for batch in bar(data, desc="first layer's inputs", total=len(data), unit="batch",
+                         disable=None if progress else True):
+            masks.append(batch.mask)
+            for k, run in enumerate(models):
+                module = run if isinstance(run, torch.nn.Module) else run.module
+                captured = _capture(module, run, paths[:2] if first else paths[:1], batch)
+                if captured is None:
+                    return None
+                if first and len(paths) > 1:  # the chain checked once, on the first batch: layer 0 replayed
+                    h, args, kwargs = captured[0]
+                    with torch.no_grad():
+                        out = _first(layers[k](0)(h, *args, **kwargs))
+                    if not torch.equal(out, captured[1][0]):
+                        return None
+                inputs[k].append(captured[0])
+            first = False
+        return cls(layers, inputs, masks, [(m if isinstance(m, torch.nn.Module) else m.module).get_submodule
+                                            for m in models])
+
+    def run(self, i: int):
+        """Every model's layer ``i`` over every batch, its outputs becoming the next layer's inputs; the hooks
+        registered on its modules fire per call (model 0 first, then model 1, batch by batch: ``on_batch(b)``
+        between batches)."""
+        with torch.no_grad():
+            for b in range(len(self.masks)):
+                for k, layer_of in enumerate(self.layers):
+                    self.current = k
+                    h, args, kwargs = self.inputs[k][b]
+                    self.inputs[k][b] = (_first(layer_of(i)(h, *args, **kwargs)), args, kwargs)
+                yield b
+
+
+def _capture(module, run, paths, batch):
+    """``[(hidden, args, kwargs)]`` of the first calls of the layers at ``paths`` in ``run``'s forward on
+    ``batch`` (stopped after the last); None if one of them is not called with hidden states first."""
+    got: dict = {}
+
+    def hook_of(path):
+        def hook(_module, args, kwargs):
+            if path in got:  # a layer run through functional_call inside its own call: seen once
+                return
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if not torch.is_tensor(hidden):
+                raise _Stop
+            rest = {k: (None if _no_cache(k, v) else v) for k, v in kwargs.items() if k != "hidden_states"}
+            if "use_cache" in rest:
+                rest["use_cache"] = False
+            got[path] = (hidden.detach(), tuple(None if _no_cache("", v) else v for v in args[1:]), rest)
+            if len(got) == len(paths):
+                raise _Stop
+        return hook
+
+    handles = [module.get_submodule(p).register_forward_pre_hook(hook_of(p), with_kwargs=True) for p in paths]
+    try:
+        with torch.no_grad():
+            (run.eval() if isinstance(run, torch.nn.Module) else run)(**batch.inputs)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return [got[p] for p in paths] if len(got) == len(paths) else None
+
+
+def _sites_by_layer(local, pseudo, sites: dict, paths) -> dict | None:
+    """``{layer index: (its instances, its sites)}`` when every instance and every site it reads lie in one
+    layer (a module under that layer's path); None otherwise."""
+    def layer_of(module: str):
+        hits = [i for i, p in enumerate(paths) if module.startswith(p + ".")]
+        return hits[0] if len(hits) == 1 else None
+
+    out: dict = {}
+    for inst in local:
+        where = {layer_of(s.key.rsplit("@", 1)[0]) for s in pseudo[inst.name].slots}
+        if len(where) != 1 or None in where:
+            return None
+        out.setdefault(where.pop(), ([], {}))[0].append(inst)
+    for key, site in sites.items():
+        i = layer_of(site.module)
+        if i is None or i not in out:
+            return None
+        out[i][1][key] = site
+    return dict(sorted(out.items()))
+
+
+def layer_statistics(replay: "LayerReplay", i: int, sites: dict) -> dict:
+    """``{site key: Joint}`` of layer ``i``'s ``sites`` while the replay runs it (``replay.modules[k](path)``:
+    model ``k``'s module at a path; both models may share the modules: the hooks store under the model running)."""
+    cur: list[dict] = [{}, {}]
+    state = {"mask": None}
+    handles, hooked = [], set()
+
+    def store(key, x):
+        cur[replay.current].setdefault(key, []).append(_tokens(x.detach(), state["mask"]))
+
+    for k in range(2):
+        for key, site in sites.items():
+            mod = replay.modules[k](site.module)
+            if (id(mod), key) in hooked:
+                continue
+            hooked.add((id(mod), key))
+            handles.append(mod.register_forward_hook(lambda m, a, o, key=key: store(key, _first(o)))
+                           if site.side == "out" else
+                           mod.register_forward_pre_hook(lambda m, a, kw, key=key:
+                                                         store(key, a[0] if a else kw["hidden_states"]), with_kwargs=True))
+    stats: dict = {}
+    try:
+        state["mask"] = replay.masks[0] if replay.masks else None
+        for b in replay.run(i):
+            for key in cur[0]:
+                a, bb = torch.cat(cur[0][key]), torch.cat(cur[1][key])
+                if key not in stats:
+                    stats[key] = Joint.empty(a.shape[1])
+                stats[key].add(a, bb)
+            cur[0], cur[1] = {}, {}
+            state["mask"] = replay.masks[b + 1] if b + 1 < len(replay.masks) else None
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def _match_by_layer(local, solving: _Solving, layered, replay, weights_of, progress, timings, t0, paths) -> dict:
+    """:func:`match_activations` one layer at a time: layer ``i``'s statistics gathered while the replay runs
+    it, factored and solved, then freed before layer ``i + 1``: memory one layer's Grams. ``weights_of(path)``:
+    ``(A's, B's)`` tensors of the layer at ``path`` (at least), for the groups solved on the weights and the
+    scales."""
+    elements: dict = {}
+    spent = {"statistics": 0.0, "solve": 0.0}
+    pseudo = solving.pseudo
+    corr = {s.key for i in local if i.kind.activation_statistic == "correlation" for s in pseudo[i.name].slots}
+    done = -1
+    for i, (insts, sites) in layered.items():
+        t1 = time.perf_counter()
+        for j in range(done + 1, i):  # layers with nothing to gather: run through
+            for _ in replay.run(j):
+                pass
+        stats = layer_statistics(replay, i, sites)
+        done = i
+        t2 = time.perf_counter()
+        act_a, act_b = {}, {}
+        for key in list(stats):  # each Gram freed once factored
+            joint = stats.pop(key)
+            act_a[key], act_b[key] = factor(joint.correlation() if key in corr else joint.gram)
+            del joint
+        sd_a, sd_b = weights_of(paths[i])
+        _fit_local(insts, solving, (act_a, act_b), {}, sd_a, (sd_a, sd_b), elements, None,
+                   first=[x for x in insts if x.kind.moves_before_scales])
+        del sd_a, sd_b
+        del act_a, act_b
+        spent["statistics"] += t2 - t1
+        spent["solve"] += time.perf_counter() - t2
+        if progress is not None:
+            progress(f"layer {i}")
     if timings is not None:
-        timings["statistics"] = timings.get("statistics", 0.0) + t1 - t0
-        timings["solve"] = timings.get("solve", 0.0) + time.perf_counter() - t1
+        timings["statistics"] = timings.get("statistics", 0.0) + spent["statistics"] + (time.perf_counter() - t0
+                                                                                        - sum(spent.values()))
+        timings["solve"] = timings.get("solve", 0.0) + spent["solve"]
     return elements
+
+
+def match_replayed(instances, model, replay: LayerReplay, paths, weights_of, opts: Options, progress=None,
+                   rescale_from: str = "weights", timings: dict | None = None) -> dict:
+    """:func:`match_activations` by layer on a given :class:`LayerReplay` (models whose layers are run by
+    other means: read layer by layer from their checkpoints); ``model``: the module types (weightless will
+    do); ``weights_of(path)``: ``(A's, B's)`` tensors of that layer. Per-layer groups only."""
+    if rescale_from not in SCALE_SOURCES:
+        raise SymmergeError(f"unknown scale source {rescale_from!r}; choose one of {', '.join(SCALE_SOURCES)}")
+    t0 = time.perf_counter()
+    _, local, wide, observing, weights_for, pseudo, sites = _plan(instances, model, opts, None)
+    layered = _sites_by_layer(local, pseudo, sites, paths) if not wide and not observing else None
+    if layered is None:
+        raise SymmergeError("activation matching by layer needs per-layer groups only, whose activations lie inside "
+                            "one layer each, and layers that feed each other")
+    return _match_by_layer(local, _Solving(pseudo, weights_for, opts, rescale_from), layered, replay, weights_of,
+                           progress, timings, t0, paths)

@@ -41,7 +41,6 @@ from ..device import resolve_device
 from ..errors import SymmergeError
 from ..groups.base import Options
 from ..io.data import Batch, Data
-from .bound import bind
 from .engine import solve
 from .verify import with_state_dict
 
@@ -412,10 +411,15 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
     instances, skeleton, model, ca, cb, data = lg.instances, lg.skeleton, lg.model, lg.ca, lg.cb, lg.data
     settings, opts, steps, progress, on_step, t0 = lg.settings, lg.opts, lg.steps, lg.progress, lg.on_step, lg.t0
 
-    a0 = apply(ca, instances, start)
     dtype, dev = torch.float32, opts.device or torch.device("cpu")
-    work_a = {k: v.detach().to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in a0.items()}
-    work_b = {k: v.detach().to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in cb.items()}
+    if settings.layerwise:  # A moved by the start, and B, built one layer at a time when a layer runs
+        from .learn_layerwise import paths_of, working_tensors
+
+        work_a, work_b = working_tensors(skeleton, ca, cb, instances, start, dtype, dev)
+    else:
+        a0 = apply(ca, instances, start)
+        work_a = {k: v.detach().to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in a0.items()}
+        work_b = {k: v.detach().to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in cb.items()}
     params = _Parameters(instances, opts, dtype, {"norm_eps": norm_eps(model.config)}).to(dev)
     train, held = _split(data, settings.holdout)
     g = torch.Generator().manual_seed(settings.seed + offset)  # on the CPU whatever the device: the same draws
@@ -424,7 +428,11 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
     train = [subsample_positions(b, settings.positions, g).to(dev) for b in train]
     held = [subsample_positions(b, settings.positions, g).to(dev) for b in held]
 
+    layerwise = LayerwiseForward(skeleton, paths_of(skeleton), list(work_a)) if settings.layerwise else None
+
     def forward(sd, batch):
+        if layerwise is not None:
+            return layerwise(lambda keys: {k: sd[k] for k in keys}, batch)
         return head_forward(skeleton, sd, batch)
 
     clock = {"targets": 0.0, "checks": 0.0, "steps": 0.0}  # wall seconds by stage
@@ -442,7 +450,6 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
         return {k: alpha * changed.get(k, work_a[k]) + (1 - alpha) * work_b[k] if work_a[k].is_floating_point()
                 else work_b[k] for k in (work_a if keys is None else keys)}
 
-    layerwise = LayerwiseForward(skeleton, bind(skeleton).layer_paths(), list(work_a)) if settings.layerwise else None
 
     def objective(alpha, batch, target, sd=None, step: bool = False) -> torch.Tensor:
         """The soft cross-entropy at ``alpha`` on ``batch`` (``sd``: θ(α) already built); ``step``: a

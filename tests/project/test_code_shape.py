@@ -18,7 +18,6 @@ from guards import MAX_LINES, MAX_PARAMETERS, attribute_bags, bags, shape
 LONG = {
     "pipeline/learn.py::_learn_round": "the learned matcher's optimisation round (the dual engineer's area this "
                                        "round: its signature only is changed here)",
-    "pipeline/activations.py::match_activations": "the activation matcher (the scale engineer's file this round)",
     "merge/kernels_whole.py::task_vector_into": "a fused task-vector kernel (the rules engineer's file: one "
                                                 "implementation per rule replaces it)",
 }

@@ -1,0 +1,29 @@
+"""benchmarks/learned_scale.py --from-files (issue 42, item 6): a size saved as two safetensors folders and
+learned from them layer by layer, the steps counted, the alignment verified, the row's figures consistent; and
+the command line's refusal of ``--start none`` without ``--from-files``."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import learned_scale
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.mark.parametrize("start", ["activations", "none"])
+def test_one_size_from_files_is_measured_and_verified(tmp_path, start):
+    learned_scale.save("tiny", str(tmp_path), 32)
+    assert (tmp_path / "a" / "config.json").exists() and (tmp_path / "b" / "config.json").exists()
+    row = learned_scale.one_from_files("tiny", str(tmp_path), steps=2, texts=8, length=32, batch=4,
+                                       precision="float32", start=start, positions=16)
+    assert row["parameters"] == 106816 and row["steps"] == 2 and row["from_files"]
+    assert row["verify_max_rel_diff"] < 1e-5
+    assert row["seconds_per_step"] > 0 and row["closed_form_seconds"] >= 0
+    assert row["peak_rss_gb"] >= row["start_peak_rss_gb"] >= row["models_rss_gb"] > 0
+
+
+def test_start_none_needs_from_files(capsys):
+    with pytest.raises(SystemExit):
+        learned_scale.main(["--sizes", "tiny", "--start", "none"])
+    assert "--from-files" in capsys.readouterr().err
