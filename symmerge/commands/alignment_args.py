@@ -10,7 +10,7 @@ import argparse
 
 from ..errors import SymmergeError
 from ..groups import RESCALE_MODES
-from ..pipeline.options import LEARN_PRECISIONS, MATCH_MODES, RESIDUAL_CHOICES, AlignOptions, LearnSettings
+from ..pipeline.options import LEARN_FRAMES, LEARN_PRECISIONS, MATCH_MODES, RESIDUAL_CHOICES, AlignOptions, LearnSettings
 from ..pipeline.matchers import MATCHERS, matcher
 
 
@@ -74,6 +74,11 @@ def add_alignment_arguments(parser, repair: bool = True) -> None:
                         help="--match learned: the training steps and the endpoints' predictions in float32 "
                              "(default) or under bfloat16 autocast (faster on CPUs with bf16 instructions; the checks "
                              "stay float32, the elements are applied and verified in float64)")
+    parser.add_argument("--learn-frame", choices=list(LEARN_FRAMES), default=None,
+                        help="--match learned, two models: one-sided (default: A moved onto B) or dual (both moved "
+                             "into a frame between them, each folded LayerNorm split back into a per-coordinate "
+                             "scale and shift of its own; both verified against their originals; "
+                             "docs/results/dual_learned.md)")
     parser.add_argument("--learn-layerwise", action="store_const", const=True, default=None,
                         help="--match learned: build and differentiate the interpolated model one layer at a time "
                              "(gradient checkpointing per layer): the same objective and gradient in memory bounded "
@@ -123,7 +128,7 @@ def _concentration(text: str):
 LEARN_FLAGS = {"steps": "--learn-steps", "budget": "--learn-budget", "seed": "--learn-seed", "batch": "--learn-batch",
                "positions": "--learn-positions", "max_length": "--learn-max-length",
                "precision": "--learn-precision", "check_batches": "--learn-check-batches",
-               "dirichlet": "--learn-dirichlet"}  # LearnSettings field → flag
+               "dirichlet": "--learn-dirichlet", "frame": "--learn-frame"}  # LearnSettings field → flag
 
 
 def _learn_values(args) -> dict:
