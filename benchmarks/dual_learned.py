@@ -39,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--learn", action="append", default=[], metavar="KEY=VALUE",
                    help="a LearnSettings field for the learned runs (repeatable)")
     p.add_argument("--no-repair", action="store_true", help="leave out the REPAIR curves")
+    p.add_argument("--no-temperature", action="store_true", help="leave out the temperature-calibrated curves")
     p.add_argument("--repair-samples", type=int, default=None, help="REPAIR's statistics on this many images")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
@@ -69,7 +70,7 @@ def study(run: str, args) -> dict:
                          align_samples=args.align_samples,
                          **({"learn": learn_settings(args.learn, run)} if learned else {}))
     options = BarrierOptions(aligns=("none", "recommended") if run == "plain" else ("recommended",),
-                             points=args.points, align=align, repair=not args.no_repair, temperature=True,
+                             points=args.points, align=align, repair=not args.no_repair, temperature=not args.no_temperature,
                              repair_samples=args.repair_samples,
                              progress=False)
     t0 = time.perf_counter()

@@ -154,3 +154,43 @@ def test_cli_learn_frame_needs_match_learned(tmp_path, capsys):
     code = main(["align", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out), "--learn-frame", "dual"])
     err = capsys.readouterr().err
     assert code == 2 and "--learn-frame" in err and "symmerge: error:" in err and not out.exists()
+
+
+def test_cli_merge_in_the_dual_frame(tmp_path):
+    """symmerge merge --learn-frame dual merges both moved models, not A with the unmoved anchor. The check:
+    the midpoint's loss depends on a norm's shifts only through α·e_A + (1 − α)·e_B in the norm and
+    −(α·W_A e_A + (1 − α)·W_B e_B) in its readers' biases, so the gradients of e_A and e_B are opposite and
+    Adam keeps e_B = −e_A from zero: the merged norm bias is ½(e_A + e_B) ≈ 0 with both moved, ½·e_A with the
+    anchor left as it was."""
+    import json
+
+    from conftest import npz_file, vit_folder
+    from transformers import ViTForImageClassification
+
+    a, b = vit_folder(tmp_path / "a", seed=0), vit_folder(tmp_path / "b", seed=1)
+    data = npz_file(tmp_path / "x.npz", n=40)
+    out = tmp_path / "out"
+    code = main(["merge", str(a), str(b), "-o", str(out), "--method", "linear", "--match", "learned", "--learn-frame",
+                 "dual", "--align-data", data, "--learn-steps", "40", "--learn-batch", "10", "--progress", "none"])
+    assert code == 0
+    report = json.loads((out / "symmerge_report.json").read_text())
+    learned = next(m["learned"] for m in report["alignment"]["models"] if "learned" in m)
+    assert learned["frame"] == "dual" and learned["held_out_best"] < learned["held_out_start"]
+    assert learned["norm_split_b"]["scale_max"] > 1.001  # B's norms were split
+    merged = ViTForImageClassification.from_pretrained(out).state_dict()
+    folded = ViTForImageClassification.from_pretrained(a).state_dict()
+    norms = [k for k in merged if k.endswith(("layernorm_before.bias", "layernorm_after.bias"))]
+    assert norms and all(merged[k].abs().max() < 1e-5 for k in norms)
+    assert any(merged[k.replace("bias", "weight")].sub(1).abs().max() > 1e-3 for k in norms)
+    assert all(not torch.equal(merged[k], folded[k]) for k in norms)
+
+
+def test_joint_learned_refuses_the_dual_frame(tmp_path):
+    from conftest import npz_file, vit_folder
+
+    folders = [str(vit_folder(tmp_path / f"m{i}", seed=i)) for i in range(3)]
+    data = npz_file(tmp_path / "x.npz", n=20)
+    out = tmp_path / "out"
+    code = main(["merge", *folders, "-o", str(out), "--method", "linear", "--match", "learned", "--learn-frame", "dual",
+                 "--align-data", data, "--learn-steps", "2", "--progress", "none"])
+    assert code == 2 and not out.exists()

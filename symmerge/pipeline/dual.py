@@ -289,7 +289,7 @@ def align_dual(model, anchor, options, inputs: dict | None = None, progress=None
                 learned_instances=len(learned_a), learned_instances_anchor=len(learned_b))
     report = dict(start.report)
     report.update(match="learned", frame="dual", start=f"{settings.start} (closed form, A onto B)", learned=info,
-                  align_samples_used=data.n, tokenizer=tokenizer, seconds=time.perf_counter() - t0)
+                  align_samples_used=data.n, tokenizer=tokenizer, match_seconds=time.perf_counter() - t0)
     if options.verify:
         spec = spec_for(model.config.model_type)
         with stage("verified both moved models' outputs", enabled=progress is not None):
@@ -299,4 +299,5 @@ def align_dual(model, anchor, options, inputs: dict | None = None, progress=None
         report.update({k.replace("verify_", "verify_anchor_"): v for k, v in vb.items() if k != "verify_tolerance"})
     else:
         report.update(verify_max_abs_diff=None, verify_max_rel_diff=None)
+    report["seconds"] = time.perf_counter() - t0
     return Alignment(moved_a, moved_b, report, elements, instances, start.bound)
