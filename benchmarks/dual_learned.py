@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--no-repair", action="store_true", help="leave out the REPAIR curves")
     p.add_argument("--no-temperature", action="store_true", help="leave out the temperature-calibrated curves")
     p.add_argument("--repair-samples", type=int, default=None, help="REPAIR's statistics on this many images")
+    p.add_argument("--dual-from-one-sided", action="store_true",
+                   help="the dual run starts from the one-sided learned alignment (not its closed-form start)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -111,6 +113,10 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.dual_from_one_sided:
+        from symmerge.pipeline import dual
+
+        dual.FROM_ONE_SIDED = True
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     out = Path(args.out)

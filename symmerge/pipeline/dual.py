@@ -62,6 +62,9 @@ def stream_folds(instances) -> tuple:
     return tuple(f for inst in instances for f in getattr(getattr(inst, "info", None), "folds", ()) or ())
 
 
+FROM_ONE_SIDED = False  # start from the one-sided learned alignment instead of its closed-form start (experiments)
+
+
 def can_shift(fold, sd: dict) -> bool:
     """Whether a shift of fold's norm can be taken back from its readers: the norm has a bias and every
     reader one."""
@@ -268,7 +271,9 @@ def align_dual(model, anchor, options, inputs: dict | None = None, progress=None
     if isinstance(model, (str, Path)):
         check_pipelines([(str(model), model)])
     model, anchor = (_load(x, allow_pickle, progress is not None) for x in (model, anchor))
-    closed = options.with_(match=settings.start, verify=False,
+    # the start: the closed form A onto B, or (``FROM_ONE_SIDED``, an experiment of benchmarks/dual_learned.py)
+    # the whole one-sided learned alignment, which the dual loop then refines
+    closed = options.with_(match="learned" if FROM_ONE_SIDED else settings.start, verify=False,
                            learn=dataclasses.replace(settings, frame="one-sided"))
     start = align_pair(model, anchor, closed, progress=progress, allow_tokenizer_mismatch=True)
     data = load_align_data(options, model, sources=[model, anchor])
@@ -288,7 +293,8 @@ def align_dual(model, anchor, options, inputs: dict | None = None, progress=None
                 norm_split_b=sides[1].split.summary() if sides[1].split else None,
                 learned_instances=len(learned_a), learned_instances_anchor=len(learned_b))
     report = dict(start.report)
-    report.update(match="learned", frame="dual", start=f"{settings.start} (closed form, A onto B)", learned=info,
+    start_text = "learned, one-sided (A onto B)" if FROM_ONE_SIDED else f"{settings.start} (closed form, A onto B)"
+    report.update(match="learned", frame="dual", start=start_text, learned=info,
                   align_samples_used=data.n, tokenizer=tokenizer, match_seconds=time.perf_counter() - t0)
     if options.verify:
         spec = spec_for(model.config.model_type)
