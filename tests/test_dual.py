@@ -194,3 +194,14 @@ def test_joint_learned_refuses_the_dual_frame(tmp_path):
     code = main(["merge", *folders, "-o", str(out), "--method", "linear", "--match", "learned", "--learn-frame", "dual",
                  "--align-data", data, "--learn-steps", "2", "--progress", "none"])
     assert code == 2 and not out.exists()
+
+
+def test_align_refuses_the_dual_frame(tmp_path, capsys):
+    from conftest import npz_file, vit_folder
+
+    a, b = vit_folder(tmp_path / "a", seed=0), vit_folder(tmp_path / "b", seed=1)
+    out = tmp_path / "out"
+    code = main(["align", str(a), str(b), "-o", str(out), "--match", "learned", "--learn-frame", "dual",
+                 "--align-data", npz_file(tmp_path / "x.npz"), "--progress", "none"])
+    err = capsys.readouterr().err
+    assert code == 2 and "symmerge: error: --learn-frame dual moves the anchor too" in err and not out.exists()
