@@ -13,8 +13,8 @@ from symmerge.cli import main
 from symmerge.core.apply import apply, canonicalize
 from symmerge.errors import SymmergeError
 from symmerge.pipeline.align import align_pair, instances_for
-from symmerge.pipeline.dual import can_shift, learn_dual, split_norms, stream_folds
-from symmerge.pipeline.learn_joint import Mixture
+from symmerge.pipeline.dual import Interpolation, can_shift, learn_dual, split_norms, stream_folds
+from symmerge.pipeline.learn_joint import Mixture, check_points
 from symmerge.pipeline.options import AlignOptions, LearnSettings
 from test_learn import FULL, unlabeled
 
@@ -118,7 +118,7 @@ def test_the_split_reaches_a_midpoint_no_one_sided_map_does():
     _, cb = canonical(b)
     folds = stream_folds(instances)
     data = unlabeled(a, n_batches=1)
-    mix = Mixture(a, [ca, cb], 0, "probabilities")
+    mix = Interpolation(a, [ca, cb], "probabilities")
     batch = data.batches[0]
     p = mix.predictions(batch)
     w = torch.tensor([0.5, 0.5])
@@ -205,3 +205,25 @@ def test_align_refuses_the_dual_frame(tmp_path, capsys):
                  "--align-data", npz_file(tmp_path / "x.npz"), "--progress", "none"])
     err = capsys.readouterr().err
     assert code == 2 and "symmerge: error: --learn-frame dual moves the anchor too" in err and not out.exists()
+
+
+@pytest.mark.parametrize("target", ["probabilities", "log-probabilities"])
+def test_interpolation_agrees_with_the_joint_mixture(target):
+    # dual.Interpolation is its own small copy of learn_joint.Mixture (an import cycle forbids the reuse): the
+    # same loss for the same models, weights, changes and batch, and the same check points
+    a, b = make_model("vit", head=True, seed=0), make_model("vit", head=True, seed=3)
+    instances, ca = canonical(a)
+    _, cb = canonical(b)
+    batch = unlabeled(a, n_batches=1).batches[0]
+    ours, theirs = Interpolation(a, [ca, cb], target), Mixture(a, [ca, cb], 0, target)
+    key = next(k for k in ca if k.endswith("layernorm_before.weight"))
+    changed = [{key: ours.work[0][key] * 1.3}, {}]
+    for w in (torch.tensor([0.5, 0.5]), torch.tensor([0.8, 0.2])):
+        p = ours.predictions(batch)
+        torch.testing.assert_close(p, theirs.predictions(batch))
+        assert ours.loss(w, changed, batch, p).item() == pytest.approx(theirs.loss(w, changed, batch, p).item(),
+                                                                       rel=1e-6)
+    from symmerge.pipeline.dual import check_weights
+
+    for n in (2, 4):
+        assert all(torch.equal(x, y) for x, y in zip(check_weights(n), check_points(n)))

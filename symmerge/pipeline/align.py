@@ -110,7 +110,8 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     if options.learn.frame == "dual" and MATCHERS[options.match].learns:  # both models move (pipeline/dual.py)
         from .dual import align_dual
 
-        return align_dual(model, anchor, options, inputs, progress, allow_pickle, allow_tokenizer_mismatch)
+        return align_dual(model, anchor, options, inputs, progress, allow_pickle, allow_tokenizer_mismatch,
+                          closed_form=align_pair, load=_load, result=Alignment)
     tokenizer = check_tokenizers([(str(x) if isinstance(x, (str, Path)) else label, x)
                                   for x, label in ((model, "model"), (anchor, "anchor"))], allow_tokenizer_mismatch)
     embedding = check_pipelines([(str(model), model)]) if isinstance(model, (str, Path)) else None

@@ -35,6 +35,7 @@ it came from (``verify``): both must be the same function.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -49,10 +50,9 @@ from ..groups.residual import _bias_key as _reader_bias
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
-from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, norm_eps,
-                    shuffled, subsample_positions)
 from .data import load_align_data
-from .learn_joint import Mixture, check_points
+from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, head_forward,
+                    norm_eps, shuffled, subsample_positions)
 from .verify import verify_elements, verify_forward, with_state_dict
 
 
@@ -160,6 +160,44 @@ class DualSide:
             m.load_state_dict(s)
 
 
+class Interpolation:
+    """The models (state dicts in one frame, float32) and a skeleton that runs any state dict of their
+    architecture: the interpolated model Σ_i w_i·θ_i and its soft cross-entropy against the same mixture of
+    the models' own predictions (``target``: probabilities, or the normalised geometric mean of them).
+    (Its own small copy of :class:`~symmerge.pipeline.learn_joint.Mixture`'s job: that module imports
+    ``pipeline.align``, which dispatches here.)"""
+
+    def __init__(self, skeleton, state_dicts: list[dict], target: str):
+        self.skeleton = copy.deepcopy(skeleton).to(torch.float32).eval().requires_grad_(False)
+        self.work = [{k: v.detach().to(torch.float32) if v.is_floating_point() else v for k, v in sd.items()}
+                     for sd in state_dicts]
+        self.geometric = target != "probabilities"
+
+    def predictions(self, batch) -> torch.Tensor:
+        """(N, M, C): each model's (log-)probabilities on ``batch``; fixed, as every map preserves its model."""
+        norm = torch.log_softmax if self.geometric else torch.softmax
+        with torch.no_grad():
+            return torch.stack([norm(head_forward(self.skeleton, sd, batch).float(), -1) for sd in self.work])
+
+    def loss(self, w: torch.Tensor, changed: list[dict], batch, predictions: torch.Tensor) -> torch.Tensor:
+        theta = {}
+        for k, v in self.work[0].items():  # integer buffers: the first model's
+            theta[k] = sum(w[i] * changed[i].get(k, sd[k]) for i, sd in enumerate(self.work)) \
+                if v.is_floating_point() else v
+        logp = torch.log_softmax(head_forward(self.skeleton, theta, batch).float(), -1)
+        target = torch.einsum("n,nmc->mc", w.to(predictions.dtype), predictions)
+        if self.geometric:
+            target = torch.softmax(target, -1)
+        return -(target * logp).sum(-1).mean()
+
+
+def check_weights(n: int) -> list[torch.Tensor]:
+    """The mixtures the objective is checked at: the uniform one and, per model, halfway from it to that
+    model (two models: α = ½, ¾, ¼, the pairwise checks)."""
+    centre = torch.full((n,), 1.0 / n)
+    return [centre] + [(centre + row) / 2 for row in torch.eye(n)]
+
+
 def _descend(opt, sched, loss: torch.Tensor, running: float | None) -> float:
     """One optimiser step on ``loss``; the running (exponential) mean of the training loss."""
     opt.zero_grad(set_to_none=True)
@@ -176,7 +214,7 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
     per model holding the best state. Two models: α ~ U(alpha_low, alpha_high); more: Dirichlet(1) weights."""
     t0 = time.perf_counter()
     n = len(state_dicts)
-    mix = Mixture(skeleton, state_dicts, 0, settings.target)
+    mix = Interpolation(skeleton, state_dicts, settings.target)
     folds = stream_folds(instances) if norms else ()
     sides = [DualSide(_Parameters(instances, opts, torch.float32, model_facts),
                       NormSplit(folds, sd) if folds else None) for sd in mix.work]
@@ -189,7 +227,7 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
     predictions = [mix.predictions(b) for b in train + held]
     p_train, p_held = predictions[:len(train)], predictions[len(train):]
     check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
-    points = check_points(n)
+    points = check_weights(n)
 
     def changed() -> list[dict]:
         return [side.changed(sd) for side, sd in zip(sides, mix.work)]
@@ -251,16 +289,16 @@ def moved_state(sd: dict, instances, side: DualSide) -> tuple[dict, dict]:
 
 
 def align_dual(model, anchor, options, inputs: dict | None = None, progress=None, allow_pickle: bool = False,
-               allow_tokenizer_mismatch: bool = False):
+               allow_tokenizer_mismatch: bool = False, *, closed_form, load, result):
     """:func:`~symmerge.pipeline.align.align_pair` with ``options.learn.frame == "dual"``: the closed-form
     start (``options.learn.start``; A onto B), then :func:`learn_dual` on both models with their norm splits.
     Returns an :class:`~symmerge.pipeline.align.Alignment` whose ``model`` is A and whose ``anchor`` is B,
     each moved into the shared frame and verified against its original (``options.verify``); ``elements``:
     A's (the start's composed with the learned ones). The report is the start's with ``match="learned"``,
     ``frame="dual"``, ``learned`` (the loop's record, the norm splits, B's learned instance count) and the
-    verification of both models (``verify_*``: the larger of the two; ``verify_anchor_*``: B's)."""
-    from .align import Alignment, _load, align_pair
-
+    verification of both models (``verify_*``: the larger of the two; ``verify_anchor_*``: B's).
+    ``closed_form``, ``load``, ``result``: :func:`~symmerge.pipeline.align.align_pair`, its loader and its
+    ``Alignment`` class, passed in by it (this module does not import it back)."""
     settings = options.learn
     if settings.layerwise:
         raise SymmergeError("--learn-frame dual builds both models' moved tensors at every step: it does not run "
@@ -270,12 +308,12 @@ def align_dual(model, anchor, options, inputs: dict | None = None, progress=None
                                   for x, label in ((model, "model"), (anchor, "anchor"))], allow_tokenizer_mismatch)
     if isinstance(model, (str, Path)):
         check_pipelines([(str(model), model)])
-    model, anchor = (_load(x, allow_pickle, progress is not None) for x in (model, anchor))
+    model, anchor = (load(x, allow_pickle, progress is not None) for x in (model, anchor))
     # the start: the closed form A onto B, or (``FROM_ONE_SIDED``, an experiment of benchmarks/dual_learned.py)
     # the whole one-sided learned alignment, which the dual loop then refines
     closed = options.with_(match="learned" if FROM_ONE_SIDED else settings.start, verify=False,
                            learn=dataclasses.replace(settings, frame="one-sided"))
-    start = align_pair(model, anchor, closed, progress=progress, allow_tokenizer_mismatch=True)
+    start = closed_form(model, anchor, closed, progress=progress, allow_tokenizer_mismatch=True)
     data = load_align_data(options, model, sources=[model, anchor])
     instances = start.instances
     sds = [start.model.state_dict(), start.anchor.state_dict()]
@@ -306,4 +344,4 @@ def align_dual(model, anchor, options, inputs: dict | None = None, progress=None
     else:
         report.update(verify_max_abs_diff=None, verify_max_rel_diff=None)
     report["seconds"] = time.perf_counter() - t0
-    return Alignment(moved_a, moved_b, report, elements, instances, start.bound)
+    return result(moved_a, moved_b, report, elements, instances, start.bound)
