@@ -287,6 +287,9 @@ def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool
             res = align_pair(x, proxy, options, progress=stage_printer(desc=f"aligning {name}") if progress else None)
         moved.append(res.model)
         rep = res.report
+        if rep.get("frame") == "dual":  # both models moved into a frame between them (pipeline/dual.py)
+            moved = [res.anchor if m is anchor_form else m for m in moved]
+            anchor_form = res.anchor
         reports.append({"model": name, "anchor": False, "distance_before": rep["distance_before"],
                         "distance_after": rep["distance_after"], "verify_max_rel_diff": rep.get("verify_max_rel_diff"),
                         "seconds": rep["seconds"], **match_fields(rep),

@@ -40,6 +40,9 @@ def align_options(args, symmetries, **extra) -> AlignOptions:
     if not matcher(args.match).learns and given:
         learning = ", ".join(n for n, m in MATCHERS.items() if m.learns)
         raise SymmergeError(f"{', '.join(given)}: the --learn-* flags apply to --match {learning} only")
+    if getattr(args, "learn_frame", None) == "dual" and len(getattr(args, "models", None) or ()) > 2:
+        raise SymmergeError(f"--learn-frame dual moves both models of a pair into a frame between them; "
+                            f"{len(args.models)} models are aligned to one model's frame (leave out --learn-frame)")
     if args.align_data is not None:
         from ..io.data import check_data_path
         from ..io.generate import is_generate, parse_generate

@@ -12,7 +12,7 @@ from ..merge.barrier import BarrierOptions
 from ..merge.fuse import MergeOptions
 from ..merge.heads import HEAD_POLICIES
 from ..merge.registry import METHODS
-from ..pipeline.options import (DEFAULT_REFINE, JOINT_REFINE, LEARN_PRECISIONS, MATCH_MODES, RECOMMENDED,
+from ..pipeline.options import (DEFAULT_REFINE, JOINT_REFINE, LEARN_FRAMES, LEARN_PRECISIONS, MATCH_MODES, RECOMMENDED,
                                 RECOMMENDED_NAME, RESIDUAL_CHOICES, AlignOptions, LearnSettings, describe_symmetries)
 from ..progress import MODES as PROGRESS_MODES
 from .parse import concentration
@@ -322,6 +322,10 @@ OPTIONS = (
         help="--match learned: the training steps and the endpoints' predictions in float32 (default) or under "
              "bfloat16 autocast (faster on CPUs with bf16 instructions; the checks stay float32, the elements are "
              "applied and verified in float64)"),
+    opt("learn_frame", "--learn-frame", on=ALIGNING, part=ALIGNMENT, choices=LEARN_FRAMES, learn="frame",
+        help="--match learned, two models: one-sided (default: A moved onto B) or dual (both moved into a frame "
+             "between them, each folded LayerNorm split back into a per-coordinate scale and shift of its own; both "
+             "verified against their originals; docs/results/dual_learned.md)"),
     opt("learn_layerwise", "--learn-layerwise", on=ALIGNING, part=ALIGNMENT, form="const", learn="layerwise",
         help="--match learned: build and differentiate the interpolated model one layer at a time (gradient "
              "checkpointing per layer): the same objective and gradient in memory bounded by a few layers (LLM-size "

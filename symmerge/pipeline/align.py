@@ -107,6 +107,17 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     :class:`SymmergeError` if the tokenizers differ (unless ``allow_tokenizer_mismatch``) or the options'
     verification fails."""
     options = options or AlignOptions()
+    if options.learn.frame == "dual" and MATCHERS[options.match].learns:  # both models move (pipeline/dual.py)
+        from .dual import align_dual
+
+        return align_dual(model, anchor, options, inputs, progress, allow_pickle, allow_tokenizer_mismatch,
+                          closed_form=align_pair, load=_load, result=Alignment)
+    return _align_onto(model, anchor, options, inputs, progress, allow_pickle, allow_tokenizer_mismatch)
+
+
+def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pickle: bool,
+                allow_tokenizer_mismatch: bool) -> Alignment:
+    """:func:`align_pair` with ``model`` moved onto ``anchor`` (the one-sided frame)."""
     tokenizer = check_tokenizers([(str(x) if isinstance(x, (str, Path)) else label, x)
                                   for x, label in ((model, "model"), (anchor, "anchor"))], allow_tokenizer_mismatch)
     embedding = check_pipelines([(str(model), model)]) if isinstance(model, (str, Path)) else None

@@ -280,6 +280,9 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
     (:func:`~symmerge.pipeline.joint.align_joint`, passed in by it: this module does not import it back);
     ``steps``: its :class:`~symmerge.pipeline.joint.JointSteps` (None: their defaults)."""
     settings = options.learn
+    if settings.frame != "one-sided":  # pipeline/dual.py moves both models of a pair; N models: the frame model's
+        raise SymmergeError(f"--learn-frame {settings.frame} aligns two models; the joint learned alignment of {len(models)} "
+                            "models keeps one model's frame (leave out --learn-frame, or give an --anchor)")
     concentration = settings.dirichlet if concentration is None else concentration  # --learn-dirichlet
     if concentration != "auto" and not concentration > 0:
         raise SymmergeError(f"the Dirichlet concentration must be > 0, got {concentration}")

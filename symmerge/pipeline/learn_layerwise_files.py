@@ -145,7 +145,7 @@ def learn_from_checkpoints(model, anchor, data, options, progress=None, start: d
     from .activations import LayerReplay, match_replayed
     from .engine import solve_local
     from .learn import _Learning, _learn_round
-    from .matchers import matcher
+    from .matchers import MATCHERS, matcher
     from .stream import _bound_malloc, layer_instances
     from .verify import verify_elements
 
@@ -170,7 +170,7 @@ def learn_from_checkpoints(model, anchor, data, options, progress=None, start: d
     timings: dict = {}
     if start is not None:
         start = dict(start)
-    elif options.learn.start == "activations":  # statistics and solve one layer at a time
+    elif MATCHERS[options.learn.start].needs_data:  # the activation start: statistics and solve one layer at a time
         runners = [_Runner(skeleton, paths, t) for t in (plain_a, plain_b)]
         replay = LayerReplay.of_forwards(runners, [r.layer for r in runners], paths, data.batches,
                                          progress is not None)

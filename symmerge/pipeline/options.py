@@ -36,6 +36,8 @@ LEARN_STARTS = tuple(name for name, m in MATCHERS.items() if not m.learns)
 # what the interpolated model learns to predict: α·p_A + (1−α)·p_B, or softmax(α·log p_A + (1−α)·log p_B)
 LEARN_TARGETS = ("probabilities", "log-probabilities")
 LEARN_PRECISIONS = ("float32", "bfloat16")  # the training steps' forward and backward (checks: float32)
+# A moved onto B, or both models moved into a frame between them with their norms split (pipeline/dual.py)
+LEARN_FRAMES = ("one-sided", "dual")
 
 
 def _names(value) -> tuple[str, ...]:
@@ -138,8 +140,11 @@ class LearnSettings:
     dirichlet_grid: tuple = (1.0, 3.0, 10.0, 30.0)
     dirichlet_steps: int = 0
     dirichlet_holdout: float = 0.2
+    frame: str = "one-sided"
 
     def __post_init__(self):
+        if self.frame not in LEARN_FRAMES:
+            raise SymmergeError(f"unknown learned-alignment frame {self.frame!r}; choose one of {', '.join(LEARN_FRAMES)}")
         if self.start not in LEARN_STARTS:
             raise SymmergeError(f"unknown learned-alignment start {self.start!r}; choose one of {', '.join(LEARN_STARTS)}")
         if self.target not in LEARN_TARGETS:

@@ -66,6 +66,9 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
     for flag, given in (("--pipeline", pipeline), ("--verify-forward", verify_forward)):
         if given and not stream:
             raise SymmergeError(f"{flag} applies to --stream only")
+    if options.learn.frame == "dual":  # the anchor moves too (pipeline/dual.py): one written model would be half of it
+        raise SymmergeError("--learn-frame dual moves the anchor too, and align writes one model: use symmerge merge "
+                            "or symmerge barrier, which use both moved models")
     out = Path(out)
     ensure_output_dir(out)  # fail before any expensive work
     model, anchor = _inputs(model, anchor, options, stream, pipeline, allow_pickle)
