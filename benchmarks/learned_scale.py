@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -46,8 +45,10 @@ SHAPES = {
 
 
 def rss_gb() -> float:
-    """This process's peak resident set so far, in GB (Linux reports KB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    """This process's own peak resident set so far, in GB (VmHWM, in KB: not ru_maxrss, which a child process
+    starts at its parent's peak)."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 1e6
 
 
 def random_tokens(vocab: int, texts: int, length: int, batch: int):

@@ -108,13 +108,15 @@ opts = AlignOptions(symmetries=("heads", "attn", "ffn", "rescale")).solver_optio
 import scipy.optimize  # noqa: F401  (loaded before the measurement, in both modes)
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+def peak():  # this process's own peak RSS (VmHWM): not ru_maxrss, which a child starts at its parent's peak
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
 import gc
 rises = {}
-for mode in ("layer", "whole"):  # by layer first: the whole pass's higher peak then shows in ru_maxrss as well
+for mode in ("layer", "whole"):  # by layer first: the whole pass's higher peak then shows in VmHWM as well
     gc.collect()
     before = rss()  # the peak above the resident set of this point
     match_activations(instances, a, b, data, opts, by_layer=mode == "layer")
-    rises[mode] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    rises[mode] = peak() - before
 print(json.dumps(rises))
 """
 

@@ -135,6 +135,8 @@ options = AlignOptions(match="learned", align_data=data, verify_tol=1e-4,
                        learn=LearnSettings(steps=2, batch=4, check_every=2, layerwise=True, start="weights"))
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+def peak():  # this process's own peak RSS (VmHWM): not ru_maxrss, which a child starts at its parent's peak
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
 def run(folder, **shape):
     if sys.argv[2] == "files":
         learn_from_checkpoints(folder + "/a", folder + "/b", data, options)
@@ -147,7 +149,7 @@ run(sys.argv[3] + "/tiny", hidden=512, layers=2, inner=1024)  # warm-up: the sam
 import gc; gc.collect()
 before = rss()
 run(sys.argv[3], hidden=512, layers=32, inner=1024)
-print(json.dumps({"rise": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before}))
+print(json.dumps({"rise": peak() - before}))
 """
 
 
