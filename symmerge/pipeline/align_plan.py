@@ -244,7 +244,7 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
         model_type = loaded.config.model_type
     else:
         ckpt = pair[0]
-        model_type = ckpt.config["model_type"]
+        model_type = type(ckpt.hf_config).model_type  # the config class's, as transformers builds the model
         spec = streamed_spec(model_type) if stream else spec_for(model_type)
         instances, keys = _bind_headers(ckpt, spec, options, stream)
     embedding = check_pipelines([(names[0], model)]) if isinstance(model, (str, Path)) else None

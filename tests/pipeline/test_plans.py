@@ -415,3 +415,22 @@ def test_the_streamed_plan_is_the_streamed_alignment(tmp_path, family):
     changed = {k for k in steps if not unchanged(k)}
     assert changed and not changed & {k for k, s in steps.items() if s.op == "copy"}
     assert changed <= {k for k, s in steps.items() if s.op == "transform"}
+
+
+def test_a_config_whose_model_type_contradicts_its_class_is_planned_as_the_class(llamas, tmp_path, capsys):
+    """config.json says ``model_type: t5`` beside a Llama's ``architectures`` and tensors (the fuzz of issue 40 found
+    it): transformers builds a LlamaConfig, so the plan binds the Llama family, as the loaded model is bound — the
+    plan printed, and the alignment refused in one line (its model type is not the anchor's), never a traceback."""
+    import shutil
+
+    odd = tmp_path / "odd"
+    shutil.copytree(llamas[0], odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
+    plan = _printed(capsys, "align", odd, llamas[1], "-o", tmp_path / "p", "--print-plan")
+    assert plan["family"] == _printed(capsys, "align", llamas[0], llamas[1], "-o", tmp_path / "q",
+                                      "--print-plan")["family"]
+    assert run_cli("align", odd, llamas[1], "-o", tmp_path / "out", "--progress", "none") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("symmerge: error:") and "Traceback" not in err[0], err
+    assert not (tmp_path / "out").exists()
