@@ -28,13 +28,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import SymmergeError
+from ..options.declared import ALIGNMENT, OPTIONS
 from .schema import merge_options
 
-# symmerge merge's options that say how the models are aligned (beside a mergekit config's own keys)
-ALIGN_KEYS = ("align", "anchor", "star", "joint_rounds", "joint_refine", "no_verify", "mode", "device", "progress",
-              "allow_tokenizer_mismatch", "rescale", "residual", "untie", "max_sweeps", "match", "align_data",
-              "align_samples", "learn_steps", "learn_budget", "learn_seed", "learn_batch", "learn_positions",
-              "learn_max_length", "learn_precision", "learn_check_batches", "learn_dirichlet", "workers")
+# an aligned config's alignment keys (beside a mergekit config's own): these of merge's, and every option of merge's alignment part as the options
+# schema declares it (a new alignment option is a key here too) — except learn_frame: the dual frame moves the
+# anchor too, and a config's frame is its base model's or a joint one
+ALIGN_KEYS = tuple(dict.fromkeys(
+    ("align", "anchor", "star", "joint_rounds", "joint_refine", "no_verify", "mode", "device", "progress")
+    + tuple(o.name for o in OPTIONS if o.part == ALIGNMENT and "merge" in o.commands and o.name != "learn_frame")))
 
 
 def wants_alignment(doc, align) -> bool:
