@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import peak_rss_kb
+
 LARGE = dict(hidden_size=3200, num_hidden_layers=26, intermediate_size=8640, num_attention_heads=32,
              num_key_value_heads=32, vocab_size=32000)
 # the workload of every figure in docs/results.md, named explicitly since `align` defaults to
@@ -75,12 +77,10 @@ def write_random(folder: Path, config, shapes: dict, seed: int, shard: str, norm
 
 
 def peak_rss_gb() -> float:
-    """This process's own peak RSS (VmHWM). Not getrusage: a child's ru_maxrss starts at its parent's
-    high-water mark at fork time, which the checkpoint generator has driven up."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2 ** 20  # kB
-    return float("nan")
+    """This process's own peak RSS in GiB (:func:`benchmarks.common.peak_rss_kb`: the checkpoint generator drives
+    a parent's peak up, which a child's ru_maxrss would start at)."""
+    kb = peak_rss_kb()
+    return float("nan") if kb is None else kb / 2 ** 20
 
 
 def run_measured(args: list[str]) -> tuple[float, float, str]:

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import peak_rss_kb
+
 # name: (vocab, hidden, layers, heads, kv heads, FFN width) — tied embeddings, as the real models
 SHAPES = {
     "tiny": (512, 64, 2, 4, 2, 128),  # a smoke test of the script
@@ -45,10 +47,8 @@ SHAPES = {
 
 
 def rss_gb() -> float:
-    """This process's own peak resident set so far, in GB (VmHWM, in KB: not ru_maxrss, which a child process
-    starts at its parent's peak)."""
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 1e6
+    """This process's own peak resident set so far, in GB (:func:`benchmarks.common.peak_rss_kb`)."""
+    return peak_rss_kb() / 1e6
 
 
 def random_tokens(vocab: int, texts: int, length: int, batch: int):
