@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.apply import apply, canonicalize
+from ..core.apply import canonicalize
 from ..core.distance import parameter_keys, sq_distance
 from ..core.layout import check_layouts
 from ..io.layout import layout_of
@@ -21,6 +21,8 @@ from ..io.prefix import adapt_pair
 from ..io.sentence_transformers import check_pipelines, output_reader
 from ..io.tokenizers import check_tokenizers
 from ..progress import running, stage
+from .align_steps import execute_steps
+from .align_steps import plan_steps
 from .bound import bind, instances_for  # noqa: F401  (instances_for: the public (spec, instances) shortcut)
 from .data import load_align_data  # noqa: F401  (re-exported)
 from .matchers import MATCHERS, MatchContext
@@ -99,24 +101,26 @@ class Alignment:
 
 
 def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict | None = None, progress=None,
-               allow_pickle: bool = False, allow_tokenizer_mismatch: bool = False) -> Alignment:
+               allow_pickle: bool = False, allow_tokenizer_mismatch: bool = False, plan=None) -> Alignment:
     """Move ``model`` inside its symmetry orbit as close as possible (L2) to ``anchor``.
 
     ``model``/``anchor``: transformers models or HF folder paths (folders: their tokenizers are compared
-    first, see :mod:`symmerge.io.tokenizers`). Returns an :class:`Alignment`; raises
-    :class:`SymmergeError` if the tokenizers differ (unless ``allow_tokenizer_mismatch``) or the options'
-    verification fails."""
+    first, see :mod:`symmerge.io.tokenizers`). ``plan``: the alignment's
+    :class:`~symmerge.pipeline.align_plan.AlignPlan` (``options`` its resolved ones), whose bound instances are
+    solved and whose steps are run (:mod:`symmerge.pipeline.align_steps`); without one the steps are planned
+    here, on the loaded model. Returns an :class:`Alignment`; raises :class:`SymmergeError` if the tokenizers
+    differ (unless ``allow_tokenizer_mismatch``) or the options' verification fails."""
     options = options or AlignOptions()
     if options.learn.frame == "dual" and MATCHERS[options.match].learns:  # both models move (pipeline/dual.py)
         from .dual import align_dual
 
         return align_dual(model, anchor, options, inputs, progress, allow_pickle, allow_tokenizer_mismatch,
                           closed_form=align_pair, load=_load, result=Alignment)
-    return _align_onto(model, anchor, options, inputs, progress, allow_pickle, allow_tokenizer_mismatch)
+    return _align_onto(model, anchor, options, inputs, progress, allow_pickle, allow_tokenizer_mismatch, plan)
 
 
 def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pickle: bool,
-                allow_tokenizer_mismatch: bool) -> Alignment:
+                allow_tokenizer_mismatch: bool, plan) -> Alignment:
     """:func:`align_pair` with ``model`` moved onto ``anchor`` (the one-sided frame)."""
     tokenizer = check_tokenizers([(str(x) if isinstance(x, (str, Path)) else label, x)
                                   for x, label in ((model, "model"), (anchor, "anchor"))], allow_tokenizer_mismatch)
@@ -128,7 +132,7 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     was_tied = bool(declared_ties(model) or declared_ties(anchor))
     if options.untie:
         model, anchor = untied(model), untied(anchor)
-    bound = bind(model, options.layers, options.residual)
+    bound = bind(model, options.layers, options.residual, instances=plan.bound if plan is not None else None)
     spec, instances = bound.spec, bound.instances
     requested = options.requested
     options, embedding_note = recommended(options, available=[i.group.symmetry for i in instances], spec=spec,
@@ -153,7 +157,9 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
         elements = MATCHERS[options.match](ctx)
     fields, sweeps = ctx.fields, ctx.history
     verify_elements(instances, elements)
-    aligned_sd = apply(ca, instances, elements)
+    solved = [i for i in instances if i.kind.active(i, opts)]
+    steps = plan.steps if plan is not None else plan_steps(list(ca), solved)
+    aligned_sd = execute_steps(steps, ca, solved, elements)
     match_seconds = time.perf_counter() - start
     # the aligned model holds the new tensors themselves; those still shared with an input are copied
     aligned = with_state_dict(model, owned_apart(aligned_sd, model, anchor), share=True)
@@ -169,7 +175,6 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
                       untied=options.untie and was_tied)
         if folded:  # the distances above compare folded A and B; merging needs the anchor folded too
             fields["distance_before_unfolded"] = sq_distance(sd_a, sd_b, keys) ** 0.5
-    solved = [i for i in instances if i.kind.active(i, opts)]
     report = alignment_report(spec, model.config.model_type, options, solved, distances, keys,
                               symmetries_requested=requested, **fields)
     if options.verify:

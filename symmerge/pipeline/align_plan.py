@@ -24,54 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SymmergeError
+from .align_steps import AlignMap, AlignStep, plan_steps  # noqa: F401  (the plan's step types)
 from .options import AlignOptions
 from .report import build_report
 
 MODES = {False: "in-memory", True: "low-memory"}  # the report's 'mode' of each wing ('pipeline' when pipelined)
-
-
-@dataclass(frozen=True)
-class AlignMap:
-    """One alignment map acting on a tensor: the group instance (``layer.3.attn.qk``, ``residual``), its
-    symmetry and kind, the axis it acts on, the slice of that axis (``start``, ``length``; None: the whole
-    axis) and the sub-tensor of a stacked tensor (``index``: one expert of fused experts)."""
-
-    instance: str
-    symmetry: str
-    kind: str
-    axis: int
-    start: int = 0
-    length: int | None = None
-    index: int | None = None
-
-    def describe(self) -> dict:
-        out = {"instance": self.instance, "symmetry": self.symmetry, "kind": self.kind, "axis": self.axis}
-        if self.length is not None:
-            out["slice"] = [self.start, self.start + self.length]
-        if self.index is not None:
-            out["index"] = self.index
-        return out
-
-
-@dataclass(frozen=True)
-class AlignStep:
-    """One output tensor: the maps acting on it (``transform``), the norms folded into it, or ``copy``."""
-
-    tensor: str
-    maps: tuple[AlignMap, ...] = ()
-    folds: tuple[str, ...] = ()  # the canonical form's changes: '<norm weight> folded' (the residual stream's)
-
-    @property
-    def op(self) -> str:
-        return "transform" if self.maps or self.folds else "copy"
-
-    def describe(self) -> dict:
-        out = {"tensor": self.tensor, "op": self.op}
-        if self.maps:
-            out["maps"] = [m.describe() for m in self.maps]
-        if self.folds:
-            out["folds"] = list(self.folds)
-        return out
 
 
 @dataclass(frozen=True)
@@ -89,6 +46,12 @@ class AlignPlan:
     instances: tuple[str, ...] = ()
     steps: tuple[AlignStep, ...] = field(default=(), repr=False)
     residual_variant: str | None = None  # the residual stream's group as the headers and norms decide it
+    bound: tuple = field(default=(), repr=False, compare=False)  # every group instance bound (core.instance.Instance)
+
+    def solved(self) -> list:
+        """The bound instances the alignment solves (``instances``), in order."""
+        names = set(self.instances)
+        return [i for i in self.bound if i.name in names]
 
     @property
     def symmetries(self) -> tuple:
@@ -129,23 +92,6 @@ class AlignPlan:
         """What ``--print-plan`` prints: the report's plan fields, the group instances and every step."""
         return {**self.fields(), "plan": self.describe(), "instances": list(self.instances),
                 "steps": [s.describe() for s in self.steps]}
-
-
-def plan_steps(keys, instances) -> tuple[AlignStep, ...]:
-    """Every key of ``keys`` (the output's tensors, in order) with the maps of ``instances`` acting on it (a
-    slot's aliases, tied tensors, receive the same maps) and what the kinds' canonical forms change in it (the
-    norms the residual stream folds into its readers: :meth:`~symmerge.groups.base.Kind.canonical_changes`)."""
-    keys = list(keys)
-    maps: dict[str, list[AlignMap]] = {}
-    folds: dict[str, list[str]] = {}
-    for inst in instances:
-        for s in inst.slots:
-            m = AlignMap(inst.name, inst.group.symmetry, inst.group.kind, s.axis, s.start, s.length, s.index)
-            for key in (s.key, *s.aliases):
-                maps.setdefault(key, []).append(m)
-        for key, why in inst.kind.canonical_changes(inst, keys).items():
-            folds.setdefault(key, []).extend(why)
-    return tuple(AlignStep(k, tuple(maps.get(k, ())), tuple(folds.get(k, ()))) for k in keys)
 
 
 def streamed_spec(model_type: str):
@@ -223,9 +169,10 @@ def _bind_headers(ckpt, spec, options: AlignOptions, streamed: bool):
 
 
 def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bool = False, pipeline: bool = False,
-               allow_pickle: bool = False) -> AlignPlan:
+               allow_pickle: bool = False, checkpoints=None) -> AlignPlan:
     """The :class:`AlignPlan` of aligning ``model`` to ``anchor`` (HF folders, or transformers models) with
-    ``options``; ``stream``: layer by layer (``pipeline``: pipelined), whose groups are the per-layer ones."""
+    ``options``; ``stream``: layer by layer (``pipeline``: pipelined), whose groups are the per-layer ones.
+    ``checkpoints``: the folders' (model, anchor) LazyCheckpoints already read and adapted to each other."""
     from ..families import spec_for
     from ..io.sentence_transformers import check_pipelines, output_reader
     from .engine import active
@@ -233,7 +180,7 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
 
     options = options if options is not None else AlignOptions()
     names = _name(model, "model"), _name(anchor, "anchor")
-    pair = _headers(model, anchor, stream)
+    pair = checkpoints if checkpoints is not None else _headers(model, anchor, stream)
     if pair is None:  # a model in memory or a pickle checkpoint: bound on the model itself
         from .align import as_model, untied
         from .bound import bind
@@ -259,7 +206,7 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     mode = "pipeline" if stream and pipeline else MODES[stream]
     return AlignPlan(model=names[0], anchor=names[1], model_type=model_type, family=spec.family, options=resolved,
                      requested=options.requested, note=note, mode=mode, instances=tuple(i.name for i in solved),
-                     steps=plan_steps(keys, solved), residual_variant=residual)
+                     steps=plan_steps(keys, solved), residual_variant=residual, bound=tuple(instances))
 
 
 def plan_report(plan: AlignPlan, measured: dict) -> dict:

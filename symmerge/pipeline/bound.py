@@ -82,18 +82,21 @@ class BoundModel:
         return linear_output_axis(module)
 
 
-def bind(model, layers=None, residual: str = "largest") -> BoundModel:
+def bind(model, layers=None, residual: str = "largest", instances=None) -> BoundModel:
     """The :class:`BoundModel` of a transformers model (``layers``: only these layer indices;
-    ``residual``: the residual stream's group for LayerNorm models, ``largest`` or ``permutation``)."""
+    ``residual``: the residual stream's group for LayerNorm models, ``largest`` or ``permutation``;
+    ``instances``: the group instances already bound — an alignment plan's, made from the headers —, else
+    bound here)."""
     spec = spec_for(model.config.model_type)
     sizes = config_sizes(spec, model.config)
     rest = dict(sizes)
     num_layers = rest.pop("num_layers")
     ties = declared_ties(model)
     sd = model.state_dict()
-    instances = resolve(spec, sd, num_layers, rest.pop("num_heads"), layers, ties=ties, residual=residual,
-                        architecture=type(model).__name__, disk_names=DiskNames(model), **rest)
-    return BoundModel(model, spec, find_prefix(spec, sd.keys()), instances, ties, sizes)
+    if instances is None:
+        instances = resolve(spec, sd, num_layers, rest.pop("num_heads"), layers, ties=ties, residual=residual,
+                            architecture=type(model).__name__, disk_names=DiskNames(model), **rest)
+    return BoundModel(model, spec, find_prefix(spec, sd.keys()), list(instances), ties, sizes)
 
 
 def instances_for(model, layers=None, residual: str = "largest"):

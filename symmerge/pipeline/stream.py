@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from ..core.apply import apply
 from ..core.distance import sq_distance
 from ..core.layout import check_layouts
 from ..core.parallel import put_until_stopped
@@ -51,7 +50,8 @@ from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from .engine import SolveContext, active, parts, prepare_costly, solve_local
 from .matchers import streaming_refusal
-from .align_plan import per_layer_only, plan_report, streamed_spec
+from .align_steps import execute_steps
+from .align_plan import per_layer_only, plan_align, plan_report, streamed_spec
 from .options import AlignOptions
 from .recommend import recommended
 from .report import Distances, alignment_report
@@ -99,13 +99,18 @@ def layer_instances(ckpt: LazyCheckpoint, layers=None, opts=None, options: Align
         opts = options.solver_options(opts.device if opts is not None else None)
     if opts is not None:
         instances = active(instances, opts)
-    instances = per_layer_only(instances, asked)
+    by_layer = _by_layer(per_layer_only(instances, asked))
+    if options is not None:
+        return spec, by_layer, options
+    return spec, by_layer
+
+
+def _by_layer(instances) -> dict:
+    """``{layer: its instances}``, layers in order."""
     by_layer: dict[int, list] = defaultdict(list)
     for inst in instances:
         by_layer[inst.layer].append(inst)
-    if options is not None:
-        return spec, dict(sorted(by_layer.items())), options
-    return spec, dict(sorted(by_layer.items()))
+    return dict(sorted(by_layer.items()))
 
 
 class OnDemand(Mapping):
@@ -140,10 +145,12 @@ def _part_keys(part) -> list[str]:
 
 
 class _Job:
-    """Solving one part (or layer): solve, check, apply, distances; the new tensors by disk name."""
+    """Solving one part (or layer): solve, check, run the plan's steps of its tensors, distances; the new tensors
+    by disk name."""
 
-    def __init__(self, ckpt_a, opts, timings, distances, lock):
+    def __init__(self, ckpt_a, opts, timings, distances, lock, steps: dict):
         self.ckpt_a, self.opts, self.timings, self.distances, self.lock = ckpt_a, opts, timings, distances, lock
+        self.steps = steps  # the plan's steps by tensor
 
     def __call__(self, part, sd_a, sd_b, prepared=None) -> dict:
         t0 = time.perf_counter()
@@ -152,7 +159,7 @@ class _Job:
                                timings=group_times)
         t1 = time.perf_counter()
         verify_elements(part, elements)
-        new = apply(sd_a, part, elements)
+        new = execute_steps([self.steps[k] for k in sd_a], sd_a, part, elements)
         out = {}
         for k in sd_a:
             if new[k].is_floating_point() and not torch.isfinite(new[k]).all():
@@ -286,20 +293,22 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
         ckpt_a, ckpt_b = LazyCheckpoint(model, fused=True), LazyCheckpoint(anchor, fused=True)
     ckpt_a, ckpt_b, adapted = adapt_checkpoint_pair(ckpt_a, ckpt_b)  # a base model and a fine-tune of its task class
     check_layouts([ckpt_a.layout("model"), ckpt_b.layout("anchor")])
-    requested = options.requested
-    spec, by_layer, options = layer_instances(ckpt_a, options.layers, options.solver_options(dev), options=options)
+    given = plan is not None
+    if not given:  # planned here, from the checkpoints just read
+        plan = plan_align(model, anchor, options, stream=True, pipeline=pipeline, checkpoints=(ckpt_a, ckpt_b))
+    requested, options = plan.requested, plan.options  # 'recommended' resolved by the plan
+    spec, by_layer = streamed_spec(plan.model_type), _by_layer(plan.solved())
     opts = options.solver_options(dev)
     trim()  # the weightless model built to map tensor names is garbage now
     layer_keys = [set(_part_keys(insts)) for insts in by_layer.values()]
-    touched = set().union(*layer_keys)
-    passthrough = [k for k in ckpt_a.keys() if k not in touched]
+    passthrough = [s.tensor for s in plan.steps if s.op == "copy"]  # the plan's copies, in the output's order
     largest_layer = max([sum(ckpt_a.nbytes(k) for k in keys) for keys in layer_keys], default=0)
     if not pipeline:  # the writer's buffer is memory too: cut shards at about one layer
         max_bytes = min(max_bytes, max(largest_layer, MIN_LOW_MEMORY_SHARD))
 
     timings: dict = defaultdict(float)
     distances = Distances()
-    job = _Job(ckpt_a, opts, timings, distances, threading.Lock())
+    job = _Job(ckpt_a, opts, timings, distances, threading.Lock(), {st.tensor: st for st in plan.steps})
     with atomic_dir(out) as tmp:
         writer = ShardWriter(tmp, max_bytes)
         _copy_untouched(passthrough, ckpt_a, ckpt_b, writer, distances, progress)
@@ -327,7 +336,7 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
             with stage("verified the aligned model's outputs", enabled=progress):
                 report.update(_verify_forward(model, tmp, options.verify_tol))
         report["seconds"] = time.perf_counter() - start
-        if plan is not None:
+        if given:
             report = plan_report(plan, report)
         write_card(tmp, report)  # README.md, the output's own model card
         write_json(tmp / "symmerge_report.json", report)

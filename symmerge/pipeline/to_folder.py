@@ -60,8 +60,9 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
     write the result to the folder ``out`` (must not exist or be empty; written atomically, with the model's
     side files, a model card and ``symmerge_report.json``). ``stream``: layer by layer from the safetensors
     files (``shard_size``, ``pipeline``, ``verify_forward`` apply there only). The alignment is planned first
-    from the headers (:func:`~symmerge.pipeline.align_plan.plan_align`: 'recommended' resolved once, the steps);
-    the wing runs the plan's options and the report is built from the plan. Returns the report."""
+    from the headers (:func:`~symmerge.pipeline.align_plan.plan_align`: 'recommended' resolved once, the group
+    instances bound, the steps); the wing solves the plan's instances and runs its steps
+    (:mod:`~symmerge.pipeline.align_steps`), and the report is built from the plan. Returns the report."""
     options = options if options is not None else AlignOptions()
     for flag, given in (("--pipeline", pipeline), ("--verify-forward", verify_forward)):
         if given and not stream:
@@ -77,16 +78,14 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
     if stream:
         from .stream import DEFAULT_SHARD, align_streaming
 
-        # streamed, 'recommended' also leaves out a group bound over a whole stack (T5's self-attention heads) while
-        # keeping its symmetry for the groups of that kind that stream: the wing resolves it by the same rule
-        # (pipeline.recommend.recommended) from the same headers, and the report is the plan's
+        # the wing solves the plan's instances and runs its steps (pipeline/align_steps.py); the report is the plan's
         return align_streaming(model, anchor, out, options, shard_size=shard_size or DEFAULT_SHARD,
                                progress=progress, verify_forward=verify_forward, pipeline=pipeline,
                                allow_tokenizer_mismatch=allow_tokenizer_mismatch, plan=plan)
     from .align import align_pair
 
     result = align_pair(model, anchor, plan.options, progress=stage_printer() if progress else None,
-                        allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
+                        allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch, plan=plan)
     report = plan_report(plan, result.report)
     with stage(f"wrote {out}", enabled=progress):
         save_model(result.model, out, src=model if isinstance(model, (str, Path)) else None, report=report)
