@@ -18,7 +18,8 @@ fact (keyword)              'recommended'                                an expl
                             out, with a note
 ``streamed``                the symmetries of a model-wide kind left out one error
 ``spec`` (with available)   —                                            a group the family declares and the model
-                                                                         does not bind: one error
+                                                                         does not bind, or a symmetry the family
+                                                                         does not declare: one error
 =========================== ============================================ ===========================================
 
 The rules run in the order of the table; the notes are joined with ``"; "``.
@@ -29,7 +30,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import SymmergeError
-from ..families import spec_for, supported_model_types, symmetries_whose
+from ..families import SCALES, spec_for, supported_model_types, symmetries_whose
 from .options import AlignOptions
 
 BASE_NOTE = ("'recommended' aligns nothing when a --base is given: models fine-tuned from one base share its "
@@ -129,10 +130,15 @@ def _left_out(align: AlignOptions, names, why: str) -> tuple[AlignOptions, str]:
 
 
 def _require_groups(spec, available, symmetries) -> None:
-    """A requested symmetry whose groups this model does not have is an error, not a silent no-op."""
+    """A requested symmetry whose groups this model does not have is an error, not a silent no-op; so is one its
+    family does not declare (``experts`` of a dense model)."""
+    declared = [g.symmetry for g in spec.groups]
     for name in symmetries:
-        if spec.group(name) is None and not any(g.symmetry == name for g in spec.groups):
-            continue  # not a group of its own (rescale)
+        if name == SCALES:
+            continue  # not a group of its own: scales travel with their group's element
+        if spec.group(name) is None and name not in declared:
+            raise SymmergeError(f"the {spec.family} family has no {name!r} symmetry; its symmetries: "
+                                f"{', '.join(dict.fromkeys([*declared, SCALES]))}")
         if name not in available:
             if name in symmetries_whose(moves_heads_input):
                 raise SymmergeError(

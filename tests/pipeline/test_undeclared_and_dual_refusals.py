@@ -1,0 +1,81 @@
+"""Refusals found in the review of issue 39: a symmetry the model's family does not declare (``--symmetries experts``
+on a Llama) is one error naming the family's symmetries — from the command (exit 2, nothing written) and the API —
+instead of an alignment that silently aligns nothing of it; the dual learned frame, which moves the anchor too, is
+refused where every model is aligned onto a fixed anchor: a barrier of more than two models (joint alignment, its
+star) and the federated strategy (each client onto the global model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import npz_file, run_cli, vit_folder
+from factories import make_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llamas")
+    for seed in (0, 1):
+        make_model("llama", head=True, dtype=torch.float32, seed=seed).save_pretrained(str(root / f"{seed}"))
+    return root / "0", root / "1"
+
+
+@pytest.mark.parametrize("extra", [[], ["--stream"], ["--print-plan"]])
+def test_align_refuses_a_symmetry_the_family_does_not_declare(llamas, tmp_path, capsys, extra):
+    capsys.readouterr()
+    rc = run_cli("align", *llamas, "-o", tmp_path / "out", "--symmetries", "attn,experts", "--progress", "none",
+                 *extra)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and not out, (rc, err)
+    assert lines[0] == ("symmerge: error: the llama family has no 'experts' symmetry; its symmetries: heads, attn, "
+                        "ffn, residual, rescale"), lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_api_refuses_it_too_and_a_mixture_takes_it(llamas):
+    from symmerge.errors import SymmergeError
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.options import AlignOptions
+
+    with pytest.raises(SymmergeError, match="the llama family has no 'experts' symmetry"):
+        align_pair(*llamas, AlignOptions(symmetries="experts"))
+    a, b = (make_model("mixtral", head=True, dtype=torch.float32, seed=s) for s in (0, 1))
+    report = align_pair(a, b, AlignOptions(symmetries="experts", verify=False)).report
+    assert report["symmetries"] == ["experts"]
+
+
+def _dual(align_data="generate:4:4"):
+    from symmerge.pipeline.options import AlignOptions, LearnSettings
+
+    return AlignOptions(symmetries="attn", match="learned", align_data=align_data,
+                        learn=LearnSettings(steps=2, batch=4, frame="dual"))
+
+
+def test_a_barrier_of_three_models_refuses_the_dual_frame_in_its_plan(tmp_path):
+    """Refused by the plan, before any model is read (before: after loading and evaluating every model, by the
+    joint learned alignment); two models keep the dual frame (``barrier_study`` uses both moved models)."""
+    from symmerge.errors import SymmergeError
+    from symmerge.merge.barrier import BarrierOptions, barrier_many, plan_barrier
+
+    models = [vit_folder(tmp_path / f"m{i}", seed=i) for i in range(3)]
+    npz_file(tmp_path / "d.npz")
+    options = BarrierOptions(align=_dual(tmp_path / "d.npz"), progress=False)
+    refusal = "^the dual learned frame moves the anchor too, and a barrier of 3 models"
+    with pytest.raises(SymmergeError, match=refusal):
+        plan_barrier(models, tmp_path / "d.npz", options)
+    with pytest.raises(SymmergeError, match=refusal):
+        barrier_many(models, tmp_path / "d.npz", options)
+    assert plan_barrier(models[:2], tmp_path / "d.npz", options).frame == "pair"
+
+
+def test_the_federated_strategy_refuses_the_dual_frame():
+    pytest.importorskip("flwr")
+    from symmerge.errors import SymmergeError
+    from symmerge.federated.options import ClientAlignment
+
+    with pytest.raises(SymmergeError, match="^the dual learned frame moves the anchor too, and a federated round"):
+        ClientAlignment(_dual())
