@@ -149,15 +149,17 @@ def plan_alignment(job, spec: Alignment):
     return models, base, options, plan
 
 
-def align_job(job, spec: Alignment, out: Path, work: Path, stack) -> dict:
+def align_job(job, spec: Alignment, out: Path, work: Path, stack) -> tuple[dict, object]:
     """The job's inputs aligned into one frame, their aligned copies written under ``work`` (a streamed
     alignment's into its own temporary folder beside ``out``, removed when ``stack`` closes); returns
-    {input label: aligned folder} (inputs left as they are are not in it) and sets ``spec.report``."""
+    ({input label: aligned folder} (inputs left as they are are not in it), the alignment's plan — the
+    :class:`~symmerge.merge.plan.MergePlan` of :func:`plan_alignment`, made once here; None: nothing aligned)
+    and sets ``spec.report``."""
     from ..io.model import save_model
 
     models, base, options, plan = plan_alignment(job, spec)
     if plan is None:
-        return {}
+        return {}, None
     t = time.perf_counter()
     label = {inp.folder: inp.label for inp in job.inputs}
     moved: dict = {}
@@ -184,7 +186,7 @@ def align_job(job, spec: Alignment, out: Path, work: Path, stack) -> dict:
     alignment["mode"] = plan.mode
     alignment["seconds"] = time.perf_counter() - t
     spec.report = alignment
-    return moved
+    return moved, plan
 
 
 def describe_line(spec: Alignment) -> str:

@@ -87,8 +87,7 @@ def run_aligned(desc, shard_size="5GB", progress=True, options: RunOptions | Non
         work = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "aligned"), dir=out.parent))
         stack.callback(shutil.rmtree, work, True)
         t0 = time.perf_counter()
-        planned = aligned.plan_alignment(desc.jobs[0], spec)[3]  # the frame the report's plan records
-        moved = aligned.align_job(desc.jobs[0], spec, out, work, stack)
+        moved, planned = aligned.align_job(desc.jobs[0], spec, out, work, stack)  # planned once, in there
         seconds = time.perf_counter() - t0
         jobs = Planner(desc.docs, seed=desc.seed, folders=moved).plan() if moved else desc.jobs
         job = jobs[0]

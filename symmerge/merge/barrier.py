@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..core.distance import distance_before_after
@@ -186,7 +186,7 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
         if note:  # no spec: 'recommended' is the plain curve
             arms["none"] = BarrierArm("none", "none", note=note)
             continue
-        plan = plan_align(models[0], models[1], opts, allow_pickle=o.allow_pickle)
+        plan = replace(plan_align(models[0], models[1], opts, allow_pickle=o.allow_pickle), loaded=None)  # no model kept
         name = ",".join(plan.symmetries) or "none"
         if name not in arms:
             arms[name] = BarrierArm(name, asked.requested, plan if plan.symmetries else None, plan.note)

@@ -125,7 +125,8 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     tokenizer = check_tokenizers([(str(x) if isinstance(x, (str, Path)) else label, x)
                                   for x, label in ((model, "model"), (anchor, "anchor"))], allow_tokenizer_mismatch)
     embedding = check_pipelines([(str(model), model)]) if isinstance(model, (str, Path)) else None
-    model, anchor = (_load(x, allow_pickle, progress is not None) for x in (model, anchor))
+    loaded = plan.loaded if plan is not None else None  # a pickle checkpoint the plan read: not read again
+    model, anchor = (_load(x, allow_pickle, progress is not None) for x in (model if loaded is None else loaded, anchor))
     model, anchor, adapted = adapt_pair(model, anchor)  # a base model and a fine-tune of its task class
     check_compatible(model, anchor)
     start = time.perf_counter()

@@ -12,8 +12,9 @@ once from the two inputs' headers and the options before any weight is read:
   folded into it (the residual stream's canonical form), or ``copy`` when nothing acts on it.
 
 The plan reads the folders' config.json and safetensors headers, and the one-dimensional tensors (norm weights)
-whose values decide the residual stream's group; nothing else. A pickle checkpoint has no headers: its plan is
-made from the loaded model. ``symmerge align --print-plan`` prints :meth:`AlignPlan.printed`; the report is
+whose values decide the residual stream's group (streamed: only the few tensors per-layer binding reads, Qwen3's
+QK norms); nothing else. A pickle checkpoint has no headers: its plan is made from the loaded model, which the
+plan keeps (``loaded``) for the alignment, so the checkpoint is read once. ``symmerge align --print-plan`` prints :meth:`AlignPlan.printed`; the report is
 built from the plan and what the alignment measured by the one report builder
 (:func:`symmerge.pipeline.report.build_report`).
 """
@@ -47,6 +48,7 @@ class AlignPlan:
     steps: tuple[AlignStep, ...] = field(default=(), repr=False)
     residual_variant: str | None = None  # the residual stream's group as the headers and norms decide it
     bound: tuple = field(default=(), repr=False, compare=False)  # every group instance bound (core.instance.Instance)
+    loaded: object = field(default=None, repr=False, compare=False)  # the model planned on when it had no headers
 
     def solved(self) -> list:
         """The bound instances the alignment solves (``instances``), in order."""
@@ -152,11 +154,13 @@ def _headers(model, anchor, stream: bool):
 def _bind_headers(ckpt, spec, options: AlignOptions, streamed: bool):
     """(the instances of ``spec`` bound to the checkpoint's headers, the output's tensors): shapes as meta tensors,
     the one-dimensional tensors (norm weights, whose values decide the residual stream's group) read."""
-    from ..core.resolve import config_sizes, resolve
+    from ..core.resolve import config_sizes, resolve, value_keys
 
     sizes = config_sizes(spec, ckpt.hf_config)
     state = ckpt.meta()
-    state.update(ckpt.read([k for k, t in state.items() if t.dim() <= 1]))
+    # streamed, only the few tensors per-layer binding reads (Qwen3's QK norms); in memory, the norms too
+    state.update(ckpt.read(value_keys(spec, list(state), sizes["num_layers"]) if streamed
+                           else [k for k, t in state.items() if t.dim() <= 1]))
     # as in memory: a declared tie's alias beside its source (a final norm cannot fold into a tied head), or with
     # --untie a tensor of its own
     state.update({alias: state[source] for alias, source in ckpt.ties.items() if source in state})
@@ -181,7 +185,8 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     options = options if options is not None else AlignOptions()
     names = _name(model, "model"), _name(anchor, "anchor")
     pair = checkpoints if checkpoints is not None else _headers(model, anchor, stream)
-    if pair is None:  # a model in memory or a pickle checkpoint: bound on the model itself
+    loaded = None
+    if pair is None:  # a model in memory or a pickle checkpoint: bound on the model itself (read once: kept)
         from .align import as_model, untied
         from .bound import bind
 
@@ -206,7 +211,8 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     mode = "pipeline" if stream and pipeline else MODES[stream]
     return AlignPlan(model=names[0], anchor=names[1], model_type=model_type, family=spec.family, options=resolved,
                      requested=options.requested, note=note, mode=mode, instances=tuple(i.name for i in solved),
-                     steps=plan_steps(keys, solved), residual_variant=residual, bound=tuple(instances))
+                     steps=plan_steps(keys, solved), residual_variant=residual, bound=tuple(instances),
+                     loaded=loaded)
 
 
 def plan_report(plan: AlignPlan, measured: dict) -> dict:
