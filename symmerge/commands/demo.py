@@ -16,19 +16,13 @@ version rounds differently (demo.json's "platform"). About 4.5 minutes on 2 CPU 
 
 from pathlib import Path
 
+from ..options.declared import DEMO
 from .schema_args import add_part
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("-o", "--output", default="symmerge-demo",
-                        help="folder for demo.json and demo.png (default symmerge-demo; an earlier demo's output "
-                             "there is replaced)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of model A (model B: seed + 1; default 0)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smaller model and shorter training (seconds; for smoke tests)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: fastest for these tiny models on a shared CPU, and the "
-                             "setting the README's figures were printed with)")
+    """demo's flags, declared in :mod:`symmerge.options.declared`, and the progress flag."""
+    add_part(parser, DEMO)
     add_part(parser, "progress")
 
 

@@ -10,81 +10,21 @@ See docs/lora.md."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from ..errors import SymmergeError
+from ..options.declared import EXTRACT, EXTRACT_NOOPS, TITLES
 from .schema_args import add_part
 from .lora_args import add_lora_arguments
 
-# mergekit-extract-lora's flags that change nothing here, and why (accepted so that its scripts run)
-NO_OPS = {
-    "--transformers-cache": ("models are read from local folders only", "DIR"),
-    "--trust-remote-code": ("models are built from transformers' own classes", None),
-    "--lazy-unpickle": ("tensors are always read lazily (safetensors)", None),
-    "--low-cpu-memory": ("tensors are read a pair at a time", None),
-    "--read-to-gpu": ("tensors go to --device for their SVD", None),
-    "--multi-gpu": ("one device", None),
-    "--gpu-rich": ("use --device cuda", None),
-    "--async-write": ("the adapter is one file, written at the end", None),
-    "--write-threads": ("the adapter is one file, written at the end", "N"),
-    "--out-shard-size": ("a PEFT adapter is one file", "SIZE"),
-    "--copy-tokenizer": ("an adapter holds no tokenizer", None),
-    "--clone-tensors": ("tensors are never shared", None),
-    "--safe-serialization": ("always safetensors", None),
-    "--quiet": ("use --progress none", None),
-}
-
 
 def add_arguments(parser) -> None:
-    parser.add_argument("finetune", nargs="?", default=None, help="the fine-tuned model (HF folder, or BASE+ADAPTER)")
-    parser.add_argument("base", nargs="?", default=None, help="its base model (HF folder)")
-    parser.add_argument("-o", "--output", "--out-path", dest="output", default=None,
-                        help="output folder: the PEFT adapter (must not exist or be empty)")
-    parser.add_argument("--rank", "--max-rank", dest="rank", type=int, default=128, metavar="R",
-                        help="largest rank of a layer's LoRA (default 128, as mergekit)")
-    parser.add_argument("--model", dest="model_flag", default=None, help="the fine-tuned model (as FINETUNE)")
-    parser.add_argument("--base-model", dest="base_flag", default=None, help="the base model (as BASE)")
-    parser.add_argument("--distribute-scale", action=argparse.BooleanOptionalAction, default=True,
-                        help="split the singular values evenly between A and B (√S each; default) or put them in A")
-    parser.add_argument("--embed-lora", action=argparse.BooleanOptionalAction, default=False,
-                        help="a LoRA for the embeddings too (default: saved whole, in modules_to_save)")
-    parser.add_argument("--save-module", action="append", default=[], metavar="NAME",
-                        help="save this module whole (its last name, e.g. lm_head; repeatable)")
-    parser.add_argument("-e", "--exclude-regex", "--exclude-regexes", dest="exclude", action="append", default=[],
-                        metavar="REGEX", help="leave out modules whose name matches (repeatable)")
-    parser.add_argument("-i", "--include-regex", "--include-regexes", dest="include", action="append", default=[],
-                        metavar="REGEX", help="only modules whose name matches (repeatable)")
-    parser.add_argument("--sv-epsilon", type=float, default=0.0, metavar="EPS",
-                        help="drop singular values at or below EPS (a layer's rank may fall below R)")
-    parser.add_argument("--skip-undecomposable", action="store_true",
-                        help="leave out modules that are neither linear layers nor embeddings (norms) instead of "
-                             "saving them whole")
-    parser.add_argument("--svd", choices=["full", "lowrank"], default="full",
-                        help="full: each layer's exact SVD (torch.linalg.svd; mergekit's result, default); lowrank: "
-                             "randomized (R + 10 directions, 4 subspace iterations), much faster when R is small "
-                             "against the layers' sizes, its error in the report")
-    parser.add_argument("--random-seed", type=int, default=0, metavar="N", help="seed of --svd lowrank")
-    parser.add_argument("--device", default=None, help="where the SVDs run: cpu (default), cuda, cuda:N")
-    parser.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=False, help="--device cuda")
-    parser.add_argument("-j", "--num-threads", type=int, default=None, metavar="N", help="torch's CPU threads")
-    parser.add_argument("--write-model-card", action=argparse.BooleanOptionalAction, default=True,
-                        help="write a README.md model card (default)")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="print every layer's error")
-    parser.add_argument("--allow-crimes", action=argparse.BooleanOptionalAction, default=False,
-                        help=argparse.SUPPRESS)
-    parser.add_argument("--unsafe-truncate-embeddings", action=argparse.BooleanOptionalAction, default=False,
-                        help=argparse.SUPPRESS)
+    """extract-lora's flags, declared in :mod:`symmerge.options.declared` (its own, the LoRA inputs' flags, the
+    progress flag, mergekit-extract-lora's flags that change nothing in a group of their own)."""
+    add_part(parser, EXTRACT)
     add_lora_arguments(parser)
     add_part(parser, "progress")
-    noop = parser.add_argument_group("mergekit-extract-lora's flags accepted with no effect")
-    for flag, (why, metavar) in NO_OPS.items():
-        if metavar:
-            noop.add_argument(flag, dest=f"noop_{flag[2:].replace('-', '_')}", default=None, metavar=metavar,
-                              help=f"accepted: {why}")
-        else:
-            noop.add_argument(flag, dest=f"noop_{flag[2:].replace('-', '_')}", action=argparse.BooleanOptionalAction,
-                              default=None, help=f"accepted: {why}")
+    add_part(parser.add_argument_group(TITLES[EXTRACT_NOOPS]), EXTRACT_NOOPS)
 
 
 def _inputs(args) -> tuple[str, str, str]:

@@ -14,79 +14,23 @@ stream in its coordinates. See docs/moe.md."""
 
 from __future__ import annotations
 
-import argparse
-
 from ..errors import SymmergeError
+from ..options.declared import MOE, MOE_MERGEKIT, TITLES
 from .alignment_args import add_alignment_arguments, alignment_options
 from .run import shard_size
 from .schema_args import add_part
 
-NO_OPS = {  # mergekit-moe's flags that change nothing here, and why (--help)
-    "--load-in-4bit": "accepted: the hidden-state pass runs the base model in bfloat16 (as mergekit without it)",
-    "--load-in-8bit": "accepted: as --load-in-4bit",
-    "--i-understand-this-is-not-useful-without-training": "accepted: no effect (mergekit's acknowledgement)",
-    "--lazy-unpickle": "accepted: tensors are always read lazily (safetensors)",
-    "--low-cpu-memory": "accepted: one tensor at a time is always held",
-    "--read-to-gpu": "accepted: tensors are copied on the CPU",
-    "--multi-gpu": "accepted: one device at most",
-    "--async-write": "accepted: shards are written as the tensors come",
-    "--clone-tensors": "accepted: every tensor is written once",
-    "--safe-serialization": "accepted: the output is always safetensors",
-    "--unsafe-truncate-embeddings": "accepted: the embeddings are the base model's (nothing to truncate)",
-    "--write-model-card": "the default: README.md (the model card), symmerge_report.json and "
-                          "mergekit_moe_config.yml are written",
-    "--no-write-model-card": "no README.md (symmerge_report.json and mergekit_moe_config.yml are still written)",
-    "--quiet": "no progress lines (--progress none)",
-    "--copy-tokenizer": "accepted: the default",
-    "--cuda": "the hidden-state pass on the GPU (--device cuda)",
-    "--gpu-rich": "as --cuda",
-}
-VALUE_NO_OPS = {
-    "--transformers-cache": "accepted: models are read from local folders only",
-    "--lora-merge-cache": "accepted: no LoRA inputs here",
-    "--lora-merge-dtype": "accepted: no LoRA inputs here",
-    "--write-threads": "accepted: one writer",
-}
-
 
 def add_arguments(parser) -> None:
+    """moe's flags, declared in :mod:`symmerge.options.declared` (its own, the alignment flags of ``symmerge align``,
+    the progress flag, mergekit-moe's other flags in a group of their own)."""
     from .safety_args import add_trust_remote_code
 
     add_trust_remote_code(parser)
-    parser.add_argument("config", help="a mergekit-moe YAML config (base_model, experts, gate_mode, dtype, ...)")
-    parser.add_argument("out", nargs="?", default=None, help="output folder (absent or empty)")
-    parser.add_argument("-o", "--output", default=None, help="output folder (the same as OUT)")
-    parser.add_argument("--device", default="cpu",
-                        help="where the hidden-state pass (gate_mode hidden) runs: cpu (default), cuda, cuda:N, auto")
-    parser.add_argument("--random-seed", type=int, default=0, metavar="N",
-                        help="seed of gate_mode random's router rows (default 0)")
-    parser.add_argument("--out-shard-size", default=None, metavar="SIZE",
-                        help="largest output shard: 5B (as mergekit: bytes with K/M/B suffixes, the default) or 2GB")
-    parser.add_argument("--allow-crimes", action="store_true",
-                        help="experts of another family than the base (Llama experts in a Mistral base), as mergekit")
-    parser.add_argument("--no-copy-tokenizer", action="store_true", help="do not copy the base's tokenizer files")
-    parser.add_argument("--align", action="store_true",
-                        help="align every expert to the base model first, so that experts trained apart sit in the "
-                             "base's frame (with --symmetries and the alignment flags of symmerge align)")
-    parser.add_argument("--symmetries", default="recommended",
-                        help="with --align: the symmetries aligned (as symmerge align; default recommended)")
-    parser.add_argument("--align-stream", action="store_true",
-                        help="with --align: align each expert layer by layer from its checkpoint "
-                             "(symmerge align --stream)")
+    add_part(parser, MOE)
     add_alignment_arguments(parser, repair=False)
     add_part(parser, "progress")
-    mk = parser.add_argument_group("mergekit-moe's other flags (accepted)")
-    for flag, text in NO_OPS.items():
-        mk.add_argument(flag, action="store_true", help=text)
-    for flag, text in VALUE_NO_OPS.items():
-        mk.add_argument(flag, default=None, metavar="VALUE", help=text)
-    mk.add_argument("-j", "--num-threads", type=int, default=None, metavar="N",
-                    help="torch's CPU threads for the hidden-state pass")
-    mk.add_argument("-v", action="count", default=0, help="accepted: progress lines are shown by default")
-    for flag in ("--no-cuda", "--no-lazy-unpickle", "--no-low-cpu-memory", "--no-read-to-gpu", "--no-multi-gpu",
-                 "--no-async-write", "--no-clone-tensors", "--no-safe-serialization", "--no-quiet",
-                 "--no-allow-crimes", "--no-unsafe-truncate-embeddings"):
-        mk.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    add_part(parser.add_argument_group(TITLES[MOE_MERGEKIT]), MOE_MERGEKIT)
 
 
 def options_of(args):

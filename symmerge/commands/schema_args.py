@@ -31,7 +31,7 @@ def _type(option):
 
 def add_option(parser, option) -> None:
     """One option as argparse takes it."""
-    kw = {"help": option.help}
+    kw = {"help": argparse.SUPPRESS if option.hidden else option.help}
     if option.form == "positional":
         if option.nargs:
             kw["nargs"] = option.nargs

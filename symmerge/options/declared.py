@@ -365,6 +365,148 @@ OPTIONS = (
         help="how progress is shown on stderr: auto (default: bars on a terminal, plain lines otherwise, e.g. in a "
              "log or a pipe), bar, lines (one line per stage with counts and seconds) or none"),
 )
+
+# moe's, extract-lora's and demo's (as mergekit-moe and mergekit-extract-lora spell theirs); each command adds its
+# parts in its own order (commands/moe.py, extract_lora.py, demo.py)
+MOE, EXTRACT, DEMO = "moe", "extract-lora", "demo"
+MOE_MERGEKIT, EXTRACT_NOOPS = "moe-mergekit", "extract-lora-noops"  # their groups of mergekit's other flags
+TITLES.update({MOE_MERGEKIT: "mergekit-moe's other flags (accepted)",
+               EXTRACT_NOOPS: "mergekit-extract-lora's flags accepted with no effect"})
+MOE_NO_OPS = {  # mergekit-moe's flags that change nothing here, and why (--help)
+    "--load-in-4bit": "accepted: the hidden-state pass runs the base model in bfloat16 (as mergekit without it)",
+    "--load-in-8bit": "accepted: as --load-in-4bit",
+    "--i-understand-this-is-not-useful-without-training": "accepted: no effect (mergekit's acknowledgement)",
+    "--lazy-unpickle": "accepted: tensors are always read lazily (safetensors)",
+    "--low-cpu-memory": "accepted: one tensor at a time is always held",
+    "--read-to-gpu": "accepted: tensors are copied on the CPU",
+    "--multi-gpu": "accepted: one device at most",
+    "--async-write": "accepted: shards are written as the tensors come",
+    "--clone-tensors": "accepted: every tensor is written once",
+    "--safe-serialization": "accepted: the output is always safetensors",
+    "--unsafe-truncate-embeddings": "accepted: the embeddings are the base model's (nothing to truncate)",
+    "--write-model-card": "the default: README.md (the model card), symmerge_report.json and "
+                          "mergekit_moe_config.yml are written",
+    "--no-write-model-card": "no README.md (symmerge_report.json and mergekit_moe_config.yml are still written)",
+    "--quiet": "no progress lines (--progress none)",
+    "--copy-tokenizer": "accepted: the default",
+    "--cuda": "the hidden-state pass on the GPU (--device cuda)",
+    "--gpu-rich": "as --cuda",
+}
+MOE_VALUE_NO_OPS = {
+    "--transformers-cache": "accepted: models are read from local folders only",
+    "--lora-merge-cache": "accepted: no LoRA inputs here",
+    "--lora-merge-dtype": "accepted: no LoRA inputs here",
+    "--write-threads": "accepted: one writer",
+}
+MOE_HIDDEN = ("--no-cuda", "--no-lazy-unpickle", "--no-low-cpu-memory", "--no-read-to-gpu", "--no-multi-gpu",
+              "--no-async-write", "--no-clone-tensors", "--no-safe-serialization", "--no-quiet", "--no-allow-crimes",
+              "--no-unsafe-truncate-embeddings")
+EXTRACT_NO_OPS = {  # mergekit-extract-lora's flags that change nothing here, and why (accepted so that its scripts run)
+    "--transformers-cache": ("models are read from local folders only", "DIR"),
+    "--trust-remote-code": ("models are built from transformers' own classes", None),
+    "--lazy-unpickle": ("tensors are always read lazily (safetensors)", None),
+    "--low-cpu-memory": ("tensors are read a pair at a time", None),
+    "--read-to-gpu": ("tensors go to --device for their SVD", None),
+    "--multi-gpu": ("one device", None),
+    "--gpu-rich": ("use --device cuda", None),
+    "--async-write": ("the adapter is one file, written at the end", None),
+    "--write-threads": ("the adapter is one file, written at the end", "N"),
+    "--out-shard-size": ("a PEFT adapter is one file", "SIZE"),
+    "--copy-tokenizer": ("an adapter holds no tokenizer", None),
+    "--clone-tensors": ("tensors are never shared", None),
+    "--safe-serialization": ("always safetensors", None),
+    "--quiet": ("use --progress none", None),
+}
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+OPTIONS += (
+    opt("config", on=MOE, part=MOE, form="positional",
+        help="a mergekit-moe YAML config (base_model, experts, gate_mode, dtype, ...)"),
+    opt("out", on=MOE, part=MOE, form="positional", nargs="?", help="output folder (absent or empty)"),
+    opt("output", "-o", "--output", on=MOE, part=MOE, help="output folder (the same as OUT)"),
+    opt("device", "--device", on=MOE, part=MOE, default="cpu",
+        help="where the hidden-state pass (gate_mode hidden) runs: cpu (default), cuda, cuda:N, auto"),
+    opt("random_seed", "--random-seed", on=MOE, part=MOE, parse=int, default=0, metavar="N",
+        help="seed of gate_mode random's router rows (default 0)"),
+    opt("out_shard_size", "--out-shard-size", on=MOE, part=MOE, metavar="SIZE",
+        help="largest output shard: 5B (as mergekit: bytes with K/M/B suffixes, the default) or 2GB"),
+    opt("allow_crimes", "--allow-crimes", on=MOE, part=MOE, form="switch", default=False,
+        help="experts of another family than the base (Llama experts in a Mistral base), as mergekit"),
+    opt("no_copy_tokenizer", "--no-copy-tokenizer", on=MOE, part=MOE, form="switch", default=False,
+        help="do not copy the base's tokenizer files"),
+    opt("align", "--align", on=MOE, part=MOE, form="switch", default=False,
+        help="align every expert to the base model first, so that experts trained apart sit in the base's frame "
+             "(with --symmetries and the alignment flags of symmerge align)"),
+    opt("symmetries", "--symmetries", on=MOE, part=MOE, default=RECOMMENDED_NAME,
+        help="with --align: the symmetries aligned (as symmerge align; default recommended)"),
+    opt("align_stream", "--align-stream", on=MOE, part=MOE, form="switch", default=False,
+        help="with --align: align each expert layer by layer from its checkpoint (symmerge align --stream)"),
+    *(opt(_dest(f), f, on=MOE, part=MOE_MERGEKIT, form="switch", default=False, help=why)
+      for f, why in MOE_NO_OPS.items()),
+    *(opt(_dest(f), f, on=MOE, part=MOE_MERGEKIT, metavar="VALUE", help=why) for f, why in MOE_VALUE_NO_OPS.items()),
+    opt("num_threads", "-j", "--num-threads", on=MOE, part=MOE_MERGEKIT, parse=int, metavar="N",
+        help="torch's CPU threads for the hidden-state pass"),
+    opt("v", "-v", on=MOE, part=MOE_MERGEKIT, form="count", default=0,
+        help="accepted: progress lines are shown by default"),
+    *(opt(_dest(f), f, on=MOE, part=MOE_MERGEKIT, form="switch", default=False, hidden=True) for f in MOE_HIDDEN),
+    # extract-lora's
+    opt("finetune", on=EXTRACT, part=EXTRACT, form="positional", nargs="?",
+        help="the fine-tuned model (HF folder, or BASE+ADAPTER)"),
+    opt("base", on=EXTRACT, part=EXTRACT, form="positional", nargs="?", help="its base model (HF folder)"),
+    opt("output", "-o", "--output", "--out-path", on=EXTRACT, part=EXTRACT,
+        help="output folder: the PEFT adapter (must not exist or be empty)"),
+    opt("rank", "--rank", "--max-rank", on=EXTRACT, part=EXTRACT, parse=int, default=128, metavar="R",
+        help="largest rank of a layer's LoRA (default 128, as mergekit)"),
+    opt("model_flag", "--model", on=EXTRACT, part=EXTRACT, help="the fine-tuned model (as FINETUNE)"),
+    opt("base_flag", "--base-model", on=EXTRACT, part=EXTRACT, help="the base model (as BASE)"),
+    opt("distribute_scale", "--distribute-scale", on=EXTRACT, part=EXTRACT, form="onoff", default=True,
+        help="split the singular values evenly between A and B (√S each; default) or put them in A"),
+    opt("embed_lora", "--embed-lora", on=EXTRACT, part=EXTRACT, form="onoff", default=False,
+        help="a LoRA for the embeddings too (default: saved whole, in modules_to_save)"),
+    opt("save_module", "--save-module", on=EXTRACT, part=EXTRACT, form="append", default=[], metavar="NAME",
+        help="save this module whole (its last name, e.g. lm_head; repeatable)"),
+    opt("exclude", "-e", "--exclude-regex", "--exclude-regexes", on=EXTRACT, part=EXTRACT, form="append", default=[],
+        metavar="REGEX", help="leave out modules whose name matches (repeatable)"),
+    opt("include", "-i", "--include-regex", "--include-regexes", on=EXTRACT, part=EXTRACT, form="append", default=[],
+        metavar="REGEX", help="only modules whose name matches (repeatable)"),
+    opt("sv_epsilon", "--sv-epsilon", on=EXTRACT, part=EXTRACT, parse=float, default=0.0, metavar="EPS",
+        help="drop singular values at or below EPS (a layer's rank may fall below R)"),
+    opt("skip_undecomposable", "--skip-undecomposable", on=EXTRACT, part=EXTRACT, form="switch", default=False,
+        help="leave out modules that are neither linear layers nor embeddings (norms) instead of saving them whole"),
+    opt("svd", "--svd", on=EXTRACT, part=EXTRACT, choices=("full", "lowrank"), default="full",
+        help="full: each layer's exact SVD (torch.linalg.svd; mergekit's result, default); lowrank: randomized (R + "
+             "10 directions, 4 subspace iterations), much faster when R is small against the layers' sizes, its "
+             "error in the report"),
+    opt("random_seed", "--random-seed", on=EXTRACT, part=EXTRACT, parse=int, default=0, metavar="N",
+        help="seed of --svd lowrank"),
+    opt("device", "--device", on=EXTRACT, part=EXTRACT, help="where the SVDs run: cpu (default), cuda, cuda:N"),
+    opt("cuda", "--cuda", on=EXTRACT, part=EXTRACT, form="onoff", default=False, help="--device cuda"),
+    opt("num_threads", "-j", "--num-threads", on=EXTRACT, part=EXTRACT, parse=int, metavar="N",
+        help="torch's CPU threads"),
+    opt("write_model_card", "--write-model-card", on=EXTRACT, part=EXTRACT, form="onoff", default=True,
+        help="write a README.md model card (default)"),
+    opt("verbose", "-v", "--verbose", on=EXTRACT, part=EXTRACT, form="count", default=0,
+        help="print every layer's error"),
+    opt("allow_crimes", "--allow-crimes", on=EXTRACT, part=EXTRACT, form="onoff", default=False, hidden=True),
+    opt("unsafe_truncate_embeddings", "--unsafe-truncate-embeddings", on=EXTRACT, part=EXTRACT, form="onoff",
+        default=False, hidden=True),
+    *(opt("noop_" + _dest(f), f, on=EXTRACT, part=EXTRACT_NOOPS, form="value" if metavar else "onoff",
+          metavar=metavar, help=f"accepted: {why}") for f, (why, metavar) in EXTRACT_NO_OPS.items()),
+    # demo's
+    opt("output", "-o", "--output", on=DEMO, part=DEMO, default="symmerge-demo",
+        help="folder for demo.json and demo.png (default symmerge-demo; an earlier demo's output there is replaced)"),
+    opt("seed", "--seed", on=DEMO, part=DEMO, parse=int, default=0,
+        help="seed of model A (model B: seed + 1; default 0)"),
+    opt("quick", "--quick", on=DEMO, part=DEMO, form="switch", default=False,
+        help="a smaller model and shorter training (seconds; for smoke tests)"),
+    opt("threads", "--threads", on=DEMO, part=DEMO, parse=int, default=1,
+        help="torch threads (default 1: fastest for these tiny models on a shared CPU, and the setting the README's "
+             "figures were printed with)"),
+)
 TABLE = Table(OPTIONS)
 LEARN_FLAGS = {o.learn: o.flag for o in OPTIONS if o.learn and o.takes_value}  # LearnSettings field → valued flag
 LEARN_SWITCHES = {o.learn: o for o in OPTIONS if o.learn and not o.takes_value}  # layerwise: --learn-layerwise

@@ -34,7 +34,8 @@ class Option:
     ``joins``: a YAML list given for it is joined with commas (a comma list on the command line);
     ``part``: the shared part it belongs to
     (``alignment``, ``repair``, ``lora``, ``progress``: added together by the commands that have them);
-    ``learn``: the :class:`~symmerge.pipeline.options.LearnSettings` field it sets."""
+    ``learn``: the :class:`~symmerge.pipeline.options.LearnSettings` field it sets; ``hidden``: accepted but not
+    shown by ``--help`` (mergekit's spellings that change nothing)."""
 
     name: str
     flags: tuple = ()
@@ -51,6 +52,7 @@ class Option:
     joins: bool = False
     part: str | None = None
     learn: str | None = None
+    hidden: bool = False  # accepted, left out of --help
 
     def __post_init__(self):
         if self.form not in FORMS:  # pragma: no cover - a declaration's mistake

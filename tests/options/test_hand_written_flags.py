@@ -1,0 +1,52 @@
+"""The last hand-written flags in the schema (issue 39 item 3): ``moe``, ``extract-lora`` and ``demo`` declare their
+options in ``symmerge/options/declared.py`` like every other command. Their parsers are the contract: every
+argument's flags, destination, default, choices, nargs, metavar, type, action, help text and help group are
+those of the hand-written parsers they replace (``data/hand_written_flags.json``, dumped from those parsers
+before the change by :func:`dump`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+SNAPSHOT = Path(__file__).parent / "data" / "hand_written_flags.json"
+COMMANDS = {"moe": "moe", "extract-lora": "extract_lora", "demo": "demo"}
+
+
+def dump(command: str) -> list[dict]:
+    """Every argument of ``symmerge COMMAND``'s parser, as argparse holds it, in order."""
+    module = importlib.import_module(f"symmerge.commands.{COMMANDS[command]}")
+    parser = argparse.ArgumentParser(prog=f"symmerge {command}", add_help=False)
+    module.add_arguments(parser)
+    group = {id(a): g.title for g in parser._action_groups for a in g._group_actions}  # noqa: SLF001
+    out = []
+    for a in parser._actions:  # noqa: SLF001
+        default = a.default if isinstance(a.default, (str, int, float, bool, list, type(None))) else repr(a.default)
+        out.append({"flags": list(a.option_strings), "dest": a.dest, "default": default,
+                    "choices": list(a.choices) if a.choices is not None else None, "nargs": a.nargs,
+                    "metavar": a.metavar, "const": a.const, "required": a.required, "help": a.help,
+                    "type": getattr(a.type, "__name__", None), "action": type(a).__name__,
+                    "group": group.get(id(a))})
+    return out
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_the_declared_flags_are_the_hand_written_ones(command):
+    assert dump(command) == json.loads(SNAPSHOT.read_text())[command]
+
+
+def test_the_commands_declare_their_options():
+    """No argument of these commands is added outside the generated parser code (``add_argument`` by hand)."""
+    import symmerge.commands as commands
+
+    for name in COMMANDS.values():
+        text = (Path(commands.__file__).parent / f"{name}.py").read_text()
+        assert "add_argument(" not in text, name
+
+
+if __name__ == "__main__":  # the snapshot, from the parsers as they are
+    SNAPSHOT.write_text(json.dumps({c: dump(c) for c in sorted(COMMANDS)}, indent=1, ensure_ascii=False) + "\n")
