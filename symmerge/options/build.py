@@ -63,9 +63,6 @@ def merge_options(args):
     from ..merge.fuse import MergeOptions
     from ..merge.param_values import check_param_values
     from ..merge.repair import parse_channels
-    from ..pipeline.distill import parse_flags
-
-    distill, distill_lr = parse_flags(args.distill, args.distill_lr)  # one line each when not a number
     return MergeOptions(
         method=args.method, align=align_options(args, args.align, verify=not args.no_verify), repair=args.repair,
         repair_channels=parse_channels(args.repair_channels), repair_samples=args.repair_samples,
@@ -76,4 +73,4 @@ def merge_options(args):
         batch_size=args.batch_size, max_examples=args.max_examples, max_length=args.max_length,
         allow_pickle=args.allow_pickle, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
         joint=False if args.star else None, joint_rounds=args.joint_rounds, joint_refine=args.joint_refine,
-        mode=args.mode, shard_size=args.shard_size, distill=distill, distill_lr=distill_lr)
+        mode=args.mode, shard_size=args.shard_size, distill=args.distill, distill_lr=args.distill_lr)

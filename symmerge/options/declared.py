@@ -15,7 +15,7 @@ from ..merge.registry import METHODS
 from ..pipeline.options import (DEFAULT_REFINE, JOINT_REFINE, LEARN_FRAMES, LEARN_PRECISIONS, MATCH_MODES, RECOMMENDED,
                                 RECOMMENDED_NAME, RESIDUAL_CHOICES, AlignOptions, LearnSettings, describe_symmetries)
 from ..progress import MODES as PROGRESS_MODES
-from .parse import concentration
+from .parse import concentration, distill_lr, distill_steps
 from .schema import Option, Table
 
 MERGE, ALIGN, BARRIER, RUN = "merge", "align", "barrier", "run"
@@ -194,12 +194,12 @@ OPTIONS = (
     opt("print_plan", "--print-plan", on=MERGE, form="switch", default=False,
         help="print the resolved plan and its steps (one per output tensor: copy, or merge with which inputs and "
              "parameters) as JSON, then exit without reading weights or writing"),
-    opt("distill", "--distill", on=MERGE, default="0", metavar="STEPS",
+    opt("distill", "--distill", on=MERGE, parse=distill_steps, default=M("distill"), metavar="STEPS",
         help="after the merge (and --repair), STEPS optimiser steps of KL distillation of the merged model toward "
              "the ensemble of the aligned inputs (the average of their probabilities) on the unlabeled --align-data; "
              "every parameter moves, so the result is no longer function-preserving alignment and the report labels "
              "it 'distilled (not function-preserving)' (default 0: none)"),
-    opt("distill_lr", "--distill-lr", on=MERGE, default="1e-4", metavar="LR",
+    opt("distill_lr", "--distill-lr", on=MERGE, parse=distill_lr, default=M("distill_lr"), metavar="LR",
         help="the distillation's learning rate (Adam, cosine decay to 0; default 1e-4)"),
     opt("print_plan", "--print-plan", on=ALIGN, form="switch", default=False,
         help="print the resolved plan (symmetries, matcher, anchor, verification) and its steps (one per output "

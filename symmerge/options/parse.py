@@ -18,6 +18,21 @@ def concentration(text: str):
         raise OptionValueError(f"expected a number or 'auto', got {text!r}") from None
 
 
+def distill_steps(text):
+    """``--distill STEPS``: a whole number of steps >= 0 (0: none), refused in one line naming the flag (the API's
+    check, :func:`symmerge.pipeline.distill.check_steps`)."""
+    from ..pipeline.distill import check_steps
+
+    return check_steps(int(text) if isinstance(text, str) and text.strip().lstrip("+-").isdigit() else text)
+
+
+def distill_lr(text):
+    """``--distill-lr LR``: a positive number (the API's check, :func:`symmerge.pipeline.distill.check_lr`)."""
+    from ..pipeline.distill import check_lr
+
+    return check_lr(text)
+
+
 def parse_value(text: str):
     """A method parameter's value: true/false, an int, a float, else the text."""
     low = text.strip().lower()

@@ -44,8 +44,7 @@ class DistillSettings:
 
     def __post_init__(self):
         check_steps(self.steps, minimum=1)
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise SymmergeError(f"--distill-lr must be a positive number, got {self.lr!r}")
+        check_lr(self.lr)
         if not 0 <= self.holdout < 1:
             raise SymmergeError(f"the distillation's held-out fraction must lie in [0, 1), got {self.holdout!r}")
         if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
@@ -60,18 +59,16 @@ def check_steps(steps, minimum: int = 0) -> int:
     return steps
 
 
-def parse_flags(steps, lr) -> tuple[int, float]:
-    """``--distill STEPS`` and ``--distill-lr LR`` as given on the command line (text, or numbers) →
-    (steps, learning rate), each refused in one line when it is not a number of the right kind."""
+def check_lr(lr) -> float:
+    """The distillation's learning rate (``--distill-lr``; its text too), refused in one line unless a positive
+    finite number."""
     try:
-        steps = int(steps) if isinstance(steps, str) and steps.strip().lstrip("+-").isdigit() else steps
+        value = float(lr) if isinstance(lr, str) else lr
     except ValueError:
-        pass
-    try:
-        lr = float(lr) if isinstance(lr, str) else lr
-    except ValueError:
-        raise SymmergeError(f"--distill-lr must be a positive number, got {lr!r}") from None
-    return check_steps(steps), lr
+        value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise SymmergeError(f"--distill-lr must be a positive number, got {lr if value is None else value!r}")
+    return value
 
 
 def _weights(weights, n: int) -> list[float]:

@@ -50,3 +50,33 @@ def test_the_commands_declare_their_options():
 
 if __name__ == "__main__":  # the snapshot, from the parsers as they are
     SNAPSHOT.write_text(json.dumps({c: dump(c) for c in sorted(COMMANDS)}, indent=1, ensure_ascii=False) + "\n")
+
+
+@pytest.mark.parametrize("flag,text,error", [
+    ("--distill", "many", "--distill takes a number of steps >= 0, got 'many'"),
+    ("--distill", "-3", "--distill takes a number of steps >= 0, got -3"),
+    ("--distill", "2.5", "--distill takes a number of steps >= 0, got '2.5'"),
+    ("--distill-lr", "fast", "--distill-lr must be a positive number, got 'fast'"),
+    ("--distill-lr", "0", "--distill-lr must be a positive number, got 0.0"),
+    ("--distill-lr", "nan", "--distill-lr must be a positive number, got nan"),
+])
+def test_the_distillation_flags_are_read_by_the_schema(tmp_path, flag, text, error):
+    """``--distill`` and ``--distill-lr`` are read by their declarations (numbers in the parsed options, not texts
+    parsed later): a bad value is the API's one line, from the flag and from a config key alike (the key's line
+    named)."""
+    from symmerge.commands.config_options import parser
+    from symmerge.config.command import SymmergeConfig
+    from symmerge.config.schema import values
+    from symmerge.errors import SymmergeError
+    from test_options_schema import _doc
+
+    argv = ["a", "b", "--method", "average", "-o", "o"]
+    args = parser("merge").parse_args(argv + ["--distill", "40", "--distill-lr", "3e-3"])
+    assert (args.distill, args.distill_lr) == (40, 0.003)
+    with pytest.raises(SymmergeError) as from_flag:
+        parser("merge").parse_args(argv + [flag, text])
+    assert str(from_flag.value) == error
+    keys = {"output": "o", "method": "average", flag[2:].replace("-", "_"): text}
+    with pytest.raises(SymmergeError) as from_key:
+        values(SymmergeConfig("merge", ["a", "b"], None, {}, keys, _doc(tmp_path, keys)))
+    assert str(from_key.value) == f"{tmp_path / 'c.yml'} line 3: {error}"

@@ -49,6 +49,8 @@ def sample(option):
         value = int(option.minimum or 0) + 3
     elif option.parse is float:
         value = (option.minimum or 0) + 2.5
+    elif option.name == "distill":  # a whole number of steps
+        value = 3
     elif option.name == "weights":
         value = "0.25,0.75"
     elif option.name == "param":
