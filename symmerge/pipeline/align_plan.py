@@ -180,7 +180,7 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     from ..families import spec_for
     from ..io.sentence_transformers import check_pipelines, output_reader
     from .engine import active
-    from .recommend import recommended
+    from .recommend import recommended, require_declared
 
     options = options if options is not None else AlignOptions()
     names = _name(model, "model"), _name(anchor, "anchor")
@@ -199,6 +199,7 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
         model_type = type(ckpt.hf_config).model_type  # the config class's, as transformers builds the model
         spec = streamed_spec(model_type) if stream else spec_for(model_type)
         instances, keys = _bind_headers(ckpt, spec, options, stream)
+    require_declared(spec, options)
     embedding = check_pipelines([(names[0], model)]) if isinstance(model, (str, Path)) else None
     asked = options.recommended
     resolved, note = recommended(options, available=[i.group.symmetry for i in instances], spec=spec,

@@ -18,8 +18,7 @@ fact (keyword)              'recommended'                                an expl
                             out, with a note
 ``streamed``                the symmetries of a model-wide kind left out one error
 ``spec`` (with available)   —                                            a group the family declares and the model
-                                                                         does not bind, or a symmetry the family
-                                                                         does not declare: one error
+                                                                         does not bind: one error
 =========================== ============================================ ===========================================
 
 The rules run in the order of the table; the notes are joined with ``"; "``.
@@ -130,15 +129,10 @@ def _left_out(align: AlignOptions, names, why: str) -> tuple[AlignOptions, str]:
 
 
 def _require_groups(spec, available, symmetries) -> None:
-    """A requested symmetry whose groups this model does not have is an error, not a silent no-op; so is one its
-    family does not declare (``experts`` of a dense model)."""
-    declared = [g.symmetry for g in spec.groups]
+    """A requested symmetry whose groups this model does not have is an error, not a silent no-op."""
     for name in symmetries:
-        if name == SCALES:
-            continue  # not a group of its own: scales travel with their group's element
-        if spec.group(name) is None and name not in declared:
-            raise SymmergeError(f"the {spec.family} family has no {name!r} symmetry; its symmetries: "
-                                f"{', '.join(dict.fromkeys([*declared, SCALES]))}")
+        if spec.group(name) is None and not any(g.symmetry == name for g in spec.groups):
+            continue  # not a group of its own (rescale)
         if name not in available:
             if name in symmetries_whose(moves_heads_input):
                 raise SymmergeError(
@@ -146,3 +140,15 @@ def _require_groups(spec, available, symmetries) -> None:
                     "LlamaForCausalLM, ViTForImageClassification, GPT2LMHeadModel) of a family with a residual "
                     f"spec; this {spec.family} model has no residual group (a base model's output is the stream)")
             raise SymmergeError(f"this {spec.family} model has no {name!r} group")
+
+
+def require_declared(spec, align: AlignOptions) -> None:
+    """An explicit symmetry list naming a symmetry the model's family does not declare (``experts`` of a dense
+    model) is one error naming the family's symmetries. Checked where a command plans an alignment (``align``,
+    ``barrier``: :func:`~symmerge.pipeline.align_plan.plan_align`); the Python API's ``align_pair`` keeps taking
+    every symmetry name and aligning the groups the family has."""
+    declared = list(dict.fromkeys(g.symmetry for g in spec.groups))
+    unknown = [s for s in align.symmetries if s != SCALES and s not in declared]
+    if unknown and not align.recommended:
+        raise SymmergeError(f"the {spec.family} family has no {unknown[0]!r} symmetry; its symmetries: "
+                            f"{', '.join([*declared, SCALES])}")

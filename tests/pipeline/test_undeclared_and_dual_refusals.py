@@ -1,6 +1,6 @@
 """Refusals found in the review of issue 39: a symmetry the model's family does not declare (``--symmetries experts``
-on a Llama) is one error naming the family's symmetries — from the command (exit 2, nothing written) and the API —
-instead of an alignment that silently aligns nothing of it; the dual learned frame, which moves the anchor too, is
+on a Llama) is one error naming the family's symmetries — from the command (exit 2, nothing written) and the library
+entry that writes, which plan the alignment — of an alignment that silently aligns nothing of it; the dual learned frame, which moves the anchor too, is
 refused where every model is aligned onto a fixed anchor: a barrier of more than two models (joint alignment, its
 star) and the federated strategy (each client onto the global model)."""
 
@@ -36,13 +36,18 @@ def test_align_refuses_a_symmetry_the_family_does_not_declare(llamas, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
-def test_the_api_refuses_it_too_and_a_mixture_takes_it(llamas):
+def test_the_library_entry_refuses_it_too_and_a_mixture_takes_it(llamas, tmp_path):
+    """``symmerge.align_to_folder`` plans as the command does; ``align_pair`` keeps taking every symmetry name (the
+    groups the family has are aligned: a list of all of them is how the tests of every family call it)."""
     from symmerge.errors import SymmergeError
     from symmerge.pipeline.align import align_pair
     from symmerge.pipeline.options import AlignOptions
+    from symmerge.pipeline.to_folder import align_to_folder
 
     with pytest.raises(SymmergeError, match="the llama family has no 'experts' symmetry"):
-        align_pair(*llamas, AlignOptions(symmetries="experts"))
+        align_to_folder(*llamas, tmp_path / "out", AlignOptions(symmetries="experts"), progress=False)
+    assert not (tmp_path / "out").exists()
+    assert align_pair(*llamas, AlignOptions(symmetries="attn,experts")).report["symmetries"] == ["attn", "experts"]
     a, b = (make_model("mixtral", head=True, dtype=torch.float32, seed=s) for s in (0, 1))
     report = align_pair(a, b, AlignOptions(symmetries="experts", verify=False)).report
     assert report["symmetries"] == ["experts"]
