@@ -31,6 +31,7 @@ from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.bound import bind
 from ..pipeline.data import generated_once
+from ..option_ranges import check as check_range
 from ..pipeline.distill import DistillSettings, check_steps, distill
 from ..pipeline.joint import align_joint
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
@@ -158,8 +159,7 @@ class MergeOptions:
         if self.joint and (self.anchor is not None or self.base is not None):
             raise SymmergeError("joint alignment brings every model into one common frame: it takes no --anchor "
                                 "or --base (an anchor means the star: every model aligned to it)")
-        if self.joint_rounds < 0:
-            raise SymmergeError(f"--joint-rounds must be >= 0, got {self.joint_rounds}")
+        check_range("joint_rounds", self.joint_rounds)  # the flag's declared range (symmerge/option_ranges.py)
         if self.joint_refine not in JOINT_REFINE:
             raise SymmergeError(f"unknown --joint-refine {self.joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
         return replace(self, params=params, head_from=self.head_from % n, repair_channels=channels)

@@ -15,6 +15,7 @@ from ..merge.registry import METHODS
 from ..pipeline.options import (DEFAULT_REFINE, JOINT_REFINE, LEARN_FRAMES, LEARN_PRECISIONS, MATCH_MODES, RECOMMENDED,
                                 RECOMMENDED_NAME, RESIDUAL_CHOICES, AlignOptions, LearnSettings, describe_symmetries)
 from ..progress import MODES as PROGRESS_MODES
+from ..option_ranges import MINIMA
 from .parse import concentration, distill_lr, distill_steps
 from .schema import Option, Table
 
@@ -110,11 +111,13 @@ OPTIONS = (
              "of jointly into one frame"),
     opt("points", "--points", on=BARRIER, parse=int, default=B("points"),
         help="number of α values in [0, 1] (default 11)"),
-    opt("joint_rounds", "--joint-rounds", on=MERGE, parse=int, minimum=0, default=M("joint_rounds"), metavar="N",
+    opt("joint_rounds", "--joint-rounds", on=MERGE, parse=int, minimum=MINIMA["joint_rounds"],
+        default=M("joint_rounds"), metavar="N",
         help="joint alignment (more than two models, no --anchor): at most N rounds of 'each model to the mean of "
              "the others' after the star (default 10; it stops when a round lowers the spread by less than 1e-3 "
              "data-free, where a round is one sweep per model, 1e-4 with activations)"),
-    opt("joint_rounds", "--joint-rounds", on=BARRIER, parse=int, minimum=0, default=B("joint_rounds"), metavar="N",
+    opt("joint_rounds", "--joint-rounds", on=BARRIER, parse=int, minimum=MINIMA["joint_rounds"],
+        default=B("joint_rounds"), metavar="N",
         help="more than two models: rounds of the joint alignment after the star (default 10)"),
     opt("joint_refine", "--joint-refine", on=MERGE, choices=JOINT_REFINE, default=M("joint_refine"),
         help="what the joint alignment's rounds re-solve: 'all' the groups (MergeMany; for the continuous groups "
@@ -272,7 +275,7 @@ OPTIONS = (
     opt("untie", "--untie", on=ALIGNING, part=ALIGNMENT, form="switch", default=False,
         help="untie a tied LM head so the final norm can fold into it and the stream gets its largest group (the "
              "output then stores the head separately)"),
-    opt("max_sweeps", "--max-sweeps", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1,
+    opt("max_sweeps", "--max-sweeps", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=MINIMA["max_sweeps"],
         default=default(A, "max_sweeps"),
         help="cap on the coordinate-descent sweeps over the coupled groups (default 200; it stops earlier when a "
              "sweep lowers the objective by less than 1e-4 of it, and warns at the cap)"),
@@ -283,7 +286,8 @@ OPTIONS = (
              "on a large model; 0: the plain starts only). The lowest objective is kept; the report's solver entry "
              "lists every start. Default: no search, the one descent (on B1 and three held-out pairs the search "
              "lowered the weight objective but not the barrier: docs/results.md)"),
-    opt("solver_budget", "--solver-budget", on=ALIGNING, part=ALIGNMENT, parse=float, minimum=0, metavar="SECONDS",
+    opt("solver_budget", "--solver-budget", on=ALIGNING, part=ALIGNMENT, parse=float, minimum=MINIMA["solver_budget"],
+        metavar="SECONDS",
         help="data-free solver: begin no restart after this many seconds (default: no limit; the result then "
              "depends on the machine's speed); 0: the first descent alone"),
     opt("solver_seed", "--solver-seed", on=ALIGNING, part=ALIGNMENT, parse=int, default=default(A, "solver_seed"),
@@ -299,21 +303,25 @@ OPTIONS = (
              "temperature 1 (shared out over the models: half from each of two; default generate:256:16:0; for "
              "merge and barrier the measured recipe adds --repair --repair-channels ffn,norm,qk --repair-samples "
              "64)"),
-    opt("align_samples", "--align-samples", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1,
+    opt("align_samples", "--align-samples", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=MINIMA["align_samples"],
         default=default(A, "align_samples"), help="use at most this many examples of --align-data (default 1000)"),
-    opt("learn_steps", "--learn-steps", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1, learn="steps",
+    opt("learn_steps", "--learn-steps", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=MINIMA["learn_steps"],
+        learn="steps",
         help=f"--match learned: optimiser steps (default {L.steps} of {L.batch} examples; the start is kept if the "
              "end is not better)"),
     opt("learn_budget", "--learn-budget", on=ALIGNING, part=ALIGNMENT, parse=float, minimum=0, metavar="SECONDS",
         learn="budget", help="--match learned: stop after this many seconds of optimisation (default: no limit)"),
     opt("learn_seed", "--learn-seed", on=ALIGNING, part=ALIGNMENT, parse=int, learn="seed",
         help="--match learned: seed (default 0)"),
-    opt("learn_batch", "--learn-batch", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1, learn="batch",
+    opt("learn_batch", "--learn-batch", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=MINIMA["learn_batch"],
+        learn="batch",
         help=f"--match learned: examples per step (default {L.batch})"),
-    opt("learn_positions", "--learn-positions", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=0, learn="positions",
+    opt("learn_positions", "--learn-positions", on=ALIGNING, part=ALIGNMENT, parse=int,
+        minimum=MINIMA["learn_positions"], learn="positions",
         help="--match learned, text: the objective on this many random next-token positions of each batch, the "
              f"endpoints' predictions cached there only (default {L.positions}: every position)"),
-    opt("learn_max_length", "--learn-max-length", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=2, metavar="TOKENS",
+    opt("learn_max_length", "--learn-max-length", on=ALIGNING, part=ALIGNMENT, parse=int,
+        minimum=MINIMA["learn_max_length"], metavar="TOKENS",
         learn="max_length",
         help="--match learned, text: the alignment texts truncated to this many tokens (default: the model's "
              "context)"),
@@ -330,7 +338,8 @@ OPTIONS = (
         help="--match learned: build and differentiate the interpolated model one layer at a time (gradient "
              "checkpointing per layer): the same objective and gradient in memory bounded by a few layers (LLM-size "
              "pairs; docs/results/learned_scale.md)"),
-    opt("learn_check_batches", "--learn-check-batches", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=0,
+    opt("learn_check_batches", "--learn-check-batches", on=ALIGNING, part=ALIGNMENT, parse=int,
+        minimum=MINIMA["learn_check_batches"],
         metavar="N", learn="check_batches",
         help="--match learned: the objective checks (start/end, or held-out) on at most N batches (default "
              f"{L.check_batches}: all)"),

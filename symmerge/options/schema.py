@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import SymmergeError
+from ..option_ranges import in_range
 
 # how an option takes its value: one value; a switch (present: True); a switch whose absence is None (present:
 # True); a repeatable value (a list); a switch with a --no- twin; a counted flag (-v -v); a positional argument
@@ -90,9 +90,7 @@ class Option:
     def in_range(self, value):
         """``value``, or one :class:`SymmergeError` naming the flag when it is below the option's minimum (the
         same text from a flag, a config key and the command line a config stands for)."""
-        if self.minimum is not None and value is not None and value < self.minimum:
-            raise SymmergeError(f"{self.flag} must be >= {self.minimum:g}, got {value}")
-        return value
+        return in_range(self.flag, self.minimum, value)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import SymmergeError
 from ..families import SCALES, SYMMETRIES
 from ..groups import RESCALE_MODES, Options
+from ..option_ranges import check as check_range
 from .matchers import DEFAULT_MATCHER, MATCHERS, matcher
 
 PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations and scales, FFN permutations
@@ -163,13 +164,10 @@ class LearnSettings:
         if self.dirichlet_steps < 0 or not 0.0 < self.dirichlet_holdout < 1.0:
             raise SymmergeError(f"learned alignment needs dirichlet_steps >= 0 and dirichlet_holdout in (0, 1), got "
                                 f"{self.dirichlet_steps}, {self.dirichlet_holdout}")
-        if self.check_batches < 0:
-            raise SymmergeError(f"learned alignment needs check_batches >= 0, got {self.check_batches}")
-        if self.positions < 0 or (self.max_length is not None and self.max_length < 2):
-            raise SymmergeError(f"learned alignment needs positions >= 0 and max_length >= 2, got {self.positions}, "
-                                f"{self.max_length}")
-        if self.steps < 1 or self.batch < 1 or not self.lr > 0:
-            raise SymmergeError("learned alignment needs steps >= 1, batch >= 1 and lr > 0")
+        for name in ("steps", "batch", "positions", "max_length", "check_batches"):  # the flags' ranges
+            check_range(f"learn_{name}", getattr(self, name))
+        if not self.lr > 0:
+            raise SymmergeError(f"learned alignment needs lr > 0, got {self.lr}")
         if not 0.0 <= self.alpha_low < self.alpha_high <= 1.0:
             raise SymmergeError(f"alpha range must satisfy 0 <= low < high <= 1, got {self.alpha_low}, {self.alpha_high}")
         if not 0.0 <= self.holdout < 1.0:
@@ -233,21 +231,20 @@ class AlignOptions:
             raise SymmergeError(f"unknown residual group {self.residual!r}; choose {' or '.join(RESIDUAL_CHOICES)}")
         if self.matcher.needs_data and self.align_data is None:
             raise SymmergeError(f"--match {self.match} needs unlabeled data: pass --align-data FILE")
-        if self.align_samples < 1:
-            raise SymmergeError(f"--align-samples must be >= 1, got {self.align_samples}")
+        check_range("align_samples", self.align_samples)
         if self.learn is None:
             object.__setattr__(self, "learn", LearnSettings())
         if not 0.0 <= self.descent_tol < 1.0:
             raise SymmergeError(f"descent_tol must be in [0, 1), got {self.descent_tol}")
-        if self.max_sweeps < 1:
-            raise SymmergeError(f"max_sweeps must be >= 1, got {self.max_sweeps}")
+        check_range("max_sweeps", self.max_sweeps)
         if self.restarts is not None and (isinstance(self.restarts, bool) or not isinstance(self.restarts, int)
                                           or self.restarts < 0):
             raise SymmergeError(f"restarts must be a whole number >= 0 (or None: the default), "
                                 f"got {self.restarts!r}")
-        if self.solver_budget is not None and not (_is_number(self.solver_budget) and self.solver_budget >= 0):
+        if self.solver_budget is not None and not _is_number(self.solver_budget):
             raise SymmergeError(f"the solver budget must be a number of seconds >= 0 (or None: no limit), "
                                 f"got {self.solver_budget!r}")
+        check_range("solver_budget", self.solver_budget)
         if isinstance(self.solver_seed, bool) or not isinstance(self.solver_seed, int):
             raise SymmergeError(f"the solver seed must be a whole number, got {self.solver_seed!r}")
         if self.layers is not None:

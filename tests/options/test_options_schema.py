@@ -220,3 +220,19 @@ def test_the_declared_range_is_the_one_the_python_api_enforces(name):
         API_RANGES[name](option.minimum - step)  # just below: refused by both
     with pytest.raises(SymmergeError):
         option.in_range(option.minimum - step)
+
+
+@pytest.mark.parametrize("name", sorted(API_RANGES))
+def test_the_api_refuses_an_out_of_range_value_with_the_flags_own_line(name):
+    """The range is declared once (``symmerge/option_ranges.py``, read by the declaration and the options object): a value
+    just below it is the same one line from the Python API's constructor and from the flag."""
+    from symmerge.option_ranges import MINIMA
+
+    option = TABLE.get("merge", name)
+    assert option.minimum == MINIMA[name] and set(API_RANGES) == set(MINIMA)
+    low = option.minimum - (1 if option.parse is int else 0.5)
+    with pytest.raises(SymmergeError) as api:
+        API_RANGES[name](low)
+    with pytest.raises(SymmergeError) as flag:
+        option.in_range(low)
+    assert str(api.value) == str(flag.value) == f"{option.flag} must be >= {option.minimum:g}, got {low}"

@@ -1,0 +1,36 @@
+"""The ranges of the options whose values the Python API's options objects refuse too, declared once: the
+schema's declarations (:mod:`symmerge.options.declared`, ``minimum=``) and the dataclasses'
+constructors (``AlignOptions``, ``LearnSettings``, ``MergeOptions.check``) read them here, and both refuse a value
+below its minimum with the one line :func:`in_range` words (naming the flag). A module of its own beside the
+``options`` package, importing nothing of symmerge but its error: the options objects (``pipeline``, ``merge``)
+read it, and ``options`` reads them (their defaults), so it cannot live inside either."""
+
+from __future__ import annotations
+
+from .errors import SymmergeError
+
+MINIMA = {  # config key (= the option's name) -> the smallest value accepted
+    "joint_rounds": 0,
+    "align_samples": 1,
+    "max_sweeps": 1,
+    "solver_budget": 0,
+    "learn_steps": 1,
+    "learn_batch": 1,
+    "learn_positions": 0,
+    "learn_max_length": 2,
+    "learn_check_batches": 0,
+}
+
+
+def in_range(flag: str, minimum, value):
+    """``value``, or one :class:`SymmergeError` naming ``flag`` when it is below ``minimum`` (None: no bound, or
+    the value unset)."""
+    if minimum is not None and value is not None and value < minimum:
+        raise SymmergeError(f"{flag} must be >= {minimum:g}, got {value}")
+    return value
+
+
+def check(name: str, value):
+    """``value`` of the option ``name`` (its config key and flag: ``max_sweeps``, ``--max-sweeps``) in its declared
+    range (:data:`MINIMA`), else the flag's one line."""
+    return in_range("--" + name.replace("_", "-"), MINIMA[name], value)
