@@ -1,7 +1,9 @@
 """mergekit's specialised rules as symmerge methods: ``model_stock``, ``nearswap``, ``arcee_fusion``,
 ``passthrough``, ``sce``, ``ram`` and ``ramplus_tl``. Each is a per-tensor rule in float64 (cast back by the
-loop; ``model_stock`` and ``arcee_fusion`` on float16/bfloat16 inputs compute in that dtype, as mergekit does:
-:func:`working_dtype`); the base model, where one is used, is the ``base`` argument and the other models the merged ones.
+loop; ``model_stock``, ``arcee_fusion``, ``sce``, ``ram`` and ``ramplus_tl`` on float16/bfloat16 inputs compute in
+that dtype, as mergekit does — ``ramplus_tl``'s factors and mix in float32, as mergekit's —: :func:`working_dtype`;
+``nearswap`` in the inputs' dtype always); the base model, where one is used, is the ``base`` argument and the
+other models the merged ones.
 
 * ``model_stock`` (Jang et al., 2024; base + at least 2 models): with task vectors τ_i = θ_i − θ_b of the
   flattened tensor (``filter_wise``: of each vector along the last axis; a 1-D tensor is one), cos θ the

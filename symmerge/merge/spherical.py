@@ -1,7 +1,10 @@
 """Spherical interpolation rules (mergekit's ``slerp``, ``nuslerp``, ``multislerp``, ``karcher``) on the flattened
 tensor (or, for nuslerp, its rows or columns), computed in float64 and cast back by the loop. On the flattened
 tensor each is a linear combination of its inputs whose coefficients depend on the inputs' Gram matrix only:
-they run chunk by chunk (:mod:`symmerge.merge.combination`).
+they run chunk by chunk (:mod:`symmerge.merge.combination`). float16/bfloat16 inputs (stored so, or a config's
+``dtype``): nuslerp, multislerp and karcher compute op for op in that dtype as mergekit does (each rounding there
+is part of mergekit's result, whose change from the inputs is a few roundings: :func:`in_dtype_rule`); slerp
+stays float64 (mergekit computes it in float32 and rounds once, as symmerge rounds its float64 once).
 
 The one interpolation part, :func:`slerp_pair`, moves along the great circle between two vectors' directions
 and interpolates their norms' linear mix: with cos Ω the cosine of the angle between a and b,
