@@ -249,7 +249,9 @@ def multislerp_in_dtype(tensors, base, weights, normalize: bool, eps: float) -> 
     rounded to D): task vectors, norms, unit vectors u_i = v_i / (‖v_i‖ + eps), their weighted sum m and its norm,
     m/‖m‖, the tangent vectors u_i − (u_i·m) m and their weighted sum τ, m cos(‖τ‖ + eps) + τ sin(‖τ‖ + eps) / (‖τ‖
     + eps), times Σ w_i ‖v_i‖, plus the base — each rounded to D (the result of the module doc, with D's rounding
-    noise in τ); two models whose weighted directions cancel: Σ w_i v_i in D."""
+    noise in τ); two models whose weighted directions cancel: Σ w_i v_i in D. Where eps underflows in float16 (1e-8
+    rounds to 0) mergekit divides 0 by 0 for a zero (task) vector and for τ = 0 — a tensor that fine-tuning left
+    unchanged — and writes NaN: here their limits (direction 0, sin x / x = 1), the same bits everywhere else."""
     if len(tensors) == 1:
         return tensors[0]
     shape = tensors[0].shape
@@ -261,10 +263,11 @@ def multislerp_in_dtype(tensors, base, weights, normalize: bool, eps: float) -> 
         w = w / w.sum()
     w_col = w.reshape(-1, 1)
     norms = torch.norm(v, dim=-1, keepdim=True)
-    units = v / (norms + eps)
+    den = norms + eps  # 0 only for a zero vector where eps underflows (float16): its direction 0, not 0/0
+    units = v / torch.where(den == 0, 1, den)
     mean = (units * w_col).sum(0)
     mean_norm = torch.norm(mean)
-    if mean_norm < eps:
+    if mean_norm < eps or mean_norm == 0:
         if len(tensors) != 2:
             raise SymmergeError("multislerp: the weighted directions of a tensor cancel out (antipodal models with "
                                 "balancing weights); change the weights")
@@ -272,8 +275,9 @@ def multislerp_in_dtype(tensors, base, weights, normalize: bool, eps: float) -> 
         return out if base is None else out + base
     mean = mean / mean_norm
     tangent = ((units - (units * mean).sum(-1, keepdim=True) * mean) * w_col).sum(0)
-    tangent_norm = torch.norm(tangent) + eps
-    out = mean * torch.cos(tangent_norm) + tangent * (torch.sin(tangent_norm) / tangent_norm)
+    tangent_norm = torch.norm(tangent) + eps  # 0 only for τ = 0 where eps underflows (float16): sin x / x → 1
+    ratio = torch.sin(tangent_norm) / tangent_norm if tangent_norm != 0 else torch.ones_like(tangent_norm)
+    out = mean * torch.cos(tangent_norm) + tangent * ratio
     out = (out * (norms.squeeze(-1) * w).sum()).reshape(shape)
     return out if base is None else out + base
 

@@ -127,3 +127,16 @@ def test_half_precision_rules_are_mergekits(threes, tmp_path, case, dtype):
     theirs32 = {k: t.to(ours32[k].dtype) for k, t in theirs32.items()}
     gap32 = mo.relative_gap(ours32, theirs32, {k: v.to(ours32[k].dtype) for k, v in mo.tensors(base32).items()})
     assert gap32 <= HALF_GAP, (case, dtype, gap32)
+
+
+def test_multislerp_float16_tensor_unchanged_by_fine_tuning_is_finite():
+    """In float16 eps = 1e-8 underflows to 0, so mergekit's arithmetic divides 0 by 0 where the tangent mean is 0
+    (every model holds the same tensor: a norm fine-tuning left alone) and writes NaN; symmerge takes the limit
+    there (the tensor itself within float16's rounding, as in every other dtype) and keeps mergekit's bits elsewhere (the test above)."""
+    from symmerge.merge.spherical import multislerp_in_dtype
+
+    assert float(torch.tensor(1e-8, dtype=torch.float16)) == 0.0  # the underflow
+    same = [torch.linspace(0.5, 1.5, 64).to(torch.float16)] * 3
+    out = multislerp_in_dtype(same, None, [1.0, 2.0, 3.0], True, 1e-8)
+    assert out.isfinite().all()
+    assert torch.allclose(out.float(), same[0].float(), rtol=2 * 2.0 ** -11, atol=0)  # within the roundings in float16
