@@ -1,7 +1,9 @@
 """mergekit's specialised rules as symmerge methods: ``model_stock``, ``nearswap``, ``arcee_fusion``,
 ``passthrough``, ``sce``, ``ram`` and ``ramplus_tl``. Each is a per-tensor rule in float64 (cast back by the
-loop; ``model_stock`` and ``arcee_fusion`` on float16/bfloat16 inputs compute in that dtype, as mergekit does:
-:func:`working_dtype`); the base model, where one is used, is the ``base`` argument and the other models the merged ones.
+loop; ``model_stock``, ``arcee_fusion``, ``sce``, ``ram`` and ``ramplus_tl`` on float16/bfloat16 inputs compute in
+that dtype, as mergekit does — ``ramplus_tl``'s factors and mix in float32, as mergekit's —: :func:`working_dtype`;
+``nearswap`` in the inputs' dtype always); the base model, where one is used, is the ``base`` argument and the
+other models the merged ones.
 
 * ``model_stock`` (Jang et al., 2024; base + at least 2 models): with task vectors τ_i = θ_i − θ_b of the
   flattened tensor (``filter_wise``: of each vector along the last axis; a 1-D tensor is one), cos θ the
@@ -327,8 +329,10 @@ def _ram_tensor(key, tensors, weights, stats, base, params, context):
 
 
 def _ramplus_lambdas(key, tensors, base, weights, params, context):
-    """RAM+'s per-tensor factors λ_i = 1 + r · clamp(ρ_i, 0, alpha) (a float64 tensor of shape (n, 1)), the counts
-    of active entries shared with other models and unique to model i taken chunk by chunk (exact integers)."""
+    """RAM+'s per-tensor factors λ_i = 1 + r · clamp(ρ_i, 0, alpha) (shape (n, 1)), the counts of active entries
+    shared with other models and unique to model i taken chunk by chunk (exact integers): float64, or for
+    float16/bfloat16 inputs as mergekit computes them — which task vectors pass epsilon after their rounding to
+    that dtype, ρ and λ in float32."""
     from .base import CHUNK
 
     from . import kernels
@@ -336,7 +340,7 @@ def _ramplus_lambdas(key, tensors, base, weights, params, context):
     eps = float(params["epsilon"])
     n = len(tensors)
     counted = None
-    if kernels.AVAILABLE:
+    if kernels.AVAILABLE and base.dtype not in HALF:
         from .kernels_whole import ram_counts
 
         counted = ram_counts(tensors, base, eps)
@@ -346,19 +350,21 @@ def _ramplus_lambdas(key, tensors, base, weights, params, context):
         shared_n, unique_n = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
         flat, b = [t.reshape(-1) for t in tensors], base.reshape(-1)
         for i in range(0, b.numel(), CHUNK):
-            _, _, active, count = _ram_parts([t[i:i + CHUNK] for t in flat], b[i:i + CHUNK], eps)
+            _, _, active, count = _ram_parts([t[i:i + CHUNK] for t in flat], b[i:i + CHUNK], eps, working_dtype(base))
             shared_n += (active & (count > 1)).sum(1)
             unique_n += (active & (count == 1)).sum(1)
-    rho = shared_n.double() / unique_n.double().clamp(min=eps)
+    real_t = torch.float32 if base.dtype in HALF else torch.float64
+    rho = shared_n.to(real_t) / unique_n.to(real_t).clamp(min=eps)
     return (1.0 + float(params["r"]) * rho.clamp(0.0, float(params["alpha"]))).reshape(-1, 1)
 
 
 def _ramplus_tensor(key, tensors, weights, stats, base, params, context):
     """RAM+ given its per-tensor factors (``context``: :func:`_ramplus_lambdas` of the whole tensor; computed here
-    when None), entry by entry."""
+    when None), entry by entry: in float64, or for float16/bfloat16 inputs as mergekit computes it (the task vectors
+    and the shared entries' mean in that dtype, the unique entries times λ and the sum in float32)."""
     if context is None:
         context = _ramplus_lambdas(key, tensors, base, weights, params, None)
-    b, taus, active, count = _ram_parts(tensors, base, float(params["epsilon"]))
+    b, taus, active, count = _ram_parts(tensors, base, float(params["epsilon"]), working_dtype(base))
     unique, shared = count == 1, count > 1
     lam = context.reshape(-1, *([1] * (taus.dim() - 1)))
     merged = taus * unique * lam + taus * shared / count.clamp(min=1)
@@ -369,7 +375,7 @@ def _ram_into(key, tensors, weights, base, params, context, out) -> bool:
     """RAM (``context`` None) or RAM+ (``context``: its factors) by the fused kernel into ``out``, or False."""
     from . import kernels
 
-    if not kernels.AVAILABLE or (context is None and base.dtype in HALF):  # RAM in the half dtype: the torch code
+    if not kernels.AVAILABLE or base.dtype in HALF:  # RAM and RAM+ in the half dtype: the torch code (mergekit's)
         return False
     from .kernels_whole import ram_into
 

@@ -1,7 +1,10 @@
 """Spherical interpolation rules (mergekit's ``slerp``, ``nuslerp``, ``multislerp``, ``karcher``) on the flattened
 tensor (or, for nuslerp, its rows or columns), computed in float64 and cast back by the loop. On the flattened
 tensor each is a linear combination of its inputs whose coefficients depend on the inputs' Gram matrix only:
-they run chunk by chunk (:mod:`symmerge.merge.combination`).
+they run chunk by chunk (:mod:`symmerge.merge.combination`). float16/bfloat16 inputs (stored so, or a config's
+``dtype``): nuslerp, multislerp and karcher compute op for op in that dtype as mergekit does (each rounding there
+is part of mergekit's result, whose change from the inputs is a few roundings: :func:`in_dtype_rule`); slerp
+stays float64 (mergekit computes it in float32 and rounds once, as symmerge rounds its float64 once).
 
 The one interpolation part, :func:`slerp_pair`, moves along the great circle between two vectors' directions
 and interpolates their norms' linear mix: with cos Ω the cosine of the angle between a and b,
@@ -40,6 +43,49 @@ import torch
 from ..errors import SymmergeError
 from .base import REQUIRED, Method, boolean, integer, real
 from .combination import gram, linear_into, linear_tensor, with_base
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+class InDtype:
+    """A whole tensor's result computed in the inputs' half dtype (mergekit's arithmetic: its roundings are the
+    result), handed out in flat order to the chunks of :func:`symmerge.merge.base.merge_tensor`, which runs them in
+    order (a config's ``dtype`` casts every chunk: the method's fused pass is not used there)."""
+
+    def __init__(self, result: torch.Tensor):
+        self.flat, self.at = result.reshape(-1), 0
+
+    def take(self, n: int) -> torch.Tensor:
+        self.at += n
+        return self.flat[self.at - n:self.at]
+
+
+def in_dtype_rule(rule, coefficients):
+    """The three entries of an elementwise spherical method whose half-precision result is ``rule(tensors, base,
+    weights, params)`` on whole tensors (float16/bfloat16 inputs) and otherwise the linear combination of
+    ``coefficients``: its ``tensor`` (chunks take the whole result in order), ``tensor_context`` and
+    ``fused_into``."""
+    whole = linear_tensor(coefficients)
+
+    def tensor(key, tensors, weights, stats, base, params, context):
+        if isinstance(context, InDtype):
+            return context.take(tensors[0].numel()).reshape(tensors[0].shape)
+        if tensors[0].dtype in HALF:
+            return rule(tensors, base, weights, params)
+        return whole(key, tensors, weights, stats, base, params, context)
+
+    def context_of(key, tensors, base, weights, params, context):
+        if tensors[0].dtype in HALF:
+            return InDtype(rule(tensors, base, weights, params))
+        return coefficients(key, tensors, base, weights, params, context)
+
+    def into(key, tensors, weights, base, params, context, out) -> bool:
+        if isinstance(context, InDtype):
+            out.copy_(context.flat.reshape(out.shape))
+            return True
+        return linear_into(key, tensors, weights, base, params, context, out)
+
+    return tensor, context_of, into
 
 
 def slerp_coefficients(na, nb, dot, t: float, colinear, norm_floor: float = 1e-8, clamp: bool = False):
@@ -108,9 +154,47 @@ def _nuslerp_coefficients(key, tensors, base, weights, params, context):
     return with_base([ca, cb], base)
 
 
+def nuslerp_in_dtype(a: torch.Tensor, b: torch.Tensor, t: float, dim: int | None) -> torch.Tensor:
+    """nuslerp of two float16/bfloat16 tensors as mergekit computes it, every op in their dtype D: each vector (the
+    flattened tensor, ``dim`` None, or those along ``dim``) divided by its norm (rounded to D, clamped at 1e-7), the
+    cosine a sum of the rounded products, Ω, its sine and the two coefficients in D, the combination
+    (sin((1 − t)Ω) a + sin(tΩ) b) / sin Ω rounded op by op; (1 − t) a + t b where 1 − cos² ≤ 1e-16 in D."""
+    shape = a.shape
+    if dim is None:
+        a, b = a.reshape(-1), b.reshape(-1)
+    else:
+        a, b = a.transpose(dim, -1), b.transpose(dim, -1)
+
+    def unit(x):
+        return x / torch.norm(x, dim=-1, keepdim=True).clamp(min=1e-7)
+
+    cos = (unit(a) * unit(b)).sum(dim=-1, keepdim=True).clamp(-1, 1)
+    lin = (1 - cos.square()) <= 1e-16
+    omega = torch.acos(torch.where(lin, 0, cos))
+    out = (torch.sin((1 - t) * omega) * a + torch.sin(t * omega) * b) / torch.sin(omega)
+    out = torch.where(lin, (1 - t) * a + t * b, out)
+    return (out if dim is None else out.transpose(dim, -1)).reshape(shape)
+
+
+def _nuslerp_half(tensors, base, weights, params) -> torch.Tensor:
+    """nuslerp in the inputs' half dtype (:func:`nuslerp_in_dtype`), on the task vectors (rounded to it) given a
+    base, added back to the base in it."""
+    a, b = tensors
+    if base is not None:
+        a, b = a - base, b - base
+    dim = None if params["nuslerp_flatten"] or a.dim() == 0 else (0 if params["nuslerp_row_wise"] else -1)
+    out = nuslerp_in_dtype(a, b, _nuslerp_t(weights), dim)
+    return out if base is None else base + out
+
+
+_nuslerp_flat, _nuslerp_context, _nuslerp_into = in_dtype_rule(_nuslerp_half, _nuslerp_coefficients)
+
+
 def _nuslerp_tensor(key, tensors, weights, stats, base, params, context):
-    if params["nuslerp_flatten"] or tensors[0].dim() == 0:
-        return linear_tensor(_nuslerp_coefficients)(key, tensors, weights, stats, base, params, context)
+    if isinstance(context, InDtype) or params["nuslerp_flatten"] or tensors[0].dim() == 0:
+        return _nuslerp_flat(key, tensors, weights, stats, base, params, context)
+    if tensors[0].dtype in HALF:
+        return _nuslerp_half(tensors, base, weights, params)
     a, b = tensors[0].double(), tensors[1].double()
     if base is not None:
         a, b = a - base.double(), b - base.double()
@@ -124,7 +208,7 @@ NUSLERP = Method("nuslerp", _nuslerp_tensor, accepts_base=True, weight_required=
                  doc="SLERP of two models (or of their task vectors, given a base) at t = w2 / (w1 + w2), "
                      "flattened or row/column-wise.", normalize_weights=False,
                  checks={"nuslerp_flatten": boolean(), "nuslerp_row_wise": boolean()}, models=(2, 2),
-                 elementwise=True, tensor_context=_nuslerp_coefficients, fused_into=linear_into,
+                 elementwise=True, tensor_context=_nuslerp_context, fused_into=_nuslerp_into,
                  whole_tensor=lambda p: not p["nuslerp_flatten"])
 
 
@@ -160,12 +244,56 @@ def _multislerp_coefficients(key, tensors, base, weights, params, context):
     return with_base(c, base)
 
 
-MULTISLERP = Method("multislerp", linear_tensor(_multislerp_coefficients), accepts_base=True, weight_required=True,
+def multislerp_in_dtype(tensors, base, weights, normalize: bool, eps: float) -> torch.Tensor:
+    """multislerp of float16/bfloat16 tensors as mergekit computes it, every op in their dtype D (the weights too,
+    rounded to D): task vectors, norms, unit vectors u_i = v_i / (‖v_i‖ + eps), their weighted sum m and its norm,
+    m/‖m‖, the tangent vectors u_i − (u_i·m) m and their weighted sum τ, m cos(‖τ‖ + eps) + τ sin(‖τ‖ + eps) / (‖τ‖
+    + eps), times Σ w_i ‖v_i‖, plus the base — each rounded to D (the result of the module doc, with D's rounding
+    noise in τ); two models whose weighted directions cancel: Σ w_i v_i in D. Where eps underflows in float16 (1e-8
+    rounds to 0) mergekit divides 0 by 0 for a zero (task) vector and for τ = 0 — a tensor that fine-tuning left
+    unchanged — and writes NaN: here their limits (direction 0, sin x / x = 1), the same bits everywhere else."""
+    if len(tensors) == 1:
+        return tensors[0]
+    shape = tensors[0].shape
+    v = torch.stack([t.reshape(-1) for t in tensors])
+    if base is not None:
+        v -= base.reshape(-1)
+    w = torch.tensor([float(x) for x in weights], dtype=v.dtype)
+    if normalize:
+        w = w / w.sum()
+    w_col = w.reshape(-1, 1)
+    norms = torch.norm(v, dim=-1, keepdim=True)
+    den = norms + eps  # 0 only for a zero vector where eps underflows (float16): its direction 0, not 0/0
+    units = v / torch.where(den == 0, 1, den)
+    mean = (units * w_col).sum(0)
+    mean_norm = torch.norm(mean)
+    if mean_norm < eps or mean_norm == 0:
+        if len(tensors) != 2:
+            raise SymmergeError("multislerp: the weighted directions of a tensor cancel out (antipodal models with "
+                                "balancing weights); change the weights")
+        out = (v[0] * w[0] + v[1] * w[1]).reshape(shape)
+        return out if base is None else out + base
+    mean = mean / mean_norm
+    tangent = ((units - (units * mean).sum(-1, keepdim=True) * mean) * w_col).sum(0)
+    tangent_norm = torch.norm(tangent) + eps  # 0 only for τ = 0 where eps underflows (float16): sin x / x → 1
+    ratio = torch.sin(tangent_norm) / tangent_norm if tangent_norm != 0 else torch.ones_like(tangent_norm)
+    out = mean * torch.cos(tangent_norm) + tangent * ratio
+    out = (out * (norms.squeeze(-1) * w).sum()).reshape(shape)
+    return out if base is None else out + base
+
+
+def _multislerp_half(tensors, base, weights, params) -> torch.Tensor:
+    return multislerp_in_dtype(tensors, base, weights, bool(params["normalize_weights"]), float(params["eps"]))
+
+
+_multislerp_tensor, _multislerp_context, _multislerp_into = in_dtype_rule(_multislerp_half, _multislerp_coefficients)
+
+MULTISLERP = Method("multislerp", _multislerp_tensor, accepts_base=True, weight_required=True,
                     params={"normalize_weights": True, "eps": 1e-8},
                     doc="Barycentric interpolation on the hypersphere of any number of models (or task vectors): "
                         "tangent-space mean at the weighted mean direction, mapped back, scaled by the mean norm.",
                     normalize_weights=False, checks={"normalize_weights": boolean(), "eps": real(0.0)},
-                    elementwise=True, tensor_context=_multislerp_coefficients, fused_into=linear_into)
+                    elementwise=True, tensor_context=_multislerp_context, fused_into=_multislerp_into)
 
 
 # ------------------------------------------------------------------ karcher
@@ -252,10 +380,54 @@ def _karcher_coefficients(key, tensors, base, weights, params, context):
     return karcher_coefficients(gram(tensors), [1.0 / n] * n, int(params["max_iter"]), float(params["tol"]))
 
 
-KARCHER = Method("karcher", linear_tensor(_karcher_coefficients), params={"max_iter": 10, "tol": 1e-5}, ignores_base=True,
+def karcher_in_dtype(tensors, alphas, max_iter: int, tol: float) -> torch.Tensor:
+    """:func:`karcher_mean` of float16/bfloat16 tensors as mergekit computes it: the norms (and the step's norm) in
+    float32, every vector op in the tensors' dtype D — the unit vectors, their weighted sum, each iterate's dot
+    products, angles, θ/sin θ and step rounded to D; the iteration stops or skips a model by those rounded values."""
+    if len(tensors) == 1:
+        return tensors[0]
+    norms = [torch.linalg.vector_norm(t.float()) for t in tensors]
+    units = [torch.zeros_like(t) if float(n) == 0.0 else t / n for t, n in zip(tensors, norms)]
+    valid = [i for i, n in enumerate(norms) if float(n) > tol]
+    if not valid:
+        return torch.zeros_like(tensors[0])
+    total = sum(alphas[i] for i in valid)
+    a = [alphas[i] / total for i in valid]
+    units = [units[i] for i in valid]
+    mean = torch.zeros_like(units[0])
+    for ai, u in zip(a, units):
+        mean += ai * u
+    mn = torch.linalg.vector_norm(mean.float())
+    mean = units[0].clone() if float(mn) < tol else mean / mn
+    for _ in range(max_iter):
+        step = torch.zeros_like(mean)
+        for ai, u in zip(a, units):
+            c = torch.dot(mean.reshape(-1), u.reshape(-1)).clamp(-1.0, 1.0)
+            theta = torch.arccos(c)
+            if float(theta) < tol:
+                continue
+            step += ai * (theta / torch.sin(theta)) * (u - c * mean)
+        sn = torch.linalg.vector_norm(step.float())
+        if float(sn) < tol:
+            break
+        mean = torch.cos(sn) * mean + torch.sin(sn) * (step / sn)
+        un = torch.linalg.vector_norm(mean.float())
+        if float(un) > tol:
+            mean = mean / un
+    return sum(al * n for al, n in zip(alphas, norms)) * mean
+
+
+def _karcher_half(tensors, base, weights, params) -> torch.Tensor:
+    n = len(tensors)
+    return karcher_in_dtype(tensors, [1.0 / n] * n, int(params["max_iter"]), float(params["tol"]))
+
+
+_karcher_tensor, _karcher_context, _karcher_into = in_dtype_rule(_karcher_half, _karcher_coefficients)
+
+KARCHER = Method("karcher", _karcher_tensor, params={"max_iter": 10, "tol": 1e-5}, ignores_base=True,
                  doc="Karcher (Riemannian) mean of the models' directions on the unit sphere, scaled by their "
                      "mean norm (uniform; weights are not used).",
                  checks={"max_iter": integer(0), "tol": real(0.0)}, elementwise=True,
-                 tensor_context=_karcher_coefficients, fused_into=linear_into)
+                 tensor_context=_karcher_context, fused_into=_karcher_into)
 
 METHODS = [SLERP, NUSLERP, MULTISLERP, KARCHER]

@@ -20,7 +20,9 @@ sums them (:func:`symmerge.merge.in_dtype.mergekit_election`), so every selectio
 (``TIGHT``; measured 2026-11-28, float16 / bfloat16: ties 2.1e-6 / 0, breadcrumbs 1.3e-5 / 1.2e-4,
 breadcrumbs_ties 2.7e-6 / 2.5e-5, sce 5.6e-7 / 2.2e-9; before, flat order and float64 signs: 2.2e-2 / 5.4e-2,
 2.7e-2 / 6.8e-2, 3.9e-2 / 9.2e-2, 1.2e-2 / 4.4e-2). Both computing in the stored half dtype, the task-vector
-rules and SCE run mergekit's arithmetic in that dtype (``IN_DTYPE``: measured 0, bit for bit).
+rules, SCE, nearswap, RAM, RAM+ and the spherical means (karcher, nuslerp, multislerp) run mergekit's arithmetic
+in that dtype (``IN_DTYPE``: measured 0, bit for bit; before, karcher 1.6e-2 / 7.3e-2, nuslerp 1.1e-3 / 8.3e-3,
+multislerp 1.4e-3 / 9.4e-3, ramplus_tl 1.5e-2 / 1.7e-2).
 Stochastic methods (dare_*, della*): the share of entries left unchanged and
 ‖merged − base‖ / ‖theirs − base‖ within a few percent (the masks are symmerge's generator, not torch's).
 
@@ -49,7 +51,8 @@ TIGHT = {("ties", "float16"): 1e-5, ("ties", "bfloat16"): 1e-5, ("breadcrumbs", 
 # methods whose arithmetic symmerge runs in float16/bfloat16 as mergekit does (symmerge.merge.specialized):
 # bound on the gap with both computing in the stored half dtype
 IN_DTYPE = {"model_stock": 1e-6, "arcee_fusion": 1e-6, "task_arithmetic": 1e-6, "ties": 1e-6, "breadcrumbs": 1e-6,
-            "breadcrumbs_ties": 1e-6, "sce": 1e-6}
+            "breadcrumbs_ties": 1e-6, "sce": 1e-6, "nearswap": 1e-6, "ram": 1e-6, "ramplus_tl": 1e-6,
+            "karcher": 1e-6, "nuslerp": 1e-6, "multislerp": 1e-6}
 
 
 def _model(path, params=None):
