@@ -208,10 +208,11 @@ def _descend(opt, sched, loss: torch.Tensor, running: float | None) -> float:
 
 
 def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opts, model_facts: dict,
-               norms: bool = True, progress: bool = False, on_step=None):
+               norms: bool = True, progress: bool = False, on_step=None, concentration: float = 1.0):
     """Learn every model's continuous elements (and with ``norms`` its norm splits) at once, all models
     moving, from ``state_dicts`` (canonical, one frame). Returns ``(sides, info)``: one :class:`DualSide`
-    per model holding the best state. Two models: α ~ U(alpha_low, alpha_high); more: Dirichlet(1) weights."""
+    per model holding the best state. Two models: α ~ U(alpha_low, alpha_high); more: weights drawn from
+    Dirichlet(``concentration``, …) (the joint learned alignment's, :mod:`symmerge.pipeline.learn_joint`)."""
     t0 = time.perf_counter()
     n = len(state_dicts)
     mix = Interpolation(skeleton, state_dicts, settings.target)
@@ -242,11 +243,12 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
         if n == 2:
             a = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g).item()
             return torch.tensor([a, 1 - a])
-        return torch.as_tensor(rng.dirichlet(np.ones(n)), dtype=torch.float32)
+        return torch.as_tensor(rng.dirichlet(np.full(n, float(concentration))), dtype=torch.float32)
 
     history: dict = {"step": [], "train": []}
     everything = [x for side in sides for m in side.modules() for x in m.parameters()]
     info = {"frame": "dual", "models_moved": n, "norm_splits": len(folds),
+            **({"dirichlet": concentration} if n > 2 else {}),
             "parameters": sum(x.numel() for x in everything)}
     checks = Checks(settings, bool(held), held_out, lambda: [s.snapshot() for s in sides], history, info)
     info.update(held_out_start=checks.start,
