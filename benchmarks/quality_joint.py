@@ -90,7 +90,8 @@ def print_tables(r: dict, log=print) -> None:
     for x in r["rows"]:
         log(f"| {x['frame']} | {' '.join(x['learn']) or 'defaults'} | {100 * x['accuracy']:.2f} | "
             f"{100 * x['accuracy_vs_endpoints']:.1f} | {x['loss']:.4f} | {x['dirichlet']} | "
-            f"{x['objective'][0]:.3f} → {x['objective'][1]:.3f} | {x['verify_max_rel_diff']:.1e} | {x['seconds']:.0f} |")
+            f"{x['objective'][0]:.3f} → {x['objective'][1]:.3f} | {x['verify_max_rel_diff']:.1e} | "
+            f"{x['seconds']:.0f} |")
 
 
 def main(argv=None) -> int:

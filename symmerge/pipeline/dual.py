@@ -208,11 +208,13 @@ def _descend(opt, sched, loss: torch.Tensor, running: float | None) -> float:
 
 
 def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opts, model_facts: dict,
-               norms: bool = True, progress: bool = False, on_step=None, concentration: float = 1.0):
+               norms: bool = True, progress: bool = False, on_step=None):
     """Learn every model's continuous elements (and with ``norms`` its norm splits) at once, all models
     moving, from ``state_dicts`` (canonical, one frame). Returns ``(sides, info)``: one :class:`DualSide`
     per model holding the best state. Two models: α ~ U(alpha_low, alpha_high); more: weights drawn from
-    Dirichlet(``concentration``, …) (the joint learned alignment's, :mod:`symmerge.pipeline.learn_joint`)."""
+    Dirichlet(C, …), C = ``settings.dirichlet`` (1 when ``"auto"``: the joint learned alignment,
+    :mod:`symmerge.pipeline.learn_joint`, chooses it and passes it in the settings)."""
+    concentration = 1.0 if settings.dirichlet == "auto" else float(settings.dirichlet)
     t0 = time.perf_counter()
     n = len(state_dicts)
     mix = Interpolation(skeleton, state_dicts, settings.target)

@@ -287,8 +287,8 @@ def _learners(instances, skeleton, sds: list[dict], frame: int, options, progres
         from .dual import learn_dual, moved_state
 
         def learn(data, settings, concentration):
-            return learn_dual(instances, skeleton, sds, data, settings, options.solver_options(), facts,
-                              progress=progress, concentration=concentration)
+            return learn_dual(instances, skeleton, sds, data, dataclasses.replace(settings, dirichlet=concentration),
+                              options.solver_options(), facts, progress=progress)
 
         def move(sides, check: bool = False):
             return [moved_state(sd, instances, side)[0] for sd, side in zip(sds, sides)]

@@ -30,7 +30,7 @@ def test_every_step_moves_every_one_of_n_models_exactly(family):
     models = [make_model(family, head=True, seed=s) for s in (0, 3, 5)]  # float64
     instances = canonical(models[0])[0]
     sds = [canonical(m)[1] for m in models]
-    settings = LearnSettings(steps=3, batch=8, lr=0.05, check_every=2, patience=100, frame="dual")
+    settings = LearnSettings(steps=3, batch=8, lr=0.05, check_every=2, patience=100, frame="dual", dirichlet=3.0)
     inputs = make_inputs(models[0])
     seen = []
 
@@ -43,8 +43,7 @@ def test_every_step_moves_every_one_of_n_models_exactly(family):
         seen.append(step)
 
     sides, info = learn_dual(instances, models[0], sds, unlabeled(models[0]), settings,
-                             AlignOptions(symmetries=FULL).solver_options(), {"norm_eps": 1e-5}, on_step=on_step,
-                             concentration=3.0)
+                             AlignOptions(symmetries=FULL).solver_options(), {"norm_eps": 1e-5}, on_step=on_step)
     assert seen == list(range(3)) and info["models_moved"] == 3 and info["dirichlet"] == 3.0
     assert info["norm_splits"] == len(stream_folds(instances)) > 0
     # the check can fail: one model's norm moved without its readers is another function
