@@ -40,9 +40,12 @@ def align_options(args, symmetries, **extra) -> AlignOptions:
     if not matcher(args.match).learns and given:
         learning = ", ".join(n for n, m in MATCHERS.items() if m.learns)
         raise SymmergeError(f"{', '.join(given)}: the --learn-* flags apply to --match {learning} only")
-    if getattr(args, "learn_frame", None) == "dual" and len(getattr(args, "models", None) or ()) > 2:
-        raise SymmergeError(f"--learn-frame dual moves both models of a pair into a frame between them; "
-                            f"{len(args.models)} models are aligned to one model's frame (leave out --learn-frame)")
+    n_models = len(getattr(args, "models", None) or ())
+    star = next((flag for flag, name in (("--star", "star"), ("--anchor", "anchor"), ("--base", "base"))
+                 if getattr(args, name, None) not in (None, False)), None)
+    if getattr(args, "learn_frame", None) == "dual" and n_models > 2 and star:  # joint: every model moves (dual.py)
+        raise SymmergeError(f"--learn-frame dual moves all {n_models} models into one shared frame, learned jointly; "
+                            f"{star} aligns each model to one model's frame (leave out --learn-frame or {star})")
     if args.align_data is not None:
         from ..io.data import check_data_path
         from ..io.generate import is_generate, parse_generate

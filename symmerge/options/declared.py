@@ -373,6 +373,14 @@ OPTIONS = (
         choices=PROGRESS_MODES, default="auto",
         help="how progress is shown on stderr: auto (default: bars on a terminal, plain lines otherwise, e.g. in a "
              "log or a pipe), bar, lines (one line per stage with counts and seconds) or none"),
+    # appended (issue 42 item 3): the learned alignment's α range
+    opt("learn_alpha_low", "--learn-alpha-low", on=ALIGNING, part=ALIGNMENT, parse=float, minimum=0, metavar="LO",
+        learn="alpha_low",
+        help=f"--match learned: each step's mixing weight α is drawn from U(LO, HI) (default {L.alpha_low:g}; "
+             "0 <= LO <= HI <= 1; LO = HI: every step at that α). Nearer ½ trains the midpoint harder "
+             "(docs/results/quality_learned.md)"),
+    opt("learn_alpha_high", "--learn-alpha-high", on=ALIGNING, part=ALIGNMENT, parse=float, minimum=0, metavar="HI",
+        learn="alpha_high", help=f"--match learned: the upper end HI of α's range (default {L.alpha_high:g})"),
 )
 
 # moe's, extract-lora's and demo's (as mergekit-moe and mergekit-extract-lora spell theirs); each command adds its

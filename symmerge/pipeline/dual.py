@@ -211,7 +211,10 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
                norms: bool = True, progress: bool = False, on_step=None):
     """Learn every model's continuous elements (and with ``norms`` its norm splits) at once, all models
     moving, from ``state_dicts`` (canonical, one frame). Returns ``(sides, info)``: one :class:`DualSide`
-    per model holding the best state. Two models: α ~ U(alpha_low, alpha_high); more: Dirichlet(1) weights."""
+    per model holding the best state. Two models: α ~ U(alpha_low, alpha_high); more: weights drawn from
+    Dirichlet(C, …), C = ``settings.dirichlet`` (1 when ``"auto"``: the joint learned alignment,
+    :mod:`symmerge.pipeline.learn_joint`, chooses it and passes it in the settings)."""
+    concentration = 1.0 if settings.dirichlet == "auto" else float(settings.dirichlet)
     t0 = time.perf_counter()
     n = len(state_dicts)
     mix = Interpolation(skeleton, state_dicts, settings.target)
@@ -242,11 +245,12 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
         if n == 2:
             a = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g).item()
             return torch.tensor([a, 1 - a])
-        return torch.as_tensor(rng.dirichlet(np.ones(n)), dtype=torch.float32)
+        return torch.as_tensor(rng.dirichlet(np.full(n, float(concentration))), dtype=torch.float32)
 
     history: dict = {"step": [], "train": []}
     everything = [x for side in sides for m in side.modules() for x in m.parameters()]
     info = {"frame": "dual", "models_moved": n, "norm_splits": len(folds),
+            **({"dirichlet": concentration} if n > 2 else {}),
             "parameters": sum(x.numel() for x in everything)}
     checks = Checks(settings, bool(held), held_out, lambda: [s.snapshot() for s in sides], history, info)
     info.update(held_out_start=checks.start,

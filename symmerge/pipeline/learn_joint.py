@@ -26,6 +26,10 @@ are the pairwise check points α = ½, ¾, ¼. The end is kept only if that chec
 worse than at the start. Every learned element is then rounded back to an exact element of its group
 (``Kind.learn_element``, float64), checked as a group element, and every model's final form is run
 against the model it came from.
+
+``LearnSettings.frame = "dual"`` (``--learn-frame dual``): every model moves, the frame model too, each with its
+own norm splits (:func:`symmerge.pipeline.dual.learn_dual`: normalisation absorption, a per-coordinate scale and
+shift per folded norm), from the same closed-form start; the merged model is their mean in that shared frame.
 """
 
 from __future__ import annotations
@@ -235,7 +239,7 @@ def uniform_score(skeleton, state_dicts: list[dict], frame: int, target: str, ba
 
 
 def choose_concentration(learn, instances, skeleton, state_dicts: list[dict], frame: int, data, settings,
-                         progress: bool = False) -> tuple[float, dict]:
+                         progress: bool = False, move=None) -> tuple[float, dict]:
     """``--learn-dirichlet auto``: the Dirichlet concentration of the joint learned alignment chosen on
     held-out unlabeled data (no labels anywhere). ``data`` is split by :func:`split_batches`
     (``settings.dirichlet_holdout``); for every concentration of ``settings.dirichlet_grid`` the mixtures
@@ -246,7 +250,9 @@ def choose_concentration(learn, instances, skeleton, state_dicts: list[dict], fr
     per-concentration training objectives are not: each averages over its own distribution of
     mixtures) and it is measured where the aggregate is taken (the plain average; a size-weighted
     aggregate is near it). The lowest score wins (ties: the smaller concentration). Returns
-    ``(concentration, report)``; the report is ``learned.dirichlet_choice``."""
+    ``(concentration, report)``; the report is ``learned.dirichlet_choice``. ``move(result)``: the N state
+    dicts that ``learn``'s result moves ``state_dicts`` to (default: its elements applied; the dual frame's
+    sides, :func:`_learners`)."""
     t0 = time.perf_counter()
     fit, held = split_batches(data, settings.dirichlet_holdout)
     steps = settings.dirichlet_steps or max(1, settings.steps // 2)
@@ -256,8 +262,9 @@ def choose_concentration(learn, instances, skeleton, state_dicts: list[dict], fr
     for c in settings.dirichlet_grid:
         with stage(f"joint learned alignment: Dirichlet({c:g}) on {fit.n} {examples_word(data)}, scored on "
                    f"{held.n} held out", enabled=progress):
-            elements, _ = learn(fit, candidate, concentration=c)
-        moved = [apply(sd, instances, e) if e else sd for sd, e in zip(state_dicts, elements)]
+            result, _ = learn(fit, candidate, concentration=c)
+        moved = (move(result) if move is not None else
+                 [apply(sd, instances, e) if e else sd for sd, e in zip(state_dicts, result)])
         scores.append(uniform_score(skeleton, moved, frame, settings.target, held.batches))
     best = min(range(len(scores)), key=lambda i: (scores[i], i))
     report = {"grid": list(settings.dirichlet_grid), "held_out_uniform": scores, "held_out_uniform_start": start,
@@ -266,6 +273,34 @@ def choose_concentration(learn, instances, skeleton, state_dicts: list[dict], fr
               "criterion": "soft cross-entropy of the uniform average of the aligned models against the uniform "
                            "mixture of their predictions, on the held-out part (lower is better)"}
     return settings.dirichlet_grid[best], report
+
+
+def _learners(instances, skeleton, sds: list[dict], frame: int, options, progress: bool):
+    """``(learn, move)`` of the joint learned alignment: ``learn(data, settings, concentration=c)`` →
+    ``(result, info)`` and ``move(result, check=False)`` → the N moved state dicts (the models that did not move:
+    ``sds``' own objects). One-sided (``options.learn.frame``): every model but the ``frame`` model learns its
+    continuous elements (:func:`learn_mixture`); dual: every model moves, each with its norm splits
+    (:func:`symmerge.pipeline.dual.learn_dual`), and the merged model is their mean in that shared frame.
+    ``check``: the learned elements checked as exact elements of their groups (the dual frame always checks)."""
+    facts = {"norm_eps": norm_eps(skeleton.config)}
+    if options.learn.frame == "dual":
+        from .dual import learn_dual, moved_state
+
+        def learn(data, settings, concentration):
+            return learn_dual(instances, skeleton, sds, data, dataclasses.replace(settings, dirichlet=concentration),
+                              options.solver_options(), facts, progress=progress)
+
+        def move(sides, check: bool = False):
+            return [moved_state(sd, instances, side)[0] for sd, side in zip(sds, sides)]
+        return learn, move
+
+    def move(elements, check: bool = False):
+        if check:
+            for e in filter(None, elements):
+                verify_elements(instances, e)  # exact elements of their groups
+        return [apply(sd, instances, e) if e else sd for sd, e in zip(sds, elements)]
+    return functools.partial(learn_mixture, instances, skeleton, sds, frame, opts=options.solver_options(),
+                             model_facts=facts, progress=progress), move
 
 
 def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds: int = 10, steps=None,
@@ -280,9 +315,6 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
     (:func:`~symmerge.pipeline.joint.align_joint`, passed in by it: this module does not import it back);
     ``steps``: its :class:`~symmerge.pipeline.joint.JointSteps` (None: their defaults)."""
     settings = options.learn
-    if settings.frame != "one-sided":  # pipeline/dual.py moves both models of a pair; N models: the frame model's
-        raise SymmergeError(f"--learn-frame {settings.frame} aligns two models; the joint learned alignment of {len(models)} "
-                            "models keeps one model's frame (leave out --learn-frame, or give an --anchor)")
     concentration = settings.dirichlet if concentration is None else concentration  # --learn-dirichlet
     if concentration != "auto" and not concentration > 0:
         raise SymmergeError(f"the Dirichlet concentration must be > 0, got {concentration}")
@@ -299,22 +331,16 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
     base = untied(models[anchor]) if options.untie else models[anchor]
     spec, instances = instances_for(base, options.layers, options.residual)
     sds = [x.state_dict() for x in start.models]
-    learn = functools.partial(learn_mixture, instances, start.models[anchor], sds, anchor,
-                              opts=options.solver_options(), model_facts={"norm_eps": norm_eps(models[anchor].config)},
-                              progress=progress)
+    learn, move = _learners(instances, start.models[anchor], sds, anchor, options, progress)
     choice = None
     if concentration == "auto":
         concentration, choice = choose_concentration(learn, instances, start.models[anchor], sds, anchor, data,
-                                                     settings, progress=progress)
-    elements, info = learn(data, settings, concentration=concentration)
+                                                     settings, progress=progress, move=move)
+    result, info = learn(data, settings, concentration=concentration)
     if choice is not None:
         info["dirichlet_choice"] = choice
-    final = []
-    for i, x in enumerate(start.models):
-        if elements[i]:
-            verify_elements(instances, elements[i])  # exact elements of their groups
-            x = with_state_dict(x, apply(sds[i], instances, elements[i]))
-        final.append(x)
+    final = [x if sd is sds[i] else with_state_dict(x, sd)
+             for i, (x, sd) in enumerate(zip(start.models, move(result, check=True)))]
     keys = parameter_keys(final[0])
     info["spread_after"] = spread([x.state_dict() for x in final], keys)
     spec = spec_for(models[0].config.model_type)

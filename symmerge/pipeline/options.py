@@ -168,8 +168,9 @@ class LearnSettings:
             check_range(f"learn_{name}", getattr(self, name))
         if not self.lr > 0:
             raise SymmergeError(f"learned alignment needs lr > 0, got {self.lr}")
-        if not 0.0 <= self.alpha_low < self.alpha_high <= 1.0:
-            raise SymmergeError(f"alpha range must satisfy 0 <= low < high <= 1, got {self.alpha_low}, {self.alpha_high}")
+        if not 0.0 <= self.alpha_low <= self.alpha_high <= 1.0:  # low = high: every step at that one α
+            raise SymmergeError(f"--learn-alpha-low/--learn-alpha-high: the learned alignment's α range must satisfy "
+                                f"0 <= low <= high <= 1, got {self.alpha_low:g} and {self.alpha_high:g}")
         if not 0.0 <= self.holdout < 1.0:
             raise SymmergeError(f"holdout fraction must be in [0, 1), got {self.holdout}")
 

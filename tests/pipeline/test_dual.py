@@ -185,14 +185,16 @@ def test_cli_merge_in_the_dual_frame(tmp_path):
     assert all(not torch.equal(merged[k], folded[k]) for k in norms)
 
 
-def test_joint_learned_refuses_the_dual_frame(tmp_path):
+def test_the_star_refuses_the_dual_frame(tmp_path):
+    # more than two models: the dual frame runs jointly (tests/pipeline/test_dual_joint.py); the star would move
+    # the anchor once per pair
     from conftest import npz_file, vit_folder
 
     folders = [str(vit_folder(tmp_path / f"m{i}", seed=i)) for i in range(3)]
     data = npz_file(tmp_path / "x.npz", n=20)
     out = tmp_path / "out"
     code = main(["merge", *folders, "-o", str(out), "--method", "linear", "--match", "learned", "--learn-frame", "dual",
-                 "--align-data", data, "--learn-steps", "2", "--progress", "none"])
+                 "--align-data", data, "--learn-steps", "2", "--progress", "none", "--anchor", "0"])
     assert code == 2 and not out.exists()
 
 
