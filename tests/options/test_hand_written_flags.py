@@ -36,7 +36,11 @@ def dump(command: str) -> list[dict]:
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_the_declared_flags_are_the_hand_written_ones(command):
-    assert dump(command) == json.loads(SNAPSHOT.read_text())[command]
+    """Every hand-written argument is still there, the same in every field and in the same order; options
+    declared later (shared parts such as the learned alignment's) may be added between them."""
+    before = json.loads(SNAPSHOT.read_text())[command]
+    kept = {a["dest"] for a in before}
+    assert [a for a in dump(command) if a["dest"] in kept] == before
 
 
 def test_the_commands_declare_their_options():
