@@ -7,7 +7,8 @@ symmerge / mergekit (goal: wall ≤ 0.8, RSS ≤ 1.0) and the whole-model gap �
 The two tools run alternately (symmerge first on even rows, mergekit first on odd ones), one after the other,
 each from a fresh process: start-up counts. numba compiles symmerge's kernels once per install and caches them
 on disk; the first run of each kind of merge (method, dtype, number of models) is therefore run and measured
-apart before the row (``symmerge_first_run``), and the row's figures are those of a run with the cache warm.
+apart before the row on the tiny stand-ins (``symmerge_first_run``; the kernels' types do not depend on the
+sizes), and the row's figures are those of a run with the cache warm.
 Each child runs under a small measuring parent (``python -S``, about 10 MB) that forks and execs it and reads
 its ``ru_maxrss`` from ``wait4``: a child's ``ru_maxrss`` starts at the resident size of the process that
 forked it, so forking from this (torch-holding) process would count this process's memory (see ``benchmarks/common.py: peak_rss_kb``).
@@ -100,27 +101,30 @@ def gap(ours: Path, theirs: Path, base: Path) -> float:
     return mo.relative_gap(got, want, ref)
 
 
-def one_row(name: str, size: str, i: int, args, work: Path, cache: dict, env: dict, warmed: set) -> dict:
+def one_row(name: str, size: str, i: int, args, work: Path, cache: dict, env: dict, warmed: set,
+            warmed_cache: dict) -> dict:
     """One config at one size: stand-ins, both tools (alternating order), their figures and the gap; before
     them, a first symmerge run where this kind of merge has not run yet (``warmed``: numba's kernels compiled)."""
-    text = (published.DATA / name).read_text()
-    arch, _, _, layers, _ = published.family_key(text)
+    written = (published.DATA / name).read_text()
+    arch, _, _, layers, _ = published.family_key(written)
     hidden = hidden_for(arch, layers, size)
-    text, base, dtype = published.stand_ins(text, lambda n: Path(tempfile.mkdtemp(prefix=n, dir=work)), cache,
-                                            hidden=hidden)
+    mktemp = lambda n: Path(tempfile.mkdtemp(prefix=n, dir=work))  # noqa: E731
+    text, base, dtype = published.stand_ins(written, mktemp, cache, hidden=hidden)
     row_dir = work / f"{name[:-4]}-{size}"
     row_dir.mkdir()
     cfg = row_dir / name
     cfg.write_text(text)
     cmds = commands(cfg, text, row_dir, args.symmerge, Path(args.mergekit_bin))
     kernels = tuple((d["merge_method"], d.get("dtype"), len(published.refs(d))) for d in published.docs_of(text))
+    warm_up = None
     if kernels not in warmed:  # numba compiles a kernel once per install (per method, dtype, count of models) and
-        warmed.add(kernels)  # caches it on disk: a first run of its kind is measured apart, not in the ratio
-        first = commands(cfg, text, row_dir / "warm-up", args.symmerge, Path(args.mergekit_bin))["symmerge"]
-        (row_dir / "warm-up").mkdir()
+        warmed.add(kernels)  # caches it on disk: a first run of its kind is measured apart, not in the ratio; on
+        tiny, _, _ = published.stand_ins(written, mktemp, warmed_cache, hidden=64)  # the tiny stand-ins (the
+        (row_dir / "warm-up").mkdir()  # kernels' types do not depend on the sizes)
+        (row_dir / "warm-up" / name).write_text(tiny)
+        first = commands(row_dir / "warm-up" / name, tiny, row_dir / "warm-up", args.symmerge,
+                         Path(args.mergekit_bin))["symmerge"]
         warm_up = measured(first, row_dir / "warm-up.log", env)
-    else:
-        warm_up = None
     order = ("symmerge", "mergekit") if i % 2 == 0 else ("mergekit", "symmerge")
     row = {"config": name[:-4], "size": size, "family": arch, "dtype": dtype, "hidden": hidden, "layers": layers,
            "params": sum(t.numel() for t in mo.tensors(base).values()), "order": list(order),
@@ -172,12 +176,13 @@ def run(args) -> dict:
                                        "(mergekit-multi CONFIG --out-path OUT -I STEPS for several documents)"}}
     print(HEADER)
     warmed: set = set()
+    warmed_cache: dict = {}  # the tiny stand-ins of the warm-up runs
     with tempfile.TemporaryDirectory(prefix="bench-configs-", dir=args.work) as tmp:
         work = Path(tmp)
         for size in sizes:
             cache: dict = {}  # stand-in families of this size, reused by the configs that need the same ones
             for name in files:
-                row = one_row(name, size, len(result["rows"]), args, work, cache, env, warmed)
+                row = one_row(name, size, len(result["rows"]), args, work, cache, env, warmed, warmed_cache)
                 result["rows"].append(row)
                 print_row(row)
                 sys.stdout.flush()
