@@ -186,6 +186,8 @@ def run(args) -> dict:
                 result["rows"].append(row)
                 print_row(row)
                 sys.stdout.flush()
+                if args.json:  # after every row: an interrupted run keeps its rows
+                    _write(Path(args.json), result)
             for folder in {base.parent for base, _ in cache.values()}:  # free the disk before the next size
                 shutil.rmtree(folder, ignore_errors=True)
     result["machine_after"] = machine()
@@ -205,6 +207,13 @@ def summary(result: dict, log=print) -> None:
         + (f"; failed: {', '.join(r['config'] + '/' + r['size'] for r in failed)}" if failed else ""))
 
 
+def _write(path: Path, result: dict) -> None:
+    """``result`` as JSON at ``path``, atomically (a temporary file beside it, then renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="tiny,50m", help="tiny and/or 50m (default both)")
@@ -220,9 +229,7 @@ def main(argv=None) -> int:
     result = run(args)
     summary(result)
     if args.json:
-        from symmerge.io.model import write_json
-
-        write_json(Path(args.json), result)
+        _write(Path(args.json), result)
         print(f"wrote {args.json} ({result['seconds_total']:.0f} s)")
     return 0
 
