@@ -1,8 +1,9 @@
 """Every published mergekit config (tests/data/published_configs/) run by ``symmerge run CONFIG OUT`` and by
 ``mergekit-yaml CONFIG OUT`` (``mergekit-multi`` for a multi-document file) as child processes, on stand-ins
 of two sizes: the tests' tiny ones (hidden 64) and ~50 M-parameter ones of the same families (wider, random
-init, the layer count the config's slices need). Per row: wall time and peak RSS of each child, the ratios
-symmerge / mergekit (goal: wall ≤ 0.8, RSS ≤ 1.0) and the whole-model gap ‖s − m‖ / ‖m − base‖.
+init, the layer count the config's slices need). Per row: wall time, CPU time and peak RSS of each child, the
+ratios symmerge / mergekit (goal: wall ≤ 0.8, RSS ≤ 1.0; CPU for a loaded machine, where the wall ratio mixes
+in the time spent waiting for a core) and the whole-model gap ‖s − m‖ / ‖m − base‖.
 
 The two tools run alternately (symmerge first on even rows, mergekit first on odd ones), one after the other,
 each from a fresh process: start-up counts. numba compiles symmerge's kernels once per install and caches them
@@ -45,7 +46,7 @@ from benchmarks.common import machine  # noqa: E402
 MERGEKIT_BIN = Path("/tmp/symmerge-mergekit/bin")
 TARGET_PARAMS = 50e6
 WALL_GOAL, RSS_GOAL = 0.8, 1.0
-# forks and execs argv[2:], waits for it, writes {"rc", "wall_s", "peak_rss_kb"} to the file argv[1]
+# forks and execs argv[2:], waits for it, writes {"rc", "wall_s", "cpu_s", "peak_rss_kb"} to the file argv[1]
 _MEASURE = r"""
 import json, os, sys, time
 t = time.perf_counter()
@@ -55,7 +56,8 @@ if pid == 0:
 _, status, ru = os.wait4(pid, 0)
 wall = time.perf_counter() - t
 with open(sys.argv[1], "w") as f:
-    json.dump({"rc": os.waitstatus_to_exitcode(status), "wall_s": wall, "peak_rss_kb": ru.ru_maxrss}, f)
+    json.dump({"rc": os.waitstatus_to_exitcode(status), "wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime,
+               "peak_rss_kb": ru.ru_maxrss}, f)
 """
 
 
@@ -136,6 +138,8 @@ def one_row(name: str, size: str, i: int, args, work: Path, cache: dict, env: di
     if row["symmerge"]["rc"] == 0 and row["mergekit"]["rc"] == 0:
         row["wall_ratio"] = row["symmerge"]["wall_s"] / row["mergekit"]["wall_s"]
         row["rss_ratio"] = row["symmerge"]["peak_rss_kb"] / row["mergekit"]["peak_rss_kb"]
+        # CPU time (user + system) of each child: on a loaded machine, the wall ratio mixes in waiting for cores
+        row["cpu_ratio"] = row["symmerge"]["cpu_s"] / max(row["mergekit"]["cpu_s"], 1e-9)
         row["gap"] = gap(row_dir / "symmerge", row_dir / "mergekit", base)
         row["over"] = [k for k, goal in (("wall", WALL_GOAL), ("rss", RSS_GOAL)) if row[f"{k}_ratio"] > goal]
     shutil.rmtree(row_dir, ignore_errors=True)
@@ -149,11 +153,11 @@ def print_row(row: dict, log=print) -> None:
         return
     log(f"{row['config']:<44} {row['size']:<5} {row['params'] / 1e6:6.1f}M {s['wall_s']:6.2f} {m['wall_s']:6.2f} "
         f"{row['wall_ratio']:5.2f} {s['peak_rss_kb'] / 1024:6.0f} {m['peak_rss_kb'] / 1024:6.0f} "
-        f"{row['rss_ratio']:5.2f} {row['gap']:8.2e} {' '.join(row['over']) or 'ok'}")
+        f"{row['rss_ratio']:5.2f} {row['cpu_ratio']:5.2f} {row['gap']:8.2e} {' '.join(row['over']) or 'ok'}")
 
 
 HEADER = (f"{'config':<44} {'size':<5} {'params':>7} {'s wall':>6} {'m wall':>6} {'wall×':>5} {'s MB':>6} "
-          f"{'m MB':>6} {'rss×':>5} {'gap':>8} over")
+          f"{'m MB':>6} {'rss×':>5} {'cpu×':>5} {'gap':>8} over")
 
 
 def selected(patterns: str | None) -> list[str]:

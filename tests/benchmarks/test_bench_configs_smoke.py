@@ -35,11 +35,12 @@ def test_bench_configs_tiny_two_configs(tmp_path):
     assert [r["order"][0] for r in rows] == ["symmerge", "mergekit"]  # alternating
     for r in rows:
         for tool in ("symmerge", "mergekit"):
-            assert r[tool]["rc"] == 0 and r[tool]["wall_s"] > 0
+            assert r[tool]["rc"] == 0 and r[tool]["wall_s"] > 0 and 0 < r[tool]["cpu_s"]
             # a fresh Python with torch holds well over 100 MB, and the measuring parent (~10 MB) is not counted in
             assert 100_000 < r[tool]["peak_rss_kb"] < 4_000_000
         assert r["wall_ratio"] == pytest.approx(r["symmerge"]["wall_s"] / r["mergekit"]["wall_s"])
         assert r["rss_ratio"] == pytest.approx(r["symmerge"]["peak_rss_kb"] / r["mergekit"]["peak_rss_kb"])
+        assert r["cpu_ratio"] == pytest.approx(r["symmerge"]["cpu_s"] / r["mergekit"]["cpu_s"])
         assert r["params"] > 0 and r["hidden"] == 64
     assert rows[0]["gap"] < 1e-3  # TIES is deterministic: symmerge's result is mergekit's
     assert "absa-ties-lambda" in p.stdout and "rows over the goal" in p.stdout
