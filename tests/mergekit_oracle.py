@@ -30,27 +30,29 @@ def available() -> bool:
     return True
 
 
-def _config(arch: str, layers: int):
+def _config(arch: str, layers: int, hidden: int = 64):
+    """A ``transformers`` config of ``arch``: 4 heads (2 KV heads), ``hidden`` wide, the MLP 2.5 × ``hidden``."""
     from transformers import Gemma2Config, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
+    inter = hidden * 5 // 2
     if arch == "llama":
-        return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+        return LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                            tie_word_embeddings=False)
     if arch == "mistral":
-        return MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+        return MistralConfig(vocab_size=128, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                              sliding_window=None, tie_word_embeddings=False)
     if arch == "qwen2":
-        return Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+        return Qwen2Config(vocab_size=128, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                            tie_word_embeddings=False)
     if arch == "gemma2":
-        return Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                            sliding_window=32)
+        return Gemma2Config(vocab_size=128, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                            max_position_embeddings=64, sliding_window=32)
     if arch == "gpt2":
-        return GPT2Config(vocab_size=128, n_embd=64, n_layer=layers, n_head=4, n_positions=64)
+        return GPT2Config(vocab_size=128, n_embd=hidden, n_layer=layers, n_head=4, n_positions=64)
     raise ValueError(arch)
 
 
@@ -67,14 +69,14 @@ def save_tokenizer(folder: Path, vocab_size: int = 128) -> None:
 
 
 def family(root, arch: str = "llama", dtype: str = "float32", n: int = 2, layers: int = 4, noise: float = 0.004,
-           seed: int = 0) -> tuple[Path, list[Path]]:
-    """(base folder, ``n`` fine-tune folders) of a tiny ``arch`` model stored in ``dtype``; fine-tune i is the
-    base plus N(0, ``noise``) noise on every floating tensor (seed ``seed + 1 + i``)."""
+           seed: int = 0, hidden: int = 64) -> tuple[Path, list[Path]]:
+    """(base folder, ``n`` fine-tune folders) of a tiny ``arch`` model (``hidden`` wide) stored in ``dtype``;
+    fine-tune i is the base plus N(0, ``noise``) noise on every floating tensor (seed ``seed + 1 + i``)."""
     from transformers import AutoModelForCausalLM
 
     root = Path(root)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch, layers), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_config(arch, layers, hidden), dtype=torch.float32)
     base_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     paths = []
     for i in range(n + 1):

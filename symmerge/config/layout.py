@@ -34,6 +34,7 @@ class Layout:
     suffixes: tuple = ()
     pre: tuple = ()
     post: tuple = field(default_factory=tuple)
+    optional: tuple = ()  # layer suffixes only some layers hold (a module of symmerge.config.modules)
 
     def layer_name(self, i: int, suffix: str) -> str:
         return f"{self.prefix}{i}{suffix}"
@@ -79,11 +80,17 @@ def from_names(folder, config: dict, shapes: dict, dtypes: dict) -> Layout:
     return Layout(str(folder), config, dict(shapes), dict(dtypes), layers, key, prefix, tuple(order), pre, post)
 
 
-def read_layout(folder) -> Layout:
-    """The layout of the HF folder ``folder``: its config.json and safetensors headers."""
+def read_names(folder) -> tuple[dict, dict, dict]:
+    """(config.json, tensor name → shape, tensor name → dtype name) of the HF folder ``folder``: its config.json
+    and safetensors headers."""
     from ..io.checkpoint import LazyCheckpoint
 
     ckpt = LazyCheckpoint(Path(folder), spec=False)
     dtypes = {k: str(v).replace("torch.", "") for k, v in ckpt.dtype.items()}
-    return from_names(folder, dict(ckpt.config), dict(ckpt.shape), dtypes)
+    return dict(ckpt.config), dict(ckpt.shape), dtypes
+
+
+def read_layout(folder) -> Layout:
+    """The layout of the HF folder ``folder``: its config.json and safetensors headers."""
+    return from_names(folder, *read_names(folder))
 

@@ -223,6 +223,7 @@ class Planner:
         self.job_layouts: list = []
         self.warnings: list[str] = []  # one line per key or parameter ignored, as mergekit ignores it
         self._scopes: list = [{}, {}]
+        self._module_name: str | None = None  # the named module being planned (symmerge.config.modules)
 
     def warn(self, line: str) -> None:
         if line not in self.warnings:
@@ -260,6 +261,8 @@ class Planner:
         return len(inputs) - 1
 
     def layout(self, doc, inp: Input, where):
+        if self._module_name is not None:
+            return self._module_layout(doc, inp, where)
         if inp.job is not None:
             return self.job_layouts[inp.job]
         key = inp.folder if inp.adapt is None else (inp.folder, inp.adapt[0])
@@ -272,6 +275,31 @@ class Planner:
                     self._layouts[key] = layouts.from_names(inp.folder, dict(view.config), dict(view.shape),
                                                             {k: str(v).replace("torch.", "")
                                                              for k, v in view.dtype.items()})
+            except SymmergeError as e:
+                raise doc.error(str(e), *where) from None
+        return self._layouts[key]
+
+    def _module_layout(self, doc, inp: Input, where):
+        """The layout of the module being planned of a multi-module input (:mod:`symmerge.config.modules`)."""
+        from .modules import MAPS, architecture, module_layout, module_map
+
+        key = (inp.folder if inp.job is None else ("job", inp.job), self._module_name)
+        if key not in self._layouts:
+            try:
+                if inp.job is not None:
+                    whole = self.job_layouts[inp.job]
+                    folder, names = whole.folder, (dict(whole.config), whole.shapes, whole.dtypes)
+                else:
+                    folder, names = inp.folder, layouts.read_names(inp.folder)
+            except SymmergeError as e:
+                raise doc.error(str(e), *where) from None
+            if module_map(names[0]) is None:
+                arch = architecture(names[0]) or "no architecture in config.json"
+                raise doc.error(f"module {self._module_name!r}: {inp.label} ({arch}) is a model of one stack, whose "
+                                f"one module is 'default' (symmerge merges the named modules of "
+                                f"{', '.join(sorted(MAPS))})", "modules", self._module_name)
+            try:
+                self._layouts[key] = module_layout(folder, *names, self._module_name)
             except SymmergeError as e:
                 raise doc.error(str(e), *where) from None
         return self._layouts[key]
@@ -309,32 +337,42 @@ class Planner:
             raise doc.error("'merge_method' is missing (e.g. linear, ties, slerp, passthrough)")
         mk_name, method = method_for(doc, data["merge_method"])
         names = _Names(mk_name, method)
-        root, body = self._module(doc, data)
-        has_models, has_slices = bool(body.get("models")), bool(body.get("slices"))
-        if not has_models and not has_slices:
-            if "models" in body or "slices" in body:
-                key = "models" if "models" in body else "slices"
-                raise doc.error(f"'{key}' is empty: list the models to merge", *root, key)
-            raise doc.error("'models' is missing (the models to merge; or 'slices' for layer ranges)", *root)
-        if has_models and has_slices:
-            raise doc.error("give 'models' (whole models) or 'slices' (layer ranges), not both", *root, "slices")
+        modules = self._modules(doc, data)
+        for root, _, body in modules:
+            _check_body(doc, root, body)
         top = _check_params(doc, data.get("parameters"), ("parameters",), names, warn=self.warn)
-        module = (_check_params(doc, body.get("parameters"), root + ("parameters",), names, warn=self.warn)
-                  if root else {})
-        self._scopes = [module, top]  # below a slice's parameters: the module's, then the top level's
         dtype = self._dtype(doc, data, "dtype")
         out_dtype = self._dtype(doc, data, "out_dtype")
         inputs: list[Input] = []
         base = None
         if data.get("base_model") is not None:
             base = self._ref(doc, data["base_model"], ("base_model",), inputs)
-        policy = method.base_policy
-        if has_models:
-            slices = self._models_slices(doc, body["models"], base, policy, names, inputs, root)
-        else:
-            slices = self._slices(doc, body["slices"], base, names, inputs, root)
-        for s in slices:
-            self._contract(doc, mk_name, method, s, inputs)
+        parts = []  # per module: (its name or None, its slices, whether sliced, its parameter scopes)
+        try:
+            for root, mname, body in modules:
+                self._module_name = mname
+                module = (_check_params(doc, body.get("parameters"), root + ("parameters",), names, warn=self.warn)
+                          if root else {})
+                self._scopes = [module, top]  # below a slice's parameters: the module's, then the top level's
+                if body.get("models"):
+                    slices = self._models_slices(doc, body["models"], base, method.base_policy, names, inputs, root)
+                else:
+                    slices = self._slices(doc, body["slices"], base, names, inputs, root)
+                for s in slices:
+                    self._contract(doc, mk_name, method, s, inputs)
+                parts.append((mname, slices, bool(body.get("slices")), self._scopes))
+            if modules[0][1] is not None:
+                self._every_module(doc, modules, inputs[parts[0][1][0].sources[0].model])
+            job = self._job(doc, data, final, method, inputs, base, parts[0][1], dtype, out_dtype)
+            if modules[0][1] is None:
+                self._steps(doc, job, parts[0][1], names, mk_name, method, parts[0][2])
+            else:
+                self._modules_steps(doc, job, parts, names, mk_name, method)
+        finally:
+            self._module_name = None
+        return job
+
+    def _job(self, doc, data, final, method, inputs, base, slices, dtype, out_dtype) -> Job:
         task = self._adapt_base(inputs, base)
         tok, vocab = self._tokenizer(doc, data, inputs, base)
         if vocab is None and self.truncate_embeddings:
@@ -342,33 +380,76 @@ class Planner:
         chat = self._chat_template(doc, data)
         config_from = task if task is not None else base if base is not None else slices[0].sources[0].model
         side = tok if tok is not None else config_from
-        job = Job(data.get("name"), method.name, inputs, [], config_from, {}, side, dtype, out_dtype, chat,
-                  final=final, line=doc.at(), base=base if method.uses_base else None,
-                  vocab=vocab)
-        self._steps(doc, job, slices, names, mk_name, method, has_slices)
-        return job
+        return Job(data.get("name"), method.name, inputs, [], config_from, {}, side, dtype, out_dtype, chat,
+                   final=final, line=doc.at(), base=base if method.uses_base else None, vocab=vocab)
 
-    def _module(self, doc, data) -> tuple[tuple, dict]:
-        """(the key path of the module merged, the mapping holding its ``models`` / ``slices`` / ``parameters``):
-        the document itself, or mergekit's ``modules: {default: ...}`` (the one module of a single-stack
-        model)."""
+    def _modules(self, doc, data) -> list[tuple]:
+        """Each module merged: (the key path of its mapping, its name — None for a model of one stack —, the
+        mapping holding its ``models`` / ``slices`` / ``parameters``). The document itself or mergekit's
+        ``modules: {default: ...}`` for a model of one stack; ``modules: {NAME: ...}`` for the named modules of
+        a multi-module model (:mod:`symmerge.config.modules`), or every module of one given whole ``models``."""
         modules = data.get("modules")
         if not modules:
-            return (), data
+            found = self._peek_modules(data)
+            if found is None:
+                return [((), None, data)]
+            if data.get("slices"):
+                raise doc.error(f"{found[0]} is a model of several modules ({', '.join(found[1])}): its slices go "
+                                "under 'modules: NAME: slices:', one module at a time", "slices")
+            return [((), m, data) for m in found[1]]
         if data.get("models") or data.get("slices"):
             raise doc.error("give one of 'models', 'slices' or 'modules'", "modules")
         if not isinstance(modules, dict) or not all(isinstance(m, dict) for m in modules.values()):
             raise doc.error("'modules' maps a module's name (default) to its 'models' or 'slices'", "modules")
-        named = [m for m in modules if m != "default"]
-        if named:
-            raise doc.error(f"module {named[0]!r}: symmerge merges single-stack models, whose one module is "
-                            "'default' (named modules are for multi-module models: vision towers, encoder-decoders)",
-                            "modules", named[0])
-        body = modules["default"]
-        for k in body:
-            if k not in ("models", "slices", "parameters"):
-                self.warn(lenient.unknown(doc, "a key of a module", k, ("models", "slices", "parameters"), "modules", "default", k))
-        return ("modules", "default"), body
+        for name, body in modules.items():
+            for k in body:
+                if k not in ("models", "slices", "parameters"):
+                    self.warn(lenient.unknown(doc, "a key of a module", k, ("models", "slices", "parameters"),
+                                              "modules", name, k))
+        if set(modules) == {"default"}:
+            return [(("modules", "default"), None, modules["default"])]
+        return [(("modules", name), name, body) for name, body in modules.items()]
+
+    def _peek_modules(self, data) -> tuple | None:
+        """(architecture, its module names) of a document's first model where it is a model of several modules
+        (read from its config.json before anything else), else None."""
+        from .modules import architecture, module_names
+
+        first = data.get("base_model")
+        models, slices = data.get("models"), data.get("slices")
+        if not isinstance(first, str) and isinstance(models, list) and models:
+            first = models[0].get("model") if isinstance(models[0], dict) else models[0]
+        if not isinstance(first, str) and isinstance(slices, list) and slices and isinstance(slices[0], dict):
+            sources = slices[0].get("sources")
+            if isinstance(sources, list) and sources and isinstance(sources[0], dict):
+                first = sources[0].get("model")
+        if not isinstance(first, str):
+            return None
+        if first in self.named:
+            config = dict(self.job_layouts[self.named[first]].config)
+        else:
+            path = Path(self.folders.get(first, first)).expanduser() / "config.json"
+            try:
+                import json
+
+                config = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return None
+        names = module_names(config) if isinstance(config, dict) else ("default",)
+        return None if names == ("default",) else (architecture(config), names)
+
+    def _every_module(self, doc, modules, first: Input) -> None:
+        """A merge of named modules gives every module of the architecture (mergekit writes a model without the
+        tensors of a module left out)."""
+        from .modules import architecture, module_names
+
+        config = self._module_layout(doc, first, ("modules",)).config
+        given = [m for _, m, _ in modules]
+        missing = [m for m in module_names(config) if m not in given]
+        if missing:
+            raise doc.error(f"'modules' gives no {missing[0]!r}: {architecture(config)} has the modules "
+                            f"{', '.join(module_names(config))}, and a merge gives every one (mergekit writes a "
+                            "model without the tensors of a module left out)", "modules")
 
     def _dtype(self, doc, data, key):
         v = data.get(key)
@@ -653,6 +734,38 @@ class Planner:
 
     # -- the steps ----------------------------------------------------------------------------------------
     def _steps(self, doc, job, slices, names, mk_name, method, sliced):
+        job.steps, job.shapes, job.layers, lays, out_lay = self._module_steps(doc, job, slices, names, mk_name,
+                                                                             method)
+        self._record_layout(doc, job, lays, out_lay, sliced)
+
+    def _modules_steps(self, doc, job, parts, names, mk_name, method) -> None:
+        """The steps of every named module, one after the other (mergekit's order of planning), and the output's
+        config edits: the layer count of each sliced module, the dtype."""
+        job.steps, job.shapes, job.layers = [], {}, 0
+        edits: dict = {}
+        dtypes: dict = {}
+        for mname, slices, sliced, scopes in parts:
+            self._module_name, self._scopes = mname, scopes
+            steps, shapes, layers, lays, out_lay = self._module_steps(doc, job, slices, names, mk_name, method)
+            job.steps += steps
+            job.shapes.update(shapes)
+            job.layers += layers
+            if sliced and out_lay.layer_key:
+                edits[out_lay.layer_key] = layers
+            for st in steps:
+                dtypes[st.name] = lays[st.sources[0].model].dtypes[st.sources[0].key]
+        want = job.out_dtype or job.dtype
+        config = out_lay.config
+        if want:
+            edits["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = want
+            dtypes = dict.fromkeys(dtypes, want)
+        job.config_edits = edits
+        self.job_layouts.append(layouts.Layout(f"<{job.name or 'merge'}>", {**config, **edits}, job.shapes, dtypes,
+                                               0, None))
+
+    def _module_steps(self, doc, job, slices, names, mk_name, method) -> tuple:
+        """(the steps, the output shapes, the layer count, every input's layout, the output's layout) of the
+        module being planned (the whole model for a model of one stack)."""
         inputs = job.inputs
         scopes = self._scopes
         out_lay = self.layout(doc, inputs[job.config_from], ("merge_method",))
@@ -714,16 +827,15 @@ class Planner:
             n = sl.sources[0].b - sl.sources[0].a
             for j in range(n):
                 t = j / (n - 1) if n > 1 else 1.0
-                for suffix in out_lay.suffixes:
-                    one(out_lay.layer_name(out_i, suffix), sl,
-                        [(s, lays[s.model].layer_name(s.a + j, suffix)) for s in sl.sources], t, sl.where)
+                for suffix in out_lay.suffixes + out_lay.optional:
+                    pairs = [(s, lays[s.model].layer_name(s.a + j, suffix)) for s in sl.sources]
+                    if suffix in out_lay.optional and any(n not in lays[s.model].shapes for s, n in pairs):
+                        continue  # a tensor only some layers hold (T5's relative attention bias), as mergekit's optional
+                    one(out_lay.layer_name(out_i, suffix), sl, pairs, t, sl.where)
                 out_i += 1
         for name in out_lay.post:
             one(name, last, [(s, name) for s in last.sources], 0.0, last.where)
-        job.steps = steps
-        job.layers = out_i
-        job.shapes = shapes
-        self._record_layout(doc, job, lays, out_lay, sliced)
+        return steps, shapes, out_i, lays, out_lay
 
     def _step_params(self, doc, inputs, names, mk_name, sl: _Slice, merged, out_name, t, where) -> tuple:
         """(the per-model weights or None, the parameters) of one merged output tensor ``out_name``: every
@@ -840,6 +952,18 @@ class Planner:
         return order
 
 
+def _check_body(doc, root, body) -> None:
+    """A module's mapping (or the document) gives ``models`` or ``slices``, one of them, not empty."""
+    has_models, has_slices = bool(body.get("models")), bool(body.get("slices"))
+    if not has_models and not has_slices:
+        if "models" in body or "slices" in body:
+            key = "models" if "models" in body else "slices"
+            raise doc.error(f"'{key}' is empty: list the models to merge", *root, key)
+        raise doc.error("'models' is missing (the models to merge; or 'slices' for layer ranges)", *root)
+    if has_models and has_slices:
+        raise doc.error("give 'models' (whole models) or 'slices' (layer ranges), not both", *root, "slices")
+
+
 def _references(doc, names) -> set:
     refs = set()
     data = doc.data
@@ -852,12 +976,16 @@ def _references(doc, names) -> set:
         return v if isinstance(v, list) else []
 
     add(data.get("base_model"))
-    for m in items(data.get("models")):
-        add(m.get("model") if isinstance(m, dict) else m)
-    for sl in items(data.get("slices")):
-        if isinstance(sl, dict):
-            add(sl.get("base_model"))
-            for s in items(sl.get("sources")):
-                if isinstance(s, dict):
-                    add(s.get("model"))
+    modules = data.get("modules")
+    for body in [data, *(modules.values() if isinstance(modules, dict) else ())]:
+        if not isinstance(body, dict):
+            continue
+        for m in items(body.get("models")):
+            add(m.get("model") if isinstance(m, dict) else m)
+        for sl in items(body.get("slices")):
+            if isinstance(sl, dict):
+                add(sl.get("base_model"))
+                for s in items(sl.get("sources")):
+                    if isinstance(s, dict):
+                        add(s.get("model"))
     return refs

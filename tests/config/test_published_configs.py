@@ -14,19 +14,15 @@ in the venv that has mergekit (``.ci/run``)."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 import mergekit_oracle as mo
 from conftest import run_cli
+from published import DATA, FILES, body_of, docs_of, header, run_mergekit_file, stand_ins
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "published_configs"
-FILES = sorted(p.name for p in DATA.glob("*.yml"))
 RANDOM = ("dare_ties", "dare_linear", "della", "della_linear")
-HALF = ("float16", "bfloat16")
 # The configs whose half-precision result differed from mergekit's by more than 1e-3 (none left: the spherical
 # means compute op for op in the half dtype as mergekit does since issue 41 item 4; before, measured by this test,
 # absa-karcher.yml 0.073 and absa-nuslerp.yml 0.074 in bfloat16). Each entry: file -> "method, dtype: gap".
@@ -40,93 +36,9 @@ WERE_HALF_TIES = ("absa-dare-linear-rescale.yml", "absa-nearswap.yml", "absa-dar
 _FAMILIES: dict = {}
 
 
-def _docs(text):
-    return [d for d in yaml.safe_load_all(text) if d]
-
-
-def _header(text, key):
-    m = re.search(rf"^# {key}: (.+)$", text, re.M)
-    return m.group(1).strip() if m else None
-
-
-def _refs(doc) -> list[str]:
-    """The model names of one document, in order (base model first)."""
-    out: list[str] = []
-
-    def add(v):
-        if isinstance(v, str) and v not in out:
-            out.append(v)
-
-    add(doc.get("base_model"))
-    body = (doc.get("modules") or {}).get("default") or doc
-    for m in body.get("models") or []:
-        add(m.get("model") if isinstance(m, dict) else m)
-    for sl in body.get("slices") or []:
-        add(sl.get("base_model"))
-        for s in sl.get("sources") or []:
-            add(s.get("model"))
-    src = doc.get("tokenizer_source")
-    if src not in (None, "base", "union"):
-        add(src)
-    return out
-
-
-def _layers(docs) -> int:
-    ends = [s["layer_range"][1] for d in docs for sl in ((d.get("modules") or {}).get("default") or d).get("slices") or []
-            for s in sl.get("sources") or []]
-    return max(ends) if ends else 4
-
-
-def _family(tmp_path_factory, arch, dtype, n, layers):
-    key = (arch, dtype, n, layers)
-    if key not in _FAMILIES:
-        _FAMILIES[key] = mo.family(tmp_path_factory.mktemp(f"{arch}-{dtype}-{n}-{layers}"), arch, dtype, n=n,
-                                   layers=layers)
-    return _FAMILIES[key]
-
-
-def stand_ins(text, tmp_path_factory):
-    """(the config text with its model names swapped for stand-ins, the stand-ins' base folder, the dtype)."""
-    docs = _docs(text)
-    names = {d.get("name") for d in docs} - {None}
-    bases = [d.get("base_model") for d in docs if isinstance(d.get("base_model"), str)]
-    refs = [r for d in docs for r in _refs(d) if r not in names]
-    refs = list(dict.fromkeys(refs))
-    base_ref = next((b for b in bases if b not in names), None)
-    others = [r for r in refs if r != base_ref]
-    dtypes = [d.get("dtype") for d in docs]
-    dtype = next((x for x in dtypes if x in HALF), "float32")
-    base, fts = _family(tmp_path_factory, _header(text, "family"), dtype, max(len(others), 1), _layers(docs))
-    mapping = {r: str(f) for r, f in zip(others, fts)}
-    if base_ref is not None:
-        mapping[base_ref] = str(base)
-    for ref in sorted(mapping, key=len, reverse=True):  # longest first: no name is a part of a longer one here
-        text = re.sub(r"(?<![\w/.-])" + re.escape(ref) + r"(?![\w/.-])", lambda m, r=ref: mapping[r], text)
-    return text, base, dtype
-
-
-def run_mergekit_file(text, out: Path, seed=0) -> Path:
-    """mergekit's result of a (multi-document) config text: each merge in order, later ones reading the earlier
-    ones' outputs by their names."""
-    docs = _docs(text)
-    done: dict = {}
-    final = None
-    for i, d in enumerate(docs):
-        body = yaml.safe_dump(d, sort_keys=False)
-        for name, folder in sorted(done.items(), key=lambda kv: -len(kv[0])):
-            body = re.sub(r"(?<![\w/.-])" + re.escape(name) + r"(?![\w/.-])", str(folder), body)
-        cfg = yaml.safe_load(body)
-        cfg.pop("name", None)
-        target = out if i == len(docs) - 1 else out.parent / f"{out.name}-step{i}"
-        final = mo.run_mergekit(cfg, target, seed=seed)
-        if d.get("name"):
-            done[d["name"]] = target
-    return final
-
-
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    return tmp_path_factory
+    return tmp_path_factory.mktemp
 
 
 def test_at_least_thirty_published_configs_with_their_sources():
@@ -134,12 +46,12 @@ def test_at_least_thirty_published_configs_with_their_sources():
     for f in FILES:
         text = (DATA / f).read_text()
         assert re.match(r"# source: https://(huggingface\.co|github\.com)/\S+", text), f
-        assert _header(text, "family") in mo.ARCHS, f
-        assert all("merge_method" in d for d in _docs(text)), f
+        assert header(text, "family") in mo.ARCHS, f
+        assert all("merge_method" in d for d in docs_of(text)), f
 
 
 def _param(f):
-    method = _docs((DATA / f).read_text())[-1]["merge_method"]
+    method = docs_of((DATA / f).read_text())[-1]["merge_method"]
     marks = [pytest.mark.xfail(strict=False, reason=f"{HALF_TIES[f]}: half-precision ties broken otherwise than "
                                                     "mergekit's half-dtype arithmetic (issue 41 item 4)")] if f in HALF_TIES else []
     return pytest.param(f, id=f"{f[:-4]}[{method}]", marks=marks)
@@ -161,16 +73,16 @@ def test_published_config_in_float32(families, tmp_path, name):
 
 def check(families, tmp_path, name, text):
     """``text`` (a published config) on stand-ins: run by symmerge, and with mergekit compared to mergekit's."""
-    text, base, dtype = stand_ins(text, families)
+    text, base, dtype = stand_ins(text, families, _FAMILIES)
     cfg = tmp_path / name
     cfg.write_text(text)
     ours = tmp_path / "symmerge"
     assert run_cli("run", cfg, ours, "--progress", "none") == 0
-    docs = _docs(text)
+    docs = docs_of(text)
     assert (ours / "mergekit_config.yml").read_text() == text and (ours / "README.md").is_file()
     got = mo.tensors(ours)
     want_layers = sum(s["layer_range"][1] - s["layer_range"][0]
-                      for sl in ((docs[-1].get("modules") or {}).get("default") or docs[-1]).get("slices") or []
+                      for sl in body_of(docs[-1]).get("slices") or []
                       for s in sl["sources"][:1]) or None
     if want_layers is not None:
         assert mo.config_of(ours)["num_hidden_layers"] == want_layers
