@@ -51,17 +51,19 @@ def _digest(folder: Path) -> dict:
 LEARN = ["--match", "learned", "--learn-steps", "3", "--learn-batch", "4", "--verify-tol", "1e-5"]
 
 
-@pytest.mark.parametrize("family,tied", [("llama", True), ("qwen3", False), ("gpt2", True)])
-def test_stream_learned_writes_the_in_memory_layerwise_alignment_bit_for_bit(tmp_path, family, tied):
+@pytest.mark.parametrize("family,tied,start", [("llama", True, "activations"), ("qwen3", False, "weights"),
+                                              ("gpt2", True, "activations")])
+def test_stream_learned_writes_the_in_memory_layerwise_alignment_bit_for_bit(tmp_path, family, tied, start):
     a, lines = _pair(tmp_path, family, tied)
+    learn = [*LEARN, "--learn-start", start]
     inputs_before = _digest(tmp_path / "a"), _digest(tmp_path / "b")
     streamed, memory = tmp_path / "streamed", tmp_path / "memory"
     assert run_cli("align", tmp_path / "a", tmp_path / "b", "-o", streamed, "--stream", "--align-data", lines,
-                   "--shard-size", "64KB", *LEARN) == 0
+                   "--shard-size", "64KB", *learn) == 0
     report = json.loads((streamed / "symmerge_report.json").read_text())
     # the in-memory learned path, layer-wise, with the symmetries the streamed plan resolved (no residual stream)
     assert run_cli("align", tmp_path / "a", tmp_path / "b", "-o", memory, "--learn-layerwise", "--align-data", lines,
-                   "--symmetries", ",".join(report["symmetries"]), *LEARN) == 0
+                   "--symmetries", ",".join(report["symmetries"]), *learn) == 0
     got, expected = _tensors(streamed), _tensors(memory)
     assert sorted(got) == sorted(expected)
     assert all(torch.equal(got[k], expected[k]) for k in got)  # bit for bit: the same elements, the same apply
@@ -71,6 +73,7 @@ def test_stream_learned_writes_the_in_memory_layerwise_alignment_bit_for_bit(tmp
     assert (_digest(tmp_path / "a"), _digest(tmp_path / "b")) == inputs_before  # inputs never modified
     mem_report = json.loads((memory / "symmerge_report.json").read_text())
     assert report["match"] == "learned" and report["streamed"] and report["plan"]["match"] == "learned"
+    assert report["learned"]["start"] == start
     assert report["learned"]["steps"] == 3 and report["learned"]["history"] == mem_report["learned"]["history"]
     assert report["distance_after"] == pytest.approx(mem_report["distance_after"], rel=1e-9)
     assert report["verify_max_rel_diff"] <= 1e-5 and report["align_samples_used"] == len(LINES)
