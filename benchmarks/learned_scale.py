@@ -147,10 +147,11 @@ def _command_inputs(folder: str, vocab: int, texts: int, length: int) -> Path:
 
 
 def one_command(size: str, folder: str, steps: int, texts: int, length: int, batch: int, precision: str,
-                start: str, positions: int) -> dict:
+                start: str, positions: int, layers: str | None = None) -> dict:
     """One size aligned by the command, ``symmerge align A B -o OUT --match learned --stream`` (learned from the
     files, the output written shard by shard and verified from the files), in this process: the row of :func:`one`
-    (``write_verify_seconds``: the writing and the verification of the written output)."""
+    (``write_verify_seconds``: the writing and the verification of the written output). ``layers``: the command's
+    ``--layers`` (only those layers' groups solved and learned; every layer still read, run, written and verified)."""
     from symmerge.cli import main
 
     params = _folder_params(folder)
@@ -160,7 +161,8 @@ def one_command(size: str, folder: str, steps: int, texts: int, length: int, bat
     argv = ["align", str(Path(folder) / "a"), str(Path(folder) / "b"), "-o", str(out), "--match", "learned",
             "--stream", "--align-data", str(lines), "--align-samples", str(texts), "--learn-steps", str(steps),
             "--learn-batch", str(batch), "--learn-start", start, "--learn-max-length", str(length),
-            "--learn-positions", str(positions), "--learn-precision", precision, "--progress", "lines"]
+            "--learn-positions", str(positions), "--learn-precision", precision, "--progress", "lines",
+            *(["--layers", layers] if layers else [])]
     base = rss_gb()
     t = time.perf_counter()
     if main(argv) != 0:
@@ -173,7 +175,7 @@ def one_command(size: str, folder: str, steps: int, texts: int, length: int, bat
     stages = learned.get("seconds_by_stage", {})
     done = max(learned.get("steps", 0), 1)
     return {"size": size, "parameters": params, "device": "cpu", "precision": precision, "layerwise": True,
-            "from_files": True, "command": True, "start": start, "start_peak_rss_gb": None, "texts": texts,
+            "from_files": True, "command": True, "layers": layers or "all", "start": start, "start_peak_rss_gb": None, "texts": texts,
             "length": length, "batch": batch, "positions": positions, "steps": learned.get("steps"),
             "build_seconds": None, "align_seconds": wall, "closed_form_seconds": report["closed_form_seconds"],
             "targets_seconds": stages.get("targets"), "checks_seconds": stages.get("checks"),
@@ -301,6 +303,7 @@ def main(argv=None) -> int:
     p.add_argument("--command", action="store_true",
                    help="run the command instead, symmerge align A B -o OUT --match learned --stream (with --from-files; "
                         "the output written and removed; --start activations or weights)")
+    p.add_argument("--layers", help="--command: the command's --layers (those layers' groups only; default all)")
     p.add_argument("--positions", type=int, default=0,
                    help="scored positions per batch (LearnSettings.positions; 0: all)")
     p.add_argument("--work", help="--from-files: where the pair is saved (default: a temporary folder, removed)")
@@ -317,11 +320,11 @@ def main(argv=None) -> int:
         return 0
     if args.one and args.command:
         print(json.dumps(one_command(args.one, args.work, args.steps, args.texts, args.length, args.batch,
-                                     args.precision, args.start, args.positions)))
+                                     args.precision, args.start, args.positions, args.layers)))
         return 0
     if args.one and args.from_files:
         print(json.dumps(one_from_files(args.one, args.work, args.steps, args.texts, args.length, args.batch,
-                                        args.precision, args.start, args.positions)))
+                                        args.precision, args.start, args.positions, args.layers)))
         return 0
     if args.one:
         print(json.dumps(one(args.one, args.device, args.steps, args.texts, args.length, args.batch, args.precision,
@@ -354,7 +357,7 @@ def main(argv=None) -> int:
                         shutil.rmtree(work, ignore_errors=True)
                     continue
             cmd += ["--from-files", "--work", str(work), "--positions", str(args.positions)]
-            cmd += ["--command"] if args.command else []
+            cmd += (["--command"] if args.command else []) + (["--layers", args.layers] if args.layers else [])
         done = subprocess.run(cmd, capture_output=True, text=True)
         if work is not None and not args.work:
             shutil.rmtree(work, ignore_errors=True)
