@@ -88,8 +88,12 @@ def save(size: str, folder: str, length: int) -> None:
 
 
 def one_from_files(size: str, folder: str, steps: int, texts: int, length: int, batch: int, precision: str,
-                   start: str, positions: int) -> dict:
-    """One size learned from its saved folders (:func:`symmerge.pipeline.learn_layerwise_files.learn_from_checkpoints`): the row of :func:`one`."""
+                   start: str, positions: int, layers: str | None = None) -> dict:
+    """One size learned from its saved folders (:func:`symmerge.pipeline.learn_layerwise_files.learn_from_checkpoints`): the row of :func:`one`.
+    ``layers`` (``"0"``, ``"0,1"``): only those layers' groups (the activation start's statistics, factorisations
+    and solves for them alone: its time per layer and its peak, which is one layer's whatever the depth)."""
+    from symmerge.options.parse import parse_layers
+
     import symmerge.pipeline.learn as learn_module
 
     from symmerge.pipeline.learn_layerwise_files import learn_from_checkpoints
@@ -100,7 +104,8 @@ def one_from_files(size: str, folder: str, steps: int, texts: int, length: int, 
     data = random_tokens(vocab, texts, length, batch)
     learn = LearnSettings(steps=steps, batch=batch, augment=0, precision=precision, check_every=max(steps, 1),
                           layerwise=True, start="weights" if start == "none" else start, positions=positions)
-    options = AlignOptions(match="learned", align_data=data, align_samples=texts, learn=learn)
+    options = AlignOptions(match="learned", align_data=data, align_samples=texts, learn=learn,
+                           layers=parse_layers(layers) if layers else None)
     marks = {}
     round_ = learn_module._learn_round
 
@@ -117,7 +122,7 @@ def one_from_files(size: str, folder: str, steps: int, texts: int, length: int, 
     stages = learned.get("seconds_by_stage", {})
     done = max(learned.get("steps", 0), 1)
     return {"size": size, "parameters": params, "device": "cpu", "precision": precision, "layerwise": True,
-            "from_files": True, "start": start, "start_peak_rss_gb": marks.get("rss"), "texts": texts,
+            "from_files": True, "start": start, "layers": layers or "all", "start_peak_rss_gb": marks.get("rss"), "texts": texts,
             "length": length, "batch": batch, "positions": positions, "steps": learned.get("steps"),
             "build_seconds": report["open_seconds"], "align_seconds": wall,
             "closed_form_seconds": report["closed_form_seconds"],
@@ -303,7 +308,8 @@ def main(argv=None) -> int:
     p.add_argument("--command", action="store_true",
                    help="run the command instead, symmerge align A B -o OUT --match learned --stream (with --from-files; "
                         "the output written and removed; --start activations or weights)")
-    p.add_argument("--layers", help="--command: the command's --layers (those layers' groups only; default all)")
+    p.add_argument("--layers", help="--from-files: only these layers' groups (e.g. 0: the activation start's time and peak for one "
+                        "layer; with --command, the command's --layers); default all")
     p.add_argument("--positions", type=int, default=0,
                    help="scored positions per batch (LearnSettings.positions; 0: all)")
     p.add_argument("--work", help="--from-files: where the pair is saved (default: a temporary folder, removed)")
