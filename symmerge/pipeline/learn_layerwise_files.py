@@ -148,6 +148,9 @@ class CheckpointPair:
             raise SymmergeError(f"learning from checkpoints runs a learned matcher (--match learned), not "
                                 f"{options.match!r}")
         self.ckpt_a, self.ckpt_b = LazyCheckpoint(model), LazyCheckpoint(anchor)
+        if getattr(self.ckpt_a.hf_config, "is_encoder_decoder", False):  # two stacks, cross-attention between them
+            raise SymmergeError(f"{model}: learning from the files runs one stack of layers; an encoder-decoder "
+                                f"({self.ckpt_a.config.get('model_type')}) is learned in memory: leave out --stream")
         if self.ckpt_a.shape != self.ckpt_b.shape:
             raise SymmergeError(f"{model} and {anchor}: different tensor names or shapes")
         self.spec, by_layer, self.options = layer_instances(self.ckpt_a, options.layers, options=options)

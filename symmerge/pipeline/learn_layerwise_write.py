@@ -102,8 +102,8 @@ def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", pr
     data = load_align_data(pair.options, pair.skeleton, progress=progress)
     elements, learned = learn_pair(pair, data, stage_printer(desc="learned alignment") if progress else None)
     match_seconds = time.perf_counter() - t0
-    largest = max(sum(pair.ckpt_a.nbytes(k) for k in ks) for g, ks in
-                  LayerTensors(pair.tensors_a, list(pair.ckpt_a.keys()), pair.paths).groups.items() if g)
+    groups = LayerTensors(pair.tensors_a, list(pair.ckpt_a.keys()), pair.paths).groups
+    largest = max((sum(pair.ckpt_a.nbytes(k) for k in ks) for g, ks in groups.items() if g), default=0)
     distances = Distances()
     with atomic_dir(out) as tmp:
         writer = ShardWriter(tmp, min(parse_size(shard_size), max(largest, MIN_LOW_MEMORY_SHARD)))

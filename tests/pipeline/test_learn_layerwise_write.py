@@ -108,8 +108,19 @@ def test_stream_learned_refuses_generated_data(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_stream_learned_refuses_an_encoder_decoder(tmp_path, capsys):
+    _, lines = _pair(tmp_path, "t5")
+    capsys.readouterr()
+    rc = run_cli("align", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "out", "--stream", "--align-data", lines,
+                 *LEARN)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and "encoder-decoder" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 # the peak memory of the command in a child process, on a Llama whose layers dominate (24 layers of width 512,
-# FFN 1024: 63 M parameters, 253 MB a model in float32)
+# FFN 1024: 63 M parameters, 253 MB a model in float32); the data-free start (the activation start's own peak is
+# one layer's statistics: tests/pipeline/test_activations_by_layer.py)
 _CHILD = r"""
 import json, sys, torch
 sys.path[:0] = [sys.argv[1]]
@@ -120,7 +131,7 @@ def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
 folder = sys.argv[2]
 argv = ["--match", "learned", "--stream", "--learn-steps", "2", "--learn-batch", "4", "--align-data",
-        folder + "/lines.txt", "--symmetries", "heads,attn,ffn,rescale"]
+        folder + "/lines.txt", "--symmetries", "heads,attn,ffn,rescale", "--learn-start", "weights", "--progress", "none"]
 assert main(["align", folder + "/tiny/a", folder + "/tiny/b", "-o", folder + "/tiny/out", *argv]) == 0  # warm-up
 import gc; gc.collect()
 before = status("VmRSS")
@@ -147,7 +158,7 @@ def test_stream_learned_peak_memory_stays_below_both_models(tmp_path):
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
            "SYMMERGE_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", _CHILD, str(root), str(tmp_path)], capture_output=True, text=True,
-                          env=env, timeout=900)
+                          env=env, timeout=1800)
     assert done.returncode == 0, done.stderr[-2000:]
     rise = json.loads(done.stdout.strip().splitlines()[-1])["rise"]
     print(f"peak above the start: {rise / 1e6:.0f} MB (one model {model_bytes / 1e6:.0f} MB)")
