@@ -18,7 +18,12 @@ in memory, every layer read from the files when it runs — in the measured chil
 learns from the identity (the learned steps' time and memory alone, without the closed-form start).
 
     python -m benchmarks.learned_scale [--sizes 135m,360m] [--device cpu|cuda] [--steps 5] [--layerwise]
-        [--start activations|weights|none] [--from-files] [--positions N] [--out DIR]
+        [--start activations|weights|none] [--from-files [--command]] [--positions N] [--out DIR]
+
+``--command`` (with ``--from-files``): the measured child runs ``symmerge align A B -o OUT --match learned
+--stream`` itself (a word-level tokenizer written into both folders, ``--texts`` lines of ``--length`` random
+words as ``--align-data``): learning from the files, writing the aligned model shard by shard, verifying it from
+the files; the row adds the seconds of writing and verifying and the bytes written.
 """
 
 from __future__ import annotations
@@ -83,8 +88,12 @@ def save(size: str, folder: str, length: int) -> None:
 
 
 def one_from_files(size: str, folder: str, steps: int, texts: int, length: int, batch: int, precision: str,
-                   start: str, positions: int) -> dict:
-    """One size learned from its saved folders (:func:`symmerge.pipeline.learn_layerwise_files.learn_from_checkpoints`): the row of :func:`one`."""
+                   start: str, positions: int, layers: str | None = None) -> dict:
+    """One size learned from its saved folders (:func:`symmerge.pipeline.learn_layerwise_files.learn_from_checkpoints`): the row of :func:`one`.
+    ``layers`` (``"0"``, ``"0,1"``): only those layers' groups (the activation start's statistics, factorisations
+    and solves for them alone: its time per layer and its peak, which is one layer's whatever the depth)."""
+    from symmerge.options.parse import parse_layers
+
     import symmerge.pipeline.learn as learn_module
 
     from symmerge.pipeline.learn_layerwise_files import learn_from_checkpoints
@@ -95,7 +104,8 @@ def one_from_files(size: str, folder: str, steps: int, texts: int, length: int, 
     data = random_tokens(vocab, texts, length, batch)
     learn = LearnSettings(steps=steps, batch=batch, augment=0, precision=precision, check_every=max(steps, 1),
                           layerwise=True, start="weights" if start == "none" else start, positions=positions)
-    options = AlignOptions(match="learned", align_data=data, align_samples=texts, learn=learn)
+    options = AlignOptions(match="learned", align_data=data, align_samples=texts, learn=learn,
+                           layers=parse_layers(layers) if layers else None)
     marks = {}
     round_ = learn_module._learn_round
 
@@ -112,13 +122,71 @@ def one_from_files(size: str, folder: str, steps: int, texts: int, length: int, 
     stages = learned.get("seconds_by_stage", {})
     done = max(learned.get("steps", 0), 1)
     return {"size": size, "parameters": params, "device": "cpu", "precision": precision, "layerwise": True,
-            "from_files": True, "start": start, "start_peak_rss_gb": marks.get("rss"), "texts": texts,
+            "from_files": True, "start": start, "layers": layers or "all", "start_peak_rss_gb": marks.get("rss"), "texts": texts,
             "length": length, "batch": batch, "positions": positions, "steps": learned.get("steps"),
             "build_seconds": report["open_seconds"], "align_seconds": wall,
             "closed_form_seconds": report["closed_form_seconds"],
             "targets_seconds": stages.get("targets"), "checks_seconds": stages.get("checks"),
             "seconds_per_step": stages.get("steps", 0.0) / done, "peak_rss_gb": rss_gb(), "models_rss_gb": base,
             "cuda_peak_gb": None, "verify_max_rel_diff": report.get("verify_max_rel_diff")}
+
+
+def _command_inputs(folder: str, vocab: int, texts: int, length: int) -> Path:
+    """What the command reads beside the saved pair: a word-level tokenizer in both folders (``w1`` … ``w999``, one
+    token a word, ids below the model's vocabulary) and ``texts`` lines of ``length`` random words; the lines' path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"[UNK]": 0, **{f"w{i}": i for i in range(1, min(vocab, 1000))}}
+    for name in ("a", "b"):
+        if not (Path(folder) / name / "tokenizer.json").exists():
+            tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+            tok.pre_tokenizer = pre_tokenizers.Whitespace()
+            PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[UNK]").save_pretrained(
+                str(Path(folder) / name))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, len(words), (texts, length), generator=g).tolist()
+    lines = Path(folder) / f"lines_{texts}x{length}.txt"
+    lines.write_text("".join(" ".join(f"w{i}" for i in row) + "\n" for row in ids))
+    return lines
+
+
+def one_command(size: str, folder: str, steps: int, texts: int, length: int, batch: int, precision: str,
+                start: str, positions: int, layers: str | None = None) -> dict:
+    """One size aligned by the command, ``symmerge align A B -o OUT --match learned --stream`` (learned from the
+    files, the output written shard by shard and verified from the files), in this process: the row of :func:`one`
+    (``write_verify_seconds``: the writing and the verification of the written output). ``layers``: the command's
+    ``--layers`` (only those layers' groups solved and learned; every layer still read, run, written and verified)."""
+    from symmerge.cli import main
+
+    params = _folder_params(folder)
+    lines = _command_inputs(folder, SHAPES[size][0], texts, length)
+    out = Path(folder) / "aligned"
+    shutil.rmtree(out, ignore_errors=True)
+    argv = ["align", str(Path(folder) / "a"), str(Path(folder) / "b"), "-o", str(out), "--match", "learned",
+            "--stream", "--align-data", str(lines), "--align-samples", str(texts), "--learn-steps", str(steps),
+            "--learn-batch", str(batch), "--learn-start", start, "--learn-max-length", str(length),
+            "--learn-positions", str(positions), "--learn-precision", precision, "--progress", "lines",
+            *(["--layers", layers] if layers else [])]
+    base = rss_gb()
+    t = time.perf_counter()
+    if main(argv) != 0:
+        raise SystemExit("the command failed")
+    wall = time.perf_counter() - t
+    report = json.loads((out / "symmerge_report.json").read_text())
+    written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    shutil.rmtree(out, ignore_errors=True)
+    learned = report["learned"]
+    stages = learned.get("seconds_by_stage", {})
+    done = max(learned.get("steps", 0), 1)
+    return {"size": size, "parameters": params, "device": "cpu", "precision": precision, "layerwise": True,
+            "from_files": True, "command": True, "layers": layers or "all", "start": start, "start_peak_rss_gb": None, "texts": texts,
+            "length": length, "batch": batch, "positions": positions, "steps": learned.get("steps"),
+            "build_seconds": None, "align_seconds": wall, "closed_form_seconds": report["closed_form_seconds"],
+            "targets_seconds": stages.get("targets"), "checks_seconds": stages.get("checks"),
+            "seconds_per_step": stages.get("steps", 0.0) / done, "write_verify_seconds": wall - report["match_seconds"],
+            "written_gb": written / 1e9, "shards": len(report["shards"]), "peak_rss_gb": rss_gb(),
+            "models_rss_gb": base, "cuda_peak_gb": None, "verify_max_rel_diff": report.get("verify_max_rel_diff")}
 
 
 def _numel(shape) -> int:
@@ -212,7 +280,7 @@ def table(rows: list, full_steps: int) -> str:
             continue
         cuda = f"{r['cuda_peak_gb']:.1f}" if r["cuda_peak_gb"] is not None else "-"
         path = (f"{r.get('start', 'activations')}{'+layerwise' if r.get('layerwise') else ''}"
-                f"{'+files' if r.get('from_files') else ''}")
+                f"{'+files' if r.get('from_files') else ''}{'+command' if r.get('command') else ''}")
         start = f"{r['start_peak_rss_gb']:.1f}" if r.get("start_peak_rss_gb") is not None else "-"
         lines.append(f"{r['size']:>5} {r['parameters'] / 1e6:>7.0f}M {r['device']:>5} {path:>24} "
                      f"{r['closed_form_seconds']:>8.1f} {r['targets_seconds']:>9.1f} {r['seconds_per_step']:>7.2f} "
@@ -237,6 +305,11 @@ def main(argv=None) -> int:
                         "with --from-files only)")
     p.add_argument("--from-files", action="store_true",
                    help="save the pair first, then learn layer by layer from the files (learn_from_checkpoints)")
+    p.add_argument("--command", action="store_true",
+                   help="run the command instead, symmerge align A B -o OUT --match learned --stream (with --from-files; "
+                        "the output written and removed; --start activations or weights)")
+    p.add_argument("--layers", help="--from-files: only these layers' groups (e.g. 0: the activation start's time and peak for one "
+                        "layer; with --command, the command's --layers); default all")
     p.add_argument("--positions", type=int, default=0,
                    help="scored positions per batch (LearnSettings.positions; 0: all)")
     p.add_argument("--work", help="--from-files: where the pair is saved (default: a temporary folder, removed)")
@@ -251,9 +324,13 @@ def main(argv=None) -> int:
     if args.save:
         save(args.save, args.work, args.length)
         return 0
+    if args.one and args.command:
+        print(json.dumps(one_command(args.one, args.work, args.steps, args.texts, args.length, args.batch,
+                                     args.precision, args.start, args.positions, args.layers)))
+        return 0
     if args.one and args.from_files:
         print(json.dumps(one_from_files(args.one, args.work, args.steps, args.texts, args.length, args.batch,
-                                        args.precision, args.start, args.positions)))
+                                        args.precision, args.start, args.positions, args.layers)))
         return 0
     if args.one:
         print(json.dumps(one(args.one, args.device, args.steps, args.texts, args.length, args.batch, args.precision,
@@ -261,6 +338,8 @@ def main(argv=None) -> int:
         return 0
     if args.start == "none" and not args.from_files:
         p.error("--start none needs --from-files")
+    if args.command and (not args.from_files or args.start == "none"):
+        p.error("--command needs --from-files and --start activations or weights")
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SHAPES]
     if unknown:
@@ -284,6 +363,7 @@ def main(argv=None) -> int:
                         shutil.rmtree(work, ignore_errors=True)
                     continue
             cmd += ["--from-files", "--work", str(work), "--positions", str(args.positions)]
+            cmd += (["--command"] if args.command else []) + (["--layers", args.layers] if args.layers else [])
         done = subprocess.run(cmd, capture_output=True, text=True)
         if work is not None and not args.work:
             shutil.rmtree(work, ignore_errors=True)

@@ -14,6 +14,7 @@ from ..merge.heads import HEAD_POLICIES
 from ..merge.registry import METHODS
 from ..pipeline.options import (DEFAULT_REFINE, JOINT_REFINE, LEARN_FRAMES, LEARN_PRECISIONS, MATCH_MODES, RECOMMENDED,
                                 RECOMMENDED_NAME, RESIDUAL_CHOICES, AlignOptions, LearnSettings, describe_symmetries)
+from ..pipeline.options import LEARN_STARTS  # --learn-start
 from ..progress import MODES as PROGRESS_MODES
 from ..option_ranges import MINIMA
 from .parse import concentration, distill_lr, distill_steps
@@ -338,6 +339,10 @@ OPTIONS = (
         help="--match learned: build and differentiate the interpolated model one layer at a time (gradient "
              "checkpointing per layer): the same objective and gradient in memory bounded by a few layers (LLM-size "
              "pairs; docs/results/learned_scale.md)"),
+    opt("learn_start", "--learn-start", on=ALIGNING, part=ALIGNMENT, choices=LEARN_STARTS, learn="start",
+        help=f"--match learned: the closed form learning starts from (default {L.start}: activation matching on "
+             "--align-data; weights: data-free weight matching, no activation statistics: LLM-size pairs with --stream, "
+             "docs/results/learned_scale.md)"),
     opt("learn_check_batches", "--learn-check-batches", on=ALIGNING, part=ALIGNMENT, parse=int,
         minimum=MINIMA["learn_check_batches"],
         metavar="N", learn="check_batches",

@@ -47,7 +47,7 @@ def _read(base, keys) -> dict:
 
 class LayerTensors(Mapping):
     """``base``'s tensors (a state dict, or a :class:`CheckpointTensors`) with ``elements`` applied to the
-    ``instances``' slots, floating ones as ``dtype`` on ``device``: one layer's at a time (see the module
+    ``instances``' slots, floating ones as ``dtype`` (None: as they are) on ``device``: one layer's at a time (see the module
     text), the last ``keep`` layers kept."""
 
     def __init__(self, base, keys, paths, instances=(), elements=None, dtype=torch.float32, device="cpu",
@@ -72,7 +72,7 @@ class LayerTensors(Mapping):
         sd = _read(self.base, self.groups[g])
         if self.moves[g]:
             sd = apply(sd, self.moves[g], self.elements)
-        out = {k: (v.detach().to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device))
+        out = {k: (v.detach().to(self.device, self.dtype or v.dtype) if v.is_floating_point() else v.to(self.device))
                for k, v in sd.items() if k in self.group_of}
         self.reads += 1
         self.cache[g] = out

@@ -65,6 +65,7 @@ def weightless(ckpt):
         model = cls(cfg).eval()
     if getattr(model.config, "use_cache", None):
         model.config.use_cache = False
+    model.name_or_path = str(ckpt.folder)  # its tokenizer's folder, as a loaded model's (alignment data)
     persistent = set(model.state_dict())
     loose = [n for n, _ in model.named_buffers() if n not in persistent]
     if loose:
@@ -133,6 +134,97 @@ def _logit_difference(skeleton, paths, a, b, batches) -> tuple[float, float]:
     return max_abs, (max_abs / scale if scale else max_abs)
 
 
+class CheckpointPair:
+    """Two checkpoint folders opened for learning layer by layer: their lazy checkpoints, the streamed
+    spec and its per-layer instances (``options`` resolved against them: 'recommended' keeps the symmetries
+    that stream), the weightless skeleton and its layer paths, and both models' tensors by in-memory name."""
+
+    def __init__(self, model, anchor, options):
+        from ..io.checkpoint import LazyCheckpoint
+        from .matchers import matcher
+        from .stream import layer_instances
+
+        if not matcher(options.match).learns:  # the learned matcher's settings, whatever its name
+            raise SymmergeError(f"learning from checkpoints runs a learned matcher (--match learned), not "
+                                f"{options.match!r}")
+        self.ckpt_a, self.ckpt_b = LazyCheckpoint(model), LazyCheckpoint(anchor)
+        if getattr(self.ckpt_a.hf_config, "is_encoder_decoder", False):  # two stacks, cross-attention between them
+            raise SymmergeError(f"{model}: learning from the files runs one stack of layers; an encoder-decoder "
+                                f"({self.ckpt_a.config.get('model_type')}) is learned in memory: leave out --stream")
+        if self.ckpt_a.shape != self.ckpt_b.shape:
+            raise SymmergeError(f"{model} and {anchor}: different tensor names or shapes")
+        self.spec, by_layer, self.options = layer_instances(self.ckpt_a, options.layers, options=options)
+        self.instances = [i for insts in by_layer.values() for i in insts]
+        self.skeleton = weightless(self.ckpt_a)
+        self.paths = paths_of(self.skeleton)
+        self.tensors_a, self.tensors_b = CheckpointTensors(self.ckpt_a), CheckpointTensors(self.ckpt_b)
+
+    def plain(self, tensors) -> LayerTensors:
+        """A model's tensors as they are, one layer at a time (float32)."""
+        return LayerTensors(tensors, list(tensors), self.paths)
+
+
+def _closed_form(pair: CheckpointPair, data, opts, progress, timings: dict) -> dict:
+    """The learned path's closed-form start, one layer at a time: activation matching over both checkpoints
+    (each layer's statistics freed once solved), or the data-free solve of each layer's groups on its weights."""
+    from .activations import LayerReplay, match_replayed
+    from .engine import solve_local
+    from .matchers import MATCHERS
+
+    plain_a, plain_b = pair.plain(pair.tensors_a), pair.plain(pair.tensors_b)
+    if MATCHERS[pair.options.learn.start].needs_data:
+        runners = [_Runner(pair.skeleton, pair.paths, t) for t in (plain_a, plain_b)]
+        replay = LayerReplay.of_forwards(runners, [r.layer for r in runners], pair.paths, data.batches,
+                                         progress is not None)
+        if replay is None:
+            raise SymmergeError(f"{pair.ckpt_a.folder}: its layers do not feed each other; learn in memory "
+                                "(align_pair)")
+        return match_replayed(pair.instances, pair.skeleton, replay, pair.paths,
+                              lambda path: (plain_a.group(path), plain_b.group(path)), opts, timings=timings)
+    start = {}
+    for path in pair.paths:
+        insts = [i for i in pair.instances if plain_a.group_of.get(i.slots[0].key) == path]
+        if insts:
+            start.update(solve_local(insts, plain_a.group(path), plain_b.group(path), opts))
+    return start
+
+
+def learn_pair(pair: CheckpointPair, data, progress=None, start: dict | None = None) -> tuple[dict, dict]:
+    """``(elements, report)``: the learned alignment of ``pair`` (its closed-form start, then the layer-wise
+    learned steps), every element checked valid; not yet verified on outputs (see :func:`learn_from_checkpoints`)."""
+    from .learn import _Learning, _learn_round
+    from .verify import verify_elements
+
+    t0 = time.perf_counter()
+    options = pair.options
+    opts = options.solver_options(None)
+    timings: dict = {}
+    given = "given" if start is not None else options.learn.start
+    start = dict(start) if start is not None else _closed_form(pair, data, opts, progress, timings)
+    report: dict = {"learned_from": "the checkpoints, layer by layer",
+                    "closed_form_seconds": time.perf_counter() - t0, "activation_seconds": timings}
+    settings = replace(options.learn, layerwise=True)
+    history = {"step": [], "train": []}
+    learning = _Learning(pair.instances, pair.skeleton, pair.skeleton, pair.tensors_a, pair.tensors_b, data, settings,
+                         opts, settings.steps, progress, None, time.perf_counter())
+    elements, info = _learn_round(learning, start, history)
+    report["learned"] = {"steps": info.get("steps", 0), "history": history, "parameters": info.get("parameters"),
+                         "held_out_start": info.get("held_out_start"), "held_out_best": info.get("held_out_best"),
+                         "seconds_by_stage": dict(info.get("seconds_by_stage", {})), "layerwise": True, "start": given,
+                         **{k: info[k] for k in ("stopped", "note") if k in info}}
+    verify_elements(pair.instances, elements)
+    return elements, report
+
+
+def verified(pair: CheckpointPair, moved, batches, tol) -> dict:
+    """The verification fields of A moved (``moved``: a mapping of its tensors, e.g. the written output read
+    back) against A, both run layer by layer on ``batches``; one clear error when they differ beyond ``tol``."""
+    max_abs, max_rel = _logit_difference(pair.skeleton, pair.paths, pair.plain(pair.tensors_a), moved, batches)
+    if not max_rel <= tol:
+        raise SymmergeError(f"aligned model is not equivalent: max relative output difference {max_rel:.3g} > {tol:.3g}")
+    return {"verify_max_abs_diff": max_abs, "verify_max_rel_diff": max_rel, "verify_tolerance": tol}
+
+
 def learn_from_checkpoints(model, anchor, data, options, progress=None, start: dict | None = None) -> tuple[dict, dict]:
     """``(elements, report)``: the learned alignment of the checkpoint folder ``model`` (A, moved) to
     ``anchor`` (B) on the unlabeled ``data`` (:class:`~symmerge.io.data.Data`), with neither model in memory
@@ -140,67 +232,17 @@ def learn_from_checkpoints(model, anchor, data, options, progress=None, start: d
     the learned steps run layer-wise whatever ``options.learn.layerwise`` says. The report: the start's and the
     learning's fields, the verification (``verify_max_rel_diff`` of the logits on the first batches, against
     ``options.verify_tol``, default 1e-4) and ``seconds``. ``start``: closed-form elements to learn from instead
-    of ``options.learn.start``'s (``{}``: the identity; benchmarks of the learned steps alone)."""
-    from ..io.checkpoint import LazyCheckpoint
-    from .activations import LayerReplay, match_replayed
-    from .engine import solve_local
-    from .learn import _Learning, _learn_round
-    from .matchers import MATCHERS, matcher
-    from .stream import _bound_malloc, layer_instances
-    from .verify import verify_elements
+    of ``options.learn.start``'s (``{}``: the identity; benchmarks of the learned steps alone). Writing the
+    aligned model: :func:`symmerge.pipeline.learn_layerwise_write.align_learned_streaming`."""
+    from .stream import _bound_malloc
 
     t0 = time.perf_counter()
     _bound_malloc(1 << 20)  # freed layer tensors go back to the OS (glibc), not into a heap that only grows
-    if not matcher(options.match).learns:  # the learned matcher's settings, whatever its name
-        raise SymmergeError(f"learning from checkpoints runs a learned matcher (--match learned), not "
-                            f"{options.match!r}")
-    ckpt_a, ckpt_b = LazyCheckpoint(model), LazyCheckpoint(anchor)
-    if ckpt_a.shape != ckpt_b.shape:
-        raise SymmergeError(f"{model} and {anchor}: different tensor names or shapes")
-    _, by_layer, options = layer_instances(ckpt_a, options.layers, options=options)
-    instances = [i for insts in by_layer.values() for i in insts]
-    opts = options.solver_options(None)
-    skeleton = weightless(ckpt_a)
-    paths = paths_of(skeleton)
-    tensors_a, tensors_b = CheckpointTensors(ckpt_a), CheckpointTensors(ckpt_b)
-    plain_a, plain_b = (LayerTensors(t, list(t), paths) for t in (tensors_a, tensors_b))
-    t_open = time.perf_counter()
-    report: dict = {"mode": "layer by layer from the checkpoints",
-                    "start": options.learn.start if start is None else "given"}
-    timings: dict = {}
-    if start is not None:
-        start = dict(start)
-    elif MATCHERS[options.learn.start].needs_data:  # the activation start: statistics and solve one layer at a time
-        runners = [_Runner(skeleton, paths, t) for t in (plain_a, plain_b)]
-        replay = LayerReplay.of_forwards(runners, [r.layer for r in runners], paths, data.batches,
-                                         progress is not None)
-        if replay is None:
-            raise SymmergeError(f"{model}: its layers do not feed each other; learn in memory (align_pair)")
-        start = match_replayed(instances, skeleton, replay, paths,
-                               lambda path: (plain_a.group(path), plain_b.group(path)), opts, timings=timings)
-        del replay, runners
-    else:  # data-free: each layer's groups solved exactly on its weights
-        start = {}
-        for path in paths:
-            insts = [i for i in instances if plain_a.group_of.get(i.slots[0].key) == path]
-            if insts:
-                start.update(solve_local(insts, plain_a.group(path), plain_b.group(path), opts))
-    report.update(open_seconds=t_open - t0, closed_form_seconds=time.perf_counter() - t_open)
-    settings = replace(options.learn, layerwise=True)
-    history = {"step": [], "train": []}
-    learning = _Learning(instances, skeleton, skeleton, tensors_a, tensors_b, data, settings, opts, settings.steps,
-                         progress, None, time.perf_counter())
-    elements, info = _learn_round(learning, start, history)
-    report.update(learned={"steps": info.get("steps", 0), "history": history, "parameters": info.get("parameters"),
-                           "held_out_start": info.get("held_out_start"), "held_out_best": info.get("held_out_best"),
-                           "seconds_by_stage": dict(info.get("seconds_by_stage", {})),
-                           **{k: info[k] for k in ("stopped", "note") if k in info}})
-    verify_elements(instances, elements)
+    pair = CheckpointPair(model, anchor, options)
+    open_seconds = time.perf_counter() - t0
+    elements, report = learn_pair(pair, data, progress, start)
     tol = 1e-4 if options.verify_tol is None else options.verify_tol
-    aligned = LayerTensors(tensors_a, list(tensors_a), paths, instances, elements)
-    max_abs, max_rel = _logit_difference(skeleton, paths, plain_a, aligned, list(data.batches)[:2])
-    if not max_rel <= tol:
-        raise SymmergeError(f"aligned model is not equivalent: max relative output difference {max_rel:.3g} > {tol:.3g}")
-    report.update(verify_max_abs_diff=max_abs, verify_max_rel_diff=max_rel, verify_tolerance=tol,
-                  activation_seconds=timings, seconds=time.perf_counter() - t0)
+    aligned = LayerTensors(pair.tensors_a, list(pair.tensors_a), pair.paths, pair.instances, elements)
+    report.update(verified(pair, aligned, list(data.batches)[:2], tol))
+    report.update(open_seconds=open_seconds, seconds=time.perf_counter() - t0)
     return elements, report

@@ -1,6 +1,7 @@
 """benchmarks/learned_scale.py --from-files (issue 42, item 6): a size saved as two safetensors folders and
 learned from them layer by layer, the steps counted, the alignment verified, the row's figures consistent; and
-the command line's refusal of ``--start none`` without ``--from-files``."""
+the command line's refusal of ``--start none`` without ``--from-files``; ``--command``: the size aligned by
+``symmerge align --match learned --stream``, written, verified and removed."""
 
 from __future__ import annotations
 
@@ -27,3 +28,20 @@ def test_start_none_needs_from_files(capsys):
     with pytest.raises(SystemExit):
         learned_scale.main(["--sizes", "tiny", "--start", "none"])
     assert "--from-files" in capsys.readouterr().err
+
+
+def test_one_size_by_the_command_is_measured_written_and_verified(tmp_path):
+    learned_scale.save("tiny", str(tmp_path), 16)
+    row = learned_scale.one_command("tiny", str(tmp_path), steps=2, texts=4, length=16, batch=2, precision="float32",
+                                    start="weights", positions=0)
+    assert row["command"] and row["steps"] == 2 and row["verify_max_rel_diff"] < 1e-5
+    assert row["written_gb"] * 1e9 == pytest.approx(row["parameters"] * 4, rel=0.01)  # the model, float32, written
+    assert row["write_verify_seconds"] > 0 and row["peak_rss_gb"] >= row["models_rss_gb"] > 0
+    assert not (tmp_path / "aligned").exists()  # the output removed after the measurement
+
+
+def test_command_needs_from_files_and_a_closed_form_start(capsys):
+    for argv in (["--command"], ["--command", "--from-files", "--start", "none"]):
+        with pytest.raises(SystemExit):
+            learned_scale.main(["--sizes", "tiny", *argv])
+        assert "--command needs" in capsys.readouterr().err
