@@ -274,9 +274,7 @@ def _sce_in_dtype(tensors, base, keep) -> torch.Tensor:
 def _sce_into(key, tensors, weights, base, params, context, out) -> bool:
     """SCE by the fused kernel (:func:`symmerge.merge.kernels_whole.sce_into`) into ``out``, or False (float16 and
     bfloat16: mergekit's arithmetic in that dtype, by the torch code)."""
-    from . import kernels
-
-    if not kernels.AVAILABLE or base.dtype in HALF:
+    if base.dtype in HALF:
         return False
     from .kernels_whole import sce_into
 
@@ -328,27 +326,11 @@ def _ram_tensor(key, tensors, weights, stats, base, params, context):
 
 def _ramplus_lambdas(key, tensors, base, weights, params, context):
     """RAM+'s per-tensor factors λ_i = 1 + r · clamp(ρ_i, 0, alpha) (a float64 tensor of shape (n, 1)), the counts
-    of active entries shared with other models and unique to model i taken chunk by chunk (exact integers)."""
-    from .base import CHUNK
-
-    from . import kernels
+    of active entries shared with other models and unique to model i counted by the kernel (exact integers)."""
+    from .kernels_whole import ram_counts
 
     eps = float(params["epsilon"])
-    n = len(tensors)
-    counted = None
-    if kernels.AVAILABLE:
-        from .kernels_whole import ram_counts
-
-        counted = ram_counts(tensors, base, eps)
-    if counted is not None:
-        shared_n, unique_n = (torch.from_numpy(c) for c in counted)
-    else:
-        shared_n, unique_n = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
-        flat, b = [t.reshape(-1) for t in tensors], base.reshape(-1)
-        for i in range(0, b.numel(), CHUNK):
-            _, _, active, count = _ram_parts([t[i:i + CHUNK] for t in flat], b[i:i + CHUNK], eps)
-            shared_n += (active & (count > 1)).sum(1)
-            unique_n += (active & (count == 1)).sum(1)
+    shared_n, unique_n = (torch.from_numpy(c) for c in ram_counts(tensors, base, eps))
     rho = shared_n.double() / unique_n.double().clamp(min=eps)
     return (1.0 + float(params["r"]) * rho.clamp(0.0, float(params["alpha"]))).reshape(-1, 1)
 
@@ -367,9 +349,7 @@ def _ramplus_tensor(key, tensors, weights, stats, base, params, context):
 
 def _ram_into(key, tensors, weights, base, params, context, out) -> bool:
     """RAM (``context`` None) or RAM+ (``context``: its factors) by the fused kernel into ``out``, or False."""
-    from . import kernels
-
-    if not kernels.AVAILABLE or (context is None and base.dtype in HALF):  # RAM in the half dtype: the torch code
+    if context is None and base.dtype in HALF:  # RAM in the half dtype: the torch code
         return False
     from .kernels_whole import ram_into
 
