@@ -141,6 +141,25 @@ def _elect32(arrays, masks, allk, start, size, ef, ew, tot):  # pragma: no cover
 _elect32_jit = _jit(_elect32)
 
 
+def _trim_row(xi, size, wi, th):  # pragma: no cover - compiled
+    """xi = v = τ · wi where float32(|v|) ≥ ``th``, else 0 (NaN kept); a function of its own, so that it vectorizes."""
+    for j in range(size):
+        v = xi[j] * wi
+        xi[j] = 0.0 if np.float32(abs(v)) < th else v
+
+
+def _dare_row(xi, size, wi, di, seed, cut, index):  # pragma: no cover - compiled
+    """xi = (τ · wi) / ``di`` where the uniform of entry ``index`` + j of the stream ``seed`` keeps it (its 53 bits ≥
+    ``cut``), else 0; a function of its own, so that it vectorizes."""
+    for j in range(size):
+        v = xi[j] * wi
+        xi[j] = v / di if _bits53_jit(seed, index + j) >= cut else 0.0
+
+
+_trim_row_jit = _jit(_trim_row)
+_dare_row_jit = _jit(_dare_row)
+
+
 def _weigh(x, masks, allk, factors, own, first, start, size):  # pragma: no cover - compiled
     """x_i of a block in place (τ_i on entry): ((τ_i masked) · mul_i / div_i) · w_i (every model kept whole where
     ``allk[i]``), or a weight-first rule of ``own`` = (kinds, thresholds, seeds, cuts) — kind 1 keeps v = τ_i · w_i
@@ -154,16 +173,9 @@ def _weigh(x, masks, allk, factors, own, first, start, size):  # pragma: no cove
         di = div[i]
         wi = w[i]
         if kinds[i] == 1:
-            th = thr[i]
-            for j in range(size):
-                v = xi[j] * wi
-                xi[j] = 0.0 if np.float32(abs(v)) < th else v
+            _trim_row_jit(xi, size, wi, thr[i])
         elif kinds[i] == 2:
-            sd = seeds[i]
-            ct = cuts[i]
-            for j in range(size):
-                v = xi[j] * wi
-                xi[j] = v / di if _bits53_jit(sd, first + start + j) >= ct else 0.0
+            _dare_row_jit(xi, size, wi, di, seeds[i], cuts[i], first + start)
         elif allk[i]:
             for j in range(size):
                 xi[j] = ((xi[j] * mi) / di) * wi
@@ -177,8 +189,51 @@ def _weigh(x, masks, allk, factors, own, first, start, size):  # pragma: no cove
 _weigh_jit = _jit(_weigh)
 
 
+def _own_combine(x, bb, size, consensus, normalize, wsum, scale, acc, kept, cnt):  # pragma: no cover - compiled
+    """acc[:size] = b + scale · combined, the model-outer loops that vectorize (each entry's sums in model order):
+    Σ x_i (``consensus`` 0; ``normalize`` 1: / ``wsum``, 2: / n) or, ``consensus`` 1, symmerge's disjoint mean
+    (γ = sign(Σ x_i), the non-zero x_i of sign γ averaged, 0 where none); ``kept``, ``cnt``: scratch."""
+    n = x.shape[0]
+    for j in range(size):
+        acc[j] = x[0, j]
+    for i in range(1, n):
+        xi = x[i]
+        for j in range(size):
+            acc[j] = acc[j] + xi[j]
+    if consensus == 0:
+        if normalize == 1:
+            for j in range(size):
+                acc[j] = np.float64(bb[j]) + scale * (acc[j] / wsum)
+        elif normalize == 2:
+            for j in range(size):
+                acc[j] = np.float64(bb[j]) + scale * (acc[j] / n)
+        else:
+            for j in range(size):
+                acc[j] = np.float64(bb[j]) + scale * acc[j]
+        return
+    for i in range(n):
+        xi = x[i]
+        for j in range(size):
+            v = xi[j]
+            s = acc[j]
+            a = ((v > 0.0) & (s > 0.0)) | ((v < 0.0) & (s < 0.0))
+            c = 1 if a else 0
+            term = v if a else 0.0
+            if i == 0:
+                cnt[j] = c
+                kept[j] = term
+            else:
+                cnt[j] = cnt[j] + c
+                kept[j] = kept[j] + term
+    for j in range(size):
+        acc[j] = np.float64(bb[j]) + scale * (kept[j] / cnt[j] if cnt[j] > 0 else 0.0)
+
+
+_own_combine_jit = _jit(_own_combine)
+
+
 def _combine(arrays, masks, allk, factors, consensus, normalize, wsum, scale, out_kind, out, acc, x, wide, e32,
-             elected, given, ef, ew, own, first):  # pragma: no cover - compiled
+             kept, cnt, elected, given, ef, ew, own, first):  # pragma: no cover - compiled
     """out = cast(b + scale · combined) block by block: x_i weighted as :func:`_weigh` does (``factors``, ``own``,
     ``first``: see there), combined = Σ x_i (``consensus`` 0; ``normalize`` 1: / ``wsum``, 2: / n) or
     mergekit's election (1: γ = + where Σ x_i ≥ 0, the agreeing x_i summed; ``normalize`` 1: divided by the
@@ -194,16 +249,8 @@ def _combine(arrays, masks, allk, factors, consensus, normalize, wsum, scale, ou
         if given == 2:
             _elect32_jit(arrays, masks, allk, start, size, ef, ew, e32)
         _weigh_jit(x, masks, allk, factors, own, first, start, size)
-        if consensus == 0:
-            for j in range(size):
-                s = x[0, j]
-                for i in range(1, n):
-                    s = s + x[i, j]
-                if normalize == 1:
-                    s = s / wsum
-                elif normalize == 2:
-                    s = s / n
-                acc[j] = np.float64(bb[j]) + scale * s
+        if consensus == 0 or normalize == 2:
+            _own_combine_jit(x[:n], bb, size, consensus, normalize, wsum, scale, acc, kept, cnt)
         else:
             for j in range(size):
                 if given == 2:
@@ -216,24 +263,14 @@ def _combine(arrays, masks, allk, factors, consensus, normalize, wsum, scale, ou
                         tot = tot + x[i, j]
                 ks = 0.0
                 dv = 0.0
-                cnt = 0
                 for i in range(n):
                     v = x[i, j]
-                    if normalize == 2:
-                        a = (v > 0.0 and tot > 0.0) or (v < 0.0 and tot < 0.0)
-                    else:
-                        a = (v > 0.0 and tot >= 0.0) or (v < 0.0 and tot < 0.0)
+                    a = (v > 0.0 and tot >= 0.0) or (v < 0.0 and tot < 0.0)
                     term = v if a else 0.0
                     ks = term if i == 0 else ks + term
                     wt = w[i] * (1.0 if a else 0.0)
                     dv = wt if i == 0 else dv + wt
-                    cnt += 1 if a else 0
-                if normalize == 1:
-                    s = ks / (1.0 if dv == 0.0 else dv)
-                elif normalize == 2:
-                    s = ks / cnt if cnt > 0 else 0.0
-                else:
-                    s = ks
+                s = ks / (1.0 if dv == 0.0 else dv) if normalize == 1 else ks
                 acc[j] = np.float64(bb[j]) + scale * s
         _store_jit(acc, size, out_kind, out[start:start + size], wide)
 
@@ -339,13 +376,20 @@ def _via_cpu(run, tensors, base, out) -> bool:
 
 
 _WEIGHT_FIRST = {"weighted": 1, "weighted_dare": 2}  # the rules of symmerge's own variants: kinds of :func:`_combine`
+_HALVES = ("torch.bfloat16", "torch.float16")
+_WIDEN = 1 << 16  # entries of half-precision inputs widened to float32 at once
 
 
 def _task_vector_run(tensors, base, weights, rules, rescales, consensus: str, normalize, scale: float, out) -> bool:
     """:func:`task_vector_into` on CPU tensors into a contiguous ``out`` the kernels write."""
     n = len(tensors)
-    *arrays, b = _arrays([*tensors, base])
-    m = b.shape[0]
+    m = base.numel()
+    # half-precision inputs under weight-first rules only (no mask to compute): widened a chunk at a time, no
+    # whole-tensor float32 copies
+    chunked = str(base.dtype) in _HALVES and all(t.dtype == base.dtype for t in tensors) and all(
+        r[0] in ("all", *_WEIGHT_FIRST) for r in rules)
+    flat = [t.reshape(-1) for t in (*tensors, base)]
+    *arrays, b = [None] * (n + 1) if chunked else _arrays([*tensors, base])
     kind = _OUT_KIND[str(out.dtype).split(".")[1]]
     target = _target(out)
     masks, allk, sums, own = _masks(arrays, b, base, rules, rescales, target if kind == 1 else None)
@@ -361,9 +405,13 @@ def _task_vector_run(tensors, base, weights, rules, rescales, consensus: str, no
     elected, ef, ew = _election(tensors, base, weights, rescales, masks, allk, given)
 
     def run(lo, hi):
-        _combine_jit(tuple(a[lo:hi] for a in arrays) + (b[lo:hi],), masks[:, lo:hi], allk, (mul, div, w), cons, norm,
-                     wsum, float(scale), kind, target[lo:hi], *_combine_buffers(n), elected[lo:hi] if given == 1
-                     else elected, given, ef, ew, own, lo)
+        buffers = _combine_buffers(n)
+        for c in range(lo, hi, _WIDEN if chunked else max(1, hi - lo)):
+            d = min(hi, c + (_WIDEN if chunked else hi - lo))
+            parts = (tuple(f[c:d].float().numpy() for f in flat) if chunked
+                     else tuple(a[c:d] for a in arrays) + (b[c:d],))
+            _combine_jit(parts, masks[:, c:d], allk, (mul, div, w), cons, norm, wsum, float(scale), kind, target[c:d],
+                         *buffers, elected[c:d] if given == 1 else elected, given, ef, ew, own, c)
 
     _split(run, m)
     return True
@@ -374,7 +422,7 @@ def _masks(arrays, b, base, rules, rescales, scratch):
     whole, the L1 norms (Σ|τ|, Σ|kept τ|) of the rescaled ones, and the weight-first rules' arrays (kinds,
     thresholds, seeds, cuts: :func:`_combine`); the costly masks computed on the merge pool. ``scratch``: float32
     memory of the entries' size for a selection (the output's, written only after every mask), or None."""
-    n, m = len(arrays), b.shape[0]
+    n, m = len(arrays), base.numel()
     cols = m if base.dim() < 2 else int(base.shape[1]) if base.dim() == 2 else m
     masks = np.empty((n, m), dtype=np.bool_)
     sums, allk = np.zeros((n, 2), dtype=np.float64), np.zeros(n, dtype=np.bool_)
@@ -478,9 +526,10 @@ def _target(out):
 
 def _combine_buffers(n: int):
     """Fresh per-call buffers of a combining pass: the block's float64 results, the models' block values, the
-    store's uint32 scratch."""
+    store's uint32 scratch, the election's float32 sums, the disjoint mean's float64 sums and int64 counts."""
     return (np.empty(_COMBINE_BLOCK, dtype=np.float64), np.empty((n, _COMBINE_BLOCK), dtype=np.float64),
-            np.empty(_COMBINE_BLOCK, dtype=np.uint32), np.empty(_COMBINE_BLOCK, dtype=np.float32))
+            np.empty(_COMBINE_BLOCK, dtype=np.uint32), np.empty(_COMBINE_BLOCK, dtype=np.float32),
+            np.empty(_COMBINE_BLOCK, dtype=np.float64), np.empty(_COMBINE_BLOCK, dtype=np.int64))
 
 
 def _split(run, m: int) -> None:

@@ -43,7 +43,7 @@ import torch
 
 from ..errors import SymmergeError
 from . import kernels
-from .base import Method, boolean, choice, integer, per_model_values, real, weighted_sum
+from .base import CHUNK, Method, boolean, choice, integer, per_model_values, real, weighted_sum
 from .in_dtype import HALF, combine_in_dtype, mergekit_election
 from .sort_order import window_mask
 
@@ -620,9 +620,14 @@ def _task_vector_tensor(sparsifier: str, consensus: str, key, tensors, weights, 
     if _whole_into(sparsifier, consensus, key, tensors, weights, base, params, context, out):
         return out.to(device)
     if sparsifier == "none" and params["normalize"] != "count":
-        # task arithmetic in float16/bfloat16: mergekit's own rounding, elementwise
-        return combine_in_dtype(tensors, base, [None] * len(tensors), weights, consensus, params["normalize"],
-                                float(params["scale"]), False).to(device)
+        # task arithmetic in float16/bfloat16: mergekit's own rounding, elementwise (chunks give the same bits and
+        # cache-sized temporaries)
+        flat, b = [t.reshape(-1) for t in tensors], base.reshape(-1)
+        for i in range(0, b.numel(), CHUNK):
+            out.view(-1)[i:i + CHUNK] = combine_in_dtype([t[i:i + CHUNK] for t in flat], b[i:i + CHUNK],
+                                                         [None] * len(flat), weights, consensus, params["normalize"],
+                                                         float(params["scale"]), False)
+        return out.to(device)
     return _whole_task_vector_tensor(sparsifier, consensus, key, tensors, weights, base, params, context).to(device)
 
 
