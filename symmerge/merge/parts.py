@@ -241,7 +241,7 @@ def _read_ahead(keys, fetch):
 
 
 def _scalar(value):
-    """One value of a parameter that may be per model (the first: the chunked paths run only where all agree)."""
+    """One value of a parameter that may be per model (the first: symmerge's own variants run only where all agree)."""
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
@@ -363,8 +363,9 @@ CONSENSUS = ("sum", "ties")
 #
 # mergekit's task-vector methods sparsify each task vector τ_i = θ_i − θ_base of one tensor on its own (its
 # per-model density), multiply it by its weight, elect signs, and divide by the agreeing weights when
-# ``normalize`` is true. These parts compute that on whole tensors in float64; the chunked parts above stay
-# symmerge's defaults (model-wide threshold, 1/(1 − p) rescale, disjoint mean), bit for bit.
+# ``normalize`` is true. The torch parts below are the implementation in float16/bfloat16 (mergekit's arithmetic in
+# that dtype) and the tests' oracle in float64; every other case runs in the one kernel (``_whole_into``), symmerge's
+# own variants (model-wide threshold, 1/(1 − p) rescale, disjoint mean: weight first) included.
 
 
 def topk_window(n: int, density: float) -> tuple[int, int]:
