@@ -80,7 +80,7 @@ KERNEL_ROWS = {  # in-process rows of --kernel: (method, parameters)
 }
 
 
-def child_kernel(dtype: str, repeats: str) -> None:
+def child_kernel(dtype: str, repeats: str, rows: str = "") -> None:
     """Print, as JSON, each :data:`KERNEL_ROWS` row's fastest CPU and wall seconds over ``repeats`` in-process merges
     of three 4096 × 4096 tensors (the symmerge first on the path; compiled on a slice first) and a checksum."""
     import torch
@@ -93,6 +93,8 @@ def child_kernel(dtype: str, repeats: str) -> None:
     base = base.to(getattr(torch, dtype))
     out = {}
     for label, (method, params) in KERNEL_ROWS.items():
+        if rows and label not in rows.split(","):
+            continue
         m = get_method(method)
         m.merge([{"w": x[:64]} for x in models], base={"w": base[:64]}, weights=[1 / 3] * 3, **params)
         cpu = wall = float("inf")
@@ -104,14 +106,14 @@ def child_kernel(dtype: str, repeats: str) -> None:
     print(json.dumps(out))
 
 
-def kernel_rows(trees: dict, dtype, repeats: int) -> dict:
+def kernel_rows(trees: dict, dtype, repeats: int, rows: str = "") -> dict:
     """:func:`child_kernel` in each tree (alternating twice), the fastest of both rounds per row."""
     got: dict = {}
     for r in range(2):
         for tool in (list(trees) if r == 0 else list(trees)[::-1]):
             tenv, cwd = trees[tool]
             run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "kernel", dtype or "float32",
-                                  str(repeats)], capture_output=True, text=True, env=tenv, cwd=cwd, check=True)
+                                  str(repeats), rows], capture_output=True, text=True, env=tenv, cwd=cwd, check=True)
             for label, row in json.loads(run.stdout.strip().splitlines()[-1]).items():
                 have = got.setdefault(label, {}).setdefault(tool, row)
                 have.update({k: min(have[k], row[k]) for k in ("cpu_s", "wall_s")})
@@ -142,7 +144,8 @@ def main(argv=None) -> int:
     env = python_env()
     if args.kernel:
         trees = {"after": (env, None), "before": (before_env(env, args.before), args.before)}
-        figures = {"kernel": kernel_rows(trees, args.dtype, 5), "dtype": args.dtype, "load_average": os.getloadavg()}
+        figures = {"kernel": kernel_rows(trees, args.dtype, 5, args.methods or ""), "dtype": args.dtype,
+                   "load_average": os.getloadavg()}
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2, default=str) + "\n")
         return 0

@@ -32,7 +32,8 @@ import threading
 import numpy as np
 
 from . import kernels
-from .kernels import _BLOCK, _OUT_KIND, _bits53_jit, _histogram_jit, _jit, _merge_pool, _store_jit
+from .kernels import (_BLOCK, _OUT_KIND, _bits53_jit, _flat_bits, _histogram_jit, _jit, _merge_pool, _store_jit,
+                      _widen_jit)
 from .sort_order import window_mask_into
 
 _HALF = 1 << 16
@@ -404,12 +405,20 @@ def _task_vector_run(tensors, base, weights, rules, rescales, consensus: str, no
     given = 0 if cons == 0 or norm == 2 else 2 if b.dtype == np.float32 else 1
     elected, ef, ew = _election(tensors, base, weights, rescales, masks, allk, given)
 
+    bits = [_flat_bits(f) for f in flat] if chunked and str(base.dtype) == "torch.bfloat16" else None
+
     def run(lo, hi):
         buffers = _combine_buffers(n)
+        wide = np.empty((n + 1, _WIDEN), dtype=np.float32) if chunked else None
         for c in range(lo, hi, _WIDEN if chunked else max(1, hi - lo)):
             d = min(hi, c + (_WIDEN if chunked else hi - lo))
-            parts = (tuple(f[c:d].float().numpy() for f in flat) if chunked
-                     else tuple(a[c:d] for a in arrays) + (b[c:d],))
+            if bits is not None:  # bfloat16: its bit patterns widened exactly into one reused float32 buffer
+                for i, a in enumerate(bits):
+                    _widen_jit(a[c:d], wide[i, :d - c].view(np.uint32))
+                parts = tuple(wide[i, :d - c] for i in range(n + 1))
+            else:
+                parts = (tuple(f[c:d].float().numpy() for f in flat) if chunked
+                         else tuple(a[c:d] for a in arrays) + (b[c:d],))
             _combine_jit(parts, masks[:, c:d], allk, (mul, div, w), cons, norm, wsum, float(scale), kind, target[c:d],
                          *buffers, elected[c:d] if given == 1 else elected, given, ef, ew, own, c)
 
