@@ -24,7 +24,7 @@ parent, CPU time (user + system) and peak RSS from ``wait4`` of that child:
   ``iflag=direct``; evicted before and after each), then the merge runs: wall, CPU, peak RSS, and its
   read rate (input bytes / wall) as a fraction of the faster ``dd``'s.
 
-The fused kernels (numba, when installed) are compiled once before any timed run (``--child warm``).
+The fused kernels (numba) are compiled once before any timed run (``--child warm``).
 ``--only-ties``: only the three-model TIES / DARE-TIES / average runs.
 
 mergekit comes from its own venv (``--mergekit``, default ``/tmp/symmerge-mergekit/bin/mergekit-yaml``, as
@@ -323,26 +323,22 @@ def child_warm() -> None:
     import torch
 
     from symmerge.merge import kernels
+    from symmerge.merge.kernels_whole import task_vector_into
 
-    if not kernels.AVAILABLE:
-        return
     import numpy as np
 
     for dtype in (torch.float32, torch.bfloat16):
         for n in (2, 3):
             ts, b = [torch.randn(64).to(dtype) for _ in range(n)], torch.randn(64).to(dtype)
-            kernels.ties_chunk(ts, b, [1.0] * n, thresholds=[0.5] * n)
-            kernels.ties_chunk(ts, b, [1.0] * n, seeds=[1] * n, drop=0.5)
-            kernels.ties_into(ts, b, [1.0] * n, torch.empty(64, dtype=dtype), thresholds=[0.5] * n)
-            kernels.ties_into(ts, b, [1.0] * n, torch.empty(64, dtype=dtype), seeds=[1] * n, drop=0.5)
+            for rule in (("weighted", 0.5), ("weighted_dare", 1, 0.5)):  # symmerge's own variants
+                task_vector_into(ts, b, [1.0] * n, [rule] * n, [None] * n, "ties", "count", 1.0,
+                                 torch.empty(64, dtype=dtype))
             kernels.sq_distances(ts, b)
             kernels.magnitude_sample(ts, b, [1.0] * n, 0, 16, 4)
             kernels.magnitude_windows(ts, b, [1.0] * n, [0] * n, [0x7FFFFFFF] * n, np.zeros((1, n), dtype=np.int64),
                                       np.zeros((1, n), dtype=np.int64), [[np.empty(64, dtype=np.int32)] * n])
         kernels.magnitude_histogram(ts[0], b, 1.0, np.zeros(1 << 16, dtype=np.int64))
         kernels.magnitude_histogram(ts[0], b, 1.0, np.zeros(1 << 16, dtype=np.int64), 5)
-    from symmerge.merge.kernels_whole import task_vector_into
-
     for n in (2, 3):  # mergekit's whole-tensor rules, ties at their cuts (the window selection) and the election
         b = torch.zeros(64)
         ts = [b + torch.tensor([0.5, -0.25]).repeat(32) for _ in range(n)]

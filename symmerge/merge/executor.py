@@ -393,9 +393,9 @@ class _Pass:
         self.failures: list = []
         # one read per model at once: a deeper I/O queue
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(ex.ckpts)))
-        # the distances run where there is time: in the merging thread when the fused kernels make the merge
-        # cheap (the writer's O_DIRECT writes then set the pace), else in the writer thread beside the merge
-        self.distances_in_writer = not kernels.AVAILABLE
+        # the distances run in the merging thread: the kernels make the merge cheap (the writer's O_DIRECT writes
+        # set the pace)
+        self.distances_in_writer = False
 
     def execute(self, target) -> None:
         """Every step read, merged and handed to ``target``; on any failure the threads are stopped, the target
@@ -449,7 +449,7 @@ class _Pass:
         not finite is a result that is not (the inputs were checked when read): refused before it is written."""
         t1 = time.perf_counter()
         n, st = len(inputs), self.ex.steps[idx]
-        fused = kernels.sq_distances(inputs, tensor) if kernels.AVAILABLE else None
+        fused = kernels.sq_distances(inputs, tensor)
         to_result = [fused[1][i] if fused else _sq(tensor, inputs[i]) for i in range(n)]
         if not all(math.isfinite(d) for d in to_result):
             refuse_non_finite(st.name, tensor, self.ex.method, st.params, st.weights)

@@ -1,21 +1,18 @@
-"""Fused kernels for the task-vector methods' hot loops (optional: numba, ``pip install 'symmerge[fast]'``).
+"""Fused kernels for the merge methods' hot loops (numba, a required dependency).
 
-The torch code in :mod:`symmerge.merge.parts` is the definition; these loops compute the same values,
-bit for bit, in one pass over the entries instead of some forty tensor operations (each reading and
-writing float64 temporaries):
+* :func:`magnitude_histogram` / :func:`magnitude_histograms`: the radix select's histograms of
+  float32(|(θ_i − θ_base) · w_i|), the task vector formed in float64; :func:`magnitude_sample` and
+  :func:`magnitude_windows` the one-visit variant of the model-wide threshold
+  (:func:`symmerge.merge.parts.task_vector_thresholds`);
+* :func:`_bits53`: the uniforms of :func:`symmerge.merge.parts.dare_uniforms` computed in a loop;
+* :func:`average_into`: the weighted average cast into its dtype in one pass;
+* :func:`sq_distances`: the report's distances.
 
-* :func:`magnitude_histogram`: the radix select's histograms of float32(|(θ_i − θ_base) · w_i|), the
-  task vector formed in float64 as the torch code forms it;
-* :func:`ties_chunk` (a chunk, float64 result) and :func:`ties_into` (a whole tensor, block by block,
-  cast into the output's dtype): trim (float32 magnitude against the model's threshold), or DARE's drop
-  and rescale with the uniforms of :func:`symmerge.merge.parts.dare_uniforms` computed in the loop,
-  then sign election and disjoint mean, in float64, the sums taken in model order as
-  ``torch.sum(dim=0)`` takes them.
-
-Without numba (or with ``SYMMERGE_NO_NUMBA=1``) :data:`AVAILABLE` is False and the torch code runs.
-``tests/merge/test_merge_kernels.py`` compares both on adversarial values. Kernels are compiled on first use
-and cached on disk by numba (``cache=True``); they release the GIL, so the streamed merge's reader and
-writer threads run beside them.
+Every task-vector rule (TIES, DARE, DELLA, breadcrumbs, task arithmetic, symmerge's model-wide variants) is
+one kernel, :func:`symmerge.merge.kernels_whole.task_vector_into`. The slower torch definitions they are
+checked against live in the tests (``tests/merge/reference_rules.py``). Kernels are compiled on first use and
+cached on disk by numba (``cache=True``); they release the GIL, so the streamed merge's reader and writer
+threads run beside them.
 """
 
 from __future__ import annotations
@@ -23,23 +20,14 @@ from __future__ import annotations
 import os
 import threading
 
+import numba
 import numpy as np
-
-try:  # pragma: no cover - depends on the environment
-    if os.environ.get("SYMMERGE_NO_NUMBA"):
-        raise ImportError("SYMMERGE_NO_NUMBA is set")
-    import numba
-
-    AVAILABLE = True
-except ImportError:  # pragma: no cover
-    numba = None
-    AVAILABLE = False
 
 _BLOCK = 4096  # entries converted to float32 at once before their bits are counted
 
 
 def _jit(f):
-    return numba.njit(cache=True, nogil=True)(f) if AVAILABLE else None
+    return numba.njit(cache=True, nogil=True)(f)
 
 
 def _histogram(t, b, w, high_bin, hist, scratch):  # pragma: no cover - compiled
@@ -130,88 +118,6 @@ def _bits53(seed, index):  # pragma: no cover - compiled
     z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
     z = z ^ (z >> np.uint64(31))
     return z >> np.uint64(11)
-
-
-def _dare_row(t, bb, wi, seed, index, cut_bits, rescale, xi):  # pragma: no cover - compiled
-    """xi = (t − bb)·wi / rescale where the entry's uniform (entries ``index`` + j) keeps it, else 0 (a
-    function of its own: inlined in :func:`_ties`' loop it does not vectorize)."""
-    for j in range(t.shape[0]):
-        v = (np.float64(t[j]) - np.float64(bb[j])) * wi
-        xi[j] = v / rescale if _bits53_jit(seed, index + j) >= cut_bits else 0.0
-
-
-def _trim_row(t, bb, wi, cut, xi):  # pragma: no cover - compiled
-    """xi = (t − bb)·wi where its magnitude, compared in float32, is at least ``cut``, else 0 (NaN
-    magnitudes are kept, as ``<`` is False for them)."""
-    for j in range(t.shape[0]):
-        v = (np.float64(t[j]) - np.float64(bb[j])) * wi
-        xi[j] = 0.0 if np.float32(abs(v)) < cut else v
-
-
-def _ties(src, at, b, bat, m, w, thr, seeds, index, drop, scale, out, scratch, counts):  # pragma: no cover
-    """out[j] = b + scale · disjoint_mean_i(sparsified (t_i − b)·w_i) for j < m, in float64 (see the module
-    doc); the models' entries are ``src[i][at + j]`` (a tuple of arrays, or the rows of a block buffer),
-    the base's ``b[bat + j]``; DARE's uniforms are those of entries ``index + j`` of the tensor.
-    Every loop runs over the entries with the loop-invariant choices hoisted out and no short-circuit
-    branches (so it vectorizes); the per-entry arithmetic and its order are those of the torch code.
-    ``scratch`` (float64, at least (n + 2)·m) and ``counts`` (int64, at least m): reused memory."""
-    n = len(w)
-    x = scratch[:n * m].reshape((n, m))
-    total = scratch[n * m:(n + 1) * m]
-    kept = scratch[(n + 1) * m:(n + 2) * m]
-    agree = counts[:m]
-    agree[:] = 0
-    rescale = 1.0 - drop
-    cut_bits = np.uint64(np.ceil(drop * 9007199254740992.0))  # U >= drop, as k >= ceil(drop * 2^53)
-    bb = b[bat:bat + m]  # slices indexed from 0: no negative-index wraparound per access, the loops vectorize
-    for i in range(n):  # one model at a time: the sparsified task vector and the running sum
-        t = src[i][at:at + m]
-        wi = w[i]
-        cut = thr[i]
-        seed = seeds[i]
-        xi = x[i]
-        if drop > 0.0:  # DARE: keep where U[0, 1) >= drop, rescaled
-            _dare_row_jit(t, bb, wi, seed, index, cut_bits, rescale, xi)
-        else:
-            _trim_row_jit(t, bb, wi, cut, xi)
-        if i == 0:
-            for j in range(m):
-                total[j] = xi[j]
-        else:
-            for j in range(m):
-                total[j] = total[j] + xi[j]
-    for i in range(n):  # elect the sign, sum the agreeing entries (model order, as torch.sum(dim=0))
-        xi = x[i]
-        for j in range(m):
-            v = xi[j]
-            sj = total[j]
-            a = ((v > 0.0) & (sj > 0.0)) | ((v < 0.0) & (sj < 0.0))
-            agree[j] += 1 if a else 0
-            term = v if a else 0.0
-            kept[j] = term if i == 0 else kept[j] + term
-    for j in range(m):
-        mean = kept[j] / agree[j] if agree[j] > 0 else 0.0
-        out[j] = np.float64(bb[j]) + scale * mean
-
-
-def _ties_into(arrays, half, w, thr, seeds, first, drop, scale, out_kind, out, block, wide, acc, scratch, counts):
-    """:func:`_ties` over a whole tensor, block by block, each block's float64 result cast into ``out`` as
-    :func:`_store` casts (``arrays``: the models' flat entries, then the base's, from entry ``first`` of
-    the tensor on (DARE's uniforms are indexed from there); ``half``: bfloat16 bit patterns, widened
-    exactly into ``block``, a float32 (n + 1, B) buffer whose uint32 view is ``wide``)."""
-    n = len(w)
-    m = arrays[0].shape[0]
-    size_b = acc.shape[0]
-    for start in range(0, m, size_b):
-        size = min(m, start + size_b) - start
-        if half:
-            for i in range(n + 1):
-                _widen_jit(arrays[i][start:start + size], wide[i, :size])
-            _ties_jit(block, 0, block[n], 0, size, w, thr, seeds, first + start, drop, scale, acc, scratch, counts)
-        else:
-            _ties_jit(arrays, start, arrays[n], start, size, w, thr, seeds, first + start, drop, scale, acc, scratch,
-                      counts)
-        _store_jit(acc, size, out_kind, out[start:start + size], wide[n])
 
 
 def _sq_diff(a, b):  # pragma: no cover - compiled
@@ -332,19 +238,15 @@ _histogram_jit = _jit(_histogram)
 _sample_jit = _jit(_sample)
 _windows_jit = _jit(_windows)
 _bits53_jit = _jit(_bits53)
-_dare_row_jit = _jit(_dare_row)
-_trim_row_jit = _jit(_trim_row)
-_ties_jit = _jit(_ties)
 # the report's distances need no fixed summation order: reassociated (vectorized) sums
-_sq_diff_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_diff) if AVAILABLE else None
-_sq_three_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_three) if AVAILABLE else None
+_sq_diff_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_diff)
+_sq_three_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_three)
 _widen_jit = _jit(_widen)
 _store_jit = _jit(_store)
-_ties_into_jit = _jit(_ties_into)
-_sq_sums_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_sums) if AVAILABLE else None
+_sq_sums_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_sums)
 # 'contract' only: a·w + s may become one fused multiply-add, as torch's vectorized add computes it
-_scale_add_jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})(_scale_add) if AVAILABLE else None
-_average_jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})(_average) if AVAILABLE else None
+_scale_add_jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})(_scale_add)
+_average_jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})(_average)
 _AVERAGE_BLOCK = 4096
 _average_checked: dict = {}  # dtype -> the kernel gave torch's bits on this machine (checked once per dtype)
 
@@ -362,9 +264,9 @@ def _flat_bits(t):
 
 
 def _fits(tensors, out) -> bool:
-    """Whether a whole-tensor kernel applies: numba present, ``out`` float32, float64 or bfloat16 and
+    """Whether a whole-tensor kernel applies: ``out`` float32, float64 or bfloat16 and
     contiguous, every input a contiguous CPU tensor of ``out``'s dtype and shape."""
-    if not AVAILABLE or str(out.dtype).split(".")[1] not in _OUT_KIND or not out.is_contiguous():
+    if str(out.dtype).split(".")[1] not in _OUT_KIND or not out.is_contiguous():
         return False
     return not any(t.dtype != out.dtype or t.device.type != "cpu" or not t.is_contiguous() or t.shape != out.shape
                    for t in tensors)
@@ -401,7 +303,7 @@ def _average_agrees(dtype=None) -> bool:
 
 def average_into(tensors, weights, out) -> bool:
     """``out`` ← Σ w_i t_i cast to ``out``'s dtype, the bits of ``weighted_sum(tensors, weights).to(dtype)``,
-    in one pass; False (nothing written) where it does not apply: numba missing, mixed or other dtypes,
+    in one pass; False (nothing written) where it does not apply: mixed or other dtypes,
     non-CPU or non-contiguous tensors, or a machine where the kernel's rounding differs from torch's."""
     if not _fits(tensors, out) or not _average_agrees(out.dtype):
         return False
@@ -410,10 +312,11 @@ def average_into(tensors, weights, out) -> bool:
 
 
 def _np(t):
-    """A 1-D numpy view of a CPU tensor (float32/float64 as they are; half precisions widened, exactly)."""
+    """A 1-D numpy view of a tensor (float32/float64 as they are; half precisions widened, exactly; a tensor on
+    another device copied to the CPU first: the kernels run there)."""
     import torch
 
-    t = t.reshape(-1)
+    t = t.reshape(-1).cpu()
     if t.dtype not in (torch.float32, torch.float64):
         t = t.float()
     return t.contiguous().numpy()
@@ -502,65 +405,6 @@ def workers() -> int:
     return max(1, min(4, cores))
 
 
-def _seeds(seeds, n: int):
-    return np.array([0] * n if seeds is None else seeds, dtype=np.uint64)
-
-
-def ties_chunk(tensors, base, weights, thresholds=None, seeds=None, index: int = 0, drop: float = 0.0,
-               scale: float = 1.0):
-    """θ_base + scale · disjoint mean of the sparsified weighted task vectors, as a float64 tensor:
-    magnitude-trimmed by ``thresholds`` (float32 values, one per model; ``None``: no trim), or, with
-    ``drop`` > 0, DARE-dropped where the uniforms of the models' ``seeds`` (see
-    :func:`symmerge.merge.parts.dare_uniforms`) at entries ``index``, ``index`` + 1, … are below ``drop``."""
-    import torch
-
-    n = len(tensors)
-    out = torch.empty(base.shape, dtype=torch.float64)
-    wide = any(t.dtype == torch.float64 for t in tensors)  # one dtype for all models (exact widening)
-    ts = tuple(_np(t.double() if wide else t) for t in tensors)
-    thr = np.array([-1.0] * n if thresholds is None else thresholds, dtype=np.float32)
-    m = out.numel()
-    scratch, counts = _scratch((n + 2) * m, m)
-    _ties_jit(ts, 0, _np(base), 0, m, np.array(weights, dtype=np.float64), thr, _seeds(seeds, n), int(index),
-              float(drop), float(scale), out.reshape(-1).numpy(), scratch, counts)
-    return out
-
-
-_TIES_BLOCK = 8192
-
-
-def ties_into(tensors, base, weights, out, thresholds=None, seeds=None, drop: float = 0.0,
-              scale: float = 1.0) -> bool:
-    """``out`` ← :func:`ties_chunk` of the whole tensors cast to ``out``'s dtype (the bits of the chunks'
-    float64 results copied into ``out``), in one pass without float64 temporaries; False (nothing
-    written) where it does not apply: numba missing, inputs of mixed dtypes or other than float32,
-    bfloat16 and float64, ``out`` of another dtype, non-CPU or non-contiguous tensors."""
-    import torch
-
-    if not _fits((*tensors, base), out):
-        return False
-    n = len(tensors)
-    thr = np.array([-1.0] * n if thresholds is None else thresholds, dtype=np.float32)
-    arrays, target = tuple(_flat_bits(t) for t in (*tensors, base)), _flat_bits(out)
-    args = (out.dtype == torch.bfloat16, np.array(weights, dtype=np.float64), thr, _seeds(seeds, n))
-    kind = _OUT_KIND[str(out.dtype).split(".")[1]]
-    m = target.shape[0]
-    parts = workers() if m >= _SPLIT_MERGE else 1
-    step = -(-m // parts)
-
-    def run(p):  # entries [lo, hi) of every tensor, into out[lo:hi]: independent of the other parts
-        lo, hi = p * step, min(m, (p + 1) * step)
-        _ties_into_jit(tuple(a[lo:hi] for a in arrays), *args, lo, float(drop), float(scale), kind, target[lo:hi],
-                       *_block_buffers(n))
-
-    if parts == 1:
-        run(0)
-    else:
-        list(_merge_pool().map(run, range(parts)))
-    return True
-
-
-_SPLIT_MERGE = 1 << 18  # entries from which a tensor's TIES / DARE-TIES merge is split over the workers
 _pools: dict = {}
 
 
@@ -575,35 +419,6 @@ def _merge_pool():
 
 
 _pool_lock = threading.Lock()
-
-
-def _block_buffers(n: int):
-    """Per-thread reused buffers of :func:`_ties_into`: the widened block (float32, (n + 1) × B) and its
-    uint32 view, the block's float64 results, the kernel's scratch and counts."""
-    key = ("ties_into", n)
-    have = getattr(_local, "blocks", {}).get(key)
-    if have is None:
-        block = np.empty((n + 1, _TIES_BLOCK), dtype=np.float32)
-        have = (block, block.view(np.uint32), np.empty(_TIES_BLOCK, dtype=np.float64),
-                np.empty((n + 2) * _TIES_BLOCK, dtype=np.float64), np.empty(_TIES_BLOCK, dtype=np.int64))
-        if not hasattr(_local, "blocks"):
-            _local.blocks = {}
-        _local.blocks[key] = have
-    return have
-
-
-_local = threading.local()
-
-
-def _scratch(floats: int, ints: int):
-    """Per-thread reused float64 and int64 buffers of at least these sizes (fresh ones per call cost page
-    faults: more than the kernel's arithmetic on a 32 768-entry chunk)."""
-    have = getattr(_local, "buffers", None)
-    if have is None or have[0].shape[0] < floats or have[1].shape[0] < ints:
-        have = (np.empty(max(floats, 1), dtype=np.float64), np.empty(max(ints, 1), dtype=np.int64))
-        if floats <= (1 << 22):  # keep chunk-sized buffers, not whole-tensor ones
-            _local.buffers = have
-    return have
 
 
 def sq_distances(inputs, result):

@@ -1,29 +1,28 @@
-"""Fused kernels for mergekit's per-tensor rules (numba; optional as :mod:`symmerge.merge.kernels`).
+"""The one kernel of every task-vector rule (numba): :func:`task_vector_into`; SCE (:func:`sce_into`) and RAM /
+RAM+ (:func:`ram_into`) beside it.
 
-The torch code of :mod:`symmerge.merge.parts` (``_whole_task_vector_tensor``: sparsify each task vector
-τ_i = θ_i − θ_base of one tensor on its own, rescale, weight, combine) is the definition. It forms float64
-copies of whole tensors and sorts every task vector; these loops compute the same per-entry float64
-arithmetic without them:
+:func:`task_vector_into` computes, without float64 copies of whole tensors and without sorting:
 
 1. per model, a boolean mask of the kept entries (:func:`_mask_interval`, :func:`_mask_dare`,
-   :func:`_mask_della`) and, for the L1 rescale, the two norms Σ|τ|, Σ|kept τ| (:func:`_l1_sums`), the
-   models at once on the merge pool; a magnitude rule's cut values are found by a radix select on the
-   float32 bit patterns of |τ| (:func:`kth_largest`: two counting passes, no sort); where a run of equal
-   magnitudes crosses a cut, the entries torch's sort keeps there, as mergekit takes them
+   :func:`_mask_della`, :func:`_mask_above` for a threshold value) and, for the L1 rescale, the two norms Σ|τ|,
+   Σ|kept τ| (:func:`_l1_sums`), the models at once on the merge pool; a magnitude rule's cut values are found by
+   a radix select on the float32 bit patterns of |τ| (:func:`kth_largest`: two counting passes, no sort); where a
+   run of equal magnitudes crosses a cut, the entries torch's sort keeps there, as mergekit takes them
    (:func:`symmerge.merge.sort_order.window_mask_into`, a selection by block partitions on the arrays here: about
-   twice the radix select's cost, one model at a time);
-2. then the entries, split over the pool: the masked task vectors rescaled and weighted as the torch code
-   does it, their sum or mergekit's sign election (for float32 inputs computed in float32 in the same pass,
-   :func:`_elect32`), ``θ_b + λ · combined``, cast into the output (:func:`_combine`).
+   twice the radix select's cost, one model at a time). symmerge's own variants (a model-wide or per-tensor
+   threshold of the weighted task vector, DARE's drop of the weighted task vector) need no mask array: they are
+   applied entry by entry in the combining pass;
+2. then the entries, split over the pool: the masked task vectors rescaled and weighted, their sum or mergekit's
+   sign election (for float32 inputs computed in float32 in the same pass, :func:`_elect32`) or symmerge's
+   disjoint mean, ``θ_b + λ · combined``, cast into the output (:func:`_combine`).
 
-The per-entry values and their order of operations are the torch code's; the L1 norms are summed in
-another order than torch's (a relative difference of ~1e-16 in the rescale factor). SCE
-(:func:`sce_into`, :mod:`symmerge.merge.specialized`'s ``_sce_tensor``) and RAM / RAM+ (:func:`ram_into`)
-follow the same plan: SCE's positions given (mergekit's ``torch.topk`` of the variances, its order at a tie:
-:func:`symmerge.merge.specialized.sce_keep`; its weights' sums in another order), RAM bit for bit. In float16 and
-bfloat16 the task-vector rules and SCE run mergekit's arithmetic in that dtype by the torch code instead
-(:func:`symmerge.merge.in_dtype.combine_in_dtype`): there its rounding is the result.
-``tests/merge/test_merge_kernels_whole.py`` compares every kernel with the torch code and with brute force.
+Every tensor is computed on the CPU (:func:`_via_cpu`: tensors on another device are copied over and the result
+back; a float16 output is rounded once from the float64 result). In float16 and bfloat16, mergekit's forms of the
+rules and SCE run mergekit's arithmetic in that dtype by the torch code instead
+(:func:`symmerge.merge.in_dtype.combine_in_dtype`): there its rounding is the result. The torch definitions the
+kernel is checked against (bit for bit, or at a tolerance the tests justify) live in
+``tests/merge/reference_rules.py``; ``tests/merge/test_merge_kernels_whole.py`` and ``test_merge_kernels.py``
+compare them.
 """
 
 from __future__ import annotations
@@ -33,7 +32,8 @@ import threading
 import numpy as np
 
 from . import kernels
-from .kernels import _BLOCK, _OUT_KIND, _bits53_jit, _histogram_jit, _jit, _merge_pool, _store_jit
+from .kernels import (_BLOCK, _OUT_KIND, _bits53_jit, _flat_bits, _histogram_jit, _jit, _merge_pool, _store_jit,
+                      _widen_jit)
 from .sort_order import window_mask_into
 
 _HALF = 1 << 16
@@ -59,6 +59,12 @@ def _mask_interval(t, b, lo, lo_start, lo_stop, hi, hi_start, hi_stop, mask):  #
         elif v > lo and v < hi:
             k = True
         mask[j] = k
+
+
+def _mask_above(t, b, w, thr, mask):  # pragma: no cover - compiled
+    """mask[j] = float32(|(t_j − b_j) · w|) (float64 product) is not below ``thr`` (NaN magnitudes kept)."""
+    for j in range(t.shape[0]):
+        mask[j] = not (np.float32(abs((np.float64(t[j]) - np.float64(b[j])) * w)) < thr)
 
 
 def _mask_dare(n, seed, cut_bits, mask):  # pragma: no cover - compiled
@@ -136,44 +142,116 @@ def _elect32(arrays, masks, allk, start, size, ef, ew, tot):  # pragma: no cover
 _elect32_jit = _jit(_elect32)
 
 
-def _combine(arrays, masks, allk, mul, div, w, consensus, normalize, wsum, scale, out_kind, out, acc, x, wide, e32,
-             elected, given, ef, ew):  # pragma: no cover - compiled
-    """out = cast(b + scale · combined) block by block: x_i = ((τ_i masked) · mul_i / div_i) · w_i (every model
-    kept whole where ``allk[i]``), combined = Σ x_i (``consensus`` 0; ``normalize`` 1: / ``wsum``, 2: / n) or
+def _trim_row(xi, size, wi, th):  # pragma: no cover - compiled
+    """xi = v = τ · wi where float32(|v|) ≥ ``th``, else 0 (NaN kept); a function of its own, so that it vectorizes."""
+    for j in range(size):
+        v = xi[j] * wi
+        xi[j] = 0.0 if np.float32(abs(v)) < th else v
+
+
+def _dare_row(xi, size, wi, di, seed, cut, index):  # pragma: no cover - compiled
+    """xi = (τ · wi) / ``di`` where the uniform of entry ``index`` + j of the stream ``seed`` keeps it (its 53 bits ≥
+    ``cut``), else 0; a function of its own, so that it vectorizes."""
+    for j in range(size):
+        v = xi[j] * wi
+        xi[j] = v / di if _bits53_jit(seed, index + j) >= cut else 0.0
+
+
+_trim_row_jit = _jit(_trim_row)
+_dare_row_jit = _jit(_dare_row)
+
+
+def _weigh(x, masks, allk, factors, own, first, start, size):  # pragma: no cover - compiled
+    """x_i of a block in place (τ_i on entry): ((τ_i masked) · mul_i / div_i) · w_i (every model kept whole where
+    ``allk[i]``), or a weight-first rule of ``own`` = (kinds, thresholds, seeds, cuts) — kind 1 keeps v = τ_i · w_i
+    where float32(|v|) ≥ its threshold (else 0), kind 2 keeps v / div_i where the uniform of entry ``first`` +
+    ``start`` + j of its stream is ≥ the drop probability (its 53 bits ≥ its cut); ``factors`` = (mul, div, w)."""
+    mul, div, w = factors
+    kinds, thr, seeds, cuts = own
+    for i in range(w.shape[0]):
+        xi = x[i]
+        mi = mul[i]
+        di = div[i]
+        wi = w[i]
+        if kinds[i] == 1:
+            _trim_row_jit(xi, size, wi, thr[i])
+        elif kinds[i] == 2:
+            _dare_row_jit(xi, size, wi, di, seeds[i], cuts[i], first + start)
+        elif allk[i]:
+            for j in range(size):
+                xi[j] = ((xi[j] * mi) / di) * wi
+        else:
+            mk = masks[i, start:start + size]
+            for j in range(size):
+                v = xi[j] if mk[j] else 0.0
+                xi[j] = ((v * mi) / di) * wi
+
+
+_weigh_jit = _jit(_weigh)
+
+
+def _own_combine(x, bb, size, consensus, normalize, wsum, scale, acc, kept, cnt):  # pragma: no cover - compiled
+    """acc[:size] = b + scale · combined, the model-outer loops that vectorize (each entry's sums in model order):
+    Σ x_i (``consensus`` 0; ``normalize`` 1: / ``wsum``, 2: / n) or, ``consensus`` 1, symmerge's disjoint mean
+    (γ = sign(Σ x_i), the non-zero x_i of sign γ averaged, 0 where none); ``kept``, ``cnt``: scratch."""
+    n = x.shape[0]
+    for j in range(size):
+        acc[j] = x[0, j]
+    for i in range(1, n):
+        xi = x[i]
+        for j in range(size):
+            acc[j] = acc[j] + xi[j]
+    if consensus == 0:
+        if normalize == 1:
+            for j in range(size):
+                acc[j] = np.float64(bb[j]) + scale * (acc[j] / wsum)
+        elif normalize == 2:
+            for j in range(size):
+                acc[j] = np.float64(bb[j]) + scale * (acc[j] / n)
+        else:
+            for j in range(size):
+                acc[j] = np.float64(bb[j]) + scale * acc[j]
+        return
+    for i in range(n):
+        xi = x[i]
+        for j in range(size):
+            v = xi[j]
+            s = acc[j]
+            a = ((v > 0.0) & (s > 0.0)) | ((v < 0.0) & (s < 0.0))
+            c = 1 if a else 0
+            term = v if a else 0.0
+            if i == 0:
+                cnt[j] = c
+                kept[j] = term
+            else:
+                cnt[j] = cnt[j] + c
+                kept[j] = kept[j] + term
+    for j in range(size):
+        acc[j] = np.float64(bb[j]) + scale * (kept[j] / cnt[j] if cnt[j] > 0 else 0.0)
+
+
+_own_combine_jit = _jit(_own_combine)
+
+
+def _combine(arrays, masks, allk, factors, consensus, normalize, wsum, scale, out_kind, out, acc, x, wide, e32,
+             kept, cnt, elected, given, ef, ew, own, first):  # pragma: no cover - compiled
+    """out = cast(b + scale · combined) block by block: x_i weighted as :func:`_weigh` does (``factors``, ``own``,
+    ``first``: see there), combined = Σ x_i (``consensus`` 0; ``normalize`` 1: / ``wsum``, 2: / n) or
     mergekit's election (1: γ = + where Σ x_i ≥ 0, the agreeing x_i summed; ``normalize`` 1: divided by the
     agreeing weights, 1 where none agree; 2: symmerge's disjoint mean, γ = sign(Σ x_i), / their count); with
     ``given`` 1, γ = + where ``elected`` (mergekit's election in its dtype: ``in_dtype.mergekit_election``); with
     ``given`` 2 (float32 inputs), that election computed here block by block (:func:`_elect32`, ``ef``/``ew``,
     ``e32`` its scratch), no array of it."""
+    w = factors[2]
     n = w.shape[0]
     m = arrays[0].shape[0]
     for start in range(0, m, acc.shape[0]):
         size, bb = _block_taus_jit(arrays, start, x)
         if given == 2:
             _elect32_jit(arrays, masks, allk, start, size, ef, ew, e32)
-        for i in range(n):
-            xi = x[i]
-            mi = mul[i]
-            di = div[i]
-            wi = w[i]
-            if allk[i]:
-                for j in range(size):
-                    xi[j] = ((xi[j] * mi) / di) * wi
-            else:
-                mk = masks[i, start:start + size]
-                for j in range(size):
-                    v = xi[j] if mk[j] else 0.0
-                    xi[j] = ((v * mi) / di) * wi
-        if consensus == 0:
-            for j in range(size):
-                s = x[0, j]
-                for i in range(1, n):
-                    s = s + x[i, j]
-                if normalize == 1:
-                    s = s / wsum
-                elif normalize == 2:
-                    s = s / n
-                acc[j] = np.float64(bb[j]) + scale * s
+        _weigh_jit(x, masks, allk, factors, own, first, start, size)
+        if consensus == 0 or normalize == 2:
+            _own_combine_jit(x[:n], bb, size, consensus, normalize, wsum, scale, acc, kept, cnt)
         else:
             for j in range(size):
                 if given == 2:
@@ -186,30 +264,21 @@ def _combine(arrays, masks, allk, mul, div, w, consensus, normalize, wsum, scale
                         tot = tot + x[i, j]
                 ks = 0.0
                 dv = 0.0
-                cnt = 0
                 for i in range(n):
                     v = x[i, j]
-                    if normalize == 2:
-                        a = (v > 0.0 and tot > 0.0) or (v < 0.0 and tot < 0.0)
-                    else:
-                        a = (v > 0.0 and tot >= 0.0) or (v < 0.0 and tot < 0.0)
+                    a = (v > 0.0 and tot >= 0.0) or (v < 0.0 and tot < 0.0)
                     term = v if a else 0.0
                     ks = term if i == 0 else ks + term
                     wt = w[i] * (1.0 if a else 0.0)
                     dv = wt if i == 0 else dv + wt
-                    cnt += 1 if a else 0
-                if normalize == 1:
-                    s = ks / (1.0 if dv == 0.0 else dv)
-                elif normalize == 2:
-                    s = ks / cnt if cnt > 0 else 0.0
-                else:
-                    s = ks
+                s = ks / (1.0 if dv == 0.0 else dv) if normalize == 1 else ks
                 acc[j] = np.float64(bb[j]) + scale * s
         _store_jit(acc, size, out_kind, out[start:start + size], wide)
 
 
 _block_taus_jit = _jit(_block_taus)
 _mask_dare_jit = _jit(_mask_dare)
+_mask_above_jit = _jit(_mask_above)
 _mask_della_jit = _jit(_mask_della)
 _l1_sums_jit = _jit(_l1_sums)
 _combine_jit = _jit(_combine)
@@ -272,36 +341,119 @@ def _interval(t, b, rule, n: int):
 def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, normalize, scale: float,
                      out) -> bool:
     """``out`` ← base + ``scale`` · combine(w_i · rescale_i(sparsify_i(t_i − base))) (see the module doc), cast
-    to ``out``'s dtype; False (nothing written) where it does not apply: numba missing, ``out`` not float32,
-    bfloat16 or float64 or not contiguous, a tensor not on the CPU, DELLA on more than two dimensions.
+    to ``out``'s dtype (computed on the CPU: see :func:`_via_cpu`); False (nothing written) for DELLA on more than
+    two dimensions.
 
     ``rules[i]``: ``("all",)``, ``("none",)``, ``("topk", k)``, ``("band", bottom, count)``, ``("dare", seed,
-    drop)`` or ``("della", seed, density, epsilon)``; ``rescales[i]``: ``None``, ``"l1"`` (× Σ|τ| / Σ|kept τ|,
+    drop)``, ``("della", seed, density, epsilon)`` or ``("above", threshold, w)`` (the entries whose float32
+    |τ · w| is not below ``threshold``: a model-wide or per-tensor threshold value) — sparsify, then weight
+    (mergekit's order); or symmerge's own variants, weight first (τ · w is sparsified, no mask array):
+    ``("weighted", threshold)`` (float32 |τ · w| not below ``threshold``) and ``("weighted_dare", seed, drop)``
+    (DARE's drop of τ · w, the survivors ÷ (1 − drop)). ``rescales[i]``: ``None``, ``"l1"`` (× Σ|τ| / Σ|kept τ|,
     unscaled where either is below 1e-7) or ``("inverse", drop)`` (÷ (1 − drop)); ``consensus`` ``"sum"`` or
     ``"ties"``; ``normalize`` True, False or ``"count"``."""
-    if not _applies(tensors, base, out):
-        return False
     if any(r[0] == "della" for r in rules) and base.dim() > 2:
         return False
+    return _via_cpu(lambda ts, b, o: _task_vector_run(ts, b, weights, rules, rescales, consensus, normalize, scale, o),
+                    tensors, base, out)
+
+
+def _via_cpu(run, tensors, base, out) -> bool:
+    """``run(tensors, base, out)`` with every tensor on the CPU (the kernels run there: tensors on another device
+    are copied over and the result copied back) and ``out`` a contiguous float32, bfloat16 or float64 CPU tensor;
+    any other ``out`` (float16, another device, not contiguous) is filled from a CPU result (float16 rounded once,
+    from the float64 result, as the torch code casts it)."""
+    import torch
+
+    tensors, base = [t.cpu() for t in tensors], base.cpu()
+    kind = str(out.dtype).split(".")[1]
+    if out.device.type == "cpu" and out.is_contiguous() and kind in _OUT_KIND:
+        return run(tensors, base, out)
+    tmp = torch.empty(out.shape, dtype=out.dtype if kind in _OUT_KIND else torch.float64)
+    if not run(tensors, base, tmp):
+        return False
+    out.copy_(tmp)
+    return True
+
+
+_WEIGHT_FIRST = {"weighted": 1, "weighted_dare": 2}  # the rules of symmerge's own variants: kinds of :func:`_combine`
+_HALVES = ("torch.bfloat16", "torch.float16")
+_WIDEN = 1 << 16  # entries of half-precision inputs widened to float32 at once
+
+
+def _task_vector_run(tensors, base, weights, rules, rescales, consensus: str, normalize, scale: float, out) -> bool:
+    """:func:`task_vector_into` on CPU tensors into a contiguous ``out`` the kernels write."""
     n = len(tensors)
-    *arrays, b = _arrays([*tensors, base])
-    m = b.shape[0]
-    cols = m if base.dim() < 2 else int(base.shape[1]) if base.dim() == 2 else m
-    masks = np.empty((n, m), dtype=np.bool_)  # rows of the models kept whole are never touched
+    m = base.numel()
+    # half-precision inputs under weight-first rules only (no mask to compute): widened a chunk at a time, no
+    # whole-tensor float32 copies
+    chunked = str(base.dtype) in _HALVES and all(t.dtype == base.dtype for t in tensors) and all(
+        r[0] in ("all", *_WEIGHT_FIRST) for r in rules)
+    flat = [t.reshape(-1) for t in (*tensors, base)]
+    *arrays, b = [None] * (n + 1) if chunked else _arrays([*tensors, base])
     kind = _OUT_KIND[str(out.dtype).split(".")[1]]
     target = _target(out)
-    sums = np.zeros((n, 2), dtype=np.float64)
-    allk = np.zeros(n, dtype=np.bool_)
+    masks, allk, sums, own = _masks(arrays, b, base, rules, rescales, target if kind == 1 else None)
+    mul, div = _factors(rules, rescales, allk, sums)
+    wsum = float(sum(weights))
+    wsum = wsum if abs(wsum) >= 1e-8 else 1.0
+    w = np.array(weights, dtype=np.float64)
+    cons = 0 if consensus == "sum" else 1
+    norm = 1 if normalize is True else 2 if normalize == "count" else 0
+    # mergekit's election, in its dtype (a sign flipped by its rounding flips the whole entry): float32 inputs in the
+    # combining pass (given 2), others as an array computed first (given 1)
+    given = 0 if cons == 0 or norm == 2 else 2 if b.dtype == np.float32 else 1
+    elected, ef, ew = _election(tensors, base, weights, rescales, masks, allk, given)
+
+    bits = [_flat_bits(f) for f in flat] if chunked and str(base.dtype) == "torch.bfloat16" else None
+
+    def run(lo, hi):
+        buffers = _combine_buffers(n)
+        wide = np.empty((n + 1, _WIDEN), dtype=np.float32) if chunked else None
+        for c in range(lo, hi, _WIDEN if chunked else max(1, hi - lo)):
+            d = min(hi, c + (_WIDEN if chunked else hi - lo))
+            if bits is not None:  # bfloat16: its bit patterns widened exactly into one reused float32 buffer
+                for i, a in enumerate(bits):
+                    _widen_jit(a[c:d], wide[i, :d - c].view(np.uint32))
+                parts = tuple(wide[i, :d - c] for i in range(n + 1))
+            else:
+                parts = (tuple(f[c:d].float().numpy() for f in flat) if chunked
+                         else tuple(a[c:d] for a in arrays) + (b[c:d],))
+            _combine_jit(parts, masks[:, c:d], allk, (mul, div, w), cons, norm, wsum, float(scale), kind, target[c:d],
+                         *buffers, elected[c:d] if given == 1 else elected, given, ef, ew, own, c)
+
+    _split(run, m)
+    return True
+
+
+def _masks(arrays, b, base, rules, rescales, scratch):
+    """Each model's mask of kept entries (rows of the models kept whole never touched), which models are kept
+    whole, the L1 norms (Σ|τ|, Σ|kept τ|) of the rescaled ones, and the weight-first rules' arrays (kinds,
+    thresholds, seeds, cuts: :func:`_combine`); the costly masks computed on the merge pool. ``scratch``: float32
+    memory of the entries' size for a selection (the output's, written only after every mask), or None."""
+    n, m = len(arrays), base.numel()
+    cols = m if base.dim() < 2 else int(base.shape[1]) if base.dim() == 2 else m
+    masks = np.empty((n, m), dtype=np.bool_)
+    sums, allk = np.zeros((n, 2), dtype=np.float64), np.zeros(n, dtype=np.bool_)
+    kinds, thr = np.zeros(n, dtype=np.int8), np.full(n, -1.0, dtype=np.float32)
+    seeds, cuts = np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64)
 
     def mask(i):
         rule, t = rules[i], arrays[i]
-        if rule[0] == "all":
+        if rule[0] in _WEIGHT_FIRST:
+            kinds[i] = _WEIGHT_FIRST[rule[0]]
+            if rule[0] == "weighted":
+                thr[i] = rule[1]
+            else:
+                seeds[i], cuts[i] = np.uint64(rule[1]), _cut_bits(rule[2])
+        elif rule[0] == "all":
             allk[i] = True
         elif rule[0] == "none":
             masks[i] = False
+        elif rule[0] == "above":
+            _mask_above_jit(t, b, float(rule[2]), np.float32(rule[1]), masks[i])
         elif rule[0] == "dare":
-            cut = np.uint64(np.ceil(float(rule[2]) * 9007199254740992.0))
-            _mask_dare_jit(m, np.uint64(rule[1]), cut, masks[i])
+            _mask_dare_jit(m, np.uint64(rule[1]), _cut_bits(rule[2]), masks[i])
         elif rule[0] == "della":
             density, epsilon = float(rule[2]), float(rule[3])
             _mask_della_jit(t, b, cols, np.uint64(rule[1]), density - epsilon, epsilon, masks[i])
@@ -312,18 +464,30 @@ def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, no
                                    masks[i])
             else:
                 first, last, desc = (0, rule[1], True) if rule[0] == "topk" else (rule[1], rule[1] + rule[2], False)
-                with _SELECTING:  # one selection at a time: its 8 bytes per entry held once, not once per model,
-                    # the magnitudes in the output's memory where it is float32 (written only after every mask)
-                    window_mask_into(t, b, first, last, desc, masks[i], target if kind == 1 else None)
+                with _SELECTING:  # one selection at a time: its 8 bytes per entry held once, not once per model
+                    window_mask_into(t, b, first, last, desc, masks[i], scratch)
         if rescales[i] == "l1" and rule[0] != "all":
             _l1_sums_jit(t, b, masks[i], sums[i])
 
     if m:
-        todo = [i for i in range(n) if rules[i][0] not in ("all", "none")]
+        cheap = ("all", "none", *_WEIGHT_FIRST)
+        todo = [i for i in range(n) if rules[i][0] not in cheap]
         list(_merge_pool().map(mask, todo)) if len(todo) > 1 else [mask(i) for i in todo]
         for i in range(n):
-            if rules[i][0] in ("all", "none"):
+            if rules[i][0] in cheap:
                 mask(i)
+    return masks, allk, sums, (kinds, thr, seeds, cuts)
+
+
+def _cut_bits(drop) -> np.uint64:
+    """DARE's test U ≥ drop on a uniform's 53 bits k: k ≥ ⌈drop · 2⁵³⌉."""
+    return np.uint64(np.ceil(float(drop) * 9007199254740992.0))
+
+
+def _factors(rules, rescales, allk, sums):
+    """Each model's rescale as (multiplier, divisor): the L1 rescale's Σ|τ| / Σ|kept τ| (none where either is below
+    1e-7), DARE's 1 − p."""
+    n = len(rules)
     mul, div = np.ones(n, dtype=np.float64), np.ones(n, dtype=np.float64)
     for i, r in enumerate(rescales):
         if r == "l1" and not allk[i]:
@@ -332,15 +496,16 @@ def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, no
                 mul[i] = before / after
         elif isinstance(r, tuple) and r[0] == "inverse":
             div[i] = 1.0 - float(r[1])
-    wsum = float(sum(weights))
-    wsum = wsum if abs(wsum) >= 1e-8 else 1.0
-    w = np.array(weights, dtype=np.float64)
-    cons = 0 if consensus == "sum" else 1
-    norm = 1 if normalize is True else 2 if normalize == "count" else 0
+        if rules[i][0] == "weighted_dare":
+            div[i] = 1.0 - float(rules[i][2])
+    return mul, div
 
-    # mergekit's election, in its dtype (a sign flipped by its rounding flips the whole entry): float32 inputs in the
-    # combining pass (given 2), others as an array computed first (given 1)
-    given = 0 if cons == 0 or norm == 2 else 2 if b.dtype == np.float32 else 1
+
+def _election(tensors, base, weights, rescales, masks, allk, given):
+    """What :func:`_combine` needs of mergekit's election: with ``given`` 1 the elected signs (true: +) computed in
+    the inputs' dtype (:func:`symmerge.merge.in_dtype.mergekit_election`); with ``given`` 2 the float32 L1 factors
+    and weights of :func:`_elect32`."""
+    n = len(tensors)
     elected = np.zeros(1, dtype=np.bool_)
     ef, ew = np.zeros(n, dtype=np.float32), np.array(weights, dtype=np.float32)
     rescaled = any(r == "l1" for r in rescales)
@@ -357,20 +522,7 @@ def task_vector_into(tensors, base, weights, rules, rescales, consensus: str, no
 
             for i, keep in enumerate(keeps):
                 ef[i] = 0.0 if keep is None else l1_factor(tensors[i], base, keep)
-
-    def run(lo, hi):
-        _combine_jit(tuple(a[lo:hi] for a in arrays) + (b[lo:hi],), masks[:, lo:hi], allk, mul, div, w, cons, norm,
-                     wsum, float(scale), kind, target[lo:hi], *_combine_buffers(n), elected[lo:hi] if given == 1
-                     else elected, given, ef, ew)
-
-    _split(run, m)
-    return True
-
-
-def _applies(tensors, base, out) -> bool:
-    """numba is there, ``out`` is a contiguous float32, bfloat16 or float64 tensor, every input is on the CPU."""
-    return (kernels.AVAILABLE and str(out.dtype).split(".")[1] in _OUT_KIND and out.is_contiguous()
-            and all(t.device.type == "cpu" for t in (*tensors, base)))
+    return elected, ef, ew
 
 
 def _target(out):
@@ -383,9 +535,10 @@ def _target(out):
 
 def _combine_buffers(n: int):
     """Fresh per-call buffers of a combining pass: the block's float64 results, the models' block values, the
-    store's uint32 scratch."""
+    store's uint32 scratch, the election's float32 sums, the disjoint mean's float64 sums and int64 counts."""
     return (np.empty(_COMBINE_BLOCK, dtype=np.float64), np.empty((n, _COMBINE_BLOCK), dtype=np.float64),
-            np.empty(_COMBINE_BLOCK, dtype=np.uint32), np.empty(_COMBINE_BLOCK, dtype=np.float32))
+            np.empty(_COMBINE_BLOCK, dtype=np.uint32), np.empty(_COMBINE_BLOCK, dtype=np.float32),
+            np.empty(_COMBINE_BLOCK, dtype=np.float64), np.empty(_COMBINE_BLOCK, dtype=np.int64))
 
 
 def _split(run, m: int) -> None:
@@ -454,10 +607,13 @@ def sce_into(tensors, base, topk: float, out, select=None) -> bool:
     mean), cast to ``out``'s dtype; False (nothing written) where it does not apply (see
     :func:`task_vector_into`). ``select`` (a boolean tensor of ``base``'s shape): the positions kept where
     ``topk`` < 1 (mergekit's selection, :func:`symmerge.merge.specialized.sce_keep`)."""
+    return _via_cpu(lambda ts, b, o: _sce_run(ts, b, topk, o, select), tensors, base, out)
+
+
+def _sce_run(tensors, base, topk: float, out, select) -> bool:
+    """:func:`sce_into` on CPU tensors into a contiguous ``out`` the kernels write."""
     import torch
 
-    if not _applies(tensors, base, out):
-        return False
     n = len(tensors)
     arrays = _arrays([*tensors, base])
     m = arrays[0].shape[0]
@@ -471,7 +627,7 @@ def sce_into(tensors, base, topk: float, out, select=None) -> bool:
         _sce_squares_jit(arrays, squares)
     else:  # mergekit's selection, given (none kept where it is not)
         if given is not None:
-            select = given.reshape(-1).numpy()
+            select = given.reshape(-1).cpu().numpy()
         b64 = base.reshape(-1).double()
         for i, t in enumerate(tensors):
             squares[i] = float(((t.reshape(-1).double() - b64) * torch.from_numpy(select)).square().sum())
@@ -543,8 +699,7 @@ _ram_combine_jit = _jit(_ram_combine)
 def ram_counts(tensors, base, eps: float):
     """(shared, unique) active-entry counts per model (int64 numpy arrays) for RAM+'s factors, or None where the
     kernels do not apply."""
-    if not kernels.AVAILABLE or any(t.device.type != "cpu" for t in (*tensors, base)):
-        return None
+    tensors, base = [t.cpu() for t in tensors], base.cpu()
     n = len(tensors)
     shared_n, unique_n = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     _ram_counts_jit(_arrays([*tensors, base]), float(eps), shared_n, unique_n)
@@ -554,8 +709,11 @@ def ram_counts(tensors, base, eps: float):
 def ram_into(tensors, base, eps: float, lam, out) -> bool:
     """``out`` ← RAM (``lam`` None) or RAM+ with the per-model factors ``lam`` of ``tensors`` over ``base``, cast to
     ``out``'s dtype; False (nothing written) where it does not apply (see :func:`task_vector_into`)."""
-    if not _applies(tensors, base, out):
-        return False
+    return _via_cpu(lambda ts, b, o: _ram_run(ts, b, eps, lam, o), tensors, base, out)
+
+
+def _ram_run(tensors, base, eps: float, lam, out) -> bool:
+    """:func:`ram_into` on CPU tensors into a contiguous ``out`` the kernels write."""
     n = len(tensors)
     arrays = _arrays([*tensors, base])
     lam = np.ones(n) if lam is None else np.asarray(lam, dtype=np.float64).reshape(-1)

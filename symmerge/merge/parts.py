@@ -4,7 +4,8 @@ With task vectors τ_i = θ_i − θ_base scaled by the weights w_i (multipliers
 
     θ = θ_base + λ · consensus(sparsify(w_1 τ_1), …, sparsify(w_n τ_n))        (λ = ``scale``)
 
-Sparsifiers (:data:`SPARSIFIERS`), applied to each weighted task vector on its own:
+Sparsifiers (:data:`SPARSIFIERS`; symmerge's own variants below, mergekit's forms further down), applied to
+each weighted task vector on its own:
 
 * ``none``: unchanged;
 * ``magnitude``: keep the ``density`` fraction of entries of largest magnitude, zero the rest; the
@@ -27,7 +28,7 @@ its own stream of uniforms, seeded with a hash of (``seed``, ``i``, ``key``) (:f
 It depends on nothing else: not on the order of the keys in the state dict or of the loop over them,
 nor on which other tensors or models are merged. The uniform of entry ``j`` (of the flattened tensor)
 is the ``j``-th output of the SplitMix64 generator (a counter-based hash: any entry is drawn without
-the ones before it, so chunks, threads and the fused kernels draw the same values) as a float64 in
+the ones before it, so threads and the kernel draw the same values) as a float64 in
 [0, 1) (:func:`dare_uniforms`); a survivor where U ≥ ``drop``. The same seed gives the same masks on
 every device and machine (integer arithmetic only).
 """
@@ -36,30 +37,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 import torch
 
 from ..errors import SymmergeError
 from . import kernels
-from .base import Method, boolean, choice, integer, per_model_values, real, weighted_sum
+from .base import CHUNK, Method, boolean, choice, integer, per_model_values, real, weighted_sum
 from .in_dtype import HALF, combine_in_dtype, mergekit_election
 from .sort_order import window_mask
-
-
-@dataclass(frozen=True)
-class Sparsifier:
-    """``apply(key, taus, params, context) -> taus``, on whole tensors or on chunks of them (the same
-    entries give the same values); ``prepare(state_dicts, base, weights, params)`` checks the parameters
-    and returns the model-wide ``context`` (``state_dicts`` and ``base`` may be mappings that read each
-    tensor on demand: it visits them one tensor at a time); ``tensor_context(key, tensors, base, weights,
-    params, context)`` the context of one tensor's chunks."""
-
-    apply: Callable
-    prepare: Callable | None = None
-    tensor_context: Callable | None = None
 
 
 # ------------------------------------------------------------------ sparsifiers
@@ -70,40 +56,10 @@ _HALF = 1 << 16
 def magnitude_threshold(tensors, density: float) -> float:
     """The smallest magnitude kept when keeping the top ``density`` fraction of all entries of ``tensors``
     (magnitudes in float32, compared in float32). ``tensors``: a list, or a function returning a fresh
-    iterable of them; see :func:`magnitude_thresholds`."""
+    iterable of them; see :func:`task_vector_thresholds`."""
     visit = tensors if callable(tensors) else (lambda: tensors)
-    return magnitude_thresholds(lambda: ((t,) for t in visit()), 1, density)[0]
-
-
-def _bits(t: torch.Tensor):
-    """float32 bit patterns of |t| (monotonic in the magnitude), chunk by chunk."""
-    flat = t.reshape(-1)
-    for i in range(0, flat.numel(), _HALF):
-        yield flat[i:i + _HALF].abs().float().view(torch.int32)
-
-
-def magnitude_thresholds(visit, n: int, density: float) -> list[float]:
-    """Per model, the smallest magnitude kept when keeping the top ``density`` fraction of its entries.
-    ``visit()`` returns a fresh iterable of tuples of ``n`` same-shaped tensors (one per model, e.g. the
-    chunks of each model's task vector for one tensor); it is visited twice, one tuple at a time (a
-    model-wide threshold never holds the model's magnitudes at once; every input read once per visit for
-    all models). Exact: a radix select on the float32 bit patterns (monotonic for magnitudes), the high 16
-    bits counted on the first visit, the low 16 bits of the entries in each model's chosen high bin on
-    the second."""
-    high = torch.zeros(n, _HALF, dtype=torch.int64)
-    for group in visit():
-        for i, t in enumerate(group):
-            for bits in _bits(t):
-                high[i] += torch.bincount(bits >> 16, minlength=_HALF)
-    bins, ranks = _high_bins(high, density)
-    low = torch.zeros(n, _HALF, dtype=torch.int64)
-    for group in visit():
-        for i, t in enumerate(group):
-            for bits in _bits(t):
-                inside = bits[(bits >> 16) == bins[i]]
-                if inside.numel():
-                    low[i] += torch.bincount(inside & 0xFFFF, minlength=_HALF)
-    return _radix_values(low, bins, ranks)
+    return task_vector_thresholds(lambda: (([t], torch.zeros((), dtype=t.dtype).expand(t.shape)) for t in visit()),
+                                  [1.0], density)[0]
 
 
 def _high_bins(high: torch.Tensor, density: float) -> tuple[list[int], list[int]]:
@@ -134,26 +90,19 @@ def _radix_values(low: torch.Tensor, bins, ranks) -> list[float]:
 
 
 def task_vector_thresholds(visit, weights, density: float, total: int | None = None, sampler=None) -> list[float]:
-    """:func:`magnitude_thresholds` of the weighted task vectors (θ_i − θ_base)·w_i formed in float64, from
-    ``visit()``: a fresh iterable of (tensors of the models, base tensor) pairs, visited twice. With the
-    fused kernels (:mod:`symmerge.merge.kernels`) each pair is counted in one pass without temporaries,
-    and, given ``total`` (the entries of one model's visit), the first visit is a sample only
-    (:func:`_window_thresholds`; ``sampler``: how to read it); the same values either way."""
+    """Per model, the smallest float32 magnitude kept when keeping the top ``density`` fraction of the entries of
+    its weighted task vector (θ_i − θ_base)·w_i (formed in float64), from ``visit()``: a fresh iterable of (tensors
+    of the models, base tensor) pairs, visited twice (a model-wide threshold never holds the model's magnitudes at
+    once). Exact: a radix select on the float32 bit patterns (monotonic for magnitudes), the high 16 bits counted
+    on the first visit, the low 16 bits of the entries in each model's chosen high bin on the second, each pair
+    counted in one pass by the kernels (:mod:`symmerge.merge.kernels`); given ``total`` (the entries of one model's
+    visit), the first visit is a sample only (:func:`_window_thresholds`; ``sampler``: how to read it), the same
+    values either way."""
     n = len(weights)
-    if kernels.AVAILABLE and total is not None and total >= _WINDOW_MIN:
+    if total is not None and total >= _WINDOW_MIN:
         found = _window_thresholds(visit, weights, density, total, sampler)
         if found is not None:
             return found
-    if not kernels.AVAILABLE:
-        def task_vectors():  # chunk by chunk, every model at once: each tensor read once per visit
-            for ts, base in visit():
-                b = base.reshape(-1)
-                ts = [t.reshape(-1) for t in ts]
-                for i in range(0, b.numel(), _HALF):
-                    bb = b[i:i + _HALF].double()
-                    yield tuple((t[i:i + _HALF].double() - bb) * w for t, w in zip(ts, weights))
-
-        return magnitude_thresholds(task_vectors, n, density)
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
@@ -292,7 +241,7 @@ def _read_ahead(keys, fetch):
 
 
 def _scalar(value):
-    """One value of a parameter that may be per model (the first: the chunked paths run only where all agree)."""
+    """One value of a parameter that may be per model (the first: symmerge's own variants run only where all agree)."""
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
@@ -364,22 +313,6 @@ def _blocks(mapping, key: str, first: int, stride: int, width: int) -> torch.Ten
     return blocks_of(mapping[key], first, stride, width)
 
 
-def _magnitude_tensor_context(key, tensors, base, weights, params, context):
-    """``scope="tensor"``: each model's threshold over this tensor's weighted task vector."""
-    density = float(_scalar(params["density"]))
-    if params["scope"] != "tensor" or density >= 1.0:
-        return context
-    return [task_vector_thresholds(lambda: [([t], base)], [w], density)[0] for t, w in zip(tensors, weights)]
-
-
-def _magnitude_apply(key, taus, params, context):
-    if float(_scalar(params["density"])) >= 1.0:
-        return list(taus)
-    # compared in float32, the precision the threshold was found in: a float64 magnitude just below its
-    # float32 rounding would otherwise drop the k-th entry itself
-    return [t.masked_fill(t.abs().float() < thr, 0.0) for t, thr in zip(taus, context)]
-
-
 def dare_seed(seed: int, model: int, key: str) -> int:
     """A 63-bit generator seed from (``seed``, model index, tensor name), the same in every process."""
     digest = hashlib.blake2b(f"{int(seed)}\x00{int(model)}\x00{key}".encode(), digest_size=8).digest()
@@ -421,120 +354,18 @@ def _dare_prepare(state_dicts, base, weights, params):
     return None
 
 
-class _DareStreams:
-    """One tensor's DARE streams: each model's generator seed and the entry the next chunk starts at (the
-    chunks of a tensor are visited in order)."""
-
-    def __init__(self, seeds):
-        self.seeds, self.at = seeds, 0
-
-
-def _dare_tensor_context(key, tensors, base, weights, params, context):
-    """Each model's seed, as :func:`dare_keep_mask` seeds it, and the position of the next chunk."""
-    return _DareStreams([dare_seed(params["seed"], i, key) for i in range(len(tensors))])
-
-
-def _dare_streams(key, n, params, context) -> tuple[list[int], int]:
-    """The models' seeds and the first entry of the current chunk (advancing the context past it)."""
-    if context is None:  # a whole tensor (a method not run chunk by chunk)
-        return [dare_seed(params["seed"], i, key) for i in range(n)], 0
-    return context.seeds, context.at
-
-
-def _dare_apply(key, taus, params, context):
-    p = float(_scalar(params["drop"]))
-    if p == 0.0:
-        return list(taus)
-    seeds, at = _dare_streams(key, len(taus), params, context)
-    out = []
-    for seed, t in zip(seeds, taus):
-        keep = (dare_uniforms(seed, at, t.numel()) >= p).reshape(t.shape)
-        out.append((t / (1.0 - p)).masked_fill(~keep.to(t.device), 0.0))
-    if context is not None:
-        context.at += taus[0].numel() if taus else 0
-    return out
-
-
-SPARSIFIERS = {
-    "none": Sparsifier(lambda key, taus, params, context: list(taus)),
-    "magnitude": Sparsifier(_magnitude_apply, _magnitude_prepare, _magnitude_tensor_context),
-    "dare": Sparsifier(_dare_apply, _dare_prepare, _dare_tensor_context),
-}
-
-
-# ------------------------------------------------------------------ consensus
-
-
-def disjoint_mean(vectors) -> torch.Tensor:
-    """Elect γ = sign(Σ τ̂_i) and average the entries agreeing with γ (non-zero ones only)."""
-    stacked = torch.stack(vectors)
-    elected = torch.sign(stacked.sum(0))
-    agree = (torch.sign(stacked) == elected) & (stacked != 0)
-    count = agree.sum(0)
-    total = stacked.masked_fill(~agree, 0.0).sum(0)  # masked_fill: torch.where's values, vectorized on CPU
-    return (total / count.clamp(min=1)).masked_fill(count == 0, 0.0)
-
-
-CONSENSUS = {
-    "sum": lambda taus: weighted_sum(taus, [1.0] * len(taus)),
-    "ties": disjoint_mean,
-}
-
-
-# ------------------------------------------------------------------ the generic task-vector method
-
-
-def _task_vector_tensor(sparsify: Sparsifier, consensus: Callable, key, tensors, weights, stats, base, params,
-                        context, fused=None):
-    if fused is not None and kernels.AVAILABLE and all(t.device.type == "cpu" for t in (base, *tensors)):
-        return fused(key, tensors, weights, base, params, context)
-    b = base.double()
-    taus = [(t.double() - b) * w for t, w in zip(tensors, weights)]
-    return b + float(params["scale"]) * consensus(sparsify.apply(key, taus, params, context))
-
-
-def _fused_magnitude_ties(key, tensors, weights, base, params, context):
-    """TIES (magnitude trim, ties consensus) in one pass: :func:`symmerge.merge.kernels.ties_chunk`."""
-    thresholds = None if float(_scalar(params["density"])) >= 1.0 else context
-    return kernels.ties_chunk(tensors, base, weights, thresholds=thresholds, scale=float(params["scale"]))
-
-
-def _fused_dare_ties(key, tensors, weights, base, params, context):
-    """DARE-TIES in one pass over the entries, the uniforms computed as :func:`dare_uniforms` draws them."""
-    p = float(_scalar(params["drop"]))
-    if p == 0.0:
-        return kernels.ties_chunk(tensors, base, weights, scale=float(params["scale"]))
-    seeds, at = _dare_streams(key, len(tensors), params, context)
-    out = kernels.ties_chunk(tensors, base, weights, seeds=seeds, index=at, drop=p, scale=float(params["scale"]))
-    if context is not None:
-        context.at += base.numel()
-    return out
-
-
-def _into_magnitude_ties(key, tensors, weights, base, params, context, out) -> bool:
-    """TIES over the whole tensor into ``out`` (:func:`symmerge.merge.kernels.ties_into`)."""
-    thresholds = None if float(_scalar(params["density"])) >= 1.0 else context
-    return kernels.ties_into(tensors, base, weights, out, thresholds=thresholds, scale=float(params["scale"]))
-
-
-def _into_dare_ties(key, tensors, weights, base, params, context, out) -> bool:
-    """DARE-TIES over the whole tensor into ``out``, from its first entry (nothing drawn yet: ``context``
-    is the tensor's fresh :class:`_DareStreams`)."""
-    p = float(_scalar(params["drop"]))
-    seeds = _dare_streams(key, len(tensors), params, context)[0] if p > 0.0 else None
-    return kernels.ties_into(tensors, base, weights, out, seeds=seeds, drop=p, scale=float(params["scale"]))
-
-
-_FUSED = {("magnitude", "ties"): _fused_magnitude_ties, ("dare", "ties"): _fused_dare_ties}
-_INTO = {("magnitude", "ties"): _into_magnitude_ties, ("dare", "ties"): _into_dare_ties}
+_PREPARE = {"none": None, "magnitude": _magnitude_prepare, "dare": _dare_prepare}  # the model-wide checks and context
+SPARSIFIERS = ("none", "magnitude", "dare", "breadcrumbs", "della")
+CONSENSUS = ("sum", "ties")
 
 
 # ------------------------------------------------------------------ whole-tensor parts (mergekit's rules)
 #
 # mergekit's task-vector methods sparsify each task vector τ_i = θ_i − θ_base of one tensor on its own (its
 # per-model density), multiply it by its weight, elect signs, and divide by the agreeing weights when
-# ``normalize`` is true. These parts compute that on whole tensors in float64; the chunked parts above stay
-# symmerge's defaults (model-wide threshold, 1/(1 − p) rescale, disjoint mean), bit for bit.
+# ``normalize`` is true. The torch parts below are the implementation in float16/bfloat16 (mergekit's arithmetic in
+# that dtype) and the tests' oracle in float64; every other case runs in the one kernel (``_whole_into``), symmerge's
+# own variants (model-wide threshold, 1/(1 − p) rescale, disjoint mean: weight first) included.
 
 
 def topk_window(n: int, density: float) -> tuple[int, int]:
@@ -678,9 +509,11 @@ def combine(deltas, weights, consensus: str, normalize, elected=None) -> torch.T
         elif normalize == "count":
             total = total / len(deltas)
         return total
-    if normalize == "count":
-        return disjoint_mean(deltas)
     stacked = torch.stack(deltas)
+    if normalize == "count":  # symmerge's disjoint mean: γ = sign(Σ δ_i), the non-zero δ_i of that sign averaged
+        agree = (torch.sign(stacked) == torch.sign(stacked.sum(0))) & (stacked != 0)
+        count = agree.sum(0)
+        return (stacked.masked_fill(~agree, 0.0).sum(0) / count.clamp(min=1)).masked_fill(count == 0, 0.0)
     if elected is None:
         agree = elect_mask(stacked)
     else:
@@ -693,9 +526,11 @@ def combine(deltas, weights, consensus: str, normalize, elected=None) -> torch.T
     return total
 
 
-def _whole_rules(sparsifier: str, key: str, n: int, numel: int, params):
-    """Each model's mask rule and rescale for :func:`symmerge.merge.kernels_whole.task_vector_into` (the rules of
-    :func:`_sparsify_whole`), or None where the kernel does not cover them (a magnitude scope other than topk)."""
+def _whole_rules(sparsifier: str, key: str, tensors, base, weights, params, context):
+    """Each model's rule and rescale for :func:`symmerge.merge.kernels_whole.task_vector_into` under mergekit's
+    order (sparsify each task vector, then weight: the rules of :func:`_sparsify_whole`); ``context``: the
+    model-wide thresholds of ``scope="model"``."""
+    n, numel = len(tensors), base.numel()
     rescale = params.get("rescale", False)
     l1 = "l1" if rescale is True else None
     rules, rescales = [], []
@@ -707,9 +542,13 @@ def _whole_rules(sparsifier: str, key: str, n: int, numel: int, params):
         if sparsifier == "magnitude":
             density = float(value("density"))
             if density < 1.0:
-                if params["scope"] != "topk":
-                    return None
-                rule, how = ("topk", max(1, int(density * numel))), l1
+                how = l1
+                if params["scope"] == "topk":
+                    rule = ("topk", max(1, int(density * numel)))
+                elif params["scope"] == "model":  # the weighted task vector's model-wide threshold
+                    rule = ("above", float(context[i]), float(weights[i]))
+                else:  # the task vector's own threshold over this tensor
+                    rule = ("above", task_vector_thresholds(lambda: [([tensors[i]], base)], [1.0], density)[0], 1.0)
         elif sparsifier == "dare":
             p = float(value("drop"))
             if p != 0.0:
@@ -725,36 +564,76 @@ def _whole_rules(sparsifier: str, key: str, n: int, numel: int, params):
             density = float(value("density"))
             if density < 1.0:
                 rule, how = ("della", dare_seed(params["seed"], i, key), density, float(value("epsilon"))), l1
-        elif sparsifier != "none":
-            return None
         rules.append(rule)
         rescales.append(how)
     return rules, rescales
 
 
-def _whole_into(sparsifier: str, consensus: str, key, tensors, weights, base, params, out) -> bool:
-    """The whole-tensor rule into ``out`` by the fused kernels (:mod:`symmerge.merge.kernels_whole`), or False
-    (nothing written: numba missing, or parameters or dtypes they do not cover)."""
-    if not kernels.AVAILABLE or base is None:
+def _own_rules(sparsifier: str, key: str, tensors, base, weights, params, context):
+    """Each model's rule for :func:`symmerge.merge.kernels_whole.task_vector_into` under symmerge's own variants
+    (weight first: the weighted task vector τ_i·w_i is sparsified): its threshold over the model
+    (``scope="model"``, ``context``) or over this tensor (``scope="tensor"``), or DARE's drop with the 1/(1 − p)
+    rescale; the masks drawn as :func:`dare_keep_mask` draws them."""
+    n = len(tensors)
+    rules = [("all",)] * n
+    if sparsifier == "magnitude":
+        density = float(_scalar(params["density"]))
+        if density < 1.0:
+            thresholds = context if params["scope"] == "model" else [
+                task_vector_thresholds(lambda: [([t], base)], [w], density)[0] for t, w in zip(tensors, weights)]
+            rules = [("weighted", float(x)) for x in thresholds]
+    elif sparsifier == "dare":
+        p = float(_scalar(params["drop"]))
+        if p != 0.0:
+            rules = [("weighted_dare", dare_seed(params["seed"], i, key), p) for i in range(n)]
+    return rules, [None] * n
+
+
+def _in_dtype(sparsifier: str, consensus: str, base, params) -> bool:
+    """The rule runs in float16/bfloat16 as mergekit computes it there (the torch code of
+    :func:`_whole_task_vector_tensor`): mergekit's forms of the rules on half-precision tensors."""
+    if base.dtype not in HALF:
         return False
-    if base.dtype in HALF:  # mergekit's rule in the half dtype itself (combine_in_dtype) and its tie order, by the
-        return False  # torch code
+    return _needs_whole(sparsifier, consensus, params) or (sparsifier == "none" and params["normalize"] != "count")
+
+
+def _whole_into(sparsifier: str, consensus: str, key, tensors, weights, base, params, context, out) -> bool:
+    """The rule into ``out`` by the one kernel (:func:`symmerge.merge.kernels_whole.task_vector_into`), or False
+    (nothing written: a rule of the half dtypes, or DELLA on more than two dimensions)."""
+    if base is None or _in_dtype(sparsifier, consensus, base, params):
+        return False
     from . import kernels_whole
 
-    spec = _whole_rules(sparsifier, key, len(tensors), base.numel(), params)
-    if spec is None:
-        return False
+    own = not _needs_whole(sparsifier, consensus, params)
+    spec = (_own_rules if own else _whole_rules)(sparsifier, key, tensors, base, weights, params, context)
     return kernels_whole.task_vector_into(tensors, base, weights, *spec, consensus, params["normalize"],
                                           float(params["scale"]), out)
 
 
-def _whole_task_vector_tensor(sparsifier: str, consensus: str, key, tensors, weights, stats, base, params,
-                              context):
-    """θ_b + λ · combine(w_i · sparsify(θ_i − θ_b)) on whole tensors, float64 (mergekit's order: sparsify, then
-    weight); by the fused kernels where they apply (the same per-entry arithmetic, into the base's dtype)."""
+def _task_vector_tensor(sparsifier: str, consensus: str, key, tensors, weights, stats, base, params, context):
+    """θ_b + λ · combine(sparsify(θ_i − θ_b) · w_i) of one tensor: the kernel's (:func:`_whole_into`), else (the
+    half dtypes under mergekit's forms, DELLA on more than two dimensions) the torch code, float64 (mergekit's
+    order: sparsify, then weight) or mergekit's arithmetic in the half dtype. Computed on the CPU, returned on the
+    base's device."""
+    device = base.device
+    tensors, base = [t.cpu() for t in tensors], base.cpu()
     out = torch.empty(base.shape, dtype=base.dtype)
-    if _whole_into(sparsifier, consensus, key, tensors, weights, base, params, out):
-        return out
+    if _whole_into(sparsifier, consensus, key, tensors, weights, base, params, context, out):
+        return out.to(device)
+    if sparsifier == "none" and params["normalize"] != "count":
+        # task arithmetic in float16/bfloat16: mergekit's own rounding, elementwise (chunks give the same bits and
+        # cache-sized temporaries)
+        flat, b = [t.reshape(-1) for t in tensors], base.reshape(-1)
+        for i in range(0, b.numel(), CHUNK):
+            out.view(-1)[i:i + CHUNK] = combine_in_dtype([t[i:i + CHUNK] for t in flat], b[i:i + CHUNK],
+                                                         [None] * len(flat), weights, consensus, params["normalize"],
+                                                         float(params["scale"]), False)
+        return out.to(device)
+    return _whole_task_vector_tensor(sparsifier, consensus, key, tensors, weights, base, params, context).to(device)
+
+
+def _whole_task_vector_tensor(sparsifier: str, consensus: str, key, tensors, weights, base, params, context):
+    """The torch rule (see :func:`_task_vector_tensor`) on CPU tensors."""
     b = base.double()
     ctx = {"n": tensors, "thresholds": context, "w": weights}
     deltas = [_sparsify_whole(sparsifier, key, i, t.double() - b, params, ctx, low=t - base) * w
@@ -769,8 +648,8 @@ def _whole_task_vector_tensor(sparsifier: str, consensus: str, key, tensors, wei
 
 
 def _needs_whole(sparsifier: str, consensus: str, params) -> bool:
-    """The parameters leave symmerge's chunked rule: per-model values that differ, a per-tensor top-k, a
-    rescale other than DARE's 1/(1 − p), or a normalisation other than the consensus' own."""
+    """The parameters leave symmerge's own variants (weight first): per-model values that differ, a per-tensor
+    top-k, a rescale other than DARE's 1/(1 − p), or a normalisation other than the consensus' own."""
     if any(not _agree(params.get(name)) for name in ("density", "drop")):
         return True
     if sparsifier in ("breadcrumbs", "della"):
@@ -781,18 +660,6 @@ def _needs_whole(sparsifier: str, consensus: str, params) -> bool:
         return True
     own = "count" if consensus == "ties" else False
     return params.get("normalize", own) != own
-
-
-def _legacy_or_whole(sparsify, sparsifier, consensus, key, tensors, weights, stats, base, params, context,
-                     fused=None):
-    if sparsifier == "none" and base.dtype in HALF and params["normalize"] != "count":
-        # task arithmetic in float16/bfloat16: mergekit's own rounding, elementwise (chunks give the same bits)
-        return combine_in_dtype(tensors, base, [None] * len(tensors), weights, consensus, params["normalize"],
-                                float(params["scale"]), False)
-    if _needs_whole(sparsifier, consensus, params):
-        return _whole_task_vector_tensor(sparsifier, consensus, key, tensors, weights, stats, base, params, context)
-    return _task_vector_tensor(sparsify, CONSENSUS[consensus], key, tensors, weights, stats, base, params, context,
-                               fused=fused)
 
 
 def _no_overlap_check(method: str, params) -> None:
@@ -821,13 +688,14 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
     name ``scale`` and whatever the sparsifier reads (``density``/``scope``, ``drop``/``seed``,
     ``gamma``, ``epsilon``). Every such method also takes mergekit's ``lambda`` (= ``scale``), ``normalize``,
     ``rescale`` and ``int8_mask`` (no effect: a storage choice of mergekit's masks), DARE's ``density``
-    (= 1 − ``drop``); ``density``, ``drop``, ``gamma`` and ``epsilon`` are per model. Under symmerge's own
-    parameters the rule runs chunk by chunk (and fused, with numba); under mergekit's (per-tensor top-k,
-    L1 rescale, ``normalize`` true/false, per-model values that differ, breadcrumbs, DELLA) on whole tensors."""
-    whole_only = sparsifier in ("breadcrumbs", "della")
-    if (sparsifier not in SPARSIFIERS and not whole_only) or consensus not in CONSENSUS:
+    (= 1 − ``drop``); ``density``, ``drop``, ``gamma`` and ``epsilon`` are per model. Every parameter set runs
+    in the one kernel (:func:`symmerge.merge.kernels_whole.task_vector_into`): symmerge's own variants (weight
+    first: a model-wide or per-tensor threshold, DARE's 1/(1 − p), the disjoint mean) and mergekit's forms
+    (sparsify first: per-tensor top-k, L1 rescale, ``normalize`` true/false, per-model values, breadcrumbs,
+    DELLA); mergekit's forms in float16/bfloat16 run mergekit's arithmetic in that dtype (the torch code)."""
+    if sparsifier not in SPARSIFIERS or consensus not in CONSENSUS:
         raise SymmergeError(f"unknown parts ({sparsifier!r}, {consensus!r}); sparsifiers: "
-                            f"{', '.join(SPARSIFIERS)}, breadcrumbs, della; consensus: {', '.join(CONSENSUS)}")
+                            f"{', '.join(SPARSIFIERS)}; consensus: {', '.join(CONSENSUS)}")
     params = {"normalize": "count" if consensus == "ties" else False, "int8_mask": False, **params}
     params.setdefault("rescale", "inverse" if sparsifier == "dare" else (True if sparsifier == "della" else False))
     aliases = {"lambda": ("scale", None)}
@@ -839,31 +707,12 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
         checks["density"] = real(0.0, 1.0)
     if sparsifier == "dare":
         checks["density"] = real(0.0, 1.0, lo_open=True)
-    if whole_only:
-        tensor = partial(_whole_task_vector_tensor, sparsifier, consensus)
-
-        def whole_into(key, tensors, weights, base, params, context, out):
-            return _whole_into(sparsifier, consensus, key, tensors, weights, base, params, out)
-
-        return Method(name, tensor, needs_base=True, params=dict(params), doc=doc, normalize_weights=False,
-                      elementwise=False, per_model=per_model, checks=checks, aliases=aliases, fused_into=whole_into,
-                      check_all=_no_overlap_check, weight_required=True, other_names=other_names)
-    sp = SPARSIFIERS[sparsifier]
-    tensor = partial(_legacy_or_whole, sp, sparsifier, consensus, fused=_FUSED.get((sparsifier, consensus)))
-    into = _INTO.get((sparsifier, consensus))
+    tensor = partial(_task_vector_tensor, sparsifier, consensus)
 
     def fused_into(key, tensors, weights, base, params, context, out):
-        if _needs_whole(sparsifier, consensus, params):
-            return _whole_into(sparsifier, consensus, key, tensors, weights, base, params, out)
-        return False if into is None else into(key, tensors, weights, base, params, context, out)
+        return _whole_into(sparsifier, consensus, key, tensors, weights, base, params, context, out)
 
-    def tensor_context(key, tensors, base, weights, params, context):
-        if sp.tensor_context is None or _needs_whole(sparsifier, consensus, params):
-            return context
-        return sp.tensor_context(key, tensors, base, weights, params, context)
-
-    return Method(name, tensor, needs=None, needs_base=True,
-                  params=dict(params), doc=doc, prepare=sp.prepare, normalize_weights=False, elementwise=True,
-                  tensor_context=tensor_context, fused_into=fused_into, per_model=per_model, checks=checks,
-                  aliases=aliases, weight_required=True, other_names=other_names,
-                  whole_tensor=lambda p: _needs_whole(sparsifier, consensus, p))
+    return Method(name, tensor, needs_base=True, params=dict(params), doc=doc, prepare=_PREPARE.get(sparsifier),
+                  normalize_weights=False, elementwise=False, per_model=per_model, checks=checks, aliases=aliases,
+                  fused_into=fused_into, check_all=_no_overlap_check if sparsifier == "della" else None,
+                  weight_required=True, other_names=other_names)

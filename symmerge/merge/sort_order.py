@@ -11,8 +11,8 @@ heapsort below a depth of 2·⌊log₂ n⌋ — which is deterministic: the same
 :func:`window_mask` runs that algorithm only where it decides the answer: a range is partitioned further only
 while it straddles one of the cuts (a range wholly inside or outside the window needs no order), so the work
 is that of a selection, O(n), not of a sort. Written from the algorithm's published description (the C++
-library's sort, introsort: Musser 1997); :func:`window_mask_by_sort` is torch's own sort, the definition, used
-where numba is missing and by the tests that compare the two.
+library's sort, introsort: Musser 1997); :func:`window_mask_by_sort` is torch's own sort, the definition the
+tests compare it with.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def window_mask_by_sort(keys: torch.Tensor, lo: int, hi: int, descending: bool) 
 
 
 def window_mask(keys: torch.Tensor, lo: int, hi: int, descending: bool) -> torch.Tensor:
-    """:func:`window_mask_by_sort`'s mask by a selection (numba; torch's sort where numba is missing)."""
+    """:func:`window_mask_by_sort`'s mask by a selection (numba, on the CPU: keys on another device are copied)."""
     n = keys.numel()
     lo, hi = max(0, min(lo, n)), max(0, min(hi, n))
     if hi <= lo:
@@ -259,9 +259,7 @@ def window_mask(keys: torch.Tensor, lo: int, hi: int, descending: bool) -> torch
     clear = _without_ties_at_the_cuts(keys, lo, hi, descending)
     if clear is not None:  # no tie straddles a cut: the window is a range of values, whatever the order of ties
         return clear
-    if not kernels.AVAILABLE or keys.device.type != "cpu":
-        return window_mask_by_sort(keys, lo, hi, descending)
-    v = keys.reshape(-1).to(torch.float32).numpy().copy()
+    v = keys.reshape(-1).to(torch.float32).cpu().numpy().copy()
     ix = _index_array(n)
     _positions_jit(v, ix, bool(descending))
     mask = np.zeros(n, dtype=np.bool_)
@@ -405,15 +403,15 @@ def topk_mask_by_torch(keys: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def topk_mask(keys: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`topk_mask_by_torch`'s mask by the same selection (numba; torch's top-k where numba is missing or the
-    keys are not float32)."""
+    """:func:`topk_mask_by_torch`'s mask by the same selection (numba, on the CPU; torch's top-k where the keys are
+    not float32: mergekit's order in its half dtype)."""
     n = keys.numel()
     k = max(0, min(k, n))
     if k == 0 or k == n:
         return torch.full(keys.shape, k == n, dtype=torch.bool)
-    if not kernels.AVAILABLE or keys.dtype != torch.float32 or keys.device.type != "cpu":
+    if keys.dtype != torch.float32:
         return topk_mask_by_torch(keys, k)
-    v = keys.reshape(-1).numpy().copy()
+    v = keys.reshape(-1).cpu().numpy().copy()
     ix = np.arange(n, dtype=np.int64)
     if k * 64 <= n:
         _heap_select_jit(v, ix, 0, k, n, True)

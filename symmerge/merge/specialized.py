@@ -276,9 +276,7 @@ def _sce_in_dtype(tensors, base, keep) -> torch.Tensor:
 def _sce_into(key, tensors, weights, base, params, context, out) -> bool:
     """SCE by the fused kernel (:func:`symmerge.merge.kernels_whole.sce_into`) into ``out``, or False (float16 and
     bfloat16: mergekit's arithmetic in that dtype, by the torch code)."""
-    from . import kernels
-
-    if not kernels.AVAILABLE or base.dtype in HALF:
+    if base.dtype in HALF:
         return False
     from .kernels_whole import sce_into
 
@@ -330,23 +328,18 @@ def _ram_tensor(key, tensors, weights, stats, base, params, context):
 
 def _ramplus_lambdas(key, tensors, base, weights, params, context):
     """RAM+'s per-tensor factors λ_i = 1 + r · clamp(ρ_i, 0, alpha) (shape (n, 1)), the counts of active entries
-    shared with other models and unique to model i taken chunk by chunk (exact integers): float64, or for
+    shared with other models and unique to model i (exact integers): counted by the kernel in float64, or for
     float16/bfloat16 inputs as mergekit computes them — which task vectors pass epsilon after their rounding to
-    that dtype, ρ and λ in float32."""
-    from .base import CHUNK
-
-    from . import kernels
-
+    that dtype, chunk by chunk, ρ and λ in float32 (the half-precision implementation)."""
     eps = float(params["epsilon"])
-    n = len(tensors)
-    counted = None
-    if kernels.AVAILABLE and base.dtype not in HALF:
+    if base.dtype not in HALF:
         from .kernels_whole import ram_counts
 
-        counted = ram_counts(tensors, base, eps)
-    if counted is not None:
-        shared_n, unique_n = (torch.from_numpy(c) for c in counted)
+        shared_n, unique_n = (torch.from_numpy(c) for c in ram_counts(tensors, base, eps))
     else:
+        from .base import CHUNK
+
+        n = len(tensors)
         shared_n, unique_n = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
         flat, b = [t.reshape(-1) for t in tensors], base.reshape(-1)
         for i in range(0, b.numel(), CHUNK):
@@ -373,9 +366,7 @@ def _ramplus_tensor(key, tensors, weights, stats, base, params, context):
 
 def _ram_into(key, tensors, weights, base, params, context, out) -> bool:
     """RAM (``context`` None) or RAM+ (``context``: its factors) by the fused kernel into ``out``, or False."""
-    from . import kernels
-
-    if not kernels.AVAILABLE or base.dtype in HALF:  # RAM and RAM+ in the half dtype: the torch code (mergekit's)
+    if base.dtype in HALF:  # RAM and RAM+ in the half dtype: the torch code (mergekit's arithmetic)
         return False
     from .kernels_whole import ram_into
 

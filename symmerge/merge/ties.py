@@ -20,10 +20,10 @@ tensor), γ = sign(Σ w_i τ̂_i) and the *mean* of the agreeing non-zero entrie
 
 from __future__ import annotations
 
-from .parts import disjoint_mean, magnitude_threshold, task_vector_method
+from .parts import magnitude_threshold, task_vector_method
 
 METHOD = task_vector_method("ties", "magnitude", "ties",
                             {"density": 1.0, "scale": 1.0, "scope": "topk", "normalize": True}, __doc__)
 merge = METHOD.merge
 
-__all__ = ["merge", "disjoint_mean", "magnitude_threshold"]
+__all__ = ["merge", "magnitude_threshold"]

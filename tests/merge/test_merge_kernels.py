@@ -1,15 +1,17 @@
-"""The fused TIES / DARE-TIES kernels (numba) against the torch definition, bit for bit, on adversarial
-values; and TIES against a from-definition reference written here without the library's parts."""
+"""symmerge's own TIES / DARE-TIES / DARE / task-arithmetic variants (weight first: model-wide or per-tensor
+threshold, 1/(1 − p), disjoint mean) by the one kernel (numba, kernels_whole.task_vector_into) against their torch
+definitions (reference_rules.py, the oracle kept in the tests), bit for bit, on adversarial values; and TIES
+against a from-definition reference written here without the library's parts."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from reference_rules import radix_thresholds, torch_rules
 
 from symmerge.merge import get_method, kernels
 from symmerge.merge.parts import dare_keep_mask
-
-needs_numba = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed (symmerge[fast])")
 
 
 def adversarial(n: int, size: int, dtype, seed: int) -> list[torch.Tensor]:
@@ -32,24 +34,26 @@ def adversarial(n: int, size: int, dtype, seed: int) -> list[torch.Tensor]:
 
 # symmerge's own variants of ties and dare_ties (model-wide threshold, 1/(1 - p), disjoint mean): the chunked
 # rules these kernels fuse; explicit parameters since every name means mergekit's method by default
-VARIANTS = {"ties": {"scope": "model", "normalize": "count"}, "dare_ties": {"rescale": "inverse", "normalize": "count"}}
+VARIANTS = {"ties": {"scope": "model", "normalize": "count"}, "dare_ties": {"rescale": "inverse", "normalize": "count"},
+            "dare_linear": {"rescale": "inverse", "normalize": False}, "task_arithmetic": {}}
+
+
+def by_definition(method: str, sds, **kwargs):
+    """``get_method(method).merge`` with the torch definitions (reference_rules.py) in place of the kernels."""
+    with pytest.MonkeyPatch.context() as mp:
+        torch_rules(mp)
+        return get_method(method).merge(sds, **kwargs)
 
 
 def both(method: str, models, base, weights, **params):
-    """The merge of ``method`` (symmerge's variant, unless the parameters say otherwise) with the fused kernels
-    and with the torch code."""
+    """The merge of ``method`` (symmerge's variant, unless the parameters say otherwise) by the kernel and by the
+    torch definition."""
     m = get_method(method)
     params = {**VARIANTS.get(method, {}), **params}
     sds = [{"w": t.reshape(-1, 40) if t.numel() % 40 == 0 else t} for t in models]
     b = {"w": base.reshape(-1, 40) if base.numel() % 40 == 0 else base}
-    saved = kernels.AVAILABLE
-    try:
-        kernels.AVAILABLE = True
-        fused = m.merge(sds, base=b, weights=weights, **params)["w"]
-        kernels.AVAILABLE = False
-        plain = m.merge(sds, base=b, weights=weights, **params)["w"]
-    finally:
-        kernels.AVAILABLE = saved
+    fused = m.merge(sds, base=b, weights=weights, **params)["w"]
+    plain = by_definition(method, sds, base=b, weights=weights, **params)["w"]
     return fused, plain
 
 
@@ -64,7 +68,6 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@needs_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_fused_ties_and_dare_ties_equal_the_torch_code_bit_for_bit(dtype, n):
@@ -82,7 +85,6 @@ def test_fused_ties_and_dare_ties_equal_the_torch_code_bit_for_bit(dtype, n):
         assert not torch.equal(fused, base.reshape(fused.shape))  # a real merge
 
 
-@needs_numba
 def test_fused_threshold_equals_the_torch_radix_select():
     from symmerge.merge.parts import task_vector_thresholds
 
@@ -91,18 +93,12 @@ def test_fused_threshold_equals_the_torch_radix_select():
     halves = [(list(t[:20000] for t in models), base[:20000]), (list(t[20000:] for t in models), base[20000:])]
     for weights in ([1.0, 1.0, 1.0], [0.3, 2.5, 1.0]):
         for density in (1e-4, 0.01, 0.2, 0.77):
-            got = {}
-            for avail in (True, False):
-                kernels.AVAILABLE, saved = avail, kernels.AVAILABLE
-                try:
-                    got[avail] = task_vector_thresholds(lambda: iter(halves), weights, density)
-                finally:
-                    kernels.AVAILABLE = saved
-            assert got[True] == got[False]
+            got = task_vector_thresholds(lambda: iter(halves), weights, density)
+            assert got == radix_thresholds(lambda: iter(halves), weights, density)
             for i, w in enumerate(weights):  # and the k-th largest float32 magnitude by a sort
                 mags = ((models[i].double() - base.double()) * w).abs().float()
                 k = max(1, round(density * mags.numel()))
-                assert got[True][i] == mags.sort(descending=True).values[k - 1].item()
+                assert got[i] == mags.sort(descending=True).values[k - 1].item()
 
 
 def ties_by_definition(models, base, density: float, scale: float) -> torch.Tensor:
@@ -129,42 +125,33 @@ def ties_by_definition(models, base, density: float, scale: float) -> torch.Tens
     return torch.tensor(out, dtype=torch.float64).to(base.dtype)
 
 
-@pytest.mark.parametrize("fused", [True, False] if kernels.AVAILABLE else [False])
+@pytest.mark.parametrize("fused", [True, False])
 def test_ties_equals_its_definition_entry_by_entry(fused):
     g = torch.Generator().manual_seed(2)
     base = torch.randn(3000, generator=g)
     models = [base + torch.randn(3000, generator=g) * 0.1 for _ in range(3)]
     models[1][:300] = models[0][:300]  # equal entries, and opposite ones that cancel in the sum
     models[2][:300] = 2 * base[:300] - models[0][:300]
-    saved = kernels.AVAILABLE
-    kernels.AVAILABLE = fused
-    try:
-        got = get_method("ties").merge([{"w": m} for m in models], base={"w": base}, density=0.3, scale=0.8)["w"]
-        wrong = get_method("ties").merge([{"w": m} for m in models], base={"w": base}, density=0.31, scale=0.8)["w"]
-    finally:
-        kernels.AVAILABLE = saved
+    merge = get_method("ties").merge if fused else (lambda *a, **k: by_definition("ties", *a, **k))
+    params = dict(VARIANTS["ties"], scale=0.8)
+    got = merge([{"w": m} for m in models], base={"w": base}, density=0.3, **params)["w"]
+    wrong = merge([{"w": m} for m in models], base={"w": base}, density=0.31, **params)["w"]
     expected = ties_by_definition(models, base, 0.3, 0.8)
     assert torch.equal(got, expected)
     assert not torch.equal(wrong, expected)  # the reference tells densities apart
 
 
-@needs_numba
 def test_fused_dare_ties_uses_the_documented_masks():
     n = 40000
     base = torch.zeros(n)
     models = [torch.full((n,), 1.0), torch.full((n,), -0.5)]
-    kernels.AVAILABLE, saved = True, kernels.AVAILABLE
-    try:
-        out = get_method("dare_ties").merge([{"w": m} for m in models], base={"w": base}, drop=0.5, seed=11,
-                                            **VARIANTS["dare_ties"])["w"]
-    finally:
-        kernels.AVAILABLE = saved
+    out = get_method("dare_ties").merge([{"w": m} for m in models], base={"w": base}, drop=0.5, seed=11,
+                                        **VARIANTS["dare_ties"])["w"]
     k0, k1 = dare_keep_mask((n,), 0.5, 11, 0, "w"), dare_keep_mask((n,), 0.5, 11, 1, "w")
     expect = torch.where(k0, 2.0, torch.where(k1, -1.0, 0.0))  # model 0 wins where both survive
     assert torch.equal(out, expect)
 
 
-@needs_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("n", [2, 3])  # two inputs: the three sums in one pass
 def test_fused_report_distances_equal_float64_sums(dtype, n):
@@ -179,7 +166,6 @@ def test_fused_report_distances_equal_float64_sums(dtype, n):
     assert kernels.sq_distances([xs[0].half()], y.half()) is None  # float16: the caller's torch code
 
 
-@needs_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_fused_average_equals_the_torch_code_bit_for_bit(dtype, n):
@@ -187,22 +173,17 @@ def test_fused_average_equals_the_torch_code_bit_for_bit(dtype, n):
     round-to-nearest-even through float32) against the chunked torch rule, on adversarial values."""
     models = adversarial(n, 3 * 32768 + 200, dtype, seed=10 + n)[1:]  # several chunks of the torch loop
     m, sds = get_method("average"), [{"w": t.reshape(-1, 8)} for t in models]
-    saved = kernels.AVAILABLE
     for weights in (None, [0.7, 1.3, 2.0, 0.5, 1.0][:n], [1e-30, 1.0, 3.0, 1e-3, 7.0][:n]):
-        try:
-            kernels.AVAILABLE = True
-            fused = m.merge(sds, weights=weights)["w"]
-            kernels.AVAILABLE = False
+        fused = m.merge(sds, weights=weights)["w"]
+        with pytest.MonkeyPatch.context() as mp:  # the torch chunks (the rule where the kernel declines)
+            mp.setattr(kernels, "average_into", lambda *a: False)
             plain = m.merge(sds, weights=weights)["w"]
-        finally:
-            kernels.AVAILABLE = saved
         assert fused.dtype == dtype and bits_equal(fused, plain), weights
         if n > 1:
             assert not torch.equal(fused, models[0].reshape(fused.shape))  # a real merge
     assert kernels._average_agrees()  # this machine gives torch's bits, so the kernel really ran above
 
 
-@needs_numba
 def test_fused_average_declines_what_it_does_not_cover():
     x = torch.randn(100)
     out = torch.empty(100)
@@ -227,34 +208,35 @@ def test_dare_uniforms_are_splitmix64_known_answers():
     assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean().item() - 0.5) < 0.01
 
 
-@needs_numba
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_chunk_kernels_equal_the_torch_code_when_the_whole_tensor_kernel_declines(dtype, monkeypatch):
-    """The chunk-by-chunk kernel (used where the whole-tensor one declines) gives the torch code's bits
-    too, DARE's uniforms continuing across chunks."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_every_own_variant_equals_its_definition(dtype):
+    """symmerge's own variants of every task-vector rule (the model-wide and per-tensor thresholds, DARE's
+    1/(1 − p) with the sum and the disjoint mean, task arithmetic), float16 included (computed from the float64
+    result, rounded once), by the kernel and by the torch definition: the same bits."""
     tensors = adversarial(3, 2 * 32768 + 77, dtype, seed=5)
     base, models = tensors[0], tensors[1:]
-    monkeypatch.setattr(kernels, "ties_into", lambda *a, **k: False)
-    for method, params in (("ties", dict(density=0.2)), ("dare_ties", dict(drop=0.7, seed=2, scale=1.3))):
-        fused, plain = both(method, models, base, None, **params)
-        assert bits_equal(fused, plain), method
+    for method, params in (("ties", dict(density=0.2)), ("ties", dict(density=0.4, scope="tensor")),
+                           ("dare_ties", dict(drop=0.7, seed=2, scale=1.3)), ("dare_linear", dict(drop=0.3, seed=4)),
+                           ("dare_linear", dict(drop=0.3, seed=4, normalize="count")),
+                           ("task_arithmetic", dict(scale=0.7, normalize="count"))):
+        fused, plain = both(method, models, base, [0.7, -1.3, 2.0], **params)
+        assert fused.dtype == dtype and bits_equal(fused, plain), (method, params)
 
 
-@needs_numba
 def test_dare_kernel_draws_the_documented_uniforms_far_into_a_stream():
-    """Entries beyond 2³² of a tensor's stream: the kernel's integer test k ≥ ⌈drop·2⁵³⌉ keeps exactly
-    the entries whose :func:`dare_uniforms` value is ≥ drop."""
+    """Entries beyond 2³² of a tensor's stream: the kernel's integer test k ≥ ⌈drop·2⁵³⌉ on the stream's 53
+    bits keeps exactly the entries whose :func:`dare_uniforms` value is ≥ drop."""
     from symmerge.merge.parts import dare_uniforms
 
     m, start, seed, drop = 5000, (1 << 33) + 11, 123456789, 0.37
-    model, base = torch.ones(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
-    got = kernels.ties_chunk([model], base, [1.0], seeds=[seed], index=start, drop=drop)
+    cut = np.uint64(np.ceil(drop * 9007199254740992.0))
+    bits = [kernels._bits53_jit(np.uint64(seed), start + j) for j in range(m)]
     keep = dare_uniforms(seed, start, m) >= drop
-    assert torch.equal(got, torch.where(keep, torch.tensor(1.0 / (1.0 - drop), dtype=torch.float64), 0.0))
+    assert [bool(b >= cut) for b in bits] == keep.tolist()
+    assert [float(b) * 2.0 ** -53 for b in bits[:50]] == dare_uniforms(seed, start, 50).tolist()
     assert 0.55 < keep.double().mean().item() < 0.70
 
 
-@needs_numba
 @pytest.mark.parametrize("split", [1, 2, 3])
 def test_split_threshold_counts_equal_one_pass(split, monkeypatch):
     """Tensors of at least 2²⁰ entries are counted by several threads, each range into its own
@@ -282,7 +264,6 @@ def kth_largest_magnitudes(pairs, weights, density):
     return out
 
 
-@needs_numba
 @pytest.mark.parametrize("split", [1, 2])
 def test_window_thresholds_equal_a_sort(split, monkeypatch):
     """The one-visit select (a sample places a window around the k-th largest; the visit counts above
@@ -309,7 +290,6 @@ def test_window_thresholds_equal_a_sort(split, monkeypatch):
             assert taken[-1] == got, (weights, density)  # found in one visit, no fallback
 
 
-@needs_numba
 def test_window_thresholds_fall_back_when_the_window_misses(monkeypatch):
     """A window that misses the k-th largest (or overflows its buffer) is detected: the two-visit radix
     select then gives the exact thresholds."""
@@ -327,7 +307,6 @@ def test_window_thresholds_fall_back_when_the_window_misses(monkeypatch):
         assert parts.task_vector_thresholds(lambda: iter(pairs), [1.0, 1.0], 0.2, total=300_000) == want
 
 
-@needs_numba
 def test_ties_merge_with_the_window_select_equals_the_torch_code(monkeypatch):
     """The whole TIES merge (model-wide thresholds through the method's prepare) is bit-equal to the
     torch code when the thresholds come from the one-visit select."""
@@ -341,14 +320,15 @@ def test_ties_merge_with_the_window_select_equals_the_torch_code(monkeypatch):
         assert bits_equal(fused, plain), density
 
 
-@needs_numba
 @pytest.mark.parametrize("split", [2, 3])
 def test_split_ties_merge_equals_the_torch_code(split, monkeypatch):
     """A tensor merged by several threads, each over its own range of entries (DARE's uniforms indexed
     from the range's first entry), is bit-equal to the torch code: TIES and DARE-TIES, float32 and
     bfloat16."""
+    from symmerge.merge import kernels_whole
+
     monkeypatch.setattr(kernels, "workers", lambda: split)
-    monkeypatch.setattr(kernels, "_SPLIT_MERGE", 1000)
+    monkeypatch.setattr(kernels_whole, "_SPLIT", 1000)
     def drop_pools():
         for pool in kernels._pools.values():
             pool.shutdown()

@@ -1,5 +1,6 @@
-"""The fused kernels of mergekit's whole-tensor task-vector rules (symmerge/merge/kernels_whole.py) against the
-torch definition (parts.py) and against brute force: the radix select against a sort, the masks against
+"""The one kernel of the task-vector rules under mergekit's forms (symmerge/merge/kernels_whole.py), SCE's and RAM's,
+against the torch definitions (reference_rules.py: the product's float64 torch code, the implementation for the half
+dtypes) and against brute force: the radix select against a sort, the masks against
 the stable sorts of their definitions (ties at the cuts included), the merged tensors against the torch code
 (bit for bit without an L1 rescale; within the rounding of the rescale factor with one)."""
 
@@ -9,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from symmerge.merge import get_method, kernels
-from symmerge.merge.parts import _keep_topk, breadcrumbs_band, della_keep_mask
+from reference_rules import torch_rules
 
-needs_numba = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed (symmerge[fast])")
+from symmerge.merge import get_method
+from symmerge.merge.parts import _keep_topk, breadcrumbs_band, della_keep_mask
 
 
 def tied(n: int, shape, dtype, seed: int) -> list[torch.Tensor]:
@@ -31,18 +32,23 @@ def tied(n: int, shape, dtype, seed: int) -> list[torch.Tensor]:
     return [t.to(dtype) for t in out]
 
 
-def run(method: str, models, base, weights, avail: bool, **params):
+def run(method: str, models, base, weights, kernel: bool, **params):
+    """The merge by the kernels (``kernel``) or by the torch definitions (reference_rules.py)."""
+    import dataclasses
+
+    from symmerge.merge import specialized
+
     m = get_method(method)
-    p = dict(params)
-    saved = kernels.AVAILABLE
-    try:
-        kernels.AVAILABLE = avail
-        return m.merge([{"w": t} for t in models], base={"w": base}, weights=weights, **p)["w"]
-    finally:
-        kernels.AVAILABLE = saved
+    sds = [{"w": t} for t in models]
+    if kernel:
+        return m.merge(sds, base={"w": base}, weights=weights, **params)["w"]
+    with pytest.MonkeyPatch.context() as mp:
+        torch_rules(mp)
+        if m in (specialized.SCE, specialized.RAM, specialized.RAMPLUS_TL):  # their torch code; RAM+'s factors by torch
+            m = dataclasses.replace(m, fused_into=None, tensor_context=m.tensor_context and specialized._ramplus_lambdas)
+        return m.merge(sds, base={"w": base}, weights=weights, **params)["w"]
 
 
-@needs_numba
 @pytest.mark.parametrize("seed", range(3))
 def test_window_masks_are_the_positions_of_torchs_sort(seed):
     """The selection (libstdc++'s introsort run only where it straddles a cut) keeps the entries torch's own
@@ -79,7 +85,6 @@ def _mask_of(rule, tau: torch.Tensor) -> torch.Tensor:
     return out != 0
 
 
-@needs_numba
 @pytest.mark.parametrize("seed", range(4))
 def test_magnitude_masks_equal_torchs_sorts(seed):
     from symmerge.merge.sort_order import window_mask_by_sort
@@ -111,7 +116,6 @@ def test_magnitude_masks_equal_torchs_sorts(seed):
             assert torch.equal(got, want), (density, gamma)
 
 
-@needs_numba
 def test_della_mask_equals_its_definition():
     from symmerge.merge.parts import dare_seed
 
@@ -141,7 +145,6 @@ CASES = [
 ]
 
 
-@needs_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("shape", [(37, 61), (2001,)])
 @pytest.mark.parametrize("method, params", CASES)
@@ -163,7 +166,6 @@ def test_kernel_equals_the_torch_code(method, params, shape, dtype):
         assert torch.equal(fused.view(torch.uint8), plain.view(torch.uint8)), (method, params)
 
 
-@needs_numba
 def test_the_split_merge_equals_one_part(monkeypatch):
     from symmerge.merge import kernels_whole
 
@@ -175,15 +177,24 @@ def test_the_split_merge_equals_one_part(monkeypatch):
     assert torch.equal(whole, run("ties", models, base, [0.5, 0.5, 1.0], False, density=0.3))
 
 
-@needs_numba
-def test_the_kernel_declines_what_it_does_not_cover():
+def test_the_kernel_declines_della_on_more_than_two_dimensions_and_writes_any_output():
+    """DELLA's rows on more than two dimensions: the torch code (False, nothing written); a float16 or
+    non-contiguous output is written from the CPU result (float16 rounded once from float64)."""
     from symmerge.merge.kernels_whole import task_vector_into
 
-    t = torch.randn(4, 3, 5)
-    half = torch.empty(4, 3, 5, dtype=torch.float16)
-    assert not task_vector_into([t], t, [1.0], [("all",)], [None], "sum", False, 1.0, half)
-    assert not task_vector_into([t], t, [1.0], [("della", 1, 0.5, 0.1)], [None], "sum", False, 1.0,
+    g = torch.Generator().manual_seed(1)
+    t, b = torch.randn(4, 3, 5, generator=g), torch.randn(4, 3, 5, generator=g)
+    assert not task_vector_into([t], b, [1.0], [("della", 1, 0.5, 0.1)], [None], "sum", False, 1.0,
                                 torch.empty_like(t))
+    wide = torch.empty(4, 3, 5, dtype=torch.float64)
+    assert task_vector_into([t], b, [0.5], [("all",)], [None], "sum", False, 1.0, wide)
+    assert torch.equal(wide, b.double() + (t.double() - b.double()) * 0.5)
+    half = torch.empty(4, 3, 5, dtype=torch.float16)
+    assert task_vector_into([t], b, [0.5], [("all",)], [None], "sum", False, 1.0, half)
+    assert torch.equal(half, wide.half())
+    strided = torch.empty(5, 3, 4).permute(2, 1, 0)
+    assert task_vector_into([t], b, [0.5], [("all",)], [None], "sum", False, 1.0, strided)
+    assert torch.equal(strided, wide.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -207,7 +218,6 @@ def test_sce_keeps_the_positions_torch_topk_of_the_variances_returns(topk, dtype
     assert torch.equal(got, want)
 
 
-@needs_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("topk", [0.0, 0.2, 0.5, 1.0])
 def test_sce_kernel_equals_the_torch_code(topk, dtype):
@@ -220,7 +230,6 @@ def test_sce_kernel_equals_the_torch_code(topk, dtype):
     assert dtype == torch.float64 or (fused != plain).double().mean() < 0.01
 
 
-@needs_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("method, params", [("ram", dict(epsilon=0.1)), ("ram", dict(epsilon=0.0)),
                                             ("ramplus_tl", dict(epsilon=0.1, r=0.5, alpha=0.3)),

@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from symmerge.merge import kernels
 
-needs_numba = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed (symmerge[fast])")
 
 
 def few_values(n_models: int, m: int, seed: int):
@@ -23,7 +21,6 @@ def few_values(n_models: int, m: int, seed: int):
     return base, [base + levels[torch.randint(0, len(levels), (m,), generator=g)] for _ in range(n_models)]
 
 
-@needs_numba
 @pytest.mark.parametrize("rescale", [False, True])
 @pytest.mark.parametrize("seed", range(3))
 def test_the_election_in_the_kernel_is_mergekits_float32_election(seed, rescale):
@@ -53,7 +50,6 @@ def test_the_election_in_the_kernel_is_mergekits_float32_election(seed, rescale)
         assert int((want != (exact >= 0)).sum()) > 0
 
 
-@needs_numba
 def test_the_block_partition_makes_the_librarys_swaps():
     from symmerge.merge import sort_order as so
 
@@ -71,7 +67,6 @@ def test_the_block_partition_makes_the_librarys_swaps():
         assert cut_a == cut_b and np.array_equal(ia, ib) and np.array_equal(a, b), trial
 
 
-@needs_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_window_of_the_kernels_arrays_is_torchs_sort(dtype):
     from symmerge.merge.sort_order import magnitudes, window_mask_by_sort, window_mask_into

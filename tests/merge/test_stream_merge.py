@@ -326,10 +326,8 @@ def test_read_blocks_reads_the_sampled_entries(folders):
 def test_streamed_ties_with_the_sampled_window_equals_in_memory(folders, tmp_path, capsys, monkeypatch):
     """The streamed TIES threshold through the sampled window (blocks read where they lie, one counting
     visit) gives the in-memory merge bit for bit, and the window path is the one taken."""
-    from symmerge.merge import kernels, parts
+    from symmerge.merge import parts
 
-    if not kernels.AVAILABLE:
-        pytest.skip("numba is not installed (symmerge[fast])")
     monkeypatch.setattr(parts, "_WINDOW_MIN", 0)
     monkeypatch.setattr(parts, "_SAMPLE", 1 << 12)
     found = []

@@ -18,17 +18,12 @@ from guards import MAX_LINES, MAX_PARAMETERS, attribute_bags, bags, shape
 LONG = {
     "pipeline/learn.py::_learn_round": "the learned matcher's optimisation round (the dual engineer's area this "
                                        "round: its signature only is changed here)",
-    "merge/kernels_whole.py::task_vector_into": "a fused task-vector kernel (the rules engineer's file: one "
-                                                "implementation per rule replaces it)",
 }
 
 # path::function (relative to symmerge/) → why it still takes more than MAX_PARAMETERS parameters
 WIDE = {
     "merge/kernels_whole.py::_combine": "a numba kernel: its arrays and scalars are its parameters (the rules "
                                         "engineer's file)",
-    "merge/kernels.py::_ties_into": "a numba kernel's arrays and scalars (the rules engineer's file)",
-    "merge/kernels.py::_ties": "a numba kernel's arrays and scalars (the rules engineer's file)",
-    "merge/parts.py::_legacy_or_whole": "the rules engineer's file (one implementation per rule replaces it)",
     "merge/plan.py::merge_report": "the report's entries (the plans engineer builds one report builder)",
     "pipeline/to_folder.py::align_to_folder": "the public API of `symmerge align` (the plans engineer's file)",
     "pipeline/activations.py::match_activations": "the activation matcher (the scale engineer's file this round)",
