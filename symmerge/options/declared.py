@@ -86,7 +86,8 @@ OPTIONS = (
         help="max relative output difference accepted (default: 1e-4 fp32, 5e-2 half)"),
     opt("stream", "--stream", on=ALIGN, form="switch", default=False,
         help="layer by layer from safetensors shards, never holding a whole model in memory (attn, ffn, rescale; "
-             "not residual)"),
+             "not residual): --match weights, or --match learned learned from the files one layer at a time "
+             "(docs/results/learned_scale.md)"),
     opt("shard_size", "--shard-size", on=ALIGN, default="1GB",
         help="with --stream: largest output shard (default 1GB; without --pipeline shards are also cut at about one "
              "layer, to bound memory)"),
@@ -332,9 +333,10 @@ OPTIONS = (
              "bfloat16 autocast (faster on CPUs with bf16 instructions; the checks stay float32, the elements are "
              "applied and verified in float64)"),
     opt("learn_frame", "--learn-frame", on=ALIGNING, part=ALIGNMENT, choices=LEARN_FRAMES, learn="frame",
-        help="--match learned, two models: one-sided (default: A moved onto B) or dual (both moved into a frame "
-             "between them, each folded LayerNorm split back into a per-coordinate scale and shift of its own; both "
-             "verified against their originals; docs/results/dual_learned.md)"),
+        help="--match learned: one-sided (default: A moved onto B, or every model onto the frame model) or dual "
+             "(every model moved into a frame between them, each folded LayerNorm split back into a per-coordinate "
+             "scale and shift of its own; each verified against its original; not with --star/--anchor/--base; "
+             "docs/results/dual_learned.md, docs/results/quality_learned.md)"),
     opt("learn_layerwise", "--learn-layerwise", on=ALIGNING, part=ALIGNMENT, form="const", learn="layerwise",
         help="--match learned: build and differentiate the interpolated model one layer at a time (gradient "
              "checkpointing per layer): the same objective and gradient in memory bounded by a few layers (LLM-size "
