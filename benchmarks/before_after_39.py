@@ -106,9 +106,9 @@ def b1(args) -> int:
 
 def methods_table(paths: list[str]) -> None:
     """Markdown rows from ``bench_methods`` JSONs (one method or many each)."""
-    print("| method | dtype | after wall s | RSS GB | before wall s | RSS GB | after/before wall | RSS | mergekit wall s "
+    print("| method | dtype | after wall s | RSS GB | before wall s | RSS GB | after/before wall | CPU | RSS | mergekit wall s "
           "| RSS GB | after / before vs mergekit (wall) | gap after | gap before | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p in paths:
         d = json.loads(Path(p).read_text())
         for m, r in d["methods"].items():
@@ -118,7 +118,8 @@ def methods_table(paths: list[str]) -> None:
                 return f"{c['gap']:.2g}" + (" (=)" if c.get("equal") else "") if isinstance(c, dict) else "?"
 
             print(f"| {m} | {d['dtype'] or 'float32'} | {s['wall_s']:.2f} | {s['peak_rss_gb']:.2f} | {b['wall_s']:.2f} "
-                  f"| {b['peak_rss_gb']:.2f} | {s['wall_s'] / b['wall_s']:.2f} | {s['peak_rss_gb'] / b['peak_rss_gb']:.2f} "
+                  f"| {b['peak_rss_gb']:.2f} | {s['wall_s'] / b['wall_s']:.2f} | {s['cpu_s'] / b['cpu_s']:.2f} "
+                  f"| {s['peak_rss_gb'] / b['peak_rss_gb']:.2f} "
                   f"| {k['wall_s']:.1f} | {k['peak_rss_gb']:.2f} | {r['ratios']['wall_s']:.3f} / "
                   f"{r['ratios_before']['wall_s']:.3f} | {gap(r['closeness'])} | {gap(r['closeness_before'])} "
                   f"| {d['load_average'][0]:.1f} |")
