@@ -346,7 +346,10 @@ class StreamExecutor:
         ``result_warnings`` (:func:`symmerge.merge.outputs.check_result`: a non-finite result is an error)."""
         import torch
 
+        from .in_dtype import remember_threads
+
         threads = torch.get_num_threads()
+        remember_threads(threads)  # mergekit's arithmetic in the half dtype runs with this count (in_dtype)
         torch.set_num_threads(1)  # parallel work: the reader, merging and writer threads (chunks single-threaded)
         try:
             return self._run(folder, target)

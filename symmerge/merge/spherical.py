@@ -43,6 +43,7 @@ import torch
 from ..errors import SymmergeError
 from .base import REQUIRED, Method, boolean, integer, real
 from .combination import gram, linear_into, linear_tensor, with_base
+from .in_dtype import in_mergekit_threads
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -176,6 +177,7 @@ def nuslerp_in_dtype(a: torch.Tensor, b: torch.Tensor, t: float, dim: int | None
     return (out if dim is None else out.transpose(dim, -1)).reshape(shape)
 
 
+@in_mergekit_threads
 def _nuslerp_half(tensors, base, weights, params) -> torch.Tensor:
     """nuslerp in the inputs' half dtype (:func:`nuslerp_in_dtype`), on the task vectors (rounded to it) given a
     base, added back to the base in it."""
@@ -282,6 +284,7 @@ def multislerp_in_dtype(tensors, base, weights, normalize: bool, eps: float) -> 
     return out if base is None else out + base
 
 
+@in_mergekit_threads
 def _multislerp_half(tensors, base, weights, params) -> torch.Tensor:
     return multislerp_in_dtype(tensors, base, weights, bool(params["normalize_weights"]), float(params["eps"]))
 
@@ -417,6 +420,7 @@ def karcher_in_dtype(tensors, alphas, max_iter: int, tol: float) -> torch.Tensor
     return sum(al * n for al, n in zip(alphas, norms)) * mean
 
 
+@in_mergekit_threads
 def _karcher_half(tensors, base, weights, params) -> torch.Tensor:
     n = len(tensors)
     return karcher_in_dtype(tensors, [1.0 / n] * n, int(params["max_iter"]), float(params["tol"]))

@@ -140,3 +140,30 @@ def test_multislerp_float16_tensor_unchanged_by_fine_tuning_is_finite():
     out = multislerp_in_dtype(same, None, [1.0, 2.0, 3.0], True, 1e-8)
     assert out.isfinite().all()
     assert torch.allclose(out.float(), same[0].float(), rtol=2 * 2.0 ** -11, atol=0)  # within the roundings in float16
+
+
+def test_nuslerp_above_torchs_grain_size_is_mergekits_bits_with_mergekits_threads(tmp_path):
+    """A bfloat16 dot product or norm over more than 32 768 entries is split among torch's threads and rounds
+    differently with their number; mergekit computes with the process's thread count, symmerge's executor pins its
+    merging thread to one — so the half-dtype rules run with the count the process had (``in_dtype``). Measured
+    before on SmolLM2 (bench_methods, bfloat16): nuslerp 0.27 from mergekit with two threads, 0 with one."""
+    from conftest import run_cli
+
+    base, fts = mo.family(tmp_path / "m", "llama", "bfloat16", n=2, hidden=256)  # q_proj: 65 536 entries
+    cfg = {"merge_method": "nuslerp", "models": [{"model": str(f), "parameters": {"weight": w}}
+                                                 for f, w in zip(fts, (0.3, 0.7))], "dtype": "bfloat16"}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        theirs = mo.tensors(mo.run_mergekit(cfg, tmp_path / "mk"))
+        import yaml
+
+        (tmp_path / "c.yml").write_text(yaml.safe_dump(cfg))
+        assert run_cli("run", tmp_path / "c.yml", tmp_path / "ours") == 0
+    finally:
+        torch.set_num_threads(threads)
+    ours = mo.tensors(tmp_path / "ours")
+    big = [k for k, t in theirs.items() if t.numel() > 32768]
+    assert big
+    for k, t in theirs.items():
+        assert torch.equal(ours[k], t), k
