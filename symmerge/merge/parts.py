@@ -418,7 +418,9 @@ def della_keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) 
     ranked by magnitude (ties in order) get density − ε for the smallest up to density + ε for the largest,
     linear in the rank; float64."""
     t = tau.unsqueeze(0) if tau.dim() < 2 else tau
-    ranks = torch.sort(t.abs(), dim=1, stable=True).indices.argsort(dim=1).double()
+    order = torch.sort(t.abs(), dim=1, stable=True).indices
+    ranks = torch.empty(order.shape, dtype=torch.float64, device=t.device)  # the inverse permutation, by scatter
+    ranks.scatter_(1, order, torch.arange(t.shape[1], dtype=torch.float64, device=t.device).expand(order.shape))
     span = max(t.shape[1] - 1, 1)
     probs = (density - epsilon) + (ranks / span).clamp(0, 1) * 2.0 * epsilon
     return probs.reshape(tau.shape)
