@@ -142,16 +142,21 @@ def test_multislerp_float16_tensor_unchanged_by_fine_tuning_is_finite():
     assert torch.allclose(out.float(), same[0].float(), rtol=2 * 2.0 ** -11, atol=0)  # within the roundings in float16
 
 
-def test_nuslerp_above_torchs_grain_size_is_mergekits_bits_with_mergekits_threads(tmp_path):
+@pytest.mark.parametrize("method", ["nuslerp", "model_stock"])
+def test_half_rules_above_torchs_grain_size_are_mergekits_bits_with_mergekits_threads(tmp_path, method):
     """A bfloat16 dot product or norm over more than 32 768 entries is split among torch's threads and rounds
     differently with their number; mergekit computes with the process's thread count, symmerge's executor pins its
     merging thread to one — so the half-dtype rules run with the count the process had (``in_dtype``). Measured
-    before on SmolLM2 (bench_methods, bfloat16): nuslerp 0.27 from mergekit with two threads, 0 with one."""
+    before on SmolLM2 (bench_methods, bfloat16, mergekit on two threads): nuslerp 0.27 and model_stock 0.33 from
+    mergekit; 0 now."""
     from conftest import run_cli
 
-    base, fts = mo.family(tmp_path / "m", "llama", "bfloat16", n=2, hidden=256)  # q_proj: 65 536 entries
-    cfg = {"merge_method": "nuslerp", "models": [{"model": str(f), "parameters": {"weight": w}}
-                                                 for f, w in zip(fts, (0.3, 0.7))], "dtype": "bfloat16"}
+    base, fts = mo.family(tmp_path / "m", "llama", "bfloat16", n=3, hidden=256)  # q_proj: 65 536 entries
+    cfg = {"merge_method": method, "models": [{"model": str(f), "parameters": {"weight": w}}
+                                              for f, w in zip(fts[:2], (0.3, 0.7))], "dtype": "bfloat16"}
+    if method == "model_stock":
+        cfg = {"merge_method": method, "base_model": str(base), "models": [{"model": str(f)} for f in fts],
+               "dtype": "bfloat16"}
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
