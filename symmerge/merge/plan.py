@@ -229,6 +229,11 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     model_type = model_type_of(models[0])
     align, note = recommended(options.align, model_type=model_type, base_given=options.base is not None)
     aligns = bool(align.symmetries)
+    if aligns and has_spec(model_type):  # --align experts on a dense family: one line, as align and barrier say
+        from ..families import spec_for
+        from ..pipeline.recommend import require_declared
+
+        require_declared(spec_for(model_type), align)
     mode, why = choose_mode(mode, m, options, models, aligns)
     index, rule = anchor_rule(n, options.anchor, options.base is not None) if aligns else (None, None)
     if not aligns:

@@ -36,6 +36,22 @@ def test_align_refuses_a_symmetry_the_family_does_not_declare(llamas, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("extra", [[], ["--mode", "stream"], ["--print-plan"]])
+def test_merge_refuses_it_too(llamas, tmp_path, capsys, extra):
+    """``merge --align experts`` on a Llama (found after the align refusal: merge exited 0 and aligned nothing of
+    it) — the merge plan asks the same question."""
+    capsys.readouterr()
+    rc = run_cli("merge", *llamas, "--method", "average", "--align", "attn,experts", "-o", tmp_path / "out",
+                 "--progress", "none", *extra)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and not out, (rc, err)
+    assert lines[0].startswith("symmerge: error: the llama family has no 'experts' symmetry"), lines
+    assert not (tmp_path / "out").exists()
+    assert run_cli("merge", *llamas, "--method", "average", "--align", "attn", "-o", tmp_path / "ok",
+                   "--progress", "none") == 0
+
+
 def test_the_library_entry_refuses_it_too_and_a_mixture_takes_it(llamas, tmp_path):
     """``symmerge.align_to_folder`` plans as the command does; ``align_pair`` keeps taking every symmetry name (the
     groups the family has are aligned: a list of all of them is how the tests of every family call it)."""
