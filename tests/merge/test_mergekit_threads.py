@@ -1,28 +1,14 @@
 """mergekit's arithmetic in the half dtype runs with the thread count the process had before the executor pinned
 its merging thread to one (``symmerge.merge.in_dtype``): bfloat16 reductions over more than 32 768 entries round
-differently with torch's number of threads."""
+differently with torch's number of threads (on the AVX512 machine where it was found: a bfloat16 dot product of
+884 736 entries summed to 644 on one thread and 640 on two — a fact of one CPU's kernels, so not a test here; the
+mergekit oracle test in ``test_rules_half_dtype.py`` compares both tools at one thread count instead)."""
 
 from __future__ import annotations
 
 import torch
 
 from symmerge.merge import in_dtype
-
-
-def test_a_bfloat16_sum_depends_on_torchs_thread_count():
-    """Why it matters (the premise the rule rests on; on one core there is nothing to split)."""
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(576 * 1536, generator=g).bfloat16()
-    b = torch.randn(576 * 1536, generator=g).bfloat16()
-    threads = torch.get_num_threads()
-    try:
-        sums = []
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            sums.append(float((a * b).sum()))
-    finally:
-        torch.set_num_threads(threads)
-    assert sums[0] != sums[1]
 
 
 def test_half_rules_run_with_the_remembered_count_and_restore_the_callers(monkeypatch):
