@@ -9,7 +9,11 @@ The two tools run alternately (symmerge first on even rows, mergekit first on od
 each from a fresh process: start-up counts. numba compiles symmerge's kernels once per install and caches them
 on disk; the first run of each kind of merge (method, dtype, number of models) is therefore run and measured
 apart before the row on the tiny stand-ins (``symmerge_first_run``; the kernels' types do not depend on the
-sizes), and the row's figures are those of a run with the cache warm.
+sizes), and the row's figures are those of a run with the cache warm. Likewise the first run of a config of
+a new family (architecture, width, layers) builds its tensor-name facts from transformers' model classes and
+caches them (``symmerge/io/names_cache.py``: +2.5 s of CPU, transformers imported, on a tiny run): before a
+row whose stand-ins are new, ``symmerge run CONFIG OUT --print-plan`` (headers only) fills that cache and is
+measured apart (``symmerge_names_warm_up``).
 Each child runs under a small measuring parent (``python -S``, about 10 MB) that forks and execs it and reads
 its ``ru_maxrss`` from ``wait4``: a child's ``ru_maxrss`` starts at the resident size of the process that
 forked it, so forking from this (torch-holding) process would count this process's memory (see ``benchmarks/common.py: peak_rss_kb``).
@@ -103,10 +107,34 @@ def gap(ours: Path, theirs: Path, base: Path) -> float:
     return mo.relative_gap(got, want, ref)
 
 
+def warm_ups(name: str, written: str, text: str, size: str, row_dir: Path, args, env: dict, warmed: set,
+             mktemp, warmed_cache: dict) -> dict:
+    """symmerge's first runs before a row, measured apart: a run of a kind of merge that has not run yet
+    (``symmerge_first_run``: numba compiles its kernels once per install — per method, dtype, count of models —
+    and caches them on disk; on the tiny stand-ins, the kernels' types do not depend on the sizes), and the
+    plan of a config whose stand-ins are new (``symmerge_names_warm_up``: their tensor-name facts cached)."""
+    out = {"symmerge_first_run": None, "symmerge_names_warm_up": None}
+    kernels = tuple((d["merge_method"], d.get("dtype"), len(published.refs(d))) for d in published.docs_of(text))
+    if kernels not in warmed:
+        warmed.add(kernels)
+        tiny, _, _ = published.stand_ins(written, mktemp, warmed_cache, hidden=64)
+        (row_dir / "warm-up").mkdir()
+        (row_dir / "warm-up" / name).write_text(tiny)
+        first = commands(row_dir / "warm-up" / name, tiny, row_dir / "warm-up", args.symmerge,
+                         Path(args.mergekit_bin))["symmerge"]
+        out["symmerge_first_run"] = measured(first, row_dir / "warm-up.log", env)
+    family = (size, published.family_key(text))
+    if family not in warmed:
+        warmed.add(family)
+        plan = [args.symmerge, "run", str(row_dir / name), str(row_dir / "plan-only"), "--print-plan"]
+        out["symmerge_names_warm_up"] = measured(plan, row_dir / "names-warm-up.log", env)
+    return out
+
+
 def one_row(name: str, size: str, i: int, args, work: Path, cache: dict, env: dict, warmed: set,
             warmed_cache: dict) -> dict:
     """One config at one size: stand-ins, both tools (alternating order), their figures and the gap; before
-    them, a first symmerge run where this kind of merge has not run yet (``warmed``: numba's kernels compiled)."""
+    them, symmerge's first runs where this kind of merge or these stand-ins are new (:func:`warm_ups`)."""
     written = (published.DATA / name).read_text()
     arch, _, _, layers, _ = published.family_key(written)
     hidden = hidden_for(arch, layers, size)
@@ -117,20 +145,11 @@ def one_row(name: str, size: str, i: int, args, work: Path, cache: dict, env: di
     cfg = row_dir / name
     cfg.write_text(text)
     cmds = commands(cfg, text, row_dir, args.symmerge, Path(args.mergekit_bin))
-    kernels = tuple((d["merge_method"], d.get("dtype"), len(published.refs(d))) for d in published.docs_of(text))
-    warm_up = None
-    if kernels not in warmed:  # numba compiles a kernel once per install (per method, dtype, count of models) and
-        warmed.add(kernels)  # caches it on disk: a first run of its kind is measured apart, not in the ratio; on
-        tiny, _, _ = published.stand_ins(written, mktemp, warmed_cache, hidden=64)  # the tiny stand-ins (the
-        (row_dir / "warm-up").mkdir()  # kernels' types do not depend on the sizes)
-        (row_dir / "warm-up" / name).write_text(tiny)
-        first = commands(row_dir / "warm-up" / name, tiny, row_dir / "warm-up", args.symmerge,
-                         Path(args.mergekit_bin))["symmerge"]
-        warm_up = measured(first, row_dir / "warm-up.log", env)
+    first = warm_ups(name, written, text, size, row_dir, args, env, warmed, mktemp, warmed_cache)
     order = ("symmerge", "mergekit") if i % 2 == 0 else ("mergekit", "symmerge")
     row = {"config": name[:-4], "size": size, "family": arch, "dtype": dtype, "hidden": hidden, "layers": layers,
            "params": sum(t.numel() for t in mo.tensors(base).values()), "order": list(order),
-           "method": published.docs_of(text)[-1]["merge_method"], "symmerge_first_run": warm_up}
+           "method": published.docs_of(text)[-1]["merge_method"], **first, "load_before": os.getloadavg()[0]}
     for tool in order:
         row[tool] = measured(cmds[tool], row_dir / f"{tool}.log", env)
         if row[tool]["rc"] != 0:
@@ -153,11 +172,12 @@ def print_row(row: dict, log=print) -> None:
         return
     log(f"{row['config']:<44} {row['size']:<5} {row['params'] / 1e6:6.1f}M {s['wall_s']:6.2f} {m['wall_s']:6.2f} "
         f"{row['wall_ratio']:5.2f} {s['peak_rss_kb'] / 1024:6.0f} {m['peak_rss_kb'] / 1024:6.0f} "
-        f"{row['rss_ratio']:5.2f} {row['cpu_ratio']:5.2f} {row['gap']:8.2e} {' '.join(row['over']) or 'ok'}")
+        f"{row['rss_ratio']:5.2f} {row['cpu_ratio']:5.2f} {s['cpu_s']:5.2f} {m['cpu_s']:5.2f} "
+        f"{row.get('load_before', float('nan')):5.1f} {row['gap']:8.2e} {' '.join(row['over']) or 'ok'}")
 
 
 HEADER = (f"{'config':<44} {'size':<5} {'params':>7} {'s wall':>6} {'m wall':>6} {'wall×':>5} {'s MB':>6} "
-          f"{'m MB':>6} {'rss×':>5} {'cpu×':>5} {'gap':>8} over")
+          f"{'m MB':>6} {'rss×':>5} {'cpu×':>5} {'s cpu':>5} {'m cpu':>5} {'load':>5} {'gap':>8} over")
 
 
 def selected(patterns: str | None) -> list[str]:
@@ -209,6 +229,10 @@ def summary(result: dict, log=print) -> None:
             f"rss× {min(r['rss_ratio'] for r in rs):.2f}–{max(r['rss_ratio'] for r in rs):.2f} over {len(rs)} rows")
     log(f"rows over the goal (wall > {WALL_GOAL} or rss > {RSS_GOAL}): {len(over)} of {len(done)}"
         + (f"; failed: {', '.join(r['config'] + '/' + r['size'] for r in failed)}" if failed else ""))
+    if over:
+        log(HEADER)
+        for r in over:
+            print_row(r, log)
 
 
 def _write(path: Path, result: dict) -> None:

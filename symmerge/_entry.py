@@ -6,6 +6,7 @@ library, an interrupt propagates as usual."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -79,12 +80,33 @@ def interrupted_line(signum: int | None = None) -> str:
 
 
 def running_as_command() -> bool:
-    """Whether this process is the ``symmerge`` console script or ``python -m symmerge.cli``."""
-    if os.path.basename(sys.argv[0] if sys.argv else "") in ("symmerge", "symmerge.exe"):
+    """Whether this process is the ``symmerge`` (or ``symmerge-yaml``) console script or ``python -m
+    symmerge.cli``."""
+    if os.path.basename(sys.argv[0] if sys.argv else "") in ("symmerge", "symmerge.exe", "symmerge-yaml",
+                                                            "symmerge-yaml.exe"):
         return True
     argv = list(getattr(sys, "orig_argv", []) or [])
     return any(a == "-m" and i + 1 < len(argv) and argv[i + 1] in ("symmerge.cli", "symmerge")
                for i, a in enumerate(argv))
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """The command's start-up without the cyclic garbage collector: importing torch, numba and symmerge makes
+    about a million objects that live until the process ends, and the collections their allocation sets off
+    (each full one walks all of them) were a fifth of a tiny ``symmerge run``'s CPU time (1.76–1.94 s of user
+    time against 1.46–1.51 s; ``benchmarks/bench_startup.py``). On leaving, the objects made so far are frozen
+    (:func:`gc.freeze`: kept out of every later collection, as they would survive each one anyway) and the
+    collector runs again as before. Nothing is paused where it was off already (a host's choice)."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.freeze()
+            gc.enable()
 
 
 @contextlib.contextmanager
@@ -93,7 +115,8 @@ def guarded_imports():
     if command:
         watch_interrupts()
     try:
-        yield
+        with collector_paused() if command else contextlib.nullcontext():
+            yield
     except KeyboardInterrupt as e:
         if not command:
             raise

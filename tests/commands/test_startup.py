@@ -1,0 +1,87 @@
+"""The command's start-up (issue 41: a tiny ``symmerge run`` is mostly start-up, and it counts against
+mergekit's wall time). Guarded structurally, in child processes, not by timing: the command's imports run
+without the cyclic garbage collector and their objects are frozen out of later collections
+(:func:`symmerge._entry.collector_paused`), while a library import leaves the host's collector alone; and a
+tiny ``run`` of a mergekit config (its tensor-name facts cached, as from its second run on) imports none of
+the heavy packages it does not use."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+# packages a mergekit config's plain merge never uses (plots, model classes, optimisers, adapters)
+UNUSED = ("matplotlib", "transformers", "scipy.optimize", "peft", "sklearn", "PIL", "pandas")
+
+
+def _child(code: str, argv0: str) -> dict:
+    """``code`` run in a fresh interpreter whose ``sys.argv[0]`` is ``argv0`` (the console script's name or
+    not); it leaves a dict in ``out``, printed as JSON on the last line."""
+    script = f"import sys\nsys.argv[0] = {argv0!r}\n" + textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+GC_STATE = """
+import gc, json
+{before}
+import symmerge
+out = {{"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(), "torch": "torch" in sys.modules}}
+"""
+
+
+@pytest.mark.parametrize("argv0", ["/usr/bin/symmerge", "symmerge-yaml"])
+def test_the_command_imports_without_collections_then_collects_again(argv0):
+    got = _child(GC_STATE.format(before=""), argv0)
+    # the imports' objects frozen (torch alone makes hundreds of thousands), the collector on again
+    assert got["torch"] and got["enabled"] and got["frozen"] > 100_000, got
+
+
+def test_a_library_import_leaves_the_collector_alone():
+    got = _child(GC_STATE.format(before=""), "my_script.py")
+    assert got["torch"] and got["enabled"] and got["frozen"] == 0, got
+
+
+def test_a_host_that_turned_the_collector_off_keeps_it_off():
+    got = _child(GC_STATE.format(before="gc.disable()"), "symmerge")
+    assert got["torch"] and not got["enabled"] and got["frozen"] == 0, got
+
+
+def _llama(path, seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return path
+
+
+def test_a_tiny_run_imports_nothing_it_does_not_use(tmp_path):
+    base, a, b = (_llama(tmp_path / n, s) for s, n in enumerate(("base", "a", "b")))
+    cfg = tmp_path / "ties.yml"
+    cfg.write_text(f"merge_method: ties\nbase_model: {base}\ndtype: bfloat16\nparameters: {{density: 0.5}}\n"
+                   f"models:\n  - model: {a}\n    parameters: {{weight: 0.6}}\n"
+                   f"  - model: {b}\n    parameters: {{weight: 0.4}}\n")
+    # the first run of a config builds its tensor-name facts from transformers' model classes and caches them
+    # (symmerge.io.names_cache; --print-plan reads headers only): the run measured is the next one
+    warm = subprocess.run([sys.executable, "-m", "symmerge.cli", "run", str(cfg), str(tmp_path / "plan"),
+                           "--print-plan"], capture_output=True, text=True, timeout=300)
+    assert warm.returncode == 0 and not (tmp_path / "plan").exists(), warm.stderr[-2000:]
+    out = tmp_path / "out"
+    got = _child(f"""
+        import gc, json
+        from symmerge.cli import main
+        rc = main(["run", {str(cfg)!r}, {str(out)!r}, "--progress", "none"])
+        out = {{"rc": rc, "modules": sorted(sys.modules), "frozen": gc.get_freeze_count()}}
+        """, "symmerge")
+    assert got["rc"] == 0 and (out / "model.safetensors").is_file(), got["rc"]
+    assert "numba" in got["modules"] and got["frozen"] > 0  # the run merged with the kernels, as a command
+    loaded = [m for m in UNUSED if m in got["modules"]]
+    assert not loaded, f"a tiny run imported {loaded}"
