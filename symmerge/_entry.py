@@ -95,9 +95,10 @@ def collector_paused():
     """The command's start-up without the cyclic garbage collector: importing torch, numba and symmerge makes
     about a million objects that live until the process ends, and the collections their allocation sets off
     (each full one walks all of them) were a fifth of a tiny ``symmerge run``'s CPU time (1.76–1.94 s of user
-    time against 1.46–1.51 s; ``benchmarks/bench_startup.py``). On leaving, the objects made so far are frozen
-    (:func:`gc.freeze`: kept out of every later collection, as they would survive each one anyway) and the
-    collector runs again as before. Nothing is paused where it was off already (a host's choice)."""
+    time against 1.46–1.51 s: docs/results/bench_configs.md, ``benchmarks/bench_startup.py``). On leaving, the
+    objects made so far are frozen (:func:`gc.freeze`: kept out of every later collection, as they would
+    survive each one anyway) and the collector runs again as before. Nothing is paused where it was off
+    already (a host's choice)."""
     paused = gc.isenabled()
     if paused:
         gc.disable()
