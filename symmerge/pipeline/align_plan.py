@@ -30,6 +30,10 @@ from .options import AlignOptions
 from .report import build_report
 
 MODES = {False: "in-memory", True: "low-memory"}  # the report's 'mode' of each wing ('pipeline' when pipelined)
+# the mode of a streamed learned alignment (pipeline/learn_layerwise_write.py) and how it verifies its output
+LEARNED_STREAM = "learned, layer by layer from the files"
+OUTPUTS_CHECK = ("the written folder's logits against the model's, both run layer by layer from the files, on the "
+                 "first two alignment batches")
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,6 @@ class AlignPlan:
         outputs are compared in memory (unless ``--no-verify``), streamed with ``--verify-forward`` (both models
         loaded after writing), and always when a learned alignment is streamed (from the written files, layer by
         layer); ``outputs_on``: how (None: not compared)."""
-        from .learn_layerwise_write import OUTPUTS_CHECK
         from .verify import ELEMENT_CHECK
 
         tol, how = self.options.verify_tol, None
@@ -220,8 +223,6 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     residual = next((i.info.variant for i in solved if i.kind.moves_heads_input), None)
     mode = "pipeline" if stream and pipeline else MODES[stream]
     if stream and resolved.matcher.learns:
-        from .learn_layerwise_write import LEARNED_STREAM
-
         mode = LEARNED_STREAM
     return AlignPlan(model=names[0], anchor=names[1], model_type=model_type, family=spec.family, options=resolved,
                      requested=options.requested, note=note, mode=mode, instances=tuple(i.name for i in solved),

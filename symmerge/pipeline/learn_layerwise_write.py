@@ -20,12 +20,8 @@ import time
 from pathlib import Path
 
 from ..errors import SymmergeError
+from .align_plan import LEARNED_STREAM, OUTPUTS_CHECK  # noqa: F401  (this path's mode and output check)
 from .learn_layerwise import LayerTensors
-
-
-LEARNED_STREAM = "learned, layer by layer from the files"  # the plan's and the report's mode of this path
-OUTPUTS_CHECK = ("the written folder's logits against the model's, both run layer by layer from the files, on the "
-                 "first two alignment batches")
 
 
 def learned_stream_refusal(options, folders=(), *, allow_pickle: bool = False, pipeline: bool = False,
@@ -97,8 +93,7 @@ def _write_layers(pair, elements, writer, distances, progress: bool) -> None:
 
 
 def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", progress: bool = True,
-                            allow_pickle: bool = False, pipeline: bool = False, allow_tokenizer_mismatch: bool = False,
-                            verify_forward: bool = False, plan=None, model_heads=()) -> dict:
+                            allow_tokenizer_mismatch: bool = False, plan=None, model_heads=()) -> dict:
     """Align the safetensors folder ``model`` to ``anchor`` with the learned matcher from the files, and write the
     result to the folder ``out`` atomically (see the module text). ``plan``: the alignment's
     :class:`~symmerge.pipeline.align_plan.AlignPlan` (made here from the headers when not given). ``model_heads``:
@@ -116,8 +111,7 @@ def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", pr
     from .stream import MIN_LOW_MEMORY_SHARD, _bound_malloc
     from .verify import ELEMENT_CHECK
 
-    refusal = learned_stream_refusal(options, (model, anchor), allow_pickle=allow_pickle, pipeline=pipeline,
-                                     verify_forward=verify_forward)
+    refusal = learned_stream_refusal(options, (model, anchor))  # the command's own flags: align_to_folder's
     if refusal:
         raise SymmergeError(refusal)
     ensure_output_dir(Path(out))  # fail before any expensive work

@@ -72,10 +72,13 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
         if given and not stream:
             raise SymmergeError(f"{flag} applies to --stream only")
     if stream and options.matcher.learns:  # learned from the files, layer by layer (scale: learn_layerwise_write.py)
-        from .learn_layerwise_write import align_learned_streaming
+        from .learn_layerwise_write import align_learned_streaming, learned_stream_refusal
 
+        refusal = learned_stream_refusal(options, (model, anchor), allow_pickle=allow_pickle, pipeline=pipeline,
+                                         verify_forward=verify_forward)
+        if refusal:
+            raise SymmergeError(refusal)
         return align_learned_streaming(model, anchor, out, options, shard_size=shard_size or "1GB", progress=progress,
-                                       allow_pickle=allow_pickle, pipeline=pipeline, verify_forward=verify_forward,
                                        allow_tokenizer_mismatch=allow_tokenizer_mismatch)
     if options.learn.frame == "dual":  # the anchor moves too (pipeline/dual.py): one written model would be half of it
         raise SymmergeError("--learn-frame dual moves the anchor too, and align writes one model: use symmerge merge "
