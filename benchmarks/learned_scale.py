@@ -141,9 +141,10 @@ def _stored(folder: str) -> str:
 
 
 def _tolerance(folder: str) -> float | None:
-    """The verification's tolerance for the saved pair: the default (1e-4) for float32 files; 1e-2 for bfloat16
-    ones, whose aligned tensors are rounded to bfloat16 (≈ 2e-3 relative on the logits, measured on ``tiny``)."""
-    return 1e-2 if _stored(folder) == "bfloat16" else None
+    """The verification's tolerance for the saved pair: the default (1e-4) for float32 files; 5e-2 for bfloat16
+    ones, whose aligned tensors are rounded to bfloat16 (measured on the logits: ≈ 2e-3 relative on ``tiny``,
+    1.7e-2 through the 16 layers of ``1b-32k``)."""
+    return 5e-2 if _stored(folder) == "bfloat16" else None
 
 
 def _command_inputs(folder: str, vocab: int, texts: int, length: int) -> Path:

@@ -58,4 +58,4 @@ def test_a_pair_stored_in_bfloat16_is_learned_and_verified_at_its_rounding(tmp_p
     row = learned_scale.one_from_files("tiny", str(tmp_path), steps=1, texts=4, length=16, batch=2,
                                        precision="float32", start="weights", positions=8)
     assert row["stored"] == "bfloat16" and row["steps"] == 1
-    assert 0 < row["verify_max_rel_diff"] < 1e-2
+    assert 0 < row["verify_max_rel_diff"] < 1e-2  # bfloat16 rounding (the row allows 5e-2)
