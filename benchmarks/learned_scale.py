@@ -48,6 +48,7 @@ SHAPES = {
     "135m": (49152, 576, 30, 9, 3, 1536),
     "360m": (49152, 960, 32, 15, 5, 2560),
     "1b": (128256, 2048, 16, 32, 8, 8192),
+    "1b-32k": (32000, 2048, 16, 32, 8, 8192),  # Llama-3.2-1B's layers with a 32 000-token vocabulary: 1.04 B
 }
 
 
@@ -75,14 +76,15 @@ def config_of(size: str, length: int):
                         inner=inner, tie=True)
 
 
-def save(size: str, folder: str, length: int) -> None:
+def save(size: str, folder: str, length: int, dtype: str = "float32") -> None:
     """The pair of ``size`` (seeds 0 and 1) saved as safetensors folders ``folder``/a and ``folder``/b, one
-    model in memory at a time."""
+    model in memory at a time, stored as ``dtype`` (``bfloat16``: half the disk and the page cache; the learned
+    path computes in float32 whatever the stored dtype)."""
     from transformers import LlamaForCausalLM
 
     for seed, name in ((0, "a"), (1, "b")):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config_of(size, length)).eval()
+        model = LlamaForCausalLM(config_of(size, length)).eval().to(getattr(torch, dtype))
         model.save_pretrained(Path(folder) / name)
         del model
 
@@ -105,7 +107,7 @@ def one_from_files(size: str, folder: str, steps: int, texts: int, length: int, 
     learn = LearnSettings(steps=steps, batch=batch, augment=0, precision=precision, check_every=max(steps, 1),
                           layerwise=True, start="weights" if start == "none" else start, positions=positions)
     options = AlignOptions(match="learned", align_data=data, align_samples=texts, learn=learn,
-                           layers=parse_layers(layers) if layers else None)
+                           layers=parse_layers(layers) if layers else None, verify_tol=_tolerance(folder))
     marks = {}
     round_ = learn_module._learn_round
 
@@ -122,13 +124,27 @@ def one_from_files(size: str, folder: str, steps: int, texts: int, length: int, 
     stages = learned.get("seconds_by_stage", {})
     done = max(learned.get("steps", 0), 1)
     return {"size": size, "parameters": params, "device": "cpu", "precision": precision, "layerwise": True,
-            "from_files": True, "start": start, "layers": layers or "all", "start_peak_rss_gb": marks.get("rss"), "texts": texts,
+            "from_files": True, "start": start, "layers": layers or "all", "stored": _stored(folder),
+            "start_peak_rss_gb": marks.get("rss"), "texts": texts,
             "length": length, "batch": batch, "positions": positions, "steps": learned.get("steps"),
             "build_seconds": report["open_seconds"], "align_seconds": wall,
             "closed_form_seconds": report["closed_form_seconds"],
             "targets_seconds": stages.get("targets"), "checks_seconds": stages.get("checks"),
             "seconds_per_step": stages.get("steps", 0.0) / done, "peak_rss_gb": rss_gb(), "models_rss_gb": base,
             "cuda_peak_gb": None, "verify_max_rel_diff": report.get("verify_max_rel_diff")}
+
+
+def _stored(folder: str) -> str:
+    """The dtype the saved pair's config names (float32 when it names none)."""
+    cfg = json.loads((Path(folder) / "a" / "config.json").read_text())
+    return cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+
+
+def _tolerance(folder: str) -> float | None:
+    """The verification's tolerance for the saved pair: the default (1e-4) for float32 files; 5e-2 for bfloat16
+    ones, whose aligned tensors are rounded to bfloat16 (measured on the logits: ≈ 2e-3 relative on ``tiny``,
+    1.7e-2 through the 16 layers of ``1b-32k``)."""
+    return 5e-2 if _stored(folder) == "bfloat16" else None
 
 
 def _command_inputs(folder: str, vocab: int, texts: int, length: int) -> Path:
@@ -314,6 +330,8 @@ def main(argv=None) -> int:
                    help="scored positions per batch (LearnSettings.positions; 0: all)")
     p.add_argument("--work", help="--from-files: where the pair is saved (default: a temporary folder, removed)")
     p.add_argument("--save", help=argparse.SUPPRESS)
+    p.add_argument("--stored", default="float32", choices=("float32", "bfloat16"),
+                   help="--from-files: the dtype the pair is saved in (default float32)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--out", help="write results.json here (a new or empty folder)")
@@ -322,7 +340,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.save:
-        save(args.save, args.work, args.length)
+        save(args.save, args.work, args.length, args.stored)
         return 0
     if args.one and args.command:
         print(json.dumps(one_command(args.one, args.work, args.steps, args.texts, args.length, args.batch,
@@ -355,7 +373,8 @@ def main(argv=None) -> int:
             work = Path(args.work) / size if args.work else Path(tempfile.mkdtemp(prefix=f"learned_scale_{size}_"))
             if not (work / "b" / "config.json").exists():
                 saved = subprocess.run([sys.executable, "-m", "benchmarks.learned_scale", "--save", size, "--work",
-                                        str(work), "--length", str(args.length)], capture_output=True, text=True)
+                                        str(work), "--length", str(args.length), "--stored", args.stored],
+                                       capture_output=True, text=True)
                 if saved.returncode:
                     rows.append({"size": size, "device": args.device,
                                  "error": (saved.stderr.strip().splitlines() or ["no output"])[-1][-200:]})

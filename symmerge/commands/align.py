@@ -42,7 +42,7 @@ def run(args) -> int:
         from ..pipeline.to_folder import print_plan
 
         plan = print_plan(args.model, args.anchor, options, stream=args.stream, pipeline=args.pipeline,
-                          allow_pickle=args.allow_pickle)
+                          allow_pickle=args.allow_pickle, verify_forward=args.verify_forward)
         print(json.dumps(plan, indent=2, default=str))
         return 0
     report = align_to_folder(args.model, args.anchor, out, options, stream=args.stream,

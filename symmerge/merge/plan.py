@@ -114,6 +114,10 @@ def stream_refusal(method, options, aligns: bool = False) -> str | None:
         return "joint alignment (every model to the mean of the others) needs the models in memory"
     if options.data or options.eval_data:
         return "evaluating the merged model on data needs it in memory"
+    if aligns and options.align.matcher.learns:  # each model learned onto the anchor from the files
+        from ..pipeline.learn_layerwise_write import merge_refusal
+
+        return merge_refusal(options.align)
     if aligns:
         return streaming_refusal(options.align.match)
     return None
@@ -123,9 +127,9 @@ def choose_mode(mode: str, method, options, models, aligns: bool) -> tuple[str, 
     """('stream' or 'memory', why) for ``--mode`` ``mode``. ``auto`` streams every per-tensor merge that
     aligns nothing (reading each tensor once is faster and smaller than loading the models); an aligned
     one is loaded when the models fit in half the available memory, else streamed (each model aligned by
-    ``align --stream``'s engine); a merge that cannot stream (statistics, REPAIR, evaluation, a matcher that
-    runs the models on data) is loaded, or refused when it would not fit. ``stream`` refuses what cannot
-    stream; ``memory`` always loads."""
+    ``align --stream``'s engine, or learned from the files with ``--match learned``); a merge that cannot stream
+    (statistics, REPAIR, evaluation, activation matching) is loaded, or refused when it would not fit.
+    ``stream`` refuses what cannot stream; ``memory`` always loads."""
     if mode not in MODES:
         raise SymmergeError(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "memory":

@@ -11,7 +11,9 @@ transformers knows (no symmetry spec needed):
   then a reader thread ahead into a ring buffer, :func:`~symmerge.merge.base.merge_tensor` — the very
   function the in-memory loop runs, so both give the same bits —, a writer thread behind);
 * an aligned merge first aligns every model to the anchor with ``align --stream``'s engine
-  (:func:`symmerge.pipeline.stream.align_streaming`) into temporary folders, then merges those.
+  (:func:`symmerge.pipeline.stream.align_streaming`; with ``--match learned``, the learned alignment from the
+  files, :func:`symmerge.pipeline.learn_layerwise_write.align_learned_streaming`, one layer at a time, the anchor
+  carrying the model's own heads as in memory) into temporary folders, then merges those.
 
 Peak memory ≈ interpreter + N × the largest tensor × a small factor, whatever the model size. The
 output is written atomically (a temporary folder renamed at the end: an interrupted merge leaves none).
@@ -215,11 +217,16 @@ def _aligned_streaming(models, out, options, checked: _Checked) -> dict:
 @contextlib.contextmanager
 def aligned_folders(models, out, options, plan, names):
     """Each model (and ``options.base``) aligned to the plan's anchor with
-    :func:`symmerge.pipeline.stream.align_streaming` (one part of a layer at a time) into temporary folders
+    :func:`symmerge.pipeline.stream.align_streaming` (one part of a layer at a time; a learned matcher:
+    :func:`~symmerge.pipeline.learn_layerwise_write.align_learned_streaming`) into temporary folders
     beside ``out``; yields (the models' folders, aligned or the anchor's own, the base's folder, the report's
     ``alignment`` entry). The temporary folders are removed on leaving, whatever happens."""
+    from ..pipeline.learn_layerwise_write import align_learned_streaming
+    from ..pipeline.report import match_fields
     from ..pipeline.stream import align_streaming
 
+    learns = plan.align.matcher.learns  # learned from the files, layer by layer (pipeline/learn_layerwise_write.py)
+    align_one = align_learned_streaming if learns else align_streaming
     idx, info = plan.anchor_index, {"rule": plan.anchor_rule}
     if plan.anchor_rule == "closest to the average":
         with stage("chose the anchor (closest to the average)", enabled=options.progress):
@@ -240,15 +247,18 @@ def aligned_folders(models, out, options, plan, names):
         aligned, base_path, rows, resolved = list(models), options.base, [], None
         for i, path in targets:
             with stage(f"aligned {path} to the anchor (streamed)", enabled=options.progress):
-                rep = align_streaming(path, anchor_path, work / f"model-{i}", plan.align, progress=options.progress)
+                # learned: the anchor carries the model's own heads, as the in-memory merge's anchor proxy
+                own = {"model_heads": head_keys_of(LazyCheckpoint(path, spec=False))} if learns else {}
+                rep = align_one(path, anchor_path, work / f"model-{i}", plan.align, progress=options.progress,
+                                allow_tokenizer_mismatch=options.allow_tokenizer_mismatch, **own)
             resolved = rep.get("symmetries", resolved)
             if i == "base":
                 base_path = work / f"model-{i}"
             else:
                 aligned[i] = work / f"model-{i}"
             rows.append({"model": str(path), "anchor": False, "distance_before": rep["distance_before"],
-                         "distance_after": rep["distance_after"], "verify_max_rel_diff": None,
-                         "seconds": rep.get("seconds")})
+                         "distance_after": rep["distance_after"], "verify_max_rel_diff": rep.get("verify_max_rel_diff"),
+                         "seconds": rep.get("seconds"), **(match_fields(rep) if learns else {})})
         if idx is not None:
             rows.insert(idx, {"model": names[idx], "anchor": True})
         alignment = {"symmetries": list(resolved or []), "requested": plan.requested,

@@ -30,6 +30,10 @@ from .options import AlignOptions
 from .report import build_report
 
 MODES = {False: "in-memory", True: "low-memory"}  # the report's 'mode' of each wing ('pipeline' when pipelined)
+# the mode of a streamed learned alignment (pipeline/learn_layerwise_write.py) and how it verifies its output
+LEARNED_STREAM = "learned, layer by layer from the files"
+OUTPUTS_CHECK = ("the written folder's logits against the model's, both run layer by layer from the files, on the "
+                 "first two alignment batches")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class AlignPlan:
     instances: tuple[str, ...] = ()
     steps: tuple[AlignStep, ...] = field(default=(), repr=False)
     residual_variant: str | None = None  # the residual stream's group as the headers and norms decide it
+    verify_forward: bool = False  # streamed: --verify-forward (both models loaded after writing, outputs compared)
     bound: tuple = field(default=(), repr=False, compare=False)  # every group instance bound (core.instance.Instance)
     loaded: object = field(default=None, repr=False, compare=False)  # the model planned on when it had no headers
 
@@ -65,12 +70,19 @@ class AlignPlan:
 
     def verify(self) -> dict:
         """The verification policy: every group element is checked (it is then function-preserving); the
-        outputs are compared in memory (unless ``--no-verify``), streamed only with ``--verify-forward``."""
+        outputs are compared in memory (unless ``--no-verify``), streamed with ``--verify-forward`` (both models
+        loaded after writing), and always when a learned alignment is streamed (from the written files, layer by
+        layer); ``outputs_on``: how (None: not compared)."""
         from .verify import ELEMENT_CHECK
 
-        return {"elements": ELEMENT_CHECK,
-                "outputs": (self.options.verify and not self.streamed) or None,
-                "tolerance": self.options.verify_tol}
+        tol, how = self.options.verify_tol, None
+        if self.streamed and self.options.matcher.learns:
+            tol, how = 1e-4 if tol is None else tol, OUTPUTS_CHECK
+        elif self.streamed and self.verify_forward:
+            how = "both models loaded after writing, their outputs compared on sample inputs"
+        elif not self.streamed and self.options.verify:
+            how = "both models' outputs compared on sample inputs, in memory, before anything is written"
+        return {"elements": ELEMENT_CHECK, "outputs": True if how else None, "outputs_on": how, "tolerance": tol}
 
     def fields(self) -> dict:
         """The report's fields the plan decides (what was asked for and what it resolved to)."""
@@ -173,7 +185,7 @@ def _bind_headers(ckpt, spec, options: AlignOptions, streamed: bool):
 
 
 def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bool = False, pipeline: bool = False,
-               allow_pickle: bool = False, checkpoints=None) -> AlignPlan:
+               allow_pickle: bool = False, checkpoints=None, verify_forward: bool = False) -> AlignPlan:
     """The :class:`AlignPlan` of aligning ``model`` to ``anchor`` (HF folders, or transformers models) with
     ``options``; ``stream``: layer by layer (``pipeline``: pipelined), whose groups are the per-layer ones.
     ``checkpoints``: the folders' (model, anchor) LazyCheckpoints already read and adapted to each other."""
@@ -210,10 +222,12 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     # the residual stream's group (the kind moving the heads' input), its variant as the norms decide it
     residual = next((i.info.variant for i in solved if i.kind.moves_heads_input), None)
     mode = "pipeline" if stream and pipeline else MODES[stream]
+    if stream and resolved.matcher.learns:
+        mode = LEARNED_STREAM
     return AlignPlan(model=names[0], anchor=names[1], model_type=model_type, family=spec.family, options=resolved,
                      requested=options.requested, note=note, mode=mode, instances=tuple(i.name for i in solved),
                      steps=plan_steps(keys, solved), residual_variant=residual, bound=tuple(instances),
-                     loaded=loaded)
+                     loaded=loaded, verify_forward=verify_forward)
 
 
 def plan_report(plan: AlignPlan, measured: dict) -> dict:

@@ -52,6 +52,29 @@ class CheckpointTensors(Mapping):
         return len(self.names)
 
 
+class ProxyTensors(Mapping):
+    """The anchor's tensors (a :class:`CheckpointTensors`) with the model's own for ``own`` (its tensors outside the
+    base model: a task or LM head) — the in-memory merge's anchor proxy (``merge.heads.anchor_proxy``: the model
+    carrying the anchor's body), so that models whose heads differ are aligned by their bodies."""
+
+    def __init__(self, anchor, model, own):
+        self.anchor, self.model, self.own, self.names = anchor, model, set(own), anchor.names
+
+    def read(self, keys) -> dict:
+        got = self.anchor.read([k for k in keys if k not in self.own])
+        got.update(self.model.read([k for k in keys if k in self.own]))
+        return {k: got[k] for k in keys}
+
+    def __getitem__(self, key):
+        return self.read([key])[key]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+
 def weightless(ckpt):
     """A model of the checkpoint's class and config with ``meta`` parameters (no memory): the module every
     layer-wise forward runs with ``functional_call``; its non-persistent buffers (RoPE's frequencies), which no
@@ -137,9 +160,10 @@ def _logit_difference(skeleton, paths, a, b, batches) -> tuple[float, float]:
 class CheckpointPair:
     """Two checkpoint folders opened for learning layer by layer: their lazy checkpoints, the streamed
     spec and its per-layer instances (``options`` resolved against them: 'recommended' keeps the symmetries
-    that stream), the weightless skeleton and its layer paths, and both models' tensors by in-memory name."""
+    that stream), the weightless skeleton and its layer paths, and both models' tensors by in-memory name
+    (``model_heads``: names the anchor takes from the model, :class:`ProxyTensors`)."""
 
-    def __init__(self, model, anchor, options):
+    def __init__(self, model, anchor, options, model_heads=()):
         from ..io.checkpoint import LazyCheckpoint
         from .matchers import matcher
         from .stream import layer_instances
@@ -158,6 +182,8 @@ class CheckpointPair:
         self.skeleton = weightless(self.ckpt_a)
         self.paths = paths_of(self.skeleton)
         self.tensors_a, self.tensors_b = CheckpointTensors(self.ckpt_a), CheckpointTensors(self.ckpt_b)
+        if model_heads:  # the anchor as the merge's proxy: the model's own heads on the anchor's body
+            self.tensors_b = ProxyTensors(self.tensors_b, self.tensors_a, model_heads)
 
     def plain(self, tensors) -> LayerTensors:
         """A model's tensors as they are, one layer at a time (float32)."""

@@ -20,14 +20,14 @@ import time
 from pathlib import Path
 
 from ..errors import SymmergeError
+from .align_plan import LEARNED_STREAM, OUTPUTS_CHECK  # noqa: F401  (this path's mode and output check)
 from .learn_layerwise import LayerTensors
 
 
-def learned_stream_refusal(options, folders=(), *, allow_pickle: bool = False, pipeline: bool = False) -> str | None:
+def learned_stream_refusal(options, folders=(), *, allow_pickle: bool = False, pipeline: bool = False,
+                           verify_forward: bool = False) -> str | None:
     """Why ``align --stream --match learned`` of ``folders`` (the model and the anchor) cannot run with ``options``
     (None: it can)."""
-    from ..io.generate import is_generate
-
     if allow_pickle:
         return "--stream reads safetensors only; convert pickle checkpoints first"
     if not all(Path(x).is_dir() for x in folders):
@@ -35,18 +35,39 @@ def learned_stream_refusal(options, folders=(), *, allow_pickle: bool = False, p
     if options.learn.frame == "dual":
         return ("--learn-frame dual moves the anchor too, and align writes one model: use symmerge merge or symmerge "
                 "barrier, which use both moved models")
+    if verify_forward:
+        return ("--verify-forward loads both models to compare their outputs; --stream --match learned always compares "
+                "them from the files, layer by layer, without loading either: leave out --verify-forward")
+    refusal = files_refusal(options, "--stream")
+    if refusal is None and pipeline:
+        return "--pipeline applies to the data-free streamed alignment; --stream --match learned runs layer by layer"
+    return refusal
+
+
+def files_refusal(options, flag: str) -> str | None:
+    """Why the learned alignment from the files (:func:`align_learned_streaming`) cannot run with the alignment
+    ``options`` (None: it can), for ``align --stream`` and ``merge --mode stream`` alike (``flag`` names the mode)."""
+    from ..io.generate import is_generate
+
     if not options.verify:
-        return "--stream --match learned always verifies its output from the files; --no-verify does not apply"
+        return f"{flag} --match learned always verifies its output from the files; --no-verify does not apply"
     if options.align_data is None:
         return "--match learned needs unlabeled --align-data (a .txt, .jsonl or .npz file)"
     if isinstance(options.align_data, str) and is_generate(options.align_data):
-        return ("--stream --match learned reads --align-data from a file; generate: samples from the models in "
-                "memory (leave out --stream, or save the samples to a file first)")
+        return (f"{flag} --match learned reads --align-data from a file; generate: samples from the models in "
+                f"memory (leave out {flag}, or save the samples to a file first)")
     if options.untie or options.residual != "largest":
-        return "--stream does not align the residual stream; --untie and --residual do not apply"
-    if pipeline:
-        return "--pipeline applies to the data-free streamed alignment; --stream --match learned runs layer by layer"
+        return f"{flag} does not align the residual stream; --untie and --residual do not apply"
     return None
+
+
+def merge_refusal(options) -> str | None:
+    """Why ``merge --mode stream --match learned`` cannot align with the alignment ``options`` (None: it can): each
+    model is aligned to the anchor by :func:`align_learned_streaming` (from the files, one model moved)."""
+    if options.learn.frame == "dual":
+        return ("--learn-frame dual moves both models into a frame between them, in memory; the streamed learned "
+                "alignment moves each model onto the anchor from the files")
+    return files_refusal(options, "--mode stream")
 
 
 def _write_layers(pair, elements, writer, distances, progress: bool) -> None:
@@ -61,7 +82,7 @@ def _write_layers(pair, elements, writer, distances, progress: bool) -> None:
     for g in bar(groups, desc="writing the aligned layers", unit="layers", enabled=progress):
         keys = moved.groups[g]
         writer.make_room(sum(pair.ckpt_a.nbytes(k) for k in keys))
-        new, before, after = moved.group(g), pair.ckpt_a.read(keys), pair.ckpt_b.read(keys)
+        new, before, after = moved.group(g), pair.ckpt_a.read(keys), pair.tensors_b.read(keys)
         for k in keys:
             distances.add(k, sq_distance(before, after, [k]), sq_distance(new, after, [k]))
             for name, t in pair.ckpt_a.to_disk(k, new[k]):
@@ -72,11 +93,12 @@ def _write_layers(pair, elements, writer, distances, progress: bool) -> None:
 
 
 def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", progress: bool = True,
-                            allow_pickle: bool = False, pipeline: bool = False, allow_tokenizer_mismatch: bool = False,
-                            plan=None) -> dict:
+                            allow_tokenizer_mismatch: bool = False, plan=None, model_heads=()) -> dict:
     """Align the safetensors folder ``model`` to ``anchor`` with the learned matcher from the files, and write the
     result to the folder ``out`` atomically (see the module text). ``plan``: the alignment's
-    :class:`~symmerge.pipeline.align_plan.AlignPlan` (made here from the headers when not given). Returns the report."""
+    :class:`~symmerge.pipeline.align_plan.AlignPlan` (made here from the headers when not given). ``model_heads``:
+    tensors the anchor takes from the model (a streamed merge's anchor proxy, as in memory: models whose heads
+    differ aligned by their bodies). Returns the report."""
     from ..io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
     from ..io.card import write_card
     from ..io.model import atomic_dir, copy_side_files, ensure_output_dir, write_json
@@ -89,7 +111,7 @@ def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", pr
     from .stream import MIN_LOW_MEMORY_SHARD, _bound_malloc
     from .verify import ELEMENT_CHECK
 
-    refusal = learned_stream_refusal(options, (model, anchor), allow_pickle=allow_pickle, pipeline=pipeline)
+    refusal = learned_stream_refusal(options, (model, anchor))  # the command's own flags: align_to_folder's
     if refusal:
         raise SymmergeError(refusal)
     ensure_output_dir(Path(out))  # fail before any expensive work
@@ -98,7 +120,7 @@ def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", pr
     _bound_malloc(1 << 20)  # freed layer tensors go back to the OS (glibc), not into a heap that only grows
     plan = plan if plan is not None else plan_align(model, anchor, options, stream=True)
     with stage("read the checkpoint headers", enabled=progress):
-        pair = CheckpointPair(model, anchor, options)
+        pair = CheckpointPair(model, anchor, options, model_heads)
     data = load_align_data(pair.options, pair.skeleton, progress=progress)
     elements, learned = learn_pair(pair, data, stage_printer(desc="learned alignment") if progress else None)
     match_seconds = time.perf_counter() - t0
@@ -117,7 +139,7 @@ def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", pr
             checks = verified(pair, written, list(data.batches)[:2], tol)
         report = alignment_report(
             pair.spec, pair.ckpt_a.config["model_type"], pair.options, pair.instances, distances, model=str(model),
-            anchor=str(anchor), streamed=True, mode="learned, layer by layer from the files", match="learned",
+            anchor=str(anchor), streamed=True, mode=LEARNED_STREAM, match="learned",
             verify=ELEMENT_CHECK, shards=names, bytes_written=writer.total_bytes, largest_layer_bytes=largest,
             side_files=side_files, tokenizer=tokenizer, align_samples_used=data.n, align_data=data.path,
             match_seconds=match_seconds, **learned, **checks)

@@ -295,7 +295,8 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
     check_layouts([ckpt_a.layout("model"), ckpt_b.layout("anchor")])
     given = plan is not None
     if not given:  # planned here, from the checkpoints just read
-        plan = plan_align(model, anchor, options, stream=True, pipeline=pipeline, checkpoints=(ckpt_a, ckpt_b))
+        plan = plan_align(model, anchor, options, stream=True, pipeline=pipeline, checkpoints=(ckpt_a, ckpt_b),
+                          verify_forward=verify_forward)
     requested, options = plan.requested, plan.options  # 'recommended' resolved by the plan
     spec, by_layer = streamed_spec(plan.model_type), _by_layer(plan.solved())
     opts = options.solver_options(dev)

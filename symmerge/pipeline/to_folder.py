@@ -40,6 +40,10 @@ def _inputs(model, anchor, options: AlignOptions, stream: bool, pipeline: bool, 
 
     if stream:
         refusal = stream_refusal(options, allow_pickle)
+        if options.matcher.learns:  # learned from the files (learn_layerwise_write.py): its own refusals
+            from .learn_layerwise_write import learned_stream_refusal
+
+            refusal = learned_stream_refusal(options, (model, anchor), allow_pickle=allow_pickle, pipeline=pipeline)
         if refusal:
             raise SymmergeError(refusal)
         if options.workers is not None and not pipeline:
@@ -68,10 +72,13 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
         if given and not stream:
             raise SymmergeError(f"{flag} applies to --stream only")
     if stream and options.matcher.learns:  # learned from the files, layer by layer (scale: learn_layerwise_write.py)
-        from .learn_layerwise_write import align_learned_streaming
+        from .learn_layerwise_write import align_learned_streaming, learned_stream_refusal
 
+        refusal = learned_stream_refusal(options, (model, anchor), allow_pickle=allow_pickle, pipeline=pipeline,
+                                         verify_forward=verify_forward)
+        if refusal:
+            raise SymmergeError(refusal)
         return align_learned_streaming(model, anchor, out, options, shard_size=shard_size or "1GB", progress=progress,
-                                       allow_pickle=allow_pickle, pipeline=pipeline,
                                        allow_tokenizer_mismatch=allow_tokenizer_mismatch)
     if options.learn.frame == "dual":  # the anchor moves too (pipeline/dual.py): one written model would be half of it
         raise SymmergeError("--learn-frame dual moves the anchor too, and align writes one model: use symmerge merge "
@@ -80,7 +87,8 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
     ensure_output_dir(out)  # fail before any expensive work
     model, anchor = _inputs(model, anchor, options, stream, pipeline, allow_pickle)
     check_room(out, [model])
-    plan = plan_align(model, anchor, options, stream=stream, pipeline=pipeline, allow_pickle=allow_pickle)
+    plan = plan_align(model, anchor, options, stream=stream, pipeline=pipeline, allow_pickle=allow_pickle,
+                      verify_forward=verify_forward)
     if stream:
         from .stream import DEFAULT_SHARD, align_streaming
 
@@ -99,9 +107,16 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
 
 
 def print_plan(model, anchor, options: AlignOptions | None = None, *, stream: bool = False, pipeline: bool = False,
-               allow_pickle: bool = False) -> dict:
+               allow_pickle: bool = False, verify_forward: bool = False) -> dict:
     """``symmerge align --print-plan``: the plan (:func:`~symmerge.pipeline.align_plan.plan_align`) and its
-    steps, from the headers; nothing is written."""
+    steps, from the headers; nothing is written. What the alignment would refuse is refused here too."""
     options = options if options is not None else AlignOptions()
+    if verify_forward and not stream:
+        raise SymmergeError("--verify-forward applies to --stream only")
+    if verify_forward and options.matcher.learns:
+        from .learn_layerwise_write import learned_stream_refusal
+
+        raise SymmergeError(learned_stream_refusal(options, verify_forward=True))
     model, anchor = _inputs(model, anchor, options, stream, pipeline, allow_pickle)
-    return plan_align(model, anchor, options, stream=stream, pipeline=pipeline, allow_pickle=allow_pickle).printed()
+    return plan_align(model, anchor, options, stream=stream, pipeline=pipeline, allow_pickle=allow_pickle,
+                      verify_forward=verify_forward).printed()

@@ -45,3 +45,17 @@ def test_command_needs_from_files_and_a_closed_form_start(capsys):
         with pytest.raises(SystemExit):
             learned_scale.main(["--sizes", "tiny", *argv])
         assert "--command needs" in capsys.readouterr().err
+
+
+def test_a_pair_stored_in_bfloat16_is_learned_and_verified_at_its_rounding(tmp_path):
+    """``--stored bfloat16``: the pair saved in bfloat16 (half the disk), learned in float32 from the files; the
+    verification's tolerance is bfloat16's (the aligned tensors are rounded to it), recorded in the row."""
+    from safetensors import safe_open
+
+    learned_scale.save("tiny", str(tmp_path), 32, dtype="bfloat16")
+    with safe_open(str(tmp_path / "a" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    row = learned_scale.one_from_files("tiny", str(tmp_path), steps=1, texts=4, length=16, batch=2,
+                                       precision="float32", start="weights", positions=8)
+    assert row["stored"] == "bfloat16" and row["steps"] == 1
+    assert 0 < row["verify_max_rel_diff"] < 1e-2  # bfloat16 rounding (the row allows 5e-2)

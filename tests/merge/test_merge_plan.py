@@ -73,14 +73,15 @@ def test_a_matcher_that_cannot_stream_is_refused_when_streaming(vits, tmp_path, 
     data = npz_file(tmp_path / "d.npz")
     argv = ["--align", "attn,ffn", "--match", match, "--align-data", data]
     capsys.readouterr()
-    assert run_cli("merge", *vits[:2], "--method", "average", *argv, "--mode", "stream", "-o", tmp_path / "m") != 0
-    err = capsys.readouterr().err
-    assert f"--match {match}" in err and "--mode" in err, err
-    assert not (tmp_path / "m").exists()
-    options = MergeOptions(align=AlignOptions(symmetries="attn,ffn", match=match, align_data=data), mode="stream",
-                           progress=False)
-    with pytest.raises(SymmergeError, match=f"--match {match}.*--mode"):
-        symmerge.merge(vits[:2], tmp_path / "m", options)
+    if match != "learned":  # merge --mode stream --match learned learns from the files: test_merge_stream_learned.py
+        assert run_cli("merge", *vits[:2], "--method", "average", *argv, "--mode", "stream", "-o", tmp_path / "m") != 0
+        err = capsys.readouterr().err
+        assert f"--match {match}" in err and "--mode" in err, err
+        assert not (tmp_path / "m").exists()
+        options = MergeOptions(align=AlignOptions(symmetries="attn,ffn", match=match, align_data=data), mode="stream",
+                               progress=False)
+        with pytest.raises(SymmergeError, match=f"--match {match}.*--mode"):
+            symmerge.merge(vits[:2], tmp_path / "m", options)
     # align: the CLI's --stream, the library entry and the data-free streamed engine itself (``align --stream
     # --match learned`` learns from the files layer by layer instead: tests/pipeline/test_learn_layerwise_write.py)
     align = AlignOptions(symmetries="attn,ffn", match=match, align_data=data)
@@ -99,14 +100,20 @@ def test_weights_streams_and_auto_loads_a_matcher_that_cannot(vits, tmp_path, mo
     weights = plan_merge(vits[:2], MergeOptions(align=AlignOptions(symmetries="attn,ffn")), mode="stream")
     assert weights.mode == "stream" and weights.aligns
     data = npz_file(tmp_path / "d.npz")
-    for match in ("activations", "learned"):
-        opts = MergeOptions(align=AlignOptions(symmetries="attn,ffn", match=match, align_data=data))
-        plan = plan_merge(vits[:2], opts, mode="auto")
-        assert plan.mode == "memory" and f"--match {match}" in plan.why
-        monkeypatch.setattr("symmerge.core.memory.available_memory", lambda: 1000)  # the models do not fit
-        with pytest.raises(SymmergeError, match=f"--mode auto.*would not fit.*--match {match}"):
-            plan_merge(vits[:2], opts, mode="auto")
-        monkeypatch.undo()
+    opts = MergeOptions(align=AlignOptions(symmetries="attn,ffn", match="activations", align_data=data))
+    plan = plan_merge(vits[:2], opts, mode="auto")
+    assert plan.mode == "memory" and "--match activations" in plan.why
+    monkeypatch.setattr("symmerge.core.memory.available_memory", lambda: 1000)  # the models do not fit
+    with pytest.raises(SymmergeError, match="--mode auto.*would not fit.*--match activations"):
+        plan_merge(vits[:2], opts, mode="auto")
+    monkeypatch.undo()
+    # the learned matcher streams from the files (pipeline/learn_layerwise_write.py): loaded when the models fit,
+    # streamed when they do not, as the data-free matcher
+    opts = MergeOptions(align=AlignOptions(symmetries="attn,ffn", match="learned", align_data=data))
+    assert plan_merge(vits[:2], opts, mode="auto").mode == "memory"
+    monkeypatch.setattr("symmerge.core.memory.available_memory", lambda: 1000)
+    assert plan_merge(vits[:2], opts, mode="auto").mode == "stream"
+    monkeypatch.undo()
     # nothing aligned: the matcher does not matter
     none = plan_merge(vits[:2], MergeOptions(align=AlignOptions(symmetries="none", match="activations",
                                                                 align_data=data)), mode="stream")

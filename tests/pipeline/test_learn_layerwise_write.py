@@ -6,7 +6,6 @@ models, which the in-memory path holds and more."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -14,40 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import make_inputs, output_rel_diff, run_cli, write_tokenizer
-from factories import make_model
+from learned_pair import LINES, digest, save_pair, tensors
 from symmerge.io.reader import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-LINES = ["the cat sat on the mat", "a dog ran fast", "the dog sat on a cat", "slow cat ran on the mat"] * 4
-
-
-def _pair(tmp_path: Path, family: str, tied: bool = False):
-    models = []
-    for seed, name in ((0, "a"), (3, "b")):
-        model = make_model(family, head=True, seed=seed, dtype=torch.float32, tied=tied).eval()
-        model.save_pretrained(tmp_path / name)
-        write_tokenizer(tmp_path / name)
-        models.append(model)
-    lines = tmp_path / "lines.txt"
-    lines.write_text("\n".join(LINES) + "\n")
-    return models[0], lines
-
-
-def _tensors(folder: Path) -> dict:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _digest(folder: Path) -> dict:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
-
-
+_pair, _tensors, _digest = save_pair, tensors, digest
 LEARN = ["--match", "learned", "--learn-steps", "3", "--learn-batch", "4", "--verify-tol", "1e-5"]
 
 
@@ -87,6 +59,7 @@ def test_stream_learned_writes_the_in_memory_layerwise_alignment_bit_for_bit(tmp
     (["--no-verify"], "--no-verify"),
     (["--pipeline"], "--pipeline"),
     (["--residual", "permutation"], "residual"),
+    (["--verify-forward"], "--verify-forward"),  # was ignored (exit 0): it loads both models; this path verifies anyway
 ])
 def test_stream_learned_refuses_in_one_line_with_no_output(tmp_path, capsys, extra, needle):
     _, lines = _pair(tmp_path, "llama", True)
@@ -96,6 +69,54 @@ def test_stream_learned_refuses_in_one_line_with_no_output(tmp_path, capsys, ext
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(err) == 1 and err[0].startswith("symmerge: error: ") and needle in err[0], err
     assert not out.exists()
+
+
+def test_stream_learned_print_plan_prints_the_plan_and_says_what_is_verified(tmp_path, capsys):
+    """``--print-plan --stream --match learned`` was refused by the data-free stream's check; the plan's
+    ``verify.outputs`` was None for it although the written outputs are verified. Now the plan is printed (nothing
+    written), names the learned stream and the output check, and the run's report carries the same plan."""
+    from symmerge.pipeline.learn_layerwise_write import LEARNED_STREAM, OUTPUTS_CHECK
+
+    _, lines = _pair(tmp_path, "llama", True)
+    args = ["--stream", "--align-data", lines, *LEARN]
+    capsys.readouterr()
+    assert run_cli("align", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "out", "--print-plan", *args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert not (tmp_path / "out").exists()
+    verify = printed["plan"]["verify"]
+    assert printed["plan"]["mode"] == LEARNED_STREAM and printed["plan"]["match"] == "learned"
+    assert verify["outputs"] is True and verify["outputs_on"] == OUTPUTS_CHECK and verify["tolerance"] == 1e-5
+    assert "residual" not in printed["symmetries"] and printed["steps"]
+    assert run_cli("align", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "out", *args) == 0
+    report = json.loads((tmp_path / "out" / "symmerge_report.json").read_text())
+    assert report["plan"]["verify"] == verify and report["plan"]["mode"] == LEARNED_STREAM
+    assert report["symmetries"] == printed["symmetries"] and report["verify_max_rel_diff"] <= 1e-5
+
+
+def test_stream_learned_print_plan_refuses_verify_forward_in_one_line(tmp_path, capsys):
+    _, lines = _pair(tmp_path, "llama", True)
+    capsys.readouterr()
+    rc = run_cli("align", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "out", "--print-plan", "--stream",
+                 "--verify-forward", "--align-data", lines, *LEARN)
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and "--verify-forward" in err[0] and not captured.out, err
+
+
+@pytest.mark.parametrize("forward", [False, True])
+def test_data_free_stream_plan_says_whether_outputs_are_verified(tmp_path, capsys, forward):
+    """The data-free stream compares outputs only with ``--verify-forward``; its plan said None either way."""
+    _pair(tmp_path, "llama", True)
+    capsys.readouterr()
+    assert run_cli("align", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "out", "--print-plan", "--stream",
+                   *(["--verify-forward"] if forward else [])) == 0
+    verify = json.loads(capsys.readouterr().out)["plan"]["verify"]
+    assert verify["outputs"] is (True if forward else None) and (verify["outputs_on"] is not None) is forward
+    out = tmp_path / "out"
+    assert run_cli("align", tmp_path / "a", tmp_path / "b", "-o", out, "--stream",
+                   *(["--verify-forward"] if forward else [])) == 0
+    report = json.loads((out / "symmerge_report.json").read_text())
+    assert report["plan"]["verify"] == verify and ("verify_max_rel_diff" in report) is forward
 
 
 def test_stream_learned_refuses_generated_data(tmp_path, capsys):
