@@ -27,6 +27,7 @@ One engine serves in-memory and streamed alignment:
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections import defaultdict
@@ -225,16 +226,37 @@ def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, histo
     return best
 
 
+def ends_keys(instances, opts: Options) -> set:
+    """The stream's ends: the tensors of the active model-wide groups that no active per-layer group touches (the
+    embeddings, the task heads, the norms, the writers' biases). Their other axis is fixed (pixels, positions,
+    classes, vocabulary), so no per-layer element can bend them to fit."""
+    local = {s.key for i in active([i for i in instances if i.kind.per_layer], opts) for s in i.slots}
+    return {s.key for i in active([i for i in instances if not i.kind.per_layer], opts) for s in i.slots} - local
+
+
+def weighted_ends(instances, sd_a: dict, sd_b: dict, opts: Options, weight: float) -> tuple[dict, dict]:
+    """Both state dicts with the stream's ends (:func:`ends_keys`) times ``√weight``: the squared distance the
+    descent minimises on them counts the ends ``weight`` times, the rest once. Only the model-wide groups act on
+    those tensors and every solver's cost is a sum of the tensors' products, so solving on these copies solves the
+    weighted objective exactly; the elements found apply to the models as they are. ``weight`` 1: the inputs."""
+    if weight == 1.0:
+        return sd_a, sd_b
+    keys, factor = ends_keys(instances, opts), math.sqrt(weight)
+    return tuple({k: (v * factor if k in keys else v) for k, v in sd.items()} for sd in (sd_a, sd_b))
+
+
 @dataclass(frozen=True)
 class Restarts:
     """The restarts of :func:`search`: ``count`` of them (None: no search at all, the ``current`` descent
     alone; :data:`DEFAULT_RESTARTS` is a sensible count), drawn from ``seed``, none begun after ``budget``
-    seconds (None: no limit; 0: the ``current`` start alone). The alignment options' ``restarts``,
-    ``solver_seed`` and ``solver_budget``."""
+    seconds (None: no limit; 0: the ``current`` start alone), every start's objective with the stream's ends counted
+    ``ends_weight`` times (:func:`weighted_ends`). The alignment options' ``restarts``, ``solver_seed``,
+    ``solver_budget`` and ``ends_weight``."""
 
     count: int | None = None
     budget: float | None = None
     seed: int = 0
+    ends_weight: float = 1.0
 
 
 def search(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, history: list | None = None,
@@ -257,10 +279,13 @@ def search(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, hist
     :data:`DEFAULT_RESTARTS` is a sensible count), drawn from ``seed``: the same result on any machine; ``budget``:
     seconds after which no further restart begins (None: no limit; a limit makes the count depend on the machine's
     speed; 0: the ``current`` start alone, the descent as it was). ``history`` receives the kept start's sweeps;
-    ``keep`` (a dict), every start's elements by the start's name (benchmarks)."""
+    ``keep`` (a dict), every start's elements by the start's name (benchmarks). ``starts.ends_weight``: the stream's
+    ends (:func:`ends_keys`) count this many times in the objective (:func:`weighted_ends`; 1: the plain squared
+    distance); every objective reported is the weighted one."""
     wide = active([i for i in instances if not i.kind.per_layer], opts)
     if not wide:
         return solve(instances, sd_a, sd_b, opts, progress, history, max_sweeps, tol=tol), None
+    sd_a, sd_b = weighted_ends(instances, sd_a, sd_b, opts, starts.ends_weight)
     restarts, budget, seed = starts.count, starts.budget, starts.seed
     local = [i for i in instances if i.kind.per_layer]
     t0 = time.perf_counter()
@@ -306,7 +331,7 @@ def search(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, hist
         history.extend(best["history"])
     return best["elements"], {"starts": runs, "winner": best["start"], "objective": best["objective"],
                               "restarts": count, "budget_seconds": budget, "seed": seed,
-                              "seconds": time.perf_counter() - t0}
+                              "ends_weight": starts.ends_weight, "seconds": time.perf_counter() - t0}
 
 
 def _restart(move, incumbent, wide, local, discrete, sd_a, sd_b, opts, generator, around) -> dict | None:

@@ -191,7 +191,9 @@ class AlignOptions:
     solver's search (:func:`symmerge.pipeline.engine.search`): after the plain starts (today's, the identity,
     a canonical frame), ``restarts`` restarts (None, the default: no search, the one descent as before it) drawn
     with ``solver_seed``, none begun after ``solver_budget`` seconds (None: no limit; 0: the first descent
-    alone, as before the search); the lowest objective is kept.
+    alone, as before the search); the lowest objective is kept. ``ends_weight``: the data-free objective counts the
+    stream's ends (embeddings, task heads, norms, the writers' biases: the tensors no per-layer group moves) this
+    many times (1, the default: the plain squared distance; :func:`symmerge.pipeline.engine.weighted_ends`).
 
     ``match``: what the elements are fitted to — ``weights`` (data-free: the L2 distance of the
     weights), ``activations`` (statistics of both models' activations on ``align_data``: the residual
@@ -220,6 +222,7 @@ class AlignOptions:
     restarts: int | None = None
     solver_budget: float | None = None
     solver_seed: int = 0
+    ends_weight: float = 1.0
     recommended: bool = False  # symmetries came from 'recommended': resolve against each model
 
     def __post_init__(self):
@@ -248,6 +251,8 @@ class AlignOptions:
         check_range("solver_budget", self.solver_budget)
         if isinstance(self.solver_seed, bool) or not isinstance(self.solver_seed, int):
             raise SymmergeError(f"the solver seed must be a whole number, got {self.solver_seed!r}")
+        if not (_is_number(self.ends_weight) and self.ends_weight > 0):
+            raise SymmergeError(f"the ends weight must be a finite number > 0, got {self.ends_weight!r}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
