@@ -52,8 +52,9 @@ from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
 from .data import load_align_data
 from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, head_forward,
-                    mixture_weights, norm_eps, shuffled, subsample_positions)
-from .learn import check_points as check_weights  # the pairwise checks α = ½, ¾, ¼ for two models
+                    norm_eps, shuffled, subsample_positions)
+from .mixture import check_points as check_weights  # two models: the pairwise checks α = ½, ¾, ¼
+from .mixture import mixture_weights
 from .options import DIRICHLET_AUTO
 from .verify import verify_elements, verify_forward, with_state_dict
 

@@ -34,7 +34,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..core.apply import apply, stages
@@ -43,7 +42,6 @@ from ..errors import SymmergeError
 from ..groups.base import Options
 from ..io.data import Batch, Data
 from .engine import solve
-from .options import DIRICHLET_UNIFORM
 from .verify import with_state_dict
 
 
@@ -338,25 +336,6 @@ def budget_spent(settings, t0: float, info: dict) -> bool:
         info["stopped"] = f"time budget of {settings.budget} s"
         return True
     return False
-
-
-def check_points(n: int, concentration=None) -> list[torch.Tensor]:
-    """The fixed mixture weights a joint learning's objective is checked at: the uniform average, and for every
-    model the point halfway between it and the uniform average (for N = 2: α = ½, ¾, ¼); the uniform average
-    alone when every step trains there (``concentration`` :data:`~symmerge.pipeline.options.DIRICHLET_UNIFORM`)."""
-    uniform = torch.full((n,), 1.0 / n)
-    if concentration == DIRICHLET_UNIFORM:
-        return [uniform]
-    return [uniform] + [0.5 * uniform + 0.5 * torch.eye(n)[i] for i in range(n)]
-
-
-def mixture_weights(n: int, concentration, rng) -> torch.Tensor:
-    """One joint learning step's weights of the N models: a draw of Dirichlet(``concentration``, …) from the
-    numpy generator ``rng``, or exactly 1/N each for :data:`~symmerge.pipeline.options.DIRICHLET_UNIFORM` (no
-    draw)."""
-    if concentration == DIRICHLET_UNIFORM:
-        return torch.full((n,), 1.0 / n)
-    return torch.as_tensor(rng.dirichlet(np.full(n, float(concentration))), dtype=torch.float32)
 
 
 def cosine_adam(parameters, lr: float, steps: int):

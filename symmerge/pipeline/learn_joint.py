@@ -48,10 +48,11 @@ from ..errors import SymmergeError
 from ..families import spec_for
 from ..progress import bar, stage
 from .align import instances_for, load_align_data, untied
-from .learn import (Checks, _Parameters, _split, augmented, budget_spent, check_points, cosine_adam, examples_word,
-                    mixture_weights, norm_eps, scored_logits, shuffled, subsample_positions)
+from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, norm_eps,
+                    scored_logits, shuffled, subsample_positions)
 from .frame import JointAlignment, spread
 from .matchers import matcher
+from .mixture import check_points, mixture_weights
 from .options import DIRICHLET_AUTO
 from .verify import verify_elements, verify_forward, with_state_dict
 

@@ -25,7 +25,7 @@ from symmerge.errors import SymmergeError
 from symmerge.options.build import learn_settings
 from symmerge.pipeline import dual, learn_joint
 from symmerge.pipeline.joint import align_joint
-from symmerge.pipeline.learn import check_points
+from symmerge.pipeline.mixture import check_points
 from symmerge.pipeline.options import DIRICHLET_UNIFORM, AlignOptions, LearnSettings
 from test_learn import FULL, unlabeled
 
