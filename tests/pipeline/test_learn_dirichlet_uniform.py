@@ -160,3 +160,17 @@ def test_the_uniform_objective_is_the_uniform_score_and_the_limit_of_a_large_con
                    for i in (1, 2) for k in keys)
 
     assert gap("uniform", 1e12) <= 1e-4 < gap("uniform", 1.0)
+
+
+def test_merge_runs_it_from_the_command_line_and_reports_it(tmp_path):
+    import json
+
+    from conftest import npz_file, vit_folder
+
+    folders = [str(vit_folder(tmp_path / f"m{i}", seed=i)) for i in range(3)]
+    out = tmp_path / "out"
+    assert main(["merge", *folders, "-o", str(out), "--method", "average", "--match", "learned", "--align-data",
+                 npz_file(tmp_path / "x.npz", n=20), "--learn-steps", "2", "--learn-dirichlet", "inf",
+                 "--progress", "none"]) == 0
+    learned = json.loads((out / "symmerge_report.json").read_text())["alignment"]["joint"]["learned"]
+    assert learned["dirichlet"] == "uniform" and learned["weights_checked"] == 1 and learned["steps"] == 2
