@@ -356,10 +356,11 @@ OPTIONS = (
         metavar="N", learn="check_batches",
         help="--match learned: the objective checks (start/end, or held-out) on at most N batches (default "
              f"{L.check_batches}: all)"),
-    opt("learn_dirichlet", "--learn-dirichlet", on=ALIGNING, part=ALIGNMENT, parse=concentration, metavar="C|auto",
-        learn="dirichlet",
+    opt("learn_dirichlet", "--learn-dirichlet", on=ALIGNING, part=ALIGNMENT, parse=concentration,
+        metavar="C|auto|uniform", learn="dirichlet",
         help="--match learned with more than two models (joint): the mixture weights drawn from Dirichlet(C, ..., C) "
-             "(1: uniform on the simplex; larger C: mixtures nearer the plain average); auto (the default): C chosen "
+             "(1: uniform on the simplex; larger C: mixtures nearer the plain average); uniform (or inf): every step "
+             "at the plain average, each model weighted 1/N (the merge's own weights); auto (the default): C chosen "
              f"from {', '.join(f'{c:g}' for c in L.dirichlet_grid)} on a held-out {L.dirichlet_holdout * 100:g}%% "
              "of --align-data by the objective at the uniform mixture (the report's learned.dirichlet_choice)"),
     opt("workers", "--workers", on=ALIGNING, part=ALIGNMENT, parse=int,

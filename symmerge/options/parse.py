@@ -9,13 +9,17 @@ from .schema import OptionValueError
 
 
 def concentration(text: str):
-    """``--learn-dirichlet``: a number, or ``auto``."""
-    if text == "auto":
+    """``--learn-dirichlet``: a number, ``auto``, or ``uniform`` (``inf`` reads the same: every step at the plain
+    average); a number's range (> 0) is :class:`~symmerge.pipeline.options.LearnSettings`' check."""
+    from ..pipeline.options import DIRICHLET_AUTO, DIRICHLET_UNIFORM
+
+    if text in (DIRICHLET_AUTO, DIRICHLET_UNIFORM):
         return text
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise OptionValueError(f"expected a number or 'auto', got {text!r}") from None
+        raise OptionValueError(f"expected a number, 'auto' or 'uniform', got {text!r}") from None
+    return DIRICHLET_UNIFORM if value == float("inf") else value
 
 
 def distill_steps(text):

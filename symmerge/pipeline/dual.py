@@ -53,6 +53,9 @@ from ..progress import bar, stage
 from .data import load_align_data
 from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, head_forward,
                     norm_eps, shuffled, subsample_positions)
+from .mixture import check_points as check_weights  # two models: the pairwise checks α = ½, ¾, ¼
+from .mixture import mixture_weights
+from .options import DIRICHLET_AUTO
 from .verify import verify_elements, verify_forward, with_state_dict
 
 
@@ -191,13 +194,6 @@ class Interpolation:
         return -(target * logp).sum(-1).mean()
 
 
-def check_weights(n: int) -> list[torch.Tensor]:
-    """The mixtures the objective is checked at: the uniform one and, per model, halfway from it to that
-    model (two models: α = ½, ¾, ¼, the pairwise checks)."""
-    centre = torch.full((n,), 1.0 / n)
-    return [centre] + [(centre + row) / 2 for row in torch.eye(n)]
-
-
 def _descend(opt, sched, loss: torch.Tensor, running: float | None) -> float:
     """One optimiser step on ``loss``; the running (exponential) mean of the training loss."""
     opt.zero_grad(set_to_none=True)
@@ -214,7 +210,7 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
     per model holding the best state. Two models: α ~ U(alpha_low, alpha_high); more: weights drawn from
     Dirichlet(C, …), C = ``settings.dirichlet`` (1 when ``"auto"``: the joint learned alignment,
     :mod:`symmerge.pipeline.learn_joint`, chooses it and passes it in the settings)."""
-    concentration = 1.0 if settings.dirichlet == "auto" else float(settings.dirichlet)
+    concentration = 1.0 if settings.dirichlet == DIRICHLET_AUTO else settings.dirichlet
     t0 = time.perf_counter()
     n = len(state_dicts)
     mix = Interpolation(skeleton, state_dicts, settings.target)
@@ -230,7 +226,7 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
     predictions = [mix.predictions(b) for b in train + held]
     p_train, p_held = predictions[:len(train)], predictions[len(train):]
     check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
-    points = check_weights(n)
+    points = check_weights(n, concentration if n > 2 else None)
 
     def changed() -> list[dict]:
         return [side.changed(sd) for side, sd in zip(sides, mix.work)]
@@ -245,7 +241,7 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
         if n == 2:
             a = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g).item()
             return torch.tensor([a, 1 - a])
-        return torch.as_tensor(rng.dirichlet(np.full(n, float(concentration))), dtype=torch.float32)
+        return mixture_weights(n, concentration, rng)
 
     history: dict = {"step": [], "train": []}
     everything = [x for side in sides for m in side.modules() for x in m.parameters()]

@@ -52,17 +52,12 @@ from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine
                     scored_logits, shuffled, subsample_positions)
 from .frame import JointAlignment, spread
 from .matchers import matcher
+from .mixture import check_points, mixture_weights
+from .options import DIRICHLET_AUTO
 from .verify import verify_elements, verify_forward, with_state_dict
 
 DIRICHLET = 1.0  # a fixed concentration of the mixture weights (Dirichlet(1): uniform on the simplex); the settings'
 # default is "auto" (chosen on held-out data, choose_concentration)
-
-
-def check_points(n: int) -> list[torch.Tensor]:
-    """The fixed mixture weights the objective is checked at: the uniform average, and for every model
-    the point halfway between it and the uniform average (for N = 2: α = ½, ¾, ¼)."""
-    uniform = torch.full((n,), 1.0 / n)
-    return [uniform] + [0.5 * uniform + 0.5 * torch.eye(n)[i] for i in range(n)]
 
 
 class Mixture:
@@ -139,7 +134,7 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
         return [{} if p is None else p.transform(mix.work[i]) for i, p in enumerate(params)]
 
     check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
-    points = check_points(n)
+    points = check_points(n, concentration)
 
     def held_out() -> float:
         with torch.no_grad():
@@ -171,8 +166,7 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
         if budget_spent(settings, t0, info):
             break
         i = next(order)
-        w = torch.as_tensor(rng.dirichlet(np.full(n, concentration)), dtype=torch.float32)
-        loss = mix.loss(w, changed(), train[i], p_train[i])
+        loss = mix.loss(mixture_weights(n, concentration, rng), changed(), train[i], p_train[i])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -316,8 +310,7 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
     ``steps``: its :class:`~symmerge.pipeline.joint.JointSteps` (None: their defaults)."""
     settings = options.learn
     concentration = settings.dirichlet if concentration is None else concentration  # --learn-dirichlet
-    if concentration != "auto" and not concentration > 0:
-        raise SymmergeError(f"the Dirichlet concentration must be > 0, got {concentration}")
+    concentration = dataclasses.replace(settings, dirichlet=concentration).dirichlet  # checked; inf: "uniform"
     n = len(models)
     anchor %= n
     names = list(names) if names is not None else [f"model {i}" for i in range(n)]
@@ -333,7 +326,7 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
     sds = [x.state_dict() for x in start.models]
     learn, move = _learners(instances, start.models[anchor], sds, anchor, options, progress)
     choice = None
-    if concentration == "auto":
+    if concentration == DIRICHLET_AUTO:
         concentration, choice = choose_concentration(learn, instances, start.models[anchor], sds, anchor, data,
                                                      settings, progress=progress, move=move)
     result, info = learn(data, settings, concentration=concentration)

@@ -39,6 +39,10 @@ LEARN_TARGETS = ("probabilities", "log-probabilities")
 LEARN_PRECISIONS = ("float32", "bfloat16")  # the training steps' forward and backward (checks: float32)
 # A moved onto B, or both models moved into a frame between them with their norms split (pipeline/dual.py)
 LEARN_FRAMES = ("one-sided", "dual")
+# --learn-dirichlet uniform (inf reads the same: Dirichlet(C)'s limit as C grows): every joint learned step at the
+# plain average, each of the N models weighted 1/N; "auto": C chosen on held-out data (learn_joint.choose_concentration)
+DIRICHLET_UNIFORM = "uniform"
+DIRICHLET_AUTO = "auto"
 
 
 def _names(value) -> tuple[str, ...]:
@@ -111,7 +115,9 @@ class LearnSettings:
     from the learned elements inside it): the same objective and gradient in memory bounded by a few
     layers instead of θ(α) and its graph for the whole model (docs/results/learned_scale.md); ``dirichlet``: the concentration of the mixture
     weights of the joint learned alignment of N models (w ~ Dirichlet(dirichlet, …); 1: uniform on the
-    simplex; larger: mixtures nearer the plain average), or ``"auto"`` (the default): chosen on held-out data — the
+    simplex; larger: mixtures nearer the plain average), ``"uniform"`` (``inf`` reads the same: every step at the
+    plain average, each model weighted 1/N, the objective checked there alone), or ``"auto"`` (the default): chosen on
+    held-out data — the
     last ``dirichlet_holdout`` of the unlabeled batches is held out, the mixtures are learned on the rest
     for every concentration of ``dirichlet_grid`` (``dirichlet_steps`` steps each; 0: half of ``steps``),
     and the one whose uniform average of the N models matches the uniform mixture of their predictions
@@ -155,8 +161,12 @@ class LearnSettings:
         if self.precision not in LEARN_PRECISIONS:
             raise SymmergeError(f"unknown learned-alignment precision {self.precision!r}; choose one of "
                                 f"{', '.join(LEARN_PRECISIONS)}")
-        if self.dirichlet != "auto" and not (_is_number(self.dirichlet) and self.dirichlet > 0):
-            raise SymmergeError(f"the Dirichlet concentration must be > 0 (or 'auto'), got {self.dirichlet!r}")
+        if self.dirichlet == float("inf"):  # Dirichlet(C) tends to the uniform weights as C grows
+            object.__setattr__(self, "dirichlet", DIRICHLET_UNIFORM)
+        if self.dirichlet not in (DIRICHLET_AUTO, DIRICHLET_UNIFORM) and \
+                not (_is_number(self.dirichlet) and self.dirichlet > 0):
+            raise SymmergeError(f"the Dirichlet concentration must be > 0 (or 'auto', or 'uniform'), got "
+                                f"{self.dirichlet!r}")
         grid = tuple(self.dirichlet_grid)
         if not grid or not all(_is_number(c) and c > 0 for c in grid):
             raise SymmergeError(f"dirichlet_grid must be concentrations > 0, got {self.dirichlet_grid!r}")
