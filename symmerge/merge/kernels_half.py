@@ -34,18 +34,21 @@ _ROWS_SPLIT = 1 << 16  # entries from which a mask's rows are split over the poo
 
 def _round_half(x, size, kind):  # pragma: no cover - compiled
     """x[:size] (float32) rounded in place to bfloat16 (``kind`` 0) or float16 (1), round to nearest even, as torch
-    converts a float32 result (finite inputs; overflow to ±inf)."""
+    converts a float32 result (overflow to ±inf; a NaN, which the writer refuses, to one quiet NaN)."""
     u = x.view(np.uint32)
     if kind == 0:
         for j in range(size):
             v = u[j]
-            u[j] = (v + ((v >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) & np.uint32(0xFFFF0000)
+            r = (v + ((v >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) & np.uint32(0xFFFF0000)
+            u[j] = np.uint32(0x7FC00000) if (v & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else r
         return
     half = np.float32(0.5)
     for j in range(size):
         v = u[j]
         a = v & np.uint32(0x7FFFFFFF)
-        if a < np.uint32(0x38800000):  # below float16's smallest normal: a multiple of 2^-24 (0.5's float32 ulp)
+        if a > np.uint32(0x7F800000):  # NaN (a result the writer refuses): one quiet NaN
+            u[j] = np.uint32(0x7FC00000)
+        elif a < np.uint32(0x38800000):  # below float16's smallest normal: a multiple of 2^-24 (0.5's float32 ulp)
             m = (abs(x[j]) + half) - half
             x[j] = -m if v >> np.uint32(31) else m
         else:
@@ -87,7 +90,9 @@ def _narrow(x, kind, dst, size):  # pragma: no cover - compiled
         v = u[j]
         s = np.uint16((v >> np.uint32(16)) & np.uint32(0x8000))
         a = v & np.uint32(0x7FFFFFFF)
-        if a >= np.uint32(0x7F800000):
+        if a > np.uint32(0x7F800000):
+            dst[j] = np.uint16(0x7E00)
+        elif a == np.uint32(0x7F800000):
             dst[j] = s | np.uint16(0x7C00)
         elif a >= np.uint32(0x38800000):
             dst[j] = s | np.uint16((((a >> np.uint32(23)) - np.uint32(112)) << np.uint32(10)) |
