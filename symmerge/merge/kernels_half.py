@@ -108,13 +108,74 @@ _narrow_jit = _jit(_narrow)
 
 # ------------------------------------------------------------------ DELLA's mask
 
-def della_row(mag, seed, first, low, epsilon, keys, mask):  # pragma: no cover - compiled
+def _sort_keys(keys, n, low_bits, tmp, counts):  # pragma: no cover - compiled
+    """keys[:n] sorted ascending (distinct uint64 keys, the column in ``low_bits``): scattered in column order into
+    buckets — the zero magnitudes, then about n/2 equal ranges of the others' keys — and each bucket sorted
+    (insertion sort; np.sort where it holds many out of order)."""
+    kmin = np.uint64(0xFFFFFFFFFFFFFFFF)
+    kmax = np.uint64(0)
+    for c in range(n):
+        k = keys[c]
+        if k > low_bits:
+            if k < kmin:
+                kmin = k
+            if k > kmax:
+                kmax = k
+    nb_bits = 1
+    while (1 << nb_bits) < (n >> 1):
+        nb_bits += 1
+    width = 0
+    span = kmax - kmin if kmax > low_bits else np.uint64(0)
+    while width < 64 and (span >> np.uint64(width)) >= np.uint64(1 << nb_bits):
+        width += 1
+    nb = (1 << nb_bits) + 1
+    for q in range(nb + 1):
+        counts[q] = 0
+    for c in range(n):
+        k = keys[c]
+        bk = 0 if k <= low_bits else 1 + np.int64((k - kmin) >> np.uint64(width))
+        counts[bk + 1] += 1
+    for q in range(1, nb + 1):
+        counts[q] += counts[q - 1]
+    for c in range(n):
+        k = keys[c]
+        bk = 0 if k <= low_bits else 1 + np.int64((k - kmin) >> np.uint64(width))
+        tmp[counts[bk]] = k
+        counts[bk] += 1
+    start = 0
+    for q in range(nb):
+        stop = counts[q]
+        if stop - start > 48:
+            ordered = True
+            for a in range(start + 1, stop):
+                if tmp[a] < tmp[a - 1]:
+                    ordered = False
+                    break
+            if not ordered:
+                tmp[start:stop].sort()
+        else:
+            for a in range(start + 1, stop):
+                v = tmp[a]
+                z = a - 1
+                while z >= start and tmp[z] > v:
+                    tmp[z + 1] = tmp[z]
+                    z -= 1
+                tmp[z + 1] = v
+        start = stop
+    for c in range(n):
+        keys[c] = tmp[c]
+
+
+_sort_keys_jit = _jit(_sort_keys)
+
+
+def della_row(mag, seed, first, low, epsilon, keys, counts, mask):  # pragma: no cover - compiled
     """DELLA's mask of one row: the entry of ascending rank q (the stable order of the float64 magnitudes ``mag``)
     kept where the uniform of stream entry ``first`` + its column is below ``low`` + (min(max(q / max(cols − 1, 1),
     0), 1) · 2) · ``epsilon``, the torch code's float64 operations (:func:`symmerge.merge.parts.della_keep_mask`).
     The ranks: where every magnitude's bit pattern has its low bits free for the column, one sort of the patterns
-    with the column in those bits (distinct keys: the stable order); else a stable argsort. ``keys``: uint64
-    scratch of the row's length."""
+    with the column in those bits (distinct keys: the stable order, :func:`_sort_keys`); else a stable argsort.
+    ``keys``: uint64 scratch of twice the row's length and more; ``counts``: int64 scratch of the row's length + 4."""
     cols = mag.shape[0]
     span = np.float64(max(cols - 1, 1))
     width = 1
@@ -128,7 +189,7 @@ def della_row(mag, seed, first, low, epsilon, keys, mask):  # pragma: no cover -
     if spare == 0:
         for c in range(cols):
             keys[c] = bits[c] | np.uint64(c)
-        keys[:cols].sort()
+        _sort_keys_jit(keys, cols, low_bits, keys[cols:], counts)
         for q in range(cols):
             c = np.int64(keys[q] & low_bits)
             p = low + (min(max(np.float64(q) / span, 0.0), 1.0) * 2.0) * epsilon
@@ -150,7 +211,8 @@ def _della_rows(t, b, kind, cols, r0, r1, params, mask):  # pragma: no cover - c
     low, epsilon)."""
     seed, low, epsilon = params
     mag = np.empty(cols, dtype=np.float64)
-    keys = np.empty(cols, dtype=np.uint64)
+    keys = np.empty(2 * cols, dtype=np.uint64)
+    counts = np.empty(cols + 4, dtype=np.int64)
     wt = np.empty(cols, dtype=np.float32)
     wb = np.empty(cols, dtype=np.float32)
     for r in range(r0, r1):
@@ -163,7 +225,7 @@ def _della_rows(t, b, kind, cols, r0, r1, params, mask):  # pragma: no cover - c
         else:
             for c in range(cols):
                 mag[c] = abs(np.float64(t[s + c]) - np.float64(b[s + c]))
-        _della_row_jit(mag, seed, s, low, epsilon, keys, mask[s:s + cols])
+        _della_row_jit(mag, seed, s, low, epsilon, keys, counts, mask[s:s + cols])
 
 
 _della_rows_jit = _jit(_della_rows)
