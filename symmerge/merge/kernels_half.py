@@ -484,15 +484,15 @@ def dare_della_into(tensors, base, rules, weights, consensus: str, normalize, sc
     :func:`symmerge.merge.in_dtype.combine_in_dtype` on the masks of :mod:`symmerge.merge.parts`): ``rules[i]``
     ``("all",)``, ``("dare", seed, drop)`` or ``("della", seed, density, epsilon)``; ``rescale`` True (mergekit's
     L1), else none; ``consensus`` ``"sum"``/``"ties"``; ``normalize`` True/False. False (nothing written) where it
-    does not apply: not float16/bfloat16 CPU tensors of one dtype and shape, a 0-dim tensor, or DELLA on more than
-    two dimensions."""
+    does not apply: not float16/bfloat16 CPU tensors of one dtype and shape, or DELLA on a tensor of other than one
+    or two dimensions."""
     import torch
 
     dtype = base.dtype
-    if str(dtype) not in _KIND or base.dim() == 0 or out.dtype != dtype or not out.is_contiguous() or any(
+    if str(dtype) not in _KIND or out.dtype != dtype or not out.is_contiguous() or any(
             t.dtype != dtype or t.shape != base.shape or t.device.type != "cpu" for t in (*tensors, out, base)):
         return False
-    if base.dim() > 2 and any(r[0] == "della" for r in rules):
+    if base.dim() not in (1, 2) and any(r[0] == "della" for r in rules):  # the torch code's rows along dim 1
         return False
     kind, shape = _KIND[str(dtype)], tuple(base.shape)
     arrays = tuple(_half_bits(t) for t in (*tensors, base))

@@ -142,6 +142,19 @@ def test_della_row_ranks_are_the_stable_sorts_both_ways():
         assert torch.equal(torch.from_numpy(mask).reshape(tau.shape), parts.della_keep_mask(tau, 0.5, 0.1, 4, 2, "w"))
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_scalar_and_a_3d_tensor_under_dare(dtype):
+    base, ts = _adversarial((4, 6, 5), dtype, seed=11)
+    for shape in ((4, 6, 5), ()):
+        b, xs = (base, ts) if shape else (base.reshape(-1)[10], [t.reshape(-1)[10] for t in ts])
+        for sparsifier, consensus, method, extra in CASES[:4]:
+            params = _params(method, extra)
+            out = torch.empty(b.shape, dtype=dtype)
+            assert parts._half_into(sparsifier, consensus, "s", xs, [0.4, 0.3, 0.3], b, params, None, out)
+            ref = parts._whole_task_vector_tensor(sparsifier, consensus, "s", xs, [0.4, 0.3, 0.3], b, params, None)
+            assert torch.equal(_bits(out), _bits(ref)), (shape, params)
+
+
 def test_declines_what_it_does_not_compute():
     b = torch.zeros(2, 3, 4, dtype=torch.bfloat16)
     out = torch.empty_like(b)
