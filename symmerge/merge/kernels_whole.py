@@ -4,7 +4,7 @@ RAM+ (:func:`ram_into`) beside it.
 :func:`task_vector_into` computes, without float64 copies of whole tensors and without sorting:
 
 1. per model, a boolean mask of the kept entries (:func:`_mask_interval`, :func:`_mask_dare`,
-   :func:`_mask_della`, :func:`_mask_above` for a threshold value) and, for the L1 rescale, the two norms Σ|τ|,
+   :func:`symmerge.merge.kernels_half.della_row`, :func:`_mask_above` for a threshold value) and, for the L1 rescale, the two norms Σ|τ|,
    Σ|kept τ| (:func:`_l1_sums`), the models at once on the merge pool; a magnitude rule's cut values are found by
    a radix select on the float32 bit patterns of |τ| (:func:`kth_largest`: two counting passes, no sort); where a
    run of equal magnitudes crosses a cut, the entries torch's sort keeps there, as mergekit takes them
@@ -34,11 +34,11 @@ import numpy as np
 from . import kernels
 from .kernels import (_BLOCK, _OUT_KIND, _bits53_jit, _flat_bits, _histogram_jit, _jit, _merge_pool, _store_jit,
                       _widen_jit)
+from .kernels_half import _della_rows_jit
 from .sort_order import window_mask_into
 
 _HALF = 1 << 16
 _SELECTING = threading.Lock()
-_U53 = 1.0 / 9007199254740992.0  # 2^-53: a uniform from its 53 bits (exact)
 
 
 def _mask_interval(t, b, lo, lo_start, lo_stop, hi, hi_start, hi_stop, mask):  # pragma: no cover - compiled
@@ -84,24 +84,6 @@ def _l1_sums(t, b, mask, sums):  # pragma: no cover - compiled
             kept += a
     sums[0] = total
     sums[1] = kept
-
-
-def _mask_della(t, b, cols, seed, low, epsilon, mask):  # pragma: no cover - compiled
-    """DELLA's mask, row by row (rows of ``cols`` entries): the entry of ascending rank r (stable sort of the
-    float64 magnitudes) is kept where its uniform is below ``low`` + (r / max(cols − 1, 1) · 2) · ``epsilon``
-    (``low`` = density − epsilon), the torch code's float64 operations."""
-    rows = t.shape[0] // cols
-    span = np.float64(max(cols - 1, 1))
-    row = np.empty(cols, dtype=np.float64)
-    for r in range(rows):
-        s = r * cols
-        for c in range(cols):
-            row[c] = abs(np.float64(t[s + c]) - np.float64(b[s + c]))
-        order = np.argsort(row, kind="mergesort")
-        for q in range(cols):
-            c = order[q]
-            p = low + (min(max(np.float64(q) / span, 0.0), 1.0) * 2.0) * epsilon
-            mask[s + c] = np.float64(_bits53_jit(seed, s + c)) * _U53 < p
 
 
 def _block_taus(arrays, start, x):  # pragma: no cover - compiled
@@ -279,7 +261,6 @@ def _combine(arrays, masks, allk, factors, consensus, normalize, wsum, scale, ou
 _block_taus_jit = _jit(_block_taus)
 _mask_dare_jit = _jit(_mask_dare)
 _mask_above_jit = _jit(_mask_above)
-_mask_della_jit = _jit(_mask_della)
 _l1_sums_jit = _jit(_l1_sums)
 _combine_jit = _jit(_combine)
 _mask_interval_jit = _jit(_mask_interval)
@@ -456,7 +437,7 @@ def _masks(arrays, b, base, rules, rescales, scratch):
             _mask_dare_jit(m, np.uint64(rule[1]), _cut_bits(rule[2]), masks[i])
         elif rule[0] == "della":
             density, epsilon = float(rule[2]), float(rule[3])
-            _mask_della_jit(t, b, cols, np.uint64(rule[1]), density - epsilon, epsilon, masks[i])
+            _della_rows_jit(t, b, -1, cols, 0, m // cols, (np.uint64(rule[1]), density - epsilon, epsilon), masks[i])
         else:  # a radix select of the cut values; where a run of ties crosses a cut, torch's order (mergekit's)
             lo, lo_start, lo_stop, hi, hi_start, hi_stop, clear = _interval(t, b, rule, m)
             if clear:

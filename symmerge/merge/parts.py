@@ -622,6 +622,8 @@ def _task_vector_tensor(sparsifier: str, consensus: str, key, tensors, weights, 
     out = torch.empty(base.shape, dtype=base.dtype)
     if _whole_into(sparsifier, consensus, key, tensors, weights, base, params, context, out):
         return out.to(device)
+    if _half_into(sparsifier, consensus, key, tensors, weights, base, params, context, out):
+        return out.to(device)
     if sparsifier == "none" and params["normalize"] != "count":
         # task arithmetic in float16/bfloat16: mergekit's own rounding, elementwise (chunks give the same bits and
         # cache-sized temporaries)
@@ -632,6 +634,21 @@ def _task_vector_tensor(sparsifier: str, consensus: str, key, tensors, weights, 
                                                          float(params["scale"]), False)
         return out.to(device)
     return _whole_task_vector_tensor(sparsifier, consensus, key, tensors, weights, base, params, context).to(device)
+
+
+def _half_into(sparsifier: str, consensus: str, key, tensors, weights, base, params, context, out) -> bool:
+    """DARE and DELLA under mergekit's forms in float16/bfloat16 (mergekit's arithmetic in that dtype) into ``out`` by
+    their kernel (:func:`symmerge.merge.kernels_half.dare_della_into`: the bits of :func:`combine_in_dtype` on the
+    masks :func:`_sparsify_whole` draws), or False (nothing written: another rule, symmerge's own variants)."""
+    if sparsifier not in ("dare", "della") or not _in_dtype(sparsifier, consensus, base, params):
+        return False
+    if params["normalize"] == "count" or params.get("rescale") == "inverse":
+        return False
+    from . import kernels_half
+
+    rules, _ = _whole_rules(sparsifier, key, tensors, base, weights, params, context)
+    return kernels_half.dare_della_into(tensors, base, rules, weights, consensus, params["normalize"],
+                                        float(params["scale"]), params.get("rescale"), out)
 
 
 def _whole_task_vector_tensor(sparsifier: str, consensus: str, key, tensors, weights, base, params, context):
