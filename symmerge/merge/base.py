@@ -278,6 +278,9 @@ class Method:
     weight_required: bool = False
     other_names: tuple = ()
     copy_unless: str | None = None
+    # the dtype the rule computes in when it is not the inputs' (a config's ``dtype``: config.run.computing_in); the
+    # executor runs float16/bfloat16 arithmetic with mergekit's thread count (in_dtype.mergekit_threads)
+    computes_in: object = None
 
     @property
     def base_policy(self) -> str:
