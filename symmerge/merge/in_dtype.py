@@ -28,17 +28,19 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 @contextlib.contextmanager
-def mergekit_threads(dtype):
+def mergekit_threads(dtype, reductions: bool = True):
     """The one place mergekit's thread count is applied: the executor runs every merge step (the method's
-    ``prepare``, ``tensor_context``, ``fused_into`` and ``tensor``) whose arithmetic is in float16/bfloat16
-    (``dtype``: the inputs' dtype, or the one a config's ``dtype`` computes in) inside this block, with torch's
-    intra-op thread count as mergekit runs it; other dtypes keep the executor's count. A sum, dot product or norm
+    ``prepare``, ``tensor_context``, ``fused_into`` and ``tensor``) inside this block; one whose arithmetic is in
+    float16/bfloat16 (``dtype``: the inputs' dtype, or the one a config's ``dtype`` computes in) by a rule that
+    reduces whole tensors (``reductions``: the method's ``half_reductions``) runs with torch's intra-op thread count
+    as mergekit runs it; others keep the executor's single thread (two OpenMP threads cost 4–5× the CPU time of one
+    on the elementwise bfloat16 ops of a SmolLM2 layer at load 9 on 2 cores). A sum, dot product or norm
     over more than 32 768 entries is split among torch's threads, and in float16/bfloat16 the split shows in the
     rounding (a bfloat16 dot product of 884 736 entries: 644 on one thread, 640 on two), so mergekit's arithmetic
     in the half dtype is mergekit's result only with mergekit's thread count."""
     from ..core.parallel import torch_threads
 
-    with torch_threads(_THREADS if dtype in HALF else None):
+    with torch_threads(_THREADS if reductions and dtype in HALF else None):
         yield
 
 

@@ -124,7 +124,8 @@ def _model_stock_into(key, tensors, weights, base, params, context, out) -> bool
     return linear_into(key, tensors, weights, base, params, context, out)
 
 
-MODEL_STOCK = Method("model_stock", _model_stock_tensor, needs_base=True, params={"filter_wise": False},
+MODEL_STOCK = Method("model_stock", _model_stock_tensor, half_reductions=True, needs_base=True,
+                     params={"filter_wise": False},
                      doc="Model Stock: interpolate the base and the models' mean by t = N cos / (1 + (N-1) cos) "
                          "of the task vectors' mean pairwise cosine.",
                      normalize_weights=False, checks={"filter_wise": boolean()}, models=(2, None),

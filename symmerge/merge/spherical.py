@@ -170,7 +170,7 @@ def _slerp_half(tensors, base, weights, params) -> torch.Tensor:
 
 _slerp_tensor, _slerp_context, _slerp_into = in_dtype_rule(_slerp_half, _slerp_coefficients)
 
-SLERP = Method("slerp", _slerp_tensor, needs_base=True, params={"t": REQUIRED},
+SLERP = Method("slerp", _slerp_tensor, half_reductions=True, needs_base=True, params={"t": REQUIRED},
                doc="Spherical linear interpolation from the base model (t = 0) to one other model (t = 1), on the "
                    "flattened tensor.", normalize_weights=False, checks={"t": real()}, models=(1, 1),
                elementwise=True, tensor_context=_slerp_context, fused_into=_slerp_into)
@@ -245,7 +245,7 @@ def _nuslerp_tensor(key, tensors, weights, stats, base, params, context):
     return out if base is None else base.double() + out
 
 
-NUSLERP = Method("nuslerp", _nuslerp_tensor, accepts_base=True, weight_required=True,
+NUSLERP = Method("nuslerp", _nuslerp_tensor, half_reductions=True, accepts_base=True, weight_required=True,
                  params={"nuslerp_flatten": True, "nuslerp_row_wise": False},
                  doc="SLERP of two models (or of their task vectors, given a base) at t = w2 / (w1 + w2), "
                      "flattened or row/column-wise.", normalize_weights=False,
@@ -330,7 +330,7 @@ def _multislerp_half(tensors, base, weights, params) -> torch.Tensor:
 
 _multislerp_tensor, _multislerp_context, _multislerp_into = in_dtype_rule(_multislerp_half, _multislerp_coefficients)
 
-MULTISLERP = Method("multislerp", _multislerp_tensor, accepts_base=True, weight_required=True,
+MULTISLERP = Method("multislerp", _multislerp_tensor, half_reductions=True, accepts_base=True, weight_required=True,
                     params={"normalize_weights": True, "eps": 1e-8},
                     doc="Barycentric interpolation on the hypersphere of any number of models (or task vectors): "
                         "tangent-space mean at the weighted mean direction, mapped back, scaled by the mean norm.",
@@ -466,7 +466,8 @@ def _karcher_half(tensors, base, weights, params) -> torch.Tensor:
 
 _karcher_tensor, _karcher_context, _karcher_into = in_dtype_rule(_karcher_half, _karcher_coefficients)
 
-KARCHER = Method("karcher", _karcher_tensor, params={"max_iter": 10, "tol": 1e-5}, ignores_base=True,
+KARCHER = Method("karcher", _karcher_tensor, half_reductions=True, params={"max_iter": 10, "tol": 1e-5},
+                 ignores_base=True,
                  doc="Karcher (Riemannian) mean of the models' directions on the unit sphere, scaled by their "
                      "mean norm (uniform; weights are not used).",
                  checks={"max_iter": integer(0), "tol": real(0.0)}, elementwise=True,
