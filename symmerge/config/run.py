@@ -230,7 +230,7 @@ def computing_in(method, dtype):
         def context(key, tensors, base, weights, params, ctx):
             return method.tensor_context(key, [cast(t) for t in tensors], cast(base), weights, params, ctx)
 
-    return replace(method, tensor=tensor, tensor_context=context, fused_into=None)
+    return replace(method, tensor=tensor, tensor_context=context, fused_into=None, computes_in=dtype)
 
 
 def write_chat_template(folder: Path, template: str, inputs) -> None:

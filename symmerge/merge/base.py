@@ -278,6 +278,12 @@ class Method:
     weight_required: bool = False
     other_names: tuple = ()
     copy_unless: str | None = None
+    # the dtype the rule computes in when it is not the inputs' (a config's ``dtype``: config.run.computing_in)
+    computes_in: object = None
+    # its float16/bfloat16 rule reduces whole tensors (norms, dot products, sums over more than torch's grain size),
+    # whose rounding depends on torch's thread count: the executor runs its half-precision steps with mergekit's
+    # count (in_dtype.mergekit_threads); a rule without (elementwise, per-row) runs single-threaded, faster
+    half_reductions: bool = False
 
     @property
     def base_policy(self) -> str:

@@ -39,6 +39,7 @@ from ..io.output import check_free_space
 from ..progress import bar, stage
 from . import kernels
 from .base import merge_tensor
+from .in_dtype import mergekit_threads, remember_threads
 from .outputs import check_result, refuse_non_finite
 from .steps import TensorStep, step_arguments
 
@@ -333,8 +334,17 @@ class StreamExecutor:
         weights, params = step_arguments(m, merged[0], n)
         views = [StepView(self.ckpts, merged, i) for i in range(n)]
         base = StepView(self.ckpts, merged, None) if merged[0].base is not None else None
-        with stage(f"{m.name}: model-wide quantities (one read of every model)", enabled=self.progress):
+        with stage(f"{m.name}: model-wide quantities (one read of every model)", enabled=self.progress), \
+                mergekit_threads(self.computes_in(merged[0]), m.half_reductions):
             return m.prepare(views, base, weights, params)
+
+    def computes_in(self, step: TensorStep):
+        """The dtype a merged step's arithmetic is in: a config's ``dtype`` (the method's ``computes_in``), else its
+        first source's."""
+        if self.method.computes_in is not None:
+            return self.method.computes_in
+        s = self.reads(step)[0]
+        return self.ckpts[s.model].dtype[s.key]
 
     # ------------------------------------------------ read ahead, merge, write behind
     def run(self, folder=None, target=None) -> dict:
@@ -345,8 +355,6 @@ class StreamExecutor:
         positions (``pairwise_sq``: {(i, j): …}) and from the result to each (``result_sq``: {i: …}), and
         ``result_warnings`` (:func:`symmerge.merge.outputs.check_result`: a non-finite result is an error)."""
         import torch
-
-        from .in_dtype import remember_threads
 
         threads = torch.get_num_threads()
         remember_threads(threads)  # mergekit's arithmetic in the half dtype runs with this count (in_dtype)
@@ -526,7 +534,8 @@ class _Pass:
             n = len(st.sources)
             inputs, b = tensors[:n], (tensors[n] if st.base is not None else None)
             weights, params = step_arguments(m, st, n, self.arg_cache)
-            value = merge_tensor(m, st.name, inputs, weights, None, b, params, self.context, out=room)
+            with mergekit_threads(m.computes_in or inputs[0].dtype, m.half_reductions):  # the one place (in_dtype)
+                value = merge_tensor(m, st.name, inputs, weights, None, b, params, self.context, out=room)
             # checked before it is written: degenerate warned about; non-finite refused (here when no
             # distances are measured, else by the distances, which a non-finite result makes non-finite)
             warning = check_result(st.name, value, inputs + [b], m, st.params, st.weights,

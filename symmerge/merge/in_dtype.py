@@ -10,7 +10,7 @@ inputs, the whole rule (:func:`combine_in_dtype`). The masks (which entries are 
 
 from __future__ import annotations
 
-import functools
+import contextlib
 
 import torch
 
@@ -24,21 +24,26 @@ def remember_threads(n: int) -> None:
     _THREADS = int(n)
 
 
-def in_mergekit_threads(fn):
-    """``fn`` run with torch's intra-op thread count as mergekit runs it. A sum, dot product or norm over more than
-    32 768 entries is split among torch's threads, and in float16/bfloat16 the split shows in the rounding (a
-    bfloat16 dot product of 884 736 entries: 644 on one thread, 640 on two), so mergekit's arithmetic in the half
-    dtype is mergekit's result only with mergekit's thread count."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        from ..core.parallel import torch_threads
+HALF = (torch.float16, torch.bfloat16)
 
-        with torch_threads(_THREADS):
-            return fn(*args, **kwargs)
 
-    return run
+@contextlib.contextmanager
+def mergekit_threads(dtype, reductions: bool = True):
+    """The one place mergekit's thread count is applied: the executor runs every merge step (the method's
+    ``prepare``, ``tensor_context``, ``fused_into`` and ``tensor``) inside this block; one whose arithmetic is in
+    float16/bfloat16 (``dtype``: the inputs' dtype, or the one a config's ``dtype`` computes in) by a rule that
+    reduces whole tensors (``reductions``: the method's ``half_reductions``) runs with torch's intra-op thread count
+    as mergekit runs it; others keep the executor's single thread (two OpenMP threads cost 4–5× the CPU time of one
+    on the elementwise bfloat16 ops of a SmolLM2 layer at load 9 on 2 cores). A sum, dot product or norm
+    over more than 32 768 entries is split among torch's threads, and in float16/bfloat16 the split shows in the
+    rounding (a bfloat16 dot product of 884 736 entries: 644 on one thread, 640 on two), so mergekit's arithmetic
+    in the half dtype is mergekit's result only with mergekit's thread count."""
+    from ..core.parallel import torch_threads
 
-@in_mergekit_threads
+    with torch_threads(_THREADS if reductions and dtype in HALF else None):
+        yield
+
+
 def l1_factor(t, base, keep):
     """mergekit's L1 rescale factor Σ|τ| / Σ|kept τ| of τ = t − base in base's dtype (a 0-dim tensor of it), or 0.0
     where either sum is below 1e-7 (no rescale)."""
@@ -47,7 +52,6 @@ def l1_factor(t, base, keep):
     return 0.0 if (before < 1e-7 or after < 1e-7) else before / after
 
 
-@in_mergekit_threads
 def deltas_in_dtype(tensors, base, keeps, weights, rescale):
     """mergekit's weighted task vectors in the tensors' dtype D, stacked: (θ_i − θ_b)·keep_i (× Σ|τ_i| / Σ|kept τ_i|
     under the L1 ``rescale``), times w_i, each rounded to D; and the weights in D, shaped to broadcast."""
@@ -67,7 +71,6 @@ def deltas_in_dtype(tensors, base, keeps, weights, rescale):
     return deltas.mul_(w), w
 
 
-@in_mergekit_threads
 def mergekit_election(tensors, base, keeps, weights, rescale) -> torch.Tensor:
     """mergekit's elected sign (True: +) of TIES' consensus, computed as mergekit computes it in the tensors'
     dtype D: γ = + where Σ_i x_i ≥ 0, x_i the weighted deltas of :func:`deltas_in_dtype` summed in model order
@@ -78,10 +81,6 @@ def mergekit_election(tensors, base, keeps, weights, rescale) -> torch.Tensor:
     return deltas_in_dtype(tensors, base, keeps, weights, rescale)[0].sum(0) >= 0
 
 
-HALF = (torch.float16, torch.bfloat16)
-
-
-@in_mergekit_threads
 def combine_in_dtype(tensors, base, keeps, weights, consensus: str, normalize, scale: float, rescale) -> torch.Tensor:
     """mergekit's task-vector rule in the inputs' half dtype D, op for op (where its rounding is the rule's
     observable result): the weighted deltas δ_i of :func:`deltas_in_dtype`; ``sum``: Σ δ_i (÷ Σ w_i when

@@ -458,12 +458,11 @@ def _models(rules, weights, arrays, kind, shape):
 
 def _l1_factors(arrays, kind, masks, keep, dtype, shape):
     """mergekit's L1 factor per model whose entries are masked (``keep`` = (how, seeds, cuts)): Σ|δ| / Σ|kept δ| in
-    the half dtype, the sums torch's with mergekit's thread count, 0 where either is below 1e-7 (no rescale)."""
+    the half dtype, the sums torch's with mergekit's thread count (the executor's one wrapper,
+    :func:`symmerge.merge.in_dtype.mergekit_threads`: the task-vector family declares ``half_reductions``), 0 where
+    either is below 1e-7 (no rescale)."""
     import torch
 
-    from .in_dtype import in_mergekit_threads
-
-    @in_mergekit_threads
     def factor(before, after):
         b, a = before.sum(), after.sum()
         return 0.0 if (b < 1e-7 or a < 1e-7) else float(b / a)

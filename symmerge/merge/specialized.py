@@ -35,7 +35,6 @@ import torch
 
 from .base import REQUIRED, Method, boolean, real
 from .combination import gram, linear_into, linear_tensor
-from .in_dtype import in_mergekit_threads
 from .parts import elect_mask
 from .sort_order import topk_mask
 
@@ -83,7 +82,6 @@ def model_stock_t(g: torch.Tensor) -> float:
     return 0.0 if abs(den) < 1e-6 else n * cos / den
 
 
-@in_mergekit_threads
 def _model_stock_coefficients(key, tensors, base, weights, params, context):
     """θ = t · mean_i θ_i + (1 − t) θ_b as coefficients of ``[*models, base]``; for half-precision inputs
     ``{"half_t": t}``, the ratio computed on the whole tensor in their dtype (mergekit's arithmetic), the rest
@@ -94,7 +92,6 @@ def _model_stock_coefficients(key, tensors, base, weights, params, context):
     return [t / len(tensors)] * len(tensors) + [1.0 - t]
 
 
-@in_mergekit_threads
 def _model_stock_whole(tensors, base, filter_wise: bool) -> torch.Tensor:
     """The rule on whole tensors in :func:`working_dtype` (float64, or the half dtype as mergekit computes it)."""
     work = working_dtype(base)
@@ -127,7 +124,8 @@ def _model_stock_into(key, tensors, weights, base, params, context, out) -> bool
     return linear_into(key, tensors, weights, base, params, context, out)
 
 
-MODEL_STOCK = Method("model_stock", _model_stock_tensor, needs_base=True, params={"filter_wise": False},
+MODEL_STOCK = Method("model_stock", _model_stock_tensor, half_reductions=True, needs_base=True,
+                     params={"filter_wise": False},
                      doc="Model Stock: interpolate the base and the models' mean by t = N cos / (1 + (N-1) cos) "
                          "of the task vectors' mean pairwise cosine.",
                      normalize_weights=False, checks={"filter_wise": boolean()}, models=(2, None),
