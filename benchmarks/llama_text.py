@@ -20,6 +20,11 @@ Python documentation (B4's corpus, split and BPE), aligned data-free and from un
    (statistics on the first ``--repair-examples`` alignment paragraphs). The unlabeled alignment data are the first
    ``--align-examples`` paragraphs of the validation split (never the evaluation set).
 
+Row ``learned-dual`` moves both models into a frame between them (``--learn-frame dual``; θ(α) between the two
+moved models, each checked against its original); ``--learn-alpha-low/--learn-alpha-high`` set the learned
+steps' α range; ``--temperature`` adds a ``+temperature`` curve per row (θ(α)'s softmax temperature fitted at
+every α on the first ``--temperature-examples`` alignment paragraphs, labels unused: Ito et al.'s calibration).
+
 Writes ``results.json`` and ``tables.md`` into ``--out``; timings are also given as ratios to the
 ``recommended`` row's (the default of ``align`` and ``merge``), measured in the same run.
 """
@@ -101,6 +106,8 @@ def parse_args(argv=None):
     p.add_argument("--learn-alpha-low", type=float, default=None,
                    help="learned: each step's α drawn from U(LO, HI) (LearnSettings.alpha_low; LO = HI: one α)")
     p.add_argument("--learn-alpha-high", type=float, default=None, help="learned: the upper end of α's range")
+    p.add_argument("--learn-budget", type=float, default=None,
+                   help="learned: stop the steps after this many seconds (LearnSettings.budget; the report says so)")
     p.add_argument("--learn-precision", choices=("float32", "bfloat16"), default=None,
                    help="learned: the training steps' precision (LearnSettings.precision)")
     p.add_argument("--learn-check-batches", type=int, default=None,
@@ -155,6 +162,7 @@ def row_options(args, name: str, align_file) -> AlignOptions | None:
                                                ("precision", args.learn_precision),
                                                ("alpha_low", args.learn_alpha_low),
                                                ("alpha_high", args.learn_alpha_high),
+                                               ("budget", args.learn_budget),
                                                ("check_batches", args.learn_check_batches))
                              if v is not None})
     return AlignOptions(**spec, align_data=align_file if spec.get("match", "weights") != "weights" else None,
