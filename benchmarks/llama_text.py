@@ -20,6 +20,11 @@ Python documentation (B4's corpus, split and BPE), aligned data-free and from un
    (statistics on the first ``--repair-examples`` alignment paragraphs). The unlabeled alignment data are the first
    ``--align-examples`` paragraphs of the validation split (never the evaluation set).
 
+Row ``learned-dual`` moves both models into a frame between them (``--learn-frame dual``; θ(α) between the two
+moved models, each checked against its original); ``--learn-alpha-low/--learn-alpha-high`` set the learned
+steps' α range; ``--temperature`` adds a ``+temperature`` curve per row (θ(α)'s softmax temperature fitted at
+every α on the first ``--temperature-examples`` alignment paragraphs, labels unused: Ito et al.'s calibration).
+
 Writes ``results.json`` and ``tables.md`` into ``--out``; timings are also given as ratios to the
 ``recommended`` row's (the default of ``align`` and ``merge``), measured in the same run.
 """
@@ -52,6 +57,8 @@ ROWS = {
     "residual-permutation": {"symmetries": "recommended", "residual": "permutation"},
     "activations": {"symmetries": "recommended", "match": "activations"},
     "learned": {"symmetries": "recommended", "match": "learned"},
+    # both models moved into a frame between them (LearnSettings.frame = "dual"); θ(α) between the two moved models
+    "learned-dual": {"symmetries": "recommended", "match": "learned", "frame": "dual"},
 }
 DEFAULT_ROW = "recommended"
 
@@ -63,6 +70,14 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny model, corpus subset, few steps: the smoke test")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of rows among {', '.join(ROWS)}")
     p.add_argument("--no-repair", action="store_true", help="skip the REPAIR curves")
+    p.add_argument("--temperature", action="store_true",
+                   help="also a '+temperature' curve per row: θ(α)'s softmax temperature fitted at every α on the "
+                        "first --temperature-examples alignment paragraphs against the endpoints' mixed predictions "
+                        "(Ito et al.'s calibration; symmerge barrier --temperature)")
+    p.add_argument("--progress", action="store_true",
+                   help="progress lines on stderr while aligning (the learned steps' pace; off: the timed runs as before)")
+    p.add_argument("--temperature-examples", type=int, default=100,
+                   help="validation paragraphs the temperature is fitted on (the first of the alignment data; default 100)")
     p.add_argument("--repeats", type=int, default=1, help="alignments per row; the median wall time is reported")
     p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     p.add_argument("--context", type=int, default=128, help="tokens per training block (default 128)")
@@ -88,6 +103,11 @@ def parse_args(argv=None):
     p.add_argument("--learn-max-length", type=int, default=None,
                    help="learned: alignment texts truncated to this many tokens (LearnSettings.max_length)")
     p.add_argument("--learn-lr", type=float, default=None, help="learned: Adam's learning rate")
+    p.add_argument("--learn-alpha-low", type=float, default=None,
+                   help="learned: each step's α drawn from U(LO, HI) (LearnSettings.alpha_low; LO = HI: one α)")
+    p.add_argument("--learn-alpha-high", type=float, default=None, help="learned: the upper end of α's range")
+    p.add_argument("--learn-budget", type=float, default=None,
+                   help="learned: stop the steps after this many seconds (LearnSettings.budget; the report says so)")
     p.add_argument("--learn-precision", choices=("float32", "bfloat16"), default=None,
                    help="learned: the training steps' precision (LearnSettings.precision)")
     p.add_argument("--learn-check-batches", type=int, default=None,
@@ -134,10 +154,15 @@ def row_options(args, name: str, align_file) -> AlignOptions | None:
     spec = ROWS[name]
     if spec is None:
         return None
-    learn = LearnSettings(**{k: v for k, v in (("steps", args.learn_steps), ("batch", args.learn_batch),
+    spec = dict(spec)
+    learn = LearnSettings(frame=spec.pop("frame", "one-sided"),
+                          **{k: v for k, v in (("steps", args.learn_steps), ("batch", args.learn_batch),
                                                ("positions", args.learn_positions),
                                                ("max_length", args.learn_max_length), ("lr", args.learn_lr),
                                                ("precision", args.learn_precision),
+                                               ("alpha_low", args.learn_alpha_low),
+                                               ("alpha_high", args.learn_alpha_high),
+                                               ("budget", args.learn_budget),
                                                ("check_batches", args.learn_check_batches))
                              if v is not None})
     return AlignOptions(**spec, align_data=align_file if spec.get("match", "weights") != "weights" else None,
@@ -146,17 +171,34 @@ def row_options(args, name: str, align_file) -> AlignOptions | None:
 
 def function_check(aligned, original, batch) -> float:
     """max |logits(aligned) − logits(original)| on one held-out batch (float64 difference)."""
+    return function_checks(aligned, original, batch)[0]
+
+
+def function_checks(aligned, original, batch) -> tuple[float, float]:
+    """max |logits(aligned) − logits(original)| on one held-out batch (float64 difference), and that
+    difference relative to max |logits(original)| (the scale ``verify_forward``'s relative figure uses)."""
     with torch.no_grad():
         a = aligned(**batch.inputs).logits.double()
         b = original(**batch.inputs).logits.double()
-    return (a - b).abs().max().item()
+    diff, scale = (a - b).abs().max().item(), b.abs().max().item()
+    return diff, diff / scale if scale else diff
+
+
+def function_fields(aligned, a, end_b, b, batch) -> dict:
+    """The function checks of a row: aligned A against A, and (an anchor that moved: norms folded, or the dual
+    frame) B's aligned form against B; absolute and relative to the original's largest logit."""
+    fields = dict(zip(("function_check", "function_check_rel"), function_checks(aligned, a, batch)))
+    if end_b is not b:
+        fields.update(zip(("function_check_anchor", "function_check_anchor_rel"), function_checks(end_b, b, batch)))
+    return fields
 
 
 def run(args, log=print) -> dict:
-    from symmerge.merge.barrier import repaired_curve
+    from symmerge.merge.barrier import repaired_curve, tempered_curve
     from symmerge.evaluate.metrics import interpolation_curve
     from symmerge.io.data import load_data
     from symmerge.pipeline.align import align_pair
+    from symmerge.progress import stage_printer
 
     t_start = time.perf_counter()
     data = prepare_data(args, work_dir(args))
@@ -167,6 +209,7 @@ def run(args, log=print) -> dict:
     alphas = [i / (args.points - 1) for i in range(args.points)]
     mid = alphas.index(0.5) if 0.5 in alphas else len(alphas) // 2
     repair_opts = AlignOptions(symmetries="none", align_data=align_file, align_samples=args.repair_examples)
+    temperature_opts = repair_opts.with_(align_samples=args.temperature_examples)
     endpoints = {n: {"seed": s, "folder": str(f), **{k: load_report(f).get(k) for k in
                                                        ("seconds", "seconds_per_step", "eval_loss", "eval_accuracy")}}
                  for n, s, f in (("A", seeds[0], folders[0]), ("B", seeds[1], folders[1]))}
@@ -181,16 +224,18 @@ def run(args, log=print) -> dict:
             for _ in range(max(1, args.repeats)):
                 load = os.getloadavg()[0]
                 t0, c0 = time.perf_counter(), time.process_time()
-                res = align_pair(a, b, opts)
+                res = align_pair(a, b, opts, progress=stage_printer(desc=f"aligning ({name})") if args.progress else None)
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
             aligned, rep = res.model, res.report
             end_b = res.anchor  # B in the aligned model's parameterisation (norms folded as A's), as merge
+            # (the dual frame: B moved into the shared frame, verified against B)
             row.update({"align_seconds": statistics.median(times), "align_seconds_all": times, "load_average": load,
                         "align_cpu_seconds": statistics.median(cpu), "load_average_after": os.getloadavg()[0],
                         "verify_max_abs_diff": rep.get("verify_max_abs_diff"), "symmetries": rep.get("symmetries"),
                         "residual_group": rep.get("residual_group"), "match_seconds": rep.get("match_seconds"),
-                        "function_check": function_check(aligned, a, curve.batches[0])})
+                        "verify_max_rel_diff": rep.get("verify_max_rel_diff"),
+                        **function_fields(aligned, a, end_b, b, curve.batches[0])})
             if opts.match == "learned":
                 row["learn_settings"] = dataclasses.asdict(opts.learn)
             if "learned" in rep:
@@ -200,6 +245,10 @@ def run(args, log=print) -> dict:
         if not args.no_repair:
             r = repaired_curve(aligned, end_b, curve, alphas, repair_opts, progress=False)
             row.update({"repair_loss": r["loss"], "repair_barrier": r["barrier"], "repair_loss_mid": r["loss"][mid]})
+        if args.temperature:
+            t = tempered_curve(aligned, end_b, curve, alphas, temperature_opts, progress=False)
+            row.update({"temperature_loss": t["loss"], "temperature_barrier": t["barrier"],
+                        "temperature_loss_mid": t["loss"][mid], "temperatures": t["temperatures"]})
         rows.append(row)
         log(f"  {name:22s} barrier {row['barrier']:.4f}  loss(0.5) {row['loss_mid']:.4f}"
             + (f"  +REPAIR {row['repair_barrier']:.4f} / {row['repair_loss_mid']:.4f}" if "repair_barrier" in row else "")
@@ -222,17 +271,20 @@ def run(args, log=print) -> dict:
 
 # ---------------------------------------------------------------- output
 
-HEADER = ("row", "barrier", "α = ½ loss", "+REPAIR barrier", "+REPAIR α = ½ loss", "align s", "CPU s", "load",
-          "ratio", "function check")
+HEADER = ("row", "barrier", "α = ½ loss", "+REPAIR barrier", "+REPAIR α = ½ loss", "+T barrier", "+T α = ½ loss",
+          "align s", "CPU s", "load", "ratio", "function check", "relative (A; B)")
 
 
 def table_rows(r: dict) -> list[tuple]:
     def f(x, fmt):
         return "—" if x is None else format(x, fmt)
     return [(x["row"], f(x["barrier"], ".4f"), f(x["loss_mid"], ".4f"), f(x.get("repair_barrier"), ".4f"),
-             f(x.get("repair_loss_mid"), ".4f"), f(x.get("align_seconds"), ".2f"), f(x.get("align_cpu_seconds"), ".2f"),
-             f(x.get("load_average"), ".1f"), f(x.get("align_ratio"), ".2f"),
-             f(x.get("function_check"), ".1e")) for x in r["rows"]]
+             f(x.get("repair_loss_mid"), ".4f"), f(x.get("temperature_barrier"), ".4f"),
+             f(x.get("temperature_loss_mid"), ".4f"), f(x.get("align_seconds"), ".2f"),
+             f(x.get("align_cpu_seconds"), ".2f"), f(x.get("load_average"), ".1f"), f(x.get("align_ratio"), ".2f"),
+             f(x.get("function_check"), ".1e"),
+             "; ".join(f(x.get(k), ".1e") for k in ("function_check_rel", "function_check_anchor_rel") if k in x) or "—")
+            for x in r["rows"]]
 
 
 def print_tables(r: dict, log=print) -> None:
