@@ -734,4 +734,5 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
     return Method(name, tensor, needs_base=True, params=dict(params), doc=doc, prepare=_PREPARE.get(sparsifier),
                   normalize_weights=False, elementwise=False, per_model=per_model, checks=checks, aliases=aliases,
                   fused_into=fused_into, check_all=_no_overlap_check if sparsifier == "della" else None,
-                  weight_required=True, other_names=other_names, half_reductions=True)  # L1 factors: sums
+                  weight_required=True, other_names=other_names,
+                  half_reductions=sparsifier in ("dare", "della"))  # their L1 factors: whole-tensor sums
