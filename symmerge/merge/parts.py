@@ -417,7 +417,7 @@ def della_keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) 
     """DELLA's keep probability of each entry: along each row (dim 1; a 1-D tensor is one row), the entries
     ranked by magnitude (ties in order) get density − ε for the smallest up to density + ε for the largest,
     linear in the rank; float64."""
-    t = tau.unsqueeze(0) if tau.dim() < 2 else tau
+    t = tau.reshape(1, -1) if tau.dim() < 2 else tau  # a 0-dim tensor: one row of one entry
     order = torch.sort(t.abs(), dim=1, stable=True).indices
     ranks = torch.empty(order.shape, dtype=torch.float64, device=t.device)  # the inverse permutation, by scatter
     ranks.scatter_(1, order, torch.arange(t.shape[1], dtype=torch.float64, device=t.device).expand(order.shape))
