@@ -13,6 +13,7 @@ experts' split of a mixture of experts) are never cached: those checkpoints buil
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -28,12 +29,19 @@ def _enabled() -> bool:
     return os.environ.get("SYMMERGE_NAME_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _key(config: dict, fused: bool) -> str:
+@functools.cache
+def _transformers_version() -> str:
+    """The installed transformers' version, read once per process (a merge of N models asks once per model and
+    document; each read walks the installed distributions)."""
     from importlib.metadata import version
 
+    return version("transformers")
+
+
+def _key(config: dict, fused: bool) -> str:
     from .._version import __version__
 
-    text = json.dumps([version("transformers"), __version__, bool(fused), config], sort_keys=True, default=str)
+    text = json.dumps([_transformers_version(), __version__, bool(fused), config], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

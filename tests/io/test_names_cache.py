@@ -57,7 +57,24 @@ def test_the_key_follows_the_transformers_version_and_the_config(tmp_path, monke
 
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name == "transformers" else real(name))
-    assert names_cache._key(config, False) != key
+    names_cache._transformers_version.cache_clear()  # read once per process: a new process sees the new version
+    try:
+        assert names_cache._key(config, False) != key
+    finally:
+        names_cache._transformers_version.cache_clear()
+
+
+def test_the_transformers_version_is_read_once_per_process(monkeypatch):
+    import importlib.metadata
+
+    real, calls = importlib.metadata.version, []
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: calls.append(name) or real(name))
+    names_cache._transformers_version.cache_clear()
+    try:
+        keys = {names_cache._key({"model_type": "llama", "hidden_size": h}, False) for h in (32, 64, 96)}
+    finally:
+        names_cache._transformers_version.cache_clear()
+    assert len(keys) == 3 and calls == ["transformers"]
 
 
 def test_a_damaged_entry_is_rebuilt(tmp_path, monkeypatch):
