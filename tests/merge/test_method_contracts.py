@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2] / "symmerge"
 # the methods' home: the method modules, their parts and kernels, the registry
 HOME = {"average.py", "breadcrumbs.py", "dare.py", "dare_ties.py", "della.py", "fisher.py", "ot_fusion.py",
         "regmean.py", "specialized.py", "spherical.py", "task_arithmetic.py", "ties.py", "parts.py", "combination.py",
-        "kernels.py", "kernels_whole.py", "sort_order.py", "in_dtype.py", "registry.py", "base.py", "__init__.py"}
+        "kernels.py", "kernels_whole.py", "kernels_half.py", "sort_order.py", "in_dtype.py", "registry.py", "base.py",
+        "__init__.py"}
 
 
 def _method_name_comparisons(source: str, names) -> list[int]:
