@@ -245,6 +245,26 @@ def sce_weights(taus: torch.Tensor) -> torch.Tensor:
     return torch.full_like(w, 1.0 / w.numel()) if abs(total) < 1e-6 else w / total
 
 
+def torch_variance(stacked: torch.Tensor, rows: int = 1 << 20) -> torch.Tensor:
+    """``torch.var(stacked, dim=0, unbiased=False)``, the same bits, 5–8× faster on the CPU: torch reduces the
+    models' axis by Welford's update in float64 (count, mean, M2; model order) and casts the variance to the
+    tensors' dtype through float32 (float64 kept; its reduction along a strided axis costs ~100 ns per entry on one thread);
+    here the same updates run as whole-tensor float64 ops over chunks of ``rows`` entries
+    (``tests/merge/test_sce_variance.py`` holds the two equal bit for bit, ties and far-apart scales included)."""
+    n, flat = stacked.shape[0], stacked.reshape(stacked.shape[0], -1)
+    out = torch.empty(flat.shape[1], dtype=stacked.dtype)
+    for lo in range(0, flat.shape[1], rows):
+        x = flat[:, lo:lo + rows].double()
+        mean, m2 = torch.zeros_like(x[0]), torch.zeros_like(x[0])
+        for i in range(n):
+            delta = x[i] - mean
+            mean = mean + delta / (i + 1)
+            m2 = m2 + delta * (x[i] - mean)
+        var = m2 / n
+        out[lo:lo + rows] = var if stacked.dtype == torch.float64 else var.float().to(stacked.dtype)
+    return out.reshape(stacked.shape[1:])
+
+
 def sce_keep(tensors, base, topk: float) -> torch.Tensor | None:
     """The positions SCE keeps, as mergekit selects them (None: all): the variances across the models of the task
     vectors computed in the tensors' dtype D (``torch.var``, biased), k = ⌊topk · (non-zero variances)⌋, and the k
@@ -253,7 +273,7 @@ def sce_keep(tensors, base, topk: float) -> torch.Tensor | None:
         return None
     if topk <= 0.0:
         return torch.zeros(base.shape, dtype=torch.bool)
-    var = torch.var(torch.stack([t.to(base.dtype) - base for t in tensors]), dim=0, unbiased=False)
+    var = torch_variance(torch.stack([t.to(base.dtype) - base for t in tensors]))
     k = int(int(torch.count_nonzero(var)) * topk)
     keys = var.abs().reshape(-1)
     return topk_mask(keys.float() if base.dtype in HALF else keys, k).reshape(base.shape)
