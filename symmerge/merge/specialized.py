@@ -173,8 +173,10 @@ def _arcee_half(tensors, base) -> torch.Tensor:
     """float16/bfloat16 inputs: the importance, the threshold's arithmetic and the change in the half dtype, as
     mergekit computes them (the result in float32, rounded by the caller)."""
     importance = arcee_importance(tensors[0], base)
-    s = torch.sort(importance.reshape(-1)).values
-    q1, median, q3 = (s[int(q * (s.numel() - 1))] for q in (0.25, 0.5, 0.75))
+    # the sorted importances at mergekit's three indices, by a partial sort of their exact float32 values (the
+    # values a full sort puts there, so the same half-dtype numbers; ~2× faster than torch.sort of the tensor)
+    q1, median, q3 = (torch.tensor(v, dtype=importance.dtype)
+                      for v in quantiles(importance.float(), (0.25, 0.5, 0.75)))
     keep = importance >= median + 1.5 * (q3 - q1)
     return base.float() + (tensors[0] - base).float() * keep
 
