@@ -250,7 +250,7 @@ def sce_weights(taus: torch.Tensor) -> torch.Tensor:
 def torch_variance(stacked: torch.Tensor, rows: int = 1 << 20) -> torch.Tensor:
     """``torch.var(stacked, dim=0, unbiased=False)``, the same bits, 5–8× faster on the CPU: torch reduces the
     models' axis by Welford's update in float64 (count, mean, M2; model order) and casts the variance to the
-    tensors' dtype through float32 (float64 kept; its reduction along a strided axis costs ~100 ns per entry on one thread);
+    tensors' dtype through float32 (float64 kept), at ~100 ns per entry on one thread along that strided axis;
     here the same updates run as whole-tensor float64 ops over chunks of ``rows`` entries
     (``tests/merge/test_sce_variance.py`` holds the two equal bit for bit, ties and far-apart scales included)."""
     n, flat = stacked.shape[0], stacked.reshape(stacked.shape[0], -1)

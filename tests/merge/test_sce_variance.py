@@ -1,7 +1,8 @@
 """SCE's selection ranks the models' variance per entry as mergekit computes it (``torch.var(..., dim=0,
 unbiased=False)``); symmerge computes the same bits faster (:func:`symmerge.merge.specialized.torch_variance`).
-Held equal to torch bit for bit over dtypes, model counts, scales from 1e-6 to 1e2, equal values (zero variance)
-variances that overflow float16, and chunk borders — and a float32 Welford, one rounding off, is shown to differ (the test can fail)."""
+Held equal to torch bit for bit over dtypes, model counts, scales from 1e-6 to 5e3, equal values (zero variance),
+variances that overflow float16, and chunk borders — and a float32 Welford, one rounding off, is shown to differ
+(the test can fail)."""
 import pytest
 import torch
 
