@@ -4,7 +4,8 @@ RAM+ (:func:`ram_into`) beside it.
 :func:`task_vector_into` computes, without float64 copies of whole tensors and without sorting:
 
 1. per model, a boolean mask of the kept entries (:func:`_mask_interval`, :func:`_mask_dare`,
-   :func:`symmerge.merge.kernels_half.della_row`, :func:`_mask_above` for a threshold value) and, for the L1 rescale, the two norms Σ|τ|,
+   :func:`symmerge.merge.kernels_half.della_row` — DELLA's one mask, shared with the half-precision kernel —,
+   :func:`_mask_above` for a threshold value) and, for the L1 rescale, the two norms Σ|τ|,
    Σ|kept τ| (:func:`_l1_sums`), the models at once on the merge pool; a magnitude rule's cut values are found by
    a radix select on the float32 bit patterns of |τ| (:func:`kth_largest`: two counting passes, no sort); where a
    run of equal magnitudes crosses a cut, the entries torch's sort keeps there, as mergekit takes them
