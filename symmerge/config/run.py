@@ -230,7 +230,16 @@ def computing_in(method, dtype):
         def context(key, tensors, base, weights, params, ctx):
             return method.tensor_context(key, [cast(t) for t in tensors], cast(base), weights, params, ctx)
 
-    return replace(method, tensor=tensor, tensor_context=context, fused_into=None, computes_in=dtype)
+    fused = None
+    if method.fused_into is not None:
+        def fused(key, tensors, weights, base, params, context, out):
+            # inputs already in ``dtype`` (a float32 config on float32 files, bfloat16 on bfloat16): nothing to
+            # round, so the method's own fused kernel gives the bits of its rule; else the rule on the cast inputs
+            if any(t is not None and t.is_floating_point() and t.dtype != dtype for t in [*tensors, base]):
+                return False
+            return method.fused_into(key, tensors, weights, base, params, context, out)
+
+    return replace(method, tensor=tensor, tensor_context=context, fused_into=fused, computes_in=dtype)
 
 
 def write_chat_template(folder: Path, template: str, inputs) -> None:
