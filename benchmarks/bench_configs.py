@@ -161,6 +161,12 @@ def one_row(name: str, size: str, i: int, args, work: Path, cache: dict, env: di
         row["cpu_ratio"] = row["symmerge"]["cpu_s"] / max(row["mergekit"]["cpu_s"], 1e-9)
         row["gap"] = gap(row_dir / "symmerge", row_dir / "mergekit", base)
         row["over"] = [k for k, goal in (("wall", WALL_GOAL), ("rss", RSS_GOAL)) if row[f"{k}_ratio"] > goal]
+        if args.spread:  # mergekit once more: its own run-to-run gap, the yardstick of a randomized row's gap
+            (row_dir / "again").mkdir()
+            again = commands(cfg, text, row_dir / "again", args.symmerge, Path(args.mergekit_bin))["mergekit"]
+            row["mergekit_again"] = measured(again, row_dir / "mergekit-again.log", env)
+            if row["mergekit_again"]["rc"] == 0:
+                row["mergekit_spread"] = gap(row_dir / "again" / "mergekit", row_dir / "mergekit", base)
     shutil.rmtree(row_dir, ignore_errors=True)
     return row
 
@@ -173,7 +179,8 @@ def print_row(row: dict, log=print) -> None:
     log(f"{row['config']:<44} {row['size']:<5} {row['params'] / 1e6:6.1f}M {s['wall_s']:6.2f} {m['wall_s']:6.2f} "
         f"{row['wall_ratio']:5.2f} {s['peak_rss_kb'] / 1024:6.0f} {m['peak_rss_kb'] / 1024:6.0f} "
         f"{row['rss_ratio']:5.2f} {row['cpu_ratio']:5.2f} {s['cpu_s']:5.2f} {m['cpu_s']:5.2f} "
-        f"{row.get('load_before', float('nan')):5.1f} {row['gap']:8.2e} {' '.join(row['over']) or 'ok'}")
+        f"{row.get('load_before', float('nan')):5.1f} {row['gap']:8.2e} {' '.join(row['over']) or 'ok'}"
+        + (f" (mergekit's own spread {row['mergekit_spread']:.2e})" if "mergekit_spread" in row else ""))
 
 
 HEADER = (f"{'config':<44} {'size':<5} {'params':>7} {'s wall':>6} {'m wall':>6} {'wall×':>5} {'s MB':>6} "
@@ -250,6 +257,8 @@ def main(argv=None) -> int:
     p.add_argument("--symmerge", default=str(Path(sys.executable).parent / "symmerge"),
                    help="the symmerge command (default: beside this python)")
     p.add_argument("--mergekit-bin", default=str(MERGEKIT_BIN), help="the folder of mergekit-yaml/mergekit-multi")
+    p.add_argument("--spread", action="store_true",
+                   help="run mergekit a second time per row and record its own run-to-run gap (mergekit_spread)")
     p.add_argument("--work", default=None, help="where the stand-ins and outputs go (a temporary folder in it)")
     args = p.parse_args(argv)
     if not set(s.strip() for s in args.sizes.split(",")) <= {"tiny", "50m"}:

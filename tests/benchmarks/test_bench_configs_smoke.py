@@ -25,7 +25,8 @@ def test_bench_configs_tiny_two_configs(tmp_path):
     if not symmerge.is_file():
         pytest.skip(f"no symmerge command beside {sys.executable}")
     p = subprocess.run([sys.executable, "-m", "benchmarks.bench_configs", "--sizes", "tiny", "--configs",
-                        "absa-ties-lambda,eggs-multi-document", "--work", str(tmp_path), "--json", str(out)],
+                        "absa-ties-lambda,eggs-multi-document", "--work", str(tmp_path), "--json", str(out),
+                        "--spread"],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -43,5 +44,9 @@ def test_bench_configs_tiny_two_configs(tmp_path):
         assert r["cpu_ratio"] == pytest.approx(r["symmerge"]["cpu_s"] / r["mergekit"]["cpu_s"])
         assert r["params"] > 0 and r["hidden"] == 64
     assert rows[0]["gap"] < 1e-3  # TIES is deterministic: symmerge's result is mergekit's
+    # --spread: mergekit run twice; TIES gives the same bits both times, and every row records the second run
+    assert rows[0]["mergekit_spread"] == 0.0
+    assert all(r["mergekit_again"]["rc"] == 0 and r["mergekit_spread"] >= 0 for r in rows)
+    assert "mergekit's own spread" in p.stdout
     assert "absa-ties-lambda" in p.stdout and "rows over the goal" in p.stdout
     assert not [f for f in tmp_path.iterdir() if f.name != "rows.json"]  # the stand-ins and outputs are removed
