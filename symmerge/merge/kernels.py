@@ -48,14 +48,21 @@ class _Kernel:
 
 
 def _load_numba():
-    """Import numba and compile-on-call every declared kernel (see :class:`_Kernel`); once per process."""
+    """Import numba and compile-on-call every declared kernel (see :class:`_Kernel`); once per process. As the
+    command, numba is imported as the package's own imports are, without the cyclic garbage collector, its objects
+    frozen after (:func:`symmerge._entry.collector_paused`)."""
+    import contextlib
+
+    from .._entry import collector_paused, running_as_command
+
     with _LOADING:
         if _NUMBA:
             return _NUMBA[0]
-        import numba
+        with collector_paused() if running_as_command() else contextlib.nullcontext():
+            import numba
 
-        for k in _DECLARED:
-            k.dispatcher = numba.njit(**k.options)(k.function)
+            for k in _DECLARED:
+                k.dispatcher = numba.njit(**k.options)(k.function)
         for name, module in list(sys.modules.items()):
             if name.startswith("symmerge.") and module is not None:
                 names = vars(module)
