@@ -16,8 +16,8 @@ from ._entry import guarded_imports
 with guarded_imports():  # the symmerge command: a Ctrl-C during these imports (seconds) is one line, exit 130
     from . import groups as _groups  # noqa: F401  (registers the group kinds: symmerge.core.kinds)
 
-# public name -> the module defining it (imported at the name's first use); merge: the package itself, callable:
-# symmerge.merge(models, out, options) -> report
+# public name -> the module defining it (imported at the name's first use; ``merge``, the package itself, callable:
+# symmerge.merge(models, out, options) -> report, is imported by __getattr__ as every subpackage is)
 _LAZY = {
     "BarrierOptions": "merge.barrier", "barrier_many": "merge.barrier", "barrier_study": "merge.barrier",
     "SPECS": "families", "spec_for": "families", "supported_model_types": "families",
@@ -34,16 +34,20 @@ __all__ = ["merge", "align_to_folder", "align", "align_pair", "Alignment", "Alig
 
 
 def __getattr__(name: str):
+    """A public name (:data:`_LAZY`), or a subpackage or module of the package (``symmerge.merge``, the package
+    callable as the library entry; ``symmerge.pipeline``, ... as the eager package had them), imported now."""
     import importlib
+    import importlib.util
 
-    if name == "merge":
-        return importlib.import_module(".merge", __name__)
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    with guarded_imports():
-        value = getattr(importlib.import_module("." + _LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
+    if name in _LAZY:
+        with guarded_imports():
+            value = getattr(importlib.import_module("." + _LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        with guarded_imports():
+            return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import MISSING, fields
 
 from ..groups import RESCALE_MODES
-from ..merge.heads import HEAD_POLICIES
 from ..merge import option_defaults
+from ..merge.heads import HEAD_POLICIES
 from ..merge.registry import METHODS
 from ..pipeline.options import (DEFAULT_REFINE, JOINT_REFINE, LEARN_FRAMES, LEARN_PRECISIONS, MATCH_MODES, RECOMMENDED,
                                 RECOMMENDED_NAME, RESIDUAL_CHOICES, AlignOptions, LearnSettings, describe_symmetries)

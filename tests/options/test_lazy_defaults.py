@@ -67,3 +67,11 @@ def test_every_public_name_resolves_to_its_modules_object():
     assert set(symmerge.__all__) <= set(dir(symmerge))
     with pytest.raises(AttributeError):
         symmerge.no_such_name
+
+
+def test_a_subpackage_is_an_attribute_of_the_package_as_before():
+    """The eager package had imported its subpackages (``import symmerge; symmerge.families.spec_for`` worked); the
+    lazy one imports one when it is first named (a module inside it is imported as Python imports any)."""
+    got = _modules("import symmerge\nassert callable(symmerge.families.spec_for) and callable(symmerge.merge)\n"
+                   "assert symmerge.config.__name__ == 'symmerge.config'")
+    assert "symmerge.families" in got and "symmerge.config" in got
