@@ -197,6 +197,19 @@ def selected(patterns: str | None) -> list[str]:
     return files
 
 
+def work_folder(work: str | None) -> str | None:
+    """``--work``: the folder the run's temporary folder goes in, made (with its parents) when missing; a path
+    that is not a folder is one clear error (None: the system's temporary folder)."""
+    if work is None:
+        return None
+    path = Path(work)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise SystemExit(f"--work {work}: not a folder") from None
+    return str(path)
+
+
 def run(args) -> dict:
     files, sizes = selected(args.configs), [s.strip() for s in args.sizes.split(",")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -208,7 +221,7 @@ def run(args) -> dict:
     print(HEADER)
     warmed: set = set()
     warmed_cache: dict = {}  # the tiny stand-ins of the warm-up runs
-    with tempfile.TemporaryDirectory(prefix="bench-configs-", dir=args.work) as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-configs-", dir=work_folder(args.work)) as tmp:
         work = Path(tmp)
         for size in sizes:
             cache: dict = {}  # stand-in families of this size, reused by the configs that need the same ones

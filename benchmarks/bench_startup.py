@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_configs import MERGEKIT_BIN, _write, commands, measured, published
+from benchmarks.bench_configs import MERGEKIT_BIN, _write, commands, measured, published, work_folder
 from benchmarks.common import machine
 
 CONFIGS = "absa-ties-lambda,absa-slerp-v-shape,llama3-13b-passthrough-overlapping"
@@ -119,7 +119,7 @@ def run(args) -> dict:
     tools["mergekit"] = "mergekit-yaml"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     result = {"machine_before": machine(), "tools": tools, "repeat": args.repeat, "rows": []}
-    with tempfile.TemporaryDirectory(prefix="bench-startup-", dir=args.work) as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-startup-", dir=work_folder(args.work)) as tmp:
         work = Path(tmp)
         for name, cmds in _rows(args, tools, work):
             runs = _measure_row(cmds, args.repeat, env, work / "child.log")

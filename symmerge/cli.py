@@ -46,9 +46,12 @@ def build_parser():
 
 
 def _run(argv) -> int:
+    from ._entry import guarded_imports
     from .progress import configure
 
-    args, extra = build_parser().parse_known_args(argv)
+    with guarded_imports():  # the commands' modules (the package's names are lazy): guarded as the package's imports
+        parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
     if extra:  # an argument the command does not take: the command's own usage, not the top level's
         args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings

@@ -29,6 +29,7 @@ from ..pipeline.report import build_report, match_fields
 from ..progress import bar, stage, stage_printer
 from ..evaluate.metrics import alpha_grid, check_same_shapes, evaluate, interpolate, interpolation_curve
 from ..evaluate.plots import plot_curves, plot_subsets, study_title
+from .option_defaults import BARRIER
 
 
 def variant_name(spec) -> str:
@@ -55,7 +56,7 @@ class BarrierOptions:
     ``joint_refine``: the joint alignment of more than two models (:func:`barrier_many`)."""
 
     aligns: tuple = (RECOMMENDED_NAME,)
-    points: int = 11
+    points: int = BARRIER["points"]
     subsets: str | None = None
     device: object = "cpu"
     batch_size: int = 32
@@ -67,7 +68,7 @@ class BarrierOptions:
     repair_channels: tuple | None = None
     repair_samples: int | None = None
     allow_tokenizer_mismatch: bool = False
-    joint_rounds: int = 10
+    joint_rounds: int = BARRIER["joint_rounds"]
     joint_refine: str | None = None
     temperature: bool = False
 

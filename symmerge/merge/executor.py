@@ -534,7 +534,7 @@ class _Pass:
             n = len(st.sources)
             inputs, b = tensors[:n], (tensors[n] if st.base is not None else None)
             weights, params = step_arguments(m, st, n, self.arg_cache)
-            with mergekit_threads(m.computes_in or inputs[0].dtype, m.half_reductions):  # the one place (in_dtype)
+            with mergekit_threads(ex.computes_in(st), m.half_reductions):  # the one place (in_dtype)
                 value = merge_tensor(m, st.name, inputs, weights, None, b, params, self.context, out=room)
             # checked before it is written: degenerate warned about; non-finite refused (here when no
             # distances are measured, else by the distances, which a non-finite result makes non-finite)

@@ -34,13 +34,14 @@ from ..pipeline.data import generated_once
 from ..option_ranges import check as check_range
 from ..pipeline.distill import DistillSettings, check_steps, distill
 from ..pipeline.joint import align_joint
-from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
+from ..pipeline.options import JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
 from ..pipeline.recommend import moves_heads_input, moving, recommended
 from ..pipeline.report import match_fields
 from ..progress import line, stage, stage_printer
 from ..pipeline.verify import with_state_dict
 from .registry import get_method
 from .repair import DEFAULT_CHANNELS, parse_channels, repair, statistics_data
+from .option_defaults import MERGE
 from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_mergeable, head_keys, head_policy,
                     head_report, untied, with_tied)
 from .statistics import gather
@@ -75,14 +76,14 @@ class MergeOptions:
     weights: list | None = None
     params: dict = field(default_factory=dict)
     base: object = None
-    heads: str = "auto"
-    head_from: int = 0
+    heads: str = MERGE["heads"]
+    head_from: int = MERGE["head_from"]
     device: object = "cpu"
-    fisher_variant: str = "empirical"
+    fisher_variant: str = MERGE["fisher_variant"]
     fisher_normalize: bool = False
-    fisher_samples: int = 1
+    fisher_samples: int = MERGE["fisher_samples"]
     gram_normalize: bool = True
-    batch_size: int = 32
+    batch_size: int = MERGE["batch_size"]
     max_examples: int | None = None
     max_length: int | None = None
     allow_pickle: bool = False
@@ -92,13 +93,13 @@ class MergeOptions:
     repair: bool = False  # REPAIR the merged model on the alignment's unlabeled data (``align.align_data``)
     repair_channels: tuple = DEFAULT_CHANNELS  # the channels REPAIR corrects (symmerge.merge.repair)
     repair_samples: int | None = None  # REPAIR's statistics on the first this many examples (None: all)
-    distill: int = 0  # steps of distillation toward the inputs' ensemble after the merge (not function-preserving)
-    distill_lr: float = 1e-4  # the distillation's learning rate (symmerge.pipeline.distill)
+    distill: int = MERGE["distill"]  # distillation steps toward the inputs' ensemble after the merge
+    distill_lr: float = MERGE["distill_lr"]  # the distillation's learning rate (symmerge.pipeline.distill)
     joint: bool | None = None  # N models in one frame (None: when more than two models and no anchor/base)
-    joint_rounds: int = 10  # cap on the joint alignment's rounds after the star
-    joint_refine: str = DEFAULT_REFINE  # what those rounds re-solve: every group, or the permutations only
-    mode: str = "auto"  # symmerge.merge(...): auto, memory or stream (symmerge.merge.plan.choose_mode)
-    shard_size: object = "2GB"  # a streamed output's largest shard
+    joint_rounds: int = MERGE["joint_rounds"]  # cap on the joint alignment's rounds after the star
+    joint_refine: str = MERGE["joint_refine"]  # what those rounds re-solve: every group, or the permutations only
+    mode: str = MERGE["mode"]  # symmerge.merge(...): auto, memory or stream (symmerge.merge.plan.choose_mode)
+    shard_size: object = MERGE["shard_size"]  # a streamed output's largest shard
 
     @classmethod
     def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",

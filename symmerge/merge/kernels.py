@@ -12,22 +12,80 @@ Every task-vector rule (TIES, DARE, DELLA, breadcrumbs, task arithmetic, symmerg
 one kernel, :func:`symmerge.merge.kernels_whole.task_vector_into`. The slower torch definitions they are
 checked against live in the tests (``tests/merge/reference_rules.py``). Kernels are compiled on first use and
 cached on disk by numba (``cache=True``); they release the GIL, so the streamed merge's reader and writer
-threads run beside them.
+threads run beside them. numba itself is imported at the first call of a kernel (:func:`_jit`), not with the
+package: a command whose merge calls none (passthrough, a plan printed, ``--help``) does not pay for it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
-import numba
 import numpy as np
 
 _BLOCK = 4096  # entries converted to float32 at once before their bits are counted
+_NUMBA: list = []  # numba, once a kernel was first called
+_DECLARED: list = []  # the kernels declared before that (_Kernel)
+_LOADING = threading.Lock()
 
 
-def _jit(f):
-    return numba.njit(cache=True, nogil=True)(f)
+class _Kernel:
+    """A kernel declared before numba is imported. Its first call (of any declared kernel) imports numba, makes
+    every declared kernel a numba dispatcher and puts the dispatchers in place of these stand-ins wherever a
+    ``symmerge`` module names one — so a kernel calling another finds a dispatcher when numba compiles it —
+    then calls its dispatcher."""
+
+    __slots__ = ("function", "options", "dispatcher")
+
+    def __init__(self, function, options: dict):
+        self.function, self.options, self.dispatcher = function, options, None
+
+    def __call__(self, *args, **kwargs):
+        if self.dispatcher is None:
+            _load_numba()
+        return self.dispatcher(*args, **kwargs)
+
+
+def _load_numba():
+    """Import numba and compile-on-call every declared kernel (see :class:`_Kernel`); once per process. As the
+    command, numba is imported as the package's own imports are, without the cyclic garbage collector, its objects
+    frozen after (:func:`symmerge._entry.collector_paused`)."""
+    import contextlib
+
+    from .._entry import collector_paused, running_as_command
+
+    with _LOADING:
+        if _NUMBA:
+            return _NUMBA[0]
+        with collector_paused() if running_as_command() else contextlib.nullcontext():
+            import numba
+
+            for k in _DECLARED:
+                k.dispatcher = numba.njit(**k.options)(k.function)
+        for name, module in list(sys.modules.items()):
+            if name.startswith("symmerge.") and module is not None:
+                names = vars(module)
+                for key, value in list(names.items()):
+                    if isinstance(value, _Kernel):
+                        names[key] = value.dispatcher
+        _DECLARED.clear()
+        _NUMBA.append(numba)
+        return numba
+
+
+def _jit(f, **options):
+    """``f`` as a kernel (``numba.njit(cache=True, nogil=True, **options)``): the dispatcher once numba is imported,
+    until then a :class:`_Kernel` that imports it at its first call."""
+    options = {"cache": True, "nogil": True, **options}
+    if _NUMBA:
+        return _NUMBA[0].njit(**options)(f)
+    kernel = _Kernel(f, options)
+    with _LOADING:
+        if not _NUMBA:
+            _DECLARED.append(kernel)
+            return kernel
+    return _NUMBA[0].njit(**options)(f)
 
 
 def _histogram(t, b, w, high_bin, hist, scratch):  # pragma: no cover - compiled
@@ -239,14 +297,14 @@ _sample_jit = _jit(_sample)
 _windows_jit = _jit(_windows)
 _bits53_jit = _jit(_bits53)
 # the report's distances need no fixed summation order: reassociated (vectorized) sums
-_sq_diff_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_diff)
-_sq_three_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_three)
+_sq_diff_jit = _jit(_sq_diff, fastmath=True)
+_sq_three_jit = _jit(_sq_three, fastmath=True)
 _widen_jit = _jit(_widen)
 _store_jit = _jit(_store)
-_sq_sums_jit = numba.njit(cache=True, nogil=True, fastmath=True)(_sq_sums)
+_sq_sums_jit = _jit(_sq_sums, fastmath=True)
 # 'contract' only: a·w + s may become one fused multiply-add, as torch's vectorized add computes it
-_scale_add_jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})(_scale_add)
-_average_jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})(_average)
+_scale_add_jit = _jit(_scale_add, fastmath={"contract"})
+_average_jit = _jit(_average, fastmath={"contract"})
 _AVERAGE_BLOCK = 4096
 _average_checked: dict = {}  # dtype -> the kernel gave torch's bits on this machine (checked once per dtype)
 

@@ -1,15 +1,16 @@
 """Every option of ``symmerge merge``, ``align`` and ``barrier`` (and the parts ``moe``, ``extract-lora`` and
 ``run`` share), declared once: name (= config key), flags, how its value is read, choices, range, default,
-help, commands. Help shows them in this order. Defaults that the options objects also have are read from
-their dataclasses (:func:`default`), so that a flag's default and Python's are one value."""
+help, commands. Help shows them in this order. Defaults that the options objects also have are one value with
+Python's: read from their dataclasses (:func:`default`: AlignOptions, LearnSettings) or from the values
+MergeOptions' and BarrierOptions' fields take theirs from (:mod:`symmerge.merge.option_defaults`: :func:`M`,
+:func:`B`), so that declaring the flags does not import the fusion and the barrier study."""
 
 from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
 from ..groups import RESCALE_MODES
-from ..merge.barrier import BarrierOptions
-from ..merge.fuse import MergeOptions
+from ..merge import option_defaults
 from ..merge.heads import HEAD_POLICIES
 from ..merge.registry import METHODS
 from ..pipeline.options import (DEFAULT_REFINE, JOINT_REFINE, LEARN_FRAMES, LEARN_PRECISIONS, MATCH_MODES, RECOMMENDED,
@@ -36,13 +37,13 @@ def default(cls, name: str):
 
 
 def M(name: str):
-    """The default of a :class:`~symmerge.merge.fuse.MergeOptions` field."""
-    return default(MergeOptions, name)
+    """The default of a :class:`~symmerge.merge.fuse.MergeOptions` field (its field's value)."""
+    return option_defaults.MERGE[name]
 
 
 def B(name: str):
-    """The default of a :class:`~symmerge.merge.barrier.BarrierOptions` field."""
-    return default(BarrierOptions, name)
+    """The default of a :class:`~symmerge.merge.barrier.BarrierOptions` field (its field's value)."""
+    return option_defaults.BARRIER[name]
 
 
 def opt(name, *flags, on, **kw) -> Option:

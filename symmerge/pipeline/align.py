@@ -27,7 +27,7 @@ from .bound import bind, instances_for  # noqa: F401  (instances_for: the public
 from .data import load_align_data  # noqa: F401  (re-exported)
 from .matchers import MATCHERS, MatchContext
 from .options import DEFAULT_SYMMETRIES, AlignOptions
-from .recommend import recommended
+from .recommend import recommended, require_declared
 from .report import Distances, alignment_report
 from .verify import ELEMENT_CHECK, owned_apart, verify_elements, verify_forward, with_state_dict
 
@@ -109,7 +109,8 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     :class:`~symmerge.pipeline.align_plan.AlignPlan` (``options`` its resolved ones), whose bound instances are
     solved and whose steps are run (:mod:`symmerge.pipeline.align_steps`); without one the steps are planned
     here, on the loaded model. Returns an :class:`Alignment`; raises :class:`SymmergeError` if the tokenizers
-    differ (unless ``allow_tokenizer_mismatch``) or the options' verification fails."""
+    differ (unless ``allow_tokenizer_mismatch``), ``options`` name a symmetry the model's family does not declare
+    (:func:`~symmerge.pipeline.recommend.require_declared`) or the options' verification fails."""
     options = options or AlignOptions()
     if options.learn.frame == "dual" and MATCHERS[options.match].learns:  # both models move (pipeline/dual.py)
         from .dual import align_dual
@@ -135,6 +136,7 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
         model, anchor = untied(model), untied(anchor)
     bound = bind(model, options.layers, options.residual, instances=plan.bound if plan is not None else None)
     spec, instances = bound.spec, bound.instances
+    require_declared(spec, options)  # a symmetry the family does not declare: one error, not aligned silently
     requested = options.requested
     options, embedding_note = recommended(options, available=[i.group.symmetry for i in instances], spec=spec,
                                           output_reader=output_reader(embedding))

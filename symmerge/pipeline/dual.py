@@ -53,8 +53,7 @@ from ..progress import bar, stage
 from .data import load_align_data
 from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, head_forward,
                     norm_eps, shuffled, subsample_positions)
-from .mixture import check_points as check_weights  # two models: the pairwise checks α = ½, ¾, ¼
-from .mixture import mixture_weights
+from .mixture import check_points, mixture_weights  # check_points(2): the pairwise checks α = ½, ¾, ¼
 from .options import DIRICHLET_AUTO
 from .verify import verify_elements, verify_forward, with_state_dict
 
@@ -226,7 +225,7 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
     predictions = [mix.predictions(b) for b in train + held]
     p_train, p_held = predictions[:len(train)], predictions[len(train):]
     check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
-    points = check_weights(n, concentration if n > 2 else None)
+    points = check_points(n, concentration if n > 2 else None)
 
     def changed() -> list[dict]:
         return [side.changed(sd) for side, sd in zip(sides, mix.work)]

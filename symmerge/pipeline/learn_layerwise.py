@@ -45,10 +45,16 @@ def _read(base, keys) -> dict:
     return base.read(keys) if hasattr(base, "read") and not isinstance(base, dict) else {k: base[k] for k in keys}
 
 
+def _wide(stored: torch.dtype, wanted: torch.dtype) -> torch.dtype:
+    """The dtype a group element acts on a tensor in: the wider of its stored and wanted dtypes, float32 at least."""
+    return max((stored, wanted, torch.float32), key=lambda d: torch.finfo(d).bits)
+
+
 class LayerTensors(Mapping):
     """``base``'s tensors (a state dict, or a :class:`CheckpointTensors`) with ``elements`` applied to the
     ``instances``' slots, floating ones as ``dtype`` (None: as they are) on ``device``: one layer's at a time (see the module
-    text), the last ``keep`` layers kept."""
+    text), the last ``keep`` layers kept. The elements act in float32 at least (the wider of the stored dtype and
+    ``dtype``), the result rounded to ``dtype`` once: a bfloat16 checkpoint is moved as its float32 upcast is."""
 
     def __init__(self, base, keys, paths, instances=(), elements=None, dtype=torch.float32, device="cpu",
                  keep: int = 2):
@@ -70,9 +76,11 @@ class LayerTensors(Mapping):
             self.cache.move_to_end(g)
             return self.cache[g]
         sd = _read(self.base, self.groups[g])
-        if self.moves[g]:
-            sd = apply(sd, self.moves[g], self.elements)
-        out = {k: (v.detach().to(self.device, self.dtype or v.dtype) if v.is_floating_point() else v.to(self.device))
+        want = {k: self.dtype or v.dtype for k, v in sd.items() if v.is_floating_point()}
+        if self.moves[g]:  # in float32 at least (stored bfloat16 moved in bfloat16 was rounded twice): rounded once below
+            sd = apply({k: v.to(_wide(v.dtype, want[k])) if k in want else v for k, v in sd.items()}, self.moves[g],
+                       self.elements)
+        out = {k: (v.detach().to(self.device, want[k]) if k in want else v.to(self.device))
                for k, v in sd.items() if k in self.group_of}
         self.reads += 1
         self.cache[g] = out

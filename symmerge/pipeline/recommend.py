@@ -145,8 +145,8 @@ def _require_groups(spec, available, symmetries) -> None:
 def require_declared(spec, align: AlignOptions) -> None:
     """An explicit symmetry list naming a symmetry the model's family does not declare (``experts`` of a dense
     model) is one error naming the family's symmetries. Checked where a command plans an alignment (``align``,
-    ``barrier``: :func:`~symmerge.pipeline.align_plan.plan_align`); the Python API's ``align_pair`` keeps taking
-    every symmetry name and aligning the groups the family has."""
+    ``barrier``: :func:`~symmerge.pipeline.align_plan.plan_align`; ``merge``: its plan) and by the Python API's
+    :func:`~symmerge.pipeline.align.align_pair` on the loaded model."""
     declared = list(dict.fromkeys(g.symmetry for g in spec.groups))
     unknown = [s for s in align.symmetries if s != SCALES and s not in declared]
     if unknown and not align.recommended:

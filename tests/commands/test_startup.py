@@ -85,3 +85,53 @@ def test_a_tiny_run_imports_nothing_it_does_not_use(tmp_path):
     assert "numba" in got["modules"] and got["frozen"] > 0  # the run merged with the kernels, as a command
     loaded = [m for m in UNUSED if m in got["modules"]]
     assert not loaded, f"a tiny run imported {loaded}"
+
+
+def test_numba_is_imported_at_the_first_kernel_call_and_every_kernel_then_is_its_dispatcher():
+    """``symmerge.merge.kernels`` declares its kernels without importing numba (0.1–0.2 s, and its CPU target):
+    the package and every kernel module import without it; the first call of any kernel imports it and puts a numba
+    dispatcher in place of every declared stand-in, in every module naming one (kernels calling kernels compile);
+    the results are the kernels' (the torch definition's bits: tests/merge/test_merge_kernels.py and others)."""
+    got = _child("""
+        import json
+        import torch
+        import symmerge, symmerge.merge
+        from symmerge.merge import kernels, kernels_half, kernels_whole, sort_order
+        from symmerge.merge.base import weighted_sum
+        before = "numba" in sys.modules
+        stand_ins = sorted(f"{m.__name__}.{k}" for m in (kernels, kernels_half, kernels_whole, sort_order)
+                           for k, v in vars(m).items() if isinstance(v, kernels._Kernel))
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(10_007, generator=g).to(torch.bfloat16) for _ in range(3)]
+        out = torch.empty(10_007, dtype=torch.bfloat16)
+        kernels.average_into(xs, [0.2, 0.5, 0.3], out)
+        import numba
+        left = [f"{m.__name__}.{k}" for m in (kernels, kernels_half, kernels_whole, sort_order)
+                for k, v in vars(m).items() if isinstance(v, kernels._Kernel)]
+        dispatchers = all(isinstance(getattr(sys.modules[n.rpartition(".")[0]], n.rpartition(".")[2]),
+                                     numba.core.dispatcher.Dispatcher) for n in stand_ins)
+        out = {"before": before, "after": "numba" in sys.modules, "stand_ins": len(stand_ins), "left": left,
+               "dispatchers": dispatchers,
+               "equal": torch.equal(out, weighted_sum(xs, [0.2, 0.5, 0.3]).to(torch.bfloat16))}
+        """, "my_script.py")
+    assert not got["before"] and got["after"] and got["stand_ins"] > 40 and not got["left"], got
+    assert got["dispatchers"] and got["equal"], got
+
+
+def test_a_tiny_passthrough_run_imports_no_numba(tmp_path):
+    """A merge that calls no kernel (passthrough: every tensor copied) never imports numba."""
+    a = _llama(tmp_path / "a", 0)
+    cfg = tmp_path / "pass.yml"
+    cfg.write_text(f"merge_method: passthrough\ndtype: bfloat16\nslices:\n  - sources:\n"
+                   f"    - model: {a}\n      layer_range: [0, 2]\n")
+    subprocess.run([sys.executable, "-m", "symmerge.cli", "run", str(cfg), str(tmp_path / "plan"), "--print-plan"],
+                   capture_output=True, text=True, timeout=300)  # the tensor-name facts cached, as for a second run
+    out = tmp_path / "out"
+    got = _child(f"""
+        import json
+        from symmerge.cli import main
+        rc = main(["run", {str(cfg)!r}, {str(out)!r}, "--progress", "none"])
+        out = {{"rc": rc, "numba": "numba" in sys.modules}}
+        """, "symmerge")
+    assert got["rc"] == 0 and (out / "model.safetensors").is_file(), got
+    assert not got["numba"], got

@@ -52,18 +52,33 @@ def test_merge_refuses_it_too(llamas, tmp_path, capsys, extra):
                    "--progress", "none") == 0
 
 
-def test_the_library_entry_refuses_it_too_and_a_mixture_takes_it(llamas, tmp_path):
-    """``symmerge.align_to_folder`` plans as the command does; ``align_pair`` keeps taking every symmetry name (the
-    groups the family has are aligned: a list of all of them is how the tests of every family call it)."""
+def test_the_library_entries_refuse_it_too_and_a_mixture_takes_it(llamas, tmp_path):
+    """``symmerge.align_to_folder`` plans as the command does; ``align_pair`` (which aligned the groups the family
+    has and reported ``experts`` as aligned) refuses it in the same words, in memory and from folders, in the
+    one-sided and the dual frame; 'recommended' still resolves to what the model has."""
     from symmerge.errors import SymmergeError
-    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.align import align, align_pair
     from symmerge.pipeline.options import AlignOptions
     from symmerge.pipeline.to_folder import align_to_folder
 
+    line = "the llama family has no 'experts' symmetry; its symmetries: heads, attn, ffn, residual, rescale"
     with pytest.raises(SymmergeError, match="the llama family has no 'experts' symmetry"):
         align_to_folder(*llamas, tmp_path / "out", AlignOptions(symmetries="experts"), progress=False)
     assert not (tmp_path / "out").exists()
-    assert align_pair(*llamas, AlignOptions(symmetries="attn,experts")).report["symmetries"] == ["attn", "experts"]
+    a, b = (make_model("llama", head=True, dtype=torch.float32, seed=s) for s in (0, 1))
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+    for x, y in ((a, b), llamas):
+        with pytest.raises(SymmergeError) as err:
+            align_pair(x, y, AlignOptions(symmetries="attn,experts"))
+        assert str(err.value) == line
+    with pytest.raises(SymmergeError) as err:
+        align(a, b, ("heads", "experts"))
+    assert str(err.value) == line
+    with pytest.raises(SymmergeError) as err:
+        align_pair(a, b, _dual().with_(symmetries=("attn", "experts")))
+    assert str(err.value) == line
+    assert all(torch.equal(v, before[k]) for k, v in a.state_dict().items())  # the input untouched
+    assert "experts" not in align_pair(a, b, AlignOptions(symmetries="recommended")).report["symmetries"]
     a, b = (make_model("mixtral", head=True, dtype=torch.float32, seed=s) for s in (0, 1))
     report = align_pair(a, b, AlignOptions(symmetries="experts", verify=False)).report
     assert report["symmetries"] == ["experts"]
