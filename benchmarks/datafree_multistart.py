@@ -11,7 +11,8 @@ objective (the squared weight distance the descent minimises), sweeps and second
 B1's curve set (``--start-points`` α values); the 11-point barrier (``--points``) of today's start
 (``current``: the descent as it always ran), of the best plain start (by the objective: current, identity,
 canonical) and of the search's winner. ``--ends-weights 1,10``: the whole search once per weight of the stream's
-ends in the objective (``--ends-weight``), in the same run (the first weight is the "before").
+ends in the objective (``--ends-weight``), in the same run (the first weight is the "before"); ``--depth-decays
+1,32``: likewise for every depth decay of the layers' weights (``--depth-decay``), each with every ends weight.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--start-points", type=int, default=5, help="α values of every start's curve (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--ends-weights", default="1", help="comma-separated weights of the stream's ends (default 1)")
+    p.add_argument("--depth-decays", default="1", help="comma-separated depth decays of the layers (default 1)")
     return p.parse_args(argv)
 
 
@@ -60,14 +62,16 @@ def run_pair(seeds: str, args, log=print) -> dict:
     pair_args = b1.parse_args(["--seeds", seeds])
     _, _, folders, _, _, a, b, _, curve, = b1.load_pair(pair_args, log)
     runs = {}
-    for weight in (float(w) for w in args.ends_weights.split(",")):
-        runs[f"{weight:g}"] = run_weight(seeds, folders, a, b, curve, weight, args, log)
+    for decay in (float(f) for f in args.depth_decays.split(",")):
+        for weight in (float(w) for w in args.ends_weights.split(",")):
+            name = f"{weight:g}" if decay == 1 else f"{weight:g}, depth decay {decay:g}"
+            runs[name] = run_weight(seeds, folders, a, b, curve, weight, args, log, decay)
     return {"seeds": seeds, "models": [str(f) for f in folders], "weights": runs}
 
 
-def run_weight(seeds, folders, a, b, curve, weight, args, log=print) -> dict:
+def run_weight(seeds, folders, a, b, curve, weight, args, log=print, decay=1.0) -> dict:
     options = AlignOptions(symmetries=b1.BEST_ALIGN, restarts=args.restarts, solver_budget=args.solver_budget,
-                           ends_weight=weight)
+                           ends_weight=weight, depth_decay=decay)
     bound = bind(a, None, options.residual)
     opts = options.solver_options()
     wide = [i for i in bound.instances if not i.kind.per_layer and i.kind.active(i, opts)]
@@ -76,30 +80,31 @@ def run_weight(seeds, folders, a, b, curve, weight, args, log=print) -> dict:
     t = time.perf_counter()
     elements, record = engine.search(bound.instances, ca, cb, opts, max_sweeps=options.max_sweeps,
                                      tol=options.descent_tol,
-                                     starts=engine.Restarts(args.restarts, args.solver_budget, ends_weight=weight),
+                                     starts=engine.Restarts(args.restarts, args.solver_budget, ends_weight=weight,
+                                                            depth_decay=decay),
                                      keep=kept)
     seconds = time.perf_counter() - t
     verify_elements(bound.instances, elements)
     check = verify_forward(a, with_state_dict(a, apply(ca, bound.instances, elements)), bound.spec)
     for run in record["starts"]:
         run["barrier"] = curve_of(a, b, ca, cb, bound.instances, kept[run["start"]], curve, args.start_points)["barrier"]
-        log(f"  {seeds} W={weight:g} {run['start']:12s} objective {run['objective']:.4f}  sweeps {run['sweeps']:3d}  "
+        log(f"  {seeds} W={weight:g} F={decay:g} {run['start']:12s} objective {run['objective']:.4f}  sweeps {run['sweeps']:3d}  "
             f"{run['seconds']:6.1f} s  barrier ({args.start_points} points) {run['barrier']:.4f}")
     plain = min((r for r in record["starts"] if r["start"] in PLAIN), key=lambda r: r["objective"])
     curves = {"today (current start)": "current", f"best plain start ({plain['start']})": plain["start"],
               f"search ({record['winner']})": record["winner"]}
-    out = {"seeds": seeds, "ends_weight": weight, "search": record, "search_seconds": seconds,
+    out = {"seeds": seeds, "ends_weight": weight, "depth_decay": decay, "search": record, "search_seconds": seconds,
            "best_plain": plain["start"], "verify": check, "load_average": os.getloadavg()[0], "curves": {}}
     for label, start in curves.items():
         out["curves"][label] = curve_of(a, b, ca, cb, bound.instances, kept[start], curve, args.points)
         out["curves"][label]["objective"] = next(r["objective"] for r in record["starts"] if r["start"] == start)
-        log(f"  {seeds} W={weight:g} {label:32s} objective {out['curves'][label]['objective']:.4f}  barrier "
+        log(f"  {seeds} W={weight:g} F={decay:g} {label:32s} objective {out['curves'][label]['objective']:.4f}  barrier "
             f"{out['curves'][label]['barrier']:.4f}")
     return out
 
 
 def markdown(result: dict) -> str:
-    lines = ["| pair (seeds) | ends weight | current start: objective / barrier | best plain start: objective / "
+    lines = ["| pair (seeds) | ends weight (depth decay) | current start: objective / barrier | best plain start: objective / "
              "barrier | search: objective / barrier (winner) | starts run | search seconds |",
              "|---|---|---|---|---|---|---|"]
     for pair in result["pairs"]:

@@ -25,6 +25,7 @@ every alignment keeps A's function). The variants (:data:`VARIANTS`):
 * ``residual-permutation`` — the stream in signed permutations, norms kept;
 * ``qk-norm`` — the default alignment; on the merge side, at every α the interpolated q/k projections
   rescaled to the interpolated Frobenius norms of the endpoints' (attention logits keep their scale);
+* ``depth-decay-F`` (e.g. ``depth-decay-10``) — the default alignment with the layers' tensors weighted by depth (``--depth-decay F``);
 * ``unfolded-anchor`` — the default alignment, interpolated against B as it is (norms not folded: the
   B7 benchmark's curve before this study).
 
@@ -49,7 +50,7 @@ import torch
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 VARIANTS = ("recommended", "sweeps-1", "sweeps-2", "tol-1e-6", "init-all", "init-local", "restarts-3",
             "weight-sqrt", "weight-cos", "weight-embhead-half", "no-rescale", "rescale-sequential",
-            "residual-permutation", "qk-norm", "unfolded-anchor")
+            "residual-permutation", "qk-norm", "unfolded-anchor", "depth-decay-10")
 DEFAULT_VARIANTS = ("recommended", "sweeps-2", "tol-1e-6", "init-all", "init-local", "restarts-3", "weight-sqrt",
                     "weight-cos", "no-rescale", "residual-permutation", "qk-norm", "unfolded-anchor")
 
@@ -155,6 +156,11 @@ def variant_setup(name: str):
         opts["rescale"] = "sequential"
     elif name == "residual-permutation":
         opts["residual"] = "permutation"
+    elif name.startswith("depth-decay-"):
+        try:
+            opts["depth_decay"] = float(name[len("depth-decay-"):])
+        except ValueError:
+            raise SystemExit(f"unknown variant {name!r}: depth-decay-F takes a number F") from None
     elif name == "qk-norm":
         merge = qk_norm
     elif name == "unfolded-anchor":

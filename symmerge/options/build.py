@@ -57,7 +57,8 @@ def align_options(args, symmetries, **extra) -> AlignOptions:
     extra.setdefault("workers", args.workers)
     return AlignOptions(symmetries=symmetries, rescale=args.rescale, residual=args.residual, untie=args.untie,
                         max_sweeps=args.max_sweeps, restarts=args.restarts, solver_budget=args.solver_budget,
-                        solver_seed=args.solver_seed, ends_weight=args.ends_weight, match=args.match,
+                        solver_seed=args.solver_seed, ends_weight=args.ends_weight,
+                        depth_decay=args.depth_decay, match=args.match,
                         align_data=args.align_data, align_samples=args.align_samples, learn=learn_settings(args),
                         **extra)
 

@@ -234,15 +234,42 @@ def ends_keys(instances, opts: Options) -> set:
     return {s.key for i in active([i for i in instances if not i.kind.per_layer], opts) for s in i.slots} - local
 
 
-def weighted_ends(instances, sd_a: dict, sd_b: dict, opts: Options, weight: float) -> tuple[dict, dict]:
-    """Both state dicts with the stream's ends (:func:`ends_keys`) times ``√weight``: the squared distance the
-    descent minimises on them counts the ends ``weight`` times, the rest once. Only the model-wide groups act on
-    those tensors and every solver's cost is a sum of the tensors' products, so solving on these copies solves the
-    weighted objective exactly; the elements found apply to the models as they are. ``weight`` 1: the inputs."""
-    if weight == 1.0:
+def depth_weights(instances, opts: Options, decay: float) -> dict:
+    """``{key: weight}`` of the tensors the active per-layer groups move: the k-th of the n layers they lie in
+    (in layer order, from the input) weighs ``decay^(-k/(n-1))``: the first layer once, the last ``1/decay`` times,
+    geometric in between (one layer, or ``decay`` 1: every weight 1). Independently trained models share more near
+    the input; the weighting lets the early layers, which the stream's embeddings feed, set the stream first. A
+    tensor in groups of several layers takes the earliest's weight."""
+    layer_of: dict = {}
+    for inst in active([i for i in instances if i.kind.per_layer], opts):
+        for s in inst.slots:
+            layer_of[s.key] = min(layer_of.get(s.key, inst.layer), inst.layer)
+    order = {layer: k for k, layer in enumerate(sorted(set(layer_of.values())))}
+    n = len(order)
+    return {key: (decay ** (-order[layer] / (n - 1)) if n > 1 else 1.0) for key, layer in layer_of.items()}
+
+
+def weighted(instances, sd_a: dict, sd_b: dict, opts: Options, ends_weight: float = 1.0,
+             depth_decay: float = 1.0) -> tuple[dict, dict]:
+    """Both state dicts with every tensor times the square root of its weight in the objective: the stream's ends
+    (:func:`ends_keys`) ``ends_weight``, the per-layer groups' tensors by depth (:func:`depth_weights`), the rest 1.
+    The squared distance the descent minimises on these copies is the weighted one, and solving on them solves it
+    exactly: the ends are moved by the model-wide groups only, each per-layer group's tensors lie in one layer and
+    share one factor (its cost is a sum of the tensors' products: the same minimiser, scaled), and the model-wide
+    cost is a sum of products, so each tensor enters it with its weight. The elements found apply to the models as
+    they are. Every weight 1: the inputs themselves."""
+    weights = depth_weights(instances, opts, depth_decay) if depth_decay != 1.0 else {}
+    if ends_weight != 1.0:
+        weights.update(dict.fromkeys(ends_keys(instances, opts), ends_weight))
+    factors = {k: math.sqrt(w) for k, w in weights.items() if w != 1.0}
+    if not factors:
         return sd_a, sd_b
-    keys, factor = ends_keys(instances, opts), math.sqrt(weight)
-    return tuple({k: (v * factor if k in keys else v) for k, v in sd.items()} for sd in (sd_a, sd_b))
+    return tuple({k: (v * factors[k] if k in factors else v) for k, v in sd.items()} for sd in (sd_a, sd_b))
+
+
+def weighted_ends(instances, sd_a: dict, sd_b: dict, opts: Options, weight: float) -> tuple[dict, dict]:
+    """:func:`weighted` with the stream's ends alone weighted (``weight`` times; 1: the inputs)."""
+    return weighted(instances, sd_a, sd_b, opts, ends_weight=weight)
 
 
 @dataclass(frozen=True)
@@ -250,13 +277,14 @@ class Restarts:
     """The restarts of :func:`search`: ``count`` of them (None: no search at all, the ``current`` descent
     alone; :data:`DEFAULT_RESTARTS` is a sensible count), drawn from ``seed``, none begun after ``budget``
     seconds (None: no limit; 0: the ``current`` start alone), every start's objective with the stream's ends counted
-    ``ends_weight`` times (:func:`weighted_ends`). The alignment options' ``restarts``, ``solver_seed``,
-    ``solver_budget`` and ``ends_weight``."""
+    ``ends_weight`` times and the layers' tensors decaying with depth by ``depth_decay`` (:func:`weighted`). The
+    alignment options' ``restarts``, ``solver_seed``, ``solver_budget``, ``ends_weight`` and ``depth_decay``."""
 
     count: int | None = None
     budget: float | None = None
     seed: int = 0
     ends_weight: float = 1.0
+    depth_decay: float = 1.0
 
 
 def search(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, history: list | None = None,
@@ -280,12 +308,13 @@ def search(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, hist
     seconds after which no further restart begins (None: no limit; a limit makes the count depend on the machine's
     speed; 0: the ``current`` start alone, the descent as it was). ``history`` receives the kept start's sweeps;
     ``keep`` (a dict), every start's elements by the start's name (benchmarks). ``starts.ends_weight``: the stream's
-    ends (:func:`ends_keys`) count this many times in the objective (:func:`weighted_ends`; 1: the plain squared
-    distance); every objective reported is the weighted one."""
+    ends (:func:`ends_keys`) count this many times in the objective, and ``starts.depth_decay``: the layers' tensors
+    weigh less with depth, the last layer ``1/depth_decay`` of the first (:func:`weighted`; both 1: the plain
+    squared distance); every objective reported is the weighted one."""
     wide = active([i for i in instances if not i.kind.per_layer], opts)
     if not wide:
         return solve(instances, sd_a, sd_b, opts, progress, history, max_sweeps, tol=tol), None
-    sd_a, sd_b = weighted_ends(instances, sd_a, sd_b, opts, starts.ends_weight)
+    sd_a, sd_b = weighted(instances, sd_a, sd_b, opts, starts.ends_weight, starts.depth_decay)
     restarts, budget, seed = starts.count, starts.budget, starts.seed
     local = [i for i in instances if i.kind.per_layer]
     t0 = time.perf_counter()
@@ -331,7 +360,8 @@ def search(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, hist
         history.extend(best["history"])
     return best["elements"], {"starts": runs, "winner": best["start"], "objective": best["objective"],
                               "restarts": count, "budget_seconds": budget, "seed": seed,
-                              "ends_weight": starts.ends_weight, "seconds": time.perf_counter() - t0}
+                              "ends_weight": starts.ends_weight, "depth_decay": starts.depth_decay,
+                              "seconds": time.perf_counter() - t0}
 
 
 def _restart(move, incumbent, wide, local, discrete, sd_a, sd_b, opts, generator, around) -> dict | None:

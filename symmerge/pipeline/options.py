@@ -204,6 +204,9 @@ class AlignOptions:
     alone, as before the search); the lowest objective is kept. ``ends_weight``: the data-free objective counts the
     stream's ends (embeddings, task heads, norms, the writers' biases: the tensors no per-layer group moves) this
     many times (1, the default: the plain squared distance; :func:`symmerge.pipeline.engine.weighted_ends`).
+    ``depth_decay``: the data-free objective weighs the per-layer groups' tensors less with depth, geometrically from
+    the first layer (once) to the last (``1/depth_decay``; 1, the default: every layer once;
+    :func:`symmerge.pipeline.engine.depth_weights`).
 
     ``match``: what the elements are fitted to — ``weights`` (data-free: the L2 distance of the
     weights), ``activations`` (statistics of both models' activations on ``align_data``: the residual
@@ -233,6 +236,7 @@ class AlignOptions:
     solver_budget: float | None = None
     solver_seed: int = 0
     ends_weight: float = 1.0
+    depth_decay: float = 1.0
     recommended: bool = False  # symmetries came from 'recommended': resolve against each model
 
     def __post_init__(self):
@@ -263,6 +267,8 @@ class AlignOptions:
             raise SymmergeError(f"the solver seed must be a whole number, got {self.solver_seed!r}")
         if not (_is_number(self.ends_weight) and self.ends_weight > 0):
             raise SymmergeError(f"the ends weight must be a finite number > 0, got {self.ends_weight!r}")
+        if not (_is_number(self.depth_decay) and self.depth_decay > 0):
+            raise SymmergeError(f"the depth decay must be a finite number > 0, got {self.depth_decay!r}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
