@@ -71,6 +71,7 @@ def run(args, log=print) -> dict:
                "dirichlet": learned.get("dirichlet") or (learned.get("dirichlet_choice") or {}).get("chosen"),
                "objective": (learned["held_out_start"], learned["held_out_best"]),
                "verify_max_rel_diff": max(m["verify_max_rel_diff"] for m in result.report["models"]),
+               "align_samples_used": result.report.get("align_samples_used"),
                "load_average": os.getloadavg()}
         rows.append(row)
         log(f"{frame}: {100 * e['accuracy']:.2f} % ({100 * row['accuracy_vs_endpoints']:.1f} % of the endpoints' "

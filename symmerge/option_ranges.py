@@ -19,6 +19,7 @@ MINIMA = {  # config key (= the option's name) -> the smallest value accepted
     "learn_positions": 0,
     "learn_max_length": 2,
     "learn_check_batches": 0,
+    "learn_augment": 0,
 }
 
 

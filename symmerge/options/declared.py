@@ -16,6 +16,7 @@ from ..merge.registry import METHODS
 from ..pipeline.options import (DEFAULT_REFINE, JOINT_REFINE, LEARN_FRAMES, LEARN_PRECISIONS, MATCH_MODES, RECOMMENDED,
                                 RECOMMENDED_NAME, RESIDUAL_CHOICES, AlignOptions, LearnSettings, describe_symmetries)
 from ..pipeline.options import LEARN_STARTS  # --learn-start
+from ..pipeline.options import AUGMENT_STYLES  # --learn-augment-style
 from ..progress import MODES as PROGRESS_MODES
 from ..option_ranges import MINIMA
 from .parse import concentration, distill_lr, distill_steps
@@ -402,6 +403,17 @@ OPTIONS = (
              "(docs/results/quality_learned.md)"),
     opt("learn_alpha_high", "--learn-alpha-high", on=ALIGNING, part=ALIGNMENT, parse=float, minimum=0, metavar="HI",
         learn="alpha_high", help=f"--match learned: the upper end HI of α's range (default {L.alpha_high:g})"),
+    # appended (issue 42 item 3, N = 4): the augmented views of the unlabeled images
+    opt("learn_augment", "--learn-augment", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=MINIMA["learn_augment"],
+        metavar="VIEWS", learn="augment",
+        help=f"--match learned, images: randomly transformed views of every unlabeled image added to it (default "
+             f"{L.augment}; 0: the images alone), the models' predictions on each view its target"),
+    opt("learn_augment_style", "--learn-augment-style", on=ALIGNING, part=ALIGNMENT, choices=AUGMENT_STYLES,
+        learn="augment_style",
+        help=f"--match learned, images: how the views differ from their image: {AUGMENT_STYLES[0]} (default: a flip, "
+             "a shift of up to 2 pixels), strong (a shift of up to 4 pixels and a cut-out square) or mixup "
+             "(flip-shift, then mixed with another image, weight U(1/2, 1) for its own; "
+             "docs/results/quality_learned.md)"),
 )
 
 # moe's, extract-lora's and demo's (as mergekit-moe and mergekit-extract-lora spell theirs); each command adds its

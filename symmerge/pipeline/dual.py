@@ -220,7 +220,8 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
     g = torch.Generator().manual_seed(settings.seed)
     rng = np.random.default_rng(settings.seed)
     n_original = len(train)
-    train = [subsample_positions(b, settings.positions, g) for b in train + augmented(train, settings.augment, g)]
+    views = augmented(train, settings.augment, g, settings.augment_style)
+    train = [subsample_positions(b, settings.positions, g) for b in train + views]
     held = [subsample_positions(b, settings.positions, g) for b in held]
     predictions = [mix.predictions(b) for b in train + held]
     p_train, p_held = predictions[:len(train)], predictions[len(train):]

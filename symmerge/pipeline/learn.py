@@ -219,11 +219,16 @@ def norm_eps(config) -> float:
     return 1.0
 
 
-def augmented(batches: list, views: int, generator: torch.Generator) -> list:
-    """``views`` randomly transformed copies of every image batch (a horizontal flip with probability ½ and
-    a shift of up to 2 pixels each way, wrapping around; per image): more inputs for the same unlabeled
-    images, the endpoints' predictions on them the targets. Batches without ``pixel_values`` (text) get
-    none."""
+SHIFT = {"flip-shift": 2, "strong": 4, "mixup": 2}  # the largest shift of a view, in pixels, by augmentation style
+
+
+def augmented(batches: list, views: int, generator: torch.Generator, style: str = "flip-shift") -> list:
+    """``views`` randomly transformed copies of every image batch (per image: a horizontal flip with probability ½
+    and a shift of up to 2 pixels each way, wrapping around): more inputs for the same unlabeled images, the
+    endpoints' predictions on them the targets. ``style`` (``LearnSettings.augment_style``): ``strong`` shifts by
+    up to 4 pixels and, with probability ½, fills a square of a seventh to a third of the image's side with the
+    image's minimum (its background); ``mixup`` mixes every flipped and shifted view with another image of the
+    batch, λ·x + (1 − λ)·x', λ ~ U(½, 1). Batches without ``pixel_values`` (text) get none."""
     out = []
     for _ in range(views):
         for b in batches:
@@ -232,10 +237,29 @@ def augmented(batches: list, views: int, generator: torch.Generator) -> list:
                 continue
             flip = torch.rand(len(x), generator=generator) < 0.5
             x = torch.where(flip[:, None, None, None], x.flip(-1), x)
-            shifts = torch.randint(-2, 3, (len(x), 2), generator=generator)
+            reach = SHIFT[style]
+            shifts = torch.randint(-reach, reach + 1, (len(x), 2), generator=generator)
             x = torch.stack([torch.roll(xi, (int(dy), int(dx)), dims=(-2, -1)) for xi, (dy, dx) in zip(x, shifts)])
+            if style == "strong":
+                x = _cut_out(x, generator)
+            elif style == "mixup":
+                lam = 0.5 + 0.5 * torch.rand(len(x), generator=generator)[:, None, None, None]
+                x = lam * x + (1 - lam) * x[torch.randperm(len(x), generator=generator)]
             out.append(Batch({**b.inputs, "pixel_values": x}, None, b.mask))
     return out
+
+
+def _cut_out(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``x`` (B, C, H, W) with, in every image with probability ½, a square of side H/7 to H/3 (its centre anywhere
+    in the image, clipped at the edges) set to that image's minimum."""
+    n, h, w = len(x), x.shape[-2], x.shape[-1]
+    on = torch.rand(n, generator=generator) < 0.5
+    side = torch.randint(max(1, round(h / 7)), max(1, h // 3) + 1, (n,), generator=generator)[:, None, None]
+    cy = torch.randint(0, h, (n,), generator=generator)[:, None, None]
+    cx = torch.randint(0, w, (n,), generator=generator)[:, None, None]
+    rows, cols = torch.arange(h)[None, :, None], torch.arange(w)[None, None, :]
+    inside = (2 * (rows - cy).abs() < side) & (2 * (cols - cx).abs() < side) & on[:, None, None]
+    return torch.where(inside[:, None], x.amin(dim=(1, 2, 3), keepdim=True), x)
 
 
 EXAMPLE_WORDS = {"image": "images", "text": "texts", "lm": "texts"}  # Data.format → what its examples are
@@ -424,7 +448,7 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
     train, held = _split(data, settings.holdout)
     g = torch.Generator().manual_seed(settings.seed + offset)  # on the CPU whatever the device: the same draws
     n_original = len(train)
-    train = train + augmented(train, settings.augment, g)
+    train = train + augmented(train, settings.augment, g, settings.augment_style)
     train = [subsample_positions(b, settings.positions, g).to(dev) for b in train]
     held = [subsample_positions(b, settings.positions, g).to(dev) for b in held]
 

@@ -124,7 +124,7 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
     g = torch.Generator().manual_seed(settings.seed)
     rng = np.random.default_rng(settings.seed)
     n_original = len(train)
-    train = train + augmented(train, settings.augment, g)
+    train = train + augmented(train, settings.augment, g, settings.augment_style)
     train = [subsample_positions(b, settings.positions, g) for b in train]
     held = [subsample_positions(b, settings.positions, g) for b in held]
     predictions = [mix.predictions(b) for b in train + held]

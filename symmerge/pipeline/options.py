@@ -39,6 +39,9 @@ LEARN_TARGETS = ("probabilities", "log-probabilities")
 LEARN_PRECISIONS = ("float32", "bfloat16")  # the training steps' forward and backward (checks: float32)
 # A moved onto B, or both models moved into a frame between them with their norms split (pipeline/dual.py)
 LEARN_FRAMES = ("one-sided", "dual")
+# the augmented views of the unlabeled images (learn.augmented): flip-shift (a flip, a shift of up to 2 pixels), strong
+# (a shift of up to 4 and a cut-out square), mixup (flip-shift, then a mix with another image of the batch)
+AUGMENT_STYLES = ("flip-shift", "strong", "mixup")
 # --learn-dirichlet uniform (inf reads the same: Dirichlet(C)'s limit as C grows): every joint learned step at the
 # plain average, each of the N models weighted 1/N; "auto": C chosen on held-out data (learn_joint.choose_concentration)
 DIRICHLET_UNIFORM = "uniform"
@@ -101,7 +104,8 @@ class LearnSettings:
     not worse; the history then has no held-out column), a ``seed``, and an optional time budget in
     seconds (``budget``). ``start``: the closed form learning starts from (``activations``: activation
     matching on the same data; ``weights``: data-free weight matching); ``augment``: randomly flipped and shifted
-    views of every training image (images only); ``target``: ``probabilities`` (α·p_A + (1−α)·p_B) or
+    views of every training image (images only; ``augment_style``: :data:`AUGMENT_STYLES`, how strongly they
+    differ from it); ``target``: ``probabilities`` (α·p_A + (1−α)·p_B) or
     ``log-probabilities`` (their normalised geometric mean); ``positions`` (sequence models): the
     objective on at most this many randomly chosen scored positions of each batch (drawn once, so the
     endpoints' predictions are computed and cached there only; 0: every position); ``max_length``:
@@ -137,6 +141,7 @@ class LearnSettings:
     budget: float | None = None
     start: str = "activations"
     augment: int = 4
+    augment_style: str = "flip-shift"
     target: str = "log-probabilities"
     positions: int = 0
     max_length: int | None = None
@@ -156,8 +161,9 @@ class LearnSettings:
             raise SymmergeError(f"unknown learned-alignment start {self.start!r}; choose one of {', '.join(LEARN_STARTS)}")
         if self.target not in LEARN_TARGETS:
             raise SymmergeError(f"unknown learned-alignment target {self.target!r}; choose one of {', '.join(LEARN_TARGETS)}")
-        if self.augment < 0:
-            raise SymmergeError(f"learned alignment needs augment >= 0, got {self.augment}")
+        if self.augment_style not in AUGMENT_STYLES:
+            raise SymmergeError(f"unknown learned-alignment augmentation style {self.augment_style!r}; choose one of "
+                                f"{', '.join(AUGMENT_STYLES)}")
         if self.precision not in LEARN_PRECISIONS:
             raise SymmergeError(f"unknown learned-alignment precision {self.precision!r}; choose one of "
                                 f"{', '.join(LEARN_PRECISIONS)}")
@@ -174,7 +180,7 @@ class LearnSettings:
         if self.dirichlet_steps < 0 or not 0.0 < self.dirichlet_holdout < 1.0:
             raise SymmergeError(f"learned alignment needs dirichlet_steps >= 0 and dirichlet_holdout in (0, 1), got "
                                 f"{self.dirichlet_steps}, {self.dirichlet_holdout}")
-        for name in ("steps", "batch", "positions", "max_length", "check_batches"):  # the flags' ranges
+        for name in ("steps", "batch", "positions", "max_length", "check_batches", "augment"):  # the flags' ranges
             check_range(f"learn_{name}", getattr(self, name))
         if not self.lr > 0:
             raise SymmergeError(f"learned alignment needs lr > 0, got {self.lr}")

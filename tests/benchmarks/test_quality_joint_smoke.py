@@ -37,4 +37,5 @@ def test_quality_joint_tiny_end_to_end(tmp_path):
         assert x["accuracy_vs_endpoints"] == pytest.approx(x["accuracy"] / mean)
         assert x["verify_max_rel_diff"] <= 1e-5 and x["objective"][1] <= x["objective"][0]
         assert x["seconds"] > 0 and x["cpu_seconds"] > 0
+        assert x["align_samples_used"] == 24  # every unlabeled image, each once
     assert "| dual | steps=3 batch=8 dirichlet=uniform augment=0 |" in (out / "tables.md").read_text()

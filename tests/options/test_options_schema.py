@@ -207,6 +207,7 @@ API_RANGES = {
     "learn_positions": lambda v: LearnSettings(positions=v),
     "learn_max_length": lambda v: LearnSettings(max_length=v),
     "learn_check_batches": lambda v: LearnSettings(check_batches=v),
+    "learn_augment": lambda v: LearnSettings(augment=v),
 }
 
 
