@@ -410,7 +410,11 @@ def test_two_real_runs_race_for_one_output(tmp_path, pair):
 
 
 SLOW_WRITE = """\
-import sys, time
+import signal, sys, time
+# the signals at their defaults, as in a shell: under nohup (SIGHUP ignored, inherited through exec) symmerge rightly
+# keeps ignoring SIGHUP, and the test would wait in vain
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 import symmerge.io.checkpoint as checkpoint, symmerge.io.model as model
 def announce():
     print("WRITING", file=sys.stderr, flush=True)
