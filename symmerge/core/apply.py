@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+_HALF = (torch.float16, torch.bfloat16)
+
 
 def stages(element) -> tuple:
     """An element, or a composition given as a tuple of elements applied first to last."""
@@ -17,6 +19,8 @@ def apply(state_dict: dict, instances, elements: dict) -> dict:
     are shared; a tensor's declared aliases receive the same new tensor). An element may be a tuple of
     elements of the instance's kind, applied first to last (a closed-form solution then a learned one)."""
     out = dict(state_dict)
+    lifted: dict = {}  # float16/bfloat16 tensors carried in float32 until every element is applied: key -> (dtype,
+    # aliases); rounded once at the end, not after every instance and stage (the stored values upcast exactly)
     for inst in instances:
         element = elements.get(inst.name)
         if element is None:
@@ -24,11 +28,18 @@ def apply(state_dict: dict, instances, elements: dict) -> dict:
         kind = inst.kind
         for slot in inst.slots:
             new = out[slot.key]
+            if new.dtype in _HALF:
+                lifted.setdefault(slot.key, (new.dtype, set()))[1].update(slot.aliases)
+                new = new.float()
             for stage in stages(element):
                 new = kind.transform(new, slot, inst, stage)
             out[slot.key] = new
             for alias in slot.aliases:
                 out[alias] = new
+    for key, (dtype, aliases) in lifted.items():
+        out[key] = out[key].to(dtype)
+        for alias in aliases:
+            out[alias] = out[key]
     return out
 
 
