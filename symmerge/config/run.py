@@ -219,8 +219,11 @@ def computing_in(method, dtype):
     computes in (its thresholds and masks see the rounded values)."""
     from dataclasses import replace
 
+    def rounds(t) -> bool:
+        return t is not None and t.is_floating_point() and t.dtype != dtype
+
     def cast(t):
-        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t
+        return t.to(dtype) if rounds(t) else t
 
     def tensor(key, tensors, weights, stats, base, params, context):
         return method.tensor(key, [cast(t) for t in tensors], weights, stats, cast(base), params, context)
@@ -235,7 +238,7 @@ def computing_in(method, dtype):
         def fused(key, tensors, weights, base, params, context, out):
             # inputs already in ``dtype`` (a float32 config on float32 files, bfloat16 on bfloat16): nothing to
             # round, so the method's own fused kernel gives the bits of its rule; else the rule on the cast inputs
-            if any(t is not None and t.is_floating_point() and t.dtype != dtype for t in [*tensors, base]):
+            if any(rounds(t) for t in [*tensors, base]):
                 return False
             return method.fused_into(key, tensors, weights, base, params, context, out)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-_HALF = (torch.float16, torch.bfloat16)
+from .slots import HALF
 
 
 def stages(element) -> tuple:
@@ -28,7 +28,7 @@ def apply(state_dict: dict, instances, elements: dict) -> dict:
         kind = inst.kind
         for slot in inst.slots:
             new = out[slot.key]
-            if new.dtype in _HALF:
+            if new.dtype in HALF:
                 lifted.setdefault(slot.key, (new.dtype, set()))[1].update(slot.aliases)
                 new = new.float()
             for stage in stages(element):

@@ -35,6 +35,7 @@ import torch
 
 from .base import REQUIRED, Method, boolean, real
 from .combination import gram, linear_into, linear_tensor
+from .in_dtype import HALF
 from .parts import elect_mask
 from .sort_order import topk_mask
 
@@ -58,9 +59,6 @@ def model_stock_ratio(taus, filter_wise: bool = False) -> torch.Tensor:
     den = 1.0 + (n - 1) * cos
     singular = den.abs() < 1e-6
     return torch.where(singular, torch.zeros_like(cos), n * cos / torch.where(singular, torch.ones_like(den), den))
-
-
-HALF = (torch.float16, torch.bfloat16)
 
 
 def working_dtype(t: torch.Tensor) -> torch.dtype:

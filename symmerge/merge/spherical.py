@@ -44,14 +44,14 @@ import torch
 from ..errors import SymmergeError
 from .base import REQUIRED, Method, boolean, integer, real
 from .combination import gram, linear_into, linear_tensor, with_base
-
-HALF = (torch.float16, torch.bfloat16)
+from .in_dtype import HALF
 
 
 class InDtype:
     """A whole tensor's result computed in the inputs' half dtype (mergekit's arithmetic: its roundings are the
     result), handed out in flat order to the chunks of :func:`symmerge.merge.base.merge_tensor`, which runs them in
-    order (a config's ``dtype`` casts every chunk: the method's fused pass is not used there)."""
+    order (a config's ``dtype`` that rounds the inputs casts every chunk: the method's fused pass is not used
+    there)."""
 
     def __init__(self, result: torch.Tensor):
         self.flat, self.at = result.reshape(-1), 0
