@@ -111,16 +111,27 @@ def test_depth_weighted_search_finds_the_brute_force_optimum(seed):
             inst.kind.check(inst, elements[inst.name])
 
 
-def test_the_decay_changes_the_optimum():
-    """Not vacuous: on some pair the plain optimum's elements are not optimal for the depth-weighted objective."""
+def objective_of(option: str):
+    """The weighted objective of ``option`` as a function of (instances, opts, sd_a, sd_b, elements, value): the
+    depth weights from the key names (above), the ends' weight from the objective's two parts (test_search)."""
+    from test_search import weighted_objective as ends_weighted
+
+    return weighted_objective if option == "depth_decay" else ends_weighted
+
+
+@pytest.mark.parametrize("option,value", [("depth_decay", DECAY), ("ends_weight", 10.0)])
+def test_the_weight_changes_the_optimum(option, value):
+    """Not vacuous: on some brute-force pair the plain optimum's elements are not optimal for the weighted objective,
+    and never better than the weighted search's."""
+    weighted = objective_of(option)
     gaps = []
     for seed in (11, 12, 28):
         instances, opts, sd_a, sd_b = problem(*tiny_pair(seed))
         plain, _ = engine.search(instances, sd_a, sd_b, opts, tol=1e-4, starts=engine.Restarts(10, seed=0))
-        decayed, _ = engine.search(instances, sd_a, sd_b, opts, tol=1e-4,
-                                   starts=engine.Restarts(10, seed=0, depth_decay=DECAY))
-        gaps.append(weighted_objective(instances, opts, sd_a, sd_b, plain, DECAY)
-                    - weighted_objective(instances, opts, sd_a, sd_b, decayed, DECAY))
+        found, _ = engine.search(instances, sd_a, sd_b, opts, tol=1e-4,
+                                 starts=engine.Restarts(10, seed=0, **{option: value}))
+        gaps.append(weighted(instances, opts, sd_a, sd_b, plain, value)
+                    - weighted(instances, opts, sd_a, sd_b, found, value))
     assert min(gaps) > -1e-9 and max(gaps) > 1e-6
 
 
