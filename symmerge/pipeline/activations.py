@@ -103,7 +103,13 @@ class Joint:
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         z = torch.cat([a, b], dim=1)
         z = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32)
-        self.gram += (z.T @ z).double().cpu()
+        n = z.shape[1]
+        if n < PIVOTED_FROM:
+            self.gram += (z.T @ z).double().cpu()
+        else:  # in float64 (the products of float32 activations exact: the Gram keeps the tokens' rank to float64
+            z = z.double()  # rounding, which the pivoted Cholesky finds; float32 sums leave it of full rank at
+            for r in range(0, n, _ROWS):  # 1e-7), a block of rows at a time (no n × n temporary beside the Gram)
+                self.gram[r:r + _ROWS] += (z[:, r:r + _ROWS].T @ z).cpu()
         self.sums += z.sum(0, dtype=torch.float64).cpu()
         self.count += z.shape[0]
 
@@ -116,12 +122,17 @@ class Joint:
         constant column has correlation 0 with everything."""
         n = max(self.count, 1)
         mean = self.sums / n
-        cov = self.gram / n - torch.outer(mean, mean)
+        cov = self.gram / n  # then every step in place, a block of rows at a time: one n × n tensor, the same bits
+        for r in range(0, len(mean), _ROWS):  # as ``gram / n - outer(mean, mean)``, ``cov / std[:, None] / std[None, :]``
+            cov[r:r + _ROWS] -= torch.outer(mean[r:r + _ROWS], mean)
         std = cov.diagonal().clamp_min(0).sqrt()
         std = torch.where(std > 1e-12 * std.max().clamp_min(1e-300), std, torch.full_like(std, math.inf))
-        return cov / std[:, None] / std[None, :]
+        cov /= std[:, None]
+        cov /= std[None, :]
+        return cov
 
 
+_ROWS = 1024  # rows per block of the in-place steps on a Gram
 PIVOTED_FROM = 4096
 """The Gram size ``n`` (= 2f) from which :func:`factor` uses the pivoted Cholesky instead of ``eigh``. Below it
 every published activation-matched result is untouched (the largest Gram they reach is n = 3072: SmolLM2-135M's FFN
@@ -132,19 +143,36 @@ site at 16384, SmolLM2-360M's FFN at 5120, GPT-2 small's at 6144) the factor is 
 float64 rounding, so the solvers (which read only products: cross products, norms) see the same statistics."""
 
 
-def factor(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def factor(gram: torch.Tensor, consume: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(L_a, L_b)``, each f × r, with ``L_a L_bᵀ``, ``L_a L_aᵀ``, ``L_b L_bᵀ`` the blocks of the
     positive semi-definite ``gram`` (2f × 2f) to float64 rounding: r = 2f by ``eigh`` below
     :data:`PIVOTED_FROM`, r = the Gram's numerical rank (≤ the tokens it was gathered from) by the pivoted
-    Cholesky (:func:`pivoted_cholesky`) from it up. ``gram`` is not modified."""
+    Cholesky (:func:`pivoted_cholesky`) from it up. ``gram`` is not modified, unless ``consume`` (a contiguous
+    float64 CPU Gram the caller drops: from the threshold up it is symmetrised and factored in place, no
+    n × n tensor beside it)."""
+    f = gram.shape[0] // 2
+    big = gram.shape[0] >= PIVOTED_FROM
+    if big and consume and gram.dtype == torch.float64 and gram.is_contiguous() and gram.device.type == "cpu":
+        return pivoted_cholesky(_symmetrised_in_place(gram), f)
     sym = gram + gram.T
     sym /= 2  # (gram + gram.T) / 2 bit for bit, one n × n temporary fewer
-    f = gram.shape[0] // 2
-    if sym.shape[0] >= PIVOTED_FROM:
+    if big:
         return pivoted_cholesky(sym, f)
     lam, V = torch.linalg.eigh(sym)
     L = V * lam.clamp_min(0).sqrt()
     return L[:f].contiguous(), L[f:].contiguous()
+
+
+def _symmetrised_in_place(g: torch.Tensor) -> torch.Tensor:
+    """``g`` overwritten by ``(g + gᵀ) / 2`` (the same bits), a block pair at a time."""
+    n = g.shape[0]
+    for i in range(0, n, _ROWS):
+        for j in range(i, n, _ROWS):
+            s = g[i:i + _ROWS, j:j + _ROWS] + g[j:j + _ROWS, i:i + _ROWS].T
+            s /= 2
+            g[i:i + _ROWS, j:j + _ROWS] = s
+            g[j:j + _ROWS, i:i + _ROWS] = s.T
+    return g
 
 
 def pivoted_cholesky(sym: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,8 +212,10 @@ def factored(stats: dict, corr_keys, keep=()) -> tuple[dict, dict]:
     act_a, act_b = {}, {}
     for key in [k for k in stats if k not in keep]:
         joint = stats.pop(key)
-        act_a[key], act_b[key] = factor(joint.correlation() if key in corr_keys else joint.gram)
-        del joint
+        gram = joint.correlation() if key in corr_keys else joint.gram
+        del joint  # the Gram freed when its correlations are factored
+        act_a[key], act_b[key] = factor(gram, consume=True)
+        del gram
     pivoted = [k for k in act_a if 2 * act_a[k].shape[0] >= PIVOTED_FROM]
     width = max((act_a[k].shape[1] for k in pivoted), default=0)
     for k in pivoted:

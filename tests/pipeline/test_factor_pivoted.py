@@ -216,3 +216,57 @@ def test_whole_pass_start_is_function_preserving_on_llama(pivoted, dtype, tol):
     moved = apply(a.state_dict(), instances, elements)
     assert output_rel_diff(a, with_weights(a, moved), make_inputs(a, seed=9)) <= tol
     assert output_rel_diff(b, with_weights(a, moved), make_inputs(a, seed=9)) > 1e-2  # A is not B: the check can fail
+
+
+# ------------------------------------------------------------------ below the threshold: the same bits as before
+
+
+def _old_correlation(joint) -> torch.Tensor:
+    """``Joint.correlation`` as it was (whole-matrix expressions)."""
+    n = max(joint.count, 1)
+    mean = joint.sums / n
+    cov = joint.gram / n - torch.outer(mean, mean)
+    std = cov.diagonal().clamp_min(0).sqrt()
+    std = torch.where(std > 1e-12 * std.max().clamp_min(1e-300), std, torch.full_like(std, math.inf))
+    return cov / std[:, None] / std[None, :]
+
+
+@pytest.mark.parametrize("f", [3, 700, 1500])
+def test_eigh_path_and_correlations_are_bit_for_bit_as_before(f):
+    """The in-place correlations (blocks of rows) and the symmetrisation equal the old expressions bit for bit,
+    so every result below the threshold is unchanged."""
+    g = torch.Generator().manual_seed(f)
+    joint = activations.Joint.empty(f)
+    for _ in range(2):
+        a = torch.randn(40, f, generator=g, dtype=torch.float64) * 3 + 1
+        b = torch.randn(40, f, generator=g, dtype=torch.float64)
+        b[:, 0] = 2.0  # a constant column
+        joint.add(a, b)
+    assert torch.equal(joint.correlation(), _old_correlation(joint))
+    sym = joint.gram + torch.randn(2 * f, 2 * f, generator=g, dtype=torch.float64) * 1e-12  # not quite symmetric
+    assert torch.equal(activations._symmetrised_in_place(sym.clone()), (sym + sym.T) / 2)
+    if f <= 700:
+        lam, V = torch.linalg.eigh((sym + sym.T) / 2)
+        L = V * lam.clamp_min(0).sqrt()
+        la, lb = factor(sym)
+        assert torch.equal(la, L[:f]) and torch.equal(lb, L[f:])
+
+
+def test_big_joint_statistics_by_blocks_of_rows(monkeypatch):
+    """From the threshold up the Gram of float32 activations is accumulated in float64 a block of rows at a time
+    and factored in place (``consume``): the same statistics to float32 rounding, and of the tokens' rank (the
+    float32 sums of the path below the threshold leave rounding of full rank: dpstrf finds more columns there)."""
+    monkeypatch.setattr(activations, "_ROWS", 7)
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(30, 20, generator=g), torch.randn(30, 20, generator=g)
+    small, big = activations.Joint.empty(20), activations.Joint.empty(20)
+    small.add(a, b)
+    monkeypatch.setattr(activations, "PIVOTED_FROM", 40)
+    big.add(a, b)
+    z = torch.cat([a, b], 1).double()
+    torch.testing.assert_close(big.gram, z.T @ z, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(big.gram, small.gram, rtol=1e-6, atol=1e-5)
+    gram = big.gram.clone()
+    la, lb = factor(big.gram, consume=True)
+    assert la.shape == (20, 30) and blocks_error(gram, la, lb) < 1e-13
+    assert factor(small.gram)[0].shape[1] > 30  # float32 sums: rank beyond the tokens (the check can fail)
