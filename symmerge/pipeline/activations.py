@@ -117,13 +117,18 @@ class Joint:
     def f(self) -> int:
         return self.gram.shape[0] // 2
 
-    def correlation(self) -> torch.Tensor:
+    def correlation(self, in_place: bool = False) -> torch.Tensor:
         """The joint Gram standardised: correlations of every pair of columns of ``[a; b]`` (2f × 2f); a
-        constant column has correlation 0 with everything."""
+        constant column has correlation 0 with everything. ``in_place``: computed in the Gram's own memory (the
+        Gram is lost: for a caller that discards the statistics; the same bits)."""
         n = max(self.count, 1)
         mean = self.sums / n
-        cov = self.gram / n  # then every step in place, a block of rows at a time: one n × n tensor, the same bits
-        for r in range(0, len(mean), _ROWS):  # as ``gram / n - outer(mean, mean)``, ``cov / std[:, None] / std[None, :]``
+        if in_place:
+            cov = self.gram
+            cov /= n
+        else:
+            cov = self.gram / n  # then every step in place, by blocks of rows: the same bits as
+        for r in range(0, len(mean), _ROWS):  # ``gram / n - outer(mean, mean)``, ``cov / std[:, None] / std[None, :]``
             cov[r:r + _ROWS] -= torch.outer(mean[r:r + _ROWS], mean)
         std = cov.diagonal().clamp_min(0).sqrt()
         std = torch.where(std > 1e-12 * std.max().clamp_min(1e-300), std, torch.full_like(std, math.inf))
@@ -212,8 +217,8 @@ def factored(stats: dict, corr_keys, keep=()) -> tuple[dict, dict]:
     act_a, act_b = {}, {}
     for key in [k for k in stats if k not in keep]:
         joint = stats.pop(key)
-        gram = joint.correlation() if key in corr_keys else joint.gram
-        del joint  # the Gram freed when its correlations are factored
+        gram = joint.correlation(in_place=True) if key in corr_keys else joint.gram  # one n × n tensor
+        del joint
         act_a[key], act_b[key] = factor(gram, consume=True)
         del gram
     pivoted = [k for k in act_a if 2 * act_a[k].shape[0] >= PIVOTED_FROM]

@@ -30,3 +30,10 @@ def test_eigh_left_out_above_the_limit(capsys):
     assert [r["n"] for r in rows] == [32, 80]
     assert "eigh_float64_s" in rows[0] and "eigh_float64_s" not in rows[1]
     assert [r["pivoted_rank"] for r in rows] == [10, 10]
+
+
+def test_memory_row_gathers_and_factors_one_site(monkeypatch):
+    monkeypatch.setattr(activations, "PIVOTED_FROM", 64)
+    row = factor_cost.memory_row(40, tokens=30)  # n = 80: the pivoted path, rank ≤ 29 (correlations: centred)
+    assert row["path"] == "pivoted" and row["rank"] <= 29 and row["gram_gb"] == 80 * 80 * 8 / 1e9
+    assert row["statistics_rise_gb"] >= 0 and row["factored_rise_gb"] >= 0 and row["factored_s"] > 0

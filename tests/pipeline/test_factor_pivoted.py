@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -243,6 +244,9 @@ def test_eigh_path_and_correlations_are_bit_for_bit_as_before(f):
         b[:, 0] = 2.0  # a constant column
         joint.add(a, b)
     assert torch.equal(joint.correlation(), _old_correlation(joint))
+    gram = joint.gram.clone()
+    corr = replace(joint, gram=gram).correlation(in_place=True)
+    assert corr.data_ptr() == gram.data_ptr() and torch.equal(corr, _old_correlation(joint))
     sym = joint.gram + torch.randn(2 * f, 2 * f, generator=g, dtype=torch.float64) * 1e-12  # not quite symmetric
     assert torch.equal(activations._symmetrised_in_place(sym.clone()), (sym + sym.T) / 2)
     if f <= 700:
