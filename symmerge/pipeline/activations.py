@@ -14,7 +14,8 @@ and the anchor B's (``b``) activations over the tokens ``t`` (padding excluded),
 
 **The kinds' own solvers on activations.** Every cost a kind minimises is a function of per-block
 cross products ``Σ x₁ x₂ᵀ`` and norms ``‖x₁‖²``; for activations these are blocks of ``G``. Factoring
-``G = L Lᵀ`` (eigendecomposition; ``L`` is 2f × 2f) and taking ``L``'s first ``f`` rows as A's activation
+``G = L Lᵀ`` (eigendecomposition, ``L`` 2f × 2f; from :data:`PIVOTED_FROM` up a pivoted Cholesky, ``L`` 2f × the
+Gram's rank) and taking ``L``'s first ``f`` rows as A's activation
 matrix and the last ``f`` as B's gives matrices with exactly these products. They stand in for the weights
 in a state dict of pseudo-tensors, one per activation, with one slot each (axis 0, the slot's chunk, its
 GQA ``repeat``, and the power with which the activation moves: a module's output moves like the weight
@@ -142,10 +143,12 @@ PIVOTED_FROM = 4096
 """The Gram size ``n`` (= 2f) from which :func:`factor` uses the pivoted Cholesky instead of ``eigh``. Below it
 every published activation-matched result is untouched (the largest Gram they reach is n = 3072: SmolLM2-135M's FFN
 site; ViTs, GPT-2 text, B7 Llamas, MiniLM ≤ 3072); from it up (Llama-3.2-1B's attention sites at 4096 and its FFN
-site at 16384, SmolLM2-360M's FFN at 5120, GPT-2 small's at 6144) the factor is n × rank in O(n² rank): measured
-4–13× faster than ``eigh`` at n = 1024–2048 with 128 tokens and growing with n (docs/results/learned_scale.md,
-``benchmarks/factor_cost.py``). The two factors differ by an orthogonal map on the right: the same products to
-float64 rounding, so the solvers (which read only products: cross products, norms) see the same statistics."""
+site at 16384, SmolLM2-360M's FFN at 5120, GPT-2 small's c_attn at 4608 and FFN at 6144) the factor is n × rank in
+O(n² rank): measured 13–66× faster than ``eigh`` at n = 512–4096 with 128 tokens, 17.5× at full rank (n = 4096),
+5.9 s against ≈ 1 600 s (eigh's n³) at 16384 (docs/results/learned_scale.md, ``benchmarks/factor_cost.py``): the
+threshold is set by the published figures, not by speed. The two factors differ by an orthogonal map on the right:
+the same products to float64 rounding, so the solvers (which read only products: cross products, norms) see the
+same statistics (:func:`factored` pads the pivoted factors to one width for the solvers' batching over layers)."""
 
 
 def factor(gram: torch.Tensor, consume: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +194,7 @@ def pivoted_cholesky(sym: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Ten
 
     n = sym.shape[0]
     work = sym.detach().to(device="cpu", dtype=torch.float64)
-    if not bool(torch.isfinite(work.diagonal()).all()):
+    if not bool(torch.isfinite(work.diagonal()).all()):  # a non-finite activation makes its own diagonal entry so
         raise SymmergeError("activation statistics are not finite (the models produced inf or nan on the data)")
     # symmetric and C-contiguous: its transpose is the same matrix in Fortran order, factored in place
     c, piv, rank, info = lapack.dpstrf(work.numpy().T, lower=1, tol=-1.0, overwrite_a=1)
