@@ -14,7 +14,8 @@ and the anchor B's (``b``) activations over the tokens ``t`` (padding excluded),
 
 **The kinds' own solvers on activations.** Every cost a kind minimises is a function of per-block
 cross products ``Σ x₁ x₂ᵀ`` and norms ``‖x₁‖²``; for activations these are blocks of ``G``. Factoring
-``G = L Lᵀ`` (eigendecomposition; ``L`` is 2f × 2f) and taking ``L``'s first ``f`` rows as A's activation
+``G = L Lᵀ`` (eigendecomposition, ``L`` 2f × 2f; from :data:`PIVOTED_FROM` up a pivoted Cholesky, ``L`` 2f × the
+Gram's rank) and taking ``L``'s first ``f`` rows as A's activation
 matrix and the last ``f`` as B's gives matrices with exactly these products. They stand in for the weights
 in a state dict of pseudo-tensors, one per activation, with one slot each (axis 0, the slot's chunk, its
 GQA ``repeat``, and the power with which the activation moves: a module's output moves like the weight
@@ -103,7 +104,13 @@ class Joint:
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         z = torch.cat([a, b], dim=1)
         z = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32)
-        self.gram += (z.T @ z).double().cpu()
+        n = z.shape[1]
+        if n < PIVOTED_FROM:
+            self.gram += (z.T @ z).double().cpu()
+        else:  # in float64 (the products of float32 activations exact: the Gram keeps the tokens' rank to float64
+            z = z.double()  # rounding, which the pivoted Cholesky finds; float32 sums leave it of full rank at
+            for r in range(0, n, _ROWS):  # 1e-7), a block of rows at a time (no n × n temporary beside the Gram)
+                self.gram[r:r + _ROWS] += (z[:, r:r + _ROWS].T @ z).cpu()
         self.sums += z.sum(0, dtype=torch.float64).cpu()
         self.count += z.shape[0]
 
@@ -111,25 +118,119 @@ class Joint:
     def f(self) -> int:
         return self.gram.shape[0] // 2
 
-    def correlation(self) -> torch.Tensor:
+    def correlation(self, in_place: bool = False) -> torch.Tensor:
         """The joint Gram standardised: correlations of every pair of columns of ``[a; b]`` (2f × 2f); a
-        constant column has correlation 0 with everything."""
+        constant column has correlation 0 with everything. ``in_place``: computed in the Gram's own memory (the
+        Gram is lost: for a caller that discards the statistics; the same bits)."""
         n = max(self.count, 1)
         mean = self.sums / n
-        cov = self.gram / n - torch.outer(mean, mean)
+        if in_place:
+            cov = self.gram
+            cov /= n
+        else:
+            cov = self.gram / n  # then every step in place, by blocks of rows: the same bits as
+        for r in range(0, len(mean), _ROWS):  # ``gram / n - outer(mean, mean)``, ``cov / std[:, None] / std[None, :]``
+            cov[r:r + _ROWS] -= torch.outer(mean[r:r + _ROWS], mean)
         std = cov.diagonal().clamp_min(0).sqrt()
         std = torch.where(std > 1e-12 * std.max().clamp_min(1e-300), std, torch.full_like(std, math.inf))
-        return cov / std[:, None] / std[None, :]
+        cov /= std[:, None]
+        cov /= std[None, :]
+        return cov
 
 
-def factor(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(L_a, L_b)``, each f × 2f, with ``L_a L_bᵀ``, ``L_a L_aᵀ``, ``L_b L_bᵀ`` the blocks of the
-    positive semi-definite ``gram`` (2f × 2f)."""
-    gram = (gram + gram.T) / 2
-    lam, V = torch.linalg.eigh(gram)
-    L = V * lam.clamp_min(0).sqrt()
+_ROWS = 1024  # rows per block of the in-place steps on a Gram
+PIVOTED_FROM = 4096
+"""The Gram size ``n`` (= 2f) from which :func:`factor` uses the pivoted Cholesky instead of ``eigh``. Below it
+every published activation-matched result is untouched (the largest Gram they reach is n = 3072: SmolLM2-135M's FFN
+site; ViTs, GPT-2 text, B7 Llamas, MiniLM ≤ 3072); from it up (Llama-3.2-1B's attention sites at 4096 and its FFN
+site at 16384, SmolLM2-360M's FFN at 5120, GPT-2 small's c_attn at 4608 and FFN at 6144) the factor is n × rank in
+O(n² rank): measured 13–66× faster than ``eigh`` at n = 512–4096 with 128 tokens, 17.5× at full rank (n = 4096),
+5.9 s against ≈ 1 600 s (eigh's n³) at 16384 (docs/results/learned_scale.md, ``benchmarks/factor_cost.py``): the
+threshold is set by the published figures, not by speed. The two factors differ by an orthogonal map on the right:
+the same products to float64 rounding, so the solvers (which read only products: cross products, norms) see the
+same statistics (:func:`factored` pads the pivoted factors to one width for the solvers' batching over layers)."""
+
+
+def factor(gram: torch.Tensor, consume: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(L_a, L_b)``, each f × r, with ``L_a L_bᵀ``, ``L_a L_aᵀ``, ``L_b L_bᵀ`` the blocks of the
+    positive semi-definite ``gram`` (2f × 2f) to float64 rounding: r = 2f by ``eigh`` below
+    :data:`PIVOTED_FROM`, r = the Gram's numerical rank (≤ the tokens it was gathered from) by the pivoted
+    Cholesky (:func:`pivoted_cholesky`) from it up. ``gram`` is not modified, unless ``consume`` (a contiguous
+    float64 CPU Gram the caller drops: from the threshold up it is symmetrised and factored in place, no
+    n × n tensor beside it)."""
     f = gram.shape[0] // 2
+    big = gram.shape[0] >= PIVOTED_FROM
+    if big and consume and gram.dtype == torch.float64 and gram.is_contiguous() and gram.device.type == "cpu":
+        return pivoted_cholesky(_symmetrised_in_place(gram), f)
+    sym = gram + gram.T
+    sym /= 2  # (gram + gram.T) / 2 bit for bit, one n × n temporary fewer
+    if big:
+        return pivoted_cholesky(sym, f)
+    lam, V = torch.linalg.eigh(sym)
+    L = V * lam.clamp_min(0).sqrt()
     return L[:f].contiguous(), L[f:].contiguous()
+
+
+def _symmetrised_in_place(g: torch.Tensor) -> torch.Tensor:
+    """``g`` overwritten by ``(g + gᵀ) / 2`` (the same bits), a block pair at a time."""
+    n = g.shape[0]
+    for i in range(0, n, _ROWS):
+        for j in range(i, n, _ROWS):
+            s = g[i:i + _ROWS, j:j + _ROWS] + g[j:j + _ROWS, i:i + _ROWS].T
+            s /= 2
+            g[i:i + _ROWS, j:j + _ROWS] = s
+            g[j:j + _ROWS, i:i + _ROWS] = s.T
+    return g
+
+
+def pivoted_cholesky(sym: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[:f]`` and ``[f:]`` of ``L`` (n × r) with ``L Lᵀ`` = the symmetric positive semi-definite ``sym``
+    (n × n, overwritten) to float64 rounding, by LAPACK's pivoted Cholesky (``dpstrf``, through scipy):
+    ``Pᵀ sym P = C Cᵀ`` with ``C`` lower trapezoidal n × r, r the numerical rank (pivots stop when the largest
+    remaining diagonal entry is ≤ n·ε·max diag, LAPACK's default: what is dropped is a Schur complement whose
+    entries are all below that, so rounding that leaves the Gram slightly indefinite stops the factor there);
+    ``L = P C`` (the permutation undone). A zero Gram gives one zero column."""
+    from scipy.linalg import lapack
+
+    n = sym.shape[0]
+    work = sym.detach().to(device="cpu", dtype=torch.float64)
+    if not bool(torch.isfinite(work.diagonal()).all()):  # a non-finite activation makes its own diagonal entry so
+        raise SymmergeError("activation statistics are not finite (the models produced inf or nan on the data)")
+    # symmetric and C-contiguous: its transpose is the same matrix in Fortran order, factored in place
+    c, piv, rank, info = lapack.dpstrf(work.numpy().T, lower=1, tol=-1.0, overwrite_a=1)
+    if info < 0:
+        raise SymmergeError(f"the pivoted Cholesky refused its input (LAPACK dpstrf info {info})")
+    del work, sym
+    rank = int(rank)
+    # n × r; the strict upper part of c still holds the Gram, its trailing block the dropped Schur complement
+    C = torch.from_numpy(c)[:, :rank].tril() if rank else torch.zeros(n, 1, dtype=torch.float64)
+    del c
+    rows = torch.empty(n, dtype=torch.long)
+    rows[torch.as_tensor(piv, dtype=torch.long) - 1] = torch.arange(n)  # row i of L is row rows[i] of C
+    return C[rows[:f]], C[rows[f:]]
+
+
+def factored(stats: dict, corr_keys, keep=()) -> tuple[dict, dict]:
+    """A's and B's pseudo-tensors ``({key: L_a}, {key: L_b})`` of every :class:`Joint` in ``stats`` but ``keep``
+    (:func:`factor` of its Gram, or of its correlations for the keys in ``corr_keys``), each popped from ``stats``
+    and freed once factored (one Gram at a time beside the factors). The pivoted factors (Grams of
+    :data:`PIVOTED_FROM` or more) are padded with zero columns to one width, their largest rank: the solvers batch
+    one site's matrices over the layers (``torch.stack``/``cat`` along the blocks), which needs equal widths, and
+    zero columns add nothing to any product. ``eigh``'s factors (2f columns) are left as they are."""
+    act_a, act_b = {}, {}
+    for key in [k for k in stats if k not in keep]:
+        joint = stats.pop(key)
+        gram = joint.correlation(in_place=True) if key in corr_keys else joint.gram  # one n × n tensor
+        del joint
+        act_a[key], act_b[key] = factor(gram, consume=True)
+        del gram
+    pivoted = [k for k in act_a if 2 * act_a[k].shape[0] >= PIVOTED_FROM]
+    width = max((act_a[k].shape[1] for k in pivoted), default=0)
+    for k in pivoted:
+        short = width - act_a[k].shape[1]
+        if short:
+            act_a[k], act_b[k] = (torch.nn.functional.pad(x, (0, short)) for x in (act_a[k], act_b[k]))
+    return act_a, act_b
 
 
 def _tokens(x: torch.Tensor, mask) -> torch.Tensor:
@@ -473,11 +574,7 @@ def match_activations(instances, model_a, model_b, data, opts: Options, progress
     # pseudo-tensors: A's and B's factors of every joint Gram (of the correlations, for the kinds whose
     # solver sees those: FFN units)
     corr_keys = {s.key for i in local if i.kind.activation_statistic == "correlation" for s in pseudo[i.name].slots}
-    act_a, act_b = {}, {}
-    for key in [k for k in stats if k != STREAM]:  # each Gram freed once factored: one at a time beside the factors
-        joint = stats.pop(key)
-        act_a[key], act_b[key] = factor(joint.correlation() if key in corr_keys else joint.gram)
-        del joint
+    act_a, act_b = factored(stats, corr_keys, keep=(STREAM,))
     _fit_local(local, _Solving(pseudo, weights_for, opts, rescale_from), (act_a, act_b), observed,
                apply(sd_a, wide, elements), (sd_a, sd_b), elements, progress,
                first=[i for i in active if not i.kind.per_layer or i.kind.moves_before_scales])
@@ -730,11 +827,7 @@ def _match_by_layer(local, solving: _Solving, layered, replay, weights_of, progr
         stats = layer_statistics(replay, i, sites)
         done = i
         t2 = time.perf_counter()
-        act_a, act_b = {}, {}
-        for key in list(stats):  # each Gram freed once factored
-            joint = stats.pop(key)
-            act_a[key], act_b[key] = factor(joint.correlation() if key in corr else joint.gram)
-            del joint
+        act_a, act_b = factored(stats, corr)
         sd_a, sd_b = weights_of(paths[i])
         _fit_local(insts, solving, (act_a, act_b), {}, sd_a, (sd_a, sd_b), elements, None,
                    first=[x for x in insts if x.kind.moves_before_scales])
