@@ -106,6 +106,8 @@ def parse_args(argv=None):
     p.add_argument("--learn-alpha-low", type=float, default=None,
                    help="learned: each step's α drawn from U(LO, HI) (LearnSettings.alpha_low; LO = HI: one α)")
     p.add_argument("--learn-alpha-high", type=float, default=None, help="learned: the upper end of α's range")
+    p.add_argument("--learn-seed", type=int, default=None,
+                   help="learned: the seed of the batch order, the α draws and the positions (LearnSettings.seed)")
     p.add_argument("--learn-budget", type=float, default=None,
                    help="learned: stop the steps after this many seconds (LearnSettings.budget; the report says so)")
     p.add_argument("--learn-precision", choices=("float32", "bfloat16"), default=None,
@@ -162,7 +164,7 @@ def row_options(args, name: str, align_file) -> AlignOptions | None:
                                                ("precision", args.learn_precision),
                                                ("alpha_low", args.learn_alpha_low),
                                                ("alpha_high", args.learn_alpha_high),
-                                               ("budget", args.learn_budget),
+                                               ("budget", args.learn_budget), ("seed", args.learn_seed),
                                                ("check_batches", args.learn_check_batches))
                              if v is not None})
     return AlignOptions(**spec, align_data=align_file if spec.get("match", "weights") != "weights" else None,

@@ -414,6 +414,10 @@ OPTIONS = (
              "a shift of up to 2 pixels), strong (a shift of up to 4 pixels and a cut-out square) or mixup "
              "(flip-shift, then mixed with another image, weight U(1/2, 1) for its own; "
              "docs/results/quality_learned.md)"),
+    # appended (issue 42 item 3, B7): the learned steps' learning rate (the B7 recipe's lr 2e-2 on the CLI)
+    opt("learn_lr", "--learn-lr", on=ALIGNING, part=ALIGNMENT, parse=float, metavar="LR", learn="lr",
+        help=f"--match learned: Adam's learning rate, decayed to 0 along a cosine (default {L.lr:g}; > 0; "
+             "docs/results/b7_llama.md)"),
 )
 
 # moe's, extract-lora's and demo's (as mergekit-moe and mergekit-extract-lora spell theirs); each command adds its

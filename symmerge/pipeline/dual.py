@@ -27,8 +27,9 @@ The loop: both models' continuous elements (the kinds' ``learn_*`` parameterisat
 :mod:`symmerge.pipeline.learn`) and both models' norm splits are trained together, from the closed-form start
 (A moved onto B, ``LearnSettings.start``), so that θ(α) = α·T_A(θ_A) + (1 − α)·T_B(θ_B), α ~ U(alpha_low,
 alpha_high), predicts the endpoints' mixed predictions — the same objective, target, augmentation, hold-out,
-checks (α = ¼, ½, ¾), early stopping, seed and budget as the one-sided path; the end is kept only where the
-check is better than the start. The learned elements are rounded to exact group elements (float64), checked
+checks (α = ¼, ½, ¾; on at most ``check_batches`` batches), early stopping, seed, budget and ``precision`` (the
+steps and the models' predictions under bf16 autocast, the checks in float32) as the one-sided path; the end is
+kept only where the check is better than the start. The learned elements are rounded to exact group elements (float64), checked
 as every alignment's, applied with the norm splits (float64), and each moved model is run against the model
 it came from (``verify``): both must be the same function.
 """
@@ -202,13 +203,35 @@ def _descend(opt, sched, loss: torch.Tensor, running: float | None) -> float:
     return loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
 
 
+def _batches(mix, data, settings, g) -> tuple:
+    """``(train, p_train, check, p_check, held)``: the training batches (with their augmented views) and the
+    batches the objective is checked on (the held-out part, or without one the unaugmented training batches; at
+    most ``settings.check_batches`` of them, the first, when it is set), positions subsampled, each with the
+    models' predictions — computed under bf16 autocast with ``settings.precision`` ``"bfloat16"``, as the
+    one-sided path's targets; ``held``: whether a part is held out."""
+    train, held = _split(data, settings.holdout)
+    n_original = len(train)
+    views = augmented(train, settings.augment, g, settings.augment_style)
+    train = [subsample_positions(b, settings.positions, g) for b in train + views]
+    held = [subsample_positions(b, settings.positions, g) for b in held]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bfloat16"):
+        predictions = [mix.predictions(b) for b in train + held]
+    p_train, p_held = predictions[:len(train)], predictions[len(train):]
+    check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
+    if settings.check_batches:
+        check, p_check = check[:settings.check_batches], p_check[:settings.check_batches]
+    return train, p_train, check, p_check, bool(held)
+
+
 def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opts, model_facts: dict,
                norms: bool = True, progress: bool = False, on_step=None):
     """Learn every model's continuous elements (and with ``norms`` its norm splits) at once, all models
     moving, from ``state_dicts`` (canonical, one frame). Returns ``(sides, info)``: one :class:`DualSide`
     per model holding the best state. Two models: α ~ U(alpha_low, alpha_high); more: weights drawn from
     Dirichlet(C, …), C = ``settings.dirichlet`` (1 when ``"auto"``: the joint learned alignment,
-    :mod:`symmerge.pipeline.learn_joint`, chooses it and passes it in the settings)."""
+    :mod:`symmerge.pipeline.learn_joint`, chooses it and passes it in the settings). ``settings.precision``
+    ``"bfloat16"``: every step (the maps, the norm splits, the forward and the backward) and the models'
+    predictions under bf16 autocast; the checks stay float32 (:func:`_batches`)."""
     concentration = 1.0 if settings.dirichlet == DIRICHLET_AUTO else settings.dirichlet
     t0 = time.perf_counter()
     n = len(state_dicts)
@@ -216,16 +239,9 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
     folds = stream_folds(instances) if norms else ()
     sides = [DualSide(_Parameters(instances, opts, torch.float32, model_facts),
                       NormSplit(folds, sd) if folds else None) for sd in mix.work]
-    train, held = _split(data, settings.holdout)
     g = torch.Generator().manual_seed(settings.seed)
     rng = np.random.default_rng(settings.seed)
-    n_original = len(train)
-    views = augmented(train, settings.augment, g, settings.augment_style)
-    train = [subsample_positions(b, settings.positions, g) for b in train + views]
-    held = [subsample_positions(b, settings.positions, g) for b in held]
-    predictions = [mix.predictions(b) for b in train + held]
-    p_train, p_held = predictions[:len(train)], predictions[len(train):]
-    check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
+    train, p_train, check, p_check, held = _batches(mix, data, settings, g)
     points = check_points(n, concentration if n > 2 else None)
 
     def changed() -> list[dict]:
@@ -248,10 +264,11 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
     info = {"frame": "dual", "models_moved": n, "norm_splits": len(folds),
             **({"dirichlet": concentration} if n > 2 else {}),
             "parameters": sum(x.numel() for x in everything)}
-    checks = Checks(settings, bool(held), held_out, lambda: [s.snapshot() for s in sides], history, info)
-    info.update(held_out_start=checks.start,
-                checked_on="held-out part" if held else f"training {examples_word(data)} (no held-out part: start "
-                                                        "and end only)")
+    checks = Checks(settings, held, held_out, lambda: [s.snapshot() for s in sides], history, info)
+    info.update(held_out_start=checks.start, precision=settings.precision,
+                checked_on=("held-out part" if held else f"training {examples_word(data)} (no held-out part: start "
+                                                         "and end only)")
+                + (f", its first {len(check)} batches" if settings.check_batches else ""))
     step = -1
     if everything:
         opt, sched = cosine_adam(everything, settings.lr, settings.steps)
@@ -262,7 +279,9 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
             if budget_spent(settings, t0, info):
                 break
             i = next(order)
-            running = _descend(opt, sched, mix.loss(weights(), changed(), train[i], p_train[i]), running)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bfloat16"):
+                loss = mix.loss(weights(), changed(), train[i], p_train[i])  # the step: transform, forward
+            running = _descend(opt, sched, loss, running)
             pbar.set_postfix(loss=f"{running:.4f}", refresh=False)
             if on_step is not None:
                 on_step(step, sides)

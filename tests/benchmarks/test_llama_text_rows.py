@@ -27,15 +27,15 @@ def _batch(model) -> Batch:
 
 def test_the_dual_row_and_the_alpha_range_reach_the_settings():
     args = lt.parse_args(["--rows", "learned,learned-dual", "--learn-alpha-low", "0.25", "--learn-alpha-high",
-                          "0.75", "--learn-steps", "7", "--learn-budget", "30", "--temperature"])
+                          "0.75", "--learn-steps", "7", "--learn-budget", "30", "--temperature", "--learn-seed", "3"])
     one, dual = (lt.row_options(args, r, "unused.txt") for r in args.rows)
     assert (one.learn.frame, dual.learn.frame) == ("one-sided", "dual")
     for o in (one, dual):
-        assert (o.match, o.learn.alpha_low, o.learn.alpha_high, o.learn.steps, o.learn.budget) == \
-            ("learned", 0.25, 0.75, 7, 30.0)
+        assert (o.match, o.learn.alpha_low, o.learn.alpha_high, o.learn.steps, o.learn.budget, o.learn.seed) == \
+            ("learned", 0.25, 0.75, 7, 30.0, 3)
     assert args.temperature and args.temperature_examples == 100
     plain = lt.row_options(lt.parse_args(["--rows", "learned"]), "learned", "unused.txt")
-    assert (plain.learn.alpha_low, plain.learn.alpha_high, plain.learn.budget) == (0.1, 0.9, None)  # defaults kept
+    assert (plain.learn.alpha_low, plain.learn.alpha_high, plain.learn.budget, plain.learn.seed) == (0.1, 0.9, None, 0)
     assert lt.ROWS["learned-dual"] == {**lt.ROWS["learned"], "frame": "dual"}  # the row leaves ROWS unchanged
     lt.row_options(args, "learned-dual", "unused.txt")
     assert "frame" in lt.ROWS["learned-dual"]

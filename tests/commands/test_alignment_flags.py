@@ -206,7 +206,7 @@ def test_learn_flags_map_to_learn_settings_with_the_same_defaults(tmp_path):
                              "recommended").learn == LearnSettings()
     values = {"steps": "7", "budget": "9.5", "seed": "3", "batch": "5", "positions": "11", "max_length": "33",
               "precision": "bfloat16", "check_batches": "2", "dirichlet": "2.5", "frame": "dual", "alpha_low": "0.3", "alpha_high": "0.7",
-              "start": "weights", "augment": "2", "augment_style": "mixup"}
+              "start": "weights", "augment": "2", "augment_style": "mixup", "lr": "0.02"}
     assert set(values) == set(LEARN_FLAGS) and set(LEARN_FLAGS) <= {f.name for f in dataclasses.fields(LearnSettings)}
     argv = [x for k, v in values.items() for x in (LEARN_FLAGS[k], v)]
     learn = alignment_options(parser.parse_args(["--match", "learned", "--align-data", str(lines), *argv]),

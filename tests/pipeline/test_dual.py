@@ -229,3 +229,37 @@ def test_interpolation_agrees_with_the_joint_mixture(target):
 
     # one name for one function: the dual loop's check points are the mixture's, under the mixture's name
     assert dual.check_points is mixture.check_points and not hasattr(dual, "check_weights")
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
+def test_dual_steps_honour_precision_and_check_batches(precision, monkeypatch):
+    """``--learn-precision`` and ``--learn-check-batches`` in the dual frame, as in the one-sided path: with
+    bfloat16 every step's forward and the models' predictions run under bf16 autocast and the checks in float32;
+    the checks (α = ½, ¾, ¼ at the start and the end) run on the first ``check_batches`` batches only; the two
+    moved models are still exactly A's and B's functions. (Before, the dual loop ignored both settings.)"""
+    import symmerge.pipeline.dual as dual
+
+    a, b = (make_model("llama", head=True, seed=s, dtype=torch.float32) for s in (0, 3))
+    data = unlabeled(a, n_batches=4, batch=8)
+    calls = []  # (gradient on, autocast on) of every forward of the dual loop
+    real = dual.head_forward
+
+    def spy(model, sd, batch):
+        calls.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
+        return real(model, sd, batch)
+
+    monkeypatch.setattr(dual, "head_forward", spy)
+    learn = LearnSettings(steps=5, batch=8, lr=0.05, frame="dual", precision=precision, check_batches=1)
+    result = align_pair(a, b, AlignOptions(symmetries=FULL, match="learned", align_data=data, learn=learn))
+    fast = precision == "bfloat16"
+    steps = [c for c in calls if c[0]]
+    predictions, checks = calls[:8], [c for c in calls[8:] if not c[0]]  # 4 batches × 2 models, then the checks
+    assert len(steps) == 5 and all(auto == fast for _, auto in steps)
+    assert all(auto == fast and not grad for grad, auto in predictions)
+    assert len(checks) == 3 * 1 * 2 and not any(auto for _, auto in checks)  # 3 points × 1 batch × start, end
+    r = result.report
+    assert r["learned"]["precision"] == precision and r["learned"]["checked_on"].endswith("its first 1 batches")
+    assert r["learned"]["held_out_best"] <= r["learned"]["held_out_start"]
+    assert r["verify_max_rel_diff"] <= 1e-4 and r["verify_anchor_max_rel_diff"] <= 1e-4
+    inputs = make_inputs(a)
+    assert output_rel_diff(a, result.model, inputs) <= 1e-4 and output_rel_diff(b, result.anchor, inputs) <= 1e-4
