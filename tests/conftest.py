@@ -338,3 +338,17 @@ def _isolated_name_cache(tmp_path_factory):
         os.environ.pop("SYMMERGE_CACHE_DIR", None)
     else:
         os.environ["SYMMERGE_CACHE_DIR"] = before
+
+
+def spy_forwards(monkeypatch, owner, name: str) -> list:
+    """Replace ``owner.name`` (a module's function or a class's method) by a spy that records
+    ``(gradient enabled, CPU autocast enabled)`` at every call and then calls it; returns the list of records."""
+    calls = []
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls

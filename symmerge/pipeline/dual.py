@@ -52,8 +52,8 @@ from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
 from .data import load_align_data
-from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, head_forward,
-                    norm_eps, shuffled, subsample_positions)
+from .learn import (Checks, _Parameters, budget_spent, cosine_adam, head_forward, norm_eps, prepared_batches,
+                    shuffled)
 from .mixture import check_points, mixture_weights  # check_points(2): the pairwise checks α = ½, ¾, ¼
 from .options import DIRICHLET_AUTO
 from .verify import verify_elements, verify_forward, with_state_dict
@@ -203,26 +203,6 @@ def _descend(opt, sched, loss: torch.Tensor, running: float | None) -> float:
     return loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
 
 
-def _batches(mix, data, settings, g) -> tuple:
-    """``(train, p_train, check, p_check, held)``: the training batches (with their augmented views) and the
-    batches the objective is checked on (the held-out part, or without one the unaugmented training batches; at
-    most ``settings.check_batches`` of them, the first, when it is set), positions subsampled, each with the
-    models' predictions — computed under bf16 autocast with ``settings.precision`` ``"bfloat16"``, as the
-    one-sided path's targets; ``held``: whether a part is held out."""
-    train, held = _split(data, settings.holdout)
-    n_original = len(train)
-    views = augmented(train, settings.augment, g, settings.augment_style)
-    train = [subsample_positions(b, settings.positions, g) for b in train + views]
-    held = [subsample_positions(b, settings.positions, g) for b in held]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bfloat16"):
-        predictions = [mix.predictions(b) for b in train + held]
-    p_train, p_held = predictions[:len(train)], predictions[len(train):]
-    check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
-    if settings.check_batches:
-        check, p_check = check[:settings.check_batches], p_check[:settings.check_batches]
-    return train, p_train, check, p_check, bool(held)
-
-
 def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opts, model_facts: dict,
                norms: bool = True, progress: bool = False, on_step=None):
     """Learn every model's continuous elements (and with ``norms`` its norm splits) at once, all models
@@ -231,7 +211,8 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
     Dirichlet(C, …), C = ``settings.dirichlet`` (1 when ``"auto"``: the joint learned alignment,
     :mod:`symmerge.pipeline.learn_joint`, chooses it and passes it in the settings). ``settings.precision``
     ``"bfloat16"``: every step (the maps, the norm splits, the forward and the backward) and the models'
-    predictions under bf16 autocast; the checks stay float32 (:func:`_batches`)."""
+    predictions under bf16 autocast; the checks stay float32
+    (:func:`~symmerge.pipeline.learn.prepared_batches`)."""
     concentration = 1.0 if settings.dirichlet == DIRICHLET_AUTO else settings.dirichlet
     t0 = time.perf_counter()
     n = len(state_dicts)
@@ -241,7 +222,7 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
                       NormSplit(folds, sd) if folds else None) for sd in mix.work]
     g = torch.Generator().manual_seed(settings.seed)
     rng = np.random.default_rng(settings.seed)
-    train, p_train, check, p_check, held = _batches(mix, data, settings, g)
+    train, p_train, check, p_check, held, checked_on = prepared_batches(mix.predictions, data, settings, g)
     points = check_points(n, concentration if n > 2 else None)
 
     def changed() -> list[dict]:
@@ -265,10 +246,7 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
             **({"dirichlet": concentration} if n > 2 else {}),
             "parameters": sum(x.numel() for x in everything)}
     checks = Checks(settings, held, held_out, lambda: [s.snapshot() for s in sides], history, info)
-    info.update(held_out_start=checks.start, precision=settings.precision,
-                checked_on=("held-out part" if held else f"training {examples_word(data)} (no held-out part: start "
-                                                         "and end only)")
-                + (f", its first {len(check)} batches" if settings.check_batches else ""))
+    info.update(held_out_start=checks.start, precision=settings.precision, checked_on=checked_on)
     step = -1
     if everything:
         opt, sched = cosine_adam(everything, settings.lr, settings.steps)

@@ -293,6 +293,31 @@ def _split(data: Data, holdout: float) -> tuple[list, list]:
     return batches[: len(batches) - n_hold], batches[len(batches) - n_hold:]
 
 
+def prepared_batches(predict, data: Data, settings, g: torch.Generator) -> tuple:
+    """The N-model paths' batches (the joint one-sided and the dual frame):
+    ``(train, p_train, check, p_check, held, checked_on)``. ``train``: the training batches with their augmented
+    views; ``check``: the batches the objective is checked on — the held-out part, or without one the unaugmented
+    training batches, at most ``settings.check_batches`` of them (the first) when it is set; positions subsampled;
+    ``p_*``: each batch's ``predict(batch)``, computed under bf16 autocast with ``settings.precision``
+    ``"bfloat16"`` (as the pair path's targets); ``held``: whether a part is held out; ``checked_on``: the report's
+    words for the check set."""
+    train, held = _split(data, settings.holdout)
+    n_original = len(train)
+    views = augmented(train, settings.augment, g, settings.augment_style)
+    train = [subsample_positions(b, settings.positions, g) for b in train + views]
+    held = [subsample_positions(b, settings.positions, g) for b in held]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bfloat16"):
+        predictions = [predict(b) for b in train + held]
+    p_train, p_held = predictions[:len(train)], predictions[len(train):]
+    check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
+    if settings.check_batches:
+        check, p_check = check[:settings.check_batches], p_check[:settings.check_batches]
+    checked_on = ("held-out part" if held else f"training {examples_word(data)} (no held-out part: start and end "
+                                               "only)") + (f", its first {len(check)} batches"
+                                                           if settings.check_batches else "")
+    return train, p_train, check, p_check, bool(held), checked_on
+
+
 # the relative change of a learning objective (float32 forward passes, a mean of cross-entropies) that rounding
 # alone can make: about 8 float32 epsilons (2⁻²³ ≈ 1.2e-7); a change smaller than this is not an improvement
 OBJECTIVE_RTOL = 1e-6

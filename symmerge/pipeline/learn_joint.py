@@ -20,7 +20,8 @@ The start is the closed-form joint alignment (:func:`symmerge.pipeline.joint.ali
 matcher ``LearnSettings.start``: ``activations`` on the same unlabeled data, or ``weights``), the FFN and
 head permutations of which stay fixed. Adam with cosine decay on all N − 1 models' parameters at once,
 one forward and backward of the mixture per step, the same settings as the pairwise case (steps, batch,
-lr, hold-out and patience, augmented image views, positions, seed, time budget); the objective is
+lr, hold-out and patience, augmented image views, positions, seed, time budget, ``precision`` — the steps and
+the models' predictions under bf16 autocast, the checks float32 — and ``check_batches``); the objective is
 checked at the uniform average and at the points halfway between it and each model, which for N = 2
 are the pairwise check points α = ½, ¾, ¼. The end is kept only if that check is not
 worse than at the start. Every learned element is then rounded back to an exact element of its group
@@ -48,8 +49,8 @@ from ..errors import SymmergeError
 from ..families import spec_for
 from ..progress import bar, stage
 from .align import instances_for, load_align_data, untied
-from .learn import (Checks, _Parameters, _split, augmented, budget_spent, cosine_adam, examples_word, norm_eps,
-                    scored_logits, shuffled, subsample_positions)
+from .learn import (Checks, _Parameters, budget_spent, cosine_adam, examples_word, norm_eps, prepared_batches,
+                    scored_logits, shuffled)
 from .frame import JointAlignment, spread
 from .matchers import matcher
 from .mixture import check_points, mixture_weights
@@ -120,20 +121,13 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
     mix = Mixture(skeleton, state_dicts, frame, settings.target)
     params = [None if i == frame else _Parameters(instances, opts, torch.float32, model_facts) for i in range(n)]
     learners = [p for p in params if p is not None]
-    train, held = _split(data, settings.holdout)
     g = torch.Generator().manual_seed(settings.seed)
     rng = np.random.default_rng(settings.seed)
-    n_original = len(train)
-    train = train + augmented(train, settings.augment, g, settings.augment_style)
-    train = [subsample_positions(b, settings.positions, g) for b in train]
-    held = [subsample_positions(b, settings.positions, g) for b in held]
-    predictions = [mix.predictions(b) for b in train + held]
-    p_train, p_held = predictions[:len(train)], predictions[len(train):]
+    train, p_train, check, p_check, held, checked_on = prepared_batches(mix.predictions, data, settings, g)
 
     def changed() -> list[dict]:
         return [{} if p is None else p.transform(mix.work[i]) for i, p in enumerate(params)]
 
-    check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
     points = check_points(n, concentration)
 
     def held_out() -> float:
@@ -148,10 +142,9 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
     history: dict = {"step": [], "train": []}
     info = {"models_learned": len(learners), "dirichlet": concentration, "weights_checked": len(points),
             "parameters": sum(x.numel() for p in learners for x in p.parameters())}
-    checks = Checks(settings, bool(held), held_out, snapshot, history, info)
+    checks = Checks(settings, held, held_out, snapshot, history, info)
     best = checks.start
-    info.update(held_out_start=best, checked_on="held-out part" if held else f"training {examples_word(data)} (no "
-                                                                            "held-out part: start and end only)")
+    info.update(held_out_start=best, precision=settings.precision, checked_on=checked_on)
     everything = [x for p in learners for x in p.parameters()]
     if not everything:
         info.update(steps=0, held_out_best=best, history=history, seconds=time.perf_counter() - t0,
@@ -166,7 +159,8 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
         if budget_spent(settings, t0, info):
             break
         i = next(order)
-        loss = mix.loss(mixture_weights(n, concentration, rng), changed(), train[i], p_train[i])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bfloat16"):
+            loss = mix.loss(mixture_weights(n, concentration, rng), changed(), train[i], p_train[i])  # the step
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_inputs, output_rel_diff, with_weights
+from conftest import make_inputs, output_rel_diff, spy_forwards, with_weights
 from factories import RMSNORM, make_model
 from symmerge.cli import main
 from symmerge.core.apply import apply, canonicalize
@@ -241,14 +241,7 @@ def test_dual_steps_honour_precision_and_check_batches(precision, monkeypatch):
 
     a, b = (make_model("llama", head=True, seed=s, dtype=torch.float32) for s in (0, 3))
     data = unlabeled(a, n_batches=4, batch=8)
-    calls = []  # (gradient on, autocast on) of every forward of the dual loop
-    real = dual.head_forward
-
-    def spy(model, sd, batch):
-        calls.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
-        return real(model, sd, batch)
-
-    monkeypatch.setattr(dual, "head_forward", spy)
+    calls = spy_forwards(monkeypatch, dual, "head_forward")  # (gradient on, autocast on) of every forward
     learn = LearnSettings(steps=5, batch=8, lr=0.05, frame="dual", precision=precision, check_batches=1)
     result = align_pair(a, b, AlignOptions(symmetries=FULL, match="learned", align_data=data, learn=learn))
     fast = precision == "bfloat16"

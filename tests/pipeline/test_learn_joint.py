@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import make_inputs, output_rel_diff, sq_dist, with_weights
+from conftest import make_inputs, output_rel_diff, spy_forwards, sq_dist, with_weights
 from factories import RMSNORM, disguised, make_model
 from test_learn import unlabeled
 from symmerge.core.apply import apply, canonicalize
@@ -314,3 +314,45 @@ def test_auto_concentration_settings_and_flag():
         align_joint(models, AlignOptions(symmetries="attn,ffn,rescale", match="learned",
                                          align_data=unlabeled(models[0], n_batches=1, batch=1),
                                          learn=_settings(steps=2, dirichlet="auto")))
+
+
+# ---------------------------------------------------------------- --learn-precision / --learn-check-batches
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
+def test_joint_steps_honour_precision_and_check_batches(precision, monkeypatch):
+    """``--learn-precision`` and ``--learn-check-batches`` in the one-sided joint path, as in the pair and dual
+    paths: with bfloat16 every step's forward and the models' predictions run under bf16 autocast, the checks in
+    float32; the checks run on the first ``check_batches`` batches only; every moved model still computes what it
+    did. (Before, the joint path ignored both settings: float32 steps, every batch checked.)"""
+    models = [make_model("vit", head=True, seed=s, dtype=torch.float32) for s in range(3)]
+    data = unlabeled(models[0], n_batches=4, batch=8)
+    calls = spy_forwards(monkeypatch, Mixture, "forward")  # (gradient on, autocast on) of every forward
+    settings = _settings(steps=5, check_every=100, precision=precision, check_batches=1, dirichlet=1.0)
+    result = align_joint(models, AlignOptions(symmetries=FULL, match="learned", align_data=data, learn=settings))
+    fast = precision == "bfloat16"
+    points = len(check_points(3, 1.0))
+    steps = [c for c in calls if c[0]]
+    predictions, checks = calls[:4 * 3], [c for c in calls[4 * 3:] if not c[0]]  # 4 batches × 3 models, then checks
+    assert len(steps) == 5 and all(auto == fast for _, auto in steps)
+    assert all(auto == fast and not grad for grad, auto in predictions)
+    assert len(checks) == points * 1 * 2 and not any(auto for _, auto in checks)  # points × 1 batch × start, end
+    learned = result.report["learned"]
+    assert learned["precision"] == precision and learned["checked_on"].endswith("its first 1 batches")
+    assert learned["held_out_best"] <= learned["held_out_start"]
+    assert all(m["verify_max_rel_diff"] <= 1e-4 for m in result.report["models"])
+    inputs = make_inputs(models[0])
+    assert all(output_rel_diff(m, r, inputs) <= 1e-4 for m, r in zip(models, result.models))
+
+
+def test_joint_float32_default_is_unchanged_by_the_shared_batches():
+    """The one-sided joint path and the dual frame build their batches with one function
+    (:func:`~symmerge.pipeline.learn.prepared_batches`); at the defaults (float32, every batch checked) the joint
+    path's check set is the unaugmented training batches, named as before."""
+    models = [make_model("vit", head=True, seed=s, dtype=torch.float32) for s in range(3)]
+    data = unlabeled(models[0], n_batches=3, batch=8)
+    result = align_joint(models, AlignOptions(symmetries=FULL, match="learned", align_data=data,
+                                              learn=_settings(steps=2, dirichlet=1.0)))
+    learned = result.report["learned"]
+    assert learned["precision"] == "float32"
+    assert learned["checked_on"] == "training images (no held-out part: start and end only)"
