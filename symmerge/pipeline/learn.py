@@ -312,10 +312,14 @@ def prepared_batches(predict, data: Data, settings, g: torch.Generator) -> tuple
     check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
     if settings.check_batches:
         check, p_check = check[:settings.check_batches], p_check[:settings.check_batches]
-    checked_on = ("held-out part" if held else f"training {examples_word(data)} (no held-out part: start and end "
-                                               "only)") + (f", its first {len(check)} batches"
-                                                           if settings.check_batches else "")
-    return train, p_train, check, p_check, bool(held), checked_on
+    return train, p_train, check, p_check, bool(held), checked_on(data, held, train[:n_original], check)
+
+
+def checked_on(data: Data, held: list, unaugmented: list, check: list) -> str:
+    """The report's words for the batches the learned objective is checked on: the held-out part, or without one
+    the (unaugmented) training batches; ``check`` fewer than those (``--learn-check-batches``): its first ones."""
+    words = "held-out part" if held else f"training {examples_word(data)} (no held-out part: start and end only)"
+    return words + (f", its first {len(check)} batches" if len(check) < len(held or unaugmented) else "")
 
 
 # the relative change of a learning objective (float32 forward passes, a mean of cross-entropies) that rounding
@@ -542,11 +546,7 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
     info = {"parameters": sum(p.numel() for p in params.parameters())}
     checks = Checks(settings, bool(held), held_out,
                     lambda: {k: v.detach().clone() for k, v in params.state_dict().items()}, history, info)
-    info.update(held_out_start=checks.start,
-                checked_on="held-out part" if held else f"training {examples_word(data)} (no held-out part: start "
-                                                         "and end only)")
-    if settings.check_batches and len(check) < len(held or train[:n_original]):
-        info["checked_on"] += f", its first {len(check)} batches"
+    info.update(held_out_start=checks.start, checked_on=checked_on(data, held, train[:n_original], check))
     if not params.p:
         info.update(steps=0, note="no continuous group elements to learn")
         return start, info
