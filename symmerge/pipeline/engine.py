@@ -249,22 +249,38 @@ def depth_weights(instances, opts: Options, decay: float) -> dict:
     return {key: (decay ** (-order[layer] / (n - 1)) if n > 1 else 1.0) for key, layer in layer_of.items()}
 
 
+def objective_weights(instances, opts: Options, ends_weight: float = 1.0, depth_decay: float = 1.0) -> dict:
+    """``{key: weight}`` of the tensors whose weight in the data-free objective is not 1: the stream's ends
+    (:func:`ends_keys`) ``ends_weight``, the per-layer groups' tensors by depth (:func:`depth_weights`). Empty
+    without an active model-wide group: every per-layer group is then solved on its own, and a group's tensors
+    share one factor, so the weights change no optimum (and are not applied)."""
+    if not active([i for i in instances if not i.kind.per_layer], opts):
+        return {}
+    weights = depth_weights(instances, opts, depth_decay) if depth_decay != 1.0 else {}
+    if ends_weight != 1.0:
+        weights.update(dict.fromkeys(ends_keys(instances, opts), ends_weight))
+    return {k: w for k, w in weights.items() if w != 1.0}
+
+
+def scaled(sd: dict, weights: dict) -> dict:
+    """``sd`` with every tensor of ``weights`` times the square root of its weight (no weights: ``sd`` itself): the
+    squared distance between two such copies is the weighted one (:func:`objective_weights`)."""
+    if not weights:
+        return sd
+    return {k: (v * math.sqrt(weights[k]) if k in weights else v) for k, v in sd.items()}
+
+
 def weighted(instances, sd_a: dict, sd_b: dict, opts: Options, ends_weight: float = 1.0,
              depth_decay: float = 1.0) -> tuple[dict, dict]:
-    """Both state dicts with every tensor times the square root of its weight in the objective: the stream's ends
-    (:func:`ends_keys`) ``ends_weight``, the per-layer groups' tensors by depth (:func:`depth_weights`), the rest 1.
+    """Both state dicts with every tensor times the square root of its weight in the objective
+    (:func:`objective_weights`: the stream's ends ``ends_weight``, the per-layer groups' tensors by depth, the rest 1).
     The squared distance the descent minimises on these copies is the weighted one, and solving on them solves it
     exactly: the ends are moved by the model-wide groups only, each per-layer group's tensors lie in one layer and
     share one factor (its cost is a sum of the tensors' products: the same minimiser, scaled), and the model-wide
     cost is a sum of products, so each tensor enters it with its weight. The elements found apply to the models as
     they are. Every weight 1: the inputs themselves."""
-    weights = depth_weights(instances, opts, depth_decay) if depth_decay != 1.0 else {}
-    if ends_weight != 1.0:
-        weights.update(dict.fromkeys(ends_keys(instances, opts), ends_weight))
-    factors = {k: math.sqrt(w) for k, w in weights.items() if w != 1.0}
-    if not factors:
-        return sd_a, sd_b
-    return tuple({k: (v * factors[k] if k in factors else v) for k, v in sd.items()} for sd in (sd_a, sd_b))
+    weights = objective_weights(instances, opts, ends_weight, depth_decay)
+    return scaled(sd_a, weights), scaled(sd_b, weights)
 
 
 def weighted_ends(instances, sd_a: dict, sd_b: dict, opts: Options, weight: float) -> tuple[dict, dict]:
@@ -285,6 +301,14 @@ class Restarts:
     seed: int = 0
     ends_weight: float = 1.0
     depth_decay: float = 1.0
+
+    @classmethod
+    def of(cls, options) -> "Restarts":
+        """The restarts and objective weights an alignment's options ask for (``AlignOptions``: ``restarts``,
+        ``solver_budget``, ``solver_seed``, ``ends_weight``, ``depth_decay``): one reading for every caller of
+        :func:`search`."""
+        return cls(options.restarts, options.solver_budget, options.solver_seed, options.ends_weight,
+                   options.depth_decay)
 
 
 def search(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, history: list | None = None,

@@ -32,7 +32,7 @@ def mean_state_dict(state_dicts: list[dict], keys) -> dict:
     return out
 
 
-def spread(state_dicts: list[dict], keys) -> float:
-    """J = Σ_i ‖θ_i − θ̄‖² over ``keys``."""
+def spread(state_dicts: list[dict], keys, weights: dict | None = None) -> float:
+    """J = Σ_i ‖θ_i − θ̄‖² over ``keys`` (``weights``: ``{key: w}``, that tensor's part counted ``w`` times)."""
     mean = mean_state_dict(state_dicts, keys)
-    return sum(sq_distance(sd, mean, keys) for sd in state_dicts)
+    return sum(sq_distance(sd, mean, keys, weights=weights) for sd in state_dicts)

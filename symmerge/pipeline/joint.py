@@ -26,6 +26,10 @@ permutations, a permutation residual group), on the rotations and scales the sta
 Ainsworth et al. define it. ``all`` lowers the spread most but may move the non-anchor models to other
 basins; ``discrete`` stays nearer the star (docs/merge.md, "N models in one frame", has the measurements).
 
+The data-free objective's weights (``ends_weight``, ``depth_decay``: :func:`~symmerge.pipeline.engine.objective_weights`)
+weigh J as they weigh the pair objective: the star's alignments minimise the weighted distance, every step is solved
+on the weighted copies, and a step is accepted, and the rounds stop, by the weighted J (with data, J is plain).
+
 Every model stays in its own orbit throughout: its final form is checked against the model it came
 from (outputs on sample inputs) once, at the end.
 
@@ -52,7 +56,7 @@ from .align import align_pair, canonical, check_compatible
 from .bound import bind
 from .frame import JointAlignment, mean_state_dict, spread  # noqa: F401  (re-exported)
 from .options import DEFAULT_REFINE, JOINT_REFINE, AlignOptions
-from .engine import solve
+from .engine import objective_weights, scaled, solve
 from .matchers import MATCHERS
 from .verify import verify_elements, verify_forward, with_state_dict
 
@@ -91,10 +95,11 @@ class _Sweeps:
     they are held until the rounds converge, and one full round follows; the rounds end when a full round
     gains less than the rounds' ``tol``."""
 
-    def __init__(self, current, step: AlignOptions, lazy: bool = True):
+    def __init__(self, current, step: AlignOptions, lazy: bool = True, weights: dict | None = None):
         device = None if step.device in (None, "cpu") else resolve_device(step.device)
         self.solver, self.sweeps, self.tol = step.solver_options(device), step.max_sweeps, step.descent_tol
         self.bound = [bind(x, step.layers, step.residual).instances for x in current]
+        self.weights = weights or {}  # the objective's weights (engine.objective_weights): solved on scaled copies
         self.held = [{x.name for x in b if lazy and x.kind.lazy and x.kind.active(x, self.solver)} for b in self.bound]
 
     @property
@@ -103,7 +108,8 @@ class _Sweeps:
 
     def __call__(self, i: int, sd: dict, target: dict, full: bool) -> dict:
         insts = self.bound[i] if full else [x for x in self.bound[i] if x.name not in self.held[i]]
-        elements = solve(insts, sd, target, self.solver, max_sweeps=self.sweeps, init="all", tol=self.tol)
+        elements = solve(insts, scaled(sd, self.weights), scaled(target, self.weights), self.solver,
+                         max_sweeps=self.sweeps, init="all", tol=self.tol)
         verify_elements(insts, elements)
         return apply(sd, insts, elements)
 
@@ -184,6 +190,7 @@ class _Steps:
     star: AlignOptions  # ... and of the star's pairwise alignments
     capped: bool  # the star's descents stop after ``star_sweeps`` sweeps (the rounds continue them)
     max_rounds: int  # the rounds to run at most (0: nothing discrete to re-solve)
+    weights: dict  # data-free: the weight objective's weights (``ends_weight``, ``depth_decay``) in the spread
 
 
 @dataclass(frozen=True)
@@ -237,7 +244,18 @@ def _plan_steps(run: _Joint) -> _Steps:
         max_rounds = max_rounds if step.symmetries else 0  # nothing discrete to re-solve
     capped = run.sweeping and run.refine == "all" and max_rounds > 0 and run.star_sweeps is not None
     star = quiet.with_(max_sweeps=min(options.max_sweeps, run.star_sweeps)) if capped else quiet
-    return _Steps(step, star, capped, max_rounds)
+    return _Steps(step, star, capped, max_rounds, _weights(run))
+
+
+def _weights(run: _Joint) -> dict:
+    """The spread's weights: data-free, the weight matcher's objective is the one the star and the steps minimise,
+    so its weights (the stream's ends, the layers by depth: ``ends_weight``, ``depth_decay``) weigh every model's
+    distance to the mean; with data (activations) the plain spread."""
+    options = run.options
+    if options.matcher.needs_data or (options.ends_weight == 1.0 and options.depth_decay == 1.0):
+        return {}
+    instances = bind(run.models[run.anchor], options.layers, options.residual).instances
+    return objective_weights(instances, options.solver_options(), options.ends_weight, options.depth_decay)
 
 
 def _star(run: _Joint, plan: _Steps) -> _Frame:
@@ -258,7 +276,7 @@ def _star(run: _Joint, plan: _Steps) -> _Frame:
         seconds[i] += time.perf_counter() - t
     keys = parameter_keys(current[0])
     sds = [x.state_dict() for x in current]
-    objective = [spread(sds, keys)]
+    objective = [spread(sds, keys, plan.weights)]
     if run.on_round is not None:
         run.on_round(0, list(current))
     return _Frame(current, sds, keys, objective, seconds)
@@ -270,7 +288,7 @@ def _rounds(run: _Joint, plan: _Steps, star: _Frame) -> _Frame:
     n, keys = len(run.models), star.keys
     sds, current, seconds, objective = list(star.sds), list(star.current), list(star.seconds), list(star.objective)
     accepted_per_round, full_rounds = [], 0
-    sweep = _Sweeps(current, plan.step) if run.sweeping and plan.max_rounds else None
+    sweep = _Sweeps(current, plan.step, weights=plan.weights) if run.sweeping and plan.max_rounds else None
     stale = [False] * n  # the model object lags its state dict (sweep steps work on state dicts only)
     # the lazy groups are re-solved in this round: the star has just solved them (on its first, full sweep),
     # so the sweep rounds start with them held, as the descent goes on after a full sweep
@@ -288,12 +306,13 @@ def _rounds(run: _Joint, plan: _Steps, star: _Frame) -> _Frame:
                     moved = align_pair(current[i], with_state_dict(current[i], target_sd), plan.step).model
                     new_sd = moved.state_dict()
             seconds[i] += time.perf_counter() - t
-            if sq_distance(new_sd, target_sd, keys) < sq_distance(sds[i], target_sd, keys):
+            if sq_distance(new_sd, target_sd, keys, weights=plan.weights) < \
+                    sq_distance(sds[i], target_sd, keys, weights=plan.weights):
                 sds[i], stale[i] = new_sd, moved is None
                 if moved is not None:
                     current[i] = moved
                 accepted += 1
-        objective.append(spread(sds, keys))
+        objective.append(spread(sds, keys, plan.weights))
         accepted_per_round.append(accepted)
         full_rounds += full
         if run.on_round is not None:
@@ -324,14 +343,17 @@ def _report(run: _Joint, plan: _Steps, frame: _Frame, verification: list[dict], 
     """The joint alignment's report."""
     held = f"{run.round_sweeps} sweep(s) of the descent from the current element, lazy groups re-solved in " \
            f"{frame.full_rounds} round(s)"
+    o = run.options
+    weighted = f"; weighted as the data-free objective: ends weight {o.ends_weight:g}, depth decay " \
+               f"{o.depth_decay:g}" if plan.weights else ""
     return {
         "mode": "joint",
         "anchor_index": run.anchor,
         "refine": run.refine,
         "rounds": len(frame.accepted_per_round),
         "objective": frame.objective,
-        "objective_note": "sum over models of the squared L2 distance to their mean (all parameters, in the "
-                          "aligned parameterisation); [0] after the star alignment, then after each round",
+        "objective_note": f"sum over models of the squared L2 distance to their mean (all parameters, in the "
+                          f"aligned parameterisation{weighted}); [0] after the star alignment, then after each round",
         "moved_per_round": frame.accepted_per_round,
         "step": (f"{held}; the star capped at {run.star_sweeps} sweep(s)" if plan.capped else held) if run.sweeping
         else f"a pairwise re-alignment capped at {run.round_sweeps} sweeps",

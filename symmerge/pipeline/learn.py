@@ -41,7 +41,7 @@ from ..device import resolve_device
 from ..errors import SymmergeError
 from ..groups.base import Options
 from ..io.data import Batch, Data
-from .engine import solve
+from .engine import Restarts, search
 from .verify import with_state_dict
 
 
@@ -407,12 +407,15 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
     # the training steps run on ``options.device`` (cuda: the endpoints' predictions, the interpolated
     # model's forwards and backwards there; the learned elements come back to the CPU in float64)
     opts = options.solver_options(None if options.device in (None, "cpu") else resolve_device(options.device))
-    given = start is not None
-    if start is None:
-        start = solve(instances, ca, cb, opts, max_sweeps=options.max_sweeps, tol=options.descent_tol)
+    given, solver = start is not None, None
+    if start is None:  # the weight matcher's search, with its options (restarts, objective weights)
+        start, solver = search(instances, ca, cb, opts, max_sweeps=options.max_sweeps, tol=options.descent_tol,
+                               starts=Restarts.of(options))
     report = {"start": (f"{settings.start} (closed form)" if given else
                         "weights (data-free, every group to convergence)"),
               "closed_form_seconds": time.perf_counter() - t0}
+    if solver is not None:  # which start won, and the objective's weights (as the weight matcher reports them)
+        report["solver"] = solver
     history = {"step": [], "train": []}
     # the module run by ``functional_call`` (every parameter is replaced at each call): the anchor's modules,
     # its parameters shared, not copied (a float32 anchor on the CPU costs no weight memory)

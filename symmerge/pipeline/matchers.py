@@ -64,8 +64,7 @@ def match_weights(ctx: MatchContext) -> dict:
     o = ctx.options
     elements, record = search(ctx.instances, ctx.ca, ctx.cb, ctx.opts, progress=ctx.progress, history=ctx.history,
                               max_sweeps=o.max_sweeps, tol=o.descent_tol,
-                              starts=Restarts(o.restarts, o.solver_budget, o.solver_seed, o.ends_weight,
-                                             o.depth_decay))
+                              starts=Restarts.of(o))
     if record is not None:  # which start won, and the objective of each (the report's ``solver``)
         ctx.fields["solver"] = record
     return elements
