@@ -293,20 +293,26 @@ def _split(data: Data, holdout: float) -> tuple[list, list]:
     return batches[: len(batches) - n_hold], batches[len(batches) - n_hold:]
 
 
-def prepared_batches(predict, data: Data, settings, g: torch.Generator) -> tuple:
-    """The N-model paths' batches (the joint one-sided and the dual frame):
+def prepared_batches(predict, data: Data, settings, g: torch.Generator, device: torch.device | None = None) -> tuple:
+    """Every learned path's batches (the pair, the joint one-sided and the dual frame):
     ``(train, p_train, check, p_check, held, checked_on)``. ``train``: the training batches with their augmented
     views; ``check``: the batches the objective is checked on — the held-out part, or without one the unaugmented
-    training batches, at most ``settings.check_batches`` of them (the first) when it is set; positions subsampled;
-    ``p_*``: each batch's ``predict(batch)``, computed under bf16 autocast with ``settings.precision``
-    ``"bfloat16"`` (as the pair path's targets); ``held``: whether a part is held out; ``checked_on``: the report's
+    training batches, at most ``settings.check_batches`` of them (the first) when it is set; positions subsampled
+    (``g``'s draws: the views, then every batch's positions, training then held out); on ``device`` when given;
+    ``p_*``: each batch's ``predict(batch)``, without gradients and under bf16 autocast (on ``device``'s type)
+    with ``settings.precision`` ``"bfloat16"``; ``held``: whether a part is held out; ``checked_on``: the report's
     words for the check set."""
     train, held = _split(data, settings.holdout)
     n_original = len(train)
     views = augmented(train, settings.augment, g, settings.augment_style)
-    train = [subsample_positions(b, settings.positions, g) for b in train + views]
-    held = [subsample_positions(b, settings.positions, g) for b in held]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bfloat16"):
+
+    def placed(b):
+        b = subsample_positions(b, settings.positions, g)
+        return b if device is None else b.to(device)
+
+    train, held = [placed(b) for b in train + views], [placed(b) for b in held]
+    with torch.no_grad(), torch.autocast("cpu" if device is None else device.type, dtype=torch.bfloat16,
+                                         enabled=settings.precision == "bfloat16"):
         predictions = [predict(b) for b in train + held]
     p_train, p_held = predictions[:len(train)], predictions[len(train):]
     check, p_check = (held, p_held) if held else (train[:n_original], p_train[:n_original])
@@ -477,12 +483,7 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
         work_a = {k: v.detach().to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in a0.items()}
         work_b = {k: v.detach().to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in cb.items()}
     params = _Parameters(instances, opts, dtype, {"norm_eps": norm_eps(model.config)}).to(dev)
-    train, held = _split(data, settings.holdout)
     g = torch.Generator().manual_seed(settings.seed + offset)  # on the CPU whatever the device: the same draws
-    n_original = len(train)
-    train = train + augmented(train, settings.augment, g, settings.augment_style)
-    train = [subsample_positions(b, settings.positions, g).to(dev) for b in train]
-    held = [subsample_positions(b, settings.positions, g).to(dev) for b in held]
 
     layerwise = LayerwiseForward(skeleton, paths_of(skeleton), list(work_a)) if settings.layerwise else None
 
@@ -494,13 +495,13 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
     clock = {"targets": 0.0, "checks": 0.0, "steps": 0.0}  # wall seconds by stage
     tick = time.perf_counter()
     fast = settings.precision == "bfloat16"  # the training steps (and the targets) under bf16 autocast
-    with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=fast):
-        # the endpoints' predictions: fixed, alignment does not change them
-        norm = torch.softmax if settings.target == "probabilities" else torch.log_softmax
-        targets = [(norm(forward(work_a, b).float(), -1), norm(forward(work_b, b).float(), -1))
-                   for b in train + held]
+    norm = torch.softmax if settings.target == "probabilities" else torch.log_softmax
+
+    def targets(b):  # the endpoints' predictions: fixed, alignment does not change them
+        return norm(forward(work_a, b).float(), -1), norm(forward(work_b, b).float(), -1)
+
+    train, t_train, check, t_check, held, checked = prepared_batches(targets, data, settings, g, dev)
     clock["targets"] = time.perf_counter() - tick
-    t_train, t_held = targets[:len(train)], targets[len(train):]
 
     def interpolated(alpha: float, changed: dict, keys=None) -> dict:
         return {k: alpha * changed.get(k, work_a[k]) + (1 - alpha) * work_b[k] if work_a[k].is_floating_point()
@@ -527,9 +528,6 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
 
     # the objective at α = ¼, ½, ¾ on the held-out batches (checked every ``check_every`` steps), or without
     # a held-out part on the (unaugmented) training batches, at the start and the end only
-    check, t_check = (held, t_held) if held else (train[:n_original], t_train[:n_original])
-    if settings.check_batches:
-        check, t_check = check[:settings.check_batches], t_check[:settings.check_batches]
 
     def held_out() -> float:
         tick = time.perf_counter()
@@ -547,9 +545,9 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
         return sum(values) / len(values)
 
     info = {"parameters": sum(p.numel() for p in params.parameters())}
-    checks = Checks(settings, bool(held), held_out,
+    checks = Checks(settings, held, held_out,
                     lambda: {k: v.detach().clone() for k, v in params.state_dict().items()}, history, info)
-    info.update(held_out_start=checks.start, checked_on=checked_on(data, held, train[:n_original], check))
+    info.update(held_out_start=checks.start, checked_on=checked)
     if not params.p:
         info.update(steps=0, note="no continuous group elements to learn")
         return start, info
