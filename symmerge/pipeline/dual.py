@@ -308,10 +308,13 @@ def align_dual(model, anchor, options, inputs: dict | None = None, progress=None
     model, anchor = (load(x, allow_pickle, progress is not None) for x in (model, anchor))
     # the start: the closed form A onto B, or (``FROM_ONE_SIDED``, an experiment of benchmarks/dual_learned.py)
     # the whole one-sided learned alignment, which the dual loop then refines
-    closed = options.with_(match="learned" if FROM_ONE_SIDED else settings.start, verify=False,
+    # the data read once, as the learning reads it (``--learn-max-length``, the learned batch), and the closed
+    # form's statistics taken on the same batches, as the one-sided path and the joint alignment take them: a
+    # file and the Data it reads to give one alignment
+    data = load_align_data(options, model, sources=[model, anchor])
+    closed = options.with_(match="learned" if FROM_ONE_SIDED else settings.start, verify=False, align_data=data,
                            learn=dataclasses.replace(settings, frame="one-sided"))
     start = closed_form(model, anchor, closed, progress=progress, allow_tokenizer_mismatch=True)
-    data = load_align_data(options, model, sources=[model, anchor])
     instances = start.instances
     sds = [start.model.state_dict(), start.anchor.state_dict()]
     facts = {"norm_eps": norm_eps(model.config)}

@@ -256,3 +256,29 @@ def test_dual_steps_honour_precision_and_check_batches(precision, monkeypatch):
     assert r["verify_max_rel_diff"] <= 1e-4 and r["verify_anchor_max_rel_diff"] <= 1e-4
     inputs = make_inputs(a)
     assert output_rel_diff(a, result.model, inputs) <= 1e-4 and output_rel_diff(b, result.anchor, inputs) <= 1e-4
+
+
+def test_a_file_and_the_data_it_reads_to_give_one_dual_alignment(tmp_path):
+    """The dual frame's closed-form start takes its statistics on the batches the learning reads (the learned
+    ``max_length`` and batch), as the one-sided path does: ``--align-data FILE`` and the Data that file reads to
+    (what ``symmerge barrier`` passes) give the same alignment. Before, a file was read again for the start with the
+    activation matcher's settings (whole lines, another batch), and the two entry points started apart."""
+    from learned_pair import save_pair
+    from symmerge.io.model import load_model
+    from symmerge.pipeline.data import load_align_data
+
+    _, lines = save_pair(tmp_path, "llama")
+    folders = [str(tmp_path / "a"), str(tmp_path / "b")]
+    a = load_model(folders[0])
+    learn = LearnSettings(steps=3, batch=4, lr=0.05, check_every=1, patience=100, frame="dual", max_length=4)
+    options = AlignOptions(symmetries="heads,attn,ffn,rescale,residual", match="learned", align_data=str(lines),
+                           align_samples=16, learn=learn)
+    from_file = align_pair(*folders, options)
+    data = load_align_data(options, a, sources=[a])
+    assert max(b.inputs["input_ids"].shape[1] for b in data.batches) <= 4  # the lines are cut for the learning
+    from_data = align_pair(*folders, options.with_(align_data=data))
+    assert from_file.report["learned"]["held_out_start"] == from_data.report["learned"]["held_out_start"]
+    for moved_file, moved_data in ((from_file.model, from_data.model), (from_file.anchor, from_data.anchor)):
+        sd_file, sd_data = moved_file.state_dict(), moved_data.state_dict()
+        assert all(torch.equal(sd_file[k], sd_data[k]) for k in sd_file)
+    assert from_file.report["verify_max_rel_diff"] <= 1e-5
