@@ -76,6 +76,9 @@ def parse_args(argv=None):
                    help="unlabeled training images for activations and learned (default 1000)")
     p.add_argument("--trace", action="store_true", help="the plain average's test accuracy after the star and "
                    "every round of the closed-form joint rows (diagnosis only: nothing is chosen by it)")
+    p.add_argument("--depth-decay", type=float, default=1.0,
+                   help="the data-free objective's layers weighted by depth (--depth-decay; default 1: off): the "
+                        "star's alignments and the joint rounds")
     p.add_argument("--tiny", action="store_true", help="B1's tiny models and data subset: the smoke test")
     add_run_args(p)
     args = p.parse_args(argv)
@@ -106,7 +109,7 @@ def align_options(args, match: str, stats_npz) -> AlignOptions:
     learn = LearnSettings(steps=3) if args.tiny else None  # --tiny: a few steps only (the recipe's defaults else)
     return AlignOptions(symmetries="recommended", match=match, align_samples=args.align_samples,
                         align_data=stats_npz if match != "weights" else None,
-                        **({"learn": learn} if learn else {}))
+                        depth_decay=args.depth_decay, **({"learn": learn} if learn else {}))
 
 
 def align_group(group, names, options: AlignOptions, mode: str, refine: str = "all", trace=None, warm: bool = True):

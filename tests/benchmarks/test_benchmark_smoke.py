@@ -332,3 +332,13 @@ def test_interpolating_methods_tiny_end_to_end(tmp_path, monkeypatch, pair):
         assert rows["slerp", v]["path"]["loss"] == pytest.approx(rows["nuslerp", v]["path"]["loss"], rel=1e-5)
         assert rows["karcher", v]["midpoint_loss"] == pytest.approx(rows["multislerp", v]["midpoint_loss"], rel=1e-3)
         assert rows["karcher", v]["barrier"] is None and rows["linear", v]["barrier"] is not None
+
+
+def test_b1_many_depth_decay_reaches_every_alignment():
+    """``--depth-decay F``: the data-free objective's weights of the star's alignments and the joint rounds (1, off,
+    by default), for every matcher's options."""
+    from benchmarks import b1_many
+
+    default, decayed = b1_many.parse_args([]), b1_many.parse_args(["--depth-decay", "10"])
+    assert b1_many.align_options(default, "weights", None).depth_decay == 1.0
+    assert {b1_many.align_options(decayed, m, "stats.npz").depth_decay for m in ("weights", "activations")} == {10.0}
