@@ -23,7 +23,10 @@ group (``benchmarks.vit_fashion_mnist.BEST_ALIGN``) by the descent from today's 
 
 The elements found are applied to the real A and checked as ``align`` checks them (every element valid, the
 outputs of A and the moved A equal); printed and written: the barrier on B1's curve set (``--points`` α values),
-the plain and the ``F = 10`` weight objectives at the elements, the sweeps and seconds.
+the plain and the ``F = 10`` weight objectives at the elements, the sweeps and seconds. ``--learned-point``: also
+each ``plain``/``trunc`` objective at the stream of the learned alignment (data-dependent, ~1 min on B1: the
+reference point of docs/results/datafree_frontier.md, section 1), with the per-layer groups solved for it, and at
+the descent started there: does the objective prefer its own optimum to that low-barrier point?
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     p.add_argument("--points", type=int, default=5, help="α values of each curve (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--learned-point", action="store_true",
+                   help="also each plain/trunc objective at the learned alignment's stream (data-dependent reference)")
     p.set_defaults(plot_only=None, train_only=False)
     return p.parse_args(argv)
 
@@ -126,19 +131,23 @@ def descent(setup: dict, ca: dict, cb: dict, decay: float, start=None, sweeps: i
     return found, len(history)
 
 
+def objective_copies(config: str, setup: dict, ca: dict, cb: dict) -> tuple:
+    """The state dicts a ``plain`` or ``trunc`` configuration's descent sees, its depth decay and its flags."""
+    kind, *parts = config.split(":")
+    if kind == "plain":
+        return ca, cb, float(parts[0]), set()
+    scope, rule, decay, flags = parts[0], parts[1], float(parts[2]), set(parts[3:])
+    keys = [k for k in setup["matched"] if "all" in flags or ".layers." in k]
+    keys = [k for k in keys if not flags & {"ffn", "att"} or (".mlp." in k if "ffn" in flags else ".attention." in k)]
+    return (*(denoised(x, keys, scope, rule, setup["heads"]) for x in (ca, cb)), decay, flags)
+
+
 def elements_of(config: str, setup: dict, ca: dict, cb: dict):
     """The elements of one configuration (see the module's text) and what to report of its run."""
     kind, *parts = config.split(":")
-    if kind == "plain":
-        found, sweeps = descent(setup, ca, cb, float(parts[0]))
-        return found, {"sweeps": [sweeps]}
-    if kind == "trunc":
-        scope, rule, decay, flags = parts[0], parts[1], float(parts[2]), set(parts[3:])
-        keys = [k for k in setup["matched"] if "all" in flags or ".layers." in k]
-        keys = [k for k in keys if not flags & {"ffn", "att"} or (".mlp." in k if "ffn" in flags else ".attention." in k)]
-        heads = setup["heads"]
-        found, sweeps = descent(setup, denoised(ca, keys, scope, rule, heads), denoised(cb, keys, scope, rule, heads),
-                                decay)
+    if kind in ("plain", "trunc"):
+        ta, tb, decay, flags = objective_copies(config, setup, ca, cb)
+        found, sweeps = descent(setup, ta, tb, decay)
         done = [sweeps]
         if "refine" in flags:
             found, more = descent(setup, ca, cb, decay, start=found)
@@ -152,6 +161,32 @@ def elements_of(config: str, setup: dict, ca: dict, cb: dict):
             done.append(sweeps)
         return found, {"sweeps": done}
     raise SystemExit(f"unknown configuration {config!r} (plain:F, trunc:SCOPE:RANK:F[:FLAG], hom:F1,F2,...)")
+
+
+def learned_stream(a, b, files, setup) -> dict:
+    """The residual rotation of the learned alignment (``--match learned`` on 1 000 unlabeled training images:
+    data-dependent, the reference point of section 1 of docs/results/datafree_frontier.md)."""
+    from benchmarks import unlabeled
+    from benchmarks.datafree_diagnose import composed_stream
+    from symmerge.pipeline.align import align_pair
+
+    learned = align_pair(a, b, unlabeled.row_options("learned", files["stats"], 1000))
+    wide = [i for i in engine.active(setup["instances"], setup["opts"]) if not i.kind.per_layer]
+    return {i.name: composed_stream(learned.elements[i.name]) for i in wide}
+
+
+def at_learned_stream(config: str, stream: dict, setup: dict, ca: dict, cb: dict) -> dict:
+    """A ``plain`` or ``trunc`` configuration's objective (on its own copies, weighted) at its descent's optimum,
+    at the learned ``stream`` with every per-layer group solved for it on those copies, and at the descent started
+    there; ``{point: (objective, elements)}``."""
+    inst, opts = setup["instances"], setup["opts"]
+    ta, tb, decay, _ = objective_copies(config, setup, ca, cb)
+    wa, wb = engine.weighted(inst, ta, tb, opts, depth_decay=decay)
+    local = [i for i in inst if i.kind.per_layer]
+    around = engine.solve_local(local, apply(wa, [i for i in inst if i.name in stream], stream), wb, opts)
+    points = {"descent optimum": descent(setup, ta, tb, decay)[0], "learned stream, per-layer groups solved":
+              {**stream, **around}, "descent from there": descent(setup, ta, tb, decay, start=around)[0]}
+    return {name: (sq_distance(apply(wa, inst, found), wb, setup["matched"]), found) for name, found in points.items()}
 
 
 def prepared(a, b) -> tuple:
@@ -183,14 +218,24 @@ def measured(config: str, a, b, curve, points: int) -> dict:
 
 
 def run_pair(seeds: str, args, log=print) -> dict:
-    _, _, folders, _, _, a, b, _, curve = b1.load_pair(b1.parse_args(["--seeds", seeds]), log)
-    rows = {}
+    _, _, folders, _, files, a, b, _, curve = b1.load_pair(b1.parse_args(["--seeds", seeds]), log)
+    rows, learned = {}, {}
     for config in args.configs:
         row = rows[config] = measured(config, a, b, curve, args.points)
         log(f"  {seeds} {config:28s} barrier {row['barrier']:.4f}  objective {row['objective']:.2f} "
             f"(F=10: {row['objective_F10']:.2f})  sweeps {row['sweeps']}  {row['seconds']:.1f} s  "
             f"verified {row['verify_max_rel_diff']:.1e}")
-    return {"seeds": seeds, "models": [str(f) for f in folders], "configs": rows}
+    if args.learned_point:
+        bound, setup, ca, cb = prepared(a, b)
+        stream = learned_stream(a, b, files, setup)
+        for config in (c for c in args.configs if c.split(":")[0] in ("plain", "trunc")):
+            learned[config] = {}
+            for point, (value, found) in at_learned_stream(config, stream, setup, ca, cb).items():
+                verify_elements(bound.instances, found)
+                barrier = curve_of(a, b, ca, cb, bound.instances, found, curve, args.points)["barrier"]
+                learned[config][point] = {"objective": value, "barrier": barrier}
+                log(f"  {seeds} {config:28s} {point:40s} objective {value:9.3f}  barrier {barrier:.4f}")
+    return {"seeds": seeds, "models": [str(f) for f in folders], "configs": rows, "learned_point": learned}
 
 
 def markdown(result: dict) -> str:
@@ -198,6 +243,11 @@ def markdown(result: dict) -> str:
     lines = ["| configuration | " + " | ".join(p["seeds"] for p in pairs) + " |", "|---" * (len(pairs) + 1) + "|"]
     for config in result["configs"]:
         lines.append(f"| `{config}` | " + " | ".join(f"{p['configs'][config]['barrier']:.4f}" for p in pairs) + " |")
+    for pair in (p for p in pairs if p.get("learned_point")):
+        lines += ["", f"Pair {pair['seeds']}, each objective (on its own copies) / barrier at three points:", "",
+                  "| objective | " + " | ".join(next(iter(pair["learned_point"].values()))) + " |", "|---" * 4 + "|"]
+        lines += [f"| `{c}` | " + " | ".join(f"{v['objective']:.2f} / {v['barrier']:.4f}" for v in points.values())
+                  + " |" for c, points in pair["learned_point"].items()]
     return "\n".join(lines) + "\n"
 
 

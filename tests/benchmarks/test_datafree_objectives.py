@@ -107,3 +107,25 @@ def test_bad_configuration_is_refused():
     for bad in ("nothing:1", "trunc:whole:x0.5:10"):
         with pytest.raises(SystemExit):
             bench.elements_of(bad, setup, ca, cb)
+
+
+def test_the_objective_at_another_stream():
+    """``--learned-point``'s three points, with a random stream standing in for the learned one: the optimum is the
+    configuration's own descent, the descent from the stream's point is no higher than that point, and every point's
+    objective is the weighted distance on the configuration's copies."""
+    a, b = pair()
+    _, setup, ca, cb = bench.prepared(a, b)
+    act = engine.active(setup["instances"], setup["opts"])
+    wide = [i for i in act if not i.kind.per_layer]
+    stream = {i.name: i.kind.random(i, torch.Generator().manual_seed(2)) for i in wide}
+    config = "trunc:head:f0.5:10"
+    points = bench.at_learned_stream(config, stream, setup, ca, cb)
+    ta, tb, _, _ = bench.objective_copies(config, setup, ca, cb)
+    wa, wb = engine.weighted(setup["instances"], ta, tb, setup["opts"], depth_decay=10)
+    own, _ = bench.elements_of(config, setup, ca, cb)
+    for value, found in points.values():
+        assert value == pytest.approx(sq_distance(apply(wa, act, found), wb, setup["matched"]), rel=1e-12)
+    optimum, there, back = points.values()
+    assert optimum[0] == pytest.approx(sq_distance(apply(wa, act, own), wb, setup["matched"]), rel=1e-12)
+    assert all(torch.equal(there[1][i.name].Q, stream[i.name].Q) for i in wide)
+    assert back[0] <= there[0] * (1 + 1e-12)
