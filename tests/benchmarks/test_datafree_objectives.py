@@ -86,19 +86,30 @@ def test_configurations_preserve_the_function(config, dtype, tol):
     assert check["verify_max_rel_diff"] <= tol and all(s >= 1 for s in row["sweeps"])
 
 
-def test_a_homotopy_stage_starts_from_the_last():
+def test_plain_is_the_decayed_descent_and_a_homotopy_stage_starts_from_the_last():
     a, b = pair()
     _, setup, ca, cb = bench.prepared(a, b)
-    act = engine.active(setup["instances"], setup["opts"])
+    inst, opts = setup["instances"], setup["opts"]
+    act = engine.active(inst, opts)
+    cap, tol = setup["options"].max_sweeps, setup["options"].descent_tol  # as align runs the descent
 
     def objective(found, decay):
-        wa, wb = engine.weighted(setup["instances"], apply(ca, act, found), cb, setup["opts"], depth_decay=decay)
+        wa, wb = engine.weighted(inst, apply(ca, act, found), cb, opts, depth_decay=decay)
         return sq_distance(wa, wb, setup["matched"])
 
+    def search(decay):
+        return engine.search(inst, ca, cb, opts, max_sweeps=cap, tol=tol, starts=engine.Restarts(depth_decay=decay))[0]
+
     first, _ = bench.elements_of("plain:100", setup, ca, cb)
+    assert objective(first, 100) == pytest.approx(objective(search(100), 100), rel=1e-12)
+    assert objective(search(1), 100) != pytest.approx(objective(first, 100), rel=1e-6)  # the decay matters here
     both, row = bench.elements_of("hom:100,10", setup, ca, cb)
     assert len(row["sweeps"]) == 2
+    wa, wb = engine.weighted(inst, ca, cb, opts, depth_decay=10)
+    by_hand = engine.solve(inst, wa, wb, opts, max_sweeps=cap, tol=tol, start=first)
+    assert objective(both, 10) == pytest.approx(objective(by_hand, 10), rel=1e-12)
     assert objective(both, 10) <= objective(first, 10) * (1 + 1e-12)
+    assert objective(both, 10) != pytest.approx(objective(search(10), 10), rel=1e-6)  # not the plain F = 10 descent
 
 
 def test_bad_configuration_is_refused():
