@@ -19,6 +19,8 @@ Pairs (each reuses its benchmark's loaders, models and held-out data; :data:`PAI
   held-out paragraphs, 5 α values;
 * ``disjoint`` — the two ViTs trained on disjoint halves of Fashion-MNIST's classes
   (``benchmarks.disjoint_classes``), its 10 000 test images (all classes), 5 α values;
+* ``llama:NAME_A,NAME_B`` — two other cached Llama folders (under the cache's ``llama/``), on B7's held-out
+  paragraphs;
 * ``b1:SA,SB`` — a B1-recipe Fashion-MNIST ViT pair (``benchmarks.vit_fashion_mnist``), its curve set, 5 α values.
 
 Per pair and F: the loss barrier, loss and accuracy at α = ½ (and the endpoints'), the weighted objective the
@@ -52,23 +54,30 @@ class Pair:
 
 
 def demo_pair(seed: str, log=print) -> Pair:
-    from symmerge.demo.demo import FULL, demo_pair as trained
+    from symmerge.demo.demo import FULL, demo_pair as trained, deterministic
     from symmerge.io.data import load_data
     from symmerge.io.model import load_model
 
-    folders, _, test_npz, *_ = trained(FULL, int(seed), progress=False, log=log)
+    with deterministic():  # trained as `symmerge demo` trains them
+        folders, _, test_npz, *_ = trained(FULL, int(seed), progress=False, log=log)
     a, b = (load_model(f) for f in folders)
     return Pair(f"demo:{seed}", "ViT (demo, MNIST-5k)", a, b, load_data(test_npz, a, batch_size=250), FULL.points,
                 tuple(str(f) for f in folders))
 
 
-def llama_pair(kv_heads: int | None, log=print) -> Pair:
+def llama_pair(kv_heads: int | None, log=print, names: str | None = None) -> Pair:
+    """B7's cached pair (``names``: two other cached Llama folders, ``NAME_A,NAME_B`` under the cache's
+    ``llama/``, scored on B7's held-out paragraphs as well)."""
     from benchmarks import llama_datafree
+    from symmerge.demo.datasets import cache_dir
 
-    folders, a, b, curve = llama_datafree.load_pair(kv_heads, 200)
-    family = "Llama (B7, " + (f"GQA, {kv_heads} KV heads)" if kv_heads else "MHA)")
-    return Pair("b7-gqa" if kv_heads else "b7", family, a, b, curve, len(llama_datafree.ALPHAS),
-                tuple(str(f) for f in folders))
+    folders = None if names is None else [cache_dir() / "llama" / n for n in names.split(",")]
+    if folders is not None and (len(folders) != 2 or not all(f.is_dir() for f in folders)):
+        raise SystemExit(f"llama:{names}: give two cached model folders under {cache_dir() / 'llama'}, NAME_A,NAME_B")
+    folders, a, b, curve = llama_datafree.load_pair(kv_heads, 200, folders)
+    name = f"llama:{names}" if names else "b7-gqa" if kv_heads else "b7"
+    family = "Llama (" + ("cached, " if names else "B7, ") + (f"GQA, {kv_heads} KV heads)" if kv_heads else "MHA)")
+    return Pair(name, family, a, b, curve, len(llama_datafree.ALPHAS), tuple(str(f) for f in folders))
 
 
 def disjoint_pair(_, log=print) -> Pair:
@@ -93,14 +102,16 @@ def b1_pair(seeds: str, log=print) -> Pair:
 
 
 PAIRS = {"demo": demo_pair, "b7": lambda _, log=print: llama_pair(None, log),
-         "b7-gqa": lambda _, log=print: llama_pair(2, log), "disjoint": disjoint_pair, "b1": b1_pair}
+         "b7-gqa": lambda _, log=print: llama_pair(2, log), "disjoint": disjoint_pair, "b1": b1_pair,
+         "llama": lambda names, log=print: llama_pair(None, log, names)}
 
 
 def load(spec: str, log=print) -> Pair:
     """The pair named by ``spec`` (``kind`` or ``kind:argument``, see :data:`PAIRS`)."""
     kind, _, arg = spec.partition(":")
     if kind not in PAIRS:
-        raise SystemExit(f"unknown pair {spec!r}; choose among {', '.join(PAIRS)} (demo:SEED, b1:SEED_A,SEED_B)")
+        raise SystemExit(f"unknown pair {spec!r}; choose among {', '.join(PAIRS)} (demo:SEED, b1:SEED_A,SEED_B, "
+                         "llama:NAME_A,NAME_B)")
     return PAIRS[kind](arg, log)
 
 
@@ -140,19 +151,22 @@ def run_pair(pair: Pair, decays, log=print) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| pair | F | barrier | acc at ½ (endpoints A / B) | objective (weighted) | distance after | sweeps | "
-             "wall s | max rel diff |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| pair | F | barrier | loss at ½ | acc at ½ (endpoints A / B) | objective (weighted) | distance after | "
+             "sweeps | wall s | max rel diff |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in result["pairs"]:
         for r in p["rows"]:
             ea, eb = r["accuracy_endpoints"]
-            lines.append(f"| {p['pair']} | {r['depth_decay']:g} | {r['barrier']:.4f} | {r['accuracy_mid']:.4f} "
-                         f"({ea:.4f} / {eb:.4f}) | {r['objective']:.2f} | {r['distance_after']:.3f} | {r['sweeps']} | "
-                         f"{r['seconds']:.2f} | {r['verify_max_rel_diff']:.1e} |")
-    lines += ["", "Barrier change against F = 1 (negative: the decay lowers it):", ""]
+            lines.append(f"| {p['pair']} | {r['depth_decay']:g} | {r['barrier']:.4f} | {r['loss_mid']:.4f} | "
+                         f"{r['accuracy_mid']:.4f} ({ea:.4f} / {eb:.4f}) | {r['objective']:.2f} | "
+                         f"{r['distance_after']:.3f} | {r['sweeps']} | {r['seconds']:.2f} | "
+                         f"{r['verify_max_rel_diff']:.1e} |")
+    lines += ["", "Change against the first F (barrier and loss: negative is better; accuracy: positive is better):", ""]
     for p in result["pairs"]:
         base = p["rows"][0]
         lines.append(f"- {p['pair']} ({p['family']}; {p['examples']} held-out examples, {p['points']} points): " + ", ".join(
-            f"F = {r['depth_decay']:g}: {r['barrier'] - base['barrier']:+.4f}" for r in p["rows"][1:]))
+            f"F = {r['depth_decay']:g}: {r['barrier'] - base['barrier']:+.4f} (loss at ½ "
+            f"{r['loss_mid'] - base['loss_mid']:+.4f}, acc at ½ {r['accuracy_mid'] - base['accuracy_mid']:+.4f})"
+            for r in p["rows"][1:]))
     return "\n".join(lines) + "\n"
 
 
