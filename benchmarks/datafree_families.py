@@ -76,7 +76,9 @@ def llama_pair(kv_heads: int | None, log=print, names: str | None = None) -> Pai
         raise SystemExit(f"llama:{names}: give two cached model folders under {cache_dir() / 'llama'}, NAME_A,NAME_B")
     folders, a, b, curve = llama_datafree.load_pair(kv_heads, 200, folders)
     name = f"llama:{names}" if names else "b7-gqa" if kv_heads else "b7"
-    family = "Llama (" + ("cached, " if names else "B7, ") + (f"GQA, {kv_heads} KV heads)" if kv_heads else "MHA)")
+    c = a.config
+    heads = f"GQA, {c.num_key_value_heads} KV heads" if c.num_key_value_heads != c.num_attention_heads else "MHA"
+    family = f"Llama ({'cached' if names else 'B7'}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, {heads})"
     return Pair(name, family, a, b, curve, len(llama_datafree.ALPHAS), tuple(str(f) for f in folders))
 
 
