@@ -17,6 +17,8 @@ Pairs (each reuses its benchmark's loaders, models and held-out data; :data:`PAI
   its 1 000 test digits, its 11 α values;
 * ``b7`` / ``b7-gqa`` — B7's Llama pair (``benchmarks.llama_datafree``; the GQA pair with two KV heads), its 200
   held-out paragraphs, 5 α values;
+* ``b6`` — B6's Mixtral pair (``benchmarks.moe_text``; trained if not cached), its held-out curve paragraphs and
+  α values (``recommended`` adds the ``experts`` group);
 * ``disjoint`` — the two ViTs trained on disjoint halves of Fashion-MNIST's classes
   (``benchmarks.disjoint_classes``), its 10 000 test images (all classes), 5 α values;
 * ``llama:NAME_A,NAME_B`` — two other cached Llama folders (under the cache's ``llama/``), on B7's held-out
@@ -103,9 +105,25 @@ def b1_pair(seeds: str, log=print) -> Pair:
     return Pair(f"b1:{seeds}", "ViT (B1 recipe, Fashion-MNIST)", a, b, curve, 5, tuple(str(f) for f in folders))
 
 
+def moe_pair(_, log=print) -> Pair:
+    """B6's two Mixtral-style models (``benchmarks.moe_text``: trained if not cached), its held-out paragraphs."""
+    from benchmarks import moe_text
+    from symmerge.io.data import load_data
+    from symmerge.io.model import load_model
+
+    args = moe_text.parse_args(["--out", "unused"])
+    data = moe_text.prepare_data(args, moe_text.work_dir(args))
+    _, _, folders = moe_text.train_pair(args, data, log)
+    a, b = (load_model(f) for f in folders)
+    c = a.config
+    family = f"Mixtral (B6, {c.num_hidden_layers} layers, {c.num_local_experts} experts, top-{c.num_experts_per_tok})"
+    return Pair("b6", family, a, b, load_data(data["files"]["curve"], a, batch_size=32), args.points,
+                tuple(str(f) for f in folders))
+
+
 PAIRS = {"demo": demo_pair, "b7": lambda _, log=print: llama_pair(None, log),
          "b7-gqa": lambda _, log=print: llama_pair(2, log), "disjoint": disjoint_pair, "b1": b1_pair,
-         "llama": lambda names, log=print: llama_pair(None, log, names)}
+         "llama": lambda names, log=print: llama_pair(None, log, names), "b6": moe_pair}
 
 
 def load(spec: str, log=print) -> Pair:
