@@ -17,6 +17,8 @@ Pairs (each reuses its benchmark's loaders, models and held-out data; :data:`PAI
   its 1 000 test digits, its 11 α values;
 * ``b7`` / ``b7-gqa`` — B7's Llama pair (``benchmarks.llama_datafree``; the GQA pair with two KV heads), its 200
   held-out paragraphs, 5 α values;
+* ``b4`` / ``b4-untie`` — B4's GPT-2 pair (``benchmarks.gpt2_text``; tied LM head; trained if not cached), its
+  held-out curve paragraphs and α values; ``b4-untie`` aligns with ``untie`` (B4's ``recommended --untie``);
 * ``b6`` — B6's Mixtral pair (``benchmarks.moe_text``; trained if not cached), its held-out curve paragraphs and
   α values (``recommended`` adds the ``experts`` group);
 * ``disjoint`` — the two ViTs trained on disjoint halves of Fashion-MNIST's classes
@@ -37,7 +39,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_PAIRS = ("demo:0", "demo:2", "demo:4", "b7", "disjoint")
 
@@ -53,6 +55,7 @@ class Pair:
     data: object
     points: int
     models: tuple = ()
+    align: dict = field(default_factory=dict)  # further AlignOptions of the pair's alignments (B4: untie)
 
 
 def demo_pair(seed: str, log=print) -> Pair:
@@ -105,6 +108,22 @@ def b1_pair(seeds: str, log=print) -> Pair:
     return Pair(f"b1:{seeds}", "ViT (B1 recipe, Fashion-MNIST)", a, b, curve, 5, tuple(str(f) for f in folders))
 
 
+def gpt2_pair(untie: bool, log=print) -> Pair:
+    """B4's two GPT-2s (``benchmarks.gpt2_text``: tied LM head; trained if not cached), its held-out paragraphs;
+    ``untie``: aligned with ``AlignOptions(untie=True)`` (the stream in O(d−1), B4's ``recommended --untie``)."""
+    from benchmarks import gpt2_text
+    from symmerge.io.data import load_data
+    from symmerge.io.model import load_model
+
+    args = gpt2_text.parse_args(["--out", "unused"])
+    data = gpt2_text.prepare_data(args, gpt2_text.work_dir(args))
+    _, _, folders = gpt2_text.train_pair(args, data, log)
+    a, b = (load_model(f) for f in folders)
+    family = f"GPT-2 (B4, {a.config.n_layer} layers, tied head{', untie' if untie else ''})"
+    return Pair("b4-untie" if untie else "b4", family, a, b, load_data(data["files"]["curve"], a, batch_size=32),
+                args.points, tuple(str(f) for f in folders), {"untie": True} if untie else {})
+
+
 def moe_pair(_, log=print) -> Pair:
     """B6's two Mixtral-style models (``benchmarks.moe_text``: trained if not cached), its held-out paragraphs."""
     from benchmarks import moe_text
@@ -123,7 +142,8 @@ def moe_pair(_, log=print) -> Pair:
 
 PAIRS = {"demo": demo_pair, "b7": lambda _, log=print: llama_pair(None, log),
          "b7-gqa": lambda _, log=print: llama_pair(2, log), "disjoint": disjoint_pair, "b1": b1_pair,
-         "llama": lambda names, log=print: llama_pair(None, log, names), "b6": moe_pair}
+         "llama": lambda names, log=print: llama_pair(None, log, names), "b6": moe_pair,
+         "b4": lambda _, log=print: gpt2_pair(False, log), "b4-untie": lambda _, log=print: gpt2_pair(True, log)}
 
 
 def load(spec: str, log=print) -> Pair:
@@ -135,15 +155,16 @@ def load(spec: str, log=print) -> Pair:
     return PAIRS[kind](arg, log)
 
 
-def measure(a, b, data, decay: float, points: int, symmetries: str = "recommended"):
-    """A aligned to B data-free with ``depth_decay=decay``, scored along the path at ``points`` α values:
-    ``(row, Alignment)``. ``align_pair`` verifies the alignment (an error if it fails)."""
+def measure(a, b, data, decay: float, points: int, symmetries: str = "recommended", **align):
+    """A aligned to B data-free with ``depth_decay=decay`` (and the further ``AlignOptions`` ``align``), scored
+    along the path at ``points`` α values: ``(row, Alignment)``. ``align_pair`` verifies the alignment (an error
+    if it fails)."""
     from symmerge.evaluate.metrics import interpolation_curve
     from symmerge.pipeline.align import align_pair
     from symmerge.pipeline.options import AlignOptions
 
     wall, cpu = time.perf_counter(), time.process_time()
-    res = align_pair(a, b, AlignOptions(symmetries=symmetries, depth_decay=decay))
+    res = align_pair(a, b, AlignOptions(symmetries=symmetries, depth_decay=decay, **align))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     alphas = [i / (points - 1) for i in range(points)]
     curve = interpolation_curve(res.model, res.anchor, data, alphas, progress=False)
@@ -161,13 +182,13 @@ def measure(a, b, data, decay: float, points: int, symmetries: str = "recommende
 def run_pair(pair: Pair, decays, log=print) -> dict:
     rows = []
     for decay in decays:
-        row, _ = measure(pair.a, pair.b, pair.data, decay, pair.points)
+        row, _ = measure(pair.a, pair.b, pair.data, decay, pair.points, **pair.align)
         rows.append(row)
         log(f"  {pair.name:10s} F={decay:<4g} barrier {row['barrier']:.4f}  acc(½) {row['accuracy_mid']:.4f}  "
             f"objective {row['objective']:.2f}  sweeps {row['sweeps']:3d}  {row['seconds']:6.2f} s  "
             f"verify {row['verify_max_rel_diff']:.1e}")
     return {"pair": pair.name, "family": pair.family, "models": list(pair.models), "examples": pair.data.n,
-            "points": pair.points, "rows": rows}
+            "points": pair.points, "align": pair.align, "rows": rows}
 
 
 def markdown(result: dict) -> str:

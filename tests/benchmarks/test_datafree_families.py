@@ -68,6 +68,9 @@ def test_decay_one_is_the_plain_alignment_of_the_recommended_set(tiny):
     assert _same(res.elements, plain.elements)
     assert row["objective"] == pytest.approx(plain.report["residual_sweeps_sq_distance"][-1], rel=1e-12)
     assert row["sweeps"] == plain.report["sweeps"]
+    # a pair's further alignment options reach the alignment (B4's untie; here the stream's group)
+    assert res.report["residual_variant"] == "centered"
+    assert df.measure(a, b, data, 1.0, 3, residual="permutation")[1].report["residual_variant"] == "permutation"
 
 
 def test_decay_ten_elements_keep_the_function_and_the_row_scores_the_path(tiny):
