@@ -193,14 +193,15 @@ def align_once(a, b, name: str):
     return best[1], time.perf_counter() - t0, time.process_time() - c0, best[0]
 
 
-def load_pair(kv_heads: int | None, curve_examples: int):
-    """(folders, model A, model B, B7's held-out curve data) of the cached pair."""
+def load_pair(kv_heads: int | None, curve_examples: int, folders=None):
+    """(folders, model A, model B, B7's held-out curve data) of the cached pair (or of the two model
+    ``folders`` given)."""
     from symmerge.io.data import load_data
     from symmerge.io.model import load_model
 
     from benchmarks import llama_text
 
-    folders = pair_folders(kv_heads)
+    folders = pair_folders(kv_heads) if folders is None else [Path(f) for f in folders]
     a, b = (load_model(f) for f in folders)
     curve_file = llama_text.work_dir(llama_text.parse_args([])) / "curve.txt"
     if not curve_file.is_file():
