@@ -56,12 +56,29 @@ DEFAULT_VARIANTS = ("recommended", "sweeps-2", "tol-1e-6", "init-all", "init-loc
 
 
 def pair_folders(kv_heads: int | None = None, heads: int = 4, name: str = "pydocs") -> list[Path]:
-    """The cached B7 pair (``benchmarks.llama_text``'s folder names: ``pydocs-A-<hash>``, GQA:
-    ``pydocs-A-gqa2-<hash>``), exactly: the MHA pair's pattern must not match the GQA pair's folders."""
+    """The B7 pair: ``name`` "pydocs" is ``benchmarks.llama_text``'s recipe (its default flags, ``--kv-heads`` for the
+    GQA pair), resolved through its own training function, which reuses the cached folders (trains them if missing):
+    the documented pair, whatever else the cache holds under the same names. Another ``name``: the one cached pair of
+    that name (``<name>-A-<hash>``, GQA ``<name>-A-gqa2-<hash>``), refused when several match."""
+    gqa = f"-gqa{kv_heads}" if kv_heads not in (None, heads) else ""
+    if name == "pydocs":
+        return recipe_folders(kv_heads if gqa else None)
+    return cached_folders(name, gqa, kv_heads)
+
+
+def recipe_folders(kv_heads: int | None) -> list[Path]:
+    """The folders of ``benchmarks.llama_text``'s pair at its default flags (and ``--kv-heads``)."""
+    from benchmarks import llama_text
+
+    args = llama_text.parse_args(["--kv-heads", str(kv_heads)] if kv_heads is not None else [])
+    return list(llama_text.train_pair(args, llama_text.prepare_data(args, llama_text.work_dir(args)), print)[2])
+
+
+def cached_folders(name: str, gqa: str, kv_heads: int | None) -> list[Path]:
+    """The one cached pair ``<name>-A/B<gqa>-<hash>`` (the MHA pattern never matches the GQA pair's folders)."""
     from symmerge.demo.datasets import cache_dir
 
     root = cache_dir() / "llama"
-    gqa = f"-gqa{kv_heads}" if kv_heads not in (None, heads) else ""
     out = []
     for m in "AB":
         pattern = re.compile(rf"{re.escape(name)}-{m}{re.escape(gqa)}-[0-9a-f]{{12}}")
@@ -69,7 +86,10 @@ def pair_folders(kv_heads: int | None = None, heads: int = 4, name: str = "pydoc
         if not found:
             raise SystemExit(f"no cached model {name}-{m}{gqa} under {root}: run python -m benchmarks.llama_text "
                              f"--train-only {m}" + (f" --kv-heads {kv_heads}" if gqa else "") + " first")
-        out.append(found[-1])
+        if len(found) > 1:
+            raise SystemExit(f"several cached models {name}-{m}{gqa} under {root} ({', '.join(p.name for p in found)}): "
+                             "which pair is meant is not known from the name; pass the folders")
+        out.append(found[0])
     return out
 
 

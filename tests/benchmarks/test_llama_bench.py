@@ -21,21 +21,44 @@ def _folders(root, names):
 
 def test_pair_folders_tells_the_mha_pair_from_the_gqa_pair(tmp_path, monkeypatch):
     monkeypatch.setenv("SYMMERGE_CACHE", str(tmp_path))
-    mha = ["pydocs-A-4a75f929e176", "pydocs-B-642acd269685"]
-    gqa = ["pydocs-A-gqa2-ba17f9cd6f86", "pydocs-B-gqa2-0123456789ab"]
-    _folders(tmp_path, mha + gqa + ["pydocs-tiny-A-04110516a46d"])
-    assert [p.name for p in ld.pair_folders()] == mha  # "pydocs-A-gqa2-..." sorts after "pydocs-A-4a..."
-    assert [p.name for p in ld.pair_folders(kv_heads=4, heads=4)] == mha  # kv heads = heads: MHA
-    assert [p.name for p in ld.pair_folders(kv_heads=2)] == gqa
-    with pytest.raises(SystemExit, match="pydocs-A-gqa1"):
-        ld.pair_folders(kv_heads=1)
+    mha = ["mypair-A-4a75f929e176", "mypair-B-642acd269685"]
+    gqa = ["mypair-A-gqa2-ba17f9cd6f86", "mypair-B-gqa2-0123456789ab"]
+    _folders(tmp_path, mha + gqa + ["mypair-tiny-A-04110516a46d"])
+    assert [p.name for p in ld.pair_folders(name="mypair")] == mha  # "mypair-A-gqa2-..." sorts after "mypair-A-4a..."
+    assert [p.name for p in ld.pair_folders(kv_heads=4, heads=4, name="mypair")] == mha  # kv heads = heads: MHA
+    assert [p.name for p in ld.pair_folders(kv_heads=2, name="mypair")] == gqa
+    with pytest.raises(SystemExit, match="mypair-A-gqa1"):
+        ld.pair_folders(kv_heads=1, name="mypair")
 
 
 def test_pair_folders_needs_both_models(tmp_path, monkeypatch):
     monkeypatch.setenv("SYMMERGE_CACHE", str(tmp_path))
-    _folders(tmp_path, ["pydocs-A-4a75f929e176"])
+    _folders(tmp_path, ["mypair-A-4a75f929e176"])
     with pytest.raises(SystemExit, match="--train-only B"):
-        ld.pair_folders()
+        ld.pair_folders(name="mypair")
+
+
+def test_pair_folders_refuses_a_name_several_pairs_share(tmp_path, monkeypatch):
+    """Two cached recipes under one name: picking one by hash order measured another pair than the documented one."""
+    monkeypatch.setenv("SYMMERGE_CACHE", str(tmp_path))
+    _folders(tmp_path, ["mypair-A-4a75f929e176", "mypair-A-9dac97bed36c", "mypair-B-642acd269685"])
+    with pytest.raises(SystemExit, match="several cached models mypair-A .*4a75f929e176, mypair-A-9dac97bed36c"):
+        ld.pair_folders(name="mypair")
+
+
+@pytest.mark.parametrize("kv_heads,argv", [(None, []), (4, []), (2, ["--kv-heads", "2"])])
+def test_the_b7_pair_is_llama_texts_recipe(kv_heads, argv, monkeypatch):
+    """``pydocs`` (B7): the folders ``benchmarks.llama_text`` trains or reuses at its default flags (``--kv-heads`` for
+    GQA), not a pattern over the cache."""
+    from benchmarks import llama_text
+
+    seen = []
+    monkeypatch.setattr(llama_text, "prepare_data", lambda args, work: {"work": work})
+    monkeypatch.setattr(llama_text, "train_pair",
+                        lambda args, data, log: seen.append((args, data)) or (None, (0, 1), ["A", "B"]))
+    assert ld.pair_folders(kv_heads) == ["A", "B"]
+    (args, data), = seen
+    assert vars(args) == vars(llama_text.parse_args(argv)) and data["work"] == llama_text.work_dir(args)
 
 
 def test_unknown_variant_is_one_error():
