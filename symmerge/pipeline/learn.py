@@ -528,7 +528,6 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
 
     # the objective at α = ¼, ½, ¾ on the held-out batches (checked every ``check_every`` steps), or without
     # a held-out part on the (unaugmented) training batches, at the start and the end only
-
     def held_out() -> float:
         tick = time.perf_counter()
         with torch.no_grad():
