@@ -64,8 +64,10 @@ TASK = {"b1": "fashion", "demo": "digits", "b7": "pydocs"}  # each pair's own tr
 DEFAULT_ROWS = {
     "b1": ["none", "weights:1", "weights:10"] + [f"{m}:{s}:1000" for m in MATCHES[:2]
                                                  for s in ("fashion", "digits", "noise")],
-    "demo": ["none", "weights:1"] + [f"{m}:{s}:1000" for m in MATCHES[:2] for s in ("digits", "fashion", "noise")],
-    "b7": ["none", "weights:1", "activations:pydocs:500", "activations:wiki:500", "learned:wiki:500"],
+    "demo": ["none", "weights:1", "weights:10"] + [f"{m}:{s}:1000" for m in MATCHES[:2]
+                                                   for s in ("digits", "fashion", "noise")],
+    "b7": ["none", "weights:1", "weights:10"] + [f"{m}:{s}:500" for m in MATCHES[:2]
+                                                 for s in ("pydocs", "wiki", "reviews")],
 }
 # B7's documented learned recipe (docs/results/b7_llama.md): LearnSettings fields
 B7_LEARN = {"batch": 8, "max_length": 64, "positions": 256, "precision": "bfloat16", "check_batches": 4}
@@ -223,6 +225,22 @@ def options_of(row: str, args):
                         learn=LearnSettings(**learn)), path
 
 
+def endpoints_on(path, n: int, a, b) -> dict:
+    """How the two endpoints see the first ``n`` alignment images: the share on which they predict the same class,
+    their mean top probability, and for A how many classes it predicts and the share of its most frequent one."""
+    import torch
+
+    from symmerge.io.data import load_data
+
+    data = load_data(path, a, batch_size=250, max_examples=n, labels=False, limit=None)
+    with torch.no_grad():
+        pa, pb = (torch.cat([m(**x.inputs).logits.softmax(-1) for x in data.batches]) for m in (a, b))
+    counts = torch.bincount(pa.argmax(-1), minlength=pa.shape[-1])
+    return {"agree": (pa.argmax(-1) == pb.argmax(-1)).double().mean().item(),
+            "confidence": ((pa.max(-1).values + pb.max(-1).values) / 2).double().mean().item(),
+            "classes_A": int((counts > 0).sum()), "top_class_share_A": counts.max().item() / len(pa)}
+
+
 def measure(row: str, pair: dict, args, log=print) -> dict:
     """One row: A aligned to B (checked by ``align``), the curve on the pair's curve set and the α = ½ plain
     average on its test set."""
@@ -251,6 +269,8 @@ def measure(row: str, pair: dict, args, log=print) -> dict:
            "align_samples_used": report.get("align_samples_used")}
     if "learned" in report:
         out["learned"] = {k: v for k, v in report["learned"].items() if k != "history"}
+    if source in IMAGES:
+        out["endpoints_on_data"] = endpoints_on(path, n, pair["a"], pair["b"])
     log(f"  {row:26s} barrier {out['barrier']:.4f}  α=½ test accuracy {100 * out['mid_test_accuracy']:.2f} %  "
         f"align {seconds:6.1f} s (load {load:.1f})  verified {out['verify_max_rel_diff']}")
     return out
@@ -274,17 +294,28 @@ def run(args, log=print) -> dict:
 
 
 def markdown(r: dict) -> str:
-    mean = (r["endpoints"]["A"]["accuracy"] + r["endpoints"]["B"]["accuracy"]) / 2
-    lines = [f"Endpoints A {100 * r['endpoints']['A']['accuracy']:.2f} %, B {100 * r['endpoints']['B']['accuracy']:.2f} % "
-             f"({r['test_examples']} test images); barrier on {r['curve_examples']} test images, {r['points']} points.",
-             "", "| row | data | barrier | α = ½ test loss | α = ½ test accuracy (% of the endpoints' mean) | "
-             "align s (load) | verified |", "|---|---|---|---|---|---|---|"]
+    ends = r["endpoints"]
+    mean = (ends["A"]["accuracy"] + ends["B"]["accuracy"]) / 2
+    images = r.get("pair") != "b7"  # B7: held-out paragraphs, next-token accuracy, no class statistics
+    unit = "test images" if images else "held-out paragraphs (accuracy: of the next token)"
+    head = ["row", "data", "barrier", "α = ½ test loss", "α = ½ test accuracy (% of the endpoints' mean)",
+            "align s (load)", "verified"]
+    head += ["on the alignment images: A, B agree / confidence / A's classes (top share)"] if images else []
+    lines = [f"Endpoints A {100 * ends['A']['accuracy']:.2f} % / loss {ends['A']['loss']:.4f}, B "
+             f"{100 * ends['B']['accuracy']:.2f} % / loss {ends['B']['loss']:.4f} ({r['test_examples']} {unit}); barrier "
+             f"on {r['curve_examples']} {'test images' if images else 'of them'}, {r['points']} points.", "",
+             "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for x in r["rows"]:
         kind = "—" if x["data"] is None else ("task's own (reference)" if x["task_data"] else "**proxy**")
         verified = "—" if x["verify_max_rel_diff"] is None else f"{x['verify_max_rel_diff']:.1e}"
-        lines.append(f"| `{x['row']}` | {kind} | {x['barrier']:.4f} | {x['mid_test_loss']:.4f} | "
-                     f"{100 * x['mid_test_accuracy']:.2f} ({100 * x['mid_test_accuracy'] / mean:.1f} %) | "
-                     f"{x['align_seconds']:.1f} ({x['load_average']:.1f}) | {verified} |")
+        cells = [f"`{x['row']}`", kind, f"{x['barrier']:.4f}", f"{x['mid_test_loss']:.4f}",
+                 f"{100 * x['mid_test_accuracy']:.2f} ({100 * x['mid_test_accuracy'] / mean:.1f} %)",
+                 f"{x['align_seconds']:.1f} ({x['load_average']:.1f})", verified]
+        if images:
+            seen = x.get("endpoints_on_data")
+            cells.append("—" if seen is None else f"{100 * seen['agree']:.1f} % / {seen['confidence']:.2f} / "
+                                                  f"{seen['classes_A']} ({100 * seen['top_class_share_A']:.0f} %)")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
