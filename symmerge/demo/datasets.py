@@ -195,15 +195,16 @@ def pixel_values(images: np.ndarray) -> np.ndarray:
     return (x - PIXEL_MEAN) / PIXEL_STD
 
 
-def write_npz(path, images: np.ndarray, labels: np.ndarray) -> Path:
+def write_npz(path, images: np.ndarray, labels: np.ndarray | None) -> Path:
     """Write a split as the ``--data`` ``.npz`` format: ``pixel_values`` float32 (N, C, H, W)
-    (normalised by :func:`pixel_values` when given uint8 images) and ``labels`` int64 (N,)."""
+    (normalised by :func:`pixel_values` when given uint8 images) and ``labels`` int64 (N,); ``labels=None``:
+    ``pixel_values`` only (unlabeled images, as ``--align-data`` reads them)."""
     path = Path(path)
     x = pixel_values(images) if np.asarray(images).dtype == np.uint8 else np.asarray(images, np.float32)
     if x.ndim == 3:
         x = x[:, None]
-    y = np.asarray(labels).astype(np.int64)
-    if y.ndim != 1 or len(y) != len(x):
+    y = None if labels is None else np.asarray(labels).astype(np.int64)
+    if y is not None and (y.ndim != 1 or len(y) != len(x)):
         raise SymmergeError(f"labels must be (N,) with N = {len(x)}, got shape {y.shape}")
     path.parent.mkdir(parents=True, exist_ok=True)
     # a temporary name of its own: two writers of the same file (two trainings started together) never
@@ -211,7 +212,7 @@ def write_npz(path, images: np.ndarray, labels: np.ndarray) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp.npz", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, pixel_values=np.ascontiguousarray(x, np.float32), labels=y)
+            np.savez(f, pixel_values=np.ascontiguousarray(x, np.float32), **({} if y is None else {"labels": y}))
         os.chmod(tmp, 0o644)  # mkstemp's file is private; a cached data file is not
         os.replace(tmp, path)
     except BaseException:
