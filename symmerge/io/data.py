@@ -371,6 +371,77 @@ def take(data: Data, n: int, limit: str | None = None) -> Data:
                 limit=limit if limit is not None else data.limit)
 
 
+def rebatch(data: Data, size: int, max_length: int | None = None) -> Data:
+    """``data`` in batches of ``size`` examples (the last one smaller), each sequence cut to its first
+    ``max_length`` tokens when given: the batches that reading the file with ``batch_size=size`` and
+    ``max_length`` gives (images exactly; texts re-padded, on the side the data is padded on, to the longest
+    sequence of each new batch, the pads taking the values the data's pads have). ``data`` itself when it is
+    already so batched. Labels and the cut record (``total``, ``limit``) are kept."""
+    if size < 1:
+        raise SymmergeError(f"batch size must be >= 1, got {size}")
+    sizes = [b.size for b in data.batches]
+    longest = max((b.mask.shape[1] for b in data.batches if b.mask is not None), default=0)
+    if all(n == size for n in sizes[:-1]) and sizes[-1:] <= [size] and (max_length is None or longest <= max_length):
+        return data
+    rows, pads = _examples(data, max_length), _pad_values(data)
+    batches = [_padded(rows[i:i + size], pads, _left_padded(data)) for i in range(0, len(rows), size)]
+    return Data(data.path, data.format, batches, data.n, data.labeled, total=data.total, limit=data.limit)
+
+
+def _token_wise(b: Batch) -> list:
+    """The inputs of ``b`` with a value per token (shaped like its mask); none for images."""
+    return [k for k, v in b.inputs.items() if b.mask is not None and v.shape[:2] == b.mask.shape]
+
+
+def _pad_values(data: Data) -> dict:
+    """Each token-wise input's value at a padded position of ``data`` (0 where nothing is padded)."""
+    pads = {}
+    for b in data.batches:
+        for k in _token_wise(b):
+            if k not in pads or (pads[k] is None and (~b.mask).any()):
+                pads[k] = b.inputs[k][~b.mask][0].item() if (~b.mask).any() else None
+    return {k: 0 if v is None else v for k, v in pads.items()}
+
+
+def _left_padded(data: Data) -> bool:
+    """Whether the texts are padded on the left (every row's last position a real token, some first one not)."""
+    masks = [b.mask for b in data.batches if b.mask is not None]
+    return bool(masks) and all(m[:, -1].all() for m in masks) and any(not m[:, 0].all() for m in masks)
+
+
+def _examples(data: Data, max_length: int | None) -> list:
+    """Every example of ``data`` as ``(inputs, label)``: images as they are, texts as their real tokens (the
+    first ``max_length`` of them when given)."""
+    rows = []
+    for b in data.batches:
+        token_wise = _token_wise(b)
+        for i in range(b.size):
+            keep = None if b.mask is None else b.mask[i].nonzero().flatten()[:max_length]
+            inputs = {k: (v[i, keep] if k in token_wise else v[i]) for k, v in b.inputs.items()}
+            per_token = b.labels is not None and b.labels.dim() == 2 and keep is not None
+            rows.append((inputs, None if b.labels is None else (b.labels[i, keep] if per_token else b.labels[i])))
+    return rows
+
+
+def _padded(rows: list, pads: dict, left: bool) -> Batch:
+    """One batch of ``rows`` (from :func:`_examples`); token-wise inputs padded with ``pads`` to the longest."""
+    first, label = rows[0]
+    stack = lambda ts: torch.stack(list(ts))  # noqa: E731
+    if not pads:  # images
+        return Batch({k: stack(r[0][k] for r in rows) for k in first}, None if label is None else stack(
+            r[1] for r in rows), None)
+    lengths = [len(r[0][next(iter(pads))]) for r in rows]
+
+    def pad(t, value):
+        fill = torch.full((max(lengths) - len(t),), value, dtype=t.dtype)
+        return torch.cat([fill, t] if left else [t, fill])
+
+    inputs = {k: stack(pad(r[0][k], pads[k]) if k in pads else r[0][k] for r in rows) for k in first}
+    mask = stack(pad(torch.ones(n, dtype=torch.bool), False) for n in lengths)
+    labels = None if label is None else stack(pad(r[1], -100) if r[1].dim() == 1 else r[1] for r in rows)
+    return Batch(inputs, labels, mask)
+
+
 # ---------------------------------------------------------------- predictions
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ..io.data import Data, check_data, load_data, take
+from ..io.data import Data, check_data, load_data, rebatch, take
 from ..io.generate import generate_data, is_generate, parse_generate
 
 
@@ -18,7 +18,11 @@ def load_align_data(options, model, sources=None, progress: bool = True, timings
     under the name ``--align-samples``)."""
     if isinstance(options.align_data, Data):
         check_data(options.align_data, model, use_labels=False)
-        return take(options.align_data, options.align_samples, limit="--align-samples")
+        data = take(options.align_data, options.align_samples, limit="--align-samples")
+        # the learned steps' minibatches are the data's batches: an in-memory Data is batched (and its
+        # sequences cut) as a file is read below, so that --learn-batch / --learn-max-length mean one thing
+        return rebatch(data, min(options.learn.batch, options.align_samples), options.learn.max_length) \
+            if options.matcher.learns else data
     batch_size = min(options.learn.batch, options.align_samples)
     if is_generate(options.align_data):
         n, length, seed = parse_generate(options.align_data)
@@ -28,7 +32,7 @@ def load_align_data(options, model, sources=None, progress: bool = True, timings
         if timings is not None:
             timings["generate"] = timings.get("generate", 0.0) + time.perf_counter() - t
         check_data(data, model, use_labels=False)
-        return data
+        return rebatch(data, batch_size, options.learn.max_length) if options.matcher.learns else data
     max_length = options.learn.max_length if options.matcher.learns else None
     return load_data(options.align_data, model, max_examples=options.align_samples, max_length=max_length,
                      batch_size=batch_size, labels=False, limit="--align-samples")
