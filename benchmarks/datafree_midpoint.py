@@ -126,8 +126,8 @@ def terms(sd_a: dict, sd_b: dict, layers: int, heads: int, bias: bool = True, ce
           of: str = "deviation") -> dict:
     """J_mid's terms between A′ (``sd_a``) and B (``sd_b``), canonical ViT state dicts: ``qk`` (L, H), ``ov`` (L, H),
     ``ffn`` (L,), ``pair`` (2L + 1, 4L + 1; zero where the reader does not read the writer). Differentiable.
-    ``of``: ``deviation`` (``‖Δ₂Δ₁‖²``), ``own`` (``‖M_A‖² + ‖M_B‖²``, the endpoints' composites: invariant on the
-    orbit) or ``bound`` (``‖Δ₂‖²‖Δ₁‖²``, what the weight distance bounds the deviation by)."""
+    ``of``: ``deviation`` (``‖Δ₂Δ₁‖²``), ``own`` (``‖M_A‖² + ‖M_B‖²``, the endpoints' composites: invariant under the
+    orthogonal elements of A′ but for the head pairing, which changes a head's sum) or ``bound`` (``‖Δ₂‖²‖Δ₁‖²``, what the weight distance bounds the deviation by)."""
     fa, ea, ca = factors(sd_a, layers, bias, centre)
     fb, eb, cb = factors(sd_b, layers, bias, centre)
     d = ea.shape[0]
@@ -265,7 +265,7 @@ def descend(spec: str, ctx: dict, start: dict, args) -> dict:
     variant, lam, only = (spec.split(":") + ["", ""])[:3]
     a0, b0 = ({k: v.double() for k, v in x.items()} for x in (apply(ca, inst, start), cb))
     weights = engine.objective_weights(inst, opts, 1.0, 10.0)
-    own = terms(a0, b0, layers, heads, of="own")
+    own = terms(a0, b0, layers, heads, of="own")  # ``rel-``: each term's weight held at the start's
     free = [i for i in inst if not i.kind.per_layer] if only == "stream" else inst
     params = _Parameters(free, opts, torch.float64, {"norm_eps": norm_eps(a.config)})
 

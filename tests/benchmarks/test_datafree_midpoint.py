@@ -141,6 +141,10 @@ def test_invariant_under_one_orthogonal_element_on_both_sides():
         torch.testing.assert_close(sort(after[k]), sort(before[k]), rtol=1e-9, atol=1e-10)
     one_side = bench.terms(apply(ca, act, g), cb, L, H)  # the control: moving A′ alone changes J_mid
     assert abs(float(bench.objective(one_side, "all", L)) / float(bench.objective(before, "all", L)) - 1) > 1e-3
+    own, own_moved = bench.terms(ca, cb, L, H, of="own"), bench.terms(apply(ca, act, g), cb, L, H, of="own")
+    for k in own:  # the endpoints' own composites: A′ alone moved keeps them (``rel-`` weights), a head's slot
+        per = (lambda x: x.sum(-1)) if k in ("qk", "ov") else (lambda x: x)  # pairing A's head i with another of B
+        torch.testing.assert_close(per(own_moved[k]), per(own[k]), rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.parametrize("gl", [False, True])
