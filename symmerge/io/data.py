@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import SymmergeError
 
@@ -383,8 +384,8 @@ def rebatch(data: Data, size: int, max_length: int | None = None) -> Data:
     longest = max((b.mask.shape[1] for b in data.batches if b.mask is not None), default=0)
     if all(n == size for n in sizes[:-1]) and sizes[-1:] <= [size] and (max_length is None or longest <= max_length):
         return data
-    rows, pads = _examples(data, max_length), _pad_values(data)
-    batches = [_padded(rows[i:i + size], pads, _left_padded(data)) for i in range(0, len(rows), size)]
+    rows, pads, side = _examples(data, max_length), _pad_values(data), "left" if _left_padded(data) else "right"
+    batches = [_padded(rows[i:i + size], pads, side) for i in range(0, len(rows), size)]
     return Data(data.path, data.format, batches, data.n, data.labeled, total=data.total, limit=data.limit)
 
 
@@ -423,22 +424,22 @@ def _examples(data: Data, max_length: int | None) -> list:
     return rows
 
 
-def _padded(rows: list, pads: dict, left: bool) -> Batch:
-    """One batch of ``rows`` (from :func:`_examples`); token-wise inputs padded with ``pads`` to the longest."""
+def _padded(rows: list, pads: dict, side: str) -> Batch:
+    """One batch of ``rows`` (from :func:`_examples`); token-wise inputs padded on ``side`` with ``pads`` to the
+    longest."""
     first, label = rows[0]
     stack = lambda ts: torch.stack(list(ts))  # noqa: E731
     if not pads:  # images
         return Batch({k: stack(r[0][k] for r in rows) for k in first}, None if label is None else stack(
             r[1] for r in rows), None)
-    lengths = [len(r[0][next(iter(pads))]) for r in rows]
 
-    def pad(t, value):
-        fill = torch.full((max(lengths) - len(t),), value, dtype=t.dtype)
-        return torch.cat([fill, t] if left else [t, fill])
+    def pad(ts, value):
+        return pad_sequence(list(ts), batch_first=True, padding_value=value, padding_side=side)
 
-    inputs = {k: stack(pad(r[0][k], pads[k]) if k in pads else r[0][k] for r in rows) for k in first}
-    mask = stack(pad(torch.ones(n, dtype=torch.bool), False) for n in lengths)
-    labels = None if label is None else stack(pad(r[1], -100) if r[1].dim() == 1 else r[1] for r in rows)
+    inputs = {k: pad((r[0][k] for r in rows), pads[k]) if k in pads else stack(r[0][k] for r in rows) for k in first}
+    mask = pad((torch.ones(len(r[0][next(iter(pads))]), dtype=torch.bool) for r in rows), False)
+    labels = None if label is None else (pad((r[1] for r in rows), -100) if label.dim() == 1 else
+                                         stack(r[1] for r in rows))
     return Batch(inputs, labels, mask)
 
 

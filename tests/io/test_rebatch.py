@@ -107,3 +107,23 @@ def test_learned_alignment_from_a_data_equals_it_from_the_file_text(lm_folder, s
     from_file = _learned(a, b, as_read, batch=5)  # the file read as --align-samples 12 --learn-batch 5 reads it
     from_data = _learned(a, b, data, batch=5)
     assert all(torch.equal(from_file[k], from_data[k]) for k in from_file)
+
+
+def _to_left(data):
+    """``data`` padded on the left instead: each row's real tokens moved to its end (pads and mask along)."""
+    from symmerge.io.data import Batch, Data
+
+    def roll(b):
+        shifts = (~b.mask).sum(1)
+        move = lambda t: torch.stack([r.roll(int(s)) for r, s in zip(t, shifts)])  # noqa: E731
+        return Batch({k: move(v) for k, v in b.inputs.items()}, None if b.labels is None else move(b.labels),
+                     move(b.mask))
+    return Data(data.path, data.format, [roll(b) for b in data.batches], data.n, data.labeled)
+
+
+def test_left_padded_texts_stay_left_padded(lm_folder):
+    folder, model = lm_folder
+    read = lambda n: load_data(folder / "lines.txt", model, tokenizer=folder / "m", batch_size=n)  # noqa: E731
+    left = rebatch(_to_left(read(3)), 5)
+    assert all(b.mask[:, -1].all() for b in left.batches) and not left.batches[0].mask[:, 0].all()
+    _same(left, _to_left(read(5)))
