@@ -66,7 +66,7 @@ def run(args, log=print) -> dict:
     from symmerge.merge.barrier import repaired_curve
     from symmerge.merge.repair import endpoint_stats, parse_channels, repair, statistics_data
     from symmerge.pipeline.align import align_pair
-    from symmerge.pipeline.data import generated_once
+    from symmerge.pipeline.data import read_once
     from symmerge.pipeline.verify import with_state_dict
 
     folders, a, b, curve = load_pair(args.kv_heads, args.curve_examples)
@@ -78,7 +78,7 @@ def run(args, log=print) -> dict:
         walls, cpus, gens, load = [], [], [], os.getloadavg()[0]
         for _ in range(max(1, args.repeats)):
             t0, c0 = time.perf_counter(), time.process_time()
-            resolved = generated_once(options, [a, b])  # what align / merge do with --align-data generate
+            resolved = read_once(options, [a, b])  # what align / merge do with --align-data generate
             gens.append(time.perf_counter() - t0)
             res = align_pair(a, b, resolved)
             walls.append(time.perf_counter() - t0)

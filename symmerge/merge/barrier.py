@@ -24,6 +24,7 @@ from ..io.model import atomic_dir, write_json
 from ..io.tokenizers import check_tokenizers
 from ..io.prefix import adapt_models
 from ..pipeline.align import align_pair, as_model, load_align_data
+from ..pipeline.data import read_once
 from ..pipeline.options import RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries
 from ..pipeline.report import build_report, match_fields
 from ..progress import bar, stage, stage_printer
@@ -226,8 +227,7 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
         a, b = as_model(model_a, allow_pickle, spec=False), as_model(model_b, allow_pickle, spec=False)
     (a, b), adapted = adapt_models([a, b], names)  # a base model and a fine-tune: both the fine-tune's class
     check_same_shapes(a, b)
-    if base.align_data is not None and not isinstance(base.align_data, Data):  # read once for every variant
-        base = base.with_(align_data=load_align_data(base, a, sources=[a, b], progress=progress))
+    base = read_once(base, [a, b], progress=progress)  # read once for every variant
     variants = _variants(plan, base)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
         if isinstance(data, Data):
@@ -377,8 +377,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
     loaded, adapted = adapt_models(loaded, names)  # base-class models read as the fine-tunes' class
     for i in range(1, len(loaded)):
         check_same_shapes(loaded[i], loaded[0])
-    if base.align_data is not None and not isinstance(base.align_data, Data):
-        base = base.with_(align_data=load_align_data(base, loaded[0], sources=loaded, progress=progress))
+    base = read_once(base, loaded, progress=progress)  # read once for every variant
     variants = _variants(plan, base)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
         d = data if isinstance(data, Data) else load_data(data, loaded[0], batch_size=batch_size,

@@ -30,7 +30,7 @@ from ..io.sentence_transformers import check_pipelines, output_reader
 from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.bound import bind
-from ..pipeline.data import generated_once
+from ..pipeline.data import read_once
 from ..option_ranges import check as check_range
 from ..pipeline.distill import DistillSettings, check_steps, distill
 from ..pipeline.joint import align_joint
@@ -464,8 +464,8 @@ def _load_and_check(plan, options: MergeOptions, models, t0: float) -> Loaded:
     cache = _DataCache(opts)
     eval_files, eval_note = opts.evaluation_data(m.needs) if opts.evaluate else ([], None)
     _check_data(loaded, cache, eval_files, opts, m.needs)
-    if opts.align.matcher.needs_data or opts.repair or opts.distill:  # --align-data generate: sampled once, from every model
-        opts = replace(opts, align=generated_once(opts.align, loaded, timings=timings, progress=opts.progress))
+    if opts.align.matcher.needs_data or opts.repair or opts.distill:  # read (or sampled) once, for every reader
+        opts = replace(opts, align=read_once(opts.align, loaded, timings=timings, progress=opts.progress))
     timings["load"] = time.perf_counter() - t0 - timings.get("generate", 0.0)
     return Loaded(plan=plan, opts=opts, requested_heads=options.heads, dev=dev, names=names, models=loaded,
                   base_model=base_model, base_name=base_name, adapted=adapted, body=body, tokenizer=tokenizer,

@@ -38,12 +38,15 @@ def load_align_data(options, model, sources=None, progress: bool = True, timings
                      batch_size=batch_size, labels=False, limit="--align-samples")
 
 
-def generated_once(options, models, timings: dict | None = None, progress: bool = True):
-    """``options`` with a ``generate`` spec replaced by the sequences it stands for, sampled once from
-    ``models`` (every model being aligned or merged), so that every later reader sees the same data;
-    other options unchanged. ``timings``: the sampling's seconds under ``generate`` (a step of its own,
-    not part of loading)."""
-    if not is_generate(options.align_data):
+def read_once(options, models, timings: dict | None = None, progress: bool = True):
+    """``options`` with its ``align_data`` read once for every later reader: a file loaded (and cut to
+    ``align_samples``, batched for the matcher) as :func:`load_align_data` reads it, a ``generate`` spec
+    replaced by the sequences it stands for, sampled once from ``models`` (every model being aligned or
+    merged), so that every pairwise alignment, round and REPAIR step sees the same data and a cut file's
+    note is printed once; a loaded Data or no data: unchanged. The file is tokenized with ``models[0]``'s
+    tokenizer (the models' tokenizers are checked equal before). ``timings``: the sampling's seconds
+    under ``generate`` (a step of its own, not part of loading)."""
+    if options.align_data is None or isinstance(options.align_data, Data):
         return options
     return options.with_(align_data=load_align_data(options, models[0], sources=models, progress=progress,
                                                     timings=timings))

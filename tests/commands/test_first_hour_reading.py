@@ -75,13 +75,13 @@ def test_no_heartbeat_while_lines_are_printed_or_when_silenced(log):
 
 def test_generated_alignment_data_shows_progress_and_its_own_time(log):
     from factories import make_model
-    from symmerge.pipeline.data import generated_once
+    from symmerge.pipeline.data import read_once
     from symmerge.pipeline.options import AlignOptions
 
     models = [make_model("llama", head=True, seed=s, dtype=torch.float32) for s in (0, 1)]
     options = AlignOptions(match="activations", align_data="generate:8:6:0")
     timings = {}
-    out = generated_once(options, models, timings=timings)
+    out = read_once(options, models, timings=timings)
     assert out.align_data.n == 8 and timings["generate"] > 0
     lines = _lines(log)
     assert any(re.search(r"generate:8:6:0: 4 sequences of 6 tokens from model 1/2: 5/5 tokens", ln) for ln in lines)
@@ -263,3 +263,30 @@ def test_two_quick_demos_from_empty_caches_print_identical_figures(tmp_path, mon
         results.append(run_demo(tmp_path / run / "out", quick=True, progress=False, log=lambda *_: None))
     assert results[0]["platform"] == results[1]["platform"] and results[0]["platform"]["threads"] == 1
     assert _figures(results[0]) == _figures(results[1])
+
+
+def test_alignment_file_is_read_once_per_merge(tmp_path, capsys, monkeypatch):
+    """Three models aligned jointly on activations: the star's pairwise alignments and the rounds all
+    read one loaded copy of --align-data, so a file cut by --align-samples is read, and noted, once."""
+    from conftest import run_cli
+    import symmerge.io.data as io_data
+    import symmerge.pipeline.data as pipeline_data
+
+    calls = []
+    real = io_data.load_data
+
+    def counting(path, *a, **kw):
+        calls.append(str(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(pipeline_data, "load_data", counting)
+    vits = [vit_folder(tmp_path / f"vit{s}", s) for s in (0, 1, 2)]
+    data = npz_file(tmp_path / "align.npz", n=30)
+    out = tmp_path / "merged"
+    assert run_cli("merge", *vits, "--method", "average", "--match", "activations", "--align-data", data,
+                   "--align-samples", "12", "--joint-rounds", "2", "-o", out, "--progress", "none") == 0
+    err = capsys.readouterr().err
+    assert calls == [str(data)], calls
+    assert err.count("only the first 12 of its 30 examples were read (--align-samples 12)") == 1, err
+    report = json.loads((out / "symmerge_report.json").read_text())
+    assert report["alignment"]["joint"]["rounds"], report["alignment"]["joint"]
