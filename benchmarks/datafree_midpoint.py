@@ -258,7 +258,7 @@ def descend(spec: str, ctx: dict, start: dict, args) -> dict:
     QK and VO maps; ``stream``: the stream's alone; the discrete elements kept) for
     ``J_VARIANT / J(start) + λ · D₁₀ / D₁₀(start)`` (``none``: no J term); ``{step: elements}`` at
     ``args.checkpoints`` and the loss history."""
-    from symmerge.pipeline.learn import _Parameters, norm_eps
+    from symmerge.pipeline.learn import Parameters, norm_eps
 
     a, setup, ca, cb = ctx["a"], ctx["setup"], ctx["ca"], ctx["cb"]
     inst, opts, layers, heads = setup["instances"], setup["opts"], a.config.num_hidden_layers, a.config.num_attention_heads
@@ -267,7 +267,7 @@ def descend(spec: str, ctx: dict, start: dict, args) -> dict:
     weights = engine.objective_weights(inst, opts, 1.0, 10.0)
     own = terms(a0, b0, layers, heads, of="own")  # ``rel-``: each term's weight held at the start's
     free = [i for i in inst if not i.kind.per_layer] if only == "stream" else inst
-    params = _Parameters(free, opts, torch.float64, {"norm_eps": norm_eps(a.config)})
+    params = Parameters(free, opts, torch.float64, {"norm_eps": norm_eps(a.config)})
 
     def parts():
         moved = {**a0, **params.transform(a0)}

@@ -52,7 +52,7 @@ from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import bar, stage
 from .data import load_align_data
-from .learn import (Checks, _Parameters, budget_spent, cosine_adam, head_forward, norm_eps, prepared_batches,
+from .learn import (Checks, Parameters, budget_spent, cosine_adam, head_forward, norm_eps, prepared_batches,
                     shuffled)
 from .mixture import check_points, mixture_weights  # check_points(2): the pairwise checks α = ½, ¾, ¼
 from .options import DIRICHLET_AUTO
@@ -145,7 +145,7 @@ class NormSplit(torch.nn.Module):
 class DualSide:
     """One model's learned parts: its continuous elements and its norm splits."""
 
-    params: _Parameters
+    params: Parameters
     split: NormSplit | None
 
     def modules(self) -> list:
@@ -218,7 +218,7 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
     n = len(state_dicts)
     mix = Interpolation(skeleton, state_dicts, settings.target)
     folds = stream_folds(instances) if norms else ()
-    sides = [DualSide(_Parameters(instances, opts, torch.float32, model_facts),
+    sides = [DualSide(Parameters(instances, opts, torch.float32, model_facts),
                       NormSplit(folds, sd) if folds else None) for sd in mix.work]
     g = torch.Generator().manual_seed(settings.seed)
     rng = np.random.default_rng(settings.seed)

@@ -159,7 +159,7 @@ class LayerwiseForward:
                     layer.forward = saved[path]
 
 
-class _Parameters(torch.nn.Module):
+class Parameters(torch.nn.Module):
     """The learned deltas: for every active instance whose kind has continuous freedom, the kind's
     named tensors (zeros: the identity), as parameters."""
 
@@ -482,7 +482,7 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
         a0 = apply(ca, instances, start)
         work_a = {k: v.detach().to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in a0.items()}
         work_b = {k: v.detach().to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in cb.items()}
-    params = _Parameters(instances, opts, dtype, {"norm_eps": norm_eps(model.config)}).to(dev)
+    params = Parameters(instances, opts, dtype, {"norm_eps": norm_eps(model.config)}).to(dev)
     g = torch.Generator().manual_seed(settings.seed + offset)  # on the CPU whatever the device: the same draws
 
     layerwise = LayerwiseForward(skeleton, paths_of(skeleton), list(work_a)) if settings.layerwise else None

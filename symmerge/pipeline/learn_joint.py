@@ -49,7 +49,7 @@ from ..errors import SymmergeError
 from ..families import spec_for
 from ..progress import bar, stage
 from .align import instances_for, load_align_data, untied
-from .learn import (Checks, _Parameters, budget_spent, cosine_adam, examples_word, norm_eps, prepared_batches,
+from .learn import (Checks, Parameters, budget_spent, cosine_adam, examples_word, norm_eps, prepared_batches,
                     scored_logits, shuffled)
 from .frame import JointAlignment, spread
 from .matchers import matcher
@@ -115,11 +115,11 @@ def learn_mixture(instances, skeleton, state_dicts: list[dict], frame: int, data
     ``state_dicts`` (one frame); returns ``(elements, info)``: ``elements[i]`` is model i's
     ``{instance name: element}`` (empty for the frame model and when nothing can be learned), to be
     applied to ``state_dicts[i]``. ``on_step(step, parameters)`` is called after every update (tests;
-    ``parameters``: one :class:`~symmerge.pipeline.learn._Parameters` per model, None for the frame)."""
+    ``parameters``: one :class:`~symmerge.pipeline.learn.Parameters` per model, None for the frame)."""
     t0 = time.perf_counter()
     n = len(state_dicts)
     mix = Mixture(skeleton, state_dicts, frame, settings.target)
-    params = [None if i == frame else _Parameters(instances, opts, torch.float32, model_facts) for i in range(n)]
+    params = [None if i == frame else Parameters(instances, opts, torch.float32, model_facts) for i in range(n)]
     learners = [p for p in params if p is not None]
     g = torch.Generator().manual_seed(settings.seed)
     rng = np.random.default_rng(settings.seed)

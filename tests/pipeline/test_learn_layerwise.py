@@ -12,7 +12,7 @@ from factories import make_model
 from symmerge.core.apply import apply, canonicalize
 from symmerge.pipeline.align import align_pair, instances_for
 from symmerge.pipeline.bound import bind
-from symmerge.pipeline.learn import LayerwiseForward, _Parameters, head_forward, norm_eps
+from symmerge.pipeline.learn import LayerwiseForward, Parameters, head_forward, norm_eps
 from symmerge.pipeline.options import AlignOptions, LearnSettings
 from symmerge.pipeline.verify import with_state_dict
 from test_learn import FULL, unlabeled
@@ -34,7 +34,7 @@ def test_layerwise_logits_and_gradient_equal_the_whole_models(family, request):
     active = [i for i in instances if i.kind.active(i, opts)]
     wide = [i for i in active if not i.kind.per_layer]
     work_a, work_b = canonicalize(a.state_dict(), wide), canonicalize(b.state_dict(), wide)
-    params = _Parameters(active, opts, torch.float64, {"norm_eps": norm_eps(a.config)})
+    params = Parameters(active, opts, torch.float64, {"norm_eps": norm_eps(a.config)})
     assert params.p
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
