@@ -16,15 +16,12 @@ def load_align_data(options, model, sources=None, progress: bool = True, timings
     :mod:`symmerge.io.generate`; ``progress``: a bar per model; ``timings``: its seconds added under
     ``generate``). A file cut to ``align_samples`` says so (:func:`~symmerge.io.data.load_data`'s note,
     under the name ``--align-samples``)."""
+    batch_size = min(options.learn.batch, options.align_samples)
+    max_length = options.learn.max_length if options.matcher.learns else None
     if isinstance(options.align_data, Data):
         check_data(options.align_data, model, use_labels=False)
         data = take(options.align_data, options.align_samples, limit="--align-samples")
-        # the learned steps' minibatches are the data's batches: an in-memory Data is batched (and its
-        # sequences cut) as a file is read below, so that --learn-batch / --learn-max-length mean one thing
-        return rebatch(data, min(options.learn.batch, options.align_samples), options.learn.max_length) \
-            if options.matcher.learns else data
-    batch_size = min(options.learn.batch, options.align_samples)
-    if is_generate(options.align_data):
+    elif is_generate(options.align_data):
         n, length, seed = parse_generate(options.align_data)
         t = time.perf_counter()
         data = generate_data(sources or [model], min(n, options.align_samples), length, seed=seed,
@@ -32,10 +29,12 @@ def load_align_data(options, model, sources=None, progress: bool = True, timings
         if timings is not None:
             timings["generate"] = timings.get("generate", 0.0) + time.perf_counter() - t
         check_data(data, model, use_labels=False)
-        return rebatch(data, batch_size, options.learn.max_length) if options.matcher.learns else data
-    max_length = options.learn.max_length if options.matcher.learns else None
-    return load_data(options.align_data, model, max_examples=options.align_samples, max_length=max_length,
-                     batch_size=batch_size, labels=False, limit="--align-samples")
+    else:
+        return load_data(options.align_data, model, max_examples=options.align_samples, max_length=max_length,
+                         batch_size=batch_size, labels=False, limit="--align-samples")
+    # the learned steps' minibatches are the data's batches: in-memory or generated data is batched (and its
+    # sequences cut) as a file is read, so that --learn-batch / --learn-max-length mean one thing
+    return rebatch(data, batch_size, max_length) if options.matcher.learns else data
 
 
 def read_once(options, models, timings: dict | None = None, progress: bool = True):
