@@ -55,7 +55,7 @@ def child_generate(kind: str, root: str) -> None:
     import torch
     from safetensors import safe_open
 
-    from symmerge.io.checkpoint import _DTYPES, PlannedWriter
+    from symmerge.io.checkpoint import SAFETENSORS_DTYPES, PlannedWriter
     from symmerge.io.model import atomic_dir
 
     root_p = Path(root)
@@ -94,7 +94,7 @@ def child_generate(kind: str, root: str) -> None:
                 with safe_open(str(f), "pt") as h:
                     names = list(h.keys())
                     plan = [(k, h.get_slice(k).get_dtype(), h.get_slice(k).get_shape()) for k in names]
-                    writer = PlannedWriter(tmp, [(k, _DTYPES[d], s) for k, d, s in plan], 1 << 62)
+                    writer = PlannedWriter(tmp, [(k, SAFETENSORS_DTYPES[d], s) for k, d, s in plan], 1 << 62)
                     g = torch.Generator().manual_seed(seed)
                     for k in names:
                         t = h.get_tensor(k)

@@ -22,9 +22,10 @@ from .hf import DiskNames, attention_heads, disk_to_memory, disk_to_memory_names
 from .shapes import check_complete, check_config_counts, check_shapes, expected_tensors, refuse_incomplete
 from .model import SAFE_INDEX, SAFE_SINGLE, check_finite, check_safetensors, read_config, weight_files
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+# safetensors dtype codes (a header's "dtype") and the torch dtypes they store; `PlannedWriter` writes the reverse
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def parse_size(value) -> int:
@@ -105,7 +106,7 @@ class LazyCheckpoint:
                 stored = set(handle.keys())
                 for disk in handle.keys():
                     sl = handle.get_slice(disk)
-                    dtype = _DTYPES.get(sl.get_dtype())
+                    dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
                     if dtype is None:
                         raise SymmergeError(f"{f}: tensor {disk!r} has unsupported dtype {sl.get_dtype()}")
                     key = rename.get(disk, disk)
@@ -407,7 +408,7 @@ def _offsets(file: Path) -> dict[str, tuple[int, int]]:
     return _OFFSETS[cache_key]
 
 
-_CODES = {v: k for k, v in _DTYPES.items()}
+_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 class PlannedWriter:
