@@ -6,6 +6,7 @@ then fits them. B1's curve set only scores the barrier, as in docs/results/dataf
 
     python -m benchmarks.datafree_probes --seeds 0,1 --out DIR [generation options] [--starts activations,weights:10]
     python -m benchmarks.datafree_probes --seeds 0,1 --reuse DIR/probes.npz --out DIR2 --starts weights:10
+    python -m benchmarks.datafree_probes --seeds 0,1 --reuse DIR/probes.npz --out DIR3 --rounds 2
     python -m benchmarks.datafree_probes --tiny --out DIR            # the smoke test (tiny B1, seconds)
 
 **Generation** (``generate``): ``--probes`` images, class-balanced (probe i targets class i mod 10), from uniform
@@ -29,7 +30,14 @@ probability of the target.
 the same probes) or ``weights:F`` (the data-free weight matching with ``--depth-decay F``), then the learned steps
 (``LearnSettings`` defaults: 200 steps, 4 flipped-and-shifted views). Each alignment is verified as ``align``
 verifies it (the report's max relative output difference); the barrier on B1's curve set at ``--points`` α values.
-Writes ``results.json`` (and ``probes.npz``, not for the repository) into ``--out``.
+
+**Adversarial rounds** (``--rounds R``, DFAD-style min-max): from A aligned by the first start, each round pushes a
+copy of the probes for ``--adv-steps`` steps toward where the aligned midpoint departs from the endpoints (maximising
+KL(t ‖ p_mid), t the normalised geometric mean of the endpoints' predictions, with ``--adv-ce`` × their CE toward the
+class and the TV prior), then learns the alignment of the current A to B (activations start) on the probes and the
+pushed copy; the composed alignment is checked against the original A as ``align`` checks one.
+
+Writes ``results.json`` (and ``probes*.npz``, not for the repository) into ``--out``.
 """
 
 from __future__ import annotations
@@ -50,10 +58,12 @@ from benchmarks import unlabeled
 from benchmarks import vit_fashion_mnist as b1
 from benchmarks.common import machine
 from symmerge.demo.datasets import PIXEL_MEAN, PIXEL_STD, write_npz
-from symmerge.evaluate.metrics import interpolation_curve
+from symmerge.evaluate.metrics import interpolate, interpolation_curve
 from symmerge.io.model import load_model
 from symmerge.pipeline.align import align_pair
+from symmerge.pipeline.bound import bind
 from symmerge.pipeline.options import AlignOptions, LearnSettings
+from symmerge.pipeline.verify import verify_forward, with_state_dict
 
 LOW, HIGH = (0 - PIXEL_MEAN) / PIXEL_STD, (1 - PIXEL_MEAN) / PIXEL_STD  # the normalised pixel range
 
@@ -146,6 +156,58 @@ def generate(models, cfg, log=print) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return x_all, targets, {"seconds": seconds, "final_loss_parts": last, **quality(models, x_all, targets)}
 
 
+def midpoint(moved, anchor, alpha: float = 0.5):
+    """The model with weights α·θ_moved + (1 − α)·θ_anchor (a frozen copy of ``anchor``'s modules)."""
+    m = with_state_dict(anchor, interpolate(moved.state_dict(), anchor.state_dict(), alpha)).eval()
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def adversarial(moved, anchor, x0: torch.Tensor, targets: torch.Tensor, cfg, log=print) -> tuple[torch.Tensor, dict]:
+    """Probes pushed, from ``x0``, toward where the midpoint of the aligned pair departs from the endpoints: Adam on the
+    pixels maximising KL(t ‖ p_mid), t the normalised geometric mean of the two endpoints' predictions (the learned
+    alignment's target at α = ½), with ``cfg.adv_ce`` × both endpoints' cross-entropy toward the probe's class and
+    ``cfg.tv`` × the total variation keeping them probes of that class; shifted and flipped views as in
+    :func:`generate`. Returns ``(probes, report)``."""
+    ends = [moved, anchor]
+    for m in ends:
+        m.eval()
+        for p in m.parameters():
+            p.requires_grad_(False)
+    mid = midpoint(moved, anchor)
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    out, t0, kls = x0.clone(), time.perf_counter(), []
+    for lo in range(0, len(x0), cfg.gen_batch):
+        x = x0[lo:lo + cfg.gen_batch].clone().requires_grad_(True)
+        y = targets[lo:lo + cfg.gen_batch]
+        opt = torch.optim.Adam([x], lr=cfg.lr)
+        for _ in range(cfg.adv_steps):
+            view = shifted(x, cfg.jitter, cfg.flip, g)
+            logp = [F.log_softmax(m(pixel_values=view).logits, -1) for m in ends]
+            target = F.log_softmax(0.5 * (logp[0] + logp[1]), -1)
+            kl = (target.exp() * (target - F.log_softmax(mid(pixel_values=view).logits, -1))).sum(-1).mean()
+            ce = sum(F.nll_loss(lp, y) for lp in logp) / 2
+            loss = -kl + cfg.adv_ce * ce + cfg.tv * total_variation(x).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                x.clamp_(LOW, HIGH)
+        kls.append(float(kl.detach()))
+        out[lo:lo + cfg.gen_batch] = x.detach()
+    with torch.no_grad():
+        def mid_kl(z):
+            lp = [F.log_softmax(m(pixel_values=z).logits, -1) for m in ends]
+            t = F.log_softmax(0.5 * (lp[0] + lp[1]), -1)
+            return float((t.exp() * (t - F.log_softmax(mid(pixel_values=z).logits, -1))).sum(-1).mean())
+        rep = {"seconds": time.perf_counter() - t0, "midpoint_kl_before": mid_kl(x0), "midpoint_kl_after": mid_kl(out),
+               **quality(ends, out, targets)}
+    log(f"  adversarial probes: midpoint KL {rep['midpoint_kl_before']:.4f} -> {rep['midpoint_kl_after']:.4f}, "
+        f"both give the target to {rep['target_fraction_both']:.3f} ({rep['seconds']:.0f} s)")
+    return out, rep
+
+
 @torch.no_grad()
 def quality(models, x, targets) -> dict:
     """How the models classify the probes: per model the fraction given the target and the mean target probability,
@@ -184,7 +246,23 @@ def align_on(a, b, data_path: str, n: int, start: str, curve, alphas, log=print)
     log(f"  start {start:14s} barrier ({len(alphas)} points) {c['barrier']:.4f}  midpoint accuracy "
         f"{c['accuracy'][len(alphas) // 2]:.4f}  align {secs:.0f} s (load {load:.1f})  max rel. diff "
         f"{row['verify_max_rel_diff']:.2e}")
-    return row
+    return row, res.model
+
+
+def adversarial_rounds(a, moved, b, x, targets, args, curve, alphas, out: Path) -> list:
+    """``args.rounds`` rounds from ``moved`` (A aligned on the probes ``x``): adversarial probes from ``x`` against the
+    current midpoint, then the learned alignment (activations start) of the current A to B on ``x`` and them; the
+    composed alignment checked against the original A as ``align`` checks one."""
+    spec, rows = bind(a, None, "largest").spec, []
+    for r in range(1, args.rounds + 1):
+        print(f"round {r}")
+        xa, rep = adversarial(moved, b, x, targets, args)
+        path = write_npz(out / f"probes_round{r}.npz", torch.cat([x, xa]).numpy(), None)
+        row, moved = align_on(moved, b, str(path), 2 * len(x), "activations", curve, alphas)
+        row.update(round=r, adversarial=rep, **{f"composed_{k}": v for k, v in verify_forward(a, moved, spec).items()})
+        print(f"  composed with the earlier rounds: max rel. diff {row['composed_verify_max_rel_diff']:.2e}")
+        rows.append(row)
+    return rows
 
 
 def parse_args(argv=None):
@@ -208,11 +286,17 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="the probes' noise and jitter seed (default 0)")
     p.add_argument("--starts", default="activations", help="learned alignment starts, comma-separated: activations, "
                    "weights:F (data-free, depth decay F) (default activations)")
+    p.add_argument("--rounds", type=int, default=0, help="adversarial rounds after the first start's alignment "
+                   "(default 0)")
+    p.add_argument("--adv-steps", type=int, default=50, help="steps of each adversarial round (default 50)")
+    p.add_argument("--adv-ce", type=float, default=1.0, help="the class term's weight in the adversarial rounds "
+                   "(default 1)")
     p.add_argument("--points", type=int, default=5, help="α values of each curve (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args(argv)
     if args.tiny:
         args.probes, args.gen_batch, args.steps = min(args.probes, 40), min(args.gen_batch, 40), min(args.steps, 5)
+        args.adv_steps = min(args.adv_steps, 3)
     return args
 
 
@@ -250,8 +334,13 @@ def main(argv=None) -> int:
           f"B {q['target_fraction_B']:.3f}; mean target probability A {q['target_probability_A']:.3f}, "
           f"B {q['target_probability_B']:.3f})" + (f", generated in {q['seconds']:.0f} s" if "seconds" in q else ""))
     alphas = [i / (args.points - 1) for i in range(args.points)]
-    result["alignments"] = [align_on(a, b, str(probe_file), len(x), s, curve, alphas)
-                            for s in args.starts.split(",")]
+    result["alignments"], moved = [], []
+    for s in args.starts.split(","):
+        row, m = align_on(a, b, str(probe_file), len(x), s, curve, alphas)
+        result["alignments"].append(row)
+        moved.append(m)
+    if args.rounds:
+        result["rounds"] = adversarial_rounds(a, moved[0], b, x, targets, args, curve, alphas, out)
     result["seconds_total"] = time.perf_counter() - t_start
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out / 'results.json'} ({result['seconds_total']:.0f} s)")

@@ -70,10 +70,11 @@ def test_learned_alignment_on_the_probes_keeps_a_function(pair, tmp_path):
     curve = load_data(write_npz(tmp_path / "curve.npz", rng.normal(size=(16, *x.shape[1:])).astype(np.float32),
                                 rng.integers(0, 3, size=16)), a, batch_size=8)
     for start in ("activations", "weights:10"):
-        row = dp.align_on(a, b, str(path), len(x), start, curve, [0.0, 0.5, 1.0], log=lambda *_: None)
+        row, moved = dp.align_on(a, b, str(path), len(x), start, curve, [0.0, 0.5, 1.0], log=lambda *_: None)
         assert row["verify_max_rel_diff"] <= 1e-5
         assert row["probes_used"] == len(x)
         assert np.isfinite(row["barrier"]) and len(row["loss"]) == 3
+        assert moved is not a and type(moved) is type(a)
 
 
 def test_shifted_views_are_rolls_within_the_jitter_or_their_mirror():
@@ -89,3 +90,39 @@ def test_shifted_views_are_rolls_within_the_jitter_or_their_mirror():
         assert hits
         seen.add(hits[0])
     assert len(seen) > 4  # the shifts and flips vary
+
+
+def test_midpoint_at_one_is_the_moved_model(pair):
+    a, b = pair
+    x = torch.randn(4, a.config.num_channels, a.config.image_size, a.config.image_size)
+    with torch.no_grad():
+        assert torch.allclose(dp.midpoint(a, b, 1.0)(pixel_values=x).logits, a(pixel_values=x).logits, atol=1e-6)
+        assert torch.allclose(dp.midpoint(a, b, 0.0)(pixel_values=x).logits, b(pixel_values=x).logits, atol=1e-6)
+
+
+def test_adversarial_probes_raise_the_midpoints_departure(pair):
+    a, b = pair
+    g = torch.Generator().manual_seed(3)
+    x0 = (torch.rand(12, a.config.num_channels, a.config.image_size, a.config.image_size, generator=g) - 0.5) / 0.5
+    cfg = _cfg(adv_steps=40, adv_ce=0.0, gen_batch=12, tv=0.0)
+    x, rep = dp.adversarial(a, b, x0, torch.arange(12) % 3, cfg, log=lambda *_: None)
+    assert x.shape == x0.shape and x.min() >= dp.LOW and x.max() <= dp.HIGH
+    assert rep["midpoint_kl_after"] > 1.5 * rep["midpoint_kl_before"]
+
+
+def test_script_end_to_end_tiny_with_a_round(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.datafree_probes", "--tiny", "--out", str(out), "--rounds", "1",
+                        "--starts", "activations,weights:10", "--points", "3"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads((out / "results.json").read_text())
+    assert [row["start"] for row in r["alignments"]] == ["activations", "weights:10"]
+    assert all(row["verify_max_rel_diff"] <= 1e-5 for row in r["alignments"] + r["rounds"])
+    assert r["rounds"][0]["composed_verify_max_rel_diff"] <= 1e-5 and r["rounds"][0]["probes_used"] == 80
+    again = subprocess.run([sys.executable, "-m", "benchmarks.datafree_probes", "--tiny", "--out", str(out)],
+                           capture_output=True, text=True)
+    assert again.returncode != 0 and "not empty" in again.stderr
