@@ -249,6 +249,25 @@ def align_on(a, b, data_path: str, n: int, start: str, curve, alphas, log=print)
     return row, res.model
 
 
+def references(a, b, files: dict, curve, alphas, real: bool, log=print) -> list:
+    """The data-free weight matching (all groups, ``--depth-decay`` 1 and 10) and, with ``real``, the learned
+    alignment on 1 000 real unlabeled training images (B1's stats file: data-dependent, a reference only)."""
+    rows = []
+    for decay in (1.0, 10.0):
+        t = time.perf_counter()
+        res = align_pair(a, b, AlignOptions(symmetries=unlabeled.ALL, depth_decay=decay))
+        secs = time.perf_counter() - t
+        c = interpolation_curve(res.model, res.anchor, curve, alphas, progress=False)
+        rows.append({"reference": f"data-free weights, depth decay {decay:g}", "barrier": c["barrier"], "loss": c["loss"],
+                     "accuracy": c["accuracy"], "align_seconds": secs, "load_average": os.getloadavg()[0],
+                     "verify_max_rel_diff": res.report.get("verify_max_rel_diff")})
+        log(f"  reference data-free F = {decay:g}: barrier {c['barrier']:.4f} ({secs:.1f} s)")
+    if real:
+        row, _ = align_on(a, b, str(files["stats"]), 1000, "activations", curve, alphas, log)
+        rows.append({"reference": "learned on 1 000 real unlabeled training images (not data-free)", **row})
+    return rows
+
+
 def adversarial_rounds(a, moved, b, x, targets, args, curve, alphas, out: Path) -> list:
     """``args.rounds`` rounds from ``moved`` (A aligned on the probes ``x``): adversarial probes from ``x`` against the
     current midpoint, then the learned alignment (activations start) of the current A to B on ``x`` and them; the
@@ -285,12 +304,14 @@ def parse_args(argv=None):
     p.add_argument("--psaq-bandwidth", type=float, default=0.05, help="its kernel bandwidth (default 0.05)")
     p.add_argument("--seed", type=int, default=0, help="the probes' noise and jitter seed (default 0)")
     p.add_argument("--starts", default="activations", help="learned alignment starts, comma-separated: activations, "
-                   "weights:F (data-free, depth decay F) (default activations)")
+                   "weights:F (data-free, depth decay F), or none (only --references) (default activations)")
     p.add_argument("--rounds", type=int, default=0, help="adversarial rounds after the first start's alignment "
                    "(default 0)")
     p.add_argument("--adv-steps", type=int, default=50, help="steps of each adversarial round (default 50)")
     p.add_argument("--adv-ce", type=float, default=1.0, help="the class term's weight in the adversarial rounds "
                    "(default 1)")
+    p.add_argument("--references", choices=("data-free", "all"), help="also the data-free weight matching (depth "
+                   "decay 1 and 10) and with 'all' the learned alignment on 1 000 real training images (not data-free)")
     p.add_argument("--points", type=int, default=5, help="α values of each curve (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args(argv)
@@ -310,9 +331,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     b1_args = b1.parse_args(["--seeds", args.seeds] + (["--tiny"] if args.tiny else []))
-    _, seeds, folders, _, _, a, b, _, curve = b1.load_pair(b1_args, print)
+    _, seeds, folders, _, files, a, b, _, curve = b1.load_pair(b1_args, print)
     result = {"argv": sys.argv[1:] if argv is None else list(argv), "seeds": seeds, "folders": [str(f) for f in folders],
               "machine": machine(), "load_average_start": os.getloadavg()[0]}
+    alphas = [i / (args.points - 1) for i in range(args.points)]
+    if args.references:
+        result["references"] = references(a, b, files, curve, alphas, args.references == "all")
+    if args.starts == "none":
+        (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     probe_file = out / "probes.npz"
     if args.reuse:
         x = torch.from_numpy(np.load(args.reuse)["pixel_values"])
@@ -333,7 +360,6 @@ def main(argv=None) -> int:
     print(f"probes: both models give the target to {q['target_fraction_both']:.3f} (A {q['target_fraction_A']:.3f}, "
           f"B {q['target_fraction_B']:.3f}; mean target probability A {q['target_probability_A']:.3f}, "
           f"B {q['target_probability_B']:.3f})" + (f", generated in {q['seconds']:.0f} s" if "seconds" in q else ""))
-    alphas = [i / (args.points - 1) for i in range(args.points)]
     result["alignments"], moved = [], []
     for s in args.starts.split(","):
         row, m = align_on(a, b, str(probe_file), len(x), s, curve, alphas)

@@ -117,11 +117,14 @@ def test_script_end_to_end_tiny_with_a_round(tmp_path):
 
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "benchmarks.datafree_probes", "--tiny", "--out", str(out), "--rounds", "1",
-                        "--starts", "activations,weights:10", "--points", "3"], capture_output=True, text=True)
+                        "--starts", "activations,weights:10", "--points", "3", "--references", "data-free"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads((out / "results.json").read_text())
     assert [row["start"] for row in r["alignments"]] == ["activations", "weights:10"]
     assert all(row["verify_max_rel_diff"] <= 1e-5 for row in r["alignments"] + r["rounds"])
+    assert [row["reference"] for row in r["references"]] == ["data-free weights, depth decay 1",
+                                                             "data-free weights, depth decay 10"]
+    assert all(row["verify_max_rel_diff"] <= 1e-5 for row in r["references"])
     assert r["rounds"][0]["composed_verify_max_rel_diff"] <= 1e-5 and r["rounds"][0]["probes_used"] == 80
     again = subprocess.run([sys.executable, "-m", "benchmarks.datafree_probes", "--tiny", "--out", str(out)],
                            capture_output=True, text=True)
