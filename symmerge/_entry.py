@@ -110,13 +110,44 @@ def collector_paused():
             gc.enable()
 
 
+_DEFERRED = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """The command's imports with SIGINT, SIGTERM and SIGHUP blocked, so a Ctrl-C never lands inside an extension
+    module's initialisation (torch's, in C++: a KeyboardInterrupt raised there aborts the process, exit -6, with a
+    C++ message instead of one line); a signal that arrived meanwhile is taken when the outermost block ends, and
+    the command then says so in one line (:func:`interrupted_exit`). Threads started during the imports keep the
+    signals blocked, so they reach the main thread, which handles them. Nothing is blocked off the main thread or
+    where the platform has no ``pthread_sigmask``."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
+    try:
+        yield
+    finally:
+        if signal.SIGINT in before:  # a block further out takes the signals
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        else:
+            pending = [s for s in _DEFERRED if s in signal.sigpending()
+                       and signal.getsignal(s) not in (signal.SIG_IGN, None)]
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)  # any pending signal is delivered now
+            if pending:
+                global _interrupted
+                _interrupted = True
+                interrupted_exit(None if pending[0] == signal.SIGINT else pending[0])
+
+
 @contextlib.contextmanager
 def guarded_imports():
     command = running_as_command()
     if command:
         watch_interrupts()
     try:
-        with collector_paused() if command else contextlib.nullcontext():
+        with collector_paused() if command else contextlib.nullcontext(), \
+                signals_deferred() if command else contextlib.nullcontext():
             yield
     except KeyboardInterrupt as e:
         if not command:

@@ -266,3 +266,21 @@ def test_an_error_after_a_ctrl_c_is_reported_as_the_interrupt(monkeypatch, capsy
     monkeypatch.setattr(_entry, "_interrupted", True)
     assert cli.main(["specs"]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "symmerge: interrupted"
+
+
+def test_a_ctrl_c_during_the_imports_waits_for_them():
+    """The signal is held while the command imports (an extension's C++ initialisation, torch's, aborts the
+    process with exit -6 when a KeyboardInterrupt is raised inside it): the block runs to its end, then the
+    command says so in one line, exit 130. Without the deferral the interrupt lands inside the block."""
+    code = ("import os, signal, sys\n"
+            "sys.argv[0] = 'symmerge'\n"
+            "from symmerge._entry import guarded_imports\n"
+            "with guarded_imports():\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    for _ in range(10 ** 5): pass\n"
+            "    print('the block ran to its end', flush=True)\n"
+            "print('after the block', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=_with_default_sigint)
+    assert proc.stdout == "the block ran to its end\n", (proc.stdout, proc.stderr)
+    assert proc.returncode == 130 and proc.stderr.strip() == "symmerge: interrupted", (proc.returncode, proc.stderr)
