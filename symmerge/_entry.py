@@ -134,9 +134,7 @@ def signals_deferred():
             pending = [s for s in _DEFERRED if s in signal.sigpending()
                        and signal.getsignal(s) not in (signal.SIG_IGN, None)]
             signal.pthread_sigmask(signal.SIG_SETMASK, before)  # any pending signal is delivered now
-            if pending:
-                global _interrupted
-                _interrupted = True
+            if pending:  # (the handler may have raised already: guarded_imports then ends the same way)
                 interrupted_exit(None if pending[0] == signal.SIGINT else pending[0])
 
 
