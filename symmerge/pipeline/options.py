@@ -275,6 +275,9 @@ class AlignOptions:
             raise SymmergeError(f"the ends weight must be a finite number > 0, got {self.ends_weight!r}")
         if not (_is_number(self.depth_decay) and self.depth_decay > 0):
             raise SymmergeError(f"the depth decay must be a finite number > 0, got {self.depth_decay!r}")
+        if self.verify_tol is not None and not (_is_number(self.verify_tol) and self.verify_tol >= 0):
+            raise SymmergeError(f"--verify-tol must be a finite number >= 0 (the largest relative output difference "
+                                f"accepted; --no-verify skips the check), got {self.verify_tol!r}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
