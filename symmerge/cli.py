@@ -63,6 +63,12 @@ def _run(argv) -> int:
     return code
 
 
+def one_line(message) -> str:
+    """``message`` on one line: a message that quotes another library's (transformers' several-line ones) keeps
+    its words, its lines joined by a space, so that an error is always the one ``symmerge: error:`` line."""
+    return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
 def _quiet_stdout() -> None:
     """Point stdout at /dev/null so that the interpreter's last flush does not fail on the closed pipe."""
     try:
@@ -84,7 +90,7 @@ def main(argv=None) -> int:
         if was_interrupted():
             print("symmerge: interrupted", file=sys.stderr)
             return INTERRUPTED
-        print(f"symmerge: error: {e}", file=sys.stderr)
+        print(f"symmerge: error: {one_line(e)}", file=sys.stderr)
         return 2
     except Terminated as e:  # SIGTERM, SIGHUP: cleaned up as a Ctrl-C is
         print(interrupted_line(e.signum), file=sys.stderr)
@@ -103,7 +109,8 @@ def main(argv=None) -> int:
         if fault is None:
             raise
         name = getattr(fault, "filename", None)
-        print(f"symmerge: error: {f'{name}: ' if name else ''}{describe_fault(fault)}", file=sys.stderr)
+        print(f"symmerge: error: {one_line(f'{name}: {describe_fault(fault)}' if name else describe_fault(fault))}",
+              file=sys.stderr)
         return 2
     finally:
         release_claims()  # the output's claim, if the run ended before writing it

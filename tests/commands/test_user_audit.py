@@ -52,3 +52,31 @@ def test_align_options_refuse_a_bad_verify_tolerance(tol):
 @pytest.mark.parametrize("tol", [None, 0, 0.0, 1e-4, 1])
 def test_align_options_keep_a_good_verify_tolerance(tol):
     assert AlignOptions(verify_tol=tol).verify_tol == tol
+
+
+# ------------------------------------------------------------------ one line, whatever the message
+
+
+def test_a_causal_lm_folder_without_a_tokenizer_is_one_line(tmp_path, capsys):
+    """transformers' own message (several lines) used to be quoted as it is: five lines on stderr."""
+    models = [save_folder(make_model("llama", seed=s), tmp_path / f"l{s}") for s in (0, 1)]
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\nanother line\n")
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "barrier", *models, "--data", text, "--align", "none", "--points", "2", "-o", out,
+                         "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "tokenizer" in line
+    assert not out.exists()
+
+
+def test_an_error_message_of_several_lines_is_printed_on_one(monkeypatch, capsys):
+    import symmerge.commands.specs as specs
+
+    def fail(args):
+        raise SymmergeError("first part\n  (1) a detail \n\n(2) another\n")
+
+    monkeypatch.setattr(specs, "run", fail)
+    rc, _, err = run_cli(capsys, "specs")
+    assert rc == 2
+    assert one_error_line(err) == "symmerge: error: first part (1) a detail (2) another"
