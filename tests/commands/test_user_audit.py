@@ -80,3 +80,26 @@ def test_an_error_message_of_several_lines_is_printed_on_one(monkeypatch, capsys
     rc, _, err = run_cli(capsys, "specs")
     assert rc == 2
     assert one_error_line(err) == "symmerge: error: first part (1) a detail (2) another"
+
+
+# ------------------------------------------------------------------ extract-lora --save-module
+
+
+def test_a_save_module_that_names_no_module_is_a_warning(tmp_path, capsys):
+    """A misspelt --save-module (lm_haed) matched nothing and was dropped in silence; it stays in the adapter's
+    modules_to_save as mergekit-extract-lora keeps it, with one warning line naming it and the name it is close to."""
+    import json
+
+    base = save_folder(make_model("llama", head=True, seed=0), tmp_path / "base")
+    ft = save_folder(make_model("llama", head=True, seed=1), tmp_path / "ft")
+    out = tmp_path / "adapter"
+    rc, _, err = run_cli(capsys, "extract-lora", ft, base, "-o", out, "--rank", "2", "--save-module", "lm_haed",
+                         "--save-module", "lm_head", "--progress", "none")
+    assert rc == 0
+    warnings = [line for line in err.splitlines() if line.startswith("symmerge: warning:")]
+    assert len(warnings) == 1, err
+    assert "--save-module lm_haed" in warnings[0] and "'lm_head'" in warnings[0], warnings[0]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert "lm_haed" in config["modules_to_save"] and "lm_head" in config["modules_to_save"]
+    report = json.loads((out / "symmerge_report.json").read_text())
+    assert report["warnings"] == [warnings[0].removeprefix("symmerge: warning: ")]
