@@ -103,3 +103,36 @@ def test_a_save_module_that_names_no_module_is_a_warning(tmp_path, capsys):
     assert "lm_haed" in config["modules_to_save"] and "lm_head" in config["modules_to_save"]
     report = json.loads((out / "symmerge_report.json").read_text())
     assert report["warnings"] == [warnings[0].removeprefix("symmerge: warning: ")]
+
+
+# ------------------------------------------------------------------ a folder where a file is expected
+
+
+@pytest.mark.parametrize("name", ["eval.npz", "eval.txt", "eval.jsonl"])
+def test_a_folder_given_as_the_data_file_says_it_is_a_folder(tmp_path, capsys, name):
+    """It said 'data file not found' of a folder that is there."""
+    (tmp_path / name).mkdir()
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "barrier", tmp_path / "a", tmp_path / "b", "--data", tmp_path / name, "-o", out)
+    line = one_error_line(err)
+    assert rc == 2 and "is a directory" in line and "not found" not in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["run", "moe"])
+def test_a_folder_given_as_the_config_says_it_is_a_folder(tmp_path, capsys, command):
+    (tmp_path / "merge.yml").mkdir()
+    rc, _, err = run_cli(capsys, command, tmp_path / "merge.yml", tmp_path / "out")
+    line = one_error_line(err)
+    assert rc == 2 and "is a directory" in line and "not found" not in line, line
+
+
+def test_an_npz_that_is_no_zip_archive_says_so(tmp_path, capsys):
+    """numpy's message for a file that is no zip archive spoke of pickled data, which the file did not hold."""
+    from symmerge.io.data import load_data
+
+    bad = tmp_path / "eval.npz"
+    bad.write_text("pixel_values,labels\n0.1,1\n")
+    with pytest.raises(SymmergeError) as e:
+        load_data(bad)
+    assert "not an .npz file" in str(e.value) and "numpy.savez" in str(e.value) and "pickle" not in str(e.value)
