@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ._version import __version__
 from .errors import SymmergeError
 
 # command name -> module in symmerge.commands defining add_arguments(parser) and run(args)
@@ -34,6 +35,7 @@ def build_parser():
     import importlib
 
     parser = argparse.ArgumentParser(prog="symmerge", description="Symmetry-aware fusion of transformer models.")
+    parser.add_argument("--version", action="version", version=f"symmerge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parser.set_defaults(subparsers=sub.choices)  # a command's own parser: its usage on a bad argument
     for name, module_name in COMMANDS.items():

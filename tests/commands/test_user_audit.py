@@ -136,3 +136,17 @@ def test_an_npz_that_is_no_zip_archive_says_so(tmp_path, capsys):
     with pytest.raises(SymmergeError) as e:
         load_data(bad)
     assert "not an .npz file" in str(e.value) and "numpy.savez" in str(e.value) and "pickle" not in str(e.value)
+
+
+# ------------------------------------------------------------------ --version
+
+
+def test_version_prints_the_version(capsys):
+    """`symmerge --version` said 'the following arguments are required: COMMAND' (exit 2)."""
+    from symmerge import __version__
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"symmerge {__version__}"
