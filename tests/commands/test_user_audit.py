@@ -150,3 +150,31 @@ def test_version_prints_the_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"symmerge {__version__}"
+
+
+# ------------------------------------------------------------------ a misspelt mergekit key
+
+
+def _config(tmp_path, text: str):
+    for s in (0, 1):
+        save_folder(make_model("llama", seed=s), tmp_path / f"m{s}")
+    path = tmp_path / "merge.yml"
+    path.write_text(text.format(a=tmp_path / "m0", b=tmp_path / "m1"))
+    return path
+
+
+@pytest.mark.parametrize("text,needles", [
+    ("models:\n  - model: {a}\n  - model: {b}\nmerge_methd: linear\n", ["merge_methd", "did you mean 'merge_method'"]),
+    ("models:\n  - model: {a}\n  - model: {b}\nmerge_method: slerp\nbase_model: {a}\nparameter:\n  t: 0.5\n",
+     ["line 6", "parameter:", "did you mean 'parameters'"]),
+])
+def test_an_error_names_the_misspelt_key_that_was_ignored_before_it(tmp_path, capsys, text, needles):
+    """The ignored key's warning was lost when the config then failed ("'merge_method' is missing", "no 't' for
+    embed_tokens.weight"), though it is why: the one error line now names it."""
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "run", _config(tmp_path, text), out, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2
+    for needle in needles:
+        assert needle in line, (needle, line)
+    assert not out.exists()
