@@ -178,3 +178,27 @@ def test_an_error_names_the_misspelt_key_that_was_ignored_before_it(tmp_path, ca
     for needle in needles:
         assert needle in line, (needle, line)
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ --align-data that nothing reads
+
+
+@pytest.mark.parametrize("command", [
+    ["align", "a", "b"],
+    ["merge", "a", "b", "--method", "average"],
+    ["barrier", "a", "b", "--data", "eval.npz"],
+])
+def test_align_data_that_nothing_reads_is_refused(tmp_path, capsys, command):
+    """With the default --match weights (and no --repair, --distill, --temperature) --align-data was read by nothing:
+    the alignment was data-free while the user thought it used the data, as the --learn-* flags without --match
+    learned are refused."""
+    from conftest import npz_file
+
+    npz_file(tmp_path / "eval.npz")
+    npz_file(tmp_path / "unlabeled.npz")
+    out = tmp_path / "out"
+    argv = [tmp_path / a if a in ("a", "b", "eval.npz") else a for a in command]
+    rc, _, err = run_cli(capsys, *argv, "--align-data", tmp_path / "unlabeled.npz", "-o", out, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "--align-data" in line and "--match" in line and "a: not a directory" not in line, line
+    assert not out.exists()
