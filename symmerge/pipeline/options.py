@@ -88,7 +88,8 @@ def describe_symmetries(default: str) -> str:
     """The help text of ``--symmetries``/``--align``: every symmetry, and what the default means."""
     text = ("comma list of heads (head permutation), attn (per-head QK/VO rotations), ffn (FFN unit permutation), "
             "rescale (per-head and per-unit scales), residual (one transform of the residual stream, in the "
-            "largest group of the family unless --residual permutation); or none; or paper (attn,ffn,rescale, the "
+            "largest group of the family unless --residual permutation), experts (a permutation of each mixture-of-experts "
+            "layer's experts); or none; or paper (attn,ffn,rescale, the "
             f"paper's set); or {RECOMMENDED_NAME}: the groups of {','.join(RECOMMENDED)} that the model has (no "
             "residual for a base model, whose output is the stream)")
     return f"{text}. Default: {default}"

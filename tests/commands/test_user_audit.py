@@ -202,3 +202,18 @@ def test_align_data_that_nothing_reads_is_refused(tmp_path, capsys, command):
     line = one_error_line(err)
     assert rc == 2 and "--align-data" in line and "--match" in line and "a: not a directory" not in line, line
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ --help
+
+
+def test_the_symmetries_help_names_every_symmetry():
+    """--symmetries / --align's help listed heads, attn, ffn, rescale, residual: not experts, which it takes."""
+    import re
+
+    from symmerge.families import SYMMETRIES
+    from symmerge.pipeline.options import describe_symmetries
+
+    listed = describe_symmetries("x").split("; or none")[0]
+    for name in SYMMETRIES:
+        assert re.search(rf"\b{name} \(", listed), name
