@@ -217,3 +217,13 @@ def test_the_symmetries_help_names_every_symmetry():
     listed = describe_symmetries("x").split("; or none")[0]
     for name in SYMMETRIES:
         assert re.search(rf"\b{name} \(", listed), name
+
+
+def test_a_shard_size_without_stream_is_refused_as_pipeline_is(tmp_path, capsys):
+    """align's --shard-size shapes --stream's shards only: without --stream it was dropped in silence."""
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "align", tmp_path / "a", tmp_path / "b", "-o", out, "--shard-size", "1MB",
+                         "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "--shard-size applies to --stream only" in line, line
+    assert not out.exists()
