@@ -227,3 +227,13 @@ def test_a_shard_size_without_stream_is_refused_as_pipeline_is(tmp_path, capsys)
     line = one_error_line(err)
     assert rc == 2 and "--shard-size applies to --stream only" in line, line
     assert not out.exists()
+
+
+def test_an_unknown_key_of_symmerge_s_own_config_says_which_key_is_close(tmp_path, capsys):
+    """A mergekit key that is misspelt gets a 'did you mean'; a key of symmerge's own configs did not."""
+    path = tmp_path / "merge.yml"
+    path.write_text(f"models: [{tmp_path / 'a'}, {tmp_path / 'b'}]\nmethod: average\neval_data: e.npz\nanchro: 0\n"
+                    f"output: {tmp_path / 'out'}\n")
+    rc, _, err = run_cli(capsys, "run", path, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "unknown key 'anchro'" in line and "did you mean 'anchor'?" in line, line
