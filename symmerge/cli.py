@@ -55,7 +55,8 @@ def _run(argv) -> int:
         parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # an argument the command does not take: the command's own usage, not the top level's
-        args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        command = args.subparsers[args.command]
+        command.error(f"unrecognized arguments: {' '.join(extra)}{_close_flag(command, extra)}")
     configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
     from .io.hf import trust_remote_code
 
@@ -63,6 +64,19 @@ def _run(argv) -> int:
         code = args.handler(args) or 0
     sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
     return code
+
+
+def _close_flag(parser, extra) -> str:
+    """`` (did you mean --symmetries?)`` for the first flag of ``extra`` close to one ``parser`` takes, else ``''``."""
+    import difflib
+
+    flags = [f for action in parser._actions for f in action.option_strings]  # noqa: SLF001
+    for arg in extra:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def one_line(message) -> str:

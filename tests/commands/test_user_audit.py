@@ -237,3 +237,12 @@ def test_an_unknown_key_of_symmerge_s_own_config_says_which_key_is_close(tmp_pat
     rc, _, err = run_cli(capsys, "run", path, "--progress", "none")
     line = one_error_line(err)
     assert rc == 2 and "unknown key 'anchro'" in line and "did you mean 'anchor'?" in line, line
+
+
+def test_a_misspelt_flag_says_which_flag_is_close(capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["align", "a", "b", "-o", "out", "--symetries", "attn"])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "symmerge align: error: unrecognized arguments: --symetries attn (did you mean --symmetries?)", last
