@@ -246,3 +246,15 @@ def test_a_misspelt_flag_says_which_flag_is_close(capsys):
     assert e.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == "symmerge align: error: unrecognized arguments: --symetries attn (did you mean --symmetries?)", last
+
+
+# ------------------------------------------------------------------ demo
+
+
+def test_demo_refuses_a_negative_thread_count_in_one_line(tmp_path, capsys):
+    """--threads -1 was torch's RuntimeError traceback (set_num_threads expects a positive integer)."""
+    out = tmp_path / "demo"
+    rc, _, err = run_cli(capsys, "demo", "--threads", "-1", "-o", out, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "--threads" in line, line
+    assert not out.exists()
