@@ -258,3 +258,22 @@ def test_demo_refuses_a_negative_thread_count_in_one_line(tmp_path, capsys):
     line = one_error_line(err)
     assert rc == 2 and "--threads" in line, line
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ LoRA inputs
+
+
+def test_a_lora_merge_cache_that_is_a_file_says_so(tmp_path, capsys):
+    """It said 'FILE: File exists' (the operating system's refusal to make the folder)."""
+    base = save_folder(make_model("llama", head=True, seed=0), tmp_path / "base")
+    ft = save_folder(make_model("llama", head=True, seed=1), tmp_path / "ft")
+    adapter = tmp_path / "adapter"
+    assert run_cli(capsys, "extract-lora", ft, base, "-o", adapter, "--rank", "2", "--progress", "none")[0] == 0
+    cache = tmp_path / "cache.txt"
+    cache.write_text("not a folder")
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "merge", f"{base}+{adapter}", ft, "--method", "linear", "--align", "none", "-o", out,
+                         "--lora-merge-cache", cache, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "--lora-merge-cache" in line and "not a directory" in line, line
+    assert not out.exists() and cache.read_text() == "not a folder"
