@@ -226,7 +226,7 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
     with stage(f"loaded {names[0]} and {names[1]}", enabled=progress and isinstance(model_a, (str, Path))):
         a, b = as_model(model_a, allow_pickle, spec=False), as_model(model_b, allow_pickle, spec=False)
     (a, b), adapted = adapt_models([a, b], names)  # a base model and a fine-tune: both the fine-tune's class
-    check_same_shapes(a, b)
+    check_same_shapes(a, b, names)
     base = read_once(base, [a, b], progress=progress)  # read once for every variant
     variants = _variants(plan, base)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
@@ -376,7 +376,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
         loaded = [as_model(x, allow_pickle) for x in models]
     loaded, adapted = adapt_models(loaded, names)  # base-class models read as the fine-tunes' class
     for i in range(1, len(loaded)):
-        check_same_shapes(loaded[i], loaded[0])
+        check_same_shapes(loaded[0], loaded[i], (names[0], names[i]))
     base = read_once(base, loaded, progress=progress)  # read once for every variant
     variants = _variants(plan, base)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):

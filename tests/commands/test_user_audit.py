@@ -277,3 +277,24 @@ def test_a_lora_merge_cache_that_is_a_file_says_so(tmp_path, capsys):
     line = one_error_line(err)
     assert rc == 2 and "--lora-merge-cache" in line and "not a directory" in line, line
     assert not out.exists() and cache.read_text() == "not a folder"
+
+
+# ------------------------------------------------------------------ barrier on mismatched models
+
+
+@pytest.mark.parametrize("extra", [[], ["third"]])
+def test_barrier_on_models_of_other_widths_names_them_and_not_label_spaces(tmp_path, capsys, extra):
+    """Two ViTs of hidden 16 and 32 were 'shapes differ for vit.embeddings.cls_token: ... in model A, ... in model B
+    (different label spaces cannot be interpolated)': the wrong reason, and with three models 'A' and 'B' named no
+    folder given."""
+    from conftest import npz_file, vit_folder
+
+    a, b = vit_folder(tmp_path / "a", seed=0), vit_folder(tmp_path / "wide", seed=1, hidden_size=32)
+    models = [a, vit_folder(tmp_path / "third", seed=2), b] if extra else [a, b]
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "barrier", *models, "--data", npz_file(tmp_path / "eval.npz"), "--align", "none",
+                         "-o", out, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "label spaces" not in line and str(b) in line and str(a) in line, line
+    assert "model A" not in line and "model B" not in line, line
+    assert not out.exists()
