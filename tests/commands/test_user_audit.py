@@ -298,3 +298,26 @@ def test_barrier_on_models_of_other_widths_names_them_and_not_label_spaces(tmp_p
     assert rc == 2 and "label spaces" not in line and str(b) in line and str(a) in line, line
     assert "model A" not in line and "model B" not in line, line
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ align --print-plan
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", ["architecture", "width"])
+def test_print_plan_refuses_what_the_alignment_refuses(tmp_path, capsys, stream, case):
+    """align --print-plan printed a plan and exited 0 for a BERT model and a Llama anchor (or two ViTs of other
+    widths), which the alignment itself refuses in one line; merge --print-plan refused them already."""
+    from conftest import vit_folder
+
+    if case == "architecture":
+        model = save_folder(make_model("bert", seed=0), tmp_path / "model")
+        anchor = save_folder(make_model("llama", seed=0), tmp_path / "anchor")
+        needle = "architectures differ"
+    else:
+        model, anchor = vit_folder(tmp_path / "model", seed=0), vit_folder(tmp_path / "anchor", seed=1, hidden_size=32)
+        needle = "shapes differ"
+    rc, out, err = run_cli(capsys, "align", model, anchor, "-o", tmp_path / "out", "--print-plan",
+                           *(["--stream"] if stream else []), "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and needle in line and out == "", line
