@@ -321,3 +321,19 @@ def test_print_plan_refuses_what_the_alignment_refuses(tmp_path, capsys, stream,
                            *(["--stream"] if stream else []), "--progress", "none")
     line = one_error_line(err)
     assert rc == 2 and needle in line and out == "", line
+
+
+# ------------------------------------------------------------------ moe
+
+
+def test_one_expert_and_the_default_experts_per_token_says_it_is_the_default(tmp_path, capsys):
+    """A config without experts_per_token and one expert was 'experts_per_token 2 is more than the 1 experts' at
+    line 1, naming a key the file does not have."""
+    for name, seed in (("base", 0), ("e", 1)):
+        save_folder(make_model("llama", head=True, seed=seed), tmp_path / name)
+    path = tmp_path / "moe.yml"
+    path.write_text(f"base_model: {tmp_path / 'base'}\nexperts:\n  - source_model: {tmp_path / 'e'}\n"
+                    "    positive_prompts: [hi]\ngate_mode: random\n")
+    rc, _, err = run_cli(capsys, "moe", path, tmp_path / "out", "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "default" in line and "experts_per_token: 1" in line, line
