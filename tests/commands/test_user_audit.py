@@ -337,3 +337,17 @@ def test_one_expert_and_the_default_experts_per_token_says_it_is_the_default(tmp
     rc, _, err = run_cli(capsys, "moe", path, tmp_path / "out", "--progress", "none")
     line = one_error_line(err)
     assert rc == 2 and "default" in line and "experts_per_token: 1" in line, line
+
+
+# ------------------------------------------------------------------ --layers
+
+
+@pytest.mark.parametrize("value", ["", " ", ",", " , "])
+def test_an_empty_layer_list_is_refused(tmp_path, capsys, value):
+    """--layers "" (an empty shell variable) aligned no layer and wrote an unaligned copy, exit 0."""
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "align", tmp_path / "a", tmp_path / "b", "-o", out, f"--layers={value}",
+                         "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "--layers" in line, line
+    assert not out.exists()
