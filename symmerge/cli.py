@@ -57,6 +57,7 @@ def _run(argv) -> int:
     if extra:  # an argument the command does not take: the command's own usage, not the top level's
         command = args.subparsers[args.command]
         command.error(f"unrecognized arguments: {' '.join(extra)}{_close_flag(command, extra)}")
+    _refuse_empty_paths(args.subparsers[args.command], args)
     configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
     from .io.hf import trust_remote_code
 
@@ -64,6 +65,20 @@ def _run(argv) -> int:
         code = args.handler(args) or 0
     sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
     return code
+
+
+# the arguments that name a file or a folder: an empty one ("" from an empty shell variable) is the current folder
+PATHS = frozenset({"model", "anchor", "models", "output", "out", "config", "data", "eval_data", "align_data", "base",
+                   "finetune", "model_flag", "base_flag", "lora_merge_cache"})
+
+
+def _refuse_empty_paths(parser, args) -> None:
+    """One error for an empty path (``-o ""``: the current folder, written into when it was empty)."""
+    for action in parser._actions:  # noqa: SLF001
+        value = getattr(args, action.dest, None) if action.dest in PATHS else None
+        if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
+            name = next((o for o in action.option_strings if o.startswith("--")), action.dest)
+            raise SymmergeError(f"{name}: an empty path ({value!r})")
 
 
 def _close_flag(parser, extra) -> str:

@@ -351,3 +351,26 @@ def test_an_empty_layer_list_is_refused(tmp_path, capsys, value):
     line = one_error_line(err)
     assert rc == 2 and "--layers" in line, line
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ empty paths
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["align", "a", "b", "-o", ""], "--output"),
+    (["merge", "a", "b", "--method", "average", "-o", ""], "--output"),
+    (["barrier", "a", "b", "--data", "", "-o", "out"], "--data"),
+    (["merge", "a", "b", "--method", "average", "--eval-data", "", "-o", "out"], "--eval-data"),
+    (["align", "", "b", "-o", "out"], "model"),
+    (["extract-lora", "a", "b", "-o", "", "--rank", "2"], "--output"),
+    (["run", "c.yml", ""], "out"),
+])
+def test_an_empty_path_is_refused(tmp_path, capsys, monkeypatch, argv, flag):
+    """-o "" (an empty shell variable) was the current folder: refused there only because it was not empty, and
+    written into when it was; --data "" was '.: is a directory'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yml").write_text("models: [a, b]\nmerge_method: linear\n")
+    rc, _, err = run_cli(capsys, *argv, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "empty path" in line and flag in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yml"]
