@@ -73,12 +73,23 @@ PATHS = frozenset({"model", "anchor", "models", "output", "out", "config", "data
 
 
 def _refuse_empty_paths(parser, args) -> None:
-    """One error for an empty path (``-o ""``: the current folder, written into when it was empty)."""
+    """One error for an empty path (``-o ""`` from an empty shell variable), and for the current folder as the output
+    (``-o .``: the written folder is renamed into the output's place; ``demo`` writes its two files into a folder)."""
     for action in parser._actions:  # noqa: SLF001
         value = getattr(args, action.dest, None) if action.dest in PATHS else None
+        name = next((o for o in action.option_strings if o.startswith("--")), action.dest)
         if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
-            name = next((o for o in action.option_strings if o.startswith("--")), action.dest)
             raise SymmergeError(f"{name}: an empty path ({value!r})")
+        if action.dest in ("output", "out") and args.command != "demo" and isinstance(value, str) and _is_cwd(value):
+            raise SymmergeError(f"{name} {value}: the current folder cannot be the output (the written folder takes "
+                                "the output's place): give a new folder, e.g. -o merged")
+
+
+def _is_cwd(path: str) -> bool:
+    try:
+        return os.path.samefile(path, os.getcwd())
+    except OSError:
+        return False
 
 
 def _close_flag(parser, extra) -> str:

@@ -374,3 +374,19 @@ def test_an_empty_path_is_refused(tmp_path, capsys, monkeypatch, argv, flag):
     line = one_error_line(err)
     assert rc == 2 and "empty path" in line and flag in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yml"]
+
+
+@pytest.mark.parametrize("command", [["align", "a", "b"], ["merge", "a", "b", "--method", "average"],
+                                     ["run", "c.yml"]])
+def test_the_current_folder_as_the_output_says_so(tmp_path, capsys, monkeypatch, command):
+    """-o . in an empty folder was 'output exists and is not an empty directory' (the run's lock file was made in it):
+    the written folder would replace the current one."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (tmp_path / "c.yml").write_text("models: [a, b]\nmerge_method: linear\n")
+    argv = [str(tmp_path / a) if a == "c.yml" else a for a in command]
+    rc, _, err = run_cli(capsys, *argv, "-o", ".", "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "current folder" in line, line
+    assert list(work.iterdir()) == []
