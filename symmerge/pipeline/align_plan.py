@@ -163,7 +163,7 @@ def _headers(model, anchor, stream: bool):
     return a, b
 
 
-def _check_pair(model, anchor) -> None:
+def _check_pair(model, anchor, names=("model", "anchor")) -> None:
     """What the alignment refuses of the two checkpoints from their headers — architectures, attention heads, the
     shapes of the tensors both store — refused by the plan too (``--print-plan`` printed a plan for a BERT model and
     a Llama anchor). A tensor stored by one only (a tied head saved once) is left to the alignment, which compares
@@ -172,12 +172,20 @@ def _check_pair(model, anchor) -> None:
 
     from ..core.layout import check_layouts
 
-    a, b = model.layout("model"), anchor.layout("anchor")
+    a, b = model.layout(str(names[0])), anchor.layout(str(names[1]))
     common = [k for k in a.shapes if k in b.shapes]  # the model's order: the first differing tensor named
     # the model types of the config classes transformers builds, as the plan binds them (a config.json whose
     # model_type contradicts its class is planned as the class, and refused by the alignment)
     check_layouts([replace(x, model_type=type(c.hf_config).model_type, shapes={k: x.shapes[k] for k in common})
                    for x, c in ((a, model), (b, anchor))])
+
+
+def check_headers(model, anchor, names) -> None:
+    """:func:`_check_pair` of two inputs that are folders of safetensors weights (else nothing: checked when loaded),
+    named ``names`` in its message."""
+    pair = _headers(model, anchor, stream=False)
+    if pair is not None:
+        _check_pair(*pair, names=names)
 
 
 def _bind_headers(ckpt, spec, options: AlignOptions, streamed: bool):

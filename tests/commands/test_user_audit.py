@@ -390,3 +390,16 @@ def test_the_current_folder_as_the_output_says_so(tmp_path, capsys, monkeypatch,
     line = one_error_line(err)
     assert rc == 2 and "current folder" in line, line
     assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("align", [["--align", "none"], []])
+def test_barrier_print_plan_refuses_models_of_other_shapes(tmp_path, capsys, align):
+    """barrier --align none --print-plan printed a plan and exited 0 for ViTs of hidden 16 and 32, which the study
+    refuses."""
+    from conftest import npz_file, vit_folder
+
+    a, b = vit_folder(tmp_path / "a", seed=0), vit_folder(tmp_path / "wide", seed=1, hidden_size=32)
+    rc, out, err = run_cli(capsys, "barrier", a, b, "--data", npz_file(tmp_path / "eval.npz"), *align, "-o",
+                           tmp_path / "out", "--print-plan", "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "shapes differ" in line and str(b) in line and out == "", line
