@@ -55,9 +55,9 @@ def _run(argv) -> int:
         parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # an argument the command does not take: the command's own usage, not the top level's
-        command = args.subparsers[args.command]
-        command.error(f"unrecognized arguments: {' '.join(extra)}{_close_flag(command, extra)}")
-    _refuse_empty_paths(args.subparsers[args.command], args)
+        args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}"
+                                            f"{_close_flag(args.command, extra)}")
+    _refuse_empty_paths(args)
     configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
     from .io.hf import trust_remote_code
 
@@ -72,17 +72,18 @@ PATHS = frozenset({"model", "anchor", "models", "output", "out", "config", "data
                    "finetune", "model_flag", "base_flag", "lora_merge_cache"})
 
 
-def _refuse_empty_paths(parser, args) -> None:
+def _refuse_empty_paths(args) -> None:
     """One error for an empty path (``-o ""`` from an empty shell variable), and for the current folder as the output
     (``-o .``: the written folder is renamed into the output's place; ``demo`` writes its two files into a folder)."""
-    for action in parser._actions:  # noqa: SLF001
-        value = getattr(args, action.dest, None) if action.dest in PATHS else None
-        name = next((o for o in action.option_strings if o.startswith("--")), action.dest)
+    from .options.declared import TABLE
+
+    for option in TABLE.of(args.command):
+        value = getattr(args, option.attr, None) if option.attr in PATHS else None
         if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
-            raise SymmergeError(f"{name}: an empty path ({value!r})")
-        if action.dest in ("output", "out") and args.command != "demo" and isinstance(value, str) and _is_cwd(value):
-            raise SymmergeError(f"{name} {value}: the current folder cannot be the output (the written folder takes "
-                                "the output's place): give a new folder, e.g. -o merged")
+            raise SymmergeError(f"{option.flag}: an empty path ({value!r})")
+        if option.attr in ("output", "out") and args.command != "demo" and isinstance(value, str) and _is_cwd(value):
+            raise SymmergeError(f"{option.flag} {value}: the current folder cannot be the output (the written folder "
+                                "takes the output's place): give a new folder, e.g. -o merged")
 
 
 def _is_cwd(path: str) -> bool:
@@ -92,11 +93,13 @@ def _is_cwd(path: str) -> bool:
         return False
 
 
-def _close_flag(parser, extra) -> str:
-    """`` (did you mean --symmetries?)`` for the first flag of ``extra`` close to one ``parser`` takes, else ``''``."""
+def _close_flag(command: str, extra) -> str:
+    """`` (did you mean --symmetries?)`` for the first flag of ``extra`` close to one ``command`` takes, else ``''``."""
     import difflib
 
-    flags = [f for action in parser._actions for f in action.option_strings]  # noqa: SLF001
+    from .options.declared import TABLE
+
+    flags = [f for option in TABLE.of(command) for f in option.flags if f.startswith("--")]
     for arg in extra:
         if arg.startswith("--"):
             close = difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.75)
