@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ._version import __version__
 from .errors import SymmergeError
 
 # command name -> module in symmerge.commands defining add_arguments(parser) and run(args)
@@ -34,6 +35,7 @@ def build_parser():
     import importlib
 
     parser = argparse.ArgumentParser(prog="symmerge", description="Symmetry-aware fusion of transformer models.")
+    parser.add_argument("--version", action="version", version=f"symmerge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parser.set_defaults(subparsers=sub.choices)  # a command's own parser: its usage on a bad argument
     for name, module_name in COMMANDS.items():
@@ -53,7 +55,9 @@ def _run(argv) -> int:
         parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # an argument the command does not take: the command's own usage, not the top level's
-        args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}"
+                                            f"{_close_flag(args.command, extra)}")
+    _refuse_empty_paths(args)
     configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
     from .io.hf import trust_remote_code
 
@@ -61,6 +65,53 @@ def _run(argv) -> int:
         code = args.handler(args) or 0
     sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
     return code
+
+
+# the arguments that name a file or a folder: an empty one ("" from an empty shell variable) is the current folder
+PATHS = frozenset({"model", "anchor", "models", "output", "out", "config", "data", "eval_data", "align_data", "base",
+                   "finetune", "model_flag", "base_flag", "lora_merge_cache"})
+
+
+def _refuse_empty_paths(args) -> None:
+    """One error for an empty path (``-o ""`` from an empty shell variable), and for the current folder as the output
+    (``-o .``: the written folder is renamed into the output's place; ``demo`` writes its two files into a folder)."""
+    from .options.declared import TABLE
+
+    for option in TABLE.of(args.command):
+        value = getattr(args, option.attr, None) if option.attr in PATHS else None
+        if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
+            raise SymmergeError(f"{option.flag}: an empty path ({value!r})")
+        if option.attr in ("output", "out") and args.command != "demo" and isinstance(value, str) and _is_cwd(value):
+            raise SymmergeError(f"{option.flag} {value}: the current folder cannot be the output (the written folder "
+                                "takes the output's place): give a new folder, e.g. -o merged")
+
+
+def _is_cwd(path: str) -> bool:
+    try:
+        return os.path.samefile(path, os.getcwd())
+    except OSError:
+        return False
+
+
+def _close_flag(command: str, extra) -> str:
+    """`` (did you mean --symmetries?)`` for the first flag of ``extra`` close to one ``command`` takes, else ``''``."""
+    import difflib
+
+    from .options.declared import TABLE
+
+    flags = [f for option in TABLE.of(command) for f in option.flags if f.startswith("--")]
+    for arg in extra:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
+def one_line(message) -> str:
+    """``message`` on one line: a message that quotes another library's (transformers' several-line ones) keeps
+    its words, its lines joined by a space, so that an error is always the one ``symmerge: error:`` line."""
+    return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
 def _quiet_stdout() -> None:
@@ -84,7 +135,7 @@ def main(argv=None) -> int:
         if was_interrupted():
             print("symmerge: interrupted", file=sys.stderr)
             return INTERRUPTED
-        print(f"symmerge: error: {e}", file=sys.stderr)
+        print(f"symmerge: error: {one_line(e)}", file=sys.stderr)
         return 2
     except Terminated as e:  # SIGTERM, SIGHUP: cleaned up as a Ctrl-C is
         print(interrupted_line(e.signum), file=sys.stderr)
@@ -103,7 +154,8 @@ def main(argv=None) -> int:
         if fault is None:
             raise
         name = getattr(fault, "filename", None)
-        print(f"symmerge: error: {f'{name}: ' if name else ''}{describe_fault(fault)}", file=sys.stderr)
+        print(f"symmerge: error: {one_line(f'{name}: {describe_fault(fault)}' if name else describe_fault(fault))}",
+              file=sys.stderr)
         return 2
     finally:
         release_claims()  # the output's claim, if the run ended before writing it

@@ -74,6 +74,8 @@ def run(args) -> int:
         report = extract_lora(ft, base, out, options)
     for note in report["notes"]:
         print(f"note: {note}", file=sys.stderr)
+    for warning in report["warnings"]:
+        print(f"symmerge: warning: {warning}", file=sys.stderr)
     print(f"{'module':<24} {'count':>5} {'shape':>14} {'rank':>7} {'mean error':>11} {'max error':>10}")
     for name, n, shape, rank, mean, worst in summary_rows(report):
         print(f"{name:<24} {n:>5} {shape:>14} {rank:>7} {mean:>11.4g} {worst:>10.4g}")

@@ -142,7 +142,10 @@ def _describe(docs, path: Path, output, align, seed, trust: bool, truncate_embed
         raise SymmergeError(f"{path}: no output folder: symmerge run CONFIG.yml OUT (or -o OUT, or 'output:' in "
                             "the config)")
     planner = Planner(docs, seed=seed, truncate_embeddings=truncate_embeddings)
-    jobs = planner.plan()
+    try:
+        jobs = planner.plan()
+    except SymmergeError as e:
+        raise _naming_ignored(e, planner.warnings, path) from None
     if spec is not None:
         aligned.check_one_architecture(docs[0], planner, jobs[0])
     final = next(j for j in jobs if j.final)
@@ -158,6 +161,17 @@ def _describe(docs, path: Path, output, align, seed, trust: bool, truncate_embed
                                   "folder and removed)", k)
     return Description(path, out, jobs=jobs, alignment=spec, docs=docs, seed=seed, warnings=list(planner.warnings),
                        trust_remote_code=trust)
+
+
+def _naming_ignored(error: SymmergeError, warnings: list, path: Path) -> SymmergeError:
+    """``error`` with the keys ignored before it (a misspelt ``merge_methd``, ``parameter``: mostly why it failed)
+    named in its one line; ``error`` itself when none was."""
+    if not warnings:
+        return error
+    from .lenient import IGNORED
+
+    shown = [w.removeprefix(f"{path} ").removesuffix(IGNORED) for w in warnings]
+    return SymmergeError(f"{error}; keys ignored, perhaps misspelt: {'; '.join(shown)}")
 
 
 def _output(docs, doc, output):

@@ -27,10 +27,13 @@ def did_you_mean(name, known) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+IGNORED = "; ignored, as mergekit ignores it"  # the end of every line of unknown()
+
+
 def unknown(doc, what: str, name, known, *where) -> str:
     """The warning line of an ignored key or parameter ``name`` (``where``: its key path in ``doc``), which is
     not a ``what`` (``a mergekit key``); ``known``: the names it could have meant."""
-    return f"{doc.at(*where)}: not {what}{did_you_mean(name, known)}; ignored, as mergekit ignores it"
+    return f"{doc.at(*where)}: not {what}{did_you_mean(name, known)}{IGNORED}"
 
 
 def _number(v):

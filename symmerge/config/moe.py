@@ -164,7 +164,11 @@ def read_moe_config(path) -> MoeConfig:
         raise doc.error("experts is required (a list of source_model entries)")
     experts = _experts(doc, "experts", gate_mode)
     if k > len(experts):
-        raise doc.error(f"experts_per_token {k} is more than the {len(experts)} experts", "experts_per_token")
+        given = "experts_per_token" in data
+        raise doc.error(f"experts_per_token {k}{'' if given else ' (the default, as mergekit-moe)'} is more than the "
+                        f"{len(experts)} expert{'s' if len(experts) != 1 else ''}"
+                        f"{'' if given else f': add experts, or set experts_per_token: {len(experts)}'}",
+                        *(("experts_per_token",) if given else ("experts",)))
     shared = _experts(doc, "shared_experts", gate_mode)
     if len(shared) > 1:
         raise doc.error("at most one shared expert is supported (as mergekit-moe)", "shared_experts")

@@ -72,8 +72,10 @@ def _read(doc, raw, opt, text):
 def _set(doc, command, values: dict, raw, value) -> None:
     opt = option(command, raw)
     if opt is None or opt.form == "positional":
-        raise doc.error(f"unknown key {raw!r} for symmerge {command} (keys are the command's long options, e.g. "
-                        "method, align, match, align_data, output)", raw)
+        from .lenient import did_you_mean
+
+        raise doc.error(f"unknown key {raw!r} for symmerge {command}{did_you_mean(raw, option_names(command))} (keys "
+                        "are the command's long options, e.g. method, align, match, align_data, output)", raw)
     if not opt.takes_value:  # a switch
         if not isinstance(value, bool):
             raise doc.error(f"{raw!r} is a switch: true or false, got {value!r}", raw)

@@ -83,6 +83,8 @@ def read_documents(path) -> list[Doc]:
     """Every document of the YAML file ``path`` (empty documents skipped); a missing file, a file over
     :data:`MAX_BYTES`, invalid YAML, a key given twice or an alias bomb is one error with its line."""
     path = Path(path)
+    if path.is_dir():
+        raise SymmergeError(f"{path}: is a directory, not a config file (a YAML file: CONFIG.yml)")
     if not path.is_file():
         raise SymmergeError(f"config file not found: {path}")
     try:

@@ -100,6 +100,8 @@ def _check_output(out: Path) -> bool:
 def run_demo(out: Path, seed: int = 0, quick: bool = False, threads: int | None = 1, progress: bool = True,
              log=print) -> dict:
     out = Path(out)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
+        raise SymmergeError(f"--threads must be a whole number >= 0 (0: torch's default), got {threads!r}")
     _check_output(out)  # before any work
     setup = QUICK if quick else FULL
     t0 = time.perf_counter()

@@ -85,9 +85,11 @@ def alpha_grid(points: int) -> list[float]:
     return [i / (points - 1) for i in range(points)]
 
 
-def check_same_shapes(model_a, model_b) -> None:
-    check_layouts([layout_of(model_a, "model A"), layout_of(model_b, "model B")],
-                  hint=" (different label spaces cannot be interpolated)")
+def check_same_shapes(model_a, model_b, names=("model A", "model B")) -> None:
+    """One error naming both models (``names``: their folders) unless they have one layout: interpolation needs the
+    same tensors of the same shapes — widths, image or context sizes, label spaces."""
+    check_layouts([layout_of(model_a, str(names[0])), layout_of(model_b, str(names[1]))],
+                  hint=" (models interpolated together need the same tensors of the same shapes)")
 
 
 def interpolation_curve(model_a, model_b, data: Data, alphas, device=None, progress: bool = True,

@@ -183,6 +183,10 @@ def check_data(data: Data, model, labels: np.ndarray | None = None, use_labels: 
 
 
 def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
+    import zipfile
+
+    if not zipfile.is_zipfile(path):  # numpy would read it as a pickle and speak of pickled data
+        raise SymmergeError(f"{path}: not an .npz file (an .npz is a zip archive of arrays: write it with numpy.savez)")
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
@@ -294,6 +298,8 @@ def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool):
 def check_data_path(path) -> Path:
     """Fail early (before loading any model) on a missing file or an unknown format."""
     path = Path(path)
+    if path.is_dir():
+        raise SymmergeError(f"{path}: is a directory, not a data file (.npz images, .jsonl text, .txt causal-LM lines)")
     if path.suffix.lower() not in FORMATS:
         raise SymmergeError(f"{path}: unknown data format {path.suffix!r}; use .npz (images), .jsonl (text, label) "
                             "or .txt (causal-LM lines)")

@@ -96,6 +96,10 @@ def merge_cache(directory=None, dtype=None):
     old = dict(_cache)
     if directory is not None:
         _cache["dir"] = Path(directory).expanduser()
+        if _cache["dir"].exists() and not _cache["dir"].is_dir():
+            _cache["dir"] = old["dir"]
+            raise SymmergeError(f"--lora-merge-cache {directory}: exists and is not a directory (the folder merged "
+                                "BASE+ADAPTER models are kept in)")
     if dtype is not None:
         _cache["dtype"] = parse_dtype(dtype)
     try:

@@ -158,7 +158,7 @@ class BarrierPlan:
 def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
     """The :class:`BarrierPlan` of a study of ``models`` (two: A aligned to B; more: joint) on ``data`` with
     ``options``: read from the inputs' headers; every refusal of the study's options before any model is read."""
-    from ..pipeline.align_plan import plan_align
+    from ..pipeline.align_plan import check_headers, plan_align
     from .plan import model_type_of, plain_fallback
 
     o = options
@@ -178,6 +178,8 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
         check_data_path(data)
     labels = ("A", "B") if len(models) == 2 else tuple(f"model {i}" for i in range(len(models)))
     names = tuple(str(x) if isinstance(x, (str, Path)) else label for x, label in zip(models, labels))
+    for i in range(1, len(models)):  # what the study refuses of the inputs' headers (shapes, architectures)
+        check_headers(models[0], models[i], (names[0], names[i]))
     model_type = model_type_of(models[0])
     arms = {"none": BarrierArm("none", "none")}
     for spec in o.aligns:
@@ -226,7 +228,7 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
     with stage(f"loaded {names[0]} and {names[1]}", enabled=progress and isinstance(model_a, (str, Path))):
         a, b = as_model(model_a, allow_pickle, spec=False), as_model(model_b, allow_pickle, spec=False)
     (a, b), adapted = adapt_models([a, b], names)  # a base model and a fine-tune: both the fine-tune's class
-    check_same_shapes(a, b)
+    check_same_shapes(a, b, names)
     base = read_once(base, [a, b], progress=progress)  # read once for every variant
     variants = _variants(plan, base)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
@@ -376,7 +378,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
         loaded = [as_model(x, allow_pickle) for x in models]
     loaded, adapted = adapt_models(loaded, names)  # base-class models read as the fine-tunes' class
     for i in range(1, len(loaded)):
-        check_same_shapes(loaded[i], loaded[0])
+        check_same_shapes(loaded[0], loaded[i], (names[0], names[i]))
     base = read_once(base, loaded, progress=progress)  # read once for every variant
     variants = _variants(plan, base)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):

@@ -134,6 +134,18 @@ def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[
     return kept, to_save
 
 
+def _unmatched_save_modules(kinds: dict, options: ExtractOptions) -> list[str]:
+    """A warning for each ``--save-module`` that names no module of the fine-tune (by its full or last name): kept in
+    ``modules_to_save`` as mergekit-extract-lora keeps it, but nothing is saved for it (a misspelt name, mostly)."""
+    from ..config.lenient import did_you_mean
+
+    names = [name for name, *_ in kinds["modules"]]
+    lasts = {name.split(".")[-1] for name in names}
+    return [f"--save-module {s}: no module of the fine-tune is named so{did_you_mean(s, sorted(lasts))}; nothing is "
+            "saved for it (it stays in modules_to_save, as mergekit-extract-lora keeps it)"
+            for s in options.save_modules if s not in lasts and s not in names]
+
+
 def _stored(ck, key: str) -> str | None:
     """The checkpoint's tensor for the state-dict name ``key`` (a tied alias: the tensor it reads), or None."""
     if key in ck.file_of:
@@ -208,6 +220,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     kinds = module_kinds(ft)
     notes: list = []
     entries, to_save = _plan(ft, bs, kinds, options, notes)
+    warnings = _unmatched_save_modules(kinds, options)
     lora = [e for e in entries if e.how != "full"]
     if not lora and not entries:
         raise SymmergeError("nothing to extract: the include/exclude regexes leave no module")
@@ -243,6 +256,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
                     "skip_undecomposable": options.skip_undecomposable},
         "modules": [e.result for e in lora], "modules_to_save": config["modules_to_save"],
         "saved_whole": [e.name for e in full], "lora_bias": lora_bias, "notes": notes,
+        "warnings": warnings,
     }
     errors = [r["relative_error"] for r in report["modules"]]
     report["relative_error"] = {"mean": sum(errors) / len(errors) if errors else 0.0, "max": max(errors, default=0.0)}

@@ -40,6 +40,13 @@ def align_options(args, symmetries, **extra) -> AlignOptions:
     if not matcher(args.match).learns and given:
         learning = ", ".join(n for n, m in MATCHERS.items() if m.learns)
         raise SymmergeError(f"{', '.join(given)}: the --learn-* flags apply to --match {learning} only")
+    readers = [flag for flag, name in (("--repair", "repair"), ("--distill", "distill"), ("--temperature", "temperature"))
+               if getattr(args, name, None)]
+    if args.align_data is not None and not needs_data and not readers:
+        data_matchers = "|".join(n for n, m in MATCHERS.items() if m.needs_data)
+        raise SymmergeError(f"--align-data: nothing reads it with --match {args.match} (data-free); it is for --match "
+                            f"{data_matchers} (or --repair, --distill, --temperature where the command has them): "
+                            "add --match activations or learned, or leave --align-data out")
     n_models = len(getattr(args, "models", None) or ())
     star = next((flag for flag, name in (("--star", "star"), ("--anchor", "anchor"), ("--base", "base"))
                  if getattr(args, name, None) not in (None, False)), None)

@@ -90,7 +90,7 @@ OPTIONS = (
         help="layer by layer from safetensors shards, never holding a whole model in memory (attn, ffn, rescale; "
              "not residual): --match weights, or --match learned learned from the files one layer at a time "
              "(docs/results/learned_scale.md)"),
-    opt("shard_size", "--shard-size", on=ALIGN, default="1GB",
+    opt("shard_size", "--shard-size", on=ALIGN,  # None: not given (1GB with --stream; refused without it)
         help="with --stream: largest output shard (default 1GB; without --pipeline shards are also cut at about one "
              "layer, to bound memory)"),
     opt("pipeline", "--pipeline", on=ALIGN, form="switch", default=False,

@@ -86,6 +86,10 @@ def parse_layers(value):
     if value is None:
         return None
     try:
-        return [int(x) for x in value.split(",") if x.strip()]
+        layers = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
         raise SymmergeError(f"--layers expects comma-separated integers, got {value!r}") from None
+    if not layers:  # an empty shell variable: no layer would be aligned, and the output an unaligned copy
+        raise SymmergeError(f"--layers expects comma-separated integers, got {value!r} (no layer; leave --layers out "
+                            "to align every layer)")
+    return layers

@@ -163,6 +163,31 @@ def _headers(model, anchor, stream: bool):
     return a, b
 
 
+def _check_pair(model, anchor, names=("model", "anchor")) -> None:
+    """What the alignment refuses of the two checkpoints from their headers — architectures, attention heads, the
+    shapes of the tensors both store — refused by the plan too (``--print-plan`` printed a plan for a BERT model and
+    a Llama anchor). A tensor stored by one only (a tied head saved once) is left to the alignment, which compares
+    the loaded models."""
+    from dataclasses import replace
+
+    from ..core.layout import check_layouts
+
+    a, b = model.layout(str(names[0])), anchor.layout(str(names[1]))
+    common = [k for k in a.shapes if k in b.shapes]  # the model's order: the first differing tensor named
+    # the model types of the config classes transformers builds, as the plan binds them (a config.json whose
+    # model_type contradicts its class is planned as the class, and refused by the alignment)
+    check_layouts([replace(x, model_type=type(c.hf_config).model_type, shapes={k: x.shapes[k] for k in common})
+                   for x, c in ((a, model), (b, anchor))])
+
+
+def check_headers(model, anchor, names) -> None:
+    """:func:`_check_pair` of two inputs that are folders of safetensors weights (else nothing: checked when loaded),
+    named ``names`` in its message."""
+    pair = _headers(model, anchor, stream=False)
+    if pair is not None:
+        _check_pair(*pair, names=names)
+
+
 def _bind_headers(ckpt, spec, options: AlignOptions, streamed: bool):
     """(the instances of ``spec`` bound to the checkpoint's headers, the output's tensors): shapes as meta tensors,
     the one-dimensional tensors (norm weights, whose values decide the residual stream's group) read."""
@@ -207,6 +232,7 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
         spec, instances, keys = bound.spec, bound.instances, list(loaded.state_dict())
         model_type = loaded.config.model_type
     else:
+        _check_pair(*pair)
         ckpt = pair[0]
         model_type = type(ckpt.hf_config).model_type  # the config class's, as transformers builds the model
         spec = streamed_spec(model_type) if stream else spec_for(model_type)

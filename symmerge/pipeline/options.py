@@ -88,7 +88,8 @@ def describe_symmetries(default: str) -> str:
     """The help text of ``--symmetries``/``--align``: every symmetry, and what the default means."""
     text = ("comma list of heads (head permutation), attn (per-head QK/VO rotations), ffn (FFN unit permutation), "
             "rescale (per-head and per-unit scales), residual (one transform of the residual stream, in the "
-            "largest group of the family unless --residual permutation); or none; or paper (attn,ffn,rescale, the "
+            "largest group of the family unless --residual permutation), experts (a permutation of each mixture-of-experts "
+            "layer's experts); or none; or paper (attn,ffn,rescale, the "
             f"paper's set); or {RECOMMENDED_NAME}: the groups of {','.join(RECOMMENDED)} that the model has (no "
             "residual for a base model, whose output is the stream)")
     return f"{text}. Default: {default}"
@@ -275,6 +276,9 @@ class AlignOptions:
             raise SymmergeError(f"the ends weight must be a finite number > 0, got {self.ends_weight!r}")
         if not (_is_number(self.depth_decay) and self.depth_decay > 0):
             raise SymmergeError(f"the depth decay must be a finite number > 0, got {self.depth_decay!r}")
+        if self.verify_tol is not None and not (_is_number(self.verify_tol) and self.verify_tol >= 0):
+            raise SymmergeError(f"--verify-tol must be a finite number >= 0 (the largest relative output difference "
+                                f"accepted; --no-verify skips the check), got {self.verify_tol!r}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)

@@ -68,7 +68,8 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
     instances bound, the steps); the wing solves the plan's instances and runs its steps
     (:mod:`~symmerge.pipeline.align_steps`), and the report is built from the plan. Returns the report."""
     options = options if options is not None else AlignOptions()
-    for flag, given in (("--pipeline", pipeline), ("--verify-forward", verify_forward)):
+    for flag, given in (("--pipeline", pipeline), ("--verify-forward", verify_forward),
+                        ("--shard-size", shard_size is not None)):
         if given and not stream:
             raise SymmergeError(f"{flag} applies to --stream only")
     if stream and options.matcher.learns:  # learned from the files, layer by layer (scale: learn_layerwise_write.py)

@@ -221,7 +221,8 @@ def test_malformed_config(tmp_path, anchor_dir, out, capsys, text):
     (["--layers", "0,x"], "--layers"),
     (["--layers", "7"], "out of range"),
     (["--symmetries", "attn,rows"], "unknown symmetry"),
-    (["--verify-tol", "-1"], "not equivalent"),  # verification fails after solving: still nothing written
+    (["--verify-tol", "1e-30"], "not equivalent"),  # verification fails after solving: still nothing written
+    (["--verify-tol", "-1"], "--verify-tol"),  # out of range: refused before solving
 ])
 def test_bad_options(tmp_path, anchor_dir, out, capsys, extra, needle):
     model_dir = bert_folder(tmp_path / "model", seed=5)
