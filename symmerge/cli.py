@@ -13,7 +13,7 @@ import os
 import sys
 
 from ._version import __version__
-from .errors import SymmergeError
+from .errors import SymmergeError, did_you_mean
 
 # command name -> module in symmerge.commands defining add_arguments(parser) and run(args)
 COMMANDS = {
@@ -95,16 +95,13 @@ def _is_cwd(path: str) -> bool:
 
 def _close_flag(command: str, extra) -> str:
     """`` (did you mean --symmetries?)`` for the first flag of ``extra`` close to one ``command`` takes, else ``''``."""
-    import difflib
-
     from .options.declared import TABLE
 
     flags = [f for option in TABLE.of(command) for f in option.flags if f.startswith("--")]
     for arg in extra:
-        if arg.startswith("--"):
-            close = difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.75)
-            if close:
-                return f" (did you mean {close[0]}?)"
+        close = did_you_mean(arg.split("=")[0], flags, quoted=False) if arg.startswith("--") else ""
+        if close:
+            return close
     return ""
 
 

@@ -1,6 +1,17 @@
 """The one exception type symmerge raises for bad input; the CLI prints it and exits non-zero."""
 
 
+def did_you_mean(name, known, quoted: bool = True) -> str:
+    """`` (did you mean 'x'?)`` when a name of ``known`` is close to ``name``, else ``''`` (``quoted=False``: the
+    close name bare, as a flag is shown: `` (did you mean --symmetries?)``)."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.75)
+    if not close:
+        return ""
+    return f" (did you mean {close[0]!r}?)" if quoted else f" (did you mean {close[0]}?)"
+
+
 class SymmergeError(Exception):
     """A user-facing error: bad input, unsupported model, failed verification."""
 

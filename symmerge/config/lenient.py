@@ -13,18 +13,13 @@ YAML loader itself is :mod:`.source`):
 
 from __future__ import annotations
 
-import difflib
 import re
+
+from ..errors import did_you_mean  # noqa: F401  (re-exported: the config layer's did-you-mean)
 
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 _TRUE = ("true", "yes", "on", "y", "t", "1")
 _FALSE = ("false", "no", "off", "n", "f", "0")
-
-
-def did_you_mean(name, known) -> str:
-    """`` (did you mean 'x'?)`` when a name of ``known`` is close to ``name``, else ``''``."""
-    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.75)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 IGNORED = "; ignored, as mergekit ignores it"  # the end of every line of unknown()

@@ -137,7 +137,7 @@ def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[
 def _unmatched_save_modules(kinds: dict, options: ExtractOptions) -> list[str]:
     """A warning for each ``--save-module`` that names no module of the fine-tune (by its full or last name): kept in
     ``modules_to_save`` as mergekit-extract-lora keeps it, but nothing is saved for it (a misspelt name, mostly)."""
-    from ..config.lenient import did_you_mean
+    from ..errors import did_you_mean
 
     names = [name for name, *_ in kinds["modules"]]
     lasts = {name.split(".")[-1] for name in names}
