@@ -84,6 +84,41 @@ def _refuse_empty_paths(args) -> None:
         if option.attr in ("output", "out") and args.command != "demo" and isinstance(value, str) and _is_cwd(value):
             raise SymmergeError(f"{option.flag} {value}: the current folder cannot be the output (the written folder "
                                 "takes the output's place): give a new folder, e.g. -o merged")
+    _refuse_output_in_an_input(args)
+
+
+# the arguments that name input model folders (a model spec BASE+ADAPTER names two)
+INPUTS = frozenset({"model", "anchor", "models", "base", "finetune", "model_flag", "base_flag"})
+
+
+def _refuse_output_in_an_input(args) -> None:
+    """One error for an output inside an input model's folder (``-o model_a/merged``): writing it, and its claim's
+    lock file beside it, would change an input, which a command never does."""
+    from pathlib import Path
+
+    from .options.declared import TABLE
+
+    options = TABLE.of(args.command)
+    outputs = [(o.flag, getattr(args, o.attr, None)) for o in options if o.attr in ("output", "out")]
+    outputs = [(flag, Path(v).resolve()) for flag, v in outputs if isinstance(v, str) and v.strip()]
+    if not outputs:
+        return
+    for option in options:
+        if option.attr not in INPUTS:
+            continue
+        value = getattr(args, option.attr, None)
+        for spec in value if isinstance(value, list) else [value]:
+            if not isinstance(spec, str) or not spec.strip():
+                continue
+            for folder in {spec, *spec.split("+")}:
+                folder = Path(folder.strip()).expanduser()
+                if not folder.is_dir():
+                    continue
+                folder = folder.resolve()
+                for flag, out in outputs:
+                    if folder in out.parents:
+                        raise SymmergeError(f"{flag} {out}: the output is inside the input folder {folder}; writing "
+                                            "it would change an input: give a folder outside it")
 
 
 def _is_cwd(path: str) -> bool:

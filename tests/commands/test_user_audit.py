@@ -403,3 +403,38 @@ def test_barrier_print_plan_refuses_models_of_other_shapes(tmp_path, capsys, ali
                            tmp_path / "out", "--print-plan", "--progress", "none")
     line = one_error_line(err)
     assert rc == 2 and "shapes differ" in line and str(b) in line and out == "", line
+
+
+# ------------------------------------------------------------------ the output inside an input folder
+
+
+@pytest.mark.parametrize("command,inside", [
+    (["align", "a", "b"], "a/aligned"),
+    (["align", "a", "b"], "b/sub/aligned"),
+    (["merge", "a", "b", "--method", "average", "--align", "none"], "b/merged"),
+    (["extract-lora", "a", "b", "--rank", "2"], "b/adapter"),
+])
+def test_an_output_inside_an_input_folder_is_refused(tmp_path, capsys, monkeypatch, command, inside):
+    """-o model_a/merged wrote the output (and its lock file) into an input's folder: an input changed."""
+    from conftest import vit_folder
+
+    monkeypatch.chdir(tmp_path)
+    for name, seed in (("a", 0), ("b", 1)):
+        vit_folder(tmp_path / name, seed)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    rc, _, err = run_cli(capsys, *command, "-o", inside, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "inside the input folder" in line and "change an input" in line, line
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+
+
+def test_an_output_beside_the_inputs_is_written(tmp_path, capsys, monkeypatch):
+    """The check above compares folders, not names: 'a-aligned' beside 'a' is no folder of 'a'."""
+    from conftest import vit_folder
+
+    monkeypatch.chdir(tmp_path)
+    for name, seed in (("a", 0), ("b", 1)):
+        vit_folder(tmp_path / name, seed)
+    rc, _, err = run_cli(capsys, "align", "a", "b", "-o", "a-aligned", "--progress", "none")
+    assert rc == 0, err
+    assert (tmp_path / "a-aligned" / "config.json").is_file()
