@@ -559,7 +559,7 @@ OPTIONS += (
         help="a smaller model and shorter training (seconds; for smoke tests)"),
     opt("threads", "--threads", on=DEMO, part=DEMO, parse=int, default=1,
         help="torch threads (default 1: fastest for these tiny models on a shared CPU, and the setting the README's "
-             "figures were printed with)"),
+             "figures were printed with; 0: torch's default)"),
 )
 TABLE = Table(OPTIONS)
 LEARN_FLAGS = {o.learn: o.flag for o in OPTIONS if o.learn and o.takes_value}  # LearnSettings field → valued flag
