@@ -23,8 +23,6 @@ from symmerge.core.apply import apply, random_elements
 from symmerge.demo.assets import cache_dir, smollm2_path
 from symmerge.errors import SymmergeError
 
-pytestmark = pytest.mark.usefixtures("single_thread")  # no thread count checked here; 2-3x faster on 2 loaded cores
-
 SENTENCES = [
     "The cat sat on the warm windowsill and watched the birds in the garden.",
     "Paris is the capital of France, and Berlin is the capital of Germany.",
