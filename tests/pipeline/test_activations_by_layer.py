@@ -131,6 +131,8 @@ def _peak_rises() -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a child matching a 32-layer pair twice (15 s at load 2): with the other peak-memory tests in the
+# side chain of .ci/run, which the README command's run outlasted
 def test_by_layer_peak_memory_stays_at_one_layer_of_statistics():
     gram = (2 * 384) ** 2 * 8  # one layer's FFN joint Gram, float64
     bound = 16 * gram  # half of all the layers' Grams: the whole pass holds them all at once

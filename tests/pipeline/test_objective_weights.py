@@ -26,6 +26,8 @@ from symmerge.pipeline.align import align_pair, instances_for
 from symmerge.pipeline.options import AlignOptions
 from symmerge.pipeline.verify import verify_forward
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # no thread count checked here; 2-3x faster on 2 loaded cores
+
 SYMS = "heads,ffn,residual"
 DECAY = 8.0
 

@@ -23,6 +23,8 @@ from symmerge.pipeline.align import align_pair, instances_for
 from symmerge.pipeline.options import AlignOptions
 from symmerge.pipeline.verify import verify_forward, with_state_dict
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # no thread count checked here; 2-3x faster on 2 loaded cores
+
 SYMS = "heads,ffn,residual"
 
 
