@@ -158,6 +158,7 @@ class BarrierPlan:
 def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
     """The :class:`BarrierPlan` of a study of ``models`` (two: A aligned to B; more: joint) on ``data`` with
     ``options``: read from the inputs' headers; every refusal of the study's options before any model is read."""
+    from ..families import supported_model_types
     from ..pipeline.align_plan import check_headers, plan_align
     from .plan import model_type_of, plain_fallback
 
@@ -178,9 +179,10 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
         check_data_path(data)
     labels = ("A", "B") if len(models) == 2 else tuple(f"model {i}" for i in range(len(models)))
     names = tuple(str(x) if isinstance(x, (str, Path)) else label for x, label in zip(models, labels))
-    for i in range(1, len(models)):  # what the study refuses of the inputs' headers (shapes, architectures)
-        check_headers(models[0], models[i], (names[0], names[i]))
     model_type = model_type_of(models[0])
+    if model_type in supported_model_types():  # a family without a spec has the plain curve, checked when loaded
+        for i in range(1, len(models)):  # what the study refuses of the inputs' headers (shapes, architectures)
+            check_headers(models[0], models[i], (names[0], names[i]))
     arms = {"none": BarrierArm("none", "none")}
     for spec in o.aligns:
         if variant_name(spec) == "none":
