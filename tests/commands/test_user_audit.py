@@ -438,3 +438,19 @@ def test_an_output_beside_the_inputs_is_written(tmp_path, capsys, monkeypatch):
     rc, _, err = run_cli(capsys, "align", "a", "b", "-o", "a-aligned", "--progress", "none")
     assert rc == 0, err
     assert (tmp_path / "a-aligned" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--align-data", "unlabeled.npz"], "--align-data"),
+    (["--match", "learned", "--learn-steps", "5"], "--match, --learn-steps"),
+    (["--rescale", "none"], "--rescale"),
+])
+def test_moe_alignment_flags_without_align_are_refused(tmp_path, capsys, flags, named):
+    """moe read the alignment flags only with --align: without it they were dropped in silence (the experts were
+    not aligned), as --align-stream without --align is refused."""
+    path = tmp_path / "moe.yml"
+    path.write_text("base_model: base\nexperts:\n  - source_model: e\n    positive_prompts: [hi]\ngate_mode: random\n")
+    rc, _, err = run_cli(capsys, "moe", path, tmp_path / "out", *flags, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and line.startswith(f"symmerge: error: {named}:") and "--align only" in line, line
+    assert not (tmp_path / "out").exists()
