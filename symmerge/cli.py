@@ -92,33 +92,18 @@ INPUTS = frozenset({"model", "anchor", "models", "base", "finetune", "model_flag
 
 
 def _refuse_output_in_an_input(args) -> None:
-    """One error for an output inside an input model's folder (``-o model_a/merged``): writing it, and its claim's
-    lock file beside it, would change an input, which a command never does."""
-    from pathlib import Path
-
+    """One error for an output inside an input model's folder (``-o model_a/merged``), before any work
+    (:func:`symmerge.io.model.refuse_output_in_inputs`)."""
+    from .io.output import refuse_output_in_inputs
     from .options.declared import TABLE
 
     options = TABLE.of(args.command)
-    outputs = [(o.flag, getattr(args, o.attr, None)) for o in options if o.attr in ("output", "out")]
-    outputs = [(flag, Path(v).resolve()) for flag, v in outputs if isinstance(v, str) and v.strip()]
-    if not outputs:
-        return
-    for option in options:
-        if option.attr not in INPUTS:
-            continue
-        value = getattr(args, option.attr, None)
-        for spec in value if isinstance(value, list) else [value]:
-            if not isinstance(spec, str) or not spec.strip():
-                continue
-            for folder in {spec, *spec.split("+")}:
-                folder = Path(folder.strip()).expanduser()
-                if not folder.is_dir():
-                    continue
-                folder = folder.resolve()
-                for flag, out in outputs:
-                    if folder in out.parents:
-                        raise SymmergeError(f"{flag} {out}: the output is inside the input folder {folder}; writing "
-                                            "it would change an input: give a folder outside it")
+    inputs = [getattr(args, o.attr, None) for o in options if o.attr in INPUTS]
+    inputs = [v for value in inputs for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+    for o in options:
+        value = getattr(args, o.attr, None) if o.attr in ("output", "out") else None
+        if isinstance(value, str) and value.strip():
+            refuse_output_in_inputs(value, inputs, flag=o.flag)
 
 
 def _is_cwd(path: str) -> bool:

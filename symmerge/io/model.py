@@ -15,7 +15,7 @@ import torch
 from ..errors import InputReadError, OutputError, SymmergeError
 from ..families import spec_for
 from .output import (apply_umask, check_free_space, check_writable, claim_output, clean_stale, os_fault, output_fault,
-                     release_output, temp_prefix)
+                     refuse_output_in_inputs, release_output, temp_prefix)
 from .hf import DiskNames, check_remote_code, model_class, quiet_transformers, remote_code_allowed  # noqa: F401
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -162,11 +162,13 @@ def check_loading_info(path, model, info: dict) -> None:
     refuse_incomplete(path, type(model).__name__, missing, extra)
 
 
-def ensure_output_dir(out: Path) -> None:
-    """``out`` is absent or an empty folder, not a link, and can be written (symmerge.io.output.check_writable),
-    and this process claims it (symmerge.io.output.claim_output; released when the output is written or the
-    command ends): every writing command calls this before any heavy work."""
+def ensure_output_dir(out: Path, inputs=()) -> None:
+    """``out`` is absent or an empty folder, not a link, not inside an input's folder (``inputs``:
+    :func:`refuse_output_in_inputs`), and can be written (symmerge.io.output.check_writable), and this process
+    claims it (symmerge.io.output.claim_output; released when the output is written or the command ends): every
+    writing command calls this before any heavy work."""
     out = Path(out)
+    refuse_output_in_inputs(out, inputs)
     if out.exists() and not out.is_symlink() and (not out.is_dir() or any(out.iterdir())):
         raise OutputError(f"{out}: output exists and is not an empty directory; refusing to overwrite")
     check_writable(out)

@@ -30,8 +30,9 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
     elif keywords:
         raise UsageError("give either a MergeOptions or keywords, not both")
     out = Path(out)
-    ensure_output_dir(out)  # fail before any expensive work
-    models, options = _single_files(list(models), options)
+    models = list(models)
+    ensure_output_dir(out, inputs=models)  # fail before any expensive work
+    models, options = _single_files(models, options)
     check_model_count(get_method(options.method), len(models), options.base is not None)
     plan = plan_merge(models, options, mode=options.mode)
     check_room(out, models)  # a full disk found now, not after the merge

@@ -210,7 +210,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
 
     options = options or ExtractOptions()
     out = Path(out)
-    ensure_output_dir(out)
+    ensure_output_dir(out, inputs=(finetune, base))
     t0 = time.perf_counter()
     ft_path, base_path = resolve_input(finetune), resolve_input(base)
     ft, bs = LazyCheckpoint(Path(ft_path), spec=False), LazyCheckpoint(Path(base_path), spec=False)

@@ -85,7 +85,7 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
         raise SymmergeError("--learn-frame dual moves the anchor too, and align writes one model: use symmerge merge "
                             "or symmerge barrier, which use both moved models")
     out = Path(out)
-    ensure_output_dir(out)  # fail before any expensive work
+    ensure_output_dir(out, inputs=(model, anchor))  # fail before any expensive work
     model, anchor = _inputs(model, anchor, options, stream, pipeline, allow_pickle)
     check_room(out, [model])
     plan = plan_align(model, anchor, options, stream=stream, pipeline=pipeline, allow_pickle=allow_pickle,

@@ -454,3 +454,24 @@ def test_moe_alignment_flags_without_align_are_refused(tmp_path, capsys, flags, 
     line = one_error_line(err)
     assert rc == 2 and line.startswith(f"symmerge: error: {named}:") and "--align only" in line, line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("entry", ["align_to_folder", "merge", "extract_lora"])
+def test_the_library_refuses_an_output_inside_an_input_too(tmp_path, entry):
+    """The library entries check what the CLI checks, before the output's claim (its lock file would be the first
+    thing written into the input)."""
+    import symmerge
+    from conftest import vit_folder
+    from symmerge.merge.extract_lora import ExtractOptions, extract_lora
+
+    a, b = vit_folder(tmp_path / "a", 0), vit_folder(tmp_path / "b", 1)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    with pytest.raises(SymmergeError, match="inside the input folder"):
+        if entry == "align_to_folder":
+            symmerge.align_to_folder(str(a), str(b), tmp_path / "b" / "out", progress=False)
+        elif entry == "merge":
+            symmerge.merge([str(a), str(b)], tmp_path / "a" / "deep" / "out", method="average", align="none",
+                           progress=False)
+        else:
+            extract_lora(str(a), str(b), tmp_path / "a" / "lora", ExtractOptions(rank=2))
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
