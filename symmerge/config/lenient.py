@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import did_you_mean  # noqa: F401  (re-exported: the config layer's did-you-mean)
+from ..errors import did_you_mean
 
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 _TRUE = ("true", "yes", "on", "y", "t", "1")

@@ -72,7 +72,7 @@ def _read(doc, raw, opt, text):
 def _set(doc, command, values: dict, raw, value) -> None:
     opt = option(command, raw)
     if opt is None or opt.form == "positional":
-        from .lenient import did_you_mean
+        from ..errors import did_you_mean
 
         raise doc.error(f"unknown key {raw!r} for symmerge {command}{did_you_mean(raw, option_names(command))} (keys "
                         "are the command's long options, e.g. method, align, match, align_data, output)", raw)
