@@ -84,26 +84,6 @@ def _refuse_empty_paths(args) -> None:
         if option.attr in ("output", "out") and args.command != "demo" and isinstance(value, str) and _is_cwd(value):
             raise SymmergeError(f"{option.flag} {value}: the current folder cannot be the output (the written folder "
                                 "takes the output's place): give a new folder, e.g. -o merged")
-    _refuse_output_in_an_input(args)
-
-
-# the arguments that name input model folders (a model spec BASE+ADAPTER names two)
-INPUTS = frozenset({"model", "anchor", "models", "base", "finetune", "model_flag", "base_flag"})
-
-
-def _refuse_output_in_an_input(args) -> None:
-    """One error for an output inside an input model's folder (``-o model_a/merged``), before any work
-    (:func:`symmerge.io.model.refuse_output_in_inputs`)."""
-    from .io.output import refuse_output_in_inputs
-    from .options.declared import TABLE
-
-    options = TABLE.of(args.command)
-    inputs = [getattr(args, o.attr, None) for o in options if o.attr in INPUTS]
-    inputs = [v for value in inputs for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
-    for o in options:
-        value = getattr(args, o.attr, None) if o.attr in ("output", "out") else None
-        if isinstance(value, str) and value.strip():
-            refuse_output_in_inputs(value, inputs, flag=o.flag)
 
 
 def _is_cwd(path: str) -> bool:

@@ -43,7 +43,7 @@ def run(args) -> int:
     if args.temperature and len(args.models) > 2:
         raise SymmergeError("--temperature calibrates the path between two models; give exactly two")
     if not args.print_plan:
-        ensure_output_dir(out)
+        ensure_output_dir(out, inputs=args.models)
     options = align_options(args, RECOMMENDED_NAME, verify=not args.no_verify)
     channels = parse_channels(args.repair_channels)
     statistics_data(None, args.repair_samples)  # samples >= 1, before any model is loaded

@@ -76,7 +76,7 @@ def run(args) -> int:
     from ..merge.api import merge_to_folder
 
     out = Path(args.output)
-    ensure_output_dir(out)  # fail before any expensive work
+    ensure_output_dir(out, inputs=args.models)  # fail before any expensive work
     get_method(args.method)
     with merge_cache(args.lora_merge_cache, args.lora_merge_dtype):
         resolve_lora_inputs(args)

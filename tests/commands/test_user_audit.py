@@ -413,14 +413,16 @@ def test_barrier_print_plan_refuses_models_of_other_shapes(tmp_path, capsys, ali
     (["align", "a", "b"], "b/sub/aligned"),
     (["merge", "a", "b", "--method", "average", "--align", "none"], "b/merged"),
     (["extract-lora", "a", "b", "--rank", "2"], "b/adapter"),
+    (["barrier", "a", "b", "--data", "eval.npz", "--align", "none"], "a/study"),
 ])
 def test_an_output_inside_an_input_folder_is_refused(tmp_path, capsys, monkeypatch, command, inside):
     """-o model_a/merged wrote the output (and its lock file) into an input's folder: an input changed."""
-    from conftest import vit_folder
+    from conftest import npz_file, vit_folder
 
     monkeypatch.chdir(tmp_path)
     for name, seed in (("a", 0), ("b", 1)):
         vit_folder(tmp_path / name, seed)
+    npz_file(tmp_path / "eval.npz")
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
     rc, _, err = run_cli(capsys, *command, "-o", inside, "--progress", "none")
     line = one_error_line(err)
