@@ -399,13 +399,13 @@ def _norm_fix(aligned: _Source, base: _Source):
 
 def build_moe(config, out, options: MoeOptions | None = None) -> dict:
     """Build the MoE of ``config`` (a path or a :class:`~symmerge.config.moe.MoeConfig`) into the folder
-    ``out`` (absent or empty; written atomically). Returns the report (also written as
-    ``symmerge_report.json``)."""
+    ``out`` (absent or empty, not inside the folder of one of its models; written atomically). Returns the report
+    (also written as ``symmerge_report.json``)."""
     options = options or MoeOptions()
     t0 = time.perf_counter()
     cfg = config if isinstance(config, MoeConfig) else read_moe_config(config)
     out = Path(out)
-    ensure_output_dir(out)
+    ensure_output_dir(out, inputs=[cfg.base, *(e.source for e in cfg.experts + cfg.shared)])
     max_bytes = parse_size(options.shard_size)
     base = _Source(cfg.base, "base_model")
     experts = [_Source(e.source, f"expert {i}") for i, e in enumerate(cfg.experts)]

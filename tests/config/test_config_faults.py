@@ -1,0 +1,96 @@
+"""The config-driven commands (``run``, ``moe``) and ``BASE+ADAPTER`` inputs, audited as the flag-driven commands
+were: every fault is one ``symmerge: error:`` line naming what is wrong, before any work, nothing written into an
+input; what works keeps working."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import mergekit_oracle as mk
+from test_user_audit import one_error_line, run_cli  # the flag-driven commands' audit
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def causal_lm(path: Path, seed: int, head: bool = True) -> Path:
+    """A tiny Llama folder (``LlamaForCausalLM``, or with ``head=False`` the base model ``LlamaModel``: tensors
+    named ``layers.0...`` without ``model.``) with a tokenizer."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    auto = AutoModelForCausalLM if head else AutoModel
+    auto.from_config(mk._config("llama", 2), dtype=torch.float32).save_pretrained(str(path))
+    mk.save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llamas")
+    return {name: causal_lm(root / name, seed) for seed, name in enumerate(("a", "b"))}
+
+
+def snapshot(folder: Path) -> dict:
+    return {p: p.stat().st_mtime_ns for p in Path(folder).rglob("*")}
+
+
+def linear_config(path: Path, *models) -> Path:
+    path.write_text("merge_method: linear\ndtype: float32\nmodels:\n" + "".join(
+        f"  - model: {m}\n    parameters: {{weight: 0.5}}\n" for m in models))
+    return path
+
+
+def moe_config(path: Path, base, *experts, gate_mode: str = "random") -> Path:
+    path.write_text(f"base_model: {base}\ngate_mode: {gate_mode}\nexperts:\n" + "".join(
+        f"  - source_model: {e}\n    positive_prompts: [w{5 + i}]\n" for i, e in enumerate(experts)))
+    return path
+
+
+# ------------------------------------------------------------------ the output inside an input's folder
+
+
+@pytest.mark.parametrize("command", ["run", "moe"])
+@pytest.mark.parametrize("inside", ["a/merged", "b/deep/merged"])
+def test_an_output_inside_a_model_named_in_the_config_is_refused(llamas, tmp_path, capsys, monkeypatch, command,
+                                                                 inside):
+    """``symmerge run cfg.yml a/merged`` with ``a`` in the config wrote the merge (and its lock file) into the input;
+    align, merge, extract-lora and barrier refuse it for the models on their command line."""
+    monkeypatch.chdir(llamas["a"].parent)
+    config = (linear_config(tmp_path / "c.yml", "a", "b") if command == "run"
+              else moe_config(tmp_path / "c.yml", "a", "a", "b"))
+    before = {name: snapshot(llamas[name]) for name in llamas}
+    rc, out, err = run_cli(capsys, command, config, inside, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and "inside the input folder" in line and "change an input" in line and out == "", line
+    assert {name: snapshot(llamas[name]) for name in llamas} == before
+
+
+def test_a_base_model_and_slices_sources_are_inputs_too(llamas, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(llamas["a"].parent)
+    config = tmp_path / "s.yml"
+    config.write_text("merge_method: passthrough\ndtype: float32\nslices:\n  - sources:\n      - model: a\n"
+                      "        layer_range: [0, 1]\n  - sources:\n      - model: b\n        layer_range: [1, 2]\n")
+    line = one_error_line(run_cli(capsys, "run", config, "b/out", "--progress", "none")[2])
+    assert "inside the input folder" in line and str(llamas["b"]) in line, line
+    config = tmp_path / "t.yml"
+    config.write_text("merge_method: task_arithmetic\nbase_model: a\ndtype: float32\nmodels:\n  - model: b\n"
+                      "    parameters: {weight: 0.5}\n")
+    line = one_error_line(run_cli(capsys, "run", config, "a/out", "--progress", "none")[2])
+    assert "inside the input folder" in line and str(llamas["a"]) in line, line
+    assert not (llamas["a"] / "out").exists() and not (llamas["b"] / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "moe"])
+def test_an_output_beside_the_models_of_the_config_is_written(llamas, tmp_path, capsys, monkeypatch, command):
+    """The check compares folders, not names: 'a-merged' beside 'a' is no folder of 'a'."""
+    monkeypatch.chdir(llamas["a"].parent)
+    out = llamas["a"].parent / f"a-{command}"
+    config = (linear_config(tmp_path / "c.yml", "a", "b") if command == "run"
+              else moe_config(tmp_path / "c.yml", "a", "a", "b"))
+    rc, _, err = run_cli(capsys, command, config, out.name, "--progress", "none")
+    assert rc == 0, err
+    assert (out / "config.json").is_file()
+
