@@ -94,3 +94,32 @@ def test_an_output_beside_the_models_of_the_config_is_written(llamas, tmp_path, 
     assert rc == 0, err
     assert (out / "config.json").is_file()
 
+
+# ------------------------------------------------------------------ run: an aligned config's own keys
+
+
+@pytest.mark.parametrize("key,value,meant,flag", [
+    ("anchro", "0", "anchor", []),
+    ("anchro", "0", "anchor", ["--align", "ffn"]),
+    ("rescal", "none", "rescale", []),
+    ("mtach", "weights", "match", []),
+])
+def test_a_misspelt_alignment_key_of_an_aligned_config_is_an_error(llamas, tmp_path, capsys, key, value, meant, flag):
+    """``anchro: 0`` beside ``align:`` was a warning (an unknown mergekit key, ignored) and the models were aligned
+    to another anchor than asked: the alignment keys are symmerge's own, whose unknown keys are errors."""
+    config = linear_config(tmp_path / "c.yml", llamas["a"], llamas["b"])
+    config.write_text(config.read_text() + ("" if flag else "align: [ffn]\n") + f"{key}: {value}\n")
+    out = tmp_path / "out"
+    rc, printed, err = run_cli(capsys, "run", config, out, *flag, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and f"unknown key {key!r}" in line and f"did you mean {meant!r}?" in line and printed == "", line
+    assert "line 8" in line or "line 9" in line, line
+    assert not out.exists()
+
+
+def test_a_misspelt_mergekit_key_of_an_aligned_config_is_still_ignored_as_mergekit_does(llamas, tmp_path, capsys):
+    config = linear_config(tmp_path / "c.yml", llamas["a"], llamas["b"])
+    config.write_text(config.read_text() + "align: [ffn]\ntokenzer_source: base\n")
+    rc, printed, err = run_cli(capsys, "run", config, tmp_path / "out", "--print-command", "--progress", "none")
+    assert rc == 0 and "align ffn" in printed, err
+    assert "tokenzer_source: not a mergekit key (did you mean 'tokenizer_source'?)" in err, err
