@@ -44,7 +44,7 @@ import torch
 
 from ..errors import SymmergeError
 from ..io.checkpoint import PlannedWriter, parse_size
-from ..io.model import atomic_dir, copy_side_files, ensure_output_dir, weight_files, write_json
+from ..io.model import atomic_dir, check_finite, copy_side_files, ensure_output_dir, weight_files, write_json
 from ..io.output import temp_prefix
 from ..progress import stage
 from .moe import MoeConfig, read_moe_config
@@ -81,7 +81,8 @@ class MoeOptions:
 
 
 class _Source:
-    """A model folder's safetensors, read one tensor at a time under their stored names."""
+    """A model folder's safetensors, read one tensor at a time under their stored names; a tensor holding NaN or Inf
+    is one error naming the folder and the tensor."""
 
     def __init__(self, folder, what: str):
         from safetensors import safe_open
@@ -110,7 +111,9 @@ class _Source:
         f = self.file_of[key]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), "pt")
-        return self._handles[f].get_tensor(key)
+        t = self._handles[f].get_tensor(key)
+        check_finite({key: t}, str(self.folder))  # NaN/Inf named by its input folder and tensor, as merge names it
+        return t
 
     def mlp(self, layer: int, part: str) -> str:
         return f"model.layers.{layer}.mlp.{part}.weight"

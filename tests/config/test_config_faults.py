@@ -123,3 +123,47 @@ def test_a_misspelt_mergekit_key_of_an_aligned_config_is_still_ignored_as_mergek
     rc, printed, err = run_cli(capsys, "run", config, tmp_path / "out", "--print-command", "--progress", "none")
     assert rc == 0 and "align ffn" in printed, err
     assert "tokenzer_source: not a mergekit key (did you mean 'tokenizer_source'?)" in err, err
+
+
+# ------------------------------------------------------------------ moe: a non-finite input tensor
+
+
+def with_value(src: Path, dst: Path, key: str, value: float, row: int = 0) -> Path:
+    """A copy of the model folder ``src`` whose tensor ``key`` holds ``value`` in one entry of row ``row``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors[key][row, 0] = value
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("gate_mode", ["random", "hidden"])
+def test_a_non_finite_expert_tensor_names_the_input_folder_and_tensor(llamas, tmp_path, capsys, value, gate_mode):
+    """It was 'tensor model.layers.1.block_sparse_moe.experts.1.w3.weight of the output has non-finite values':
+    neither the folder nor the tensor the user can look at."""
+    key = "model.layers.1.mlp.up_proj.weight"
+    bad = with_value(llamas["b"], tmp_path / "bad", key, value)
+    out = tmp_path / "out"
+    config = moe_config(tmp_path / "c.yml", llamas["a"], llamas["a"], bad, gate_mode=gate_mode)
+    rc, _, err = run_cli(capsys, "moe", config, out, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and f"{bad}: tensor {key!r} holds NaN or Inf values" in line, line
+    assert not out.exists()
+
+
+def test_a_non_finite_embedding_row_of_the_prompts_is_no_zero_router_row(llamas, tmp_path, capsys):
+    """cheap_embed averages the base's embedding rows of the prompts' tokens: a NaN there was 'its prompts give a zero
+    router row (positive and negative prompts tokenize alike...)', which they do not."""
+    key = "model.embed_tokens.weight"
+    bad = with_value(llamas["a"], tmp_path / "bad", key, float("nan"), row=5)  # w5: the first expert's prompt
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "moe", moe_config(tmp_path / "c.yml", bad, llamas["a"], llamas["b"],
+                                                   gate_mode="cheap_embed"), out, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and f"{bad}: tensor {key!r} holds NaN or Inf values" in line and "zero" not in line, line
+    assert not out.exists()
