@@ -54,6 +54,7 @@ _CODES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F
 # the dense families whose MLP (gate_proj, up_proj, down_proj, SwiGLU) becomes an expert, and the output each gives
 MIXTRAL_INPUTS = ("llama", "mistral")
 QWEN_INPUTS = ("qwen2",)
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 MLP = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 _LAYER_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.")
@@ -129,6 +130,7 @@ def _check_sources(cfg: MoeConfig, base: _Source, experts: list, shared: list, a
         raise SymmergeError(f"{cfg.at('base_model')}: {base.folder} is {mt!r}; a "
                             f"{'Qwen2-MoE' if arch == 'qwen' else 'Mixtral'} output is built from "
                             f"{' / '.join(inputs)} models")
+    _refuse_headless(base, cfg.at("base_model"))
     if arch == "qwen" and not cfg.shared:
         raise SymmergeError(f"{cfg.at('architecture' if cfg.architecture else 'base_model')}: a Qwen2-MoE output "
                             "needs a shared expert (shared_experts)")
@@ -145,6 +147,7 @@ def _check_sources(cfg: MoeConfig, base: _Source, experts: list, shared: list, a
         if c.get("model_type") not in inputs:
             raise SymmergeError(f"{where}: {src.folder} is {c.get('model_type')!r}; experts must be "
                                 f"{' / '.join(inputs)} models")
+        _refuse_headless(src, where)
         for key in ("hidden_size", "num_hidden_layers", "hidden_act"):
             if c.get(key) != bc.get(key):
                 raise SymmergeError(f"{where}: {src.folder} has {key} {c.get(key)!r}, the base {bc.get(key)!r} "
@@ -160,6 +163,20 @@ def _check_sources(cfg: MoeConfig, base: _Source, experts: list, shared: list, a
                 if key not in src.file_of:
                     raise SymmergeError(f"{where}: {src.folder} has no {key!r}")
     return arch
+
+
+def _refuse_headless(src: _Source, where: str) -> None:
+    """A checkpoint of the base-model class (``LlamaModel``: no LM head, its tensors ``layers.N...`` without
+    ``model.``) is one error saying what it is and what moe needs: mergekit-moe reads an expert's
+    ``model.layers.N.mlp.*`` and the base's head by name, and a Mixtral written from it would have no head."""
+    if any(k.startswith("model.") for k in src.file_of) or not any(k.startswith("layers.") for k in src.file_of):
+        return
+    mt = src.config.get("model_type")
+    what = (src.config.get("architectures") or [None])[0] or "a base-model class"
+    wanted = CAUSAL_LM.get(mt) or " / ".join(CAUSAL_LM.values())
+    raise SymmergeError(f"{where}: {src.folder} is a base model without its LM head ({what}: tensors 'layers.N...', "
+                        f"not 'model.layers.N...'); symmerge moe, as mergekit-moe, builds from {wanted} checkpoints "
+                        "(the causal-LM class, with its head)")
 
 
 # ---- the router's initialisation ----------------------------------------------------------------------------

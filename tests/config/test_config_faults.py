@@ -167,3 +167,23 @@ def test_a_non_finite_embedding_row_of_the_prompts_is_no_zero_router_row(llamas,
     line = one_error_line(err)
     assert rc == 2 and f"{bad}: tensor {key!r} holds NaN or Inf values" in line and "zero" not in line, line
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ moe: a base model without its LM head
+
+
+@pytest.mark.parametrize("role", ["base_model", "expert"])
+@pytest.mark.parametrize("gate_mode", ["random", "hidden"])
+def test_a_llama_model_checkpoint_is_refused_saying_what_it_is(llamas, tmp_path, capsys, role, gate_mode):
+    """A ``LlamaModel`` folder (no LM head, tensors ``layers.0...``) as an expert was "has no 'model.layers.0...'"; as
+    the base it was written as a Mixtral with the base's dense MLPs, under names no Mixtral reads, and no LM head.
+    mergekit-moe reads ``model.layers.N.mlp.*`` by name (its experts) and the head: it takes neither either."""
+    bare = causal_lm(tmp_path / "bare", 7, head=False)
+    base, experts = (bare, (llamas["a"], llamas["b"])) if role == "base_model" else (llamas["a"], (llamas["b"], bare))
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "moe", moe_config(tmp_path / "c.yml", base, *experts, gate_mode=gate_mode), out,
+                         "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and f"{bare} is a base model without its LM head (LlamaModel" in line, line
+    assert "LlamaForCausalLM" in line and ("base_model" if role == "base_model" else "experts[1]") in line, line
+    assert not out.exists()
