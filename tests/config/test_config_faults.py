@@ -187,3 +187,45 @@ def test_a_llama_model_checkpoint_is_refused_saying_what_it_is(llamas, tmp_path,
     assert rc == 2 and f"{bare} is a base model without its LM head (LlamaModel" in line, line
     assert "LlamaForCausalLM" in line and ("base_model" if role == "base_model" else "experts[1]") in line, line
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ BASE+ADAPTER: named as the user wrote it
+
+
+@pytest.mark.parametrize("how", ["merge", "run"])
+def test_the_tokenizer_note_names_base_plus_adapter_as_written(tmp_path, capsys, monkeypatch, how):
+    """'note: tokenizers: no tokenizer in /tmp/symmerge-lora-XXXX/base+ad-1a2b3c...': the folder the adapter was merged
+    into, which the user never named and which is gone when the command ends."""
+    pytest.importorskip("peft")
+    from test_lora import LLAMA_ALL, make_adapter, make_base
+
+    monkeypatch.chdir(tmp_path)
+    make_base(tmp_path / "base")  # no tokenizer
+    mk.save_tokenizer(make_base(tmp_path / "other", seed=3), 96)
+    make_adapter(tmp_path / "base", tmp_path / "ad", r=4, lora_alpha=8, target_modules=LLAMA_ALL)
+    flags = ["--progress", "none", "--lora-merge-cache", "cache"]
+    if how == "merge":
+        argv = ["merge", "base+ad", "other", "-o", "out", "--method", "average", "--align", "none", *flags]
+    else:
+        (tmp_path / "c.yml").write_text("models: [base+ad, other]\nmethod: average\nalign: none\nmode: stream\n")
+        argv = ["run", "c.yml", "out", *flags]
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note: tokenizers:")]
+    assert len(notes) == 1 and "no tokenizer in base+ad;" in notes[0], err
+    assert "cache" not in notes[0] and "symmerge-lora" not in notes[0], notes[0]
+
+
+def test_an_output_inside_the_adapter_of_a_config_s_base_plus_adapter_is_refused(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("peft")
+    from test_lora import LLAMA_ALL, make_adapter, make_base
+
+    monkeypatch.chdir(tmp_path)
+    make_base(tmp_path / "base")
+    make_base(tmp_path / "other", seed=3)
+    make_adapter(tmp_path / "base", tmp_path / "ad", r=4, lora_alpha=8, target_modules=LLAMA_ALL)
+    before = snapshot(tmp_path / "ad")
+    line = one_error_line(run_cli(capsys, "run", linear_config(tmp_path / "c.yml", "base+ad", "other"), "ad/merged",
+                                  "--progress", "none")[2])
+    assert "inside the input folder" in line and str(tmp_path / "ad") in line, line
+    assert snapshot(tmp_path / "ad") == before
