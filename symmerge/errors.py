@@ -4,12 +4,18 @@
 def did_you_mean(name, known, quoted: bool = True) -> str:
     """`` (did you mean 'x'?)`` when a name of ``known`` is close to ``name``, else ``''`` (``quoted=False``: the
     close name bare, as a flag is shown: `` (did you mean --symmetries?)``)."""
+    close = closest(name, known)
+    if close is None:
+        return ""
+    return f" (did you mean {close!r}?)" if quoted else f" (did you mean {close}?)"
+
+
+def closest(name, known) -> str | None:
+    """The name of ``known`` closest to ``name`` when one is close (what :func:`did_you_mean` suggests), else None."""
     import difflib
 
     close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.75)
-    if not close:
-        return ""
-    return f" (did you mean {close[0]!r}?)" if quoted else f" (did you mean {close[0]}?)"
+    return close[0] if close else None
 
 
 class SymmergeError(Exception):

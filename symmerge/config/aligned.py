@@ -76,12 +76,33 @@ def alignment_of(doc, align=None) -> Alignment:
     """The :class:`Alignment` of the document's alignment keys (``align``: ``--align`` from the command line),
     each value checked as ``symmerge merge`` checks its flag (:mod:`symmerge.config.schema`); a bad one is one
     error naming its key and line."""
+    refuse_misspelt_keys(doc)
     keys = {k: v for k, v in doc.data.items() if k in ALIGN_KEYS}
     if align is not None:
         keys["align"] = align
     options, given = merge_options(doc, keys)
     options = replace(options, progress=given.progress != "none", evaluate=False)
     return Alignment(options, doc, tuple(keys))
+
+
+def refuse_misspelt_keys(doc) -> None:
+    """An unknown key of an aligned config that is closest to one of symmerge's own (``anchro``: ``anchor``) is one
+    error naming it and its line: the alignment keys are symmerge's, and a misspelt one left out would align
+    otherwise than asked. One closest to a mergekit key (``tokenzer_source``), or to none, is left to the mergekit
+    reading, which ignores it with a warning as mergekit does."""
+    from ..errors import closest, did_you_mean
+    from .command import option_names
+    from .mergekit import KEYS, OUTPUT_KEYS
+
+    mergekit = KEYS + OUTPUT_KEYS
+    ours = tuple(k for k in dict.fromkeys(ALIGN_KEYS + option_names("merge")) if k not in mergekit)
+    for k in doc.data:
+        if k in mergekit or k in ALIGN_KEYS:
+            continue
+        if closest(k, mergekit + ours) in ours:
+            raise doc.error(f"unknown key {k!r}{did_you_mean(k, mergekit + ours)}: the alignment options of an aligned "
+                            "config (align, anchor, match, rescale, ...: the merge command's, by their long names) are "
+                            "symmerge's own, and a misspelt one is an error, not ignored", k)
 
 
 def check_one_architecture(doc, planner, job) -> None:

@@ -44,7 +44,7 @@ import torch
 
 from ..errors import SymmergeError
 from ..io.checkpoint import PlannedWriter, parse_size
-from ..io.model import atomic_dir, copy_side_files, ensure_output_dir, weight_files, write_json
+from ..io.model import atomic_dir, check_finite, copy_side_files, ensure_output_dir, weight_files, write_json
 from ..io.output import temp_prefix
 from ..progress import stage
 from .moe import MoeConfig, read_moe_config
@@ -54,6 +54,7 @@ _CODES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F
 # the dense families whose MLP (gate_proj, up_proj, down_proj, SwiGLU) becomes an expert, and the output each gives
 MIXTRAL_INPUTS = ("llama", "mistral")
 QWEN_INPUTS = ("qwen2",)
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 MLP = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 _LAYER_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.")
@@ -81,7 +82,8 @@ class MoeOptions:
 
 
 class _Source:
-    """A model folder's safetensors, read one tensor at a time under their stored names."""
+    """A model folder's safetensors, read one tensor at a time under their stored names; a tensor holding NaN or Inf
+    is one error naming the folder and the tensor."""
 
     def __init__(self, folder, what: str):
         from safetensors import safe_open
@@ -110,7 +112,9 @@ class _Source:
         f = self.file_of[key]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), "pt")
-        return self._handles[f].get_tensor(key)
+        t = self._handles[f].get_tensor(key)
+        check_finite({key: t}, str(self.folder))  # NaN/Inf named by its input folder and tensor, as merge names it
+        return t
 
     def mlp(self, layer: int, part: str) -> str:
         return f"model.layers.{layer}.mlp.{part}.weight"
@@ -126,6 +130,7 @@ def _check_sources(cfg: MoeConfig, base: _Source, experts: list, shared: list, a
         raise SymmergeError(f"{cfg.at('base_model')}: {base.folder} is {mt!r}; a "
                             f"{'Qwen2-MoE' if arch == 'qwen' else 'Mixtral'} output is built from "
                             f"{' / '.join(inputs)} models")
+    _refuse_headless(base, cfg.at("base_model"))
     if arch == "qwen" and not cfg.shared:
         raise SymmergeError(f"{cfg.at('architecture' if cfg.architecture else 'base_model')}: a Qwen2-MoE output "
                             "needs a shared expert (shared_experts)")
@@ -142,6 +147,7 @@ def _check_sources(cfg: MoeConfig, base: _Source, experts: list, shared: list, a
         if c.get("model_type") not in inputs:
             raise SymmergeError(f"{where}: {src.folder} is {c.get('model_type')!r}; experts must be "
                                 f"{' / '.join(inputs)} models")
+        _refuse_headless(src, where)
         for key in ("hidden_size", "num_hidden_layers", "hidden_act"):
             if c.get(key) != bc.get(key):
                 raise SymmergeError(f"{where}: {src.folder} has {key} {c.get(key)!r}, the base {bc.get(key)!r} "
@@ -157,6 +163,20 @@ def _check_sources(cfg: MoeConfig, base: _Source, experts: list, shared: list, a
                 if key not in src.file_of:
                     raise SymmergeError(f"{where}: {src.folder} has no {key!r}")
     return arch
+
+
+def _refuse_headless(src: _Source, where: str) -> None:
+    """A checkpoint of the base-model class (``LlamaModel``: no LM head, its tensors ``layers.N...`` without
+    ``model.``) is one error saying what it is and what moe needs: mergekit-moe reads an expert's
+    ``model.layers.N.mlp.*`` and the base's head by name, and a Mixtral written from it would have no head."""
+    if any(k.startswith("model.") for k in src.file_of) or not any(k.startswith("layers.") for k in src.file_of):
+        return
+    mt = src.config.get("model_type")
+    what = (src.config.get("architectures") or [None])[0] or "a base-model class"
+    wanted = CAUSAL_LM.get(mt) or " / ".join(CAUSAL_LM.values())
+    raise SymmergeError(f"{where}: {src.folder} is a base model without its LM head ({what}: tensors 'layers.N...', "
+                        f"not 'model.layers.N...'); symmerge moe, as mergekit-moe, builds from {wanted} checkpoints "
+                        "(the causal-LM class, with its head)")
 
 
 # ---- the router's initialisation ----------------------------------------------------------------------------
@@ -399,13 +419,13 @@ def _norm_fix(aligned: _Source, base: _Source):
 
 def build_moe(config, out, options: MoeOptions | None = None) -> dict:
     """Build the MoE of ``config`` (a path or a :class:`~symmerge.config.moe.MoeConfig`) into the folder
-    ``out`` (absent or empty; written atomically). Returns the report (also written as
-    ``symmerge_report.json``)."""
+    ``out`` (absent or empty, not inside the folder of one of its models; written atomically). Returns the report
+    (also written as ``symmerge_report.json``)."""
     options = options or MoeOptions()
     t0 = time.perf_counter()
     cfg = config if isinstance(config, MoeConfig) else read_moe_config(config)
     out = Path(out)
-    ensure_output_dir(out)
+    ensure_output_dir(out, inputs=[cfg.base, *(e.source for e in cfg.experts + cfg.shared)])
     max_bytes = parse_size(options.shard_size)
     base = _Source(cfg.base, "base_model")
     experts = [_Source(e.source, f"expert {i}") for i, e in enumerate(cfg.experts)]

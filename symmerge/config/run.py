@@ -41,7 +41,7 @@ def run_jobs(desc, shard_size="5GB", progress=True, options: RunOptions | None =
 
     opts = options or RunOptions(shard_size=shard_size, progress=progress)
     out = Path(desc.output)
-    ensure_output_dir(out)
+    ensure_output_dir(out, inputs=model_folders(desc))
     if desc.alignment is not None:
         return run_aligned(desc, options=opts)
     temp = None
@@ -66,6 +66,13 @@ def run_jobs(desc, shard_size="5GB", progress=True, options: RunOptions | None =
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
     return summaries
+
+
+def model_folders(desc) -> list[str]:
+    """Every model the config reads, as written (``BASE+ADAPTER``: both folders) and as read (the merged
+    folder of a LoRA input, a single file's folder): every ``model``, ``base_model``, slice source and tokenizer
+    source of every document (an earlier merge of the file is no folder of the user's)."""
+    return [x for job in desc.jobs for inp in job.inputs if inp.folder is not None for x in (inp.label, inp.folder)]
 
 
 def run_aligned(desc, shard_size="5GB", progress=True, options: RunOptions | None = None) -> list[dict]:
