@@ -30,14 +30,47 @@ COMMANDS = {
 INTERRUPTED, BROKEN_PIPE = 130, 141
 
 
+def _one_line_parser():
+    """The class of every parser of the command line: argparse's own, whose refusal (an unknown flag, a bad choice,
+    a bad number, a missing argument, an unknown command) is one stderr line, ``symmerge COMMAND: error: MESSAGE
+    (see symmerge COMMAND --help)``, exit 2, instead of the command's whole usage block and then the line; a bad
+    choice close to a known one gets its did-you-mean. ``--help`` is argparse's, unchanged."""
+    import argparse
+
+    class OneLineParser(argparse.ArgumentParser):
+        def error(self, message):
+            self.exit(2, f"{self.prog}: error: {one_line(message)}{_close_choice(self.prog, message)} "
+                         f"(see {self.prog} --help)\n")
+
+    return OneLineParser
+
+
+def _close_choice(prog: str, message: str) -> str:
+    """`` (did you mean 'merge'?)`` after argparse's "invalid choice" of a command (``prog`` ``symmerge``) or of a
+    flag's value (``prog`` ``symmerge COMMAND``: the choices its declaration lists), else ``''``."""
+    import re
+
+    from .options.declared import TABLE
+
+    bad = re.match(r"argument (\S+): invalid choice: '([^']*)'", message)
+    if not bad:
+        return ""
+    command, names = prog.partition(" ")[2], set(bad.group(1).split("/"))
+    if not command:
+        choices = COMMANDS if "COMMAND" in names else ()
+    else:
+        choices = next((o.choices for o in TABLE.of(command) if names & set(o.flags) and o.choices), ())
+    return did_you_mean(bad.group(2), choices) if choices else ""
+
+
 def build_parser():
     import argparse
     import importlib
 
-    parser = argparse.ArgumentParser(prog="symmerge", description="Symmetry-aware fusion of transformer models.")
+    parser = _one_line_parser()(prog="symmerge", description="Symmetry-aware fusion of transformer models.")
     parser.add_argument("--version", action="version", version=f"symmerge {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    parser.set_defaults(subparsers=sub.choices)  # a command's own parser: its usage on a bad argument
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # its parsers: the same class
+    parser.set_defaults(subparsers=sub.choices)  # a command's own parser: its name on a bad argument
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"symmerge.commands.{module_name}")
         p = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0], description=module.__doc__,
@@ -54,7 +87,7 @@ def _run(argv) -> int:
     with guarded_imports():  # the commands' modules (the package's names are lazy): guarded as the package's imports
         parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # an argument the command does not take: the command's own usage, not the top level's
+    if extra:  # an argument the command does not take: the command's own name, not the top level's
         args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}"
                                             f"{_close_flag(args.command, extra)}")
     _refuse_empty_paths(args)
