@@ -34,15 +34,53 @@ def _one_line_parser():
     """The class of every parser of the command line: argparse's own, whose refusal (an unknown flag, a bad choice,
     a bad number, a missing argument, an unknown command) is one stderr line, ``symmerge COMMAND: error: MESSAGE
     (see symmerge COMMAND --help)``, exit 2, instead of the command's whole usage block and then the line; a bad
-    choice close to a known one gets its did-you-mean. ``--help`` is argparse's, unchanged."""
+    choice close to a known one gets its did-you-mean. A command's unknown flags are named first, with a close
+    known one (``merge --metod x``: ``unrecognized arguments: --metod (did you mean --method?)``, not the
+    ``--method`` it leaves missing). ``--help`` is argparse's, unchanged."""
     import argparse
 
     class OneLineParser(argparse.ArgumentParser):
+        def parse_known_args(self, args=None, namespace=None):
+            self.given_args = list(sys.argv[1:] if args is None else args)  # a command's: those after its name
+            return super().parse_known_args(args, namespace)
+
         def error(self, message):
+            command = self.prog.partition(" ")[2]
+            if command and not message.startswith("unrecognized arguments"):
+                unknown = _unknown_flags(command, getattr(self, "given_args", ()), self.allow_abbrev)
+                if unknown:
+                    message = f"unrecognized arguments: {' '.join(unknown)}{_close_flag(command, unknown)}"
             self.exit(2, f"{self.prog}: error: {one_line(message)}{_close_choice(self.prog, message)} "
                          f"(see {self.prog} --help)\n")
 
     return OneLineParser
+
+
+def _flags(command: str) -> list[str]:
+    """Every flag ``command`` takes, as its declarations (:mod:`symmerge.options.declared`) make them: their
+    spellings, the ``--no-`` twin of an on/off switch, ``-h``/``--help``."""
+    from .options.declared import TABLE
+
+    flags = ["-h", "--help"]
+    for option in TABLE.of(command):
+        flags += option.flags
+        if option.form == "onoff":
+            flags += [f"--no-{f[2:]}" for f in option.flags if f.startswith("--")]
+    return flags
+
+
+def _unknown_flags(command: str, args, abbreviations: bool = True) -> list[str]:
+    """The ``--flags`` of ``args`` that ``command`` does not take (nor abbreviates, when argparse takes a unique
+    prefix: ``abbreviations``); the arguments after a ``--`` are positional."""
+    known, unknown = _flags(command), []
+    for arg in args:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and len(name) > 2 and not any(
+                k == name or (abbreviations and k.startswith(name)) for k in known):
+            unknown.append(arg)
+    return unknown
 
 
 def _close_choice(prog: str, message: str) -> str:
@@ -128,9 +166,7 @@ def _is_cwd(path: str) -> bool:
 
 def _close_flag(command: str, extra) -> str:
     """`` (did you mean --symmetries?)`` for the first flag of ``extra`` close to one ``command`` takes, else ``''``."""
-    from .options.declared import TABLE
-
-    flags = [f for option in TABLE.of(command) for f in option.flags if f.startswith("--")]
+    flags = [f for f in _flags(command) if f.startswith("--")]
     for arg in extra:
         close = did_you_mean(arg.split("=")[0], flags, quoted=False) if arg.startswith("--") else ""
         if close:

@@ -1,6 +1,8 @@
 """Every refusal of the command line's parsing (argparse's) is ONE stderr line, exit 2, nothing written:
 ``symmerge COMMAND: error: MESSAGE (see symmerge COMMAND --help)`` — an unknown flag, a bad choice, a bad number,
-a missing argument, an unknown command (argparse printed the command's whole usage block first)."""
+a missing argument, an unknown command (argparse printed the command's whole usage block first). A misspelt flag
+is named with its did-you-mean even where a required argument is missing too (``merge --metod x``: argparse
+reported the missing ``--method``)."""
 
 from __future__ import annotations
 
@@ -81,6 +83,14 @@ def test_an_unknown_flag_keeps_its_did_you_mean(capsys, tmp_path):
                     "(see symmerge align --help)"), line
 
 
+@pytest.mark.parametrize("flag", [["--metod", "average"], ["--metod=average"]])
+def test_a_misspelt_required_flag_is_named_not_the_missing_one(flag, capsys, tmp_path):
+    """``merge --metod x`` said 'the following arguments are required: --method' and no did-you-mean."""
+    line = refuse(["merge", "a", "b", "-o", "OUT", *flag], capsys, tmp_path)
+    assert line == (f"symmerge merge: error: unrecognized arguments: {flag[0]} (did you mean --method?) "
+                    "(see symmerge merge --help)"), line
+
+
 def test_an_abbreviated_flag_is_not_taken_for_an_unknown_one(capsys, tmp_path):
     """argparse takes a unique prefix (``--meth`` for ``--method``): the error is then the real one."""
     line = refuse(["merge", "-o", "OUT", "--meth", "average"], capsys, tmp_path)
@@ -94,3 +104,14 @@ def test_help_is_unchanged(argv, capsys):
         main(argv)
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("usage: symmerge")
+
+
+def test_the_flags_named_unknown_are_exactly_those_no_parser_takes():
+    """The unknown-flag check reads the declarations (symmerge.options.declared), not argparse's internals: each
+    command's parser takes exactly the flags it knows (a hand-written flag outside them would be named unknown)."""
+    from symmerge.cli import _flags, build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices
+    for command, parser in sub.items():
+        taken = {s for action in parser._actions for s in action.option_strings}
+        assert taken == set(_flags(command)), command
