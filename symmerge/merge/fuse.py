@@ -31,7 +31,7 @@ from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.bound import bind
 from ..pipeline.data import read_once
-from ..option_ranges import check as check_range
+from ..option_ranges import check as check_range, model_index
 from ..pipeline.distill import DistillSettings, check_steps, distill
 from ..pipeline.joint import align_joint
 from ..pipeline.options import JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
@@ -145,6 +145,8 @@ class MergeOptions:
             raise SymmergeError(f"method {m.name!r} needs a base model (the common pre-trained model): pass --base")
         if self.base is not None and not (m.needs_base or m.accepts_base):
             raise SymmergeError(f"method {m.name!r} does not use a base model")
+        if isinstance(self.anchor, int):  # an index (else a folder or a model): 0..n-1, checked with or without alignment
+            model_index(self.anchor, n)
         if not -n <= self.head_from < n:
             raise SymmergeError(f"--head-from {self.head_from} out of range for {n} models")
         if self.weights is not None and len(self.weights) != n:

@@ -104,7 +104,7 @@ OPTIONS = (
         help="accept pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True))"),
     # merge's and barrier's
     opt("anchor", "--anchor", on=MERGE,
-        help="anchor: index of a model (0-based) or a folder (default: base model for task-vector methods; the second "
+        help="anchor: index of a model (0-based: 0..N-1) or a folder (default: base model for task-vector methods; the second "
              "of two models; else the model closest to the average). With more than two models and no anchor, every "
              "model is aligned jointly into one frame (each to the mean of the others, from the star on the model "
              "closest to the average; with --match learned, then random convex combinations of the models learned "
