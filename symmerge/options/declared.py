@@ -197,7 +197,8 @@ OPTIONS = (
              "size; per-tensor methods without alignment); memory: load the models; auto (default): stream whatever "
              "can stream, else load"),
     opt("shard_size", "--shard-size", on=MERGE, default=M("shard_size"),
-        help="streamed output: largest shard (default 2GB)"),
+        help="the output's largest shard, streamed or written from memory (default 2GB; a tensor larger than it is "
+             "a shard of its own)"),
     opt("print_plan", "--print-plan", on=MERGE, form="switch", default=False,
         help="print the resolved plan and its steps (one per output tensor: copy, or merge with which inputs and "
              "parameters) as JSON, then exit without reading weights or writing"),
