@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SymmergeError, UsageError
+from ..io.checkpoint import parse_size
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
 from ..progress import stage
@@ -44,7 +45,7 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
     src = models[report["head"].get("from_index", 0) or 0]
     with stage(f"wrote {out}", enabled=options.progress):
         save_model(model, out, src=src if isinstance(src, (str, Path)) else None, report=report,
-                   merge_modules=merge_pipeline_modules, shard_size=options.shard_size)  # as the streamed output's
+                   merge_modules=merge_pipeline_modules, shard_size=parse_size(options.shard_size))  # as streamed
     return report
 
 
