@@ -115,3 +115,20 @@ def test_the_flags_named_unknown_are_exactly_those_no_parser_takes():
     for command, parser in sub.items():
         taken = {s for action in parser._actions for s in action.option_strings}
         assert taken == set(_flags(command)), command
+
+
+def test_a_misspelt_method_says_which(capsys, tmp_path):
+    """``--method averag`` is refused by the methods' registry (not argparse: the methods are plug-ins), one line
+    with the close name (a mergekit config's ``merge_method``: tests/config/test_run_config.py)."""
+    from symmerge.errors import SymmergeError
+    from symmerge.merge.registry import get_method
+
+    with pytest.raises(SymmergeError, match=r"unknown merge method 'averag' \(did you mean 'average'\?\)"):
+        get_method("averag")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    capsys.readouterr()
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "OUT"), "--method", "dare_tie", "--align", "none"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "unknown merge method 'dare_tie' (did you mean 'dare_ties'?)" in err[0], err
+    assert not (tmp_path / "OUT").exists()
