@@ -1,0 +1,127 @@
+"""The written reports keep their documented contracts: every field README.md and docs/ name for a command's
+``symmerge_report.json`` (or ``barrier.json``) is in the report that command writes, on tiny real models, in each
+mode the docs name (align in memory and ``--stream``; merge in memory and streamed; a mergekit config run by
+``run``, plain and aligned; barrier of two and of three models; moe; extract-lora)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import npz_file, run_cli, vit_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def documented(*docs: str) -> str:
+    return "".join((ROOT / d).read_text(encoding="utf-8") for d in docs)
+
+
+def strict_json(path: Path):
+    def refuse(constant):
+        raise ValueError(f"{path.name} holds {constant}, which strict JSON readers refuse")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+ALIGN = ("family", "model_type", "symmetries", "rescale", "layers", "model", "anchor", "symmetries_requested",
+         "distance_before", "distance_after", "per_module", "per_layer", "verify", "seconds", "match_seconds",
+         "match", "streamed", "mode", "side_files", "tokenizer", "plan")
+ALIGN_RESIDUAL = ("residual_variant", "residual_group", "sweeps", "solver", "residual_sweeps_sq_distance",
+                  "norms_folded", "distance_before_unfolded", "verify_max_abs_diff", "verify_max_rel_diff",
+                  "verify_tolerance")
+ALIGN_STREAM = ("device", "shards", "bytes_written", "largest_layer_bytes", "timings")
+MERGE = ("method", "params", "weights", "models", "base", "model_type", "device", "alignment", "head", "statistics",
+         "distances_between_inputs", "distance_result_to_inputs", "timings", "side_files", "mode", "plan",
+         "result_warnings", "tokenizer")
+BARRIER = ("alphas", "curves", "endpoints", "distances", "model_a", "model_b", "data", "examples", "seconds",
+           "tokenizer")
+BARRIER_N = ("models", "alphas", "endpoints", "endpoints_mean", "ensemble", "variants")
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """Every command's output folder, made once on tiny models."""
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    root = tmp_path_factory.mktemp("reports")
+    vits = [str(vit_folder(root / f"vit{s}", s)) for s in (0, 1, 2)]
+    data = npz_file(root / "d.npz", n=12)
+    llamas = []
+    for s in (0, 1, 2):
+        torch.manual_seed(s)
+        AutoModelForCausalLM.from_config(LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)).save_pretrained(root / f"ll{s}")
+        llamas.append(str(root / f"ll{s}"))
+    (root / "mk.yml").write_text(f"merge_method: linear\ndtype: float32\nmodels:\n  - model: {llamas[0]}\n"
+                                 f"    parameters: {{weight: 0.5}}\n  - model: {llamas[1]}\n    parameters: {{weight: 0.5}}\n")
+    (root / "moe.yml").write_text(f"base_model: {llamas[0]}\ngate_mode: random\ndtype: float32\nexperts:\n"
+                                  f"  - source_model: {llamas[1]}\n  - source_model: {llamas[2]}\n")
+    quiet = ("--progress", "none")
+    commands = {
+        "align": ("align", *vits[:2], "-o", root / "align", *quiet),
+        "align_stream": ("align", *vits[:2], "--stream", "-o", root / "align_stream", *quiet),
+        "merge_memory": ("merge", *vits[:2], "--method", "average", "--eval-data", data, "-o", root / "merge_memory",
+                         *quiet),
+        "merge_stream": ("merge", *vits[:2], "--method", "average", "--align", "none", "--mode", "stream",
+                         "-o", root / "merge_stream", *quiet),
+        "merge_joint": ("merge", *vits, "--method", "average", "-o", root / "merge_joint", *quiet),
+        "run": ("run", root / "mk.yml", root / "run", *quiet),
+        "run_aligned": ("run", root / "mk.yml", root / "run_aligned", "--align", "recommended", *quiet),
+        "barrier": ("barrier", *vits[:2], "--data", data, "--points", "3", "-o", root / "barrier", *quiet),
+        "barrier_n": ("barrier", *vits, "--data", data, "--points", "3", "-o", root / "barrier_n", *quiet),
+        "moe": ("moe", root / "moe.yml", root / "moe", *quiet),
+        "extract_lora": ("extract-lora", llamas[1], llamas[0], "-o", root / "lora", "--rank", "4"),
+    }
+    made = {}
+    for name, argv in commands.items():
+        assert run_cli(*argv) == 0, name
+        out = Path(argv[argv.index("-o") + 1]) if "-o" in argv else Path(argv[2])
+        made[name] = (out, [str(a) for a in argv])
+    return made
+
+
+def report_of(outputs, name):
+    out, argv = outputs[name]
+    path = out / ("barrier.json" if name.startswith("barrier") else "symmerge_report.json")
+    return strict_json(path), argv
+
+
+CASES = {
+    "align": (ALIGN + ALIGN_RESIDUAL, ("README.md",)),
+    "align_stream": (ALIGN + ALIGN_STREAM, ("README.md",)),
+    "merge_memory": (MERGE + ("evaluation",), ("docs/merge.md",)),
+    "merge_stream": (MERGE + ("stream",), ("docs/merge.md",)),
+    "merge_joint": (MERGE, ("docs/merge.md",)),
+    "run": (MERGE + ("config",), ("docs/merge.md", "docs/configs.md")),
+    "run_aligned": (MERGE + ("config",), ("docs/merge.md", "docs/configs.md")),
+    "barrier": (BARRIER, ("docs/merge.md",)),
+    "barrier_n": (BARRIER_N, ("docs/merge.md",)),
+    "moe": ((), ()),
+    "extract_lora": (("modules", "relative_error"), ()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_documented_field_is_written(outputs, name):
+    fields, docs = CASES[name]
+    text = documented(*docs) if docs else ""
+    undocumented = [f for f in fields if f"`{f}`" not in text and f'"{f}"' not in text] if docs else []
+    assert not undocumented, f"the test's list names fields the docs do not: {undocumented}"
+    report, _ = report_of(outputs, name)
+    missing = [f for f in fields if f not in report]
+    assert not missing, f"{name}: documented report fields missing from the written report: {missing}"
+
+
+def test_the_merge_report_keeps_its_documented_timings_in_every_mode(outputs):
+    for name in ("merge_memory", "merge_stream", "run", "run_aligned"):
+        timings = report_of(outputs, name)[0]["timings"]
+        assert set(timings) >= {"load", "align", "statistics", "merge", "evaluate", "total"}, name
+        assert all(isinstance(v, float) and v >= 0 for v in timings.values()), name
+        assert not re.search(r"symmerge-tmp|intermediates", json.dumps(report_of(outputs, name)[0]["models"]))
