@@ -1,11 +1,13 @@
 """The written reports keep their documented contracts: every field README.md and docs/ name for a command's
 ``symmerge_report.json`` (or ``barrier.json``) is in the report that command writes, on tiny real models, in each
 mode the docs name (align in memory and ``--stream``; merge in memory and streamed; a mergekit config run by
-``run``, plain and aligned; barrier of two and of three models; moe; extract-lora)."""
+``run``, plain and aligned; barrier of two and of three models; moe; extract-lora); every report is strict JSON
+(no NaN / Infinity) and holds what reproduces it: the symmerge version and the command line as given."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -27,6 +29,8 @@ def strict_json(path: Path):
 
     return json.loads(path.read_text(), parse_constant=refuse)
 
+
+PROVENANCE = ("symmerge_version", "command_line")
 
 ALIGN = ("family", "model_type", "symmetries", "rescale", "layers", "model", "anchor", "symmetries_requested",
          "distance_before", "distance_after", "per_module", "per_layer", "verify", "seconds", "match_seconds",
@@ -117,6 +121,33 @@ def test_every_documented_field_is_written(outputs, name):
     report, _ = report_of(outputs, name)
     missing = [f for f in fields if f not in report]
     assert not missing, f"{name}: documented report fields missing from the written report: {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_report_says_what_made_it(outputs, name):
+    """The version and the command line as given (the inputs as the user wrote them, not temporary folders)."""
+    from symmerge import __version__
+
+    report, argv = report_of(outputs, name)
+    assert report.get("symmerge_version") == __version__, name
+    assert report.get("command_line") == ["symmerge", *argv], name
+    text = documented("docs/merge.md")
+    assert all(f"`{f}`" in text for f in PROVENANCE)
+    card = outputs[name][0] / "README.md"
+    if card.exists():  # the model card names the command too
+        import shlex
+
+        assert f"## Command\n\n```\n{shlex.join(['symmerge', *argv])}\n```" in card.read_text(), name
+
+
+def test_reports_are_written_as_strict_json(tmp_path):
+    """A figure that is not finite (a diverged loss, 0/0) is written as null, never as NaN / Infinity."""
+    from symmerge.io.model import write_json
+
+    path = tmp_path / "symmerge_report.json"
+    write_json(path, {"loss": math.inf, "nested": [{"x": math.nan}, -math.inf], "ok": 1.5})
+    written = strict_json(path)
+    assert {k: written[k] for k in ("loss", "nested", "ok")} == {"loss": None, "nested": [{"x": None}, None], "ok": 1.5}
 
 
 def test_the_merge_report_keeps_its_documented_timings_in_every_mode(outputs):
