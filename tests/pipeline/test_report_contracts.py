@@ -156,3 +156,39 @@ def test_the_merge_report_keeps_its_documented_timings_in_every_mode(outputs):
         assert set(timings) >= {"load", "align", "statistics", "merge", "evaluate", "total"}, name
         assert all(isinstance(v, float) and v >= 0 for v in timings.values()), name
         assert not re.search(r"symmerge-tmp|intermediates", json.dumps(report_of(outputs, name)[0]["models"]))
+
+
+def _lora_helpers():
+    import importlib.util
+
+    pytest.importorskip("peft")
+    spec = importlib.util.spec_from_file_location("lora_helpers", ROOT / "tests" / "io" / "test_lora.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("command", ["merge", "merge --align", "run", "run --align"])
+def test_a_base_adapter_input_is_named_as_written_in_the_report_and_the_card(tmp_path, command):
+    """``BASE+ADAPTER`` is merged into a temporary folder the user never named (gone when the command ends): the
+    report and the model card name the input as the user wrote it, as the printed lines do."""
+    helpers = _lora_helpers()
+    base, other = helpers.make_base(tmp_path / "base"), helpers.make_base(tmp_path / "other", seed=1)
+    adapter = helpers.make_adapter(base, tmp_path / "adapter", target_modules=["q_proj", "v_proj"])
+    spec = f"{base}+{adapter}"
+    out = tmp_path / "out"
+    align = ["--align", "recommended"] if command.endswith("--align") else ["--align", "none"]
+    if command.startswith("merge"):
+        argv = ["merge", spec, other, "--method", "average", *align, "-o", out]
+    else:
+        config = tmp_path / "mk.yml"
+        config.write_text(f"merge_method: linear\ndtype: float32\nmodels:\n  - model: {spec}\n"
+                          f"    parameters: {{weight: 0.5}}\n  - model: {other}\n    parameters: {{weight: 0.5}}\n")
+        argv = ["run", config, out, *(align if command.endswith("--align") else [])]
+    assert run_cli(*argv, "--progress", "none") == 0
+    report = strict_json(out / "symmerge_report.json")
+    assert report["models"][0] == spec
+    for models in (report["alignment"].get("models") or []):
+        assert models["model"] in (spec, str(other))
+    for text in ((out / "symmerge_report.json").read_text(), (out / "README.md").read_text()):
+        assert "symmerge-lora-" not in text and spec in text
