@@ -192,3 +192,30 @@ def test_a_base_adapter_input_is_named_as_written_in_the_report_and_the_card(tmp
         assert models["model"] in (spec, str(other))
     for text in ((out / "symmerge_report.json").read_text(), (out / "README.md").read_text()):
         assert "symmerge-lora-" not in text and spec in text
+
+
+def test_no_verify_writes_the_three_verification_fields_as_null(tmp_path):
+    """README: `verify_max_abs_diff`, `verify_max_rel_diff`, `verify_tolerance` are `null` with --no-verify."""
+    vits = [vit_folder(tmp_path / f"vit{s}", s) for s in (0, 1)]
+    assert run_cli("align", *vits, "--no-verify", "-o", tmp_path / "out", "--progress", "none") == 0
+    report = strict_json(tmp_path / "out" / "symmerge_report.json")
+    assert {k: report.get(k, "absent") for k in ("verify_max_abs_diff", "verify_max_rel_diff", "verify_tolerance")} \
+        == dict.fromkeys(("verify_max_abs_diff", "verify_max_rel_diff", "verify_tolerance"))
+
+
+def _rows(doc: str) -> dict[str, str]:
+    """A report table's rows: each field named first in a row (`| `field`, ... | meaning |`) -> the row."""
+    rows = {}
+    for line in documented(doc).splitlines():
+        m = re.match(r"\| `([a-z_]+)`", line)
+        if m:
+            rows.setdefault(m.group(1), line)
+    return rows
+
+
+def test_a_field_written_as_null_is_not_documented_as_absent(outputs):
+    rows = _rows("docs/merge.md")
+    for name in ("merge_memory", "merge_stream", "merge_joint"):
+        report = report_of(outputs, name)[0]
+        wrong = [f for f, v in report.items() if v is None and f in rows and "absent otherwise" in rows[f]]
+        assert not wrong, f"{name}: written as null but documented as absent: {wrong}"
