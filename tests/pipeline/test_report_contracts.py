@@ -219,3 +219,23 @@ def test_a_field_written_as_null_is_not_documented_as_absent(outputs):
         report = report_of(outputs, name)[0]
         wrong = [f for f, v in report.items() if v is None and f in rows and "absent otherwise" in rows[f]]
         assert not wrong, f"{name}: written as null but documented as absent: {wrong}"
+
+
+def test_a_streamed_aligned_merge_reports_each_model_as_the_in_memory_merge_does(tmp_path):
+    """docs/merge.md: per aligned model `distance_before`/`distance_after` over the body (the anchor carries the
+    model's own head), `match` and the `distances` tables; the streamed merge compared the anchor's own head too,
+    and wrote neither `match` nor `distances`."""
+    vits = [vit_folder(tmp_path / f"vit{s}", s) for s in (0, 1)]
+    rows = {}
+    for mode in ("memory", "stream"):
+        assert run_cli("merge", *vits, "--method", "average", "--align", "attn,ffn,rescale", "--mode", mode,
+                       "-o", tmp_path / mode, "--progress", "none") == 0
+        rows[mode] = strict_json(tmp_path / mode / "symmerge_report.json")["alignment"]["models"][0]
+    memory, stream = rows["memory"], rows["stream"]
+    assert set(memory) - {"residual_group", "sweeps", "solver"} <= set(stream), set(memory) - set(stream)
+    for key in ("distance_before", "distance_after"):
+        assert stream[key] == pytest.approx(memory[key], rel=1e-6), key
+    for side in ("before", "after"):
+        assert stream["distances"][side]["whole"] == pytest.approx(memory["distances"][side]["whole"], rel=1e-6)
+        assert stream["distances"][side]["per_layer"] == pytest.approx(memory["distances"][side]["per_layer"], rel=1e-6)
+    assert stream["match"] == memory["match"] == "weights"
