@@ -194,7 +194,10 @@ def main(argv=None) -> int:
     from ._entry import Terminated, interrupted_line, was_interrupted, watch_interrupts
     from .io.output import describe_fault, os_fault, release_claims
 
+    from .io.provenance import COMMAND_LINE
+
     watch_interrupts()
+    line = COMMAND_LINE.set(["symmerge", *(sys.argv[1:] if argv is None else [str(a) for a in argv])])
     try:
         return _run(argv)
     except SymmergeError as e:
@@ -225,6 +228,7 @@ def main(argv=None) -> int:
         return 2
     finally:
         release_claims()  # the output's claim, if the run ended before writing it
+        COMMAND_LINE.reset(line)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def run_aligned(desc, shard_size="5GB", progress=True, options: RunOptions | Non
         job.output = out
         labels = [i.label for i in desc.jobs[0].inputs]
         job.report = {"aligned": {i.label: moved.get(i.label) is not None for i in job.inputs},
-                      "alignment": spec.report, "labels": labels}
+                      "alignment": spec.report, "labels": labels, "align_seconds": seconds}
         t1 = time.perf_counter()
         inputs = [i.checkpoint() for i in job.inputs]
         execute(job, inputs, out, options=opts, desc=desc, alignment=planned)
@@ -120,6 +120,7 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
     from ..merge import METHODS
     from ..merge.executor import OutputFolder, execute_steps
 
+    started = time.perf_counter()
     opts = options or RunOptions(shard_size=shard_size, progress=progress)
     method = METHODS.get(job.method)
     if method is None:  # pragma: no cover - the plan checked the name
@@ -153,7 +154,7 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
         if job.chat_template is not None and (opts.copy_tokenizer or built):
             write_chat_template(tmp, job.chat_template, folders)
         if desc is not None:
-            write_outputs(tmp, job, desc, plain, facts, opts, alignment)
+            write_outputs(tmp, job, desc, plain, facts, opts, alignment, started=started)
 
     return execute_steps([p if hasattr(p, "folder") else Path(p) for p in inputs], job.steps, method, out,
                          OutputFolder(config=config, dtype=DTYPES[want] if want else None,
@@ -162,10 +163,11 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
                          progress=opts.progress)
 
 
-def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None) -> dict:
+def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None, started=None) -> dict:
     """The final merge's ``symmerge_report.json`` (:func:`symmerge.merge.plan.merge_report`, the report every
     merge writes, built from the document's plan — :func:`symmerge.config.run_plan.plan_document` — plus the
-    config's entry) and, unless ``opts.card`` is off, its model card (``README.md``,
+    config's entry and the merge report's ``timings``: ``merge`` from ``started``, ``align`` an aligned config's
+    alignment) and, unless ``opts.card`` is off, its model card (``README.md``,
     :func:`symmerge.io.card.write_card`) and the config's text (``mergekit_config.yml``)."""
     import math
 
@@ -175,6 +177,7 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alig
     from .run_plan import model_type_at, document_of, merged_names, plan_document
 
     extra = dict(job.report or {})
+    align_seconds = float(extra.pop("align_seconds", 0.0))
     labels = extra.pop("labels", None) or [i.label for i in job.inputs]
     doc_plan = plan_document(desc, job, method, model_type_at(folder), labels, alignment)
     plan = doc_plan.merge
@@ -194,6 +197,9 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alig
         "merge_method"), "merges": len(desc.jobs), "tensors": len(job.steps), "layers": job.layers,
         "dtype": job.dtype, "out_dtype": job.out_dtype, "warnings": list(desc.warnings)}
     report.update(extra)
+    merge_seconds = time.perf_counter() - started if started is not None else 0.0
+    report["timings"] = {"load": 0.0, "align": align_seconds, "statistics": 0.0, "merge": merge_seconds,
+                         "evaluate": 0.0, "total": align_seconds + merge_seconds}
     if opts.card:
         write_card(folder, report)
         (folder / CONFIG_COPY).write_text(Path(desc.path).read_text(encoding="utf-8"), encoding="utf-8")

@@ -244,10 +244,21 @@ def card_text(report: dict, folder_name: str = "model") -> str:
 
     kind = kind_of(report)
     if kind == "moe":
-        return _moe_text(report, folder_name, __version__)
-    if kind == "extract-lora":
-        return _lora_text(report, __version__)
-    return _model_text(report, folder_name, __version__)
+        text = _moe_text(report, folder_name, __version__)
+    elif kind == "extract-lora":
+        text = _lora_text(report, __version__)
+    else:
+        text = _model_text(report, folder_name, __version__)
+    return text + _command_section(report)
+
+
+def _command_section(report: dict) -> str:
+    """The command line that made the output, as the user gave it (the report's ``command_line``; none from the
+    Python API)."""
+    import shlex
+
+    line = report.get("command_line")
+    return f"\n## Command\n\n```\n{shlex.join(line)}\n```\n" if line else ""
 
 
 def _model_text(report: dict, folder_name: str, version: str) -> str:
@@ -314,8 +325,11 @@ def write_card(folder, report: dict | None) -> Path | None:
     """Write ``folder/README.md`` (the output's model card) from ``report``, the report of an align, merge (``run``'s
     included), moe or extract-lora; other folders written by :func:`~symmerge.io.model.save_model` (the demo's
     trained models) get none."""
+    from .provenance import stamp
+
     if kind_of(report) is None:
         return None
+    stamp(report)  # the version and command line, as the report written beside it has them
     folder = Path(folder)
     name = _output_name(folder)
     path = folder / CARD

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SymmergeError
+from .provenance import remember
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -135,6 +136,7 @@ def resolve_input(spec, cache=None, dtype=None) -> str:
     directory = Path(cache).expanduser() if cache is not None else (_cache["dir"] or _temp_cache())
     out = directory / cache_name(base, ad, dtype)
     _written_as[os.path.realpath(out)] = str(spec)
+    remember(out, spec)  # the reports name the input as written (symmerge.io.provenance)
     if (out / "config.json").is_file():
         return str(out)  # merged by an earlier run (written atomically: complete)
     directory.mkdir(parents=True, exist_ok=True)

@@ -284,7 +284,13 @@ def copy_side_files(src: Path, dst: Path, report: dict | None = None, merge_modu
 
 
 def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """``obj`` as strict JSON (a non-finite float as null); a report (``symmerge_report.json``, ``barrier.json``)
+    gains, in place, the symmerge version and the command line that made it (:mod:`symmerge.io.provenance`)."""
+    from .provenance import REPORT_FILES, finite, stamp
+
+    if isinstance(obj, dict) and Path(path).name in REPORT_FILES:
+        stamp(obj)
+    path.write_text(json.dumps(finite(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
 def save_model(model, out, src=None, report: dict | None = None, report_name: str = "symmerge_report.json",

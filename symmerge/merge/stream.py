@@ -59,6 +59,29 @@ def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
     return [k for k in keys if not k.startswith(prefix)]
 
 
+def _model_row(path: Path, anchor: Path, rep: dict, own_heads: bool) -> dict:
+    """A streamed aligned model's ``alignment.models`` entry, as the in-memory merge writes it: the distances to the
+    anchor over the **body** (the streamed alignment compares the anchor's own head, which the in-memory merge
+    replaces by the model's: its squared distance, unchanged by an alignment without ``residual``, is taken out;
+    ``own_heads``: the anchor already carried the model's heads), ``match`` and the ``distances`` tables."""
+    from ..pipeline.report import match_fields
+
+    head_sq = 0.0
+    if not own_heads:
+        a, b = LazyCheckpoint(path, spec=False), LazyCheckpoint(anchor, spec=False)
+        for k in head_keys_of(a):
+            if k in b.keys():
+                x, y = a.read_direct(k).double(), b.read_direct(k).double()
+                head_sq += float((x - y).pow(2).sum()) if x.shape == y.shape else 0.0
+    body = {side: math.sqrt(max(rep[f"distance_{side}"] ** 2 - head_sq, 0.0)) for side in ("before", "after")}
+    return {"model": str(path), "anchor": False, "distance_before": body["before"], "distance_after": body["after"],
+            "verify_max_rel_diff": rep.get("verify_max_rel_diff"), "seconds": rep.get("seconds"), **match_fields(rep),
+            "distances": {side: {"whole": body[side],
+                                 "per_layer": {k: v[side] for k, v in rep.get("per_layer", {}).items()},
+                                 "per_module": {k: v[side] for k, v in rep.get("per_module", {}).items()}}
+                          for side in ("before", "after")}}
+
+
 def _body_layout(ckpt: LazyCheckpoint, name: str, heads) -> Layout:
     heads = set(heads)
     return Layout(name, ckpt.config["model_type"], ckpt.heads,
@@ -222,7 +245,6 @@ def aligned_folders(models, out, options, plan, names):
     beside ``out``; yields (the models' folders, aligned or the anchor's own, the base's folder, the report's
     ``alignment`` entry). The temporary folders are removed on leaving, whatever happens."""
     from ..pipeline.learn_layerwise_write import align_learned_streaming
-    from ..pipeline.report import match_fields
     from ..pipeline.stream import align_streaming
 
     learns = plan.align.matcher.learns  # learned from the files, layer by layer (pipeline/learn_layerwise_write.py)
@@ -256,9 +278,7 @@ def aligned_folders(models, out, options, plan, names):
                 base_path = work / f"model-{i}"
             else:
                 aligned[i] = work / f"model-{i}"
-            rows.append({"model": str(path), "anchor": False, "distance_before": rep["distance_before"],
-                         "distance_after": rep["distance_after"], "verify_max_rel_diff": rep.get("verify_max_rel_diff"),
-                         "seconds": rep.get("seconds"), **(match_fields(rep) if learns else {})})
+            rows.append(_model_row(path, anchor_path, rep, own_heads=learns))
         if idx is not None:
             rows.insert(idx, {"model": names[idx], "anchor": True})
         alignment = {"symmetries": list(resolved or []), "requested": plan.requested,

@@ -184,7 +184,7 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
         with stage("verified the aligned model's outputs", enabled=progress is not None):
             report.update(verify_forward(model, aligned, spec, options.verify_tol, inputs))
     else:
-        report.update(verify_max_abs_diff=None, verify_max_rel_diff=None)
+        report.update(verify_max_abs_diff=None, verify_max_rel_diff=None, verify_tolerance=None)
     report["seconds"] = time.perf_counter() - start
     report["tokenizer"] = tokenizer
     if adapted:

@@ -342,6 +342,6 @@ def align_dual(model, anchor, options, inputs: dict | None = None, progress=None
         report.update({k: max(va[k], vb[k]) if k != "verify_tolerance" else va[k] for k in va})
         report.update({k.replace("verify_", "verify_anchor_"): v for k, v in vb.items() if k != "verify_tolerance"})
     else:
-        report.update(verify_max_abs_diff=None, verify_max_rel_diff=None)
+        report.update(verify_max_abs_diff=None, verify_max_rel_diff=None, verify_tolerance=None)
     report["seconds"] = time.perf_counter() - t0
     return result(moved_a, moved_b, report, elements, instances, start.bound)

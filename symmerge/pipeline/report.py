@@ -68,6 +68,7 @@ def alignment_report(spec, model_type: str, opts, instances, distances: Distance
         "distance_before": before,
         "distance_after": after,
         **distances.tables(instances),
+        "match": opts.match,  # both modes (a streamed alignment is data-free: its matcher streams)
     }
     report.update(fields)
     return report

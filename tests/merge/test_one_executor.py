@@ -94,7 +94,7 @@ def test_memory_and_stream_run_the_same_steps_and_write_the_same_bits(folders, t
                                                                                       "copy": 0}
     # the reports agree but for the mode-specific entries
     drop = ("timings", "mode", "plan", "stream", "device", "side_files", "distances_between_inputs",
-            "distance_result_to_inputs")
+            "distance_result_to_inputs", "command_line")
     assert ({k: v for k, v in reports["memory"].items() if k not in drop} ==
             {k: v for k, v in reports["stream"].items() if k not in drop})
 
