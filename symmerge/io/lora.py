@@ -135,7 +135,6 @@ def resolve_input(spec, cache=None, dtype=None) -> str:
     dtype = parse_dtype(dtype) or _cache["dtype"]
     directory = Path(cache).expanduser() if cache is not None else (_cache["dir"] or _temp_cache())
     out = directory / cache_name(base, ad, dtype)
-    _written_as[os.path.realpath(out)] = str(spec)
     remember(out, spec)  # the reports name the input as written (symmerge.io.provenance)
     if (out / "config.json").is_file():
         return str(out)  # merged by an earlier run (written atomically: complete)
@@ -147,18 +146,6 @@ def resolve_input(spec, cache=None, dtype=None) -> str:
             return str(out)
         raise SymmergeError(f"{out}: cannot write the merged model ({e})") from None
     return str(out)
-
-
-_written_as: dict = {}  # a merged folder (its real path) -> the BASE+ADAPTER spec it was resolved from
-
-
-def spec_of(folder) -> str | None:
-    """The ``BASE+ADAPTER`` spec, as the user wrote it, that ``folder`` (a folder :func:`resolve_input` returned in
-    this process) stands for, else None: what a message names instead of the merged folder, which the user never
-    named (a temporary one is gone when the command ends)."""
-    if not isinstance(folder, (str, Path)):
-        return None
-    return _written_as.get(os.path.realpath(folder))
 
 
 def cache_name(base: Path, adapter: Path, dtype=None) -> str:

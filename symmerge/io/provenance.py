@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import os
 
 from .._version import __version__
 
@@ -21,6 +22,15 @@ def remember(folder, named: str) -> None:
     """``folder`` (a path this process made from an input, :func:`symmerge.io.lora.resolve_input`) stands for the
     input the user wrote as ``named``: a report names ``named`` wherever it would name ``folder``."""
     _written_as[str(folder)] = str(named)
+    _written_as.setdefault(os.path.realpath(folder), str(named))
+
+
+def named_as(folder) -> str | None:
+    """The input, as the user wrote it, that ``folder`` (a path :func:`remember` was told of, or the same folder by
+    another spelling) stands for, else None: what a message names instead of a folder the user never named."""
+    if not isinstance(folder, (str, os.PathLike)):
+        return None
+    return _written_as.get(str(folder)) or _written_as.get(os.path.realpath(folder))
 
 
 def _as_written(obj):

@@ -203,13 +203,13 @@ def check_tokenizers(inputs, allow_mismatch: bool = False) -> dict:
     """Compare the tokenizers of ``inputs`` (``(name, model or folder)`` pairs) before anything is done;
     returns the report's ``tokenizer`` entry, or raises :class:`SymmergeError` naming the first
     differing tokens (unless ``allow_mismatch``). A folder named by itself that a ``BASE+ADAPTER`` input was merged
-    into is named by that spec (:func:`symmerge.io.lora.spec_of`)."""
-    from .lora import spec_of
+    into is named by that spec (:func:`symmerge.io.provenance.named_as`)."""
+    from .provenance import named_as
 
     compared, without, in_memory = [], [], []
     for name, x in inputs:
-        if spec_of(x) is not None and str(name) == str(x):  # a BASE+ADAPTER input: named as the user wrote it
-            name = spec_of(x)
+        if named_as(x) is not None and str(name) == str(x):  # a BASE+ADAPTER input: named as the user wrote it
+            name = named_as(x)
         if not isinstance(x, (str, Path)):
             in_memory.append(name)
         elif _fingerprint(Path(x)) is None:
