@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..core.distance import distance_before_after
 from ..device import resolve_device
-from ..errors import SymmergeError, UsageError
+from ..errors import SymmergeError, UsageError, keywords_checked
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
 from ..io.tokenizers import check_tokenizers
@@ -40,6 +40,7 @@ def variant_name(spec) -> str:
     return ",".join(names) if names else "none"
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class BarrierOptions:
     """Everything a barrier study needs besides the models and the data (one object, shared with the CLI):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..core.distance import distance, distance_before_after
 from ..device import resolve_device
-from ..errors import SymmergeError, UsageError
+from ..errors import SymmergeError, UsageError, keywords_checked, unexpected_keyword
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.reader import load_model
@@ -59,6 +59,7 @@ def check_model_count(m, n: int, has_base: bool) -> None:
     m.check_inputs(n, has_base)
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class MergeOptions:
     """Everything a merge needs besides the models (immutable: :meth:`check` returns the validated copy the
@@ -106,9 +107,10 @@ class MergeOptions:
                       verify: bool = True, evaluate_result: bool = True, data=None, eval_data=None,
                       **kw) -> "MergeOptions":
         """The keyword form of :func:`merge_models` (``align``: a symmetry list or AlignOptions)."""
-        unknown = set(kw) - {f.name for f in fields(cls)}
+        known = [f.name for f in fields(cls)] + ["rescale", "verify", "evaluate_result"]
+        unknown = sorted(set(kw) - set(known))
         if unknown:
-            raise UsageError(f"merge_models() got unexpected keyword {sorted(unknown)[0]!r}")
+            raise unexpected_keyword("merge_models()", unknown[0], known)
         if not isinstance(align, AlignOptions):
             align = AlignOptions(symmetries=align, rescale=rescale, verify=verify)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..errors import SymmergeError
+from ..errors import SymmergeError, keywords_checked
 from ..families import SCALES, SYMMETRIES
 from ..groups import RESCALE_MODES, Options
 from ..option_ranges import check as check_range
@@ -95,6 +95,7 @@ def describe_symmetries(default: str) -> str:
     return f"{text}. Default: {default}"
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class LearnSettings:
     """Learned alignment: Adam on the continuous group elements, ``steps`` of ``batch`` examples, learning
@@ -192,6 +193,7 @@ class LearnSettings:
             raise SymmergeError(f"holdout fraction must be in [0, 1), got {self.holdout}")
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class AlignOptions:
     """How to align: ``symmetries`` (``--symmetries``), ``rescale`` (``joint``, ``sequential`` or
