@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SymmergeError, UsageError
+from ..io.arguments import models_argument, output_argument
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
 from ..progress import stage
@@ -29,8 +30,8 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
         options = MergeOptions.from_keywords(**keywords)
     elif keywords:
         raise UsageError("give either a MergeOptions or keywords, not both")
-    out = Path(out)
-    models = list(models)
+    out = Path(output_argument(out))
+    models = models_argument(models)
     ensure_output_dir(out, inputs=models)  # fail before any expensive work
     models, options = _single_files(models, options)
     check_model_count(get_method(options.method), len(models), options.base is not None)

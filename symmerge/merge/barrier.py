@@ -19,6 +19,7 @@ from pathlib import Path
 from ..core.distance import distance_before_after
 from ..device import resolve_device
 from ..errors import SymmergeError, UsageError, keywords_checked
+from ..io.arguments import model_argument, models_argument
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
 from ..io.tokenizers import check_tokenizers
@@ -217,6 +218,7 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
     ``options.aligns`` (a :class:`BarrierOptions`, or its fields as keywords), with REPAIR curves when
     ``options.repair`` (its statistics on ``options.align.align_data``, unlabeled, kept apart from the
     evaluation ``data``)."""
+    model_argument(model_a, "model_a"), model_argument(model_b, "model_b")
     o = _options(options, keywords, "barrier_study")
     subsets, device, progress = o.subsets, o.device, o.progress
     batch_size, max_examples, allow_pickle, repair = o.batch_size, o.max_examples, o.allow_pickle, o.repair
@@ -368,6 +370,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
     from ..evaluate.metrics import evaluate_ensemble
     from ..pipeline.verify import with_state_dict
 
+    models = models_argument(models)
     o = _options(options, keywords, "barrier_many")
     device, progress, allow_pickle = o.device, o.progress, o.allow_pickle
     batch_size, max_examples, joint_rounds, joint_refine = o.batch_size, o.max_examples, o.joint_rounds, o.joint_refine

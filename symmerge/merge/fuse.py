@@ -24,6 +24,7 @@ from ..device import resolve_device
 from ..errors import SymmergeError, UsageError, keywords_checked, unexpected_keyword
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
+from ..io.arguments import model_argument, models_argument
 from ..io.reader import load_model
 from ..io.prefix import adapt_models, not_merged
 from ..io.sentence_transformers import check_pipelines, output_reader
@@ -125,6 +126,8 @@ class MergeOptions:
         object: the method's parameters checked and completed, ``head_from`` counted from 0, the REPAIR
         channels parsed); ``self`` is left as it is."""
         m = get_method(self.method)
+        if self.base is not None:
+            model_argument(self.base, "base")
         check_model_count(m, n, self.base is not None)
         params = m.check_params(dict(self.params or {}))
         if self.heads not in HEAD_POLICIES:
@@ -341,6 +344,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     report) and :func:`_evaluate` → :class:`Evaluated`; writing is :func:`symmerge.merge.api.merge_to_folder`'s.
     """
     t0 = time.perf_counter()
+    models = models_argument(models)
     if options is None:
         options = MergeOptions.from_keywords(method=method or "average", **keywords)
     elif method is not None or keywords:

@@ -16,6 +16,7 @@ from ..io.layout import layout_of
 from ..core.resolve import declared_ties
 from ..device import resolve_device
 from ..errors import SymmergeError
+from ..io.arguments import model_argument
 from ..io.reader import load_model
 from ..io.prefix import adapt_pair
 from ..io.sentence_transformers import check_pipelines, output_reader
@@ -111,6 +112,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     here, on the loaded model. Returns an :class:`Alignment`; raises :class:`SymmergeError` if the tokenizers
     differ (unless ``allow_tokenizer_mismatch``), ``options`` name a symmetry the model's family does not declare
     (:func:`~symmerge.pipeline.recommend.require_declared`) or the options' verification fails."""
+    model, anchor = model_argument(model, "model"), model_argument(anchor, "anchor")
     options = options or AlignOptions()
     if options.learn.frame == "dual" and MATCHERS[options.match].learns:  # both models move (pipeline/dual.py)
         from .dual import align_dual

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SymmergeError
+from ..io.arguments import model_argument, output_argument
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
 from ..progress import stage, stage_printer
@@ -67,6 +68,7 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
     from the headers (:func:`~symmerge.pipeline.align_plan.plan_align`: 'recommended' resolved once, the group
     instances bound, the steps); the wing solves the plan's instances and runs its steps
     (:mod:`~symmerge.pipeline.align_steps`), and the report is built from the plan. Returns the report."""
+    model, anchor, out = model_argument(model, "model"), model_argument(anchor, "anchor"), output_argument(out)
     options = options if options is not None else AlignOptions()
     for flag, given in (("--pipeline", pipeline), ("--verify-forward", verify_forward),
                         ("--shard-size", shard_size is not None)):

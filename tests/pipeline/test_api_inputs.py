@@ -49,3 +49,34 @@ def test_the_checked_constructors_keep_their_signatures_and_fields():
     assert "symmetries" in inspect.signature(symmerge.AlignOptions).parameters
     assert symmerge.AlignOptions(symmetries="attn").with_(max_sweeps=3).max_sweeps == 3
     assert symmerge.MergeOptions(method="ties").method == "ties"
+
+
+@pytest.mark.parametrize("wrong, hint", [(None, "NoneType"), (123, "int"), ("list", "one model here"),
+                                         ("state_dict", "a state dict: load it")])
+def test_a_model_of_the_wrong_type_is_one_error_naming_the_argument(pair, tmp_path, wrong, hint):
+    a, b = pair
+    wrong = {"list": [a], "state_dict": a.state_dict()}.get(wrong, wrong)
+    for call, name in ((lambda: symmerge.align(wrong, b), "model"), (lambda: symmerge.align(a, wrong), "anchor"),
+                       (lambda: symmerge.align_pair(a, wrong), "anchor"),
+                       (lambda: symmerge.align_to_folder(wrong, b, tmp_path / "out"), "model"),
+                       (lambda: symmerge.merge_models([a, wrong], "average"), r"models\[1\]"),
+                       (lambda: symmerge.merge([wrong, a], tmp_path / "out"), r"models\[0\]"),
+                       (lambda: symmerge.barrier_study(a, wrong, "x.npz"), "model_b")):
+        with pytest.raises(UsageError, match=rf"^{name} must be a Hugging Face model folder .*{hint}"):
+            call()
+    assert not (tmp_path / "out").exists()
+
+
+def test_one_model_or_none_where_a_list_goes_and_no_output_folder_are_one_error(pair, tmp_path):
+    a, b = pair
+    for models in (a, "a/", None):
+        with pytest.raises(UsageError, match="^models must be a list of models"):
+            symmerge.merge_models(models, "average")
+        with pytest.raises(UsageError, match="^models must be a list of models"):
+            symmerge.merge(models, tmp_path / "out")
+    with pytest.raises(UsageError, match="^base must be"):
+        symmerge.merge_models([a, b], "task_arithmetic", base=[a])
+    for call in (lambda: symmerge.merge([a, b], None), lambda: symmerge.align_to_folder(a, b, None)):
+        with pytest.raises(UsageError, match="^out must be the output folder's path"):
+            call()
+    assert not (tmp_path / "out").exists()

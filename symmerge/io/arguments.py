@@ -1,0 +1,47 @@
+"""The public entries' checks of what they were given as models and as an output folder: a wrong type (None, a
+list where one model goes, a state dict, one model where a list goes) is one :class:`~symmerge.errors.UsageError`
+naming the argument, before any work, rather than an ``AttributeError`` from deep inside the alignment."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import UsageError
+
+MODEL_KINDS = "a Hugging Face model folder (str or Path) or a transformers model (torch.nn.Module)"
+
+
+def _is_model(x) -> bool:
+    return isinstance(x, (str, os.PathLike, torch.nn.Module))
+
+
+def _hint(x) -> str:
+    if isinstance(x, dict):
+        return " (a state dict: load it into its transformers model first, model.load_state_dict(sd))"
+    if isinstance(x, (list, tuple)):
+        return " (one model here; merge_models and symmerge.merge take a list)"
+    return ""
+
+
+def model_argument(x, name: str = "model"):
+    """``x`` when it is a model the library reads (:data:`MODEL_KINDS`), else one error naming ``name``."""
+    if not _is_model(x):
+        raise UsageError(f"{name} must be {MODEL_KINDS}, got {type(x).__name__}{_hint(x)}")
+    return x
+
+
+def models_argument(models, name: str = "models") -> list:
+    """``models`` (a list or tuple of models, :func:`model_argument` each) as a list, else one error."""
+    if not isinstance(models, (list, tuple)):
+        one = " (one model: give a list of the models to merge)" if _is_model(models) else ""
+        raise UsageError(f"{name} must be a list of models ({MODEL_KINDS} each), got {type(models).__name__}{one}")
+    return [model_argument(m, f"{name}[{i}]") for i, m in enumerate(models)]
+
+
+def output_argument(out, name: str = "out"):
+    """``out`` when it names a folder (str or Path), else one error."""
+    if not isinstance(out, (str, os.PathLike)) or not str(out):
+        raise UsageError(f"{name} must be the output folder's path (str or Path), got {out!r}")
+    return out
