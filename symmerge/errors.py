@@ -26,11 +26,13 @@ def unexpected_keyword(owner: str, name: str, known) -> "UsageError":
 
 def keywords_checked(cls):
     """``cls`` (a dataclass), its constructor refusing a keyword that is none of its fields with one
-    :class:`UsageError` (a ``TypeError`` too) that names the closest field; the signature is kept."""
+    :class:`UsageError` (a ``TypeError`` too) that names the closest field, and a field declared ``bool`` given
+    anything but True or False (``verify="no"`` would read as true); the signature is kept."""
     import dataclasses
     import functools
 
     init, known = cls.__init__, [f.name for f in dataclasses.fields(cls) if f.init]
+    flags = [f.name for f in dataclasses.fields(cls) if f.type in ("bool", bool)]
 
     @functools.wraps(init)
     def checked(self, *args, **kwargs):
@@ -38,6 +40,9 @@ def keywords_checked(cls):
         if unknown is not None:
             raise unexpected_keyword(f"{cls.__name__}()", unknown, known)
         init(self, *args, **kwargs)
+        wrong = next((f for f in flags if not isinstance(getattr(self, f), bool)), None)
+        if wrong is not None:
+            raise UsageError(f"{cls.__name__}(): {wrong} must be True or False, got {getattr(self, wrong)!r}")
 
     cls.__init__ = checked
     return cls

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import SymmergeError, UsageError
+from ..errors import SymmergeError
 from ..io.arguments import models_argument, output_argument
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
@@ -26,10 +26,7 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
     fields as keywords; ``options.mode``: ``auto``, ``memory`` or ``stream``; ``options.shard_size``: the
     streamed output's largest shard). Returns the report (also ``out/symmerge_report.json``), whose
     ``plan`` says which mode ran and why."""
-    if options is None:
-        options = MergeOptions.from_keywords(**keywords)
-    elif keywords:
-        raise UsageError("give either a MergeOptions or keywords, not both")
+    options = MergeOptions.of(options, keywords)
     out = Path(output_argument(out))
     models = models_argument(models)
     ensure_output_dir(out, inputs=models)  # fail before any expensive work

@@ -75,6 +75,15 @@ class BarrierOptions:
     joint_refine: str | None = None
     temperature: bool = False
 
+    def __post_init__(self):
+        if isinstance(self.aligns, str):  # one variant: "attn,ffn" is one curve, not one per character
+            object.__setattr__(self, "aligns", (self.aligns,))
+        if not isinstance(self.align, AlignOptions):
+            raise UsageError(f"BarrierOptions(): align must be an AlignOptions (the variants' symmetries go in "
+                             f"aligns=), got {type(self.align).__name__}")
+        if isinstance(self.points, bool) or not isinstance(self.points, int) or self.points < 2:
+            raise SymmergeError(f"--points must be a whole number >= 2 (the endpoints), got {self.points!r}")
+
 
 def _options(options, keywords: dict, name: str) -> BarrierOptions:
     """The :class:`BarrierOptions` of a call: given, or built from its fields as keywords."""

@@ -103,6 +103,25 @@ class MergeOptions:
     mode: str = MERGE["mode"]  # symmerge.merge(...): auto, memory or stream (symmerge.merge.plan.choose_mode)
     shard_size: object = MERGE["shard_size"]  # a streamed output's largest shard
 
+    def __post_init__(self):
+        if isinstance(self.align, (str, list, tuple)):  # a symmetry list, as merge_models(align=...) takes it
+            object.__setattr__(self, "align", AlignOptions(symmetries=self.align))
+        if not isinstance(self.align, AlignOptions):
+            raise UsageError(f"MergeOptions(): align must be an AlignOptions or a symmetry list such as 'attn,ffn', "
+                             f"got {type(self.align).__name__}")
+
+    @classmethod
+    def of(cls, options, keywords: dict) -> "MergeOptions":
+        """The options of a call: ``options``, or made from ``keywords`` (:meth:`from_keywords`), never both."""
+        if options is None:
+            return cls.from_keywords(**keywords)
+        if not isinstance(options, cls):
+            hint = f" (a method goes in MergeOptions(method={options!r}))" if isinstance(options, str) else ""
+            raise UsageError(f"options must be a MergeOptions, got {type(options).__name__}{hint}")
+        if keywords:
+            raise UsageError("give either a MergeOptions or keywords, not both")
+        return options
+
     @classmethod
     def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",
                       verify: bool = True, evaluate_result: bool = True, data=None, eval_data=None,
@@ -345,10 +364,7 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     """
     t0 = time.perf_counter()
     models = models_argument(models)
-    if options is None:
-        options = MergeOptions.from_keywords(method=method or "average", **keywords)
-    elif method is not None or keywords:
-        raise UsageError("give either a MergeOptions or keywords, not both")
+    options = MergeOptions.of(options, {**({} if method is None else {"method": method}), **keywords})
     if plan is None:
         plan = plan_merge(models, options, mode="memory")
     elif plan.mode != "memory":

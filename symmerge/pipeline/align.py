@@ -113,7 +113,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     differ (unless ``allow_tokenizer_mismatch``), ``options`` name a symmetry the model's family does not declare
     (:func:`~symmerge.pipeline.recommend.require_declared`) or the options' verification fails."""
     model, anchor = model_argument(model, "model"), model_argument(anchor, "anchor")
-    options = options or AlignOptions()
+    options = AlignOptions.of(options)
     if options.learn.frame == "dual" and MATCHERS[options.match].learns:  # both models move (pipeline/dual.py)
         from .dual import align_dual
 

@@ -69,7 +69,7 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
     instances bound, the steps); the wing solves the plan's instances and runs its steps
     (:mod:`~symmerge.pipeline.align_steps`), and the report is built from the plan. Returns the report."""
     model, anchor, out = model_argument(model, "model"), model_argument(anchor, "anchor"), output_argument(out)
-    options = options if options is not None else AlignOptions()
+    options = AlignOptions.of(options)
     for flag, given in (("--pipeline", pipeline), ("--verify-forward", verify_forward),
                         ("--shard-size", shard_size is not None)):
         if given and not stream:
@@ -113,7 +113,7 @@ def print_plan(model, anchor, options: AlignOptions | None = None, *, stream: bo
                allow_pickle: bool = False, verify_forward: bool = False) -> dict:
     """``symmerge align --print-plan``: the plan (:func:`~symmerge.pipeline.align_plan.plan_align`) and its
     steps, from the headers; nothing is written. What the alignment would refuse is refused here too."""
-    options = options if options is not None else AlignOptions()
+    options = AlignOptions.of(options)
     if verify_forward and not stream:
         raise SymmergeError("--verify-forward applies to --stream only")
     if verify_forward and options.matcher.learns:

@@ -80,3 +80,52 @@ def test_one_model_or_none_where_a_list_goes_and_no_output_folder_are_one_error(
         with pytest.raises(UsageError, match="^out must be the output folder's path"):
             call()
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: symmerge.AlignOptions(verify="no"), r"verify must be True or False, got 'no'"),
+    (lambda: symmerge.AlignOptions(untie="yes"), r"untie must be True or False"),
+    (lambda: symmerge.MergeOptions(evaluate="false"), r"evaluate must be True or False"),
+    (lambda: symmerge.BarrierOptions(repair=1), r"repair must be True or False"),
+    (lambda: symmerge.AlignOptions(learn={"steps": 3}), r"learn must be a LearnSettings"),
+    (lambda: symmerge.AlignOptions(symmetries=5), r"symmetries must be a comma list"),
+    (lambda: symmerge.AlignOptions(symmetries=["attn", 5]), r"symmetries must be a comma list"),
+    (lambda: symmerge.AlignOptions(layers=1.5), r"layers must be layer indices"),
+    (lambda: symmerge.AlignOptions(layers=["x"]), r"layers must be layer indices"),
+    (lambda: symmerge.AlignOptions(max_sweeps=float("nan")), r"--max-sweeps must be a whole number >= 1, got nan"),
+    (lambda: symmerge.AlignOptions(max_sweeps=2.5), r"--max-sweeps must be a whole number >= 1, got 2.5"),
+    (lambda: symmerge.AlignOptions(align_samples="10"), r"--align-samples must be a number >= 1, got '10'"),
+    (lambda: symmerge.LearnSettings(steps=float("nan")), r"--learn-steps must be"),
+    (lambda: symmerge.MergeOptions(align=3), r"align must be an AlignOptions or a symmetry list"),
+    (lambda: symmerge.BarrierOptions(align="attn"), r"align must be an AlignOptions \(the variants' symmetries go in "
+                                                    r"aligns=\)"),
+    (lambda: symmerge.BarrierOptions(points=float("nan")), r"--points must be a whole number >= 2"),
+    (lambda: symmerge.BarrierOptions(points=2.5), r"--points must be a whole number >= 2"),
+])
+def test_a_bad_value_in_an_options_object_is_one_error_naming_the_field(make, message):
+    with pytest.raises(SymmergeError, match=message):
+        make()
+
+
+def test_the_values_the_options_objects_read_for_the_user():
+    assert symmerge.AlignOptions(layers="0,1").layers == (0, 1)
+    assert symmerge.AlignOptions(layers=1).layers == (1,)
+    assert symmerge.AlignOptions(layers=range(2)).layers == (0, 1)
+    assert symmerge.AlignOptions(solver_budget=0.5).solver_budget == 0.5  # seconds: a fraction is fine
+    assert symmerge.MergeOptions(align="attn,ffn").align.symmetries == ("attn", "ffn")
+    assert symmerge.MergeOptions(align="none").align.symmetries == ()
+    assert symmerge.BarrierOptions(aligns="attn,ffn").aligns == ("attn,ffn",)  # one variant, not one per letter
+
+
+def test_an_options_argument_of_the_wrong_type_is_one_error(pair, tmp_path):
+    a, b = pair
+    for call in (lambda: symmerge.align_pair(a, b, "attn"), lambda: symmerge.align_to_folder(a, b, tmp_path / "o", "attn")):
+        with pytest.raises(UsageError, match=r"options must be an AlignOptions, got str \(symmetries go in "
+                                             r"AlignOptions\(symmetries='attn'\)\)"):
+            call()
+    for call in (lambda: symmerge.merge([a, b], tmp_path / "o", "average"),
+                 lambda: symmerge.merge_models([a, b], options="average")):
+        with pytest.raises(UsageError, match=r"options must be a MergeOptions, got str \(a method goes in "
+                                             r"MergeOptions\(method='average'\)\)"):
+            call()
+    assert not (tmp_path / "o").exists()
