@@ -45,3 +45,36 @@ def output_argument(out, name: str = "out"):
     if not isinstance(out, (str, os.PathLike)) or not str(out):
         raise UsageError(f"{name} must be the output folder's path (str or Path), got {out!r}")
     return out
+
+
+def _modules_in(values) -> list:
+    """The ``torch.nn.Module`` s among ``values``, inside lists and tuples and an options object's fields too."""
+    import dataclasses
+
+    found = []
+    for v in values:
+        if isinstance(v, torch.nn.Module):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found += _modules_in(v)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            found += _modules_in([getattr(v, f.name) for f in dataclasses.fields(v)])
+    return found
+
+
+def keeps_modes(fn):
+    """``fn`` leaving the models it is given in the train/eval mode they came in, module by module (evaluation and
+    verification switch a model to eval mode; a caller's model in train mode would be left in eval mode)."""
+    import functools
+
+    @functools.wraps(fn)
+    def kept(*args, **kwargs):
+        modules = [m for model in _modules_in([*args, *kwargs.values()]) for m in model.modules()]
+        modes = [m.training for m in modules]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for m, mode in zip(modules, modes):
+                m.training = mode
+
+    return kept

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..core.distance import distance_before_after
 from ..device import resolve_device
 from ..errors import SymmergeError, UsageError, keywords_checked
-from ..io.arguments import model_argument, models_argument
+from ..io.arguments import keeps_modes, model_argument, models_argument
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
 from ..io.tokenizers import check_tokenizers
@@ -222,6 +222,7 @@ def _variants(plan: BarrierPlan, base: AlignOptions) -> dict:
     return {arm.name: base.with_(symmetries=arm.symmetries) if arm.plan is not None else None for arm in plan.arms}
 
 
+@keeps_modes
 def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """Interpolation curves and barriers of A and B on ``data``, for no alignment and each variant of
     ``options.aligns`` (a :class:`BarrierOptions`, or its fields as keywords), with REPAIR curves when
@@ -369,6 +370,7 @@ def write_study(result: dict, out) -> Path:
     return out
 
 
+@keeps_modes
 def barrier_many(models, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """N ≥ 2 models: for no alignment and each variant of ``options.aligns`` (a :class:`BarrierOptions`, or
     its fields as keywords; every model brought into one frame by joint alignment,

@@ -24,7 +24,7 @@ from ..device import resolve_device
 from ..errors import SymmergeError, UsageError, keywords_checked, unexpected_keyword
 from ..evaluate.metrics import evaluate
 from ..io.data import Data, check_data, check_data_path, load_data
-from ..io.arguments import model_argument, models_argument
+from ..io.arguments import keeps_modes, model_argument, models_argument
 from ..io.reader import load_model
 from ..io.prefix import adapt_models, not_merged
 from ..io.sentence_transformers import check_pipelines, output_reader
@@ -343,6 +343,7 @@ def gather_stats(needs, models, names, cache: _DataCache, opts: MergeOptions, de
     return stats, info
 
 
+@keeps_modes
 def merge_models(models, method: str | None = None, options: MergeOptions | None = None, plan=None, **keywords):
     """Merge ``models`` (transformers models or HF folders); returns ``(model, report)``.
 

@@ -129,3 +129,23 @@ def test_an_options_argument_of_the_wrong_type_is_one_error(pair, tmp_path):
                                              r"MergeOptions\(method='average'\)\)"):
             call()
     assert not (tmp_path / "o").exists()
+
+
+def _modes(model) -> list:
+    return [m.training for m in model.modules()]
+
+
+def test_the_callers_models_keep_their_train_mode_and_weights(pair, tmp_path):
+    a, b = (m.__class__(m.config).train() for m in pair)  # fresh modules in train() mode, as after training
+    for m, src in zip((a, b), pair):
+        m.load_state_dict(src.state_dict())
+    a.model.layers[0].eval()  # and one submodule in eval mode: every module's flag is kept
+    modes, weights = [_modes(a), _modes(b)], [{k: v.clone() for k, v in m.state_dict().items()} for m in (a, b)]
+    aligned, report = symmerge.align(a, b, symmetries="attn,ffn")
+    assert report["verify_max_rel_diff"] <= 1e-5 and not aligned.training
+    symmerge.align_pair(a, b, symmerge.AlignOptions(symmetries="recommended"))
+    symmerge.merge_models([a, b], "average", progress=False)
+    symmerge.align_to_folder(a, b, tmp_path / "aligned", symmerge.AlignOptions(symmetries="attn"), progress=False)
+    assert [_modes(a), _modes(b)] == modes
+    for m, sd in zip((a, b), weights):
+        assert all(torch.equal(v, sd[k]) for k, v in m.state_dict().items())
