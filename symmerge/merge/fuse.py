@@ -145,8 +145,7 @@ class MergeOptions:
         object: the method's parameters checked and completed, ``head_from`` counted from 0, the REPAIR
         channels parsed); ``self`` is left as it is."""
         m = get_method(self.method)
-        if self.base is not None:
-            model_argument(self.base, "base")
+        self._check_types()
         check_model_count(m, n, self.base is not None)
         params = m.check_params(dict(self.params or {}))
         if self.heads not in HEAD_POLICIES:
@@ -189,6 +188,21 @@ class MergeOptions:
             raise SymmergeError(f"unknown --joint-refine {self.joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
         return replace(self, params=params, head_from=self.head_from % n, repair_channels=channels)
 
+    def _check_types(self) -> None:
+        """The fields a user gives by hand, of the types they take: one :class:`UsageError` naming the field."""
+        if self.base is not None:
+            model_argument(self.base, "base")
+        if self.anchor is not None and not _is_index(self.anchor):
+            model_argument(self.anchor, "anchor (an index into models, a folder or a model)")
+        if not _is_index(self.head_from):
+            raise UsageError(f"head_from must be an index into the models, got {self.head_from!r}")
+        if self.params is not None and not isinstance(self.params, dict):
+            raise UsageError(f"params must be a dict of the method's parameters ({{'density': 0.5}}), "
+                             f"got {self.params!r}")
+        if self.weights is not None and (not isinstance(self.weights, (list, tuple)) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) for w in self.weights)):
+            raise UsageError(f"weights must be a list of numbers, one per model, got {self.weights!r}")
+
     def use_joint(self, n: int) -> bool:
         """Joint alignment (every model to the mean of the others) rather than the star: asked for, or by
         default for more than two models without an anchor or a base, with a matcher that runs jointly (all three:
@@ -210,6 +224,10 @@ class MergeOptions:
 
     def load_kw(self) -> dict:
         return {"batch_size": self.batch_size, "max_examples": self.max_examples, "max_length": self.max_length}
+
+
+def _is_index(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _name(x, i) -> str:

@@ -149,3 +149,25 @@ def test_the_callers_models_keep_their_train_mode_and_weights(pair, tmp_path):
     assert [_modes(a), _modes(b)] == modes
     for m, sd in zip((a, b), weights):
         assert all(torch.equal(v, sd[k]) for k, v in m.state_dict().items())
+
+
+@pytest.mark.parametrize("keywords, message", [
+    (dict(weights="1,2"), r"weights must be a list of numbers, one per model, got '1,2'"),
+    (dict(params=0.5), r"params must be a dict of the method's parameters"),
+    (dict(anchor=1.5), r"^anchor \(an index into models, a folder or a model\) must be"),
+    (dict(anchor=True), r"^anchor .* got bool"),
+    (dict(head_from=1.5), r"head_from must be an index into the models, got 1.5"),
+])
+def test_a_merge_field_of_the_wrong_type_is_one_error(pair, keywords, message):
+    with pytest.raises(UsageError, match=message):
+        symmerge.merge_models(list(pair), "average", progress=False, **keywords)
+
+
+def test_align_takes_progress_as_merge_does_and_checks_its_inputs(pair, capsys):
+    a, b = pair
+    _, report = symmerge.align(a, b, symmetries="attn", progress=True)  # as merge_models(progress=True)
+    assert report["verify_max_rel_diff"] <= 1e-5 and "verified" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="progress must be True, False or a callback"):
+        symmerge.align(a, b, progress="yes")
+    with pytest.raises(UsageError, match=r"inputs must be a dict of tensors.*: 'input_ids' is list"):
+        symmerge.align(a, b, inputs={"input_ids": [[1, 2, 3]]})
