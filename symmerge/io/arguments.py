@@ -78,3 +78,11 @@ def keeps_modes(fn):
                 m.training = mode
 
     return kept
+
+
+def flag_arguments(**flags) -> None:
+    """Each of ``flags`` (an entry's ``stream=``, ``allow_pickle=``...) True or False, else one error naming it (a
+    string such as ``"no"`` would read as true)."""
+    wrong = next((name for name, value in flags.items() if not isinstance(value, bool)), None)
+    if wrong is not None:
+        raise UsageError(f"{wrong} must be True or False, got {flags[wrong]!r}")

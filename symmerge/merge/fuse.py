@@ -32,7 +32,7 @@ from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.bound import bind
 from ..pipeline.data import read_once
-from ..option_ranges import check as check_range
+from ..option_ranges import check as check_range, in_range
 from ..pipeline.distill import DistillSettings, check_steps, distill
 from ..pipeline.joint import align_joint
 from ..pipeline.options import JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
@@ -45,7 +45,7 @@ from .repair import DEFAULT_CHANNELS, parse_channels, repair, statistics_data
 from .option_defaults import MERGE
 from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_mergeable, head_keys, head_policy,
                     head_report, untied, with_tied)
-from .statistics import gather
+from .statistics import FISHER_VARIANTS, gather
 from .outputs import check_result
 from .plan import anchor_rule, average_keys, closest_to_average, merge_report, plan_merge
 from .steps import plain_merge_steps
@@ -148,6 +148,10 @@ class MergeOptions:
         self._check_types()
         check_model_count(m, n, self.base is not None)
         params = m.check_params(dict(self.params or {}))
+        for flag, value in (("--fisher-samples", self.fisher_samples), ("--batch-size", self.batch_size)):
+            in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py)
+        if self.fisher_variant not in FISHER_VARIANTS:
+            raise SymmergeError(f"unknown Fisher variant {self.fisher_variant!r}; choose {' or '.join(FISHER_VARIANTS)}")
         if self.heads not in HEAD_POLICIES:
             raise SymmergeError(f"unknown head policy {self.heads!r}; choose {', '.join(HEAD_POLICIES)}")
         if n == 0:

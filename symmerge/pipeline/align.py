@@ -16,7 +16,7 @@ from ..io.layout import layout_of
 from ..core.resolve import declared_ties
 from ..device import resolve_device
 from ..errors import SymmergeError, UsageError
-from ..io.arguments import keeps_modes, model_argument
+from ..io.arguments import flag_arguments, keeps_modes, model_argument
 from ..io.reader import load_model
 from ..io.prefix import adapt_pair
 from ..io.sentence_transformers import check_pipelines, output_reader
@@ -118,6 +118,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     model, anchor = model_argument(model, "model"), model_argument(anchor, "anchor")
     options, progress = AlignOptions.of(options), _progress(progress)
     _check_inputs(inputs)
+    flag_arguments(allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
     if options.learn.frame == "dual" and MATCHERS[options.match].learns:  # both models move (pipeline/dual.py)
         from .dual import align_dual
 

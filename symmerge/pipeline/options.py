@@ -4,11 +4,12 @@ and ``barrier`` (the CLI and the Python API build the same object)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 
 from ..errors import SymmergeError, UsageError, keywords_checked
 from ..families import SCALES, SYMMETRIES
 from ..groups import RESCALE_MODES, Options
-from ..option_ranges import check as check_range
+from ..option_ranges import check as check_range, in_range
 from .matchers import DEFAULT_MATCHER, MATCHERS, matcher
 
 PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations and scales, FFN permutations
@@ -202,11 +203,22 @@ class LearnSettings:
             check_range(f"learn_{name}", getattr(self, name))
         if not self.lr > 0:
             raise SymmergeError(f"learned alignment needs lr > 0, got {self.lr}")
+        self._check_counts()
         if not 0.0 <= self.alpha_low <= self.alpha_high <= 1.0:  # low = high: every step at that one α
             raise SymmergeError(f"--learn-alpha-low/--learn-alpha-high: the learned alignment's α range must satisfy "
                                 f"0 <= low <= high <= 1, got {self.alpha_low:g} and {self.alpha_high:g}")
         if not 0.0 <= self.holdout < 1.0:
             raise SymmergeError(f"holdout fraction must be in [0, 1), got {self.holdout}")
+
+    def _check_counts(self) -> None:
+        """The seed, the budget and the early-stopping and Dirichlet counts: whole numbers (seconds: a number) in
+        range, else one error naming the field."""
+        in_range("--learn-budget", 0, self.budget)
+        for name, minimum in (("seed", None), ("check_every", 1), ("patience", 0), ("dirichlet_steps", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Integral) or (minimum is not None and value < minimum):
+                at_least = "" if minimum is None else f" >= {minimum}"
+                raise SymmergeError(f"LearnSettings(): {name} must be a whole number{at_least}, got {value!r}")
 
 
 @keywords_checked

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SymmergeError
-from ..io.arguments import model_argument, output_argument
+from ..io.arguments import flag_arguments, model_argument, output_argument
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
 from ..progress import stage, stage_printer
@@ -69,6 +69,8 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
     instances bound, the steps); the wing solves the plan's instances and runs its steps
     (:mod:`~symmerge.pipeline.align_steps`), and the report is built from the plan. Returns the report."""
     model, anchor, out = model_argument(model, "model"), model_argument(anchor, "anchor"), output_argument(out)
+    flag_arguments(stream=stream, pipeline=pipeline, verify_forward=verify_forward, progress=progress,
+                   allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
     options = AlignOptions.of(options)
     for flag, given in (("--pipeline", pipeline), ("--verify-forward", verify_forward),
                         ("--shard-size", shard_size is not None)):

@@ -171,3 +171,39 @@ def test_align_takes_progress_as_merge_does_and_checks_its_inputs(pair, capsys):
         symmerge.align(a, b, progress="yes")
     with pytest.raises(UsageError, match=r"inputs must be a dict of tensors.*: 'input_ids' is list"):
         symmerge.align(a, b, inputs={"input_ids": [[1, 2, 3]]})
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: symmerge.LearnSettings(seed=1.5), r"seed must be a whole number, got 1.5"),
+    (lambda: symmerge.LearnSettings(budget=-1), r"--learn-budget must be >= 0"),
+    (lambda: symmerge.LearnSettings(budget=float("nan")), r"--learn-budget must be a number >= 0, got nan"),
+    (lambda: symmerge.LearnSettings(check_every=0), r"check_every must be a whole number >= 1"),
+    (lambda: symmerge.LearnSettings(patience=-1), r"patience must be a whole number >= 0"),
+    (lambda: symmerge.LearnSettings(dirichlet_steps=float("nan")), r"dirichlet_steps must be a whole number >= 0"),
+])
+def test_a_bad_learned_alignment_setting_is_one_error(make, message):
+    with pytest.raises(SymmergeError, match=message):
+        make()
+
+
+def test_data_flags_and_merge_counts_of_the_wrong_type_or_range_are_one_error(pair, tmp_path):
+    import numpy as np
+
+    a, b = pair
+    assert symmerge.LearnSettings(seed=np.int64(3)).seed == 3  # numpy's whole numbers are whole numbers
+    data = r"data must be a data file's path \(.npz, .jsonl or .txt\) or a symmerge.io.data.Data, got "
+    for call, got in ((lambda: symmerge.barrier_study(a, b, None), "NoneType"),
+                      (lambda: symmerge.merge_models([a, b], "fisher", data=123, progress=False), "int"),
+                      (lambda: symmerge.align(a, b, match="activations", align_data=123), "int")):
+        with pytest.raises(UsageError, match=data + got):
+            call()
+    for keywords, message in ((dict(fisher_samples=0), "--fisher-samples must be >= 1"),
+                              (dict(batch_size=0), "--batch-size must be >= 1"),
+                              (dict(fisher_variant="emprical"), "unknown Fisher variant 'emprical'")):
+        with pytest.raises(SymmergeError, match=message):
+            symmerge.merge_models([a, b], "average", progress=False, **keywords)
+    with pytest.raises(UsageError, match="stream must be True or False, got 'yes'"):
+        symmerge.align_to_folder(a, b, tmp_path / "o", stream="yes")
+    with pytest.raises(UsageError, match="allow_pickle must be True or False"):
+        symmerge.align_pair(a, b, allow_pickle="x")
+    assert not (tmp_path / "o").exists()
