@@ -207,3 +207,28 @@ def test_data_flags_and_merge_counts_of_the_wrong_type_or_range_are_one_error(pa
     with pytest.raises(UsageError, match="allow_pickle must be True or False"):
         symmerge.align_pair(a, b, allow_pickle="x")
     assert not (tmp_path / "o").exists()
+
+
+def test_extract_lora_checks_its_arguments_and_options_first(pair, tmp_path):
+    from symmerge.merge.extract_lora import ExtractOptions, extract_lora
+
+    a, b = pair
+    a.save_pretrained(tmp_path / "a")
+    b.save_pretrained(tmp_path / "b")
+    with pytest.raises(UsageError, match=r"'rnk' \(did you mean 'rank'\?\)"):
+        ExtractOptions(rnk=4)
+    with pytest.raises(UsageError, match="embed_lora must be True or False, got 'no'"):
+        ExtractOptions(embed_lora="no")
+    assert ExtractOptions(exclude_regexes="lm_head.*").exclude_regexes == ("lm_head.*",)  # one pattern
+    options = ExtractOptions(rank=2, progress=False)
+    for call, message in (
+            (lambda: extract_lora(a, tmp_path / "b", tmp_path / "o", options),
+             r"^finetune must be a Hugging Face model folder .* got LlamaForCausalLM \(a model in memory: "
+             r"save_pretrained it first\)"),
+            (lambda: extract_lora(tmp_path / "a", None, tmp_path / "o", options), r"^base must be .* got NoneType"),
+            (lambda: extract_lora(tmp_path / "a", tmp_path / "b", None, options), r"^out must be the output folder"),
+            (lambda: extract_lora(tmp_path / "a", tmp_path / "b", tmp_path / "o", 4),
+             r"^options must be an ExtractOptions, got int")):
+        with pytest.raises(UsageError, match=message):
+            call()
+    assert not (tmp_path / "o").exists()
