@@ -30,14 +30,85 @@ COMMANDS = {
 INTERRUPTED, BROKEN_PIPE = 130, 141
 
 
+def _one_line_parser():
+    """The class of every parser of the command line: argparse's own, whose refusal (an unknown flag, a bad choice,
+    a bad number, a missing argument, an unknown command) is one stderr line, ``symmerge COMMAND: error: MESSAGE
+    (see symmerge COMMAND --help)``, exit 2, instead of the command's whole usage block and then the line; a bad
+    choice close to a known one gets its did-you-mean. A command's unknown flags are named first, with a close
+    known one (``merge --metod x``: ``unrecognized arguments: --metod (did you mean --method?)``, not the
+    ``--method`` it leaves missing). ``--help`` is argparse's, unchanged."""
+    import argparse
+
+    class OneLineParser(argparse.ArgumentParser):
+        def parse_known_args(self, args=None, namespace=None):
+            self.given_args = list(sys.argv[1:] if args is None else args)  # a command's: those after its name
+            return super().parse_known_args(args, namespace)
+
+        def error(self, message):
+            command = self.prog.partition(" ")[2]
+            if command and not message.startswith("unrecognized arguments"):
+                unknown = _unknown_flags(command, getattr(self, "given_args", ()), self.allow_abbrev)
+                if unknown:
+                    message = f"unrecognized arguments: {' '.join(unknown)}{_close_flag(command, unknown)}"
+            self.exit(2, f"{self.prog}: error: {one_line(message)}{_close_choice(self.prog, message)} "
+                         f"(see {self.prog} --help)\n")
+
+    return OneLineParser
+
+
+def _flags(command: str) -> list[str]:
+    """Every flag ``command`` takes, as its declarations (:mod:`symmerge.options.declared`) make them: their
+    spellings, the ``--no-`` twin of an on/off switch, ``-h``/``--help``."""
+    from .options.declared import TABLE
+
+    flags = ["-h", "--help"]
+    for option in TABLE.of(command):
+        flags += option.flags
+        if option.form == "onoff":
+            flags += [f"--no-{f[2:]}" for f in option.flags if f.startswith("--")]
+    return flags
+
+
+def _unknown_flags(command: str, args, abbreviations: bool = True) -> list[str]:
+    """The ``--flags`` of ``args`` that ``command`` does not take (nor abbreviates, when argparse takes a unique
+    prefix: ``abbreviations``); the arguments after a ``--`` are positional."""
+    known, unknown = _flags(command), []
+    for arg in args:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and len(name) > 2 and not any(
+                k == name or (abbreviations and k.startswith(name)) for k in known):
+            unknown.append(arg)
+    return unknown
+
+
+def _close_choice(prog: str, message: str) -> str:
+    """`` (did you mean 'merge'?)`` after argparse's "invalid choice" of a command (``prog`` ``symmerge``) or of a
+    flag's value (``prog`` ``symmerge COMMAND``: the choices its declaration lists), else ``''``."""
+    import re
+
+    from .options.declared import TABLE
+
+    bad = re.match(r"argument (\S+): invalid choice: '([^']*)'", message)
+    if not bad:
+        return ""
+    command, names = prog.partition(" ")[2], set(bad.group(1).split("/"))
+    if not command:
+        choices = COMMANDS if "COMMAND" in names else ()
+    else:
+        choices = next((o.choices for o in TABLE.of(command) if names & set(o.flags) and o.choices), ())
+    return did_you_mean(bad.group(2), choices) if choices else ""
+
+
 def build_parser():
     import argparse
     import importlib
 
-    parser = argparse.ArgumentParser(prog="symmerge", description="Symmetry-aware fusion of transformer models.")
+    parser = _one_line_parser()(prog="symmerge", description="Symmetry-aware fusion of transformer models.")
     parser.add_argument("--version", action="version", version=f"symmerge {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    parser.set_defaults(subparsers=sub.choices)  # a command's own parser: its usage on a bad argument
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # its parsers: the same class
+    parser.set_defaults(subparsers=sub.choices)  # a command's own parser: its name on a bad argument
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"symmerge.commands.{module_name}")
         p = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0], description=module.__doc__,
@@ -54,7 +125,7 @@ def _run(argv) -> int:
     with guarded_imports():  # the commands' modules (the package's names are lazy): guarded as the package's imports
         parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # an argument the command does not take: the command's own usage, not the top level's
+    if extra:  # an argument the command does not take: the command's own name, not the top level's
         args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}"
                                             f"{_close_flag(args.command, extra)}")
     _refuse_empty_paths(args)
@@ -95,9 +166,7 @@ def _is_cwd(path: str) -> bool:
 
 def _close_flag(command: str, extra) -> str:
     """`` (did you mean --symmetries?)`` for the first flag of ``extra`` close to one ``command`` takes, else ``''``."""
-    from .options.declared import TABLE
-
-    flags = [f for option in TABLE.of(command) for f in option.flags if f.startswith("--")]
+    flags = [f for f in _flags(command) if f.startswith("--")]
     for arg in extra:
         close = did_you_mean(arg.split("=")[0], flags, quoted=False) if arg.startswith("--") else ""
         if close:

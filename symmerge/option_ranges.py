@@ -36,6 +36,16 @@ def in_range(flag: str, minimum, value):
     return value
 
 
+def model_index(index, n: int, what: str = "anchor index", among: str | None = None) -> int:
+    """``index``, a model's index as a user gives it (``--anchor``, a config's ``anchor``, the API's ``anchor=``):
+    a whole number 0..n-1, counted from 0; else one :class:`SymmergeError` naming the range. A negative index is
+    refused, not counted from the end as Python's indexing would (``--anchor=-1`` was the last model, undocumented).
+    ``among``: the models' description in the line (default ``N models``)."""
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
+        raise SymmergeError(f"{what} {index!r} out of range for {among or f'{n} models'}: give 0..{n - 1} (0-based)")
+    return index
+
+
 def check(name: str, value):
     """``value`` of the option ``name`` (its config key and flag: ``max_sweeps``, ``--max-sweeps``) in its declared
     range (:data:`MINIMA`; a whole number unless :data:`FRACTIONAL`), else the flag's one line."""

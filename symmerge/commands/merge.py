@@ -72,7 +72,7 @@ def resolve_lora_inputs(args) -> None:
 
 
 def run(args) -> int:
-    from ..io.lora import merge_cache
+    from ..io.lora import merge_cache, spec_of
     from ..merge.api import merge_to_folder
 
     out = Path(args.output)
@@ -95,8 +95,8 @@ def run(args) -> int:
         print(f"warning: merged tensor {w['tensor']!r}: {w['warning']}", file=sys.stderr)
     print_adapted(report)  # a base-class model read as the fine-tunes' class (symmerge.io.prefix)
     for entry in alignment.get("models") or []:
-        if entry.get("solver"):
-            print(f"{entry['model']}: {solver_summary(entry['solver'])}")
+        if entry.get("solver"):  # a BASE+ADAPTER input named as the user wrote it, not by its merged folder
+            print(f"{spec_of(entry['model']) or entry['model']}: {solver_summary(entry['solver'])}")
     if alignment.get("joint"):
         j = alignment["joint"]
         print(f"joint alignment: {j['rounds']} round(s) after the star, spread {j['objective'][0]:.6g} -> "

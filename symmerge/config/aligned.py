@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import SymmergeError
+from ..option_ranges import model_index
 from ..options.declared import ALIGNMENT, OPTIONS
 from .schema import merge_options
 
@@ -139,9 +140,12 @@ def plan_alignment(job, spec: Alignment):
     models = [f for i, f in enumerate(folders) if i != job.base]
     base = folders[job.base] if job.base is not None else None
     options = replace(spec.options, base=base, method="average", weights=None, params={})
-    if isinstance(options.anchor, int) and not -len(models) <= options.anchor < len(models):
-        raise spec.doc.error(f"anchor index {options.anchor} out of range for the {len(models)} merged model(s) "
-                             f"({', '.join(i.label for j, i in enumerate(job.inputs) if j != job.base)})", "anchor")
+    if isinstance(options.anchor, int):  # the one rule of an index (symmerge.option_ranges.model_index)
+        try:
+            model_index(options.anchor, len(models), among=f"the {len(models)} merged model(s) ("
+                        f"{', '.join(i.label for j, i in enumerate(job.inputs) if j != job.base)})")
+        except SymmergeError as e:
+            raise spec.doc.error(str(e), "anchor") from None
     model_type = model_type_of(models[0])
     align, note = recommended(options.align, model_type=model_type, base_given=base is not None)
     spec.report = {"symmetries": [], "requested": options.align.requested, "rescale": "none",

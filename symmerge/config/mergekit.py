@@ -104,12 +104,14 @@ def _doc_str(doc, value, where, what="a model folder"):
 
 
 def method_for(doc, name):
+    from ..errors import did_you_mean
     from ..merge import METHODS
 
     if not isinstance(name, str):
         raise doc.error(f"the merge method's name, got {name!r}", "merge_method")
     if name not in METHODS:
-        raise doc.error(f"unknown merge method {name!r} (symmerge has: {', '.join(sorted(METHODS))})", "merge_method")
+        raise doc.error(f"unknown merge method {name!r}{did_you_mean(name, METHODS)} (symmerge has: "
+                        f"{', '.join(sorted(METHODS))})", "merge_method")
     return name, METHODS[name]
 
 

@@ -288,16 +288,18 @@ def write_json(path: Path, obj) -> None:
 
 
 def save_model(model, out, src=None, report: dict | None = None, report_name: str = "symmerge_report.json",
-               merge_modules=None) -> Path:
+               merge_modules=None, shard_size=None) -> Path:
     """Write ``model`` as an HF folder at ``out`` atomically, with the allowed side files of ``src``, a
     model card (README.md) and the report (which gains ``side_files``: what was copied and what was left
-    out)."""
+    out). ``shard_size`` (bytes: :func:`~symmerge.io.checkpoint.parse_size` reads ``2GB``): the largest weights file
+    (a tensor larger than it is a file of its own), several files then indexed; None: transformers' own default."""
     from .card import write_card
 
     out = Path(out)
+    shards = {} if shard_size is None else {"max_shard_size": int(shard_size)}
     with atomic_dir(out) as tmp:
         with quiet_transformers():
-            model.save_pretrained(str(tmp), safe_serialization=True)
+            model.save_pretrained(str(tmp), safe_serialization=True, **shards)
         if src is not None:
             side = copy_side_files(Path(src), tmp, report, merge_modules)
             if report is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import SymmergeError
 from ..io.arguments import models_argument, output_argument
+from ..io.checkpoint import parse_size
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
 from ..progress import stage
@@ -24,7 +25,7 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
     """Merge ``models`` (HF folders, or transformers models for an in-memory merge) into the folder ``out``
     (must not exist or be empty; written atomically) with ``options`` (a :class:`MergeOptions`, or its
     fields as keywords; ``options.mode``: ``auto``, ``memory`` or ``stream``; ``options.shard_size``: the
-    streamed output's largest shard). Returns the report (also ``out/symmerge_report.json``), whose
+    output's largest shard, in both modes). Returns the report (also ``out/symmerge_report.json``), whose
     ``plan`` says which mode ran and why."""
     options = MergeOptions.of(options, keywords)
     out = Path(output_argument(out))
@@ -42,7 +43,7 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
     src = models[report["head"].get("from_index", 0) or 0]
     with stage(f"wrote {out}", enabled=options.progress):
         save_model(model, out, src=src if isinstance(src, (str, Path)) else None, report=report,
-                   merge_modules=merge_pipeline_modules)
+                   merge_modules=merge_pipeline_modules, shard_size=parse_size(options.shard_size))  # as streamed
     return report
 
 

@@ -23,6 +23,7 @@ from ..core.distance import distance, distance_before_after
 from ..device import resolve_device
 from ..errors import SymmergeError, UsageError, keywords_checked, unexpected_keyword
 from ..evaluate.metrics import evaluate
+from ..io.checkpoint import parse_size
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.arguments import keeps_modes, model_argument, models_argument
 from ..io.reader import load_model
@@ -32,7 +33,7 @@ from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.bound import bind
 from ..pipeline.data import read_once
-from ..option_ranges import check as check_range, in_range
+from ..option_ranges import check as check_range, in_range, model_index
 from ..pipeline.distill import DistillSettings, check_steps, distill
 from ..pipeline.joint import align_joint
 from ..pipeline.options import JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
@@ -101,7 +102,7 @@ class MergeOptions:
     joint_rounds: int = MERGE["joint_rounds"]  # cap on the joint alignment's rounds after the star
     joint_refine: str = MERGE["joint_refine"]  # what those rounds re-solve: every group, or the permutations only
     mode: str = MERGE["mode"]  # symmerge.merge(...): auto, memory or stream (symmerge.merge.plan.choose_mode)
-    shard_size: object = MERGE["shard_size"]  # a streamed output's largest shard
+    shard_size: object = MERGE["shard_size"]  # the output's largest shard (streamed or written from memory)
 
     def __post_init__(self):
         if isinstance(self.align, (str, list, tuple)):  # a symmetry list, as merge_models(align=...) takes it
@@ -172,6 +173,9 @@ class MergeOptions:
             raise SymmergeError(f"method {m.name!r} needs a base model (the common pre-trained model): pass --base")
         if self.base is not None and not (m.needs_base or m.accepts_base):
             raise SymmergeError(f"method {m.name!r} does not use a base model")
+        parse_size(self.shard_size)  # a size it cannot read: refused before the merge, in either mode
+        if isinstance(self.anchor, int):  # an index (else a folder or a model): 0..n-1, checked with or without alignment
+            model_index(self.anchor, n)
         if not -n <= self.head_from < n:
             raise SymmergeError(f"--head-from {self.head_from} out of range for {n} models")
         if self.weights is not None and len(self.weights) != n:

@@ -18,6 +18,6 @@ MERGE = {
     "joint_rounds": 10,  # cap on the joint alignment's rounds after the star
     "joint_refine": DEFAULT_REFINE,  # what those rounds re-solve: every group, or the permutations only
     "mode": "auto",  # symmerge.merge(...): auto, memory or stream (symmerge.merge.plan.choose_mode)
-    "shard_size": "2GB",  # a streamed output's largest shard
+    "shard_size": "2GB",  # the output's largest shard (both modes)
 }
 BARRIER = {"points": 11, "joint_rounds": 10}

@@ -52,6 +52,7 @@ import torch
 from ..core.slots import index_axis, precise_dtype, segment, unit_matrix, with_segment
 from ..core.solvers.transport import METRICS, as_permutation, check_reg, column_map, ground_cost, transport_plan
 from ..errors import SymmergeError
+from ..option_ranges import model_index
 from ..families.roles import FFN, HEADS, QK, VO, role
 from ..pipeline.bound import bind
 from .base import Method, weighted_sum
@@ -379,10 +380,7 @@ def transport_models(state_dicts, model, params: dict, activations: bool = False
     own is returned unchanged. ``params``: the method's parameters (defaults filled in)."""
     s = settings(params, activations, reg)
     n = len(state_dicts)
-    k = n - 1 if anchor is None else anchor
-    if not isinstance(k, int) or not -n <= k < n:
-        raise SymmergeError(f"OT fusion: anchor index {anchor!r} out of range for {n} models")
-    k %= n
+    k = n - 1 if anchor is None else model_index(anchor, n, "OT fusion: anchor index")
     if activations and (stats is None or len(stats) != n):
         raise SymmergeError("OT fusion from activations needs the activations of every model (--data)")
     flow = build_flow(model, s)

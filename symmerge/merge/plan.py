@@ -31,6 +31,7 @@ from pathlib import Path
 from ..core import memory
 from ..core.distance import sq_distance
 from ..errors import SymmergeError
+from ..option_ranges import model_index
 from ..io.model import ShardIndexError, read_config, weight_files
 from ..pipeline.matchers import streaming_refusal
 from ..pipeline.options import AlignOptions
@@ -55,9 +56,7 @@ def anchor_rule(n: int, anchor, base_given: bool) -> tuple[int | None, str]:
     if anchor is None:
         return None, "closest to the average"
     if isinstance(anchor, int):
-        if not -n <= anchor < n:
-            raise SymmergeError(f"anchor index {anchor} out of range for {n} models")
-        return anchor % n, "given"
+        return model_index(anchor, n), "given"
     return None, "given"
 
 

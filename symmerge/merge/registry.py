@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from types import ModuleType
 
-from ..errors import SymmergeError
+from ..errors import SymmergeError, did_you_mean
 from .base import Method, check_needs
 
 METHODS: dict[str, Method] = {}
@@ -27,4 +27,5 @@ def get_method(name: str) -> Method:
     try:
         return METHODS[name]
     except KeyError:
-        raise SymmergeError(f"unknown merge method {name!r}; known methods: {', '.join(sorted(METHODS))}") from None
+        raise SymmergeError(f"unknown merge method {name!r}{did_you_mean(name, METHODS)}; known methods: "
+                            f"{', '.join(sorted(METHODS))}") from None

@@ -104,7 +104,7 @@ OPTIONS = (
         help="accept pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True))"),
     # merge's and barrier's
     opt("anchor", "--anchor", on=MERGE,
-        help="anchor: index of a model (0-based) or a folder (default: base model for task-vector methods; the second "
+        help="anchor: index of a model (0-based: 0..N-1) or a folder (default: base model for task-vector methods; the second "
              "of two models; else the model closest to the average). With more than two models and no anchor, every "
              "model is aligned jointly into one frame (each to the mean of the others, from the star on the model "
              "closest to the average; with --match learned, then random convex combinations of the models learned "
@@ -197,7 +197,8 @@ OPTIONS = (
              "size; per-tensor methods without alignment); memory: load the models; auto (default): stream whatever "
              "can stream, else load"),
     opt("shard_size", "--shard-size", on=MERGE, default=M("shard_size"),
-        help="streamed output: largest shard (default 2GB)"),
+        help="the output's largest shard, streamed or written from memory (default 2GB; a tensor larger than it is "
+             "a shard of its own)"),
     opt("print_plan", "--print-plan", on=MERGE, form="switch", default=False,
         help="print the resolved plan and its steps (one per output tensor: copy, or merge with which inputs and "
              "parameters) as JSON, then exit without reading weights or writing"),

@@ -51,6 +51,7 @@ from ..core.distance import parameter_keys, sq_distance
 from ..device import resolve_device
 from ..errors import SymmergeError
 from ..families import spec_for
+from ..option_ranges import model_index
 from ..progress import line, stage
 from .align import align_pair, canonical, check_compatible
 from .bound import bind
@@ -212,9 +213,7 @@ def _checked(models, options, anchor, names, max_rounds, refine, steps: JointSte
     n = len(models)
     if n < 2:
         raise SymmergeError(f"joint alignment needs at least 2 models, got {n}")
-    if not -n <= anchor < n:
-        raise SymmergeError(f"anchor index {anchor} out of range for {n} models")
-    anchor %= n
+    model_index(anchor, n)
     if not options.matcher.joint:
         raise SymmergeError(f"joint alignment runs the {', '.join(JOINT_MATCHES)} matchers; --match "
                             f"{options.match} aligns pairwise to one anchor (pass --anchor to merge that way)")

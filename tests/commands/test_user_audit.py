@@ -244,8 +244,9 @@ def test_a_misspelt_flag_says_which_flag_is_close(capsys):
     with pytest.raises(SystemExit) as e:
         main(["align", "a", "b", "-o", "out", "--symetries", "attn"])
     assert e.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last == "symmerge align: error: unrecognized arguments: --symetries attn (did you mean --symmetries?)", last
+    err = capsys.readouterr().err
+    assert err == ("symmerge align: error: unrecognized arguments: --symetries attn (did you mean --symmetries?) "
+                   "(see symmerge align --help)\n"), err
 
 
 # ------------------------------------------------------------------ demo

@@ -282,6 +282,8 @@ MK_BAD = [
     ("merge_method: linear\nmodels:\n  - model: {a}\nslices:\n  - sources: [{{model: {a}, layer_range: [0, 1]}}]\n",
      "line 4: give 'models' (whole models) or 'slices'"),
     ("merge_method: frobnicate\nmodels:\n  - model: {a}\n  - model: {b}\n", "line 1: unknown merge method 'frobnicate'"),
+    ("merge_method: slrep\nmodels:\n  - model: {a}\n  - model: {b}\n",
+     "line 1: unknown merge method 'slrep' (did you mean 'slerp'?)"),
     ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\n",
      "no 'weight' for model.embed_tokens.weight (method 'linear' needs one per model"),
     ("merge_method: ties\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\n",

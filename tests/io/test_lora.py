@@ -254,3 +254,19 @@ def test_run_config_and_merge_command_take_base_plus_adapter(tmp_path, capsys):
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert len(list(cache.iterdir())) == 1  # the run's merged model reused
     capsys.readouterr()
+
+
+def test_an_aligned_merge_names_a_lora_input_as_written(tmp_path, capsys):
+    """The data-free solver's line of ``merge BASE+ADAPTER OTHER`` names the input as the user wrote it, not the
+    folder the adapter was merged into (a temporary one, gone when the command ends)."""
+    from symmerge.cli import main
+
+    base = make_base(tmp_path / "base")
+    other = make_base(tmp_path / "other", seed=3)
+    adapter = make_adapter(base, tmp_path / "ad", r=4, lora_alpha=8, target_modules=LLAMA_ALL)
+    spec = f"{base}+{adapter}"
+    capsys.readouterr()
+    assert main(["merge", spec, str(other), "-o", str(tmp_path / "m"), "--method", "average", "--anchor", "1",
+                 "--progress", "none"]) == 0
+    solver = [line for line in capsys.readouterr().out.splitlines() if "data-free solver" in line]
+    assert solver and all(line.startswith(f"{spec}: ") for line in solver), solver

@@ -1,0 +1,86 @@
+"""``--anchor I`` is a model's 0-based index, 0..N-1, and nothing else: ``--anchor=-1`` was read as the last model
+(Python's indexing, undocumented), and an index out of range was not checked at all without alignment. One rule
+(:func:`symmerge.option_ranges.model_index`) for the command line, ``symmerge.merge`` / ``merge_models``, a config's
+``anchor`` key and ``align_joint``; one line naming the range, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from symmerge.errors import SymmergeError
+from conftest import run_cli, save_folder
+from factories import make_model
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    root = tmp_path_factory.mktemp("anchor")
+    return [save_folder(make_model("llama", seed=s), root / f"m{s}") for s in range(3)]
+
+
+@pytest.mark.parametrize("anchor, align", [("-1", "recommended"), ("-3", "recommended"), ("3", "recommended"),
+                                           ("-1", "none"), ("5", "none")])
+def test_an_index_outside_the_models_is_one_line(three, tmp_path, capsys, anchor, align):
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert run_cli("merge", *three, "-o", out, "--method", "average", f"--anchor={anchor}", "--align", align,
+                   "--progress", "none") == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"symmerge: error: anchor index {anchor} out of range for 3 models: give 0..2 (0-based)\n"
+    assert captured.out == "" and not out.exists()
+
+
+@pytest.mark.parametrize("anchor", [0, 2])
+def test_an_index_in_range_is_the_anchor(three, anchor):
+    from symmerge.merge.fuse import MergeOptions
+    from symmerge.merge.plan import plan_merge
+
+    plan = plan_merge(three, MergeOptions(method="average", anchor=anchor))
+    assert (plan.anchor_index, plan.anchor_rule, plan.frame) == (anchor, "given", "star")
+
+
+@pytest.mark.parametrize("anchor", [-1, 3, True])
+def test_the_library_refuses_the_same(three, tmp_path, anchor):
+    import symmerge
+    from symmerge.merge.fuse import MergeOptions, merge_models
+    from symmerge.pipeline.joint import align_joint
+    from symmerge.pipeline.options import AlignOptions
+
+    with pytest.raises(SymmergeError, match=r"out of range for 3 models: give 0\.\.2"):
+        symmerge.merge(three, tmp_path / "out", MergeOptions(method="average", anchor=anchor))
+    assert not (tmp_path / "out").exists()
+    models = [make_model("llama", seed=s) for s in range(3)]
+    with pytest.raises(SymmergeError, match=r"out of range for 3 models: give 0\.\.2"):
+        merge_models(models, "average", anchor=anchor, progress=False)
+    with pytest.raises(SymmergeError, match=r"out of range for 3 models: give 0\.\.2"):
+        align_joint(models, AlignOptions(symmetries="attn,ffn"), anchor=anchor)
+
+
+def test_a_configs_anchor_key_refuses_a_negative_index(three, tmp_path, capsys):
+    cfg = tmp_path / "c.yml"
+    cfg.write_text(textwrap.dedent(f"""\
+        merge_method: linear
+        models:
+          - model: {three[0]}
+            parameters: {{weight: 0.5}}
+          - model: {three[1]}
+            parameters: {{weight: 0.5}}
+        dtype: float32
+        align: [attn, ffn]
+        anchor: -1
+        """))
+    capsys.readouterr()
+    assert run_cli("run", cfg, tmp_path / "out", "--progress", "none") == 2
+    err = capsys.readouterr().err
+    assert "line 9: anchor index -1 out of range for the 2 merged model(s)" in err and "give 0..1" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_ot_fusion_refuses_a_negative_anchor():
+    from symmerge.merge import get_method
+
+    a, b = make_model("vit", head=True, seed=0), make_model("vit", head=True, seed=1)
+    with pytest.raises(SymmergeError, match=r"OT fusion: anchor index -1 out of range for 2 models: give 0\.\.1"):
+        get_method("ot_wts").merge([a.state_dict(), b.state_dict()], model=a, anchor=-1)
