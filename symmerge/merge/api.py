@@ -27,7 +27,7 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
     fields as keywords; ``options.mode``: ``auto``, ``memory`` or ``stream``; ``options.shard_size``: the
     output's largest shard, in both modes). Returns the report (also ``out/symmerge_report.json``), whose
     ``plan`` says which mode ran and why."""
-    options = MergeOptions.of(options, keywords)
+    options = MergeOptions.of(options, keywords, "symmerge.merge()")
     out = Path(output_argument(out))
     models = models_argument(models)
     ensure_output_dir(out, inputs=models)  # fail before any expensive work

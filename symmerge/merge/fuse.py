@@ -112,10 +112,11 @@ class MergeOptions:
                              f"got {type(self.align).__name__}")
 
     @classmethod
-    def of(cls, options, keywords: dict) -> "MergeOptions":
-        """The options of a call: ``options``, or made from ``keywords`` (:meth:`from_keywords`), never both."""
+    def of(cls, options, keywords: dict, owner: str = "merge_models()") -> "MergeOptions":
+        """The options of a call: ``options``, or made from ``keywords`` (:meth:`from_keywords`), never both;
+        ``owner``: the entry called, as an unknown keyword's error names it."""
         if options is None:
-            return cls.from_keywords(**keywords)
+            return cls.from_keywords(**keywords, _owner=owner)
         if not isinstance(options, cls):
             hint = f" (a method goes in MergeOptions(method={options!r}))" if isinstance(options, str) else ""
             raise UsageError(f"options must be a MergeOptions, got {type(options).__name__}{hint}")
@@ -126,12 +127,12 @@ class MergeOptions:
     @classmethod
     def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",
                       verify: bool = True, evaluate_result: bool = True, data=None, eval_data=None,
-                      **kw) -> "MergeOptions":
+                      _owner: str = "merge_models()", **kw) -> "MergeOptions":
         """The keyword form of :func:`merge_models` (``align``: a symmetry list or AlignOptions)."""
         known = [f.name for f in fields(cls)] + ["rescale", "verify", "evaluate_result"]
         unknown = sorted(set(kw) - set(known))
         if unknown:
-            raise unexpected_keyword("merge_models()", unknown[0], known)
+            raise unexpected_keyword(_owner, unknown[0], known)
         if not isinstance(align, AlignOptions):
             align = AlignOptions(symmetries=align, rescale=rescale, verify=verify)
 

@@ -232,3 +232,10 @@ def test_extract_lora_checks_its_arguments_and_options_first(pair, tmp_path):
         with pytest.raises(UsageError, match=message):
             call()
     assert not (tmp_path / "o").exists()
+
+
+def test_symmerge_merge_names_itself_for_a_misspelt_keyword(pair, tmp_path):
+    with pytest.raises(UsageError, match=r"^symmerge.merge\(\) got an unexpected keyword argument 'methd' "
+                                         r"\(did you mean 'method'\?\)"):
+        symmerge.merge(list(pair), tmp_path / "o", methd="ties")
+    assert not (tmp_path / "o").exists()
