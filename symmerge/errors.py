@@ -18,6 +18,36 @@ def closest(name, known) -> str | None:
     return close[0] if close else None
 
 
+def unexpected_keyword(owner: str, name: str, known) -> "UsageError":
+    """The one error for a keyword ``owner`` (``"AlignOptions()"``) does not take: Python's own words, with the
+    closest of ``known`` suggested (``'symetries'``: did you mean 'symmetries'?)."""
+    return UsageError(f"{owner} got an unexpected keyword argument {name!r}{did_you_mean(name, known)}")
+
+
+def keywords_checked(cls):
+    """``cls`` (a dataclass), its constructor refusing a keyword that is none of its fields with one
+    :class:`UsageError` (a ``TypeError`` too) that names the closest field, and a field declared ``bool`` given
+    anything but True or False (``verify="no"`` would read as true); the signature is kept."""
+    import dataclasses
+    import functools
+
+    init, known = cls.__init__, [f.name for f in dataclasses.fields(cls) if f.init]
+    flags = [f.name for f in dataclasses.fields(cls) if f.type in ("bool", bool)]
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        unknown = next((k for k in kwargs if k not in known), None)
+        if unknown is not None:
+            raise unexpected_keyword(f"{cls.__name__}()", unknown, known)
+        init(self, *args, **kwargs)
+        wrong = next((f for f in flags if not isinstance(getattr(self, f), bool)), None)
+        if wrong is not None:
+            raise UsageError(f"{cls.__name__}(): {wrong} must be True or False, got {getattr(self, wrong)!r}")
+
+    cls.__init__ = checked
+    return cls
+
+
 class SymmergeError(Exception):
     """A user-facing error: bad input, unsupported model, failed verification."""
 

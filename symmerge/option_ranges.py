@@ -21,12 +21,17 @@ MINIMA = {  # config key (= the option's name) -> the smallest value accepted
     "learn_check_batches": 0,
     "learn_augment": 0,
 }
+FRACTIONAL = ("solver_budget",)  # of MINIMA, the options that take a fraction (seconds); the others count
 
 
 def in_range(flag: str, minimum, value):
     """``value``, or one :class:`SymmergeError` naming ``flag`` when it is below ``minimum`` (None: no bound, or
-    the value unset)."""
-    if minimum is not None and value is not None and value < minimum:
+    the value unset); a value that is no number (a str, a bool, NaN) is refused with the same flag."""
+    if minimum is None or value is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise SymmergeError(f"{flag} must be a number >= {minimum:g}, got {value!r}")
+    if value < minimum:
         raise SymmergeError(f"{flag} must be >= {minimum:g}, got {value}")
     return value
 
@@ -43,5 +48,8 @@ def model_index(index, n: int, what: str = "anchor index", among: str | None = N
 
 def check(name: str, value):
     """``value`` of the option ``name`` (its config key and flag: ``max_sweeps``, ``--max-sweeps``) in its declared
-    range (:data:`MINIMA`), else the flag's one line."""
-    return in_range("--" + name.replace("_", "-"), MINIMA[name], value)
+    range (:data:`MINIMA`; a whole number unless :data:`FRACTIONAL`), else the flag's one line."""
+    flag = "--" + name.replace("_", "-")
+    if name not in FRACTIONAL and value is not None and isinstance(value, float):
+        raise SymmergeError(f"{flag} must be a whole number >= {MINIMA[name]:g}, got {value!r}")
+    return in_range(flag, MINIMA[name], value)

@@ -22,10 +22,14 @@ SCALES = "rescale"
 
 
 def supported_model_types() -> list[str]:
+    """The ``model_type`` s (config.json's) that have a family spec, sorted: the models ``align`` and the aligned
+    merges take."""
     return sorted(t for s in SPECS for t in s.model_types)
 
 
 def spec_for(model_type: str) -> Spec:
+    """The :class:`~symmerge.core.spec.Spec` (the family's roles and symmetry groups) of ``model_type`` (a config's
+    ``model_type``, e.g. ``"llama"``); raises :class:`SymmergeError` naming the supported ones when none has it."""
     for spec in SPECS:
         if model_type in spec.model_types:
             return spec

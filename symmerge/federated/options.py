@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from ..errors import SymmergeError
+from ..errors import SymmergeError, keywords_checked
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, AlignOptions
 from .aggregate import CONSENSUS_RULE, check_aggregation, check_outlier_rule
 
@@ -45,6 +45,7 @@ def alignment_options(alignment) -> AlignOptions:
     return AlignOptions(symmetries=alignment)
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class ClientAlignment:
     """How each accepted client is aligned. ``options``: an :class:`AlignOptions` or a symmetries string
@@ -78,6 +79,7 @@ class ClientAlignment:
         object.__setattr__(self, "joint", bool(self.joint))
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class Aggregation:
     """How the aligned clients are combined: ``rule`` ``mean`` (weighted by ``num-examples``), ``median``
@@ -93,6 +95,7 @@ class Aggregation:
         _whole("min_clients", self.min_clients, 1)
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class RelabelCheck:
     """The relabelling check of the consensus rule (:mod:`symmerge.federated.relabel`): a client whose best
@@ -110,6 +113,7 @@ class RelabelCheck:
         object.__setattr__(self, "min_cycle", float(self.min_cycle))
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class OutlierPolicy:
     """Which accepted clients are left out before the aggregation. ``norm_factor``: a client whose aligned

@@ -17,6 +17,7 @@ count and image size, token ids < ``vocab_size``, the right kind of head); probl
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..errors import SymmergeError
+from ..errors import SymmergeError, UsageError
 
 FORMATS = {".npz": "image", ".jsonl": "text", ".txt": "lm"}
 
@@ -297,6 +298,9 @@ def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool):
 
 def check_data_path(path) -> Path:
     """Fail early (before loading any model) on a missing file or an unknown format."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"data must be a data file's path (.npz, .jsonl or .txt) or a symmerge.io.data.Data, got "
+                         f"{type(path).__name__}")
     path = Path(path)
     if path.is_dir():
         raise SymmergeError(f"{path}: is a directory, not a data file (.npz images, .jsonl text, .txt causal-LM lines)")

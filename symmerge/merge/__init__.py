@@ -1,4 +1,9 @@
-"""Fusion methods: a registry of :class:`Method` objects, each a per-tensor rule run by one merge loop.
+"""``symmerge.merge(models, out, options=None, **keywords) -> report``: merge ``models`` (HF folders or transformers
+models) into the folder ``out`` with a :class:`~symmerge.merge.fuse.MergeOptions` (or its fields as keywords), written
+as ``symmerge merge`` writes it; see :func:`symmerge.merge.api.merge_to_folder`. (In memory, returning the model:
+:func:`symmerge.merge_models`.)
+
+This package holds the fusion methods: a registry of :class:`Method` objects, each a per-tensor rule run by one merge loop.
 
 Every method module defines ``METHOD`` (its :class:`Method`, see :mod:`.base`: ``name``, the
 per-tensor rule, ``needs`` — ``None`` or one of :data:`STATISTICS`, the statistics it consumes —,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import SymmergeError, UsageError
+from ..errors import SymmergeError
+from ..io.arguments import models_argument, output_argument
 from ..io.checkpoint import parse_size
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
@@ -26,12 +27,9 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
     fields as keywords; ``options.mode``: ``auto``, ``memory`` or ``stream``; ``options.shard_size``: the
     output's largest shard, in both modes). Returns the report (also ``out/symmerge_report.json``), whose
     ``plan`` says which mode ran and why."""
-    if options is None:
-        options = MergeOptions.from_keywords(**keywords)
-    elif keywords:
-        raise UsageError("give either a MergeOptions or keywords, not both")
-    out = Path(out)
-    models = list(models)
+    options = MergeOptions.of(options, keywords, "symmerge.merge()")
+    out = Path(output_argument(out))
+    models = models_argument(models)
     ensure_output_dir(out, inputs=models)  # fail before any expensive work
     models, options = _single_files(models, options)
     check_model_count(get_method(options.method), len(models), options.base is not None)

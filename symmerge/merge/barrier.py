@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ..core.distance import distance_before_after
 from ..device import resolve_device
-from ..errors import SymmergeError, UsageError
+from ..errors import SymmergeError, UsageError, keywords_checked
+from ..io.arguments import keeps_modes, model_argument, models_argument
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
 from ..io.tokenizers import check_tokenizers
@@ -40,6 +41,7 @@ def variant_name(spec) -> str:
     return ",".join(names) if names else "none"
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class BarrierOptions:
     """Everything a barrier study needs besides the models and the data (one object, shared with the CLI):
@@ -72,6 +74,15 @@ class BarrierOptions:
     joint_rounds: int = BARRIER["joint_rounds"]
     joint_refine: str | None = None
     temperature: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.aligns, str):  # one variant: "attn,ffn" is one curve, not one per character
+            object.__setattr__(self, "aligns", (self.aligns,))
+        if not isinstance(self.align, AlignOptions):
+            raise UsageError(f"BarrierOptions(): align must be an AlignOptions (the variants' symmetries go in "
+                             f"aligns=), got {type(self.align).__name__}")
+        if isinstance(self.points, bool) or not isinstance(self.points, int) or self.points < 2:
+            raise SymmergeError(f"--points must be a whole number >= 2 (the endpoints), got {self.points!r}")
 
 
 def _options(options, keywords: dict, name: str) -> BarrierOptions:
@@ -211,11 +222,13 @@ def _variants(plan: BarrierPlan, base: AlignOptions) -> dict:
     return {arm.name: base.with_(symmetries=arm.symmetries) if arm.plan is not None else None for arm in plan.arms}
 
 
+@keeps_modes
 def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """Interpolation curves and barriers of A and B on ``data``, for no alignment and each variant of
     ``options.aligns`` (a :class:`BarrierOptions`, or its fields as keywords), with REPAIR curves when
     ``options.repair`` (its statistics on ``options.align.align_data``, unlabeled, kept apart from the
     evaluation ``data``)."""
+    model_argument(model_a, "model_a"), model_argument(model_b, "model_b")
     o = _options(options, keywords, "barrier_study")
     subsets, device, progress = o.subsets, o.device, o.progress
     batch_size, max_examples, allow_pickle, repair = o.batch_size, o.max_examples, o.allow_pickle, o.repair
@@ -357,6 +370,7 @@ def write_study(result: dict, out) -> Path:
     return out
 
 
+@keeps_modes
 def barrier_many(models, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """N ≥ 2 models: for no alignment and each variant of ``options.aligns`` (a :class:`BarrierOptions`, or
     its fields as keywords; every model brought into one frame by joint alignment,
@@ -367,6 +381,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
     from ..evaluate.metrics import evaluate_ensemble
     from ..pipeline.verify import with_state_dict
 
+    models = models_argument(models)
     o = _options(options, keywords, "barrier_many")
     device, progress, allow_pickle = o.device, o.progress, o.allow_pickle
     batch_size, max_examples, joint_rounds, joint_refine = o.batch_size, o.max_examples, o.joint_rounds, o.joint_refine

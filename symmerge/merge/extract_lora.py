@@ -32,13 +32,14 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SymmergeError
+from ..errors import SymmergeError, UsageError, keywords_checked
 
 BATCH_BYTES = 64 * 2 ** 20  # float32 task vectors of one shape decomposed together, at most
 SVDS = ("full", "lowrank")
 OVERSAMPLE, POWER_ITERATIONS = 10, 4  # --svd lowrank: q = R + 10 random directions, 4 subspace iterations
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class ExtractOptions:
     """``mergekit-extract-lora``'s options under their names."""
@@ -58,6 +59,9 @@ class ExtractOptions:
     progress: bool = True
 
     def __post_init__(self):
+        for name in ("save_modules", "exclude_regexes", "include_regexes"):  # one name or pattern: not its letters
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise SymmergeError(f"--rank must be a positive integer, got {self.rank!r}")
         if not (isinstance(self.sv_epsilon, (int, float)) and math.isfinite(self.sv_epsilon)
@@ -201,6 +205,24 @@ def _decompose(deltas: torch.Tensor, rank: int, options: ExtractOptions):
     return out
 
 
+def _arguments(finetune, base, out, options) -> ExtractOptions:
+    """The options (None: the defaults), after the arguments' types: folders (not models in memory), an output path
+    and an :class:`ExtractOptions`; else one :class:`UsageError` naming the argument."""
+    import os
+
+    from ..io.arguments import output_argument
+
+    for name, x in (("finetune", finetune), ("base", base)):
+        if not isinstance(x, (str, os.PathLike)):
+            hint = " (a model in memory: save_pretrained it first)" if isinstance(x, torch.nn.Module) else ""
+            raise UsageError(f"{name} must be a Hugging Face model folder or BASE+ADAPTER (str or Path), got "
+                             f"{type(x).__name__}{hint}")
+    output_argument(out)
+    if options is not None and not isinstance(options, ExtractOptions):
+        raise UsageError(f"options must be an ExtractOptions, got {type(options).__name__}")
+    return options or ExtractOptions()
+
+
 def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> dict:
     """Write the PEFT LoRA adapter of ``finetune − base`` into the new folder ``out`` (atomically); returns the report
     (also ``out/symmerge_report.json``). ``finetune`` and ``base`` are HF folders (or ``BASE+ADAPTER``)."""
@@ -208,7 +230,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     from ..io.lora import module_kinds, resolve_input
     from ..io.model import atomic_dir, ensure_output_dir, write_json
 
-    options = options or ExtractOptions()
+    options = _arguments(finetune, base, out, options)
     out = Path(out)
     ensure_output_dir(out, inputs=(finetune, base))
     t0 = time.perf_counter()

@@ -21,10 +21,11 @@ from pathlib import Path
 
 from ..core.distance import distance, distance_before_after
 from ..device import resolve_device
-from ..errors import SymmergeError, UsageError
+from ..errors import SymmergeError, UsageError, keywords_checked, unexpected_keyword
 from ..evaluate.metrics import evaluate
 from ..io.checkpoint import parse_size
 from ..io.data import Data, check_data, check_data_path, load_data
+from ..io.arguments import keeps_modes, model_argument, models_argument
 from ..io.reader import load_model
 from ..io.prefix import adapt_models, not_merged
 from ..io.sentence_transformers import check_pipelines, output_reader
@@ -32,7 +33,7 @@ from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.bound import bind
 from ..pipeline.data import read_once
-from ..option_ranges import check as check_range, model_index
+from ..option_ranges import check as check_range, in_range, model_index
 from ..pipeline.distill import DistillSettings, check_steps, distill
 from ..pipeline.joint import align_joint
 from ..pipeline.options import JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
@@ -45,7 +46,7 @@ from .repair import DEFAULT_CHANNELS, parse_channels, repair, statistics_data
 from .option_defaults import MERGE
 from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_mergeable, head_keys, head_policy,
                     head_report, untied, with_tied)
-from .statistics import gather
+from .statistics import FISHER_VARIANTS, gather
 from .outputs import check_result
 from .plan import anchor_rule, average_keys, closest_to_average, merge_report, plan_merge
 from .steps import plain_merge_steps
@@ -60,6 +61,7 @@ def check_model_count(m, n: int, has_base: bool) -> None:
     m.check_inputs(n, has_base)
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class MergeOptions:
     """Everything a merge needs besides the models (immutable: :meth:`check` returns the validated copy the
@@ -102,14 +104,35 @@ class MergeOptions:
     mode: str = MERGE["mode"]  # symmerge.merge(...): auto, memory or stream (symmerge.merge.plan.choose_mode)
     shard_size: object = MERGE["shard_size"]  # the output's largest shard (streamed or written from memory)
 
+    def __post_init__(self):
+        if isinstance(self.align, (str, list, tuple)):  # a symmetry list, as merge_models(align=...) takes it
+            object.__setattr__(self, "align", AlignOptions(symmetries=self.align))
+        if not isinstance(self.align, AlignOptions):
+            raise UsageError(f"MergeOptions(): align must be an AlignOptions or a symmetry list such as 'attn,ffn', "
+                             f"got {type(self.align).__name__}")
+
+    @classmethod
+    def of(cls, options, keywords: dict, owner: str = "merge_models()") -> "MergeOptions":
+        """The options of a call: ``options``, or made from ``keywords`` (:meth:`from_keywords`), never both;
+        ``owner``: the entry called, as an unknown keyword's error names it."""
+        if options is None:
+            return cls.from_keywords(**keywords, _owner=owner)
+        if not isinstance(options, cls):
+            hint = f" (a method goes in MergeOptions(method={options!r}))" if isinstance(options, str) else ""
+            raise UsageError(f"options must be a MergeOptions, got {type(options).__name__}{hint}")
+        if keywords:
+            raise UsageError("give either a MergeOptions or keywords, not both")
+        return options
+
     @classmethod
     def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",
                       verify: bool = True, evaluate_result: bool = True, data=None, eval_data=None,
-                      **kw) -> "MergeOptions":
+                      _owner: str = "merge_models()", **kw) -> "MergeOptions":
         """The keyword form of :func:`merge_models` (``align``: a symmetry list or AlignOptions)."""
-        unknown = set(kw) - {f.name for f in fields(cls)}
+        known = [f.name for f in fields(cls)] + ["rescale", "verify", "evaluate_result"]
+        unknown = sorted(set(kw) - set(known))
         if unknown:
-            raise UsageError(f"merge_models() got unexpected keyword {sorted(unknown)[0]!r}")
+            raise unexpected_keyword(_owner, unknown[0], known)
         if not isinstance(align, AlignOptions):
             align = AlignOptions(symmetries=align, rescale=rescale, verify=verify)
 
@@ -124,8 +147,13 @@ class MergeOptions:
         object: the method's parameters checked and completed, ``head_from`` counted from 0, the REPAIR
         channels parsed); ``self`` is left as it is."""
         m = get_method(self.method)
+        self._check_types()
         check_model_count(m, n, self.base is not None)
         params = m.check_params(dict(self.params or {}))
+        for flag, value in (("--fisher-samples", self.fisher_samples), ("--batch-size", self.batch_size)):
+            in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py)
+        if self.fisher_variant not in FISHER_VARIANTS:
+            raise SymmergeError(f"unknown Fisher variant {self.fisher_variant!r}; choose {' or '.join(FISHER_VARIANTS)}")
         if self.heads not in HEAD_POLICIES:
             raise SymmergeError(f"unknown head policy {self.heads!r}; choose {', '.join(HEAD_POLICIES)}")
         if n == 0:
@@ -169,6 +197,21 @@ class MergeOptions:
             raise SymmergeError(f"unknown --joint-refine {self.joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
         return replace(self, params=params, head_from=self.head_from % n, repair_channels=channels)
 
+    def _check_types(self) -> None:
+        """The fields a user gives by hand, of the types they take: one :class:`UsageError` naming the field."""
+        if self.base is not None:
+            model_argument(self.base, "base")
+        if self.anchor is not None and not _is_index(self.anchor):
+            model_argument(self.anchor, "anchor (an index into models, a folder or a model)")
+        if not _is_index(self.head_from):
+            raise UsageError(f"head_from must be an index into the models, got {self.head_from!r}")
+        if self.params is not None and not isinstance(self.params, dict):
+            raise UsageError(f"params must be a dict of the method's parameters ({{'density': 0.5}}), "
+                             f"got {self.params!r}")
+        if self.weights is not None and (not isinstance(self.weights, (list, tuple)) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) for w in self.weights)):
+            raise UsageError(f"weights must be a list of numbers, one per model, got {self.weights!r}")
+
     def use_joint(self, n: int) -> bool:
         """Joint alignment (every model to the mean of the others) rather than the star: asked for, or by
         default for more than two models without an anchor or a base, with a matcher that runs jointly (all three:
@@ -190,6 +233,10 @@ class MergeOptions:
 
     def load_kw(self) -> dict:
         return {"batch_size": self.batch_size, "max_examples": self.max_examples, "max_length": self.max_length}
+
+
+def _is_index(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _name(x, i) -> str:
@@ -323,6 +370,7 @@ def gather_stats(needs, models, names, cache: _DataCache, opts: MergeOptions, de
     return stats, info
 
 
+@keeps_modes
 def merge_models(models, method: str | None = None, options: MergeOptions | None = None, plan=None, **keywords):
     """Merge ``models`` (transformers models or HF folders); returns ``(model, report)``.
 
@@ -343,10 +391,8 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     report) and :func:`_evaluate` → :class:`Evaluated`; writing is :func:`symmerge.merge.api.merge_to_folder`'s.
     """
     t0 = time.perf_counter()
-    if options is None:
-        options = MergeOptions.from_keywords(method=method or "average", **keywords)
-    elif method is not None or keywords:
-        raise UsageError("give either a MergeOptions or keywords, not both")
+    models = models_argument(models)
+    options = MergeOptions.of(options, {**({} if method is None else {"method": method}), **keywords})
     if plan is None:
         plan = plan_merge(models, options, mode="memory")
     elif plan.mode != "memory":

@@ -15,12 +15,13 @@ from ..core.layout import check_layouts
 from ..io.layout import layout_of
 from ..core.resolve import declared_ties
 from ..device import resolve_device
-from ..errors import SymmergeError
+from ..errors import SymmergeError, UsageError
+from ..io.arguments import flag_arguments, keeps_modes, model_argument
 from ..io.reader import load_model
 from ..io.prefix import adapt_pair
 from ..io.sentence_transformers import check_pipelines, output_reader
 from ..io.tokenizers import check_tokenizers
-from ..progress import running, stage
+from ..progress import running, stage, stage_printer
 from .align_steps import execute_steps
 from .align_steps import plan_steps
 from .bound import bind, instances_for  # noqa: F401  (instances_for: the public (spec, instances) shortcut)
@@ -100,6 +101,7 @@ class Alignment:
     bound: object = None  # the model's BoundModel (symmerge.pipeline.bound): spec, layers, output axes
 
 
+@keeps_modes
 def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict | None = None, progress=None,
                allow_pickle: bool = False, allow_tokenizer_mismatch: bool = False, plan=None) -> Alignment:
     """Move ``model`` inside its symmetry orbit as close as possible (L2) to ``anchor``.
@@ -110,14 +112,42 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     solved and whose steps are run (:mod:`symmerge.pipeline.align_steps`); without one the steps are planned
     here, on the loaded model. Returns an :class:`Alignment`; raises :class:`SymmergeError` if the tokenizers
     differ (unless ``allow_tokenizer_mismatch``), ``options`` name a symmetry the model's family does not declare
-    (:func:`~symmerge.pipeline.recommend.require_declared`) or the options' verification fails."""
-    options = options or AlignOptions()
+    (:func:`~symmerge.pipeline.recommend.require_declared`) or the options' verification fails. ``inputs``: the
+    model's forward keywords (a dict of tensors) the verification compares the outputs on (default: made for the
+    model); ``progress``: True (the stage lines the CLI prints), False/None (quiet), or a callback."""
+    model, anchor = model_argument(model, "model"), model_argument(anchor, "anchor")
+    options, progress = AlignOptions.of(options), _progress(progress)
+    _check_inputs(inputs)
+    flag_arguments(allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
     if options.learn.frame == "dual" and MATCHERS[options.match].learns:  # both models move (pipeline/dual.py)
         from .dual import align_dual
 
         return align_dual(model, anchor, options, inputs, progress, allow_pickle, allow_tokenizer_mismatch,
                           closed_form=align_pair, load=_load, result=Alignment)
     return _align_onto(model, anchor, options, inputs, progress, allow_pickle, allow_tokenizer_mismatch, plan)
+
+
+def _check_inputs(inputs) -> None:
+    """``inputs`` (None, or the forward keywords the verification runs the models on: a dict of tensors), else one
+    :class:`UsageError` naming what is not a tensor."""
+    if inputs is None:
+        return
+    bad = next((k for k, v in inputs.items() if not isinstance(v, torch.Tensor)), None) \
+        if isinstance(inputs, dict) else type(inputs).__name__
+    if bad is not None:
+        what = f"{bad!r} is {type(inputs[bad]).__name__}" if isinstance(inputs, dict) else f"got {bad}"
+        raise UsageError(f"inputs must be a dict of tensors, the model's forward keywords (input_ids=...): {what}")
+
+
+def _progress(progress):
+    """``progress`` as the engine takes it: True, the stage lines (as the CLI prints them); False, None; or the
+    callback given."""
+    if isinstance(progress, bool):
+        return stage_printer() if progress else None
+    if progress is not None and not callable(progress):
+        raise UsageError(f"progress must be True, False or a callback (symmerge.progress.stage_printer()), got "
+                         f"{progress!r}")
+    return progress
 
 
 def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pickle: bool,

@@ -219,7 +219,7 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     from .engine import active
     from .recommend import recommended, require_declared
 
-    options = options if options is not None else AlignOptions()
+    options = AlignOptions.of(options)
     names = _name(model, "model"), _name(anchor, "anchor")
     pair = checkpoints if checkpoints is not None else _headers(model, anchor, stream)
     loaded = None

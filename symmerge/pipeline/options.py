@@ -4,11 +4,12 @@ and ``barrier`` (the CLI and the Python API build the same object)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 
-from ..errors import SymmergeError
+from ..errors import SymmergeError, UsageError, keywords_checked
 from ..families import SCALES, SYMMETRIES
 from ..groups import RESCALE_MODES, Options
-from ..option_ranges import check as check_range
+from ..option_ranges import check as check_range, in_range
 from .matchers import DEFAULT_MATCHER, MATCHERS, matcher
 
 PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations and scales, FFN permutations
@@ -53,6 +54,8 @@ def _names(value) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         value = [] if value.strip() in ("", "none") else value.split(",")
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
+        raise UsageError(f"symmetries must be a comma list such as 'attn,ffn' or a list of names, got {value!r}")
     expanded = []
     for v in value:
         expanded += list(ALIASES.get(v.strip(), (v,)))
@@ -61,6 +64,20 @@ def _names(value) -> tuple[str, ...]:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and x not in (float("inf"),)
+
+
+def _layers(value) -> tuple[int, ...] | None:
+    """``layers`` as a tuple of layer indices: None (every layer), an int, 'i,j' or a list of ints."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else [value] if isinstance(value, int) else value
+    try:
+        out = tuple(int(i) if isinstance(i, str) else i for i in items)
+    except (TypeError, ValueError):
+        out = None
+    if out is None or isinstance(value, bool) or not all(isinstance(i, int) and not isinstance(i, bool) for i in out):
+        raise UsageError(f"layers must be layer indices (an int, '0,2' or a list of ints), got {value!r}")
+    return out
 
 
 def is_recommended(value) -> bool:
@@ -95,6 +112,7 @@ def describe_symmetries(default: str) -> str:
     return f"{text}. Default: {default}"
 
 
+@keywords_checked
 @dataclass(frozen=True)
 class LearnSettings:
     """Learned alignment: Adam on the continuous group elements, ``steps`` of ``batch`` examples, learning
@@ -185,13 +203,25 @@ class LearnSettings:
             check_range(f"learn_{name}", getattr(self, name))
         if not self.lr > 0:
             raise SymmergeError(f"learned alignment needs lr > 0, got {self.lr}")
+        self._check_counts()
         if not 0.0 <= self.alpha_low <= self.alpha_high <= 1.0:  # low = high: every step at that one α
             raise SymmergeError(f"--learn-alpha-low/--learn-alpha-high: the learned alignment's α range must satisfy "
                                 f"0 <= low <= high <= 1, got {self.alpha_low:g} and {self.alpha_high:g}")
         if not 0.0 <= self.holdout < 1.0:
             raise SymmergeError(f"holdout fraction must be in [0, 1), got {self.holdout}")
 
+    def _check_counts(self) -> None:
+        """The seed, the budget and the early-stopping and Dirichlet counts: whole numbers (seconds: a number) in
+        range, else one error naming the field."""
+        in_range("--learn-budget", 0, self.budget)
+        for name, minimum in (("seed", None), ("check_every", 1), ("patience", 0), ("dirichlet_steps", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Integral) or (minimum is not None and value < minimum):
+                at_least = "" if minimum is None else f" >= {minimum}"
+                raise SymmergeError(f"LearnSettings(): {name} must be a whole number{at_least}, got {value!r}")
 
+
+@keywords_checked
 @dataclass(frozen=True)
 class AlignOptions:
     """How to align: ``symmetries`` (``--symmetries``), ``rescale`` (``joint``, ``sequential`` or
@@ -259,6 +289,9 @@ class AlignOptions:
         check_range("align_samples", self.align_samples)
         if self.learn is None:
             object.__setattr__(self, "learn", LearnSettings())
+        if not isinstance(self.learn, LearnSettings):
+            raise UsageError(f"learn must be a LearnSettings (symmerge.LearnSettings(steps=...)), got "
+                             f"{type(self.learn).__name__}")
         if not 0.0 <= self.descent_tol < 1.0:
             raise SymmergeError(f"descent_tol must be in [0, 1), got {self.descent_tol}")
         check_range("max_sweeps", self.max_sweeps)
@@ -279,8 +312,7 @@ class AlignOptions:
         if self.verify_tol is not None and not (_is_number(self.verify_tol) and self.verify_tol >= 0):
             raise SymmergeError(f"--verify-tol must be a finite number >= 0 (the largest relative output difference "
                                 f"accepted; --no-verify skips the check), got {self.verify_tol!r}")
-        if self.layers is not None:
-            object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        object.__setattr__(self, "layers", _layers(self.layers))
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
                                          or self.workers < 1):
             raise SymmergeError(f"workers must be a whole number >= 1 (or None: one per core), got {self.workers!r}")
@@ -296,6 +328,16 @@ class AlignOptions:
 
     def solver_options(self, device=None) -> Options:
         return Options(frozenset(self.symmetries), self.effective_rescale, device, self.workers)
+
+    @classmethod
+    def of(cls, options) -> "AlignOptions":
+        """``options`` (None: the defaults), or one :class:`UsageError` when it is no :class:`AlignOptions`."""
+        if options is None:
+            return cls()
+        if not isinstance(options, cls):
+            hint = f" (symmetries go in AlignOptions(symmetries={options!r}))" if isinstance(options, str) else ""
+            raise UsageError(f"options must be an AlignOptions, got {type(options).__name__}{hint}")
+        return options
 
     def with_(self, **changes) -> "AlignOptions":
         if "symmetries" in changes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SymmergeError
+from ..io.arguments import flag_arguments, model_argument, output_argument
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
 from ..progress import stage, stage_printer
@@ -67,7 +68,10 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
     from the headers (:func:`~symmerge.pipeline.align_plan.plan_align`: 'recommended' resolved once, the group
     instances bound, the steps); the wing solves the plan's instances and runs its steps
     (:mod:`~symmerge.pipeline.align_steps`), and the report is built from the plan. Returns the report."""
-    options = options if options is not None else AlignOptions()
+    model, anchor, out = model_argument(model, "model"), model_argument(anchor, "anchor"), output_argument(out)
+    flag_arguments(stream=stream, pipeline=pipeline, verify_forward=verify_forward, progress=progress,
+                   allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
+    options = AlignOptions.of(options)
     for flag, given in (("--pipeline", pipeline), ("--verify-forward", verify_forward),
                         ("--shard-size", shard_size is not None)):
         if given and not stream:
@@ -111,7 +115,7 @@ def print_plan(model, anchor, options: AlignOptions | None = None, *, stream: bo
                allow_pickle: bool = False, verify_forward: bool = False) -> dict:
     """``symmerge align --print-plan``: the plan (:func:`~symmerge.pipeline.align_plan.plan_align`) and its
     steps, from the headers; nothing is written. What the alignment would refuse is refused here too."""
-    options = options if options is not None else AlignOptions()
+    options = AlignOptions.of(options)
     if verify_forward and not stream:
         raise SymmergeError("--verify-forward applies to --stream only")
     if verify_forward and options.matcher.learns:
