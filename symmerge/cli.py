@@ -129,12 +129,14 @@ def _run(argv) -> int:
         args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}"
                                             f"{_close_flag(args.command, extra)}")
     _refuse_empty_paths(args)
-    configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
     from .io.hf import trust_remote_code
+    from .progress import kept
 
-    with trust_remote_code(getattr(args, "trust_remote_code", False)):  # code from model folders: only if asked
-        code = args.handler(args) or 0
-    sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
+    with kept():  # the caller's progress setting back after the command (main run in a caller's process)
+        configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
+        with trust_remote_code(getattr(args, "trust_remote_code", False)):  # code from model folders: only if asked
+            code = args.handler(args) or 0
+        sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
     return code
 
 
@@ -193,7 +195,6 @@ def _quiet_stdout() -> None:
 def main(argv=None) -> int:
     from ._entry import Terminated, interrupted_line, was_interrupted, watch_interrupts
     from .io.output import describe_fault, os_fault, release_claims
-
     from .io.provenance import COMMAND_LINE
 
     watch_interrupts()

@@ -50,6 +50,19 @@ def configure(mode: str = "auto", stream=None, heartbeat: float | None = None) -
     _wake.set()
 
 
+@contextlib.contextmanager
+def kept():
+    """The progress mode, stream and clock as they were before the block, restored after it: a command run in a
+    caller's process (``symmerge.cli.main([...])``) leaves the caller's progress setting as it found it."""
+    with _lock:
+        saved = dict(_state)
+    try:
+        yield
+    finally:
+        with _lock:
+            _state.update(saved)
+
+
 def elapsed() -> float:
     """Seconds since the command started (since the last :func:`configure`)."""
     return time.perf_counter() - _state["start"]

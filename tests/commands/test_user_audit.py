@@ -478,3 +478,18 @@ def test_the_library_refuses_an_output_inside_an_input_too(tmp_path, entry):
         else:
             extract_lora(str(a), str(b), tmp_path / "a" / "lora", ExtractOptions(rank=2))
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+
+
+def test_a_command_run_in_process_leaves_the_progress_setting_as_it_was(tmp_path, capsys):
+    """``symmerge.cli.main([... '--progress', 'none'])`` in a caller's process (a notebook, a test) used to leave
+    progress off for every later library call of that process."""
+    from symmerge import progress
+    from symmerge.cli import main
+
+    progress.configure("lines")
+    try:
+        assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(tmp_path / "m"), "--method",
+                     "average", "--progress", "none"]) == 2
+        assert progress._state["mode"] == "lines"
+    finally:
+        progress.configure("auto")
