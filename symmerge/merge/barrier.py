@@ -20,6 +20,7 @@ from ..core.distance import distance_before_after
 from ..device import resolve_device
 from ..errors import SymmergeError, UsageError, keywords_checked
 from ..io.arguments import keeps_modes, model_argument, models_argument
+from ..option_ranges import in_range
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
 from ..io.tokenizers import check_tokenizers
@@ -83,6 +84,8 @@ class BarrierOptions:
                              f"aligns=), got {type(self.align).__name__}")
         if isinstance(self.points, bool) or not isinstance(self.points, int) or self.points < 2:
             raise SymmergeError(f"--points must be a whole number >= 2 (the endpoints), got {self.points!r}")
+        for flag, value in (("--batch-size", self.batch_size), ("--max-examples", self.max_examples)):
+            in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py); None: unset
 
 
 def _options(options, keywords: dict, name: str) -> BarrierOptions:

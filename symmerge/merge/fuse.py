@@ -150,8 +150,9 @@ class MergeOptions:
         self._check_types()
         check_model_count(m, n, self.base is not None)
         params = m.check_params(dict(self.params or {}))
-        for flag, value in (("--fisher-samples", self.fisher_samples), ("--batch-size", self.batch_size)):
-            in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py)
+        for flag, value in (("--fisher-samples", self.fisher_samples), ("--batch-size", self.batch_size),
+                            ("--max-examples", self.max_examples), ("--max-length", self.max_length)):
+            in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py); None: unset
         if self.fisher_variant not in FISHER_VARIANTS:
             raise SymmergeError(f"unknown Fisher variant {self.fisher_variant!r}; choose {' or '.join(FISHER_VARIANTS)}")
         if self.heads not in HEAD_POLICIES:

@@ -239,3 +239,17 @@ def test_symmerge_merge_names_itself_for_a_misspelt_keyword(pair, tmp_path):
                                          r"\(did you mean 'method'\?\)"):
         symmerge.merge(list(pair), tmp_path / "o", methd="ties")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("options, flag", [
+    (lambda: symmerge.MergeOptions(method="average", max_length=0).check(2), "--max-length"),
+    (lambda: symmerge.MergeOptions(method="average", max_examples=-1).check(2), "--max-examples"),
+    (lambda: symmerge.BarrierOptions(max_examples=0), "--max-examples"),
+    (lambda: symmerge.BarrierOptions(batch_size=0), "--batch-size"),
+])
+def test_the_library_takes_the_flags_minima(options, flag):
+    """The library's options refuse what the flags refuse (``--max-length 0``, ``--max-examples -1``: the CLI's
+    declared minimum 1), in one error naming the flag; None (unset) stays accepted."""
+    with pytest.raises(SymmergeError, match=f"{flag} must be >= 1"):
+        options()
+    symmerge.MergeOptions(method="average", max_length=None, max_examples=None).check(2)
