@@ -169,6 +169,25 @@ def test_a_non_finite_embedding_row_of_the_prompts_is_no_zero_router_row(llamas,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("role", ["expert", "base_model"])
+def test_a_tensor_that_overflows_the_output_dtype_names_the_input_folder_and_tensor(llamas, tmp_path, capsys, role):
+    """A weight of 1e5 cast to float16 (largest 65504) was 'tensor model.layers.1.block_sparse_moe.experts.1.w3.weight
+    of the output has non-finite values': neither the folder nor the tensor the user can look at, nor why."""
+    key = "model.layers.1.mlp.up_proj.weight" if role == "expert" else "model.layers.0.self_attn.q_proj.weight"
+    bad = with_value(llamas["b"] if role == "expert" else llamas["a"], tmp_path / "bad", key, 1e5)
+    out = tmp_path / "out"
+    base, experts = (llamas["a"], (llamas["a"], bad)) if role == "expert" else (bad, (llamas["a"], llamas["b"]))
+    config = moe_config(tmp_path / "c.yml", base, *experts)
+    config.write_text(config.read_text() + "dtype: float16\n")
+    rc, _, err = run_cli(capsys, "moe", config, out, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and f"{bad}: tensor {key!r}" in line and "float16" in line and "100000" in line, line
+    output = ("model.layers.1.block_sparse_moe.experts.1.w3.weight" if role == "expert"
+              else "model.layers.0.self_attn.q_proj.weight")
+    assert f"output tensor {output!r}" in line, line
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------ moe: a base model without its LM head
 
 
