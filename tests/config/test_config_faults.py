@@ -211,6 +211,28 @@ def test_a_llama_model_checkpoint_is_refused_saying_what_it_is(llamas, tmp_path,
 # ------------------------------------------------------------------ BASE+ADAPTER: named as the user wrote it
 
 
+@pytest.mark.parametrize("role", ["base_model", "expert"])
+def test_moe_refuses_base_plus_adapter_in_one_line_as_mergekit_moe_takes_none(tmp_path, capsys, monkeypatch, role):
+    """``source_model: base+ad`` was "base+ad: not a model folder (no config.json)", which it is not meant to be:
+    mergekit-moe 0.1.5 parses BASE+ADAPTER but never merges it (it stops on "LoRA not merged - use .merged() to get
+    a local path", with --lora-merge-cache too). Refused in one line that says so and how to get a folder."""
+    pytest.importorskip("peft")
+    from test_lora import LLAMA_ALL, make_adapter, make_base
+
+    monkeypatch.chdir(tmp_path)
+    mk.save_tokenizer(make_base(tmp_path / "base"), 96)
+    mk.save_tokenizer(make_base(tmp_path / "other", seed=3), 96)
+    make_adapter(tmp_path / "base", tmp_path / "ad", r=4, lora_alpha=8, target_modules=LLAMA_ALL)
+    base, experts = ("base+ad", ("base", "other")) if role == "base_model" else ("base", ("other", "base+ad"))
+    rc, _, err = run_cli(capsys, "moe", moe_config(tmp_path / "c.yml", base, *experts), "out", "--progress", "none",
+                         "--lora-merge-cache", "cache")
+    line = one_error_line(err)
+    assert rc == 2 and "base+ad: a LoRA input (BASE+ADAPTER)" in line and "mergekit-moe" in line, line
+    assert ("line 1:" if role == "base_model" else "line 6:") in line and "passthrough" in line, line
+    assert not Path("out").exists() and not Path("cache").exists()
+
+
+
 @pytest.mark.parametrize("how", ["merge", "run"])
 def test_the_tokenizer_note_names_base_plus_adapter_as_written(tmp_path, capsys, monkeypatch, how):
     """'note: tokenizers: no tokenizer in /tmp/symmerge-lora-XXXX/base+ad-1a2b3c...': the folder the adapter was merged
