@@ -65,9 +65,15 @@ def run(args) -> int:
         print(f"{name:{width}s}  barrier {c['barrier']:.4f}  loss(0.5) {c['loss'][len(c['loss']) // 2]:.4f}")
     aligning = sum(c.get("align_seconds", 0.0) for name, c in result["curves"].items()
                    if "+" not in name)  # a +repair or +temperature curve repeats its variant's alignment info
-    print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} (alignment {aligning:.2f} s, "
-          f"total {elapsed():.2f} s)")
+    print(f"wrote {_written(out)} (alignment {aligning:.2f} s, total {elapsed():.2f} s)")
     return 0
+
+
+def _written(out: Path) -> str:
+    """Every file of the output folder (written whole by the study: ``barrier.json``, ``barrier.png``, and
+    ``subsets.png`` with ``--subsets``), as the final line lists them."""
+    names = [str(p) for p in sorted(out.iterdir()) if p.is_file()]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _study_options(args, options, channels):
@@ -98,5 +104,5 @@ def _run_many(args, out: Path, study) -> int:
         avg = v["average"]
         print(f"{name:{width}s}  mean pairwise barrier {v['mean_barrier']:.4f}  {n}-way average: loss "
               f"{avg['loss']:.4f}, accuracy {avg['accuracy']:.4f}")
-    print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} (total {elapsed():.2f} s)")
+    print(f"wrote {_written(out)} (total {elapsed():.2f} s)")
     return 0

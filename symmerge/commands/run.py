@@ -124,7 +124,10 @@ def _run(args) -> int:
             parsed.progress = progress_of(args)
         configure(parsed.progress)
         print(f"running: {shlex.join(['symmerge', desc.command, *desc.argv])}", file=sys.stderr)
-        return parsed.handler(parsed) or 0
+        rc = parsed.handler(parsed) or 0
+        if rc == 0 and args.write_model_card:
+            _copy_config(desc.path, getattr(parsed, "output", None))
+        return rc
     from ..config.run import print_summary, run_jobs
 
     if args.print_plan:
@@ -148,6 +151,20 @@ def _run(args) -> int:
     summaries = run_jobs(desc, options=run_options(args))
     print_summary(desc, summaries)
     return 0
+
+
+def _copy_config(config, out) -> None:
+    """A config of symmerge's keys, copied into the output its command wrote, once written: ``symmerge_config.yml``
+    (not ``mergekit_config.yml``: mergekit-yaml could not run it), named on a last line of its own."""
+    from pathlib import Path
+
+    from ..config.run import SYMMERGE_CONFIG_COPY
+
+    if out is None or not Path(out).is_dir():
+        return
+    copy = Path(out) / SYMMERGE_CONFIG_COPY
+    copy.write_text(Path(config).read_text(encoding="utf-8"), encoding="utf-8")
+    print(f"wrote {copy} (the config)")
 
 
 def yaml_main(argv=None) -> int:

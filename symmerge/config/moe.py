@@ -98,6 +98,17 @@ def _prompts(doc: Doc, item: dict, key: str, where) -> tuple:
 def _folder(doc: Doc, value, where) -> str:
     if not isinstance(value, str) or not value.strip():
         raise doc.error(f"expected a model folder, got {value!r}", *where)
+    from ..io.lora import split_spec
+
+    try:
+        adapter = split_spec(value)[1]
+    except SymmergeError:  # more than one '+': no folder either, said below
+        adapter = None
+    if adapter is not None:
+        raise doc.error(f"{value}: a LoRA input (BASE+ADAPTER) is not taken by moe, as mergekit-moe 0.1.5 takes none "
+                        "(it stops: 'LoRA not merged'); merge the adapter into a folder first (a `symmerge run` "
+                        "config: merge_method: passthrough, models: [{model: BASE+ADAPTER}]) and name that folder",
+                        *where)
     folder = Path(value)
     if not folder.is_absolute():  # relative to the working directory, as mergekit reads it
         folder = Path.cwd() / folder

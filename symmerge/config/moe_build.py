@@ -83,13 +83,15 @@ class MoeOptions:
 
 class _Source:
     """A model folder's safetensors, read one tensor at a time under their stored names; a tensor holding NaN or Inf
-    is one error naming the folder and the tensor."""
+    is one error naming the folder and the tensor. ``named``: how messages name the folder (an aligned expert's
+    temporary folder: the expert's own, said aligned)."""
 
-    def __init__(self, folder, what: str):
+    def __init__(self, folder, what: str, named: str | None = None):
         from safetensors import safe_open
 
         self.folder = Path(folder)
         self.what = what
+        self.named = named or str(self.folder)
         self.config = json.loads((self.folder / "config.json").read_text())
         files, safe = weight_files(self.folder)
         if not safe:
@@ -350,11 +352,12 @@ def _output_config(arch: str, base_cfg: dict, cfg: MoeConfig, experts: list, sha
 
 
 def _plan(arch: str, base: _Source, experts: list, shared: list, rows: torch.Tensor, dtype, layers: int):
-    """[(output name, dtype, shape, read)] in writing order; ``read()`` gives the tensor in ``dtype``."""
+    """[(output name, dtype, shape, read, origin)] in writing order; ``read()`` gives the tensor before its cast to
+    ``dtype``; ``origin``: the input folder and tensor it comes from (None: the router's rows), for messages."""
     plan = []
 
-    def add(name, shape, read):
-        plan.append((name, dtype, tuple(shape), read))
+    def add(name, shape, read, origin=None):
+        plan.append((name, dtype, tuple(shape), read, origin))
 
     by_layer: dict[int, list] = {}
     outside = []
@@ -366,40 +369,67 @@ def _plan(arch: str, base: _Source, experts: list, shared: list, rows: torch.Ten
         (by_layer.setdefault(int(lm.group(1)), []) if lm else outside).append(key)
 
     def copy(src, key):
-        return lambda: src.read(key).to(dtype)
+        return lambda: src.read(key)
+
+    def origin(src, key, extra=""):
+        return f"{src.named}: tensor {key!r}{extra}"
 
     for key in sorted(outside):
-        add(key, base.shape[key], copy(base, key))
+        add(key, base.shape[key], copy(base, key), origin(base, key))
     e_count = len(experts)
     for layer in range(layers):
         for key in sorted(by_layer.get(layer, [])):
-            add(key, base.shape[key], copy(base, key))
+            add(key, base.shape[key], copy(base, key), origin(base, key))
         gate = rows[layer, :e_count]
         moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
-        add(f"model.layers.{layer}.{moe}.gate.weight", gate.shape, lambda g=gate: g.to(dtype))
+        add(f"model.layers.{layer}.{moe}.gate.weight", gate.shape, lambda g=gate: g)
         for e, (src, fix) in enumerate(experts):
             for part in MLP:
                 name = (f"model.layers.{layer}.block_sparse_moe.experts.{e}.{MIXTRAL_NAMES[part]}.weight"
                         if arch == "mixtral" else f"model.layers.{layer}.mlp.experts.{e}.{part}.weight")
-                add(name, src.shape[src.mlp(layer, part)], _expert_reader(src, layer, part, fix, dtype))
+                add(name, src.shape[src.mlp(layer, part)], _expert_reader(src, layer, part, fix),
+                    origin(src, src.mlp(layer, part), _changed(fix, part)))
         for src, fix, scale in shared:
             for part in MLP:
+                scaled = scale if part == "down_proj" else None
                 add(f"model.layers.{layer}.mlp.shared_expert.{part}.weight", src.shape[src.mlp(layer, part)],
-                    _expert_reader(src, layer, part, fix, dtype, scale if part == "down_proj" else None))
+                    _expert_reader(src, layer, part, fix, scaled),
+                    origin(src, src.mlp(layer, part), _changed(fix, part, scaled)))
             add(f"model.layers.{layer}.mlp.shared_expert_gate.weight", (1, rows.shape[-1]),
-                lambda g=rows[layer, e_count:e_count + 1]: g.to(dtype))
+                lambda g=rows[layer, e_count:e_count + 1]: g)
     return plan
 
 
-def _expert_reader(src: _Source, layer: int, part: str, fix, dtype, scale=None):
+def _expert_reader(src: _Source, layer: int, part: str, fix, scale=None):
     def read():
         t = src.read(src.mlp(layer, part))
         if fix is not None and part != "down_proj":  # columns: the inputs, read behind the base's norm
             t = t.float() * fix(layer).unsqueeze(0)
         if scale is not None:
             t = t.float() * scale
-        return t.to(dtype)
+        return t
     return read
+
+
+def _changed(fix, part: str, scale=None) -> str:
+    """What an expert's tensor went through on its way to the output, as a message says it."""
+    said = " (its input columns rescaled for the base's post-attention norm)" if fix is not None \
+        and part != "down_proj" else ""
+    return said + (f" times residual_scale {scale:g}" if scale is not None else "")
+
+
+def _cast(name: str, value: torch.Tensor, dtype, dtype_name: str, origin) -> torch.Tensor:
+    """``value`` in the output dtype; a value beyond that dtype's range (inf after the cast) is one error naming the
+    input folder and tensor it came from (``origin``), the output tensor and the largest magnitude."""
+    t = value.to(dtype)
+    if torch.isfinite(t).all():
+        return t
+    if origin is None:
+        raise SymmergeError(f"tensor {name!r} of the output has non-finite values")
+    largest = value.detach().abs().max().item()
+    wider = {"float16": "; set dtype: bfloat16 or float32", "bfloat16": "; set dtype: float32"}.get(dtype_name, "")
+    raise SymmergeError(f"{origin} does not fit in {dtype_name} (largest magnitude {largest:g}, beyond "
+                        f"{dtype_name}'s {torch.finfo(dtype).max:g}): output tensor {name!r} would hold Inf{wider}")
 
 
 def _norm_fix(aligned: _Source, base: _Source):
@@ -449,7 +479,8 @@ def build_moe(config, out, options: MoeOptions | None = None) -> dict:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=temp_prefix(out, "experts"),
                                                                           dir=out.parent)))
             folders, report["alignment"] = _align_experts(cfg, options, work)
-            aligned = [_Source(f, s.what) for f, s in zip(folders, experts + shared)]
+            aligned = [_Source(f, s.what, s.named if Path(f) == s.folder else f"{s.named} (aligned to the base)")
+                       for f, s in zip(folders, experts + shared)]
             fixes = [_norm_fix(a, base) if a.folder != s.folder else None
                      for a, s in zip(aligned, experts + shared)]
             experts, shared = aligned[:len(experts)], aligned[len(experts):]
@@ -458,13 +489,10 @@ def build_moe(config, out, options: MoeOptions | None = None) -> dict:
         plan = _plan(arch, base, exp, sh, rows, dtype, layers)
         out_config = _output_config(arch, base.config, cfg, experts, shared, dtype_name)
         with atomic_dir(out) as tmp, stage(f"wrote {out}", enabled=options.progress):
-            writer = PlannedWriter(tmp, [(n, d, s) for n, d, s, _ in plan], max_bytes)
+            writer = PlannedWriter(tmp, [(n, d, s) for n, d, s, _, _ in plan], max_bytes)
             try:
-                for name, _, _, read in plan:
-                    t = read()
-                    if not torch.isfinite(t).all():
-                        raise SymmergeError(f"tensor {name!r} of the output has non-finite values")
-                    writer.add(name, t)
+                for name, _, _, read, origin in plan:
+                    writer.add(name, _cast(name, read(), dtype, dtype_name, origin))
                 report["shards"] = writer.close()
             except BaseException:
                 writer.abort()

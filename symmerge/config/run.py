@@ -16,6 +16,7 @@ from ..errors import SymmergeError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CONFIG_COPY = "mergekit_config.yml"  # the config, beside the model card (as mergekit writes it)
+SYMMERGE_CONFIG_COPY = "symmerge_config.yml"  # a config of symmerge's keys (commands/run.py): no mergekit config
 
 
 @dataclass(frozen=True)

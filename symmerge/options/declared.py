@@ -232,7 +232,8 @@ OPTIONS = (
         help="copy the tokenizer of the config's tokenizer source (or base) to the output (default on; off: none is "
              "copied, a tokenizer the config builds is still written, as mergekit)"),
     opt("write_model_card", "--write-model-card", on=RUN, part=MERGEKIT, form="onoff", default=True,
-        help="write README.md (the model card) and mergekit_config.yml (the config) beside the model (default on, "
+        help="write README.md (the model card) and mergekit_config.yml (the config; symmerge_config.yml for a config "
+             "of symmerge's keys) beside the model (default on, "
              "as mergekit); symmerge_report.json is always written"),
     opt("out_shard_size", "--out-shard-size", on=RUN, part=MERGEKIT, metavar="SIZE",
         help="largest output shard, as mergekit: 5B (bytes, K/M/B suffixes) or 2GB"),

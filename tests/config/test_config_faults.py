@@ -169,6 +169,25 @@ def test_a_non_finite_embedding_row_of_the_prompts_is_no_zero_router_row(llamas,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("role", ["expert", "base_model"])
+def test_a_tensor_that_overflows_the_output_dtype_names_the_input_folder_and_tensor(llamas, tmp_path, capsys, role):
+    """A weight of 1e5 cast to float16 (largest 65504) was 'tensor model.layers.1.block_sparse_moe.experts.1.w3.weight
+    of the output has non-finite values': neither the folder nor the tensor the user can look at, nor why."""
+    key = "model.layers.1.mlp.up_proj.weight" if role == "expert" else "model.layers.0.self_attn.q_proj.weight"
+    bad = with_value(llamas["b"] if role == "expert" else llamas["a"], tmp_path / "bad", key, 1e5)
+    out = tmp_path / "out"
+    base, experts = (llamas["a"], (llamas["a"], bad)) if role == "expert" else (bad, (llamas["a"], llamas["b"]))
+    config = moe_config(tmp_path / "c.yml", base, *experts)
+    config.write_text(config.read_text() + "dtype: float16\n")
+    rc, _, err = run_cli(capsys, "moe", config, out, "--progress", "none")
+    line = one_error_line(err)
+    assert rc == 2 and f"{bad}: tensor {key!r}" in line and "float16" in line and "100000" in line, line
+    output = ("model.layers.1.block_sparse_moe.experts.1.w3.weight" if role == "expert"
+              else "model.layers.0.self_attn.q_proj.weight")
+    assert f"output tensor {output!r}" in line, line
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------ moe: a base model without its LM head
 
 
@@ -190,6 +209,28 @@ def test_a_llama_model_checkpoint_is_refused_saying_what_it_is(llamas, tmp_path,
 
 
 # ------------------------------------------------------------------ BASE+ADAPTER: named as the user wrote it
+
+
+@pytest.mark.parametrize("role", ["base_model", "expert"])
+def test_moe_refuses_base_plus_adapter_in_one_line_as_mergekit_moe_takes_none(tmp_path, capsys, monkeypatch, role):
+    """``source_model: base+ad`` was "base+ad: not a model folder (no config.json)", which it is not meant to be:
+    mergekit-moe 0.1.5 parses BASE+ADAPTER but never merges it (it stops on "LoRA not merged - use .merged() to get
+    a local path", with --lora-merge-cache too). Refused in one line that says so and how to get a folder."""
+    pytest.importorskip("peft")
+    from test_lora import LLAMA_ALL, make_adapter, make_base
+
+    monkeypatch.chdir(tmp_path)
+    mk.save_tokenizer(make_base(tmp_path / "base"), 96)
+    mk.save_tokenizer(make_base(tmp_path / "other", seed=3), 96)
+    make_adapter(tmp_path / "base", tmp_path / "ad", r=4, lora_alpha=8, target_modules=LLAMA_ALL)
+    base, experts = ("base+ad", ("base", "other")) if role == "base_model" else ("base", ("other", "base+ad"))
+    rc, _, err = run_cli(capsys, "moe", moe_config(tmp_path / "c.yml", base, *experts), "out", "--progress", "none",
+                         "--lora-merge-cache", "cache")
+    line = one_error_line(err)
+    assert rc == 2 and "base+ad: a LoRA input (BASE+ADAPTER)" in line and "mergekit-moe" in line, line
+    assert ("line 1:" if role == "base_model" else "line 6:") in line and "passthrough" in line, line
+    assert not Path("out").exists() and not Path("cache").exists()
+
 
 
 @pytest.mark.parametrize("how", ["merge", "run"])

@@ -119,6 +119,32 @@ def test_align_and_barrier_configs(vits, tmp_path):
     assert len(json.loads((bar / "barrier.json").read_text())["alphas"]) == 3
 
 
+
+@pytest.mark.parametrize("command", ["merge", "align", "barrier"])
+def test_a_symmerge_config_is_copied_into_its_output_as_symmerge_config_yml(vits, tmp_path, capsys, command):
+    """A config with symmerge's keys wrote no copy of itself (README and docs/plans.md said every run writes one, as
+    mergekit_config.yml): the output now holds it as symmerge_config.yml (mergekit-yaml could not run it), named on the
+    last line; mergekit_config.yml stays for configs of mergekit's keys only; --no-write-model-card: no copy."""
+    out = tmp_path / "out"
+    keys = {"merge": "merge_method: average\nalign: none\n", "align": "command: align\nsymmetries: attn,ffn\n",
+            "barrier": f"command: barrier\ndata: {npz_file(tmp_path / 'd.npz')}\npoints: 3\nalign: [attn, ffn]\n"}
+    cfg = _write(tmp_path, f"models: [{vits[0]}, {vits[1]}]\n{keys[command]}progress: none\n", f"{command}.yml")
+    capsys.readouterr()
+    assert run_cli("run", cfg, out) == 0
+    assert (out / "symmerge_config.yml").read_text() == cfg.read_text()
+    assert not (out / "mergekit_config.yml").exists()
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"wrote {out / 'symmerge_config.yml'}")
+    assert run_cli("run", cfg, tmp_path / "bare", "--no-write-model-card") == 0
+    assert not (tmp_path / "bare" / "symmerge_config.yml").exists()
+
+
+def test_a_mergekit_config_is_copied_as_mergekit_config_yml(vits, tmp_path):
+    cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{vits[0]}, {vits[1]}]\nparameters: {{weight: 0.5}}\n")
+    assert run_cli("run", cfg, tmp_path / "out", "--progress", "none") == 0
+    assert (tmp_path / "out" / "mergekit_config.yml").read_text() == cfg.read_text()
+    assert not (tmp_path / "out" / "symmerge_config.yml").exists()
+
+
 BAD = [
     ("merge_method: average\nmodels: [a, b\noutput: o\n", "not valid YAML"),
     ("merge_method: average\noutput: o\n", "'models' is missing"),
