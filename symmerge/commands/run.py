@@ -162,8 +162,15 @@ def _copy_config(config, out) -> None:
 
     if out is None or not Path(out).is_dir():
         return
+    import os
+
     copy = Path(out) / SYMMERGE_CONFIG_COPY
-    copy.write_text(Path(config).read_text(encoding="utf-8"), encoding="utf-8")
+    part = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")  # renamed into place: never a half-written copy
+    try:
+        part.write_text(Path(config).read_text(encoding="utf-8"), encoding="utf-8")
+        os.replace(part, copy)
+    finally:
+        part.unlink(missing_ok=True)
     print(f"wrote {copy} (the config)")
 
 
