@@ -103,6 +103,8 @@ def interpolation_curve(model_a, model_b, data: Data, alphas, device=None, progr
     check_same_shapes(model_a, model_b)
     sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
     probe = copy.deepcopy(model_b)
+    if device is not None:  # θ(α) is loaded and evaluated there (evaluate puts a model back where it found it)
+        probe.to(device)
     loss, acc = [], []
     for a in bar(alphas, desc=f"interpolating {label}".strip(), unit="points", disable=None if progress else True):
         probe.load_state_dict(interpolate(sd_a, sd_b, a))

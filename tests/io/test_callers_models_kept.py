@@ -123,3 +123,22 @@ def test_a_model_in_another_dtype_inside_the_call_comes_back_in_its_own():
     assert casting(a) == torch.float64
     assert _kept(a, before) == [] and next(a.parameters()).dtype == torch.float32
     assert a.classifier.weight.grad.dtype == torch.float32 and a.classifier.weight.requires_grad
+
+
+class Stopped(Exception):
+    pass
+
+
+def test_the_curves_models_stay_on_its_device_between_points(br_npz):
+    """interpolation_curve's own θ(α) is loaded and evaluated on ``device`` at every α, and a transform (REPAIR, the
+    temperature fit) gets it there: evaluate putting the probe back where it found it must not send it to the CPU."""
+    a, b = br_vit(0), br_vit(1)
+    data, seen = load_data(br_npz, a, batch_size=5), []
+
+    def transform(probe, alpha):
+        seen.append(next(probe.parameters()).device.type)
+        raise Stopped  # meta tensors have no values: stop before evaluating
+
+    with pytest.raises(Stopped):
+        interpolation_curve(a, b, data, [0.0, 1.0], device="meta", progress=False, transform=transform)
+    assert seen == ["meta"] and next(b.parameters()).device == CPU
