@@ -12,12 +12,14 @@ import copy
 import torch
 
 from ..io.data import Data, predictions
+from ..io.arguments import keeps_models
 from ..core.layout import check_layouts
 from ..io.layout import layout_of
 from ..errors import SymmergeError
 from ..progress import bar
 
 
+@keeps_models
 def evaluate(model, data: Data, device=None, progress: bool = True, desc: str = "evaluating") -> dict:
     """Mean cross-entropy and accuracy over all of ``data`` (examples, or next tokens for lm data); when
     ``data`` is only the first part of its file (``--max-examples``), ``examples_in_file`` and ``cut_by``
@@ -41,6 +43,7 @@ def _cut_info(data) -> dict:
     return info() if info is not None else {}
 
 
+@keeps_models
 def evaluate_ensemble(models, data: Data, device=None, progress: bool = True, desc: str = "evaluating the ensemble") -> dict:
     """The ensemble of ``models`` (the mean of their predicted probabilities): cross-entropy of the mean
     probabilities and accuracy of their argmax, as :func:`evaluate` scores one model."""
@@ -92,6 +95,7 @@ def check_same_shapes(model_a, model_b, names=("model A", "model B")) -> None:
                   hint=" (models interpolated together need the same tensors of the same shapes)")
 
 
+@keeps_models
 def interpolation_curve(model_a, model_b, data: Data, alphas, device=None, progress: bool = True,
                         label: str = "", transform=None) -> dict:
     """Loss and accuracy of θ(α) for each α, and the barrier; ``transform(model, α)`` (e.g. REPAIR)
@@ -99,6 +103,8 @@ def interpolation_curve(model_a, model_b, data: Data, alphas, device=None, progr
     check_same_shapes(model_a, model_b)
     sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
     probe = copy.deepcopy(model_b)
+    if device is not None:  # θ(α) is loaded and evaluated there (evaluate puts a model back where it found it)
+        probe.to(device)
     loss, acc = [], []
     for a in bar(alphas, desc=f"interpolating {label}".strip(), unit="points", disable=None if progress else True):
         probe.load_state_dict(interpolate(sd_a, sd_b, a))

@@ -62,20 +62,64 @@ def _modules_in(values) -> list:
     return found
 
 
-def keeps_modes(fn):
-    """``fn`` leaving the models it is given in the train/eval mode they came in, module by module (evaluation and
-    verification switch a model to eval mode; a caller's model in train mode would be left in eval mode)."""
+def _held(model) -> list:
+    """Every module of ``model`` with what a call could change in it: its train/eval flag, its parameter objects
+    (each with its tensor, its gradient and the gradient's tensor, ``requires_grad``) and its buffers."""
+    return [(m, m.training, dict(m._parameters),
+             {k: (p.data, p.grad, None if p.grad is None else p.grad.data, p.requires_grad)
+              for k, p in m._parameters.items() if p is not None},
+             dict(m._buffers)) for m in model.modules()]
+
+
+def _put_back(t: torch.Tensor, data: torch.Tensor) -> None:
+    if t.data.data_ptr() != data.data_ptr() or t.device != data.device or t.dtype != data.dtype \
+            or t.shape != data.shape:
+        t.data = data
+
+
+def _restore(held: list) -> None:
+    """Put back what :func:`_held` noted: a ``.to(device)`` or ``.to(dtype)`` inside a call (which moves a module
+    in place, giving its parameters new tensors or new parameter objects) is undone at no cost, the very tensors
+    being kept."""
+    for m, mode, params, tensors, buffers in held:
+        m.training = mode
+        for k, p in params.items():
+            if m._parameters.get(k) is not p:
+                m._parameters[k] = p
+            if p is None:
+                continue
+            data, grad, grad_data, requires_grad = tensors[k]
+            _put_back(p, data)
+            if grad is not None:
+                _put_back(grad, grad_data)
+            if p.grad is not grad:
+                p.grad = grad
+            if p.requires_grad != requires_grad:
+                p.requires_grad_(requires_grad)
+        for k, b in buffers.items():
+            if m._buffers.get(k) is not b:
+                m._buffers[k] = b
+
+
+def keeps_models(fn):
+    """``fn`` leaving the models it is given as they came, even when it raises: every module's train/eval mode
+    (evaluation and verification switch a model to eval mode), and every parameter and buffer where it was — the
+    same tensor on the same device in the same dtype (statistics and evaluation move a model to ``device`` with
+    ``.to``, which moves the caller's own module in place; a model on a GPU evaluated on the CPU came back on the
+    CPU)."""
     import functools
 
     @functools.wraps(fn)
     def kept(*args, **kwargs):
-        modules = [m for model in _modules_in([*args, *kwargs.values()]) for m in model.modules()]
-        modes = [m.training for m in modules]
+        seen, held = set(), []
+        for model in _modules_in([*args, *kwargs.values()]):
+            if id(model) not in seen:
+                seen.add(id(model))
+                held += _held(model)
         try:
             return fn(*args, **kwargs)
         finally:
-            for m, mode in zip(modules, modes):
-                m.training = mode
+            _restore(held)
 
     return kept
 

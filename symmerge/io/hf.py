@@ -10,6 +10,7 @@ import torch
 
 from ..core.resolve import declared_ties
 from ..errors import RemoteCodeError, SymmergeError
+from .arguments import flag_arguments
 
 
 _REMOTE_CODE = [False]  # process-wide: loads may run in worker threads, which a ContextVar would not reach
@@ -22,12 +23,18 @@ def remote_code_allowed() -> bool:
     return _REMOTE_CODE[0]
 
 
-@contextlib.contextmanager
 def trust_remote_code(allowed: bool = True):
     """Within the block, let (``allowed``) or forbid code from model folders to run, as ``--trust-remote-code``
-    does for a command: ``with symmerge.trust_remote_code(): symmerge.merge(...)``."""
+    does for a command: ``with symmerge.trust_remote_code(): symmerge.merge(...)``. ``allowed``: True or False
+    (anything else, ``"no"`` included, is one :class:`~symmerge.errors.UsageError`, at the call)."""
+    flag_arguments(allowed=allowed)
+    return _remote_code_block(allowed)
+
+
+@contextlib.contextmanager
+def _remote_code_block(allowed: bool):
     before = _REMOTE_CODE[0]
-    _REMOTE_CODE[0] = bool(allowed)
+    _REMOTE_CODE[0] = allowed
     try:
         yield
     finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SymmergeError
-from ..io.arguments import models_argument, output_argument
+from ..io.arguments import keeps_models, models_argument, output_argument
 from ..io.checkpoint import parse_size
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
@@ -21,6 +21,7 @@ from .plan import plan_merge
 
 
 @writes_output
+@keeps_models
 def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords) -> dict:
     """Merge ``models`` (HF folders, or transformers models for an in-memory merge) into the folder ``out``
     (must not exist or be empty; written atomically) with ``options`` (a :class:`MergeOptions`, or its

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..core.distance import distance_before_after
 from ..device import resolve_device
 from ..errors import SymmergeError, UsageError, keywords_checked
-from ..io.arguments import keeps_modes, model_argument, models_argument
+from ..io.arguments import keeps_models, model_argument, models_argument
 from ..option_ranges import in_range
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
@@ -225,7 +225,7 @@ def _variants(plan: BarrierPlan, base: AlignOptions) -> dict:
     return {arm.name: base.with_(symmetries=arm.symmetries) if arm.plan is not None else None for arm in plan.arms}
 
 
-@keeps_modes
+@keeps_models
 def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """Interpolation curves and barriers of A and B on ``data``, for no alignment and each variant of
     ``options.aligns`` (a :class:`BarrierOptions`, or its fields as keywords), with REPAIR curves when
@@ -296,6 +296,7 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
     return build_report(plan, result)
 
 
+@keeps_models
 def repaired_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, device=None, progress: bool = True,
                    label: str = "", channels=None, samples: int | None = None) -> dict:
     """:func:`interpolation_curve` with REPAIR at every α (endpoint statistics gathered once on the
@@ -314,6 +315,7 @@ def repaired_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, 
                                label=f"{label}+repair", transform=repaired)
 
 
+@keeps_models
 def tempered_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, device=None, progress: bool = True,
                    label: str = "") -> dict:
     """:func:`interpolation_curve` with θ(α)'s softmax temperature fitted at every α on the unlabeled
@@ -327,6 +329,7 @@ def tempered_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, 
     return {**curve, "temperatures": [calibrate.fitted[float(a)] for a in alphas]}
 
 
+@keeps_models
 def subset_matching(model_a, model_b, data: Data, symmetries=("attn",), mode: str = "single",
                     alpha: float = 0.5, rescale: str = "joint", device=None, progress: bool = True,
                     options: AlignOptions | None = None) -> dict:
@@ -373,7 +376,7 @@ def write_study(result: dict, out) -> Path:
     return out
 
 
-@keeps_modes
+@keeps_models
 def barrier_many(models, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """N ≥ 2 models: for no alignment and each variant of ``options.aligns`` (a :class:`BarrierOptions`, or
     its fields as keywords; every model brought into one frame by joint alignment,

@@ -25,7 +25,7 @@ from ..errors import SymmergeError, UsageError, keywords_checked, unexpected_key
 from ..evaluate.metrics import evaluate
 from ..io.checkpoint import parse_size
 from ..io.data import Data, check_data, check_data_path, load_data
-from ..io.arguments import keeps_modes, model_argument, models_argument
+from ..io.arguments import keeps_models, model_argument, models_argument
 from ..io.reader import load_model
 from ..io.prefix import adapt_models, not_merged
 from ..io.sentence_transformers import check_pipelines, output_reader
@@ -371,7 +371,7 @@ def gather_stats(needs, models, names, cache: _DataCache, opts: MergeOptions, de
     return stats, info
 
 
-@keeps_modes
+@keeps_models
 def merge_models(models, method: str | None = None, options: MergeOptions | None = None, plan=None, **keywords):
     """Merge ``models`` (transformers models or HF folders); returns ``(model, report)``.
 

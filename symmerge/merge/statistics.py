@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..io.data import Batch, Data, predictions
+from ..io.arguments import keeps_models
 from ..io.hf import is_conv1d, linear_output_axis
 from ..errors import SymmergeError
 from ..progress import bar
@@ -62,6 +63,7 @@ def in_features(module) -> int:
     return module.weight.shape[0] if is_conv1d(module) else module.in_features
 
 
+@keeps_models
 def gram_stats(model, data: Data, device=None, modules=None, max_batches: int | None = None,
                progress: bool = True) -> Stats:
     """Gram matrices XᵀX of the inputs of every ``nn.Linear`` (or of the named ``modules``)."""
@@ -154,6 +156,7 @@ def _param_keys(model) -> dict[str, list[str]]:
     return keys
 
 
+@keeps_models
 def fisher_stats(model, data: Data, variant: str = "empirical", normalize: bool = False, samples: int = 1,
                  seed: int = 0, device=None, max_examples: int | None = None, progress: bool = True) -> Stats:
     """Diagonal Fisher from per-example gradients of log p(y|x) (summed over tokens for lm data)."""
@@ -209,6 +212,7 @@ def fisher_stats(model, data: Data, variant: str = "empirical", normalize: bool 
     return Stats("fisher", tensors, counts, count, time.perf_counter() - start)
 
 
+@keeps_models
 def forward_seconds(model, data: Data, device=None, max_batches: int | None = None) -> float:
     """Wall time of plain no-grad forward passes over ``data`` (the benchmark's reference)."""
     device = device or _model_device(model)
@@ -240,6 +244,7 @@ def _token_rows(x: torch.Tensor, mask) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+@keeps_models
 def activation_stats(model, data: Data, device=None, max_rows: int | None = 4096, progress: bool = True) -> Stats:
     """Per token, the outputs of every linear layer of the base model (key ``<module>.weight``) and
     the hidden states the model returns with ``output_hidden_states`` (key ``hidden_states.k``; k = 0:

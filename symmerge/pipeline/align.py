@@ -16,7 +16,7 @@ from ..io.layout import layout_of
 from ..core.resolve import declared_ties
 from ..device import resolve_device
 from ..errors import SymmergeError, UsageError
-from ..io.arguments import flag_arguments, keeps_modes, model_argument
+from ..io.arguments import flag_arguments, keeps_models, model_argument
 from ..io.reader import load_model
 from ..io.prefix import adapt_pair
 from ..io.sentence_transformers import check_pipelines, output_reader
@@ -101,7 +101,7 @@ class Alignment:
     bound: object = None  # the model's BoundModel (symmerge.pipeline.bound): spec, layers, output axes
 
 
-@keeps_modes
+@keeps_models
 def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict | None = None, progress=None,
                allow_pickle: bool = False, allow_tokenizer_mismatch: bool = False, plan=None) -> Alignment:
     """Move ``model`` inside its symmetry orbit as close as possible (L2) to ``anchor``.
@@ -225,6 +225,7 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     return Alignment(aligned, anchor_out, report, elements, instances, bound)
 
 
+@keeps_models
 def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", verify: bool = True, layers=None,
           verify_tol: float | None = None, inputs: dict | None = None, allow_pickle: bool = False, progress=None,
           allow_tokenizer_mismatch: bool = False, **options):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SymmergeError
-from ..io.arguments import flag_arguments, model_argument, output_argument
+from ..io.arguments import flag_arguments, keeps_models, model_argument, output_argument
 from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
 from ..progress import stage, stage_printer
@@ -58,6 +58,7 @@ def _inputs(model, anchor, options: AlignOptions, stream: bool, pipeline: bool, 
 
 
 @writes_output
+@keeps_models
 def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, stream: bool = False,
                     progress: bool = True, allow_pickle: bool = False, allow_tokenizer_mismatch: bool = False,
                     shard_size=None, pipeline: bool = False, verify_forward: bool = False) -> dict:
