@@ -62,7 +62,7 @@ def recorded(tmp_path_factory):
     for name, seed in (("A", 0), ("B", 1)):
         (vit_folder(root / name, seed) / "train_report.json").write_text("{}\n")
     npz_file(root / "train.npz", n=16), npz_file(root / "test.npz", n=12, seed=1)
-    a, b, train, test = "A", "B", "train.npz", "test.npz"  # named as the transcript's commands name them
+    a, b, train, test = (str(root / x) for x in ("A", "B", "train.npz", "test.npz"))  # paths, as the transcript's
     commands = {
         "merge": ["merge", a, b, "--method", "fisher", "--data", train, "--max-examples", "8", "--eval-data", test,
                   "-o", "merged"],
