@@ -156,14 +156,13 @@ def _run(args) -> int:
 def _copy_config(config, out) -> None:
     """A config of symmerge's keys, copied into the output its command wrote, once written: ``symmerge_config.yml``
     (not ``mergekit_config.yml``: mergekit-yaml could not run it), named on a last line of its own."""
+    import os
     from pathlib import Path
 
     from ..config.run import SYMMERGE_CONFIG_COPY
 
     if out is None or not Path(out).is_dir():
         return
-    import os
-
     copy = Path(out) / SYMMERGE_CONFIG_COPY
     part = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")  # renamed into place: never a half-written copy
     try:
