@@ -48,6 +48,22 @@ def keywords_checked(cls):
     return cls
 
 
+def options_argument(options, cls, keywords=None, build=None, owner: str = "", hint: str = ""):
+    """The options object of a call: ``options`` when it is a ``cls``, or (``options`` None) ``build(**keywords)``
+    (default ``cls``); else one :class:`UsageError`: options of another type (``hint`` after the type: where what
+    was given goes), or options and keywords both. ``owner``: the entry called, heading the line
+    (``"barrier_study(): "``)."""
+    if options is None:
+        return (build or cls)(**(keywords or {}))
+    name = cls.__name__
+    if not isinstance(options, cls):
+        article = "an" if name[0] in "AEIOU" else "a"
+        raise UsageError(f"{owner}options must be {article} {name}, got {type(options).__name__}{hint}")
+    if keywords:
+        raise UsageError(f"{owner}give either a {name} or keywords, not both")
+    return options
+
+
 class SymmergeError(Exception):
     """A user-facing error: bad input, unsupported model, failed verification."""
 

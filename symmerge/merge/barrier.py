@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..core.distance import distance_before_after
 from ..device import resolve_device
-from ..errors import SymmergeError, UsageError, keywords_checked
+from ..errors import SymmergeError, UsageError, keywords_checked, options_argument
 from ..io.arguments import keeps_models, model_argument, models_argument
 from ..option_ranges import in_range
 from ..io.data import Data, check_data, check_data_path, load_data
@@ -90,16 +90,14 @@ class BarrierOptions:
 
 def _options(options, keywords: dict, name: str) -> BarrierOptions:
     """The :class:`BarrierOptions` of a call: given, or built from its fields as keywords."""
-    if options is None:
+    def build(**kw) -> BarrierOptions:
         try:
-            return BarrierOptions(**keywords)
+            return BarrierOptions(**kw)
         except TypeError as e:
             raise UsageError(f"{name}(): {e}") from None
-    if not isinstance(options, BarrierOptions):
-        raise UsageError(f"{name}(): options must be a BarrierOptions (the alignment options go in its align=)")
-    if keywords:
-        raise UsageError(f"{name}(): give either a BarrierOptions or keywords, not both")
-    return options
+
+    return options_argument(options, BarrierOptions, keywords, build=build, owner=f"{name}(): ",
+                            hint=" (the alignment options go in its align=)")
 
 
 # how the models are interpolated, per frame (barrier.json's 'convention', the plan's 'interpolation')

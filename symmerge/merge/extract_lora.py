@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SymmergeError, UsageError, keywords_checked
+from ..errors import SymmergeError, UsageError, keywords_checked, options_argument
 
 BATCH_BYTES = 64 * 2 ** 20  # float32 task vectors of one shape decomposed together, at most
 SVDS = ("full", "lowrank")
@@ -218,9 +218,7 @@ def _arguments(finetune, base, out, options) -> ExtractOptions:
             raise UsageError(f"{name} must be a Hugging Face model folder or BASE+ADAPTER (str or Path), got "
                              f"{type(x).__name__}{hint}")
     output_argument(out)
-    if options is not None and not isinstance(options, ExtractOptions):
-        raise UsageError(f"options must be an ExtractOptions, got {type(options).__name__}")
-    return options or ExtractOptions()
+    return options_argument(options, ExtractOptions)
 
 
 def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..core.distance import distance, distance_before_after
 from ..device import resolve_device
-from ..errors import SymmergeError, UsageError, keywords_checked, unexpected_keyword
+from ..errors import SymmergeError, UsageError, keywords_checked, options_argument, unexpected_keyword
 from ..evaluate.metrics import evaluate
 from ..io.checkpoint import parse_size
 from ..io.data import Data, check_data, check_data_path, load_data
@@ -115,14 +115,9 @@ class MergeOptions:
     def of(cls, options, keywords: dict, owner: str = "merge_models()") -> "MergeOptions":
         """The options of a call: ``options``, or made from ``keywords`` (:meth:`from_keywords`), never both;
         ``owner``: the entry called, as an unknown keyword's error names it."""
-        if options is None:
-            return cls.from_keywords(**keywords, _owner=owner)
-        if not isinstance(options, cls):
-            hint = f" (a method goes in MergeOptions(method={options!r}))" if isinstance(options, str) else ""
-            raise UsageError(f"options must be a MergeOptions, got {type(options).__name__}{hint}")
-        if keywords:
-            raise UsageError("give either a MergeOptions or keywords, not both")
-        return options
+        hint = f" (a method goes in MergeOptions(method={options!r}))" if isinstance(options, str) else ""
+        return options_argument(options, cls, keywords, build=lambda **kw: cls.from_keywords(**kw, _owner=owner),
+                                hint=hint)
 
     @classmethod
     def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",

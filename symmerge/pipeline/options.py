@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from numbers import Integral
 
-from ..errors import SymmergeError, UsageError, keywords_checked
+from ..errors import SymmergeError, UsageError, keywords_checked, options_argument
 from ..families import SCALES, SYMMETRIES
 from ..groups import RESCALE_MODES, Options
 from ..option_ranges import check as check_range, in_range
@@ -332,12 +332,8 @@ class AlignOptions:
     @classmethod
     def of(cls, options) -> "AlignOptions":
         """``options`` (None: the defaults), or one :class:`UsageError` when it is no :class:`AlignOptions`."""
-        if options is None:
-            return cls()
-        if not isinstance(options, cls):
-            hint = f" (symmetries go in AlignOptions(symmetries={options!r}))" if isinstance(options, str) else ""
-            raise UsageError(f"options must be an AlignOptions, got {type(options).__name__}{hint}")
-        return options
+        hint = f" (symmetries go in AlignOptions(symmetries={options!r}))" if isinstance(options, str) else ""
+        return options_argument(options, cls, hint=hint)
 
     def with_(self, **changes) -> "AlignOptions":
         if "symmetries" in changes:
