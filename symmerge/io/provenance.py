@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextvars
 import math
 import os
+import re
 
 from .._version import __version__
 
@@ -33,11 +34,17 @@ def named_as(folder) -> str | None:
     return _written_as.get(str(folder)) or _written_as.get(os.path.realpath(folder))
 
 
+def _whole_paths(folder: str) -> re.Pattern:
+    # the folder as a whole path: not the start of a longer name (``…/base+ad-9ef6`` in ``…/base+ad-9ef6x``), nor the
+    # tail of one (``/tmp/m`` in ``/tmp/m/x`` is whole, in ``/tmp/mx`` or ``/a/tmp/m`` it is not)
+    return re.compile(r"(?<![\w./+-])" + re.escape(folder) + r"(?![\w+-])(?!\.\w)")
+
+
 def _as_written(obj):
     if isinstance(obj, str):
         for folder in sorted(_written_as, key=len, reverse=True):
             if folder in obj:
-                obj = obj.replace(folder, _written_as[folder])
+                obj = _whole_paths(folder).sub(lambda _m, f=folder: _written_as[f], obj)
         return obj
     if isinstance(obj, dict):
         return {_as_written(k): _as_written(v) for k, v in obj.items()}
