@@ -603,6 +603,37 @@ def test_residual_group_that_folds_norms_keeps_the_global_model_folded(world):
         symmetries="heads,attn,ffn,rescale,residual", residual="permutation")).folds
 
 
+def test_bad_option_types_are_one_clear_error(world):
+    """A wrong type is one clear error, never a comparison's TypeError from deep inside, nor read as true (a
+    string "false" for a flag); the consensus rule's server data given without that rule is refused, not
+    ignored; OutlierPolicy.samples is checked when the policy is made."""
+    g, _, _ = world
+    for make, match in ((lambda: Aggregation(trim="0.2"), "trim fraction must be a number"),
+                        (lambda: Aggregation(trim=None), "trim fraction must be a number"),
+                        (lambda: OutlierPolicy(norm_clip="false"), r"norm_clip must be True or False, got 'false'"),
+                        (lambda: ClientAlignment(joint="no"), r"joint must be True or False, got 'no'"),
+                        (lambda: ClientAlignment("none", joint=1), "joint must be True or False, got 1"),
+                        (lambda: OutlierPolicy(samples=0), "samples must be a whole number >= 1"),
+                        (lambda: OutlierPolicy(rule="krum", samples="all"), "samples must be a whole number >= 1"),
+                        (lambda: OutlierPolicy(data="server.jsonl"), "data .* needs rule='consensus'"),
+                        (lambda: OutlierPolicy(rule="krum", data="server.jsonl"), "needs rule='consensus'")):
+        with pytest.raises(SymmergeError, match=match):
+            make()
+    assert OutlierPolicy(norm_clip=True).norm_clip is True and ClientAlignment(joint=False).joint is False
+
+
+def test_example_counts_whose_sum_overflows_do_not_break_the_round(world):
+    """Two clients claiming 1.7e308 examples each (finite, positive): their sum overflows, the round still
+    aggregates (FedAvg's weighting: those two dominate), never an exception out of aggregate_train."""
+    g, clients, _ = world
+    huge = [reply(8, clients[1], 1.7e308), reply(9, clients[2], 1.7e308)]
+    s = strategy(g)
+    arrays, metrics = s.aggregate_train(1, good_replies(world) + huge)
+    assert metrics["symmerge-clients-aggregated"] == 5 and not s.rounds[-1]["kept_previous"]
+    alone = strategy(g).aggregate_train(1, [reply(8, clients[1], 1), reply(9, clients[2], 1)])[0]
+    assert close(arrays.to_torch_state_dict(), alone.to_torch_state_dict(), atol=1e-6)
+
+
 # ---------------------------------------------------------------- Flower's simulation engine
 
 
