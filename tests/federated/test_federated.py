@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import sys
 import time
 from collections import Counter
@@ -23,6 +24,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from symmerge import MergeOptions, SymmergeError, merge_models  # noqa: E402
+from symmerge.errors import UsageError  # noqa: E402
 from symmerge.federated import (LEFT_OUT_KINDS, OUTLIER_RULES, Aggregation, AlignedFedAvg,  # noqa: E402
                                 ClientAlignment, OutlierPolicy, aggregate, norm_outliers, update_outliers,
                                 update_scores)
@@ -388,6 +390,17 @@ def test_outlier_rule_needs_the_alignment():
     assert plain.rounds[-1]["outlier_z"][9] < 0.25 * aligned.rounds[-1]["outlier_z"][9]
 
 
+@pytest.mark.parametrize("rule", OUTLIER_RULES)
+def test_outlier_rule_with_two_clients_says_it_was_not_applied(world, rule, caplog):
+    """With 2 clients the rule cannot compare a client with the others: the round aggregates both, and the log
+    says the rule asked for was not applied (not silence)."""
+    g, _, _ = world
+    s = strategy(g, outliers=OutlierPolicy(rule=rule))
+    _, metrics = s.aggregate_train(1, good_replies(world, (1, 2)))
+    assert metrics["symmerge-clients-aggregated"] == 2 and s.rounds[-1]["outlier_z"] == {}
+    assert any(f"the outlier rule {rule!r} needs at least 3 clients, 2 remain" in r.getMessage() for r in caplog.records)
+
+
 def test_outlier_rule_with_too_few_left_keeps_the_previous_global_model():
     g, honest, bad = flipped_world(n_honest=3)
     s = strategy(g, outliers=OutlierPolicy(rule="krum"), aggregation=Aggregation(min_clients=4))
@@ -423,6 +436,14 @@ def test_norm_clip_keeps_a_scaled_client_at_an_ordinary_norm(world, caplog):
 
 
 # ---------------------------------------------------------------- bad clients
+
+
+UNPICKLED: list = []  # what _Unpickled's unpickling ran (it must never run on the server)
+
+
+class _Unpickled:
+    def __reduce__(self):
+        return (UNPICKLED.append, ("code ran on the server",))
 
 
 def _bad(kind: str, g, good: dict):
@@ -466,6 +487,10 @@ def _bad(kind: str, g, good: dict):
         return reply(9, sd, num_examples=0), "malformed"
     if kind == "nan_examples":
         return reply(9, sd, num_examples=float("nan")), "malformed"
+    if kind == "pickled":  # a pickle among the arrays (an object that would run code when unpickled)
+        arrays = ArrayRecord(sd)
+        arrays[key] = Array(dtype="object", shape=(1,), stype="numpy.ndarray", data=pickle.dumps(_Unpickled()))
+        return reply(9, None, arrays=arrays), "malformed"
     if kind == "not_float_array":
         arrays = ArrayRecord(sd)
         arrays[key] = Array(np.array(["a", "b"]))
@@ -474,7 +499,7 @@ def _bad(kind: str, g, good: dict):
 
 
 BAD = ("nan", "inf", "missing_key", "extra_key", "other_architecture", "wrong_shape", "other_head_size", "wrong_dtype",
-       "scaled_x100", "error", "no_num_examples", "zero_examples", "nan_examples", "not_float_array")
+       "scaled_x100", "error", "no_num_examples", "zero_examples", "nan_examples", "not_float_array", "pickled")
 
 
 @pytest.mark.parametrize("kind", BAD)
@@ -489,6 +514,7 @@ def test_a_bad_reply_is_left_out_and_never_reaches_the_global_model(world, clean
     assert metrics[f"symmerge-left-out-{expected.replace('_', '-')}"] == 1 and metrics["symmerge-clients-aggregated"] == 3
     assert sha(arrays) == clean_sha  # exactly the round without the bad reply
     assert any("node 9" in r.getMessage() for r in caplog.records)  # the logged reason names the node
+    assert not UNPICKLED
 
 
 @pytest.mark.parametrize("scale", [1e30, 3e38])
@@ -622,6 +648,37 @@ def test_bad_option_types_are_one_clear_error(world):
     assert OutlierPolicy(norm_clip=True).norm_clip is True and ClientAlignment(joint=False).joint is False
 
 
+def test_a_misspelt_or_wrong_argument_of_the_strategy_is_one_clear_error(world):
+    """A keyword neither AlignedFedAvg nor FedAvg takes names the closest (a keyword of the former flat
+    signature: its options object); a template that is not a model names the argument."""
+    g, _, _ = world
+    for kw, match in (({"fraction_evalute": 0.0}, r"'fraction_evalute' \(did you mean 'fraction_evaluate'\?\)"),
+                      ({"aligment": "none"}, r"'aligment' \(did you mean 'alignment'\?\)"),
+                      ({"min_client": 2}, r"'min_client' \(did you mean Aggregation\(min_clients=...\)\?\)"),
+                      ({"spam": 1}, r"unexpected keyword argument 'spam'$")):
+        with pytest.raises(UsageError, match=match):
+            AlignedFedAvg(template=g, **kw)
+    for template, match in ((None, "template must be .* got NoneType"), (g.state_dict(), r"template must be .* \(a state dict")):
+        with pytest.raises(UsageError, match=match):
+            AlignedFedAvg(template=template)
+
+
+def test_the_callers_template_is_left_as_it_came(world):
+    """The strategy holds its own copy of the template: the caller's model keeps its train mode and its
+    tensors, and what the caller does to it afterwards does not reach the strategy."""
+    model = tiny_vit(0).train()
+    tensors = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+    values = {k: v.detach().clone() for k, v in tensors.items()}
+    s = AlignedFedAvg(template=model, fraction_evaluate=0.0)
+    assert model.training and all(m.training for m in model.modules())
+    assert all(model.state_dict(keep_vars=True)[k] is t and torch.equal(t.detach(), values[k]) for k, t in tensors.items())
+    assert s.template is not model and not s.template.training
+    model.half()  # the caller's model changed afterwards: the strategy's contract is unchanged
+    s.global_arrays = ArrayRecord(world[0].state_dict())
+    _, metrics = s.aggregate_train(1, good_replies(world))
+    assert metrics["symmerge-clients-aggregated"] == 3
+
+
 def test_example_counts_whose_sum_overflows_do_not_break_the_round(world):
     """Two clients claiming 1.7e308 examples each (finite, positive): their sum overflows, the round still
     aggregates (FedAvg's weighting: those two dominate), never an exception out of aggregate_train."""
@@ -632,6 +689,57 @@ def test_example_counts_whose_sum_overflows_do_not_break_the_round(world):
     assert metrics["symmerge-clients-aggregated"] == 5 and not s.rounds[-1]["kept_previous"]
     alone = strategy(g).aggregate_train(1, [reply(8, clients[1], 1), reply(9, clients[2], 1)])[0]
     assert close(arrays.to_torch_state_dict(), alone.to_torch_state_dict(), atol=1e-6)
+
+
+def test_a_global_model_of_another_architecture_is_refused_before_clients_train(world):
+    """initial_arrays that do not match the template (or hold NaN): one error from configure_train (before any
+    client trains) naming the tensor, the template's shape named as the template's."""
+    g, _, _ = world
+    s = AlignedFedAvg(template=g, fraction_evaluate=0.0)
+    with pytest.raises(SymmergeError, match=r"does not match the template: 'classifier.weight' has shape \(5, 16\), "
+                                            r"the template's is \(3, 16\)"):
+        s.configure_train(1, ArrayRecord(tiny_vit(0, num_labels=5).state_dict()), ConfigRecord(), grid=None)
+    nan = {k: v * float("nan") for k, v in g.state_dict().items()}
+    with pytest.raises(SymmergeError, match=r"the global model .* is not finite: '.*' holds \d+ NaN"):
+        s.configure_train(1, ArrayRecord(nan), ConfigRecord(), grid=None)
+
+
+def test_the_round_counts_only_the_aggregated_clients_as_unaligned(world):
+    """symmerge-clients-unaligned counts the clients that entered the aggregate unaligned: a client the guard
+    kept unaligned and the norm rule then left out is not one of them (the round's record still lists it)."""
+    g, clients, _ = world
+    msg, _ = _bad("scaled_x100", g, clients[3])
+    s = strategy(g, alignment=ClientAlignment(min_align_gain=0.99))  # every client unaligned
+    _, metrics = s.aggregate_train(1, good_replies(world) + [msg])
+    rec = s.rounds[-1]
+    assert [x["kind"] for x in rec["left_out"]] == ["norm"] and 9 in {u["node"] for u in rec["unaligned"]}
+    assert metrics["symmerge-clients-aggregated"] == 3 and metrics["symmerge-clients-unaligned"] == 3
+
+
+def eval_reply(node: int, metrics: dict | None, extra: dict | None = None) -> Message:
+    records = {} if metrics is None else {"metrics": MetricRecord(metrics)}
+    records.update({k: MetricRecord(v) for k, v in (extra or {}).items()})
+    return Message(content=RecordDict(records), metadata=_metadata(node))
+
+
+def test_a_bad_evaluation_reply_is_left_out_and_never_ends_the_run(world, caplog):
+    """Evaluation rounds (fraction_evaluate > 0, FedAvg's default): a reply without num-examples, with other
+    metric names, with two MetricRecords or none, or an error, is left out with a warning naming its node;
+    the metrics are FedAvg's over the good replies (Flower's FedAvg raises on the round and ends the run)."""
+    g, _, _ = world
+    good = [eval_reply(n, {"eval_loss": 0.5 * n, "num-examples": 10 * n}) for n in (1, 2, 3)]
+    bad = [eval_reply(5, {"eval_loss": 9.0}), eval_reply(6, {"loss": 9.0, "num-examples": 10}),
+           eval_reply(7, {"eval_loss": 9.0, "num-examples": 10}, {"more": {"eval_loss": 9.0, "num-examples": 10}}),
+           eval_reply(8, None), eval_reply(9, {"eval_loss": 9.0, "num-examples": float("nan")}), error_reply(4)]
+    expected = FedAvg().aggregate_evaluate(1, good)
+    s = AlignedFedAvg(template=g)
+    assert dict(s.aggregate_evaluate(1, good)) == dict(expected)
+    assert dict(s.aggregate_evaluate(1, good + bad)) == dict(expected)
+    for node in (5, 6, 7, 8, 9):
+        assert any(f"aggregate_evaluate: left out node {node} (malformed)" in r.getMessage() for r in caplog.records)
+    assert s.aggregate_evaluate(1, [bad[0]] + bad[2:]) is None and s.aggregate_evaluate(1, []) is None
+    with pytest.raises(Exception, match="MetricRecord"):  # the negative control: Flower's FedAvg ends the run
+        FedAvg().aggregate_evaluate(1, good + bad[:2])
 
 
 # ---------------------------------------------------------------- Flower's simulation engine
