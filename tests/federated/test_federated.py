@@ -774,6 +774,8 @@ def test_the_example_app_passes_its_robust_options_to_the_strategy(example_on_pa
     assert strategy.outliers.norm_clip is True and strategy.outliers.rule == "krum" and strategy.outliers.threshold == 2.5
     with pytest.raises(KeyError, match="outlier-rules"):
         task.settings({"outlier-rules": "krum"})
+    with pytest.raises(SymmergeError, match="norm_clip must be True or False, got 'false'"):  # not read as true
+        server_app.strategy_options(task.settings({"norm-clip": "false"}))
 
 
 def test_two_rounds_three_clients_through_the_simulation_engine(example_on_path):
