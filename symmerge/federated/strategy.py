@@ -228,7 +228,7 @@ class AlignedFedAvg(FedAvg):
             return self._keep_previous(record, kept, t0, align_seconds)
         merged = self._aggregate(server_round, kept, raw, anchor, anchor_sd, keys, record)
         if merged is None:
-            return self._keep_previous(record, [], t0, align_seconds)
+            return self._keep_previous(record, kept, t0, align_seconds, why=record["note"])
         arrays = ArrayRecord({k: v.detach().contiguous() for k, v in merged.items()})
         record.update(accepted=[k[0].metadata.src_node_id for k in kept], weights=[k[2] for k in kept],
                       distance_before=[k[3] for k in kept], distance_after=[k[4] for k in kept],
@@ -325,8 +325,9 @@ class AlignedFedAvg(FedAvg):
 
     def _aggregate(self, server_round, kept, raw, anchor, anchor_sd, keys, record) -> dict | None:
         """The kept clients aggregated (jointly aligned first with ``joint``); None, with the record's note, when
-        the joint alignment fails or the aggregate is not finite."""
-        if self.client_alignment.joint:
+        the joint alignment fails or the aggregate is not finite. One client (``min_clients=1``) has no joint
+        alignment to run: it is aggregated as aligned to the global model."""
+        if self.client_alignment.joint and len(kept) > 1:
             try:
                 merged = self._joint_aggregate([raw[k[0].metadata.src_node_id] for k in kept], [k[2] for k in kept],
                                                anchor, keys, record)
@@ -454,9 +455,9 @@ class AlignedFedAvg(FedAvg):
             self._left_out(left_out, node, "outlier", (reason + "; " if reason else "") + why)
         return out
 
-    def _keep_previous(self, record: dict, accepted, t0: float, align_seconds: float = 0.0):
-        log(WARNING, "aggregate_train: round %d keeps the previous global model: %d client(s) accepted, "
-                     "min_clients is %d", record["round"], len(accepted), self.aggregation.min_clients)
+    def _keep_previous(self, record: dict, accepted, t0: float, align_seconds: float = 0.0, why: str | None = None):
+        log(WARNING, "aggregate_train: round %d keeps the previous global model: %s", record["round"],
+            why or f"{len(accepted)} client(s) accepted, min_clients is {self.aggregation.min_clients}")
         record.update(kept_previous=True, accepted=[], weights=[], distance_before=[], distance_after=[],
                       align_seconds=align_seconds)
         return self.global_arrays, self._finish(record, MetricRecord(), t0)

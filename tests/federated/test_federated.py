@@ -529,7 +529,7 @@ def test_huge_finite_weights_are_left_out(world, clean_sha, scale):
     assert sha(arrays) == clean_sha
 
 
-def test_a_non_finite_aggregate_keeps_the_previous_model(world, monkeypatch):
+def test_a_non_finite_aggregate_keeps_the_previous_model(world, monkeypatch, caplog):
     """The last safety net (the mean of finite values stays finite, so a rule gone wrong is simulated)."""
     import symmerge.federated.strategy as strategy_module
 
@@ -545,6 +545,24 @@ def test_a_non_finite_aggregate_keeps_the_previous_model(world, monkeypatch):
     before = sha(s.global_arrays)
     arrays, metrics = s.aggregate_train(1, good_replies(world))
     assert sha(arrays) == before and metrics["symmerge-kept-previous"] == 1
+    # the log says why (not "0 client(s) accepted", as it did: three were)
+    assert any("round 1 keeps the previous global model: the aggregate was not finite" in r.getMessage()
+               for r in caplog.records)
+    assert not any("0 client(s) accepted" in r.getMessage() for r in caplog.records)
+
+
+def test_joint_with_one_client_aggregates_it_in_the_global_frame(world):
+    """joint=True with min_clients=1 and one accepted client: no joint alignment to run (it needs 2 models); the
+    round aggregates that client aligned to the global model, as the star round does (it kept the previous model,
+    logged as a failed joint alignment)."""
+    g, clients, _ = world
+    one = good_replies(world, (1,))
+    s = strategy(g, alignment=ClientAlignment(joint=True), aggregation=Aggregation(min_clients=1))
+    arrays, metrics = s.aggregate_train(1, one)
+    assert metrics["symmerge-kept-previous"] == 0 and s.rounds[-1]["accepted"] == [1] and "note" not in s.rounds[-1]
+    star = strategy(g, alignment=ClientAlignment(min_align_gain=0.0), aggregation=Aggregation(min_clients=1))
+    assert sha(arrays) == sha(star.aggregate_train(1, one)[0])
+    assert torch.allclose(logits(arrays.to_torch_state_dict()), logits(clients[1]), atol=1e-4)
 
 
 def test_a_missing_reply_is_counted(world):
