@@ -48,7 +48,7 @@ def _names(keys, limit: int = 3) -> str:
 
 def check_state_dict(state_dict: dict, reference: dict, reference_name: str = "the global model") -> tuple[str, str] | None:
     """``None`` if ``state_dict`` matches ``reference`` (same tensor names, shapes and dtypes; every
-    floating value finite), else ``(kind, reason)`` with kind one of :data:`LEFT_OUT_KINDS` (``reference_name``:
+    floating value finite; names that are one tensor in ``reference``, tied weights, equal), else ``(kind, reason)`` with kind one of :data:`LEFT_OUT_KINDS` (``reference_name``:
     what the reason calls the reference)."""
     missing, extra = set(reference) - set(state_dict), set(state_dict) - set(reference)
     if missing or extra:
@@ -66,7 +66,21 @@ def check_state_dict(state_dict: dict, reference: dict, reference_name: str = "t
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
             return "non_finite", f"{k!r} holds {n_nan} NaN and {n_inf} Inf values"
+    for names in _tied(reference):
+        other = next((k for k in names[1:] if not torch.equal(state_dict[k], state_dict[names[0]])), None)
+        if other is not None:  # loaded into the template, one of the two values would be dropped unseen
+            return "malformed", (f"{other!r} differs from {names[0]!r}, which {reference_name} ties it to (one tensor): "
+                                 f"an untied model (another architecture?)")
     return None
+
+
+def _tied(reference: dict) -> list[list[str]]:
+    """The groups of names of ``reference`` that are one tensor (tied weights: an LM head and the embeddings)."""
+    groups: dict = {}
+    for k, t in reference.items():
+        if t.numel():
+            groups.setdefault((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype), []).append(k)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 def norm_outliers(distances: list[float], factor: float | None) -> list[str | None]:

@@ -72,6 +72,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("symmerge.federated needs Flower: pip install 'symmerge[flower]'") from e
 
 from ..core.distance import sq_distance
+from ..core.resolve import declared_ties
 from ..errors import SymmergeError, UsageError, closest
 from ..io.arguments import model_argument
 from ..pipeline.align import align_pair, as_model, canonical
@@ -139,6 +140,10 @@ class AlignedFedAvg(FedAvg):
         self.template = as_model(model_argument(template, "template"))
         self.template = (copy.deepcopy(self.template) if self.template is template else self.template).eval()
         self.alignment = self.client_alignment.options.for_model(self.template)
+        if self.alignment.symmetries and self.alignment.untie and declared_ties(self.template):
+            raise SymmergeError("untie=True would send the clients an untied global model, which their models (the "
+                                "template's class, its weights tied) cannot load without dropping one of the tied "
+                                "tensors: leave untie off in a federation")
         # the consensus rule's unlabeled server examples (default: the alignment's), loaded once
         self.outlier_data = server_data(
             self.outliers.data if self.outliers.data is not None else self.alignment.align_data, self.template,

@@ -565,6 +565,39 @@ def test_joint_with_one_client_aggregates_it_in_the_global_frame(world):
     assert torch.allclose(logits(arrays.to_torch_state_dict()), logits(clients[1]), atol=1e-4)
 
 
+@pytest.mark.parametrize("alignment", ["none", None])
+def test_a_reply_whose_tied_tensors_differ_is_left_out(alignment, caplog):
+    """A template with tied weights (GPT-2: lm_head.weight is transformer.wte.weight): a reply whose two differ
+    cannot be loaded into it without dropping one (an untied model): left out as malformed, both names given,
+    even where the difference is small (without alignment it was aggregated, one of the two values dropped)."""
+    torch.manual_seed(0)
+    g = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    gen = torch.Generator().manual_seed(1)
+    sds = []
+    for _ in range(4):
+        m = T.GPT2LMHeadModel(g.config).eval()
+        m.load_state_dict(g.state_dict())
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        sds.append(m.state_dict())
+    untied = dict(sds[3])
+    untied["lm_head.weight"] = untied["lm_head.weight"] + 0.001
+    s = strategy(g, alignment=alignment)
+    arrays, _ = s.aggregate_train(1, [reply(n, sds[n], 10) for n in range(3)] + [reply(9, untied)])
+    rec = s.rounds[-1]
+    assert [(x["node"], x["kind"]) for x in rec["left_out"]] == [(9, "malformed")]
+    assert "'lm_head.weight' differs from 'transformer.wte.weight'" in rec["left_out"][0]["reason"]
+    clean = strategy(g, alignment=alignment).aggregate_train(1, [reply(n, sds[n], 10) for n in range(3)])[0]
+    assert sha(arrays) == sha(clean)
+    # untie=True would make the global model untied, which the clients' tied models cannot load: refused when made
+    # (the aggregate's lm_head and wte differed, and a client loading it silently kept one of them)
+    with pytest.raises(SymmergeError, match="untie=True would send the clients an untied global model"):
+        AlignedFedAvg(template=g, alignment=__import__("symmerge").AlignOptions(
+            symmetries="heads,attn,ffn,rescale,residual", untie=True))
+
+
 def test_a_missing_reply_is_counted(world):
     g, _, _ = world
     s = strategy(g)
