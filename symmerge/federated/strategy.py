@@ -12,7 +12,8 @@ and ``num-examples`` in their MetricRecord.
 One round of :meth:`AlignedFedAvg.aggregate_train`:
 
 1. every reply is checked; a reply is left out, with a logged reason naming its node, when it is an
-   error or missing (sampled but no reply), malformed (no ArrayRecord / no positive ``num-examples``),
+   error or missing (sampled but no reply), malformed (no ArrayRecord / no positive ``num-examples`` / tied
+   tensors that differ),
    has other tensor names, shapes or dtypes than the global model (another architecture), or holds
    NaN/Inf (:func:`~symmerge.federated.aggregate.check_state_dict`);
 2. every accepted client's model is aligned to the **current global model**, the fixed anchor
