@@ -46,10 +46,12 @@ def _names(keys, limit: int = 3) -> str:
     return ", ".join(repr(k) for k in keys[:limit]) + more
 
 
-def check_state_dict(state_dict: dict, reference: dict, reference_name: str = "the global model") -> tuple[str, str] | None:
+def check_state_dict(state_dict: dict, reference: dict,
+                     reference_name: str = "the global model") -> tuple[str, str] | None:
     """``None`` if ``state_dict`` matches ``reference`` (same tensor names, shapes and dtypes; every
-    floating value finite; names that are one tensor in ``reference``, tied weights, equal), else ``(kind, reason)`` with kind one of :data:`LEFT_OUT_KINDS` (``reference_name``:
-    what the reason calls the reference)."""
+    floating value finite; names that are one tensor in ``reference``, tied weights, equal), else
+    ``(kind, reason)`` with kind one of :data:`LEFT_OUT_KINDS` (``reference_name``: what the reason calls
+    the reference)."""
     missing, extra = set(reference) - set(state_dict), set(state_dict) - set(reference)
     if missing or extra:
         parts = ([f"missing {_names(missing)}"] if missing else []) + ([f"unexpected {_names(extra)}"] if extra else [])
@@ -69,8 +71,8 @@ def check_state_dict(state_dict: dict, reference: dict, reference_name: str = "t
     for names in _tied(reference):
         other = next((k for k in names[1:] if not torch.equal(state_dict[k], state_dict[names[0]])), None)
         if other is not None:  # loaded into the template, one of the two values would be dropped unseen
-            return "malformed", (f"{other!r} differs from {names[0]!r}, which {reference_name} ties it to (one tensor): "
-                                 f"an untied model (another architecture?)")
+            return "malformed", (f"{other!r} differs from {names[0]!r}, which {reference_name} ties it to (one "
+                                 f"tensor): an untied model (another architecture?)")
     return None
 
 

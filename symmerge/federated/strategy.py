@@ -113,13 +113,15 @@ class AlignedFedAvg(FedAvg):
     """FedAvg with symmetry-aligned, checked aggregation (see the module docstring).
 
     ``template``: a transformers model (or HF folder) of the federation's architecture, held by the
-    server (its own copy: the caller's model is left as it came): client state dicts are loaded into copies of it for alignment, and its tensor names, shapes
-    and dtypes are the contract every reply is checked against. Three options objects, one per concern
+    server (its own copy: the caller's model is left as it came): client state dicts are loaded into copies
+    of it for alignment, and its tensor names, shapes and dtypes are the contract every reply is checked
+    against. Three options objects, one per concern
     (:mod:`symmerge.federated.options`, each validated when made): ``alignment``, a :class:`ClientAlignment`
     (or, for its ``options`` alone, an :class:`AlignOptions` or a symmetries string; default: data-free,
     :data:`FEDERATED_SYMMETRIES`); ``aggregation``, an :class:`Aggregation` (or its ``rule`` alone:
     ``"mean"``, ``"median"``, ``"trimmed_mean"``); ``outliers``, an :class:`OutlierPolicy` (default: the
-    norm rule at 10 × the others' median, no outlier rule). Every other keyword goes to ``FedAvg``.
+    norm rule at 10 × the others' median, no outlier rule). Every other keyword goes to ``FedAvg`` (one it does
+    not take either is a :class:`~symmerge.errors.UsageError` naming the closest).
 
     After each round, :attr:`rounds` holds its full record (accepted and left-out node ids with reasons,
     distances, seconds); the returned MetricRecord carries the numeric part (keys ``symmerge-*``)."""
