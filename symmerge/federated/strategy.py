@@ -76,7 +76,9 @@ from ..core.distance import sq_distance
 from ..core.resolve import declared_ties
 from ..errors import SymmergeError, UsageError, closest
 from ..io.arguments import model_argument
+from ..io.generate import is_generate
 from ..pipeline.align import align_pair, as_model, canonical
+from ..pipeline.data import read_once
 from ..pipeline.options import AlignOptions
 from ..pipeline.verify import with_state_dict
 from .aggregate import (CONSENSUS_MIN_SPREAD, CONSENSUS_RULE, LEFT_OUT_KINDS, aggregate, check_state_dict,
@@ -143,6 +145,10 @@ class AlignedFedAvg(FedAvg):
         self.template = as_model(model_argument(template, "template"))
         self.template = (copy.deepcopy(self.template) if self.template is template else self.template).eval()
         self.alignment = self.client_alignment.options.for_model(self.template)
+        if self.alignment.matcher.needs_data and not is_generate(self.alignment.align_data):
+            # the server's alignment data read and checked against the template once, here: a missing or unusable
+            # file is one error now (it was every client left out as "alignment", every round)
+            self.alignment = read_once(self.alignment, [self.template], progress=False)
         if self.alignment.symmetries and self.alignment.untie and declared_ties(self.template):
             raise SymmergeError("untie=True would send the clients an untied global model, which their models (the "
                                 "template's class, its weights tied) cannot load without dropping one of the tied "

@@ -598,6 +598,27 @@ def test_a_reply_whose_tied_tensors_differ_is_left_out(alignment, caplog):
             symmetries="heads,attn,ffn,rescale,residual", untie=True))
 
 
+def test_unusable_alignment_data_is_one_error_when_the_strategy_is_made(world, tmp_path):
+    """match="activations" with an align_data file that is missing, or that does not fit the template (text for
+    a ViT): one error when the strategy is made (every client was left out as "alignment" in every round, the
+    global model never moving); a usable file is read once there."""
+    from symmerge import AlignOptions
+    from symmerge.io.data import Data
+
+    g, _, _ = world
+    np.savez(tmp_path / "text.npz", input_ids=np.zeros((4, 5), dtype=np.int64))
+    for path, match in ((tmp_path / "missing.npz", "data file not found"), (tmp_path / "text.npz", "pixel_values")):
+        with pytest.raises(SymmergeError, match=match):
+            AlignedFedAvg(template=g, alignment=AlignOptions(symmetries="heads,attn,ffn,rescale", match="activations",
+                                                             align_data=str(path)))
+    np.savez(tmp_path / "images.npz", pixel_values=np.random.default_rng(0).normal(size=(6, 1, 8, 8)).astype(np.float32))
+    s = strategy(g, alignment=AlignOptions(symmetries="heads,attn,ffn,rescale", match="activations",
+                                           align_data=str(tmp_path / "images.npz")))
+    assert isinstance(s.alignment.align_data, Data) and s.alignment.align_data.n == 6
+    _, metrics = s.aggregate_train(1, good_replies(world))
+    assert metrics["symmerge-clients-aggregated"] == 3
+
+
 def test_a_missing_reply_is_counted(world):
     g, _, _ = world
     s = strategy(g)
