@@ -145,6 +145,7 @@ class AlignedFedAvg(FedAvg):
         self.template = as_model(model_argument(template, "template"))
         self.template = (copy.deepcopy(self.template) if self.template is template else self.template).eval()
         self.alignment = self.client_alignment.options.for_model(self.template)
+        align_data = self.alignment.align_data  # as given (the consensus rule's default: its own samples of it)
         if self.alignment.matcher.needs_data and not is_generate(self.alignment.align_data):
             # the server's alignment data read and checked against the template once, here: a missing or unusable
             # file is one error now (it was every client left out as "alignment", every round)
@@ -155,7 +156,7 @@ class AlignedFedAvg(FedAvg):
                                 "tensors: leave untie off in a federation")
         # the consensus rule's unlabeled server examples (default: the alignment's), loaded once
         self.outlier_data = server_data(
-            self.outliers.data if self.outliers.data is not None else self.alignment.align_data, self.template,
+            self.outliers.data if self.outliers.data is not None else align_data, self.template,
             self.outliers.samples) if self.outliers.rule == CONSENSUS_RULE else None
         self.reference = {k: v.detach() for k, v in self.template.state_dict().items()}
         self.folds = bool(self.alignment.symmetries) and canonical(self.template, self.alignment) is not self.template

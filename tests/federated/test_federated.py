@@ -617,6 +617,11 @@ def test_unusable_alignment_data_is_one_error_when_the_strategy_is_made(world, t
     assert isinstance(s.alignment.align_data, Data) and s.alignment.align_data.n == 6
     _, metrics = s.aggregate_train(1, good_replies(world))
     assert metrics["symmerge-clients-aggregated"] == 3
+    # the consensus rule's default data (the alignment's file) still takes its own samples, not align_samples
+    s = strategy(g, alignment=AlignOptions(symmetries="heads,attn,ffn,rescale", match="activations", align_samples=2,
+                                           align_data=str(tmp_path / "images.npz")),
+                 outliers=OutlierPolicy(rule="consensus", samples=5))
+    assert s.alignment.align_data.n == 2 and s.outlier_data.n == 5
 
 
 def test_a_missing_reply_is_counted(world):
