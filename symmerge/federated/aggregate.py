@@ -46,9 +46,12 @@ def _names(keys, limit: int = 3) -> str:
     return ", ".join(repr(k) for k in keys[:limit]) + more
 
 
-def check_state_dict(state_dict: dict, reference: dict) -> tuple[str, str] | None:
+def check_state_dict(state_dict: dict, reference: dict,
+                     reference_name: str = "the global model") -> tuple[str, str] | None:
     """``None`` if ``state_dict`` matches ``reference`` (same tensor names, shapes and dtypes; every
-    floating value finite), else ``(kind, reason)`` with kind one of :data:`LEFT_OUT_KINDS`."""
+    floating value finite; names that are one tensor in ``reference``, tied weights, equal), else
+    ``(kind, reason)`` with kind one of :data:`LEFT_OUT_KINDS` (``reference_name``: what the reason calls
+    the reference)."""
     missing, extra = set(reference) - set(state_dict), set(state_dict) - set(reference)
     if missing or extra:
         parts = ([f"missing {_names(missing)}"] if missing else []) + ([f"unexpected {_names(extra)}"] if extra else [])
@@ -58,14 +61,28 @@ def check_state_dict(state_dict: dict, reference: dict) -> tuple[str, str] | Non
         if not isinstance(t, torch.Tensor):
             return "malformed", f"{k!r} is not a tensor"
         if tuple(t.shape) != tuple(ref.shape):
-            return "shapes", f"{k!r} has shape {tuple(t.shape)}, the global model's is {tuple(ref.shape)}"
+            return "shapes", f"{k!r} has shape {tuple(t.shape)}, {reference_name}'s is {tuple(ref.shape)}"
         if t.dtype != ref.dtype:
-            return "shapes", f"{k!r} has dtype {t.dtype}, the global model's is {ref.dtype}"
+            return "shapes", f"{k!r} has dtype {t.dtype}, {reference_name}'s is {ref.dtype}"
     for k, t in state_dict.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
             return "non_finite", f"{k!r} holds {n_nan} NaN and {n_inf} Inf values"
+    for names in _tied(reference):
+        other = next((k for k in names[1:] if not torch.equal(state_dict[k], state_dict[names[0]])), None)
+        if other is not None:  # loaded into the template, one of the two values would be dropped unseen
+            return "malformed", (f"{other!r} differs from {names[0]!r}, which {reference_name} ties it to (one "
+                                 f"tensor): an untied model (another architecture?)")
     return None
+
+
+def _tied(reference: dict) -> list[list[str]]:
+    """The groups of names of ``reference`` that are one tensor (tied weights: an LM head and the embeddings)."""
+    groups: dict = {}
+    for k, t in reference.items():
+        if t.numel():
+            groups.setdefault((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype), []).append(k)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 def norm_outliers(distances: list[float], factor: float | None) -> list[str | None]:
@@ -184,8 +201,8 @@ def update_outliers(scores: list[float], threshold: float | None, rule: str = "s
 def check_aggregation(aggregation: str, trim: float) -> None:
     if aggregation not in AGGREGATIONS:
         raise SymmergeError(f"unknown aggregation {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
-    if not 0.0 <= trim < 0.5:
-        raise SymmergeError(f"trim fraction must be in [0, 0.5), got {trim}")
+    if isinstance(trim, bool) or not isinstance(trim, (int, float)) or not 0.0 <= trim < 0.5:
+        raise SymmergeError(f"trim fraction must be a number in [0, 0.5), got {trim!r}")
 
 
 def _sorted_stack(tensors) -> torch.Tensor:
@@ -202,9 +219,14 @@ def aggregate(state_dicts: list[dict], weights: list[float], keys, base: dict, a
     n = len(state_dicts)
     if n == 0 or len(weights) != n:
         raise SymmergeError(f"aggregation needs one weight per model, got {len(weights)} for {n}")
-    total = float(sum(weights))
-    if not (total > 0 and math.isfinite(total)) or any(w < 0 for w in weights):
-        raise SymmergeError(f"aggregation weights must be >= 0 with a positive sum, got {weights}")
+    weights = [float(w) for w in weights]
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+        raise SymmergeError(f"aggregation weights must be finite, >= 0 and not all 0, got {weights}")
+    total = sum(weights)
+    if not math.isfinite(total):  # finite weights whose sum overflows (a client claiming 1e308 examples)
+        top = max(weights)
+        weights = [w / top for w in weights]
+        total = sum(weights)
     cut = int(math.floor(trim * n)) if aggregation == "trimmed_mean" else 0
     out = dict(base)
     for k in keys:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from ..errors import SymmergeError, keywords_checked
+from ..errors import SymmergeError, UsageError, keywords_checked
 from ..pipeline.options import DEFAULT_REFINE, JOINT_REFINE, AlignOptions
 from .aggregate import CONSENSUS_RULE, check_aggregation, check_outlier_rule
 
@@ -28,6 +28,12 @@ MIN_ALIGN_GAIN = 0.05
 def _whole(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise SymmergeError(f"{name} must be a whole number >= {low}, got {value!r}")
+
+
+def _flag(owner: str, name: str, value) -> None:
+    # checked before any use (a string such as "false" would read as true)
+    if not isinstance(value, bool):
+        raise UsageError(f"{owner}(): {name} must be True or False, got {value!r}")
 
 
 def _positive(name: str, value) -> None:
@@ -63,6 +69,7 @@ class ClientAlignment:
     joint_refine: str = DEFAULT_REFINE
 
     def __post_init__(self):
+        _flag("ClientAlignment", "joint", self.joint)
         object.__setattr__(self, "options", alignment_options(self.options))
         if self.options.learn.frame == "dual":  # each client is aligned onto the global model, which must stay
             raise SymmergeError("the dual learned frame moves the anchor too, and a federated round aligns each client "
@@ -76,7 +83,6 @@ class ClientAlignment:
         _whole("joint_rounds", self.joint_rounds, 0)
         if self.joint_refine not in JOINT_REFINE:
             raise SymmergeError(f"unknown joint_refine {self.joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
-        object.__setattr__(self, "joint", bool(self.joint))
 
 
 @keywords_checked
@@ -134,13 +140,17 @@ class OutlierPolicy:
     relabel: RelabelCheck | None = None
 
     def __post_init__(self):
+        _flag("OutlierPolicy", "norm_clip", self.norm_clip)
         if self.norm_factor is not None and not (isinstance(self.norm_factor, (int, float))
                                                  and not isinstance(self.norm_factor, bool)
                                                  and self.norm_factor > 1 and math.isfinite(self.norm_factor)):
             raise SymmergeError(f"norm_factor must be a number > 1 (or None), got {self.norm_factor!r}")
         check_outlier_rule(self.rule, self.threshold)
         object.__setattr__(self, "threshold", float(self.threshold))
-        object.__setattr__(self, "norm_clip", bool(self.norm_clip))
+        _whole("OutlierPolicy.samples", self.samples, 1)
+        if self.data is not None and self.rule != CONSENSUS_RULE:  # it would be ignored
+            raise SymmergeError(f"OutlierPolicy: data is the consensus rule's unlabeled server data: it needs "
+                                f"rule='consensus' (got {self.rule!r})")
         if self.relabel is not None:
             if not isinstance(self.relabel, RelabelCheck):
                 raise SymmergeError(f"relabel must be a RelabelCheck (or None: off), got {self.relabel!r}")

@@ -12,7 +12,8 @@ and ``num-examples`` in their MetricRecord.
 One round of :meth:`AlignedFedAvg.aggregate_train`:
 
 1. every reply is checked; a reply is left out, with a logged reason naming its node, when it is an
-   error or missing (sampled but no reply), malformed (no ArrayRecord / no positive ``num-examples``),
+   error or missing (sampled but no reply), malformed (no ArrayRecord / no positive ``num-examples`` / tied
+   tensors that differ),
    has other tensor names, shapes or dtypes than the global model (another architecture), or holds
    NaN/Inf (:func:`~symmerge.federated.aggregate.check_state_dict`);
 2. every accepted client's model is aligned to the **current global model**, the fixed anchor
@@ -55,8 +56,11 @@ folding for LayerNorm models. ``AlignedFedAvg.folds`` tells which case holds.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import math
 import time
+from collections import Counter
 from logging import INFO, WARNING
 
 import torch
@@ -69,8 +73,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("symmerge.federated needs Flower: pip install 'symmerge[flower]'") from e
 
 from ..core.distance import sq_distance
-from ..errors import SymmergeError
+from ..core.resolve import declared_ties
+from ..errors import SymmergeError, UsageError, closest
+from ..io.arguments import model_argument
+from ..io.generate import is_generate
 from ..pipeline.align import align_pair, as_model, canonical
+from ..pipeline.data import read_once
 from ..pipeline.options import AlignOptions
 from ..pipeline.verify import with_state_dict
 from .aggregate import (CONSENSUS_MIN_SPREAD, CONSENSUS_RULE, LEFT_OUT_KINDS, aggregate, check_state_dict,
@@ -90,17 +98,32 @@ class _LeftOut(Exception):
         self.kind, self.reason = kind, reason
 
 
+def _check_fedavg_keywords(kwargs: dict) -> None:
+    """A keyword that neither AlignedFedAvg nor FedAvg takes: one :class:`UsageError` naming the closest (a
+    keyword of the former flat signature: the options object that holds it now)."""
+    own = ["template", "alignment", "aggregation", "outliers"]
+    fedavg = [p for p in inspect.signature(FedAvg.__init__).parameters if p != "self"]
+    unknown = next((k for k in kwargs if k not in fedavg), None)
+    if unknown is None:
+        return
+    close = closest(unknown, own + fedavg + list(MOVED))
+    hint = f" (did you mean {MOVED[close] if close in MOVED else repr(close)}?)" if close else ""
+    raise UsageError(f"AlignedFedAvg() got an unexpected keyword argument {unknown!r}{hint}")
+
+
 class AlignedFedAvg(FedAvg):
     """FedAvg with symmetry-aligned, checked aggregation (see the module docstring).
 
     ``template``: a transformers model (or HF folder) of the federation's architecture, held by the
-    server: client state dicts are loaded into copies of it for alignment, and its tensor names, shapes
-    and dtypes are the contract every reply is checked against. Three options objects, one per concern
+    server (its own copy: the caller's model is left as it came): client state dicts are loaded into copies
+    of it for alignment, and its tensor names, shapes and dtypes are the contract every reply is checked
+    against. Three options objects, one per concern
     (:mod:`symmerge.federated.options`, each validated when made): ``alignment``, a :class:`ClientAlignment`
     (or, for its ``options`` alone, an :class:`AlignOptions` or a symmetries string; default: data-free,
     :data:`FEDERATED_SYMMETRIES`); ``aggregation``, an :class:`Aggregation` (or its ``rule`` alone:
     ``"mean"``, ``"median"``, ``"trimmed_mean"``); ``outliers``, an :class:`OutlierPolicy` (default: the
-    norm rule at 10 × the others' median, no outlier rule). Every other keyword goes to ``FedAvg``.
+    norm rule at 10 × the others' median, no outlier rule). Every other keyword goes to ``FedAvg`` (one it does
+    not take either is a :class:`~symmerge.errors.UsageError` naming the closest).
 
     After each round, :attr:`rounds` holds its full record (accepted and left-out node ids with reasons,
     distances, seconds); the returned MetricRecord carries the numeric part (keys ``symmerge-*``)."""
@@ -111,17 +134,29 @@ class AlignedFedAvg(FedAvg):
         if moved:
             raise SymmergeError("AlignedFedAvg takes its options grouped: " + "; ".join(
                 f"{k} -> {MOVED[k]}" for k in moved))
+        _check_fedavg_keywords(fedavg_kwargs)
         super().__init__(**fedavg_kwargs)
         self.client_alignment = alignment if isinstance(alignment, ClientAlignment) else ClientAlignment(alignment)
         self.aggregation = aggregation if isinstance(aggregation, Aggregation) else Aggregation(aggregation)
         self.outliers = OutlierPolicy() if outliers is None else outliers
         if not isinstance(self.outliers, OutlierPolicy):
             raise SymmergeError(f"outliers must be an OutlierPolicy (or None), got {outliers!r}")
-        self.template = as_model(template).eval()
+        # the server's own copy (the caller's model is left as it came: its train/eval mode, its tensors)
+        self.template = as_model(model_argument(template, "template"))
+        self.template = (copy.deepcopy(self.template) if self.template is template else self.template).eval()
         self.alignment = self.client_alignment.options.for_model(self.template)
+        align_data = self.alignment.align_data  # as given (the consensus rule's default: its own samples of it)
+        if self.alignment.matcher.needs_data and not is_generate(self.alignment.align_data):
+            # the server's alignment data read and checked against the template once, here: a missing or unusable
+            # file is one error now (it was every client left out as "alignment", every round)
+            self.alignment = read_once(self.alignment, [self.template], progress=False)
+        if self.alignment.symmetries and self.alignment.untie and declared_ties(self.template):
+            raise SymmergeError("untie=True would send the clients an untied global model, which their models (the "
+                                "template's class, its weights tied) cannot load without dropping one of the tied "
+                                "tensors: leave untie off in a federation")
         # the consensus rule's unlabeled server examples (default: the alignment's), loaded once
         self.outlier_data = server_data(
-            self.outliers.data if self.outliers.data is not None else self.alignment.align_data, self.template,
+            self.outliers.data if self.outliers.data is not None else align_data, self.template,
             self.outliers.samples) if self.outliers.rule == CONSENSUS_RULE else None
         self.reference = {k: v.detach() for k, v in self.template.state_dict().items()}
         self.folds = bool(self.alignment.symmetries) and canonical(self.template, self.alignment) is not self.template
@@ -143,8 +178,10 @@ class AlignedFedAvg(FedAvg):
             ", global model kept with its norms folded" if self.folds else "")
 
     def configure_train(self, server_round, arrays, config, grid):
-        """FedAvg's, remembering the global model and the nodes sampled (the anchor and the roll call)."""
+        """FedAvg's, remembering the global model and the nodes sampled (the anchor and the roll call); a global
+        model that does not match the template is one error here, before any client trains."""
         self.global_arrays = arrays
+        self._global_state_dict()
         messages = list(super().configure_train(server_round, arrays, config, grid))
         self.sampled_nodes = [m.metadata.dst_node_id for m in messages]
         return messages
@@ -206,7 +243,7 @@ class AlignedFedAvg(FedAvg):
             return self._keep_previous(record, kept, t0, align_seconds)
         merged = self._aggregate(server_round, kept, raw, anchor, anchor_sd, keys, record)
         if merged is None:
-            return self._keep_previous(record, [], t0, align_seconds)
+            return self._keep_previous(record, kept, t0, align_seconds, why=record["note"])
         arrays = ArrayRecord({k: v.detach().contiguous() for k, v in merged.items()})
         record.update(accepted=[k[0].metadata.src_node_id for k in kept], weights=[k[2] for k in kept],
                       distance_before=[k[3] for k in kept], distance_after=[k[4] for k in kept],
@@ -220,9 +257,11 @@ class AlignedFedAvg(FedAvg):
             raise SymmergeError("AlignedFedAvg.aggregate_train needs the round's global model: configure_train sets "
                                 "it (or set strategy.global_arrays)")
         global_sd = self.global_arrays.to_torch_state_dict()
-        problem = check_state_dict(global_sd, self.reference)
+        problem = check_state_dict(global_sd, self.reference, "the template")
         if problem is not None:
-            raise SymmergeError(f"the global model does not match the template: {problem[1]}")
+            what = "is not finite" if problem[0] == "non_finite" else "does not match the template"
+            raise SymmergeError(f"the global model (the ArrayRecord sent this round: initial_arrays in round 1) {what}: "
+                                f"{problem[1]}")
         return global_sd
 
     def _candidates(self, replies: list) -> tuple[list, list]:
@@ -301,8 +340,9 @@ class AlignedFedAvg(FedAvg):
 
     def _aggregate(self, server_round, kept, raw, anchor, anchor_sd, keys, record) -> dict | None:
         """The kept clients aggregated (jointly aligned first with ``joint``); None, with the record's note, when
-        the joint alignment fails or the aggregate is not finite."""
-        if self.client_alignment.joint:
+        the joint alignment fails or the aggregate is not finite. One client (``min_clients=1``) has no joint
+        alignment to run: it is aggregated as aligned to the global model."""
+        if self.client_alignment.joint and len(kept) > 1:
             try:
                 merged = self._joint_aggregate([raw[k[0].metadata.src_node_id] for k in kept], [k[2] for k in kept],
                                                anchor, keys, record)
@@ -370,8 +410,10 @@ class AlignedFedAvg(FedAvg):
     def _outlier_rule(self, kept: list, anchor, anchor_sd: dict, keys, left_out: list, record: dict) -> list:
         """The clients of ``kept`` whose aligned update is not an outlier (the others are left out)."""
         rule, threshold = self.outliers.rule, self.outliers.threshold
-        if rule is None or len(kept) < 3:
+        if rule is None:
             return kept
+        if len(kept) < 3:
+            return self._too_few_to_score(kept, record)
         if rule == CONSENSUS_RULE:  # functional: the clients' predictions on the server's data
             # (the aligned models compute what the clients' models compute); a client whose predictions cannot
             # be had is left out before the others are scored (it must not enter their consensus)
@@ -381,7 +423,7 @@ class AlignedFedAvg(FedAvg):
                     self._left_out(left_out, item[0].metadata.src_node_id, "outlier", p)
             kept = [item for item, p in zip(kept, probs) if not isinstance(p, str)]
             if len(kept) < 3:
-                return kept
+                return self._too_few_to_score(kept, record)
             probs = [p for p in probs if not isinstance(p, str)]
             scores = consensus_scores(probs)
             flags = update_outliers(scores, threshold, rule, CONSENSUS_MIN_SPREAD)
@@ -398,6 +440,13 @@ class AlignedFedAvg(FedAvg):
             else:
                 self._left_out(left_out, item[0].metadata.src_node_id, "outlier", reason)
         return out
+
+    def _too_few_to_score(self, kept: list, record: dict) -> list:
+        """``kept`` as it is: the outlier rule compares each client with the others' median (or consensus) and
+        needs 3 clients; said in the log, since the rule was asked for."""
+        log(WARNING, "aggregate_train: round %d: the outlier rule %r needs at least 3 clients, %d remain: it was not "
+                     "applied", record["round"], self.outliers.rule, len(kept))
+        return kept
 
     def _relabel(self, kept: list, probs: list, flags: list, left_out: list, record: dict) -> list:
         """The consensus rule with the relabelling check (``outliers.relabel``): a client is left out (kind
@@ -421,12 +470,43 @@ class AlignedFedAvg(FedAvg):
             self._left_out(left_out, node, "outlier", (reason + "; " if reason else "") + why)
         return out
 
-    def _keep_previous(self, record: dict, accepted, t0: float, align_seconds: float = 0.0):
-        log(WARNING, "aggregate_train: round %d keeps the previous global model: %d client(s) accepted, "
-                     "min_clients is %d", record["round"], len(accepted), self.aggregation.min_clients)
+    def _keep_previous(self, record: dict, accepted, t0: float, align_seconds: float = 0.0, why: str | None = None):
+        log(WARNING, "aggregate_train: round %d keeps the previous global model: %s", record["round"],
+            why or f"{len(accepted)} client(s) accepted, min_clients is {self.aggregation.min_clients}")
         record.update(kept_previous=True, accepted=[], weights=[], distance_before=[], distance_after=[],
                       align_seconds=align_seconds)
         return self.global_arrays, self._finish(record, MetricRecord(), t0)
+
+    def aggregate_evaluate(self, server_round, replies):
+        """FedAvg's aggregation of the clients' evaluation metrics, reply by reply: a reply without one
+        MetricRecord holding a positive finite ``num-examples`` (the ``weighted_by_key``), or whose metric names
+        differ from the other replies' (those most replies share), is left out with a logged warning naming its
+        node, where Flower's FedAvg would raise and end the run; ``None`` when no reply remains."""
+        valid, _ = self._check_and_log_replies(list(replies), is_train=False, validate=False)
+        checked = []
+        for msg in valid:
+            records = list(msg.content.metric_records.values())
+            weight = records[0].get(self.weighted_by_key) if len(records) == 1 else None
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+                    math.isfinite(weight) and weight > 0):
+                log(WARNING, "aggregate_evaluate: left out node %s (malformed): not one MetricRecord with a positive "
+                             "%r (metric records: %d, %r: %r)", msg.metadata.src_node_id, self.weighted_by_key,
+                    len(records), self.weighted_by_key, weight)
+                continue
+            checked.append((msg, frozenset(records[0].keys())))
+        if not checked:
+            return None
+        names = Counter(k for _, k in checked).most_common(1)[0][0]
+        for msg, k in checked:
+            if k != names:
+                log(WARNING, "aggregate_evaluate: left out node %s (malformed): metric names %s, the other replies' %s",
+                    msg.metadata.src_node_id, sorted(k), sorted(names))
+        try:
+            return self.evaluate_metrics_aggr_fn([m.content for m, k in checked if k == names], self.weighted_by_key)
+        except Exception as e:  # noqa: BLE001 - clients' metrics must not end the run
+            log(WARNING, "aggregate_evaluate: round %d: the clients' metrics were not aggregated: %s: %s", server_round,
+                type(e).__name__, e)
+            return None
 
     def _client_metrics(self, messages) -> MetricRecord:
         """The clients' own train metrics, aggregated by FedAvg's function over the accepted replies."""
@@ -444,8 +524,9 @@ class AlignedFedAvg(FedAvg):
         metrics[PREFIX + "clients-left-out"] = len(record["left_out"])
         for kind in LEFT_OUT_KINDS:
             metrics[f"{PREFIX}left-out-{kind.replace('_', '-')}"] = sum(x["kind"] == kind for x in record["left_out"])
-        metrics[PREFIX + "clients-clipped"] = len(record["clipped"])
-        metrics[PREFIX + "clients-unaligned"] = len({x["node"] for x in record.get("unaligned", [])})
+        aggregated = set(record["accepted"])  # the per-round counts are of the clients that entered the aggregate
+        metrics[PREFIX + "clients-clipped"] = len({x["node"] for x in record["clipped"]} & aggregated)
+        metrics[PREFIX + "clients-unaligned"] = len({x["node"] for x in record.get("unaligned", [])} & aggregated)
         metrics[PREFIX + "kept-previous"] = int(record["kept_previous"])
         metrics[PREFIX + "distance-before"] = float(sum(before) / len(before)) if before else 0.0
         metrics[PREFIX + "distance-after"] = float(sum(after) / len(after)) if after else 0.0

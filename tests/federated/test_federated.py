@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import sys
 import time
 from collections import Counter
@@ -23,6 +24,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from symmerge import MergeOptions, SymmergeError, merge_models  # noqa: E402
+from symmerge.errors import UsageError  # noqa: E402
 from symmerge.federated import (LEFT_OUT_KINDS, OUTLIER_RULES, Aggregation, AlignedFedAvg,  # noqa: E402
                                 ClientAlignment, OutlierPolicy, aggregate, norm_outliers, update_outliers,
                                 update_scores)
@@ -388,6 +390,17 @@ def test_outlier_rule_needs_the_alignment():
     assert plain.rounds[-1]["outlier_z"][9] < 0.25 * aligned.rounds[-1]["outlier_z"][9]
 
 
+@pytest.mark.parametrize("rule", OUTLIER_RULES)
+def test_outlier_rule_with_two_clients_says_it_was_not_applied(world, rule, caplog):
+    """With 2 clients the rule cannot compare a client with the others: the round aggregates both, and the log
+    says the rule asked for was not applied (not silence)."""
+    g, _, _ = world
+    s = strategy(g, outliers=OutlierPolicy(rule=rule))
+    _, metrics = s.aggregate_train(1, good_replies(world, (1, 2)))
+    assert metrics["symmerge-clients-aggregated"] == 2 and s.rounds[-1]["outlier_z"] == {}
+    assert any(f"the outlier rule {rule!r} needs at least 3 clients, 2 remain" in r.getMessage() for r in caplog.records)
+
+
 def test_outlier_rule_with_too_few_left_keeps_the_previous_global_model():
     g, honest, bad = flipped_world(n_honest=3)
     s = strategy(g, outliers=OutlierPolicy(rule="krum"), aggregation=Aggregation(min_clients=4))
@@ -423,6 +436,14 @@ def test_norm_clip_keeps_a_scaled_client_at_an_ordinary_norm(world, caplog):
 
 
 # ---------------------------------------------------------------- bad clients
+
+
+UNPICKLED: list = []  # what _Unpickled's unpickling ran (it must never run on the server)
+
+
+class _Unpickled:
+    def __reduce__(self):
+        return (UNPICKLED.append, ("code ran on the server",))
 
 
 def _bad(kind: str, g, good: dict):
@@ -466,6 +487,10 @@ def _bad(kind: str, g, good: dict):
         return reply(9, sd, num_examples=0), "malformed"
     if kind == "nan_examples":
         return reply(9, sd, num_examples=float("nan")), "malformed"
+    if kind == "pickled":  # a pickle among the arrays (an object that would run code when unpickled)
+        arrays = ArrayRecord(sd)
+        arrays[key] = Array(dtype="object", shape=(1,), stype="numpy.ndarray", data=pickle.dumps(_Unpickled()))
+        return reply(9, None, arrays=arrays), "malformed"
     if kind == "not_float_array":
         arrays = ArrayRecord(sd)
         arrays[key] = Array(np.array(["a", "b"]))
@@ -474,7 +499,7 @@ def _bad(kind: str, g, good: dict):
 
 
 BAD = ("nan", "inf", "missing_key", "extra_key", "other_architecture", "wrong_shape", "other_head_size", "wrong_dtype",
-       "scaled_x100", "error", "no_num_examples", "zero_examples", "nan_examples", "not_float_array")
+       "scaled_x100", "error", "no_num_examples", "zero_examples", "nan_examples", "not_float_array", "pickled")
 
 
 @pytest.mark.parametrize("kind", BAD)
@@ -489,6 +514,7 @@ def test_a_bad_reply_is_left_out_and_never_reaches_the_global_model(world, clean
     assert metrics[f"symmerge-left-out-{expected.replace('_', '-')}"] == 1 and metrics["symmerge-clients-aggregated"] == 3
     assert sha(arrays) == clean_sha  # exactly the round without the bad reply
     assert any("node 9" in r.getMessage() for r in caplog.records)  # the logged reason names the node
+    assert not UNPICKLED
 
 
 @pytest.mark.parametrize("scale", [1e30, 3e38])
@@ -503,7 +529,7 @@ def test_huge_finite_weights_are_left_out(world, clean_sha, scale):
     assert sha(arrays) == clean_sha
 
 
-def test_a_non_finite_aggregate_keeps_the_previous_model(world, monkeypatch):
+def test_a_non_finite_aggregate_keeps_the_previous_model(world, monkeypatch, caplog):
     """The last safety net (the mean of finite values stays finite, so a rule gone wrong is simulated)."""
     import symmerge.federated.strategy as strategy_module
 
@@ -519,6 +545,83 @@ def test_a_non_finite_aggregate_keeps_the_previous_model(world, monkeypatch):
     before = sha(s.global_arrays)
     arrays, metrics = s.aggregate_train(1, good_replies(world))
     assert sha(arrays) == before and metrics["symmerge-kept-previous"] == 1
+    # the log says why (not "0 client(s) accepted", as it did: three were)
+    assert any("round 1 keeps the previous global model: the aggregate was not finite" in r.getMessage()
+               for r in caplog.records)
+    assert not any("0 client(s) accepted" in r.getMessage() for r in caplog.records)
+
+
+def test_joint_with_one_client_aggregates_it_in_the_global_frame(world):
+    """joint=True with min_clients=1 and one accepted client: no joint alignment to run (it needs 2 models); the
+    round aggregates that client aligned to the global model, as the star round does (it kept the previous model,
+    logged as a failed joint alignment)."""
+    g, clients, _ = world
+    one = good_replies(world, (1,))
+    s = strategy(g, alignment=ClientAlignment(joint=True), aggregation=Aggregation(min_clients=1))
+    arrays, metrics = s.aggregate_train(1, one)
+    assert metrics["symmerge-kept-previous"] == 0 and s.rounds[-1]["accepted"] == [1] and "note" not in s.rounds[-1]
+    star = strategy(g, alignment=ClientAlignment(min_align_gain=0.0), aggregation=Aggregation(min_clients=1))
+    assert sha(arrays) == sha(star.aggregate_train(1, one)[0])
+    assert torch.allclose(logits(arrays.to_torch_state_dict()), logits(clients[1]), atol=1e-4)
+
+
+@pytest.mark.parametrize("alignment", ["none", None])
+def test_a_reply_whose_tied_tensors_differ_is_left_out(alignment, caplog):
+    """A template with tied weights (GPT-2: lm_head.weight is transformer.wte.weight): a reply whose two differ
+    cannot be loaded into it without dropping one (an untied model): left out as malformed, both names given,
+    even where the difference is small (without alignment it was aggregated, one of the two values dropped)."""
+    torch.manual_seed(0)
+    g = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    gen = torch.Generator().manual_seed(1)
+    sds = []
+    for _ in range(4):
+        m = T.GPT2LMHeadModel(g.config).eval()
+        m.load_state_dict(g.state_dict())
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        sds.append(m.state_dict())
+    untied = dict(sds[3])
+    untied["lm_head.weight"] = untied["lm_head.weight"] + 0.001
+    s = strategy(g, alignment=alignment)
+    arrays, _ = s.aggregate_train(1, [reply(n, sds[n], 10) for n in range(3)] + [reply(9, untied)])
+    rec = s.rounds[-1]
+    assert [(x["node"], x["kind"]) for x in rec["left_out"]] == [(9, "malformed")]
+    assert "'lm_head.weight' differs from 'transformer.wte.weight'" in rec["left_out"][0]["reason"]
+    clean = strategy(g, alignment=alignment).aggregate_train(1, [reply(n, sds[n], 10) for n in range(3)])[0]
+    assert sha(arrays) == sha(clean)
+    # untie=True would make the global model untied, which the clients' tied models cannot load: refused when made
+    # (the aggregate's lm_head and wte differed, and a client loading it silently kept one of them)
+    with pytest.raises(SymmergeError, match="untie=True would send the clients an untied global model"):
+        AlignedFedAvg(template=g, alignment=__import__("symmerge").AlignOptions(
+            symmetries="heads,attn,ffn,rescale,residual", untie=True))
+
+
+def test_unusable_alignment_data_is_one_error_when_the_strategy_is_made(world, tmp_path):
+    """match="activations" with an align_data file that is missing, or that does not fit the template (text for
+    a ViT): one error when the strategy is made (every client was left out as "alignment" in every round, the
+    global model never moving); a usable file is read once there."""
+    from symmerge import AlignOptions
+    from symmerge.io.data import Data
+
+    g, _, _ = world
+    np.savez(tmp_path / "text.npz", input_ids=np.zeros((4, 5), dtype=np.int64))
+    for path, match in ((tmp_path / "missing.npz", "data file not found"), (tmp_path / "text.npz", "pixel_values")):
+        with pytest.raises(SymmergeError, match=match):
+            AlignedFedAvg(template=g, alignment=AlignOptions(symmetries="heads,attn,ffn,rescale", match="activations",
+                                                             align_data=str(path)))
+    np.savez(tmp_path / "images.npz", pixel_values=np.random.default_rng(0).normal(size=(6, 1, 8, 8)).astype(np.float32))
+    s = strategy(g, alignment=AlignOptions(symmetries="heads,attn,ffn,rescale", match="activations",
+                                           align_data=str(tmp_path / "images.npz")))
+    assert isinstance(s.alignment.align_data, Data) and s.alignment.align_data.n == 6
+    _, metrics = s.aggregate_train(1, good_replies(world))
+    assert metrics["symmerge-clients-aggregated"] == 3
+    # the consensus rule's default data (the alignment's file) still takes its own samples, not align_samples
+    s = strategy(g, alignment=AlignOptions(symmetries="heads,attn,ffn,rescale", match="activations", align_samples=2,
+                                           align_data=str(tmp_path / "images.npz")),
+                 outliers=OutlierPolicy(rule="consensus", samples=5))
+    assert s.alignment.align_data.n == 2 and s.outlier_data.n == 5
 
 
 def test_a_missing_reply_is_counted(world):
@@ -603,6 +706,119 @@ def test_residual_group_that_folds_norms_keeps_the_global_model_folded(world):
         symmetries="heads,attn,ffn,rescale,residual", residual="permutation")).folds
 
 
+def test_bad_option_types_are_one_clear_error(world):
+    """A wrong type is one clear error, never a comparison's TypeError from deep inside, nor read as true (a
+    string "false" for a flag); the consensus rule's server data given without that rule is refused, not
+    ignored; OutlierPolicy.samples is checked when the policy is made."""
+    g, _, _ = world
+    for make, match in ((lambda: Aggregation(trim="0.2"), "trim fraction must be a number"),
+                        (lambda: Aggregation(trim=None), "trim fraction must be a number"),
+                        (lambda: OutlierPolicy(norm_clip="false"), r"norm_clip must be True or False, got 'false'"),
+                        (lambda: ClientAlignment(joint="no"), r"joint must be True or False, got 'no'"),
+                        (lambda: ClientAlignment("none", joint=1), "joint must be True or False, got 1"),
+                        (lambda: OutlierPolicy(samples=0), "samples must be a whole number >= 1"),
+                        (lambda: OutlierPolicy(rule="krum", samples="all"), "samples must be a whole number >= 1"),
+                        (lambda: OutlierPolicy(data="server.jsonl"), "data .* needs rule='consensus'"),
+                        (lambda: OutlierPolicy(rule="krum", data="server.jsonl"), "needs rule='consensus'")):
+        with pytest.raises(SymmergeError, match=match):
+            make()
+    assert OutlierPolicy(norm_clip=True).norm_clip is True and ClientAlignment(joint=False).joint is False
+
+
+def test_a_misspelt_or_wrong_argument_of_the_strategy_is_one_clear_error(world):
+    """A keyword neither AlignedFedAvg nor FedAvg takes names the closest (a keyword of the former flat
+    signature: its options object); a template that is not a model names the argument."""
+    g, _, _ = world
+    for kw, match in (({"fraction_evalute": 0.0}, r"'fraction_evalute' \(did you mean 'fraction_evaluate'\?\)"),
+                      ({"aligment": "none"}, r"'aligment' \(did you mean 'alignment'\?\)"),
+                      ({"min_client": 2}, r"'min_client' \(did you mean Aggregation\(min_clients=...\)\?\)"),
+                      ({"spam": 1}, r"unexpected keyword argument 'spam'$")):
+        with pytest.raises(UsageError, match=match):
+            AlignedFedAvg(template=g, **kw)
+    for template, match in ((None, "template must be .* got NoneType"), (g.state_dict(), r"template must be .* \(a state dict")):
+        with pytest.raises(UsageError, match=match):
+            AlignedFedAvg(template=template)
+
+
+def test_the_callers_template_is_left_as_it_came(world):
+    """The strategy holds its own copy of the template: the caller's model keeps its train mode and its
+    tensors, and what the caller does to it afterwards does not reach the strategy."""
+    model = tiny_vit(0).train()
+    tensors = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+    values = {k: v.detach().clone() for k, v in tensors.items()}
+    s = AlignedFedAvg(template=model, fraction_evaluate=0.0)
+    assert model.training and all(m.training for m in model.modules())
+    assert all(model.state_dict(keep_vars=True)[k] is t and torch.equal(t.detach(), values[k]) for k, t in tensors.items())
+    assert s.template is not model and not s.template.training
+    model.half()  # the caller's model changed afterwards: the strategy's contract is unchanged
+    s.global_arrays = ArrayRecord(world[0].state_dict())
+    _, metrics = s.aggregate_train(1, good_replies(world))
+    assert metrics["symmerge-clients-aggregated"] == 3
+
+
+def test_example_counts_whose_sum_overflows_do_not_break_the_round(world):
+    """Two clients claiming 1.7e308 examples each (finite, positive): their sum overflows, the round still
+    aggregates (FedAvg's weighting: those two dominate), never an exception out of aggregate_train."""
+    g, clients, _ = world
+    huge = [reply(8, clients[1], 1.7e308), reply(9, clients[2], 1.7e308)]
+    s = strategy(g)
+    arrays, metrics = s.aggregate_train(1, good_replies(world) + huge)
+    assert metrics["symmerge-clients-aggregated"] == 5 and not s.rounds[-1]["kept_previous"]
+    alone = strategy(g).aggregate_train(1, [reply(8, clients[1], 1), reply(9, clients[2], 1)])[0]
+    assert close(arrays.to_torch_state_dict(), alone.to_torch_state_dict(), atol=1e-6)
+
+
+def test_a_global_model_of_another_architecture_is_refused_before_clients_train(world):
+    """initial_arrays that do not match the template (or hold NaN): one error from configure_train (before any
+    client trains) naming the tensor, the template's shape named as the template's."""
+    g, _, _ = world
+    s = AlignedFedAvg(template=g, fraction_evaluate=0.0)
+    with pytest.raises(SymmergeError, match=r"does not match the template: 'classifier.weight' has shape \(5, 16\), "
+                                            r"the template's is \(3, 16\)"):
+        s.configure_train(1, ArrayRecord(tiny_vit(0, num_labels=5).state_dict()), ConfigRecord(), grid=None)
+    nan = {k: v * float("nan") for k, v in g.state_dict().items()}
+    with pytest.raises(SymmergeError, match=r"the global model .* is not finite: '.*' holds \d+ NaN"):
+        s.configure_train(1, ArrayRecord(nan), ConfigRecord(), grid=None)
+
+
+def test_the_round_counts_only_the_aggregated_clients_as_unaligned(world):
+    """symmerge-clients-unaligned counts the clients that entered the aggregate unaligned: a client the guard
+    kept unaligned and the norm rule then left out is not one of them (the round's record still lists it)."""
+    g, clients, _ = world
+    msg, _ = _bad("scaled_x100", g, clients[3])
+    s = strategy(g, alignment=ClientAlignment(min_align_gain=0.99))  # every client unaligned
+    _, metrics = s.aggregate_train(1, good_replies(world) + [msg])
+    rec = s.rounds[-1]
+    assert [x["kind"] for x in rec["left_out"]] == ["norm"] and 9 in {u["node"] for u in rec["unaligned"]}
+    assert metrics["symmerge-clients-aggregated"] == 3 and metrics["symmerge-clients-unaligned"] == 3
+
+
+def eval_reply(node: int, metrics: dict | None, extra: dict | None = None) -> Message:
+    records = {} if metrics is None else {"metrics": MetricRecord(metrics)}
+    records.update({k: MetricRecord(v) for k, v in (extra or {}).items()})
+    return Message(content=RecordDict(records), metadata=_metadata(node))
+
+
+def test_a_bad_evaluation_reply_is_left_out_and_never_ends_the_run(world, caplog):
+    """Evaluation rounds (fraction_evaluate > 0, FedAvg's default): a reply without num-examples, with other
+    metric names, with two MetricRecords or none, or an error, is left out with a warning naming its node;
+    the metrics are FedAvg's over the good replies (Flower's FedAvg raises on the round and ends the run)."""
+    g, _, _ = world
+    good = [eval_reply(n, {"eval_loss": 0.5 * n, "num-examples": 10 * n}) for n in (1, 2, 3)]
+    bad = [eval_reply(5, {"eval_loss": 9.0}), eval_reply(6, {"loss": 9.0, "num-examples": 10}),
+           eval_reply(7, {"eval_loss": 9.0, "num-examples": 10}, {"more": {"eval_loss": 9.0, "num-examples": 10}}),
+           eval_reply(8, None), eval_reply(9, {"eval_loss": 9.0, "num-examples": float("nan")}), error_reply(4)]
+    expected = FedAvg().aggregate_evaluate(1, good)
+    s = AlignedFedAvg(template=g)
+    assert dict(s.aggregate_evaluate(1, good)) == dict(expected)
+    assert dict(s.aggregate_evaluate(1, good + bad)) == dict(expected)
+    for node in (5, 6, 7, 8, 9):
+        assert any(f"aggregate_evaluate: left out node {node} (malformed)" in r.getMessage() for r in caplog.records)
+    assert s.aggregate_evaluate(1, [bad[0]] + bad[2:]) is None and s.aggregate_evaluate(1, []) is None
+    with pytest.raises(Exception, match="MetricRecord"):  # the negative control: Flower's FedAvg ends the run
+        FedAvg().aggregate_evaluate(1, good + bad[:2])
+
+
 # ---------------------------------------------------------------- Flower's simulation engine
 
 
@@ -635,6 +851,8 @@ def test_the_example_app_passes_its_robust_options_to_the_strategy(example_on_pa
     assert strategy.outliers.norm_clip is True and strategy.outliers.rule == "krum" and strategy.outliers.threshold == 2.5
     with pytest.raises(KeyError, match="outlier-rules"):
         task.settings({"outlier-rules": "krum"})
+    with pytest.raises(SymmergeError, match="norm_clip must be True or False, got 'false'"):  # not read as true
+        server_app.strategy_options(task.settings({"norm-clip": "false"}))
 
 
 def test_two_rounds_three_clients_through_the_simulation_engine(example_on_path):
