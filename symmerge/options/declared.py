@@ -19,7 +19,7 @@ from ..pipeline.options import LEARN_STARTS  # --learn-start
 from ..pipeline.options import AUGMENT_STYLES  # --learn-augment-style
 from ..progress import MODES as PROGRESS_MODES
 from ..option_ranges import MINIMA
-from .parse import concentration, distill_lr, distill_steps
+from .parse import concentration, distill_lr, distill_steps, method_name
 from .schema import Option, Table
 
 MERGE, ALIGN, BARRIER, RUN = "merge", "align", "barrier", "run"
@@ -68,7 +68,7 @@ OPTIONS = (
     opt("data", "--data", on=BARRIER, required=True,
         help="evaluation data (held out): .npz (images), .jsonl (text, label) or .txt (LM)"),
     opt("output", "-o", "--output", on=MODELS, required=True, help="output folder (must not exist or be empty)"),
-    opt("method", "--method", on=MERGE, required=True, help=f"fusion method: {', '.join(sorted(METHODS))}"),
+    opt("method", "--method", on=MERGE, parse=method_name, required=True, help=f"fusion method: {', '.join(sorted(METHODS))}"),
     opt("align", "--align", on=MERGE, default=RECOMMENDED_NAME, joins=True,
         help="symmetries to align before merging: " + describe_symmetries(
             f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them; residual is also left out when "

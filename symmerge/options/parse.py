@@ -37,6 +37,16 @@ def distill_lr(text):
     return check_lr(text)
 
 
+def method_name(text: str) -> str:
+    """``--method NAME``: a method of the registry (:func:`symmerge.merge.registry.get_method`: an unknown name is
+    its one line, with the close name), read as the flag is read, so that the refusal names the command and the
+    flag (and a config's ``method`` key its line)."""
+    from ..merge.registry import get_method
+
+    get_method(text)
+    return text
+
+
 def parse_value(text: str):
     """A method parameter's value: true/false, an int, a float, else the text."""
     low = text.strip().lower()

@@ -116,20 +116,24 @@ def test_a_value_out_of_range_is_the_same_line_from_a_flag_and_a_key(tmp_path, c
     keys = {**required, name: low}
     with pytest.raises(SymmergeError) as key:
         values(SymmergeConfig(command, models, None, {}, keys, _doc(tmp_path, keys)))
-    assert str(flag.value) == f"{option.flag} must be >= {option.minimum:g}, got {low}"
-    assert str(key.value) == f"{tmp_path / 'c.yml'} line {len(keys)}: {flag.value}"
+    words = f"must be >= {option.minimum:g}, got {low}"  # argparse's line names the flag: the key's line, its flag
+    assert str(flag.value) == f"argument {option.flag}: {words}"
+    assert str(key.value) == f"{tmp_path / 'c.yml'} line {len(keys)}: {option.flag} {words}"
     option.in_range(option.minimum)  # the bound itself is accepted
 
 
 def test_out_of_range_on_the_command_line_and_in_a_run_config_is_one_line(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["merge", "a", "b", "--method", "average", "--joint-rounds", "-1", "-o", str(out)]) == 2
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal, naming the command and the flag
+        main(["merge", "a", "b", "--method", "average", "--joint-rounds", "-1", "-o", str(out)])
+    assert refused.value.code == 2
     flag_err = capsys.readouterr().err
     cfg = tmp_path / "c.yml"
     cfg.write_text("merge_method: average\nmodels: [a, b]\njoint_rounds: -1\n")
     assert main(["run", str(cfg), str(out)]) == 2
     key_err = capsys.readouterr().err
-    assert flag_err == "symmerge: error: --joint-rounds must be >= 0, got -1\n"
+    assert flag_err == ("symmerge merge: error: argument --joint-rounds: must be >= 0, got -1 "
+                        "(see symmerge merge --help)\n")
     assert key_err == f"symmerge: error: {cfg} line 3: --joint-rounds must be >= 0, got -1\n"
     assert not out.exists()
 

@@ -1,0 +1,54 @@
+"""A value a flag's own reader refuses is argparse's one line naming the command and the flag, exit 2, as every
+other refusal of a command-line value: ``symmerge merge: error: argument --distill-lr: must be a positive number,
+got 'fast' (see symmerge merge --help)``, not a ``symmerge: error:`` line that names no command. Parametrised over
+the declarations (:mod:`symmerge.options.declared`), so that a flag added later is covered: every option read by a
+function of its own (``parse=``) given text it cannot read, and every option with a range given a value below it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from symmerge.cli import COMMANDS, main
+from symmerge.options.declared import TABLE
+
+BAD_TEXT = "bogus"  # read by no parse function: not a number, a method, 'auto'...
+
+
+def cases():
+    for command in COMMANDS:
+        for option in TABLE.of(command):
+            if option.form not in ("value", "append") or not option.flags:
+                continue
+            if option.parse is not None:
+                yield pytest.param(command, option, BAD_TEXT, id=f"{command}{option.flag}={BAD_TEXT}")
+            if option.minimum is not None:
+                low = f"{option.minimum - 1:g}"
+                yield pytest.param(command, option, low, id=f"{command}{option.flag}={low}")
+
+
+CASES = list(cases())
+
+
+def test_the_cases_cover_the_value_readers_of_the_commands():
+    ids = {c.id for c in CASES}
+    assert {"merge--distill-lr=bogus", "merge--distill=bogus", "merge--method=bogus", "merge--joint-rounds=-1",
+            "merge--head-from=bogus", "extract-lora--rank=bogus", "run--random-seed=bogus"} <= ids
+
+
+@pytest.mark.parametrize("command, option, text", CASES)
+def test_a_refused_value_is_argparses_line_naming_the_command_and_the_flag(tmp_path, monkeypatch, capsys, command,
+                                                                         option, text):
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([command, f"{option.flag}={text}"])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and captured.out == ""
+    named = "/".join(option.flags)
+    line = re.fullmatch(rf"symmerge {command}: error: argument {re.escape(named)}: (.+) "
+                        rf"\(see symmerge {command} --help\)\n", captured.err)
+    assert line, captured.err
+    assert not line.group(1).startswith(option.flag), captured.err  # the flag named once, by argparse
+    assert list(tmp_path.iterdir()) == []
