@@ -104,8 +104,16 @@ def _run(args) -> int:
     from ..progress import configure
     from .config_options import namespace
 
-    desc = describe(args.config, output=args.out or args.output, align=args.align, seed=args.random_seed,
-                    truncate_embeddings=args.unsafe_truncate_embeddings)
+    given = dict(output=args.out or args.output, align=args.align, seed=args.random_seed,
+                 truncate_embeddings=args.unsafe_truncate_embeddings)
+    desc = describe(args.config, **given, merge_adapters=False)  # BASE+ADAPTER inputs planned on their bases
+    if desc.mergekit and _reads_adapters(desc):  # every refusal that needs no merge made before any adapter is merged
+        if not (args.print_plan or args.print_command):
+            from ..config.run import model_folders
+            from ..io.model import ensure_output_dir
+
+            ensure_output_dir(desc.output, inputs=model_folders(desc))
+        desc = describe(args.config, **given)  # planned again on the merged folders
     for line in desc.warnings:
         print(f"symmerge: warning: {line}", file=sys.stderr)
     allow_remote_code(args.trust_remote_code or desc.trust_remote_code)  # reset when the command ends (cli)
@@ -151,6 +159,13 @@ def _run(args) -> int:
     summaries = run_jobs(desc, options=run_options(args))
     print_summary(desc, summaries)
     return 0
+
+
+def _reads_adapters(desc) -> bool:
+    """Whether a mergekit config's description reads a ``BASE+ADAPTER`` input (one merged before it is read)."""
+    from ..io.lora import is_lora_spec
+
+    return any(is_lora_spec(i.label) for job in desc.jobs for i in job.inputs if i.folder is not None)
 
 
 def _copy_config(config, out) -> None:
