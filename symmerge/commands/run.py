@@ -100,6 +100,7 @@ def run(args) -> int:
 
 def _run(args) -> int:
     from ..config import describe
+    from ..io.card import cards_off
     from ..io.hf import allow_remote_code
     from ..progress import configure
     from .config_options import namespace
@@ -132,7 +133,8 @@ def _run(args) -> int:
             parsed.progress = progress_of(args)
         configure(parsed.progress)
         print(f"running: {shlex.join(['symmerge', desc.command, *desc.argv])}", file=sys.stderr)
-        rc = parsed.handler(parsed) or 0
+        with cards_off(not args.write_model_card):  # the flag holds for the card the command writes too
+            rc = parsed.handler(parsed) or 0
         if rc == 0 and args.write_model_card:
             _copy_config(desc.path, getattr(parsed, "output", None))
         return rc
