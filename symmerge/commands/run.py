@@ -17,6 +17,7 @@ import sys
 
 from ..errors import SymmergeError
 from ..options.declared import MERGEKIT, TITLES
+from ..options.parse import mergekit_size
 from .lora_args import add_lora_arguments
 from .schema_args import add_options
 
@@ -34,15 +35,7 @@ def add_mergekit_yaml_arguments(parser) -> None:
     add_lora_arguments(mk)  # BASE+ADAPTER inputs (commands/lora_args.py)
 
 
-def shard_size(text):
-    """mergekit's ``--out-shard-size`` (``5B``: 5e9 bytes; K, M, B suffixes) or symmerge's (``2GB``)."""
-    if text is None:
-        return "5GB"
-    t = str(text).strip().upper()
-    for suffix, mult in (("K", 10 ** 3), ("M", 10 ** 6), ("B", 10 ** 9)):
-        if t.endswith(suffix) and t[:-1].replace(".", "", 1).isdigit():
-            return str(int(float(t[:-1]) * mult))
-    return text
+shard_size = mergekit_size  # mergekit's --out-shard-size (5B) or symmerge's (2GB): symmerge.options.parse
 
 
 def _refusals(args) -> None:

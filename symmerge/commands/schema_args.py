@@ -37,8 +37,11 @@ def _type(option):
 def _without_flag(option, message: str) -> str:
     """``message`` without the flag that heads it (``--distill-lr must be ...``: ``must be ...``): argparse's line
     names the flag already (``argument --distill-lr: must be ...``)."""
-    flag = next((f for f in option.flags if message.startswith(f + " ")), None)
-    return message[len(flag) + 1:] if flag else message
+    for flag in option.flags:
+        for head in (f"{flag}: ", f"{flag} "):
+            if message.startswith(head):
+                return message[len(head):]
+    return message
 
 
 def add_option(parser, option) -> None:

@@ -36,6 +36,10 @@ def _argv(command, models, keys) -> list[str]:
     return [*models, *[x for k, v in keys.items() for x in (TABLE.get(command, k).flag, str(v))]]
 
 
+VALID = {"align": "attn,ffn", "symmetries": "attn,ffn", "layers": "0,1", "device": "cpu:0",
+         "lora_merge_dtype": "bfloat16", "repair_channels": "ffn,attn_out", "shard_size": "3GB"}
+
+
 def sample(option):
     """(what a config writes, what the command line writes) for a value of ``option`` other than its default,
     chosen from its declaration: its last choice, a number above its minimum, a switch turned the other way."""
@@ -55,6 +59,8 @@ def sample(option):
         value = "0.25,0.75"
     elif option.name == "param":
         value = "density=0.4"
+    elif option.name in VALID:  # text read by a reader of its own (symmerge.options.parse): a value it takes
+        value = VALID[option.name]
     elif option.parse is not None:  # --learn-dirichlet: a number or 'auto'
         value = 2.5
     else:
@@ -62,7 +68,7 @@ def sample(option):
     if option.form == "append":
         return [value, value], [option.flag, str(value), option.flag, str(value)]
     if option.joins and isinstance(value, str) and option.name != "weights":
-        return ["a", "b"], [option.flag, "a,b"]
+        return value.split(","), [option.flag, value]
     return value, [option.flag, str(value)]
 
 

@@ -34,7 +34,10 @@ CASES = list(cases())
 def test_the_cases_cover_the_value_readers_of_the_commands():
     ids = {c.id for c in CASES}
     assert {"merge--distill-lr=bogus", "merge--distill=bogus", "merge--method=bogus", "merge--joint-rounds=-1",
-            "merge--head-from=bogus", "extract-lora--rank=bogus", "run--random-seed=bogus"} <= ids
+            "merge--head-from=bogus", "extract-lora--rank=bogus", "run--random-seed=bogus", "extract-lora--device=bogus",
+            "merge--weights=bogus", "merge--param=bogus", "align--layers=bogus", "merge--align=bogus",
+            "moe--out-shard-size=bogus", "merge--lora-merge-dtype=bogus", "barrier--points=1", "merge--restarts=-1",
+            "align--ends-weight=bogus", "extract-lora--sv-epsilon=-1"} <= ids
 
 
 @pytest.mark.parametrize("command, option, text", CASES)
