@@ -161,7 +161,7 @@ class MergeOptions:
                                     f"got {len(files)}")
             for spec in files:
                 if not isinstance(spec, Data):
-                    check_data_path(spec)
+                    check_data_path(spec, flag)
         if m.needs and not self.data:
             raise SymmergeError(f"method {m.name!r} needs data for its {m.needs} statistics: pass --data FILE")
         if m.needs == "activations" and len(self.data) > 1:

@@ -55,3 +55,22 @@ def test_a_refused_value_is_argparses_line_naming_the_command_and_the_flag(tmp_p
     assert line, captured.err
     assert not line.group(1).startswith(option.flag), captured.err  # the flag named once, by argparse
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["merge", "m0", "m1", "--method", "average", "--data", "D"], "--data"),
+    (["merge", "m0", "m1", "--method", "average", "--eval-data", "D"], "--eval-data"),
+    (["merge", "m0", "m1", "--method", "average", "--match", "activations", "--align-data", "D"], "--align-data"),
+    (["align", "m0", "m1", "--match", "activations", "--align-data", "D"], "--align-data"),
+    (["barrier", "m0", "m1", "--data", "D"], "--data"),
+])
+@pytest.mark.parametrize("data", ["missing.npz", "no-format"])
+def test_a_data_file_refused_names_its_flag(tmp_path, monkeypatch, capsys, argv, flag, data):
+    """A data file that is not there, or of no known format, is refused before any model is read, in one line
+    naming the flag that gave it (it named only the path: ``symmerge: error: bogus: unknown data format ''``)."""
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main([*[data if a == "D" else a for a in argv], "-o", "out"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"symmerge: error: {flag} {data}: ") and len(err.splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
