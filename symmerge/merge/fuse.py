@@ -174,6 +174,9 @@ class MergeOptions:
         parse_size(self.shard_size)  # a size it cannot read: refused before the merge, in either mode
         if isinstance(self.anchor, int):  # an index (else a folder or a model): 0..n-1, checked with or without alignment
             model_index(self.anchor, n)
+        elif isinstance(self.anchor, (str, Path)) and not Path(self.anchor).expanduser().exists():  # before any load
+            raise SymmergeError(f"--anchor {self.anchor}: no such folder (an index into the models, 0..{n - 1}, or a "
+                                "Hugging Face model folder)")
         model_index(self.head_from, n, what="--head-from index")  # the same rule: 0..n-1, a negative one refused
         if self.weights is not None and len(self.weights) != n:
             raise SymmergeError(f"got {len(self.weights)} weights for {n} models")

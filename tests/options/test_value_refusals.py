@@ -74,3 +74,19 @@ def test_a_data_file_refused_names_its_flag(tmp_path, monkeypatch, capsys, argv,
     err = capsys.readouterr().err
     assert err.startswith(f"symmerge: error: {flag} {data}: ") and len(err.splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_anchor_folder_that_is_not_there_is_refused_before_any_model_is_read(tmp_path, monkeypatch, capsys):
+    """``--anchor bogus`` loaded every model first (a progress line, then the error): now one line before."""
+    from conftest import save_folder
+    from factories import make_model
+
+    monkeypatch.chdir(tmp_path)
+    for s in (0, 1):
+        save_folder(make_model("llama", seed=s), tmp_path / f"m{s}")
+    capsys.readouterr()
+    assert main(["merge", "m0", "m1", "--method", "average", "--anchor", "bogus", "-o", "out"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("symmerge: error: --anchor bogus: no such folder (an index into the models, 0..1, or a Hugging Face "
+                   "model folder)\n"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m0", "m1"]
