@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SymmergeError
+from ..io.data import check_data_path
 from ..io.model import ensure_output_dir
 from ..io.tokenizers import print_note
 from ..options.build import align_options
@@ -55,6 +56,7 @@ def run(args) -> int:
 
         print(json.dumps(plan_barrier(list(args.models), args.data, study).printed(), indent=2, default=str))
         return 0
+    check_data_path(args.data, "--data")  # before any model is loaded, naming the flag (barrier_study: unnamed)
     if len(args.models) > 2:
         return _run_many(args, out, study)
     result = barrier_study(args.models[0], args.models[1], args.data, study)

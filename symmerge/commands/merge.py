@@ -79,6 +79,7 @@ def run(args) -> int:
     out = Path(args.output)
     ensure_output_dir(out, inputs=args.models)  # fail before any expensive work
     get_method(args.method)
+    options_from(args).check(len(args.models))  # the options' refusals before any BASE+ADAPTER input is merged
     with merge_cache(args.lora_merge_cache, args.lora_merge_dtype):
         resolve_lora_inputs(args)
         if args.print_plan:

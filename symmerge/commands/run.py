@@ -17,6 +17,7 @@ import sys
 
 from ..errors import SymmergeError
 from ..options.declared import MERGEKIT, TITLES
+from ..options.parse import mergekit_size
 from .lora_args import add_lora_arguments
 from .schema_args import add_options
 
@@ -34,15 +35,7 @@ def add_mergekit_yaml_arguments(parser) -> None:
     add_lora_arguments(mk)  # BASE+ADAPTER inputs (commands/lora_args.py)
 
 
-def shard_size(text):
-    """mergekit's ``--out-shard-size`` (``5B``: 5e9 bytes; K, M, B suffixes) or symmerge's (``2GB``)."""
-    if text is None:
-        return "5GB"
-    t = str(text).strip().upper()
-    for suffix, mult in (("K", 10 ** 3), ("M", 10 ** 6), ("B", 10 ** 9)):
-        if t.endswith(suffix) and t[:-1].replace(".", "", 1).isdigit():
-            return str(int(float(t[:-1]) * mult))
-    return text
+shard_size = mergekit_size  # mergekit's --out-shard-size (5B) or symmerge's (2GB): symmerge.options.parse
 
 
 def _refusals(args) -> None:
@@ -100,12 +93,21 @@ def run(args) -> int:
 
 def _run(args) -> int:
     from ..config import describe
+    from ..io.card import cards_off
     from ..io.hf import allow_remote_code
     from ..progress import configure
     from .config_options import namespace
 
-    desc = describe(args.config, output=args.out or args.output, align=args.align, seed=args.random_seed,
-                    truncate_embeddings=args.unsafe_truncate_embeddings)
+    given = dict(output=args.out or args.output, align=args.align, seed=args.random_seed,
+                 truncate_embeddings=args.unsafe_truncate_embeddings)
+    desc = describe(args.config, **given, merge_adapters=False)  # BASE+ADAPTER inputs planned on their bases
+    if desc.mergekit and _reads_adapters(desc):  # every refusal that needs no merge made before any adapter is merged
+        if not (args.print_plan or args.print_command):
+            from ..config.run import model_folders
+            from ..io.model import ensure_output_dir
+
+            ensure_output_dir(desc.output, inputs=model_folders(desc))
+        desc = describe(args.config, **given)  # planned again on the merged folders
     for line in desc.warnings:
         print(f"symmerge: warning: {line}", file=sys.stderr)
     allow_remote_code(args.trust_remote_code or desc.trust_remote_code)  # reset when the command ends (cli)
@@ -124,7 +126,8 @@ def _run(args) -> int:
             parsed.progress = progress_of(args)
         configure(parsed.progress)
         print(f"running: {shlex.join(['symmerge', desc.command, *desc.argv])}", file=sys.stderr)
-        rc = parsed.handler(parsed) or 0
+        with cards_off(not args.write_model_card):  # the flag holds for the card the command writes too
+            rc = parsed.handler(parsed) or 0
         if rc == 0 and args.write_model_card:
             _copy_config(desc.path, getattr(parsed, "output", None))
         return rc
@@ -151,6 +154,13 @@ def _run(args) -> int:
     summaries = run_jobs(desc, options=run_options(args))
     print_summary(desc, summaries)
     return 0
+
+
+def _reads_adapters(desc) -> bool:
+    """Whether a mergekit config's description reads a ``BASE+ADAPTER`` input (one merged before it is read)."""
+    from ..io.lora import is_lora_spec
+
+    return any(is_lora_spec(i.label) for job in desc.jobs for i in job.inputs if i.folder is not None)
 
 
 def _copy_config(config, out) -> None:

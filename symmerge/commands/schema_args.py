@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import SymmergeError
 from ..options.declared import TABLE
 from ..options.schema import OptionValueError
 
@@ -15,18 +16,32 @@ ACTIONS = {"switch": "store_true", "append": "append", "count": "count", "onoff"
 
 def _type(option):
     """The argparse ``type`` of ``option``: its parse function with the range checked. A value it cannot read
-    is argparse's "invalid int value" (or the parse's own words); out of range, one line naming the flag."""
+    is argparse's "invalid int value" (or the parse's own words); a value the parse or the range refuses (a
+    :class:`SymmergeError`: ``--distill-lr fast``, ``--joint-rounds -1``, ``--method nope``) is argparse's refusal
+    too, so that the line names the command and the flag as every other refusal of a command-line value does
+    (``symmerge merge: error: argument --distill-lr: must be a positive number, got 'fast' (see ...)``)."""
     parse = option.parse
 
     def read(text):
         try:
-            value = parse(text) if parse is not None else text
+            return option.in_range(parse(text) if parse is not None else text)
         except OptionValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-        return option.in_range(value)
+        except SymmergeError as e:
+            raise argparse.ArgumentTypeError(_without_flag(option, str(e))) from None
 
     read.__name__ = getattr(parse, "__name__", "str")
     return read
+
+
+def _without_flag(option, message: str) -> str:
+    """``message`` without the flag that heads it (``--distill-lr must be ...``: ``must be ...``): argparse's line
+    names the flag already (``argument --distill-lr: must be ...``)."""
+    for flag in option.flags:
+        for head in (f"{flag}: ", f"{flag} "):
+            if message.startswith(head):
+                return message[len(head):]
+    return message
 
 
 def add_option(parser, option) -> None:

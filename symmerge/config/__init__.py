@@ -104,12 +104,14 @@ def _moe(doc: Doc) -> None:
                         "'symmerge moe CONFIG OUT' runs (symmerge run takes mergekit-yaml configs)", found[0])
 
 
-def describe(path, output=None, align=None, seed=None, truncate_embeddings=False) -> Description:
+def describe(path, output=None, align=None, seed=None, truncate_embeddings=False, merge_adapters=True) -> Description:
     """The description of config ``path``; ``output``: the output folder given on the command line (else the
     config's ``output``); ``align``: ``--align`` given on the command line (asks for symmerge's merge);
     ``truncate_embeddings``: mergekit-yaml's ``--unsafe-truncate-embeddings``. The config's
     ``trust_remote_code: true`` lets model folders' code run while it is planned (and, through
-    ``Description.trust_remote_code``, while it runs)."""
+    ``Description.trust_remote_code``, while it runs). ``merge_adapters=False``: a ``BASE+ADAPTER`` input planned
+    on its base's folder, no adapter merged (every refusal of the plan, and of the output, before any merge:
+    ``symmerge run``); its description is for checking, not for running."""
     from ..io.hf import remote_code_allowed, trust_remote_code
 
     docs = read_documents(path)
@@ -117,10 +119,11 @@ def describe(path, output=None, align=None, seed=None, truncate_embeddings=False
         _moe(d)
     trust = _remote_code_key(docs)
     with trust_remote_code(trust or remote_code_allowed()):
-        return _describe(docs, Path(path), output, align, seed, trust, truncate_embeddings)
+        return _describe(docs, Path(path), output, align, seed, trust, truncate_embeddings, merge_adapters)
 
 
-def _describe(docs, path: Path, output, align, seed, trust: bool, truncate_embeddings: bool) -> Description:
+def _describe(docs, path: Path, output, align, seed, trust: bool, truncate_embeddings: bool,
+              merge_adapters: bool = True) -> Description:
     keyed = [(d, _symmerge_key(d)) for d in docs]
     symmerge = [(d, k) for d, k in keyed if k is not None]
     spec = None
@@ -141,7 +144,7 @@ def _describe(docs, path: Path, output, align, seed, trust: bool, truncate_embed
     if output is None and not any(k in d.data for d in docs for k in OUTPUT_KEYS):
         raise SymmergeError(f"{path}: no output folder: symmerge run CONFIG.yml OUT (or -o OUT, or 'output:' in "
                             "the config)")
-    planner = Planner(docs, seed=seed, truncate_embeddings=truncate_embeddings)
+    planner = Planner(docs, seed=seed, truncate_embeddings=truncate_embeddings, merge_adapters=merge_adapters)
     try:
         jobs = planner.plan()
     except SymmergeError as e:

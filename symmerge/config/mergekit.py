@@ -212,8 +212,11 @@ class _Slice:
 class Planner:
     """Plans every document of a config, in dependency order."""
 
-    def __init__(self, docs, read_layout=layouts.read_layout, seed=None, folders=None, truncate_embeddings=False):
+    def __init__(self, docs, read_layout=layouts.read_layout, seed=None, folders=None, truncate_embeddings=False,
+                 merge_adapters=True):
         self.docs = docs
+        # False: a BASE+ADAPTER input planned on its base's folder, nothing merged (symmerge.config.describe)
+        self.merge_adapters = merge_adapters
         self.seed = seed
         self.truncate_embeddings = truncate_embeddings  # mergekit-yaml's --unsafe-truncate-embeddings
         # model reference -> the folder read for it (the aligned copies of an aligned config: symmerge.config.aligned)
@@ -241,7 +244,7 @@ class Planner:
             inputs.append(Input(job=self.named[ref], label=ref))
             return len(inputs) - 1
         try:  # BASE+ADAPTER: the base with the LoRA adapter merged in (symmerge.io.lora, the one resolver)
-            folder = Path(resolve_input(self.folders.get(ref, ref))).expanduser()
+            folder = Path(resolve_input(self.folders.get(ref, ref), merge=self.merge_adapters)).expanduser()
         except SymmergeError as e:
             raise doc.error(str(e), *where) from None
         from ..io.single import as_folder, is_single_file

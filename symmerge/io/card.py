@@ -11,9 +11,24 @@ tokenizer check, the sentence-transformers pipeline, and the symmerge version. T
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from pathlib import Path
 
 CARD = "README.md"
+_WRITTEN = ContextVar("symmerge_cards_written", default=True)  # False inside cards_off(): write_card writes none
+
+
+@contextlib.contextmanager
+def cards_off(off: bool = True):
+    """Within the block (``off``), :func:`write_card` writes no card: ``run --no-write-model-card`` of a config that
+    runs ``merge`` or ``align``, whose writers each write one."""
+    token = _WRITTEN.set(False) if off else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _WRITTEN.reset(token)
 
 
 def _front_matter(text: str) -> dict:
@@ -324,10 +339,10 @@ def _output_name(folder: Path) -> str:
 def write_card(folder, report: dict | None) -> Path | None:
     """Write ``folder/README.md`` (the output's model card) from ``report``, the report of an align, merge (``run``'s
     included), moe or extract-lora; other folders written by :func:`~symmerge.io.model.save_model` (the demo's
-    trained models) get none."""
+    trained models) get none, and none is written inside :func:`cards_off`."""
     from .provenance import stamp
 
-    if kind_of(report) is None:
+    if kind_of(report) is None or not _WRITTEN.get():
         return None
     stamp(report)  # the version and command line, as the report written beside it has them
     folder = Path(folder)

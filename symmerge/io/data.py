@@ -296,19 +296,21 @@ def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool):
     return batches
 
 
-def check_data_path(path) -> Path:
-    """Fail early (before loading any model) on a missing file or an unknown format."""
+def check_data_path(path, flag: str | None = None) -> Path:
+    """Fail early (before loading any model) on a missing file or an unknown format; ``flag``: the option that gave
+    the path, named first in the refusal (``--data bogus: unknown data format ''; ...``)."""
     if not isinstance(path, (str, os.PathLike)):
         raise UsageError(f"data must be a data file's path (.npz, .jsonl or .txt) or a symmerge.io.data.Data, got "
                          f"{type(path).__name__}")
     path = Path(path)
+    named = f"{flag} {path}" if flag else str(path)
     if path.is_dir():
-        raise SymmergeError(f"{path}: is a directory, not a data file (.npz images, .jsonl text, .txt causal-LM lines)")
+        raise SymmergeError(f"{named}: is a directory, not a data file (.npz images, .jsonl text, .txt causal-LM lines)")
     if path.suffix.lower() not in FORMATS:
-        raise SymmergeError(f"{path}: unknown data format {path.suffix!r}; use .npz (images), .jsonl (text, label) "
+        raise SymmergeError(f"{named}: unknown data format {path.suffix!r}; use .npz (images), .jsonl (text, label) "
                             "or .txt (causal-LM lines)")
     if not path.is_file():
-        raise SymmergeError(f"{path}: data file not found")
+        raise SymmergeError(f"{named}: data file not found")
     return path
 
 

@@ -118,10 +118,12 @@ def parse_dtype(dtype):
     return DTYPES[key]
 
 
-def resolve_input(spec, cache=None, dtype=None) -> str:
+def resolve_input(spec, cache=None, dtype=None, merge: bool = True) -> str:
     """The model folder to read for ``spec``: ``spec`` itself, or for ``BASE+ADAPTER`` the folder of the base
     with the adapter merged in (``cache``: the folder merged models are kept in, default the current
-    :func:`merge_cache`'s; ``dtype``: the merged tensors' dtype, default the current cache's, else the base's)."""
+    :func:`merge_cache`'s; ``dtype``: the merged tensors' dtype, default the current cache's, else the base's).
+    ``merge=False``: the folders checked, nothing merged or written, and the base's folder returned (the merged
+    folder has its tensors' names and shapes: a plan made on it refuses what the merged one's would)."""
     model, adapter = split_spec(spec)
     if adapter is None:
         return str(spec)
@@ -132,6 +134,8 @@ def resolve_input(spec, cache=None, dtype=None) -> str:
         raise SymmergeError(f"{spec}: the LoRA adapter {adapter!r} is not a folder here")
     if not (base / "config.json").is_file():
         raise SymmergeError(f"{spec}: {model} has no config.json (expected a Hugging Face model folder)")
+    if not merge:
+        return str(base)
     dtype = parse_dtype(dtype) or _cache["dtype"]
     directory = Path(cache).expanduser() if cache is not None else (_cache["dir"] or _temp_cache())
     out = directory / cache_name(base, ad, dtype)

@@ -139,8 +139,9 @@ class MergeOptions:
 
     def check(self, n: int) -> "MergeOptions":
         """Validate against ``n`` models before any expensive step; returns the validated options (a new
-        object: the method's parameters checked and completed, ``head_from`` counted from 0, the REPAIR
-        channels parsed); ``self`` is left as it is."""
+        object: the method's parameters checked and completed, the REPAIR channels parsed; ``anchor`` and
+        ``head_from``, indices into the models, checked 0..n-1 by :func:`~symmerge.option_ranges.model_index`,
+        a negative one refused); ``self`` is left as it is."""
         m = get_method(self.method)
         self._check_types()
         check_model_count(m, n, self.base is not None)
@@ -160,7 +161,7 @@ class MergeOptions:
                                     f"got {len(files)}")
             for spec in files:
                 if not isinstance(spec, Data):
-                    check_data_path(spec)
+                    check_data_path(spec, flag)
         if m.needs and not self.data:
             raise SymmergeError(f"method {m.name!r} needs data for its {m.needs} statistics: pass --data FILE")
         if m.needs == "activations" and len(self.data) > 1:
@@ -173,8 +174,10 @@ class MergeOptions:
         parse_size(self.shard_size)  # a size it cannot read: refused before the merge, in either mode
         if isinstance(self.anchor, int):  # an index (else a folder or a model): 0..n-1, checked with or without alignment
             model_index(self.anchor, n)
-        if not -n <= self.head_from < n:
-            raise SymmergeError(f"--head-from {self.head_from} out of range for {n} models")
+        elif isinstance(self.anchor, (str, Path)) and not Path(self.anchor).expanduser().exists():  # before any load
+            raise SymmergeError(f"--anchor {self.anchor}: no such folder (an index into the models, 0..{n - 1}, or a "
+                                "Hugging Face model folder)")
+        model_index(self.head_from, n, what="--head-from index")  # the same rule: 0..n-1, a negative one refused
         if self.weights is not None and len(self.weights) != n:
             raise SymmergeError(f"got {len(self.weights)} weights for {n} models")
         if self.repair and self.align.align_data is None:
@@ -191,7 +194,7 @@ class MergeOptions:
         check_range("joint_rounds", self.joint_rounds)  # the flag's declared range (symmerge/option_ranges.py)
         if self.joint_refine not in JOINT_REFINE:
             raise SymmergeError(f"unknown --joint-refine {self.joint_refine!r}; choose {', '.join(JOINT_REFINE)}")
-        return replace(self, params=params, head_from=self.head_from % n, repair_channels=channels)
+        return replace(self, params=params, repair_channels=channels)
 
     def _check_types(self) -> None:
         """The fields a user gives by hand, of the types they take: one :class:`UsageError` naming the field."""

@@ -60,7 +60,7 @@ def align_options(args, symmetries, **extra) -> AlignOptions:
         if is_generate(args.align_data):
             parse_generate(args.align_data)  # fail before loading any model
         else:
-            check_data_path(args.align_data)
+            check_data_path(args.align_data, "--align-data")
     extra.setdefault("workers", args.workers)
     return AlignOptions(symmetries=symmetries, rescale=args.rescale, residual=args.residual, untie=args.untie,
                         max_sweeps=args.max_sweeps, restarts=args.restarts, solver_budget=args.solver_budget,

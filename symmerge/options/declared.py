@@ -19,7 +19,8 @@ from ..pipeline.options import LEARN_STARTS  # --learn-start
 from ..pipeline.options import AUGMENT_STYLES  # --learn-augment-style
 from ..progress import MODES as PROGRESS_MODES
 from ..option_ranges import MINIMA
-from .parse import concentration, distill_lr, distill_steps
+from .parse import (channel_list, concentration, device_name, distill_lr, distill_steps, layer_list, lora_dtype,
+                    mergekit_size_text, method_name, param_item, positive, size_text, symmetry_list, weight_list)
 from .schema import Option, Table
 
 MERGE, ALIGN, BARRIER, RUN = "merge", "align", "barrier", "run"
@@ -68,35 +69,35 @@ OPTIONS = (
     opt("data", "--data", on=BARRIER, required=True,
         help="evaluation data (held out): .npz (images), .jsonl (text, label) or .txt (LM)"),
     opt("output", "-o", "--output", on=MODELS, required=True, help="output folder (must not exist or be empty)"),
-    opt("method", "--method", on=MERGE, required=True, help=f"fusion method: {', '.join(sorted(METHODS))}"),
-    opt("align", "--align", on=MERGE, default=RECOMMENDED_NAME, joins=True,
+    opt("method", "--method", on=MERGE, parse=method_name, required=True, help=f"fusion method: {', '.join(sorted(METHODS))}"),
+    opt("align", "--align", on=MERGE, parse=symmetry_list, default=RECOMMENDED_NAME, joins=True,
         help="symmetries to align before merging: " + describe_symmetries(
             f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them; residual is also left out when "
             "the task heads differ)")),
-    opt("align", "--align", on=BARRIER, form="append", joins=True,
+    opt("align", "--align", on=BARRIER, form="append", parse=symmetry_list, joins=True,
         help="alignment variant(s) compared with no alignment (repeatable): " + describe_symmetries(
             f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them)")),
     # align's own
-    opt("symmetries", "--symmetries", on=ALIGN, default=RECOMMENDED_NAME, joins=True,
+    opt("symmetries", "--symmetries", on=ALIGN, parse=symmetry_list, default=RECOMMENDED_NAME, joins=True,
         help=describe_symmetries(f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them; as for "
                                  f"merge and barrier). With --stream, {RECOMMENDED_NAME} leaves residual out (it "
                                  "cannot stream)")),
-    opt("layers", "--layers", on=ALIGN, joins=True, help="only align these layers, e.g. '0,1,5' (default: all)"),
+    opt("layers", "--layers", on=ALIGN, parse=layer_list, joins=True, help="only align these layers, e.g. '0,1,5' (default: all)"),
     opt("no_verify", "--no-verify", on=ALIGN, form="switch", default=False,
         help="skip the equivalence check (not recommended)"),
-    opt("verify_tol", "--verify-tol", on=ALIGN, parse=float,
+    opt("verify_tol", "--verify-tol", on=ALIGN, parse=float, minimum=0,
         help="max relative output difference accepted (default: 1e-6 fp64, 1e-4 fp32, 5e-2 half)"),
     opt("stream", "--stream", on=ALIGN, form="switch", default=False,
         help="layer by layer from safetensors shards, never holding a whole model in memory (attn, ffn, rescale; "
              "not residual): --match weights, or --match learned learned from the files one layer at a time "
              "(docs/results/learned_scale.md)"),
-    opt("shard_size", "--shard-size", on=ALIGN,  # None: not given (1GB with --stream; refused without it)
+    opt("shard_size", "--shard-size", on=ALIGN, parse=size_text,  # None: not given (1GB with --stream; refused without it)
         help="with --stream: largest output shard (default 1GB; without --pipeline shards are also cut at about one "
              "layer, to bound memory)"),
     opt("pipeline", "--pipeline", on=ALIGN, form="switch", default=False,
         help="with --stream: overlap reads, matching and writes across layers (faster when I/O is slow; holds a few "
              "layers in memory instead of one part of one)"),
-    opt("device", "--device", on=ALIGN, default="cpu",
+    opt("device", "--device", on=ALIGN, parse=device_name, default="cpu",
         help="where the FFN cost GEMMs run: cpu (default), cuda, cuda:N or auto"),
     opt("verify_forward", "--verify-forward", on=ALIGN, form="switch", default=False,
         help="with --stream: also load both models at the end and compare outputs (needs the RAM)"),
@@ -113,7 +114,7 @@ OPTIONS = (
     opt("star", "--star", on=MERGE, form="switch", default=False,
         help="with more than two models: align every model to one anchor (the default rule's, or --anchor) instead "
              "of jointly into one frame"),
-    opt("points", "--points", on=BARRIER, parse=int, default=B("points"),
+    opt("points", "--points", on=BARRIER, parse=int, minimum=2, default=B("points"),
         help="number of α values in [0, 1] (default 11)"),
     opt("joint_rounds", "--joint-rounds", on=MERGE, parse=int, minimum=MINIMA["joint_rounds"],
         default=M("joint_rounds"), metavar="N",
@@ -144,15 +145,15 @@ OPTIONS = (
         help="held-out data (.npz, .jsonl, .txt) the merged model and the inputs are scored on; once for all models "
              "or once per model (file i scored with model i's head). Without it the evaluation uses --data, and the "
              "report and stderr say so"),
-    opt("weights", "--weights", on=MERGE, help="comma-separated model weights, e.g. 0.7,0.3"),
-    opt("param", "--param", on=MERGE, form="append", default=[], metavar="KEY=VALUE",
+    opt("weights", "--weights", on=MERGE, parse=weight_list, help="comma-separated model weights, e.g. 0.7,0.3"),
+    opt("param", "--param", on=MERGE, form="append", parse=param_item, default=[], metavar="KEY=VALUE",
         help="method parameter, e.g. alpha=0.9 (regmean), scale=0.5, density=0.2, drop=0.9, seed=1"),
     opt("heads", "--heads", on=MERGE, choices=HEAD_POLICIES, default=M("heads"),
         help="heads outside the base model: auto (default: a language model's head, whose rows are the vocabulary, "
              "is merged like the embeddings; a task head is kept), keep one model's (--head-from), or merge them "
              "(same label space only)"),
     opt("head_from", "--head-from", on=MERGE, parse=int, default=M("head_from"),
-        help="index of the model whose head is kept (default 0)"),
+        help="index of the model whose head is kept (0-based: 0..N-1; default 0)"),
     opt("fisher", "--fisher", on=MERGE, choices=("empirical", "sampled"), default=M("fisher_variant"),
         help="Fisher variant: true labels (empirical) or labels sampled from the model"),
     opt("fisher_samples", "--fisher-samples", on=MERGE, parse=int, minimum=1, default=M("fisher_samples"),
@@ -166,7 +167,7 @@ OPTIONS = (
         help="use at most this many examples per file"),
     opt("max_examples", "--max-examples", on=BARRIER, parse=int, minimum=1),
     opt("max_length", "--max-length", on=MERGE, parse=int, minimum=1, help="truncate texts to this many tokens"),
-    opt("device", "--device", on=STUDIES, default="cpu", help="cpu (default), cuda, cuda:N or auto"),
+    opt("device", "--device", on=STUDIES, parse=device_name, default="cpu", help="cpu (default), cuda, cuda:N or auto"),
     opt("no_verify", "--no-verify", on=STUDIES, form="switch", default=False,
         help="skip the equivalence check of each alignment"),
     opt("allow_pickle", "--allow-pickle", on=STUDIES, form="switch", default=False,
@@ -179,7 +180,7 @@ OPTIONS = (
              "docs/merge.md, Merge configs)"),
     opt("out", on=RUN, form="positional", nargs="?", help="output folder (as mergekit-yaml CONFIG OUT)"),
     opt("output", "-o", "--output", on=RUN, help="output folder (the same as OUT)"),
-    opt("align", "--align", on=RUN, metavar="recommended|LIST",
+    opt("align", "--align", on=RUN, parse=symmetry_list, metavar="recommended|LIST",
         help="align every model into one frame first, then run the config on the aligned models (gradients, "
              "filters, slices and all; the frame as symmerge merge chooses it: the base model's, else the second of "
              "two, else joint); a mergekit config is merged without alignment unless asked (here or with 'align:' in "
@@ -196,7 +197,7 @@ OPTIONS = (
         help="stream: merge tensor by tensor from the safetensors files (memory ~ the largest tensors, any model "
              "size; per-tensor methods without alignment); memory: load the models; auto (default): stream whatever "
              "can stream, else load"),
-    opt("shard_size", "--shard-size", on=MERGE, default=M("shard_size"),
+    opt("shard_size", "--shard-size", on=MERGE, parse=size_text, default=M("shard_size"),
         help="the output's largest shard, streamed or written from memory (default 2GB; a tensor larger than it is "
              "a shard of its own)"),
     opt("print_plan", "--print-plan", on=MERGE, form="switch", default=False,
@@ -225,7 +226,8 @@ OPTIONS = (
     opt("lora_merge_cache", "--lora-merge-cache", on={MERGE, "run", "extract-lora"}, metavar="DIR", part="lora",
         help="merge models given as BASE+ADAPTER (a PEFT LoRA adapter) into DIR and reuse them on a later run (as "
              "mergekit; default: a temporary folder removed at exit)"),
-    opt("lora_merge_dtype", "--lora-merge-dtype", on={MERGE, "run", "extract-lora"}, metavar="DTYPE", part="lora",
+    opt("lora_merge_dtype", "--lora-merge-dtype", on={MERGE, "run", "extract-lora"}, parse=lora_dtype, metavar="DTYPE",
+        part="lora",
         help="dtype of the models merged from BASE+ADAPTER inputs (default: the base's)"),
     # every flag of mergekit-yaml 0.1.5, with its effect in symmerge run or as a documented no-op (docs/configs.md)
     opt("copy_tokenizer", "--copy-tokenizer", on=RUN, part=MERGEKIT, form="onoff", default=True,
@@ -235,18 +237,18 @@ OPTIONS = (
         help="write README.md (the model card) and mergekit_config.yml (the config; symmerge_config.yml for a config "
              "of symmerge's keys) beside the model (default on, "
              "as mergekit); symmerge_report.json is always written"),
-    opt("out_shard_size", "--out-shard-size", on=RUN, part=MERGEKIT, metavar="SIZE",
+    opt("out_shard_size", "--out-shard-size", on=RUN, part=MERGEKIT, parse=mergekit_size_text, metavar="SIZE",
         help="largest output shard, as mergekit: 5B (bytes, K/M/B suffixes) or 2GB"),
     opt("random_seed", "--random-seed", on=RUN, part=MERGEKIT, parse=int, metavar="N",
         help="seed of the randomised methods (DARE, DELLA): their 'seed' parameter"),
     opt("cuda", "--cuda", on=RUN, part=MERGEKIT, form="onoff", default=False,
         help="merge on the GPU when there is one (tensors read and written on the CPU; without a GPU, a warning and "
              "the CPU)"),
-    opt("device", "--device", on=RUN, part=MERGEKIT, metavar="DEVICE",
+    opt("device", "--device", on=RUN, part=MERGEKIT, parse=device_name, metavar="DEVICE",
         help="device the merge arithmetic runs on (cpu, cuda, cuda:N)"),
     opt("gpu_rich", "--gpu-rich", on=RUN, part=MERGEKIT, form="switch", default=False,
         help="as mergekit: --cuda (and its no-ops below)"),
-    opt("num_threads", "-j", "--num-threads", on=RUN, part=MERGEKIT, parse=int, metavar="N",
+    opt("num_threads", "-j", "--num-threads", on=RUN, part=MERGEKIT, parse=int, minimum=1, metavar="N",
         help="torch threads for the merge arithmetic (default: torch's)"),
     opt("quiet", "--quiet", on=RUN, part=MERGEKIT, form="onoff", default=False,
         help="no progress on stderr (--progress none)"),
@@ -285,7 +287,7 @@ OPTIONS = (
         default=default(A, "max_sweeps"),
         help="cap on the coordinate-descent sweeps over the coupled groups (default 200; it stops earlier when a "
              "sweep lowers the objective by less than 1e-4 of it, and warns at the cap)"),
-    opt("restarts", "--restarts", on=ALIGNING, part=ALIGNMENT, parse=int, metavar="N",
+    opt("restarts", "--restarts", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=0, metavar="N",
         help="data-free solver: after its plain starts (the usual one, the identity, both models in a canonical "
              "frame), N restarts from the best so far (its stream kicked, two heads or two blocks of FFN units "
              "swapped, a random stream), each followed by the whole descent (e.g. 5: seconds on a small ViT, minutes "
@@ -298,13 +300,13 @@ OPTIONS = (
              "depends on the machine's speed); 0: the first descent alone"),
     opt("solver_seed", "--solver-seed", on=ALIGNING, part=ALIGNMENT, parse=int, default=default(A, "solver_seed"),
         help="data-free solver: the restarts' seed (default 0)"),
-    opt("ends_weight", "--ends-weight", on=ALIGNING, part=ALIGNMENT, parse=float, metavar="W",
+    opt("ends_weight", "--ends-weight", on=ALIGNING, part=ALIGNMENT, parse=positive, metavar="W",
         default=default(A, "ends_weight"),
         help="data-free solver: count the residual stream's ends (embeddings, task heads, norms, the writers' "
              "biases: the tensors no per-layer group moves) W times in the weight distance it minimises (default 1; "
              "10 lowered B1's barrier 0.53 -> 0.44 and three held-out ViT pairs' mean 0.345 -> 0.315, though not "
              "every pair: docs/results/datafree_frontier.md)"),
-    opt("depth_decay", "--depth-decay", on=ALIGNING, part=ALIGNMENT, parse=float, metavar="F",
+    opt("depth_decay", "--depth-decay", on=ALIGNING, part=ALIGNMENT, parse=positive, metavar="F",
         default=default(A, "depth_decay"),
         help="data-free solver: weigh the layers' tensors less with depth in the weight distance it minimises, "
              "geometrically from the first layer (once) to the last (1/F) (default 1: every layer once; 10 lowered "
@@ -373,7 +375,7 @@ OPTIONS = (
              "at the plain average, each model weighted 1/N (the merge's own weights); auto (the default): C chosen "
              f"from {', '.join(f'{c:g}' for c in L.dirichlet_grid)} on a held-out {L.dirichlet_holdout * 100:g}%% "
              "of --align-data by the objective at the uniform mixture (the report's learned.dirichlet_choice)"),
-    opt("workers", "--workers", on=ALIGNING, part=ALIGNMENT, parse=int,
+    opt("workers", "--workers", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=1,
         help="FFN layers (cost GEMM + exact assignment) solved at once on a thread pool, beside the head groups "
              "(default: one per core; 1: one thing after another on one thread; the result is the same). align "
              "--stream: only with --pipeline (default 2 there), the low-memory mode solves one part of one layer at "
@@ -386,12 +388,13 @@ OPTIONS = (
         help="REPAIR: reset the per-channel means and standard deviations of the merged model (FFN pre-activations, "
              "norm outputs) to the interpolation of the endpoints', on --align-data, folded into weights and biases "
              "(architecture unchanged)"),
-    opt("repair_channels", "--repair-channels", on=STUDIES, part=REPAIR, default="ffn,norm", metavar="LIST",
+    opt("repair_channels", "--repair-channels", on=STUDIES, part=REPAIR, parse=channel_list, default="ffn,norm",
+        metavar="LIST",
         joins=True,
         help="the channels --repair corrects, comma-separated: ffn (FFN pre-activations), norm (norm outputs), "
              "attn_out, mlp_out (the stream writers), qk (per head, the RMS of queries and keys: the attention "
              "logits' scale); default ffn,norm"),
-    opt("repair_samples", "--repair-samples", on=STUDIES, part=REPAIR, parse=int, metavar="N",
+    opt("repair_samples", "--repair-samples", on=STUDIES, part=REPAIR, parse=int, minimum=1, metavar="N",
         help="REPAIR's statistics on the first N examples of --align-data (default: all)"),
     opt("progress", "--progress", on=MODELS | {"moe", "extract-lora", "demo"}, part="progress",
         choices=PROGRESS_MODES, default="auto",
@@ -484,11 +487,11 @@ OPTIONS += (
         help="a mergekit-moe YAML config (base_model, experts, gate_mode, dtype, ...)"),
     opt("out", on=MOE, part=MOE, form="positional", nargs="?", help="output folder (absent or empty)"),
     opt("output", "-o", "--output", on=MOE, part=MOE, help="output folder (the same as OUT)"),
-    opt("device", "--device", on=MOE, part=MOE, default="cpu",
+    opt("device", "--device", on=MOE, part=MOE, parse=device_name, default="cpu",
         help="where the hidden-state pass (gate_mode hidden) runs: cpu (default), cuda, cuda:N, auto"),
     opt("random_seed", "--random-seed", on=MOE, part=MOE, parse=int, default=0, metavar="N",
         help="seed of gate_mode random's router rows (default 0)"),
-    opt("out_shard_size", "--out-shard-size", on=MOE, part=MOE, metavar="SIZE",
+    opt("out_shard_size", "--out-shard-size", on=MOE, part=MOE, parse=mergekit_size_text, metavar="SIZE",
         help="largest output shard: 5B (as mergekit: bytes with K/M/B suffixes, the default) or 2GB"),
     opt("allow_crimes", "--allow-crimes", on=MOE, part=MOE, form="switch", default=False,
         help="experts of another family than the base (Llama experts in a Mistral base), as mergekit"),
@@ -497,14 +500,14 @@ OPTIONS += (
     opt("align", "--align", on=MOE, part=MOE, form="switch", default=False,
         help="align every expert to the base model first, so that experts trained apart sit in the base's frame "
              "(with --symmetries and the alignment flags of symmerge align)"),
-    opt("symmetries", "--symmetries", on=MOE, part=MOE, default=RECOMMENDED_NAME,
+    opt("symmetries", "--symmetries", on=MOE, part=MOE, parse=symmetry_list, default=RECOMMENDED_NAME,
         help="with --align: the symmetries aligned (as symmerge align; default recommended)"),
     opt("align_stream", "--align-stream", on=MOE, part=MOE, form="switch", default=False,
         help="with --align: align each expert layer by layer from its checkpoint (symmerge align --stream)"),
     *(opt(_dest(f), f, on=MOE, part=MOE_MERGEKIT, form="switch", default=False, help=why)
       for f, why in MOE_NO_OPS.items()),
     *(opt(_dest(f), f, on=MOE, part=MOE_MERGEKIT, metavar="VALUE", help=why) for f, why in MOE_VALUE_NO_OPS.items()),
-    opt("num_threads", "-j", "--num-threads", on=MOE, part=MOE_MERGEKIT, parse=int, metavar="N",
+    opt("num_threads", "-j", "--num-threads", on=MOE, part=MOE_MERGEKIT, parse=int, minimum=1, metavar="N",
         help="torch's CPU threads for the hidden-state pass"),
     opt("v", "-v", on=MOE, part=MOE_MERGEKIT, form="count", default=0,
         help="accepted: progress lines are shown by default"),
@@ -515,7 +518,7 @@ OPTIONS += (
     opt("base", on=EXTRACT, part=EXTRACT, form="positional", nargs="?", help="its base model (HF folder)"),
     opt("output", "-o", "--output", "--out-path", on=EXTRACT, part=EXTRACT,
         help="output folder: the PEFT adapter (must not exist or be empty)"),
-    opt("rank", "--rank", "--max-rank", on=EXTRACT, part=EXTRACT, parse=int, default=128, metavar="R",
+    opt("rank", "--rank", "--max-rank", on=EXTRACT, part=EXTRACT, parse=int, minimum=1, default=128, metavar="R",
         help="largest rank of a layer's LoRA (default 128, as mergekit)"),
     opt("model_flag", "--model", on=EXTRACT, part=EXTRACT, help="the fine-tuned model (as FINETUNE)"),
     opt("base_flag", "--base-model", on=EXTRACT, part=EXTRACT, help="the base model (as BASE)"),
@@ -529,7 +532,7 @@ OPTIONS += (
         metavar="REGEX", help="leave out modules whose name matches (repeatable)"),
     opt("include", "-i", "--include-regex", "--include-regexes", on=EXTRACT, part=EXTRACT, form="append", default=[],
         metavar="REGEX", help="only modules whose name matches (repeatable)"),
-    opt("sv_epsilon", "--sv-epsilon", on=EXTRACT, part=EXTRACT, parse=float, default=0.0, metavar="EPS",
+    opt("sv_epsilon", "--sv-epsilon", on=EXTRACT, part=EXTRACT, parse=float, minimum=0, default=0.0, metavar="EPS",
         help="drop singular values at or below EPS (a layer's rank may fall below R)"),
     opt("skip_undecomposable", "--skip-undecomposable", on=EXTRACT, part=EXTRACT, form="switch", default=False,
         help="leave out modules that are neither linear layers nor embeddings (norms) instead of saving them whole"),
@@ -539,9 +542,9 @@ OPTIONS += (
              "error in the report"),
     opt("random_seed", "--random-seed", on=EXTRACT, part=EXTRACT, parse=int, default=0, metavar="N",
         help="seed of --svd lowrank"),
-    opt("device", "--device", on=EXTRACT, part=EXTRACT, help="where the SVDs run: cpu (default), cuda, cuda:N"),
+    opt("device", "--device", on=EXTRACT, part=EXTRACT, parse=device_name, help="where the SVDs run: cpu (default), cuda, cuda:N"),
     opt("cuda", "--cuda", on=EXTRACT, part=EXTRACT, form="onoff", default=False, help="--device cuda"),
-    opt("num_threads", "-j", "--num-threads", on=EXTRACT, part=EXTRACT, parse=int, metavar="N",
+    opt("num_threads", "-j", "--num-threads", on=EXTRACT, part=EXTRACT, parse=int, minimum=1, metavar="N",
         help="torch's CPU threads"),
     opt("write_model_card", "--write-model-card", on=EXTRACT, part=EXTRACT, form="onoff", default=True,
         help="write a README.md model card (default)"),

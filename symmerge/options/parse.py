@@ -37,6 +37,96 @@ def distill_lr(text):
     return check_lr(text)
 
 
+def method_name(text: str) -> str:
+    """``--method NAME``: a method of the registry (:func:`symmerge.merge.registry.get_method`: an unknown name is
+    its one line, with the close name), read as the flag is read, so that the refusal names the command and the
+    flag (and a config's ``method`` key its line)."""
+    from ..merge.registry import get_method
+
+    get_method(text)
+    return text
+
+
+def positive(text) -> float:
+    """``--ends-weight``, ``--depth-decay``: a finite number > 0 (the API's range,
+    :class:`~symmerge.pipeline.options.AlignOptions`)."""
+    import math
+
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise OptionValueError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def mergekit_size(text):
+    """mergekit's ``--out-shard-size`` (``5B``: 5e9 bytes; K, M, B suffixes) or symmerge's (``2GB``); None: 5GB,
+    mergekit's default."""
+    if text is None:
+        return "5GB"
+    t = str(text).strip().upper()
+    for suffix, mult in (("K", 10 ** 3), ("M", 10 ** 6), ("B", 10 ** 9)):
+        if t.endswith(suffix) and t[:-1].replace(".", "", 1).isdigit():
+            return str(int(float(t[:-1]) * mult))
+    return text
+
+
+def _kept(check, name: str):
+    """A flag's reader that refuses what ``check`` refuses and keeps the text (the option's value stays the text its
+    users read): the refusal is argparse's line naming the command and the flag, and a config key's line."""
+    def read(text):
+        check(text)
+        return text
+
+    read.__name__ = name
+    return read
+
+
+def _device(text):
+    from ..device import resolve_device
+
+    resolve_device(text)
+
+
+def _symmetries(text):
+    from ..pipeline.options import parse_symmetries
+
+    parse_symmetries(text)
+
+
+def _channels(text):
+    from ..merge.repair import parse_channels
+
+    parse_channels(text)
+
+
+def _size(text):
+    from ..io.checkpoint import parse_size
+
+    parse_size(text)
+
+
+def _lora_dtype(text):
+    from ..io.lora import parse_dtype
+
+    parse_dtype(text)
+
+
+# the readers of the options whose value is text checked for its form before any work (their refusals were the
+# commands' own ``symmerge: error:`` lines, after parsing: ``--weights x``, ``--device bogus``...)
+device_name = _kept(_device, "device")  # cpu, cuda, cuda:N or auto, a GPU there for cuda
+symmetry_list = _kept(_symmetries, "symmetries")
+weight_list = _kept(lambda text: parse_weights(text), "weights")
+param_item = _kept(lambda text: parse_params([text]), "KEY=VALUE")
+layer_list = _kept(lambda text: parse_layers(text), "layers")
+channel_list = _kept(_channels, "channels")
+size_text = _kept(_size, "size")
+mergekit_size_text = _kept(lambda text: _size(mergekit_size(text)), "size")
+lora_dtype = _kept(_lora_dtype, "dtype")
+
+
 def parse_value(text: str):
     """A method parameter's value: true/false, an int, a float, else the text."""
     low = text.strip().lower()

@@ -185,8 +185,9 @@ def test_workers_flag_on_merge_and_barrier_changes_nothing_but_the_threads(pair,
         c1, c2 = curves["1"]["curves"][name], curves["2"]["curves"][name]
         assert c1["loss"] == c2["loss"] and c1["barrier"] == c2["barrier"]
     capsys.readouterr()
-    assert run_cli("merge", a, b, "--method", "average", "--workers", "0", "-o", tmp_path / "bad") != 0
-    assert "workers must be a whole number >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # the flag's declared range: argparse's line
+        run_cli("merge", a, b, "--method", "average", "--workers", "0", "-o", tmp_path / "bad")
+    assert refused.value.code == 2 and "argument --workers: must be >= 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
 
 

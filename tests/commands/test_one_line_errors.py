@@ -128,7 +128,10 @@ def test_a_misspelt_method_says_which(capsys, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     capsys.readouterr()
-    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "OUT"), "--method", "dare_tie", "--align", "none"]) == 2
+    with pytest.raises(SystemExit) as refused:  # read by the flag: argparse's line, naming the command and the flag
+        main(["merge", str(a), str(b), "-o", str(tmp_path / "OUT"), "--method", "dare_tie", "--align", "none"])
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and "unknown merge method 'dare_tie' (did you mean 'dare_ties'?)" in err[0], err
+    assert refused.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("symmerge merge: error: argument --method: unknown merge method 'dare_tie' (did you "
+                             "mean 'dare_ties'?)") and err[0].endswith("(see symmerge merge --help)"), err
     assert not (tmp_path / "OUT").exists()

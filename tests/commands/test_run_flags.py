@@ -132,7 +132,9 @@ def test_cuda_and_device(config, reference, tmp_path, capsys, flags):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
 def test_device_cuda_without_a_gpu_is_one_error(config, tmp_path, capsys):
-    assert run_cli("run", config, tmp_path / "o", "--device", "cuda") == 2
+    with pytest.raises(SystemExit) as refused:  # read by the flag: argparse's line, naming the command and the flag
+        run_cli("run", config, tmp_path / "o", "--device", "cuda")
+    assert refused.value.code == 2
     err = capsys.readouterr().err
     assert "no CUDA device is available" in err and err.count("\n") == 1 and not (tmp_path / "o").exists()
 
@@ -165,9 +167,11 @@ def test_no_safe_serialization_warns_and_writes_safetensors(config, reference, t
 
 
 def test_bad_flag_values_are_one_line(config, tmp_path, capsys):
-    assert run_cli("run", config, tmp_path / "o", "--num-threads", "0") == 2
+    with pytest.raises(SystemExit) as refused:  # the flag's declared range: argparse's line
+        run_cli("run", config, tmp_path / "o", "--num-threads", "0")
     err = capsys.readouterr().err
-    assert "--num-threads: a positive number of threads" in err and err.count("\n") == 1
+    assert refused.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("symmerge run: error: argument -j/--num-threads: must be >= 1, got 0"), err
     assert not (tmp_path / "o").exists()
 
 

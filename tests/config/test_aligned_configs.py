@@ -131,7 +131,7 @@ def test_slices_of_models_of_two_shapes_are_one_error(strangers, tmp_path, capsy
     ("align: [wobble]\n", "line 9: "),
     ("align: [attn, ffn]\nstar: maybe\n", "line 10: 'star' is a switch"),
     # the alignment keys follow the options schema: the data-free search's and learn_layerwise are keys too
-    ("align: [attn, ffn]\nrestarts: -1\n", "restarts must be a whole number >= 0"),
+    ("align: [attn, ffn]\nrestarts: -1\n", "line 10: --restarts must be >= 0, got -1"),
     ("align: [attn, ffn]\nsolver_budget: soon\n", "line 10: "),
 ])
 def test_bad_alignment_keys_name_their_line(strangers, tmp_path, capsys, text, message):

@@ -153,9 +153,9 @@ def test_cli_flags_and_report(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--rank", "0"], "--rank must be a positive integer"),
-    (["--rank", "-3"], "--rank must be a positive integer"),
-    (["--sv-epsilon", "-1"], "--sv-epsilon must be a number >= 0"),
+    (["--rank", "0"], "argument --rank/--max-rank: must be >= 1, got 0"),  # the flags' ranges: argparse's lines
+    (["--rank", "-3"], "argument --rank/--max-rank: must be >= 1, got -3"),
+    (["--sv-epsilon", "-1"], "argument --sv-epsilon: must be >= 0, got -1"),
     (["-e", "("], "not a regular expression"),
     (["--allow-crimes"], "--allow-crimes"),
     (["--no-safe-serialization"], "safetensors only"),
@@ -163,9 +163,13 @@ def test_cli_flags_and_report(tmp_path, capsys):
 def test_bad_flags_one_line(tmp_path, capsys, argv, message):
     base = make_base(tmp_path / "base")
     capsys.readouterr()
-    assert main(["extract-lora", str(base), str(base), "-o", str(tmp_path / "o"), *argv, "--progress", "none"]) == 2
+    try:
+        rc = main(["extract-lora", str(base), str(base), "-o", str(tmp_path / "o"), *argv, "--progress", "none"])
+    except SystemExit as e:  # argparse's refusal of a flag's value
+        rc = e.code
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("symmerge: error:") and message in err[0]
+    heading = "symmerge extract-lora: error: " if message.startswith("argument ") else "symmerge: error:"
+    assert rc == 2 and len(err) == 1 and err[0].startswith(heading) and message in err[0], err
     assert not (tmp_path / "o").exists()
 
 

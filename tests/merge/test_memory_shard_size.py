@@ -69,8 +69,11 @@ def test_the_largest_shard_is_bounded_in_both_modes(two, tmp_path, capsys, flags
 def test_a_bad_size_is_refused_before_the_merge(two, tmp_path, capsys):
     out = tmp_path / "out"
     capsys.readouterr()
-    assert run_cli("merge", *two, "-o", out, "--method", "average", "--mode", "memory", "--shard-size", "big",
-                   "--progress", "none") == 2
+    with pytest.raises(SystemExit) as refused:  # read by the flag: argparse's line, naming the command and the flag
+        run_cli("merge", *two, "-o", out, "--method", "average", "--mode", "memory", "--shard-size", "big",
+                "--progress", "none")
     captured = capsys.readouterr()
-    assert captured.err == "symmerge: error: cannot read size 'big'; use e.g. 500MB or 2GB\n", captured.err
+    assert refused.value.code == 2 and captured.err == (
+        "symmerge merge: error: argument --shard-size: cannot read size 'big'; use e.g. 500MB or 2GB "
+        "(see symmerge merge --help)\n"), captured.err
     assert "merged" not in captured.out and not out.exists()

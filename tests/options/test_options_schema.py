@@ -36,6 +36,10 @@ def _argv(command, models, keys) -> list[str]:
     return [*models, *[x for k, v in keys.items() for x in (TABLE.get(command, k).flag, str(v))]]
 
 
+VALID = {"align": "attn,ffn", "symmetries": "attn,ffn", "layers": "0,1", "device": "cpu:0",
+         "lora_merge_dtype": "bfloat16", "repair_channels": "ffn,attn_out", "shard_size": "3GB"}
+
+
 def sample(option):
     """(what a config writes, what the command line writes) for a value of ``option`` other than its default,
     chosen from its declaration: its last choice, a number above its minimum, a switch turned the other way."""
@@ -55,6 +59,8 @@ def sample(option):
         value = "0.25,0.75"
     elif option.name == "param":
         value = "density=0.4"
+    elif option.name in VALID:  # text read by a reader of its own (symmerge.options.parse): a value it takes
+        value = VALID[option.name]
     elif option.parse is not None:  # --learn-dirichlet: a number or 'auto'
         value = 2.5
     else:
@@ -62,7 +68,7 @@ def sample(option):
     if option.form == "append":
         return [value, value], [option.flag, str(value), option.flag, str(value)]
     if option.joins and isinstance(value, str) and option.name != "weights":
-        return ["a", "b"], [option.flag, "a,b"]
+        return value.split(","), [option.flag, value]
     return value, [option.flag, str(value)]
 
 
@@ -116,31 +122,35 @@ def test_a_value_out_of_range_is_the_same_line_from_a_flag_and_a_key(tmp_path, c
     keys = {**required, name: low}
     with pytest.raises(SymmergeError) as key:
         values(SymmergeConfig(command, models, None, {}, keys, _doc(tmp_path, keys)))
-    assert str(flag.value) == f"{option.flag} must be >= {option.minimum:g}, got {low}"
-    assert str(key.value) == f"{tmp_path / 'c.yml'} line {len(keys)}: {flag.value}"
+    words = f"must be >= {option.minimum:g}, got {low}"  # argparse's line names the flag: the key's line, its flag
+    assert str(flag.value) == f"argument {option.flag}: {words}"
+    assert str(key.value) == f"{tmp_path / 'c.yml'} line {len(keys)}: {option.flag} {words}"
     option.in_range(option.minimum)  # the bound itself is accepted
 
 
 def test_out_of_range_on_the_command_line_and_in_a_run_config_is_one_line(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["merge", "a", "b", "--method", "average", "--joint-rounds", "-1", "-o", str(out)]) == 2
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal, naming the command and the flag
+        main(["merge", "a", "b", "--method", "average", "--joint-rounds", "-1", "-o", str(out)])
+    assert refused.value.code == 2
     flag_err = capsys.readouterr().err
     cfg = tmp_path / "c.yml"
     cfg.write_text("merge_method: average\nmodels: [a, b]\njoint_rounds: -1\n")
     assert main(["run", str(cfg), str(out)]) == 2
     key_err = capsys.readouterr().err
-    assert flag_err == "symmerge: error: --joint-rounds must be >= 0, got -1\n"
+    assert flag_err == ("symmerge merge: error: argument --joint-rounds: must be >= 0, got -1 "
+                        "(see symmerge merge --help)\n")
     assert key_err == f"symmerge: error: {cfg} line 3: --joint-rounds must be >= 0, got -1\n"
     assert not out.exists()
 
 
 def test_options_are_immutable_once_validated():
-    opts = MergeOptions(method="average", head_from=-1, repair_channels="ffn, norm")
+    opts = MergeOptions(method="average", head_from=2, repair_channels="ffn, norm")
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.head_from = 0
     checked = opts.check(3)
     assert checked is not opts and checked.head_from == 2 and checked.repair_channels == ("ffn", "norm")
-    assert opts.head_from == -1 and opts.repair_channels == "ffn, norm"  # the object given is left as it is
+    assert opts.repair_channels == "ffn, norm"  # the object given is left as it is
     assert checked.check(3) == checked  # validating the validated changes nothing
     with pytest.raises(dataclasses.FrozenInstanceError):
         symmerge.BarrierOptions().points = 3
@@ -150,10 +160,10 @@ def test_the_plan_keeps_the_validated_options_and_the_merge_runs_on_them(tmp_pat
     from symmerge.merge.plan import plan_merge
 
     folders = [str(vit_folder(tmp_path / f"vit{s}", s)) for s in (0, 1, 2)]
-    given = MergeOptions(method="task_arithmetic", base=folders[2], head_from=-1, progress=False, evaluate=False,
+    given = MergeOptions(method="task_arithmetic", base=folders[2], head_from=1, progress=False, evaluate=False,
                          align=AlignOptions(symmetries="none"), params={"scale": 0.5})
     plan = plan_merge(folders[:2], given, mode="stream")
-    assert plan.options == given.check(2) and plan.options.head_from == 1 and given.head_from == -1
+    assert plan.options == given.check(2) and plan.options.head_from == 1
     assert plan.options.params != given.params  # the method's defaults filled in on the copy only
     report = symmerge.merge(folders[:2], tmp_path / "out", given)
     assert report["head"]["from_index"] == 1 and report["params"] == plan.options.params

@@ -127,12 +127,12 @@ def test_merge_report_and_output_label_the_distilled_model(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--distill", "-3", "--align-data", "D"], "--distill takes a number of steps >= 0, got -3"),
+    (["--distill", "-3", "--align-data", "D"], "argument --distill: takes a number of steps >= 0, got -3"),
     (["--distill", "5"], "--distill needs unlabeled data to distil on: pass --align-data FILE"),
-    (["--distill", "5", "--distill-lr", "0", "--align-data", "D"], "--distill-lr must be a positive number, got 0.0"),
-    (["--distill", "5", "--distill-lr", "nan", "--align-data", "D"], "--distill-lr must be a positive number"),
-    (["--distill", "5", "--distill-lr", "fast", "--align-data", "D"], "--distill-lr must be a positive number, got 'fast'"),
-    (["--distill", "2.5", "--align-data", "D"], "--distill takes a number of steps >= 0, got '2.5'"),
+    (["--distill", "5", "--distill-lr", "0", "--align-data", "D"], "argument --distill-lr: must be a positive number, got 0.0"),
+    (["--distill", "5", "--distill-lr", "nan", "--align-data", "D"], "argument --distill-lr: must be a positive number"),
+    (["--distill", "5", "--distill-lr", "fast", "--align-data", "D"], "argument --distill-lr: must be a positive number, got 'fast'"),
+    (["--distill", "2.5", "--align-data", "D"], "argument --distill: takes a number of steps >= 0, got '2.5'"),
     (["--distill", "5", "--mode", "stream", "--align-data", "D"], "distillation needs the models in memory"),
 ])
 def test_bad_values_are_refused_in_one_line(tmp_path, capsys, argv, message):
@@ -141,18 +141,30 @@ def test_bad_values_are_refused_in_one_line(tmp_path, capsys, argv, message):
     argv = [data if x == "D" else x for x in argv]
     out = tmp_path / "out"
     capsys.readouterr()  # the fixtures' own output
-    assert run_cli("merge", m0, m1, "--method", "average", *argv, "-o", out) == 2
+    assert _exit_code(run_cli, "merge", m0, m1, "--method", "average", *argv, "-o", out) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("symmerge: error: ") and message in err[0], err
+    # a value the flag's reader refuses: argparse's line naming the command; a check of the whole: symmerge's
+    heading = "symmerge merge: error: " if message.startswith("argument ") else "symmerge: error: "
+    assert len(err) == 1 and err[0].startswith(heading) and message in err[0], err
+    assert not message.startswith("argument ") or err[0].startswith(heading + message), err
     assert not out.exists() or not any(out.iterdir())
 
 
 def test_not_a_number_is_refused_in_one_line(tmp_path, capsys):
     m0, m1 = vit_folder(tmp_path / "m0", seed=0), vit_folder(tmp_path / "m1", seed=1)
     capsys.readouterr()
-    assert run_cli("merge", m0, m1, "--method", "average", "--distill", "many", "-o", tmp_path / "o") == 2
+    assert _exit_code(run_cli, "merge", m0, m1, "--method", "average", "--distill", "many", "-o", tmp_path / "o") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["symmerge: error: --distill takes a number of steps >= 0, got 'many'"], err
+    assert err == ["symmerge merge: error: argument --distill: takes a number of steps >= 0, got 'many' "
+                   "(see symmerge merge --help)"], err
+
+
+def _exit_code(call, *argv) -> int:
+    """``call(*argv)``'s exit code: returned, or argparse's ``SystemExit``'s."""
+    try:
+        return call(*argv)
+    except SystemExit as e:
+        return e.code
 
 
 def test_api_refuses_bad_settings():

@@ -40,7 +40,7 @@ def test_the_flags_the_keys_and_the_api_read_the_same(tmp_path, style, views):
 
 
 BAD = [(["--learn-augment-style", "wild"], "argument --learn-augment-style: invalid choice: 'wild'"),
-       (["--learn-augment", "-1"], "symmerge: error: --learn-augment must be >= 0, got -1"),
+       (["--learn-augment", "-1"], "argument --learn-augment: must be >= 0, got -1"),
        (["--learn-augment", "two"], "argument --learn-augment: invalid int value: 'two'")]
 
 

@@ -185,9 +185,11 @@ def test_cli_flags_report_and_summary(tmp_path, capsys):
     assert "data-free solver: kept" in capsys.readouterr().out
     models = json.loads((tmp_path / "m" / "symmerge_report.json").read_text())["alignment"]["models"]
     assert any(m.get("solver", {}).get("restarts") == 1 for m in models)
-    assert run_cli("align", a, b, "-o", tmp_path / "bad", "--restarts", "-1") == 2
+    with pytest.raises(SystemExit) as refused:  # the flag's declared range: argparse's line, naming the command
+        run_cli("align", a, b, "-o", tmp_path / "bad", "--restarts", "-1")
     err = capsys.readouterr().err
-    assert err.strip().count("\n") == 0 and "symmerge: error: restarts must be" in err
+    assert refused.value.code == 2 and err.strip().count("\n") == 0
+    assert "symmerge align: error: argument --restarts: must be >= 0, got -1" in err
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
 
 
