@@ -67,6 +67,9 @@ class ExtractOptions:
         if not (isinstance(self.sv_epsilon, (int, float)) and math.isfinite(self.sv_epsilon)
                 and self.sv_epsilon >= 0):
             raise SymmergeError(f"--sv-epsilon must be a number >= 0, got {self.sv_epsilon!r}")
+        from ..device import resolve_device
+
+        resolve_device(self.device)  # a device torch cannot name, or cuda without one: one line, before any work
         if self.svd not in SVDS:
             raise SymmergeError(f"--svd is one of {', '.join(SVDS)}, got {self.svd!r}")
         for flag, patterns in (("--exclude-regex", self.exclude_regexes), ("--include-regex", self.include_regexes)):
@@ -150,6 +153,22 @@ def _unmatched_save_modules(kinds: dict, options: ExtractOptions) -> list[str]:
             for s in options.save_modules if s not in lasts and s not in names]
 
 
+def _unmatched_regexes(kinds: dict, options: ExtractOptions) -> list[str]:
+    """A warning for each ``--include-regex`` / ``--exclude-regex`` that matches no module of the fine-tune (a
+    misspelt pattern, mostly: it selects or leaves out nothing); when no ``--include-regex`` matches any module,
+    one error (the adapter would hold no LoRA module at all)."""
+    names = [name for name, *_ in kinds["modules"]]
+    missed = {flag: [p for p in patterns if not any(re.search(p, n) for n in names)]
+              for flag, patterns in (("--include-regex", options.include_regexes),
+                                     ("--exclude-regex", options.exclude_regexes))}
+    if names and options.include_regexes and len(missed["--include-regex"]) == len(options.include_regexes):
+        raise SymmergeError(f"nothing to extract: --include-regex {', '.join(map(repr, options.include_regexes))} "
+                            f"matches no module of the fine-tune (its modules are named like {names[0]})")
+    return [f"{flag} {p!r}: matches no module of the fine-tune (e.g. {names[0]}); it "
+            f"{'selects' if flag == '--include-regex' else 'leaves out'} nothing"
+            for flag, patterns in missed.items() for p in patterns if names]
+
+
 def _stored(ck, key: str) -> str | None:
     """The checkpoint's tensor for the state-dict name ``key`` (a tied alias: the tensor it reads), or None."""
     if key in ck.file_of:
@@ -175,7 +194,9 @@ def _read_pair(ft, base, e: Entry, key: str) -> tuple[torch.Tensor, torch.Tensor
 
 def _decompose(deltas: torch.Tensor, rank: int, options: ExtractOptions):
     """Factors of a batch of task vectors (k x m x n, float32): [(A, B, singular values kept)] per matrix."""
-    device = torch.device(options.device)
+    from ..device import resolve_device
+
+    device = resolve_device(options.device)
     deltas = deltas.to(device)
     k = min(deltas.shape[1:])
     if options.svd == "lowrank" and rank + OVERSAMPLE < k:
@@ -240,7 +261,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     kinds = module_kinds(ft)
     notes: list = []
     entries, to_save = _plan(ft, bs, kinds, options, notes)
-    warnings = _unmatched_save_modules(kinds, options)
+    warnings = _unmatched_save_modules(kinds, options) + _unmatched_regexes(kinds, options)
     lora = [e for e in entries if e.how != "full"]
     if not lora and not entries:
         raise SymmergeError("nothing to extract: the include/exclude regexes leave no module")

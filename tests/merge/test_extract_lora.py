@@ -228,3 +228,31 @@ def test_lowrank_svd_is_exact_on_low_rank_and_near_optimal_otherwise(tmp_path):
             assert tail - 1e-5 <= r["relative_error"] <= 1.05 * tail, r["module"]
     same = [load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in "bc"]
     assert all(torch.equal(same[0][k], same[1][k]) for k in same[0])
+
+
+def test_regexes_that_match_no_module(tmp_path, capsys):
+    """``-i bogus`` (the only include pattern) matches no module: one line, nothing written (it wrote an adapter of
+    the embeddings alone, '0/0 module', exit 0); an include or exclude pattern that matches nothing beside others that
+    do is a warning in the report and printed."""
+    base = make_base(tmp_path / "base")
+    ft = make_finetune(base, tmp_path / "ft", ranks=[2])
+    capsys.readouterr()
+    rc = main(["extract-lora", str(ft), str(base), "-o", str(tmp_path / "o"), "--rank", "2", "-i", "bogus",
+               "--progress", "none"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--include-regex 'bogus' matches no module" in err[0], err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SymmergeError, match="matches no module"):
+        extract_lora(ft, base, tmp_path / "o", ExtractOptions(rank=2, include_regexes=("bogus", "nada"),
+                                                              progress=False))
+    report = extract_lora(ft, base, tmp_path / "o", ExtractOptions(rank=2, include_regexes=("q_proj", "bogus"),
+                                                                   exclude_regexes=("nada",), progress=False))
+    assert report["modules"] and all("q_proj" in r["module"] for r in report["modules"])
+    assert [w.split(":")[0] for w in report["warnings"]] == ["--include-regex 'bogus'", "--exclude-regex 'nada'"]
+
+
+@pytest.mark.parametrize("device, message", [("bogus", "unknown device 'bogus'"), (3.5, "unknown device 3.5")])
+def test_a_device_torch_cannot_name_is_one_error_when_the_options_are_made(device, message):
+    """``ExtractOptions(device="bogus")`` was torch's ``RuntimeError`` from inside the first SVD batch."""
+    with pytest.raises(SymmergeError, match=message):
+        ExtractOptions(device=device)
