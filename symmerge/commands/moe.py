@@ -40,7 +40,8 @@ def _alignment_flags_given(args) -> list[str]:
 
     seen, given = set(), []
     for option in TABLE.options:
-        if option.part != ALIGNMENT or option.name in seen or option.name == "allow_tokenizer_mismatch":
+        aligning = option.part == ALIGNMENT or (option.part == MOE and option.name == "symmetries")
+        if not aligning or option.name in seen or option.name == "allow_tokenizer_mismatch":
             continue
         seen.add(option.name)
         if getattr(args, option.attr, option.default) != option.default:

@@ -451,6 +451,7 @@ def test_an_output_beside_the_inputs_is_written(tmp_path, capsys, monkeypatch):
     (["--align-data", "unlabeled.npz"], "--align-data"),
     (["--match", "learned", "--learn-steps", "5"], "--match, --learn-steps"),
     (["--rescale", "none"], "--rescale"),
+    (["--symmetries", "attn,ffn"], "--symmetries"),  # moe's own flag: accepted without --align, and nothing read it
 ])
 def test_moe_alignment_flags_without_align_are_refused(tmp_path, capsys, flags, named):
     """moe read the alignment flags only with --align: without it they were dropped in silence (the experts were
