@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from ..errors import SymmergeError
+from ..errors import SymmergeError, did_you_mean
 
 AGGREGATIONS = ("mean", "median", "trimmed_mean")
 # the kinds of reasons a client's reply is left out for (the per-round metrics count each kind)
@@ -114,13 +114,16 @@ def median_of_others(values: list[float], i: int) -> float:
     return _median(values[:i] + values[i + 1:])
 
 
-def check_outlier_rule(rule: str | None, threshold: float) -> None:
-    if rule is not None and rule not in OUTLIER_RULES + (CONSENSUS_RULE,):
-        raise SymmergeError(f"unknown outlier_rule {rule!r}; choose one of {', '.join(OUTLIER_RULES + (CONSENSUS_RULE,))}"
-                            " (or None: off)")
+def check_outlier_rule(rule: str | None, threshold: float, names=("outlier_rule", "outlier_threshold")) -> None:
+    """``rule`` one of the outlier rules (or None), ``threshold`` a number > 0; ``names``: how the message names
+    them (``OutlierPolicy(rule=...)`` for the options object)."""
+    known = OUTLIER_RULES + (CONSENSUS_RULE,)
+    if rule is not None and rule not in known:
+        raise SymmergeError(f"unknown {names[0]} {rule!r}{did_you_mean(str(rule), known)}; choose one of "
+                            f"{', '.join(known)} (or None: off)")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
             math.isfinite(threshold) and threshold > 0):
-        raise SymmergeError(f"outlier_threshold must be a number > 0, got {threshold!r}")
+        raise SymmergeError(f"{names[1]} must be a number > 0, got {threshold!r}")
 
 
 def _median(values: list[float]) -> float:
@@ -198,11 +201,13 @@ def update_outliers(scores: list[float], threshold: float | None, rule: str = "s
     return out
 
 
-def check_aggregation(aggregation: str, trim: float) -> None:
+def check_aggregation(aggregation: str, trim: float, names=("aggregation", "trim fraction")) -> None:
+    """``aggregation`` one of :data:`AGGREGATIONS`, ``trim`` in [0, 0.5); ``names``: how the message names them."""
     if aggregation not in AGGREGATIONS:
-        raise SymmergeError(f"unknown aggregation {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+        raise SymmergeError(f"unknown {names[0]} {aggregation!r}{did_you_mean(str(aggregation), AGGREGATIONS)}; "
+                            f"choose one of {', '.join(AGGREGATIONS)}")
     if isinstance(trim, bool) or not isinstance(trim, (int, float)) or not 0.0 <= trim < 0.5:
-        raise SymmergeError(f"trim fraction must be a number in [0, 0.5), got {trim!r}")
+        raise SymmergeError(f"{names[1]} must be a number in [0, 0.5), got {trim!r}")
 
 
 def _sorted_stack(tensors) -> torch.Tensor:

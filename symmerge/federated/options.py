@@ -97,7 +97,7 @@ class Aggregation:
     min_clients: int = 2
 
     def __post_init__(self):
-        check_aggregation(self.rule, self.trim)
+        check_aggregation(self.rule, self.trim, ("Aggregation rule", "Aggregation trim"))
         _whole("min_clients", self.min_clients, 1)
 
 
@@ -145,7 +145,7 @@ class OutlierPolicy:
                                                  and not isinstance(self.norm_factor, bool)
                                                  and self.norm_factor > 1 and math.isfinite(self.norm_factor)):
             raise SymmergeError(f"norm_factor must be a number > 1 (or None), got {self.norm_factor!r}")
-        check_outlier_rule(self.rule, self.threshold)
+        check_outlier_rule(self.rule, self.threshold, ("OutlierPolicy rule", "OutlierPolicy threshold"))
         object.__setattr__(self, "threshold", float(self.threshold))
         _whole("OutlierPolicy.samples", self.samples, 1)
         if self.data is not None and self.rule != CONSENSUS_RULE:  # it would be ignored

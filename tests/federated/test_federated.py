@@ -684,6 +684,12 @@ def test_bad_options_are_one_clear_error(world):
                  lambda: AlignedFedAvg(g, alignment="spin"), lambda: AlignedFedAvg(g, outliers="krum")):
         with pytest.raises(SymmergeError):
             make()
+    # the options named as the objects take them (they named the former flat keywords), a close name offered
+    for make, match in ((lambda: Aggregation("medain"), r"unknown Aggregation rule 'medain' \(did you mean 'median'\?\)"),
+                        (lambda: OutlierPolicy(rule="krm"), r"unknown OutlierPolicy rule 'krm' \(did you mean 'krum'\?\)"),
+                        (lambda: OutlierPolicy(rule="krum", threshold=0), "OutlierPolicy threshold must be a number > 0")):
+        with pytest.raises(SymmergeError, match=match):
+            make()
     # a keyword of the former flat signature names the options object that holds it now
     with pytest.raises(SymmergeError, match=r"norm_factor -> OutlierPolicy\(norm_factor=...\)"):
         AlignedFedAvg(g, norm_factor=None)
@@ -711,8 +717,8 @@ def test_bad_option_types_are_one_clear_error(world):
     string "false" for a flag); the consensus rule's server data given without that rule is refused, not
     ignored; OutlierPolicy.samples is checked when the policy is made."""
     g, _, _ = world
-    for make, match in ((lambda: Aggregation(trim="0.2"), "trim fraction must be a number"),
-                        (lambda: Aggregation(trim=None), "trim fraction must be a number"),
+    for make, match in ((lambda: Aggregation(trim="0.2"), "Aggregation trim must be a number"),
+                        (lambda: Aggregation(trim=None), "Aggregation trim must be a number"),
                         (lambda: OutlierPolicy(norm_clip="false"), r"norm_clip must be True or False, got 'false'"),
                         (lambda: ClientAlignment(joint="no"), r"joint must be True or False, got 'no'"),
                         (lambda: ClientAlignment("none", joint=1), "joint must be True or False, got 1"),

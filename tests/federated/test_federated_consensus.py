@@ -175,7 +175,7 @@ def test_consensus_rule_errors(federation):
         AlignedFedAvg(g, outliers=OutlierPolicy(rule="consensus", data=data, samples=0))
     with pytest.raises(SymmergeError, match="classification model"):
         server_data(data, T.ViTModel(tiny_vit(0).config), 10)
-    with pytest.raises(SymmergeError, match="unknown outlier_rule"):
+    with pytest.raises(SymmergeError, match=r"unknown OutlierPolicy rule 'consensu' \(did you mean 'consensus'\?\)"):
         OutlierPolicy(rule="consensu", data=data)
     assert AlignedFedAvg(g, outliers=OutlierPolicy(rule="krum")).outlier_data is None  # data only for the consensus rule
 
