@@ -20,7 +20,7 @@ def strategy_options(cfg: dict) -> dict:
     objects and FedAvg's own keywords."""
     rule = str(cfg["outlier-rule"])
     return dict(alignment=ClientAlignment(cfg["align"], min_align_gain=float(cfg["min-align-gain"])),
-                aggregation=Aggregation(cfg["aggregation"], trim=float(cfg["trim"]), min_clients=int(cfg["min-clients"])),
+                aggregation=Aggregation(cfg["aggregation"], trim=float(cfg["trim"]), min_clients=cfg["min-clients"]),
                 outliers=OutlierPolicy(norm_factor=float(cfg["norm-factor"]) or None, norm_clip=cfg["norm-clip"],
                                        rule=None if rule == "none" else rule, threshold=float(cfg["outlier-threshold"]),
                                        data=task.server_images(cfg) if rule == "consensus" else None),
