@@ -242,7 +242,9 @@ def _last_hidden(model, tok, prompts, device) -> torch.Tensor:
     as one left-padded batch."""
     seqs = [prompt_ids(tok, p) for p in prompts]
     width = max(map(len, seqs))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    # padded with the BOS id, else EOS, as mergekit-moe pads (the masked positions do not change the last token's
+    # state; a tokenizer's own pad id may lie beyond the embeddings, an added token)
+    pad = next((t for t in (tok.bos_token_id, tok.eos_token_id) if t is not None), 0)
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=device)
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=device)
     with torch.no_grad():
