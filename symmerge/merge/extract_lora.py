@@ -272,6 +272,12 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     tensors: dict = {}
     bias_deltas = _extract_all(ft, bs, lora, options, tensors)
     written = [e for e in lora if e.result["rank"] > 0]
+    if lora and not written:  # an adapter without a target module: PEFT refuses to load it
+        largest = max(e.result["task_vector_norm"] for e in lora)
+        why = (f"no singular value above --sv-epsilon {options.sv_epsilon:g} (the largest task vector's norm, a "
+               f"bound on its singular values, is {largest:.4g})") if largest > 0 else "the fine-tune equals the base"
+        raise SymmergeError(f"nothing to extract: every LoRA module was left out, {why}; the adapter would have no "
+                            "target module for PEFT to load")
     for e in lora:
         if e.result["rank"] == 0:
             notes.append(f"{e.name}: no singular value above --sv-epsilon: left out")

@@ -1,6 +1,6 @@
-"""Commands of docs/moe.md, docs/configs.md and docs/lora.md run as written that do not do what the docs say.
-Each test is the doc's promise on tiny real Llama / Qwen2 checkpoints; the ones the code does not keep yet are
-marked ``xfail(strict=True)`` with what happens now, to be turned on with the fix."""
+"""Commands of docs/moe.md, docs/configs.md and docs/lora.md run as written that did not do what the docs say,
+each test the doc's promise on tiny real Llama / Qwen2 checkpoints (written as strict xfails when found, turned on
+with their fixes)."""
 
 from __future__ import annotations
 
@@ -24,13 +24,8 @@ def _moe_config(path: Path, base: Path, experts: list[Path], **extra) -> Path:
     return path
 
 
-SYMMETRIES_TAKEN = pytest.mark.xfail(strict=True, reason="moe: --symmetries without --align is taken silently "
-                                     "(docs/moe.md: 'without --align these flags are one error, not ignored'; "
-                                     "--match, --rescale, --align-stream are)")
-
-
 @pytest.mark.parametrize("flag,value", [("--match", "activations"),
-                                        pytest.param("--symmetries", "ffn", marks=SYMMETRIES_TAKEN)])
+                                        ("--symmetries", "ffn")])
 def test_moe_alignment_flag_without_align_is_one_error(tmp_path, capsys, flag, value):
     base, experts = mk.family(tmp_path / "m", n=2, layers=2)
     config = _moe_config(tmp_path / "moe.yml", base, experts)
@@ -41,9 +36,6 @@ def test_moe_alignment_flag_without_align_is_one_error(tmp_path, capsys, flag, v
     assert len(err) == 1 and flag in err[0] and "--align" in err[0], err
 
 
-@pytest.mark.xfail(strict=True, reason="run: OUT inside a BASE+ADAPTER's adapter folder is refused only after the "
-                   "adapter was merged (into --lora-merge-cache, which is left written); docs/configs.md: 'one "
-                   "error line before any work' (symmerge merge refuses before it)")
 def test_run_refuses_out_inside_an_adapter_before_merging_it(tmp_path, capsys):
     pytest.importorskip("peft")
     from test_lora import make_adapter, make_base
@@ -77,9 +69,6 @@ def _qwen2_folder(path: Path, seed: int) -> Path:
     return path
 
 
-@pytest.mark.xfail(strict=True, reason="moe gate_mode hidden pads the prompts' batch with the tokenizer's pad id "
-                   "(here beyond the embeddings: an IndexError traceback); mergekit-moe 0.1.5 pads with the BOS id "
-                   "(else EOS) and builds the model")
 def test_moe_hidden_pads_with_bos_as_mergekit(tmp_path):
     from transformers import AutoTokenizer
 
@@ -97,11 +86,7 @@ def test_moe_hidden_pads_with_bos_as_mergekit(tmp_path):
     assert run_cli("moe", config, tmp_path / "out", "--progress", "none") == 0
 
 
-@pytest.mark.xfail(strict=True, reason="extract-lora --sv-epsilon above every singular value leaves every layer out, "
-                   "yet exits 0 with 'wrote OUT: LoRA of 14 modules (r=1, ...)' and an adapter_config.json with "
-                   "target_modules [] that PeftModel.from_pretrained refuses (NoMatchingPeftModuleError); "
-                   "docs/lora.md: OUT is an adapter PEFT loads")
-def test_extract_lora_with_every_layer_left_out_is_refused_or_loads(tmp_path, capsys):
+def test_extract_lora_with_every_layer_left_out_is_refused(tmp_path, capsys):
     peft = pytest.importorskip("peft")
     from test_lora import make_base
     from transformers import AutoModelForCausalLM
@@ -116,8 +101,11 @@ def test_extract_lora_with_every_layer_left_out_is_refused_or_loads(tmp_path, ca
     capsys.readouterr()
     code = run_cli("extract-lora", tmp_path / "ft", base, "-o", out, "--rank", 4, "--sv-epsilon", 1e9,
                    "--progress", "none")
-    if code == 2:
-        assert not out.exists() and len(capsys.readouterr().err.strip().splitlines()) == 1
-        return
-    assert code == 0
-    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(out))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not out.exists() and len(err) == 1, err  # refused: an adapter PEFT could not load
+    assert "every LoRA module was left out, no singular value above --sv-epsilon 1e+09" in err[0], err
+    assert run_cli("extract-lora", tmp_path / "ft", base, "-o", out, "--rank", 4, "--progress", "none") == 0
+    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(out))  # without it: loads
+    capsys.readouterr()
+    assert run_cli("extract-lora", base, base, "-o", tmp_path / "same", "--sv-epsilon", 1, "--progress", "none") == 2
+    assert "the fine-tune equals the base" in capsys.readouterr().err
