@@ -541,3 +541,15 @@ def test_lines_mode_counts_in_the_plural(unit, total, shown):
     finally:
         progress.configure("auto")
     assert f"applying math: {shown} (" in stream.getvalue(), stream.getvalue()
+
+
+def test_cli_main_leaves_pythons_warning_display_as_it_found_it(capsys):
+    """symmerge.cli.main shows the library's warnings as one 'symmerge: warning:' line while it runs, and puts
+    Python's display back when it returns (a caller's process keeps its own)."""
+    import warnings
+
+    from symmerge.cli import main
+
+    before = warnings.showwarning
+    assert main(["specs"]) == 0
+    assert warnings.showwarning is before
