@@ -296,6 +296,24 @@ def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool):
     return batches
 
 
+def has_labels(path) -> bool:
+    """Whether the data file ``path`` holds labels, read cheaply: a ``.npz``'s ``labels`` array, a ``.jsonl``'s
+    first example's ``label`` (a ``.txt`` is its own labels: the next tokens); an unreadable file says True, and
+    :func:`load_data` names what is wrong with it."""
+    suffix = Path(str(path)).suffix
+    try:
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as arrays:
+                return "labels" in arrays.files
+        if suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                first = next((line for line in f if line.strip()), None)
+            return first is None or "label" in json.loads(first)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return True
+    return True
+
+
 def check_data_path(path, flag: str | None = None) -> Path:
     """Fail early (before loading any model) on a missing file or an unknown format; ``flag``: the option that gave
     the path, named first in the refusal (``--data bogus: unknown data format ''; ...``)."""

@@ -24,7 +24,7 @@ from ..device import resolve_device
 from ..errors import SymmergeError, UsageError, keywords_checked, options_argument, unexpected_keyword
 from ..evaluate.metrics import evaluate
 from ..io.checkpoint import parse_size
-from ..io.data import Data, check_data, check_data_path, load_data
+from ..io.data import Data, check_data, check_data_path, has_labels, load_data
 from ..io.arguments import keeps_models, model_argument, models_argument
 from ..io.reader import load_model
 from ..io.prefix import adapt_models, not_merged
@@ -224,6 +224,9 @@ class MergeOptions:
         else ``data``, which for a method with statistics means scoring on the statistics' own data."""
         if self.eval_data or not self.data:
             return list(self.eval_data), None
+        if needs and not all(f.labeled if isinstance(f, Data) else has_labels(f) for f in self.data):
+            return [], ("no --eval-data given and --data has no labels (the statistics need none): the result is not "
+                        "scored; pass labelled held-out data with --eval-data")
         if needs:
             return list(self.data), ("no --eval-data given: the evaluation used the statistics data (--data), so its "
                                      "scores are not held-out scores; pass held-out data with --eval-data")
@@ -243,21 +246,24 @@ def _name(x, i) -> str:
 
 
 class _DataCache:
-    """Data files loaded once each and validated against every model that uses them."""
+    """Data files loaded once each and validated against every model that uses them. The statistics' files
+    (``--data``) are read with labels only where the statistics use them (the Fisher's): RegMean's Gram matrices
+    and OT fusion's activations take unlabeled data; the evaluation's need labels."""
 
-    def __init__(self, opts: MergeOptions):
+    def __init__(self, opts: MergeOptions, needs=None):
         self.opts, self.loaded = opts, {}
+        self.stats_labels = needs not in ("gram", "activations")
 
     def for_model(self, i: int, model) -> Data:
-        return self.get(_files_of(self.opts.data, i)[0], model)
+        return self.get(_files_of(self.opts.data, i)[0], model, labels=self.stats_labels)
 
-    def get(self, spec, model) -> Data:
+    def get(self, spec, model, labels: bool = True) -> Data:
         if isinstance(spec, Data):
-            check_data(spec, model)
+            check_data(spec, model, use_labels=labels)
             return spec
-        key = str(spec)
+        key = (str(spec), labels)
         if key not in self.loaded:
-            self.loaded[key] = load_data(spec, model, **self.opts.load_kw())
+            self.loaded[key] = load_data(spec, model, labels=labels, **self.opts.load_kw())
         else:
             check_data(self.loaded[key], model)
         return self.loaded[key]
@@ -510,7 +516,7 @@ def _load_and_check(plan, options: MergeOptions, models, t0: float) -> Loaded:
     opts = replace(options, heads=head_policy(options.heads, type(loaded[0])))  # 'auto': by the model class
     if opts.heads == "merge":
         check_heads_mergeable(loaded, names)
-    cache = _DataCache(opts)
+    cache = _DataCache(opts, m.needs)
     eval_files, eval_note = opts.evaluation_data(m.needs) if opts.evaluate else ([], None)
     _check_data(loaded, cache, eval_files, opts, m.needs)
     if opts.align.matcher.needs_data or opts.repair or opts.distill:  # read (or sampled) once, for every reader
@@ -538,9 +544,9 @@ def _check_data(models, cache: _DataCache, eval_files, opts: MergeOptions, needs
     that ``needs`` them) and the evaluation's."""
     with stage("loaded and checked the data", enabled=opts.progress and bool(opts.data or eval_files)):
         for i, x in enumerate(models):
-            stats_files = _files_of(opts.data, i) if needs else []
-            scored = _files_of(eval_files, i) if i == opts.head_from or len(eval_files) > 1 else []
-            for spec in stats_files + scored:
+            for spec in _files_of(opts.data, i) if needs else []:
+                cache.get(spec, x, labels=cache.stats_labels)
+            for spec in _files_of(eval_files, i) if i == opts.head_from or len(eval_files) > 1 else []:
                 cache.get(spec, x)
 
 
@@ -733,8 +739,8 @@ def _evaluate(mg: Merged) -> Evaluated:
     """The merged model as saved, and the inputs, scored on the evaluation data."""
     t, ld = time.perf_counter(), mg.statistics.aligned.loaded
     opts = ld.opts
-    if not ld.eval_files:
-        return Evaluated(None, time.perf_counter() - t)
+    if not ld.eval_files:  # nothing scored; the reason, where there is one (--data without labels), kept
+        return Evaluated({"merged": [], "note": ld.eval_note} if ld.eval_note else None, time.perf_counter() - t)
     ev = _evaluate_all(mg, ld.eval_files)
     ev["data_role"] = "--eval-data" if opts.eval_data else "--data"
     if ld.eval_note:

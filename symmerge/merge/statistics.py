@@ -108,7 +108,7 @@ def gram_stats(model, data: Data, device=None, modules=None, max_batches: int | 
                 batch = batch.to(device)
                 state["mask"], state["cache"] = batch.mask, {}
                 model(**batch.inputs)
-                examples += len(batch.labels)
+                examples += batch.size
     finally:
         for h in handles:
             h.remove()
@@ -293,7 +293,7 @@ def activation_stats(model, data: Data, device=None, max_rows: int | None = 4096
                     dtype = torch.float64 if r.dtype == torch.float64 else torch.float32
                     parts.setdefault(k, []).append(r[:take].to("cpu", dtype))
                 rows += take
-                examples += len(batch.labels)
+                examples += batch.size
     finally:
         for h in handles:
             h.remove()
