@@ -192,6 +192,25 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _one_line_warnings():
+    """A warning the library raises with :func:`warnings.warn` (the descent's cap) shown on the command line as every
+    other warning of it, one ``symmerge: warning:`` line (Python's form adds the source file and its code line);
+    other packages' warnings as Python shows them. Returns the ``showwarning`` to put back."""
+    import warnings
+
+    shown = warnings.showwarning
+    package = os.path.dirname(os.path.abspath(__file__))
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(str(filename)).startswith(package + os.sep):
+            print(f"symmerge: warning: {one_line(message)}", file=sys.stderr if file is None else file)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    return shown
+
+
 def main(argv=None) -> int:
     from ._entry import Terminated, interrupted_line, was_interrupted, watch_interrupts
     from .io.output import describe_fault, os_fault, release_claims
@@ -199,6 +218,7 @@ def main(argv=None) -> int:
 
     watch_interrupts()
     line = COMMAND_LINE.set(["symmerge", *(sys.argv[1:] if argv is None else [str(a) for a in argv])])
+    shown = _one_line_warnings()
     try:
         return _run(argv)
     except SymmergeError as e:
@@ -230,6 +250,9 @@ def main(argv=None) -> int:
     finally:
         release_claims()  # the output's claim, if the run ended before writing it
         COMMAND_LINE.reset(line)
+        import warnings
+
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":

@@ -192,8 +192,16 @@ def running(desc: str, enabled: bool = True):
             _unregister(item)
 
 
+def _plural(unit: str, count) -> str:
+    """``unit`` as many ``count`` are named: ``21/21 tensors``, ``1/1 tensor`` (the bars are made with either form)."""
+    if not unit or count == 1 or unit.endswith("s"):
+        return unit
+    return unit + ("es" if unit.endswith(("ch", "sh", "x")) else "s")
+
+
 def _count(n, total, unit: str) -> str:
     n = int(n) if float(n).is_integer() else n
+    unit = _plural(unit, total if total is not None else n)
     units = f" {unit}" if unit else ""
     return f"{n}/{total}{units}" if total is not None else f"{n}{units}"
 

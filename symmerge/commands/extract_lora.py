@@ -83,7 +83,9 @@ def run(args) -> int:
         for r in report["modules"]:
             print(f"  {r['module']}: rank {r['rank']}, relative error {r['relative_error']:.4g}")
     saved = report["saved_whole"]
-    print(f"wrote {out}: LoRA of {len(report['modules'])} modules (r={report['r']}, relative error mean "
+    kinds = list(dict.fromkeys(name.split(".")[-1] for name in saved))  # the names saved, not a misspelt --save-module
+    written = sum(r["rank"] > 0 for r in report["modules"])  # a layer --sv-epsilon left without rank is not in it
+    print(f"wrote {out}: LoRA of {written} modules (r={report['r']}, relative error mean "
           f"{report['relative_error']['mean']:.4g}, max {report['relative_error']['max']:.4g}), {len(saved)} saved "
-          f"whole ({', '.join(report['modules_to_save'] or []) or 'none'}) in {elapsed():.1f} s")
+          f"whole ({', '.join(kinds) or 'none'}) in {elapsed():.1f} s")
     return 0

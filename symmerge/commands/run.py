@@ -57,7 +57,8 @@ def merge_device(args) -> str | None:
     if args.cuda or args.gpu_rich:
         if torch.cuda.is_available():
             return "cuda"
-        print("symmerge: warning: --cuda: no CUDA device here; merging on the CPU", file=sys.stderr)
+        flag = "--cuda" if args.cuda else "--gpu-rich"
+        print(f"symmerge: warning: {flag}: no CUDA device here; merging on the CPU", file=sys.stderr)
     return None
 
 

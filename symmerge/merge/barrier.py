@@ -395,6 +395,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
     base = o.align
     dev = resolve_device(device)
     names = list(plan.models)
+    tokenizer = check_tokenizers(list(zip(names, models)), o.allow_tokenizer_mismatch)  # before a model is read
     with stage(f"loaded {len(models)} models", enabled=progress):
         loaded = [as_model(x, allow_pickle) for x in models]
     loaded, adapted = adapt_models(loaded, names)  # base-class models read as the fine-tunes' class
@@ -415,7 +416,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
               "device": str(dev), "endpoints": dict(zip(names, endpoints)),
               "endpoints_mean": {k: sum(e[k] for e in endpoints) / len(endpoints) for k in ("loss", "accuracy")},
               "ensemble": evaluate_ensemble(loaded, d, device=dev, progress=progress), "variants": {},
-              **({"base_adapted": adapted} if adapted else {})}
+              "tokenizer": tokenizer, **({"base_adapted": adapted} if adapted else {})}
     for x in loaded:
         x.to("cpu")
     n = len(loaded)

@@ -263,8 +263,11 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     entries, to_save = _plan(ft, bs, kinds, options, notes)
     warnings = _unmatched_save_modules(kinds, options) + _unmatched_regexes(kinds, options)
     lora = [e for e in entries if e.how != "full"]
-    if not lora and not entries:
-        raise SymmergeError("nothing to extract: the include/exclude regexes leave no module")
+    if not lora:  # modules saved whole only (or none): an adapter without a target module, which PEFT refuses
+        whole = f" (only modules saved whole: {', '.join(dict.fromkeys(e.name.split('.')[-1] for e in entries))})" \
+            if entries else ""
+        raise SymmergeError(f"nothing to extract: the include/exclude regexes leave no linear layer or embedding to "
+                            f"decompose{whole}; the adapter would have no target module for PEFT to load")
     for e in lora:  # every pair checked from the headers before any SVD runs
         for key in (e.weight, e.bias):
             if key is not None:

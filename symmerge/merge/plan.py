@@ -222,11 +222,31 @@ class MergePlan:
                 "steps": steps}
 
 
+def _same_folder(a, b) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, TypeError, ValueError):
+        return False
+
+
+def anchor_among_models(models, anchor):
+    """``anchor`` as an index when it is a folder of ``models`` (``--anchor models/a`` with ``models/a`` merged:
+    that model is the anchor, not an outside one every model, itself included, would be aligned to); else as given."""
+    if isinstance(anchor, (str, os.PathLike)) and not isinstance(anchor, bool):
+        for i, x in enumerate(models):
+            if isinstance(x, (str, os.PathLike)) and _same_folder(x, anchor):
+                return i
+    return anchor
+
+
 def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     """The :class:`MergePlan` of merging ``models`` (folders or model objects) with ``options`` (a
     :class:`~symmerge.merge.fuse.MergeOptions`, checked here) in ``mode``: read from the first input's
-    config.json and the folders' sizes only."""
+    config.json and the folders' sizes only. An anchor folder that is one of ``models`` is its index."""
     n = len(models)
+    anchor = anchor_among_models(models, options.anchor)
+    if anchor is not options.anchor:
+        options = replace(options, anchor=anchor)
     options = options.check(n)
     m = get_method(options.method)
     model_type = model_type_of(models[0])

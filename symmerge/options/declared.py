@@ -515,7 +515,8 @@ OPTIONS += (
     # extract-lora's
     opt("finetune", on=EXTRACT, part=EXTRACT, form="positional", nargs="?",
         help="the fine-tuned model (HF folder, or BASE+ADAPTER)"),
-    opt("base", on=EXTRACT, part=EXTRACT, form="positional", nargs="?", help="its base model (HF folder)"),
+    opt("base", on=EXTRACT, part=EXTRACT, form="positional", nargs="?",
+        help="its base model (HF folder, or BASE+ADAPTER)"),
     opt("output", "-o", "--output", "--out-path", on=EXTRACT, part=EXTRACT,
         help="output folder: the PEFT adapter (must not exist or be empty)"),
     opt("rank", "--rank", "--max-rank", on=EXTRACT, part=EXTRACT, parse=int, minimum=1, default=128, metavar="R",

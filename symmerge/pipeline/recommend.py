@@ -116,7 +116,8 @@ def recommended(align: AlignOptions, *, model_type: str | None = None, base_give
     if streamed and (names := moving(align, model_wide)):
         if not asked:
             raise SymmergeError(f"the {names[0]} symmetry couples every layer (one transform of the whole stream) "
-                                "and cannot be streamed; align it in memory (without --stream) or leave it out")
+                                "and cannot be streamed; align it in memory (align without --stream, merge "
+                                "--mode memory) or leave it out")
         align = align.with_(symmetries=tuple(s for s in align.symmetries if s not in names))
     if spec is not None and available is not None:
         _require_groups(spec, available, align.symmetries)

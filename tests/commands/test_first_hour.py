@@ -526,3 +526,30 @@ def test_solver_progress_in_lines_mode_prints_at_most_one_line_per_interval(monk
     # line reports the end)
     assert [ln.split("solving: ")[1] for ln in lines] == [
         "sweep 1 (0.5 s)", "sweep 11 (5.0 s, 10 steps)", "sweep 21 (5.0 s, 10 steps)"]
+
+
+@pytest.mark.parametrize("unit, total, shown", [("tensor", 21, "21/21 tensors"), ("tensor", 1, "1/1 tensor"),
+                                                 ("batch", 4, "4/4 batches"), ("steps", 1, "1/1 steps"),
+                                                 ("module", 0, "0/0 modules")])
+def test_lines_mode_counts_in_the_plural(unit, total, shown):
+    """'applying math: 21/21 tensor': the bars are made with a singular or a plural unit; a count says it as counted."""
+    stream = io.StringIO()
+    progress.configure("lines", stream=stream)
+    try:
+        for _ in progress.bar(range(total), total=total, desc="applying math", unit=unit):
+            pass
+    finally:
+        progress.configure("auto")
+    assert f"applying math: {shown} (" in stream.getvalue(), stream.getvalue()
+
+
+def test_cli_main_leaves_pythons_warning_display_as_it_found_it(capsys):
+    """symmerge.cli.main shows the library's warnings as one 'symmerge: warning:' line while it runs, and puts
+    Python's display back when it returns (a caller's process keeps its own)."""
+    import warnings
+
+    from symmerge.cli import main
+
+    before = warnings.showwarning
+    assert main(["specs"]) == 0
+    assert warnings.showwarning is before

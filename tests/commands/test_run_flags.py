@@ -128,6 +128,8 @@ def test_cuda_and_device(config, reference, tmp_path, capsys, flags):
     else:
         _same(out, reference)
         assert ("no CUDA device here" in err) == (flags[0] != "--device")
+        if flags[0] != "--device":  # the warning names the flag given (--gpu-rich was named --cuda)
+            assert f"symmerge: warning: {flags[0]}: no CUDA device here" in err, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")

@@ -86,3 +86,29 @@ def test_ot_fusion_refuses_a_negative_anchor():
     a, b = make_model("vit", head=True, seed=0), make_model("vit", head=True, seed=1)
     with pytest.raises(SymmergeError, match=r"OT fusion: anchor index -1 out of range for 2 models: give 0\.\.1"):
         get_method("ot_wts").merge([a.state_dict(), b.state_dict()], model=a, anchor=-1)
+
+
+@pytest.mark.parametrize("spelling", ["same", "relative", "trailing slash"])
+def test_an_anchor_folder_that_is_one_of_the_models_is_its_index(three, tmp_path, capsys, monkeypatch, spelling):
+    """``--anchor models/m2`` with ``models/m2`` merged was taken as an outside anchor: every model, m2 itself, aligned
+    to a copy of m2 (the rule 'outside', index None). Now it is the index, by any spelling of the folder."""
+    from symmerge.merge.fuse import MergeOptions
+    from symmerge.merge.plan import plan_merge
+
+    monkeypatch.chdir(three[2].parent)
+    anchor = {"same": three[2], "relative": "m2", "trailing slash": f"{three[2]}/"}[spelling]
+    plan = plan_merge(three, MergeOptions(method="average", anchor=anchor))
+    assert (plan.anchor_index, plan.anchor_rule, plan.frame) == (2, "given", "star")
+    outs = {}
+    for name, a in (("folder", str(anchor)), ("index", "2")):
+        outs[name] = tmp_path / name
+        assert run_cli("merge", *three, "-o", outs[name], "--method", "average", "--anchor", a,
+                       "--progress", "none") == 0
+    import json
+
+    reports = {k: json.loads((v / "symmerge_report.json").read_text()) for k, v in outs.items()}
+    assert reports["folder"]["alignment"]["anchor"] == reports["index"]["alignment"]["anchor"]
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(outs[k] / "model.safetensors")) for k in ("folder", "index"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

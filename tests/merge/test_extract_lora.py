@@ -256,3 +256,18 @@ def test_a_device_torch_cannot_name_is_one_error_when_the_options_are_made(devic
     """``ExtractOptions(device="bogus")`` was torch's ``RuntimeError`` from inside the first SVD batch."""
     with pytest.raises(SymmergeError, match=message):
         ExtractOptions(device=device)
+
+
+def test_the_final_line_names_what_was_saved_whole(tmp_path, capsys):
+    """``--save-module lm_haed`` (a misspelling): a warning, and the final line's "saved whole (...)" lists the modules
+    saved (embed_tokens), not the misspelt name modules_to_save keeps as mergekit keeps it."""
+    base = make_base(tmp_path / "base")
+    ft = make_finetune(base, tmp_path / "ft", ranks=[2])
+    capsys.readouterr()
+    assert main(["extract-lora", str(ft), str(base), "-o", str(tmp_path / "o"), "--rank", "2", "--save-module",
+                 "lm_haed", "--progress", "none"]) == 0
+    captured = capsys.readouterr()
+    assert "--save-module lm_haed: no module of the fine-tune is named so" in captured.err
+    last = captured.out.strip().splitlines()[-1]
+    assert "saved whole (" in last and "lm_haed" not in last, last
+    assert "lm_haed" in json.loads((tmp_path / "o" / "adapter_config.json").read_text())["modules_to_save"]
