@@ -414,13 +414,14 @@ def _ordered_window(tau: torch.Tensor, lo: int, hi: int, descending: bool) -> to
 
 
 def della_keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
-    """DELLA's keep probability of each entry: along each row (dim 1; a 1-D tensor is one row), the entries
-    ranked by magnitude (ties in order) get density − ε for the smallest up to density + ε for the largest,
+    """DELLA's keep probability of each entry: along each row (dim 1, for every index of the other dims, as
+    mergekit ranks; a 1-D tensor is one row), the entries ranked by magnitude (ties in order) get density − ε for the smallest up to density + ε for the largest,
     linear in the rank; float64."""
     t = tau.reshape(1, -1) if tau.dim() < 2 else tau  # a 0-dim tensor: one row of one entry
     order = torch.sort(t.abs(), dim=1, stable=True).indices
     ranks = torch.empty(order.shape, dtype=torch.float64, device=t.device)  # the inverse permutation, by scatter
-    ranks.scatter_(1, order, torch.arange(t.shape[1], dtype=torch.float64, device=t.device).expand(order.shape))
+    along = torch.arange(t.shape[1], dtype=torch.float64, device=t.device).view(1, -1, *(1,) * (t.dim() - 2))
+    ranks.scatter_(1, order, along.expand(order.shape))  # more than two dims (ViT's (1, n, d)): ranked along dim 1
     span = max(t.shape[1] - 1, 1)
     probs = (density - epsilon) + (ranks / span).clamp(0, 1) * 2.0 * epsilon
     return probs.reshape(tau.shape)

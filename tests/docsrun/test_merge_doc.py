@@ -50,8 +50,6 @@ def test_merge_stream_residual_refusal_names_merges_own_flag(tmp_path, capsys):
     assert "merge --mode memory" in err[0], err  # merge's own flag (it named only align's --stream)
 
 
-@pytest.mark.xfail(strict=True, reason="DELLA on a tensor of more than two dimensions (ViT's position embeddings "
-                                       "(1, n, d)) stops with torch's RuntimeError from della_keep_probabilities")
 @pytest.mark.parametrize("mode", ["stream", "memory"])
 def test_della_merges_a_vit(tmp_path, capsys, mode):
     # docs/merge.md: DELLA on tensors of more than two dimensions runs the torch code, its rows along dim 1

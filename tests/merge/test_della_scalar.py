@@ -32,3 +32,29 @@ def test_della_merges_a_scalar_in_half_precision_as_in_float32(name, dtype):
         assert float(out[dtype]) == pytest.approx(float(out[torch.float32]), abs=2e-2)
         kept.add(float(out[torch.float32]) != 1.0)
     assert kept == {True, False}  # some seeds keep the scalar's delta, some drop it: the test sees both cases
+
+
+@pytest.mark.parametrize("shape", [(1, 17, 8), (2, 5, 3, 4)])
+def test_keep_probabilities_of_a_tensor_of_more_dims_rank_along_dim_1(shape):
+    """ViT's position embeddings (1, n, d): ranked along dim 1 for every index of the other dims, as mergekit's
+    della_magprune ranks (argsort along dim 1); it stopped with torch's RuntimeError (the ranks' shape)."""
+    g = torch.Generator().manual_seed(0)
+    tau = torch.randn(shape, generator=g, dtype=torch.float64)
+    p = della_keep_probabilities(tau, 0.5, 0.1)
+    n = shape[1]
+    moved = tau.movedim(1, -1).reshape(-1, n)  # every row along dim 1
+    expected = torch.empty_like(moved)
+    for r in range(moved.shape[0]):
+        order = sorted(range(n), key=lambda j: abs(float(moved[r, j])))  # brute force: rank by magnitude
+        for rank, j in enumerate(order):
+            expected[r, j] = 0.4 + rank / (n - 1) * 0.2
+    assert p.shape == tau.shape
+    assert torch.allclose(p.movedim(1, -1).reshape(-1, n), expected, atol=1e-12)
+
+
+def test_della_merges_a_tensor_of_three_dims():
+    g = torch.Generator().manual_seed(1)
+    base = {"pos": torch.randn(1, 17, 8, generator=g)}
+    fts = [{"pos": base["pos"] + 0.1 * torch.randn(1, 17, 8, generator=g)} for _ in range(2)]
+    out = METHODS["della"].merge(fts, base=base, weights=[0.5, 0.5], density=0.5, epsilon=0.1, seed=0)["pos"]
+    assert out.shape == (1, 17, 8) and torch.isfinite(out).all() and not torch.equal(out, base["pos"])
