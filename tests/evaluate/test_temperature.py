@@ -86,6 +86,7 @@ def test_temperature_needs_unlabeled_data(tmp_path):
 def test_cli_refuses_temperature_without_unlabeled_data_before_loading(tmp_path, capsys):
     from conftest import run_cli
 
-    out = tmp_path / "out"
-    assert run_cli("barrier", "nowhere-a", "nowhere-b", "--data", "x.npz", "-o", str(out), "--temperature") == 2
+    out, data = tmp_path / "out", tmp_path / "x.npz"  # the data file is there (a missing one is refused first)
+    data.write_bytes(b"")
+    assert run_cli("barrier", "nowhere-a", "nowhere-b", "--data", data, "-o", str(out), "--temperature") == 2
     assert "--align-data" in capsys.readouterr().err and not out.exists()
