@@ -60,9 +60,7 @@ def run(args) -> int:
     device = args.device or ("cuda" if args.cuda else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SymmergeError(f"--device {device}: no CUDA device here")
-    if args.num_threads is not None:
-        if args.num_threads <= 0:
-            raise SymmergeError(f"--num-threads must be positive, got {args.num_threads}")
+    if args.num_threads is not None:  # at least 1: the flag's declared range
         torch.set_num_threads(args.num_threads)
     options = ExtractOptions(rank=args.rank, distribute_scale=args.distribute_scale, embed_lora=args.embed_lora,
                              save_modules=tuple(args.save_module), exclude_regexes=tuple(args.exclude),

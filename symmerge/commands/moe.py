@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from ..errors import SymmergeError
 from ..options.declared import MOE, MOE_MERGEKIT, TITLES
+from ..options.parse import mergekit_size
 from .alignment_args import add_alignment_arguments, alignment_options
-from .run import shard_size
 from .schema_args import add_part
 
 
@@ -65,16 +65,14 @@ def options_of(args):
     device = args.device
     if args.cuda or args.gpu_rich:
         device = "cuda" if device == "cpu" else device
-    if args.num_threads is not None:
-        if args.num_threads < 1:
-            raise SymmergeError(f"--num-threads must be at least 1, got {args.num_threads}")
+    if args.num_threads is not None:  # at least 1: the flag's declared range
         import torch
 
         torch.set_num_threads(args.num_threads)
     align = None
     if args.align:
         align = alignment_options(args, args.symmetries, device="cpu")
-    return MoeOptions(device=device, seed=args.random_seed, shard_size=shard_size(args.out_shard_size),
+    return MoeOptions(device=device, seed=args.random_seed, shard_size=mergekit_size(args.out_shard_size),
                       align=align, align_stream=args.align_stream, allow_crimes=args.allow_crimes,
                       copy_tokenizer=not args.no_copy_tokenizer, progress=args.progress != "none",
                       card=not args.no_write_model_card)

@@ -35,14 +35,9 @@ def add_mergekit_yaml_arguments(parser) -> None:
     add_lora_arguments(mk)  # BASE+ADAPTER inputs (commands/lora_args.py)
 
 
-shard_size = mergekit_size  # mergekit's --out-shard-size (5B) or symmerge's (2GB): symmerge.options.parse
-
-
 def _refusals(args) -> None:
     if args.out and args.output and args.out != args.output:
         raise SymmergeError(f"two output folders: {args.out} and -o {args.output}: give one")
-    if args.num_threads is not None and args.num_threads < 1:
-        raise SymmergeError(f"--num-threads: a positive number of threads, got {args.num_threads}")
 
 
 def merge_device(args) -> str | None:
@@ -80,7 +75,7 @@ def run_options(args):
         import torch
 
         torch.set_num_threads(args.num_threads)
-    return RunOptions(shard_size=shard_size(args.out_shard_size), progress=progress_of(args) != "none",
+    return RunOptions(shard_size=mergekit_size(args.out_shard_size), progress=progress_of(args) != "none",
                       card=args.write_model_card, copy_tokenizer=args.copy_tokenizer, device=merge_device(args))
 
 
