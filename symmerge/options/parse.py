@@ -37,16 +37,6 @@ def distill_lr(text):
     return check_lr(text)
 
 
-def method_name(text: str) -> str:
-    """``--method NAME``: a method of the registry (:func:`symmerge.merge.registry.get_method`: an unknown name is
-    its one line, with the close name), read as the flag is read, so that the refusal names the command and the
-    flag (and a config's ``method`` key its line)."""
-    from ..merge.registry import get_method
-
-    get_method(text)
-    return text
-
-
 def positive(text) -> float:
     """``--ends-weight``, ``--depth-decay``: a finite number > 0 (the API's range,
     :class:`~symmerge.pipeline.options.AlignOptions`)."""
@@ -108,6 +98,12 @@ def _size(text):
     parse_size(text)
 
 
+def _method(text):
+    from ..merge.registry import get_method
+
+    get_method(text)  # an unknown name: its one line, with the close name
+
+
 def _lora_dtype(text):
     from ..io.lora import parse_dtype
 
@@ -125,6 +121,7 @@ channel_list = _kept(_channels, "channels")
 size_text = _kept(_size, "size")
 mergekit_size_text = _kept(lambda text: _size(mergekit_size(text)), "size")
 lora_dtype = _kept(_lora_dtype, "dtype")
+method_name = _kept(_method, "method")  # --method NAME: a method of the registry (a config's method key: its line)
 
 
 def parse_value(text: str):
