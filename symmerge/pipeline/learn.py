@@ -403,11 +403,31 @@ def cosine_adam(parameters, lr: float, steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
 
 
+def learned_entry(start: str, info: dict, history: dict, *, closed_form_seconds: float, seconds: float,
+                  learned_from: str, layerwise: bool, solver: dict | None = None) -> dict:
+    """The report's ``learned`` entry of a one-sided learned alignment, one form whether the models were in
+    memory (:func:`learn_alignment`) or read layer by layer from their files
+    (:func:`~symmerge.pipeline.learn_layerwise_files.learn_pair`); docs/merge.md lists the fields. ``start``:
+    the closed form learned from (``--learn-start``'s name, or ``"given"``); ``info``: the learning round's;
+    ``solver``: the data-free search's starts and winner when one ran."""
+    entry = {"start": start, "learned_from": learned_from, "layerwise": layerwise,
+             "closed_form_seconds": closed_form_seconds, "parameters": info.get("parameters"),
+             "held_out_start": info.get("held_out_start"), "held_out_best": info.get("held_out_best"),
+             "steps": info.get("steps", 0), "history": history, "seconds": seconds,
+             "seconds_by_stage": dict(info.get("seconds_by_stage", {})),
+             "learned_instances": info.get("learned_instances", 0), "checked_on": info.get("checked_on")}
+    if solver is not None:  # which start won, and the objective's weights (as the weight matcher reports them)
+        entry["solver"] = solver
+    entry.update({k: info[k] for k in ("stopped", "note") if k in info})
+    return entry
+
+
 def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, options, progress=None,
                     start: dict | None = None, on_step=None):
     """Elements aligning A (``ca``, canonical) to B (``cb``) learned on ``data``; returns
-    ``(elements, report)``. ``start``: closed-form elements to start from (default: data-free weight
-    matching); ``on_step(step, parameters)`` is called after every update (tests)."""
+    ``(elements, report)`` (the report: :func:`learned_entry`). ``start``: closed-form elements to start from
+    (default: data-free weight matching; the report names it ``"given"``, the matcher names its own);
+    ``on_step(step, parameters)`` is called after every update (tests)."""
     settings = options.learn
     t0 = time.perf_counter()
     # the training steps run on ``options.device`` (cuda: the endpoints' predictions, the interpolated
@@ -417,11 +437,7 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
     if start is None:  # the weight matcher's search, with its options (restarts, objective weights)
         start, solver = search(instances, ca, cb, opts, max_sweeps=options.max_sweeps, tol=options.descent_tol,
                                starts=Restarts.of(options))
-    report = {"start": (f"{settings.start} (closed form)" if given else
-                        "weights (data-free, every group to convergence)"),
-              "closed_form_seconds": time.perf_counter() - t0}
-    if solver is not None:  # which start won, and the objective's weights (as the weight matcher reports them)
-        report["solver"] = solver
+    closed_form_seconds = time.perf_counter() - t0
     history = {"step": [], "train": []}
     # the module run by ``functional_call`` (every parameter is replaced at each call): the anchor's modules,
     # its parameters shared, not copied (a float32 anchor on the CPU costs no weight memory)
@@ -432,16 +448,9 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
     learning = _Learning(instances, skeleton, model, ca, cb, data, settings, opts, settings.steps, progress, on_step,
                          t0)
     elements, info = _learn_round(learning, dict(start), history)
-    report.update(parameters=info.get("parameters"), held_out_start=info.get("held_out_start"), history=history,
-                  steps=info.get("steps", 0), held_out_best=info.get("held_out_best"),
-                  seconds=time.perf_counter() - t0, learned_instances=info.get("learned_instances", 0),
-                  checked_on=info.get("checked_on"))
-    if "seconds_by_stage" in info:
-        report["seconds_by_stage"] = dict(info["seconds_by_stage"])
-    for key in ("stopped", "note"):
-        if key in info:
-            report[key] = info[key]
-    return elements, report
+    return elements, learned_entry("given" if given else "weights", info, history,
+                                   closed_form_seconds=closed_form_seconds, seconds=time.perf_counter() - t0, learned_from="the models in memory",
+                                   layerwise=settings.layerwise, solver=solver)
 
 
 @dataclass(frozen=True)

@@ -218,7 +218,7 @@ def _closed_form(pair: CheckpointPair, data, opts, progress, timings: dict) -> d
 def learn_pair(pair: CheckpointPair, data, progress=None, start: dict | None = None) -> tuple[dict, dict]:
     """``(elements, report)``: the learned alignment of ``pair`` (its closed-form start, then the layer-wise
     learned steps), every element checked valid; not yet verified on outputs (see :func:`learn_from_checkpoints`)."""
-    from .learn import _Learning, _learn_round
+    from .learn import _Learning, _learn_round, learned_entry
     from .verify import verify_elements
 
     t0 = time.perf_counter()
@@ -227,17 +227,16 @@ def learn_pair(pair: CheckpointPair, data, progress=None, start: dict | None = N
     timings: dict = {}
     given = "given" if start is not None else options.learn.start
     start = dict(start) if start is not None else _closed_form(pair, data, opts, progress, timings)
-    report: dict = {"learned_from": "the checkpoints, layer by layer",
-                    "closed_form_seconds": time.perf_counter() - t0, "activation_seconds": timings}
+    closed_form_seconds = time.perf_counter() - t0
     settings = replace(options.learn, layerwise=True)
     history = {"step": [], "train": []}
     learning = _Learning(pair.instances, pair.skeleton, pair.skeleton, pair.tensors_a, pair.tensors_b, data, settings,
                          opts, settings.steps, progress, None, time.perf_counter())
     elements, info = _learn_round(learning, start, history)
-    report["learned"] = {"steps": info.get("steps", 0), "history": history, "parameters": info.get("parameters"),
-                         "held_out_start": info.get("held_out_start"), "held_out_best": info.get("held_out_best"),
-                         "seconds_by_stage": dict(info.get("seconds_by_stage", {})), "layerwise": True, "start": given,
-                         **{k: info[k] for k in ("stopped", "note") if k in info}}
+    report = {**({"activation_seconds": timings} if timings else {}),  # as in memory: an activation start's
+              "learned": learned_entry(given, info, history, closed_form_seconds=closed_form_seconds,
+                                       seconds=time.perf_counter() - t0, learned_from="the checkpoints, layer by layer",
+                                       layerwise=True)}
     verify_elements(pair.instances, elements)
     return elements, report
 

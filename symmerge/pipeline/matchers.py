@@ -92,6 +92,8 @@ def match_learned(ctx: MatchContext) -> dict:
     start = match_activations(ctx) if ctx.options.learn.start == "activations" else None  # else: from the weights
     elements, ctx.fields["learned"] = learn_alignment(ctx.instances, ctx.model, ctx.anchor, ctx.ca, ctx.cb, ctx.data(),
                                                       ctx.options, progress=ctx.progress, start=start)
+    if start is not None:  # the closed form given is the one --learn-start names
+        ctx.fields["learned"]["start"] = ctx.options.learn.start
     return elements
 
 

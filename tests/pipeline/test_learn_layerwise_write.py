@@ -45,7 +45,11 @@ def test_stream_learned_writes_the_in_memory_layerwise_alignment_bit_for_bit(tmp
     assert (_digest(tmp_path / "a"), _digest(tmp_path / "b")) == inputs_before  # inputs never modified
     mem_report = json.loads((memory / "symmerge_report.json").read_text())
     assert report["match"] == "learned" and report["streamed"] and report["plan"]["match"] == "learned"
-    assert report["learned"]["start"] == start
+    assert report["learned"]["start"] == mem_report["learned"]["start"] == start
+    # one form of the learned entry and of the report, streamed or in memory: only the writer's fields added
+    assert sorted(report["learned"]) == sorted(mem_report["learned"])
+    assert set(report) - set(mem_report) == {"shards", "bytes_written", "largest_layer_bytes"}
+    assert not set(mem_report) - set(report)
     assert report["learned"]["steps"] == 3 and report["learned"]["history"] == mem_report["learned"]["history"]
     assert report["distance_after"] == pytest.approx(mem_report["distance_after"], rel=1e-9)
     assert report["verify_max_rel_diff"] <= 1e-5 and report["align_samples_used"] == len(LINES)
