@@ -97,6 +97,18 @@ def _anchor_entry(pl: Plan) -> dict:
     return entry
 
 
+def merge_anchor_entry(entry: dict, name: str) -> dict:
+    """The report's ``base_adapted`` entry of a base-class ``--anchor`` of a merge, one form in memory and streamed
+    (made from either wing's entry): the anchor is not merged, so nothing is kept from another model in its place
+    (``taken_from`` None): each model is aligned to its body, with its own head."""
+    kept = {k: entry[k] for k in ("class", "read_as", "prefix_added", "tensors_only_in_fine_tunes", "left_out")
+            if k in entry}
+    return {"model": name, **kept, "taken_from": None,
+            "note": (f"the anchor {name} is a {entry.get('class') or 'base model'}: its tensors were read under "
+                     f"'{entry['prefix_added']}' as the {entry['read_as']}'s body, and the models aligned to it "
+                     "(each with its own head)")}
+
+
 def print_notes(report: dict) -> None:
     """One ``note:`` line on stderr per adapted input (the commands' summaries)."""
     import sys

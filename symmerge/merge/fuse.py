@@ -27,7 +27,7 @@ from ..io.checkpoint import parse_size
 from ..io.data import Data, check_data, check_data_path, has_labels, load_data
 from ..io.arguments import keeps_models, model_argument, models_argument
 from ..io.reader import load_model
-from ..io.prefix import adapt_models, not_merged
+from ..io.prefix import adapt_models, merge_anchor_entry, not_merged
 from ..io.sentence_transformers import check_pipelines, output_reader
 from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
@@ -304,11 +304,7 @@ def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pick
     check_bodies([models[0], anchor_model], [names[0], name])
     info = {"index": None, "name": name, "rule": rule}
     if adapted:
-        entry = adapted[-1]
-        entry["note"] = (f"the anchor {name} is a {entry['class'] or 'base model'}: its tensors were read under "
-                         f"'{entry['prefix_added']}' as the {entry['read_as']}'s body, and the models aligned to it "
-                         "(each with its own head)")
-        info["base_adapted"] = entry
+        info["base_adapted"] = merge_anchor_entry(adapted[-1], name)
     return anchor_model, info
 
 

@@ -37,7 +37,7 @@ from ..io.checkpoint import LazyCheckpoint
 from ..io.card import write_card
 from ..io.model import write_json
 from ..io.output import temp_prefix
-from ..io.prefix import adapt_checkpoints, borrowed
+from ..io.prefix import adapt_checkpoints, borrowed, merge_anchor_entry
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import stage
@@ -210,8 +210,10 @@ def _plain_streaming(folders, base_folder, out, options, checked: _Checked, *, a
             result_warnings=facts["result_warnings"])
         timings["total"] = time.perf_counter() - checked.t0
         report["timings"] = timings
-        if adapted:
-            report["base_adapted"] = adapted
+        anchor_adapted = [alignment["anchor"]["base_adapted"]] if "base_adapted" in (alignment or {}).get(
+            "anchor", {}) else []  # reported, not merged: as in memory
+        if adapted or anchor_adapted:
+            report["base_adapted"] = adapted + anchor_adapted
         if checked.write_hook is not None:
             checked.write_hook(tmp, report)
         write_card(tmp, report)  # README.md, the output's own model card
@@ -274,6 +276,9 @@ def aligned_folders(models, out, options, plan, names):
                 rep = align_one(path, anchor_path, work / f"model-{i}", plan.align, progress=options.progress,
                                 allow_tokenizer_mismatch=options.allow_tokenizer_mismatch, **own)
             resolved = rep.get("symmetries", resolved)
+            for entry in rep.get("base_adapted") or []:  # a base-class anchor, read as the model's class
+                if entry["model"] == "anchor" and "base_adapted" not in info:
+                    info["base_adapted"] = merge_anchor_entry(entry, str(anchor_path))
             if i == "base":
                 base_path = work / f"model-{i}"
             else:
