@@ -106,13 +106,29 @@ def check_layout(state_dicts, base=None, needs_base: bool = False, method: str =
 
 
 def check_stats(method: str, needs, stats, n: int):
-    """``stats`` (one dict per model) when the method needs statistics; ``None`` otherwise."""
+    """``stats`` (one dict per model) when the method needs statistics; ``None`` otherwise. A
+    :class:`~symmerge.merge.statistics.Stats` of the kind needed is read as ``merge_models`` reads it by default
+    (Gram matrices per token, :meth:`~symmerge.merge.statistics.Stats.means`; its ``tensors`` for the sums);
+    one of another kind, or anything but a dict, is one error."""
     if needs is None:
         return None
     if stats is None or len(stats) != n:
         raise SymmergeError(f"method {method!r} needs the {_STAT_NAMES[needs]} of every model "
                             f"(gather them with data: --data)")
-    return stats
+    from .statistics import Stats
+
+    read = []
+    for i, s in enumerate(stats):
+        if isinstance(s, Stats):
+            if s.kind != needs:
+                raise SymmergeError(f"method {method!r} needs the {_STAT_NAMES[needs]} of every model; stats[{i}] "
+                                    f"holds {_STAT_NAMES.get(s.kind, s.kind)}")
+            s = s.means() if needs == "gram" else s.tensors
+        elif not isinstance(s, dict):
+            raise SymmergeError(f"method {method!r}: stats[{i}] is a {type(s).__name__}; give a Stats of "
+                                f"{_STAT_NAMES[needs]} or a dict of tensors by state-dict key")
+        read.append(s)
+    return read
 
 
 class _Required:

@@ -194,3 +194,32 @@ def test_regmean_solves_conv1d_layers_found_by_module_type():
     rhs = grams[0] @ sds[0][key] + grams[1] @ sds[1][key]
     torch.testing.assert_close(lhs, rhs, rtol=1e-9, atol=1e-9)
     assert not torch.allclose(merged[key], (sds[0][key] + sds[1][key]) / 2, atol=1e-6)  # not the plain mean
+
+
+def test_methods_take_the_statistics_objects_the_library_gathers():
+    """``get_method(m).merge(..., stats=[Stats, Stats])``: the Stats that ``gram_stats`` / ``fisher_stats`` return
+    are read as merge_models reads them (Grams per token), not an AttributeError from inside; a Stats of the wrong
+    kind, or anything but a dict, is one error naming it."""
+    from symmerge.errors import SymmergeError
+    from symmerge.io.data import Batch, Data
+    from symmerge.merge import get_method
+    from symmerge.merge.statistics import fisher_stats, gram_stats
+
+    models = [tiny("gpt2", s).double() for s in (0, 1)]
+    ids = torch.randint(3, 128, (6, 10), generator=torch.Generator().manual_seed(0))
+    data = Data("ids", "lm", [Batch({"input_ids": ids}, ids.clone(), torch.ones_like(ids, dtype=torch.bool))], n=6)
+    sds = [m.state_dict() for m in models]
+    grams = [gram_stats(m, data, progress=False) for m in models]
+    assert grams[0].counts and any(c > 1 for c in grams[0].counts.values())  # per token differs from the sums
+    regmean = get_method("regmean")
+    got = regmean.merge(sds, stats=grams, alpha=0.5)
+    want = regmean.merge(sds, stats=[g.means() for g in grams], alpha=0.5)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in got)
+    fishers = [fisher_stats(m, data, progress=False) for m in models]
+    got = get_method("fisher").merge(sds, stats=fishers)
+    want = get_method("fisher").merge(sds, stats=[f.tensors for f in fishers])
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    with pytest.raises(SymmergeError, match=r"needs the Gram matrices of every model; stats\[0\] holds Fisher"):
+        regmean.merge(sds, stats=fishers)
+    with pytest.raises(SymmergeError, match=r"stats\[1\] is a list"):
+        regmean.merge(sds, stats=[grams[0].means(), [1, 2]])
