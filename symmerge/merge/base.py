@@ -115,11 +115,10 @@ def check_stats(method: str, needs, stats, n: int):
     if stats is None or len(stats) != n:
         raise SymmergeError(f"method {method!r} needs the {_STAT_NAMES[needs]} of every model "
                             f"(gather them with data: --data)")
-    from .statistics import Stats
-
     read = []
     for i, s in enumerate(stats):
-        if isinstance(s, Stats):
+        if not isinstance(s, dict) and hasattr(s, "kind") and hasattr(s, "means"):  # a Stats (statistics imports
+            # what imports this module: read by its fields, not its class)
             if s.kind != needs:
                 raise SymmergeError(f"method {method!r} needs the {_STAT_NAMES[needs]} of every model; stats[{i}] "
                                     f"holds {_STAT_NAMES.get(s.kind, s.kind)}")
