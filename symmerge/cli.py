@@ -101,6 +101,15 @@ def _close_choice(prog: str, message: str) -> str:
     return did_you_mean(bad.group(2), choices) if choices else ""
 
 
+def plain_text(doc: str) -> str:
+    """A command module's text as ``--help`` shows it: the reStructuredText markup of its source (double
+    backquotes, ``:mod:`` and ``:func:`` roles) left out, the words kept."""
+    import re
+
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)
+    return re.sub(r"``([^`]+)``", r"\1", text)
+
+
 def build_parser():
     import argparse
     import importlib
@@ -111,7 +120,8 @@ def build_parser():
     parser.set_defaults(subparsers=sub.choices)  # a command's own parser: its name on a bad argument
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"symmerge.commands.{module_name}")
-        p = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0], description=module.__doc__,
+        text = plain_text(module.__doc__)
+        p = sub.add_parser(name, help=text.strip().splitlines()[0], description=text,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(handler=module.run)
