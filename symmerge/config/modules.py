@@ -41,7 +41,7 @@ _T5 = (
     Module("shared", None, None, ("shared.weight",), ("lm_head.weight",)),
 )
 # architecture (config.json's ``architectures[0]``) -> its modules, in mergekit's order of planning
-MAPS = {"T5ForConditionalGeneration": _T5}
+MAPS = {"T5ForConditionalGeneration": _T5, "MT5ForConditionalGeneration": _T5}  # mT5: T5's tensor names
 
 
 def architecture(config: dict) -> str | None:

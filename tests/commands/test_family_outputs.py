@@ -1,5 +1,5 @@
 """What a user gets on disk through the CLI, checked with ``transformers`` itself: half-precision and
-mixed-precision inputs of ``align`` / ``merge`` in memory."""
+mixed-precision inputs of ``align`` / ``merge`` in memory, and mergekit configs on every T5-like architecture."""
 
 from __future__ import annotations
 
@@ -58,3 +58,16 @@ def test_mixed_dtype_pair_aligns_in_the_models_dtype(tmp_path):
     assert output_rel_diff(model, aligned, make_inputs(model)) <= 1e-5
     assert run_cli("merge", a, b, "--method", "average", "-o", tmp_path / "mm", "--progress", "none") == 0
 
+
+def test_mt5_runs_a_plain_mergekit_config(tmp_path):
+    """mT5 (T5's tensors under MT5ForConditionalGeneration) was refused by a plain ``models:`` config, 'layer 1
+    has different tensors than layer 0 ... slices and gradients need layers of one template': only
+    T5ForConditionalGeneration had the module map that knows the relative attention bias is in block 0 only."""
+    a, b = (_folder(tmp_path / f"m{s}", "mt5", s, torch.float32) for s in (0, 1))
+    config = tmp_path / "c.yml"
+    config.write_text(f"models:\n  - model: {a}\n    parameters: {{weight: 0.5}}\n  - model: {b}\n"
+                      "    parameters: {weight: 0.5}\nmerge_method: linear\n")
+    assert run_cli("run", config, tmp_path / "out") == 0
+    merged, m0, m1 = hf_load(tmp_path / "out"), hf_load(a), hf_load(b)
+    sd, s0, s1 = merged.state_dict(), m0.state_dict(), m1.state_dict()
+    assert all(torch.allclose(sd[k], (s0[k] + s1[k]) / 2, atol=1e-6) for k in sd)
