@@ -71,3 +71,26 @@ def test_mt5_runs_a_plain_mergekit_config(tmp_path):
     merged, m0, m1 = hf_load(tmp_path / "out"), hf_load(a), hf_load(b)
     sd, s0, s1 = merged.state_dict(), m0.state_dict(), m1.state_dict()
     assert all(torch.allclose(sd[k], (s0[k] + s1[k]) / 2, atol=1e-6) for k in sd)
+
+
+@pytest.mark.parametrize("mode", ["stream", "memory"])
+def test_default_label_names_written_or_not_are_the_same_labels(tmp_path, mode):
+    """transformers 4 wrote the default ``id2label`` ({0: LABEL_0, 1: LABEL_1}) into every config.json,
+    transformers 5 leaves it out: the streamed merge compared config.json as written and refused such a pair
+    of causal LMs (the cached SmolLM2 and a copy saved again), 'label names differ ...; use --heads keep'."""
+    a, b = (_folder(tmp_path / f"m{s}", "llama", s, torch.float32) for s in (0, 1))
+    config = json.loads((a / "config.json").read_text())
+    assert "id2label" not in config
+    config.update(id2label={"0": "LABEL_0", "1": "LABEL_1"}, label2id={"LABEL_0": 0, "LABEL_1": 1})
+    (a / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert run_cli("merge", a, b, "--method", "average", "--align", "none", "--mode", mode, "-o", out,
+                   "--progress", "none") == 0
+    merged, m0, m1 = hf_load(out), hf_load(a), hf_load(b)
+    s0, s1 = m0.state_dict(), m1.state_dict()
+    assert all(torch.allclose(v, (s0[k] + s1[k]) / 2, atol=1e-6) for k, v in merged.state_dict().items())
+    # label names that do differ are still refused, in one line
+    config["id2label"] = {"0": "NEG", "1": "POS"}
+    (a / "config.json").write_text(json.dumps(config))
+    assert run_cli("merge", a, b, "--method", "average", "--align", "none", "--mode", mode, "-o", tmp_path / "o2",
+                   "--progress", "none") == 2
