@@ -15,8 +15,8 @@ from factories import make_model
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def _folder(path, family, seed, dtype):
-    make_model(family, head=True, dtype=torch.float32, seed=seed).to(dtype).save_pretrained(str(path))
+def _folder(path, family, seed, dtype, head: bool = True):
+    make_model(family, head=head, dtype=torch.float32, seed=seed).to(dtype).save_pretrained(str(path))
     write_tokenizer(path)
     return path
 
@@ -59,11 +59,13 @@ def test_mixed_dtype_pair_aligns_in_the_models_dtype(tmp_path):
     assert run_cli("merge", a, b, "--method", "average", "-o", tmp_path / "mm", "--progress", "none") == 0
 
 
-def test_mt5_runs_a_plain_mergekit_config(tmp_path):
-    """mT5 (T5's tensors under MT5ForConditionalGeneration) was refused by a plain ``models:`` config, 'layer 1
-    has different tensors than layer 0 ... slices and gradients need layers of one template': only
-    T5ForConditionalGeneration had the module map that knows the relative attention bias is in block 0 only."""
-    a, b = (_folder(tmp_path / f"m{s}", "mt5", s, torch.float32) for s in (0, 1))
+@pytest.mark.parametrize("family,head", [("mt5", True), ("t5", False), ("t5-relu", False), ("mt5", False)])
+def test_every_t5_class_runs_a_plain_mergekit_config(tmp_path, family, head):
+    """MT5ForConditionalGeneration, T5EncoderModel, T5Model and MT5EncoderModel (T5's tensors, of both stacks or
+    the encoder's) were refused by a plain ``models:`` config, 'layer 1 has different tensors than layer 0 ...
+    slices and gradients need layers of one template': only T5ForConditionalGeneration had the module map that
+    knows the relative attention bias is in block 0 only."""
+    a, b = (_folder(tmp_path / f"m{s}", family, s, torch.float32, head) for s in (0, 1))
     config = tmp_path / "c.yml"
     config.write_text(f"models:\n  - model: {a}\n    parameters: {{weight: 0.5}}\n  - model: {b}\n"
                       "    parameters: {weight: 0.5}\nmerge_method: linear\n")
