@@ -3,7 +3,6 @@ load → spec → canonical form → solve → apply → verify → report."""
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from .matchers import MATCHERS, MatchContext
 from .options import DEFAULT_SYMMETRIES, AlignOptions
 from .recommend import recommended, require_declared
 from .report import Distances, alignment_report
-from .verify import ELEMENT_CHECK, owned_apart, verify_elements, verify_forward, with_state_dict
+from .verify import ELEMENT_CHECK, in_dtype_of, owned_apart, verify_elements, verify_forward, with_state_dict, working_copies
 
 
 def _load(x, allow_pickle: bool, progress: bool):
@@ -162,7 +161,7 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     model, anchor, adapted = adapt_pair(model, anchor)  # a base model and a fine-tune of its task class
     check_compatible(model, anchor)
     stored, anchor_stored = model, anchor  # the models in their own dtypes: the results are cast back to them
-    model, anchor = _working(model, anchor)
+    model, anchor = working_copies([model, anchor])
     start = time.perf_counter()
     was_tied = bool(declared_ties(model) or declared_ties(anchor))
     if options.untie:
@@ -225,30 +224,10 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     if embedding is not None:
         report["sentence_transformers"] = {**embedding, **({"note": embedding_note} if embedding_note else {})}
     anchor_out = with_state_dict(anchor, owned_apart(cb, model, anchor, aligned), share=True) if folded else anchor
-    aligned = _in_dtype(aligned, stored)
-    anchor_out = anchor_stored if anchor_out is anchor else _in_dtype(anchor_out, anchor_stored)
+    aligned = in_dtype_of(aligned, stored)
+    anchor_out = anchor_stored if anchor_out is anchor else in_dtype_of(anchor_out, anchor_stored)
     return Alignment(aligned, anchor_out, report, elements, instances, bound)
 
-
-def _dtype(model) -> torch.dtype:
-    return next(model.parameters()).dtype
-
-
-def _working(model, anchor):
-    """The pair to solve, apply and verify on: float32 copies where either is in a half dtype (bfloat16,
-    float16: solved and verified in their own arithmetic, a tiny bfloat16 Llama's exact alignment missed the
-    half tolerance, 0.08 > 0.05) or their dtypes differ (float32 beside bfloat16 stopped in a GEMM of two
-    dtypes); the models themselves, untouched, otherwise."""
-    dtypes = {_dtype(model), _dtype(anchor)}
-    if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}:
-        return model, anchor
-    work = torch.float64 if dtypes == {torch.float64} else torch.float32
-    return tuple(copy.deepcopy(m).to(work) if _dtype(m) != work else m for m in (model, anchor))
-
-
-def _in_dtype(result, stored):
-    """``result`` (solved on :func:`_working`'s copy) in ``stored``'s dtype, rounded once."""
-    return result if _dtype(result) == _dtype(stored) else result.to(_dtype(stored))
 
 
 @keeps_models

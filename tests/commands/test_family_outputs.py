@@ -96,3 +96,22 @@ def test_default_label_names_written_or_not_are_the_same_labels(tmp_path, mode):
     (a / "config.json").write_text(json.dumps(config))
     assert run_cli("merge", a, b, "--method", "average", "--align", "none", "--mode", mode, "-o", tmp_path / "o2",
                    "--progress", "none") == 2
+
+
+def test_joint_and_dual_alignments_of_half_and_mixed_models(tmp_path):
+    """The joint alignment of three models (merge, barrier) and the dual learned frame had the pair's defect:
+    three bfloat16 Llamas refused ('not equivalent: 0.111 > 0.05'), the dual frame too (0.0783), and a float32
+    model beside two bfloat16 ones stopped with torch's RuntimeError. Each model keeps its own dtype."""
+    half = [_folder(tmp_path / f"h{s}", "llama", s, torch.bfloat16) for s in range(3)]
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat\nthe dog ran fast\na cat ran slow\nthe dog sat on a mat\n")
+    assert run_cli("merge", *half, "--method", "average", "-o", tmp_path / "j", "--progress", "none") == 0
+    assert _stored(tmp_path / "j") == ({"BF16"}, "bfloat16")
+    report = json.loads((tmp_path / "j" / "symmerge_report.json").read_text())
+    assert all(m["verify_max_rel_diff"] <= 1e-4 for m in report["alignment"]["models"])  # float32's tolerance
+    assert run_cli("merge", *half[:2], "--method", "average", "--match", "learned", "--learn-frame", "dual",
+                   "--align-data", text, "--learn-steps", "2", "-o", tmp_path / "d", "--progress", "none") == 0
+    assert _stored(tmp_path / "d") == ({"BF16"}, "bfloat16")
+    mixed = [_folder(tmp_path / "f", "llama", 5, torch.float32), *half[1:]]
+    assert run_cli("merge", *mixed, "--method", "average", "-o", tmp_path / "m", "--progress", "none") == 0
+    assert run_cli("barrier", *half, "--data", text, "-o", tmp_path / "b", "--progress", "none") == 0
