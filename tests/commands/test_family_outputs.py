@@ -115,17 +115,3 @@ def test_joint_and_dual_alignments_of_half_and_mixed_models(tmp_path):
     mixed = [_folder(tmp_path / "f", "llama", 5, torch.float32), *half[1:]]
     assert run_cli("merge", *mixed, "--method", "average", "-o", tmp_path / "m", "--progress", "none") == 0
     assert run_cli("barrier", *half, "--data", text, "-o", tmp_path / "b", "--progress", "none") == 0
-
-
-def test_streamed_verification_of_a_float16_model_measures_its_rounding(tmp_path):
-    """``align --stream --verify-forward`` compared the float16 input and output in float16 arithmetic: a tiny
-    Qwen2-MoE pair was refused ('not equivalent: 0.064 > 0.05') whose written folder, run in float32, is 1.2e-3
-    from its input. Both are now run in float32, within float16's tolerance."""
-    a, b = (_folder(tmp_path / f"m{s}", "qwen2_moe", s, torch.float16) for s in (0, 1))
-    out = tmp_path / "al"
-    assert run_cli("align", a, b, "--stream", "--verify-forward", "-o", out, "--progress", "none") == 0
-    assert _stored(out) == ({"F16"}, "float16")
-    report = json.loads((out / "symmerge_report.json").read_text())
-    model, aligned = hf_load(a).float(), hf_load(out).float()
-    assert output_rel_diff(model, aligned, make_inputs(model)) < 1e-2  # the written folder, run by transformers
-    assert report["verify_max_rel_diff"] < 1e-2 and report["verify_tolerance"] == 5e-2
