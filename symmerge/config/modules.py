@@ -41,7 +41,9 @@ _T5 = (
     Module("shared", None, None, ("shared.weight",), ("lm_head.weight",)),
 )
 # architecture (config.json's ``architectures[0]``) -> its modules, in mergekit's order of planning
-MAPS = {"T5ForConditionalGeneration": _T5}
+# mT5 has T5's tensor names; T5Model has no LM head, T5EncoderModel only the encoder and the shared embedding
+MAPS = {"T5ForConditionalGeneration": _T5, "MT5ForConditionalGeneration": _T5, "T5Model": _T5, "MT5Model": _T5,
+        "T5EncoderModel": _T5[0::2], "MT5EncoderModel": _T5[0::2]}
 
 
 def architecture(config: dict) -> str | None:

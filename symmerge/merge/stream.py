@@ -130,6 +130,17 @@ class _Checked:
     write_hook: object
 
 
+def label_names(config: dict) -> dict:
+    """config.json's ``id2label`` as transformers reads it: the default names (``LABEL_0`` …, ``num_labels`` of them,
+    2 without it) where it has none — transformers 4 wrote them into every config.json, transformers 5 leaves them
+    out, and the two mean the same labels."""
+    found = config.get("id2label")
+    if isinstance(found, dict):
+        return {str(k): v for k, v in found.items()}
+    n = config.get("num_labels")
+    return {str(i): f"LABEL_{i}" for i in range(n if isinstance(n, int) else 2)}
+
+
 def plain_steps(ckpts, base, options, names) -> tuple[list, list, list]:
     """(steps, the head keys of every model, the head policy) of a plain merge of the checkpoints ``ckpts``
     (base model ``base`` or None, the last input when given): the bodies checked to agree, every body tensor
@@ -148,7 +159,7 @@ def plain_steps(ckpts, base, options, names) -> tuple[list, list, list]:
             if sorted(heads[i]) != sorted(heads[0]) or any(ckpts[i].shape[k] != ckpts[0].shape[k] for k in heads[0]):
                 raise SymmergeError(f"cannot merge task heads: {names[0]} and {names[i]} have different heads/label "
                                     "spaces (use --heads keep)")
-            if ckpts[i].config.get("id2label") != ckpts[0].config.get("id2label"):
+            if label_names(ckpts[i].config) != label_names(ckpts[0].config):
                 raise SymmergeError(f"cannot merge task heads: label names differ between {names[0]} and "
                                     f"{names[i]}; use --heads keep")
         merged_keys += heads[0]

@@ -30,7 +30,7 @@ from .matchers import MATCHERS, MatchContext
 from .options import DEFAULT_SYMMETRIES, AlignOptions
 from .recommend import recommended, require_declared
 from .report import Distances, alignment_report
-from .verify import ELEMENT_CHECK, owned_apart, verify_elements, verify_forward, with_state_dict
+from .verify import ELEMENT_CHECK, in_dtype_of, owned_apart, verify_elements, verify_forward, with_state_dict, working_copies
 
 
 def _load(x, allow_pickle: bool, progress: bool):
@@ -160,6 +160,8 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     model, anchor = (_load(x, allow_pickle, progress is not None) for x in (model if loaded is None else loaded, anchor))
     model, anchor, adapted = adapt_pair(model, anchor)  # a base model and a fine-tune of its task class
     check_compatible(model, anchor)
+    stored, anchor_stored = model, anchor  # the models in their own dtypes: the results are cast back to them
+    model, anchor = working_copies([model, anchor])
     start = time.perf_counter()
     was_tied = bool(declared_ties(model) or declared_ties(anchor))
     if options.untie:
@@ -222,7 +224,10 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     if embedding is not None:
         report["sentence_transformers"] = {**embedding, **({"note": embedding_note} if embedding_note else {})}
     anchor_out = with_state_dict(anchor, owned_apart(cb, model, anchor, aligned), share=True) if folded else anchor
+    aligned = in_dtype_of(aligned, stored)
+    anchor_out = anchor_stored if anchor_out is anchor else in_dtype_of(anchor_out, anchor_stored)
     return Alignment(aligned, anchor_out, report, elements, instances, bound)
+
 
 
 @keeps_models

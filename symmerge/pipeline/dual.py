@@ -56,7 +56,7 @@ from .learn import (Checks, Parameters, budget_spent, cosine_adam, head_forward,
                     shuffled)
 from .mixture import check_points, mixture_weights  # check_points(2): the pairwise checks α = ½, ¾, ¼
 from .options import DIRICHLET_AUTO
-from .verify import verify_elements, verify_forward, with_state_dict
+from .verify import in_dtype_of, verify_elements, verify_forward, with_state_dict, working_copies
 
 
 def stream_folds(instances) -> tuple:
@@ -305,7 +305,8 @@ def align_dual(model, anchor, options, inputs: dict | None = None, progress=None
                                   for x, label in ((model, "model"), (anchor, "anchor"))], allow_tokenizer_mismatch)
     if isinstance(model, (str, Path)):
         check_pipelines([(str(model), model)])
-    model, anchor = (load(x, allow_pickle, progress is not None) for x in (model, anchor))
+    stored = [load(x, allow_pickle, progress is not None) for x in (model, anchor)]
+    model, anchor = working_copies(stored)  # half or mixed dtypes: learned and verified in float32
     # the start: the closed form A onto B, or (``FROM_ONE_SIDED``, an experiment of benchmarks/dual_learned.py)
     # the whole one-sided learned alignment, which the dual loop then refines
     # the data read once, as the learning reads it (``--learn-max-length``, the learned batch), and the closed
@@ -344,4 +345,5 @@ def align_dual(model, anchor, options, inputs: dict | None = None, progress=None
     else:
         report.update(verify_max_abs_diff=None, verify_max_rel_diff=None, verify_tolerance=None)
     report["seconds"] = time.perf_counter() - t0
+    moved_a, moved_b = (in_dtype_of(m, x) for m, x in zip((moved_a, moved_b), stored))
     return result(moved_a, moved_b, report, elements, instances, start.bound)

@@ -59,7 +59,7 @@ from .frame import JointAlignment, mean_state_dict, spread  # noqa: F401  (re-ex
 from .options import DEFAULT_REFINE, JOINT_REFINE, AlignOptions
 from .engine import objective_weights, scaled, solve
 from .matchers import MATCHERS
-from .verify import verify_elements, verify_forward, with_state_dict
+from .verify import in_dtype_of, verify_elements, verify_forward, with_state_dict, working_copies
 
 # the matchers joint alignment runs: weights and activations align each model to the mean of the others (any
 # anchor); learned starts from one of them and learns random convex combinations (pipeline/learn_joint.py)
@@ -151,17 +151,20 @@ def align_joint(models, options: AlignOptions, anchor: int = 0, names=None, max_
     Named stages, each handing a frozen record to the next: :func:`_checked` → :class:`_Joint` →
     (learned: :mod:`symmerge.pipeline.learn_joint`) → :func:`_plan_steps` → :class:`_Steps` → :func:`_star` →
     :class:`_Frame` → :func:`_rounds` → :class:`_Frame` → :func:`_verified` → :func:`_report`."""
+    stored, models = list(models), working_copies(models)  # half or mixed dtypes: solved in float32
     run = _checked(models, options, anchor, names, max_rounds, refine, steps, progress, on_round)
     if options.matcher.learns:  # a closed-form joint alignment, then the mixtures learned
         from .learn_joint import align_joint_learned
 
-        return align_joint_learned(models, options, run.anchor, run.names, run.max_rounds,
+        done = align_joint_learned(models, options, run.anchor, run.names, run.max_rounds,
                                    JointSteps(tol=run.tol, round_sweeps=run.round_sweeps), inputs, progress,
                                    closed_form=functools.partial(align_joint, refine=refine))
-    t0 = time.perf_counter()
-    plan = _plan_steps(run)
-    frame = _rounds(run, plan, _star(run, plan))
-    return JointAlignment(frame.current, _report(run, plan, frame, _verified(run, frame, inputs), t0))
+    else:
+        t0 = time.perf_counter()
+        plan = _plan_steps(run)
+        frame = _rounds(run, plan, _star(run, plan))
+        done = JointAlignment(frame.current, _report(run, plan, frame, _verified(run, frame, inputs), t0))
+    return JointAlignment([in_dtype_of(m, s) for m, s in zip(done.models, stored)], done.report)
 
 
 @dataclass(frozen=True)

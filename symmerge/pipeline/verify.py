@@ -135,3 +135,24 @@ def verify_forward(model, aligned, spec: Spec, tol: float | None = None, inputs:
                             f"{diff['max_rel_diff']:.3g} > {tol:.3g}")
     return {"verify_max_abs_diff": diff["max_abs_diff"], "verify_max_rel_diff": diff["max_rel_diff"],
             "verify_tolerance": tol}
+
+
+def _dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def working_copies(models) -> list:
+    """The models an alignment solves, applies and verifies on: float32 copies where any is in a half dtype
+    (bfloat16, float16: solved and verified in their own arithmetic, a tiny bfloat16 Llama's exact alignment
+    missed the half tolerance, 0.08 > 0.05) or their dtypes differ (float32 beside bfloat16 stopped in a GEMM of
+    two dtypes); the models themselves, untouched, otherwise. :func:`in_dtype_of` casts the results back."""
+    dtypes = {_dtype(m) for m in models}
+    if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}:
+        return list(models)
+    work = torch.float64 if dtypes == {torch.float64} else torch.float32
+    return [copy.deepcopy(m).to(work) if _dtype(m) != work else m for m in models]
+
+
+def in_dtype_of(result, stored):
+    """``result`` (solved on a :func:`working_copies` copy of ``stored``) in ``stored``'s dtype, rounded once."""
+    return result if _dtype(result) == _dtype(stored) else result.to(_dtype(stored))
