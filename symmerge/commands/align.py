@@ -69,8 +69,10 @@ def _summary(report: dict, out: Path, timing: str) -> None:
     if report.get("solver"):
         print(solver_summary(report["solver"]))
     if report.get("verify_max_abs_diff") is not None:
+        work = report.get("working_copies")  # half models: verified on float32 copies, then rounded when written
+        on = f"; on {work['dtype']} copies, written in {'/'.join(dict.fromkeys(work['stored']))}" if work else ""
         print(f"equivalence: max |Δoutput| = {report['verify_max_abs_diff']:.3g} "
-              f"(relative {report['verify_max_rel_diff']:.3g})")
+              f"(relative {report['verify_max_rel_diff']:.3g}{on})")
     left_out = report.get("side_files", {}).get("left_out", [])
     if left_out:
         print(f"left out of the output (not model files): {', '.join(left_out[:5])}"

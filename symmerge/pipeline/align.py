@@ -30,7 +30,8 @@ from .matchers import MATCHERS, MatchContext
 from .options import DEFAULT_SYMMETRIES, AlignOptions
 from .recommend import recommended, require_declared
 from .report import Distances, alignment_report
-from .verify import ELEMENT_CHECK, in_dtype_of, owned_apart, verify_elements, verify_forward, with_state_dict, working_copies
+from .verify import (ELEMENT_CHECK, in_dtype_of, owned_apart, verify_elements, verify_forward, with_state_dict,
+                     working_copies, working_note)
 
 
 def _load(x, allow_pickle: bool, progress: bool):
@@ -219,6 +220,9 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
         report.update(verify_max_abs_diff=None, verify_max_rel_diff=None, verify_tolerance=None)
     report["seconds"] = time.perf_counter() - start
     report["tokenizer"] = tokenizer
+    note = working_note([stored, anchor_stored], [model, anchor])
+    if note is not None:  # half or mixed dtypes: what verify_max_rel_diff measured, and what the rounding adds
+        report["working_copies"] = note
     if adapted:
         report["base_adapted"] = adapted
     if embedding is not None:
@@ -227,7 +231,6 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     aligned = in_dtype_of(aligned, stored)
     anchor_out = anchor_stored if anchor_out is anchor else in_dtype_of(anchor_out, anchor_stored)
     return Alignment(aligned, anchor_out, report, elements, instances, bound)
-
 
 
 @keeps_models

@@ -156,3 +156,15 @@ def working_copies(models) -> list:
 def in_dtype_of(result, stored):
     """``result`` (solved on a :func:`working_copies` copy of ``stored``) in ``stored``'s dtype, rounded once."""
     return result if _dtype(result) == _dtype(stored) else result.to(_dtype(stored))
+
+
+def working_note(stored, work) -> dict | None:
+    """The report's ``working_copies`` entry when :func:`working_copies` made any (None otherwise): the dtype solved
+    and verified in, each model's stored dtype, and that the result is rounded to it once."""
+    if all(w is x for w, x in zip(work, stored)):
+        return None
+    name = lambda m: str(_dtype(m)).removeprefix("torch.")  # noqa: E731
+    return {"dtype": name(work[0]), "stored": [name(m) for m in stored],
+            "note": (f"solved and verified on {name(work[0])} copies (verify_max_rel_diff is that alignment's); the "
+                     "aligned model is rounded to its stored dtype once, which moves its outputs by that dtype's "
+                     "rounding")}

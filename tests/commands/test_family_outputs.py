@@ -41,6 +41,8 @@ def test_bfloat16_pair_aligns_and_merges_in_memory(tmp_path, family):
     assert _stored(tmp_path / "al") == ({"BF16"}, "bfloat16")
     report = json.loads((tmp_path / "al" / "symmerge_report.json").read_text())
     assert report["verify_max_rel_diff"] <= 1e-5  # the alignment itself, in float32 from the stored bf16 values
+    # the report says what that figure measured, and that the written model was rounded after it
+    assert report["working_copies"]["dtype"] == "float32" and report["working_copies"]["stored"] == ["bfloat16"] * 2
     model, aligned = hf_load(a).float(), hf_load(tmp_path / "al").float()
     # the one rounding to bfloat16 of the aligned weights: no more than rounding the rotated model once
     assert output_rel_diff(model, aligned, make_inputs(model)) <= 5e-2
@@ -56,6 +58,8 @@ def test_mixed_dtype_pair_aligns_in_the_models_dtype(tmp_path):
     assert _stored(tmp_path / "al") == ({"F32"}, "float32")
     model, aligned = hf_load(a), hf_load(tmp_path / "al")
     assert output_rel_diff(model, aligned, make_inputs(model)) <= 1e-5
+    work = json.loads((tmp_path / "al" / "symmerge_report.json").read_text())["working_copies"]
+    assert work["dtype"] == "float32" and work["stored"] == ["float32", "bfloat16"]
     assert run_cli("merge", a, b, "--method", "average", "-o", tmp_path / "mm", "--progress", "none") == 0
 
 
