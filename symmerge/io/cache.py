@@ -46,30 +46,50 @@ def lock_file(out) -> Path:
 @contextlib.contextmanager
 def build_lock(out, say=None):
     """Hold an exclusive lock on building the cache entry ``out`` for the block (a ``flock`` on a file beside it,
-    released when the process ends however it ends). Another process holding it: one note on stderr (or ``say``),
-    then wait. A folder that cannot hold the lock file (read-only, missing) or a file system without locks: no lock
-    (reading an entry that is there still works; building one fails where it writes)."""
-    import fcntl
-
+    released when the process ends however it ends; the file removed when the block ends). Another process holding
+    it: one note on stderr (or ``say``), then wait. A folder that cannot hold the lock file (read-only, missing) or a
+    file system without locks: no lock (reading an entry that is there still works; building one fails where it
+    writes)."""
     say = say or (lambda text: print(text, file=sys.stderr))
-    fd = None
-    try:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_file(out), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError:
-        fd = None
-    if fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                say(f"note: another process is building {out}; waiting for it")
-                fcntl.flock(fd, fcntl.LOCK_EX)
+    fd = _locked(lock_file(out), lambda: say(f"note: another process is building {out}; waiting for it"))
     try:
         yield
     finally:
         if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(lock_file(out))  # while still held: a process waiting on this file retries on a new one
             os.close(fd)
+
+
+def _locked(path: Path, waiting) -> int | None:
+    """An open descriptor of ``path`` holding its exclusive ``flock`` (``waiting()`` called once before blocking);
+    None when it cannot be had. Retried when the file was removed or replaced while this process waited for it."""
+    import fcntl
+
+    told = False
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no locks on this file system
+                os.close(fd)
+                return None
+            if not told:
+                waiting()
+                told = True
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except OSError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -81,10 +101,10 @@ def _sha256(path: Path) -> str:
 
 
 def record_digests(folder) -> bool:
-    """Write ``folder``'s :data:`DIGESTS` (temp file and rename); False when the folder cannot be written (the entry
-    is then checked only for readable headers)."""
+    """Write ``folder``'s :data:`DIGESTS` (each ``.safetensors`` file's size and sha256; temp file and rename); False
+    when the folder cannot be written (the entry is then checked only for readable headers)."""
     folder = Path(folder)
-    digests = {p.name: _sha256(p) for p in sorted(folder.glob("*.safetensors"))}
+    digests = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(folder.glob("*.safetensors"))}
     tmp = folder / f"{DIGESTS}.{os.getpid()}.tmp"
     try:
         tmp.write_text(json.dumps(digests, indent=1) + "\n")
@@ -96,10 +116,13 @@ def record_digests(folder) -> bool:
     return True
 
 
-def damage(folder) -> str | None:
-    """None when every ``.safetensors`` file of ``folder`` reads (its header) and matches the sha256 recorded when
-    it was built (a folder built before digests were recorded: the headers only); else what is wrong, naming the
-    file."""
+HASHED = 2 << 30  # weights up to this many bytes in all are hashed at every reuse; larger ones: sizes and headers
+
+
+def damage(folder, hashed: int = HASHED) -> str | None:
+    """None when every ``.safetensors`` file of ``folder`` reads (its header) and matches the size and, when the
+    files hold at most ``hashed`` bytes in all, the sha256 recorded when it was built (a folder built before digests
+    were recorded: the headers only); else what is wrong, naming the file."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -107,19 +130,24 @@ def damage(folder) -> str | None:
     if (folder / DIGESTS).is_file():
         try:
             recorded = json.loads((folder / DIGESTS).read_text())
-            if not isinstance(recorded, dict):
-                raise ValueError("not an object")
+            if not isinstance(recorded, dict) or not all(isinstance(v, dict) for v in recorded.values()):
+                raise ValueError("not the digests symmerge writes")
         except (OSError, ValueError) as e:
             return f"{folder / DIGESTS}: unreadable ({e})"
-    for path in sorted(folder.glob("*.safetensors")):
+        for name in recorded:
+            if not (folder / name).is_file():
+                return f"{folder / name}: missing"
+    files = sorted(folder.glob("*.safetensors"))
+    small = sum(p.stat().st_size for p in files) <= hashed
+    for path in files:
         try:
             with safe_open(str(path), "pt") as handle:
                 handle.keys()
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
             return f"{path}: unreadable safetensors file ({e})"
-        if recorded is not None and recorded.get(path.name) != _sha256(path):
+        if recorded is None:
+            continue
+        want = recorded.get(path.name) or {}
+        if want.get("size") != path.stat().st_size or (small and want.get("sha256") != _sha256(path)):
             return f"{path}: its bytes differ from those written when it was built (damaged)"
-    if recorded is not None and any(not (folder / name).is_file() for name in recorded):
-        missing = next(name for name in recorded if not (folder / name).is_file())
-        return f"{folder / missing}: missing"
     return None

@@ -37,6 +37,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SymmergeError
+from .cache import DIGESTS, build_lock, damage, record_digests
 from .provenance import remember
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -140,15 +142,25 @@ def resolve_input(spec, cache=None, dtype=None, merge: bool = True) -> str:
     directory = Path(cache).expanduser() if cache is not None else (_cache["dir"] or _temp_cache())
     out = directory / cache_name(base, ad, dtype)
     remember(out, spec)  # the reports name the input as written (symmerge.io.provenance)
-    if (out / "config.json").is_file():
-        return str(out)  # merged by an earlier run (written atomically: complete)
-    directory.mkdir(parents=True, exist_ok=True)
-    try:
-        apply_adapter(base, ad, out, dtype=dtype)
-    except OSError as e:
-        if (out / "config.json").is_file():  # another process merged it first
-            return str(out)
-        raise SymmergeError(f"{out}: cannot write the merged model ({e})") from None
+    with build_lock(out):  # another process merging the same inputs: wait for it, then reuse its folder
+        if (out / "config.json").is_file():  # merged by an earlier run (written atomically: complete)
+            reason = damage(out)
+            if reason is None:
+                if not (out / DIGESTS).is_file():
+                    record_digests(out)  # merged by an earlier version: checked from now on
+                return str(out)
+            print(f"note: {reason}; merging {spec} again", file=sys.stderr)
+            try:
+                shutil.rmtree(out)
+            except OSError as e:
+                raise SymmergeError(f"{out}: cannot replace this damaged merged model ({e.strerror}); delete the "
+                                    "folder, or give --lora-merge-cache a writable folder") from None
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            apply_adapter(base, ad, out, dtype=dtype)
+        except OSError as e:
+            raise SymmergeError(f"{out}: cannot write the merged model ({e})") from None
+        record_digests(out)
     return str(out)
 
 

@@ -112,3 +112,35 @@ def test_two_processes_writing_one_entry_never_leave_half_of_it(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], [o[1][-1000:] for o in outs]
     assert json.loads((tmp_path / "names" / "shared.json").read_text())["class"] in ("A", "B")
     assert sorted(p.name for p in (tmp_path / "names").iterdir()) == ["shared.json"]
+
+
+_COUNTER = """
+import sys
+from pathlib import Path
+from symmerge.io.cache import build_lock
+out = Path(sys.argv[1])
+for _ in range(40):
+    with build_lock(out, say=lambda text: None):
+        count = out.parent / "count"
+        n = int(count.read_text()) if count.exists() else 0
+        count.write_text(str(n + 1))
+"""
+
+
+def test_the_build_lock_excludes_other_processes_and_leaves_no_file(tmp_path):
+    """Three processes each add 1 to a counter 40 times under the lock of one entry: 120, none lost (the lock file is
+    removed at each release while held: a process that waited on the removed file takes the lock again on a new
+    one), and no lock file is left."""
+    procs = [subprocess.Popen([sys.executable, "-c", _COUNTER, str(tmp_path / "entry")], stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-1000:] for e in errs]
+    assert (tmp_path / "count").read_text() == "120"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["count"]
+
+
+def test_the_build_lock_of_an_unwritable_folder_is_no_lock(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with cache.build_lock(tmp_path / "file" / "entry"):
+        pass
+    assert (tmp_path / "file").read_text() == "x"
