@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from cache_helpers import hold_and_publish
 from symmerge.demo import train
 from symmerge.demo.train import TrainSettings, train_vit, vit_config
 from symmerge.errors import SymmergeError
@@ -85,26 +86,12 @@ def test_a_damaged_entry_that_cannot_be_removed_is_one_line(tmp_path, monkeypatc
     assert "\n" not in str(info.value) and str(folder) in str(info.value)
 
 
-_HOLDER = """
-import os, shutil, sys, time
-from pathlib import Path
-from symmerge.io.cache import build_lock
-src, out = Path(sys.argv[1]), Path(sys.argv[2])
-with build_lock(out):
-    print("locked", flush=True)
-    time.sleep(2)
-    shutil.copytree(src, out.parent / ".building")
-    os.rename(out.parent / ".building", out)
-"""
-
-
 def test_a_model_another_process_is_building_is_waited_for_and_reused(tmp_path):
     first = _train(tmp_path / "one")
     out = tmp_path / "two" / first.name
     out.parent.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(first), str(out)], stdout=subprocess.PIPE, text=True)
+    holder = hold_and_publish(first, out)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         logs = []
         assert _train(tmp_path / "two", logs) == out
     finally:

@@ -18,6 +18,7 @@ from symmerge.io import lora  # noqa: E402
 from symmerge.io.cache import DIGESTS  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cache_helpers import hold_and_publish  # noqa: E402
 from test_lora import make_adapter, make_base  # noqa: E402
 
 
@@ -68,26 +69,12 @@ def test_a_damaged_merged_model_that_cannot_be_removed_is_one_line(spec, tmp_pat
     assert "\n" not in str(info.value) and str(folder) in str(info.value)
 
 
-_HOLDER = """
-import os, shutil, sys, time
-from pathlib import Path
-from symmerge.io.cache import build_lock
-src, out = Path(sys.argv[1]), Path(sys.argv[2])
-with build_lock(out):
-    print("locked", flush=True)
-    time.sleep(2)
-    shutil.copytree(src, out.parent / ".building")
-    os.rename(out.parent / ".building", out)
-"""
-
-
 def test_a_merge_another_process_is_writing_is_waited_for_and_reused(spec, tmp_path, capsys):
     first = Path(lora.resolve_input(spec, tmp_path / "one"))
     out = tmp_path / "two" / first.name
     out.parent.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(first), str(out)], stdout=subprocess.PIPE, text=True)
+    holder = hold_and_publish(first, out)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         capsys.readouterr()
         assert Path(lora.resolve_input(spec, tmp_path / "two")) == out
     finally:
