@@ -34,7 +34,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import re
 import shutil
 import sys
