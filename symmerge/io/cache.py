@@ -100,11 +100,12 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def record_digests(folder) -> bool:
-    """Write ``folder``'s :data:`DIGESTS` (each ``.safetensors`` file's size and sha256; temp file and rename); False
-    when the folder cannot be written (the entry is then checked only for readable headers)."""
+def record_digests(folder, pattern: str = "*.safetensors") -> bool:
+    """Write ``folder``'s :data:`DIGESTS` (the size and sha256 of each file ``pattern`` matches; temp file and
+    rename); False when the folder cannot be written (the entry is then checked only for readable headers)."""
     folder = Path(folder)
-    digests = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(folder.glob("*.safetensors"))}
+    files = [p for p in sorted(folder.glob(pattern)) if p.is_file() and p.name != DIGESTS]
+    digests = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     tmp = folder / f"{DIGESTS}.{os.getpid()}.tmp"
     try:
         tmp.write_text(json.dumps(digests, indent=1) + "\n")
@@ -120,13 +121,14 @@ HASHED = 2 << 30  # weights up to this many bytes in all are hashed at every reu
 
 
 def damage(folder, hashed: int = HASHED) -> str | None:
-    """None when every ``.safetensors`` file of ``folder`` reads (its header) and matches the size and, when the
-    files hold at most ``hashed`` bytes in all, the sha256 recorded when it was built (a folder built before digests
-    were recorded: the headers only); else what is wrong, naming the file."""
+    """None when every ``.safetensors`` file of ``folder`` reads (its header) and every file recorded in its
+    :data:`DIGESTS` matches the size and, when those files hold at most ``hashed`` bytes in all, the sha256 recorded
+    when it was built (a folder built before digests were recorded: the headers only); else what is wrong, naming the
+    file."""
     from safetensors import safe_open
 
     folder = Path(folder)
-    recorded = None
+    recorded = {}
     if (folder / DIGESTS).is_file():
         try:
             recorded = json.loads((folder / DIGESTS).read_text())
@@ -134,20 +136,18 @@ def damage(folder, hashed: int = HASHED) -> str | None:
                 raise ValueError("not the digests symmerge writes")
         except (OSError, ValueError) as e:
             return f"{folder / DIGESTS}: unreadable ({e})"
-        for name in recorded:
-            if not (folder / name).is_file():
-                return f"{folder / name}: missing"
-    files = sorted(folder.glob("*.safetensors"))
-    small = sum(p.stat().st_size for p in files) <= hashed
-    for path in files:
+    for name in recorded:
+        if not (folder / name).is_file():
+            return f"{folder / name}: missing"
+    for path in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(path), "pt") as handle:
                 handle.keys()
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
             return f"{path}: unreadable safetensors file ({e})"
-        if recorded is None:
-            continue
-        want = recorded.get(path.name) or {}
+    small = sum((folder / name).stat().st_size for name in recorded) <= hashed
+    for name, want in recorded.items():
+        path = folder / name
         if want.get("size") != path.stat().st_size or (small and want.get("sha256") != _sha256(path)):
             return f"{path}: its bytes differ from those written when it was built (damaged)"
     return None
