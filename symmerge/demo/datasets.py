@@ -221,6 +221,26 @@ def write_npz(path, images: np.ndarray, labels: np.ndarray | None) -> Path:
     return path
 
 
+def cached_npz(path, images: np.ndarray, labels: np.ndarray | None) -> Path:
+    """:func:`write_npz` unless ``path`` already holds exactly these arrays: a cache that holds them, read-only or not,
+    is used as it is (and two runs at once do not both rewrite it); a file that does not read or holds other arrays is
+    written again."""
+    path = Path(path)
+    x = pixel_values(images) if np.asarray(images).dtype == np.uint8 else np.asarray(images, np.float32)
+    x = x[:, None] if x.ndim == 3 else x
+    if path.is_file():
+        try:
+            with np.load(path) as f:
+                same = sorted(f.files) == (["pixel_values"] if labels is None else ["labels", "pixel_values"]) \
+                    and np.array_equal(f["pixel_values"], x) \
+                    and (labels is None or np.array_equal(f["labels"], np.asarray(labels).astype(np.int64)))
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+            same = False
+        if same:
+            return path
+    return write_npz(path, images, labels)
+
+
 def main(argv=None) -> int:
     """``python -m symmerge.demo.datasets [fashion-mnist] [mnist-5k] [python-docs]``: fetch into the cache
     (the two image sets by default; ``python-docs``: the text corpus of :mod:`symmerge.demo.text`, also

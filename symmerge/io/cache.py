@@ -26,16 +26,25 @@ LOCK = ".symmerge-build.lock"
 
 
 def cache_root() -> Path:
-    """The cache's root: ``$SYMMERGE_CACHE`` if set, else ``~/.cache/symmerge``; without either (no home folder)
-    one :class:`SymmergeError` saying to set the variable."""
+    """The cache's root: ``$SYMMERGE_CACHE`` if set, else ``~/.cache/symmerge``. One :class:`SymmergeError` saying to
+    set the variable when there is no home folder (``HOME`` unset and no password entry, or ``HOME`` empty or
+    relative: ``~`` would be ``/`` or the current folder) or the root is a file."""
     root = os.environ.get(ENV, "").strip()
     if root:
-        return Path(root).expanduser()
-    try:
-        return Path.home() / ".cache" / "symmerge"
-    except (RuntimeError, KeyError):  # HOME unset and no entry in the password database
-        raise SymmergeError(f"no home folder to keep symmerge's cache in (~/.cache/symmerge): set {ENV} to a "
-                            "writable folder") from None
+        path = Path(root).expanduser()
+    else:
+        home = os.environ.get("HOME")
+        if home is not None and not os.path.isabs(home):
+            raise SymmergeError(f"HOME is {home!r}, no folder to keep symmerge's cache in (~/.cache/symmerge): set "
+                                f"{ENV} to a writable folder")
+        try:
+            path = Path.home() / ".cache" / "symmerge"
+        except (RuntimeError, KeyError):  # HOME unset and no entry in the password database
+            raise SymmergeError(f"no home folder to keep symmerge's cache in (~/.cache/symmerge): set {ENV} to a "
+                                "writable folder") from None
+    if path.exists() and not path.is_dir():
+        raise SymmergeError(f"{path}: symmerge's cache is a file, not a folder; set {ENV} to a folder")
+    return path
 
 
 def lock_file(out) -> Path:

@@ -144,3 +144,20 @@ def test_the_build_lock_of_an_unwritable_folder_is_no_lock(tmp_path):
     with cache.build_lock(tmp_path / "file" / "entry"):
         pass
     assert (tmp_path / "file").read_text() == "x"
+
+
+@pytest.mark.parametrize("home", ["", "relative/home"])
+def test_an_empty_or_relative_home_is_one_line_not_a_cache_in_the_root_folder(home, monkeypatch):
+    monkeypatch.delenv("SYMMERGE_CACHE", raising=False)
+    monkeypatch.delenv("SYMMERGE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", home)
+    with pytest.raises(SymmergeError, match="HOME is .*set SYMMERGE_CACHE"):
+        cache.cache_root()
+    assert names_cache.cache_dir() is None
+
+
+def test_a_root_that_is_a_file_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("SYMMERGE_CACHE", str(tmp_path / "file"))
+    with pytest.raises(SymmergeError, match="is a file, not a folder; set SYMMERGE_CACHE"):
+        assets.cache_dir()
