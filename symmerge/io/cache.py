@@ -3,9 +3,10 @@ entry being built, and a check of an entry's weights files before they are reuse
 
 Every entry is built in a temporary folder and published by one rename (a killed run leaves no half entry); while a
 process builds an entry it holds :func:`build_lock` on it, so a second process that wants the same entry waits and
-then reuses it instead of building it again or failing. A built folder of weights records the sha256 of each of its
-``.safetensors`` files (:func:`record_digests`); :func:`damage` finds a file that no longer reads or no longer
-matches, and the caller builds the entry again or refuses in one line naming the file.
+then reuses it instead of building it again or failing. A built folder records the size and sha256 of its weights
+files (or of every file: a tokenizer) in :data:`DIGESTS` (:func:`record_digests`); :func:`damage` finds a file that
+no longer reads or no longer matches, and the caller builds the entry again or refuses in one line naming the file.
+What is kept where, and how to clear it: docs/cache.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from ..errors import SymmergeError
 
 ENV = "SYMMERGE_CACHE"
-DIGESTS = ".symmerge-digests.json"  # {file name: sha256} of a built folder's weights files
+DIGESTS = ".symmerge-digests.json"  # {file name: {"size": bytes, "sha256": hex}} of a built folder's files
 LOCK = ".symmerge-build.lock"
 
 
@@ -48,6 +49,7 @@ def cache_root() -> Path:
 
 
 def lock_file(out) -> Path:
+    """The file :func:`build_lock` locks for the entry ``out``: ``.<name>.symmerge-build.lock`` beside it."""
     out = Path(out)
     return out.parent / f".{out.name}{LOCK}"
 
