@@ -111,12 +111,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+HASHED = 2 << 30  # weights up to this many bytes in all are hashed at every reuse; larger ones: sizes and headers
+
+
 def record_digests(folder, pattern: str = "*.safetensors") -> bool:
-    """Write ``folder``'s :data:`DIGESTS` (the size and sha256 of each file ``pattern`` matches; temp file and
-    rename); False when the folder cannot be written (the entry is then checked only for readable headers)."""
+    """Write ``folder``'s :data:`DIGESTS` (the size and, up to :data:`HASHED` bytes in all, the sha256 of each file
+    ``pattern`` matches; temp file and rename); False when the folder cannot be written (the entry is then checked
+    only for readable headers)."""
     folder = Path(folder)
     files = [p for p in sorted(folder.glob(pattern)) if p.is_file() and p.name != DIGESTS]
-    digests = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    hashed = sum(p.stat().st_size for p in files) <= HASHED  # above: sizes only (as damage() checks them)
+    digests = {p.name: {"size": p.stat().st_size, **({"sha256": _sha256(p)} if hashed else {})} for p in files}
     tmp = folder / f"{DIGESTS}.{os.getpid()}.tmp"
     try:
         tmp.write_text(json.dumps(digests, indent=1) + "\n")
@@ -126,9 +131,6 @@ def record_digests(folder, pattern: str = "*.safetensors") -> bool:
             tmp.unlink(missing_ok=True)
         return False
     return True
-
-
-HASHED = 2 << 30  # weights up to this many bytes in all are hashed at every reuse; larger ones: sizes and headers
 
 
 def damage(folder, hashed: int = HASHED) -> str | None:
@@ -159,6 +161,6 @@ def damage(folder, hashed: int = HASHED) -> str | None:
     small = sum((folder / name).stat().st_size for name in recorded) <= hashed
     for name, want in recorded.items():
         path = folder / name
-        if want.get("size") != path.stat().st_size or (small and want.get("sha256") != _sha256(path)):
+        if want.get("size") != path.stat().st_size or (small and "sha256" in want and want["sha256"] != _sha256(path)):
             return f"{path}: its bytes differ from those written when it was built (damaged)"
     return None

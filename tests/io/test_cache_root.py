@@ -161,3 +161,21 @@ def test_a_root_that_is_a_file_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("SYMMERGE_CACHE", str(tmp_path / "file"))
     with pytest.raises(SymmergeError, match="is a file, not a folder; set SYMMERGE_CACHE"):
         assets.cache_dir()
+
+
+def test_digests_above_the_hashed_size_are_sizes_checked_by_size(tmp_path, monkeypatch):
+    """A folder of more than HASHED bytes records sizes only (no hour of hashing a large merged model): a changed
+    size is damage, changed bytes of the same size are not seen (docs/results/cache_audit.md says so)."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(64)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(cache, "HASHED", 10)
+    assert cache.record_digests(tmp_path)
+    assert json.loads((tmp_path / cache.DIGESTS).read_text())["model.safetensors"].keys() == {"size"}
+    assert cache.damage(tmp_path) is None
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-4] + b"\x11" * 4)
+    assert cache.damage(tmp_path) is None
+    (tmp_path / "model.safetensors").write_bytes(data + b"\x00")
+    assert str(tmp_path / "model.safetensors") in (cache.damage(tmp_path) or "")
