@@ -31,7 +31,9 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-CACHE = Path(os.environ.get("SYMMERGE_CACHE", Path.home() / ".cache" / "symmerge"))
+from symmerge.io.cache import cache_root
+
+CACHE = cache_root()  # $SYMMERGE_CACHE, else ~/.cache/symmerge
 
 
 def _find(pattern: str) -> Path | None:

@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
-B1 = ("~/.cache/symmerge/vit/fmnist-A-18e50860812c", "~/.cache/symmerge/vit/fmnist-B-5324b21a91cd")
-DATA = "~/.cache/symmerge/benchmarks/vit-fashion-mnist"
+from symmerge.io.cache import cache_root
+
+B1 = tuple(str(cache_root() / "vit" / name) for name in ("fmnist-A-18e50860812c", "fmnist-B-5324b21a91cd"))
+DATA = str(cache_root() / "benchmarks" / "vit-fashion-mnist")
 RUNS = ("plain", "one-sided", "dual")
 
 

@@ -11,7 +11,9 @@ learned alignment (those digits without their labels) and averages them. Scores 
 table and writes DIR/demo.json and DIR/demo.png. Seeds are fixed and torch runs one thread with its
 deterministic algorithms: two runs on one machine print the same figures; another CPU or torch
 version rounds differently (demo.json's "platform"). About 4.5 minutes on 2 CPU cores the first time
-(2 minutes of it training); reruns reuse the trained models.
+(2 minutes of it training); reruns reuse the trained models. The data and the models are kept in
+$SYMMERGE_CACHE, else ~/.cache/symmerge (delete it to start afresh; damaged entries are rebuilt, two
+runs at once share them: docs/cache.md).
 """
 
 from pathlib import Path

@@ -8,7 +8,9 @@ are gathered on the aligned models from --data, the method merges them; a langua
 rows are the vocabulary) is merged with the rest, a task head is kept from one model (default: the
 first; --head-from) unless --heads merge. The merged model is evaluated
 on --eval-data (held-out data; without it, on --data, with a warning). OUT_DIR/symmerge_report.json
-records the method, alignment, distances, timings and evaluation results.
+records the method, alignment, distances, timings and evaluation results. What a checkpoint's config
+implies about its tensor names is kept in $SYMMERGE_CACHE/names, else ~/.cache/symmerge/names
+(SYMMERGE_NAME_CACHE=0: not kept; docs/cache.md).
 """
 
 from __future__ import annotations

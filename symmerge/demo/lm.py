@@ -21,7 +21,7 @@ import torch
 
 from ..errors import SymmergeError
 from ..io.model import quiet_transformers, save_model
-from .train import TrainSettings, cached_folder, fit, inputs_key
+from .train import TrainSettings, cached_build, fit, inputs_key
 
 
 def gpt2_config(vocab_size: int, context: int = 128, hidden: int = 256, layers: int = 6, heads: int = 4,
@@ -154,33 +154,32 @@ def train_lm(config, blocks, settings: TrainSettings, tokenizer, name: str = "lm
         raise SymmergeError(f"the tokenizer has {len(tokenizer)} tokens, the config {config.vocab_size}")
     extra = {"kind": kind, "tokenizer": tokenizer_hash(tokenizer), **({"train_kwargs": train_kwargs} if train_kwargs else {})}
     key = inputs_key(config, settings, [x.numpy()], extra=extra)
-    out, found = cached_folder(root, subdir, name, key, cache, log)
-    if found:
-        return out
+    with cached_build(root, subdir, name, key, cache, log) as (out, found):
+        if found:
+            return out
+        torch.manual_seed(settings.seed)
+        with quiet_transformers():
+            model = (model_class or getattr(transformers, config.architectures[0]))(config).float()
 
-    torch.manual_seed(settings.seed)
-    with quiet_transformers():
-        model = (model_class or getattr(transformers, config.architectures[0]))(config).float()
+        def batch_loss(idx):
+            ids = x[idx]
+            return model(input_ids=ids, labels=ids, **(train_kwargs or {})).loss
 
-    def batch_loss(idx):
-        ids = x[idx]
-        return model(input_ids=ids, labels=ids, **(train_kwargs or {})).loss
+        def evaluate():
+            loss, acc = lm_scores(model, eval_blocks[:eval_max])
+            return {"loss": loss, "accuracy": acc}
 
-    def evaluate():
-        loss, acc = lm_scores(model, eval_blocks[:eval_max])
-        return {"loss": loss, "accuracy": acc}
-
-    report = fit(model, settings, len(x), batch_loss, name, evaluate if eval_blocks is not None else None,
-                 eval_every, progress, log)
-    report = {"name": name, "key": key, **report, "train_tokens": int(x.numel()),
-              "tokens_seen": settings.steps * min(settings.batch_size, len(x)) * x.shape[1],
-              "tie_word_embeddings": bool(config.tie_word_embeddings)}
-    if eval_blocks is not None:
-        report["eval_loss"], report["eval_accuracy"] = lm_scores(model, eval_blocks)
-        report["eval_tokens"] = int(np.asarray(eval_blocks).size)
-    with tempfile.TemporaryDirectory() as side:  # the tokenizer goes into the atomic save, beside the weights
-        tokenizer.save_pretrained(side)
-        save_model(model, out, src=side, report=report, report_name="train_report.json")
-    extra = f", eval loss {report['eval_loss']:.4f}" if "eval_loss" in report else ""
-    log(f"trained {name} in {report['seconds']:.0f} s ({report['seconds_per_step']:.3f} s/step){extra} -> {out}")
+        report = fit(model, settings, len(x), batch_loss, name, evaluate if eval_blocks is not None else None,
+                     eval_every, progress, log)
+        report = {"name": name, "key": key, **report, "train_tokens": int(x.numel()),
+                  "tokens_seen": settings.steps * min(settings.batch_size, len(x)) * x.shape[1],
+                  "tie_word_embeddings": bool(config.tie_word_embeddings)}
+        if eval_blocks is not None:
+            report["eval_loss"], report["eval_accuracy"] = lm_scores(model, eval_blocks)
+            report["eval_tokens"] = int(np.asarray(eval_blocks).size)
+        with tempfile.TemporaryDirectory() as side:  # the tokenizer goes into the atomic save, beside the weights
+            tokenizer.save_pretrained(side)
+            save_model(model, out, src=side, report=report, report_name="train_report.json")
+        extra = f", eval loss {report['eval_loss']:.4f}" if "eval_loss" in report else ""
+        log(f"trained {name} in {report['seconds']:.0f} s ({report['seconds_per_step']:.3f} s/step){extra} -> {out}")
     return out

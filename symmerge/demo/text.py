@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .assets import cache_dir
+from ..io.cache import DIGESTS, build_lock, damage, record_digests
 from .debian import deb_data_dir
 from ..errors import SymmergeError
 
@@ -283,21 +285,55 @@ def corpus_splits(folder, fractions=(0.05, 0.05), seed: int = 0, root=None) -> d
         h.update(f.relative_to(folder).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     out = Path(root) if root is not None else cache_dir() / "text-splits"
     out = out / h.hexdigest()[:16]
-    if (out / "manifest.json").is_file():
-        return {s: out / f"{s}.txt" for s in SPLITS}
-    docs = read_documents(folder)
-    parts = split_documents(docs, fractions, seed)
-    if out.exists():  # an incomplete earlier run
+    paths = {s: out / f"{s}.txt" for s in SPLITS}
+    with build_lock(out):  # another process splitting the same corpus: wait, then reuse its folder
+        if (out / "manifest.json").is_file():
+            reason = _splits_damage(out)
+            if reason is None:
+                return paths
+            print(f"note: {reason}; splitting the corpus again", file=sys.stderr)
+        docs = read_documents(folder)
+        parts = split_documents(docs, fractions, seed)
+        _remove_entry(out)  # an incomplete run of an earlier version, or a damaged folder
+        with cache_entry(out) as tmp:
+            manifest = {"source": str(folder), "seed": seed, "fractions": list(fractions), "splits": {}}
+            for s in SPLITS:
+                lines = [p for name in parts[s] for p in docs[name]]
+                write_lines(tmp / f"{s}.txt", lines)
+                manifest["splits"][s] = {"documents": parts[s], "lines": len(lines),
+                                         "characters": sum(len(x) for x in lines),
+                                         "sha256": hashlib.sha256((tmp / f"{s}.txt").read_bytes()).hexdigest()}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return paths
+
+
+def _splits_damage(out: Path) -> str | None:
+    """None when the split files match their manifest (sha256; a manifest of an earlier version: the line counts),
+    else what is wrong, naming the file."""
+    try:
+        splits = json.loads((out / "manifest.json").read_text())["splits"]
+        want = {s: dict(splits[s]) for s in SPLITS}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{out / 'manifest.json'}: unreadable ({type(e).__name__}: {e})"
+    for s in SPLITS:
+        path = out / f"{s}.txt"
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            return f"{path}: cannot read ({e.strerror})"
+        if ("sha256" in want[s] and hashlib.sha256(data).hexdigest() != want[s]["sha256"]) or \
+                ("sha256" not in want[s] and data.count(b"\n") != want[s].get("lines")):
+            return f"{path}: its bytes differ from those written when it was built (damaged)"
+    return None
+
+
+def _remove_entry(out: Path) -> None:
+    """Remove a cache folder about to be built again; one line when it cannot be."""
+    if out.exists():
         shutil.rmtree(out, ignore_errors=True)
-    with cache_entry(out) as tmp:
-        manifest = {"source": str(folder), "seed": seed, "fractions": list(fractions), "splits": {}}
-        for s in SPLITS:
-            lines = [p for name in parts[s] for p in docs[name]]
-            write_lines(tmp / f"{s}.txt", lines)
-            manifest["splits"][s] = {"documents": parts[s], "lines": len(lines),
-                                     "characters": sum(len(x) for x in lines)}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    return {s: out / f"{s}.txt" for s in SPLITS}
+    if out.exists():
+        raise SymmergeError(f"{out}: cannot replace this cached folder; delete it, or set SYMMERGE_CACHE to a "
+                            "writable folder")
 
 
 def python_docs_splits(fetch: bool = True, seed: int = 0) -> dict[str, Path]:
@@ -326,9 +362,20 @@ def train_tokenizer(texts, vocab_size: int = 4096, max_length: int = 128, root=N
         h.update(t.encode() + b"\n")
     out = Path(root) if root is not None else cache_dir() / "tokenizers"
     out = out / f"bpe{vocab_size}-{h.hexdigest()[:12]}"
-    if not (out / "tokenizer.json").is_file():
-        if out.exists():  # an incomplete earlier run
-            shutil.rmtree(out, ignore_errors=True)
+    with build_lock(out):  # another process training the same tokenizer: wait, then reuse its folder
+        if (out / "tokenizer.json").is_file():
+            reason = damage(out)
+            if reason is None:
+                try:
+                    loaded = load_tokenizer_folder(out)
+                except SymmergeError as e:
+                    reason = str(e)
+                else:
+                    if not (out / DIGESTS).is_file():
+                        record_digests(out, "*")  # trained by an earlier version: checked from now on
+                    return loaded
+            print(f"note: {reason}; training the tokenizer again", file=sys.stderr)
+        _remove_entry(out)  # an incomplete run of an earlier version, or a damaged folder
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
         tok = Tokenizer(models.BPE())
@@ -342,6 +389,7 @@ def train_tokenizer(texts, vocab_size: int = 4096, max_length: int = 128, root=N
                                        pad_token=EOT, model_max_length=max_length)
         with cache_entry(out) as tmp:
             fast.save_pretrained(str(tmp))
+            record_digests(tmp, "*")
     return load_tokenizer_folder(out)
 
 

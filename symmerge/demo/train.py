@@ -6,11 +6,14 @@ labels): fixed seed for the initialisation and the batch order, AdamW with linea
 decay, gradient clipping, a tqdm progress bar. The result is an HF folder (``save_model``, atomic) with
 ``train_report.json`` and a ``preprocessor_config.json`` describing the pixel normalisation; it is
 cached under ``<cache>/vit/<name>-<hash>`` where the hash covers the config, the data, the seed and
-every training setting, and reused on the next call with the same inputs.
+every training setting, and reused on the next call with the same inputs: the sha256 of its weights is
+recorded beside them, and weights that no longer match (or no longer read) are trained again, with a note; a
+second process that wants the same model while one trains it waits for it (:mod:`symmerge.io.cache`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -124,14 +127,40 @@ def accuracy(model, images, labels, batch_size: int = 500) -> tuple[float, float
 
 def cached_folder(root, subdir: str, name: str, key: str, cache: bool, log=print) -> tuple[Path, bool]:
     """``(<root or cache_dir()/subdir>/<name>-<key[:12]>, found)``: ``found`` when a complete earlier run
-    is there and ``cache`` is on; otherwise an incomplete folder (or one to replace) is removed."""
+    is there, its weights intact (:func:`symmerge.io.cache.damage`), and ``cache`` is on; otherwise an incomplete
+    or damaged folder (or one to replace) is removed, a damaged one with a note."""
+    from ..io.cache import damage
+
     out = (Path(root) if root is not None else cache_dir() / subdir) / f"{name}-{key[:12]}"
     if (out / "model.safetensors").is_file() and (out / "train_report.json").is_file() and cache:
-        log(f"reusing cached {name} ({out})")
-        return out, True
-    if out.exists():  # an incomplete earlier run, or cache=False
-        shutil.rmtree(out)
+        reason = damage(out)
+        if reason is None:
+            log(f"reusing cached {name} ({out})")
+            return out, True
+        log(f"note: {reason}; training {name} again")
+    if out.exists():  # an incomplete or damaged earlier run, or cache=False
+        try:
+            shutil.rmtree(out)
+        except OSError as e:
+            raise SymmergeError(f"{out}: cannot replace this cached model ({e.strerror}); delete the folder, or set "
+                                "SYMMERGE_CACHE to a writable folder") from None
     return out, False
+
+
+@contextlib.contextmanager
+def cached_build(root, subdir: str, name: str, key: str, cache: bool, log=print):
+    """:func:`cached_folder` under the entry's build lock (:func:`symmerge.io.cache.build_lock`: a second process
+    training the same model waits, then reuses it); yields ``(out, found)``. A folder built in the block gets its
+    weights' digests recorded, and so does a reused one of an earlier version that has none (its headers read: it is
+    trusted as it is now, and checked against these digests from then on)."""
+    from ..io.cache import DIGESTS, build_lock, record_digests
+
+    out = (Path(root) if root is not None else cache_dir() / subdir) / f"{name}-{key[:12]}"
+    with build_lock(out, say=log):
+        out, found = cached_folder(root, subdir, name, key, cache, log)
+        yield out, found
+        if (out / "model.safetensors").is_file() and not (out / DIGESTS).is_file():
+            record_digests(out)
 
 
 def _decays(name: str, p) -> bool:
@@ -219,35 +248,34 @@ def train_vit(config, images, labels, settings: TrainSettings, name: str = "vit"
         raise SymmergeError(f"images are {tuple(x.shape[1:])}, the config expects "
                             f"{(config.num_channels, config.image_size, config.image_size)}")
     key = cache_key(config, images, labels, settings)
-    out, found = cached_folder(root, "vit", name, key, cache, log)
-    if found:
-        return out
+    with cached_build(root, "vit", name, key, cache, log) as (out, found):
+        if found:
+            return out
+        torch.manual_seed(settings.seed)
+        model = ViTForImageClassification(config).float().train()
 
-    torch.manual_seed(settings.seed)
-    model = ViTForImageClassification(config).float().train()
+        def batch_loss(idx):
+            logits = model(pixel_values=x[idx]).logits
+            return torch.nn.functional.cross_entropy(logits, y[idx], label_smoothing=settings.label_smoothing)
 
-    def batch_loss(idx):
-        logits = model(pixel_values=x[idx]).logits
-        return torch.nn.functional.cross_entropy(logits, y[idx], label_smoothing=settings.label_smoothing)
+        def evaluate():
+            loss, acc = accuracy(model, eval_images[:2000], eval_labels[:2000])
+            return {"loss": loss, "accuracy": acc}
 
-    def evaluate():
-        loss, acc = accuracy(model, eval_images[:2000], eval_labels[:2000])
-        return {"loss": loss, "accuracy": acc}
-
-    report = fit(model, settings, len(x), batch_loss, name, evaluate if eval_images is not None else None,
-                 eval_every, progress, log)
-    report = {"name": name, "key": key, **report, "pixel_normalisation": {"mean": PIXEL_MEAN, "std": PIXEL_STD}}
-    if eval_images is not None:
-        report["eval_loss"], report["eval_accuracy"] = accuracy(model, eval_images, eval_labels)
-    with tempfile.TemporaryDirectory() as side:  # written inside the atomic save, beside the weights
-        (Path(side) / "preprocessor_config.json").write_text(json.dumps({
-            "image_processor_type": "ViTImageProcessor", "do_resize": False, "do_rescale": True,
-            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [PIXEL_MEAN] * config.num_channels,
-            "image_std": [PIXEL_STD] * config.num_channels,
-            "size": {"height": config.image_size, "width": config.image_size}}, indent=2) + "\n")
-        save_model(model, out, src=side, report=report, report_name="train_report.json")
-    extra = f", eval accuracy {report['eval_accuracy']:.4f}" if "eval_accuracy" in report else ""
-    log(f"trained {name} in {report['seconds']:.0f} s ({report['seconds_per_step']:.3f} s/step){extra} -> {out}")
+        report = fit(model, settings, len(x), batch_loss, name, evaluate if eval_images is not None else None,
+                     eval_every, progress, log)
+        report = {"name": name, "key": key, **report, "pixel_normalisation": {"mean": PIXEL_MEAN, "std": PIXEL_STD}}
+        if eval_images is not None:
+            report["eval_loss"], report["eval_accuracy"] = accuracy(model, eval_images, eval_labels)
+        with tempfile.TemporaryDirectory() as side:  # written inside the atomic save, beside the weights
+            (Path(side) / "preprocessor_config.json").write_text(json.dumps({
+                "image_processor_type": "ViTImageProcessor", "do_resize": False, "do_rescale": True,
+                "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [PIXEL_MEAN] * config.num_channels,
+                "image_std": [PIXEL_STD] * config.num_channels,
+                "size": {"height": config.image_size, "width": config.image_size}}, indent=2) + "\n")
+            save_model(model, out, src=side, report=report, report_name="train_report.json")
+        extra = f", eval accuracy {report['eval_accuracy']:.4f}" if "eval_accuracy" in report else ""
+        log(f"trained {name} in {report['seconds']:.0f} s ({report['seconds_per_step']:.3f} s/step){extra} -> {out}")
     return out
 
 

@@ -34,9 +34,9 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SymmergeError
+from .cache import DIGESTS, build_lock, damage, record_digests
 from .provenance import remember
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -140,15 +141,25 @@ def resolve_input(spec, cache=None, dtype=None, merge: bool = True) -> str:
     directory = Path(cache).expanduser() if cache is not None else (_cache["dir"] or _temp_cache())
     out = directory / cache_name(base, ad, dtype)
     remember(out, spec)  # the reports name the input as written (symmerge.io.provenance)
-    if (out / "config.json").is_file():
-        return str(out)  # merged by an earlier run (written atomically: complete)
-    directory.mkdir(parents=True, exist_ok=True)
-    try:
-        apply_adapter(base, ad, out, dtype=dtype)
-    except OSError as e:
-        if (out / "config.json").is_file():  # another process merged it first
-            return str(out)
-        raise SymmergeError(f"{out}: cannot write the merged model ({e})") from None
+    with build_lock(out):  # another process merging the same inputs: wait for it, then reuse its folder
+        if (out / "config.json").is_file():  # merged by an earlier run (written atomically: complete)
+            reason = damage(out)
+            if reason is None:
+                if not (out / DIGESTS).is_file():
+                    record_digests(out)  # merged by an earlier version: checked from now on
+                return str(out)
+            print(f"note: {reason}; merging {spec} again", file=sys.stderr)
+            try:
+                shutil.rmtree(out)
+            except OSError as e:
+                raise SymmergeError(f"{out}: cannot replace this damaged merged model ({e.strerror}); delete the "
+                                    "folder, or give --lora-merge-cache a writable folder") from None
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            apply_adapter(base, ad, out, dtype=dtype)
+        except OSError as e:
+            raise SymmergeError(f"{out}: cannot write the merged model ({e})") from None
+        record_digests(out)
     return str(out)
 
 
@@ -457,13 +468,11 @@ def module_kinds(ck) -> dict:
     imports transformers' modeling code, most of a small extraction's time)."""
     from . import names_cache
 
-    path = names_cache.cache_dir() / f"modules-{names_cache._key(ck.config, False)}.json" \
-        if names_cache._enabled() else None
-    if path is not None and path.is_file():
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            pass
+    kept = f"modules-{names_cache._key(ck.config, False)}.json"
+    entry = names_cache.read_entry(kept)
+    if entry is not None and isinstance(entry.get("modules"), list) \
+            and all(isinstance(row, list) and len(row) == 4 for row in entry["modules"]):
+        return entry
     from torch import nn
 
     from .hf import is_conv1d, linear_output_axis
@@ -481,14 +490,7 @@ def module_kinds(ck) -> dict:
         rows.append([name, kind, True, isinstance(b, torch.Tensor)])
     out = {"modules": rows, "input": names.get(id(emb_in)) if emb_in is not None else None,
            "output": names.get(id(emb_out)) if emb_out is not None else None}
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(out))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+    names_cache.write_entry(kept, out)
     return out
 
 

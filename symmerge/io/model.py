@@ -260,12 +260,14 @@ def copy_side_files(src: Path, dst: Path, report: dict | None = None, merge_modu
     merged by ``merge_modules`` when ``report`` is a merge's); returns ``{"copied": [...], "left_out": [...]}`` (folders with
     a trailing ``/``; the weights, config.json, a generation_config.json the output already has and the
     model card, README.md, are written anew, and in neither)."""
+    from .cache import DIGESTS  # a cached folder's record of its weights (symmerge.io.cache): theirs, not a side file
     from .sentence_transformers import write_pipeline
 
     copied, left_out = write_pipeline(Path(dst), Path(src), report, merge_modules), []
     for item in sorted(Path(src).iterdir()):
         name = item.name
-        if name in WEIGHT_NAMES or name == "config.json" or (item.is_file() and item.suffix == ".safetensors"):
+        if name in WEIGHT_NAMES or name in ("config.json", DIGESTS) or (item.is_file()
+                                                                      and item.suffix == ".safetensors"):
             continue
         target = dst / name
         if name in REPLACED or target.exists():  # the output's own (generation_config.json, the pipeline)

@@ -62,7 +62,7 @@ def _load_numba():
             import numba
 
             for k in _DECLARED:
-                k.dispatcher = numba.njit(**k.options)(k.function)
+                k.dispatcher = _compiled(numba, k.function, k.options)
         for name, module in list(sys.modules.items()):
             if name.startswith("symmerge.") and module is not None:
                 names = vars(module)
@@ -79,13 +79,60 @@ def _jit(f, **options):
     until then a :class:`_Kernel` that imports it at its first call."""
     options = {"cache": True, "nogil": True, **options}
     if _NUMBA:
-        return _NUMBA[0].njit(**options)(f)
+        return _compiled(_NUMBA[0], f, options)
     kernel = _Kernel(f, options)
     with _LOADING:
         if not _NUMBA:
             _DECLARED.append(kernel)
             return kernel
-    return _NUMBA[0].njit(**options)(f)
+    return _compiled(_NUMBA[0], f, options)
+
+
+_UNCACHED: list = []  # said once: the kernels cannot be cached on disk here
+
+
+def _compiled(numba, f, options: dict):
+    """``numba.njit(**options)(f)``, its on-disk cache guarded: a damaged cache file (numba's index or data, e.g. a
+    half-written or junk ``.nbi``/``.nbc``) is read as no entry, so the kernel is compiled and its entry written anew
+    (numba itself stops with an UnpicklingError); where numba finds no folder to cache in (the package folder and
+    ``~/.cache`` read-only, ``NUMBA_CACHE_DIR`` unset) the kernels are compiled in each run, with one note."""
+    try:
+        dispatcher = numba.njit(**options)(f)
+    except RuntimeError as e:
+        if "no locator available" not in str(e):
+            raise
+        if not _UNCACHED:
+            _UNCACHED.append(True)
+            print("note: numba cannot cache symmerge's kernels here (their package folder and ~/.cache are read-only): "
+                  "they are compiled in each run; set NUMBA_CACHE_DIR to a writable folder to keep them",
+                  file=sys.stderr)
+        return numba.njit(**{**options, "cache": False})(f)
+    _guard_cache(dispatcher)
+    return dispatcher
+
+
+def _guard_cache(dispatcher) -> None:
+    """Read a damaged on-disk cache entry of ``dispatcher`` as none (numba's ``FunctionCache``: its index and its
+    overloads); nothing where numba's cache does not have that shape."""
+    cache = getattr(dispatcher, "_cache", None)
+    index = getattr(cache, "_cache_file", None)
+    if not callable(getattr(index, "_load_index", None)) or not callable(getattr(cache, "load_overload", None)):
+        return
+    load_index, load_overload = index._load_index, cache.load_overload
+
+    def read_index():
+        try:
+            return load_index()
+        except Exception:  # noqa: BLE001 - any failure to read numba's pickled index: a damaged one
+            return {}
+
+    def read_overload(*args, **kwargs):
+        try:
+            return load_overload(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - any failure to read a cached overload: compiled again
+            return None
+
+    index._load_index, cache.load_overload = read_index, read_overload
 
 
 def _histogram(t, b, w, high_bin, hist, scratch):  # pragma: no cover - compiled

@@ -256,3 +256,20 @@ def test_training_rejects_bad_inputs(tmp_path):
         vit_config(30, 1, 4)
     with pytest.raises(SymmergeError):
         TrainSettings(steps=0)
+
+
+def test_cached_npz_reuses_a_file_with_the_same_arrays_and_rewrites_any_other(tmp_path, monkeypatch):
+    """The demo's MNIST-5k splits: a cache that already holds them is not written (a read-only one works); a damaged
+    file, or one with other arrays, is written again."""
+    images, labels = np.full((4, 28, 28), 7, np.uint8), np.arange(4)
+    path = datasets.cached_npz(tmp_path / "d.npz", images, labels)
+    good = path.read_bytes()
+    real = datasets.write_npz
+    monkeypatch.setattr(datasets, "write_npz", lambda *a: pytest.fail("rewrote an identical file"))
+    assert datasets.cached_npz(path, images, labels) == path
+    monkeypatch.setattr(datasets, "write_npz", real)
+    for damage in (b"junk", good[: len(good) // 2]):
+        path.write_bytes(damage)
+        assert datasets.cached_npz(path, images, labels) == path and path.read_bytes() == good
+    datasets.cached_npz(path, images, labels[::-1])
+    assert np.array_equal(np.load(path)["labels"], labels[::-1])
