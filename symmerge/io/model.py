@@ -249,6 +249,7 @@ SIDE_FILES = frozenset({
     # generation, chat template
     "generation_config.json", "chat_template.jinja", "chat_template.json",
 })
+GENERATION_CONFIG = "generation_config.json"
 # The input's model card describes the input: the output gets its own (symmerge.io.card), never a copy.
 REPLACED = frozenset({"README.md"})
 SIDE_FOLDERS = frozenset({"additional_chat_templates"})  # transformers 5: extra named chat templates
@@ -309,6 +310,8 @@ def save_model(model, out, src=None, report: dict | None = None, report_name: st
         with quiet_transformers():
             model.save_pretrained(str(tmp), safe_serialization=True, **shards)
         if src is not None:
+            if not (Path(src) / GENERATION_CONFIG).is_file():  # transformers derived one from config.json: an input
+                (tmp / GENERATION_CONFIG).unlink(missing_ok=True)  # without one gives an output without one, as streamed
             side = copy_side_files(Path(src), tmp, report, merge_modules)
             if report is not None:
                 report["side_files"] = side

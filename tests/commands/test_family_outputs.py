@@ -119,3 +119,24 @@ def test_joint_and_dual_alignments_of_half_and_mixed_models(tmp_path):
     mixed = [_folder(tmp_path / "f", "llama", 5, torch.float32), *half[1:]]
     assert run_cli("merge", *mixed, "--method", "average", "-o", tmp_path / "m", "--progress", "none") == 0
     assert run_cli("barrier", *half, "--data", text, "-o", tmp_path / "b", "--progress", "none") == 0
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_generation_config_in_the_output_exactly_when_the_input_has_one(tmp_path, given):
+    """In memory, transformers' save_pretrained derived a generation_config.json from config.json for a causal LM
+    whose folder had none, where the streamed commands wrote none: now both write one exactly when the input had
+    one, and then the input's settings."""
+    a, b = (_folder(tmp_path / f"m{s}", "llama", s, torch.float32) for s in (0, 1))
+    for folder in (a, b):
+        (folder / "generation_config.json").unlink(missing_ok=True)
+        if given:
+            (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7, "do_sample": False}))
+    runs = {"align": ["align", a, b], "align-stream": ["align", a, b, "--stream"],
+            "merge": ["merge", a, b, "--method", "average", "--mode", "memory"],
+            "merge-stream": ["merge", a, b, "--method", "average", "--mode", "stream"]}
+    for name, argv in runs.items():
+        assert run_cli(*argv, "-o", tmp_path / name, "--progress", "none") == 0, name
+        written = tmp_path / name / "generation_config.json"
+        assert written.is_file() is given, name
+        if given:
+            assert json.loads(written.read_text())["max_new_tokens"] == 7, name
