@@ -119,9 +119,10 @@ def check_stats(method: str, needs, stats, n: int):
     for i, s in enumerate(stats):
         if not isinstance(s, dict) and hasattr(s, "kind") and hasattr(s, "means"):  # a Stats (statistics imports
             # what imports this module: read by its fields, not its class)
-            if s.kind != needs:
+            held = getattr(s, "kind")  # the statistics' own word (gram, fisher, activations), not a group kind
+            if held != needs:
                 raise SymmergeError(f"method {method!r} needs the {_STAT_NAMES[needs]} of every model; stats[{i}] "
-                                    f"holds {_STAT_NAMES.get(s.kind, s.kind)}")
+                                    f"holds {_STAT_NAMES.get(held, held)}")
             s = s.means() if needs == "gram" else s.tensors
         elif not isinstance(s, dict):
             raise SymmergeError(f"method {method!r}: stats[{i}] is a {type(s).__name__}; give a Stats of "
