@@ -222,8 +222,9 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
 def _read_jsonl(path: Path, max_examples, labels: bool = True):
     """(texts, labels, examples in the file): past ``max_examples`` the lines are only counted."""
     texts, ys, total = [], [], 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decoded(raw[len(BOM):] if lineno == 1 and raw.startswith(BOM) else raw, path, lineno)
             if not line.strip():
                 continue
             total += 1
@@ -245,10 +246,24 @@ def _read_jsonl(path: Path, max_examples, labels: bool = True):
     return texts, ys, total
 
 
-def _read_txt(path: Path, max_examples):
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows editors write first: dropped, as utf-8-sig does
+
+
+def _decoded(raw: bytes, path: Path, lineno: int) -> str:
     try:
-        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
+        raise SymmergeError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                            "save the file as UTF-8") from None
+
+
+def _read_txt(path: Path, max_examples):
+    raw = path.read_bytes()
+    try:
+        lines = [ln.strip() for ln in raw.decode("utf-8-sig").splitlines()]
+    except UnicodeDecodeError as e:
+        start, end = raw.rfind(b"\n", 0, e.start) + 1, raw.find(b"\n", e.start)  # the line holding the bad byte
+        _decoded(raw[start:end if end >= 0 else len(raw)], path, raw.count(b"\n", 0, e.start) + 1)
         raise SymmergeError(f"{path}: not UTF-8 text ({e})") from None
     lines = [ln for ln in lines if ln]
     if not lines:
@@ -306,7 +321,7 @@ def has_labels(path) -> bool:
             with np.load(path, allow_pickle=False) as arrays:
                 return "labels" in arrays.files
         if suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:
                 first = next((line for line in f if line.strip()), None)
             return first is None or "label" in json.loads(first)
     except (OSError, ValueError, TypeError, AttributeError):

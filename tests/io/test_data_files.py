@@ -1,0 +1,79 @@
+"""The data files users bring, as they bring them (audit of ``io.data``): each is read as documented, or
+refused in one ``SymmergeError`` naming the file, the line or field and what to do; never a traceback, never
+silently wrong numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import write_tokenizer
+from factories import make_model
+from symmerge.errors import SymmergeError
+from symmerge.io.data import has_labels, load_data
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+ROWS = [{"text": "the cat sat", "label": 0}, {"text": "a dog ran fast", "label": 1}]
+
+
+def jsonl(rows) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """(a tiny BERT sequence classifier with 3 labels, the folder holding its WordPiece tokenizer)."""
+    folder = tmp_path_factory.mktemp("bert")
+    write_tokenizer(folder)
+    return make_model("bert", head=True, dtype=torch.float32), str(folder)
+
+
+def read(path, classifier, **kw):
+    model, tokenizer = classifier
+    return load_data(path, model, tokenizer=tokenizer, **kw)
+
+
+def one_line(e) -> str:
+    text = str(e.value)
+    assert "\n" not in text, text
+    return text
+
+
+# ------------------------------------------------------------------ encodings
+
+
+def test_invalid_utf8_in_a_jsonl_is_one_error_naming_the_line(tmp_path, classifier):
+    """It was a UnicodeDecodeError traceback (not a SymmergeError: the CLI re-raised it)."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(jsonl(ROWS).encode() + b'{"text": "caf\xe9", "label": 0}\n')
+    with pytest.raises(SymmergeError) as e:
+        read(path, classifier)
+    line = one_line(e)
+    assert f"{path}:3:" in line and "UTF-8" in line, line
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
+def test_a_utf8_bom_is_read_as_notepad_writes_it(tmp_path, classifier, suffix):
+    """A BOM (Windows editors write one) made a .jsonl 'not valid JSON' and stayed in a .txt's first text as a
+    token; now it is dropped, and the file reads as the same file without it."""
+    text = jsonl(ROWS) if suffix == ".jsonl" else "the cat sat\na dog ran fast\n"
+    plain, bom = tmp_path / f"plain{suffix}", tmp_path / f"bom{suffix}"
+    plain.write_text(text, encoding="utf-8")
+    bom.write_text(text, encoding="utf-8-sig")
+    assert bom.read_bytes().startswith(b"\xef\xbb\xbf")
+    if suffix == ".jsonl":
+        a, b = read(plain, classifier), read(bom, classifier)
+        assert has_labels(bom)
+    else:
+        a, b = (load_data(p, tokenizer=classifier[1], labels=False) for p in (plain, bom))
+    assert torch.equal(a.batches[0].inputs["input_ids"], b.batches[0].inputs["input_ids"])
+
+
+def test_invalid_utf8_in_a_txt_names_the_line(tmp_path, classifier):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"the cat\n\ncaf\xe9 sat\nthe dog\n")
+    with pytest.raises(SymmergeError, match=rf"{path}:3: not UTF-8 text \(byte 0xe9 at column 4\)"):
+        load_data(path, tokenizer=classifier[1], labels=False)
