@@ -236,14 +236,25 @@ def _read_jsonl(path: Path, max_examples, labels: bool = True):
                 raise SymmergeError(f"{path}:{lineno}: not valid JSON ({e})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise SymmergeError(f"{path}:{lineno}: expected an object with a string field 'text'")
-            label = obj.get("label") if labels else 0
-            if isinstance(label, bool) or not isinstance(label, int):
-                raise SymmergeError(f"{path}:{lineno}: field 'label' must be an integer, got {label!r}")
+            label = _label(obj, path, lineno) if labels else 0
             texts.append(obj["text"])
             ys.append(label)
     if not texts:
         raise SymmergeError(f"{path}: no examples")
     return texts, ys, total
+
+
+def _label(obj: dict, path: Path, lineno: int) -> int:
+    """The line's ``label``: a class id (an int, 0 or more), else one error naming the line."""
+    if "label" not in obj:
+        raise SymmergeError(f"{path}:{lineno}: no 'label' (labelled data needs an integer class id on every line; "
+                            "alignment data, --align-data, reads only 'text')")
+    label = obj["label"]
+    if isinstance(label, int) and not isinstance(label, bool) and 0 <= label < 2 ** 63:
+        return label
+    names = " (map label names to the model's class ids: its config.json's label2id)" if isinstance(label, str) else ""
+    raise SymmergeError(f"{path}:{lineno}: field 'label' must be a class id, a whole number 0, 1, ... below the "
+                        f"model's num_labels, got {label!r}{names}")
 
 
 BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows editors write first: dropped, as utf-8-sig does

@@ -77,3 +77,29 @@ def test_invalid_utf8_in_a_txt_names_the_line(tmp_path, classifier):
     path.write_bytes(b"the cat\n\ncaf\xe9 sat\nthe dog\n")
     with pytest.raises(SymmergeError, match=rf"{path}:3: not UTF-8 text \(byte 0xe9 at column 4\)"):
         load_data(path, tokenizer=classifier[1], labels=False)
+
+
+# ------------------------------------------------------------------ .jsonl labels
+
+
+@pytest.mark.parametrize("label, says", [
+    ("positive", "map label names to the model's class ids"), ("1", "map label names"), (1.0, "got 1.0"),
+    (True, "got True"), ([1], "got [1]"), (None, "got None"), (-1, "got -1"), (10 ** 30, "got 1000000000000000000000000000000"),
+])
+def test_a_label_that_is_no_class_id_is_one_error_naming_the_line(tmp_path, classifier, label, says):
+    """A label above 2**63 was torch's 'Overflow when unpacking long long' traceback; a negative one was named by
+    its example's 0-based index, not its line."""
+    path = tmp_path / "labels.jsonl"
+    path.write_text(jsonl([ROWS[0], {"text": "the dog", "label": label}]))
+    with pytest.raises(SymmergeError) as e:
+        read(path, classifier)
+    line = one_line(e)
+    assert line.startswith(f"{path}:2: ") and "class id" in line and says in line, line
+
+
+def test_a_line_without_a_label_names_the_line_and_the_way_out(tmp_path, classifier):
+    path = tmp_path / "some.jsonl"
+    path.write_text(jsonl([ROWS[0], {"text": "the dog"}, ROWS[1]]))
+    with pytest.raises(SymmergeError, match=rf"^{path}:2: no 'label'"):
+        read(path, classifier)
+    assert read(path, classifier, labels=False).n == 3  # unlabeled data reads only 'text'
