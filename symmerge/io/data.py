@@ -310,8 +310,21 @@ def _max_length(model, tokenizer, max_length) -> int:
     return int(min(x for x in limits if isinstance(x, int) and x > 0))
 
 
+def _pad_for_classes(tokenizer, model, path) -> None:
+    """A tokenizer without a pad token (GPT-2, Llama) pads labelled texts with the model's ``pad_token_id``: the
+    id a decoder's classification head skips to find each text's last token; without one, one error."""
+    if tokenizer.pad_token is not None:
+        return
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    if not isinstance(pad, int):
+        raise SymmergeError(f"{path}: the tokenizer has no pad token and the model's config no pad_token_id, so texts "
+                            "of unequal lengths cannot be classified in one batch; set pad_token_id in the model's "
+                            "config.json (the id it was fine-tuned with, often its eos_token_id)")
+    tokenizer.pad_token_id = pad
+
+
 def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool):
-    if lm and tokenizer.pad_token is None:
+    if tokenizer.pad_token is None:  # lm or unlabeled text: the mask, not the pad id, marks the padding
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     batches = []
     for i in range(0, len(texts), batch_size):
@@ -384,6 +397,8 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
         max_len = _max_length(model, tok, max_length)
         if fmt == "text":
             texts, ys, total = _read_jsonl(path, max_examples, labels)
+            if labels:
+                _pad_for_classes(tok, model, path)
             batches = _tokenize(texts, tok, batch_size, max_len, lm=False)
             y = torch.tensor(ys, dtype=torch.int64)
             for j, b in enumerate(batches):

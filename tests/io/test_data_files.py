@@ -103,3 +103,58 @@ def test_a_line_without_a_label_names_the_line_and_the_way_out(tmp_path, classif
     with pytest.raises(SymmergeError, match=rf"^{path}:2: no 'label'"):
         read(path, classifier)
     assert read(path, classifier, labels=False).n == 3  # unlabeled data reads only 'text'
+
+
+# ------------------------------------------------------------------ tokenizers without a pad token
+
+
+WORDS = ["<unk>", "<s>", "</s>", "the", "cat", "sat", "a", "dog", "ran", "fast", "on", "mat"]
+
+
+def gpt_style_tokenizer(folder) -> str:
+    """A word-level fast tokenizer with BOS/EOS and no pad token (as GPT-2's and Llama's ship)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    assert fast.pad_token is None
+    fast.save_pretrained(str(folder))
+    return str(folder)
+
+
+def decoder_classifier(pad_token_id):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=3, pad_token_id=pad_token_id)
+    return LlamaForSequenceClassification(config).eval()
+
+
+def test_a_decoder_classifier_without_a_pad_token_pads_with_its_config_pad_id(tmp_path):
+    """A tokenizer without a pad token (GPT-2, Llama) on .jsonl texts of unequal lengths was transformers'
+    'Asking to pad but the tokenizer does not have a padding token' traceback. Now the texts are padded with the
+    model's config pad_token_id, the id its classification head skips: each text's logits are those it gets alone."""
+    folder = gpt_style_tokenizer(tmp_path / "tok")
+    path = tmp_path / "texts.jsonl"
+    path.write_text(jsonl([{"text": "the cat sat on a mat", "label": 0}, {"text": "a dog", "label": 2}]))
+    model = decoder_classifier(pad_token_id=2)
+    data = load_data(path, model, tokenizer=folder)
+    batch = data.batches[0]
+    assert batch.mask.sum(1).tolist() == [6, 2] and batch.labels.tolist() == [0, 2]
+    with torch.no_grad():
+        together = model(**batch.inputs).logits
+        alone = [model(input_ids=batch.inputs["input_ids"][i:i + 1, batch.mask[i]]).logits[0] for i in range(2)]
+    torch.testing.assert_close(together, torch.stack(alone), rtol=1e-5, atol=1e-6)
+
+
+def test_a_decoder_classifier_without_any_pad_id_is_one_error(tmp_path):
+    folder = gpt_style_tokenizer(tmp_path / "tok")
+    path = tmp_path / "texts.jsonl"
+    path.write_text(jsonl([{"text": "the cat sat", "label": 0}, {"text": "a dog", "label": 1}]))
+    with pytest.raises(SymmergeError) as e:
+        load_data(path, decoder_classifier(pad_token_id=None), tokenizer=folder)
+    line = one_line(e)
+    assert str(path) in line and "pad" in line and "pad_token_id" in line, line
