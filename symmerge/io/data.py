@@ -56,6 +56,8 @@ class Data:
     labeled: bool = True  # False: loaded with ``labels=False`` (inputs only)
     total: int | None = None  # examples in the file when fewer (``n``) were kept: cut by ``limit``
     limit: str | None = None  # what cut it (``--max-examples``, ``--align-samples``), when ``total`` is set
+    truncated: int = 0  # texts longer than ``max_tokens``, cut to their first ``max_tokens`` tokens
+    max_tokens: int | None = None  # the tokens a text was cut to (texts: ``--max-length``, the model's positions)
 
     @property
     def cut(self) -> bool:
@@ -63,8 +65,20 @@ class Data:
         return self.total is not None and self.total > self.n
 
     def cut_info(self) -> dict:
-        """The report fields of a cut (``{}`` when the whole file was read): ``examples_in_file``, ``cut_by``."""
-        return {"examples_in_file": self.total, "cut_by": self.limit or "max_examples"} if self.cut else {}
+        """The report fields of a cut (``{}`` when the whole file was read, no text cut): ``examples_in_file``,
+        ``cut_by`` (examples left out); ``texts_truncated``, ``max_tokens`` (texts cut short)."""
+        info = {"examples_in_file": self.total, "cut_by": self.limit or "max_examples"} if self.cut else {}
+        return {**info, "texts_truncated": self.truncated, "max_tokens": self.max_tokens} if self.truncated else info
+
+    def truncation_note(self) -> str | None:
+        """One sentence saying how many texts were cut short, or None."""
+        if not self.truncated:
+            return None
+        one = self.truncated == 1
+        return (f"{self.path}: {self.truncated} of its {self.n} texts {'is' if one else 'are'} longer than "
+                f"{self.max_tokens} tokens and {'was' if one else 'were'} cut to {'its' if one else 'their'} first "
+                f"{self.max_tokens} (the least of --max-length, default 512, the model's max_position_embeddings and "
+                "the tokenizer's model_max_length)")
 
     def cut_note(self) -> str | None:
         """One sentence saying what was cut, or None."""
@@ -323,16 +337,20 @@ def _pad_for_classes(tokenizer, model, path) -> None:
     tokenizer.pad_token_id = pad
 
 
-def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool):
+def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool) -> tuple[list, int]:
+    """(batches, how many texts were longer than ``max_len`` tokens and cut)."""
     if tokenizer.pad_token is None:  # lm or unlabeled text: the mask, not the pad id, marks the padding
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    batches = []
+    batches, truncated = [], 0
     for i in range(0, len(texts), batch_size):
         enc = tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+        full = [texts[i + j] for j in (enc["attention_mask"].sum(1) == max_len).nonzero().flatten().tolist()]
+        if full:  # at the limit: cut, or exactly that long
+            truncated += sum(len(ids) > max_len for ids in tokenizer(full, truncation=False)["input_ids"])
         inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).bool()
         batches.append(Batch(inputs, inputs["input_ids"].masked_fill(~mask, -100) if lm else None, mask))
-    return batches
+    return batches, truncated
 
 
 def has_labels(path) -> bool:
@@ -399,13 +417,13 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
             texts, ys, total = _read_jsonl(path, max_examples, labels)
             if labels:
                 _pad_for_classes(tok, model, path)
-            batches = _tokenize(texts, tok, batch_size, max_len, lm=False)
+            batches, truncated = _tokenize(texts, tok, batch_size, max_len, lm=False)
             y = torch.tensor(ys, dtype=torch.int64)
             for j, b in enumerate(batches):
                 b.labels = y[j * batch_size:(j + 1) * batch_size] if labels else None
         else:
             texts, total = _read_txt(path, max_examples)
-            batches = _tokenize(texts, tok, batch_size, max_len, lm=True)
+            batches, truncated = _tokenize(texts, tok, batch_size, max_len, lm=True)
             if not labels:
                 for b in batches:
                     b.labels = None
@@ -417,11 +435,14 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
                     labels=b.inputs["input_ids"].masked_fill(~b.mask, -100))
         n = len(texts)
     data = Data(str(path), fmt, batches, n, labeled=labels, total=total if total > n else None,
-                limit=limit if total > n else None)
+                limit=limit if total > n else None, **({} if fmt == "image" else
+                                                       {"truncated": truncated, "max_tokens": max_len}))
     if model is not None:
         check_data(data, model)
     if data.cut and limit:
         print(f"note: {data.cut_note()}", file=sys.stderr)
+    if data.truncated:
+        print(f"note: {data.truncation_note()}", file=sys.stderr)
     return data
 
 
@@ -440,7 +461,7 @@ def take(data: Data, n: int, limit: str | None = None) -> Data:
         batches.append(b)
         left -= b.size
     return Data(data.path, data.format, batches, n, data.labeled, total=data.total or data.n,
-                limit=limit if limit is not None else data.limit)
+                limit=limit if limit is not None else data.limit, truncated=data.truncated, max_tokens=data.max_tokens)
 
 
 def rebatch(data: Data, size: int, max_length: int | None = None) -> Data:
@@ -457,7 +478,8 @@ def rebatch(data: Data, size: int, max_length: int | None = None) -> Data:
         return data
     rows, pads, side = _examples(data, max_length), _pad_values(data), "left" if _left_padded(data) else "right"
     batches = [_padded(rows[i:i + size], pads, side) for i in range(0, len(rows), size)]
-    return Data(data.path, data.format, batches, data.n, data.labeled, total=data.total, limit=data.limit)
+    return Data(data.path, data.format, batches, data.n, data.labeled, total=data.total, limit=data.limit,
+                truncated=data.truncated, max_tokens=data.max_tokens)
 
 
 def _token_wise(b: Batch) -> list:

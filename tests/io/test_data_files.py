@@ -84,7 +84,8 @@ def test_invalid_utf8_in_a_txt_names_the_line(tmp_path, classifier):
 
 @pytest.mark.parametrize("label, says", [
     ("positive", "map label names to the model's class ids"), ("1", "map label names"), (1.0, "got 1.0"),
-    (True, "got True"), ([1], "got [1]"), (None, "got None"), (-1, "got -1"), (10 ** 30, "got 1000000000000000000000000000000"),
+    (True, "got True"), ([1], "got [1]"), (None, "got None"), (-1, "got -1"),
+    (10 ** 30, "got 1000000000000000000000000000000"),
 ])
 def test_a_label_that_is_no_class_id_is_one_error_naming_the_line(tmp_path, classifier, label, says):
     """A label above 2**63 was torch's 'Overflow when unpacking long long' traceback; a negative one was named by
@@ -158,3 +159,29 @@ def test_a_decoder_classifier_without_any_pad_id_is_one_error(tmp_path):
         load_data(path, decoder_classifier(pad_token_id=None), tokenizer=folder)
     line = one_line(e)
     assert str(path) in line and "pad" in line and "pad_token_id" in line, line
+
+
+# ------------------------------------------------------------------ texts longer than the model reads
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
+def test_texts_longer_than_the_model_reads_are_cut_and_the_cut_is_said(tmp_path, classifier, capsys, suffix):
+    """A text longer than the model's positions (the tiny BERT: 40) was cut to its first 40 tokens without a
+    word; now the data records how many were cut (``texts_truncated``, ``max_tokens`` in the reports' cut fields)
+    and one note goes to stderr. A text of exactly 40 tokens is not counted."""
+    exact = " ".join(["cat"] * 38)  # [CLS] + 38 + [SEP] = 40 tokens: read whole
+    texts = [" ".join(["cat"] * 5000), "the cat sat", exact]
+    path = tmp_path / f"long{suffix}"
+    path.write_text(jsonl({"text": t, "label": 0} for t in texts) if suffix == ".jsonl" else "\n".join(texts) + "\n")
+    model, tokenizer = classifier
+    data = load_data(path, model if suffix == ".jsonl" else None, tokenizer=tokenizer, labels=suffix == ".jsonl",
+                     max_length=40 if suffix == ".txt" else None)
+    assert data.batches[0].mask.sum(1).tolist() == [40, 5, 40]
+    assert data.truncated == 1 and data.max_tokens == 40
+    assert data.cut_info() == {"texts_truncated": 1, "max_tokens": 40}
+    err = capsys.readouterr().err
+    assert f"note: {path}: 1 of its 3 texts is longer than 40 tokens and was cut to its first 40" in err, err
+    short = tmp_path / f"short{suffix}"
+    short.write_text(path.read_text().replace(texts[0], "a dog"))
+    data = load_data(short, model if suffix == ".jsonl" else None, tokenizer=tokenizer, labels=suffix == ".jsonl")
+    assert data.truncated == 0 and data.cut_info() == {} and "note" not in capsys.readouterr().err
