@@ -406,6 +406,8 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
         check_modality(fmt, model, path)
     if batch_size < 1:
         raise SymmergeError(f"batch size must be >= 1, got {batch_size}")
+    if max_examples is not None and max_examples < 1:
+        raise SymmergeError(f"max_examples must be >= 1 (or None: every example), got {max_examples}")
     if fmt == "image":
         batches, n, total = _read_npz(path, batch_size, max_examples, labels)
     else:

@@ -185,3 +185,24 @@ def test_texts_longer_than_the_model_reads_are_cut_and_the_cut_is_said(tmp_path,
     short.write_text(path.read_text().replace(texts[0], "a dog"))
     data = load_data(short, model if suffix == ".jsonl" else None, tokenizer=tokenizer, labels=suffix == ".jsonl")
     assert data.truncated == 0 and data.cut_info() == {} and "note" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ how many examples
+
+
+@pytest.mark.parametrize("max_examples", [0, -1])
+def test_load_data_refuses_a_max_examples_below_one(tmp_path, classifier, max_examples):
+    """``max_examples=0`` read the whole file and ``-1`` silently dropped a .txt's last line (``lines[:-1]``);
+    the flags refuse them (``--max-examples``/``--align-samples`` must be >= 1), and so does the function now."""
+    path = tmp_path / "lines.txt"
+    path.write_text("the cat\na dog\nthe mat\n")
+    says = rf"max_examples must be >= 1 \(or None: every example\), got {max_examples}"
+    with pytest.raises(SymmergeError, match=says):
+        load_data(path, tokenizer=classifier[1], labels=False, max_examples=max_examples)
+
+
+def test_a_max_examples_above_the_file_reads_it_whole_and_says_no_cut(tmp_path, classifier, capsys):
+    path = tmp_path / "lines.txt"
+    path.write_text("the cat\na dog\nthe mat\n")
+    data = load_data(path, tokenizer=classifier[1], labels=False, max_examples=100)
+    assert data.n == 3 and not data.cut and data.cut_info() == {} and "note" not in capsys.readouterr().err
