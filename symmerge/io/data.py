@@ -244,10 +244,14 @@ def _read_jsonl(path: Path, max_examples, labels: bool = True):
             total += 1
             if max_examples and len(texts) >= max_examples:
                 continue  # counted, not parsed
+            if line.lstrip().startswith("["):
+                raise SymmergeError(f"{path}:{lineno}: a JSON array, not JSON Lines: a .jsonl holds one object per "
+                                    'line, {"text": "...", "label": 0}; write each row with json.dumps(row) + "\\n"')
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SymmergeError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                raise SymmergeError(f"{path}:{lineno}: not valid JSON ({e}); a .jsonl holds one JSON object per line"
+                                    ) from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise SymmergeError(f"{path}:{lineno}: expected an object with a string field 'text'")
             label = _label(obj, path, lineno) if labels else 0

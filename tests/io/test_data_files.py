@@ -206,3 +206,25 @@ def test_a_max_examples_above_the_file_reads_it_whole_and_says_no_cut(tmp_path, 
     path.write_text("the cat\na dog\nthe mat\n")
     data = load_data(path, tokenizer=classifier[1], labels=False, max_examples=100)
     assert data.n == 3 and not data.cut and data.cut_info() == {} and "note" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ JSON that is not JSON Lines
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_array_named_jsonl_says_it_is_an_array(tmp_path, classifier, indent):
+    """A JSON array (pandas' to_json(orient='records'), json.dump(rows)) read as 'expected an object with a string
+    field text' or 'not valid JSON (Expecting value: line 2 column 1)'; now it is named for what it is."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(ROWS, indent=indent))
+    with pytest.raises(SymmergeError) as e:
+        read(path, classifier)
+    line = one_line(e)
+    assert line.startswith(f"{path}:1: a JSON array, not JSON Lines") and "one object per line" in line, line
+
+
+def test_an_object_spread_over_lines_says_one_per_line(tmp_path, classifier):
+    path = tmp_path / "pretty.jsonl"
+    path.write_text(json.dumps(ROWS[0], indent=2))
+    with pytest.raises(SymmergeError, match=rf"^{path}:1: not valid JSON .*one JSON object per line"):
+        read(path, classifier)
