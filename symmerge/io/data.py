@@ -29,6 +29,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..errors import SymmergeError, UsageError
 
 FORMATS = {".npz": "image", ".jsonl": "text", ".txt": "lm"}
+RAW_PIXELS = 10  # pixels all >= 0 with one above this are taken for unscaled 0-255 values (a note, not a refusal)
 
 
 @dataclass
@@ -215,7 +216,9 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
     if x.ndim not in (3, 4):
         raise SymmergeError(f"{path}: pixel_values must be (N, C, H, W), got shape {x.shape}")
     if not np.issubdtype(x.dtype, np.floating):
-        raise SymmergeError(f"{path}: pixel_values must be floating point (float32), got {x.dtype}")
+        raise SymmergeError(f"{path}: pixel_values must be floating point (float32) as the model reads them, got "
+                            f"{x.dtype}; scale them as its image processor does (for 0-255 pixels: x / 255, then its "
+                            "mean and std, e.g. (x / 255 - 0.5) / 0.5 for ViT)")
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
         raise SymmergeError(f"{path}: labels must be a 1-D integer array, got shape {y.shape} dtype {y.dtype}")
     if len(x) != len(y):
@@ -224,6 +227,11 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
         raise SymmergeError(f"{path}: no examples")
     if not np.isfinite(x).all():
         raise SymmergeError(f"{path}: pixel_values hold NaN or Inf")
+    low, high = float(x.min()), float(x.max())
+    if low >= 0 and high > RAW_PIXELS:
+        print(f"note: {path}: pixel_values run from {low:g} to {high:g}, raw 0-255 pixels by the look of them; the "
+              "model reads them as they are, so unless it was trained on such values scale them as its image "
+              "processor does (x / 255, then its mean and std)", file=sys.stderr)
     total = len(x)
     if max_examples:
         x, y = x[:max_examples], y[:max_examples]

@@ -228,3 +228,45 @@ def test_an_object_spread_over_lines_says_one_per_line(tmp_path, classifier):
     path.write_text(json.dumps(ROWS[0], indent=2))
     with pytest.raises(SymmergeError, match=rf"^{path}:1: not valid JSON .*one JSON object per line"):
         read(path, classifier)
+
+
+# ------------------------------------------------------------------ pixels
+
+
+def images(path, x, y=None):
+    import numpy as np
+
+    np.savez(path, pixel_values=x, labels=np.arange(len(x)) % 3 if y is None else y)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory):
+    from conftest import vit_folder
+    from transformers import ViTForImageClassification
+
+    return ViTForImageClassification.from_pretrained(str(vit_folder(tmp_path_factory.mktemp("vit") / "vit", 0)))
+
+
+def test_uint8_pixels_are_refused_saying_how_to_scale_them(tmp_path, vit):
+    import numpy as np
+
+    path = images(tmp_path / "u8.npz", np.random.default_rng(0).integers(0, 256, (4, 1, 8, 8)).astype(np.uint8))
+    with pytest.raises(SymmergeError) as e:
+        load_data(path, vit)
+    line = one_line(e)
+    assert line.startswith(f"{path}: pixel_values") and "uint8" in line and "/ 255" in line, line
+
+
+def test_float_pixels_in_0_255_are_read_with_a_note(tmp_path, vit, capsys):
+    """0–255 pixels stored as floats were scored as if normalised, without a word: now a note says what they look
+    like and how the model's own processor scales them (they are still read: a model may be trained on them)."""
+    import numpy as np
+
+    raw = np.random.default_rng(0).integers(0, 256, (4, 1, 8, 8)).astype(np.float32)
+    data = load_data(images(tmp_path / "raw.npz", raw), vit)
+    assert data.n == 4
+    err = capsys.readouterr().err
+    assert f"note: {tmp_path / 'raw.npz'}: pixel_values run from 0 to 255" in err and "/ 255" in err, err
+    load_data(images(tmp_path / "scaled.npz", raw / 127.5 - 1), vit)
+    assert "note" not in capsys.readouterr().err
