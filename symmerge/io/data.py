@@ -325,7 +325,10 @@ def load_tokenizer(source):
     except SymmergeError:
         raise
     except Exception as e:
-        raise SymmergeError(f"{source}: no usable tokenizer in the model folder ({type(e).__name__}: {e})") from None
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise SymmergeError(f"{source}: no usable tokenizer in the model folder ({type(e).__name__}: {first}); copy "
+                            "the tokenizer files of the model it was trained from (tokenizer.json, "
+                            "tokenizer_config.json and the like) into it") from None
     finally:
         hf_logging.set_verbosity(verbosity)
 

@@ -270,3 +270,20 @@ def test_float_pixels_in_0_255_are_read_with_a_note(tmp_path, vit, capsys):
     assert f"note: {tmp_path / 'raw.npz'}: pixel_values run from 0 to 255" in err and "/ 255" in err, err
     load_data(images(tmp_path / "scaled.npz", raw / 127.5 - 1), vit)
     assert "note" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ a model folder without a tokenizer
+
+
+def test_a_model_folder_without_a_tokenizer_is_one_line_saying_what_to_add(tmp_path):
+    """transformers' refusal ran over five lines ('Couldn't instantiate the backend tokenizer from one of: (1) ...');
+    now its first line, and what to copy into the folder."""
+    folder = tmp_path / "llama"
+    make_model("llama", head=True, dtype=torch.float32).save_pretrained(str(folder))
+    path = tmp_path / "lines.txt"
+    path.write_text("the cat\na dog\n")
+    model = make_model("llama", head=True, dtype=torch.float32)
+    with pytest.raises(SymmergeError) as e:
+        load_data(path, model, tokenizer=str(folder))
+    line = one_line(e)
+    assert line.startswith(f"{folder}: no usable tokenizer in the model folder") and "tokenizer.json" in line, line
