@@ -5,6 +5,7 @@ silently wrong numbers."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -287,3 +288,20 @@ def test_a_model_folder_without_a_tokenizer_is_one_line_saying_what_to_add(tmp_p
         load_data(path, model, tokenizer=str(folder))
     line = one_line(e)
     assert line.startswith(f"{folder}: no usable tokenizer in the model folder") and "tokenizer.json" in line, line
+
+
+# ------------------------------------------------------------------ generate: specs
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("generate:4:4:18446744073709551616", "SEED must be below 2**64"),
+    ("generate:100000000000000000000", "N x LEN must be below 2**63"),
+])
+def test_a_generate_spec_past_what_torch_takes_is_one_error(spec, says):
+    """A SEED of 2**64 was torch's 'Overflow when unpacking long long' traceback once the models were loaded, an N
+    of 10**20 Python's OverflowError; now the spec's own error, before any model is read."""
+    from symmerge.io.generate import parse_generate
+
+    with pytest.raises(SymmergeError, match=re.escape(f"--align-data '{spec}': {says}")):
+        parse_generate(spec)
+    assert parse_generate("generate:4:4:18446744073709551615")[2] == 2 ** 64 - 1
