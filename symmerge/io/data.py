@@ -262,6 +262,8 @@ def _read_jsonl(path: Path, max_examples, labels: bool = True):
                                     ) from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise SymmergeError(f"{path}:{lineno}: expected an object with a string field 'text'")
+            if not obj["text"].strip():
+                raise SymmergeError(f"{path}:{lineno}: field 'text' is empty; give the text or drop the line")
             label = _label(obj, path, lineno) if labels else 0
             texts.append(obj["text"])
             ys.append(label)

@@ -305,3 +305,18 @@ def test_a_generate_spec_past_what_torch_takes_is_one_error(spec, says):
     with pytest.raises(SymmergeError, match=re.escape(f"--align-data '{spec}': {says}")):
         parse_generate(spec)
     assert parse_generate("generate:4:4:18446744073709551615")[2] == 2 ** 64 - 1
+
+
+# ------------------------------------------------------------------ empty texts
+
+
+@pytest.mark.parametrize("text", ["", "   ", "\t"])
+def test_an_empty_text_in_a_jsonl_is_one_error_naming_the_line(tmp_path, classifier, text):
+    """An empty text was read: a tokenizer adding no BOS (the B7 Llamas') made it a row of pads only, which a decoder's
+    classification head scores at a pad position (and a file of them was 'no usable tokenizer'); a .txt skips its
+    blank lines, a .jsonl's labelled example cannot be dropped without changing the data."""
+    path = tmp_path / "empty.jsonl"
+    path.write_text(jsonl([ROWS[0], {"text": text, "label": 1}]))
+    for labels in (True, False):
+        with pytest.raises(SymmergeError, match=rf"^{path}:2: field 'text' is empty"):
+            read(path, classifier, labels=labels)
