@@ -27,6 +27,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import SymmergeError, UsageError
+from .hf import quiet_transformers
 
 FORMATS = {".npz": "image", ".jsonl": "text", ".txt": "lm"}
 RAW_PIXELS = 10  # pixels all >= 0 with one above this are taken for unscaled 0-255 values (a note, not a refusal)
@@ -362,8 +363,9 @@ def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool) -> tuple[list, in
     for i in range(0, len(texts), batch_size):
         enc = tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
         full = [texts[i + j] for j in (enc["attention_mask"].sum(1) == max_len).nonzero().flatten().tolist()]
-        if full:  # at the limit: cut, or exactly that long
-            truncated += sum(len(ids) > max_len for ids in tokenizer(full, truncation=False)["input_ids"])
+        if full:  # at the limit: cut, or exactly that long (without transformers' warning of indexing errors)
+            with quiet_transformers():
+                truncated += sum(len(ids) > max_len for ids in tokenizer(full, truncation=False)["input_ids"])
         inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).bool()
         batches.append(Batch(inputs, inputs["input_ids"].masked_fill(~mask, -100) if lm else None, mask))

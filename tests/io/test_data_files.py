@@ -320,3 +320,19 @@ def test_an_empty_text_in_a_jsonl_is_one_error_naming_the_line(tmp_path, classif
     for labels in (True, False):
         with pytest.raises(SymmergeError, match=rf"^{path}:2: field 'text' is empty"):
             read(path, classifier, labels=labels)
+
+
+def test_counting_the_cut_texts_says_nothing_of_indexing_errors(tmp_path, classifier, capfd, caplog):
+    """Counting the texts cut (each one tokenized again whole) made transformers warn 'Token indices sequence length
+    is longer than the specified maximum ... will result in indexing errors' (the real MiniLM's tokenizer, 512): no
+    such error happens, the texts are cut; only the note is said."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(classifier[1], model_max_length=40)
+    path = tmp_path / "long.txt"
+    path.write_text(" ".join(["cat"] * 100) + "\n")
+    capfd.readouterr()
+    assert load_data(path, tokenizer=tokenizer, labels=False).truncated == 1
+    err = capfd.readouterr().err
+    assert "Token indices" not in err and err.count("\n") == 1 and err.startswith("note: "), err
+    assert not [r for r in caplog.records if "Token indices" in r.getMessage()]
