@@ -204,9 +204,18 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
 
     if not zipfile.is_zipfile(path):  # numpy would read it as a pickle and speak of pickled data
         raise SymmergeError(f"{path}: not an .npz file (an .npz is a zip archive of arrays: write it with numpy.savez)")
+    key = None
     try:
         with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
+            arrays = {}
+            for key in z.files:
+                arrays[key] = z[key]
+    except ValueError as e:
+        if key is not None and "allow_pickle" in str(e):
+            raise SymmergeError(f"{path}: array {key!r} holds pickled Python objects (dtype object), which are never "
+                                "loaded (unpickling can run code); store numbers, e.g. np.stack(images)"
+                                ".astype(np.float32)") from None
+        raise SymmergeError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
     except Exception as e:
         raise SymmergeError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
     for key in ("pixel_values", "labels") if labels else ("pixel_values",):
@@ -221,7 +230,11 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
                             f"{x.dtype}; scale them as its image processor does (for 0-255 pixels: x / 255, then its "
                             "mean and std, e.g. (x / 255 - 0.5) / 0.5 for ViT)")
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise SymmergeError(f"{path}: labels must be a 1-D integer array, got shape {y.shape} dtype {y.dtype}")
+        fix = ("; flatten them with labels.reshape(-1)" if y.ndim == 2 and y.shape[1:] == (1,) else
+               "; store them with labels.astype(np.int64)" if np.issubdtype(y.dtype, np.floating) and y.ndim == 1
+               and np.isfinite(y).all() and (y == np.round(y)).all() else "")
+        raise SymmergeError(f"{path}: labels must be a 1-D integer array (N,) of class ids, got shape {y.shape} "
+                            f"dtype {y.dtype}{fix}")
     if len(x) != len(y):
         raise SymmergeError(f"{path}: {len(x)} images but {len(y)} labels")
     if len(x) == 0:

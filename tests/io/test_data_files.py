@@ -336,3 +336,37 @@ def test_counting_the_cut_texts_says_nothing_of_indexing_errors(tmp_path, classi
     err = capfd.readouterr().err
     assert "Token indices" not in err and err.count("\n") == 1 and err.startswith("note: "), err
     assert not [r for r in caplog.records if "Token indices" in r.getMessage()]
+
+
+# ------------------------------------------------------------------ .npz arrays
+
+
+def test_a_pickled_object_array_is_refused_by_name_and_never_unpickled(tmp_path, vit, monkeypatch):
+    """np.load's allow_pickle stays off: the refusal names the array and says what to store instead (it quoted
+    numpy's 'Object arrays cannot be loaded when allow_pickle=False')."""
+    import pickle
+
+    import numpy as np
+
+    x = np.zeros((2, 1, 8, 8), dtype=np.float32)
+    path = tmp_path / "objects.npz"
+    np.savez(path, pixel_values=np.array([x[0], None], dtype=object), labels=np.array([0, 1]))
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("unpickled"))
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("unpickled"))
+    with pytest.raises(SymmergeError) as e:
+        load_data(path, vit)
+    line = one_line(e)
+    assert line.startswith(f"{path}: array 'pixel_values' holds pickled Python objects") and "float32" in line, line
+
+
+@pytest.mark.parametrize("labels, says", [
+    ([[0], [1]], "labels.reshape(-1)"), ([0.0, 1.0], "labels.astype(np.int64)"),
+])
+def test_labels_of_another_shape_or_dtype_say_the_fix(tmp_path, vit, labels, says):
+    import numpy as np
+
+    path = images(tmp_path / "y.npz", np.zeros((2, 1, 8, 8), dtype=np.float32), np.array(labels))
+    with pytest.raises(SymmergeError) as e:
+        load_data(path, vit)
+    line = one_line(e)
+    assert line.startswith(f"{path}: labels must be a 1-D integer array") and says in line, line
