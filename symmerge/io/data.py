@@ -1,9 +1,12 @@
 """``--data FILE`` loaders: ``.npz`` images, ``.jsonl`` labelled texts, ``.txt`` causal-LM lines.
 
 * ``.npz``: arrays ``pixel_values`` (N, C, H, W) floating and ``labels`` (N,) integer — image classification;
-* ``.jsonl``: one JSON object per line with ``text`` (string) and ``label`` (int) — sequence
-  classification, tokenized with the model folder's tokenizer;
+* ``.jsonl``: one JSON object per line with ``text`` (a non-empty string) and ``label`` (an int class id) —
+  sequence classification, tokenized with the model folder's tokenizer;
 * ``.txt``: one text per non-empty line — causal-LM loss (next-token cross-entropy).
+
+Text files are UTF-8 (a leading BOM is dropped); a text longer than the model reads is cut to its first
+``max_tokens`` tokens, and the cut is counted (``Data.truncated``, a note on stderr, the reports' fields).
 
 Unlabeled data (``load_data(..., labels=False)``: alignment statistics, REPAIR): ``.npz`` needs only
 ``pixel_values`` and ``.jsonl`` only ``text``; labels, where present, are ignored (``Batch.labels`` is
