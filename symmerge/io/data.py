@@ -63,6 +63,7 @@ class Data:
     limit: str | None = None  # what cut it (``--max-examples``, ``--align-samples``), when ``total`` is set
     truncated: int = 0  # texts longer than ``max_tokens``, cut to their first ``max_tokens`` tokens
     max_tokens: int | None = None  # the tokens a text was cut to (texts: ``--max-length``, the model's positions)
+    lines: list | None = None  # each example's line in the file (.jsonl), which messages name
 
     @property
     def cut(self) -> bool:
@@ -123,12 +124,13 @@ def _need_classifier(model, path: str) -> int:
     return n
 
 
-def _check_labels(labels: np.ndarray, num_labels: int, path: str) -> None:
+def _check_labels(labels: np.ndarray, num_labels: int, path: str, lines: list | None = None) -> None:
     bad = np.flatnonzero((labels < 0) | (labels >= num_labels))
     if bad.size:
         i = int(bad[0])
-        raise SymmergeError(f"{path}: label {int(labels[i])} of example {i} is out of range for a model with "
-                            f"num_labels={num_labels} (labels must be 0..{num_labels - 1})")
+        where = f"{path}:{lines[i]}: label {labels[i]}" if lines else f"{path}: label {labels[i]} of example {i}"
+        raise SymmergeError(f"{where} is out of range for a model with num_labels={num_labels} (labels must be "
+                            f"0..{num_labels - 1})")
 
 
 def takes_images(model) -> bool:
@@ -196,7 +198,7 @@ def check_data(data: Data, model, labels: np.ndarray | None = None, use_labels: 
                                 "(tokenizer does not match the model)")
     if use_labels and data.format in ("image", "text"):
         labels = torch.cat([b.labels for b in data.batches]).numpy()
-        _check_labels(labels, n_labels, data.path)
+        _check_labels(labels, n_labels, data.path, data.lines)
 
 
 # ---------------------------------------------------------------- readers
@@ -259,8 +261,8 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
 
 
 def _read_jsonl(path: Path, max_examples, labels: bool = True):
-    """(texts, labels, examples in the file): past ``max_examples`` the lines are only counted."""
-    texts, ys, total = [], [], 0
+    """(texts, labels, examples in the file, each text's line): past ``max_examples`` the lines are only counted."""
+    texts, ys, total, where = [], [], 0, []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             line = _decoded(raw[len(BOM):] if lineno == 1 and raw.startswith(BOM) else raw, path, lineno)
@@ -284,9 +286,10 @@ def _read_jsonl(path: Path, max_examples, labels: bool = True):
             label = _label(obj, path, lineno) if labels else 0
             texts.append(obj["text"])
             ys.append(label)
+            where.append(lineno)
     if not texts:
         raise SymmergeError(f"{path}: no examples")
-    return texts, ys, total
+    return texts, ys, total, where
 
 
 def _label(obj: dict, path: Path, lineno: int) -> int:
@@ -443,6 +446,7 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
         raise SymmergeError(f"batch size must be >= 1, got {batch_size}")
     if max_examples is not None and max_examples < 1:
         raise SymmergeError(f"max_examples must be >= 1 (or None: every example), got {max_examples}")
+    lines = None  # each example's line: .jsonl
     if fmt == "image":
         batches, n, total = _read_npz(path, batch_size, max_examples, labels)
     else:
@@ -451,7 +455,7 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
         tok = load_tokenizer(tokenizer)
         max_len = _max_length(model, tok, max_length)
         if fmt == "text":
-            texts, ys, total = _read_jsonl(path, max_examples, labels)
+            texts, ys, total, lines = _read_jsonl(path, max_examples, labels)
             if labels:
                 _pad_for_classes(tok, model, path)
             batches, truncated = _tokenize(texts, tok, batch_size, max_len, lm=False)
@@ -473,7 +477,8 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
         n = len(texts)
     data = Data(str(path), fmt, batches, n, labeled=labels, total=total if total > n else None,
                 limit=limit if total > n else None, **({} if fmt == "image" else
-                                                       {"truncated": truncated, "max_tokens": max_len}))
+                                                       {"truncated": truncated, "max_tokens": max_len}),
+                lines=lines)
     if model is not None:
         check_data(data, model)
     if data.cut and limit:
@@ -498,7 +503,8 @@ def take(data: Data, n: int, limit: str | None = None) -> Data:
         batches.append(b)
         left -= b.size
     return Data(data.path, data.format, batches, n, data.labeled, total=data.total or data.n,
-                limit=limit if limit is not None else data.limit, truncated=data.truncated, max_tokens=data.max_tokens)
+                limit=limit if limit is not None else data.limit, truncated=data.truncated, max_tokens=data.max_tokens,
+                lines=None if data.lines is None else data.lines[:n])
 
 
 def rebatch(data: Data, size: int, max_length: int | None = None) -> Data:
@@ -516,7 +522,7 @@ def rebatch(data: Data, size: int, max_length: int | None = None) -> Data:
     rows, pads, side = _examples(data, max_length), _pad_values(data), "left" if _left_padded(data) else "right"
     batches = [_padded(rows[i:i + size], pads, side) for i in range(0, len(rows), size)]
     return Data(data.path, data.format, batches, data.n, data.labeled, total=data.total, limit=data.limit,
-                truncated=data.truncated, max_tokens=data.max_tokens)
+                truncated=data.truncated, max_tokens=data.max_tokens, lines=data.lines)
 
 
 def _token_wise(b: Batch) -> list:

@@ -370,3 +370,14 @@ def test_labels_of_another_shape_or_dtype_say_the_fix(tmp_path, vit, labels, say
         load_data(path, vit)
     line = one_line(e)
     assert line.startswith(f"{path}: labels must be a 1-D integer array") and says in line, line
+
+
+def test_a_jsonl_label_out_of_range_names_its_line(tmp_path, classifier):
+    """A label >= num_labels was 'label 7 of example 2': the 0-based index among the examples, which is not the
+    line a user opens when blank lines come before it; now the line too."""
+    path = tmp_path / "range.jsonl"
+    path.write_text("\n" + jsonl(ROWS) + "\n" + jsonl([{"text": "the dog", "label": 7}]))
+    with pytest.raises(SymmergeError) as e:
+        read(path, classifier)
+    line = one_line(e)
+    assert line.startswith(f"{path}:5: label 7") and "num_labels=3" in line, line
