@@ -380,7 +380,8 @@ def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool) -> tuple[list, in
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     batches, truncated = [], 0
     for i in range(0, len(texts), batch_size):
-        enc = tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+        enc = tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_len, return_tensors="pt",
+                        padding_side="right")  # a left pad would be scored (lm) and move absolute positions
         full = [texts[i + j] for j in (enc["attention_mask"].sum(1) == max_len).nonzero().flatten().tolist()]
         if full:  # at the limit: cut, or exactly that long (without transformers' warning of indexing errors)
             with quiet_transformers():

@@ -381,3 +381,34 @@ def test_a_jsonl_label_out_of_range_names_its_line(tmp_path, classifier):
         read(path, classifier)
     line = one_line(e)
     assert line.startswith(f"{path}:5: label 7") and "num_labels=3" in line, line
+
+
+# ------------------------------------------------------------------ tokenizers that pad on the left
+
+
+def test_a_left_padding_tokenizer_is_read_padded_on_the_right(tmp_path):
+    """A tokenizer saved with padding_side='left' (chat models' often are) padded .txt lines on the left, and each
+    line's first token was scored as predicted from a pad (22 tokens scored on three lines where 20 are, loss 8.188
+    against 8.175 for the lines alone); the data is now padded on the right, whatever the tokenizer's side, and
+    scores what the lines score alone."""
+    from symmerge.evaluate.metrics import evaluate
+
+    folder = gpt_style_tokenizer(tmp_path / "tok")
+    model = make_model("llama", head=True, dtype=torch.float32, vocab_size=len(WORDS))
+    path = tmp_path / "lines.txt"
+    lines = ["the cat", "a dog ran fast on the mat", "the cat sat on a mat"]
+    path.write_text("\n".join(lines) + "\n")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    data = load_data(path, model, tokenizer=tokenizer)
+    assert data.batches[0].mask[:, 0].all() and tokenizer.padding_side == "left"
+    loss, count = 0.0, 0
+    with torch.no_grad():
+        for line in lines:
+            ids = tokenizer(line, return_tensors="pt")["input_ids"]
+            logits = model(input_ids=ids).logits[0, :-1].double()
+            loss += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            count += ids.shape[1] - 1
+    score = evaluate(model, data, progress=False)
+    assert score["n"] == count and score["loss"] == pytest.approx(loss / count, rel=1e-6)
