@@ -361,17 +361,18 @@ def _max_length(model, tokenizer, max_length) -> int:
     return int(min(x for x in limits if isinstance(x, int) and x > 0))
 
 
-def _pad_for_classes(tokenizer, model, path) -> None:
-    """A tokenizer without a pad token (GPT-2, Llama) pads labelled texts with the model's ``pad_token_id``: the
-    id a decoder's classification head skips to find each text's last token; without one, one error."""
-    if tokenizer.pad_token is not None:
-        return
+def _class_pad(tokenizer, model, path) -> int:
+    """The id labelled texts are padded with: the model's config ``pad_token_id`` where it has one (the id a decoder's
+    classification head skips to find each text's last token, and RoBERTa counts positions by), else the
+    tokenizer's; a tokenizer without a pad token (GPT-2, Llama) and a config without one is one error."""
     pad = getattr(getattr(model, "config", None), "pad_token_id", None)
-    if not isinstance(pad, int):
+    if isinstance(pad, int):
+        return pad
+    if tokenizer.pad_token is None:
         raise SymmergeError(f"{path}: the tokenizer has no pad token and the model's config no pad_token_id, so texts "
                             "of unequal lengths cannot be classified in one batch; set pad_token_id in the model's "
                             "config.json (the id it was fine-tuned with, often its eos_token_id)")
-    tokenizer.pad_token_id = pad
+    return tokenizer.pad_token_id
 
 
 def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool) -> tuple[list, int]:
@@ -457,9 +458,10 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
         max_len = _max_length(model, tok, max_length)
         if fmt == "text":
             texts, ys, total, lines = _read_jsonl(path, max_examples, labels)
-            if labels:
-                _pad_for_classes(tok, model, path)
+            pad = _class_pad(tok, model, path) if labels else None
             batches, truncated = _tokenize(texts, tok, batch_size, max_len, lm=False)
+            for b in batches if pad is not None else ():
+                b.inputs["input_ids"] = b.inputs["input_ids"].masked_fill(~b.mask, pad)
             y = torch.tensor(ys, dtype=torch.int64)
             for j, b in enumerate(batches):
                 b.labels = y[j * batch_size:(j + 1) * batch_size] if labels else None

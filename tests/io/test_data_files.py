@@ -412,3 +412,21 @@ def test_a_left_padding_tokenizer_is_read_padded_on_the_right(tmp_path):
             count += ids.shape[1] - 1
     score = evaluate(model, data, progress=False)
     assert score["n"] == count and score["loss"] == pytest.approx(loss / count, rel=1e-6)
+
+
+def test_a_decoder_classifier_is_padded_with_its_config_pad_id_not_the_tokenizers(tmp_path):
+    """A tokenizer whose pad token (here '<unk>', 0) is not the model's config pad_token_id (2) padded with 0, and a
+    decoder's classification head, which looks for 2 to find each text's last token, read the shorter text's score
+    at a pad position: 0.13 off its logits alone. Now the pads carry the config's id; the tokenizer is left as it was."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gpt_style_tokenizer(tmp_path / "tok"), pad_token="<unk>")
+    path = tmp_path / "texts.jsonl"
+    path.write_text(jsonl([{"text": "the cat sat on a mat", "label": 0}, {"text": "a dog", "label": 1}]))
+    model = decoder_classifier(pad_token_id=2)
+    batch = load_data(path, model, tokenizer=tokenizer).batches[0]
+    assert batch.inputs["input_ids"][1, 2:].tolist() == [2] * 4 and tokenizer.pad_token_id == 0
+    with torch.no_grad():
+        together = model(**batch.inputs).logits
+        alone = [model(input_ids=batch.inputs["input_ids"][i:i + 1, batch.mask[i]]).logits[0] for i in range(2)]
+    torch.testing.assert_close(together, torch.stack(alone), rtol=1e-5, atol=1e-6)
