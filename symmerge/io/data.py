@@ -83,8 +83,8 @@ class Data:
         one = self.truncated == 1
         return (f"{self.path}: {self.truncated} of its {self.n} texts {'is' if one else 'are'} longer than "
                 f"{self.max_tokens} tokens and {'was' if one else 'were'} cut to {'its' if one else 'their'} first "
-                f"{self.max_tokens} (the least of max_length, merge's --max-length, default 512, the model's "
-                "max_position_embeddings and the tokenizer's model_max_length)")
+                f"{self.max_tokens} (the least of max_length: merge's --max-length or --learn-max-length, default "
+                "512; the model's max_position_embeddings and the tokenizer's model_max_length)")
 
     def cut_note(self) -> str | None:
         """One sentence saying what was cut, or None."""
