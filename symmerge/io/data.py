@@ -217,9 +217,9 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
                 arrays[key] = z[key]
     except ValueError as e:
         if key is not None and "allow_pickle" in str(e):
+            store = "np.asarray(labels, dtype=np.int64)" if key == "labels" else "np.stack(images).astype(np.float32)"
             raise SymmergeError(f"{path}: array {key!r} holds pickled Python objects (dtype object), which are never "
-                                "loaded (unpickling can run code); store numbers, e.g. np.stack(images)"
-                                ".astype(np.float32)") from None
+                                f"loaded (unpickling can run code); store numbers, e.g. {store}") from None
         raise SymmergeError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
     except Exception as e:
         raise SymmergeError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None

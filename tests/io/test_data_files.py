@@ -357,6 +357,9 @@ def test_a_pickled_object_array_is_refused_by_name_and_never_unpickled(tmp_path,
         load_data(path, vit)
     line = one_line(e)
     assert line.startswith(f"{path}: array 'pixel_values' holds pickled Python objects") and "float32" in line, line
+    np.savez(path, pixel_values=x, labels=np.array([0, None], dtype=object))
+    with pytest.raises(SymmergeError, match=r"'labels' holds pickled .* np\.asarray\(labels, dtype=np\.int64\)"):
+        load_data(path, vit)
 
 
 @pytest.mark.parametrize("labels, says", [
@@ -417,7 +420,7 @@ def test_a_left_padding_tokenizer_is_read_padded_on_the_right(tmp_path):
 def test_a_decoder_classifier_is_padded_with_its_config_pad_id_not_the_tokenizers(tmp_path):
     """A tokenizer whose pad token (here '<unk>', 0) is not the model's config pad_token_id (2) padded with 0, and a
     decoder's classification head, which looks for 2 to find each text's last token, read the shorter text's score
-    at a pad position: 0.13 off its logits alone. Now the pads carry the config's id; the tokenizer is left as it was."""
+    at a pad position: 0.13 off its logits alone. Now the pads carry the config's id; the tokenizer is left as it is."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gpt_style_tokenizer(tmp_path / "tok"), pad_token="<unk>")
