@@ -422,8 +422,10 @@ def check_data_path(path, flag: str | None = None) -> Path:
     if path.is_dir():
         raise SymmergeError(f"{named}: is a directory, not a data file (.npz images, .jsonl text, .txt causal-LM lines)")
     if path.suffix.lower() not in FORMATS:
+        spelled = (" or generate[:N[:LEN[:SEED]]] (lower case) for sequences the models generate"
+                   if flag == "--align-data" and str(path).lower().startswith("generate") else "")
         raise SymmergeError(f"{named}: unknown data format {path.suffix!r}; use .npz (images), .jsonl (text, label) "
-                            "or .txt (causal-LM lines)")
+                            f"or .txt (causal-LM lines){spelled}")
     if not path.is_file():
         raise SymmergeError(f"{named}: data file not found")
     return path

@@ -433,3 +433,12 @@ def test_a_decoder_classifier_is_padded_with_its_config_pad_id_not_the_tokenizer
         together = model(**batch.inputs).logits
         alone = [model(input_ids=batch.inputs["input_ids"][i:i + 1, batch.mask[i]]).logits[0] for i in range(2)]
     torch.testing.assert_close(together, torch.stack(alone), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["Generate:4", "GENERATE", "generated:4"])
+def test_a_near_generate_spec_says_what_generate_is_spelled(spec):
+    """'--align-data Generate:4' was 'unknown data format ""', with no word of generate."""
+    from symmerge.io.data import check_data_path
+
+    with pytest.raises(SymmergeError, match=r"or generate\[:N\[:LEN\[:SEED\]\]\] \(lower case\)"):
+        check_data_path(spec, "--align-data")
