@@ -1,9 +1,12 @@
 """``--data FILE`` loaders: ``.npz`` images, ``.jsonl`` labelled texts, ``.txt`` causal-LM lines.
 
 * ``.npz``: arrays ``pixel_values`` (N, C, H, W) floating and ``labels`` (N,) integer — image classification;
-* ``.jsonl``: one JSON object per line with ``text`` (string) and ``label`` (int) — sequence
-  classification, tokenized with the model folder's tokenizer;
+* ``.jsonl``: one JSON object per line with ``text`` (a non-empty string) and ``label`` (an int class id) —
+  sequence classification, tokenized with the model folder's tokenizer;
 * ``.txt``: one text per non-empty line — causal-LM loss (next-token cross-entropy).
+
+Text files are UTF-8 (a leading BOM is dropped); a text longer than the model reads is cut to its first
+``max_tokens`` tokens, and the cut is counted (``Data.truncated``, a note on stderr, the reports' fields).
 
 Unlabeled data (``load_data(..., labels=False)``: alignment statistics, REPAIR): ``.npz`` needs only
 ``pixel_values`` and ``.jsonl`` only ``text``; labels, where present, are ignored (``Batch.labels`` is
@@ -27,8 +30,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import SymmergeError, UsageError
+from .hf import quiet_transformers
 
 FORMATS = {".npz": "image", ".jsonl": "text", ".txt": "lm"}
+RAW_PIXELS = 10  # pixels all >= 0 with one above this are taken for unscaled 0-255 values (a note, not a refusal)
 
 
 @dataclass
@@ -56,6 +61,9 @@ class Data:
     labeled: bool = True  # False: loaded with ``labels=False`` (inputs only)
     total: int | None = None  # examples in the file when fewer (``n``) were kept: cut by ``limit``
     limit: str | None = None  # what cut it (``--max-examples``, ``--align-samples``), when ``total`` is set
+    truncated: int = 0  # texts longer than ``max_tokens``, cut to their first ``max_tokens`` tokens
+    max_tokens: int | None = None  # the tokens a text was cut to (texts: ``--max-length``, the model's positions)
+    lines: list | None = None  # each example's line in the file (.jsonl), which messages name
 
     @property
     def cut(self) -> bool:
@@ -63,8 +71,20 @@ class Data:
         return self.total is not None and self.total > self.n
 
     def cut_info(self) -> dict:
-        """The report fields of a cut (``{}`` when the whole file was read): ``examples_in_file``, ``cut_by``."""
-        return {"examples_in_file": self.total, "cut_by": self.limit or "max_examples"} if self.cut else {}
+        """The report fields of a cut (``{}`` when the whole file was read, no text cut): ``examples_in_file``,
+        ``cut_by`` (examples left out); ``texts_truncated``, ``max_tokens`` (texts cut short)."""
+        info = {"examples_in_file": self.total, "cut_by": self.limit or "max_examples"} if self.cut else {}
+        return {**info, "texts_truncated": self.truncated, "max_tokens": self.max_tokens} if self.truncated else info
+
+    def truncation_note(self) -> str | None:
+        """One sentence saying how many texts were cut short, or None."""
+        if not self.truncated:
+            return None
+        one = self.truncated == 1
+        return (f"{self.path}: {self.truncated} of its {self.n} texts {'is' if one else 'are'} longer than "
+                f"{self.max_tokens} tokens and {'was' if one else 'were'} cut to {'its' if one else 'their'} first "
+                f"{self.max_tokens} (the least of max_length: merge's --max-length or --learn-max-length, default "
+                "512; the model's max_position_embeddings and the tokenizer's model_max_length)")
 
     def cut_note(self) -> str | None:
         """One sentence saying what was cut, or None."""
@@ -104,12 +124,13 @@ def _need_classifier(model, path: str) -> int:
     return n
 
 
-def _check_labels(labels: np.ndarray, num_labels: int, path: str) -> None:
+def _check_labels(labels: np.ndarray, num_labels: int, path: str, lines: list | None = None) -> None:
     bad = np.flatnonzero((labels < 0) | (labels >= num_labels))
     if bad.size:
         i = int(bad[0])
-        raise SymmergeError(f"{path}: label {int(labels[i])} of example {i} is out of range for a model with "
-                            f"num_labels={num_labels} (labels must be 0..{num_labels - 1})")
+        where = f"{path}:{lines[i]}: label {labels[i]}" if lines else f"{path}: label {labels[i]} of example {i}"
+        raise SymmergeError(f"{where} is out of range for a model with num_labels={num_labels} (labels must be "
+                            f"0..{num_labels - 1})")
 
 
 def takes_images(model) -> bool:
@@ -177,7 +198,7 @@ def check_data(data: Data, model, labels: np.ndarray | None = None, use_labels: 
                                 "(tokenizer does not match the model)")
     if use_labels and data.format in ("image", "text"):
         labels = torch.cat([b.labels for b in data.batches]).numpy()
-        _check_labels(labels, n_labels, data.path)
+        _check_labels(labels, n_labels, data.path, data.lines)
 
 
 # ---------------------------------------------------------------- readers
@@ -188,9 +209,18 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
 
     if not zipfile.is_zipfile(path):  # numpy would read it as a pickle and speak of pickled data
         raise SymmergeError(f"{path}: not an .npz file (an .npz is a zip archive of arrays: write it with numpy.savez)")
+    key = None
     try:
         with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
+            arrays = {}
+            for key in z.files:
+                arrays[key] = z[key]
+    except ValueError as e:
+        if key is not None and "allow_pickle" in str(e):
+            store = "np.asarray(labels, dtype=np.int64)" if key == "labels" else "np.stack(images).astype(np.float32)"
+            raise SymmergeError(f"{path}: array {key!r} holds pickled Python objects (dtype object), which are never "
+                                f"loaded (unpickling can run code); store numbers, e.g. {store}") from None
+        raise SymmergeError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
     except Exception as e:
         raise SymmergeError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
     for key in ("pixel_values", "labels") if labels else ("pixel_values",):
@@ -201,15 +231,26 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
     if x.ndim not in (3, 4):
         raise SymmergeError(f"{path}: pixel_values must be (N, C, H, W), got shape {x.shape}")
     if not np.issubdtype(x.dtype, np.floating):
-        raise SymmergeError(f"{path}: pixel_values must be floating point (float32), got {x.dtype}")
+        raise SymmergeError(f"{path}: pixel_values must be floating point (float32) as the model reads them, got "
+                            f"{x.dtype}; scale them as its image processor does (for 0-255 pixels: x / 255, then its "
+                            "mean and std, e.g. (x / 255 - 0.5) / 0.5 for ViT)")
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise SymmergeError(f"{path}: labels must be a 1-D integer array, got shape {y.shape} dtype {y.dtype}")
+        fix = ("; flatten them with labels.reshape(-1)" if y.ndim == 2 and y.shape[1:] == (1,) else
+               "; store them with labels.astype(np.int64)" if np.issubdtype(y.dtype, np.floating) and y.ndim == 1
+               and np.isfinite(y).all() and (y == np.round(y)).all() else "")
+        raise SymmergeError(f"{path}: labels must be a 1-D integer array (N,) of class ids, got shape {y.shape} "
+                            f"dtype {y.dtype}{fix}")
     if len(x) != len(y):
         raise SymmergeError(f"{path}: {len(x)} images but {len(y)} labels")
     if len(x) == 0:
         raise SymmergeError(f"{path}: no examples")
     if not np.isfinite(x).all():
         raise SymmergeError(f"{path}: pixel_values hold NaN or Inf")
+    low, high = float(x.min()), float(x.max())
+    if low >= 0 and high > RAW_PIXELS:
+        print(f"note: {path}: pixel_values run from {low:g} to {high:g}, raw 0-255 pixels by the look of them; the "
+              "model reads them as they are, so unless it was trained on such values scale them as its image "
+              "processor does (x / 255, then its mean and std)", file=sys.stderr)
     total = len(x)
     if max_examples:
         x, y = x[:max_examples], y[:max_examples]
@@ -220,35 +261,68 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
 
 
 def _read_jsonl(path: Path, max_examples, labels: bool = True):
-    """(texts, labels, examples in the file): past ``max_examples`` the lines are only counted."""
-    texts, ys, total = [], [], 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    """(texts, labels, examples in the file, each text's line): past ``max_examples`` the lines are only counted."""
+    texts, ys, total, where = [], [], 0, []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decoded(raw[len(BOM):] if lineno == 1 and raw.startswith(BOM) else raw, path, lineno)
             if not line.strip():
                 continue
             total += 1
             if max_examples and len(texts) >= max_examples:
                 continue  # counted, not parsed
+            if line.lstrip().startswith("["):
+                raise SymmergeError(f"{path}:{lineno}: a JSON array, not JSON Lines: a .jsonl holds one object per "
+                                    'line, {"text": "...", "label": 0}; write each row with json.dumps(row) + "\\n"')
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SymmergeError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                raise SymmergeError(f"{path}:{lineno}: not valid JSON ({e}); a .jsonl holds one JSON object per line"
+                                    ) from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise SymmergeError(f"{path}:{lineno}: expected an object with a string field 'text'")
-            label = obj.get("label") if labels else 0
-            if isinstance(label, bool) or not isinstance(label, int):
-                raise SymmergeError(f"{path}:{lineno}: field 'label' must be an integer, got {label!r}")
+            if not obj["text"].strip():
+                raise SymmergeError(f"{path}:{lineno}: field 'text' is empty; give the text or drop the line")
+            label = _label(obj, path, lineno) if labels else 0
             texts.append(obj["text"])
             ys.append(label)
+            where.append(lineno)
     if not texts:
         raise SymmergeError(f"{path}: no examples")
-    return texts, ys, total
+    return texts, ys, total, where
+
+
+def _label(obj: dict, path: Path, lineno: int) -> int:
+    """The line's ``label``: a class id (an int, 0 or more), else one error naming the line."""
+    if "label" not in obj:
+        raise SymmergeError(f"{path}:{lineno}: no 'label' (labelled data needs an integer class id on every line; "
+                            "alignment data, --align-data, reads only 'text')")
+    label = obj["label"]
+    if isinstance(label, int) and not isinstance(label, bool) and 0 <= label < 2 ** 63:
+        return label
+    names = " (map label names to the model's class ids: its config.json's label2id)" if isinstance(label, str) else ""
+    raise SymmergeError(f"{path}:{lineno}: field 'label' must be a class id, a whole number 0, 1, ... below the "
+                        f"model's num_labels, got {label!r}{names}")
+
+
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows editors write first: dropped, as utf-8-sig does
+
+
+def _decoded(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SymmergeError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                            "save the file as UTF-8") from None
 
 
 def _read_txt(path: Path, max_examples):
+    raw = path.read_bytes()
     try:
-        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+        lines = [ln.strip() for ln in raw.decode("utf-8-sig").splitlines()]
     except UnicodeDecodeError as e:
+        start, end = raw.rfind(b"\n", 0, e.start) + 1, raw.find(b"\n", e.start)  # the line holding the bad byte
+        _decoded(raw[start:end if end >= 0 else len(raw)], path, raw.count(b"\n", 0, e.start) + 1)
         raise SymmergeError(f"{path}: not UTF-8 text ({e})") from None
     lines = [ln for ln in lines if ln]
     if not lines:
@@ -273,7 +347,10 @@ def load_tokenizer(source):
     except SymmergeError:
         raise
     except Exception as e:
-        raise SymmergeError(f"{source}: no usable tokenizer in the model folder ({type(e).__name__}: {e})") from None
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise SymmergeError(f"{source}: no usable tokenizer in the model folder ({type(e).__name__}: {first}); copy "
+                            "the tokenizer files of the model it was trained from (tokenizer.json, "
+                            "tokenizer_config.json and the like) into it") from None
     finally:
         hf_logging.set_verbosity(verbosity)
 
@@ -284,16 +361,36 @@ def _max_length(model, tokenizer, max_length) -> int:
     return int(min(x for x in limits if isinstance(x, int) and x > 0))
 
 
-def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool):
-    if lm and tokenizer.pad_token is None:
+def _class_pad(tokenizer, model, path) -> int:
+    """The id labelled texts are padded with: the model's config ``pad_token_id`` where it has one (the id a decoder's
+    classification head skips to find each text's last token, and RoBERTa counts positions by), else the
+    tokenizer's; a tokenizer without a pad token (GPT-2, Llama) and a config without one is one error."""
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    if isinstance(pad, int):
+        return pad
+    if tokenizer.pad_token is None:
+        raise SymmergeError(f"{path}: the tokenizer has no pad token and the model's config no pad_token_id, so texts "
+                            "of unequal lengths cannot be classified in one batch; set pad_token_id in the model's "
+                            "config.json (the id it was fine-tuned with, often its eos_token_id)")
+    return tokenizer.pad_token_id
+
+
+def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool) -> tuple[list, int]:
+    """(batches, how many texts were longer than ``max_len`` tokens and cut)."""
+    if tokenizer.pad_token is None:  # lm or unlabeled text: the mask, not the pad id, marks the padding
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    batches = []
+    batches, truncated = [], 0
     for i in range(0, len(texts), batch_size):
-        enc = tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+        enc = tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_len, return_tensors="pt",
+                        padding_side="right")  # a left pad would be scored (lm) and move absolute positions
+        full = [texts[i + j] for j in (enc["attention_mask"].sum(1) == max_len).nonzero().flatten().tolist()]
+        if full:  # at the limit: cut, or exactly that long (without transformers' warning of indexing errors)
+            with quiet_transformers():
+                truncated += sum(len(ids) > max_len for ids in tokenizer(full, truncation=False)["input_ids"])
         inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).bool()
         batches.append(Batch(inputs, inputs["input_ids"].masked_fill(~mask, -100) if lm else None, mask))
-    return batches
+    return batches, truncated
 
 
 def has_labels(path) -> bool:
@@ -306,7 +403,7 @@ def has_labels(path) -> bool:
             with np.load(path, allow_pickle=False) as arrays:
                 return "labels" in arrays.files
         if suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:
                 first = next((line for line in f if line.strip()), None)
             return first is None or "label" in json.loads(first)
     except (OSError, ValueError, TypeError, AttributeError):
@@ -325,8 +422,10 @@ def check_data_path(path, flag: str | None = None) -> Path:
     if path.is_dir():
         raise SymmergeError(f"{named}: is a directory, not a data file (.npz images, .jsonl text, .txt causal-LM lines)")
     if path.suffix.lower() not in FORMATS:
+        spelled = (" or generate[:N[:LEN[:SEED]]] (lower case) for sequences the models generate"
+                   if flag == "--align-data" and str(path).lower().startswith("generate") else "")
         raise SymmergeError(f"{named}: unknown data format {path.suffix!r}; use .npz (images), .jsonl (text, label) "
-                            "or .txt (causal-LM lines)")
+                            f"or .txt (causal-LM lines){spelled}")
     if not path.is_file():
         raise SymmergeError(f"{named}: data file not found")
     return path
@@ -349,6 +448,9 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
         check_modality(fmt, model, path)
     if batch_size < 1:
         raise SymmergeError(f"batch size must be >= 1, got {batch_size}")
+    if max_examples is not None and max_examples < 1:
+        raise SymmergeError(f"max_examples must be >= 1 (or None: every example), got {max_examples}")
+    lines = None  # each example's line: .jsonl
     if fmt == "image":
         batches, n, total = _read_npz(path, batch_size, max_examples, labels)
     else:
@@ -357,14 +459,17 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
         tok = load_tokenizer(tokenizer)
         max_len = _max_length(model, tok, max_length)
         if fmt == "text":
-            texts, ys, total = _read_jsonl(path, max_examples, labels)
-            batches = _tokenize(texts, tok, batch_size, max_len, lm=False)
+            texts, ys, total, lines = _read_jsonl(path, max_examples, labels)
+            pad = _class_pad(tok, model, path) if labels else None
+            batches, truncated = _tokenize(texts, tok, batch_size, max_len, lm=False)
+            for b in batches if pad is not None else ():
+                b.inputs["input_ids"] = b.inputs["input_ids"].masked_fill(~b.mask, pad)
             y = torch.tensor(ys, dtype=torch.int64)
             for j, b in enumerate(batches):
                 b.labels = y[j * batch_size:(j + 1) * batch_size] if labels else None
         else:
             texts, total = _read_txt(path, max_examples)
-            batches = _tokenize(texts, tok, batch_size, max_len, lm=True)
+            batches, truncated = _tokenize(texts, tok, batch_size, max_len, lm=True)
             if not labels:
                 for b in batches:
                     b.labels = None
@@ -376,11 +481,15 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
                     labels=b.inputs["input_ids"].masked_fill(~b.mask, -100))
         n = len(texts)
     data = Data(str(path), fmt, batches, n, labeled=labels, total=total if total > n else None,
-                limit=limit if total > n else None)
+                limit=limit if total > n else None, **({} if fmt == "image" else
+                                                       {"truncated": truncated, "max_tokens": max_len}),
+                lines=lines)
     if model is not None:
         check_data(data, model)
     if data.cut and limit:
         print(f"note: {data.cut_note()}", file=sys.stderr)
+    if data.truncated:
+        print(f"note: {data.truncation_note()}", file=sys.stderr)
     return data
 
 
@@ -399,7 +508,8 @@ def take(data: Data, n: int, limit: str | None = None) -> Data:
         batches.append(b)
         left -= b.size
     return Data(data.path, data.format, batches, n, data.labeled, total=data.total or data.n,
-                limit=limit if limit is not None else data.limit)
+                limit=limit if limit is not None else data.limit, truncated=data.truncated, max_tokens=data.max_tokens,
+                lines=None if data.lines is None else data.lines[:n])
 
 
 def rebatch(data: Data, size: int, max_length: int | None = None) -> Data:
@@ -416,7 +526,8 @@ def rebatch(data: Data, size: int, max_length: int | None = None) -> Data:
         return data
     rows, pads, side = _examples(data, max_length), _pad_values(data), "left" if _left_padded(data) else "right"
     batches = [_padded(rows[i:i + size], pads, side) for i in range(0, len(rows), size)]
-    return Data(data.path, data.format, batches, data.n, data.labeled, total=data.total, limit=data.limit)
+    return Data(data.path, data.format, batches, data.n, data.labeled, total=data.total, limit=data.limit,
+                truncated=data.truncated, max_tokens=data.max_tokens, lines=data.lines)
 
 
 def _token_wise(b: Batch) -> list:

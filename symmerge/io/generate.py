@@ -55,6 +55,10 @@ def parse_generate(spec: str) -> tuple[int, int, int]:
         raise SymmergeError(f"--align-data {spec!r}: LEN must be >= 2 tokens, got {length}")
     if seed < 0:
         raise SymmergeError(f"--align-data {spec!r}: SEED must be >= 0, got {seed}")
+    if seed >= 2 ** 64:  # torch.Generator's seed is 64 bits
+        raise SymmergeError(f"--align-data {spec!r}: SEED must be below 2**64, got {seed}")
+    if n * length >= 2 ** 63:
+        raise SymmergeError(f"--align-data {spec!r}: N x LEN must be below 2**63 tokens, got {n} x {length}")
     return n, length, seed
 
 

@@ -222,7 +222,7 @@ def test_unlabeled_npz_and_jsonl_load_and_labels_are_ignored(tmp_path):
                                 intermediate_size=8))  # no classification head: fine without labels
     d = load_data(tmp_path / "t.jsonl", base, tokenizer=folder, labels=False)
     assert d.n == 2 and d.batches[0].labels is None and d.batches[0].mask.shape[0] == 2
-    with pytest.raises(SymmergeError, match="'label' must be an integer"):
+    with pytest.raises(SymmergeError, match="t.jsonl:1: no 'label'"):
         load_data(tmp_path / "t.jsonl", base, tokenizer=folder)
 
 
