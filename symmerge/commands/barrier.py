@@ -63,8 +63,11 @@ def run(args) -> int:
     write_study(result, out)
     print_note(result.get("tokenizer"))
     width = max(len(name) for name in result["curves"])
+    alphas = result["alphas"]
+    mid = min(range(len(alphas)), key=lambda i: (abs(alphas[i] - 0.5), alphas[i]))  # 0.5, else the α nearest it
+    label = "loss(0.5)" if alphas[mid] == 0.5 else f"loss({alphas[mid]:.3g})"
     for name, c in result["curves"].items():
-        print(f"{name:{width}s}  barrier {c['barrier']:.4f}  loss(0.5) {c['loss'][len(c['loss']) // 2]:.4f}")
+        print(f"{name:{width}s}  barrier {c['barrier']:.4f}  {label} {c['loss'][mid]:.4f}")
     aligning = sum(c.get("align_seconds", 0.0) for name, c in result["curves"].items()
                    if "+" not in name)  # a +repair or +temperature curve repeats its variant's alignment info
     print(f"wrote {_written(out)} (alignment {aligning:.2f} s, total {elapsed():.2f} s)")
