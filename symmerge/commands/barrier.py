@@ -16,6 +16,7 @@ beside each model's and the ensemble's (mean predicted probabilities).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ..errors import SymmergeError
@@ -68,6 +69,9 @@ def run(args) -> int:
     label = "loss(0.5)" if alphas[mid] == 0.5 else f"loss({alphas[mid]:.3g})"
     for name, c in result["curves"].items():
         print(f"{name:{width}s}  barrier {c['barrier']:.4f}  {label} {c['loss'][mid]:.4f}")
+    for name, c in result["curves"].items():
+        if c.get("note"):
+            print(f"warning: {name}: {c['note']}", file=sys.stderr)
     aligning = sum(c.get("align_seconds", 0.0) for name, c in result["curves"].items()
                    if "+" not in name)  # a +repair or +temperature curve repeats its variant's alignment info
     print(f"wrote {_written(out)} (alignment {aligning:.2f} s, total {elapsed():.2f} s)")
@@ -109,5 +113,9 @@ def _run_many(args, out: Path, study) -> int:
         avg = v["average"]
         print(f"{name:{width}s}  mean pairwise barrier {v['mean_barrier']:.4f}  {n}-way average: loss "
               f"{avg['loss']:.4f}, accuracy {avg['accuracy']:.4f}")
+    for name, v in result["variants"].items():
+        for pair, c in v["pairs"].items():
+            if c.get("note"):
+                print(f"warning: {name}, models {pair}: {c['note']}", file=sys.stderr)
     print(f"wrote {_written(out)} (total {elapsed():.2f} s)")
     return 0
