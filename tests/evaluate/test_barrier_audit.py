@@ -82,3 +82,40 @@ def test_logits_overflowing_to_inf_are_one_warning_line_and_null_figures(tmp_pat
     assert result["endpoints"]["A"]["loss"] is None and result["endpoints"]["A"]["undefined"] > 0
     lines = [x for x in err.splitlines() if x.startswith("warning: none:")]
     assert len(lines) == 1 and "not finite at α = 1" in lines[0] and "null in barrier.json" in lines[0], err
+
+
+def _saved_figures(monkeypatch) -> list:
+    """Every figure saved from now on, as (axes' x labels, y labels, legend texts, suptitle)."""
+    from matplotlib.figure import Figure
+
+    seen, save = [], Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        legend = [t.get_text() for lg in fig.legends for t in lg.get_texts()]
+        seen.append(([ax.get_xlabel() for ax in fig.axes], [ax.get_ylabel() for ax in fig.axes], legend,
+                     fig._suptitle.get_text() if fig._suptitle else ""))
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return seen
+
+
+def test_the_plot_names_each_curve_as_the_report_does_with_units_and_no_warning(tmp_path, monkeypatch):
+    import warnings
+
+    from symmerge.io.model import load_model
+    from symmerge.merge.barrier import barrier_study, write_study
+
+    seen = _saved_figures(monkeypatch)
+    npz = npz_file(tmp_path / "eval.npz", n=12)
+    a, b = (load_model(str(vit_folder(tmp_path / f"v{s}", s)), spec=False) for s in range(2))
+    res = barrier_study(a, b, npz, aligns=["attn,ffn"], points=3, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no matplotlib warning without a display
+        write_study(res, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["barrier.json", "barrier.png"]
+    (xlabels, ylabels, legend, title), = seen
+    assert xlabels == ["α (0 = B, 1 = A)"] * 2  # θ(α) = α·θ_A + (1−α)·θ_B
+    assert ylabels == ["loss (cross-entropy, nats)", "accuracy (fraction correct)"]
+    assert [x.split(": barrier ")[0] for x in legend] == list(res["curves"])
+    assert "on eval.npz (12 examples)" in title and "θ(α) = α·θ_A + (1−α)·θ_B" in title
