@@ -42,6 +42,9 @@ def variant_name(spec) -> str:
     return ",".join(names) if names else "none"
 
 
+MAX_POINTS = 10_001  # --points: α in steps of 1e-4 at most (a typo's 10¹⁰ points would fill the memory first)
+
+
 @keywords_checked
 @dataclass(frozen=True)
 class BarrierOptions:
@@ -84,6 +87,9 @@ class BarrierOptions:
                              f"aligns=), got {type(self.align).__name__}")
         if isinstance(self.points, bool) or not isinstance(self.points, int) or self.points < 2:
             raise SymmergeError(f"--points must be a whole number >= 2 (the endpoints), got {self.points!r}")
+        if self.points > MAX_POINTS:
+            raise SymmergeError(f"--points must be at most {MAX_POINTS} (α in steps of {1 / (MAX_POINTS - 1):g}; "
+                                f"each point evaluates the whole --data once), got {self.points}")
         for flag, value in (("--batch-size", self.batch_size), ("--max-examples", self.max_examples)):
             in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py); None: unset
 

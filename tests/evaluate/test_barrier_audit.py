@@ -119,3 +119,89 @@ def test_the_plot_names_each_curve_as_the_report_does_with_units_and_no_warning(
     assert ylabels == ["loss (cross-entropy, nats)", "accuracy (fraction correct)"]
     assert [x.split(": barrier ")[0] for x in legend] == list(res["curves"])
     assert "on eval.npz (12 examples)" in title and "θ(α) = α·θ_A + (1−α)·θ_B" in title
+
+
+def _vits_with_norms(tmp_path):
+    """Two tiny ViTs whose norms and biases are not at their initial 1 and 0 (folding them changes the tensors)."""
+    import torch
+
+    from symmerge.io.model import load_model
+
+    models = []
+    for s in range(2):
+        m = load_model(str(vit_folder(tmp_path / f"v{s}", s)), spec=False)
+        g = torch.Generator().manual_seed(s + 50)
+        with torch.no_grad():
+            for _, p in m.named_parameters():
+                if p.dim() == 1:
+                    p.add_(0.3 * torch.randn(p.shape, generator=g))
+        models.append(m)
+    return models
+
+
+def test_the_aligned_curve_and_the_distances_recomputed_from_the_aligned_pair(tmp_path):
+    # every α of the aligned curve: θ(α) = α·A' + (1−α)·B' written here with + and ·, one batch, torch's
+    # cross-entropy; the barrier from its definition; the distances by hand
+    import copy
+    import math
+
+    import numpy as np
+    import torch
+
+    from conftest import classifier_eval, npz_eval
+    from symmerge.merge.barrier import barrier_study
+    from symmerge.pipeline.align import align_pair
+    from symmerge.pipeline.options import AlignOptions
+
+    a, b = _vits_with_norms(tmp_path)
+    npz = npz_file(tmp_path / "eval.npz", n=23)  # not a multiple of the batch size
+    res = barrier_study(a, b, npz, aligns=["recommended"], points=6, batch_size=5, progress=False)
+    name = next(v for v in res["curves"] if v != "none")
+    assert res["alphas"] == [i / 5 for i in range(6)]
+    al = align_pair(a, b, AlignOptions(symmetries=name))
+    z = np.load(npz)
+    x = {"pixel_values": torch.from_numpy(z["pixel_values"])}
+
+    def path(end_a, end_b, alpha):
+        m, sa = copy.deepcopy(end_b), end_a.state_dict()
+        m.load_state_dict({k: alpha * sa[k] + (1 - alpha) * v for k, v in end_b.state_dict().items()})
+        return m
+
+    for v, (end_a, end_b) in (("none", (a, b)), (name, (al.model, al.anchor))):
+        curve = res["curves"][v]
+        mine = [classifier_eval(path(end_a, end_b, t), x, z["labels"]) for t in res["alphas"]]
+        assert curve["loss"] == pytest.approx([m[0] for m in mine], rel=1e-5)
+        assert curve["accuracy"] == pytest.approx([m[1] for m in mine], abs=1e-12)
+        losses = [m[0] for m in mine]
+        line = [t * losses[-1] + (1 - t) * losses[0] for t in res["alphas"]]
+        assert curve["barrier"] == pytest.approx(max(u - w for u, w in zip(losses, line)), abs=1e-5)
+        # α = 1 is A (the aligned A computes A's function), α = 0 is B
+        assert curve["loss"][-1] == pytest.approx(npz_eval(a, npz)[0], rel=1e-5)
+        assert curve["loss"][0] == pytest.approx(npz_eval(b, npz)[0], rel=1e-5)
+    assert res["endpoints"]["A"]["loss"] == pytest.approx(npz_eval(a, npz)[0], rel=1e-5)
+    assert res["endpoints"]["B"]["accuracy"] == pytest.approx(npz_eval(b, npz)[1], abs=1e-12)
+
+    def dist(m1, m2):
+        s1, s2 = m1.state_dict(), m2.state_dict()
+        return math.sqrt(sum(((s1[k].double() - s2[k].double()) ** 2).sum().item() for k, _ in m1.named_parameters()))
+
+    table, curve = res["distances"][name], res["curves"][name]
+    assert table["before"]["whole"] == pytest.approx(dist(a, b), rel=1e-9)  # as stored
+    assert table["after"]["whole"] == pytest.approx(dist(al.model, al.anchor), rel=1e-9)
+    assert curve["distance_after"] == pytest.approx(dist(al.model, al.anchor), rel=1e-9)
+    # the curve's distance_before is align's: folded A to folded B (docs/merge.md, Two distances)
+    assert curve["distance_before"] == pytest.approx(al.report["distance_before"], rel=1e-9)
+    assert curve["distance_after"] < curve["distance_before"]
+
+
+def test_a_huge_points_count_is_one_line_before_any_model_is_read(tmp_path, capsys):
+    # each α evaluates the whole --data once; a typo such as --points 10000000000 built a list of 10¹⁰ floats
+    # (80 GB) before anything else
+    from symmerge.merge.barrier import MAX_POINTS, BarrierOptions
+
+    assert BarrierOptions(points=MAX_POINTS).points == MAX_POINTS
+    assert run_cli("barrier", tmp_path / "nowhere-a", tmp_path / "nowhere-b", "--data", tmp_path / "none.npz",
+                   "--points", 10 ** 10, "--progress", "none", "-o", tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--points must be at most {MAX_POINTS}" in err[0], err
+    assert not (tmp_path / "out").exists()
