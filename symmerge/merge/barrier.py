@@ -325,12 +325,20 @@ def tempered_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, 
     """:func:`interpolation_curve` with θ(α)'s softmax temperature fitted at every α on the unlabeled
     alignment data of ``options`` (:class:`~symmerge.evaluate.temperature.Calibrator`); ``temperatures``: the
     fitted T per α (1 at the endpoints)."""
-    from ..evaluate.temperature import Calibrator
+    from ..evaluate.temperature import T_RANGE, Calibrator
 
     calibrate = Calibrator(model_a, model_b, list(load_align_data(options, model_b)))
     curve = interpolation_curve(model_a, model_b, data, alphas, device=device, progress=progress,
                                 label=f"{label}+temperature", transform=calibrate)
-    return {**curve, "temperatures": [calibrate.fitted[float(a)] for a in alphas]}
+    temperatures = [calibrate.fitted[float(a)] for a in alphas]
+    lo, hi = T_RANGE
+    at = [a for a, t in zip(alphas, temperatures) if t > 0.999 * hi or t < 1.001 * lo]
+    if not at:
+        return {**curve, "temperatures": temperatures}
+    note = (f"the fitted temperature stopped at the bound of [{lo:g}, {hi:g}] at α = {', '.join(f'{a:.3g}' for a in at)}: "
+            "the optimum lies beyond it, and the curve there is scored at the bound")
+    note = "; ".join(x for x in (curve.get("note"), note) if x)
+    return {**curve, "temperatures": temperatures, "temperatures_at_bound": at, "note": note}
 
 
 @keeps_models

@@ -205,3 +205,27 @@ def test_a_huge_points_count_is_one_line_before_any_model_is_read(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--points must be at most {MAX_POINTS}" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_temperature_fitted_at_its_bound_is_said_not_passed_off_as_the_optimum(tmp_path, capsys):
+    # a target near uniform (the mix of two unrelated untrained models' predictions) wants T → ∞: the fit stops at
+    # T_RANGE's 20, and the curve at that α is not the calibrated one the baseline means
+    import torch
+
+    from symmerge.evaluate.temperature import T_RANGE, fit_temperature
+
+    logits = torch.randn(50, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    assert fit_temperature(logits, torch.full((50, 4), 0.25, dtype=torch.float64)) == pytest.approx(T_RANGE[1], rel=1e-4)
+    npz = npz_file(tmp_path / "eval.npz", n=30, seed=1)
+    a, b = (str(vit_folder(tmp_path / f"v{s}", s)) for s in (1, 2))
+    assert run_cli("barrier", a, b, "--data", npz, "--align", "attn,ffn", "--align-data", npz, "--temperature",
+                   "--points", "5", "--progress", "none", "-o", tmp_path / "out") == 0
+    err = capsys.readouterr().err
+    curves = json.loads((tmp_path / "out" / "barrier.json").read_text())["curves"]
+    for name, c in curves.items():
+        if not name.endswith("+temperature"):
+            continue
+        at = [t for t, temp in zip([0, 0.25, 0.5, 0.75, 1], c["temperatures"]) if temp > 0.999 * T_RANGE[1]]
+        assert c.get("temperatures_at_bound", []) == at
+        assert (f"warning: {name}: " in err) == bool(at), err
+    assert any(c.get("temperatures_at_bound") for c in curves.values())  # this pair reaches it (T = 20 at α = 0.5)
