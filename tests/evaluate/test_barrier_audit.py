@@ -299,3 +299,23 @@ def test_data_smaller_than_one_batch_and_identical_models(tmp_path):
         assert c["barrier"] == pytest.approx(0.0, abs=1e-6) and "note" not in c
         if name != "none":
             assert res["distances"][name]["after"]["whole"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_three_models_one_with_nan_weights_undefined_pairs_ensemble_and_average(tmp_path):
+    import torch
+
+    from symmerge.io.model import load_model
+    from symmerge.merge.barrier import barrier_many
+
+    npz = npz_file(tmp_path / "eval.npz", n=10)
+    models = [load_model(str(vit_folder(tmp_path / f"v{s}", s)), spec=False) for s in range(3)]
+    with torch.no_grad():
+        models[2].classifier.bias[0] = float("nan")
+    res = barrier_many(models, npz, aligns=["none"], points=3, progress=False)
+    none = res["variants"]["none"]
+    assert none["pairs"]["0|1"]["barrier"] == none["barrier_matrix"][0][1] and "note" not in none["pairs"]["0|1"]
+    for pair in ("0|2", "1|2"):  # model 2 is the pair's α = 0 end
+        assert none["pairs"][pair]["barrier"] != none["pairs"][pair]["barrier"] and "α = 0 (nan)" in none["pairs"][pair]["note"]
+    assert none["mean_barrier"] != none["mean_barrier"]  # NaN, not the mean of the defined pairs
+    assert res["ensemble"]["undefined"] == 10 and res["ensemble"]["accuracy"] != res["ensemble"]["accuracy"]
+    assert none["average"]["undefined"] == 10
