@@ -58,6 +58,9 @@ def run(args) -> int:
         print(json.dumps(plan_barrier(list(args.models), args.data, study).printed(), indent=2, default=str))
         return 0
     check_data_path(args.data, "--data")  # before any model is loaded, naming the flag (barrier_study: unnamed)
+    if args.points == 2:  # the barrier is measured against the endpoints' line: at the endpoints it is 0
+        print("warning: --points 2 evaluates the endpoints only: every barrier is 0 by definition (give --points 3 "
+              "or more to measure one)", file=sys.stderr)
     if len(args.models) > 2:
         return _run_many(args, out, study)
     result = barrier_study(args.models[0], args.models[1], args.data, study)

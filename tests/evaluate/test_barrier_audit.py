@@ -18,14 +18,19 @@ def test_the_printed_table_names_the_alpha_of_its_midpoint_loss(tmp_path, capsys
     a, b = (str(vit_folder(tmp_path / f"v{s}", s)) for s in range(2))
     assert run_cli("barrier", a, b, "--data", npz, "--align", "none", "--points", points, "--progress", "none",
                    "-o", tmp_path / "out") == 0
-    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("none "))
+    printed = capsys.readouterr()
+    row = next(x for x in printed.out.splitlines() if x.startswith("none "))
     result = json.loads((tmp_path / "out" / "barrier.json").read_text())
     alphas, loss = result["alphas"], result["curves"]["none"]["loss"]
     k = min(range(points), key=lambda i: (abs(alphas[i] - 0.5), alphas[i]))
     label = "loss(0.5)" if alphas[k] == 0.5 else f"loss({alphas[k]:.3g})"
     assert f"{label} {loss[k]:.4f}" in row, row
+    warned = [x for x in printed.err.splitlines() if "--points 2" in x]
     if points == 2:
         assert "loss(0.5)" not in row  # its two points are the endpoints
+        assert len(warned) == 1 and "every barrier is 0 by definition" in warned[0]  # 0.0000 is no measurement
+    else:
+        assert not warned
 
 
 def test_a_nan_loss_makes_the_barrier_nan_never_the_maximum_of_the_other_points():
