@@ -66,17 +66,23 @@ def test_a_model_with_nan_weights_gives_nan_figures_and_theta_0_is_b_exactly(tmp
     assert res["endpoints"]["A"]["undefined"] == 12
 
 
-def test_logits_overflowing_to_inf_are_one_warning_line_and_null_figures(tmp_path, capsys):
-    # finite weights (the command loads them) whose logits overflow float32 at α = 1 (A): A's figures and the
-    # barrier are undefined, and one warning line says where
+def _overflowing(folder):
+    """``folder``'s ViT made to overflow float32 in its logits with finite weights (which the command loads)."""
     from safetensors.torch import load_file, save_file
 
-    npz = npz_file(tmp_path / "eval.npz", n=12)
-    a, b = (vit_folder(tmp_path / f"v{s}", s) for s in range(2))
-    sd = load_file(str(a / "model.safetensors"))
+    sd = load_file(str(folder / "model.safetensors"))
     sd["vit.layernorm.bias"].fill_(1.0)  # the head reads ≈ 1 + N(0, 1) per coordinate
     sd["classifier.weight"][0].fill_(3e37)  # ≈ 16 · 3e37 > float32's largest, 3.4e38
-    save_file(sd, str(a / "model.safetensors"), metadata={"format": "pt"})
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_logits_overflowing_to_inf_are_one_warning_line_and_null_figures(tmp_path, capsys):
+    # finite weights whose logits overflow float32 at α = 1 (A): A's figures and the barrier are undefined, and
+    # one warning line says where
+    npz = npz_file(tmp_path / "eval.npz", n=12)
+    a, b = (vit_folder(tmp_path / f"v{s}", s) for s in range(2))
+    _overflowing(a)
     out = tmp_path / "out"
     assert run_cli("barrier", a, b, "--data", npz, "--align", "none", "--points", "3", "--progress", "none",
                    "-o", out) == 0
@@ -324,3 +330,16 @@ def test_three_models_one_with_nan_weights_undefined_pairs_ensemble_and_average(
     assert none["mean_barrier"] != none["mean_barrier"]  # NaN, not the mean of the defined pairs
     assert res["ensemble"]["undefined"] == 10 and res["ensemble"]["accuracy"] != res["ensemble"]["accuracy"]
     assert none["average"]["undefined"] == 10
+
+
+def test_three_models_one_overflowing_warn_once_per_undefined_pair(tmp_path, capsys):
+    npz = npz_file(tmp_path / "eval.npz", n=12)
+    folders = [vit_folder(tmp_path / f"v{s}", s) for s in range(3)]
+    _overflowing(folders[0])
+    out = tmp_path / "out"
+    assert run_cli("barrier", *folders, "--data", npz, "--align", "none", "--points", "3", "--progress", "none",
+                   "-o", out) == 0
+    warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: none, models ")]
+    assert [x.split(":")[1] for x in warned] == [" none, models 0|1", " none, models 0|2"], warned
+    pairs = json.loads((out / "barrier.json").read_text())["variants"]["none"]["pairs"]
+    assert pairs["0|1"]["barrier"] is None and pairs["1|2"]["barrier"] is not None
