@@ -88,10 +88,14 @@ def plot_curves(alphas, curves: dict, path, title: str = PATH_TITLE) -> None:
     plt.close(fig)
 
 
-def plot_subsets(result: dict, path) -> None:
-    """Evaluation loss against the matched subset, with the unmatched / fully matched references."""
+def plot_subsets(result: dict, path, title: str | None = None) -> None:
+    """Evaluation loss against the matched subset (whole layers on the x axis), with the unmatched / fully matched
+    references; ``title``: the study's (:func:`study_title`), above the panel's own."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a layer index or count, never 1.2
     rows = result["subsets"]
     xs = [r["layers"][0] if result["mode"] == "single" else len(r["layers"]) for r in rows]
     ax.plot(xs, [r["loss"] for r in rows], marker="o", label="matched subset")
@@ -101,6 +105,8 @@ def plot_subsets(result: dict, path) -> None:
                label=f"all layers matched ({sig(result['all_layers']['loss'])})")
     ax.set(xlabel="matched layer i" if result["mode"] == "single" else "last k layers matched",
            ylabel=f"loss at α = {result['alpha']} (nats)", title=f"subset-of-layers matching ({','.join(result['symmetries'])})")
+    if title:
+        fig.suptitle(title.replace(PATH_TITLE, f"θ(α) = α·θ_A + (1−α)·θ_B at α = {result['alpha']}"))
     legend_below(fig, *ax.get_legend_handles_labels())
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

@@ -384,7 +384,7 @@ def write_study(result: dict, out) -> Path:
         write_json(tmp / "barrier.json", result)
         plot_curves(result["alphas"], result["curves"], tmp / "barrier.png", title=study_title(result))
         if "subsets" in result:
-            plot_subsets(result["subsets"], tmp / "subsets.png")
+            plot_subsets(result["subsets"], tmp / "subsets.png", title=study_title(result))
     return out
 
 

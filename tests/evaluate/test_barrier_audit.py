@@ -343,3 +343,21 @@ def test_three_models_one_overflowing_warn_once_per_undefined_pair(tmp_path, cap
     assert [x.split(":")[1] for x in warned] == [" none, models 0|1", " none, models 0|2"], warned
     pairs = json.loads((out / "barrier.json").read_text())["variants"]["none"]["pairs"]
     assert pairs["0|1"]["barrier"] is None and pairs["1|2"]["barrier"] is not None
+
+
+def test_the_subsets_plot_counts_whole_layers_and_names_the_models_and_data(tmp_path, monkeypatch):
+    # the module's promise: every plot's title names the models and the data; a layer count has no 1.2
+    from matplotlib.figure import Figure
+
+    ticks = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (ticks.append(
+        ([t.get_text() for t in fig.axes[0].get_xticklabels()], fig._suptitle and fig._suptitle.get_text())),
+        save(fig, *a, **k))[1])
+    npz = npz_file(tmp_path / "eval.npz", n=12)
+    a, b = (vit_folder(tmp_path / f"v{s}", s) for s in range(2))
+    assert run_cli("barrier", a, b, "--data", npz, "--align", "attn,ffn", "--points", "3", "--subsets", "last",
+                   "--progress", "none", "-o", tmp_path / "out") == 0
+    labels, title = ticks[-1]  # subsets.png is written after barrier.png
+    assert any(labels) and all(x.lstrip("−-").isdigit() for x in labels if x), labels
+    assert "A = v0, B = v1 on eval.npz (12 examples)" in title and "α = 0.5" in title, title
