@@ -361,3 +361,20 @@ def test_the_subsets_plot_counts_whole_layers_and_names_the_models_and_data(tmp_
     labels, title = ticks[-1]  # subsets.png is written after barrier.png
     assert any(labels) and all(x.lstrip("−-").isdigit() for x in labels if x), labels
     assert "A = v0, B = v1 on eval.npz (12 examples)" in title and "α = 0.5" in title, title
+
+
+def test_no_temperature_is_fitted_to_nan_logits():
+    # logits with a NaN: the soft cross-entropy is NaN for every T, and the bounded search returned some T in
+    # the range as "the fit"; the temperature is NaN (the point's loss is NaN anyway)
+    import math
+
+    import torch
+
+    from symmerge.evaluate.temperature import fit_temperature
+
+    logits = torch.randn(20, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    target = torch.softmax(logits, -1)
+    logits[3, 1] = float("nan")
+    assert math.isnan(fit_temperature(logits, target))
+    logits[3, 1] = float("inf")
+    assert math.isnan(fit_temperature(logits, target))
