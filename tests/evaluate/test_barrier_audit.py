@@ -378,3 +378,16 @@ def test_no_temperature_is_fitted_to_nan_logits():
     assert math.isnan(fit_temperature(logits, target))
     logits[3, 1] = float("inf")
     assert math.isnan(fit_temperature(logits, target))
+
+
+def test_a_merge_scored_on_overflowing_logits_says_so_in_one_line_per_row(tmp_path, capsys):
+    npz = npz_file(tmp_path / "eval.npz", n=12)
+    a, b = (_overflowing(vit_folder(tmp_path / f"v{s}", s)) for s in range(2))
+    out = tmp_path / "merged"
+    assert run_cli("merge", a, b, "--method", "average", "--align", "none", "--eval-data", npz, "--progress", "none",
+                   "-o", out) == 0
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning:") and "logits" in x]
+    ev = json.loads((out / "symmerge_report.json").read_text())["evaluation"]
+    assert ev["merged"][0]["loss"] is None and ev["merged"][0]["undefined"] > 0
+    assert len(err) == 1 + sum(1 for r in ev["models"] if r.get("undefined")), err
+    assert err[0].startswith("warning: the merged model on ") and "loss and accuracy undefined" in err[0]
