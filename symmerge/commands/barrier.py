@@ -58,9 +58,6 @@ def run(args) -> int:
         print(json.dumps(plan_barrier(list(args.models), args.data, study).printed(), indent=2, default=str))
         return 0
     check_data_path(args.data, "--data")  # before any model is loaded, naming the flag (barrier_study: unnamed)
-    if args.points == 2:  # the barrier is measured against the endpoints' line: at the endpoints it is 0
-        print("warning: --points 2 evaluates the endpoints only: every barrier is 0 by definition (give --points 3 "
-              "or more to measure one)", file=sys.stderr)
     if len(args.models) > 2:
         return _run_many(args, out, study)
     result = barrier_study(args.models[0], args.models[1], args.data, study)
@@ -75,10 +72,19 @@ def run(args) -> int:
     for name, c in result["curves"].items():
         if c.get("note"):
             print(f"warning: {name}: {c['note']}", file=sys.stderr)
+    _endpoints_only(result["alphas"])
     aligning = sum(c.get("align_seconds", 0.0) for name, c in result["curves"].items()
                    if "+" not in name)  # a +repair or +temperature curve repeats its variant's alignment info
     print(f"wrote {_written(out)} (alignment {aligning:.2f} s, total {elapsed():.2f} s)")
     return 0
+
+
+def _endpoints_only(alphas) -> None:
+    """The warning of a study of the endpoints alone (``--points 2``), after its table: the barrier is measured
+    against the endpoints' line, and at the endpoints it is 0."""
+    if len(alphas) == 2:
+        print("warning: --points 2 evaluates the endpoints only: every barrier is 0 by definition (give --points 3 "
+              "or more to measure one)", file=sys.stderr)
 
 
 def _written(out: Path) -> str:
@@ -120,5 +126,6 @@ def _run_many(args, out: Path, study) -> int:
         for pair, c in v["pairs"].items():
             if c.get("note"):
                 print(f"warning: {name}, models {pair}: {c['note']}", file=sys.stderr)
+    _endpoints_only(result["alphas"])
     print(f"wrote {_written(out)} (total {elapsed():.2f} s)")
     return 0
