@@ -16,6 +16,7 @@ beside each model's and the ensemble's (mean predicted probabilities).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ..errors import SymmergeError
@@ -63,12 +64,27 @@ def run(args) -> int:
     write_study(result, out)
     print_note(result.get("tokenizer"))
     width = max(len(name) for name in result["curves"])
+    alphas = result["alphas"]
+    mid = min(range(len(alphas)), key=lambda i: (abs(alphas[i] - 0.5), alphas[i]))  # 0.5, else the α nearest it
+    label = "loss(0.5)" if alphas[mid] == 0.5 else f"loss({alphas[mid]:.3g})"
     for name, c in result["curves"].items():
-        print(f"{name:{width}s}  barrier {c['barrier']:.4f}  loss(0.5) {c['loss'][len(c['loss']) // 2]:.4f}")
+        print(f"{name:{width}s}  barrier {c['barrier']:.4f}  {label} {c['loss'][mid]:.4f}")
+    for name, c in result["curves"].items():
+        if c.get("note"):
+            print(f"warning: {name}: {c['note']}", file=sys.stderr)
+    _endpoints_only(result["alphas"])
     aligning = sum(c.get("align_seconds", 0.0) for name, c in result["curves"].items()
                    if "+" not in name)  # a +repair or +temperature curve repeats its variant's alignment info
     print(f"wrote {_written(out)} (alignment {aligning:.2f} s, total {elapsed():.2f} s)")
     return 0
+
+
+def _endpoints_only(alphas) -> None:
+    """The warning of a study of the endpoints alone (``--points 2``), after its table: the barrier is measured
+    against the endpoints' line, and at the endpoints it is 0."""
+    if len(alphas) == 2:
+        print("warning: --points 2 evaluates the endpoints only: every barrier is 0 by definition (give --points 3 "
+              "or more to measure one)", file=sys.stderr)
 
 
 def _written(out: Path) -> str:
@@ -106,5 +122,10 @@ def _run_many(args, out: Path, study) -> int:
         avg = v["average"]
         print(f"{name:{width}s}  mean pairwise barrier {v['mean_barrier']:.4f}  {n}-way average: loss "
               f"{avg['loss']:.4f}, accuracy {avg['accuracy']:.4f}")
+    for name, v in result["variants"].items():
+        for pair, c in v["pairs"].items():
+            if c.get("note"):
+                print(f"warning: {name}, models {pair}: {c['note']}", file=sys.stderr)
+    _endpoints_only(result["alphas"])
     print(f"wrote {_written(out)} (total {elapsed():.2f} s)")
     return 0

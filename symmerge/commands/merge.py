@@ -122,6 +122,11 @@ def run(args) -> int:
     for r in evaluation.get("merged", []):
         print(f"  {'[' + distilled['label'] + '] ' if distilled else ''}{r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']}"
               f"{'' if r.get('as_saved', True) else '; not the saved model'})")
+    for r in evaluation.get("merged", []) + evaluation.get("models", []):
+        if r.get("undefined"):  # symmerge.evaluate.metrics.evaluate: NaN or +inf logits
+            print(f"warning: {r.get('model', 'the merged model')} on {r['data']}: NaN or +inf logits for "
+                  f"{r['undefined']} of {r['n']} scored items: loss and accuracy undefined (null in the report)",
+                  file=sys.stderr)
     t = report["timings"]
     print(f"{'streamed' if report['mode'] == 'stream' else 'in memory'} ({why}): merge {t['merge']:.2f} s")
     print(f"wrote {out} (alignment {t['align']:.2f} s, statistics {t['statistics']:.2f} s, evaluation "

@@ -1,13 +1,14 @@
 """Did a fusion work? Loss/accuracy on data, linear-interpolation curves and barriers, distance tables,
 subset-of-layers matching, plots.
 
-Interpolation: θ(α) = α·θ_A + (1 − α)·θ_B (``torch.lerp``, exact at α ∈ {0, 1}); α = 1 is model A.
+Interpolation: θ(α) = α·θ_A + (1 − α)·θ_B (``torch.lerp``; at α ∈ {0, 1} exactly B's and A's tensors); α = 1 is model A.
 Barrier: max_α [L(θ(α)) − (α·L_A + (1 − α)·L_B)] over the evaluated α (≥ 0: the endpoints count).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -23,19 +24,31 @@ from ..progress import bar
 def evaluate(model, data: Data, device=None, progress: bool = True, desc: str = "evaluating") -> dict:
     """Mean cross-entropy and accuracy over all of ``data`` (examples, or next tokens for lm data); when
     ``data`` is only the first part of its file (``--max-examples``), ``examples_in_file`` and ``cut_by``
-    say so, so that a score never stands for the whole file silently."""
+    say so, so that a score never stands for the whole file silently. Where the model's logits are NaN or
+    +inf for some scored items (``undefined``: how many), their prediction is undefined: the loss and the
+    accuracy are NaN (null in a report), never a figure over the other items or of an arbitrary argmax."""
     device = device or next(model.parameters()).device
     model = model.to(device).eval()
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum, correct, count, undefined = 0.0, 0, 0, 0
     with torch.no_grad():
         for batch in bar(data, desc=desc, total=len(data), unit="batches", disable=None if progress else True):
             logits, targets = predictions(model, batch.to(device))
             loss_sum += torch.nn.functional.cross_entropy(logits.double(), targets, reduction="sum").item()
             correct += (logits.argmax(-1) == targets).sum().item()
             count += targets.numel()
+            undefined += undefined_rows(logits)
     if count == 0:
         raise SymmergeError(f"{data.path}: nothing to evaluate")
+    if undefined:
+        nan = float("nan")
+        return {"loss": nan, "accuracy": nan, "n": count, "undefined": undefined, **_cut_info(data)}
     return {"loss": loss_sum / count, "accuracy": correct / count, "n": count, **_cut_info(data)}
+
+
+def undefined_rows(logits: torch.Tensor) -> int:
+    """How many rows of ``logits`` (M, C) hold a NaN or +inf: rows whose softmax and argmax mean nothing
+    (a −inf logit, a class ruled out, is a prediction)."""
+    return int((logits.isnan() | logits.isposinf()).any(-1).sum().item())
 
 
 def _cut_info(data) -> dict:
@@ -49,7 +62,7 @@ def evaluate_ensemble(models, data: Data, device=None, progress: bool = True, de
     probabilities and accuracy of their argmax, as :func:`evaluate` scores one model."""
     device = device or next(models[0].parameters()).device
     models = [m.to(device).eval() for m in models]
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum, correct, count, undefined = 0.0, 0, 0, 0
     with torch.no_grad():
         for batch in bar(data, desc=desc, total=len(data), unit="batches", disable=None if progress else True):
             batch = batch.to(device)
@@ -62,24 +75,45 @@ def evaluate_ensemble(models, data: Data, device=None, progress: bool = True, de
             loss_sum += -probs.gather(-1, targets[:, None]).clamp_min(1e-300).log().sum().item()
             correct += (probs.argmax(-1) == targets).sum().item()
             count += targets.numel()
+            undefined += undefined_rows(probs)
     if count == 0:
         raise SymmergeError(f"{data.path}: nothing to evaluate")
+    if undefined:  # a member's NaN or +inf logits: that item's mean probabilities are NaN
+        return {"loss": float("nan"), "accuracy": float("nan"), "n": count, "undefined": undefined}
     return {"loss": loss_sum / count, "accuracy": correct / count, "n": count}
 
 
 def interpolate(sd_a: dict, sd_b: dict, alpha: float) -> dict:
-    """α·θ_A + (1 − α)·θ_B for floating tensors (others from B)."""
-    return {k: torch.lerp(b, sd_a[k].to(b.dtype), float(alpha)) if b.is_floating_point() else b.clone()
+    """α·θ_A + (1 − α)·θ_B for floating tensors (others from B); α = 0 is B's tensors and α = 1 A's exactly
+    (a NaN or an overflowing difference in A does not reach θ(0))."""
+    alpha = float(alpha)
+    if alpha in (0.0, 1.0):
+        return {k: (sd_a[k].to(b.dtype) if alpha == 1.0 and b.is_floating_point() else b).clone()
+                for k, b in sd_b.items()}
+    return {k: torch.lerp(b, sd_a[k].to(b.dtype), alpha) if b.is_floating_point() else b.clone()
             for k, b in sd_b.items()}
 
 
 def barrier(alphas, losses) -> float:
-    """max_α [loss(α) − (α·loss(1) + (1 − α)·loss(0))]; ``alphas`` must contain 0 and 1."""
+    """max_α [loss(α) − (α·loss(1) + (1 − α)·loss(0))]; ``alphas`` must contain 0 and 1. NaN when a loss is
+    NaN or an endpoint's is infinite (undefined: never the maximum over the other points); +inf when an
+    interior loss is +inf and the endpoints' are finite."""
     alphas = [float(a) for a in alphas]
     if 0.0 not in alphas or 1.0 not in alphas:
         raise SymmergeError("the barrier needs the endpoints α = 0 and α = 1")
     la, lb = losses[alphas.index(1.0)], losses[alphas.index(0.0)]
-    return max(loss - (a * la + (1.0 - a) * lb) for a, loss in zip(alphas, losses))
+    gaps = [loss - (a * la + (1.0 - a) * lb) for a, loss in zip(alphas, losses)]
+    return float("nan") if any(g != g for g in gaps) else max(gaps)
+
+
+def nonfinite_note(alphas, losses) -> str | None:
+    """Why a curve's barrier is not a finite number (its losses that are not), or None when every loss is finite."""
+    bad = [(a, loss) for a, loss in zip(alphas, losses) if not math.isfinite(loss)]
+    if not bad:
+        return None
+    where = ", ".join(f"{a:.3g} ({loss})" for a, loss in bad)
+    return (f"the loss is not finite at α = {where} (NaN: logits NaN or +inf on some scored items): "
+            f"the barrier is {barrier(alphas, losses)}, null in barrier.json")
 
 
 def alpha_grid(points: int) -> list[float]:
@@ -111,6 +145,7 @@ def interpolation_curve(model_a, model_b, data: Data, alphas, device=None, progr
         r = evaluate(probe if transform is None else transform(probe, a), data, device=device, progress=False)
         loss.append(r["loss"])
         acc.append(r["accuracy"])
-    return {"loss": loss, "accuracy": acc, "barrier": barrier(alphas, loss)}
+    note = nonfinite_note(alphas, loss)
+    return {"loss": loss, "accuracy": acc, "barrier": barrier(alphas, loss), **({"note": note} if note else {})}
 
 

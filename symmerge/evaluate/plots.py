@@ -80,18 +80,22 @@ def plot_curves(alphas, curves: dict, path, title: str = PATH_TITLE) -> None:
         ax_a.plot(alphas, c["accuracy"], marker="o", color=h.get_color())
         handles.append(h)
         labels.append(f"{name}: barrier {sig(c['barrier'])}")
-    ax_l.set(xlabel="α (0 = B, 1 = A)", ylabel="loss (cross-entropy)", title="loss")
-    ax_a.set(xlabel="α (0 = B, 1 = A)", ylabel="accuracy", title="accuracy")
+    ax_l.set(xlabel="α (0 = B, 1 = A)", ylabel="loss (cross-entropy, nats)", title="loss")
+    ax_a.set(xlabel="α (0 = B, 1 = A)", ylabel="accuracy (fraction correct)", title="accuracy")
     fig.suptitle(title)
     legend_below(fig, handles, labels)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
-def plot_subsets(result: dict, path) -> None:
-    """Evaluation loss against the matched subset, with the unmatched / fully matched references."""
+def plot_subsets(result: dict, path, title: str | None = None) -> None:
+    """Evaluation loss against the matched subset (whole layers on the x axis), with the unmatched / fully matched
+    references; ``title``: the study's (:func:`study_title`), above the panel's own."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a layer index or count, never 1.2
     rows = result["subsets"]
     xs = [r["layers"][0] if result["mode"] == "single" else len(r["layers"]) for r in rows]
     ax.plot(xs, [r["loss"] for r in rows], marker="o", label="matched subset")
@@ -100,7 +104,9 @@ def plot_subsets(result: dict, path) -> None:
     ax.axhline(result["all_layers"]["loss"], color="green", ls=":",
                label=f"all layers matched ({sig(result['all_layers']['loss'])})")
     ax.set(xlabel="matched layer i" if result["mode"] == "single" else "last k layers matched",
-           ylabel=f"loss at α = {result['alpha']}", title=f"subset-of-layers matching ({','.join(result['symmetries'])})")
+           ylabel=f"loss at α = {result['alpha']} (nats)", title=f"subset-of-layers matching ({','.join(result['symmetries'])})")
+    if title:
+        fig.suptitle(title.replace(PATH_TITLE, f"θ(α) = α·θ_A + (1−α)·θ_B at α = {result['alpha']}"))
     legend_below(fig, *ax.get_legend_handles_labels())
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
@@ -120,14 +126,14 @@ def plot_many(result: dict, path) -> None:
         (h,) = ax_l.plot(alphas, mean, marker="o")
         handles.append(h)
         labels.append(f"{name}: mean barrier {sig(result['variants'][name]['mean_barrier'])}")
-    ax_l.set(xlabel="α along each pair (0 = j, 1 = i)", ylabel="loss, mean over pairs", title="pairwise interpolation")
+    ax_l.set(xlabel="α along each pair (0 = j, 1 = i)", ylabel="loss (nats), mean over pairs", title="pairwise interpolation")
     bars = ["endpoints (mean)", "ensemble"] + [f"average ({n})" for n in names]
     values = [result["endpoints_mean"]["accuracy"], result["ensemble"]["accuracy"]] + \
         [result["variants"][n]["average"]["accuracy"] for n in names]
     ax_a.barh(bars, values, color=["grey", "black"] + ["C%d" % i for i in range(len(names))])
     for y, v in enumerate(values):
         ax_a.text(v, y, f" {sig(v)}", va="center", fontsize=8)
-    ax_a.set(xlabel="accuracy", title=f"{len(result['models'])}-way average", xlim=(0, 1.12))
+    ax_a.set(xlabel="accuracy (fraction correct)", title=f"{len(result['models'])}-way average", xlim=(0, 1.12))
     fig.suptitle(study_title(result).replace(PATH_TITLE, "pairwise interpolation and the N-way average"))
     legend_below(fig, handles, labels)
     fig.savefig(path, dpi=120, bbox_inches="tight")

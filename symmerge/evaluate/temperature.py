@@ -16,6 +16,7 @@ import math
 import torch
 
 from ..errors import SymmergeError
+from .metrics import undefined_rows
 
 T_RANGE = (1 / 20, 20.0)
 
@@ -45,12 +46,16 @@ def scored(model, batches: list) -> torch.Tensor:
 
 def fit_temperature(logits: torch.Tensor, target: torch.Tensor) -> float:
     """The T in :data:`T_RANGE` minimising the mean cross-entropy of softmax(logits / T) against the
-    probabilities ``target`` (rows summing to 1)."""
+    probabilities ``target`` (rows summing to 1); NaN when a logit is NaN or +inf or a target not finite (the
+    objective is then NaN for every T: no T fits)."""
     from scipy.optimize import minimize_scalar
 
     if logits.shape != target.shape or logits.numel() == 0:
         raise SymmergeError(f"temperature calibration needs logits and targets of one shape, got "
                             f"{tuple(logits.shape)} and {tuple(target.shape)}")
+
+    if not bool(target.isfinite().all()) or undefined_rows(logits):
+        return float("nan")
 
     def loss(log_t: float) -> float:
         return -(target * torch.log_softmax(logits / math.exp(log_t), -1)).sum(-1).mean().item()

@@ -42,6 +42,9 @@ def variant_name(spec) -> str:
     return ",".join(names) if names else "none"
 
 
+MAX_POINTS = 10_001  # --points: α in steps of 1e-4 at most (a typo's 10¹⁰ points would fill the memory first)
+
+
 @keywords_checked
 @dataclass(frozen=True)
 class BarrierOptions:
@@ -84,6 +87,9 @@ class BarrierOptions:
                              f"aligns=), got {type(self.align).__name__}")
         if isinstance(self.points, bool) or not isinstance(self.points, int) or self.points < 2:
             raise SymmergeError(f"--points must be a whole number >= 2 (the endpoints), got {self.points!r}")
+        if self.points > MAX_POINTS:
+            raise SymmergeError(f"--points must be at most {MAX_POINTS} (α in steps of {1 / (MAX_POINTS - 1):g}; "
+                                f"each point evaluates the whole --data once), got {self.points}")
         for flag, value in (("--batch-size", self.batch_size), ("--max-examples", self.max_examples)):
             in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py); None: unset
 
@@ -319,12 +325,20 @@ def tempered_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, 
     """:func:`interpolation_curve` with θ(α)'s softmax temperature fitted at every α on the unlabeled
     alignment data of ``options`` (:class:`~symmerge.evaluate.temperature.Calibrator`); ``temperatures``: the
     fitted T per α (1 at the endpoints)."""
-    from ..evaluate.temperature import Calibrator
+    from ..evaluate.temperature import T_RANGE, Calibrator
 
     calibrate = Calibrator(model_a, model_b, list(load_align_data(options, model_b)))
     curve = interpolation_curve(model_a, model_b, data, alphas, device=device, progress=progress,
                                 label=f"{label}+temperature", transform=calibrate)
-    return {**curve, "temperatures": [calibrate.fitted[float(a)] for a in alphas]}
+    temperatures = [calibrate.fitted[float(a)] for a in alphas]
+    lo, hi = T_RANGE
+    at = [a for a, t in zip(alphas, temperatures) if t > 0.999 * hi or t < 1.001 * lo]
+    if not at:
+        return {**curve, "temperatures": temperatures}
+    note = (f"the fitted temperature stopped at the bound of [{lo:g}, {hi:g}] at α = {', '.join(f'{a:.3g}' for a in at)}: "
+            "the optimum lies beyond it, and the curve there is scored at the bound")
+    note = "; ".join(x for x in (curve.get("note"), note) if x)
+    return {**curve, "temperatures": temperatures, "temperatures_at_bound": at, "note": note}
 
 
 @keeps_models
@@ -370,7 +384,7 @@ def write_study(result: dict, out) -> Path:
         write_json(tmp / "barrier.json", result)
         plot_curves(result["alphas"], result["curves"], tmp / "barrier.png", title=study_title(result))
         if "subsets" in result:
-            plot_subsets(result["subsets"], tmp / "subsets.png")
+            plot_subsets(result["subsets"], tmp / "subsets.png", title=study_title(result))
     return out
 
 
