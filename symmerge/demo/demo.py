@@ -261,8 +261,10 @@ def _plot(r: dict, file: Path) -> None:
         ax_a.plot(alphas, c["accuracy"], marker="o", color=h.get_color())
         handles.append(h)
         labels.append(f"{_label(name)}: barrier {sig(c['barrier'])}")
-    ax_l.set(xlabel="α (0 = model B, 1 = model A)", ylabel="test loss", title="loss along θ(α) = α·θ_A + (1−α)·θ_B")
-    ax_a.set(xlabel="α (0 = model B, 1 = model A)", ylabel="test accuracy", title="accuracy along the path")
+    ax_l.set(xlabel="α (0 = model B, 1 = model A)", ylabel="test loss (cross-entropy, nats)",
+             title="loss along θ(α) = α·θ_A + (1−α)·θ_B")
+    ax_a.set(xlabel="α (0 = model B, 1 = model A)", ylabel="test accuracy (fraction correct)",
+             title="accuracy along the path")
     methods = list(dict.fromkeys(m["method"] for m in r["merges"]))
     width = 0.8 / len(variants)
     for k, align in enumerate(variants):
@@ -278,7 +280,8 @@ def _plot(r: dict, file: Path) -> None:
         handles.append(ax_b.axhline(acc, color="grey", ls=style))
         labels.append(f"model {name}: accuracy {sig(acc)}")
     ax_b.set_xticks(range(len(methods)), methods)
-    ax_b.set(ylabel="test accuracy", ylim=(0, 1.12), title="merged model (50/50), by method and alignment")
+    ax_b.set(ylabel="test accuracy (fraction correct)", ylim=(0, 1.12),
+             title="merged model (50/50), by method and alignment")
     fig.suptitle(plot_title(r))
     legend_below(fig, handles, labels, columns=3)
     fig.savefig(file, dpi=110, bbox_inches="tight")
