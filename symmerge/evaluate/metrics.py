@@ -66,21 +66,30 @@ def evaluate_ensemble(models, data: Data, device=None, progress: bool = True, de
     with torch.no_grad():
         for batch in bar(data, desc=desc, total=len(data), unit="batches", disable=None if progress else True):
             batch = batch.to(device)
-            probs, targets = None, None
-            for m in models:
-                logits, targets = predictions(m, batch)
-                p = torch.softmax(logits.double(), -1)
-                probs = p if probs is None else probs + p
-            probs /= len(models)
-            loss_sum += -probs.gather(-1, targets[:, None]).clamp_min(1e-300).log().sum().item()
-            correct += (probs.argmax(-1) == targets).sum().item()
+            outputs = [predictions(m, batch) for m in models]
+            targets = outputs[0][1]
+            log_probs = mean_log_probs([logits for logits, _ in outputs])
+            loss_sum += -log_probs.gather(-1, targets[:, None]).sum().item()
+            correct += (log_probs.argmax(-1) == targets).sum().item()
             count += targets.numel()
-            undefined += undefined_rows(probs)
+            undefined += undefined_rows(log_probs)
     if count == 0:
         raise SymmergeError(f"{data.path}: nothing to evaluate")
     if undefined:  # a member's NaN or +inf logits: that item's mean probabilities are NaN
         return {"loss": float("nan"), "accuracy": float("nan"), "n": count, "undefined": undefined}
     return {"loss": loss_sum / count, "accuracy": correct / count, "n": count}
+
+
+def mean_log_probs(logits: list) -> torch.Tensor:
+    """log of the mean of the members' softmax probabilities (M, C), in float64 and in log space (a running
+    ``logaddexp`` of log-softmaxes): exact where the probabilities themselves underflow (a target at −1000 nats
+    scores 1000 nats, not a floor's 690.8), with one (M, C) array kept whatever the number of members. NaN rows
+    where a member's logits are NaN or +inf."""
+    total = None
+    for x in logits:
+        lp = torch.log_softmax(x.double(), -1)
+        total = lp if total is None else torch.logaddexp(total, lp)
+    return total - math.log(len(logits))
 
 
 def interpolate(sd_a: dict, sd_b: dict, alpha: float) -> dict:
