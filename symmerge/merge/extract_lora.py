@@ -13,7 +13,9 @@ of rules:
   singular values above ``--sv-epsilon`` when it is positive; ``A = √S·Vᵀ``, ``B = U·√S`` (``--no-distribute-scale``:
   ``A = S·Vᵀ``, ``B = U``), in the fine-tune's dtype; an embedding's factors are those of ``ΔWᵀ``
   (``lora_embedding_A/B``). A layer's bias change is kept as ``lora_B.bias`` with ``lora_bias: true`` (mergekit
-  writes it without the flag, so PEFT drops it); a module of another kind (a norm) is saved whole unless
+  writes it without the flag, so PEFT drops it) when every layer written has a bias and none is an embedding; else
+  (Qwen2's biased q/k/v beside unbiased layers) PEFT's ``bias: lora_only``, the biased layers' fine-tuned biases
+  carried whole (``base_layer.bias``), as PEFT's lora_bias would leave keys missing and refuse to merge; a module of another kind (a norm) is saved whole unless
   ``--skip-undecomposable``.
 
 The adapter's config: ``r`` the largest rank written, ``lora_alpha = r``, ``rank_pattern`` = ``alpha_pattern`` for
@@ -285,6 +287,14 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
         if e.result["rank"] == 0:
             notes.append(f"{e.name}: no singular value above --sv-epsilon: left out")
     lora_bias = any(bool(d.abs().max() > 0) for d, _ in bias_deltas.values() if d.numel())
+    bias = "none"
+    if lora_bias and any(e.name not in bias_deltas or e.how == "embedding" for e in written):
+        # PEFT's lora_bias gives every targeted layer a lora_B.bias: a layer without a bias then lacks the key, cannot
+        # merge, and an embedding LoRA is refused; PEFT's bias="lora_only" carries the biased layers' biases whole
+        lora_bias, bias = False, "lora_only"
+        for e in written:
+            if e.bias is not None:
+                tensors[f"base_model.model.{e.name}.base_layer.bias"] = ft.read_direct(e.bias).clone()
     if lora_bias:
         for e in written:
             if e.name in bias_deltas:
@@ -297,7 +307,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
             tensors[f"base_model.model.{e.name}.bias"] = ft.read_direct(e.bias).clone()
     if not tensors:
         raise SymmergeError("nothing to write: every module was left out")
-    config = adapter_config(kinds, written, to_save if full else [], base, lora_bias, ft)
+    config = adapter_config(kinds, written, to_save if full else [], base, lora_bias, ft, bias)
     report = {
         "finetune": str(finetune), "base": str(base), "rank": options.rank, "r": config["r"],
         "options": {"svd": options.svd, "distribute_scale": options.distribute_scale, "embed_lora": options.embed_lora,
@@ -305,7 +315,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
                     "include_regexes": list(options.include_regexes), "sv_epsilon": options.sv_epsilon,
                     "skip_undecomposable": options.skip_undecomposable},
         "modules": [e.result for e in lora], "modules_to_save": config["modules_to_save"],
-        "saved_whole": [e.name for e in full], "lora_bias": lora_bias, "notes": notes,
+        "saved_whole": [e.name for e in full], "lora_bias": lora_bias, "bias": bias, "notes": notes,
         "warnings": warnings,
     }
     errors = [r["relative_error"] for r in report["modules"]]
@@ -374,7 +384,7 @@ def _extract_batch(ft, bs, batch, options: ExtractOptions, tensors: dict, bias_d
     del stack, deltas
 
 
-def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft) -> dict:
+def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft, bias="none") -> dict:
     ranks = {e.name: e.result["rank"] for e in written}
     r = max(ranks.values(), default=1)
     other = {k: v for k, v in ranks.items() if v != r}
@@ -394,7 +404,7 @@ def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft) -> dict
     return {"base_model_name_or_path": str(base), "peft_type": "LORA", "task_type": task, "r": r, "lora_alpha": r,
             "rank_pattern": other, "alpha_pattern": dict(other), "use_rslora": False, "use_dora": False,
             "lora_bias": lora_bias, "target_modules": targets, "modules_to_save": sorted(modules_to_save) or None,
-            "lora_dropout": 0.0, "fan_in_fan_out": False, "bias": "none", "inference_mode": True,
+            "lora_dropout": 0.0, "fan_in_fan_out": False, "bias": bias, "inference_mode": True,
             "init_lora_weights": True}
 
 
