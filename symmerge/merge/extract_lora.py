@@ -143,6 +143,26 @@ def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[
     return kept, to_save
 
 
+def _loose_parameters(kinds: dict, options: ExtractOptions, notes: list) -> None:
+    """Parameters of no linear layer, embedding or norm (fused MoE experts, CLIP's class embedding) that the filters
+    keep: one error (a PEFT adapter can neither decompose nor carry them, and their change would be lost), or with
+    ``--skip-undecomposable`` a note that they are left out."""
+    kept = [(m, cls, ps) for m, cls, ps in kinds.get("loose", [])
+            if not any(re.search(r, m) for r in options.exclude_regexes)
+            and (not options.include_regexes or any(re.search(r, m) for r in options.include_regexes))]
+    if not kept:
+        return
+    m, cls, ps = kept[0]
+    what = f"{m or '(the model)'} ({cls}: {', '.join(ps)})" + (f" and {len(kept) - 1} more" if len(kept) > 1 else "")
+    if options.skip_undecomposable:
+        notes.append(f"left out (--skip-undecomposable): {what}, parameters of no linear layer or embedding")
+        return
+    raise SymmergeError(f"cannot extract {what}: parameters of no linear layer or embedding, which a PEFT LoRA "
+                        "adapter neither decomposes nor saves whole (mixtures of experts' fused experts, CLIP's "
+                        "class embedding); a change of theirs would be lost: leave them out with --skip-undecomposable "
+                        "or -e REGEX")
+
+
 def _unmatched_save_modules(kinds: dict, options: ExtractOptions) -> list[str]:
     """A warning for each ``--save-module`` that names no module of the fine-tune (by its full or last name): kept in
     ``modules_to_save`` as mergekit-extract-lora keeps it, but nothing is saved for it (a misspelt name, mostly)."""
@@ -263,6 +283,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     kinds = module_kinds(ft)
     notes: list = []
     entries, to_save = _plan(ft, bs, kinds, options, notes)
+    _loose_parameters(kinds, options, notes)
     warnings = _unmatched_save_modules(kinds, options) + _unmatched_regexes(kinds, options)
     lora = [e for e in entries if e.how != "full"]
     if not lora:  # modules saved whole only (or none): an adapter without a target module, which PEFT refuses
