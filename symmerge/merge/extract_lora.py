@@ -38,6 +38,7 @@ from ..errors import SymmergeError, UsageError, keywords_checked, options_argume
 
 BATCH_BYTES = 64 * 2 ** 20  # float32 task vectors of one shape decomposed together, at most
 SVDS = ("full", "lowrank")
+SEQ_CLS_HEADS = ("classifier", "score")  # PeftModelForSequenceClassification adds them to modules_to_save
 OVERSAMPLE, POWER_ITERATIONS = 10, 4  # --svd lowrank: q = R + 10 random directions, 4 subspace iterations
 
 
@@ -106,12 +107,23 @@ def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[
     to_save = list(options.save_modules)
     entries: list[Entry] = []
     excluded = lambda name: any(re.search(r, name) for r in options.exclude_regexes)  # noqa: E731
+    heads = SEQ_CLS_HEADS if ft.class_name.endswith("ForSequenceClassification") else ()
     for name, kind, _, has_bias in kinds["modules"]:
         wkey = _stored(ft, f"{name}.weight")
         if wkey is None:
             continue
         bkey = _stored(ft, f"{name}.bias") if has_bias else None
         last = name.split(".")[-1]
+        # PEFT's SEQ_CLS model saves every module whose name ends so (DistilBERT's pre_classifier too) whole,
+        # whatever the config says: a LoRA in one is not loaded
+        head = next((part for part in name.split(".") if part.endswith(heads)), None) if heads else None
+        if head:
+            if head not in to_save:
+                to_save.append(head)
+                notes.append(f"{head}: the classification head, saved whole (modules_to_save), as PEFT's "
+                             "sequence-classification model keeps it")
+            entries.append(Entry(name, "full", wkey, bkey))
+            continue
         is_embedding = name in (kinds["input"], kinds["output"]) or kind == "embedding"
         if not embed_lora and is_embedding and not excluded(name) and last not in to_save:
             to_save.append(last)
