@@ -319,20 +319,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     for e in lora:
         if e.result["rank"] == 0:
             notes.append(f"{e.name}: no singular value above --sv-epsilon: left out")
-    lora_bias = any(bool(d.abs().max() > 0) for d, _ in bias_deltas.values() if d.numel())
-    bias = "none"
-    if lora_bias and any(e.name not in bias_deltas or e.how == "embedding" for e in written):
-        # PEFT's lora_bias gives every targeted layer a lora_B.bias: a layer without a bias then lacks the key, cannot
-        # merge, and an embedding LoRA is refused; PEFT's bias="lora_only" carries the biased layers' biases whole
-        lora_bias, bias = False, "lora_only"
-        for e in written:
-            if e.bias is not None:
-                tensors[f"base_model.model.{e.name}.base_layer.bias"] = ft.read_direct(e.bias).clone()
-    if lora_bias:
-        for e in written:
-            if e.name in bias_deltas:
-                d, dt = bias_deltas[e.name]
-                tensors[f"base_model.model.{e.name}.lora_B.bias"] = d.to(dt)
+    lora_bias, bias = _bias_tensors(ft, written, bias_deltas, tensors)
     full = [e for e in entries if e.how == "full"]
     for e in full:
         tensors[f"base_model.model.{e.name}.weight"] = ft.read_direct(e.weight).clone()
@@ -365,6 +352,25 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
 
             write_card(tmp, report)  # README.md: the one card writer of every command
     return report
+
+
+def _bias_tensors(ft, written, bias_deltas: dict, tensors: dict) -> tuple[bool, str]:
+    """The written layers' bias changes into ``tensors``; returns the config's ``(lora_bias, bias)``: ``lora_B.bias``
+    when every written layer has a bias and none is an embedding; else PEFT's ``bias="lora_only"`` (the biased layers'
+    fine-tuned biases whole), as PEFT's lora_bias would give the unbiased layers a ``lora_B.bias`` missing from the
+    file, refuse to merge them, and refuse an embedding LoRA."""
+    if not any(bool(d.abs().max() > 0) for d, _ in bias_deltas.values() if d.numel()):
+        return False, "none"
+    if any(e.name not in bias_deltas or e.how == "embedding" for e in written):
+        for e in written:
+            if e.bias is not None:
+                tensors[f"base_model.model.{e.name}.base_layer.bias"] = ft.read_direct(e.bias).clone()
+        return False, "lora_only"
+    for e in written:
+        if e.name in bias_deltas:
+            d, dt = bias_deltas[e.name]
+            tensors[f"base_model.model.{e.name}.lora_B.bias"] = d.to(dt)
+    return True, "none"
 
 
 def _extract_all(ft, bs, lora, options: ExtractOptions, tensors: dict) -> dict:
