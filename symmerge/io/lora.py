@@ -464,13 +464,14 @@ def _targets(ad, ck, base: Path, adapter: Path) -> tuple[dict, dict, dict]:
 def module_kinds(ck) -> dict:
     """``{"modules": [[name, kind, has weight, has bias], ...] in module order, "input": name, "output": name}`` of
     the checkpoint's class — kind ``embedding``, ``linear``, ``conv1d`` (GPT-2's, stored in x out) or ``other`` —
-    from a weightless model, cached beside the tensor-name facts (:mod:`symmerge.io.names_cache`: building the model
+    and ``"loose": [[module, class, [parameters]], ...]`` the parameters of no ``weight``/``bias`` (fused MoE experts,
+    CLIP's ``class_embedding``), from a weightless model, cached beside the tensor-name facts (:mod:`symmerge.io.names_cache`: building the model
     imports transformers' modeling code, most of a small extraction's time)."""
     from . import names_cache
 
     kept = f"modules-{names_cache._key(ck.config, False)}.json"
     entry = names_cache.read_entry(kept)
-    if entry is not None and isinstance(entry.get("modules"), list) \
+    if entry is not None and isinstance(entry.get("modules"), list) and isinstance(entry.get("loose"), list) \
             and all(isinstance(row, list) and len(row) == 4 for row in entry["modules"]):
         return entry
     from torch import nn
@@ -479,9 +480,12 @@ def module_kinds(ck) -> dict:
 
     model = meta_model(ck)
     names = {id(m): n for n, m in model.named_modules()}
-    emb_in, emb_out = model.get_input_embeddings(), model.get_output_embeddings()
-    rows = []
+    emb_in, emb_out = _embeddings(model)
+    rows, loose = [], []
     for name, module in model.named_modules():
+        own = [p for p, _ in module.named_parameters(recurse=False) if p not in ("weight", "bias")]
+        if own:  # fused MoE experts (gate_up_proj), CLIP's class_embedding, logit_scale: no module PEFT handles
+            loose.append([name, type(module).__name__, own])
         w, b = getattr(module, "weight", None), getattr(module, "bias", None)
         if not name or not isinstance(w, torch.Tensor):
             continue
@@ -489,9 +493,20 @@ def module_kinds(ck) -> dict:
             "linear" if linear_output_axis(module) is not None and w.dim() == 2 else "other"
         rows.append([name, kind, True, isinstance(b, torch.Tensor)])
     out = {"modules": rows, "input": names.get(id(emb_in)) if emb_in is not None else None,
-           "output": names.get(id(emb_out)) if emb_out is not None else None}
+           "output": names.get(id(emb_out)) if emb_out is not None else None, "loose": loose}
     names_cache.write_entry(kept, out)
     return out
+
+
+def _embeddings(model) -> tuple:
+    """The model's (input, output) embeddings, None for either its class does not name (CLIPModel names neither)."""
+    found = []
+    for getter in (model.get_input_embeddings, model.get_output_embeddings):
+        try:
+            found.append(getter())
+        except NotImplementedError:
+            found.append(None)
+    return tuple(found)
 
 
 def meta_model(ck):

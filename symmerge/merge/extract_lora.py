@@ -13,7 +13,9 @@ of rules:
   singular values above ``--sv-epsilon`` when it is positive; ``A = √S·Vᵀ``, ``B = U·√S`` (``--no-distribute-scale``:
   ``A = S·Vᵀ``, ``B = U``), in the fine-tune's dtype; an embedding's factors are those of ``ΔWᵀ``
   (``lora_embedding_A/B``). A layer's bias change is kept as ``lora_B.bias`` with ``lora_bias: true`` (mergekit
-  writes it without the flag, so PEFT drops it); a module of another kind (a norm) is saved whole unless
+  writes it without the flag, so PEFT drops it) when every layer written has a bias and none is an embedding; else
+  (Qwen2's biased q/k/v beside unbiased layers) PEFT's ``bias: lora_only``, the biased layers' fine-tuned biases
+  carried whole (``base_layer.bias``), as PEFT's lora_bias would leave keys missing and refuse to merge; a module of another kind (a norm) is saved whole unless
   ``--skip-undecomposable``.
 
 The adapter's config: ``r`` the largest rank written, ``lora_alpha = r``, ``rank_pattern`` = ``alpha_pattern`` for
@@ -36,6 +38,7 @@ from ..errors import SymmergeError, UsageError, keywords_checked, options_argume
 
 BATCH_BYTES = 64 * 2 ** 20  # float32 task vectors of one shape decomposed together, at most
 SVDS = ("full", "lowrank")
+SEQ_CLS_HEADS = ("classifier", "score")  # PeftModelForSequenceClassification adds them to modules_to_save
 OVERSAMPLE, POWER_ITERATIONS = 10, 4  # --svd lowrank: q = R + 10 random directions, 4 subspace iterations
 
 
@@ -104,12 +107,23 @@ def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[
     to_save = list(options.save_modules)
     entries: list[Entry] = []
     excluded = lambda name: any(re.search(r, name) for r in options.exclude_regexes)  # noqa: E731
+    heads = SEQ_CLS_HEADS if ft.class_name.endswith("ForSequenceClassification") else ()
     for name, kind, _, has_bias in kinds["modules"]:
         wkey = _stored(ft, f"{name}.weight")
         if wkey is None:
             continue
         bkey = _stored(ft, f"{name}.bias") if has_bias else None
         last = name.split(".")[-1]
+        # PEFT's SEQ_CLS model saves every module whose name ends so (DistilBERT's pre_classifier too) whole,
+        # whatever the config says: a LoRA in one is not loaded
+        head = next((part for part in name.split(".") if part.endswith(heads)), None) if heads else None
+        if head:
+            if head not in to_save:
+                to_save.append(head)
+                notes.append(f"{head}: the classification head, saved whole (modules_to_save), as PEFT's "
+                             "sequence-classification model keeps it")
+            entries.append(Entry(name, "full", wkey, bkey))
+            continue
         is_embedding = name in (kinds["input"], kinds["output"]) or kind == "embedding"
         if not embed_lora and is_embedding and not excluded(name) and last not in to_save:
             to_save.append(last)
@@ -139,6 +153,26 @@ def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[
         seen.setdefault(e.weight, e.name)
         kept.append(e)
     return kept, to_save
+
+
+def _loose_parameters(kinds: dict, options: ExtractOptions, notes: list) -> None:
+    """Parameters of no linear layer, embedding or norm (fused MoE experts, CLIP's class embedding) that the filters
+    keep: one error (a PEFT adapter can neither decompose nor carry them, and their change would be lost), or with
+    ``--skip-undecomposable`` a note that they are left out."""
+    kept = [(m, cls, ps) for m, cls, ps in kinds.get("loose", [])
+            if not any(re.search(r, m) for r in options.exclude_regexes)
+            and (not options.include_regexes or any(re.search(r, m) for r in options.include_regexes))]
+    if not kept:
+        return
+    m, cls, ps = kept[0]
+    what = f"{m or '(the model)'} ({cls}: {', '.join(ps)})" + (f" and {len(kept) - 1} more" if len(kept) > 1 else "")
+    if options.skip_undecomposable:
+        notes.append(f"left out (--skip-undecomposable): {what}, parameters of no linear layer or embedding")
+        return
+    raise SymmergeError(f"cannot extract {what}: parameters of no linear layer or embedding, which a PEFT LoRA "
+                        "adapter neither decomposes nor saves whole (mixtures of experts' fused experts, CLIP's "
+                        "class embedding); a change of theirs would be lost: leave them out with --skip-undecomposable "
+                        "or -e REGEX")
 
 
 def _unmatched_save_modules(kinds: dict, options: ExtractOptions) -> list[str]:
@@ -261,6 +295,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     kinds = module_kinds(ft)
     notes: list = []
     entries, to_save = _plan(ft, bs, kinds, options, notes)
+    _loose_parameters(kinds, options, notes)
     warnings = _unmatched_save_modules(kinds, options) + _unmatched_regexes(kinds, options)
     lora = [e for e in entries if e.how != "full"]
     if not lora:  # modules saved whole only (or none): an adapter without a target module, which PEFT refuses
@@ -284,12 +319,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     for e in lora:
         if e.result["rank"] == 0:
             notes.append(f"{e.name}: no singular value above --sv-epsilon: left out")
-    lora_bias = any(bool(d.abs().max() > 0) for d, _ in bias_deltas.values() if d.numel())
-    if lora_bias:
-        for e in written:
-            if e.name in bias_deltas:
-                d, dt = bias_deltas[e.name]
-                tensors[f"base_model.model.{e.name}.lora_B.bias"] = d.to(dt)
+    lora_bias, bias = _bias_tensors(ft, written, bias_deltas, tensors)
     full = [e for e in entries if e.how == "full"]
     for e in full:
         tensors[f"base_model.model.{e.name}.weight"] = ft.read_direct(e.weight).clone()
@@ -297,7 +327,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
             tensors[f"base_model.model.{e.name}.bias"] = ft.read_direct(e.bias).clone()
     if not tensors:
         raise SymmergeError("nothing to write: every module was left out")
-    config = adapter_config(kinds, written, to_save if full else [], base, lora_bias, ft)
+    config = adapter_config(kinds, written, to_save if full else [], base, lora_bias, ft, bias)
     report = {
         "finetune": str(finetune), "base": str(base), "rank": options.rank, "r": config["r"],
         "options": {"svd": options.svd, "distribute_scale": options.distribute_scale, "embed_lora": options.embed_lora,
@@ -305,7 +335,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
                     "include_regexes": list(options.include_regexes), "sv_epsilon": options.sv_epsilon,
                     "skip_undecomposable": options.skip_undecomposable},
         "modules": [e.result for e in lora], "modules_to_save": config["modules_to_save"],
-        "saved_whole": [e.name for e in full], "lora_bias": lora_bias, "notes": notes,
+        "saved_whole": [e.name for e in full], "lora_bias": lora_bias, "bias": bias, "notes": notes,
         "warnings": warnings,
     }
     errors = [r["relative_error"] for r in report["modules"]]
@@ -322,6 +352,25 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
 
             write_card(tmp, report)  # README.md: the one card writer of every command
     return report
+
+
+def _bias_tensors(ft, written, bias_deltas: dict, tensors: dict) -> tuple[bool, str]:
+    """The written layers' bias changes into ``tensors``; returns the config's ``(lora_bias, bias)``: ``lora_B.bias``
+    when every written layer has a bias and none is an embedding; else PEFT's ``bias="lora_only"`` (the biased layers'
+    fine-tuned biases whole), as PEFT's lora_bias would give the unbiased layers a ``lora_B.bias`` missing from the
+    file, refuse to merge them, and refuse an embedding LoRA."""
+    if not any(bool(d.abs().max() > 0) for d, _ in bias_deltas.values() if d.numel()):
+        return False, "none"
+    if any(e.name not in bias_deltas or e.how == "embedding" for e in written):
+        for e in written:
+            if e.bias is not None:
+                tensors[f"base_model.model.{e.name}.base_layer.bias"] = ft.read_direct(e.bias).clone()
+        return False, "lora_only"
+    for e in written:
+        if e.name in bias_deltas:
+            d, dt = bias_deltas[e.name]
+            tensors[f"base_model.model.{e.name}.lora_B.bias"] = d.to(dt)
+    return True, "none"
 
 
 def _extract_all(ft, bs, lora, options: ExtractOptions, tensors: dict) -> dict:
@@ -374,7 +423,7 @@ def _extract_batch(ft, bs, batch, options: ExtractOptions, tensors: dict, bias_d
     del stack, deltas
 
 
-def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft) -> dict:
+def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft, bias="none") -> dict:
     ranks = {e.name: e.result["rank"] for e in written}
     r = max(ranks.values(), default=1)
     other = {k: v for k, v in ranks.items() if v != r}
@@ -394,7 +443,7 @@ def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft) -> dict
     return {"base_model_name_or_path": str(base), "peft_type": "LORA", "task_type": task, "r": r, "lora_alpha": r,
             "rank_pattern": other, "alpha_pattern": dict(other), "use_rslora": False, "use_dora": False,
             "lora_bias": lora_bias, "target_modules": targets, "modules_to_save": sorted(modules_to_save) or None,
-            "lora_dropout": 0.0, "fan_in_fan_out": False, "bias": "none", "inference_mode": True,
+            "lora_dropout": 0.0, "fan_in_fan_out": False, "bias": bias, "inference_mode": True,
             "init_lora_weights": True}
 
 
