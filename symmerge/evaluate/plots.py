@@ -104,7 +104,8 @@ def plot_subsets(result: dict, path, title: str | None = None) -> None:
     ax.axhline(result["all_layers"]["loss"], color="green", ls=":",
                label=f"all layers matched ({sig(result['all_layers']['loss'])})")
     ax.set(xlabel="matched layer i" if result["mode"] == "single" else "last k layers matched",
-           ylabel=f"loss at α = {result['alpha']} (nats)", title=f"subset-of-layers matching ({','.join(result['symmetries'])})")
+           ylabel=f"loss at α = {result['alpha']} (nats)",
+           title=f"subset-of-layers matching ({','.join(result['symmetries'])})")
     if title:
         fig.suptitle(title.replace(PATH_TITLE, f"θ(α) = α·θ_A + (1−α)·θ_B at α = {result['alpha']}"))
     legend_below(fig, *ax.get_legend_handles_labels())
@@ -126,7 +127,8 @@ def plot_many(result: dict, path) -> None:
         (h,) = ax_l.plot(alphas, mean, marker="o")
         handles.append(h)
         labels.append(f"{name}: mean barrier {sig(result['variants'][name]['mean_barrier'])}")
-    ax_l.set(xlabel="α along each pair (0 = j, 1 = i)", ylabel="loss (nats), mean over pairs", title="pairwise interpolation")
+    ax_l.set(xlabel="α along each pair (0 = j, 1 = i)", ylabel="loss (nats), mean over pairs",
+             title="pairwise interpolation")
     bars = ["endpoints (mean)", "ensemble"] + [f"average ({n})" for n in names]
     values = [result["endpoints_mean"]["accuracy"], result["ensemble"]["accuracy"]] + \
         [result["variants"][n]["average"]["accuracy"] for n in names]

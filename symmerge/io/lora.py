@@ -465,8 +465,9 @@ def module_kinds(ck) -> dict:
     """``{"modules": [[name, kind, has weight, has bias], ...] in module order, "input": name, "output": name}`` of
     the checkpoint's class — kind ``embedding``, ``linear``, ``conv1d`` (GPT-2's, stored in x out) or ``other`` —
     and ``"loose": [[module, class, [parameters]], ...]`` the parameters of no ``weight``/``bias`` (fused MoE experts,
-    CLIP's ``class_embedding``), from a weightless model, cached beside the tensor-name facts (:mod:`symmerge.io.names_cache`: building the model
-    imports transformers' modeling code, most of a small extraction's time)."""
+    CLIP's ``class_embedding``), from a weightless model, cached beside the tensor-name facts
+    (:mod:`symmerge.io.names_cache`: building the model imports transformers' modeling code, most of a small
+    extraction's time)."""
     from . import names_cache
 
     kept = f"modules-{names_cache._key(ck.config, False)}.json"

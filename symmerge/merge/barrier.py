@@ -335,7 +335,8 @@ def tempered_curve(model_a, model_b, data: Data, alphas, options: AlignOptions, 
     at = [a for a, t in zip(alphas, temperatures) if t > 0.999 * hi or t < 1.001 * lo]
     if not at:
         return {**curve, "temperatures": temperatures}
-    note = (f"the fitted temperature stopped at the bound of [{lo:g}, {hi:g}] at α = {', '.join(f'{a:.3g}' for a in at)}: "
+    where = ", ".join(f"{a:.3g}" for a in at)
+    note = (f"the fitted temperature stopped at the bound of [{lo:g}, {hi:g}] at α = {where}: "
             "the optimum lies beyond it, and the curve there is scored at the bound")
     note = "; ".join(x for x in (curve.get("note"), note) if x)
     return {**curve, "temperatures": temperatures, "temperatures_at_bound": at, "note": note}

@@ -15,8 +15,8 @@ of rules:
   (``lora_embedding_A/B``). A layer's bias change is kept as ``lora_B.bias`` with ``lora_bias: true`` (mergekit
   writes it without the flag, so PEFT drops it) when every layer written has a bias and none is an embedding; else
   (Qwen2's biased q/k/v beside unbiased layers) PEFT's ``bias: lora_only``, the biased layers' fine-tuned biases
-  carried whole (``base_layer.bias``), as PEFT's lora_bias would leave keys missing and refuse to merge; a module of another kind (a norm) is saved whole unless
-  ``--skip-undecomposable``.
+  carried whole (``base_layer.bias``), as PEFT's lora_bias would leave keys missing and refuse to merge; a module
+  of another kind (a norm) is saved whole unless ``--skip-undecomposable``.
 
 The adapter's config: ``r`` the largest rank written, ``lora_alpha = r``, ``rank_pattern`` = ``alpha_pattern`` for
 the modules of another rank (every module's scale is 1), ``target_modules`` the modules' last names (a module's full

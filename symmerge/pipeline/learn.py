@@ -449,8 +449,8 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
                          t0)
     elements, info = _learn_round(learning, dict(start), history)
     return elements, learned_entry("given" if given else "weights", info, history,
-                                   closed_form_seconds=closed_form_seconds, seconds=time.perf_counter() - t0, learned_from="the models in memory",
-                                   layerwise=settings.layerwise, solver=solver)
+                                   closed_form_seconds=closed_form_seconds, seconds=time.perf_counter() - t0,
+                                   learned_from="the models in memory", layerwise=settings.layerwise, solver=solver)
 
 
 @dataclass(frozen=True)
