@@ -155,13 +155,20 @@ def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[
     return kept, to_save
 
 
-def _loose_parameters(kinds: dict, options: ExtractOptions, notes: list) -> None:
+def _loose_parameters(kinds: dict, options: ExtractOptions, notes: list, ft, base) -> None:
     """Parameters of no linear layer, embedding or norm (fused MoE experts, CLIP's class embedding) that the filters
-    keep: one error (a PEFT adapter can neither decompose nor carry them, and their change would be lost), or with
-    ``--skip-undecomposable`` a note that they are left out."""
+    keep and the fine-tune changed: one error (a PEFT adapter can neither decompose nor carry them, and their change
+    would be lost), or with ``--skip-undecomposable`` a note that they are left out. Those stored under their own
+    names in both checkpoints and equal there (a ViT fine-tune's untouched ``cls_token``) lose nothing: a note."""
     kept = [(m, cls, ps) for m, cls, ps in kinds.get("loose", [])
             if not any(re.search(r, m) for r in options.exclude_regexes)
             and (not options.include_regexes or any(re.search(r, m) for r in options.include_regexes))]
+    same = [(m, cls, ps) for m, cls, ps in kept if all(_unchanged(ft, base, f"{m}.{p}" if m else p) for p in ps)]
+    if same:
+        names = ", ".join(f"{m or cls}.{p}" for m, cls, ps in same for p in ps)
+        notes.append(f"unchanged by the fine-tune, so nothing is lost: {names} (parameters of no linear layer or "
+                     "embedding, which an adapter cannot carry)")
+    kept = [x for x in kept if x not in same]
     if not kept:
         return
     m, cls, ps = kept[0]
@@ -201,6 +208,13 @@ def _unmatched_regexes(kinds: dict, options: ExtractOptions) -> list[str]:
     return [f"{flag} {p!r}: matches no module of the fine-tune (e.g. {names[0]}); it "
             f"{'selects' if flag == '--include-regex' else 'leaves out'} nothing"
             for flag, patterns in missed.items() for p in patterns if names]
+
+
+def _unchanged(ft, base, key: str) -> bool:
+    """Whether the state-dict tensor ``key`` is stored in both checkpoints and equal there (False when either lacks
+    it under that name: fused experts are stored per expert)."""
+    fk, bk = _stored(ft, key), _stored(base, key)
+    return fk is not None and bk is not None and torch.equal(ft.read_direct(fk), base.read_direct(bk))
 
 
 def _stored(ck, key: str) -> str | None:
@@ -295,7 +309,7 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     kinds = module_kinds(ft)
     notes: list = []
     entries, to_save = _plan(ft, bs, kinds, options, notes)
-    _loose_parameters(kinds, options, notes)
+    _loose_parameters(kinds, options, notes, ft, bs)
     warnings = _unmatched_save_modules(kinds, options) + _unmatched_regexes(kinds, options)
     lora = [e for e in entries if e.how != "full"]
     if not lora:  # modules saved whole only (or none): an adapter without a target module, which PEFT refuses

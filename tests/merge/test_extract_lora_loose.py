@@ -29,7 +29,9 @@ def _pair(tmp_path, family):
 @pytest.mark.parametrize("family, named", [("mixtral", "model.layers.0.mlp.experts (MixtralExperts: gate_up_proj"),
                                            ("clip_vision", "vision_model.embeddings (CLIPVisionEmbeddings: "
                                                            "class_embedding)"),
-                                           ("clip", "(the model) (CLIPModel: logit_scale)")])
+                                           # its logit_scale, a 0-d tensor add_noise leaves as it is: unchanged,
+                                           # so nothing is lost there (a note); the class embedding is named
+                                           ("clip", "vision_model.embeddings (CLIPVisionEmbeddings: class_embedding)")])
 def test_loose_parameters_are_one_error_or_left_out_on_request(tmp_path, capsys, family, named):
     _pair(tmp_path, family)
     capsys.readouterr()
@@ -41,3 +43,32 @@ def test_loose_parameters_are_one_error_or_left_out_on_request(tmp_path, capsys,
     assert main(argv + ["-o", str(tmp_path / "skip"), "--skip-undecomposable"]) == 0
     report = json.loads((tmp_path / "skip" / "symmerge_report.json").read_text())
     assert any(n.startswith("left out (--skip-undecomposable): ") and named in n for n in report["notes"])
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_a_vit_fine_tune_whose_class_token_is_unchanged_extracts(tmp_path, capsys, changed):
+    """ViT's cls_token and position_embeddings belong to no linear layer: a fine-tune that left them as the base had
+    them loses nothing (an adapter, with a note); one that changed them is still one error naming them."""
+    from safetensors.torch import load_file
+
+    base = make_model("vit", head=True, dtype=torch.float32, seed=0)
+    ft = make_model("vit", head=True, dtype=torch.float32, seed=0)
+    noisy = add_noise(base.state_dict(), 0.05, seed=1)[0]
+    loose = ("vit.embeddings.cls_token", "vit.embeddings.position_embeddings")
+    ft.load_state_dict({k: (v if changed or k not in loose else base.state_dict()[k]) for k, v in noisy.items()})
+    base.save_pretrained(str(tmp_path / "base"))
+    ft.save_pretrained(str(tmp_path / "ft"))
+    capsys.readouterr()
+    argv = ["extract-lora", str(tmp_path / "ft"), str(tmp_path / "base"), "--rank", "4", "--no-write-model-card",
+            "-o", str(tmp_path / "out")]
+    if changed:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "cannot extract vit.embeddings (ViTEmbeddings: cls_token, position_embeddings)" in err
+        assert not (tmp_path / "out").exists()
+        return
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "out" / "symmerge_report.json").read_text())
+    assert any(n.startswith("unchanged by the fine-tune, so nothing is lost: vit.embeddings.cls_token")
+               for n in report["notes"]), report["notes"]
+    assert load_file(str(tmp_path / "out" / "adapter_model.safetensors"))  # an adapter was written
