@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .assets import cache_dir
-from ..io.cache import DIGESTS, build_lock, damage, record_digests
+from ..io.cache import DIGESTS, build_lock, damage, record_digests, remove_entry
 from .debian import deb_data_dir
 from ..errors import SymmergeError
 
@@ -294,7 +294,7 @@ def corpus_splits(folder, fractions=(0.05, 0.05), seed: int = 0, root=None) -> d
             print(f"note: {reason}; splitting the corpus again", file=sys.stderr)
         docs = read_documents(folder)
         parts = split_documents(docs, fractions, seed)
-        _remove_entry(out)  # an incomplete run of an earlier version, or a damaged folder
+        remove_entry(out)  # an incomplete run of an earlier version, or a damaged folder
         with cache_entry(out) as tmp:
             manifest = {"source": str(folder), "seed": seed, "fractions": list(fractions), "splits": {}}
             for s in SPLITS:
@@ -325,15 +325,6 @@ def _splits_damage(out: Path) -> str | None:
                 ("sha256" not in want[s] and data.count(b"\n") != want[s].get("lines")):
             return f"{path}: its bytes differ from those written when it was built (damaged)"
     return None
-
-
-def _remove_entry(out: Path) -> None:
-    """Remove a cache folder about to be built again; one line when it cannot be."""
-    if out.exists():
-        shutil.rmtree(out, ignore_errors=True)
-    if out.exists():
-        raise SymmergeError(f"{out}: cannot replace this cached folder; delete it, or set SYMMERGE_CACHE to a "
-                            "writable folder")
 
 
 def python_docs_splits(fetch: bool = True, seed: int = 0) -> dict[str, Path]:
@@ -375,7 +366,7 @@ def train_tokenizer(texts, vocab_size: int = 4096, max_length: int = 128, root=N
                         record_digests(out, "*")  # trained by an earlier version: checked from now on
                     return loaded
             print(f"note: {reason}; training the tokenizer again", file=sys.stderr)
-        _remove_entry(out)  # an incomplete run of an earlier version, or a damaged folder
+        remove_entry(out)  # an incomplete run of an earlier version, or a damaged folder
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
         tok = Tokenizer(models.BPE())

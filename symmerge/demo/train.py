@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -129,7 +128,7 @@ def cached_folder(root, subdir: str, name: str, key: str, cache: bool, log=print
     """``(<root or cache_dir()/subdir>/<name>-<key[:12]>, found)``: ``found`` when a complete earlier run
     is there, its weights intact (:func:`symmerge.io.cache.damage`), and ``cache`` is on; otherwise an incomplete
     or damaged folder (or one to replace) is removed, a damaged one with a note."""
-    from ..io.cache import damage
+    from ..io.cache import damage, remove_entry
 
     out = (Path(root) if root is not None else cache_dir() / subdir) / f"{name}-{key[:12]}"
     if (out / "model.safetensors").is_file() and (out / "train_report.json").is_file() and cache:
@@ -138,12 +137,7 @@ def cached_folder(root, subdir: str, name: str, key: str, cache: bool, log=print
             log(f"reusing cached {name} ({out})")
             return out, True
         log(f"note: {reason}; training {name} again")
-    if out.exists():  # an incomplete or damaged earlier run, or cache=False
-        try:
-            shutil.rmtree(out)
-        except OSError as e:
-            raise SymmergeError(f"{out}: cannot replace this cached model ({e.strerror}); delete the folder, or set "
-                                "SYMMERGE_CACHE to a writable folder") from None
+    remove_entry(out, "cached model")  # an incomplete or damaged earlier run, or cache=False
     return out, False
 
 

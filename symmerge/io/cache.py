@@ -16,6 +16,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -46,6 +47,19 @@ def cache_root() -> Path:
     if path.exists() and not path.is_dir():
         raise SymmergeError(f"{path}: symmerge's cache is a file, not a folder; set {ENV} to a folder")
     return path
+
+
+def remove_entry(out, what: str = "cached folder", remedy: str = f"set {ENV} to a writable folder") -> None:
+    """Remove the cache entry ``out`` about to be built again (incomplete, damaged, or not to be reused); one
+    :class:`SymmergeError` naming it, ``what`` it is and ``remedy``, when it cannot be removed."""
+    out = Path(out)
+    if not out.exists():
+        return
+    try:
+        shutil.rmtree(out)
+    except OSError as e:
+        raise SymmergeError(f"{out}: cannot replace this {what} ({e.strerror}); delete the folder, or {remedy}"
+                            ) from None
 
 
 def lock_file(out) -> Path:

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SymmergeError
-from .cache import DIGESTS, build_lock, damage, record_digests
+from .cache import DIGESTS, build_lock, damage, record_digests, remove_entry
 from .provenance import remember
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -149,11 +149,7 @@ def resolve_input(spec, cache=None, dtype=None, merge: bool = True) -> str:
                     record_digests(out)  # merged by an earlier version: checked from now on
                 return str(out)
             print(f"note: {reason}; merging {spec} again", file=sys.stderr)
-            try:
-                shutil.rmtree(out)
-            except OSError as e:
-                raise SymmergeError(f"{out}: cannot replace this damaged merged model ({e.strerror}); delete the "
-                                    "folder, or give --lora-merge-cache a writable folder") from None
+            remove_entry(out, "damaged merged model", "give --lora-merge-cache a writable folder")
         try:
             directory.mkdir(parents=True, exist_ok=True)
             apply_adapter(base, ad, out, dtype=dtype)

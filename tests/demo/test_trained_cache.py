@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from cache_helpers import hold_and_publish
-from symmerge.demo import train
 from symmerge.demo.train import TrainSettings, train_vit, vit_config
 from symmerge.errors import SymmergeError
 from symmerge.io.cache import DIGESTS
@@ -80,7 +79,7 @@ def test_a_damaged_entry_that_cannot_be_removed_is_one_line(tmp_path, monkeypatc
     def refuse(*_, **__):
         raise PermissionError(13, "Permission denied", str(folder))
 
-    monkeypatch.setattr(train.shutil, "rmtree", refuse)
+    monkeypatch.setattr(shutil, "rmtree", refuse)  # the one remover of entries (io.cache.remove_entry)
     with pytest.raises(SymmergeError, match="cannot replace this cached model .*delete the folder") as info:
         _train(tmp_path)
     assert "\n" not in str(info.value) and str(folder) in str(info.value)
