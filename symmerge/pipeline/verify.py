@@ -127,8 +127,7 @@ def verify_elements(instances, elements: dict) -> None:
 def verify_forward(model, aligned, spec: Spec, tol: float | None = None, inputs: dict | None = None) -> dict:
     """Compare the outputs of ``model`` and ``aligned``; the report's ``verify_*`` fields. Raises
     :class:`SymmergeError` beyond the tolerance (default by dtype)."""
-    dtype = next(model.parameters()).dtype
-    tol = default_tolerance(dtype) if tol is None else tol
+    tol = default_tolerance(_dtype(model)) if tol is None else tol
     diff = compare(model, aligned, inputs or sample_inputs(model, spec), spec.outputs)
     if not diff["max_rel_diff"] <= tol:
         raise SymmergeError(f"aligned model is not equivalent: max relative output difference "
@@ -149,8 +148,7 @@ def working_copies(models) -> list:
     dtypes = {_dtype(m) for m in models}
     if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}:
         return list(models)
-    work = torch.float64 if dtypes == {torch.float64} else torch.float32
-    return [copy.deepcopy(m).to(work) if _dtype(m) != work else m for m in models]
+    return [copy.deepcopy(m).to(torch.float32) if _dtype(m) != torch.float32 else m for m in models]
 
 
 def in_dtype_of(result, stored):
