@@ -86,8 +86,8 @@ OPTIONS = (
     opt("no_verify", "--no-verify", on=ALIGN, form="switch", default=False,
         help="skip the equivalence check (not recommended)"),
     opt("verify_tol", "--verify-tol", on=ALIGN, parse=float, minimum=0,
-        help="max relative output difference accepted (default: 1e-6 fp64, 1e-4 fp32 and, in memory, half models "
-             "(verified on float32 copies), 5e-2 half with --stream)"),
+        help="max relative output difference accepted (default: 1e-6 fp64, 1e-4 fp32 and half models, verified "
+             "on float32 copies in memory and with --stream --verify-forward)"),
     opt("stream", "--stream", on=ALIGN, form="switch", default=False,
         help="layer by layer from safetensors shards, never holding a whole model in memory (attn, ffn, rescale; "
              "not residual): --match weights, or --match learned learned from the files one layer at a time "

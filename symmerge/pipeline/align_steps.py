@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.apply import stages
+from ..core.slots import HALF
 from ..errors import SymmergeError
 
 
@@ -84,9 +85,14 @@ def plan_steps(keys, instances) -> tuple[AlignStep, ...]:
     return tuple(AlignStep(k, tuple(maps.get(k, ())), tuple(folds.get(k, ()))) for k in keys)
 
 
-def transformed(step, tensor: torch.Tensor, instances: dict, elements: dict) -> torch.Tensor:
+def transformed(step, tensor: torch.Tensor, instances: dict, elements: dict, rounded: bool = True) -> torch.Tensor:
     """``tensor`` with the maps of ``step`` applied, first to last (``instances``: by name; a map whose instance
-    has no element — a group the matcher left as it is — changes nothing)."""
+    has no element — a group the matcher left as it is — changes nothing). A float16/bfloat16 tensor is carried in
+    float32 through every map and rounded once at the end, as :func:`~symmerge.core.apply.apply` does (``rounded``
+    False: returned in float32, unrounded)."""
+    stored = tensor.dtype
+    if stored in HALF:
+        tensor = tensor.float()
     for m in step.maps:
         inst = instances[m.instance]
         element = elements.get(inst.name)
@@ -94,7 +100,7 @@ def transformed(step, tensor: torch.Tensor, instances: dict, elements: dict) -> 
             continue
         for stage in stages(element):
             tensor = inst.kind.transform(tensor, m.slot, inst, stage)
-    return tensor
+    return tensor.to(stored) if rounded else tensor
 
 
 def _source(step) -> str:
@@ -105,16 +111,17 @@ def _source(step) -> str:
     return sources.pop()
 
 
-def execute_steps(steps, tensors: dict, instances, elements: dict) -> dict:
+def execute_steps(steps, tensors: dict, instances, elements: dict, rounded: bool = True) -> dict:
     """Run ``steps`` over ``tensors`` (``{name: tensor}``, in the canonical form the elements were solved in; every
     tensor a transformed step names must be there): a new dict, the copied tensors shared with ``tensors``, a
-    declared alias given its source's new tensor. ``instances``: those the steps' maps name."""
+    declared alias given its source's new tensor. ``instances``: those the steps' maps name. ``rounded`` False: a
+    transformed float16/bfloat16 tensor is returned in float32, before its one rounding (:func:`transformed`)."""
     by_name = {i.name: i for i in instances}
     out = dict(tensors)
     for step in steps:
         if not step.maps or _source(step) != step.tensor:
             continue  # a copy (the tensor as it is), or an alias: its source's new tensor, below
-        new = transformed(step, tensors[step.tensor], by_name, elements)
+        new = transformed(step, tensors[step.tensor], by_name, elements, rounded)
         out[step.tensor] = new
         for alias in {a for m in step.maps for a in m.slot.aliases}:
             out[alias] = new

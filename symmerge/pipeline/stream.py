@@ -26,7 +26,9 @@ additionally loads both models afterwards and compares their outputs, for checkp
 
 from __future__ import annotations
 
+import json
 import queue
+import shutil
 import threading
 import time
 from collections import defaultdict
@@ -40,6 +42,7 @@ from ..core.distance import sq_distance
 from ..core.layout import check_layouts
 from ..core.parallel import put_until_stopped
 from ..core.resolve import config_sizes, resolve, value_keys
+from ..core.slots import HALF
 from ..errors import SymmergeError
 from ..families import spec_for
 from ..io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
@@ -145,25 +148,29 @@ def _part_keys(part) -> list[str]:
 
 
 class _Job:
-    """Solving one part (or layer): solve, check, run the plan's steps of its tensors, distances; the new tensors
-    by disk name."""
+    """Solving one part (or layer): solve, check, run the plan's steps of its tensors, distances; ``(the new
+    tensors by disk name, their float32 values before rounding or None)``."""
 
-    def __init__(self, ckpt_a, opts, timings, distances, lock, steps: dict):
+    def __init__(self, ckpt_a, opts, timings, distances, lock, steps: dict, exact: bool = False):
         self.ckpt_a, self.opts, self.timings, self.distances, self.lock = ckpt_a, opts, timings, distances, lock
         self.steps = steps  # the plan's steps by tensor
+        self.exact = exact  # --verify-forward of half-precision files: the float32 values before rounding too
 
-    def __call__(self, part, sd_a, sd_b, prepared=None) -> dict:
+    def __call__(self, part, sd_a, sd_b, prepared=None) -> tuple:
         t0 = time.perf_counter()
         group_times: dict = defaultdict(float)
         elements = solve_local(part, sd_a, sd_b, self.opts, prepared=prepared, ctx=SolveContext(list(part)),
                                timings=group_times)
         t1 = time.perf_counter()
         verify_elements(part, elements)
-        new = execute_steps([self.steps[k] for k in sd_a], sd_a, part, elements)
-        out = {}
+        new = execute_steps([self.steps[k] for k in sd_a], sd_a, part, elements, rounded=not self.exact)
+        out, exact = {}, ({} if self.exact else None)
         for k in sd_a:
             if new[k].is_floating_point() and not torch.isfinite(new[k]).all():
                 raise SymmergeError(f"{self.ckpt_a.disk_name[k]}: aligned tensor is not finite")
+            if exact is not None:
+                exact.update(self.ckpt_a.to_disk(k, _float32(new[k])))
+                new[k] = new[k].to(sd_a[k].dtype)  # the one rounding, as without the copies
             with self.lock:
                 self.distances.add(k, sq_distance(sd_a, sd_b, [k]), sq_distance(new, sd_b, [k]))
             out.update(self.ckpt_a.to_disk(k, new[k]))
@@ -171,13 +178,28 @@ class _Job:
             for name, sec in group_times.items():
                 self.timings[f"solve {name}"] += sec
             self.timings["check_apply_distances"] += time.perf_counter() - t1
-        return out
+        return out, exact
 
 
-def _run_low_memory(by_layer, ckpt_a, ckpt_b, writer, job: _Job, opts, pbar, timings, trim):
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
+
+
+def _write(writer, exact_writer, result) -> None:
+    """A job's result into the output's writer (and its float32 values into ``exact_writer``, if any)."""
+    tensors, exact = result
+    for k, t in tensors.items():
+        writer.add(k, t)
+    if exact_writer is not None:
+        for k, t in exact.items():
+            exact_writer.add(k, t)
+
+
+def _run_low_memory(by_layer, ckpt_a, ckpt_b, writers, job: _Job, opts, pbar, timings, trim):
     """One tensor-disjoint part of one layer at a time. A part with a read-once costly step (the FFN
     assignment) runs it on tensors read on demand before the part is read whole: the cost matrix never
-    shares memory with the part's tensors."""
+    shares memory with the part's tensors. ``writers``: the output's and the float32 copies' (or None)."""
+    writer, exact_writer = writers
     for layer, insts in by_layer.items():
         for part in parts(insts):
             keys = _part_keys(part)
@@ -195,12 +217,11 @@ def _run_low_memory(by_layer, ckpt_a, ckpt_b, writer, job: _Job, opts, pbar, tim
             t0 = time.perf_counter()
             sd_a, sd_b = ckpt_a.read(keys), ckpt_b.read(keys)
             timings["read"] += time.perf_counter() - t0
-            tensors = job(part, sd_a, sd_b, prepared)
+            result = job(part, sd_a, sd_b, prepared)
             del sd_a, sd_b
             t0 = time.perf_counter()
-            for k, t in tensors.items():
-                writer.add(k, t)
-            del tensors
+            _write(writer, exact_writer, result)
+            del result
             timings["write"] += time.perf_counter() - t0
             trim()
         pbar.update(1)
@@ -221,8 +242,9 @@ def _reader(jobs, ckpt_a: LazyCheckpoint, ckpt_b: LazyCheckpoint, out: queue.Que
         out.put(_Failure(e))
 
 
-def _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, job: _Job, pbar, timings, workers: int):
-    """Reader thread one layer ahead, ``workers`` layers solved at once, results written in layer order."""
+def _run_pipelined(by_layer, ckpt_a, ckpt_b, writers, job: _Job, pbar, timings, workers: int):
+    """Reader thread one layer ahead, ``workers`` layers solved at once, results written in layer order
+    (``writers``: the output's and the float32 copies' or None)."""
     jobs = [(layer, _part_keys(insts)) for layer, insts in by_layer.items()]
     stop = threading.Event()
     layers_q: queue.Queue = queue.Queue(maxsize=1)
@@ -235,8 +257,7 @@ def _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, job: _Job, pbar, timings, w
         while len(pending) > limit:
             result = pending.pop(0).result()
             t0 = time.perf_counter()
-            for k, t in result.items():
-                writer.add(k, t)
+            _write(*writers, result)
             timings["write"] += time.perf_counter() - t0
             pbar.update(1)
 
@@ -277,7 +298,7 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
     ``plan``: the alignment's :class:`~symmerge.pipeline.align_plan.AlignPlan` (``options`` are its resolved ones),
     from which the report is built."""
     from ..device import resolve_device
-    from ..progress import bar, stage
+    from ..progress import stage
 
     start = time.perf_counter()
     options = options if options is not None else AlignOptions()
@@ -309,18 +330,13 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
 
     timings: dict = defaultdict(float)
     distances = Distances()
-    job = _Job(ckpt_a, opts, timings, distances, threading.Lock(), {st.tensor: st for st in plan.steps})
+    exact = verify_forward and _half(ckpt_a)  # half-precision files: checked on float32 values, as in memory
+    job = _Job(ckpt_a, opts, timings, distances, threading.Lock(), {st.tensor: st for st in plan.steps}, exact)
     with atomic_dir(out) as tmp:
         writer = ShardWriter(tmp, max_bytes)
-        _copy_untouched(passthrough, ckpt_a, ckpt_b, writer, distances, progress)
-        pbar = bar(total=len(by_layer), desc="aligning layers", unit="layers", enabled=progress)
-        try:
-            if pipeline:
-                _run_pipelined(by_layer, ckpt_a, ckpt_b, writer, job, pbar, timings, workers)
-            else:
-                _run_low_memory(by_layer, ckpt_a, ckpt_b, writer, job, opts, pbar, timings, trim)
-        finally:
-            pbar.close()
+        writers = (writer, _exact_writer(tmp, max_bytes) if exact else None)
+        _copy_untouched(passthrough, ckpt_a, ckpt_b, writers, distances, progress)
+        _run_layers(by_layer, (ckpt_a, ckpt_b), writers, job, opts, timings, trim, workers if pipeline else 0, progress)
         names = writer.close()
         side_files = copy_side_files(Path(model), tmp, {"sentence_transformers": embedding})
         (tmp / "config.json").write_text((Path(model) / "config.json").read_text())
@@ -335,13 +351,30 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
         report["match_seconds"] = time.perf_counter() - start
         if verify_forward:
             with stage("verified the aligned model's outputs", enabled=progress):
-                report.update(_verify_forward(model, tmp, options.verify_tol))
+                report.update(_verify_forward(model, tmp, options.verify_tol, (ckpt_a, ckpt_b) if exact else None))
         report["seconds"] = time.perf_counter() - start
         if given:
             report = plan_report(plan, report)
         write_card(tmp, report)  # README.md, the output's own model card
         write_json(tmp / "symmerge_report.json", report)
     return report
+
+
+def _run_layers(by_layer, ckpts, writers, job: _Job, opts, timings, trim, workers: int, progress: bool) -> None:
+    """Every layer through ``job`` into ``writers`` (the output's and the float32 copies' or None, which is closed
+    here), low memory or (``workers`` > 0) pipelined."""
+    from ..progress import bar
+
+    pbar = bar(total=len(by_layer), desc="aligning layers", unit="layers", enabled=progress)
+    try:
+        if workers:
+            _run_pipelined(by_layer, *ckpts, writers, job, pbar, timings, workers)
+        else:
+            _run_low_memory(by_layer, *ckpts, writers, job, opts, pbar, timings, trim)
+    finally:
+        pbar.close()
+    if writers[1] is not None:
+        writers[1].close()
 
 
 def _checked_streaming(model, anchor, options: AlignOptions, allow_tokenizer_mismatch: bool) -> tuple:
@@ -357,10 +390,12 @@ def _checked_streaming(model, anchor, options: AlignOptions, allow_tokenizer_mis
     return tokenizer, embedding
 
 
-def _copy_untouched(keys, ckpt_a, ckpt_b, writer, distances, progress: bool) -> None:
-    """The tensors no group touches (``keys``): one at a time, straight through (their distances recorded)."""
+def _copy_untouched(keys, ckpt_a, ckpt_b, writers, distances, progress: bool) -> None:
+    """The tensors no group touches (``keys``): one at a time, straight through (their distances recorded);
+    ``writers``: the output's and the float32 copies' (or None)."""
     from ..progress import bar
 
+    writer, exact_writer = writers
     for k in bar(keys, desc="copying untouched tensors", unit="tensors", enabled=progress):
         writer.make_room(ckpt_a.nbytes(k))
         ta, tb = ckpt_a.read([k]), ckpt_b.read([k])
@@ -368,14 +403,48 @@ def _copy_untouched(keys, ckpt_a, ckpt_b, writer, distances, progress: bool) -> 
         distances.add(k, d, d)
         for name, t in ckpt_a.to_disk(k, ta[k]):
             writer.add(name, t)
+            if exact_writer is not None:
+                exact_writer.add(name, _float32(t))
         del ta, tb
     writer.flush()
 
 
-def _verify_forward(model, aligned_dir, verify_tol) -> dict:
-    """Load the original and the aligned folder and compare outputs (needs both in memory)."""
-    from ..io.reader import load_model
-    from .verify import verify_forward
+EXACT = ".verify-float32"  # inside the temporary output: the aligned float32 values --verify-forward compares
 
-    a, b = load_model(model), load_model(aligned_dir)
-    return verify_forward(a, b, spec_for(a.config.model_type), verify_tol)
+
+def _half(ckpt: LazyCheckpoint) -> bool:
+    return any(d in HALF for d in ckpt.dtype.values())
+
+
+def _exact_writer(tmp: Path, max_bytes: int) -> ShardWriter:
+    (tmp / EXACT).mkdir()
+    return ShardWriter(tmp / EXACT, max_bytes)
+
+
+def _stored(ckpt: LazyCheckpoint) -> str:
+    """The dtype most of a checkpoint's floating-point values are stored in, by name."""
+    sizes: dict = defaultdict(int)
+    for k, d in ckpt.dtype.items():
+        if d.is_floating_point:
+            sizes[d] += ckpt.nbytes(k)
+    return str(max(sizes, key=sizes.get)).removeprefix("torch.")
+
+
+def _verify_forward(model, aligned_dir, verify_tol, pair=None) -> dict:
+    """Load the original and the aligned folder and compare outputs (needs both in memory). ``pair``: the two
+    checkpoints, when ``model`` is stored in half precision: the aligned model's float32 values before their
+    rounding (written to ``aligned_dir/.verify-float32``, removed here) are compared with the input's float32
+    copy, as the in-memory alignment compares them (:func:`~symmerge.pipeline.verify.working_copies`)."""
+    from ..io.reader import load_model
+    from .verify import copies_entry, verify_forward
+
+    a = load_model(model)
+    if pair is None:
+        return verify_forward(a, load_model(aligned_dir), spec_for(a.config.model_type), verify_tol)
+    exact = Path(aligned_dir) / EXACT
+    config = json.loads((Path(aligned_dir) / "config.json").read_text())
+    config.update({k: "float32" for k in ("dtype", "torch_dtype") if k in config} or {"dtype": "float32"})
+    (exact / "config.json").write_text(json.dumps(config))
+    result = verify_forward(a.float(), load_model(exact), spec_for(a.config.model_type), verify_tol)
+    shutil.rmtree(exact)
+    return {**result, "working_copies": copies_entry("float32", [_stored(c) for c in pair])}

@@ -162,7 +162,12 @@ def working_note(stored, work) -> dict | None:
     if all(w is x for w, x in zip(work, stored)):
         return None
     name = lambda m: str(_dtype(m)).removeprefix("torch.")  # noqa: E731
-    return {"dtype": name(work[0]), "stored": [name(m) for m in stored],
-            "note": (f"solved and verified on {name(work[0])} copies (verify_max_rel_diff is that alignment's); the "
+    return copies_entry(name(work[0]), [name(m) for m in stored])
+
+
+def copies_entry(dtype: str, stored: list) -> dict:
+    """The report's ``working_copies`` entry: verified on ``dtype`` copies of models ``stored`` in these dtypes."""
+    return {"dtype": dtype, "stored": stored,
+            "note": (f"solved and verified on {dtype} copies (verify_max_rel_diff is that alignment's); the "
                      "aligned model is rounded to its stored dtype once, which moves its outputs by that dtype's "
                      "rounding")}
