@@ -5,12 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from ..errors import SymmergeError
-from ..io.cache import DIGESTS, build_lock, cache_root, damage, record_digests
+from ..io.cache import DIGESTS, build_lock, cache_root, damage, record_digests, remove_entry
 from ..io.model import atomic_dir, quiet_transformers
 
 
@@ -60,8 +59,7 @@ def smollm2_path() -> Path:
         if reason is not None:
             print(f"note: {reason}; converting SmolLM2 again", file=sys.stderr)
         src = Path(list(found.submodule_search_locations)[0])
-        if out.exists():  # an interrupted conversion of an earlier version, or a damaged one
-            shutil.rmtree(out)
+        remove_entry(out, "converted SmolLM2 folder")  # an interrupted conversion of an earlier version, or a damaged one
         with atomic_dir(out) as tmp:
             _convert_gguf(src, SMOLLM2_GGUF, tmp)
         record_digests(out)

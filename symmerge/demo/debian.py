@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import SymmergeError
 from .assets import cache_dir
-from ..io.cache import build_lock
+from ..io.cache import build_lock, remove_entry
 
 
 def deb_data_dir(package: str, system_dir: Path, inner: str, name: str, has, label: str, how: str,
@@ -47,9 +47,11 @@ def fetch_deb(package: str, root: Path, check, how: str) -> None:
             detail = (got.stderr or got.stdout).strip().splitlines()[-1:] or ["no .deb"]
             raise SymmergeError(f"could not fetch `apt-get download {package}` ({detail[0]}); {how}")
         unpacked = Path(tmp) / "root"
-        subprocess.run(["dpkg", "-x", str(debs[-1]), str(unpacked)], check=True, capture_output=True)
+        got = subprocess.run(["dpkg", "-x", str(debs[-1]), str(unpacked)], capture_output=True, text=True)
+        if got.returncode != 0:
+            detail = (got.stderr or got.stdout).strip().splitlines()[-1:] or [f"exit status {got.returncode}"]
+            raise SymmergeError(f"could not unpack {debs[-1].name} with `dpkg -x` ({detail[0]}); {how}")
         if not check(unpacked):
             raise SymmergeError(f"{debs[-1].name}: the package does not hold the expected files")
-        if root.exists():  # an interrupted earlier fetch
-            shutil.rmtree(root)
+        remove_entry(root, "unpacked package folder")  # an interrupted earlier fetch
         os.replace(unpacked, root)

@@ -58,3 +58,44 @@ def test_a_fetch_another_process_is_making_is_waited_for(tmp_path, monkeypatch):
         holder.wait(timeout=60)
     assert holder.returncode == 0 and x.shape[1:] == (28, 28) and len(x) == len(y)
     assert np.array_equal(datasets.fashion_mnist("test", fetch=False)[1], y)
+
+
+def _fake_tools(tmp_path, monkeypatch, dpkg: str):
+    """``apt-get download`` that writes a .deb, and ``dpkg`` running the shell line ``dpkg``, first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "apt-get").write_text('#!/bin/sh\ntouch "pkg_1.0_all.deb"\n')
+    (bin_dir / "dpkg").write_text(f"#!/bin/sh\n{dpkg}\n")
+    for tool in ("apt-get", "dpkg"):
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def test_a_package_dpkg_cannot_unpack_is_one_line(tmp_path, monkeypatch):
+    """``dpkg -x`` failing was subprocess's CalledProcessError and its traceback."""
+    _fake_tools(tmp_path, monkeypatch, 'echo "dpkg-deb: error: archive has premature member" >&2; exit 2')
+    root = tmp_path / "cache" / "pkg"
+    with pytest.raises(SymmergeError) as info:
+        debian.fetch_deb("pkg", root, lambda unpacked: True, "install pkg")
+    text = str(info.value)
+    assert "\n" not in text and "dpkg -x" in text and "premature member" in text and "install pkg" in text
+    assert not root.exists() and list((tmp_path / "cache").iterdir()) == []
+
+
+def test_an_earlier_fetch_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch):
+    """An interrupted earlier fetch that cannot be removed (a folder of another user): one line naming it (it was
+    rmtree's PermissionError); nothing is left in a temporary folder."""
+    from symmerge.io import cache
+
+    def refuse(path, *a, **k):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    _fake_tools(tmp_path, monkeypatch, 'mkdir -p "$3/data"')
+    root = tmp_path / "cache" / "pkg"
+    (root / "old").mkdir(parents=True)
+    monkeypatch.setattr(cache, "shutil", type("S", (), {"rmtree": staticmethod(refuse)}))
+    with pytest.raises(SymmergeError) as info:
+        debian.fetch_deb("pkg", root, lambda unpacked: (unpacked / "data").is_dir(), "install pkg")
+    text = str(info.value)
+    assert "\n" not in text and str(root) in text and "cannot replace this unpacked package folder" in text
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["pkg"]
