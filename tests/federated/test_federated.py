@@ -859,6 +859,14 @@ def test_the_example_app_passes_its_robust_options_to_the_strategy(example_on_pa
         task.settings({"outlier-rules": "krum"})
     with pytest.raises(SymmergeError, match="norm_clip must be True or False, got 'false'"):  # not read as true
         server_app.strategy_options(task.settings({"norm-clip": "false"}))
+    # a value of another kind than its setting's: one line naming the setting (float('x') in the server app before)
+    for bad, says in ((("trim", "x"), "'trim' must be a number, got 'x'"),
+                      (("num-server-rounds", 2.5), "'num-server-rounds' must be a whole number, got 2.5"),
+                      (("min-clients", True), "'min-clients' must be a whole number, got True"),
+                      (("align", 3), "'align' must be a string, got 3")):
+        with pytest.raises(ValueError, match=says):
+            task.settings(dict([bad]))
+    assert task.settings({"trim": 1, "num-server-rounds": 4.0})["trim"] == 1  # an int where a float goes, 4.0 rounds
 
 
 def test_two_rounds_three_clients_through_the_simulation_engine(example_on_path):

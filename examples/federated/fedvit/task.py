@@ -44,14 +44,33 @@ DEFAULTS = {
 
 
 def settings(*configs) -> dict:
-    """:data:`DEFAULTS` updated by each of ``configs`` (unknown keys are an error: a typo is not ignored)."""
+    """:data:`DEFAULTS` updated by each of ``configs`` (unknown keys are an error: a typo is not ignored; a value of
+    another kind than its default's is one error naming the setting: ``float('x')`` deep in the server app said
+    neither which setting nor where it came from)."""
     out = dict(DEFAULTS)
     for c in configs:
         unknown = set(c or {}) - set(DEFAULTS)
         if unknown:
             raise KeyError(f"unknown fedvit setting(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+        for key, value in (c or {}).items():
+            _check_kind(key, value)
         out.update(c or {})
     return out
+
+
+def _check_kind(key: str, value) -> None:
+    """``value`` of the kind of ``key``'s default: a whole number, a number or a string (a switch's value is
+    checked by symmerge's options, which refuse a string such as 'false')."""
+    default = DEFAULTS[key]
+    if isinstance(default, bool):
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, int) and not (number and float(value).is_integer()):
+        raise ValueError(f"fedvit setting {key!r} must be a whole number, got {value!r}")
+    if isinstance(default, float) and not number:
+        raise ValueError(f"fedvit setting {key!r} must be a number, got {value!r}")
+    if isinstance(default, str) and not isinstance(value, str):
+        raise ValueError(f"fedvit setting {key!r} must be a string, got {value!r}")
 
 
 def load_model(cfg: dict):
