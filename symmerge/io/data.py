@@ -377,8 +377,9 @@ def _class_pad(tokenizer, model, path) -> int:
 
 def _tokenize(texts, tokenizer, batch_size, max_len, lm: bool) -> tuple[list, int]:
     """(batches, how many texts were longer than ``max_len`` tokens and cut)."""
-    if tokenizer.pad_token is None:  # lm or unlabeled text: the mask, not the pad id, marks the padding
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    if tokenizer.pad_token is None:  # lm or unlabeled text: the mask, not the pad id, marks the padding (any token
+        # pads, id 0's where there is no EOS or UNK; a fast tokenizer's pad token does not change how it splits)
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.convert_ids_to_tokens(0)
     batches, truncated = [], 0
     for i in range(0, len(texts), batch_size):
         enc = tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_len, return_tensors="pt",

@@ -162,6 +162,33 @@ def test_a_decoder_classifier_without_any_pad_id_is_one_error(tmp_path):
     assert str(path) in line and "pad" in line and "pad_token_id" in line, line
 
 
+def test_texts_for_a_tokenizer_without_pad_eos_or_unk_are_padded_under_the_mask(tmp_path):
+    """A word-level tokenizer with no special token at all (no pad, EOS or UNK) on .txt lines of unequal lengths was
+    transformers' 'Asking to pad but the tokenizer does not have a padding token' traceback. The attention mask and
+    the -100 labels mark the padding, so any id pads: each line's next-token loss is the one it gets alone."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = WORDS[3:]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    assert fast.pad_token is None and fast.eos_token is None and fast.unk_token is None
+    fast.save_pretrained(str(tmp_path / "tok"))
+    path = tmp_path / "lines.txt"
+    path.write_text("the cat sat on a mat\na dog ran\n")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=24,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
+    batch = load_data(path, model, tokenizer=str(tmp_path / "tok")).batches[0]
+    assert batch.mask.sum(1).tolist() == [6, 3] and (batch.labels[1, 3:] == -100).all()
+    with torch.no_grad():
+        together = model(**batch.inputs).logits
+        for i, n in enumerate((6, 3)):
+            alone = model(input_ids=batch.inputs["input_ids"][i:i + 1, :n]).logits[0]
+            torch.testing.assert_close(together[i, :n], alone, rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------ texts longer than the model reads
 
 
