@@ -128,6 +128,16 @@ def build_parser():
     return parser
 
 
+def _quiet(args) -> None:
+    """``-q`` / ``--quiet`` of align, merge, barrier, demo and extract-lora: ``--progress none`` (with another
+    ``--progress`` given, one error: which of the two was meant is not clear); run and moe read their mergekit
+    ``--quiet`` themselves."""
+    if getattr(args, "quiet", False) is True and args.command not in ("run", "moe"):
+        if args.progress not in ("auto", "none"):
+            args.subparsers[args.command].error(f"--quiet and --progress {args.progress}: give one")
+        args.progress = "none"
+
+
 def _run(argv) -> int:
     from ._entry import guarded_imports
     from .progress import configure
@@ -142,6 +152,7 @@ def _run(argv) -> int:
     from .io.hf import trust_remote_code
     from .progress import kept
 
+    _quiet(args)
     with kept():  # the caller's progress setting back after the command (main run in a caller's process)
         configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
         with trust_remote_code(getattr(args, "trust_remote_code", False)):  # code from model folders: only if asked

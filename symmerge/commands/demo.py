@@ -26,6 +26,7 @@ def add_arguments(parser) -> None:
     """demo's flags, declared in :mod:`symmerge.options.declared`, and the progress flag."""
     add_part(parser, DEMO)
     add_part(parser, "progress")
+    add_part(parser, "quiet")
 
 
 def run(args) -> int:

@@ -401,6 +401,8 @@ OPTIONS = (
         choices=PROGRESS_MODES, default="auto",
         help="how progress is shown on stderr: auto (default: bars on a terminal, plain lines otherwise, e.g. in a "
              "log or a pipe), bar, lines (one line per stage with counts and seconds) or none"),
+    opt("quiet", "-q", "--quiet", on=MODELS | {"demo"}, part="quiet", form="switch",
+        default=False, help="no progress on stderr (as --progress none)"),
     # appended (issue 42 item 3): the learned alignment's α range
     opt("learn_alpha_low", "--learn-alpha-low", on=ALIGNING, part=ALIGNMENT, parse=float, minimum=0, metavar="LO",
         learn="alpha_low",
@@ -475,7 +477,6 @@ EXTRACT_NO_OPS = {  # mergekit-extract-lora's flags that change nothing here, an
     "--copy-tokenizer": ("an adapter holds no tokenizer", None),
     "--clone-tensors": ("tensors are never shared", None),
     "--safe-serialization": ("always safetensors", None),
-    "--quiet": ("use --progress none", None),
 }
 
 
@@ -546,6 +547,8 @@ OPTIONS += (
         help="seed of --svd lowrank"),
     opt("device", "--device", on=EXTRACT, part=EXTRACT, parse=device_name, help="where the SVDs run: cpu (default), cuda, cuda:N"),
     opt("cuda", "--cuda", on=EXTRACT, part=EXTRACT, form="onoff", default=False, help="--device cuda"),
+    opt("quiet", "-q", "--quiet", on=EXTRACT, part=EXTRACT, form="onoff", default=False,
+        help="no progress on stderr (as --progress none; mergekit-extract-lora's --quiet)"),
     opt("num_threads", "-j", "--num-threads", on=EXTRACT, part=EXTRACT, parse=int, minimum=1, metavar="N",
         help="torch's CPU threads"),
     opt("write_model_card", "--write-model-card", on=EXTRACT, part=EXTRACT, form="onoff", default=True,
