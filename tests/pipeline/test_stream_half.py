@@ -1,4 +1,4 @@
-"""Half-precision files through ``align --stream``: the same alignment as in memory, verified the same way.
+"""Half-precision files through ``align --stream``: rounded once and verified as in memory.
 
 The in-memory alignment of float16/bfloat16 models solves, applies and verifies on float32 copies and rounds the
 result once (:func:`symmerge.pipeline.verify.working_copies`). Streamed, every map of a tensor is applied in
@@ -32,16 +32,30 @@ def _tensors(folder):
     return out
 
 
-def test_streamed_bfloat16_alignment_writes_the_in_memory_alignment(tmp_path):
-    """Each tensor rounded once (it was rounded after each map: a q_proj moved by the head rotation and the
-    attention's map differed from the in-memory alignment's in one element)."""
-    a, b = _pair("llama", torch.bfloat16, tmp_path)
-    assert main(["align", a, b, "-o", str(tmp_path / "mem"), "--progress", "none"]) == 0
-    assert main(["align", a, b, "-o", str(tmp_path / "str"), "--stream", "--progress", "none"]) == 0
-    mem, streamed = _tensors(tmp_path / "mem"), _tensors(tmp_path / "str")
-    assert set(mem) == set(streamed)
-    assert [k for k in mem if not torch.equal(mem[k], streamed[k])] == []
-    assert all(t.dtype == torch.bfloat16 for t in streamed.values())
+def test_a_half_tensor_is_rounded_once_after_all_its_maps():
+    """The plan's steps over bfloat16 tensors give their float32 result rounded once: every map applied in float32
+    (before, each map's result was rounded: a q_proj moved by the head rotation and the attention's map, a stream
+    writer by several groups, were rounded twice or more; streamed, they then differed from the in-memory
+    alignment's folder, which rounds once)."""
+    from symmerge.core.apply import random_elements
+    from symmerge.pipeline.align import instances_for
+    from symmerge.pipeline.align_steps import execute_steps, plan_steps
+
+    model = make_model("llama", dtype=torch.float32, seed=0)
+    _, instances = instances_for(model)
+    local = [i for i in instances if i.kind.per_layer]
+    assert {i.group.symmetry for i in local} >= {"heads", "attn", "ffn"}
+    elements = random_elements(local, torch.Generator().manual_seed(3))
+    half = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    steps = plan_steps(list(half), local)
+    twice = [st.tensor for st in steps if len({m.instance for m in st.maps}) > 1]
+    assert twice  # tensors more than one group moves: where rounding after each map made a difference
+    got = execute_steps(steps, half, local, elements)
+    exact = execute_steps(steps, {k: v.float() for k, v in half.items()}, local, elements)
+    assert all(got[k].dtype == torch.bfloat16 for k in half)
+    assert [k for k in half if not torch.equal(got[k], exact[k].to(torch.bfloat16))] == []
+    unrounded = execute_steps(steps, half, local, elements, rounded=False)
+    assert all(torch.equal(unrounded[k], exact[k]) for k in twice)
 
 
 @pytest.mark.parametrize("mode", [[], ["--pipeline"]])
