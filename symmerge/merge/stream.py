@@ -237,7 +237,8 @@ def _plain_streaming(folders, base_folder, out, options, checked: _Checked, *, a
     execute_steps(ckpts + ([base] if base is not None else []), steps, plan.method, out,
                   OutputFolder(config=config_text(holder), side_files_from=holder.folder, side_report=side,
                                naming=options.head_from, shard_size=checked.shard_size, finish=finish),
-                  budget=checked.budget, progress=options.progress)
+                  budget=checked.budget, progress=options.progress,
+                  distances=set(st.name for st in steps) - set(heads[0]))  # the body, as in memory
     return report
 
 
