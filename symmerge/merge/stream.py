@@ -46,7 +46,7 @@ from .executor import (DEFAULT_SHARD, OutputFolder, _Budget, config_text, defaul
 from .heads import head_policy, head_report
 from .plan import (MEMORY_FRACTION, MODES, MergePlan, average_keys, checkpoint_bytes, choose_mode,  # noqa: F401
                    closest, closest_to_average, has_spec, merge_report, plain_fallback, plan_merge, stream_refusal)
-from .steps import plain_merge_steps
+from .steps import file_order, plain_merge_steps
 
 
 def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
@@ -170,7 +170,9 @@ def plain_steps(ckpts, base, options, names) -> tuple[list, list, list]:
     merged_keys = [k for k in merged_keys if k not in borrowed(everything)]  # a base model's missing head: kept
     merged_set = set(merged_keys)
     kept = set(heads[options.head_from])
-    order = [k for k in holder.keys() if k in merged_set or k in kept]
+    # safetensors' own layout, not the files' order: the same output from single-file or sharded inputs
+    order = file_order([k for k in holder.keys() if k in merged_set or k in kept], holder.dtype.__getitem__,
+                       holder.save_name)
     steps = plain_merge_steps(order, merged_set, len(ckpts), base=len(ckpts) if base is not None else None,
                               weights=options.weights, params=options.params, head_from=options.head_from)
     return steps, heads, policy

@@ -1,9 +1,11 @@
 """One result however a merge is computed (benchmarks/repro_audit.py, docs/results/repro_audit.md): the same merge in
 memory and streamed reports the same distances (over the body: a language model's merged head is no part of them,
-in either wing)."""
+in either wing) and writes the same file, byte for byte, from single-file or sharded inputs (safetensors' own
+layout: by dtype, then name, the metadata first)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -58,3 +60,63 @@ def test_memory_and_stream_report_the_same_distances_over_the_body(folders, tmp_
         for k in a:
             assert math.isclose(a[k], b[k], rel_tol=1e-9), (field, k, a[k], b[k])
 
+
+def file_bytes(folder) -> dict:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.glob("*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """The same fine-tunes and base saved in several shards each (in the model's order, not the names')."""
+    root = tmp_path_factory.mktemp("repro-sharded")
+    out = {}
+    for k, m in tiny_models().items():
+        out[k] = root / f"m{k}"
+        m.save_pretrained(str(out[k]), max_shard_size=20_000)
+        assert len(list(out[k].glob("*.safetensors"))) > 2
+    index = json.loads((out[1] / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["lm_head.weight"] != index["model.embed_tokens.weight"]  # the head last, its name first
+    return out
+
+
+@pytest.mark.parametrize("method", ["average", "ties"])
+def test_the_same_bytes_from_sharded_inputs_and_in_memory(folders, sharded, tmp_path, capsys, method):
+    """The output file of one merge is the same file, byte for byte, whether its inputs were single files or
+    shards, and whether it was merged streamed or in memory (one output file: the layout safetensors writes)."""
+    def args(where):
+        return ["--method", method, "--align", "none", *(["--base", where["base"]] if method == "ties" else [])]
+
+    single = tmp_path / "single"
+    merged(capsys, folders, single, *args(folders), "--mode", "stream")
+    from_shards = tmp_path / "shards"
+    rc, _, err = run_cli(capsys, "merge", sharded[1], sharded[2], "--progress", "none", "-o", from_shards,
+                         *args(sharded), "--mode", "stream")
+    assert rc == 0, err
+    memory = tmp_path / "memory"
+    merged(capsys, folders, memory, *args(folders), "--mode", "memory")
+    assert file_bytes(single) == file_bytes(from_shards)
+    assert file_bytes(single) == file_bytes(memory)
+
+
+def test_planned_writer_writes_the_layout_safetensors_writes(tmp_path):
+    """Tensors of every dtype in safetensors' own order, the metadata first: the file ``save_file`` writes."""
+    from safetensors.torch import save_file
+
+    from symmerge.io.checkpoint import PlannedWriter
+    from symmerge.merge.steps import file_order
+
+    dtypes = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.float16, torch.bfloat16, torch.int32,
+              torch.float32, torch.float64, torch.int64]
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t.{i % 3}.{dt}".replace("torch.", ""): (torch.randn(3, 2, generator=g) * 10).to(dt)
+               for i, dt in enumerate(dtypes)}
+    save_file(tensors, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    order = file_order(list(tensors), lambda k: tensors[k].dtype)
+    (tmp_path / "out").mkdir()
+    writer = PlannedWriter(tmp_path / "out", [(k, tensors[k].dtype, tuple(tensors[k].shape)) for k in order],
+                           max_bytes=1 << 30)
+    for k in order:
+        writer.add(k, tensors[k])
+    assert writer.close() == ["model.safetensors"]
+    assert ((tmp_path / "out" / "model.safetensors").read_bytes()
+            == (tmp_path / "reference.safetensors").read_bytes())
