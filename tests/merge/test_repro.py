@@ -31,13 +31,28 @@ def tiny_models() -> dict:
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def saved(tmp_path_factory) -> dict:
+    """The models saved single-file ("one") and in several shards each ("sharded": in the model's order, the
+    LM head last though its name sorts first)."""
     root = tmp_path_factory.mktemp("repro")
-    out = {}
+    out = {"one": {}, "sharded": {}}
     for k, m in tiny_models().items():
-        out[k] = root / f"m{k}"
-        m.save_pretrained(str(out[k]))
+        for layout, shard in (("one", {}), ("sharded", {"max_shard_size": 20_000})):
+            out[layout][k] = root / layout / f"m{k}"
+            m.save_pretrained(str(out[layout][k]), **shard)
+    index = json.loads((out["sharded"][1] / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["lm_head.weight"] != index["model.embed_tokens.weight"]
     return out
+
+
+@pytest.fixture(scope="module")
+def folders(saved):
+    return saved["one"]
+
+
+@pytest.fixture(scope="module")
+def sharded(saved):
+    return saved["sharded"]
 
 
 def merged(capsys, folders, out, *flags) -> dict:
@@ -63,20 +78,6 @@ def test_memory_and_stream_report_the_same_distances_over_the_body(folders, tmp_
 
 def file_bytes(folder) -> dict:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.glob("*.safetensors"))}
-
-
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
-    """The same fine-tunes and base saved in several shards each (in the model's order, not the names')."""
-    root = tmp_path_factory.mktemp("repro-sharded")
-    out = {}
-    for k, m in tiny_models().items():
-        out[k] = root / f"m{k}"
-        m.save_pretrained(str(out[k]), max_shard_size=20_000)
-        assert len(list(out[k].glob("*.safetensors"))) > 2
-    index = json.loads((out[1] / "model.safetensors.index.json").read_text())["weight_map"]
-    assert index["lm_head.weight"] != index["model.embed_tokens.weight"]  # the head last, its name first
-    return out
 
 
 @pytest.mark.parametrize("method", ["average", "ties"])
