@@ -41,7 +41,7 @@ from . import kernels
 from .base import merge_tensor
 from .in_dtype import mergekit_threads, remember_threads
 from .outputs import check_result, refuse_non_finite
-from .steps import TensorStep, step_arguments
+from .steps import TensorStep, file_order, step_arguments
 
 DEFAULT_SHARD = "2GB"  # output shards: written as they come, never held, so their size costs no memory
 
@@ -251,11 +251,14 @@ class StreamExecutor:
         self.ckpts = [_checkpoint(x) for x in inputs]
         self.steps = [s if isinstance(s, TensorStep) else TensorStep(**s) for s in steps]
         self.method, self.dtype, self.progress = method, dtype, progress
+        self.naming = self.ckpts[naming]
         self.measured = None if isinstance(distances, bool) else frozenset(distances)
         self.measure = bool(distances)
-        self.naming = self.ckpts[naming]
         self.max_bytes = parse_size(shard_size)
         self._check()
+        # run and written in safetensors' own layout (by dtype, then the name written), whatever order the plan
+        # came in (the inputs' files, a config's layers): one output file for one merge, however it was asked for
+        self.steps = file_order(self.steps, self.out_dtype, lambda st: self.save_name(st.name))
         self.sizes = [sum(_aligned(self.ckpts[s.model].room(s.key)) for s in self.reads(st)) +
                       (0 if keep else _aligned(max(self.out_bytes(st), self.ref_bytes(st)))) for st in self.steps]
         self.limit = int(budget if budget is not None else default_budget(self.sizes))

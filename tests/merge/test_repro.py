@@ -80,12 +80,15 @@ def file_bytes(folder) -> dict:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.glob("*.safetensors"))}
 
 
-@pytest.mark.parametrize("method", ["average", "ties"])
-def test_the_same_bytes_from_sharded_inputs_and_in_memory(folders, sharded, tmp_path, capsys, method):
+@pytest.mark.parametrize("method,params", [("average", []), ("ties", ["--param", "density=0.5"]),
+                                           ("ties", ["--param", "density=0.5", "--param", "scope=model"])])
+def test_the_same_bytes_from_sharded_inputs_and_in_memory(folders, sharded, tmp_path, capsys, method, params):
     """The output file of one merge is the same file, byte for byte, whether its inputs were single files or
-    shards, and whether it was merged streamed or in memory (one output file: the layout safetensors writes)."""
+    shards, and whether it was merged streamed or in memory (one output file: the layout safetensors writes; a
+    model-wide threshold, ``scope=model``, samples the tensors in that one order too)."""
     def args(where):
-        return ["--method", method, "--align", "none", *(["--base", where["base"]] if method == "ties" else [])]
+        return ["--method", method, *params, "--align", "none",
+                *(["--base", where["base"]] if method == "ties" else [])]
 
     single = tmp_path / "single"
     merged(capsys, folders, single, *args(folders), "--mode", "stream")
@@ -121,3 +124,17 @@ def test_planned_writer_writes_the_layout_safetensors_writes(tmp_path):
     assert writer.close() == ["model.safetensors"]
     assert ((tmp_path / "out" / "model.safetensors").read_bytes()
             == (tmp_path / "reference.safetensors").read_bytes())
+
+
+def test_a_mergekit_config_writes_the_file_the_command_line_writes(folders, tmp_path, capsys):
+    """``symmerge run`` of a mergekit config and ``symmerge merge --align none`` of the same merge: one file, byte
+    for byte (the config plans mergekit's order: embeddings, layers, the rest; the executor writes safetensors')."""
+    config = tmp_path / "ties.yml"
+    config.write_text(f"merge_method: ties\nbase_model: {folders['base']}\nmodels:\n"
+                      f"  - model: {folders[1]}\n    parameters: {{weight: 1.0}}\n"
+                      f"  - model: {folders[2]}\n    parameters: {{weight: 1.0}}\nparameters: {{density: 0.5}}\n")
+    rc, _, err = run_cli(capsys, "run", config, tmp_path / "config", "--no-write-model-card")
+    assert rc == 0, err
+    merged(capsys, folders, tmp_path / "flags", "--method", "ties", "--param", "density=0.5", "--align", "none",
+           "--base", folders["base"])
+    assert file_bytes(tmp_path / "config") == file_bytes(tmp_path / "flags")
