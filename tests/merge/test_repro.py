@@ -138,3 +138,41 @@ def test_a_mergekit_config_writes_the_file_the_command_line_writes(folders, tmp_
     merged(capsys, folders, tmp_path / "flags", "--method", "ties", "--param", "density=0.5", "--align", "none",
            "--base", folders["base"])
     assert file_bytes(tmp_path / "config") == file_bytes(tmp_path / "flags")
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> dict:
+    """A tiny Mixtral (transformers fuses its experts in memory; the files store one tensor per expert): a base and
+    two fine-tunes."""
+    root = tmp_path_factory.mktemp("repro-moe")
+    out = {}
+    for k in ("base", 1, 2):
+        m = make_model("mixtral", head=True, dtype=torch.float32)
+        if k != "base":
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
+        out[k] = root / f"m{k}"
+        m.save_pretrained(str(out[k]))
+    return out
+
+
+@pytest.mark.parametrize("method,params", [("ties", ["--param", "density=0.5"]), ("dare_ties", ["--param", "density=0.5"]),
+                                           ("model_stock", [])])
+def test_a_mixture_of_experts_merges_per_stored_tensor_in_memory_as_streamed(mixtral, tmp_path, capsys, method,
+                                                                           params):
+    """A per-tensor method reads each expert's stored tensor on its own in both wings (a TIES threshold, DARE's
+    seeded mask, Model Stock's angle of one expert's ``w1``), not the fused (experts, 2·ffn, d) tensor in memory."""
+    args = ["--method", method, *params, "--align", "none", "--base", mixtral["base"]]
+    merged(capsys, mixtral, tmp_path / "memory", *args, "--mode", "memory")
+    merged(capsys, mixtral, tmp_path / "stream", *args, "--mode", "stream")
+    a, b = outputs(tmp_path / "memory"), outputs(tmp_path / "stream")
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert file_bytes(tmp_path / "memory") == file_bytes(tmp_path / "stream")
+
+
+def outputs(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
