@@ -157,8 +157,8 @@ def mixtral(tmp_path_factory) -> dict:
     return out
 
 
-@pytest.mark.parametrize("method,params", [("ties", ["--param", "density=0.5"]), ("dare_ties", ["--param", "density=0.5"]),
-                                           ("model_stock", [])])
+@pytest.mark.parametrize("method,params", [("ties", ["--param", "density=0.5"]),
+                                           ("dare_ties", ["--param", "density=0.5"]), ("model_stock", [])])
 def test_a_mixture_of_experts_merges_per_stored_tensor_in_memory_as_streamed(mixtral, tmp_path, capsys, method,
                                                                            params):
     """A per-tensor method reads each expert's stored tensor on its own in both wings (a TIES threshold, DARE's
