@@ -302,9 +302,16 @@ def aligned_folders(models, out, options, plan, names):
             rows.insert(idx, {"model": names[idx], "anchor": True})
         alignment = {"symmetries": list(resolved or []), "requested": plan.requested,
                      "rescale": plan.align.effective_rescale, "anchor": info, "models": rows, "streamed": True}
+        notes = []
         if options.use_joint(len(models)):  # auto: more than two models, no anchor
-            alignment["note"] = ("streamed: every model was aligned to one anchor (the star); joint alignment into "
-                                 "one frame needs the models in memory (--mode memory)")
+            notes.append("streamed: every model was aligned to one anchor (the star); joint alignment into one frame "
+                         "needs the models in memory (--mode memory)")
+        if plan.why.startswith("auto:"):  # chosen by the memory free now: another run may load them
+            notes.append("--mode auto streamed this aligned merge because the models exceed half the memory "
+                         "available now; loaded (--mode memory) it aligns every group, residual included, and gives "
+                         "another model: give --mode stream or --mode memory for one result whatever memory is free")
+        if notes:
+            alignment["note"] = "; ".join(notes)
         yield aligned, base_path, alignment
     finally:
         shutil.rmtree(work, ignore_errors=True)

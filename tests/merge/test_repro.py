@@ -176,3 +176,18 @@ def outputs(folder) -> dict:
     from safetensors.torch import load_file
 
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_auto_says_when_the_memory_free_chose_a_streamed_alignment(folders, tmp_path, capsys, monkeypatch):
+    """``--mode auto`` aligns in memory when the models fit in half the memory available, else streamed (the groups
+    that stream): two results for one command, chosen by the memory free at the time. The streamed one says so, and
+    how to get one result."""
+    from symmerge.core import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda: 1000)  # the models do not fit
+    report = merged(capsys, folders, tmp_path / "out", "--method", "average")
+    assert report["plan"]["mode"] == "stream" and report["plan"]["why"].startswith("auto:")
+    assert "--mode stream or --mode memory" in report["alignment"]["note"]
+    rc, _, err = run_cli(capsys, "merge", folders[1], folders[2], "--method", "average", "--progress", "none",
+                         "-o", tmp_path / "again")
+    assert rc == 0 and "note: --mode auto streamed this aligned merge" in err
