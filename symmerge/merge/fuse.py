@@ -708,6 +708,7 @@ def split_fused(sd: dict, fused: dict) -> dict:
 
 
 def unfused(keys, fused: dict) -> list:
+    """``keys`` with each fused tensor's name replaced by its stored tensors' names, in their place."""
     return [name for k in keys for name in ([p.name for p in fused[k].parts] if k in fused else [k])]
 
 
