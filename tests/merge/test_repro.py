@@ -191,3 +191,17 @@ def test_auto_says_when_the_memory_free_chose_a_streamed_alignment(folders, tmp_
     rc, _, err = run_cli(capsys, "merge", folders[1], folders[2], "--method", "average", "--progress", "none",
                          "-o", tmp_path / "again")
     assert rc == 0 and "note: --mode auto streamed this aligned merge" in err
+
+
+@pytest.mark.parametrize("mode", ["auto", "memory"])
+def test_one_model_is_not_aligned_against_itself(folders, tmp_path, capsys, mode):
+    """``merge M --method passthrough`` (one model, no base, no anchor of its own): 'recommended' has nothing to align
+    it to. Before, in memory the residual group folded the model's norms into their readers (the same function,
+    other weights: 16 of 21 tensors of a tiny Llama), streamed it was copied."""
+    rc, _, err = run_cli(capsys, "merge", folders[1], "--method", "passthrough", "--mode", mode, "--progress", "none",
+                         "-o", tmp_path / "out")
+    assert rc == 0, err
+    report = json.loads((tmp_path / "out" / "symmerge_report.json").read_text())
+    assert report["alignment"]["symmetries"] == []
+    a, b = outputs(tmp_path / "out"), outputs(folders[1])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
