@@ -442,12 +442,11 @@ class PlannedWriter:
             self._handle.close()
             self.wrote_directly |= self._handle.direct
         self._shard += 1
-        header, offset = {}, 0
+        header, offset = {"__metadata__": self.metadata}, 0  # first, as safetensors writes it
         for name, dtype, shape in self.shards[self._shard]:
             n = _numel(shape) * dtype.itemsize
             header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
-        header["__metadata__"] = self.metadata
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         self._handle = direct.Output(self.folder / f".shard-{self._shard:05d}.safetensors", self.direct)

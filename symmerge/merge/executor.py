@@ -41,7 +41,7 @@ from . import kernels
 from .base import merge_tensor
 from .in_dtype import mergekit_threads, remember_threads
 from .outputs import check_result, refuse_non_finite
-from .steps import TensorStep, step_arguments
+from .steps import TensorStep, file_order, step_arguments
 
 DEFAULT_SHARD = "2GB"  # output shards: written as they come, never held, so their size costs no memory
 
@@ -242,21 +242,32 @@ class StreamExecutor:
 
     def __init__(self, inputs, steps, method, dtype=None, naming: int = 0, shard_size=DEFAULT_SHARD, budget=None,
                  progress: bool = True, distances: bool = True, keep: bool = False):
-        """``distances``: measure the report's distances (a caller that measures its own passes False);
-        ``keep``: the results are kept (:class:`MemoryTarget`), so none is placed in the ring."""
+        """``distances``: measure the report's distances over every merged step (True), over the merged steps
+        of these output names (a collection: the body, as the in-memory merge measures it), or not (False: a
+        caller that measures its own); ``keep``: the results are kept (:class:`MemoryTarget`), so none is placed in
+        the ring."""
         if method.needs or method.needs_model:
             raise SymmergeError(f"method {method.name!r} needs the models in memory; it cannot run streamed")
         self.ckpts = [_checkpoint(x) for x in inputs]
         self.steps = [s if isinstance(s, TensorStep) else TensorStep(**s) for s in steps]
-        self.method, self.dtype, self.progress, self.measure = method, dtype, progress, distances
+        self.method, self.dtype, self.progress = method, dtype, progress
         self.naming = self.ckpts[naming]
+        self.measured = None if isinstance(distances, bool) else frozenset(distances)
+        self.measure = bool(distances)
         self.max_bytes = parse_size(shard_size)
         self._check()
+        # run and written in safetensors' own layout (by dtype, then the name written), whatever order the plan
+        # came in (the inputs' files, a config's layers): one output file for one merge, however it was asked for
+        self.steps = file_order(self.steps, self.out_dtype, lambda st: self.save_name(st.name))
         self.sizes = [sum(_aligned(self.ckpts[s.model].room(s.key)) for s in self.reads(st)) +
                       (0 if keep else _aligned(max(self.out_bytes(st), self.ref_bytes(st)))) for st in self.steps]
         self.limit = int(budget if budget is not None else default_budget(self.sizes))
         self.largest = max((max(self.ckpts[s.model].nbytes(s.key) for s in self.reads(st)) for st in self.steps),
                            default=0)
+
+    def measures(self, name: str) -> bool:
+        """Whether the report's distances sum the merged step ``name``."""
+        return self.measure and (self.measured is None or name in self.measured)
 
     # ------------------------------------------------ the plan, checked against the headers
     @staticmethod
@@ -538,11 +549,11 @@ class _Pass:
                 value = merge_tensor(m, st.name, inputs, weights, None, b, params, self.context, out=room)
             # checked before it is written: degenerate warned about; non-finite refused (here when no
             # distances are measured, else by the distances, which a non-finite result makes non-finite)
-            warning = check_result(st.name, value, inputs + [b], m, st.params, st.weights,
-                                   full=not (ex.measure and value.is_floating_point()))
+            measured = ex.measures(st.name) and value.is_floating_point()
+            warning = check_result(st.name, value, inputs + [b], m, st.params, st.weights, full=not measured)
             if warning is not None:
                 self.warnings.append(warning)
-            if not value.is_floating_point() or not ex.measure:
+            if not measured:
                 inputs = None
             del b
         else:
@@ -607,11 +618,12 @@ class OutputFolder:
 
 
 def execute_steps(inputs, steps, method, out, output: OutputFolder = OutputFolder(), *, budget=None,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, distances=True) -> dict:
     """Run ``steps`` (a list of :class:`~symmerge.merge.steps.TensorStep`, sources indexing ``inputs``: model
     folders or :class:`LazyCheckpoint` s) with ``method`` (a :class:`~symmerge.merge.base.Method`) and write
     the folder ``out`` atomically (a temporary folder renamed at the end: an interrupted run leaves none), as
-    ``output`` (:class:`OutputFolder`) says. ``budget``: bytes the reader may hold ahead.
+    ``output`` (:class:`OutputFolder`) says. ``budget``: bytes the reader may hold ahead; ``distances``: the
+    output names the report's distances are measured over (True: every merged step; :class:`StreamExecutor`).
 
     Returns the measured facts (:meth:`StreamExecutor.run`, plus ``side_files``)."""
     from .modules import merge_pipeline_modules
@@ -623,7 +635,7 @@ def execute_steps(inputs, steps, method, out, output: OutputFolder = OutputFolde
         if side_files_from is not None:
             naming = next((i for i, c in enumerate(ckpts) if c.folder.resolve() == Path(side_files_from).resolve()), 0)
     ex = StreamExecutor(ckpts, steps, method, dtype=output.dtype, naming=naming, shard_size=output.shard_size,
-                        budget=budget, progress=progress)
+                        budget=budget, progress=progress, distances=distances)
     check_free_space(out, sum(math.prod(shape) * dt.itemsize for _, dt, shape in ex.plan()))  # before any read
     with atomic_dir(out) as tmp:
         facts = ex.run(tmp)

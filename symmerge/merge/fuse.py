@@ -664,6 +664,14 @@ def _execute(ld: Loaded, holder, keys, sds, base_sd) -> tuple[dict, list, list]:
 
     opts, n = ld.opts, len(sds)
     order = untied(holder, list(sds[opts.head_from]))
+    # a tensor transformers fuses from several stored ones (a mixture's experts) is merged as the files store it,
+    # one stored tensor at a time, as the streamed merge reads it: a per-tensor rule (a TIES threshold, DARE's
+    # seeded mask, Model Stock's angle) sees one expert's tensor, not the fused stack of every expert
+    fused = {k: f for k, f in stored_parts(holder).items() if k in set(order)}
+    if fused:
+        sds = [split_fused(sd, fused) for sd in sds]
+        base_sd = split_fused(base_sd, fused) if base_sd is not None else None
+        keys, order = unfused(keys, fused), unfused(order, fused)
     steps = plain_merge_steps(order, keys, n, base=n if base_sd is not None else None, weights=opts.weights,
                               params=opts.params, head_from=opts.head_from)
     sources = [MemorySource(sd, name) for sd, name in zip(sds, ld.names)]
@@ -672,8 +680,36 @@ def _execute(ld: Loaded, holder, keys, sds, base_sd) -> tuple[dict, list, list]:
     target = MemoryTarget()
     facts = StreamExecutor(sources, steps, ld.m, naming=opts.head_from, progress=False, distances=False,
                            keep=True).run(target=target)
-    merged = set(keys)
-    return {k: v for k, v in target.tensors.items() if k in merged}, steps, facts["result_warnings"]
+    wanted = set(keys)
+    merged = {k: v for k, v in target.tensors.items() if k in wanted}
+    for key, f in fused.items():  # the stored tensors' results stacked into the fused tensor again
+        if all(p.name in merged for p in f.parts):
+            dtype = merged[f.parts[0].name].dtype
+            merged[key] = f.stack({p.name: merged.pop(p.name) for p in f.parts}, dtype)
+    return merged, steps, facts["result_warnings"]
+
+
+def stored_parts(model) -> dict:
+    """``{in-memory name: symmerge.io.fused.Fused}``: the tensors of ``model`` its checkpoint stores as several."""
+    from ..io.hf import disk_to_memory_names
+
+    return disk_to_memory_names(model.config.to_dict(), model.config, fused=True)[2]
+
+
+def split_fused(sd: dict, fused: dict) -> dict:
+    """``sd`` with each fused tensor replaced by its stored tensors (views of it), in its place."""
+    out = {}
+    for k, t in sd.items():
+        if k in fused:
+            out.update(fused[k].split(t))
+        else:
+            out[k] = t
+    return out
+
+
+def unfused(keys, fused: dict) -> list:
+    """``keys`` with each fused tensor's name replaced by its stored tensors' names, in their place."""
+    return [name for k in keys for name in ([p.name for p in fused[k].parts] if k in fused else [k])]
 
 
 def _merge_with_statistics(st: Statistics, keys, sds, base_sd) -> tuple[dict, list]:

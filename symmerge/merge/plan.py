@@ -40,6 +40,8 @@ from ..pipeline.recommend import BASE_NOTE, has_spec, plain_fallback, recommende
 from .registry import get_method
 
 MODES = ("auto", "stream", "memory")
+ONE_MODEL_NOTE = ("'recommended' aligns nothing for one model without a base or an anchor of its own: there is "
+                  "nothing to align it to")
 MEMORY_FRACTION = 0.5  # auto: models larger than this fraction of the available memory are streamed
 FRAMES = ("none", "base", "star", "joint")
 
@@ -251,6 +253,8 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     m = get_method(options.method)
     model_type = model_type_of(models[0])
     align, note = recommended(options.align, model_type=model_type, base_given=options.base is not None)
+    if align.symmetries and align.recommended and n == 1 and options.base is None and options.anchor in (None, 0):
+        align, note = align.with_(symmetries=()), ONE_MODEL_NOTE  # it would be aligned against itself
     aligns = bool(align.symmetries)
     if aligns and has_spec(model_type):  # --align experts on a dense family: one line, as align and barrier say
         from ..families import spec_for

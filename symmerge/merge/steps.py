@@ -34,6 +34,20 @@ from types import MappingProxyType
 from typing import Mapping
 
 
+# safetensors' order of dtypes in a file (its ``Dtype`` enum, largest first: ``save_file`` sorts by dtype, then name)
+_FILE_DTYPES = ("uint64", "int64", "float64", "float32", "uint32", "int32", "bfloat16", "float16", "uint16", "int16",
+                "float8_e8m0fnu", "float8_e4m3fn", "float8_e5m2", "int8", "uint8", "bool")
+
+
+def file_order(names, dtype_of, save_name=lambda k: k) -> list:
+    """``names`` (or any items: ``dtype_of`` and ``save_name`` read them) in the order ``safetensors.save_file``
+    lays a file out — by dtype (its enum, largest first), then by the name written (``save_name``) — so that a
+    streamed output does not depend on how its inputs were sharded, and a one-file output is the file the
+    in-memory wing (``save_pretrained``) writes."""
+    rank = {d: i for i, d in enumerate(_FILE_DTYPES)}
+    return sorted(names, key=lambda k: (rank.get(str(dtype_of(k)).removeprefix("torch."), len(rank)), save_name(k)))
+
+
 @dataclass(frozen=True)
 class TensorSource:
     """A tensor of one input: ``model`` indexes the plan's inputs, ``key`` is the tensor's in-memory name

@@ -46,7 +46,7 @@ from .executor import (DEFAULT_SHARD, OutputFolder, _Budget, config_text, defaul
 from .heads import head_policy, head_report
 from .plan import (MEMORY_FRACTION, MODES, MergePlan, average_keys, checkpoint_bytes, choose_mode,  # noqa: F401
                    closest, closest_to_average, has_spec, merge_report, plain_fallback, plan_merge, stream_refusal)
-from .steps import plain_merge_steps
+from .steps import file_order, plain_merge_steps
 
 
 def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
@@ -170,7 +170,9 @@ def plain_steps(ckpts, base, options, names) -> tuple[list, list, list]:
     merged_keys = [k for k in merged_keys if k not in borrowed(everything)]  # a base model's missing head: kept
     merged_set = set(merged_keys)
     kept = set(heads[options.head_from])
-    order = [k for k in holder.keys() if k in merged_set or k in kept]
+    # safetensors' own layout, not the files' order: the same output from single-file or sharded inputs
+    order = file_order([k for k in holder.keys() if k in merged_set or k in kept], holder.dtype.__getitem__,
+                       holder.save_name)
     steps = plain_merge_steps(order, merged_set, len(ckpts), base=len(ckpts) if base is not None else None,
                               weights=options.weights, params=options.params, head_from=options.head_from)
     return steps, heads, policy
@@ -237,7 +239,8 @@ def _plain_streaming(folders, base_folder, out, options, checked: _Checked, *, a
     execute_steps(ckpts + ([base] if base is not None else []), steps, plan.method, out,
                   OutputFolder(config=config_text(holder), side_files_from=holder.folder, side_report=side,
                                naming=options.head_from, shard_size=checked.shard_size, finish=finish),
-                  budget=checked.budget, progress=options.progress)
+                  budget=checked.budget, progress=options.progress,
+                  distances=set(st.name for st in steps) - set(heads[0]))  # the body, as in memory
     return report
 
 
@@ -299,9 +302,16 @@ def aligned_folders(models, out, options, plan, names):
             rows.insert(idx, {"model": names[idx], "anchor": True})
         alignment = {"symmetries": list(resolved or []), "requested": plan.requested,
                      "rescale": plan.align.effective_rescale, "anchor": info, "models": rows, "streamed": True}
+        notes = []
         if options.use_joint(len(models)):  # auto: more than two models, no anchor
-            alignment["note"] = ("streamed: every model was aligned to one anchor (the star); joint alignment into "
-                                 "one frame needs the models in memory (--mode memory)")
+            notes.append("streamed: every model was aligned to one anchor (the star); joint alignment into one frame "
+                         "needs the models in memory (--mode memory)")
+        if plan.why.startswith("auto:"):  # chosen by the memory free now: another run may load them
+            notes.append("--mode auto streamed this aligned merge because the models exceed half the memory "
+                         "available now; loaded (--mode memory) it aligns every group, residual included, and gives "
+                         "another model: give --mode stream or --mode memory for one result whatever memory is free")
+        if notes:
+            alignment["note"] = "; ".join(notes)
         yield aligned, base_path, alignment
     finally:
         shutil.rmtree(work, ignore_errors=True)
