@@ -48,7 +48,10 @@ def watch_interrupts() -> None:
     """As the command: remember a Ctrl-C (:func:`was_interrupted`) while keeping its KeyboardInterrupt, and
     turn SIGTERM and SIGHUP into :class:`Terminated` (their default would end the process at once, leaving
     its temporary folder). Only from the main thread, and only where Python's default handlers are installed
-    (a host's own handlers are kept)."""
+    (a host's own handlers are kept). A new command starts uninterrupted: an earlier command's Ctrl-C or SIGTERM in
+    the same process (``main`` called again by a caller) made every later error read as "interrupted"."""
+    global _interrupted
+    _interrupted = False
     if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:

@@ -260,12 +260,28 @@ def test_an_error_after_a_ctrl_c_is_reported_as_the_interrupt(monkeypatch, capsy
     def broken_import(argv):
         raise ModuleNotFoundError("Could not import module 'BertForSequenceClassification'")
 
+    def ctrl_c_then_broken_import(argv):
+        monkeypatch.setattr(_entry, "_interrupted", True)  # the Ctrl-C, received during this command
+        broken_import(argv)
+
     monkeypatch.setattr(cli, "_run", broken_import)
     with pytest.raises(ModuleNotFoundError):
         cli.main(["specs"])
-    monkeypatch.setattr(_entry, "_interrupted", True)
+    monkeypatch.setattr(cli, "_run", ctrl_c_then_broken_import)
     assert cli.main(["specs"]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "symmerge: interrupted"
+
+
+def test_a_ctrl_c_of_an_earlier_command_in_the_process_is_not_this_ones(monkeypatch, capsys):
+    """``main`` called again in one process after a command was interrupted (a test, a benchmark, a notebook): the
+    next command's own error is reported as that error, not as "interrupted" (the flag stayed set for the
+    process's life)."""
+    from symmerge import _entry, cli
+
+    monkeypatch.setattr(_entry, "_interrupted", True)  # an earlier command's Ctrl-C or SIGTERM
+    assert cli.main(["align", "/nonexistent/a", "/nonexistent/b", "-o", "/nonexistent/out"]) == 2
+    err = capsys.readouterr().err
+    assert "symmerge: error:" in err and "interrupted" not in err, err
 
 
 def test_a_ctrl_c_during_the_imports_waits_for_them():
