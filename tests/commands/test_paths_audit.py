@@ -1,0 +1,61 @@
+"""The paths users give (benchmarks/paths_audit.py found these): a quoted ``~`` on the command line, ``~`` in a moe
+config, a FIFO or a device given as a data file or a config, and a PEFT adapter folder where a model goes."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from conftest import npz_file, save_folder, vit_folder
+from factories import make_model
+from symmerge.cli import main
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def run_cli(capsys, *argv):
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:
+        rc = e.code
+    captured = capsys.readouterr()
+    return rc, captured.err
+
+
+def error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if " error: " in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """HOME in tmp_path/home holding two tiny ViTs A and B and data.npz; the working folder tmp_path/work."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    vit_folder(home / "A", seed=0)
+    vit_folder(home / "B", seed=1)
+    npz_file(home / "data.npz", n=6)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    return home
+
+
+def test_a_quoted_tilde_in_a_path_argument_is_the_home_folder(home, capsys):
+    """``-o '~/out'`` wrote a folder named '~' into the current folder, and '~/A' as a model was 'not a directory'
+    (the shell leaves ~ alone when quoted, and after a flag's '=')."""
+    rc, err = run_cli(capsys, "align", "~/A", "~/B", "-o=~/out", "--progress", "none")
+    assert rc == 0, err
+    assert (home / "out" / "config.json").is_file()
+    assert not (home.parent / "work" / "~").exists()
+
+
+def test_a_tilde_after_a_data_flags_equals_sign_is_the_home_folder(home, capsys):
+    rc, err = run_cli(capsys, "barrier", "~/A", "~/B", "--data=~/data.npz", "--points", "3", "--align", "none",
+                      "-o", "~/bar", "--progress", "none")
+    assert rc == 0, err
+    assert (home / "bar").is_dir() and not (home.parent / "work" / "~").exists()
