@@ -59,3 +59,15 @@ def test_a_tilde_after_a_data_flags_equals_sign_is_the_home_folder(home, capsys)
                       "-o", "~/bar", "--progress", "none")
     assert rc == 0, err
     assert (home / "bar").is_dir() and not (home.parent / "work" / "~").exists()
+
+
+def test_a_tilde_in_a_moe_config_is_the_home_folder_as_in_a_run_config(home, capsys):
+    """moe read ``source_model: ~/e`` relative to the working folder ('not a model folder'); run expands it."""
+    for name, seed in (("base", 0), ("e1", 1)):
+        save_folder(make_model("llama", head=True, seed=seed), home / name)
+    config = home / "moe.yml"
+    config.write_text("base_model: ~/base\nexperts:\n  - source_model: ~/base\n    positive_prompts: [hi]\n"
+                      "  - source_model: ~/e1\n    positive_prompts: [yo]\ngate_mode: random\n")
+    rc, err = run_cli(capsys, "moe", config, home / "moe", "--progress", "none")
+    assert rc == 0, err
+    assert (home / "moe" / "config.json").is_file()
