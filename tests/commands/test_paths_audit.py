@@ -71,3 +71,39 @@ def test_a_tilde_in_a_moe_config_is_the_home_folder_as_in_a_run_config(home, cap
     rc, err = run_cli(capsys, "moe", config, home / "moe", "--progress", "none")
     assert rc == 0, err
     assert (home / "moe" / "config.json").is_file()
+
+
+def _no_writer_guard(path):
+    """Open the FIFO for writing a moment later if nothing else has, so that a reader that opened it is freed and the
+    test fails instead of hanging."""
+    def free():
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+        except OSError:
+            pass
+
+    timer = threading.Timer(3.0, free)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("argv, name", [
+    (("barrier", "A", "B", "--data", "{fifo}", "-o", "out", "--align", "none"), "d.npz"),
+    (("run", "{fifo}", "out"), "c.yml"),
+])
+def test_a_fifo_is_refused_as_not_a_regular_file_without_opening_it(tmp_path, capsys, monkeypatch, argv, name):
+    """A FIFO given as a data file or a config was 'not found' (it is there), which sends the user looking for a
+    typo; it is never opened (no writer: a read would block forever)."""
+    monkeypatch.chdir(tmp_path)
+    vit_folder(tmp_path / "A", seed=0)
+    vit_folder(tmp_path / "B", seed=1)
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    timer = _no_writer_guard(fifo)
+    rc, err = run_cli(capsys, *(a.format(fifo=fifo) for a in argv), "--progress", "none")
+    timer.cancel()
+    line = error_line(err)
+    assert rc == 2 and "not a regular file" in line and "not found" not in line, line
+    assert not (tmp_path / "out").exists()
