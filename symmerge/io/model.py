@@ -30,6 +30,9 @@ def read_config(path: Path, spec: bool = True) -> dict:
     if not path.is_dir():
         raise SymmergeError(f"{path}: not a directory (expected a Hugging Face model folder)")
     if not cfg_file.is_file():
+        if (path / "adapter_config.json").is_file():
+            raise SymmergeError(f"{path}: a PEFT adapter folder (adapter_config.json), not a model: merge, run and "
+                                "extract-lora take it with its base model as BASE+ADAPTER")
         raise SymmergeError(f"{path}: no config.json (expected a Hugging Face model folder)")
     try:
         config = json.loads(cfg_file.read_text())

@@ -107,3 +107,15 @@ def test_a_fifo_is_refused_as_not_a_regular_file_without_opening_it(tmp_path, ca
     line = error_line(err)
     assert rc == 2 and "not a regular file" in line and "not found" not in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_peft_adapter_folder_where_a_model_goes_says_what_it_is(tmp_path, capsys):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    vit_folder(tmp_path / "B", seed=1)
+    rc, err = run_cli(capsys, "align", adapter, tmp_path / "B", "-o", tmp_path / "out", "--progress", "none")
+    line = error_line(err)
+    assert rc == 2 and "PEFT adapter" in line and "BASE+ADAPTER" in line, line
+    assert not (tmp_path / "out").exists()
