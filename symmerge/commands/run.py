@@ -98,8 +98,11 @@ def _run(args) -> int:
                  truncate_embeddings=args.unsafe_truncate_embeddings)
     desc = describe(args.config, **given, merge_adapters=False)  # BASE+ADAPTER inputs planned on their bases
     if desc.mergekit and _reads_adapters(desc):  # every refusal that needs no merge made before any adapter is merged
+        from ..config.run import model_folders
+        from ..io.lora import refuse_cache_in_inputs
+
+        refuse_cache_in_inputs(args.lora_merge_cache, model_folders(desc))
         if not (args.print_plan or args.print_command):
-            from ..config.run import model_folders
             from ..io.model import ensure_output_dir
 
             ensure_output_dir(desc.output, inputs=model_folders(desc))

@@ -91,11 +91,13 @@ def _temp_cache() -> Path:
 
 
 @contextlib.contextmanager
-def merge_cache(directory=None, dtype=None):
+def merge_cache(directory=None, dtype=None, inputs=()):
     """Within the block, :func:`resolve_input` merges adapters into ``directory`` (``--lora-merge-cache``) in
     ``dtype`` (``--lora-merge-dtype``); None leaves the enclosing block's setting (outside any: a temporary
-    folder removed at exit, and the base's dtype)."""
+    folder removed at exit, and the base's dtype). ``directory`` neither one of ``inputs`` nor inside one
+    (:func:`refuse_cache_in_inputs`)."""
     old = dict(_cache)
+    refuse_cache_in_inputs(directory, inputs)
     if directory is not None:
         _cache["dir"] = Path(directory).expanduser()
         if _cache["dir"].exists() and not _cache["dir"].is_dir():
@@ -108,6 +110,16 @@ def merge_cache(directory=None, dtype=None):
         yield
     finally:
         _cache["dir"], _cache["dtype"] = old["dir"], old["dtype"]
+
+
+def refuse_cache_in_inputs(directory, inputs) -> None:
+    """One error for a ``--lora-merge-cache`` that is the folder of one of ``inputs`` (model paths or
+    ``BASE+ADAPTER`` specs) or lies inside one: the merged models written there would change an input."""
+    if directory is not None:
+        from .output import refuse_output_in_inputs
+
+        refuse_output_in_inputs(Path(directory).expanduser(), inputs, "--lora-merge-cache", "the folder merged models are kept in",
+                                itself=True)
 
 
 def parse_dtype(dtype):

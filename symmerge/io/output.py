@@ -167,19 +167,21 @@ def _size(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def refuse_output_in_inputs(out, inputs, flag: str = "output") -> None:
+def refuse_output_in_inputs(out, inputs, flag: str = "output", what: str = "the output", itself: bool = False) -> None:
     """One error for an output inside the folder of one of ``inputs`` (paths, or ``BASE+ADAPTER`` specs: both
     folders; a model object is no folder): writing it, and its claim's lock file beside it, would change an input,
-    which symmerge never does."""
+    which symmerge never does. ``itself``: the input's folder itself refused too (a folder written into, such as
+    ``--lora-merge-cache``, not one written in its place)."""
     target = Path(out).resolve()
     for spec in inputs:
         if not isinstance(spec, (str, Path)) or not str(spec).strip():
             continue
         for folder in {str(spec), *str(spec).split("+")}:
             folder = Path(folder.strip()).expanduser()
-            if folder.is_dir() and folder.resolve() in target.parents:
-                raise OutputError(f"{flag} {target}: the output is inside the input folder {folder.resolve()}; "
-                                  "writing it would change an input: give a folder outside it")
+            inside = folder.is_dir() and folder.resolve() in target.parents
+            if inside or (itself and folder.is_dir() and folder.resolve() == target):
+                raise OutputError(f"{flag} {target}: {what} is {'inside ' if inside else ''}the input folder "
+                                  f"{folder.resolve()}; writing it would change an input: give a folder outside it")
 
 
 # ---------------------------------------------------------------- the output claimed for one run at a time

@@ -1,0 +1,62 @@
+"""``--lora-merge-cache`` where the merged models would change an input (benchmarks/paths_audit.py found it): the
+folder of an input (the adapter's own folder), or a folder inside one, was filled with merged models, exit 0; it is
+refused in one line on merge, run and extract-lora, before anything is merged, every input left as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("peft")
+
+from symmerge.cli import main  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_lora import make_adapter, make_base  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def tree(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    base = make_base(root / "base")
+    make_base(root / "other", seed=3)
+    make_adapter(base, root / "ad", r=2, lora_alpha=2, target_modules=["q_proj", "v_proj"])
+    return root
+
+
+def _argv(command, root, out, cache):
+    spec = f"{root / 'base'}+{root / 'ad'}"
+    if command == "merge":
+        return ["merge", spec, root / "other", "--method", "average", "--align", "none", "-o", out,
+                "--lora-merge-cache", cache]
+    if command == "extract-lora":
+        return ["extract-lora", spec, root / "other", "-o", out, "--rank", "2", "--lora-merge-cache", cache]
+    config = out.parent / "merge.yml"
+    config.write_text(f"merge_method: linear\nmodels:\n  - model: {spec}\n    parameters: {{weight: 1}}\n"
+                      f"  - model: {root / 'other'}\n    parameters: {{weight: 1}}\n")
+    return ["run", config, out, "--lora-merge-cache", cache]
+
+
+@pytest.mark.parametrize("command", ["merge", "run", "extract-lora"])
+@pytest.mark.parametrize("where", ["ad", "other/cache", "base/sub/cache"])
+def test_a_lora_merge_cache_in_an_input_folder_is_refused(inputs, tmp_path, capsys, command, where):
+    before = tree(inputs)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    rc = main([str(a) for a in _argv(command, inputs, out, inputs / where)])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if " error: " in line]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "--lora-merge-cache" in lines[0] and "would change an input" in lines[0], lines[0]
+    assert tree(inputs) == before
+    assert not out.exists()
