@@ -101,7 +101,7 @@ def _run(args) -> int:
         from ..config.run import model_folders
         from ..io.lora import refuse_cache_in_inputs
 
-        refuse_cache_in_inputs(args.lora_merge_cache, model_folders(desc))
+        refuse_cache_in_inputs(args.lora_merge_cache, model_folders(desc), desc.output)
         if not (args.print_plan or args.print_command):
             from ..io.model import ensure_output_dir
 

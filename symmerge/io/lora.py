@@ -91,13 +91,13 @@ def _temp_cache() -> Path:
 
 
 @contextlib.contextmanager
-def merge_cache(directory=None, dtype=None, inputs=()):
+def merge_cache(directory=None, dtype=None, inputs=(), out=None):
     """Within the block, :func:`resolve_input` merges adapters into ``directory`` (``--lora-merge-cache``) in
     ``dtype`` (``--lora-merge-dtype``); None leaves the enclosing block's setting (outside any: a temporary
-    folder removed at exit, and the base's dtype). ``directory`` neither one of ``inputs`` nor inside one
-    (:func:`refuse_cache_in_inputs`)."""
+    folder removed at exit, and the base's dtype). ``directory`` neither one of ``inputs`` nor inside one, nor
+    the output ``out`` or inside it (:func:`refuse_cache_in_inputs`)."""
     old = dict(_cache)
-    refuse_cache_in_inputs(directory, inputs)
+    refuse_cache_in_inputs(directory, inputs, out)
     if directory is not None:
         _cache["dir"] = Path(directory).expanduser()
         if _cache["dir"].exists() and not _cache["dir"].is_dir():
@@ -112,14 +112,21 @@ def merge_cache(directory=None, dtype=None, inputs=()):
         _cache["dir"], _cache["dtype"] = old["dir"], old["dtype"]
 
 
-def refuse_cache_in_inputs(directory, inputs) -> None:
+def refuse_cache_in_inputs(directory, inputs, out=None) -> None:
     """One error for a ``--lora-merge-cache`` that is the folder of one of ``inputs`` (model paths or
-    ``BASE+ADAPTER`` specs) or lies inside one: the merged models written there would change an input."""
+    ``BASE+ADAPTER`` specs) or lies inside one: the merged models written there would change an input; and for one
+    that is the output ``out`` or lies inside it (the output, written in its place at the end, would be refused
+    then, after the merges, as not empty)."""
+    if directory is not None and out is not None:
+        cache, target = Path(directory).expanduser().resolve(), Path(out).resolve()
+        if cache == target or target in cache.parents:
+            raise SymmergeError(f"--lora-merge-cache {directory}: inside the output folder {out}, which is written "
+                                "whole in its place at the end: give a folder outside it")
     if directory is not None:
         from .output import refuse_output_in_inputs
 
-        refuse_output_in_inputs(Path(directory).expanduser(), inputs, "--lora-merge-cache", "the folder merged models are kept in",
-                                itself=True)
+        refuse_output_in_inputs(Path(directory).expanduser(), inputs, "--lora-merge-cache",
+                                "the folder merged models are kept in", itself=True)
 
 
 def parse_dtype(dtype):

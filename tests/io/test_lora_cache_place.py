@@ -1,6 +1,7 @@
 """``--lora-merge-cache`` where the merged models would change an input (benchmarks/paths_audit.py found it): the
 folder of an input (the adapter's own folder), or a folder inside one, was filled with merged models, exit 0; it is
-refused in one line on merge, run and extract-lora, before anything is merged, every input left as it was."""
+refused in one line on merge, run and extract-lora, before anything is merged, every input left as it was; and one
+inside the output."""
 
 from __future__ import annotations
 
@@ -47,16 +48,33 @@ def _argv(command, root, out, cache):
     return ["run", config, out, "--lora-merge-cache", cache]
 
 
+def refusal(capsys, argv) -> str:
+    """The one error line of ``symmerge ARGV``, which must exit 2 without a traceback."""
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if " error: " in line]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
 @pytest.mark.parametrize("command", ["merge", "run", "extract-lora"])
 @pytest.mark.parametrize("where", ["ad", "other/cache", "base/sub/cache"])
 def test_a_lora_merge_cache_in_an_input_folder_is_refused(inputs, tmp_path, capsys, command, where):
     before = tree(inputs)
     out = tmp_path / "out"
-    capsys.readouterr()
-    rc = main([str(a) for a in _argv(command, inputs, out, inputs / where)])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if " error: " in line]
-    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert "--lora-merge-cache" in lines[0] and "would change an input" in lines[0], lines[0]
+    line = refusal(capsys, _argv(command, inputs, out, inputs / where))
+    assert "--lora-merge-cache" in line and "would change an input" in line, line
     assert tree(inputs) == before
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["merge", "run", "extract-lora"])
+@pytest.mark.parametrize("where", ["out", "out/cache"])
+def test_a_lora_merge_cache_in_the_output_is_refused_before_any_merge(inputs, tmp_path, capsys, command, where):
+    """The cache inside the output was filled first, then the output refused as 'not an empty directory' after the
+    merges, the cache left in its place."""
+    out = tmp_path / "out"
+    line = refusal(capsys, _argv(command, inputs, out, tmp_path / where))
+    assert "--lora-merge-cache" in line and "output" in line, line
     assert not out.exists()
