@@ -13,6 +13,7 @@ import os
 import sys
 
 from ._version import __version__
+from .options.paths import PATHS, expand_home
 from .errors import SymmergeError, did_you_mean
 
 # command name -> module in symmerge.commands defining add_arguments(parser) and run(args)
@@ -138,7 +139,7 @@ def _run(argv) -> int:
     if extra:  # an argument the command does not take: the command's own name, not the top level's
         args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}"
                                             f"{_close_flag(args.command, extra)}")
-    _expand_home(args)
+    args = expand_home(args, args.command)  # a quoted ~ is the home folder (symmerge.options.paths)
     _refuse_empty_paths(args)
     from .io.hf import trust_remote_code
     from .progress import kept
@@ -149,11 +150,6 @@ def _run(argv) -> int:
             code = args.handler(args) or 0
         sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
     return code
-
-
-# the arguments that name a file or a folder: an empty one ("" from an empty shell variable) is the current folder
-PATHS = frozenset({"model", "anchor", "models", "output", "out", "config", "data", "eval_data", "align_data", "base",
-                   "finetune", "model_flag", "base_flag", "lora_merge_cache"})
 
 
 def _refuse_empty_paths(args) -> None:
@@ -168,20 +164,6 @@ def _refuse_empty_paths(args) -> None:
         if option.attr in ("output", "out") and args.command != "demo" and isinstance(value, str) and _is_cwd(value):
             raise SymmergeError(f"{option.flag} {value}: the current folder cannot be the output (the written folder "
                                 "takes the output's place): give a new folder, e.g. -o merged")
-
-
-def _expand_home(args) -> None:
-    """A path argument's leading ``~`` (``~/x``, ``~user/x``) is the home folder, as in a config's paths: the shell
-    leaves it as it is when quoted or after a flag's ``=`` (``--data=~/d.npz``, ``-o=~/out``), and ``-o '~/out'``
-    wrote a folder named ``~`` into the current folder."""
-    from .options.declared import TABLE
-
-    for option in TABLE.of(args.command):
-        value = getattr(args, option.attr, None) if option.attr in PATHS else None
-        if isinstance(value, str):
-            setattr(args, option.attr, os.path.expanduser(value))
-        elif isinstance(value, list):
-            setattr(args, option.attr, [os.path.expanduser(v) if isinstance(v, str) else v for v in value])
 
 
 def _is_cwd(path: str) -> bool:

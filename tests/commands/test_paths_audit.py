@@ -1,5 +1,5 @@
 """The paths users give (benchmarks/paths_audit.py found these): a quoted ``~`` on the command line, ``~`` in a moe
-config, a FIFO or a device given as a data file or a config, and a PEFT adapter folder where a model goes."""
+config and in a config of symmerge's own keys, a FIFO or a device given as a data file or a config, and a PEFT adapter folder where a model goes."""
 
 from __future__ import annotations
 
@@ -71,6 +71,17 @@ def test_a_tilde_in_a_moe_config_is_the_home_folder_as_in_a_run_config(home, cap
     rc, err = run_cli(capsys, "moe", config, home / "moe", "--progress", "none")
     assert rc == 0, err
     assert (home / "moe" / "config.json").is_file()
+
+
+def test_a_tilde_in_a_config_of_symmerges_own_keys_is_the_home_folder(home, capsys):
+    """A config of symmerge's own keys (``command: barrier``, ``data:``) read ``~/...`` relative to the working
+    folder ('data file not found'), while a mergekit config's ``model: ~/x`` is the home folder."""
+    config = home / "barrier.yml"
+    config.write_text("command: barrier\nmodels: [~/A, ~/B]\ndata: ~/data.npz\nalign: none\npoints: 3\n"
+                      "output: ~/bar\nprogress: none\n")
+    rc, err = run_cli(capsys, "run", config)
+    assert rc == 0, err
+    assert (home / "bar" / "barrier.json").is_file() and not (home.parent / "work" / "~").exists()
 
 
 def _no_writer_guard(path):
