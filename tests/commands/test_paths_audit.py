@@ -130,3 +130,17 @@ def test_a_peft_adapter_folder_where_a_model_goes_says_what_it_is(tmp_path, caps
     line = error_line(err)
     assert rc == 2 and "PEFT adapter" in line and "BASE+ADAPTER" in line, line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["align", "merge"])
+def test_an_output_name_of_240_characters_is_written(tmp_path, capsys, command):
+    """A legal folder name (a file system takes 255 bytes) was 'file name too long': the temporary folder, the lock
+    and the probe beside the output add their suffixes to its name."""
+    vit_folder(tmp_path / "A", seed=0)
+    vit_folder(tmp_path / "B", seed=1)
+    out = tmp_path / ("é" * 20 + "x" * 200)  # 220 characters, 240 bytes
+    extra = ["--method", "average", "--align", "none"] if command == "merge" else []
+    rc, err = run_cli(capsys, command, tmp_path / "A", tmp_path / "B", "-o", out, *extra, "--progress", "none")
+    assert rc == 0, err
+    assert (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["A", "B", out.name])
