@@ -33,7 +33,7 @@ def read_config(path: Path, spec: bool = True) -> dict:
         if (path / "adapter_config.json").is_file():
             raise SymmergeError(f"{path}: a PEFT adapter folder (adapter_config.json), not a model: merge, run and "
                                 "extract-lora take it with its base model as BASE+ADAPTER")
-        raise SymmergeError(f"{path}: no config.json (expected a Hugging Face model folder)")
+        raise SymmergeError(f"{path}: no config.json (expected a Hugging Face model folder){_hub_cache_hint(path)}")
     try:
         config = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -53,6 +53,27 @@ def read_config(path: Path, spec: bool = True) -> dict:
     if spec:
         spec_for(config["model_type"])  # unsupported types fail here, before any weights are read
     return config
+
+
+def _hub_cache_hint(path: Path) -> str:
+    """For a Hugging Face cache's folder of one model (``models--org--name``, given instead of its snapshot): where
+    the model folder is."""
+    snapshots = path / "snapshots"
+    if not snapshots.is_dir():
+        return ""
+    found = sorted(p.name for p in snapshots.iterdir() if (p / "config.json").is_file())
+    where = snapshots / (found[0] if len(found) == 1 else "<revision>")
+    return f"; {path.name} is a Hugging Face cache's folder: the model folder is {where}"
+
+
+def _weights_hint(path: Path) -> str:
+    """Weight files a folder holds under other names (``MODEL.SAFETENSORS``, ``weights.safetensors``): named."""
+    try:
+        found = sorted(p.name for p in path.iterdir() if p.suffix.lower() in (".safetensors", ".bin"))
+    except OSError:
+        return ""
+    return (f"; found {', '.join(found[:3])}: the names are case-sensitive and fixed (model.safetensors, "
+            "model-00001-of-00002.safetensors with model.safetensors.index.json)") if found else ""
 
 
 class ShardIndexError(SymmergeError):
@@ -91,7 +112,7 @@ def weight_files(path: Path, allow_pickle: bool = False) -> tuple[list[Path], bo
         files = [path / PICKLE_SINGLE] if (path / PICKLE_SINGLE).is_file() else _shards(path, PICKLE_INDEX)
         safe = False
     else:
-        raise SymmergeError(f"{path}: no weights (model.safetensors or a shard index)")
+        raise SymmergeError(f"{path}: no weights (model.safetensors or a shard index){_weights_hint(path)}")
     for f in files:
         if not f.is_file():
             raise SymmergeError(f"{f}: weight shard missing")

@@ -144,3 +144,19 @@ def test_an_output_name_of_240_characters_is_written(tmp_path, capsys, command):
     assert rc == 0, err
     assert (out / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["A", "B", out.name])
+
+
+def test_a_hub_cache_folder_and_weights_under_other_names_say_where_the_model_is(tmp_path, capsys):
+    """A Hugging Face cache's ``models--org--name`` given instead of its snapshot, and ``MODEL.SAFETENSORS``, were a
+    bare 'no config.json' and 'no weights'."""
+    vit_folder(tmp_path / "B", seed=1)
+    snapshot = tmp_path / "models--org--a" / "snapshots" / "abc123"
+    vit_folder(snapshot, seed=0)
+    rc, err = run_cli(capsys, "align", snapshot.parent.parent, tmp_path / "B", "-o", tmp_path / "o1", "--progress",
+                      "none")
+    line = error_line(err)
+    assert rc == 2 and str(snapshot) in line, line
+    (snapshot / "model.safetensors").rename(snapshot / "MODEL.SAFETENSORS")
+    rc, err = run_cli(capsys, "align", snapshot, tmp_path / "B", "-o", tmp_path / "o2", "--progress", "none")
+    line = error_line(err)
+    assert rc == 2 and "MODEL.SAFETENSORS" in line and "case-sensitive" in line, line
