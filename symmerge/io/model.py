@@ -30,6 +30,8 @@ def read_config(path: Path, spec: bool = True) -> dict:
     if not path.is_dir():
         raise SymmergeError(f"{path}: not a directory (expected a Hugging Face model folder)")
     if not cfg_file.is_file():
+        if os.path.lexists(cfg_file):  # there, but no file: a FIFO, a device, a broken or looping link
+            raise SymmergeError(f"{cfg_file}: {_not_a_file(cfg_file)}")
         if (path / "adapter_config.json").is_file():
             raise SymmergeError(f"{path}: a PEFT adapter folder (adapter_config.json), not a model: merge, run and "
                                 "extract-lora take it with its base model as BASE+ADAPTER")
@@ -66,10 +68,22 @@ def _hub_cache_hint(path: Path) -> str:
     return f"; {path.name} is a Hugging Face cache's folder: the model folder is {where}"
 
 
+def _not_a_file(path: Path) -> str:
+    """Why ``path``, which is there, is no regular file."""
+    if path.is_symlink() and not path.exists():
+        return f"a broken or looping symbolic link (to {os.readlink(path)})"
+    return "not a regular file (a FIFO, a device...)"
+
+
 def _weights_hint(path: Path) -> str:
-    """Weight files a folder holds under other names (``MODEL.SAFETENSORS``, ``weights.safetensors``): named."""
+    """A weight file of the expected name that is no regular file; weight files a folder holds under other names
+    (``MODEL.SAFETENSORS``, ``weights.safetensors``): named."""
+    special = [n for n in (SAFE_SINGLE, SAFE_INDEX) if os.path.lexists(path / n) and not (path / n).is_file()]
+    if special:
+        return f"; {special[0]} is {_not_a_file(path / special[0])}"
     try:
-        found = sorted(p.name for p in path.iterdir() if p.suffix.lower() in (".safetensors", ".bin"))
+        found = sorted(p.name for p in path.iterdir()
+                       if p.suffix.lower() in (".safetensors", ".bin") and p.name not in WEIGHT_NAMES)
     except OSError:
         return ""
     return (f"; found {', '.join(found[:3])}: the names are case-sensitive and fixed (model.safetensors, "

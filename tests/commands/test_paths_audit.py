@@ -160,3 +160,22 @@ def test_a_hub_cache_folder_and_weights_under_other_names_say_where_the_model_is
     rc, err = run_cli(capsys, "align", snapshot, tmp_path / "B", "-o", tmp_path / "o2", "--progress", "none")
     line = error_line(err)
     assert rc == 2 and "MODEL.SAFETENSORS" in line and "case-sensitive" in line, line
+
+
+@pytest.mark.parametrize("name, kind, needle", [
+    ("config.json", "fifo", "not a regular file"), ("config.json", "loop", "looping symbolic link"),
+    ("model.safetensors", "fifo", "model.safetensors is not a regular file"),
+    ("model.safetensors", "loop", "model.safetensors is a broken or looping symbolic link")])
+def test_a_model_file_that_is_no_regular_file_is_named_as_such(tmp_path, capsys, name, kind, needle):
+    """config.json or model.safetensors a FIFO or a link to itself was 'no config.json' / 'no weights' (of a name that
+    is there); never opened."""
+    model = vit_folder(tmp_path / "A", seed=0)
+    vit_folder(tmp_path / "B", seed=1)
+    (model / name).unlink()
+    os.mkfifo(model / name) if kind == "fifo" else os.symlink(name, model / name)
+    timer = _no_writer_guard(model / name) if kind == "fifo" else None
+    rc, err = run_cli(capsys, "align", model, tmp_path / "B", "-o", tmp_path / "out", "--progress", "none")
+    if timer is not None:
+        timer.cancel()
+    line = error_line(err)
+    assert rc == 2 and needle in line, line
