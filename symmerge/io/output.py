@@ -46,10 +46,10 @@ def side_name(out) -> str:
     import hashlib
 
     name = Path(out).name
-    raw = name.encode()
+    raw = os.fsencode(name)  # the bytes the file system holds (a name that is no UTF-8 too)
     if len(raw) <= 180:
         return name
-    return f"{raw[:160].decode(errors='ignore')}~{hashlib.sha256(raw).hexdigest()[:12]}"
+    return f"{os.fsdecode(raw[:160])}~{hashlib.sha256(raw).hexdigest()[:12]}"
 
 
 def temp_prefix(out, kind: str = "") -> str:

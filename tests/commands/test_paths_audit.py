@@ -179,3 +179,28 @@ def test_a_model_file_that_is_no_regular_file_is_named_as_such(tmp_path, capsys,
         timer.cancel()
     line = error_line(err)
     assert rc == 2 and needle in line, line
+
+
+@pytest.mark.parametrize("which", ["model", "output"])
+def test_a_path_that_is_no_utf8_is_one_line_before_any_work(tmp_path, capsys, which):
+    """A folder name with a byte that is no UTF-8 (0xfe): as the output, a traceback from the model card's writer
+    after the whole alignment; as the model, 'unreadable safetensors file, truncated or corrupt'."""
+    vit_folder(tmp_path / "A", seed=0)
+    vit_folder(tmp_path / "B", seed=1)
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/odd\xfe")
+    model, out = (odd, tmp_path / "out") if which == "model" else (tmp_path / "A", odd)
+    if which == "model":
+        os.rename(tmp_path / "A", odd)
+    rc, err = run_cli(capsys, "align", model, tmp_path / "B", "-o", out, "--progress", "none")
+    line = error_line(err)
+    assert rc == 2 and "not valid UTF-8" in line, line
+    assert sorted(os.listdir(os.fsencode(str(tmp_path)))) == sorted([b"B", b"odd\xfe" if which == "model" else b"A"])
+
+
+def test_side_name_of_a_long_name_that_is_no_utf8():
+    """The library's writers take any path: a long name with a byte that is no UTF-8 was a UnicodeEncodeError."""
+    from symmerge.io.output import side_name
+
+    name = os.fsdecode(b"x" * 230 + b"\xfe")
+    short = side_name(f"/tmp/{name}")
+    assert len(os.fsencode(short)) <= 180 and short != side_name(f"/tmp/{name[:-1]}y")
