@@ -1,5 +1,7 @@
 """The paths users give (benchmarks/paths_audit.py found these): a quoted ``~`` on the command line, ``~`` in a moe
-config and in a config of symmerge's own keys, a FIFO or a device given as a data file or a config, and a PEFT adapter folder where a model goes."""
+config and in a config of symmerge's own keys, a FIFO or a device given as a data file or a config, a PEFT adapter
+folder or a Hugging Face cache's model folder where a model goes, weights under other names, config.json or weights
+that are no regular file, an output name of 240 bytes, a path that is no UTF-8."""
 
 from __future__ import annotations
 
