@@ -50,7 +50,8 @@ def _one_line_parser():
             if command and not message.startswith("unrecognized arguments"):
                 unknown = _unknown_flags(command, getattr(self, "given_args", ()), self.allow_abbrev)
                 if unknown:
-                    message = f"unrecognized arguments: {' '.join(unknown)}{_close_flag(command, unknown)}"
+                    message = (f"unrecognized arguments: {' '.join(unknown)}{_close_flag(command, unknown)}"
+                               f"{_dash_hint(unknown)}")
             self.exit(2, f"{self.prog}: error: {one_line(message)}{_close_choice(self.prog, message)} "
                          f"(see {self.prog} --help)\n")
 
@@ -81,7 +82,26 @@ def _unknown_flags(command: str, args, abbreviations: bool = True) -> list[str]:
         if name.startswith("--") and len(name) > 2 and not any(
                 k == name or (abbreviations and k.startswith(name)) for k in known):
             unknown.append(arg)
+        elif _dash_name(arg, known):
+            unknown.append(arg)
     return unknown
+
+
+def _dash_name(arg: str, known) -> bool:
+    """``arg`` is a name beginning with one ``-`` that is no short flag (``-lead``, a folder's name), nor a number."""
+    if not arg.startswith("-") or arg.startswith("--") or len(arg) < 3 or arg[:2] in known:
+        return False
+    try:
+        float(arg)
+    except ValueError:
+        return True
+    return False
+
+
+def _dash_hint(unknown) -> str:
+    """For a name beginning with ``-`` (argparse reads it as a flag, then missed the model it is): how to give it."""
+    name = next((u for u in unknown if u.startswith("-") and not u.startswith("--") and len(u) > 2), None)
+    return "" if name is None else f" (a path that begins with '-': write ./{name}, or give it after --)"
 
 
 def _close_choice(prog: str, message: str) -> str:
@@ -138,7 +158,7 @@ def _run(argv) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # an argument the command does not take: the command's own name, not the top level's
         args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}"
-                                            f"{_close_flag(args.command, extra)}")
+                                            f"{_close_flag(args.command, extra)}{_dash_hint(extra)}")
     args = expand_home(args, args.command)  # a quoted ~ is the home folder (symmerge.options.paths)
     _refuse_empty_paths(args)
     from .io.hf import trust_remote_code

@@ -206,3 +206,13 @@ def test_side_name_of_a_long_name_that_is_no_utf8():
     name = os.fsdecode(b"x" * 230 + b"\xfe")
     short = side_name(f"/tmp/{name}")
     assert len(os.fsencode(short)) <= 180 and short != side_name(f"/tmp/{name[:-1]}y")
+
+
+@pytest.mark.parametrize("argv", [("align", "-lead", "B", "-o", "out"), ("align", "A", "-lead", "-o", "out")])
+def test_a_model_named_with_a_leading_dash_is_named_with_how_to_give_it(tmp_path, capsys, monkeypatch, argv):
+    """``symmerge align -lead B -o out`` said 'the following arguments are required: anchor', naming neither the
+    folder nor the way to give it (./-lead, or after --)."""
+    monkeypatch.chdir(tmp_path)
+    rc, err = run_cli(capsys, *argv)
+    line = error_line(err)
+    assert rc == 2 and "-lead" in line and "./-lead" in line, line
