@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
 import sys
@@ -180,15 +181,26 @@ def resolve_input(spec, cache=None, dtype=None, merge: bool = True) -> str:
 
 def cache_name(base: Path, adapter: Path, dtype=None) -> str:
     """The cached merge's folder name: the inputs' names and a digest of their absolute paths, the adapter
-    files' sizes and modification times and the dtype (a changed adapter is merged again)."""
+    files' sizes and modification times and the dtype (a changed adapter is merged again). Names too long for one
+    folder name with the lock's suffix (two folders of 150 characters were 'file name too long') are cut to their
+    first 80 bytes each (the digest keeps the full paths apart); a name that fits is the one earlier versions
+    gave, so their cached merges are found again."""
     sig = [str(base.resolve()), str(adapter.resolve()), str(dtype)]
     for folder in (base, adapter):
         for f in sorted(folder.iterdir()):
             if f.is_file() and (f.suffix in (".safetensors", ".bin", ".json")):
                 st = f.stat()
                 sig.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-    digest = hashlib.sha1("\n".join(sig).encode()).hexdigest()[:12]
-    return f"{base.name}+{adapter.name}-{digest}"
+    digest = hashlib.sha1("\n".join(sig).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    name = f"{base.name}+{adapter.name}-{digest}"
+    if len(os.fsencode(name)) <= 200:
+        return name
+    return f"{_cut(base.name, 80)}+{_cut(adapter.name, 80)}-{digest}"
+
+
+def _cut(name: str, size: int) -> str:
+    """``name``'s first ``size`` bytes on the file system (a multi-byte character not split)."""
+    return os.fsencode(name)[:size].decode("utf-8", "ignore")
 
 
 # -- the adapter ----------------------------------------------------------------------------------------------

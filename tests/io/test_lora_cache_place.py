@@ -78,3 +78,21 @@ def test_a_lora_merge_cache_in_the_output_is_refused_before_any_merge(inputs, tm
     line = refusal(capsys, _argv(command, inputs, out, tmp_path / where))
     assert "--lora-merge-cache" in line and "output" in line, line
     assert not out.exists()
+
+
+def test_a_base_and_an_adapter_with_long_names_are_merged(tmp_path, capsys):
+    """Two folders of 150 characters (legal) made a cached merge's name of 314: 'file name too long'. A name that
+    fits is kept as it was (earlier caches are found again)."""
+    from symmerge.io.lora import cache_name
+
+    base = make_base(tmp_path / ("b" * 150))
+    adapter = make_adapter(base, tmp_path / ("é" * 75), r=2, lora_alpha=2, target_modules=["q_proj"])
+    make_base(tmp_path / "other", seed=3)
+    rc = main([str(a) for a in ["merge", f"{base}+{adapter}", tmp_path / "other", "--method", "average", "--align",
+                                "none", "-o", tmp_path / "out", "--lora-merge-cache", tmp_path / "cache",
+                                "--progress", "none"]])
+    assert rc == 0, capsys.readouterr().err
+    (entry,) = [p.name for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]
+    assert len(entry.encode()) <= 200 and entry.startswith("b" * 80 + "+" + "é" * 40 + "-")
+    short = make_base(tmp_path / "base")
+    assert cache_name(short, adapter).startswith(f"base+{adapter.name}-")
