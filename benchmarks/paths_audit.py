@@ -580,6 +580,11 @@ def build(work: Path, minilm: bool) -> tuple[Path, list[Case]]:
         extra=("--lora-merge-cache", "in/L1/cache"))
     lora("extract-lora: --lora-merge-cache = the adapter", "in/L0+in/adapter", "in/L1", "o/llcache", "refuse")
     cases[-1].argv += ["--lora-merge-cache", "in/adapter"]
+    long_base, long_ad = inp / ("b" * 150), inp / ("é" * 75)
+    shutil.copytree(L0, long_base)
+    _lora(long_ad, long_base)
+    merge("merge: BASE+ADAPTER, folders of 150 characters each", [f"{long_base}+{long_ad}", "in/L1"], "o/mlong",
+          extra=("--lora-merge-cache", "lcache"))
     upper = odd("upper-ext", A)
     (upper / "model.safetensors").rename(upper / "MODEL.SAFETENSORS")
     align("upper-case MODEL.SAFETENSORS", "in/upper-ext", "in/B", "o/upper", "refuse", needle="weights")
