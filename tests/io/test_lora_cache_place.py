@@ -42,6 +42,10 @@ def _argv(command, root, out, cache):
                 "--lora-merge-cache", cache]
     if command == "extract-lora":
         return ["extract-lora", spec, root / "other", "-o", out, "--rank", "2", "--lora-merge-cache", cache]
+    if command == "run-own":  # a config of symmerge's own keys, the cache given on run's command line
+        config = out.parent / "own.yml"
+        config.write_text(f"method: average\nalign: none\nmodels: [{spec}, {root / 'other'}]\noutput: {out}\n")
+        return ["run", config, "--lora-merge-cache", cache]
     config = out.parent / "merge.yml"
     config.write_text(f"merge_method: linear\nmodels:\n  - model: {spec}\n    parameters: {{weight: 1}}\n"
                       f"  - model: {root / 'other'}\n    parameters: {{weight: 1}}\n")
@@ -58,7 +62,7 @@ def refusal(capsys, argv) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("command", ["merge", "run", "extract-lora"])
+@pytest.mark.parametrize("command", ["merge", "run", "run-own", "extract-lora"])
 @pytest.mark.parametrize("where", ["ad", "other/cache", "base/sub/cache"])
 def test_a_lora_merge_cache_in_an_input_folder_is_refused(inputs, tmp_path, capsys, command, where):
     before = tree(inputs)
@@ -69,7 +73,7 @@ def test_a_lora_merge_cache_in_an_input_folder_is_refused(inputs, tmp_path, caps
     assert not out.exists()
 
 
-@pytest.mark.parametrize("command", ["merge", "run", "extract-lora"])
+@pytest.mark.parametrize("command", ["merge", "run", "run-own", "extract-lora"])
 @pytest.mark.parametrize("where", ["out", "out/cache"])
 def test_a_lora_merge_cache_in_the_output_is_refused_before_any_merge(inputs, tmp_path, capsys, command, where):
     """The cache inside the output was filled first, then the output refused as 'not an empty directory' after the
