@@ -578,6 +578,10 @@ def build(work: Path, minilm: bool) -> tuple[Path, list[Case]]:
                                                           f"  - model: {L1}\n    parameters: {{weight: 1}}\n",
                                                           work / "cfgs"), "o/rlcache", "refuse",
         extra=("--lora-merge-cache", "in/L1/cache"))
+    run("run: own-key config + --lora-merge-cache inside an input",
+        config("own_lora.yml", f"method: average\nalign: none\nmodels: [{L0}+{ad}, {L1}]\noutput: o/rolcache\n",
+               work / "cfgs"), "o/rolcache", "refuse", extra=("--lora-merge-cache", "in/L1/cache2"))
+    cases[-1].argv.remove("o/rolcache")  # the config names the output
     lora("extract-lora: --lora-merge-cache = the adapter", "in/L0+in/adapter", "in/L1", "o/llcache", "refuse")
     cases[-1].argv += ["--lora-merge-cache", "in/adapter"]
     long_base, long_ad = inp / ("b" * 150), inp / ("é" * 75)
