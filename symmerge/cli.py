@@ -13,6 +13,7 @@ import os
 import sys
 
 from ._version import __version__
+from .options.paths import PATHS, expand_home
 from .errors import SymmergeError, did_you_mean
 
 # command name -> module in symmerge.commands defining add_arguments(parser) and run(args)
@@ -49,7 +50,8 @@ def _one_line_parser():
             if command and not message.startswith("unrecognized arguments"):
                 unknown = _unknown_flags(command, getattr(self, "given_args", ()), self.allow_abbrev)
                 if unknown:
-                    message = f"unrecognized arguments: {' '.join(unknown)}{_close_flag(command, unknown)}"
+                    message = (f"unrecognized arguments: {' '.join(unknown)}{_close_flag(command, unknown)}"
+                               f"{_dash_hint(unknown)}")
             self.exit(2, f"{self.prog}: error: {one_line(message)}{_close_choice(self.prog, message)} "
                          f"(see {self.prog} --help)\n")
 
@@ -80,7 +82,26 @@ def _unknown_flags(command: str, args, abbreviations: bool = True) -> list[str]:
         if name.startswith("--") and len(name) > 2 and not any(
                 k == name or (abbreviations and k.startswith(name)) for k in known):
             unknown.append(arg)
+        elif _dash_name(arg, known):
+            unknown.append(arg)
     return unknown
+
+
+def _dash_name(arg: str, known) -> bool:
+    """``arg`` is a name beginning with one ``-`` that is no short flag (``-lead``, a folder's name), nor a number."""
+    if not arg.startswith("-") or arg.startswith("--") or len(arg) < 3 or arg[:2] in known:
+        return False
+    try:
+        float(arg)
+    except ValueError:
+        return True
+    return False
+
+
+def _dash_hint(unknown) -> str:
+    """For a name beginning with ``-`` (argparse reads it as a flag, then missed the model it is): how to give it."""
+    name = next((u for u in unknown if u.startswith("-") and not u.startswith("--") and len(u) > 2), None)
+    return "" if name is None else f" (a path that begins with '-': write ./{name}, or give it after --)"
 
 
 def _close_choice(prog: str, message: str) -> str:
@@ -147,7 +168,8 @@ def _run(argv) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # an argument the command does not take: the command's own name, not the top level's
         args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}"
-                                            f"{_close_flag(args.command, extra)}")
+                                            f"{_close_flag(args.command, extra)}{_dash_hint(extra)}")
+    args = expand_home(args, args.command)  # a quoted ~ is the home folder (symmerge.options.paths)
     _refuse_empty_paths(args)
     from .io.hf import trust_remote_code
     from .progress import kept
@@ -161,23 +183,33 @@ def _run(argv) -> int:
     return code
 
 
-# the arguments that name a file or a folder: an empty one ("" from an empty shell variable) is the current folder
-PATHS = frozenset({"model", "anchor", "models", "output", "out", "config", "data", "eval_data", "align_data", "base",
-                   "finetune", "model_flag", "base_flag", "lora_merge_cache"})
-
-
 def _refuse_empty_paths(args) -> None:
-    """One error for an empty path (``-o ""`` from an empty shell variable), and for the current folder as the output
-    (``-o .``: the written folder is renamed into the output's place; ``demo`` writes its two files into a folder)."""
+    """One error for an empty path (``-o ""`` from an empty shell variable), for a path that is no UTF-8 (the file
+    system takes any bytes, but the reports and model cards that name it are UTF-8 text and safetensors opens UTF-8
+    paths only: it was a traceback after the work), and for the current folder as the output (``-o .``: the written
+    folder is renamed into the output's place; ``demo`` writes its two files into a folder)."""
     from .options.declared import TABLE
 
     for option in TABLE.of(args.command):
         value = getattr(args, option.attr, None) if option.attr in PATHS else None
-        if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, str) and not v.strip() for v in values):
             raise SymmergeError(f"{option.flag}: an empty path ({value!r})")
+        bad = next((v for v in values if isinstance(v, str) and not _utf8(v)), None)
+        if bad is not None:
+            raise SymmergeError(f"{option.flag} {os.fsencode(bad)!r}: the path is not valid UTF-8 (symmerge names its "
+                                "inputs and output in UTF-8 reports and model cards): rename it")
         if option.attr in ("output", "out") and args.command != "demo" and isinstance(value, str) and _is_cwd(value):
             raise SymmergeError(f"{option.flag} {value}: the current folder cannot be the output (the written folder "
                                 "takes the output's place): give a new folder, e.g. -o merged")
+
+
+def _utf8(path: str) -> bool:
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _is_cwd(path: str) -> bool:

@@ -11,6 +11,7 @@ import functools
 from ..config.schema import command_line, values
 from ..errors import SymmergeError
 from . import align, barrier, merge
+from ..options.paths import expand_home
 
 MODULES = {"merge": merge, "align": align, "barrier": barrier}
 __all__ = ["command_line", "namespace", "parser"]
@@ -32,5 +33,6 @@ def parser(command: str) -> argparse.ArgumentParser:
 
 def namespace(config) -> argparse.Namespace:
     """The namespace ``symmerge COMMAND`` gets from its command line, built from a symmerge config
-    (:class:`symmerge.config.command.SymmergeConfig`) directly."""
-    return argparse.Namespace(**vars(values(config)), handler=MODULES[config.command].run)
+    (:class:`symmerge.config.command.SymmergeConfig`) directly; a path's leading ``~`` is the home folder, as on
+    the command line (:func:`symmerge.options.paths.expand_home`)."""
+    return expand_home(argparse.Namespace(**vars(values(config)), handler=MODULES[config.command].run), config.command)

@@ -68,7 +68,7 @@ def run(args) -> int:
                              skip_undecomposable=args.skip_undecomposable, device=device, svd=args.svd,
                              seed=args.random_seed,
                              write_model_card=args.write_model_card)
-    with merge_cache(args.lora_merge_cache, args.lora_merge_dtype):
+    with merge_cache(args.lora_merge_cache, args.lora_merge_dtype, inputs=(ft, base), out=out):
         report = extract_lora(ft, base, out, options)
     for note in report["notes"]:
         print(f"note: {note}", file=sys.stderr)

@@ -82,7 +82,7 @@ def run(args) -> int:
     ensure_output_dir(out, inputs=args.models)  # fail before any expensive work
     get_method(args.method)
     options_from(args).check(len(args.models))  # the options' refusals before any BASE+ADAPTER input is merged
-    with merge_cache(args.lora_merge_cache, args.lora_merge_dtype):
+    with merge_cache(args.lora_merge_cache, args.lora_merge_dtype, inputs=[*args.models, args.base], out=out):
         resolve_lora_inputs(args)
         if args.print_plan:
             return print_plan(args.models, options_from(args))

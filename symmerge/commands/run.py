@@ -98,8 +98,11 @@ def _run(args) -> int:
                  truncate_embeddings=args.unsafe_truncate_embeddings)
     desc = describe(args.config, **given, merge_adapters=False)  # BASE+ADAPTER inputs planned on their bases
     if desc.mergekit and _reads_adapters(desc):  # every refusal that needs no merge made before any adapter is merged
+        from ..config.run import model_folders
+        from ..io.lora import refuse_cache_in_inputs
+
+        refuse_cache_in_inputs(args.lora_merge_cache, model_folders(desc), desc.output)
         if not (args.print_plan or args.print_command):
-            from ..config.run import model_folders
             from ..io.model import ensure_output_dir
 
             ensure_output_dir(desc.output, inputs=model_folders(desc))
@@ -112,6 +115,7 @@ def _run(args) -> int:
             print(shlex.join(["symmerge", desc.command, *desc.argv]))
             return 0
         parsed = namespace(desc.config)  # the command's options, built from the config's keys directly
+        _refuse_cache_place(args.lora_merge_cache, parsed)
         if args.print_plan:
             if not hasattr(parsed, "print_plan"):
                 raise SymmergeError(f"symmerge {desc.command} has no plan to print; --print-command prints the "
@@ -150,6 +154,15 @@ def _run(args) -> int:
     summaries = run_jobs(desc, options=run_options(args))
     print_summary(desc, summaries)
     return 0
+
+
+def _refuse_cache_place(cache, parsed) -> None:
+    """``--lora-merge-cache`` given to ``run`` for a config of symmerge's own keys: neither in an input's folder nor
+    in the output (:func:`symmerge.io.lora.refuse_cache_in_inputs`), as for ``merge``'s own flag."""
+    from ..io.lora import refuse_cache_in_inputs
+
+    inputs = [*(getattr(parsed, "models", None) or []), getattr(parsed, "base", None), getattr(parsed, "model", None)]
+    refuse_cache_in_inputs(cache, inputs, getattr(parsed, "output", None))
 
 
 def _reads_adapters(desc) -> bool:

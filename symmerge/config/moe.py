@@ -109,7 +109,7 @@ def _folder(doc: Doc, value, where) -> str:
                         "(it stops: 'LoRA not merged'); merge the adapter into a folder first (a `symmerge run` "
                         "config: merge_method: passthrough, models: [{model: BASE+ADAPTER}]) and name that folder",
                         *where)
-    folder = Path(value)
+    folder = Path(value).expanduser()  # ~ is the home folder, as in a `run` config
     if not folder.is_absolute():  # relative to the working directory, as mergekit reads it
         folder = Path.cwd() / folder
     if not (folder / "config.json").is_file():

@@ -39,6 +39,7 @@ def run_jobs(desc, shard_size="5GB", progress=True, options: RunOptions | None =
     (``symmerge_report.json``), model card and the config's copy. Returns one summary dict per job. An aligned
     config (``desc.alignment``) aligns its models into one frame first (:func:`run_aligned`)."""
     from ..io.model import ensure_output_dir
+    from ..io.output import side_name
 
     opts = options or RunOptions(shard_size=shard_size, progress=progress)
     out = Path(desc.output)
@@ -55,7 +56,7 @@ def run_jobs(desc, shard_size="5GB", progress=True, options: RunOptions | None =
             else:
                 if temp is None:
                     out.parent.mkdir(parents=True, exist_ok=True)
-                    temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.intermediates-", dir=out.parent))
+                    temp = Path(tempfile.mkdtemp(prefix=f".{side_name(out)}.intermediates-", dir=out.parent))
                 target = temp / job.name
             inputs = [i.checkpoint() if i.folder is not None else folders[i.job] for i in job.inputs]
             t0 = time.perf_counter()

@@ -428,7 +428,9 @@ def check_data_path(path, flag: str | None = None) -> Path:
         raise SymmergeError(f"{named}: unknown data format {path.suffix!r}; use .npz (images), .jsonl (text, label) "
                             f"or .txt (causal-LM lines){spelled}")
     if not path.is_file():
-        raise SymmergeError(f"{named}: data file not found")
+        there = path.exists()  # a FIFO, a device: never opened (a FIFO with no writer would block forever)
+        raise SymmergeError(f"{named}: " + ("not a regular file (a FIFO, a device...): give a data file" if there
+                                            else "data file not found"))
     return path
 
 

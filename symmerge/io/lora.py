@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
 import sys
@@ -91,11 +92,13 @@ def _temp_cache() -> Path:
 
 
 @contextlib.contextmanager
-def merge_cache(directory=None, dtype=None):
+def merge_cache(directory=None, dtype=None, inputs=(), out=None):
     """Within the block, :func:`resolve_input` merges adapters into ``directory`` (``--lora-merge-cache``) in
     ``dtype`` (``--lora-merge-dtype``); None leaves the enclosing block's setting (outside any: a temporary
-    folder removed at exit, and the base's dtype)."""
+    folder removed at exit, and the base's dtype). ``directory`` neither one of ``inputs`` nor inside one, nor
+    the output ``out`` or inside it (:func:`refuse_cache_in_inputs`)."""
     old = dict(_cache)
+    refuse_cache_in_inputs(directory, inputs, out)
     if directory is not None:
         _cache["dir"] = Path(directory).expanduser()
         if _cache["dir"].exists() and not _cache["dir"].is_dir():
@@ -108,6 +111,23 @@ def merge_cache(directory=None, dtype=None):
         yield
     finally:
         _cache["dir"], _cache["dtype"] = old["dir"], old["dtype"]
+
+
+def refuse_cache_in_inputs(directory, inputs, out=None) -> None:
+    """One error for a ``--lora-merge-cache`` that is the folder of one of ``inputs`` (model paths or
+    ``BASE+ADAPTER`` specs) or lies inside one: the merged models written there would change an input; and for one
+    that is the output ``out`` or lies inside it (the output, written in its place at the end, would be refused
+    then, after the merges, as not empty)."""
+    if directory is not None and out is not None:
+        cache, target = Path(directory).expanduser().resolve(), Path(out).resolve()
+        if cache == target or target in cache.parents:
+            raise SymmergeError(f"--lora-merge-cache {directory}: inside the output folder {out}, which is written "
+                                "whole in its place at the end: give a folder outside it")
+    if directory is not None:
+        from .output import refuse_output_in_inputs
+
+        refuse_output_in_inputs(Path(directory).expanduser(), inputs, "--lora-merge-cache",
+                                "the folder merged models are kept in", itself=True)
 
 
 def parse_dtype(dtype):
@@ -161,15 +181,26 @@ def resolve_input(spec, cache=None, dtype=None, merge: bool = True) -> str:
 
 def cache_name(base: Path, adapter: Path, dtype=None) -> str:
     """The cached merge's folder name: the inputs' names and a digest of their absolute paths, the adapter
-    files' sizes and modification times and the dtype (a changed adapter is merged again)."""
+    files' sizes and modification times and the dtype (a changed adapter is merged again). Names too long for one
+    folder name with the lock's suffix (two folders of 150 characters were 'file name too long') are cut to their
+    first 80 bytes each (the digest keeps the full paths apart); a name that fits is the one earlier versions
+    gave, so their cached merges are found again."""
     sig = [str(base.resolve()), str(adapter.resolve()), str(dtype)]
     for folder in (base, adapter):
         for f in sorted(folder.iterdir()):
             if f.is_file() and (f.suffix in (".safetensors", ".bin", ".json")):
                 st = f.stat()
                 sig.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-    digest = hashlib.sha1("\n".join(sig).encode()).hexdigest()[:12]
-    return f"{base.name}+{adapter.name}-{digest}"
+    digest = hashlib.sha1("\n".join(sig).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    name = f"{base.name}+{adapter.name}-{digest}"
+    if len(os.fsencode(name)) <= 200:
+        return name
+    return f"{_cut(base.name, 80)}+{_cut(adapter.name, 80)}-{digest}"
+
+
+def _cut(name: str, size: int) -> str:
+    """``name``'s first ``size`` bytes on the file system (a multi-byte character not split)."""
+    return os.fsencode(name)[:size].decode("utf-8", "ignore")
 
 
 # -- the adapter ----------------------------------------------------------------------------------------------

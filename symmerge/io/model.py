@@ -30,7 +30,12 @@ def read_config(path: Path, spec: bool = True) -> dict:
     if not path.is_dir():
         raise SymmergeError(f"{path}: not a directory (expected a Hugging Face model folder)")
     if not cfg_file.is_file():
-        raise SymmergeError(f"{path}: no config.json (expected a Hugging Face model folder)")
+        if os.path.lexists(cfg_file):  # there, but no file: a FIFO, a device, a broken or looping link
+            raise SymmergeError(f"{cfg_file}: {_not_a_file(cfg_file)}")
+        if (path / "adapter_config.json").is_file():
+            raise SymmergeError(f"{path}: a PEFT adapter folder (adapter_config.json), not a model: merge, run and "
+                                "extract-lora take it with its base model as BASE+ADAPTER")
+        raise SymmergeError(f"{path}: no config.json (expected a Hugging Face model folder){_hub_cache_hint(path)}")
     try:
         config = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -50,6 +55,39 @@ def read_config(path: Path, spec: bool = True) -> dict:
     if spec:
         spec_for(config["model_type"])  # unsupported types fail here, before any weights are read
     return config
+
+
+def _hub_cache_hint(path: Path) -> str:
+    """For a Hugging Face cache's folder of one model (``models--org--name``, given instead of its snapshot): where
+    the model folder is."""
+    snapshots = path / "snapshots"
+    if not snapshots.is_dir():
+        return ""
+    found = sorted(p.name for p in snapshots.iterdir() if (p / "config.json").is_file())
+    where = snapshots / (found[0] if len(found) == 1 else "<revision>")
+    return f"; {path.name} is a Hugging Face cache's folder: the model folder is {where}"
+
+
+def _not_a_file(path: Path) -> str:
+    """Why ``path``, which is there, is no regular file."""
+    if path.is_symlink() and not path.exists():
+        return f"a broken or looping symbolic link (to {os.readlink(path)})"
+    return "not a regular file (a FIFO, a device...)"
+
+
+def _weights_hint(path: Path) -> str:
+    """A weight file of the expected name that is no regular file; weight files a folder holds under other names
+    (``MODEL.SAFETENSORS``, ``weights.safetensors``): named."""
+    special = [n for n in (SAFE_SINGLE, SAFE_INDEX) if os.path.lexists(path / n) and not (path / n).is_file()]
+    if special:
+        return f"; {special[0]} is {_not_a_file(path / special[0])}"
+    try:
+        found = sorted(p.name for p in path.iterdir()
+                       if p.suffix.lower() in (".safetensors", ".bin") and p.name not in WEIGHT_NAMES)
+    except OSError:
+        return ""
+    return (f"; found {', '.join(found[:3])}: the names are case-sensitive and fixed (model.safetensors, "
+            "model-00001-of-00002.safetensors with model.safetensors.index.json)") if found else ""
 
 
 class ShardIndexError(SymmergeError):
@@ -88,7 +126,7 @@ def weight_files(path: Path, allow_pickle: bool = False) -> tuple[list[Path], bo
         files = [path / PICKLE_SINGLE] if (path / PICKLE_SINGLE).is_file() else _shards(path, PICKLE_INDEX)
         safe = False
     else:
-        raise SymmergeError(f"{path}: no weights (model.safetensors or a shard index)")
+        raise SymmergeError(f"{path}: no weights (model.safetensors or a shard index){_weights_hint(path)}")
     for f in files:
         if not f.is_file():
             raise SymmergeError(f"{f}: weight shard missing")

@@ -38,15 +38,28 @@ from ..errors import OutputError, SymmergeError
 TAG = ".symmerge-tmp-"
 
 
+def side_name(out) -> str:
+    """``out``'s name as it begins the names of what symmerge makes beside it (its temporary folders, its lock, the
+    probe of :func:`check_writable`): the name itself, or for a name too long to take their suffixes within a file
+    system's 255 bytes (a legal output name of 240 characters was 'file name too long'), its first 160 bytes and
+    a digest of the whole name."""
+    import hashlib
+
+    name = Path(out).name
+    raw = os.fsencode(name)  # the bytes the file system holds (a name that is no UTF-8 too)
+    if len(raw) <= 180:
+        return name
+    return f"{os.fsdecode(raw[:160])}~{hashlib.sha256(raw).hexdigest()[:12]}"
+
+
 def temp_prefix(out, kind: str = "") -> str:
     """The name prefix of a temporary folder for ``out`` made by this process (``kind``: a second kind of
     temporary folder beside the same output, e.g. ``aligned``)."""
-    out = Path(out)
-    return f".{out.name}{TAG}{os.getpid()}-" + (f"{kind}-" if kind else "")
+    return f".{side_name(out)}{TAG}{os.getpid()}-" + (f"{kind}-" if kind else "")
 
 
 def _pattern(out: Path):
-    return re.compile(r"^\." + re.escape(out.name) + re.escape(TAG) + r"(\d+)-")
+    return re.compile(r"^\." + re.escape(side_name(out)) + re.escape(TAG) + r"(\d+)-")
 
 
 def pid_alive(pid: int) -> bool:
@@ -135,7 +148,7 @@ def output_fault(out, e: OSError) -> OutputError:
     """One line for an operating-system failure while ``out`` was being written: the reason, and the file
     when it is not inside the temporary folder (an input, for instance)."""
     name = getattr(e, "filename", None)
-    if name and TAG not in str(name) and not str(name).startswith(str(Path(out).parent / f".{Path(out).name}")) \
+    if name and TAG not in str(name) and not str(name).startswith(str(Path(out).parent / f".{side_name(out)}")) \
             and Path(str(name)) != Path(out):
         from ..errors import InputReadError
 
@@ -167,19 +180,21 @@ def _size(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def refuse_output_in_inputs(out, inputs, flag: str = "output") -> None:
+def refuse_output_in_inputs(out, inputs, flag: str = "output", what: str = "the output", itself: bool = False) -> None:
     """One error for an output inside the folder of one of ``inputs`` (paths, or ``BASE+ADAPTER`` specs: both
     folders; a model object is no folder): writing it, and its claim's lock file beside it, would change an input,
-    which symmerge never does."""
+    which symmerge never does. ``itself``: the input's folder itself refused too (a folder written into, such as
+    ``--lora-merge-cache``, not one written in its place)."""
     target = Path(out).resolve()
     for spec in inputs:
         if not isinstance(spec, (str, Path)) or not str(spec).strip():
             continue
         for folder in {str(spec), *str(spec).split("+")}:
             folder = Path(folder.strip()).expanduser()
-            if folder.is_dir() and folder.resolve() in target.parents:
-                raise OutputError(f"{flag} {target}: the output is inside the input folder {folder.resolve()}; "
-                                  "writing it would change an input: give a folder outside it")
+            inside = folder.is_dir() and folder.resolve() in target.parents
+            if inside or (itself and folder.is_dir() and folder.resolve() == target):
+                raise OutputError(f"{flag} {target}: {what} is {'inside ' if inside else ''}the input folder "
+                                  f"{folder.resolve()}; writing it would change an input: give a folder outside it")
 
 
 # ---------------------------------------------------------------- the output claimed for one run at a time
@@ -190,7 +205,7 @@ _claims: dict[str, tuple[int, Path]] = {}
 
 def lock_path(out) -> Path:
     out = Path(out)
-    return out.parent / f".{out.name}{LOCK}"
+    return out.parent / f".{side_name(out)}{LOCK}"
 
 
 def _key(out) -> str:
@@ -327,7 +342,7 @@ def check_writable(out) -> None:
     if not parent.is_dir():
         raise OutputError(f"{out}: cannot write the output ({parent} is not a directory)")
     try:
-        probe = tempfile.mkdtemp(prefix=f".{out.name}.symmerge-probe-", dir=parent)
+        probe = tempfile.mkdtemp(prefix=f".{side_name(out)}.symmerge-probe-", dir=parent)
     except OSError as e:
         raise OutputError(f"{out}: cannot write the output in {parent} ({describe_fault(e)})") from None
     try:
