@@ -29,7 +29,8 @@ two are (anti)parallel (the method's ``colinear`` rule). The methods compose it:
 * ``karcher`` (one or more models, no base, no weights): the Karcher (Fréchet) mean on the unit sphere of
   the models' directions (uniform weights α = 1/n over the models with norm > ``tol``): start at their
   normalised mean, then at most ``max_iter`` steps of the exponential map along
-  Σ α θ_i/sin θ_i (u_i − cos θ_i · m) (θ_i < tol skipped), stopping when that step's norm < ``tol``;
+  Σ α θ_i/sin θ_i (u_i − cos θ_i · m) (θ_i < tol or θ_i = 0 skipped), stopping when that step's norm
+  < ``tol`` or 0 (``tol: 0`` converges on a zero step instead of dividing 0 by 0);
   scaled by the mean of all the models' norms.
 
 Per-model weights go in ``weights`` (raw: these methods normalise them themselves where they do).
@@ -359,11 +360,11 @@ def karcher_mean(vectors, alphas, max_iter: int, tol: float) -> torch.Tensor:
         for ai, u in zip(a, units):
             c = max(-1.0, min(1.0, float(mean @ u)))
             theta = math.acos(c)
-            if theta < tol:
+            if theta < tol or theta == 0.0:  # tol 0: the term's limit is 0 (u = mean)
                 continue
             step += ai * (theta / math.sin(theta)) * (u - c * mean)
         sn = float(step.norm())
-        if sn < tol:
+        if sn < tol or sn == 0.0:  # tol 0: a zero step is converged (not 0 / 0)
             break
         mean = math.cos(sn) * mean + math.sin(sn) * (step / sn)
         un = float(mean.norm())
@@ -397,12 +398,12 @@ def karcher_coefficients(g: torch.Tensor, alphas, max_iter: int, tol: float) -> 
         for j in range(len(valid)):
             c = max(-1.0, min(1.0, float(mean @ gu[:, j])))
             theta = math.acos(c)
-            if theta < tol:
+            if theta < tol or theta == 0.0:
                 continue
             step[j] += a[j] * (theta / math.sin(theta))
             step -= a[j] * (theta / math.sin(theta)) * c * mean
         sn = norm(step)
-        if sn < tol:
+        if sn < tol or sn == 0.0:
             break
         mean = math.cos(sn) * mean + math.sin(sn) * (step / sn)
         un = norm(mean)
