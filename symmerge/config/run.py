@@ -241,7 +241,12 @@ def computing_in(method, dtype):
         return t.to(dtype) if rounds(t) else t
 
     def tensor(key, tensors, weights, stats, base, params, context):
-        return method.tensor(key, [cast(t) for t in tensors], weights, stats, cast(base), params, context)
+        out = method.tensor(key, [cast(t) for t in tensors], weights, stats, cast(base), params, context)
+        # a float64 result (symmerge's exact form of the rule) is rounded to ``dtype``, where mergekit holds its
+        # result before ``out_dtype`` widens it; a rule running mergekit's own arithmetic returns its dtype already
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float64 and dtype != torch.float64:
+            out = out.to(dtype)
+        return out
 
     context = None
     if method.tensor_context is not None:
