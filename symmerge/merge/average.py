@@ -24,18 +24,19 @@ def linear_tensor(key, tensors, weights, stats, base, params, context):
     ``average``)."""
     from .base import normalized_weights
 
-    return weighted_sum(tensors, normalized_weights(weights, len(tensors), normalize=bool(params["normalize"])))
+    return weighted_sum(tensors, normalized_weights(weights, len(tensors), bool(params["normalize"]), signed=True))
 
 
 def linear_fused_into(key, tensors, weights, base, params, context, out) -> bool:
     from .base import normalized_weights
 
-    return kernels.average_into(tensors, normalized_weights(weights, len(tensors), normalize=bool(params["normalize"])),
-                                out)
+    weights = normalized_weights(weights, len(tensors), bool(params["normalize"]), signed=True)
+    return kernels.average_into(tensors, weights, out)
 
 
-# mergekit's name: ``average`` with ``normalize`` (true: Σ w_i θ_i / Σ w_i; false: Σ w_i θ_i). Weights must be
-# non-negative (symmerge's rule; mergekit also takes negative ones).
+# mergekit's name: ``average`` with ``normalize`` (true: Σ w_i θ_i / Σ w_i; false: Σ w_i θ_i). Weights of any sign,
+# as mergekit takes them (a negative one extrapolates: ExPO-style configs), their sum not 0 with normalize (mergekit
+# writes NaN there); ``average``, symmerge's own name, keeps them non-negative.
 LINEAR = Method("linear", linear_tensor, params={"normalize": True}, ignores_base=True, weight_required=True, doc="Weighted average of any number of models "
                 "(mergekit's linear): θ = Σ_i w_i θ_i / Σ_i w_i, or Σ_i w_i θ_i with normalize false.",
                 normalize_weights=False, elementwise=True, fused_into=linear_fused_into,

@@ -42,10 +42,11 @@ def check_needs(name: str, needs) -> None:
                             f"(known: {', '.join(STATISTICS)}, or None)")
 
 
-def normalized_weights(weights, n: int, normalize: bool = True) -> list[float]:
+def normalized_weights(weights, n: int, normalize: bool = True, signed: bool = False) -> list[float]:
     """``n`` weights (uniform when ``None``), finite; with ``normalize`` (an average) non-negative and scaled
-    to sum to 1, else (multipliers of task vectors, as mergekit takes them: a negative weight subtracts a
-    task) any finite values, not all zero."""
+    to sum to 1 (``signed``: mergekit's ``linear``, any sign, divided by their sum, which must not be 0: a weight
+    above 1 beside a negative one extrapolates), else (multipliers of task vectors, as mergekit takes them: a
+    negative weight subtracts a task) any finite values, not all zero."""
     if weights is None:
         weights = [1.0] * n
     try:
@@ -56,7 +57,10 @@ def normalized_weights(weights, n: int, normalize: bool = True) -> list[float]:
         raise SymmergeError(f"got {len(weights)} weights for {n} models")
     if any(not abs(w) < float("inf") for w in weights) or not any(weights):
         raise SymmergeError(f"weights must be finite and not all zero, got {weights}")
-    if normalize and (any(w < 0.0 for w in weights) or sum(weights) <= 0):
+    if normalize and signed and sum(weights) == 0:
+        raise SymmergeError(f"weights {weights} sum to 0: linear with normalize divides by their sum (give weights "
+                            "of another sum, or normalize: false)")
+    if normalize and not signed and (any(w < 0.0 for w in weights) or sum(weights) <= 0):
         raise SymmergeError(f"weights of an average must be non-negative and not all zero, got {weights}")
     total = sum(weights) if normalize else 1.0
     return [w / total for w in weights]
