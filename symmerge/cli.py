@@ -233,11 +233,11 @@ def _one_line_warnings():
 
 
 def main(argv=None) -> int:
-    from ._entry import Terminated, interrupted_line, was_interrupted, watch_interrupts
+    from ._entry import Terminated, interrupted_line, restore_interrupts, was_interrupted, watch_interrupts
     from .io.output import describe_fault, os_fault, release_claims
     from .io.provenance import COMMAND_LINE
 
-    watch_interrupts()
+    handlers = watch_interrupts()  # put back when the command ends (main in a caller's process)
     line = COMMAND_LINE.set(["symmerge", *(sys.argv[1:] if argv is None else [str(a) for a in argv])])
     shown = _one_line_warnings()
     try:
@@ -274,6 +274,7 @@ def main(argv=None) -> int:
         import warnings
 
         warnings.showwarning = shown
+        restore_interrupts(handlers)
 
 
 if __name__ == "__main__":
