@@ -149,13 +149,15 @@ def _run(argv) -> int:
         args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}"
                                             f"{_close_flag(args.command, extra)}")
     _refuse_empty_paths(args)
+    from .core.parallel import threads_kept
     from .io.hf import trust_remote_code
     from .progress import kept
 
     _quiet(args)
     with kept():  # the caller's progress setting back after the command (main run in a caller's process)
         configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
-        with trust_remote_code(getattr(args, "trust_remote_code", False)):  # code from model folders: only if asked
+        with trust_remote_code(getattr(args, "trust_remote_code", False)), \
+                threads_kept():  # the caller's thread count back after --num-threads (run, moe, extract-lora)
             code = args.handler(args) or 0
         sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
     return code
