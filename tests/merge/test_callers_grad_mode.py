@@ -1,4 +1,4 @@
-"""A caller's ``torch.no_grad()`` or ``torch.inference_mode()`` around a symmerge call (a service's inference code, a
+"""A caller's ``torch.no_grad()``, ``torch.inference_mode()`` or default dtype around a symmerge call (a service's inference code, a
 notebook cell) does not change what it computes: Fisher's statistics and the learned alignment take their gradients
 as without it, the same bytes (a RuntimeError, "element 0 of tensors does not require grad", before;
 benchmarks/procstate_audit.py)."""
@@ -49,4 +49,23 @@ def test_learned_alignment_under_the_callers_grad_mode(vits, mode):
     with MODES[mode]():
         inside = symmerge.align_pair(str(a), str(b), options).model.state_dict()
         assert not torch.is_grad_enabled()  # the caller's mode, back after the call
+    assert all(torch.equal(plain[k], inside[k]) for k in plain)
+
+
+def test_learned_alignment_under_the_callers_default_dtype(vits):
+    """A caller's ``torch.set_default_dtype(torch.float64)`` does not change the learned alignment: its random draws
+    (augmentation flips and mixes, the interpolation's alpha) were made in the default dtype, float64 draws from the
+    same seed, and another alignment came out."""
+    import symmerge
+
+    a, b, data = vits
+    options = symmerge.AlignOptions(symmetries="attn,ffn", match="learned", align_data=data, align_samples=16,
+                                    learn=symmerge.LearnSettings(steps=3, seed=0, batch=8))
+    plain = symmerge.align_pair(str(a), str(b), options).model.state_dict()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        inside = symmerge.align_pair(str(a), str(b), options).model.state_dict()
+    finally:
+        torch.set_default_dtype(default)
     assert all(torch.equal(plain[k], inside[k]) for k in plain)
