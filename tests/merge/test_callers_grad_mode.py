@@ -1,7 +1,7 @@
-"""A caller's ``torch.no_grad()``, ``torch.inference_mode()`` or default dtype around a symmerge call (a service's inference code, a
-notebook cell) does not change what it computes: Fisher's statistics and the learned alignment take their gradients
-as without it, the same bytes (a RuntimeError, "element 0 of tensors does not require grad", before;
-benchmarks/procstate_audit.py)."""
+"""A caller's ``torch.no_grad()``, ``torch.inference_mode()`` or default dtype around a symmerge call (a service's
+inference code, a notebook cell) does not change what it computes: Fisher's statistics and the learned alignment take
+their gradients as without it (a RuntimeError, "element 0 of tensors does not require grad", before), and draw the
+same numbers (benchmarks/procstate_audit.py)."""
 
 from __future__ import annotations
 
