@@ -44,21 +44,32 @@ def _on_termination(signum, frame):
     raise Terminated(signum)
 
 
-def watch_interrupts() -> None:
+def watch_interrupts() -> dict:
     """As the command: remember a Ctrl-C (:func:`was_interrupted`) while keeping its KeyboardInterrupt, and
     turn SIGTERM and SIGHUP into :class:`Terminated` (their default would end the process at once, leaving
     its temporary folder). Only from the main thread, and only where Python's default handlers are installed
     (a host's own handlers are kept). A new command starts uninterrupted: an earlier command's Ctrl-C or SIGTERM in
-    the same process (``main`` called again by a caller) made every later error read as "interrupted"."""
+    the same process (``main`` called again by a caller) made every later error read as "interrupted". Returns the
+    handlers it replaced, for :func:`restore_interrupts` when the command ends."""
     global _interrupted
     _interrupted = False
+    replaced = {}
     if threading.current_thread() is not threading.main_thread():
-        return
+        return replaced
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_sigint)
+        replaced[signal.SIGINT] = signal.signal(signal.SIGINT, _on_sigint)
     for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
-            signal.signal(sig, _on_termination)
+            replaced[sig] = signal.signal(sig, _on_termination)
+    return replaced
+
+
+def restore_interrupts(replaced: dict) -> None:
+    """The handlers :func:`watch_interrupts` replaced, put back: ``main`` called in a caller's process (a service's,
+    a notebook's) leaves its SIGTERM ending it as before, not raising :class:`Terminated` in its own code later."""
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in replaced.items():
+            signal.signal(sig, handler)
 
 
 def was_interrupted() -> bool:

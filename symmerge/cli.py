@@ -171,13 +171,15 @@ def _run(argv) -> int:
                                             f"{_close_flag(args.command, extra)}{_dash_hint(extra)}")
     args = expand_home(args, args.command)  # a quoted ~ is the home folder (symmerge.options.paths)
     _refuse_empty_paths(args)
+    from .core.parallel import threads_kept
     from .io.hf import trust_remote_code
     from .progress import kept
 
     _quiet(args)
     with kept():  # the caller's progress setting back after the command (main run in a caller's process)
         configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
-        with trust_remote_code(getattr(args, "trust_remote_code", False)):  # code from model folders: only if asked
+        with trust_remote_code(getattr(args, "trust_remote_code", False)), \
+                threads_kept():  # the caller's thread count back after --num-threads (run, moe, extract-lora)
             code = args.handler(args) or 0
         sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
     return code
@@ -265,11 +267,11 @@ def _one_line_warnings():
 
 
 def main(argv=None) -> int:
-    from ._entry import Terminated, interrupted_line, was_interrupted, watch_interrupts
+    from ._entry import Terminated, interrupted_line, restore_interrupts, was_interrupted, watch_interrupts
     from .io.output import describe_fault, os_fault, release_claims
     from .io.provenance import COMMAND_LINE
 
-    watch_interrupts()
+    handlers = watch_interrupts()  # put back when the command ends (main in a caller's process)
     line = COMMAND_LINE.set(["symmerge", *(sys.argv[1:] if argv is None else [str(a) for a in argv])])
     shown = _one_line_warnings()
     try:
@@ -306,6 +308,7 @@ def main(argv=None) -> int:
         import warnings
 
         warnings.showwarning = shown
+        restore_interrupts(handlers)
 
 
 if __name__ == "__main__":

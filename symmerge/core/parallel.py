@@ -21,6 +21,18 @@ def pool_size(workers: int | None) -> int:
 
 
 @contextmanager
+def threads_kept():
+    """The block may set torch's intra-op threads (a command's ``--num-threads``); the count it found is back after
+    it, so that a command run in a caller's process (``symmerge.cli.main([...])``) leaves the caller's."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+@contextmanager
 def torch_threads(n: int | None):
     """Run the block with ``n`` torch intra-op threads in this thread (None: unchanged), then restore."""
     if n is None:

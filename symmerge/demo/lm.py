@@ -21,7 +21,7 @@ import torch
 
 from ..errors import SymmergeError
 from ..io.model import quiet_transformers, save_model
-from .train import TrainSettings, cached_build, fit, inputs_key
+from .train import TrainSettings, cached_build, callers_rng_kept, fit, inputs_key
 
 
 def gpt2_config(vocab_size: int, context: int = 128, hidden: int = 256, layers: int = 6, heads: int = 4,
@@ -154,7 +154,7 @@ def train_lm(config, blocks, settings: TrainSettings, tokenizer, name: str = "lm
         raise SymmergeError(f"the tokenizer has {len(tokenizer)} tokens, the config {config.vocab_size}")
     extra = {"kind": kind, "tokenizer": tokenizer_hash(tokenizer), **({"train_kwargs": train_kwargs} if train_kwargs else {})}
     key = inputs_key(config, settings, [x.numpy()], extra=extra)
-    with cached_build(root, subdir, name, key, cache, log) as (out, found):
+    with cached_build(root, subdir, name, key, cache, log) as (out, found), callers_rng_kept():
         if found:
             return out
         torch.manual_seed(settings.seed)

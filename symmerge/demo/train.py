@@ -217,6 +217,13 @@ def fit(model, settings: TrainSettings, n: int, batch_loss, name: str, evaluate=
     return report
 
 
+def callers_rng_kept():
+    """A block that seeds torch's global generator (a training's initialisation and dropout) leaves the caller's as it
+    was: the demo and the benchmarks train inside a caller's process, whose next ``torch.rand`` must not depend on
+    whether a model was trained (or found in the cache). The CPU generator: the demos train on the CPU."""
+    return torch.random.fork_rng(devices=[])
+
+
 def train_vit(config, images, labels, settings: TrainSettings, name: str = "vit", eval_images=None,
               eval_labels=None, cache: bool = True, root=None, progress: bool = True, log=print,
               eval_every: int = 0) -> Path:
@@ -242,7 +249,7 @@ def train_vit(config, images, labels, settings: TrainSettings, name: str = "vit"
         raise SymmergeError(f"images are {tuple(x.shape[1:])}, the config expects "
                             f"{(config.num_channels, config.image_size, config.image_size)}")
     key = cache_key(config, images, labels, settings)
-    with cached_build(root, "vit", name, key, cache, log) as (out, found):
+    with cached_build(root, "vit", name, key, cache, log) as (out, found), callers_rng_kept():
         if found:
             return out
         torch.manual_seed(settings.seed)

@@ -106,7 +106,9 @@ def keeps_models(fn):
     (evaluation and verification switch a model to eval mode), and every parameter and buffer where it was — the
     same tensor on the same device in the same dtype (statistics and evaluation move a model to ``device`` with
     ``.to``, which moves the caller's own module in place; a model on a GPU evaluated on the CPU came back on the
-    CPU)."""
+    CPU). It computes under torch's default autograd modes whatever the caller's (a ``torch.no_grad()`` or
+    ``torch.inference_mode()`` around the call: Fisher's statistics and the learned alignment take gradients), and
+    the caller's modes are back after it."""
     import functools
 
     @functools.wraps(fn)
@@ -117,7 +119,8 @@ def keeps_models(fn):
                 seen.add(id(model))
                 held += _held(model)
         try:
-            return fn(*args, **kwargs)
+            with torch.inference_mode(False), torch.enable_grad():
+                return fn(*args, **kwargs)
         finally:
             _restore(held)
 

@@ -236,8 +236,8 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
 
     def weights() -> torch.Tensor:
         if n == 2:
-            a = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g).item()
-            return torch.tensor([a, 1 - a])
+            a = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g, dtype=torch.float32).item()
+            return torch.tensor([a, 1 - a], dtype=torch.float32)
         return mixture_weights(n, concentration, rng)
 
     history: dict = {"step": [], "train": []}

@@ -235,7 +235,7 @@ def augmented(batches: list, views: int, generator: torch.Generator, style: str 
             x = b.inputs.get("pixel_values")
             if x is None or x.dim() != 4:
                 continue
-            flip = torch.rand(len(x), generator=generator) < 0.5
+            flip = torch.rand(len(x), generator=generator, dtype=torch.float32) < 0.5
             x = torch.where(flip[:, None, None, None], x.flip(-1), x)
             reach = SHIFT[style]
             shifts = torch.randint(-reach, reach + 1, (len(x), 2), generator=generator)
@@ -243,7 +243,7 @@ def augmented(batches: list, views: int, generator: torch.Generator, style: str 
             if style == "strong":
                 x = _cut_out(x, generator)
             elif style == "mixup":
-                lam = 0.5 + 0.5 * torch.rand(len(x), generator=generator)[:, None, None, None]
+                lam = 0.5 + 0.5 * torch.rand(len(x), generator=generator, dtype=torch.float32)[:, None, None, None]
                 x = lam * x + (1 - lam) * x[torch.randperm(len(x), generator=generator)]
             out.append(Batch({**b.inputs, "pixel_values": x}, None, b.mask))
     return out
@@ -253,7 +253,7 @@ def _cut_out(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """``x`` (B, C, H, W) with, in every image with probability ½, a square of side H/7 to H/3 (its centre anywhere
     in the image, clipped at the edges) set to that image's minimum."""
     n, h, w = len(x), x.shape[-2], x.shape[-1]
-    on = torch.rand(n, generator=generator) < 0.5
+    on = torch.rand(n, generator=generator, dtype=torch.float32) < 0.5
     side = torch.randint(max(1, round(h / 7)), max(1, h // 3) + 1, (n,), generator=generator)[:, None, None]
     cy = torch.randint(0, h, (n,), generator=generator)[:, None, None]
     cx = torch.randint(0, w, (n,), generator=generator)[:, None, None]
@@ -566,7 +566,7 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
         if budget_spent(settings, t0, info):
             break
         i = next(order)
-        alpha = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g).item()
+        alpha = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g, dtype=torch.float32).item()
         tick = time.perf_counter()
         loss = objective(alpha, train[i], t_train[i], step=True)
         opt.zero_grad(set_to_none=True)

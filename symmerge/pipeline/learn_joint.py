@@ -219,7 +219,7 @@ def uniform_score(skeleton, state_dicts: list[dict], frame: int, target: str, ba
     values of differently aligned versions of the same models compare directly (they differ by their KL
     divergence to the same target)."""
     mix = Mixture(skeleton, state_dicts, frame, target)
-    w = torch.full((len(state_dicts),), 1.0 / len(state_dicts))
+    w = torch.full((len(state_dicts),), 1.0 / len(state_dicts), dtype=torch.float32)
     none = [{} for _ in state_dicts]
     with torch.no_grad():
         values = [mix.loss(w, none, b, mix.predictions(b)).item() for b in batches]

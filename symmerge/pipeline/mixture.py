@@ -15,10 +15,10 @@ def check_points(n: int, concentration=None) -> list[torch.Tensor]:
     """The fixed mixture weights a joint learning's objective is checked at: the uniform average, and for every
     model the point halfway between it and the uniform average (for N = 2: α = ½, ¾, ¼); the uniform average
     alone when every step trains there (``concentration`` :data:`~symmerge.pipeline.options.DIRICHLET_UNIFORM`)."""
-    uniform = torch.full((n,), 1.0 / n)
+    uniform = torch.full((n,), 1.0 / n, dtype=torch.float32)  # float32 whatever the caller's default dtype
     if concentration == DIRICHLET_UNIFORM:
         return [uniform]
-    return [uniform] + [0.5 * uniform + 0.5 * torch.eye(n)[i] for i in range(n)]
+    return [uniform] + [0.5 * uniform + 0.5 * torch.eye(n, dtype=torch.float32)[i] for i in range(n)]
 
 
 def mixture_weights(n: int, concentration, rng) -> torch.Tensor:
@@ -26,5 +26,5 @@ def mixture_weights(n: int, concentration, rng) -> torch.Tensor:
     numpy generator ``rng``, or exactly 1/N each for :data:`~symmerge.pipeline.options.DIRICHLET_UNIFORM` (no
     draw)."""
     if concentration == DIRICHLET_UNIFORM:
-        return torch.full((n,), 1.0 / n)
+        return torch.full((n,), 1.0 / n, dtype=torch.float32)
     return torch.as_tensor(rng.dirichlet(np.full(n, float(concentration))), dtype=torch.float32)

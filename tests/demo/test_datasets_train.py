@@ -273,3 +273,18 @@ def test_cached_npz_reuses_a_file_with_the_same_arrays_and_rewrites_any_other(tm
         assert datasets.cached_npz(path, images, labels) == path and path.read_bytes() == good
     datasets.cached_npz(path, images, labels[::-1])
     assert np.array_equal(np.load(path)["labels"], labels[::-1])
+
+
+def test_training_leaves_the_callers_random_state(tmp_path):
+    """train_vit seeds torch for its initialisation and dropout; the caller's global generator is as it was after
+    it (a demo or a benchmark's training re-seeded it: the caller's next torch.rand was torch.manual_seed(seed)'s
+    first draw whatever the caller had seeded)."""
+    x, y = blobs(32, 0)
+    config = vit_config(16, 1, 2, 32, patch=4, image_size=8, num_labels=4)
+    torch.manual_seed(1234)
+    torch.rand(5)
+    state = torch.get_rng_state()
+    folder = train_vit(config, x, y, TrainSettings(steps=2, batch_size=8, seed=0), name="r", root=tmp_path,
+                       progress=False, log=lambda *_: None)
+    assert (folder / "model.safetensors").exists()
+    assert torch.equal(torch.get_rng_state(), state)

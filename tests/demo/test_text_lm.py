@@ -210,3 +210,18 @@ def test_train_gpt2_rejects_bad_input(tmp_path):
         train_gpt2(gpt2_config(512, context=8, hidden=16, layers=1, heads=2), np.zeros((4, 8)), s, tok, **kw)
     with pytest.raises(SymmergeError, match="divisible"):
         gpt2_config(300, hidden=30, heads=4)
+
+
+def test_training_leaves_the_callers_random_state(tmp_path):
+    """train_gpt2 (every causal LM of the demos) seeds torch for its initialisation and dropout; the caller's global
+    generator is as it was after it, not re-seeded to ``settings.seed``."""
+    tok = text.train_tokenizer(TEXTS, vocab_size=300, max_length=32, root=tmp_path / "tok")
+    blocks = text.blocks(text.token_stream(TEXTS, tok), 16)
+    config = gpt2_config(len(tok), context=32, hidden=16, layers=1, heads=2, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(1234)
+    torch.rand(5)
+    state = torch.get_rng_state()
+    folder = train_gpt2(config, blocks, TrainSettings(steps=2, batch_size=8, seed=0), tok, name="r",
+                        root=tmp_path / "m", progress=False, log=lambda *_: None)
+    assert (folder / "model.safetensors").exists()
+    assert torch.equal(torch.get_rng_state(), state)
