@@ -84,11 +84,29 @@ def is_lora_spec(spec) -> bool:
 _cache: dict = {"dir": None, "temp": None, "dtype": None}
 
 
+TEMP_PREFIX = "symmerge-lora-"  # + the process id + "-": the temporary merge cache of one process, removed at its exit
+
+
 def _temp_cache() -> Path:
     if _cache["temp"] is None:
-        _cache["temp"] = Path(tempfile.mkdtemp(prefix="symmerge-lora-"))
+        remove_stale_temp_caches()
+        _cache["temp"] = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-"))
         atexit.register(shutil.rmtree, str(_cache["temp"]), True)
     return _cache["temp"]
+
+
+def remove_stale_temp_caches() -> list[Path]:
+    """Remove the temporary merge caches of processes that are gone (killed before their exit removed them: each
+    held whole merged models); those of running processes and of this one are left. Returns those removed."""
+    from .output import pid_alive
+
+    removed = []
+    for p in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*-*"):
+        pid = p.name[len(TEMP_PREFIX):].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 @contextlib.contextmanager
