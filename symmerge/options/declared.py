@@ -251,7 +251,7 @@ OPTIONS = (
         help="as mergekit: --cuda (and its no-ops below)"),
     opt("num_threads", "-j", "--num-threads", on=RUN, part=MERGEKIT, parse=int, minimum=1, metavar="N",
         help="torch threads for the merge arithmetic (default: torch's)"),
-    opt("quiet", "--quiet", on=RUN, part=MERGEKIT, form="onoff", default=False,
+    opt("quiet", "-q", "--quiet", on=RUN, part=MERGEKIT, form="onoff", default=False,
         help="no progress on stderr (--progress none)"),
     opt("verbose", "-v", on=RUN, part=MERGEKIT, form="count", default=0,
         help="progress as one line per stage (--progress lines); repeat for no more"),
@@ -402,7 +402,7 @@ OPTIONS = (
         help="how progress is shown on stderr: auto (default: bars on a terminal, plain lines otherwise, e.g. in a "
              "log or a pipe), bar, lines (one line per stage with counts and seconds) or none"),
     opt("quiet", "-q", "--quiet", on=MODELS | {"demo"}, part="quiet", form="switch",
-        default=False, help="no progress on stderr (as --progress none)"),
+        default=False, help="no progress on stderr (as --progress none; every command takes it)"),
     # appended (issue 42 item 3): the learned alignment's α range
     opt("learn_alpha_low", "--learn-alpha-low", on=ALIGNING, part=ALIGNMENT, parse=float, minimum=0, metavar="LO",
         learn="alpha_low",
@@ -506,8 +506,8 @@ OPTIONS += (
         help="with --align: the symmetries aligned (as symmerge align; default recommended)"),
     opt("align_stream", "--align-stream", on=MOE, part=MOE, form="switch", default=False,
         help="with --align: align each expert layer by layer from its checkpoint (symmerge align --stream)"),
-    *(opt(_dest(f), f, on=MOE, part=MOE_MERGEKIT, form="switch", default=False, help=why)
-      for f, why in MOE_NO_OPS.items()),
+    *(opt(_dest(f), *(("-q",) if f == "--quiet" else ()), f, on=MOE, part=MOE_MERGEKIT, form="switch", default=False,
+          help=why) for f, why in MOE_NO_OPS.items()),
     *(opt(_dest(f), f, on=MOE, part=MOE_MERGEKIT, metavar="VALUE", help=why) for f, why in MOE_VALUE_NO_OPS.items()),
     opt("num_threads", "-j", "--num-threads", on=MOE, part=MOE_MERGEKIT, parse=int, minimum=1, metavar="N",
         help="torch's CPU threads for the hidden-state pass"),

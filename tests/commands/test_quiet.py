@@ -1,8 +1,10 @@
 """``-q`` / ``--quiet`` on every command that shows progress: ``--progress none`` (align, merge, barrier, demo and
 extract-lora had no such flag — ``symmerge align ... -q`` was "unrecognized arguments" — and extract-lora accepted
-mergekit's ``--quiet`` as a no-op that kept its progress lines); run and moe keep mergekit's ``--quiet``."""
+mergekit's ``--quiet`` as a no-op that kept its progress lines); run and moe took mergekit's ``--quiet`` only."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,13 +22,17 @@ def pair(tmp_path_factory):
 
 
 def _commands(a, b, out):
-    return {"align": ["align", a, b, "-o", out],
+    config = Path(out + ".yml")
+    config.write_text(f"merge_method: linear\nmodels:\n  - model: {a}\n    parameters: {{weight: 0.5}}\n"
+                      f"  - model: {b}\n    parameters: {{weight: 0.5}}\n")
+    return {"run": ["run", str(config), out],
+            "align": ["align", a, b, "-o", out],
             "align --stream": ["align", a, b, "-o", out, "--stream"],
             "merge": ["merge", a, b, "--method", "average", "-o", out],
             "extract-lora": ["extract-lora", a, b, "-o", out, "--rank", "2"]}
 
 
-@pytest.mark.parametrize("name", ["align", "align --stream", "merge", "extract-lora"])
+@pytest.mark.parametrize("name", ["align", "align --stream", "merge", "extract-lora", "run"])
 def test_quiet_shows_no_progress(pair, tmp_path, capfd, name):
     line = _commands(*pair, str(tmp_path / "lines"))[name]
     assert main([*line, "--progress", "lines"]) == 0
