@@ -101,11 +101,12 @@ def _run(args) -> int:
         from ..config.run import model_folders
         from ..io.lora import refuse_cache_in_inputs
 
-        refuse_cache_in_inputs(args.lora_merge_cache, model_folders(desc), desc.output)
+        folders = model_folders(desc)
+        refuse_cache_in_inputs(args.lora_merge_cache, folders, desc.output)
         if not (args.print_plan or args.print_command):
             from ..io.model import ensure_output_dir
 
-            ensure_output_dir(desc.output, inputs=model_folders(desc))
+            ensure_output_dir(desc.output, inputs=folders)
         desc = describe(args.config, **given)  # planned again on the merged folders
     for line in desc.warnings:
         print(f"symmerge: warning: {line}", file=sys.stderr)

@@ -236,7 +236,7 @@ def learn_dual(instances, skeleton, state_dicts: list[dict], data, settings, opt
 
     def weights() -> torch.Tensor:
         if n == 2:
-            a = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g, dtype=torch.float32).item()
+            a = settings.draw_alpha(g)
             return torch.tensor([a, 1 - a], dtype=torch.float32)
         return mixture_weights(n, concentration, rng)
 

@@ -566,7 +566,7 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
         if budget_spent(settings, t0, info):
             break
         i = next(order)
-        alpha = settings.alpha_low + (settings.alpha_high - settings.alpha_low) * torch.rand(1, generator=g, dtype=torch.float32).item()
+        alpha = settings.draw_alpha(g)
         tick = time.perf_counter()
         loss = objective(alpha, train[i], t_train[i], step=True)
         opt.zero_grad(set_to_none=True)

@@ -173,6 +173,14 @@ class LearnSettings:
     dirichlet_holdout: float = 0.2
     frame: str = "one-sided"
 
+    def draw_alpha(self, generator) -> float:
+        """One step's mixing weight α ~ U(``alpha_low``, ``alpha_high``) from ``generator``, drawn in float32 whatever
+        the caller's default dtype."""
+        import torch
+
+        u = torch.rand(1, generator=generator, dtype=torch.float32).item()
+        return self.alpha_low + (self.alpha_high - self.alpha_low) * u
+
     def __post_init__(self):
         if self.frame not in LEARN_FRAMES:
             raise SymmergeError(f"unknown learned-alignment frame {self.frame!r}; choose one of {', '.join(LEARN_FRAMES)}")

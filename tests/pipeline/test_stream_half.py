@@ -13,9 +13,9 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from factories import make_model
+from learned_pair import tensors
 from symmerge.cli import main
 
 
@@ -23,13 +23,6 @@ def _pair(family, dtype, tmp_path):
     for name, seed in (("a", 0), ("b", 5)):
         make_model(family, dtype=torch.float32, seed=seed).to(dtype).save_pretrained(tmp_path / name)
     return str(tmp_path / "a"), str(tmp_path / "b")
-
-
-def _tensors(folder):
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 def test_a_half_tensor_is_rounded_once_after_all_its_maps():
@@ -69,7 +62,7 @@ def test_streamed_verify_forward_of_half_files_checks_the_float32_alignment(tmp_
     assert report["working_copies"]["stored"] == ["bfloat16", "bfloat16"]
     assert "on float32 copies, written in bfloat16" in capsys.readouterr().out
     assert not (out / ".verify-float32").exists()  # the float32 values are removed after the check
-    assert all(t.dtype == torch.bfloat16 for t in _tensors(out).values())
+    assert all(t.dtype == torch.bfloat16 for t in tensors(out).values())
 
 
 def test_streamed_verify_forward_of_float32_files_is_unchanged(tmp_path):
