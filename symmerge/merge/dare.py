@@ -4,7 +4,8 @@
 tensor) (see :mod:`symmerge.merge.parts`); ``rescale: true`` scales the kept entries back to τ_i's L1 norm,
 ``rescale: inverse`` divides them by the keep probability (1 − p; the expectation kept), false keeps them;
 θ = θ_base + λ Σ_i w_i τ̃_i (``normalize: true`` divides by Σ w_i). mergekit's ``dare_linear`` and its
-defaults (``density`` 1.0: nothing dropped unless asked; ``rescale`` true; ``normalize`` false); ``dare`` is
+defaults (``density`` 1.0: nothing dropped unless asked; density 0 (drop 1) drops the whole task vector, whatever
+the rescale; ``rescale`` true; ``normalize`` false); ``dare`` is
 the same method under symmerge's older name. The masks are symmerge's (seeded SplitMix64), not mergekit's torch
 generator: equal in distribution only.
 

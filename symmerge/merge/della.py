@@ -7,7 +7,8 @@ where its uniform — symmerge's seeded SplitMix64 stream of (``seed``, model, t
 its probability; ``rescale`` (true) scales the kept entries back to τ's L1 norm. ``della``: TIES's election,
 agreeing entries divided by the agreeing weights (``normalize`` true); ``della_linear``: Σ w_i τ̂_i
 (``normalize`` false). mergekit's names and defaults (``density`` 1.0 = keep all, ``epsilon`` 0.15, per model;
-``lambda`` 1.0); density ± epsilon must lie in (0, 1). The masks are symmerge's, equal to mergekit's in
+``lambda`` 1.0); density ± epsilon must lie in (0, 1) where density is in (0, 1); density 0 drops that model's
+task vector (mergekit's branch, before its epsilon check). The masks are symmerge's, equal to mergekit's in
 distribution only. Whole-tensor rule.
 """
 

@@ -444,7 +444,7 @@ def _models(rules, weights, arrays, kind, shape):
     masks = np.zeros((n, m if della else 1), dtype=np.bool_)
     cols = m if len(shape) < 2 else int(shape[1])
     for i, rule in enumerate(rules):
-        if float(weights[i]) == 0.0 and rule[0] != "all":
+        if (float(weights[i]) == 0.0 and rule[0] != "all") or rule[0] == "none":  # density 0: nothing kept
             how[i] = 3
         elif rule[0] == "dare":
             how[i], seeds[i] = 2, np.uint64(rule[1])
@@ -481,7 +481,7 @@ def _l1_factors(arrays, kind, masks, keep, dtype, shape):
 def dare_della_into(tensors, base, rules, weights, consensus: str, normalize, scale: float, rescale, out) -> bool:
     """``out`` ← mergekit's DARE/DELLA rule in the half dtype (the bits of
     :func:`symmerge.merge.in_dtype.combine_in_dtype` on the masks of :mod:`symmerge.merge.parts`): ``rules[i]``
-    ``("all",)``, ``("dare", seed, drop)`` or ``("della", seed, density, epsilon)``; ``rescale`` True (mergekit's
+    ``("all",)``, ``("none",)``, ``("dare", seed, drop)`` or ``("della", seed, density, epsilon)``; ``rescale`` True (mergekit's
     L1), else none; ``consensus`` ``"sum"``/``"ties"``; ``normalize`` True/False. False (nothing written) where it
     does not apply: not float16/bfloat16 CPU tensors of one dtype and shape, or DELLA on a tensor of other than one
     or two dimensions."""

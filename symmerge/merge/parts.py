@@ -99,6 +99,8 @@ def task_vector_thresholds(visit, weights, density: float, total: int | None = N
     visit), the first visit is a sample only (:func:`_window_thresholds`; ``sampler``: how to read it), the same
     values either way."""
     n = len(weights)
+    if density <= 0.0:  # nothing kept (mergekit's sparsifiers drop the whole task vector)
+        return [math.inf] * n
     if total is not None and total >= _WINDOW_MIN:
         found = _window_thresholds(visit, weights, density, total, sampler)
         if found is not None:
@@ -253,11 +255,11 @@ def _magnitude_check(params):
     densities = params["density"] if isinstance(params["density"], (list, tuple)) else [params["density"]]
     for d in densities:
         try:
-            ok = 0.0 < float(d) <= 1.0
+            ok = 0.0 <= float(d) <= 1.0
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise SymmergeError(f"density must be in (0, 1], got {d!r}")
+            raise SymmergeError(f"density must be in [0, 1], got {d!r}")
     scope = params["scope"]
     if scope not in SCOPES:
         raise SymmergeError(f"scope must be {', '.join(repr(x) for x in SCOPES)}, got {scope!r}")
@@ -346,11 +348,11 @@ def dare_keep_mask(shape, drop: float, seed: int, model: int, key: str) -> torch
 def _dare_prepare(state_dicts, base, weights, params):
     for p in (params["drop"] if isinstance(params["drop"], (list, tuple)) else [params["drop"]]):
         try:
-            ok = 0.0 <= float(p) < 1.0
+            ok = 0.0 <= float(p) <= 1.0
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise SymmergeError(f"drop probability must be in [0, 1), got {p!r}")
+            raise SymmergeError(f"drop probability must be in [0, 1], got {p!r}")
     return None
 
 
@@ -458,6 +460,8 @@ def _sparsify_whole(sparsifier: str, key: str, i: int, tau: torch.Tensor, params
 
     if sparsifier == "none":
         return tau
+    if _drops_all(sparsifier, value):
+        return torch.zeros_like(tau)
     if sparsifier == "magnitude":
         density, scope = float(value("density")), params["scope"]
         if density >= 1.0:
@@ -488,6 +492,15 @@ def _sparsify_whole(sparsifier: str, key: str, i: int, tau: torch.Tensor, params
     else:
         raise SymmergeError(f"unknown sparsifier {sparsifier!r}")
     return l1_rescaled(tau, keep) if rescale is True else tau.masked_fill(~keep, 0.0)
+
+
+def _drops_all(sparsifier: str, value) -> bool:
+    """The sparsifier keeps nothing of this model's task vector: density 0 (``magnitude``, ``della``; mergekit's
+    branch: the task vector dropped, whatever the scope, epsilon or rescale) or DARE's drop 1 (mergekit's
+    density 0). Breadcrumbs' band is empty at density 0 by its own window."""
+    if sparsifier in ("magnitude", "della"):
+        return float(value("density")) <= 0.0
+    return sparsifier == "dare" and float(value("drop")) >= 1.0
 
 
 def elect_mask(deltas: torch.Tensor) -> torch.Tensor:
@@ -542,7 +555,9 @@ def _whole_rules(sparsifier: str, key: str, tensors, base, weights, params, cont
             return per_model_values(params[name], n)[i]
 
         rule, how = ("all",), None
-        if sparsifier == "magnitude":
+        if _drops_all(sparsifier, value):
+            rule = ("none",)
+        elif sparsifier == "magnitude":
             density = float(value("density"))
             if density < 1.0:
                 how = l1
@@ -579,7 +594,9 @@ def _own_rules(sparsifier: str, key: str, tensors, base, weights, params, contex
     rescale; the masks drawn as :func:`dare_keep_mask` draws them."""
     n = len(tensors)
     rules = [("all",)] * n
-    if sparsifier == "magnitude":
+    if _drops_all(sparsifier, lambda name: _scalar(params[name])):
+        rules = [("none",)] * n
+    elif sparsifier == "magnitude":
         density = float(_scalar(params["density"]))
         if density < 1.0:
             thresholds = context if params["scope"] == "model" else [
@@ -683,20 +700,21 @@ def _needs_whole(sparsifier: str, consensus: str, params) -> bool:
 
 
 def _no_overlap_check(method: str, params) -> None:
-    """DELLA: density ± epsilon must lie in (0, 1) for every model whose density is below 1."""
+    """DELLA: density ± epsilon must lie in (0, 1) for every model whose density is in (0, 1) (density 0 drops the
+    task vector, 1 keeps it: mergekit's two branches before its check)."""
     if "epsilon" not in params:
         return
     dens, eps = params["density"], params["epsilon"]
     n = max(len(v) if isinstance(v, (list, tuple)) else 1 for v in (dens, eps))
     for d, e in zip(per_model_values(dens, n), per_model_values(eps, n)):
-        if float(d) < 1.0 and not (0.0 < float(d) - float(e) and float(d) + float(e) < 1.0):
+        if 0.0 < float(d) < 1.0 and not (0.0 < float(d) - float(e) and float(d) + float(e) < 1.0):
             raise SymmergeError(f"method {method!r}: epsilon must leave density ± epsilon inside (0, 1), got "
                                 f"density {d}, epsilon {e}")
 
 
 TV_CHECKS = {
-    "scale": real(), "lambda": real(), "density": real(0.0, 1.0, lo_open=True), "scope": choice(*SCOPES),
-    "drop": real(0.0, 1.0, hi_open=True), "seed": integer(), "normalize": choice(True, False, "count"),
+    "scale": real(), "lambda": real(), "density": real(0.0, 1.0), "scope": choice(*SCOPES),
+    "drop": real(0.0, 1.0), "seed": integer(), "normalize": choice(True, False, "count"),
     "rescale": choice(True, False, "inverse"), "int8_mask": boolean(), "gamma": real(0.0, 1.0),
     "epsilon": real(0.0, 1.0, hi_open=True),
 }
@@ -723,10 +741,6 @@ def task_vector_method(name: str, sparsifier: str, consensus: str, params: dict,
         aliases["density"] = ("drop", lambda d: 1.0 - float(d))
     per_model = tuple(p for p in ("density", "drop", "gamma", "epsilon") if p in params)
     checks = {k: v for k, v in TV_CHECKS.items() if k in params or k in aliases}
-    if sparsifier in ("breadcrumbs", "della"):
-        checks["density"] = real(0.0, 1.0)
-    if sparsifier == "dare":
-        checks["density"] = real(0.0, 1.0, lo_open=True)
     tensor = partial(_task_vector_tensor, sparsifier, consensus)
 
     def fused_into(key, tensors, weights, base, params, context, out):

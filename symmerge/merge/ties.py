@@ -10,7 +10,7 @@ For task vectors τ_i = θ_i − θ_base and the weights w_i (multipliers, merge
 and θ = θ_base + λ τ_m (λ = ``scale``, alias ``lambda``). These are mergekit's ``ties`` and its defaults
 (``density`` 1.0: nothing trimmed unless asked; ``normalize`` true; ``rescale`` false: true scales each trimmed
 τ back to its L1 norm), the same from ``symmerge merge --method ties`` and from a config. ``density`` may be
-per model.
+per model; density 0 drops that model's task vector (mergekit's branch; every model at 0 gives the base).
 
 symmerge's earlier ``--method ties`` (before 2026-11-28) is these parameters: ``density=0.2 scope=model
 normalize=count`` — the threshold over the whole model's task vector (``scope="model"``; ``"tensor"``: per

@@ -253,9 +253,9 @@ def test_layout_check_rejects_mismatched_keys_shapes_and_base():
         (lambda: dare.merge([a], base={"w": torch.zeros(3), "b": torch.zeros(1, 2)}), "shapes differ for b: base"),
         (lambda: average.merge([a], base=a), "does not use a base model"),
         (lambda: regmean.merge([a, a], stats=[{}]), "Gram matrices of every model"),
-        (lambda: ties.merge([a], base=a, density=0.0), "density"),
+        (lambda: ties.merge([a], base=a, density=-0.1), "density"),  # 0 is mergekit's: the base
         (lambda: ties.merge([a], base=a, scope="layer"), "scope"),
-        (lambda: dare_ties.merge([a], base=a, drop=1.0), "drop"),
+        (lambda: dare_ties.merge([a], base=a, drop=1.5), "drop"),
         (lambda: dare_ties.merge([a], base=a, drop=0.5, density=0.5), "'drop' or its alias 'density'"),
         (lambda: regmean.merge([a], stats=[{}], alpha=2.0), "alpha"),
     ]
