@@ -85,14 +85,17 @@ class ExtractOptions:
 
 @dataclass
 class Entry:
-    """One module of the fine-tune: ``how`` is ``lora`` (linear), ``embedding`` (LoRA of an embedding) or ``full``."""
+    """One module of the fine-tune: ``how`` is ``lora`` (linear), ``embedding`` (LoRA of an embedding), ``full`` (its
+    weight and bias saved whole) or ``module`` (every parameter of it and of the modules inside it saved whole,
+    ``keys``: a module of loose parameters named by ``--save-module``)."""
 
     name: str
     how: str
-    weight: str
+    weight: str | None
     bias: str | None = None
     transposed: bool = False  # Conv1D: the weight is stored in x out
     result: dict = field(default_factory=dict)
+    keys: tuple = ()  # how == "module": (state-dict name, stored name) of each of its parameters
 
 
 def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[list[Entry], list[str]]:
@@ -155,11 +158,13 @@ def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[
     return kept, to_save
 
 
-def _loose_parameters(kinds: dict, options: ExtractOptions, notes: list, ft, base) -> None:
+def _loose_parameters(kinds: dict, options: ExtractOptions, notes: list, ft, base) -> list[Entry]:
     """Parameters of no linear layer, embedding or norm (fused MoE experts, CLIP's class embedding) that the filters
-    keep and the fine-tune changed: one error (a PEFT adapter can neither decompose nor carry them, and their change
-    would be lost), or with ``--skip-undecomposable`` a note that they are left out. Those stored under their own
-    names in both checkpoints and equal there (a ViT fine-tune's untouched ``cls_token``) lose nothing: a note."""
+    keep and the fine-tune changed: their module saved whole where ``--save-module`` names it (returned: PEFT's
+    ``modules_to_save`` carries a whole module, its parameters and those of the modules inside it), else one error (a
+    LoRA can neither decompose nor carry them, and their change would be lost), or with ``--skip-undecomposable`` a
+    note that they are left out. Those stored under their own names in both checkpoints and equal there (a ViT
+    fine-tune's untouched ``cls_token``) lose nothing: a note."""
     kept = [(m, cls, ps) for m, cls, ps in kinds.get("loose", [])
             if not any(re.search(r, m) for r in options.exclude_regexes)
             and (not options.include_regexes or any(re.search(r, m) for r in options.include_regexes))]
@@ -169,17 +174,73 @@ def _loose_parameters(kinds: dict, options: ExtractOptions, notes: list, ft, bas
         notes.append(f"unchanged by the fine-tune, so nothing is lost: {names} (parameters of no linear layer or "
                      "embedding, which an adapter cannot carry)")
     kept = [x for x in kept if x not in same]
+    named = [x for x in kept if x[0] and (x[0] in options.save_modules or x[0].split(".")[-1] in options.save_modules)]
+    whole = [_module_entry(kinds, ft, m) for m, _, _ in named]
+    for e in whole:
+        notes.append(f"{e.name}: parameters of no linear layer or embedding, saved whole with the modules inside it "
+                     "(--save-module; modules_to_save by its full name)")
+    kept = [x for x in kept if x not in named]
     if not kept:
-        return
+        return whole
     m, cls, ps = kept[0]
     what = f"{m or '(the model)'} ({cls}: {', '.join(ps)})" + (f" and {len(kept) - 1} more" if len(kept) > 1 else "")
     if options.skip_undecomposable:
         notes.append(f"left out (--skip-undecomposable): {what}, parameters of no linear layer or embedding")
-        return
+        return whole
+    save = f"save the module whole with --save-module {m}, " if m and _stored_whole(kinds, ft, m) else ""
     raise SymmergeError(f"cannot extract {what}: parameters of no linear layer or embedding, which a PEFT LoRA "
-                        "adapter neither decomposes nor saves whole (mixtures of experts' fused experts, CLIP's "
-                        "class embedding); a change of theirs would be lost: leave them out with --skip-undecomposable "
-                        "or -e REGEX")
+                        "adapter does not decompose (mixtures of experts' fused experts, CLIP's class embedding, "
+                        f"ViT's class token); a change of theirs would be lost: {save}leave them out with "
+                        "--skip-undecomposable or -e REGEX")
+
+
+def _stored_whole(kinds: dict, ft, module: str) -> bool:
+    try:
+        _module_entry(kinds, ft, module)
+    except SymmergeError:
+        return False
+    return True
+
+
+def _module_entry(kinds: dict, ft, module: str) -> Entry:
+    """The entry saving ``module`` whole: every parameter of it and of the modules inside it (weights and biases of
+    the modules with one, the loose parameters), each stored under its own name (else one error: PEFT reads them so;
+    transformers' fused experts are stored per expert)."""
+    inside = lambda name: name == module or name.startswith(module + ".")  # noqa: E731
+    names = [f"{n}.{p}" for n, _, _, has_bias in kinds["modules"] if inside(n)
+             for p in (("weight", "bias") if has_bias else ("weight",))]
+    names += [f"{n}.{p}" for n, _, ps in kinds.get("loose", []) if inside(n) for p in ps]
+    keys = []
+    for name in names:
+        stored = _stored(ft, name)
+        if stored is None:
+            raise SymmergeError(f"--save-module {module}: its parameter {name} is not stored under that name (fused "
+                                "experts are stored per expert), so PEFT could not load it saved whole; leave the "
+                                "module out with --skip-undecomposable or -e REGEX")
+        keys.append((name, stored))
+    return Entry(module, "module", None, keys=tuple(keys))
+
+
+def _whole_modules(entries: list, to_save: list, whole: list, kinds: dict, notes: list) -> tuple[list, list]:
+    """The plan with the modules saved whole (``whole``): the entries of the modules inside them dropped (their change
+    comes with them), ``modules_to_save`` naming each by its full name (PEFT matches its names as suffixes: a last
+    name ``embeddings`` would wrap ViT's ``patch_embeddings`` inside it too) and no longer the last names that only
+    modules inside them had."""
+    inside = lambda name: any(name.startswith(w.name + ".") or name == w.name for w in whole)  # noqa: E731
+    dropped = [e for e in entries if inside(e.name)]
+    if dropped:
+        notes.append(f"inside a module saved whole, so not extracted on their own: {', '.join(e.name for e in dropped)}")
+    entries = [e for e in entries if not inside(e.name)] + whole
+    last = lambda name: name.split(".")[-1]  # noqa: E731
+    outside = {last(n) for n, *_ in kinds["modules"] if not inside(n)}
+    within = {last(n) for n, *_ in kinds["modules"] if inside(n)} | {last(w.name) for w in whole}
+    gone = {s for s in to_save if s not in outside and (s in within or inside(s))}
+    notes[:] = [n for n in notes if n.split(":")[0] not in gone]  # "projection: ... saved whole": inside one now
+    # a last name of modules inside and outside (CLIP's position_embedding): the outside ones by their full names
+    shared = {s: [n for n, *_ in kinds["modules"] if last(n) == s and not inside(n)] for s in to_save
+              if s in outside and s in within}
+    to_save = [x for s in to_save if s not in gone for x in shared.get(s, [s])] + [w.name for w in whole]
+    return entries, list(dict.fromkeys(to_save))
 
 
 def _unmatched_save_modules(kinds: dict, options: ExtractOptions) -> list[str]:
@@ -187,7 +248,7 @@ def _unmatched_save_modules(kinds: dict, options: ExtractOptions) -> list[str]:
     ``modules_to_save`` as mergekit-extract-lora keeps it, but nothing is saved for it (a misspelt name, mostly)."""
     from ..errors import did_you_mean
 
-    names = [name for name, *_ in kinds["modules"]]
+    names = [name for name, *_ in kinds["modules"]] + [m for m, *_ in kinds.get("loose", []) if m]
     lasts = {name.split(".")[-1] for name in names}
     return [f"--save-module {s}: no module of the fine-tune is named so{did_you_mean(s, sorted(lasts))}; nothing is "
             "saved for it (it stays in modules_to_save, as mergekit-extract-lora keeps it)"
@@ -309,9 +370,11 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
     kinds = module_kinds(ft)
     notes: list = []
     entries, to_save = _plan(ft, bs, kinds, options, notes)
-    _loose_parameters(kinds, options, notes, ft, bs)
+    whole = _loose_parameters(kinds, options, notes, ft, bs)
+    if whole:
+        entries, to_save = _whole_modules(entries, to_save, whole, kinds, notes)
     warnings = _unmatched_save_modules(kinds, options) + _unmatched_regexes(kinds, options)
-    lora = [e for e in entries if e.how != "full"]
+    lora = [e for e in entries if e.how not in ("full", "module")]
     if not lora:  # modules saved whole only (or none): an adapter without a target module, which PEFT refuses
         whole = f" (only modules saved whole: {', '.join(dict.fromkeys(e.name.split('.')[-1] for e in entries))})" \
             if entries else ""
@@ -334,11 +397,11 @@ def extract_lora(finetune, base, out, options: ExtractOptions | None = None) -> 
         if e.result["rank"] == 0:
             notes.append(f"{e.name}: no singular value above --sv-epsilon: left out")
     lora_bias, bias = _bias_tensors(ft, written, bias_deltas, tensors)
-    full = [e for e in entries if e.how == "full"]
+    full = [e for e in entries if e.how in ("full", "module")]
     for e in full:
-        tensors[f"base_model.model.{e.name}.weight"] = ft.read_direct(e.weight).clone()
-        if e.bias is not None:
-            tensors[f"base_model.model.{e.name}.bias"] = ft.read_direct(e.bias).clone()
+        for name, stored in e.keys or ((f"{e.name}.weight", e.weight), (f"{e.name}.bias", e.bias)):
+            if stored is not None:
+                tensors[f"base_model.model.{name}"] = ft.read_direct(stored).clone()
     if not tensors:
         raise SymmergeError("nothing to write: every module was left out")
     config = adapter_config(kinds, written, to_save if full else [], base, lora_bias, ft, bias)

@@ -530,7 +530,8 @@ OPTIONS += (
     opt("embed_lora", "--embed-lora", on=EXTRACT, part=EXTRACT, form="onoff", default=False,
         help="a LoRA for the embeddings too (default: saved whole, in modules_to_save)"),
     opt("save_module", "--save-module", on=EXTRACT, part=EXTRACT, form="append", default=[], metavar="NAME",
-        help="save this module whole (its last name, e.g. lm_head; repeatable)"),
+        help="save this module whole (its last name, e.g. lm_head, or the full name of a module of loose parameters, "
+             "e.g. vit.embeddings; repeatable)"),
     opt("exclude", "-e", "--exclude-regex", "--exclude-regexes", on=EXTRACT, part=EXTRACT, form="append", default=[],
         metavar="REGEX", help="leave out modules whose name matches (repeatable)"),
     opt("include", "-i", "--include-regex", "--include-regexes", on=EXTRACT, part=EXTRACT, form="append", default=[],
