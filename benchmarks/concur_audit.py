@@ -17,7 +17,8 @@ every output is complete and equal, file by file, to a lone run's (the report an
 their timings and paths), that the caches read (:func:`symmerge.io.cache.damage`, the name cache's JSON) and that
 nothing is left behind (temporary folders, lock files, ``symmerge-lora-*`` folders in ``TMPDIR``).
 
-    .venv/bin/python benchmarks/concur_audit.py [--only TEXT] [--no-real] [--json FILE]
+    .venv/bin/python benchmarks/concur_audit.py [--only TEXT] [--no-real] [--json FILE] [--package DIR]
+    .venv/bin/python benchmarks/concur_audit.py --table BEFORE.json AFTER.json   # two runs side by side
 
 Prints one row per case: case, expected, observed, held.
 """
@@ -397,15 +398,20 @@ def case_same_output(audit: Audit) -> None:
 
 
 def case_new_parent(audit: Audit) -> None:
-    """One output in a folder that does not exist yet: the claim cannot be taken before the work."""
+    """One output in a folder that does not exist yet, two alignments started together (``--progress lines``: the
+    stage lines say whether the refused one aligned first; a streamed merge merges inside its atomic write, after
+    the claim, an alignment before it)."""
     t0 = time.perf_counter()
-    case = Case(audit, "merge x2, one -o in a missing folder")
+    case = Case(audit, "align x2, one -o in a missing folder")
     out = case.path("new/parent/same")
-    argv = merge_argv()
+    argv = ["align", "in/L1", "in/L0", "-o", "OUT", "--progress", "none", "-q"]
     ref = audit.lone(json.dumps(argv), argv)
-    procs = case.together([Proc(f"p{i}", _sub(argv, out)) for i in range(2)])
+    procs = case.together([Proc(f"p{i}", _sub(argv[:-2] + ["lines"], out)) for i in range(2)])
     problems, observed = _winner(procs, out, {"p0": ref, "p1": ref})
-    audit.row(case.key, "one rc 0, the other rc 2 in one line", problems, observed, time.perf_counter() - t0)
+    late = [p.name for p in procs if p.rc != 0 and "verified the aligned model" in p.err]
+    problems.append(f"{late} refused only after aligning" if late else None)
+    audit.row(case.key, "one rc 0, the other rc 2 in one line before any work", problems, observed,
+              time.perf_counter() - t0)
 
 
 def case_mid_write(audit: Audit) -> None:
@@ -631,8 +637,11 @@ def case_real(audit: Audit) -> None:
     if "demo.json" in files:
         json.loads((out / "demo.json").read_text())
     problems.append(f"left: {left_behind(case.dir, 'demo')}" if left_behind(case.dir, "demo") else None)
+    late = [p.name for p in procs if p.rc != 0 and (case.dir / f"{p.name}.out").read_text().strip()]
+    problems.append(f"{late} refused only after its work (its table printed)" if late else None)
     lines = {short(error_lines(p.err)[0]) for p in procs if p.rc != 0 and error_lines(p.err)}
-    audit.row(case.key, "one complete output (demo.json, demo.png); each rc 0 or one clear refusal", problems,
+    audit.row(case.key, "one complete output (demo.json, demo.png); the other rc 0 or one clear refusal before "
+              "its work", problems,
               f"rc {[p.rc for p in procs]}; {'; '.join(lines) or 'no error line'}; "
               f"{max(p.seconds for p in procs):.1f} s", time.perf_counter() - t0)
 
@@ -644,9 +653,23 @@ CASES = [case_same_output, case_new_parent, case_mid_write, case_lora_cache,
          case_single_view, case_stale, case_name_cache, case_numba, case_real]
 
 
+def table(before: str, after: str) -> None:
+    """The rows of two runs (``--json``) side by side, as docs/results/concur_audit.md shows them."""
+    rows = {r["case"]: r for r in json.loads(Path(before).read_text())["rows"]}
+    print("| # | case | expected | before | after |\n|---|---|---|---|---|")
+    for i, r in enumerate(json.loads(Path(after).read_text())["rows"], 1):
+        b = rows.get(r["case"])
+        was = "not run" if b is None else ("held" if b["held"] else "**failed**") + f": {b['observed']}"
+        now = ("held" if r["held"] else "**failed**") + f": {r['observed']}"
+        print(f"| {i} | {r['case']} | {r['expected']} | {was} ({b['seconds'] if b else '-'} s) | {now} "
+              f"({r['seconds']} s) |")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2:])
+    if len(sys.argv) == 4 and sys.argv[1] == "--table":
+        return table(sys.argv[2], sys.argv[3])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", help="run the case functions whose name holds this text")
     ap.add_argument("--no-real", action="store_true", help="leave out the real-model cases")
