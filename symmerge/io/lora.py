@@ -145,7 +145,7 @@ def _lock_released(path: Path) -> bool | None:
     import fcntl
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # for writing: NFS emulates flock with write locks
     except OSError:
         return None
     try:
