@@ -18,7 +18,7 @@ their timings and paths), that the caches read (:func:`symmerge.io.cache.damage`
 nothing is left behind (temporary folders, lock files, ``symmerge-lora-*`` folders in ``TMPDIR``).
 
     .venv/bin/python benchmarks/concur_audit.py [--only TEXT] [--no-real] [--json FILE] [--package DIR]
-    .venv/bin/python benchmarks/concur_audit.py --table BEFORE.json AFTER.json   # two runs side by side
+    .venv/bin/python benchmarks/concur_audit.py --table BEFORE.json[,RERUN.json] AFTER.json[,RERUN.json]
 
 Prints one row per case: case, expected, observed, held.
 """
@@ -55,9 +55,24 @@ def _barrier(name: str) -> None:
         time.sleep(0.01)
 
 
+def _count_merges(name: str) -> None:
+    """Every merge of an adapter this process does leaves ``SYNC/<name>.merged-<n>`` (the case counts them)."""
+    import symmerge.io.lora as lora
+
+    apply = lora.apply_adapter
+
+    def counted(*args, **kwargs):
+        sync = Path(os.environ["CONCUR_SYNC"])
+        (sync / f"{name}.merged-{len(list(sync.glob(f'{name}.merged-*')))}").touch()
+        return apply(*args, **kwargs)
+
+    lora.apply_adapter = counted
+
+
 def _install_hooks() -> None:
     hold = os.environ.get("CONCUR_HOLD", "")
     name = os.environ.get("CONCUR_NAME", "p")
+    _count_merges(name)
     point, _, text = hold.partition(":")
     if point == "rename":
         import symmerge.io.model as model
@@ -465,8 +480,11 @@ def case_lora_cache(audit: Audit) -> None:
                     if any(p.name.startswith(".") for p in entries) else None)
     problems.append(f"left in TMPDIR: {audit.tmp_leftovers()}" if audit.tmp_leftovers() else None)
     waited = sum("waiting for it" in p.err for p in procs)
+    merges = len(list(case.sync.glob("*.merged-*")))
+    problems.append(None if merges == 1 else f"the adapter merged {merges} times")
     audit.row(case.key, "all rc 0, outputs equal a lone run's, one valid entry, the adapter merged once", problems,
-              f"rc {[p.rc for p in procs]}; {waited} waited; entries {len(visible)}", time.perf_counter() - t0)
+              f"rc {[p.rc for p in procs]}; {waited} waited; merged {merges} time(s); entries {len(visible)}",
+              time.perf_counter() - t0)
 
     def both(case, a, b):
         cache = case.path("C")
@@ -474,7 +492,10 @@ def case_lora_cache(audit: Audit) -> None:
         problems = [succeeded(a), succeeded(b), None if len(entries) == 1 else f"cache holds {entries}"]
         problems += [damage(cache / e) for e in entries if not e.startswith(".")]
         problems += [f"{n} differs" for n in ("o", "x") if case.path(n).is_dir() and digest(case.path(n)) != ref_case]
-        return problems, f"a rc {a.rc}, b rc {b.rc}; b waited: {'waiting for it' in b.err}; entries {len(entries)}"
+        merges = len(list(case.sync.glob("*.merged-*")))
+        problems.append(None if merges == 1 else f"the adapter merged {merges} times")
+        return problems, (f"a rc {a.rc}, b rc {b.rc}; b waited: {'waiting for it' in b.err}; merged {merges} "
+                          f"time(s); entries {len(entries)}")
 
     t0 = time.perf_counter()
     case = Case(audit, "merge B of A's BASE+ADAPTER while A renames its cache entry")
@@ -494,7 +515,8 @@ def case_lora_cache(audit: Audit) -> None:
     else:
         case.finish(a)
         problems, observed = [f"a never held: {a.err[-300:]}"], ""
-    audit.row(case.key, "B waits for A's entry (one note), then reuses it; both rc 0, one valid entry", problems,
+    audit.row(case.key, "B waits for A's entry (one note), then reuses it; both rc 0, one valid entry, merged once",
+              problems,
               observed, time.perf_counter() - t0)
 
 
@@ -653,11 +675,21 @@ CASES = [case_same_output, case_new_parent, case_mid_write, case_lora_cache,
          case_single_view, case_stale, case_name_cache, case_numba, case_real]
 
 
+def _rows(files: str) -> dict:
+    """The rows of the runs ``files`` (comma-separated ``--json`` files; a later file's row replaces an earlier one's
+    of the same case: a case run again), by case, in the first file's order."""
+    rows = {}
+    for f in files.split(","):
+        rows.update({r["case"]: r for r in json.loads(Path(f).read_text())["rows"]})
+    return rows
+
+
 def table(before: str, after: str) -> None:
-    """The rows of two runs (``--json``) side by side, as docs/results/concur_audit.md shows them."""
-    rows = {r["case"]: r for r in json.loads(Path(before).read_text())["rows"]}
+    """The rows of two runs (``--json``, each side maybe ``RUN,RERUN...``) side by side, as
+    docs/results/concur_audit.md shows them."""
+    rows = _rows(before)
     print("| # | case | expected | before | after |\n|---|---|---|---|---|")
-    for i, r in enumerate(json.loads(Path(after).read_text())["rows"], 1):
+    for i, r in enumerate(_rows(after).values(), 1):
         b = rows.get(r["case"])
         was = "not run" if b is None else ("held" if b["held"] else "**failed**") + f": {b['observed']}"
         now = ("held" if r["held"] else "**failed**") + f": {r['observed']}"
