@@ -285,9 +285,9 @@ def _make_folders(folder: Path) -> list[Path]:
 
 
 def _remove_empty(folders: list[Path]) -> None:
-    """Remove ``folders`` (deepest first) that are empty; a folder holding anything (another run's lock, output) is
+    """Remove ``folders`` that are empty, deepest first; a folder holding anything (another run's lock, output) is
     kept, and so are its parents."""
-    for f in folders:
+    for f in sorted(set(folders), key=lambda f: len(f.parts), reverse=True):
         try:
             f.rmdir()
         except OSError:
