@@ -85,6 +85,15 @@ def _install_hooks() -> None:
             return umask(folder)
 
         model.apply_umask = before_rename
+    elif point == "published":  # just after the rename that publishes a folder whose path ends with TEXT
+        rename = os.rename
+
+        def after_rename(src, dst, *args, **kwargs):
+            rename(src, dst, *args, **kwargs)
+            if str(dst).endswith(text):
+                _barrier(name)
+
+        os.rename = after_rename
     elif point == "merged":
         import symmerge.io.lora as lora
 
@@ -458,6 +467,31 @@ def case_mid_write(audit: Audit) -> None:
                 "B refused in one line (no such model folder yet), nothing read from A's temporary folder", reader)
 
 
+def case_published(audit: Audit) -> None:
+    """A ``run`` of a config of symmerge's own keys held just after its output appeared; the audit lists the output
+    then, as a reader taking it at once would see it (the next step of a sweep), and again once A ended."""
+    t0 = time.perf_counter()
+    case = Case(audit, "run (config of symmerge's keys): its output as it appears")
+    out = case.path("x")
+    cfg = case.path("own.yml")
+    cfg.write_text(f"models: [{audit.inp / 'L0'}, {audit.inp / 'L1'}]\nmerge_method: average\nalign: none\n"
+                   "progress: none\n")
+    a = case.launch(Proc("a", ["run", str(cfg), str(out), "-q"], hold=f"published:{out}"))
+    if not case.wait_for(["a"], [a]):
+        case.finish(a)
+        audit.row(case.key, "", [f"a never held: {a.err[-300:]}"], "", time.perf_counter() - t0)
+        return
+    seen = sorted(p.name for p in out.iterdir())
+    case.release(a)
+    case.finish(a)
+    final = sorted(p.name for p in out.iterdir())
+    problems = [succeeded(a), None if seen == final else f"files added after the output appeared: "
+                f"{sorted(set(final) - set(seen))}"]
+    audit.row(case.key, "the output complete when it appears (symmerge_config.yml in it), never changed after",
+              problems, f"a rc {a.rc}; {len(seen)} files when it appeared, {len(final)} at the end",
+              time.perf_counter() - t0)
+
+
 def case_lora_cache(audit: Audit) -> None:
     t0 = time.perf_counter()
     from symmerge.io.cache import damage
@@ -668,7 +702,7 @@ def case_real(audit: Audit) -> None:
               f"{max(p.seconds for p in procs):.1f} s", time.perf_counter() - t0)
 
 
-CASES = [case_same_output, case_new_parent, case_mid_write, case_lora_cache,
+CASES = [case_same_output, case_new_parent, case_mid_write, case_published, case_lora_cache,
          lambda a: case_temp_cache(a, [], "LoRA temp cache of A live; B merges an adapter"),
          lambda a: case_temp_cache(a, ["unshare", "-Urpf", "--mount-proc"],
                                    "LoRA temp cache of A live; B merges an adapter in another PID namespace"),
