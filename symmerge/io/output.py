@@ -63,6 +63,8 @@ def _pattern(out: Path):
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is no zombie (ended, its parent not having waited for it yet: a
+    sweep's driver that polls its children now and then; what it left is stale)."""
     if pid <= 0:
         return False
     try:
@@ -70,10 +72,19 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, another user's
-        return True
+        return not _zombie(pid)
     except OSError:
         return False
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has ended and waits for its parent to collect it (Linux's /proc; elsewhere: never said)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def stale_temps(out) -> tuple[list[Path], list[tuple[Path, int]]]:
