@@ -578,6 +578,52 @@ def case_temp_cache(audit: Audit, wrap: list, key: str) -> None:
               time.perf_counter() - t0)
 
 
+def case_killed(audit: Audit) -> None:
+    """A killed (SIGKILL) while it holds a LoRA cache entry's build lock, its merged model complete in its temporary
+    folder; B, waiting on that lock, goes on. And A killed mid-write of an output, B then writing the same output."""
+    import signal
+
+    from symmerge.io.cache import damage
+
+    t0 = time.perf_counter()
+    case = Case(audit, "A killed holding a LoRA cache entry's lock; B waiting on it")
+    argv = merge_argv("L0", "L1", "OUT", "--lora-merge-cache", str(case.path("C")))
+    argv[1] = "in/L0+in/ad"
+    a = case.launch(Proc("a", _sub(argv, case.path("o")), hold="rename:L0+ad"))
+    problems, observed = [f"a never held: {a.err[-300:]}"], ""
+    if case.wait_for(["a"], [a]):
+        b = case.launch(Proc("b", _sub(argv, case.path("x"))))
+        deadline = time.monotonic() + 120
+        while "waiting for it" not in (case.dir / "b.err").read_text() and b.popen.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        a.popen.send_signal(signal.SIGKILL)
+        case.finish(a)
+        case.finish(b)
+        entries = sorted(p.name for p in case.path("C").iterdir())
+        problems = [succeeded(b), None if len(entries) == 1 else f"cache holds {entries}"]
+        problems += [damage(case.path("C") / e) for e in entries if not e.startswith(".")]
+        observed = (f"a rc {a.rc} (killed), b rc {b.rc} after waiting: {'waiting for it' in b.err}; "
+                    f"cache: {entries}")
+    audit.row(case.key, "B builds the entry itself once A is gone; one valid entry, nothing of A's left", problems,
+              observed, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    case = Case(audit, "A killed mid-write of an output; B writes it")
+    a = case.launch(Proc("a", merge_argv("L0", "L1", str(case.path("x"))), hold="rename:.x.symmerge-tmp-"))
+    problems, observed = [f"a never held: {a.err[-300:]}"], ""
+    if case.wait_for(["a"], [a]):
+        a.popen.send_signal(signal.SIGKILL)
+        case.finish(a)
+        left = left_behind(case.dir, "x")
+        b = case.run(Proc("b", merge_argv("L0", "L1", str(case.path("x")))))
+        notes = [line for line in b.err.splitlines() if line.startswith("note: removed")]
+        problems = [succeeded(b), f"left: {left_behind(case.dir, 'x')}" if left_behind(case.dir, "x") else None,
+                    None if notes else "no note of the removed folder"]
+        observed = f"A left {left}; b rc {b.rc}: {short(notes[0]) if notes else '-'}"
+    audit.row(case.key, "B writes it, removing A's temporary folder with one note; nothing left", problems, observed,
+              time.perf_counter() - t0)
+
+
 def case_single_view(audit: Audit) -> None:
     """A merges a single .safetensors file named lora-N (N the id of no running process): its folder view in TMPDIR;
     B, a merge of an adapter, cleans the temporary LoRA caches of gone processes while A is held."""
@@ -706,7 +752,7 @@ CASES = [case_same_output, case_new_parent, case_mid_write, case_published, case
          lambda a: case_temp_cache(a, [], "LoRA temp cache of A live; B merges an adapter"),
          lambda a: case_temp_cache(a, ["unshare", "-Urpf", "--mount-proc"],
                                    "LoRA temp cache of A live; B merges an adapter in another PID namespace"),
-         case_single_view, case_stale, case_name_cache, case_numba, case_real]
+         case_single_view, case_stale, case_killed, case_name_cache, case_numba, case_real]
 
 
 def _rows(files: str) -> dict:
