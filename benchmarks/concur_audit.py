@@ -580,7 +580,9 @@ def case_temp_cache(audit: Audit, wrap: list, key: str) -> None:
 
 def case_killed(audit: Audit) -> None:
     """A killed (SIGKILL) while it holds a LoRA cache entry's build lock, its merged model complete in its temporary
-    folder; B, waiting on that lock, goes on. And A killed mid-write of an output, B then writing the same output."""
+    folder; B, waiting on that lock, goes on, while A, ended, is not collected by its parent (this audit) until B
+    ends (a sweep's driver polling its children now and then). And A killed mid-write of an output (and collected),
+    B then writing the same output."""
     import signal
 
     from symmerge.io.cache import damage
@@ -598,8 +600,8 @@ def case_killed(audit: Audit) -> None:
                 and time.monotonic() < deadline:
             time.sleep(0.01)
         a.popen.send_signal(signal.SIGKILL)
+        case.finish(b)  # A is collected only then: its driver (this audit) had not waited for it yet
         case.finish(a)
-        case.finish(b)
         entries = sorted(p.name for p in case.path("C").iterdir())
         problems = [succeeded(b), None if len(entries) == 1 else f"cache holds {entries}"]
         problems += [damage(case.path("C") / e) for e in entries if not e.startswith(".")]
