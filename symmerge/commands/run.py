@@ -127,10 +127,11 @@ def _run(args) -> int:
             parsed.progress = progress_of(args)
         configure(parsed.progress)
         print(f"running: {shlex.join(['symmerge', desc.command, *desc.argv])}", file=sys.stderr)
-        with cards_off(not args.write_model_card):  # the flag holds for the card the command writes too
-            rc = parsed.handler(parsed) or 0
-        if rc == 0 and args.write_model_card:
-            _copy_config(desc.path, getattr(parsed, "output", None))
+        out = getattr(parsed, "output", None)
+        with cards_off(not args.write_model_card), _config_copy(desc.path, out if args.write_model_card else None):
+            rc = parsed.handler(parsed) or 0  # the flag holds for the card the command writes too
+        if rc == 0 and out is not None and _copied(out):
+            print(f"wrote {_copied(out)} (the config)")
         return rc
     from ..config.run import print_summary, run_jobs
 
@@ -173,24 +174,29 @@ def _reads_adapters(desc) -> bool:
     return any(is_lora_spec(i.label) for job in desc.jobs for i in job.inputs if i.folder is not None)
 
 
-def _copy_config(config, out) -> None:
-    """A config of symmerge's keys, copied into the output its command wrote, once written: ``symmerge_config.yml``
-    (not ``mergekit_config.yml``: mergekit-yaml could not run it), named on a last line of its own."""
-    import os
+def _config_copy(config, out):
+    """A config of symmerge's keys, copied into the output its command writes: ``symmerge_config.yml`` (not
+    ``mergekit_config.yml``: mergekit-yaml could not run it), written with the output, in its temporary folder
+    (:func:`symmerge.io.model.extra_files`): there when the output appears. ``out`` None: no copy."""
+    import contextlib
+    from pathlib import Path
+
+    from ..config.run import SYMMERGE_CONFIG_COPY
+    from ..io.model import extra_files
+
+    if out is None:
+        return contextlib.nullcontext()
+    return extra_files(out, {SYMMERGE_CONFIG_COPY: Path(config).read_text(encoding="utf-8")})
+
+
+def _copied(out):
+    """The config's copy in the written output ``out`` (named on a last line of its own), or None."""
     from pathlib import Path
 
     from ..config.run import SYMMERGE_CONFIG_COPY
 
-    if out is None or not Path(out).is_dir():
-        return
     copy = Path(out) / SYMMERGE_CONFIG_COPY
-    part = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")  # renamed into place: never a half-written copy
-    try:
-        part.write_text(Path(config).read_text(encoding="utf-8"), encoding="utf-8")
-        os.replace(part, copy)
-    finally:
-        part.unlink(missing_ok=True)
-    print(f"wrote {copy} (the config)")
+    return copy if copy.is_file() else None
 
 
 def yaml_main(argv=None) -> int:

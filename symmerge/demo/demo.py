@@ -28,6 +28,7 @@ from ..evaluate.metrics import evaluate
 from ..merge import get_method
 from ..merge.fuse import merge_models
 from ..io.model import atomic_dir, load_model, write_json
+from ..io.output import claim_output, release_output
 from .train import TrainSettings, load_report, train_vit, vit_config
 
 ALIGN = "attn,ffn,rescale"  # the paper's matching
@@ -103,18 +104,23 @@ def run_demo(out: Path, seed: int = 0, quick: bool = False, threads: int | None 
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
         raise SymmergeError(f"--threads must be a whole number >= 0 (0: torch's default), got {threads!r}")
     _check_output(out)  # before any work
+    claimed = claim_output(out)  # a second demo writing the same folder fails now, not after its work
     setup = QUICK if quick else FULL
     t0 = time.perf_counter()
-    with torch_threads(threads or None), deterministic():  # tiny models gain nothing from several threads
-        result = _run(setup, seed, progress, log)
-        result["platform"] = platform_info()
-    result["seconds_total"] = time.perf_counter() - t0
-    _print_table(result, log)
-    if _check_output(out):
-        shutil.rmtree(out)
-    with atomic_dir(out) as tmp:
-        write_json(tmp / "demo.json", result)
-        _plot(result, tmp / "demo.png")
+    try:
+        with torch_threads(threads or None), deterministic():  # tiny models gain nothing from several threads
+            result = _run(setup, seed, progress, log)
+            result["platform"] = platform_info()
+        result["seconds_total"] = time.perf_counter() - t0
+        _print_table(result, log)
+        if _check_output(out):
+            shutil.rmtree(out)
+        with atomic_dir(out) as tmp:
+            write_json(tmp / "demo.json", result)
+            _plot(result, tmp / "demo.png")
+    finally:
+        if claimed:
+            release_output(out)
     log(f"wrote {out / 'demo.json'} and {out / 'demo.png'} ({result['seconds_total']:.0f} s in all)")
     return result
 

@@ -85,28 +85,76 @@ _cache: dict = {"dir": None, "temp": None, "dtype": None}
 
 
 TEMP_PREFIX = "symmerge-lora-"  # + the process id + "-": the temporary merge cache of one process, removed at its exit
+LIVE = ".symmerge-live.lock"  # in a temporary merge cache: locked (flock) by its process for as long as it runs
+_live: list = []  # the descriptor holding this process's LIVE lock
 
 
 def _temp_cache() -> Path:
     if _cache["temp"] is None:
         remove_stale_temp_caches()
-        _cache["temp"] = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-"))
+        _cache["temp"] = _locked_temp_folder()
         atexit.register(shutil.rmtree, str(_cache["temp"]), True)
     return _cache["temp"]
 
 
+def _locked_temp_folder() -> Path:
+    """A new temporary merge cache holding its :data:`LIVE` file, locked by this process until it ends: made under a
+    hidden name (``.symmerge-lora-PID-*``, never judged by :func:`remove_stale_temp_caches` without its lock) and
+    renamed once locked, so that no other process ever sees it unlocked."""
+    import fcntl
+
+    hidden = Path(tempfile.mkdtemp(prefix=f".{TEMP_PREFIX}{os.getpid()}-"))
+    fd = os.open(hidden / LIVE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a file system without locks: the process id alone then says whether it runs
+        pass
+    _live.append(fd)
+    folder = hidden.with_name(hidden.name[1:])
+    os.rename(hidden, folder)
+    return folder
+
+
 def remove_stale_temp_caches() -> list[Path]:
     """Remove the temporary merge caches of processes that are gone (killed before their exit removed them: each
-    held whole merged models); those of running processes and of this one are left. Returns those removed."""
+    held whole merged models); those of running processes and of this one are left. Returns those removed.
+
+    A cache whose :data:`LIVE` lock can be taken is a gone process's, whatever its id (which another process may
+    have taken since, or which belongs to another PID namespace: a container sharing the temporary folder, another
+    host on a shared file system); one without the file (made by an earlier version) is judged by its id."""
     from .output import pid_alive
 
     removed = []
     for p in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*-*"):
         pid = p.name[len(TEMP_PREFIX):].split("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)) and p.is_dir():
+        if not pid.isdigit() or int(pid) == os.getpid() or not p.is_dir():
+            continue
+        gone = _lock_released(p / LIVE)
+        if gone is None:
+            gone = not pid_alive(int(pid))
+        if gone:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def _lock_released(path: Path) -> bool | None:
+    """Whether the :data:`LIVE` file ``path`` is locked by no process (its process is gone); None when there is no
+    such file or it cannot be locked (an earlier version's folder, a file system without locks)."""
+    import errno
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # for writing: NFS emulates flock with write locks
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        return False if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+    finally:
+        os.close(fd)
+    return True
 
 
 @contextlib.contextmanager

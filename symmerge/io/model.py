@@ -227,6 +227,22 @@ def check_room(out, models) -> None:
         check_free_space(out, min(sizes))
 
 
+_EXTRA: dict[str, dict[str, str]] = {}  # output path -> {file name: text} written into it by atomic_dir
+
+
+@contextlib.contextmanager
+def extra_files(out, files: dict):
+    """Within the block, the folder :func:`atomic_dir` writes to ``out`` also holds ``files`` ({name: text}), written
+    into its temporary folder before the rename: part of the output when it appears, never added to it afterwards
+    (``run``'s copy of a config of symmerge's keys, which the command it runs knows nothing of)."""
+    key = os.path.abspath(out)
+    _EXTRA[key] = dict(files)
+    try:
+        yield
+    finally:
+        _EXTRA.pop(key, None)
+
+
 @contextlib.contextmanager
 def atomic_dir(out):
     """Yield a temp dir beside ``out`` (named so that a later run recognises it: symmerge.io.output); on
@@ -246,6 +262,8 @@ def atomic_dir(out):
             raise output_fault(out, e) from None
         try:
             yield tmp
+            for name, text in _EXTRA.get(os.path.abspath(out), {}).items():
+                (tmp / name).write_text(text, encoding="utf-8")
             apply_umask(tmp)
             if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
                 out.rmdir()

@@ -63,6 +63,8 @@ def _pattern(out: Path):
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is no zombie (ended, its parent not having waited for it yet: a
+    sweep's driver that polls its children now and then; what it left is stale)."""
     if pid <= 0:
         return False
     try:
@@ -70,10 +72,19 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, another user's
-        return True
+        return not _zombie(pid)
     except OSError:
         return False
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has ended and waits for its parent to collect it (Linux's /proc; elsewhere: never said)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def stale_temps(out) -> tuple[list[Path], list[tuple[Path, int]]]:
@@ -214,21 +225,28 @@ def _key(out) -> str:
 
 def claim_output(out) -> bool:
     """Claim ``out`` for this process (an exclusive ``flock`` on :func:`lock_path`, which holds the pid);
-    True if claimed now, False if this process held it already or its parent folder does not exist yet
-    (:func:`symmerge.io.model.atomic_dir` claims it again once the parent is made). Another process's claim
-    is one :class:`~symmerge.errors.OutputError` at once. A claim left by a killed process is no claim: the
-    lock goes with the process."""
+    True if claimed now, False if this process held it already or its parent folder cannot be made (then
+    :func:`symmerge.io.model.atomic_dir` fails where it writes). A parent folder that does not exist yet is made
+    for the lock file (the run makes it anyway), and removed again with the claim if it is then still empty (the
+    output was not written): a second run given the same output in a new folder fails at once too. Another
+    process's claim is one :class:`~symmerge.errors.OutputError` at once. A claim left by a killed process is no
+    claim: the lock goes with the process."""
     import fcntl
 
     key = _key(out)
     if key in _claims:
         return False
     path = lock_path(out)
-    if not path.parent.is_dir():
-        return False
+    made = []
     for _ in range(10):
         try:
+            made += _make_folders(path.parent)
+        except OSError:
+            return False
+        try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # the folder just made removed again by another run's release: make it again
+            continue
         except OSError as e:
             raise OutputError(f"{out}: cannot write the output in {path.parent} ({describe_fault(e)})") from None
         try:
@@ -237,9 +255,11 @@ def claim_output(out) -> bool:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no locks on this file system
                 os.close(fd)
                 _unlink_quietly(path)
+                _remove_empty(made)
                 return False
             holder = _read_pid(fd)
             os.close(fd)
+            _remove_empty(made)
             who = f"process {holder}" if holder else "another process"
             raise OutputError(f"{out}: another symmerge run ({who}) is writing this output; wait for it to end or "
                               "choose another output folder") from None
@@ -252,9 +272,37 @@ def claim_output(out) -> bool:
             continue
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        _claims[key] = (fd, path)
+        _claims[key] = (fd, path, made)
         return True
+    _remove_empty(made)
     raise OutputError(f"{out}: could not claim the output (its lock file {path} keeps changing)")
+
+
+def _make_folders(folder: Path) -> list[Path]:
+    """Make ``folder`` and its missing parents; those this call made, deepest first."""
+    missing = []
+    while not folder.is_dir() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    made = []
+    for f in reversed(missing):
+        try:
+            f.mkdir()
+            made.insert(0, f)
+        except FileExistsError:  # another run made it meanwhile: theirs too
+            if not f.is_dir():
+                raise
+    return made
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` that are empty, deepest first; a folder holding anything (another run's lock, output) is
+    kept, and so are its parents."""
+    for f in sorted(set(folders), key=lambda f: len(f.parts), reverse=True):
+        try:
+            f.rmdir()
+        except OSError:
+            return
 
 
 def _unlink_quietly(path: Path) -> None:
@@ -272,17 +320,19 @@ def _read_pid(fd: int) -> int | None:
 
 
 def release_output(out) -> None:
-    """End this process's claim on ``out`` (its lock file removed); nothing if it holds none."""
+    """End this process's claim on ``out`` (its lock file removed, and the folders the claim made if they are empty);
+    nothing if it holds none."""
     claim = _claims.pop(_key(out), None)
     if claim is None:
         return
-    fd, path = claim
+    fd, path, made = claim
     try:
         os.unlink(path)
     except OSError:
         pass
     finally:
         os.close(fd)
+    _remove_empty(made)
 
 
 def release_claims() -> None:

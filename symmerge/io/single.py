@@ -44,7 +44,8 @@ def as_folder(path, config_from=None) -> Path:
     key = (str(path), str(source.resolve()))
     if key in _VIEWS and _VIEWS[key].is_dir():
         return _VIEWS[key]
-    view = Path(tempfile.mkdtemp(prefix=f"symmerge-{path.stem}-"))
+    # "single-": a file named lora-16 must not give symmerge-lora-16-*, a gone process's LoRA merge cache to others
+    view = Path(tempfile.mkdtemp(prefix=f"symmerge-single-{path.stem}-"))
     atexit.register(shutil.rmtree, view, True)
     os.symlink(path, view / "model.safetensors")
     for name in SIDE_FILES:
