@@ -142,15 +142,22 @@ def test_device_cuda_without_a_gpu_is_one_error(config, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag", ["-j", "--num-threads"])
-def test_num_threads(config, reference, tmp_path, flag):
-    before = torch.get_num_threads()
+def test_num_threads(config, reference, tmp_path, flag, monkeypatch):
+    """The merge runs on the threads asked for, and the caller's thread count is back after it (``main`` in a
+    caller's process: symmerge.core.parallel.threads_kept). It asserted 1 after the call, which held only when an
+    earlier test had left torch on one thread."""
+    restore = torch.get_num_threads()
+    real = torch.set_num_threads
+    real(2)  # the caller's count, other than the one asked for
+    before, seen = torch.get_num_threads(), []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n))[1])
     try:
         out = tmp_path / "out"
         assert run_cli("run", config, out, "--progress", "none", flag, "1") == 0
-        assert torch.get_num_threads() == 1
+        assert 1 in seen and torch.get_num_threads() == before, (seen, before)
         _same(out, reference)
     finally:
-        torch.set_num_threads(before)
+        real(restore)
 
 
 def test_quiet_and_verbose(config, tmp_path, capfd):
