@@ -42,8 +42,8 @@ def out(tmp_path):
 
 
 @pytest.mark.parametrize("param, needle", [
-    ("density=abc", "parameter 'density' must be a number in (0.0, 1.0], got 'abc'"),
-    ("density=1.5", "parameter 'density' must be a number in (0.0, 1.0]"),
+    ("density=abc", "parameter 'density' must be a number in [0.0, 1.0], got 'abc'"),
+    ("density=1.5", "parameter 'density' must be a number in [0.0, 1.0]"),
     ("scale=true", "parameter 'scale' must be"),
     ("scope=3", "parameter 'scope' must be one of"),
 ])
