@@ -190,6 +190,7 @@ def _refuse_empty_paths(args) -> None:
     system takes any bytes, but the reports and model cards that name it are UTF-8 text and safetensors opens UTF-8
     paths only: it was a traceback after the work), and for the current folder as the output (``-o .``: the written
     folder is renamed into the output's place; ``demo`` writes its two files into a folder)."""
+    from .io.arguments import utf8_path
     from .options.declared import TABLE
 
     for option in TABLE.of(args.command):
@@ -197,7 +198,7 @@ def _refuse_empty_paths(args) -> None:
         values = value if isinstance(value, list) else [value]
         if any(isinstance(v, str) and not v.strip() for v in values):
             raise SymmergeError(f"{option.flag}: an empty path ({value!r})")
-        bad = next((v for v in values if isinstance(v, str) and not _utf8(v)), None)
+        bad = next((v for v in values if isinstance(v, str) and not utf8_path(v)), None)
         if bad is not None:
             raise SymmergeError(f"{option.flag} {os.fsencode(bad)!r}: the path is not valid UTF-8 (symmerge names its "
                                 "inputs and output in UTF-8 reports and model cards): rename it")
@@ -206,12 +207,6 @@ def _refuse_empty_paths(args) -> None:
                                 "takes the output's place): give a new folder, e.g. -o merged")
 
 
-def _utf8(path: str) -> bool:
-    try:
-        os.fsencode(path).decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _is_cwd(path: str) -> bool:

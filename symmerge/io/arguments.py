@@ -25,11 +25,30 @@ def _hint(x) -> str:
     return ""
 
 
+def utf8_path(path) -> bool:
+    """Whether ``path`` (str or PathLike) is valid UTF-8: the file system takes any bytes, but the reports and model
+    cards that name a path are UTF-8 text and safetensors opens UTF-8 paths only."""
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def utf8_checked(x, name: str):
+    """``x``; a path (str or PathLike) that is no UTF-8 is one error naming ``name``."""
+    if isinstance(x, (str, os.PathLike)) and not utf8_path(x):
+        raise UsageError(f"{name} {os.fsencode(x)!r}: the path is not valid UTF-8 (symmerge names its inputs and "
+                         "output in UTF-8 reports and model cards): rename it")
+    return x
+
+
 def model_argument(x, name: str = "model"):
-    """``x`` when it is a model the library reads (:data:`MODEL_KINDS`), else one error naming ``name``."""
+    """``x`` when it is a model the library reads (:data:`MODEL_KINDS`; a path in UTF-8), else one error naming
+    ``name``."""
     if not _is_model(x):
         raise UsageError(f"{name} must be {MODEL_KINDS}, got {type(x).__name__}{_hint(x)}")
-    return x
+    return utf8_checked(x, name)
 
 
 def models_argument(models, name: str = "models") -> list:
@@ -41,10 +60,10 @@ def models_argument(models, name: str = "models") -> list:
 
 
 def output_argument(out, name: str = "out"):
-    """``out`` when it names a folder (str or Path), else one error."""
+    """``out`` when it names a folder (str or Path, in UTF-8), else one error."""
     if not isinstance(out, (str, os.PathLike)) or not str(out):
         raise UsageError(f"{name} must be the output folder's path (str or Path), got {out!r}")
-    return out
+    return utf8_checked(out, name)
 
 
 def _modules_in(values) -> list:

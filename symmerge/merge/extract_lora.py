@@ -340,13 +340,14 @@ def _arguments(finetune, base, out, options) -> ExtractOptions:
     and an :class:`ExtractOptions`; else one :class:`UsageError` naming the argument."""
     import os
 
-    from ..io.arguments import output_argument
+    from ..io.arguments import output_argument, utf8_checked
 
     for name, x in (("finetune", finetune), ("base", base)):
         if not isinstance(x, (str, os.PathLike)):
             hint = " (a model in memory: save_pretrained it first)" if isinstance(x, torch.nn.Module) else ""
             raise UsageError(f"{name} must be a Hugging Face model folder or BASE+ADAPTER (str or Path), got "
                              f"{type(x).__name__}{hint}")
+        utf8_checked(x, name)
     output_argument(out)
     return options_argument(options, ExtractOptions)
 
