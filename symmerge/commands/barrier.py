@@ -28,6 +28,10 @@ from ..pipeline.options import RECOMMENDED_NAME
 from ..progress import elapsed
 from .schema_args import add_options
 
+# the way out named when the command runs out of memory (symmerge.cli: one symmerge: error: line)
+MEMORY_WAY_OUT = ("barrier holds the models in memory: fewer models, a smaller --batch-size or --max-examples; a "
+                  "merge's memory alone: symmerge merge --mode stream")
+
 
 def add_arguments(parser) -> None:
     add_options(parser, "barrier")  # declared in symmerge.options.declared
