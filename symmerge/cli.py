@@ -190,15 +190,16 @@ def _handled(args) -> int:
     """The command run; running out of memory (:func:`~symmerge.io.output.memory_fault`: Python's, numpy's, torch's
     allocators) is one :class:`~symmerge.errors.OutOfMemory` line naming what was asked for and the command's way out
     (its module's ``memory_way_out(args)`` or ``MEMORY_WAY_OUT``), raised after the command's own cleanup ran (its
-    temporary folders, in the ``finally`` blocks the error passed through)."""
+    temporary folders, in the ``finally`` blocks the error passed through). A library error raised while the memory
+    fault was handled (an input's mapping refused read as "truncated or corrupt") is that memory fault."""
     from .errors import OutOfMemory
     from .io.output import memory_fault
 
     try:
         return args.handler(args) or 0
-    except SymmergeError:
+    except OutOfMemory:
         raise
-    except Exception as e:
+    except Exception as e:  # a SymmergeError too: one raised while a memory fault was handled ("corrupt file")
         words = memory_fault(e)
         if words is None:
             raise

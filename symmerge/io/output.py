@@ -157,9 +157,10 @@ def os_fault(e: BaseException) -> OSError | None:
     return None
 
 
-_ASKED = re.compile(r"(?:you tried to allocate|tried to allocate|unable to allocate) "
+_ASKED = re.compile(r"(?:you tried to allocate|tried to allocate|unable to allocate|unable to mmap) "
                     r"([0-9.]+ ?(?:bytes|[KMGTPE]i?B))", re.IGNORECASE)
-_ALLOCATOR = ("DefaultCPUAllocator", "CUDA out of memory", "can't allocate memory", "not enough memory")
+_ALLOCATOR = ("DefaultCPUAllocator", "CUDA out of memory", "can't allocate memory", "not enough memory",
+              "Cannot allocate memory")
 
 
 def memory_fault(e: BaseException) -> str | None:
@@ -167,8 +168,9 @@ def memory_fault(e: BaseException) -> str | None:
     failed)``; None for anything else. Recognised: Python's ``MemoryError`` (numpy's ``_ArrayMemoryError`` is one:
     "Unable to allocate 64.0 GiB for an array ..."), torch's ``RuntimeError`` of its CPU allocator ("[enforce fail at
     alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes") and its CUDA
-    ``OutOfMemoryError`` ("CUDA out of memory. Tried to allocate 2.00 GiB"), the system's ENOMEM (an ``OSError``, or
-    safetensors' "os error 12"); also when ``e`` was raised while one of
+    ``OutOfMemoryError`` ("CUDA out of memory. Tried to allocate 2.00 GiB"), the system's ENOMEM (an ``OSError``,
+    safetensors' "os error 12", torch's "unable to mmap N bytes from file <F>: Cannot allocate memory (12)" when an
+    input's weights are mapped); also when ``e`` was raised while one of
     them was handled, or from one (a library's wrapping error). A kernel's OOM kill (SIGKILL) reaches no handler."""
     seen = set()
     while e is not None and id(e) not in seen and len(seen) < 16:

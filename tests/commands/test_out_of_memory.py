@@ -154,3 +154,28 @@ def test_memory_fault_recognises_the_allocators_and_nothing_else():
                   OSError(28, "No space left on device")):
         assert memory_fault(other) is None, other
 
+
+MMAP_TEXT = "unable to mmap 276884560 bytes from file <{}>: Cannot allocate memory (12)"
+
+
+@pytest.mark.parametrize("name", ["merge-memory", "merge-stream", "extract-lora"])
+def test_an_input_that_cannot_be_mapped_for_lack_of_memory_is_not_called_corrupt(llamas, tmp_path, capsys,
+                                                                                 monkeypatch, name):
+    """Under a memory cap, mapping an input's weights fails with ENOMEM: it was 'model.safetensors: unreadable
+    safetensors file, truncated or corrupt (unable to mmap ...)', which sends the user after a good file."""
+    import safetensors
+
+    from symmerge.cli import main
+
+    def refused(path, *args, **kwargs):
+        raise RuntimeError(MMAP_TEXT.format(path))
+
+    monkeypatch.setattr(safetensors, "safe_open", refused)
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    argv, way_out = commands(llamas, out)[name]
+    rc = main([str(a) for a in argv])
+    line = one_error_line(capsys.readouterr().err)
+    assert rc == 2 and line.startswith("symmerge: error: out of memory (an allocation of 276.9 MB failed)"), line
+    assert "corrupt" not in line and way_out in line, line
+    assert list(out.parent.iterdir()) == []
