@@ -161,6 +161,7 @@ _ASKED = re.compile(r"(?:you tried to allocate|tried to allocate|unable to alloc
                     r"([0-9.]+ ?(?:bytes|[KMGTPE]i?B))", re.IGNORECASE)
 _ALLOCATOR = ("DefaultCPUAllocator", "CUDA out of memory", "can't allocate memory", "not enough memory",
               "Cannot allocate memory")
+_UNMAPPED = re.compile(r"([^\s:]+): failed to map segment from shared object")
 
 
 def memory_fault(e: BaseException) -> str | None:
@@ -170,8 +171,8 @@ def memory_fault(e: BaseException) -> str | None:
     alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes") and its CUDA
     ``OutOfMemoryError`` ("CUDA out of memory. Tried to allocate 2.00 GiB"), the system's ENOMEM (an ``OSError``,
     safetensors' "os error 12", torch's "unable to mmap N bytes from file <F>: Cannot allocate memory (12)" when an
-    input's weights are mapped); also when ``e`` was raised while one of
-    them was handled, or from one (a library's wrapping error). A kernel's OOM kill (SIGKILL) reaches no handler."""
+    input's weights are mapped), the loader's "LIB.so: failed to map segment from shared object" (a library, at
+    start-up); also when ``e`` was raised while one of them was handled, or from one (a library's wrapping error). A kernel's OOM kill (SIGKILL) reaches no handler."""
     seen = set()
     while e is not None and id(e) not in seen and len(seen) < 16:
         seen.add(id(e))
@@ -179,6 +180,9 @@ def memory_fault(e: BaseException) -> str | None:
         fault = None if isinstance(e, MemoryError) else os_fault(e)
         if fault is not None and fault.errno == errno.ENOMEM:  # a mapping refused (safetensors' mmap of an input)
             return "out of memory (a file could not be mapped into memory)"
+        library = _UNMAPPED.search(text)  # the loader's ENOMEM for a library (an ImportError, at start-up)
+        if library:
+            return f"out of memory (a library could not be mapped: {library.group(1)})"
         if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
                 isinstance(e, RuntimeError) and any(a in text for a in _ALLOCATOR)):
             asked = _ASKED.search(text)

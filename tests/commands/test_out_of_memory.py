@@ -179,3 +179,20 @@ def test_an_input_that_cannot_be_mapped_for_lack_of_memory_is_not_called_corrupt
     assert rc == 2 and line.startswith("symmerge: error: out of memory (an allocation of 276.9 MB failed)"), line
     assert "corrupt" not in line and way_out in line, line
     assert list(out.parent.iterdir()) == []
+
+
+def test_too_little_memory_to_load_torch_is_one_line_at_start_up(tmp_path):
+    """Under ``ulimit -v`` too small for torch's libraries the loader refuses to map them: it was an ImportError's
+    traceback (14 lines; numpy's, 54). A stand-in torch raising the loader's own text, first on the path."""
+    import os
+    import subprocess
+
+    (tmp_path / "torch.py").write_text(
+        "raise ImportError('libtorch_cpu.so: failed to map segment from shared object')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "symmerge.cli", "specs"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=60)
+    line = one_error_line(p.stderr)
+    assert p.returncode == 2, p.stderr
+    assert line.startswith("symmerge: error: out of memory (a library could not be mapped: libtorch_cpu.so) while "
+                           "starting"), line
