@@ -29,8 +29,8 @@ from ..progress import elapsed
 from .schema_args import add_options
 
 # the way out named when the command runs out of memory (symmerge.cli: one symmerge: error: line)
-MEMORY_WAY_OUT = ("barrier holds the models in memory: fewer models, a smaller --batch-size or --max-examples; a "
-                  "merge's memory alone: symmerge merge --mode stream")
+MEMORY_WAY_OUT = ("fewer models, a smaller --batch-size or --max-examples (the study holds the models and an "
+                  "interpolated one in memory)")
 
 
 def add_arguments(parser) -> None:
