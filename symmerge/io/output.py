@@ -161,6 +161,7 @@ _ASKED = re.compile(r"(?:you tried to allocate|tried to allocate|unable to alloc
                     r"([0-9.]+ ?(?:bytes|[KMGTPE]i?B))", re.IGNORECASE)
 _ALLOCATOR = ("DefaultCPUAllocator", "CUDA out of memory", "can't allocate memory", "not enough memory",
               "Cannot allocate memory")
+_MAPPED = re.compile(r"unable to mmap \d+ bytes from file <([^>]*)>")
 _UNMAPPED = re.compile(r"([^\s:]+): failed to map segment from shared object")
 
 
@@ -191,6 +192,10 @@ def memory_fault(e: BaseException) -> str | None:
             size = asked.group(1)
             if size.endswith("bytes"):
                 size = _size(int(float(size.split()[0])))
+            mapped = _MAPPED.search(text)
+            if mapped:  # address space, not RAM: only a limit (ulimit -v / -d) refuses it
+                return (f"out of memory (mapping {size} of {mapped.group(1)} failed: the memory limit, ulimit -v or "
+                        "ulimit -d, counts a mapped input whole)")
             return f"out of memory (an allocation of {size} failed)"
         e = e.__cause__ or e.__context__
     return None

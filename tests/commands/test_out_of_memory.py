@@ -176,7 +176,8 @@ def test_an_input_that_cannot_be_mapped_for_lack_of_memory_is_not_called_corrupt
     argv, way_out = commands(llamas, out)[name]
     rc = main([str(a) for a in argv])
     line = one_error_line(capsys.readouterr().err)
-    assert rc == 2 and line.startswith("symmerge: error: out of memory (an allocation of 276.9 MB failed)"), line
+    assert rc == 2 and line.startswith("symmerge: error: out of memory (mapping 276.9 MB of "), line
+    assert "model.safetensors failed: the memory limit, ulimit -v or ulimit -d, counts a mapped input whole)" in line
     assert "corrupt" not in line and way_out in line, line
     assert list(out.parent.iterdir()) == []
 
