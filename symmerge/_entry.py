@@ -165,7 +165,27 @@ def guarded_imports():
         if not command:
             raise
         interrupted_exit(getattr(e, "signum", None))
-    except Exception:
+    except Exception as e:
         if command and was_interrupted():  # an import the Ctrl-C cut in half, failing as something else
             interrupted_exit()
+        if command:
+            _start_failed(e)
         raise
+
+
+def _start_failed(e: BaseException) -> None:
+    """Under a memory limit too small to load torch, numpy and their libraries (``ulimit -v``: the system refuses to
+    map a library, "libtorch_cpu.so: failed to map segment from shared object", an ``ImportError`` of 14 to 54
+    traceback lines): one ``symmerge: error:`` line and exit 2, running nothing half-imported's exit hooks. Any other
+    error is left to propagate."""
+    from .io.output import memory_fault
+
+    words = memory_fault(e)
+    if words is None:
+        return
+    try:
+        sys.stderr.write(f"symmerge: error: {words} while starting (loading torch and numpy); nothing was written; "
+                         "raise the memory limit (ulimit -v, ulimit -d) or free memory\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(2)

@@ -145,7 +145,8 @@ def build_parser():
         p = sub.add_parser(name, help=text.strip().splitlines()[0], description=text,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
-        p.set_defaults(handler=module.run)
+        p.set_defaults(handler=module.run, memory_way_out=getattr(module, "memory_way_out", None)
+                       or getattr(module, "MEMORY_WAY_OUT", ""))
     return parser
 
 
@@ -180,9 +181,30 @@ def _run(argv) -> int:
         configure(getattr(args, "progress", "auto"))  # also starts the clock of progress lines and final timings
         with trust_remote_code(getattr(args, "trust_remote_code", False)), \
                 threads_kept():  # the caller's thread count back after --num-threads (run, moe, extract-lora)
-            code = args.handler(args) or 0
+            code = _handled(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at the interpreter's exit
     return code
+
+
+def _handled(args) -> int:
+    """The command run; running out of memory (:func:`~symmerge.io.output.memory_fault`: Python's, numpy's, torch's
+    allocators) is one :class:`~symmerge.errors.OutOfMemory` line naming what was asked for and the command's way out
+    (its module's ``memory_way_out(args)`` or ``MEMORY_WAY_OUT``), raised after the command's own cleanup ran (its
+    temporary folders, in the ``finally`` blocks the error passed through). A library error raised while the memory
+    fault was handled (an input's mapping refused read as "truncated or corrupt") is that memory fault."""
+    from .errors import OutOfMemory
+    from .io.output import memory_fault
+
+    try:
+        return args.handler(args) or 0
+    except OutOfMemory:
+        raise
+    except Exception as e:  # a SymmergeError too: one raised while a memory fault was handled ("corrupt file")
+        words = memory_fault(e)
+        if words is None:
+            raise
+        way_out = args.memory_way_out(args) if callable(args.memory_way_out) else args.memory_way_out
+        raise OutOfMemory(f"{words}; nothing was written{f'; {way_out}' if way_out else ''}") from None
 
 
 def _refuse_empty_paths(args) -> None:

@@ -78,6 +78,12 @@ class OutputError(SymmergeError):
     a symbolic link where the folder should be, another run writing the same output."""
 
 
+class OutOfMemory(SymmergeError):
+    """A command ran out of memory (:func:`symmerge.io.output.memory_fault`): how much was asked for and the
+    command's way out (its ``MEMORY_WAY_OUT``: a streamed mode, a smaller shard, fewer workers); its temporary
+    folders and its output's claim are removed as after any error, so nothing was written."""
+
+
 class InputReadError(SymmergeError):
     """An input could not be read by the operating system (permission, I/O error)."""
 

@@ -25,6 +25,13 @@ from ..pipeline.report import solver_summary
 from ..progress import elapsed
 from .schema_args import add_options
 
+# the way out named when the command runs out of memory (symmerge.cli: one symmerge: error: line)
+def memory_way_out(args) -> str:
+    if getattr(args, "stream", False):
+        return "a smaller --shard-size, without --pipeline and --verify-forward (they hold more)"
+    return "align with --stream (one part of one layer at a time), fewer --workers"
+
+
 
 def add_arguments(parser) -> None:
     add_options(parser, "align")  # declared in symmerge.options.declared

@@ -28,6 +28,10 @@ from ..pipeline.options import RECOMMENDED_NAME
 from ..progress import elapsed
 from .schema_args import add_options
 
+# the way out named when the command runs out of memory (symmerge.cli: one symmerge: error: line)
+MEMORY_WAY_OUT = ("fewer models, a smaller --batch-size or --max-examples (the study holds the models and an "
+                  "interpolated one in memory)")
+
 
 def add_arguments(parser) -> None:
     add_options(parser, "barrier")  # declared in symmerge.options.declared

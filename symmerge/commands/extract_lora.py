@@ -17,6 +17,9 @@ from ..options.declared import EXTRACT, EXTRACT_NOOPS, TITLES
 from .schema_args import add_part
 from .lora_args import add_lora_arguments
 
+# the way out named when the command runs out of memory (symmerge.cli: one symmerge: error: line)
+MEMORY_WAY_OUT = "--svd lowrank, fewer --num-threads"
+
 
 def add_arguments(parser) -> None:
     """extract-lora's flags, declared in :mod:`symmerge.options.declared` (its own, the LoRA inputs' flags, the

@@ -29,6 +29,14 @@ from ..pipeline.report import solver_summary
 from ..progress import elapsed
 from .schema_args import add_options
 
+# the way out named when the command runs out of memory (symmerge.cli: one symmerge: error: line)
+def memory_way_out(args) -> str:
+    if getattr(args, "mode", None) == "stream":
+        return "a smaller --shard-size (the streamed merge holds the largest tensors and the shard being written)"
+    return ("merge with --mode stream (memory ~ the largest tensors; per-tensor methods: align first with symmerge "
+            "align --stream, then merge the aligned folders with --align none), a smaller --shard-size, fewer --workers")
+
+
 
 def add_arguments(parser) -> None:
     add_options(parser, "merge")  # declared in symmerge.options.declared

@@ -20,6 +20,9 @@ from ..options.parse import mergekit_size
 from .alignment_args import add_alignment_arguments, alignment_options
 from .schema_args import add_part
 
+# the way out named when the command runs out of memory (symmerge.cli: one symmerge: error: line)
+MEMORY_WAY_OUT = "--align-stream (with --align), a smaller --out-shard-size, fewer --num-threads"
+
 
 def add_arguments(parser) -> None:
     """moe's flags, declared in :mod:`symmerge.options.declared` (its own, the alignment flags of ``symmerge align``,

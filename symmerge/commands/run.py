@@ -21,6 +21,9 @@ from ..options.parse import mergekit_size
 from .lora_args import add_lora_arguments
 from .schema_args import add_options
 
+# the way out named when the command runs out of memory (symmerge.cli: one symmerge: error: line)
+MEMORY_WAY_OUT = "a smaller --out-shard-size, fewer --num-threads"
+
 
 def add_arguments(parser) -> None:
     add_options(parser, "run", skip=(MERGEKIT, "lora"))  # declared in symmerge.options.declared

@@ -19,6 +19,8 @@ permissions the user's umask gives.
 * :func:`os_fault` / :func:`output_fault` — an operating-system failure (a full disk, a file-size limit, a
   read-only file system, a permission), raised by Python or by safetensors' writer, as one
   :class:`~symmerge.errors.OutputError` line.
+* :func:`memory_fault` — the allocators' refusal (Python's ``MemoryError``, numpy's, torch's CPU and CUDA
+  allocators') as the words of one line; the command adds its way out (:class:`~symmerge.errors.OutOfMemory`).
 """
 
 from __future__ import annotations
@@ -152,6 +154,50 @@ def os_fault(e: BaseException) -> OSError | None:
         if m:
             code = int(m.group(1))
             return OSError(code, os.strerror(code))
+    return None
+
+
+_ASKED = re.compile(r"(?:you tried to allocate|tried to allocate|unable to allocate|unable to mmap) "
+                    r"([0-9.]+ ?(?:bytes|[KMGTPE]i?B))", re.IGNORECASE)
+_ALLOCATOR = ("DefaultCPUAllocator", "CUDA out of memory", "can't allocate memory", "not enough memory",
+              "Cannot allocate memory")
+_MAPPED = re.compile(r"unable to mmap \d+ bytes from file <([^>]*)>")
+_UNMAPPED = re.compile(r"([^\s:]+): failed to map segment from shared object")
+
+
+def memory_fault(e: BaseException) -> str | None:
+    """The allocators' refusal behind ``e``, as the words of one line: ``out of memory (an allocation of 68.7 GB
+    failed)``; None for anything else. Recognised: Python's ``MemoryError`` (numpy's ``_ArrayMemoryError`` is one:
+    "Unable to allocate 64.0 GiB for an array ..."), torch's ``RuntimeError`` of its CPU allocator ("[enforce fail at
+    alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes") and its CUDA
+    ``OutOfMemoryError`` ("CUDA out of memory. Tried to allocate 2.00 GiB"), the system's ENOMEM (an ``OSError``,
+    safetensors' "os error 12", torch's "unable to mmap N bytes from file <F>: Cannot allocate memory (12)" when an
+    input's weights are mapped), the loader's "LIB.so: failed to map segment from shared object" (a library, at
+    start-up); also when ``e`` was raised while one of them was handled, or from one (a library's wrapping error). A kernel's OOM kill (SIGKILL) reaches no handler."""
+    seen = set()
+    while e is not None and id(e) not in seen and len(seen) < 16:
+        seen.add(id(e))
+        text = str(e)
+        fault = None if isinstance(e, MemoryError) else os_fault(e)
+        if fault is not None and fault.errno == errno.ENOMEM:  # a mapping refused (safetensors' mmap of an input)
+            return "out of memory (a file could not be mapped into memory)"
+        library = _UNMAPPED.search(text)  # the loader's ENOMEM for a library (an ImportError, at start-up)
+        if library:
+            return f"out of memory (a library could not be mapped: {library.group(1)})"
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+                isinstance(e, RuntimeError) and any(a in text for a in _ALLOCATOR)):
+            asked = _ASKED.search(text)
+            if not asked:
+                return "out of memory"
+            size = asked.group(1)
+            if size.endswith("bytes"):
+                size = _size(int(float(size.split()[0])))
+            mapped = _MAPPED.search(text)
+            if mapped:  # address space, not RAM: only a limit (ulimit -v / -d) refuses it
+                return (f"out of memory (mapping {size} of {mapped.group(1)} failed: the memory limit, ulimit -v or "
+                        "ulimit -d, counts a mapped input whole)")
+            return f"out of memory (an allocation of {size} failed)"
+        e = e.__cause__ or e.__context__
     return None
 
 
