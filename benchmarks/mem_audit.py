@@ -20,8 +20,8 @@ inputs' files are unchanged (size and mtime per run; their bytes' SHA-256 at the
 
 ``--kill``: also a memory merge killed with SIGKILL (as the kernel's OOM killer does: no handler runs) once its
 temporary folder exists, then the same command again (the temporary folder of a dead process is removed by the next
-writer of that output, docs/cache.md). ``--package DIR``: run the CLI with DIR first on PYTHONPATH (an older ``symmerge`` source tree: the figures before
-a fix). Prints one row per (case, cap).
+writer of that output, docs/cache.md). ``--package DIR``: run the CLI with DIR first on PYTHONPATH (an older
+``symmerge`` source tree: the figures before a fix). Prints one row per (case, cap).
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def cases(root: Path, m: dict[str, Path]) -> dict[str, list[str]]:
     return {
         "merge-memory-average": ["merge", a, b, "--method", "average", "--align", "none", "--mode", "memory", *quiet],
         "merge-stream-average": ["merge", a, b, "--method", "average", "--align", "none", "--mode", "stream", *quiet],
-        "merge-memory-aligned": ["merge", a, b, "--method", "average", "--align", "heads,ffn", "--workers", "1", *quiet],
+        "merge-memory-aligned": ["merge", a, b, "--method", "average", "--align", "heads,ffn", "--workers", "1",
+                                 *quiet],
         "align-memory": ["align", b, a, "--symmetries", "heads,ffn", "--workers", "1", *quiet],
         "align-stream": ["align", b, a, "--symmetries", "heads,ffn", "--stream", *quiet],
         "run-linear": ["run", str(root / "linear.yml"), "-j", "1", "-q"],
@@ -249,7 +250,8 @@ def main(argv=None) -> int:
             print(f"start-up under RLIMIT_{limit.upper()}: starts at {p['starts_at_mb']} MB, fails at "
                   f"{p['fails_at_mb']} MB ({p['last_failure_line'][:160]})", flush=True)
     startup = next((p["starts_at_mb"] for p in result["probe"] if p["limit"] == args.limit), None)
-    caps = [float(c) for c in args.caps.split(",") if c] or [startup - 32] + [startup + d for d in (150, 400, 800, 1600, 3200)]
+    caps = [float(c) for c in args.caps.split(",") if c] or [startup - 32] + [startup + d
+                                                                              for d in (150, 400, 800, 1600, 3200)]
     print(f"{'case':22s} {'cap MB':>7s} {'rc':>4s} {'wall s':>7s} {'peak MB':>8s} {'lines':>5s} tb  left  "
           "inputs  last line", flush=True)
     for name, command in all_cases.items():

@@ -34,7 +34,8 @@ def memory_way_out(args) -> str:
     if getattr(args, "mode", None) == "stream":
         return "a smaller --shard-size (the streamed merge holds the largest tensors and the shard being written)"
     return ("merge with --mode stream (memory ~ the largest tensors; per-tensor methods: align first with symmerge "
-            "align --stream, then merge the aligned folders with --align none), a smaller --shard-size, fewer --workers")
+            "align --stream, then merge the aligned folders with --align none), a smaller --shard-size, "
+            "fewer --workers")
 
 
 
@@ -128,7 +129,8 @@ def run(args) -> int:
         print(f"{distilled['label']}: {distilled['steps']} steps toward the ensemble of the inputs"
               + (f", held-out KL {kl[0]:.4f} -> {kl[1]:.4f}" if kl[0] is not None else ""))
     for r in evaluation.get("merged", []):
-        print(f"  {'[' + distilled['label'] + '] ' if distilled else ''}{r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']}"
+        label = f"[{distilled['label']}] " if distilled else ""
+        print(f"  {label}{r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']}"
               f"{'' if r.get('as_saved', True) else '; not the saved model'})")
     for r in evaluation.get("merged", []) + evaluation.get("models", []):
         if r.get("undefined"):  # symmerge.evaluate.metrics.evaluate: NaN or +inf logits

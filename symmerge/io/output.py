@@ -173,7 +173,8 @@ def memory_fault(e: BaseException) -> str | None:
     ``OutOfMemoryError`` ("CUDA out of memory. Tried to allocate 2.00 GiB"), the system's ENOMEM (an ``OSError``,
     safetensors' "os error 12", torch's "unable to mmap N bytes from file <F>: Cannot allocate memory (12)" when an
     input's weights are mapped), the loader's "LIB.so: failed to map segment from shared object" (a library, at
-    start-up); also when ``e`` was raised while one of them was handled, or from one (a library's wrapping error). A kernel's OOM kill (SIGKILL) reaches no handler."""
+    start-up); also when ``e`` was raised while one of them was handled, or from one (a library's wrapping error).
+    A kernel's OOM kill (SIGKILL) reaches no handler."""
     seen = set()
     while e is not None and id(e) not in seen and len(seen) < 16:
         seen.add(id(e))

@@ -54,10 +54,10 @@ def commands(m, out) -> dict[str, tuple[list, str]]:
     a, b, root = str(m["a"]), str(m["b"]), m["root"]
     quiet = ["--progress", "none"]
     return {
-        "merge-memory": (["merge", a, b, "--method", "average", "--align", "none", "--mode", "memory", *quiet, "-o", out],
-                         "--mode stream"),
-        "merge-stream": (["merge", a, b, "--method", "average", "--align", "none", "--mode", "stream", *quiet, "-o", out],
-                         "a smaller --shard-size"),
+        "merge-memory": (["merge", a, b, "--method", "average", "--align", "none", "--mode", "memory", *quiet,
+                          "-o", out], "--mode stream"),
+        "merge-stream": (["merge", a, b, "--method", "average", "--align", "none", "--mode", "stream", *quiet,
+                          "-o", out], "a smaller --shard-size"),
         "merge-aligned": (["merge", a, b, "--method", "average", "--workers", "1", *quiet, "-o", out],
                           "align first with symmerge align --stream"),
         "align-memory": (["align", b, a, "--workers", "1", *quiet, "-o", out], "align with --stream"),
