@@ -5,9 +5,9 @@ with gradients and filters, ``dtype``, ``out_dtype``, ``tokenizer_source`` / ``t
 or a model, with ``tokens`` and ``pad_to_multiple_of``: every model's embedding rows mapped to that vocabulary),
 ``chat_template``, several documents with ``name``) merges exactly as mergekit does, without alignment. With
 ``align:`` (and the merge command's alignment options: ``anchor``, ``match``, ``rescale``, ...) or ``--align``, its
-models are aligned into one frame first and the same config runs on the aligned models (:mod:`symmerge.config.aligned`). A config
-with other keys of symmerge's (``eval_data``, ``data``, ``command: align`` ...) runs the ``symmerge merge``
-(``align``, ``barrier``) command it stands for. Parsing and every check: :mod:`symmerge.config`; a bad
+models are aligned into one frame first and the same config runs on the aligned models
+(:mod:`symmerge.config.aligned`). A config with other keys of symmerge's (``eval_data``, ``data``, ``command:
+align`` ...) runs the ``symmerge merge`` (``align``, ``barrier``) command it stands for. Parsing and every check: :mod:`symmerge.config`; a bad
 config is one error naming the key and its line, before anything is read or written."""
 
 from __future__ import annotations
