@@ -7,8 +7,8 @@ or a model, with ``tokens`` and ``pad_to_multiple_of``: every model's embedding 
 ``align:`` (and the merge command's alignment options: ``anchor``, ``match``, ``rescale``, ...) or ``--align``, its
 models are aligned into one frame first and the same config runs on the aligned models
 (:mod:`symmerge.config.aligned`). A config with other keys of symmerge's (``eval_data``, ``data``, ``command:
-align`` ...) runs the ``symmerge merge`` (``align``, ``barrier``) command it stands for. Parsing and every check: :mod:`symmerge.config`; a bad
-config is one error naming the key and its line, before anything is read or written."""
+align`` ...) runs the ``symmerge merge`` (``align``, ``barrier``) command it stands for. Parsing and every check:
+:mod:`symmerge.config`; a bad config is one error naming the key and its line, before anything is read or written."""
 
 from __future__ import annotations
 
