@@ -229,8 +229,6 @@ def _refuse_empty_paths(args) -> None:
                                 "takes the output's place): give a new folder, e.g. -o merged")
 
 
-
-
 def _is_cwd(path: str) -> bool:
     try:
         return os.path.samefile(path, os.getcwd())

@@ -206,10 +206,9 @@ def _module_entry(kinds: dict, ft, module: str) -> Entry:
     """The entry saving ``module`` whole: every parameter of it and of the modules inside it (weights and biases of
     the modules with one, the loose parameters), each stored under its own name (else one error: PEFT reads them so;
     transformers' fused experts are stored per expert)."""
-    inside = lambda name: name == module or name.startswith(module + ".")  # noqa: E731
-    names = [f"{n}.{p}" for n, _, _, has_bias in kinds["modules"] if inside(n)
+    names = [f"{n}.{p}" for n, _, _, has_bias in kinds["modules"] if _within(n, module)
              for p in (("weight", "bias") if has_bias else ("weight",))]
-    names += [f"{n}.{p}" for n, _, ps in kinds.get("loose", []) if inside(n) for p in ps]
+    names += [f"{n}.{p}" for n, _, ps in kinds.get("loose", []) if _within(n, module) for p in ps]
     keys = []
     for name in names:
         stored = _stored(ft, name)
@@ -221,23 +220,33 @@ def _module_entry(kinds: dict, ft, module: str) -> Entry:
     return Entry(module, "module", None, keys=tuple(keys))
 
 
+def _within(name: str, module: str) -> bool:
+    """Whether the module ``name`` is ``module`` or one inside it."""
+    return name == module or name.startswith(module + ".")
+
+
+def _last(name: str) -> str:
+    """A module's last name (``q_proj`` of ``model.layers.0.self_attn.q_proj``): PEFT's names match by it."""
+    return name.split(".")[-1]
+
+
 def _whole_modules(entries: list, to_save: list, whole: list, kinds: dict, notes: list) -> tuple[list, list]:
     """The plan with the modules saved whole (``whole``): the entries of the modules inside them dropped (their change
     comes with them), ``modules_to_save`` naming each by its full name (PEFT matches its names as suffixes: a last
     name ``embeddings`` would wrap ViT's ``patch_embeddings`` inside it too) and no longer the last names that only
     modules inside them had."""
-    inside = lambda name: any(name.startswith(w.name + ".") or name == w.name for w in whole)  # noqa: E731
+    inside = lambda name: any(_within(name, w.name) for w in whole)  # noqa: E731
     dropped = [e for e in entries if inside(e.name)]
     if dropped:
-        notes.append(f"inside a module saved whole, so not extracted on their own: {', '.join(e.name for e in dropped)}")
+        names = ", ".join(e.name for e in dropped)
+        notes.append(f"inside a module saved whole, so not extracted on their own: {names}")
     entries = [e for e in entries if not inside(e.name)] + whole
-    last = lambda name: name.split(".")[-1]  # noqa: E731
-    outside = {last(n) for n, *_ in kinds["modules"] if not inside(n)}
-    within = {last(n) for n, *_ in kinds["modules"] if inside(n)} | {last(w.name) for w in whole}
+    outside = {_last(n) for n, *_ in kinds["modules"] if not inside(n)}
+    within = {_last(n) for n, *_ in kinds["modules"] if inside(n)} | {_last(w.name) for w in whole}
     gone = {s for s in to_save if s not in outside and (s in within or inside(s))}
     notes[:] = [n for n in notes if n.split(":")[0] not in gone]  # "projection: ... saved whole": inside one now
     # a last name of modules inside and outside (CLIP's position_embedding): the outside ones by their full names
-    shared = {s: [n for n, *_ in kinds["modules"] if last(n) == s and not inside(n)] for s in to_save
+    shared = {s: [n for n, *_ in kinds["modules"] if _last(n) == s and not inside(n)] for s in to_save
               if s in outside and s in within}
     to_save = [x for s in to_save if s not in gone for x in shared.get(s, [s])] + [w.name for w in whole]
     return entries, list(dict.fromkeys(to_save))
@@ -505,15 +514,14 @@ def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft, bias="n
     ranks = {e.name: e.result["rank"] for e in written}
     r = max(ranks.values(), default=1)
     other = {k: v for k, v in ranks.items() if v != r}
-    last = lambda name: name.split(".")[-1]  # noqa: E731
     names = set(ranks)
     candidates: dict = {}
     for name, kind, _, _ in kinds["modules"]:
         if kind != "other":
-            candidates.setdefault(last(name), set()).add(name)
+            candidates.setdefault(_last(name), set()).add(name)
     targets: list = []
-    for suffix in sorted({last(n) for n in names}):
-        mine = {n for n in names if last(n) == suffix}
+    for suffix in sorted({_last(n) for n in names}):
+        mine = {n for n in names if _last(n) == suffix}
         targets += [suffix] if candidates.get(suffix, set()) <= mine else sorted(mine)
     cls = ft.class_name
     task = "CAUSAL_LM" if cls.endswith("ForCausalLM") else "SEQ_CLS" if cls.endswith("ForSequenceClassification") \
