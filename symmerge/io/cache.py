@@ -12,7 +12,6 @@ What is kept where, and how to clear it: docs/cache.md.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -21,6 +20,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SymmergeError
+from .locks import try_lock
 
 ENV = "SYMMERGE_CACHE"
 DIGESTS = ".symmerge-digests.json"  # {file name: {"size": bytes, "sha256": hex}} of a built folder's files
@@ -98,12 +98,11 @@ def _locked(path: Path, waiting) -> int | None:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError:
             return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no locks on this file system
-                os.close(fd)
-                return None
+        taken = try_lock(fd)
+        if taken is None:  # no locks on this file system
+            os.close(fd)
+            return None
+        if not taken:
             if not told:
                 waiting()
                 told = True

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SymmergeError
+from .locks import try_lock
 from .cache import DIGESTS, build_lock, damage, record_digests, remove_entry
 from .provenance import remember
 
@@ -101,14 +102,9 @@ def _locked_temp_folder() -> Path:
     """A new temporary merge cache holding its :data:`LIVE` file, locked by this process until it ends: made under a
     hidden name (``.symmerge-lora-PID-*``, never judged by :func:`remove_stale_temp_caches` without its lock) and
     renamed once locked, so that no other process ever sees it unlocked."""
-    import fcntl
-
     hidden = Path(tempfile.mkdtemp(prefix=f".{TEMP_PREFIX}{os.getpid()}-"))
     fd = os.open(hidden / LIVE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # a file system without locks: the process id alone then says whether it runs
-        pass
+    try_lock(fd)  # not taken on a file system without locks: the process id alone then says whether it runs
     _live.append(fd)
     folder = hidden.with_name(hidden.name[1:])
     os.rename(hidden, folder)
@@ -141,20 +137,14 @@ def remove_stale_temp_caches() -> list[Path]:
 def _lock_released(path: Path) -> bool | None:
     """Whether the :data:`LIVE` file ``path`` is locked by no process (its process is gone); None when there is no
     such file or it cannot be locked (an earlier version's folder, a file system without locks)."""
-    import errno
-    import fcntl
-
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # for writing: NFS emulates flock with write locks
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        return False if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+        return try_lock(fd)
     finally:
         os.close(fd)
-    return True
 
 
 @contextlib.contextmanager

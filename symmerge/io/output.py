@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import OutputError, SymmergeError
+from .locks import try_lock
 
 TAG = ".symmerge-tmp-"
 
@@ -278,8 +279,6 @@ def claim_output(out) -> bool:
     output was not written): a second run given the same output in a new folder fails at once too. Another
     process's claim is one :class:`~symmerge.errors.OutputError` at once. A claim left by a killed process is no
     claim: the lock goes with the process."""
-    import fcntl
-
     key = _key(out)
     if key in _claims:
         return False
@@ -296,10 +295,9 @@ def claim_output(out) -> bool:
             continue
         except OSError as e:
             raise OutputError(f"{out}: cannot write the output in {path.parent} ({describe_fault(e)})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no locks on this file system
+        taken = try_lock(fd)
+        if not taken:
+            if taken is None:  # no locks on this file system
                 os.close(fd)
                 _unlink_quietly(path)
                 _remove_empty(made)
