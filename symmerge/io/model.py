@@ -54,7 +54,19 @@ def read_config(path: Path, spec: bool = True) -> dict:
     check_remote_code(config, path)
     if spec:
         spec_for(config["model_type"])  # unsupported types fail here, before any weights are read
+    _check_side_files(path)
     return config
+
+
+def _check_side_files(path: Path) -> None:
+    """A side file of the folder (:data:`SIDE_FILES`: outputs copy them) that is there but no regular file (a FIFO, a
+    device, a broken link) fails when the config is read, before any work, rather than when an output is written
+    (extract-lora, which copies none, refuses it too: such a folder is broken)."""
+    for name in sorted(SIDE_FILES):
+        item = path / name
+        if os.path.lexists(item) and not item.is_file():
+            raise SymmergeError(f"{item}: {_not_a_file(item)}; a side file of the model folder, which outputs copy "
+                                "(remove it or make it a regular file)")
 
 
 def _hub_cache_hint(path: Path) -> str:
