@@ -247,6 +247,7 @@ def _plain_streaming(folders, base_folder, out, options, checked: _Checked, *, a
 def _aligned_streaming(models, out, options, checked: _Checked) -> dict:
     """Each model aligned to the anchor (:func:`aligned_folders`), then the aligned folders merged tensor by
     tensor; the temporary folders are removed whatever happens."""
+    header_steps(models, options, checked.plan)  # the inputs' layouts checked before any is aligned, as in memory
     t = time.perf_counter()
     with aligned_folders(models, out, options, checked.plan, checked.names) as (aligned, base_path, alignment):
         checked.timings["align"] = time.perf_counter() - t
