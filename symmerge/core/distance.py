@@ -40,8 +40,10 @@ def parameter_keys(model) -> list[str]:
 
 
 def per_module(instances, sd_a: dict, sd_b: dict) -> dict[str, float]:
-    """Distance over each group instance's tensors, e.g. ``layer.0.attn.qk``."""
-    return {inst.name: distance(sd_a, sd_b, [s.key for s in inst.slots]) for inst in instances}
+    """Distance over each group instance's tensors, e.g. ``layer.0.attn.qk`` (each tensor's part summed exactly, as
+    the align report sums them: :class:`symmerge.pipeline.report.Distances`)."""
+    return {inst.name: math.sqrt(math.fsum(sq_distance(sd_a, sd_b, [s.key]) for s in inst.slots))
+            for inst in instances}
 
 
 def distance_table(sd_a: dict, sd_b: dict, keys, instances=(), layer_of=None) -> dict:
@@ -49,14 +51,14 @@ def distance_table(sd_a: dict, sd_b: dict, keys, instances=(), layer_of=None) ->
     tensor's layer or None, e.g. :meth:`symmerge.pipeline.bound.BoundModel.layer_of`; without it there
     is no per-layer part), per group instance."""
     per_key = {k: sq_distance(sd_a, sd_b, [k]) for k in keys}
-    per_layer: dict[int, float] = {}
+    per_layer: dict[int, list] = {}
     for k, v in per_key.items():
         layer = layer_of(k) if layer_of is not None else None
         if layer is not None:
-            per_layer[layer] = per_layer.get(layer, 0.0) + v
-    return {
-        "whole": math.sqrt(sum(per_key.values())),
-        "per_layer": {str(i): math.sqrt(v) for i, v in sorted(per_layer.items())},
+            per_layer.setdefault(layer, []).append(v)
+    return {  # sums exact (fsum), as the align report's (pipeline.report.Distances): the same in any order
+        "whole": math.sqrt(math.fsum(per_key.values())),
+        "per_layer": {str(i): math.sqrt(math.fsum(v)) for i, v in sorted(per_layer.items())},
         "per_module": per_module(instances, sd_a, sd_b),
     }
 
