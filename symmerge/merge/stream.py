@@ -237,7 +237,9 @@ def _plain_streaming(folders, base_folder, out, options, checked: _Checked, *, a
             "models": [str(x) for x in folders], "base": str(base_folder) if base_folder is not None else None,
             **({"sentence_transformers": embedding} if embedding else {})}
     execute_steps(ckpts + ([base] if base is not None else []), steps, plan.method, out,
-                  OutputFolder(config=config_text(holder), side_files_from=holder.folder, side_report=side,
+                  # the side files of the input itself, not of its aligned temporary copy (its report, its card)
+                  OutputFolder(config=config_text(holder), side_files_from=names[options.head_from] if aligned
+                               else holder.folder, side_report=side,
                                naming=options.head_from, shard_size=checked.shard_size, finish=finish),
                   budget=checked.budget, progress=options.progress,
                   distances=set(st.name for st in steps) - set(heads[0]))  # the body, as in memory
@@ -301,6 +303,8 @@ def aligned_folders(models, out, options, plan, names):
             rows.append(_model_row(path, anchor_path, rep, own_heads=learns))
         if idx is not None:
             rows.insert(idx, {"model": names[idx], "anchor": True})
+        elif options.base is not None and Path(options.base) == anchor_path:  # the base is the anchor: its row last,
+            rows.append({"model": str(options.base), "anchor": True})  # as in memory
         alignment = {"symmetries": list(resolved or []), "requested": plan.requested,
                      "rescale": plan.align.effective_rescale, "anchor": info, "models": rows, "streamed": True}
         notes = []
