@@ -8,23 +8,19 @@ import math
 
 import torch
 
-from .slots import precise_dtype
 
-
-def sq_distance(sd_a: dict, sd_b: dict, keys, block: int = 1 << 15, weights: dict | None = None,
-                dtype: torch.dtype | None = None) -> float:
+def sq_distance(sd_a: dict, sd_b: dict, keys, block: int = 1 << 15, weights: dict | None = None) -> float:
     """Squared L2 distance, summed in float64, a block of ``block`` elements at a time (a float64 copy
-    of a whole 100 M-element embedding would be 0.8 GB per operand). Differences of 16-bit tensors
-    are taken in float32, where they are exact; float32/float64 ones in float64; ``dtype``: in this dtype
-    whatever the tensors' (a streamed alignment of 16-bit files: float64, as in memory, where they are float32
-    copies). ``weights``: ``{key: w}``, each such tensor's part counted ``w`` times (the others once)."""
+    of a whole 100 M-element embedding would be 0.8 GB per operand). Differences and squares in float64
+    whatever the tensors' dtype: a 16-bit tensor and its float32 copy give the same value (an alignment of half
+    files solved in memory on float32 copies and streamed from the files reports one distance). ``weights``:
+    ``{key: w}``, each such tensor's part counted ``w`` times (the others once)."""
     total = 0.0
     for k in keys:
         a, b = sd_a[k].detach().reshape(-1), sd_b[k].detach().reshape(-1)
-        wide = dtype or precise_dtype(a, b)
         w = weights.get(k, 1.0) if weights else 1.0
         for i in range(0, a.numel(), block):
-            d = a[i:i + block].to(wide) - b[i:i + block].to(wide)
+            d = a[i:i + block].to(torch.float64) - b[i:i + block].to(torch.float64)
             part = d.square().sum(dtype=torch.float64).item()
             total += part if w == 1.0 else w * part
     return total

@@ -201,8 +201,10 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     aligned = with_state_dict(model, owned_apart(aligned_sd, model, anchor), share=True)
     keys = parameter_keys(model)
     distances = Distances()
+    written = next(stored.parameters()).dtype  # the distance after is the written model's: rounded once, as written
     for k in keys:
-        distances.add(k, sq_distance(ca, cb, [k]), sq_distance(aligned_sd, cb, [k]))
+        after = {k: aligned_sd[k].to(written) if aligned_sd[k].is_floating_point() else aligned_sd[k]}
+        distances.add(k, sq_distance(ca, cb, [k]), sq_distance(after, cb, [k]))
     fields.update(streamed=False, mode="in-memory", verify=ELEMENT_CHECK, match_seconds=match_seconds)
     res = next((i for i in wide if i.kind.moves_heads_input), None)  # the residual stream's group, if aligned
     if res is not None:

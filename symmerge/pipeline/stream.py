@@ -58,7 +58,7 @@ from .align_plan import per_layer_only, plan_align, plan_report, streamed_spec
 from .options import AlignOptions
 from .recommend import recommended
 from .report import Distances, alignment_report
-from .verify import ELEMENT_CHECK, verify_elements
+from .verify import ELEMENT_CHECK, copies_entry, verify_elements
 
 DEFAULT_SHARD = "1GB"
 MIN_LOW_MEMORY_SHARD = 64 * 2 ** 20  # low-memory mode: shards of about one layer, not smaller than this
@@ -174,9 +174,8 @@ class _Job:
                 raise SymmergeError(f"{self.ckpt_a.disk_name[k]}: aligned tensor is not finite")
             if exact is not None:
                 exact.update(self.ckpt_a.to_disk(k, _float32(new)))
-            # distances of the values before their one rounding, in float64 as in memory
-            before, after = (sq_distance(x, sd_b, [k], dtype=torch.float64) for x in (sd_a, {k: new}))
             new = new.to(sd_a[k].dtype)  # the one rounding
+            before, after = (sq_distance(x, sd_b, [k]) for x in (sd_a, {k: new}))  # of what is written, as in memory
             with self.lock:
                 self.distances.add(k, before, after)
             out.update(self.ckpt_a.to_disk(k, new))
@@ -378,6 +377,8 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
             side_files=side_files, tokenizer=tokenizer, **({"base_adapted": adapted} if adapted else {}),
             **({"sentence_transformers": embedding} if embedding else {}))
         report["match_seconds"] = time.perf_counter() - start
+        if _half(ckpt_a) or _half(ckpt_b):  # solved on float32 copies (Lifted), as in memory: the same entry
+            report["working_copies"] = copies_entry("float32", [_stored(c) for c in (ckpt_a, ckpt_b)])
         if verify_forward:
             with stage("verified the aligned model's outputs", enabled=progress):
                 report.update(_verify_forward(model, tmp, options.verify_tol, (ckpt_a, ckpt_b) if exact else None))
@@ -428,7 +429,7 @@ def _copy_untouched(keys, ckpt_a, ckpt_b, writers, distances, progress: bool) ->
     for k in bar(keys, desc="copying untouched tensors", unit="tensors", enabled=progress):
         writer.make_room(ckpt_a.nbytes(k))
         ta, tb = ckpt_a.read([k]), ckpt_b.read([k])
-        d = sq_distance(ta, tb, [k], dtype=torch.float64)  # in float64, as in memory
+        d = sq_distance(ta, tb, [k])
         distances.add(k, d, d)
         for name, t in ckpt_a.to_disk(k, ta[k]):
             writer.add(name, t)

@@ -6,7 +6,9 @@ of a layer (its norms too), streamed they are the align report's: the instances 
 its instances' tensors (README). In memory they are now the align report's too, and every sum is exact
 (``math.fsum``): the two wings' tables agree to the last bit, but for ``whole`` (and the rows' ``distance_before``
 / ``distance_after``), which the streamed row derives from the whole model's distance less the head's: a rounding
-apart (1 unit in the last place measured)."""
+apart (1 unit in the last place measured). In bfloat16 the tables are the written (rounded) models' in both wings,
+computed in float64 (the streamed rows were the float32 solution's: 0.5566 against 0.5584 per_layer on a tiny
+Llama)."""
 
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ from symmerge.cli import main
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["llama", "bert"])
-def test_aligned_merge_tables_are_the_same_in_memory_and_streamed(tmp_path, family):
+def test_aligned_merge_tables_are_the_same_in_memory_and_streamed(tmp_path, family, dtype):
     for name, seed in (("a", 0), ("b", 1)):
-        make_model(family, head=True, dtype=torch.float32, seed=seed).save_pretrained(tmp_path / name)
+        make_model(family, head=True, dtype=torch.float32, seed=seed).to(dtype).save_pretrained(tmp_path / name)
     rows = {}
     for mode in ("memory", "stream"):
         out = tmp_path / mode

@@ -3,8 +3,9 @@
 In memory, half-precision models are solved on float32 working copies, so the head blocks are solved in float64
 (:func:`symmerge.core.slots.precise_dtype`). Streamed, the parts were solved on the stored bfloat16 tensors, hence
 in float32: 2 of 16 tiny bfloat16 Llama pairs (these two) differed from the in-memory folder by one bfloat16 step of
-one ``o_proj`` element. Streamed, the solve now reads float32 copies (:class:`symmerge.pipeline.stream.Lifted`), and
-the distances are those of the float32 values before their one rounding, as in memory."""
+one ``o_proj`` element. Streamed, the solve now reads float32 copies (:class:`symmerge.pipeline.stream.Lifted`); the
+distances are the written (rounded) model's, in float64, in both wings (in memory they were the float32 solution's,
+streamed the rounded model's in float32 arithmetic), and both reports carry the ``working_copies`` entry."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_streamed_half_alignment_is_the_in_memory_one_bit_for_bit(tmp_path, seed
     assert written["memory"].keys() == written["stream"].keys()
     assert [k for k, t in written["memory"].items() if not torch.equal(t, written["stream"][k])] == []
     assert all(t.dtype == dtype for t in written["stream"].values())
-    for field in ("distance_before", "distance_after", "per_module", "per_layer"):
+    for field in ("distance_before", "distance_after", "per_module", "per_layer", "working_copies"):
         assert reports["memory"][field] == reports["stream"][field], field
 
 
