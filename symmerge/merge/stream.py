@@ -292,6 +292,8 @@ def aligned_folders(models, out, options, plan, names):
                 own = {"model_heads": head_keys_of(LazyCheckpoint(path, spec=False))} if learns else {}
                 rep = align_one(path, anchor_path, work / f"model-{i}", plan.align, progress=options.progress,
                                 allow_tokenizer_mismatch=options.allow_tokenizer_mismatch, **own)
+            # the copy holds the model's files, as the in-memory alignment's copy does: its report is read (rep)
+            (work / f"model-{i}" / "symmerge_report.json").unlink(missing_ok=True)
             resolved = rep.get("symmetries", resolved)
             for entry in rep.get("base_adapted") or []:  # a base-class anchor, read as the model's class
                 if entry["model"] == "anchor" and "base_adapted" not in info:
