@@ -204,7 +204,10 @@ def align_job(job, spec: Alignment, out: Path, work: Path, stack) -> tuple[dict,
         aligned = align_models(models, options, plan)  # a symmerge.merge.fuse.Aligned record
         alignment = aligned.alignment
         pairs = list(zip(models, aligned.aligned)) + ([(base, aligned.aligned_base)] if base is not None else [])
+        loaded = list(aligned.loaded.models) + ([aligned.loaded.base_model] if base is not None else [])
         for i, (src, model) in enumerate(pairs):
+            if model is loaded[i]:  # nothing moved it (the anchor): read from its folder, as streamed
+                continue
             dst = work / f"model-{i}"
             save_model(model, dst, src=src)
             moved[label[src]] = str(dst)

@@ -8,21 +8,19 @@ import math
 
 import torch
 
-from .slots import precise_dtype
-
 
 def sq_distance(sd_a: dict, sd_b: dict, keys, block: int = 1 << 15, weights: dict | None = None) -> float:
     """Squared L2 distance, summed in float64, a block of ``block`` elements at a time (a float64 copy
-    of a whole 100 M-element embedding would be 0.8 GB per operand). Differences of 16-bit tensors
-    are taken in float32, where they are exact; float32/float64 ones in float64. ``weights``: ``{key: w}``, each
-    such tensor's part counted ``w`` times (the others once)."""
+    of a whole 100 M-element embedding would be 0.8 GB per operand). Differences and squares in float64
+    whatever the tensors' dtype: a 16-bit tensor and its float32 copy give the same value (an alignment of half
+    files solved in memory on float32 copies and streamed from the files reports one distance). ``weights``:
+    ``{key: w}``, each such tensor's part counted ``w`` times (the others once)."""
     total = 0.0
     for k in keys:
         a, b = sd_a[k].detach().reshape(-1), sd_b[k].detach().reshape(-1)
-        wide = precise_dtype(a, b)
         w = weights.get(k, 1.0) if weights else 1.0
         for i in range(0, a.numel(), block):
-            d = a[i:i + block].to(wide) - b[i:i + block].to(wide)
+            d = a[i:i + block].to(torch.float64) - b[i:i + block].to(torch.float64)
             part = d.square().sum(dtype=torch.float64).item()
             total += part if w == 1.0 else w * part
     return total
@@ -38,8 +36,10 @@ def parameter_keys(model) -> list[str]:
 
 
 def per_module(instances, sd_a: dict, sd_b: dict) -> dict[str, float]:
-    """Distance over each group instance's tensors, e.g. ``layer.0.attn.qk``."""
-    return {inst.name: distance(sd_a, sd_b, [s.key for s in inst.slots]) for inst in instances}
+    """Distance over each group instance's tensors, e.g. ``layer.0.attn.qk`` (each tensor's part summed exactly, as
+    the align report sums them: :class:`symmerge.pipeline.report.Distances`)."""
+    return {inst.name: math.sqrt(math.fsum(sq_distance(sd_a, sd_b, [s.key]) for s in inst.slots))
+            for inst in instances}
 
 
 def distance_table(sd_a: dict, sd_b: dict, keys, instances=(), layer_of=None) -> dict:
@@ -47,14 +47,14 @@ def distance_table(sd_a: dict, sd_b: dict, keys, instances=(), layer_of=None) ->
     tensor's layer or None, e.g. :meth:`symmerge.pipeline.bound.BoundModel.layer_of`; without it there
     is no per-layer part), per group instance."""
     per_key = {k: sq_distance(sd_a, sd_b, [k]) for k in keys}
-    per_layer: dict[int, float] = {}
+    per_layer: dict[int, list] = {}
     for k, v in per_key.items():
         layer = layer_of(k) if layer_of is not None else None
         if layer is not None:
-            per_layer[layer] = per_layer.get(layer, 0.0) + v
-    return {
-        "whole": math.sqrt(sum(per_key.values())),
-        "per_layer": {str(i): math.sqrt(v) for i, v in sorted(per_layer.items())},
+            per_layer.setdefault(layer, []).append(v)
+    return {  # sums exact (fsum), as the align report's (pipeline.report.Distances): the same in any order
+        "whole": math.sqrt(math.fsum(per_key.values())),
+        "per_layer": {str(i): math.sqrt(math.fsum(v)) for i, v in sorted(per_layer.items())},
         "per_module": per_module(instances, sd_a, sd_b),
     }
 

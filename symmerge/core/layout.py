@@ -40,7 +40,8 @@ def check_layouts(layouts: list[Layout], hint: str = "") -> None:
                                                                                    (other, only_other)) if keys]
             raise SymmergeError(f"architectures differ: tensors present in only one of {ref.name} and {other.name} "
                                 f"({'; '.join(where)})")
-        for k, shape in ref.shapes.items():
+        for k in sorted(ref.shapes, key=ref.disk):  # one order for models loaded and files read: the first named
+            shape = ref.shapes[k]
             if tuple(shape) != tuple(other.shapes[k]):
                 raise SymmergeError(f"shapes differ for {ref.disk(k)}: {tuple(shape)} in {ref.name}, "
                                     f"{tuple(other.shapes[k])} in {other.name}{hint}")

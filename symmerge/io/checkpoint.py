@@ -19,7 +19,8 @@ import torch
 from ..errors import SymmergeError
 from . import direct, names_cache
 from .hf import DiskNames, attention_heads, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
-from .shapes import check_complete, check_config_counts, check_shapes, expected_tensors, refuse_incomplete
+from .shapes import (check_complete, check_config_counts, check_dtypes, check_shapes, expected_tensors,
+                     refuse_incomplete)
 from .model import SAFE_INDEX, SAFE_SINGLE, check_finite, check_safetensors, read_config, weight_files
 
 # safetensors dtype codes (a header's "dtype") and the torch dtypes they store; `PlannedWriter` writes the reverse
@@ -127,6 +128,7 @@ class LazyCheckpoint:
         # the config's shapes, and every tensor accounted for: the one check of both paths (in memory,
         # load_model reads the headers through this class before transformers loads anything)
         check_shapes(self, known.get("shapes"))
+        check_dtypes(self, known.get("shapes"), known.get("buffers"))
         check_complete(self, {"shapes": known.get("shapes"), **known.get("tensors", {})}, stored_names)
 
     def _fuse(self, fusions: dict) -> None:

@@ -378,9 +378,9 @@ def save_model(model, out, src=None, report: dict | None = None, report_name: st
         with quiet_transformers():
             model.save_pretrained(str(tmp), safe_serialization=True, **shards)
         if src is not None:
-            # transformers derived one from config.json: an input without one gives an output without one, as streamed
-            if not (Path(src) / GENERATION_CONFIG).is_file():
-                (tmp / GENERATION_CONFIG).unlink(missing_ok=True)
+            # transformers wrote its own (derived from config.json, or its rewrite of the input's): the input's file is
+            # copied as it is below, or none without one, as streamed
+            (tmp / GENERATION_CONFIG).unlink(missing_ok=True)
             side = copy_side_files(Path(src), tmp, report, merge_modules)
             if report is not None:
                 report["side_files"] = side

@@ -83,6 +83,21 @@ def check_shapes(ckpt, expected: dict) -> None:
                                 "checkpoint (transformers would refuse to load it)")
 
 
+def check_dtypes(ckpt, expected: dict, buffers=()) -> None:
+    """Every weight of the config's class (a tensor of its state dict, not a buffer) stored in a floating-point
+    dtype, else one error: an integer weight (a quantized or corrupt checkpoint) was cast to float by transformers
+    when loaded, and read as it is from the files, so memory and disk gave two models."""
+    if not expected:
+        return
+    skip = set(buffers or ())
+    for key, dtype in ckpt.dtype.items():
+        if key in expected and key not in skip and not dtype.is_floating_point:
+            name = ckpt.disk_name.get(key, key)
+            raise SymmergeError(f"{ckpt.folder}: tensor {name!r} is stored as {str(dtype).removeprefix('torch.')}, "
+                                f"but its config.json ({ckpt.class_name}) makes it a floating-point weight: a "
+                                "quantized or corrupt checkpoint (symmerge reads floating-point weights)")
+
+
 def _names(names, limit: int = 3) -> str:
     names = sorted(names)
     shown = ", ".join(repr(n) for n in names[:limit])

@@ -47,11 +47,12 @@ DEFAULT_SHARD = "2GB"  # output shards: written as they come, never held, so the
 
 
 def _sq(a, b, block: int = 1 << 16) -> float:
-    """Squared L2 distance of two tensors for the report: differences in float32 (float64 inputs in
-    float64), each block's sum of squares by a dot product, the blocks summed in float64."""
+    """Squared L2 distance of two tensors for the report: differences in float64 (as the in-memory merge's,
+    :func:`symmerge.core.distance.sq_distance`: float32 ones put slerp's and every float16 merge's distances 1e-9
+    to 1e-8 apart from memory's), each block's sum of squares by a dot product, the blocks summed in float64."""
     import torch
 
-    wide = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+    wide = torch.float64
     fa, fb = a.reshape(-1), b.reshape(-1)
     total = 0.0
     for i in range(0, fa.numel(), block):

@@ -350,9 +350,17 @@ def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool
         reports.append({"model": name, "anchor": False, "distance_before": rep["distance_before"],
                         "distance_after": rep["distance_after"], "verify_max_rel_diff": rep.get("verify_max_rel_diff"),
                         "seconds": rep["seconds"], **match_fields(rep),
-                        "distances": distance_before_after(x, proxy, res.model, res.instances, res.anchor,
-                                                                       res.bound.layer_of)})
+                        "distances": distance_before_after(x, proxy, res.model, *_aligned_groups(res))})
     return moved, reports
+
+
+def _aligned_groups(res) -> tuple:
+    """(the instances ``res`` aligned, the anchor in the aligned model's parameterisation, each of their tensors'
+    layer): the ``per_module`` and ``per_layer`` tables of the align report (README: a layer's distance is over its
+    instances' tensors), which a streamed aligned merge copies from it."""
+    solved = [i for i in res.instances if i.name in res.report.get("per_module", {})]
+    layer = {k: i.layer for i in solved if i.layer >= 0 for k in i.keys()}
+    return solved, res.anchor, layer.get
 
 
 def gather_stats(needs, models, names, cache: _DataCache, opts: MergeOptions, dev):

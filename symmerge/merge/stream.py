@@ -237,7 +237,9 @@ def _plain_streaming(folders, base_folder, out, options, checked: _Checked, *, a
             "models": [str(x) for x in folders], "base": str(base_folder) if base_folder is not None else None,
             **({"sentence_transformers": embedding} if embedding else {})}
     execute_steps(ckpts + ([base] if base is not None else []), steps, plan.method, out,
-                  OutputFolder(config=config_text(holder), side_files_from=holder.folder, side_report=side,
+                  # the side files of the input itself, not of its aligned temporary copy (its report, its card)
+                  OutputFolder(config=config_text(holder), side_files_from=names[options.head_from] if aligned
+                               else holder.folder, side_report=side,
                                naming=options.head_from, shard_size=checked.shard_size, finish=finish),
                   budget=checked.budget, progress=options.progress,
                   distances=set(st.name for st in steps) - set(heads[0]))  # the body, as in memory
@@ -247,6 +249,7 @@ def _plain_streaming(folders, base_folder, out, options, checked: _Checked, *, a
 def _aligned_streaming(models, out, options, checked: _Checked) -> dict:
     """Each model aligned to the anchor (:func:`aligned_folders`), then the aligned folders merged tensor by
     tensor; the temporary folders are removed whatever happens."""
+    header_steps(models, options, checked.plan)  # the inputs' layouts checked before any is aligned, as in memory
     t = time.perf_counter()
     with aligned_folders(models, out, options, checked.plan, checked.names) as (aligned, base_path, alignment):
         checked.timings["align"] = time.perf_counter() - t
@@ -289,6 +292,8 @@ def aligned_folders(models, out, options, plan, names):
                 own = {"model_heads": head_keys_of(LazyCheckpoint(path, spec=False))} if learns else {}
                 rep = align_one(path, anchor_path, work / f"model-{i}", plan.align, progress=options.progress,
                                 allow_tokenizer_mismatch=options.allow_tokenizer_mismatch, **own)
+            # the copy holds the model's files, as the in-memory alignment's copy does: its report is read (rep)
+            (work / f"model-{i}" / "symmerge_report.json").unlink(missing_ok=True)
             resolved = rep.get("symmetries", resolved)
             for entry in rep.get("base_adapted") or []:  # a base-class anchor, read as the model's class
                 if entry["model"] == "anchor" and "base_adapted" not in info:
@@ -300,6 +305,8 @@ def aligned_folders(models, out, options, plan, names):
             rows.append(_model_row(path, anchor_path, rep, own_heads=learns))
         if idx is not None:
             rows.insert(idx, {"model": names[idx], "anchor": True})
+        elif options.base is not None and Path(options.base) == anchor_path:  # the base is the anchor: its row last,
+            rows.append({"model": str(options.base), "anchor": True})  # as in memory
         alignment = {"symmetries": list(resolved or []), "requested": plan.requested,
                      "rescale": plan.align.effective_rescale, "anchor": info, "models": rows, "streamed": True}
         notes = []

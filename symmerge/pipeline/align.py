@@ -200,9 +200,7 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     # the aligned model holds the new tensors themselves; those still shared with an input are copied
     aligned = with_state_dict(model, owned_apart(aligned_sd, model, anchor), share=True)
     keys = parameter_keys(model)
-    distances = Distances()
-    for k in keys:
-        distances.add(k, sq_distance(ca, cb, [k]), sq_distance(aligned_sd, cb, [k]))
+    distances = _distances(keys, ca, cb, aligned_sd, next(stored.parameters()).dtype)
     fields.update(streamed=False, mode="in-memory", verify=ELEMENT_CHECK, match_seconds=match_seconds)
     res = next((i for i in wide if i.kind.moves_heads_input), None)  # the residual stream's group, if aligned
     if res is not None:
@@ -231,6 +229,16 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     aligned = in_dtype_of(aligned, stored)
     anchor_out = anchor_stored if anchor_out is anchor else in_dtype_of(anchor_out, anchor_stored)
     return Alignment(aligned, anchor_out, report, elements, instances, bound)
+
+
+def _distances(keys, ca: dict, cb: dict, aligned: dict, written) -> Distances:
+    """Each tensor's squared distance to the anchor before and after alignment; after: the written model's, every
+    floating tensor rounded once to ``written`` (the stored dtype), as ``align --stream`` measures it."""
+    distances = Distances()
+    for k in keys:
+        after = {k: aligned[k].to(written) if aligned[k].is_floating_point() else aligned[k]}
+        distances.add(k, sq_distance(ca, cb, [k]), sq_distance(after, cb, [k]))
+    return distances
 
 
 @keeps_models

@@ -103,7 +103,7 @@ def transformed(step, tensor: torch.Tensor, instances: dict, elements: dict, rou
     return tensor.to(stored) if rounded else tensor
 
 
-def _source(step) -> str:
+def source(step) -> str:
     """The tensor whose maps ``step`` runs: its own, or — a declared tie's alias — the tensor it is tied to."""
     sources = {m.slot.key for m in step.maps}
     if len(sources) != 1:
@@ -119,7 +119,7 @@ def execute_steps(steps, tensors: dict, instances, elements: dict, rounded: bool
     by_name = {i.name: i for i in instances}
     out = dict(tensors)
     for step in steps:
-        if not step.maps or _source(step) != step.tensor:
+        if not step.maps or source(step) != step.tensor:
             continue  # a copy (the tensor as it is), or an alias: its source's new tensor, below
         new = transformed(step, tensors[step.tensor], by_name, elements, rounded)
         out[step.tensor] = new

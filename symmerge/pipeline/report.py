@@ -36,9 +36,11 @@ class Distances:
         self.before[key], self.after[key] = before, after
 
     def total(self, keys=None) -> tuple[float, float]:
+        """(before, after) over ``keys`` (default: every tensor seen), each summed exactly (``math.fsum``): the same
+        whatever order the tensors came in (in memory the model's, streamed the parts')."""
         keys = self.before.keys() if keys is None else keys
-        return (math.sqrt(sum(self.before.get(k, 0.0) for k in keys)),
-                math.sqrt(sum(self.after.get(k, 0.0) for k in keys)))
+        return (math.sqrt(math.fsum(self.before.get(k, 0.0) for k in keys)),
+                math.sqrt(math.fsum(self.after.get(k, 0.0) for k in keys)))
 
     def tables(self, instances) -> dict:
         per_module, layer_keys = {}, {}

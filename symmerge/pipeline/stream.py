@@ -53,12 +53,12 @@ from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from .engine import SolveContext, active, parts, prepare_costly, solve_local
 from .matchers import streaming_refusal
-from .align_steps import execute_steps
+from .align_steps import execute_steps, source
 from .align_plan import per_layer_only, plan_align, plan_report, streamed_spec
 from .options import AlignOptions
 from .recommend import recommended
 from .report import Distances, alignment_report
-from .verify import ELEMENT_CHECK, verify_elements
+from .verify import ELEMENT_CHECK, copies_entry, verify_elements
 
 DEFAULT_SHARD = "1GB"
 MIN_LOW_MEMORY_SHARD = 64 * 2 ** 20  # low-memory mode: shards of about one layer, not smaller than this
@@ -159,21 +159,26 @@ class _Job:
     def __call__(self, part, sd_a, sd_b, prepared=None) -> tuple:
         t0 = time.perf_counter()
         group_times: dict = defaultdict(float)
-        elements = solve_local(part, sd_a, sd_b, self.opts, prepared=prepared, ctx=SolveContext(list(part)),
-                               timings=group_times)
+        # solved on float32 copies of half tensors, as in memory (verify.working_copies): the head blocks are then
+        # float64 (core.slots.precise_dtype), not float32; each copy is made when a kind reads the tensor
+        elements = solve_local(part, Lifted(sd_a), Lifted(sd_b), self.opts, prepared=prepared,
+                               ctx=SolveContext(list(part)), timings=group_times)
         t1 = time.perf_counter()
         verify_elements(part, elements)
-        new = execute_steps([self.steps[k] for k in sd_a], sd_a, part, elements, rounded=not self.exact)
         out, exact = {}, ({} if self.exact else None)
-        for k in sd_a:
-            if new[k].is_floating_point() and not torch.isfinite(new[k]).all():
+        for k in sd_a:  # one tensor at a time: one float32 result in memory, not the part's
+            step = self.steps[k]
+            new = execute_steps([self.steps[source(step)] if step.maps else step], sd_a, part, elements,
+                                rounded=False)[k]  # a tie's alias: its source's step gives it its new tensor
+            if new.is_floating_point() and not torch.isfinite(new).all():
                 raise SymmergeError(f"{self.ckpt_a.disk_name[k]}: aligned tensor is not finite")
             if exact is not None:
-                exact.update(self.ckpt_a.to_disk(k, _float32(new[k])))
-                new[k] = new[k].to(sd_a[k].dtype)  # the one rounding, as without the copies
+                exact.update(self.ckpt_a.to_disk(k, _float32(new)))
+            new = new.to(sd_a[k].dtype)  # the one rounding
+            before, after = (sq_distance(x, sd_b, [k]) for x in (sd_a, {k: new}))  # of what is written, as in memory
             with self.lock:
-                self.distances.add(k, sq_distance(sd_a, sd_b, [k]), sq_distance(new, sd_b, [k]))
-            out.update(self.ckpt_a.to_disk(k, new[k]))
+                self.distances.add(k, before, after)
+            out.update(self.ckpt_a.to_disk(k, new))
         with self.lock:
             for name, sec in group_times.items():
                 self.timings[f"solve {name}"] += sec
@@ -183,6 +188,29 @@ class _Job:
 
 def _float32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() else t
+
+
+def _lift(t: torch.Tensor) -> torch.Tensor:
+    """A float16/bfloat16 tensor's float32 copy (exact); any other tensor itself."""
+    return t.float() if t.dtype in HALF else t
+
+
+class Lifted(Mapping):
+    """``sd`` as the in-memory alignment's working copies see it (:func:`~symmerge.pipeline.verify.working_copies`):
+    every float16/bfloat16 tensor as a float32 copy, made each time it is read and kept by no one here (one part's
+    float32 copies are never all in memory at once unless a kind holds them)."""
+
+    def __init__(self, sd: Mapping):
+        self.sd = sd
+
+    def __getitem__(self, key):
+        return _lift(self.sd[key])
+
+    def __iter__(self):
+        return iter(self.sd)
+
+    def __len__(self):
+        return len(self.sd)
 
 
 def _write(writer, exact_writer, result) -> None:
@@ -349,6 +377,8 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
             side_files=side_files, tokenizer=tokenizer, **({"base_adapted": adapted} if adapted else {}),
             **({"sentence_transformers": embedding} if embedding else {}))
         report["match_seconds"] = time.perf_counter() - start
+        if _half(ckpt_a) or _half(ckpt_b):  # solved on float32 copies (Lifted), as in memory: the same entry
+            report["working_copies"] = copies_entry("float32", [_stored(c) for c in (ckpt_a, ckpt_b)])
         if verify_forward:
             with stage("verified the aligned model's outputs", enabled=progress):
                 report.update(_verify_forward(model, tmp, options.verify_tol, (ckpt_a, ckpt_b) if exact else None))
