@@ -160,6 +160,11 @@ class _Names:
         return self.kind(p)
 
 
+def parameter_names(method) -> _Names:
+    """The parameters ``method`` takes in a mergekit config, and the type each value is read as."""
+    return _Names(method.name, method)
+
+
 def _check_params(doc, params, where, names: _Names, per_model_only=False, warn=None):
     """``params`` as mergekit reads them: each value coerced to its parameter's type
     (:func:`~symmerge.config.lenient.coerce_setting`) and checked; a parameter the method does not take (or a
