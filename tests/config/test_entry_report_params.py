@@ -58,3 +58,20 @@ def test_per_model_values_in_a_mergekit_config_are_reported_per_model(llamas, tm
     assert run["params"]["scale"] == [0.5, 1.0]  # a gradient, as written (under the parameter's name)
     assert {k: v for k, v in run["params"].items() if k not in ("density", "scale")} == \
         {k: v for k, v in api["params"].items() if k not in ("density", "scale")}
+
+
+@pytest.mark.parametrize("method", ["ties", "linear"])
+def test_the_distances_of_a_mergekit_config_are_over_the_body_as_the_commands(method, llamas, tmp_path):
+    """``distances_between_inputs`` and ``distance_result_to_inputs`` are over the body (the language model's head
+    left out, docs/merge.md "Two distances"), in a mergekit config's report as in ``symmerge merge``'s: before, the
+    config's summed every merged tensor, ``lm_head`` too, so the same merge reported other distances."""
+    base, fts = llamas[0], llamas[1:]
+    uses_base = method == "ties"
+    argv = ["merge", *fts, "--method", method, "--align", "none", "-o", tmp_path / "cli", "--progress", "none",
+            "--weights", "1.0,1.0", *(["--base", base] if uses_base else [])]
+    assert run_cli(*argv) == 0
+    path = _config(tmp_path, method, fts, base if uses_base else None, {})
+    assert run_cli("run", path, tmp_path / "run", "--quiet") == 0
+    cli, run = _report(tmp_path / "cli"), _report(tmp_path / "run")
+    for field in ("distances_between_inputs", "distance_result_to_inputs"):
+        assert run[field] == cli[field], field
