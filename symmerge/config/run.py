@@ -189,7 +189,7 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alig
 
     from ..io.card import write_card
     from ..io.model import write_json
-    from ..merge.plan import merge_report
+    from ..merge.plan import merge_report, stream_entry
     from .run_plan import model_type_at, document_of, merged_names, plan_document
 
     extra = dict(job.report or {})
@@ -207,7 +207,7 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alig
         distances_between_inputs={"before_alignment": None if extra.get("aligned") else pairs,
                                   "after_alignment": pairs},
         distance_result_to_inputs={names[i]: math.sqrt(v) for i, v in facts["result_sq"].items()} if uniform else None,
-        stream={k: facts[k] for k in ("shards", "bytes_written") if k in facts}, side_files=facts.get("side_files"),
+        stream=stream_entry(facts), side_files=facts.get("side_files"),
         names=names)
     report["config"] = {"path": str(desc.path), "name": job.name, "merge_method": document_of(desc, job).data.get(
         "merge_method"), "merges": len(desc.jobs), "tensors": len(job.steps), "layers": job.layers,

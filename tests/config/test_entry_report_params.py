@@ -75,3 +75,17 @@ def test_the_distances_of_a_mergekit_config_are_over_the_body_as_the_commands(me
     cli, run = _report(tmp_path / "cli"), _report(tmp_path / "run")
     for field in ("distances_between_inputs", "distance_result_to_inputs"):
         assert run[field] == cli[field], field
+
+
+def test_the_stream_entry_of_a_mergekit_config_has_the_commands_fields(llamas, tmp_path):
+    """The report's ``stream`` entry (docs/merge.md: shards, bytes written, largest tensor, read-ahead budget and peak,
+    direct I/O, the threads' seconds) has the same fields after a config's merge as after ``symmerge merge``'s
+    streamed one; before, a config's had the first two only."""
+    base, fts = llamas[0], llamas[1:]
+    assert run_cli("merge", *fts, "--method", "ties", "--base", base, "--align", "none", "--weights", "1,1",
+                   "-o", tmp_path / "cli", "--progress", "none") == 0
+    assert run_cli("run", _config(tmp_path, "ties", fts, base, {}), tmp_path / "run", "--quiet") == 0
+    cli, run = _report(tmp_path / "cli")["stream"], _report(tmp_path / "run")["stream"]
+    assert set(run) == set(cli) and set(run["seconds"]) == set(cli["seconds"])
+    same = ("shards", "bytes_written", "largest_tensor_bytes", "read_ahead_budget_bytes", "direct_io")
+    assert {k: run[k] for k in same} == {k: cli[k] for k in same}
