@@ -43,7 +43,8 @@ def _tensors(folder: Path) -> dict:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-@pytest.mark.parametrize("method, name, values", [("ties", "density", (0.7, 0.4)), ("breadcrumbs", "gamma", (0.02, 0.05)),
+@pytest.mark.parametrize("method, name, values", [("ties", "density", (0.7, 0.4)),
+                                                  ("breadcrumbs", "gamma", (0.02, 0.05)),
                                                   ("della", "epsilon", (0.05, 0.1)), ("dare_ties", "drop", (0.2, 0.5))])
 def test_one_value_per_model_from_every_entry(method, name, values, llamas, tmp_path, capsys):
     # gamma and epsilon change nothing at density 1 (everything kept): density 0.5 with them, in every entry
@@ -62,7 +63,8 @@ def test_one_value_per_model_from_every_entry(method, name, values, llamas, tmp_
     mk = tmp_path / "mk.yml"
     mk.write_text(yaml.safe_dump({"merge_method": method, "base_model": base,
                                   "models": [{"model": m, "parameters": {"weight": 1, name: v}}
-                                             for m, v in zip(fts, values)], **({"parameters": extra} if extra else {})}))
+                                             for m, v in zip(fts, values)],
+                                  **({"parameters": extra} if extra else {})}))
     assert run_cli("run", mk, tmp_path / "mk", "--quiet") == 0
     symmerge.merge(fts, tmp_path / "api", MergeOptions(method=method, base=base, weights=[1, 1], align="none",
                                                        params={**extra, name: list(values)}, progress=False))

@@ -41,7 +41,8 @@ def llamas(tmp_path_factory):
 
 
 def _config(tmp_path, method, models, base, params, weights=(1.0, 1.0)) -> Path:
-    cfg = {"merge_method": method, "models": [{"model": m, "parameters": {"weight": w}} for m, w in zip(models, weights)],
+    cfg = {"merge_method": method,
+           "models": [{"model": m, "parameters": {"weight": w}} for m, w in zip(models, weights)],
            **({"base_model": base} if base else {}), **({"parameters": params} if params else {})}
     path = tmp_path / "c.yml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -57,7 +58,8 @@ def _error(capsys) -> str:
 BAD = [  # method, parameters, what the command line says after "symmerge: error: "; the last two: two values
     # together (checked per merged tensor: the line names the values, after the tensor's name)
     ("ties", {"density": 1.5}, "method 'ties': parameter 'density' must be a number in [0.0, 1.0], got 1.5"),
-    ("ties", {"scope": "layer"}, "method 'ties': parameter 'scope' must be one of 'model', 'tensor', 'topk', got 'layer'"),
+    ("ties", {"scope": "layer"},
+     "method 'ties': parameter 'scope' must be one of 'model', 'tensor', 'topk', got 'layer'"),
     ("karcher", {"max_iter": -1}, "method 'karcher': parameter 'max_iter' must be an integer >= 0, got -1"),
     ("ties", {"density": [0.5, 1.5]}, "method 'ties': parameter 'density' must be a number in [0.0, 1.0], got 1.5"),
     ("ties", {"lambda": 0.5, "scale": 0.5}, "method 'ties': give 'scale' or its alias 'lambda', not both"),
