@@ -6,6 +6,7 @@ config key accept, refuse and word their errors alike."""
 from __future__ import annotations
 
 import argparse
+import re
 
 from ..errors import SymmergeError
 from ..options.declared import TABLE
@@ -73,12 +74,20 @@ def add_option(parser, option) -> None:
     parser.add_argument(*option.flags, dest=option.attr, **kw)
 
 
+# a comma list of numbers whose first is negative (``--weights -0.5,1.5``: linear extrapolates): argparse's own
+# pattern for an argument that is a value although it begins with '-' takes one number only (``-0.5``), and read the
+# list as an unknown flag
+NUMBER_LIST = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?(,\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?)*$")
+
+
 def add_options(parser, command: str, part=None, skip=()) -> None:
     """Every option of ``command`` in declaration order (``part``: only those of one shared part; ``skip``:
-    parts left out)."""
+    parts left out). A negative number or a comma list of numbers beginning with one is a value, not a flag (no
+    flag of symmerge looks like a number)."""
     for option in TABLE.of(command):
         if (part is None or option.part == part) and option.part not in skip:
             add_option(parser, option)
+    parser._negative_number_matcher = NUMBER_LIST  # argparse's own attribute: it has no public setting for it
 
 
 def add_part(parser, part: str) -> None:

@@ -50,6 +50,11 @@ def _is_plain(v) -> bool:
     return v is None or isinstance(v, (bool, int, float, str))
 
 
+def _is_number_list(v) -> bool:
+    """A per-model parameter's list (``density: [0.7, 0.4]``: ``--param density=0.7,0.4``)."""
+    return isinstance(v, list) and bool(v) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+
+
 def _models(doc, value) -> tuple[list[str], list | None]:
     """(paths, weights or None) from ``models``: paths, or mappings with ``model`` (or ``path``) and
     ``parameters: {weight: w}``."""
@@ -113,9 +118,9 @@ def symmerge_config(doc, output=None, align=None, symmerge_key=None) -> Symmerge
         if command != "merge" or not isinstance(params, dict):
             raise doc.error("'parameters' is a mapping of the merge method's parameters", "parameters")
         for k, v in params.items():
-            if not _is_plain(v) or v is None:
-                raise doc.error(f"with symmerge's own keys a parameter is one value, got {v!r} (gradients and filters "
-                                "are for mergekit configs)", "parameters", k)
+            if not (_is_plain(v) and v is not None) and not _is_number_list(v):
+                raise doc.error(f"with symmerge's own keys a parameter is one value or a list of numbers, one per model, "
+                                f"got {v!r} (gradients and filters are for mergekit configs)", "parameters", k)
     keys = {k: v for k, v in config.items() if k not in STRUCTURAL}
     if align is not None:
         keys["align"] = align

@@ -160,6 +160,11 @@ class _Names:
         return self.kind(p)
 
 
+def parameter_names(method) -> _Names:
+    """The parameters ``method`` takes in a mergekit config, and the type each value is read as."""
+    return _Names(method.name, method)
+
+
 def _check_params(doc, params, where, names: _Names, per_model_only=False, warn=None):
     """``params`` as mergekit reads them: each value coerced to its parameter's type
     (:func:`~symmerge.config.lenient.coerce_setting`) and checked; a parameter the method does not take (or a
@@ -182,8 +187,33 @@ def _check_params(doc, params, where, names: _Names, per_model_only=False, warn=
             continue
         v = lenient.coerce_setting(v, names.value_kind(k))
         check_setting(doc, v, where + (k,), names.kind(k))
+        _check_values(doc, names, k, v, where + (k,))
         out[k] = v
     return out
+
+
+def _check_values(doc, names: _Names, name: str, value, where) -> None:
+    """Every value ``value`` holds (a scalar, a gradient's numbers, each filter's value) checked by the parameter's
+    declared type and range (:class:`symmerge.merge.base.Check`), as ``--param`` checks it: a bad one is one error
+    naming the key and its line in the command's words (``method 'ties': parameter 'density' must be a number in
+    [0.0, 1.0], got 1.5``), not, later, the first tensor it would have merged."""
+    check = names.checks.get(name)
+    if check is None:
+        return
+    for v in _leaves(value):
+        try:
+            check(names.name, name, v)
+        except SymmergeError as e:
+            raise doc.error(str(e), *where) from None
+
+
+def _leaves(value):
+    """The plain values of a parameter's setting: the scalar, a gradient's entries, each filter's (``value``)."""
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        return [value]
+    return [leaf for v in value for leaf in (_leaves(v["value"]) if isinstance(v, dict) else [v])]
 
 
 def _warn(warn, line):

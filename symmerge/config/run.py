@@ -162,7 +162,21 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
                          OutputFolder(config=config, dtype=DTYPES[want] if want else None,
                                       side_files_from=folders[job.side_files_from], naming=job.config_from,
                                       shard_size=opts.shard_size, finish=finish),
-                         progress=opts.progress)
+                         progress=opts.progress, distances=body_steps(job, folders[job.config_from]))
+
+
+def body_steps(job, folder) -> set | bool:
+    """The output tensors the report's distances sum: the body — every step but the tensors outside the model's
+    base (its language-model or task head, :func:`symmerge.merge.stream.head_keys_of`) — as ``symmerge merge``
+    measures them for the same merge (docs/merge.md, "Two distances")."""
+    from ..io.checkpoint import LazyCheckpoint
+    from ..merge.stream import head_keys_of
+
+    try:
+        heads = head_keys_of(LazyCheckpoint(folder, spec=False))
+    except (OSError, SymmergeError):  # not a folder the checkpoint reader reads: every merged step, as before
+        return True
+    return {st.name for st in job.steps} - set(heads)
 
 
 def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None, started=None) -> dict:
@@ -175,7 +189,7 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alig
 
     from ..io.card import write_card
     from ..io.model import write_json
-    from ..merge.plan import merge_report
+    from ..merge.plan import merge_report, stream_entry
     from .run_plan import model_type_at, document_of, merged_names, plan_document
 
     extra = dict(job.report or {})
@@ -193,7 +207,7 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alig
         distances_between_inputs={"before_alignment": None if extra.get("aligned") else pairs,
                                   "after_alignment": pairs},
         distance_result_to_inputs={names[i]: math.sqrt(v) for i, v in facts["result_sq"].items()} if uniform else None,
-        stream={k: facts[k] for k in ("shards", "bytes_written") if k in facts}, side_files=facts.get("side_files"),
+        stream=stream_entry(facts), side_files=facts.get("side_files"),
         names=names)
     report["config"] = {"path": str(desc.path), "name": job.name, "merge_method": document_of(desc, job).data.get(
         "merge_method"), "merges": len(desc.jobs), "tensors": len(job.steps), "layers": job.layers,

@@ -2,7 +2,9 @@
 any weight is read, printed by ``symmerge run CONFIG --print-plan`` and read by the report of the final merge.
 
 A mergekit document is one :class:`DocumentPlan`: the merge's plan (:class:`~symmerge.merge.plan.MergePlan`: the
-method, the inputs as the report names them, the parameters as written, every output tensor's step — copy, or merge
+method, the inputs as the report names them, the parameters after defaults and the weights as ``symmerge merge``
+reports them (:func:`resolved_params`, :func:`resolved_weights`; the document's own ``parameters`` as written are
+:attr:`DocumentPlan.parameters`), every output tensor's step — copy, or merge
 with which inputs and arguments —, mode ``stream``: the config runs through the one executor tensor by tensor) plus
 the document's own facts (its name, inputs, base, output or intermediate, dtypes, layers); an aligned config adds
 the alignment's plan (:func:`symmerge.config.aligned.plan_alignment`: symmetries resolved, frame, anchor rule, mode).
@@ -54,6 +56,97 @@ def _plain(value):
     return json.loads(json.dumps(value, default=str)) if value is not None else {}
 
 
+def _plain_value(v) -> bool:
+    return isinstance(v, (bool, int, float, str))
+
+
+def _written_keys(value, out: set) -> set:
+    """Every key of every ``parameters`` mapping in ``value`` (a document's slices, sources, modules)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k == "parameters" and isinstance(v, dict):
+                out |= set(v)
+            else:
+                _written_keys(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            _written_keys(v, out)
+    return out
+
+
+def resolved_params(method, data: dict) -> dict:
+    """The report's ``params`` of a mergekit document, as ``symmerge merge`` reports the same merge's (after
+    defaults): every parameter of ``method`` at its default unless the document sets it; a plain value of the top
+    level checked and under its parameter's name (an alias translated: ``lambda`` is ``scale``, DARE's ``density``
+    is ``drop``); a per-model parameter every model of ``models`` sets to a plain value, the list in model order (as
+    ``symmerge.merge(..., params={"density": [0.7, 0.4]})`` reports it); a gradient or filters as written; a
+    parameter set only in slices or modules left out (it is not one value for the merge)."""
+    from ..merge.base import REQUIRED
+
+    from . import lenient
+    from .mergekit import parameter_names
+
+    kinds = parameter_names(method)
+
+    def named(k, v):
+        """(the parameter's name, ``v`` read as the config reads it — ``normalize: 1.0`` is true —, checked and
+        translated) for a plain ``v`` (or a list of them)."""
+        target, translate = method.aliases.get(k, (k, None))
+        values = [lenient.coerce_setting(x, kinds.value_kind(k)) for x in (v if isinstance(v, list) else [v])]
+        check = method.checks.get(k)
+        values = [check(method.name, k, x) if check is not None else x for x in values]
+        if translate is not None:
+            values = [translate(x) for x in values]
+        return target, values if isinstance(v, list) else values[0]
+
+    out = {k: v for k, v in method.params.items() if v is not REQUIRED}
+    top = data.get("parameters") if isinstance(data.get("parameters"), dict) else {}
+    base = data.get("base_model")
+    models = [m for m in data.get("models") or [] if isinstance(m, dict) and m.get("model") != base]
+    known = set(method.params) | set(method.aliases)
+    per = set(method.per_model) | {a for a, (t, _) in method.aliases.items() if t in method.per_model}
+    elsewhere = _written_keys({k: v for k, v in data.items() if k not in ("parameters", "models")}, set())
+    for k in sorted(known & elsewhere - set(top)):
+        out.pop(method.aliases.get(k, (k,))[0], None)
+    for k, v in top.items():
+        if k not in known:
+            continue
+        if _plain_value(v):
+            name, value = named(k, v)
+        else:
+            name, value = method.aliases.get(k, (k,))[0], _plain(v)
+            if method.aliases.get(k, (k, None))[1] is not None:  # a translated alias kept as written: its own name
+                out.pop(name, None)
+                name = k
+        out[name] = value
+    for k in sorted(known & per):
+        values = [(m.get("parameters") or {}).get(k) if isinstance(m.get("parameters"), dict) else None
+                  for m in models]
+        if not models or all(v is None for v in values):
+            continue
+        target = method.aliases.get(k, (k,))[0]
+        if all(_plain_value(v) for v in values):
+            name, value = named(k, values)
+            out[name] = value
+        else:
+            out.pop(target, None)  # per model, not all plain: the steps hold them
+    return out
+
+
+def resolved_weights(data: dict) -> list | None:
+    """The report's ``weights`` of a mergekit document, as ``symmerge merge --weights`` reports them: one number per
+    merged model of ``models`` (its own ``weight``, else the top level's), or None where a weight is not one number
+    (a gradient, filters, none given, slices)."""
+    top = data.get("parameters") if isinstance(data.get("parameters"), dict) else {}
+    base = data.get("base_model")
+    models = [m for m in data.get("models") or [] if isinstance(m, dict) and m.get("model") != base]
+    values = [(m.get("parameters") or {}).get("weight", top.get("weight")) if isinstance(m.get("parameters"), dict)
+              else top.get("weight") for m in models]
+    if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return None
+    return [float(v) for v in values]
+
+
 def document_of(desc, job):
     """The config document ``job`` was planned from."""
     docs = desc.docs
@@ -79,14 +172,16 @@ def plan_document(desc, job, method, model_type: str, labels=None, alignment=Non
     from ..pipeline.options import AlignOptions
 
     names, _ = merged_names(job, labels)
-    params = _plain(document_of(desc, job).data.get("parameters"))
+    data = document_of(desc, job).data
+    params = _plain(data.get("parameters"))
     frame = {"align": AlignOptions(symmetries=()), "requested": "none", "note": None, "frame": "none",
              "anchor_index": None, "anchor_rule": None}
     if alignment is not None:
         frame = {"align": alignment.align, "requested": alignment.requested, "note": alignment.note,
                  "frame": alignment.frame, "anchor_index": alignment.anchor_index, "anchor_rule": alignment.anchor_rule}
-    merge = MergePlan(method=method, names=names, model_type=model_type, mode="stream", why=MODE_WHY, params=params,
-                      weights=None, steps=list(job.steps), **frame)
+    merge = MergePlan(method=method, names=names, model_type=model_type, mode="stream", why=MODE_WHY,
+                      params=resolved_params(method, data), weights=resolved_weights(data), steps=list(job.steps),
+                      **frame)
     where = str(desc.output) if job.final else f"<intermediate {job.name}>"
     return DocumentPlan(job, merge, params, where, alignment)
 

@@ -40,7 +40,9 @@ def option_names(command: str = "merge") -> tuple:
 
 
 def scalar(v) -> str:
-    """A YAML scalar as the command line writes it."""
+    """A YAML scalar as the command line writes it (a list of numbers, a per-model parameter's: comma-joined)."""
+    if isinstance(v, list):
+        return ",".join(scalar(x) for x in v)
     if isinstance(v, bool):
         return "true" if v else "false"
     return str(v)

@@ -278,6 +278,14 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
                      statistics=m.needs, heads=options.heads, options=options)
 
 
+def stream_entry(facts: dict) -> dict:
+    """The report's ``stream`` entry from a streamed run's facts (:meth:`symmerge.merge.executor.StreamExecutor.run`):
+    the same fields after ``symmerge merge``'s streamed merge and a config's."""
+    keys = ("shards", "bytes_written", "largest_tensor_bytes", "read_ahead_budget_bytes", "read_ahead_peak_bytes",
+            "direct_io")
+    return {k: facts[k] for k in keys} | {"seconds": facts["thread_seconds"]}
+
+
 def merge_report(plan: MergePlan, *, base, alignment: dict, head: dict, distances_between_inputs: dict,
                  distance_result_to_inputs: dict, statistics=None, device="cpu", repair=None, stream=None,
                  tokenizer=None, embedding=None, side_files=None, names=None, result_warnings=None) -> dict:

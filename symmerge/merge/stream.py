@@ -45,7 +45,8 @@ from .executor import (DEFAULT_SHARD, OutputFolder, _Budget, config_text, defaul
                        execute_steps)
 from .heads import head_policy, head_report
 from .plan import (MEMORY_FRACTION, MODES, MergePlan, average_keys, checkpoint_bytes, choose_mode,  # noqa: F401
-                   closest, closest_to_average, has_spec, merge_report, plain_fallback, plan_merge, stream_refusal)
+                   closest, closest_to_average, has_spec, merge_report, plain_fallback, plan_merge, stream_entry,
+                   stream_refusal)
 from .steps import file_order, plain_merge_steps
 
 
@@ -217,8 +218,7 @@ def _plain_streaming(folders, base_folder, out, options, checked: _Checked, *, a
             # aligned: the distances before alignment are each model's to the anchor (alignment.models)
             distances_between_inputs={"before_alignment": None if aligned else pairs, "after_alignment": dict(pairs)},
             distance_result_to_inputs={nm: math.sqrt(facts["result_sq"].get(i, 0.0)) for i, nm in enumerate(names)},
-            stream={k: facts[k] for k in ("shards", "bytes_written", "largest_tensor_bytes", "read_ahead_budget_bytes",
-                                          "read_ahead_peak_bytes", "direct_io")} | {"seconds": facts["thread_seconds"]},
+            stream=stream_entry(facts),
             tokenizer=tokenizer, embedding=embedding, side_files=facts["side_files"], names=names,
             result_warnings=facts["result_warnings"])
         timings["total"] = time.perf_counter() - checked.t0

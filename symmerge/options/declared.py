@@ -148,7 +148,8 @@ OPTIONS = (
              "report and stderr say so"),
     opt("weights", "--weights", on=MERGE, parse=weight_list, help="comma-separated model weights, e.g. 0.7,0.3"),
     opt("param", "--param", on=MERGE, form="append", parse=param_item, default=[], metavar="KEY=VALUE",
-        help="method parameter, e.g. alpha=0.9 (regmean), scale=0.5, density=0.2, drop=0.9, seed=1"),
+        help="method parameter, e.g. alpha=0.9 (regmean), scale=0.5, density=0.2, drop=0.9, seed=1; a per-model "
+             "one takes a value per model: density=0.7,0.4"),
     opt("heads", "--heads", on=MERGE, choices=HEAD_POLICIES, default=M("heads"),
         help="heads outside the base model: auto (default: a language model's head, whose rows are the vocabulary, "
              "is merged like the embeddings; a task head is kept), keep one model's (--head-from), or merge them "

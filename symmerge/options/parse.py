@@ -125,7 +125,12 @@ method_name = _kept(_method, "method")  # --method NAME: a method of the registr
 
 
 def parse_value(text: str):
-    """A method parameter's value: true/false, an int, a float, else the text."""
+    """A method parameter's value: true/false, an int, a float, a comma list of numbers (one value per model:
+    ``density=0.7,0.4``, as a config's list), else the text (``units=ffn,attn`` stays one value)."""
+    if "," in text:
+        parts = [parse_value(p) for p in text.split(",")]
+        numbers = all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in parts)
+        return parts if numbers else text
     low = text.strip().lower()
     if low in ("true", "false"):
         return low == "true"
