@@ -74,6 +74,14 @@ def _written_keys(value, out: set) -> set:
     return out
 
 
+def _top_and_merged(data: dict) -> tuple[dict, list]:
+    """A mergekit document's top-level ``parameters`` (``{}`` when not a mapping) and its ``models`` entries merged
+    (the base model's left out), as :func:`resolved_params` and :func:`resolved_weights` read them."""
+    top = data.get("parameters") if isinstance(data.get("parameters"), dict) else {}
+    base = data.get("base_model")
+    return top, [m for m in data.get("models") or [] if isinstance(m, dict) and m.get("model") != base]
+
+
 def resolved_params(method, data: dict) -> dict:
     """The report's ``params`` of a mergekit document, as ``symmerge merge`` reports the same merge's (after
     defaults): every parameter of ``method`` at its default unless the document sets it; a plain value of the top
@@ -100,9 +108,7 @@ def resolved_params(method, data: dict) -> dict:
         return target, values if isinstance(v, list) else values[0]
 
     out = {k: v for k, v in method.params.items() if v is not REQUIRED}
-    top = data.get("parameters") if isinstance(data.get("parameters"), dict) else {}
-    base = data.get("base_model")
-    models = [m for m in data.get("models") or [] if isinstance(m, dict) and m.get("model") != base]
+    top, models = _top_and_merged(data)
     known = set(method.params) | set(method.aliases)
     per = set(method.per_model) | {a for a, (t, _) in method.aliases.items() if t in method.per_model}
     elsewhere = _written_keys({k: v for k, v in data.items() if k not in ("parameters", "models")}, set())
@@ -137,9 +143,7 @@ def resolved_weights(data: dict) -> list | None:
     """The report's ``weights`` of a mergekit document, as ``symmerge merge --weights`` reports them: one number per
     merged model of ``models`` (its own ``weight``, else the top level's), or None where a weight is not one number
     (a gradient, filters, none given, slices)."""
-    top = data.get("parameters") if isinstance(data.get("parameters"), dict) else {}
-    base = data.get("base_model")
-    models = [m for m in data.get("models") or [] if isinstance(m, dict) and m.get("model") != base]
+    top, models = _top_and_merged(data)
     values = [(m.get("parameters") or {}).get("weight", top.get("weight")) if isinstance(m.get("parameters"), dict)
               else top.get("weight") for m in models]
     if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
