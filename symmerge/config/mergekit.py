@@ -32,7 +32,7 @@ from types import MappingProxyType
 
 from ..errors import SymmergeError
 from ..io.lora import resolve_input
-from ..merge.steps import TensorSource, TensorStep
+from ..merge.steps import TensorSource, TensorStep, copies
 from . import layout as layouts
 from . import lenient
 from .params import check_setting, resolve
@@ -845,7 +845,7 @@ class Planner:
                 return
             if method.copy_unless is not None:  # a copy, unless that parameter says otherwise (passthrough's scale)
                 value = resolve(method.copy_unless, [merged[0][0].params, sl.params, *scopes], merged[0][1], t)
-                if value is None or value == 1:
+                if copies(method, value):  # the rule of every entry (symmerge.merge.steps.copies)
                     steps.append(TensorStep(out_name, (TensorSource(merged[0][0].model, merged[0][1]),), merge=False))
                     return
             weights, params = self._step_params(doc, inputs, names, mk_name, sl, merged, out_name, t, where)

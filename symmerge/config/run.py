@@ -165,18 +165,20 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
                          progress=opts.progress, distances=body_steps(job, folders[job.config_from]))
 
 
-def body_steps(job, folder) -> set | bool:
+def body_steps(job, folder) -> set:
     """The output tensors the report's distances sum: the body — every step but the tensors outside the model's
     base (its language-model or task head, :func:`symmerge.merge.stream.head_keys_of`) — as ``symmerge merge``
-    measures them for the same merge (docs/merge.md, "Two distances")."""
+    measures them for the same merge (docs/merge.md, "Two distances"; one rule:
+    :func:`symmerge.merge.steps.measured_steps`)."""
     from ..io.checkpoint import LazyCheckpoint
+    from ..merge.steps import measured_steps
     from ..merge.stream import head_keys_of
 
     try:
         heads = head_keys_of(LazyCheckpoint(folder, spec=False))
-    except (OSError, SymmergeError):  # not a folder the checkpoint reader reads: every merged step, as before
-        return True
-    return {st.name for st in job.steps} - set(heads)
+    except (OSError, SymmergeError):  # not a folder the checkpoint reader reads: every step, as before
+        heads = ()
+    return measured_steps(job.steps, heads)
 
 
 def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None, started=None) -> dict:
