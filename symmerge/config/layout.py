@@ -80,12 +80,12 @@ def from_names(folder, config: dict, shapes: dict, dtypes: dict) -> Layout:
     return Layout(str(folder), config, dict(shapes), dict(dtypes), layers, key, prefix, tuple(order), pre, post)
 
 
-def read_names(folder) -> tuple[dict, dict, dict]:
+def read_names(folder, ckpt=None) -> tuple[dict, dict, dict]:
     """(config.json, tensor name → shape, tensor name → dtype name) of the HF folder ``folder``: its config.json
-    and safetensors headers."""
+    and safetensors headers (``ckpt``: its :class:`~symmerge.io.checkpoint.LazyCheckpoint`, already read)."""
     from ..io.checkpoint import LazyCheckpoint
 
-    ckpt = LazyCheckpoint(Path(folder), spec=False)
+    ckpt = ckpt if ckpt is not None else LazyCheckpoint(Path(folder), spec=False)
     dtypes = {k: str(v).replace("torch.", "") for k, v in ckpt.dtype.items()}
     return dict(ckpt.config), dict(ckpt.shape), dtypes
 

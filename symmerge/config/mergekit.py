@@ -32,7 +32,7 @@ from types import MappingProxyType
 
 from ..errors import SymmergeError
 from ..io.lora import resolve_input
-from ..merge.steps import TensorSource, TensorStep
+from ..merge.steps import TensorSource, TensorStep, copies
 from . import layout as layouts
 from . import lenient
 from .params import check_setting, resolve
@@ -56,16 +56,32 @@ class Input:
     # symmerge.io.prefix); its body under the task class's base-model prefix, the tensors it lacks never merged
     adapt: tuple | None = None
 
-    def checkpoint(self):
-        """The input as the streamed executor reads it: its folder, or for an adapted base a view of it under
-        the task class's names (:func:`symmerge.io.prefix.prefixed`)."""
+    def checkpoint(self, headers: "Headers | None" = None):
+        """The input as the streamed executor reads it: its folder (``headers``: its checkpoint, the headers the
+        plan read), or for an adapted base a view of it under the task class's names
+        (:func:`symmerge.io.prefix.prefixed`)."""
         if self.adapt is None:
-            return Path(self.folder)
-        from ..io.checkpoint import LazyCheckpoint
+            return headers.of(self.folder) if headers is not None else Path(self.folder)
         from ..io.prefix import prefixed
 
+        headers = headers if headers is not None else Headers()
         task, pl = self.adapt
-        return prefixed(LazyCheckpoint(Path(self.folder), spec=False), LazyCheckpoint(Path(task), spec=False), pl)
+        return prefixed(headers.of(self.folder), headers.of(task), pl)
+
+
+class Headers(dict):
+    """The inputs' safetensors headers (and config.json), read once per folder — a
+    :class:`~symmerge.io.checkpoint.LazyCheckpoint` each, by folder — by the planner, and handed with its jobs to
+    the run (:func:`symmerge.config.run.run_jobs`): one plan resolved once from the headers, which nothing reads
+    again."""
+
+    def of(self, folder):
+        key = str(Path(folder))
+        if key not in self:
+            from ..io.checkpoint import LazyCheckpoint
+
+            self[key] = LazyCheckpoint(Path(folder), spec=False)
+        return self[key]
 
 
 @dataclass
@@ -95,6 +111,8 @@ class Job:
     # tensors that are vocabulary tensors
     vocab: object = None
     vocab_steps: set = field(default_factory=set)
+    # the headers the planner read (Headers: a checkpoint per folder), which the run reads its inputs through
+    headers: dict = field(default_factory=lambda: Headers(), repr=False, compare=False)
 
 
 def _doc_str(doc, value, where, what="a model folder"):
@@ -242,7 +260,7 @@ class _Slice:
 class Planner:
     """Plans every document of a config, in dependency order."""
 
-    def __init__(self, docs, read_layout=layouts.read_layout, seed=None, folders=None, truncate_embeddings=False,
+    def __init__(self, docs, read_layout=None, seed=None, folders=None, truncate_embeddings=False,
                  merge_adapters=True):
         self.docs = docs
         # False: a BASE+ADAPTER input planned on its base's folder, nothing merged (symmerge.config.describe)
@@ -251,7 +269,9 @@ class Planner:
         self.truncate_embeddings = truncate_embeddings  # mergekit-yaml's --unsafe-truncate-embeddings
         # model reference -> the folder read for it (the aligned copies of an aligned config: symmerge.config.aligned)
         self.folders = dict(folders or {})
-        self.read_layout = read_layout
+        self.headers = Headers()  # every input folder's headers, read once (the jobs carry them to the run)
+        self.read_layout = read_layout or (lambda folder: layouts.from_names(
+            folder, *layouts.read_names(folder, self.headers.of(folder))))
         self._layouts: dict = {}
         self.jobs: list[Job] = []
         self.named: dict[str, int] = {}  # name -> job index
@@ -306,7 +326,7 @@ class Planner:
                 if inp.adapt is None:
                     self._layouts[key] = self.read_layout(inp.folder)
                 else:
-                    view = inp.checkpoint()
+                    view = inp.checkpoint(self.headers)
                     self._layouts[key] = layouts.from_names(inp.folder, dict(view.config), dict(view.shape),
                                                             {k: str(v).replace("torch.", "")
                                                              for k, v in view.dtype.items()})
@@ -325,7 +345,7 @@ class Planner:
                     whole = self.job_layouts[inp.job]
                     folder, names = whole.folder, (dict(whole.config), whole.shapes, whole.dtypes)
                 else:
-                    folder, names = inp.folder, layouts.read_names(inp.folder)
+                    folder, names = inp.folder, layouts.read_names(inp.folder, self.headers.of(inp.folder))
             except SymmergeError as e:
                 raise doc.error(str(e), *where) from None
             if module_map(names[0]) is None:
@@ -345,16 +365,15 @@ class Planner:
         :func:`symmerge.io.prefix.lazy_plan`). Returns the fine-tune's input index, or None."""
         if base is None or inputs[base].folder is None:
             return None
-        from ..io.checkpoint import LazyCheckpoint
         from ..io.prefix import lazy_is_task, lazy_plan
 
-        base_ck = LazyCheckpoint(Path(inputs[base].folder), spec=False)
+        base_ck = self.headers.of(inputs[base].folder)
         if lazy_is_task(base_ck):
             return None
         for i, inp in enumerate(inputs):
             if i == base or inp.folder is None:
                 continue
-            ck = LazyCheckpoint(Path(inp.folder), spec=False)
+            ck = self.headers.of(inp.folder)
             if lazy_is_task(ck) and (pl := lazy_plan(ck, base_ck)) is not None:
                 inputs[base] = Input(folder=inputs[base].folder, label=inputs[base].label, adapt=(inp.folder, pl))
                 return i
@@ -416,7 +435,8 @@ class Planner:
         config_from = task if task is not None else base if base is not None else slices[0].sources[0].model
         side = tok if tok is not None else config_from
         return Job(data.get("name"), method.name, inputs, [], config_from, {}, side, dtype, out_dtype, chat,
-                   final=final, line=doc.at(), base=base if method.uses_base else None, vocab=vocab)
+                   final=final, line=doc.at(), base=base if method.uses_base else None, vocab=vocab,
+                   headers=self.headers)
 
     def _modules(self, doc, data) -> list[tuple]:
         """Each module merged: (the key path of its mapping, its name — None for a model of one stack —, the
@@ -845,7 +865,7 @@ class Planner:
                 return
             if method.copy_unless is not None:  # a copy, unless that parameter says otherwise (passthrough's scale)
                 value = resolve(method.copy_unless, [merged[0][0].params, sl.params, *scopes], merged[0][1], t)
-                if value is None or value == 1:
+                if copies(method, value):  # the rule of every entry (symmerge.merge.steps.copies)
                     steps.append(TensorStep(out_name, (TensorSource(merged[0][0].model, merged[0][1]),), merge=False))
                     return
             weights, params = self._step_params(doc, inputs, names, mk_name, sl, merged, out_name, t, where)

@@ -58,7 +58,7 @@ def run_jobs(desc, shard_size="5GB", progress=True, options: RunOptions | None =
                     out.parent.mkdir(parents=True, exist_ok=True)
                     temp = Path(tempfile.mkdtemp(prefix=f".{side_name(out)}.intermediates-", dir=out.parent))
                 target = temp / job.name
-            inputs = [i.checkpoint() if i.folder is not None else folders[i.job] for i in job.inputs]
+            inputs = [i.checkpoint(job.headers) if i.folder is not None else folders[i.job] for i in job.inputs]
             t0 = time.perf_counter()
             execute(job, inputs, target, options=opts, desc=desc if job.final else None)
             folders.append(target)
@@ -105,7 +105,7 @@ def run_aligned(desc, shard_size="5GB", progress=True, options: RunOptions | Non
         job.report = {"aligned": {i.label: moved.get(i.label) is not None for i in job.inputs},
                       "alignment": spec.report, "labels": labels, "align_seconds": seconds}
         t1 = time.perf_counter()
-        inputs = [i.checkpoint() for i in job.inputs]
+        inputs = [i.checkpoint(job.headers) for i in job.inputs]
         execute(job, inputs, out, options=opts, desc=desc, alignment=planned)
         return [{"name": job.name, "method": job.method, "tensors": len(job.steps), "layers": job.layers,
                  "output": str(out), "seconds": time.perf_counter() - t1, "align_seconds": seconds,
@@ -162,21 +162,23 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
                          OutputFolder(config=config, dtype=DTYPES[want] if want else None,
                                       side_files_from=folders[job.side_files_from], naming=job.config_from,
                                       shard_size=opts.shard_size, finish=finish),
-                         progress=opts.progress, distances=body_steps(job, folders[job.config_from]))
+                         progress=opts.progress, distances=body_steps(job, inputs[job.config_from]))
 
 
-def body_steps(job, folder) -> set | bool:
+def body_steps(job, ckpt) -> set:
     """The output tensors the report's distances sum: the body — every step but the tensors outside the model's
-    base (its language-model or task head, :func:`symmerge.merge.stream.head_keys_of`) — as ``symmerge merge``
-    measures them for the same merge (docs/merge.md, "Two distances")."""
+    base (its language-model or task head, :func:`symmerge.merge.stream.head_keys_of`, from ``ckpt``: the input
+    ``config_from`` as the run reads it, the headers the plan read) — as ``symmerge merge`` measures them for the
+    same merge (docs/merge.md, "Two distances"; one rule: :func:`symmerge.merge.steps.measured_steps`)."""
     from ..io.checkpoint import LazyCheckpoint
+    from ..merge.steps import measured_steps
     from ..merge.stream import head_keys_of
 
     try:
-        heads = head_keys_of(LazyCheckpoint(folder, spec=False))
-    except (OSError, SymmergeError):  # not a folder the checkpoint reader reads: every merged step, as before
-        return True
-    return {st.name for st in job.steps} - set(heads)
+        heads = head_keys_of(ckpt if hasattr(ckpt, "keys") else LazyCheckpoint(ckpt, spec=False))
+    except (OSError, SymmergeError):  # not a folder the checkpoint reader reads: every step, as before
+        heads = ()
+    return measured_steps(job.steps, heads)
 
 
 def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None, started=None) -> dict:

@@ -160,8 +160,13 @@ def document_of(desc, job):
 
 def merged_names(job, labels=None) -> tuple[list, bool]:
     """(the merged inputs as the report names them, whether every merged step reads the same inputs in the same
-    order — then the pairwise and result distances are per input)."""
+    order — then the pairwise and result distances are per input; a job whose every step copies from one input, a
+    one-model passthrough, is that input's, as ``symmerge merge`` reports it)."""
+    from ..merge.steps import one_input_copies
+
     labels = labels or [i.label for i in job.inputs]
+    if one_input_copies(job.steps):
+        return [labels[job.steps[0].sources[0].model]], True
     merged = [st for st in job.steps if st.merge]
     order = [s.model for s in merged[0].sources] if merged else []
     uniform = bool(merged) and all([s.model for s in st.sources] == order for st in merged)

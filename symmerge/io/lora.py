@@ -98,51 +98,78 @@ def _temp_cache() -> Path:
     return _cache["temp"]
 
 
-def _locked_temp_folder() -> Path:
+def _locked_temp_folder(tries: int = 20) -> Path:
     """A new temporary merge cache holding its :data:`LIVE` file, locked by this process until it ends: made under a
-    hidden name (``.symmerge-lora-PID-*``, never judged by :func:`remove_stale_temp_caches` without its lock) and
-    renamed once locked, so that no other process ever sees it unlocked."""
-    hidden = Path(tempfile.mkdtemp(prefix=f".{TEMP_PREFIX}{os.getpid()}-"))
-    fd = os.open(hidden / LIVE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try_lock(fd)  # not taken on a file system without locks: the process id alone then says whether it runs
-    _live.append(fd)
-    folder = hidden.with_name(hidden.name[1:])
-    os.rename(hidden, folder)
-    return folder
+    hidden name (``.symmerge-lora-PID-*``) and renamed once locked, so that no other process ever sees it unlocked
+    under its own name. A kill before the rename leaves the hidden folder, which a later run's
+    :func:`remove_stale_temp_caches` removes (its lock is free); a folder that run removed while this process was
+    making it (before it was locked: a process it could not see, in another PID namespace) is made again."""
+    for _ in range(tries):
+        hidden = Path(tempfile.mkdtemp(prefix=f".{TEMP_PREFIX}{os.getpid()}-"))
+        try:
+            fd = os.open(hidden / LIVE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            continue  # removed by another process's clean-up before its lock file existed
+        if try_lock(fd) is False:  # another process's clean-up holds it, removing the folder
+            os.close(fd)
+            continue
+        # not taken on a file system without locks: the process id alone then says whether it runs
+        folder = hidden.with_name(hidden.name[1:])
+        try:
+            os.rename(hidden, folder)
+        except FileNotFoundError:
+            os.close(fd)
+            continue  # removed (with its lock file) before this process held the lock
+        _live.append(fd)
+        return folder
+    raise SymmergeError(f"cannot make a temporary LoRA merge cache in {tempfile.gettempdir()}: each new folder was "
+                        f"removed by another process before it was locked ({tries} tries)")
 
 
 def remove_stale_temp_caches() -> list[Path]:
     """Remove the temporary merge caches of processes that are gone (killed before their exit removed them: each
-    held whole merged models); those of running processes and of this one are left. Returns those removed.
+    held whole merged models), the hidden ones too (killed while making one, before its rename:
+    :func:`_locked_temp_folder`); those of running processes and of this one are left. Returns those removed.
 
     A cache whose :data:`LIVE` lock can be taken is a gone process's, whatever its id (which another process may
     have taken since, or which belongs to another PID namespace: a container sharing the temporary folder, another
-    host on a shared file system); one without the file (made by an earlier version) is judged by its id."""
+    host on a shared file system), and is removed while that lock is held; one without the file (made by an earlier
+    version, or a hidden one killed before its lock file) is judged by its id."""
     from .output import pid_alive
 
     removed = []
-    for p in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*-*"):
-        pid = p.name[len(TEMP_PREFIX):].split("-")[0]
+    root = Path(tempfile.gettempdir())
+    for p in sorted([*root.glob(f"{TEMP_PREFIX}*-*"), *root.glob(f".{TEMP_PREFIX}*-*")]):
+        pid = p.name.removeprefix(".")[len(TEMP_PREFIX):].split("-")[0]
         if not pid.isdigit() or int(pid) == os.getpid() or not p.is_dir():
             continue
-        gone = _lock_released(p / LIVE)
-        if gone is None:
-            gone = not pid_alive(int(pid))
-        if gone:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+        with _held_if_released(p / LIVE) as gone:
+            if gone is None:
+                gone = not pid_alive(int(pid))
+            if gone:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
     return removed
 
 
 def _lock_released(path: Path) -> bool | None:
     """Whether the :data:`LIVE` file ``path`` is locked by no process (its process is gone); None when there is no
     such file or it cannot be locked (an earlier version's folder, a file system without locks)."""
+    with _held_if_released(path) as released:
+        return released
+
+
+@contextlib.contextmanager
+def _held_if_released(path: Path):
+    """:func:`_lock_released`'s answer, the lock held for the block when it was free (a process making its folder
+    then cannot take it, and starts again)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # for writing: NFS emulates flock with write locks
     except OSError:
-        return None
+        yield None
+        return
     try:
-        return try_lock(fd)
+        yield try_lock(fd)
     finally:
         os.close(fd)
 

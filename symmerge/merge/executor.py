@@ -243,9 +243,10 @@ class StreamExecutor:
 
     def __init__(self, inputs, steps, method, dtype=None, naming: int = 0, shard_size=DEFAULT_SHARD, budget=None,
                  progress: bool = True, distances: bool = True, keep: bool = False):
-        """``distances``: measure the report's distances over every merged step (True), over the merged steps
-        of these output names (a collection: the body, as the in-memory merge measures it), or not (False: a
-        caller that measures its own); ``keep``: the results are kept (:class:`MemoryTarget`), so none is placed in
+        """``distances``: measure the report's distances over every merged step (True), over the steps of these
+        output names (a collection: the body, as the in-memory merge measures it; a copy named there is measured
+        against its one source, :func:`symmerge.merge.steps.measured_steps`), or not (False: a caller that measures
+        its own); ``keep``: the results are kept (:class:`MemoryTarget`), so none is placed in
         the ring."""
         if method.needs or method.needs_model:
             raise SymmergeError(f"method {method.name!r} needs the models in memory; it cannot run streamed")
@@ -559,6 +560,8 @@ class _Pass:
             del b
         else:
             value = tensors[0]
+            if ex.measured is not None and st.name in ex.measured and value.is_floating_point():
+                inputs = [value]  # a copy the caller measures (a one-model passthrough): its distance to its source
         want = ex.out_dtype(st)
         if value.dtype != want:
             value = value.to(want)

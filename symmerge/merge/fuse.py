@@ -681,7 +681,7 @@ def _execute(ld: Loaded, holder, keys, sds, base_sd) -> tuple[dict, list, list]:
         base_sd = split_fused(base_sd, fused) if base_sd is not None else None
         keys, order = unfused(keys, fused), unfused(order, fused)
     steps = plain_merge_steps(order, keys, n, base=n if base_sd is not None else None, weights=opts.weights,
-                              params=opts.params, head_from=opts.head_from)
+                              params=opts.params, head_from=opts.head_from, method=ld.m)
     sources = [MemorySource(sd, name) for sd, name in zip(sds, ld.names)]
     if base_sd is not None:
         sources.append(MemorySource(base_sd, ld.base_name or "base"))

@@ -42,6 +42,8 @@ from .registry import get_method
 MODES = ("auto", "stream", "memory")
 ONE_MODEL_NOTE = ("'recommended' aligns nothing for one model without a base or an anchor of its own: there is "
                   "nothing to align it to")
+ONE_MODEL_LIST_NOTE = ("one model without a base or an anchor of its own: nothing to align it to (the symmetries asked "
+                       "for were checked; none is aligned)")
 MEMORY_FRACTION = 0.5  # auto: models larger than this fraction of the available memory are streamed
 FRAMES = ("none", "base", "star", "joint")
 
@@ -253,14 +255,17 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     m = get_method(options.method)
     model_type = model_type_of(models[0])
     align, note = recommended(options.align, model_type=model_type, base_given=options.base is not None)
-    if align.symmetries and align.recommended and n == 1 and options.base is None and options.anchor in (None, 0):
-        align, note = align.with_(symmetries=()), ONE_MODEL_NOTE  # it would be aligned against itself
+    alone = n == 1 and options.base is None and options.anchor in (None, 0)  # it would be aligned against itself
+    if align.symmetries and align.recommended and alone:
+        align, note = align.with_(symmetries=()), ONE_MODEL_NOTE
     aligns = bool(align.symmetries)
     if aligns and has_spec(model_type):  # --align experts on a dense family: one line, as align and barrier say
         from ..families import spec_for
         from ..pipeline.recommend import require_declared
 
         require_declared(spec_for(model_type), align)
+    if aligns and alone:  # an explicit list, checked: nothing aligned in either mode (a mergekit config's rule too)
+        align, note, aligns = align.with_(symmetries=()), ONE_MODEL_LIST_NOTE, False
     mode, why = choose_mode(mode, m, options, models, aligns)
     index, rule = anchor_rule(n, options.anchor, options.base is not None) if aligns else (None, None)
     if not aligns:

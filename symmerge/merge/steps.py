@@ -101,15 +101,42 @@ def uniform_steps(keys, n: int, base: int | None = None, weights=None, params=No
     return steps
 
 
+def copies(method, value) -> bool:
+    """Whether a step of ``method`` is a plain copy of its one input, its ``copy_unless`` parameter being ``value``
+    (None: not given; a per-model list: its values): passthrough's tensor is its model's unless ``scale`` is given
+    other than 1. The one rule of every entry (a plain merge's steps, a mergekit config's planner)."""
+    if method is None or method.copy_unless is None:
+        return False
+    return all(v is None or v == 1 for v in (value if isinstance(value, (list, tuple)) else [value]))
+
+
 def plain_merge_steps(order, merged, n: int, *, base: int | None = None, weights=None, params=None,
-                      head_from: int = 0):
+                      head_from: int = 0, method=None):
     """The steps of a plain merge, in memory and streamed alike: every key of ``order`` (the tensors of the
     input the output is named after, ``head_from``, in its order) merged from models ``0 … n-1`` when it is in
     ``merged`` (the body, and the heads when they are merged), else copied from ``head_from`` (its task head,
-    a base model's missing head)."""
+    a base model's missing head); every key copied from the one model when ``method`` copies (:func:`copies`:
+    a one-model passthrough without ``scale``), as a mergekit config plans the same merge."""
     merged = set(merged)
+    if n == 1 and base is None and copies(method, (params or {}).get(method.copy_unless)):
+        merged = set()
     return uniform_steps(order, n, base=base, weights=weights, params=params,
                          copy_from={k: head_from for k in order if k not in merged})
+
+
+def measured_steps(steps, heads) -> set:
+    """The output tensors the report's distances sum, in every entry: the body (every step but the tensors of
+    ``heads``, the language-model or task head; docs/merge.md, "Two distances"), its merged steps — and its copies
+    when every step copies from one and the same input (a one-model passthrough: each copy's distance to that input,
+    measured as written, 0 unless the output's dtype rounds it)."""
+    heads = set(heads)
+    one = one_input_copies(steps)
+    return {st.name for st in steps if (st.merge or one) and st.name not in heads}
+
+
+def one_input_copies(steps) -> bool:
+    """Whether every step of ``steps`` copies from one and the same input (a one-model passthrough)."""
+    return bool(steps) and not any(st.merge for st in steps) and len({st.sources[0].model for st in steps}) == 1
 
 
 def step_arguments(method, step: TensorStep, n: int, cache: dict | None = None):

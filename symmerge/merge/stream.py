@@ -47,7 +47,8 @@ from .heads import head_policy, head_report
 from .plan import (MEMORY_FRACTION, MODES, MergePlan, average_keys, checkpoint_bytes, choose_mode,  # noqa: F401
                    closest, closest_to_average, has_spec, merge_report, plain_fallback, plan_merge, stream_entry,
                    stream_refusal)
-from .steps import file_order, plain_merge_steps
+from .registry import get_method
+from .steps import file_order, measured_steps, plain_merge_steps
 
 
 def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
@@ -175,7 +176,8 @@ def plain_steps(ckpts, base, options, names) -> tuple[list, list, list]:
     order = file_order([k for k in holder.keys() if k in merged_set or k in kept], holder.dtype.__getitem__,
                        holder.save_name)
     steps = plain_merge_steps(order, merged_set, len(ckpts), base=len(ckpts) if base is not None else None,
-                              weights=options.weights, params=options.params, head_from=options.head_from)
+                              weights=options.weights, params=options.params, head_from=options.head_from,
+                              method=get_method(options.method))
     return steps, heads, policy
 
 
@@ -242,7 +244,7 @@ def _plain_streaming(folders, base_folder, out, options, checked: _Checked, *, a
                                else holder.folder, side_report=side,
                                naming=options.head_from, shard_size=checked.shard_size, finish=finish),
                   budget=checked.budget, progress=options.progress,
-                  distances=set(st.name for st in steps) - set(heads[0]))  # the body, as in memory
+                  distances=measured_steps(steps, heads[0]))  # the body, as in memory
     return report
 
 
