@@ -18,6 +18,15 @@ from .instance import Slot
 HALF = (torch.float16, torch.bfloat16)
 
 
+def stored(sd, key: str) -> torch.Tensor:
+    """``sd[key]`` as stored, where ``sd`` is a view of working copies that offers it (``sd.stored(key)``:
+    :class:`~symmerge.pipeline.stream.Lifted`, whose float16/bfloat16 tensors read as float32 copies), else
+    ``sd[key]``. For readers that convert to float64 themselves: a 16-bit tensor and its float32 copy give the same
+    float64 values, and the stored one takes half the memory of the copy, which is never made."""
+    get = getattr(sd, "stored", None)
+    return sd[key] if get is None else get(key)
+
+
 def precise_dtype(*tensors) -> torch.dtype:
     return torch.float32 if tensors and all(t.dtype in HALF for t in tensors) else torch.float64
 
@@ -84,19 +93,32 @@ def with_segment(t: torch.Tensor, slot: Slot, new: torch.Tensor) -> torch.Tensor
 
 def index_axis(t: torch.Tensor, slot: Slot, index: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of the slot's axis re-indexed (``new[j] = old[index[j]]``), optionally times ``factor[j]``:
-    exact (no arithmetic unless a factor is given), and without transposed copies of whole tensors."""
+    exact (no arithmetic unless a factor is given; the product in :func:`precise_dtype`, rounded once to ``t``'s
+    dtype), and without transposed copies of whole tensors."""
     if slot.length is None and slot.index is None:
         y = t.detach().index_select(slot.axis, index.to(t.device))
         if factor is not None:
             shape = [1] * y.dim()
             shape[slot.axis] = -1
-            y = y * factor.to(device=y.device, dtype=precise_dtype(t)).reshape(shape)
-        return y.to(t.dtype).contiguous()
+            scale_rows_(y, factor.to(device=y.device, dtype=precise_dtype(t)).reshape(shape))
+        return y.contiguous()
     seg = segment(t, slot).index_select(0, index.to(t.device))
     if factor is not None:
-        seg = seg.to(precise_dtype(t)) * factor.to(device=seg.device, dtype=precise_dtype(t)).reshape(
-            -1, *([1] * (seg.dim() - 1)))
+        scale_rows_(seg, factor.to(device=seg.device, dtype=precise_dtype(t)).reshape(-1, *([1] * (seg.dim() - 1))))
     return with_segment(t, slot, seg)
+
+
+def scale_rows_(y: torch.Tensor, factor: torch.Tensor, budget: int = 1 << 22) -> torch.Tensor:
+    """``y`` ← ``(y * factor).to(y.dtype)`` (``factor`` broadcast to ``y``; the product in the promoted dtype, e.g.
+    float64 for float32 ``y``), in place and a block of about ``budget`` entries of ``y``'s first axis at a time:
+    the same values as the whole product, without a promoted copy of ``y`` (twice its size for float32 rows)."""
+    if y.dim() == 0 or y.numel() == 0:
+        return y.copy_(y * factor)
+    step = max(1, budget // max(1, y[0].numel()))
+    for i in range(0, y.shape[0], step):
+        block = y[i:i + step]
+        block.copy_(block * (factor[i:i + step] if factor.shape[0] > 1 else factor))
+    return y
 
 
 def block_index(perm: torch.Tensor, block: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.slots import precise_dtype, segment, slot_blocks, with_segment
+from ..core.slots import precise_dtype, segment, slot_blocks, stored, with_segment
 from ..core.solvers import joint_scale, procrustes, scale_for_rotation, sequential_scale
 from ..core.solvers.rescale import head_objective
 from ..errors import SymmergeError
@@ -81,16 +81,16 @@ def stacked(inst, sd: dict, power: int, rows: slice = slice(None), sub: torch.Te
     slots = [s for s in inst.slots if s.power == power]
     if not slots:
         return None
-    dtype = precise_dtype(*(sd[s.key] for s in inst.slots))
+    dtype = precise_dtype(*(sd[s.key] for s in inst.slots))  # of the working copies (float64 for float32 ones)
     parts = []
-    for s in slots:
-        x = slot_blocks(sd[s.key], s, inst.blocks, dtype)
+    for s in slots:  # converted from the tensor as stored: a half tensor's float32 copy would give the same values
+        x = slot_blocks(stored(sd, s.key), s, inst.blocks, dtype)
         if sub is not None and s.repeat > 1:
             H, d = x.shape[0], x.shape[1]
             x = x.reshape(H, d, s.repeat, -1)
             x = x[torch.arange(H)[:, None], :, sub].permute(0, 2, 1, 3).reshape(H, d, -1)
         parts.append(x)
-    return torch.cat(parts, dim=2)[:, rows]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))[:, rows]  # one slot: no copy
 
 
 def blocks(inst, sd: dict, rows: slice = slice(None), sub: torch.Tensor | None = None) -> dict:
@@ -116,6 +116,20 @@ def products(xa: dict, xb: dict):
         n1[p] = x1.square().sum((1, 2), dtype=torch.float64)
         n2[p] = x2.square().sum((1, 2), dtype=torch.float64)
     return M[1], M[-1], n1[1], n1[-1], n2[1], n2[-1]
+
+
+def instance_products(inst, sd_a: dict, sd_b: dict):
+    """``products(blocks(inst, sd_a), blocks(inst, sd_b))``, one scale power at a time: the float64 blocks of one
+    power of both models in memory (a layer's q of A and B, then its k), not of every power at once."""
+    out = None
+    for i, p in enumerate((1, -1)):  # (Mp, Mm, n1p, n1m, n2p, n2m): power +1 at even places, -1 at odd ones
+        xa = stacked(inst, sd_a, p)
+        if xa is None:
+            continue
+        part = products({p: xa}, {p: stacked(inst, sd_b, p)})
+        del xa
+        out = list(part) if out is None else [part[k] if k % 2 == i else out[k] for k in range(6)]
+    return tuple(out)
 
 
 def all_pair_products(xa: dict, xb: dict):
@@ -186,7 +200,7 @@ class HeadOrthogonal(Kind):
         return opts.rotate or opts.rescale != "none"
 
     def complete(self, insts, prepared, sd_a, sd_b, opts, ctx=None) -> dict:
-        parts = [products(blocks(i, sd_a), blocks(i, sd_b)) for i in insts]
+        parts = [instance_products(i, sd_a, sd_b) for i in insts]
         R, a = solve_heads(*(torch.cat(x) for x in zip(*parts)), rotate=opts.rotate, rescale=opts.rescale)
         out, k = {}, 0
         for inst in insts:
@@ -198,7 +212,7 @@ class HeadOrthogonal(Kind):
         """Per head the scale closest in the weights for the head's (activation-fitted) rotation."""
         if scales_fitted or not insts:
             return
-        parts = [products(blocks(i, sd_a), blocks(i, sd_b)) for i in insts]
+        parts = [instance_products(i, sd_a, sd_b) for i in insts]
         Mp, Mm, n1p, n1m, _, _ = (torch.cat(x) for x in zip(*parts))
         R = torch.cat([elements[i.name].R for i in insts])
         a = scale_for_rotation(R, Mp, Mm, n1p, n1m)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.slots import fast_dtype, index_axis, unit_matrix
+from ..core.slots import fast_dtype, index_axis, stored, unit_matrix
 from ..core.parallel import layer_map
 from ..core.solvers import match_permutation
 from ..core.solvers.rescale import quartic_scale
@@ -89,7 +89,8 @@ def unit_scales(inst, sd_a: dict, sd_b: dict, perm: torch.Tensor) -> torch.Tenso
     for s in inst.slots:
         if not s.power:
             continue
-        ua, ub = unit_matrix(sd_a[s.key], s), unit_matrix(sd_b[s.key], s)
+        # as stored (a half tensor, not its float32 working copy): the sums below are float64 either way
+        ua, ub = unit_matrix(stored(sd_a, s.key), s), unit_matrix(stored(sd_b, s.key), s)
         side = "p" if s.power > 0 else "m"
         for rows in row_chunks(n, ua.shape[1], 1 << 22):
             x1, x2 = ua[perm[rows]].to(torch.float64), ub[rows].to(torch.float64)

@@ -113,7 +113,8 @@ class RopePairs(Kind):
         for info, group in by_info.items():
             xa = [blocks(i, sd_a) for i in group]
             xb = [blocks(i, sd_b) for i in group]
-            cat = lambda xs: {p: torch.cat([x[p] for x in xs]) for p in (1, -1)}  # noqa: E731
+            # one instance (a streamed layer): its blocks as they are, not a second float64 copy of them
+            cat = lambda xs: {p: xs[0][p] if len(xs) == 1 else torch.cat([x[p] for x in xs]) for p in (1, -1)}  # noqa: E731
             R, a, _ = _solve(cat(xa), cat(xb), info, group[0].size, opts.rotate, opts.rescale,
                              bool(group[0].group.param("pair_norms")))
             k = 0

@@ -149,7 +149,9 @@ def _part_keys(part) -> list[str]:
 
 class _Job:
     """Solving one part (or layer): solve, check, run the plan's steps of its tensors, distances; ``(the new
-    tensors by disk name, their float32 values before rounding or None)``."""
+    tensors by disk name, their float32 values before rounding or None)``. The job owns the dicts of the part's
+    tensors it is given (the callers keep no reference): it empties them, a tensor of each model as soon as its
+    new tensor is made, so the part's inputs and outputs are not all in memory at once."""
 
     def __init__(self, ckpt_a, opts, timings, distances, lock, steps: dict, exact: bool = False):
         self.ckpt_a, self.opts, self.timings, self.distances, self.lock = ckpt_a, opts, timings, distances, lock
@@ -166,10 +168,10 @@ class _Job:
         t1 = time.perf_counter()
         verify_elements(part, elements)
         out, exact = {}, ({} if self.exact else None)
-        for k in sd_a:  # one tensor at a time: one float32 result in memory, not the part's
-            step = self.steps[k]
-            new = execute_steps([self.steps[source(step)] if step.maps else step], sd_a, part, elements,
-                                rounded=False)[k]  # a tie's alias: its source's step gives it its new tensor
+        keys = list(sd_a)
+        runs = {k: self.steps[source(self.steps[k])] if self.steps[k].maps else self.steps[k] for k in keys}
+        for n, k in enumerate(keys):  # one tensor at a time: one float32 result in memory, not the part's
+            new = execute_steps([runs[k]], sd_a, part, elements, rounded=False)[k]  # a tie's alias: its source's step
             if new.is_floating_point() and not torch.isfinite(new).all():
                 raise SymmergeError(f"{self.ckpt_a.disk_name[k]}: aligned tensor is not finite")
             if exact is not None:
@@ -179,6 +181,9 @@ class _Job:
             with self.lock:
                 self.distances.add(k, before, after)
             out.update(self.ckpt_a.to_disk(k, new))
+            del sd_b[k], new  # the job owns the part's tensors: each goes once its result is made (a tie's
+            if all(runs[j].tensor != k for j in keys[n + 1:]):  # source once its aliases have theirs)
+                del sd_a[k]
         with self.lock:
             for name, sec in group_times.items():
                 self.timings[f"solve {name}"] += sec
@@ -205,6 +210,11 @@ class Lifted(Mapping):
 
     def __getitem__(self, key):
         return _lift(self.sd[key])
+
+    def stored(self, key):
+        """The tensor as stored, for readers whose arithmetic is float64 whatever its dtype
+        (:func:`~symmerge.core.slots.stored`)."""
+        return self.sd[key]
 
     def __iter__(self):
         return iter(self.sd)
