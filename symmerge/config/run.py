@@ -181,6 +181,18 @@ def body_steps(job, ckpt) -> set:
     return measured_steps(job.steps, heads)
 
 
+def config_head(steps, labels) -> dict:
+    """A config's report ``head`` entry: what its steps do — every tensor as its steps say, or, when every step copies
+    from one input (a one-model passthrough), that input's head kept (as ``symmerge merge`` reports the same merge)."""
+    from ..merge.heads import COPIED_NOTE
+    from ..merge.steps import one_input_copies
+
+    if steps and one_input_copies(steps):
+        source = steps[0].sources[0].model
+        return {"policy": "keep", "from_index": source, "from": labels[source], "note": COPIED_NOTE}
+    return {"policy": "merge", "note": "a mergekit config merges every tensor as its steps say"}
+
+
 def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None, started=None) -> dict:
     """The final merge's ``symmerge_report.json`` (:func:`symmerge.merge.plan.merge_report`, the report every
     merge writes, built from the document's plan — :func:`symmerge.config.run_plan.plan_document` — plus the
@@ -205,7 +217,7 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alig
     alignment = extra.pop("alignment", None) or plan.alignment()
     report = merge_report(
         plan, base=labels[job.base] if job.base is not None else None, alignment=alignment,
-        head={"policy": "merge", "note": "a mergekit config merges every tensor as its steps say"},
+        head=config_head(job.steps, labels),
         distances_between_inputs={"before_alignment": None if extra.get("aligned") else pairs,
                                   "after_alignment": pairs},
         distance_result_to_inputs={names[i]: math.sqrt(v) for i, v in facts["result_sq"].items()} if uniform else None,
