@@ -90,7 +90,8 @@ def main(argv=None) -> dict:
                 times[f"{v}_open_read"].append(timed(versions[v], folder, True))
     result = {"shards": shards, "before": args.before, "repeat": args.repeat, "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "machine": machine(), "seconds": times}
-    print(f"{shards} shards, {args.repeat} repetitions, load average {load_before} before, {result['load_average_after']} after")
+    print(f"{shards} shards, {args.repeat} repetitions, load average {load_before} before, "
+          f"{result['load_average_after']} after")
     for what in ("open", "open_read"):
         b, a = times[f"before_{what}"], times[f"after_{what}"]
         print(f"{what:9s}  before: median {statistics.median(b):.4f} s, least {min(b):.4f} s   after: median "

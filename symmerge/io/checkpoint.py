@@ -387,7 +387,10 @@ def stored_shapes(headers) -> dict[str, list[int]]:
 def _remember_offsets(file: Path, header) -> None:
     """:func:`_offsets`' answer for ``file`` from its ``header`` as safetensors checked it (no second read): its
     tensors' bytes follow one another from the end of the header to the end of the file, in ``header.order``
-    (safetensors refuses a gap, an overlap or a size other than the tensors'). Every dtype must be known."""
+    (safetensors refuses a gap, an overlap or a size other than the tensors'). Every dtype must be known. Nothing when
+    the installed safetensors has no ``offset_keys`` (the first direct read then parses the header, as before)."""
+    if header.order is None:
+        return
     sizes = {k: math.prod(shape) * SAFETENSORS_DTYPES[code].itemsize for k, (code, shape) in header.tensors.items()}
     at = header.size - sum(sizes.values())
     table = {}

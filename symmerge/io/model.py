@@ -166,8 +166,8 @@ def safetensors_headers(files: list[Path]) -> dict:
                 for name in handle.keys():
                     sl = handle.get_slice(name)
                     tensors[name] = (sl.get_dtype(), tuple(sl.get_shape()))
-                out[Path(f)] = Header(tensors, list(handle.offset_keys()), dict(handle.metadata() or {}), st.st_size,
-                                      st.st_mtime_ns)
+                order = list(handle.offset_keys()) if hasattr(handle, "offset_keys") else None  # older: none
+                out[Path(f)] = Header(tensors, order, dict(handle.metadata() or {}), st.st_size, st.st_mtime_ns)
         except Exception as e:  # safetensors raises its own error type for every header problem
             raise SymmergeError(f"{f}: unreadable safetensors file, truncated or corrupt ({e})") from None
     return out
@@ -178,7 +178,7 @@ class Header:
     """One safetensors file's header as safetensors read and checked it (:func:`safetensors_headers`)."""
 
     tensors: dict  # stored name -> (safetensors dtype code, shape), in safetensors' key order
-    order: list  # the stored names in the order of their bytes in the file
+    order: list | None  # the stored names in the order of their bytes in the file (None: this safetensors cannot say)
     metadata: dict
     size: int  # the file's bytes and modification time (ns) just before its header was read
     mtime_ns: int

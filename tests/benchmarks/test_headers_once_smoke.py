@@ -13,7 +13,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def test_headers_once_runs_and_records(tmp_path, capsys):
     from benchmarks import headers_once
 
-    result = headers_once.main(["--before", "HEAD", "--layers", "2", "--repeat", "2", "--json", str(tmp_path / "r.json")])
+    argv = ["--before", "HEAD", "--layers", "2", "--repeat", "2", "--json", str(tmp_path / "r.json")]
+    result = headers_once.main(argv)
     assert result["shards"] > 10  # about one tensor a shard
     saved = json.loads((tmp_path / "r.json").read_text())
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in saved["seconds"].values()), saved["seconds"]

@@ -116,3 +116,37 @@ def test_a_file_rewritten_after_open_is_read_from_its_new_header(sharded, tmp_pa
     extra = {"aaa_pad": torch.zeros(3)}  # a new first tensor (by dtype, then name): every offset moves
     save_file({**extra, **sd}, str(f), metadata={"format": "pt"})
     assert torch.equal(ck.read_direct(key), sd[ck.disk_name[key]])
+
+
+def test_a_safetensors_without_offset_keys_reads_the_offsets_at_the_first_direct_read(sharded, monkeypatch):
+    """A safetensors without ``offset_keys`` (added in 2025; ``pyproject`` asks 0.4 or later): the offsets are not
+    derived at open; a file's first direct read parses its header for them, as before (one more read of that file,
+    none of the others)."""
+    import safetensors
+
+    class Older:
+        def __init__(self, opener, *args, **kwargs):
+            self._handle = opener(*args, **kwargs)
+
+        def __enter__(self):
+            self._inside = self._handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._handle.__exit__(*exc)
+
+        def __getattr__(self, name):
+            if name == "offset_keys":
+                raise AttributeError(name)
+            return getattr(self._inside, name)
+
+    reads = _counted(monkeypatch)
+    counting = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: Older(counting, *a, **k))
+    ck = checkpoint.LazyCheckpoint(sharded, spec=False)
+    files = sorted(str(f) for f in sharded.glob("*.safetensors"))
+    assert dict(reads) == dict.fromkeys(files, 1), reads
+    key = "model.layers.1.mlp.down_proj.weight"
+    got = ck.read_direct(key)
+    assert torch.equal(got, load_file(str(ck.file_of[key]))[ck.disk_name[key]])
+    assert reads[str(ck.file_of[key])] == 2 and sum(reads.values()) == len(files) + 1, reads
