@@ -32,3 +32,19 @@ def test_a_scaled_one_model_passthrough_still_reports_its_head_merged(one, tmp_p
     for name, report in reports.items():
         assert report["plan"]["steps"]["copy"] == 0, name
         assert report["head"]["policy"] == "merge" and "from_index" not in report["head"], (name, report["head"])
+
+
+def test_a_one_model_passthrough_of_a_base_model_reports_no_head_everywhere(tmp_path):
+    """A base model (``LlamaModel``: no head) copied whole: ``none`` from every entry, a config's included (its entry
+    reads the head from the input's headers, as ``symmerge merge`` does)."""
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32)
+    LlamaModel(cfg).save_pretrained(tmp_path / "base")
+    reports = _entries(str(tmp_path / "base"), tmp_path)
+    for name, report in reports.items():
+        assert report["plan"]["steps"]["merge"] == 0, name
+        assert report["head"] == {"policy": "none", "note": "base models without a task head"}, (name, report["head"])
