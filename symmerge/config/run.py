@@ -141,6 +141,8 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
 
         inputs = remapped_inputs(job, list(inputs), DTYPES[job.dtype] if job.dtype else None)
 
+    heads = heads_at(inputs[job.config_from])
+
     def finish(tmp, facts):
         tmp = Path(tmp)
         built = job.vocab is not None and job.vocab.tokenizer is not None  # the config builds the tokenizer
@@ -156,37 +158,60 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
         if job.chat_template is not None and (opts.copy_tokenizer or built):
             write_chat_template(tmp, job.chat_template, folders)
         if desc is not None:
-            write_outputs(tmp, job, desc, plain, facts, opts, alignment, started=started)
+            write_outputs(tmp, job, desc, plain, facts, opts, alignment, started=started, heads=heads)
 
     return execute_steps([p if hasattr(p, "folder") else Path(p) for p in inputs], job.steps, method, out,
                          OutputFolder(config=config, dtype=DTYPES[want] if want else None,
                                       side_files_from=folders[job.side_files_from], naming=job.config_from,
                                       shard_size=opts.shard_size, finish=finish),
-                         progress=opts.progress, distances=body_steps(job, inputs[job.config_from]))
+                         progress=opts.progress, distances=body_steps(job, heads))
 
 
-def body_steps(job, ckpt) -> set:
-    """The output tensors the report's distances sum: the body — every step but the tensors outside the model's
-    base (its language-model or task head, :func:`symmerge.merge.stream.head_keys_of`, from ``ckpt``: the input
-    ``config_from`` as the run reads it, the headers the plan read) — as ``symmerge merge`` measures them for the
-    same merge (docs/merge.md, "Two distances"; one rule: :func:`symmerge.merge.steps.measured_steps`)."""
+def heads_at(ckpt) -> list | None:
+    """The tensors outside the model's base (its language-model or task head, :func:`symmerge.merge.stream.head_keys_of`)
+    of ``ckpt``: the input ``config_from`` as the run reads it (the headers the plan read); None when it is not a
+    folder the checkpoint reader reads."""
     from ..io.checkpoint import LazyCheckpoint
-    from ..merge.steps import measured_steps
     from ..merge.stream import head_keys_of
 
     try:
-        heads = head_keys_of(ckpt if hasattr(ckpt, "keys") else LazyCheckpoint(ckpt, spec=False))
-    except (OSError, SymmergeError):  # not a folder the checkpoint reader reads: every step, as before
-        heads = ()
-    return measured_steps(job.steps, heads)
+        return head_keys_of(ckpt if hasattr(ckpt, "keys") else LazyCheckpoint(ckpt, spec=False))
+    except (OSError, SymmergeError):
+        return None
 
 
-def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None, started=None) -> dict:
+def body_steps(job, heads) -> set:
+    """The output tensors the report's distances sum: the body — every step but ``heads`` (:func:`heads_at`; None:
+    every step, as before) — as ``symmerge merge`` measures them for the same merge (docs/merge.md, "Two distances";
+    one rule: :func:`symmerge.merge.steps.measured_steps`)."""
+    from ..merge.steps import measured_steps
+
+    return measured_steps(job.steps, heads or ())
+
+
+def config_head(steps, labels, heads=None) -> dict:
+    """A config's report ``head`` entry: what its steps do — every tensor as its steps say, or, when every step copies
+    from one input (a one-model passthrough), that input's head kept (none for a base model without one: ``heads``
+    empty), as ``symmerge merge`` reports the same merge."""
+    from ..merge.heads import COPIED_NOTE
+    from ..merge.steps import one_input_copies
+
+    if steps and one_input_copies(steps):
+        if heads is not None and not heads:
+            return {"policy": "none", "note": "base models without a task head"}
+        source = steps[0].sources[0].model
+        return {"policy": "keep", "from_index": source, "from": labels[source], "note": COPIED_NOTE}
+    return {"policy": "merge", "note": "a mergekit config merges every tensor as its steps say"}
+
+
+def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None, started=None,
+                  heads=None) -> dict:
     """The final merge's ``symmerge_report.json`` (:func:`symmerge.merge.plan.merge_report`, the report every
     merge writes, built from the document's plan — :func:`symmerge.config.run_plan.plan_document` — plus the
     config's entry and the merge report's ``timings``: ``merge`` from ``started``, ``align`` an aligned config's
     alignment) and, unless ``opts.card`` is off, its model card (``README.md``,
-    :func:`symmerge.io.card.write_card`) and the config's text (``mergekit_config.yml``)."""
+    :func:`symmerge.io.card.write_card`) and the config's text (``mergekit_config.yml``); ``heads``:
+    :func:`heads_at` of its input ``config_from``."""
     import math
 
     from ..io.card import write_card
@@ -205,7 +230,7 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alig
     alignment = extra.pop("alignment", None) or plan.alignment()
     report = merge_report(
         plan, base=labels[job.base] if job.base is not None else None, alignment=alignment,
-        head={"policy": "merge", "note": "a mergekit config merges every tensor as its steps say"},
+        head=config_head(job.steps, labels, heads),
         distances_between_inputs={"before_alignment": None if extra.get("aligned") else pairs,
                                   "after_alignment": pairs},
         distance_result_to_inputs={names[i]: math.sqrt(v) for i, v in facts["result_sq"].items()} if uniform else None,

@@ -21,7 +21,7 @@ from . import direct, names_cache
 from .hf import DiskNames, attention_heads, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
 from .shapes import (check_complete, check_config_counts, check_dtypes, check_shapes, expected_tensors,
                      refuse_incomplete)
-from .model import SAFE_INDEX, SAFE_SINGLE, check_finite, check_safetensors, read_config, weight_files
+from .model import SAFE_INDEX, SAFE_SINGLE, check_finite, read_config, safetensors_headers, weight_files
 
 # safetensors dtype codes (a header's "dtype") and the torch dtypes they store; `PlannedWriter` writes the reverse
 SAFETENSORS_DTYPES = {
@@ -59,17 +59,15 @@ class LazyCheckpoint:
         of experts' ``mlp.experts.gate_up_proj`` from ``experts.{e}.gate_proj/up_proj``) as one virtual
         tensor each, under its in-memory name: read by stacking the stored tensors, written back split
         (:meth:`to_disk`) under the checkpoint's own names and layout."""
-        from safetensors import safe_open
-
         self.folder = Path(folder)
         self.config = read_config(self.folder, spec=spec)
         files, safe = weight_files(self.folder)
         if not safe:  # pragma: no cover - weight_files refuses pickle without allow_pickle
             raise SymmergeError(f"{self.folder}: streaming needs safetensors weights")
-        check_safetensors(files)
+        headers = safetensors_headers(files)  # each file's header read and checked once, used for all below
         self.files = files
         # config.json against the stored tensors before any model is built from it (a lying layer count)
-        check_config_counts(self.folder, self.config, stored_shapes(files))
+        check_config_counts(self.folder, self.config, stored_shapes(headers))
         if not self.config.get("architectures"):
             from .architecture import infer_architecture
 
@@ -102,23 +100,22 @@ class LazyCheckpoint:
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, torch.dtype] = {}
         aliases: list[tuple[str, str]] = []  # (alias, in-memory name of the stored tensor) from file metadata
-        for f in files:
-            with safe_open(str(f), "pt") as handle:
-                stored = set(handle.keys())
-                for disk in handle.keys():
-                    sl = handle.get_slice(disk)
-                    dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
-                    if dtype is None:
-                        raise SymmergeError(f"{f}: tensor {disk!r} has unsupported dtype {sl.get_dtype()}")
-                    key = rename.get(disk, disk)
-                    if key in self.file_of:
-                        raise SymmergeError(f"{f}: tensor {disk!r} stored twice")
-                    self.disk_name[key] = disk
-                    self.file_of[key], self.shape[key], self.dtype[key] = f, tuple(sl.get_shape()), dtype
-                # safetensors' save_model stores a shared tensor once and names the others in the metadata
-                aliases += [(rename.get(name, name), rename.get(target, target))
-                            for name, target in (handle.metadata() or {}).items()
-                            if isinstance(target, str) and target in stored and name not in stored]
+        for f, header in headers.items():
+            stored = set(header.tensors)
+            for disk, (code, shape) in header.tensors.items():
+                dtype = SAFETENSORS_DTYPES.get(code)
+                if dtype is None:
+                    raise SymmergeError(f"{f}: tensor {disk!r} has unsupported dtype {code}")
+                key = rename.get(disk, disk)
+                if key in self.file_of:
+                    raise SymmergeError(f"{f}: tensor {disk!r} stored twice")
+                self.disk_name[key] = disk
+                self.file_of[key], self.shape[key], self.dtype[key] = f, shape, dtype
+            _remember_offsets(f, header)
+            # safetensors' save_model stores a shared tensor once and names the others in the metadata
+            aliases += [(rename.get(name, name), rename.get(target, target))
+                        for name, target in header.metadata.items()
+                        if isinstance(target, str) and target in stored and name not in stored]
         for alias, key in aliases:
             if alias not in self.file_of:
                 self._same_as(alias, key)
@@ -381,18 +378,26 @@ def blocks_of(tensor: torch.Tensor, first: int, stride: int, width: int) -> torc
     return torch.cat([flat[p:p + width] for p in range(first, flat.numel(), stride)] or [flat[:0]])
 
 
-def stored_shapes(files) -> dict[str, list[int]]:
-    """{stored name: shape} of every tensor of the safetensors ``files``, from their headers alone."""
-    out: dict[str, list[int]] = {}
-    for f in files:
-        try:
-            with open(f, "rb") as handle:
-                n = int.from_bytes(handle.read(8), "little")
-                header = json.loads(handle.read(n))
-            out.update({k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise SymmergeError(f"{f}: unreadable safetensors header ({e})") from None
-    return out
+def stored_shapes(headers) -> dict[str, list[int]]:
+    """{stored name: shape} of every tensor of the safetensors files' ``headers`` ({file:
+    :class:`~symmerge.io.model.Header`}, :func:`~symmerge.io.model.safetensors_headers`)."""
+    return {k: list(shape) for header in headers.values() for k, (_, shape) in header.tensors.items()}
+
+
+def _remember_offsets(file: Path, header) -> None:
+    """:func:`_offsets`' answer for ``file`` from its ``header`` as safetensors checked it (no second read): its
+    tensors' bytes follow one another from the end of the header to the end of the file, in ``header.order``
+    (safetensors refuses a gap, an overlap or a size other than the tensors'). Every dtype must be known. Nothing when
+    the installed safetensors has no ``offset_keys`` (the first direct read then parses the header, as before)."""
+    if header.order is None:
+        return
+    sizes = {k: math.prod(shape) * SAFETENSORS_DTYPES[code].itemsize for k, (code, shape) in header.tensors.items()}
+    at = header.size - sum(sizes.values())
+    table = {}
+    for k in header.order:
+        table[k] = (at, at + sizes[k])
+        at += sizes[k]
+    _OFFSETS[(str(file), header.size, header.mtime_ns)] = table  # a file changed since: _offsets reads it again
 
 
 def _offsets(file: Path) -> dict[str, tuple[int, int]]:

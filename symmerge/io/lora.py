@@ -46,6 +46,7 @@ import torch
 
 from ..errors import SymmergeError
 from .locks import try_lock
+from .output import clean_stale_in
 from .cache import DIGESTS, build_lock, damage, record_digests, remove_entry
 from .provenance import remember
 
@@ -255,6 +256,7 @@ def resolve_input(spec, cache=None, dtype=None, merge: bool = True) -> str:
             remove_entry(out, "damaged merged model", "give --lora-merge-cache a writable folder")
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            clean_stale_in(directory)  # every entry's temporary folder of a killed run, not only this entry's
             apply_adapter(base, ad, out, dtype=dtype)
         except OSError as e:
             raise SymmergeError(f"{out}: cannot write the merged model ({e})") from None

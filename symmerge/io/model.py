@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -147,14 +148,40 @@ def weight_files(path: Path, allow_pickle: bool = False) -> tuple[list[Path], bo
 
 def check_safetensors(files: list[Path]) -> None:
     """Open each file's header: truncated or corrupt files fail here with one clear message."""
+    safetensors_headers(files)
+
+
+def safetensors_headers(files: list[Path]) -> dict:
+    """{file: :class:`Header`} of the safetensors ``files``, each header read and checked once, by safetensors itself
+    (``safe_open``: a truncated file, a bad header, overlapping or gapped offsets, a size that is not the tensors'):
+    a failure is one clear message."""
     from safetensors import safe_open
 
+    out = {}
     for f in files:
         try:
-            with safe_open(str(f), "pt"):
-                pass
+            st = os.stat(f)  # before the header is read: a file replaced meanwhile has another and is read again
+            with safe_open(str(f), "pt") as handle:
+                tensors = {}
+                for name in handle.keys():
+                    sl = handle.get_slice(name)
+                    tensors[name] = (sl.get_dtype(), tuple(sl.get_shape()))
+                order = list(handle.offset_keys()) if hasattr(handle, "offset_keys") else None  # older: none
+                out[Path(f)] = Header(tensors, order, dict(handle.metadata() or {}), st.st_size, st.st_mtime_ns)
         except Exception as e:  # safetensors raises its own error type for every header problem
             raise SymmergeError(f"{f}: unreadable safetensors file, truncated or corrupt ({e})") from None
+    return out
+
+
+@dataclass(frozen=True)
+class Header:
+    """One safetensors file's header as safetensors read and checked it (:func:`safetensors_headers`)."""
+
+    tensors: dict  # stored name -> (safetensors dtype code, shape), in safetensors' key order
+    order: list | None  # the stored names in the order of their bytes in the file (None: this safetensors cannot say)
+    metadata: dict
+    size: int  # the file's bytes and modification time (ns) just before its header was read
+    mtime_ns: int
 
 
 def check_finite(state_dict: dict, where: str, disk_names=None) -> None:

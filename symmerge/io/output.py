@@ -134,6 +134,34 @@ def clean_stale(out, say=None) -> list[str]:
     return lines
 
 
+def clean_stale_in(folder, say=None) -> list[str]:
+    """Remove the temporary folders (:func:`temp_prefix`) of processes that are gone for *every* output in ``folder``
+    (a cache of entries: a writer killed while building one entry leaves its temporary folder, which
+    :func:`clean_stale` removes only when that same entry is written again), each under the rule of
+    :func:`clean_stale`: judged while holding the claim on its output's name, left alone when another process holds
+    that claim (it writes that entry now) or the claim cannot be had. Returns the lines said."""
+    folder = Path(folder)
+    try:
+        names = sorted({m.group(1) for p in folder.iterdir() if (m := _ANY.match(p.name)) and p.is_dir()})
+    except OSError:
+        return []
+    lines = []
+    for name in names:
+        out = folder / name  # the side name itself: its temporary folders' and its lock's names are the output's
+        try:
+            claimed = claim_output(out)
+        except (OutputError, OSError):  # another process writes it now, or nothing can be claimed here
+            continue
+        try:
+            lines += clean_stale(out, say)
+        finally:
+            if claimed:
+                release_output(out)
+    return lines
+
+
+_ANY = re.compile(r"^\.(.+)" + re.escape(TAG) + r"\d+-")  # any output's temporary folder: its side name
+
 _REASONS = {errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "permission denied",
             errno.ENOTDIR: "not a directory", errno.ENOSPC: "no space left on the device",
             errno.EFBIG: "file too large (the file-size limit, ulimit -f, or the file system's)",

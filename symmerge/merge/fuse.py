@@ -746,7 +746,7 @@ def _report(mg: Merged) -> dict:
     ld = al.loaded
     opts, names, body = ld.opts, ld.names, ld.body
     head_info = head_report(head_keys(ld.models[0]), opts.heads, ld.requested_heads, opts.head_from, names,
-                            head_keys(mg.holder))
+                            head_keys(mg.holder), mg.steps)
     with stage("distances between the inputs and to the result", enabled=opts.progress):
         before = _pairwise([x.state_dict() for x in ld.models], body, names)
         after = before if al.aligned is ld.models else _pairwise(mg.sds, body, names)

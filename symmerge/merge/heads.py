@@ -14,6 +14,7 @@ from ..io.layout import layout_of
 from ..core.resolve import declared_ties
 from ..errors import SymmergeError
 from ..pipeline.verify import with_state_dict
+from .steps import one_input_copies
 
 HEAD_POLICIES = ("auto", "keep", "merge")
 # classes whose head maps the stream to the vocabulary: rows indexed by tokens, which the tokenizer check
@@ -34,15 +35,24 @@ def head_policy(requested: str, cls) -> str:
     return "merge" if name.endswith(LANGUAGE_MODELS) else "keep"
 
 
-def head_report(head_keys: list, policy: str, requested: str, head_from: int, names, kept_keys) -> dict:
+COPIED_NOTE = "every step copies its tensor from one model (a one-model passthrough): its head is copied too"
+
+
+def head_report(head_keys: list, policy: str, requested: str, head_from: int, names, kept_keys,
+                steps=None) -> dict:
     """The report's ``head`` entry (in memory and streamed): ``none`` for base models, else the policy
-    applied, the one requested, and the head's tensors (kept: whose, ``kept_keys`` being that model's)."""
+    applied, the one requested, and the head's tensors (kept: whose, ``kept_keys`` being that model's).
+    ``steps`` (the plan's :class:`~symmerge.merge.steps.TensorStep` list, None for a method with its own loop):
+    what the steps do wins over the policy — a head ``merge`` of a plan whose every step copies from one model (a
+    one-model passthrough: :func:`~symmerge.merge.steps.one_input_copies`) is reported ``keep``, with a note."""
     if not head_keys:
         return {"policy": "none", "note": "base models without a task head"}
-    if policy == "merge":
+    copied = policy == "merge" and one_input_copies(steps or ())
+    if policy == "merge" and not copied:
         return {"policy": "merge", "requested": requested, "keys": sorted(head_keys)}
-    return {"policy": "keep", "requested": requested, "from_index": head_from, "from": names[head_from],
-            "keys": sorted(kept_keys)}
+    out = {"policy": "keep", "requested": requested, "from_index": head_from, "from": names[head_from],
+           "keys": sorted(kept_keys)}
+    return out | {"note": COPIED_NOTE} if copied else out
 
 
 def head_keys(model) -> list[str]:

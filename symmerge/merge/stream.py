@@ -216,7 +216,8 @@ def _plain_streaming(folders, base_folder, out, options, checked: _Checked, *, a
         pairs = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in sorted(facts["pairwise_sq"].items())}
         report = merge_report(
             plan, base=base_name, alignment=alignment,
-            head=head_report(heads[0], policy, options.heads, options.head_from, names, heads[options.head_from]),
+            head=head_report(heads[0], policy, options.heads, options.head_from, names, heads[options.head_from],
+                             steps),
             # aligned: the distances before alignment are each model's to the anchor (alignment.models)
             distances_between_inputs={"before_alignment": None if aligned else pairs, "after_alignment": dict(pairs)},
             distance_result_to_inputs={nm: math.sqrt(facts["result_sq"].get(i, 0.0)) for i, nm in enumerate(names)},
