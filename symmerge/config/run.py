@@ -191,17 +191,13 @@ def body_steps(job, heads) -> set:
 
 def config_head(steps, labels, heads=None) -> dict:
     """A config's report ``head`` entry: what its steps do — every tensor as its steps say, or, when every step copies
-    from one input (a one-model passthrough), that input's head kept (none for a base model without one: ``heads``
-    empty), as ``symmerge merge`` reports the same merge."""
-    from ..merge.heads import COPIED_NOTE
-    from ..merge.steps import one_input_copies
+    from one input (a one-model passthrough), the entry ``symmerge merge`` reports for the same merge
+    (:func:`symmerge.merge.heads.passthrough_head`, without its ``requested`` and ``keys``: a config asks for no head
+    policy, its steps name the tensors)."""
+    from ..merge.heads import passthrough_head
 
-    if steps and one_input_copies(steps):
-        if heads is not None and not heads:
-            return {"policy": "none", "note": "base models without a task head"}
-        source = steps[0].sources[0].model
-        return {"policy": "keep", "from_index": source, "from": labels[source], "note": COPIED_NOTE}
-    return {"policy": "merge", "note": "a mergekit config merges every tensor as its steps say"}
+    copied = passthrough_head(steps, labels, heads)
+    return copied or {"policy": "merge", "note": "a mergekit config merges every tensor as its steps say"}
 
 
 def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None, started=None,
