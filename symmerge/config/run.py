@@ -38,6 +38,7 @@ def run_jobs(desc, shard_size="5GB", progress=True, options: RunOptions | None =
     """Every job of ``desc`` (a mergekit config); the final one written to ``desc.output`` with its report
     (``symmerge_report.json``), model card and the config's copy. Returns one summary dict per job. An aligned
     config (``desc.alignment``) aligns its models into one frame first (:func:`run_aligned`)."""
+    from ..io.checkpoint import LazyCheckpoint
     from ..io.model import ensure_output_dir
     from ..io.output import side_name
 
@@ -58,7 +59,9 @@ def run_jobs(desc, shard_size="5GB", progress=True, options: RunOptions | None =
                     out.parent.mkdir(parents=True, exist_ok=True)
                     temp = Path(tempfile.mkdtemp(prefix=f".{side_name(out)}.intermediates-", dir=out.parent))
                 target = temp / job.name
-            inputs = [i.checkpoint(job.headers) if i.folder is not None else folders[i.job] for i in job.inputs]
+            # the checkpoints: an input's as the plan read it, an earlier merge's output opened here, once
+            inputs = [i.checkpoint(job.headers) if i.folder is not None else LazyCheckpoint(folders[i.job], spec=False)
+                      for i in job.inputs]
             t0 = time.perf_counter()
             execute(job, inputs, target, options=opts, desc=desc if job.final else None)
             folders.append(target)
@@ -115,12 +118,14 @@ def run_aligned(desc, shard_size="5GB", progress=True, options: RunOptions | Non
 def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptions | None = None,
             desc=None, alignment=None) -> dict:
     """One job through the streamed executor (:func:`symmerge.merge.executor.execute_steps`): its steps read
-    from ``inputs`` (folders), merged and written to ``out`` with the config.json of input ``config_from``
-    plus the job's edits, the side files (tokenizer, generation config) of input ``side_files_from``, and the
-    chat template asked for; with ``desc`` (the final merge of a config) its report, model card and the
-    config's copy (``alignment``: an aligned config's alignment plan, recorded in the report's plan)."""
+    from ``inputs`` (the inputs' checkpoints, :class:`~symmerge.io.checkpoint.LazyCheckpoint` s or views of them),
+    merged and written to ``out`` with the config.json of input ``config_from`` plus the job's edits, the side files
+    (tokenizer, generation config) of input ``side_files_from``, and the chat template asked for; with ``desc`` (the
+    final merge of a config) its report, model card and the config's copy (``alignment``: an aligned config's
+    alignment plan, recorded in the report's plan)."""
     from ..merge import METHODS
     from ..merge.executor import OutputFolder, execute_steps
+    from ..merge.stream import head_keys_of
 
     started = time.perf_counter()
     opts = options or RunOptions(shard_size=shard_size, progress=progress)
@@ -132,7 +137,7 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
         method = computing_in(method, DTYPES[job.dtype])
     if opts.device is not None and opts.device != "cpu" and any(st.merge for st in job.steps):
         method = computing_on(method, opts.device)
-    folders = [Path(getattr(p, "folder", p)) for p in inputs]  # an adapted base: its view's folder is the task's
+    folders = [Path(p.folder) for p in inputs]  # an adapted base: its view's folder is the task's
     config = json.loads((folders[job.config_from] / "config.json").read_text())
     config.update(job.config_edits)
     want = job.out_dtype or job.dtype
@@ -141,7 +146,7 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
 
         inputs = remapped_inputs(job, list(inputs), DTYPES[job.dtype] if job.dtype else None)
 
-    heads = heads_at(inputs[job.config_from])
+    heads = head_keys_of(inputs[job.config_from])  # the input config_from as the run reads it
 
     def finish(tmp, facts):
         tmp = Path(tmp)
@@ -160,48 +165,31 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
         if desc is not None:
             write_outputs(tmp, job, desc, plain, facts, opts, alignment, started=started, heads=heads)
 
-    return execute_steps([p if hasattr(p, "folder") else Path(p) for p in inputs], job.steps, method, out,
+    return execute_steps(inputs, job.steps, method, out,
                          OutputFolder(config=config, dtype=DTYPES[want] if want else None,
                                       side_files_from=folders[job.side_files_from], naming=job.config_from,
                                       shard_size=opts.shard_size, finish=finish),
                          progress=opts.progress, distances=body_steps(job, heads))
 
 
-def heads_at(ckpt) -> list | None:
-    """The tensors outside the model's base (its language-model or task head, :func:`symmerge.merge.stream.head_keys_of`)
-    of ``ckpt``: the input ``config_from`` as the run reads it (the headers the plan read); None when it is not a
-    folder the checkpoint reader reads."""
-    from ..io.checkpoint import LazyCheckpoint
-    from ..merge.stream import head_keys_of
-
-    try:
-        return head_keys_of(ckpt if hasattr(ckpt, "keys") else LazyCheckpoint(ckpt, spec=False))
-    except (OSError, SymmergeError):
-        return None
-
-
 def body_steps(job, heads) -> set:
-    """The output tensors the report's distances sum: the body — every step but ``heads`` (:func:`heads_at`; None:
-    every step, as before) — as ``symmerge merge`` measures them for the same merge (docs/merge.md, "Two distances";
-    one rule: :func:`symmerge.merge.steps.measured_steps`)."""
+    """The output tensors the report's distances sum: the body — every step but ``heads`` (the head keys of the input
+    ``config_from``, :func:`symmerge.merge.stream.head_keys_of`) — as ``symmerge merge`` measures them for the same
+    merge (docs/merge.md, "Two distances"; one rule: :func:`symmerge.merge.steps.measured_steps`)."""
     from ..merge.steps import measured_steps
 
-    return measured_steps(job.steps, heads or ())
+    return measured_steps(job.steps, heads)
 
 
 def config_head(steps, labels, heads=None) -> dict:
     """A config's report ``head`` entry: what its steps do — every tensor as its steps say, or, when every step copies
-    from one input (a one-model passthrough), that input's head kept (none for a base model without one: ``heads``
-    empty), as ``symmerge merge`` reports the same merge."""
-    from ..merge.heads import COPIED_NOTE
-    from ..merge.steps import one_input_copies
+    from one input (a one-model passthrough), the entry ``symmerge merge`` reports for the same merge
+    (:func:`symmerge.merge.heads.passthrough_head`, without its ``requested`` and ``keys``: a config asks for no head
+    policy, its steps name the tensors)."""
+    from ..merge.heads import passthrough_head
 
-    if steps and one_input_copies(steps):
-        if heads is not None and not heads:
-            return {"policy": "none", "note": "base models without a task head"}
-        source = steps[0].sources[0].model
-        return {"policy": "keep", "from_index": source, "from": labels[source], "note": COPIED_NOTE}
-    return {"policy": "merge", "note": "a mergekit config merges every tensor as its steps say"}
+    copied = passthrough_head(steps, labels, heads)
+    return copied or {"policy": "merge", "note": "a mergekit config merges every tensor as its steps say"}
 
 
 def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None, started=None,
@@ -211,7 +199,7 @@ def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alig
     config's entry and the merge report's ``timings``: ``merge`` from ``started``, ``align`` an aligned config's
     alignment) and, unless ``opts.card`` is off, its model card (``README.md``,
     :func:`symmerge.io.card.write_card`) and the config's text (``mergekit_config.yml``); ``heads``:
-    :func:`heads_at` of its input ``config_from``."""
+    the head keys of its input ``config_from`` (:func:`symmerge.merge.stream.head_keys_of`)."""
     import math
 
     from ..io.card import write_card

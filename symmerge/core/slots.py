@@ -7,6 +7,8 @@ Two precision rules, written once:
   copy of a large layer would double its memory).
 * :func:`fast_dtype` — for cost matrices whose optimum only needs the order of the costs
   (assignments, the residual stream's direction): float64 if any operand is float64, else float32.
+
+Both take the operands' tensors or their dtypes (:func:`working_dtype`: a view's dtype without its copy).
 """
 
 from __future__ import annotations
@@ -27,12 +29,26 @@ def stored(sd, key: str) -> torch.Tensor:
     return sd[key] if get is None else get(key)
 
 
+def working_dtype(sd, key: str) -> torch.dtype:
+    """The dtype of ``sd[key]`` without making it, where ``sd`` is a view of working copies that offers it
+    (``sd.working_dtype(key)``: :class:`~symmerge.pipeline.stream.Lifted`, float32 for a float16/bfloat16 tensor,
+    whose float32 copy reading ``sd[key]`` would make), else ``sd[key].dtype``. For readers that only need the
+    working precision (:func:`precise_dtype`, :func:`fast_dtype` take these dtypes as they take tensors)."""
+    get = getattr(sd, "working_dtype", None)
+    return sd[key].dtype if get is None else get(key)
+
+
+def _dtypes(operands) -> list:
+    """The dtypes of ``operands``: tensors, or dtypes (:func:`working_dtype`) as they are."""
+    return [x if isinstance(x, torch.dtype) else x.dtype for x in operands]
+
+
 def precise_dtype(*tensors) -> torch.dtype:
-    return torch.float32 if tensors and all(t.dtype in HALF for t in tensors) else torch.float64
+    return torch.float32 if tensors and all(d in HALF for d in _dtypes(tensors)) else torch.float64
 
 
 def fast_dtype(*tensors) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.float64 if any(d == torch.float64 for d in _dtypes(tensors)) else torch.float32
 
 
 def sub_tensor(t: torch.Tensor, slot: Slot) -> tuple[torch.Tensor, int]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.slots import precise_dtype, segment, slot_blocks, stored, with_segment
+from ..core.slots import precise_dtype, segment, slot_blocks, stored, with_segment, working_dtype
 from ..core.solvers import joint_scale, procrustes, scale_for_rotation, sequential_scale
 from ..core.solvers.rescale import head_objective
 from ..errors import SymmergeError
@@ -81,7 +81,7 @@ def stacked(inst, sd: dict, power: int, rows: slice = slice(None), sub: torch.Te
     slots = [s for s in inst.slots if s.power == power]
     if not slots:
         return None
-    dtype = precise_dtype(*(sd[s.key] for s in inst.slots))  # of the working copies (float64 for float32 ones)
+    dtype = precise_dtype(*(working_dtype(sd, s.key) for s in inst.slots))  # of the working copies, not made
     parts = []
     for s in slots:  # converted from the tensor as stored: a half tensor's float32 copy would give the same values
         x = slot_blocks(stored(sd, s.key), s, inst.blocks, dtype)

@@ -30,7 +30,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..core.slots import block_index, index_axis, precise_dtype, segment, slot_blocks, slot_length
+from ..core.slots import (block_index, index_axis, precise_dtype, segment, slot_blocks, slot_length,
+                          working_dtype)
 from ..core.solvers import match_permutation
 from ..errors import SymmergeError
 from .base import Kind, is_permutation, swap_blocks
@@ -162,7 +163,7 @@ class Heads(Kind):
         """A's blocks of groups ``ia`` (each repeated for every B group) with their query heads in
         ``order`` ((len(ia)·G, rep): for the pair (i, j), the order of i's query heads)."""
         idx = ia.repeat_interleave(G)
-        dtype = precise_dtype(*(sd_a[s.key] for s in sib.slots))
+        dtype = precise_dtype(*(working_dtype(sd_a, s.key) for s in sib.slots))
         out = {}
         for p in sorted({s.power for s in sib.slots}, reverse=True):
             parts = []
@@ -188,7 +189,7 @@ class Heads(Kind):
             for s in sib.slots:
                 if s.repeat == 1:
                     continue
-                dtype = precise_dtype(sd_a[s.key])
+                dtype = precise_dtype(working_dtype(sd_a, s.key))
                 xa = _query_blocks(sd_a[s.key], s, H, dtype)
                 xb = _query_blocks(sd_b[s.key], s, H, dtype)
                 cross = torch.einsum("adn,ben->abde", xa, xb).double()

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.slots import fast_dtype, index_axis, segment, unit_matrix, with_segment
+from ..core.slots import fast_dtype, index_axis, segment, unit_matrix, with_segment, working_dtype
 from ..core.solvers import (centered_residual, orthogonal_residual, permutation_residual,
                             signed_permutation_residual)
 from ..errors import SymmergeError
@@ -166,7 +166,7 @@ class Residual(Kind):
     def cost(self, inst, sd_a: dict, sd_b: dict, keys=None):
         """``C = Σ X₁ X₂ᵀ`` (d × d) over the stream members (optionally only ``keys``) and
         ``D = Σ γ₁ γ₂ᵀ`` over the norm weights; float32 for non-float64 models."""
-        dtype = fast_dtype(*(sd_a[s.key] for s in inst.slots))
+        dtype = fast_dtype(*(working_dtype(sd_a, s.key) for s in inst.slots))
         C = torch.zeros(inst.size, inst.size, dtype=dtype)
         D = torch.zeros(inst.size, inst.size, dtype=torch.float64)
         for s in inst.slots:

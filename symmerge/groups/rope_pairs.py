@@ -86,6 +86,12 @@ def _solve(xa: dict, xb: dict, info: RopeInfo, size: int, rotate: bool, rescale:
     return R, a, values
 
 
+def _joined(xs: list) -> dict:
+    """The blocks ``{power: (H, d, n)}`` of instances solved together, one after another along the heads; one
+    instance's (a streamed layer's) as they are, not a second float64 copy of them."""
+    return {p: xs[0][p] if len(xs) == 1 else torch.cat([x[p] for x in xs]) for p in (1, -1)}
+
+
 class RopePairs(Kind):
     name = "rope_pairs"
     description = "per-head 2x2 rotation of each RoPE frequency pair"
@@ -113,9 +119,7 @@ class RopePairs(Kind):
         for info, group in by_info.items():
             xa = [blocks(i, sd_a) for i in group]
             xb = [blocks(i, sd_b) for i in group]
-            # one instance (a streamed layer): its blocks as they are, not a second float64 copy of them
-            cat = lambda xs: {p: xs[0][p] if len(xs) == 1 else torch.cat([x[p] for x in xs]) for p in (1, -1)}  # noqa: E731
-            R, a, _ = _solve(cat(xa), cat(xb), info, group[0].size, opts.rotate, opts.rescale,
+            R, a, _ = _solve(_joined(xa), _joined(xb), info, group[0].size, opts.rotate, opts.rescale,
                              bool(group[0].group.param("pair_norms")))
             k = 0
             for inst in group:

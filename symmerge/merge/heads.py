@@ -38,21 +38,42 @@ def head_policy(requested: str, cls) -> str:
 COPIED_NOTE = "every step copies its tensor from one model (a one-model passthrough): its head is copied too"
 
 
+def no_head() -> dict:
+    """The ``head`` entry of base models without a task head (every entry's, a config's included)."""
+    return {"policy": "none", "note": "base models without a task head"}
+
+
+def passthrough_head(steps, names, heads=None, requested: str | None = None, keys=None) -> dict | None:
+    """The ``head`` entry of a one-model passthrough — every step of ``steps`` copies from one input
+    (:func:`~symmerge.merge.steps.one_input_copies`) — the one rule of ``symmerge merge`` (:func:`head_report`)
+    and of a config (:func:`symmerge.config.run.config_head`): :func:`no_head` for a base model without a head
+    (``heads``, the input's head keys, empty; None: not known), else ``keep`` from that input, with
+    :data:`COPIED_NOTE`; ``requested`` and ``keys`` (the policy asked for, the kept tensors: ``symmerge merge``'s
+    entry; a config's has neither) where given. None when the steps are no one-model passthrough."""
+    if not one_input_copies(steps or ()):
+        return None
+    if heads is not None and not heads:
+        return no_head()
+    source = steps[0].sources[0].model
+    asked = {"requested": requested} if requested is not None else {}
+    kept = {"keys": sorted(keys)} if keys is not None else {}
+    return {"policy": "keep", **asked, "from_index": source, "from": names[source], **kept, "note": COPIED_NOTE}
+
+
 def head_report(head_keys: list, policy: str, requested: str, head_from: int, names, kept_keys,
                 steps=None) -> dict:
     """The report's ``head`` entry (in memory and streamed): ``none`` for base models, else the policy
     applied, the one requested, and the head's tensors (kept: whose, ``kept_keys`` being that model's).
     ``steps`` (the plan's :class:`~symmerge.merge.steps.TensorStep` list, None for a method with its own loop):
     what the steps do wins over the policy — a head ``merge`` of a plan whose every step copies from one model (a
-    one-model passthrough: :func:`~symmerge.merge.steps.one_input_copies`) is reported ``keep``, with a note."""
+    one-model passthrough) is reported ``keep``, with a note (:func:`passthrough_head`)."""
     if not head_keys:
-        return {"policy": "none", "note": "base models without a task head"}
-    copied = policy == "merge" and one_input_copies(steps or ())
-    if policy == "merge" and not copied:
-        return {"policy": "merge", "requested": requested, "keys": sorted(head_keys)}
-    out = {"policy": "keep", "requested": requested, "from_index": head_from, "from": names[head_from],
-           "keys": sorted(kept_keys)}
-    return out | {"note": COPIED_NOTE} if copied else out
+        return no_head()
+    if policy == "merge":
+        copied = passthrough_head(steps, names, head_keys, requested, kept_keys)
+        return copied or {"policy": "merge", "requested": requested, "keys": sorted(head_keys)}
+    return {"policy": "keep", "requested": requested, "from_index": head_from, "from": names[head_from],
+            "keys": sorted(kept_keys)}
 
 
 def head_keys(model) -> list[str]:

@@ -195,9 +195,14 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() else t
 
 
+def _lifted(dtype: torch.dtype) -> torch.dtype:
+    """The working copy's dtype of a tensor stored in ``dtype``: float32 for float16/bfloat16, else ``dtype``."""
+    return torch.float32 if dtype in HALF else dtype
+
+
 def _lift(t: torch.Tensor) -> torch.Tensor:
     """A float16/bfloat16 tensor's float32 copy (exact); any other tensor itself."""
-    return t.float() if t.dtype in HALF else t
+    return t.to(_lifted(t.dtype))  # ``to`` its own dtype: the tensor itself
 
 
 class Lifted(Mapping):
@@ -215,6 +220,10 @@ class Lifted(Mapping):
         """The tensor as stored, for readers whose arithmetic is float64 whatever its dtype
         (:func:`~symmerge.core.slots.stored`)."""
         return self.sd[key]
+
+    def working_dtype(self, key) -> torch.dtype:
+        """The dtype of ``self[key]``, without its copy (:func:`~symmerge.core.slots.working_dtype`)."""
+        return _lifted(self.sd[key].dtype)
 
     def __iter__(self):
         return iter(self.sd)

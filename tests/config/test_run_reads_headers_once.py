@@ -89,3 +89,25 @@ def test_an_intermediate_is_read_once_too(models, tmp_path, monkeypatch):
     assert set(folders.values()) == {1}, dict(folders)
     assert set(files.values()) == {1}, dict(files)
     assert len(folders) == 4  # the three inputs and the intermediate
+
+
+def test_an_intermediate_whose_config_the_final_merge_takes_is_read_once(models, tmp_path, monkeypatch):
+    """The final merge takes its config.json (and its report's head) from the intermediate (``config_from``, the first
+    model without a base): the run opens the intermediate's checkpoint once and gives it to the executor and to the
+    report's head entry alike. Before, the head entry's reader (``config.run.heads_at``) was given the folder, told it
+    from a checkpoint by a duck test and opened it again: 2 reads of the intermediate's file."""
+    base, fts = models[0], models[1:]
+    first = {"name": "first", "merge_method": "linear",
+             "models": [{"model": x, "parameters": {"weight": 0.5}} for x in fts]}
+    final = {"merge_method": "linear", "models": [{"model": "first", "parameters": {"weight": 0.5}},
+                                                  {"model": base, "parameters": {"weight": 0.5}}]}
+    path = tmp_path / "c.yml"
+    path.write_text(yaml.safe_dump_all([first, final], sort_keys=False))
+    files, folders = _counted(monkeypatch)
+    assert run_cli("run", path, tmp_path / "out", "--quiet") == 0
+    assert len(folders) == 4 and set(folders.values()) == {1}, dict(folders)  # the three inputs, the intermediate
+    assert set(files.values()) == {1}, dict(files)
+    report = json.loads((tmp_path / "out" / "symmerge_report.json").read_text())
+    assert report["head"]["policy"] == "merge" and report["distance_result_to_inputs"] is not None
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["architectures"] == ["LlamaForCausalLM"]

@@ -1,6 +1,7 @@
 """What the streamed alignment of half-precision files saves in memory, checked for its results: the unit scales of
 an FFN read each member as stored through :func:`symmerge.core.slots.stored` (no float32 copy; their sums are float64
-either way), and :func:`symmerge.core.slots.index_axis` scales a new row-indexed tensor in place, a block of rows at
+either way), the head and residual solvers learn the working precision by :func:`symmerge.core.slots.working_dtype`
+(no float32 copy made for it), and :func:`symmerge.core.slots.index_axis` scales a new row-indexed tensor in place, a block of rows at
 a time (:func:`symmerge.core.slots.scale_rows_`: a float32 tensor's float64 product is never whole in memory). Both
 must give the values of the whole computation bit for bit and leave their inputs as they were."""
 
@@ -11,9 +12,11 @@ import torch
 
 from factories import make_model
 from symmerge.core.instance import Slot
-from symmerge.core.slots import index_axis, scale_rows_, stored
+from symmerge.core.slots import index_axis, scale_rows_, stored, working_dtype
+from symmerge.groups import Options
 from symmerge.groups.permutation import unit_scales
 from symmerge.pipeline.align import instances_for
+from symmerge.pipeline.engine import solve_local
 from symmerge.pipeline.stream import Lifted
 
 
@@ -82,3 +85,55 @@ def test_scale_rows_in_blocks_equals_the_whole_promoted_product(dtype, axis):
         got = y.clone()
         assert scale_rows_(got, factor, budget) is got
         assert torch.equal(got, expected), budget
+
+
+def _float32(sd: dict) -> dict:
+    """The in-memory working copies (:func:`symmerge.pipeline.verify.working_copies`) of half tensors."""
+    return {k: v.float() for k, v in sd.items()}
+
+
+def _same(found: dict, expected: dict) -> bool:
+    """The same elements, bit for bit (their tensor fields)."""
+    return found.keys() == expected.keys() and all(
+        all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(vars(found[n]).values(),
+                                                                             vars(expected[n]).values()))
+        for n in found)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_head_solve_learns_the_working_dtype_without_copies(dtype):
+    """One Llama layer's attention solved on :class:`Lifted` views of half tensors, as ``align --stream`` solves it:
+    the rotations and scales (``head_orthogonal``'s ``stacked``, the RoPE pairs) make no float32 copy — they learned
+    the working dtype by reading every slot, twice (one per scale power), before :func:`working_dtype`: 8 copies of
+    each model's — and the head permutation (GQA) at most 26 of A and 2 of B, for values (40 and 18 before); the
+    elements are those of the float32 working copies, bit for bit."""
+    sd_a = make_model("llama", dtype=torch.float32, seed=6).to(dtype).state_dict()
+    sd_b = make_model("llama", dtype=torch.float32, seed=7).to(dtype).state_dict()
+    _, instances = instances_for(make_model("llama", seed=6))
+    attention = [i for i in instances if i.layer == 0 and i.kind.name in ("heads", "head_orthogonal", "rope_pairs")]
+    assert {i.kind.name for i in attention} == {"heads", "head_orthogonal", "rope_pairs"}
+    key = attention[0].slots[0].key
+    assert working_dtype(Lifted(sd_a), key) == torch.float32 and working_dtype(sd_a, key) == dtype
+    for symmetries, most in ((("attn", "rescale"), (0, 0)), (("heads", "attn", "rescale"), (26, 2))):
+        opts = Options(frozenset(symmetries), "joint")
+        insts = [i for i in attention if "heads" in symmetries or i.kind.name != "heads"]
+        lifted_a, lifted_b = Counting(sd_a), Counting(sd_b)
+        found = solve_local(insts, lifted_a, lifted_b, opts)
+        assert lifted_a.copies <= most[0] and lifted_b.copies <= most[1], (symmetries, lifted_a.copies,
+                                                                           lifted_b.copies)
+        assert _same(found, solve_local(insts, _float32(sd_a), _float32(sd_b), opts)), symmetries
+
+
+def test_the_residual_cost_reads_each_member_once():
+    """The residual stream's cost (ViT, LayerNorm) on :class:`Lifted` bfloat16 views: one float32 copy per member of
+    each model, for its values (A's were two before :func:`working_dtype`: 62 for 31 members), and the cost of the
+    float32 working copies, bit for bit."""
+    sd_a = make_model("vit", head=True, dtype=torch.float32, seed=3).to(torch.bfloat16).state_dict()
+    sd_b = make_model("vit", head=True, dtype=torch.float32, seed=4).to(torch.bfloat16).state_dict()
+    _, instances = instances_for(make_model("vit", head=True, seed=3), residual="largest")
+    stream = next(i for i in instances if i.kind.name == "residual")
+    lifted_a, lifted_b = Counting(sd_a), Counting(sd_b)
+    C, D = stream.kind.cost(stream, lifted_a, lifted_b)
+    assert lifted_a.copies == lifted_b.copies == len(stream.slots)
+    C32, D32 = stream.kind.cost(stream, _float32(sd_a), _float32(sd_b))
+    assert torch.equal(C, C32) and torch.equal(D, D32)
