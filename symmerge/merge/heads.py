@@ -65,13 +65,16 @@ def head_report(head_keys: list, policy: str, requested: str, head_from: int, na
     """The report's ``head`` entry (in memory and streamed): ``none`` for base models, else the policy
     applied, the one requested, and the head's tensors (kept: whose, ``kept_keys`` being that model's).
     ``steps`` (the plan's :class:`~symmerge.merge.steps.TensorStep` list, None for a method with its own loop):
-    what the steps do wins over the policy — a head ``merge`` of a plan whose every step copies from one model (a
-    one-model passthrough) is reported ``keep``, with a note (:func:`passthrough_head`)."""
+    what the steps do wins over the policy — a plan whose every step copies from one model (a one-model
+    passthrough) is reported ``keep`` from that model with its note, whatever policy was asked
+    (:func:`passthrough_head`)."""
     if not head_keys:
         return no_head()
+    copied = passthrough_head(steps, names, head_keys, requested, kept_keys)
+    if copied is not None:
+        return copied
     if policy == "merge":
-        copied = passthrough_head(steps, names, head_keys, requested, kept_keys)
-        return copied or {"policy": "merge", "requested": requested, "keys": sorted(head_keys)}
+        return {"policy": "merge", "requested": requested, "keys": sorted(head_keys)}
     return {"policy": "keep", "requested": requested, "from_index": head_from, "from": names[head_from],
             "keys": sorted(kept_keys)}
 
