@@ -43,16 +43,16 @@ def no_head() -> dict:
     return {"policy": "none", "note": "base models without a task head"}
 
 
-def passthrough_head(steps, names, heads=None, requested: str | None = None, keys=None) -> dict | None:
+def passthrough_head(steps, names, heads, requested: str | None = None, keys=None) -> dict | None:
     """The ``head`` entry of a one-model passthrough — every step of ``steps`` copies from one input
     (:func:`~symmerge.merge.steps.one_input_copies`) — the one rule of ``symmerge merge`` (:func:`head_report`)
     and of a config (:func:`symmerge.config.run.config_head`): :func:`no_head` for a base model without a head
-    (``heads``, the input's head keys, empty; None: not known), else ``keep`` from that input, with
+    (``heads``, the input's head keys, empty), else ``keep`` from that input, with
     :data:`COPIED_NOTE`; ``requested`` and ``keys`` (the policy asked for, the kept tensors: ``symmerge merge``'s
     entry; a config's has neither) where given. None when the steps are no one-model passthrough."""
     if not one_input_copies(steps or ()):
         return None
-    if heads is not None and not heads:
+    if not heads:
         return no_head()
     source = steps[0].sources[0].model
     asked = {"requested": requested} if requested is not None else {}
