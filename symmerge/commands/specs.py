@@ -57,8 +57,9 @@ def run(args) -> int:
                 print(f"      {names.get((m.name, m.root), m.name)}  [{', '.join(marks)}{extra}]")
             if g.param("pair_norms"):
                 norms = ", ".join(names.get((n, False), n) for n in g.param("pair_norms"))
-                print(f"      restricted by the query/key norms {norms} (per head, or over all heads): no scale; a free "
-                      "pair rotation only where their weights on j and j + r/2 are equal in every head, else a sign flip")
+                print(f"      restricted by the query/key norms {norms} (per head, or over all heads): no scale; "
+                      "a free pair rotation only where their weights on j and j + r/2 are equal in every head, "
+                      "else a sign flip")
             _residual_notes(g, spec, names)
         print()
     return 0

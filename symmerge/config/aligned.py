@@ -32,7 +32,8 @@ from ..option_ranges import model_index
 from ..options.declared import ALIGNMENT, OPTIONS
 from .schema import merge_options
 
-# an aligned config's alignment keys (beside a mergekit config's own): these of merge's, and every option of merge's alignment part as the options
+# an aligned config's alignment keys (beside a mergekit config's own): these of merge's, and every option of merge's
+# alignment part as the options
 # schema declares it (a new alignment option is a key here too) — except learn_frame: the dual frame moves the
 # anchor too, and a config's frame is its base model's or a joint one
 ALIGN_KEYS = tuple(dict.fromkeys(

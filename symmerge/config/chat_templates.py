@@ -37,7 +37,8 @@ MISTRAL = ("{{ bos_token }}{% set system = namespace(text='') %}"
 ALPACA = ("{% for message in messages %}"
           "{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
           "{% elif message['role'] == 'user' %}{{ '### Instruction:\\n' + message['content'] + '\\n\\n' }}"
-          "{% elif message['role'] == 'assistant' %}{{ '### Response:\\n' + message['content'] + eos_token + '\\n\\n' }}"
+          "{% elif message['role'] == 'assistant' %}"
+          "{{ '### Response:\\n' + message['content'] + eos_token + '\\n\\n' }}"
           "{% endif %}{% endfor %}" + _gen("### Response:\\n"))
 
 EXAONE = ("{% for message in messages %}"

@@ -6,8 +6,9 @@ Keys follow mergekit's convention (``models`` with ``parameters: {weight: w}``, 
 ``base_model``, ``parameters``) plus any option of the command by its long name (``align``, ``match``,
 ``align_data``, ``eval_data``, ``output``, ...). The commands declare which keys are options and turn them into
 their options objects from the options' declarations (:mod:`symmerge.config.schema`): each value is checked as
-the command line checks its flag, and nothing is written as a command line and parsed again. Configs with symmerge's own keys go this way (alignment, data, evaluation); a config with mergekit's keys
-only is planned by :mod:`.mergekit`."""
+the command line checks its flag, and nothing is written as a command line and parsed again. Configs with symmerge's
+own keys go this way (alignment, data, evaluation); a config with mergekit's keys only is planned by
+:mod:`.mergekit`."""
 
 from __future__ import annotations
 
@@ -119,15 +120,16 @@ def symmerge_config(doc, output=None, align=None, symmerge_key=None) -> Symmerge
             raise doc.error("'parameters' is a mapping of the merge method's parameters", "parameters")
         for k, v in params.items():
             if not (_is_plain(v) and v is not None) and not _is_number_list(v):
-                raise doc.error(f"with symmerge's own keys a parameter is one value or a list of numbers, one per model, "
-                                f"got {v!r} (gradients and filters are for mergekit configs)", "parameters", k)
+                raise doc.error(f"with symmerge's own keys a parameter is one value or a list of numbers, one per "
+                                f"model, got {v!r} (gradients and filters are for mergekit configs)", "parameters", k)
     keys = {k: v for k, v in config.items() if k not in STRUCTURAL}
     if align is not None:
         keys["align"] = align
     if output is not None:
         for k in ("output", "out", "out_path"):
             if k in keys and str(keys[k]) != str(output):
-                raise doc.error(f"the config writes to {keys[k]!r} and the command line to {str(output)!r}: give one", k)
+                raise doc.error(f"the config writes to {keys[k]!r} and the command line to {str(output)!r}: "
+                                "give one", k)
             keys.pop(k, None)
         keys["output"] = str(output)
     out = SymmergeConfig(command, paths, weights, dict(params), keys, doc)

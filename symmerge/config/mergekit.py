@@ -573,7 +573,8 @@ class Planner:
                                 *where)
             for k in sl:
                 if k not in ("sources", "parameters", "base_model", "residual_weight"):
-                    self.warn(lenient.unknown(doc, "a key of a slice", k, ("sources", "parameters", "base_model"), *where, k))
+                    self.warn(lenient.unknown(doc, "a key of a slice", k, ("sources", "parameters", "base_model"),
+                                              *where, k))
             if sl.get("residual_weight") is not None:
                 raise doc.error("'residual_weight' is not supported", *where, "residual_weight")
             sb = base
@@ -591,7 +592,8 @@ class Planner:
                     raise doc.error("a source is '- model: FOLDER' with 'layer_range: [a, b]'", *sw)
                 for k in src:
                     if k not in ("model", "layer_range", "parameters"):
-                        self.warn(lenient.unknown(doc, "a key of a source", k, ("model", "layer_range", "parameters"), *sw, k))
+                        self.warn(lenient.unknown(doc, "a key of a source", k, ("model", "layer_range", "parameters"),
+                                                  *sw, k))
                 idx = self._ref(doc, src["model"], sw + ("model",), inputs)
                 if idx in seen:
                     raise doc.error(f"model {inputs[idx].label!r} is twice in one slice", *sw)
@@ -648,8 +650,8 @@ class Planner:
                 raise doc.error("'tokenizer' is a mapping with 'source' (base, union or a model)", "tokenizer")
             for k in tok:
                 if k not in ("source", "tokens", "pad_to_multiple_of"):
-                    self.warn(lenient.unknown(doc, "a key of 'tokenizer'", k, ("source", "tokens", "pad_to_multiple_of"), "tokenizer",
-                                              k))
+                    self.warn(lenient.unknown(doc, "a key of 'tokenizer'", k,
+                                              ("source", "tokens", "pad_to_multiple_of"), "tokenizer", k))
             pad = tok.get("pad_to_multiple_of")
             if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or pad < 1):
                 raise doc.error(f"'pad_to_multiple_of' is a positive integer, got {pad!r}", "tokenizer",
@@ -735,7 +737,8 @@ class Planner:
             elif isinstance(src, dict) and src.get("kind") == "zero" and set(src) == {"kind"}:
                 out[str(t)] = TokenSource("zero", force=force)
             elif isinstance(src, dict) and src.get("kind") == "model_token" and "model" in src \
-                    and not set(src) - {"kind", "model", "token", "token_id"} and (("token" in src) != ("token_id" in src)):
+                    and not set(src) - {"kind", "model", "token", "token_id"} \
+                    and (("token" in src) != ("token_id" in src)):
                 tid = src.get("token_id")
                 if tid is not None and (not isinstance(tid, int) or isinstance(tid, bool) or tid < 0):
                     raise doc.error(f"'token_id' is a token id, got {tid!r}", *where, "source", "token_id")
@@ -885,7 +888,8 @@ class Planner:
                 for suffix in out_lay.suffixes + out_lay.optional:
                     pairs = [(s, lays[s.model].layer_name(s.a + j, suffix)) for s in sl.sources]
                     if suffix in out_lay.optional and any(n not in lays[s.model].shapes for s, n in pairs):
-                        continue  # a tensor only some layers hold (T5's relative attention bias), as mergekit's optional
+                        # a tensor only some layers hold (T5's relative attention bias), as mergekit's optional
+                        continue
                     one(out_lay.layer_name(out_i, suffix), sl, pairs, t, sl.where)
                 out_i += 1
         for name in out_lay.post:
@@ -941,7 +945,8 @@ class Planner:
             edits["vocab_size"] = job.vocab.size
         want = job.out_dtype or job.dtype
         if want:
-            edits["torch_dtype" if "torch_dtype" in out_lay.config and "dtype" not in out_lay.config else "dtype"] = want
+            edits["torch_dtype" if "torch_dtype" in out_lay.config and "dtype" not in out_lay.config
+                  else "dtype"] = want
         job.config_edits = edits
         dtypes = {}
         for st in steps:

@@ -181,19 +181,19 @@ def body_steps(job, heads) -> set:
     return measured_steps(job.steps, heads)
 
 
-def config_head(steps, labels, heads=None) -> dict:
+def config_head(steps, labels, heads) -> dict:
     """A config's report ``head`` entry: what its steps do — every tensor as its steps say, or, when every step copies
     from one input (a one-model passthrough), the entry ``symmerge merge`` reports for the same merge
     (:func:`symmerge.merge.heads.passthrough_head`, without its ``requested`` and ``keys``: a config asks for no head
-    policy, its steps name the tensors)."""
+    policy, its steps name the tensors); ``heads``: the head keys of the input ``config_from``."""
     from ..merge.heads import passthrough_head
 
     copied = passthrough_head(steps, labels, heads)
     return copied or {"policy": "merge", "note": "a mergekit config merges every tensor as its steps say"}
 
 
-def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None, started=None,
-                  heads=None) -> dict:
+def write_outputs(folder: Path, job, desc, method, facts, opts: RunOptions, alignment=None, started=None, *,
+                  heads) -> dict:
     """The final merge's ``symmerge_report.json`` (:func:`symmerge.merge.plan.merge_report`, the report every
     merge writes, built from the document's plan — :func:`symmerge.config.run_plan.plan_document` — plus the
     config's entry and the merge report's ``timings``: ``merge`` from ``started``, ``align`` an aligned config's

@@ -86,8 +86,8 @@ def read_documents(path) -> list[Doc]:
     if path.is_dir():
         raise SymmergeError(f"{path}: is a directory, not a config file (a YAML file: CONFIG.yml)")
     if not path.is_file():  # a FIFO, a device: never opened (a FIFO with no writer would block forever)
-        raise SymmergeError(f"{path}: not a regular file (a FIFO, a device...); a config is a YAML file" if path.exists()
-                            else f"config file not found: {path}")
+        raise SymmergeError(f"{path}: not a regular file (a FIFO, a device...); a config is a YAML file"
+                            if path.exists() else f"config file not found: {path}")
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_BYTES + 1)

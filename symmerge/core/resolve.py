@@ -34,9 +34,9 @@ def _locate(spec: Spec, keys, disk_names=None) -> tuple[str, tuple]:
         prefixes = {p for s in present for p in found[s.name]}
         if len(prefixes) == 1 and all(len(found[s.name]) == 1 for s in present):
             return prefixes.pop(), present
+        probed = ", ".join(p + s.probe.format(i=0) for s in spec.stacks for p in found[s.name])
         raise SymmergeError(f"cannot locate the {spec.family} layers in the checkpoint (looked for layer 0 of its "
-                            f"{', '.join(s.name for s in spec.stacks)} stacks, found "
-                            f"{', '.join(p + s.probe.format(i=0) for s in spec.stacks for p in found[s.name]) or 'none'})")
+                            f"{', '.join(s.name for s in spec.stacks)} stacks, found {probed or 'none'})")
     probe = spec.probe.format(i=0)
     hits = _probe_hits(probe, keys)
     if len(hits) != 1:
@@ -138,7 +138,8 @@ class Binding:
         repeat = 1
         if blocks is not None:
             if self.heads[m.heads] % blocks:
-                raise SymmergeError(f"{self.disk(key)}: {self.heads[m.heads]} heads cannot share {blocks} group elements")
+                raise SymmergeError(f"{self.disk(key)}: {self.heads[m.heads]} heads cannot share {blocks} group "
+                                    "elements")
             repeat = self.heads[m.heads] // blocks
         length, start, period = total // n, k * (total // n), None
         if m.parts:  # consecutive slices sized by head counts (fused GQA projections)
@@ -184,7 +185,8 @@ class Binding:
             sizes.append(n // member_heads)
         if len(set(sizes)) != 1:
             bad = next(s for s, z in zip(slots, sizes) if z != sizes[0])
-            raise SymmergeError(f"{self.disk(bad.key)}: axis {bad.axis} does not match {self.disk(slots[0].key)} ({sizes})")
+            raise SymmergeError(f"{self.disk(bad.key)}: axis {bad.axis} does not match {self.disk(slots[0].key)} "
+                                f"({sizes})")
         name = f"{self.scope}.layer.{layer}.{group.name.removeprefix(self.scope + '.')}" if self.scope \
             else f"layer.{layer}.{group.name}"
         return Instance(name, self.offset + layer, group, tuple(slots), blocks, sizes[0])

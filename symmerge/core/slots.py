@@ -101,7 +101,8 @@ def with_segment(t: torch.Tensor, slot: Slot, new: torch.Tensor) -> torch.Tensor
         return new.movedim(0, slot.axis).contiguous()
     out = t.detach().movedim(slot.axis, 0).clone()
     if slot.period is not None:
-        out.unflatten(0, (-1, slot.period))[:, slot.start: slot.start + slot.length] = new.unflatten(0, (-1, slot.length))
+        out.unflatten(0, (-1, slot.period))[:, slot.start: slot.start + slot.length] = \
+            new.unflatten(0, (-1, slot.length))
     else:
         out[slot.start: slot.start + slot.length] = new
     return out.movedim(0, slot.axis).contiguous()

@@ -59,7 +59,8 @@ def smollm2_path() -> Path:
         if reason is not None:
             print(f"note: {reason}; converting SmolLM2 again", file=sys.stderr)
         src = Path(list(found.submodule_search_locations)[0])
-        remove_entry(out, "converted SmolLM2 folder")  # an interrupted conversion of an earlier version, or a damaged one
+        # an interrupted conversion of an earlier version, or a damaged one
+        remove_entry(out, "converted SmolLM2 folder")
         with atomic_dir(out) as tmp:
             _convert_gguf(src, SMOLLM2_GGUF, tmp)
         record_digests(out)
@@ -74,7 +75,8 @@ def _convert_gguf(src: Path, name: str, dst: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=name, dtype=torch.float32, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=name, dtype=torch.float32,
+                                                     trust_remote_code=False)
         tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=name, trust_remote_code=False)
         try:
             model.save_pretrained(str(dst))

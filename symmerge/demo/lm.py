@@ -152,7 +152,8 @@ def train_lm(config, blocks, settings: TrainSettings, tokenizer, name: str = "lm
         raise SymmergeError(f"token ids must lie in 0..{config.vocab_size - 1}, got {int(x.min())}..{int(x.max())}")
     if len(tokenizer) != config.vocab_size:
         raise SymmergeError(f"the tokenizer has {len(tokenizer)} tokens, the config {config.vocab_size}")
-    extra = {"kind": kind, "tokenizer": tokenizer_hash(tokenizer), **({"train_kwargs": train_kwargs} if train_kwargs else {})}
+    extra = {"kind": kind, "tokenizer": tokenizer_hash(tokenizer),
+             **({"train_kwargs": train_kwargs} if train_kwargs else {})}
     key = inputs_key(config, settings, [x.numpy()], extra=extra)
     with cached_build(root, subdir, name, key, cache, log) as (out, found), callers_rng_kept():
         if found:

@@ -58,7 +58,8 @@ def _cut_info(data) -> dict:
 
 
 @keeps_models
-def evaluate_ensemble(models, data: Data, device=None, progress: bool = True, desc: str = "evaluating the ensemble") -> dict:
+def evaluate_ensemble(models, data: Data, device=None, progress: bool = True,
+                      desc: str = "evaluating the ensemble") -> dict:
     """The ensemble of ``models`` (the mean of their predicted probabilities): cross-entropy of the mean
     probabilities and accuracy of their argmax, as :func:`evaluate` scores one model."""
     device = device or next(models[0].parameters()).device

@@ -13,7 +13,8 @@ SPEC = build(
     Stream("layernorm", "post",
            embeddings=tuple(Member(f"embeddings.{n}.weight", 1, optional=True, unless=NO_PROJECTION)
                             for n in ("word_embeddings", "position_embeddings", "token_type_embeddings"))
-           + (Member("embeddings_project.weight", 0, optional=True), Member("embeddings_project.bias", 0, optional=True)),
+           + (Member("embeddings_project.weight", 0, optional=True),
+              Member("embeddings_project.bias", 0, optional=True)),
            norms=(("attention.output.LayerNorm", ""), ("output.LayerNorm", "")),
            others=(Member("embeddings.LayerNorm.weight", 0, 0, diag=True, unless=NO_PROJECTION),
                    Member("embeddings.LayerNorm.bias", 0, 0, unless=NO_PROJECTION)),

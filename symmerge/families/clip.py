@@ -39,7 +39,8 @@ def _vision(root: str = "") -> Spec:
     e = root + "embeddings."
     return build(
         "clip_vision", ("clip_vision_model",), root + "encoder.layers.{i}", ATTN, FFN,
-        Stream("layernorm", "pre", embeddings=(Member(e + "class_embedding", 0), Member(e + "patch_embedding.weight", 0),
+        Stream("layernorm", "pre", embeddings=(Member(e + "class_embedding", 0),
+                                               Member(e + "patch_embedding.weight", 0),
                                                Member(e + "position_embedding.weight", 1)),
                norms=NORMS, final=root + "post_layernorm", input_norms=(root + "pre_layrnorm",),
                heads=(Member("visual_projection.weight", 1, 0, optional=True, root=True),)),
@@ -53,7 +54,8 @@ VISION = replace(_vision(), outputs=("image_embeds",))
 # without centring ("rmsnorm", nothing folded; "post": no stream scale). The two sides differ in power only
 # so that moving one of them alone is a side of its own (the negative control); no scale is ever applied.
 PROJECTION = Group("projection", "residual", "residual",
-                   (Member("text_projection.weight", 0, 1, root=True), Member("visual_projection.weight", 0, 0, root=True)),
+                   (Member("text_projection.weight", 0, 1, root=True),
+                    Member("visual_projection.weight", 0, 0, root=True)),
                    params=(("norm", "rmsnorm"), ("placement", "post"),
                            ("description", "one orthogonal map of the shared embedding space: the outputs of both "
                                            "projections (the logits are cosine similarities)")))

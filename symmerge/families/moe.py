@@ -31,7 +31,8 @@ def _attention(**kw) -> Attention:
 MIXTRAL = build("mixtral", ("mixtral",), "layers.{i}", _attention(), None, STREAM, moe=EXPERTS)
 QWEN2_MOE = build(
     "qwen2_moe", ("qwen2_moe",), "layers.{i}", _attention(),
-    MLP(inputs=("mlp.shared_expert.up_proj",), output="mlp.shared_expert.down_proj", gate="mlp.shared_expert.gate_proj"),
+    MLP(inputs=("mlp.shared_expert.up_proj",), output="mlp.shared_expert.down_proj",
+        gate="mlp.shared_expert.gate_proj"),
     STREAM, moe=Experts(EXPERTS.router, EXPERTS.gate_up, EXPERTS.down, readers=("mlp.shared_expert_gate",)),
     unsupported=DENSE_LAYERS)
 QWEN3_MOE = build("qwen3_moe", ("qwen3_moe",), "layers.{i}",

@@ -174,7 +174,8 @@ def _expert_groups(p: str, moe: Experts) -> tuple[Group, ...]:
 def _mlp_group(p: str, mlp: MLP, layout: Layout) -> Group:
     members: tuple[Member, ...] = rows(p + mlp.gate, 0, layout=layout) if mlp.gate else ()
     if mlp.fused:
-        members += rows(p + mlp.fused, 0, layout=layout, chunk=(0, 2)) + rows(p + mlp.fused, 1, layout=layout, chunk=(1, 2))
+        members += rows(p + mlp.fused, 0, layout=layout, chunk=(0, 2)) \
+            + rows(p + mlp.fused, 1, layout=layout, chunk=(1, 2))
     for name in mlp.inputs:
         members += rows(p + name, 1, layout=layout)
     members += columns(p + mlp.output, -1, layout=layout)
@@ -213,7 +214,8 @@ def _stream_group(p: str, att: Attention, mlp: MLP | None, stream: Stream, layou
     members = tuple(stream.embeddings)
     members += _readers(p, att, mlp, "both", layout, moe)
     members += tuple(Member(f"{p}{n}.weight", layout.in_axis, 0, optional=True) for n in stream.extra_readers)
-    for w in (att.o,) + ((mlp.output,) if mlp else ()):  # writers: output rows and bias (power +1: they carry a scale of the stream)
+    # writers: output rows and bias (power +1: they carry a scale of the stream)
+    for w in (att.o,) + ((mlp.output,) if mlp else ()):
         members += rows(p + w, 1, layout=layout)
     members += (Member(p + moe.down, 1, 1),) if moe else ()  # each expert's output rows
     norms = [p + n for n, _ in stream.norms] + ([stream.final] if stream.final else [])
@@ -270,7 +272,8 @@ def scoped(scope: str, groups) -> tuple[Group, ...]:
     return tuple(replace(g, name=name(g.name), params=tuple((k, param(k, v)) for k, v in g.params)) for g in groups)
 
 
-def attention_groups(layer: str, att: Attention, heads: bool = True, tied: tuple[Member, ...] = ()) -> tuple[Group, ...]:
+def attention_groups(layer: str, att: Attention, heads: bool = True,
+                     tied: tuple[Member, ...] = ()) -> tuple[Group, ...]:
     """The head groups of one attention block of a layer template; ``heads=False`` leaves out the head
     permutation; ``tied``: the head permutation is one for every layer of the stack and also moves these
     members, one block per head (T5's self-attention: its relative position bias, one column per head in

@@ -88,7 +88,8 @@ def server_data(data, model, max_examples: int):
         raise SymmergeError("outlier_rule='consensus' needs unlabeled data held by the server: pass "
                             "OutlierPolicy(data=FILE) (or an alignment with align_data)")
     if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
-        raise SymmergeError(f"outlier_samples (OutlierPolicy.samples) must be a whole number >= 1, got {max_examples!r}")
+        raise SymmergeError(f"outlier_samples (OutlierPolicy.samples) must be a whole number >= 1, "
+                            f"got {max_examples!r}")
     if isinstance(data, Data):
         check_data(data, model, use_labels=False)
         return take(data, max_examples)

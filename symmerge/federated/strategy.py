@@ -202,7 +202,8 @@ class AlignedFedAvg(FedAvg):
             if self.weighted_by_key in metrics:
                 weight = metrics[self.weighted_by_key]
                 break
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight > 0):
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not (math.isfinite(weight) and weight > 0):
             raise _LeftOut("malformed", f"no positive {self.weighted_by_key!r} in the reply's metrics (got {weight!r})")
         try:
             state_dict = record.to_torch_state_dict()
@@ -260,8 +261,8 @@ class AlignedFedAvg(FedAvg):
         problem = check_state_dict(global_sd, self.reference, "the template")
         if problem is not None:
             what = "is not finite" if problem[0] == "non_finite" else "does not match the template"
-            raise SymmergeError(f"the global model (the ArrayRecord sent this round: initial_arrays in round 1) {what}: "
-                                f"{problem[1]}")
+            raise SymmergeError(f"the global model (the ArrayRecord sent this round: initial_arrays in round 1) "
+                                f"{what}: {problem[1]}")
         return global_sd
 
     def _candidates(self, replies: list) -> tuple[list, list]:
@@ -378,7 +379,8 @@ class AlignedFedAvg(FedAvg):
         before, after = float(res.report["distance_before"]), float(res.report["distance_after"])
         gain = (before - after) / before if before > 0 else 0.0
         if min_gain > 0 and not joint and gain < min_gain:
-            unaligned = canonical(model, self.alignment).state_dict()  # the identity element (norms folded if the frame is)
+            # the identity element (norms folded if the frame is)
+            unaligned = canonical(model, self.alignment).state_dict()
             if record is not None:
                 record["unaligned"].append({"node": node, "gain": gain})
             return unaligned, before, float(sq_distance(unaligned, anchor_sd, keys) ** 0.5)
@@ -395,8 +397,8 @@ class AlignedFedAvg(FedAvg):
         models = [with_state_dict(self.template, sd) for sd in state_dicts]
         body = average_keys(keys, head_keys(self.template), lambda k: state_dicts[0][k].dtype)
         star, _ = closest_to_average(lambda k: [sd[k] for sd in state_dicts], body)
-        joint = align_joint(models, self.alignment.with_(verify=False), anchor=star, max_rounds=self.client_alignment.joint_rounds,
-                            refine=self.client_alignment.joint_refine)
+        joint = align_joint(models, self.alignment.with_(verify=False), anchor=star,
+                            max_rounds=self.client_alignment.joint_rounds, refine=self.client_alignment.joint_refine)
         sds = [x.state_dict() for x in joint.models]
         merged = aggregate(sds, weights, keys, sds[star], self.aggregation.rule, self.aggregation.trim)
         back = align_pair(with_state_dict(joint.models[star], merged), anchor,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..core.slots import (block_index, index_axis, precise_dtype, segment, slot_blocks, slot_length,
+from ..core.slots import (block_index, index_axis, precise_dtype, segment, slot_blocks, slot_length, stored,
                           working_dtype)
 from ..core.solvers import match_permutation
 from ..errors import SymmergeError
@@ -168,7 +168,7 @@ class Heads(Kind):
         for p in sorted({s.power for s in sib.slots}, reverse=True):
             parts = []
             for s in [s for s in sib.slots if s.power == p]:
-                x = slot_blocks(sd_a[s.key], s, sib.blocks, dtype)[idx]
+                x = slot_blocks(stored(sd_a, s.key), s, sib.blocks, dtype)[idx]  # as stored: the same values
                 if s.repeat > 1:
                     P, d = x.shape[0], x.shape[1]
                     x = x.reshape(P, d, s.repeat, -1)
@@ -190,8 +190,8 @@ class Heads(Kind):
                 if s.repeat == 1:
                     continue
                 dtype = precise_dtype(working_dtype(sd_a, s.key))
-                xa = _query_blocks(sd_a[s.key], s, H, dtype)
-                xb = _query_blocks(sd_b[s.key], s, H, dtype)
+                xa = _query_blocks(stored(sd_a, s.key), s, H, dtype)  # as stored: the same values
+                xb = _query_blocks(stored(sd_b, s.key), s, H, dtype)
                 cross = torch.einsum("adn,ben->abde", xa, xb).double()
                 sim += torch.linalg.matrix_norm(cross, ord="nuc") if opts.rotate else \
                     torch.diagonal(cross, dim1=-2, dim2=-1).sum(-1)
@@ -240,8 +240,8 @@ def _block_distances(inst, slots, sd_a, sd_b) -> torch.Tensor:
     H = inst.blocks
     cost = torch.zeros(H, H, dtype=torch.float64)
     for s in slots:
-        xa = slot_blocks(sd_a[s.key], s, H).reshape(H, -1)
-        xb = slot_blocks(sd_b[s.key], s, H).reshape(H, -1)
+        xa = slot_blocks(stored(sd_a, s.key), s, H).reshape(H, -1)  # float64 from the tensor as stored
+        xb = slot_blocks(stored(sd_b, s.key), s, H).reshape(H, -1)
         cost += xa.square().sum(1)[:, None] + xb.square().sum(1)[None, :] - 2 * xa @ xb.T
     return cost
 

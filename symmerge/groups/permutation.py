@@ -96,7 +96,8 @@ def unit_scales(inst, sd_a: dict, sd_b: dict, perm: torch.Tensor) -> torch.Tenso
             x1, x2 = ua[perm[rows]].to(torch.float64), ub[rows].to(torch.float64)
             sums[side][rows] += x1.square().sum(1)
             sums["c" + side][rows] += (x1 * x2).sum(1)
-    return quartic_scale(sums["cp"], sums["cm"], sums["p"], sums["m"], signed=inst.group.param("unit_scale") == "nonzero")
+    return quartic_scale(sums["cp"], sums["cm"], sums["p"], sums["m"],
+                         signed=inst.group.param("unit_scale") == "nonzero")
 
 
 class Permutation(Kind):

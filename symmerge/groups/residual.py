@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.slots import fast_dtype, index_axis, segment, unit_matrix, with_segment, working_dtype
+from ..core.slots import fast_dtype, index_axis, segment, stored, unit_matrix, with_segment, working_dtype
 from ..core.solvers import (centered_residual, orthogonal_residual, permutation_residual,
                             signed_permutation_residual)
 from ..errors import SymmergeError
@@ -172,7 +172,8 @@ class Residual(Kind):
         for s in inst.slots:
             if keys is not None and s.key not in keys:
                 continue
-            x1, x2 = unit_matrix(sd_a[s.key], s, dtype), unit_matrix(sd_b[s.key], s, dtype)
+            # converted from the tensors as stored: a half tensor's float32 copy would give the same values
+            x1, x2 = unit_matrix(stored(sd_a, s.key), s, dtype), unit_matrix(stored(sd_b, s.key), s, dtype)
             if s.diag:
                 D += x1.double() @ x2.double().T
             else:
@@ -230,7 +231,7 @@ class Residual(Kind):
             G = torch.zeros(d, d, dtype=torch.float64)
             for s in inst.slots:
                 if (keys is None or s.key in keys) and not s.diag:
-                    x = unit_matrix(sd[s.key], s, torch.float64)
+                    x = unit_matrix(stored(sd, s.key), s, torch.float64)
                     G += x @ x.T
             grams.append(G)
         if variant not in DENSE:

@@ -183,7 +183,8 @@ def _merge_sections(r: dict) -> list[str]:
     if pairs.get("before_alignment"):
         out += ["Distances between the inputs (L2, body):", "",
                 *_table(["pair", "before alignment", "after alignment"],
-                        [[k, v, (pairs.get("after_alignment") or {}).get(k)] for k, v in pairs["before_alignment"].items()]),
+                        [[k, v, (pairs.get("after_alignment") or {}).get(k)]
+                         for k, v in pairs["before_alignment"].items()]),
                 ""]
     ev = r.get("evaluation") or {}
     if ev.get("merged"):

@@ -18,7 +18,8 @@ import torch
 
 from ..errors import SymmergeError
 from . import direct, names_cache
-from .hf import DiskNames, attention_heads, disk_to_memory, disk_to_memory_names, hf_config, model_class, quiet_transformers  # noqa: F401
+from .hf import (DiskNames, attention_heads, disk_to_memory, disk_to_memory_names, hf_config,  # noqa: F401
+                 model_class, quiet_transformers)
 from .shapes import (check_complete, check_config_counts, check_dtypes, check_shapes, expected_tensors,
                      refuse_incomplete)
 from .model import SAFE_INDEX, SAFE_SINGLE, check_finite, read_config, safetensors_headers, weight_files
@@ -147,7 +148,8 @@ class LazyCheckpoint:
                                         f"expected (a part of {key!r} {fz.shape}): mismatched checkpoint")
             dtypes = {self.dtype[n] for n in names}
             if len(dtypes) != 1:
-                raise SymmergeError(f"{self.folder}: the tensors of {key!r} have different dtypes {sorted(map(str, dtypes))}")
+                raise SymmergeError(f"{self.folder}: the tensors of {key!r} have different dtypes "
+                                    f"{sorted(map(str, dtypes))}")
             self.virtual[key] = fz
             where[names[0]] = key
         if not self.virtual:

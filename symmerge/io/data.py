@@ -421,7 +421,8 @@ def check_data_path(path, flag: str | None = None) -> Path:
     path = Path(path)
     named = f"{flag} {path}" if flag else str(path)
     if path.is_dir():
-        raise SymmergeError(f"{named}: is a directory, not a data file (.npz images, .jsonl text, .txt causal-LM lines)")
+        raise SymmergeError(f"{named}: is a directory, not a data file (.npz images, .jsonl text, "
+                            ".txt causal-LM lines)")
     if path.suffix.lower() not in FORMATS:
         spelled = (" or generate[:N[:LEN[:SEED]]] (lower case) for sequences the models generate"
                    if flag == "--align-data" and str(path).lower().startswith("generate") else "")

@@ -67,7 +67,8 @@ def check_generator(model, spec: str = PREFIX) -> None:
     config = model.config
     if head_kind(model) != "lm" or getattr(config, "is_encoder_decoder", False) or not hasattr(config, "vocab_size"):
         raise SymmergeError(f"--align-data {spec}: generating alignment data needs causal language models "
-                            f"(an LM head, e.g. LlamaForCausalLM), got {type(model).__name__}; give a data file instead")
+                            f"(an LM head, e.g. LlamaForCausalLM), got {type(model).__name__}; "
+                            "give a data file instead")
 
 
 def _start_token(config) -> int | None:

@@ -356,7 +356,8 @@ def read_adapter(folder) -> Adapter:
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_CHANGED_BASE):
         raise SymmergeError(f"{folder}: init_lora_weights={init!r} adapters apply to a base changed at initialisation; "
-                            "convert the adapter to a plain LoRA first (PEFT's path_initial_model_for_weight_conversion)")
+                            "convert the adapter to a plain LoRA first "
+                            "(PEFT's path_initial_model_for_weight_conversion)")
     tensors = _read_weights(folder)
     ad = Adapter(folder, config)
     r0, alpha0 = config.get("r", 8), config.get("lora_alpha", 8)

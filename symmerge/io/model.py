@@ -353,8 +353,8 @@ SIDE_FOLDERS = frozenset({"additional_chat_templates"})  # transformers 5: extra
 def copy_side_files(src: Path, dst: Path, report: dict | None = None, merge_modules=None) -> dict:
     """Copy the allowed side files (:data:`SIDE_FILES`, :data:`SIDE_FOLDERS`) of ``src`` into ``dst``, and
     a sentence-transformers pipeline whole (:mod:`symmerge.io.sentence_transformers`; its module weights
-    merged by ``merge_modules`` when ``report`` is a merge's); returns ``{"copied": [...], "left_out": [...]}`` (folders with
-    a trailing ``/``; the weights, config.json, a generation_config.json the output already has and the
+    merged by ``merge_modules`` when ``report`` is a merge's); returns ``{"copied": [...], "left_out": [...]}``
+    (folders with a trailing ``/``; the weights, config.json, a generation_config.json the output already has and the
     model card, README.md, are written anew, and in neither)."""
     from .cache import DIGESTS  # a cached folder's record of its weights (symmerge.io.cache): theirs, not a side file
     from .sentence_transformers import write_pipeline

@@ -25,8 +25,8 @@ that pipeline:
   equal the original model's, so an index built with the input model stops matching, and a Dense
   module would read permuted inputs. No module of the pipeline is transformed with the stream, so
   ``recommended`` leaves ``residual`` out (with a note) and naming it is an error
-  (:func:`output_reader` states the fact, :func:`symmerge.pipeline.recommend.recommended` the rule). (For a base model class, e.g. ``BertModel``, ``recommended`` has no
-  residual group anyway: its output is the stream.)
+  (:func:`output_reader` states the fact, :func:`symmerge.pipeline.recommend.recommended` the rule). (For a base
+  model class, e.g. ``BertModel``, ``recommended`` has no residual group anyway: its output is the stream.)
 """
 
 from __future__ import annotations
@@ -196,14 +196,16 @@ def check_pipelines(named, method=None, base=None, allow_pickle: bool = False) -
                                 f"(modules.json), {name} is a plain model folder (no modules.json)")
         if p is first:
             continue
-        if p.names != first.names or [m.get("path", "") for m in p.modules] != [m.get("path", "") for m in first.modules]:
+        if p.names != first.names \
+                or [m.get("path", "") for m in p.modules] != [m.get("path", "") for m in first.modules]:
             raise SymmergeError(f"the sentence-transformers pipelines differ: {first_name} has {first.describe()}, "
                                 f"{name} has {p.describe()} (modules.json)")
         sa, sb = first.settings(), p.settings()
         for key in sorted(sa.keys() & sb.keys()):  # a file only one has: its module's defaults
             d = _first_difference(sa[key], sb[key])
             if d:
-                raise SymmergeError(f"the sentence-transformers pipelines of {first_name} and {name} differ: {key}: {d}")
+                raise SymmergeError(f"the sentence-transformers pipelines of {first_name} and {name} differ: "
+                                    f"{key}: {d}")
         if p.weighted() != first.weighted():
             raise SymmergeError(f"the sentence-transformers pipelines of {first_name} and {name} differ: modules with "
                                 f"weights {first.weighted()} and {p.weighted()}")

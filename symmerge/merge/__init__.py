@@ -3,7 +3,8 @@ models) into the folder ``out`` with a :class:`~symmerge.merge.fuse.MergeOptions
 as ``symmerge merge`` writes it; see :func:`symmerge.merge.api.merge_to_folder`. (In memory, returning the model:
 :func:`symmerge.merge_models`.)
 
-This package holds the fusion methods: a registry of :class:`Method` objects, each a per-tensor rule run by one merge loop.
+This package holds the fusion methods: a registry of :class:`Method` objects, each a per-tensor rule run by one
+merge loop.
 
 Every method module defines ``METHOD`` (its :class:`Method`, see :mod:`.base`: ``name``, the
 per-tensor rule, ``needs`` — ``None`` or one of :data:`STATISTICS`, the statistics it consumes —,

@@ -37,7 +37,8 @@ def linear_fused_into(key, tensors, weights, base, params, context, out) -> bool
 # mergekit's name: ``average`` with ``normalize`` (true: Σ w_i θ_i / Σ w_i; false: Σ w_i θ_i). Weights of any sign,
 # as mergekit takes them (a negative one extrapolates: ExPO-style configs), their sum not 0 with normalize (mergekit
 # writes NaN there); ``average``, symmerge's own name, keeps them non-negative.
-LINEAR = Method("linear", linear_tensor, params={"normalize": True}, ignores_base=True, weight_required=True, doc="Weighted average of any number of models "
+LINEAR = Method("linear", linear_tensor, params={"normalize": True}, ignores_base=True, weight_required=True,
+                doc="Weighted average of any number of models "
                 "(mergekit's linear): θ = Σ_i w_i θ_i / Σ_i w_i, or Σ_i w_i θ_i with normalize false.",
                 normalize_weights=False, elementwise=True, fused_into=linear_fused_into,
                 checks={"normalize": boolean()})

@@ -192,7 +192,8 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
                             "(--align-data)")
     if len(models) > 2 and o.align.learn.frame == "dual":  # the star aligns each model onto a fixed anchor
         raise SymmergeError(f"the dual learned frame moves the anchor too, and a barrier of {len(models)} models "
-                            "aligns each onto one fixed frame (joint alignment): use the one-sided frame, or two models")
+                            "aligns each onto one fixed frame (joint alignment): use the one-sided frame, "
+                            "or two models")
     if not isinstance(data, Data):
         check_data_path(data)
     labels = ("A", "B") if len(models) == 2 else tuple(f"model {i}" for i in range(len(models)))
@@ -210,7 +211,8 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
         if note:  # no spec: 'recommended' is the plain curve
             arms["none"] = BarrierArm("none", "none", note=note)
             continue
-        plan = replace(plan_align(models[0], models[1], opts, allow_pickle=o.allow_pickle), loaded=None)  # no model kept
+        # no model kept
+        plan = replace(plan_align(models[0], models[1], opts, allow_pickle=o.allow_pickle), loaded=None)
         name = ",".join(plan.symmetries) or "none"
         if name not in arms:
             arms[name] = BarrierArm(name, asked.requested, plan if plan.symmetries else None, plan.note)
@@ -374,7 +376,8 @@ def subset_matching(model_a, model_b, data: Data, symmetries=("attn",), mode: st
     full = align_pair(model_a, model_b, opts)
     r = midpoint_eval(full)
     return {"mode": mode, "alpha": alpha, "symmetries": list(opts.symmetries), "unmatched": ref,
-            "all_layers": {"loss": r["loss"], "accuracy": r["accuracy"], "distance_after": full.report["distance_after"]},
+            "all_layers": {"loss": r["loss"], "accuracy": r["accuracy"],
+                           "distance_after": full.report["distance_after"]},
             "subsets": rows}
 
 

@@ -5,7 +5,8 @@ largest and keep the next ⌊``density``·n⌋ (fewer largest dropped where the 
 ⌊density·n⌋ smallest kept); ``density`` ≥ 1 keeps all. Then task arithmetic
 (``breadcrumbs``: θ_b + λ Σ w_i τ̂_i; ``normalize`` divides by Σ w_i) or TIES's election
 (``breadcrumbs_ties``: agreeing entries summed, divided by the agreeing weights when ``normalize``).
-mergekit's names and defaults (``density`` 1.0, ``gamma`` 0.01, per model; ``lambda`` 1.0; ``normalize`` false; ``rescale`` false: true scales each τ̂ back to τ's L1 norm).
+mergekit's names and defaults (``density`` 1.0, ``gamma`` 0.01, per model; ``lambda`` 1.0; ``normalize`` false;
+``rescale`` false: true scales each τ̂ back to τ's L1 norm).
 Whole-tensor rule (the band needs the tensor's order).
 """
 

@@ -534,7 +534,8 @@ def adapter_config(kinds, written, modules_to_save, base, lora_bias, ft, bias="n
 
 
 def summary_rows(report) -> list[tuple]:
-    """(module kind, modules, shape, rank, mean error, max error) per last name of the modules, for the printed table."""
+    """(module kind, modules, shape, rank, mean error, max error) per last name of the modules, for the printed
+    table."""
     groups: dict = {}
     for r in report["modules"]:
         groups.setdefault(r["module"].split(".")[-1], []).append(r)

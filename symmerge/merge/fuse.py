@@ -150,7 +150,8 @@ class MergeOptions:
                             ("--max-examples", self.max_examples), ("--max-length", self.max_length)):
             in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py); None: unset
         if self.fisher_variant not in FISHER_VARIANTS:
-            raise SymmergeError(f"unknown Fisher variant {self.fisher_variant!r}; choose {' or '.join(FISHER_VARIANTS)}")
+            raise SymmergeError(f"unknown Fisher variant {self.fisher_variant!r}; "
+                                f"choose {' or '.join(FISHER_VARIANTS)}")
         if self.heads not in HEAD_POLICIES:
             raise SymmergeError(f"unknown head policy {self.heads!r}; choose {', '.join(HEAD_POLICIES)}")
         if n == 0:
@@ -172,7 +173,8 @@ class MergeOptions:
         if self.base is not None and not (m.needs_base or m.accepts_base):
             raise SymmergeError(f"method {m.name!r} does not use a base model")
         parse_size(self.shard_size)  # a size it cannot read: refused before the merge, in either mode
-        if isinstance(self.anchor, int):  # an index (else a folder or a model): 0..n-1, checked with or without alignment
+        # an index (else a folder or a model): 0..n-1, checked with or without alignment
+        if isinstance(self.anchor, int):
             model_index(self.anchor, n)
         elif isinstance(self.anchor, (str, Path)) and not Path(self.anchor).expanduser().exists():  # before any load
             raise SymmergeError(f"--anchor {self.anchor}: no such folder (an index into the models, 0..{n - 1}, or a "

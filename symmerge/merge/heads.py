@@ -43,16 +43,16 @@ def no_head() -> dict:
     return {"policy": "none", "note": "base models without a task head"}
 
 
-def passthrough_head(steps, names, heads=None, requested: str | None = None, keys=None) -> dict | None:
+def passthrough_head(steps, names, heads, requested: str | None = None, keys=None) -> dict | None:
     """The ``head`` entry of a one-model passthrough — every step of ``steps`` copies from one input
     (:func:`~symmerge.merge.steps.one_input_copies`) — the one rule of ``symmerge merge`` (:func:`head_report`)
     and of a config (:func:`symmerge.config.run.config_head`): :func:`no_head` for a base model without a head
-    (``heads``, the input's head keys, empty; None: not known), else ``keep`` from that input, with
+    (``heads``, the input's head keys, empty), else ``keep`` from that input, with
     :data:`COPIED_NOTE`; ``requested`` and ``keys`` (the policy asked for, the kept tensors: ``symmerge merge``'s
     entry; a config's has neither) where given. None when the steps are no one-model passthrough."""
     if not one_input_copies(steps or ()):
         return None
-    if heads is not None and not heads:
+    if not heads:
         return no_head()
     source = steps[0].sources[0].model
     asked = {"requested": requested} if requested is not None else {}
@@ -65,13 +65,16 @@ def head_report(head_keys: list, policy: str, requested: str, head_from: int, na
     """The report's ``head`` entry (in memory and streamed): ``none`` for base models, else the policy
     applied, the one requested, and the head's tensors (kept: whose, ``kept_keys`` being that model's).
     ``steps`` (the plan's :class:`~symmerge.merge.steps.TensorStep` list, None for a method with its own loop):
-    what the steps do wins over the policy — a head ``merge`` of a plan whose every step copies from one model (a
-    one-model passthrough) is reported ``keep``, with a note (:func:`passthrough_head`)."""
+    what the steps do wins over the policy — a plan whose every step copies from one model (a one-model
+    passthrough) is reported ``keep`` from that model with its note, whatever policy was asked
+    (:func:`passthrough_head`)."""
     if not head_keys:
         return no_head()
+    copied = passthrough_head(steps, names, head_keys, requested, kept_keys)
+    if copied is not None:
+        return copied
     if policy == "merge":
-        copied = passthrough_head(steps, names, head_keys, requested, kept_keys)
-        return copied or {"policy": "merge", "requested": requested, "keys": sorted(head_keys)}
+        return {"policy": "merge", "requested": requested, "keys": sorted(head_keys)}
     return {"policy": "keep", "requested": requested, "from_index": head_from, "from": names[head_from],
             "keys": sorted(kept_keys)}
 

@@ -481,10 +481,10 @@ def _l1_factors(arrays, kind, masks, keep, dtype, shape):
 def dare_della_into(tensors, base, rules, weights, consensus: str, normalize, scale: float, rescale, out) -> bool:
     """``out`` ← mergekit's DARE/DELLA rule in the half dtype (the bits of
     :func:`symmerge.merge.in_dtype.combine_in_dtype` on the masks of :mod:`symmerge.merge.parts`): ``rules[i]``
-    ``("all",)``, ``("none",)``, ``("dare", seed, drop)`` or ``("della", seed, density, epsilon)``; ``rescale`` True (mergekit's
-    L1), else none; ``consensus`` ``"sum"``/``"ties"``; ``normalize`` True/False. False (nothing written) where it
-    does not apply: not float16/bfloat16 CPU tensors of one dtype and shape, or DELLA on a tensor of other than one
-    or two dimensions."""
+    ``("all",)``, ``("none",)``, ``("dare", seed, drop)`` or ``("della", seed, density, epsilon)``; ``rescale``
+    True (mergekit's L1), else none; ``consensus`` ``"sum"``/``"ties"``; ``normalize`` True/False. False (nothing
+    written) where it does not apply: not float16/bfloat16 CPU tensors of one dtype and shape, or DELLA on a tensor
+    of other than one or two dimensions."""
     import torch
 
     dtype = base.dtype

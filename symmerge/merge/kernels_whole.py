@@ -703,7 +703,8 @@ def _ram_run(tensors, base, eps: float, lam, out) -> bool:
     target = _target(out)
 
     def run(lo, hi):
-        _ram_combine_jit(tuple(a[lo:hi] for a in arrays), float(eps), lam, kind, target[lo:hi], *_combine_buffers(n)[:3])
+        _ram_combine_jit(tuple(a[lo:hi] for a in arrays), float(eps), lam, kind, target[lo:hi],
+                         *_combine_buffers(n)[:3])
 
     _split(run, arrays[0].shape[0])
     return True

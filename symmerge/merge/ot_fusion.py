@@ -26,8 +26,8 @@ Units, in data-flow order (``units``): ``ffn`` — the hidden units of each FFN;
 dims of each attention layer, one plan over all heads (``cross_heads=True``, Imfeld et al.'s
 cross-head alignment) or one per head pair (``False``: head i of A with head i of B), Q and K with
 separate plans (``qk="separate"``, Imfeld et al.'s default) or one joint plan (``"joint"``: keeps QKᵀ
-intact under an exact plan), W_O's input columns with V's plan; ``residual`` — the residual stream, where the model has a residual
-group (a task head reading the stream): ``residual="auto"`` (default) is ``mean`` for pre-norm families
+intact under an exact plan), W_O's input columns with V's plan; ``residual`` — the residual stream, where the model
+has a residual group (a task head reading the stream): ``residual="auto"`` (default) is ``mean`` for pre-norm families
 with sequential blocks and ``single`` otherwise; ``residual="mean"`` (Imfeld et al.): the embeddings get a
 plan, every block writer (attention output, FFN output) gets its own plan for its output rows, and
 the stream after the residual addition carries the mean of the incoming map and the writer's map;

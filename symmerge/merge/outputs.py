@@ -53,11 +53,13 @@ def refuse_non_finite(name: str, value: torch.Tensor, method, params, weights=No
     ``value`` holds NaN or Inf."""
     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
         bad = "NaN" if bool(torch.isnan(value).any()) else "Inf"
-        raise SymmergeError(f"the merged tensor {name!r} holds {bad} values ({describe_arguments(method, params, weights)}): "
+        raise SymmergeError(f"the merged tensor {name!r} holds {bad} values "
+                            f"({describe_arguments(method, params, weights)}): "
                             "a parameter or weight out of range; nothing was written")
 
 
-def check_result(name: str, value: torch.Tensor, inputs, method, params, weights=None, full: bool = True) -> dict | None:
+def check_result(name: str, value: torch.Tensor, inputs, method, params, weights=None,
+                 full: bool = True) -> dict | None:
     """Refuse a non-finite merged tensor ``value`` of output ``name`` (with ``full``; one error naming it and the
     arguments: ``params`` as given, ``weights``); return a warning entry (``{"tensor", "warning", "rms",
     "inputs_rms"}``) when it is all zeros while some input is not, or its norm is far outside its ``inputs``'

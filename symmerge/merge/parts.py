@@ -153,8 +153,8 @@ def _window_bounds(sample, k: int, total: int) -> tuple[int, int, int]:
     per_block = pad.reshape(blocks, _SAMPLE_WIDTH).sum(1)  # entries above the guess in each block
     groups = min(_GROUPS, blocks)
     share = np.bincount(np.arange(blocks) % groups, weights=per_block, minlength=groups) / \
-        np.bincount(np.arange(blocks) % groups, weights=np.minimum(_SAMPLE_WIDTH, size - np.arange(blocks) * _SAMPLE_WIDTH),
-                    minlength=groups)
+        np.bincount(np.arange(blocks) % groups,
+                    weights=np.minimum(_SAMPLE_WIDTH, size - np.arange(blocks) * _SAMPLE_WIDTH), minlength=groups)
     spread = float(share.std(ddof=1)) * size / math.sqrt(groups) if groups > 1 else 0.0
     margin = 6.0 * max(spread, math.sqrt(size * p * (1.0 - p))) + 0.0005 * size + 2.0
     top, bottom = math.floor(at - margin), math.ceil(at + margin)  # ranks from the largest, 1-based
@@ -417,8 +417,8 @@ def _ordered_window(tau: torch.Tensor, lo: int, hi: int, descending: bool) -> to
 
 def della_keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
     """DELLA's keep probability of each entry: along each row (dim 1, for every index of the other dims, as
-    mergekit ranks; a 1-D tensor is one row), the entries ranked by magnitude (ties in order) get density − ε for the smallest up to density + ε for the largest,
-    linear in the rank; float64."""
+    mergekit ranks; a 1-D tensor is one row), the entries ranked by magnitude (ties in order) get density − ε for
+    the smallest up to density + ε for the largest, linear in the rank; float64."""
     t = tau.reshape(1, -1) if tau.dim() < 2 else tau  # a 0-dim tensor: one row of one entry
     order = torch.sort(t.abs(), dim=1, stable=True).indices
     ranks = torch.empty(order.shape, dtype=torch.float64, device=t.device)  # the inverse permutation, by scatter

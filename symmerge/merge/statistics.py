@@ -3,7 +3,8 @@
 * :func:`gram_stats`: for every ``nn.Linear`` and ``Conv1D`` (found by module type, any architecture),
   the Gram matrix XᵀX of its inputs (RegMean; a ``Conv1D``'s as :class:`InOutGram`). Padding
   tokens are excluded using the batch's attention mask; products are formed per batch in float32
-  (float64 for float64 models) and accumulated in float64. Linear layers fed the same tensor (Q, K and V) share one product.
+  (float64 for float64 models) and accumulated in float64. Linear layers fed the same tensor (Q, K and V) share
+  one product.
 * :func:`fisher_stats`: the diagonal Fisher E_x[(∂ log p(y|x)/∂θ)²] per parameter, from
   per-example gradients, with y the data's label (``empirical``) or drawn from the model's own
   predictive distribution (``sampled``); optional normalisation to mean 1.

@@ -40,7 +40,8 @@ def align_options(args, symmetries, **extra) -> AlignOptions:
     if not matcher(args.match).learns and given:
         learning = ", ".join(n for n, m in MATCHERS.items() if m.learns)
         raise SymmergeError(f"{', '.join(given)}: the --learn-* flags apply to --match {learning} only")
-    readers = [flag for flag, name in (("--repair", "repair"), ("--distill", "distill"), ("--temperature", "temperature"))
+    readers = [flag for flag, name in (("--repair", "repair"), ("--distill", "distill"),
+                                       ("--temperature", "temperature"))
                if getattr(args, name, None)]
     if args.align_data is not None and not needs_data and not readers:
         data_matchers = "|".join(n for n, m in MATCHERS.items() if m.needs_data)

@@ -69,7 +69,8 @@ OPTIONS = (
     opt("data", "--data", on=BARRIER, required=True,
         help="evaluation data (held out): .npz (images), .jsonl (text, label) or .txt (LM)"),
     opt("output", "-o", "--output", on=MODELS, required=True, help="output folder (must not exist or be empty)"),
-    opt("method", "--method", on=MERGE, parse=method_name, required=True, help=f"fusion method: {', '.join(sorted(METHODS))}"),
+    opt("method", "--method", on=MERGE, parse=method_name, required=True,
+        help=f"fusion method: {', '.join(sorted(METHODS))}"),
     opt("align", "--align", on=MERGE, parse=symmetry_list, default=RECOMMENDED_NAME, joins=True,
         help="symmetries to align before merging: " + describe_symmetries(
             f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them; residual is also left out when "
@@ -82,7 +83,8 @@ OPTIONS = (
         help=describe_symmetries(f"{RECOMMENDED_NAME} (= {','.join(RECOMMENDED)} where the model has them; as for "
                                  f"merge and barrier). With --stream, {RECOMMENDED_NAME} leaves residual out (it "
                                  "cannot stream)")),
-    opt("layers", "--layers", on=ALIGN, parse=layer_list, joins=True, help="only align these layers, e.g. '0,1,5' (default: all)"),
+    opt("layers", "--layers", on=ALIGN, parse=layer_list, joins=True,
+        help="only align these layers, e.g. '0,1,5' (default: all)"),
     opt("no_verify", "--no-verify", on=ALIGN, form="switch", default=False,
         help="skip the equivalence check (not recommended)"),
     opt("verify_tol", "--verify-tol", on=ALIGN, parse=float, minimum=0,
@@ -92,7 +94,8 @@ OPTIONS = (
         help="layer by layer from safetensors shards, never holding a whole model in memory (attn, ffn, rescale; "
              "not residual): --match weights, or --match learned learned from the files one layer at a time "
              "(docs/results/learned_scale.md)"),
-    opt("shard_size", "--shard-size", on=ALIGN, parse=size_text,  # None: not given (1GB with --stream; refused without it)
+    # None: not given (1GB with --stream; refused without it)
+    opt("shard_size", "--shard-size", on=ALIGN, parse=size_text,
         help="with --stream: largest output shard (default 1GB; without --pipeline shards are also cut at about one "
              "layer, to bound memory)"),
     opt("pipeline", "--pipeline", on=ALIGN, form="switch", default=False,
@@ -106,12 +109,12 @@ OPTIONS = (
         help="accept pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True))"),
     # merge's and barrier's
     opt("anchor", "--anchor", on=MERGE,
-        help="anchor: index of a model (0-based: 0..N-1) or a folder (default: base model for task-vector methods; the second "
-             "of two models; else the model closest to the average). With more than two models and no anchor, every "
-             "model is aligned jointly into one frame (each to the mean of the others, from the star on the model "
-             "closest to the average; with --match learned, then random convex combinations of the models learned "
-             "against the same combinations of their predictions); an anchor keeps the star: every model aligned to "
-             "it"),
+        help="anchor: index of a model (0-based: 0..N-1) or a folder (default: base model for task-vector methods; "
+             "the second of two models; else the model closest to the average). With more than two models and no "
+             "anchor, every model is aligned jointly into one frame (each to the mean of the others, from the star "
+             "on the model closest to the average; with --match learned, then random convex combinations of the "
+             "models learned against the same combinations of their predictions); an anchor keeps the star: every "
+             "model aligned to it"),
     opt("star", "--star", on=MERGE, form="switch", default=False,
         help="with more than two models: align every model to one anchor (the default rule's, or --anchor) instead "
              "of jointly into one frame"),
@@ -363,8 +366,8 @@ OPTIONS = (
              "pairs; docs/results/learned_scale.md)"),
     opt("learn_start", "--learn-start", on=ALIGNING, part=ALIGNMENT, choices=LEARN_STARTS, learn="start",
         help=f"--match learned: the closed form learning starts from (default {L.start}: activation matching on "
-             "--align-data; weights: data-free weight matching, no activation statistics: LLM-size pairs with --stream, "
-             "docs/results/learned_scale.md)"),
+             "--align-data; weights: data-free weight matching, no activation statistics: LLM-size pairs with "
+             "--stream, docs/results/learned_scale.md)"),
     opt("learn_check_batches", "--learn-check-batches", on=ALIGNING, part=ALIGNMENT, parse=int,
         minimum=MINIMA["learn_check_batches"],
         metavar="N", learn="check_batches",
@@ -547,7 +550,8 @@ OPTIONS += (
              "error in the report"),
     opt("random_seed", "--random-seed", on=EXTRACT, part=EXTRACT, parse=int, default=0, metavar="N",
         help="seed of --svd lowrank"),
-    opt("device", "--device", on=EXTRACT, part=EXTRACT, parse=device_name, help="where the SVDs run: cpu (default), cuda, cuda:N"),
+    opt("device", "--device", on=EXTRACT, part=EXTRACT, parse=device_name,
+        help="where the SVDs run: cpu (default), cuda, cuda:N"),
     opt("cuda", "--cuda", on=EXTRACT, part=EXTRACT, form="onoff", default=False, help="--device cuda"),
     opt("quiet", "-q", "--quiet", on=EXTRACT, part=EXTRACT, form="onoff", default=False,
         help="no progress on stderr (as --progress none; mergekit-extract-lora's --quiet)"),

@@ -262,7 +262,8 @@ def _out_axis(module, name: str) -> int:
     """The weight axis of a module's outputs: 0 for ``nn.Linear``, 1 for GPT-2's ``Conv1D``."""
     axis = linear_output_axis(module)
     if axis is None:
-        raise SymmergeError(f"{name}: activation matching reads Linear (or Conv1D) modules, got {type(module).__name__}")
+        raise SymmergeError(f"{name}: activation matching reads Linear (or Conv1D) modules, "
+                            f"got {type(module).__name__}")
     return axis
 
 
@@ -489,7 +490,8 @@ def reads_activations(model, inst) -> bool:
 def _movable(model, inst):
     """The instance on the activation slots of its members that are whole ``Linear`` (or ``Conv1D``) weights
     (the others stand for no activation: an embedding's columns, one expert's slice of fused experts)."""
-    return replace(inst, slots=tuple(activation_slot(model, s)[1] for s in inst.slots if _weight(s) and _linear(model, s)))
+    return replace(inst, slots=tuple(activation_slot(model, s)[1] for s in inst.slots
+                                     if _weight(s) and _linear(model, s)))
 
 
 def _present(inst, tensors: dict):
@@ -791,7 +793,8 @@ def layer_statistics(replay: "LayerReplay", i: int, sites: dict) -> dict:
             handles.append(mod.register_forward_hook(lambda m, a, o, key=key: store(key, _first(o)))
                            if site.side == "out" else
                            mod.register_forward_pre_hook(lambda m, a, kw, key=key:
-                                                         store(key, a[0] if a else kw["hidden_states"]), with_kwargs=True))
+                                                         store(key, a[0] if a else kw["hidden_states"]),
+                                                         with_kwargs=True))
     stats: dict = {}
     try:
         state["mask"] = replay.masks[0] if replay.masks else None

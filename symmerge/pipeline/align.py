@@ -158,7 +158,8 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
                                   for x, label in ((model, "model"), (anchor, "anchor"))], allow_tokenizer_mismatch)
     embedding = check_pipelines([(str(model), model)]) if isinstance(model, (str, Path)) else None
     loaded = plan.loaded if plan is not None else None  # a pickle checkpoint the plan read: not read again
-    model, anchor = (_load(x, allow_pickle, progress is not None) for x in (model if loaded is None else loaded, anchor))
+    model, anchor = (_load(x, allow_pickle, progress is not None)
+                     for x in (model if loaded is None else loaded, anchor))
     model, anchor, adapted = adapt_pair(model, anchor)  # a base model and a fine-tune of its task class
     check_compatible(model, anchor)
     stored, anchor_stored = model, anchor  # the models in their own dtypes: the results are cast back to them

@@ -14,8 +14,8 @@ once from the two inputs' headers and the options before any weight is read:
 The plan reads the folders' config.json and safetensors headers, and the one-dimensional tensors (norm weights)
 whose values decide the residual stream's group (streamed: only the few tensors per-layer binding reads, Qwen3's
 QK norms); nothing else. A pickle checkpoint has no headers: its plan is made from the loaded model, which the
-plan keeps (``loaded``) for the alignment, so the checkpoint is read once. ``symmerge align --print-plan`` prints :meth:`AlignPlan.printed`; the report is
-built from the plan and what the alignment measured by the one report builder
+plan keeps (``loaded``) for the alignment, so the checkpoint is read once. ``symmerge align --print-plan`` prints
+:meth:`AlignPlan.printed`; the report is built from the plan and what the alignment measured by the one report builder
 (:func:`symmerge.pipeline.report.build_report`).
 """
 

@@ -9,10 +9,10 @@ target is the ensemble of the models given. No label is read.
 This is **not** function-preserving alignment: the result is a new model trained toward the ensemble,
 and every report of it says so (:data:`LABEL`, ``function_preserving: false``).
 
-The unlabeled examples are split into a training part and a held-out part (the last ``holdout`` of the
-examples, at least one when there are two or more), each cut into minibatches of at most ``batch``; the KL is measured on both before and after, so the
-report shows whether the distillation generalised beyond the examples it saw. Adam with a cosine decay to
-0 over the steps; batches drawn in a fresh random order per pass (seeded).
+The unlabeled examples are split into a training part and a held-out part (the last ``holdout`` of the examples, at
+least one when there are two or more), each cut into minibatches of at most ``batch``; the KL is measured on both before
+and after, so the report shows whether the distillation generalised beyond the examples it saw. Adam with a cosine decay
+to 0 over the steps; batches drawn in a fresh random order per pass (seeded).
 """
 
 from __future__ import annotations

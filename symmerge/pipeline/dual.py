@@ -29,9 +29,9 @@ The loop: both models' continuous elements (the kinds' ``learn_*`` parameterisat
 alpha_high), predicts the endpoints' mixed predictions — the same objective, target, augmentation, hold-out,
 checks (α = ¼, ½, ¾; on at most ``check_batches`` batches), early stopping, seed, budget and ``precision`` (the
 steps and the models' predictions under bf16 autocast, the checks in float32) as the one-sided path; the end is
-kept only where the check is better than the start. The learned elements are rounded to exact group elements (float64), checked
-as every alignment's, applied with the norm splits (float64), and each moved model is run against the model
-it came from (``verify``): both must be the same function.
+kept only where the check is better than the start. The learned elements are rounded to exact group elements
+(float64), checked as every alignment's, applied with the norm splits (float64), and each moved model is run against
+the model it came from (``verify``): both must be the same function.
 """
 
 from __future__ import annotations

@@ -200,7 +200,8 @@ def solve(instances, sd_a: dict, sd_b: dict, opts: Options, progress=None, histo
             moved = apply(base, others, elements) if others else base
             later = {s.key for g in wide_groups[k + 1:] for i in g for s in i.slots}
             only = (pure - later or pure or None) if first else None
-            elements.update(insts[0].kind.solve(insts, moved, sd_b, opts, SolveContext(list(instances), only_keys=only)))
+            elements.update(insts[0].kind.solve(insts, moved, sd_b, opts,
+                                                SolveContext(list(instances), only_keys=only)))
         moved = apply(sd_a, wide, elements)
         if full or not held:
             elements.update(solve_local(local, moved, sd_b, opts))

@@ -26,9 +26,10 @@ permutations, a permutation residual group), on the rotations and scales the sta
 Ainsworth et al. define it. ``all`` lowers the spread most but may move the non-anchor models to other
 basins; ``discrete`` stays nearer the star (docs/merge.md, "N models in one frame", has the measurements).
 
-The data-free objective's weights (``ends_weight``, ``depth_decay``: :func:`~symmerge.pipeline.engine.objective_weights`)
-weigh J as they weigh the pair objective: the star's alignments minimise the weighted distance, every step is solved
-on the weighted copies, and a step is accepted, and the rounds stop, by the weighted J (with data, J is plain).
+The data-free objective's weights (``ends_weight``, ``depth_decay``:
+:func:`~symmerge.pipeline.engine.objective_weights`) weigh J as they weigh the pair objective: the star's alignments
+minimise the weighted distance, every step is solved on the weighted copies, and a step is accepted, and the rounds
+stop, by the weighted J (with data, J is plain).
 
 Every model stays in its own orbit throughout: its final form is checked against the model it came
 from (outputs on sample inputs) once, at the end.

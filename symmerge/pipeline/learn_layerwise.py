@@ -52,8 +52,8 @@ def _wide(stored: torch.dtype, wanted: torch.dtype) -> torch.dtype:
 
 class LayerTensors(Mapping):
     """``base``'s tensors (a state dict, or a :class:`CheckpointTensors`) with ``elements`` applied to the
-    ``instances``' slots, floating ones as ``dtype`` (None: as they are) on ``device``: one layer's at a time (see the module
-    text), the last ``keep`` layers kept. The elements act in float32 at least (the wider of the stored dtype and
+    ``instances``' slots, floating ones as ``dtype`` (None: as they are) on ``device``: one layer's at a time (see the
+    module text), the last ``keep`` layers kept. The elements act in float32 at least (the wider of the stored dtype and
     ``dtype``), the result rounded to ``dtype`` once: a bfloat16 checkpoint is moved as its float32 upcast is."""
 
     def __init__(self, base, keys, paths, instances=(), elements=None, dtype=torch.float32, device="cpu",
@@ -77,7 +77,8 @@ class LayerTensors(Mapping):
             return self.cache[g]
         sd = _read(self.base, self.groups[g])
         want = {k: self.dtype or v.dtype for k, v in sd.items() if v.is_floating_point()}
-        if self.moves[g]:  # in float32 at least (stored bfloat16 moved in bfloat16 was rounded twice): rounded once below
+        # in float32 at least (stored bfloat16 moved in bfloat16 was rounded twice): rounded once below
+        if self.moves[g]:
             sd = apply({k: v.to(_wide(v.dtype, want[k])) if k in want else v for k, v in sd.items()}, self.moves[g],
                        self.elements)
         out = {k: (v.detach().to(self.device, want[k]) if k in want else v.to(self.device))

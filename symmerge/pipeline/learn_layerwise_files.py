@@ -246,7 +246,8 @@ def verified(pair: CheckpointPair, moved, batches, tol) -> dict:
     back) against A, both run layer by layer on ``batches``; one clear error when they differ beyond ``tol``."""
     max_abs, max_rel = _logit_difference(pair.skeleton, pair.paths, pair.plain(pair.tensors_a), moved, batches)
     if not max_rel <= tol:
-        raise SymmergeError(f"aligned model is not equivalent: max relative output difference {max_rel:.3g} > {tol:.3g}")
+        raise SymmergeError(f"aligned model is not equivalent: max relative output difference {max_rel:.3g} "
+                            f"> {tol:.3g}")
     return {"verify_max_abs_diff": max_abs, "verify_max_rel_diff": max_rel, "verify_tolerance": tol}
 
 

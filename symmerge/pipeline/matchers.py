@@ -77,7 +77,8 @@ def match_activations(ctx: MatchContext) -> dict:
     # both models in their canonical form, sharing the canonical tensors (no copy of any weight: only read)
     return fit(ctx.instances, with_state_dict(ctx.model, ctx.ca, share=True),
                with_state_dict(ctx.anchor, ctx.cb, share=True), ctx.data(),
-               ctx.opts, progress=ctx.progress, timings=ctx.fields.setdefault("activation_seconds", {}), bound=ctx.bound)
+               ctx.opts, progress=ctx.progress, timings=ctx.fields.setdefault("activation_seconds", {}),
+               bound=ctx.bound)
 
 
 def match_learned(ctx: MatchContext) -> dict:

@@ -105,8 +105,8 @@ def describe_symmetries(default: str) -> str:
     """The help text of ``--symmetries``/``--align``: every symmetry, and what the default means."""
     text = ("comma list of heads (head permutation), attn (per-head QK/VO rotations), ffn (FFN unit permutation), "
             "rescale (per-head and per-unit scales), residual (one transform of the residual stream, in the "
-            "largest group of the family unless --residual permutation), experts (a permutation of each mixture-of-experts "
-            "layer's experts); or none; or paper (attn,ffn,rescale, the "
+            "largest group of the family unless --residual permutation), experts (a permutation of each "
+            "mixture-of-experts layer's experts); or none; or paper (attn,ffn,rescale, the "
             f"paper's set); or {RECOMMENDED_NAME}: the groups of {','.join(RECOMMENDED)} that the model has (no "
             "residual for a base model, whose output is the stream)")
     return f"{text}. Default: {default}"
@@ -135,13 +135,12 @@ class LearnSettings:
     ``check_batches``: the objective checks on at most this many batches (the first; 0: every batch of
     the held-out part, or of the training set without one); ``layerwise``: the interpolated model built
     and differentiated one layer at a time (gradient checkpointing per layer, the layer's tensors computed
-    from the learned elements inside it): the same objective and gradient in memory bounded by a few
-    layers instead of θ(α) and its graph for the whole model (docs/results/learned_scale.md); ``dirichlet``: the concentration of the mixture
-    weights of the joint learned alignment of N models (w ~ Dirichlet(dirichlet, …); 1: uniform on the
-    simplex; larger: mixtures nearer the plain average), ``"uniform"`` (``inf`` reads the same: every step at the
-    plain average, each model weighted 1/N, the objective checked there alone), or ``"auto"`` (the default): chosen on
-    held-out data — the
-    last ``dirichlet_holdout`` of the unlabeled batches is held out, the mixtures are learned on the rest
+    from the learned elements inside it): the same objective and gradient in memory bounded by a few layers instead of
+    θ(α) and its graph for the whole model (docs/results/learned_scale.md); ``dirichlet``: the concentration of the
+    mixture weights of the joint learned alignment of N models (w ~ Dirichlet(dirichlet, …); 1: uniform on the simplex;
+    larger: mixtures nearer the plain average), ``"uniform"`` (``inf`` reads the same: every step at the plain average,
+    each model weighted 1/N, the objective checked there alone), or ``"auto"`` (the default): chosen on held-out data —
+    the last ``dirichlet_holdout`` of the unlabeled batches is held out, the mixtures are learned on the rest
     for every concentration of ``dirichlet_grid`` (``dirichlet_steps`` steps each; 0: half of ``steps``),
     and the one whose uniform average of the N models matches the uniform mixture of their predictions
     best on the held-out part is learned again on all the data with ``steps`` steps
@@ -183,11 +182,14 @@ class LearnSettings:
 
     def __post_init__(self):
         if self.frame not in LEARN_FRAMES:
-            raise SymmergeError(f"unknown learned-alignment frame {self.frame!r}; choose one of {', '.join(LEARN_FRAMES)}")
+            raise SymmergeError(f"unknown learned-alignment frame {self.frame!r}; "
+                                f"choose one of {', '.join(LEARN_FRAMES)}")
         if self.start not in LEARN_STARTS:
-            raise SymmergeError(f"unknown learned-alignment start {self.start!r}; choose one of {', '.join(LEARN_STARTS)}")
+            raise SymmergeError(f"unknown learned-alignment start {self.start!r}; "
+                                f"choose one of {', '.join(LEARN_STARTS)}")
         if self.target not in LEARN_TARGETS:
-            raise SymmergeError(f"unknown learned-alignment target {self.target!r}; choose one of {', '.join(LEARN_TARGETS)}")
+            raise SymmergeError(f"unknown learned-alignment target {self.target!r}; "
+                                f"choose one of {', '.join(LEARN_TARGETS)}")
         if self.augment_style not in AUGMENT_STYLES:
             raise SymmergeError(f"unknown learned-alignment augmentation style {self.augment_style!r}; choose one of "
                                 f"{', '.join(AUGMENT_STYLES)}")

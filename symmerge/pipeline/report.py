@@ -89,7 +89,8 @@ def match_fields(report: dict) -> dict:
 def solver_summary(record: dict) -> str:
     """One line on the data-free search (the report's ``solver`` entry): the start kept and every start's objective."""
     starts = ", ".join(f"{r['start']} {r['objective']:.6g}" for r in record["starts"])
-    weights = [f"{name} {record[key]:g}" for key, name in (("ends_weight", "ends weight"), ("depth_decay", "depth decay"))
+    weights = [f"{name} {record[key]:g}" for key, name in (("ends_weight", "ends weight"),
+                                                           ("depth_decay", "depth decay"))
                if record.get(key, 1.0) != 1.0]
     weighted = f", objective with {' and '.join(weights)}" if weights else ""
     return (f"data-free solver: kept {record['winner']} (objective {record['objective']:.6g}{weighted}) of "
