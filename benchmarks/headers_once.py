@@ -43,6 +43,22 @@ def before_module(rev: str):
     return module
 
 
+def both_versions(rev: str) -> dict:
+    """``{"after": this checkout's symmerge.io.checkpoint, "before": rev's}`` (:func:`before_module`), with one torch
+    thread."""
+    torch.set_num_threads(1)
+    from symmerge.io import checkpoint
+
+    return {"after": checkpoint, "before": before_module(rev)}
+
+
+def alternating(names: list, repeat: int):
+    """``(repetition, name)`` for every repetition and name, the first name of each repetition rotating."""
+    for i in range(repeat):
+        for name in names[i % 2:] + names[:i % 2]:
+            yield i, name
+
+
 def make_checkpoint(folder: Path, layers: int) -> int:
     """A tiny Llama of ``layers`` layers saved one tensor per shard; returns the number of shards."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -72,10 +88,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    from symmerge.io import checkpoint
-
-    versions = {"after": checkpoint, "before": before_module(args.before)}
+    versions = both_versions(args.before)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "m"
@@ -83,11 +96,9 @@ def main(argv=None) -> dict:
         for module in versions.values():
             timed(module, folder, True)
         times = {f"{v}_{what}": [] for v in versions for what in ("open", "open_read")}
-        names = list(versions)
-        for i in range(args.repeat):
-            for v in names[i % 2:] + names[:i % 2]:
-                times[f"{v}_open"].append(timed(versions[v], folder, False))
-                times[f"{v}_open_read"].append(timed(versions[v], folder, True))
+        for _, v in alternating(list(versions), args.repeat):
+            times[f"{v}_open"].append(timed(versions[v], folder, False))
+            times[f"{v}_open_read"].append(timed(versions[v], folder, True))
     result = {"shards": shards, "before": args.before, "repeat": args.repeat, "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "machine": machine(), "seconds": times}
     print(f"{shards} shards, {args.repeat} repetitions, load average {load_before} before, "
