@@ -29,14 +29,16 @@ from benchmarks.common import machine
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def before_module(rev: str):
-    """``symmerge/io/checkpoint.py`` at ``rev``, loaded as ``symmerge.io.checkpoint_before`` (its relative imports
-    resolve in this checkout's package)."""
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:symmerge/io/checkpoint.py"], check=True,
+def before_module(rev: str, source: str = "symmerge/io/checkpoint.py"):
+    """The module ``source`` at ``rev`` (default ``symmerge/io/checkpoint.py``), loaded beside this checkout's as
+    ``<its name>_before`` (``symmerge.io.checkpoint_before``; its relative imports resolve in this checkout's
+    package)."""
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{source}"], check=True,
                           capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="headers-once-")) / "checkpoint_before.py"
+    stem = Path(source).stem
+    path = Path(tempfile.mkdtemp(prefix="headers-once-")) / f"{stem}_before.py"
     path.write_text(text)
-    spec = importlib.util.spec_from_file_location("symmerge.io.checkpoint_before", path)
+    spec = importlib.util.spec_from_file_location(source[:-3].replace("/", ".") + "_before", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

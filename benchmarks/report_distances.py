@@ -5,8 +5,13 @@ random Llamas (``--hidden``, ``--layers``, FFN 4× hidden, vocabulary 32 000) in
 one unmeasured run of each (numba's kernels compiled or loaded). Recorded per run: the report's
 ``stream.seconds.distances`` (the executor's clock of the distances) and the command's wall time. Printed: the
 medians of each version and the ratio after / before, the load average before and after; ``--json``: the raw runs.
+``--in-process``: instead, the per-step function alone (``merge.kernels.sq_distances`` of each step's inputs and
+result, then, after, :class:`symmerge.merge.distances.SquaredSums`), the code before loaded beside this one in one
+process, over the tensors of the same Llama's shapes (random, one torch thread), the two alternating: free of the
+child processes' start and the threads' scheduling, which make the streamed runs' clock noisy on a loaded machine.
 
     python -m benchmarks.report_distances --before efc6e43 --repeat 7 --json docs/results/report_distances.json
+    python -m benchmarks.report_distances --in-process --repeat 11 --json docs/results/report_distances_kernel.json
 """
 
 from __future__ import annotations
@@ -84,18 +89,61 @@ def summary(runs: dict) -> dict:
             "wall_ratio": med["after"]["wall_s"] / med["before"]["wall_s"]}
 
 
+def in_process(rev: str, hidden: int, layers: int, setting: str, repeat: int) -> dict:
+    """Seconds of one pass of the per-step distances over a Llama's tensors, before and after, alternating."""
+    import torch
+
+    from symmerge.merge.distances import SquaredSums
+
+    from benchmarks.headers_once import before_module
+
+    old = before_module(rev, "symmerge/merge/kernels.py")
+    torch.set_num_threads(1)
+    dtype, n = setting.split("x")
+    dtype, n = getattr(torch, dtype), int(n)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(32000, hidden)] * 2 + [(hidden, hidden)] * 4 * layers + [(4 * hidden, hidden)] * 3 * layers + \
+        [(hidden,)] * (2 * layers + 1)
+    steps = [[torch.randn(s, generator=g).to(dtype) for _ in range(n + 1)] for s in shapes]
+
+    def before():
+        for t in steps:
+            old.sq_distances(t[:n], t[n])
+
+    def after():
+        sums = SquaredSums()
+        for t in steps:
+            sums.add(t[:n], t[n])
+        sums.totals()
+
+    versions = {"before": before, "after": after}
+    for f in versions.values():
+        f()
+    times = {v: [] for v in versions}
+    for r in range(repeat):
+        for v in (["before", "after"] if r % 2 else ["after", "before"]):
+            t = time.perf_counter()
+            versions[v]()
+            times[v].append(time.perf_counter() - t)
+    med = {v: statistics.median(x) for v, x in times.items()}
+    return {"seconds": times, "median_s": med, "ratio": med["after"] / med["before"]}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.report_distances", description=__doc__.split("\n\n")[0])
     p.add_argument("--before", default="efc6e43", help="the commit whose package is the 'before' (default efc6e43)")
     p.add_argument("--repeat", type=int, default=7, help="runs of each version per setting (alternating; medians)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--settings", default="float32x2,bfloat16x2,bfloat16x3",
+    p.add_argument("--settings", default="float32x2,float32x3,bfloat16x2,bfloat16x3",
                    help="comma-separated DTYPExCOUNT: the inputs' dtype and how many models are merged")
     p.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "symmerge-report-distances"),
                    help="where the inputs are generated (kept)")
     p.add_argument("--json", help="also write the settings, the raw runs and the medians to this file")
+    p.add_argument("--in-process", action="store_true", help="time the per-step function alone, in one process")
     args = p.parse_args(argv)
+    if args.in_process:
+        return _in_process_main(args)
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     trees = {"before": before_tree(args.before), "after": ROOT}
@@ -117,6 +165,21 @@ def main(argv=None) -> dict:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     subprocess.run(["rm", "-rf", str(trees["before"])], check=True)
+    return result
+
+
+def _in_process_main(args) -> dict:
+    result = {"before": args.before, "hidden": args.hidden, "layers": args.layers, "repeat": args.repeat,
+              "load_average_start": os.getloadavg(), "in_process": {}}
+    for setting in args.settings.split(","):
+        s = result["in_process"][setting] = in_process(args.before, args.hidden, args.layers, setting, args.repeat)
+        print(f"{setting} (in process): {s['median_s']['before'] * 1e3:.1f} ms before, {s['median_s']['after'] * 1e3:.1f} "
+              f"ms after ({s['ratio']:.3f}x; least {min(s['seconds']['before']) * 1e3:.1f} / "
+              f"{min(s['seconds']['after']) * 1e3:.1f} ms)", flush=True)
+    result["load_average_end"] = os.getloadavg()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
