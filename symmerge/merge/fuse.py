@@ -827,7 +827,7 @@ def _report_distances(mg: Merged) -> tuple[dict, dict, dict]:
     after_table = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in sorted(pairs.items())}
     before_table = after_table if al.aligned is ld.models else {
         f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in sorted(before_pairs.items())}
-    return before_table, after_table, {names[i]: math.sqrt(v) for i, v in sorted(to_result.items())}
+    return before_table, after_table, {nm: math.sqrt(to_result.get(i, 0.0)) for i, nm in enumerate(names)}
 
 
 def _evaluate_all(mg: Merged, files) -> dict:
