@@ -29,18 +29,36 @@ from benchmarks.common import machine
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def before_module(rev: str):
-    """``symmerge/io/checkpoint.py`` at ``rev``, loaded as ``symmerge.io.checkpoint_before`` (its relative imports
-    resolve in this checkout's package)."""
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:symmerge/io/checkpoint.py"], check=True,
+def before_module(rev: str, source: str = "symmerge/io/checkpoint.py"):
+    """The module ``source`` at ``rev`` (default ``symmerge/io/checkpoint.py``), loaded beside this checkout's as
+    ``<its name>_before`` (``symmerge.io.checkpoint_before``; its relative imports resolve in this checkout's
+    package)."""
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{source}"], check=True,
                           capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="headers-once-")) / "checkpoint_before.py"
+    stem = Path(source).stem
+    path = Path(tempfile.mkdtemp(prefix="headers-once-")) / f"{stem}_before.py"
     path.write_text(text)
-    spec = importlib.util.spec_from_file_location("symmerge.io.checkpoint_before", path)
+    spec = importlib.util.spec_from_file_location(source[:-3].replace("/", ".") + "_before", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def both_versions(rev: str) -> dict:
+    """``{"after": this checkout's symmerge.io.checkpoint, "before": rev's}`` (:func:`before_module`), with one torch
+    thread."""
+    torch.set_num_threads(1)
+    from symmerge.io import checkpoint
+
+    return {"after": checkpoint, "before": before_module(rev)}
+
+
+def alternating(names: list, repeat: int):
+    """``(repetition, name)`` for every repetition and name, the first name of each repetition rotating."""
+    for i in range(repeat):
+        for name in names[i % 2:] + names[:i % 2]:
+            yield i, name
 
 
 def make_checkpoint(folder: Path, layers: int) -> int:
@@ -72,10 +90,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    from symmerge.io import checkpoint
-
-    versions = {"after": checkpoint, "before": before_module(args.before)}
+    versions = both_versions(args.before)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "m"
@@ -83,11 +98,9 @@ def main(argv=None) -> dict:
         for module in versions.values():
             timed(module, folder, True)
         times = {f"{v}_{what}": [] for v in versions for what in ("open", "open_read")}
-        names = list(versions)
-        for i in range(args.repeat):
-            for v in names[i % 2:] + names[:i % 2]:
-                times[f"{v}_open"].append(timed(versions[v], folder, False))
-                times[f"{v}_open_read"].append(timed(versions[v], folder, True))
+        for _, v in alternating(list(versions), args.repeat):
+            times[f"{v}_open"].append(timed(versions[v], folder, False))
+            times[f"{v}_open_read"].append(timed(versions[v], folder, True))
     result = {"shards": shards, "before": args.before, "repeat": args.repeat, "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "machine": machine(), "seconds": times}
     print(f"{shards} shards, {args.repeat} repetitions, load average {load_before} before, "

@@ -1,8 +1,8 @@
 """Safetensors checkpoints read lazily and written shard by shard (streaming alignment's I/O).
 
 :class:`LazyCheckpoint` knows every tensor's shard, shape and dtype from the safetensors headers and
-reads only the tensors asked for (``safe_open``; each shard's memory map is closed after the read,
-so pages touched once do not stay in the process). :class:`ShardWriter` writes tensors as they come
+reads only the tensors asked for, straight from their byte offsets (each header parsed once, when the
+checkpoint is opened; no memory map, so pages touched once do not stay in the process). :class:`ShardWriter` writes tensors as they come
 into shards of bounded size and finishes with the standard ``model.safetensors.index.json``.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -184,7 +183,8 @@ class LazyCheckpoint:
         fz = self.virtual[key]
         stored = {}
         for p in fz.parts:
-            stored[p.name] = self.read([p.name], _stored=True)[p.name]
+            stored[p.name] = self._read_stored(self._part_file(p.name), p.name, self.dtype[key], p.shape)
+            check_finite({p.name: stored[p.name]}, str(self.folder))
         out = fz.stack(stored, self.dtype[key])
         del stored
         return out
@@ -244,33 +244,18 @@ class LazyCheckpoint:
         """Shape-only stand-ins (``meta`` tensors) for resolving a spec without reading weights."""
         return {k: torch.empty(self.shape[k], dtype=self.dtype[k], device="meta") for k in self.file_of}
 
-    def read(self, keys, _stored: bool = False) -> dict[str, torch.Tensor]:
-        """The named tensors (copies, so no memory map outlives the call); NaN/Inf refused. A fused tensor
-        (``virtual``) is stacked from its stored tensors (``_stored``: ``keys`` are stored names of those)."""
-        from safetensors import safe_open
-
-        by_file: dict[Path, list[str]] = defaultdict(list)
+    def read(self, keys) -> dict[str, torch.Tensor]:
+        """The named tensors (each read into a tensor of its own: no memory map outlives the call); NaN/Inf
+        refused. Read as :meth:`read_direct` reads (the byte offsets known since the checkpoint was opened, each
+        file's header parsed once); a fused tensor (``virtual``) is stacked from its stored tensors."""
         out = {}
         for k in keys:
-            if _stored:
-                by_file[self._part_file(k)].append(k)
-            elif k in self.virtual:
-                out[k] = self._read_virtual(k)
-            else:
-                by_file[self.file_of[k]].append(k)
-        for f, names in by_file.items():
-            try:
-                with safe_open(str(f), "pt") as handle:
-                    for k in names:
-                        out[k] = handle.get_tensor(k if _stored else self.disk_name[k]).clone()
-            except SymmergeError:
-                raise
-            except Exception as e:
-                raise SymmergeError(f"{f}: cannot read tensor data, truncated or corrupt ({e})") from None
+            out[k] = self._read_virtual(k) if k in self.virtual else \
+                self._read_stored(self.file_of[k], self.disk_name[k], self.dtype[k], self.shape[k])
         for k in keys:
-            check_finite({k if _stored else self.disk_name[k]: out[k]}, str(self.folder))
-        return {k: out[k] for k in keys}
-
+            if k not in self.virtual:  # a fused tensor's parts were checked as they were read
+                check_finite({self.disk_name[k]: out[k]}, str(self.folder))
+        return out
 
     def map_direct(self, key: str, check: bool = True) -> torch.Tensor:
         """One tensor mapped from its file (private, read-only use: no copy; the file's cached pages are
@@ -334,19 +319,35 @@ class LazyCheckpoint:
         if key in self.virtual:
             return self._read_virtual(key)
         f, disk = self.file_of[key], self.disk_name[key]
-        start, end = _offsets(f)[disk]
+        out = self._read_stored(f, disk, self.dtype[key], self.shape[key], buffer)
+        if check:
+            check_finite({disk: out}, str(self.folder))
+        return out
+
+    def _read_stored(self, f: Path, disk: str, dtype, shape, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored tensor ``disk`` of file ``f`` read at its byte offsets (:func:`_offsets`: known from the
+        header read when the checkpoint was opened), into ``buffer`` where it is given and large enough (with
+        ``O_DIRECT`` where the file is read so); a file cut short, or changed into one whose header no longer
+        holds the tensor at its size, is one error line."""
+        try:
+            start, end = _offsets(f)[disk]
+        except (OSError, ValueError, KeyError) as e:
+            raise SymmergeError(f"{f}: cannot read tensor {disk!r}, truncated or corrupt file ({e!r})") from None
+        if end - start != math.prod(shape) * dtype.itemsize:
+            raise SymmergeError(f"{f}: tensor {disk!r} holds {end - start} bytes, not the {shape} {dtype} it held when "
+                                "the checkpoint was opened (the file changed)")
         if buffer is not None and end > start and buffer.numel() >= end - start + direct.SLACK \
                 and direct.reads_directly(f):
             try:
                 at, got = direct.read_into(f, start, end, buffer)
             except OSError as e:
                 raise SymmergeError(f"{f}: cannot read tensor {disk!r} ({e})") from None
-            out = buffer[at:at + end - start].view(self.dtype[key]).view(self.shape[key])
+            out = buffer[at:at + end - start].view(dtype).view(shape)
         else:
             if buffer is not None and buffer.numel() >= end - start:
-                out = buffer[:end - start].view(self.dtype[key]).view(self.shape[key])
+                out = buffer[:end - start].view(dtype).view(shape)
             else:
-                out = torch.empty(self.shape[key], dtype=self.dtype[key])
+                out = torch.empty(shape, dtype=dtype)
             view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
             try:
                 with open(f, "rb", buffering=0) as handle:
@@ -358,8 +359,6 @@ class LazyCheckpoint:
                 raise SymmergeError(f"{f}: cannot read tensor {disk!r} ({e})") from None
         if got != end - start:
             raise SymmergeError(f"{f}: tensor {disk!r} truncated ({got} of {end - start} bytes)")
-        if check:
-            check_finite({disk: out}, str(self.folder))
         return out
 
     def layout(self, name: str):

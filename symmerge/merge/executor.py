@@ -37,28 +37,13 @@ from ..io.checkpoint import LazyCheckpoint, PlannedWriter, parse_size
 from ..io.model import atomic_dir, copy_side_files
 from ..io.output import check_free_space
 from ..progress import bar, stage
-from . import kernels
 from .base import merge_tensor
+from .distances import SquaredSums
 from .in_dtype import mergekit_threads, remember_threads
 from .outputs import check_result, refuse_non_finite
 from .steps import TensorStep, file_order, step_arguments
 
 DEFAULT_SHARD = "2GB"  # output shards: written as they come, never held, so their size costs no memory
-
-
-def _sq(a, b, block: int = 1 << 16) -> float:
-    """Squared L2 distance of two tensors for the report: differences in float64 (as the in-memory merge's,
-    :func:`symmerge.core.distance.sq_distance`: float32 ones put slerp's and every float16 merge's distances 1e-9
-    to 1e-8 apart from memory's), each block's sum of squares by a dot product, the blocks summed in float64."""
-    import torch
-
-    wide = torch.float64
-    fa, fb = a.reshape(-1), b.reshape(-1)
-    total = 0.0
-    for i in range(0, fa.numel(), block):
-        d = fa[i:i + block].to(wide) - fb[i:i + block].to(wide)
-        total += float(torch.dot(d, d))
-    return total
 
 
 class StepView(Mapping):
@@ -364,8 +349,9 @@ class StreamExecutor:
         """Write the output shards into ``folder`` (or hand every result to ``target``, a
         :class:`MemoryTarget`); the measured facts: ``shards``, ``bytes_written``,
         ``largest_tensor_bytes``, the read-ahead ring's budget and peak, direct I/O, the threads' seconds,
-        ``seconds`` (prepare, merge), the squared distances summed over the merged steps between source
-        positions (``pairwise_sq``: {(i, j): …}) and from the result to each (``result_sq``: {i: …}), and
+        ``seconds`` (prepare, merge), the squared distances summed over the measured steps between source
+        positions (``pairwise_sq``: {(i, j): …}) and from the result to each (``result_sq``: {i: …}; the rule of the
+        in-memory report, :mod:`symmerge.merge.distances`), and
         ``result_warnings`` (:func:`symmerge.merge.outputs.check_result`: a non-finite result is an error)."""
         import torch
 
@@ -387,6 +373,9 @@ class StreamExecutor:
         t = time.perf_counter()
         run.execute(target)
         seconds["merge"] = time.perf_counter() - t
+        t = time.perf_counter()
+        pair_sq, result_sq = run.sums.totals()  # each summed exactly, once (merge/distances.py)
+        run.clock["distances"] += time.perf_counter() - t
         files = target.close()
         return {"shards": files, "bytes_written": target.total_bytes, "largest_tensor_bytes": self.largest,
                 "read_ahead_budget_bytes": self.limit, "read_ahead_peak_bytes": run.gate.peak,
@@ -394,8 +383,8 @@ class StreamExecutor:
                                            for c in _unique(self.ckpts)),
                               "writes": target.wrote_directly},
                 "thread_seconds": {k: round(v, 4) for k, v in run.clock.items()},
-                "seconds": seconds, "tensors": len(self.steps), "pairwise_sq": run.pair_sq,
-                "result_sq": run.result_sq, "result_warnings": run.warnings}
+                "seconds": seconds, "tensors": len(self.steps), "pairwise_sq": pair_sq,
+                "result_sq": result_sq, "result_warnings": run.warnings}
 
 
 class _Pass:
@@ -410,8 +399,7 @@ class _Pass:
         self.read_q: queue.Queue = queue.Queue(maxsize=4)
         self.write_q: queue.Queue = queue.Queue(maxsize=4)
         self.clock = {"read": 0.0, "write": 0.0, "distances": 0.0, "waiting_for_reads": 0.0}
-        self.pair_sq: dict = {}
-        self.result_sq: dict = {}
+        self.sums = SquaredSums()
         self.arg_cache: dict = {}
         self.warnings: list = []
         self.failures: list = []
@@ -469,20 +457,14 @@ class _Pass:
             put_until_stopped(self.read_q, _Failure(e), stop)
 
     def distances(self, idx, tensor, inputs) -> None:
-        """The report's distances of one step (squared, summed into pair_sq and result_sq); a distance that is
-        not finite is a result that is not (the inputs were checked when read): refused before it is written."""
+        """The report's distances of one step (:class:`~symmerge.merge.distances.SquaredSums`: the in-memory report's
+        rule); a distance that is not finite is a result that is not (the inputs were checked when read): refused
+        before it is written."""
         t1 = time.perf_counter()
-        n, st = len(inputs), self.ex.steps[idx]
-        fused = kernels.sq_distances(inputs, tensor)
-        to_result = [fused[1][i] if fused else _sq(tensor, inputs[i]) for i in range(n)]
+        st = self.ex.steps[idx]
+        to_result = self.sums.add(inputs, tensor)
         if not all(math.isfinite(d) for d in to_result):
             refuse_non_finite(st.name, tensor, self.ex.method, st.params, st.weights)
-        for i in range(n):
-            self.result_sq[i] = self.result_sq.get(i, 0.0) + to_result[i]
-        for i in range(n):
-            for j in range(i + 1, n):
-                self.pair_sq[i, j] = self.pair_sq.get((i, j), 0.0) + (fused[0][i, j] if fused
-                                                                      else _sq(inputs[i], inputs[j]))
         self.clock["distances"] += time.perf_counter() - t1
 
     def writer(self, target: PlannedWriter) -> None:

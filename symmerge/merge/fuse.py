@@ -15,11 +15,12 @@ space (``heads``: ``auto``, ``keep``, ``merge``).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from ..core.distance import distance, distance_before_after
+from ..core.distance import distance_before_after
 from ..device import resolve_device
 from ..errors import SymmergeError, UsageError, keywords_checked, options_argument, unexpected_keyword
 from ..evaluate.metrics import evaluate
@@ -47,6 +48,7 @@ from .option_defaults import MERGE
 from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_mergeable, head_keys, head_policy,
                     head_report, untied, with_tied)
 from .statistics import FISHER_VARIANTS, gather
+from .distances import SquaredSums
 from .outputs import check_result
 from .plan import anchor_rule, average_keys, closest_to_average, merge_report, plan_merge
 from .steps import plain_merge_steps
@@ -746,13 +748,11 @@ def _report(mg: Merged) -> dict:
     st = mg.statistics
     al = st.aligned
     ld = al.loaded
-    opts, names, body = ld.opts, ld.names, ld.body
+    opts, names = ld.opts, ld.names
     head_info = head_report(head_keys(ld.models[0]), opts.heads, ld.requested_heads, opts.head_from, names,
                             head_keys(mg.holder), mg.steps)
     with stage("distances between the inputs and to the result", enabled=opts.progress):
-        before = _pairwise([x.state_dict() for x in ld.models], body, names)
-        after = before if al.aligned is ld.models else _pairwise(mg.sds, body, names)
-        to_result = {n: distance(mg.out.state_dict(), sd, body) for n, sd in zip(names, mg.sds)}
+        before, after, to_result = _report_distances(mg)
     report = merge_report(ld.plan, base=ld.base_name, alignment=al.alignment, head=head_info,
                           distances_between_inputs={"before_alignment": before, "after_alignment": after},
                           distance_result_to_inputs=to_result, statistics=_statistics_entry(st), device=str(ld.dev),
@@ -800,9 +800,36 @@ def _load(x, allow_pickle: bool):
     return load_model(x, allow_pickle=allow_pickle, spec=False) if isinstance(x, (str, Path)) else x
 
 
-def _pairwise(sds, keys, names) -> dict:
-    return {f"{names[i]} | {names[j]}": distance(sds[i], sds[j], keys)
-            for i in range(len(sds)) for j in range(i + 1, len(sds))}
+def _report_distances(mg: Merged) -> tuple[dict, dict, dict]:
+    """The report's (``before_alignment``, ``after_alignment``, ``distance_result_to_inputs``) by the rule of the
+    streamed merge's steps (:mod:`symmerge.merge.distances`: one function per tensor, the values summed exactly)
+    over the tensors it measures: the body's floating tensors, each once (a tied alias is its source's tensor), a
+    tensor transformers fuses from several stored ones as the files store it (:func:`split_fused`); the result as
+    the merge returned it (REPAIRed or distilled when asked for)."""
+    al = mg.statistics.aligned
+    ld = al.loaded
+    keys = untied(ld.models[0], ld.body)
+    fused = {k: f for k, f in stored_parts(mg.holder).items() if k in set(keys)}
+
+    def stored(sd):
+        return split_fused(sd, fused) if fused else sd
+
+    keys, result = unfused(keys, fused), stored(mg.out.state_dict())
+    after_sds, after = [stored(sd) for sd in mg.sds], SquaredSums()
+    keys = [k for k in keys if after_sds[0][k].is_floating_point()]
+    for k in keys:
+        after.add([sd[k] for sd in after_sds], result[k])
+    pairs, to_result = after.totals()
+    if al.aligned is not ld.models:  # before alignment: the inputs as loaded, their pairs alone
+        before_sds, before = [stored(x.state_dict()) for x in ld.models], SquaredSums()
+        for k in keys:
+            before.add([sd[k] for sd in before_sds])
+        before_pairs = before.totals()[0]
+    names = ld.names
+    after_table = {f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in sorted(pairs.items())}
+    before_table = after_table if al.aligned is ld.models else {
+        f"{names[i]} | {names[j]}": math.sqrt(v) for (i, j), v in sorted(before_pairs.items())}
+    return before_table, after_table, {nm: math.sqrt(to_result.get(i, 0.0)) for i, nm in enumerate(names)}
 
 
 def _evaluate_all(mg: Merged, files) -> dict:

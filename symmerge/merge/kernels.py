@@ -249,41 +249,39 @@ def _sq_three(a, b, r):  # pragma: no cover - compiled
     return ab, ar, br
 
 
-def _sq_sums(arrays, half, pairs, to_result):  # pragma: no cover - compiled
-    """Σ (a_i − a_k)² for every pair i < k of the inputs ``arrays[:-1]`` (into ``pairs[i·n + k]``) and
-    Σ (a_i − result)² with the result ``arrays[-1]`` (into ``to_result[i]``), in float64, block by
-    block; ``half``: the arrays hold bfloat16 bit patterns (uint16), widened exactly to float32."""
-    n = len(arrays) - 1
+def _sq_sums(arrays, half, sums):  # pragma: no cover - compiled
+    """Σ (a_i − a_k)² for every pair i < k of ``arrays`` (t of them: into ``sums[i·t + k]``), in float64, block by
+    block (``1 << 14`` entries of every array, from the cache for every pair), the blocks' sums added in order;
+    three arrays (two inputs and their result): the three sums in one pass. ``half``: the arrays hold bfloat16 bit
+    patterns (uint16), widened exactly to float32."""
+    t = len(arrays)
     m = arrays[0].shape[0]
     block = 1 << 14
-    bits = np.empty((n + 1) * block, dtype=np.uint32)
+    bits = np.empty(t * block, dtype=np.uint32)
     widened = bits.view(np.float32)
     for start in range(0, m, block):
         size = min(m, start + block) - start
         if half:
-            for i in range(n + 1):
+            for i in range(t):
                 _widen_jit(arrays[i][start:start + size], bits[i * block:i * block + size])
-        if n == 2:  # two inputs: the three sums in one pass
+        if t == 3:
             if half:
                 ab, ar, br = _sq_three_jit(widened[:size], widened[block:block + size],
                                            widened[2 * block:2 * block + size])
             else:
                 ab, ar, br = _sq_three_jit(arrays[0][start:start + size], arrays[1][start:start + size],
                                            arrays[2][start:start + size])
-            pairs[1] += ab
-            to_result[0] += ar
-            to_result[1] += br
+            sums[1] += ab
+            sums[2] += ar
+            sums[5] += br
             continue
-        for i in range(n):
-            for k in range(i + 1, n + 1):
+        for i in range(t):
+            for k in range(i + 1, t):
                 if half:
-                    acc = _sq_diff_jit(widened[i * block:i * block + size], widened[k * block:k * block + size])
+                    sums[i * t + k] += _sq_diff_jit(widened[i * block:i * block + size],
+                                                    widened[k * block:k * block + size])
                 else:
-                    acc = _sq_diff_jit(arrays[i][start:start + size], arrays[k][start:start + size])
-                if k == n:
-                    to_result[i] += acc
-                else:
-                    pairs[i * n + k] += acc
+                    sums[i * t + k] += _sq_diff_jit(arrays[i][start:start + size], arrays[k][start:start + size])
 
 
 def _scale_add(src, w, first, acc):  # pragma: no cover - compiled
@@ -526,18 +524,36 @@ def _merge_pool():
 _pool_lock = threading.Lock()
 
 
-def sq_distances(inputs, result):
-    """(squared L2 distance of every pair i < j of ``inputs``: a dict, to ``result``: a list), in float64,
-    reading each tensor once; ``None`` when the dtypes are mixed or not float32/float64/bfloat16 (the
-    caller's torch code then runs)."""
+def sq_distances(inputs, result=None) -> tuple[dict, list]:
+    """The report's squared L2 distances of one tensor, the one per-tensor rule of a merge's report in memory and
+    streamed (:func:`symmerge.merge.steps.report_distances`): (every pair i < k of ``inputs``: ``{(i, k): …}``,
+    each input to ``result``: a list, empty without a result). Each is Σ (a − b)² with the differences in float64:
+    exact from any floating dtype, so a 16-bit tensor and its float32 copy give the same value. float32, float64
+    and bfloat16 tensors of one dtype on the CPU are read in place; any other mix (float16, dtypes mixed, another
+    device) is widened exactly, ``_STRETCH`` entries at a time (float64 where one is float64, else float32), and
+    gives the values of its float32 (float64) copies. The sums are reassociated (vectorized, per block): a value
+    is the same for the same tensors measured together (one input pair or the inputs and their result: three
+    tensors are summed in one pass), not necessarily in the last bit for a pair measured with other tensors."""
     import torch
 
-    dtype = result.dtype
-    if any(t.dtype != dtype for t in inputs) or dtype not in (torch.float32, torch.float64, torch.bfloat16):
-        return None
-    n = len(inputs)
-    if n < 2:  # one input (slerp, passthrough: the base aside): no pair; the kernel is compiled for pairs
-        return None
-    pairs, to_result = np.zeros(n * n, dtype=np.float64), np.zeros(n, dtype=np.float64)
-    _sq_sums_jit(tuple(_flat_bits(t) for t in (*inputs, result)), dtype == torch.bfloat16, pairs, to_result)
-    return {(i, k): float(pairs[i * n + k]) for i in range(n) for k in range(i + 1, n)}, [float(v) for v in to_result]
+    tensors = [*inputs, *([result] if result is not None else [])]
+    t, n = len(tensors), len(inputs)
+    if any(x.numel() != tensors[0].numel() for x in tensors):
+        raise ValueError("sq_distances: tensors of different sizes")
+    sums = np.zeros(t * t, dtype=np.float64)
+    if t >= 2:
+        dtype = tensors[0].dtype
+        if all(x.dtype == dtype and x.device.type == "cpu" for x in tensors) and dtype in (
+                torch.float32, torch.float64, torch.bfloat16):
+            _sq_sums_jit(tuple(_flat_bits(x.detach()) for x in tensors), dtype == torch.bfloat16, sums)
+        else:
+            wide = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
+            flat = [x.detach().reshape(-1) for x in tensors]
+            for at in range(0, flat[0].numel(), _STRETCH):
+                _sq_sums_jit(tuple(x[at:at + _STRETCH].to("cpu", wide).numpy() for x in flat), False, sums)
+    total = sums.tolist()
+    return ({(i, k): total[i * t + k] for i in range(n) for k in range(i + 1, n)},
+            [total[i * t + n] for i in range(n)] if result is not None else [])
+
+
+_STRETCH = 1 << 18  # entries widened at once: a multiple of _sq_sums' block, so the same blocks and sums
