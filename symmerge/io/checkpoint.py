@@ -2,8 +2,9 @@
 
 :class:`LazyCheckpoint` knows every tensor's shard, shape and dtype from the safetensors headers and
 reads only the tensors asked for, straight from their byte offsets (each header parsed once, when the
-checkpoint is opened; no memory map, so pages touched once do not stay in the process). :class:`ShardWriter` writes tensors as they come
-into shards of bounded size and finishes with the standard ``model.safetensors.index.json``.
+checkpoint is opened; no memory map, so pages touched once do not stay in the process). :class:`ShardWriter`
+writes tensors as they come into shards of bounded size and finishes with the standard
+``model.safetensors.index.json``.
 """
 
 from __future__ import annotations
