@@ -159,6 +159,7 @@ class _Job:
         self.exact = exact  # --verify-forward of half-precision files: the float32 values before rounding too
 
     def __call__(self, part, sd_a, sd_b, prepared=None) -> tuple:
+        self._no_alias(sd_a)
         t0 = time.perf_counter()
         group_times: dict = defaultdict(float)
         # solved on float32 copies of half tensors, as in memory (verify.working_copies): the head blocks are then
@@ -168,10 +169,8 @@ class _Job:
         t1 = time.perf_counter()
         verify_elements(part, elements)
         out, exact = {}, ({} if self.exact else None)
-        keys = list(sd_a)
-        runs = {k: self.steps[source(self.steps[k])] if self.steps[k].maps else self.steps[k] for k in keys}
-        for n, k in enumerate(keys):  # one tensor at a time: one float32 result in memory, not the part's
-            new = execute_steps([runs[k]], sd_a, part, elements, rounded=False)[k]  # a tie's alias: its source's step
+        for k in list(sd_a):  # one tensor at a time: one float32 result in memory, not the part's
+            new = execute_steps([self.steps[k]], sd_a, part, elements, rounded=False)[k]
             if new.is_floating_point() and not torch.isfinite(new).all():
                 raise SymmergeError(f"{self.ckpt_a.disk_name[k]}: aligned tensor is not finite")
             if exact is not None:
@@ -181,14 +180,22 @@ class _Job:
             with self.lock:
                 self.distances.add(k, before, after)
             out.update(self.ckpt_a.to_disk(k, new))
-            del sd_b[k], new  # the job owns the part's tensors: each goes once its result is made (a tie's
-            if all(runs[j].tensor != k for j in keys[n + 1:]):  # source once its aliases have theirs)
-                del sd_a[k]
+            del sd_a[k], sd_b[k], new  # the job owns the part's tensors: each goes once its result is made
         with self.lock:
             for name, sec in group_times.items():
                 self.timings[f"solve {name}"] += sec
             self.timings["check_apply_distances"] += time.perf_counter() - t1
         return out, exact
+
+    def _no_alias(self, sd_a) -> None:
+        """Every tensor of a part is its own maps' source: a declared tie's alias never reaches a job
+        (``LazyCheckpoint`` folds an alias stored beside its source, the prefix view has no ties, ``--stream --untie``
+        is refused); one that did would be written from its source's step, so it is one error, not a silent copy."""
+        aliases = [k for k in sd_a if self.steps[k].maps and source(self.steps[k]) != k]
+        if aliases:
+            raise SymmergeError(f"streamed alignment: {', '.join(self.ckpt_a.disk_name.get(k, k) for k in aliases)} "
+                                f"reached a part as a tie's alias (of {source(self.steps[aliases[0]])}); the "
+                                "checkpoint should have folded it into its source")
 
 
 def _float32(t: torch.Tensor) -> torch.Tensor:
