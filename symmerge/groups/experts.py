@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..core.parallel import layer_map
-from ..core.slots import index_axis, unit_matrix
+from ..core.slots import index_axis, stored, unit_matrix
 from ..core.solvers import match_permutation
 from ..errors import SymmergeError
 from .base import Kind, is_permutation
@@ -68,9 +68,10 @@ def expert_scores(inst, sd_a: dict, sd_b: dict, opts) -> torch.Tensor:
     E, inner = inst.size, inst.info.inner
     inner_keys = {s.key for i in inner for s in i.slots}
     S = torch.zeros(E, E, dtype=torch.float64)
-    for s in inst.slots:  # the router's rows (and any other per-expert tensor outside the inner group)
-        if s.key not in inner_keys:
-            S += unit_matrix(sd_a[s.key], s, torch.float64) @ unit_matrix(sd_b[s.key], s, torch.float64).T
+    for s in inst.slots:  # the router's rows (and any other per-expert tensor outside the inner group), read as
+        if s.key not in inner_keys:  # stored (no float32 copy of a half tensor): float64 either way, the same bits
+            S += unit_matrix(stored(sd_a, s.key), s, torch.float64) @ unit_matrix(stored(sd_b, s.key), s,
+                                                                                    torch.float64).T
     if not inner:
         return S
     permute, _, signed = PERMUTATION.plan(inner[0], opts)

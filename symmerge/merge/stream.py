@@ -61,21 +61,14 @@ def head_keys_of(ckpt: LazyCheckpoint) -> list[str]:
     return [k for k in keys if not k.startswith(prefix)]
 
 
-def _model_row(path: Path, anchor: Path, rep: dict, own_heads: bool) -> dict:
+def _model_row(path: Path, rep: dict) -> dict:
     """A streamed aligned model's ``alignment.models`` entry, as the in-memory merge writes it: the distances to the
-    anchor over the **body** (the streamed alignment compares the anchor's own head, which the in-memory merge
-    replaces by the model's: its squared distance, unchanged by an alignment without ``residual``, is taken out;
-    ``own_heads``: the anchor already carried the model's heads), ``match`` and the ``distances`` tables."""
+    anchor proxy (the anchor's body carrying the model's heads, as in memory: a head's distance is 0.0, so the whole
+    model's distance is the body's, each tensor's value summed once, :class:`symmerge.pipeline.report.Distances`),
+    ``match`` and the ``distances`` tables."""
     from ..pipeline.report import match_fields
 
-    head_sq = 0.0
-    if not own_heads:
-        a, b = LazyCheckpoint(path, spec=False), LazyCheckpoint(anchor, spec=False)
-        for k in head_keys_of(a):
-            if k in b.keys():
-                x, y = a.read_direct(k).double(), b.read_direct(k).double()
-                head_sq += float((x - y).pow(2).sum()) if x.shape == y.shape else 0.0
-    body = {side: math.sqrt(max(rep[f"distance_{side}"] ** 2 - head_sq, 0.0)) for side in ("before", "after")}
+    body = {side: rep[f"distance_{side}"] for side in ("before", "after")}
     return {"model": str(path), "anchor": False, "distance_before": body["before"], "distance_after": body["after"],
             "verify_max_rel_diff": rep.get("verify_max_rel_diff"), "seconds": rep.get("seconds"), **match_fields(rep),
             "distances": {side: {"whole": body[side],
@@ -291,10 +284,10 @@ def aligned_folders(models, out, options, plan, names):
         aligned, base_path, rows, resolved = list(models), options.base, [], None
         for i, path in targets:
             with stage(f"aligned {path} to the anchor (streamed)", enabled=options.progress):
-                # learned: the anchor carries the model's own heads, as the in-memory merge's anchor proxy
-                own = {"model_heads": head_keys_of(LazyCheckpoint(path, spec=False))} if learns else {}
+                # the anchor carries the model's own heads, as the in-memory merge's anchor proxy
                 rep = align_one(path, anchor_path, work / f"model-{i}", plan.align, progress=options.progress,
-                                allow_tokenizer_mismatch=options.allow_tokenizer_mismatch, **own)
+                                allow_tokenizer_mismatch=options.allow_tokenizer_mismatch,
+                                model_heads=head_keys_of(LazyCheckpoint(path, spec=False)))
             # the copy holds the model's files, as the in-memory alignment's copy does: its report is read (rep)
             (work / f"model-{i}" / "symmerge_report.json").unlink(missing_ok=True)
             resolved = rep.get("symmetries", resolved)
@@ -305,7 +298,7 @@ def aligned_folders(models, out, options, plan, names):
                 base_path = work / f"model-{i}"
             else:
                 aligned[i] = work / f"model-{i}"
-            rows.append(_model_row(path, anchor_path, rep, own_heads=learns))
+            rows.append(_model_row(path, rep))
         if idx is not None:
             rows.insert(idx, {"model": names[idx], "anchor": True})
         elif options.base is not None and Path(options.base) == anchor_path:  # the base is the anchor: its row last,

@@ -159,6 +159,7 @@ class _Job:
         self.exact = exact  # --verify-forward of half-precision files: the float32 values before rounding too
 
     def __call__(self, part, sd_a, sd_b, prepared=None) -> tuple:
+        self._no_alias(sd_a)
         t0 = time.perf_counter()
         group_times: dict = defaultdict(float)
         # solved on float32 copies of half tensors, as in memory (verify.working_copies): the head blocks are then
@@ -168,10 +169,8 @@ class _Job:
         t1 = time.perf_counter()
         verify_elements(part, elements)
         out, exact = {}, ({} if self.exact else None)
-        keys = list(sd_a)
-        runs = {k: self.steps[source(self.steps[k])] if self.steps[k].maps else self.steps[k] for k in keys}
-        for n, k in enumerate(keys):  # one tensor at a time: one float32 result in memory, not the part's
-            new = execute_steps([runs[k]], sd_a, part, elements, rounded=False)[k]  # a tie's alias: its source's step
+        for k in list(sd_a):  # one tensor at a time: one float32 result in memory, not the part's
+            new = execute_steps([self.steps[k]], sd_a, part, elements, rounded=False)[k]
             if new.is_floating_point() and not torch.isfinite(new).all():
                 raise SymmergeError(f"{self.ckpt_a.disk_name[k]}: aligned tensor is not finite")
             if exact is not None:
@@ -181,14 +180,22 @@ class _Job:
             with self.lock:
                 self.distances.add(k, before, after)
             out.update(self.ckpt_a.to_disk(k, new))
-            del sd_b[k], new  # the job owns the part's tensors: each goes once its result is made (a tie's
-            if all(runs[j].tensor != k for j in keys[n + 1:]):  # source once its aliases have theirs)
-                del sd_a[k]
+            del sd_a[k], sd_b[k], new  # the job owns the part's tensors: each goes once its result is made
         with self.lock:
             for name, sec in group_times.items():
                 self.timings[f"solve {name}"] += sec
             self.timings["check_apply_distances"] += time.perf_counter() - t1
         return out, exact
+
+    def _no_alias(self, sd_a) -> None:
+        """Every tensor of a part is its own maps' source: a declared tie's alias never reaches a job
+        (``LazyCheckpoint`` folds an alias stored beside its source, the prefix view has no ties, ``--stream --untie``
+        is refused); one that did would be written from its source's step, so it is one error, not a silent copy."""
+        aliases = [k for k in sd_a if self.steps[k].maps and source(self.steps[k]) != k]
+        if aliases:
+            raise SymmergeError(f"streamed alignment: {', '.join(self.ckpt_a.disk_name.get(k, k) for k in aliases)} "
+                                f"reached a part as a tie's alias (of {source(self.steps[aliases[0]])}); the "
+                                "checkpoint should have folded it into its source")
 
 
 def _float32(t: torch.Tensor) -> torch.Tensor:
@@ -331,8 +338,8 @@ def _run_pipelined(by_layer, ckpt_a, ckpt_b, writers, job: _Job, pbar, timings, 
 
 
 def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, shard_size=DEFAULT_SHARD,
-                    progress: bool = True, verify_forward: bool = False, pipeline: bool = False,
-                    allow_tokenizer_mismatch: bool = False, plan=None) -> dict:
+                    progress: bool = True, pipeline: bool = False, allow_tokenizer_mismatch: bool = False,
+                    plan=None, model_heads=()) -> dict:
     """Align the safetensors checkpoint folder ``model`` to ``anchor`` layer by layer and write the
     result to the folder ``out`` (atomically, in shards of at most ``shard_size``) with ``options`` (an
     :class:`AlignOptions`; default: the paper's attn, ffn, rescale; its ``symmetries``, ``rescale``,
@@ -343,7 +350,10 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
     layer; peak memory ≈ the largest part of both models + its cost matrix. ``pipeline=True``
     overlaps reading, solving (``options.workers`` layers at once, default 2) and writing across layers.
     ``plan``: the alignment's :class:`~symmerge.pipeline.align_plan.AlignPlan` (``options`` are its resolved ones),
-    from which the report is built."""
+    from which the report is built; its ``verify_forward`` (``--verify-forward``) loads both models after writing and
+    compares their outputs. ``model_heads``: tensors the anchor takes from the model (a streamed merge's anchor proxy,
+    as in memory and as :func:`~symmerge.pipeline.learn_layerwise_write.align_learned_streaming` takes it: a head's
+    distance is 0.0, so the whole model's distance is the body's, summed once)."""
     from ..device import resolve_device
     from ..progress import stage
 
@@ -363,8 +373,8 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
     check_layouts([ckpt_a.layout("model"), ckpt_b.layout("anchor")])
     given = plan is not None
     if not given:  # planned here, from the checkpoints just read
-        plan = plan_align(model, anchor, options, stream=True, pipeline=pipeline, checkpoints=(ckpt_a, ckpt_b),
-                          verify_forward=verify_forward)
+        plan = plan_align(model, anchor, options, stream=True, pipeline=pipeline, checkpoints=(ckpt_a, ckpt_b))
+    verify_forward = plan.verify_forward
     requested, options = plan.requested, plan.options  # 'recommended' resolved by the plan
     spec, by_layer = streamed_spec(plan.model_type), _by_layer(plan.solved())
     opts = options.solver_options(dev)
@@ -382,7 +392,7 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
     with atomic_dir(out) as tmp:
         writer = ShardWriter(tmp, max_bytes)
         writers = (writer, _exact_writer(tmp, max_bytes) if exact else None)
-        _copy_untouched(passthrough, ckpt_a, ckpt_b, writers, distances, progress)
+        _copy_untouched(passthrough, (ckpt_a, ckpt_b), writers, distances, progress, set(model_heads))
         _run_layers(by_layer, (ckpt_a, ckpt_b), writers, job, opts, timings, trim, workers if pipeline else 0, progress)
         names = writer.close()
         side_files = copy_side_files(Path(model), tmp, {"sentence_transformers": embedding})
@@ -439,15 +449,17 @@ def _checked_streaming(model, anchor, options: AlignOptions, allow_tokenizer_mis
     return tokenizer, embedding
 
 
-def _copy_untouched(keys, ckpt_a, ckpt_b, writers, distances, progress: bool) -> None:
-    """The tensors no group touches (``keys``): one at a time, straight through (their distances recorded);
-    ``writers``: the output's and the float32 copies' (or None)."""
+def _copy_untouched(keys, ckpts, writers, distances, progress: bool, own=frozenset()) -> None:
+    """The tensors no group touches (``keys``) of the pair ``ckpts``: one at a time, straight through (their
+    distances recorded; those in ``own``, the model's heads the anchor proxy takes, measured against themselves:
+    0.0); ``writers``: the output's and the float32 copies' (or None)."""
     from ..progress import bar
 
-    writer, exact_writer = writers
+    (ckpt_a, ckpt_b), (writer, exact_writer) = ckpts, writers
     for k in bar(keys, desc="copying untouched tensors", unit="tensors", enabled=progress):
         writer.make_room(ckpt_a.nbytes(k))
-        ta, tb = ckpt_a.read([k]), ckpt_b.read([k])
+        ta = ckpt_a.read([k])
+        tb = ta if k in own else ckpt_b.read([k])
         d = sq_distance(ta, tb, [k])
         distances.add(k, d, d)
         for name, t in ckpt_a.to_disk(k, ta[k]):

@@ -100,7 +100,7 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
 
         # the wing solves the plan's instances and runs its steps (pipeline/align_steps.py); the report is the plan's
         return align_streaming(model, anchor, out, options, shard_size=shard_size or DEFAULT_SHARD,
-                               progress=progress, verify_forward=verify_forward, pipeline=pipeline,
+                               progress=progress, pipeline=pipeline,
                                allow_tokenizer_mismatch=allow_tokenizer_mismatch, plan=plan)
     from .align import align_pair
 

@@ -7,6 +7,7 @@ must give the values of the whole computation bit for bit and leave their inputs
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -176,3 +177,40 @@ def test_the_residual_cost_and_start_read_no_float32_copy(dtype):
     C32, D32 = stream.kind.cost(stream, _float32(sd_a), _float32(sd_b))
     assert torch.equal(C, C32) and torch.equal(D, D32)
     assert _same({"s": start}, {"s": stream.kind.spectral_start(stream, _float32(sd_a), _float32(sd_b))})
+
+
+class _Keys(Lifted):
+    """:class:`Lifted` that records the keys of the float32 copies it makes."""
+
+    def __init__(self, sd):
+        super().__init__(sd)
+        self.copied = []
+
+    def __getitem__(self, key):
+        self.copied.append(key)
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("inner", [False, True])
+def test_the_expert_scores_read_the_router_as_stored(inner):
+    """A tiny bfloat16 Mixtral's expert permutation: its scores read the router's rows as stored (:func:`stored`; they
+    read a float32 copy of A's and B's router each before, then widened it to float64), the same scores as the
+    float32 working copies', bit for bit. ``inner``: with the experts' inner FFN permutation, whose costs still read
+    the experts' float32 copies (their cost runs in the working precision), without it the router alone."""
+    from symmerge.groups.experts import expert_scores
+
+    sd_a = make_model("mixtral", dtype=torch.float32, seed=6).to(torch.bfloat16).state_dict()
+    sd_b = make_model("mixtral", dtype=torch.float32, seed=7).to(torch.bfloat16).state_dict()
+    _, instances = instances_for(make_model("mixtral", seed=6))
+    inst = next(i for i in instances if i.layer == 0 and i.kind.name == "experts")
+    router = "layers.0.mlp.gate.weight"
+    assert router in {s.key for s in inst.slots} and sd_a[router].dtype == torch.bfloat16
+    inst = inst if inner else replace(inst, info=replace(inst.info, inner=()))
+    opts = Options(frozenset(("experts", "ffn")), "joint")
+    lifted_a, lifted_b = _Keys(sd_a), _Keys(sd_b)
+    S = expert_scores(inst, lifted_a, lifted_b, opts)
+    assert router not in lifted_a.copied and router not in lifted_b.copied, (lifted_a.copied, lifted_b.copied)
+    if not inner:
+        assert lifted_a.copied == lifted_b.copied == []  # no float32 copy at all
+    assert S.shape == (4, 4) and S.dtype == torch.float64 and S.abs().sum() > 0
+    assert torch.equal(S, expert_scores(inst, _float32(sd_a), _float32(sd_b), opts))

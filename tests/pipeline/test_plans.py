@@ -55,10 +55,10 @@ def forbid_weights(m):
 
     read = checkpoint.LazyCheckpoint.read
 
-    def reading(self, keys, _stored=False):
+    def reading(self, keys):
         big = [k for k in keys if len(self.shape.get(k, ())) > 1]
         assert not big, f"the plan read weights: {big[:3]}"
-        return read(self, keys, _stored)
+        return read(self, keys)
 
     def aligning(*a, **k):
         raise AssertionError("the plan aligned")
