@@ -534,7 +534,8 @@ def sq_distances(inputs, result=None) -> tuple[dict, list]:
     gives the values of its float32 (float64) copies. The sums are reassociated (vectorized, per block): a value
     is the same for the same tensors measured together (one input pair or the inputs and their result: three
     tensors are summed in one pass), not necessarily in the last bit for a pair measured with other tensors. One
-    input and its result (a one-input merge) are summed by :func:`_pair_sq`, without the compiled kernel."""
+    input and its result (a one-input merge) are summed by :func:`symmerge.core.distance.sq_distance` (float64
+    blocks, torch only), without the compiled kernel."""
     import torch
 
     tensors = [*inputs, *([result] if result is not None else [])]
@@ -542,7 +543,9 @@ def sq_distances(inputs, result=None) -> tuple[dict, list]:
     if any(x.numel() != tensors[0].numel() for x in tensors):
         raise ValueError("sq_distances: tensors of different sizes")
     if n == 1 and result is not None:  # a one-input merge (passthrough, a copy): no pair, and no numba imported
-        return {}, [_pair_sq(inputs[0], result)]
+        from ..core.distance import sq_distance
+
+        return {}, [sq_distance({0: inputs[0]}, {0: result}, [0])]
     sums = np.zeros(t * t, dtype=np.float64)
     if t >= 2:
         dtype = tensors[0].dtype
@@ -557,20 +560,6 @@ def sq_distances(inputs, result=None) -> tuple[dict, list]:
     total = sums.tolist()
     return ({(i, k): total[i * t + k] for i in range(n) for k in range(i + 1, n)},
             [total[i * t + n] for i in range(n)] if result is not None else [])
-
-
-def _pair_sq(a, b, block: int = 1 << 16) -> float:
-    """Σ (a − b)² of one input and its result, the rule of :func:`sq_distances` where a merge has one input: the
-    differences in float64 a block at a time, each block's sum of squares by a dot product, the blocks summed in
-    float64 — torch only, so a run that merges nothing (a one-model passthrough) never imports numba."""
-    import torch
-
-    fa, fb = a.detach().reshape(-1), b.detach().reshape(-1)
-    total = 0.0
-    for i in range(0, fa.numel(), block):
-        d = fa[i:i + block].to("cpu", torch.float64) - fb[i:i + block].to("cpu", torch.float64)
-        total += float(torch.dot(d, d))
-    return total
 
 
 _STRETCH = 1 << 18  # entries widened at once: a multiple of _sq_sums' block, so the same blocks and sums
