@@ -1,9 +1,9 @@
 """YAML read with bounds, for configs and for the front matter of model cards: parsed once (PyYAML's C
 loader where libyaml is there), safe (``!!python/object`` and every other object-building tag refused),
-and checked on the composed node graph before anything is built from it — nesting depth, the number of
-values the aliases stand for (a few hundred bytes of nested aliases, a "billion laughs", would expand to
-gigabytes) and keys given twice in one mapping (naming both lines). Each is one
-:class:`~symmerge.errors.SymmergeError`, in milliseconds."""
+and checked before anything is built from it: the nesting depth on the parse events, before any node is
+composed (composing recurses once a level), then on the composed node graph the number of values the aliases
+stand for (a few hundred bytes of nested aliases, a "billion laughs", would expand to gigabytes) and keys given
+twice in one mapping (naming both lines). Each is one :class:`~symmerge.errors.SymmergeError`, in milliseconds."""
 
 from __future__ import annotations
 
@@ -24,21 +24,47 @@ def _loader_class():
     return getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
 
 
+def _check_depth(path, text: str) -> None:
+    """Refuse a document nested deeper than :data:`MAX_DEPTH` (the root is at depth 0, a value of a collection one
+    level below it), from the parse events alone: the parsers keep their own stack, while the composers recurse once
+    a level, PyYAML's in Python (a RecursionError past ~1 000 levels) and libyaml's binding in C (PyYAML 6.0's wheels,
+    which pyproject admits, crash the interpreter at 100 000 levels; later ones refuse past 1 000)."""
+    import yaml
+
+    parser = _loader_class()(text)
+    level = 0  # collections open around the next event
+    try:
+        while parser.check_event():
+            event = parser.get_event()
+            if isinstance(event, yaml.CollectionEndEvent):
+                level -= 1
+            elif isinstance(event, yaml.NodeEvent):  # a scalar, an alias or a collection's start: a node
+                if level > MAX_DEPTH:
+                    raise SymmergeError(f"{path} line {event.start_mark.line + 1}: the config is nested more than "
+                                        f"{MAX_DEPTH} levels deep")
+                level += isinstance(event, yaml.CollectionStartEvent)
+    finally:
+        parser.dispose()
+
+
 def _check_node(path, root) -> None:
-    """Refuse a document nested deeper than :data:`MAX_DEPTH`, one whose aliases expand past
-    :data:`MAX_NODES` nodes (counted without expanding them: each node's size is computed once), and
-    a mapping that gives a key twice (naming both lines). One error, in milliseconds."""
+    """Refuse a document whose aliases expand past :data:`MAX_NODES` nodes (counted without expanding them:
+    each node's size is computed once), a collection that holds itself through an alias (``a: &a [*a]``), and a
+    mapping that gives a key twice (naming both lines). One error, in milliseconds; the depth was bounded before
+    the document was composed (:func:`_check_depth`)."""
     import yaml
 
     sizes: dict[int, int] = {}
+    open_: set[int] = set()  # the collections whose size is being computed: the path from the root
 
-    def size(node, depth: int) -> int:
-        if depth > MAX_DEPTH:
-            raise SymmergeError(f"{path} line {node.start_mark.line + 1}: the config is nested more than "
-                                f"{MAX_DEPTH} levels deep")
+    def size(node) -> int:
         known = sizes.get(id(node))
         if known is not None:
             return known
+        if id(node) in open_:
+            raise SymmergeError(f"{path} line {node.start_mark.line + 1}: an alias refers to a collection that "
+                                "holds it (the config would contain itself)")
+        open_.add(id(node))
         total = 1
         if isinstance(node, yaml.MappingNode):
             seen: dict = {}
@@ -49,40 +75,44 @@ def _check_node(path, root) -> None:
                         raise SymmergeError(f"{path} line {k.start_mark.line + 1}: key {k.value!r} given twice "
                                             f"(first on line {first})")
                     seen[(k.tag, k.value)] = k.start_mark.line + 1
-                total += size(k, depth + 1) + size(v, depth + 1)
+                total += size(k) + size(v)
         elif isinstance(node, yaml.SequenceNode):
             for item in node.value:
-                total += size(item, depth + 1)
+                total += size(item)
         if total > MAX_NODES:
             why = " through its aliases (aliases nested in aliases?)" if len(sizes) < MAX_NODES // 2 else ""
             raise SymmergeError(f"{path} line {node.start_mark.line + 1}: the config expands to more than "
                                 f"{MAX_NODES} values{why}; refusing to read it")
+        open_.discard(id(node))
         sizes[id(node)] = total
         return total
 
-    size(root, 0)
+    size(root)
 
 
 def parse_bounded(path, text: str) -> list[tuple[object, object]]:
     """(value, node) of every document of ``text`` (read from ``path``, named in errors), parsed once:
-    each document composed, checked (:func:`_check_node`), then built from the same nodes."""
+    its depth bounded on the parse events (:func:`_check_depth`), then each document composed, checked
+    (:func:`_check_node`) and built from the same nodes."""
     import yaml
 
-    loader = _loader_class()(text)
     out = []
     try:
-        while loader.check_node():
-            node = loader.get_node()
-            if node is None:
-                continue
-            _check_node(path, node)
-            out.append((loader.construct_document(node), node))
+        _check_depth(path, text)
+        loader = _loader_class()(text)
+        try:
+            while loader.check_node():
+                node = loader.get_node()
+                if node is None:
+                    continue
+                _check_node(path, node)
+                out.append((loader.construct_document(node), node))
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise SymmergeError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
-    finally:
-        loader.dispose()
     return out
 
 
