@@ -1,9 +1,10 @@
-"""YAML read with bounds, for configs and for the front matter of model cards: parsed once (PyYAML's C
-loader where libyaml is there), safe (``!!python/object`` and every other object-building tag refused),
-and checked before anything is built from it: the nesting depth on the parse events, before any node is
-composed (composing recurses once a level), then on the composed node graph the number of values the aliases
-stand for (a few hundred bytes of nested aliases, a "billion laughs", would expand to gigabytes) and keys given
-twice in one mapping (naming both lines). Each is one :class:`~symmerge.errors.SymmergeError`, in milliseconds."""
+"""YAML read with bounds, for configs and for the front matter of model cards: composed once (PyYAML's C
+loader where libyaml is there; its parse events read once before, for the depth), safe (``!!python/object``
+and every other object-building tag refused), and checked before anything is built from it: the nesting depth
+on the parse events, before any node is composed (composing recurses once a level), then on the composed node
+graph the number of values the aliases stand for (a few hundred bytes of nested aliases, a "billion laughs",
+would expand to gigabytes) and keys given twice in one mapping (naming both lines). Each is one
+:class:`~symmerge.errors.SymmergeError`, in milliseconds."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def _loader_class():
 def _check_depth(path, text: str) -> None:
     """Refuse a document nested deeper than :data:`MAX_DEPTH` (the root is at depth 0, a value of a collection one
     level below it), from the parse events alone: the parsers keep their own stack, while the composers recurse once
-    a level, PyYAML's in Python (a RecursionError past ~1 000 levels) and libyaml's binding in C (PyYAML 6.0's wheels,
-    which pyproject admits, crash the interpreter at 100 000 levels; later ones refuse past 1 000)."""
+    a level, PyYAML's in Python (a RecursionError past ~1 000 levels) and libyaml's binding in C (the wheels of PyYAML
+    6.0 to 6.0.3, which pyproject admits, crash the interpreter at 100 000 levels; 6.0.4's refuse past 1 000)."""
     import yaml
 
     parser = _loader_class()(text)
@@ -91,7 +92,7 @@ def _check_node(path, root) -> None:
 
 
 def parse_bounded(path, text: str) -> list[tuple[object, object]]:
-    """(value, node) of every document of ``text`` (read from ``path``, named in errors), parsed once:
+    """(value, node) of every document of ``text`` (read from ``path``, named in errors), composed once:
     its depth bounded on the parse events (:func:`_check_depth`), then each document composed, checked
     (:func:`_check_node`) and built from the same nodes."""
     import yaml
