@@ -1,7 +1,8 @@
 """The YAML nesting bound (symmerge.io.yaml_bounded.MAX_DEPTH) holds before any node is composed, with either
 PyYAML loader: the composers recurse once a level (PyYAML's own in Python: a RecursionError past ~1 000 levels; the
-libyaml binding in C: PyYAML 6.0, which pyproject admits, crashed the interpreter at 100 000 levels), so the depth is
-read off the parse events. Its verdict is checked against the depth of the composed node tree."""
+libyaml binding in C: PyYAML 6.0, which pyproject admits, crashed the interpreter at 100 000 levels), so with libyaml
+the depth is read off the parse events, and the pure-Python composer checks it before each node. Its verdict is
+checked against the depth of the composed node tree."""
 
 import random
 
@@ -97,3 +98,18 @@ def test_a_collection_holding_itself_is_one_error(tmp_path, loader, text):
 def test_an_alias_used_twice_is_no_cycle(tmp_path, loader):
     text = "base: &b {x: [1, 2]}\none: *b\ntwo: [*b, *b]\n"
     assert parse_bounded(tmp_path / "ok.yml", text)[0][0] == yaml.safe_load(text)
+
+
+def test_the_text_is_parsed_once_where_the_composer_is_python(tmp_path, loader, monkeypatch):
+    """The pure-Python loader bounds the depth as it composes: no second parse for the events (libyaml's composer,
+    in C, cannot be stopped, so its events are read first)."""
+    calls = []
+    real = yaml_bounded._check_depth
+    monkeypatch.setattr(yaml_bounded, "_check_depth", lambda *a: calls.append(a) or real(*a))
+    text = "a: [1, {b: [2, 3]}]\nc: x\n"
+    values = [v for v, _ in parse_bounded(tmp_path / "c.yml", text)]
+    assert values == [yaml.safe_load(text)]
+    assert len(calls) == (0 if loader == "python" else 1)
+    with pytest.raises(SymmergeError, match=f"line 1: the config is nested more than {MAX_DEPTH} levels deep"):
+        parse_bounded(tmp_path / "d.yml", "[" * (MAX_DEPTH + 1) + "x" + "]" * (MAX_DEPTH + 1))
+    assert len(calls) == (0 if loader == "python" else 2)
