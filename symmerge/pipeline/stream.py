@@ -349,9 +349,9 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
     Default (low memory): one tensor-disjoint part of a layer at a time, shards cut at about one
     layer; peak memory ≈ the largest part of both models + its cost matrix. ``pipeline=True``
     overlaps reading, solving (``options.workers`` layers at once, default 2) and writing across layers.
-    ``plan``: the alignment's :class:`~symmerge.pipeline.align_plan.AlignPlan` (``options`` are its resolved ones),
-    from which the report is built; its ``verify_forward`` (``--verify-forward``) loads both models after writing and
-    compares their outputs. ``model_heads``: tensors the anchor takes from the model (a streamed merge's anchor proxy,
+    ``plan``: the alignment's :class:`~symmerge.pipeline.align_plan.AlignPlan` (``options`` are its resolved ones;
+    without one it is planned here, from the headers), from which the report is built; its ``verify_forward``
+    (``--verify-forward``) loads both models after writing and compares their outputs. ``model_heads``: tensors the anchor takes from the model (a streamed merge's anchor proxy,
     as in memory and as :func:`~symmerge.pipeline.learn_layerwise_write.align_learned_streaming` takes it: a head's
     distance is 0.0, so the whole model's distance is the body's, summed once)."""
     from ..device import resolve_device
@@ -371,8 +371,7 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
         ckpt_a, ckpt_b = LazyCheckpoint(model, fused=True), LazyCheckpoint(anchor, fused=True)
     ckpt_a, ckpt_b, adapted = adapt_checkpoint_pair(ckpt_a, ckpt_b)  # a base model and a fine-tune of its task class
     check_layouts([ckpt_a.layout("model"), ckpt_b.layout("anchor")])
-    given = plan is not None
-    if not given:  # planned here, from the checkpoints just read
+    if plan is None:  # planned here, from the checkpoints just read
         plan = plan_align(model, anchor, options, stream=True, pipeline=pipeline, checkpoints=(ckpt_a, ckpt_b))
     verify_forward = plan.verify_forward
     requested, options = plan.requested, plan.options  # 'recommended' resolved by the plan
@@ -412,8 +411,7 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
             with stage("verified the aligned model's outputs", enabled=progress):
                 report.update(_verify_forward(model, tmp, options.verify_tol, (ckpt_a, ckpt_b) if exact else None))
         report["seconds"] = time.perf_counter() - start
-        if given:
-            report = plan_report(plan, report)
+        report = plan_report(plan, report)  # the CLI's report, whoever planned
         write_card(tmp, report)  # README.md, the output's own model card
         write_json(tmp / "symmerge_report.json", report)
     return report

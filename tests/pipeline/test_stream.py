@@ -246,3 +246,16 @@ def test_stream_refuses_head_count_mismatch_under_config_aliases(tmp_path):
     with pytest.raises(SymmergeError, match="head"):
         align_streaming(a_dir, b_dir, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_align_streaming_without_a_plan_reports_as_the_cli(tmp_path):
+    """Called without a plan (as the streamed aligned merge calls it), ``align_streaming`` plans from the headers and
+    builds its report from that plan, as ``symmerge align --stream`` does: it had no ``plan`` entry."""
+    model_dir, anchor_dir, _, _ = _pair("llama", torch.float32, tmp_path)
+    api = align_streaming(model_dir, anchor_dir, tmp_path / "api", AlignOptions(symmetries="recommended"),
+                          progress=False)  # the CLI's default symmetries
+    assert main(["align", str(model_dir), str(anchor_dir), "-o", str(tmp_path / "cli"), "--stream", "-q"]) == 0
+    cli = json.loads((tmp_path / "cli" / "symmerge_report.json").read_text())
+    assert json.loads((tmp_path / "api" / "symmerge_report.json").read_text())["plan"] == api["plan"] == cli["plan"]
+    timed = {"seconds", "match_seconds", "timings"}
+    assert set(api) - timed == set(cli) - timed
