@@ -351,9 +351,10 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
     overlaps reading, solving (``options.workers`` layers at once, default 2) and writing across layers.
     ``plan``: the alignment's :class:`~symmerge.pipeline.align_plan.AlignPlan` (``options`` are its resolved ones;
     without one it is planned here, from the headers), from which the report is built; its ``verify_forward``
-    (``--verify-forward``) loads both models after writing and compares their outputs. ``model_heads``: tensors the anchor takes from the model (a streamed merge's anchor proxy,
-    as in memory and as :func:`~symmerge.pipeline.learn_layerwise_write.align_learned_streaming` takes it: a head's
-    distance is 0.0, so the whole model's distance is the body's, summed once)."""
+    (``--verify-forward``) loads both models after writing and compares their outputs. ``model_heads``: tensors the
+    anchor takes from the model (a streamed merge's anchor proxy, as in memory and as
+    :func:`~symmerge.pipeline.learn_layerwise_write.align_learned_streaming` takes it: a head's distance is 0.0, so
+    the whole model's distance is the body's, summed once)."""
     from ..device import resolve_device
     from ..progress import stage
 
