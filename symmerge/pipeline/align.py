@@ -24,7 +24,8 @@ from ..io.tokenizers import check_tokenizers
 from ..progress import running, stage, stage_printer
 from .align_steps import execute_steps
 from .align_steps import plan_steps
-from .bound import bind, instances_for  # noqa: F401  (instances_for: the public (spec, instances) shortcut)
+from .bound import as_model, bind, instances_for, untied  # noqa: F401  (re-exported; instances_for: the public
+# (spec, instances) shortcut)
 from .data import load_align_data  # noqa: F401  (re-exported)
 from .matchers import MATCHERS, MatchContext
 from .options import DEFAULT_SYMMETRIES, AlignOptions
@@ -40,25 +41,6 @@ def _load(x, allow_pickle: bool, progress: bool):
         return x
     with stage(f"loaded {x}", enabled=progress):
         return load_model(x, allow_pickle=allow_pickle)
-
-
-def as_model(model, allow_pickle: bool = False, spec: bool = True):
-    """A folder loaded (``spec=False``: any model type, for plain merges and curves), or the model given."""
-    return load_model(model, allow_pickle=allow_pickle, spec=spec) if isinstance(model, (str, Path)) else model
-
-
-def untied(model):
-    """``model`` itself, or — when its class ties weights (an LM head sharing the embeddings) — an equal
-    copy of a class instance built with ``tie_word_embeddings=False``, every alias a tensor of its own."""
-    if not declared_ties(model):
-        return model
-    import copy
-
-    config = copy.deepcopy(model.config)
-    config.tie_word_embeddings = False
-    clone = type(model)(config).to(next(model.parameters()).dtype)
-    clone.load_state_dict(model.state_dict())
-    return clone.eval()
 
 
 def check_compatible(model, anchor) -> None:
@@ -251,9 +233,20 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
     pair), ``ffn`` (hidden-unit permutation), ``rescale`` (per-head QK/VO scales, solved ``joint``ly or
     ``sequential``ly as in the paper; RoPE pair scales; SwiGLU unit scales), ``residual`` (one transform
     of the residual stream; with folded norms the aligned model is returned folded — :func:`align_pair`
-    also returns the anchor in that form). Further keywords: see :class:`AlignOptions`."""
+    also returns the anchor in that form). Further keywords: see :class:`AlignOptions`. The report is
+    ``symmerge align``'s (:func:`~symmerge.pipeline.align_plan.plan_report`: planned first, ``plan`` among its
+    fields), but for ``command_line`` and ``symmerge_version``, which a written folder's report adds."""
+    from .align_plan import plan_align, plan_report
+
     opts = AlignOptions(symmetries=symmetries, rescale=rescale, layers=layers, verify=verify, verify_tol=verify_tol,
                         **options)
-    result = align_pair(model, anchor, opts, inputs=inputs, progress=progress, allow_pickle=allow_pickle,
-                        allow_tokenizer_mismatch=allow_tokenizer_mismatch)
-    return result.model, result.report
+    model, anchor = model_argument(model, "model"), model_argument(anchor, "anchor")
+    if opts.learn.frame == "dual" and opts.matcher.learns:  # both models move (pipeline/dual.py): no one-sided plan
+        result = align_pair(model, anchor, opts, inputs=inputs, progress=progress, allow_pickle=allow_pickle,
+                            allow_tokenizer_mismatch=allow_tokenizer_mismatch)
+        return result.model, result.report
+    flag_arguments(allow_pickle=allow_pickle)
+    plan = plan_align(model, anchor, opts, allow_pickle=allow_pickle)
+    result = align_pair(model, anchor, plan.options, inputs=inputs, progress=progress, allow_pickle=allow_pickle,
+                        allow_tokenizer_mismatch=allow_tokenizer_mismatch, plan=plan)
+    return result.model, plan_report(plan, result.report)

@@ -224,8 +224,7 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     pair = checkpoints if checkpoints is not None else _headers(model, anchor, stream)
     loaded = None
     if pair is None:  # a model in memory or a pickle checkpoint: bound on the model itself (read once: kept)
-        from .align import as_model, untied
-        from .bound import bind
+        from .bound import as_model, bind, untied
 
         loaded = as_model(model, allow_pickle)
         bound = bind(untied(loaded) if options.untie else loaded, options.layers, options.residual)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 from ..core.resolve import config_sizes, declared_ties, find_prefix, layer_paths, resolve
 from ..errors import SymmergeError
@@ -103,3 +104,24 @@ def instances_for(model, layers=None, residual: str = "largest"):
     """``(spec, instances)`` of a transformers model: the shortcut to :func:`bind`'s two most used parts."""
     bound = bind(model, layers, residual)
     return bound.spec, bound.instances
+
+
+def as_model(model, allow_pickle: bool = False, spec: bool = True):
+    """A folder loaded (``spec=False``: any model type, for plain merges and curves), or the model given."""
+    from ..io.reader import load_model
+
+    return load_model(model, allow_pickle=allow_pickle, spec=spec) if isinstance(model, (str, Path)) else model
+
+
+def untied(model):
+    """``model`` itself, or — when its class ties weights (an LM head sharing the embeddings) — an equal
+    copy of a class instance built with ``tie_word_embeddings=False``, every alias a tensor of its own."""
+    if not declared_ties(model):
+        return model
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.tie_word_embeddings = False
+    clone = type(model)(config).to(next(model.parameters()).dtype)
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()

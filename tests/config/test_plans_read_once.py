@@ -41,6 +41,7 @@ def test_run_plans_an_aligned_config_once(tmp_path, monkeypatch, mode):
 
 
 def test_align_reads_a_pickle_checkpoint_once(tmp_path, monkeypatch):
+    from symmerge.io import reader
     from symmerge.pipeline import align as align_module
     from symmerge.pipeline.options import AlignOptions
     from symmerge.pipeline.to_folder import align_to_folder
@@ -57,7 +58,8 @@ def test_align_reads_a_pickle_checkpoint_once(tmp_path, monkeypatch):
         loads.append(str(path))
         return loader(path, *args, **kwargs)
 
-    monkeypatch.setattr(align_module, "load_model", counted)
+    monkeypatch.setattr(align_module, "load_model", counted)  # the wing's loads
+    monkeypatch.setattr(reader, "load_model", counted)  # the plan's (pipeline/bound.py: as_model)
     report = align_to_folder(tmp_path / "pkl", tmp_path / "anchor", tmp_path / "out",
                              AlignOptions(symmetries="attn,ffn,residual"), allow_pickle=True, progress=False)
     assert loads.count(str(tmp_path / "pkl")) == 1, loads
