@@ -245,7 +245,9 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
         result = align_pair(model, anchor, opts, inputs=inputs, progress=progress, allow_pickle=allow_pickle,
                             allow_tokenizer_mismatch=allow_tokenizer_mismatch)
         return result.model, result.report
-    flag_arguments(allow_pickle=allow_pickle)
+    _check_inputs(inputs)  # every argument checked before the plan reads anything (a pickle checkpoint: loaded)
+    _progress(progress)
+    flag_arguments(allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
     plan = plan_align(model, anchor, opts, allow_pickle=allow_pickle)
     result = align_pair(model, anchor, plan.options, inputs=inputs, progress=progress, allow_pickle=allow_pickle,
                         allow_tokenizer_mismatch=allow_tokenizer_mismatch, plan=plan)

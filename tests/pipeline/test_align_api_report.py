@@ -50,3 +50,18 @@ def test_align_in_memory_reports_as_align_to_folder(folders, tmp_path):
     assert set(report) == set(written) - WRITTEN_ONLY
     assert report["plan"] == written["plan"] and report["model"] == "model" and report["anchor"] == "anchor"
     assert report["distance_after"] == written["distance_after"] < report["distance_before"]
+
+
+@pytest.mark.parametrize("bad", [{"inputs": {"input_ids": [1, 2]}}, {"progress": "yes"},
+                                 {"allow_tokenizer_mismatch": "no"}])
+def test_align_checks_its_arguments_before_the_plan_reads(folders, monkeypatch, bad):
+    """A bad argument is one UsageError before the plan reads a header or loads a model."""
+    from symmerge.errors import UsageError
+    from symmerge.pipeline import align_plan
+
+    def planned(*args, **kwargs):
+        raise AssertionError("planned before the arguments were checked")
+
+    monkeypatch.setattr(align_plan, "plan_align", planned)
+    with pytest.raises(UsageError):
+        align(str(folders[0]), str(folders[1]), **bad)
