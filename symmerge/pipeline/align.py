@@ -241,14 +241,11 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
     opts = AlignOptions(symmetries=symmetries, rescale=rescale, layers=layers, verify=verify, verify_tol=verify_tol,
                         **options)
     model, anchor = model_argument(model, "model"), model_argument(anchor, "anchor")
-    if opts.learn.frame == "dual" and opts.matcher.learns:  # both models move (pipeline/dual.py): no one-sided plan
-        result = align_pair(model, anchor, opts, inputs=inputs, progress=progress, allow_pickle=allow_pickle,
-                            allow_tokenizer_mismatch=allow_tokenizer_mismatch)
-        return result.model, result.report
     _check_inputs(inputs)  # every argument checked before the plan reads anything (a pickle checkpoint: loaded)
     _progress(progress)
     flag_arguments(allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
-    plan = plan_align(model, anchor, opts, allow_pickle=allow_pickle)
-    result = align_pair(model, anchor, plan.options, inputs=inputs, progress=progress, allow_pickle=allow_pickle,
-                        allow_tokenizer_mismatch=allow_tokenizer_mismatch, plan=plan)
-    return result.model, plan_report(plan, result.report)
+    dual = opts.learn.frame == "dual" and opts.matcher.learns  # both models move (pipeline/dual.py): no one-sided plan
+    plan = None if dual else plan_align(model, anchor, opts, allow_pickle=allow_pickle)
+    result = align_pair(model, anchor, opts if dual else plan.options, inputs=inputs, progress=progress,
+                        allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch, plan=plan)
+    return result.model, result.report if dual else plan_report(plan, result.report)
