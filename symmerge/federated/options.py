@@ -71,7 +71,7 @@ class ClientAlignment:
     def __post_init__(self):
         _flag("ClientAlignment", "joint", self.joint)
         object.__setattr__(self, "options", alignment_options(self.options))
-        if self.options.learn.frame == "dual":  # each client is aligned onto the global model, which must stay
+        if self.options.dual:  # each client is aligned onto the global model, which must stay
             raise SymmergeError("the dual learned frame moves the anchor too, and a federated round aligns each client "
                                 "onto the global model, which stays as it is: use the one-sided frame")
         if isinstance(self.min_align_gain, bool) or not isinstance(self.min_align_gain, (int, float)) or not (

@@ -190,7 +190,7 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
     if o.temperature and o.align.align_data is None:
         raise SymmergeError("temperature calibration fits on unlabeled data: pass align=AlignOptions(align_data=...) "
                             "(--align-data)")
-    if len(models) > 2 and o.align.learn.frame == "dual":  # the star aligns each model onto a fixed anchor
+    if len(models) > 2 and o.align.dual:  # the star aligns each model onto a fixed anchor
         raise SymmergeError(f"the dual learned frame moves the anchor too, and a barrier of {len(models)} models "
                             "aligns each onto one fixed frame (joint alignment): use the one-sided frame, "
                             "or two models")

@@ -332,7 +332,7 @@ def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool
     """Align every (name, model) of ``targets`` to the anchor (``options`` resolved, see
     :func:`resolve_alignment`); the anchor itself is brought into the same parameterisation. Returns
     (models, per-model reports)."""
-    if options.learn.frame == "dual" and options.matcher.learns and len(targets) > 2:  # each pair would move it
+    if options.dual and len(targets) > 2:  # each pair would move it
         raise SymmergeError(f"--learn-frame dual with {len(targets)} models runs jointly (every model moved into one "
                             "shared frame); the star aligns each model to one anchor: leave out the anchor, base or "
                             "--star")

@@ -102,7 +102,7 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     options, progress = AlignOptions.of(options), _progress(progress)
     _check_inputs(inputs)
     flag_arguments(allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
-    if options.learn.frame == "dual" and MATCHERS[options.match].learns:  # both models move (pipeline/dual.py)
+    if options.dual:  # both models move (pipeline/dual.py)
         from .dual import align_dual
 
         return align_dual(model, anchor, options, inputs, progress, allow_pickle, allow_tokenizer_mismatch,
@@ -244,7 +244,7 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
     _check_inputs(inputs)  # every argument checked before the plan reads anything (a pickle checkpoint: loaded)
     _progress(progress)
     flag_arguments(allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
-    dual = opts.learn.frame == "dual" and opts.matcher.learns  # both models move (pipeline/dual.py): no one-sided plan
+    dual = opts.dual  # both models move (pipeline/dual.py): no one-sided plan
     plan = None if dual else plan_align(model, anchor, opts, allow_pickle=allow_pickle)
     result = align_pair(model, anchor, opts if dual else plan.options, inputs=inputs, progress=progress,
                         allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch, plan=plan)

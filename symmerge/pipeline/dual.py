@@ -287,7 +287,7 @@ def moved_state(sd: dict, instances, side: DualSide) -> tuple[dict, dict]:
 
 def align_dual(model, anchor, options, inputs: dict | None = None, progress=None, allow_pickle: bool = False,
                allow_tokenizer_mismatch: bool = False, *, closed_form, load, result):
-    """:func:`~symmerge.pipeline.align.align_pair` with ``options.learn.frame == "dual"``: the closed-form
+    """:func:`~symmerge.pipeline.align.align_pair` with ``options.dual`` (the learned dual frame): the closed-form
     start (``options.learn.start``; A onto B), then :func:`learn_dual` on both models with their norm splits.
     Returns an :class:`~symmerge.pipeline.align.Alignment` whose ``model`` is A and whose ``anchor`` is B,
     each moved into the shared frame and verified against its original (``options.verify``); ``elements``:

@@ -271,7 +271,7 @@ def _learners(instances, skeleton, sds: list[dict], frame: int, options, progres
     (:func:`symmerge.pipeline.dual.learn_dual`), and the merged model is their mean in that shared frame.
     ``check``: the learned elements checked as exact elements of their groups (the dual frame always checks)."""
     facts = {"norm_eps": norm_eps(skeleton.config)}
-    if options.learn.frame == "dual":
+    if options.dual:
         from .dual import learn_dual, moved_state
 
         def learn(data, settings, concentration):

@@ -32,7 +32,7 @@ def learned_stream_refusal(options, folders=(), *, allow_pickle: bool = False, p
         return "--stream reads safetensors only; convert pickle checkpoints first"
     if not all(Path(x).is_dir() for x in folders):
         return "--stream --match learned reads two model folders (config.json and safetensors), not single files"
-    if options.learn.frame == "dual":
+    if options.dual:
         return ("--learn-frame dual moves the anchor too, and align writes one model: use symmerge merge or symmerge "
                 "barrier, which use both moved models")
     if verify_forward:
@@ -64,7 +64,7 @@ def files_refusal(options, flag: str) -> str | None:
 def merge_refusal(options) -> str | None:
     """Why ``merge --mode stream --match learned`` cannot align with the alignment ``options`` (None: it can): each
     model is aligned to the anchor by :func:`align_learned_streaming` (from the files, one model moved)."""
-    if options.learn.frame == "dual":
+    if options.dual:
         return ("--learn-frame dual moves both models into a frame between them, in memory; the streamed learned "
                 "alignment moves each model onto the anchor from the files")
     return files_refusal(options, "--mode stream")

@@ -333,6 +333,13 @@ class AlignOptions:
         return matcher(self.match)
 
     @property
+    def dual(self) -> bool:
+        """Whether the alignment moves every model, the anchor too, into a frame between them (the dual learned
+        frame, :mod:`symmerge.pipeline.dual`): ``learn.frame == "dual"`` with a matcher that learns. The other
+        matchers move A onto B whatever ``learn`` says, as they ignore every learned setting; the one test of it."""
+        return self.learn.frame == "dual" and self.matcher.learns
+
+    @property
     def effective_rescale(self) -> str:
         return self.rescale if SCALES in self.symmetries else "none"
 

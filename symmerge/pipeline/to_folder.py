@@ -86,7 +86,7 @@ def align_to_folder(model, anchor, out, options: AlignOptions | None = None, *, 
             raise SymmergeError(refusal)
         return align_learned_streaming(model, anchor, out, options, shard_size=shard_size or "1GB", progress=progress,
                                        allow_tokenizer_mismatch=allow_tokenizer_mismatch)
-    if options.learn.frame == "dual":  # the anchor moves too (pipeline/dual.py): one written model would be half of it
+    if options.dual:  # the anchor moves too (pipeline/dual.py): one written model would be half of it
         raise SymmergeError("--learn-frame dual moves the anchor too, and align writes one model: use symmerge merge "
                             "or symmerge barrier, which use both moved models")
     out = Path(out)

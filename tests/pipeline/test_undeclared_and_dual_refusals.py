@@ -115,3 +115,41 @@ def test_the_federated_strategy_refuses_the_dual_frame():
 
     with pytest.raises(SymmergeError, match="^the dual learned frame moves the anchor too, and a federated round"):
         ClientAlignment(_dual())
+
+
+def test_a_matcher_that_does_not_learn_ignores_the_dual_frame_everywhere(llamas, tmp_path):
+    """``LearnSettings(frame="dual")`` with ``match="weights"`` (the Python API takes it; the command refuses every
+    ``--learn-*`` flag without ``--match learned``) is the one-sided weight matching at every entry, as the other
+    learned settings are ignored: ``symmerge.align`` aligned A onto B with it while ``align_to_folder``, a barrier of
+    three models and the federated strategy refused it as the dual frame (each entry had its own test of the frame).
+    ``AlignOptions.dual`` is the one test now."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    from symmerge.merge.barrier import BarrierOptions, plan_barrier
+    from symmerge.pipeline.align import align
+    from symmerge.pipeline.options import AlignOptions, LearnSettings
+    from symmerge.pipeline.to_folder import align_to_folder
+
+    one_sided = AlignOptions(symmetries="attn,ffn", match="weights")
+    ignored = one_sided.with_(learn=LearnSettings(frame="dual"))
+    for name, options in (("one", one_sided), ("dual", ignored)):
+        align_to_folder(*llamas, tmp_path / name, options, progress=False)
+    files = sorted(p.name for p in (tmp_path / "one").glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in (tmp_path / "dual").glob("*.safetensors"))
+    for f in files:
+        a, b = load_file(tmp_path / "one" / f), load_file(tmp_path / "dual" / f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a, b = (make_model("llama", head=True, dtype=torch.float32, seed=s) for s in (0, 1))
+    moved = align(a, b, ("attn", "ffn"), match="weights", learn=LearnSettings(frame="dual"))[0].state_dict()
+    assert all(torch.equal(v, moved[k]) for k, v in align(a, b, ("attn", "ffn"), match="weights")[0].state_dict().items())
+    models = [vit_folder(tmp_path / f"v{i}", seed=i) for i in range(3)]
+    npz_file(tmp_path / "d.npz")
+    plan = plan_barrier(models, tmp_path / "d.npz", BarrierOptions(align=ignored, progress=False))
+    assert plan.frame != "pair"
+    if importlib.util.find_spec("flwr") is not None:
+        from symmerge.federated.options import ClientAlignment
+
+        assert ClientAlignment(ignored).options.dual is False
+    assert _dual().dual and not ignored.dual and not one_sided.dual
