@@ -33,7 +33,6 @@ from ..core.distance import sq_distance
 from ..errors import SymmergeError
 from ..option_ranges import model_index
 from ..io.model import ShardIndexError, read_config, weight_files
-from ..pipeline.matchers import streaming_refusal
 from ..pipeline.options import AlignOptions
 from ..pipeline.report import build_report
 from ..pipeline.recommend import BASE_NOTE, has_spec, plain_fallback, recommended  # noqa: F401 (the plan's rules)
@@ -121,8 +120,8 @@ def stream_refusal(method, options, aligns: bool = False) -> str | None:
         from ..pipeline.learn_layerwise_write import merge_refusal
 
         return merge_refusal(options.align)
-    if aligns:
-        return streaming_refusal(options.align.match)
+    if aligns:  # each model aligned onto the anchor by align --stream's engine: its refusals
+        return options.align.streamed_refusal()
     return None
 
 

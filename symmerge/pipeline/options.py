@@ -10,7 +10,7 @@ from ..errors import SymmergeError, UsageError, keywords_checked, options_argume
 from ..families import SCALES, SYMMETRIES
 from ..groups import RESCALE_MODES, Options
 from ..option_ranges import check as check_range, in_range
-from .matchers import DEFAULT_MATCHER, MATCHERS, matcher
+from .matchers import DEFAULT_MATCHER, MATCHERS, matcher, streaming_refusal
 
 PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations and scales, FFN permutations
 DEFAULT_SYMMETRIES = PAPER  # the default of the Python ``align()`` and of AlignOptions (the CLI: 'recommended')
@@ -338,6 +338,17 @@ class AlignOptions:
         frame, :mod:`symmerge.pipeline.dual`): ``learn.frame == "dual"`` with a matcher that learns. The other
         matchers move A onto B whatever ``learn`` says, as they ignore every learned setting; the one test of it."""
         return self.learn.frame == "dual" and self.matcher.learns
+
+    def streamed_refusal(self, flag: str = "streaming") -> str | None:
+        """Why the data-free alignment streamed from the files (``align --stream``, each model of ``merge --mode
+        stream``; :func:`~symmerge.pipeline.stream.align_streaming`) cannot align with these options (None: it can):
+        its matcher must stream, and it aligns no residual stream, so ``untie`` and a ``residual`` group other than
+        the default (which change what the in-memory alignment gives) are refused rather than left out. ``flag``
+        names the streamed mode in the text."""
+        refusal = streaming_refusal(self.match, flag)
+        if refusal is None and (self.untie or self.residual != RESIDUAL_CHOICES[0]):
+            refusal = f"{flag} does not align the residual stream; --untie and --residual do not apply"
+        return refusal
 
     @property
     def effective_rescale(self) -> str:

@@ -52,7 +52,6 @@ from ..io.card import write_card
 from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from .engine import SolveContext, active, parts, prepare_costly, solve_local
-from .matchers import streaming_refusal
 from .align_steps import execute_steps, source
 from .align_plan import per_layer_only, plan_align, plan_report, streamed_spec
 from .options import AlignOptions
@@ -437,8 +436,9 @@ def _run_layers(by_layer, ckpts, writers, job: _Job, opts, timings, trim, worker
 
 def _checked_streaming(model, anchor, options: AlignOptions, allow_tokenizer_mismatch: bool) -> tuple:
     """(the tokenizers' facts, a sentence-transformers pipeline's) of a streamed alignment, after the checks made
-    before anything is read: the matcher streams, the tokenizers agree, an explicit symmetry can stream."""
-    refusal = streaming_refusal(options.match)
+    before anything is read: the options stream (:meth:`AlignOptions.streamed_refusal`), the tokenizers agree, an
+    explicit symmetry can stream."""
+    refusal = options.streamed_refusal()
     if refusal:
         raise SymmergeError(refusal)
     tokenizer = check_tokenizers([(str(model), model), (str(anchor), anchor)], allow_tokenizer_mismatch)

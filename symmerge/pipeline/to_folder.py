@@ -14,7 +14,6 @@ from ..io.model import check_room, ensure_output_dir, save_model
 from ..io.output import writes_output
 from ..progress import stage, stage_printer
 from .align_plan import plan_align, plan_report
-from .matchers import streaming_refusal
 from .options import AlignOptions
 
 
@@ -24,14 +23,9 @@ def stream_refusal(options: AlignOptions, allow_pickle: bool = False) -> str | N
         return "--stream reads safetensors only; convert pickle checkpoints first"
     if not options.verify:
         return "--stream always checks its group elements; --no-verify does not apply"
-    refusal = streaming_refusal(options.match, "--stream")
-    if refusal:
-        return refusal
-    if options.align_data is not None:
+    if options.align_data is not None and options.matcher.streams:
         return "--stream matches weights only (data-free); --align-data needs the models in memory: leave out --stream"
-    if options.untie or options.residual != "largest":
-        return "--stream does not align the residual stream; --untie and --residual do not apply"
-    return None
+    return options.streamed_refusal("--stream")
 
 
 def _inputs(model, anchor, options: AlignOptions, stream: bool, pipeline: bool, allow_pickle: bool):

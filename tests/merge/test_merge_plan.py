@@ -121,6 +121,32 @@ def test_weights_streams_and_auto_loads_a_matcher_that_cannot(vits, tmp_path, mo
     assert none.mode == "stream" and not none.aligns
 
 
+@pytest.mark.parametrize("flag", [("--untie",), ("--residual", "permutation")])
+def test_streamed_merges_refuse_what_align_stream_refuses(vits, tmp_path, capsys, flag):
+    """``--untie`` and ``--residual`` change what the in-memory alignment gives, and the streamed engine aligns no
+    residual stream: ``align --stream`` refused them while ``merge --mode stream`` (each model aligned by the same
+    engine) left them out and wrote a merge without them, exit 0. One rule now (``AlignOptions.streamed_refusal``):
+    refused by the merge plan (command and library), by the engine itself, and ``--mode auto`` loads the models."""
+    text = "streaming does not align the residual stream; --untie and --residual do not apply"
+    capsys.readouterr()
+    assert run_cli("merge", *vits[:2], "--method", "average", "--align", "attn,ffn", *flag, "--mode", "stream",
+                   "--progress", "none", "-o", tmp_path / "m") == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"symmerge: error: --mode stream: {text}; use --mode memory"], err
+    assert not out and not (tmp_path / "m").exists()
+    align = AlignOptions(symmetries="attn,ffn", **({"untie": True} if flag == ("--untie",) else {"residual": flag[1]}))
+    with pytest.raises(SymmergeError, match=f"^--mode stream: {text}"):
+        symmerge.merge(vits[:2], tmp_path / "m", MergeOptions(align=align, mode="stream", progress=False))
+    plan = plan_merge(vits[:2], MergeOptions(align=align), mode="auto")
+    assert plan.mode == "memory" and plan.why == f"auto: {text}"
+    with pytest.raises(SymmergeError, match=f"^{text}$"):
+        align_streaming(vits[0], vits[1], tmp_path / "a", align, progress=False)
+    assert run_cli("align", vits[0], vits[1], "--symmetries", "attn,ffn", *flag, "--stream", "--progress", "none",
+                   "-o", tmp_path / "a") == 2
+    assert "--stream does not align the residual stream" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "a").exists()
+
+
 def test_the_plan_resolves_frame_and_anchor_once(vits):
     three = plan_merge(vits, MergeOptions(align=AlignOptions(symmetries="attn,ffn")), mode="memory")
     assert three.frame == "joint" and three.anchor_rule == "closest to the average"
