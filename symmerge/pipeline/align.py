@@ -228,12 +228,13 @@ def _distances(keys, ca: dict, cb: dict, aligned: dict, written) -> Distances:
 def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", verify: bool = True, layers=None,
           verify_tol: float | None = None, inputs: dict | None = None, allow_pickle: bool = False, progress=None,
           allow_tokenizer_mismatch: bool = False, **options):
-    """``(aligned_model, report)``: :func:`align_pair` with keyword options (``symmetries``: subset of
-    ``heads`` (head permutation), ``attn`` (per-head QK and VO rotations; RoPE models: per frequency
-    pair), ``ffn`` (hidden-unit permutation), ``rescale`` (per-head QK/VO scales, solved ``joint``ly or
-    ``sequential``ly as in the paper; RoPE pair scales; SwiGLU unit scales), ``residual`` (one transform
-    of the residual stream; with folded norms the aligned model is returned folded — :func:`align_pair`
-    also returns the anchor in that form). Further keywords: see :class:`AlignOptions`. The report is
+    """``(aligned_model, report)``: :func:`align_pair` with keyword options (``symmetries``: ``recommended`` (the
+    default, as ``symmerge align``'s: the groups of :data:`~symmerge.pipeline.options.RECOMMENDED` the model has),
+    ``paper`` (attn, ffn, rescale) or a subset of ``heads`` (head permutation), ``attn`` (per-head QK and VO
+    rotations; RoPE models: per frequency pair), ``ffn`` (hidden-unit permutation), ``rescale`` (per-head QK/VO
+    scales, solved ``joint``ly or ``sequential``ly as in the paper; RoPE pair scales; SwiGLU unit scales),
+    ``residual`` (one transform of the residual stream; with folded norms the aligned model is returned folded —
+    :func:`align_pair` also returns the anchor in that form). Further keywords: see :class:`AlignOptions`. The report is
     ``symmerge align``'s (:func:`~symmerge.pipeline.align_plan.plan_report`: planned first, ``plan`` among its
     fields), but for ``command_line`` and ``symmerge_version``, which a written folder's report adds."""
     from .align_plan import plan_align, plan_report

@@ -13,7 +13,6 @@ from ..option_ranges import check as check_range, in_range
 from .matchers import DEFAULT_MATCHER, MATCHERS, matcher, streaming_refusal
 
 PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations and scales, FFN permutations
-DEFAULT_SYMMETRIES = PAPER  # the default of the Python ``align()`` and of AlignOptions (the CLI: 'recommended')
 ALIASES = {"paper": PAPER}
 # The symmetry set that merges best in the project's measurements (docs/results.md): ``align``, ``merge``
 # and ``barrier`` align with it by default (``recommended``), which resolves per model to the
@@ -21,6 +20,10 @@ ALIASES = {"paper": PAPER}
 RECOMMENDED = ("heads", "attn", "ffn", "rescale", "residual")
 RECOMMENDED += ("experts",)  # mixtures of experts
 RECOMMENDED_NAME = "recommended"
+# the default of every entry, the commands' and the library's alike (AlignOptions, ``symmerge.align``, MergeOptions,
+# BarrierOptions): before 2026-12-01 AlignOptions and ``symmerge.align`` defaulted to the paper's set (PAPER), so
+# ``symmerge.align(a, b)`` and ``symmerge align a b`` gave two alignments
+DEFAULT_SYMMETRIES = RECOMMENDED_NAME
 RESIDUAL_CHOICES = ("largest", "permutation")
 MATCH_MODES = tuple(MATCHERS)  # weights, activations, learned: the matcher plug-ins (pipeline/matchers.py)
 # the descent over coupled groups stops when a sweep gains less than this fraction of the objective: on B7
@@ -234,7 +237,8 @@ class LearnSettings:
 @keywords_checked
 @dataclass(frozen=True)
 class AlignOptions:
-    """How to align: ``symmetries`` (``--symmetries``), ``rescale`` (``joint``, ``sequential`` or
+    """How to align: ``symmetries`` (``--symmetries``; default ``recommended``, as every command: the groups of
+    :data:`RECOMMENDED` the model has), ``rescale`` (``joint``, ``sequential`` or
     ``none``; only used when ``rescale`` is among the symmetries), ``layers`` (only these layers),
     ``residual`` (``largest``: the largest function-preserving group of the family's residual stream —
     O(d) for RMSNorm, O(d−1) for pre-LN LayerNorm after folding the norms, permutations for post-LN;
@@ -264,7 +268,7 @@ class AlignOptions:
     same formats as ``--data``; labels, if present, are ignored), of which ``align_samples`` examples
     are used; ``learn``: settings of the learned alignment (:class:`LearnSettings`)."""
 
-    symmetries: tuple = DEFAULT_SYMMETRIES
+    symmetries: tuple | str = DEFAULT_SYMMETRIES
     rescale: str = "joint"
     layers: tuple | None = None
     residual: str = "largest"

@@ -341,7 +341,7 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
                     plan=None, model_heads=()) -> dict:
     """Align the safetensors checkpoint folder ``model`` to ``anchor`` layer by layer and write the
     result to the folder ``out`` (atomically, in shards of at most ``shard_size``) with ``options`` (an
-    :class:`AlignOptions`; default: the paper's attn, ffn, rescale; its ``symmetries``, ``rescale``,
+    :class:`AlignOptions`; default: ``recommended``, less what cannot stream; its ``symmetries``, ``rescale``,
     ``layers``, ``device``, ``verify_tol`` and ``workers`` apply; its matcher must stream). Returns the report
     (also written as ``out/symmerge_report.json``).
 

@@ -65,3 +65,24 @@ def test_align_checks_its_arguments_before_the_plan_reads(folders, monkeypatch, 
     monkeypatch.setattr(align_plan, "plan_align", planned)
     with pytest.raises(UsageError):
         align(str(folders[0]), str(folders[1]), **bad)
+
+
+def test_every_entry_aligns_by_default_as_the_command(folders, tmp_path):
+    """No symmetries named: ``symmerge.align``, ``align_to_folder`` (options None), ``AlignOptions()`` and
+    ``symmerge align`` (no ``--symmetries``) align with 'recommended' alike. Before 2026-12-01 the first three took the
+    paper's attn,ffn,rescale and ``symmerge.align(a, b)`` gave another model than ``symmerge align a b``."""
+    from safetensors.torch import load_file
+
+    a, b = folders
+    assert AlignOptions().requested == "recommended" and AlignOptions(symmetries="paper").requested != "recommended"
+    assert main(["align", str(a), str(b), "-o", str(tmp_path / "cli"), "-q"]) == 0
+    cli = json.loads((tmp_path / "cli" / "symmerge_report.json").read_text())
+    moved, report = align(str(a), str(b))
+    written = align_to_folder(a, b, tmp_path / "api", progress=False)
+    assert cli["symmetries_requested"] == report["symmetries_requested"] == written["symmetries_requested"]
+    assert cli["symmetries"] == report["symmetries"] == written["symmetries"] and "residual" in cli["symmetries"]
+    expected = {k: v for f in sorted((tmp_path / "cli").glob("*.safetensors")) for k, v in load_file(f).items()}
+    api = {k: v for f in sorted((tmp_path / "api").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert expected.keys() == api.keys() and all(torch.equal(expected[k], api[k]) for k in expected)
+    state = moved.state_dict()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
