@@ -71,7 +71,7 @@ def test_every_entry_aligns_by_default_as_the_command(folders, tmp_path):
     """No symmetries named: ``symmerge.align``, ``align_to_folder`` (options None), ``AlignOptions()`` and
     ``symmerge align`` (no ``--symmetries``) align with 'recommended' alike. Before 2026-12-01 the first three took the
     paper's attn,ffn,rescale and ``symmerge.align(a, b)`` gave another model than ``symmerge align a b``."""
-    from safetensors.torch import load_file
+    from mergekit_oracle import tensors
 
     a, b = folders
     assert AlignOptions().requested == "recommended" and AlignOptions(symmetries="paper").requested != "recommended"
@@ -81,8 +81,7 @@ def test_every_entry_aligns_by_default_as_the_command(folders, tmp_path):
     written = align_to_folder(a, b, tmp_path / "api", progress=False)
     assert cli["symmetries_requested"] == report["symmetries_requested"] == written["symmetries_requested"]
     assert cli["symmetries"] == report["symmetries"] == written["symmetries"] and "residual" in cli["symmetries"]
-    expected = {k: v for f in sorted((tmp_path / "cli").glob("*.safetensors")) for k, v in load_file(f).items()}
-    api = {k: v for f in sorted((tmp_path / "api").glob("*.safetensors")) for k, v in load_file(f).items()}
+    expected, api = tensors(tmp_path / "cli"), tensors(tmp_path / "api")
     assert expected.keys() == api.keys() and all(torch.equal(expected[k], api[k]) for k in expected)
     state = moved.state_dict()
     assert all(torch.equal(state[k], expected[k]) for k in expected)
