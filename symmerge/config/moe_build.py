@@ -87,7 +87,7 @@ class _Source:
     temporary folder: the expert's own, said aligned)."""
 
     def __init__(self, folder, what: str, named: str | None = None):
-        from safetensors import safe_open
+        from ..io.model import safetensors_headers
 
         self.folder = Path(folder)
         self.what = what
@@ -97,13 +97,11 @@ class _Source:
         if not safe:
             raise SymmergeError(f"{self.folder}: {what}: symmerge moe reads safetensors weights only")
         self.file_of, self.shape, self.dtype = {}, {}, {}
-        for f in files:
-            with safe_open(str(f), "pt") as h:
-                for k in h.keys():
-                    sl = h.get_slice(k)
-                    if sl.get_dtype() not in _CODES:
-                        raise SymmergeError(f"{f}: tensor {k!r} has unsupported dtype {sl.get_dtype()}")
-                    self.file_of[k], self.shape[k], self.dtype[k] = f, tuple(sl.get_shape()), _CODES[sl.get_dtype()]
+        for f, header in safetensors_headers(files).items():  # the one reader: a truncated file is one line
+            for k, (code, shape) in header.tensors.items():
+                if code not in _CODES:
+                    raise SymmergeError(f"{f}: tensor {k!r} has unsupported dtype {code}")
+                self.file_of[k], self.shape[k], self.dtype[k] = f, shape, _CODES[code]
         self._handles: dict = {}
 
     def read(self, key: str) -> torch.Tensor:

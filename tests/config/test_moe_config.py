@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -289,6 +290,13 @@ def test_errors_are_one_line_and_write_nothing(models, tmp_path, capsys):
     }
     cases["zero router row"] = (_config(tmp_path / "z.yml", base, [e1, e1], "cheap_embed",
                                          prompts=[(["w5 w6"], ["w5 w6"]), (["w7"], [])]), "zero router row")
+    for who in ("expert", "base"):  # a truncated safetensors file, read by the project's one header reader
+        cut = shutil.copytree(e1 if who == "expert" else base, tmp_path / f"cut-{who}")
+        weights = cut / "model.safetensors"
+        os.truncate(weights, weights.stat().st_size - 64)
+        config = (_config(tmp_path / "t1.yml", base, [e1, cut], "random") if who == "expert"
+                  else _config(tmp_path / "t2.yml", cut, [e1, e1], "random"))
+        cases[f"truncated {who}"] = (config, "unreadable safetensors file, truncated or corrupt")
     (tmp_path / "b.yml").write_text(f"base_model: {base}\ngate_mode: hidden\nexperts:\n  - source_model: {e1}\n")
     for name, (config, words) in cases.items():
         line = _one_line_error(capsys, tmp_path, config, out)
