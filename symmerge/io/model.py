@@ -350,16 +350,32 @@ REPLACED = frozenset({"README.md"})
 SIDE_FOLDERS = frozenset({"additional_chat_templates"})  # transformers 5: extra named chat templates
 
 
+def _names_code(folder: Path) -> bool:
+    """Whether ``folder``'s config.json or tokenizer_config.json has an ``auto_map``: the output keeps it (config.json
+    is the input's), so the folder's ``.py`` files come along, copied and never imported, and the output loads as its
+    input did, with transformers' own class or, under ``trust_remote_code``, with that code."""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            config = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and config.get("auto_map"):
+            return True
+    return False
+
+
 def copy_side_files(src: Path, dst: Path, report: dict | None = None, merge_modules=None) -> dict:
     """Copy the allowed side files (:data:`SIDE_FILES`, :data:`SIDE_FOLDERS`) of ``src`` into ``dst``, and
     a sentence-transformers pipeline whole (:mod:`symmerge.io.sentence_transformers`; its module weights
-    merged by ``merge_modules`` when ``report`` is a merge's); returns ``{"copied": [...], "left_out": [...]}``
+    merged by ``merge_modules`` when ``report`` is a merge's; the ``.py`` files of a folder with an ``auto_map``,
+    :func:`_names_code`); returns ``{"copied": [...], "left_out": [...]}``
     (folders with a trailing ``/``; the weights, config.json, a generation_config.json the output already has and the
     model card, README.md, are written anew, and in neither)."""
     from .cache import DIGESTS  # a cached folder's record of its weights (symmerge.io.cache): theirs, not a side file
     from .sentence_transformers import write_pipeline
 
     copied, left_out = write_pipeline(Path(dst), Path(src), report, merge_modules), []
+    code = _names_code(Path(src))
     for item in sorted(Path(src).iterdir()):
         name = item.name
         if name in WEIGHT_NAMES or name in ("config.json", DIGESTS) or (item.is_file()
@@ -368,7 +384,7 @@ def copy_side_files(src: Path, dst: Path, report: dict | None = None, merge_modu
         target = dst / name
         if name in REPLACED or target.exists():  # the output's own (generation_config.json, the pipeline)
             continue
-        allowed = name in SIDE_FOLDERS if item.is_dir() else name in SIDE_FILES
+        allowed = name in SIDE_FOLDERS if item.is_dir() else (name in SIDE_FILES or (code and item.suffix == ".py"))
         label = name + "/" if item.is_dir() else name
         if not allowed:
             left_out.append(label)

@@ -196,8 +196,9 @@ OPTIONS = (
         help="progress on stderr, unless the config sets its own 'progress'"),
     opt("trust_remote_code", "--trust-remote-code", on=MODELS | {"run", "moe"}, form="onoff", default=False,
         help="let transformers import Python code shipped in a model or tokenizer folder (auto_map in config.json): "
-             "only for folders you trust. Without it such a folder is refused; symmerge never runs a folder's code "
-             "otherwise (see SECURITY.md)"),
+             "only for folders you trust. Without it a folder that needs its code (a model type transformers does not "
+             "know) is refused, and one transformers knows is read with transformers' own class; symmerge never runs "
+             "a folder's code otherwise (its .py files are copied to the output, not imported; see SECURITY.md)"),
     opt("mode", "--mode", on=MERGE, choices=("auto", "stream", "memory"), default=M("mode"),
         help="stream: merge tensor by tensor from the safetensors files (memory ~ the largest tensors, any model "
              "size; per-tensor methods without alignment); memory: load the models; auto (default): stream whatever "

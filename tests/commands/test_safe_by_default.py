@@ -178,7 +178,35 @@ def test_trust_remote_code_is_what_lets_it_run(tmp_path, capsys):
                      "--trust-remote-code", "--progress", "none")
     assert rc == 0, err
     assert marker.exists() and (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "evil.py").read_text() == (a / "evil.py").read_text()  # the output needs it too
     assert not symmerge.io.hf.remote_code_allowed()  # the command's permission ends with the command
+
+
+@pytest.mark.parametrize("command", ["align", "merge-memory", "merge-stream"])
+def test_code_beside_a_model_type_transformers_knows_is_copied_never_run(tmp_path, capsys, command):
+    """An ``auto_map`` for a model type transformers has: read with transformers' class, without the flag; the
+    output keeps the input's config.json, auto_map included, so the folder's .py files come along (copied, not
+    imported): the output loads as its input did, never with an auto_map naming a file it lacks."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    marker = tmp_path / "MARKER"
+    a, b = (custom_code_folder(tmp_path / n, marker, i) for i, n in enumerate("ab"))
+    for folder in (a, b):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.update(model_type="llama", architectures=["LlamaForCausalLM"])
+        (folder / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    argv = {"align": ["align", a, b, "-o", out],
+            "merge-memory": ["merge", a, b, "-o", out, "--method", "average", "--mode", "memory"],
+            "merge-stream": ["merge", a, b, "-o", out, "--method", "average", "--mode", "stream"]}[command]
+    rc, _, err = cli(capsys, *argv, "--progress", "none")
+    assert rc == 0, err
+    assert not marker.exists(), "the folder's code ran"
+    assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModel"] == "evil.EvilModel"
+    assert (out / "evil.py").read_text() == (a / "evil.py").read_text()
+    report = json.loads((out / "symmerge_report.json").read_text())
+    assert "evil.py" in report["side_files"]["copied"] and "evil.py" not in report["side_files"]["left_out"]
+    assert type(AutoModelForCausalLM.from_pretrained(out)) is LlamaForCausalLM and not marker.exists()
 
 
 def test_a_tokenizer_with_custom_code_is_refused(tmp_path):
