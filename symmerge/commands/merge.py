@@ -98,7 +98,7 @@ def run(args) -> int:
         report = merge_to_folder(args.models, out, options_from(args))
     why = report["plan"]["why"]
     alignment = report["alignment"]
-    print(f"merged {len(args.models)} models with {report['method']} "
+    print(f"merged {len(args.models)} model{'s' if len(args.models) != 1 else ''} with {report['method']} "
           f"(alignment: {','.join(alignment['symmetries']) or 'none'}"
           f"{' = recommended' if alignment['requested'] == RECOMMENDED_NAME else ''})")
     if alignment.get("note"):

@@ -35,12 +35,14 @@ def head_policy(requested: str, cls) -> str:
     return "merge" if name.endswith(LANGUAGE_MODELS) else "keep"
 
 
+NO_HEAD_NOTE = "no head tensors of their own (a base model, or a head tied to the embeddings, merged with them)"
 COPIED_NOTE = "every step copies its tensor from one model (a one-model passthrough): its head is copied too"
 
 
 def no_head() -> dict:
-    """The ``head`` entry of base models without a task head (every entry's, a config's included)."""
-    return {"policy": "none", "note": "base models without a task head"}
+    """The ``head`` entry of models with no head tensors of their own — base models, or a language model whose head
+    is tied to the embeddings (GPT-2) and is merged with them (every entry's, a config's included)."""
+    return {"policy": "none", "note": NO_HEAD_NOTE}
 
 
 def passthrough_head(steps, names, heads, requested: str | None = None, keys=None) -> dict | None:

@@ -60,7 +60,8 @@ def noop(name, what) -> Option:
 
 A, L = AlignOptions, LearnSettings
 OPTIONS = (
-    opt("models", on=MERGE, form="positional", nargs="+", help="HF model folders to merge (two or more)"),
+    opt("models", on=MERGE, form="positional", nargs="+",
+        help="HF model folders to merge (as many as the method takes: one is a merge too, as in a config)"),
     opt("models", on=BARRIER, form="positional", nargs="+", metavar="MODEL",
         help="HF model folders: A B (A aligned to B, the anchor, in the aligned variants), or three or more (aligned "
              "jointly into one frame)"),
@@ -481,7 +482,7 @@ EXTRACT_NO_OPS = {  # mergekit-extract-lora's flags that change nothing here, an
     "--out-shard-size": ("a PEFT adapter is one file", "SIZE"),
     "--copy-tokenizer": ("an adapter holds no tokenizer", None),
     "--clone-tensors": ("tensors are never shared", None),
-    "--safe-serialization": ("always safetensors", None),
+    "--safe-serialization": ("always safetensors (--no-safe-serialization is refused)", None),
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from test_one_model_passthrough import _entries, one  # noqa: F401 (the module's fixture)
 
-from symmerge.merge.heads import COPIED_NOTE
+from symmerge.merge.heads import COPIED_NOTE, NO_HEAD_NOTE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -47,7 +47,7 @@ def test_a_one_model_passthrough_of_a_base_model_reports_no_head_everywhere(tmp_
     reports = _entries(str(tmp_path / "base"), tmp_path)
     for name, report in reports.items():
         assert report["plan"]["steps"]["merge"] == 0, name
-        assert report["head"] == {"policy": "none", "note": "base models without a task head"}, (name, report["head"])
+        assert report["head"] == {"policy": "none", "note": NO_HEAD_NOTE}, (name, report["head"])
 
 
 def test_the_config_and_symmerge_merge_take_the_head_entry_from_one_rule(one, tmp_path, monkeypatch):  # noqa: F811
