@@ -46,6 +46,7 @@ from ..errors import SymmergeError
 from ..io.checkpoint import PlannedWriter, parse_size
 from ..io.model import atomic_dir, check_finite, copy_side_files, ensure_output_dir, weight_files, write_json
 from ..io.output import temp_prefix
+from ..io.tokenizers import drop_tokenizer
 from ..progress import stage
 from .moe import MoeConfig, read_moe_config
 
@@ -498,8 +499,9 @@ def build_moe(config, out, options: MoeOptions | None = None) -> dict:
                 writer.abort()
                 raise
             out_config.save_pretrained(str(tmp))
-            if options.copy_tokenizer:
-                report["side_files"] = copy_side_files(base.folder, tmp)
+            report["side_files"] = copy_side_files(base.folder, tmp)
+            if not options.copy_tokenizer:  # as `run --no-copy-tokenizer`: generation_config.json and the rest stay
+                drop_tokenizer(tmp, report["side_files"])
             (tmp / "mergekit_moe_config.yml").write_text(cfg.text)
             report["seconds"] = time.perf_counter() - t0
             if options.card:

@@ -152,10 +152,9 @@ def execute(job, inputs, out, shard_size="5GB", progress=True, options: RunOptio
         tmp = Path(tmp)
         built = job.vocab is not None and job.vocab.tokenizer is not None  # the config builds the tokenizer
         if not opts.copy_tokenizer and not built:
-            from .vocab import TOKENIZER_FILES
+            from ..io.tokenizers import drop_tokenizer
 
-            for name in TOKENIZER_FILES:
-                (tmp / name).unlink(missing_ok=True)
+            drop_tokenizer(tmp, facts.get("side_files"))
         if built:
             from .vocab import write_tokenizer
 

@@ -30,9 +30,6 @@ import torch
 
 from ..errors import SymmergeError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "spm.model",
-                   "sentencepiece.bpe.model", "sentencepiece.model", "tokenizer.tiktoken")
 
 
 @dataclass
@@ -239,9 +236,9 @@ def is_vocabulary_tensor(name: str, shape, config: dict) -> bool:
 def write_tokenizer(vocab: Vocabulary, folder: Path) -> None:
     """The output tokenizer into ``folder``, replacing any tokenizer files copied there."""
     from ..io.model import quiet_transformers
+    from ..io.tokenizers import drop_tokenizer
 
-    for name in TOKENIZER_FILES:
-        (Path(folder) / name).unlink(missing_ok=True)
+    drop_tokenizer(folder)
     with quiet_transformers():
         vocab.tokenizer.save_pretrained(str(folder))
 

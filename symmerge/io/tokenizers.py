@@ -158,6 +158,16 @@ def _read(path: Path) -> TokenizerView:
                          {t: i for t, (i, _) in added.items() if base.get(t) != i})
 
 
+def drop_tokenizer(folder: Path, side_files: dict | None = None) -> None:
+    """Remove the tokenizer files (:data:`TOKENIZER_FILES`) copied into the output ``folder``, and from the
+    ``copied`` list of its ``side_files`` report (``--no-copy-tokenizer``, mergekit's: every other side file, such
+    as generation_config.json, stays)."""
+    for name in TOKENIZER_FILES:
+        (Path(folder) / name).unlink(missing_ok=True)
+    if side_files is not None:
+        side_files["copied"] = [n for n in side_files.get("copied", []) if n not in TOKENIZER_FILES]
+
+
 def _fingerprint(path: Path) -> str | None:
     """A hash of the folder's tokenizer files (``None`` without a vocabulary file)."""
     if not any((path / f).is_file() for f in VOCAB_FILES):

@@ -87,6 +87,11 @@ def test_no_copy_tokenizer(config, reference, tmp_path):
     names = {p.name for p in out.iterdir()}
     assert not names & {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
     _same(out, reference)
+    from symmerge.io.tokenizers import TOKENIZER_FILES
+
+    assert names == {p.name for p in reference.iterdir()} - set(TOKENIZER_FILES)  # every other side file stays
+    copied = json.loads((out / "symmerge_report.json").read_text())["side_files"]["copied"]
+    assert copied and not set(copied) & set(TOKENIZER_FILES)  # the report names only what the output has
 
 
 def test_out_shard_size(config, reference, tmp_path):

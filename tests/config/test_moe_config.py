@@ -261,6 +261,21 @@ def test_mergekit_moe_flags_are_accepted(models, tmp_path):
     assert (tmp_path / "a" / "tokenizer.json").is_file()
 
 
+def test_no_copy_tokenizer_leaves_out_the_tokenizer_only(models, tmp_path):
+    """As ``run --no-copy-tokenizer``: the tokenizer files stay out, generation_config.json and the report's
+    ``side_files`` stay (both were dropped with the tokenizer)."""
+    from symmerge.io.tokenizers import TOKENIZER_FILES
+
+    base = models["mistral", "base"]
+    config = _config(tmp_path / "moe.yml", base, [models["mistral", "e1"], base], "random")
+    assert run_cli("moe", config, tmp_path / "out", "--no-copy-tokenizer", "--progress", "none") == 0
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert (base / "generation_config.json").is_file() and "generation_config.json" in names
+    assert (base / "tokenizer.json").is_file() and not names & set(TOKENIZER_FILES)
+    side = json.loads((tmp_path / "out" / "symmerge_report.json").read_text())["side_files"]
+    assert "generation_config.json" in side["copied"] and not set(side["copied"]) & set(TOKENIZER_FILES)
+
+
 # ---- errors: one line, nothing written ----------------------------------------------------------------------
 
 def _one_line_error(capsys, tmp_path, *argv):
