@@ -56,10 +56,9 @@ from .steps import plain_merge_steps
 
 
 def check_model_count(m, n: int, has_base: bool) -> None:
-    """A merge takes two models or more, or the one a method merges with a base (slerp, nearswap, arcee_fusion,
-    passthrough: ``Method.models`` at most 1), and as many as the method takes (:meth:`Method.check_inputs`)."""
-    if n < 2 and m.models[1] != 1:
-        raise SymmergeError("merge needs at least two models")
+    """A merge takes as many models as the method takes (:meth:`Method.check_inputs`), as a config's
+    ``merge_method`` does (and mergekit): one model is a merge too (with a base, its task vector applied; without,
+    the model itself)."""
     m.check_inputs(n, has_base)
 
 

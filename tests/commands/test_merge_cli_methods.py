@@ -1,5 +1,5 @@
-"""mergekit's methods through ``symmerge merge``: one model with a base (slerp), an optional base (nuslerp), negative
-task weights; in memory and streamed, the same bits, equal to the method's rule on the tensors."""
+"""mergekit's methods through ``symmerge merge``: one model with a base (slerp, task arithmetic), one model alone, an
+optional base (nuslerp), negative task weights; in memory and streamed, the same bits, equal to the method's rule on the tensors."""
 
 from __future__ import annotations
 
@@ -59,11 +59,24 @@ def test_negative_task_weight_subtracts_a_task(fam, tmp_path):
                           atol=1e-6)
 
 
-def test_one_model_is_refused_for_an_average(fam, tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_one_model_merges_as_a_config_of_one_model(fam, tmp_path, mode):
+    """``--method X`` takes the models ``merge_method: X`` takes (and mergekit): one model too. Before, the command
+    refused one model ("merge needs at least two models") that the same method in a config merged."""
     base, (ft1, _) = fam
-    out = tmp_path / "one"
-    assert main(["merge", str(ft1), "--method", "average", "-o", str(out)]) == 2
-    assert "at least two models" in capsys.readouterr().err and not out.exists()
+    (tmp_path / "ta.yml").write_text(f"models:\n  - model: {ft1}\n    parameters: {{weight: 0.5}}\n"
+                                     f"base_model: {base}\nmerge_method: task_arithmetic\ndtype: float32\n")
+    (tmp_path / "lin.yml").write_text(f"models:\n  - model: {ft1}\nmerge_method: linear\n"
+                                      "parameters: {weight: 1.0}\ndtype: float32\n")
+    for name, argv in (("ta", ["--base", base, "--method", "task_arithmetic", "--weights", "0.5"]),
+                       ("lin", ["--method", "linear"])):
+        got = _merge(tmp_path, f"{name}-{mode}", ft1, *argv, "--mode", mode)
+        assert main(["run", str(tmp_path / f"{name}.yml"), str(tmp_path / f"{name}-run"), "--progress", "none"]) == 0
+        want = tensors(tmp_path / f"{name}-run")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), name
+    b, a, k = tensors(base), tensors(ft1), "model.layers.1.self_attn.q_proj.weight"
+    assert torch.allclose(tensors(tmp_path / f"ta-{mode}")[k], b[k] + 0.5 * (a[k] - b[k]), atol=1e-6)
+    assert all(torch.equal(got[k], a[k]) for k in a)  # one model averaged: the model itself
 
 
 def test_negative_weights_of_an_average_are_refused(fam, tmp_path, capsys):
