@@ -245,7 +245,8 @@ OPTIONS = (
              "of symmerge's keys) beside the model (default on, "
              "as mergekit); symmerge_report.json is always written"),
     opt("out_shard_size", "--out-shard-size", on=RUN, part=MERGEKIT, parse=mergekit_size_text, metavar="SIZE",
-        help="largest output shard, as mergekit: 5B (bytes, K/M/B suffixes) or 2GB"),
+        help="largest output shard in bytes, as mergekit: a number with K/M/B suffixes (thousand, million, billion: 5B "
+             "is 5e9 bytes) or 2GB"),
     opt("random_seed", "--random-seed", on=RUN, part=MERGEKIT, parse=int, metavar="N",
         help="seed of the randomised methods (DARE, DELLA): their 'seed' parameter"),
     opt("cuda", "--cuda", on=RUN, part=MERGEKIT, form="onoff", default=False,
@@ -500,7 +501,8 @@ OPTIONS += (
     opt("random_seed", "--random-seed", on=MOE, part=MOE, parse=int, default=0, metavar="N",
         help="seed of gate_mode random's router rows (default 0)"),
     opt("out_shard_size", "--out-shard-size", on=MOE, part=MOE, parse=mergekit_size_text, metavar="SIZE",
-        help="largest output shard: 5B (as mergekit: bytes with K/M/B suffixes, the default) or 2GB"),
+        help="largest output shard: 5B (the default; as mergekit: bytes with K/M/B suffixes for thousand, million, "
+             "billion) or 2GB"),
     opt("allow_crimes", "--allow-crimes", on=MOE, part=MOE, form="switch", default=False,
         help="experts of another family than the base (Llama experts in a Mistral base), as mergekit"),
     opt("no_copy_tokenizer", "--no-copy-tokenizer", on=MOE, part=MOE, form="switch", default=False,
