@@ -159,6 +159,9 @@ class _Names:
         self.weight_required = method.weight_required
         self.defaults = {k: v for k, v in method.params.items() if v is not MUST}
         self.checks = dict(getattr(method, "checks", {}) or {})
+        # every model's weight is a finite number (the sign and the sum: the method's rule, per tensor), named with
+        # its key and line like every declared parameter, not later with the first tensor it would have weighted
+        self.checks.setdefault("weight", _base.real())
 
     def all(self):
         return sorted(self.per_model | self.globals)
@@ -674,6 +677,9 @@ class Planner:
         ref = idx if idx is not None else base if base is not None else 0
         with contextlib.ExitStack() as stack:
             folders = {i: self._tokenizer_folder(inp, stack) for i, inp in enumerate(inputs)}
+            if idx is not None and self._no_tokenizer(folders[idx]):
+                self.warn(f"{doc.at(*key)}: {inputs[idx].label!r} has no tokenizer files: the output has no "
+                          "tokenizer (name a source that has one)")
             if not tokens and not pad and self._same_vocab(folders, ref) and \
                     self._rows_are_tokens(doc, inputs, folders, ref, key):
                 return ref, None  # every model has the vocabulary asked for: the rows are merged as they are
@@ -760,6 +766,12 @@ class Planner:
         if view is None:
             return True
         return all(vocab_size(dict(self.layout(doc, i, key).config)) in (None, len(view.vocab)) for i in inputs)
+
+    @staticmethod
+    def _no_tokenizer(folder) -> bool:
+        from ..io.tokenizers import VOCAB_FILES
+
+        return not any((Path(folder) / f).is_file() for f in VOCAB_FILES)
 
     def _same_vocab(self, folders, idx) -> bool:
         """Every input has the vocabulary of input ``idx`` (``folders``: each input's tokenizer folder; an input
@@ -930,6 +942,9 @@ class Planner:
         params = {**shared, **per}
         if self.seed is not None and "seed" in names.defaults and "seed" not in params:
             params["seed"] = self.seed
+        elif self.seed is not None and "seed" in params and params["seed"] != self.seed:
+            self.warn(f"{doc.at()}: --random-seed {self.seed} is not used for {mk_name!r}: the config sets its "
+                      f"'seed' ({params['seed']}), which wins; the flag seeds only a merge whose config sets none")
         return weights, params
 
     def _record_layout(self, doc, job, lays: dict, out_lay, sliced) -> None:

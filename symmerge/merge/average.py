@@ -27,6 +27,14 @@ def linear_tensor(key, tensors, weights, stats, base, params, context):
     return weighted_sum(tensors, normalized_weights(weights, len(tensors), bool(params["normalize"]), signed=True))
 
 
+def linear_weights(weights, params) -> None:
+    """``linear``'s weights under its parameters: finite, and with ``normalize`` a sum that is not 0."""
+    from .base import normalized_weights
+
+    if weights is not None:
+        normalized_weights(weights, len(weights), bool(params["normalize"]), signed=True)
+
+
 def linear_fused_into(key, tensors, weights, base, params, context, out) -> bool:
     from .base import normalized_weights
 
@@ -41,4 +49,4 @@ LINEAR = Method("linear", linear_tensor, params={"normalize": True}, ignores_bas
                 doc="Weighted average of any number of models "
                 "(mergekit's linear): θ = Σ_i w_i θ_i / Σ_i w_i, or Σ_i w_i θ_i with normalize false.",
                 normalize_weights=False, elementwise=True, fused_into=linear_fused_into,
-                checks={"normalize": boolean()})
+                checks={"normalize": boolean()}, check_weights=linear_weights)

@@ -257,6 +257,8 @@ class Method:
     ``aliases`` alias → (parameter, translation or None) (mergekit's ``lambda`` for ``scale``; ``density``
     for DARE's ``drop`` = 1 − density), ``per_model`` the parameters that take one value per model,
     ``check_all`` ``(params) -> None`` a check across parameters (DELLA's density ± epsilon), and
+    ``check_weights`` ``(weights, params) -> None`` the method's own rule for its weights under its parameters
+    (linear's non-zero sum under ``normalize``), checked with each step's arguments, where a config names the key.
     The defaults are mergekit's for every mergekit name (one meaning, from the command line and from a config).
 
     The contract, read by every caller (the command, a config's planner, the steps): ``needs_base`` (the
@@ -291,6 +293,7 @@ class Method:
     checks: dict = field(default_factory=dict)
     aliases: dict = field(default_factory=dict)
     check_all: Callable | None = None
+    check_weights: Callable | None = None
     accepts_base: bool = False
     models: tuple = (1, None)
     whole_tensor: Callable | None = None

@@ -152,6 +152,8 @@ def step_arguments(method, step: TensorStep, n: int, cache: dict | None = None):
     method.check_inputs(n, step.base is not None)
     weights = normalized_weights(step.weights, n, normalize=method.normalize_weights)
     params = method.check_params(dict(step.params), n=n)
+    if method.check_weights is not None:
+        method.check_weights(step.weights, params)
     if cache is not None:
         cache[token] = (weights, params)
     return weights, params

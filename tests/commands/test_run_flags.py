@@ -119,6 +119,23 @@ def test_random_seed(config, reference, tmp_path):
     assert torch.equal(outs[0][k], outs[1][k]) and not torch.equal(outs[0][k], outs[2][k])
 
 
+def test_random_seed_beside_a_config_seed_says_the_config_wins(config, tmp_path, capsys):
+    """The config's own 'seed' is the more specific setting and wins, as before; the flag it overrides is one
+    warning line naming the file, not silence."""
+    seeded = tmp_path / "seeded.yml"
+    seeded.write_text(config.read_text() + "parameters: {seed: 5}\n")
+    outs = []
+    for flags in ([], ["--random-seed", "7"], ["--random-seed", "5"]):
+        capsys.readouterr()
+        assert run_cli("run", seeded, tmp_path / f"o{len(outs)}", "--progress", "none", *flags) == 0
+        outs.append(mo.tensors(tmp_path / f"o{len(outs)}"))
+        warned = [x for x in capsys.readouterr().err.splitlines() if "--random-seed" in x]
+        assert warned == ([f"symmerge: warning: {seeded} line 1: --random-seed 7 is not used for 'dare_ties': the "
+                           "config sets its 'seed' (5), which wins; the flag seeds only a merge whose config sets none"]
+                          if flags[1:] == ["7"] else []), warned
+    assert all(torch.equal(outs[0][k], o[k]) for o in outs[1:] for k in outs[0])
+
+
 @pytest.mark.parametrize("flags", [["--cuda"], ["--gpu-rich"], ["--device", "cpu"], ["--device", "cpu:0"]])
 def test_cuda_and_device(config, reference, tmp_path, capsys, flags):
     """The GPU when there is one (the result then within float32's rounding of the CPU's); without one,

@@ -270,3 +270,64 @@ def test_an_output_inside_the_adapter_of_a_config_s_base_plus_adapter_is_refused
                                   "--progress", "none")[2])
     assert "inside the input folder" in line and str(tmp_path / "ad") in line, line
     assert snapshot(tmp_path / "ad") == before
+
+
+# ------------------------------------------------------------------ weights: read and checked where written
+
+
+@pytest.mark.parametrize("value,line,words", [
+    ("abc", 6, "models[0].parameters.weight: a number expected, got 'abc'"),
+    ("true", 6, "models[0].parameters.weight: a number expected, got True"),
+    (".nan", 6, "models[0].parameters.weight: method 'linear': parameter 'weight' must be a finite number"),
+    ("[1, .inf]", 6, "models[0].parameters.weight: method 'linear': parameter 'weight' must be a finite number"),
+])
+def test_a_bad_weight_names_its_key_and_line(llamas, tmp_path, capsys, value, line, words):
+    """A weight is a finite number, read like every declared parameter: the error names the file, the weight's line
+    and key. Before, 'abc' and NaN were named by the first tensor (at line 1) and ``true`` merged as 1."""
+    config = tmp_path / "c.yml"
+    config.write_text(f"merge_method: linear\ndtype: float32\nmodels:\n  - model: {llamas['a']}\n"
+                      f"    parameters: {{weight: {value}}}\n  - model: {llamas['b']}\n    parameters: {{weight: 1}}\n")
+    config.write_text(config.read_text().replace(f"{{weight: {value}}}", f"\n      weight: {value}", 1))
+    rc, _, err = run_cli(capsys, "run", config, tmp_path / "out", "--progress", "none")
+    err = one_error_line(err)
+    assert rc == 2
+    assert f"c.yml line {line}: {words}" in err, err  # line 6: the weight's own
+    assert not (tmp_path / "out").exists()
+
+
+def test_linear_weights_summing_to_zero_name_the_config_and_tensor(llamas, tmp_path, capsys):
+    """The method's own weight rule (linear, normalize: the sum divides) is checked with each step's arguments, so
+    the error names the file and the first tensor as every other value checked across a step does."""
+    config = tmp_path / "z.yml"
+    config.write_text(f"merge_method: linear\ndtype: float32\nmodels:\n  - model: {llamas['a']}\n"
+                      f"    parameters: {{weight: 1}}\n  - model: {llamas['b']}\n    parameters: {{weight: -1}}\n")
+    rc, _, err = run_cli(capsys, "run", config, tmp_path / "out", "--progress", "none")
+    err = one_error_line(err)
+    assert rc == 2
+    assert "z.yml line 3: model.embed_tokens.weight: weights [1.0, -1.0] sum to 0" in err, err
+    config.write_text(config.read_text().replace("merge_method: linear", "merge_method: linear\n"
+                                                 "parameters: {normalize: false}"))
+    assert run_cli(capsys, "run", config, tmp_path / "out", "--progress", "none")[0] == 0  # no division
+
+
+def test_a_tokenizer_source_without_a_tokenizer_is_one_warning(llamas, tmp_path, capsys):
+    """``tokenizer_source: base`` whose base has no tokenizer files: the output has none, and a warning naming the
+    key says so (it was silent); a source with a tokenizer gives no warning."""
+    import shutil
+
+    from symmerge.io.tokenizers import TOKENIZER_FILES
+
+    bare = shutil.copytree(llamas["a"], tmp_path / "bare")
+    for name in TOKENIZER_FILES:
+        (bare / name).unlink(missing_ok=True)
+    for base, warned in ((bare, True), (llamas["a"], False)):
+        config = tmp_path / "t.yml"
+        config.write_text(f"merge_method: task_arithmetic\nbase_model: {base}\ndtype: float32\nmodels:\n"
+                          f"  - model: {llamas['b']}\n    parameters: {{weight: 1}}\ntokenizer_source: base\n")
+        out = tmp_path / f"out-{warned}"
+        rc, _, err = run_cli(capsys, "run", config, out, "--progress", "none")
+        assert rc == 0, err
+        lines = [x for x in err.splitlines() if "tokenizer files" in x]
+        assert lines == ([f"symmerge: warning: {config} line 7: tokenizer_source: '{base}' has no tokenizer files: "
+                          "the output has no tokenizer (name a source that has one)"] if warned else []), err
+        assert (out / "tokenizer.json").is_file() != warned
