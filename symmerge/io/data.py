@@ -339,7 +339,13 @@ def load_tokenizer(source):
     from transformers.utils import logging as hf_logging
 
     from .hf import auto_tokenizer
+    from .tokenizers import VOCAB_FILES
 
+    if Path(source).is_dir() and not any((Path(source) / f).is_file() for f in (*VOCAB_FILES, "tokenizer_config.json")):
+        # transformers builds a tokenizer of the model type's class from config.json alone, knowing only its special
+        # tokens: every word would be read as the unknown token, and the loss measured on nothing
+        raise SymmergeError(f"{source}: no usable tokenizer in the model folder (no tokenizer.json, vocab file or "
+                            "tokenizer_config.json); copy the tokenizer files of the model it was trained from into it")
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
@@ -464,6 +470,8 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
         max_len = _max_length(model, tok, max_length)
         if fmt == "text":
             texts, ys, total, lines = _read_jsonl(path, max_examples, labels)
+            if labels and model is not None:
+                _need_classifier(model, path)  # the kind of model first (check_data's order), before its pad token
             pad = _class_pad(tok, model, path) if labels else None
             batches, truncated = _tokenize(texts, tok, batch_size, max_len, lm=False)
             for b in batches if pad is not None else ():

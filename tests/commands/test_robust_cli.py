@@ -121,7 +121,20 @@ def test_text_data_without_a_tokenizer_is_one_error(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "merge", *models, "--method", "average", "--match", "activations", "--align-data",
                          text, "-o", out)
     assert rc == 2
-    assert_clean_failure(rc, err, out, "no tokens", "tokenizer")
+    assert_clean_failure(rc, err, out, "no usable tokenizer in the model folder", "tokenizer")
+
+
+def test_labelled_text_for_a_classifier_without_a_tokenizer_is_one_error(tmp_path, capsys):
+    """BERT folders without tokenizer files: transformers builds a BertTokenizer that knows only its special tokens,
+    so every word was read as [UNK] and a merge or a barrier scored the models on nothing, with exit 0."""
+    models = [save_folder(make_model("bert", head=True, seed=s), tmp_path / f"b{s}") for s in (0, 1)]
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "the cat sat", "label": 0}\n{"text": "a dog ran", "label": 1}\n')
+    for argv in (["merge", *models, "--method", "regmean", "--data", data], ["barrier", *models, "--data", data,
+                                                                             "--points", "2", "--align", "none"]):
+        out = tmp_path / f"out-{argv[0]}"
+        rc, _, err = run_cli(capsys, *argv, "-o", out)
+        assert_clean_failure(rc, err, out, "no usable tokenizer in the model folder")
 
 
 def _cli(*argv, **kw):

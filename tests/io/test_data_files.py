@@ -469,3 +469,20 @@ def test_a_near_generate_spec_says_what_generate_is_spelled(spec):
 
     with pytest.raises(SymmergeError, match=r"or generate\[:N\[:LEN\[:SEED\]\]\] \(lower case\)"):
         check_data_path(spec, "--align-data")
+
+
+def test_labelled_text_for_a_causal_lm_names_the_kind_of_model_before_its_pad_token(tmp_path):
+    """A causal LM without a pad token given labelled ``.jsonl``: the kind of model is the fault, checked first (as
+    :func:`check_data` orders it). Before, the pad-token advice came first, and following it led to this line."""
+    import mergekit_oracle as mk
+
+    model = make_model("llama", head=True, dtype=torch.float32)
+    model.config.pad_token_id = None
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    mk.save_tokenizer(folder)
+    path = tmp_path / "d.jsonl"
+    path.write_text(jsonl([{"text": "w5 w6", "label": 0}, {"text": "w7", "label": 1}]))
+    with pytest.raises(SymmergeError) as e:
+        load_data(path, model, tokenizer=str(folder))
+    assert one_line(e) == f"{path}: labelled data needs a classification model, got {type(model).__name__}"
