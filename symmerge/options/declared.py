@@ -144,7 +144,8 @@ OPTIONS = (
              "of Ito et al.; labels never used)"),
     opt("base", "--base", on=MERGE, help="base (pre-trained) model folder for task_arithmetic, ties, dare"),
     opt("data", "--data", on=MERGE, form="append", metavar="FILE",
-        help="data (.npz, .jsonl, .txt) for the statistics of fisher and regmean (training data); give it once for "
+        help="data (.npz, .jsonl, .txt) for the statistics of the methods that read data (fisher, regmean, ot_acts, "
+             "ot_acts_emd; training data); give it once for "
              "all models or once per model (in model order)"),
     opt("eval_data", "--eval-data", on=MERGE, form="append", metavar="FILE",
         help="held-out data (.npz, .jsonl, .txt) the merged model and the inputs are scored on; once for all models "
@@ -168,10 +169,12 @@ OPTIONS = (
         help="scale each model's Fisher to mean 1"),
     opt("gram_sum", "--gram-sum", on=MERGE, form="switch", default=False,
         help="RegMean with summed Grams (weights models by data size) instead of per-token means"),
-    opt("batch_size", "--batch-size", on=STUDIES, parse=int, minimum=1, default=M("batch_size")),
+    opt("batch_size", "--batch-size", on=STUDIES, parse=int, minimum=1, default=M("batch_size"),
+        help="examples per batch when data is read (statistics, evaluation, alignment on data)"),
     opt("max_examples", "--max-examples", on=MERGE, parse=int, minimum=1,
         help="use at most this many examples per file"),
-    opt("max_examples", "--max-examples", on=BARRIER, parse=int, minimum=1),
+    opt("max_examples", "--max-examples", on=BARRIER, parse=int, minimum=1,
+        help="use at most this many examples of --data"),
     opt("max_length", "--max-length", on=MERGE, parse=int, minimum=1, help="truncate texts to this many tokens"),
     opt("device", "--device", on=STUDIES, parse=device_name, default="cpu", help="cpu (default), cuda, cuda:N or auto"),
     opt("no_verify", "--no-verify", on=STUDIES, form="switch", default=False,
