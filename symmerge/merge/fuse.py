@@ -172,7 +172,9 @@ class MergeOptions:
         if m.needs_base and self.base is None:
             raise SymmergeError(f"method {m.name!r} needs a base model (the common pre-trained model): pass --base")
         if self.base is not None and not (m.needs_base or m.accepts_base):
-            raise SymmergeError(f"method {m.name!r} does not use a base model")
+            also = (" (a config's base_model is merged as one more model: list it among the models)"
+                    if m.ignores_base else "")
+            raise SymmergeError(f"method {m.name!r} does not use a base model{also}")
         parse_size(self.shard_size)  # a size it cannot read: refused before the merge, in either mode
         # an index (else a folder or a model): 0..n-1, checked with or without alignment
         if isinstance(self.anchor, int):

@@ -85,3 +85,14 @@ def test_negative_weights_of_an_average_are_refused(fam, tmp_path, capsys):
     assert main(["merge", *map(str, fts), "--method", "average", "--align", "none", "--weights", "1,-1",
                  "-o", str(out)]) == 2
     assert "non-negative" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_base_for_linear_says_how_a_config_reads_it(fam, tmp_path, capsys):
+    """``--base`` with linear (mergekit's method without a base) is refused, saying what a config's base_model is for
+    it: one more merged model, which the command takes among the models."""
+    base, (ft1, _) = fam
+    out = tmp_path / "lin"
+    assert main(["merge", str(ft1), "--base", str(base), "--method", "linear", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "does not use a base model (a config's base_model is merged as one more model: list it among the models)" \
+        in err and not out.exists()
