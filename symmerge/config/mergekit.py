@@ -675,9 +675,11 @@ class Planner:
         else:
             idx = self._ref(doc, src, key, inputs)
         ref = idx if idx is not None else base if base is not None else 0
+        from ..io.tokenizers import has_vocabulary
+
         with contextlib.ExitStack() as stack:
             folders = {i: self._tokenizer_folder(inp, stack) for i, inp in enumerate(inputs)}
-            if idx is not None and self._no_tokenizer(folders[idx]):
+            if idx is not None and not has_vocabulary(folders[idx]):
                 self.warn(f"{doc.at(*key)}: {inputs[idx].label!r} has no tokenizer files: the output has no "
                           "tokenizer (name a source that has one)")
             if not tokens and not pad and self._same_vocab(folders, ref) and \
@@ -766,12 +768,6 @@ class Planner:
         if view is None:
             return True
         return all(vocab_size(dict(self.layout(doc, i, key).config)) in (None, len(view.vocab)) for i in inputs)
-
-    @staticmethod
-    def _no_tokenizer(folder) -> bool:
-        from ..io.tokenizers import VOCAB_FILES
-
-        return not any((Path(folder) / f).is_file() for f in VOCAB_FILES)
 
     def _same_vocab(self, folders, idx) -> bool:
         """Every input has the vocabulary of input ``idx`` (``folders``: each input's tokenizer folder; an input

@@ -31,7 +31,6 @@ import torch
 from ..errors import SymmergeError
 
 
-
 @dataclass
 class TokenSource:
     """A row named in ``tokens``: ``source`` ``model`` (the model's row for this token), ``model_token`` (the

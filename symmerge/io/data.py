@@ -339,9 +339,9 @@ def load_tokenizer(source):
     from transformers.utils import logging as hf_logging
 
     from .hf import auto_tokenizer
-    from .tokenizers import VOCAB_FILES
+    from .tokenizers import has_vocabulary
 
-    if Path(source).is_dir() and not any((Path(source) / f).is_file() for f in (*VOCAB_FILES, "tokenizer_config.json")):
+    if Path(source).is_dir() and not has_vocabulary(source) and not (Path(source) / "tokenizer_config.json").is_file():
         # transformers builds a tokenizer of the model type's class from config.json alone, knowing only its special
         # tokens: every word would be read as the unknown token, and the loss measured on nothing
         raise SymmergeError(f"{source}: no usable tokenizer in the model folder (no tokenizer.json, vocab file or "

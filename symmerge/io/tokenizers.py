@@ -100,10 +100,15 @@ def _auto_vocab(path: Path) -> dict:
                             "--allow-tokenizer-mismatch to go on without comparing") from None
 
 
+def has_vocabulary(path) -> bool:
+    """Whether the folder ``path`` holds a vocabulary file (:data:`VOCAB_FILES`): a tokenizer of its own."""
+    return any((Path(path) / f).is_file() for f in VOCAB_FILES)
+
+
 def read_tokenizer(path) -> TokenizerView | None:
     """The :class:`TokenizerView` of an HF folder, or ``None`` when it holds no vocabulary file."""
     path = Path(path)
-    if not any((path / f).is_file() for f in VOCAB_FILES):
+    if not has_vocabulary(path):
         return None
     try:
         return _read(path)
@@ -170,7 +175,7 @@ def drop_tokenizer(folder: Path, side_files: dict | None = None) -> None:
 
 def _fingerprint(path: Path) -> str | None:
     """A hash of the folder's tokenizer files (``None`` without a vocabulary file)."""
-    if not any((path / f).is_file() for f in VOCAB_FILES):
+    if not has_vocabulary(path):
         return None
     h = hashlib.sha256()
     for name in TOKENIZER_FILES:
