@@ -1,5 +1,6 @@
 """mergekit's methods through ``symmerge merge``: one model with a base (slerp, task arithmetic), one model alone, an
-optional base (nuslerp), negative task weights; in memory and streamed, the same bits, equal to the method's rule on the tensors."""
+optional base (nuslerp), negative task weights; in memory and streamed, the same bits, equal to the method's rule on
+the tensors."""
 
 from __future__ import annotations
 

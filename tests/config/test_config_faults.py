@@ -275,23 +275,22 @@ def test_an_output_inside_the_adapter_of_a_config_s_base_plus_adapter_is_refused
 # ------------------------------------------------------------------ weights: read and checked where written
 
 
-@pytest.mark.parametrize("value,line,words", [
-    ("abc", 6, "models[0].parameters.weight: a number expected, got 'abc'"),
-    ("true", 6, "models[0].parameters.weight: a number expected, got True"),
-    (".nan", 6, "models[0].parameters.weight: method 'linear': parameter 'weight' must be a finite number"),
-    ("[1, .inf]", 6, "models[0].parameters.weight: method 'linear': parameter 'weight' must be a finite number"),
+@pytest.mark.parametrize("value,words", [
+    ("abc", "models[0].parameters.weight: a number expected, got 'abc'"),
+    ("true", "models[0].parameters.weight: a number expected, got True"),
+    (".nan", "models[0].parameters.weight: method 'linear': parameter 'weight' must be a finite number"),
+    ("[1, .inf]", "models[0].parameters.weight: method 'linear': parameter 'weight' must be a finite number"),
 ])
-def test_a_bad_weight_names_its_key_and_line(llamas, tmp_path, capsys, value, line, words):
+def test_a_bad_weight_names_its_key_and_line(llamas, tmp_path, capsys, value, words):
     """A weight is a finite number, read like every declared parameter: the error names the file, the weight's line
     and key. Before, 'abc' and NaN were named by the first tensor (at line 1) and ``true`` merged as 1."""
     config = tmp_path / "c.yml"
-    config.write_text(f"merge_method: linear\ndtype: float32\nmodels:\n  - model: {llamas['a']}\n"
-                      f"    parameters: {{weight: {value}}}\n  - model: {llamas['b']}\n    parameters: {{weight: 1}}\n")
-    config.write_text(config.read_text().replace(f"{{weight: {value}}}", f"\n      weight: {value}", 1))
+    config.write_text(f"merge_method: linear\ndtype: float32\nmodels:\n  - model: {llamas['a']}\n    parameters:\n"
+                      f"      weight: {value}\n  - model: {llamas['b']}\n    parameters: {{weight: 1}}\n")
     rc, _, err = run_cli(capsys, "run", config, tmp_path / "out", "--progress", "none")
     err = one_error_line(err)
     assert rc == 2
-    assert f"c.yml line {line}: {words}" in err, err  # line 6: the weight's own
+    assert f"c.yml line 6: {words}" in err, err  # line 6: the weight's own
     assert not (tmp_path / "out").exists()
 
 
