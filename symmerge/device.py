@@ -18,3 +18,26 @@ def resolve_device(device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SymmergeError("--device cuda requested but no CUDA device is available")
     return dev
+
+
+def flag_device(device, cuda_flag: str | None, default: str | None = None) -> str | None:
+    """The device of a mergekit-style command, one rule for ``run``, ``moe`` and ``extract-lora``: ``--device``
+    given is checked (a GPU asked for and absent: one error); else mergekit's ``--cuda`` / ``--gpu-rich``
+    (``cuda_flag``: the one given, or None) mean the GPU when there is one, and a warning and ``default`` (the
+    CPU) when there is none."""
+    if device is not None:
+        return str(resolve_device(device))
+    if cuda_flag is not None:
+        if torch.cuda.is_available():
+            return "cuda"
+        import sys
+
+        print(f"symmerge: warning: {cuda_flag}: no CUDA device here; running on the CPU", file=sys.stderr)
+    return default
+
+
+def cuda_flag_given(args) -> str | None:
+    """``--cuda`` or ``--gpu-rich`` when one of mergekit's GPU flags was parsed into ``args``, else None."""
+    if getattr(args, "cuda", False):
+        return "--cuda"
+    return "--gpu-rich" if getattr(args, "gpu_rich", False) else None

@@ -55,14 +55,13 @@ def _inputs(args) -> tuple[str, str, str]:
 def run(args) -> int:
     import torch
 
+    from ..device import cuda_flag_given, flag_device
     from ..io.lora import merge_cache
     from ..merge.extract_lora import ExtractOptions, extract_lora, summary_rows
     from ..progress import elapsed
 
     ft, base, out = _inputs(args)
-    device = args.device or ("cuda" if args.cuda else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SymmergeError(f"--device {device}: no CUDA device here")
+    device = flag_device(args.device, cuda_flag_given(args), default="cpu")  # one rule with run's and moe's
     if args.num_threads is not None:  # at least 1: the flag's declared range
         torch.set_num_threads(args.num_threads)
     options = ExtractOptions(rank=args.rank, distribute_scale=args.distribute_scale, embed_lora=args.embed_lora,

@@ -55,6 +55,7 @@ def _alignment_flags_given(args) -> list[str]:
 def options_of(args):
     """The :class:`~symmerge.config.moe_build.MoeOptions` of the parsed flags."""
     from ..config.moe_build import MoeOptions
+    from ..device import cuda_flag_given, flag_device
 
     if args.no_safe_serialization:
         raise SymmergeError("--no-safe-serialization: symmerge writes safetensors only")
@@ -65,9 +66,8 @@ def options_of(args):
         if given:
             raise SymmergeError(f"{', '.join(given)}: the alignment flags apply with --align only (without it the "
                                 "experts are not aligned and nothing reads them)")
-    device = args.device
-    if args.cuda or args.gpu_rich:
-        device = "cuda" if device == "cpu" else device
+    cuda_flag = cuda_flag_given(args)  # --cuda / --gpu-rich: the GPU when there is one, as in run and extract-lora
+    device = flag_device(None if cuda_flag and args.device == "cpu" else args.device, cuda_flag, default="cpu")
     if args.num_threads is not None:  # at least 1: the flag's declared range
         import torch
 

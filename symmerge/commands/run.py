@@ -45,19 +45,10 @@ def _refusals(args) -> None:
 
 def merge_device(args) -> str | None:
     """Where the merge arithmetic runs: ``--device``, or with ``--cuda`` / ``--gpu-rich`` the GPU when there is
-    one (else a warning and the CPU); None: the CPU."""
-    import torch
+    one (else a warning and the CPU); None: the CPU (:func:`symmerge.device.flag_device`)."""
+    from ..device import cuda_flag_given, flag_device
 
-    if args.device is not None:
-        from ..device import resolve_device
-
-        return str(resolve_device(args.device))
-    if args.cuda or args.gpu_rich:
-        if torch.cuda.is_available():
-            return "cuda"
-        flag = "--cuda" if args.cuda else "--gpu-rich"
-        print(f"symmerge: warning: {flag}: no CUDA device here; merging on the CPU", file=sys.stderr)
-    return None
+    return flag_device(args.device, cuda_flag_given(args))
 
 
 def progress_of(args) -> str:

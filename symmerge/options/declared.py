@@ -461,7 +461,7 @@ MOE_NO_OPS = {  # mergekit-moe's flags that change nothing here, and why (--help
     "--no-write-model-card": "no README.md (symmerge_report.json and mergekit_moe_config.yml are still written)",
     "--quiet": "no progress lines (--progress none)",
     "--copy-tokenizer": "accepted: the default",
-    "--cuda": "the hidden-state pass on the GPU (--device cuda)",
+    "--cuda": "the hidden-state pass on the GPU when there is one (without a GPU, a warning and the CPU)",
     "--gpu-rich": "as --cuda",
 }
 MOE_VALUE_NO_OPS = {
@@ -480,7 +480,6 @@ EXTRACT_NO_OPS = {  # mergekit-extract-lora's flags that change nothing here, an
     "--low-cpu-memory": ("tensors are read a pair at a time", None),
     "--read-to-gpu": ("tensors go to --device for their SVD", None),
     "--multi-gpu": ("one device", None),
-    "--gpu-rich": ("use --device cuda", None),
     "--async-write": ("the adapter is one file, written at the end", None),
     "--write-threads": ("the adapter is one file, written at the end", "N"),
     "--out-shard-size": ("a PEFT adapter is one file", "SIZE"),
@@ -559,7 +558,10 @@ OPTIONS += (
         help="seed of --svd lowrank"),
     opt("device", "--device", on=EXTRACT, part=EXTRACT, parse=device_name,
         help="where the SVDs run: cpu (default), cuda, cuda:N"),
-    opt("cuda", "--cuda", on=EXTRACT, part=EXTRACT, form="onoff", default=False, help="--device cuda"),
+    opt("cuda", "--cuda", on=EXTRACT, part=EXTRACT, form="onoff", default=False,
+        help="the SVDs on the GPU when there is one (without a GPU, a warning and the CPU)"),
+    opt("gpu_rich", "--gpu-rich", on=EXTRACT, part=EXTRACT, form="switch", default=False,
+        help="as mergekit: --cuda"),
     opt("quiet", "-q", "--quiet", on=EXTRACT, part=EXTRACT, form="onoff", default=False,
         help="no progress on stderr (as --progress none; mergekit-extract-lora's --quiet)"),
     opt("num_threads", "-j", "--num-threads", on=EXTRACT, part=EXTRACT, parse=int, minimum=1, metavar="N",
