@@ -36,33 +36,18 @@ def add_arguments(parser) -> None:
     add_part(parser.add_argument_group(TITLES[MOE_MERGEKIT]), MOE_MERGEKIT)
 
 
-def _alignment_flags_given(args) -> list[str]:
-    """The alignment flags (``--match``, ``--align-data``, ``--learn-*``, ...) set to other than their defaults;
-    ``--allow-tokenizer-mismatch`` is left out (a switch about the inputs, harmless without ``--align``)."""
-    from ..options.declared import ALIGNMENT, TABLE
-
-    seen, given = set(), []
-    for option in TABLE.options:
-        aligning = option.part == ALIGNMENT or (option.part == MOE and option.name == "symmetries")
-        if not aligning or option.name in seen or option.name == "allow_tokenizer_mismatch":
-            continue
-        seen.add(option.name)
-        if getattr(args, option.attr, option.default) != option.default:
-            given.append(option.flag)
-    return given
-
-
 def options_of(args):
     """The :class:`~symmerge.config.moe_build.MoeOptions` of the parsed flags."""
     from ..config.moe_build import MoeOptions
     from ..device import cuda_flag_given, flag_device
+    from ..options.build import unread_alignment_flags
 
     if args.no_safe_serialization:
         raise SymmergeError("--no-safe-serialization: symmerge writes safetensors only")
     if args.align_stream and not args.align:
         raise SymmergeError("--align-stream applies with --align only")
     if not args.align:
-        given = _alignment_flags_given(args)
+        given = unread_alignment_flags(args, MOE, also=("symmetries",))
         if given:
             raise SymmergeError(f"{', '.join(given)}: the alignment flags apply with --align only (without it the "
                                 "experts are not aligned and nothing reads them)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..errors import SymmergeError
 from ..pipeline.matchers import MATCHERS, matcher
 from ..pipeline.options import AlignOptions, LearnSettings
-from .declared import LEARN_FLAGS, LEARN_SWITCHES
+from .declared import ALIGNMENT, LEARN_FLAGS, LEARN_SWITCHES, TABLE
 from .parse import parse_anchor, parse_params, parse_weights
 
 
@@ -71,8 +71,31 @@ def align_options(args, symmetries, **extra) -> AlignOptions:
                         **extra)
 
 
+FRAME_OPTIONS = ("anchor", "star", "joint_rounds", "joint_refine", "no_verify")  # merge's: read by the alignment only
+
+
+def unread_alignment_flags(args, command: str, also=()) -> list[str]:
+    """The alignment options of ``command`` given other than at their defaults (``--rescale``, ``--match``,
+    ``--workers``, ...; with ``also``, more options by name): nothing reads them when nothing is aligned.
+    ``--allow-tokenizer-mismatch`` is left out: a switch about the inputs, read by every merge."""
+    given = []
+    for option in TABLE.of(command):
+        aligning = (option.part == ALIGNMENT and option.name != "allow_tokenizer_mismatch") or option.name in also
+        if aligning and getattr(args, option.attr, option.default) != option.default:
+            given.append(option.flag)
+    return given
+
+
 def merge_options(args):
-    """The :class:`~symmerge.merge.fuse.MergeOptions` the Python API takes, from the parsed options."""
+    """The :class:`~symmerge.merge.fuse.MergeOptions` the Python API takes, from the parsed options.
+    ``--align none`` with alignment options given is one error (they were accepted and dropped)."""
+    if str(args.align).strip() == "none":
+        unread = unread_alignment_flags(args, "merge", FRAME_OPTIONS)
+        if unread:
+            what = "an alignment option" if len(unread) == 1 else "alignment options"
+            raise SymmergeError(f"{', '.join(unread)}: {what}, and --align none aligns nothing, so nothing would read "
+                                f"{'it' if len(unread) == 1 else 'them'} (leave {'it' if len(unread) == 1 else 'them'} "
+                                "out, or choose what to align with --align)")
     from ..merge.fuse import MergeOptions
     from ..merge.param_values import check_param_values
     from ..merge.repair import parse_channels

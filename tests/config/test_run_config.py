@@ -84,14 +84,14 @@ def test_method_parameters_base_and_switches(vits, tmp_path, capsys):
           density: 0.5
           scale: 0.8
         align: none
-        star: true
+        allow_tokenizer_mismatch: true
         output: {tmp_path / 'ties'}
         """)
     assert run_cli("run", cfg, "--print-command") == 0
     argv = shlex.split(capsys.readouterr().out.strip())
     assert argv[argv.index("--method") + 1] == "ties" and argv[argv.index("--base") + 1] == vits[2]
     assert ["--param", "density=0.5"] == argv[argv.index("--param"):argv.index("--param") + 2]
-    assert "--star" in argv
+    assert "--allow-tokenizer-mismatch" in argv
     assert run_cli("run", cfg) == 0
     report = json.loads((tmp_path / "ties" / "symmerge_report.json").read_text())
     assert report["method"] == "ties" and report["params"]["density"] == 0.5 and report["params"]["scale"] == 0.8

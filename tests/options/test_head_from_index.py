@@ -33,8 +33,8 @@ def test_the_flag_refuses_an_index_outside_the_models_as_anchor_does(two, tmp_pa
                    "--progress", "none") == 2
     captured = capsys.readouterr()
     assert captured.err == f"symmerge: error: {line(index)}\n" and captured.out == "" and not out.exists()
-    assert run_cli("merge", *two, "-o", out, "--method", "average", "--align", "none", f"--anchor={index}",
-                   "--progress", "none") == 2  # the same shape as --anchor's line
+    assert run_cli("merge", *two, "-o", out, "--method", "average", f"--anchor={index}",
+                   "--progress", "none") == 2  # the same shape as --anchor's line (checked before any alignment)
     assert capsys.readouterr().err == f"symmerge: error: {line(index).replace('--head-from', 'anchor')}\n"
 
 
