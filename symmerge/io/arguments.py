@@ -9,6 +9,7 @@ import os
 import torch
 
 from ..errors import UsageError
+from .finite import check_finite
 
 MODEL_KINDS = "a Hugging Face model folder (str or Path) or a transformers model (torch.nn.Module)"
 
@@ -45,9 +46,13 @@ def utf8_checked(x, name: str):
 
 def model_argument(x, name: str = "model"):
     """``x`` when it is a model the library reads (:data:`MODEL_KINDS`; a path in UTF-8), else one error naming
-    ``name``."""
+    ``name``. A model given in memory is checked as a folder is when it is loaded: a NaN or Inf weight is one
+    error naming ``name`` and the tensor (it reached the solvers, which failed deep inside or carried the NaN)."""
     if not _is_model(x):
         raise UsageError(f"{name} must be {MODEL_KINDS}, got {type(x).__name__}{_hint(x)}")
+    if isinstance(x, torch.nn.Module):
+        with torch.no_grad():
+            check_finite(x.state_dict(), f"{name} (in memory)")
     return utf8_checked(x, name)
 
 

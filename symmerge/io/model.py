@@ -18,6 +18,7 @@ from ..families import spec_for
 from .output import (apply_umask, check_free_space, check_writable, claim_output, clean_stale, os_fault, output_fault,
                      refuse_output_in_inputs, release_output, temp_prefix)
 from .hf import DiskNames, check_remote_code, model_class, quiet_transformers, remote_code_allowed  # noqa: F401
+from .finite import check_finite  # noqa: F401 - read from here by the loaders, the streamed reader and moe
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SINGLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -182,16 +183,6 @@ class Header:
     metadata: dict
     size: int  # the file's bytes and modification time (ns) just before its header was read
     mtime_ns: int
-
-
-def check_finite(state_dict: dict, where: str, disk_names=None) -> None:
-    """NaN/Inf refused, naming the tensor as the checkpoint does (``disk_names``: in-memory → on-disk)."""
-    for key, t in state_dict.items():
-        # a finite sum proves every entry finite (NaN and Inf propagate) at the speed of one read; a sum
-        # that overflowed is checked entry by entry
-        if t.is_floating_point() and not torch.isfinite(t.reshape(-1).sum()) and not torch.isfinite(t).all():
-            name = (disk_names or {}).get(key, key)
-            raise SymmergeError(f"{where}: tensor {name!r} holds NaN or Inf values")
 
 
 def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool = True):
