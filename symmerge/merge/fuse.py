@@ -188,7 +188,7 @@ class MergeOptions:
         if self.repair and self.align.align_data is None:
             raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass --align-data FILE")
         channels = parse_channels(self.repair_channels)
-        statistics_data(None, self.repair_samples)  # samples >= 1
+        statistics_data(None, self.repair_samples)  # a whole number >= 1
         if check_steps(self.distill):
             DistillSettings(steps=self.distill, lr=self.distill_lr)  # refuses a bad learning rate
             if self.align.align_data is None:
@@ -209,6 +209,13 @@ class MergeOptions:
             model_argument(self.anchor, "anchor (an index into models, a folder or a model)")
         if not _is_index(self.head_from):
             raise UsageError(f"head_from must be an index into the models, got {self.head_from!r}")
+        if self.joint not in (None, True, False):  # a str or a number was taken for its truth
+            raise UsageError(f"joint must be True, False or None (the default: joint for more than two models "
+                             f"without an anchor or a base), got {self.joint!r}")
+        from .plan import MODES
+
+        if self.mode not in MODES:
+            raise SymmergeError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.params is not None and not isinstance(self.params, dict):
             raise UsageError(f"params must be a dict of the method's parameters ({{'density': 0.5}}), "
                              f"got {self.params!r}")

@@ -226,6 +226,8 @@ def statistics_data(data, samples: int | None):
     """The part of the unlabeled ``data`` REPAIR measures on: its first ``samples`` examples (None: all)."""
     from ..io.data import take
 
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int)):
+        raise SymmergeError(f"REPAIR samples must be a whole number >= 1, got {samples!r}")
     if samples is not None and samples < 1:
         raise SymmergeError(f"REPAIR samples must be >= 1, got {samples}")
     return data if samples is None or data is None else take(data, samples, limit="--repair-samples")

@@ -31,8 +31,8 @@ from .matchers import MATCHERS, MatchContext
 from .options import DEFAULT_SYMMETRIES, AlignOptions
 from .recommend import recommended, require_declared
 from .report import Distances, alignment_report
-from .verify import (ELEMENT_CHECK, in_dtype_of, owned_apart, verify_elements, verify_forward, with_state_dict,
-                     working_copies, working_note)
+from .verify import (ELEMENT_CHECK, check_runs_on, in_dtype_of, owned_apart, verify_elements, verify_forward,
+                     with_state_dict, working_copies, working_note)
 
 
 def _load(x, allow_pickle: bool, progress: bool):
@@ -74,7 +74,8 @@ _GROUP_NAMES = {"orthogonal": "O(d) (RMSNorm, norms folded)",
 class Alignment:
     """The result of :func:`align_pair`: the aligned model, the anchor in the same parameterisation
     (its norms folded when the aligned model's are), the report, the solved elements, their instances and
-    the bound model."""
+    the bound model. ``anchor`` is a new model when its norms were folded (or it was untied or cast to float32);
+    otherwise it is the anchor given, the caller's own object (not a copy: an in-place edit of it edits both)."""
 
     model: object
     anchor: object
@@ -144,6 +145,7 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
                      for x in (model if loaded is None else loaded, anchor))
     model, anchor, adapted = adapt_pair(model, anchor)  # a base model and a fine-tune of its task class
     check_compatible(model, anchor)
+    check_runs_on(model, inputs)
     stored, anchor_stored = model, anchor  # the models in their own dtypes: the results are cast back to them
     model, anchor = working_copies([model, anchor])
     start = time.perf_counter()

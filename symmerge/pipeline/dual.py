@@ -56,7 +56,7 @@ from .learn import (Checks, Parameters, budget_spent, cosine_adam, head_forward,
                     shuffled)
 from .mixture import check_points, mixture_weights  # check_points(2): the pairwise checks α = ½, ¾, ¼
 from .options import DIRICHLET_AUTO
-from .verify import in_dtype_of, verify_elements, verify_forward, with_state_dict, working_copies
+from .verify import check_runs_on, in_dtype_of, verify_elements, verify_forward, with_state_dict, working_copies
 
 
 def stream_folds(instances) -> tuple:
@@ -306,6 +306,7 @@ def align_dual(model, anchor, options, inputs: dict | None = None, progress=None
     if isinstance(model, (str, Path)):
         check_pipelines([(str(model), model)])
     stored = [load(x, allow_pickle, progress is not None) for x in (model, anchor)]
+    check_runs_on(stored[0], inputs)
     model, anchor = working_copies(stored)  # half or mixed dtypes: learned and verified in float32
     # the start: the closed form A onto B, or (``FROM_ONE_SIDED``, an experiment of benchmarks/dual_learned.py)
     # the whole one-sided learned alignment, which the dual loop then refines

@@ -80,6 +80,8 @@ def _layers(value) -> tuple[int, ...] | None:
         out = None
     if out is None or isinstance(value, bool) or not all(isinstance(i, int) and not isinstance(i, bool) for i in out):
         raise UsageError(f"layers must be layer indices (an int, '0,2' or a list of ints), got {value!r}")
+    if not out:  # as --layers "": an empty list aligned the model-wide groups only
+        raise UsageError(f"layers {value!r} names no layer; leave it out (None) to align every layer")
     return out
 
 
@@ -209,18 +211,22 @@ class LearnSettings:
         if not grid or not all(_is_number(c) and c > 0 for c in grid):
             raise SymmergeError(f"dirichlet_grid must be concentrations > 0, got {self.dirichlet_grid!r}")
         object.__setattr__(self, "dirichlet_grid", tuple(float(c) for c in grid))
-        if self.dirichlet_steps < 0 or not 0.0 < self.dirichlet_holdout < 1.0:
+        if (_is_number(self.dirichlet_steps) and self.dirichlet_steps < 0) or \
+                not (_is_number(self.dirichlet_holdout) and 0.0 < self.dirichlet_holdout < 1.0):
             raise SymmergeError(f"learned alignment needs dirichlet_steps >= 0 and dirichlet_holdout in (0, 1), got "
                                 f"{self.dirichlet_steps}, {self.dirichlet_holdout}")
         for name in ("steps", "batch", "positions", "max_length", "check_batches", "augment"):  # the flags' ranges
             check_range(f"learn_{name}", getattr(self, name))
-        if not self.lr > 0:
+        if not (_is_number(self.lr) and self.lr > 0):
             raise SymmergeError(f"learned alignment needs lr > 0, got {self.lr}")
         self._check_counts()
+        if not (_is_number(self.alpha_low) and _is_number(self.alpha_high)):
+            raise SymmergeError(f"--learn-alpha-low/--learn-alpha-high must be numbers in [0, 1], got "
+                                f"{self.alpha_low!r} and {self.alpha_high!r}")
         if not 0.0 <= self.alpha_low <= self.alpha_high <= 1.0:  # low = high: every step at that one α
             raise SymmergeError(f"--learn-alpha-low/--learn-alpha-high: the learned alignment's α range must satisfy "
                                 f"0 <= low <= high <= 1, got {self.alpha_low:g} and {self.alpha_high:g}")
-        if not 0.0 <= self.holdout < 1.0:
+        if not (_is_number(self.holdout) and 0.0 <= self.holdout < 1.0):
             raise SymmergeError(f"holdout fraction must be in [0, 1), got {self.holdout}")
 
     def _check_counts(self) -> None:
@@ -306,7 +312,7 @@ class AlignOptions:
         if not isinstance(self.learn, LearnSettings):
             raise UsageError(f"learn must be a LearnSettings (symmerge.LearnSettings(steps=...)), got "
                              f"{type(self.learn).__name__}")
-        if not 0.0 <= self.descent_tol < 1.0:
+        if not (_is_number(self.descent_tol) and 0.0 <= self.descent_tol < 1.0):
             raise SymmergeError(f"descent_tol must be in [0, 1), got {self.descent_tol}")
         check_range("max_sweeps", self.max_sweeps)
         if self.restarts is not None and (isinstance(self.restarts, bool) or not isinstance(self.restarts, int)

@@ -55,6 +55,23 @@ def _outputs(model, inputs, names: tuple[str, ...] = ()) -> list[torch.Tensor]:
     return [v for v in values if torch.is_tensor(v) and v.is_floating_point()]
 
 
+def check_runs_on(model, inputs: dict | None) -> None:
+    """The caller's verification ``inputs`` (None: made for the model) tried on ``model`` before any work: inputs
+    the model does not take (keys, shapes, token ids beyond the vocabulary) are one :class:`UsageError` rather than
+    transformers' or torch's own traceback after the alignment."""
+    if inputs is None:
+        return
+    from ..errors import UsageError
+
+    device = next(model.parameters()).device
+    try:
+        _outputs(model.eval(), {k: v.to(device) for k, v in inputs.items()})
+    except Exception as e:  # noqa: BLE001 - whatever the forward raises on them is the inputs' fault here
+        raise UsageError(f"inputs: the model does not run on them ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                         "give the model's forward keywords, e.g. {'input_ids': ids} with ids below its vocabulary "
+                         "size, or leave inputs out (made for the model)") from None
+
+
 def with_state_dict(model, state_dict: dict, share: bool = False):
     """A copy of ``model`` holding ``state_dict`` (the original is left untouched).
 

@@ -253,3 +253,65 @@ def test_the_library_takes_the_flags_minima(options, flag):
     with pytest.raises(SymmergeError, match=f"{flag} must be >= 1"):
         options()
     symmerge.MergeOptions(method="average", max_length=None, max_examples=None).check(2)
+
+
+def test_a_model_in_memory_with_nan_or_inf_is_one_error_as_a_folder_is(pair, tmp_path):
+    """A folder holding NaN is refused when it is loaded; the same model given in memory reached the solvers: lapjv's
+    "cost matrix is infeasible", an SVD that did not converge, or (``symmetries='attn'``, ``ties``) a result that
+    carried or dropped the NaN in silence. Now one error naming the argument and the tensor, the caller's model
+    untouched."""
+    import copy
+
+    a, b = pair
+    for bad in (float("nan"), float("inf")):
+        poisoned = copy.deepcopy(a)
+        with torch.no_grad():
+            poisoned.model.layers[0].mlp.up_proj.weight[0, 0] = bad
+        kept = poisoned.state_dict()["model.layers.0.mlp.up_proj.weight"].clone()
+        tensor = r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight' holds NaN or Inf values"
+        for call, name in ((lambda: symmerge.align(poisoned, b, progress=False), "model"),
+                           (lambda: symmerge.align(poisoned, b, symmetries="attn", progress=False), "model"),
+                           (lambda: symmerge.align_pair(b, poisoned), "anchor"),
+                           (lambda: symmerge.align_to_folder(poisoned, b, tmp_path / "out"), "model"),
+                           (lambda: symmerge.merge_models([b, poisoned], "ties", base=a), r"models\[1\]"),
+                           (lambda: symmerge.merge_models([a, b], "task_arithmetic", base=poisoned), "base"),
+                           (lambda: symmerge.merge([poisoned, b], tmp_path / "out"), r"models\[0\]"),
+                           (lambda: symmerge.barrier_study(a, poisoned, "x.npz"), "model_b")):
+            with pytest.raises(SymmergeError, match=rf"^{name} \(in memory\): {tensor}"):
+                call()
+        assert not (tmp_path / "out").exists()
+        after = poisoned.state_dict()["model.layers.0.mlp.up_proj.weight"]
+        assert torch.allclose(after, kept, rtol=0, atol=0, equal_nan=True)  # the caller's model as it was
+
+
+@pytest.mark.parametrize("inputs, raised", [({"pixel_values": torch.zeros(1, 3, 16, 16)}, "ValueError"),
+                                            ({"input_ids": torch.tensor([[500, 1]])}, "IndexError")])
+def test_verification_inputs_the_model_does_not_take_are_one_error_before_the_alignment(pair, inputs, raised):
+    """They ran only in the verification, after the whole alignment, and raised transformers' or torch's own
+    error 20 frames deep."""
+    a, b = pair
+    for call in (lambda: symmerge.align(a, b, inputs=inputs, progress=False), lambda: symmerge.align_pair(a, b,
+                                                                                                         inputs=inputs)):
+        with pytest.raises(UsageError, match=rf"^inputs: the model does not run on them \({raised}: "):
+            call()
+    _, report = symmerge.align(a, b, inputs={"input_ids": torch.tensor([[5, 1, 7]])}, progress=False)
+    assert report["verify_max_rel_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: symmerge.LearnSettings(lr="x"), r"lr > 0, got x"),
+    (lambda: symmerge.LearnSettings(dirichlet_holdout="x"), r"dirichlet_holdout in \(0, 1\), got 0, x"),
+    (lambda: symmerge.LearnSettings(alpha_low="x"), r"--learn-alpha-low/--learn-alpha-high must be numbers"),
+    (lambda: symmerge.LearnSettings(holdout="x"), r"holdout fraction must be in \[0, 1\), got x"),
+    (lambda: symmerge.AlignOptions(descent_tol="x"), r"descent_tol must be in \[0, 1\), got x"),
+    (lambda: symmerge.AlignOptions(layers=[]), r"layers \[\] names no layer; leave it out"),
+    (lambda: symmerge.MergeOptions(joint="x").check(2), r"joint must be True, False or None"),
+    (lambda: symmerge.MergeOptions(mode="x").check(2), r"unknown mode 'x'; choose one of auto, stream, memory"),
+    (lambda: symmerge.MergeOptions(repair_samples="x").check(2), r"REPAIR samples must be a whole number >= 1"),
+])
+def test_a_value_of_the_wrong_type_is_one_error_not_a_comparison_s_type_error(make, message):
+    """``'<=' not supported between 'float' and 'str'`` came out of the options' range checks; a str ``joint`` was
+    taken for its truth, a bad ``mode`` merged in memory, and ``layers=[]`` aligned the model-wide groups only
+    (``--layers ""`` is refused)."""
+    with pytest.raises(SymmergeError, match=message):
+        make()
