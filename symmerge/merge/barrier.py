@@ -231,6 +231,19 @@ def _variants(plan: BarrierPlan, base: AlignOptions) -> dict:
     return {arm.name: base.with_(symmetries=arm.symmetries) if arm.plan is not None else None for arm in plan.arms}
 
 
+def _star_anchor(models, names) -> int:
+    """The index of the joint alignment's first anchor by merge's rule for N models (the model closest to the plain
+    average, :func:`symmerge.merge.fuse.choose_anchor`): the frame of ``merge M1 M2 M3`` (it was model 0 here, so the
+    N-way aligned average this study scored was not the model ``merge`` writes)."""
+    from .fuse import choose_anchor
+    from .heads import head_keys
+
+    heads = set(head_keys(models[0]))
+    body = [k for k in models[0].state_dict() if k not in heads]
+    _, info = choose_anchor(models, names, body, None, None, None)
+    return info["index"]
+
+
 @keeps_models
 def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """Interpolation curves and barriers of A and B on ``data``, for no alignment and each variant of
@@ -438,6 +451,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
     for x in loaded:
         x.to("cpu")
     n = len(loaded)
+    star = _star_anchor(loaded, names) if any(opts is not None for opts in variants.values()) else None
     for v, opts in variants.items():
         t = time.perf_counter()
         info: dict = {}
@@ -445,8 +459,8 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
             frames = loaded
         else:
             with stage(f"aligned {n} models jointly ({v})", enabled=progress):
-                joint = align_joint(loaded, opts, names=names, max_rounds=joint_rounds, progress=progress,
-                                    **({} if joint_refine is None else {"refine": joint_refine}))
+                joint = align_joint(loaded, opts, anchor=star, names=names, max_rounds=joint_rounds,
+                                    progress=progress, **({} if joint_refine is None else {"refine": joint_refine}))
             frames = joint.models
             info = {"joint": {k: val for k, val in joint.report.items() if k != "models"},
                     "verify_max_rel_diff": max((m["verify_max_rel_diff"] or 0.0) for m in joint.report["models"])}

@@ -159,7 +159,7 @@ def test_barrier_of_three_models_matrix_average_and_ensemble(tmp_path, br_npz):
     from symmerge.pipeline.options import AlignOptions
     from symmerge.pipeline.verify import with_state_dict
 
-    folders = [str(vit_folder(tmp_path / f"v{s}", s)) for s in range(3)]
+    folders = [str(vit_folder(tmp_path / f"v{s}", s)) for s in (1, 2, 0)]  # the one closest to the average last
     out = tmp_path / "b3"
     assert run_cli("barrier", *folders, "--data", br_npz, "--align", "attn,ffn", "--points", "3", "-o", out) == 0
     assert (out / "barrier.png").stat().st_size > 0
@@ -177,7 +177,16 @@ def test_barrier_of_three_models_matrix_average_and_ensemble(tmp_path, br_npz):
     assert r["ensemble"]["accuracy"] == pytest.approx((probs.argmax(-1) == y).double().mean().item())
     for name, m in zip(folders, models):
         assert r["endpoints"][name]["loss"] == pytest.approx(npz_eval(m, br_npz)[0], abs=1e-5)
-    joint = align_joint(models, AlignOptions(symmetries="attn,ffn"))
+    # the frame of `merge` with the same models and options (the star's anchor closest to the average; the study
+    # started from model 0, so its aligned N-way average was not the model merge writes)
+    assert run_cli("merge", *folders, "--method", "average", "--align", "attn,ffn", "--heads", "merge",
+                   "--progress", "none", "-o", tmp_path / "merged") == 0
+    anchor = json.loads((tmp_path / "merged" / "symmerge_report.json").read_text())["alignment"]["anchor"]
+    assert anchor["rule"].startswith("closest to the average") and anchor["index"] != 0, anchor
+    assert r["variants"]["attn,ffn"]["joint"]["anchor_index"] == anchor["index"]
+    merged_loss, merged_acc = npz_eval(load_model(tmp_path / "merged"), br_npz)
+    assert r["variants"]["attn,ffn"]["average"]["loss"] == pytest.approx(merged_loss, abs=1e-5)
+    joint = align_joint(models, AlignOptions(symmetries="attn,ffn"), anchor=anchor["index"])
     for v, frames in (("none", models), ("attn,ffn", joint.models)):
         res = r["variants"][v]
         m = res["barrier_matrix"]
