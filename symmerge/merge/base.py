@@ -426,23 +426,26 @@ def merge_tensor(method: Method, key: str, tensors, weights, stats, base, params
     ref = tensors[0] if base is None else base
     if not ref.is_floating_point():
         return ref.clone()
+    # held in the dtype the rule computes in: a config's ``dtype`` (mergekit holds its result there until
+    # ``out_dtype``; bfloat16 inputs merged at ``dtype: float32`` were rounded back to bfloat16), else the inputs'
+    held = method.computes_in if method.computes_in is not None else ref.dtype
     whole = method.whole_tensor is not None and method.whole_tensor(params)
-    nbytes = ref.numel() * ref.element_size()
+    nbytes = ref.numel() * torch.empty((), dtype=held).element_size()
     if out is not None and out.dtype == torch.uint8 and out.numel() >= nbytes:
-        out = out[:nbytes].view(ref.dtype).view(ref.shape)
+        out = out[:nbytes].view(held).view(ref.shape)
     else:
         out = None
     if not method.elementwise or stats is not None or whole:
         # a whole-tensor rule: its fused kernel into ``out`` (the bits of its ``tensor``), else ``tensor``
         if stats is None and method.fused_into is not None:
-            target = out if out is not None else torch.empty(ref.shape, dtype=ref.dtype)
+            target = out if out is not None else torch.empty(ref.shape, dtype=held)
             if method.fused_into(key, tensors, weights, base, params, context, target):
                 return target
-        return method.tensor(key, tensors, weights, stats, base, params, context).to(ref.dtype)
+        return method.tensor(key, tensors, weights, stats, base, params, context).to(held)
     if method.tensor_context is not None:
         context = method.tensor_context(key, tensors, base, weights, params, context)
     if out is None:
-        out = torch.empty(ref.shape, dtype=ref.dtype)
+        out = torch.empty(ref.shape, dtype=held)
     if method.fused_into is not None and method.fused_into(key, tensors, weights, base, params, context, out):
         return out  # one fused pass (numba), the same bits as the chunks below
     flat_out = out.view(-1)
