@@ -148,6 +148,11 @@ class Heads(Kind):
     def _solve(self, inst, siblings, sd_a, sd_b, opts) -> HeadPerm:
         G = inst.blocks
         rep = max(s.repeat for s in inst.slots)
+        if not siblings:  # GQA heads with no coupled group bound beside them (heads without attn, streamed): the
+            # plain distance over the members, each group's query heads kept in their order (summing no cost
+            # gave 0, and the assignment failed on it)
+            kv = match_permutation(-_block_distances(inst, inst.slots, sd_a, sd_b))
+            return HeadPerm(kv, torch.cat([kv[j] * rep + torch.arange(rep) for j in range(G)]))
         sub = None
         if rep > 1:  # GQA: pair the query heads inside every candidate pair of KV groups
             sub = self._query_pairing(inst, siblings, sd_a, sd_b, opts, rep)  # (G, G, rep)

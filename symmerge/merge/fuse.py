@@ -29,7 +29,7 @@ from ..io.data import Data, check_data, check_data_path, has_labels, load_data
 from ..io.arguments import keeps_models, model_argument, models_argument
 from ..io.reader import load_model
 from ..io.prefix import adapt_models, merge_anchor_entry, not_merged
-from ..io.sentence_transformers import check_pipelines, output_reader
+from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.bound import bind
@@ -38,7 +38,7 @@ from ..option_ranges import check as check_range, in_range, model_index
 from ..pipeline.distill import DistillSettings, check_steps, distill
 from ..pipeline.joint import align_joint
 from ..pipeline.options import JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
-from ..pipeline.recommend import moves_heads_input, moving, recommended
+from ..pipeline.recommend import frame_readers, held_symmetries, moves_heads_input, moving, recommended
 from ..pipeline.report import match_fields
 from ..progress import line, stage, stage_printer
 from ..pipeline.verify import with_state_dict
@@ -321,7 +321,7 @@ def choose_anchor(models, names, body, anchor, base_model, base_name, allow_pick
 
 
 def resolve_alignment(targets, anchor_model, options: AlignOptions,
-                      output_reader: str | None = None) -> tuple[AlignOptions, str | None]:
+                      output_reader: str | None = None, held: dict | None = None) -> tuple[AlignOptions, str | None]:
     """The options every model is aligned with, and a note when 'recommended' had to leave a group out: the
     facts of these models handed to the one rule (:func:`symmerge.pipeline.recommend.recommended`) — the groups
     the anchor binds (the models share its body), the heads of every target checked against the anchor's, what
@@ -333,7 +333,8 @@ def resolve_alignment(targets, anchor_model, options: AlignOptions,
 
     available = (bind(anchor_model, options.layers, options.residual).symmetries if options.recommended
                  else None)
-    return recommended(options, available=available, heads_check=heads_check, output_reader=output_reader)
+    return recommended(options, available=available, heads_check=heads_check, output_reader=output_reader,
+                       held=held)
 
 
 def align_all(targets, anchor_model, body, options: AlignOptions, progress: bool = False):
@@ -581,7 +582,8 @@ def _align(ld: Loaded) -> Aligned:
     anchor_adapted = [alignment["anchor"]["base_adapted"]] if "base_adapted" in alignment["anchor"] else []
     targets = list(zip(ld.names, ld.models)) + ([(ld.base_name, ld.base_model)] if ld.base_model is not None else [])
     align_opts, note = resolve_alignment(targets, anchor_model, plan.align.with_(align_data=opts.align.align_data),
-                                         output_reader(ld.embedding))
+                                         frame_readers(ld.embedding, anchor_model.config),
+                                         held_symmetries(anchor_model.config))
     alignment.update(symmetries=list(align_opts.symmetries), rescale=align_opts.effective_rescale)
     if note:
         alignment["note"] = note

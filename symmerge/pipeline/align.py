@@ -19,7 +19,7 @@ from ..errors import SymmergeError, UsageError
 from ..io.arguments import flag_arguments, keeps_models, model_argument
 from ..io.reader import load_model
 from ..io.prefix import adapt_pair
-from ..io.sentence_transformers import check_pipelines, output_reader
+from ..io.sentence_transformers import check_pipelines
 from ..io.tokenizers import check_tokenizers
 from ..progress import running, stage, stage_printer
 from .align_steps import execute_steps
@@ -29,7 +29,7 @@ from .bound import as_model, bind, instances_for, untied  # noqa: F401  (re-expo
 from .data import load_align_data  # noqa: F401  (re-exported)
 from .matchers import MATCHERS, MatchContext
 from .options import DEFAULT_SYMMETRIES, AlignOptions
-from .recommend import recommended, require_declared
+from .recommend import model_facts, recommended, require_declared
 from .report import Distances, alignment_report
 from .verify import (ELEMENT_CHECK, check_runs_on, in_dtype_of, owned_apart, verify_elements, verify_forward,
                      with_state_dict, working_copies, working_note)
@@ -157,7 +157,7 @@ def _align_onto(model, anchor, options: AlignOptions, inputs, progress, allow_pi
     require_declared(spec, options)  # a symmetry the family does not declare: one error, not aligned silently
     requested = options.requested
     options, embedding_note = recommended(options, available=[i.group.symmetry for i in instances], spec=spec,
-                                          output_reader=output_reader(embedding))
+                                          **model_facts(embedding, model.config))
     # cost GEMMs on ``options.device`` (default cpu: where the tensors are)
     gemm_device = None if options.device in (None, "cpu") else resolve_device(options.device)
     sd_a, sd_b = model.state_dict(), anchor.state_dict()

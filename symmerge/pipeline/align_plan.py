@@ -215,9 +215,9 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     ``options``; ``stream``: layer by layer (``pipeline``: pipelined), whose groups are the per-layer ones.
     ``checkpoints``: the folders' (model, anchor) LazyCheckpoints already read and adapted to each other."""
     from ..families import spec_for
-    from ..io.sentence_transformers import check_pipelines, output_reader
+    from ..io.sentence_transformers import check_pipelines
     from .engine import active
-    from .recommend import recommended, require_declared
+    from .recommend import model_facts, recommended, require_declared
 
     options = AlignOptions.of(options)
     names = _name(model, "model"), _name(anchor, "anchor")
@@ -240,7 +240,7 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     embedding = check_pipelines([(names[0], model)]) if isinstance(model, (str, Path)) else None
     asked = options.recommended
     resolved, note = recommended(options, available=[i.group.symmetry for i in instances], spec=spec,
-                                 output_reader=output_reader(embedding), streamed=stream)
+                                 streamed=stream, **model_facts(embedding, ckpt.hf_config))
     solved = active(instances, resolved.solver_options())
     if stream:
         solved = per_layer_only(solved, asked)

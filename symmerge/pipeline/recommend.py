@@ -77,9 +77,43 @@ def model_wide(kind) -> bool:
     return not kind.per_layer
 
 
+CROSS_ATTENTION = ("its cross-attention layers (add_cross_attention=True) read and write the residual stream, and no "
+                   "group of its family transforms them: a residual transform would change what they compute")
+
+
+CLIP_QKV = ("its queries, keys and values are clipped elementwise (clip_qkv), and a clip does not commute with the "
+            "per-head rotations and scales: the attn and rescale symmetries would change what the attention computes")
+
+
+def held_symmetries(config) -> dict:
+    """``{symmetry: why}``: the symmetries a model's own settings keep from being function-preserving (OLMo/OLMoE's
+    ``clip_qkv``: attn and rescale), read by :func:`recommended` (left out of 'recommended' with a note; named
+    explicitly, one error). They were aligned, and a streamed alignment (no forward check) wrote a model that
+    computed another function."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    return {"attn": CLIP_QKV, "rescale": CLIP_QKV} if get("clip_qkv", None) is not None else {}
+
+
+def model_facts(embedding: dict | None, config) -> dict:
+    """The keywords of :func:`recommended` a model's own settings give: ``output_reader`` and ``held``."""
+    return {"output_reader": frame_readers(embedding, config), "held": held_symmetries(config)}
+
+
+def frame_readers(embedding: dict | None, config) -> str | None:
+    """Why the residual stream's frame must stay (the ``output_reader`` :func:`recommended` reads), or None: a
+    sentence-transformers pipeline reading the output (:func:`symmerge.io.sentence_transformers.output_reader`),
+    or a decoder's cross-attention (GPT-2, BERT with ``add_cross_attention``), whose tensors no family declares
+    (they were copied unchanged while the stream moved, and the verification's inputs have no encoder states)."""
+    from ..io.sentence_transformers import output_reader
+
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    cross = bool(get("add_cross_attention", False)) and not get("is_encoder_decoder", False)
+    return "; ".join(r for r in (output_reader(embedding), CROSS_ATTENTION if cross else None) if r) or None
+
+
 def recommended(align: AlignOptions, *, model_type: str | None = None, base_given: bool = False, available=None,
                 spec=None, heads_check: Callable[[str], None] | None = None, output_reader: str | None = None,
-                streamed: bool = False) -> tuple[AlignOptions, str | None]:
+                streamed: bool = False, held: dict | None = None) -> tuple[AlignOptions, str | None]:
     """``(options, note)``: what ``align`` resolves to given the facts the caller knows (see the module's
     table; a fact left at its default is not checked), with a note when 'recommended' was narrowed.
 
@@ -88,7 +122,8 @@ def recommended(align: AlignOptions, *, model_type: str | None = None, base_give
     family's :class:`~symmerge.core.spec.Spec` (an explicitly named group it lacks is then an error);
     ``heads_check(why)``: raises :class:`SymmergeError` (carrying ``why``) when the heads of the models differ;
     ``output_reader``: why the model's output frame must stay (what reads it), or None; ``streamed``: aligned
-    one layer at a time."""
+    one layer at a time; ``held``: ``{symmetry: why}`` the model's settings keep from being exact
+    (:func:`held_symmetries`)."""
     asked = align.recommended
     notes = []
     if model_type is not None:
@@ -112,6 +147,12 @@ def recommended(align: AlignOptions, *, model_type: str | None = None, base_give
             raise SymmergeError(f"the {names[0]} symmetry cannot be aligned here: {output_reader}; leave {names[0]} "
                                 "out")
         align, note = _left_out(align, names, output_reader)
+        notes.append(note)
+    if held and (names := [n for n in align.symmetries if n in held]):
+        if not asked:
+            raise SymmergeError(f"the {names[0]} symmetry cannot be aligned here: {held[names[0]]}; leave "
+                                f"{', '.join(names)} out")
+        align, note = _left_out(align, names, held[names[0]])
         notes.append(note)
     if streamed and (names := moving(align, model_wide)):
         if not asked:

@@ -40,6 +40,11 @@ def sample_inputs(model, spec: Spec, batch: int = 2, length: int = 16, seed: int
         out.update(input_ids=ids, attention_mask=mask)
         if "decoder_input_ids" in takes and getattr(cfg, "is_encoder_decoder", False):
             out["decoder_input_ids"] = torch.randint(0, text.vocab_size, (batch, length // 2), generator=g)
+        if "encoder_hidden_states" in takes and getattr(cfg, "add_cross_attention", False):
+            # a decoder with cross-attention (GPT-2, BERT): compared with encoder states too, or the verification
+            # never runs the cross-attention tensors (an alignment that moved the stream past them passed)
+            width = getattr(text, "hidden_size", None) or getattr(text, "n_embd")
+            out["encoder_hidden_states"] = torch.randn(batch, length // 2 + 1, width, generator=g)
     return out
 
 
