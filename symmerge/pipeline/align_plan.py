@@ -229,18 +229,19 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
         loaded = as_model(model, allow_pickle)
         bound = bind(untied(loaded) if options.untie else loaded, options.layers, options.residual)
         spec, instances, keys = bound.spec, bound.instances, list(loaded.state_dict())
-        model_type = loaded.config.model_type
+        model_type, hf_config = loaded.config.model_type, loaded.config
     else:
         _check_pair(*pair)
         ckpt = pair[0]
         model_type = type(ckpt.hf_config).model_type  # the config class's, as transformers builds the model
+        hf_config = ckpt.hf_config
         spec = streamed_spec(model_type) if stream else spec_for(model_type)
         instances, keys = _bind_headers(ckpt, spec, options, stream)
     require_declared(spec, options)
     embedding = check_pipelines([(names[0], model)]) if isinstance(model, (str, Path)) else None
     asked = options.recommended
     resolved, note = recommended(options, available=[i.group.symmetry for i in instances], spec=spec,
-                                 streamed=stream, **model_facts(embedding, ckpt.hf_config))
+                                 streamed=stream, **model_facts(embedding, hf_config))
     solved = active(instances, resolved.solver_options())
     if stream:
         solved = per_layer_only(solved, asked)
