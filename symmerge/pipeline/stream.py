@@ -57,7 +57,7 @@ from .align_plan import per_layer_only, plan_align, plan_report, streamed_spec
 from .options import AlignOptions
 from .recommend import recommended
 from .report import Distances, alignment_report
-from .verify import ELEMENT_CHECK, copies_entry, verify_elements
+from .verify import ELEMENT_CHECK, copies_entry, out_of_range, verify_elements
 
 DEFAULT_SHARD = "1GB"
 MIN_LOW_MEMORY_SHARD = 64 * 2 ** 20  # low-memory mode: shards of about one layer, not smaller than this
@@ -175,6 +175,8 @@ class _Job:
             if exact is not None:
                 exact.update(self.ckpt_a.to_disk(k, _float32(new)))
             new = new.to(sd_a[k].dtype)  # the one rounding
+            if new.is_floating_point() and not torch.isfinite(new).all():  # past float16's range, say
+                raise SymmergeError(out_of_range(self.ckpt_a.disk_name[k], new.dtype))
             before, after = (sq_distance(x, sd_b, [k]) for x in (sd_a, {k: new}))  # of what is written, as in memory
             with self.lock:
                 self.distances.add(k, before, after)

@@ -174,8 +174,23 @@ def working_copies(models) -> list:
 
 
 def in_dtype_of(result, stored):
-    """``result`` (solved on a :func:`working_copies` copy of ``stored``) in ``stored``'s dtype, rounded once."""
-    return result if _dtype(result) == _dtype(stored) else result.to(_dtype(stored))
+    """``result`` (solved on a :func:`working_copies` copy of ``stored``) in ``stored``'s dtype, rounded once; a value
+    the alignment moved past that dtype's range (float16's 65504) is one error, not an Inf written in silence."""
+    if _dtype(result) == _dtype(stored):
+        return result
+    rounded = result.to(_dtype(stored))
+    with torch.no_grad():
+        for name, t in rounded.state_dict().items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise SymmergeError(out_of_range(name, _dtype(stored)))
+    return rounded
+
+
+def out_of_range(name: str, dtype) -> str:
+    """The one line of an aligned tensor that does not fit in its model's stored ``dtype``."""
+    kind = str(dtype).removeprefix("torch.")
+    return (f"{name}: the aligned tensor does not fit in {kind} (a value past its range would be written as Inf): "
+            f"the alignment's rotations and scales moved it there; align a float32 copy of the checkpoint")
 
 
 def working_note(stored, work) -> dict | None:
