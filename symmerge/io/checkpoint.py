@@ -22,12 +22,9 @@ from .hf import (DiskNames, attention_heads, disk_to_memory, disk_to_memory_name
                  model_class, quiet_transformers)
 from .shapes import (check_complete, check_config_counts, check_dtypes, check_shapes, expected_tensors,
                      refuse_incomplete)
-from .model import SAFE_INDEX, SAFE_SINGLE, check_finite, read_config, safetensors_headers, weight_files
+from .model import (SAFE_INDEX, SAFE_SINGLE, SAFETENSORS_DTYPES, check_finite, read_config,
+                    safetensors_headers, weight_files)
 
-# safetensors dtype codes (a header's "dtype") and the torch dtypes they store; `PlannedWriter` writes the reverse
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def parse_size(value) -> int:

@@ -193,8 +193,9 @@ def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool
     path = Path(path)
     config = read_config(path, spec=spec)
     files, safe = weight_files(path, allow_pickle)
+    dtype = "auto"
     if safe:
-        check_safetensors(files)
+        dtype = stored_dtype(safetensors_headers(files)) or "auto"
         if not config.get("architectures"):
             from .architecture import infer_architecture
 
@@ -202,7 +203,7 @@ def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool
     try:
         with quiet_transformers():
             model, info = model_class(config).from_pretrained(
-                str(path), use_safetensors=safe, local_files_only=True, dtype="auto", output_loading_info=True,
+                str(path), use_safetensors=safe, local_files_only=True, dtype=dtype, output_loading_info=True,
                 trust_remote_code=remote_code_allowed(),
             )
     except SymmergeError:
@@ -212,6 +213,40 @@ def load_model(path, allow_pickle: bool = False, device: str = "cpu", spec: bool
     check_loading_info(path, model, info)
     check_finite(model.state_dict(), str(path), DiskNames(model))
     return model.to(device).eval()
+
+
+# safetensors dtype codes (a header's "dtype") and the torch dtypes they store; `PlannedWriter` writes the reverse
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def stored_dtype(headers: dict):
+    """The one floating dtype every floating tensor of a checkpoint is stored in (``headers``:
+    :func:`safetensors_headers`), else None. The model is loaded in it: config.json's ``dtype`` can be stale (a
+    checkpoint converted to bfloat16 by a script that left ``float32`` there), and transformers' ``dtype="auto"``
+    then casts every tensor to the config's dtype, so a merge in memory wrote float32 where the streamed merge,
+    which reads the tensors as stored, wrote bfloat16."""
+    found = {SAFETENSORS_DTYPES.get(code) for h in headers.values() for code, _ in h.tensors.values()}
+    floating = {d for d in found if d is not None and d.is_floating_point}
+    return floating.pop() if len(floating) == 1 else None
+
+
+def written_dtype(text: str, dtypes) -> str:
+    """config.json ``text`` naming the floating dtype its tensors are written in (``dtypes``: the output's): its
+    ``dtype`` (and transformers 4's ``torch_dtype``) rewritten when every floating tensor is written in one dtype
+    and the config names another (a stale config: the tensors were stored in bfloat16 under ``float32``), else
+    ``text`` as it is."""
+    floating = {d for d in dtypes if d.is_floating_point}
+    if len(floating) != 1:
+        return text
+    name = str(floating.pop()).removeprefix("torch.")
+    config = json.loads(text)
+    keys = [k for k in ("dtype", "torch_dtype") if isinstance(config.get(k), str) and config[k] != name]
+    if not keys:
+        return text
+    config.update({k: name for k in keys})
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
 def check_loading_info(path, model, info: dict) -> None:

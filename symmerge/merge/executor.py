@@ -34,7 +34,7 @@ from ..core.parallel import put_until_stopped
 from ..errors import SymmergeError
 from ..io import direct
 from ..io.checkpoint import LazyCheckpoint, PlannedWriter, parse_size
-from ..io.model import atomic_dir, copy_side_files
+from ..io.model import atomic_dir, copy_side_files, written_dtype
 from ..io.output import check_free_space
 from ..progress import bar, stage
 from .base import merge_tensor
@@ -633,7 +633,7 @@ def execute_steps(inputs, steps, method, out, output: OutputFolder = OutputFolde
             text = config
         else:
             text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-        (tmp / "config.json").write_text(text)
+        (tmp / "config.json").write_text(written_dtype(text, {dt for _, dt, _ in ex.plan()}))
         facts["side_files"] = (copy_side_files(Path(side_files_from), tmp, output.side_report, merge_pipeline_modules)
                                if side_files_from is not None else {"copied": [], "left_out": []})
         if output.finish is not None:

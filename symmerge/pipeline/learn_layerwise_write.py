@@ -101,7 +101,7 @@ def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", pr
     differ aligned by their bodies). Returns the report."""
     from ..io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
     from ..io.card import write_card
-    from ..io.model import atomic_dir, copy_side_files, ensure_output_dir, write_json
+    from ..io.model import atomic_dir, copy_side_files, ensure_output_dir, write_json, written_dtype
     from ..io.tokenizers import check_tokenizers
     from ..progress import stage, stage_printer
     from .align_plan import plan_align, plan_report
@@ -132,7 +132,8 @@ def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", pr
         _write_layers(pair, elements, writer, distances, progress)
         names = writer.close()
         side_files = copy_side_files(Path(model), tmp)
-        (tmp / "config.json").write_text((Path(model) / "config.json").read_text())
+        (tmp / "config.json").write_text(written_dtype((Path(model) / "config.json").read_text(),
+                                                          set(pair.ckpt_a.dtype.values())))
         with stage("verified the written model's outputs (from the files)", enabled=progress):
             written = pair.plain(type(pair.tensors_a)(LazyCheckpoint(tmp)))
             tol = 1e-4 if options.verify_tol is None else options.verify_tol

@@ -46,7 +46,7 @@ from ..core.slots import HALF
 from ..errors import SymmergeError
 from ..families import spec_for
 from ..io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
-from ..io.model import atomic_dir, copy_side_files, write_json
+from ..io.model import atomic_dir, copy_side_files, write_json, written_dtype
 from ..io.prefix import adapt_checkpoint_pair
 from ..io.card import write_card
 from ..io.sentence_transformers import check_pipelines
@@ -397,7 +397,8 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
         _run_layers(by_layer, (ckpt_a, ckpt_b), writers, job, opts, timings, trim, workers if pipeline else 0, progress)
         names = writer.close()
         side_files = copy_side_files(Path(model), tmp, {"sentence_transformers": embedding})
-        (tmp / "config.json").write_text((Path(model) / "config.json").read_text())
+        (tmp / "config.json").write_text(written_dtype((Path(model) / "config.json").read_text(),
+                                                          set(ckpt_a.dtype.values())))
         instances = [i for insts in by_layer.values() for i in insts]
         report = alignment_report(
             spec, ckpt_a.config["model_type"], options, instances, distances, model=str(model), anchor=str(anchor),
