@@ -27,7 +27,8 @@ from ..io.tokenizers import check_tokenizers
 from ..io.prefix import adapt_models
 from ..pipeline.align import align_pair, as_model, load_align_data
 from ..pipeline.data import read_once
-from ..pipeline.options import RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries
+from ..pipeline.options import (DEFAULT_REFINE, RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries,
+                                refuse_unread_joint)
 from ..pipeline.report import build_report, match_fields
 from ..progress import bar, stage, stage_printer
 from ..evaluate.metrics import alpha_grid, check_same_shapes, evaluate, interpolate, interpolation_curve
@@ -183,6 +184,9 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
     o = options
     if len(models) < 2:
         raise SymmergeError(f"a barrier needs at least two models, got {len(models)}")
+    if len(models) == 2:
+        refuse_unread_joint(o.joint_rounds, o.joint_refine or DEFAULT_REFINE,
+                            (BARRIER["joint_rounds"], DEFAULT_REFINE), "a pair (model A onto model B)", what="barrier")
     alphas = tuple(alpha_grid(o.points))
     if o.repair and o.align.align_data is None:
         raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass align=AlignOptions(align_data=...) "

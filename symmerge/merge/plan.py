@@ -33,9 +33,10 @@ from ..core.distance import sq_distance
 from ..errors import SymmergeError
 from ..option_ranges import model_index
 from ..io.model import ShardIndexError, read_config, weight_files
-from ..pipeline.options import AlignOptions
+from ..pipeline.options import AlignOptions, refuse_unread_joint
 from ..pipeline.report import build_report
 from ..pipeline.recommend import BASE_NOTE, has_spec, plain_fallback, recommended  # noqa: F401 (the plan's rules)
+from .option_defaults import MERGE
 from .registry import get_method
 
 MODES = ("auto", "stream", "memory")
@@ -45,6 +46,7 @@ ONE_MODEL_LIST_NOTE = ("one model without a base or an anchor of its own: nothin
                        "for were checked; none is aligned)")
 MEMORY_FRACTION = 0.5  # auto: models larger than this fraction of the available memory are streamed
 FRAMES = ("none", "base", "star", "joint")
+FRAME_WORDS = {"none": "nothing", "base": "every model to the base", "star": "every model to one anchor"}
 
 
 def anchor_rule(n: int, anchor, base_given: bool) -> tuple[int | None, str]:
@@ -275,6 +277,9 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
         frame = "joint"
     else:
         frame = "star"
+    if frame != "joint":
+        refuse_unread_joint(options.joint_rounds, options.joint_refine, (MERGE["joint_rounds"], MERGE["joint_refine"]),
+                            FRAME_WORDS[frame] if n > 2 or frame != "star" else "a pair (the model onto the anchor)")
     return MergePlan(method=m, names=[_name(x, i) for i, x in enumerate(models)], model_type=model_type, mode=mode,
                      why=why, align=align, requested=options.align.requested, note=note, frame=frame,
                      anchor_index=index, anchor_rule=rule, params=options.params,

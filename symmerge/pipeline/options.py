@@ -36,6 +36,19 @@ DESCENT_TOL = 1e-4
 # MNIST-5k ViTs with --match weights, all on B5's label-skewed clients): the issue's MergeMany stays the default
 JOINT_REFINE = ("all", "discrete")
 DEFAULT_REFINE = "all"
+
+
+def refuse_unread_joint(rounds, refine, defaults: tuple, aligns: str, what: str = "merge") -> None:
+    """One error when ``rounds`` or ``refine`` (``--joint-rounds``, ``--joint-refine``) differ from ``defaults``
+    while the ``what`` aligns in another frame (``aligns``: which): only the joint alignment reads them (they were
+    accepted and dropped in silence)."""
+    given = [flag for flag, value, default in (("--joint-rounds", rounds, defaults[0]),
+                                               ("--joint-refine", refine, defaults[1])) if value != default]
+    if given:
+        it = "it" if len(given) == 1 else "them"
+        raise SymmergeError(f"{', '.join(given)}: the joint alignment's options (more than two models brought into "
+                            f"one frame, in memory, with no --anchor, --base or --star), and this {what} aligns "
+                            f"{aligns}: nothing would read {it} (leave {it} out)")
 # the closed form a learned alignment starts from: weights, activations (the matchers that do not learn)
 LEARN_STARTS = tuple(name for name, m in MATCHERS.items() if not m.learns)
 # what the interpolated model learns to predict: α·p_A + (1−α)·p_B, or softmax(α·log p_A + (1−α)·log p_B)
