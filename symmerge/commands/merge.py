@@ -86,6 +86,7 @@ def run(args) -> int:
     from ..io.lora import merge_cache
     from ..io.provenance import named_as
     from ..merge.api import merge_to_folder
+    from ..merge.plan import differences_warning
 
     out = Path(args.output)
     ensure_output_dir(out, inputs=args.models)  # fail before any expensive work
@@ -104,6 +105,9 @@ def run(args) -> int:
     if alignment.get("note"):
         print(f"note: {alignment['note']}", file=sys.stderr)
     print_note(report.get("tokenizer"))
+    differ = differences_warning(report.get("config_differences") or [], report["models"][args.head_from])
+    if differ:
+        print(f"warning: {differ}", file=sys.stderr)
     for w in report.get("result_warnings") or []:
         print(f"warning: merged tensor {w['tensor']!r}: {w['warning']}", file=sys.stderr)
     print_adapted(report)  # a base-class model read as the fine-tunes' class (symmerge.io.prefix)

@@ -23,6 +23,7 @@ also ``--print-plan``'s) or the loaded state dicts (in memory), and run by one e
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -168,6 +169,70 @@ def _name(x, i) -> str:
     return str(x) if isinstance(x, (str, Path)) else f"model {i}"
 
 
+# config.json fields that change what the weights compute without changing a shape (activation, positions, norms'
+# epsilon, routing, soft-capping): inputs that differ in one were trained for different settings, and the merged model
+# keeps one input's value (its config.json is the --head-from model's)
+BEHAVIOUR_FIELDS = (
+    "hidden_act", "activation_function", "hidden_activation", "rope_theta", "rope_scaling", "rope_parameters",
+    "rotary_emb_base", "rotary_pct", "partial_rotary_factor", "position_embedding_type", "rms_norm_eps",
+    "layer_norm_eps", "layer_norm_epsilon", "num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef",
+    "sliding_window", "use_sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
+    "query_pre_attn_scalar", "clip_qkv", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+    "use_parallel_residual", "tie_word_embeddings", "attention_multiplier", "embedding_multiplier",
+    "logits_scaling", "residual_multiplier")
+
+
+def config_of(x) -> dict:
+    """A folder's config.json, or a model object's config, as a dict as transformers reads it: through the model
+    type's config class (no code run), so that spellings of one setting agree (transformers 4's top-level
+    ``rope_theta`` and 5's ``rope_parameters``; a field left out and its default)."""
+    if not isinstance(x, (str, Path)):
+        return x.config.to_dict()
+    raw = read_config(Path(x), spec=False)
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[raw["model_type"]].from_dict(raw).to_dict()
+    except (KeyError, TypeError, ValueError):  # a type transformers lacks, or a config it refuses: as written
+        return raw
+
+
+def config_differences(inputs) -> list[dict]:
+    """The :data:`BEHAVIOUR_FIELDS` (at the top of config.json or in a nested ``*_config``) in which ``inputs``
+    (``(name, folder or model)`` pairs) differ: ``{"field", "values": {name: value}}`` each, in the fields' order."""
+    configs = {}
+    for name, x in inputs:
+        try:
+            configs[name] = config_of(x)
+        except (SymmergeError, OSError, AttributeError):  # not readable here: the loading refuses it in its words
+            continue
+
+    def flat(config: dict) -> dict:
+        out = {k: config[k] for k in BEHAVIOUR_FIELDS if k in config}
+        for sub, inner in config.items():
+            if sub.endswith("_config") and isinstance(inner, dict):
+                out.update({f"{sub}.{k}": inner[k] for k in BEHAVIOUR_FIELDS if k in inner})
+        return out
+
+    flats = {name: flat(c) for name, c in configs.items()}
+    fields = list(dict.fromkeys(k for f in flats.values() for k in f))
+    found = []
+    for key in fields:
+        values = {name: f.get(key) for name, f in flats.items()}
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values.values()}) > 1:
+            found.append({"field": key, "values": values})
+    return found
+
+
+def differences_warning(found: list[dict], holder: str) -> str | None:
+    """One line naming the behaviour fields the merged inputs differ in (``holder``: whose config the output has)."""
+    if not found:
+        return None
+    shown = "; ".join(f"{d['field']} " + ", ".join(f"{v!r} ({n})" for n, v in d["values"].items()) for d in found)
+    return (f"the models' configs differ in what the weights compute: {shown}; the merged model's config.json is "
+            f"{holder}'s, so the weights of the others are read with its settings")
+
+
 def model_type_of(x) -> str:
     """The model type of a folder (its config.json) or of a model object."""
     if isinstance(x, (str, Path)):
@@ -199,6 +264,8 @@ class MergePlan:
     # None for the methods with their own loop (statistics, the architecture)
     steps: list | None = None
     options: object = None  # the MergeOptions the plan validated (MergeOptions.check), which the wings run on
+    # config_differences of the inputs (and the base): merge's plan; None (not reported) for a config's merges
+    config_differences: list | None = None
 
     @property
     def aligns(self) -> bool:
@@ -215,7 +282,8 @@ class MergePlan:
     def fields(self) -> dict:
         """The report's fields the plan decides."""
         return {"method": self.method.name, "params": self.params, "weights": self.weights,
-                "models": list(self.names), "model_type": self.model_type, "mode": self.mode}
+                "models": list(self.names), "model_type": self.model_type, "mode": self.mode,
+                **({} if self.config_differences is None else {"config_differences": self.config_differences})}
 
     def describe(self) -> dict:
         """The plan as the report records it (``plan``)."""
@@ -280,11 +348,15 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     if frame != "joint":
         refuse_unread_joint(options.joint_rounds, options.joint_refine, (MERGE["joint_rounds"], MERGE["joint_refine"]),
                             FRAME_WORDS[frame] if n > 2 or frame != "star" else "a pair (the model onto the anchor)")
-    return MergePlan(method=m, names=[_name(x, i) for i, x in enumerate(models)], model_type=model_type, mode=mode,
+    names = [_name(x, i) for i, x in enumerate(models)]
+    base = [] if options.base is None else [(str(options.base) if isinstance(options.base, (str, Path)) else "base",
+                                             options.base)]
+    return MergePlan(method=m, names=names, model_type=model_type, mode=mode,
                      why=why, align=align, requested=options.align.requested, note=note, frame=frame,
                      anchor_index=index, anchor_rule=rule, params=options.params,
                      weights=list(options.weights) if options.weights is not None else None,
-                     statistics=m.needs, heads=options.heads, options=options)
+                     statistics=m.needs, heads=options.heads, options=options,
+                     config_differences=config_differences(list(zip(names, models)) + base))
 
 
 def stream_entry(facts: dict) -> dict:
