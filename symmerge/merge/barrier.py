@@ -28,7 +28,7 @@ from ..io.prefix import adapt_models
 from ..pipeline.align import align_pair, as_model, load_align_data
 from ..pipeline.data import read_once
 from ..pipeline.options import (DEFAULT_REFINE, RECOMMENDED_NAME, AlignOptions, is_recommended, parse_symmetries,
-                                refuse_unread_joint)
+                                refuse_unread_align_data, refuse_unread_joint)
 from ..pipeline.report import build_report, match_fields
 from ..progress import bar, stage, stage_printer
 from ..evaluate.metrics import alpha_grid, check_same_shapes, evaluate, interpolate, interpolation_curve
@@ -198,6 +198,7 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
         raise SymmergeError(f"the dual learned frame moves the anchor too, and a barrier of {len(models)} models "
                             "aligns each onto one fixed frame (joint alignment): use the one-sided frame, "
                             "or two models")
+    refuse_unread_align_data(o.align, (o.repair, o.temperature))
     if not isinstance(data, Data):
         check_data_path(data)
     labels = ("A", "B") if len(models) == 2 else tuple(f"model {i}" for i in range(len(models)))

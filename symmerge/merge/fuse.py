@@ -37,7 +37,7 @@ from ..pipeline.data import read_once
 from ..option_ranges import check as check_range, in_range, model_index
 from ..pipeline.distill import DistillSettings, check_steps, distill
 from ..pipeline.joint import align_joint
-from ..pipeline.options import JOINT_REFINE, RECOMMENDED_NAME, AlignOptions
+from ..pipeline.options import JOINT_REFINE, RECOMMENDED_NAME, AlignOptions, refuse_unread_align_data
 from ..pipeline.recommend import frame_readers, held_symmetries, moves_heads_input, moving, recommended
 from ..pipeline.report import match_fields
 from ..progress import line, stage, stage_printer
@@ -193,6 +193,7 @@ class MergeOptions:
             DistillSettings(steps=self.distill, lr=self.distill_lr)  # refuses a bad learning rate
             if self.align.align_data is None:
                 raise SymmergeError("--distill needs unlabeled data to distil on: pass --align-data FILE")
+        refuse_unread_align_data(self.align, (self.repair, check_steps(self.distill)))
         if self.joint and (self.anchor is not None or self.base is not None):
             raise SymmergeError("joint alignment brings every model into one common frame: it takes no --anchor "
                                 "or --base (an anchor means the star: every model aligned to it)")

@@ -28,7 +28,7 @@ from .bound import as_model, bind, instances_for, untied  # noqa: F401  (re-expo
 # (spec, instances) shortcut)
 from .data import load_align_data  # noqa: F401  (re-exported)
 from .matchers import MATCHERS, MatchContext
-from .options import DEFAULT_SYMMETRIES, AlignOptions
+from .options import DEFAULT_SYMMETRIES, AlignOptions, refuse_unread_align_data
 from .recommend import model_facts, recommended, require_declared
 from .report import Distances, alignment_report
 from .verify import (ELEMENT_CHECK, check_runs_on, in_dtype_of, owned_apart, verify_elements, verify_forward,
@@ -243,6 +243,7 @@ def align(model, anchor, symmetries=DEFAULT_SYMMETRIES, rescale: str = "joint", 
 
     opts = AlignOptions(symmetries=symmetries, rescale=rescale, layers=layers, verify=verify, verify_tol=verify_tol,
                         **options)
+    refuse_unread_align_data(opts)
     model, anchor = model_argument(model, "model"), model_argument(anchor, "anchor")
     _check_inputs(inputs)  # every argument checked before the plan reads anything (a pickle checkpoint: loaded)
     _progress(progress)

@@ -38,6 +38,19 @@ JOINT_REFINE = ("all", "discrete")
 DEFAULT_REFINE = "all"
 
 
+def refuse_unread_align_data(align: "AlignOptions", readers=()) -> None:
+    """One error when ``align.align_data`` is given and nothing reads it: a data-free matcher and none of the
+    entry's ``readers`` (the names of its options that read the data: ``repair``, ``distill``, ``temperature``)
+    asked for (``--align-data`` with ``--match weights`` is the same error; the Python API dropped the data in
+    silence)."""
+    if align.align_data is None or align.matcher.needs_data or any(readers):
+        return
+    data_matchers = " or ".join(repr(n) for n, m in MATCHERS.items() if m.needs_data)
+    raise UsageError(f"align_data: nothing reads it with match={align.match!r} (data-free); it is for match="
+                     f"{data_matchers} (or repair, distill or temperature where the entry has them): give one, or "
+                     "leave align_data out")
+
+
 def refuse_unread_joint(rounds, refine, defaults: tuple, aligns: str, what: str = "merge") -> None:
     """One error when ``rounds`` or ``refine`` (``--joint-rounds``, ``--joint-refine``) differ from ``defaults``
     while the ``what`` aligns in another frame (``aligns``: which): only the joint alignment reads them (they were

@@ -97,7 +97,8 @@ def test_merge_models_and_barrier_study_repair(tmp_path):
                                                                                   dtype=torch.float32)
     align = unlabeled(a, batches=2)
     opts = AlignOptions(symmetries=("attn", "ffn"), align_data=align)
-    plain, _ = merge_models([a, b], "average", align=opts, evaluate_result=False, progress=False)
+    plain, _ = merge_models([a, b], "average", align=opts.with_(align_data=None), evaluate_result=False,
+                            progress=False)  # data nothing reads is refused (a data-free alignment, no REPAIR)
     fixed, rep = merge_models([a, b], "average", align=opts, evaluate_result=False, progress=False, repair=True)
     assert rep["repair"]["modules"] > 0 and "repair" in rep["timings"]
     assert list(fixed.state_dict()) == list(plain.state_dict())
