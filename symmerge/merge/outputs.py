@@ -53,9 +53,12 @@ def refuse_non_finite(name: str, value: torch.Tensor, method, params, weights=No
     ``value`` holds NaN or Inf."""
     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
         bad = "NaN" if bool(torch.isnan(value).any()) else "Inf"
+        why = "a parameter or weight out of range"
+        if value.dtype == torch.float16:  # the inputs are finite: the method's half arithmetic can overflow
+            why += (", or the method's float16 arithmetic past float16's largest value (65504): merge in float32 "
+                    "(a config's dtype: float32, or float32 copies of the inputs)")
         raise SymmergeError(f"the merged tensor {name!r} holds {bad} values "
-                            f"({describe_arguments(method, params, weights)}): "
-                            "a parameter or weight out of range; nothing was written")
+                            f"({describe_arguments(method, params, weights)}): {why}; nothing was written")
 
 
 def check_result(name: str, value: torch.Tensor, inputs, method, params, weights=None,
