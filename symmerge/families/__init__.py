@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..core.spec import Spec
-from ..errors import SymmergeError
+from ..errors import SymmergeError, UsageError
 from . import bert, clip, deberta, distilbert, gemma, gpt2, gpt_neox, llama, moe, olmo2, phi, phi3, t5, vit
 
 SPECS: tuple[Spec, ...] = (bert.SPEC, distilbert.SPEC, deberta.SPEC, vit.SPEC, gpt2.SPEC, llama.LLAMA, llama.QWEN3,
@@ -29,7 +29,13 @@ def supported_model_types() -> list[str]:
 
 def spec_for(model_type: str) -> Spec:
     """The :class:`~symmerge.core.spec.Spec` (the family's roles and symmetry groups) of ``model_type`` (a config's
-    ``model_type``, e.g. ``"llama"``); raises :class:`SymmergeError` naming the supported ones when none has it."""
+    ``model_type``, e.g. ``"llama"``); raises :class:`SymmergeError` naming the supported ones when none has it (and
+    :class:`UsageError` for anything but a str: a model or a config given here was printed whole in the error)."""
+    if not isinstance(model_type, str):
+        hint = ": pass its config's model_type" if hasattr(model_type, "model_type") or hasattr(
+            getattr(model_type, "config", None), "model_type") else ""
+        raise UsageError(f"spec_for takes a config's model_type (a str such as 'llama'), got "
+                         f"{type(model_type).__name__}{hint}")
     for spec in SPECS:
         if model_type in spec.model_types:
             return spec
