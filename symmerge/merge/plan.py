@@ -175,8 +175,8 @@ def _name(x, i) -> str:
 BEHAVIOUR_FIELDS = (
     "hidden_act", "activation_function", "hidden_activation", "rope_theta", "rope_scaling", "rope_parameters",
     "rotary_emb_base", "rotary_pct", "partial_rotary_factor", "position_embedding_type", "rms_norm_eps",
-    "layer_norm_eps", "layer_norm_epsilon", "num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef",
-    "sliding_window", "use_sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
+    "layer_norm_eps", "layer_norm_epsilon", "num_experts_per_tok", "norm_topk_prob", "sliding_window",
+    "use_sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
     "query_pre_attn_scalar", "clip_qkv", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
     "use_parallel_residual", "tie_word_embeddings", "attention_multiplier", "embedding_multiplier",
     "logits_scaling", "residual_multiplier")
@@ -191,8 +191,11 @@ def config_of(x) -> dict:
     raw = read_config(Path(x), spec=False)
     from transformers import CONFIG_MAPPING
 
+    from ..io.hf import quiet_transformers
+
     try:
-        return CONFIG_MAPPING[raw["model_type"]].from_dict(raw).to_dict()
+        with quiet_transformers():  # its validation warnings are the loading's to give
+            return CONFIG_MAPPING[raw["model_type"]].from_dict(raw).to_dict()
     except (KeyError, TypeError, ValueError):  # a type transformers lacks, or a config it refuses: as written
         return raw
 
