@@ -134,7 +134,7 @@ def plan_alignment(job, spec: Alignment):
     rules (:func:`symmerge.merge.plan.recommended`, :func:`~symmerge.merge.plan.anchor_rule`,
     :func:`~symmerge.merge.plan.choose_mode`) for its models and base; None: nothing to align (one model, or
     'recommended' with a base model: ``spec.report`` holds the note)."""
-    from ..merge.plan import MergePlan, anchor_rule, choose_mode, model_type_of, recommended
+    from ..merge.plan import MergePlan, anchor_rule, choose_mode, config_or_none, model_type_of, recommended
     from ..merge.registry import get_method
 
     folders = [inp.folder for inp in job.inputs]
@@ -148,7 +148,8 @@ def plan_alignment(job, spec: Alignment):
         except SymmergeError as e:
             raise spec.doc.error(str(e), "anchor") from None
     model_type = model_type_of(models[0])
-    align, note = recommended(options.align, model_type=model_type, base_given=base is not None)
+    align, note = recommended(options.align, model_type=model_type, base_given=base is not None,
+                              config=config_or_none(models[0]))
     spec.report = {"symmetries": [], "requested": options.align.requested, "rescale": "none",
                    "anchor": {"index": None, "name": None, "rule": None}, "models": []}
     if note:

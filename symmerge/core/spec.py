@@ -127,6 +127,18 @@ class Spec:
     # the outputs that are the model's function where others are internal states a model-wide group moves
     # (T5's encoder_last_hidden_state, CLIP's text_embeds): verification compares these ('' : every output)
     outputs: tuple[str, ...] = ()
+    # (config key, the values that leave the spec exact, reason): the same refusals read from config.json, before
+    # any tensor (a key absent from the config is at an exact value)
+    unsupported_settings: tuple[tuple[str, tuple, str], ...] = ()
+
+    def refusal(self, config) -> str | None:
+        """Why the family's groups do not hold for a model with ``config`` (a dict or a transformers config), from
+        :attr:`unsupported_settings`, or None."""
+        for key, exact, reason in self.unsupported_settings:
+            value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+            if value is not None and value not in exact:
+                return reason
+        return None
 
     def group(self, name: str) -> Group | None:
         return next((g for g in self.groups if g.name == name), None)

@@ -16,7 +16,9 @@ stored ones and writes them back split, in the checkpoint's own names (:mod:`sym
 from ..core.spec import Member
 from .roles import DECODER_HEADS, MLP, Attention, Experts, Stream, build
 
-DENSE_LAYERS = (("mlp.gate_proj.weight", "dense layers among the sparse ones (mlp_only_layers, decoder_sparse_step)"),)
+DENSE = "dense layers among the sparse ones (mlp_only_layers, decoder_sparse_step)"
+DENSE_LAYERS = (("mlp.gate_proj.weight", DENSE),)
+DENSE_SETTINGS = (("mlp_only_layers", ([], ()), DENSE), ("decoder_sparse_step", (1,), DENSE))
 STREAM = Stream("rmsnorm", "pre", embeddings=(Member("embed_tokens.weight", 1),),
                 norms=(("input_layernorm", "attn"), ("post_attention_layernorm", "mlp")), final="norm",
                 heads=tuple(Member(h, 1, 0, optional=True, root=True) for h in DECODER_HEADS))
@@ -34,9 +36,9 @@ QWEN2_MOE = build(
     MLP(inputs=("mlp.shared_expert.up_proj",), output="mlp.shared_expert.down_proj",
         gate="mlp.shared_expert.gate_proj"),
     STREAM, moe=Experts(EXPERTS.router, EXPERTS.gate_up, EXPERTS.down, readers=("mlp.shared_expert_gate",)),
-    unsupported=DENSE_LAYERS)
+    unsupported=DENSE_LAYERS, unsupported_settings=DENSE_SETTINGS)
 QWEN3_MOE = build("qwen3_moe", ("qwen3_moe",), "layers.{i}",
                   _attention(pair_norms=("self_attn.q_norm.weight", "self_attn.k_norm.weight")), None, STREAM,
-                  moe=EXPERTS, unsupported=DENSE_LAYERS)
+                  moe=EXPERTS, unsupported=DENSE_LAYERS, unsupported_settings=DENSE_SETTINGS)
 OLMOE = build("olmoe", ("olmoe",), "layers.{i}", _attention(whole_norms=("self_attn.q_norm", "self_attn.k_norm")),
               None, STREAM, moe=EXPERTS)

@@ -4,6 +4,7 @@ pre-LN LayerNorm, a final LayerNorm before an LM head with a bias."""
 from ..core.spec import Member
 from .roles import DECODER_HEADS, MLP, Attention, Stream, build
 
+QK_LAYERNORM = "qk_layernorm=True (a LayerNorm on each query/key head)"
 SPEC = build(
     "phi", ("phi",), "layers.{i}",
     Attention(q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.dense",
@@ -13,5 +14,6 @@ SPEC = build(
            norms=(("input_layernorm", "both"),), final="final_layernorm",
            heads=tuple(Member(h, 1, 0, optional=True, root=True) for h in DECODER_HEADS)),
     partial_rotary=True,
-    unsupported=(("self_attn.q_layernorm.weight", "qk_layernorm=True (a LayerNorm on each query/key head)"),),
+    unsupported=(("self_attn.q_layernorm.weight", QK_LAYERNORM),),
+    unsupported_settings=(("qk_layernorm", (False,), QK_LAYERNORM),),
 )

@@ -240,7 +240,8 @@ def _stream_group(p: str, att: Attention, mlp: MLP | None, stream: Stream, layou
 def build(family: str, model_types: tuple[str, ...], layer: str, attention: Attention, mlp: MLP | None,
           stream: Stream | None = None, inputs: str = "text", conv1d: bool = False,
           partial_rotary: bool = False, unsupported: tuple[tuple[str, str], ...] = (),
-          moe: Experts | None = None, in_memory_only: str = "") -> Spec:
+          moe: Experts | None = None, in_memory_only: str = "",
+          unsupported_settings: tuple[tuple[str, tuple, str], ...] = ()) -> Spec:
     """The spec of a family from its roles; ``layer`` is the template of one layer's module path; ``mlp``
     may be None with ``moe`` (a mixture of experts; ``mlp`` is then its shared expert, if any)."""
     layout = Layout(conv1d)
@@ -254,7 +255,7 @@ def build(family: str, model_types: tuple[str, ...], layer: str, attention: Atte
     probe = f"{p}{attention.fused or attention.q}.weight"
     return Spec(family, tuple(model_types), groups, inputs, folds, partial_rotary,
                 tuple((p + t if not t.startswith("/") else t[1:], r) for t, r in unsupported), probe, layer,
-                in_memory_only)
+                in_memory_only, unsupported_settings=unsupported_settings)
 
 
 # ------------------------------------------------------------------ families with several layer stacks

@@ -179,7 +179,7 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
     ``options``: read from the inputs' headers; every refusal of the study's options before any model is read."""
     from ..families import supported_model_types
     from ..pipeline.align_plan import check_headers, plan_align
-    from .plan import model_type_of, plain_fallback
+    from .plan import config_or_none, model_type_of, plain_fallback
 
     o = options
     if len(models) < 2:
@@ -212,8 +212,8 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
         if variant_name(spec) == "none":
             continue
         asked = o.align.with_(symmetries=spec)
-        opts, note = plain_fallback(asked, model_type)
-        if note:  # no spec: 'recommended' is the plain curve
+        opts, note = plain_fallback(asked, model_type, config_or_none(models[0]))
+        if note:  # no spec, or settings its groups do not hold for: 'recommended' is the plain curve
             arms["none"] = BarrierArm("none", "none", note=note)
             continue
         # no model kept

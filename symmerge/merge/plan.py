@@ -203,12 +203,7 @@ def config_of(x) -> dict:
 def config_differences(inputs) -> list[dict]:
     """The :data:`BEHAVIOUR_FIELDS` (at the top of config.json or in a nested ``*_config``) in which ``inputs``
     (``(name, folder or model)`` pairs) differ: ``{"field", "values": {name: value}}`` each, in the fields' order."""
-    configs = {}
-    for name, x in inputs:
-        try:
-            configs[name] = config_of(x)
-        except (SymmergeError, OSError, AttributeError):  # not readable here: the loading refuses it in its words
-            continue
+    configs = {name: c for name, c in ((name, config_or_none(x)) for name, x in inputs) if c is not None}
 
     def flat(config: dict) -> dict:
         out = {k: config[k] for k in BEHAVIOUR_FIELDS if k in config}
@@ -234,6 +229,14 @@ def differences_warning(found: list[dict], holder: str) -> str | None:
     shown = "; ".join(f"{d['field']} " + ", ".join(f"{v!r} ({n})" for n, v in d["values"].items()) for d in found)
     return (f"the models' configs differ in what the weights compute: {shown}; the merged model's config.json is "
             f"{holder}'s, so the weights of the others are read with its settings")
+
+
+def config_or_none(x):
+    """``x``'s config (:func:`config_of`), or None where it cannot be read here (its loading refuses it)."""
+    try:
+        return config_of(x)
+    except (SymmergeError, OSError, AttributeError):
+        return None
 
 
 def model_type_of(x) -> str:
@@ -326,7 +329,8 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     options = options.check(n)
     m = get_method(options.method)
     model_type = model_type_of(models[0])
-    align, note = recommended(options.align, model_type=model_type, base_given=options.base is not None)
+    align, note = recommended(options.align, model_type=model_type, base_given=options.base is not None,
+                              config=config_or_none(models[0]))
     alone = n == 1 and options.base is None and options.anchor in (None, 0)  # it would be aligned against itself
     if align.symmetries and align.recommended and alone:
         align, note = align.with_(symmetries=()), ONE_MODEL_NOTE

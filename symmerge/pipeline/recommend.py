@@ -45,9 +45,20 @@ def has_spec(model_type: str) -> bool:
         return False
 
 
-def plain_fallback(align: AlignOptions, model_type: str):
+def plain_fallback(align: AlignOptions, model_type: str, config=None):
     """(alignment options, note) for a model type without a symmetry spec: 'recommended' falls back to no
-    alignment with a note; an explicit list is refused naming the supported types; 'none' stays."""
+    alignment with a note; an explicit list is refused naming the supported types; 'none' stays. With ``config``
+    (the model's config.json as a dict, or its config), a family whose groups its settings leave inexact
+    (:meth:`~symmerge.core.spec.Spec.refusal`: Qwen2/3-MoE with dense layers among the sparse ones, Phi's
+    qk_layernorm) does the same: 'recommended' merges without alignment, with a note; an explicit list is
+    refused when the model is bound."""
+    if align.symmetries and config is not None and has_spec(model_type) and align.recommended:
+        spec = spec_for(model_type)
+        why = spec.refusal(config)
+        if why is not None:
+            return align.with_(symmetries=()), (f"'recommended' aligns nothing: the {spec.family} family's "
+                                                f"symmetries do not hold for models with {why}; merged without "
+                                                "alignment")
     if not align.symmetries or has_spec(model_type):
         return align, None
     if align.recommended:
@@ -113,7 +124,7 @@ def frame_readers(embedding: dict | None, config) -> str | None:
 
 def recommended(align: AlignOptions, *, model_type: str | None = None, base_given: bool = False, available=None,
                 spec=None, heads_check: Callable[[str], None] | None = None, output_reader: str | None = None,
-                streamed: bool = False, held: dict | None = None) -> tuple[AlignOptions, str | None]:
+                streamed: bool = False, held: dict | None = None, config=None) -> tuple[AlignOptions, str | None]:
     """``(options, note)``: what ``align`` resolves to given the facts the caller knows (see the module's
     table; a fact left at its default is not checked), with a note when 'recommended' was narrowed.
 
@@ -123,11 +134,11 @@ def recommended(align: AlignOptions, *, model_type: str | None = None, base_give
     ``heads_check(why)``: raises :class:`SymmergeError` (carrying ``why``) when the heads of the models differ;
     ``output_reader``: why the model's output frame must stay (what reads it), or None; ``streamed``: aligned
     one layer at a time; ``held``: ``{symmetry: why}`` the model's settings keep from being exact
-    (:func:`held_symmetries`)."""
+    (:func:`held_symmetries`); ``config``: the model's config, read with ``model_type`` (:func:`plain_fallback`)."""
     asked = align.recommended
     notes = []
     if model_type is not None:
-        align, note = plain_fallback(align, model_type)
+        align, note = plain_fallback(align, model_type, config)
         if align.symmetries and base_given and asked:
             return align.with_(symmetries=()), BASE_NOTE
         notes.append(note)
