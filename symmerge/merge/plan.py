@@ -196,8 +196,8 @@ def config_of(x) -> dict:
     try:
         with quiet_transformers():  # its validation warnings are the loading's to give
             return CONFIG_MAPPING[raw["model_type"]].from_dict(raw).to_dict()
-    except (KeyError, TypeError, ValueError):  # a type transformers lacks, or a config it refuses: as written
-        return raw
+    except Exception:  # a type transformers lacks, or a config it refuses (its validators raise their own error
+        return raw  # types): read as written here; loading the model refuses it in one line
 
 
 def config_differences(inputs) -> list[dict]:

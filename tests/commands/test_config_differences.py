@@ -76,3 +76,19 @@ def test_two_spellings_of_one_setting_agree(folders, tmp_path):
     found = config_differences([("a", folders / "a"), ("old", old)])
     assert [d["field"] for d in found] == ["rope_parameters"], found
     assert found[0]["values"]["old"]["rope_theta"] == theta * 50
+
+
+def test_a_config_transformers_refuses_is_still_one_error(folders, tmp_path, capsys):
+    """The comparison reads config.json through transformers' config class, whose validators raise their own
+    error types (a bool field holding a dict): read as written there, and the loading's one error line stays."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folders / "a", bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["mlp_bias"] = {"x": False}
+    (bad / "config.json").write_text(json.dumps(config))
+    rc = run_cli("merge", bad, folders / "b", "--method", "average", "--progress", "none", "-o", tmp_path / "o")
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("symmerge: error: ") and "mlp_bias" in err, err
+    assert not (tmp_path / "o").exists()
