@@ -36,6 +36,20 @@ DESCENT_TOL = 1e-4
 # MNIST-5k ViTs with --match weights, all on B5's label-skewed clients): the issue's MergeMany stays the default
 JOINT_REFINE = ("all", "discrete")
 DEFAULT_REFINE = "all"
+# the closed form a learned alignment starts from: weights, activations (the matchers that do not learn)
+LEARN_STARTS = tuple(name for name, m in MATCHERS.items() if not m.learns)
+# what the interpolated model learns to predict: α·p_A + (1−α)·p_B, or softmax(α·log p_A + (1−α)·log p_B)
+LEARN_TARGETS = ("probabilities", "log-probabilities")
+LEARN_PRECISIONS = ("float32", "bfloat16")  # the training steps' forward and backward (checks: float32)
+# A moved onto B, or both models moved into a frame between them with their norms split (pipeline/dual.py)
+LEARN_FRAMES = ("one-sided", "dual")
+# the augmented views of the unlabeled images (learn.augmented): flip-shift (a flip, a shift of up to 2 pixels), strong
+# (a shift of up to 4 and a cut-out square), mixup (flip-shift, then a mix with another image of the batch)
+AUGMENT_STYLES = ("flip-shift", "strong", "mixup")
+# --learn-dirichlet uniform (inf reads the same: Dirichlet(C)'s limit as C grows): every joint learned step at the
+# plain average, each of the N models weighted 1/N; "auto": C chosen on held-out data (learn_joint.choose_concentration)
+DIRICHLET_UNIFORM = "uniform"
+DIRICHLET_AUTO = "auto"
 
 
 def refuse_unread_align_data(align: "AlignOptions", readers=()) -> None:
@@ -62,20 +76,6 @@ def refuse_unread_joint(rounds, refine, defaults: tuple, aligns: str, what: str 
         raise SymmergeError(f"{', '.join(given)}: the joint alignment's options (more than two models brought into "
                             f"one frame, in memory, with no --anchor, --base or --star), and this {what} aligns "
                             f"{aligns}: nothing would read {it} (leave {it} out)")
-# the closed form a learned alignment starts from: weights, activations (the matchers that do not learn)
-LEARN_STARTS = tuple(name for name, m in MATCHERS.items() if not m.learns)
-# what the interpolated model learns to predict: α·p_A + (1−α)·p_B, or softmax(α·log p_A + (1−α)·log p_B)
-LEARN_TARGETS = ("probabilities", "log-probabilities")
-LEARN_PRECISIONS = ("float32", "bfloat16")  # the training steps' forward and backward (checks: float32)
-# A moved onto B, or both models moved into a frame between them with their norms split (pipeline/dual.py)
-LEARN_FRAMES = ("one-sided", "dual")
-# the augmented views of the unlabeled images (learn.augmented): flip-shift (a flip, a shift of up to 2 pixels), strong
-# (a shift of up to 4 and a cut-out square), mixup (flip-shift, then a mix with another image of the batch)
-AUGMENT_STYLES = ("flip-shift", "strong", "mixup")
-# --learn-dirichlet uniform (inf reads the same: Dirichlet(C)'s limit as C grows): every joint learned step at the
-# plain average, each of the N models weighted 1/N; "auto": C chosen on held-out data (learn_joint.choose_concentration)
-DIRICHLET_UNIFORM = "uniform"
-DIRICHLET_AUTO = "auto"
 
 
 def _names(value) -> tuple[str, ...]:
