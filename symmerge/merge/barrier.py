@@ -208,11 +208,12 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
         for i in range(1, len(models)):  # what the study refuses of the inputs' headers (shapes, architectures)
             check_headers(models[0], models[i], (names[0], names[i]))
     arms = {"none": BarrierArm("none", "none")}
+    config = config_or_none(models[0])
     for spec in o.aligns:
         if variant_name(spec) == "none":
             continue
         asked = o.align.with_(symmetries=spec)
-        opts, note = plain_fallback(asked, model_type, config_or_none(models[0]))
+        opts, note = plain_fallback(asked, model_type, config)
         if note:  # no spec, or settings its groups do not hold for: 'recommended' is the plain curve
             arms["none"] = BarrierArm("none", "none", note=note)
             continue

@@ -200,10 +200,11 @@ def config_of(x) -> dict:
         return raw  # types): read as written here; loading the model refuses it in one line
 
 
-def config_differences(inputs) -> list[dict]:
-    """The :data:`BEHAVIOUR_FIELDS` (at the top of config.json or in a nested ``*_config``) in which ``inputs``
-    (``(name, folder or model)`` pairs) differ: ``{"field", "values": {name: value}}`` each, in the fields' order."""
-    configs = {name: c for name, c in ((name, config_or_none(x)) for name, x in inputs) if c is not None}
+def config_differences(configs: dict) -> list[dict]:
+    """The :data:`BEHAVIOUR_FIELDS` (at the top of config.json or in a nested ``*_config``) in which ``configs``
+    (``{name: config}``, :func:`config_or_none`'s; a None left out) differ: ``{"field", "values": {name: value}}``
+    each, in the fields' order."""
+    configs = {name: c for name, c in configs.items() if c is not None}
 
     def flat(config: dict) -> dict:
         out = {k: config[k] for k in BEHAVIOUR_FIELDS if k in config}
@@ -329,8 +330,12 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     options = options.check(n)
     m = get_method(options.method)
     model_type = model_type_of(models[0])
+    names = [_name(x, i) for i, x in enumerate(models)]
+    inputs = list(zip(names, models)) + ([] if options.base is None else [
+        (str(options.base) if isinstance(options.base, (str, Path)) else "base", options.base)])
+    configs = {name: config_or_none(x) for name, x in inputs}  # each read once
     align, note = recommended(options.align, model_type=model_type, base_given=options.base is not None,
-                              config=config_or_none(models[0]))
+                              config=configs[names[0]])
     alone = n == 1 and options.base is None and options.anchor in (None, 0)  # it would be aligned against itself
     if align.symmetries and align.recommended and alone:
         align, note = align.with_(symmetries=()), ONE_MODEL_NOTE
@@ -355,15 +360,12 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     if frame != "joint":
         refuse_unread_joint(options.joint_rounds, options.joint_refine, (MERGE["joint_rounds"], MERGE["joint_refine"]),
                             FRAME_WORDS[frame] if n > 2 or frame != "star" else "a pair (the model onto the anchor)")
-    names = [_name(x, i) for i, x in enumerate(models)]
-    base = [] if options.base is None else [(str(options.base) if isinstance(options.base, (str, Path)) else "base",
-                                             options.base)]
     return MergePlan(method=m, names=names, model_type=model_type, mode=mode,
                      why=why, align=align, requested=options.align.requested, note=note, frame=frame,
                      anchor_index=index, anchor_rule=rule, params=options.params,
                      weights=list(options.weights) if options.weights is not None else None,
                      statistics=m.needs, heads=options.heads, options=options,
-                     config_differences=config_differences(list(zip(names, models)) + base))
+                     config_differences=config_differences(configs))
 
 
 def stream_entry(facts: dict) -> dict:

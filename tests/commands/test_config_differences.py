@@ -62,7 +62,7 @@ def test_two_spellings_of_one_setting_agree(folders, tmp_path):
     holding the same value are read alike; a different value in either spelling is named."""
     import shutil
 
-    from symmerge.merge.plan import config_differences
+    from symmerge.merge.plan import config_differences, config_or_none
 
     old = tmp_path / "old"
     shutil.copytree(folders / "b", old)
@@ -70,10 +70,10 @@ def test_two_spellings_of_one_setting_agree(folders, tmp_path):
     theta = (config.pop("rope_parameters", None) or {}).get("rope_theta", config.get("rope_theta", 10000.0))
     config["rope_theta"] = theta
     (old / "config.json").write_text(json.dumps(config))
-    assert config_differences([("a", folders / "a"), ("old", old)]) == []
+    assert config_differences({"a": config_or_none(folders / "a"), "old": config_or_none(old)}) == []
     config["rope_theta"] = theta * 50
     (old / "config.json").write_text(json.dumps(config))
-    found = config_differences([("a", folders / "a"), ("old", old)])
+    found = config_differences({"a": config_or_none(folders / "a"), "old": config_or_none(old)})
     assert [d["field"] for d in found] == ["rope_parameters"], found
     assert found[0]["values"]["old"]["rope_theta"] == theta * 50
 
