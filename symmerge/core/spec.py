@@ -104,6 +104,11 @@ class Stack:
     heads: str = "num_attention_heads"
 
 
+def setting(config, key: str, default=None):
+    """``key`` of a model's config: config.json read as a dict, or a transformers config object."""
+    return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
+
+
 @dataclass(frozen=True)
 class Spec:
     family: str
@@ -135,7 +140,7 @@ class Spec:
         """Why the family's groups do not hold for a model with ``config`` (a dict or a transformers config), from
         :attr:`unsupported_settings`, or None."""
         for key, exact, reason in self.unsupported_settings:
-            value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+            value = setting(config, key)
             if value is not None and value not in exact:
                 return reason
         return None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..core.spec import setting
 from ..errors import SymmergeError
 from ..families import SCALES, spec_for, supported_model_types, symmetries_whose
 from .options import AlignOptions
@@ -101,8 +102,7 @@ def held_symmetries(config) -> dict:
     ``clip_qkv``: attn and rescale), read by :func:`recommended` (left out of 'recommended' with a note; named
     explicitly, one error). They were aligned, and a streamed alignment (no forward check) wrote a model that
     computed another function."""
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-    return {"attn": CLIP_QKV, "rescale": CLIP_QKV} if get("clip_qkv", None) is not None else {}
+    return {"attn": CLIP_QKV, "rescale": CLIP_QKV} if setting(config, "clip_qkv") is not None else {}
 
 
 def model_facts(embedding: dict | None, config) -> dict:
@@ -117,8 +117,7 @@ def frame_readers(embedding: dict | None, config) -> str | None:
     (they were copied unchanged while the stream moved, and the verification's inputs have no encoder states)."""
     from ..io.sentence_transformers import output_reader
 
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-    cross = bool(get("add_cross_attention", False)) and not get("is_encoder_decoder", False)
+    cross = bool(setting(config, "add_cross_attention", False)) and not setting(config, "is_encoder_decoder", False)
     return "; ".join(r for r in (output_reader(embedding), CROSS_ATTENTION if cross else None) if r) or None
 
 
