@@ -45,6 +45,7 @@ from ..core.resolve import config_sizes, resolve, value_keys
 from ..core.slots import HALF
 from ..errors import SymmergeError
 from ..families import spec_for
+from ..io.finite import non_finite
 from ..io.checkpoint import LazyCheckpoint, ShardWriter, parse_size
 from ..io.model import atomic_dir, copy_side_files, write_json, written_dtype
 from ..io.prefix import adapt_checkpoint_pair
@@ -175,7 +176,7 @@ class _Job:
             if exact is not None:
                 exact.update(self.ckpt_a.to_disk(k, _float32(new)))
             new = new.to(sd_a[k].dtype)  # the one rounding
-            if new.is_floating_point() and not torch.isfinite(new).all():  # past float16's range, say
+            if non_finite({k: new}) is not None:  # past float16's range, say
                 raise SymmergeError(out_of_range(self.ckpt_a.disk_name[k], new.dtype))
             before, after = (sq_distance(x, sd_b, [k]) for x in (sd_a, {k: new}))  # of what is written, as in memory
             with self.lock:

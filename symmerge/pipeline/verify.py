@@ -15,6 +15,7 @@ import torch
 from ..core.apply import check_elements
 from ..core.spec import Spec
 from ..errors import SymmergeError
+from ..io.finite import non_finite
 
 ELEMENT_CHECK = "group elements (orthogonal, valid scales, bijective permutations)"
 
@@ -180,9 +181,9 @@ def in_dtype_of(result, stored):
         return result
     rounded = result.to(_dtype(stored))
     with torch.no_grad():
-        for name, t in rounded.state_dict().items():
-            if t.is_floating_point() and not torch.isfinite(t).all():
-                raise SymmergeError(out_of_range(name, _dtype(stored)))
+        name = non_finite(rounded.state_dict())
+    if name is not None:
+        raise SymmergeError(out_of_range(name, _dtype(stored)))
     return rounded
 
 
