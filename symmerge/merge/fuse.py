@@ -639,7 +639,7 @@ def _merge(st: Statistics) -> Merged:
         else:  # the executor with memory sources: the streamed merge's steps and loop
             merged_sd, steps, warnings = _execute(ld, holder, keys, sds, base_sd)
             ld.plan.steps = steps
-        out = with_state_dict(holder, with_tied(holder, merged_sd))
+        out = with_state_dict(in_result_dtype(holder, merged_sd), with_tied(holder, merged_sd))
     seconds = {"merge": time.perf_counter() - t}
     out, repair_info = _repair(out, al, seconds)
     out, distill_info = _distill(out, al, seconds)
@@ -647,6 +647,20 @@ def _merge(st: Statistics) -> Merged:
         trained = out.state_dict()
         merged_sd = {k: trained[k] for k in merged_sd}
     return Merged(st, sds, holder, merged_sd, steps, warnings, out, repair_info, seconds, distill_info)
+
+
+def in_result_dtype(holder, merged: dict):
+    """``holder`` (a copy) in the merged tensors' floating dtype when they share one it is not in, else itself.
+
+    The result of a method with a base is in the base's dtype (the executor's reference, as mergekit's): a
+    float32 base with bfloat16 models gives float32, which loading it into a bfloat16 holder would round, and the
+    streamed merge writes as float32."""
+    import copy
+
+    dtypes = {t.dtype for t in merged.values() if t.is_floating_point()}
+    if len(dtypes) != 1 or (dtype := dtypes.pop()) == holder.dtype:
+        return holder
+    return copy.deepcopy(holder).to(dtype)
 
 
 def _repair(out, al: Aligned, seconds: dict) -> tuple[object, dict | None]:

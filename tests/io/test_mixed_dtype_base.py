@@ -1,0 +1,63 @@
+"""bfloat16 fine-tunes with a float32 base. The result of a method with a base is held in the base's dtype (the
+executor's reference, as in mergekit: its task arithmetic of such inputs writes float32). The streamed merge wrote
+float32; the merge in memory loaded the same float32 results into the bfloat16 ``--head-from`` model, so it wrote
+them rounded to bfloat16. Both now write the same tensors, bit for bit, under a config naming float32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_cli
+from factories import make_model
+
+
+def _tensors(folder) -> dict:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed")
+    base = make_model("llama", head=True, dtype=torch.float32, seed=0)
+    base.save_pretrained(root / "base")
+    for i in (1, 2):
+        ft = make_model("llama", head=True, dtype=torch.float32, seed=0)
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for p in ft.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=gen))
+        ft.to(torch.bfloat16).save_pretrained(root / f"ft{i}")
+    return root
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties"])
+def test_memory_and_stream_write_the_base_dtype_bit_for_bit(family, tmp_path, method):
+    outs = {}
+    for mode in ("memory", "stream"):
+        outs[mode] = tmp_path / mode
+        assert run_cli("merge", family / "ft1", family / "ft2", "--base", family / "base", "--method", method,
+                       "--mode", mode, "--progress", "none", "-o", outs[mode]) == 0
+        assert {t.dtype for t in _tensors(outs[mode]).values()} == {torch.float32}, mode
+        assert json.loads((outs[mode] / "config.json").read_text())["dtype"] == "float32", mode
+    a, b = _tensors(outs["memory"]), _tensors(outs["stream"])
+    assert set(a) == set(b)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    # not the bfloat16 rounding of it: some merged entries are no bfloat16 value
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in a.values())
+
+
+def test_in_result_dtype_leaves_the_holder_untouched():
+    from symmerge.merge.fuse import in_result_dtype
+
+    holder = make_model("llama", head=True, dtype=torch.bfloat16, seed=0)
+    merged = {k: v.float() for k, v in holder.state_dict().items()}
+    cast = in_result_dtype(holder, merged)
+    assert cast is not holder and cast.dtype == torch.float32 and holder.dtype == torch.bfloat16
+    assert in_result_dtype(holder, {k: v for k, v in holder.state_dict().items()}) is holder
