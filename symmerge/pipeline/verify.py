@@ -154,9 +154,37 @@ def verify_forward(model, aligned, spec: Spec, tol: float | None = None, inputs:
     diff = compare(model, aligned, inputs or sample_inputs(model, spec), spec.outputs)
     if not diff["max_rel_diff"] <= tol:
         raise SymmergeError(f"aligned model is not equivalent: max relative output difference "
-                            f"{diff['max_rel_diff']:.3g} > {tol:.3g}")
+                            f"{diff['max_rel_diff']:.3g} > {tol:.3g}{_unmoved_readers(model, aligned, spec)}")
     return {"verify_max_abs_diff": diff["max_abs_diff"], "verify_max_rel_diff": diff["max_rel_diff"],
             "verify_tolerance": tol}
+
+
+def _unmoved_readers(model, aligned, spec: Spec) -> str:
+    """The failed verification's hint when the residual stream moved (the input embeddings changed): the floating
+    tensors of the stream's width the alignment left as they were — a head or tensor the family's spec does not
+    declare, which reads or writes the stream (GPT2DoubleHeadsModel's multiple-choice head, the mask token and
+    decoder of ViTForMaskedImageModeling); '' when there is none."""
+    width = getattr(model.config, "hidden_size", None)
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return ""
+    if not isinstance(width, int) or not isinstance(embeddings, torch.nn.Module):
+        return ""
+    weight = next((p for p in embeddings.parameters() if width in p.shape), None)
+    before, after = model.state_dict(), aligned.state_dict()
+    name = next((k for k, p in model.named_parameters() if p is weight), None)
+    if name is None or name not in after or torch.equal(before[name], after[name].to(weight.dtype)):
+        return ""
+    # a tensor of equal entries (a fresh norm's ones, a zero bias) is its own image under a permutation: not kept
+    kept = [k for k, v in before.items() if v.is_floating_point() and width in v.shape and k in after
+            and bool((v != v.flatten()[0]).any()) and torch.equal(v, after[k].to(v.dtype))]
+    if not kept:
+        return ""
+    more = f" and {len(kept) - 3} more" if len(kept) > 3 else ""
+    return (f"; the residual stream moved but {', '.join(kept[:3])}{more} (of its width {width}) did not: "
+            f"{type(model).__name__} has a head or tensor the {spec.family} symmetry spec does not declare; align "
+            f"the model's base class, or leave out the 'residual' symmetry")
 
 
 def _dtype(model) -> torch.dtype:
