@@ -102,7 +102,8 @@ def merge_options(args):
     return MergeOptions(
         method=args.method, align=align_options(args, args.align, verify=not args.no_verify), repair=args.repair,
         repair_channels=parse_channels(args.repair_channels), repair_samples=args.repair_samples,
-        anchor=parse_anchor(args.anchor), data=list(args.data or []), eval_data=list(args.eval_data or []),
+        anchor=parse_anchor(args.anchor, args.models), data=list(args.data or []),
+        eval_data=list(args.eval_data or []),
         weights=parse_weights(args.weights), params=check_param_values(args.method, parse_params(args.param)),
         base=args.base, heads=args.heads, head_from=args.head_from, device=args.device, fisher_variant=args.fisher,
         fisher_normalize=args.fisher_normalize, fisher_samples=args.fisher_samples, gram_normalize=not args.gram_sum,

@@ -163,14 +163,24 @@ def parse_weights(text):
         raise SymmergeError(f"--weights expects comma-separated numbers, got {text!r}") from None
 
 
-def parse_anchor(text):
-    """``--anchor``: a model's index, or a folder."""
+def parse_anchor(text, models=()):
+    """``--anchor``: a model's index, or a folder. A number that also names a folder is one error unless it is that
+    model's folder (``--anchor 2`` beside a folder ``2``: write ``./2`` for the folder)."""
+    from pathlib import Path
+
     if text is None:
         return None
     try:
-        return int(text)
+        index = int(text)
     except ValueError:
         return text
+    folder = Path(text).expanduser()
+    if folder.is_dir() and not (0 <= index < len(models) and Path(models[index]).expanduser().resolve()
+                                == folder.resolve()):
+        model = f"model {index} ({models[index]})" if 0 <= index < len(models) else f"model index {index}"
+        raise SymmergeError(f"--anchor {text} reads as both {model} and the folder {text!r}: write ./{text} for the "
+                            "folder, or rename it")
+    return index
 
 
 def parse_layers(value):

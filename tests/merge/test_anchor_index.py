@@ -117,3 +117,27 @@ def test_an_anchor_folder_that_is_one_of_the_models_is_its_index(three, tmp_path
 
     a, b = (load_file(str(outs[k] / "model.safetensors")) for k in ("folder", "index"))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_a_number_that_is_also_a_folder_is_one_line_unless_it_is_that_model(three, tmp_path, monkeypatch, capsys):
+    """``--anchor 1`` beside a folder ``1``: the index and the folder would be two anchors (the index won, in
+    silence). One line naming both, unless the folder is that model; ``./1`` is the folder."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(three[2], tmp_path / "1")
+    capsys.readouterr()
+    assert run_cli("merge", three[0], three[1], "-o", "out", "--method", "average", "--anchor", "1",
+                   "--progress", "none") == 2
+    err = capsys.readouterr().err
+    assert err == (f"symmerge: error: --anchor 1 reads as both model 1 ({three[1]}) and the folder '1': write ./1 for "
+                   "the folder, or rename it\n") and not (tmp_path / "out").exists()
+    # the folder is model 1 itself: one meaning, accepted; ./1 names the folder
+    assert run_cli("merge", three[0], "1", "-o", "out1", "--method", "average", "--anchor", "1",
+                   "--progress", "none") == 0
+    assert run_cli("merge", three[0], three[1], "-o", "out2", "--method", "average", "--anchor", "./1",
+                   "--progress", "none") == 0
+    import json
+
+    report = json.loads((tmp_path / "out2" / "symmerge_report.json").read_text())
+    assert report["alignment"]["anchor"]["index"] is None and report["alignment"]["anchor"]["name"] == "./1"
