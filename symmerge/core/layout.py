@@ -4,6 +4,7 @@ layout of a loaded model is :func:`symmerge.io.layout.layout_of`."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..errors import SymmergeError
@@ -34,6 +35,7 @@ def check_layouts(layouts: list[Layout], hint: str = "") -> None:
                                 f"{other.name} has {_heads(other.heads)}")
         if ref.shapes.keys() != other.shapes.keys():
             _part_of(ref, other)
+            _experts_stored_apart(ref, other)
             only_ref = sorted(set(ref.shapes) - set(other.shapes))[:3]
             only_other = sorted(set(other.shapes) - set(ref.shapes))[:3]
             where = [f"only in {x.name}: {[x.disk(k) for k in keys]}" for x, keys in ((ref, only_ref),
@@ -50,6 +52,26 @@ def check_layouts(layouts: list[Layout], hint: str = "") -> None:
 def _heads(heads) -> str:
     """A head count, or the per-sub-config counts of a model made of several (CLIP: text_config 8, ...)."""
     return ", ".join(f"{name} {h}" for name, h in heads) if isinstance(heads, tuple) else str(heads)
+
+
+PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # experts.3.gate_proj.weight: one stored tensor per expert
+FUSED_EXPERTS = re.compile(r"\.experts\.[A-Za-z_]+$")  # experts.gate_up_proj: every expert in one tensor
+
+
+def _experts_stored_apart(a: Layout, b: Layout) -> None:
+    """Two checkpoints of one mixture of experts, one storing a tensor per expert (as ``save_pretrained`` writes
+    it), the other the experts fused (transformers 5's in-memory layout, saved as it is): the tensors read as
+    stored do not pair. One error saying so, and the ways out, not "architectures differ"."""
+    for per, fused in ((a, b), (b, a)):
+        only_per = list(set(per.shapes) - set(fused.shapes))
+        only_fused = list(set(fused.shapes) - set(per.shapes))
+        if (only_per and only_fused and all(PER_EXPERT.search(per.disk(k)) for k in only_per)
+                and all(FUSED_EXPERTS.search(fused.disk(k)) for k in only_fused)):
+            raise SymmergeError(
+                f"{per.name} stores its experts one tensor per expert ({per.disk(min(only_per, key=per.disk))}), "
+                f"{fused.name} fused over the experts ({fused.disk(min(only_fused, key=fused.disk))}): one model "
+                "in two layouts, whose tensors read as stored do not pair; merge in memory (--mode memory), or save "
+                f"{fused.name} again with transformers' save_pretrained, which writes a tensor per expert")
 
 
 def _part_of(a: Layout, b: Layout) -> None:
