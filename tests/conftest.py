@@ -306,6 +306,18 @@ def lm_eval(model, path, tokenizer_folder) -> tuple[float, int]:
     return loss, int(enc["attention_mask"].sum()) - len(lines)
 
 
+def folder_tensors(folder) -> dict:
+    """Every tensor of the HF folder ``folder``'s safetensors files, as stored."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
 def hf_load(folder):
     """The folder loaded by transformers itself (the class its config names), in eval mode."""
     import transformers

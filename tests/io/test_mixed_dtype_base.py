@@ -9,17 +9,9 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import run_cli
+from conftest import folder_tensors, run_cli
 from factories import make_model
-
-
-def _tensors(folder) -> dict:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +36,9 @@ def test_memory_and_stream_write_the_base_dtype_bit_for_bit(family, tmp_path, me
         outs[mode] = tmp_path / mode
         assert run_cli("merge", family / "ft1", family / "ft2", "--base", family / "base", "--method", method,
                        "--mode", mode, "--progress", "none", "-o", outs[mode]) == 0
-        assert {t.dtype for t in _tensors(outs[mode]).values()} == {torch.float32}, mode
+        assert {t.dtype for t in folder_tensors(outs[mode]).values()} == {torch.float32}, mode
         assert json.loads((outs[mode] / "config.json").read_text())["dtype"] == "float32", mode
-    a, b = _tensors(outs["memory"]), _tensors(outs["stream"])
+    a, b = folder_tensors(outs["memory"]), folder_tensors(outs["stream"])
     assert set(a) == set(b)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
     # not the bfloat16 rounding of it: some merged entries are no bfloat16 value

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
+from conftest import folder_tensors, run_cli
 from factories import make_model
 
 
@@ -22,13 +22,6 @@ def _stale(folder, stored, config_says):
     config = json.loads((folder / "config.json").read_text())
     config["dtype"] = config_says
     (folder / "config.json").write_text(json.dumps(config))
-
-
-def _tensors(folder) -> dict:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 @pytest.fixture(scope="module", params=[(torch.bfloat16, "float32"), (torch.float32, "bfloat16")],
@@ -49,10 +42,10 @@ def test_merge_in_memory_and_streamed_write_the_stored_dtype_and_say_so(stale, t
         outs[mode] = tmp_path / mode
         assert run_cli("merge", root / "a", root / "b", "--method", "average", "--align", "none", "--mode", mode,
                        "--progress", "none", "-o", outs[mode]) == 0
-        tensors = _tensors(outs[mode])
+        tensors = folder_tensors(outs[mode])
         assert {t.dtype for t in tensors.values()} == {stored}, mode
         assert json.loads((outs[mode] / "config.json").read_text())["dtype"] == str(stored).removeprefix("torch.")
-    a, b = _tensors(outs["memory"]), _tensors(outs["stream"])
+    a, b = folder_tensors(outs["memory"]), folder_tensors(outs["stream"])
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -61,7 +54,7 @@ def test_align_and_align_stream_write_the_stored_dtype_and_say_so(stale, tmp_pat
     for flags in ((), ("--stream",)):
         out = tmp_path / ("stream" if flags else "memory")
         assert run_cli("align", root / "a", root / "b", *flags, "--progress", "none", "-o", out) == 0
-        assert {t.dtype for t in _tensors(out).values()} == {stored}, flags
+        assert {t.dtype for t in folder_tensors(out).values()} == {stored}, flags
         assert json.loads((out / "config.json").read_text())["dtype"] == str(stored).removeprefix("torch.")
 
 

@@ -13,17 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import npz_file, run_cli, vit_folder
+from conftest import folder_tensors, npz_file, run_cli, vit_folder
 from factories import make_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def _tensors(folder) -> dict:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 def _printed(capsys, *argv) -> dict:
@@ -109,7 +102,7 @@ def test_the_plan_is_what_align_runs_and_its_report(llamas, tmp_path, capsys, sy
     if stream:
         assert "residual" not in plan["symmetries"]
     # the steps are what ran: copied tensors are the input's bits, changed tensors are planned transforms
-    before, after = _tensors(llamas[0]), _tensors(out)
+    before, after = folder_tensors(llamas[0]), folder_tensors(out)
     steps = {s["tensor"]: s for s in plan["steps"]}
     assert set(after) == set(steps)
     changed = {k for k in after if not torch.equal(after[k], before[k])}
@@ -405,7 +398,7 @@ def test_the_streamed_plan_is_the_streamed_alignment(tmp_path, family):
     report = align_to_folder(tmp_path / "0", tmp_path / "1", tmp_path / "out", opts, stream=True, progress=False)
     assert set(plan.instances) == set(report["per_module"]) and plan.instances
     assert report["plan"] == plan.describe() and report["symmetries"] == list(plan.symmetries)
-    before, after = _tensors(tmp_path / "0"), _tensors(tmp_path / "out")
+    before, after = folder_tensors(tmp_path / "0"), folder_tensors(tmp_path / "out")
     assert set(before) == set(after)
     from symmerge.io.checkpoint import LazyCheckpoint
 
