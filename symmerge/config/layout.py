@@ -35,6 +35,9 @@ class Layout:
     pre: tuple = ()
     post: tuple = field(default_factory=tuple)
     optional: tuple = ()  # layer suffixes only some layers hold (a module of symmerge.config.modules)
+    # layers of several kinds (a dense FFN among mixtures of experts: Qwen2-MoE's mlp_only_layers): each layer's
+    # suffixes, which a slice must keep in place (); () when every layer holds the same tensors
+    layer_sets: tuple = ()
 
     def layer_name(self, i: int, suffix: str) -> str:
         return f"{self.prefix}{i}{suffix}"
@@ -67,17 +70,21 @@ def from_names(folder, config: dict, shapes: dict, dtypes: dict) -> Layout:
         raise SymmergeError(f"{folder}: cannot find its {layers} layers in the tensor names (no NAME.{{i}}.… for "
                             f"i = 0 … {layers - 1})")
     stack = by_prefix[prefix]
-    suffixes = stack[0]
-    for i in range(layers):
-        if stack[i] != suffixes:
-            odd = sorted(stack[i] ^ suffixes)[0]
-            raise SymmergeError(f"{folder}: layer {i} has different tensors than layer 0 ({prefix}{i}{odd}): "
-                                "slices and gradients need layers of one template")
+    per = [frozenset(stack[i]) for i in range(layers)]
+    common = frozenset.intersection(*per)
+    mixed = any(p != per[0] for p in per)
     rest = [n for n in shapes if not (n.startswith(prefix) and _INDEX.match(n) and _INDEX.match(n).group(1) == prefix)]
     pre = tuple(sorted(n for n in rest if any(m in n for m in PRE_MARKERS)))
     post = tuple(sorted(n for n in rest if n not in pre))
-    order = sorted(suffixes)
-    return Layout(str(folder), config, dict(shapes), dict(dtypes), layers, key, prefix, tuple(order), pre, post)
+    return Layout(str(folder), config, dict(shapes), dict(dtypes), layers, key, prefix, tuple(sorted(common)), pre,
+                  post, tuple(sorted(frozenset.union(*per) - common)), tuple(per) if mixed else ())
+
+
+def layer_kind(lay: Layout, i: int) -> frozenset | None:
+    """The suffixes layer ``i`` of ``lay`` holds, or None past its layers."""
+    if not 0 <= i < lay.layers:
+        return None
+    return lay.layer_sets[i] if lay.layer_sets else frozenset(lay.suffixes + lay.optional)
 
 
 def read_names(folder, ckpt=None) -> tuple[dict, dict, dict]:

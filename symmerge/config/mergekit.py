@@ -893,6 +893,7 @@ class Planner:
             n = sl.sources[0].b - sl.sources[0].a
             for j in range(n):
                 t = j / (n - 1) if n > 1 else 1.0
+                self._layer_in_place(doc, inputs, lays, out_lay, sl, j, out_i)
                 for suffix in out_lay.suffixes + out_lay.optional:
                     pairs = [(s, lays[s.model].layer_name(s.a + j, suffix)) for s in sl.sources]
                     if suffix in out_lay.optional and any(n not in lays[s.model].shapes for s, n in pairs):
@@ -903,6 +904,24 @@ class Planner:
         for name in out_lay.post:
             one(name, last, [(s, name) for s in last.sources], 0.0, last.where)
         return steps, shapes, out_i, lays, out_lay
+
+    @staticmethod
+    def _layer_in_place(doc, inputs, lays, out_lay, sl: _Slice, j: int, out_i: int) -> None:
+        """Layers of several kinds (a dense FFN among mixtures of experts) merge where each source layer holds the
+        tensors the output's layer ``out_i`` holds in the config written (``out_lay``'s); a slice that puts one
+        kind where the config says another is one error."""
+        if not (out_lay.layer_sets or any(lays[s.model].layer_sets for s in sl.sources)):
+            return
+        want = layouts.layer_kind(out_lay, out_i)
+        for s in sl.sources:
+            have = layouts.layer_kind(lays[s.model], s.a + j)
+            if have != want:
+                odd = sorted(have ^ want)[0] if have is not None and want is not None else ""
+                where = f" ({lays[s.model].layer_name(s.a + j, odd)})" if odd else ""
+                raise doc.error(f"model {inputs[s.model].label!r}: layer {s.a + j} holds other tensors{where} than "
+                                f"layer {out_i} of the output (as {out_lay.folder}'s config.json lays out its "
+                                "layers of several kinds): slices that move such layers need layers of one "
+                                "template", *s.where)
 
     def _step_params(self, doc, inputs, names, mk_name, sl: _Slice, merged, out_name, t, where) -> tuple:
         """(the per-model weights or None, the parameters) of one merged output tensor ``out_name``: every
