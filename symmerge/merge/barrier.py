@@ -251,6 +251,22 @@ def _star_anchor(models, names) -> int:
 
 
 @keeps_models
+def evaluation_copies(models) -> tuple[list, dict | None]:
+    """(the models a study aligns, interpolates and evaluates, the report's ``working_copies`` entry or None): float32
+    copies of models stored in a half dtype (bfloat16, float16) or in several dtypes, else the models themselves.
+    In bfloat16 the interpolated weights and every forward pass are rounded to 8 bits of mantissa, so two fine-tunes'
+    barriers (a few thousandths of a nat) sat at that rounding's level; the path is the same, measured in float32."""
+    from ..pipeline.verify import working_copies
+
+    work = working_copies(models)
+    if all(w is m for w, m in zip(work, models)):
+        return list(models), None
+    stored = [str(next(m.parameters()).dtype).removeprefix("torch.") for m in models]
+    return work, {"dtype": "float32", "stored": stored,
+                  "note": "interpolated and evaluated on float32 copies of the models (their stored weights, exactly): "
+                          "the losses are the path's in float32 arithmetic, not in the stored dtype's rounding"}
+
+
 def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """Interpolation curves and barriers of A and B on ``data``, for no alignment and each variant of
     ``options.aligns`` (a :class:`BarrierOptions`, or its fields as keywords), with REPAIR curves when
@@ -272,6 +288,7 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
         a, b = as_model(model_a, allow_pickle, spec=False), as_model(model_b, allow_pickle, spec=False)
     (a, b), adapted = adapt_models([a, b], names)  # a base model and a fine-tune: both the fine-tune's class
     check_same_shapes(a, b, names)
+    (a, b), evaluated_in = evaluation_copies([a, b])
     base = read_once(base, [a, b], progress=progress)  # read once for every variant
     variants = _variants(plan, base)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
@@ -287,7 +304,8 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
               "rescale": base.rescale, "device": str(dev),
               "endpoints": {"A": evaluate(a, d, device=dev, progress=progress, desc="evaluating A"),
                             "B": evaluate(b, d, device=dev, progress=progress, desc="evaluating B")},
-              "curves": {}, "distances": {}, "tokenizer": tokenizer, **({"base_adapted": adapted} if adapted else {})}
+              "curves": {}, "distances": {}, "tokenizer": tokenizer, **({"base_adapted": adapted} if adapted else {}),
+              **({"working_copies": evaluated_in} if evaluated_in else {})}
     a.to("cpu"), b.to("cpu")
     for v, opts in variants.items():
         t = time.perf_counter()
@@ -412,6 +430,18 @@ def write_study(result: dict, out) -> Path:
 
 
 @keeps_models
+def _load_many(models, names, allow_pickle: bool, progress: bool) -> tuple[list, list, dict | None]:
+    """(the models studied, the base-class inputs read as the fine-tunes' class, the ``working_copies`` entry):
+    loaded, of one shape, on float32 copies where stored in a half dtype (:func:`evaluation_copies`)."""
+    with stage(f"loaded {len(models)} models", enabled=progress):
+        loaded = [as_model(x, allow_pickle) for x in models]
+    loaded, adapted = adapt_models(loaded, names)  # base-class models read as the fine-tunes' class
+    for i in range(1, len(loaded)):
+        check_same_shapes(loaded[0], loaded[i], (names[0], names[i]))
+    loaded, evaluated_in = evaluation_copies(loaded)
+    return loaded, adapted, evaluated_in
+
+
 def barrier_many(models, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """N ≥ 2 models: for no alignment and each variant of ``options.aligns`` (a :class:`BarrierOptions`, or
     its fields as keywords; every model brought into one frame by joint alignment,
@@ -433,11 +463,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
     dev = resolve_device(device)
     names = list(plan.models)
     tokenizer = check_tokenizers(list(zip(names, models)), o.allow_tokenizer_mismatch)  # before a model is read
-    with stage(f"loaded {len(models)} models", enabled=progress):
-        loaded = [as_model(x, allow_pickle) for x in models]
-    loaded, adapted = adapt_models(loaded, names)  # base-class models read as the fine-tunes' class
-    for i in range(1, len(loaded)):
-        check_same_shapes(loaded[0], loaded[i], (names[0], names[i]))
+    loaded, adapted, evaluated_in = _load_many(models, names, allow_pickle, progress)
     base = read_once(base, loaded, progress=progress)  # read once for every variant
     variants = _variants(plan, base)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
@@ -453,7 +479,8 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
               "device": str(dev), "endpoints": dict(zip(names, endpoints)),
               "endpoints_mean": {k: sum(e[k] for e in endpoints) / len(endpoints) for k in ("loss", "accuracy")},
               "ensemble": evaluate_ensemble(loaded, d, device=dev, progress=progress), "variants": {},
-              "tokenizer": tokenizer, **({"base_adapted": adapted} if adapted else {})}
+              "tokenizer": tokenizer, **({"base_adapted": adapted} if adapted else {}),
+              **({"working_copies": evaluated_in} if evaluated_in else {})}
     for x in loaded:
         x.to("cpu")
     n = len(loaded)
