@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import folder_tensors
 from factories import FAMILIES, make_model
-from test_plans import _tensors
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -68,10 +68,10 @@ def test_both_wings_write_what_the_plan_says(tmp_path, stream):
     target, sibling = "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.up_proj.weight"
     assert {s.tensor: s.op for s in plan.steps}[target] == "transform"
     edited = _without_maps(plan, target)
-    before = _tensors(tmp_path / "0")
+    before = folder_tensors(tmp_path / "0")
     if stream:
         align_streaming(tmp_path / "0", tmp_path / "1", tmp_path / "out", plan.options, progress=False, plan=edited)
-        after = _tensors(tmp_path / "out")
+        after = folder_tensors(tmp_path / "out")
     else:
         after = align_pair(tmp_path / "0", tmp_path / "1", plan.options, plan=edited).model.state_dict()
     assert torch.equal(after[target], before[target])
