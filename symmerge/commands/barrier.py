@@ -108,7 +108,7 @@ def _study_options(args, options, channels):
                           allow_pickle=args.allow_pickle, align=options, repair=args.repair and not many,
                           repair_channels=channels, repair_samples=args.repair_samples,
                           allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
-                          joint_rounds=args.joint_rounds, joint_refine=args.joint_refine if many else None,
+                          joint_rounds=args.joint_rounds, joint_refine=args.joint_refine,
                           temperature=args.temperature)
 
 
