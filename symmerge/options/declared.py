@@ -354,8 +354,8 @@ OPTIONS = (
     opt("learn_max_length", "--learn-max-length", on=ALIGNING, part=ALIGNMENT, parse=int,
         minimum=MINIMA["learn_max_length"], metavar="TOKENS",
         learn="max_length",
-        help="--match learned, text: the alignment texts truncated to this many tokens (default: the model's "
-             "context)"),
+        help="--match learned, text: the alignment texts truncated to this many tokens (default: 512, or the "
+             "model's context where shorter)"),
     opt("learn_precision", "--learn-precision", on=ALIGNING, part=ALIGNMENT, choices=LEARN_PRECISIONS,
         learn="precision",
         help="--match learned: the training steps and the endpoints' predictions in float32 (default) or under "
