@@ -151,13 +151,14 @@ def build_parser():
 
 
 def _quiet(args) -> None:
-    """``-q`` / ``--quiet`` of align, merge, barrier, demo and extract-lora: ``--progress none`` (with another
-    ``--progress`` given, one error: which of the two was meant is not clear); run and moe read their mergekit
-    ``--quiet`` themselves."""
-    if getattr(args, "quiet", False) is True and args.command not in ("run", "moe"):
-        if args.progress not in ("auto", "none"):
+    """``-q`` / ``--quiet`` of every command: ``--progress none`` (with another ``--progress`` given, one error:
+    which of the two was meant is not clear); run and moe read their mergekit ``--quiet`` themselves (beside
+    mergekit's ``-v``), after the same check."""
+    if getattr(args, "quiet", False) is True:
+        if getattr(args, "progress", "auto") not in ("auto", "none"):
             args.subparsers[args.command].error(f"--quiet and --progress {args.progress}: give one")
-        args.progress = "none"
+        if args.command not in ("run", "moe"):
+            args.progress = "none"
 
 
 def _run(argv) -> int:

@@ -45,10 +45,13 @@ def test_quiet_shows_no_progress(pair, tmp_path, capfd, name):
         assert " s] " not in err and "it/s" not in err, err
 
 
-def test_quiet_beside_another_progress_mode_is_one_error(pair, tmp_path, capsys):
+@pytest.mark.parametrize("name", ["align", "run"])
+def test_quiet_beside_another_progress_mode_is_one_error(pair, tmp_path, capsys, name):
+    """run (and moe) read mergekit's --quiet themselves, and it won over --progress lines in silence."""
+    line = _commands(*pair, str(tmp_path / "o"))[name]
     with pytest.raises(SystemExit) as e:
-        main(["align", *pair, "-o", str(tmp_path / "o"), "-q", "--progress", "bar"])
+        main([*line, "-q", "--progress", "bar"])
     assert e.value.code == 2
     assert "--quiet and --progress bar: give one" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
-    assert main(["align", *pair, "-o", str(tmp_path / "o"), "-q", "--progress", "none"]) == 0
+    assert main([*line, "-q", "--progress", "none"]) == 0
