@@ -89,7 +89,8 @@ def _run(args) -> int:
     from .config_options import namespace
 
     given = dict(output=args.out or args.output, align=args.align, seed=args.random_seed,
-                 truncate_embeddings=args.unsafe_truncate_embeddings)
+                 truncate_embeddings=args.unsafe_truncate_embeddings,
+                 needs_output=not (args.print_plan or args.print_command))
     desc = describe(args.config, **given, merge_adapters=False)  # BASE+ADAPTER inputs planned on their bases
     if desc.mergekit and _reads_adapters(desc):  # every refusal that needs no merge made before any adapter is merged
         from ..config.run import model_folders
@@ -142,7 +143,7 @@ def _run(args) -> int:
 
             print(describe_line(desc.alignment))
         for job in desc.jobs:
-            where = desc.output if job.final else f"<intermediate {job.name}>"
+            where = (desc.output or "OUT") if job.final else f"<intermediate {job.name}>"
             print(f"merge {job.name or ''} {job.method}: {len(job.steps)} tensors, {job.layers} layers -> {where}"
                   .replace("  ", " "))
         return 0

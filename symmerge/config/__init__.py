@@ -104,14 +104,16 @@ def _moe(doc: Doc) -> None:
                         "'symmerge moe CONFIG OUT' runs (symmerge run takes mergekit-yaml configs)", found[0])
 
 
-def describe(path, output=None, align=None, seed=None, truncate_embeddings=False, merge_adapters=True) -> Description:
+def describe(path, output=None, align=None, seed=None, truncate_embeddings=False, merge_adapters=True,
+             needs_output: bool = True) -> Description:
     """The description of config ``path``; ``output``: the output folder given on the command line (else the
     config's ``output``); ``align``: ``--align`` given on the command line (asks for symmerge's merge);
     ``truncate_embeddings``: mergekit-yaml's ``--unsafe-truncate-embeddings``. The config's
     ``trust_remote_code: true`` lets model folders' code run while it is planned (and, through
     ``Description.trust_remote_code``, while it runs). ``merge_adapters=False``: a ``BASE+ADAPTER`` input planned
     on its base's folder, no adapter merged (every refusal of the plan, and of the output, before any merge:
-    ``symmerge run``); its description is for checking, not for running."""
+    ``symmerge run``); its description is for checking, not for running. ``needs_output=False``: a mergekit config
+    without an output folder is described with none (``--print-plan``, ``--print-command``: nothing is written)."""
     from ..io.hf import remote_code_allowed, trust_remote_code
 
     docs = read_documents(path)
@@ -119,11 +121,12 @@ def describe(path, output=None, align=None, seed=None, truncate_embeddings=False
         _moe(d)
     trust = _remote_code_key(docs)
     with trust_remote_code(trust or remote_code_allowed()):
-        return _describe(docs, Path(path), output, align, seed, trust, truncate_embeddings, merge_adapters)
+        return _describe(docs, Path(path), output, align, seed, trust, truncate_embeddings, merge_adapters,
+                         needs_output)
 
 
 def _describe(docs, path: Path, output, align, seed, trust: bool, truncate_embeddings: bool,
-              merge_adapters: bool = True) -> Description:
+              merge_adapters: bool = True, needs_output: bool = True) -> Description:
     keyed = [(d, _symmerge_key(d)) for d in docs]
     symmerge = [(d, k) for d, k in keyed if k is not None]
     spec = None
@@ -141,7 +144,7 @@ def _describe(docs, path: Path, output, align, seed, trust: bool, truncate_embed
                       "(symmerge's own keys are for one-document configs)", k)
     if spec is None and align is not None and str(align).lower() != "none":
         raise SymmergeError("--align: a file of several merges is a mergekit config, merged without alignment")
-    if output is None and not any(k in d.data for d in docs for k in OUTPUT_KEYS):
+    if needs_output and output is None and not any(k in d.data for d in docs for k in OUTPUT_KEYS):
         raise SymmergeError(f"{path}: no output folder: symmerge run CONFIG.yml OUT (or -o OUT, or 'output:' in "
                             "the config)")
     planner = Planner(docs, seed=seed, truncate_embeddings=truncate_embeddings, merge_adapters=merge_adapters)
@@ -154,7 +157,7 @@ def _describe(docs, path: Path, output, align, seed, trust: bool, truncate_embed
     final = next(j for j in jobs if j.final)
     final_doc = next(d for d in docs if d.data.get("name") == final.name) if final.name else \
         next(d for d in docs if d.data.get("name") is None)
-    out = _output(docs, final_doc, output)
+    out = _output(docs, final_doc, output, needs_output)
     final.output = out
     for d in docs:
         if d is not final_doc:
@@ -177,7 +180,7 @@ def _naming_ignored(error: SymmergeError, warnings: list, path: Path) -> Symmerg
     return SymmergeError(f"{error}; keys ignored, perhaps misspelt: {'; '.join(shown)}")
 
 
-def _output(docs, doc, output):
+def _output(docs, doc, output, needs_output: bool = True):
     given = [(k, doc.data[k]) for k in OUTPUT_KEYS if k in doc.data]
     if len(given) > 1:
         raise doc.error(f"give one of {', '.join(k for k, _ in given)}", given[1][0])
@@ -188,6 +191,8 @@ def _output(docs, doc, output):
         if output is not None and Path(v) != Path(output):
             raise doc.error(f"the config writes to {v!r} and the command line to {str(output)!r}: give one", k)
         return Path(v)
+    if output is None and not needs_output:
+        return None
     if output is None:
         raise SymmergeError(f"{docs[0].path}: no output folder: symmerge run CONFIG.yml OUT (or -o OUT, or "
                             "'output:' in the config)")

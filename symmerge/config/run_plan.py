@@ -191,7 +191,7 @@ def plan_document(desc, job, method, model_type: str, labels=None, alignment=Non
     merge = MergePlan(method=method, names=names, model_type=model_type, mode="stream", why=MODE_WHY,
                       params=resolved_params(method, data), weights=resolved_weights(data), steps=list(job.steps),
                       **frame)
-    where = str(desc.output) if job.final else f"<intermediate {job.name}>"
+    where = (None if desc.output is None else str(desc.output)) if job.final else f"<intermediate {job.name}>"
     return DocumentPlan(job, merge, params, where, alignment)
 
 

@@ -405,3 +405,27 @@ def test_align_none_keeps_the_mergekit_meaning(llamas, tmp_path):
     cfg = _write(tmp_path, f"merge_method: linear\nmodels: [{a}, {b}]\nalign: recommended\neval_data: x.npz\n")
     desc = describe(cfg, output=tmp_path / "o")  # symmerge's own keys: the merge command
     assert not desc.mergekit and desc.argv[desc.argv.index("--align") + 1] == "recommended"
+
+
+@pytest.mark.parametrize("align", [None, "recommended"])
+def test_a_mergekit_config_prints_its_plan_without_an_output_folder(vits, tmp_path, capsys, align):
+    """``symmerge run CONFIG --print-plan`` (docs/plans.md: ``[OUT]``) stopped at 'no output folder' although it
+    writes nothing; so did ``--print-command``. Both now plan with no output (``output: null``, ``-> OUT``); a run
+    without one is still that error."""
+    cfg = _write(tmp_path, f"""\
+        merge_method: linear
+        models:
+          - model: {vits[0]}
+            parameters: {{weight: 0.5}}
+          - model: {vits[1]}
+            parameters: {{weight: 0.5}}
+        """ + (f"align: {align}\n" if align else ""))
+    capsys.readouterr()
+    assert run_cli("run", cfg, "--print-plan") == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["output"] is None
+    assert run_cli("run", cfg, "--print-command") == 0
+    assert capsys.readouterr().out.strip().endswith("-> OUT")
+    assert run_cli("run", cfg) == 2
+    assert "no output folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merge.yml", "vit0", "vit1", "vit2"]
