@@ -92,12 +92,13 @@ def _run(args) -> int:
                  truncate_embeddings=args.unsafe_truncate_embeddings,
                  needs_output=not (args.print_plan or args.print_command))
     desc = describe(args.config, **given, merge_adapters=False)  # BASE+ADAPTER inputs planned on their bases
-    if desc.mergekit and _reads_adapters(desc):  # every refusal that needs no merge made before any adapter is merged
+    if desc.mergekit:  # a cache in an input or in the output refused, adapters or not (as merge and extract-lora)
         from ..config.run import model_folders
         from ..io.lora import refuse_cache_in_inputs
 
         folders = model_folders(desc)
         refuse_cache_in_inputs(args.lora_merge_cache, folders, desc.output)
+    if desc.mergekit and _reads_adapters(desc):  # every refusal that needs no merge made before any adapter is merged
         if not (args.print_plan or args.print_command):
             from ..io.model import ensure_output_dir
 

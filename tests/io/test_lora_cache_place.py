@@ -84,6 +84,20 @@ def test_a_lora_merge_cache_in_the_output_is_refused_before_any_merge(inputs, tm
     assert not out.exists()
 
 
+@pytest.mark.parametrize("where", ["other/cache", "base/sub/cache", "out", "out/cache"])
+def test_run_refuses_the_same_places_without_an_adapter(inputs, tmp_path, capsys, where):
+    """A config with no BASE+ADAPTER input ran with the cache inside an input or the output, exit 0 (merge and
+    extract-lora refuse it whatever their inputs)."""
+    config = tmp_path / "plain.yml"
+    config.write_text(f"merge_method: linear\nmodels:\n  - model: {inputs / 'base'}\n    parameters: {{weight: 1}}\n"
+                      f"  - model: {inputs / 'other'}\n    parameters: {{weight: 1}}\n")
+    before, out = tree(inputs), tmp_path / "out"
+    cache = (tmp_path if where.startswith("out") else inputs) / where
+    line = refusal(capsys, ["run", config, out, "--lora-merge-cache", cache])
+    assert "--lora-merge-cache" in line, line
+    assert tree(inputs) == before and not out.exists()
+
+
 def test_a_base_and_an_adapter_with_long_names_are_merged(tmp_path, capsys):
     """Two folders of 150 characters (legal) made a cached merge's name of 314: 'file name too long'. A name that
     fits is kept as it was (earlier caches are found again)."""
