@@ -46,6 +46,15 @@ def model_index(index, n: int, what: str = "anchor index", among: str | None = N
     return index
 
 
+def whole_in_range(flag: str, minimum, value):
+    """``value``, a count (``--batch-size``, ``--max-examples``): :func:`in_range`, and a whole number (2.5 reached
+    torch as a batch size and a slice index)."""
+    in_range(flag, minimum, value)
+    if value is not None and not isinstance(value, int):
+        raise SymmergeError(f"{flag} must be a whole number >= {minimum:g}, got {value!r}")
+    return value
+
+
 def check(name: str, value):
     """``value`` of the option ``name`` (its config key and flag: ``max_sweeps``, ``--max-sweeps``) in its declared
     range (:data:`MINIMA`; a whole number unless :data:`FRACTIONAL`), else the flag's one line."""

@@ -44,10 +44,6 @@ def run(args) -> int:
     out = Path(args.output)
     if len(args.models) < 2:
         raise SymmergeError(f"barrier needs at least two models, got {len(args.models)}")
-    if len(args.models) > 2 and args.subsets:
-        raise SymmergeError("--subsets compares two models; give exactly two")
-    if args.temperature and len(args.models) > 2:
-        raise SymmergeError("--temperature calibrates the path between two models; give exactly two")
     if not args.print_plan:
         ensure_output_dir(out, inputs=args.models)
     options = align_options(args, RECOMMENDED_NAME, verify=not args.no_verify)

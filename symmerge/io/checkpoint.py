@@ -28,9 +28,16 @@ from .model import (SAFE_INDEX, SAFE_SINGLE, SAFETENSORS_DTYPES, check_finite, r
 
 
 def parse_size(value) -> int:
-    """'500MB', '2GB', '1.5GiB' or a number of bytes → bytes."""
+    """'500MB', '2GB', '1.5GiB' or a number of bytes → bytes; a number must be a whole one > 0 (the API's
+    ``shard_size=-1`` wrote one tensor per shard, NaN stopped in ``int()``)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise SymmergeError(f"a size is a whole number of bytes or a text such as 500MB or 2GB, got {value!r}")
     if isinstance(value, (int, float)):
+        if value <= 0:
+            raise SymmergeError(f"size must be positive, got {value!r}")
         return int(value)
+    if not isinstance(value, str):
+        raise SymmergeError(f"a size is a whole number of bytes or a text such as 500MB or 2GB, got {value!r}")
     text = str(value).strip().upper().replace(" ", "")
     units = {"KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "B": 1}
     for unit, factor in units.items():

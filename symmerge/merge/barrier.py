@@ -83,6 +83,9 @@ class BarrierOptions:
     def __post_init__(self):
         if isinstance(self.aligns, str):  # one variant: "attn,ffn" is one curve, not one per character
             object.__setattr__(self, "aligns", (self.aligns,))
+        if not isinstance(self.aligns, (tuple, list)):
+            raise UsageError(f"BarrierOptions(): aligns is a tuple of variants such as ('none', 'attn,ffn'), got "
+                             f"{self.aligns!r}")
         if not isinstance(self.align, AlignOptions):
             raise UsageError(f"BarrierOptions(): align must be an AlignOptions (the variants' symmetries go in "
                              f"aligns=), got {type(self.align).__name__}")
@@ -180,6 +183,7 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
     from ..families import supported_model_types
     from ..pipeline.align_plan import check_headers, plan_align
     from .plan import config_or_none, model_type_of, plain_fallback
+    from .repair import statistics_data
 
     o = options
     if len(models) < 2:
@@ -199,6 +203,11 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
                             "aligns each onto one fixed frame (joint alignment): use the one-sided frame, "
                             "or two models")
     refuse_unread_align_data(o.align, (o.repair, o.temperature))
+    if len(models) > 2 and o.subsets:  # barrier_many had no such study: dropped in silence
+        raise SymmergeError("--subsets compares two models; give exactly two")
+    if len(models) > 2 and o.temperature:
+        raise SymmergeError("--temperature calibrates the path between two models; give exactly two")
+    statistics_data(None, o.repair_samples)  # a whole number >= 1, whether or not REPAIR runs
     if not isinstance(data, Data):
         check_data_path(data)
     labels = ("A", "B") if len(models) == 2 else tuple(f"model {i}" for i in range(len(models)))
@@ -250,7 +259,6 @@ def _star_anchor(models, names) -> int:
     return info["index"]
 
 
-@keeps_models
 def evaluation_copies(models) -> tuple[list, dict | None]:
     """(the models a study aligns, interpolates and evaluates, the report's ``working_copies`` entry or None): float32
     copies of models stored in a half dtype (bfloat16, float16) or in several dtypes, else the models themselves.
@@ -267,6 +275,7 @@ def evaluation_copies(models) -> tuple[list, dict | None]:
                           "the losses are the path's in float32 arithmetic, not in the stored dtype's rounding"}
 
 
+@keeps_models
 def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """Interpolation curves and barriers of A and B on ``data``, for no alignment and each variant of
     ``options.aligns`` (a :class:`BarrierOptions`, or its fields as keywords), with REPAIR curves when
@@ -429,7 +438,6 @@ def write_study(result: dict, out) -> Path:
     return out
 
 
-@keeps_models
 def _load_many(models, names, allow_pickle: bool, progress: bool) -> tuple[list, list, dict | None]:
     """(the models studied, the base-class inputs read as the fine-tunes' class, the ``working_copies`` entry):
     loaded, of one shape, on float32 copies where stored in a half dtype (:func:`evaluation_copies`)."""
@@ -442,6 +450,7 @@ def _load_many(models, names, allow_pickle: bool, progress: bool) -> tuple[list,
     return loaded, adapted, evaluated_in
 
 
+@keeps_models
 def barrier_many(models, data, options: BarrierOptions | None = None, **keywords) -> dict:
     """N ≥ 2 models: for no alignment and each variant of ``options.aligns`` (a :class:`BarrierOptions`, or
     its fields as keywords; every model brought into one frame by joint alignment,

@@ -34,8 +34,8 @@ from ..io.tokenizers import check_tokenizers
 from ..pipeline.align import align_pair, as_model, canonical, load_align_data
 from ..pipeline.bound import bind
 from ..pipeline.data import read_once
-from ..option_ranges import check as check_range, in_range, model_index
-from ..pipeline.distill import DistillSettings, check_steps, distill
+from ..option_ranges import check as check_range, model_index, whole_in_range
+from ..pipeline.distill import DistillSettings, check_lr, check_steps, distill
 from ..pipeline.joint import align_joint
 from ..pipeline.options import JOINT_REFINE, RECOMMENDED_NAME, AlignOptions, refuse_unread_align_data
 from ..pipeline.recommend import frame_readers, held_symmetries, moves_heads_input, moving, recommended
@@ -106,6 +106,9 @@ class MergeOptions:
     shard_size: object = MERGE["shard_size"]  # the output's largest shard (streamed or written from memory)
 
     def __post_init__(self):
+        for name in ("data", "eval_data"):  # one file (or Data) for every model, as the keyword form takes it
+            if isinstance(getattr(self, name), (str, Path, Data)):
+                object.__setattr__(self, name, [getattr(self, name)])
         if isinstance(self.align, (str, list, tuple)):  # a symmetry list, as merge_models(align=...) takes it
             object.__setattr__(self, "align", AlignOptions(symmetries=self.align))
         if not isinstance(self.align, AlignOptions):
@@ -121,22 +124,32 @@ class MergeOptions:
                                 hint=hint)
 
     @classmethod
-    def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str = "joint",
-                      verify: bool = True, evaluate_result: bool = True, data=None, eval_data=None,
+    def from_keywords(cls, method: str = "average", align=RECOMMENDED_NAME, rescale: str | None = None,
+                      verify: bool | None = None, evaluate_result: bool | None = None, data=None, eval_data=None,
                       _owner: str = "merge_models()", **kw) -> "MergeOptions":
-        """The keyword form of :func:`merge_models` (``align``: a symmetry list or AlignOptions)."""
+        """The keyword form of :func:`merge_models` (``align``: a symmetry list or AlignOptions; ``rescale`` and
+        ``verify`` are the alignment's, beside a symmetry list only; ``evaluate`` or ``evaluate_result``)."""
         known = [f.name for f in fields(cls)] + ["rescale", "verify", "evaluate_result"]
         unknown = sorted(set(kw) - set(known))
         if unknown:
             raise unexpected_keyword(_owner, unknown[0], known)
-        if not isinstance(align, AlignOptions):
-            align = AlignOptions(symmetries=align, rescale=rescale, verify=verify)
+        if "evaluate" in kw and evaluate_result is not None:
+            raise UsageError(f"{_owner}: evaluate and evaluate_result are one option: give one")
+        evaluate = kw.pop("evaluate", evaluate_result)
+        if isinstance(align, AlignOptions):
+            given = [k for k, v in (("rescale", rescale), ("verify", verify)) if v is not None]
+            if given:  # they were dropped in silence: the AlignOptions' own values ran
+                raise UsageError(f"{_owner}: {' and '.join(given)} beside align=AlignOptions(...): give "
+                                 f"{'it' if len(given) == 1 else 'them'} in the AlignOptions")
+        else:
+            align = AlignOptions(symmetries=align, rescale="joint" if rescale is None else rescale,
+                                 verify=True if verify is None else verify)
 
         def items(x):
             return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
-        return cls(method=method, align=align, data=items(data), eval_data=items(eval_data), evaluate=evaluate_result,
-                   **kw)
+        return cls(method=method, align=align, data=items(data), eval_data=items(eval_data),
+                   evaluate=True if evaluate is None else evaluate, **kw)
 
     def check(self, n: int) -> "MergeOptions":
         """Validate against ``n`` models before any expensive step; returns the validated options (a new
@@ -149,7 +162,7 @@ class MergeOptions:
         params = m.check_params(dict(self.params or {}))
         for flag, value in (("--fisher-samples", self.fisher_samples), ("--batch-size", self.batch_size),
                             ("--max-examples", self.max_examples), ("--max-length", self.max_length)):
-            in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py); None: unset
+            whole_in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py); None: unset
         if self.fisher_variant not in FISHER_VARIANTS:
             raise SymmergeError(f"unknown Fisher variant {self.fisher_variant!r}; "
                                 f"choose {' or '.join(FISHER_VARIANTS)}")
@@ -189,8 +202,8 @@ class MergeOptions:
             raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass --align-data FILE")
         channels = parse_channels(self.repair_channels)
         statistics_data(None, self.repair_samples)  # a whole number >= 1
+        check_lr(self.distill_lr)  # a bad learning rate refused whether or not --distill asks for steps
         if check_steps(self.distill):
-            DistillSettings(steps=self.distill, lr=self.distill_lr)  # refuses a bad learning rate
             if self.align.align_data is None:
                 raise SymmergeError("--distill needs unlabeled data to distil on: pass --align-data FILE")
         refuse_unread_align_data(self.align, (self.repair, check_steps(self.distill)))

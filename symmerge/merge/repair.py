@@ -214,6 +214,9 @@ def _fold(module, mean, std, target_mean, target_std, kind: str, offset: float =
 
 def parse_channels(text) -> tuple[str, ...]:
     """``ffn,norm,qk`` (or a sequence of names) → the channel tuple, else one clear error."""
+    if not isinstance(text, (str, list, tuple)) or not all(isinstance(x, str) for x in text):
+        raise SymmergeError(f"REPAIR channels are a comma list such as 'ffn,norm' or a list of names; choose from "
+                            f"{', '.join(CHANNELS)}, got {text!r}")
     names = tuple(x.strip() for x in (text.split(",") if isinstance(text, str) else text) if x.strip())
     unknown = [c for c in names if c not in CHANNELS]
     if unknown or not names:
