@@ -51,18 +51,14 @@ def print_plan(models, options) -> int:
     (:func:`~symmerge.merge.stream.header_steps`), printed as JSON; nothing read beyond headers, nothing written."""
     import json
 
-    from ..families import spec_for
-    from ..merge.plan import has_spec, plan_merge
+    from ..merge.plan import plan_merge
     from ..merge.steps import describe_step
     from ..merge.stream import header_steps
 
     plan = plan_merge(list(models), options, mode=options.mode)
     options = plan.options  # validated
     steps = header_steps(list(models), options, plan)
-    align = plan.align
-    if align.recommended and has_spec(plan.model_type):  # the family's groups, as the anchor resolves it when bound
-        align = align.resolved(g.symmetry for g in spec_for(plan.model_type).groups)
-    alignment = {"requested": plan.requested, "symmetries": list(align.symmetries or []),
+    alignment = {"requested": plan.requested, "symmetries": plan.symmetries,
                  **({"note": plan.note} if plan.note else {})}
     print(json.dumps({"method": plan.method.name, "params": plan.params, "weights": plan.weights,
                       "models": plan.names, "base": str(options.base) if options.base is not None else None,

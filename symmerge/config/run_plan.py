@@ -41,7 +41,7 @@ class DocumentPlan:
                "layers": job.layers, "tensors": len(job.steps), "plan": self.merge.describe()}
         if self.alignment is not None:
             a = self.alignment
-            out["alignment"] = {"requested": a.requested, "symmetries": list(a.align.symmetries), "note": a.note,
+            out["alignment"] = {"requested": a.requested, "symmetries": a.symmetries, "note": a.note,
                                 **a.describe()}
         return out
 

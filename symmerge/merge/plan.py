@@ -36,7 +36,8 @@ from ..option_ranges import model_index
 from ..io.model import ShardIndexError, read_config, weight_files
 from ..pipeline.options import AlignOptions, refuse_unread_joint
 from ..pipeline.report import build_report
-from ..pipeline.recommend import BASE_NOTE, has_spec, plain_fallback, recommended  # noqa: F401 (the plan's rules)
+from ..pipeline.recommend import (BASE_NOTE, has_spec, model_wide, moving, plain_fallback,  # noqa: F401 (the plan's
+                                  recommended)  # rules)
 from .option_defaults import MERGE
 from .registry import get_method
 
@@ -278,6 +279,19 @@ class MergePlan:
     def aligns(self) -> bool:
         return bool(self.align.symmetries)
 
+    @property
+    def symmetries(self) -> list:
+        """The symmetries this merge aligns as far as the headers tell (what ``--print-plan`` shows): 'recommended'
+        among the family's groups, without the model-wide ones (the residual stream) when it streams, as the run
+        resolves it per anchor."""
+        align = self.align
+        if align.recommended and has_spec(self.model_type):
+            from ..families import spec_for
+
+            align = align.resolved(g.symmetry for g in spec_for(self.model_type).groups)
+        dropped = moving(align, model_wide) if self.mode == "stream" else []
+        return [s for s in align.symmetries or [] if s not in dropped]
+
     def alignment(self) -> dict:
         """The report's ``alignment`` entry before anything is measured."""
         out = {"symmetries": [], "requested": self.requested, "rescale": "none",
@@ -348,6 +362,8 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     if aligns and alone:  # an explicit list, checked: nothing aligned in either mode (a mergekit config's rule too)
         align, note, aligns = align.with_(symmetries=()), ONE_MODEL_LIST_NOTE, False
     mode, why = choose_mode(mode, m, options, models, aligns)
+    if aligns and mode == "stream" and not align.recommended:  # an explicit residual: refused now, as the run does
+        recommended(align, streamed=True)
     index, rule = anchor_rule(n, options.anchor, options.base is not None) if aligns else (None, None)
     if not aligns:
         frame = "none"
