@@ -153,10 +153,24 @@ class _Job:
     tensors it is given (the callers keep no reference): it empties them, a tensor of each model as soon as its
     new tensor is made, so the part's inputs and outputs are not all in memory at once."""
 
-    def __init__(self, ckpt_a, opts, timings, distances, lock, steps: dict, exact: bool = False):
+    def __init__(self, ckpt_a, opts, timings, distances, lock, steps: dict, exact: bool = False, bound=()):
         self.ckpt_a, self.opts, self.timings, self.distances, self.lock = ckpt_a, opts, timings, distances, lock
         self.steps = steps  # the plan's steps by tensor
         self.exact = exact  # --verify-forward of half-precision files: the float32 values before rounding too
+        # every per-layer instance bound, by layer: what a kind reads of the groups beside it (GQA heads pair their
+        # query heads on the attention groups' tensors, aligned or not), as the in-memory solve sees every one
+        self.bound: dict = defaultdict(list)
+        for inst in bound:
+            if inst.layer >= 0:  # a model-wide group (layer -1) is never a part's neighbour
+                self.bound[inst.layer].append(inst)
+
+    def context(self, part) -> SolveContext:
+        """The part's instances, and the bound ones of its layers that read only its tensors (not solved)."""
+        keys = {s.key for i in part for s in i.slots}
+        names = {i.name for i in part}
+        beside = [i for layer in {i.layer for i in part} for i in self.bound.get(layer, ())
+                  if i.name not in names and {s.key for s in i.slots} <= keys]
+        return SolveContext(list(part) + beside)
 
     def __call__(self, part, sd_a, sd_b, prepared=None) -> tuple:
         self._no_alias(sd_a)
@@ -165,7 +179,7 @@ class _Job:
         # solved on float32 copies of half tensors, as in memory (verify.working_copies): the head blocks are then
         # float64 (core.slots.precise_dtype), not float32; each copy is made when a kind reads the tensor
         elements = solve_local(part, Lifted(sd_a), Lifted(sd_b), self.opts, prepared=prepared,
-                               ctx=SolveContext(list(part)), timings=group_times)
+                               ctx=self.context(part), timings=group_times)
         t1 = time.perf_counter()
         verify_elements(part, elements)
         out, exact = {}, ({} if self.exact else None)
@@ -390,7 +404,7 @@ def align_streaming(model, anchor, out, options: AlignOptions | None = None, *, 
     timings: dict = defaultdict(float)
     distances = Distances()
     exact = verify_forward and _half(ckpt_a)  # half-precision files: checked on float32 values, as in memory
-    job = _Job(ckpt_a, opts, timings, distances, threading.Lock(), {st.tensor: st for st in plan.steps}, exact)
+    job = _Job(ckpt_a, opts, timings, distances, threading.Lock(), {s.tensor: s for s in plan.steps}, exact, plan.bound)
     with atomic_dir(out) as tmp:
         writer = ShardWriter(tmp, max_bytes)
         writers = (writer, _exact_writer(tmp, max_bytes) if exact else None)
