@@ -137,7 +137,13 @@ def check_heads_mergeable(models, names, labels: bool = True, why: str = "use --
 
 
 def anchor_proxy(model, anchor, body):
-    """``model`` carrying the anchor's body weights: lets models with different heads be aligned."""
+    """``model`` carrying the anchor's body weights: lets models with different heads be aligned. In the anchor's
+    dtype: a float32 base beside bfloat16 fine-tunes is aligned to and measured against as stored (the proxy had the
+    model's dtype, so the base's body was rounded to bfloat16 in memory and not streamed)."""
+    import copy
+
     sd = model.state_dict()
     asd = anchor.state_dict()
-    return with_state_dict(model, {k: (asd[k] if k in body else v) for k, v in sd.items()})
+    dtype = next(anchor.parameters()).dtype
+    holder = model if next(model.parameters()).dtype == dtype else copy.deepcopy(model).to(dtype)
+    return with_state_dict(holder, {k: (asd[k] if k in body else v) for k, v in sd.items()})

@@ -53,3 +53,21 @@ def test_in_result_dtype_leaves_the_holder_untouched():
     cast = in_result_dtype(holder, merged)
     assert cast is not holder and cast.dtype == torch.float32 and holder.dtype == torch.bfloat16
     assert in_result_dtype(holder, {k: v for k, v in holder.state_dict().items()}) is holder
+
+
+def test_an_aligned_merge_measures_against_the_base_as_stored_in_both_modes(family, tmp_path):
+    """The in-memory anchor proxy (the model carrying the base's body) had the model's dtype, so the float32 base
+    was aligned to and measured against as rounded to bfloat16: alignment.models' distances differed from the
+    streamed merge's, which reads the base as stored."""
+    reports, tensors = {}, {}
+    for mode in ("memory", "stream"):
+        out = tmp_path / mode
+        assert run_cli("merge", family / "ft1", family / "ft2", "--base", family / "base", "--method",
+                       "task_arithmetic", "--align", "heads,ffn", "--mode", mode, "--progress", "none", "-o", out) == 0
+        reports[mode] = json.loads((out / "symmerge_report.json").read_text())["alignment"]["models"]
+        tensors[mode] = folder_tensors(out)
+    moved = [(m, s) for m, s in zip(reports["memory"], reports["stream"]) if not m["anchor"]]
+    assert len(moved) == 2
+    for m, s in moved:
+        assert (m["distance_before"], m["distance_after"]) == (s["distance_before"], s["distance_after"])
+    assert [k for k in tensors["memory"] if not torch.equal(tensors["memory"][k], tensors["stream"][k])] == []
