@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from ..errors import UsageError
+from ..errors import UsageError, unexpected_keyword
 from .finite import check_finite
 
 MODEL_KINDS = "a Hugging Face model folder (str or Path) or a transformers model (torch.nn.Module)"
@@ -125,6 +125,27 @@ def _restore(held: list) -> None:
                 m._buffers[k] = b
 
 
+def arguments_bind(fn, args, kwargs) -> None:
+    """``fn(*args, **kwargs)``'s arguments checked against its signature before it runs: a misspelt keyword is one
+    :class:`UsageError` (a ``TypeError`` too) naming the closest parameter (``align_pair(symetries=...)`` was Python's
+    bare TypeError), a missing or surplus argument Python's words as a UsageError."""
+    import inspect
+
+    signature = inspect.signature(fn)
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        params = signature.parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        unknown = None if takes_any else next((k for k in kwargs if k not in params), None)
+        if unknown is not None:
+            error = unexpected_keyword(f"{fn.__name__}()", unknown, [k for k in params if not k.startswith("_")])
+            if "options" in params and "did you mean" not in str(error):  # align_pair(symmetries=...)
+                error = UsageError(f"{error} (an option of the alignment goes in options=AlignOptions(...))")
+            raise error from None
+        raise UsageError(f"{fn.__name__}(): {e}") from None
+
+
 def keeps_models(fn):
     """``fn`` leaving the models it is given as they came, even when it raises: every module's train/eval mode
     (evaluation and verification switch a model to eval mode), and every parameter and buffer where it was — the
@@ -137,6 +158,7 @@ def keeps_models(fn):
 
     @functools.wraps(fn)
     def kept(*args, **kwargs):
+        arguments_bind(fn, args, kwargs)
         seen, held = set(), []
         for model in _modules_in([*args, *kwargs.values()]):
             if id(model) not in seen:

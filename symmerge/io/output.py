@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..errors import OutputError, SymmergeError
+from ..errors import OutputError, SymmergeError, UsageError
 from .locks import try_lock
 
 TAG = ".symmerge-tmp-"
@@ -432,6 +432,8 @@ def writes_output(function):
             out = signature.bind(*args, **kwargs).arguments.get("out")
         except TypeError:
             out = None
+        if out is not None and not isinstance(out, (str, os.PathLike)):  # symmerge.merge(models, 5)
+            raise UsageError(f"{function.__name__}(): out is the output folder, a str or a Path, got {out!r}")
         held = out is not None and _key(out) in _claims
         try:
             return function(*args, **kwargs)

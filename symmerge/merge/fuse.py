@@ -50,7 +50,7 @@ from .heads import (HEAD_POLICIES, anchor_proxy, check_bodies, check_heads_merge
 from .statistics import FISHER_VARIANTS, gather
 from .distances import SquaredSums
 from .outputs import check_result
-from .plan import anchor_rule, average_keys, closest_to_average, merge_report, plan_merge
+from .plan import MergePlan, anchor_rule, average_keys, closest_to_average, merge_report, plan_merge
 from .steps import plain_merge_steps
 
 
@@ -429,6 +429,9 @@ def merge_models(models, method: str | None = None, options: MergeOptions | None
     t0 = time.perf_counter()
     models = models_argument(models)
     options = MergeOptions.of(options, {**({} if method is None else {"method": method}), **keywords})
+    if plan is not None and not isinstance(plan, MergePlan):
+        raise UsageError(f"merge_models(): plan is a MergePlan (symmerge.merge.plan.plan_merge) or None, got "
+                         f"{type(plan).__name__}")
     if plan is None:
         plan = plan_merge(models, options, mode="memory")
     elif plan.mode != "memory":

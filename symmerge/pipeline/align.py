@@ -103,6 +103,11 @@ def align_pair(model, anchor, options: AlignOptions | None = None, inputs: dict 
     options, progress = AlignOptions.of(options), _progress(progress)
     _check_inputs(inputs)
     flag_arguments(allow_pickle=allow_pickle, allow_tokenizer_mismatch=allow_tokenizer_mismatch)
+    from .align_plan import AlignPlan
+
+    if plan is not None and not isinstance(plan, AlignPlan):
+        raise UsageError(f"align_pair(): plan is an AlignPlan (symmerge.pipeline.align_plan.plan_align) or None, "
+                         f"got {type(plan).__name__}")
     if options.dual:  # both models move (pipeline/dual.py)
         from .dual import align_dual
 

@@ -323,6 +323,11 @@ class AlignOptions:
     recommended: bool = False  # symmetries came from 'recommended': resolve against each model
 
     def __post_init__(self):
+        listed = isinstance(self.symmetries, (str, list)) and not is_recommended(self.symmetries)
+        if self.recommended is True and listed:
+            # recommended is the resolution's own mark: beside a list it replaced the list in silence
+            raise UsageError(f"AlignOptions(): recommended=True asks for 'recommended', symmetries={self.symmetries!r} "
+                             "for a list: give one (symmetries='recommended' is the default)")
         if is_recommended(self.symmetries):
             object.__setattr__(self, "recommended", True)
         object.__setattr__(self, "symmetries", parse_symmetries(self.symmetries))

@@ -129,3 +129,47 @@ def test_bad_values_are_one_error_and_nothing_written(tmp_path, keywords, match)
     with pytest.raises(SymmergeError, match=match):
         symmerge.merge([a, b], tmp_path / "out", progress=False, **keywords)
     assert not (tmp_path / "out").exists()
+
+
+def test_align_entries_name_a_misspelt_keyword(pair):
+    """``align_pair(symetries=...)`` and ``align_to_folder(symmetries=...)`` were Python's bare TypeError."""
+    from symmerge.pipeline.align import align_pair
+
+    folders, _ = pair
+    with pytest.raises(UsageError, match=r"'symetries' \(an option of the alignment goes in options=AlignOptions"):
+        align_pair(*folders, symetries="attn")
+    with pytest.raises(UsageError, match="did you mean 'options'"):
+        align_pair(*folders, optins=None)
+
+
+@pytest.mark.parametrize("entry", ["merge", "align_to_folder"])
+def test_an_output_that_is_no_path_is_one_usage_error(pair, tmp_path, monkeypatch, entry):
+    import symmerge
+    from symmerge.pipeline.to_folder import align_to_folder
+
+    folders, _ = pair
+    monkeypatch.chdir(tmp_path)
+    call = (lambda: symmerge.merge(folders, 5)) if entry == "merge" else (lambda: align_to_folder(*folders, 5))
+    with pytest.raises(UsageError, match="out is the output folder, a str or a Path, got 5"):
+        call()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_plan_of_another_type_is_one_usage_error(pair):
+    import symmerge
+    from symmerge.pipeline.align import align_pair
+
+    folders, _ = pair
+    with pytest.raises(UsageError, match="plan is an AlignPlan"):
+        align_pair(*folders, plan="x")
+    with pytest.raises(UsageError, match="plan is a MergePlan"):
+        symmerge.merge_models(folders, plan="x")
+
+
+def test_recommended_beside_a_list_is_refused():
+    """``AlignOptions(symmetries="attn", recommended=True)`` aligned the recommended set, the list dropped."""
+    from symmerge.pipeline.options import AlignOptions
+
+    with pytest.raises(UsageError, match="recommended=True asks for 'recommended'"):
+        AlignOptions(symmetries="attn", recommended=True)
+    assert AlignOptions(symmetries="recommended", recommended=True).recommended
