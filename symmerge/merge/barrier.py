@@ -20,7 +20,7 @@ from ..core.distance import distance_before_after
 from ..device import resolve_device
 from ..errors import SymmergeError, UsageError, keywords_checked, options_argument
 from ..io.arguments import keeps_models, model_argument, models_argument
-from ..option_ranges import in_range
+from ..option_ranges import whole_in_range
 from ..io.data import Data, check_data, check_data_path, load_data
 from ..io.model import atomic_dir, write_json
 from ..io.tokenizers import check_tokenizers
@@ -95,7 +95,7 @@ class BarrierOptions:
             raise SymmergeError(f"--points must be at most {MAX_POINTS} (α in steps of {1 / (MAX_POINTS - 1):g}; "
                                 f"each point evaluates the whole --data once), got {self.points}")
         for flag, value in (("--batch-size", self.batch_size), ("--max-examples", self.max_examples)):
-            in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py); None: unset
+            whole_in_range(flag, 1, value)  # the flags' declared minimum (symmerge/options/declared.py); None: unset
 
 
 def _options(options, keywords: dict, name: str) -> BarrierOptions:

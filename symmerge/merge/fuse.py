@@ -148,8 +148,8 @@ class MergeOptions:
         def items(x):
             return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
-        return cls(method=method, align=align, data=items(data), eval_data=items(eval_data),
-                   evaluate=True if evaluate is None else evaluate, **kw)
+        return cls(method="average" if method is None else method, align=align, data=items(data),
+                   eval_data=items(eval_data), evaluate=True if evaluate is None else evaluate, **kw)
 
     def check(self, n: int) -> "MergeOptions":
         """Validate against ``n`` models before any expensive step; returns the validated options (a new

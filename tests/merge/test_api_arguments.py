@@ -63,6 +63,8 @@ def test_what_only_two_models_have_is_refused_for_more(three):
 @pytest.mark.parametrize("keywords, error, match", [
     ({"aligns": None}, UsageError, "aligns is a tuple of variants"),
     ({"repair_samples": -2}, SymmergeError, "REPAIR samples must be >= 1"),
+    ({"batch_size": 2.5}, SymmergeError, "--batch-size must be a whole number"),
+    ({"max_examples": 2.5}, SymmergeError, "--max-examples must be a whole number"),
 ])
 def test_bad_arguments_are_one_error_before_any_model_is_read(three, keywords, error, match):
     from symmerge.merge.barrier import barrier_study
@@ -173,3 +175,13 @@ def test_recommended_beside_a_list_is_refused():
     with pytest.raises(UsageError, match="recommended=True asks for 'recommended'"):
         AlignOptions(symmetries="attn", recommended=True)
     assert AlignOptions(symmetries="recommended", recommended=True).recommended
+
+
+def test_method_none_is_the_default_in_every_entry(pair, tmp_path):
+    """``merge_models(method=None)`` merged with 'average' (None: not given), ``symmerge.merge(method=None)`` said
+    'unknown merge method None'."""
+    import symmerge
+
+    folders, _ = pair
+    report = symmerge.merge(folders, tmp_path / "out", method=None, align="none", progress=False)
+    assert report["method"] == "average"
