@@ -82,15 +82,16 @@ def average_keys(keys, heads, dtype) -> list[str]:
 def closest_to_average(tensors, keys) -> tuple[int, list[float]]:
     """(index of the model closest to the plain average of all models, every model's distance (L2) to it)
     over ``keys`` (:func:`average_keys`), one tensor at a time: ``tensors(key)`` gives the models' tensors of
-    ``key`` (from memory or read from their checkpoints)."""
-    sq: list[float] = []
+    ``key`` (from memory or read from their checkpoints). Each model's per-tensor squares are summed exactly
+    (``math.fsum``): the same figures whatever order the keys come in (the state dict's, the files')."""
+    sq: list[list[float]] = []
     for k in keys:
         ts = tensors(k)
-        sq = sq or [0.0] * len(ts)
+        sq = sq or [[] for _ in ts]
         avg = {"x": sum(t.double() for t in ts) / len(ts)}
         for i, t in enumerate(ts):
-            sq[i] += sq_distance({"x": t}, avg, ["x"])
-    dists = [math.sqrt(v) for v in sq]
+            sq[i].append(sq_distance({"x": t}, avg, ["x"]))
+    dists = [math.sqrt(math.fsum(v)) for v in sq]
     return closest(dists), dists
 
 

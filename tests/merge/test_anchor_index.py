@@ -141,3 +141,30 @@ def test_a_number_that_is_also_a_folder_is_one_line_unless_it_is_that_model(thre
 
     report = json.loads((tmp_path / "out2" / "symmerge_report.json").read_text())
     assert report["alignment"]["anchor"]["index"] is None and report["alignment"]["anchor"]["name"] == "./1"
+
+
+def test_the_distances_to_the_average_do_not_depend_on_the_key_order():
+    """``alignment.anchor.distances_to_average`` differed in the last bit between the in-memory merge (state-dict
+    order) and the streamed one (the files' order): each model's squares are now summed exactly."""
+    import torch
+
+    from symmerge.merge.plan import closest_to_average
+
+    g = torch.Generator().manual_seed(0)
+    sds = [{f"t{k}": torch.randn(7, 5, generator=g) * (10.0 ** k) for k in range(-4, 5)} for _ in range(3)]
+    keys = sorted(sds[0])
+    forward = closest_to_average(lambda k: [sd[k] for sd in sds], keys)
+    backward = closest_to_average(lambda k: [sd[k] for sd in sds], keys[::-1])
+    assert forward == backward
+
+
+def test_memory_and_stream_give_the_same_distances_to_the_average(three, tmp_path):
+    import json
+
+    found = []
+    for mode in ("memory", "stream"):
+        out = tmp_path / mode
+        assert run_cli("merge", *three, "-o", out, "--method", "average", "--align", "heads,attn,ffn,rescale",
+                       "--star", "--mode", mode, "--progress", "none") == 0
+        found.append(json.loads((out / "symmerge_report.json").read_text())["alignment"]["anchor"])
+    assert found[0]["distances_to_average"] == found[1]["distances_to_average"]
