@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from ..core.layout import experts_fused_hint
 from ..errors import SymmergeError
 from ..io.lora import resolve_input
 from ..merge.steps import TensorSource, TensorStep, copies
@@ -858,7 +859,8 @@ class Planner:
             for s, name in pairs:
                 lay = lays[s.model]
                 if name not in lay.shapes:
-                    raise doc.error(f"model {inputs[s.model].label!r} has no tensor {name!r}", *s.where)
+                    raise doc.error(f"model {inputs[s.model].label!r} has no tensor {name!r}"
+                                    f"{experts_fused_hint(name, lay.shapes)}", *s.where)
             shape = lays[pairs[0][0].model].shapes[pairs[0][1]]
             for s, name in pairs[1:]:
                 if lays[s.model].shapes[name] != shape:

@@ -58,6 +58,16 @@ PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # experts.3.gate_proj.weight: one 
 FUSED_EXPERTS = re.compile(r"\.experts\.[A-Za-z_]+$")  # experts.gate_up_proj: every expert in one tensor
 
 
+def experts_fused_hint(name: str, shapes) -> str:
+    """For a tensor stored per expert (``experts.3.up_proj.weight``) missing from a checkpoint that stores its
+    experts fused (``experts.gate_up_proj``): why, and the ways out ('' otherwise)."""
+    if PER_EXPERT.search(name) and any(FUSED_EXPERTS.search(k) for k in shapes):
+        return ("; that model stores its experts fused over the experts (transformers' in-memory layout), the others "
+                "one tensor per expert: merge in memory (symmerge merge --mode memory), or save it again with "
+                "transformers' save_pretrained, which writes a tensor per expert")
+    return ""
+
+
 def _experts_stored_apart(a: Layout, b: Layout) -> None:
     """Two checkpoints of one mixture of experts, one storing a tensor per expert (as ``save_pretrained`` writes
     it), the other the experts fused (transformers 5's in-memory layout, saved as it is): the tensors read as

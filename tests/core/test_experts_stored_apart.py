@@ -60,3 +60,16 @@ def test_other_differences_still_say_architectures_differ():
     b = Layout("b", "olmoe", 4, {"model.layers.0.mlp.experts.gate_up_proj": (2, 8, 4), "y": (1,)})
     with pytest.raises(SymmergeError, match="architectures differ"):
         check_layouts([a, b])
+
+
+def test_a_config_names_the_fused_layout_too(pair, tmp_path, capsys):
+    """``symmerge run`` said only "model 'fused' has no tensor '...experts.0.down_proj.weight'"."""
+    per, fused = pair
+    config = tmp_path / "c.yml"
+    config.write_text(f"merge_method: linear\nmodels:\n  - model: {per}\n    parameters: {{weight: 1}}\n"
+                      f"  - model: {fused}\n    parameters: {{weight: 1}}\n")
+    capsys.readouterr()
+    assert run_cli("run", config, tmp_path / "o", "--progress", "none") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no tensor" in err and "stores its experts fused" in err, err
+    assert not (tmp_path / "o").exists()
