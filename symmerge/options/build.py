@@ -91,6 +91,8 @@ def merge_options(args):
     ``--align none`` with alignment options given is one error (they were accepted and dropped)."""
     if str(args.align).strip() == "none":
         unread = unread_alignment_flags(args, "merge", FRAME_OPTIONS)
+        if getattr(args, "repair", False) or getattr(args, "distill", 0):  # they read --align-data, aligned or not
+            unread = [flag for flag in unread if flag != "--align-data"]
         if unread:
             what = "an alignment option" if len(unread) == 1 else "alignment options"
             raise SymmergeError(f"{', '.join(unread)}: {what}, and --align none aligns nothing, so nothing would read "

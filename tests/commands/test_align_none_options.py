@@ -50,3 +50,19 @@ def test_a_config_of_symmerge_keys_is_read_by_the_same_rule(pair, tmp_path, caps
     err = capsys.readouterr().err
     assert rc == 2 and "--joint-rounds" in err and "--align none aligns nothing" in err, err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("reader", [["--repair"], ["--distill", "2"]])
+def test_repair_and_distillation_read_align_data_without_alignment(tmp_path, capsys, reader):
+    """``--align none --repair --align-data D`` was refused as 'nothing would read it' (and without --align-data,
+    REPAIR asked for it): neither order ran, where ``barrier --align none --repair`` does. --align-data alone with
+    --align none is still refused."""
+    from conftest import npz_file, vit_folder
+
+    a, b = (vit_folder(tmp_path / f"v{s}", s) for s in range(2))
+    data = npz_file(tmp_path / "d.npz", n=8)
+    argv = ["merge", a, b, "--method", "average", "--align", "none", "--align-data", data, "--progress", "none"]
+    assert run_cli(*argv, *reader, "-o", tmp_path / "o") == 0
+    capsys.readouterr()
+    assert run_cli(*argv, "-o", tmp_path / "p") == 2
+    assert "--align-data: an alignment option" in capsys.readouterr().err
