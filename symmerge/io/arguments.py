@@ -136,7 +136,7 @@ def arguments_bind(fn, args, kwargs) -> None:
         signature.bind(*args, **kwargs)
     except TypeError as e:
         params = signature.parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        takes_any = any(str(p).startswith("**") for p in params.values())  # a **keywords parameter
         unknown = None if takes_any else next((k for k in kwargs if k not in params), None)
         if unknown is not None:
             error = unexpected_keyword(f"{fn.__name__}()", unknown, [k for k in params if not k.startswith("_")])
