@@ -194,4 +194,7 @@ def parse_layers(value):
     if not layers:  # an empty shell variable: no layer would be aligned, and the output an unaligned copy
         raise SymmergeError(f"--layers expects comma-separated integers, got {value!r} (no layer; leave --layers out "
                             "to align every layer)")
+    twice = sorted({i for i in layers if layers.count(i) > 1})
+    if twice:
+        raise SymmergeError(f"--layers {value}: layer {twice[0]} is named twice; give each layer once")
     return layers

@@ -560,7 +560,7 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
         info.update(steps=0, note="no continuous group elements to learn")
         return start, info
     opt, sched = cosine_adam(params.parameters(), settings.lr, steps)
-    order, step, running = shuffled(len(train), g), 0, None
+    order, done, running = shuffled(len(train), g), 0, None  # done: the steps taken (a budget spent stops before one)
     pbar = bar(range(steps), desc="learned alignment", unit="step", disable=None if progress else True)
     for step in pbar:
         if budget_spent(settings, t0, info):
@@ -574,6 +574,7 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
         opt.step()
         sched.step()
         clock["steps"] += time.perf_counter() - tick
+        done = step + 1
         running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
         pbar.set_postfix(loss=f"{running:.4f}", refresh=False)
         if on_step is not None:
@@ -587,5 +588,5 @@ def _learn_round(learning: _Learning, start, history, offset: int = 0):
     elements = dict(start)
     for name, el in learned.items():
         elements[name] = (*stages(start[name]), el) if name in start else el
-    info.update(steps=step + 1, held_out_best=best, learned_instances=len(learned), seconds_by_stage=clock)
+    info.update(steps=done, held_out_best=best, learned_instances=len(learned), seconds_by_stage=clock)
     return elements, info

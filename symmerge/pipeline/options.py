@@ -108,6 +108,9 @@ def _layers(value) -> tuple[int, ...] | None:
         raise UsageError(f"layers must be layer indices (an int, '0,2' or a list of ints), got {value!r}")
     if not out:  # as --layers "": an empty list aligned the model-wide groups only
         raise UsageError(f"layers {value!r} names no layer; leave it out (None) to align every layer")
+    twice = sorted({i for i in out if out.count(i) > 1})
+    if twice:  # each instance was bound twice: solved twice over, the descent's objective rose
+        raise UsageError(f"layers {value!r} names layer {twice[0]} twice; give each layer once")
     return out
 
 

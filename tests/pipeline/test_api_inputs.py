@@ -111,6 +111,8 @@ def test_the_values_the_options_objects_read_for_the_user():
     assert symmerge.AlignOptions(layers="0,1").layers == (0, 1)
     assert symmerge.AlignOptions(layers=1).layers == (1,)
     assert symmerge.AlignOptions(layers=range(2)).layers == (0, 1)
+    with pytest.raises(UsageError, match="names layer 0 twice"):  # each instance was bound, and solved, twice
+        symmerge.AlignOptions(layers="0,0")
     assert symmerge.AlignOptions(solver_budget=0.5).solver_budget == 0.5  # seconds: a fraction is fine
     assert symmerge.MergeOptions(align="attn,ffn").align.symmetries == ("attn", "ffn")
     assert symmerge.MergeOptions(align="none").align.symmetries == ()
