@@ -36,8 +36,8 @@ from ..option_ranges import model_index
 from ..io.model import ShardIndexError, read_config, weight_files
 from ..pipeline.options import AlignOptions, refuse_unread_joint
 from ..pipeline.report import build_report
-from ..pipeline.recommend import (BASE_NOTE, has_spec, model_wide, moving, plain_fallback,  # noqa: F401 (the plan's
-                                  recommended)  # rules)
+from ..pipeline.recommend import BASE_NOTE, has_spec, plain_fallback, recommended  # noqa: F401 (the plan's rules)
+from ..pipeline.recommend import model_wide, moving
 from .option_defaults import MERGE
 from .registry import get_method
 
