@@ -6,9 +6,12 @@ Neither model is ever in memory: the learned elements are found from the files (
 layer-wise learned steps), then applied to A one layer at a time — the same operations per tensor as the
 in-memory path's ``apply``, so the same bits — and handed to the shard writer (shards of about one layer), with
 the tensors outside the layers copied through; the config and side files as the streamed alignment copies them.
-The output is then verified as written: A's logits against the written folder's, both run layer by layer from
-the files, on the first alignment batches (``--verify-tol``, default 1e-4). The report (``symmerge_report.json``,
-built from the alignment's plan) and the model card are the other align paths'.
+The output is then verified: A's logits against the written folder's, both run layer by layer from the files, on
+the first alignment batches (``--verify-tol``, default 1e-4). A checkpoint stored in half precision is verified as
+the in-memory alignment verifies it, on float32: A's float32 upcast against A moved in float32 before its rounding
+(the written folder's rounding moves the logits by that dtype's step, bfloat16's ~1e-2, past any exact
+alignment's tolerance: it is reported as ``written_max_rel_diff``, with ``working_copies``). The report
+(``symmerge_report.json``, built from the alignment's plan) and the model card are the other align paths'.
 
 What the file-based path cannot do is refused in one line before anything is read (the dual frame, the residual
 stream's group, ``generate:`` data, ``--no-verify``, pickle checkpoints, ``--pipeline``).
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+
+import torch
 
 from ..errors import SymmergeError
 from .align_plan import LEARNED_STREAM, OUTPUTS_CHECK  # noqa: F401  (this path's mode and output check)
@@ -75,6 +80,7 @@ def _write_layers(pair, elements, writer, distances, progress: bool) -> None:
     dtypes, into ``writer``; each tensor's distance to B before and after recorded."""
     from ..core.distance import sq_distance
     from ..progress import bar
+    from .verify import out_of_range
 
     stored = list(pair.ckpt_a.keys())  # on disk (a tied head is not stored: its source is)
     moved = LayerTensors(pair.tensors_a, stored, pair.paths, pair.instances, elements, dtype=None, keep=1)
@@ -85,11 +91,31 @@ def _write_layers(pair, elements, writer, distances, progress: bool) -> None:
         new, before, after = moved.group(g), pair.ckpt_a.read(keys), pair.tensors_b.read(keys)
         for k in keys:
             distances.add(k, sq_distance(before, after, [k]), sq_distance(new, after, [k]))
+            if new[k].is_floating_point() and not bool(torch.isfinite(new[k]).all()):
+                raise SymmergeError(out_of_range(k, new[k].dtype))  # past float16's range: never an Inf written
             for name, t in pair.ckpt_a.to_disk(k, new[k]):
                 writer.add(name, t)
         moved.cache.clear()
         del new, before, after
     writer.flush()
+
+
+def _checks(pair, elements, written, batches, tol) -> dict:
+    """The verification fields of the written folder (``written``: its tensors read back) against A on ``batches``
+    (``tol``: ``--verify-tol``, None for 1e-4); A stored in half precision: A moved in float32, before its rounding,
+    against A's float32 upcast, as in memory, with the rounding's own difference reported (see the module text)."""
+    from .learn_layerwise_files import _logit_difference, verified
+    from .stream import _half, _stored
+    from .verify import copies_entry
+
+    tol = 1e-4 if tol is None else tol
+    if not _half(pair.ckpt_a):
+        return verified(pair, written, batches, tol)
+    exact = LayerTensors(pair.tensors_a, list(pair.tensors_a), pair.paths, pair.instances, elements)
+    checks = verified(pair, exact, batches, tol)
+    _, rounding = _logit_difference(pair.skeleton, pair.paths, exact, written, batches)
+    return {**checks, "written_max_rel_diff": rounding,
+            "working_copies": copies_entry("float32", [_stored(c) for c in (pair.ckpt_a, pair.ckpt_b)])}
 
 
 def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", progress: bool = True,
@@ -106,7 +132,7 @@ def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", pr
     from ..progress import stage, stage_printer
     from .align_plan import plan_align, plan_report
     from .data import load_align_data
-    from .learn_layerwise_files import CheckpointPair, learn_pair, verified
+    from .learn_layerwise_files import CheckpointPair, learn_pair
     from .report import Distances, alignment_report
     from .stream import MIN_LOW_MEMORY_SHARD, _bound_malloc
     from .verify import ELEMENT_CHECK
@@ -136,8 +162,7 @@ def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", pr
                                                           set(pair.ckpt_a.dtype.values())))
         with stage("verified the written model's outputs (from the files)", enabled=progress):
             written = pair.plain(type(pair.tensors_a)(LazyCheckpoint(tmp)))
-            tol = 1e-4 if options.verify_tol is None else options.verify_tol
-            checks = verified(pair, written, list(data.batches)[:2], tol)
+            checks = _checks(pair, elements, written, list(data.batches)[:2], options.verify_tol)
         report = alignment_report(
             pair.spec, pair.ckpt_a.config["model_type"], pair.options, pair.instances, distances, model=str(model),
             anchor=str(anchor), streamed=True, mode=LEARNED_STREAM, match="learned",
