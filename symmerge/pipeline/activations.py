@@ -763,6 +763,8 @@ def _sites_by_layer(local, pseudo, sites: dict, paths) -> dict | None:
     out: dict = {}
     for inst in local:
         where = {layer_of(s.key.rsplit("@", 1)[0]) for s in pseudo[inst.name].slots}
+        if not where and isinstance(inst.layer, int) and 0 <= inst.layer < len(paths):
+            where = {inst.layer}  # solved on the weights, moving no activation (a mixture's experts): its own layer
         if len(where) != 1 or None in where:
             return None
         out.setdefault(where.pop(), ([], {}))[0].append(inst)
@@ -851,11 +853,16 @@ def match_replayed(instances, model, replay: LayerReplay, paths, weights_of, opt
                    rescale_from: str = "weights", timings: dict | None = None) -> dict:
     """:func:`match_activations` by layer on a given :class:`LayerReplay` (models whose layers are run by
     other means: read layer by layer from their checkpoints); ``model``: the module types (weightless will
-    do); ``weights_of(path)``: ``(A's, B's)`` tensors of that layer. Per-layer groups only."""
+    do); ``weights_of(path)``: ``(A's, B's)`` tensors of that layer. Per-layer groups only; those fitted to their
+    kinds' own statistics of a whole pass (a mixture's experts, on the router's inputs) are solved on the weights,
+    exactly, given the groups before them (as every group is beside the residual stream)."""
     if rescale_from not in SCALE_SOURCES:
         raise SymmergeError(f"unknown scale source {rescale_from!r}; choose one of {', '.join(SCALE_SOURCES)}")
     t0 = time.perf_counter()
     _, local, wide, observing, weights_for, pseudo, sites = _plan(instances, model, opts, None)
+    if observing and not wide:
+        on_weights = tuple(sorted({i.group.name for i in observing}))
+        _, local, wide, observing, weights_for, pseudo, sites = _plan(instances, model, opts, on_weights)
     layered = _sites_by_layer(local, pseudo, sites, paths) if not wide and not observing else None
     if layered is None:
         raise SymmergeError("activation matching by layer needs per-layer groups only, whose activations lie inside "

@@ -171,7 +171,7 @@ class CheckpointPair:
         if not matcher(options.match).learns:  # the learned matcher's settings, whatever its name
             raise SymmergeError(f"learning from checkpoints runs a learned matcher (--match learned), not "
                                 f"{options.match!r}")
-        self.ckpt_a, self.ckpt_b = LazyCheckpoint(model), LazyCheckpoint(anchor)
+        self.ckpt_a, self.ckpt_b = LazyCheckpoint(model, fused=True), LazyCheckpoint(anchor, fused=True)
         if getattr(self.ckpt_a.hf_config, "is_encoder_decoder", False):  # two stacks, cross-attention between them
             raise SymmergeError(f"{model}: learning from the files runs one stack of layers; an encoder-decoder "
                                 f"({self.ckpt_a.config.get('model_type')}) is learned in memory: leave out --stream")

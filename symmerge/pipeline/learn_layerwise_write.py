@@ -161,7 +161,7 @@ def align_learned_streaming(model, anchor, out, options, *, shard_size="1GB", pr
         (tmp / "config.json").write_text(written_dtype((Path(model) / "config.json").read_text(),
                                                           set(pair.ckpt_a.dtype.values())))
         with stage("verified the written model's outputs (from the files)", enabled=progress):
-            written = pair.plain(type(pair.tensors_a)(LazyCheckpoint(tmp)))
+            written = pair.plain(type(pair.tensors_a)(LazyCheckpoint(tmp, fused=True)))
             checks = _checks(pair, elements, written, list(data.batches)[:2], options.verify_tol)
         report = alignment_report(
             pair.spec, pair.ckpt_a.config["model_type"], pair.options, pair.instances, distances, model=str(model),
