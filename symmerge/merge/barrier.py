@@ -227,7 +227,8 @@ def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
             arms["none"] = BarrierArm("none", "none", note=note)
             continue
         # no model kept
-        plan = replace(plan_align(models[0], models[1], opts, allow_pickle=o.allow_pickle), loaded=None)
+        plan = replace(plan_align(models[0], models[1], opts, allow_pickle=o.allow_pickle, joint=len(models) > 2),
+                       loaded=None)
         name = ",".join(plan.symmetries) or "none"
         if name not in arms:
             arms[name] = BarrierArm(name, asked.requested, plan if plan.symmetries else None, plan.note)

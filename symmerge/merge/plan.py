@@ -377,12 +377,23 @@ def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     if frame != "joint":
         refuse_unread_joint(options.joint_rounds, options.joint_refine, (MERGE["joint_rounds"], MERGE["joint_refine"]),
                             FRAME_WORDS[frame] if n > 2 or frame != "star" else "a pair (the model onto the anchor)")
-    return MergePlan(method=m, names=names, model_type=model_type, mode=mode,
+    plan = MergePlan(method=m, names=names, model_type=model_type, mode=mode,
                      why=why, align=align, requested=options.align.requested, note=note, frame=frame,
                      anchor_index=index, anchor_rule=rule, params=options.params,
                      weights=list(options.weights) if options.weights is not None else None,
                      statistics=m.needs, heads=options.heads, options=options,
                      config_differences=config_differences(configs))
+    if aligns:  # the data-free search's options, read only where the residual stream is aligned (as align says)
+        from ..pipeline.matchers import search_refusal
+        from ..pipeline.options import refuse_unread_mixture
+
+        refuse_unread_mixture(align, frame == "joint")
+
+        symmetries = plan.symmetries
+        refusal = search_refusal(align, bool(moving(align.with_(symmetries=symmetries), model_wide)), symmetries)
+        if refusal:
+            raise SymmergeError(refusal)
+    return plan
 
 
 def stream_entry(facts: dict) -> dict:

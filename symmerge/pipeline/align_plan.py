@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..errors import SymmergeError
 from .align_steps import AlignMap, AlignStep, plan_steps  # noqa: F401  (the plan's step types)
-from .options import AlignOptions
+from .options import AlignOptions, refuse_unread_mixture
 from .report import build_report
 
 MODES = {False: "in-memory", True: "low-memory"}  # the report's 'mode' of each wing ('pipeline' when pipelined)
@@ -211,16 +211,21 @@ def _bind_headers(ckpt, spec, options: AlignOptions, streamed: bool):
 
 
 def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bool = False, pipeline: bool = False,
-               allow_pickle: bool = False, checkpoints=None, verify_forward: bool = False) -> AlignPlan:
+               allow_pickle: bool = False, checkpoints=None, verify_forward: bool = False,
+               joint: bool = False) -> AlignPlan:
     """The :class:`AlignPlan` of aligning ``model`` to ``anchor`` (HF folders, or transformers models) with
     ``options``; ``stream``: layer by layer (``pipeline``: pipelined), whose groups are the per-layer ones.
-    ``checkpoints``: the folders' (model, anchor) LazyCheckpoints already read and adapted to each other."""
+    ``checkpoints``: the folders' (model, anchor) LazyCheckpoints already read and adapted to each other.
+    ``joint``: the pair stands for more than two models aligned jointly (a barrier's), whose learned mixing
+    options differ from a pair's."""
     from ..families import spec_for
     from ..io.sentence_transformers import check_pipelines
     from .engine import active
+    from .matchers import search_refusal
     from .recommend import model_facts, recommended, require_declared
 
     options = AlignOptions.of(options)
+    refuse_unread_mixture(options, joint)
     names = _name(model, "model"), _name(anchor, "anchor")
     pair = checkpoints if checkpoints is not None else _headers(model, anchor, stream)
     loaded = None
@@ -246,15 +251,23 @@ def plan_align(model, anchor, options: AlignOptions | None = None, *, stream: bo
     solved = active(instances, resolved.solver_options())
     if stream:
         solved = per_layer_only(solved, asked)
+    refusal = search_refusal(resolved, any(not i.kind.per_layer for i in solved), resolved.symmetries)
+    if refusal:
+        raise SymmergeError(refusal)
     # the residual stream's group (the kind moving the heads' input), its variant as the norms decide it
     residual = next((i.info.variant for i in solved if i.kind.moves_heads_input), None)
     mode = "pipeline" if stream and pipeline else MODES[stream]
     if stream and resolved.matcher.learns:
         mode = LEARNED_STREAM
-    return AlignPlan(model=names[0], anchor=names[1], model_type=model_type, family=spec.family, options=resolved,
+    plan = AlignPlan(model=names[0], anchor=names[1], model_type=model_type, family=spec.family, options=resolved,
                      requested=options.requested, note=note, mode=mode, instances=tuple(i.name for i in solved),
                      steps=plan_steps(keys, solved), residual_variant=residual, bound=tuple(instances),
                      loaded=loaded, verify_forward=verify_forward)
+    if resolved.verify_tol is not None and not plan.verify()["outputs"]:  # the tolerance of a comparison never made
+        raise SymmergeError("--verify-tol: the tolerance of the output comparison, and no outputs are compared here "
+                            + ("(--no-verify)" if not resolved.verify else "(--stream checks the group elements; add "
+                               "--verify-forward to compare the outputs)") + ": leave --verify-tol out")
+    return plan
 
 
 def plan_report(plan: AlignPlan, measured: dict) -> dict:

@@ -222,6 +222,20 @@ def norm_eps(config) -> float:
 SHIFT = {"flip-shift": 2, "strong": 4, "mixup": 2}  # the largest shift of a view, in pixels, by augmentation style
 
 
+def _refuse_unread_augment(batches: list, settings) -> None:
+    """One error when ``--learn-augment``/``--learn-augment-style`` were given (away from their defaults; views
+    asked for, not 0) and the alignment data is not images: :func:`augmented` makes views of images only (text was
+    accepted and left as it was)."""
+    default = type(settings)()  # LearnSettings' defaults
+    given = [flag for flag, name in (("--learn-augment", "augment"), ("--learn-augment-style", "augment_style"))
+             if getattr(settings, name) != getattr(default, name) and settings.augment]  # 0: no views (text's)
+    images = all(getattr(b.inputs.get("pixel_values"), "dim", lambda: 0)() == 4 for b in batches)
+    if given and not images:
+        it = "it" if len(given) == 1 else "them"
+        raise SymmergeError(f"{', '.join(given)}: the augmented views of unlabeled images, and the alignment data "
+                            f"here is not images (text or token ids): nothing would read {it} (leave {it} out)")
+
+
 def augmented(batches: list, views: int, generator: torch.Generator, style: str = "flip-shift") -> list:
     """``views`` randomly transformed copies of every image batch (per image: a horizontal flip with probability ½
     and a shift of up to 2 pixels each way, wrapping around): more inputs for the same unlabeled images, the
@@ -304,6 +318,7 @@ def prepared_batches(predict, data: Data, settings, g: torch.Generator, device: 
     words for the check set."""
     train, held = _split(data, settings.holdout)
     n_original = len(train)
+    _refuse_unread_augment(train, settings)
     views = augmented(train, settings.augment, g, settings.augment_style)
 
     def placed(b):

@@ -109,7 +109,9 @@ class Matcher:
     * ``needs_data`` — it reads unlabeled ``--align-data``; without it a step of the joint alignment is one
       sweep of the engine's descent on the state dicts;
     * ``learns`` — it trains the continuous elements (:class:`~symmerge.pipeline.options.LearnSettings`
-      apply; the joint alignment hands over to :mod:`symmerge.pipeline.learn_joint`)."""
+      apply; the joint alignment hands over to :mod:`symmerge.pipeline.learn_joint`);
+    * ``searches`` — it runs the data-free solver's search over the model-wide groups (``--restarts`` and the
+      objective's weights apply: :func:`search_refusal`); a learning matcher searches when its start does."""
 
     name: str
     fit: Callable
@@ -117,6 +119,7 @@ class Matcher:
     joint: bool = True
     needs_data: bool = True
     learns: bool = False
+    searches: bool = False
 
     def __call__(self, ctx: MatchContext) -> dict:
         return self.fit(ctx)
@@ -125,7 +128,7 @@ class Matcher:
 DEFAULT_MATCHER = "weights"  # data-free: what ``--match`` is when not given
 
 MATCHERS = {m.name: m for m in (
-    Matcher("weights", match_weights, streams=True, joint=True, needs_data=False),
+    Matcher("weights", match_weights, streams=True, joint=True, needs_data=False, searches=True),
     Matcher("activations", match_activations, streams=False, joint=True, needs_data=True),
     Matcher("learned", match_learned, streams=False, joint=True, needs_data=True, learns=True),
 )}
@@ -137,6 +140,37 @@ def matcher(name: str) -> Matcher:
         return MATCHERS[name]
     except KeyError:
         raise SymmergeError(f"unknown match mode {name!r}; choose one of {', '.join(MATCHERS)}") from None
+
+
+# the data-free search's options (AlignOptions field -> flag): read only where the search runs
+SEARCH_OPTIONS = {"restarts": "--restarts", "solver_budget": "--solver-budget", "solver_seed": "--solver-seed",
+                  "ends_weight": "--ends-weight", "depth_decay": "--depth-decay"}
+
+
+def search_refusal(options, wide: bool, aligned) -> str | None:
+    """Why the data-free search options given in ``options`` (an AlignOptions: :data:`SEARCH_OPTIONS` away from
+    their defaults) would be read by nothing (None: they are read, or none was given). ``wide``: a model-wide group
+    (the residual stream) is aligned — the search restarts the descent over it; without one the per-layer groups are
+    solved exactly, with nothing to search. ``aligned``: the symmetries resolved (for the message)."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(options)}
+    given = [flag for name, flag in SEARCH_OPTIONS.items() if getattr(options, name) != defaults[name]]
+    if not given:
+        return None
+    what = f"{', '.join(given)}: {'an option' if len(given) == 1 else 'options'} of the data-free solver's search"
+    way_out = f"leave {'it' if len(given) == 1 else 'them'} out"
+    m = matcher(options.match)
+    start = matcher(options.learn.start) if m.learns else m
+    if not start.searches:
+        searching = ", ".join(n for n, x in MATCHERS.items() if x.searches)
+        how = f"--match {m.name}" + (f" from --learn-start {start.name}" if m.learns else "")
+        return f"{what}, which runs with --match {searching} (or --learn-start {searching}); {how} does not ({way_out})"
+    if not wide:
+        return (f"{what}, which restarts the descent over the residual stream's group; it is not aligned here "
+                f"({','.join(aligned) or 'nothing'}), so the per-layer groups are solved exactly, with nothing to "
+                f"search ({way_out}, or align residual in memory)")
+    return None
 
 
 def streaming_refusal(name: str, flag: str = "streaming") -> str | None:

@@ -78,6 +78,26 @@ def refuse_unread_joint(rounds, refine, defaults: tuple, aligns: str, what: str 
                             f"{aligns}: nothing would read {it} (leave {it} out)")
 
 
+def refuse_unread_mixture(align: "AlignOptions", joint: bool) -> None:
+    """One error when the learned alignment's mixing options given would be read by nothing: ``--learn-dirichlet``
+    (the weights of more than two models learned jointly, in one frame) where a pair is learned (``joint`` False),
+    ``--learn-alpha-low``/``--learn-alpha-high`` (a pair's α range) where the models are learned jointly."""
+    if not align.matcher.learns:
+        return
+    settings, default = align.learn, LearnSettings()
+    if not joint and settings.dirichlet != default.dirichlet:
+        raise SymmergeError("--learn-dirichlet: the mixture weights of more than two models learned jointly (one "
+                            "frame, no --anchor, --base or --star); a pair draws its α from U(--learn-alpha-low, "
+                            "--learn-alpha-high): nothing would read it (leave it out)")
+    given = [flag for flag, name in (("--learn-alpha-low", "alpha_low"), ("--learn-alpha-high", "alpha_high"))
+             if getattr(settings, name) != getattr(default, name)]
+    if joint and given:
+        it = "it" if len(given) == 1 else "them"
+        raise SymmergeError(f"{', '.join(given)}: the range of a pair's mixing weight α; more than two models learned "
+                            f"jointly draw their weights from Dirichlet (--learn-dirichlet): nothing would read {it} "
+                            f"(leave {it} out)")
+
+
 def _names(value) -> tuple[str, ...]:
     if value is None:
         return ()
