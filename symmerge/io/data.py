@@ -204,7 +204,7 @@ def check_data(data: Data, model, labels: np.ndarray | None = None, use_labels: 
 # ---------------------------------------------------------------- readers
 
 
-def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
+def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True, labels_for: str = ""):
     import zipfile
 
     if not zipfile.is_zipfile(path):  # numpy would read it as a pickle and speak of pickled data
@@ -225,7 +225,8 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
         raise SymmergeError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
     for key in ("pixel_values", "labels") if labels else ("pixel_values",):
         if key not in arrays:
-            raise SymmergeError(f"{path}: missing array {key!r} (found {', '.join(arrays) or 'none'})")
+            why = f": labels are read by {labels_for}" if key == "labels" and labels_for else ""
+            raise SymmergeError(f"{path}: missing array {key!r} (found {', '.join(arrays) or 'none'}){why}")
     x = arrays["pixel_values"]
     y = arrays["labels"] if labels else np.zeros(len(x), dtype=np.int64)
     if x.ndim not in (3, 4):
@@ -260,7 +261,7 @@ def _read_npz(path: Path, batch_size: int, max_examples, labels: bool = True):
     return batches, len(xt), total
 
 
-def _read_jsonl(path: Path, max_examples, labels: bool = True):
+def _read_jsonl(path: Path, max_examples, labels: bool = True, labels_for: str = ""):
     """(texts, labels, examples in the file, each text's line): past ``max_examples`` the lines are only counted."""
     texts, ys, total, where = [], [], 0, []
     with open(path, "rb") as f:
@@ -283,7 +284,7 @@ def _read_jsonl(path: Path, max_examples, labels: bool = True):
                 raise SymmergeError(f"{path}:{lineno}: expected an object with a string field 'text'")
             if not obj["text"].strip():
                 raise SymmergeError(f"{path}:{lineno}: field 'text' is empty; give the text or drop the line")
-            label = _label(obj, path, lineno) if labels else 0
+            label = _label(obj, path, lineno, labels_for) if labels else 0
             texts.append(obj["text"])
             ys.append(label)
             where.append(lineno)
@@ -292,11 +293,13 @@ def _read_jsonl(path: Path, max_examples, labels: bool = True):
     return texts, ys, total, where
 
 
-def _label(obj: dict, path: Path, lineno: int) -> int:
-    """The line's ``label``: a class id (an int, 0 or more), else one error naming the line."""
+def _label(obj: dict, path: Path, lineno: int, labels_for: str = "") -> int:
+    """The line's ``label``: a class id (an int, 0 or more), else one error naming the line (``labels_for``: what
+    reads the labels)."""
     if "label" not in obj:
-        raise SymmergeError(f"{path}:{lineno}: no 'label' (labelled data needs an integer class id on every line; "
-                            "alignment data, --align-data, reads only 'text')")
+        why = f"labels are read by {labels_for}; " if labels_for else ""
+        raise SymmergeError(f"{path}:{lineno}: no 'label' ({why}labelled data needs an integer class id on every "
+                            "line; alignment data, --align-data, reads only 'text')")
     label = obj["label"]
     if isinstance(label, int) and not isinstance(label, bool) and 0 <= label < 2 ** 63:
         return label
@@ -442,7 +445,8 @@ def check_data_path(path, flag: str | None = None) -> Path:
 
 
 def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length: int | None = None,
-              max_examples: int | None = None, labels: bool = True, limit: str | None = "--max-examples") -> Data:
+              max_examples: int | None = None, labels: bool = True, limit: str | None = "--max-examples",
+              labels_for: str = "") -> Data:
     """Read ``path`` (format from its suffix), batch it, and validate it against ``model`` if given.
 
     ``tokenizer``: a tokenizer or a folder holding one (default: the model's own folder,
@@ -450,7 +454,8 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
     ``labels``, ``.jsonl`` without ``label``; labels present are ignored; batches have ``labels=None``).
     ``max_examples``: only the first so many; when that cuts the file, the result says so (``total``,
     ``limit``, :meth:`Data.cut_info`) and a note naming ``limit`` (the option that set it) goes to stderr
-    (``limit=None``: no note, the fields still set).
+    (``limit=None``: no note, the fields still set). ``labels_for``: what reads the labels, named when they are
+    missing (e.g. ``--method fisher's statistics``).
     """
     path = check_data_path(path)
     fmt = FORMATS[path.suffix.lower()]
@@ -462,14 +467,14 @@ def load_data(path, model=None, tokenizer=None, batch_size: int = 32, max_length
         raise SymmergeError(f"max_examples must be >= 1 (or None: every example), got {max_examples}")
     lines = None  # each example's line: .jsonl
     if fmt == "image":
-        batches, n, total = _read_npz(path, batch_size, max_examples, labels)
+        batches, n, total = _read_npz(path, batch_size, max_examples, labels, labels_for)
     else:
         if tokenizer is None and model is not None and getattr(model, "name_or_path", ""):
             tokenizer = model.name_or_path
         tok = load_tokenizer(tokenizer)
         max_len = _max_length(model, tok, max_length)
         if fmt == "text":
-            texts, ys, total, lines = _read_jsonl(path, max_examples, labels)
+            texts, ys, total, lines = _read_jsonl(path, max_examples, labels, labels_for)
             if labels and model is not None:
                 _need_classifier(model, path)  # the kind of model first (check_data's order), before its pad token
             pad = _class_pad(tok, model, path) if labels else None

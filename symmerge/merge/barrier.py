@@ -177,6 +177,10 @@ class BarrierPlan:
         return {**self.fields(), "plan": self.describe(steps=True)}
 
 
+# what reads the study's data labels (named when a file lacks them)
+PATH_READER = "the barrier (the loss and accuracy along the path, on --data; --align-data is the unlabeled one)"
+
+
 def plan_barrier(models, data, options: BarrierOptions) -> BarrierPlan:
     """The :class:`BarrierPlan` of a study of ``models`` (two: A aligned to B; more: joint) on ``data`` with
     ``options``: read from the inputs' headers; every refusal of the study's options before any model is read."""
@@ -306,7 +310,7 @@ def barrier_study(model_a, model_b, data, options: BarrierOptions | None = None,
             check_data(data, a)
             d = data
         else:
-            d = load_data(data, a, batch_size=batch_size, max_examples=max_examples)
+            d = load_data(data, a, batch_size=batch_size, max_examples=max_examples, labels_for=PATH_READER)
         check_data(d, b)
     result = {"model_a": names[0], "model_b": names[1], "data": d.path, "examples": d.n, **d.cut_info(),
               "alphas": alphas,
@@ -478,7 +482,7 @@ def barrier_many(models, data, options: BarrierOptions | None = None, **keywords
     variants = _variants(plan, base)
     with stage("loaded and checked the data", enabled=progress and not isinstance(data, Data)):
         d = data if isinstance(data, Data) else load_data(data, loaded[0], batch_size=batch_size,
-                                                          max_examples=max_examples)
+                                                          max_examples=max_examples, labels_for=PATH_READER)
         for x in loaded:
             check_data(d, x)
     endpoints = [evaluate(x, d, device=dev, progress=progress, desc=f"evaluating {n}") for x, n in zip(loaded, names)]

@@ -271,6 +271,10 @@ def _name(x, i) -> str:
     return str(x) if isinstance(x, (str, Path)) else f"model {i}"
 
 
+# what reads the evaluation data's labels (named when a file lacks them)
+EVALUATION_READER = "the evaluation (accuracy and loss of the merged model and its inputs; --eval-data, else --data)"
+
+
 class _DataCache:
     """Data files loaded once each and validated against every model that uses them. The statistics' files
     (``--data``) are read with labels only where the statistics use them (the Fisher's): RegMean's Gram matrices
@@ -279,17 +283,20 @@ class _DataCache:
     def __init__(self, opts: MergeOptions, needs=None):
         self.opts, self.loaded = opts, {}
         self.stats_labels = needs not in ("gram", "activations")
+        self.stats_reader = f"--method {opts.method}'s statistics (from each model's loss on the labels)"
 
     def for_model(self, i: int, model) -> Data:
-        return self.get(_files_of(self.opts.data, i)[0], model, labels=self.stats_labels)
+        return self.get(_files_of(self.opts.data, i)[0], model, labels=self.stats_labels, reader=self.stats_reader)
 
-    def get(self, spec, model, labels: bool = True) -> Data:
+    def get(self, spec, model, labels: bool = True, reader: str = EVALUATION_READER) -> Data:
+        """``spec`` loaded (once) and checked against ``model``; ``reader``: what reads its labels, named when they
+        are missing."""
         if isinstance(spec, Data):
             check_data(spec, model, use_labels=labels)
             return spec
         key = (str(spec), labels)
         if key not in self.loaded:
-            self.loaded[key] = load_data(spec, model, labels=labels, **self.opts.load_kw())
+            self.loaded[key] = load_data(spec, model, labels=labels, labels_for=reader, **self.opts.load_kw())
         else:
             check_data(self.loaded[key], model)
         return self.loaded[key]
@@ -579,7 +586,7 @@ def _check_data(models, cache: _DataCache, eval_files, opts: MergeOptions, needs
     with stage("loaded and checked the data", enabled=opts.progress and bool(opts.data or eval_files)):
         for i, x in enumerate(models):
             for spec in _files_of(opts.data, i) if needs else []:
-                cache.get(spec, x, labels=cache.stats_labels)
+                cache.get(spec, x, labels=cache.stats_labels, reader=cache.stats_reader)
             for spec in _files_of(eval_files, i) if i == opts.head_from or len(eval_files) > 1 else []:
                 cache.get(spec, x)
 
