@@ -341,7 +341,9 @@ OPTIONS = (
         help=f"--match learned: optimiser steps (default {L.steps} of {L.batch} examples; the start is kept if the "
              "end is not better)"),
     opt("learn_budget", "--learn-budget", on=ALIGNING, part=ALIGNMENT, parse=float, minimum=0, metavar="SECONDS",
-        learn="budget", help="--match learned: stop after this many seconds of optimisation (default: no limit)"),
+        learn="budget",
+        help="--match learned: begin no step after this many seconds of learning — the endpoints' predictions, the "
+             "checks and the steps; the closed-form start is not counted (default: no limit)"),
     opt("learn_seed", "--learn-seed", on=ALIGNING, part=ALIGNMENT, parse=int, learn="seed",
         help="--match learned: seed (default 0)"),
     opt("learn_batch", "--learn-batch", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=MINIMA["learn_batch"],

@@ -460,8 +460,10 @@ def learn_alignment(instances, model, anchor, ca: dict, cb: dict, data: Data, op
                                                                             dtype=torch.float32).eval()
     for p in skeleton.parameters():
         p.requires_grad_(False)
+    # the budget counts the learning (its targets, checks and steps) from here, not the closed-form start: as the
+    # activation start, the file path, the joint and the dual learning count it
     learning = _Learning(instances, skeleton, model, ca, cb, data, settings, opts, settings.steps, progress, on_step,
-                         t0)
+                         time.perf_counter())
     elements, info = _learn_round(learning, dict(start), history)
     return elements, learned_entry("given" if given else "weights", info, history,
                                    closed_form_seconds=closed_form_seconds, seconds=time.perf_counter() - t0,

@@ -33,3 +33,26 @@ def test_a_layer_named_twice_is_one_error(tmp_path, capsys):
         run_cli("align", a, b, "--layers", "0,0", "-o", tmp_path / "o")
     assert e.value.code == 2
     assert "layer 0 is named twice" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_the_budget_counts_the_learning_not_the_closed_form_start(tmp_path, monkeypatch):
+    """The pair learned from a weight start counted the closed-form search in ``--learn-budget`` (an activation
+    start, the file path, the joint and the dual learning did not): a search slower than the budget left no step."""
+    import time
+
+    import symmerge
+    import symmerge.pipeline.learn as learn_module
+
+    real = learn_module.search
+
+    def slow_search(*args, **kwargs):
+        time.sleep(1.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(learn_module, "search", slow_search)
+    a, b = (vit_folder(tmp_path / f"v{s}", s) for s in range(2))
+    data = npz_file(tmp_path / "d.npz", n=16)
+    learn = symmerge.LearnSettings(steps=2, batch=8, budget=1.0, start="weights", check_every=1)
+    _, report = symmerge.align(a, b, match="learned", align_data=data, learn=learn, progress=False)
+    assert report["learned"]["closed_form_seconds"] >= 1.5
+    assert report["learned"]["steps"] == 2  # the tiny learning fits in its budget
