@@ -75,7 +75,8 @@ def resolve_lora_inputs(args) -> None:
     of their bases with the adapters merged in (:func:`symmerge.io.lora.resolve_input`)."""
     from ..io.lora import resolve_input
 
-    resolved = {m: resolve_input(m) for m in [*args.models, *([args.base] if args.base else [])]}
+    resolved = {m: resolve_input(m, allow_pickle=args.allow_pickle)
+                for m in [*args.models, *([args.base] if args.base else [])]}
     args.models = [resolved[m] for m in args.models]
     if args.base:
         args.base = resolved[args.base]

@@ -223,12 +223,14 @@ def parse_dtype(dtype):
     return DTYPES[key]
 
 
-def resolve_input(spec, cache=None, dtype=None, merge: bool = True) -> str:
+def resolve_input(spec, cache=None, dtype=None, merge: bool = True, allow_pickle: bool = False) -> str:
     """The model folder to read for ``spec``: ``spec`` itself, or for ``BASE+ADAPTER`` the folder of the base
     with the adapter merged in (``cache``: the folder merged models are kept in, default the current
     :func:`merge_cache`'s; ``dtype``: the merged tensors' dtype, default the current cache's, else the base's).
     ``merge=False``: the folders checked, nothing merged or written, and the base's folder returned (the merged
-    folder has its tensors' names and shapes: a plan made on it refuses what the merged one's would)."""
+    folder has its tensors' names and shapes: a plan made on it refuses what the merged one's would).
+    ``allow_pickle``: an adapter stored only as ``adapter_model.bin`` is read (``--allow-pickle``); refused otherwise,
+    as a pickle checkpoint is."""
     model, adapter = split_spec(spec)
     if adapter is None:
         return str(spec)
@@ -239,6 +241,7 @@ def resolve_input(spec, cache=None, dtype=None, merge: bool = True) -> str:
         raise SymmergeError(f"{spec}: the LoRA adapter {adapter!r} is not a folder here")
     if not (base / "config.json").is_file():
         raise SymmergeError(f"{spec}: {model} has no config.json (expected a Hugging Face model folder)")
+    adapter_weights(ad, allow_pickle)  # a pickle refused before anything is read or planned
     if not merge:
         return str(base)
     dtype = parse_dtype(dtype) or _cache["dtype"]
@@ -257,7 +260,7 @@ def resolve_input(spec, cache=None, dtype=None, merge: bool = True) -> str:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             clean_stale_in(directory)  # every entry's temporary folder of a killed run, not only this entry's
-            apply_adapter(base, ad, out, dtype=dtype)
+            apply_adapter(base, ad, out, dtype=dtype, allow_pickle=allow_pickle)
         except OSError as e:
             raise SymmergeError(f"{out}: cannot write the merged model ({e})") from None
         record_digests(out)
@@ -335,9 +338,10 @@ def pattern_key(patterns, name: str):
     return None
 
 
-def read_adapter(folder) -> Adapter:
+def read_adapter(folder, allow_pickle: bool = False) -> Adapter:
     """The adapter in ``folder`` (``adapter_config.json`` and its weights), checked: one error for anything that
-    is not a LoRA this module merges exactly."""
+    is not a LoRA this module merges exactly (weights only in ``adapter_model.bin``: refused unless
+    ``allow_pickle``)."""
     folder = Path(folder)
     cfg_file = folder / ADAPTER_CONFIG
     if not cfg_file.is_file():
@@ -358,7 +362,8 @@ def read_adapter(folder) -> Adapter:
         raise SymmergeError(f"{folder}: init_lora_weights={init!r} adapters apply to a base changed at initialisation; "
                             "convert the adapter to a plain LoRA first "
                             "(PEFT's path_initial_model_for_weight_conversion)")
-    tensors = _read_weights(folder)
+    _check_numbers(cfg_file, config)
+    tensors = _read_weights(folder, allow_pickle)
     ad = Adapter(folder, config)
     r0, alpha0 = config.get("r", 8), config.get("lora_alpha", 8)
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
@@ -380,6 +385,10 @@ def read_adapter(folder) -> Adapter:
             name = name.replace(".base_layer.", ".").replace(".modules_to_save.", ".")
             ad.replace[name] = t
     for mod, p in parts.items():
+        untargeted = _untargeted(config, mod)
+        if untargeted:
+            raise SymmergeError(f"{folder}: module {mod!r} has LoRA weights, but {untargeted}: PEFT would not apply "
+                                f"them there (the config and the weights disagree; fix {ADAPTER_CONFIG})")
         embedding = "lora_embedding_A" in p or "lora_embedding_B" in p
         A = p.get("lora_embedding_A" if embedding else "lora_A")
         B = p.get("lora_embedding_B" if embedding else "lora_B")
@@ -407,20 +416,76 @@ def read_adapter(folder) -> Adapter:
     return ad
 
 
-def _read_weights(folder: Path) -> dict:
+def _number(value, whole: bool) -> bool:
+    ok = isinstance(value, int) if whole else isinstance(value, (int, float))
+    return ok and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_numbers(cfg_file: Path, config: dict) -> None:
+    """One error naming the key when ``r``, ``lora_alpha`` or a rank/alpha pattern's value is not a positive (whole,
+    for ranks) finite number (a string reached the scaling's division as a TypeError)."""
+    for key, whole in (("r", True), ("lora_alpha", False)):
+        if key in config and not _number(config[key], whole):
+            raise SymmergeError(f"{cfg_file}: {key} must be a positive {'whole ' if whole else ''}number, got "
+                                f"{config[key]!r}")
+    for key, whole in (("rank_pattern", True), ("alpha_pattern", False)):
+        pattern = config.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise SymmergeError(f"{cfg_file}: {key} must map module patterns to numbers, got {pattern!r}")
+        for name, value in pattern.items():
+            if not _number(value, whole):
+                raise SymmergeError(f"{cfg_file}: {key}[{name!r}] must be a positive {'whole ' if whole else ''}"
+                                    f"number, got {value!r}")
+
+
+def _untargeted(config: dict, mod: str) -> str | None:
+    """Why PEFT would not put a LoRA on module ``mod`` under ``config`` (None: it would): ``target_modules`` (a
+    regular expression matching the whole name, or names the module's name ends with; ``all-linear``: any),
+    ``exclude_modules`` and ``layers_to_transform`` (the layer index in the name, as PEFT reads it)."""
+    def names(spec) -> bool:
+        if isinstance(spec, str):
+            return spec == "all-linear" or re.fullmatch(spec, mod) is not None
+        return any(mod == x or mod.endswith("." + x) for x in spec or ())
+
+    target, exclude = config.get("target_modules"), config.get("exclude_modules")
+    if target is not None and not names(target):
+        return f"target_modules ({target!r}) does not name it"
+    if exclude and not (isinstance(exclude, str) and exclude == "all-linear") and names(exclude):
+        return f"exclude_modules ({exclude!r}) names it"
+    layers = config.get("layers_to_transform")
+    if layers is not None:
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        index = re.search(r"\.(\d+)\.", "." + mod + ".")
+        if index is not None and int(index.group(1)) not in layers:
+            return f"layers_to_transform ({layers}) leaves out its layer {int(index.group(1))}"
+    return None
+
+
+def adapter_weights(folder: Path, allow_pickle: bool = False) -> Path:
+    """The adapter's weights file in ``folder``: its safetensors, else its pickle when ``allow_pickle`` (never
+    unpickled without it: the same rule as a pickle checkpoint's); one error otherwise."""
     for name in ADAPTER_WEIGHTS:
         f = folder / name
         if not f.is_file():
             continue
-        try:
-            if f.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
-                return load_file(str(f))
-            return torch.load(str(f), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise SymmergeError(f"{f}: cannot read the adapter's weights ({type(e).__name__}: {e})") from None
+        if f.suffix != ".safetensors" and not allow_pickle:
+            raise SymmergeError(f"{f}: the adapter's weights are a pickle (loading one can run code), refused by "
+                                "default: convert it to adapter_model.safetensors (PEFT's save_pretrained does by "
+                                "default), or pass --allow-pickle to symmerge merge")
+        return f
     raise SymmergeError(f"{folder}: no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
+
+
+def _read_weights(folder: Path, allow_pickle: bool = False) -> dict:
+    f = adapter_weights(folder, allow_pickle)
+    try:
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(f))
+        return torch.load(str(f), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise SymmergeError(f"{f}: cannot read the adapter's weights ({type(e).__name__}: {e})") from None
 
 
 # -- merging --------------------------------------------------------------------------------------------------
@@ -471,15 +536,16 @@ def merge_bias(bias: torch.Tensor, mod: Module) -> torch.Tensor:
     return out
 
 
-def apply_adapter(base, adapter, out, dtype=None, progress: bool = True) -> dict:
+def apply_adapter(base, adapter, out, dtype=None, progress: bool = True, allow_pickle: bool = False) -> dict:
     """Write ``base`` (an HF safetensors folder) with ``adapter`` merged into the new folder ``out``, one tensor at
-    a time, atomically; returns what was done (also ``out/symmerge_lora.json``)."""
+    a time, atomically; returns what was done (also ``out/symmerge_lora.json``). ``allow_pickle``: see
+    :func:`read_adapter`."""
     from ..progress import bar
     from .checkpoint import LazyCheckpoint, PlannedWriter
     from .model import atomic_dir, check_finite, copy_side_files, write_json
 
     base, adapter, out = Path(base), Path(adapter), Path(out)
-    ad = read_adapter(adapter)
+    ad = read_adapter(adapter, allow_pickle)
     ck = LazyCheckpoint(base, spec=False)
     dtype = parse_dtype(dtype)
     keys = ck.keys()

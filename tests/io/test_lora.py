@@ -6,6 +6,7 @@ refusals; ``run`` and ``merge`` with ``BASE+ADAPTER`` inputs."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -182,7 +183,17 @@ BAD = {
     "tokens": (dict(trainable_token_indices=[1, 2]), None, "trainable tokens"),
     "rank": (dict(r=3), None, "has rank 2 but the config says r=3"),
     "missing-factor": (None, lambda sd: {k: v for k, v in sd.items() if "lora_B" not in k}, "only one of its two"),
-    "elsewhere": (None, lambda sd: {k.replace("q_proj", "x_proj"): v for k, v in sd.items()}, "does not have"),
+    "elsewhere": (dict(target_modules=["x_proj"]), lambda sd: {k.replace("q_proj", "x_proj"): v for k, v in sd.items()},
+                  "does not have"),
+    # the config and the weights disagree: PEFT would not put the weights where they are (they were merged there)
+    "untargeted": (dict(target_modules=["v_proj"]), None, "target_modules (['v_proj']) does not name it"),
+    "regex": (dict(target_modules=r".*\.k_proj"), None, "does not name it"),
+    "excluded": (dict(exclude_modules=["q_proj"]), None, "exclude_modules (['q_proj']) names it"),
+    "layers": (dict(layers_to_transform=[5]), None, "layers_to_transform ([5]) leaves out its layer 0"),
+    # values PEFT's scaling divides by: a string was a TypeError traceback
+    "alpha-string": (dict(lora_alpha="eight"), None, "lora_alpha must be a positive number, got 'eight'"),
+    "rank-float": (dict(r=2.5), None, "r must be a positive whole number, got 2.5"),
+    "pattern": (dict(alpha_pattern={"q_proj": None}), None, "alpha_pattern['q_proj'] must be a positive number"),
     "shape": (None, lambda sd: {k: (torch.zeros(v.shape[0], 7) if "lora_A" in k else v) for k, v in sd.items()},
               "its update is"),
     "conv": (None, lambda sd: {k: v[..., None, None] for k, v in sd.items()}, "convolution"),
@@ -197,7 +208,7 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, case, capsys):
     base = make_base(tmp_path / "base")
     adapter = _adapter_with(tmp_path, base, edit, tensors)
     cache = tmp_path / "cache"
-    with pytest.raises(SymmergeError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(SymmergeError, match=re.escape(message)):
         lora.resolve_input(f"{base}+{adapter}", cache)
     assert not cache.exists() or not any(cache.iterdir())
     capsys.readouterr()
@@ -206,6 +217,44 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, case, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("symmerge: error:") and message in err[0]
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_pickled_adapter_is_refused_unless_allowed(tmp_path, capsys):
+    """An adapter stored only as ``adapter_model.bin`` was unpickled without ``--allow-pickle`` (a pickle checkpoint
+    is refused): it is now one line naming the file, with nothing cached or written; with the flag it merges as its
+    safetensors does."""
+    from safetensors.torch import load_file
+
+    from symmerge.cli import main
+
+    base = make_base(tmp_path / "base")
+    adapter = _adapter_with(tmp_path, base)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    torch.save(load_file(str(adapter / "adapter_model.safetensors")), str(pickled / "adapter_model.bin"))
+    cache = tmp_path / "cache"
+    with pytest.raises(SymmergeError, match="adapter_model.bin: the adapter's weights are a pickle"):
+        lora.resolve_input(f"{base}+{pickled}", cache)
+    with pytest.raises(SymmergeError, match="is a pickle|are a pickle"):
+        lora.resolve_input(f"{base}+{pickled}", cache, merge=False)  # planning refuses it too
+    assert not cache.exists() or not any(cache.iterdir())
+    argv = ["merge", f"{base}+{pickled}", str(base), "--method", "average", "--align", "none", "-q"]
+    capsys.readouterr()
+    assert main([*argv, "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--allow-pickle" in err[0] and not (tmp_path / "out").exists()
+    cfg = tmp_path / "c.yml"
+    cfg.write_text(f"merge_method: linear\nmodels:\n  - model: {base}+{pickled}\n    parameters: {{weight: 0.5}}\n"
+                   f"  - model: {base}\n    parameters: {{weight: 0.5}}\ndtype: float32\n")
+    assert main(["run", str(cfg), str(tmp_path / "run_out"), "-q"]) == 2
+    assert "are a pickle" in capsys.readouterr().err and not (tmp_path / "run_out").exists()
+    assert main([*argv, "--allow-pickle", "-o", str(tmp_path / "allowed")]) == 0
+    assert main(["merge", f"{base}+{adapter}", str(base), "--method", "average", "--align", "none", "-q", "-o",
+                 str(tmp_path / "safe")]) == 0
+    got, expected = load_file(str(tmp_path / "allowed" / "model.safetensors")), \
+        load_file(str(tmp_path / "safe" / "model.safetensors"))
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in got)
 
 
 def test_spec_forms(tmp_path):
