@@ -187,6 +187,18 @@ def _run(argv) -> int:
     return code
 
 
+def linalg_fault(e: BaseException) -> str | None:
+    """The one line of torch's linear-algebra error (an SVD, eigendecomposition or solve that did not converge:
+    seen on finite weights near float32's range, whose products overflow the alignment's costs), or None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(e, torch.linalg.LinAlgError):
+        return None
+    detail = str(e).split(":")[0].strip() or type(e).__name__
+    return (f"a linear-algebra solve failed on these weights ({detail} did not converge): an input's values are too "
+            "large or too ill-conditioned for float32 (look for values near 1e30 or beyond in the checkpoints), or "
+            "leave out what solves them (--align none, --symmetries none); nothing was written")
+
+
 def _handled(args) -> int:
     """The command run; running out of memory (:func:`~symmerge.io.output.memory_fault`: Python's, numpy's, torch's
     allocators) is one :class:`~symmerge.errors.OutOfMemory` line naming what was asked for and the command's way out
@@ -311,6 +323,10 @@ def main(argv=None) -> int:
         if was_interrupted():  # a lazy import the Ctrl-C cut in half, failing as another error
             print("symmerge: interrupted", file=sys.stderr)
             return INTERRUPTED
+        words = linalg_fault(e)  # a solver that did not converge on the weights given: one line, not torch's trace
+        if words is not None:
+            print(f"symmerge: error: {one_line(words)}", file=sys.stderr)
+            return 2
         fault = os_fault(e)  # the operating system's refusal (a full disk, a permission...): one line
         if fault is None:
             raise

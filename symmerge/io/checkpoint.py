@@ -48,7 +48,7 @@ def parse_size(value) -> int:
         mult = 1
     try:
         size = int(float(text) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):  # 'nan', 'x'; 'inf', '1e400': no whole number of bytes
         raise SymmergeError(f"cannot read size {value!r}; use e.g. 500MB or 2GB") from None
     if size <= 0:
         raise SymmergeError(f"size must be positive, got {value!r}")

@@ -16,6 +16,8 @@ import os
 import numpy as np
 import torch
 
+from .procrustes import finite_cost
+
 
 def _lapx():
     """``lap.lapjvh`` from ``lapx`` (≥ 0.9), or None (not installed, the older ``lap`` package, or
@@ -64,6 +66,7 @@ def match_permutation(C: torch.Tensor, consume: bool = False) -> torch.Tensor:
     contiguous float32/float64 CPU ``C`` in place instead (``C`` is garbage afterwards), so the
     assignment needs no memory beyond the cost."""
     C = C.detach()
+    finite_cost(C)
     if C.dtype not in (torch.float32, torch.float64):
         C, consume = C.to(torch.float64), True
     a = C.cpu().numpy()

@@ -23,7 +23,7 @@ import math
 import numpy as np
 import torch
 
-from .procrustes import procrustes
+from .procrustes import finite_cost, procrustes
 
 
 def head_objective(a, R, Mp, Mm, n1p, n1m) -> torch.Tensor:
@@ -78,6 +78,7 @@ def quartic_scale(cp, cm, p, m, signed: bool = False) -> torch.Tensor:
 
 def sequential_scale(Mp, Mm, n1p, n1m):
     """Paper's rescale: rotate at a = 1, then the best scale for that rotation."""
+    finite_cost(Mp, Mm)
     R, _ = procrustes(Mp + Mm)
     return R, scale_for_rotation(R, Mp, Mm, n1p, n1m)
 
