@@ -85,6 +85,23 @@ class Headers(dict):
         return self[key]
 
 
+# config.json's lists of one entry per layer (transformers checks their length against the layer count: a sliced
+# Qwen2/Gemma2 with its 'layer_types' unchanged did not load)
+PER_LAYER_LISTS = ("layer_types", "no_rope_layers")
+
+
+def per_layer_edits(out_lay, origins: list) -> dict:
+    """The edits of ``out_lay``'s config.json lists of one entry per layer (:data:`PER_LAYER_LISTS`) for a sliced
+    merge whose output layer j comes from source layer ``origins[j]``: each layer keeps its own entry (a sliding-
+    window layer stays one)."""
+    edits = {}
+    for key in PER_LAYER_LISTS:
+        values = out_lay.config.get(key)
+        if isinstance(values, list) and len(values) == out_lay.layers:
+            edits[key] = [values[i] for i in origins]
+    return edits
+
+
 @dataclass
 class Job:
     """One merge: what the executor runs. ``steps`` name tensors in memory naming; their sources index
@@ -112,6 +129,8 @@ class Job:
     # tensors that are vocabulary tensors
     vocab: object = None
     vocab_steps: set = field(default_factory=set)
+    # each output layer's source layer (a sliced merge: the per-layer lists of config.json follow their layers)
+    layer_origins: list = field(default_factory=list)
     # the headers the planner read (Headers: a checkpoint per folder), which the run reads its inputs through
     headers: dict = field(default_factory=lambda: Headers(), repr=False, compare=False)
 
@@ -819,6 +838,7 @@ class Planner:
             job.layers += layers
             if sliced and out_lay.layer_key:
                 edits[out_lay.layer_key] = layers
+                edits.update(per_layer_edits(out_lay, job.layer_origins[-layers:] if layers else []))
             for st in steps:
                 dtypes[st.name] = lays[st.sources[0].model].dtypes[st.sources[0].key]
         want = job.out_dtype or job.dtype
@@ -896,6 +916,7 @@ class Planner:
             for j in range(n):
                 t = j / (n - 1) if n > 1 else 1.0
                 self._layer_in_place(doc, inputs, lays, out_lay, sl, j, out_i)
+                job.layer_origins.append(sl.sources[0].a + j)
                 for suffix in out_lay.suffixes + out_lay.optional:
                     pairs = [(s, lays[s.model].layer_name(s.a + j, suffix)) for s in sl.sources]
                     if suffix in out_lay.optional and any(n not in lays[s.model].shapes for s, n in pairs):
@@ -971,6 +992,7 @@ class Planner:
         edits = {}
         if sliced and out_lay.layer_key:
             edits[out_lay.layer_key] = out_i
+            edits.update(per_layer_edits(out_lay, job.layer_origins))
         elif sliced and out_i != out_lay.layers:
             raise doc.error(f"cannot set the output's layer count ({out_i}) in its config.json", "slices")
         if job.vocab is not None and "vocab_size" in out_lay.config:
