@@ -226,10 +226,29 @@ def _default_row(vocab, tensors, inputs, token, tid, spec, rest, dtype):
     return acc / len(donors)
 
 
+# names of the tensors whose rows are tokens (input embeddings, LM heads and their biases), for the one case their
+# shape cannot tell: a hidden size equal to the vocabulary size, where every hidden-width tensor (the final norm, a
+# pooler) has as many rows as tokens
+VOCABULARY_NAMES = ("embed", "wte", "word_embeddings", "tok_embeddings", "lm_head", "embed_out", "predictions.decoder",
+                    "predictions.bias", "final_logits_bias", "output.weight")
+
+
+def _hidden_size(config: dict) -> int | None:
+    for c in (config, config.get("text_config") or {}):
+        for key in ("hidden_size", "n_embd", "d_model", "dim"):
+            if isinstance(c.get(key), int):
+                return c[key]
+    return None
+
+
 def is_vocabulary_tensor(name: str, shape, config: dict) -> bool:
-    """A tensor outside the layers whose rows are the model's vocabulary (input embeddings, LM head)."""
+    """A tensor outside the layers whose rows are the model's vocabulary (input embeddings, LM head): its first
+    dimension is the vocabulary size (not a position table); where the hidden size is the vocabulary size too, by
+    its name (:data:`VOCABULARY_NAMES`): ``model.norm.weight`` was remapped as if its entries were tokens."""
     v = vocab_size(config)
-    return v is not None and len(shape) >= 1 and shape[0] == v and "position" not in name
+    if v is None or len(shape) < 1 or shape[0] != v or "position" in name:
+        return False
+    return _hidden_size(config) != v or any(word in name for word in VOCABULARY_NAMES)
 
 
 def write_tokenizer(vocab: Vocabulary, folder: Path) -> None:
