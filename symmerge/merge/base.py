@@ -415,6 +415,16 @@ def merge_state_dicts(method: Method, state_dicts, weights=None, stats=None, bas
     return out
 
 
+def promoted(tensors) -> torch.dtype:
+    """torch's promotion of the floating ``tensors``' dtypes (None entries skipped): the dtype mergekit's arithmetic
+    on inputs of several dtypes runs in (bfloat16 with float16: float32); one dtype: that dtype."""
+    dtypes = [t.dtype for t in tensors if t is not None and t.is_floating_point()]
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
 def merge_tensor(method: Method, key: str, tensors, weights, stats, base, params, context,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """One merged tensor, in the inputs' dtype: the one step shared by the in-memory loop
@@ -428,7 +438,14 @@ def merge_tensor(method: Method, key: str, tensors, weights, stats, base, params
         return ref.clone()
     # held in the dtype the rule computes in: a config's ``dtype`` (mergekit holds its result there until
     # ``out_dtype``; bfloat16 inputs merged at ``dtype: float32`` were rounded back to bfloat16), else the inputs'
-    held = method.computes_in if method.computes_in is not None else ref.dtype
+    # promoted (several dtypes: float32 ties of float32 and bfloat16 fine-tunes on a float16 base was held in float16)
+    held = method.computes_in if method.computes_in is not None else promoted([*tensors, base])
+    if method.computes_in is None and any(t is not None and t.is_floating_point() and t.dtype != held
+                                          for t in [*tensors, base]):
+        # inputs of several dtypes: each cast to the promoted one first (mergekit's result on them is its result
+        # with ``dtype:`` that dtype, bit for bit: its thresholds and masks see the cast values)
+        tensors = [t.to(held) if t.is_floating_point() else t for t in tensors]
+        base = base.to(held) if base is not None and base.is_floating_point() else base
     whole = method.whole_tensor is not None and method.whole_tensor(params)
     nbytes = ref.numel() * torch.empty((), dtype=held).element_size()
     if out is not None and out.dtype == torch.uint8 and out.numel() >= nbytes:

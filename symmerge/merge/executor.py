@@ -269,9 +269,22 @@ class StreamExecutor:
         s = step.base if (step.merge and step.base is not None) else step.sources[0]
         return self.ckpts[s.model], s.key
 
+    def promoted(self, step: TensorStep):
+        """The dtype torch's promotion gives the tensors a step reads (its sources, then its base): mergekit's
+        arithmetic on inputs of several dtypes, and the dtype it writes the result in (float32 ties of a float32
+        and a bfloat16 fine-tune on a float16 base writes float32; bfloat16 with float16 promotes to float32 too).
+        One dtype: that dtype."""
+        import torch
+
+        dtypes = [self.ckpts[s.model].dtype[s.key] for s in self.reads(step)]
+        out = dtypes[0]
+        for d in dtypes[1:]:
+            if out.is_floating_point and d.is_floating_point:
+                out = torch.promote_types(out, d)
+        return out
+
     def out_dtype(self, step: TensorStep):
-        c, k = self._ref(step)
-        dt = c.dtype[k]
+        dt = self.promoted(step)
         return self.dtype if self.dtype is not None and dt.is_floating_point else dt
 
     def ref_bytes(self, step: TensorStep) -> int:
@@ -338,11 +351,10 @@ class StreamExecutor:
 
     def computes_in(self, step: TensorStep):
         """The dtype a merged step's arithmetic is in: a config's ``dtype`` (the method's ``computes_in``), else its
-        first source's."""
+        inputs' (:meth:`promoted`: inputs of several dtypes promoted, as mergekit's arithmetic is)."""
         if self.method.computes_in is not None:
             return self.method.computes_in
-        s = self.reads(step)[0]
-        return self.ckpts[s.model].dtype[s.key]
+        return self.promoted(step)
 
     # ------------------------------------------------ read ahead, merge, write behind
     def run(self, folder=None, target=None) -> dict:
