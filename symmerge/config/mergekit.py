@@ -43,7 +43,8 @@ KEYS = ("name", "merge_method", "models", "slices", "base_model", "parameters", 
         "tokenizer_source", "tokenizer", "chat_template", "modules")
 OUTPUT_KEYS = ("output", "out", "out_path")
 DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16", "fp16": "float16",
-          "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+          "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float64": "float64", "fp64": "float64",
+          "double": "float64"}  # float64: mergekit writes it too
 
 
 @dataclass
@@ -534,7 +535,7 @@ class Planner:
         if v is None:
             return None
         if not isinstance(v, str) or v.lower() not in DTYPES:
-            raise doc.error(f"{key!r} is one of float32, float16, bfloat16, got {v!r}", key)
+            raise doc.error(f"{key!r} is one of float32, float16, bfloat16, float64, got {v!r}", key)
         return DTYPES[v.lower()]
 
     def _models_slices(self, doc, models, base, policy, names, inputs, root=()):
@@ -625,6 +626,8 @@ class Planner:
                 rng = src.get("layer_range")
                 if "layer_range" not in src:
                     raise doc.error("needs 'layer_range: [a, b]' (layers a … b−1)", *sw)
+                if isinstance(rng, list) and all(isinstance(x, str) and x.strip().isdigit() for x in rng):
+                    rng = [int(x) for x in rng]  # ["0", "2"]: whole numbers written as text, as mergekit reads them
                 if (not isinstance(rng, list) or len(rng) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
                                                                           for x in rng)):
                     raise doc.error(f"'layer_range' is [a, b] (two integers: layers a … b−1), got {rng!r}", *sw,

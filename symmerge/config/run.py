@@ -14,7 +14,7 @@ import torch
 
 from ..errors import SymmergeError
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 CONFIG_COPY = "mergekit_config.yml"  # the config, beside the model card (as mergekit writes it)
 SYMMERGE_CONFIG_COPY = "symmerge_config.yml"  # a config of symmerge's keys (commands/run.py): no mergekit config
 

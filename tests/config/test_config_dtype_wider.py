@@ -64,3 +64,22 @@ def test_out_dtype_narrows_the_float32_result_once(bf16, tmp_path):
     b, a, c = (mo.tensors(p)[key].float() for p in (base, *fts))
     by_hand = (b + 0.3 * (a - b) + 0.9 * (c - b)).to(torch.float16)
     assert int((narrow[key] != by_hand).sum()) <= narrow[key].numel() // 200  # a float32 ulp may flip a rounding
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties", "linear"])
+def test_dtype_float64_is_taken_as_mergekit_takes_it(bf16, tmp_path, method):
+    """``dtype: float64`` was refused ("'dtype' is one of float32, float16, bfloat16"); mergekit 0.1.5 writes a
+    float64 model (linear: the same bits as symmerge's)."""
+    base, fts = bf16
+    config = _config(tmp_path / "c.yml", base, fts, method, "float64")
+    assert run_cli("run", config, tmp_path / "out", "--progress", "none") == 0
+    ours = mo.tensors(tmp_path / "out")
+    assert {t.dtype for t in ours.values()} == {torch.float64}
+    key = "model.layers.0.mlp.up_proj.weight"
+    if method == "task_arithmetic":  # by hand, in float64 from the bfloat16 values read
+        b, a, c = (mo.tensors(p)[key].double() for p in (base, *fts))
+        assert torch.allclose(ours[key], b + 0.3 * (a - b) + 0.9 * (c - b), rtol=1e-12, atol=1e-15)
+    if mo.available():
+        theirs = mo.tensors(mo.run_mergekit(config.read_text(), tmp_path / "mergekit"))
+        assert {t.dtype for t in theirs.values()} == {torch.float64}
+        assert mo.relative_gap(ours, theirs, mo.tensors(base)) < 1e-12

@@ -57,3 +57,16 @@ def test_a_sliced_merge_keeps_each_layer_s_type(tmp_path, family, ranges, origin
     with torch.no_grad():
         want, got = built(ids, use_cache=False).logits, out(ids, use_cache=False).logits
     assert torch.equal(got, want)
+
+
+def test_a_layer_range_written_as_text_is_read_as_numbers(tmp_path, capsys):
+    """``layer_range: ["0", "2"]`` was refused; mergekit 0.1.5 reads the numbers (a text that is not a whole number
+    is still one error)."""
+    _model("qwen2", 0).save_pretrained(tmp_path / "m")
+    for rng, code in (('["0", "2"]', 0), ('["0", "two"]', 2)):
+        (tmp_path / "c.yml").write_text(f"slices:\n  - sources:\n      - model: {tmp_path / 'm'}\n        layer_range: "
+                                        f"{rng}\nmerge_method: passthrough\n")
+        out = tmp_path / f"out{code}"
+        assert run_cli("run", tmp_path / "c.yml", out, "-q") == code
+    assert json.loads((tmp_path / "out0" / "config.json").read_text())["num_hidden_layers"] == 2
+    assert "'layer_range' is [a, b]" in capsys.readouterr().err and not (tmp_path / "out2").exists()
