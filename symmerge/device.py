@@ -15,6 +15,8 @@ def resolve_device(device) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise SymmergeError(f"unknown device {device!r}; use cpu or cuda") from None
+    if dev.type not in ("cpu", "cuda"):  # 'meta' holds no values; other backends are not run here
+        raise SymmergeError(f"unknown device {device!r}; use cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SymmergeError("--device cuda requested but no CUDA device is available")
     return dev

@@ -198,6 +198,13 @@ class MergeOptions:
         model_index(self.head_from, n, what="--head-from index")  # the same rule: 0..n-1, a negative one refused
         if self.weights is not None and len(self.weights) != n:
             raise SymmergeError(f"got {len(self.weights)} weights for {n} models")
+        if self.weights is not None:  # the method's rule for them, before any model is read (NaN: after the alignment)
+            from .base import normalized_weights
+
+            if m.check_weights is not None:
+                m.check_weights(list(self.weights), params)
+            else:
+                normalized_weights(list(self.weights), n, normalize=m.normalize_weights)
         if self.repair and self.align.align_data is None:
             raise SymmergeError("REPAIR needs unlabeled data for its statistics: pass --align-data FILE")
         channels = parse_channels(self.repair_channels)

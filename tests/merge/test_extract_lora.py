@@ -251,7 +251,8 @@ def test_regexes_that_match_no_module(tmp_path, capsys):
     assert [w.split(":")[0] for w in report["warnings"]] == ["--include-regex 'bogus'", "--exclude-regex 'nada'"]
 
 
-@pytest.mark.parametrize("device, message", [("bogus", "unknown device 'bogus'"), (3.5, "unknown device 3.5")])
+@pytest.mark.parametrize("device, message", [("bogus", "unknown device 'bogus'"), (3.5, "unknown device 3.5"),
+                                             ("meta", "unknown device 'meta'")])  # meta holds no values: was taken
 def test_a_device_torch_cannot_name_is_one_error_when_the_options_are_made(device, message):
     """``ExtractOptions(device="bogus")`` was torch's ``RuntimeError`` from inside the first SVD batch."""
     with pytest.raises(SymmergeError, match=message):
