@@ -101,11 +101,12 @@ class Entry:
 def _plan(ft, base, kinds: dict, options: ExtractOptions, notes: list) -> tuple[list[Entry], list[str]]:
     """The modules to extract and to save whole (mergekit's rules, module order), and modules_to_save."""
     embed_lora = options.embed_lora
-    if embed_lora and kinds["input"]:
+    if kinds["input"]:  # a grown vocabulary: saved whole, with or without --embed-lora, and PEFT needs a resize
         key, bkey = _stored(ft, f"{kinds['input']}.weight"), _stored(base, f"{kinds['input']}.weight")
         if key and bkey and ft.shape[key][0] != base.shape[bkey][0]:
             notes.append(f"vocabulary sizes differ (fine-tune {ft.shape[key][0]}, base {base.shape[bkey][0]}): "
-                         "embeddings saved whole (modules_to_save), not as LoRA")
+                         "embeddings saved whole (modules_to_save), not as LoRA; load the adapter on the base after "
+                         f"base.resize_token_embeddings({ft.shape[key][0]}) (PEFT refuses their shapes otherwise)")
             embed_lora = False
     to_save = list(options.save_modules)
     entries: list[Entry] = []
