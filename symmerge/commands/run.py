@@ -23,6 +23,7 @@ from .schema_args import add_options
 
 # the way out named when the command runs out of memory (symmerge.cli: one symmerge: error: line)
 MEMORY_WAY_OUT = "a smaller --out-shard-size, fewer --num-threads"
+WARNINGS_SHOWN = 50  # config warnings printed one per line; the rest counted (the report holds them all)
 
 
 def add_arguments(parser) -> None:
@@ -104,8 +105,11 @@ def _run(args) -> int:
 
             ensure_output_dir(desc.output, inputs=folders)
         desc = describe(args.config, **given)  # planned again on the merged folders
-    for line in desc.warnings:
+    for line in desc.warnings[:WARNINGS_SHOWN]:
         print(f"symmerge: warning: {line}", file=sys.stderr)
+    if len(desc.warnings) > WARNINGS_SHOWN:  # every one is in the report's and the plan's warnings
+        print(f"symmerge: warning: and {len(desc.warnings) - WARNINGS_SHOWN} more warnings of the config (all in "
+              "--print-plan's and the report's 'warnings')", file=sys.stderr)
     allow_remote_code(args.trust_remote_code or desc.trust_remote_code)  # reset when the command ends (cli)
     if not desc.mergekit:
         if args.print_command:

@@ -176,8 +176,12 @@ def _naming_ignored(error: SymmergeError, warnings: list, path: Path) -> Symmerg
         return error
     from .lenient import IGNORED
 
-    shown = [w.removeprefix(f"{path} ").removesuffix(IGNORED) for w in warnings]
-    return SymmergeError(f"{error}; keys ignored, perhaps misspelt: {'; '.join(shown)}")
+    shown = [w.removeprefix(f"{path} ").removesuffix(IGNORED) for w in warnings[:IGNORED_NAMED]]
+    more = f"; and {len(warnings) - IGNORED_NAMED} more" if len(warnings) > IGNORED_NAMED else ""
+    return SymmergeError(f"{error}; keys ignored, perhaps misspelt: {'; '.join(shown)}{more}")
+
+
+IGNORED_NAMED = 10  # ignored keys an error names (a file of 60 000 unknown keys made a line of 2.3 MB)
 
 
 def _output(docs, doc, output, needs_output: bool = True):

@@ -301,11 +301,13 @@ class Planner:
         self.named: dict[str, int] = {}  # name -> job index
         self.job_layouts: list = []
         self.warnings: list[str] = []  # one line per key or parameter ignored, as mergekit ignores it
+        self._warned: set[str] = set()
         self._scopes: list = [{}, {}]
         self._module_name: str | None = None  # the named module being planned (symmerge.config.modules)
 
     def warn(self, line: str) -> None:
-        if line not in self.warnings:
+        if line not in self._warned:  # a set: 60 000 unknown keys took 159 s in a list's membership test
+            self._warned.add(line)
             self.warnings.append(line)
 
     # -- inputs -------------------------------------------------------------------------------------------

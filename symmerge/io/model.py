@@ -25,6 +25,9 @@ PICKLE_SINGLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json
 WEIGHT_NAMES = {SAFE_SINGLE, SAFE_INDEX, PICKLE_SINGLE, PICKLE_INDEX}
 
 
+CONFIG_LIMIT = 16 << 20  # bytes of config.json read at most (ImageNet-21k's id2label: under 1 MiB)
+
+
 def read_config(path: Path, spec: bool = True) -> dict:
     """The folder's config.json as a dict; with ``spec``, an unsupported ``model_type`` (no symmetry spec)
     fails here, before any weights are read (plain merges pass ``spec=False``)."""
@@ -39,6 +42,10 @@ def read_config(path: Path, spec: bool = True) -> dict:
                                 "extract-lora take it with its base model as BASE+ADAPTER")
         raise SymmergeError(f"{path}: no config.json (expected a Hugging Face model folder){_hub_cache_hint(path)}")
     try:
+        size = cfg_file.stat().st_size
+        if size > CONFIG_LIMIT:  # read whole and parsed: a 300 MB file took 70 s before anything was refused
+            raise SymmergeError(f"{cfg_file}: {size / 2**20:.0f} MiB, not a model's config (they are kilobytes; the "
+                                f"largest read is {CONFIG_LIMIT // 2**20} MiB, e.g. 21k class names)")
         config = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise SymmergeError(f"{cfg_file}: not valid JSON ({e})") from None
