@@ -537,7 +537,8 @@ class Planner:
         if v is None:
             return None
         if not isinstance(v, str) or v.lower() not in DTYPES:
-            raise doc.error(f"{key!r} is one of float32, float16, bfloat16, float64, got {v!r}", key)
+            shown = repr(v) if isinstance(v, (str, int, float, bool, type(None))) else f"a YAML {type(v).__name__}"
+            raise doc.error(f"{key!r} is one of float32, float16, bfloat16, float64, got {shown}", key)
         return DTYPES[v.lower()]
 
     def _models_slices(self, doc, models, base, policy, names, inputs, root=()):

@@ -121,6 +121,9 @@ def _shards(path: Path, index_name: str) -> list[Path]:
     folder's files). Symlinks inside the folder are followed (a hub cache's snapshots link to its blobs)."""
     try:
         index = json.loads((path / index_name).read_text())
+        odd = next(((k, v) for k, v in index["weight_map"].items() if not isinstance(v, str)), None)
+        if odd is not None:  # sorted() of mixed names said "'<' not supported between instances of 'str' and 'int'"
+            raise ShardIndexError(f"{path / index_name}: weight_map[{odd[0]!r}] is {odd[1]!r}, not a shard file name")
         names = sorted(set(index["weight_map"].values()))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ShardIndexError(f"{path / index_name}: malformed shard index ({e})") from None

@@ -306,6 +306,8 @@ MK_BAD = [
      "tokenizer_source: 7\n", "line 6: the tokenizer's source is 'union', 'base' or a model, got 7"),
     ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\ndtype: float8\n",
      "line 6: 'dtype' is one of float32, float16, bfloat16, float64"),
+    ("merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nparameters: {{weight: 1}}\ndtype: 2001-12-14\n",
+     "line 6: 'dtype' is one of float32, float16, bfloat16, float64, got a YAML date"),
     ("merge_method: linear\nmodels:\n  - model: {a}\nslices:\n  - sources: [{{model: {a}, layer_range: [0, 1]}}]\n",
      "line 4: give 'models' (whole models) or 'slices'"),
     ("merge_method: frobnicate\nmodels:\n  - model: {a}\n  - model: {b}\n", "line 1: unknown merge method 'frobnicate'"),

@@ -185,6 +185,21 @@ def test_a_shard_index_is_confined_to_the_model_folder(tmp_path, capsys, where):
     assert LazyCheckpoint(other, spec=False).keys()
 
 
+def test_a_shard_index_naming_a_number_is_one_line_naming_the_entry(tmp_path, capsys):
+    """``weight_map`` values that are not file names: it said "'<' not supported between instances of 'str' and
+    'int'" (the sort of the names)."""
+    good = vit_folder(tmp_path / "good", 0)
+    bad = _sharded(vit_folder(tmp_path / "bad", 1))
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    key = sorted(index["weight_map"])[0]
+    index["weight_map"][key] = 5
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "merge", good, bad, "--method", "average", "--align", "none", "-o", out,
+                         "--progress", "none")
+    assert_clean_failure(rc, err, out, f"weight_map[{key!r}] is 5, not a shard file name")
+
+
 def test_a_mixture_of_experts_missing_one_experts_tensor_is_the_same_line_everywhere(tmp_path, capsys):
     """transformers fuses the experts in memory from per-expert tensors: one of them missing is named, in memory,
     streamed, and read fused (align --stream) alike."""
