@@ -35,7 +35,8 @@ def _rms(t: torch.Tensor) -> float:
     flat = t.reshape(-1)
     if flat.numel() > SAMPLE:
         flat = flat[:: flat.numel() // SAMPLE]
-    return float(torch.linalg.vector_norm(flat, dtype=_wide(flat))) / math.sqrt(max(flat.numel(), 1))
+    # float64: a float32 sum of squares of values near 1e20 overflowed, and a finite result warned "rms inf"
+    return float(torch.linalg.vector_norm(flat, dtype=torch.float64)) / math.sqrt(max(flat.numel(), 1))
 
 
 def describe_arguments(method, params, weights) -> str:
