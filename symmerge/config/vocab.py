@@ -234,8 +234,10 @@ VOCABULARY_NAMES = ("embed", "wte", "word_embeddings", "tok_embeddings", "lm_hea
 
 
 def _hidden_size(config: dict) -> int | None:
+    from ..io.shapes import HIDDEN_SIZES
+
     for c in (config, config.get("text_config") or {}):
-        for key in ("hidden_size", "n_embd", "d_model", "dim"):
+        for key in (*HIDDEN_SIZES, "dim"):  # and DistilBERT's top-level "dim"
             if isinstance(c.get(key), int):
                 return c[key]
     return None

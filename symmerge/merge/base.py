@@ -415,14 +415,20 @@ def merge_state_dicts(method: Method, state_dicts, weights=None, stats=None, bas
     return out
 
 
-def promoted(tensors) -> torch.dtype:
-    """torch's promotion of the floating ``tensors``' dtypes (None entries skipped): the dtype mergekit's arithmetic
-    on inputs of several dtypes runs in (bfloat16 with float16: float32); one dtype: that dtype."""
-    dtypes = [t.dtype for t in tensors if t is not None and t.is_floating_point()]
+def promoted_dtype(dtypes) -> torch.dtype:
+    """torch's promotion of ``dtypes`` where the first is floating (its floating ones; else the first): the dtype
+    mergekit's arithmetic on inputs of several dtypes runs in (bfloat16 with float16: float32); one dtype: that
+    dtype. The one rule of :func:`promoted` (tensors in hand) and the streamed executor's (stored dtypes)."""
     out = dtypes[0]
     for d in dtypes[1:]:
-        out = torch.promote_types(out, d)
+        if out.is_floating_point and d.is_floating_point:
+            out = torch.promote_types(out, d)
     return out
+
+
+def promoted(tensors) -> torch.dtype:
+    """:func:`promoted_dtype` of the floating ``tensors`` (None entries skipped)."""
+    return promoted_dtype([t.dtype for t in tensors if t is not None and t.is_floating_point()])
 
 
 def merge_tensor(method: Method, key: str, tensors, weights, stats, base, params, context,

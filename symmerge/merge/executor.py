@@ -274,14 +274,9 @@ class StreamExecutor:
         arithmetic on inputs of several dtypes, and the dtype it writes the result in (float32 ties of a float32
         and a bfloat16 fine-tune on a float16 base writes float32; bfloat16 with float16 promotes to float32 too).
         One dtype: that dtype."""
-        import torch
+        from .base import promoted_dtype
 
-        dtypes = [self.ckpts[s.model].dtype[s.key] for s in self.reads(step)]
-        out = dtypes[0]
-        for d in dtypes[1:]:
-            if out.is_floating_point and d.is_floating_point:
-                out = torch.promote_types(out, d)
-        return out
+        return promoted_dtype([self.ckpts[s.model].dtype[s.key] for s in self.reads(step)])
 
     def out_dtype(self, step: TensorStep):
         dt = self.promoted(step)
