@@ -660,6 +660,10 @@ class Planner:
         if policy == "refused" and base is not None:
             raise doc.error(f"method {mk_name!r} does not use a base model", "base_model")
         uses_base = method.uses_base and base is not None
+        if uses_base and len(models) == 1 and method.base_alone_is_base:
+            self.warn(f"{doc.at(*sl.where)}: only the base model is listed: {mk_name!r} adds no task vector, and "
+                      "the base's tensors are written unchanged (as mergekit writes them)")
+            return
         try:
             method.check_inputs(len(models) - (1 if uses_base else 0), uses_base)
         except SymmergeError as e:
@@ -897,6 +901,9 @@ class Planner:
                 job.vocab_steps.add(out_name)
             merged = [(s, n) for s, n in pairs if s.model != base]
             base_src = next((TensorSource(s.model, n) for s, n in pairs if s.model == base), None)
+            if not merged:  # only the base (Method.base_alone_is_base): no task vector to add
+                steps.append(TensorStep(out_name, (base_src,), merge=False))
+                return
             adapt = inputs[base].adapt if base is not None else None
             if base_src is not None and adapt is not None and base_src.key in adapt[1].added:
                 # a tensor the base-class model lacks (the task head): kept from the first fine-tune, never merged

@@ -315,6 +315,13 @@ class Method:
                 else "ignored" if self.ignores_base else "refused")
 
     @property
+    def base_alone_is_base(self) -> bool:
+        """Given only its base (no model besides it), the result is the base unchanged: a method that needs a base
+        and adds any number of task vectors to it (TIES, DARE, task arithmetic, ...; mergekit writes the base).
+        A method with a least number of models above 1 (model_stock) or a fixed number (slerp) refuses it."""
+        return self.needs_base and self.models == (1, None)
+
+    @property
     def uses_base(self) -> bool:
         """The method merges task vectors from a base model when one is given (required or optional)."""
         return self.needs_base or self.accepts_base
