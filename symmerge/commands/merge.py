@@ -51,11 +51,12 @@ def print_plan(models, options) -> int:
     (:func:`~symmerge.merge.stream.header_steps`), printed as JSON; nothing read beyond headers, nothing written."""
     import json
 
-    from ..merge.plan import plan_merge
+    from ..merge.plan import base_among_models, plan_merge
     from ..merge.steps import describe_step
     from ..merge.stream import header_steps
 
-    plan = plan_merge(list(models), options, mode=options.mode)
+    models, options = base_among_models(list(models), options)
+    plan = plan_merge(models, options, mode=options.mode)
     options = plan.options  # validated
     steps = header_steps(list(models), options, plan)
     alignment = {"requested": plan.requested, "symmetries": plan.symmetries,
@@ -88,12 +89,13 @@ def run(args) -> int:
     from ..io.lora import merge_cache
     from ..io.provenance import named_as
     from ..merge.api import merge_to_folder
-    from ..merge.plan import differences_warning
+    from ..merge.plan import base_among_models, differences_warning
 
     out = Path(args.output)
     ensure_output_dir(out, inputs=args.models)  # fail before any expensive work
     get_method(args.method)
-    options_from(args).check(len(args.models))  # the options' refusals before any BASE+ADAPTER input is merged
+    kept, options = base_among_models(args.models, options_from(args))
+    options.check(len(kept))  # the options' refusals before any BASE+ADAPTER input is merged
     with merge_cache(args.lora_merge_cache, args.lora_merge_dtype, inputs=[*args.models, args.base], out=out):
         resolve_lora_inputs(args)
         if args.print_plan:
@@ -101,13 +103,15 @@ def run(args) -> int:
         report = merge_to_folder(args.models, out, options_from(args))
     why = report["plan"]["why"]
     alignment = report["alignment"]
-    print(f"merged {len(args.models)} model{'s' if len(args.models) != 1 else ''} with {report['method']} "
+    merged = len(report["models"])  # the base listed among them is not merged (merge.plan.base_among_models)
+    print(f"merged {merged} model{'s' if merged != 1 else ''} with {report['method']} "
           f"(alignment: {','.join(alignment['symmetries']) or 'none'}"
           f"{' = recommended' if alignment['requested'] == RECOMMENDED_NAME else ''})")
     if alignment.get("note"):
         print(f"note: {alignment['note']}", file=sys.stderr)
     print_note(report.get("tokenizer"))
-    differ = differences_warning(report.get("config_differences") or [], report["models"][args.head_from])
+    config_from = report["models"][report["head"].get("from_index") or 0]  # the model config.json comes from
+    differ = differences_warning(report.get("config_differences") or [], config_from)
     if differ:
         print(f"warning: {differ}", file=sys.stderr)
     for w in report.get("result_warnings") or []:

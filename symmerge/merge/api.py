@@ -17,7 +17,7 @@ from ..progress import stage
 from .fuse import MergeOptions, check_model_count, merge_models
 from .registry import get_method
 from .modules import merge_pipeline_modules
-from .plan import plan_merge
+from .plan import base_among_models, plan_merge
 
 
 @writes_output
@@ -33,6 +33,7 @@ def merge_to_folder(models, out, options: MergeOptions | None = None, **keywords
     models = models_argument(models)
     ensure_output_dir(out, inputs=models)  # fail before any expensive work
     models, options = _single_files(models, options)
+    models, options = base_among_models(models, options)
     check_model_count(get_method(options.method), len(models), options.base is not None)
     plan = plan_merge(models, options, mode=options.mode)
     check_room(out, models)  # a full disk found now, not after the merge

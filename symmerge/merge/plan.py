@@ -334,6 +334,32 @@ def anchor_among_models(models, anchor):
     return anchor
 
 
+def base_among_models(models, options):
+    """(models, options) without the base model where ``options.base`` is a folder of ``models`` and the method
+    merges task vectors from it (its base policy required or optional): the base is the base, not one more model
+    with a zero task vector — a mergekit config's reading of ``base_model`` listed among ``models`` (slerp's two
+    models are the base and one other). Its weight goes with it; an ``anchor``/``head_from`` index after it moves
+    down one; an anchor that names it becomes None (the base is then the frame, as ``--base`` without
+    ``--anchor``), a ``head_from`` that names it 0 (the first merged model). Else as given."""
+    base = options.base
+    if base is None or not isinstance(base, (str, os.PathLike)) or not get_method(options.method).uses_base:
+        return models, options
+    at = next((i for i, x in enumerate(models) if isinstance(x, (str, os.PathLike)) and _same_folder(x, base)), None)
+    if at is None or len(models) == 1:
+        return models, options
+    changes = {}
+    if isinstance(options.anchor, int) and not isinstance(options.anchor, bool) and options.anchor >= at:
+        changes["anchor"] = None if options.anchor == at else options.anchor - 1  # the base: the frame it gives
+    if isinstance(options.head_from, int) and options.head_from > at:
+        changes["head_from"] = options.head_from - 1
+    elif options.head_from == at:
+        changes["head_from"] = 0  # the first merged model (the base's own head is not a merged model's)
+    weights = options.weights
+    if weights is not None and len(weights) == len(models):
+        changes["weights"] = [w for i, w in enumerate(weights) if i != at]
+    return [x for i, x in enumerate(models) if i != at], replace(options, **changes)
+
+
 def plan_merge(models, options, mode: str = "auto") -> MergePlan:
     """The :class:`MergePlan` of merging ``models`` (folders or model objects) with ``options`` (a
     :class:`~symmerge.merge.fuse.MergeOptions`, checked here) in ``mode``: read from the first input's
