@@ -23,6 +23,7 @@ you mean" where one is close) and ignored, as mergekit ignores it. The build is 
 from __future__ import annotations
 
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ class Expert:
     positive: tuple = ()
     negative: tuple = ()
     residual_scale: float | None = None
+    noise_scale: float | None = None  # N(0, noise_scale²) added to each of its MLP weights (mergekit-moe's key)
 
 
 @dataclass
@@ -117,8 +119,24 @@ def _folder(doc: Doc, value, where) -> str:
     return str(folder)
 
 
+def _finite(doc: Doc, value, where) -> float | None:
+    """``value`` as a finite number (None: not given), else one error at ``where`` (NaN was taken, and failed late
+    as an overflow blamed on a model tensor)."""
+    if value is None:
+        return None
+    try:
+        number = float(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not math.isfinite(number):
+        raise doc.error(f"expected a finite number, got {value!r}", *where)
+    return number
+
+
 def _experts(doc: Doc, key: str, gate_mode: str) -> list:
     items = doc.data.get(key)
+    if items is None and key == EXPERTS:  # 'experts:' with no value: as an empty list
+        raise doc.error("expected a non-empty list of experts (each with source_model)", key)
     if items is None:
         return []
     if not isinstance(items, list) or not items:
@@ -134,15 +152,14 @@ def _experts(doc: Doc, key: str, gate_mode: str) -> list:
         negative = _prompts(doc, item, "negative_prompts", (key, i))
         if gate_mode in ("hidden", "cheap_embed") and not positive:
             raise doc.error(f"gate_mode {gate_mode} needs positive_prompts for every expert", key, i)
-        scale = item.get("residual_scale")
-        if scale is not None:
-            if key != "shared_experts":
-                raise doc.error("residual_scale applies to shared_experts only", key, i, "residual_scale")
-            try:
-                scale = float(scale)
-            except (TypeError, ValueError):
-                raise doc.error(f"expected a number, got {scale!r}", key, i, "residual_scale") from None
-        out.append(Expert(_folder(doc, item["source_model"], (key, i, "source_model")), positive, negative, scale))
+        if item.get("residual_scale") is not None and key != "shared_experts":
+            raise doc.error("residual_scale applies to shared_experts only", key, i, "residual_scale")
+        scale, noise = (_finite(doc, item.get(name), (key, i, name)) for name in ("residual_scale", "noise_scale"))
+        if noise is not None and noise < 0:
+            raise doc.error(f"expected a number >= 0 (the noise's standard deviation), got {noise!r}", key, i,
+                            "noise_scale")
+        out.append(Expert(_folder(doc, item["source_model"], (key, i, "source_model")), positive, negative, scale,
+                          noise or None))
     return out
 
 

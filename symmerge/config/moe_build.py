@@ -47,6 +47,7 @@ from ..io.checkpoint import PlannedWriter, parse_size
 from ..io.model import atomic_dir, check_finite, copy_side_files, ensure_output_dir, weight_files, write_json
 from ..io.output import temp_prefix
 from ..io.tokenizers import drop_tokenizer
+from ..merge.parts import dare_seed
 from ..progress import stage
 from .moe import MoeConfig, read_moe_config
 
@@ -213,10 +214,21 @@ class ZeroRow(SymmergeError):
 
 
 def _unit(v: torch.Tensor, index: int) -> torch.Tensor:
+    """``v`` / ‖v‖ along its last dimension. A finite row whose norm overflows (or underflows) in float32 — a base
+    with huge values — is normalised in float64 (it was called a zero row); a row of NaN/Inf is one error that says
+    the base's values overflow."""
+    if not torch.isfinite(v).all():
+        raise SymmergeError(f"expert {index}: the router row its prompts give is not finite (NaN/Inf): the base "
+                            "model's embeddings or hidden states overflow float32 on them; look for huge values in "
+                            "the base")
     n = v.norm(dim=-1, keepdim=True)
-    if not (torch.isfinite(n).all() and (n > 0).all()):
+    if torch.isfinite(n).all() and (n > 0).all():
+        return v / n
+    wide = v.double()
+    n = wide.norm(dim=-1, keepdim=True)
+    if not (n > 0).all():
         raise ZeroRow(index)
-    return v / n
+    return (wide / n).to(v.dtype)
 
 
 def cheap_embed_rows(embed: torch.Tensor, tok, experts) -> torch.Tensor:
@@ -384,28 +396,36 @@ def _plan(arch: str, base: _Source, experts: list, shared: list, rows: torch.Ten
         gate = rows[layer, :e_count]
         moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
         add(f"model.layers.{layer}.{moe}.gate.weight", gate.shape, lambda g=gate: g)
-        for e, (src, fix) in enumerate(experts):
+        for e, (src, fix, noise) in enumerate(experts):
             for part in MLP:
                 name = (f"model.layers.{layer}.block_sparse_moe.experts.{e}.{MIXTRAL_NAMES[part]}.weight"
                         if arch == "mixtral" else f"model.layers.{layer}.mlp.experts.{e}.{part}.weight")
-                add(name, src.shape[src.mlp(layer, part)], _expert_reader(src, layer, part, fix),
+                add(name, src.shape[src.mlp(layer, part)], _expert_reader(src, layer, part, fix, noise=noise),
                     origin(src, src.mlp(layer, part), _changed(fix, part)))
-        for src, fix, scale in shared:
+        for src, fix, scale, noise in shared:
             for part in MLP:
                 scaled = scale if part == "down_proj" else None
                 add(f"model.layers.{layer}.mlp.shared_expert.{part}.weight", src.shape[src.mlp(layer, part)],
-                    _expert_reader(src, layer, part, fix, scaled),
+                    _expert_reader(src, layer, part, fix, scaled, noise),
                     origin(src, src.mlp(layer, part), _changed(fix, part, scaled)))
             add(f"model.layers.{layer}.mlp.shared_expert_gate.weight", (1, rows.shape[-1]),
                 lambda g=rows[layer, e_count:e_count + 1]: g)
     return plan
 
 
-def _expert_reader(src: _Source, layer: int, part: str, fix, scale=None):
+def _expert_reader(src: _Source, layer: int, part: str, fix, scale=None, noise=None):
+    """``read()`` of one expert tensor: its input columns rescaled (``fix``), plus the expert's ``noise``
+    ((standard deviation, seed) or None: N(0, σ²) entries, as mergekit-moe adds them before ``residual_scale``,
+    from a generator seeded by the seed and the tensor's name, so a run is repeatable), times ``scale``."""
     def read():
-        t = src.read(src.mlp(layer, part))
+        key = src.mlp(layer, part)
+        t = src.read(key)
         if fix is not None and part != "down_proj":  # columns: the inputs, read behind the base's norm
             t = t.float() * fix(layer).unsqueeze(0)
+        if noise is not None:
+            sigma, seed = noise
+            g = torch.Generator().manual_seed(dare_seed(seed, layer, key))
+            t = t.float() + torch.randn(t.shape, generator=g) * sigma
         if scale is not None:
             t = t.float() * scale
         return t
@@ -485,8 +505,11 @@ def build_moe(config, out, options: MoeOptions | None = None) -> dict:
             fixes = [_norm_fix(a, base) if a.folder != s.folder else None
                      for a, s in zip(aligned, experts + shared)]
             experts, shared = aligned[:len(experts)], aligned[len(experts):]
-        exp = list(zip(experts, fixes[:len(experts)]))
-        sh = [(s, f, e.residual_scale) for s, f, e in zip(shared, fixes[len(experts):], cfg.shared)]
+        noises = [None if e.noise_scale is None else (e.noise_scale, dare_seed(options.seed, i, "noise_scale"))
+                  for i, e in enumerate([*cfg.experts, *cfg.shared])]
+        exp = list(zip(experts, fixes[:len(experts)], noises[:len(experts)]))
+        sh = [(s, f, e.residual_scale, n) for s, f, e, n in zip(shared, fixes[len(experts):], cfg.shared,
+                                                                  noises[len(experts):])]
         plan = _plan(arch, base, exp, sh, rows, dtype, layers)
         out_config = _output_config(arch, base.config, cfg, experts, shared, dtype_name)
         with atomic_dir(out) as tmp, stage(f"wrote {out}", enabled=options.progress):
