@@ -7,6 +7,8 @@ read it, and ``options`` reads them (their defaults), so it cannot live inside e
 
 from __future__ import annotations
 
+from numbers import Integral
+
 from .errors import SymmergeError
 
 MINIMA = {  # config key (= the option's name) -> the smallest value accepted
@@ -22,17 +24,38 @@ MINIMA = {  # config key (= the option's name) -> the smallest value accepted
     "learn_augment": 0,
 }
 FRACTIONAL = ("solver_budget",)  # of MINIMA, the options that take a fraction (seconds); the others count
+MAXIMA = {  # config key -> the largest value accepted, where a larger one ran out of memory or overflowed (a
+    # count >= 2**63 was an OverflowError in the progress bar; 10**20 augmented views filled 7 GB in 40 s)
+    "learn_steps": 10 ** 9,
+    "learn_augment": 64,
+}
+SEED_MAX = 2 ** 64 - 1  # a seed, as torch's generators take it (and numpy's: not negative)
+SEEDS = ("solver_seed", "learn_seed", "random_seed", "seed")  # the options that are seeds: 0 … SEED_MAX
 
 
-def in_range(flag: str, minimum, value):
-    """``value``, or one :class:`SymmergeError` naming ``flag`` when it is below ``minimum`` (None: no bound, or
-    the value unset); a value that is no number (a str, a bool, NaN) is refused with the same flag."""
-    if minimum is None or value is None:
+def in_range(flag: str, minimum, value, maximum=None):
+    """``value``, or one :class:`SymmergeError` naming ``flag`` when it is below ``minimum`` or above ``maximum``
+    (None: no bound, or the value unset); a value that is no number (a str, a bool, NaN) is refused with the same
+    flag."""
+    if (minimum is None and maximum is None) or value is None:
         return value
+    low = f">= {minimum:g}" if minimum is not None else None
+    high = f"<= {maximum:g}" if maximum is not None else None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise SymmergeError(f"{flag} must be a number >= {minimum:g}, got {value!r}")
-    if value < minimum:
-        raise SymmergeError(f"{flag} must be >= {minimum:g}, got {value}")
+        raise SymmergeError(f"{flag} must be a number {' and '.join(b for b in (low, high) if b)}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise SymmergeError(f"{flag} must be {low}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SymmergeError(f"{flag} must be {high}, got {value}")
+    return value
+
+
+def seed(flag: str, value):
+    """``value``, a seed (``--learn-seed``, ``--solver-seed``, ``--random-seed``): a whole number 0 … 2**64 − 1,
+    else one :class:`SymmergeError` naming ``flag`` (2**64 was a ValueError traceback out of torch's generator,
+    a negative one out of numpy's)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value <= SEED_MAX:
+        raise SymmergeError(f"{flag} must be a whole number from 0 to 2**64 - 1, got {value!r}")
     return value
 
 
@@ -61,4 +84,4 @@ def check(name: str, value):
     flag = "--" + name.replace("_", "-")
     if name not in FRACTIONAL and value is not None and isinstance(value, float):
         raise SymmergeError(f"{flag} must be a whole number >= {MINIMA[name]:g}, got {value!r}")
-    return in_range(flag, MINIMA[name], value)
+    return in_range(flag, MINIMA[name], value, MAXIMA.get(name))

@@ -31,8 +31,10 @@ def learn_settings(args) -> LearnSettings:
 def align_options(args, symmetries, **extra) -> AlignOptions:
     """The :class:`AlignOptions` of the parsed options, for ``symmetries``."""
     needs_data = matcher(args.match).needs_data
-    if args.align_data is None and (needs_data or getattr(args, "repair", False)):
-        need = f"--match {args.match}" if needs_data else "--repair"
+    wanting = [flag for flag, name in (("--repair", "repair"), ("--temperature", "temperature")) if getattr(args, name,
+                                                                                                        False)]
+    if args.align_data is None and (needs_data or wanting):
+        need = f"--match {args.match}" if needs_data else wanting[0]
         raise SymmergeError(f"{need} needs unlabeled data: pass --align-data FILE (labels, if present, are ignored), "
                             "or --align-data generate for causal LMs (sequences sampled from the models)")
     given = [LEARN_FLAGS[k] for k, v in _learn_values(args).items() if v is not None]

@@ -18,7 +18,7 @@ from ..pipeline.options import (DEFAULT_REFINE, JOINT_REFINE, LEARN_FRAMES, LEAR
 from ..pipeline.options import LEARN_STARTS  # --learn-start
 from ..pipeline.options import AUGMENT_STYLES  # --learn-augment-style
 from ..progress import MODES as PROGRESS_MODES
-from ..option_ranges import MINIMA
+from ..option_ranges import MAXIMA, MINIMA
 from .parse import (channel_list, concentration, device_name, distill_lr, distill_steps, layer_list, lora_dtype,
                     mergekit_size_text, method_name, param_item, positive, size_text, symmetry_list, weight_list)
 from .schema import Option, Table
@@ -337,6 +337,7 @@ OPTIONS = (
     opt("align_samples", "--align-samples", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=MINIMA["align_samples"],
         default=default(A, "align_samples"), help="use at most this many examples of --align-data (default 1000)"),
     opt("learn_steps", "--learn-steps", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=MINIMA["learn_steps"],
+        maximum=MAXIMA["learn_steps"],
         learn="steps",
         help=f"--match learned: optimiser steps (default {L.steps} of {L.batch} examples; the start is kept if the "
              "end is not better)"),
@@ -425,6 +426,7 @@ OPTIONS = (
         learn="alpha_high", help=f"--match learned: the upper end HI of α's range (default {L.alpha_high:g})"),
     # appended (issue 42 item 3, N = 4): the augmented views of the unlabeled images
     opt("learn_augment", "--learn-augment", on=ALIGNING, part=ALIGNMENT, parse=int, minimum=MINIMA["learn_augment"],
+        maximum=MAXIMA["learn_augment"],
         metavar="VIEWS", learn="augment",
         help=f"--match learned, images: randomly transformed views of every unlabeled image added to it (default "
              f"{L.augment}; 0: the images alone), the models' predictions on each view its target"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..option_ranges import in_range
+from ..option_ranges import SEEDS, in_range, seed as check_seed
 
 # how an option takes its value: one value; a switch (present: True); a switch whose absence is None (present:
 # True); a repeatable value (a list); a switch with a --no- twin; a counted flag (-v -v); a positional argument
@@ -29,7 +29,8 @@ class Option:
     """One option of one or more commands. ``name``: the config key and the attribute of the parsed
     arguments (``align_data`` for ``--align-data``); ``flags``: its spellings on the command line (none for a
     positional argument); ``form``: one of :data:`FORMS`; ``parse``: text → value (None: the text itself);
-    ``choices``; ``minimum``: the smallest value accepted (None: no bound); ``default``; ``required``;
+    ``choices``; ``minimum``/``maximum``: the smallest/largest value accepted (None: no bound; an option named in
+    :data:`~symmerge.option_ranges.SEEDS` is a seed, 0 … 2**64 − 1); ``default``; ``required``;
     ``help``; ``metavar``; ``nargs`` (positionals: ``+`` or ``?``); ``commands``: the commands that have it;
     ``joins``: a YAML list given for it is joined with commas (a comma list on the command line);
     ``part``: the shared part it belongs to
@@ -43,6 +44,7 @@ class Option:
     parse: object = None
     choices: tuple | None = None
     minimum: float | None = None
+    maximum: float | None = None
     default: object = None
     required: bool = False
     help: str | None = None
@@ -90,7 +92,9 @@ class Option:
     def in_range(self, value):
         """``value``, or one :class:`SymmergeError` naming the flag when it is below the option's minimum (the
         same text from a flag, a config key and the command line a config stands for)."""
-        return in_range(self.flag, self.minimum, value)
+        if self.name in SEEDS and value is not None:
+            return check_seed(self.flag, value)
+        return in_range(self.flag, self.minimum, value, self.maximum)
 
 
 @dataclass(frozen=True)

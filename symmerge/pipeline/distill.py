@@ -26,6 +26,7 @@ import torch
 
 from ..errors import SymmergeError
 from ..io.data import Batch, Data
+from ..option_ranges import MAXIMA
 from ..progress import bar
 from .learn import cosine_adam, scored_logits, shuffled
 
@@ -56,6 +57,8 @@ def check_steps(steps, minimum: int = 0) -> int:
     integer >= ``minimum`` (0: no distillation)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < minimum:
         raise SymmergeError(f"--distill takes a number of steps >= {minimum}, got {steps!r}")
+    if steps > MAXIMA["learn_steps"]:
+        raise SymmergeError(f"--distill takes a number of steps <= {MAXIMA['learn_steps']:g}, got {steps!r}")
     return steps
 
 

@@ -309,7 +309,8 @@ def align_joint_learned(models, options, anchor: int = 0, names=None, max_rounds
     anchor %= n
     names = list(names) if names is not None else [f"model {i}" for i in range(n)]
     t0 = time.perf_counter()
-    with stage(f"loaded the alignment data ({options.align_data})", enabled=progress):
+    source = getattr(options.align_data, "path", options.align_data)  # a file, or data loaded already: its file
+    with stage(f"loaded the alignment data ({source})", enabled=progress):
         data = load_align_data(options, models[anchor], sources=models)
     closed = options.with_(match=settings.start, align_data=data if matcher(settings.start).needs_data else None,
                            verify=False)

@@ -9,7 +9,7 @@ from numbers import Integral
 from ..errors import SymmergeError, UsageError, keywords_checked, options_argument
 from ..families import SCALES, SYMMETRIES
 from ..groups import RESCALE_MODES, Options
-from ..option_ranges import check as check_range, in_range
+from ..option_ranges import check as check_range, in_range, seed as check_seed
 from .matchers import DEFAULT_MATCHER, MATCHERS, matcher, streaming_refusal
 
 PAPER = ("attn", "ffn", "rescale")  # the paper's matching: per-head rotations and scales, FFN permutations
@@ -146,8 +146,9 @@ def parse_symmetries(value) -> tuple[str, ...]:
     names = _names(value)
     if names == (RECOMMENDED_NAME,):
         return RECOMMENDED
-    if RECOMMENDED_NAME in names:
-        raise SymmergeError(f"{RECOMMENDED_NAME!r} stands alone; it cannot be combined with other symmetries")
+    for alone in (RECOMMENDED_NAME, "none"):  # 'none,ffn' said "unknown symmetry 'none'; choose from ... or none"
+        if alone in names:
+            raise SymmergeError(f"{alone!r} stands alone; it cannot be combined with other symmetries")
     unknown = [n for n in names if n not in SYMMETRIES]
     if unknown:
         raise SymmergeError(f"unknown symmetry {unknown[0]!r}; choose from {', '.join(SYMMETRIES)}, "
@@ -282,6 +283,7 @@ class LearnSettings:
         """The seed, the budget and the early-stopping and Dirichlet counts: whole numbers (seconds: a number) in
         range, else one error naming the field."""
         in_range("--learn-budget", 0, self.budget)
+        check_seed("--learn-seed", self.seed)
         for name, minimum in (("seed", None), ("check_every", 1), ("patience", 0), ("dirichlet_steps", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Integral) or (minimum is not None and value < minimum):
@@ -377,8 +379,7 @@ class AlignOptions:
             raise SymmergeError(f"the solver budget must be a number of seconds >= 0 (or None: no limit), "
                                 f"got {self.solver_budget!r}")
         check_range("solver_budget", self.solver_budget)
-        if isinstance(self.solver_seed, bool) or not isinstance(self.solver_seed, int):
-            raise SymmergeError(f"the solver seed must be a whole number, got {self.solver_seed!r}")
+        check_seed("--solver-seed", self.solver_seed)
         if not (_is_number(self.ends_weight) and self.ends_weight > 0):
             raise SymmergeError(f"the ends weight must be a finite number > 0, got {self.ends_weight!r}")
         if not (_is_number(self.depth_decay) and self.depth_decay > 0):

@@ -176,7 +176,7 @@ def test_align_takes_progress_as_merge_does_and_checks_its_inputs(pair, capsys):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: symmerge.LearnSettings(seed=1.5), r"seed must be a whole number, got 1.5"),
+    (lambda: symmerge.LearnSettings(seed=1.5), r"--learn-seed must be a whole number from 0 to 2\*\*64 - 1, got 1.5"),
     (lambda: symmerge.LearnSettings(budget=-1), r"--learn-budget must be >= 0"),
     (lambda: symmerge.LearnSettings(budget=float("nan")), r"--learn-budget must be a number >= 0, got nan"),
     (lambda: symmerge.LearnSettings(check_every=0), r"check_every must be a whole number >= 1"),
