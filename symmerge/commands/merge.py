@@ -138,6 +138,9 @@ def run(args) -> int:
         kl = distilled["kl_before"]["held_out"], distilled["kl_after"]["held_out"]
         print(f"{distilled['label']}: {distilled['steps']} steps toward the ensemble of the inputs"
               + (f", held-out KL {kl[0]:.4f} -> {kl[1]:.4f}" if kl[0] is not None else ""))
+        if distilled.get("warning"):
+            print(f"warning: {distilled['warning']}", file=sys.stderr)
+            distilled = None  # the written model is the merge itself: its results are not labelled distilled
     for r in evaluation.get("merged", []):
         label = f"[{distilled['label']}] " if distilled else ""
         print(f"  {label}{r['data']}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.4f} (head: {r['head_from']}"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
+from ..errors import SymmergeError
 from ..io.data import Data, check_data, load_data, rebatch, take
 from ..io.generate import generate_data, is_generate, parse_generate
 
@@ -30,11 +32,39 @@ def load_align_data(options, model, sources=None, progress: bool = True, timings
             timings["generate"] = timings.get("generate", 0.0) + time.perf_counter() - t
         check_data(data, model, use_labels=False)
     else:
-        return load_data(options.align_data, model, max_examples=options.align_samples, max_length=max_length,
+        data = load_data(options.align_data, model, max_examples=options.align_samples, max_length=max_length,
                          batch_size=batch_size, labels=False, limit="--align-samples")
+        return with_scored_items(data, "learned alignment") if options.matcher.learns else data
     # the learned steps' minibatches are the data's batches: in-memory or generated data is batched (and its
     # sequences cut) as a file is read, so that --learn-batch / --learn-max-length mean one thing
-    return rebatch(data, batch_size, max_length) if options.matcher.learns else data
+    if options.matcher.learns:
+        return with_scored_items(rebatch(data, batch_size, max_length), "learned alignment")
+    return data
+
+
+def with_scored_items(data: Data, reader: str) -> Data:
+    """``data`` without the batches of next-token data (``lm``) that score nothing: every text in them one token long
+    after tokenization, so no position predicts a next token, and a learned step or a KL over them is 0/0 — NaN,
+    which learned alignment and distillation took silently (exit 0, ``loss=nan``). None left: one error naming the
+    file and ``reader`` (what scores next-token predictions)."""
+    kept = scoring(data.batches, data.format)
+    if not kept:
+        raise nothing_scored(data.path, reader)
+    if len(kept) == len(data.batches):
+        return data
+    return replace(data, batches=kept, n=sum(b.size for b in kept))
+
+
+def scoring(batches, data_format: str) -> list:
+    """The ``batches`` that score at least one item (of next-token data, ``lm``: a position followed by a token)."""
+    if data_format != "lm":
+        return list(batches)
+    return [b for b in batches if b.mask is None or int(b.mask[:, 1:].sum()) > 0]
+
+
+def nothing_scored(path, reader: str) -> SymmergeError:
+    return SymmergeError(f"{path}: no text has a next token to predict (each is one token long after tokenization): "
+                         f"{reader} scores next-token predictions; give texts of two tokens or more")
 
 
 def read_once(options, models, timings: dict | None = None, progress: bool = True):

@@ -28,6 +28,7 @@ from ..errors import SymmergeError
 from ..io.data import Batch, Data
 from ..option_ranges import MAXIMA
 from ..progress import bar
+from .data import nothing_scored, scoring
 from .learn import cosine_adam, scored_logits, shuffled
 
 LABEL = "distilled (not function-preserving)"
@@ -160,7 +161,9 @@ def distill(merged, teachers, data: Data, weights=None, settings: DistillSetting
     """``(model, report)``: a copy of ``merged`` trained for ``settings.steps`` steps to lower
     ``KL(Σ_k w_k p_k ‖ p_model)`` on the unlabeled ``data`` (``teachers``: the aligned endpoints, unchanged;
     ``weights``: the merge weights, uniform when None). The report carries :data:`LABEL`, the KL before and
-    after on the training and held-out batches, and the seconds."""
+    after on the training and held-out batches, and the seconds. Where the held-out KL (the training one when
+    nothing is held out) is higher after than before, ``merged`` itself is returned and the report says so
+    (``kept`` false, ``warning``): a distillation that moves away from the ensemble is not kept in silence."""
     if data is None or not data.batches:
         raise SymmergeError("distillation needs unlabeled data: pass --align-data FILE")
     if not teachers:
@@ -171,6 +174,10 @@ def distill(merged, teachers, data: Data, weights=None, settings: DistillSetting
     student = copy.deepcopy(merged).to(dev).eval()  # eval: no dropout; the gradient still flows
     teachers = [t.to(dev).eval() for t in teachers]
     train, held = split(data, settings.holdout, settings.batch)
+    # minibatches whose texts are all one token score nothing: their KL was 0/0 (NaN, "diverged")
+    train, held = scoring(train, data.format), scoring(held, data.format)
+    if not train:
+        raise nothing_scored(data.path, "distillation")
     train, held = [b.to(dev) for b in train], [b.to(dev) for b in held]
     t_train, t_held = Targets(teachers, train, w), Targets(teachers, held, w)
     before = {"train": mean_kl(student, train, t_train), "held_out": mean_kl(student, held, t_held)}
@@ -205,4 +212,11 @@ def distill(merged, teachers, data: Data, weights=None, settings: DistillSetting
               "loss_first": losses[0], "loss_last": losses[-1], "seconds": time.perf_counter() - t0}
     if not held:
         report["note"] = "nothing held out (holdout 0, or one example): the KL is measured on the training part only"
+    side = "held_out" if held else "train"
+    report["kept"] = after[side] <= before[side]
+    if not report["kept"]:  # the distilled model drifted from the ensemble: the merge is written as it was
+        report["warning"] = (f"distillation raised the {side.replace('_', '-')} KL to the ensemble "
+                             f"({before[side]:.4f} -> {after[side]:.4f}): the merged model is kept undistilled "
+                             "(try a lower --distill-lr or fewer --distill steps)")
+        return merged, report
     return student.to("cpu"), report
